@@ -1,0 +1,157 @@
+"""The ``instride`` command.
+
+Each command parses its arguments, calls one library function and prints. Heavy imports
+(numpy-based benchmarks, OpenMM, MDAnalysis) happen inside the command that needs them, so
+``instride --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from . import __version__
+from .errors import InstrideError
+
+Handler = Callable[[argparse.Namespace], int]
+#: Extra command groups: module path of a function ``add_parser(subparsers)``.
+_PLUGINS = [
+    "instride.cli_cluster",
+    "instride.cli_run",
+    "instride.cli_md",
+    "instride.bench.cli",
+    "instride.analytics.cli",
+]
+
+
+def _client():  # type: ignore[no-untyped-def]
+    from .client import get_client
+
+    return get_client()
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    client = _client()
+    s = client.settings
+    info = {
+        "version": __version__,
+        "mode": s.mode,
+        "dir": str(s.dir),
+        "node": s.node,
+        "addr": s.addr,
+        "redis_url": s.redis_url,
+        "socket": str(s.socket),
+        "timeout": s.timeout,
+        "fsync": s.fsync,
+        "cache_bytes": s.cache_bytes,
+        "token": "set" if s.token else "unset",
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        for k, v in info.items():
+            print(f"{k:12} {v}")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    client = _client()
+    for key in client.list(args.prefix):
+        if args.long:
+            rec = client.metadata.lookup(key)
+            if rec is not None:
+                print(f"{rec.size:>12}  v{rec.version:<3} {rec.node or rec.owner:<16} {key}")
+                continue
+        print(key)
+    return 0
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    path = _client().consume(args.key, timeout=args.timeout)
+    print(path)
+    return 0
+
+
+def cmd_cat(args: argparse.Namespace) -> int:
+    data = _client().consume_bytes(args.key, timeout=args.timeout)
+    out = sys.stdout.buffer
+    out.write(data)
+    out.flush()
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    removed = _client().gc(min_age=args.min_age)
+    for path in removed:
+        print(f"removed {path}")
+    print(f"{len(removed)} temporary file(s) removed", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``instride`` command."""
+    parser = argparse.ArgumentParser(
+        prog="instride",
+        description="Producer/consumer data movement for in situ MD workflows.",
+        epilog="Settings come from INSTRIDE_* environment variables; see `instride info`.",
+    )
+    parser.add_argument("--version", action="version", version=f"instride {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("info", help="show mode, managed directory, version and settings")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("ls", help="list published keys")
+    p.add_argument("prefix", nargs="?", default="", help="only keys starting with PREFIX")
+    p.add_argument("-l", "--long", action="store_true", help="show size, version and owner")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("wait", help="wait until KEY is published and local; print its path")
+    p.add_argument("key")
+    p.add_argument("--timeout", type=float, default=None, help="seconds (default: forever)")
+    p.set_defaults(func=cmd_wait)
+
+    p = sub.add_parser("cat", help="wait for KEY and write its content to stdout")
+    p.add_argument("key")
+    p.add_argument("--timeout", type=float, default=None, help="seconds (default: forever)")
+    p.set_defaults(func=cmd_cat)
+
+    p = sub.add_parser("gc", help="remove temporary files left by dead producers")
+    p.add_argument(
+        "--min-age", type=float, default=0.0,
+        help="also remove temporary files older than this many seconds (PID reuse)",
+    )
+    p.set_defaults(func=cmd_gc)
+
+    import importlib
+
+    for name in _PLUGINS:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``instride`` command; return its exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Handler = args.func
+    try:
+        return handler(args)
+    except InstrideError as exc:
+        print(f"instride: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

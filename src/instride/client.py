@@ -1,0 +1,356 @@
+"""open / publish / consume, built from keys, local publication, metadata and transport.
+
+The synchronization is adaptive: a key already on this node costs one ``stat`` (plus, for
+a copy fetched from another node, a version check); only a missing key waits on metadata,
+and only a key owned by another node is transferred.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import mmap
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import xxhash
+
+from . import local
+from .config import Settings
+from .errors import ConsumeTimeout, KeyExistsError, KeyValidationError
+from .keys import key_path, normalize_key, tmp_path
+from .metadata import MetadataBackend, Record, get_backend
+
+_ENV_KEYS = (
+    "INSTRIDE_DIR",
+    "INSTRIDE_REDIS_URL",
+    "INSTRIDE_TOKEN",
+    "INSTRIDE_TIMEOUT",
+    "INSTRIDE_FSYNC",
+    "INSTRIDE_CACHE_BYTES",
+    "INSTRIDE_NODE",
+    "INSTRIDE_ADDR",
+    "INSTRIDE_SOCKET",
+    "INSTRIDE_CONNECT_TIMEOUT",
+)
+
+
+def file_checksum(path: Path) -> str:
+    """Return ``"xxh3:<hex>"`` of a file's content (memory-mapped, no copy)."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size == 0:
+            return "xxh3:" + xxhash.xxh3_64_hexdigest(b"")
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            return "xxh3:" + xxhash.xxh3_64_hexdigest(mm)
+
+
+class Client:
+    """The instride API bound to one :class:`~instride.config.Settings`.
+
+    Most programs use the module-level functions (:func:`instride.open` ...), which use a
+    client built from the environment. Build a ``Client`` to use other settings in-process.
+
+    Parameters
+    ----------
+    settings
+        Settings to use; default: read from ``INSTRIDE_*`` environment variables.
+    """
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or Settings.from_env()
+        self.root = self.settings.dir
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._metadata: MetadataBackend | None = None
+        self._cluster: Any = None
+
+    # ------------------------------------------------------------------ plumbing
+    @property
+    def mode(self) -> str:
+        """``"local"`` or ``"cluster"``."""
+        return self.settings.mode
+
+    @property
+    def metadata(self) -> MetadataBackend:
+        """The metadata backend of this client's mode."""
+        if self._metadata is None:
+            self._metadata = get_backend("redis" if self.settings.redis_url else "files", self.settings)
+        return self._metadata
+
+    @property
+    def cluster(self) -> Any:
+        """Cluster-mode machinery (fetching, cache); ``None`` in local mode."""
+        if self._cluster is None and self.settings.redis_url:
+            from .remote import RemoteStore
+
+            self._cluster = RemoteStore(self.settings, self.metadata)
+        return self._cluster
+
+    def close(self) -> None:
+        """Release connections held by this client."""
+        if self._metadata is not None:
+            self._metadata.close()
+            self._metadata = None
+        if self._cluster is not None:
+            self._cluster.close()
+            self._cluster = None
+
+    def key(self, key_or_path: str | os.PathLike[str]) -> str:
+        """Validate and normalize a key or a path under the managed directory."""
+        return normalize_key(key_or_path, self.root)
+
+    def path(self, key_or_path: str | os.PathLike[str]) -> Path:
+        """The local path of a key (whether or not it is published)."""
+        return key_path(self.key(key_or_path), self.root)
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.settings.timeout if timeout is None else timeout
+
+    def _record_for(self, key: str, path: Path, overwrite: bool) -> Record:
+        st = path.stat()
+        return Record(
+            key=key,
+            owner=self.settings.addr,
+            size=st.st_size,
+            checksum=file_checksum(path),
+            version=1,
+            time=time.time(),
+            node=self.settings.node,
+        )
+
+    def _after_publish(self, key: str, path: Path, overwrite: bool = False) -> None:
+        if self.settings.redis_url:
+            self.cluster.forget_fetched(key)  # our own original now, never evicted
+            self.metadata.publish(self._record_for(key, path, overwrite))
+
+    # ------------------------------------------------------------------ producing
+    def open(
+        self,
+        key_or_path: str | os.PathLike[str],
+        mode: str = "rb",
+        *,
+        timeout: float | None = None,
+        overwrite: bool = False,
+        buffering: int = -1,
+        encoding: str | None = None,
+        errors: str | None = None,
+        newline: str | None = None,
+    ) -> IO[Any]:
+        """Open a key like the builtin :func:`open`.
+
+        Write modes (``w``, ``wb``, ``w+``, ``x``...) write to a hidden temporary file that is
+        fsynced (if ``INSTRIDE_FSYNC``) and atomically published under the key on close; an
+        exception leaving a ``with`` block discards it. Read modes (``r``, ``rb``) wait until
+        the key is published (fetching it from its owner node in cluster mode), then open it.
+
+        Parameters
+        ----------
+        key_or_path
+            Key relative to the managed directory, or a path under it.
+        mode
+            ``"r"``, ``"rb"``, ``"w"``, ``"wb"``, ``"x"``, ``"xb"``, ``"w+"``, ``"w+b"``.
+        timeout
+            Seconds a read waits (default: ``INSTRIDE_TIMEOUT``, else forever).
+        overwrite
+            Replace an already published key (write modes); default is write-once.
+
+        Returns
+        -------
+        file object
+            A regular :mod:`io` file object.
+
+        Raises
+        ------
+        KeyValidationError
+            Bad key. Nothing is written.
+        KeyExistsError
+            Writing a published key without ``overwrite``.
+        ConsumeTimeout
+            A read waited longer than ``timeout``.
+        UnsupportedModeError
+            Append or update modes: published keys are immutable.
+
+        Examples
+        --------
+        >>> with instride.open("run1/frame_0.dat", "wb") as f:   # doctest: +SKIP
+        ...     f.write(data)
+        >>> with instride.open("run1/frame_0.dat") as f:         # doctest: +SKIP
+        ...     data = f.read()
+        """
+        writing = local.check_mode(mode)
+        key = self.key(key_or_path)
+        path = key_path(key, self.root)
+        if writing:
+            return local.open_for_write(
+                path,
+                key,
+                mode,
+                overwrite=overwrite,
+                fsync=self.settings.fsync,
+                on_publish=lambda k, p: self._after_publish(k, p, overwrite),
+                buffering=buffering,
+                encoding=encoding,
+                errors=errors,
+                newline=newline,
+            )
+        path = self._consume_key(key, timeout)
+        if "b" in mode:
+            return open(path, "rb", buffering=buffering)
+        return open(path, "r", buffering=buffering, encoding=encoding or "utf-8", errors=errors,
+                    newline=newline)
+
+    def publish(
+        self,
+        src: str | os.PathLike[str],
+        key: str | os.PathLike[str] | None = None,
+        *,
+        overwrite: bool = False,
+    ) -> str:
+        """Publish a file written by other means.
+
+        With ``key``, ``src`` (anywhere) is moved atomically under ``key``: renamed when on the
+        same file system, else copied to a hidden temporary name and renamed. Without ``key``,
+        ``src`` must be a hidden temporary file or a file already under the managed
+        directory; it is published under its own key.
+
+        Returns
+        -------
+        str
+            The key.
+        """
+        srcp = Path(os.path.abspath(src))
+        if not srcp.is_file():
+            raise FileNotFoundError(f"cannot publish {str(srcp)!r}: no such file")
+        if key is None:
+            key = self.key(srcp)
+            final = key_path(key, self.root)
+            if srcp == final:  # already in place (written non-atomically by a legacy tool)
+                self._after_publish(key, final, overwrite)
+                return key
+        else:
+            key = self.key(key)
+            final = key_path(key, self.root)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if not overwrite and final.exists():
+            raise KeyExistsError(key)
+        staged = tmp_path(final)
+        try:
+            try:
+                os.link(srcp, staged)  # same file system: no copy
+            except OSError:
+                shutil.copyfile(srcp, staged)
+            if self.settings.fsync:
+                fd = os.open(staged, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            local.publish_file(staged, final, key, overwrite=overwrite)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staged)
+            raise
+        os.unlink(srcp)  # moved, not copied: the source name goes away
+        self._after_publish(key, final, overwrite)
+        return key
+
+    # ------------------------------------------------------------------ consuming
+    def _consume_key(self, key: str, timeout: float | None) -> Path:
+        timeout = self._timeout(timeout)
+        if self.settings.redis_url:
+            return self.cluster.consume(key, timeout)
+        path = key_path(key, self.root)
+        if os.path.exists(path):
+            return path
+        return local.wait_any([path], timeout, label=key)
+
+    def consume(self, key: str | os.PathLike[str], timeout: float | None = None) -> Path:
+        """Wait until ``key`` is published and present on this node; return its local path.
+
+        Raises
+        ------
+        ConsumeTimeout
+            After ``timeout`` seconds (default ``INSTRIDE_TIMEOUT``, else forever).
+        PeerUnavailable, IntegrityError
+            Cluster mode: the owner cannot be reached / the bytes do not verify.
+        """
+        return self._consume_key(self.key(key), timeout)
+
+    def consume_bytes(self, key: str | os.PathLike[str], timeout: float | None = None) -> memoryview:
+        """Wait for ``key`` and return its content without a second copy on disk.
+
+        A key on this node is memory-mapped read-only (zero copy); in cluster mode a key owned
+        elsewhere is received into memory and not stored.
+        """
+        key = self.key(key)
+        timeout = self._timeout(timeout)
+        if self.settings.redis_url:
+            data = self.cluster.consume_bytes(key, timeout)
+            if data is not None:
+                return data
+        path = self._consume_key(key, timeout)
+        with open(path, "rb") as fh:
+            if os.fstat(fh.fileno()).st_size == 0:
+                return memoryview(b"")
+            return memoryview(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ))
+
+    def wait_any(self, keys: Sequence[str], timeout: float | None = None) -> str:
+        """Wait until one of ``keys`` (already normalized) is published; return it.
+
+        The key is not fetched; call :meth:`consume` for its content.
+        """
+        timeout = self._timeout(timeout)
+        if not self.settings.redis_url:
+            for key in keys:
+                if os.path.exists(self.root / key):
+                    return key
+        return self.metadata.wait_any(list(keys), timeout).key
+
+    def exists(self, key: str | os.PathLike[str]) -> bool:
+        """Whether ``key`` is published (anywhere, in cluster mode)."""
+        key = self.key(key)
+        if os.path.exists(self.root / key):
+            return True
+        return self.settings.redis_url is not None and self.metadata.lookup(key) is not None
+
+    def lookup(self, key: str | os.PathLike[str]) -> Record | None:
+        """The metadata record of ``key``, or ``None``."""
+        return self.metadata.lookup(self.key(key))
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Published keys starting with ``prefix`` (all nodes, in cluster mode)."""
+        if prefix:
+            normalize_key(prefix.rstrip("/") or "x", self.root)
+        return self.metadata.list(prefix)
+
+    def delete(self, key: str | os.PathLike[str]) -> None:
+        """Unpublish ``key`` on this node (and its record, in cluster mode)."""
+        key = self.key(key)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.root / key)
+        self.metadata.delete(key)
+
+    def gc(self, min_age: float = 0.0) -> list[Path]:
+        """Remove temporary files of dead producers; see :func:`instride.local.collect_garbage`."""
+        return local.collect_garbage(self.root, min_age=min_age)
+
+
+_default: tuple[tuple[str | None, ...], Client] | None = None
+
+
+def get_client() -> Client:
+    """The process-wide client for the current ``INSTRIDE_*`` environment."""
+    global _default
+    env = tuple(os.environ.get(k) for k in _ENV_KEYS)
+    if _default is None or _default[0] != env:
+        if _default is not None:
+            _default[1].close()
+        _default = (env, Client())
+    return _default[1]
+
+
+__all__ = ["Client", "get_client", "file_checksum"]

@@ -1,0 +1,164 @@
+"""The typed errors of instride.
+
+Every error derives from :class:`InstrideError` and also from the builtin exception it
+refines, so callers can catch either (``except TimeoutError`` catches
+:class:`ConsumeTimeout`). Errors of the libraries underneath (Redis, sockets) are
+translated into these at the boundary where they occur.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+
+
+class InstrideError(Exception):
+    """Root of every error raised by instride."""
+
+    #: errno a C caller (the preload shim, the Unix-socket protocol) sees for this error.
+    errno: int = _errno.EIO
+
+
+class KeyValidationError(InstrideError, ValueError):
+    """A key or path is not acceptable: outside the managed directory, ``..``, NUL, too long..."""
+
+    errno = _errno.EINVAL
+
+    def __init__(self, key: object, reason: str) -> None:
+        self.key = key
+        self.reason = reason
+        super().__init__(f"invalid key {key!r}: {reason}")
+
+
+class KeyExistsError(InstrideError, FileExistsError):
+    """A write-once key is already published (pass ``overwrite=True`` to replace it)."""
+
+    errno = _errno.EEXIST
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(_errno.EEXIST, f"key {key!r} is already published (write-once)")
+
+
+class KeyNotFoundError(InstrideError, FileNotFoundError):
+    """A key that was required to exist is not published."""
+
+    errno = _errno.ENOENT
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(_errno.ENOENT, f"key {key!r} is not published")
+
+
+class ConsumeTimeout(InstrideError, TimeoutError):
+    """A consumer waited longer than its timeout for a key (or the next frame of a stream)."""
+
+    errno = _errno.ETIMEDOUT
+
+    def __init__(self, key: str, waited: float) -> None:
+        self.key = key
+        self.waited = waited
+        super().__init__(f"timed out after {waited:.3f} s waiting for key {key!r}")
+
+
+class IntegrityError(InstrideError, OSError):
+    """Bytes do not match their checksum, size or format (corrupt frame, bad transfer)."""
+
+    errno = _errno.EIO
+
+    def __init__(self, what: str, detail: str) -> None:
+        self.what = what
+        self.detail = detail
+        super().__init__(_errno.EIO, f"integrity check failed for {what}: {detail}")
+
+
+class PeerUnavailable(InstrideError, ConnectionError):
+    """The data server of another node cannot be reached (down, refused, timed out)."""
+
+    errno = _errno.EHOSTUNREACH
+
+    def __init__(self, node: str, detail: str) -> None:
+        self.node = node
+        self.detail = detail
+        super().__init__(_errno.EHOSTUNREACH, f"peer {node} unavailable: {detail}")
+
+
+class TransferError(InstrideError, OSError):
+    """A transfer failed part-way (connection cut, short body, protocol violation)."""
+
+    errno = _errno.EIO
+
+    def __init__(self, key: str, detail: str) -> None:
+        self.key = key
+        self.detail = detail
+        super().__init__(_errno.EIO, f"transfer of {key!r} failed: {detail}")
+
+
+class AuthenticationError(InstrideError, PermissionError):
+    """A request was refused because its HMAC did not match the job token."""
+
+    errno = _errno.EACCES
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+        super().__init__(_errno.EACCES, f"authentication failed: {detail}")
+
+
+class MetadataUnavailable(InstrideError, ConnectionError):
+    """The metadata service (Redis) cannot be reached within the timeout."""
+
+    errno = _errno.EIO
+
+    def __init__(self, url: str, detail: str) -> None:
+        self.url = url
+        self.detail = detail
+        super().__init__(_errno.EIO, f"metadata service {url} unavailable: {detail}")
+
+
+class EndOfStream(InstrideError, EOFError):
+    """A stream has ended (its producer closed it) and holds no frame past this point."""
+
+    def __init__(self, stream: str, index: int) -> None:
+        self.stream = stream
+        self.index = index
+        super().__init__(f"stream {stream!r} ended before frame {index}")
+
+
+class UnsupportedModeError(InstrideError, ValueError):
+    """A file mode instride cannot honour (append or update of an immutable published key)."""
+
+    errno = _errno.EPERM
+
+    def __init__(self, mode: str, reason: str) -> None:
+        self.mode = mode
+        super().__init__(f"mode {mode!r} is not supported: {reason}")
+
+
+class ConfigError(InstrideError, ValueError):
+    """An ``INSTRIDE_*`` setting has a value that cannot be used."""
+
+    errno = _errno.EINVAL
+
+    def __init__(self, name: str, value: object, reason: str) -> None:
+        self.name = name
+        self.value = value
+        super().__init__(f"bad setting {name}={value!r}: {reason}")
+
+
+#: error class name -> class, used to rebuild errors sent over the wire.
+BY_NAME: dict[str, type[InstrideError]] = {
+    cls.__name__: cls
+    for cls in (
+        KeyValidationError,
+        KeyExistsError,
+        KeyNotFoundError,
+        ConsumeTimeout,
+        IntegrityError,
+        PeerUnavailable,
+        TransferError,
+        AuthenticationError,
+        MetadataUnavailable,
+        EndOfStream,
+        ConfigError,
+        UnsupportedModeError,
+    )
+}

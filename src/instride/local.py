@@ -1,0 +1,332 @@
+"""Node-local publication and waiting: atomic rename and inotify.
+
+Publishing a file is making it appear under its key in one step: it is written under a
+hidden temporary name in the key's directory, optionally fsynced, then hard-linked (write-once)
+or renamed (overwrite) to its final name. A reader therefore sees either nothing or the whole
+file. Waiting arms an inotify watch on the key's directory and re-checks after arming, so a
+publication that lands between the first check and the watch is never missed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+from inotify_simple import INotify
+from inotify_simple import flags as inflags
+
+from .errors import ConsumeTimeout, KeyExistsError, UnsupportedModeError
+from .keys import TMP_PATTERN, tmp_path
+
+_WATCH = inflags.CREATE | inflags.MOVED_TO | inflags.DELETE_SELF | inflags.MOVE_SELF
+
+
+def publish_file(tmp: Path, final: Path, key: str, *, overwrite: bool) -> None:
+    """Atomically give the complete file ``tmp`` its final name ``final``.
+
+    Write-once (``overwrite=False``) uses ``link`` + ``unlink`` so that an existing key is
+    detected atomically and never replaced; ``overwrite=True`` uses ``rename``.
+
+    Raises
+    ------
+    KeyExistsError
+        If ``final`` exists and ``overwrite`` is false; ``tmp`` is removed.
+    """
+    if overwrite:
+        os.rename(tmp, final)
+        return
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise KeyExistsError(key) from None
+    os.unlink(tmp)
+
+
+def wait_any(
+    paths: Sequence[Path],
+    timeout: float | None,
+    *,
+    label: str,
+) -> Path:
+    """Block until one of ``paths`` exists and return it.
+
+    Parameters
+    ----------
+    paths
+        Candidate files; their directories are created if missing so they can be watched.
+    timeout
+        Seconds to wait; ``None`` waits forever.
+    label
+        What is being waited for, named in the :class:`ConsumeTimeout`.
+
+    Raises
+    ------
+    ConsumeTimeout
+        If none appears within ``timeout``.
+    """
+    for path in paths:
+        if os.path.exists(path):
+            return path
+    start = time.monotonic()
+    names = {p.name for p in paths}
+    dirs = {p.parent for p in paths}
+    with INotify() as ino:
+        for directory in dirs:
+            directory.mkdir(parents=True, exist_ok=True)
+            ino.add_watch(directory, _WATCH)
+        while True:
+            # Re-check after arming: a publication between the first check and the watch
+            # produced no event we could see.
+            for path in paths:
+                if os.path.exists(path):
+                    return path
+            while True:
+                if timeout is None:
+                    wait_ms = None
+                else:
+                    remaining = timeout - (time.monotonic() - start)
+                    if remaining <= 0:
+                        raise ConsumeTimeout(label, time.monotonic() - start)
+                    wait_ms = max(1, int(remaining * 1000))
+                events = ino.read(timeout=wait_ms)
+                if any(
+                    ev.name in names or ev.mask & (inflags.Q_OVERFLOW | inflags.IGNORED)
+                    for ev in events
+                ):
+                    break
+            for directory in dirs:  # a watched directory may have been removed and re-made
+                if not directory.is_dir():
+                    directory.mkdir(parents=True, exist_ok=True)
+                    ino.add_watch(directory, _WATCH)
+
+
+def iter_tmp_files(root: Path) -> Iterable[tuple[Path, int]]:
+    """Yield ``(path, pid)`` for every instride temporary file under ``root``."""
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            match = TMP_PATTERN.match(name)
+            if match:
+                yield Path(dirpath) / name, int(match.group("pid"))
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with ``pid`` exists on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def collect_garbage(root: Path, *, min_age: float = 0.0) -> list[Path]:
+    """Remove temporary files left by producers that died mid-write.
+
+    A temporary file is removed when its writer's PID is gone, or when it is older than
+    ``min_age`` seconds and ``min_age`` is positive (for PIDs reused since).
+    """
+    removed = []
+    now = time.time()
+    for path, pid in iter_tmp_files(root):
+        try:
+            age = now - path.stat().st_mtime
+        except FileNotFoundError:
+            continue
+        if (pid != os.getpid() and not pid_alive(pid)) or (min_age > 0 and age > min_age):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+    return removed
+
+
+# --------------------------------------------------------------------------- writers
+
+PublishHook = Callable[[str, Path], None]
+
+
+class _PublishingFileIO(io.FileIO):
+    """A raw file on a temporary name that publishes itself under its key when closed."""
+
+    def __init__(
+        self,
+        final: Path,
+        key: str,
+        *,
+        readable: bool,
+        overwrite: bool,
+        fsync: bool,
+        on_publish: PublishHook | None,
+    ) -> None:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if not overwrite and os.path.exists(final):
+            raise KeyExistsError(key)
+        self._tmp = tmp_path(final)
+        self._final = final
+        self._key = key
+        self._overwrite = overwrite
+        self._fsync = fsync
+        self._on_publish = on_publish
+        self._aborted = False
+        super().__init__(self._tmp, "x+" if readable else "x")
+
+    @property
+    def key(self) -> str:
+        """The key this file is published under on close."""
+        return self._key
+
+    def abort(self) -> None:
+        """Close without publishing and remove the temporary file."""
+        self._aborted = True
+        self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        if self._aborted:
+            super().close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._tmp)
+            return
+        try:
+            if self._fsync:
+                os.fsync(self.fileno())
+        except BaseException:
+            super().close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._tmp)
+            raise
+        super().close()
+        try:
+            publish_file(self._tmp, self._final, self._key, overwrite=self._overwrite)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._tmp)
+            raise
+        if self._on_publish is not None:
+            self._on_publish(self._key, self._final)
+
+    def __del__(self) -> None:
+        # Never publish a file nobody closed: its content may be incomplete.
+        if not self.closed:
+            warnings.warn(
+                f"instride file for key {self._key!r} was never closed; not published",
+                ResourceWarning,
+                stacklevel=2,
+            )
+            self.abort()
+
+
+def _abort_on_error(raw: _PublishingFileIO, exc_type: object) -> None:
+    if exc_type is not None:
+        raw._aborted = True
+
+
+class _PublishingBufferedWriter(io.BufferedWriter):
+    def __exit__(self, exc_type, exc, tb):  # type: ignore[no-untyped-def]
+        _abort_on_error(self.raw, exc_type)
+        self.close()
+
+    def __del__(self) -> None:
+        if not self.closed:
+            self.raw._aborted = True
+            self.close()
+
+
+class _PublishingBufferedRandom(io.BufferedRandom):
+    def __exit__(self, exc_type, exc, tb):  # type: ignore[no-untyped-def]
+        _abort_on_error(self.raw, exc_type)
+        self.close()
+
+    def __del__(self) -> None:
+        if not self.closed:
+            self.raw._aborted = True
+            self.close()
+
+
+class _PublishingTextIOWrapper(io.TextIOWrapper):
+    def __exit__(self, exc_type, exc, tb):  # type: ignore[no-untyped-def]
+        _abort_on_error(self.buffer.raw, exc_type)
+        self.close()
+
+    def __del__(self) -> None:
+        if not self.closed:
+            self.buffer.raw._aborted = True
+            self.close()
+
+
+WRITE_MODES = {"w", "wb", "wt", "x", "xb", "xt", "w+", "w+b", "wb+", "w+t", "wt+", "x+", "x+b", "xb+"}
+READ_MODES = {"r", "rb", "rt"}
+
+
+def check_mode(mode: str) -> bool:
+    """Return True for a write mode, False for a read mode.
+
+    Raises
+    ------
+    UnsupportedModeError
+        For append (``a``) or update (``r+``) modes: published keys are immutable.
+    """
+    if mode in WRITE_MODES:
+        return True
+    if mode in READ_MODES:
+        return False
+    if "a" in mode or "r+" in mode or "+r" in mode:
+        raise UnsupportedModeError(mode, "published keys are immutable (no append or update)")
+    raise UnsupportedModeError(mode, "expected one of r, rb, w, wb, x, xb, w+, w+b")
+
+
+def open_for_write(
+    final: Path,
+    key: str,
+    mode: str,
+    *,
+    overwrite: bool,
+    fsync: bool,
+    on_publish: PublishHook | None = None,
+    buffering: int = -1,
+    encoding: str | None = None,
+    errors: str | None = None,
+    newline: str | None = None,
+) -> io.IOBase:
+    """Open a file that is written under a temporary name and published when closed.
+
+    Leaving a ``with`` block by an exception discards the file instead of publishing it.
+    ``x`` modes are write-once regardless of ``overwrite``.
+    """
+    if "x" in mode:
+        overwrite = False
+    readable = "+" in mode
+    raw = _PublishingFileIO(
+        final, key, readable=readable, overwrite=overwrite, fsync=fsync, on_publish=on_publish
+    )
+    if buffering == 0:
+        if "b" not in mode:
+            raw.abort()
+            raise ValueError("can't have unbuffered text I/O")
+        return raw
+    size = buffering if buffering > 1 else io.DEFAULT_BUFFER_SIZE
+    buffered: io.BufferedIOBase
+    if readable:
+        buffered = _PublishingBufferedRandom(raw, size)
+    else:
+        buffered = _PublishingBufferedWriter(raw, size)
+    if "b" in mode:
+        return buffered
+    return _PublishingTextIOWrapper(
+        buffered, encoding=encoding or "utf-8", errors=errors, newline=newline,
+        line_buffering=buffering == 1,
+    )
+
+
+def read_error(path: Path) -> OSError:
+    """An ``OSError`` for a key whose file vanished between wait and open (evicted, deleted)."""
+    return FileNotFoundError(errno.ENOENT, "published key disappeared before it was opened", str(path))

@@ -1,0 +1,77 @@
+"""Local-mode metadata: the file system is the record.
+
+A key is published exactly when a file exists under its final name; waiting is an inotify
+watch (see :mod:`instride.local`). Records are derived from ``stat``; no checksum is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from .. import local
+from ..config import INTERNAL_DIRNAME, Settings
+from ..keys import TMP_PATTERN
+from .base import Record
+
+
+class FileMetadata:
+    """Metadata backend for one node: keys are files under the managed directory."""
+
+    name = "files"
+
+    def __init__(self, settings: Settings) -> None:
+        self.root = settings.dir
+        self.owner = settings.addr
+        self.node = settings.node
+
+    def _record(self, key: str, st: os.stat_result) -> Record:
+        return Record(key, self.owner, st.st_size, None, 1, st.st_mtime, self.node)
+
+    def publish(self, record: Record) -> Record:
+        # The atomic rename already published the file; nothing more to record.
+        return record
+
+    def lookup(self, key: str) -> Record | None:
+        try:
+            st = os.stat(self.root / key)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return self._record(key, st)
+
+    def wait_any(self, keys: Sequence[str], timeout: float | None) -> Record:
+        path = local.wait_any([self.root / k for k in keys], timeout, label=keys[0])
+        key = os.path.relpath(path, self.root)
+        record = self.lookup(key)
+        if record is None:  # deleted right after it appeared
+            return self.wait_any(keys, timeout)
+        return record
+
+    def delete(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.root / key)
+
+    def list(self, prefix: str = "") -> list[str]:
+        base, _, _ = prefix.rpartition("/")
+        top = self.root / base if base else self.root
+        out = []
+        for dirpath, dirnames, filenames in os.walk(top):
+            dirnames[:] = [d for d in dirnames if not d.startswith(INTERNAL_DIRNAME)]
+            rel = os.path.relpath(dirpath, self.root)
+            for name in filenames:
+                if TMP_PATTERN.match(name):
+                    continue
+                key = name if rel == "." else f"{rel}/{name}"
+                if key.startswith(prefix):
+                    out.append(key)
+        return sorted(out)
+
+    def close(self) -> None:
+        pass
+
+
+def ensure_root(root: Path) -> None:
+    """Create the managed directory if needed."""
+    root.mkdir(parents=True, exist_ok=True)
