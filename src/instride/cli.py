@@ -18,11 +18,12 @@ from .errors import InstrideError
 Handler = Callable[[argparse.Namespace], int]
 #: Extra command groups: module path of a function ``add_parser(subparsers)``.
 _PLUGINS = [
-    "instride.cli_cluster",
-    "instride.cli_run",
-    "instride.cli_md",
-    "instride.bench.cli",
-    "instride.analytics.cli",
+    "instride.cli_serve",  # serve
+    "instride.cluster.cli",  # cluster up/down/exec/status
+    "instride.cli_run",  # run, preload-path
+    "instride.md.cli",  # demo, imd-bridge
+    "instride.bench.cli",  # bench run/study
+    "instride.parallel.cli",  # analyze, export
 ]
 
 
@@ -132,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError as exc:
-            if exc.name != name:
+            if exc.name is None or not name.startswith(exc.name):
                 raise
             continue
         mod.add_parser(sub)

@@ -125,7 +125,13 @@ class Client:
     def _after_publish(self, key: str, path: Path, overwrite: bool = False) -> None:
         if self.settings.redis_url:
             self.cluster.forget_fetched(key)  # our own original now, never evicted
-            self.metadata.publish(self._record_for(key, path, overwrite))
+            try:
+                self.metadata.publish(self._record_for(key, path, overwrite), overwrite=overwrite)
+            except KeyExistsError:
+                # Published elsewhere under the same key first: retract our local file.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                raise
 
     # ------------------------------------------------------------------ producing
     def open(

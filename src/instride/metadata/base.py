@@ -56,8 +56,12 @@ class Record:
 class MetadataBackend(Protocol):
     """Five operations every metadata backend provides."""
 
-    def publish(self, record: Record) -> Record:
-        """Record a publication and wake its waiters; return the record as stored (version set)."""
+    def publish(self, record: Record, *, overwrite: bool = True) -> Record:
+        """Record a publication and wake its waiters; return the record as stored (version set).
+
+        With ``overwrite`` false, raise :class:`~instride.errors.KeyExistsError` if the key is
+        already recorded.
+        """
 
     def lookup(self, key: str) -> Record | None:
         """Return the record of ``key``, or ``None`` when it is not published."""

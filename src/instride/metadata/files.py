@@ -30,7 +30,7 @@ class FileMetadata:
     def _record(self, key: str, st: os.stat_result) -> Record:
         return Record(key, self.owner, st.st_size, None, 1, st.st_mtime, self.node)
 
-    def publish(self, record: Record) -> Record:
+    def publish(self, record: Record, *, overwrite: bool = True) -> Record:
         # The atomic rename already published the file; nothing more to record.
         return record
 

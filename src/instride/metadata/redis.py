@@ -1,0 +1,189 @@
+"""Cluster-mode metadata in Redis.
+
+Layout (all names under the ``instride:`` prefix):
+
+* ``instride:rec:<key>`` — a hash per published key: owner, node, size, checksum, version, time;
+* ``instride:keys`` — a sorted set of all keys (score 0), listed by prefix with ZRANGEBYLEX;
+* ``instride:pub:<key>`` — the channel a publication is announced on.
+
+A publication is one Lua script (one round trip, atomic): it bumps the version, writes the
+hash, indexes the key and publishes the notification. A waiter subscribes to the key's
+channel *before* checking whether the record exists, so no publication can fall between the
+check and the wait. Connection errors are retried with backoff until the caller's deadline,
+so waiters survive a Redis restart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from ..config import Settings
+from ..errors import ConsumeTimeout, KeyExistsError, MetadataUnavailable
+from .base import Record
+
+PREFIX = "instride:"
+_REC = PREFIX + "rec:"
+_KEYS = PREFIX + "keys"
+_CHAN = PREFIX + "pub:"
+
+_PUBLISH = """
+local rec = KEYS[1]
+if ARGV[7] == '0' and redis.call('EXISTS', rec) == 1 then
+  return -1
+end
+local version = redis.call('HINCRBY', rec, 'version', 1)
+redis.call('HSET', rec, 'owner', ARGV[1], 'size', ARGV[2], 'checksum', ARGV[3],
+           'time', ARGV[4], 'node', ARGV[5], 'key', ARGV[6])
+redis.call('ZADD', KEYS[2], 0, ARGV[6])
+redis.call('PUBLISH', KEYS[3], version)
+return version
+"""
+
+_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError)
+
+
+def _record(fields: dict[bytes, bytes]) -> Record | None:
+    if not fields or b"version" not in fields:
+        return None
+    f = {k.decode(): v.decode() for k, v in fields.items()}
+    return Record(
+        key=f["key"],
+        owner=f["owner"],
+        size=int(f["size"]),
+        checksum=f["checksum"] or None,
+        version=int(f["version"]),
+        time=float(f["time"]),
+        node=f.get("node", ""),
+    )
+
+
+class RedisMetadata:
+    """Metadata backend on a Redis server (``INSTRIDE_REDIS_URL``)."""
+
+    name = "redis"
+
+    def __init__(self, settings: Settings) -> None:
+        if not settings.redis_url:
+            raise MetadataUnavailable("(unset)", "INSTRIDE_REDIS_URL is not set")
+        self.url = settings.redis_url
+        self.settings = settings
+        self.redis = redis.Redis.from_url(
+            self.url,
+            socket_connect_timeout=settings.connect_timeout,
+            socket_timeout=max(settings.connect_timeout, 5.0),
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.01), 3),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+            health_check_interval=0,
+        )
+        self._publish = self.redis.register_script(_PUBLISH)
+
+    # ------------------------------------------------------------------ retries
+    def _call(self, what: str, fn: Any, deadline: float | None = None) -> Any:
+        """Run ``fn`` retrying connection errors until ``deadline`` (default: connect timeout)."""
+        if deadline is None:
+            deadline = time.monotonic() + self.settings.connect_timeout
+        delay = 0.02
+        while True:
+            try:
+                return fn()
+            except _ERRORS as exc:
+                if time.monotonic() + delay > deadline:
+                    raise MetadataUnavailable(self.url, f"{what}: {exc}") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    # ------------------------------------------------------------------ contract
+    def publish(self, record: Record, *, overwrite: bool = True) -> Record:
+        """Record ``record`` (its version is assigned here) and notify waiters."""
+        version = self._call(
+            "publish",
+            lambda: self._publish(
+                keys=[_REC + record.key, _KEYS, _CHAN + record.key],
+                args=[record.owner, record.size, record.checksum or "", repr(record.time),
+                      record.node, record.key, "1" if overwrite else "0"],
+            ),
+        )
+        if int(version) < 0:
+            raise KeyExistsError(record.key)
+        return Record(record.key, record.owner, record.size, record.checksum, int(version),
+                      record.time, record.node)
+
+    def lookup(self, key: str) -> Record | None:
+        return _record(self._call("lookup", lambda: self.redis.hgetall(_REC + key)))
+
+    def _lookup_many(self, keys: Sequence[str]) -> Record | None:
+        def run() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            for key in keys:
+                pipe.hgetall(_REC + key)
+            return pipe.execute()
+
+        for fields in self._call("lookup", run):
+            rec = _record(fields)
+            if rec is not None:
+                return rec
+        return None
+
+    def wait_any(self, keys: Sequence[str], timeout: float | None) -> Record:
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        channels = [_CHAN + k for k in keys]
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                try:
+                    pubsub.subscribe(*channels)
+                    rec = self._lookup_many(keys)  # checked only after subscribing
+                    if rec is not None:
+                        return rec
+                    while True:
+                        if deadline is None:
+                            wait = 1.0
+                        else:
+                            wait = deadline - time.monotonic()
+                            if wait <= 0:
+                                raise ConsumeTimeout(keys[0], time.monotonic() - start)
+                            wait = min(wait, 1.0)
+                        msg = pubsub.get_message(timeout=wait)
+                        if msg is not None and msg.get("type") == "message":
+                            rec = self._lookup_many(keys)
+                            if rec is not None:
+                                return rec
+                except _ERRORS as exc:
+                    # Redis went away: back off, reconnect, re-subscribe, re-check.
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
+                    time.sleep(0.05)
+            finally:
+                try:
+                    pubsub.close()
+                except _ERRORS:
+                    pass
+
+    def delete(self, key: str) -> None:
+        def run() -> None:
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.delete(_REC + key)
+            pipe.zrem(_KEYS, key)
+            pipe.execute()
+
+        self._call("delete", run)
+
+    def list(self, prefix: str = "") -> list[str]:
+        lo = b"[" + prefix.encode() if prefix else b"-"
+        hi = b"[" + prefix.encode() + b"\xff" if prefix else b"+"
+        keys = self._call("list", lambda: self.redis.zrangebylex(_KEYS, lo, hi))
+        return sorted(k.decode() for k in keys)
+
+    def ping(self) -> bool:
+        """Whether the server answers."""
+        return bool(self._call("ping", self.redis.ping))
+
+    def close(self) -> None:
+        self.redis.close()

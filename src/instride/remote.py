@@ -1,0 +1,188 @@
+"""Cluster-mode consumption: wait on metadata, fetch from the owner, cache, verify versions.
+
+A key whose file is on this node and was produced here (an *original*) is returned after one
+``stat``: no metadata round trip. A key fetched from another node is a *cached copy*: a
+sidecar file under ``.instride/cache/`` remembers its version, so a re-published key
+(``overwrite=True`` bumps the version) is fetched anew instead of served stale, and copies are
+evicted least-recently-used beyond ``INSTRIDE_CACHE_BYTES``. Originals are never evicted.
+Concurrent consumers of one key on one node share a single transfer (an ``flock`` per key).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from . import local
+from .config import Settings
+from .errors import ConsumeTimeout
+from .keys import key_path, tmp_path
+from .metadata.base import MetadataBackend, Record
+from .transport import Transport, get_transport
+
+
+class RemoteStore:
+    """Fetching and caching of keys owned by other nodes."""
+
+    def __init__(self, settings: Settings, metadata: MetadataBackend) -> None:
+        self.settings = settings
+        self.root = settings.dir
+        self.metadata = metadata
+        self.transport: Transport = get_transport("tcp", settings)
+        self.cache_dir = settings.internal_dir / "cache"
+        self.lock_dir = settings.internal_dir / "locks"
+        #: number of transfers this process made (for tests and benchmarks)
+        self.transfers = 0
+
+    # ------------------------------------------------------------------ cache index
+    def _sidecar(self, key: str) -> Path:
+        return self.cache_dir / f"{key}.json"
+
+    def cached_version(self, key: str) -> int | None:
+        """Version of the fetched copy of ``key`` on this node, or ``None`` (absent or original)."""
+        try:
+            return int(json.loads(self._sidecar(key).read_text())["version"])
+        except (FileNotFoundError, ValueError, KeyError):
+            return None
+
+    def forget_fetched(self, key: str) -> None:
+        """Drop the cache entry of ``key`` (it became an original of this node)."""
+        with contextlib.suppress(FileNotFoundError):
+            self._sidecar(key).unlink()
+
+    def _remember(self, record: Record) -> None:
+        side = self._sidecar(record.key)
+        side.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tmp_path(side)
+        tmp.write_text(json.dumps({"version": record.version, "size": record.size,
+                                   "checksum": record.checksum, "owner": record.owner}))
+        os.replace(tmp, side)
+
+    @contextlib.contextmanager
+    def _lock(self, key: str) -> Iterator[None]:
+        self.lock_dir.mkdir(parents=True, exist_ok=True)
+        name = hashlib.sha1(key.encode()).hexdigest()
+        fd = os.open(self.lock_dir / name, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def cached_entries(self) -> list[tuple[float, int, str]]:
+        """``(last use, size, key)`` of every fetched copy on this node."""
+        out = []
+        for dirpath, _dirs, files in os.walk(self.cache_dir):
+            for name in files:
+                if not name.endswith(".json") or local.TMP_PATTERN.match(name):
+                    continue
+                side = Path(dirpath) / name
+                key = str(side.relative_to(self.cache_dir))[: -len(".json")]
+                try:
+                    st = os.stat(self.root / key)
+                    used = side.stat().st_mtime
+                except FileNotFoundError:
+                    continue
+                out.append((used, st.st_size, key))
+        return out
+
+    def evict(self, keep: str | None = None) -> list[str]:
+        """Evict least-recently-used fetched copies until they fit in ``INSTRIDE_CACHE_BYTES``."""
+        limit = self.settings.cache_bytes
+        if limit is None:
+            return []
+        entries = sorted(self.cached_entries())
+        total = sum(size for _, size, _ in entries)
+        evicted = []
+        for _used, size, key in entries:
+            if total <= limit:
+                break
+            if key == keep:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.root / key)
+            self.forget_fetched(key)
+            total -= size
+            evicted.append(key)
+        return evicted
+
+    # ------------------------------------------------------------------ consuming
+    def _current(self, key: str, path: Path) -> bool:
+        """Whether the local file of ``key`` may be served (original, or copy of the latest version)."""
+        if not os.path.exists(path):
+            return False
+        have = self.cached_version(key)
+        if have is None:
+            return True  # an original produced on this node: no round trip
+        rec = self.metadata.lookup(key)
+        if rec is None or rec.version == have:
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(self._sidecar(key))  # LRU touch
+            return True
+        return False
+
+    def consume(self, key: str, timeout: float | None) -> Path:
+        """Make ``key`` local (waiting and fetching as needed) and return its path."""
+        path = key_path(key, self.root)
+        if self._current(key, path):
+            return path
+        start = time.monotonic()
+        record = self.metadata.wait_any([key], timeout)
+        if record.owner == self.settings.addr:
+            # Published by a process of this node: the original is (about to be) here.
+            remaining = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+            return local.wait_any([path], remaining if remaining is not None else 5.0, label=key)
+        with self._lock(key):
+            have = self.cached_version(key)
+            if os.path.exists(path) and have is not None and have >= record.version:
+                return path  # another consumer of this node fetched it meanwhile
+            self._fetch(record, path)
+        self.evict(keep=key)
+        return path
+
+    def _fetch(self, record: Record, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staged = tmp_path(path)
+        for attempt in range(2):
+            try:
+                self.transport.fetch(record, staged)
+                break
+            except Exception as exc:
+                from .errors import IntegrityError
+
+                # The owner may have re-published meanwhile: retry once with the new record.
+                if attempt == 0 and isinstance(exc, IntegrityError):
+                    newer = self.metadata.lookup(record.key)
+                    if newer is not None and newer.version != record.version:
+                        record = newer
+                        continue
+                raise
+        self.transfers += 1
+        # Record the version first, then publish the bytes: a reader that sees the new file
+        # always finds a sidecar at least as new.
+        self._remember(record)
+        local.publish_file(staged, path, record.key, overwrite=True)
+
+    def consume_bytes(self, key: str, timeout: float | None) -> memoryview | None:
+        """Content of a key owned elsewhere, received into memory; ``None`` if it is local."""
+        path = key_path(key, self.root)
+        if self._current(key, path):
+            return None
+        record = self.metadata.wait_any([key], timeout)
+        if record.owner == self.settings.addr:
+            return None
+        self.transfers += 1
+        return memoryview(self.transport.fetch_bytes(record))
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+__all__ = ["RemoteStore", "ConsumeTimeout"]

@@ -1,0 +1,147 @@
+"""TCP transport, client side: one connection per fetch, body received straight into the
+destination file's pages (``recv_into`` a memory map), verified with xxh3 before publication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from ..config import Settings, parse_addr
+from ..errors import BY_NAME, IntegrityError, PeerUnavailable, TransferError
+from ..metadata.base import Record
+from . import wire
+
+_CHUNK = 4 << 20
+
+
+def _recv_exact(sock: socket.socket, n: int, key: str) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise TransferError(key, f"connection closed after {got} of {n} header bytes")
+        got += k
+    return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, view: memoryview, key: str) -> None:
+    n = len(view)
+    got = 0
+    while got < n:
+        try:
+            k = sock.recv_into(view[got : got + _CHUNK])
+        except TimeoutError:
+            raise TransferError(key, f"stalled after {got} of {n} bytes") from None
+        except OSError as exc:
+            raise TransferError(key, f"{exc} after {got} of {n} bytes") from None
+        if k == 0:
+            raise TransferError(key, f"connection closed after {got} of {n} bytes")
+        got += k
+
+
+def _verify(record: Record, data: Any, size: int) -> None:
+    if size != record.size:
+        raise IntegrityError(record.key, f"size {size} differs from the record's {record.size}")
+    if record.checksum is not None:
+        algo, _, expected = record.checksum.partition(":")
+        if algo != "xxh3":
+            raise IntegrityError(record.key, f"unknown checksum algorithm {algo!r}")
+        got = xxhash.xxh3_64_hexdigest(data)
+        if got != expected:
+            raise IntegrityError(record.key, f"checksum {got} differs from the record's {expected}")
+
+
+class TcpTransport:
+    """Fetch files from other nodes' data servers over TCP.
+
+    Parameters
+    ----------
+    settings
+        Supplies the job token and the connect timeout.
+    """
+
+    name = "tcp"
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def _request(self, record: Record, op: str = "fetch") -> tuple[socket.socket, dict[str, Any]]:
+        host, port = parse_addr(record.owner, "owner")
+        node = record.node or record.owner
+        try:
+            sock = socket.create_connection((host, port), timeout=self.settings.connect_timeout)
+        except OSError as exc:
+            raise PeerUnavailable(f"{node} ({record.owner})", str(exc)) from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            header = wire.sign(self.settings.token or "", op, record.key)
+            header["version"] = record.version
+            sock.sendall(wire.pack(header))
+            n = wire.parse_length(_recv_exact(sock, 4, record.key))
+            reply = wire.parse_header(_recv_exact(sock, n, record.key))
+        except (OSError, wire.WireError) as exc:
+            sock.close()
+            if isinstance(exc, TransferError):
+                raise
+            raise PeerUnavailable(f"{node} ({record.owner})", f"no valid reply: {exc}") from None
+        except BaseException:
+            sock.close()
+            raise
+        if not reply.get("ok"):
+            sock.close()
+            cls = BY_NAME.get(str(reply.get("error")))
+            message = str(reply.get("message", "refused"))
+            if cls is not None and cls.__name__ == "AuthenticationError":
+                raise cls(f"{node}: {message}")  # type: ignore[call-arg]
+            raise TransferError(record.key, f"{node} refused: {reply.get('error')}: {message}")
+        return sock, reply
+
+    def fetch(self, record: Record, dest: Path) -> None:
+        """Receive ``record.key`` into the new file ``dest``; remove it on any failure."""
+        sock, reply = self._request(record)
+        size = int(reply.get("size", -1))
+        try:
+            with sock:
+                if size != record.size:
+                    raise IntegrityError(record.key, f"owner has {size} bytes, record says {record.size}")
+                fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    if size == 0:
+                        _verify(record, b"", 0)
+                        return
+                    os.ftruncate(fd, size)
+                    with mmap.mmap(fd, size) as mm:
+                        _recv_into(sock, memoryview(mm), record.key)
+                        _verify(record, mm, size)
+                    if self.settings.fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(dest)
+            raise
+
+    def fetch_bytes(self, record: Record) -> bytearray:
+        """Receive ``record.key`` into memory and verify it."""
+        sock, reply = self._request(record)
+        with sock:
+            size = int(reply.get("size", -1))
+            if size != record.size:
+                raise IntegrityError(record.key, f"owner has {size} bytes, record says {record.size}")
+            buf = bytearray(size)
+            _recv_into(sock, memoryview(buf), record.key)
+            _verify(record, buf, size)
+            return buf
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,86 @@
+"""Wire format shared by the data server and its clients.
+
+Every message starts with a 4-byte big-endian length and a JSON header of that length; a
+successful fetch reply is followed by exactly ``size`` raw bytes. Requests carry an HMAC-SHA256
+over their canonical fields, keyed by the job token (``INSTRIDE_TOKEN``), and a timestamp
+that must be within :data:`MAX_SKEW` seconds of the server's clock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import struct
+import time
+from typing import Any
+
+LENGTH = struct.Struct(">I")
+#: Largest header accepted, request or reply.
+MAX_HEADER = 16 * 1024
+#: Largest clock difference accepted between a request's timestamp and the server.
+MAX_SKEW = 300.0
+PROTOCOL = 1
+
+
+class WireError(ValueError):
+    """A malformed or oversized message."""
+
+
+def _canonical(op: str, key: str, nonce: str, ts: float) -> bytes:
+    return f"instride/{PROTOCOL}\n{op}\n{key}\n{nonce}\n{ts:.6f}".encode()
+
+
+def sign(token: str, op: str, key: str) -> dict[str, Any]:
+    """Build a signed request header for ``op`` on ``key``."""
+    nonce = secrets.token_hex(8)
+    ts = round(time.time(), 6)
+    mac = hmac.new(token.encode(), _canonical(op, key, nonce, ts), hashlib.sha256).hexdigest()
+    return {"v": PROTOCOL, "op": op, "key": key, "nonce": nonce, "ts": ts, "mac": mac}
+
+
+def verify(token: str | None, req: dict[str, Any]) -> str | None:
+    """Return ``None`` when ``req`` is authentic, else the reason it is not."""
+    if not token:
+        return "server has no job token configured"
+    mac = req.get("mac")
+    if not isinstance(mac, str) or not mac:
+        return "missing mac"
+    try:
+        op, key, nonce, ts = str(req["op"]), str(req["key"]), str(req["nonce"]), float(req["ts"])
+    except (KeyError, TypeError, ValueError):
+        return "missing or malformed fields"
+    expected = hmac.new(token.encode(), _canonical(op, key, nonce, ts), hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(expected, mac):
+        return "bad mac (wrong token?)"
+    if abs(time.time() - ts) > MAX_SKEW:
+        return "timestamp outside the accepted window"
+    return None
+
+
+def pack(header: dict[str, Any]) -> bytes:
+    """Serialize a header with its length prefix."""
+    body = json.dumps(header, separators=(",", ":")).encode()
+    if len(body) > MAX_HEADER:
+        raise WireError(f"header of {len(body)} bytes exceeds {MAX_HEADER}")
+    return LENGTH.pack(len(body)) + body
+
+
+def parse_length(prefix: bytes) -> int:
+    """Parse a length prefix, refusing oversized headers."""
+    (n,) = LENGTH.unpack(prefix)
+    if n == 0 or n > MAX_HEADER:
+        raise WireError(f"header length {n} out of range (1..{MAX_HEADER})")
+    return n
+
+
+def parse_header(body: bytes) -> dict[str, Any]:
+    """Parse a JSON header, refusing anything but an object."""
+    try:
+        obj = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireError(f"header is not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise WireError("header is not a JSON object")
+    return obj

@@ -1,0 +1,130 @@
+"""Shared fixtures: a fresh managed directory, a real Redis server, child-process helpers.
+
+Every fixture that starts something stops it in its finalizer, also when the test fails.
+Processes are stopped by their own PID.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from instride.client import Client
+from instride.config import Settings
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def managed_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh managed directory, exported as INSTRIDE_DIR (local mode)."""
+    root = tmp_path / "managed"
+    root.mkdir()
+    monkeypatch.setenv("INSTRIDE_DIR", str(root))
+    for var in ("INSTRIDE_REDIS_URL", "INSTRIDE_TOKEN", "INSTRIDE_TIMEOUT", "INSTRIDE_CACHE_BYTES",
+                "INSTRIDE_ADDR", "INSTRIDE_SOCKET", "INSTRIDE_NODE", "INSTRIDE_PATCH_OPEN"):
+        monkeypatch.delenv(var, raising=False)
+    return root
+
+
+@pytest.fixture
+def client(managed_dir: Path) -> Iterator[Client]:
+    """A local-mode client on ``managed_dir``."""
+    c = Client(Settings.from_env())
+    yield c
+    c.close()
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The current environment plus ``extra``, for child processes."""
+    env = dict(os.environ)
+    env.update(extra)
+    return env
+
+
+def spawn_py(code: str, env: dict[str, str] | None = None, **kw: object) -> subprocess.Popen:
+    """Start ``python -c code`` with the test's interpreter."""
+    return subprocess.Popen(
+        [sys.executable, "-c", code], env=env or dict(os.environ),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw,  # type: ignore[arg-type]
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
+    """Wait for ``proc`` (killing it by PID on timeout) and return (rc, stdout, stderr)."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"process {proc.pid} timed out; stderr: {err!r}") from None
+    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+
+
+def _redis_binary() -> str:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError(
+            "redis-server is not installed; `make test` installs it (apt-get install redis-server)"
+        )
+    return exe
+
+
+class RedisServer:
+    """A throw-away redis-server on 127.0.0.1 (or a given host) and a free port."""
+
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        self.proc = subprocess.Popen(
+            [_redis_binary(), "--port", str(self.port), "--bind", self.host, "--save", "",
+             "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.2):
+                    return self
+            except OSError:
+                time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A running redis-server, stopped at the end of the test."""
+    server = RedisServer().start()
+    yield server
+    server.stop()
