@@ -179,7 +179,8 @@ def encode_frame(
     ids: np.ndarray | None = None,
 ) -> tuple[bytes, memoryview]:
     """Serialize a frame as ``(header, payload)`` buffers, ready for ``writelines``."""
-    payload = memoryview(encode_payload(positions, layout, ids)).cast("B")
+    arr = encode_payload(positions, layout, ids)
+    payload = memoryview(arr.reshape(-1).view(np.uint8))
     header = encode_header(len(positions), step, time, box, layout, payload)
     return header, payload
 

@@ -1,0 +1,89 @@
+"""The ``instride`` command: every command has --help; info, ls, wait, cat, gc work."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import instride
+from instride.cli import build_parser, main
+
+
+def _commands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    out = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out.append((*prefix, name))
+                out.extend(_commands(sub, (*prefix, name)))
+    return out
+
+
+def test_every_command_has_help(capsys: pytest.CaptureFixture[str]) -> None:
+    commands = _commands(build_parser())
+    names = {c[0] for c in commands}
+    assert {"info", "ls", "wait", "cat", "gc", "serve"} <= names
+    for cmd in commands:
+        with pytest.raises(SystemExit) as info:
+            main([*cmd, "--help"])
+        assert info.value.code == 0
+        assert "usage: instride" in capsys.readouterr().out
+
+
+def _cli(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "instride", *args], capture_output=True,
+                          text=True, timeout=60, **kw)  # type: ignore[call-overload]
+
+
+def test_info_ls_cat_wait(managed_dir: Path) -> None:
+    info = json.loads(_cli("info", "--json").stdout)
+    assert info["mode"] == "local"
+    assert info["dir"] == str(managed_dir)
+    assert info["version"] == instride.__version__
+    with instride.open("runs/a.txt", "w") as fh:
+        fh.write("alpha")
+    with instride.open("runs/b.txt", "w") as fh:
+        fh.write("beta")
+    with instride.open("other/c.txt", "w") as fh:
+        fh.write("c")
+    assert _cli("ls", "runs/").stdout.split() == ["runs/a.txt", "runs/b.txt"]
+    assert len(_cli("ls").stdout.split()) == 3
+    assert _cli("cat", "runs/b.txt").stdout == "beta"
+    assert _cli("wait", "runs/a.txt").stdout.strip() == str(managed_dir / "runs" / "a.txt")
+
+
+def test_wait_blocks_until_published(managed_dir: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "instride", "wait", "late/key", "--timeout", "30"],
+                            stdout=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    assert proc.poll() is None
+    with instride.open("late/key", "wb") as fh:
+        fh.write(b"1")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert out.strip().endswith("late/key")
+
+
+def test_errors_are_reported_not_tracebacks(managed_dir: Path) -> None:
+    res = _cli("wait", "nothing/here", "--timeout", "0.2")
+    assert res.returncode == 2
+    assert "timed out" in res.stderr and "nothing/here" in res.stderr
+    assert "Traceback" not in res.stderr
+    res = _cli("cat", "../../etc/passwd")
+    assert res.returncode == 2
+    assert "invalid key" in res.stderr
+
+
+def test_bad_setting_is_a_clear_error(managed_dir: Path) -> None:
+    import os
+
+    env = dict(os.environ, INSTRIDE_TIMEOUT="soon")
+    res = _cli("info", env=env)
+    assert res.returncode != 0
+    assert "INSTRIDE_TIMEOUT" in res.stderr

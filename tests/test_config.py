@@ -1,0 +1,45 @@
+"""Settings from INSTRIDE_* variables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from instride.config import Settings, default_dir, parse_addr
+from instride.errors import ConfigError
+
+
+def test_defaults() -> None:
+    s = Settings.from_env({})
+    assert s.dir == default_dir()
+    assert s.mode == "local"
+    assert s.timeout is None and s.fsync is True and s.cache_bytes is None
+    assert s.socket == s.dir / ".instride" / "node.sock"
+    assert str(default_dir()).startswith(("/dev/shm/instride-", "/tmp/instride-"))
+
+
+def test_all_variables() -> None:
+    s = Settings.from_env({
+        "INSTRIDE_DIR": "/x/y/../z", "INSTRIDE_REDIS_URL": "redis://h:1/0", "INSTRIDE_TOKEN": "t",
+        "INSTRIDE_TIMEOUT": "2.5", "INSTRIDE_FSYNC": "0", "INSTRIDE_CACHE_BYTES": "1000",
+        "INSTRIDE_NODE": "n7", "INSTRIDE_ADDR": "10.0.0.7:9000", "INSTRIDE_SOCKET": "/s.sock",
+    })
+    assert s.dir == Path("/x/z") and s.mode == "cluster" and s.token == "t"
+    assert (s.timeout, s.fsync, s.cache_bytes, s.node) == (2.5, False, 1000, "n7")
+    assert s.addr == "10.0.0.7:9000" and s.socket == Path("/s.sock")
+    assert Settings.from_env({"INSTRIDE_TIMEOUT": "0"}).timeout is None
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("INSTRIDE_TIMEOUT", "x"), ("INSTRIDE_FSYNC", "maybe"), ("INSTRIDE_CACHE_BYTES", "-1"),
+     ("INSTRIDE_ADDR", "nohost"), ("INSTRIDE_ADDR", "h:99999")],
+)
+def test_bad_values(name: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=name):
+        Settings.from_env({name: value})
+
+
+def test_parse_addr() -> None:
+    assert parse_addr("[::1]:80") == ("::1", 80)

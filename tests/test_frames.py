@@ -1,0 +1,125 @@
+"""The frame file format: sizes of the paper's Table I, round trips, corruption detection."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import instride
+from instride.errors import IntegrityError
+from instride.frames import HEADER_SIZE, encode_frame, frame_size, read_frame, read_header, write_frame
+
+KIB = 1024
+MIB = 1024 * 1024
+
+
+def test_paper_layout_reproduces_table_one_sizes(tmp_path: Path) -> None:
+    jac = np.random.default_rng(0).random((23_558, 3))
+    path = tmp_path / "jac.isf"
+    n = write_frame(path, jac, layout="paper")
+    assert path.stat().st_size == n == frame_size(23_558, "paper")
+    assert abs(n - 644.21 * KIB) <= KIB
+    # Table I gives STMV as 28.48 MiB, rounded to 0.01 MiB (10 KiB): 28 B/atom lands in that
+    # rounding interval (28.482 MiB), 2.1 KiB above its midpoint.
+    assert round(frame_size(1_066_628, "paper") / MIB, 2) == 28.48
+
+
+def test_stmv_sized_frame_roundtrip(tmp_path: Path) -> None:
+    pos = np.random.default_rng(1).random((1_066_628, 3)) * 100
+    path = tmp_path / "stmv.isf"
+    write_frame(path, pos, step=28, time=0.056, layout="paper")
+    assert round(path.stat().st_size / MIB, 2) == 28.48
+    frame = read_frame(path)
+    assert frame.natoms == 1_066_628
+    np.testing.assert_array_equal(frame.positions, pos)
+    np.testing.assert_array_equal(frame.ids, np.arange(1_066_628))
+
+
+def test_header_without_payload(tmp_path: Path) -> None:
+    box = np.diag([10.0, 20.0, 30.0])
+    path = tmp_path / "h.isf"
+    write_frame(path, np.ones((5, 3)), step=7, time=1.5, box=box)
+    head = read_header(path)
+    assert (head.natoms, head.step, head.time, head.layout) == (5, 7, 1.5, "xyz32")
+    np.testing.assert_array_equal(head.box, box)
+    assert head.has_box
+    # Only the header is needed: a truncated payload does not matter to read_header.
+    data = path.read_bytes()
+    path.write_bytes(data[:HEADER_SIZE])
+    assert read_header(path).natoms == 5
+    with pytest.raises(IntegrityError):
+        read_frame(path)
+
+
+def test_reading_returns_views_not_copies(tmp_path: Path) -> None:
+    header, payload = encode_frame(np.zeros((100, 3), dtype=np.float32))
+    buf = bytearray(header + bytes(payload))
+    frame = read_frame(memoryview(buf))
+    assert np.shares_memory(frame.positions, np.frombuffer(buf, dtype=np.uint8))
+
+
+def test_every_flipped_byte_is_detected(tmp_path: Path) -> None:
+    header, payload = encode_frame(
+        np.random.default_rng(2).random((16, 3)), step=3, time=0.5, box=[5.0, 5.0, 5.0],
+        layout="paper",
+    )
+    good = header + bytes(payload)
+    read_frame(good)
+    for i in range(len(good)):
+        bad = bytearray(good)
+        bad[i] ^= 0x01
+        with pytest.raises(IntegrityError):
+            read_frame(bytes(bad))
+
+
+def test_corrupted_published_frame_raises_on_read(client: instride.Client) -> None:
+    s = instride.Stream("corrupt", mode="w", client=client)
+    s.append(np.ones((1000, 3)))
+    s.close()
+    path = client.consume("corrupt/frame_000000000.isf")
+    data = bytearray(path.read_bytes())
+    data[HEADER_SIZE + 500] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="payload checksum"):
+        next(iter(instride.Stream("corrupt", client=client)))
+
+
+def test_truncated_and_foreign_files(tmp_path: Path) -> None:
+    for content in (b"", b"ISF1", b"not a frame at all" * 20):
+        p = tmp_path / "x.isf"
+        p.write_bytes(content)
+        with pytest.raises(IntegrityError):
+            read_frame(p)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        encode_frame(np.zeros((3, 2)))
+    with pytest.raises(ValueError):
+        encode_frame(np.zeros((3, 3)), layout="pdb")
+    with pytest.raises(ValueError):
+        encode_frame(np.zeros((3, 3)), box=[1.0, 2.0])
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    pos=hnp.arrays(np.float32, st.tuples(st.integers(0, 50), st.just(3)),
+                   elements=st.floats(-1e4, 1e4, width=32)),
+    step=st.integers(-(2**62), 2**62),
+    time=st.floats(allow_nan=False, allow_infinity=False),
+    layout=st.sampled_from(["xyz32", "paper"]),
+)
+def test_property_roundtrip(pos: np.ndarray, step: int, time: float, layout: str) -> None:
+    buf = io.BytesIO()
+    write_frame(buf, pos, step=step, time=time, layout=layout)
+    frame = read_frame(buf.getvalue())
+    assert frame.step == step
+    assert frame.time == time
+    assert frame.natoms == len(pos)
+    np.testing.assert_array_equal(frame.positions, pos.astype(frame.positions.dtype))

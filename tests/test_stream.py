@@ -1,0 +1,132 @@
+"""Streams across processes: ordered iteration, latest(), end-of-stream, timeouts."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import finish, spawn_py
+
+import instride
+from instride.errors import ConsumeTimeout, EndOfStream
+
+PRODUCER = textwrap.dedent(
+    """
+    import sys, time, numpy as np, instride
+    name, n, delay = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    with instride.Stream(name, mode="w") as s:
+        for i in range(n):
+            s.append(np.full((50, 3), i, dtype=np.float32), step=10 * i, time=0.02 * i)
+            time.sleep(delay)
+    """
+)
+
+
+def _producer(name: str, n: int, delay: float) -> object:
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", PRODUCER, name, str(n), str(delay)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_iteration_in_order_across_processes(managed_dir: Path) -> None:
+    consumer = spawn_py(textwrap.dedent(
+        """
+        import instride
+        for f in instride.Stream("live", timeout=30):
+            print(f.step, float(f.positions[0, 0]), round(f.time, 3))
+        """
+    ))
+    time.sleep(0.3)
+    producer = _producer("live", 20, 0.01)
+    assert finish(producer)[0] == 0
+    rc, out, err = finish(consumer)
+    assert rc == 0, err
+    rows = [line.split() for line in out.splitlines()]
+    assert [int(r[0]) for r in rows] == [10 * i for i in range(20)]
+    assert [float(r[1]) for r in rows] == [float(i) for i in range(20)]
+
+
+def test_end_of_stream_len_seek_and_getitem(client: instride.Client) -> None:
+    with instride.Stream("fin", mode="w", client=client) as s:
+        for i in range(5):
+            s.append(np.full((4, 3), i, dtype=np.float32))
+    r = instride.Stream("fin", client=client)
+    assert len(r) == 5 and r.ended
+    r.seek(3)
+    assert [int(f.positions[0, 0]) for f in r] == [3, 4]
+    assert int(r[-1].positions[0, 0]) == 4
+    with pytest.raises(IndexError):
+        r[5]
+    with pytest.raises(EndOfStream):
+        r.read(7)
+    with pytest.raises(ValueError):
+        r.append(np.zeros((4, 3)))
+
+
+def test_latest_skips_older_frames(client: instride.Client) -> None:
+    w = instride.Stream("sample", mode="w", client=client)
+    for i in range(6):
+        w.append(np.full((2, 3), i, dtype=np.float32))
+    r = instride.Stream("sample", client=client, timeout=5)
+    assert int(r.latest().positions[0, 0]) == 5
+    assert r.tell() == 6
+    w.append(np.full((2, 3), 6, dtype=np.float32))
+    w.append(np.full((2, 3), 7, dtype=np.float32))
+    assert int(r.latest().positions[0, 0]) == 7
+    w.close()
+    with pytest.raises(EndOfStream):
+        r.latest()
+
+
+def test_latest_waits_for_a_newer_frame_across_processes(managed_dir: Path) -> None:
+    consumer = spawn_py(textwrap.dedent(
+        """
+        import instride
+        s = instride.Stream("slow", timeout=30)
+        seen = []
+        try:
+            while True:
+                seen.append(int(s.latest().step))
+        except instride.EndOfStream:
+            pass
+        print(" ".join(map(str, seen)))
+        """
+    ))
+    assert finish(_producer("slow", 30, 0.02))[0] == 0
+    rc, out, err = finish(consumer)
+    assert rc == 0, err
+    seen = [int(x) for x in out.split()]
+    assert seen == sorted(set(seen))  # strictly increasing: never an older frame
+    assert seen[-1] == 290  # the newest frame is always delivered
+
+
+def test_silent_producer_times_out_not_ends(client: instride.Client) -> None:
+    w = instride.Stream("silent", mode="w", client=client)
+    w.append(np.zeros((2, 3)))
+    r = instride.Stream("silent", client=client, timeout=0.3)
+    next(r)
+    with pytest.raises(ConsumeTimeout) as info:
+        next(r)
+    assert "silent/frame_000000001.isf" in str(info.value)
+
+
+def test_crashed_producer_does_not_end_stream(client: instride.Client) -> None:
+    with pytest.raises(RuntimeError):
+        with instride.Stream("crashy", mode="w", client=client) as w:
+            w.append(np.zeros((2, 3)))
+            raise RuntimeError("boom")
+    assert not instride.Stream("crashy", client=client).ended
+
+
+def test_paper_layout_stream(client: instride.Client) -> None:
+    with instride.Stream("paper", mode="w", layout="paper", client=client) as w:
+        w.append(np.ones((23_558, 3)), box=[50.0, 50.0, 50.0])
+    f = next(iter(instride.Stream("paper", client=client)))
+    assert f.header.layout == "paper"
+    assert f.positions.shape == (23_558, 3)
+    assert f.box[2, 2] == 50.0
