@@ -128,3 +128,70 @@ def redis_server() -> Iterator[RedisServer]:
     server = RedisServer().start()
     yield server
     server.stop()
+
+
+class LoopbackNode:
+    """One emulated node on loopback: a managed directory and an ``instride serve`` process.
+
+    (Cheap stand-in for tests of the server itself; cross-node behaviour is also tested
+    between network namespaces in tests/cluster.)
+    """
+
+    def __init__(self, root: Path, index: int, redis_url: str, token: str) -> None:
+        self.index = index
+        self.port = free_port()
+        self.dir = root / f"node{index}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.log = root / f"node{index}.log"
+        self.env = child_env(
+            INSTRIDE_DIR=str(self.dir), INSTRIDE_REDIS_URL=redis_url, INSTRIDE_TOKEN=token,
+            INSTRIDE_ADDR=f"127.0.0.1:{self.port}", INSTRIDE_NODE=f"node{index}",
+            INSTRIDE_CONNECT_TIMEOUT="2",
+        )
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def settings(self) -> Settings:
+        return Settings.from_env(self.env)
+
+    def client(self) -> Client:
+        return Client(self.settings())
+
+    def start(self) -> LoopbackNode:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "instride", "serve"], env=self.env,
+                                         stdout=subprocess.PIPE, stderr=log)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if b"ready" not in line:
+            self.stop()
+            raise RuntimeError(f"server node{self.index} did not start: {self.log.read_text()}")
+        return self
+
+    def stop(self, sig: int = 15) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.proc = None
+
+
+@pytest.fixture
+def loopback_nodes(tmp_path: Path, redis_server: RedisServer) -> Iterator[list[LoopbackNode]]:
+    """Three nodes on loopback sharing one Redis, with their data servers running."""
+    nodes = [LoopbackNode(tmp_path, i, redis_server.url, "test-token") for i in (1, 2, 3)]
+    try:
+        for n in nodes:
+            n.start()
+        yield nodes
+    finally:
+        for n in nodes:
+            n.stop()

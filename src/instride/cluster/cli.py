@@ -80,8 +80,13 @@ def cmd_exec(args: argparse.Namespace) -> int:
     from .emulated import EmulatedCluster
 
     argv = list(args.argv)
-    if argv and argv[0] == "--":
-        argv = argv[1:]
+    if "--" in argv:  # options given after NODE land in the remainder: parse them here
+        cut = argv.index("--")
+        before, argv = argv[:cut], argv[cut + 1:]
+        if before:
+            opts = argparse.ArgumentParser(prog="instride cluster exec NODE", add_help=False)
+            opts.add_argument("--name", default=args.name)
+            args.name = opts.parse_args(before).name
     if not argv:
         raise ConfigError("command", "", "give the command after `--`")
     cluster = EmulatedCluster.attach(args.name)
@@ -142,7 +147,8 @@ def add_parser(subparsers: Any) -> None:
                                    "INSTRIDE_NODE, INSTRIDE_ADDR); exit with CMD's status.")
     p.add_argument("node", help="node number 1..N (or node<i>)")
     _name_arg(p)
-    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD", help="the command")
+    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ...",
+                   help="the command and its arguments, after `--`")
     p.set_defaults(func=cmd_exec)
 
     p = sub.add_parser("status", help="show nodes, addresses and server liveness",

@@ -209,6 +209,7 @@ class EmulatedCluster:
         self._popen: dict[str, subprocess.Popen[bytes]] = {}
         #: "down", "starting" or "up" (as recorded in the state file).
         self.status_text = "down"
+        self._active = False  # True once this object owns the name (claimed or attached)
         self._layout()
 
     # ------------------------------------------------------------------ layout
@@ -297,6 +298,7 @@ class EmulatedCluster:
                 f"cluster {self.name!r} already exists ({self.state_path}); "
                 f"run `instride cluster down --name {self.name}` first"
             ) from None
+        self._active = True
         with os.fdopen(fd, "w") as fh:
             fh.write(json.dumps(self._state(), indent=2))
 
@@ -327,6 +329,7 @@ class EmulatedCluster:
         self._created = list(state.get("created", []))
         self._pids = {k: list(v) for k, v in state.get("pids", {}).items()}
         self.status_text = state.get("status", "unknown")
+        self._active = True
         return self
 
     # ------------------------------------------------------------------ life cycle
@@ -523,8 +526,11 @@ class EmulatedCluster:
 
         Stops the processes it started (by PID), kills any other process left in its
         namespaces, deletes its namespaces (and with them the veths and the bridge), removes
-        the directories and logs it created and its state file.
+        the directories and logs it created and its state file. Does nothing on an object
+        that never owned its name (``up()`` not called, or refused because the name is taken).
         """
+        if not self._active:
+            return
         self._stop(list(self._pids))
         try:
             namespaces = [ns for ns in nn.list_netns() if ns.startswith(self.prefix)]
@@ -547,6 +553,7 @@ class EmulatedCluster:
         with contextlib.suppress(FileNotFoundError, ConfigError):
             self.state_path.unlink()
         self.status_text = "down"
+        self._active = False
 
     @classmethod
     def destroy(cls, name: str = "default") -> bool:
@@ -559,6 +566,7 @@ class EmulatedCluster:
             cluster = cls.attach(name)
         except ClusterError:
             cluster = cls(nodes=1, name=name, redis=False, serve=False)
+            cluster._active = True
             existed = any(ns.startswith(cluster.prefix) for ns in nn.list_netns())
             cluster.down()
             return existed
@@ -587,7 +595,9 @@ class EmulatedCluster:
         env = self._env(index, kwargs.pop("env", None))
         return subprocess.Popen(self.command(index, argv), env=env, **kwargs)
 
-    def run(self, index: int | str, argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess:
+    def run(
+        self, index: int | str, argv: Sequence[str], **kwargs: Any
+    ) -> subprocess.CompletedProcess:
         """Run ``argv`` on node ``index`` to completion (like :func:`subprocess.run`)."""
         env = self._env(index, kwargs.pop("env", None))
         return subprocess.run(self.command(index, argv), env=env, **kwargs)

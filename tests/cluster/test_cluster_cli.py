@@ -1,0 +1,73 @@
+"""``instride cluster up/exec/status/down`` from the command line, in separate processes."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from instride.cli import main
+from instride.cluster import EmulatedCluster
+from instride.cluster import netns as nn
+
+PY = sys.executable
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PY, "-m", "instride", "cluster", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("sub", [[], ["up"], ["down"], ["exec"], ["status"]])
+def test_help_on_every_subcommand(sub: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["cluster", *sub, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: instride cluster")
+
+
+@pytest.mark.root
+def test_cli_round_trip(tmp_path: Path) -> None:
+    name = "t" + secrets.token_hex(5)
+    prefix = EmulatedCluster(nodes=1, name=name).prefix
+    base = tmp_path / "base"
+    try:
+        up = cli("up", "--nodes", "2", "--name", name, "--no-serve", "--base-dir", str(base),
+                 "--env", "INSTRIDE_TIMEOUT=7")
+        assert up.returncode == 0, up.stderr
+        assert "node2" in up.stdout and (base / "node2").is_dir()
+
+        code = ("import os; print(os.environ['INSTRIDE_NODE'], os.environ['INSTRIDE_DIR'], "
+                "os.environ['INSTRIDE_TIMEOUT'], os.environ['INSTRIDE_REDIS_URL'])")
+        ex = cli("exec", "2", "--name", name, "--", PY, "-c", code)
+        assert ex.returncode == 0, ex.stderr
+        node, directory, timeout, url = ex.stdout.split()
+        assert (node, directory, timeout) == ("node2", str(base / "node2"), "7")
+        assert url.startswith("redis://10.213.")
+        assert cli("exec", "1", "--name", name, "--", "sh", "-c", "exit 3").returncode == 3
+
+        st = cli("status", "--name", name, "--json")
+        assert st.returncode == 0, st.stderr
+        info = json.loads(st.stdout)
+        assert info["status"] == "up" and info["redis"]["listening"] is True
+        assert [n["ip"] for n in info["nodes"]] == [
+            url.split("//")[1].rsplit(".", 1)[0] + f".{10 + i}" for i in (1, 2)
+        ]
+        assert name in cli("status").stdout
+
+        bad = cli("exec", "3", "--name", name, "--", "true")
+        assert bad.returncode == 2 and "nodes 1..2" in bad.stderr
+    finally:
+        down = cli("down", "--name", name)
+    assert down.returncode == 0, down.stderr
+    assert [ns for ns in nn.list_netns() if ns.startswith(prefix)] == []
+    assert not (base / "node1").exists()
+    again = cli("down", "--name", name)
+    assert again.returncode == 0 and f"no cluster {name}" in again.stderr
+    missing = cli("status", "--name", name)
+    assert missing.returncode == 2 and "no cluster named" in missing.stderr

@@ -1,0 +1,276 @@
+"""Emulated nodes: real network namespaces, a real bridge, real Redis, real processes.
+
+Needs root, iproute2 and redis-server (``make test`` installs them); without them the cluster
+raises ClusterError and these tests fail loudly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from instride.cluster import ClusterError, EmulatedCluster
+from instride.cluster import emulated as em
+from instride.cluster import netns as nn
+from instride.errors import ConfigError, InstrideError
+
+pytestmark = pytest.mark.root
+
+PY = sys.executable
+
+
+def unique() -> str:
+    return "t" + secrets.token_hex(5)
+
+
+def leftovers(cluster: EmulatedCluster) -> list[str]:
+    return [ns for ns in nn.list_netns() if ns.startswith(cluster.prefix)]
+
+
+def py(c: EmulatedCluster, node: int, code: str, timeout: float = 20, **kw: object) -> str:
+    """Run Python code on a node; return its stdout (assert it succeeded)."""
+    proc = c.run(node, [PY, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                 timeout=timeout, **kw)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def cluster2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedCluster]:
+    """Two nodes with Redis, no data servers (shared by the tests of this module)."""
+    c = EmulatedCluster(nodes=2, name=unique(), base_dir=tmp_path_factory.mktemp("c2") / "base",
+                        serve=False)
+    with c:
+        yield c
+    assert leftovers(c) == []
+
+
+# ---------------------------------------------------------------------- life cycle
+def test_up_down_leaves_nothing_behind() -> None:
+    host_links = nn.links()
+    c = EmulatedCluster(nodes=2, name=unique(), serve=False)
+    c.up()
+    try:
+        assert set(leftovers(c)) == {c.hub, c.nodes[0].netns, c.nodes[1].netns}
+        assert all(len(ns) <= nn.IFNAMSIZ for ns in leftovers(c))
+        assert {"lo", "br0", "n1", "n2"} <= set(nn.links(c.hub))
+        assert set(nn.links(c.nodes[0].netns)) == {"lo", "eth0"}
+        addr = nn.ip("-n", c.nodes[1].netns, "-o", "-4", "addr", "show", "eth0").stdout
+        assert f"{c.nodes[1].ip}/24" in addr
+        assert nn.links() == host_links  # nothing created in the host's namespace
+        redis_pid = c._pids["redis"][0]
+        assert em._alive(redis_pid, None)
+        base = c.base_dir
+        assert base.is_dir() and c.shared_dir.is_dir() and c.node(2).dir.is_dir()
+        state = json.loads(c.state_path.read_text())
+        assert state["status"] == "up" and state["pids"]["redis"][0] == redis_pid
+        straggler = c.popen(1, ["sleep", "60"])  # a user process still running at down()
+    finally:
+        c.down()
+    assert straggler.wait(5) == -9
+    assert leftovers(c) == []
+    assert nn.links() == host_links
+    assert not em._alive(redis_pid, None)
+    assert not base.exists()
+    assert not c.state_path.exists()
+    c.down()  # idempotent
+
+
+def test_down_after_failed_up_removes_everything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a real "redis-server" that exits at once: up() fails after namespaces and dirs exist
+    monkeypatch.setattr(em, "_require_redis", lambda: "/bin/false")
+    base = tmp_path / "base"
+    c = EmulatedCluster(nodes=2, name=unique(), base_dir=base, serve=False)
+    with pytest.raises(ClusterError, match="Redis redis exited"):
+        c.up()
+    assert leftovers(c) == []
+    assert not base.exists()
+    assert not c.state_path.exists()
+    c.down()
+
+
+def test_destroy_from_another_process_and_without_state(tmp_path: Path) -> None:
+    c = EmulatedCluster(nodes=1, name=unique(), base_dir=tmp_path / "b", serve=False).up()
+    pid = c._pids["redis"][0]
+    # another process tears it down through the state file
+    proc = subprocess.run([PY, "-m", "instride", "cluster", "down", "--name", c.name],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert "removed" in proc.stdout
+    assert leftovers(c) == [] and not em._alive(pid, None) and not (tmp_path / "b").exists()
+    # leftovers of a crashed run with no state file: namespaces are still found by name
+    orphan = EmulatedCluster(nodes=1, name=unique(), serve=False)
+    nn.add_netns(orphan.nodes[0].netns)
+    assert EmulatedCluster.destroy(orphan.name) is True
+    assert leftovers(orphan) == []
+    assert EmulatedCluster.destroy(orphan.name) is False
+
+
+def test_name_is_exclusive(cluster2: EmulatedCluster) -> None:
+    twin = EmulatedCluster(nodes=1, name=cluster2.name, serve=False)
+    with pytest.raises(ClusterError, match="already exists"):
+        twin.up()
+    twin.down()  # a refused object owns nothing: this must not touch the running cluster
+    assert len(leftovers(cluster2)) == 3  # the running cluster is untouched
+    assert cluster2.state_path.exists()
+
+
+def test_bad_input_is_typed() -> None:
+    with pytest.raises(ConfigError):
+        EmulatedCluster(nodes=0)
+    with pytest.raises(ConfigError):
+        EmulatedCluster(nodes=2, name="has space")
+    c = EmulatedCluster(nodes=2, name=unique())
+    with pytest.raises(ConfigError):
+        c.node(3)
+    assert c.node("node2") is c.node(2)
+    with pytest.raises(ConfigError):
+        c.command(1, "not a list")
+    with pytest.raises(ClusterError):
+        EmulatedCluster.attach(unique())
+
+
+def test_missing_redis_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    c = EmulatedCluster(nodes=1, name=unique(), serve=False)
+    with pytest.raises(ClusterError, match="make test") as info:
+        c.up()
+    assert isinstance(info.value, InstrideError) and isinstance(info.value, RuntimeError)
+    assert not c.state_path.exists()
+
+
+# ---------------------------------------------------------------------- networking
+def test_tcp_from_node1_to_node2(cluster2: EmulatedCluster) -> None:
+    server = cluster2.popen(2, [PY, "-c", textwrap.dedent("""
+        import socket, sys
+        s = socket.create_server((sys.argv[1], 5000))
+        print("ready", flush=True)
+        conn, peer = s.accept()
+        data = conn.recv(100)
+        conn.sendall(data.upper() + b" from " + peer[0].encode())
+    """), cluster2.node(2).ip], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        out = py(cluster2, 1, f"""
+            import socket
+            with socket.create_connection(("{cluster2.node(2).ip}", 5000), timeout=5) as s:
+                s.sendall(b"ping")
+                print(s.recv(100).decode())
+        """)
+        assert out.strip() == f"PING from {cluster2.node(1).ip}"
+        assert server.wait(10) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    # the node addresses exist only inside the cluster's namespaces
+    host = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True).stdout
+    assert cluster2.node(2).ip not in host
+
+
+def test_redis_reachable_from_every_node(cluster2: EmulatedCluster) -> None:
+    for node in cluster2.nodes:
+        out = py(cluster2, node.index, """
+            import os, redis
+            r = redis.Redis.from_url(os.environ["INSTRIDE_REDIS_URL"], socket_timeout=5)
+            assert r.ping()
+            r.set("hello:" + os.environ["INSTRIDE_NODE"], os.environ["INSTRIDE_ADDR"])
+            print(sorted(k.decode() for k in r.keys("hello:*")))
+        """)
+        assert f"hello:{node.name}" in out
+    assert "hello:node1" in out and "hello:node2" in out  # one Redis for all nodes
+
+
+def test_restart_redis_on_same_address(cluster2: EmulatedCluster) -> None:
+    host, port = cluster2.hub_ip, em.REDIS_PORT
+    cluster2.stop_redis()
+    assert not nn.can_connect(cluster2.node(1).netns, host, port, 0.3)
+    cluster2.start_redis()
+    out = py(cluster2, 1, """
+        import os, redis
+        print(redis.Redis.from_url(os.environ["INSTRIDE_REDIS_URL"], socket_timeout=5).ping())
+    """)
+    assert out.strip() == "True"
+
+
+# ---------------------------------------------------------------------- node environment
+def test_node_env(cluster2: EmulatedCluster) -> None:
+    n2 = cluster2.node(2)
+    assert n2.env["INSTRIDE_NODE"] == "node2"
+    assert n2.env["INSTRIDE_ADDR"] == f"{n2.ip}:7437"
+    assert n2.env["INSTRIDE_DIR"] == str(cluster2.base_dir / "node2")
+    assert n2.env["INSTRIDE_TOKEN"] == cluster2.token
+    assert n2.env["INSTRIDE_REDIS_URL"] == cluster2.redis_url
+    assert n2.env["PATH"] == os.environ["PATH"]
+    out = py(cluster2, 2, """
+        import os, socket
+        print(os.environ["INSTRIDE_NODE"], os.environ["INSTRIDE_DIR"], os.environ["INSTRIDE_ADDR"])
+    """, env={"EXTRA": "1"})
+    assert out.split() == ["node2", str(n2.dir), n2.env["INSTRIDE_ADDR"]]
+
+
+#: The same producer and consumer programs run in local mode and in cluster mode.
+PRODUCER = """
+import instride
+with instride.open("run1/frame_0.dat", "wb") as f:
+    f.write(b"payload from " + instride.get_client().settings.node.encode())
+print(instride.get_client().mode)
+"""
+CONSUMER = """
+import instride
+with instride.open("run1/frame_0.dat", timeout=20) as f:
+    print(f.read().decode())
+"""
+
+
+def produce_consume(c: EmulatedCluster, producer: int, consumer: int) -> str:
+    """Start the consumer first (it waits), then the producer; return what the consumer read."""
+    cons = c.popen(consumer, [PY, "-c", CONSUMER], stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE, text=True)
+    try:
+        mode = py(c, producer, PRODUCER).strip()
+        assert mode == ("cluster" if c.redis_url else "local")
+        out, err = cons.communicate(timeout=30)
+    finally:
+        if cons.poll() is None:
+            cons.kill()
+            cons.communicate()
+    assert cons.returncode == 0, err
+    return out.strip()
+
+
+def test_local_mode_producer_consumer_within_one_node(tmp_path: Path) -> None:
+    with EmulatedCluster(nodes=1, name=unique(), base_dir=tmp_path / "b", serve=False,
+                         redis=False) as c:
+        assert "INSTRIDE_REDIS_URL" not in c.node(1).env
+        assert produce_consume(c, 1, 1) == "payload from node1"
+        assert (c.node(1).dir / "run1" / "frame_0.dat").read_bytes() == b"payload from node1"
+
+
+# ---------------------------------------------------------------------- data servers
+def test_data_servers_listen_and_restart(tmp_path: Path) -> None:
+    """Needs `python -m instride serve` (src/instride/server.py, cli_serve.py)."""
+    with EmulatedCluster(nodes=2, name=unique(), base_dir=tmp_path / "b") as c:
+        info = c.status()
+        assert [n["server"]["listening"] for n in info["nodes"]] == [True, True]
+        c.stop_server(1)
+        assert not nn.can_connect(c.node(2).netns, c.node(1).ip, em.SERVER_PORT, 0.3)
+        assert nn.can_connect(c.node(1).netns, c.node(2).ip, em.SERVER_PORT, 0.5)
+        c.start_server(1)
+        assert nn.can_connect(c.node(2).netns, c.node(1).ip, em.SERVER_PORT, 0.5)
+        # the unchanged local-mode programs, now across nodes: node 2 pulls from node 1
+        assert produce_consume(c, 1, 2) == "payload from node1"
+        assert (c.node(2).dir / "run1" / "frame_0.dat").read_bytes() == b"payload from node1"
+        pids = [c._pids[n.name][0] for n in c.nodes]
+    assert not any(em._alive(pid, None) for pid in pids)
+    assert leftovers(c) == []
