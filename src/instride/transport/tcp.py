@@ -48,6 +48,23 @@ def _recv_into(sock: socket.socket, view: memoryview, key: str) -> None:
         got += k
 
 
+def _fill(sock: socket.socket, mm: mmap.mmap, key: str) -> BaseException | None:
+    """Receive ``len(mm)`` bytes into ``mm``; return (not raise) the error, if any.
+
+    Returning lets the caller close the map: a raised exception's traceback would keep
+    slices of it alive.
+    """
+    view = memoryview(mm)
+    try:
+        _recv_into(sock, view, key)
+        return None
+    except Exception as exc:
+        exc.__traceback__ = None
+        return exc
+    finally:
+        view.release()
+
+
 def _verify(record: Record, data: Any, size: int) -> None:
     if size != record.size:
         raise IntegrityError(record.key, f"size {size} differs from the record's {record.size}")
@@ -120,8 +137,11 @@ class TcpTransport:
                         return
                     os.ftruncate(fd, size)
                     with mmap.mmap(fd, size) as mm:
-                        _recv_into(sock, memoryview(mm), record.key)
-                        _verify(record, mm, size)
+                        err = _fill(sock, mm, record.key)
+                        if err is None:
+                            _verify(record, mm, size)
+                    if err is not None:
+                        raise err
                     if self.settings.fsync:
                         os.fsync(fd)
                 finally:
