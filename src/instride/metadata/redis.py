@@ -15,6 +15,7 @@ so waiters survive a Redis restart.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -82,6 +83,9 @@ class RedisMetadata:
             health_check_interval=0,
         )
         self._publish = self.redis.register_script(_PUBLISH)
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._pubsubs: list[Any] = []
 
     # ------------------------------------------------------------------ retries
     def _call(self, what: str, fn: Any, deadline: float | None = None) -> Any:
@@ -130,15 +134,41 @@ class RedisMetadata:
                 return rec
         return None
 
+    def _pubsub(self) -> Any:
+        """This thread's subscriber connection, kept across waits (PubSub is not thread-safe)."""
+        ps = getattr(self._local, "pubsub", None)
+        if ps is None:
+            ps = self.redis.pubsub(ignore_subscribe_messages=True)
+            self._local.pubsub = ps
+            with self._lock:
+                self._pubsubs.append(ps)
+        return ps
+
+    def _drop_pubsub(self) -> None:
+        ps = getattr(self._local, "pubsub", None)
+        self._local.pubsub = None
+        if ps is not None:
+            with self._lock:
+                if ps in self._pubsubs:
+                    self._pubsubs.remove(ps)
+            try:
+                ps.close()
+            except _ERRORS:
+                pass
+
     def wait_any(self, keys: Sequence[str], timeout: float | None) -> Record:
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
+        rec = self._lookup_many(keys)  # fast path: already published, no subscription needed
+        if rec is not None:
+            return rec
         channels = [_CHAN + k for k in keys]
+        wanted = {c.encode() for c in channels}
         while True:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            ps = self._pubsub()
             try:
+                ps.subscribe(*channels)
                 try:
-                    pubsub.subscribe(*channels)
                     rec = self._lookup_many(keys)  # checked only after subscribing
                     if rec is not None:
                         return rec
@@ -150,21 +180,19 @@ class RedisMetadata:
                             if wait <= 0:
                                 raise ConsumeTimeout(keys[0], time.monotonic() - start)
                             wait = min(wait, 1.0)
-                        msg = pubsub.get_message(timeout=wait)
-                        if msg is not None and msg.get("type") == "message":
+                        msg = ps.get_message(timeout=wait)
+                        if msg is not None and msg.get("type") == "message" and msg.get("channel") in wanted:
                             rec = self._lookup_many(keys)
                             if rec is not None:
                                 return rec
-                except _ERRORS as exc:
-                    # Redis went away: back off, reconnect, re-subscribe, re-check.
-                    if deadline is not None and time.monotonic() >= deadline:
-                        raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
-                    time.sleep(0.05)
-            finally:
-                try:
-                    pubsub.close()
-                except _ERRORS:
-                    pass
+                finally:
+                    ps.unsubscribe(*channels)
+            except _ERRORS as exc:
+                # Redis went away: drop the connection, back off, re-subscribe, re-check.
+                self._drop_pubsub()
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
+                time.sleep(0.05)
 
     def delete(self, key: str) -> None:
         def run() -> None:
@@ -186,4 +214,11 @@ class RedisMetadata:
         return bool(self._call("ping", self.redis.ping))
 
     def close(self) -> None:
+        with self._lock:
+            subs, self._pubsubs = self._pubsubs, []
+        for ps in subs:
+            try:
+                ps.close()
+            except _ERRORS:
+                pass
         self.redis.close()

@@ -1,0 +1,82 @@
+"""Shared helpers of the benchmark scripts: machine description, statistics, reporting.
+
+Every benchmark prints the command that ran it, the machine (cores, memory, kernel, Python),
+its measurements and a ratio against a baseline measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def machine() -> dict[str, Any]:
+    """Cores, memory and software of this machine."""
+    mem_kib = 0
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("MemTotal:"):
+                mem_kib = int(line.split()[1])
+    cpu = platform.processor()
+    with open("/proc/cpuinfo") as fh:
+        for line in fh:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem_kib / 1024 / 1024, 1),
+        "cpu": cpu,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
+
+
+def header(title: str) -> dict[str, Any]:
+    """Print the benchmark's title, command and machine; return the machine description."""
+    m = machine()
+    print(f"# {title}")
+    print(f"command: {' '.join(shlex.quote(a) for a in [sys.executable, *sys.argv])}")
+    print(f"machine: {m['cores']} cores, {m['memory_gib']} GiB, {m['cpu']}, Linux {m['kernel']}, "
+          f"Python {m['python']}, load {m['load_avg_1m']}")
+    print(f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
+    return m
+
+
+def pct(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``values``."""
+    data = sorted(values)
+    if not data:
+        return float("nan")
+    k = (len(data) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (k - lo)
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    """Median, p99, mean, min and count of ``values``."""
+    return {
+        "median": statistics.median(values),
+        "p99": pct(values, 99),
+        "mean": statistics.fmean(values),
+        "min": min(values),
+        "n": len(values),
+    }
+
+
+def save(name: str, result: dict[str, Any]) -> Path:
+    """Write ``result`` as JSON to ``benchmarks/results/<name>.json``."""
+    out = Path(__file__).resolve().parent / "results"
+    out.mkdir(exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(result, indent=2, default=str))
+    print(f"saved {path}")
+    return path
