@@ -37,6 +37,14 @@ _ENV_KEYS = (
     "INSTRIDE_SOCKET",
     "INSTRIDE_CONNECT_TIMEOUT",
 )
+_ENV_KEYS_B = tuple(os.fsencode(k) for k in _ENV_KEYS)
+
+
+def _env_snapshot() -> tuple[object, ...]:
+    data = getattr(os.environ, "_data", None)  # CPython: the bytes-keyed dict behind environ
+    if isinstance(data, dict):
+        return tuple(data.get(k) for k in _ENV_KEYS_B)
+    return tuple(os.environ.get(k) for k in _ENV_KEYS)
 
 
 def file_checksum(path: Path) -> str:
@@ -203,7 +211,20 @@ class Client:
                 errors=errors,
                 newline=newline,
             )
-        path = self._consume_key(key, timeout)
+        if self.settings.redis_url:
+            path = self._consume_key(key, timeout)
+        else:
+            try:  # adaptive: a key already here costs just the open
+                return self._open_read(path, mode, buffering, encoding, errors, newline)
+            except FileNotFoundError:
+                path = self._consume_key(key, timeout)
+        return self._open_read(path, mode, buffering, encoding, errors, newline)
+
+    @staticmethod
+    def _open_read(
+        path: Path, mode: str, buffering: int, encoding: str | None, errors: str | None,
+        newline: str | None,
+    ) -> IO[Any]:
         if "b" in mode:
             return open(path, "rb", buffering=buffering)
         return open(path, "r", buffering=buffering, encoding=encoding or "utf-8", errors=errors,
@@ -345,13 +366,13 @@ class Client:
         return local.collect_garbage(self.root, min_age=min_age)
 
 
-_default: tuple[tuple[str | None, ...], Client] | None = None
+_default: tuple[tuple[object, ...], Client] | None = None
 
 
 def get_client() -> Client:
     """The process-wide client for the current ``INSTRIDE_*`` environment."""
     global _default
-    env = tuple(os.environ.get(k) for k in _ENV_KEYS)
+    env = _env_snapshot()
     if _default is None or _default[0] != env:
         if _default is not None:
             _default[1].close()

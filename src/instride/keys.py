@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import itertools
 import secrets
 from pathlib import Path
 
@@ -30,6 +31,11 @@ MAX_COMPONENT_BYTES = 200
 TMP_PATTERN = re.compile(r"^\.(?P<name>.+)\.instride-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)\.tmp$")
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# Fast path: short ASCII keys whose components do not start with a dot (so no ".", "..",
+# reserved or temporary names) and contain no control characters or empty components.
+_SIMPLE = re.compile(r"[^./\x00-\x1f\x7f][^/\x00-\x1f\x7f]*(?:/[^./\x00-\x1f\x7f][^/\x00-\x1f\x7f]*)*")
+_COUNTER = itertools.count()
+_SALT = secrets.token_hex(3)  # distinguishes PID reuse across boots / namespaces
 
 
 def normalize_key(key_or_path: str | os.PathLike[str] | bytes, root: Path) -> str:
@@ -53,6 +59,14 @@ def normalize_key(key_or_path: str | os.PathLike[str] | bytes, root: Path) -> st
         For a non-string, empty key, NUL or control character, ``..`` component, a path
         outside ``root``, a reserved name, or an over-long key or component.
     """
+    if (
+        type(key_or_path) is str
+        and len(key_or_path) <= MAX_COMPONENT_BYTES
+        and key_or_path.isascii()
+        and _SIMPLE.fullmatch(key_or_path)
+        and not key_or_path.isspace()
+    ):
+        return key_or_path
     if isinstance(key_or_path, bytes):
         try:
             raw = key_or_path.decode("utf-8")
@@ -92,6 +106,8 @@ def normalize_key(key_or_path: str | os.PathLike[str] | bytes, root: Path) -> st
     if TMP_PATTERN.match(comps[-1]):
         raise KeyValidationError(key_or_path, "names of instride's temporary files are reserved")
     key = "/".join(comps)
+    if key.strip() == "":
+        raise KeyValidationError(key_or_path, "empty name")
     if len(key.encode("utf-8")) > MAX_KEY_BYTES:
         raise KeyValidationError(key_or_path, f"longer than {MAX_KEY_BYTES} bytes")
     return key
@@ -104,4 +120,4 @@ def key_path(key: str, root: Path) -> Path:
 
 def tmp_path(path: Path) -> Path:
     """Return a fresh hidden temporary name next to ``path`` (same directory, same file system)."""
-    return path.with_name(f".{path.name}.instride-{os.getpid()}-{secrets.token_hex(6)}.tmp")
+    return path.with_name(f".{path.name}.instride-{os.getpid()}-{_SALT}{next(_COUNTER):x}.tmp")

@@ -10,6 +10,7 @@ publication that lands between the first check and the watch is never missed.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import io
 import os
@@ -27,11 +28,43 @@ from .keys import TMP_PATTERN, tmp_path
 _WATCH = inflags.CREATE | inflags.MOVED_TO | inflags.DELETE_SELF | inflags.MOVE_SELF
 
 
+def _load_renameat2():  # type: ignore[no-untyped-def]
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_RENAMEAT2 = _load_renameat2()
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+
+
+def _rename_noreplace(tmp: Path, final: Path) -> bool:
+    """One-syscall write-once rename; False when the file system does not support it."""
+    global _RENAMEAT2
+    if _RENAMEAT2 is None:
+        return False
+    rc = _RENAMEAT2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(final), _RENAME_NOREPLACE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        _RENAMEAT2 = None  # not supported here: use link + unlink from now on
+        return False
+    raise OSError(err, os.strerror(err), str(final))
+
+
 def publish_file(tmp: Path, final: Path, key: str, *, overwrite: bool) -> None:
     """Atomically give the complete file ``tmp`` its final name ``final``.
 
-    Write-once (``overwrite=False``) uses ``link`` + ``unlink`` so that an existing key is
-    detected atomically and never replaced; ``overwrite=True`` uses ``rename``.
+    Write-once (``overwrite=False``) uses ``renameat2(RENAME_NOREPLACE)`` (or ``link`` +
+    ``unlink`` where unsupported) so that an existing key is detected atomically and never
+    replaced; ``overwrite=True`` uses ``rename``.
 
     Raises
     ------
@@ -42,6 +75,8 @@ def publish_file(tmp: Path, final: Path, key: str, *, overwrite: bool) -> None:
         os.rename(tmp, final)
         return
     try:
+        if _rename_noreplace(tmp, final):
+            return
         os.link(tmp, final)
     except FileExistsError:
         with contextlib.suppress(FileNotFoundError):
@@ -166,7 +201,6 @@ class _PublishingFileIO(io.FileIO):
         fsync: bool,
         on_publish: PublishHook | None,
     ) -> None:
-        final.parent.mkdir(parents=True, exist_ok=True)
         if not overwrite and os.path.exists(final):
             raise KeyExistsError(key)
         self._tmp = tmp_path(final)
@@ -176,7 +210,11 @@ class _PublishingFileIO(io.FileIO):
         self._fsync = fsync
         self._on_publish = on_publish
         self._aborted = False
-        super().__init__(self._tmp, "x+" if readable else "x")
+        try:
+            super().__init__(self._tmp, "x+" if readable else "x")
+        except FileNotFoundError:  # first file of its directory
+            final.parent.mkdir(parents=True, exist_ok=True)
+            super().__init__(self._tmp, "x+" if readable else "x")
 
     @property
     def key(self) -> str:
