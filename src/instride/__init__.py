@@ -94,9 +94,9 @@ def consume_bytes(key: str | os.PathLike[str], timeout: float | None = None) -> 
 def intercept() -> Any:
     """Route ``builtins.open`` / ``io.open`` of managed paths through instride (context manager).
 
-    See :mod:`instride.intercept`.
+    See :mod:`instride.pyopen`.
     """
-    from .intercept import intercept as _intercept
+    from .pyopen import intercept as _intercept
 
     return _intercept()
 

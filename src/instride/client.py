@@ -7,6 +7,8 @@ and only a key owned by another node is transferred.
 
 from __future__ import annotations
 
+import io as _io
+
 import contextlib
 import io
 import mmap
@@ -39,6 +41,8 @@ _ENV_KEYS = (
 )
 _ENV_KEYS_B = tuple(os.fsencode(k) for k in _ENV_KEYS)
 
+_open = _io.open  # the builtin, captured before instride.pyopen may patch it
+
 
 def _env_snapshot() -> tuple[object, ...]:
     data = getattr(os.environ, "_data", None)  # CPython: the bytes-keyed dict behind environ
@@ -49,7 +53,7 @@ def _env_snapshot() -> tuple[object, ...]:
 
 def file_checksum(path: Path) -> str:
     """Return ``"xxh3:<hex>"`` of a file's content (memory-mapped, no copy)."""
-    with open(path, "rb") as fh:
+    with _open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         if size == 0:
             return "xxh3:" + xxhash.xxh3_64_hexdigest(b"")
@@ -226,8 +230,8 @@ class Client:
         newline: str | None,
     ) -> IO[Any]:
         if "b" in mode:
-            return open(path, "rb", buffering=buffering)
-        return open(path, "r", buffering=buffering, encoding=encoding or "utf-8", errors=errors,
+            return _open(path, "rb", buffering=buffering)
+        return _open(path, "r", buffering=buffering, encoding=encoding or "utf-8", errors=errors,
                     newline=newline)
 
     def publish(
@@ -320,7 +324,7 @@ class Client:
             if data is not None:
                 return data
         path = self._consume_key(key, timeout)
-        with open(path, "rb") as fh:
+        with _open(path, "rb") as fh:
             if os.fstat(fh.fileno()).st_size == 0:
                 return memoryview(b"")
             return memoryview(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ))

@@ -38,6 +38,8 @@ Examples
 
 from __future__ import annotations
 
+import io as _io
+
 import mmap
 import os
 import struct
@@ -62,6 +64,8 @@ _LAYOUT_NAMES = {v: k for k, v in LAYOUTS.items()}
 PAPER_DTYPE = np.dtype([("id", "<i4"), ("xyz", "<f8", (3,))])
 assert PAPER_DTYPE.itemsize == 28
 _XYZ32 = np.dtype("<f4")
+
+_open = _io.open  # the builtin, captured before instride.pyopen may patch it
 
 
 def bytes_per_atom(layout: str) -> int:
@@ -201,7 +205,7 @@ def write_frame(
     """
     header, payload = encode_frame(positions, step=step, time=time, box=box, layout=layout, ids=ids)
     if isinstance(dest, (str, os.PathLike)):
-        with open(dest, "wb") as fh:
+        with _open(dest, "wb") as fh:
             fh.write(header)
             fh.write(payload)
     else:
@@ -265,7 +269,7 @@ def read_frame(source: str | os.PathLike[str] | bytes | memoryview | mmap.mmap) 
     """
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
-        with open(path, "rb") as fh:
+        with _open(path, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
             if size < HEADER_SIZE:
                 raise IntegrityError(str(path), f"truncated header ({size} < {HEADER_SIZE} bytes)")
@@ -277,6 +281,6 @@ def read_frame(source: str | os.PathLike[str] | bytes | memoryview | mmap.mmap) 
 def read_header(source: str | os.PathLike[str] | BinaryIO) -> FrameHeader:
     """Read and verify only the header of a frame file (the payload is not read)."""
     if isinstance(source, (str, os.PathLike)):
-        with open(source, "rb") as fh:
+        with _open(source, "rb") as fh:
             return decode_header(fh.read(HEADER_SIZE), os.fspath(source))
     return decode_header(source.read(HEADER_SIZE))

@@ -1,0 +1,78 @@
+"""Build of libinstride_preload.so, the LD_PRELOAD interposition library.
+
+All package metadata lives in pyproject.toml; this file only adds the C build.
+The library is a plain shared object (never imported by Python): it is built
+as a setuptools Extension whose file name is forced to
+``instride/libinstride_preload.so`` and which exports no ``PyInit_`` symbol.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
+
+PRELOAD = "instride.libinstride_preload"
+
+
+class BuildPreload(build_ext):
+    """build_ext that names the preload library exactly libinstride_preload.so."""
+
+    def get_ext_filename(self, fullname: str) -> str:
+        # Called with the dotted name and, by get_ext_fullpath, with its last part.
+        if fullname in (PRELOAD, PRELOAD.rpartition(".")[2]):
+            return os.path.join(*fullname.split(".")) + ".so"
+        return super().get_ext_filename(fullname)
+
+    def get_export_symbols(self, ext: Extension) -> list[str]:
+        if ext.name == PRELOAD:
+            return []
+        return super().get_export_symbols(ext)
+
+
+preload = Extension(
+    PRELOAD,
+    sources=sorted(glob.glob("csrc/preload/*.c")),
+    depends=sorted(glob.glob("csrc/preload/*.h")),
+    include_dirs=["csrc/preload"],
+    extra_compile_args=["-std=c11", "-O2", "-fvisibility=hidden", "-Wall", "-Wextra"],
+    libraries=["dl", "pthread", "m"],
+)
+
+# INSTRIDE_PATCH_OPEN=1 must work for scripts that never import instride: a .pth file at the
+# top of site-packages installs the open() patch at interpreter start-up (it imports nothing
+# unless the variable is set). It is added to regular wheels by build_py and to editable
+# wheels by editable_wheel (which does not copy top-level files of build_lib).
+PTH_SOURCE = os.path.join("src", "instride", "_patch_open.pth")
+PTH_NAME = "instride-patch-open.pth"
+
+
+class BuildPyWithPth(build_py):
+    def run(self) -> None:
+        super().run()
+        self.copy_file(PTH_SOURCE, os.path.join(self.build_lib, PTH_NAME))
+
+    def get_outputs(self, include_bytecode: bool = True) -> list[str]:
+        return [*super().get_outputs(include_bytecode), os.path.join(self.build_lib, PTH_NAME)]
+
+
+cmdclass: dict[str, type] = {"build_ext": BuildPreload, "build_py": BuildPyWithPth}
+
+try:
+    from setuptools.command.editable_wheel import editable_wheel
+
+    class EditableWheelWithPth(editable_wheel):
+        def _run_build_commands(self, dist_name, unpacked_wheel, build_lib, tmp_dir):  # type: ignore[no-untyped-def]
+            result = super()._run_build_commands(dist_name, unpacked_wheel, build_lib, tmp_dir)
+            shutil.copyfile(PTH_SOURCE, os.path.join(unpacked_wheel, PTH_NAME))
+            return result
+
+    cmdclass["editable_wheel"] = EditableWheelWithPth
+except ImportError:  # setuptools < 64: no PEP 660 editable installs
+    pass
+
+setup(ext_modules=[preload], cmdclass=cmdclass)

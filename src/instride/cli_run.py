@@ -1,0 +1,70 @@
+"""``instride run`` and ``instride preload-path``: unmodified programs with the preload library."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+
+def cmd_preload_path(args: argparse.Namespace) -> int:
+    from .preload import preload_path
+
+    print(preload_path())
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .config import Settings
+    from .preload import preload_env
+
+    argv = list(args.cmd)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        print("instride run: error: no command given (instride run -- CMD ARGS...)", file=sys.stderr)
+        return 2
+    extra: dict[str, str] = {}
+    if args.dir:
+        extra["INSTRIDE_DIR"] = os.path.abspath(args.dir)
+    if args.timeout is not None:
+        extra["INSTRIDE_TIMEOUT"] = str(args.timeout)
+    if args.overwrite:
+        extra["INSTRIDE_OVERWRITE"] = "1"
+    if args.patch_python_open:
+        extra["INSTRIDE_PATCH_OPEN"] = "1"
+    env = preload_env(extra)
+    settings = Settings.from_env(env)  # validates the settings before the program starts
+    env["INSTRIDE_DIR"] = str(settings.dir)
+    settings.dir.mkdir(parents=True, exist_ok=True)
+    exe = shutil.which(argv[0], path=env.get("PATH"))
+    if exe is None:
+        print(f"instride run: error: command not found: {argv[0]}", file=sys.stderr)
+        return 127
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(exe, argv, env)  # the program keeps our PID; signals reach it directly
+    return 0  # pragma: no cover
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("preload-path", help="print the path of libinstride_preload.so")
+    p.set_defaults(func=cmd_preload_path)
+
+    p = sub.add_parser(
+        "run",
+        help="run an unmodified program with the preload library",
+        description="Run CMD with libinstride_preload.so preloaded and the instride environment "
+        "set: its opens of files under the managed directory wait for publication (reads) or "
+        "publish on close (writes).",
+    )
+    p.add_argument("--dir", help="managed directory (default: INSTRIDE_DIR)")
+    p.add_argument("--timeout", type=float, help="consume timeout in seconds (INSTRIDE_TIMEOUT)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="let writes replace published keys (INSTRIDE_OVERWRITE=1)")
+    p.add_argument("--patch-python-open", action="store_true",
+                   help="also route Python's open() through instride (INSTRIDE_PATCH_OPEN=1)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
+                   help="the program and its arguments")
+    p.set_defaults(func=cmd_run)
