@@ -24,7 +24,6 @@ import textwrap
 import time
 
 from common import header, save, summary
-
 from instride.cluster import EmulatedCluster
 
 PY = sys.executable
@@ -155,7 +154,7 @@ def stream_run(c: EmulatedCluster, name: str, n: int, atoms: int, gap: float,
     for i, p in enumerate(cons):
         out = p.communicate(timeout=600)[0].splitlines()
         wakes = [int(x) for x in out[1].split()]
-        lat.append([(w - s) / 1e3 for w, s in zip(wakes, starts[i])])
+        lat.append([(w - s) / 1e3 for w, s in zip(wakes, starts[i], strict=False)])
     return time.perf_counter() - t0, lat
 
 
@@ -202,7 +201,7 @@ def main() -> None:
         p = _popen(c, 1, WAKE_PRODUCER, n)
         starts = [int(x) for x in p.communicate(timeout=300)[0].split()]
         wakes = [int(x) for x in w.communicate(timeout=300)[0].split()]
-        s = summary([(a - b) / 1e3 for a, b in zip(wakes, starts)])
+        s = summary([(a - b) / 1e3 for a, b in zip(wakes, starts, strict=True)])
         result["remote_wakeup_us"] = s
         print("\n## publish (node1) -> remote wake-up (node2) through Redis, 1-byte keys")
         print(f"median {s['median']:.0f} µs   p99 {s['p99']:.0f} µs   (n={s['n']}; FACTS.md: Redis RPUSH->BLPOP 158 µs median)")

@@ -91,7 +91,7 @@ def latency(root: Path, n: int, raw: bool) -> list[float]:
         starts.append(t0)
     out, _ = proc.communicate(timeout=120)
     wakes = [int(x) for x in out.split()]
-    return [(w - s) / 1000 for w, s in zip(wakes, starts)]
+    return [(w - s) / 1000 for w, s in zip(wakes, starts, strict=True)]
 
 
 def _time(fn, reps: int) -> float:  # type: ignore[no-untyped-def]

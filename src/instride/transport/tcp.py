@@ -19,6 +19,8 @@ from ..metadata.base import Record
 from . import wire
 
 _CHUNK = 4 << 20
+# Pre-fault the destination's pages in one go instead of one page fault per 4 KiB.
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 def _recv_exact(sock: socket.socket, n: int, key: str) -> bytes:
@@ -136,7 +138,7 @@ class TcpTransport:
                         _verify(record, b"", 0)
                         return
                     os.ftruncate(fd, size)
-                    with mmap.mmap(fd, size) as mm:
+                    with mmap.mmap(fd, size, flags=_MAP_FLAGS) as mm:
                         err = _fill(sock, mm, record.key)
                         if err is None:
                             _verify(record, mm, size)
