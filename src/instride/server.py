@@ -41,8 +41,10 @@ log = logging.getLogger("instride.server")
 
 #: Longest line accepted on the Unix socket.
 MAX_LINE = 4096
-#: Seconds a peer has to send its request header.
+#: Seconds a peer has to send a request header once it started one.
 REQUEST_TIMEOUT = 10.0
+#: Seconds an idle kept-alive peer connection stays open.
+IDLE_TIMEOUT = 300.0
 
 
 class NodeServer:
@@ -63,6 +65,7 @@ class NodeServer:
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="instride")
         self._servers: list[asyncio.base_events.Server] = []
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._idle: set[asyncio.Task[Any]] = set()  # peer connections waiting for a request
         self._stopping = asyncio.Event()
         self.stats = {"fetches": 0, "bytes_sent": 0, "refused": 0, "errors": 0, "local": 0}
 
@@ -91,7 +94,7 @@ class NodeServer:
             self._tasks.add(task)
             try:
                 await handler(reader, writer)
-            except (ConnectionError, asyncio.IncompleteReadError):
+            except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
                 pass
             except Exception:  # never let one client take the server down
                 self.stats["errors"] += 1
@@ -108,6 +111,8 @@ class NodeServer:
         """Stop accepting; wait up to ``grace`` seconds for in-flight requests."""
         for srv in self._servers:
             srv.close()
+        for task in list(self._idle):  # kept-alive connections with nothing in flight
+            task.cancel()
         if self._tasks:
             log.info("waiting for %d in-flight request(s)", len(self._tasks))
             _done, pending = await asyncio.wait(set(self._tasks), timeout=self.grace)
@@ -136,47 +141,63 @@ class NodeServer:
         await writer.drain()
 
     async def _handle_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Serve requests on one connection until the peer closes it, errs, or idles out."""
+        task = asyncio.current_task()
+        while True:
+            self._idle.add(task)  # type: ignore[arg-type]
+            try:
+                prefix = await asyncio.wait_for(reader.readexactly(4), IDLE_TIMEOUT)
+            except (asyncio.IncompleteReadError, asyncio.TimeoutError):
+                return
+            finally:
+                self._idle.discard(task)  # type: ignore[arg-type]
+            if not await self._peer_request(prefix, reader, writer):
+                return
+
+    async def _peer_request(
+        self, prefix: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
+        """Answer one request; return whether the connection may serve another."""
         peer = writer.get_extra_info("peername")
         try:
-            prefix = await asyncio.wait_for(reader.readexactly(4), REQUEST_TIMEOUT)
             n = wire.parse_length(prefix)
             req = wire.parse_header(await asyncio.wait_for(reader.readexactly(n), REQUEST_TIMEOUT))
         except wire.WireError as exc:
             self.stats["refused"] += 1
             log.warning("malformed request from %s: %s", peer, exc)
             await self._reply_error(writer, "WireError", str(exc))
-            return
+            return False
         except asyncio.TimeoutError:
             log.warning("request from %s timed out", peer)
-            return
+            return False
         reason = wire.verify(self.settings.token, req)
         if reason is not None:
             self.stats["refused"] += 1
             log.warning("refused request from %s: %s", peer, reason)
             await self._reply_error(writer, "AuthenticationError", reason)
-            return
+            return False
         op = req.get("op")
         if op == "ping":
             writer.write(wire.pack({"ok": True, "node": self.settings.node}))
             await writer.drain()
-            return
+            return True
         if op != "fetch":
             self.stats["refused"] += 1
             await self._reply_error(writer, "WireError", f"unknown op {op!r}")
-            return
+            return False
         try:
             key = normalize_key(str(req.get("key")), self.settings.dir)
         except InstrideError as exc:
             self.stats["refused"] += 1
             log.warning("refused key from %s: %s", peer, exc)
             await self._reply_error(writer, type(exc).__name__, str(exc))
-            return
+            return False
         path = key_path(key, self.settings.dir)
         try:
             fh = open(path, "rb")  # noqa: SIM115 - closed below, after sendfile
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             await self._reply_error(writer, "KeyNotFoundError", str(KeyNotFoundError(key)))
-            return
+            return False
         with fh:
             size = os.fstat(fh.fileno()).st_size
             writer.write(wire.pack({"ok": True, "key": key, "size": size}))
@@ -187,6 +208,7 @@ class NodeServer:
             self.stats["fetches"] += 1
             self.stats["bytes_sent"] += size
         log.debug("sent %s (%d bytes) to %s", key, size, peer)
+        return True
 
     # ------------------------------------------------------------------ thin clients (Unix)
     async def _handle_local(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

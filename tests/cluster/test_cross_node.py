@@ -69,7 +69,8 @@ GET = """
     import sys, instride
     c = instride.get_client()
     data = instride.open(sys.argv[1], timeout=float(sys.argv[2])).read()
-    print(len(data), data[:8].decode(), c.cluster.transfers if c.cluster else -1)
+    print(len(data), data[:8].decode(errors="replace").split()[0] if data[:8].strip() else "-",
+          c.cluster.transfers if c.cluster else -1)
 """
 
 

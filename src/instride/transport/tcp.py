@@ -1,4 +1,4 @@
-"""TCP transport, client side: one connection per fetch, body received straight into the
+"""TCP transport, client side: kept-alive connections per owner and thread, body received straight into the
 destination file's pages (``recv_into`` a memory map), verified with xxh3 before publication.
 """
 
@@ -8,6 +8,7 @@ import contextlib
 import mmap
 import os
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -92,29 +93,55 @@ class TcpTransport:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self._local = threading.local()  # per thread: owner address -> kept-alive socket
 
-    def _request(self, record: Record, op: str = "fetch") -> tuple[socket.socket, dict[str, Any]]:
+    def _connect(self, record: Record) -> socket.socket:
         host, port = parse_addr(record.owner, "owner")
-        node = record.node or record.owner
         try:
             sock = socket.create_connection((host, port), timeout=self.settings.connect_timeout)
         except OSError as exc:
-            raise PeerUnavailable(f"{node} ({record.owner})", str(exc)) from None
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            header = wire.sign(self.settings.token or "", op, record.key)
-            header["version"] = record.version
-            sock.sendall(wire.pack(header))
-            n = wire.parse_length(_recv_exact(sock, 4, record.key))
-            reply = wire.parse_header(_recv_exact(sock, n, record.key))
-        except (OSError, wire.WireError) as exc:
-            sock.close()
-            if isinstance(exc, TransferError):
+            raise PeerUnavailable(f"{record.node or record.owner} ({record.owner})", str(exc)) from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _pool(self) -> dict[str, socket.socket]:
+        pool = getattr(self._local, "pool", None)
+        if pool is None:
+            pool = self._local.pool = {}
+        return pool
+
+    def _request(self, record: Record, op: str = "fetch") -> tuple[socket.socket, dict[str, Any]]:
+        """Send a signed request and read the reply header, reusing a kept-alive connection.
+
+        The returned socket is positioned at the body; give it back with :meth:`_release` once
+        the body is read completely, or close it.
+        """
+        node = record.node or record.owner
+        pool = self._pool()
+        sock = pool.pop(record.owner, None)
+        reused = sock is not None
+        while True:
+            if sock is None:
+                sock = self._connect(record)
+            try:
+                header = wire.sign(self.settings.token or "", op, record.key)
+                header["version"] = record.version
+                sock.sendall(wire.pack(header))
+                n = wire.parse_length(_recv_exact(sock, 4, record.key))
+                reply = wire.parse_header(_recv_exact(sock, n, record.key))
+                break
+            except (OSError, wire.WireError) as exc:
+                sock.close()
+                sock = None
+                if reused:  # the owner closed an idle connection: retry once on a new one
+                    reused = False
+                    continue
+                if isinstance(exc, TransferError):
+                    raise
+                raise PeerUnavailable(f"{node} ({record.owner})", f"no valid reply: {exc}") from None
+            except BaseException:
+                sock.close()
                 raise
-            raise PeerUnavailable(f"{node} ({record.owner})", f"no valid reply: {exc}") from None
-        except BaseException:
-            sock.close()
-            raise
         if not reply.get("ok"):
             sock.close()
             cls = BY_NAME.get(str(reply.get("error")))
@@ -124,46 +151,67 @@ class TcpTransport:
             raise TransferError(record.key, f"{node} refused: {reply.get('error')}: {message}")
         return sock, reply
 
+    def _release(self, owner: str, sock: socket.socket) -> None:
+        old = self._pool().pop(owner, None)
+        if old is not None:
+            old.close()
+        self._pool()[owner] = sock
+
     def fetch(self, record: Record, dest: Path) -> None:
         """Receive ``record.key`` into the new file ``dest``; remove it on any failure."""
         sock, reply = self._request(record)
         size = int(reply.get("size", -1))
+        complete = False
         try:
-            with sock:
-                if size != record.size:
-                    raise IntegrityError(record.key, f"owner has {size} bytes, record says {record.size}")
-                fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-                try:
-                    if size == 0:
-                        _verify(record, b"", 0)
-                        return
-                    os.ftruncate(fd, size)
-                    with mmap.mmap(fd, size, flags=_MAP_FLAGS) as mm:
-                        err = _fill(sock, mm, record.key)
-                        if err is None:
-                            _verify(record, mm, size)
-                    if err is not None:
-                        raise err
-                    if self.settings.fsync:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
+            if size != record.size:
+                raise IntegrityError(record.key, f"owner has {size} bytes, record says {record.size}")
+            fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                if size == 0:
+                    complete = True
+                    _verify(record, b"", 0)
+                    return
+                os.ftruncate(fd, size)
+                with mmap.mmap(fd, size, flags=_MAP_FLAGS) as mm:
+                    err = _fill(sock, mm, record.key)
+                    if err is None:
+                        complete = True
+                        _verify(record, mm, size)
+                if err is not None:
+                    raise err
+                if self.settings.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(dest)
             raise
+        finally:
+            if complete:
+                self._release(record.owner, sock)
+            else:
+                sock.close()
 
     def fetch_bytes(self, record: Record) -> bytearray:
         """Receive ``record.key`` into memory and verify it."""
         sock, reply = self._request(record)
-        with sock:
+        try:
             size = int(reply.get("size", -1))
             if size != record.size:
                 raise IntegrityError(record.key, f"owner has {size} bytes, record says {record.size}")
             buf = bytearray(size)
             _recv_into(sock, memoryview(buf), record.key)
-            _verify(record, buf, size)
-            return buf
+        except BaseException:
+            sock.close()
+            raise
+        self._release(record.owner, sock)
+        _verify(record, buf, size)
+        return buf
 
     def close(self) -> None:
-        pass
+        """Close this thread's kept-alive connections."""
+        pool = self._pool()
+        for sock in pool.values():
+            sock.close()
+        pool.clear()
