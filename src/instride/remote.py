@@ -39,6 +39,9 @@ class RemoteStore:
         self.lock_dir = settings.internal_dir / "locks"
         #: number of transfers this process made (for tests and benchmarks)
         self.transfers = 0
+        #: seconds spent by the last :meth:`consume` waiting for the record, receiving and
+        #: verifying the bytes, and storing them (publication under the key + cache index)
+        self.last_timing = {"wait": 0.0, "fetch": 0.0, "store": 0.0}
 
     # ------------------------------------------------------------------ cache index
     def _sidecar(self, key: str) -> Path:
@@ -131,10 +134,12 @@ class RemoteStore:
     def consume(self, key: str, timeout: float | None) -> Path:
         """Make ``key`` local (waiting and fetching as needed) and return its path."""
         path = key_path(key, self.root)
+        timing = self.last_timing = {"wait": 0.0, "fetch": 0.0, "store": 0.0}
         if self._current(key, path):
             return path
         start = time.monotonic()
         record = self.metadata.wait_any([key], timeout)
+        timing["wait"] = time.monotonic() - start
         if record.owner == self.settings.addr:
             # Published by a process of this node: the original is (about to be) here.
             remaining = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
@@ -150,6 +155,7 @@ class RemoteStore:
     def _fetch(self, record: Record, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         staged = tmp_path(path)
+        t0 = time.monotonic()
         for attempt in range(2):
             try:
                 self.transport.fetch(record, staged)
@@ -165,10 +171,13 @@ class RemoteStore:
                         continue
                 raise
         self.transfers += 1
+        t1 = time.monotonic()
         # Record the version first, then publish the bytes: a reader that sees the new file
         # always finds a sidecar at least as new.
         self._remember(record)
         local.publish_file(staged, path, record.key, overwrite=True)
+        self.last_timing["fetch"] = t1 - t0
+        self.last_timing["store"] = time.monotonic() - t1
 
     def consume_bytes(self, key: str, timeout: float | None) -> memoryview | None:
         """Content of a key owned elsewhere, received into memory; ``None`` if it is local."""
