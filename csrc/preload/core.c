@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <stdint.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 
@@ -36,14 +37,52 @@ int ins_table_any(void)
     return atomic_load_explicit(&ins_table_count, memory_order_acquire) > 0;
 }
 
+/* Internal fds (a thread's cached inotify fd) are marked with this sentinel,
+ * so that the application closing or reusing their number is noticed. */
+#define INS_INTERNAL ((struct ins_file *)(uintptr_t)1)
+
+int ins_table_occupied(int fd)
+{
+    if (fd < 0 || (size_t)fd >= ins_table_size || ins_table == NULL)
+        return 0;
+    return atomic_load_explicit(&ins_table[fd], memory_order_acquire) != NULL;
+}
+
 struct ins_file *ins_table_peek(int fd)
 {
     if (fd < 0 || (size_t)fd >= ins_table_size || ins_table == NULL)
         return NULL;
-    return atomic_load_explicit(&ins_table[fd], memory_order_acquire);
+    struct ins_file *f = atomic_load_explicit(&ins_table[fd], memory_order_acquire);
+    return f == INS_INTERNAL ? NULL : f;
 }
 
-static struct ins_file *ins_table_take_locked(int fd, int *last)
+int ins_table_is_internal(int fd)
+{
+    if (fd < 0 || (size_t)fd >= ins_table_size || ins_table == NULL)
+        return 0;
+    return atomic_load_explicit(&ins_table[fd], memory_order_acquire) == INS_INTERNAL;
+}
+
+int ins_table_mark_internal(int fd, int on)
+{
+    if (fd < 0 || (size_t)fd >= ins_table_size || ins_table == NULL)
+        return -1;
+    int last = 0;
+    ins_table_lock();
+    struct ins_file *stale = ins_table_take_locked(fd, &last);
+    if (on) {
+        atomic_store_explicit(&ins_table[fd], INS_INTERNAL, memory_order_release);
+        atomic_fetch_add(&ins_table_count, 1);
+    }
+    ins_table_unlock();
+    if (stale && last)
+        ins_file_discard(stale);
+    return 0;
+}
+
+size_t ins_table_capacity(void) { return ins_table == NULL ? 0 : ins_table_size; }
+
+struct ins_file *ins_table_take_locked(int fd, int *last)
 {
     *last = 0;
     if (fd < 0 || (size_t)fd >= ins_table_size || ins_table == NULL)
@@ -53,6 +92,8 @@ static struct ins_file *ins_table_take_locked(int fd, int *last)
         return NULL;
     atomic_store_explicit(&ins_table[fd], NULL, memory_order_release);
     atomic_fetch_sub(&ins_table_count, 1);
+    if (f == INS_INTERNAL) /* our internal fd is being closed / reused by the app */
+        return NULL;
     *last = atomic_fetch_sub(&f->refs, 1) == 1;
     return f;
 }
@@ -88,6 +129,10 @@ void ins_table_dup_locked(int oldfd, int newfd)
     struct ins_file *f = ins_table_peek(oldfd);
     if (f == NULL || newfd < 0 || (size_t)newfd >= ins_table_size)
         return;
+    int last = 0;
+    struct ins_file *stale = ins_table_take_locked(newfd, &last); /* closed behind our back */
+    if (stale != NULL && last)
+        ins_file_discard(stale);
     atomic_fetch_add(&f->refs, 1);
     atomic_store_explicit(&ins_table[newfd], f, memory_order_release);
     atomic_fetch_add(&ins_table_count, 1);
@@ -98,7 +143,7 @@ void ins_table_dup_locked(int oldfd, int newfd)
  * removed, nothing is published: we cannot know it was complete). */
 void ins_fd_reused(int fd)
 {
-    if (fd < 0 || !ins_table_any() || ins_table_peek(fd) == NULL)
+    if (fd < 0 || !ins_table_any() || !ins_table_occupied(fd))
         return;
     int saved = errno, last = 0;
     struct ins_file *f = ins_table_take(fd, &last);
@@ -160,21 +205,17 @@ void ins_maybe_fsync(int fd)
 
 static void ins_atfork_prepare(void) { pthread_mutex_lock(&ins_table_mu); }
 static void ins_atfork_parent(void) { pthread_mutex_unlock(&ins_table_mu); }
-static void ins_atfork_child(void) { pthread_mutex_unlock(&ins_table_mu); }
-
-/* At exit, temp files of files this process never closed are removed: a file
- * is published by its close, never by the exit of its producer. */
-__attribute__((destructor)) static void ins_fini(void)
+static void ins_atfork_child(void)
 {
-    if (!ins_table_any())
-        return;
-    pid_t me = getpid();
-    for (size_t i = 0; i < ins_table_size; i++) {
-        struct ins_file *f = atomic_load_explicit(&ins_table[i], memory_order_acquire);
-        if (f != NULL && f->pid == me)
-            unlink(f->tmp);
-    }
+    pthread_mutex_unlock(&ins_table_mu);
+    ins_inotify_forget(); /* the inotify instance is shared with the parent now */
 }
+
+/* No destructor removes the temps of files still open at exit: language
+ * runtimes (libgfortran, ...) close their units from their own destructors,
+ * possibly after ours, and those closes must still publish. A file that is
+ * never closed is never published; its temp (named with the pid) is left for
+ * `instride gc`. */
 
 /* ---- paths --------------------------------------------------------------- */
 
@@ -278,12 +319,34 @@ static int ins_reserved(const char *key)
     }
 }
 
+/* An absolute path with no "//", "/./" or "/../" is its own normal form. */
+static int ins_clean_abs(const char *p)
+{
+    for (const char *s = p; (s = strchr(s, '/')) != NULL; s++) {
+        if (s[1] == '/')
+            return 0;
+        if (s[1] == '.' && (s[2] == '/' || s[2] == '\0' ||
+                            (s[2] == '.' && (s[3] == '/' || s[3] == '\0'))))
+            return 0;
+    }
+    return 1;
+}
+
+static int ins_prefix(const char *p, const char *dir, size_t dir_len)
+{
+    return dir_len > 0 && strncmp(p, dir, dir_len) == 0 && (p[dir_len] == '/' || dir_len == 1);
+}
+
 int ins_classify(int dirfd, const char *path, struct ins_path *out)
 {
     if (path == NULL || path[0] == '\0' || ins_cfg.dir_len == 0)
         return INS_UNMANAGED;
     size_t len = strlen(path);
     if (path[len - 1] == '/') /* "key/" names a directory, never a key */
+        return INS_UNMANAGED;
+    /* Fast path: most paths are absolute, clean and elsewhere: no copy. */
+    if (path[0] == '/' && !ins_prefix(path, ins_cfg.dir, ins_cfg.dir_len) &&
+        !ins_prefix(path, ins_cfg.dir_real, ins_cfg.dir_real_len) && ins_clean_abs(path))
         return INS_UNMANAGED;
     if (ins_absolute(dirfd, path, out->abs) != 0)
         return INS_UNMANAGED;
@@ -318,7 +381,7 @@ static void ins_read_config(void)
     } else {
         struct stat st;
         unsigned uid = (unsigned)getuid();
-        if (stat("/dev/shm", &st) == 0 && S_ISDIR(st.st_mode) && access("/dev/shm", W_OK) == 0) {
+        if (stat("/dev/shm", &st) == 0 && S_ISDIR(st.st_mode) && access("/dev/shm", W_OK | X_OK) == 0) {
             snprintf(buf, sizeof buf, "/dev/shm/instride-%u", uid);
         } else {
             const char *t = getenv("TMPDIR");
@@ -407,6 +470,7 @@ static void ins_init_once(void)
 #undef INS_RESOLVE
     ins_read_config();
     ins_alloc_table();
+    ins_inotify_setup();
     pthread_atfork(ins_atfork_prepare, ins_atfork_parent, ins_atfork_child);
     ins_busy = 0;
     atomic_store_explicit(&ins_ready, 1, memory_order_release);

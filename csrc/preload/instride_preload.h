@@ -144,7 +144,12 @@ struct ins_file {
 INS_HIDDEN struct ins_file *ins_file_new(const char *tmp, const struct ins_path *final);
 INS_HIDDEN int ins_table_put(int fd, struct ins_file *f);     /* -1/EMFILE if fd too big */
 INS_HIDDEN struct ins_file *ins_table_peek(int fd);           /* lock-free, no ref */
+INS_HIDDEN int ins_table_occupied(int fd);   /* a produced file or an internal fd */
+INS_HIDDEN int ins_table_is_internal(int fd);
+INS_HIDDEN int ins_table_mark_internal(int fd, int on);
 INS_HIDDEN struct ins_file *ins_table_take(int fd, int *last); /* detach fd */
+INS_HIDDEN struct ins_file *ins_table_take_locked(int fd, int *last);
+INS_HIDDEN size_t ins_table_capacity(void);
 INS_HIDDEN void ins_table_lock(void);
 INS_HIDDEN void ins_table_unlock(void);
 INS_HIDDEN void ins_table_dup_locked(int oldfd, int newfd); /* newfd now shares oldfd's file */
@@ -176,6 +181,11 @@ INS_HIDDEN int ins_temp_name(const struct ins_path *p, char tmp[PATH_MAX]);
  * cluster mode. The temp never survives: on failure it is unlinked. */
 INS_HIDDEN int ins_publish(const char *tmp, const struct ins_path *p, int noreplace);
 
+/* Per-thread cached inotify fd (closing an inotify fd costs an RCU grace
+ * period, milliseconds: it is kept for the thread's life and reused). */
+INS_HIDDEN void ins_inotify_setup(void);  /* once, at init */
+INS_HIDDEN void ins_inotify_forget(void); /* in a forked child */
+
 /* Create the parent directories of an absolute path (mkdir -p of dirname). */
 INS_HIDDEN int ins_mkdir_parents(const char *abs);
 
@@ -188,6 +198,9 @@ INS_HIDDEN int ins_open_managed(const struct ins_path *p, int flags, mode_t mode
 
 /* Send PUBLISH <key> to the node's server (cluster mode only; no-op otherwise). */
 INS_HIDDEN int ins_notify_publish(const struct ins_path *p);
+
+/* fsync the directory holding abs (for INSTRIDE_FSYNC=1). */
+INS_HIDDEN void ins_fsync_dir_of(const char *abs);
 
 /* fsync an fd via the real syscall if INSTRIDE_FSYNC=1 (errors ignored). */
 INS_HIDDEN void ins_maybe_fsync(int fd);

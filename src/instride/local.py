@@ -14,8 +14,10 @@ import ctypes
 import errno
 import io
 import os
+import threading
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -85,6 +87,49 @@ def publish_file(tmp: Path, final: Path, key: str, *, overwrite: bool) -> None:
     os.unlink(tmp)
 
 
+class _Watcher(threading.local):
+    """One inotify instance per thread, kept for the life of the thread.
+
+    Closing an inotify descriptor waits for an RCU grace period (milliseconds on some
+    kernels), so waits reuse one instance and its directory watches instead of making and
+    closing one each time. Watches are bounded; stale events of other files are ignored.
+    """
+
+    MAX_WATCHES = 256
+
+    def __init__(self) -> None:
+        self.ino: INotify | None = None
+        self.pid = 0
+        self.wds: OrderedDict[Path, int] = OrderedDict()
+
+    def get(self) -> INotify:
+        if self.ino is None or self.pid != os.getpid():  # new thread, or a forked child
+            self.ino = INotify()
+            self.pid = os.getpid()
+            self.wds.clear()
+        return self.ino
+
+    def watch(self, directory: Path) -> None:
+        ino = self.get()
+        if directory in self.wds:
+            self.wds.move_to_end(directory)
+            return
+        directory.mkdir(parents=True, exist_ok=True)
+        self.wds[directory] = ino.add_watch(directory, _WATCH)
+        while len(self.wds) > self.MAX_WATCHES:
+            _old, wd = self.wds.popitem(last=False)
+            with contextlib.suppress(OSError):
+                ino.rm_watch(wd)
+
+    def forget(self, wd: int) -> None:
+        for directory, w in list(self.wds.items()):
+            if w == wd:
+                del self.wds[directory]
+
+
+_watcher = _Watcher()
+
+
 def wait_any(
     paths: Sequence[Path],
     timeout: float | None,
@@ -112,35 +157,34 @@ def wait_any(
             return path
     start = time.monotonic()
     names = {p.name for p in paths}
-    dirs = {p.parent for p in paths}
-    with INotify() as ino:
-        for directory in dirs:
-            directory.mkdir(parents=True, exist_ok=True)
-            ino.add_watch(directory, _WATCH)
+    dirs = list(dict.fromkeys(p.parent for p in paths))
+    ino = _watcher.get()
+    while True:
+        for directory in dirs:  # (re-)arm; a removed directory was forgotten on IN_IGNORED
+            _watcher.watch(directory)
+        # Re-check after arming: a publication between the first check and the watch
+        # produced no event we could see.
+        for path in paths:
+            if os.path.exists(path):
+                return path
         while True:
-            # Re-check after arming: a publication between the first check and the watch
-            # produced no event we could see.
-            for path in paths:
-                if os.path.exists(path):
-                    return path
-            while True:
-                if timeout is None:
-                    wait_ms = None
-                else:
-                    remaining = timeout - (time.monotonic() - start)
-                    if remaining <= 0:
-                        raise ConsumeTimeout(label, time.monotonic() - start)
-                    wait_ms = max(1, int(remaining * 1000))
-                events = ino.read(timeout=wait_ms)
-                if any(
-                    ev.name in names or ev.mask & (inflags.Q_OVERFLOW | inflags.IGNORED)
-                    for ev in events
-                ):
-                    break
-            for directory in dirs:  # a watched directory may have been removed and re-made
-                if not directory.is_dir():
-                    directory.mkdir(parents=True, exist_ok=True)
-                    ino.add_watch(directory, _WATCH)
+            if timeout is None:
+                wait_ms = None
+            else:
+                remaining = timeout - (time.monotonic() - start)
+                if remaining <= 0:
+                    raise ConsumeTimeout(label, time.monotonic() - start)
+                wait_ms = max(1, int(remaining * 1000))
+            events = ino.read(timeout=wait_ms)
+            wake = False
+            for ev in events:
+                if ev.mask & inflags.IGNORED:  # a watched directory went away
+                    _watcher.forget(ev.wd)
+                    wake = True
+                elif ev.name in names or ev.mask & inflags.Q_OVERFLOW:
+                    wake = True
+            if wake:
+                break
 
 
 def iter_tmp_files(root: Path) -> Iterable[tuple[Path, int]]:

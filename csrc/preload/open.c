@@ -1,0 +1,164 @@
+/*
+ * open.c -- open, open64, openat, openat64, their fortified variants
+ * (__open_2 ...), creat and creat64.
+ *
+ * For a key under the managed directory: a read consumes first, then opens the
+ * final (or, in cluster mode, the server-given) path; a write opens a fresh
+ * temp file in the key's directory and registers it, to be published on its
+ * last close. Every other path goes to libc unchanged.
+ */
+#include "instride_preload.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define INS_NEEDS_MODE(flags) (((flags) & O_CREAT) != 0 || ((flags) & O_TMPFILE) == O_TMPFILE)
+
+#define INS_GET_MODE(flags, last, mode)                                             \
+    do {                                                                            \
+        if (INS_NEEDS_MODE(flags)) {                                                \
+            va_list ap_;                                                            \
+            va_start(ap_, last);                                                    \
+            mode = (mode_t)va_arg(ap_, unsigned int);                               \
+            va_end(ap_);                                                            \
+        }                                                                           \
+    } while (0)
+
+/* Is this open ours? O_DIRECTORY / O_PATH opens never are. */
+static inline int ins_intercept(int dirfd, const char *path, int flags, struct ins_path *p)
+{
+    if (ins_busy || (flags & (O_DIRECTORY | O_PATH)))
+        return 0;
+    return ins_classify(dirfd, path, p) == INS_MANAGED;
+}
+
+static inline int ins_passed(int fd)
+{
+    if (fd >= 0 && ins_table_any())
+        ins_fd_reused(fd);
+    return fd;
+}
+
+int ins_open_managed(const struct ins_path *p, int flags, mode_t mode)
+{
+    int saved = errno;
+    enum ins_open_kind kind = ins_open_kind(flags);
+    if (kind == INS_OPEN_REFUSE) {
+        errno = EPERM; /* published keys are immutable; no append / in-place update */
+        return -1;
+    }
+    if (kind == INS_OPEN_READ && !ins_cfg.cluster && !(flags & O_CREAT)) {
+        /* A key is published atomically: if it opens, it is complete. Only a
+         * missing key costs more than the open itself. */
+        int fd = ins_real_open(p->abs, flags, mode);
+        if (fd >= 0 || errno != ENOENT)
+            return ins_passed(fd);
+        errno = saved;
+    }
+    ins_busy = 1;
+    if (kind == INS_OPEN_READ) {
+        char open_path[PATH_MAX];
+        int rc = ins_consume(p, open_path);
+        ins_busy = 0;
+        if (rc != 0)
+            return -1;
+        errno = saved;
+        return ins_passed(ins_real_open(open_path, flags, mode));
+    }
+
+    char tmp[PATH_MAX];
+    int fd = -1;
+    if (ins_prepare_write(p, flags, &mode, tmp) == 0) {
+        int tflags = (flags & ~O_TRUNC) | O_CREAT | O_EXCL;
+        for (int tries = 0; tries < 8; tries++) {
+            fd = ins_real_open(tmp, tflags, mode);
+            if (fd >= 0 || errno != EEXIST || ins_temp_name(p, tmp) != 0)
+                break;
+        }
+    }
+    if (fd < 0) {
+        ins_busy = 0;
+        return -1;
+    }
+    ins_passed(fd);
+    struct ins_file *f = ins_file_new(tmp, p);
+    if (f == NULL || ins_table_put(fd, f) != 0) {
+        int e = f == NULL ? ENOMEM : errno;
+        ins_real_close(fd);
+        unlink(tmp);
+        free(f);
+        ins_busy = 0;
+        errno = e;
+        return -1;
+    }
+    ins_busy = 0;
+    errno = saved;
+    return fd;
+}
+
+#define INS_OPEN_WRAPPER(name)                                                      \
+    INS_WRAPPER(int, name, (const char *path, int flags, ...))                      \
+    {                                                                               \
+        mode_t mode = 0;                                                            \
+        INS_GET_MODE(flags, flags, mode);                                           \
+        INS_MAP_OR_FAIL(name, -1);                                                  \
+        struct ins_path p;                                                          \
+        if (!ins_intercept(AT_FDCWD, path, flags, &p))                              \
+            return ins_passed(ins_real_##name(path, flags, mode));                  \
+        return ins_open_managed(&p, flags, mode);                                   \
+    }
+
+#define INS_OPENAT_WRAPPER(name)                                                    \
+    INS_WRAPPER(int, name, (int dirfd, const char *path, int flags, ...))           \
+    {                                                                               \
+        mode_t mode = 0;                                                            \
+        INS_GET_MODE(flags, flags, mode);                                           \
+        INS_MAP_OR_FAIL(name, -1);                                                  \
+        struct ins_path p;                                                          \
+        if (!ins_intercept(dirfd, path, flags, &p))                                 \
+            return ins_passed(ins_real_##name(dirfd, path, flags, mode));           \
+        return ins_open_managed(&p, flags, mode);                                   \
+    }
+
+/* Fortified variants: glibc calls them when flags are not a compile-time
+ * constant; they take no mode (O_CREAT is a fatal error there). */
+#define INS_OPEN2_WRAPPER(name)                                                     \
+    INS_WRAPPER(int, name, (const char *path, int flags))                           \
+    {                                                                               \
+        INS_MAP_OR_FAIL(name, -1);                                                  \
+        struct ins_path p;                                                          \
+        if (INS_NEEDS_MODE(flags) || !ins_intercept(AT_FDCWD, path, flags, &p))     \
+            return ins_passed(ins_real_##name(path, flags));                        \
+        return ins_open_managed(&p, flags, 0);                                      \
+    }
+
+#define INS_OPENAT2_WRAPPER(name)                                                   \
+    INS_WRAPPER(int, name, (int dirfd, const char *path, int flags))                \
+    {                                                                               \
+        INS_MAP_OR_FAIL(name, -1);                                                  \
+        struct ins_path p;                                                          \
+        if (INS_NEEDS_MODE(flags) || !ins_intercept(dirfd, path, flags, &p))        \
+            return ins_passed(ins_real_##name(dirfd, path, flags));                 \
+        return ins_open_managed(&p, flags, 0);                                      \
+    }
+
+#define INS_CREAT_WRAPPER(name)                                                     \
+    INS_WRAPPER(int, name, (const char *path, mode_t mode))                         \
+    {                                                                               \
+        INS_MAP_OR_FAIL(name, -1);                                                  \
+        struct ins_path p;                                                          \
+        if (!ins_intercept(AT_FDCWD, path, O_CREAT | O_WRONLY | O_TRUNC, &p))       \
+            return ins_passed(ins_real_##name(path, mode));                         \
+        return ins_open_managed(&p, O_CREAT | O_WRONLY | O_TRUNC, mode);            \
+    }
+
+INS_OPEN_WRAPPER(open)
+INS_OPEN_WRAPPER(open64)
+INS_OPENAT_WRAPPER(openat)
+INS_OPENAT_WRAPPER(openat64)
+INS_OPEN2_WRAPPER(__open_2)
+INS_OPEN2_WRAPPER(__open64_2)
+INS_OPENAT2_WRAPPER(__openat_2)
+INS_OPENAT2_WRAPPER(__openat64_2)
+INS_CREAT_WRAPPER(creat)
+INS_CREAT_WRAPPER(creat64)

@@ -1,0 +1,594 @@
+/*
+ * calls.c -- exercises every call libinstride_preload.so wraps, one scenario
+ * per invocation:  calls <scenario> <managed_dir> <outside_dir>
+ * Run with LD_PRELOAD set. Prints "PASS <scenario>" and exits 0, or prints the
+ * failed check and exits 1. The pytest side re-checks the results on disk
+ * without the shim.
+ */
+#define _GNU_SOURCE 1
+#include <dirent.h>
+#include <pthread.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static const char *M, *OUT;
+static int failures;
+
+#define CHECK(cond)                                                                 \
+    do {                                                                            \
+        if (!(cond)) {                                                              \
+            fprintf(stderr, "FAIL %s:%d: %s (errno=%d %s)\n", __FILE__, __LINE__, #cond, \
+                    errno, strerror(errno));                                        \
+            failures++;                                                             \
+            return;                                                                 \
+        }                                                                           \
+    } while (0)
+
+static char *mp(const char *key)
+{
+    static char bufs[8][4096];
+    static int i;
+    char *b = bufs[i++ % 8];
+    snprintf(b, 4096, "%s/%s", M, key);
+    return b;
+}
+
+static char *op(const char *name)
+{
+    static char bufs[8][4096];
+    static int i;
+    char *b = bufs[i++ % 8];
+    snprintf(b, 4096, "%s/%s", OUT, name);
+    return b;
+}
+
+static int exists(const char *p)
+{
+    struct stat st;
+    return stat(p, &st) == 0;
+}
+
+/* Number of instride temp files left in the directory of path. */
+static int temps_in(const char *dir)
+{
+    DIR *d = opendir(dir);
+    int n = 0;
+    if (d == NULL)
+        return 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL)
+        if (strstr(e->d_name, ".instride-") != NULL)
+            n++;
+    closedir(d);
+    return n;
+}
+
+static int read_all(int fd, char *buf, size_t cap)
+{
+    size_t got = 0;
+    for (;;) {
+        ssize_t n = read(fd, buf + got, cap - 1 - got);
+        if (n < 0)
+            return -1;
+        if (n == 0)
+            break;
+        got += (size_t)n;
+    }
+    buf[got] = '\0';
+    return (int)got;
+}
+
+static int file_is(const char *path, const char *want)
+{
+    char buf[4096];
+    int fd = open(path, O_RDONLY);
+    if (fd < 0)
+        return 0;
+    int n = read_all(fd, buf, sizeof buf);
+    close(fd);
+    return n >= 0 && strcmp(buf, want) == 0;
+}
+
+static int wr(int fd, const char *s) { return write(fd, s, strlen(s)) == (ssize_t)strlen(s); }
+
+/* ---- scenarios ----------------------------------------------------------- */
+
+static void t_open(void)
+{
+    const char *f = mp("open/a.txt");
+    errno = 12345;
+    int fd = open(f, O_WRONLY | O_CREAT | O_TRUNC, 0640);
+    CHECK(fd >= 0);
+    CHECK(errno == 12345); /* errno preserved on success */
+    CHECK(wr(fd, "via open\n"));
+    CHECK(!exists(f)); /* not visible before close */
+    CHECK(temps_in(mp("open")) == 1);
+    errno = 54321;
+    CHECK(close(fd) == 0);
+    CHECK(errno == 54321);
+    CHECK(exists(f));
+    CHECK(temps_in(mp("open")) == 0);
+    struct stat st;
+    CHECK(stat(f, &st) == 0 && (st.st_mode & 0777) == (0640 & ~022 & 0777));
+    CHECK(file_is(f, "via open\n"));
+}
+
+static void t_open64(void)
+{
+    const char *f = mp("open64/a.txt");
+    int fd = open64(f, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    CHECK(fd >= 0);
+    CHECK(wr(fd, "via open64\n"));
+    CHECK(!exists(f));
+    CHECK(close(fd) == 0);
+    int rfd = open64(f, O_RDONLY);
+    CHECK(rfd >= 0);
+    char buf[64];
+    CHECK(read_all(rfd, buf, sizeof buf) == 11 && strcmp(buf, "via open64\n") == 0);
+    CHECK(close(rfd) == 0);
+}
+
+static void t_openat(void)
+{
+    CHECK(mkdir(M, 0777) == 0 || errno == EEXIST);
+    int dfd = open(M, O_RDONLY | O_DIRECTORY);
+    CHECK(dfd >= 0);
+    int fd = openat(dfd, "openat/a.txt", O_WRONLY | O_CREAT | O_EXCL, 0644);
+    CHECK(fd >= 0);
+    CHECK(wr(fd, "via openat\n"));
+    CHECK(!exists(mp("openat/a.txt")));
+    CHECK(close(fd) == 0);
+    CHECK(file_is(mp("openat/a.txt"), "via openat\n"));
+    int rfd = openat(dfd, "openat/../openat/./a.txt", O_RDONLY);
+    CHECK(rfd >= 0);
+    char buf[64];
+    CHECK(read_all(rfd, buf, sizeof buf) > 0 && strcmp(buf, "via openat\n") == 0);
+    close(rfd);
+    close(dfd);
+}
+
+static void t_openat64(void)
+{
+    int fd = openat64(AT_FDCWD, mp("openat64/a.txt"), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    CHECK(fd >= 0);
+    CHECK(wr(fd, "via openat64\n"));
+    CHECK(!exists(mp("openat64/a.txt")));
+    CHECK(close(fd) == 0);
+    CHECK(file_is(mp("openat64/a.txt"), "via openat64\n"));
+}
+
+static void t_relative(void)
+{
+    CHECK(mkdir(M, 0777) == 0 || errno == EEXIST);
+    CHECK(chdir(M) == 0);
+    int fd = open("rel/./x/../a.txt", O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    CHECK(fd >= 0);
+    CHECK(wr(fd, "relative\n"));
+    CHECK(!exists("rel/a.txt"));
+    CHECK(close(fd) == 0);
+    CHECK(file_is(mp("rel/a.txt"), "relative\n"));
+}
+
+static void t_creat(void)
+{
+    int fd = creat(mp("creat/a.txt"), 0644);
+    CHECK(fd >= 0);
+    CHECK(wr(fd, "via creat\n"));
+    CHECK(!exists(mp("creat/a.txt")));
+    CHECK(close(fd) == 0);
+    CHECK(file_is(mp("creat/a.txt"), "via creat\n"));
+    fd = creat64(mp("creat/b.txt"), 0644);
+    CHECK(fd >= 0);
+    CHECK(wr(fd, "via creat64\n"));
+    CHECK(!exists(mp("creat/b.txt")));
+    CHECK(close(fd) == 0);
+    CHECK(file_is(mp("creat/b.txt"), "via creat64\n"));
+}
+
+static void t_fopen(void)
+{
+    FILE *fp = fopen(mp("fopen/a.txt"), "w");
+    CHECK(fp != NULL);
+    CHECK(fprintf(fp, "via fopen %d\n", 42) > 0);
+    CHECK(fflush(fp) == 0);
+    CHECK(!exists(mp("fopen/a.txt")));
+    CHECK(fclose(fp) == 0);
+    CHECK(file_is(mp("fopen/a.txt"), "via fopen 42\n"));
+    fp = fopen64(mp("fopen/b.txt"), "wbx");
+    CHECK(fp != NULL);
+    CHECK(fputs("via fopen64\n", fp) >= 0);
+    CHECK(!exists(mp("fopen/b.txt")));
+    CHECK(fclose(fp) == 0);
+    char line[64];
+    fp = fopen(mp("fopen/b.txt"), "rb");
+    CHECK(fp != NULL);
+    CHECK(fgets(line, sizeof line, fp) != NULL && strcmp(line, "via fopen64\n") == 0);
+    CHECK(fclose(fp) == 0);
+    /* w+: write then read back through the same stream, then publish */
+    fp = fopen(mp("fopen/c.txt"), "w+");
+    CHECK(fp != NULL);
+    CHECK(fputs("w+ data\n", fp) >= 0);
+    rewind(fp);
+    CHECK(fgets(line, sizeof line, fp) != NULL && strcmp(line, "w+ data\n") == 0);
+    CHECK(fclose(fp) == 0);
+    CHECK(file_is(mp("fopen/c.txt"), "w+ data\n"));
+}
+
+static void t_freopen(void)
+{
+    FILE *fp = fopen(op("freopen-start.txt"), "w");
+    CHECK(fp != NULL);
+    fp = freopen(mp("freopen/a.txt"), "w", fp);
+    CHECK(fp != NULL);
+    CHECK(fputs("via freopen\n", fp) >= 0);
+    CHECK(!exists(mp("freopen/a.txt")));
+    /* reopening the stream closes (publishes) the key, and consumes the next */
+    fp = freopen(mp("freopen/a.txt"), "r", fp);
+    CHECK(fp != NULL);
+    char line[64];
+    CHECK(fgets(line, sizeof line, fp) != NULL && strcmp(line, "via freopen\n") == 0);
+    CHECK(fclose(fp) == 0);
+    fp = fopen(op("freopen-start2.txt"), "w");
+    CHECK(fp != NULL);
+    fp = freopen64(mp("freopen/b.txt"), "w", fp);
+    CHECK(fp != NULL);
+    CHECK(fputs("via freopen64\n", fp) >= 0);
+    CHECK(fclose(fp) == 0);
+    CHECK(file_is(mp("freopen/b.txt"), "via freopen64\n"));
+}
+
+static void t_dup(void)
+{
+    const char *f = mp("dup/a.txt");
+    int fd = open(f, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    CHECK(fd >= 0);
+    int d1 = dup(fd);
+    CHECK(d1 >= 0);
+    int d2 = dup2(fd, 100);
+    CHECK(d2 == 100);
+    int d3 = dup3(fd, 101, O_CLOEXEC);
+    CHECK(d3 == 101);
+    int d4 = fcntl(fd, F_DUPFD, 200);
+    CHECK(d4 >= 200);
+    int d5 = fcntl(fd, F_DUPFD_CLOEXEC, 300);
+    CHECK(d5 >= 300);
+    CHECK(wr(fd, "a"));
+    CHECK(wr(d1, "b"));
+    CHECK(wr(d2, "c"));
+    CHECK(wr(d3, "d"));
+    CHECK(wr(d4, "e"));
+    CHECK(wr(d5, "f"));
+    CHECK(close(fd) == 0);
+    CHECK(!exists(f));
+    CHECK(close(d1) == 0);
+    CHECK(close(d2) == 0);
+    CHECK(close(d3) == 0);
+    CHECK(close(d4) == 0);
+    CHECK(!exists(f));
+    CHECK(close(d5) == 0); /* the last close publishes */
+    CHECK(exists(f));
+    CHECK(file_is(f, "abcdef"));
+
+    /* dup2 over a produced fd is that fd's close: it publishes */
+    const char *g = mp("dup/b.txt");
+    int gfd = open(g, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    CHECK(gfd >= 0);
+    CHECK(wr(gfd, "dup2 victim"));
+    int nul = open("/dev/null", O_WRONLY);
+    CHECK(nul >= 0);
+    CHECK(dup2(nul, gfd) == gfd);
+    CHECK(file_is(g, "dup2 victim"));
+    CHECK(close(gfd) == 0);
+    CHECK(close(nul) == 0);
+}
+
+static void t_rdwr(void)
+{
+    const char *f = mp("rdwr/a.bin");
+    int fd = open(f, O_RDWR | O_CREAT, 0644);
+    CHECK(fd >= 0);
+    CHECK(wr(fd, "read me back"));
+    CHECK(lseek(fd, 0, SEEK_SET) == 0);
+    char buf[64];
+    CHECK(read_all(fd, buf, sizeof buf) == 12 && strcmp(buf, "read me back") == 0);
+    CHECK(!exists(f));
+    CHECK(close(fd) == 0);
+    CHECK(file_is(f, "read me back"));
+}
+
+static void write_outside(const char *path, const char *text)
+{
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+        (void)!write(fd, text, strlen(text));
+        close(fd);
+    }
+}
+
+static void t_rename(void)
+{
+    write_outside(op("ren-src.txt"), "renamed in\n");
+    CHECK(rename(op("ren-src.txt"), mp("ren/a.txt")) == 0);
+    CHECK(!exists(op("ren-src.txt")));
+    CHECK(file_is(mp("ren/a.txt"), "renamed in\n"));
+    /* write-once: renaming onto a published key fails, the source stays */
+    write_outside(op("ren-src2.txt"), "second\n");
+    errno = 0;
+    CHECK(rename(op("ren-src2.txt"), mp("ren/a.txt")) == -1 && errno == EEXIST);
+    CHECK(exists(op("ren-src2.txt")));
+    CHECK(file_is(mp("ren/a.txt"), "renamed in\n"));
+    /* renameat with dir fds */
+    int od = open(OUT, O_RDONLY | O_DIRECTORY);
+    CHECK(mkdir(mp("ren"), 0777) == 0 || errno == EEXIST);
+    int nd = open(mp("ren"), O_RDONLY | O_DIRECTORY);
+    CHECK(od >= 0 && nd >= 0);
+    CHECK(renameat(od, "ren-src2.txt", nd, "b.txt") == 0);
+    CHECK(file_is(mp("ren/b.txt"), "second\n"));
+    write_outside(op("ren-src3.txt"), "third\n");
+    CHECK(renameat2(od, "ren-src3.txt", nd, "c.txt", 0) == 0);
+    CHECK(file_is(mp("ren/c.txt"), "third\n"));
+    close(od);
+    close(nd);
+    /* a rename between two non-managed paths is plain libc */
+    write_outside(op("plain-a.txt"), "plain\n");
+    CHECK(rename(op("plain-a.txt"), op("plain-b.txt")) == 0);
+    CHECK(file_is(op("plain-b.txt"), "plain\n"));
+}
+
+static void t_rename_xdev(void)
+{
+    /* OUT and M are on different file systems (the test arranges it) */
+    write_outside(op("xdev.txt"), "across file systems\n");
+    CHECK(rename(op("xdev.txt"), mp("xdev/a.txt")) == 0);
+    CHECK(!exists(op("xdev.txt")));
+    CHECK(file_is(mp("xdev/a.txt"), "across file systems\n"));
+    CHECK(temps_in(mp("xdev")) == 0);
+}
+
+static void t_fork(void)
+{
+    const char *f = mp("fork/a.txt");
+    int fd = open(f, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    CHECK(fd >= 0);
+    CHECK(wr(fd, "parent"));
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        close(fd); /* the child does not own the file: nothing is published */
+        _exit(exists(f) ? 3 : 0);
+    }
+    int status = 0;
+    CHECK(waitpid(pid, &status, 0) == pid);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    CHECK(!exists(f));
+    CHECK(close(fd) == 0);
+    CHECK(file_is(f, "parent"));
+}
+
+static void t_eexist(void)
+{
+    const char *f = mp("once/a.txt");
+    int a = open(f, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    int b = open(f, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    CHECK(a >= 0 && b >= 0);
+    CHECK(wr(a, "first"));
+    CHECK(wr(b, "second"));
+    CHECK(close(a) == 0);
+    errno = 0;
+    CHECK(close(b) == -1 && errno == EEXIST); /* the loser's close reports it */
+    CHECK(file_is(f, "first"));
+    CHECK(temps_in(mp("once")) == 0);
+    errno = 0;
+    CHECK(open(f, O_WRONLY | O_CREAT | O_TRUNC, 0644) == -1 && errno == EEXIST);
+    errno = 0;
+    CHECK(fopen(f, "w") == NULL && errno == EEXIST);
+    errno = 0;
+    CHECK(creat(f, 0644) == -1 && errno == EEXIST);
+    CHECK(file_is(f, "first"));
+}
+
+static void t_refuse(void)
+{
+    const char *f = mp("imm/a.txt");
+    int fd = open(f, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    CHECK(fd >= 0 && wr(fd, "immutable") && close(fd) == 0);
+    errno = 0;
+    CHECK(open(f, O_WRONLY | O_APPEND) == -1 && errno == EPERM);
+    errno = 0;
+    CHECK(open(f, O_WRONLY | O_CREAT | O_APPEND, 0644) == -1 && errno == EPERM);
+    errno = 0;
+    CHECK(open(f, O_RDWR) == -1 && errno == EPERM);
+    errno = 0;
+    CHECK(open(f, O_WRONLY) == -1 && errno == EPERM);
+    errno = 0;
+    CHECK(fopen(f, "a") == NULL && errno == EPERM);
+    errno = 0;
+    CHECK(fopen(f, "r+") == NULL && errno == EPERM);
+    errno = 0;
+    CHECK(open(f, O_RDONLY | O_TRUNC) == -1 && errno == EPERM);
+    CHECK(file_is(f, "immutable"));
+    /* the same for a key that is not published yet: nothing is created */
+    const char *g = mp("imm/not-yet.txt");
+    errno = 0;
+    CHECK(open(g, O_WRONLY | O_CREAT | O_APPEND, 0644) == -1 && errno == EPERM);
+    errno = 0;
+    CHECK(fopen(g, "a+") == NULL && errno == EPERM);
+    errno = 0;
+    CHECK(open(g, O_RDWR) == -1 && errno == EPERM);
+    CHECK(!exists(g));
+    /* append on a fresh file (O_TRUNC) cannot touch published bytes: allowed */
+    fd = open(mp("imm/fresh.txt"), O_WRONLY | O_CREAT | O_TRUNC | O_APPEND, 0644);
+    CHECK(fd >= 0 && wr(fd, "fresh") && close(fd) == 0);
+    CHECK(file_is(mp("imm/fresh.txt"), "fresh"));
+}
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void t_timeout(void)
+{
+    double t0 = now();
+    errno = 0;
+    CHECK(open(mp("never/a.txt"), O_RDONLY) == -1 && errno == ETIMEDOUT);
+    double dt = now() - t0;
+    CHECK(dt >= 0.45 && dt < 3.0);
+    errno = 0;
+    CHECK(fopen(mp("never/b.txt"), "r") == NULL && errno == ETIMEDOUT);
+}
+
+/* Built with -O2 -D_FORTIFY_SOURCE=2 (and once more with _FILE_OFFSET_BITS=64),
+ * open() with non-constant flags and no mode becomes __open_2 / __open64_2. */
+static void t_fortified(void)
+{
+    volatile int rd = O_RDONLY;
+    const char *f = mp("fort/a.txt");
+    int fd = open(f, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    CHECK(fd >= 0 && wr(fd, "fortified") && close(fd) == 0);
+    fd = open(f, rd);
+    CHECK(fd >= 0);
+    char buf[64];
+    CHECK(read_all(fd, buf, sizeof buf) == 9 && strcmp(buf, "fortified") == 0);
+    close(fd);
+    fd = openat(AT_FDCWD, f, rd);
+    CHECK(fd >= 0);
+    close(fd);
+    /* intercepted reads wait (here: time out) instead of failing with ENOENT */
+    errno = 0;
+    CHECK(open(mp("fort/never.txt"), rd) == -1 && errno == ETIMEDOUT);
+    errno = 0;
+    CHECK(openat(AT_FDCWD, mp("fort/never.txt"), rd) == -1 && errno == ETIMEDOUT);
+}
+
+/* A file closed from an atexit handler (as language runtimes do) is published. */
+static int atexit_fd = -1;
+static void close_at_exit(void) { close(atexit_fd); }
+static void t_atexit(void)
+{
+    atexit_fd = open(mp("atexit/a.txt"), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    CHECK(atexit_fd >= 0 && wr(atexit_fd, "closed at exit"));
+    CHECK(atexit(close_at_exit) == 0);
+}
+
+static void *publish_later(void *arg)
+{
+    const char *key = arg;
+    usleep(200000);
+    int fd = open(key, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+        (void)!write(fd, "later", 5);
+        close(fd);
+    }
+    return NULL;
+}
+
+static void wait_for(const char *key)
+{
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, publish_later, (void *)key) == 0);
+    int fd = open(key, O_RDONLY);
+    CHECK(fd >= 0);
+    char buf[16];
+    CHECK(read_all(fd, buf, sizeof buf) == 5 && strcmp(buf, "later") == 0);
+    close(fd);
+    pthread_join(th, NULL);
+}
+
+/* The application closes every fd, including the shim's cached inotify fd,
+ * and reuses the numbers: waits still work, the app's fds are left alone. */
+static void t_ifd_closed(void)
+{
+    wait_for(mp("ifd/a.txt"));
+    CHECK(failures == 0);
+    for (int fd = 3; fd < 256; fd++)
+        close(fd);
+    int mine[8];
+    for (int i = 0; i < 8; i++) {
+        char name[64];
+        snprintf(name, sizeof name, "plain-%d.txt", i);
+        mine[i] = open(op(name), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        CHECK(mine[i] >= 0);
+    }
+    wait_for(mp("ifd/b.txt"));
+    CHECK(failures == 0);
+    CHECK(close_range(3, 255, 0) == 0);
+    wait_for(mp("ifd/c.txt"));
+    CHECK(failures == 0);
+    for (int i = 0; i < 8; i++) { /* reopen: numbers are reused again */
+        char name[64];
+        snprintf(name, sizeof name, "plain-%d.txt", i);
+        mine[i] = open(op(name), O_WRONLY | O_APPEND);
+        CHECK(mine[i] >= 0);
+    }
+    wait_for(mp("ifd/d.txt"));
+    CHECK(failures == 0);
+    for (int i = 0; i < 8; i++) {
+        char name[64];
+        snprintf(name, sizeof name, "plain-%d.txt", i);
+        CHECK(wr(mine[i], "mine") && close(mine[i]) == 0);
+        CHECK(file_is(op(name), "mine"));
+    }
+}
+
+static void t_unmanaged(void)
+{
+    const char *f = op("plain/append.txt");
+    CHECK(mkdir(op("plain"), 0777) == 0 || errno == EEXIST);
+    int fd = open(f, O_WRONLY | O_CREAT | O_APPEND, 0644);
+    CHECK(fd >= 0);
+    CHECK(exists(f)); /* non-managed files exist at once, under their own name */
+    CHECK(wr(fd, "one "));
+    CHECK(close(fd) == 0);
+    fd = open(f, O_WRONLY | O_APPEND);
+    CHECK(fd >= 0 && wr(fd, "two") && close(fd) == 0);
+    CHECK(file_is(f, "one two"));
+    FILE *fp = fopen(f, "r+");
+    CHECK(fp != NULL && fputs("ONE", fp) >= 0 && fclose(fp) == 0);
+    CHECK(file_is(f, "ONE two"));
+    errno = 0;
+    CHECK(open(op("plain/missing"), O_RDONLY) == -1 && errno == ENOENT); /* no wait */
+    CHECK(temps_in(op("plain")) == 0);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 4) {
+        fprintf(stderr, "usage: calls <scenario> <managed_dir> <outside_dir>\n");
+        return 2;
+    }
+    M = argv[2];
+    OUT = argv[3];
+    struct {
+        const char *name;
+        void (*fn)(void);
+    } tests[] = {
+        {"open", t_open},         {"open64", t_open64},   {"openat", t_openat},
+        {"openat64", t_openat64}, {"relative", t_relative}, {"creat", t_creat},
+        {"fopen", t_fopen},       {"freopen", t_freopen}, {"dup", t_dup},
+        {"rdwr", t_rdwr},         {"rename", t_rename},   {"rename_xdev", t_rename_xdev},
+        {"fork", t_fork},         {"eexist", t_eexist},   {"refuse", t_refuse},
+        {"timeout", t_timeout},   {"unmanaged", t_unmanaged}, {"fortified", t_fortified},
+        {"atexit", t_atexit},     {"ifd_closed", t_ifd_closed},
+    };
+    for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
+        if (strcmp(tests[i].name, argv[1]) == 0) {
+            tests[i].fn();
+            if (failures)
+                return 1;
+            printf("PASS %s\n", argv[1]);
+            return 0;
+        }
+    }
+    fprintf(stderr, "unknown scenario %s\n", argv[1]);
+    return 2;
+}

@@ -1,0 +1,135 @@
+"""Every wrapped call, from C programs compiled in the session (tests/preload/c)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from .conftest import Builder, Shim
+
+SCENARIOS = [
+    "open", "open64", "openat", "openat64", "relative", "creat", "fopen", "freopen", "dup",
+    "rdwr", "rename", "fork", "eexist", "refuse", "timeout", "unmanaged", "ifd_closed",
+]
+
+
+def run_scenario(shim: Shim, exe: Path, name: str, outside: Path | None = None) -> None:
+    proc = shim.with_env(INSTRIDE_TIMEOUT="0.5").run(
+        [exe, name, shim.dir, outside or shim.outside], timeout=30
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout.decode().strip() == f"PASS {name}"
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_scenario(shim: Shim, build: Builder, name: str) -> None:
+    run_scenario(shim, build("calls.c"), name)
+    assert shim.temps() == []
+
+
+@pytest.mark.parametrize("setting", ["INSTRIDE_FSYNC", "INSTRIDE_OVERWRITE"])
+@pytest.mark.parametrize("name", ["open", "creat", "fopen", "dup", "rdwr", "fork", "rename_xdev"])
+def test_scenario_with_setting(shim: Shim, build: Builder, name: str, setting: str) -> None:
+    """The publishing paths also work with fsync on, and in overwrite mode."""
+    exe = build("calls.c")
+    outside = shim.outside
+    shm = None
+    if name == "rename_xdev":
+        shm = Path("/dev/shm") / f"instride-src-{uuid.uuid4().hex}"
+        shm.mkdir()
+        outside = shm
+    try:
+        run_scenario(shim.with_env(**{setting: "1"}), exe, name, outside=outside)
+    finally:
+        if shm is not None:
+            shutil.rmtree(shm)
+    assert shim.temps() == []
+
+
+def test_overwrite_replaces_and_rename_replaces(shim: Shim) -> None:
+    ow = shim.with_env(INSTRIDE_OVERWRITE="1")
+    key = shim.dir / "ow" / "a.txt"
+    code = (
+        "import os\n"
+        f"for i in range(3):\n"
+        f"    open({str(key)!r}, 'w').write(f'v{{i}}')\n"
+        f"    assert open({str(key)!r}).read() == f'v{{i}}'\n"
+        f"src = {str(shim.outside / 's.txt')!r}\n"
+        "open(src, 'w').write('renamed')\n"
+        f"os.rename(src, {str(key)!r})\n"
+        f"assert open({str(key)!r}).read() == 'renamed'\n"
+    )
+    ow.py(code, check=True)
+    assert key.read_text() == "renamed"
+    assert shim.temps() == []
+
+
+def test_scenarios_leave_expected_files(shim: Shim, build: Builder) -> None:
+    """Re-check, without the shim, what the programs published."""
+    exe = build("calls.c")
+    for name in ("open", "creat", "fopen", "dup", "rdwr", "rename", "fork"):
+        run_scenario(shim, exe, name)
+    d = shim.dir
+    assert (d / "open/a.txt").read_text() == "via open\n"
+    assert (d / "creat/a.txt").read_text() == "via creat\n"
+    assert (d / "creat/b.txt").read_text() == "via creat64\n"
+    assert (d / "fopen/a.txt").read_text() == "via fopen 42\n"
+    assert (d / "dup/a.txt").read_text() == "abcdef"
+    assert (d / "rdwr/a.bin").read_text() == "read me back"
+    assert (d / "ren/a.txt").read_text() == "renamed in\n"
+    assert (d / "fork/a.txt").read_text() == "parent"
+    assert shim.temps() == []
+
+
+def test_close_from_atexit_handler_publishes(shim: Shim, build: Builder) -> None:
+    """Runtimes (libgfortran, ...) close their files while the process exits."""
+    run_scenario(shim, build("calls.c"), "atexit")
+    assert (shim.dir / "atexit/a.txt").read_text() == "closed at exit"
+    assert shim.temps() == []
+
+
+def test_rename_across_file_systems_c(shim: Shim, build: Builder) -> None:
+    shm = Path("/dev/shm") / f"instride-src-{uuid.uuid4().hex}"
+    shm.mkdir()
+    try:
+        assert shm.stat().st_dev != shim.dir.stat().st_dev, "needs /dev/shm and /tmp to differ"
+        run_scenario(shim, build("calls.c"), "rename_xdev", outside=shm)
+        assert (shim.dir / "xdev/a.txt").read_text() == "across file systems\n"
+        assert list(shm.iterdir()) == []
+    finally:
+        shutil.rmtree(shm)
+
+
+@pytest.mark.parametrize(
+    ("flags", "symbols"),
+    [
+        (("-O2", "-D_FORTIFY_SOURCE=2"), ("__open_2", "__openat_2")),
+        (("-O2", "-D_FORTIFY_SOURCE=2", "-D_FILE_OFFSET_BITS=64"), ("__open64_2", "__openat64_2")),
+    ],
+    ids=["fortify", "fortify-lfs"],
+)
+def test_fortified_variants(shim: Shim, build: Builder, flags: tuple, symbols: tuple) -> None:
+    exe = build("calls.c", *flags, name="calls-" + "-".join(f.strip("-")[:8] for f in flags))
+    undefined = subprocess.run(["nm", "-D", "--undefined-only", exe], capture_output=True,
+                               text=True, check=True).stdout
+    for sym in symbols:  # the program really calls the fortified entry points
+        assert sym in undefined, undefined
+    run_scenario(shim, exe, "fortified")
+    assert (shim.dir / "fort/a.txt").read_text() == "fortified"
+
+
+def test_threads(shim: Shim, build: Builder) -> None:
+    exe = build("threads.c")
+    proc = shim.run([exe, shim.dir, shim.outside, "8", "60"], timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    assert proc.stdout.decode().strip() == "PASS threads 8 x 60"
+    keys = sorted(shim.dir.rglob("k*.bin"))
+    assert len(keys) == 8 * 60
+    assert shim.temps() == []
+    # the plain-I/O threads wrote ordinary files outside
+    assert len(list(shim.outside.glob("plain*.txt"))) == 16
+    assert all(p.read_text() == "xy" for p in shim.outside.glob("plain*.txt"))

@@ -1,0 +1,224 @@
+"""Protocol-conformance tests of the shim's cluster mode, against a FAKE node server.
+
+These tests check that libinstride_preload.so (and include/instride/stream.hpp) speak the
+node server's Unix-socket protocol correctly:
+
+    CONSUME <timeout_ms|-1> <key>\\n   ->  OK <absolute local path>\\n | ERR <errno> <message>\\n
+    PUBLISH <key>\\n                   ->  OK <path>\\n               | ERR <errno> <message>\\n
+
+The server here is a stand-in written for these tests (it answers from the local file
+system and records requests); it is NOT instride's data server. End-to-end cluster tests
+with the real server, Redis and several nodes live elsewhere in the suite.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import socketserver
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .conftest import Builder, Shim
+
+
+class FakeNodeServer:
+    """Implements the line protocol over a Unix socket; answers from ``root``."""
+
+    def __init__(self, root: Path, sock: Path) -> None:
+        self.root = root
+        self.sock = sock
+        self.requests: list[str] = []
+        self.fetched = root / ".instride" / "fetched"
+        self.publish_error: int | None = None
+        outer = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                line = self.rfile.readline().decode().rstrip("\n")
+                outer.requests.append(line)
+                self.wfile.write((outer.answer(line) + "\n").encode())
+
+        self.server = socketserver.ThreadingUnixStreamServer(str(sock), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def answer(self, line: str) -> str:
+        verb, _, rest = line.partition(" ")
+        if verb == "CONSUME":
+            ms_text, _, key = rest.partition(" ")
+            ms = int(ms_text)
+            if key.startswith("remote/"):  # pretend to fetch it from its owner node
+                dest = self.fetched / key
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_text(f"fetched {key}\n")
+                return f"OK {dest}"
+            path = self.root / key
+            deadline = None if ms < 0 else time.monotonic() + ms / 1000
+            while not path.exists():
+                if deadline is not None and time.monotonic() > deadline:
+                    return f"ERR {errno.ETIMEDOUT} timed out waiting for {key}"
+                time.sleep(0.01)
+            return f"OK {path}"
+        if verb == "PUBLISH":
+            if self.publish_error is not None:
+                return f"ERR {self.publish_error} refused by the fake server"
+            path = self.root / rest
+            if not path.is_file():
+                return f"ERR {errno.ENOENT} {rest} is not published locally"
+            return f"OK {path}"
+        return f"ERR {errno.EINVAL} bad request"
+
+    def __enter__(self) -> FakeNodeServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def sockdir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="isk", dir="/tmp"))  # short: sun_path is 108 bytes
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster(shim: Shim, sockdir: Path) -> Iterator[tuple[Shim, FakeNodeServer]]:
+    sock = sockdir / "node.sock"
+    with FakeNodeServer(shim.dir, sock) as server:
+        env = shim.with_env(INSTRIDE_REDIS_URL="redis://127.0.0.1:1/0", INSTRIDE_SOCKET=str(sock))
+        yield env, server
+
+
+def test_publish_then_consume(cluster: tuple[Shim, FakeNodeServer]) -> None:
+    shim, server = cluster
+    key = shim.dir / "run" / "a.bin"
+    shim.py(f"open({str(key)!r}, 'wb').write(b'cluster bytes')", check=True)
+    assert key.read_bytes() == b"cluster bytes"  # the local atomic publish happened first
+    assert server.requests == ["PUBLISH run/a.bin"]
+    out = shim.run(["cat", key], check=True)
+    assert out.stdout == b"cluster bytes"
+    assert server.requests[1:] == ["CONSUME 10000 run/a.bin"]
+    assert shim.temps() == []
+
+
+def test_consumer_before_producer(cluster: tuple[Shim, FakeNodeServer]) -> None:
+    shim, server = cluster
+    key = shim.dir / "late.bin"
+    consumer = shim.popen(["cat", key])
+    time.sleep(0.4)
+    assert consumer.poll() is None
+    shim.py(f"open({str(key)!r}, 'wb').write(b'late' * 1000)", check=True)
+    out, err = consumer.communicate(timeout=20)
+    assert consumer.returncode == 0, err
+    assert out == b"late" * 1000
+    assert "PUBLISH late.bin" in server.requests
+
+
+def test_consume_opens_the_path_the_server_returns(cluster: tuple[Shim, FakeNodeServer]) -> None:
+    shim, server = cluster
+    out = shim.run(["cat", shim.dir / "remote" / "x.bin"], check=True)
+    assert out.stdout == b"fetched remote/x.bin\n"
+    assert server.requests == ["CONSUME 10000 remote/x.bin"]
+
+
+def test_server_timeout_is_etimedout(cluster: tuple[Shim, FakeNodeServer]) -> None:
+    shim, server = cluster
+    t0 = time.monotonic()
+    proc = shim.with_env(INSTRIDE_TIMEOUT="0.5").run(["cat", shim.dir / "never.bin"])
+    assert proc.returncode != 0
+    assert os.strerror(errno.ETIMEDOUT).encode() in proc.stderr
+    assert time.monotonic() - t0 < 4
+    assert server.requests == ["CONSUME 500 never.bin"]
+
+
+def test_no_timeout_sends_minus_one(cluster: tuple[Shim, FakeNodeServer]) -> None:
+    shim, server = cluster
+    (shim.dir / "here.txt").write_text("here")
+    env = {k: v for k, v in shim.env.items() if k != "INSTRIDE_TIMEOUT"}
+    out = Shim(shim.dir, shim.outside, env).run(["cat", shim.dir / "here.txt"], check=True)
+    assert out.stdout == b"here"
+    assert server.requests == ["CONSUME -1 here.txt"]
+
+
+def test_publish_error_is_reported_by_close(cluster: tuple[Shim, FakeNodeServer]) -> None:
+    shim, server = cluster
+    server.publish_error = errno.EEXIST
+    key = shim.dir / "dup.bin"
+    code = (
+        "import errno\n"
+        f"f = open({str(key)!r}, 'wb'); f.write(b'x')\n"
+        "try:\n"
+        "    f.close()\n"
+        "except OSError as e:\n"
+        "    raise SystemExit(0 if e.errno == errno.EEXIST else 1)\n"
+        "raise SystemExit(2)\n"
+    )
+    assert shim.py(code).returncode == 0
+    assert server.requests == ["PUBLISH dup.bin"]
+
+
+def test_server_unreachable(shim: Shim, sockdir: Path) -> None:
+    env = shim.with_env(INSTRIDE_REDIS_URL="redis://127.0.0.1:1/0",
+                        INSTRIDE_SOCKET=str(sockdir / "nobody.sock"))
+    code = (
+        "import errno\n"
+        "try:\n"
+        f"    open({str(shim.dir / 'a.bin')!r}, 'rb')\n"
+        "except OSError as e:\n"
+        "    raise SystemExit(0 if e.errno == errno.ECONNREFUSED else 1)\n"
+        "raise SystemExit(2)\n"
+    )
+    assert env.py(code).returncode == 0
+    code = (
+        "import errno\n"
+        f"f = open({str(shim.dir / 'b.bin')!r}, 'wb'); f.write(b'x')\n"
+        "try:\n"
+        "    f.close()\n"
+        "except OSError as e:\n"
+        "    raise SystemExit(0 if e.errno == errno.ECONNREFUSED else 1)\n"
+        "raise SystemExit(2)\n"
+    )
+    assert env.py(code).returncode == 0
+    # documented: the local publish stands, only the metadata registration failed
+    assert (shim.dir / "b.bin").read_bytes() == b"x"
+
+
+def test_default_socket_is_under_managed_dir(shim: Shim, lib: Path) -> None:
+    """Without INSTRIDE_SOCKET the shim uses $INSTRIDE_DIR/.instride/node.sock."""
+    short = Path(tempfile.mkdtemp(prefix="ism", dir="/tmp"))
+    try:
+        (short / ".instride").mkdir()
+        with FakeNodeServer(short, short / ".instride" / "node.sock") as server:
+            env = {k: v for k, v in shim.env.items() if k != "INSTRIDE_SOCKET"}
+            env.update(INSTRIDE_DIR=str(short), INSTRIDE_REDIS_URL="redis://127.0.0.1:1/0")
+            s = Shim(short, shim.outside, env)
+            s.py(f"open({str(short / 'k.txt')!r}, 'w').write('k')", check=True)
+            assert s.run(["cat", short / "k.txt"], check=True).stdout == b"k"
+            assert server.requests == ["PUBLISH k.txt", "CONSUME 10000 k.txt"]
+    finally:
+        shutil.rmtree(short)
+
+
+def test_stream_hpp_cluster_mode(cluster: tuple[Shim, FakeNodeServer], build: Builder) -> None:
+    """The C++ header (no shim loaded) speaks the same protocol."""
+    shim, server = cluster
+    exe = build("streams.cpp")
+    env = {k: v for k, v in shim.env.items() if k != "LD_PRELOAD"}
+    key = shim.dir / "cpp" / "a.txt"
+    subprocess.run([exe, "produce", key, "3"], env=env, check=True, timeout=30)
+    assert key.read_text() == "line 0\nline 1\nline 2\n"
+    out = subprocess.run([exe, "consume", shim.dir / "remote" / "y"], env=env, check=True,
+                         capture_output=True, timeout=30)
+    assert out.stdout == b"fetched remote/y\n"
+    assert server.requests == ["PUBLISH cpp/a.txt", "CONSUME 10000 remote/y"]
