@@ -1,0 +1,127 @@
+"""Unmodified programs across two emulated nodes in cluster mode, through the real data servers.
+
+Producers run on node 1 and consumers on node 2 (network namespaces, one Redis, one
+``instride serve`` per node): the shim on each node asks its own server over the Unix socket,
+which fetches from the owner node. Nothing here imports instride in the coupled programs.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from instride.cluster import EmulatedCluster
+from instride.preload import preload_path
+
+from .conftest import Builder
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[EmulatedCluster]:
+    with EmulatedCluster(nodes=2, env={"INSTRIDE_TIMEOUT": "30"}) as c:
+        yield c
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {"LD_PRELOAD": str(preload_path())}
+    env.update(extra or {})
+    return env
+
+
+def start(c: EmulatedCluster, node: int, argv: list[str], **extra: str) -> subprocess.Popen:
+    return c.popen(node, [str(a) for a in argv], env=_env(extra), stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60) -> bytes:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err.decode(errors="replace")
+    return out
+
+
+def run(c: EmulatedCluster, node: int, argv: list[str], **extra: str) -> bytes:
+    return finish(start(c, node, argv, **extra))
+
+
+def test_cp_on_node1_cat_on_node2_consumer_first(nodes: EmulatedCluster, tmp_path: Path) -> None:
+    src = tmp_path / "payload.bin"
+    src.write_bytes(bytes(range(256)) * 40_000)
+    key1 = nodes.node(1).dir / "tools" / "cp.bin"
+    key2 = nodes.node(2).dir / "tools" / "cp.bin"  # same key, node 2's managed directory
+    cat = start(nodes, 2, ["cat", key2])
+    time.sleep(0.5)
+    assert cat.poll() is None, "cat on node 2 must wait for the publication on node 1"
+    run(nodes, 1, ["cp", src, key1])
+    assert finish(cat) == src.read_bytes()
+    assert key2.read_bytes() == src.read_bytes()  # stored locally on node 2 under the same key
+
+
+def test_dd_across_nodes(nodes: EmulatedCluster) -> None:
+    key1 = nodes.node(1).dir / "tools" / "dd.bin"
+    run(nodes, 1, ["dd", "if=/dev/urandom", f"of={key1}", "bs=64k", "count=32", "status=none"])
+    out = run(nodes, 2, ["dd", f"if={nodes.node(2).dir / 'tools' / 'dd.bin'}", "bs=1M",
+                         "status=none"])
+    assert out == key1.read_bytes() and len(out) == 32 * 65536
+
+
+def test_python_without_instride_across_nodes(nodes: EmulatedCluster) -> None:
+    writer = "import sys; open(sys.argv[1], 'w').write('from node 1 ' * 1000)"
+    reader = "import sys; print(open(sys.argv[1]).read()[:12]); print('instride' in sys.modules)"
+    r = start(nodes, 2, [sys.executable, "-c", reader, nodes.node(2).dir / "py" / "t.txt"])
+    time.sleep(0.3)
+    run(nodes, 1, [sys.executable, "-c", writer, nodes.node(1).dir / "py" / "t.txt"])
+    assert finish(r).decode().split("\n")[:2] == ["from node 1 ", "False"]
+
+
+def test_c_scenarios_through_the_real_server(nodes: EmulatedCluster, build: Builder,
+                                             tmp_path: Path) -> None:
+    exe = build("calls.c")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for name in ("open", "openat", "creat", "fopen", "freopen", "dup", "rdwr", "rename"):
+        out = run(nodes, 1, [exe, name, nodes.node(1).dir, outside], INSTRIDE_TIMEOUT="5")
+        assert out.decode().strip() == f"PASS {name}"
+    # what the C program published on node 1 is recorded in Redis and readable on node 2
+    published = sorted(p for p in (nodes.node(1).dir).rglob("*") if p.is_file()
+                       and ".instride" not in p.parts and not p.name.startswith("."))
+    assert published
+    probe = published[0].relative_to(nodes.node(1).dir)
+    assert run(nodes, 2, ["cat", nodes.node(2).dir / probe]) == published[0].read_bytes()
+
+
+def test_multithreaded_c_program_in_cluster_mode(nodes: EmulatedCluster, build: Builder,
+                                                 tmp_path: Path) -> None:
+    exe = build("threads.c")
+    outside = tmp_path / "thr"
+    outside.mkdir()
+    root = nodes.node(1).dir / "threads"
+    root.mkdir()
+    out = run(nodes, 1, [exe, root, outside, "4", "25"])
+    assert out.decode().strip() == "PASS threads 4 x 25"
+    keys = sorted(root.rglob("k*.bin"))
+    assert len(keys) == 100
+    some = keys[-1].relative_to(nodes.node(1).dir)
+    assert run(nodes, 2, ["cat", nodes.node(2).dir / some]) == keys[-1].read_bytes()
+
+
+def test_cpp_streams_across_nodes(nodes: EmulatedCluster, build: Builder) -> None:
+    exe = build("streams.cpp")
+    consumer = nodes.popen(2, [str(exe), "consume", str(nodes.node(2).dir / "cpp" / "f.txt")],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(0.3)
+    res = nodes.run(1, [str(exe), "produce", str(nodes.node(1).dir / "cpp" / "f.txt"), "500"],
+                    capture_output=True)
+    assert res.returncode == 0, res.stderr
+    assert finish(consumer).decode() == "".join(f"line {i}\n" for i in range(500))
+
+
+def test_rename_into_managed_dir_publishes_cluster_wide(nodes: EmulatedCluster, tmp_path: Path) -> None:
+    tmp = tmp_path / "scratch.dat"
+    tmp.write_bytes(b"renamed in " * 100)
+    run(nodes, 1, ["mv", tmp, nodes.node(1).dir / "mv" / "done.dat"])
+    assert run(nodes, 2, ["cat", nodes.node(2).dir / "mv" / "done.dat"]) == b"renamed in " * 100
