@@ -191,7 +191,8 @@ def main() -> None:
         _, lat = stream_run(c, "jac", n_jac, jac_atoms, 0.02, [(1, 2)])
         s = summary(lat[0])
         result["jac_consume_latency_us"] = s
-        print(f"\n## cross-node consume latency, JAC frames ({jac / 1024:.1f} KiB), publish start on node1 -> bytes local on node2")
+        print(f"\n## cross-node consume latency, JAC frames ({jac / 1024:.1f} KiB), publish start on"
+              f" node1 -> bytes local on node2")
         print(f"median {s['median']:.0f} µs   p99 {s['p99']:.0f} µs   min {s['min']:.0f} µs   (n={s['n']})")
 
         # 3. remote wake-up through Redis
@@ -204,7 +205,8 @@ def main() -> None:
         s = summary([(a - b) / 1e3 for a, b in zip(wakes, starts, strict=True)])
         result["remote_wakeup_us"] = s
         print("\n## publish (node1) -> remote wake-up (node2) through Redis, 1-byte keys")
-        print(f"median {s['median']:.0f} µs   p99 {s['p99']:.0f} µs   (n={s['n']}; FACTS.md: Redis RPUSH->BLPOP 158 µs median)")
+        print(f"median {s['median']:.0f} µs   p99 {s['p99']:.0f} µs   (n={s['n']}; FACTS.md: Redis"
+              f" RPUSH->BLPOP 158 µs median)")
 
         # 4. aggregate, 8 pairs across 4 nodes
         pairs = [(1 + i % 2, 3 + (i // 2) % 2) for i in range(8)]
@@ -212,7 +214,8 @@ def main() -> None:
         elapsed, _ = stream_run(c, "agg", nf, jac_atoms, 0.0, pairs)
         agg = 8 * nf * jac / elapsed / 1e6
         result["aggregate_8_pairs_MBps"] = agg
-        print(f"\n## aggregate: 8 pairs (producers on nodes 1-2, consumers on nodes 3-4), {nf} JAC frames each")
+        print(f"\n## aggregate: 8 pairs (producers on nodes 1-2, consumers on nodes 3-4), {nf} JAC"
+              f" frames each")
         print(f"{agg:.0f} MB/s in {elapsed:.2f} s ({8 * nf / elapsed:.0f} frames/s) on {m['cores']} cores")
     save("cluster", result)
 

@@ -1,20 +1,26 @@
 """One settings object, read from ``INSTRIDE_*`` environment variables.
 
-=========================  =======================================================  =====================================
-variable                   meaning                                                  default
-=========================  =======================================================  =====================================
-``INSTRIDE_DIR``           the managed directory of this node                        ``/dev/shm/instride-<uid>`` (or the
-                                                                                    temp dir when /dev/shm is unusable)
-``INSTRIDE_REDIS_URL``     Redis URL; set = cluster mode, unset = local mode         unset
-``INSTRIDE_TOKEN``         the job token every cluster request is HMAC-signed with   unset (required in cluster mode)
-``INSTRIDE_TIMEOUT``       default consume timeout in seconds (empty/0 = forever)    forever
-``INSTRIDE_FSYNC``         fsync a produced file before publishing it (0/1)          ``1``
-``INSTRIDE_CACHE_BYTES``   bound on fetched (not owned) copies kept on this node     unbounded
-``INSTRIDE_NODE``          name of this node in records and errors                   the host name
-``INSTRIDE_ADDR``          ``host:port`` of this node's data server (for peers)       ``127.0.0.1:7437``
-``INSTRIDE_SOCKET``        Unix socket of this node's data server (thin clients)     ``$INSTRIDE_DIR/.instride/node.sock``
-``INSTRIDE_CONNECT_TIMEOUT`` seconds to reach a peer or Redis before giving up       ``5``
-=========================  =======================================================  =====================================
+``INSTRIDE_DIR``
+    The managed directory of this node (default ``/dev/shm/instride-<uid>``, or the temp
+    dir when /dev/shm is unusable).
+``INSTRIDE_REDIS_URL``
+    Redis URL; set means cluster mode, unset means local mode.
+``INSTRIDE_TOKEN``
+    The job token every cluster request is HMAC-signed with (required in cluster mode).
+``INSTRIDE_TIMEOUT``
+    Default consume timeout in seconds; empty or 0 waits forever.
+``INSTRIDE_FSYNC``
+    fsync a produced file before publishing it (``0``/``1``, default ``1``).
+``INSTRIDE_CACHE_BYTES``
+    Bound on fetched (not owned) copies kept on this node (default unbounded).
+``INSTRIDE_NODE``
+    Name of this node in records and errors (default: the host name).
+``INSTRIDE_ADDR``
+    ``host:port`` of this node's data server, as peers reach it (default ``127.0.0.1:7437``).
+``INSTRIDE_SOCKET``
+    Unix socket of this node's data server (default ``$INSTRIDE_DIR/.instride/node.sock``).
+``INSTRIDE_CONNECT_TIMEOUT``
+    Seconds to reach a peer or Redis before giving up (default 5).
 """
 
 from __future__ import annotations

@@ -396,11 +396,8 @@ def open_for_write(
             raise ValueError("can't have unbuffered text I/O")
         return raw
     size = buffering if buffering > 1 else io.DEFAULT_BUFFER_SIZE
-    buffered: io.BufferedIOBase
-    if readable:
-        buffered = _PublishingBufferedRandom(raw, size)
-    else:
-        buffered = _PublishingBufferedWriter(raw, size)
+    cls = _PublishingBufferedRandom if readable else _PublishingBufferedWriter
+    buffered: io.BufferedIOBase = cls(raw, size)
     if "b" in mode:
         return buffered
     return _PublishingTextIOWrapper(
