@@ -1,0 +1,315 @@
+"""MDAnalysis reader for instride streams: ``Universe(topology, "instride://NAME")``.
+
+Importing :mod:`instride.analytics` (or this module) registers the reader with MDAnalysis
+under ``format="INSTRIDE"``; its ``_format_hint`` makes MDAnalysis pick it for any string
+starting with ``instride://``. The rest of the name is the stream name (a key prefix such as
+``run7`` or ``ensemble/replica3``), resolved with the usual ``INSTRIDE_*`` settings (local or
+cluster mode).
+
+Semantics on a live stream
+--------------------------
+* **Opening** the universe waits for frame 0 (it is needed to know the atom count); a stream
+  that ends with no frame raises :class:`~instride.errors.EndOfStream`.
+* **Iteration** (``for ts in u.trajectory``) is the in situ path: it returns the frames in
+  order, *blocking* for each next frame until the producer publishes it, and stops at
+  end-of-stream. It is not limited to ``len(u.trajectory)``.
+* **len() / n_frames** is, by default (``length="published"``), the number of frames published
+  *at the moment you ask*: it only grows while the producer runs and is final once the stream
+  has ended (:attr:`InstrideReader.ended`). This is what makes
+  ``MDAnalysis.analysis.rms.RMSD(u).run()`` and ``RMSF(...).run()`` work unchanged on a live
+  stream: ``run()`` takes the length once, then analyses exactly those frames (no waiting).
+  Pass ``length="final"`` to make ``len()`` wait for end-of-stream instead, so that ``run()``
+  covers the whole trajectory (it then starts only after the producer has finished); or call
+  :meth:`InstrideReader.wait_for_end` first.
+* **Random access** ``u.trajectory[i]`` works for every published frame (a published frame is
+  immutable). Asking for a frame that is not published yet is refused with an ``IndexError``
+  that says the stream is live, as MDAnalysis's IMD reader refuses what a socket cannot do.
+* **Timeouts** (``timeout=`` or ``INSTRIDE_TIMEOUT``) raise
+  :class:`~instride.errors.ConsumeTimeout` from the iteration; they never end it silently.
+  A corrupt frame raises :class:`~instride.errors.IntegrityError`. (MDAnalysis's own
+  ``ReaderBase.next`` turns every ``OSError`` into the end of the trajectory; this reader does
+  not.)
+* Velocities and forces are not carried by streams; ``ts.has_velocities`` is ``False``.
+
+Examples
+--------
+>>> import MDAnalysis as mda                                  # doctest: +SKIP
+>>> import instride.analytics                                 # registers the reader
+>>> u = mda.Universe("protein.pdb", "instride://run7", timeout=120)
+>>> for ts in u.trajectory:                                   # blocks for each frame
+...     print(ts.frame, ts.time, u.atoms.radius_of_gyration())
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+from MDAnalysis.coordinates.base import ReaderBase
+from MDAnalysis.lib.mdamath import triclinic_box
+from MDAnalysis.lib.util import store_init_arguments
+
+from ..errors import EndOfStream
+from ..frames import HEADER_SIZE, Frame, read_frame
+from ..stream import Stream
+
+SCHEME = "instride://"
+
+__all__ = ["SCHEME", "InstrideReader", "stream_name"]
+
+
+def stream_name(filename: str) -> str:
+    """The stream name of an ``instride://NAME`` URL.
+
+    Raises
+    ------
+    ValueError
+        When ``filename`` does not start with ``instride://`` or names no stream.
+    """
+    if not isinstance(filename, str) or not filename.startswith(SCHEME):
+        raise ValueError(f"not an instride stream URL: {filename!r} (expected instride://NAME)")
+    name = filename[len(SCHEME):].strip("/")
+    if not name:
+        raise ValueError(f"no stream name in {filename!r} (expected instride://NAME)")
+    return name
+
+
+class InstrideReader(ReaderBase):
+    """Read the frames of an instride stream as an MDAnalysis trajectory.
+
+    Parameters
+    ----------
+    filename
+        ``"instride://NAME"``.
+    n_atoms
+        Expected atom count (MDAnalysis passes the topology's); checked against the stream.
+    timeout
+        Seconds to wait for a frame before :class:`~instride.errors.ConsumeTimeout`
+        (default ``INSTRIDE_TIMEOUT``, else forever).
+    length
+        ``"published"`` (default): ``len()`` is the number of frames published when asked.
+        ``"final"``: ``len()`` waits for end-of-stream and returns the final count.
+    **kwargs
+        Passed to :class:`MDAnalysis.coordinates.base.ReaderBase` (``dt``, ``time_offset``).
+
+    Attributes
+    ----------
+    wait_seconds : float
+        Time spent blocked waiting for frames to be published (consumer idle time).
+    read_seconds : float
+        Time spent reading, verifying and copying published frames.
+    bytes_read : int
+        Bytes of frame files read (re-reads included: MDAnalysis reads frame 0 at open and
+        again when an iteration starts or ends).
+    frame_nbytes : int
+        Size of one frame file of this stream.
+    frames_read : int
+        Frames read (random access included).
+
+    Raises
+    ------
+    EndOfStream
+        The stream ended without any frame.
+    ConsumeTimeout
+        No frame 0 within ``timeout``.
+    ValueError
+        ``n_atoms`` does not match the stream, or a bad URL / ``length``.
+    """
+
+    format = "INSTRIDE"
+    units = {"time": "ps", "length": "Angstrom"}
+
+    @store_init_arguments
+    def __init__(
+        self,
+        filename: str,
+        n_atoms: int | None = None,
+        *,
+        timeout: float | None = None,
+        length: str = "published",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(filename, **kwargs)
+        if length not in ("published", "final"):
+            raise ValueError(f"length must be 'published' or 'final', got {length!r}")
+        self._name = stream_name(filename)
+        self._timeout = timeout
+        self._length = length
+        self.wait_seconds = 0.0
+        self.read_seconds = 0.0
+        self.bytes_read = 0
+        self.frames_read = 0
+        self._known = 0  # frames known to be published (a prefix: a stream is written in order)
+        self._final: int | None = None  # frame count once the stream has ended
+        self._open_stream()
+        first = self._fetch(0, wait=True)
+        if n_atoms is not None and int(n_atoms) != first.natoms:
+            raise ValueError(
+                f"InstrideReader: stream {self._name!r} has {first.natoms} atoms per frame but "
+                f"the topology has {n_atoms}"
+            )
+        self.n_atoms = first.natoms
+        self.ts = self._Timestep(self.n_atoms, reader=self, **self._ts_kwargs)
+        self._load(0, first)
+
+    # ------------------------------------------------------------------ plumbing
+    def _open_stream(self) -> None:
+        self._stream = Stream(self._name, mode="r", timeout=self._timeout)
+
+    @staticmethod
+    def _format_hint(thing: Any) -> bool:
+        return isinstance(thing, str) and thing.startswith(SCHEME)
+
+    @property
+    def stream(self) -> Stream:
+        """The :class:`instride.Stream` read."""
+        return self._stream
+
+    @property
+    def ended(self) -> bool:
+        """Whether the producer has ended the stream (``len()`` is then final)."""
+        self._published_count()
+        return self._final is not None
+
+    def _published_count(self) -> int:
+        if self._final is not None:
+            return self._final
+        ended = self._stream.ended  # check first: once ended, every frame is published
+        client = self._stream.client
+        while client.exists(self._stream.frame_key(self._known)):
+            self._known += 1
+        if ended:
+            self._final = self._known
+        return self._known
+
+    def wait_for_end(self, timeout: float | None = None) -> int:
+        """Block until the producer ends the stream; return the final frame count.
+
+        Raises
+        ------
+        ConsumeTimeout
+            The stream did not end within ``timeout`` (default: the reader's timeout).
+        """
+        if self._final is None:
+            t0 = time.perf_counter()
+            self._stream.client.consume(
+                self._stream.end_key, timeout=self._timeout if timeout is None else timeout
+            )
+            self.wait_seconds += time.perf_counter() - t0
+        return self._published_count()
+
+    @property
+    def n_frames(self) -> int:  # type: ignore[override]
+        """Frames published so far (``length="published"``) or in total (``"final"``)."""
+        if self._length == "final":
+            return self.wait_for_end()
+        return self._published_count()
+
+    def _fetch(self, index: int, *, wait: bool) -> Frame:
+        """Return frame ``index``, waiting for it when ``wait`` (else refusing if unpublished)."""
+        stream = self._stream
+        client = stream.client
+        key = stream.frame_key(index)
+        t0 = time.perf_counter()
+        if index >= self._known and not client.exists(key):
+            if not wait:
+                raise IndexError(
+                    f"InstrideReader: frame {index} of stream {self._name!r} is not published "
+                    f"yet (the stream is live; {self._published_count()} frames so far). "
+                    "Iterate the trajectory to wait for new frames, or open it with "
+                    "length='final'."
+                )
+            got = client.wait_any([key, stream.end_key], timeout=self._timeout)
+            if got != key and not client.exists(key):
+                raise EndOfStream(self._name, index)
+        t1 = time.perf_counter()
+        frame = read_frame(client.consume_bytes(key, timeout=self._timeout))
+        self._known = max(self._known, index + 1)
+        self.wait_seconds += t1 - t0
+        self.read_seconds += time.perf_counter() - t1
+        self.frame_nbytes = frame_bytes(frame)
+        self.bytes_read += self.frame_nbytes
+        self.frames_read += 1
+        return frame
+
+    def _load(self, index: int, frame: Frame) -> Any:
+        if frame.natoms != self.n_atoms:
+            raise ValueError(
+                f"InstrideReader: frame {index} of stream {self._name!r} has {frame.natoms} "
+                f"atoms, earlier frames {self.n_atoms}"
+            )
+        ts = self.ts
+        ts.frame = index
+        np.copyto(ts.positions, frame.positions, casting="same_kind")
+        if frame.header.has_box:
+            ts.dimensions = triclinic_box(*frame.box)
+        else:
+            ts.dimensions = None
+        ts.data["step"] = frame.step
+        ts.data["time"] = frame.time
+        return ts
+
+    # ------------------------------------------------------------------ ReaderBase contract
+    def _read_next_timestep(self, ts: Any = None) -> Any:
+        index = self.ts.frame + 1
+        return self._load(index, self._fetch(index, wait=True))
+
+    def _read_frame(self, frame: int) -> Any:
+        return self._load(frame, self._fetch(frame, wait=False))
+
+    def _reopen(self) -> None:
+        self.ts.frame = -1
+
+    def next(self) -> Any:
+        """Advance to the next frame, blocking until it is published.
+
+        Raises ``StopIteration`` at end-of-stream (and rewinds, like every MDAnalysis
+        reader); a :class:`~instride.errors.ConsumeTimeout` or
+        :class:`~instride.errors.IntegrityError` propagates instead of ending the loop.
+        """
+        try:
+            ts = self._read_next_timestep()
+        except EndOfStream:
+            self.rewind()
+            raise StopIteration from None
+        for auxname in self.aux_list:
+            ts = self._auxs[auxname].update_ts(ts)
+        return self._apply_transformations(ts)
+
+    def _get_dt(self) -> float:
+        if self._published_count() < 2:
+            raise AttributeError("dt is unknown until two frames are published")
+        client = self._stream.client
+        t = [
+            read_frame(client.consume_bytes(self._stream.frame_key(i), timeout=self._timeout)).time
+            for i in (0, 1)
+        ]
+        return t[1] - t[0]
+
+    def close(self) -> None:
+        """Nothing to release: frames are opened per read."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_stream", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        frame = self.ts.frame
+        self._open_stream()
+        if frame >= 0:
+            self._read_frame(frame)
+
+    def __repr__(self) -> str:
+        state = "ended" if self._final is not None else "live"
+        return (
+            f"<InstrideReader {self.filename} ({state}, {self._known} frames published) "
+            f"with {self.n_atoms} atoms>"
+        )
+
+
+def frame_bytes(frame: Frame) -> int:
+    """Size in bytes of the frame file ``frame`` was read from."""
+    return HEADER_SIZE + frame.header.payload_nbytes

@@ -1,0 +1,194 @@
+"""The instride:// MDAnalysis reader: registration, live iteration, len/random access,
+standard analyses unchanged, refusals, timeouts and corruption as errors."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import textwrap
+import time
+from pathlib import Path
+
+import MDAnalysis as mda
+import numpy as np
+import pytest
+from MDAnalysis.analysis import rms
+from MDAnalysis.lib.mdamath import triclinic_vectors
+from MDAnalysisTests.datafiles import DCD, PSF
+
+import instride
+from conftest import finish, spawn_py
+from instride.analytics import InstrideReader
+from instride.errors import ConsumeTimeout, EndOfStream, IntegrityError
+
+NFRAMES = 20
+DIMS = np.array([50.0, 60.0, 70.0, 80.0, 90.0, 100.0])  # a triclinic box, a b c alpha beta gamma
+
+
+@pytest.fixture(scope="module")
+def adk() -> mda.Universe:
+    """Adenylate kinase (3,341 atoms), the first NFRAMES frames of the MDAnalysis test DCD."""
+    return mda.Universe(PSF, DCD)
+
+
+def publish_dcd(name: str, universe: mda.Universe, n: int = NFRAMES, close: bool = True) -> None:
+    stream = instride.Stream(name, mode="w")
+    box = triclinic_vectors(DIMS)
+    for ts in universe.trajectory[:n]:
+        stream.append(universe.atoms.positions, step=ts.frame * 10, time=ts.time, box=box)
+    if close:
+        stream.close()
+
+
+def test_reader_is_registered_with_format_hint(managed_dir: Path) -> None:
+    from MDAnalysis.coordinates.core import get_reader_for
+
+    assert get_reader_for("instride://run7") is InstrideReader
+    assert get_reader_for("run7.dcd") is not InstrideReader
+
+
+def test_frames_match_source_and_len_is_final_after_end(managed_dir: Path, adk) -> None:
+    publish_dcd("adk", adk)
+    u = mda.Universe(PSF, "instride://adk")
+    assert isinstance(u.trajectory, InstrideReader)
+    assert u.trajectory.ended and len(u.trajectory) == NFRAMES
+    seen = 0
+    for ts, ref in zip(u.trajectory, adk.trajectory[:NFRAMES], strict=True):
+        assert ts.frame == ref.frame
+        np.testing.assert_allclose(u.atoms.positions, adk.atoms.positions, atol=1e-5)
+        np.testing.assert_allclose(ts.dimensions, DIMS, atol=1e-4)
+        assert ts.data["step"] == ref.frame * 10
+        assert ts.time == pytest.approx(ref.time)
+        seen += 1
+    assert seen == NFRAMES
+    assert u.trajectory.ts.frame == 0  # rewound at the end, like every MDAnalysis reader
+    u.trajectory[-1]
+    assert u.trajectory.ts.frame == NFRAMES - 1
+    assert [ts.frame for ts in u.trajectory[2:9:3]] == [2, 5, 8]
+    assert u.trajectory.dt == pytest.approx(adk.trajectory.dt, rel=1e-5)
+
+
+def test_rmsd_and_rmsf_run_unchanged(managed_dir: Path, adk) -> None:
+    publish_dcd("adk", adk)
+    u = mda.Universe(PSF, "instride://adk")
+    got = rms.RMSD(u, select="backbone").run().results.rmsd
+    ref_u = mda.Universe(PSF, DCD)
+    want = rms.RMSD(ref_u, select="backbone").run(stop=NFRAMES).results.rmsd
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    got_f = rms.RMSF(u.select_atoms("name CA")).run().results.rmsf
+    want_f = rms.RMSF(ref_u.select_atoms("name CA")).run(stop=NFRAMES).results.rmsf
+    np.testing.assert_allclose(got_f, want_f, atol=1e-4)
+
+
+def test_live_stream_len_grows_and_random_access_refuses_unpublished(
+    managed_dir: Path, adk
+) -> None:
+    stream = instride.Stream("live", mode="w")
+    for ts in adk.trajectory[:5]:
+        stream.append(adk.atoms.positions, step=ts.frame, time=ts.time)
+    u = mda.Universe(PSF, "instride://live", timeout=0.5)
+    assert len(u.trajectory) == 5 and not u.trajectory.ended
+    assert u.dimensions is None  # published without a box
+    # analyses run over the frames published so far, without waiting
+    assert rms.RMSD(u, select="name CA").run().results.rmsd.shape[0] == 5
+    with pytest.raises(IndexError, match="not published yet|exceeds length"):
+        u.trajectory[7]
+    for ts in adk.trajectory[5:8]:
+        stream.append(adk.atoms.positions, step=ts.frame, time=ts.time)
+    assert len(u.trajectory) == 8
+    u.trajectory[7]
+    np.testing.assert_allclose(u.atoms.positions, adk.trajectory[7].positions, atol=1e-5)
+    # "final" length waits for end-of-stream: here it never comes -> a timeout, not a guess
+    with pytest.raises(ConsumeTimeout):
+        len(mda.Universe(PSF, "instride://live", timeout=0.3, length="final").trajectory)
+    stream.close()
+    assert len(mda.Universe(PSF, "instride://live", length="final").trajectory) == 8
+
+
+def test_iteration_timeout_raises_instead_of_ending(managed_dir: Path, adk) -> None:
+    publish_dcd("stalled", adk, n=3, close=False)
+    u = mda.Universe(PSF, "instride://stalled", timeout=0.3)
+    frames = []
+    with pytest.raises(ConsumeTimeout):
+        for ts in u.trajectory:
+            frames.append(ts.frame)
+    assert frames == [0, 1, 2]
+
+
+def test_corrupt_frame_raises_integrity_error(managed_dir: Path, adk) -> None:
+    publish_dcd("bad", adk, n=3)
+    path = managed_dir / "bad" / "frame_000000001.isf"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    u = mda.Universe(PSF, "instride://bad")
+    with pytest.raises(IntegrityError):
+        for _ in u.trajectory:
+            pass
+
+
+def test_refusals(managed_dir: Path, adk) -> None:
+    instride.Stream("empty", mode="w").close()
+    with pytest.raises(EndOfStream):
+        mda.Universe(PSF, "instride://empty")
+    instride.Stream("small", mode="w").append(np.zeros((10, 3), dtype=np.float32))
+    with pytest.raises(ValueError, match="10 atoms per frame but the topology has 3341"):
+        mda.Universe(PSF, "instride://small")
+    with pytest.raises(ValueError, match="no stream name"):
+        InstrideReader("instride://")
+    with pytest.raises(ValueError, match="length must be"):
+        InstrideReader("instride://small", length="soon")
+    with pytest.raises(instride.KeyValidationError):
+        InstrideReader("instride://../etc")
+
+
+def test_pickle_roundtrip(managed_dir: Path, adk) -> None:
+    publish_dcd("pk", adk, n=4)
+    u = mda.Universe(PSF, "instride://pk")
+    u.trajectory[2]
+    u2 = pickle.loads(pickle.dumps(u))
+    assert u2.trajectory.ts.frame == 2
+    np.testing.assert_allclose(u2.atoms.positions, u.atoms.positions)
+    assert len(u2.trajectory) == 4
+    copy = u.trajectory.copy()
+    assert copy.ts.frame == 2 and len(copy) == 4 and copy._kwargs["filename"] == "instride://pk"
+
+
+CONSUMER = textwrap.dedent(
+    """
+    import json, sys
+    import MDAnalysis as mda
+    import instride.analytics
+    from instride.analytics import RMSDToFirst
+    from MDAnalysisTests.datafiles import PSF
+    print("waiting", flush=True)
+    u = mda.Universe(PSF, "instride://early", timeout=60)   # blocks: no frame yet
+    r = RMSDToFirst(u.select_atoms("backbone"))
+    steps = []
+    for ts in u.trajectory:                                  # blocks for each frame
+        steps.append(int(ts.data["step"]))
+        r.update()
+    r.finish()
+    print(json.dumps({"steps": steps, "rmsd": r.results.rmsd.tolist(),
+                      "idle": u.trajectory.wait_seconds}))
+    """
+)
+
+
+def test_consumer_started_before_producer(managed_dir: Path, adk) -> None:
+    consumer = spawn_py(CONSUMER)
+    assert consumer.stdout.readline().strip() == b"waiting"
+    time.sleep(0.5)  # the consumer is now blocked waiting for frame 0
+    assert consumer.poll() is None
+    stream = instride.Stream("early", mode="w")
+    for ts in adk.trajectory[:10]:
+        stream.append(adk.atoms.positions, step=ts.frame, time=ts.time)
+        time.sleep(0.05)
+    stream.close()
+    rc, out, err = finish(consumer, timeout=60)
+    assert rc == 0, err
+    got = json.loads(out.splitlines()[-1])
+    assert got["steps"] == list(range(10))
+    assert got["idle"] > 0.1  # it really waited for frames
+    want = rms.RMSD(mda.Universe(PSF, DCD), select="backbone").run(stop=10).results.rmsd[:, 2]
+    np.testing.assert_allclose(got["rmsd"], want, atol=1e-4)
