@@ -130,13 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     import importlib
 
     for name in _PLUGINS:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name is None or not name.startswith(exc.name):
-                raise
-            continue
-        mod.add_parser(sub)
+        importlib.import_module(name).add_parser(sub)
     return parser
 
 
