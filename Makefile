@@ -7,8 +7,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 # Debian packages the tests and benchmarks use: Redis (cluster metadata), iproute2 (emulated
 # nodes in network namespaces), GROMACS (a second MD engine streaming over IMD), compilers
-# for the preload library and its C/C++ tests.
-APT_PACKAGES := redis-server iproute2 gromacs gcc g++ make procps
+# for the preload library and its C/C++ tests, sshfs + sshd (the shared-file-system baseline
+# of the benchmark: a real network file system between emulated nodes).
+APT_PACKAGES := redis-server iproute2 gromacs gcc g++ make procps sshfs openssh-server util-linux
 
 .PHONY: demo test lint bench clean system-deps
 

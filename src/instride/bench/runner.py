@@ -1,0 +1,513 @@
+"""Run one configuration of the paper's workflow: ``instride bench run``.
+
+:func:`run` launches ``2 x pairs`` ranks of :mod:`instride.bench.workflow` with the venv's
+``mpiexec`` (MPICH), once per repetition, then merges the ranks' timing rows into a tidy table
+and a JSON summary (:mod:`instride.bench.results`).
+
+Placement follows the paper. On one node every rank runs here. On ``N >= 2`` emulated nodes
+(:class:`instride.cluster.EmulatedCluster`), producers run on nodes ``1 .. N/2`` and consumers
+on nodes ``N/2+1 .. N``, pair ``p`` on producer node ``1 + p % (N/2)`` and consumer node
+``N/2 + 1 + p % (N/2)``. Each rank is started inside its node's network namespace with its
+node's ``INSTRIDE_*`` environment by an MPMD command line::
+
+    mpiexec -n 1 ip netns exec NS1 env INSTRIDE_DIR=... python -m instride.bench.workflow S 0 \\
+          : -n 1 ip netns exec NS2 env INSTRIDE_DIR=... python -m instride.bench.workflow S 0
+
+The MPI ranks still share the machine (MPICH sees one host name, so its pairwise barriers go
+through shared memory): an emulated node isolates the network and the managed directory, not
+MPI's own messages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import InstrideError
+from .backends import BACKENDS
+from .models import BenchConfigError, Model, get_model
+from .results import merge_repetition, summarize, write_tables
+
+#: What the ``sharedfs`` backend can be (see :class:`RunConfig`).
+SHAREDFS_KINDS = ("auto", "sshfs", "dir")
+
+
+class BenchRunError(InstrideError, RuntimeError):
+    """A workflow run failed (a rank exited with an error or the run timed out)."""
+
+    def __init__(self, what: str, detail: str) -> None:
+        self.what = what
+        self.detail = detail
+        super().__init__(f"{what}: {detail}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One workflow configuration.
+
+    Attributes
+    ----------
+    model
+        Paper model name (``JAC``, ``ApoA1``, ``F1-ATPase``, ``STMV``); with ``atoms``, the model
+        whose timing a custom atom count borrows.
+    atoms
+        Custom atom count (instead of a paper model).
+    stride
+        MD steps per frame; default: Table II for the model.
+    steps_per_second
+        MD performance; default: Table I for the model.
+    frames
+        Frames per pair (the paper: 128).
+    pairs
+        Producer/consumer pairs.
+    nodes
+        1 (everything on this node) or an even number of emulated nodes (half producers, half
+        consumers).
+    backend
+        ``instride``, ``localfs`` (one node only) or ``sharedfs``.
+    sharedfs_kind
+        What ``sharedfs`` is: ``"sshfs"`` (a storage server on the emulated network, mounted
+        with sshfs on every node: real network data movement; needs ``nodes >= 2``), ``"dir"``
+        (a plain directory every node sees: synchronization only) or ``"auto"`` (the default:
+        sshfs on ``nodes >= 2``, a directory on one node). See
+        :mod:`instride.bench.sshfs`.
+    repetitions
+        Runs of the configuration (the paper: 10).
+    time_scale
+        Multiplies the MD and analytics sleeps (1.0 = a frame every 0.82 s, as in the paper).
+    sleep
+        ``"stride"`` (one MD sleep per frame) or ``"step"`` (one per MD step).
+    fsync
+        fsync every frame before it becomes visible (all backends alike).
+    keep_frames
+        Keep consumed frames instead of deleting them after the analytics step.
+    timeout
+        Seconds any single wait (publication, barrier) may take before the run fails.
+    workdir
+        Directory for the node-local data (default: a new directory on ``/dev/shm``).
+    label
+        Free-form name of the configuration in tables and reports.
+    """
+
+    model: str | None = "JAC"
+    atoms: int | None = None
+    stride: int | None = None
+    steps_per_second: float | None = None
+    frames: int = 128
+    pairs: int = 1
+    nodes: int = 1
+    backend: str = "instride"
+    sharedfs_kind: str = "auto"
+    repetitions: int = 1
+    time_scale: float = 1.0
+    sleep: str = "stride"
+    fsync: bool = False
+    keep_frames: bool = False
+    timeout: float = 120.0
+    workdir: str | None = None
+    label: str = field(default="", compare=False)
+
+    def resolved_model(self) -> Model:
+        """The :class:`Model` with this configuration's stride and steps per second applied."""
+        model = get_model(self.model, atoms=self.atoms)
+        if self.stride is not None:
+            model = replace(model, stride=self.stride)
+        if self.steps_per_second is not None:
+            model = replace(model, steps_per_second=self.steps_per_second)
+        return model
+
+    def sharedfs_mount(self) -> str | None:
+        """``"sshfs"`` or ``"dir"`` for the ``sharedfs`` backend (``auto`` resolved), else None."""
+        if self.backend != "sharedfs":
+            return None
+        if self.sharedfs_kind == "auto":
+            return "sshfs" if self.nodes > 1 else "dir"
+        return self.sharedfs_kind
+
+    def validate(self) -> RunConfig:
+        """Return self, or raise :class:`BenchConfigError` naming the first bad setting."""
+        for name in ("frames", "pairs", "nodes", "repetitions"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise BenchConfigError(name, f"expected a positive integer, got {value!r}")
+        if self.backend not in BACKENDS:
+            raise BenchConfigError(
+                "backend", f"unknown {self.backend!r}; expected one of {BACKENDS}"
+            )
+        if self.nodes > 1 and self.nodes % 2:
+            raise BenchConfigError(
+                "nodes",
+                f"{self.nodes}: expected 1 or an even number (half producers, half consumers)",
+            )
+        if self.backend == "localfs" and self.nodes > 1:
+            raise BenchConfigError(
+                "backend", "localfs is a node-local directory: it cannot move data between nodes "
+                "(use sharedfs or instride with --nodes >= 2)"
+            )
+        if self.sharedfs_kind not in SHAREDFS_KINDS:
+            raise BenchConfigError(
+                "sharedfs_kind", f"unknown {self.sharedfs_kind!r}; expected one of {SHAREDFS_KINDS}"
+            )
+        if self.sharedfs_mount() == "sshfs" and self.nodes < 2:
+            raise BenchConfigError(
+                "sharedfs_kind", "sshfs mounts a storage server over the emulated network: it "
+                "needs --nodes >= 2 (use --sharedfs-kind dir on one node)"
+            )
+        if self.stride is not None and (isinstance(self.stride, bool) or self.stride < 1):
+            raise BenchConfigError("stride", f"expected a positive integer, got {self.stride!r}")
+        if self.steps_per_second is not None and self.steps_per_second <= 0:
+            raise BenchConfigError("steps_per_second", f"must be > 0, got {self.steps_per_second}")
+        if not self.time_scale >= 0:
+            raise BenchConfigError("time_scale", f"must be >= 0, got {self.time_scale}")
+        if self.sleep not in ("stride", "step"):
+            raise BenchConfigError("sleep", f"expected 'stride' or 'step', got {self.sleep!r}")
+        if not self.timeout > 0:
+            raise BenchConfigError("timeout", f"must be > 0, got {self.timeout}")
+        self.resolved_model()
+        return self
+
+    @property
+    def name(self) -> str:
+        """A short unique-enough name: backend, model, stride, pairs, nodes.
+
+        A plain-directory ``sharedfs`` across emulated nodes (not the default there) is
+        ``sharedfs_dir``.
+        """
+        m = self.resolved_model()
+        backend = self.backend
+        if self.nodes > 1 and self.sharedfs_mount() == "dir":
+            backend = "sharedfs_dir"
+        return f"{backend}-{m.name}-s{m.stride}-p{self.pairs}-n{self.nodes}"
+
+
+def mpiexec_path() -> str:
+    """The ``mpiexec`` of this interpreter's environment (the mpich wheel), else on PATH.
+
+    Raises
+    ------
+    BenchConfigError
+        When no ``mpiexec`` exists (``pip install mpich mpi4py``).
+    """
+    candidate = Path(sys.executable).parent / "mpiexec"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("mpiexec")
+    if found is None:
+        raise BenchConfigError("mpi", "no mpiexec found; install MPI: pip install mpich mpi4py")
+    return found
+
+
+def placement(pairs: int, nodes: int) -> list[int]:
+    """Node number (1-based) of every rank: producers first, then consumers."""
+    if nodes == 1:
+        return [1] * (2 * pairs)
+    half = nodes // 2
+    producers = [1 + p % half for p in range(pairs)]
+    consumers = [half + 1 + p % half for p in range(pairs)]
+    return producers + consumers
+
+
+def _default_workdir() -> Path:
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return Path(tempfile.mkdtemp(prefix="instride-bench-", dir=base))
+
+
+_NODE_VARS = ("INSTRIDE_DIR", "INSTRIDE_REDIS_URL", "INSTRIDE_TOKEN", "INSTRIDE_NODE",
+              "INSTRIDE_ADDR", "INSTRIDE_SOCKET", "INSTRIDE_CACHE_BYTES", "INSTRIDE_TIMEOUT")
+
+
+@contextlib.contextmanager
+def _maybe_cluster(cfg: RunConfig, cluster: Any) -> Iterator[Any]:
+    if cfg.nodes == 1:
+        yield None
+        return
+    if cluster is not None:
+        if len(cluster.nodes) < cfg.nodes:
+            raise BenchConfigError(
+                "nodes", f"{cfg.nodes} nodes asked, the cluster given has {len(cluster.nodes)}"
+            )
+        yield cluster
+        return
+    from ..cluster import EmulatedCluster
+
+    need_servers = cfg.backend == "instride"
+    with EmulatedCluster(nodes=cfg.nodes, serve=need_servers, redis=need_servers) as made:
+        yield made
+
+
+@contextlib.contextmanager
+def _maybe_storage(cfg: RunConfig, cluster: Any, storage: Any) -> Iterator[Any]:
+    """The sshfs storage server of a ``sharedfs``/``sshfs`` run (given or made here)."""
+    if cfg.sharedfs_mount() != "sshfs":
+        yield None
+        return
+    from .sshfs import SshfsStorage, covers
+
+    nodes = sorted(set(placement(cfg.pairs, cfg.nodes)))
+    if storage is not None:
+        if storage.cluster is not cluster or not covers(storage, nodes):
+            raise BenchConfigError(
+                "storage", f"the sshfs storage given is not mounted on nodes {nodes} of this "
+                "run's cluster"
+            )
+        yield storage
+        return
+    with SshfsStorage(cluster, nodes=nodes) as made:
+        yield made
+
+
+def _rank_argv(spec_path: Path, rep: int) -> list[str]:
+    # `python -m mpi4py` calls MPI_Abort on an uncaught exception, so one failed rank ends the
+    # whole job instead of leaving its partners blocked in MPI.
+    return [sys.executable, "-m", "mpi4py", "-m", "instride.bench.workflow", str(spec_path),
+            str(rep)]
+
+
+def _common_env(cluster: Any, nodes_of: list[int]) -> dict[str, str]:
+    """``INSTRIDE_*`` variables with the same value on every node used (token, Redis URL)."""
+    envs = [cluster.node(n).env for n in sorted(set(nodes_of))]
+    return {
+        k: v for k, v in envs[0].items()
+        if k.startswith("INSTRIDE_") and all(e.get(k) == v for e in envs[1:])
+    }
+
+
+def _command(cfg: RunConfig, spec_path: Path, rep: int, nodes_of: list[int], cluster: Any,
+             fsync_env: str) -> list[str]:
+    mpiexec = mpiexec_path()
+    if cluster is None:
+        return [mpiexec, "-n", str(len(nodes_of)), *_rank_argv(spec_path, rep)]
+    argv = [mpiexec]
+    common = _common_env(cluster, nodes_of)
+    for rank, node in enumerate(nodes_of):
+        if rank:
+            argv.append(":")
+        env = cluster.node(node).env
+        # Only what differs between nodes goes on the command line (never the job token).
+        assign = [f"{k}={v}" for k, v in env.items()
+                  if k.startswith("INSTRIDE_") and k not in common]
+        assign.append(f"INSTRIDE_FSYNC={fsync_env}")
+        inner = ["env", *assign, *_rank_argv(spec_path, rep)]
+        argv += ["-n", "1", *cluster.command(node, inner)]
+    return argv
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # the session we started for this mpiexec
+    with contextlib.suppress(Exception):
+        proc.wait(5)
+
+
+_SHM = Path("/dev/shm")
+
+
+def _mpich_segments() -> set[str]:
+    try:
+        return {p.name for p in _SHM.glob("mpich_shm_*")}
+    except OSError:
+        return set()
+
+
+def _in_use(names: set[str]) -> set[str]:
+    """The names among ``names`` some live process has open or mapped."""
+    used: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("/dev/shm/mpich_shm_"):
+                        used.add(target.rsplit("/", 1)[1])
+            maps = (proc / "maps").read_text()
+            used.update(n for n in names if n in maps)
+    return used & names
+
+
+def _remove_orphan_segments(before: set[str]) -> None:
+    """Remove the MPICH shared-memory segments an aborted job left behind.
+
+    ``MPI_Abort`` skips the unlink MPICH does at finalize. Only segments that appeared during
+    our run and that no live process has open or mapped are removed.
+    """
+    new = _mpich_segments() - before
+    for name in new - _in_use(new):
+        with contextlib.suppress(FileNotFoundError):
+            (_SHM / name).unlink()
+
+
+def run_once(cfg: RunConfig, out: Path, rep: int, cluster: Any, workdir: Path,
+             storage: Any = None) -> None:
+    """Run repetition ``rep`` of ``cfg``; its raw rows land in ``out/raw/rep<rep>``.
+
+    ``storage`` is the :class:`~instride.bench.sshfs.SshfsStorage` of a sshfs ``sharedfs`` run:
+    the ranks then use their own node's mount (the spec's ``root`` holds ``{node}``), and the
+    run's directory is created and removed on the storage server's side.
+    """
+    model = cfg.resolved_model()
+    run_id = f"run{rep}-{secrets.token_hex(4)}"
+    raw = out / "raw" / f"rep{rep}"
+    if raw.exists():
+        shutil.rmtree(raw)
+    raw.mkdir(parents=True)
+    nodes_of = placement(cfg.pairs, cfg.nodes)
+    cleanup: list[Path] = []
+    env = {k: v for k, v in os.environ.items() if k not in _NODE_VARS}
+    fsync_env = "1" if cfg.fsync else "0"
+    env["INSTRIDE_FSYNC"] = fsync_env
+    root: Path | None = None
+    rank_root: str | None = None  # the root as the ranks see it, when not ``root``
+    if cfg.backend == "localfs":
+        root = workdir / "localfs"
+    elif cfg.backend == "sharedfs" and cfg.sharedfs_mount() == "sshfs":
+        if storage is None:
+            raise BenchConfigError("storage", "a sshfs sharedfs run needs its SshfsStorage")
+        root = storage.export / "bench"
+        rank_root = f"{storage.mount_template}/bench"
+    elif cfg.backend == "sharedfs":
+        root = (Path(cluster.shared_dir) / "bench") if cluster is not None else workdir / "sharedfs"
+    elif cluster is None:
+        env["INSTRIDE_DIR"] = str(workdir / "instride")
+        cleanup.append(workdir / "instride" / run_id)
+    else:
+        cleanup += [Path(cluster.node(n).env["INSTRIDE_DIR"]) / run_id for n in set(nodes_of)]
+    if cluster is not None:
+        env.update(_common_env(cluster, nodes_of))
+    if root is not None:
+        root.mkdir(parents=True, exist_ok=True)
+        cleanup.append(root / run_id)
+    spec = {
+        "run_id": run_id, "backend": cfg.backend,
+        "root": rank_root or (str(root) if root else None),
+        "sharedfs_kind": cfg.sharedfs_mount(),
+        "atoms": model.atoms, "stride": model.stride, "steps_per_second": model.steps_per_second,
+        "frames": cfg.frames, "pairs": cfg.pairs, "time_scale": cfg.time_scale,
+        "sleep": cfg.sleep, "fsync": cfg.fsync, "keep_frames": cfg.keep_frames,
+        "timeout": cfg.timeout, "raw_dir": str(raw),
+        "placement": [f"node{n}" for n in nodes_of],
+    }
+    spec_path = raw / "spec.json"
+    spec_path.write_text(json.dumps(spec, indent=1))
+    argv = _command(cfg, spec_path, rep, nodes_of, cluster, fsync_env)
+    (raw / "command.txt").write_text(" ".join(argv) + "\n")
+    period = model.stride / model.steps_per_second * cfg.time_scale
+    budget = 60.0 + 3 * cfg.frames * period + 3.0 * len(nodes_of) + cfg.timeout
+    segments = _mpich_segments()
+    proc = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        try:
+            stdout, stderr = proc.communicate(timeout=budget)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            _remove_orphan_segments(segments)
+            raise BenchRunError(cfg.name, f"repetition {rep} exceeded {budget:.0f} s") from None
+        except BaseException:
+            _kill_group(proc)
+            raise
+        (raw / "mpiexec.log").write_bytes(stdout + b"\n--- stderr ---\n" + stderr)
+        if proc.returncode != 0:
+            _remove_orphan_segments(segments)
+            tail = stderr.decode(errors="replace").strip().splitlines()[-15:]
+            raise BenchRunError(
+                cfg.name, f"repetition {rep}: mpiexec exited {proc.returncode}:\n" + "\n".join(tail)
+            )
+    finally:
+        for path in cleanup:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def run(
+    cfg: RunConfig,
+    out: str | os.PathLike[str],
+    *,
+    cluster: Any = None,
+    storage: Any = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run every repetition of ``cfg`` and write its results under ``out``.
+
+    Writes ``out/timings.csv`` (one row per repetition x rank x frame x region),
+    ``out/ranks.csv`` (one row per repetition x rank: wall time, frames verified) and
+    ``out/summary.json`` (per role: mean data movement / idle time per frame, and more).
+
+    Parameters
+    ----------
+    cfg
+        The configuration.
+    out
+        Output directory (created).
+    cluster
+        A running :class:`~instride.cluster.EmulatedCluster` to reuse for ``nodes >= 2``;
+        default: one is created for this run and torn down after it.
+    storage
+        A running :class:`~instride.bench.sshfs.SshfsStorage` on ``cluster``, mounted on the
+        run's nodes, to reuse for a sshfs ``sharedfs`` run; default: one is set up for this
+        run (a second or so) and torn down after it.
+    progress
+        Show a progress bar over repetitions.
+
+    Returns
+    -------
+    dict
+        The summary (also written to ``summary.json``).
+
+    Raises
+    ------
+    BenchConfigError
+        Invalid configuration.
+    BenchRunError
+        A rank failed or the run timed out.
+    """
+    cfg.validate()
+    outp = Path(out)
+    outp.mkdir(parents=True, exist_ok=True)
+    workdir = Path(cfg.workdir) if cfg.workdir else _default_workdir()
+    own_workdir = cfg.workdir is None
+    workdir.mkdir(parents=True, exist_ok=True)
+    timings: list[dict[str, Any]] = []
+    ranks: list[dict[str, Any]] = []
+    started = time.time()
+    try:
+        with _maybe_cluster(cfg, cluster) as clu, _maybe_storage(cfg, clu, storage) as sto:
+            from tqdm import tqdm
+
+            for rep in tqdm(range(cfg.repetitions), desc=cfg.label or cfg.name, unit="rep",
+                            disable=not progress, leave=False):
+                run_once(cfg, outp, rep, clu, workdir, sto)
+                t, r = merge_repetition(outp / "raw" / f"rep{rep}")
+                timings += t
+                ranks += r
+    finally:
+        if own_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    model = cfg.resolved_model()
+    config = asdict(cfg) | {
+        "name": cfg.name, "sharedfs_mount": cfg.sharedfs_mount(),
+        "model_name": model.name, "atoms": model.atoms, "stride": model.stride,
+        "steps_per_second": model.steps_per_second, "frame_bytes": model.frame_bytes("paper"),
+        "frame_period_s": model.stride / model.steps_per_second * cfg.time_scale,
+    }
+    summary = summarize(timings, ranks, config)
+    summary["elapsed_s"] = time.time() - started
+    write_tables(outp, timings, ranks, summary)
+    return summary
+
+
+__all__ = ["SHAREDFS_KINDS", "BenchRunError", "RunConfig", "mpiexec_path", "placement", "run", "run_once"]

@@ -1,0 +1,162 @@
+"""The ranks of the paper's workflow: producers (MD emulators) and consumers (analytics).
+
+Run by ``mpiexec`` (see :mod:`instride.bench.runner`), one process per rank::
+
+    python -m instride.bench.workflow SPEC.json REP
+
+With ``P`` pairs, ranks ``0 .. P-1`` are producers and ranks ``P .. 2P-1`` consumers; rank ``r``
+and rank ``r + P`` form pair ``r``.
+
+Producer, per frame: MD sleep for one stride (``produce.md``), serialize the frame in the paper
+layout (``produce.serialize``), write it (``produce.write``), and, for the file systems, enter
+the pair's barrier (``produce.sync``).
+
+Consumer, per frame: for the file systems, enter the pair's barrier (``consume.sync``); read
+and deserialize the frame, verifying its checksums (``consume.read``; for instride preceded by
+``consume.wait`` / ``consume.fetch`` / ``consume.store``); check that it is the expected MD step;
+then sleep for the analytics time, equal to the frame period (``consume.analytics``).
+
+Each rank writes its timing rows to ``RAW/rank<r>.csv`` and a line of facts (wall time, frames
+verified) to ``RAW/rank<r>.json``; :mod:`instride.bench.results` merges them.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import IntegrityError
+from ..md.emulator import MDEmulator, sleep_until
+from .backends import InstrideBackend, make_backend
+from .sync import POLL_SECONDS, PairBarrier
+from .timers import FIELDS, RegionTimer
+
+
+def frame_key(run_id: str, pair: int, index: int) -> str:
+    """The key (path relative to the backend's directory) of frame ``index`` of ``pair``."""
+    return f"{run_id}/pair{pair:04d}/frame_{index:06d}.isf"
+
+
+def _start_line(comm: Any) -> None:
+    """A world barrier that sleeps instead of spinning while slow ranks start up."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(POLL_SECONDS * 20)
+
+
+def produce(spec: dict[str, Any], pair: int, backend: Any, barrier: Any, timer: RegionTimer) -> int:
+    """The producer loop; returns the bytes written."""
+    emu = MDEmulator(
+        spec["atoms"], spec["steps_per_second"], spec["stride"],
+        time_scale=spec["time_scale"], layout="paper", sleep=spec["sleep"], seed=pair,
+    )
+    written = 0
+    for i in range(spec["frames"]):
+        key = frame_key(spec["run_id"], pair, i)
+        with timer.region("produce.md", i):
+            emu.advance()
+        with timer.region("produce.serialize", i):
+            header, payload = emu.frame()
+        with timer.region("produce.write", i):
+            backend.write(key, header, payload)
+        written += len(header) + payload.nbytes
+        if barrier is not None:
+            with timer.region("produce.sync", i):
+                barrier.wait()
+    return written
+
+
+def consume(spec: dict[str, Any], pair: int, backend: Any, barrier: Any, timer: RegionTimer) -> int:
+    """The consumer loop; returns the number of frames verified."""
+    period = spec["stride"] / spec["steps_per_second"] * spec["time_scale"]
+    verified = 0
+    for i in range(spec["frames"]):
+        key = frame_key(spec["run_id"], pair, i)
+        if barrier is not None:
+            with timer.region("consume.sync", i):
+                barrier.wait()
+        frame = backend.consume(key, i, timer)  # checksums verified by read_frame
+        expected = (i + 1) * spec["stride"]
+        if frame.step != expected or frame.natoms != spec["atoms"]:
+            raise IntegrityError(
+                key, f"got step {frame.step} / {frame.natoms} atoms, "
+                f"expected step {expected} / {spec['atoms']} atoms",
+            )
+        verified += 1
+        del frame
+        with timer.region("consume.analytics", i):
+            sleep_until(time.perf_counter() + period)
+        if not spec["keep_frames"]:
+            backend.discard(key)
+    return verified
+
+
+def run_rank(spec: dict[str, Any], rep: int) -> None:
+    """Run this process's rank of repetition ``rep`` of the workflow described by ``spec``."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    pairs = spec["pairs"]
+    if comm.Get_size() != 2 * pairs:
+        raise SystemExit(f"expected {2 * pairs} ranks, got {comm.Get_size()}")
+    producer = rank < pairs
+    pair = rank % pairs
+    node = spec["placement"][rank]
+    backend = make_backend(
+        spec["backend"], spec.get("root"), fsync=spec["fsync"], timeout=spec["timeout"]
+    )
+    barrier = None
+    if backend.explicit_sync:
+        barrier = PairBarrier(comm, pair, 0 if producer else 1, timeout=spec["timeout"])
+    if producer:
+        backend.prepare(f"{spec['run_id']}/pair{pair:04d}")
+    backend.warmup()
+    timer = RegionTimer(rank, "producer" if producer else "consumer", pair, node)
+    _start_line(comm)
+    start = time.perf_counter()
+    timer.origin = start
+    if producer:
+        nbytes = produce(spec, pair, backend, barrier, timer)
+        verified = 0
+    else:
+        nbytes = 0
+        verified = consume(spec, pair, backend, barrier, timer)
+    wall = time.perf_counter() - start
+    raw = Path(spec["raw_dir"])
+    with open(raw / f"rank{rank:04d}.csv", "w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(("rep", *FIELDS))
+        for row in timer.rows:
+            writer.writerow((rep, *row[:7], f"{row[7]:.9f}", f"{row[8]:.9f}"))
+    facts = {
+        "rep": rep, "rank": rank, "role": timer.role, "pair": pair, "node": node,
+        "wall_s": wall, "frames_verified": verified, "bytes_written": nbytes,
+        "mode": backend.client.mode if isinstance(backend, InstrideBackend) else "files",
+        "pid": os.getpid(),
+        "netns": os.stat("/proc/self/ns/net").st_ino,
+    }
+    (raw / f"rank{rank:04d}.json").write_text(json.dumps(facts))
+    if barrier is not None:
+        barrier.free()
+    _start_line(comm)  # nobody leaves while a partner may still need the barrier
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of one rank: ``python -m instride.bench.workflow SPEC REP``."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m instride.bench.workflow SPEC.json REP", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(args[0]).read_text())
+    run_rank(spec, int(args[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
