@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import finish, spawn_py
 
 import instride
+from conftest import finish, spawn_py
 from instride.errors import ConsumeTimeout, KeyExistsError, UnsupportedModeError
 from instride.keys import TMP_PATTERN
 
@@ -282,3 +282,119 @@ def test_module_functions_follow_environment(tmp_path: Path, monkeypatch: pytest
             fh.write(name.encode())
     assert (tmp_path / "a" / "k").read_bytes() == b"a"
     assert (tmp_path / "b" / "k").read_bytes() == b"b"
+
+
+def test_failed_write_publishes_nothing(managed_dir: Path) -> None:
+    # A write that fails at close (the file-size limit stands in for a full disk): the key
+    # must not appear, truncated or otherwise, and no temporary file may remain.
+    proc = spawn_py(textwrap.dedent(
+        """
+        import resource, signal, instride
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+        f = instride.open("full/frame.bin", "wb")
+        f.write(b"x" * 3000)          # buffered: nothing reaches the file yet
+        f.write(b"y" * 3000)
+        try:
+            f.close()                 # the flush fails with EFBIG
+            print("closed")
+        except OSError as e:
+            print("error", e.errno)
+        g = instride.open("full/direct.bin", "wb")
+        try:
+            g.write(b"z" * 100000)    # larger than the buffer: goes straight to the file
+        except OSError as e:
+            print("write error", e.errno)
+        try:
+            g.close()
+        except OSError as e:
+            print("close error", e.errno)
+        """
+    ))
+    rc, out, err = finish(proc)
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("error")
+    assert lines[1].startswith("write error") and lines[2].startswith("close error")
+    assert list((managed_dir / "full").iterdir()) == []
+
+
+def test_publication_between_check_and_watch_is_not_missed(
+    client: instride.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Deterministic version of the race: the file is published exactly after the first
+    # existence check and before the inotify watch is armed. Only the re-check after arming
+    # can see it (no event will ever come).
+    from instride import local
+
+    original = local._watcher.watch
+    published = []
+
+    def publish_then_arm(directory: Path) -> None:
+        if not published:
+            with client.open("race/exact", "wb") as fh:
+                fh.write(b"1")
+            published.append(True)
+        original(directory)
+
+    monkeypatch.setattr(local._watcher, "watch", publish_then_arm)
+    start = time.monotonic()
+    assert client.consume("race/exact", timeout=5) == client.root / "race" / "exact"
+    assert time.monotonic() - start < 2  # found by the re-check, not by the timeout
+    assert published
+
+
+def test_wait_does_not_burn_cpu(managed_dir: Path) -> None:
+    proc = spawn_py(textwrap.dedent(
+        """
+        import resource, instride
+        instride.get_client()
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        try:
+            instride.consume("idle/cpu", timeout=1.5)
+        except instride.ConsumeTimeout:
+            pass
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        print(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+        """
+    ))
+    rc, out, err = finish(proc)
+    assert rc == 0, err
+    assert float(out) < 0.1  # a polling loop would use a large part of the 1.5 s
+
+
+def test_wait_any_validates_keys(client: instride.Client, tmp_path: Path) -> None:
+    from instride.errors import KeyValidationError
+
+    with pytest.raises(KeyValidationError):
+        client.wait_any(["ok/key", "../../escape/x"], timeout=0.1)
+    assert not (client.root.parent.parent / "escape").exists()
+
+
+def test_publish_refuses_symlinks(client: instride.Client, tmp_path: Path) -> None:
+    target = tmp_path / "target"
+    target.write_bytes(b"t")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    with pytest.raises(UnsupportedModeError, match="symbolic link"):
+        client.publish(link, "sym/k")
+    assert not (client.root / "sym" / "k").exists()
+
+
+def test_managed_dir_must_be_private(tmp_path: Path) -> None:
+    from instride.config import Settings
+    from instride.errors import ConfigError
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 4242, 4242)
+    with pytest.raises(ConfigError, match="owned by uid 4242"):
+        instride.Client(Settings(dir=theirs))
+    target = tmp_path / "real"
+    target.mkdir()
+    (tmp_path / "sym").symlink_to(target)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        instride.Client(Settings(dir=tmp_path / "sym"))
+    fresh = tmp_path / "fresh" / "dir"
+    instride.Client(Settings(dir=fresh))
+    assert fresh.stat().st_mode & 0o777 == 0o700

@@ -43,3 +43,10 @@ def test_bad_values(name: str, value: str) -> None:
 
 def test_parse_addr() -> None:
     assert parse_addr("[::1]:80") == ("::1", 80)
+
+
+def test_infinite_and_negative_timeouts_mean_forever() -> None:
+    for raw in ("inf", "-1", "0", ""):
+        assert Settings.from_env({"INSTRIDE_TIMEOUT": raw}).timeout is None
+    with pytest.raises(ConfigError):
+        Settings.from_env({"INSTRIDE_TIMEOUT": "nan"})

@@ -13,7 +13,14 @@ from hypothesis.extra import numpy as hnp
 
 import instride
 from instride.errors import IntegrityError
-from instride.frames import HEADER_SIZE, encode_frame, frame_size, read_frame, read_header, write_frame
+from instride.frames import (
+    HEADER_SIZE,
+    encode_frame,
+    frame_size,
+    read_frame,
+    read_header,
+    write_frame,
+)
 
 KIB = 1024
 MIB = 1024 * 1024

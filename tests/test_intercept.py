@@ -84,3 +84,12 @@ def test_unmodified_script_with_patch_open(managed_dir: Path) -> None:
     res = subprocess.run([sys.executable, "-c", "import sys; print('instride' in sys.modules)"],
                          env=dict(os.environ), capture_output=True, text=True, check=True)
     assert res.stdout.strip() == "False"
+
+
+def test_internal_files_pass_through(managed_dir: Path) -> None:
+    internal = managed_dir / ".instride" / "cache" / "x.json"
+    internal.parent.mkdir(parents=True)
+    with instride.intercept():
+        with open(internal, "w") as fh:  # noqa: PTH123
+            fh.write("{}")
+        assert open(internal).read() == "{}"  # noqa: PTH123,SIM115

@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LoopbackNode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import LoopbackNode
 from instride.errors import AuthenticationError, TransferError
 from instride.metadata.base import Record
 from instride.transport import wire

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import finish, spawn_py
 
 import instride
+from conftest import finish, spawn_py
 from instride.errors import ConsumeTimeout, EndOfStream
 
 PRODUCER = textwrap.dedent(
@@ -130,3 +130,15 @@ def test_paper_layout_stream(client: instride.Client) -> None:
     assert f.header.layout == "paper"
     assert f.positions.shape == (23_558, 3)
     assert f.box[2, 2] == 50.0
+
+
+def test_overwritten_stream_drops_the_old_end_marker(client: instride.Client) -> None:
+    with instride.Stream("rerun", mode="w", client=client) as w:
+        for i in range(3):
+            w.append(np.full((2, 3), i, dtype=np.float32))
+    again = instride.Stream("rerun", mode="w", overwrite=True, client=client)
+    again.append(np.full((2, 3), 10, dtype=np.float32))
+    assert not instride.Stream("rerun", client=client).ended  # the re-run is still going
+    again.close()
+    frames = [int(f.positions[0, 0]) for f in instride.Stream("rerun", client=client)]
+    assert frames == [10]

@@ -7,13 +7,13 @@ and only a key owned by another node is transferred.
 
 from __future__ import annotations
 
-import io as _io
-
 import contextlib
-import io
+import io as _io
 import mmap
 import os
 import shutil
+import stat
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,7 +23,7 @@ import xxhash
 
 from . import local
 from .config import Settings
-from .errors import ConsumeTimeout, KeyExistsError, KeyValidationError
+from .errors import ConfigError, KeyExistsError, UnsupportedModeError
 from .keys import key_path, normalize_key, tmp_path
 from .metadata import MetadataBackend, Record, get_backend
 
@@ -51,6 +51,27 @@ def _env_snapshot() -> tuple[object, ...]:
     return tuple(os.environ.get(k) for k in _ENV_KEYS)
 
 
+def ensure_private_dir(root: Path) -> None:
+    """Create the managed directory (mode 0700) and check it is ours and not a symlink.
+
+    Raises
+    ------
+    ConfigError
+        The directory is a symbolic link, belongs to another user, or is writable by others.
+    """
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(root)
+    except OSError as exc:
+        raise ConfigError("INSTRIDE_DIR", str(root), f"cannot create it: {exc}") from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise ConfigError("INSTRIDE_DIR", str(root), "not a directory (or a symbolic link)")
+    if st.st_uid != os.getuid():
+        raise ConfigError("INSTRIDE_DIR", str(root), f"owned by uid {st.st_uid}, not {os.getuid()}")
+    if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
+        raise ConfigError("INSTRIDE_DIR", str(root), "writable by every user")
+
+
 def file_checksum(path: Path) -> str:
     """Return ``"xxh3:<hex>"`` of a file's content (memory-mapped, no copy)."""
     with _open(path, "rb") as fh:
@@ -76,7 +97,7 @@ class Client:
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings or Settings.from_env()
         self.root = self.settings.dir
-        self.root.mkdir(parents=True, exist_ok=True)
+        ensure_private_dir(self.root)
         self._metadata: MetadataBackend | None = None
         self._cluster: Any = None
 
@@ -122,28 +143,61 @@ class Client:
     def _timeout(self, timeout: float | None) -> float | None:
         return self.settings.timeout if timeout is None else timeout
 
-    def _record_for(self, key: str, path: Path, overwrite: bool) -> Record:
+    def _record_for(self, key: str, path: Path) -> Record:
         st = path.stat()
         return Record(
             key=key,
             owner=self.settings.addr,
             size=st.st_size,
-            checksum=file_checksum(path),
+            checksum=file_checksum(path) if self.settings.redis_url else None,
             version=1,
             time=time.time(),
             node=self.settings.node,
         )
 
-    def _after_publish(self, key: str, path: Path, overwrite: bool = False) -> None:
-        if self.settings.redis_url:
-            self.cluster.forget_fetched(key)  # our own original now, never evicted
-            try:
-                self.metadata.publish(self._record_for(key, path, overwrite), overwrite=overwrite)
-            except KeyExistsError:
-                # Published elsewhere under the same key first: retract our local file.
+    def register(self, key: str | os.PathLike[str], *, overwrite: bool = False) -> Record:
+        """Record a file already in place under ``key`` in the metadata (cluster mode).
+
+        Local mode needs no record (the file is the record). In cluster mode the record holds
+        this node as owner, the size, the checksum and a new version. If recording fails, a
+        write-once file is removed again, so no key is left visible without a record.
+
+        Parameters
+        ----------
+        key
+            The key (the file must be at its final path).
+        overwrite
+            Allow replacing an existing record (a new version) instead of write-once.
+
+        Returns
+        -------
+        Record
+            The record as stored.
+
+        Raises
+        ------
+        KeyExistsError
+            Write-once and another node already published ``key``.
+        MetadataUnavailable
+            Redis could not be reached.
+        """
+        key = self.key(key)
+        path = key_path(key, self.root)
+        record = self._record_for(key, path)
+        if not self.settings.redis_url:
+            return self.metadata.publish(record, overwrite=overwrite)
+        self.cluster.forget_fetched(key)  # our own original now, never evicted
+        try:
+            return self.metadata.publish(record, overwrite=overwrite)
+        except BaseException:
+            if not overwrite:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
-                raise
+            raise
+
+    def _after_publish(self, key: str, path: Path, overwrite: bool = False) -> None:
+        if self.settings.redis_url:
+            self.register(key, overwrite=overwrite)
 
     # ------------------------------------------------------------------ producing
     def open(
@@ -243,17 +297,39 @@ class Client:
     ) -> str:
         """Publish a file written by other means.
 
-        With ``key``, ``src`` (anywhere) is moved atomically under ``key``: renamed when on the
-        same file system, else copied to a hidden temporary name and renamed. Without ``key``,
-        ``src`` must be a hidden temporary file or a file already under the managed
-        directory; it is published under its own key.
+        With ``key``, ``src`` (anywhere) is moved atomically under ``key``: linked when on the
+        same file system, else copied to a hidden temporary name, then renamed into place; the
+        source name is removed. Without ``key``, ``src`` must already be at its final path
+        under the managed directory (written in place by a legacy tool); it is recorded.
+
+        Parameters
+        ----------
+        src
+            A regular file (not a symbolic link).
+        key
+            The key to publish under; default: the key of ``src``'s own path.
+        overwrite
+            Replace an already published key instead of write-once.
 
         Returns
         -------
         str
             The key.
+
+        Raises
+        ------
+        FileNotFoundError
+            ``src`` does not exist.
+        KeyExistsError
+            ``key`` is published and ``overwrite`` is false (``src`` is left untouched).
+        KeyValidationError
+            Bad key, or ``src`` outside the managed directory when ``key`` is omitted.
+        UnsupportedModeError
+            ``src`` is a symbolic link.
         """
         srcp = Path(os.path.abspath(src))
+        if srcp.is_symlink():
+            raise UnsupportedModeError("publish", f"{str(srcp)!r} is a symbolic link; publish its target")
         if not srcp.is_file():
             raise FileNotFoundError(f"cannot publish {str(srcp)!r}: no such file")
         if key is None:
@@ -330,10 +406,18 @@ class Client:
             return memoryview(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ))
 
     def wait_any(self, keys: Sequence[str], timeout: float | None = None) -> str:
-        """Wait until one of ``keys`` (already normalized) is published; return it.
+        """Wait until one of ``keys`` is published; return the (normalized) key that was.
 
         The key is not fetched; call :meth:`consume` for its content.
+
+        Raises
+        ------
+        ConsumeTimeout
+            After ``timeout`` seconds (default ``INSTRIDE_TIMEOUT``, else forever).
+        KeyValidationError
+            A bad key.
         """
+        keys = [self.key(k) for k in keys]
         timeout = self._timeout(timeout)
         if not self.settings.redis_url:
             for key in keys:
@@ -373,15 +457,24 @@ class Client:
 _default: tuple[tuple[object, ...], Client] | None = None
 
 
+_default_lock = threading.Lock()
+
+
 def get_client() -> Client:
-    """The process-wide client for the current ``INSTRIDE_*`` environment."""
+    """The process-wide client for the current ``INSTRIDE_*`` environment.
+
+    A new client replaces the old one when the environment changes; the old one is not
+    closed (another thread may still be using it) and is released when garbage-collected.
+    """
     global _default
     env = _env_snapshot()
-    if _default is None or _default[0] != env:
-        if _default is not None:
-            _default[1].close()
-        _default = (env, Client())
-    return _default[1]
+    current = _default
+    if current is not None and current[0] == env:
+        return current[1]
+    with _default_lock:
+        if _default is None or _default[0] != env:
+            _default = (env, Client())
+        return _default[1]
 
 
 __all__ = ["Client", "get_client", "file_checksum"]

@@ -8,7 +8,7 @@
 ``INSTRIDE_TOKEN``
     The job token every cluster request is HMAC-signed with (required in cluster mode).
 ``INSTRIDE_TIMEOUT``
-    Default consume timeout in seconds; empty or 0 waits forever.
+    Default consume timeout in seconds; empty, 0, negative or ``inf`` waits forever.
 ``INSTRIDE_FSYNC``
     fsync a produced file before publishing it (``0``/``1``, default ``1``).
 ``INSTRIDE_CACHE_BYTES``
@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import tempfile
@@ -54,7 +55,9 @@ def _float_or_none(name: str, raw: str | None) -> float | None:
         value = float(raw)
     except ValueError:
         raise ConfigError(name, raw, "not a number") from None
-    return value if value > 0 else None
+    if math.isnan(value):
+        raise ConfigError(name, raw, "not a number")
+    return value if 0 < value < math.inf else None  # 0, negative or inf: no limit
 
 
 def _bool(name: str, raw: str | None, default: bool) -> bool:

@@ -39,7 +39,6 @@ Examples
 from __future__ import annotations
 
 import io as _io
-
 import mmap
 import os
 import struct

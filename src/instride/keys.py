@@ -13,9 +13,9 @@ never causes a write anywhere.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
-import itertools
 import secrets
 from pathlib import Path
 

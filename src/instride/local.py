@@ -20,6 +20,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from inotify_simple import INotify
 from inotify_simple import flags as inflags
@@ -27,6 +28,7 @@ from inotify_simple import flags as inflags
 from .errors import ConsumeTimeout, KeyExistsError, UnsupportedModeError
 from .keys import TMP_PATTERN, tmp_path
 
+_MAX_WAIT_MS = 60_000  # one read() at most; longer waits loop (poll() takes an int)
 _WATCH = inflags.CREATE | inflags.MOVED_TO | inflags.DELETE_SELF | inflags.MOVE_SELF
 
 
@@ -95,7 +97,7 @@ class _Watcher(threading.local):
     closing one each time. Watches are bounded; stale events of other files are ignored.
     """
 
-    MAX_WATCHES = 256
+    MAX_WATCHES = 64
 
     def __init__(self) -> None:
         self.ino: INotify | None = None
@@ -125,6 +127,16 @@ class _Watcher(threading.local):
         for directory, w in list(self.wds.items()):
             if w == wd:
                 del self.wds[directory]
+                with contextlib.suppress(OSError):
+                    self.get().rm_watch(w)
+
+    def reset(self) -> None:
+        """Drop every watch (after a queue overflow); waits re-arm what they need."""
+        ino = self.get()
+        for wd in self.wds.values():
+            with contextlib.suppress(OSError):
+                ino.rm_watch(wd)
+        self.wds.clear()
 
 
 _watcher = _Watcher()
@@ -174,14 +186,17 @@ def wait_any(
                 remaining = timeout - (time.monotonic() - start)
                 if remaining <= 0:
                     raise ConsumeTimeout(label, time.monotonic() - start)
-                wait_ms = max(1, int(remaining * 1000))
-            events = ino.read(timeout=wait_ms)
+                wait_ms = min(max(1, int(remaining * 1000)), _MAX_WAIT_MS)
+            events = ino.read(timeout=wait_ms if timeout is not None else _MAX_WAIT_MS)
             wake = False
             for ev in events:
-                if ev.mask & inflags.IGNORED:  # a watched directory went away
-                    _watcher.forget(ev.wd)
+                if ev.mask & inflags.Q_OVERFLOW:  # events (maybe IN_IGNORED) were lost
+                    _watcher.reset()
                     wake = True
-                elif ev.name in names or ev.mask & inflags.Q_OVERFLOW:
+                elif ev.mask & (inflags.IGNORED | inflags.DELETE_SELF | inflags.MOVE_SELF):
+                    _watcher.forget(ev.wd)  # a watched directory went away or moved
+                    wake = True
+                elif ev.name in names:
                     wake = True
             if wake:
                 break
@@ -254,6 +269,7 @@ class _PublishingFileIO(io.FileIO):
         self._fsync = fsync
         self._on_publish = on_publish
         self._aborted = False
+        self._failed: BaseException | None = None
         try:
             super().__init__(self._tmp, "x+" if readable else "x")
         except FileNotFoundError:  # first file of its directory
@@ -265,6 +281,13 @@ class _PublishingFileIO(io.FileIO):
         """The key this file is published under on close."""
         return self._key
 
+    def write(self, b: Any) -> int | None:  # type: ignore[override]
+        try:
+            return super().write(b)
+        except BaseException as exc:
+            self._failed = exc  # a lost write must never be published as a complete file
+            raise
+
     def abort(self) -> None:
         """Close without publishing and remove the temporary file."""
         self._aborted = True
@@ -273,6 +296,11 @@ class _PublishingFileIO(io.FileIO):
     def close(self) -> None:
         if self.closed:
             return
+        if self._failed is not None and not self._aborted:
+            self._aborted = True
+            self.close()
+            raise OSError(errno.EIO, f"key {self._key!r} not published: a write failed "
+                          f"({self._failed})", str(self._final))
         if self._aborted:
             super().close()
             with contextlib.suppress(FileNotFoundError):
@@ -307,42 +335,50 @@ class _PublishingFileIO(io.FileIO):
             self.abort()
 
 
-def _abort_on_error(raw: _PublishingFileIO, exc_type: object) -> None:
-    if exc_type is not None:
-        raw._aborted = True
+class _AbortOnError:
+    """Buffered/text layers over a :class:`_PublishingFileIO`: an exception leaving a ``with``
+    block, a failed flush, or garbage collection without ``close()`` discards the file."""
 
+    def _publishing_raw(self) -> _PublishingFileIO:
+        layer: Any = self
+        while not isinstance(layer, _PublishingFileIO):
+            layer = layer.buffer if hasattr(layer, "buffer") else layer.raw
+        return layer
 
-class _PublishingBufferedWriter(io.BufferedWriter):
     def __exit__(self, exc_type, exc, tb):  # type: ignore[no-untyped-def]
-        _abort_on_error(self.raw, exc_type)
+        if exc_type is not None:
+            self._publishing_raw()._aborted = True
         self.close()
 
-    def __del__(self) -> None:
-        if not self.closed:
-            self.raw._aborted = True
-            self.close()
-
-
-class _PublishingBufferedRandom(io.BufferedRandom):
-    def __exit__(self, exc_type, exc, tb):  # type: ignore[no-untyped-def]
-        _abort_on_error(self.raw, exc_type)
-        self.close()
-
-    def __del__(self) -> None:
-        if not self.closed:
-            self.raw._aborted = True
-            self.close()
-
-
-class _PublishingTextIOWrapper(io.TextIOWrapper):
-    def __exit__(self, exc_type, exc, tb):  # type: ignore[no-untyped-def]
-        _abort_on_error(self.buffer.raw, exc_type)
-        self.close()
+    def close(self) -> None:
+        if self.closed:  # type: ignore[attr-defined]
+            return
+        try:
+            self.flush()  # type: ignore[attr-defined]
+        except BaseException:
+            self._publishing_raw()._aborted = True
+            with contextlib.suppress(Exception):
+                super().close()  # type: ignore[misc]
+            raise
+        super().close()  # type: ignore[misc]
 
     def __del__(self) -> None:
-        if not self.closed:
-            self.buffer.raw._aborted = True
-            self.close()
+        if not self.closed:  # type: ignore[attr-defined]
+            self._publishing_raw()._aborted = True
+            with contextlib.suppress(Exception):
+                self.close()
+
+
+class _PublishingBufferedWriter(_AbortOnError, io.BufferedWriter):
+    pass
+
+
+class _PublishingBufferedRandom(_AbortOnError, io.BufferedRandom):
+    pass
+
+
+class _PublishingTextIOWrapper(_AbortOnError, io.TextIOWrapper):
+    pass
 
 
 WRITE_MODES = {"w", "wb", "wt", "x", "xb", "xt", "w+", "w+b", "wb+", "w+t", "wt+", "x+", "x+b", "xb+"}

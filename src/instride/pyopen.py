@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .client import get_client
+from .errors import KeyValidationError
 
 _original_open = builtins.open
 _lock = threading.Lock()
@@ -44,6 +45,10 @@ def _managed_key(file: Any) -> str | None:
     full = os.path.normpath(raw if os.path.isabs(raw) else os.path.join(os.getcwd(), raw))
     if full == root or not full.startswith(root + os.sep):
         return None
+    try:
+        client.key(full)
+    except KeyValidationError:
+        return None  # instride's own files (.instride/, temporary names) are not keys
     return full
 
 

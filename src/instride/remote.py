@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import io
 import json
 import os
 import time
@@ -21,10 +22,12 @@ from pathlib import Path
 
 from . import local
 from .config import Settings
-from .errors import ConsumeTimeout
+from .errors import ConsumeTimeout, IntegrityError
 from .keys import key_path, tmp_path
 from .metadata.base import MetadataBackend, Record
 from .transport import Transport, get_transport
+
+_open = io.open  # the builtin, captured before instride.pyopen may patch it
 
 
 class RemoteStore:
@@ -50,8 +53,9 @@ class RemoteStore:
     def cached_version(self, key: str) -> int | None:
         """Version of the fetched copy of ``key`` on this node, or ``None`` (absent or original)."""
         try:
-            return int(json.loads(self._sidecar(key).read_text())["version"])
-        except (FileNotFoundError, ValueError, KeyError):
+            with _open(self._sidecar(key), "rb") as fh:
+                return int(json.loads(fh.read())["version"])
+        except (FileNotFoundError, NotADirectoryError, ValueError, KeyError):
             return None
 
     def forget_fetched(self, key: str) -> None:
@@ -63,21 +67,31 @@ class RemoteStore:
         side = self._sidecar(record.key)
         side.parent.mkdir(parents=True, exist_ok=True)
         tmp = tmp_path(side)
-        tmp.write_text(json.dumps({"version": record.version, "size": record.size,
-                                   "checksum": record.checksum, "owner": record.owner}))
+        with _open(tmp, "wb") as fh:
+            fh.write(json.dumps({"version": record.version, "size": record.size,
+                                 "checksum": record.checksum, "owner": record.owner}).encode())
         os.replace(tmp, side)
 
     @contextlib.contextmanager
-    def _lock(self, key: str) -> Iterator[None]:
+    def _lock(self, key: str, deadline: float | None) -> Iterator[None]:
+        """Exclusive per-key lock across the node's processes, bounded by ``deadline``."""
         self.lock_dir.mkdir(parents=True, exist_ok=True)
         name = hashlib.sha1(key.encode()).hexdigest()
-        fd = os.open(self.lock_dir / name, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.lock_dir / name, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            delay = 0.001
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise ConsumeTimeout(key, time.monotonic() - deadline) from None
+                    time.sleep(delay)  # another process of this node is fetching the key
+                    delay = min(delay * 2, 0.05)
             yield
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+            os.close(fd)  # releases the lock
 
     def cached_entries(self) -> list[tuple[float, int, str]]:
         """``(last use, size, key)`` of every fetched copy on this node."""
@@ -138,13 +152,14 @@ class RemoteStore:
         if self._current(key, path):
             return path
         start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
         record = self.metadata.wait_any([key], timeout)
         timing["wait"] = time.monotonic() - start
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         if record.owner == self.settings.addr:
             # Published by a process of this node: the original is (about to be) here.
-            remaining = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
-            return local.wait_any([path], remaining if remaining is not None else 5.0, label=key)
-        with self._lock(key):
+            return local.wait_any([path], remaining, label=key)
+        with self._lock(key, deadline):
             have = self.cached_version(key)
             if os.path.exists(path) and have is not None and have >= record.version:
                 return path  # another consumer of this node fetched it meanwhile
@@ -160,22 +175,24 @@ class RemoteStore:
             try:
                 self.transport.fetch(record, staged)
                 break
-            except Exception as exc:
-                from .errors import IntegrityError
-
+            except IntegrityError:
                 # The owner may have re-published meanwhile: retry once with the new record.
-                if attempt == 0 and isinstance(exc, IntegrityError):
-                    newer = self.metadata.lookup(record.key)
-                    if newer is not None and newer.version != record.version:
-                        record = newer
-                        continue
+                newer = self.metadata.lookup(record.key) if attempt == 0 else None
+                if newer is not None and newer.version != record.version:
+                    record = newer
+                    continue
                 raise
         self.transfers += 1
         t1 = time.monotonic()
-        # Record the version first, then publish the bytes: a reader that sees the new file
-        # always finds a sidecar at least as new.
-        self._remember(record)
-        local.publish_file(staged, path, record.key, overwrite=True)
+        try:
+            # Bytes first, then the version: in between, a reader sees new bytes with an older
+            # sidecar and merely re-checks (never old bytes with a newer version).
+            local.publish_file(staged, path, record.key, overwrite=True)
+            self._remember(record)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staged)
+            raise
         self.last_timing["fetch"] = t1 - t0
         self.last_timing["store"] = time.monotonic() - t1
 
@@ -191,7 +208,8 @@ class RemoteStore:
         return memoryview(self.transport.fetch_bytes(record))
 
     def close(self) -> None:
+        """Release the transport's connections."""
         self.transport.close()
 
 
-__all__ = ["RemoteStore", "ConsumeTimeout"]
+__all__ = ["RemoteStore"]

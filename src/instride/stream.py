@@ -58,7 +58,8 @@ class Stream:
     layout
         Frame layout written by :meth:`append`: ``"xyz32"`` or ``"paper"``.
     overwrite
-        Let a producer replace frames of an earlier stream of the same name.
+        Let a producer replace an earlier stream of the same name: its first :meth:`append`
+        deletes the old frames and end marker.
     client
         The :class:`~instride.client.Client` to use (default: from the environment).
     """
@@ -127,6 +128,12 @@ class Stream:
             raise ValueError(f"stream {self.name!r} was opened for reading")
         if self._closed:
             raise ValueError(f"stream {self.name!r} is closed")
+        if self._written == 0 and self.overwrite:
+            # A re-run under the same name: its consumers must see neither the old run's end
+            # marker nor its frames past the new run's length.
+            for key in self.client.list(f"{self.name}/"):
+                if key.rpartition("/")[0] == self.name:
+                    self.client.delete(key)
         self.mode = "w"
         index = self._written
         header, payload = encode_frame(

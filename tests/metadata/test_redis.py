@@ -7,9 +7,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import RedisServer
 from contract import MetadataContract, Put
 
+from conftest import RedisServer
 from instride.config import Settings
 from instride.errors import KeyExistsError, MetadataUnavailable
 from instride.metadata.base import Record
@@ -74,3 +74,26 @@ def test_unreachable_redis_is_a_typed_error(tmp_path) -> None:  # type: ignore[n
         b.lookup("x")
     assert time.monotonic() - start < 10
     assert "127.0.0.1" in str(info.value)
+
+
+def test_version_survives_delete_and_republish(backend: RedisMetadata, put: Put) -> None:
+    put("d/k", b"1")
+    put("d/k", b"2")
+    backend.delete("d/k")
+    assert backend.lookup("d/k") is None
+    # a node caching version 2 must not mistake the new publication for its copy
+    assert put("d/k", b"3").version == 3
+
+
+def test_failed_record_retracts_write_once_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from conftest import free_port
+
+    import instride
+
+    settings = Settings(dir=tmp_path / "n", redis_url=f"redis://127.0.0.1:{free_port()}/0",
+                        token="t", connect_timeout=0.3)
+    c = instride.Client(settings)
+    with pytest.raises(MetadataUnavailable):
+        with c.open("half/k", "wb") as fh:
+            fh.write(b"data")
+    assert not (settings.dir / "half" / "k").exists()

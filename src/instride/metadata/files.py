@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,10 +32,11 @@ class FileMetadata:
         return Record(key, self.owner, st.st_size, None, 1, st.st_mtime, self.node)
 
     def publish(self, record: Record, *, overwrite: bool = True) -> Record:
-        # The atomic rename already published the file; nothing more to record.
+        """Nothing to record: the atomic rename already published the file."""
         return record
 
     def lookup(self, key: str) -> Record | None:
+        """A record built from ``stat``, or ``None`` when the file does not exist."""
         try:
             st = os.stat(self.root / key)
         except (FileNotFoundError, NotADirectoryError):
@@ -42,18 +44,23 @@ class FileMetadata:
         return self._record(key, st)
 
     def wait_any(self, keys: Sequence[str], timeout: float | None) -> Record:
-        path = local.wait_any([self.root / k for k in keys], timeout, label=keys[0])
-        key = os.path.relpath(path, self.root)
-        record = self.lookup(key)
-        if record is None:  # deleted right after it appeared
-            return self.wait_any(keys, timeout)
-        return record
+        """Block until one of ``keys`` exists (inotify); :class:`ConsumeTimeout` after ``timeout``."""
+        start = time.monotonic()
+        while True:
+            remaining = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+            path = local.wait_any([self.root / k for k in keys], remaining, label=keys[0])
+            record = self.lookup(os.path.relpath(path, self.root))
+            if record is not None:
+                return record
+            # deleted right after it appeared: keep waiting within the same deadline
 
     def delete(self, key: str) -> None:
+        """Remove the key's file."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.root / key)
 
     def list(self, prefix: str = "") -> list[str]:
+        """Keys (files, minus instride's internals and temporary files) starting with ``prefix``."""
         base, _, _ = prefix.rpartition("/")
         top = self.root / base if base else self.root
         out = []
@@ -69,7 +76,7 @@ class FileMetadata:
         return sorted(out)
 
     def close(self) -> None:
-        pass
+        """Nothing to release."""
 
 
 def ensure_root(root: Path) -> None:

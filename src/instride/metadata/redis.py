@@ -4,7 +4,8 @@ Layout (all names under the ``instride:`` prefix):
 
 * ``instride:rec:<key>`` — a hash per published key: owner, node, size, checksum, version, time;
 * ``instride:keys`` — a sorted set of all keys (score 0), listed by prefix with ZRANGEBYLEX;
-* ``instride:pub:<key>`` — the channel a publication is announced on.
+* ``instride:pub:<key>`` — the channel a publication is announced on;
+* ``instride:ver:<key>`` — the version counter, kept when the key is deleted.
 
 A publication is one Lua script (one round trip, atomic): it bumps the version, writes the
 hash, indexes the key and publishes the notification. A waiter subscribes to the key's
@@ -15,6 +16,7 @@ so waiters survive a Redis restart.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -32,15 +34,18 @@ PREFIX = "instride:"
 _REC = PREFIX + "rec:"
 _KEYS = PREFIX + "keys"
 _CHAN = PREFIX + "pub:"
+_VER = PREFIX + "ver:"
 
 _PUBLISH = """
 local rec = KEYS[1]
 if ARGV[7] == '0' and redis.call('EXISTS', rec) == 1 then
   return -1
 end
-local version = redis.call('HINCRBY', rec, 'version', 1)
-redis.call('HSET', rec, 'owner', ARGV[1], 'size', ARGV[2], 'checksum', ARGV[3],
-           'time', ARGV[4], 'node', ARGV[5], 'key', ARGV[6])
+-- the version counter outlives deletions, so a key deleted and re-published never reuses
+-- a version that a node's cached copy may still carry
+local version = redis.call('INCR', KEYS[4])
+redis.call('HSET', rec, 'version', version, 'owner', ARGV[1], 'size', ARGV[2],
+           'checksum', ARGV[3], 'time', ARGV[4], 'node', ARGV[5], 'key', ARGV[6])
 redis.call('ZADD', KEYS[2], 0, ARGV[6])
 redis.call('PUBLISH', KEYS[3], version)
 return version
@@ -89,7 +94,11 @@ class RedisMetadata:
 
     # ------------------------------------------------------------------ retries
     def _call(self, what: str, fn: Any, deadline: float | None = None) -> Any:
-        """Run ``fn`` retrying connection errors until ``deadline`` (default: connect timeout)."""
+        """Run ``fn`` retrying connection errors until ``deadline``.
+
+        ``deadline`` defaults to the connect timeout from now; a waiter passes its own (or
+        ``math.inf`` to retry for as long as it waits).
+        """
         if deadline is None:
             deadline = time.monotonic() + self.settings.connect_timeout
         delay = 0.02
@@ -108,7 +117,7 @@ class RedisMetadata:
         version = self._call(
             "publish",
             lambda: self._publish(
-                keys=[_REC + record.key, _KEYS, _CHAN + record.key],
+                keys=[_REC + record.key, _KEYS, _CHAN + record.key, _VER + record.key],
                 args=[record.owner, record.size, record.checksum or "", repr(record.time),
                       record.node, record.key, "1" if overwrite else "0"],
             ),
@@ -119,16 +128,17 @@ class RedisMetadata:
                       record.time, record.node)
 
     def lookup(self, key: str) -> Record | None:
+        """The record of ``key``, or ``None``; :class:`MetadataUnavailable` if Redis is down."""
         return _record(self._call("lookup", lambda: self.redis.hgetall(_REC + key)))
 
-    def _lookup_many(self, keys: Sequence[str]) -> Record | None:
+    def _lookup_many(self, keys: Sequence[str], deadline: float | None = None) -> Record | None:
         def run() -> list[Any]:
             pipe = self.redis.pipeline(transaction=False)
             for key in keys:
                 pipe.hgetall(_REC + key)
             return pipe.execute()
 
-        for fields in self._call("lookup", run):
+        for fields in self._call("lookup", run, deadline):
             rec = _record(fields)
             if rec is not None:
                 return rec
@@ -157,9 +167,16 @@ class RedisMetadata:
                 pass
 
     def wait_any(self, keys: Sequence[str], timeout: float | None) -> Record:
+        """Block until one of ``keys`` is recorded; :class:`ConsumeTimeout` after ``timeout``.
+
+        Subscribes before checking, so no publication is missed; survives Redis restarts.
+        """
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
-        rec = self._lookup_many(keys)  # fast path: already published, no subscription needed
+        try:  # fast path: already published, no subscription needed
+            rec = self._lookup_many(keys, math.inf if deadline is None else deadline)
+        except MetadataUnavailable as exc:
+            raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
         if rec is not None:
             return rec
         channels = [_CHAN + k for k in keys]
@@ -195,6 +212,8 @@ class RedisMetadata:
                 time.sleep(0.05)
 
     def delete(self, key: str) -> None:
+        """Forget ``key`` (its version counter is kept)."""
+
         def run() -> None:
             pipe = self.redis.pipeline(transaction=True)
             pipe.delete(_REC + key)
@@ -204,6 +223,7 @@ class RedisMetadata:
         self._call("delete", run)
 
     def list(self, prefix: str = "") -> list[str]:
+        """Recorded keys starting with ``prefix``, sorted."""
         lo = b"[" + prefix.encode() if prefix else b"-"
         hi = b"[" + prefix.encode() + b"\xff" if prefix else b"+"
         keys = self._call("list", lambda: self.redis.zrangebylex(_KEYS, lo, hi))
@@ -214,6 +234,7 @@ class RedisMetadata:
         return bool(self._call("ping", self.redis.ping))
 
     def close(self) -> None:
+        """Close the subscriber connections and the connection pool."""
         with self._lock:
             subs, self._pubsubs = self._pubsubs, []
         for ps in subs:

@@ -15,7 +15,13 @@ from typing import Any
 import xxhash
 
 from ..config import Settings, parse_addr
-from ..errors import BY_NAME, IntegrityError, PeerUnavailable, TransferError
+from ..errors import (
+    AuthenticationError,
+    IntegrityError,
+    KeyNotFoundError,
+    PeerUnavailable,
+    TransferError,
+)
 from ..metadata.base import Record
 from . import wire
 
@@ -66,6 +72,13 @@ def _fill(sock: socket.socket, mm: mmap.mmap, key: str) -> BaseException | None:
         return exc
     finally:
         view.release()
+
+
+def _size(reply: dict[str, Any], record: Record) -> int:
+    try:
+        return int(reply["size"])
+    except (KeyError, TypeError, ValueError):
+        raise TransferError(record.key, f"malformed reply from {record.owner}: {reply!r}") from None
 
 
 def _verify(record: Record, data: Any, size: int) -> None:
@@ -144,10 +157,12 @@ class TcpTransport:
                 raise
         if not reply.get("ok"):
             sock.close()
-            cls = BY_NAME.get(str(reply.get("error")))
+            err = str(reply.get("error"))
             message = str(reply.get("message", "refused"))
-            if cls is not None and cls.__name__ == "AuthenticationError":
-                raise cls(f"{node}: {message}")  # type: ignore[call-arg]
+            if err == "AuthenticationError":
+                raise AuthenticationError(f"{node}: {message}")
+            if err == "KeyNotFoundError":  # e.g. deleted or evicted at the owner meanwhile
+                raise KeyNotFoundError(record.key)
             raise TransferError(record.key, f"{node} refused: {reply.get('error')}: {message}")
         return sock, reply
 
@@ -160,9 +175,9 @@ class TcpTransport:
     def fetch(self, record: Record, dest: Path) -> None:
         """Receive ``record.key`` into the new file ``dest``; remove it on any failure."""
         sock, reply = self._request(record)
-        size = int(reply.get("size", -1))
         complete = False
         try:
+            size = _size(reply, record)
             if size != record.size:
                 raise IntegrityError(record.key, f"owner has {size} bytes, record says {record.size}")
             fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
@@ -171,7 +186,7 @@ class TcpTransport:
                     complete = True
                     _verify(record, b"", 0)
                     return
-                os.ftruncate(fd, size)
+                os.posix_fallocate(fd, 0, size)  # ENOSPC here, not SIGBUS while receiving
                 with mmap.mmap(fd, size, flags=_MAP_FLAGS) as mm:
                     err = _fill(sock, mm, record.key)
                     if err is None:
@@ -197,7 +212,7 @@ class TcpTransport:
         """Receive ``record.key`` into memory and verify it."""
         sock, reply = self._request(record)
         try:
-            size = int(reply.get("size", -1))
+            size = _size(reply, record)
             if size != record.size:
                 raise IntegrityError(record.key, f"owner has {size} bytes, record says {record.size}")
             buf = bytearray(size)

@@ -1,0 +1,176 @@
+"""``instride analyze`` and ``instride export`` (a plugin of :mod:`instride.cli`).
+
+``instride analyze rmsd --topology TOP --trajectory TRAJ --select SEL --workers N --out DIR``
+runs split-apply-combine over TRAJ (a file MDAnalysis reads, an H5MD ``.h5`` file, or
+``instride://STREAM``) and writes ``DIR/rmsd.csv`` plus the timing report
+(``timing.txt``, ``timing.json``, ``timing_ranks.csv``, ``timing.png``).
+
+``--backend mpi``: when the command runs under a launcher (``mpiexec -n N instride analyze
+... --backend mpi``, ``srun``), the N ranks are the workers. Otherwise it launches itself with
+``mpiexec -n WORKERS`` (the ``mpiexec`` next to the Python interpreter, ``$INSTRIDE_MPIEXEC``
+or ``--mpiexec``).
+
+``instride export --h5md STREAM out.h5`` writes a stream as an H5MD file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+_MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+
+
+def _rank() -> int:
+    for v in _MPI_RANK_VARS:
+        if v in os.environ:
+            return int(os.environ[v])
+    return 0
+
+
+def _straggle(text: str) -> tuple[int, float]:
+    rank, sep, sec = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(rank), float(sec)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected RANK:SECONDS, got {text!r}") from None
+
+
+def _analysis(args: argparse.Namespace) -> Any:
+    from .analyses import RMSD, AnalysisBaseAdapter, RadiusOfGyration
+    from .inputs import ADK_CORE_CA
+
+    if args.analysis == "rmsd":
+        return RMSD(select=args.select or ADK_CORE_CA, ref_frame=args.ref_frame)
+    if args.analysis == "rg":
+        return RadiusOfGyration(select=args.select or "protein")
+    return AnalysisBaseAdapter(args.cls, select=args.select or "all",
+                               kwargs=json.loads(args.kwargs))
+
+
+def _relaunch_argv(args: argparse.Namespace) -> list[str]:
+    """The same command, for each rank started by mpiexec."""
+    argv = ["analyze", args.analysis, "--topology", args.topology, "--trajectory",
+            args.trajectory, "--backend", "mpi", "--workers", str(args.workers),
+            "--out", args.out, "--straggler-factor", str(args.straggler_factor)]
+    if args.select is not None:
+        argv += ["--select", args.select]
+    if args.baseline_serial:
+        argv.append("--baseline-serial")
+    if args.baseline_time is not None:
+        argv += ["--baseline-time", str(args.baseline_time)]
+    for r, s in args.straggle:
+        argv += ["--straggle", f"{r}:{s}"]
+    if args.timeout is not None:
+        argv += ["--timeout", str(args.timeout)]
+    if args.no_plot:
+        argv.append("--no-plot")
+    if args.progress:
+        argv.append("--progress")
+    if args.analysis == "rmsd":
+        argv += ["--ref-frame", str(args.ref_frame)]
+    if args.analysis == "mda":
+        argv += ["--class", args.cls, "--kwargs", args.kwargs]
+    return argv
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from ..errors import InstrideError
+    from .runner import analyze, launch_mpi, under_mpi_launcher
+
+    if args.backend == "mpi" and not under_mpi_launcher() and (args.workers or 1) > 1:
+        return launch_mpi(_relaunch_argv(args), args.workers, args.mpiexec)
+    baseline: str | float | None = None
+    if args.baseline_serial:
+        baseline = "serial"
+    elif args.baseline_time is not None:
+        baseline = args.baseline_time
+    try:
+        run = analyze(
+            _analysis(args), args.trajectory, args.topology, workers=args.workers,
+            backend=args.backend, baseline=baseline, straggle=dict(args.straggle),
+            straggler_factor=args.straggler_factor, timeout=args.timeout,
+            progress=args.progress,
+        )
+    except InstrideError:
+        if args.backend == "mpi" and _rank() != 0:
+            return 2  # rank 0 prints the error once
+        raise
+    if run is None:  # MPI rank > 0
+        return 0
+    paths = run.write(args.out, plot=not args.no_plot)
+    print(run.timing.format())
+    for kind, path in paths.items():
+        print(f"wrote {kind:9} {path}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .h5md import export_h5md
+
+    path = export_h5md(args.source, args.out, topology=args.topology, timeout=args.timeout,
+                       overwrite=args.force, progress=not args.quiet)
+    print(path)
+    return 0
+
+
+def add_parser(subparsers: Any) -> None:
+    """Add ``analyze`` and ``export`` to the ``instride`` command."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--topology", required=True, help="topology file (PSF, PDB, GRO, ...)")
+    common.add_argument("--trajectory", required=True,
+                        help="trajectory file, H5MD .h5 file, or instride://STREAM")
+    common.add_argument("--select", default=None, help="MDAnalysis atom selection")
+    common.add_argument("--workers", type=int, default=None,
+                        help="number of ranks (mpi under a launcher: the launcher's count)")
+    common.add_argument("--backend", choices=("multiprocessing", "mpi", "serial"),
+                        default="multiprocessing",
+                        help="multiprocessing on this node (default) or MPI; mpi without a "
+                        "launcher starts `mpiexec -n WORKERS` itself")
+    common.add_argument("--out", default="analysis_out", help="output directory")
+    base = common.add_mutually_exclusive_group()
+    base.add_argument("--baseline-serial", action="store_true",
+                      help="run on one rank first, to report S(N), E(N) and serial R_comp/IO")
+    base.add_argument("--baseline-time", type=float, default=None, metavar="SECONDS",
+                      help="a known serial t_total(1), for S(N) and E(N)")
+    common.add_argument("--straggle", type=_straggle, action="append", default=[],
+                        metavar="RANK:SECONDS",
+                        help="testing/diagnostics: make RANK sleep SECONDS per frame")
+    common.add_argument("--straggler-factor", type=float, default=1.5,
+                        help="flag ranks whose work time exceeds this x the median (1.5)")
+    common.add_argument("--timeout", type=float, default=None,
+                        help="seconds a stream input waits for frames")
+    common.add_argument("--mpiexec", default=None, help="mpiexec to launch with")
+    common.add_argument("--no-plot", action="store_true", help="skip timing.png")
+    common.add_argument("--progress", action="store_true", help="progress bar for rank 0")
+
+    p = subparsers.add_parser("analyze", help="parallel trajectory analysis (split-apply-combine)")
+    sub = p.add_subparsers(dest="analysis", metavar="ANALYSIS", required=True)
+    q = sub.add_parser("rmsd", parents=[common],
+                       help="RMSD after superposition (default: Cα of the adk CORE domain)")
+    q.add_argument("--ref-frame", type=int, default=0, help="reference frame (default 0)")
+    q.set_defaults(func=cmd_analyze)
+    q = sub.add_parser("rg", parents=[common], help="radius of gyration (default: protein)")
+    q.set_defaults(func=cmd_analyze)
+    q = sub.add_parser("mda", parents=[common],
+                       help="a parallelizable MDAnalysis AnalysisBase class")
+    q.add_argument("--class", dest="cls", required=True,
+                   help="import path, e.g. MDAnalysis.analysis.rms:RMSD")
+    q.add_argument("--kwargs", default="{}", help="JSON keyword arguments of the class")
+    q.set_defaults(func=cmd_analyze)
+
+    p = subparsers.add_parser("export", help="write a stream (or trajectory) as an H5MD file")
+    p.add_argument("--h5md", action="store_true", required=True,
+                   help="output format H5MD (the only one)")
+    p.add_argument("source", help="stream name or instride://NAME (a trajectory file with "
+                   "--topology)")
+    p.add_argument("out", help="output .h5 file")
+    p.add_argument("--topology", default=None, help="topology of a trajectory-file source")
+    p.add_argument("--timeout", type=float, default=None, help="seconds to wait per frame")
+    p.add_argument("--force", action="store_true", help="overwrite OUT")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_export)

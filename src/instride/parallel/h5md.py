@@ -1,0 +1,288 @@
+"""Export trajectories to H5MD (HDF5) files that MDAnalysis reads; locate their positions.
+
+The file follows H5MD 1.1 (https://www.nongnu.org/h5md/h5md.html) as MDAnalysis's
+:class:`~MDAnalysis.coordinates.H5MD.H5MDReader` expects it::
+
+    /h5md                      version = [1, 1]; author/name; creator/name, version
+    /particles/trajectory/box  dimension = 3, boundary = periodic | none
+        edges/{value (T,3,3), step, time}        only when the frames carry a box
+    /particles/trajectory/position
+        value (T, N, 3) float32, unit "Angstrom", chunked one frame per chunk
+        step  (T,) int64
+        time  (T,) float64, unit "ps"
+
+One frame per chunk lets every rank of a parallel analysis read its own slice independently
+(``h5py.File(path, "r")`` on each rank); parallel HDF5 with the ``mpio`` driver is not needed
+for that (see :mod:`instride.parallel.inputs`). The file is written under a temporary name and
+renamed into place, so a reader never sees a partial file.
+
+Examples
+--------
+Shell::
+
+    instride export --h5md run7 run7.h5
+    python -c "import MDAnalysis as mda; print(mda.Universe('top.psf', 'run7.h5'))"
+
+Python::
+
+    export_h5md("instride://run7", "run7.h5")
+    export_h5md("adk.dcd", "adk.h5", topology="adk.psf")
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import TrajectoryNotFoundError, UnsupportedInputError
+from .inputs import STREAM_SCHEME
+
+FrameTuple = tuple[int, float, np.ndarray, "np.ndarray | None"]
+
+
+_H5_REGISTERED = False
+
+
+def register_h5_extension() -> None:
+    """Let MDAnalysis open H5MD files named ``*.h5`` (it knows only ``*.h5md`` by extension).
+
+    Registers an ``H5`` reader format that is MDAnalysis's own
+    :class:`~MDAnalysis.coordinates.H5MD.H5MDReader`, the documented way a reader registers
+    itself (a class attribute ``format``). Does nothing if ``H5`` is already registered.
+    Without it, open ``.h5`` files with ``mda.Universe(top, "out.h5", format="H5MD")``.
+    """
+    global _H5_REGISTERED
+    if _H5_REGISTERED:
+        return
+    import MDAnalysis
+    from MDAnalysis.coordinates.H5MD import H5MDReader
+
+    if "H5" not in MDAnalysis._READERS:
+
+        class H5Reader(H5MDReader):
+            """H5MD files with the ``.h5`` extension (registered by instride)."""
+
+            format = "H5"
+
+    _H5_REGISTERED = True
+
+
+def position_group(f: Any) -> Any:
+    """The ``position`` group of the first particle group of an open H5MD file.
+
+    Raises
+    ------
+    KeyError
+        No ``particles/<group>/position/value`` dataset.
+    """
+    if "particles" not in f:
+        raise KeyError("no 'particles' group: not an H5MD trajectory")
+    for name in f["particles"]:
+        g = f["particles"][name]
+        if "position" in g and "value" in g["position"]:
+            return g["position"]
+    raise KeyError("no particles/<group>/position/value dataset")
+
+
+def _stream_frames(name: str, timeout: float | None) -> tuple[int | None, Iterator[FrameTuple]]:
+    from .. import Stream
+
+    stream = Stream(name, mode="r", timeout=timeout)
+
+    def gen() -> Iterator[FrameTuple]:
+        for fr in stream:
+            box = np.array(fr.header.box) if fr.header.has_box else None
+            yield fr.header.step, fr.header.time, fr.positions, box
+
+    total = len(stream) if stream.ended else None
+    return total, gen()
+
+
+def _mda_frames(trajectory: str, topology: str) -> tuple[int, Iterator[FrameTuple]]:
+    import warnings
+
+    import MDAnalysis as mda
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        u = mda.Universe(topology, trajectory)
+
+    def gen() -> Iterator[FrameTuple]:
+        for ts in u.trajectory:
+            box = None if ts.dimensions is None else ts.triclinic_dimensions.astype(np.float64)
+            yield int(ts.data.get("step", ts.frame)), float(ts.time), ts.positions, box
+        u.trajectory.close()
+
+    return u.trajectory.n_frames, gen()
+
+
+def export_h5md(
+    source: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    topology: str | os.PathLike[str] | None = None,
+    timeout: float | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+    batch: int = 256,
+) -> Path:
+    """Write a stream (or any MDAnalysis-readable trajectory) as an H5MD file.
+
+    Parameters
+    ----------
+    source
+        ``instride://NAME`` or a stream name; with ``topology``, a trajectory file.
+        A stream still being produced is followed until its producer closes it.
+    out
+        The ``.h5`` file to write.
+    topology
+        Topology of a trajectory-file source (not needed for a stream).
+    timeout
+        Seconds to wait for each next frame of a stream.
+    overwrite
+        Replace an existing ``out``.
+    progress
+        Show a tqdm progress bar.
+    batch
+        Frames written per HDF5 write call.
+
+    Returns
+    -------
+    Path
+        ``out``.
+
+    Raises
+    ------
+    TrajectoryNotFoundError
+        A trajectory or topology file does not exist.
+    UnsupportedInputError
+        ``out`` exists and ``overwrite`` is false, or the stream has no frames.
+    """
+    import h5py
+    from tqdm.auto import tqdm
+
+    from .. import __version__
+
+    register_h5_extension()
+    src = os.fspath(source)
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise UnsupportedInputError(str(out), "output exists (pass overwrite=True / --force)")
+    if topology is not None:
+        if not Path(topology).exists():
+            raise TrajectoryNotFoundError(os.fspath(topology), "topology")
+        if not Path(src).exists():
+            raise TrajectoryNotFoundError(src)
+        total, frames = _mda_frames(src, os.fspath(topology))
+    else:
+        name = src[len(STREAM_SCHEME):] if src.startswith(STREAM_SCHEME) else src
+        total, frames = _stream_frames(name, timeout)
+
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        with h5py.File(tmp, "w") as f:
+            n = _write(f, frames, total, batch, __version__,
+                       tqdm(total=total, unit="frame", desc=f"export {out.name}",
+                            disable=not progress))
+        if n == 0:
+            raise UnsupportedInputError(src, "no frames to export")
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return out
+
+
+def _write(f: Any, frames: Iterator[FrameTuple], total: int | None, batch: int,
+           version: str, bar: Any) -> int:
+    import h5py
+
+    h5 = f.create_group("h5md")
+    h5.attrs["version"] = np.array([1, 1], dtype=np.int32)
+    h5.create_group("author").attrs["name"] = "instride"
+    creator = h5.create_group("creator")
+    creator.attrs["name"] = "instride"
+    creator.attrs["version"] = version
+    traj = f.create_group("particles/trajectory")
+    box_g = traj.create_group("box")
+    box_g.attrs["dimension"] = np.int32(3)
+
+    pos = step = time_ = edges = None
+    buf_pos: list[np.ndarray] = []
+    buf_step: list[int] = []
+    buf_time: list[float] = []
+    buf_box: list[np.ndarray] = []
+    written = 0
+
+    def flush() -> None:
+        nonlocal written
+        if not buf_pos:
+            return
+        k = len(buf_pos)
+        for ds in (pos, step, time_):
+            ds.resize(written + k, axis=0)
+        pos[written:written + k] = np.stack(buf_pos)
+        step[written:written + k] = buf_step
+        time_[written:written + k] = buf_time
+        if edges is not None:
+            for ds in (edges["value"], edges["step"], edges["time"]):
+                ds.resize(written + k, axis=0)
+            edges["value"][written:written + k] = np.stack(buf_box)
+            edges["step"][written:written + k] = buf_step
+            edges["time"][written:written + k] = buf_time
+        written += k
+        bar.update(k)
+        buf_pos.clear()
+        buf_step.clear()
+        buf_time.clear()
+        buf_box.clear()
+
+    for s, t, xyz, box in frames:
+        if pos is None:
+            natoms = xyz.shape[0]
+            g = traj.create_group("position")
+            pos = g.create_dataset("value", shape=(0, natoms, 3), maxshape=(None, natoms, 3),
+                                   dtype=np.float32, chunks=(1, natoms, 3))
+            pos.attrs["unit"] = "Angstrom"
+            step = g.create_dataset("step", shape=(0,), maxshape=(None,), dtype=np.int64,
+                                    chunks=(4096,))
+            time_ = g.create_dataset("time", shape=(0,), maxshape=(None,), dtype=np.float64,
+                                     chunks=(4096,))
+            time_.attrs["unit"] = "ps"
+            boundary = "periodic" if box is not None else "none"
+            box_g.attrs["boundary"] = np.array([boundary] * 3, dtype=h5py.string_dtype())
+            if box is not None:
+                edges = box_g.create_group("edges")
+                v = edges.create_dataset("value", shape=(0, 3, 3), maxshape=(None, 3, 3),
+                                         dtype=np.float64, chunks=(1024, 3, 3))
+                v.attrs["unit"] = "Angstrom"
+                edges.create_dataset("step", shape=(0,), maxshape=(None,), dtype=np.int64,
+                                     chunks=(4096,))
+                edges.create_dataset("time", shape=(0,), maxshape=(None,), dtype=np.float64,
+                                     chunks=(4096,)).attrs["unit"] = "ps"
+        if xyz.shape[0] != pos.shape[1]:
+            raise UnsupportedInputError("frame", f"atom count changed from {pos.shape[1]} to "
+                                        f"{xyz.shape[0]} (H5MD needs a fixed count)")
+        buf_pos.append(np.asarray(xyz, dtype=np.float32).copy())
+        buf_step.append(int(s))
+        buf_time.append(float(t))
+        if edges is not None:
+            buf_box.append(np.zeros((3, 3)) if box is None else np.asarray(box, np.float64))
+        if len(buf_pos) >= batch:
+            flush()
+    flush()
+    bar.close()
+    return written
+
+
+def read_h5md_positions(path: str | os.PathLike[str], start: int = 0,
+                        stop: int | None = None) -> np.ndarray:
+    """Positions ``[start:stop]`` of an H5MD file, ``(frames, atoms, 3)`` float32 in Å."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        return np.asarray(position_group(f)["value"][start:stop])

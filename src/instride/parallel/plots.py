@@ -1,0 +1,82 @@
+"""Per-rank stacked bar charts of a run's timing, like Fig. 2d of Khoshlessan et al. (2020).
+
+Examples
+--------
+>>> from instride.parallel.timing import TimingReport     # doctest: +SKIP
+>>> plot_ranks(report, "timing.png")                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .timing import TimingReport
+
+_LABELS = {
+    "t_open": "open / setup",
+    "t_io": "I/O (read frames)",
+    "t_comp": "compute",
+    "t_end_loop": "end of loop",
+    "t_overhead": "overhead",
+    "t_wait": "wait (barrier)",
+    "t_comm": "communication",
+}
+_COLORS = {
+    "t_open": "#4c72b0",
+    "t_io": "#dd8452",
+    "t_comp": "#55a868",
+    "t_end_loop": "#8172b3",
+    "t_overhead": "#937860",
+    "t_wait": "#c0c0c0",
+    "t_comm": "#c44e52",
+}
+
+
+def plot_ranks(report: TimingReport, path: str | os.PathLike[str],
+               components: Sequence[str] | None = None) -> Path:
+    """Draw one stacked bar per rank (time per component) and save a PNG; return its path.
+
+    Stragglers are outlined in red and named in the title; the title also gives S(N), E(N)
+    and R_comp/IO when known.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .timing import COMPONENTS
+
+    comps = list(components or COMPONENTS)
+    ranks = report.ranks
+    strag = set(report.stragglers)
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.5 * len(ranks) + 3), 4))
+    x = list(range(len(ranks)))
+    bottom = [0.0] * len(ranks)
+    for c in comps:
+        h = [getattr(r, c) for r in ranks]
+        ax.bar(x, h, bottom=bottom, color=_COLORS.get(c), label=_LABELS.get(c, c), width=0.7)
+        bottom = [b + v for b, v in zip(bottom, h, strict=True)]
+    for i, r in enumerate(ranks):
+        if r.rank in strag:
+            ax.bar(i, bottom[i], width=0.7, fill=False, edgecolor="red", linewidth=2)
+    ax.set_xticks(x, [str(r.rank) for r in ranks])
+    ax.set_xlabel("rank")
+    ax.set_ylabel("time (s)")
+    title = f"{report.analysis}, {report.source}, {report.backend}, N={report.n_ranks}"
+    extra = []
+    if report.speedup is not None:
+        extra.append(f"S={report.speedup:.2f} E={report.efficiency:.2f}")
+    extra.append(f"R_comp/IO={report.r_comp_io:.2f}")
+    if strag:
+        extra.append(f"stragglers {sorted(strag)}")
+    ax.set_title(title + "\n" + ", ".join(extra), fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

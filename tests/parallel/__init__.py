@@ -1,0 +1,1 @@
+"""Tests of instride.parallel (split-apply-combine analysis)."""

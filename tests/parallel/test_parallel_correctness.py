@@ -1,0 +1,112 @@
+"""Parallel RMSD / Rg equal MDAnalysis's serial results, for every input kind and backend.
+
+The adk trajectory (MDAnalysisTests PSF/DCD, 98 frames) is read as the DCD, as an H5MD file
+and as an instride stream (xyz32, float32 like the DCD). The positions are the same float32
+numbers and the arithmetic is MDAnalysis's, so the results are checked for exact equality as
+well as the required 1e-5 Å.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from instride.parallel import (
+    ADK_CORE_CA,
+    AnalysisBaseAdapter,
+    RadiusOfGyration,
+    UnsupportedInputError,
+    analyze,
+)
+
+from .conftest import AdkData, mpiexec, run
+
+HERE = Path(__file__).parent
+KINDS = ("dcd", "h5md", "stream")
+
+
+def _traj(adk: AdkData, kind: str) -> str:
+    return {"dcd": adk.dcd, "h5md": adk.h5, "stream": "instride://adk"}[kind]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_mpi_rmsd_equals_mdanalysis(adk: AdkData, tmp_path: Path, n: int) -> None:
+    """One mpiexec launch per N: three input kinds, the adapter (N=2), bad inputs."""
+    proc = run([mpiexec(), "-n", str(n), sys.executable, str(HERE / "mpi_script.py"),
+                adk.psf, adk.dcd, adk.h5, str(tmp_path)], timeout=150)
+    assert proc.returncode == 0, proc.stderr
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(n)]
+    assert [r["size"] for r in ranks] == [n] * n
+    root = ranks[0]
+    ref = adk.rmsd[:, 2]
+    for kind in KINDS:
+        got = np.array(root["rmsd"][kind])
+        assert got.shape == ref.shape
+        assert np.abs(got - ref).max() <= 1e-5, kind
+        assert np.array_equal(got, ref), f"{kind}: not bit-identical to MDAnalysis"
+        timing = root["timing"][kind]
+        assert timing["n_ranks"] == n and timing["backend"] == "mpi"
+        blocks = [(r["start"], r["stop"]) for r in timing["ranks"]]
+        assert blocks[0][0] == 0 and blocks[-1][1] == adk.n_frames
+        assert all(a[1] == b[0] for a, b in zip(blocks[:-1], blocks[1:], strict=True))  # contiguous
+        for r in timing["ranks"]:
+            assert r["t_io"] > 0 and r["t_comp"] > 0 and r["t_open"] > 0
+        # result only on rank 0
+        assert [r["none_on_rank"][kind] for r in ranks] == [False] + [True] * (n - 1)
+    assert root["frames"] == list(range(adk.n_frames))
+    dcd = root["timing"]["dcd"]
+    assert dcd["baseline"] is not None and dcd["speedup"] > 0
+    assert dcd["efficiency"] == pytest.approx(dcd["speedup"] / n)
+    assert dcd["r_comp_io_source"] == "serial run"
+    if n == 2:
+        np.testing.assert_allclose(np.array(root["adapter"]), adk.rmsd, atol=1e-5, rtol=0)
+    for r in ranks:  # typed errors on every rank, no deadlock
+        assert r["errors"]["selection"] == "SelectionError"
+        assert r["errors"]["missing"] == "TrajectoryNotFoundError"
+        if n > 1:
+            assert r["errors"]["more_ranks_than_frames"] == "DecompositionError"
+            assert r["errors"]["workers_mismatch"] == "BackendError"
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_multiprocessing_rmsd_equals_mdanalysis(adk: AdkData, workers: int) -> None:
+    ref = adk.rmsd[:, 2]
+    for kind in KINDS:
+        result = analyze("rmsd", _traj(adk, kind), adk.psf, workers=workers, timeout=60)
+        assert result is not None
+        assert np.array_equal(result.data["rmsd"], ref), kind
+        np.testing.assert_allclose(result.times, adk.rmsd[:, 1], rtol=0, atol=1e-9)
+        assert result.timing.n_ranks == workers
+        assert result.timing.backend == "multiprocessing"
+        assert sum(r.n_frames for r in result.timing.ranks) == adk.n_frames
+
+
+def test_serial_backend_and_rg(adk: AdkData) -> None:
+    result = analyze(RadiusOfGyration(), "instride://adk", adk.psf, workers=2, timeout=60)
+    assert result is not None
+    np.testing.assert_allclose(result.data["rg"], adk.rg, rtol=0, atol=1e-5)
+    serial = analyze("rmsd", adk.h5, adk.psf, backend="serial")
+    assert serial is not None and serial.timing.n_ranks == 1
+    assert np.array_equal(serial.data["rmsd"], adk.rmsd[:, 2])
+
+
+def test_analysisbase_adapter_multiprocessing(adk: AdkData) -> None:
+    for traj in (adk.dcd, adk.h5):
+        result = analyze(
+            AnalysisBaseAdapter("MDAnalysis.analysis.rms:RMSD", select=ADK_CORE_CA),
+            traj, adk.psf, workers=2,
+        )
+        assert result is not None
+        np.testing.assert_allclose(result.result_object.results.rmsd, adk.rmsd, atol=1e-5,
+                                   rtol=0)
+        np.testing.assert_array_equal(result.data["rmsd"], adk.rmsd[:, 2])
+        assert [r.n_frames for r in result.timing.ranks] == [49, 49]
+
+
+def test_adapter_refuses_non_parallelizable_class() -> None:
+    with pytest.raises(UnsupportedInputError, match="parallelizable"):
+        AnalysisBaseAdapter("MDAnalysis.analysis.align:AlignTraj")
