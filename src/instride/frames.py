@@ -21,7 +21,8 @@ Layouts:
 
 * ``xyz32`` — 3 x float32 per atom (12 B/atom), the compact default.
 * ``paper`` — int32 atom id + 3 x float64 (28 B/atom), the serialization of the DYAD study,
-  which reproduces its Table I frame sizes (23,558 atoms -> 644.2 KiB).
+  which gives its Table I frame sizes (23,558 atoms -> 644.29 KiB, Table I: 644.21 KiB;
+  1,066,628 atoms -> 28.48 MiB).
 
 Positions are in Å, as in MDAnalysis. Reading verifies both checksums and raises
 :class:`~instride.errors.IntegrityError` on any mismatch; coordinates are returned as numpy
