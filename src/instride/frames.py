@@ -44,7 +44,6 @@ import mmap
 import os
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
@@ -55,6 +54,8 @@ from .errors import IntegrityError
 MAGIC = b"ISF1"
 VERSION = 1
 HEADER_SIZE = 128
+#: Frame files at least this large are memory-mapped by :func:`read_frame` instead of read.
+MMAP_THRESHOLD = 1 << 20
 _HEADER = struct.Struct("<4sHHQqd9dQQ")  # 120 bytes, followed by the header checksum
 _HCHECK = struct.Struct("<Q")
 assert _HEADER.size + _HCHECK.size == HEADER_SIZE
@@ -260,7 +261,8 @@ def decode_frame(buf: bytes | memoryview | mmap.mmap, what: str = "frame") -> Fr
 def read_frame(source: str | os.PathLike[str] | bytes | memoryview | mmap.mmap) -> Frame:
     """Read and verify a frame from a path or a buffer.
 
-    A path is memory-mapped read-only, so the returned arrays share the page cache.
+    A path of :data:`MMAP_THRESHOLD` bytes or more is memory-mapped read-only, so the
+    returned arrays share the page cache; a smaller one is read in one call.
 
     Raises
     ------
@@ -268,11 +270,13 @@ def read_frame(source: str | os.PathLike[str] | bytes | memoryview | mmap.mmap) 
         On a bad magic, truncation, or any checksum mismatch.
     """
     if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        with _open(path, "rb") as fh:
+        path = os.fspath(source)
+        with _open(path, "rb", buffering=0) as fh:
             size = os.fstat(fh.fileno()).st_size
             if size < HEADER_SIZE:
                 raise IntegrityError(str(path), f"truncated header ({size} < {HEADER_SIZE} bytes)")
+            if size < MMAP_THRESHOLD:  # small frames: one read beats mapping and unmapping
+                return decode_frame(fh.read(), str(path))
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         return decode_frame(mm, str(path))
     return decode_frame(source)
