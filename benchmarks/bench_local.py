@@ -216,7 +216,8 @@ def main() -> None:
             print(f"\n## producer: write + publish a {model} frame ({natoms} atoms, paper layout)")
             for tag in ("nofsync", "fsync"):
                 print(f"{tag:8} plain {r[f'plain_{tag}_ms']:8.3f} ms   "
-                      f"instride {r[f'instride_{tag}_ms']:8.3f} ms   ratio {r[f'ratio_{tag}']:.3f}x   (target <= 1.10x; paper's DYAD: 1.4x)")
+                      f"instride {r[f'instride_{tag}_ms']:8.3f} ms   ratio {r[f'ratio_{tag}']:.3f}x"
+                      "   (target <= 1.10x; paper's DYAD: 1.4x)")
             c = consumer_read(root, natoms, reps[model] * 2)
             result[f"consumer_{model}"] = c
             print(f"## consumer: read a published {model} frame")

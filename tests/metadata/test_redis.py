@@ -86,9 +86,8 @@ def test_version_survives_delete_and_republish(backend: RedisMetadata, put: Put)
 
 
 def test_failed_record_retracts_write_once_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from conftest import free_port
-
     import instride
+    from conftest import free_port
 
     settings = Settings(dir=tmp_path / "n", redis_url=f"redis://127.0.0.1:{free_port()}/0",
                         token="t", connect_timeout=0.3)
