@@ -95,7 +95,7 @@ def test_serial_backend_and_rg(adk: AdkData) -> None:
 
 
 def test_analysisbase_adapter_multiprocessing(adk: AdkData) -> None:
-    for traj in (adk.dcd, adk.h5):
+    for traj in (adk.dcd, adk.h5, "instride://adk"):
         result = analyze(
             AnalysisBaseAdapter("MDAnalysis.analysis.rms:RMSD", select=ADK_CORE_CA),
             traj, adk.psf, workers=2,

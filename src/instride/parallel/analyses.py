@@ -258,8 +258,8 @@ class AnalysisBaseAdapter(FrameAnalysis):
     Notes
     -----
     The input is opened by MDAnalysis (an H5MD file with its H5MD reader, each rank opening
-    it independently); an ``instride://`` stream needs an MDAnalysis reader for that scheme
-    to be registered.
+    it independently; an ``instride://`` stream with instride's reader,
+    :mod:`instride.analytics.reader`, after its end-of-stream).
     """
 
     analysis_class: type | str = ""

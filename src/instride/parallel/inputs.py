@@ -208,12 +208,15 @@ class MDAnalysisSource(FrameSource):
                 warnings.simplefilter("ignore", DeprecationWarning)
                 if spec.kind == "h5md":  # MDAnalysis's own H5MD reader, whatever the suffix
                     self._u = mda.Universe(spec.topology, spec.trajectory, format="H5MD")
+                elif spec.kind == "stream":
+                    import instride.analytics  # noqa: F401 - registers the instride:// reader
+
+                    # post-hoc analysis splits the whole stream: wait for its end
+                    self._u = mda.Universe(spec.topology, spec.trajectory, length="final")
                 else:
                     self._u = mda.Universe(spec.topology, spec.trajectory)
         except (ValueError, OSError, TypeError) as exc:
-            hint = (" (an instride:// stream needs an MDAnalysis reader for that scheme; "
-                    "export it with `instride export --h5md` and analyse the .h5 file)"
-                    if spec.kind == "stream" else "")
+            hint = ""
             raise UnsupportedInputError(
                 spec.trajectory, f"MDAnalysis cannot read it: {str(exc).splitlines()[0]}{hint}"
             ) from None
