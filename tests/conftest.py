@@ -7,6 +7,7 @@ Processes are stopped by their own PID.
 from __future__ import annotations
 
 import os
+import selectors
 import shutil
 import socket
 import subprocess
@@ -160,15 +161,29 @@ class LoopbackNode:
     def client(self) -> Client:
         return Client(self.settings())
 
-    def start(self) -> LoopbackNode:
+    def start(self, *args: str, timeout: float = 30.0) -> LoopbackNode:
+        """Start ``instride serve [args]``; raise (never hang) if it is not ready in ``timeout`` s."""
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "instride", "serve"], env=self.env,
-                                         stdout=subprocess.PIPE, stderr=log)
+            self.proc = subprocess.Popen([sys.executable, "-m", "instride", "serve", *args],
+                                         env=self.env, stdout=subprocess.PIPE, stderr=log)
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if b"ready" not in line:
-            self.stop()
-            raise RuntimeError(f"server node{self.index} did not start: {self.log.read_text()}")
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        out = b""
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in out:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    break
+                chunk = os.read(fd, 4096)
+                if not chunk:  # the server exited
+                    break
+                out += chunk
+        if b"ready" not in out:
+            self.stop(9)
+            raise RuntimeError(f"server node{self.index} did not start within {timeout} s: "
+                               f"{self.log.read_text()}")
         return self
 
     def stop(self, sig: int = 15) -> None:

@@ -11,6 +11,10 @@
  * its Unix socket, one connection per request, one line each way:
  *     CONSUME <timeout_ms|-1> <key>\n  ->  OK <path>\n | ERR <errno> <msg>\n
  *     PUBLISH <key>\n                  ->  OK <path>\n | ERR <errno> <msg>\n
+ *     OVERWRITE <key>\n                ->  OK <path>\n | ERR <errno> <msg>\n
+ * PUBLISH records the key write-once (ERR 17 and the local file removed when
+ * another node published it first); OVERWRITE (INSTRIDE_OVERWRITE=1) records a
+ * new version replacing any earlier one.
  */
 #include "instride_preload.h"
 
@@ -277,7 +281,8 @@ static int ins_reply_wait_ms(void)
     return -1;
 }
 
-int ins_notify_publish(const struct ins_path *p)
+/* Register a key published locally; overwrite selects OVERWRITE over PUBLISH. */
+static int ins_notify_publish_as(const struct ins_path *p, int overwrite)
 {
     if (!ins_cfg.cluster)
         return 0;
@@ -285,10 +290,15 @@ int ins_notify_publish(const struct ins_path *p)
     if (!ins_key_ok(key))
         return -1;
     char req[PATH_MAX + 32], reply[PATH_MAX + 128];
-    snprintf(req, sizeof req, "PUBLISH %s\n", key);
+    snprintf(req, sizeof req, "%s %s\n", overwrite ? "OVERWRITE" : "PUBLISH", key);
     if (ins_server_request(req, reply, sizeof reply, ins_reply_wait_ms()) != 0)
         return -1;
     return ins_parse_reply(reply, NULL);
+}
+
+int ins_notify_publish(const struct ins_path *p)
+{
+    return ins_notify_publish_as(p, ins_cfg.overwrite);
 }
 
 static int ins_consume_cluster(const struct ins_path *p, char open_path[PATH_MAX])
@@ -527,5 +537,5 @@ int ins_publish(const char *tmp, const struct ins_path *p, int noreplace)
     }
     if (ins_cfg.fsync)
         ins_fsync_dir_of(p->abs);
-    return ins_notify_publish(p);
+    return ins_notify_publish_as(p, ins_cfg.overwrite && !noreplace);
 }

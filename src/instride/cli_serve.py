@@ -7,6 +7,26 @@ import logging
 import sys
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds: {text}")
+    return value
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from .config import Settings, parse_addr
     from .server import serve
@@ -27,7 +47,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if settings.mode == "cluster" and not settings.token:
         print("instride serve: error: INSTRIDE_TOKEN must be set in cluster mode", file=sys.stderr)
         return 2
-    serve(settings, grace=args.grace)
+    serve(settings, grace=args.grace, workers=args.workers, max_peers=args.max_peers,
+          request_timeout=args.request_timeout, send_timeout=args.send_timeout)
     return 0
 
 
@@ -41,5 +62,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--socket", metavar="PATH", help="Unix socket (default: INSTRIDE_SOCKET)")
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds in-flight transfers may take after SIGTERM (default 10)")
+    p.add_argument("--workers", type=_positive_int, default=64,
+                   help="threads for waiting CONSUME requests, one per pending wait (default 64)")
+    p.add_argument("--max-peers", type=_positive_int, default=512,
+                   help="TCP connections served at once; more get a 'busy' error (default 512)")
+    p.add_argument("--request-timeout", type=_positive_float, default=10.0,
+                   help="seconds a new TCP connection has to send its first request (default 10)")
+    p.add_argument("--send-timeout", type=_positive_float, default=60.0,
+                   help="seconds a write to a peer may take; a file body gets this plus "
+                        "size / 50 MB/s (default 60)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)

@@ -384,7 +384,7 @@ class NodeServer:
                     return
                 finally:
                     self._idle.discard(task)
-                if not await self._peer_request(prefix, reader, writer):
+                if not await self._peer_request(prefix, reader, writer) or self._closing:
                     return
                 wait = IDLE_TIMEOUT
         finally:
@@ -407,22 +407,29 @@ class NodeServer:
             raise KeyNotFoundError(key) from None
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise _not_served(key, "it is a symbolic link") from None
-            raise _not_served(key, os.strerror(exc.errno or errno.EIO)) from None
+                raise KeyNotServed(key, "it is a symbolic link") from None
+            raise KeyNotServed(key, os.strerror(exc.errno or errno.EIO)) from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise _not_served(key, "it is not a regular file")
-            try:  # where the opened file really is (immune to renames after the open)
-                real = os.readlink(f"/proc/self/fd/{fd}")
+                raise KeyNotServed(key, "it is not a regular file")
+            try:  # where the opened file really is (immune to changes after the open)
+                real = os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)")
             except OSError:
                 real = os.path.realpath(path)
-            if not real.startswith(self.root_real.rstrip(os.sep) + os.sep):
-                raise _not_served(key, "it resolves outside the managed directory")
+            self._check_real(key, real)
         except BaseException:
             os.close(fd)
             raise
         return fd, st
+
+    def _check_real(self, key: str, real: str) -> None:
+        """Refuse a file whose resolved path is not exactly the key's path in the directory."""
+        if real == os.path.join(self.root_real, key):
+            return
+        if not real.startswith(self.root_real.rstrip(os.sep) + os.sep):
+            raise KeyNotServed(key, "it resolves outside the managed directory")
+        raise KeyNotServed(key, "it is reached through a symbolic link")
 
     async def _peer_request(
         self, prefix: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -461,7 +468,11 @@ class NodeServer:
             key = normalize_key(req["key"], self.settings.dir)
             fd, st = self._open_served(key)
         except KeyNotFoundError as exc:
-            log.info("not serving to %s: %s", peer, exc)
+            if isinstance(exc, KeyNotServed):
+                self.stats["refused"] += 1
+                log.warning("refused to serve to %s: %s", peer, exc)
+            else:
+                log.debug("not serving to %s: %s", peer, exc)
             await self._reply_error(writer, "KeyNotFoundError", str(exc))
             return False
         except InstrideError as exc:
@@ -511,6 +522,8 @@ class NodeServer:
                 return
             writer.write(reply.encode() + b"\n")
             await self._drain(writer)
+            if self._closing:
+                return
 
     def _in_place(self, key: str) -> Path:
         """The path of ``key`` if it holds a regular file inside the managed directory."""
@@ -523,8 +536,10 @@ class NodeServer:
         if not stat.S_ISREG(st.st_mode):
             raise _LocalError(errno.EINVAL, f"{key} is not a regular file (symbolic links, "
                               "directories and special files cannot be published)")
-        if not os.path.realpath(path).startswith(self.root_real.rstrip(os.sep) + os.sep):
-            raise _LocalError(errno.EINVAL, f"{key} resolves outside the managed directory")
+        try:
+            self._check_real(key, os.path.realpath(path))
+        except KeyNotServed as exc:
+            raise _LocalError(errno.EINVAL, f"{key} cannot be published: {exc.reason}") from None
         return path
 
     async def _local_request(
@@ -580,11 +595,16 @@ class _LocalError(Exception):
         self.message = message
 
 
-def _not_served(key: str, reason: str) -> KeyNotFoundError:
-    exc = KeyNotFoundError(key)
-    exc.args = (errno.ENOENT, f"key {key!r} is not served: {reason}")
-    exc.strerror = exc.args[1]
-    return exc
+class KeyNotServed(KeyNotFoundError):
+    """A key's file exists but is not a regular file inside the managed directory.
+
+    Peers get it as a ``KeyNotFoundError`` reply (with the reason).
+    """
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(key)
+        self.reason = reason
+        self.strerror = f"key {key!r} is not served: {reason}"
 
 
 def serve(

@@ -5,6 +5,9 @@ node server's Unix-socket protocol correctly:
 
     CONSUME <timeout_ms|-1> <key>\\n   ->  OK <absolute local path>\\n | ERR <errno> <message>\\n
     PUBLISH <key>\\n                   ->  OK <path>\\n               | ERR <errno> <message>\\n
+    OVERWRITE <key>\\n                 ->  OK <path>\\n               | ERR <errno> <message>\\n
+
+(``PUBLISH`` registers write-once, ``OVERWRITE`` as a replacing version: INSTRIDE_OVERWRITE=1.)
 
 The server here is a stand-in written for these tests (it answers from the local file
 system and records requests); it is NOT instride's data server. End-to-end cluster tests
@@ -67,7 +70,7 @@ class FakeNodeServer:
                     return f"ERR {errno.ETIMEDOUT} timed out waiting for {key}"
                 time.sleep(0.01)
             return f"OK {path}"
-        if verb == "PUBLISH":
+        if verb in ("PUBLISH", "OVERWRITE"):
             if self.publish_error is not None:
                 return f"ERR {self.publish_error} refused by the fake server"
             path = self.root / rest
@@ -166,6 +169,17 @@ def test_publish_error_is_reported_by_close(cluster: tuple[Shim, FakeNodeServer]
     )
     assert shim.py(code).returncode == 0
     assert server.requests == ["PUBLISH dup.bin"]
+
+
+def test_overwrite_mode_sends_overwrite(cluster: tuple[Shim, FakeNodeServer]) -> None:
+    shim, server = cluster
+    over = shim.with_env(INSTRIDE_OVERWRITE="1")
+    key = shim.dir / "o.bin"
+    over.py(f"open({str(key)!r}, 'wb').write(b'one')", check=True)
+    over.py(f"open({str(key)!r}, 'wb').write(b'two')", check=True)
+    assert key.read_bytes() == b"two"
+    shim.py(f"open({str(shim.dir / 'w.bin')!r}, 'wb').write(b'w')", check=True)  # default: write-once
+    assert server.requests == ["OVERWRITE o.bin", "OVERWRITE o.bin", "PUBLISH w.bin"]
 
 
 def test_server_unreachable(shim: Shim, sockdir: Path) -> None:

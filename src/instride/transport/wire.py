@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
+import re
 import secrets
 import struct
 import time
@@ -22,6 +24,7 @@ MAX_HEADER = 16 * 1024
 #: Largest clock difference accepted between a request's timestamp and the server.
 MAX_SKEW = 300.0
 PROTOCOL = 1
+_MAC = re.compile(r"[0-9a-f]{64}")
 
 
 class WireError(ValueError):
@@ -41,17 +44,34 @@ def sign(token: str, op: str, key: str) -> dict[str, Any]:
 
 
 def verify(token: str | None, req: dict[str, Any]) -> str | None:
-    """Return ``None`` when ``req`` is authentic, else the reason it is not."""
+    """Return ``None`` when ``req`` is authentic, else the reason it is not.
+
+    ``op``, ``key`` and ``nonce`` must be strings, ``ts`` a finite number and ``mac`` 64
+    lowercase hex digits; anything else is refused before the MAC is computed.
+    """
     if not token:
         return "server has no job token configured"
     mac = req.get("mac")
     if not isinstance(mac, str) or not mac:
         return "missing mac"
+    if _MAC.fullmatch(mac) is None:
+        return "malformed mac (64 lowercase hex digits expected)"
+    op, key, nonce, ts = req.get("op"), req.get("key"), req.get("nonce"), req.get("ts")
+    if not (isinstance(op, str) and isinstance(key, str) and isinstance(nonce, str)):
+        return "missing or malformed fields (op, key, nonce must be strings)"
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        return "missing or malformed fields (ts must be a number)"
     try:
-        op, key, nonce, ts = str(req["op"]), str(req["key"]), str(req["nonce"]), float(req["ts"])
-    except (KeyError, TypeError, ValueError):
-        return "missing or malformed fields"
-    expected = hmac.new(token.encode(), _canonical(op, key, nonce, ts), hashlib.sha256).hexdigest()
+        ts = float(ts)
+    except OverflowError:
+        return "timestamp out of range"
+    if not math.isfinite(ts):
+        return "timestamp is not finite"
+    try:
+        canonical = _canonical(op, key, nonce, ts)
+    except UnicodeEncodeError:  # lone surrogates from \ud800-style JSON escapes
+        return "fields are not valid Unicode"
+    expected = hmac.new(token.encode(), canonical, hashlib.sha256).hexdigest()
     if not hmac.compare_digest(expected, mac):
         return "bad mac (wrong token?)"
     if abs(time.time() - ts) > MAX_SKEW:
@@ -76,11 +96,15 @@ def parse_length(prefix: bytes) -> int:
 
 
 def parse_header(body: bytes) -> dict[str, Any]:
-    """Parse a JSON header, refusing anything but an object."""
+    """Parse a JSON header, refusing anything but an object.
+
+    Every way the bytes can be wrong (not UTF-8, not JSON, nested too deeply, an integer of
+    too many digits...) is a :class:`WireError`.
+    """
     try:
         obj = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WireError(f"header is not JSON: {exc}") from None
+    except (ValueError, TypeError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        raise WireError(f"header is not valid JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
     if not isinstance(obj, dict):
         raise WireError("header is not a JSON object")
     return obj
