@@ -38,6 +38,7 @@ class RemoteStore:
         self.root = settings.dir
         self.metadata = metadata
         self.transport: Transport = get_transport("tcp", settings)
+        settings.internal_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.cache_dir = settings.internal_dir / "cache"
         self.lock_dir = settings.internal_dir / "locks"
         #: number of transfers this process made (for tests and benchmarks)
