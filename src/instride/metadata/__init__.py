@@ -10,14 +10,12 @@ name        class                                  needs
 
 from __future__ import annotations
 
-import importlib
-
+from .. import registry as _registry
 from ..config import Settings
-from ..errors import ConfigError
 from .base import MetadataBackend, Record
 
 #: backend name -> (dotted class path, install hint)
-REGISTRY: dict[str, tuple[str, str]] = {
+REGISTRY: _registry.Registry = {
     "files": ("instride.metadata.files:FileMetadata", ""),
     "redis": ("instride.metadata.redis:RedisMetadata", "pip install 'redis[hiredis]'"),
 }
@@ -25,23 +23,12 @@ REGISTRY: dict[str, tuple[str, str]] = {
 
 def register(name: str, target: str, hint: str = "") -> None:
     """Register a metadata backend class ``"package.module:Class"`` under ``name``."""
-    if name in REGISTRY:
-        raise ValueError(f"metadata backend {name!r} is already registered")
-    REGISTRY[name] = (target, hint)
+    _registry.register(REGISTRY, name, target, hint)
 
 
 def get_backend(name: str, settings: Settings) -> MetadataBackend:
-    """Instantiate the backend registered as ``name`` for ``settings``."""
-    try:
-        target, hint = REGISTRY[name]
-    except KeyError:
-        raise ConfigError("metadata backend", name, f"unknown; known: {sorted(REGISTRY)}") from None
-    module, _, cls = target.partition(":")
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as exc:
-        raise ConfigError("metadata backend", name, f"cannot import ({exc}); {hint}") from exc
-    return getattr(mod, cls)(settings)
+    """Instantiate the metadata backend registered as ``name`` for ``settings``."""
+    return _registry.load(REGISTRY, "metadata backend", name, settings)
 
 
 __all__ = ["MetadataBackend", "Record", "REGISTRY", "register", "get_backend"]

@@ -5,29 +5,24 @@ Transports plug in by name (like metadata backends); ``tcp`` is built in.
 
 from __future__ import annotations
 
-import importlib
-
+from .. import registry as _registry
 from ..config import Settings
-from ..errors import ConfigError
 from .base import Transport
 
-REGISTRY: dict[str, tuple[str, str]] = {
+#: transport name -> (dotted class path, install hint)
+REGISTRY: _registry.Registry = {
     "tcp": ("instride.transport.tcp:TcpTransport", ""),
 }
 
 
+def register(name: str, target: str, hint: str = "") -> None:
+    """Register a transport class ``"package.module:Class"`` under ``name``."""
+    _registry.register(REGISTRY, name, target, hint)
+
+
 def get_transport(name: str, settings: Settings) -> Transport:
-    """Instantiate the transport registered as ``name``."""
-    try:
-        target, hint = REGISTRY[name]
-    except KeyError:
-        raise ConfigError("transport", name, f"unknown; known: {sorted(REGISTRY)}") from None
-    module, _, cls = target.partition(":")
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as exc:
-        raise ConfigError("transport", name, f"cannot import ({exc}); {hint}") from exc
-    return getattr(mod, cls)(settings)
+    """Instantiate the transport registered as ``name`` for ``settings``."""
+    return _registry.load(REGISTRY, "transport", name, settings)
 
 
-__all__ = ["Transport", "REGISTRY", "get_transport"]
+__all__ = ["Transport", "REGISTRY", "register", "get_transport"]

@@ -1,0 +1,42 @@
+"""Backends looked up lazily by name, the way fsspec file systems are.
+
+A registry maps a name to ``"package.module:Class"`` and an install hint; the module is
+imported only when the backend is first used, and registering an existing name is an error.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .config import Settings
+from .errors import ConfigError
+
+Registry = dict[str, tuple[str, str]]
+
+
+def register(registry: Registry, name: str, target: str, hint: str = "") -> None:
+    """Add ``name -> target`` to ``registry``; raise ``ValueError`` if the name is taken."""
+    if name in registry:
+        raise ValueError(f"backend {name!r} is already registered")
+    registry[name] = (target, hint)
+
+
+def load(registry: Registry, kind: str, name: str, settings: Settings) -> Any:
+    """Import and instantiate the ``kind`` backend registered as ``name`` for ``settings``.
+
+    Raises
+    ------
+    ConfigError
+        Unknown name, or its module cannot be imported (the message carries the install hint).
+    """
+    try:
+        target, hint = registry[name]
+    except KeyError:
+        raise ConfigError(kind, name, f"unknown; known: {sorted(registry)}") from None
+    module, _, cls = target.partition(":")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(kind, name, f"cannot import ({exc}); {hint}") from exc
+    return getattr(mod, cls)(settings)

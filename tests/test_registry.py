@@ -1,0 +1,27 @@
+"""Backends plug in by name; unknown names and taken names are clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from instride import metadata, transport
+from instride.config import Settings
+from instride.errors import ConfigError
+from instride.metadata.files import FileMetadata
+
+
+def test_lookup_by_name(tmp_path: Path) -> None:
+    assert isinstance(metadata.get_backend("files", Settings(dir=tmp_path)), FileMetadata)
+    assert type(transport.get_transport("tcp", Settings(dir=tmp_path))).__name__ == "TcpTransport"
+
+
+def test_unknown_and_duplicate_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="unknown; known"):
+        metadata.get_backend("etcd", Settings(dir=tmp_path))
+    with pytest.raises(ValueError, match="already registered"):
+        transport.register("tcp", "x:Y")
+    monkeypatch.setitem(transport.REGISTRY, "ucx", ("instride_ucx_missing:Ucx", "pip install ucxx"))
+    with pytest.raises(ConfigError, match="pip install ucxx"):
+        transport.get_transport("ucx", Settings(dir=tmp_path))
