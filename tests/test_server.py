@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
 import signal
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,31 +33,6 @@ TOKEN = "test-token"
 
 
 # ---------------------------------------------------------------------- helpers
-def _start(node: LoopbackNode, *args: str, timeout: float = 30.0) -> LoopbackNode:
-    """Start ``instride serve [args]`` for ``node``; fail (not hang) if it is not ready in time."""
-    with open(node.log, "ab") as log:
-        node.proc = subprocess.Popen([sys.executable, "-m", "instride", "serve", *args],
-                                     env=node.env, stdout=subprocess.PIPE, stderr=log)
-    assert node.proc.stdout is not None
-    fd = node.proc.stdout.fileno()
-    deadline = time.monotonic() + timeout
-    out = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(fd, selectors.EVENT_READ)
-        while b"\n" not in out:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sel.select(left):
-                break
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                break
-            out += chunk
-    if b"ready" not in out:
-        node.stop(signal.SIGKILL)
-        raise RuntimeError(f"server node{node.index} did not start: {node.log.read_text()}")
-    return node
-
-
 def _raw(node: LoopbackNode, payload: bytes, *, shut: bool = False) -> dict:
     with socket.create_connection(("127.0.0.1", node.port), timeout=5) as s:
         s.sendall(payload)
@@ -155,7 +127,7 @@ def nodes(tmp_path_factory: pytest.TempPathFactory, redis_mod: RedisServer) -> I
     made = [LoopbackNode(root, i, redis_mod.url, TOKEN) for i in (1, 2, 3)]
     try:
         for n in made:
-            _start(n)
+            n.start()
         yield made
     finally:
         for n in made:
@@ -428,7 +400,7 @@ def test_waits_never_starve_publications_and_end_with_their_clients(nodes: list[
 
 # ---------------------------------------------------------------------- lifecycle
 def test_sigterm_with_pending_waits_exits_cleanly(own_node: LoopbackNode) -> None:
-    node = _start(own_node, "--grace", "2")
+    node = own_node.start("--grace", "2")
     assert _ask(node, "PING") == "OK pong"  # started and serving
     conns = []
     try:
@@ -453,7 +425,7 @@ def test_sigterm_with_pending_waits_exits_cleanly(own_node: LoopbackNode) -> Non
 
 
 def test_peer_connection_limits_and_deadlines(own_node: LoopbackNode) -> None:
-    node = _start(own_node, "--max-peers", "2", "--request-timeout", "1", "--send-timeout", "1")
+    node = own_node.start("--max-peers", "2", "--request-timeout", "1", "--send-timeout", "1")
     # Connection cap: the third concurrent connection is told "busy".
     a = socket.create_connection(("127.0.0.1", node.port), timeout=10)
     b = socket.create_connection(("127.0.0.1", node.port), timeout=10)
