@@ -57,7 +57,44 @@ def open(  # noqa: A001 - deliberately shadows the builtin, like io.open
 ) -> IO[Any]:
     """Open a key for reading (waits until published) or writing (publishes on close).
 
-    See :meth:`instride.client.Client.open` for the full description.
+    Parameters
+    ----------
+    key_or_path
+        A key relative to the managed directory (``INSTRIDE_DIR``) or a path under it.
+    mode
+        ``"r"``/``"rb"`` wait for the key and open it; ``"w"``/``"wb"`` (and ``"x"``, ``"w+"``)
+        write a hidden temporary file that is published atomically when closed.
+    timeout
+        Seconds a read waits (default ``INSTRIDE_TIMEOUT``, else forever).
+    overwrite
+        Let a write replace an already published key (default: write-once).
+    **kwargs
+        ``buffering``, ``encoding``, ``errors``, ``newline`` as for the builtin :func:`open`.
+
+    Returns
+    -------
+    file object
+        A regular :mod:`io` file object.
+
+    Raises
+    ------
+    KeyValidationError
+        A bad key (outside the managed directory, ``..``, NUL, empty, too long).
+    KeyExistsError
+        Writing a published key without ``overwrite``.
+    ConsumeTimeout
+        A read waited longer than ``timeout``.
+    UnsupportedModeError
+        Append or update modes: published keys are immutable.
+
+    See Also
+    --------
+    instride.client.Client.open
+
+    Examples
+    --------
+    >>> with instride.open("run1/frame_0.dat", "wb") as f:   # doctest: +SKIP
+    ...     f.write(data)
     """
     return get_client().open(key_or_path, mode, timeout=timeout, overwrite=overwrite, **kwargs)
 
@@ -70,15 +107,51 @@ def publish(
 ) -> str:
     """Publish a file written by other means, atomically; return its key.
 
-    See :meth:`instride.client.Client.publish`.
+    Parameters
+    ----------
+    path
+        A regular file; with ``key``, it is moved under the key (the source name goes away);
+        without, it must already be at its final path under the managed directory.
+    key
+        The key to publish under.
+    overwrite
+        Replace an already published key.
+
+    Returns
+    -------
+    str
+        The key.
+
+    Raises
+    ------
+    FileNotFoundError, KeyExistsError, KeyValidationError, UnsupportedModeError
+        See :meth:`instride.client.Client.publish`.
     """
     return get_client().publish(path, key, overwrite=overwrite)
 
 
 def consume(key: str | os.PathLike[str], timeout: float | None = None) -> Path:
-    """Wait until ``key`` is published and local; return its path.
+    """Wait until ``key`` is published and on this node; return its local path.
 
-    See :meth:`instride.client.Client.consume`.
+    Parameters
+    ----------
+    key
+        The key (or a path under the managed directory).
+    timeout
+        Seconds to wait (default ``INSTRIDE_TIMEOUT``, else forever).
+
+    Returns
+    -------
+    pathlib.Path
+        The local file; in cluster mode fetched from its owner node and verified first.
+
+    Raises
+    ------
+    ConsumeTimeout
+        Not published within ``timeout``.
+    PeerUnavailable, TransferError, IntegrityError
+        Cluster mode: the owner cannot be reached, the transfer broke off, the bytes do not
+        match their checksum. Nothing is left under the key.
     """
     return get_client().consume(key, timeout)
 
@@ -86,15 +159,40 @@ def consume(key: str | os.PathLike[str], timeout: float | None = None) -> Path:
 def consume_bytes(key: str | os.PathLike[str], timeout: float | None = None) -> memoryview:
     """Wait until ``key`` is published; return its content with no second copy on disk.
 
-    See :meth:`instride.client.Client.consume_bytes`.
+    Parameters
+    ----------
+    key
+        The key.
+    timeout
+        Seconds to wait (default ``INSTRIDE_TIMEOUT``, else forever).
+
+    Returns
+    -------
+    memoryview
+        Read-only: a memory map of the local file (zero copy), or, in cluster mode for a key
+        owned by another node, the received and verified bytes (not stored).
+
+    Raises
+    ------
+    ConsumeTimeout, PeerUnavailable, TransferError, IntegrityError
+        As for :func:`consume`.
     """
     return get_client().consume_bytes(key, timeout)
 
 
 def intercept() -> Any:
-    """Route ``builtins.open`` / ``io.open`` of managed paths through instride (context manager).
+    """Route ``builtins.open`` / ``io.open`` of managed paths through instride.
 
-    See :mod:`instride.pyopen`.
+    Returns
+    -------
+    contextlib.AbstractContextManager
+        Inside it, ``open()`` of a path under the managed directory waits for publication
+        (reads) or publishes on close (writes); other paths and file descriptors are untouched.
+        ``INSTRIDE_PATCH_OPEN=1`` does the same for a whole process, at start-up.
+
+    See Also
+    --------
+    instride.pyopen
     """
     from .pyopen import intercept as _intercept
 

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import xxhash
 
@@ -26,6 +26,9 @@ from .config import Settings
 from .errors import ConfigError, KeyExistsError, UnsupportedModeError
 from .keys import key_path, normalize_key, tmp_path
 from .metadata import MetadataBackend, Record, get_backend
+
+if TYPE_CHECKING:
+    from .remote import RemoteStore
 
 _ENV_KEYS = (
     "INSTRIDE_DIR",
@@ -97,6 +100,7 @@ class Client:
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings or Settings.from_env()
         self.root = self.settings.dir
+        self._root_s = str(self.root)
         ensure_private_dir(self.root)
         self._metadata: MetadataBackend | None = None
         self._cluster: Any = None
@@ -115,7 +119,7 @@ class Client:
         return self._metadata
 
     @property
-    def cluster(self) -> Any:
+    def cluster(self) -> RemoteStore | None:
         """Cluster-mode machinery (fetching, cache); ``None`` in local mode."""
         if self._cluster is None and self.settings.redis_url:
             from .remote import RemoteStore
@@ -195,7 +199,7 @@ class Client:
                     os.unlink(path)
             raise
 
-    def _after_publish(self, key: str, path: Path, overwrite: bool = False) -> None:
+    def _after_publish(self, key: str, path: str | Path, overwrite: bool = False) -> None:
         if self.settings.redis_url:
             self.register(key, overwrite=overwrite)
 
@@ -255,7 +259,7 @@ class Client:
         """
         writing = local.check_mode(mode)
         key = self.key(key_or_path)
-        path = key_path(key, self.root)
+        path = f"{self._root_s}/{key}"  # strings, not pathlib, on this hot path
         if writing:
             return local.open_for_write(
                 path,
@@ -280,7 +284,7 @@ class Client:
 
     @staticmethod
     def _open_read(
-        path: Path, mode: str, buffering: int, encoding: str | None, errors: str | None,
+        path: str | Path, mode: str, buffering: int, encoding: str | None, errors: str | None,
         newline: str | None,
     ) -> IO[Any]:
         if "b" in mode:
@@ -378,6 +382,18 @@ class Client:
     def consume(self, key: str | os.PathLike[str], timeout: float | None = None) -> Path:
         """Wait until ``key`` is published and present on this node; return its local path.
 
+        Parameters
+        ----------
+        key
+            The key (or a path under the managed directory).
+        timeout
+            Seconds to wait (default ``INSTRIDE_TIMEOUT``, else forever).
+
+        Returns
+        -------
+        pathlib.Path
+            The local file.
+
         Raises
         ------
         ConsumeTimeout
@@ -391,7 +407,19 @@ class Client:
         """Wait for ``key`` and return its content without a second copy on disk.
 
         A key on this node is memory-mapped read-only (zero copy); in cluster mode a key owned
-        elsewhere is received into memory and not stored.
+        elsewhere is received into memory, verified, and not stored.
+
+        Parameters
+        ----------
+        key
+            The key.
+        timeout
+            Seconds to wait (default ``INSTRIDE_TIMEOUT``, else forever).
+
+        Returns
+        -------
+        memoryview
+            The content (read-only).
         """
         key = self.key(key)
         timeout = self._timeout(timeout)
@@ -426,31 +454,80 @@ class Client:
         return self.metadata.wait_any(list(keys), timeout).key
 
     def exists(self, key: str | os.PathLike[str]) -> bool:
-        """Whether ``key`` is published (anywhere, in cluster mode)."""
+        """Whether ``key`` is published (anywhere, in cluster mode).
+
+        Parameters
+        ----------
+        key
+            The key.
+
+        Returns
+        -------
+        bool
+        """
         key = self.key(key)
         if os.path.exists(self.root / key):
             return True
         return self.settings.redis_url is not None and self.metadata.lookup(key) is not None
 
     def lookup(self, key: str | os.PathLike[str]) -> Record | None:
-        """The metadata record of ``key``, or ``None``."""
+        """The metadata record of ``key``.
+
+        Parameters
+        ----------
+        key
+            The key.
+
+        Returns
+        -------
+        Record or None
+            Owner, size, checksum, version and time; ``None`` when not published.
+        """
         return self.metadata.lookup(self.key(key))
 
     def list(self, prefix: str = "") -> list[str]:
-        """Published keys starting with ``prefix`` (all nodes, in cluster mode)."""
+        """Published keys starting with ``prefix`` (all nodes, in cluster mode).
+
+        Parameters
+        ----------
+        prefix
+            A key prefix such as ``"run7/"``; empty lists everything.
+
+        Returns
+        -------
+        list of str
+            Sorted keys.
+        """
         if prefix:
             normalize_key(prefix.rstrip("/") or "x", self.root)
         return self.metadata.list(prefix)
 
     def delete(self, key: str | os.PathLike[str]) -> None:
-        """Unpublish ``key`` on this node (and its record, in cluster mode)."""
+        """Unpublish ``key`` on this node (and its record, in cluster mode).
+
+        Parameters
+        ----------
+        key
+            The key; no error when it is not published.
+        """
         key = self.key(key)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.root / key)
         self.metadata.delete(key)
 
     def gc(self, min_age: float = 0.0) -> list[Path]:
-        """Remove temporary files of dead producers; see :func:`instride.local.collect_garbage`."""
+        """Remove temporary files of dead producers.
+
+        Parameters
+        ----------
+        min_age
+            Also remove temporary files older than this many seconds (PID reuse).
+
+        Returns
+        -------
+        list of pathlib.Path
+            The files removed. See :func:`instride.local.collect_garbage`.
+        """
         return local.collect_garbage(self.root, min_age=min_age)
 
 

@@ -70,12 +70,30 @@ _open = _io.open  # the builtin, captured before instride.pyopen may patch it
 
 
 def bytes_per_atom(layout: str) -> int:
-    """Bytes of payload per atom for ``layout``."""
+    """Bytes of payload per atom for ``layout`` (``"xyz32"``: 12, ``"paper"``: 28)."""
     return {"xyz32": 12, "paper": 28}[layout]
 
 
 def frame_size(natoms: int, layout: str = "xyz32") -> int:
-    """Size in bytes of a frame file of ``natoms`` atoms."""
+    """Size in bytes of a frame file.
+
+    Parameters
+    ----------
+    natoms
+        Number of atoms.
+    layout
+        ``"xyz32"`` or ``"paper"``.
+
+    Returns
+    -------
+    int
+        Header plus payload bytes.
+
+    Examples
+    --------
+    >>> frame_size(23_558, "paper")
+    659752
+    """
     return HEADER_SIZE + natoms * bytes_per_atom(layout)
 
 
@@ -117,18 +135,22 @@ class Frame:
 
     @property
     def natoms(self) -> int:
+        """Number of atoms."""
         return self.header.natoms
 
     @property
     def step(self) -> int:
+        """MD step."""
         return self.header.step
 
     @property
     def time(self) -> float:
+        """Simulation time (ps)."""
         return self.header.time
 
     @property
     def box(self) -> np.ndarray:
+        """``(3, 3)`` box vectors in Å (zeros: no box)."""
         return self.header.box
 
 
@@ -144,7 +166,24 @@ def encode_header(
     layout: str,
     payload: memoryview,
 ) -> bytes:
-    """Build the 128-byte header for ``payload``."""
+    """Build the 128-byte header for ``payload`` (checksums included).
+
+    Parameters
+    ----------
+    natoms, step, time
+        Header fields.
+    box
+        ``None``, 3 lengths or a 3 x 3 matrix of box vectors (Å).
+    layout
+        ``"xyz32"`` or ``"paper"``.
+    payload
+        The payload bytes.
+
+    Returns
+    -------
+    bytes
+        The header.
+    """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; expected one of {sorted(LAYOUTS)}")
     boxv = np.zeros(9) if box is None else np.asarray(box, dtype=np.float64).reshape(-1)
@@ -160,7 +199,21 @@ def encode_header(
 
 
 def encode_payload(positions: np.ndarray, layout: str, ids: np.ndarray | None = None) -> np.ndarray:
-    """Return the payload array for ``positions`` (no copy when already in the right dtype)."""
+    """Return the payload array for ``positions`` (no copy when already in the right dtype).
+
+    Parameters
+    ----------
+    positions
+        ``(natoms, 3)`` coordinates in Å.
+    layout
+        ``"xyz32"`` (float32) or ``"paper"`` (int32 id + 3 float64).
+    ids
+        Atom ids for ``"paper"`` (default ``0..natoms-1``).
+
+    Returns
+    -------
+    numpy.ndarray
+    """
     pos = np.asarray(positions)
     if pos.ndim != 2 or pos.shape[1] != 3:
         raise ValueError(f"positions must have shape (natoms, 3), got {pos.shape}")
@@ -183,7 +236,26 @@ def encode_frame(
     layout: str = "xyz32",
     ids: np.ndarray | None = None,
 ) -> tuple[bytes, memoryview]:
-    """Serialize a frame as ``(header, payload)`` buffers, ready for ``writelines``."""
+    """Serialize a frame as ``(header, payload)`` buffers, ready for two ``write`` calls.
+
+    Parameters
+    ----------
+    positions
+        ``(natoms, 3)`` coordinates in Å.
+    step, time
+        MD step and time (ps).
+    box
+        ``None``, 3 lengths or a 3 x 3 matrix of box vectors (Å).
+    layout
+        ``"xyz32"`` or ``"paper"``.
+    ids
+        Atom ids for ``"paper"``.
+
+    Returns
+    -------
+    tuple of (bytes, memoryview)
+        The header and a view of the payload (no copy of ``float32`` positions).
+    """
     arr = encode_payload(positions, layout, ids)
     payload = memoryview(arr.reshape(-1).view(np.uint8))
     header = encode_header(len(positions), step, time, box, layout, payload)
@@ -200,9 +272,22 @@ def write_frame(
     layout: str = "xyz32",
     ids: np.ndarray | None = None,
 ) -> int:
-    """Write a frame to a binary file object or path; return the bytes written.
+    """Write a frame to a binary file object or path.
 
-    Writing to a path is *not* a publication; use :func:`instride.open` for that.
+    Writing to a path is *not* a publication; use :func:`instride.open` (or
+    :class:`instride.Stream`) for that.
+
+    Parameters
+    ----------
+    dest
+        A binary file object or a path.
+    positions, step, time, box, layout, ids
+        As for :func:`encode_frame`.
+
+    Returns
+    -------
+    int
+        Bytes written.
     """
     header, payload = encode_frame(positions, step=step, time=time, box=box, layout=layout, ids=ids)
     if isinstance(dest, (str, os.PathLike)):
@@ -216,7 +301,25 @@ def write_frame(
 
 
 def decode_header(buf: bytes | memoryview, what: str = "frame") -> FrameHeader:
-    """Parse and verify a frame header from the first 128 bytes of ``buf``."""
+    """Parse and verify a frame header from the first 128 bytes of ``buf``.
+
+    Parameters
+    ----------
+    buf
+        At least the header's bytes.
+    what
+        Name used in errors.
+
+    Returns
+    -------
+    FrameHeader
+
+    Raises
+    ------
+    IntegrityError
+        Truncated, bad magic or version, unknown layout, header checksum mismatch, or a payload
+        size that does not match the atom count.
+    """
     view = memoryview(buf)
     if view.nbytes < HEADER_SIZE:
         raise IntegrityError(what, f"truncated header ({view.nbytes} < {HEADER_SIZE} bytes)")
@@ -241,7 +344,25 @@ def decode_header(buf: bytes | memoryview, what: str = "frame") -> FrameHeader:
 
 
 def decode_frame(buf: bytes | memoryview | mmap.mmap, what: str = "frame") -> Frame:
-    """Decode and verify a frame held in memory; coordinates are views of ``buf``."""
+    """Decode and verify a frame held in memory; coordinates are views of ``buf``.
+
+    Parameters
+    ----------
+    buf
+        The whole frame file's bytes (or a memory map of it).
+    what
+        Name used in errors.
+
+    Returns
+    -------
+    Frame
+
+    Raises
+    ------
+    IntegrityError
+        Any header problem (see :func:`decode_header`), a short payload, or a payload
+        checksum mismatch.
+    """
     view = memoryview(buf)
     header = decode_header(view, what)
     payload = view[HEADER_SIZE:]
@@ -283,7 +404,22 @@ def read_frame(source: str | os.PathLike[str] | bytes | memoryview | mmap.mmap) 
 
 
 def read_header(source: str | os.PathLike[str] | BinaryIO) -> FrameHeader:
-    """Read and verify only the header of a frame file (the payload is not read)."""
+    """Read and verify only the header of a frame file (the payload is not read).
+
+    Parameters
+    ----------
+    source
+        A path or a binary file object positioned at the frame's start.
+
+    Returns
+    -------
+    FrameHeader
+
+    Raises
+    ------
+    IntegrityError
+        See :func:`decode_header`.
+    """
     if isinstance(source, (str, os.PathLike)):
         with _open(source, "rb") as fh:
             return decode_header(fh.read(HEADER_SIZE), os.fspath(source))

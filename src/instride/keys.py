@@ -120,4 +120,10 @@ def key_path(key: str, root: Path) -> Path:
 
 def tmp_path(path: Path) -> Path:
     """Return a fresh hidden temporary name next to ``path`` (same directory, same file system)."""
-    return path.with_name(f".{path.name}.instride-{os.getpid()}-{_SALT}{next(_COUNTER):x}.tmp")
+    return Path(tmp_name(str(path)))
+
+
+def tmp_name(path: str) -> str:
+    """:func:`tmp_path` on strings (the hot path of every publication avoids pathlib)."""
+    head, _, name = path.rpartition("/")
+    return f"{head}/.{name}.instride-{os.getpid()}-{_SALT}{next(_COUNTER):x}.tmp"

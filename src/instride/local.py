@@ -26,7 +26,7 @@ from inotify_simple import INotify
 from inotify_simple import flags as inflags
 
 from .errors import ConsumeTimeout, KeyExistsError, UnsupportedModeError
-from .keys import TMP_PATTERN, tmp_path
+from .keys import TMP_PATTERN, tmp_name
 
 _MAX_WAIT_MS = 60_000  # one read() at most; longer waits loop (poll() takes an int)
 _WATCH = inflags.CREATE | inflags.MOVED_TO | inflags.DELETE_SELF | inflags.MOVE_SELF
@@ -48,7 +48,7 @@ _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
 
 
-def _rename_noreplace(tmp: Path, final: Path) -> bool:
+def _rename_noreplace(tmp: str | Path, final: str | Path) -> bool:
     """One-syscall write-once rename; False when the file system does not support it."""
     global _RENAMEAT2
     if _RENAMEAT2 is None:
@@ -63,7 +63,7 @@ def _rename_noreplace(tmp: Path, final: Path) -> bool:
     raise OSError(err, os.strerror(err), str(final))
 
 
-def publish_file(tmp: Path, final: Path, key: str, *, overwrite: bool) -> None:
+def publish_file(tmp: str | Path, final: str | Path, key: str, *, overwrite: bool) -> None:
     """Atomically give the complete file ``tmp`` its final name ``final``.
 
     Write-once (``overwrite=False``) uses ``renameat2(RENAME_NOREPLACE)`` (or ``link`` +
@@ -244,7 +244,7 @@ def collect_garbage(root: Path, *, min_age: float = 0.0) -> list[Path]:
 
 # --------------------------------------------------------------------------- writers
 
-PublishHook = Callable[[str, Path], None]
+PublishHook = Callable[[str, str], None]
 
 
 class _PublishingFileIO(io.FileIO):
@@ -252,7 +252,7 @@ class _PublishingFileIO(io.FileIO):
 
     def __init__(
         self,
-        final: Path,
+        final: str,
         key: str,
         *,
         readable: bool,
@@ -262,7 +262,7 @@ class _PublishingFileIO(io.FileIO):
     ) -> None:
         if not overwrite and os.path.exists(final):
             raise KeyExistsError(key)
-        self._tmp = tmp_path(final)
+        self._tmp = tmp_name(final)
         self._final = final
         self._key = key
         self._overwrite = overwrite
@@ -273,7 +273,7 @@ class _PublishingFileIO(io.FileIO):
         try:
             super().__init__(self._tmp, "x+" if readable else "x")
         except FileNotFoundError:  # first file of its directory
-            final.parent.mkdir(parents=True, exist_ok=True)
+            os.makedirs(os.path.dirname(final), exist_ok=True)
             super().__init__(self._tmp, "x+" if readable else "x")
 
     @property
@@ -403,7 +403,7 @@ def check_mode(mode: str) -> bool:
 
 
 def open_for_write(
-    final: Path,
+    final: str,
     key: str,
     mode: str,
     *,

@@ -88,7 +88,18 @@ class Stream:
 
     # ------------------------------------------------------------------ naming
     def frame_key(self, index: int) -> str:
-        """The key of frame ``index``."""
+        """The key of frame ``index``.
+
+        Parameters
+        ----------
+        index
+            Frame number, from 0.
+
+        Returns
+        -------
+        str
+            ``"<name>/frame_<index, 9 digits>.isf"``.
+        """
         if index < 0:
             raise KeyValidationError(index, "frame index must be >= 0")
         return f"{self.name}/{FRAME_FORMAT.format(index)}"
@@ -195,7 +206,27 @@ class Stream:
         return len(self.published())
 
     def read(self, index: int) -> Frame:
-        """Return frame ``index``, waiting for it; :class:`EndOfStream` if the stream ends first."""
+        """Return frame ``index``, waiting for it.
+
+        Parameters
+        ----------
+        index
+            Frame number; negative counts from the newest published frame.
+
+        Returns
+        -------
+        Frame
+            The verified frame.
+
+        Raises
+        ------
+        EndOfStream
+            The stream ended before frame ``index``.
+        ConsumeTimeout
+            The producer fell silent longer than the stream's timeout.
+        IntegrityError
+            The frame is corrupt.
+        """
         if index < 0:
             index += len(self)
             if index < 0:
@@ -220,7 +251,13 @@ class Stream:
             raise IndexError(str(exc)) from None
 
     def seek(self, index: int) -> None:
-        """Make ``index`` the next frame iteration returns."""
+        """Make ``index`` the next frame iteration returns.
+
+        Parameters
+        ----------
+        index
+            Frame number, from 0.
+        """
         if index < 0:
             raise ValueError("seek index must be >= 0")
         self._cursor = index
