@@ -82,6 +82,7 @@ CONSUME = textwrap.dedent(
     import sys, time, instride
     s = instride.Stream(sys.argv[1], timeout=120)
     c = instride.get_client()
+    c.exists("warm-up")  # connect to Redis before the clock starts
     out = []
     i = 0
     print("ready", flush=True)
@@ -102,6 +103,7 @@ WAKE_CONSUMER = textwrap.dedent(
     """
     import sys, time, instride
     c = instride.get_client()
+    c.exists("warm-up")
     n = int(sys.argv[1]); out = []
     print("ready", flush=True)
     for i in range(n):
@@ -114,6 +116,7 @@ WAKE_PRODUCER = textwrap.dedent(
     """
     import sys, time, instride
     n = int(sys.argv[1]); out = []
+    instride.get_client().exists("warm-up")
     for i in range(n):
         time.sleep(0.003)
         t = time.clock_gettime_ns(time.CLOCK_MONOTONIC)

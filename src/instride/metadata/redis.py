@@ -8,14 +8,16 @@ Layout (all names under the ``instride:`` prefix):
 * ``instride:ver:<key>`` — the version counter, kept when the key is deleted.
 
 A publication is one Lua script (one round trip, atomic): it bumps the version, writes the
-hash, indexes the key and publishes the notification. A waiter subscribes to the key's
-channel *before* checking whether the record exists, so no publication can fall between the
-check and the wait. Connection errors are retried with backoff until the caller's deadline,
+hash, indexes the key and publishes the notification, which carries the record itself (a
+woken waiter needs no second round trip). A waiter subscribes to the key's channel *before*
+checking whether the record exists, so no publication can fall between the check and the
+wait. Connection errors are retried with backoff until the caller's deadline,
 so waiters survive a Redis restart.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -47,7 +49,10 @@ local version = redis.call('INCR', KEYS[4])
 redis.call('HSET', rec, 'version', version, 'owner', ARGV[1], 'size', ARGV[2],
            'checksum', ARGV[3], 'time', ARGV[4], 'node', ARGV[5], 'key', ARGV[6])
 redis.call('ZADD', KEYS[2], 0, ARGV[6])
-redis.call('PUBLISH', KEYS[3], version)
+-- the notification carries the record, so a woken waiter needs no second round trip
+redis.call('PUBLISH', KEYS[3], cjson.encode({key = ARGV[6], owner = ARGV[1],
+           size = tonumber(ARGV[2]), checksum = ARGV[3], version = version,
+           time = tonumber(ARGV[4]), node = ARGV[5]}))
 return version
 """
 
@@ -67,6 +72,17 @@ def _record(fields: dict[bytes, bytes]) -> Record | None:
         time=float(f["time"]),
         node=f.get("node", ""),
     )
+
+
+def _from_message(data: Any) -> Record | None:
+    """The record carried by a publication message (``None`` if it is not one)."""
+    try:
+        f = json.loads(data)
+        return Record(key=str(f["key"]), owner=str(f["owner"]), size=int(f["size"]),
+                      checksum=f["checksum"] or None, version=int(f["version"]),
+                      time=float(f["time"]), node=str(f.get("node", "")))
+    except (TypeError, ValueError, KeyError):
+        return None
 
 
 class RedisMetadata:
@@ -199,7 +215,7 @@ class RedisMetadata:
                             wait = min(wait, 1.0)
                         msg = ps.get_message(timeout=wait)
                         if msg is not None and msg.get("type") == "message" and msg.get("channel") in wanted:
-                            rec = self._lookup_many(keys)
+                            rec = _from_message(msg.get("data")) or self._lookup_many(keys)
                             if rec is not None:
                                 return rec
                 finally:
