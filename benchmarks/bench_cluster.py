@@ -68,6 +68,7 @@ PRODUCE = textwrap.dedent(
     import sys, time, numpy as np, instride
     name, n, atoms, gap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
     pos = np.random.default_rng(0).random((atoms, 3))
+    instride.get_client().exists("warm-up")
     with instride.Stream(name, mode="w", layout="paper") as s:
         for i in range(n):
             if gap:
