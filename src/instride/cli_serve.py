@@ -47,6 +47,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if settings.mode == "cluster" and not settings.token:
         print("instride serve: error: INSTRIDE_TOKEN must be set in cluster mode", file=sys.stderr)
         return 2
+    host, _port = parse_addr(settings.addr)
+    if settings.mode == "cluster" and host in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("instride.server").warning(
+            "INSTRIDE_ADDR is %s, a loopback address: peers on other nodes cannot reach it, and "
+            "every node left at this default believes it owns every key; set INSTRIDE_ADDR to "
+            "this node's address", settings.addr)
     serve(settings, grace=args.grace, workers=args.workers, max_peers=args.max_peers,
           request_timeout=args.request_timeout, send_timeout=args.send_timeout)
     return 0

@@ -142,6 +142,20 @@ class _Watcher(threading.local):
 _watcher = _Watcher()
 
 
+def fsync_dir(directory: str | Path) -> None:
+    """fsync a directory, making a rename in it durable (errors ignored: best effort)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def wait_any(
     paths: Sequence[Path],
     timeout: float | None,
@@ -321,6 +335,8 @@ class _PublishingFileIO(io.FileIO):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._tmp)
             raise
+        if self._fsync:
+            fsync_dir(os.path.dirname(self._final))  # the new name survives a crash too
         if self._on_publish is not None:
             self._on_publish(self._key, self._final)
 
