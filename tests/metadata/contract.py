@@ -69,3 +69,15 @@ class MetadataContract:
         assert backend.lookup("p/a/1") is None
         assert backend.list("p/a/") == ["p/a/2"]
         backend.delete("p/never")  # no error
+
+    def test_no_lost_wakeup_when_publishing_right_away(self, backend: MetadataBackend, put: Put) -> None:
+        # A waiter with no timeout must never miss a publication that lands while it is
+        # arming its wait (for Redis: before its SUBSCRIBE is in force). Many tight rounds.
+        for i in range(300):
+            result: list[Record] = []
+            t = threading.Thread(target=lambda k=f"race/{i}": result.append(backend.wait_any([k], None)),
+                                 daemon=True)
+            t.start()
+            put(f"race/{i}", b"x")
+            t.join(5)
+            assert result, f"round {i}: the waiter missed the publication"

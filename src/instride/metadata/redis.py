@@ -21,6 +21,7 @@ import json
 import math
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -106,7 +107,8 @@ class RedisMetadata:
         self._publish = self.redis.register_script(_PUBLISH)
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._pubsubs: list[Any] = []
+        # weak: a thread's subscriber goes (and its connection closes) when the thread ends
+        self._pubsubs: weakref.WeakSet[Any] = weakref.WeakSet()
 
     # ------------------------------------------------------------------ retries
     def _call(self, what: str, fn: Any, deadline: float | None = None) -> Any:
@@ -164,10 +166,10 @@ class RedisMetadata:
         """This thread's subscriber connection, kept across waits (PubSub is not thread-safe)."""
         ps = getattr(self._local, "pubsub", None)
         if ps is None:
-            ps = self.redis.pubsub(ignore_subscribe_messages=True)
+            ps = self.redis.pubsub(ignore_subscribe_messages=False)
             self._local.pubsub = ps
             with self._lock:
-                self._pubsubs.append(ps)
+                self._pubsubs.add(ps)
         return ps
 
     def _drop_pubsub(self) -> None:
@@ -175,8 +177,7 @@ class RedisMetadata:
         self._local.pubsub = None
         if ps is not None:
             with self._lock:
-                if ps in self._pubsubs:
-                    self._pubsubs.remove(ps)
+                self._pubsubs.discard(ps)
             try:
                 ps.close()
             except _ERRORS:
@@ -197,25 +198,41 @@ class RedisMetadata:
             return rec
         channels = [_CHAN + k for k in keys]
         wanted = {c.encode() for c in channels}
+
+        def remaining() -> float:
+            if deadline is None:
+                return 1.0
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ConsumeTimeout(keys[0], time.monotonic() - start)
+            return min(left, 1.0)
+
         while True:
             ps = self._pubsub()
             try:
                 ps.subscribe(*channels)
                 try:
-                    rec = self._lookup_many(keys)  # checked only after subscribing
+                    # The subscription must be in force before the existence check: SUBSCRIBE
+                    # travels on its own connection, and Redis may serve the check (sent on
+                    # another connection) first. Wait for Redis's confirmation of every channel.
+                    unconfirmed = set(wanted)
+                    while unconfirmed:
+                        msg = ps.get_message(timeout=remaining())
+                        if msg is None:
+                            continue
+                        if msg["type"] == "subscribe":
+                            unconfirmed.discard(msg["channel"])
+                        elif msg["type"] == "message" and msg["channel"] in wanted:
+                            rec = _from_message(msg["data"]) or self._lookup_many(keys)
+                            if rec is not None:
+                                return rec
+                    rec = self._lookup_many(keys)
                     if rec is not None:
                         return rec
                     while True:
-                        if deadline is None:
-                            wait = 1.0
-                        else:
-                            wait = deadline - time.monotonic()
-                            if wait <= 0:
-                                raise ConsumeTimeout(keys[0], time.monotonic() - start)
-                            wait = min(wait, 1.0)
-                        msg = ps.get_message(timeout=wait)
-                        if msg is not None and msg.get("type") == "message" and msg.get("channel") in wanted:
-                            rec = _from_message(msg.get("data")) or self._lookup_many(keys)
+                        msg = ps.get_message(timeout=remaining())
+                        if msg is not None and msg["type"] == "message" and msg["channel"] in wanted:
+                            rec = _from_message(msg["data"]) or self._lookup_many(keys)
                             if rec is not None:
                                 return rec
                 finally:
@@ -252,7 +269,8 @@ class RedisMetadata:
     def close(self) -> None:
         """Close the subscriber connections and the connection pool."""
         with self._lock:
-            subs, self._pubsubs = self._pubsubs, []
+            subs = list(self._pubsubs)
+            self._pubsubs.clear()
         for ps in subs:
             try:
                 ps.close()
