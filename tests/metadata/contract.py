@@ -75,8 +75,10 @@ class MetadataContract:
         # arming its wait (for Redis: before its SUBSCRIBE is in force). Many tight rounds.
         for i in range(300):
             result: list[Record] = []
-            t = threading.Thread(target=lambda k=f"race/{i}": result.append(backend.wait_any([k], None)),
-                                 daemon=True)
+            t = threading.Thread(
+                target=lambda k=f"race/{i}", out=result: out.append(backend.wait_any([k], None)),
+                daemon=True,
+            )
             t.start()
             put(f"race/{i}", b"x")
             t.join(5)
