@@ -44,19 +44,24 @@ def _recv_exact(sock: socket.socket, n: int, key: str) -> bytes:
     return bytes(buf)
 
 
+def _recv_some(sock: socket.socket, view: memoryview, got: int, size: int, key: str) -> int:
+    """One ``recv_into`` of the body into ``view``; transfer errors name how far it got."""
+    try:
+        k = sock.recv_into(view)
+    except TimeoutError:
+        raise TransferError(key, f"stalled after {got} of {size} bytes") from None
+    except OSError as exc:
+        raise TransferError(key, f"{exc} after {got} of {size} bytes") from None
+    if k == 0:
+        raise TransferError(key, f"connection closed after {got} of {size} bytes")
+    return k
+
+
 def _recv_into(sock: socket.socket, view: memoryview, key: str) -> None:
     n = len(view)
     got = 0
     while got < n:
-        try:
-            k = sock.recv_into(view[got : got + _CHUNK])
-        except TimeoutError:
-            raise TransferError(key, f"stalled after {got} of {n} bytes") from None
-        except OSError as exc:
-            raise TransferError(key, f"{exc} after {got} of {n} bytes") from None
-        if k == 0:
-            raise TransferError(key, f"connection closed after {got} of {n} bytes")
-        got += k
+        got += _recv_some(sock, view[got : got + _CHUNK], got, n, key)
 
 
 def _size(reply: dict[str, Any], record: Record) -> int:
@@ -76,18 +81,6 @@ def _check(record: Record, digest: str, size: int) -> None:
             raise IntegrityError(record.key, f"unknown checksum algorithm {algo!r}")
         if digest != expected:
             raise IntegrityError(record.key, f"checksum {digest} differs from the record's {expected}")
-
-
-def _verify(record: Record, data: Any, size: int) -> None:
-    if size != record.size:
-        raise IntegrityError(record.key, f"size {size} differs from the record's {record.size}")
-    if record.checksum is not None:
-        algo, _, expected = record.checksum.partition(":")
-        if algo != "xxh3":
-            raise IntegrityError(record.key, f"unknown checksum algorithm {algo!r}")
-        got = xxhash.xxh3_64_hexdigest(data)
-        if got != expected:
-            raise IntegrityError(record.key, f"checksum {got} differs from the record's {expected}")
 
 
 class TcpTransport:
@@ -212,14 +205,7 @@ class TcpTransport:
         hasher = xxhash.xxh3_64()
         got = 0
         while got < size:
-            try:
-                n = sock.recv_into(buf, min(_CHUNK, size - got))
-            except TimeoutError:
-                raise TransferError(key, f"stalled after {got} of {size} bytes") from None
-            except OSError as exc:
-                raise TransferError(key, f"{exc} after {got} of {size} bytes") from None
-            if n == 0:
-                raise TransferError(key, f"connection closed after {got} of {size} bytes")
+            n = _recv_some(sock, buf[: min(_CHUNK, size - got)], got, size, key)
             chunk = buf[:n]
             hasher.update(chunk)
             done = 0
@@ -241,7 +227,7 @@ class TcpTransport:
             sock.close()
             raise
         self._release(record.owner, sock)
-        _verify(record, buf, size)
+        _check(record, xxhash.xxh3_64_hexdigest(buf), size)
         return buf
 
     def close(self) -> None:
