@@ -54,6 +54,30 @@ def _env_snapshot() -> tuple[object, ...]:
     return tuple(os.environ.get(k) for k in _ENV_KEYS)
 
 
+def file_system_type(path: str) -> str:
+    """The type (``"tmpfs"``, ``"ext4"``...) of the file system holding ``path``, or ``""``.
+
+    Read from ``/proc/self/mountinfo``: the mount point that is the longest prefix of the
+    path's real path.
+    """
+    real = os.path.realpath(path)
+    best, kind = -1, ""
+    try:
+        with _open("/proc/self/mountinfo", "rb") as fh:
+            lines = fh.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        if len(fields) < 5 or not right:
+            continue
+        point = fields[4].replace("\\040", " ")
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > best:
+            best, kind = len(point), right.split()[0]
+    return kind
+
+
 def ensure_private_dir(root: Path) -> None:
     """Create the managed directory (mode 0700) and check it is ours and not a symlink.
 
@@ -102,6 +126,9 @@ class Client:
         self.root = self.settings.dir
         self._root_s = str(self.root)
         ensure_private_dir(self.root)
+        #: whether publications fsync: asked for, and the managed directory is not on tmpfs
+        #: (where fsync cannot make anything durable and only costs time)
+        self.fsync = self.settings.fsync and file_system_type(self._root_s) != "tmpfs"
         self._metadata: MetadataBackend | None = None
         self._cluster: Any = None
 
@@ -266,7 +293,7 @@ class Client:
                 key,
                 mode,
                 overwrite=overwrite,
-                fsync=self.settings.fsync,
+                fsync=self.fsync,
                 on_publish=lambda k, p: self._after_publish(k, p, overwrite),
                 buffering=buffering,
                 encoding=encoding,
@@ -354,7 +381,7 @@ class Client:
                 os.link(srcp, staged)  # same file system: no copy
             except OSError:
                 shutil.copyfile(srcp, staged)
-            if self.settings.fsync:
+            if self.fsync:
                 fd = os.open(staged, os.O_RDONLY)
                 try:
                     os.fsync(fd)

@@ -10,7 +10,8 @@
 ``INSTRIDE_TIMEOUT``
     Default consume timeout in seconds; empty, 0, negative or ``inf`` waits forever.
 ``INSTRIDE_FSYNC``
-    fsync a produced file before publishing it (``0``/``1``, default ``1``).
+    fsync a produced file and its directory when publishing it (``0``/``1``, default ``1``);
+    skipped when the managed directory is on tmpfs, where it cannot make anything durable.
 ``INSTRIDE_CACHE_BYTES``
     Bound on fetched (not owned) copies kept on this node (default unbounded).
 ``INSTRIDE_NODE``

@@ -29,6 +29,8 @@ from .errors import ConsumeTimeout, KeyExistsError, UnsupportedModeError
 from .keys import TMP_PATTERN, tmp_name
 
 _MAX_WAIT_MS = 60_000  # one read() at most; longer waits loop (poll() takes an int)
+_LOST = int(inflags.Q_OVERFLOW)
+_GONE = int(inflags.IGNORED | inflags.DELETE_SELF | inflags.MOVE_SELF)
 _WATCH = inflags.CREATE | inflags.MOVED_TO | inflags.DELETE_SELF | inflags.MOVE_SELF
 
 
@@ -185,35 +187,38 @@ def wait_any(
     names = {p.name for p in paths}
     dirs = list(dict.fromkeys(p.parent for p in paths))
     ino = _watcher.get()
+    for directory in dirs:
+        _watcher.watch(directory)
+    # Re-check after arming: a publication between the first check and the watch produced
+    # no event we could see.
+    for path in paths:
+        if os.path.exists(path):
+            return path
     while True:
-        for directory in dirs:  # (re-)arm; a removed directory was forgotten on IN_IGNORED
-            _watcher.watch(directory)
-        # Re-check after arming: a publication between the first check and the watch
-        # produced no event we could see.
-        for path in paths:
-            if os.path.exists(path):
-                return path
-        while True:
-            if timeout is None:
-                wait_ms = None
-            else:
-                remaining = timeout - (time.monotonic() - start)
-                if remaining <= 0:
-                    raise ConsumeTimeout(label, time.monotonic() - start)
-                wait_ms = min(max(1, int(remaining * 1000)), _MAX_WAIT_MS)
-            events = ino.read(timeout=wait_ms if timeout is not None else _MAX_WAIT_MS)
-            wake = False
-            for ev in events:
-                if ev.mask & inflags.Q_OVERFLOW:  # events (maybe IN_IGNORED) were lost
-                    _watcher.reset()
-                    wake = True
-                elif ev.mask & (inflags.IGNORED | inflags.DELETE_SELF | inflags.MOVE_SELF):
-                    _watcher.forget(ev.wd)  # a watched directory went away or moved
-                    wake = True
-                elif ev.name in names:
-                    wake = True
-            if wake:
-                break
+        if timeout is None:
+            wait_ms = _MAX_WAIT_MS
+        else:
+            remaining = timeout - (time.monotonic() - start)
+            if remaining <= 0:
+                raise ConsumeTimeout(label, time.monotonic() - start)
+            wait_ms = min(max(1, int(remaining * 1000)), _MAX_WAIT_MS)
+        wake = rearm = False
+        for ev in ino.read(timeout=wait_ms):  # the cheapest test first: this is the hot path
+            if ev.name in names:
+                wake = True
+            elif ev.mask & _LOST:  # events (maybe IN_IGNORED) were lost
+                _watcher.reset()
+                rearm = True
+            elif ev.mask & _GONE:  # a watched directory went away or moved
+                _watcher.forget(ev.wd)
+                rearm = True
+        if rearm:
+            for directory in dirs:
+                _watcher.watch(directory)
+        if wake or rearm:
+            for path in paths:
+                if os.path.exists(path):
+                    return path
 
 
 def iter_tmp_files(root: Path) -> Iterable[tuple[Path, int]]:
