@@ -159,6 +159,7 @@ struct ins_file *ins_file_new(const char *tmp, const struct ins_path *final)
         return NULL;
     atomic_init(&f->refs, 1);
     f->pid = getpid();
+    f->noreplace = 0;
     memcpy(f->tmp, tmp, strlen(tmp) + 1);
     f->final = *final;
     return f;
@@ -189,7 +190,7 @@ int ins_file_finish(struct ins_file *f, int close_rc, int close_errno)
         errno = close_errno;
         rc = -1;
     } else {
-        rc = ins_publish(f->tmp, &f->final, 0);
+        rc = ins_publish(f->tmp, &f->final, f->noreplace);
     }
     int e = errno;
     free(f);

@@ -137,6 +137,7 @@ INS_HIDDEN int ins_normalize(char *path);
 struct ins_file {
     atomic_int refs;
     pid_t pid; /* process that opened it; only this process publishes */
+    int noreplace; /* opened with O_EXCL ("x"): write-once even with INSTRIDE_OVERWRITE=1 */
     char tmp[PATH_MAX];
     struct ins_path final;
 };
@@ -198,6 +199,8 @@ INS_HIDDEN int ins_open_managed(const struct ins_path *p, int flags, mode_t mode
 
 /* Send PUBLISH <key> to the node's server (cluster mode only; no-op otherwise). */
 INS_HIDDEN int ins_notify_publish(const struct ins_path *p);
+/* The same with an explicit overwrite flag (0: write-once across the cluster). */
+INS_HIDDEN int ins_notify_publish_as(const struct ins_path *p, int overwrite);
 
 /* fsync the directory holding abs (for INSTRIDE_FSYNC=1). */
 INS_HIDDEN void ins_fsync_dir_of(const char *abs);

@@ -82,6 +82,8 @@ int ins_open_managed(const struct ins_path *p, int flags, mode_t mode)
     }
     ins_passed(fd);
     struct ins_file *f = ins_file_new(tmp, p);
+    if (f != NULL)
+        f->noreplace = (flags & O_EXCL) != 0;
     if (f == NULL || ins_table_put(fd, f) != 0) {
         int e = f == NULL ? ENOMEM : errno;
         ins_real_close(fd);

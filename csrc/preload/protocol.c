@@ -282,7 +282,7 @@ static int ins_reply_wait_ms(void)
 }
 
 /* Register a key published locally; overwrite selects OVERWRITE over PUBLISH. */
-static int ins_notify_publish_as(const struct ins_path *p, int overwrite)
+int ins_notify_publish_as(const struct ins_path *p, int overwrite)
 {
     if (!ins_cfg.cluster)
         return 0;

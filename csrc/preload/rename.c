@@ -152,14 +152,14 @@ static int ins_rename_managed(int olddirfd, const char *old, const struct ins_pa
         rc = linkat(olddirfd, old, AT_FDCWD, np->abs, 0);
         if (rc == 0) {
             unlinkat(olddirfd, old, 0);
-            rc = ins_notify_publish(np);
+            rc = ins_notify_publish_as(np, 0); /* write-once across the cluster too */
         } else if (errno == EXDEV) {
             rc = ins_copy_publish(olddirfd, old, np, 1);
         } else if ((errno == EPERM || errno == EOPNOTSUPP || errno == EMLINK) &&
                    ins_real_renameat2 != NULL) {
             rc = ins_real_renameat2(olddirfd, old, AT_FDCWD, np->abs, RENAME_NOREPLACE);
             if (rc == 0)
-                rc = ins_notify_publish(np);
+                rc = ins_notify_publish_as(np, 0);
         }
     }
     if (rc == 0 && ins_cfg.fsync)

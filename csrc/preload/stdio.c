@@ -79,9 +79,11 @@ static FILE *ins_passed_fp(FILE *fp)
 
 /* Register a freshly opened temp stream. On failure the stream is closed. */
 static int ins_register_stream(FILE *fp, const char *tmp, const struct ins_path *p,
-                               int (*real_fclose)(FILE *))
+                               const char *mode, int (*real_fclose)(FILE *))
 {
     struct ins_file *f = ins_file_new(tmp, p);
+    if (f != NULL) /* "wx": write-once even with INSTRIDE_OVERWRITE=1 */
+        f->noreplace = strchr(mode, 'x') != NULL;
     if (f == NULL || ins_table_put(fileno(fp), f) != 0) {
         int e = f == NULL ? ENOMEM : errno;
         real_fclose(fp);
@@ -123,7 +125,7 @@ static FILE *ins_fopen_managed(const struct ins_path *p, const char *mode, ins_f
         return NULL;
     }
     if (writing) {
-        if (ins_register_stream(fp, target, p, ins_real_fclose) != 0) {
+        if (ins_register_stream(fp, target, p, mode, ins_real_fclose) != 0) {
             ins_busy = 0;
             return NULL;
         }
@@ -237,7 +239,7 @@ static FILE *ins_freopen_common(const char *path, const char *mode, FILE *stream
         return NULL;
     }
     if (writing) {
-        if (ins_register_stream(r, target, &p, ins_real_fclose) != 0)
+        if (ins_register_stream(r, target, &p, mode, ins_real_fclose) != 0)
             return NULL;
     } else {
         ins_passed_fp(r);

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,3 +126,27 @@ def test_rename_into_managed_dir_publishes_cluster_wide(nodes: EmulatedCluster, 
     tmp.write_bytes(b"renamed in " * 100)
     run(nodes, 1, ["mv", tmp, nodes.node(1).dir / "mv" / "done.dat"])
     assert run(nodes, 2, ["cat", nodes.node(2).dir / "mv" / "done.dat"]) == b"renamed in " * 100
+
+
+def test_exclusive_create_stays_write_once_across_nodes(nodes: EmulatedCluster) -> None:
+    # Node 1 publishes a key. On node 2, with INSTRIDE_OVERWRITE=1, an O_EXCL create of the
+    # same key is still write-once for the whole cluster: its close fails with EEXIST, its
+    # local file is removed, and node 1 stays the owner.
+    run(nodes, 1, ["sh", "-c", f"echo first > {nodes.node(1).dir / 'excl' / 'k'}"])
+    code = textwrap.dedent(
+        """
+        import errno, os, sys
+        fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, b"second")
+        try:
+            os.close(fd)
+            print("published")
+        except OSError as e:
+            print(errno.errorcode[e.errno])
+        """
+    )
+    out = run(nodes, 2, [sys.executable, "-c", code, nodes.node(2).dir / "excl" / "k"],
+              INSTRIDE_OVERWRITE="1")
+    assert out.decode().strip() == "EEXIST"
+    assert not (nodes.node(2).dir / "excl" / "k").exists()
+    assert run(nodes, 2, ["cat", nodes.node(2).dir / "excl" / "k"]) == b"first\n"
