@@ -15,6 +15,7 @@ Results are in ``results.<column>`` (one array per column) after ``run()`` or
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ from MDAnalysis.analysis.base import AnalysisBase
 __all__ = ["FrameAnalysis"]
 
 
-class FrameAnalysis(AnalysisBase):
+class FrameAnalysis(AnalysisBase, metaclass=abc.ABCMeta):
     """Base of analyses that produce a fixed set of scalar columns per frame.
 
     Subclasses set :attr:`columns` and implement :meth:`compute`.
@@ -44,9 +45,9 @@ class FrameAnalysis(AnalysisBase):
         self._rows: list[tuple[float, ...]] = []
 
     # -- the one method a subclass writes -------------------------------------------------
+    @abc.abstractmethod
     def compute(self) -> tuple[float, ...]:
         """Values of :attr:`columns` for the current frame (the universe's current positions)."""
-        raise NotImplementedError
 
     # -- in situ use -------------------------------------------------------------------------
     def reset(self) -> None:

@@ -280,6 +280,17 @@ def write_report(study: dict[str, Any], out: str | Path) -> Path:
         return (f"- {label}: paper {_paper(paper_value)}; here {_fmt(_gmean(values))}{unit} "
                 f"({_rng(values)})")
 
+    def sharedfs_lines(p: dict[str, Any], r: dict[str, list[float]]) -> list[str]:
+        """The three instride-vs-sharedfs ratios (producer, consumer, overall) beside the paper's."""
+        return [
+            ratio_line("producer data movement, instride faster than sharedfs by",
+                       p["producer_movement_speedup_vs_sharedfs"], r["producer_movement_ms"]),
+            ratio_line("consumer data movement, instride faster than sharedfs by",
+                       p["consumer_movement_speedup_vs_sharedfs"], r["consumer_movement_ms"]),
+            ratio_line("consumption overall, instride faster than sharedfs by",
+                       p["consumer_overall_speedup_vs_sharedfs"], r["consumer_overall_ms"]),
+        ]
+
     # -------------------------------------------------------------- single node
     if "single_node" in rows_by:
         rows = rows_by["single_node"]
@@ -332,12 +343,7 @@ def write_report(study: dict[str, Any], out: str | Path) -> Path:
         p = paper["two_node"]
         md += ["## 2. Two nodes: instride vs sharedfs (paper Fig. 6)", "",
                "![two nodes](figures/two_node.png)", "", *_table_md(rows), "",
-               ratio_line("producer data movement, instride faster than sharedfs by",
-                          p["producer_movement_speedup_vs_sharedfs"], r["producer_movement_ms"]),
-               ratio_line("consumer data movement, instride faster than sharedfs by",
-                          p["consumer_movement_speedup_vs_sharedfs"], r["consumer_movement_ms"]),
-               ratio_line("consumption overall, instride faster than sharedfs by",
-                          p["consumer_overall_speedup_vs_sharedfs"], r["consumer_overall_ms"]),
+               *sharedfs_lines(p, r),
                ""]
         one = {x["pairs"]: x for x in rows_by.get("single_node", []) if x["backend"] == "instride"}
         two = {x["pairs"]: x for x in rows if x["backend"] == "instride"}
@@ -369,12 +375,7 @@ def write_report(study: dict[str, Any], out: str | Path) -> Path:
         p = paper["multi_node"]
         md += ["## 3. Multiple nodes: instride vs sharedfs (paper Fig. 7)", "",
                "![multi node](figures/multi_node.png)", "", *_table_md(rows), "",
-               ratio_line("producer data movement, instride faster than sharedfs by",
-                          p["producer_movement_speedup_vs_sharedfs"], r["producer_movement_ms"]),
-               ratio_line("consumer data movement, instride faster than sharedfs by",
-                          p["consumer_movement_speedup_vs_sharedfs"], r["consumer_movement_ms"]),
-               ratio_line("consumption overall, instride faster than sharedfs by",
-                          p["consumer_overall_speedup_vs_sharedfs"], r["consumer_overall_ms"]),
+               *sharedfs_lines(p, r),
                ""]
         pm, cm, co = (_gmean(r[k]) for k in ("producer_movement_ms", "consumer_movement_ms",
                                               "consumer_overall_ms"))
@@ -397,12 +398,7 @@ def write_report(study: dict[str, Any], out: str | Path) -> Path:
         p = paper["model_scaling"]
         md += ["## 4. Molecular model scaling on two nodes (paper Fig. 8)", "",
                "![models](figures/model_scaling.png)", "", *_table_md(rows), "",
-               ratio_line("producer data movement, instride faster than sharedfs by",
-                          p["producer_movement_speedup_vs_sharedfs"], r["producer_movement_ms"]),
-               ratio_line("consumer data movement, instride faster than sharedfs by",
-                          p["consumer_movement_speedup_vs_sharedfs"], r["consumer_movement_ms"]),
-               ratio_line("consumption overall, instride faster than sharedfs by",
-                          p["consumer_overall_speedup_vs_sharedfs"], r["consumer_overall_ms"])]
+               *sharedfs_lines(p, r)]
         by = {(x["model"], x["backend"]): x for x in rows}
         data_growth = get_model("STMV").frame_bytes() / get_model("JAC").frame_bytes()
         growth = {}

@@ -28,6 +28,7 @@ Examples
 
 from __future__ import annotations
 
+import abc
 import json
 import os
 import warnings
@@ -143,7 +144,7 @@ def _topology_universe(topology: str) -> Any:
         return mda.Universe(topology)
 
 
-class FrameSource:
+class FrameSource(abc.ABC):
     """Base class of trajectory sources: what an analysis rank reads.
 
     Subclasses set :attr:`n_frames`, :attr:`n_atoms` and implement :meth:`read`,
@@ -154,22 +155,22 @@ class FrameSource:
     n_frames: int
     n_atoms: int
 
+    @abc.abstractmethod
     def universe(self) -> Any:
         """An MDAnalysis Universe with this source's topology (for selections, masses)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def read(self, index: int) -> np.ndarray:
         """Positions (Å, ``(n_atoms, 3)``) of frame ``index`` (a copy)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def iter_block(self, start: int, stop: int) -> Iterator[tuple[int, float, np.ndarray]]:
         """Yield ``(frame, time, positions)`` for frames ``start <= frame < stop`` in order.
 
         ``positions`` may be a buffer reused for the next frame: use it before advancing.
         """
-        raise NotImplementedError
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook; sources with nothing to release
         """Release files and handles."""
 
     def __enter__(self) -> FrameSource:
