@@ -47,7 +47,7 @@ preload = Extension(
 # top of site-packages installs the open() patch at interpreter start-up (it imports nothing
 # unless the variable is set). It is added to regular wheels by build_py and to editable
 # wheels by editable_wheel (which does not copy top-level files of build_lib).
-PTH_SOURCE = os.path.join("src", "instride", "_patch_open.pth")
+PTH_SOURCE = os.path.join("src", "instride", "interception", "patch_open.pth")
 PTH_NAME = "instride-patch-open.pth"
 
 

@@ -27,7 +27,7 @@ import textwrap
 import time
 
 from common import header, save, summary
-from instride.cluster import EmulatedCluster
+from instride.emulate import EmulatedCluster
 
 PY = sys.executable
 
@@ -229,7 +229,7 @@ def main() -> None:
         from pathlib import Path
 
         from bench_preload_overhead import EXCHANGE_C, compile_c
-        from instride.preload import preload_path
+        from instride.interception.preload import preload_path
 
         n_keys = 200 if args.quick else 1000
         work = Path(tempfile.mkdtemp(prefix="instride-bench-ex-"))

@@ -159,7 +159,7 @@ def compile_c(src: str, out: Path) -> Path:
 
 def lib_path() -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from instride.preload import preload_path
+    from instride.interception.preload import preload_path
 
     return preload_path()
 

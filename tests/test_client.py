@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 import instride
-from conftest import finish, spawn_py
 from instride.errors import ConsumeTimeout, KeyExistsError, UnsupportedModeError
 from instride.keys import TMP_PATTERN
+from tests.conftest import finish, spawn_py
 
 CONSUMER = textwrap.dedent(
     """

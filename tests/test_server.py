@@ -22,12 +22,12 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import LoopbackNode, RedisServer
 from instride.errors import AuthenticationError, TransferError
 from instride.metadata.base import Record
 from instride.server import one_line
 from instride.transport import wire
 from instride.transport.tcp import TcpTransport
+from tests.conftest import LoopbackNode, RedisServer
 
 TOKEN = "test-token"
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import instride
-from conftest import finish, spawn_py
 from instride.errors import ConsumeTimeout, EndOfStream
+from tests.conftest import finish, spawn_py
 
 PRODUCER = textwrap.dedent(
     """

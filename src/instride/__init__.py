@@ -192,9 +192,9 @@ def intercept() -> Any:
 
     See Also
     --------
-    instride.pyopen
+    instride.interception.pyopen
     """
-    from .pyopen import intercept as _intercept
+    from .interception.pyopen import intercept as _intercept
 
     return _intercept()
 

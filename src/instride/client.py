@@ -44,7 +44,7 @@ _ENV_KEYS = (
 )
 _ENV_KEYS_B = tuple(os.fsencode(k) for k in _ENV_KEYS)
 
-_open = _io.open  # the builtin, captured before instride.pyopen may patch it
+_open = _io.open  # the builtin, captured before instride.interception.pyopen may patch it
 
 
 def _env_snapshot() -> tuple[object, ...]:

@@ -66,7 +66,7 @@ PAPER_DTYPE = np.dtype([("id", "<i4"), ("xyz", "<f8", (3,))])
 assert PAPER_DTYPE.itemsize == 28
 _XYZ32 = np.dtype("<f4")
 
-_open = _io.open  # the builtin, captured before instride.pyopen may patch it
+_open = _io.open  # the builtin, captured before instride.interception.pyopen may patch it
 
 
 def bytes_per_atom(layout: str) -> int:

@@ -27,7 +27,7 @@ from .keys import key_path, tmp_path
 from .metadata.base import MetadataBackend, Record
 from .transport import Transport, get_transport
 
-_open = io.open  # the builtin, captured before instride.pyopen may patch it
+_open = io.open  # the builtin, captured before instride.interception.pyopen may patch it
 
 
 class RemoteStore:

@@ -17,9 +17,9 @@ from MDAnalysis.lib.mdamath import triclinic_vectors
 from MDAnalysisTests.datafiles import DCD, PSF
 
 import instride
-from conftest import finish, spawn_py
 from instride.analytics import InstrideReader
 from instride.errors import ConsumeTimeout, EndOfStream, IntegrityError
+from tests.conftest import finish, spawn_py
 
 NFRAMES = 20
 DIMS = np.array([50.0, 60.0, 70.0, 80.0, 90.0, 100.0])  # a triclinic box, a b c alpha beta gamma

@@ -19,10 +19,10 @@ import pytest
 
 from instride.bench import sshfs
 from instride.bench.backends import make_backend
-from instride.bench.models import BenchConfigError
+from instride.bench.molecules import BenchConfigError
 from instride.bench.runner import BenchRunError, RunConfig, run
-from instride.cluster import EmulatedCluster
-from instride.cluster import netns as nn
+from instride.emulate import EmulatedCluster
+from instride.emulate import netns as nn
 
 pytestmark = pytest.mark.root
 

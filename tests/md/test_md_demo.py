@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import finish
+from tests.conftest import finish
 
 
 def _children(pid: int) -> set[int]:

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import instride
-from conftest import finish, free_port
 from instride.md.imd import EngineUnavailable, IMDProtocolError, bridge, natoms_from_gro
+from tests.conftest import finish, free_port
 
 NSTEPS, NSTXOUT = 40, 10
 

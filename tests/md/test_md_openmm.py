@@ -15,9 +15,9 @@ from MDAnalysis.analysis import rms
 from openmm.app import DCDReporter
 
 import instride
-from conftest import finish
 from instride.analytics import VILLIN_SUBSTRUCTURES, largest_eigenvalue, read_table
 from instride.md.openmm import FrameReporter, make_simulation, villin_pdb
+from tests.conftest import finish
 
 STEPS, INTERVAL = 150, 10
 

@@ -7,12 +7,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from contract import MetadataContract, Put
 
 from instride.config import Settings
 from instride.local import publish_file
 from instride.metadata.base import Record
 from instride.metadata.files import FileMetadata
+
+from .contract import MetadataContract, Put
 
 
 @pytest.fixture

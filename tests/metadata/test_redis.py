@@ -7,13 +7,14 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from contract import MetadataContract, Put
 
-from conftest import RedisServer
 from instride.config import Settings
 from instride.errors import KeyExistsError, MetadataUnavailable
 from instride.metadata.base import Record
 from instride.metadata.redis import RedisMetadata
+from tests.conftest import RedisServer
+
+from .contract import MetadataContract, Put
 
 
 @pytest.fixture
@@ -65,7 +66,7 @@ def test_waiter_survives_redis_restart(redis_server: RedisServer, tmp_path) -> N
 
 
 def test_unreachable_redis_is_a_typed_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from conftest import free_port
+    from tests.conftest import free_port
 
     b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{free_port()}/0",
                                connect_timeout=0.5))
@@ -87,7 +88,7 @@ def test_version_survives_delete_and_republish(backend: RedisMetadata, put: Put)
 
 def test_failed_record_retracts_write_once_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import instride
-    from conftest import free_port
+    from tests.conftest import free_port
 
     settings = Settings(dir=tmp_path / "n", redis_url=f"redis://127.0.0.1:{free_port()}/0",
                         token="t", connect_timeout=0.3)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from instride.preload import preload_env, preload_path
+from instride.interception.preload import preload_env, preload_path
 
 C_DIR = Path(__file__).resolve().parent / "c"
 REPO = Path(__file__).resolve().parents[2]

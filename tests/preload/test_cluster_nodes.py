@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from instride.cluster import EmulatedCluster
-from instride.preload import preload_path
+from instride.emulate import EmulatedCluster
+from instride.interception.preload import preload_path
 
 from .conftest import Builder
 

@@ -7,7 +7,7 @@ See ``docs/benchmark.md``.
 
 from __future__ import annotations
 
-from .models import BenchConfigError, Model, get_model, model_names
+from .molecules import BenchConfigError, Model, get_model, model_names
 from .runner import BenchRunError, RunConfig, run
 
 __all__ = ["BenchConfigError", "BenchRunError", "Model", "RunConfig", "get_model", "model_names",

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..frames import Frame, read_frame
-from .models import BenchConfigError
+from .molecules import BenchConfigError
 from .timers import RegionTimer
 
 BACKENDS = ("instride", "localfs", "sharedfs")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .figures import plot_experiment
-from .models import get_model, paper_data
+from .molecules import get_model, paper_data
 
 _TITLES = {
     "single_node": ("Single node, JAC: instride vs localfs (paper Fig. 5)", "pairs"),

@@ -5,7 +5,7 @@
 and a JSON summary (:mod:`instride.bench.results`).
 
 Placement follows the paper. On one node every rank runs here. On ``N >= 2`` emulated nodes
-(:class:`instride.cluster.EmulatedCluster`), producers run on nodes ``1 .. N/2`` and consumers
+(:class:`instride.emulate.EmulatedCluster`), producers run on nodes ``1 .. N/2`` and consumers
 on nodes ``N/2+1 .. N``, pair ``p`` on producer node ``1 + p % (N/2)`` and consumer node
 ``N/2 + 1 + p % (N/2)``. Each rank is started inside its node's network namespace with its
 node's ``INSTRIDE_*`` environment by an MPMD command line::
@@ -37,7 +37,7 @@ from typing import Any
 
 from ..errors import InstrideError
 from .backends import BACKENDS
-from .models import BenchConfigError, Model, get_model
+from .molecules import BenchConfigError, Model, get_model
 from .results import merge_repetition, summarize, write_tables
 
 #: What the ``sharedfs`` backend can be (see :class:`RunConfig`).
@@ -241,7 +241,7 @@ def _maybe_cluster(cfg: RunConfig, cluster: Any) -> Iterator[Any]:
             )
         yield cluster
         return
-    from ..cluster import EmulatedCluster
+    from ..emulate import EmulatedCluster
 
     need_servers = cfg.backend == "instride"
     with EmulatedCluster(nodes=cfg.nodes, serve=need_servers, redis=need_servers) as made:
@@ -454,7 +454,7 @@ def run(
     out
         Output directory (created).
     cluster
-        A running :class:`~instride.cluster.EmulatedCluster` to reuse for ``nodes >= 2``;
+        A running :class:`~instride.emulate.EmulatedCluster` to reuse for ``nodes >= 2``;
         default: one is created for this run and torn down after it.
     storage
         A running :class:`~instride.bench.sshfs.SshfsStorage` on ``cluster``, mounted on the

@@ -33,7 +33,7 @@ every ``read`` bypass the (already invalidated) page cache.
 
 Examples
 --------
->>> from instride.cluster import EmulatedCluster                      # doctest: +SKIP
+>>> from instride.emulate import EmulatedCluster                      # doctest: +SKIP
 >>> with EmulatedCluster(nodes=2, serve=False, redis=False) as c, SshfsStorage(c) as s:
 ...     (s.mountpoint(1) / "x").write_bytes(b"hello")
 ...     c.run(2, ["cat", str(s.mountpoint(2) / "x")], capture_output=True).stdout
@@ -54,7 +54,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..cluster import netns as nn
+from ..emulate import netns as nn
 from ..errors import InstrideError
 
 #: Port of the storage server's sshd (inside its own namespace, so the standard one).
@@ -173,7 +173,7 @@ class SshfsStorage:
     Parameters
     ----------
     cluster
-        A running :class:`instride.cluster.EmulatedCluster`.
+        A running :class:`instride.emulate.EmulatedCluster`.
     nodes
         Node numbers to mount on (default: every node of the cluster).
     base_dir

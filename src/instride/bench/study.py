@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .models import BenchConfigError, model_names, paper_data
+from .molecules import BenchConfigError, model_names, paper_data
 from .runner import RunConfig, run
 
 EXPERIMENTS = ("single_node", "two_node", "multi_node", "model_scaling", "stride_scaling")
@@ -149,7 +149,7 @@ class _Clusters:
         if nodes == 1:
             return None
         if nodes not in self.by_nodes:
-            from ..cluster import EmulatedCluster
+            from ..emulate import EmulatedCluster
 
             self.by_nodes[nodes] = self.stack.enter_context(EmulatedCluster(nodes=nodes))
         return self.by_nodes[nodes]

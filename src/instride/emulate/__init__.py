@@ -7,7 +7,7 @@ runs in cluster mode unchanged. Needs root, iproute2 and redis-server.
 
 Examples
 --------
->>> from instride.cluster import EmulatedCluster                      # doctest: +SKIP
+>>> from instride.emulate import EmulatedCluster                      # doctest: +SKIP
 >>> with EmulatedCluster(nodes=2) as c:
 ...     c.run(1, ["python", "producer.py"])
 ...     c.run(2, ["python", "consumer.py"])

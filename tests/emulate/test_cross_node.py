@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from instride.cluster import EmulatedCluster
+from instride.emulate import EmulatedCluster
 
 PY = sys.executable
 

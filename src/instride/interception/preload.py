@@ -8,7 +8,7 @@ closing a key opened for writing publishes it. See ``docs/preload.md``.
 Examples
 --------
 >>> import subprocess
->>> from instride.preload import preload_env
+>>> from instride.interception.preload import preload_env
 >>> subprocess.run(["cp", "frame.bin", "/dev/shm/instride-1000/run7/frame.bin"],
 ...                env=preload_env({"INSTRIDE_TIMEOUT": "30"}), check=True)  # doctest: +SKIP
 """
@@ -33,7 +33,7 @@ def preload_path() -> pathlib.Path:
         If the library was not built (the package was not installed with
         ``pip install``, or the C build failed).
     """
-    path = pathlib.Path(__file__).resolve().with_name(LIBRARY_NAME)
+    path = pathlib.Path(__file__).resolve().parent.parent / LIBRARY_NAME
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} does not exist: the preload library is built when the package is "

@@ -41,8 +41,8 @@ def _straggle(text: str) -> tuple[int, float]:
 
 
 def _analysis(args: argparse.Namespace) -> Any:
-    from .analyses import RMSD, AnalysisBaseAdapter, RadiusOfGyration
-    from .inputs import ADK_CORE_CA
+    from ..parallel.analyses import RMSD, AnalysisBaseAdapter, RadiusOfGyration
+    from ..parallel.inputs import ADK_CORE_CA
 
     if args.analysis == "rmsd":
         return RMSD(select=args.select or ADK_CORE_CA, ref_frame=args.ref_frame)
@@ -80,7 +80,7 @@ def _relaunch_argv(args: argparse.Namespace) -> list[str]:
 
 def cmd_analyze(args: argparse.Namespace) -> int:
     from ..errors import InstrideError
-    from .runner import analyze, launch_mpi, under_mpi_launcher
+    from ..parallel.runner import analyze, launch_mpi, under_mpi_launcher
 
     if args.backend == "mpi" and not under_mpi_launcher() and (args.workers or 1) > 1:
         return launch_mpi(_relaunch_argv(args), args.workers, args.mpiexec)
@@ -110,7 +110,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .h5md import export_h5md
+    from ..parallel.h5md import export_h5md
 
     path = export_h5md(args.source, args.out, topology=args.topology, timeout=args.timeout,
                        overwrite=args.force, progress=not args.quiet)

@@ -24,8 +24,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from .client import get_client
-from .errors import KeyValidationError
+from ..client import get_client
+from ..errors import KeyValidationError
 
 _original_open = builtins.open
 _lock = threading.Lock()

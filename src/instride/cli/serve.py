@@ -28,8 +28,8 @@ def _positive_float(text: str) -> float:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .config import Settings, parse_addr
-    from .server import serve
+    from ..config import Settings, parse_addr
+    from ..server import serve
 
     logging.basicConfig(
         stream=sys.stderr,

@@ -1,34 +1,16 @@
-"""The ``instride`` command.
-
-Each command parses its arguments, calls one library function and prints. Heavy imports
-(numpy-based benchmarks, OpenMM, MDAnalysis) happen inside the command that needs them, so
-``instride --help`` stays fast.
-"""
+"""Key commands: ``instride info``, ``ls``, ``wait``, ``cat`` and ``gc``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
 
-from . import __version__
-from .errors import InstrideError
-
-Handler = Callable[[argparse.Namespace], int]
-#: Extra command groups: module path of a function ``add_parser(subparsers)``.
-_PLUGINS = [
-    "instride.cli_serve",  # serve
-    "instride.cluster.cli",  # cluster up/down/exec/status
-    "instride.cli_run",  # run, preload-path
-    "instride.md.cli",  # demo, imd-bridge
-    "instride.bench.cli",  # bench run/study
-    "instride.parallel.cli",  # analyze, export
-]
+from .. import __version__
 
 
 def _client():  # type: ignore[no-untyped-def]
-    from .client import get_client
+    from ..client import get_client
 
     return get_client()
 
@@ -91,16 +73,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``instride`` command."""
-    parser = argparse.ArgumentParser(
-        prog="instride",
-        description="Producer/consumer data movement for in situ MD workflows.",
-        epilog="Settings come from INSTRIDE_* environment variables; see `instride info`.",
-    )
-    parser.add_argument("--version", action="version", version=f"instride {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the key commands to the ``instride`` parser."""
     p = sub.add_parser("info", help="show mode, managed directory, version and settings")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_info)
@@ -127,26 +101,3 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_gc)
 
-    import importlib
-
-    for name in _PLUGINS:
-        importlib.import_module(name).add_parser(sub)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``instride`` command; return its exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    handler: Handler = args.func
-    try:
-        return handler(args)
-    except InstrideError as exc:
-        print(f"instride: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

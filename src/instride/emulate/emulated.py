@@ -16,7 +16,7 @@ namespaces. A JSON state file (``/run/instride/clusters/<name>.json``) lets anot
 
 Examples
 --------
->>> from instride.cluster import EmulatedCluster                      # doctest: +SKIP
+>>> from instride.emulate import EmulatedCluster                      # doctest: +SKIP
 >>> with EmulatedCluster(nodes=2) as c:
 ...     c.run(1, ["python", "-c", "import instride; print(instride.open('k', 'wb'))"])
 ...     c.run(2, ["instride", "cat", "k"], capture_output=True).stdout

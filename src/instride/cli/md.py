@@ -7,7 +7,7 @@ import sys
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from ..md.demo import run_demo
 
     run_demo(
         args.out, steps=args.steps, interval=args.interval, replicas=args.replicas,
@@ -17,7 +17,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_imd_bridge(args: argparse.Namespace) -> int:
-    from .imd import bridge, natoms_from_gro
+    from ..md.imd import bridge, natoms_from_gro
 
     if (args.natoms is None) == (args.gro is None):
         print("instride imd-bridge: give exactly one of --natoms or --gro", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""instride.preload: locating the library and building environments."""
+"""instride.interception.preload: locating the library and building environments."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from instride.preload import LIBRARY_NAME, preload_env, preload_path
+from instride.interception.preload import LIBRARY_NAME, preload_env, preload_path
 
 WRAPPED = [
     "open", "open64", "openat", "openat64", "__open_2", "__open64_2", "__openat_2",

@@ -9,15 +9,15 @@ import sys
 
 
 def cmd_preload_path(args: argparse.Namespace) -> int:
-    from .preload import preload_path
+    from ..interception.preload import preload_path
 
     print(preload_path())
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .config import Settings
-    from .preload import preload_env
+    from ..config import Settings
+    from ..interception.preload import preload_env
 
     argv = list(args.cmd)
     if argv and argv[0] == "--":

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from instride.cluster import ClusterError, EmulatedCluster
-from instride.cluster import emulated as em
-from instride.cluster import netns as nn
+from instride.emulate import ClusterError, EmulatedCluster
+from instride.emulate import emulated as em
+from instride.emulate import netns as nn
 from instride.errors import ConfigError, InstrideError
 
 pytestmark = pytest.mark.root

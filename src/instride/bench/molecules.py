@@ -5,7 +5,7 @@ study report), never as constants scattered in code.
 
 Examples
 --------
->>> from instride.bench.models import get_model
+>>> from instride.bench.molecules import get_model
 >>> jac = get_model("JAC")
 >>> jac.atoms, jac.stride, round(jac.frame_period, 2)
 (23558, 880, 0.82)

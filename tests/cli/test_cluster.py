@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from instride.cli import main
-from instride.cluster import EmulatedCluster
-from instride.cluster import netns as nn
+from instride.emulate import EmulatedCluster
+from instride.emulate import netns as nn
 
 PY = sys.executable
 

@@ -23,7 +23,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .runner import RunConfig, run
+    from ..bench.runner import RunConfig, run
 
     cfg = RunConfig(
         model=args.model, atoms=args.atoms, stride=args.stride,
@@ -41,7 +41,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_study(args: argparse.Namespace) -> int:
-    from .study import EXPERIMENTS, run_study
+    from ..bench.study import EXPERIMENTS, run_study
 
     experiments = tuple(args.experiments.split(",")) if args.experiments else EXPERIMENTS
     command = "instride " + " ".join(shlex.quote(a) for a in sys.argv[1:])

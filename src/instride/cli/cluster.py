@@ -49,7 +49,7 @@ def _print_status(info: dict[str, Any]) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from .emulated import EmulatedCluster
+    from ..emulate.emulated import EmulatedCluster
 
     cluster = EmulatedCluster(
         nodes=args.nodes, name=args.name, base_dir=args.base_dir, serve=not args.no_serve,
@@ -65,7 +65,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from .emulated import EmulatedCluster, list_clusters
+    from ..emulate.emulated import EmulatedCluster, list_clusters
 
     names = list_clusters() if args.all else [args.name]
     for name in names:
@@ -77,7 +77,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_exec(args: argparse.Namespace) -> int:
-    from .emulated import EmulatedCluster
+    from ..emulate.emulated import EmulatedCluster
 
     argv = list(args.argv)
     if "--" in argv:  # options given after NODE land in the remainder: parse them here
@@ -94,7 +94,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .emulated import EmulatedCluster, list_clusters
+    from ..emulate.emulated import EmulatedCluster, list_clusters
 
     names = [args.name] if args.name else list_clusters()
     infos = [EmulatedCluster.attach(name).status() for name in names]
