@@ -1,0 +1,289 @@
+"""One node: instride streams vs ADIOS2 SST vs a plain write + rename, on the same frames.
+
+A writer process appends frames in the paper's layout (int32 atom id + 3 × float64 per atom:
+JAC 23,558 atoms = 644 KiB, STMV 1,066,628 atoms = 28.5 MiB); a reader process receives each
+frame and copies it into arrays of its own, as a new user's analysis would. Three ways, all
+in the same run:
+
+* ``instride`` — ``instride.Stream`` (``mode="w"`` / iteration), managed directory on tmpfs;
+* ``adios2-sst`` — the ADIOS2 SST staging engine (PyPI ``adios2``), the peer users would pick;
+  ``QueueLimit`` and ``QueueFullPolicy=Block`` bound the writer like instride's retention;
+* ``rename`` — the naive baseline: write the frame bytes to a temporary file in /dev/shm and
+  ``os.rename`` it into place; the reader polls for the next file every 1 ms.
+
+Measured per way and frame size:
+
+* throughput — frames/s and GB/s from the writer's first append to the reader's last copy,
+  writer flat out (median of ``--repeats`` repetitions);
+* latency — a paced writer (one frame every ``--interval`` ms, so the reader is idle and
+  waiting): monotonic time from the start of the writer's append to the frame's coordinates
+  being in the reader's numpy arrays, median and p99;
+* writer cost — seconds per append in the flat-out run (median over frames).
+
+Usage: ``python benchmarks/bench_vs_adios2.py [--sizes JAC,STMV] [--repeats 5] [--quick]``
+Results: ``benchmarks/results/vs_adios2.json`` and ``benchmarks/results/vs_adios2.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from common import header, save, summary
+
+SIZES = {"JAC": 23_558, "STMV": 1_066_628}
+
+# Each child prints one JSON line: {"t": [per-frame monotonic ns ...], ...}.
+# Shared by all writers: frame i = random positions (fixed seed), ids 0..n-1, step i.
+COMMON = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import numpy as np
+    way, role, natoms, nframes, interval, where = sys.argv[1:7]
+    natoms, nframes, interval = int(natoms), int(nframes), float(interval)
+    now = time.monotonic_ns
+    def frames():
+        rng = np.random.default_rng(7)
+        pos = rng.random((natoms, 3)) * 100.0
+        ids = np.arange(natoms, dtype=np.int32)
+        for i in range(nframes):
+            pos[0, 0] = i  # every frame differs; the reader checks it
+            yield i, pos, ids
+    def pace(t0, i):
+        if interval > 0:
+            target = t0 + int(i * interval * 1e6)
+            while now() < target:
+                time.sleep(max(0.0, (target - now()) / 1e9 - 0.0005))
+    """
+)
+
+INSTRIDE = COMMON + textwrap.dedent(
+    """
+    import instride
+    if role == "w":
+        t, cost = [], []
+        with instride.Stream("bench", mode="w", layout="paper") as s:
+            t0 = now()
+            for i, pos, ids in frames():
+                pace(t0, i)
+                a = now(); t.append(a)
+                s.append(pos, step=i, ids=ids)
+                cost.append(now() - a)
+        print(json.dumps({"t": t, "cost": cost}))
+    else:
+        t, check = [], 0
+        print("ready", flush=True)
+        for f in instride.Stream("bench", timeout=120):
+            xyz = np.array(f.positions); ids = np.array(f.ids)
+            t.append(now()); check += int(xyz[0, 0] == f.step)
+        print(json.dumps({"t": t, "ok": check}))
+    """
+)
+
+ADIOS2 = COMMON + textwrap.dedent(
+    """
+    import adios2.bindings as ab
+    os.chdir(where)
+    adios = ab.ADIOS()
+    io = adios.DeclareIO("bench")
+    io.SetEngine("SST")
+    io.SetParameters({"RendezvousReaderCount": "1", "QueueLimit": "4",
+                      "QueueFullPolicy": "Block", "OpenTimeoutSecs": "60"})
+    if role == "w":
+        vx = io.DefineVariable("xyz", np.zeros((natoms, 3)), [], [], [natoms, 3], ab.ConstantDims)
+        vi = io.DefineVariable("id", np.zeros(natoms, np.int32), [], [], [natoms], ab.ConstantDims)
+        vs = io.DefineVariable("step", np.zeros(1, np.int64), [], [], [1], ab.ConstantDims)
+        eng = io.Open("bench", ab.Mode.Write)
+        t, cost = [], []
+        t0 = now()
+        for i, pos, ids in frames():
+            pace(t0, i)
+            a = now(); t.append(a)
+            eng.BeginStep()
+            eng.Put(vx, pos, ab.Mode.Sync); eng.Put(vi, ids, ab.Mode.Sync)
+            eng.Put(vs, np.array([i], np.int64), ab.Mode.Sync)
+            eng.EndStep()
+            cost.append(now() - a)
+        eng.Close()
+        print(json.dumps({"t": t, "cost": cost}))
+    else:
+        print("ready", flush=True)
+        eng = io.Open("bench", ab.Mode.Read)
+        t, check = [], 0
+        while eng.BeginStep(ab.StepMode.Read, 120.0) == ab.StepStatus.OK:
+            xyz = np.empty((natoms, 3)); ids = np.empty(natoms, np.int32); st = np.empty(1, np.int64)
+            eng.Get(io.InquireVariable("xyz"), xyz, ab.Mode.Sync)
+            eng.Get(io.InquireVariable("id"), ids, ab.Mode.Sync)
+            eng.Get(io.InquireVariable("step"), st, ab.Mode.Sync)
+            eng.EndStep()
+            t.append(now()); check += int(xyz[0, 0] == st[0])
+        eng.Close()
+        print(json.dumps({"t": t, "ok": check}))
+    """
+)
+
+RENAME = COMMON + textwrap.dedent(
+    """
+    dtype = np.dtype([("id", "<i4"), ("xyz", "<f8", (3,))])
+    if role == "w":
+        rec = np.empty(natoms, dtype)
+        t, cost = [], []
+        t0 = now()
+        for i, pos, ids in frames():
+            pace(t0, i)
+            a = now(); t.append(a)
+            rec["id"] = ids; rec["xyz"] = pos
+            tmp = os.path.join(where, f".tmp{i}")
+            with open(tmp, "wb") as fh:
+                fh.write(rec.data)
+            os.rename(tmp, os.path.join(where, f"frame{i}"))
+            cost.append(now() - a)
+        print(json.dumps({"t": t, "cost": cost}))
+    else:
+        print("ready", flush=True)
+        t, check = [], 0
+        for i in range(nframes):
+            path = os.path.join(where, f"frame{i}")
+            while not os.path.exists(path):
+                time.sleep(0.001)
+            rec = np.fromfile(path, dtype)
+            xyz = np.array(rec["xyz"]); ids = np.array(rec["id"])
+            t.append(now()); check += int(xyz[0, 0] == i)
+        print(json.dumps({"t": t, "ok": check}))
+    """
+)
+
+WAYS = {"instride": INSTRIDE, "adios2-sst": ADIOS2, "rename": RENAME}
+
+
+def run_pair(way: str, natoms: int, nframes: int, interval: float) -> dict[str, Any]:
+    """Run one writer and one reader of ``way``; return their per-frame timestamps."""
+    where = Path(tempfile.mkdtemp(prefix=f"bench-{way}-", dir="/dev/shm"))
+    env = dict(os.environ, INSTRIDE_DIR=str(where / "managed"), INSTRIDE_FSYNC="0")
+    env.pop("INSTRIDE_REDIS_URL", None)
+    args = [way, "", str(natoms), str(nframes), str(interval), str(where)]
+    code = WAYS[way]
+    try:
+        reader = subprocess.Popen(
+            [sys.executable, "-c", code, *args[:1], "r", *args[2:]],
+            env=env, stdout=subprocess.PIPE, text=True, cwd=where,
+        )
+        assert reader.stdout is not None
+        if reader.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"{way} reader did not start")
+        writer = subprocess.run(
+            [sys.executable, "-c", code, *args[:1], "w", *args[2:]],
+            env=env, capture_output=True, text=True, cwd=where, timeout=600, check=False,
+        )
+        out, _ = reader.communicate(timeout=600)
+        if writer.returncode or reader.returncode:
+            raise RuntimeError(f"{way}: writer rc={writer.returncode} reader rc={reader.returncode}\n"
+                               f"{writer.stderr[-2000:]}")
+        w = json.loads(writer.stdout.strip().splitlines()[-1])
+        r = json.loads(out.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+    if len(r["t"]) != nframes or r["ok"] != nframes:
+        raise RuntimeError(f"{way}: reader got {len(r['t'])} frames, {r['ok']} verified, of {nframes}")
+    return {"w": w, "r": r}
+
+
+def measure(way: str, name: str, nframes: int, repeats: int, interval: float) -> dict[str, Any]:
+    """Throughput (flat out, ``repeats`` runs), writer cost and paced latency for one way/size."""
+    natoms = SIZES[name]
+    nbytes = natoms * 28
+    rates, costs = [], []
+    for _ in range(repeats):
+        run = run_pair(way, natoms, nframes, 0.0)
+        span = (run["r"]["t"][-1] - run["w"]["t"][0]) / 1e9
+        rates.append(nframes / span)
+        costs.extend(c / 1e9 for c in run["w"]["cost"])
+    paced_n = max(20, min(nframes, 200))
+    run = run_pair(way, natoms, paced_n, interval)
+    lat = [(r - w) / 1e3 for w, r in zip(run["w"]["t"], run["r"]["t"])]
+    fps = statistics.median(rates)
+    return {
+        "frames_per_s": fps,
+        "frames_per_s_runs": rates,
+        "GB_per_s": fps * nbytes / 1e9,
+        "writer_cost_s": summary(costs),
+        "latency_us": summary(lat),
+        "frame_bytes": nbytes,
+    }
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Bar charts: throughput, median latency and writer cost per way and size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(results["sizes"])
+    ways = list(WAYS)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    metrics = [
+        ("frames_per_s", "throughput (frames/s)", lambda r: r["frames_per_s"]),
+        ("latency", "publish → numpy, median (ms)", lambda r: r["latency_us"]["median"] / 1e3),
+        ("cost", "writer cost per frame (ms)", lambda r: r["writer_cost_s"]["median"] * 1e3),
+    ]
+    width = 0.8 / len(ways)
+    for ax, (_, title, get) in zip(axes, metrics):
+        for k, way in enumerate(ways):
+            vals = [get(results["sizes"][s][way]) for s in sizes]
+            ax.bar([i + k * width for i in range(len(sizes))], vals, width, label=way)
+        ax.set_xticks([i + width * (len(ways) - 1) / 2 for i in range(len(sizes))], sizes)
+        ax.set_yscale("log")
+        ax.set_title(title, fontsize=10)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("One node, paper-layout frames: instride vs ADIOS2 SST vs write + rename", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"saved {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="JAC,STMV", help="comma-separated: JAC, STMV")
+    parser.add_argument("--repeats", type=int, default=5, help="flat-out repetitions")
+    parser.add_argument("--frames", type=str, default="JAC=1000,STMV=60", help="frames per run")
+    parser.add_argument("--quick", action="store_true", help="1 repetition, few frames")
+    args = parser.parse_args()
+    machine = header("instride vs ADIOS2 SST vs write + rename (one node)")
+    frames = dict(item.split("=") for item in args.frames.split(","))
+    repeats = 1 if args.quick else args.repeats
+    results: dict[str, Any] = {"machine": machine, "sizes": {}}
+    for name in args.sizes.split(","):
+        n = 50 if args.quick else int(frames[name])
+        interval = 20.0 if name == "JAC" else 200.0
+        per: dict[str, Any] = {}
+        for way in WAYS:
+            per[way] = measure(way, name, n, repeats, interval)
+            r = per[way]
+            print(f"{name:5} {way:11} {r['frames_per_s']:9.1f} frames/s {r['GB_per_s']:6.2f} GB/s  "
+                  f"latency median {r['latency_us']['median'] / 1e3:7.2f} ms p99 "
+                  f"{r['latency_us']['p99'] / 1e3:7.2f} ms  writer {r['writer_cost_s']['median'] * 1e3:6.2f} ms")
+        ins, sst, ren = per["instride"], per["adios2-sst"], per["rename"]
+        per["ratios"] = {
+            "throughput_vs_sst": ins["frames_per_s"] / sst["frames_per_s"],
+            "latency_vs_sst": ins["latency_us"]["median"] / sst["latency_us"]["median"],
+            "writer_cost_vs_rename": ins["writer_cost_s"]["median"] / ren["writer_cost_s"]["median"],
+            "throughput_vs_rename": ins["frames_per_s"] / ren["frames_per_s"],
+        }
+        print(f"{name:5} ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in per["ratios"].items()))
+        results["sizes"][name] = per
+    save("vs_adios2", results)
+    plot(results, Path(__file__).resolve().parent / "results" / "vs_adios2.png")
+
+
+if __name__ == "__main__":
+    main()
