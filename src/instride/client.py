@@ -26,6 +26,7 @@ from .config import Settings
 from .errors import ConfigError, KeyExistsError, UnsupportedModeError
 from .keys import key_path, normalize_key, tmp_path
 from .metadata import MetadataBackend, Record, get_backend
+from .store.ring import collect_pools
 
 if TYPE_CHECKING:
     from .remote import RemoteStore
@@ -229,6 +230,24 @@ class Client:
     def _after_publish(self, key: str, path: str | Path, overwrite: bool = False) -> None:
         if self.settings.redis_url:
             self.register(key, overwrite=overwrite)
+
+    def after_publish(self, key: str, *, overwrite: bool = False) -> None:
+        """Record a file just placed under its (normalized) key (cluster mode: in Redis)."""
+        if self.settings.redis_url:
+            self.register(key, overwrite=overwrite)
+
+    def after_retire(self, key: str) -> None:
+        """Forget the record of a key whose file was just taken away (cluster mode)."""
+        if self.settings.redis_url:
+            self.metadata.delete(key)
+
+    def local_path(self, key: str) -> Path | None:
+        """Where a (normalized) key's file is on this node: always its path in local mode;
+        in cluster mode only when a copy is here already (``None``: fetch it first)."""
+        path = self.root / key
+        if not self.settings.redis_url or os.path.exists(path):
+            return path
+        return None
 
     # ------------------------------------------------------------------ producing
     def open(
@@ -555,7 +574,7 @@ class Client:
         list of pathlib.Path
             The files removed. See :func:`instride.local.collect_garbage`.
         """
-        return local.collect_garbage(self.root, min_age=min_age)
+        return local.collect_garbage(self.root, min_age=min_age) + collect_pools(self.root)
 
 
 _default: tuple[tuple[object, ...], Client] | None = None

@@ -123,6 +123,57 @@ class EndOfStream(InstrideError, EOFError):
         super().__init__(f"stream {stream!r} ended before frame {index}")
 
 
+class FramesMissed(InstrideError, LookupError):
+    """A consumer fell behind a stream that drops frames: frames it had not read are gone.
+
+    Raised by a reader whose stream drops old frames (``on_full="drop-oldest"`` or
+    ``"latest"``) when the frame it asked for was retired before it got there, unless the
+    reader chose to count gaps instead (``on_gap="count"``). After the error the reader's
+    cursor is at the oldest frame still retained, so iteration can go on.
+    """
+
+    def __init__(self, stream: str, index: int, missed: int, resume: int) -> None:
+        self.stream = stream
+        self.index = index
+        self.missed = missed
+        self.resume = resume
+        super().__init__(
+            f"stream {stream!r}: frames {index}..{resume - 1} ({missed}) were dropped before this "
+            f"reader got to them; the oldest frame kept is {resume}"
+        )
+
+
+class StreamFull(InstrideError, TimeoutError):
+    """A producer waited longer than its timeout for consumer groups to take old frames."""
+
+    errno = _errno.ETIMEDOUT
+
+    def __init__(self, stream: str, waited: float, holders: list[str]) -> None:
+        self.stream = stream
+        self.waited = waited
+        self.holders = holders
+        who = ", ".join(holders) or "(none)"
+        super().__init__(
+            f"stream {stream!r} is full: waited {waited:.3f} s for consumer group(s) {who} to take "
+            "its oldest frame (on_full='block')"
+        )
+
+
+class GroupBusy(InstrideError, BlockingIOError):
+    """Another live process already reads a stream as this consumer group."""
+
+    errno = _errno.EBUSY
+
+    def __init__(self, stream: str, group: str) -> None:
+        self.stream = stream
+        self.group = group
+        super().__init__(
+            _errno.EBUSY,
+            f"consumer group {group!r} of stream {stream!r} is held by another live process "
+            "(one reader per group; the group is free again when that process exits)",
+        )
+
+
 class UnsupportedModeError(InstrideError, ValueError):
     """A file mode instride cannot honour (append or update of an immutable published key)."""
 
@@ -158,6 +209,9 @@ BY_NAME: dict[str, type[InstrideError]] = {
         AuthenticationError,
         MetadataUnavailable,
         EndOfStream,
+        FramesMissed,
+        StreamFull,
+        GroupBusy,
         ConfigError,
         UnsupportedModeError,
     )

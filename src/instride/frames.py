@@ -7,7 +7,7 @@ offset  size  field
 ======  ====  ==========================================================
 0       4     magic ``b"ISF1"``
 4       2     format version (1)
-6       2     layout: 1 = ``xyz32``, 2 = ``paper``
+6       2     layout: 1 = ``xyz32``, 2 = ``paper``, 3 = ``paper-soa``
 8       8     number of atoms (uint64)
 16      8     MD step (int64)
 24      8     simulation time in ps (float64)
@@ -23,6 +23,10 @@ Layouts:
 * ``paper`` — int32 atom id + 3 x float64 (28 B/atom), the serialization of the DYAD study,
   which gives its Table I frame sizes (23,558 atoms -> 644.29 KiB, Table I: 644.21 KiB;
   1,066,628 atoms -> 28.48 MiB).
+* ``paper-soa`` — the same bytes per atom as ``paper`` (so the same frame sizes), stored as
+  arrays instead of records: all coordinates (``natoms x 3`` float64), then all ids (int32).
+  Coordinates are then one contiguous array: writing and copying them run at memory speed,
+  where the interleaved ``paper`` records cost a strided pass each way.
 
 Positions are in Å, as in MDAnalysis. Reading verifies both checksums and raises
 :class:`~instride.errors.IntegrityError` on any mismatch; coordinates are returned as numpy
@@ -43,7 +47,8 @@ import io as _io
 import mmap
 import os
 import struct
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import BinaryIO
 
 import numpy as np
@@ -60,18 +65,26 @@ _HEADER = struct.Struct("<4sHHQqd9dQQ")  # 120 bytes, followed by the header che
 _HCHECK = struct.Struct("<Q")
 assert _HEADER.size + _HCHECK.size == HEADER_SIZE
 
-LAYOUTS: dict[str, int] = {"xyz32": 1, "paper": 2}
+LAYOUTS: dict[str, int] = {"xyz32": 1, "paper": 2, "paper-soa": 3}
 _LAYOUT_NAMES = {v: k for k, v in LAYOUTS.items()}
 PAPER_DTYPE = np.dtype([("id", "<i4"), ("xyz", "<f8", (3,))])
 assert PAPER_DTYPE.itemsize == 28
 _XYZ32 = np.dtype("<f4")
+_F64 = np.dtype("<f8")
+_I32 = np.dtype("<i4")
+#: Paper records with the coordinates as one opaque 24-byte field: assigning a contiguous
+#: (natoms, 3) float64 array through it is one 24-byte copy per atom (about 1.7x faster
+#: than through the (3,) float64 sub-array field).
+_PAPER_RAW = np.dtype([("id", "<i4"), ("xyz", "V24")])
+#: Atoms encoded and hashed per chunk, so each chunk is hashed while still in the CPU cache.
+_CHUNK_BYTES = 1 << 18
 
 _open = _io.open  # the builtin, captured before instride.interception.pyopen may patch it
 
 
 def bytes_per_atom(layout: str) -> int:
     """Bytes of payload per atom for ``layout`` (``"xyz32"``: 12, ``"paper"``: 28)."""
-    return {"xyz32": 12, "paper": 28}[layout]
+    return {"xyz32": 12, "paper": 28, "paper-soa": 28}[layout]
 
 
 def frame_size(natoms: int, layout: str = "xyz32") -> int:
@@ -132,6 +145,26 @@ class Frame:
     header: FrameHeader
     positions: np.ndarray
     ids: np.ndarray | None = None
+    #: Called by :meth:`release`: lets the storage behind the views be reused.
+    releaser: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+
+    def release(self) -> None:
+        """Give the frame's storage back; its arrays must not be used afterwards.
+
+        Frames read from a stream with retention are views of the mapped frame file. The
+        file is never changed while a reader holds it; :class:`~instride.Stream` releases
+        the previous frame when the reader moves on, or call this (or use the frame as a
+        context manager) to release it earlier. Copy arrays you want to keep
+        (``frame.positions.copy()``). No-op for frames that own their memory.
+        """
+        if self.releaser is not None:
+            self.releaser()
+
+    def __enter__(self) -> Frame:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     @property
     def natoms(self) -> int:
@@ -158,6 +191,26 @@ def _checksum(data: bytes | memoryview | np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def _box_vector(box: np.ndarray | None) -> list[float]:
+    boxv = np.zeros(9) if box is None else np.asarray(box, dtype=np.float64).reshape(-1)
+    if boxv.size == 3:  # orthorhombic lengths
+        boxv = np.diag(boxv).reshape(-1)
+    if boxv.size != 9:
+        raise ValueError("box must be None, 3 lengths or a 3 x 3 matrix of box vectors")
+    return boxv.tolist()  # type: ignore[no-any-return]
+
+
+def _pack_header(
+    natoms: int, step: int, time: float, box: np.ndarray | None, layout: str, nbytes: int, psum: int
+) -> bytes:
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {sorted(LAYOUTS)}")
+    head = _HEADER.pack(
+        MAGIC, VERSION, LAYOUTS[layout], natoms, int(step), float(time), *_box_vector(box), nbytes, psum
+    )
+    return head + _HCHECK.pack(_checksum(head))
+
+
 def encode_header(
     natoms: int,
     step: int,
@@ -175,7 +228,7 @@ def encode_header(
     box
         ``None``, 3 lengths or a 3 x 3 matrix of box vectors (Å).
     layout
-        ``"xyz32"`` or ``"paper"``.
+        ``"xyz32"``, ``"paper"`` or ``"paper-soa"``.
     payload
         The payload bytes.
 
@@ -184,18 +237,116 @@ def encode_header(
     bytes
         The header.
     """
+    return _pack_header(natoms, step, time, box, layout, payload.nbytes, _checksum(payload))
+
+
+_ARANGE: dict[int, np.ndarray] = {}
+
+
+def _default_ids(natoms: int) -> np.ndarray:
+    ids = _ARANGE.get(natoms)
+    if ids is None:
+        ids = np.arange(natoms, dtype=np.int32)
+        ids.flags.writeable = False
+        _ARANGE.clear()
+        _ARANGE[natoms] = ids
+    return ids
+
+
+def _check_positions(positions: np.ndarray) -> np.ndarray:
+    pos = np.asarray(positions)
+    if pos.ndim != 2 or pos.shape[1] != 3:
+        raise ValueError(f"positions must have shape (natoms, 3), got {pos.shape}")
+    return pos
+
+
+def encoded_size(natoms: int, layout: str) -> int:
+    """Alias of :func:`frame_size`: bytes of a whole frame file (header included)."""
+    return frame_size(natoms, layout)
+
+
+def encode_into(
+    buf: memoryview | mmap.mmap | bytearray | np.ndarray,
+    positions: np.ndarray,
+    *,
+    step: int = 0,
+    time: float = 0.0,
+    box: np.ndarray | None = None,
+    layout: str = "xyz32",
+    ids: np.ndarray | None = None,
+) -> int:
+    """Encode a whole frame straight into a writable buffer (e.g. a mapped frame file).
+
+    The coordinates are copied once, from ``positions`` into ``buf``, in chunks that are
+    hashed while they are still in the CPU cache; the header goes in last. No intermediate
+    array is built (for ``float64`` positions in the paper layouts, ``float32`` for
+    ``xyz32``; other dtypes are converted on the way).
+
+    Parameters
+    ----------
+    buf
+        Writable buffer of at least :func:`frame_size` bytes.
+    positions
+        ``(natoms, 3)`` coordinates in Å.
+    step, time, box, layout, ids
+        As for :func:`encode_frame`.
+
+    Returns
+    -------
+    int
+        Bytes written (header + payload).
+
+    Raises
+    ------
+    ValueError
+        Bad shapes, an unknown layout, or a buffer too small.
+    """
+    pos = _check_positions(positions)
+    natoms = pos.shape[0]
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; expected one of {sorted(LAYOUTS)}")
-    boxv = np.zeros(9) if box is None else np.asarray(box, dtype=np.float64).reshape(-1)
-    if boxv.size == 3:  # orthorhombic lengths
-        boxv = np.diag(boxv).reshape(-1)
-    if boxv.size != 9:
-        raise ValueError("box must be None, 3 lengths or a 3 x 3 matrix of box vectors")
-    head = _HEADER.pack(
-        MAGIC, VERSION, LAYOUTS[layout], natoms, int(step), float(time), *boxv.tolist(),
-        payload.nbytes, _checksum(payload),
-    )
-    return head + _HCHECK.pack(_checksum(head))
+    nbytes = natoms * bytes_per_atom(layout)
+    view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf.cast("B")
+    if view.nbytes < HEADER_SIZE + nbytes:
+        raise ValueError(f"buffer of {view.nbytes} bytes is too small for {HEADER_SIZE + nbytes}")
+    if ids is not None and layout != "xyz32":
+        ids = np.asarray(ids)
+        if ids.shape != (natoms,):
+            raise ValueError(f"ids must have shape ({natoms},), got {ids.shape}")
+    payload = view[HEADER_SIZE : HEADER_SIZE + nbytes]
+    hasher = xxhash.xxh3_64()
+    if layout == "xyz32":
+        out = np.frombuffer(payload, _XYZ32).reshape(natoms, 3)
+        _copy_hashed(out, pos, payload, 12, hasher)
+    elif layout == "paper":
+        rec = np.frombuffer(payload, _PAPER_RAW)
+        src = np.ascontiguousarray(pos, dtype=_F64).view("V24").reshape(natoms)
+        idv = _default_ids(natoms) if ids is None else ids
+        step_atoms = max(1, _CHUNK_BYTES // 28)
+        for lo in range(0, natoms, step_atoms):
+            hi = min(natoms, lo + step_atoms)
+            part = rec[lo:hi]
+            part["id"] = idv[lo:hi]
+            part["xyz"] = src[lo:hi]
+            hasher.update(payload[lo * 28 : hi * 28])
+    else:  # paper-soa: coordinates, then ids
+        xyz = np.frombuffer(payload[: 24 * natoms], _F64).reshape(natoms, 3)
+        _copy_hashed(xyz, pos, payload, 24, hasher)
+        idout = np.frombuffer(payload[24 * natoms :], _I32)
+        idout[:] = _default_ids(natoms) if ids is None else ids
+        hasher.update(payload[24 * natoms :])
+    view[:HEADER_SIZE] = _pack_header(natoms, step, time, box, layout, nbytes, hasher.intdigest())
+    return HEADER_SIZE + nbytes
+
+
+def _copy_hashed(
+    out: np.ndarray, pos: np.ndarray, payload: memoryview, per_atom: int, hasher: xxhash.xxh3_64
+) -> None:
+    step_atoms = max(1, _CHUNK_BYTES // per_atom)
+    for lo in range(0, len(out), step_atoms):
+        hi = min(len(out), lo + step_atoms)
+        out[lo:hi] = pos[lo:hi]
+        hasher.update(payload[lo * per_atom : hi * per_atom])
 
 
 def encode_payload(positions: np.ndarray, layout: str, ids: np.ndarray | None = None) -> np.ndarray:
@@ -223,6 +374,13 @@ def encode_payload(positions: np.ndarray, layout: str, ids: np.ndarray | None = 
         out = np.empty(pos.shape[0], dtype=PAPER_DTYPE)
         out["id"] = np.arange(pos.shape[0], dtype=np.int32) if ids is None else ids
         out["xyz"] = pos
+        return out
+    if layout == "paper-soa":
+        out = np.empty(pos.shape[0] * 28, dtype=np.uint8)
+        np.frombuffer(out, _F64, count=3 * pos.shape[0]).reshape(-1, 3)[:] = pos
+        np.frombuffer(out, _I32, offset=24 * pos.shape[0])[:] = (
+            _default_ids(pos.shape[0]) if ids is None else ids
+        )
         return out
     raise ValueError(f"unknown layout {layout!r}; expected one of {sorted(LAYOUTS)}")
 
@@ -343,7 +501,9 @@ def decode_header(buf: bytes | memoryview, what: str = "frame") -> FrameHeader:
     return FrameHeader(natoms, step, time, box, name, nbytes, psum)
 
 
-def decode_frame(buf: bytes | memoryview | mmap.mmap, what: str = "frame") -> Frame:
+def decode_frame(
+    buf: bytes | memoryview | mmap.mmap, what: str = "frame", *, verify: bool = True
+) -> Frame:
     """Decode and verify a frame held in memory; coordinates are views of ``buf``.
 
     Parameters
@@ -352,6 +512,8 @@ def decode_frame(buf: bytes | memoryview | mmap.mmap, what: str = "frame") -> Fr
         The whole frame file's bytes (or a memory map of it).
     what
         Name used in errors.
+    verify
+        Check the payload checksum (the header's own checksum is always checked).
 
     Returns
     -------
@@ -370,13 +532,17 @@ def decode_frame(buf: bytes | memoryview | mmap.mmap, what: str = "frame") -> Fr
         raise IntegrityError(
             what, f"payload is {payload.nbytes} bytes, header says {header.payload_nbytes}"
         )
-    if _checksum(payload) != header.payload_checksum:
+    if verify and _checksum(payload) != header.payload_checksum:
         raise IntegrityError(what, "payload checksum mismatch")
     if header.layout == "xyz32":
         positions = np.frombuffer(payload, dtype=_XYZ32).reshape(header.natoms, 3)
         return Frame(header, positions)
-    rec = np.frombuffer(payload, dtype=PAPER_DTYPE)
-    return Frame(header, rec["xyz"], rec["id"])
+    if header.layout == "paper":
+        rec = np.frombuffer(payload, dtype=PAPER_DTYPE)
+        return Frame(header, rec["xyz"], rec["id"])
+    n = header.natoms
+    xyz = np.frombuffer(payload, dtype=_F64, count=3 * n).reshape(n, 3)
+    return Frame(header, xyz, np.frombuffer(payload, dtype=_I32, offset=24 * n))
 
 
 def read_frame(source: str | os.PathLike[str] | bytes | memoryview | mmap.mmap) -> Frame:

@@ -22,24 +22,49 @@ Sampling the newest frame, skipping older ones (FlowVR's pattern)::
 
     s = instride.Stream("run7")
     frame = s.latest()
+
+Bounded streams: keep at most 16 frames on the node; the producer waits (``on_full="block"``)
+until every consumer group has taken a frame before it retires it::
+
+    with instride.Stream("run7", mode="w", retain=16, groups=["analysis"]) as s:
+        ...
+    for frame in instride.Stream("run7", group="analysis"):   # resumes where the group left off
+        ...
+
+Frames are read in place: ``frame.positions`` is a view of the mapped frame file, valid until
+the reader moves on to the next frame (or calls ``frame.release()``); copy what you keep.
+A frame a reader holds is never rewritten under it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
-from collections.abc import Iterator
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+from inotify_simple import INotify
+from inotify_simple import flags as inflags
 
 from .client import Client, get_client
-from .errors import EndOfStream, KeyValidationError
-from .frames import Frame, encode_frame, read_frame
+from .errors import ConfigError, EndOfStream, FramesMissed, KeyValidationError, StreamFull
+from .frames import Frame, decode_frame, encode_into, frame_size
+from .store.ring import Leases, SlotPool
+from .store.streamstate import GroupCursor, Groups, Head, Policy, check_group, state_dir
 
 FRAME_FORMAT = "frame_{:09d}.isf"
 END_NAME = "end_of_stream.json"
 _FRAME_RE = re.compile(r"frame_(\d{9})\.isf$")
+
+
+#: Frames a reader keeps mapped beyond the stream's retention (recycled files in flight).
+_MAP_SLACK = 8
+_GAP_POLICIES = ("raise", "count")
 
 
 class Stream:
@@ -53,15 +78,45 @@ class Stream:
         ``"w"`` for the producer, ``"r"`` for a consumer; ``None`` decides on first use
         (:meth:`append` makes a producer).
     timeout
-        Seconds a consumer waits for the next frame before :class:`ConsumeTimeout`
+        Seconds a consumer waits for the next frame before :class:`ConsumeTimeout`, and a
+        blocked producer waits for its consumer groups before :class:`StreamFull`
         (default: ``INSTRIDE_TIMEOUT``, else forever).
     layout
-        Frame layout written by :meth:`append`: ``"xyz32"`` or ``"paper"``.
+        Frame layout written by :meth:`append`: ``"xyz32"``, ``"paper"`` or ``"paper-soa"``.
     overwrite
         Let a producer replace an earlier stream of the same name: its first :meth:`append`
-        deletes the old frames and end marker.
+        deletes the old frames and end marker and sets every consumer group back to frame 0.
     client
         The :class:`~instride.client.Client` to use (default: from the environment).
+    retain
+        Producer: keep at most this many frames on the node (one more while the newest is
+        being published); older frames are retired — their keys disappear and their storage
+        is reused for new frames. ``None`` (default): keep every frame.
+    retain_bytes
+        Producer: the same bound in bytes of frame files.
+    on_full
+        Producer, when the bound is reached: ``"block"`` (default) waits until every
+        consumer group has taken the oldest frame; ``"drop-oldest"`` retires it at once;
+        ``"latest"`` keeps only the newest frame (``retain=1``; FlowVR's greedy sampling).
+    groups
+        Producer: consumer groups to register before the first frame, so that under
+        ``"block"`` no frame is retired before they have taken it.
+    group
+        Consumer: read as this consumer group. Its position is kept on the node: a reader
+        that restarts resumes at the first frame the group had not finished (the frame it
+        held when it stopped is delivered again). One live reader per group.
+    on_gap
+        Consumer, when frames it had not read were dropped: ``"raise"`` (default) raises
+        :class:`FramesMissed` (then goes on from the oldest frame kept), ``"count"`` skips
+        them and adds their number to :attr:`missed`.
+    verify
+        Consumer: check each frame's payload checksum (default). ``False`` skips it (the
+        header checksum is always checked).
+
+    Raises
+    ------
+    ConfigError
+        A retention below 1, an unknown ``on_full`` or ``on_gap``, an invalid group name.
     """
 
     def __init__(
@@ -73,18 +128,52 @@ class Stream:
         layout: str = "xyz32",
         overwrite: bool = False,
         client: Client | None = None,
+        retain: int | None = None,
+        retain_bytes: int | None = None,
+        on_full: str = "block",
+        groups: Sequence[str] = (),
+        group: str | None = None,
+        on_gap: str = "raise",
+        verify: bool = True,
     ) -> None:
         self.client = client or get_client()
         self.name = self.client.key(name)
         if mode not in (None, "r", "w"):
             raise ValueError(f"mode must be 'r', 'w' or None, got {mode!r}")
+        if on_gap not in _GAP_POLICIES:
+            raise ConfigError("on_gap", on_gap, f"expected one of {', '.join(_GAP_POLICIES)}")
+        self.policy = Policy(retain=retain, retain_bytes=retain_bytes, on_full=on_full)
+        self.register_groups = tuple(check_group(g) for g in groups)
+        self.group = None if group is None else check_group(group)
         self.mode = mode
         self.timeout = timeout
         self.layout = layout
         self.overwrite = overwrite
+        self.on_gap = on_gap
+        self.verify = verify
+        #: frames this consumer skipped because they were dropped before it got to them
+        self.missed = 0
         self._cursor = 0  # next frame a consumer reads
         self._written = 0  # frames a producer appended
         self._closed = False
+        self._state = state_dir(self.client.root, self.name)
+        # producer
+        self._pool: SlotPool | None = None
+        self._retained: deque[tuple[int, int, int]] = deque()  # (index, inode, bytes)
+        self._retained_bytes = 0
+        self._groups: Groups | None = None
+        self._notify: INotify | None = None
+        # consumer
+        self._head: Head | None = None
+        self._leases: Leases | None = None
+        self._held: Frame | None = None
+        self._cursor_file: GroupCursor | None = None
+        if self.group is not None:
+            if mode == "w":
+                raise ValueError("group= is for consumers; a producer registers groups with groups=")
+            self.mode = "r"
+            self._cursor_file = GroupCursor(Groups(self._state), self.name, self.group, start=0)
+            self._cursor = self._cursor_file.value
 
     # ------------------------------------------------------------------ naming
     def frame_key(self, index: int) -> str:
@@ -124,6 +213,10 @@ class Stream:
     ) -> int:
         """Publish the next frame; return its index.
 
+        The frame is encoded straight into its (recycled, already mapped) file: the
+        coordinates are copied once and hashed on the way. Under retention the oldest frames
+        are retired first, which may wait for consumer groups (``on_full="block"``).
+
         Parameters
         ----------
         positions
@@ -133,36 +226,123 @@ class Stream:
         box
             ``(3, 3)`` box vectors or 3 lengths in Å.
         ids
-            Atom ids for the ``paper`` layout (default ``0..natoms-1``).
+            Atom ids for the paper layouts (default ``0..natoms-1``).
+
+        Raises
+        ------
+        StreamFull
+            ``on_full="block"`` and the consumer groups did not take the oldest frame
+            within the stream's timeout.
+        KeyExistsError
+            The frame is already published (a stream of this name exists; see ``overwrite``).
         """
         if self.mode == "r":
             raise ValueError(f"stream {self.name!r} was opened for reading")
         if self._closed:
             raise ValueError(f"stream {self.name!r} is closed")
-        if self._written == 0 and self.overwrite:
+        pos = np.asarray(positions)
+        if pos.ndim != 2 or pos.shape[1] != 3:
+            raise ValueError(f"positions must have shape (natoms, 3), got {pos.shape}")
+        if self._pool is None:
+            self._start_producing()
+        assert self._pool is not None and self._head is not None
+        self.mode = "w"
+        index = self._written
+        nbytes = frame_size(pos.shape[0], self.layout)
+        self._make_room(nbytes, wait=True)
+        key = self.frame_key(index)
+        final = self.client.root / key
+        final.parent.mkdir(parents=True, exist_ok=True)
+        slot = self._pool.take(nbytes)
+        try:
+            encode_into(
+                slot.mm, pos, step=index if step is None else step, time=0.0 if time is None else time,
+                box=box, layout=self.layout, ids=ids,
+            )
+        except BaseException:
+            self._pool.discard(slot)
+            raise
+        self._pool.publish(slot, final, key, overwrite=self.overwrite, fsync=self.client.fsync)
+        self.client.after_publish(key, overwrite=self.overwrite)
+        self._retained.append((index, slot.ino, nbytes))
+        self._retained_bytes += nbytes
+        self._written += 1
+        self._head.written = self._written
+        self._make_room(0, wait=False)
+        return index
+
+    def _start_producing(self) -> None:
+        if self.overwrite:
             # A re-run under the same name: its consumers must see neither the old run's end
             # marker nor its frames past the new run's length.
             for key in self.client.list(f"{self.name}/"):
                 if key.rpartition("/")[0] == self.name:
                     self.client.delete(key)
-        self.mode = "w"
-        index = self._written
-        header, payload = encode_frame(
-            positions,
-            step=index if step is None else step,
-            time=0.0 if time is None else time,
-            box=box,
-            layout=self.layout,
-            ids=ids,
-        )
-        with self.client.open(self.frame_key(index), "wb", overwrite=self.overwrite) as fh:
-            fh.write(header)
-            fh.write(payload)
-        self._written += 1
-        return index
+        self._state.mkdir(parents=True, exist_ok=True)
+        self._head = Head(self._state / "head", writable=True)
+        self._head.oldest = 0
+        self._head.written = 0
+        self._head.producer = os.getpid()
+        self.policy.save(self._state)
+        self._groups = Groups(self._state)
+        if self.overwrite:
+            self._groups.reset()
+        for g in self.register_groups:
+            self._groups.register(g, 0)
+        self._pool = SlotPool(self._state / "pool", recycle=self.policy.bounded)
+
+    def _over(self, nbytes: int, slack: int) -> bool:
+        """Whether keeping one more frame of ``nbytes`` would exceed the bound by > ``slack``."""
+        p = self.policy
+        n = len(self._retained) + (1 if nbytes else 0)
+        if p.retain is not None and n > p.retain + slack:
+            return True
+        return p.retain_bytes is not None and self._retained_bytes + nbytes > p.retain_bytes + slack * nbytes
+
+    def _make_room(self, nbytes: int, *, wait: bool) -> None:
+        """Retire old frames per the policy. Before a write (``wait``): down to the bound,
+        waiting for groups under "block"; after it: what can go without waiting."""
+        if not self.policy.bounded:
+            return
+        start = time.monotonic()
+        slack = 1 if wait else 0
+        while self._retained and self._over(nbytes, slack):
+            oldest = self._retained[0][0]
+            if not self.policy.drops:
+                assert self._groups is not None
+                cursors = self._groups.cursors()
+                holders = sorted(g for g, c in cursors.items() if c <= oldest)
+                if holders:
+                    if not wait:
+                        return
+                    self._wait_for_groups(start, holders)
+                    continue
+            self._retire_oldest()
+
+    def _wait_for_groups(self, start: float, holders: list[str]) -> None:
+        timeout = self.client.settings.timeout if self.timeout is None else self.timeout
+        waited = time.monotonic() - start
+        if timeout is not None and waited >= timeout:
+            raise StreamFull(self.name, waited, holders)
+        if self._notify is None:
+            self._notify = INotify()
+            assert self._groups is not None
+            self._notify.add_watch(self._groups.dir, inflags.MODIFY | inflags.CREATE | inflags.MOVED_TO)
+            return  # re-check after arming: a commit may have landed before the watch
+        ms = 1000 if timeout is None else max(1, min(1000, int((timeout - waited) * 1000)))
+        self._notify.read(timeout=ms)
+
+    def _retire_oldest(self) -> None:
+        assert self._pool is not None and self._head is not None
+        index, ino, nbytes = self._retained.popleft()
+        self._retained_bytes -= nbytes
+        self._head.oldest = index + 1  # before the key goes: a reader that misses it sees why
+        self._pool.retire(ino)
+        self.client.after_retire(self.frame_key(index))
 
     def close(self) -> None:
-        """End the stream (producer): publish the end-of-stream marker. No-op for a consumer."""
+        """End the stream (producer: publish the end-of-stream marker; consumer: release
+        the held frame and the consumer group)."""
         if self._closed:
             return
         self._closed = True
@@ -170,6 +350,22 @@ class Stream:
             body = json.dumps({"frames": self._written}).encode()
             with self.client.open(self.end_key, "wb", overwrite=self.overwrite) as fh:
                 fh.write(body)
+        self._release_resources()
+
+    def _release_resources(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+        if self._notify is not None:
+            self._notify.close()
+            self._notify = None
+        if self._groups is not None:
+            self._groups.close()
+        self._release_held()
+        if self._cursor_file is not None:
+            self._cursor_file.close()
+            self._cursor_file = None
+        if self._leases is not None:
+            self._leases.close()
 
     def __enter__(self) -> Stream:
         return self
@@ -179,6 +375,12 @@ class Stream:
             self.close()
         else:  # a crashed producer does not claim a complete stream
             self._closed = True
+            self._release_resources()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            if self._pool is not None:
+                self._pool.close()
 
     # ------------------------------------------------------------------ consumer
     def _end_count(self) -> int | None:
@@ -193,7 +395,7 @@ class Stream:
         return self.client.exists(self.end_key)
 
     def published(self) -> list[int]:
-        """Indices of the frames published so far, sorted."""
+        """Indices of the frames published (and still retained) so far, sorted."""
         out = []
         for key in self.client.list(f"{self.name}/frame_"):
             m = _FRAME_RE.search(key)
@@ -201,17 +403,53 @@ class Stream:
                 out.append(int(m.group(1)))
         return sorted(out)
 
+    def _local_head(self) -> Head | None:
+        if self._head is None and self.client.mode == "local":
+            self._head = Head.open(self._state / "head")
+        return self._head
+
     def __len__(self) -> int:
-        """Number of frames published so far."""
-        return len(self.published())
+        """Number of frames written so far (retired ones included)."""
+        if self.mode == "w":
+            return self._written
+        head = self._local_head()
+        if head is not None:
+            return head.written
+        found = self.published()
+        return found[-1] + 1 if found else 0
+
+    @property
+    def oldest(self) -> int:
+        """The oldest frame still retained on this node (0 for a stream without retention)."""
+        head = self._local_head()
+        return head.oldest if head is not None else 0
+
+    def _lease_table(self) -> Leases:
+        if self._leases is None:
+            policy = Policy.load(self._state) if self.client.mode == "local" else None
+            keep = 0
+            if policy is not None and policy.bounded:
+                keep = (policy.retain or 16) + _MAP_SLACK
+            self._leases = Leases(keep)
+        return self._leases
+
+    def _gap(self, index: int) -> None:
+        head = self._local_head()
+        if head is not None:
+            oldest = head.oldest
+            if index < oldest:
+                raise FramesMissed(self.name, index, oldest - index, oldest)
 
     def read(self, index: int) -> Frame:
         """Return frame ``index``, waiting for it.
 
+        The frame's arrays are views of the mapped frame file, valid until
+        :meth:`Frame.release` (iteration releases each frame when it moves on).
+
         Parameters
         ----------
         index
-            Frame number; negative counts from the newest published frame.
+            Frame number; negative counts from the newest frame written.
 
         Returns
         -------
@@ -222,6 +460,8 @@ class Stream:
         ------
         EndOfStream
             The stream ended before frame ``index``.
+        FramesMissed
+            Frame ``index`` was dropped (the stream drops old frames).
         ConsumeTimeout
             The producer fell silent longer than the stream's timeout.
         IntegrityError
@@ -232,17 +472,26 @@ class Stream:
             if index < 0:
                 raise IndexError(f"frame index out of range for stream {self.name!r}")
         key = self.frame_key(index)
-        if self.client.mode == "local":
-            try:  # adaptive: a frame already here costs just its read
-                return read_frame(f"{self.client.root}/{key}")
-            except FileNotFoundError:
-                pass
-        got = self.client.wait_any([key, self.end_key], timeout=self.timeout)
-        if got != key:
-            count = self._end_count()
-            if count is not None and index >= count:
-                raise EndOfStream(self.name, index)
-        return read_frame(self.client.consume(key, timeout=self.timeout))
+        leases = self._lease_table()
+        while True:
+            path = self.client.local_path(key)
+            got = leases.open(path) if path is not None else None
+            if got is not None:
+                buf, release = got
+                try:
+                    frame = decode_frame(buf, key, verify=self.verify)
+                except BaseException:
+                    release()
+                    raise
+                return Frame(frame.header, frame.positions, frame.ids, release)
+            self._gap(index)
+            woke = self.client.wait_any([key, self.end_key], timeout=self.timeout)
+            if woke != key:
+                count = self._end_count()
+                if count is not None and index >= count:
+                    raise EndOfStream(self.name, index)
+            if self.client.mode == "cluster":
+                self.client.consume(key, timeout=self.timeout)  # fetch it to this node
 
     def __getitem__(self, index: int) -> Frame:
         try:
@@ -266,24 +515,46 @@ class Stream:
         """The index of the next frame iteration returns."""
         return self._cursor
 
+    def _release_held(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            held.release()
+
+    def _move_on(self) -> None:
+        """Release the frame held and record the group's progress."""
+        self._release_held()
+        if self._cursor_file is not None:
+            self._cursor_file.commit(self._cursor)
+
     def __iter__(self) -> Iterator[Frame]:
         return self
 
     def __next__(self) -> Frame:
         if self.mode is None:
             self.mode = "r"
-        try:
-            frame = self.read(self._cursor)
-        except EndOfStream:
-            raise StopIteration from None
-        self._cursor += 1
-        return frame
+        self._move_on()
+        while True:
+            try:
+                frame = self.read(self._cursor)
+            except EndOfStream:
+                self._move_on()
+                raise StopIteration from None
+            except FramesMissed as exc:
+                self._cursor = exc.resume
+                self._move_on()
+                if self.on_gap == "raise":
+                    raise
+                self.missed += exc.missed
+                continue
+            self._cursor += 1
+            self._held = frame
+            return frame
 
     def latest(self) -> Frame:
-        """Return the newest published frame not older than the cursor, skipping older ones.
+        """Return the newest frame not older than the cursor, skipping older ones.
 
         Waits when no frame at or past the cursor is published yet; the cursor moves past the
-        frame returned.
+        frame returned (and, for a consumer group, the frames skipped count as taken).
 
         Raises
         ------
@@ -292,11 +563,21 @@ class Stream:
         """
         if self.mode is None:
             self.mode = "r"
-        indices = [i for i in self.published() if i >= self._cursor]
-        if not indices:
-            self.read(self._cursor)  # waits; raises EndOfStream at the end
-            indices = [i for i in self.published() if i >= self._cursor] or [self._cursor]
-        newest = max(indices)
-        frame = self.read(newest)
-        self._cursor = newest + 1
+        self._move_on()
+        while True:
+            newest = len(self) - 1
+            index = max(newest, self._cursor)
+            try:
+                frame = self.read(index)  # waits when nothing at or past the cursor exists yet
+            except FramesMissed:
+                continue  # retired between our look and our read: a newer frame exists
+            break
+        self._cursor = index + 1
+        if self._cursor_file is not None:
+            self._cursor_file.commit(index)
+        self._held = frame
         return frame
+
+    def release(self) -> None:
+        """Release the frame held by this consumer now (iteration does it when it moves on)."""
+        self._release_held()

@@ -1,0 +1,1 @@
+"""Node-local storage: atomic publication, waiting, recycled frame files."""

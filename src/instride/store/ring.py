@@ -1,0 +1,340 @@
+"""Recycled frame files: the producer's slot pool and the readers' leases (one node).
+
+A stream with retention keeps its frames as ordinary published files, but their storage is
+recycled: a retired frame's file is first *unpublished* (renamed from its key into the
+stream's hidden pool, so the key is gone in one step), and only later rewritten as a new
+frame, once no reader holds it. The pages of the file stay allocated, so a steady-state
+stream takes no page faults per frame, and the producer writes each frame straight into a
+memory map it keeps (no intermediate buffer, no ``write`` copy).
+
+Holding a frame is a shared ``flock`` on the file, taken by the reader right after it opens
+the key and checked against the key (the file must still be the one published under it);
+the producer rewrites a pooled file only when it can take the exclusive lock. A view handed
+to a reader is therefore never changed under it while the reader holds the frame, and a
+reader that dies releases its hold with its file descriptors, so nothing waits for a
+timeout. Programs that read frames without instride (plain ``open``) take no lease: they
+are safe for as long as the frame is retained, and the pool reuses a retired file last
+(first in, first out), but a file held longer than that can be rewritten under them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..local import publish_file
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+@dataclass
+class Slot:
+    """One frame file owned by the producer: its descriptor, mapping and current name."""
+
+    fd: int
+    ino: int
+    size: int
+    mm: mmap.mmap
+    pool_name: str
+    path: Path  # where the file is now: in the pool, or at its key once published
+
+    def close(self) -> None:
+        """Unmap and close (the file itself stays where it is)."""
+        with contextlib.suppress(BufferError, ValueError):
+            self.mm.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+class SlotPool:
+    """The producer's frame files for one stream: taken, published, retired, reused.
+
+    Parameters
+    ----------
+    pool_dir
+        The stream's hidden pool directory (on the managed directory's file system, so a
+        pooled file can be renamed to its key).
+    recycle
+        Reuse retired files (streams with retention); otherwise every frame gets a new file
+        and retired files are deleted.
+    """
+
+    def __init__(self, pool_dir: Path, *, recycle: bool) -> None:
+        self.pool_dir = pool_dir
+        self.recycle = recycle
+        pool_dir.mkdir(parents=True, exist_ok=True)
+        collect_pool(pool_dir)  # files of an earlier producer of this stream that died
+        self._slots: dict[int, Slot] = {}  # ino -> slot, every file this producer owns
+        self._free: deque[int] = deque()  # retired, in the order they were retired
+        self._made = 0
+
+    # ------------------------------------------------------------------ writing
+    def take(self, size: int) -> Slot:
+        """A file of ``size`` bytes, mapped writable, that no reader holds (exclusive lock).
+
+        Reuses the longest-retired file nobody holds; makes a new file when there is none.
+        """
+        for _ in range(len(self._free)):
+            ino = self._free.popleft()
+            slot = self._slots[ino]
+            try:
+                fcntl.flock(slot.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a reader still holds it: try it again later
+                self._free.append(ino)
+                continue
+            if slot.size != size:
+                self._resize(slot, size)
+            return slot
+        return self._new(size)
+
+    def _new(self, size: int) -> Slot:
+        self._made += 1
+        name = f"slot-{os.getpid()}-{self._made}"
+        path = self.pool_dir / name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        slot = Slot(fd, os.fstat(fd).st_ino, size, mm, name, path)
+        self._slots[slot.ino] = slot
+        return slot
+
+    @staticmethod
+    def _resize(slot: Slot, size: int) -> None:
+        slot.mm.close()
+        os.ftruncate(slot.fd, size)
+        slot.mm = mmap.mmap(slot.fd, size)
+        slot.size = size
+
+    def publish(self, slot: Slot, final: Path, key: str, *, overwrite: bool, fsync: bool) -> None:
+        """Give the written ``slot`` its key (atomically) and let readers hold it."""
+        if fsync:
+            slot.mm.flush()
+        try:
+            publish_file(slot.path, final, key, overwrite=overwrite)
+        except BaseException:
+            self.discard(slot)
+            raise
+        slot.path = final
+        fcntl.flock(slot.fd, fcntl.LOCK_UN)
+
+    def discard(self, slot: Slot) -> None:
+        """Forget a slot whose frame was not published (a failed write): delete its file."""
+        self._slots.pop(slot.ino, None)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(slot.path)
+        slot.close()
+
+    # ------------------------------------------------------------------ retiring
+    def retire(self, ino: int) -> None:
+        """Unpublish a frame: its key disappears in one rename; the file waits for reuse.
+
+        Without recycling (or when the key was already removed by someone else) the file is
+        deleted instead.
+        """
+        slot = self._slots.get(ino)
+        if slot is None:
+            return
+        if not self.recycle:
+            self._slots.pop(ino)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(slot.path)
+            slot.close()
+            return
+        target = self.pool_dir / slot.pool_name
+        try:
+            os.rename(slot.path, target)
+        except FileNotFoundError:  # the key was deleted under us: the file is gone
+            self._slots.pop(ino)
+            slot.close()
+            return
+        slot.path = target
+        self._free.append(ino)
+
+    def forget_published(self) -> None:
+        """Close the producer's hold on published files (they stay published)."""
+        for ino in list(self._slots):
+            slot = self._slots[ino]
+            if slot.path.parent != self.pool_dir:
+                self._slots.pop(ino)
+                slot.close()
+
+    def close(self) -> None:
+        """Delete the pooled (unpublished) files and close every mapping."""
+        for slot in self._slots.values():
+            if slot.path.parent == self.pool_dir:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(slot.path)
+            slot.close()
+        self._slots.clear()
+        self._free.clear()
+
+    @property
+    def files(self) -> int:
+        """Frame files this producer owns (published and pooled)."""
+        return len(self._slots)
+
+
+def _slot_pid(name: str) -> int | None:
+    parts = name.split("-")
+    if len(parts) == 3 and parts[0] == "slot" and parts[1].isdigit():
+        return int(parts[1])
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def collect_pool(pool_dir: Path) -> list[Path]:
+    """Delete the pooled files of producers that are no longer running; return them.
+
+    A producer killed mid-frame leaves its unfinished frame (and its retired files) only in
+    the pool: nothing of it was ever visible under a key.
+    """
+    removed = []
+    try:
+        names = os.listdir(pool_dir)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        pid = _slot_pid(name)
+        if pid is not None and pid != os.getpid() and not _alive(pid):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(pool_dir / name)
+                removed.append(pool_dir / name)
+    return removed
+
+
+def collect_pools(root: Path) -> list[Path]:
+    """:func:`collect_pool` for every stream under the managed directory ``root``."""
+    removed: list[Path] = []
+    base = root / ".instride" / "streams"
+    for dirpath, dirnames, _files in os.walk(base):
+        if "pool" in dirnames and dirpath.endswith(".stream"):
+            removed.extend(collect_pool(Path(dirpath) / "pool"))
+    return removed
+
+
+class Leases:
+    """A reader's holds on frame files, with its mappings kept for reuse.
+
+    Parameters
+    ----------
+    keep
+        Mappings kept after release, by inode (0: unmap on release). A recycled file is
+        mapped once and its pages stay mapped, so reading it again costs no page faults;
+        a kept mapping keeps its inode alive, so the inode number cannot name another file
+        meanwhile.
+    """
+
+    def __init__(self, keep: int = 0) -> None:
+        self.keep = keep
+        self._maps: OrderedDict[tuple[int, int], mmap.mmap] = OrderedDict()
+
+    def open(self, path: Path) -> tuple[memoryview | bytes, Callable[[], None]] | None:
+        """Hold the file published at ``path``; ``None`` if there is none (any more).
+
+        Returns the file's bytes (a read-only mapping; ``bytes`` for an empty file) and the
+        function that releases the hold.
+        """
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return None
+            raise
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:  # the producer is rewriting it: it was retired
+                os.close(fd)
+                return None
+            st = os.fstat(fd)
+            try:
+                now = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:
+                now = None
+            if now is None or now.st_ino != st.st_ino or now.st_dev != st.st_dev:
+                os.close(fd)  # retired between our open and our lock
+                return None
+            if st.st_size == 0:
+                os.close(fd)
+                return b"", _noop
+            mm = self._map(fd, st)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if done:
+                return
+            done = True
+            with contextlib.suppress(OSError):
+                os.close(fd)  # drops the shared lock
+            if not self.keep:
+                with contextlib.suppress(BufferError):
+                    mm.close()
+
+        return memoryview(mm), release
+
+    def _map(self, fd: int, st: os.stat_result) -> mmap.mmap:
+        ident = (st.st_dev, st.st_ino)
+        mm = self._maps.get(ident)
+        if mm is not None and len(mm) == st.st_size:
+            self._maps.move_to_end(ident)
+            return mm
+        # A mapping keeps its open file description alive, and with it any flock on it: map
+        # through a second open of the same file, so closing ``fd`` really ends the hold.
+        mfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            mm = mmap.mmap(mfd, st.st_size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+        finally:
+            os.close(mfd)
+        if self.keep:
+            old = self._maps.pop(ident, None)
+            self._maps[ident] = mm
+            if old is not None:
+                _close_quietly(old)
+            while len(self._maps) > self.keep:
+                _close_quietly(self._maps.popitem(last=False)[1])
+        return mm
+
+    def close(self) -> None:
+        """Drop every kept mapping (views still in use keep theirs alive)."""
+        for mm in self._maps.values():
+            _close_quietly(mm)
+        self._maps.clear()
+
+
+def _close_quietly(mm: mmap.mmap) -> None:
+    with contextlib.suppress(BufferError):  # a view still uses it: the GC unmaps it later
+        mm.close()
+
+
+def _noop() -> None:
+    return None

@@ -1,0 +1,261 @@
+"""The node-local state of a stream with retention: head counters, policy, consumer groups.
+
+Everything lives in a hidden directory of the managed directory,
+``.instride/streams/<stream name>.stream/``:
+
+``head``
+    32 bytes mapped by the producer and its readers: the oldest frame still retained and the
+    number of frames written. A reader that does not find frame *i* compares *i* with the
+    oldest retained frame to tell "not written yet" from "dropped".
+``policy.json``
+    The producer's retention settings (``retain``, ``retain_bytes``, ``on_full``, archive).
+``groups/<name>``
+    One 8-byte cursor per consumer group: the next frame the group has not finished with.
+    A reader of the group holds an exclusive ``flock`` on the file while it runs (one reader
+    per group; the kernel drops the lock when the reader dies, so a restarted reader takes
+    over and resumes at the cursor).
+``pool/``
+    The producer's retired frame files waiting for reuse (:mod:`instride.store.ring`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import mmap
+import os
+import re
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..errors import ConfigError, GroupBusy
+
+POLICIES = ("block", "drop-oldest", "latest")
+_GROUP_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\Z")
+_HEAD = struct.Struct("<qqqq")  # oldest retained, frames written, producer pid, reserved
+_CURSOR = struct.Struct("<q")
+
+
+def state_dir(root: Path, stream: str) -> Path:
+    """The hidden state directory of ``stream`` under the managed directory ``root``."""
+    return root / ".instride" / "streams" / f"{stream}.stream"
+
+
+def check_group(name: str) -> str:
+    """Validate a consumer group name.
+
+    Raises
+    ------
+    ConfigError
+        Not 1-64 characters of letters, digits, ``_``, ``-`` and ``.`` (not starting with
+        ``.`` or ``-``).
+    """
+    if not isinstance(name, str) or not _GROUP_RE.match(name):
+        raise ConfigError(
+            "group", name,
+            "a consumer group name is 1-64 letters, digits, '_', '-' or '.', not starting with '.' or '-'",
+        )
+    return name
+
+
+@dataclass
+class Policy:
+    """Retention settings of a stream, as its producer set them."""
+
+    retain: int | None = None
+    retain_bytes: int | None = None
+    on_full: str = "block"
+    archive: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.on_full not in POLICIES:
+            raise ConfigError("on_full", self.on_full, f"expected one of {', '.join(POLICIES)}")
+        if self.on_full == "latest":
+            self.retain = 1
+        for name in ("retain", "retain_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(name, value, "must be an integer >= 1 (or None: unbounded)")
+
+    @property
+    def bounded(self) -> bool:
+        """Whether the stream retires old frames at all."""
+        return self.retain is not None or self.retain_bytes is not None
+
+    @property
+    def drops(self) -> bool:
+        """Whether old frames are dropped (rather than the producer waiting)."""
+        return self.on_full != "block"
+
+    def save(self, directory: Path) -> None:
+        """Write ``policy.json`` atomically."""
+        tmp = directory / f".policy.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(asdict(self)))
+        os.rename(tmp, directory / "policy.json")
+
+    @classmethod
+    def load(cls, directory: Path) -> Policy | None:
+        """Read ``policy.json``; ``None`` when the stream has none."""
+        try:
+            return cls(**json.loads((directory / "policy.json").read_text()))
+        except FileNotFoundError:
+            return None
+
+
+class Head:
+    """The shared counters of a stream (a small mapped file).
+
+    Parameters
+    ----------
+    path
+        The ``head`` file.
+    writable
+        The producer maps it writable (creating it); readers map it read-only.
+    """
+
+    def __init__(self, path: Path, *, writable: bool) -> None:
+        flags = os.O_RDWR | os.O_CREAT if writable else os.O_RDONLY
+        fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
+        try:
+            if writable and os.fstat(fd).st_size < _HEAD.size:
+                os.ftruncate(fd, _HEAD.size)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self._mm = mmap.mmap(fd, _HEAD.size, prot=prot)
+        finally:
+            os.close(fd)
+
+    @classmethod
+    def open(cls, path: Path) -> Head | None:
+        """Map an existing head read-only; ``None`` if the stream has none."""
+        try:
+            return cls(path, writable=False)
+        except (FileNotFoundError, ValueError):
+            return None
+
+    @property
+    def oldest(self) -> int:
+        """The oldest frame still retained."""
+        return int(_CURSOR.unpack_from(self._mm, 0)[0])
+
+    @oldest.setter
+    def oldest(self, value: int) -> None:
+        _CURSOR.pack_into(self._mm, 0, value)
+
+    @property
+    def written(self) -> int:
+        """Frames written so far."""
+        return int(_CURSOR.unpack_from(self._mm, 8)[0])
+
+    @written.setter
+    def written(self, value: int) -> None:
+        _CURSOR.pack_into(self._mm, 8, value)
+
+    @property
+    def producer(self) -> int:
+        """PID of the producer that last wrote the stream (0: none)."""
+        return int(_CURSOR.unpack_from(self._mm, 16)[0])
+
+    @producer.setter
+    def producer(self, value: int) -> None:
+        _CURSOR.pack_into(self._mm, 16, value)
+
+    def close(self) -> None:
+        """Unmap."""
+        self._mm.close()
+
+
+class Groups:
+    """The consumer groups of a stream on this node (their cursor files)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory / "groups"
+        self._fds: dict[str, int] = {}
+
+    def register(self, name: str, start: int = 0) -> bool:
+        """Create group ``name`` with its cursor at ``start``; False if it existed."""
+        check_group(name)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / f".{name}.{os.getpid()}.tmp"
+        tmp.write_bytes(_CURSOR.pack(start))
+        try:
+            os.link(tmp, self.dir / name)  # atomic create-if-absent with its content
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink()
+
+    def names(self) -> list[str]:
+        """Registered groups."""
+        try:
+            return sorted(n for n in os.listdir(self.dir) if not n.startswith("."))
+        except FileNotFoundError:
+            return []
+
+    def cursors(self) -> dict[str, int]:
+        """Each group's cursor (the first frame it has not finished with)."""
+        out = {}
+        for name in self.names():
+            fd = self._fds.get(name)
+            if fd is None:
+                try:
+                    fd = os.open(self.dir / name, os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    continue
+                self._fds[name] = fd
+            data = os.pread(fd, _CURSOR.size, 0)
+            if len(data) == _CURSOR.size:
+                out[name] = _CURSOR.unpack(data)[0]
+        return out
+
+    def reset(self) -> None:
+        """Set every cursor back to 0 (a stream re-written from its start)."""
+        for name in self.names():
+            with contextlib.suppress(FileNotFoundError):
+                fd = os.open(self.dir / name, os.O_WRONLY | os.O_CLOEXEC)
+                try:
+                    os.pwrite(fd, _CURSOR.pack(0), 0)
+                finally:
+                    os.close(fd)
+
+    def close(self) -> None:
+        """Close cached descriptors."""
+        for fd in self._fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds.clear()
+
+
+class GroupCursor:
+    """A reader's exclusive handle on its group's cursor.
+
+    Raises
+    ------
+    GroupBusy
+        Another live process holds the group.
+    """
+
+    def __init__(self, groups: Groups, stream: str, name: str, start: int) -> None:
+        groups.register(name, start)
+        self.name = name
+        self._fd = os.open(groups.dir / name, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            raise GroupBusy(stream, name) from None
+        self.value = int(_CURSOR.unpack(os.pread(self._fd, _CURSOR.size, 0))[0])
+
+    def commit(self, value: int) -> None:
+        """Record that the group is done with every frame before ``value``."""
+        if value != self.value:
+            os.pwrite(self._fd, _CURSOR.pack(value), 0)
+            self.value = value
+
+    def close(self) -> None:
+        """Release the group (the cursor stays)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -1,0 +1,90 @@
+"""Recycled frame files: slot reuse, leases that keep a held file from being rewritten."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from instride.store.ring import Leases, SlotPool, collect_pool
+
+
+def _write(pool: SlotPool, root: Path, name: str, data: bytes) -> int:
+    slot = pool.take(len(data))
+    slot.mm[:] = data
+    pool.publish(slot, root / name, name, overwrite=False, fsync=False)
+    return slot.ino
+
+
+def test_retired_file_is_reused_and_its_key_is_gone(tmp_path: Path) -> None:
+    pool = SlotPool(tmp_path / "pool", recycle=True)
+    ino = _write(pool, tmp_path, "a", b"A" * 4096)
+    assert (tmp_path / "a").read_bytes() == b"A" * 4096
+    pool.retire(ino)
+    assert not (tmp_path / "a").exists()  # unpublished in one rename
+    again = _write(pool, tmp_path, "b", b"B" * 4096)
+    assert again == ino  # the same file (its pages) now holds the new frame
+    assert (tmp_path / "b").read_bytes() == b"B" * 4096
+    pool.close()
+    assert os.listdir(tmp_path / "pool") == []
+
+
+def test_held_file_is_never_rewritten(tmp_path: Path) -> None:
+    pool = SlotPool(tmp_path / "pool", recycle=True)
+    leases = Leases()
+    ino = _write(pool, tmp_path, "a", b"A" * 4096)
+    got = leases.open(tmp_path / "a")
+    assert got is not None
+    view, release = got
+    pool.retire(ino)
+    other = _write(pool, tmp_path, "b", b"B" * 4096)
+    assert other != ino  # the held file was skipped: a new one was made
+    assert bytes(view) == b"A" * 4096
+    del view
+    release()
+    third = _write(pool, tmp_path, "c", b"C" * 4096)  # released: now it may be reused
+    assert third == ino
+    pool.close()
+
+
+def test_lease_refuses_a_retired_key(tmp_path: Path) -> None:
+    pool = SlotPool(tmp_path / "pool", recycle=True)
+    ino = _write(pool, tmp_path, "a", b"A" * 100)
+    pool.retire(ino)
+    assert Leases().open(tmp_path / "a") is None
+    assert Leases().open(tmp_path / "missing") is None
+    os.symlink(tmp_path / "pool", tmp_path / "link")
+    assert Leases().open(tmp_path / "link") is None  # never follows a symbolic link
+    pool.close()
+
+
+def test_killed_producer_leaves_nothing_published_and_its_pool_is_reclaimed(tmp_path: Path) -> None:
+    code = textwrap.dedent(
+        f"""
+        import os, sys
+        from pathlib import Path
+        from instride.store.ring import SlotPool
+        pool = SlotPool(Path({str(tmp_path / "pool")!r}), recycle=True)
+        slot = pool.take(1 << 20)
+        slot.mm[:4] = b"half"
+        print("writing", flush=True)
+        sys.stdin.read()
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"writing"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    left = os.listdir(tmp_path / "pool")
+    assert len(left) == 1 and not (tmp_path / "a").exists()
+    removed = collect_pool(tmp_path / "pool")
+    assert [p.name for p in removed] == left
+    assert os.listdir(tmp_path / "pool") == []

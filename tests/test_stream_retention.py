@@ -1,0 +1,242 @@
+"""Bounded streams: retention, back-pressure, consumer groups, recycled storage, zero copy."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import instride
+from instride.errors import ConfigError, FramesMissed, GroupBusy, StreamFull
+from tests.conftest import finish, spawn_py
+
+NATOMS = 2000
+
+
+def _frames_on_disk(root: Path, name: str) -> list[str]:
+    return sorted(n for n in os.listdir(root / name) if n.startswith("frame_"))
+
+
+def _positions(i: int) -> np.ndarray:
+    pos = np.zeros((NATOMS, 3), dtype=np.float32)
+    pos[:, 0] = i
+    return pos
+
+
+PRODUCER = textwrap.dedent(
+    """
+    import sys, time, numpy as np, instride
+    name, n, retain, policy = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    delay = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
+    pos = np.zeros((2000, 3), dtype=np.float32)
+    with instride.Stream(name, mode="w", retain=retain, on_full=policy, groups=["g"], timeout=60) as s:
+        for i in range(n):
+            pos[:, 0] = i
+            s.append(pos, step=i)
+            time.sleep(delay)
+    print("done", flush=True)
+    """
+)
+
+
+def _produce(name: str, n: int, retain: int, policy: str, delay: float = 0.0) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", PRODUCER, name, str(n), str(retain), policy, str(delay)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+
+
+def test_group_sees_every_frame_and_disk_stays_bounded(managed_dir: Path) -> None:
+    producer = _produce("bounded", 300, 8, "block")
+    inodes, most = set(), 0
+    try:
+        for i, frame in enumerate(instride.Stream("bounded", group="g", timeout=60)):
+            assert frame.step == i and frame.positions[0, 0] == i and frame.positions[-1, 0] == i
+            most = max(most, len(_frames_on_disk(managed_dir, "bounded")))
+            inodes.add(os.stat(managed_dir / "bounded" / f"frame_{i:09d}.isf").st_ino)
+    finally:
+        rc, out, err = finish(producer)
+    assert rc == 0, err
+    assert i == 299
+    assert most <= 9  # retain + the one being published
+    assert len(inodes) <= 8 + 4  # storage recycled: a handful of files for 300 frames
+    assert len(_frames_on_disk(managed_dir, "bounded")) <= 8
+
+
+def test_views_are_zero_copy_and_never_change_while_held(managed_dir: Path) -> None:
+    reader = instride.Stream("held", on_gap="count", timeout=30)
+    with instride.Stream("held", mode="w", retain=2, on_full="drop-oldest") as s:
+        s.append(_positions(0), step=0)
+        frame = reader.read(0)
+        assert not frame.positions.flags.owndata and not frame.positions.flags.writeable
+        for i in range(1, 40):  # the held frame is retired, its file is not reused
+            s.append(_positions(i), step=i)
+        assert not (managed_dir / "held" / "frame_000000000.isf").exists()
+        assert frame.step == 0 and np.all(frame.positions[:, 0] == 0)
+        frame.release()
+
+
+def test_block_producer_raises_stream_full_naming_the_group(managed_dir: Path) -> None:
+    instride.Stream("stuck", group="slow").close()  # registered, never reads
+    with instride.Stream("stuck", mode="w", retain=3, timeout=0.5) as s:
+        for i in range(4):
+            s.append(_positions(i), step=i)
+        with pytest.raises(StreamFull, match="slow") as info:
+            s.append(_positions(4), step=4)
+        assert info.value.holders == ["slow"]
+    assert len(_frames_on_disk(managed_dir, "stuck")) == 4
+
+
+def test_drop_oldest_counts_or_raises_the_missed_frames(managed_dir: Path) -> None:
+    with instride.Stream("drop", mode="w", retain=3, on_full="drop-oldest") as s:
+        for i in range(10):
+            s.append(_positions(i), step=i)
+    counting = instride.Stream("drop", on_gap="count")
+    steps = [f.step for f in counting]
+    assert steps == [7, 8, 9] and counting.missed == 7
+    raising = instride.Stream("drop")
+    with pytest.raises(FramesMissed) as info:
+        next(raising)
+    assert (info.value.missed, info.value.resume) == (7, 7)
+    assert [f.step for f in raising] == [7, 8, 9]  # goes on from the oldest frame kept
+
+
+def test_latest_policy_keeps_only_the_newest_frame(managed_dir: Path) -> None:
+    with instride.Stream("newest", mode="w", on_full="latest") as s:
+        for i in range(5):
+            s.append(_positions(i), step=i)
+            assert _frames_on_disk(managed_dir, "newest") == [f"frame_{i:09d}.isf"]
+    frame = instride.Stream("newest").latest()
+    assert frame.step == 4
+
+
+def test_latest_sampling_under_a_fast_producer(managed_dir: Path) -> None:
+    producer = _produce("fast", 400, 1, "latest", 0.001)
+    seen = []
+    try:
+        sampler = instride.Stream("fast", timeout=30)
+        while True:
+            try:
+                frame = sampler.latest()
+            except instride.errors.EndOfStream:
+                break
+            seen.append(frame.step)
+            assert frame.positions[0, 0] == frame.step
+            time.sleep(0.01)
+    finally:
+        rc, _, err = finish(producer)
+    assert rc == 0, err
+    assert seen == sorted(set(seen)) and seen[-1] == 399 and len(seen) < 400
+
+
+def test_group_resumes_after_its_reader_is_killed(managed_dir: Path) -> None:
+    with instride.Stream("resume", mode="w", retain=50, groups=["g"]) as s:
+        for i in range(20):
+            s.append(_positions(i), step=i)
+    code = textwrap.dedent(
+        """
+        import sys, instride
+        for f in instride.Stream("resume", group="g", timeout=30):
+            print(f.step, flush=True)
+            if f.step == 6:
+                sys.stdin.read()   # holds frame 6 until killed
+        """
+    )
+    proc = spawn_py(code, stdin=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        got = [int(proc.stdout.readline()) for _ in range(7)]
+        with pytest.raises(GroupBusy):
+            instride.Stream("resume", group="g")  # the group has a live reader
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert got == list(range(7))
+    again = [f.step for f in instride.Stream("resume", group="g", timeout=30)]
+    assert again == list(range(6, 20))  # frame 6 was held, not finished: delivered again
+
+
+def test_producer_killed_mid_frame_publishes_nothing_and_gc_reclaims(managed_dir: Path) -> None:
+    code = textwrap.dedent(
+        """
+        import numpy as np, instride
+        from instride.store import ring
+        real = ring.SlotPool.publish
+        def stall(self, *a, **k):
+            print("stalled", flush=True)
+            import time; time.sleep(600)
+        s = instride.Stream("crash", mode="w", retain=4)
+        s.append(np.zeros((10, 3)), step=0)
+        ring.SlotPool.publish = stall
+        s.append(np.ones((10, 3)), step=1)
+        """
+    )
+    proc = spawn_py(code)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"stalled"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert _frames_on_disk(managed_dir, "crash") == ["frame_000000000.isf"]
+    pool = managed_dir / ".instride" / "streams" / "crash.stream" / "pool"
+    assert len(os.listdir(pool)) == 1  # the unfinished frame, never visible
+    removed = instride.get_client().gc()
+    assert any(p.parent == pool for p in removed) and os.listdir(pool) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "what"),
+    [
+        ({"mode": "w", "retain": 0}, "retain"),
+        ({"mode": "w", "retain_bytes": -5}, "retain_bytes"),
+        ({"mode": "w", "on_full": "sometimes"}, "on_full"),
+        ({"group": "bad name"}, "group"),
+        ({"group": ".hidden"}, "group"),
+        ({"on_gap": "ignore"}, "on_gap"),
+    ],
+)
+def test_bad_settings_are_config_errors(managed_dir: Path, kwargs: dict, what: str) -> None:
+    with pytest.raises(ConfigError, match=what):
+        instride.Stream("bad", **kwargs)
+
+
+def test_retain_bytes_bounds_the_stream(managed_dir: Path) -> None:
+    size = os.path.getsize
+    with instride.Stream("bytes", mode="w", retain_bytes=5 * 24_128, on_full="drop-oldest") as s:
+        for i in range(20):
+            s.append(_positions(i), step=i)
+            on_disk = _frames_on_disk(managed_dir, "bytes")
+            assert sum(size(managed_dir / "bytes" / n) for n in on_disk) <= 5 * 24_128
+
+
+def test_block_with_a_live_consumer_in_threads(managed_dir: Path) -> None:
+    errors: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            steps = [f.step for f in instride.Stream("threads", group="g", timeout=30)]
+            assert steps == list(range(100))
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    with instride.Stream("threads", mode="w", retain=2, groups=["g"], timeout=30) as s:
+        t = threading.Thread(target=consume)
+        t.start()
+        for i in range(100):
+            s.append(_positions(i), step=i)
+    t.join(60)
+    assert not errors, errors
