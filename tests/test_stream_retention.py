@@ -240,3 +240,65 @@ def test_block_with_a_live_consumer_in_threads(managed_dir: Path) -> None:
             s.append(_positions(i), step=i)
     t.join(60)
     assert not errors, errors
+
+
+# ---------------------------------------------------------------------- cluster mode
+CLUSTER_PRODUCER = textwrap.dedent(
+    """
+    import sys, numpy as np, instride
+    n, retain, policy = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    pos = np.zeros((2000, 3), dtype=np.float32)
+    with instride.Stream("cl", mode="w", retain=retain, on_full=policy, groups=["remote"],
+                         timeout=60) as s:
+        for i in range(n):
+            pos[:, 0] = i
+            s.append(pos, step=i)
+    """
+)
+CLUSTER_CONSUMER = textwrap.dedent(
+    """
+    import os, sys, instride
+    group = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] != "-" else None
+    root = os.environ["INSTRIDE_DIR"]
+    s = instride.Stream("cl", group=group, on_gap="count", timeout=60)
+    steps, most = [], 0
+    for f in s:
+        assert f.positions[0, 0] == f.step
+        steps.append(f.step)
+        most = max(most, len([n for n in os.listdir(os.path.join(root, "cl")) if n.startswith("frame_")]))
+    print(" ".join(map(str, steps)), "|", s.missed, most)
+    """
+)
+
+
+def test_cluster_remote_group_holds_frames_on_the_owner(loopback_nodes: list) -> None:
+    owner, remote = loopback_nodes[0], loopback_nodes[1]
+    consumer = subprocess.Popen([sys.executable, "-c", CLUSTER_CONSUMER, "remote"], env=remote.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    producer = subprocess.Popen([sys.executable, "-c", CLUSTER_PRODUCER, "60", "4", "block"],
+                                env=owner.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    rc, _, err = finish(producer, 120)
+    assert rc == 0, err
+    rc, out, err = finish(consumer, 120)
+    assert rc == 0, err
+    steps, rest = out.split("|")
+    assert [int(x) for x in steps.split()] == list(range(60))  # every frame, in order
+    missed, most = map(int, rest.split())
+    assert missed == 0 and most <= 2  # fetched copies dropped once the frame is released
+    on_owner = sorted(n for n in os.listdir(owner.dir / "cl") if n.startswith("frame_"))
+    assert len(on_owner) <= 5  # retain + the newest, which the group had not taken yet
+
+
+def test_cluster_remote_reader_learns_of_dropped_frames(loopback_nodes: list) -> None:
+    owner, remote = loopback_nodes[0], loopback_nodes[1]
+    producer = subprocess.Popen([sys.executable, "-c", CLUSTER_PRODUCER, "30", "3", "drop-oldest"],
+                                env=owner.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    rc, _, err = finish(producer, 120)
+    assert rc == 0, err
+    consumer = subprocess.Popen([sys.executable, "-c", CLUSTER_CONSUMER, "-"], env=remote.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    rc, out, err = finish(consumer, 120)
+    assert rc == 0, err
+    steps, rest = out.split("|")
+    assert [int(x) for x in steps.split()] == [27, 28, 29]
+    assert int(rest.split()[0]) == 27  # counted, never a silent gap

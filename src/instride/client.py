@@ -241,6 +241,17 @@ class Client:
         if self.settings.redis_url:
             self.metadata.delete(key)
 
+    def drop_copy(self, key: str) -> None:
+        """Cluster mode: remove this node's fetched copy of a (normalized) key, if it is one.
+
+        An original produced on this node is never removed.
+        """
+        cluster = self.cluster
+        if cluster is not None and cluster.cached_version(key) is not None:
+            cluster.forget_fetched(key)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.root / key)
+
     def local_path(self, key: str) -> Path | None:
         """Where a (normalized) key's file is on this node: always its path in local mode;
         in cluster mode only when a copy is here already (``None``: fetch it first)."""

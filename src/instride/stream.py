@@ -52,10 +52,27 @@ from inotify_simple import INotify
 from inotify_simple import flags as inflags
 
 from .client import Client, get_client
-from .errors import ConfigError, EndOfStream, FramesMissed, KeyValidationError, StreamFull
+from .errors import (
+    ConfigError,
+    ConsumeTimeout,
+    EndOfStream,
+    FramesMissed,
+    IntegrityError,
+    KeyValidationError,
+    StreamFull,
+)
 from .frames import Frame, decode_frame, encode_into, frame_size
 from .store.ring import Leases, SlotPool
-from .store.streamstate import GroupCursor, Groups, Head, Policy, check_group, state_dir
+from .store.streamstate import (
+    GroupCursor,
+    Groups,
+    Head,
+    Policy,
+    RedisGroupCursor,
+    RedisStreamState,
+    check_group,
+    state_dir,
+)
 
 FRAME_FORMAT = "frame_{:09d}.isf"
 END_NAME = "end_of_stream.json"
@@ -166,13 +183,21 @@ class Stream:
         # consumer
         self._head: Head | None = None
         self._leases: Leases | None = None
+        self._reader_policy: Policy | None = None  # the producer's, once it is known
         self._held: Frame | None = None
-        self._cursor_file: GroupCursor | None = None
+        self._cursor_file: GroupCursor | RedisGroupCursor | None = None
+        #: cluster mode: the stream's head and groups in Redis
+        self._shared = (
+            RedisStreamState(self.client.metadata.redis, self.name) if self.client.mode == "cluster" else None
+        )
         if self.group is not None:
             if mode == "w":
                 raise ValueError("group= is for consumers; a producer registers groups with groups=")
             self.mode = "r"
-            self._cursor_file = GroupCursor(Groups(self._state), self.name, self.group, start=0)
+            if self._shared is not None:
+                self._cursor_file = self._shared.open_group(self.group, start=0)
+            else:
+                self._cursor_file = GroupCursor(Groups(self._state), self.name, self.group, start=0)
             self._cursor = self._cursor_file.value
 
     # ------------------------------------------------------------------ naming
@@ -269,6 +294,8 @@ class Stream:
         self._written += 1
         self._head.written = self._written
         self._make_room(0, wait=False)
+        if self._shared is not None:
+            self._shared.set_head(self._head.oldest, self._written)
         return index
 
     def _start_producing(self) -> None:
@@ -289,6 +316,8 @@ class Stream:
             self._groups.reset()
         for g in self.register_groups:
             self._groups.register(g, 0)
+        if self._shared is not None:
+            self._shared.start(self.policy, self.register_groups, reset=self.overwrite)
         self._pool = SlotPool(self._state / "pool", recycle=self.policy.bounded)
 
     def _over(self, nbytes: int, slack: int) -> bool:
@@ -310,7 +339,7 @@ class Stream:
             oldest = self._retained[0][0]
             if not self.policy.drops:
                 assert self._groups is not None
-                cursors = self._groups.cursors()
+                cursors = self._shared.cursors() if self._shared is not None else self._groups.cursors()
                 holders = sorted(g for g, c in cursors.items() if c <= oldest)
                 if holders:
                     if not wait:
@@ -324,6 +353,9 @@ class Stream:
         waited = time.monotonic() - start
         if timeout is not None and waited >= timeout:
             raise StreamFull(self.name, waited, holders)
+        if self._shared is not None:  # cluster mode: the cursors are in Redis
+            time.sleep(min(0.05, 0.002 * (1 + waited * 10)))
+            return
         if self._notify is None:
             self._notify = INotify()
             assert self._groups is not None
@@ -408,37 +440,44 @@ class Stream:
             self._head = Head.open(self._state / "head")
         return self._head
 
+    def _head_counts(self) -> tuple[int, int] | None:
+        """``(oldest retained, frames written)`` as the producer last recorded them."""
+        if self._shared is not None:
+            return self._shared.head()
+        head = self._local_head()
+        return None if head is None else (head.oldest, head.written)
+
     def __len__(self) -> int:
         """Number of frames written so far (retired ones included)."""
         if self.mode == "w":
             return self._written
-        head = self._local_head()
+        head = self._head_counts()
         if head is not None:
-            return head.written
+            return head[1]
         found = self.published()
         return found[-1] + 1 if found else 0
 
     @property
     def oldest(self) -> int:
         """The oldest frame still retained on this node (0 for a stream without retention)."""
-        head = self._local_head()
-        return head.oldest if head is not None else 0
+        head = self._head_counts()
+        return head[0] if head is not None else 0
 
     def _lease_table(self) -> Leases:
-        if self._leases is None:
-            policy = Policy.load(self._state) if self.client.mode == "local" else None
-            keep = 0
-            if policy is not None and policy.bounded:
-                keep = (policy.retain or 16) + _MAP_SLACK
-            self._leases = Leases(keep)
+        if self._leases is None or self._reader_policy is None:
+            policy = self._shared.policy() if self._shared is not None else Policy.load(self._state)
+            if self._leases is None or policy is not None:
+                keep = (policy.retain or 16) + _MAP_SLACK if policy is not None and policy.bounded else 0
+                if self._leases is not None:
+                    self._leases.close()
+                self._leases = Leases(keep)
+                self._reader_policy = policy
         return self._leases
 
     def _gap(self, index: int) -> None:
-        head = self._local_head()
-        if head is not None:
-            oldest = head.oldest
-            if index < oldest:
-                raise FramesMissed(self.name, index, oldest - index, oldest)
+        head = self._head_counts()
+        if head is not None and index < head[0]:
+            raise FramesMissed(self.name, index, head[0] - index, head[0])
 
     def read(self, index: int) -> Frame:
         """Return frame ``index``, waiting for it.
@@ -483,6 +522,8 @@ class Stream:
                 except BaseException:
                     release()
                     raise
+                if self._shared is not None and self._bounded_copy(key):
+                    release = self._dropping_copy(key, release)
                 return Frame(frame.header, frame.positions, frame.ids, release)
             self._gap(index)
             woke = self.client.wait_any([key, self.end_key], timeout=self.timeout)
@@ -490,8 +531,41 @@ class Stream:
                 count = self._end_count()
                 if count is not None and index >= count:
                     raise EndOfStream(self.name, index)
-            if self.client.mode == "cluster":
-                self.client.consume(key, timeout=self.timeout)  # fetch it to this node
+            if self._shared is not None:
+                self._fetch(index, key)
+
+    def _fetch(self, index: int, key: str) -> None:
+        """Cluster mode: bring frame ``index`` to this node, or learn that it was dropped."""
+        start = time.monotonic()
+        while True:
+            self._gap(index)
+            waited = time.monotonic() - start
+            left = None if self.timeout is None else self.timeout - waited
+            try:  # short slices: a frame retired meanwhile must not hold us until the timeout
+                self.client.consume(key, timeout=0.25 if left is None else max(0.0, min(0.25, left)))
+                return
+            except ConsumeTimeout:
+                if left is not None and left <= 0.25:
+                    raise ConsumeTimeout(key, time.monotonic() - start) from None
+            except IntegrityError:  # rewritten by the owner under the transfer: retired
+                self._gap(index)
+                raise
+
+    def _bounded_copy(self, key: str) -> bool:
+        cluster = self.client.cluster
+        return (
+            cluster is not None and cluster.cached_version(key) is not None
+            and self._lease_table().keep > 0
+        )
+
+    def _dropping_copy(self, key: str, release: Any) -> Any:
+        """For a fetched copy of a bounded stream: drop the copy when the frame is released."""
+
+        def release_and_drop() -> None:
+            release()
+            self.client.drop_copy(key)
+
+        return release_and_drop
 
     def __getitem__(self, index: int) -> Frame:
         try:

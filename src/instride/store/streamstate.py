@@ -27,8 +27,11 @@ import mmap
 import os
 import re
 import struct
+import threading
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from ..errors import ConfigError, GroupBusy
 
@@ -167,7 +170,11 @@ class Head:
 
 
 class Groups:
-    """The consumer groups of a stream on this node (their cursor files)."""
+    """The consumer groups of a stream on this node (their cursor files).
+
+    In cluster mode the groups live in Redis instead (:class:`RedisStreamState`), so that a
+    producer sees the progress of readers on every node.
+    """
 
     def __init__(self, directory: Path) -> None:
         self.dir = directory / "groups"
@@ -259,3 +266,111 @@ class GroupCursor:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+class RedisStreamState:
+    """A stream's head, policy and consumer groups in Redis (cluster mode).
+
+    A producer on the owner node retires a frame only when every group, whichever node it
+    reads on, has taken it; readers on other nodes learn from the head that a frame they
+    wanted was dropped. A group's reader holds a lease in Redis that it renews while it
+    runs; a reader that dies loses it after ``lease_s`` seconds (then another reader may
+    take the group and resume at its cursor).
+
+    Parameters
+    ----------
+    redis
+        A ``redis.Redis`` client.
+    stream
+        The stream name.
+    lease_s
+        Lifetime of a group reader's lease.
+    """
+
+    def __init__(self, redis: Any, stream: str, lease_s: float = 10.0) -> None:
+        self.redis = redis
+        self.stream = stream
+        self.lease_s = lease_s
+        self._head = f"instride:stream:{stream}:head"
+        self._groups = f"instride:stream:{stream}:groups"
+
+    # producer
+    def start(self, policy: Policy, groups: tuple[str, ...], *, reset: bool) -> None:
+        """Record the policy, zero the head, register ``groups`` (and reset cursors)."""
+        pipe = self.redis.pipeline()
+        pipe.hset(self._head, mapping={"oldest": 0, "written": 0, "policy": json.dumps(asdict(policy)),
+                                       "producer": os.getpid()})
+        if reset:
+            for name in self.redis.hkeys(self._groups):
+                pipe.hset(self._groups, name, 0)
+        for name in groups:
+            pipe.hsetnx(self._groups, name, 0)
+        pipe.execute()
+
+    def set_head(self, oldest: int, written: int) -> None:
+        """Publish the head counters."""
+        self.redis.hset(self._head, mapping={"oldest": oldest, "written": written})
+
+    def cursors(self) -> dict[str, int]:
+        """Each group's cursor."""
+        return {k.decode(): int(v) for k, v in self.redis.hgetall(self._groups).items()}
+
+    # consumer
+    def head(self) -> tuple[int, int] | None:
+        """``(oldest retained, frames written)``; ``None`` if no producer recorded one."""
+        oldest, written = self.redis.hmget(self._head, ["oldest", "written"])
+        if oldest is None or written is None:
+            return None
+        return int(oldest), int(written)
+
+    def policy(self) -> Policy | None:
+        """The producer's policy."""
+        raw = self.redis.hget(self._head, "policy")
+        return None if raw is None else Policy(**json.loads(raw))
+
+    def open_group(self, name: str, start: int) -> RedisGroupCursor:
+        """Take the group's lease and return its cursor.
+
+        Raises
+        ------
+        GroupBusy
+            Another live reader holds the group.
+        """
+        return RedisGroupCursor(self, check_group(name), start)
+
+
+class RedisGroupCursor:
+    """A reader's lease on its group in Redis, renewed on every commit and in the background."""
+
+    def __init__(self, state: RedisStreamState, name: str, start: int) -> None:
+        self.state, self.name = state, name
+        self._lock = f"instride:stream:{state.stream}:group:{name}:lease"
+        self._token = f"{os.getpid()}-{uuid.uuid4().hex}"
+        r = state.redis
+        if not r.set(self._lock, self._token, nx=True, px=int(state.lease_s * 1000)):
+            raise GroupBusy(state.stream, name)
+        r.hsetnx(state._groups, name, start)
+        self.value = int(r.hget(state._groups, name))
+        self._stop = threading.Event()
+        self._renewer = threading.Thread(target=self._renew, daemon=True, name=f"instride-lease-{name}")
+        self._renewer.start()
+
+    def _renew(self) -> None:
+        every = self.state.lease_s / 3
+        while not self._stop.wait(every):
+            with contextlib.suppress(Exception):
+                self.state.redis.pexpire(self._lock, int(self.state.lease_s * 1000))
+
+    def commit(self, value: int) -> None:
+        """Record that the group is done with every frame before ``value``."""
+        if value != self.value:
+            self.state.redis.hset(self.state._groups, self.name, value)
+            self.value = value
+
+    def close(self) -> None:
+        """Release the lease (the cursor stays)."""
+        if not self._stop.is_set():
+            self._stop.set()
+            with contextlib.suppress(Exception):
+                if self.state.redis.get(self._lock) == self._token.encode():
+                    self.state.redis.delete(self._lock)
