@@ -174,6 +174,15 @@ class GroupBusy(InstrideError, BlockingIOError):
         )
 
 
+class ArchiveError(InstrideError, OSError):
+    """A stream's archiver failed: frames may be missing from its archive file."""
+
+    def __init__(self, stream: str, path: object, detail: str) -> None:
+        self.stream = stream
+        self.path = path
+        super().__init__(_errno.EIO, f"archiver of stream {stream!r} ({path}) failed: {detail}")
+
+
 class UnsupportedModeError(InstrideError, ValueError):
     """A file mode instride cannot honour (append or update of an immutable published key)."""
 
@@ -212,6 +221,7 @@ BY_NAME: dict[str, type[InstrideError]] = {
         FramesMissed,
         StreamFull,
         GroupBusy,
+        ArchiveError,
         ConfigError,
         UnsupportedModeError,
     )

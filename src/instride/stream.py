@@ -53,6 +53,7 @@ from inotify_simple import flags as inflags
 
 from .client import Client, get_client
 from .errors import (
+    ArchiveError,
     ConfigError,
     ConsumeTimeout,
     EndOfStream,
@@ -129,6 +130,11 @@ class Stream:
     verify
         Consumer: check each frame's payload checksum (default). ``False`` skips it (the
         header checksum is always checked).
+    archive
+        Producer: also write every frame to this file (``.h5``: H5MD) while the run goes on,
+        through an archiver process reading as consumer group ``"archive"``
+        (:mod:`instride.archive`); :meth:`close` waits for it to finish. Frames retired from
+        memory stay readable: :meth:`read` serves them from the archive.
 
     Raises
     ------
@@ -152,6 +158,7 @@ class Stream:
         group: str | None = None,
         on_gap: str = "raise",
         verify: bool = True,
+        archive: str | os.PathLike[str] | None = None,
     ) -> None:
         self.client = client or get_client()
         self.name = self.client.key(name)
@@ -159,8 +166,13 @@ class Stream:
             raise ValueError(f"mode must be 'r', 'w' or None, got {mode!r}")
         if on_gap not in _GAP_POLICIES:
             raise ConfigError("on_gap", on_gap, f"expected one of {', '.join(_GAP_POLICIES)}")
-        self.policy = Policy(retain=retain, retain_bytes=retain_bytes, on_full=on_full)
+        self.policy = Policy(
+            retain=retain, retain_bytes=retain_bytes, on_full=on_full,
+            archive=None if archive is None else os.path.abspath(archive),
+        )
         self.register_groups = tuple(check_group(g) for g in groups)
+        if archive is not None and "archive" not in self.register_groups:
+            self.register_groups += ("archive",)
         self.group = None if group is None else check_group(group)
         self.mode = mode
         self.timeout = timeout
@@ -180,6 +192,8 @@ class Stream:
         self._retained_bytes = 0
         self._groups: Groups | None = None
         self._notify: INotify | None = None
+        self._archiver: Any = None
+        self._archive_reader: Any = None
         # consumer
         self._head: Head | None = None
         self._leases: Leases | None = None
@@ -319,6 +333,10 @@ class Stream:
         if self._shared is not None:
             self._shared.start(self.policy, self.register_groups, reset=self.overwrite)
         self._pool = SlotPool(self._state / "pool", recycle=self.policy.bounded)
+        if self.policy.archive is not None:
+            from .archive import start_archiver
+
+            self._archiver = start_archiver(self.name, self.policy.archive, self.client)
 
     def _over(self, nbytes: int, slack: int) -> bool:
         """Whether keeping one more frame of ``nbytes`` would exceed the bound by > ``slack``."""
@@ -383,6 +401,55 @@ class Stream:
             with self.client.open(self.end_key, "wb", overwrite=self.overwrite) as fh:
                 fh.write(body)
         self._release_resources()
+        if self._archiver is not None:
+            self._finish_archiver()
+
+    def _finish_archiver(self) -> None:
+        proc, self._archiver = self._archiver, None
+        timeout = self.client.settings.timeout if self.timeout is None else self.timeout
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except Exception:
+            proc.kill()
+            proc.wait()
+            raise
+        if proc.returncode != 0:
+            raise ArchiveError(self.name, self.policy.archive, err.decode(errors="replace").strip())
+
+    # ------------------------------------------------------------------ archive
+    def set_archive(self, path: str | os.PathLike[str]) -> None:
+        """Record where this stream's archive is, so readers find retired frames there."""
+        where = os.path.abspath(path)
+        if self._shared is not None:
+            self._shared.set_archive(self.client.settings.node, where)
+        else:
+            self._state.mkdir(parents=True, exist_ok=True)
+            tmp = self._state / f".archive.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps({"path": where}))
+            os.rename(tmp, self._state / "archive.json")
+
+    def archive_path(self) -> str | None:
+        """The archive file readable from this node, if the stream has one."""
+        if self._shared is not None:
+            found = self._shared.archive()
+            if found is None:
+                return None
+            node, where = found
+            return where if node == self.client.settings.node or os.path.exists(where) else None
+        try:
+            return str(json.loads((self._state / "archive.json").read_text())["path"])
+        except (FileNotFoundError, ValueError, KeyError):
+            return None
+
+    def _from_archive(self, index: int) -> Frame | None:
+        if self._archive_reader is None:
+            where = self.archive_path()
+            if where is None or not os.path.exists(where):
+                return None
+            from .archive import open_reader
+
+            self._archive_reader = open_reader(where)
+        return self._archive_reader.read(index)  # type: ignore[no-any-return]
 
     def _release_resources(self) -> None:
         if self._pool is not None:
@@ -398,6 +465,9 @@ class Stream:
             self._cursor_file = None
         if self._leases is not None:
             self._leases.close()
+        if self._archive_reader is not None:
+            self._archive_reader.close()
+            self._archive_reader = None
 
     def __enter__(self) -> Stream:
         return self
@@ -474,10 +544,15 @@ class Stream:
                 self._reader_policy = policy
         return self._leases
 
-    def _gap(self, index: int) -> None:
+    def _gap(self, index: int) -> Frame | None:
+        """For a frame no longer retained: the archived copy, else :class:`FramesMissed`."""
         head = self._head_counts()
         if head is not None and index < head[0]:
+            archived = self._from_archive(index)
+            if archived is not None:
+                return archived
             raise FramesMissed(self.name, index, head[0] - index, head[0])
+        return None
 
     def read(self, index: int) -> Frame:
         """Return frame ``index``, waiting for it.
@@ -525,30 +600,39 @@ class Stream:
                 if self._shared is not None and self._bounded_copy(key):
                     release = self._dropping_copy(key, release)
                 return Frame(frame.header, frame.positions, frame.ids, release)
-            self._gap(index)
+            archived = self._gap(index)
+            if archived is not None:
+                return archived
             woke = self.client.wait_any([key, self.end_key], timeout=self.timeout)
             if woke != key:
                 count = self._end_count()
                 if count is not None and index >= count:
                     raise EndOfStream(self.name, index)
             if self._shared is not None:
-                self._fetch(index, key)
+                archived = self._fetch(index, key)
+                if archived is not None:
+                    return archived
 
-    def _fetch(self, index: int, key: str) -> None:
-        """Cluster mode: bring frame ``index`` to this node, or learn that it was dropped."""
+    def _fetch(self, index: int, key: str) -> Frame | None:
+        """Cluster mode: bring frame ``index`` to this node, or learn that it was dropped
+        (returns its archived copy, if any)."""
         start = time.monotonic()
         while True:
-            self._gap(index)
+            archived = self._gap(index)
+            if archived is not None:
+                return archived
             waited = time.monotonic() - start
             left = None if self.timeout is None else self.timeout - waited
             try:  # short slices: a frame retired meanwhile must not hold us until the timeout
                 self.client.consume(key, timeout=0.25 if left is None else max(0.0, min(0.25, left)))
-                return
+                return None
             except ConsumeTimeout:
                 if left is not None and left <= 0.25:
                     raise ConsumeTimeout(key, time.monotonic() - start) from None
             except IntegrityError:  # rewritten by the owner under the transfer: retired
-                self._gap(index)
+                archived = self._gap(index)
+                if archived is not None:
+                    return archived
                 raise
 
     def _bounded_copy(self, key: str) -> bool:

@@ -315,6 +315,18 @@ class RedisStreamState:
         """Each group's cursor."""
         return {k.decode(): int(v) for k, v in self.redis.hgetall(self._groups).items()}
 
+    def set_archive(self, node: str, path: str) -> None:
+        """Record the node and path of the stream's archive file."""
+        self.redis.hset(self._head, "archive", json.dumps([node, path]))
+
+    def archive(self) -> tuple[str, str] | None:
+        """``(node, path)`` of the stream's archive, if it has one."""
+        raw = self.redis.hget(self._head, "archive")
+        if raw is None:
+            return None
+        node, path = json.loads(raw)
+        return str(node), str(path)
+
     # consumer
     def head(self) -> tuple[int, int] | None:
         """``(oldest retained, frames written)``; ``None`` if no producer recorded one."""

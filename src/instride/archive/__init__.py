@@ -1,0 +1,27 @@
+"""The durable tier of streams: frames written to a trajectory file while the run goes on.
+
+An archiver reads a stream as the consumer group ``"archive"`` and appends every frame to a
+file (H5MD, which MDAnalysis reads). It acknowledges a frame (moves its group on) only after
+the frame is flushed to the file, so frames retired from memory stay readable: a stream's
+:meth:`~instride.Stream.read` — and so ``mda.Universe(top, "instride://run")`` — serves
+recent frames from memory and older ones from the archive.
+
+Formats plug in by file suffix (:data:`FORMATS`): a writer and a reader behind the small
+protocols of :mod:`instride.archive.base`.
+"""
+
+from __future__ import annotations
+
+from .archiver import ArchiveReport, archive_stream, start_archiver
+from .base import FORMATS, ArchiveReader, ArchiveWriter, open_reader, open_writer
+
+__all__ = [
+    "FORMATS",
+    "ArchiveReader",
+    "ArchiveReport",
+    "ArchiveWriter",
+    "archive_stream",
+    "open_reader",
+    "open_writer",
+    "start_archiver",
+]

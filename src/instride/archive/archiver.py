@@ -1,0 +1,126 @@
+"""The archiver: a consumer group that writes every frame of a stream to a file.
+
+Examples
+--------
+Shell (runs until the stream ends; restart it after a crash and it resumes)::
+
+    instride archive run7 --to run7.h5
+
+Python, from the producer (starts the archiver process and waits for it at ``close``)::
+
+    with instride.Stream("run7", mode="w", retain=16, archive="run7.h5") as s:
+        ...
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..client import Client, get_client
+from ..errors import FramesMissed
+from ..stream import Stream
+from .base import open_writer
+
+GROUP = "archive"
+
+
+@dataclass
+class ArchiveReport:
+    """What an archiver run did."""
+
+    stream: str
+    path: Path
+    frames: int  # frames appended by this run
+    total: int  # frames in the file
+    missed: int  # frames dropped by the stream before the archiver got them
+    seconds: float
+
+
+def archive_stream(
+    stream: str,
+    path: str | os.PathLike[str],
+    *,
+    group: str = GROUP,
+    timeout: float | None = None,
+    client: Client | None = None,
+    progress: bool = False,
+) -> ArchiveReport:
+    """Append every frame of ``stream`` to ``path`` until the stream ends.
+
+    The archiver reads as consumer group ``group`` and acknowledges a frame (moves the group
+    on) only after it is flushed to the file, so under ``on_full="block"`` no frame leaves
+    memory before it is in the archive, and a killed archiver loses no acknowledged frame.
+    Restarted, it resumes after the last frame in the file.
+
+    Parameters
+    ----------
+    stream
+        Stream name.
+    path
+        Archive file (``.h5``/``.h5md``: H5MD).
+    group
+        Consumer group name.
+    timeout
+        Seconds to wait for each frame (default ``INSTRIDE_TIMEOUT``, else forever).
+    client
+        Client to use.
+    progress
+        Show a progress line on stderr.
+
+    Returns
+    -------
+    ArchiveReport
+    """
+    client = client or get_client()
+    dest = Path(path).resolve()
+    writer = open_writer(dest)
+    start = time.monotonic()
+    done = writer.indices()
+    reader = Stream(stream, group=group, timeout=timeout, on_gap="count", client=client)
+    reader.set_archive(dest)
+    if len(done) and reader.tell() <= int(done[-1]):
+        reader.seek(int(done[-1]) + 1)  # flushed before the crash, not yet acknowledged
+    appended = 0
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(desc=f"archive {stream}", unit=" frames", disable=None)
+    try:
+        while True:
+            try:
+                frame = next(reader)
+            except StopIteration:
+                break
+            except FramesMissed:  # counted in reader.missed
+                continue
+            writer.append(reader.tell() - 1, frame)
+            writer.flush()  # durable before the next call acknowledges it
+            appended += 1
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+        reader.close()
+        total = len(writer.indices())
+        writer.close()
+    return ArchiveReport(stream, dest, appended, total, reader.missed, time.monotonic() - start)
+
+
+def start_archiver(stream: str, path: str | os.PathLike[str], client: Client) -> subprocess.Popen:
+    """Start ``instride archive STREAM --to PATH`` as a process with the client's settings."""
+    s = client.settings
+    env = dict(os.environ, INSTRIDE_DIR=str(s.dir), INSTRIDE_NODE=s.node, INSTRIDE_ADDR=s.addr)
+    for name, value in (("INSTRIDE_REDIS_URL", s.redis_url), ("INSTRIDE_TOKEN", s.token)):
+        if value:
+            env[name] = value
+    return subprocess.Popen(
+        [sys.executable, "-m", "instride", "archive", stream, "--to", os.fspath(path)],
+        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )

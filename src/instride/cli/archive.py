@@ -1,0 +1,34 @@
+"""``instride archive STREAM --to FILE``: the durable tier of a stream."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def cmd_archive(args: argparse.Namespace) -> int:
+    from ..archive import archive_stream
+
+    report = archive_stream(args.stream, args.to, group=args.group, timeout=args.timeout,
+                            progress=not args.quiet)
+    print(f"{report.frames} frames appended to {report.path} ({report.total} in the file, "
+          f"{report.missed} dropped before archiving) in {report.seconds:.1f} s", file=sys.stderr)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``archive`` to the ``instride`` parser."""
+    p = sub.add_parser(
+        "archive", help="write every frame of a stream to an H5MD file while the run goes on",
+        description="Read STREAM as consumer group 'archive' and append each frame to FILE (H5MD), "
+        "acknowledging a frame only once it is flushed; ends with the stream. Restarted after a "
+        "crash, it resumes after the last frame in the file. Readers of the stream get frames "
+        "retired from memory from this file.",
+    )
+    p.add_argument("stream", help="stream name, e.g. run7")
+    p.add_argument("--to", required=True, metavar="FILE", help="archive file (.h5 or .h5md: H5MD)")
+    p.add_argument("--group", default="archive", help="consumer group name (default: archive)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds to wait for each frame (default: INSTRIDE_TIMEOUT, else forever)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=cmd_archive)
