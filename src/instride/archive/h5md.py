@@ -24,14 +24,18 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ConfigError
 from ..frames import Frame, FrameHeader
 
 _LIBVER = "latest"
 
 
 def _h5py() -> Any:
-    import h5py
-
+    try:
+        import h5py
+    except ImportError:
+        hint = "the H5MD archive needs h5py: pip install 'instride[md]'"
+        raise ConfigError("archive", "h5md", hint) from None
     return h5py
 
 
