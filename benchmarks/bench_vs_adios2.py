@@ -48,8 +48,8 @@ COMMON = textwrap.dedent(
     """
     import json, os, sys, time
     import numpy as np
-    way, role, natoms, nframes, interval, where = sys.argv[1:7]
-    natoms, nframes, interval = int(natoms), int(nframes), float(interval)
+    way, role, natoms, nframes, interval, where, queue = sys.argv[1:8]
+    natoms, nframes, interval, queue = int(natoms), int(nframes), float(interval), int(queue)
     now = time.monotonic_ns
     def frames():
         rng = np.random.default_rng(7)
@@ -69,9 +69,11 @@ COMMON = textwrap.dedent(
 INSTRIDE = COMMON + textwrap.dedent(
     """
     import instride
+    layout = "paper-soa" if way.endswith("soa") else "paper"
     if role == "w":
         t, cost = [], []
-        with instride.Stream("bench", mode="w", layout="paper") as s:
+        with instride.Stream("bench", mode="w", layout=layout, retain=queue, groups=["bench"],
+                             timeout=120) as s:
             t0 = now()
             for i, pos, ids in frames():
                 pace(t0, i)
@@ -82,7 +84,7 @@ INSTRIDE = COMMON + textwrap.dedent(
     else:
         t, check = [], 0
         print("ready", flush=True)
-        for f in instride.Stream("bench", timeout=120):
+        for f in instride.Stream("bench", group="bench", timeout=120):
             xyz = np.array(f.positions); ids = np.array(f.ids)
             t.append(now()); check += int(xyz[0, 0] == f.step)
         print(json.dumps({"t": t, "ok": check}))
@@ -96,7 +98,7 @@ ADIOS2 = COMMON + textwrap.dedent(
     adios = ab.ADIOS()
     io = adios.DeclareIO("bench")
     io.SetEngine("SST")
-    io.SetParameters({"RendezvousReaderCount": "1", "QueueLimit": "4",
+    io.SetParameters({"RendezvousReaderCount": "1", "QueueLimit": str(queue),
                       "QueueFullPolicy": "Block", "OpenTimeoutSecs": "60"})
     if role == "w":
         vx = io.DefineVariable("xyz", np.zeros((natoms, 3)), [], [], [natoms, 3], ab.ConstantDims)
@@ -162,20 +164,20 @@ RENAME = COMMON + textwrap.dedent(
     """
 )
 
-WAYS = {"instride": INSTRIDE, "adios2-sst": ADIOS2, "rename": RENAME}
+WAYS = {"instride": INSTRIDE, "instride-soa": INSTRIDE, "adios2-sst": ADIOS2, "rename": RENAME}
 
 
-def run_pair(way: str, natoms: int, nframes: int, interval: float) -> dict[str, Any]:
+def run_pair(way: str, natoms: int, nframes: int, interval: float, queue: int = 16) -> dict[str, Any]:
     """Run one writer and one reader of ``way``; return their per-frame timestamps."""
     where = Path(tempfile.mkdtemp(prefix=f"bench-{way}-", dir="/dev/shm"))
     env = dict(os.environ, INSTRIDE_DIR=str(where / "managed"), INSTRIDE_FSYNC="0")
     env.pop("INSTRIDE_REDIS_URL", None)
-    args = [way, "", str(natoms), str(nframes), str(interval), str(where)]
+    args = [way, "", str(natoms), str(nframes), str(interval), str(where), str(queue)]
     code = WAYS[way]
     try:
         reader = subprocess.Popen(
             [sys.executable, "-c", code, *args[:1], "r", *args[2:]],
-            env=env, stdout=subprocess.PIPE, text=True, cwd=where,
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=where,
         )
         assert reader.stdout is not None
         if reader.stdout.readline().strip() != "ready":
@@ -184,10 +186,10 @@ def run_pair(way: str, natoms: int, nframes: int, interval: float) -> dict[str, 
             [sys.executable, "-c", code, *args[:1], "w", *args[2:]],
             env=env, capture_output=True, text=True, cwd=where, timeout=600, check=False,
         )
-        out, _ = reader.communicate(timeout=600)
+        out, err = reader.communicate(timeout=600)
         if writer.returncode or reader.returncode:
             raise RuntimeError(f"{way}: writer rc={writer.returncode} reader rc={reader.returncode}\n"
-                               f"{writer.stderr[-2000:]}")
+                               f"writer: {writer.stderr[-2000:]}\nreader: {err[-2000:]}")
         w = json.loads(writer.stdout.strip().splitlines()[-1])
         r = json.loads(out.strip().splitlines()[-1])
     finally:
@@ -209,7 +211,7 @@ def measure(way: str, name: str, nframes: int, repeats: int, interval: float) ->
         costs.extend(c / 1e9 for c in run["w"]["cost"])
     paced_n = max(20, min(nframes, 200))
     run = run_pair(way, natoms, paced_n, interval)
-    lat = [(r - w) / 1e3 for w, r in zip(run["w"]["t"], run["r"]["t"])]
+    lat = [(r - w) / 1e3 for w, r in zip(run["w"]["t"], run["r"]["t"], strict=True)]
     fps = statistics.median(rates)
     return {
         "frames_per_s": fps,
@@ -237,7 +239,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ("cost", "writer cost per frame (ms)", lambda r: r["writer_cost_s"]["median"] * 1e3),
     ]
     width = 0.8 / len(ways)
-    for ax, (_, title, get) in zip(axes, metrics):
+    for ax, (_, title, get) in zip(axes, metrics, strict=True):
         for k, way in enumerate(ways):
             vals = [get(results["sizes"][s][way]) for s in sizes]
             ax.bar([i + k * width for i in range(len(sizes))], vals, width, label=way)
@@ -269,9 +271,10 @@ def main() -> None:
         for way in WAYS:
             per[way] = measure(way, name, n, repeats, interval)
             r = per[way]
-            print(f"{name:5} {way:11} {r['frames_per_s']:9.1f} frames/s {r['GB_per_s']:6.2f} GB/s  "
-                  f"latency median {r['latency_us']['median'] / 1e3:7.2f} ms p99 "
-                  f"{r['latency_us']['p99'] / 1e3:7.2f} ms  writer {r['writer_cost_s']['median'] * 1e3:6.2f} ms")
+            lat, cost = r["latency_us"], r["writer_cost_s"]["median"] * 1e3
+            print(f"{name:5} {way:12} {r['frames_per_s']:9.1f} frames/s {r['GB_per_s']:6.2f} GB/s  "
+                  f"latency median {lat['median'] / 1e3:7.2f} ms p99 {lat['p99'] / 1e3:7.2f} ms  "
+                  f"writer {cost:6.2f} ms")
         ins, sst, ren = per["instride"], per["adios2-sst"], per["rename"]
         per["ratios"] = {
             "throughput_vs_sst": ins["frames_per_s"] / sst["frames_per_s"],
