@@ -80,7 +80,7 @@ def _relaunch_argv(args: argparse.Namespace) -> list[str]:
 
 def cmd_analyze(args: argparse.Namespace) -> int:
     from ..errors import InstrideError
-    from ..parallel.runner import analyze, launch_mpi, under_mpi_launcher
+    from ..parallel.execute import analyze, launch_mpi, under_mpi_launcher
 
     if args.backend == "mpi" and not under_mpi_launcher() and (args.workers or 1) > 1:
         return launch_mpi(_relaunch_argv(args), args.workers, args.mpiexec)

@@ -34,7 +34,7 @@ from .analyses import (
     FrameAnalysis,
     RadiusOfGyration,
 )
-from .errors import (
+from .analysis_errors import (
     BackendError,
     DecompositionError,
     RankFailedError,
@@ -42,9 +42,9 @@ from .errors import (
     TrajectoryNotFoundError,
     UnsupportedInputError,
 )
+from .execute import AnalysisRun, analyze, block_bounds, launch_mpi, under_mpi_launcher
 from .h5md import export_h5md
 from .inputs import ADK_CORE_CA, FrameSource, SourceSpec, open_source, source_spec
-from .runner import AnalysisRun, analyze, block_bounds, launch_mpi, under_mpi_launcher
 from .timing import RankTiming, TimingReport, find_stragglers
 
 __all__ = [

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from .errors import UnsupportedInputError
+from .analysis_errors import UnsupportedInputError
 from .inputs import ADK_CORE_CA, FrameSource, MDAnalysisSource, SourceSpec, open_source
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class FrameAnalysis:
         """Analyse frames ``start <= frame < stop``; add ``t_IO``, ``t_comp``, ``t_end_loop``.
 
         ``delay`` seconds of sleep are added to every frame's computation (the straggler
-        injection of :func:`~instride.parallel.runner.analyze`, for tests and diagnostics).
+        injection of :func:`~instride.parallel.execute.analyze`, for tests and diagnostics).
         """
         n = stop - start
         values = np.empty((n, len(self.columns)), dtype=np.float64)

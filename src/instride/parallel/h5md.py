@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import TrajectoryNotFoundError, UnsupportedInputError
+from .analysis_errors import TrajectoryNotFoundError, UnsupportedInputError
 from .inputs import STREAM_SCHEME
 
 FrameTuple = tuple[int, float, np.ndarray, "np.ndarray | None"]

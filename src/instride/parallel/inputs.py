@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import SelectionError, TrajectoryNotFoundError, UnsupportedInputError
+from .analysis_errors import SelectionError, TrajectoryNotFoundError, UnsupportedInputError
 
 STREAM_SCHEME = "instride://"
 H5MD_SUFFIXES = (".h5", ".h5md", ".hdf5", ".hdf")

@@ -286,7 +286,7 @@ class TimingReport:
             w.writeheader()
             w.writerows(rows)
         if plot:
-            from .plots import plot_ranks
+            from .timing_plots import plot_ranks
 
             paths["png"] = plot_ranks(self, out / "timing.png")
         return paths

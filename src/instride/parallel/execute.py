@@ -51,7 +51,12 @@ from typing import Any
 import numpy as np
 
 from .analyses import BUILTIN, Block, Combined, FrameAnalysis
-from .errors import BackendError, DecompositionError, RankFailedError, UnsupportedInputError
+from .analysis_errors import (
+    BackendError,
+    DecompositionError,
+    RankFailedError,
+    UnsupportedInputError,
+)
 from .inputs import FrameSource, SourceSpec, source_spec
 from .timing import RankTiming, TimingReport
 
