@@ -39,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
+from ..analytics.reader import SCHEME, stream_name
 from .analysis_errors import SelectionError, TrajectoryNotFoundError, UnsupportedInputError
 
-STREAM_SCHEME = "instride://"
 H5MD_SUFFIXES = (".h5", ".h5md", ".hdf5", ".hdf")
 
 #: Cα atoms of the adenylate kinase CORE domain (146 atoms): the RMSD selection of the paper.
@@ -73,7 +73,7 @@ class SourceSpec:
     def stream_name(self) -> str:
         """The stream name of a ``kind="stream"`` source."""
         t = self.trajectory
-        return t[len(STREAM_SCHEME):] if t.startswith(STREAM_SCHEME) else t
+        return stream_name(t) if t.startswith(SCHEME) else t
 
 
 def _is_h5md(path: Path) -> bool:
@@ -116,9 +116,9 @@ def source_spec(
     top = None if topology is None else os.fspath(topology)
     if top is not None and not Path(top).exists():
         raise TrajectoryNotFoundError(top, "topology")
-    if traj.startswith(STREAM_SCHEME):
+    if traj.startswith(SCHEME):
         kind = "stream"
-        if not traj[len(STREAM_SCHEME):]:
+        if not traj[len(SCHEME):].strip("/"):
             raise UnsupportedInputError(traj, "empty stream name")
     else:
         path = Path(traj)
