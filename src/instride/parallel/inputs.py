@@ -29,7 +29,6 @@ Examples
 from __future__ import annotations
 
 import abc
-import json
 import os
 import warnings
 from collections.abc import Iterator
@@ -39,7 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from ..analytics.reader import SCHEME, stream_name
+from .. import Stream
+from ..analytics.reader import SCHEME, stream_name, wait_for_end
 from .analysis_errors import SelectionError, TrajectoryNotFoundError, UnsupportedInputError
 
 H5MD_SUFFIXES = (".h5", ".h5md", ".hdf5", ".hdf")
@@ -293,17 +293,13 @@ class StreamSource(FrameSource):
     """A closed instride stream, read frame by frame with :class:`instride.Stream`."""
 
     def __init__(self, spec: SourceSpec) -> None:
-        from .. import Stream, consume_bytes
-
         self.spec = spec
         self._stream = Stream(spec.stream_name, mode="r", timeout=spec.timeout)
         # Splitting needs the frame count: wait (up to timeout) for the producer to close.
-        body = bytes(consume_bytes(self._stream.end_key, timeout=spec.timeout))
-        self.n_frames = int(json.loads(body)["frames"])
+        self.n_frames = wait_for_end(self._stream, spec.timeout)
         if self.n_frames == 0:
             raise UnsupportedInputError(spec.trajectory, "the stream holds no frames")
-        first = self._stream.read(0)
-        self.n_atoms = first.header.natoms
+        self.n_atoms = self._stream.read(0).natoms
         self._u = _topology_universe(spec.topology)  # type: ignore[arg-type]
         _check_atoms(spec, self._u, self.n_atoms)
 
@@ -314,15 +310,10 @@ class StreamSource(FrameSource):
         return np.array(self._stream.read(self._check_index(index)).positions, dtype=np.float32)
 
     def iter_block(self, start: int, stop: int) -> Iterator[tuple[int, float, np.ndarray]]:
-        # The end marker was seen, so every frame below n_frames is published: consume the
-        # key directly (no wait on "frame or end marker" per frame, as Stream.read does).
-        # In cluster mode consume() fetches the frame from its owner node.
-        from .. import consume, read_frame
-
-        key, timeout = self._stream.frame_key, self.spec.timeout
+        # In cluster mode Stream.read fetches each frame from its owner node.
         for i in range(start, stop):
-            frame = read_frame(consume(key(i), timeout))
-            yield i, frame.header.time, frame.positions
+            frame = self._stream.read(i)
+            yield i, frame.time, frame.positions
 
 
 def _check_atoms(spec: SourceSpec, u: Any, n_atoms: int) -> None:
