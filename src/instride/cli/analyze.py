@@ -41,13 +41,13 @@ def _straggle(text: str) -> tuple[int, float]:
 
 
 def _analysis(args: argparse.Namespace) -> Any:
-    from ..parallel.analyses import RMSD, AnalysisBaseAdapter, RadiusOfGyration
+    from ..parallel.adapters import AnalysisBaseAdapter, radius_of_gyration, rmsd
     from ..parallel.inputs import ADK_CORE_CA
 
     if args.analysis == "rmsd":
-        return RMSD(select=args.select or ADK_CORE_CA, ref_frame=args.ref_frame)
+        return rmsd(select=args.select or ADK_CORE_CA, ref_frame=args.ref_frame)
     if args.analysis == "rg":
-        return RadiusOfGyration(select=args.select or "protein")
+        return radius_of_gyration(select=args.select or "protein")
     return AnalysisBaseAdapter(args.cls, select=args.select or "all",
                                kwargs=json.loads(args.kwargs))
 
