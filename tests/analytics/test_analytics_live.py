@@ -119,3 +119,7 @@ def test_rmsd_with_a_fixed_reference_is_mdanalysis_bit_for_bit(adk) -> None:
     assert np.array_equal(got, want.results.rmsd[:, 2])
     with pytest.raises(ValueError, match="reference has shape"):
         RMSDToFirst(ca, reference=reference[:5])
+    mass = RMSDToFirst(ca, weights="mass", reference=reference).run(stop=4).results.rmsd
+    want = [rms.rmsd(reference, ca.positions, weights=ca.masses, superposition=True)
+            for _ in adk.trajectory[:4]]
+    assert np.array_equal(mass, want)  # rms.rmsd's weighted arithmetic, exactly
