@@ -118,6 +118,16 @@ def test_upper_layers_have_no_import_cycles() -> None:
     assert find_cycles(graph) == []
 
 
+def test_analytics_imports_none_of_the_packages_built_on_it() -> None:
+    """One analysis stack: parallel, md and bench use analytics; analytics uses none of them."""
+    graph = import_graph()
+    above = ("instride.parallel", "instride.bench", "instride.md")
+    wrong = {(m, t) for m, targets in graph.items() if m.startswith("instride.analytics")
+             for t in targets if t.startswith(above)}
+    assert wrong == set()
+    assert any(t.startswith("instride.analytics") for t in graph["instride.parallel.adapters"])
+
+
 @pytest.mark.parametrize(
     ("sources", "cyclic"),
     [
