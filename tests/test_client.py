@@ -325,7 +325,7 @@ def test_publication_between_check_and_watch_is_not_missed(
     # Deterministic version of the race: the file is published exactly after the first
     # existence check and before the inotify watch is armed. Only the re-check after arming
     # can see it (no event will ever come).
-    from instride import local
+    from instride.store import wait as local
 
     original = local._watcher.watch
     published = []

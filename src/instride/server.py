@@ -72,7 +72,7 @@ from typing import Any, TypeVar
 
 from .client import Client
 from .config import Settings, parse_addr
-from .errors import ConsumeTimeout, InstrideError, KeyNotFoundError
+from .errors import AgentError, ConsumeTimeout, InstrideError, KeyNotFoundError, KeyNotServed
 from .keys import key_path, normalize_key
 from .transport import wire
 
@@ -531,15 +531,15 @@ class NodeServer:
         try:
             st = os.lstat(path)
         except (FileNotFoundError, NotADirectoryError):
-            raise _LocalError(errno.ENOENT,
+            raise AgentError(errno.ENOENT,
                               f"{key} is not in place under the managed directory") from None
         if not stat.S_ISREG(st.st_mode):
-            raise _LocalError(errno.EINVAL, f"{key} is not a regular file (symbolic links, "
+            raise AgentError(errno.EINVAL, f"{key} is not a regular file (symbolic links, "
                               "directories and special files cannot be published)")
         try:
             self._check_real(key, os.path.realpath(path))
         except KeyNotServed as exc:
-            raise _LocalError(errno.EINVAL, f"{key} cannot be published: {exc.reason}") from None
+            raise AgentError(errno.EINVAL, f"{key} cannot be published: {exc.reason}") from None
         return path
 
     async def _local_request(
@@ -574,7 +574,7 @@ class NodeServer:
             return _err(errno.EINVAL, f"unknown request {verb[:50]!r}")
         except _ShuttingDown:
             return _err(errno.ECONNABORTED, "server is shutting down")
-        except _LocalError as exc:
+        except AgentError as exc:
             return _err(exc.code, exc.message)
         except InstrideError as exc:
             return _err(exc.errno, exc)
@@ -586,25 +586,6 @@ class NodeServer:
             self.stats["errors"] += 1
             log.exception("unexpected error answering %r", line[:200])
             return _err(errno.EIO, f"internal error: {type(exc).__name__}: {exc}")
-
-
-class _LocalError(Exception):
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class KeyNotServed(KeyNotFoundError):
-    """A key's file exists but is not a regular file inside the managed directory.
-
-    Peers get it as a ``KeyNotFoundError`` reply (with the reason).
-    """
-
-    def __init__(self, key: str, reason: str) -> None:
-        super().__init__(key)
-        self.reason = reason
-        self.strerror = f"key {key!r} is not served: {reason}"
 
 
 def serve(
