@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from instride.errors import AuthenticationError, TransferError
 from instride.metadata.base import Record
-from instride.server import one_line
+from instride.agent import one_line
 from instride.transport import wire
 from instride.transport.tcp import TcpTransport
 from tests.conftest import LoopbackNode, RedisServer
