@@ -119,6 +119,11 @@ def _connect_timeout(name: str, raw: str | None) -> float:
     return 5.0 if value is None else value
 
 
+def _state_dir(name: str, raw: str | None) -> Path:
+    raw = (raw or "").strip()
+    return Path(raw) if raw else Path("/run/instride/clusters")
+
+
 def _flag(name: str, raw: str | None) -> bool:
     return _bool(name, raw, False)
 
@@ -172,6 +177,10 @@ VARIABLES: tuple[Variable, ...] = (
              "(preload library) let writes replace published keys"),
     Variable("INSTRIDE_PATCH_OPEN", "patch_open", _flag, "0",
              "1: route Python's open for managed paths through instride at start-up"),
+    Variable("INSTRIDE_MPIEXEC", "mpiexec", _str_or_none, "the venv's, else PATH's",
+             "(instride analyze) the mpiexec that launches MPI ranks"),
+    Variable("INSTRIDE_CLUSTER_STATE_DIR", "cluster_state_dir", _state_dir, "/run/instride/clusters",
+             "(instride cluster) directory of the emulated clusters' state files"),
 )
 
 #: The names of all ``INSTRIDE_*`` variables, derived from :data:`VARIABLES`.
@@ -224,6 +233,8 @@ class Settings:
     transport: str = "tcp"
     overwrite: bool = False
     patch_open: bool = False
+    mpiexec: str | None = None
+    cluster_state_dir: Path = Path("/run/instride/clusters")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
