@@ -281,7 +281,7 @@ class Client:
         return key
 
     # ------------------------------------------------------------------ consuming
-    def ready(self, key: str | os.PathLike[str]) -> Path | None:
+    def ready(self, key: str | os.PathLike[str]) -> str | None:
         """The local path of ``key`` if it can be read right now without waiting, else ``None``.
 
         A key published on this node (or a fetched copy of its latest version, in cluster
@@ -294,7 +294,8 @@ class Client:
 
         Returns
         -------
-        pathlib.Path or None
+        str or None
+            The path as a string (this is the hot path of every read), or ``None``.
         """
         return self.engine.ready(self.key(key))
 

@@ -52,7 +52,7 @@ def test_remote_fetch_then_local_reads(clients: list[instride.Client]) -> None:
     data = np.random.default_rng(1).bytes(300_000)
     with c1.open("rf/a.bin", "wb") as fh:
         fh.write(data)
-    assert c1.ready("rf/a.bin") == c1.root / "rf" / "a.bin"  # an original: ready at once
+    assert c1.ready("rf/a.bin") == str(c1.root / "rf" / "a.bin")  # an original: ready at once
     assert c2.ready("rf/a.bin") is None  # on another node: must be fetched
     assert c2.exists("rf/a.bin")
     before = c2.engine.transfers
@@ -60,7 +60,7 @@ def test_remote_fetch_then_local_reads(clients: list[instride.Client]) -> None:
     assert path.read_bytes() == data and c2.engine.transfers == before + 1
     assert set(c2.engine.last_timing) == {"wait", "fetch", "store"}
     assert c2.engine.cached_version("rf/a.bin") == 1
-    assert c2.ready("rf/a.bin") == path  # the fetched copy is current
+    assert c2.ready("rf/a.bin") == str(path)  # the fetched copy is current
     with c2.open("rf/a.bin") as fh:  # served from the copy: no second transfer
         assert fh.read() == data
     assert c2.engine.transfers == before + 1

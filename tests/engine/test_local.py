@@ -174,7 +174,7 @@ def test_the_engine_is_chosen_once_from_the_settings(client: instride.Client) ->
     assert client.ready("ready/k") is None  # not published: nothing to read without waiting
     with client.open("ready/k", "wb") as fh:
         fh.write(b"here")
-    assert client.ready("ready/k") == client.root / "ready" / "k"
+    assert client.ready("ready/k") == str(client.root / "ready" / "k")
     assert client.engine.wait_any(["ready/none", "ready/k"], 1) == "ready/k"
     client.close()  # releases connections; the client stays usable
     assert client.consume("ready/k", timeout=1).read_bytes() == b"here"

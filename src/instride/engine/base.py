@@ -8,7 +8,7 @@ server never ask which mode they are in.
 =====================  =====================================================================
 method                 job
 =====================  =====================================================================
-``ready(key)``         the local path of a key that may be read right now, else ``None``
+``ready(key)``         the local path (str) of a key readable right now, else ``None``
 ``consume(key, t)``    wait until the key is published and on this node; its local path
 ``consume_bytes``      its content in memory (zero copy when local)
 ``wait_any(keys, t)``  wait until one of the keys is published (not fetched); which one
@@ -43,8 +43,11 @@ class Engine(Protocol):
     #: The metadata backend this engine records publications in.
     metadata: MetadataBackend
 
-    def ready(self, key: str) -> Path | None:
-        """The local path of ``key`` if it may be read now without waiting, else ``None``."""
+    def ready(self, key: str) -> str | None:
+        """The local path of ``key`` if it may be read now without waiting, else ``None``.
+
+        A string, not a :class:`~pathlib.Path`: this is the hot path of every read.
+        """
 
     def consume(self, key: str, timeout: float | None) -> Path:
         """Wait until ``key`` is published and present on this node; return its local path.

@@ -220,11 +220,11 @@ class ClusterEngine:
         return map_file(self.consume(key, timeout))
 
     # ------------------------------------------------------------------ engine protocol
-    def ready(self, key: str) -> Path | None:
+    def ready(self, key: str) -> str | None:
         """The local file of ``key`` if it may be served now: an original of this node, or a
         fetched copy of the latest version (one metadata lookup)."""
         path = key_path(key, self.root)
-        return path if self._current(key, path) else None
+        return str(path) if self._current(key, path) else None
 
     def wait_any(self, keys: Sequence[str], timeout: float | None) -> str:
         """The first of ``keys`` to be recorded in the metadata (not fetched)."""

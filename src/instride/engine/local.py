@@ -33,11 +33,12 @@ class LocalEngine:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.root = settings.dir
+        self._root_s = str(settings.dir)
         self.metadata = get_backend("files", settings)
 
-    def ready(self, key: str) -> Path | None:
+    def ready(self, key: str) -> str | None:
         """The file of ``key`` if it exists (one ``stat``)."""
-        path = key_path(key, self.root)
+        path = f"{self._root_s}/{key}"  # strings, not pathlib, on this hot path
         return path if os.path.exists(path) else None
 
     def consume(self, key: str, timeout: float | None) -> Path:
