@@ -66,12 +66,13 @@ QUICK_WORKERS = 4
 T = TypeVar("T")
 
 
-class _WaitCancelled(Exception):
-    """Raised in a worker thread when its wait was cancelled between slices."""
+class _WaitCancelled(InstrideError):
+    """Raised in a worker thread when its wait was cancelled between slices (never leaves
+    the agent)."""
 
 
-class _ShuttingDown(Exception):
-    """A wait ended because the server is stopping."""
+class _ShuttingDown(InstrideError):
+    """A wait ended because the server is stopping (answered ``ERR 103``, never raised out)."""
 
 
 def one_line(text: str, limit: int = MAX_MESSAGE) -> str:
