@@ -12,6 +12,7 @@ announcing ``len(body)`` bytes, sends the first ``cut`` bytes of ``body`` and th
 from __future__ import annotations
 
 import os
+import selectors
 import signal
 import subprocess
 import sys
@@ -52,6 +53,25 @@ asyncio.run(main())
 """
 
 
+def wait_ready(proc: subprocess.Popen, timeout: float = 30.0) -> bool:
+    """Whether ``proc`` printed its "ready" line within ``timeout`` seconds (never hangs)."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout
+    out = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while b"\n" not in out:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                return False
+            chunk = os.read(fd, 4096)
+            if not chunk:  # the child exited
+                return False
+            out += chunk
+    return b"ready" in out
+
+
 class Owner:
     """A node's managed directory served by the transport's real server half (a child process)."""
 
@@ -64,10 +84,9 @@ class Owner:
         self.env.pop("INSTRIDE_REDIS_URL", None)
         self.proc = subprocess.Popen([sys.executable, "-c", _SERVE, name], env=self.env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()  # the child exits (EOF) rather than hang on failure
-        if b"ready" not in line:
+        if not wait_ready(self.proc):
             self.stop()
+            assert self.proc.stderr is not None
             raise RuntimeError(f"{name} server half did not start: {self.proc.stderr.read()!r}")
 
     def put(self, key: str, data: bytes) -> Record:

@@ -32,7 +32,7 @@ from instride.transport.tcp import TcpTransport
 from tests.conftest import LoopbackNode, RedisServer, free_port
 from tests.nodes import TOKEN, ask, forged, no_traceback, put, raw, recv_all, signed, stats, until
 
-from .contract import TransportContract
+from .contract import TransportContract, wait_ready
 
 _DYING = """
 import os, signal, socket, struct, sys
@@ -64,7 +64,7 @@ class TestTcpContract(TransportContract):
             proc = subprocess.Popen([sys.executable, "-c", _DYING, str(port), str(src), str(cut)],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             procs.append(proc)
-            assert proc.stdout is not None and b"ready" in proc.stdout.readline()
+            assert wait_ready(proc), "the dying owner did not start"
             return f"127.0.0.1:{port}"
 
         yield start
