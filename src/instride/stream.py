@@ -181,16 +181,43 @@ class Stream:
             self._closed = True
 
     # ------------------------------------------------------------------ consumer
-    def _end_count(self) -> int | None:
-        if not self.client.exists(self.end_key):
+    def frame_count(self, *, wait: bool = False, timeout: float | None = None) -> int | None:
+        """The number of frames of the ended stream, from its end-of-stream marker.
+
+        This is the one place a stream's final length is computed; readers of closed streams
+        (the MDAnalysis reader, the parallel inputs) ask here.
+
+        Parameters
+        ----------
+        wait
+            Wait until the producer closes the stream (else answer at once).
+        timeout
+            Seconds to wait (default: the stream's timeout).
+
+        Returns
+        -------
+        int or None
+            The frame count; ``None`` while the stream has not ended (``wait=False``).
+
+        Raises
+        ------
+        ConsumeTimeout
+            ``wait=True`` and the stream did not end within the timeout.
+        """
+        timeout = self.timeout if timeout is None else timeout
+        if not wait and not self.client.exists(self.end_key):
             return None
-        data = bytes(self.client.consume_bytes(self.end_key, timeout=self.timeout))
+        data = bytes(self.client.consume_bytes(self.end_key, timeout=timeout))
         return int(json.loads(data)["frames"])
 
     @property
     def ended(self) -> bool:
         """Whether the producer has closed the stream."""
         return self.client.exists(self.end_key)
+
+    def has(self, index: int) -> bool:
+        """Whether frame ``index`` is published (no waiting, nothing fetched)."""
+        return self.client.exists(self.frame_key(index))
 
     def published(self) -> list[int]:
         """Indices of the frames published so far, sorted."""
@@ -205,13 +232,15 @@ class Stream:
         """Number of frames published so far."""
         return len(self.published())
 
-    def read(self, index: int) -> Frame:
+    def read(self, index: int, timeout: float | None = None) -> Frame:
         """Return frame ``index``, waiting for it.
 
         Parameters
         ----------
         index
             Frame number; negative counts from the newest published frame.
+        timeout
+            Seconds to wait for it (default: the stream's timeout).
 
         Returns
         -------
@@ -231,18 +260,20 @@ class Stream:
             index += len(self)
             if index < 0:
                 raise IndexError(f"frame index out of range for stream {self.name!r}")
+        timeout = self.timeout if timeout is None else timeout
         key = self.frame_key(index)
-        if self.client.mode == "local":
-            try:  # adaptive: a frame already here costs just its read
-                return read_frame(f"{self.client.root}/{key}")
+        path = self.client.ready(key)
+        if path is not None:  # adaptive: a frame already here costs a stat and its read
+            try:
+                return read_frame(path)
             except FileNotFoundError:
-                pass
-        got = self.client.wait_any([key, self.end_key], timeout=self.timeout)
+                pass  # deleted or evicted meanwhile: wait for it
+        got = self.client.wait_any([key, self.end_key], timeout=timeout)
         if got != key:
-            count = self._end_count()
+            count = self.frame_count(timeout=timeout)
             if count is not None and index >= count:
                 raise EndOfStream(self.name, index)
-        return read_frame(self.client.consume(key, timeout=self.timeout))
+        return read_frame(self.client.consume(key, timeout=timeout))
 
     def __getitem__(self, index: int) -> Frame:
         try:
