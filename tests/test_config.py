@@ -50,3 +50,33 @@ def test_infinite_and_negative_timeouts_mean_forever() -> None:
         assert Settings.from_env({"INSTRIDE_TIMEOUT": raw}).timeout is None
     with pytest.raises(ConfigError):
         Settings.from_env({"INSTRIDE_TIMEOUT": "nan"})
+
+
+def test_every_variable_fills_one_field_and_is_documented_once() -> None:
+    import dataclasses
+    import re
+
+    from instride.config import ENV_KEYS, VARIABLES
+
+    assert [v.field for v in VARIABLES] == [f.name for f in dataclasses.fields(Settings)]
+    assert tuple(v.name for v in VARIABLES) == ENV_KEYS and len(set(ENV_KEYS)) == len(ENV_KEYS)
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = re.findall(r"^\| `(INSTRIDE_\w+)` \|", readme, re.M)
+    assert set(ENV_KEYS) <= set(table), set(ENV_KEYS) - set(table)
+    assert len(table) == len(set(table)), "each variable in one row"
+
+
+def test_flags_and_transport_are_parsed_in_settings() -> None:
+    from instride.config import read_variable
+
+    s = Settings.from_env({"INSTRIDE_OVERWRITE": "yes", "INSTRIDE_PATCH_OPEN": "On",
+                           "INSTRIDE_TRANSPORT": "ucx"})
+    assert (s.overwrite, s.patch_open, s.transport) == (True, True, "ucx")
+    d = Settings.from_env({})
+    assert (d.overwrite, d.patch_open, d.transport) == (False, False, "tcp")
+    assert read_variable("INSTRIDE_PATCH_OPEN", {"INSTRIDE_PATCH_OPEN": "1"}) is True
+    assert read_variable("INSTRIDE_PATCH_OPEN", {}) is False
+    with pytest.raises(ConfigError, match="INSTRIDE_OVERWRITE"):
+        Settings.from_env({"INSTRIDE_OVERWRITE": "maybe"})
+    with pytest.raises(ConfigError, match="INSTRIDE_TRANSPORT"):
+        Settings.from_env({"INSTRIDE_TRANSPORT": "a b"})

@@ -1,113 +1,34 @@
-"""open / publish / consume, built from keys, local publication, metadata and transport.
+"""open / publish / consume over one engine chosen at construction.
 
-The synchronization is adaptive: a key already on this node costs one ``stat`` (plus, for
-a copy fetched from another node, a version check); only a missing key waits on metadata,
-and only a key owned by another node is transferred.
+The client validates keys, writes produced files through atomic publication
+(:mod:`instride.store`) and hands everything that depends on the mode to its engine
+(:mod:`instride.engine`): a local engine (files + inotify) or a cluster engine (metadata +
+transport + a cache of fetched copies). The synchronization is adaptive: a key already on this
+node costs one ``stat`` (plus, for a copy fetched from another node, a version check); only a
+missing key waits on metadata, and only a key owned by another node is transferred.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io as _io
-import mmap
 import os
 import shutil
-import stat
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
-import xxhash
-
-from . import local
-from .config import Settings
-from .errors import ConfigError, KeyExistsError, UnsupportedModeError
+from . import store
+from .config import Settings, env_snapshot
+from .engine import Engine, get_engine
+from .errors import KeyExistsError, UnsupportedModeError
 from .keys import key_path, normalize_key, tmp_path
-from .metadata import MetadataBackend, Record, get_backend
+from .metadata import MetadataBackend, Record
+from .store import ensure_private_dir, file_checksum, file_system_type
 from .store.ring import collect_pools
 
-if TYPE_CHECKING:
-    from .remote import RemoteStore
-
-_ENV_KEYS = (
-    "INSTRIDE_DIR",
-    "INSTRIDE_REDIS_URL",
-    "INSTRIDE_TOKEN",
-    "INSTRIDE_TIMEOUT",
-    "INSTRIDE_FSYNC",
-    "INSTRIDE_CACHE_BYTES",
-    "INSTRIDE_NODE",
-    "INSTRIDE_ADDR",
-    "INSTRIDE_SOCKET",
-    "INSTRIDE_CONNECT_TIMEOUT",
-)
-_ENV_KEYS_B = tuple(os.fsencode(k) for k in _ENV_KEYS)
-
 _open = _io.open  # the builtin, captured before instride.interception.pyopen may patch it
-
-
-def _env_snapshot() -> tuple[object, ...]:
-    data = getattr(os.environ, "_data", None)  # CPython: the bytes-keyed dict behind environ
-    if isinstance(data, dict):
-        return tuple(data.get(k) for k in _ENV_KEYS_B)
-    return tuple(os.environ.get(k) for k in _ENV_KEYS)
-
-
-def file_system_type(path: str) -> str:
-    """The type (``"tmpfs"``, ``"ext4"``...) of the file system holding ``path``, or ``""``.
-
-    Read from ``/proc/self/mountinfo``: the mount point that is the longest prefix of the
-    path's real path.
-    """
-    real = os.path.realpath(path)
-    best, kind = -1, ""
-    try:
-        with _open("/proc/self/mountinfo", "rb") as fh:
-            lines = fh.read().decode(errors="replace").splitlines()
-    except OSError:
-        return ""
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        fields = left.split()
-        if len(fields) < 5 or not right:
-            continue
-        point = fields[4].replace("\\040", " ")
-        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > best:
-            best, kind = len(point), right.split()[0]
-    return kind
-
-
-def ensure_private_dir(root: Path) -> None:
-    """Create the managed directory (mode 0700) and check it is ours and not a symlink.
-
-    Raises
-    ------
-    ConfigError
-        The directory is a symbolic link, belongs to another user, or is writable by others.
-    """
-    try:
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = os.lstat(root)
-    except OSError as exc:
-        raise ConfigError("INSTRIDE_DIR", str(root), f"cannot create it: {exc}") from None
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise ConfigError("INSTRIDE_DIR", str(root), "not a directory (or a symbolic link)")
-    if st.st_uid != os.getuid():
-        raise ConfigError("INSTRIDE_DIR", str(root), f"owned by uid {st.st_uid}, not {os.getuid()}")
-    if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
-        raise ConfigError("INSTRIDE_DIR", str(root), "writable by every user")
-
-
-def file_checksum(path: Path) -> str:
-    """Return ``"xxh3:<hex>"`` of a file's content (memory-mapped, no copy)."""
-    with _open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        if size == 0:
-            return "xxh3:" + xxhash.xxh3_64_hexdigest(b"")
-        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            return "xxh3:" + xxhash.xxh3_64_hexdigest(mm)
 
 
 class Client:
@@ -130,39 +51,31 @@ class Client:
         #: whether publications fsync: asked for, and the managed directory is not on tmpfs
         #: (where fsync cannot make anything durable and only costs time)
         self.fsync = self.settings.fsync and file_system_type(self._root_s) != "tmpfs"
-        self._metadata: MetadataBackend | None = None
-        self._cluster: Any = None
+        #: the engine of this client's mode, chosen once (:mod:`instride.engine`)
+        self.engine: Engine = get_engine(self.settings.mode, self.settings)
 
     # ------------------------------------------------------------------ plumbing
     @property
     def mode(self) -> str:
-        """``"local"`` or ``"cluster"``."""
-        return self.settings.mode
+        """``"local"`` or ``"cluster"``: the name of the engine."""
+        return self.engine.name
 
     @property
     def metadata(self) -> MetadataBackend:
-        """The metadata backend of this client's mode."""
-        if self._metadata is None:
-            self._metadata = get_backend("redis" if self.settings.redis_url else "files", self.settings)
-        return self._metadata
+        """The metadata backend of this client's engine."""
+        return self.engine.metadata
 
     @property
-    def cluster(self) -> RemoteStore | None:
-        """Cluster-mode machinery (fetching, cache); ``None`` in local mode."""
-        if self._cluster is None and self.settings.redis_url:
-            from .remote import RemoteStore
+    def cluster(self) -> Any:
+        """The cluster engine (fetching, cache, transfer counters); ``None`` in local mode.
 
-            self._cluster = RemoteStore(self.settings, self.metadata)
-        return self._cluster
+        Kept for existing callers; new code uses :attr:`engine`.
+        """
+        return self.engine if self.engine.name == "cluster" else None
 
     def close(self) -> None:
-        """Release connections held by this client."""
-        if self._metadata is not None:
-            self._metadata.close()
-            self._metadata = None
-        if self._cluster is not None:
-            self._cluster.close()
-            self._cluster = None
+        """Release connections held by this client (it stays usable)."""
+        self.engine.close()
 
     def key(self, key_or_path: str | os.PathLike[str]) -> str:
         """Validate and normalize a key or a path under the managed directory."""
@@ -174,18 +87,6 @@ class Client:
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.settings.timeout if timeout is None else timeout
-
-    def _record_for(self, key: str, path: Path) -> Record:
-        st = path.stat()
-        return Record(
-            key=key,
-            owner=self.settings.addr,
-            size=st.st_size,
-            checksum=file_checksum(path) if self.settings.redis_url else None,
-            version=1,
-            time=time.time(),
-            node=self.settings.node,
-        )
 
     def register(self, key: str | os.PathLike[str], *, overwrite: bool = False) -> Record:
         """Record a file already in place under ``key`` in the metadata (cluster mode).
@@ -213,52 +114,7 @@ class Client:
         MetadataUnavailable
             Redis could not be reached.
         """
-        key = self.key(key)
-        path = key_path(key, self.root)
-        record = self._record_for(key, path)
-        if not self.settings.redis_url:
-            return self.metadata.publish(record, overwrite=overwrite)
-        self.cluster.forget_fetched(key)  # our own original now, never evicted
-        try:
-            return self.metadata.publish(record, overwrite=overwrite)
-        except BaseException:
-            if not overwrite:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-            raise
-
-    def _after_publish(self, key: str, path: str | Path, overwrite: bool = False) -> None:
-        if self.settings.redis_url:
-            self.register(key, overwrite=overwrite)
-
-    def after_publish(self, key: str, *, overwrite: bool = False) -> None:
-        """Record a file just placed under its (normalized) key (cluster mode: in Redis)."""
-        if self.settings.redis_url:
-            self.register(key, overwrite=overwrite)
-
-    def after_retire(self, key: str) -> None:
-        """Forget the record of a key whose file was just taken away (cluster mode)."""
-        if self.settings.redis_url:
-            self.metadata.delete(key)
-
-    def drop_copy(self, key: str) -> None:
-        """Cluster mode: remove this node's fetched copy of a (normalized) key, if it is one.
-
-        An original produced on this node is never removed.
-        """
-        cluster = self.cluster
-        if cluster is not None and cluster.cached_version(key) is not None:
-            cluster.forget_fetched(key)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.root / key)
-
-    def local_path(self, key: str) -> Path | None:
-        """Where a (normalized) key's file is on this node: always its path in local mode;
-        in cluster mode only when a copy is here already (``None``: fetch it first)."""
-        path = self.root / key
-        if not self.settings.redis_url or os.path.exists(path):
-            return path
-        return None
+        return self.engine.register(self.key(key), overwrite=overwrite)
 
     # ------------------------------------------------------------------ producing
     def open(
@@ -314,29 +170,28 @@ class Client:
         >>> with instride.open("run1/frame_0.dat") as f:         # doctest: +SKIP
         ...     data = f.read()
         """
-        writing = local.check_mode(mode)
+        writing = store.check_mode(mode)
         key = self.key(key_or_path)
-        path = f"{self._root_s}/{key}"  # strings, not pathlib, on this hot path
         if writing:
-            return local.open_for_write(
-                path,
+            return store.open_for_write(
+                f"{self._root_s}/{key}",  # strings, not pathlib, on this hot path
                 key,
                 mode,
                 overwrite=overwrite,
                 fsync=self.fsync,
-                on_publish=lambda k, p: self._after_publish(k, p, overwrite),
+                on_publish=lambda k, _p: self.engine.published(k, overwrite),
                 buffering=buffering,
                 encoding=encoding,
                 errors=errors,
                 newline=newline,
             )
-        if self.settings.redis_url:
-            path = self._consume_key(key, timeout)
-        else:
-            try:  # adaptive: a key already here costs just the open
-                return self._open_read(path, mode, buffering, encoding, errors, newline)
+        ready = self.engine.ready(key)
+        if ready is not None:  # adaptive: a key already here costs a stat and the open
+            try:
+                return self._open_read(ready, mode, buffering, encoding, errors, newline)
             except FileNotFoundError:
-                path = self._consume_key(key, timeout)
+                pass  # deleted or evicted meanwhile: wait for it like any missing key
+        path = self.engine.consume(key, self._timeout(timeout))
         return self._open_read(path, mode, buffering, encoding, errors, newline)
 
     @staticmethod
@@ -397,7 +252,7 @@ class Client:
             key = self.key(srcp)
             final = key_path(key, self.root)
             if srcp == final:  # already in place (written non-atomically by a legacy tool)
-                self._after_publish(key, final, overwrite)
+                self.engine.published(key, overwrite)
                 return key
         else:
             key = self.key(key)
@@ -417,24 +272,33 @@ class Client:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-            local.publish_file(staged, final, key, overwrite=overwrite)
+            store.publish_file(staged, final, key, overwrite=overwrite)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(staged)
             raise
         os.unlink(srcp)  # moved, not copied: the source name goes away
-        self._after_publish(key, final, overwrite)
+        self.engine.published(key, overwrite)
         return key
 
     # ------------------------------------------------------------------ consuming
-    def _consume_key(self, key: str, timeout: float | None) -> Path:
-        timeout = self._timeout(timeout)
-        if self.settings.redis_url:
-            return self.cluster.consume(key, timeout)
-        path = key_path(key, self.root)
-        if os.path.exists(path):
-            return path
-        return local.wait_any([path], timeout, label=key)
+    def ready(self, key: str | os.PathLike[str]) -> str | None:
+        """The local path of ``key`` if it can be read right now without waiting, else ``None``.
+
+        A key published on this node (or a fetched copy of its latest version, in cluster
+        mode) is ready; nothing waits and nothing is fetched.
+
+        Parameters
+        ----------
+        key
+            The key (or a path under the managed directory).
+
+        Returns
+        -------
+        str or None
+            The path as a string (this is the hot path of every read), or ``None``.
+        """
+        return self.engine.ready(self.key(key))
 
     def consume(self, key: str | os.PathLike[str], timeout: float | None = None) -> Path:
         """Wait until ``key`` is published and present on this node; return its local path.
@@ -458,7 +322,7 @@ class Client:
         PeerUnavailable, IntegrityError
             Cluster mode: the owner cannot be reached / the bytes do not verify.
         """
-        return self._consume_key(self.key(key), timeout)
+        return self.engine.consume(self.key(key), self._timeout(timeout))
 
     def consume_bytes(self, key: str | os.PathLike[str], timeout: float | None = None) -> memoryview:
         """Wait for ``key`` and return its content without a second copy on disk.
@@ -478,17 +342,7 @@ class Client:
         memoryview
             The content (read-only).
         """
-        key = self.key(key)
-        timeout = self._timeout(timeout)
-        if self.settings.redis_url:
-            data = self.cluster.consume_bytes(key, timeout)
-            if data is not None:
-                return data
-        path = self._consume_key(key, timeout)
-        with _open(path, "rb") as fh:
-            if os.fstat(fh.fileno()).st_size == 0:
-                return memoryview(b"")
-            return memoryview(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ))
+        return self.engine.consume_bytes(self.key(key), self._timeout(timeout))
 
     def wait_any(self, keys: Sequence[str], timeout: float | None = None) -> str:
         """Wait until one of ``keys`` is published; return the (normalized) key that was.
@@ -502,13 +356,7 @@ class Client:
         KeyValidationError
             A bad key.
         """
-        keys = [self.key(k) for k in keys]
-        timeout = self._timeout(timeout)
-        if not self.settings.redis_url:
-            for key in keys:
-                if os.path.exists(self.root / key):
-                    return key
-        return self.metadata.wait_any(list(keys), timeout).key
+        return self.engine.wait_any([self.key(k) for k in keys], self._timeout(timeout))
 
     def exists(self, key: str | os.PathLike[str]) -> bool:
         """Whether ``key`` is published (anywhere, in cluster mode).
@@ -522,10 +370,7 @@ class Client:
         -------
         bool
         """
-        key = self.key(key)
-        if os.path.exists(self.root / key):
-            return True
-        return self.settings.redis_url is not None and self.metadata.lookup(key) is not None
+        return self.engine.exists(self.key(key))
 
     def lookup(self, key: str | os.PathLike[str]) -> Record | None:
         """The metadata record of ``key``.
@@ -583,9 +428,9 @@ class Client:
         Returns
         -------
         list of pathlib.Path
-            The files removed. See :func:`instride.local.collect_garbage`.
+            The files removed. See :func:`instride.store.collect_garbage`.
         """
-        return local.collect_garbage(self.root, min_age=min_age) + collect_pools(self.root)
+        return store.collect_garbage(self.root, min_age=min_age) + collect_pools(self.root)
 
 
 _default: tuple[tuple[object, ...], Client] | None = None
@@ -601,7 +446,7 @@ def get_client() -> Client:
     closed (another thread may still be using it) and is released when garbage-collected.
     """
     global _default
-    env = _env_snapshot()
+    env = env_snapshot()
     current = _default
     if current is not None and current[0] == env:
         return current[1]
@@ -611,4 +456,4 @@ def get_client() -> Client:
         return _default[1]
 
 
-__all__ = ["Client", "get_client", "file_checksum"]
+__all__ = ["Client", "ensure_private_dir", "file_checksum", "file_system_type", "get_client"]

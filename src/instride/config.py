@@ -1,27 +1,11 @@
 """One settings object, read from ``INSTRIDE_*`` environment variables.
 
-``INSTRIDE_DIR``
-    The managed directory of this node (default ``/dev/shm/instride-<uid>``, or the temp
-    dir when /dev/shm is unusable).
-``INSTRIDE_REDIS_URL``
-    Redis URL; set means cluster mode, unset means local mode.
-``INSTRIDE_TOKEN``
-    The job token every cluster request is HMAC-signed with (required in cluster mode).
-``INSTRIDE_TIMEOUT``
-    Default consume timeout in seconds; empty, 0, negative or ``inf`` waits forever.
-``INSTRIDE_FSYNC``
-    fsync a produced file and its directory when publishing it (``0``/``1``, default ``1``);
-    skipped when the managed directory is on tmpfs, where it cannot make anything durable.
-``INSTRIDE_CACHE_BYTES``
-    Bound on fetched (not owned) copies kept on this node (default unbounded).
-``INSTRIDE_NODE``
-    Name of this node in records and errors (default: the host name).
-``INSTRIDE_ADDR``
-    ``host:port`` of this node's data server, as peers reach it (default ``127.0.0.1:7437``).
-``INSTRIDE_SOCKET``
-    Unix socket of this node's data server (default ``$INSTRIDE_DIR/.instride/node.sock``).
-``INSTRIDE_CONNECT_TIMEOUT``
-    Seconds to reach a peer or Redis before giving up (default 5).
+Every ``INSTRIDE_*`` variable the Python side reads is declared once, in :data:`VARIABLES`
+(name, parser, default, meaning), and parsed only here: :meth:`Settings.from_env` reads them
+all, :func:`read_variable` reads one (for start-up hooks that must not fail on unrelated
+variables), and :data:`ENV_KEYS` lists them (the process-wide client is rebuilt when one of
+them changes). The table of variables for users is the README's "Configuration" section; the
+C library reads the same names with the same meanings.
 """
 
 from __future__ import annotations
@@ -30,9 +14,10 @@ import math
 import os
 import socket
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from .errors import ConfigError
 
@@ -98,11 +83,141 @@ def parse_addr(addr: str, name: str = "INSTRIDE_ADDR") -> tuple[str, int]:
     return host.strip("[]"), number
 
 
+def _dir(name: str, raw: str | None) -> Path:
+    raw = (raw or "").strip()
+    directory = Path(raw) if raw else default_dir()
+    if not directory.is_absolute():
+        directory = Path.cwd() / directory
+    return Path(os.path.normpath(directory))
+
+
+def _str_or_none(name: str, raw: str | None) -> str | None:
+    return (raw or "").strip() or None
+
+
+def _token(name: str, raw: str | None) -> str | None:
+    return raw or None  # taken as is: a token may hold any character
+
+
+def _node(name: str, raw: str | None) -> str:
+    return (raw or "").strip() or socket.gethostname()
+
+
+def _addr(name: str, raw: str | None) -> str:
+    addr = (raw or "").strip() or f"127.0.0.1:{DEFAULT_PORT}"
+    parse_addr(addr, name)
+    return addr
+
+
+def _path_or_none(name: str, raw: str | None) -> Path | None:
+    raw = (raw or "").strip()
+    return Path(raw) if raw else None
+
+
+def _connect_timeout(name: str, raw: str | None) -> float:
+    value = _float_or_none(name, raw)
+    return 5.0 if value is None else value
+
+
+def _state_dir(name: str, raw: str | None) -> Path:
+    raw = (raw or "").strip()
+    return Path(raw) if raw else Path("/run/instride/clusters")
+
+
+def _flag(name: str, raw: str | None) -> bool:
+    return _bool(name, raw, False)
+
+
+def _fsync(name: str, raw: str | None) -> bool:
+    return _bool(name, raw, True)
+
+
+def _name(name: str, raw: str | None) -> str:
+    value = (raw or "").strip() or "tcp"
+    if not value.replace("_", "").replace("-", "").isalnum():
+        raise ConfigError(name, raw, "expected a registered name such as 'tcp'")
+    return value
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One ``INSTRIDE_*`` environment variable: the :class:`Settings` field it fills."""
+
+    name: str
+    field: str
+    parse: Callable[[str, str | None], Any]
+    default: str
+    meaning: str
+
+
+#: Every ``INSTRIDE_*`` variable read by the Python side, in the README table's order.
+VARIABLES: tuple[Variable, ...] = (
+    Variable("INSTRIDE_DIR", "dir", _dir, "/dev/shm/instride-<uid> (temp dir if /dev/shm is unusable)",
+             "the managed directory of this node"),
+    Variable("INSTRIDE_REDIS_URL", "redis_url", _str_or_none, "unset",
+             "set: cluster mode (metadata in Redis); unset: local mode"),
+    Variable("INSTRIDE_TOKEN", "token", _token, "unset",
+             "job token; every cluster request carries an HMAC of it"),
+    Variable("INSTRIDE_TIMEOUT", "timeout", _float_or_none, "forever",
+             "default consume timeout, seconds (empty, 0, negative or inf: forever)"),
+    Variable("INSTRIDE_FSYNC", "fsync", _fsync, "1",
+             "fsync a produced file (and its directory) when publishing it; skipped on tmpfs"),
+    Variable("INSTRIDE_CACHE_BYTES", "cache_bytes", _int_or_none, "unbounded",
+             "bound on fetched (not owned) copies kept on a node, LRU"),
+    Variable("INSTRIDE_NODE", "node", _node, "host name", "name of this node in records and errors"),
+    Variable("INSTRIDE_ADDR", "addr", _addr, f"127.0.0.1:{DEFAULT_PORT}",
+             "host:port of this node's data server, as peers reach it"),
+    Variable("INSTRIDE_SOCKET", "socket_path", _path_or_none, "$INSTRIDE_DIR/.instride/node.sock",
+             "Unix socket of this node's data server"),
+    Variable("INSTRIDE_CONNECT_TIMEOUT", "connect_timeout", _connect_timeout, "5",
+             "seconds to reach a peer or Redis"),
+    Variable("INSTRIDE_TRANSPORT", "transport", _name, "tcp",
+             "transport the cluster engine fetches with and the data server serves"),
+    Variable("INSTRIDE_OVERWRITE", "overwrite", _flag, "0",
+             "(preload library) let writes replace published keys"),
+    Variable("INSTRIDE_PATCH_OPEN", "patch_open", _flag, "0",
+             "1: route Python's open for managed paths through instride at start-up"),
+    Variable("INSTRIDE_MPIEXEC", "mpiexec", _str_or_none, "the venv's, else PATH's",
+             "(instride analyze) the mpiexec that launches MPI ranks"),
+    Variable("INSTRIDE_CLUSTER_STATE_DIR", "cluster_state_dir", _state_dir, "/run/instride/clusters",
+             "(instride cluster) directory of the emulated clusters' state files"),
+)
+
+#: The names of all ``INSTRIDE_*`` variables, derived from :data:`VARIABLES`.
+ENV_KEYS: tuple[str, ...] = tuple(v.name for v in VARIABLES)
+_ENV_KEYS_B = tuple(os.fsencode(k) for k in ENV_KEYS)
+_BY_NAME = {v.name: v for v in VARIABLES}
+
+
+def read_variable(name: str, env: Mapping[str, str] | None = None) -> Any:
+    """Parse one ``INSTRIDE_*`` variable as :meth:`Settings.from_env` would.
+
+    Raises
+    ------
+    ConfigError
+        The value cannot be used.
+    KeyError
+        ``name`` is not an instride variable.
+    """
+    env = os.environ if env is None else env
+    var = _BY_NAME[name]
+    return var.parse(var.name, env.get(var.name))
+
+
+def env_snapshot() -> tuple[object, ...]:
+    """The raw values of every ``INSTRIDE_*`` variable now (cheap: called on every open)."""
+    data = getattr(os.environ, "_data", None)  # CPython: the bytes-keyed dict behind environ
+    if isinstance(data, dict):
+        return tuple(data.get(k) for k in _ENV_KEYS_B)
+    return tuple(os.environ.get(k) for k in ENV_KEYS)
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything instride needs to know about this process's node and job.
 
-    Build one with :meth:`from_env`; change a field with :meth:`with_`.
+    Build one with :meth:`from_env`; change a field with :meth:`with_`. Each field is filled
+    by one variable of :data:`VARIABLES`.
     """
 
     dir: Path
@@ -115,32 +230,23 @@ class Settings:
     addr: str = f"127.0.0.1:{DEFAULT_PORT}"
     socket_path: Path | None = None
     connect_timeout: float = 5.0
+    transport: str = "tcp"
+    overwrite: bool = False
+    patch_open: bool = False
+    mpiexec: str | None = None
+    cluster_state_dir: Path = Path("/run/instride/clusters")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
-        """Read the settings from ``env`` (default: ``os.environ``)."""
+        """Read the settings from ``env`` (default: ``os.environ``).
+
+        Raises
+        ------
+        ConfigError
+            A variable has a value that cannot be used (the error names it).
+        """
         env = os.environ if env is None else env
-        raw_dir = env.get("INSTRIDE_DIR", "").strip()
-        directory = Path(raw_dir) if raw_dir else default_dir()
-        if not directory.is_absolute():
-            directory = Path.cwd() / directory
-        directory = Path(os.path.normpath(directory))
-        addr = env.get("INSTRIDE_ADDR", "").strip() or f"127.0.0.1:{DEFAULT_PORT}"
-        parse_addr(addr)
-        raw_sock = env.get("INSTRIDE_SOCKET", "").strip()
-        connect = _float_or_none("INSTRIDE_CONNECT_TIMEOUT", env.get("INSTRIDE_CONNECT_TIMEOUT"))
-        return cls(
-            dir=directory,
-            redis_url=env.get("INSTRIDE_REDIS_URL", "").strip() or None,
-            token=env.get("INSTRIDE_TOKEN") or None,
-            timeout=_float_or_none("INSTRIDE_TIMEOUT", env.get("INSTRIDE_TIMEOUT")),
-            fsync=_bool("INSTRIDE_FSYNC", env.get("INSTRIDE_FSYNC"), True),
-            cache_bytes=_int_or_none("INSTRIDE_CACHE_BYTES", env.get("INSTRIDE_CACHE_BYTES")),
-            node=env.get("INSTRIDE_NODE", "").strip() or socket.gethostname(),
-            addr=addr,
-            socket_path=Path(raw_sock) if raw_sock else None,
-            connect_timeout=connect if connect is not None else 5.0,
-        )
+        return cls(**{v.field: v.parse(v.name, env.get(v.name)) for v in VARIABLES})
 
     def with_(self, **changes: object) -> Settings:
         """Return a copy with some fields changed."""

@@ -49,6 +49,18 @@ class KeyNotFoundError(InstrideError, FileNotFoundError):
         super().__init__(_errno.ENOENT, f"key {key!r} is not published")
 
 
+class KeyNotServed(KeyNotFoundError):
+    """A key's file exists but is not a regular file inside the managed directory.
+
+    Peers get it as a ``KeyNotFoundError`` reply (with the reason).
+    """
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(key)
+        self.reason = reason
+        self.strerror = f"key {key!r} is not served: {reason}"
+
+
 class ConsumeTimeout(InstrideError, TimeoutError):
     """A consumer waited longer than its timeout for a key (or the next frame of a stream)."""
 
@@ -204,6 +216,24 @@ class ConfigError(InstrideError, ValueError):
         super().__init__(f"bad setting {name}={value!r}: {reason}")
 
 
+class WireError(InstrideError, ValueError):
+    """A malformed or oversized message on a transport's wire (refused, never answered with bytes)."""
+
+    errno = _errno.EPROTO
+
+
+class AgentError(InstrideError, OSError):
+    """A request to the node agent (Unix socket) that cannot be served; ``code`` is its errno."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(code, message)
+        self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 #: error class name -> class, used to rebuild errors sent over the wire.
 BY_NAME: dict[str, type[InstrideError]] = {
     cls.__name__: cls
@@ -224,5 +254,6 @@ BY_NAME: dict[str, type[InstrideError]] = {
         ArchiveError,
         ConfigError,
         UnsupportedModeError,
+        WireError,
     )
 }

@@ -22,8 +22,8 @@ def register(registry: Registry, name: str, target: str, hint: str = "") -> None
     registry[name] = (target, hint)
 
 
-def load(registry: Registry, kind: str, name: str, settings: Settings) -> Any:
-    """Import and instantiate the ``kind`` backend registered as ``name`` for ``settings``.
+def resolve(registry: Registry, kind: str, name: str) -> Any:
+    """Import and return (not instantiate) the ``kind`` class registered as ``name``.
 
     Raises
     ------
@@ -39,4 +39,15 @@ def load(registry: Registry, kind: str, name: str, settings: Settings) -> Any:
         mod = importlib.import_module(module)
     except ImportError as exc:
         raise ConfigError(kind, name, f"cannot import ({exc}); {hint}") from exc
-    return getattr(mod, cls)(settings)
+    return getattr(mod, cls)
+
+
+def load(registry: Registry, kind: str, name: str, settings: Settings) -> Any:
+    """Import and instantiate the ``kind`` backend registered as ``name`` for ``settings``.
+
+    Raises
+    ------
+    ConfigError
+        Unknown name, or its module cannot be imported (the message carries the install hint).
+    """
+    return resolve(registry, kind, name)(settings)

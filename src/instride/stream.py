@@ -48,8 +48,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
-from inotify_simple import INotify
-from inotify_simple import flags as inflags
 
 from .client import Client, get_client
 from .errors import (
@@ -64,16 +62,7 @@ from .errors import (
 )
 from .frames import Frame, decode_frame, encode_into, frame_size
 from .store.ring import Leases, SlotPool
-from .store.streamstate import (
-    GroupCursor,
-    Groups,
-    Head,
-    Policy,
-    RedisGroupCursor,
-    RedisStreamState,
-    check_group,
-    state_dir,
-)
+from .store.streamstate import Policy, check_group, state_dir
 
 FRAME_FORMAT = "frame_{:09d}.isf"
 END_NAME = "end_of_stream.json"
@@ -82,6 +71,8 @@ _FRAME_RE = re.compile(r"frame_(\d{9})\.isf$")
 
 #: Frames a reader keeps mapped beyond the stream's retention (recycled files in flight).
 _MAP_SLACK = 8
+#: Longest single wait of a reader before it looks at the stream's head again.
+_SLICE = 0.5
 _GAP_POLICIES = ("raise", "count")
 
 
@@ -185,33 +176,25 @@ class Stream:
         self._cursor = 0  # next frame a consumer reads
         self._written = 0  # frames a producer appended
         self._closed = False
-        self._state = state_dir(self.client.root, self.name)
+        #: the stream's head, policy and consumer groups, as the mode shares them
+        self._share = self.client.engine.stream_state(self.name)
         # producer
         self._pool: SlotPool | None = None
         self._retained: deque[tuple[int, int, int]] = deque()  # (index, inode, bytes)
         self._retained_bytes = 0
-        self._groups: Groups | None = None
-        self._notify: INotify | None = None
+        self._oldest = 0
         self._archiver: Any = None
         self._archive_reader: Any = None
         # consumer
-        self._head: Head | None = None
         self._leases: Leases | None = None
         self._reader_policy: Policy | None = None  # the producer's, once it is known
         self._held: Frame | None = None
-        self._cursor_file: GroupCursor | RedisGroupCursor | None = None
-        #: cluster mode: the stream's head and groups in Redis
-        self._shared = (
-            RedisStreamState(self.client.metadata.redis, self.name) if self.client.mode == "cluster" else None
-        )
+        self._cursor_file: Any = None
         if self.group is not None:
             if mode == "w":
                 raise ValueError("group= is for consumers; a producer registers groups with groups=")
             self.mode = "r"
-            if self._shared is not None:
-                self._cursor_file = self._shared.open_group(self.group, start=0)
-            else:
-                self._cursor_file = GroupCursor(Groups(self._state), self.name, self.group, start=0)
+            self._cursor_file = self._share.open_group(self.group, start=0)
             self._cursor = self._cursor_file.value
 
     # ------------------------------------------------------------------ naming
@@ -284,7 +267,7 @@ class Stream:
             raise ValueError(f"positions must have shape (natoms, 3), got {pos.shape}")
         if self._pool is None:
             self._start_producing()
-        assert self._pool is not None and self._head is not None
+        assert self._pool is not None
         self.mode = "w"
         index = self._written
         nbytes = frame_size(pos.shape[0], self.layout)
@@ -302,14 +285,12 @@ class Stream:
             self._pool.discard(slot)
             raise
         self._pool.publish(slot, final, key, overwrite=self.overwrite, fsync=self.client.fsync)
-        self.client.after_publish(key, overwrite=self.overwrite)
+        self.client.engine.published(key, self.overwrite)
         self._retained.append((index, slot.ino, nbytes))
         self._retained_bytes += nbytes
         self._written += 1
-        self._head.written = self._written
         self._make_room(0, wait=False)
-        if self._shared is not None:
-            self._shared.set_head(self._head.oldest, self._written)
+        self._share.set_head(self._oldest, self._written)
         return index
 
     def _start_producing(self) -> None:
@@ -319,20 +300,9 @@ class Stream:
             for key in self.client.list(f"{self.name}/"):
                 if key.rpartition("/")[0] == self.name:
                     self.client.delete(key)
-        self._state.mkdir(parents=True, exist_ok=True)
-        self._head = Head(self._state / "head", writable=True)
-        self._head.oldest = 0
-        self._head.written = 0
-        self._head.producer = os.getpid()
-        self.policy.save(self._state)
-        self._groups = Groups(self._state)
-        if self.overwrite:
-            self._groups.reset()
-        for g in self.register_groups:
-            self._groups.register(g, 0)
-        if self._shared is not None:
-            self._shared.start(self.policy, self.register_groups, reset=self.overwrite)
-        self._pool = SlotPool(self._state / "pool", recycle=self.policy.bounded)
+        self._share.start(self.policy, self.register_groups, reset=self.overwrite)
+        pool_dir = state_dir(self.client.root, self.name) / "pool"
+        self._pool = SlotPool(pool_dir, recycle=self.policy.bounded)
         if self.policy.archive is not None:
             from .archive import start_archiver
 
@@ -356,8 +326,7 @@ class Stream:
         while self._retained and self._over(nbytes, slack):
             oldest = self._retained[0][0]
             if not self.policy.drops:
-                assert self._groups is not None
-                cursors = self._shared.cursors() if self._shared is not None else self._groups.cursors()
+                cursors = self._share.cursors()
                 holders = sorted(g for g, c in cursors.items() if c <= oldest)
                 if holders:
                     if not wait:
@@ -371,24 +340,16 @@ class Stream:
         waited = time.monotonic() - start
         if timeout is not None and waited >= timeout:
             raise StreamFull(self.name, waited, holders)
-        if self._shared is not None:  # cluster mode: the cursors are in Redis
-            time.sleep(min(0.05, 0.002 * (1 + waited * 10)))
-            return
-        if self._notify is None:
-            self._notify = INotify()
-            assert self._groups is not None
-            self._notify.add_watch(self._groups.dir, inflags.MODIFY | inflags.CREATE | inflags.MOVED_TO)
-            return  # re-check after arming: a commit may have landed before the watch
-        ms = 1000 if timeout is None else max(1, min(1000, int((timeout - waited) * 1000)))
-        self._notify.read(timeout=ms)
+        self._share.wait_progress(1.0 if timeout is None else min(1.0, timeout - waited))
 
     def _retire_oldest(self) -> None:
-        assert self._pool is not None and self._head is not None
+        assert self._pool is not None
         index, ino, nbytes = self._retained.popleft()
         self._retained_bytes -= nbytes
-        self._head.oldest = index + 1  # before the key goes: a reader that misses it sees why
+        self._oldest = index + 1
+        self._share.set_head(self._oldest, self._written)  # first: a reader that misses it sees why
         self._pool.retire(ino)
-        self.client.after_retire(self.frame_key(index))
+        self.client.engine.retired(self.frame_key(index))
 
     def close(self) -> None:
         """End the stream (producer: publish the end-of-stream marker; consumer: release
@@ -419,27 +380,15 @@ class Stream:
     # ------------------------------------------------------------------ archive
     def set_archive(self, path: str | os.PathLike[str]) -> None:
         """Record where this stream's archive is, so readers find retired frames there."""
-        where = os.path.abspath(path)
-        if self._shared is not None:
-            self._shared.set_archive(self.client.settings.node, where)
-        else:
-            self._state.mkdir(parents=True, exist_ok=True)
-            tmp = self._state / f".archive.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps({"path": where}))
-            os.rename(tmp, self._state / "archive.json")
+        self._share.set_archive(self.client.settings.node, os.path.abspath(path))
 
     def archive_path(self) -> str | None:
         """The archive file readable from this node, if the stream has one."""
-        if self._shared is not None:
-            found = self._shared.archive()
-            if found is None:
-                return None
-            node, where = found
-            return where if node == self.client.settings.node or os.path.exists(where) else None
-        try:
-            return str(json.loads((self._state / "archive.json").read_text())["path"])
-        except (FileNotFoundError, ValueError, KeyError):
+        found = self._share.archive()
+        if found is None:
             return None
+        node, where = found
+        return where if node == self.client.settings.node or os.path.exists(where) else None
 
     def _from_archive(self, index: int) -> Frame | None:
         if self._archive_reader is None:
@@ -454,11 +403,7 @@ class Stream:
     def _release_resources(self) -> None:
         if self._pool is not None:
             self._pool.close()
-        if self._notify is not None:
-            self._notify.close()
-            self._notify = None
-        if self._groups is not None:
-            self._groups.close()
+        self._share.close()
         self._release_held()
         if self._cursor_file is not None:
             self._cursor_file.close()
@@ -485,16 +430,43 @@ class Stream:
                 self._pool.close()
 
     # ------------------------------------------------------------------ consumer
-    def _end_count(self) -> int | None:
-        if not self.client.exists(self.end_key):
+    def frame_count(self, *, wait: bool = False, timeout: float | None = None) -> int | None:
+        """The number of frames of the ended stream, from its end-of-stream marker.
+
+        This is the one place a stream's final length is computed; readers of closed streams
+        (the MDAnalysis reader, the parallel inputs) ask here.
+
+        Parameters
+        ----------
+        wait
+            Wait until the producer closes the stream (else answer at once).
+        timeout
+            Seconds to wait (default: the stream's timeout).
+
+        Returns
+        -------
+        int or None
+            The frame count; ``None`` while the stream has not ended (``wait=False``).
+
+        Raises
+        ------
+        ConsumeTimeout
+            ``wait=True`` and the stream did not end within the timeout.
+        """
+        timeout = self.timeout if timeout is None else timeout
+        if not wait and not self.client.exists(self.end_key):
             return None
-        data = bytes(self.client.consume_bytes(self.end_key, timeout=self.timeout))
+        data = bytes(self.client.consume_bytes(self.end_key, timeout=timeout))
         return int(json.loads(data)["frames"])
 
     @property
     def ended(self) -> bool:
         """Whether the producer has closed the stream."""
         return self.client.exists(self.end_key)
+
+    def has(self, index: int) -> bool:
+        """Whether frame ``index`` is published (no waiting, nothing fetched)."""
+        return self.client.exists(self.frame_key(index))
 
     def published(self) -> list[int]:
         """Indices of the frames published (and still retained) so far, sorted."""
@@ -505,23 +477,11 @@ class Stream:
                 out.append(int(m.group(1)))
         return sorted(out)
 
-    def _local_head(self) -> Head | None:
-        if self._head is None and self.client.mode == "local":
-            self._head = Head.open(self._state / "head")
-        return self._head
-
-    def _head_counts(self) -> tuple[int, int] | None:
-        """``(oldest retained, frames written)`` as the producer last recorded them."""
-        if self._shared is not None:
-            return self._shared.head()
-        head = self._local_head()
-        return None if head is None else (head.oldest, head.written)
-
     def __len__(self) -> int:
         """Number of frames written so far (retired ones included)."""
         if self.mode == "w":
             return self._written
-        head = self._head_counts()
+        head = self._share.head()
         if head is not None:
             return head[1]
         found = self.published()
@@ -530,12 +490,12 @@ class Stream:
     @property
     def oldest(self) -> int:
         """The oldest frame still retained on this node (0 for a stream without retention)."""
-        head = self._head_counts()
+        head = self._share.head()
         return head[0] if head is not None else 0
 
     def _lease_table(self) -> Leases:
         if self._leases is None or self._reader_policy is None:
-            policy = self._shared.policy() if self._shared is not None else Policy.load(self._state)
+            policy = self._share.policy()
             if self._leases is None or policy is not None:
                 keep = (policy.retain or 16) + _MAP_SLACK if policy is not None and policy.bounded else 0
                 if self._leases is not None:
@@ -546,7 +506,7 @@ class Stream:
 
     def _gap(self, index: int) -> Frame | None:
         """For a frame no longer retained: the archived copy, else :class:`FramesMissed`."""
-        head = self._head_counts()
+        head = self._share.head()
         if head is not None and index < head[0]:
             archived = self._from_archive(index)
             if archived is not None:
@@ -554,16 +514,19 @@ class Stream:
             raise FramesMissed(self.name, index, head[0] - index, head[0])
         return None
 
-    def read(self, index: int) -> Frame:
+    def read(self, index: int, timeout: float | None = None) -> Frame:
         """Return frame ``index``, waiting for it.
 
         The frame's arrays are views of the mapped frame file, valid until
-        :meth:`Frame.release` (iteration releases each frame when it moves on).
+        :meth:`Frame.release` (iteration releases each frame when it moves on). A frame
+        retired from memory is read from the stream's archive, if it has one.
 
         Parameters
         ----------
         index
             Frame number; negative counts from the newest frame written.
+        timeout
+            Seconds to wait for it (default: the stream's timeout).
 
         Returns
         -------
@@ -575,9 +538,9 @@ class Stream:
         EndOfStream
             The stream ended before frame ``index``.
         FramesMissed
-            Frame ``index`` was dropped (the stream drops old frames).
+            Frame ``index`` was dropped (the stream drops old frames) and is not archived.
         ConsumeTimeout
-            The producer fell silent longer than the stream's timeout.
+            The producer fell silent longer than the timeout.
         IntegrityError
             The frame is corrupt.
         """
@@ -585,10 +548,13 @@ class Stream:
             index += len(self)
             if index < 0:
                 raise IndexError(f"frame index out of range for stream {self.name!r}")
+        timeout = self.timeout if timeout is None else timeout
         key = self.frame_key(index)
         leases = self._lease_table()
+        engine = self.client.engine
+        start = time.monotonic()
         while True:
-            path = self.client.local_path(key)
+            path = engine.frame_path(key)
             got = leases.open(path) if path is not None else None
             if got is not None:
                 buf, release = got
@@ -597,57 +563,46 @@ class Stream:
                 except BaseException:
                     release()
                     raise
-                if self._shared is not None and self._bounded_copy(key):
+                if leases.keep:  # a bounded stream: a fetched copy goes when the frame does
                     release = self._dropping_copy(key, release)
                 return Frame(frame.header, frame.positions, frame.ids, release)
             archived = self._gap(index)
             if archived is not None:
                 return archived
-            woke = self.client.wait_any([key, self.end_key], timeout=self.timeout)
+            # Wait in slices: a frame published and retired while we looked away shows up in
+            # the head (a gap), not as a publication.
+            waited = time.monotonic() - start
+            if timeout is not None and waited >= timeout:
+                raise ConsumeTimeout(key, waited)
+            part = _SLICE if timeout is None else min(_SLICE, timeout - waited)
+            try:
+                woke = self.client.wait_any([key, self.end_key], timeout=part)
+            except ConsumeTimeout:
+                continue
             if woke != key:
-                count = self._end_count()
+                count = self.frame_count(timeout=timeout)
                 if count is not None and index >= count:
                     raise EndOfStream(self.name, index)
-            if self._shared is not None:
-                archived = self._fetch(index, key)
-                if archived is not None:
-                    return archived
-
-    def _fetch(self, index: int, key: str) -> Frame | None:
-        """Cluster mode: bring frame ``index`` to this node, or learn that it was dropped
-        (returns its archived copy, if any)."""
-        start = time.monotonic()
-        while True:
-            archived = self._gap(index)
-            if archived is not None:
-                return archived
-            waited = time.monotonic() - start
-            left = None if self.timeout is None else self.timeout - waited
-            try:  # short slices: a frame retired meanwhile must not hold us until the timeout
-                self.client.consume(key, timeout=0.25 if left is None else max(0.0, min(0.25, left)))
-                return None
-            except ConsumeTimeout:
-                if left is not None and left <= 0.25:
-                    raise ConsumeTimeout(key, time.monotonic() - start) from None
-            except IntegrityError:  # rewritten by the owner under the transfer: retired
-                archived = self._gap(index)
-                if archived is not None:
-                    return archived
-                raise
-
-    def _bounded_copy(self, key: str) -> bool:
-        cluster = self.client.cluster
-        return (
-            cluster is not None and cluster.cached_version(key) is not None
-            and self._lease_table().keep > 0
-        )
+            if path is None:  # on another node: fetch it here
+                try:
+                    self.client.consume(key, timeout=part)
+                except ConsumeTimeout:
+                    continue  # retired meanwhile? the head tells, on the next turn
+                except IntegrityError:  # rewritten by its owner under the transfer: retired
+                    archived = self._gap(index)
+                    if archived is not None:
+                        return archived
+                    raise
+            elif woke == key:
+                time.sleep(0.001)  # published, yet not ours to hold: being replaced
 
     def _dropping_copy(self, key: str, release: Any) -> Any:
-        """For a fetched copy of a bounded stream: drop the copy when the frame is released."""
+        """For a bounded stream: drop this node's fetched copy when the frame is released."""
+        engine = self.client.engine
 
         def release_and_drop() -> None:
             release()
-            self.client.drop_copy(key)
+            engine.drop_copy(key)
 
         return release_and_drop
 

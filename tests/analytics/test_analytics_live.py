@@ -108,3 +108,18 @@ def test_plot_table_one_png_per_quantity(tmp_path: Path) -> None:
     paths = plot_table(tmp_path / "a.csv", tmp_path / "plots")
     assert [p.name for p in paths] == ["rmsd.png", "rgyr.png"]
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_rmsd_with_a_fixed_reference_is_mdanalysis_bit_for_bit(adk) -> None:
+    """The reference given explicitly (what parallel ranks do): MDAnalysis's RMSD exactly."""
+    ca = adk.select_atoms("name CA")
+    reference = adk.trajectory[3].positions[ca.indices].copy()
+    got = RMSDToFirst(ca, reference=reference).run(stop=8).results.rmsd
+    want = rms.RMSD(mda.Universe(PSF, DCD), select="name CA", ref_frame=3).run(stop=8)
+    assert np.array_equal(got, want.results.rmsd[:, 2])
+    with pytest.raises(ValueError, match="reference has shape"):
+        RMSDToFirst(ca, reference=reference[:5])
+    mass = RMSDToFirst(ca, weights="mass", reference=reference).run(stop=4).results.rmsd
+    want = [rms.rmsd(reference, ca.positions, weights=ca.masses, superposition=True)
+            for _ in adk.trajectory[:4]]
+    assert np.array_equal(mass, want)  # rms.rmsd's weighted arithmetic, exactly

@@ -10,8 +10,8 @@ import pytest
 from instride import IntegrityError, read_frame
 from instride.bench.backends import FileSystemBackend, make_backend
 from instride.bench.molecules import BenchConfigError, get_model, model_names
-from instride.bench.runner import RunConfig, placement
 from instride.bench.timers import RegionTimer
+from instride.bench.workflow_run import RunConfig, placement
 from instride.md.emulator import MDEmulator
 
 

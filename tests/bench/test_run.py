@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from instride.bench.results import expected_regions, read_timings
-from instride.bench.runner import RunConfig, run
+from instride.bench.workflow_run import RunConfig, run
 
 FRAMES = 4
 PAIRS = 2
@@ -124,7 +124,7 @@ def test_two_nodes(backend: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("backend", ["instride", "localfs"])
 def test_wait_beyond_timeout_fails_the_run(backend: str, tmp_path: Path) -> None:
-    from instride.bench.runner import BenchRunError
+    from instride.bench.workflow_run import BenchRunError
 
     # frames come every 0.82 s but no wait may exceed 0.2 s: the consumer's wait (instride) or
     # barrier (localfs) gives up, its rank fails, and the run fails with a typed error
@@ -135,10 +135,10 @@ def test_wait_beyond_timeout_fails_the_run(backend: str, tmp_path: Path) -> None
         run(cfg, tmp_path / "out", progress=False)
     assert "Timeout" in str(info.value)
     # the aborted job's shared-memory segments are gone too (others' live jobs may add theirs)
-    from instride.bench.runner import _in_use
+    from instride.bench.workflow_run import segments_in_use
 
     new = {p.name for p in set(Path("/dev/shm").glob("mpich_shm_*")) - before}
-    assert new - _in_use(new) == set()
+    assert new - segments_in_use(new) == set()
 
 
 def test_cli_run_and_tiny_study(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ import pytest
 from instride.bench import sshfs
 from instride.bench.backends import make_backend
 from instride.bench.molecules import BenchConfigError
-from instride.bench.runner import BenchRunError, RunConfig, run
+from instride.bench.workflow_run import BenchRunError, RunConfig, run
 from instride.emulate import EmulatedCluster
 from instride.emulate import netns as nn
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from instride.config import Settings
-from instride.local import publish_file
 from instride.metadata.base import Record
 from instride.metadata.files import FileMetadata
+from instride.store import publish_file
 
 from .contract import MetadataContract, Put
 

@@ -18,9 +18,9 @@ import pytest
 from instride.parallel import (
     ADK_CORE_CA,
     AnalysisBaseAdapter,
-    RadiusOfGyration,
     UnsupportedInputError,
     analyze,
+    radius_of_gyration,
 )
 
 from .conftest import AdkData, mpiexec, run
@@ -86,7 +86,7 @@ def test_multiprocessing_rmsd_equals_mdanalysis(adk: AdkData, workers: int) -> N
 
 
 def test_serial_backend_and_rg(adk: AdkData) -> None:
-    result = analyze(RadiusOfGyration(), "instride://adk", adk.psf, workers=2, timeout=60)
+    result = analyze(radius_of_gyration(), "instride://adk", adk.psf, workers=2, timeout=60)
     assert result is not None
     np.testing.assert_allclose(result.data["rg"], adk.rg, rtol=0, atol=1e-5)
     serial = analyze("rmsd", adk.h5, adk.psf, backend="serial")
@@ -110,3 +110,45 @@ def test_analysisbase_adapter_multiprocessing(adk: AdkData) -> None:
 def test_adapter_refuses_non_parallelizable_class() -> None:
     with pytest.raises(UnsupportedInputError, match="parallelizable"):
         AnalysisBaseAdapter("MDAnalysis.analysis.align:AlignTraj")
+
+
+def test_one_stack_runs_the_analytics_classes(adk: AdkData) -> None:
+    """The built-ins are instride.analytics' classes; any FrameAnalysis runs on every input."""
+    import MDAnalysis as mda
+
+    from instride.analytics import DistanceMatrixEigenvalue, RadiusOfGyration, RMSDToFirst
+    from instride.parallel import FrameAnalysisAdapter, rmsd
+
+    run = analyze(rmsd(), adk.h5, adk.psf, workers=2)
+    assert run is not None and type(run.result_object) is RMSDToFirst
+    assert np.array_equal(run.result_object.results.rmsd, adk.rmsd[:, 2])
+
+    run = analyze(RadiusOfGyration, "instride://adk", adk.psf, select="protein", workers=2,
+                  timeout=60)
+    assert run is not None and run.analysis == "radiusofgyration"
+    np.testing.assert_allclose(run.data["rgyr"], adk.rg, rtol=0, atol=1e-5)
+
+    helices = {"A": "resid 1:10 and name CA", "A-B": "(resid 1:10 or resid 30:40) and name CA"}
+    u = mda.Universe(adk.psf, adk.dcd)
+    serial = DistanceMatrixEigenvalue(u, helices).run().results
+    for traj in (adk.dcd, adk.h5, "instride://adk"):
+        run = analyze(FrameAnalysisAdapter(DistanceMatrixEigenvalue, kwargs={"substructures":
+                                                                             helices}),
+                      traj, adk.psf, workers=2, timeout=60)
+        assert run is not None and list(run.data) == ["lambda_A", "lambda_A_B"]
+        for col in run.data:
+            np.testing.assert_allclose(run.data[col], serial[col], rtol=1e-6, atol=0)
+        assert [r.n_frames for r in run.timing.ranks] == [49, 49]
+
+
+def test_frame_analysis_adapter_refusals(adk: AdkData) -> None:
+    from instride.analytics import RadiusOfGyration
+    from instride.parallel import FrameAnalysisAdapter
+
+    with pytest.raises(UnsupportedInputError, match="not an instride.analytics FrameAnalysis"):
+        FrameAnalysisAdapter("MDAnalysis.analysis.rms:RMSD")
+    with pytest.raises(UnsupportedInputError, match="cannot import"):
+        FrameAnalysisAdapter("instride.analytics:NoSuchAnalysis")
+    with pytest.raises(UnsupportedInputError, match="2 column names for 1 columns"):
+        analyze(FrameAnalysisAdapter(RadiusOfGyration, select="protein", columns=("a", "b")),
+                adk.dcd, adk.psf, backend="serial")

@@ -11,7 +11,6 @@ import pytest
 
 from instride.errors import InstrideError
 from instride.parallel import (
-    RMSD,
     BackendError,
     DecompositionError,
     RankFailedError,
@@ -23,6 +22,7 @@ from instride.parallel import (
     analyze,
     block_bounds,
     find_stragglers,
+    rmsd,
 )
 
 from .conftest import AdkData
@@ -40,7 +40,7 @@ def test_missing_files(adk: AdkData, tmp_path: Path) -> None:
 def test_selection_matching_no_atoms(adk: AdkData) -> None:
     for workers in (1, 2):
         with pytest.raises(SelectionError, match="matches no atoms"):
-            analyze(RMSD(select="name NOPE"), adk.dcd, adk.psf, workers=workers)
+            analyze(rmsd(select="name NOPE"), adk.dcd, adk.psf, workers=workers)
     with pytest.raises(SelectionError, match="cannot be parsed"):
         analyze("rmsd", adk.h5, adk.psf, select="resid 1 and and")
 

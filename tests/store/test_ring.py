@@ -9,6 +9,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+from instride.errors import KeyValidationError
 from instride.store.ring import Leases, SlotPool, collect_pool
 
 
@@ -57,7 +60,10 @@ def test_lease_refuses_a_retired_key(tmp_path: Path) -> None:
     assert Leases().open(tmp_path / "a") is None
     assert Leases().open(tmp_path / "missing") is None
     os.symlink(tmp_path / "pool", tmp_path / "link")
-    assert Leases().open(tmp_path / "link") is None  # never follows a symbolic link
+    with pytest.raises(KeyValidationError, match="symbolic link"):  # never followed
+        Leases().open(tmp_path / "link")
+    with pytest.raises(KeyValidationError, match="regular file"):
+        Leases().open(tmp_path / "pool")
     pool.close()
 
 

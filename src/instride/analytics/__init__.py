@@ -35,10 +35,10 @@ from .eigen import (
 )
 from .gyration import RadiusOfGyration
 from .live import AnalyticsReport, InSituAnalytics, analyze_stream
-from .plots import plot_overlay, plot_table
 from .reader import InstrideReader
 from .rmsd import RMSDToFirst
 from .table import StreamingTable, read_table
+from .table_plots import plot_overlay, plot_table
 
 __all__ = [
     "VILLIN_HELICES",

@@ -2,12 +2,15 @@
 
 Each analysis is an MDAnalysis :class:`~MDAnalysis.analysis.base.AnalysisBase` whose
 per-frame work is one method, :meth:`FrameAnalysis.compute`, returning one value per named
-column. That makes every analysis usable two ways:
+column. That makes every analysis usable three ways, with one implementation:
 
 * offline, unchanged: ``RMSDToFirst(u.select_atoms("name CA")).run()`` on any trajectory
   (including an ``instride://`` one, over the frames published so far);
 * in situ: :class:`instride.analytics.live.InSituAnalytics` calls :meth:`FrameAnalysis.update`
-  for each frame as it arrives, with no need to know the number of frames in advance.
+  for each frame as it arrives, with no need to know the number of frames in advance;
+* in parallel over a whole trajectory (split-apply-combine, MPI or multiprocessing):
+  :class:`instride.parallel.FrameAnalysisAdapter` builds the analysis on every rank and calls
+  :meth:`FrameAnalysis.compute` on each frame of the rank's block.
 
 Results are in ``results.<column>`` (one array per column) after ``run()`` or
 :meth:`FrameAnalysis.finish`.

@@ -28,9 +28,9 @@ import numpy as np
 from .base import FrameAnalysis
 from .eigen import DistanceMatrixEigenvalue
 from .gyration import RadiusOfGyration
-from .plots import plot_table
 from .rmsd import RMSDToFirst
 from .table import StreamingTable
+from .table_plots import plot_table
 
 __all__ = ["AnalyticsReport", "InSituAnalytics", "analyze_stream"]
 

@@ -50,13 +50,12 @@ from MDAnalysis.coordinates.base import ReaderBase
 from MDAnalysis.lib.mdamath import triclinic_box
 from MDAnalysis.lib.util import store_init_arguments
 
-from ..errors import EndOfStream
-from ..frames import HEADER_SIZE, Frame, read_frame
-from ..stream import Stream
+from .. import EndOfStream, Stream
+from ..frames import HEADER_SIZE, Frame
 
 SCHEME = "instride://"
 
-__all__ = ["SCHEME", "InstrideReader", "stream_name"]
+__all__ = ["SCHEME", "InstrideReader", "stream_name", "wait_for_end"]
 
 
 def stream_name(filename: str) -> str:
@@ -73,6 +72,30 @@ def stream_name(filename: str) -> str:
     if not name:
         raise ValueError(f"no stream name in {filename!r} (expected instride://NAME)")
     return name
+
+
+def wait_for_end(stream: Stream, timeout: float | None = None) -> int:
+    """Block until the producer of ``stream`` ends it; return its final frame count.
+
+    The count is the stream's own (``len(stream)``, final once it has ended); the end marker
+    is only waited for, never parsed here.
+
+    Parameters
+    ----------
+    stream
+        The :class:`instride.Stream` to wait on.
+    timeout
+        Seconds to wait (default ``INSTRIDE_TIMEOUT``, else forever).
+
+    Raises
+    ------
+    ConsumeTimeout
+        The stream did not end within ``timeout``.
+    """
+    if not stream.ended:
+        # Stream has no public "wait for the end" yet: wait for its end key to be published.
+        stream.client.consume(stream.end_key, timeout=timeout)
+    return len(stream)
 
 
 class InstrideReader(ReaderBase):
@@ -140,7 +163,7 @@ class InstrideReader(ReaderBase):
         self.read_seconds = 0.0
         self.bytes_read = 0
         self.frames_read = 0
-        self._known = 0  # frames known to be published (a prefix: a stream is written in order)
+        self._count = 0  # frames known to be published (a prefix: a stream is written in order)
         self._final: int | None = None  # frame count once the stream has ended
         self._open_stream()
         first = self._fetch(0, wait=True)
@@ -173,15 +196,14 @@ class InstrideReader(ReaderBase):
         return self._final is not None
 
     def _published_count(self) -> int:
+        """Frames published so far, as the stream counts them; final once it has ended."""
         if self._final is not None:
             return self._final
         ended = self._stream.ended  # check first: once ended, every frame is published
-        client = self._stream.client
-        while client.exists(self._stream.frame_key(self._known)):
-            self._known += 1
+        self._count = len(self._stream)
         if ended:
-            self._final = self._known
-        return self._known
+            self._final = self._count
+        return self._count
 
     def wait_for_end(self, timeout: float | None = None) -> int:
         """Block until the producer ends the stream; return the final frame count.
@@ -193,9 +215,7 @@ class InstrideReader(ReaderBase):
         """
         if self._final is None:
             t0 = time.perf_counter()
-            self._stream.client.consume(
-                self._stream.end_key, timeout=self._timeout if timeout is None else timeout
-            )
+            wait_for_end(self._stream, self._timeout if timeout is None else timeout)
             self.wait_seconds += time.perf_counter() - t0
         return self._published_count()
 
@@ -207,27 +227,32 @@ class InstrideReader(ReaderBase):
         return self._published_count()
 
     def _fetch(self, index: int, *, wait: bool) -> Frame:
-        """Return frame ``index``, waiting for it when ``wait`` (else refusing if unpublished)."""
+        """Return frame ``index``, waiting for it when ``wait`` (else refusing if unpublished).
+
+        Frames are read with :meth:`instride.Stream.read`, which waits for the frame and
+        raises :class:`~instride.errors.EndOfStream` past the end. A frame that had to be
+        waited for is read a second time, only to time its read apart from the wait.
+        """
         stream = self._stream
-        client = stream.client
-        key = stream.frame_key(index)
+        if not wait and index >= self._published_count():
+            raise IndexError(
+                f"InstrideReader: frame {index} of stream {self._name!r} is not published "
+                f"yet (the stream is live; {self._count} frames so far). "
+                "Iterate the trajectory to wait for new frames, or open it with "
+                "length='final'."
+            )
+        ready = index < self._count or stream.client.exists(stream.frame_key(index))
         t0 = time.perf_counter()
-        if index >= self._known and not client.exists(key):
-            if not wait:
-                raise IndexError(
-                    f"InstrideReader: frame {index} of stream {self._name!r} is not published "
-                    f"yet (the stream is live; {self._published_count()} frames so far). "
-                    "Iterate the trajectory to wait for new frames, or open it with "
-                    "length='final'."
-                )
-            got = client.wait_any([key, stream.end_key], timeout=self._timeout)
-            if got != key and not client.exists(key):
-                raise EndOfStream(self._name, index)
+        frame = stream.read(index)
         t1 = time.perf_counter()
-        frame = read_frame(client.consume_bytes(key, timeout=self._timeout))
-        self._known = max(self._known, index + 1)
-        self.wait_seconds += t1 - t0
-        self.read_seconds += time.perf_counter() - t1
+        if not ready:  # blocked until published: time one read of the frame on its own
+            stream.read(index)
+            t2 = time.perf_counter()
+            self.wait_seconds += max(0.0, (t1 - t0) - (t2 - t1))
+            t0 = t1
+            t1 = t2
+        self.read_seconds += t1 - t0
+        self._count = max(self._count, index + 1)  # a stream is published in order
         self.frame_nbytes = frame_bytes(frame)
         self.bytes_read += self.frame_nbytes
         self.frames_read += 1
@@ -280,12 +305,7 @@ class InstrideReader(ReaderBase):
     def _get_dt(self) -> float:
         if self._published_count() < 2:
             raise AttributeError("dt is unknown until two frames are published")
-        client = self._stream.client
-        t = [
-            read_frame(client.consume_bytes(self._stream.frame_key(i), timeout=self._timeout)).time
-            for i in (0, 1)
-        ]
-        return t[1] - t[0]
+        return self._stream.read(1).time - self._stream.read(0).time
 
     def close(self) -> None:
         """Nothing to release: frames are opened per read."""
@@ -305,7 +325,7 @@ class InstrideReader(ReaderBase):
     def __repr__(self) -> str:
         state = "ended" if self._final is not None else "live"
         return (
-            f"<InstrideReader {self.filename} ({state}, {self._known} frames published) "
+            f"<InstrideReader {self.filename} ({state}, {self._count} frames published) "
             f"with {self.n_atoms} atoms>"
         )
 

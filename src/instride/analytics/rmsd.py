@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from MDAnalysis.analysis import rms
+from MDAnalysis.lib import qcprot
 
 from .base import FrameAnalysis
 
@@ -23,10 +23,11 @@ __all__ = ["RMSDToFirst"]
 class RMSDToFirst(FrameAnalysis):
     """RMSD (Å) of an atom group to its own first analysed frame, after optimal superposition.
 
-    The superposition is the quaternion characteristic polynomial (QCP) fit of
-    :func:`MDAnalysis.analysis.rms.rmsd` with ``superposition=True`` (which centers both
-    structures first), so the value is the same as ``MDAnalysis.analysis.rms.RMSD`` with
-    ``ref_frame=0``.
+    The superposition is the quaternion characteristic polynomial (QCP) fit, with the
+    arithmetic of :func:`MDAnalysis.analysis.rms.rmsd` with ``superposition=True`` (both
+    structures centred in float64, the reference given first to
+    :func:`MDAnalysis.lib.qcprot.CalcRMSDRotationalMatrix`), so without weights the value is
+    bit for bit that of ``MDAnalysis.analysis.rms.RMSD`` with ``ref_frame=0``.
 
     Parameters
     ----------
@@ -34,19 +35,32 @@ class RMSDToFirst(FrameAnalysis):
         Atoms to fit and measure, e.g. ``u.select_atoms("protein and name CA")``.
     weights
         ``None`` (equal weights), ``"mass"``, or an array of per-atom weights.
+    reference
+        Positions ``(len(atomgroup), 3)`` in Å of a fixed reference structure, used instead
+        of the first analysed frame (parallel analysis passes the trajectory's ``ref_frame``:
+        each rank's first frame differs).
     **kwargs
         Passed to :class:`~MDAnalysis.analysis.base.AnalysisBase`.
 
     Attributes
     ----------
     results.rmsd : numpy.ndarray
-        RMSD of each frame in Å (0 for the first frame).
+        RMSD of each frame in Å (0 for the first frame when it is the reference).
+
+    Raises
+    ------
+    ValueError
+        Unknown ``weights``, or a ``reference`` whose shape does not match the atom group.
     """
 
     columns = ("rmsd",)
 
     def __init__(
-        self, atomgroup: Any, weights: str | np.ndarray | None = None, **kwargs: Any
+        self,
+        atomgroup: Any,
+        weights: str | np.ndarray | None = None,
+        reference: np.ndarray | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(atomgroup.universe.trajectory, **kwargs)
         self.atomgroup = atomgroup
@@ -55,17 +69,33 @@ class RMSDToFirst(FrameAnalysis):
                 raise ValueError(f"weights must be None, 'mass' or an array, got {weights!r}")
             weights = atomgroup.masses
         self.weights = None if weights is None else np.asarray(weights, dtype=np.float64)
-        self._reference: np.ndarray | None = None
+        # QCP takes weights relative to their mean, as MDAnalysis.analysis.rms.rmsd passes them
+        self._qcp_weights = None if self.weights is None else self.weights / self.weights.mean()
+        self._mobile = np.empty((len(atomgroup), 3), dtype=np.float64)
+        self._fixed: np.ndarray | None = None
+        if reference is not None:
+            fixed = np.asarray(reference, dtype=np.float64)
+            if fixed.shape != (len(atomgroup), 3):
+                raise ValueError(f"reference has shape {fixed.shape}, the atom group "
+                                 f"{(len(atomgroup), 3)}")
+            self._fixed = self._centred(fixed)
+        self._reference = self._fixed
+
+    def _centred(self, positions: np.ndarray) -> np.ndarray:
+        return positions - np.average(positions, axis=0, weights=self.weights)
 
     def reset(self) -> None:
         super().reset()
-        self._reference = None
+        self._reference = self._fixed
 
     def compute(self) -> tuple[float]:
-        positions = self.atomgroup.positions.astype(np.float64)
+        # The arithmetic of MDAnalysis.analysis.rms.rmsd(reference, positions, weights,
+        # superposition=True), with the centred reference kept and the buffer reused.
+        mobile = self._mobile
+        mobile[:] = self.atomgroup.positions
+        mobile -= np.average(mobile, axis=0, weights=self.weights)
         if self._reference is None:
-            self._reference = positions
+            self._reference = mobile.copy()
             return (0.0,)
-        return (
-            float(rms.rmsd(positions, self._reference, weights=self.weights, superposition=True)),
-        )
+        return (float(qcprot.CalcRMSDRotationalMatrix(
+            self._reference, mobile, len(mobile), None, self._qcp_weights)),)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .molecules import BenchConfigError, model_names, paper_data
-from .runner import RunConfig, run
+from .workflow_run import RunConfig, run
 
 EXPERIMENTS = ("single_node", "two_node", "multi_node", "model_scaling", "stride_scaling")
 
@@ -213,7 +213,7 @@ def run_study(
         The command line to record in the report.
     sharedfs_kind
         Override the preset's ``sharedfs`` (``"sshfs"``: a network file system, or ``"dir"``:
-        a plain shared directory); see :class:`~instride.bench.runner.RunConfig`.
+        a plain shared directory); see :class:`~instride.bench.workflow_run.RunConfig`.
 
     Returns
     -------

@@ -1,6 +1,6 @@
 """The ranks of the paper's workflow: producers (MD emulators) and consumers (analytics).
 
-Run by ``mpiexec`` (see :mod:`instride.bench.runner`), one process per rank::
+Run by ``mpiexec`` (see :mod:`instride.bench.workflow_run`), one process per rank::
 
     python -m instride.bench.workflow SPEC.json REP
 

@@ -41,13 +41,13 @@ def _straggle(text: str) -> tuple[int, float]:
 
 
 def _analysis(args: argparse.Namespace) -> Any:
-    from ..parallel.analyses import RMSD, AnalysisBaseAdapter, RadiusOfGyration
+    from ..parallel.adapters import AnalysisBaseAdapter, radius_of_gyration, rmsd
     from ..parallel.inputs import ADK_CORE_CA
 
     if args.analysis == "rmsd":
-        return RMSD(select=args.select or ADK_CORE_CA, ref_frame=args.ref_frame)
+        return rmsd(select=args.select or ADK_CORE_CA, ref_frame=args.ref_frame)
     if args.analysis == "rg":
-        return RadiusOfGyration(select=args.select or "protein")
+        return radius_of_gyration(select=args.select or "protein")
     return AnalysisBaseAdapter(args.cls, select=args.select or "all",
                                kwargs=json.loads(args.kwargs))
 
@@ -80,7 +80,7 @@ def _relaunch_argv(args: argparse.Namespace) -> list[str]:
 
 def cmd_analyze(args: argparse.Namespace) -> int:
     from ..errors import InstrideError
-    from ..parallel.runner import analyze, launch_mpi, under_mpi_launcher
+    from ..parallel.execute import analyze, launch_mpi, under_mpi_launcher
 
     if args.backend == "mpi" and not under_mpi_launcher() and (args.workers or 1) > 1:
         return launch_mpi(_relaunch_argv(args), args.workers, args.mpiexec)

@@ -23,7 +23,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from ..bench.runner import RunConfig, run
+    from ..bench.workflow_run import RunConfig, run
 
     cfg = RunConfig(
         model=args.model, atoms=args.atoms, stride=args.stride,

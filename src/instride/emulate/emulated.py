@@ -41,13 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import DEFAULT_PORT
+from ..config import DEFAULT_PORT, read_variable
 from ..errors import ConfigError
 from . import netns as nn
 from .netns import ClusterError
 
 #: Directory of the state files (override with ``INSTRIDE_CLUSTER_STATE_DIR``).
-STATE_DIR = Path(os.environ.get("INSTRIDE_CLUSTER_STATE_DIR", "/run/instride/clusters"))
+STATE_DIR: Path = read_variable("INSTRIDE_CLUSTER_STATE_DIR")
 #: Port of the Redis server in the hub namespace (private to the cluster, so fixed).
 REDIS_PORT = 6379
 #: Port of every node's data server.

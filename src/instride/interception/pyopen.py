@@ -94,7 +94,7 @@ def intercept() -> Iterator[None]:
 
 def install_from_env() -> bool:
     """Install the patch when ``INSTRIDE_PATCH_OPEN=1``; return whether it did."""
-    if os.environ.get("INSTRIDE_PATCH_OPEN", "").strip() in ("1", "true", "yes", "on"):
+    if __import__("instride.config", fromlist=["read_variable"]).read_variable("INSTRIDE_PATCH_OPEN"):
         install()
         return True
     return False

@@ -192,7 +192,7 @@ def _consumer_localfs(directory: str, barrier: Any, nframes: int, out_dir: str,
     from MDAnalysis.lib.mdamath import triclinic_box
 
     from ..analytics.live import InSituAnalytics
-    from ..analytics.plots import plot_table
+    from ..analytics.table_plots import plot_table
     from ..frames import frame_size, read_frame
     from .openmm import villin_pdb
 
@@ -450,7 +450,7 @@ def _rows(workflow: str, got: list[tuple[dict, dict]]) -> list[DemoRow]:
 
 
 def _overlay(directory: Path, replicas: int, title: str) -> None:
-    from ..analytics.plots import plot_overlay
+    from ..analytics.table_plots import plot_overlay
 
     tables = {f"replica {i}": directory / f"replica{i}" / "analytics.csv" for i in range(replicas)}
     plot_overlay(tables, directory, title=title)

@@ -42,10 +42,10 @@ from typing import Any
 
 import numpy as np
 
+from .. import Stream
 from ..config import parse_addr
 from ..errors import ConfigError, ConsumeTimeout, InstrideError
 from ..frames import frame_size
-from ..stream import Stream
 
 __all__ = [
     "BridgeReport",

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import Stream
 from ..frames import frame_size
-from ..stream import Stream
 
 __all__ = ["FrameReporter", "make_simulation", "villin_pdb"]
 

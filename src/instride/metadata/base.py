@@ -8,48 +8,10 @@ the file system itself (:mod:`instride.metadata.files`); cluster mode uses Redis
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from typing import Protocol, runtime_checkable
 
-
-@dataclass(frozen=True)
-class Record:
-    """What is known about one published key.
-
-    Attributes
-    ----------
-    key
-        The key.
-    owner
-        ``host:port`` of the data server of the node holding the original.
-    size
-        Size in bytes.
-    checksum
-        ``"xxh3:<16 hex digits>"`` of the content, or ``None`` when not computed (local mode).
-    version
-        1 for the first publication, bumped by every overwrite.
-    time
-        Publication time, seconds since the epoch.
-    node
-        Name of the owner node (for messages).
-    """
-
-    key: str
-    owner: str
-    size: int
-    checksum: str | None
-    version: int
-    time: float
-    node: str = ""
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> Record:
-        return cls(**json.loads(text))
+from ..record import Record
 
 
 @runtime_checkable
@@ -80,3 +42,6 @@ class MetadataBackend(Protocol):
 
     def close(self) -> None:
         """Release connections."""
+
+
+__all__ = ["MetadataBackend", "Record"]

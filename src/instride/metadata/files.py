@@ -1,7 +1,7 @@
 """Local-mode metadata: the file system is the record.
 
 A key is published exactly when a file exists under its final name; waiting is an inotify
-watch (see :mod:`instride.local`). Records are derived from ``stat``; no checksum is kept.
+watch (see :mod:`instride.store.wait`). Records are derived from ``stat``; no checksum is kept.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .. import local
+from .. import store
 from ..config import INTERNAL_DIRNAME, Settings
 from ..keys import TMP_PATTERN
-from .base import Record
+from ..record import Record
 
 
 class FileMetadata:
@@ -48,7 +48,7 @@ class FileMetadata:
         start = time.monotonic()
         while True:
             remaining = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
-            path = local.wait_any([self.root / k for k in keys], remaining, label=keys[0])
+            path = store.wait_any([self.root / k for k in keys], remaining, label=keys[0])
             record = self.lookup(os.path.relpath(path, self.root))
             if record is not None:
                 return record

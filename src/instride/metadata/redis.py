@@ -31,7 +31,7 @@ from redis.retry import Retry
 
 from ..config import Settings
 from ..errors import ConsumeTimeout, KeyExistsError, MetadataUnavailable
-from .base import Record
+from ..record import Record
 
 PREFIX = "instride:"
 _REC = PREFIX + "rec:"

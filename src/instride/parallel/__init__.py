@@ -6,14 +6,18 @@ contiguous block of frames, and rank 0 gathers the results; each rank's time is 
 into opening, reading (I/O), computing and communication (the paper's Table 3), from which the
 run reports speed-up, efficiency, stragglers and R_comp/IO.
 
+The analyses are :mod:`instride.analytics`' (one stack: the in situ consumers and the parallel
+runs use the same classes); :class:`FrameAnalysisAdapter` runs any of them here, e.g.
+``analyze(RadiusOfGyration, DCD, PSF, select="protein", workers=2)``.
+
 Inputs: an instride stream (``instride://NAME``), an H5MD file (read by every rank
 independently with h5py), or any trajectory MDAnalysis reads.
 
 Examples
 --------
 >>> from MDAnalysisTests.datafiles import PSF, DCD                       # doctest: +SKIP
->>> from instride.parallel import analyze, RMSD
->>> run = analyze(RMSD(), DCD, PSF, workers=2, baseline="serial")        # doctest: +SKIP
+>>> from instride.parallel import analyze, rmsd
+>>> run = analyze(rmsd(), DCD, PSF, workers=2, baseline="serial")        # doctest: +SKIP
 >>> run.data["rmsd"].shape                                               # doctest: +SKIP
 (98,)
 >>> print(run.timing.format())                                           # doctest: +SKIP
@@ -27,14 +31,15 @@ and ``instride export --h5md STREAM out.h5``; see ``docs/analysis.md``.
 
 from __future__ import annotations
 
-from .analyses import (
+from .adapters import (
     BUILTIN,
-    RMSD,
     AnalysisBaseAdapter,
-    FrameAnalysis,
-    RadiusOfGyration,
+    FrameAnalysisAdapter,
+    ParallelAnalysis,
+    radius_of_gyration,
+    rmsd,
 )
-from .errors import (
+from .analysis_errors import (
     BackendError,
     DecompositionError,
     RankFailedError,
@@ -42,22 +47,21 @@ from .errors import (
     TrajectoryNotFoundError,
     UnsupportedInputError,
 )
+from .execute import AnalysisRun, analyze, block_bounds, launch_mpi, under_mpi_launcher
 from .h5md import export_h5md
 from .inputs import ADK_CORE_CA, FrameSource, SourceSpec, open_source, source_spec
-from .runner import AnalysisRun, analyze, block_bounds, launch_mpi, under_mpi_launcher
 from .timing import RankTiming, TimingReport, find_stragglers
 
 __all__ = [
     "ADK_CORE_CA",
     "BUILTIN",
-    "RMSD",
     "AnalysisBaseAdapter",
     "AnalysisRun",
     "BackendError",
     "DecompositionError",
-    "FrameAnalysis",
+    "FrameAnalysisAdapter",
     "FrameSource",
-    "RadiusOfGyration",
+    "ParallelAnalysis",
     "RankFailedError",
     "RankTiming",
     "SelectionError",
@@ -71,6 +75,8 @@ __all__ = [
     "find_stragglers",
     "launch_mpi",
     "open_source",
+    "radius_of_gyration",
+    "rmsd",
     "source_spec",
     "under_mpi_launcher",
 ]

@@ -38,8 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import TrajectoryNotFoundError, UnsupportedInputError
-from .inputs import STREAM_SCHEME
+from ..analytics.reader import SCHEME, stream_name
+from .analysis_errors import TrajectoryNotFoundError, UnsupportedInputError
 
 FrameTuple = tuple[int, float, np.ndarray, "np.ndarray | None"]
 
@@ -179,7 +179,7 @@ def export_h5md(
             raise TrajectoryNotFoundError(src)
         total, frames = _mda_frames(src, os.fspath(topology))
     else:
-        name = src[len(STREAM_SCHEME):] if src.startswith(STREAM_SCHEME) else src
+        name = stream_name(src) if src.startswith(SCHEME) else src
         total, frames = _stream_frames(name, timeout)
 
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")

@@ -1,9 +1,11 @@
 """Trajectory sources for split-apply-combine analysis.
 
 Three kinds of input, one small contract (:class:`FrameSource`): the number of frames and atoms,
-a topology :class:`MDAnalysis.core.universe.Universe` for atom selections, random access to one
-frame (:meth:`FrameSource.read`) and sequential access to a contiguous block of frames
-(:meth:`FrameSource.iter_block`). Each rank opens its own source, so the time to open it is
+an MDAnalysis :class:`~MDAnalysis.core.universe.Universe` for atom selections whose current
+positions are the frame being analysed, random access to one frame's positions
+(:meth:`FrameSource.read`) and sequential loading of a contiguous block of frames into that
+universe (:meth:`FrameSource.iter_block`), so that :mod:`instride.analytics`' analyses run
+unchanged on every input. Each rank opens its own source, so the time to open it is
 that rank's ``t_open``.
 
 * ``instride://NAME`` (or :class:`SourceSpec` with ``kind="stream"``): an instride stream. Frames
@@ -29,7 +31,6 @@ Examples
 from __future__ import annotations
 
 import abc
-import json
 import os
 import warnings
 from collections.abc import Iterator
@@ -39,9 +40,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import SelectionError, TrajectoryNotFoundError, UnsupportedInputError
+from .. import Stream
+from ..analytics.reader import SCHEME, stream_name, wait_for_end
+from .analysis_errors import SelectionError, TrajectoryNotFoundError, UnsupportedInputError
 
-STREAM_SCHEME = "instride://"
 H5MD_SUFFIXES = (".h5", ".h5md", ".hdf5", ".hdf")
 
 #: Cα atoms of the adenylate kinase CORE domain (146 atoms): the RMSD selection of the paper.
@@ -73,7 +75,7 @@ class SourceSpec:
     def stream_name(self) -> str:
         """The stream name of a ``kind="stream"`` source."""
         t = self.trajectory
-        return t[len(STREAM_SCHEME):] if t.startswith(STREAM_SCHEME) else t
+        return stream_name(t) if t.startswith(SCHEME) else t
 
 
 def _is_h5md(path: Path) -> bool:
@@ -116,9 +118,9 @@ def source_spec(
     top = None if topology is None else os.fspath(topology)
     if top is not None and not Path(top).exists():
         raise TrajectoryNotFoundError(top, "topology")
-    if traj.startswith(STREAM_SCHEME):
+    if traj.startswith(SCHEME):
         kind = "stream"
-        if not traj[len(STREAM_SCHEME):]:
+        if not traj[len(SCHEME):].strip("/"):
             raise UnsupportedInputError(traj, "empty stream name")
     else:
         path = Path(traj)
@@ -136,19 +138,31 @@ def source_spec(
     return SourceSpec(traj, top, kind, timeout)
 
 
-def _topology_universe(topology: str) -> Any:
+def frame_universe(spec: SourceSpec, n_atoms: int) -> Any:
+    """The topology of ``spec`` with a one-frame in-memory trajectory that sources fill.
+
+    Raises
+    ------
+    UnsupportedInputError
+        The topology's atom count is not ``n_atoms``.
+    """
     import MDAnalysis as mda
+    from MDAnalysis.coordinates.memory import MemoryReader
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "No coordinate reader found" for a PSF alone
-        return mda.Universe(topology)
+        u = mda.Universe(spec.topology)
+    _check_atoms(spec, u, n_atoms)
+    u.load_new(np.zeros((1, n_atoms, 3), dtype=np.float32), format=MemoryReader)
+    return u
 
 
 class FrameSource(abc.ABC):
     """Base class of trajectory sources: what an analysis rank reads.
 
     Subclasses set :attr:`n_frames`, :attr:`n_atoms` and implement :meth:`read`,
-    :meth:`iter_block` and :meth:`universe`.
+    :meth:`iter_block` and :meth:`universe`. Frames are loaded into the universe's current
+    timestep, where AtomGroups (and so every :mod:`instride.analytics` analysis) see them.
     """
 
     spec: SourceSpec
@@ -157,17 +171,18 @@ class FrameSource(abc.ABC):
 
     @abc.abstractmethod
     def universe(self) -> Any:
-        """An MDAnalysis Universe with this source's topology (for selections, masses)."""
+        """The MDAnalysis Universe of this source (selections, masses, current positions)."""
 
     @abc.abstractmethod
     def read(self, index: int) -> np.ndarray:
         """Positions (Å, ``(n_atoms, 3)``) of frame ``index`` (a copy)."""
 
     @abc.abstractmethod
-    def iter_block(self, start: int, stop: int) -> Iterator[tuple[int, float, np.ndarray]]:
-        """Yield ``(frame, time, positions)`` for frames ``start <= frame < stop`` in order.
+    def iter_block(self, start: int, stop: int) -> Iterator[tuple[int, float]]:
+        """Load frames ``start <= frame < stop`` in order into :meth:`universe`.
 
-        ``positions`` may be a buffer reused for the next frame: use it before advancing.
+        Yields ``(frame, time)`` once the frame's positions are the universe's current ones
+        (``universe().atoms.positions``); they are replaced by the next frame's.
         """
 
     def close(self) -> None:  # noqa: B027 - optional hook; sources with nothing to release
@@ -230,9 +245,9 @@ class MDAnalysisSource(FrameSource):
     def read(self, index: int) -> np.ndarray:
         return self._u.trajectory[self._check_index(index)].positions.copy()
 
-    def iter_block(self, start: int, stop: int) -> Iterator[tuple[int, float, np.ndarray]]:
+    def iter_block(self, start: int, stop: int) -> Iterator[tuple[int, float]]:
         for ts in self._u.trajectory[start:stop]:
-            yield ts.frame, ts.time, ts.positions
+            yield ts.frame, ts.time
 
     def close(self) -> None:
         self._u.trajectory.close()
@@ -262,9 +277,11 @@ class H5MDSource(FrameSource):
             self._file.close()
             raise UnsupportedInputError(spec.trajectory, f"unknown length unit {unit!r}")
         self.n_frames, self.n_atoms = int(self._value.shape[0]), int(self._value.shape[1])
-        self._buf = np.empty((self.n_atoms, 3), dtype=np.float32)
-        self._u = _topology_universe(spec.topology)  # type: ignore[arg-type]
-        _check_atoms(spec, self._u, self.n_atoms)
+        try:
+            self._u = frame_universe(spec, self.n_atoms)
+        except BaseException:
+            self._file.close()
+            raise
 
     def universe(self) -> Any:
         return self._u
@@ -276,13 +293,17 @@ class H5MDSource(FrameSource):
         return out
 
     def read(self, index: int) -> np.ndarray:
-        return self._read_into(self._check_index(index), np.empty_like(self._buf))
+        out = np.empty((self.n_atoms, 3), dtype=np.float32)
+        return self._read_into(self._check_index(index), out)
 
-    def iter_block(self, start: int, stop: int) -> Iterator[tuple[int, float, np.ndarray]]:
+    def iter_block(self, start: int, stop: int) -> Iterator[tuple[int, float]]:
+        ts = self._u.trajectory.ts
         times = (self._time[start:stop] if self._time is not None
                  else np.arange(start, stop, dtype=np.float64))
         for i in range(start, stop):
-            yield i, float(times[i - start]), self._read_into(i, self._buf)
+            self._read_into(i, ts.positions)  # straight into the universe's frame
+            ts.frame = i
+            yield i, float(times[i - start])
 
     def close(self) -> None:
         if self._file.id.valid:
@@ -293,19 +314,14 @@ class StreamSource(FrameSource):
     """A closed instride stream, read frame by frame with :class:`instride.Stream`."""
 
     def __init__(self, spec: SourceSpec) -> None:
-        from .. import Stream, consume_bytes
-
         self.spec = spec
         self._stream = Stream(spec.stream_name, mode="r", timeout=spec.timeout)
         # Splitting needs the frame count: wait (up to timeout) for the producer to close.
-        body = bytes(consume_bytes(self._stream.end_key, timeout=spec.timeout))
-        self.n_frames = int(json.loads(body)["frames"])
+        self.n_frames = wait_for_end(self._stream, spec.timeout)
         if self.n_frames == 0:
             raise UnsupportedInputError(spec.trajectory, "the stream holds no frames")
-        first = self._stream.read(0)
-        self.n_atoms = first.header.natoms
-        self._u = _topology_universe(spec.topology)  # type: ignore[arg-type]
-        _check_atoms(spec, self._u, self.n_atoms)
+        self.n_atoms = self._stream.read(0).natoms
+        self._u = frame_universe(spec, self.n_atoms)
 
     def universe(self) -> Any:
         return self._u
@@ -313,16 +329,13 @@ class StreamSource(FrameSource):
     def read(self, index: int) -> np.ndarray:
         return np.array(self._stream.read(self._check_index(index)).positions, dtype=np.float32)
 
-    def iter_block(self, start: int, stop: int) -> Iterator[tuple[int, float, np.ndarray]]:
-        # The end marker was seen, so every frame below n_frames is published: consume the
-        # key directly (no wait on "frame or end marker" per frame, as Stream.read does).
-        # In cluster mode consume() fetches the frame from its owner node.
-        from .. import consume, read_frame
-
-        key, timeout = self._stream.frame_key, self.spec.timeout
-        for i in range(start, stop):
-            frame = read_frame(consume(key(i), timeout))
-            yield i, frame.header.time, frame.positions
+    def iter_block(self, start: int, stop: int) -> Iterator[tuple[int, float]]:
+        ts = self._u.trajectory.ts
+        for i in range(start, stop):  # in cluster mode Stream.read fetches from the owner node
+            frame = self._stream.read(i)
+            np.copyto(ts.positions, frame.positions, casting="same_kind")
+            ts.frame = i
+            yield i, frame.time
 
 
 def _check_atoms(spec: SourceSpec, u: Any, n_atoms: int) -> None:

@@ -41,9 +41,6 @@ from typing import Any
 
 import numpy as np
 
-#: the stacked components of a rank's bar, bottom to top.
-COMPONENTS = ("t_open", "t_io", "t_comp", "t_end_loop", "t_overhead", "t_wait", "t_comm")
-
 
 @dataclass
 class RankTiming:
@@ -286,7 +283,7 @@ class TimingReport:
             w.writeheader()
             w.writerows(rows)
         if plot:
-            from .plots import plot_ranks
+            from .timing_plots import plot_ranks
 
             paths["png"] = plot_ranks(self, out / "timing.png")
         return paths

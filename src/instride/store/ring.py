@@ -24,12 +24,14 @@ import errno
 import fcntl
 import mmap
 import os
+import stat
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..local import publish_file
+from ..errors import KeyValidationError
+from .publish import publish_file
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
@@ -263,7 +265,7 @@ class Leases:
             return None
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                return None
+                raise KeyValidationError(str(path), "is a symbolic link (never followed)") from None
             raise
         try:
             try:
@@ -272,6 +274,8 @@ class Leases:
                 os.close(fd)
                 return None
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise KeyValidationError(str(path), "is not a regular file")
             try:
                 now = os.stat(path, follow_symlinks=False)
             except FileNotFoundError:

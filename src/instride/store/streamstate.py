@@ -28,10 +28,11 @@ import os
 import re
 import struct
 import threading
+import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import ConfigError, GroupBusy
 
@@ -268,6 +269,143 @@ class GroupCursor:
             self._fd = -1
 
 
+class StreamState(Protocol):
+    """What a stream needs to share between its producer and its readers."""
+
+    def start(self, policy: Policy, groups: tuple[str, ...], *, reset: bool) -> None:
+        """Producer: record the policy, zero the head, register groups."""
+
+    def set_head(self, oldest: int, written: int) -> None:
+        """Producer: the oldest frame retained and the frames written."""
+
+    def cursors(self) -> dict[str, int]:
+        """Each consumer group's cursor."""
+
+    def wait_progress(self, seconds: float) -> None:
+        """Producer: wait (at most ``seconds``) for a group to move."""
+
+    def head(self) -> tuple[int, int] | None:
+        """``(oldest retained, frames written)``."""
+
+    def policy(self) -> Policy | None:
+        """The producer's retention policy."""
+
+    def open_group(self, name: str, start: int) -> Any:
+        """Reader: take the group; an object with ``value``, ``commit(i)``, ``close()``."""
+
+    def set_archive(self, node: str, path: str) -> None:
+        """Record the stream's archive file."""
+
+    def archive(self) -> tuple[str, str] | None:
+        """``(node, path)`` of the archive."""
+
+    def close(self) -> None:
+        """Release what the state holds."""
+
+
+class LocalStreamState:
+    """A stream's head, policy, groups and archive location in files on this node (local mode).
+
+    The producer and every reader of one node share them; the same methods as
+    :class:`RedisStreamState`, which holds them in Redis for a cluster.
+
+    Parameters
+    ----------
+    root
+        The managed directory.
+    stream
+        The stream name.
+    """
+
+    def __init__(self, root: Path, stream: str) -> None:
+        self.stream = stream
+        self.dir = state_dir(root, stream)
+        self._head: Head | None = None
+        self._groups = Groups(self.dir)
+        self._notify: Any = None
+
+    # producer
+    def start(self, policy: Policy, groups: tuple[str, ...], *, reset: bool) -> None:
+        """Record the policy, zero the head, register ``groups`` (and reset cursors)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._head = Head(self.dir / "head", writable=True)
+        self._head.oldest = 0
+        self._head.written = 0
+        self._head.producer = os.getpid()
+        policy.save(self.dir)
+        if reset:
+            self._groups.reset()
+        for name in groups:
+            self._groups.register(name, 0)
+
+    def set_head(self, oldest: int, written: int) -> None:
+        """Publish the head counters (the oldest first: a reader that misses a frame sees why)."""
+        assert self._head is not None
+        self._head.oldest = oldest
+        self._head.written = written
+
+    def cursors(self) -> dict[str, int]:
+        """Each group's cursor."""
+        return self._groups.cursors()
+
+    def wait_progress(self, seconds: float) -> None:
+        """Sleep until a group moves (or ``seconds`` pass)."""
+        if self._notify is None:
+            from inotify_simple import INotify
+            from inotify_simple import flags as inflags
+
+            self._groups.dir.mkdir(parents=True, exist_ok=True)
+            self._notify = INotify()
+            self._notify.add_watch(self._groups.dir, inflags.MODIFY | inflags.CREATE | inflags.MOVED_TO)
+            return  # the caller re-checks after arming: a commit may have landed before
+        self._notify.read(timeout=max(1, int(seconds * 1000)))
+
+    # consumer
+    def head(self) -> tuple[int, int] | None:
+        """``(oldest retained, frames written)``; ``None`` if no producer recorded one."""
+        if self._head is None:
+            self._head = Head.open(self.dir / "head")
+            if self._head is None:
+                return None
+        return self._head.oldest, self._head.written
+
+    def policy(self) -> Policy | None:
+        """The producer's policy."""
+        return Policy.load(self.dir)
+
+    def open_group(self, name: str, start: int) -> GroupCursor:
+        """Take the group (exclusively) and return its cursor.
+
+        Raises
+        ------
+        GroupBusy
+            Another live reader holds the group.
+        """
+        return GroupCursor(self._groups, self.stream, check_group(name), start)
+
+    def set_archive(self, node: str, path: str) -> None:
+        """Record the stream's archive file."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / f".archive.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps([node, path]))
+        os.rename(tmp, self.dir / "archive.json")
+
+    def archive(self) -> tuple[str, str] | None:
+        """``(node, path)`` of the stream's archive, if it has one."""
+        try:
+            node, path = json.loads((self.dir / "archive.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        return str(node), str(path)
+
+    def close(self) -> None:
+        """Release descriptors and watches."""
+        if self._notify is not None:
+            self._notify.close()
+            self._notify = None
+        self._groups.close()
+
+
 class RedisStreamState:
     """A stream's head, policy and consumer groups in Redis (cluster mode).
 
@@ -314,6 +452,13 @@ class RedisStreamState:
     def cursors(self) -> dict[str, int]:
         """Each group's cursor."""
         return {k.decode(): int(v) for k, v in self.redis.hgetall(self._groups).items()}
+
+    def wait_progress(self, seconds: float) -> None:
+        """Sleep a little before the caller polls the cursors again."""
+        time.sleep(min(seconds, 0.005))
+
+    def close(self) -> None:
+        """Nothing to release (the Redis client belongs to the engine)."""
 
     def set_archive(self, node: str, path: str) -> None:
         """Record the node and path of the stream's archive file."""

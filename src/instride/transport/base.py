@@ -1,22 +1,47 @@
-"""The transport contract: fetch a published file from its owner's data server."""
+"""The transport contract: both halves of a data plane.
+
+A transport moves a published file from its owner node's data server to a consumer node. It
+has two halves, both in the transport's own module (or package):
+
+* the **client half** (:class:`Transport`), built by the cluster engine: ``fetch`` a record's
+  bytes into a new file, or into memory;
+* the **server half** (:class:`TransportServer`), started by ``instride serve``: serve this
+  node's managed directory to peers.
+
+Every transfer is authenticated (an HMAC of the job token, ``INSTRIDE_TOKEN``) and verified
+(size and checksum of the bytes received against the record, :meth:`Record.verify
+<instride.record.Record.verify>`) before the file is published locally; a failed, refused or
+short transfer leaves nothing at the destination.
+
+A new transport is one module (or package) with both classes, one line in
+:data:`instride.transport.REGISTRY`, and a subclass of the contract test suite
+(``tests/transport/contract.py``). The client class names its server class with
+:meth:`Transport.server_class`, so the server half is found by the same registry name.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-from ..metadata.base import Record
+from ..record import Record
 
 
 @runtime_checkable
 class Transport(Protocol):
-    """Client side of a data plane. Every fetch is authenticated and verified.
+    """Client half of a data plane. Every fetch is authenticated and verified.
 
-    Implementations raise :class:`~instride.errors.PeerUnavailable` when the owner cannot be
-    reached, :class:`~instride.errors.TransferError` when a transfer breaks off, and
-    :class:`~instride.errors.IntegrityError` when the bytes do not match ``record``; in every
-    failure nothing is left at ``dest``.
+    Built as ``cls(settings)``. Implementations raise
+    :class:`~instride.errors.PeerUnavailable` when the owner cannot be reached (down, refused,
+    no reply within ``INSTRIDE_CONNECT_TIMEOUT``), :class:`~instride.errors.TransferError`
+    when a transfer breaks off or stalls, :class:`~instride.errors.AuthenticationError` when
+    the owner refuses the token, :class:`~instride.errors.KeyNotFoundError` when the owner
+    does not have the key, and :class:`~instride.errors.IntegrityError` when the bytes do not
+    match ``record``; in every failure nothing is left at ``dest``.
     """
+
+    #: The registry name.
+    name: str
 
     def fetch(self, record: Record, dest: Path) -> None:
         """Write the content of ``record.key`` to the new file ``dest`` and verify it."""
@@ -25,4 +50,34 @@ class Transport(Protocol):
         """Return the verified content of ``record.key`` in memory."""
 
     def close(self) -> None:
-        """Release resources."""
+        """Release resources (the transport stays usable)."""
+
+    @classmethod
+    def server_class(cls) -> type[TransportServer]:
+        """The server half of this transport."""
+
+
+@runtime_checkable
+class TransportServer(Protocol):
+    """Server half of a data plane: serves one node's managed directory to peers.
+
+    Built as ``cls(settings, *, max_peers, request_timeout, send_timeout)`` (see
+    :func:`instride.transport.get_server`) and driven by the node server's asyncio loop.
+    Only regular files inside the managed directory are served
+    (:func:`instride.store.served.open_served`); requests are authenticated with the job token.
+    """
+
+    #: Counters: ``fetches``, ``bytes_sent``, ``refused``, ``errors``, ``busy``, ``stalled``.
+    stats: dict[str, int]
+
+    async def start(self) -> None:
+        """Start listening on ``settings.addr``."""
+
+    async def stop(self, grace: float) -> None:
+        """Stop accepting; let in-flight transfers finish for ``grace`` seconds; close."""
+
+    def snapshot(self) -> dict[str, Any]:
+        """The counters plus current gauges (``peers``: connections being served)."""
+
+
+__all__ = ["Transport", "TransportServer"]

@@ -18,6 +18,8 @@ import struct
 import time
 from typing import Any
 
+from ..errors import WireError
+
 LENGTH = struct.Struct(">I")
 #: Largest header accepted, request or reply.
 MAX_HEADER = 16 * 1024
@@ -25,10 +27,6 @@ MAX_HEADER = 16 * 1024
 MAX_SKEW = 300.0
 PROTOCOL = 1
 _MAC = re.compile(r"[0-9a-f]{64}")
-
-
-class WireError(ValueError):
-    """A malformed or oversized message."""
 
 
 def _canonical(op: str, key: str, nonce: str, ts: float) -> bytes:

@@ -1,10 +1,10 @@
-"""Node-local publication and waiting: atomic rename and inotify.
+"""Atomic publication on node-local storage.
 
 Publishing a file is making it appear under its key in one step: it is written under a
-hidden temporary name in the key's directory, optionally fsynced, then hard-linked (write-once)
-or renamed (overwrite) to its final name. A reader therefore sees either nothing or the whole
-file. Waiting arms an inotify watch on the key's directory and re-checks after arming, so a
-publication that lands between the first check and the watch is never missed.
+hidden temporary name in the key's directory, optionally fsynced, then moved to its final name
+with ``renameat2(RENAME_NOREPLACE)`` (write-once; ``link`` + ``unlink`` where unsupported) or
+``rename`` (overwrite). A reader therefore sees either nothing or the whole file. The writer
+file objects here publish themselves on ``close`` and discard themselves on any failure.
 """
 
 from __future__ import annotations
@@ -14,24 +14,13 @@ import ctypes
 import errno
 import io
 import os
-import threading
-import time
 import warnings
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from inotify_simple import INotify
-from inotify_simple import flags as inflags
-
-from .errors import ConsumeTimeout, KeyExistsError, UnsupportedModeError
-from .keys import TMP_PATTERN, tmp_name
-
-_MAX_WAIT_MS = 60_000  # one read() at most; longer waits loop (poll() takes an int)
-_LOST = int(inflags.Q_OVERFLOW)
-_GONE = int(inflags.IGNORED | inflags.DELETE_SELF | inflags.MOVE_SELF)
-_WATCH = inflags.CREATE | inflags.MOVED_TO | inflags.DELETE_SELF | inflags.MOVE_SELF
+from ..errors import KeyExistsError, UnsupportedModeError
+from ..keys import tmp_name
 
 
 def _load_renameat2():  # type: ignore[no-untyped-def]
@@ -91,59 +80,6 @@ def publish_file(tmp: str | Path, final: str | Path, key: str, *, overwrite: boo
     os.unlink(tmp)
 
 
-class _Watcher(threading.local):
-    """One inotify instance per thread, kept for the life of the thread.
-
-    Closing an inotify descriptor waits for an RCU grace period (milliseconds on some
-    kernels), so waits reuse one instance and its directory watches instead of making and
-    closing one each time. Watches are bounded; stale events of other files are ignored.
-    """
-
-    MAX_WATCHES = 64
-
-    def __init__(self) -> None:
-        self.ino: INotify | None = None
-        self.pid = 0
-        self.wds: OrderedDict[Path, int] = OrderedDict()
-
-    def get(self) -> INotify:
-        if self.ino is None or self.pid != os.getpid():  # new thread, or a forked child
-            self.ino = INotify()
-            self.pid = os.getpid()
-            self.wds.clear()
-        return self.ino
-
-    def watch(self, directory: Path) -> None:
-        ino = self.get()
-        if directory in self.wds:
-            self.wds.move_to_end(directory)
-            return
-        directory.mkdir(parents=True, exist_ok=True)
-        self.wds[directory] = ino.add_watch(directory, _WATCH)
-        while len(self.wds) > self.MAX_WATCHES:
-            _old, wd = self.wds.popitem(last=False)
-            with contextlib.suppress(OSError):
-                ino.rm_watch(wd)
-
-    def forget(self, wd: int) -> None:
-        for directory, w in list(self.wds.items()):
-            if w == wd:
-                del self.wds[directory]
-                with contextlib.suppress(OSError):
-                    self.get().rm_watch(w)
-
-    def reset(self) -> None:
-        """Drop every watch (after a queue overflow); waits re-arm what they need."""
-        ino = self.get()
-        for wd in self.wds.values():
-            with contextlib.suppress(OSError):
-                ino.rm_watch(wd)
-        self.wds.clear()
-
-
-_watcher = _Watcher()
-
-
 def fsync_dir(directory: str | Path) -> None:
     """fsync a directory, making a rename in it durable (errors ignored: best effort)."""
     try:
@@ -157,111 +93,6 @@ def fsync_dir(directory: str | Path) -> None:
     finally:
         os.close(fd)
 
-
-def wait_any(
-    paths: Sequence[Path],
-    timeout: float | None,
-    *,
-    label: str,
-) -> Path:
-    """Block until one of ``paths`` exists and return it.
-
-    Parameters
-    ----------
-    paths
-        Candidate files; their directories are created if missing so they can be watched.
-    timeout
-        Seconds to wait; ``None`` waits forever.
-    label
-        What is being waited for, named in the :class:`ConsumeTimeout`.
-
-    Raises
-    ------
-    ConsumeTimeout
-        If none appears within ``timeout``.
-    """
-    for path in paths:
-        if os.path.exists(path):
-            return path
-    start = time.monotonic()
-    names = {p.name for p in paths}
-    dirs = list(dict.fromkeys(p.parent for p in paths))
-    ino = _watcher.get()
-    for directory in dirs:
-        _watcher.watch(directory)
-    # Re-check after arming: a publication between the first check and the watch produced
-    # no event we could see.
-    for path in paths:
-        if os.path.exists(path):
-            return path
-    while True:
-        if timeout is None:
-            wait_ms = _MAX_WAIT_MS
-        else:
-            remaining = timeout - (time.monotonic() - start)
-            if remaining <= 0:
-                raise ConsumeTimeout(label, time.monotonic() - start)
-            wait_ms = min(max(1, int(remaining * 1000)), _MAX_WAIT_MS)
-        wake = rearm = False
-        for ev in ino.read(timeout=wait_ms):  # the cheapest test first: this is the hot path
-            if ev.name in names:
-                wake = True
-            elif ev.mask & _LOST:  # events (maybe IN_IGNORED) were lost
-                _watcher.reset()
-                rearm = True
-            elif ev.mask & _GONE:  # a watched directory went away or moved
-                _watcher.forget(ev.wd)
-                rearm = True
-        if rearm:
-            for directory in dirs:
-                _watcher.watch(directory)
-        if wake or rearm:
-            for path in paths:
-                if os.path.exists(path):
-                    return path
-
-
-def iter_tmp_files(root: Path) -> Iterable[tuple[Path, int]]:
-    """Yield ``(path, pid)`` for every instride temporary file under ``root``."""
-    for dirpath, _dirnames, filenames in os.walk(root):
-        for name in filenames:
-            match = TMP_PATTERN.match(name)
-            if match:
-                yield Path(dirpath) / name, int(match.group("pid"))
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with ``pid`` exists on this machine."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def collect_garbage(root: Path, *, min_age: float = 0.0) -> list[Path]:
-    """Remove temporary files left by producers that died mid-write.
-
-    A temporary file is removed when its writer's PID is gone, or when it is older than
-    ``min_age`` seconds and ``min_age`` is positive (for PIDs reused since).
-    """
-    removed = []
-    now = time.time()
-    for path, pid in iter_tmp_files(root):
-        try:
-            age = now - path.stat().st_mtime
-        except FileNotFoundError:
-            continue
-        if (pid != os.getpid() and not pid_alive(pid)) or (min_age > 0 and age > min_age):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-                removed.append(path)
-    return removed
-
-
-# --------------------------------------------------------------------------- writers
 
 PublishHook = Callable[[str, str], None]
 
@@ -466,3 +297,15 @@ def open_for_write(
 def read_error(path: Path) -> OSError:
     """An ``OSError`` for a key whose file vanished between wait and open (evicted, deleted)."""
     return FileNotFoundError(errno.ENOENT, "published key disappeared before it was opened", str(path))
+
+
+__all__ = [
+    "READ_MODES",
+    "WRITE_MODES",
+    "PublishHook",
+    "check_mode",
+    "fsync_dir",
+    "open_for_write",
+    "publish_file",
+    "read_error",
+]

@@ -322,8 +322,19 @@ def _mpich_segments() -> set[str]:
         return set()
 
 
-def _in_use(names: set[str]) -> set[str]:
-    """The names among ``names`` some live process has open or mapped."""
+def segments_in_use(names: set[str]) -> set[str]:
+    """The MPICH shared-memory segments among ``names`` that a live process has open or mapped.
+
+    Parameters
+    ----------
+    names
+        Segment names under ``/dev/shm`` (``mpich_shm_*``).
+
+    Returns
+    -------
+    set of str
+        The subset still in use; the others are orphans an aborted job left behind.
+    """
     used: set[str] = set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -346,7 +357,7 @@ def _remove_orphan_segments(before: set[str]) -> None:
     our run and that no live process has open or mapped are removed.
     """
     new = _mpich_segments() - before
-    for name in new - _in_use(new):
+    for name in new - segments_in_use(new):
         with contextlib.suppress(FileNotFoundError):
             (_SHM / name).unlink()
 
@@ -510,4 +521,5 @@ def run(
     return summary
 
 
-__all__ = ["SHAREDFS_KINDS", "BenchRunError", "RunConfig", "mpiexec_path", "placement", "run", "run_once"]
+__all__ = ["SHAREDFS_KINDS", "BenchRunError", "RunConfig", "mpiexec_path", "placement", "run",
+           "run_once", "segments_in_use"]

@@ -11,11 +11,10 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from .timing import TimingReport
-
+#: the stacked components of a rank's bar, bottom to top (attributes of a rank's timing)
+COMPONENTS = ("t_open", "t_io", "t_comp", "t_end_loop", "t_overhead", "t_wait", "t_comm")
 _LABELS = {
     "t_open": "open / setup",
     "t_io": "I/O (read frames)",
@@ -36,19 +35,32 @@ _COLORS = {
 }
 
 
-def plot_ranks(report: TimingReport, path: str | os.PathLike[str],
+def plot_ranks(report: Any, path: str | os.PathLike[str],
                components: Sequence[str] | None = None) -> Path:
     """Draw one stacked bar per rank (time per component) and save a PNG; return its path.
 
     Stragglers are outlined in red and named in the title; the title also gives S(N), E(N)
     and R_comp/IO when known.
+
+    Parameters
+    ----------
+    report
+        A :class:`~instride.parallel.timing.TimingReport` (this module draws it and does not
+        import it: the report imports this module to write its PNG).
+    path
+        The PNG file to write.
+    components
+        Quantities of each rank to stack (default :data:`COMPONENTS`).
+
+    Returns
+    -------
+    Path
+        ``path``.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from .timing import COMPONENTS
 
     comps = list(components or COMPONENTS)
     ranks = report.ranks

@@ -50,8 +50,13 @@ from typing import Any
 
 import numpy as np
 
-from .analyses import BUILTIN, Block, Combined, FrameAnalysis
-from .errors import BackendError, DecompositionError, RankFailedError, UnsupportedInputError
+from .adapters import BUILTIN, Block, Combined, FrameAnalysisAdapter, ParallelAnalysis
+from .analysis_errors import (
+    BackendError,
+    DecompositionError,
+    RankFailedError,
+    UnsupportedInputError,
+)
 from .inputs import FrameSource, SourceSpec, source_spec
 from .timing import RankTiming, TimingReport
 
@@ -75,8 +80,9 @@ class AnalysisRun:
     timing
         The :class:`~instride.parallel.timing.TimingReport`.
     result_object
-        For :class:`~instride.parallel.analyses.AnalysisBaseAdapter`: the MDAnalysis analysis
-        object with merged ``results``, as after ``AnalysisBase.run()``.
+        The analysis object with the ``results`` of every frame, as after ``.run()``: the
+        :mod:`instride.analytics` FrameAnalysis, or the MDAnalysis class of an
+        :class:`~instride.parallel.adapters.AnalysisBaseAdapter`.
     """
 
     analysis: str
@@ -129,16 +135,35 @@ def block_bounds(n_frames: int, n_ranks: int, rank: int) -> tuple[int, int]:
     return start, start + q + (1 if rank < r else 0)
 
 
-def make_analysis(analysis: FrameAnalysis | str, select: str | None = None) -> FrameAnalysis:
-    """An analysis object from a built-in name (``"rmsd"``, ``"rg"``) or the object itself."""
-    if isinstance(analysis, FrameAnalysis):
+def make_analysis(analysis: ParallelAnalysis | type | str,
+                  select: str | None = None) -> ParallelAnalysis:
+    """What :func:`analyze` runs, from what it was given.
+
+    Parameters
+    ----------
+    analysis
+        A :class:`~instride.parallel.adapters.ParallelAnalysis` (returned as is), a built-in
+        name (``"rmsd"``, ``"rg"``), or an :mod:`instride.analytics`
+        :class:`~instride.analytics.base.FrameAnalysis` subclass (wrapped in a
+        :class:`~instride.parallel.adapters.FrameAnalysisAdapter` on ``select``).
+    select
+        Selection of a built-in or of a FrameAnalysis class.
+
+    Raises
+    ------
+    UnsupportedInputError
+        An unknown name or a class that is not a FrameAnalysis.
+    """
+    if isinstance(analysis, ParallelAnalysis):
         return analysis
+    if isinstance(analysis, type):
+        return FrameAnalysisAdapter(analysis, select=select)
     try:
-        cls = BUILTIN[analysis]
+        factory = BUILTIN[analysis]
     except KeyError:
         raise UnsupportedInputError(analysis, f"unknown analysis; built in: {sorted(BUILTIN)}") \
             from None
-    return cls() if select is None else cls(select=select)  # type: ignore[call-arg]
+    return factory() if select is None else factory(select=select)
 
 
 def _portable(exc: BaseException, rank: int) -> BaseException:
@@ -164,7 +189,7 @@ def warm_imports() -> None:
 
 
 def _rank_work(
-    analysis: FrameAnalysis,
+    analysis: ParallelAnalysis,
     spec: SourceSpec,
     rank: int,
     size: int,
@@ -205,7 +230,7 @@ def _rank_work(
 
 
 def _result(
-    analysis: FrameAnalysis,
+    analysis: ParallelAnalysis,
     combined: Combined,
     ranks: list[RankTiming],
     spec: SourceSpec,
@@ -227,13 +252,13 @@ def _result(
                        combined.result_object)
 
 
-def _serial_baseline(analysis: FrameAnalysis, spec: SourceSpec, progress: bool) -> RankTiming:
+def _serial_baseline(analysis: ParallelAnalysis, spec: SourceSpec, progress: bool) -> RankTiming:
     _, timing, _ = _rank_work(analysis, spec, 0, 1, progress=progress)
     return timing
 
 
 def _mp_worker(
-    analysis: FrameAnalysis, spec: SourceSpec, rank: int, size: int, delay: float
+    analysis: ParallelAnalysis, spec: SourceSpec, rank: int, size: int, delay: float
 ) -> tuple[Block | None, RankTiming | None, float, BaseException | None]:
     try:
         warm_imports()
@@ -267,7 +292,7 @@ def _mpi_comm(comm: Any) -> Any:
 
 
 def analyze(
-    analysis: FrameAnalysis | str,
+    analysis: ParallelAnalysis | type | str,
     trajectory: str | os.PathLike[str],
     topology: str | os.PathLike[str] | None = None,
     *,
@@ -287,15 +312,16 @@ def analyze(
     Parameters
     ----------
     analysis
-        A :class:`~instride.parallel.analyses.FrameAnalysis` (``RMSD(...)``,
-        ``RadiusOfGyration(...)``, ``AnalysisBaseAdapter(...)``) or a built-in name
-        ``"rmsd"`` / ``"rg"``.
+        A :class:`~instride.parallel.adapters.ParallelAnalysis` (``rmsd(...)``,
+        ``radius_of_gyration(...)``, ``FrameAnalysisAdapter(...)``,
+        ``AnalysisBaseAdapter(...)``), a built-in name ``"rmsd"`` / ``"rg"``, or an
+        :mod:`instride.analytics` FrameAnalysis class (run on ``select``).
     trajectory
         ``instride://STREAM``, an H5MD file, or a trajectory MDAnalysis reads.
     topology
         Topology file (required).
     select
-        Selection for a built-in analysis given by name.
+        Selection for a built-in analysis given by name, or for a FrameAnalysis class.
     workers
         Number of ranks. ``"mpi"``: default and required value is the communicator's size.
     backend
@@ -368,7 +394,7 @@ def analyze(
 
 
 def _run_multiprocessing(
-    ana: FrameAnalysis,
+    ana: ParallelAnalysis,
     spec: SourceSpec,
     n: int,
     base: RankTiming | None,
@@ -419,7 +445,7 @@ def _run_multiprocessing(
 
 
 def _run_mpi(
-    ana: FrameAnalysis,
+    ana: ParallelAnalysis,
     trajectory: str | os.PathLike[str],
     topology: str | os.PathLike[str] | None,
     workers: int | None,

@@ -1,4 +1,4 @@
-"""Cluster-mode consumption: wait on metadata, fetch from the owner, cache, verify versions.
+"""The cluster engine: metadata in Redis, bytes over a transport, a versioned cache of copies.
 
 A key whose file is on this node and was produced here (an *original*) is returned after one
 ``stat``: no metadata round trip. A key fetched from another node is a *cached copy*: a
@@ -17,27 +17,39 @@ import io
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from . import local
-from .config import Settings
-from .errors import ConsumeTimeout, IntegrityError
-from .keys import key_path, tmp_path
-from .metadata.base import MetadataBackend, Record
-from .transport import Transport, get_transport
+from .. import store
+from ..config import Settings
+from ..errors import ConsumeTimeout, IntegrityError
+from ..keys import TMP_PATTERN, key_path, tmp_path
+from ..metadata import get_backend
+from ..record import Record
+from ..store.streamstate import RedisStreamState
+from ..transport import Transport, get_transport
+from .base import map_file
 
 _open = io.open  # the builtin, captured before instride.interception.pyopen may patch it
 
 
-class RemoteStore:
-    """Fetching and caching of keys owned by other nodes."""
+class ClusterEngine:
+    """Engine of cluster mode (``INSTRIDE_REDIS_URL`` set).
 
-    def __init__(self, settings: Settings, metadata: MetadataBackend) -> None:
+    Parameters
+    ----------
+    settings
+        Supplies the managed directory, the Redis URL, the token, this node's address and
+        name, the cache bound and the transport's name.
+    """
+
+    name = "cluster"
+
+    def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.root = settings.dir
-        self.metadata = metadata
-        self.transport: Transport = get_transport("tcp", settings)
+        self.metadata = get_backend("redis", settings)
+        self.transport: Transport = get_transport(settings.transport, settings)
         settings.internal_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.cache_dir = settings.internal_dir / "cache"
         self.lock_dir = settings.internal_dir / "locks"
@@ -99,7 +111,7 @@ class RemoteStore:
         out = []
         for dirpath, _dirs, files in os.walk(self.cache_dir):
             for name in files:
-                if not name.endswith(".json") or local.TMP_PATTERN.match(name):
+                if not name.endswith(".json") or TMP_PATTERN.match(name):
                     continue
                 side = Path(dirpath) / name
                 key = str(side.relative_to(self.cache_dir))[: -len(".json")]
@@ -159,7 +171,7 @@ class RemoteStore:
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         if record.owner == self.settings.addr:
             # Published by a process of this node: the original is (about to be) here.
-            return local.wait_any([path], remaining, label=key)
+            return store.wait_any([path], remaining, label=key)
         with self._lock(key, deadline):
             have = self.cached_version(key)
             if os.path.exists(path) and have is not None and have >= record.version:
@@ -188,7 +200,7 @@ class RemoteStore:
         try:
             # Bytes first, then the version: in between, a reader sees new bytes with an older
             # sidecar and merely re-checks (never old bytes with a newer version).
-            local.publish_file(staged, path, record.key, overwrite=True)
+            store.publish_file(staged, path, record.key, overwrite=True)
             self._remember(record)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
@@ -197,20 +209,80 @@ class RemoteStore:
         self.last_timing["fetch"] = t1 - t0
         self.last_timing["store"] = time.monotonic() - t1
 
-    def consume_bytes(self, key: str, timeout: float | None) -> memoryview | None:
-        """Content of a key owned elsewhere, received into memory; ``None`` if it is local."""
+    def consume_bytes(self, key: str, timeout: float | None) -> memoryview:
+        """Content of ``key``: the local file memory-mapped, or a key owned elsewhere received
+        into memory, verified and not stored."""
         path = key_path(key, self.root)
-        if self._current(key, path):
-            return None
-        record = self.metadata.wait_any([key], timeout)
-        if record.owner == self.settings.addr:
-            return None
-        self.transfers += 1
-        return memoryview(self.transport.fetch_bytes(record))
+        if not self._current(key, path):
+            record = self.metadata.wait_any([key], timeout)
+            if record.owner != self.settings.addr:
+                self.transfers += 1
+                return memoryview(self.transport.fetch_bytes(record))
+        return map_file(self.consume(key, timeout))
+
+    # ------------------------------------------------------------------ engine protocol
+    def ready(self, key: str) -> str | None:
+        """The local file of ``key`` if it may be served now: an original of this node, or a
+        fetched copy of the latest version (one metadata lookup)."""
+        path = key_path(key, self.root)
+        return str(path) if self._current(key, path) else None
+
+    def wait_any(self, keys: Sequence[str], timeout: float | None) -> str:
+        """The first of ``keys`` to be recorded in the metadata (not fetched)."""
+        return self.metadata.wait_any(list(keys), timeout).key
+
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` is on this node or recorded in the metadata."""
+        return os.path.exists(self.root / key) or self.metadata.lookup(key) is not None
+
+    def published(self, key: str, overwrite: bool) -> None:
+        """Record a publication of this node (owner, size, checksum, new version)."""
+        self.register(key, overwrite=overwrite)
+
+    def retired(self, key: str) -> None:
+        """A file of this node was taken away from its key: delete its record."""
+        self.metadata.delete(key)
+
+    def drop_copy(self, key: str) -> None:
+        """Remove this node's fetched copy of ``key`` (never an original of this node)."""
+        if self.cached_version(key) is not None:
+            self.forget_fetched(key)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.root / key)
+
+    def frame_path(self, key: str) -> str | None:
+        """Where ``key``'s file is when a copy is on this node (else fetch it first)."""
+        path = f"{self.root}/{key}"
+        return path if os.path.exists(path) else None
+
+    def stream_state(self, stream: str) -> RedisStreamState:
+        """The stream's head, policy and groups: in Redis, shared by every node."""
+        return RedisStreamState(self.metadata.redis, stream)
+
+    def register(self, key: str, *, overwrite: bool) -> Record:
+        """Record the file in place under ``key`` with this node as owner.
+
+        If recording fails, a write-once file is removed again, so no key is left visible
+        without a record.
+        """
+        path = key_path(key, self.root)
+        st = path.stat()
+        record = Record(key=key, owner=self.settings.addr, size=st.st_size,
+                        checksum=store.file_checksum(path), version=1, time=time.time(),
+                        node=self.settings.node)
+        self.forget_fetched(key)  # our own original now, never evicted
+        try:
+            return self.metadata.publish(record, overwrite=overwrite)
+        except BaseException:
+            if not overwrite:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            raise
 
     def close(self) -> None:
-        """Release the transport's connections."""
+        """Release the transport's and the metadata backend's connections."""
         self.transport.close()
+        self.metadata.close()
 
 
-__all__ = ["RemoteStore"]
+__all__ = ["ClusterEngine"]

@@ -1,4 +1,4 @@
-"""TCP transport, client side.
+"""TCP transport, client half.
 
 Connections to each owner are kept alive per thread. A body is received in chunks into a
 reused buffer; each chunk is hashed (xxh3, streaming) and written to the destination while it
@@ -14,20 +14,23 @@ import os
 import socket
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from ..config import Settings, parse_addr
-from ..errors import (
+from ...config import Settings, parse_addr
+from ...errors import (
     AuthenticationError,
     IntegrityError,
     KeyNotFoundError,
     PeerUnavailable,
     TransferError,
 )
-from ..metadata.base import Record
-from . import wire
+from ...record import Record
+from .. import wire
+
+if TYPE_CHECKING:
+    from .server import TcpServer
 
 _CHUNK = 4 << 20
 
@@ -69,18 +72,6 @@ def _size(reply: dict[str, Any], record: Record) -> int:
         return int(reply["size"])
     except (KeyError, TypeError, ValueError):
         raise TransferError(record.key, f"malformed reply from {record.owner}: {reply!r}") from None
-
-
-def _check(record: Record, digest: str, size: int) -> None:
-    """Compare a received size and xxh3 digest with the record."""
-    if size != record.size:
-        raise IntegrityError(record.key, f"size {size} differs from the record's {record.size}")
-    if record.checksum is not None:
-        algo, _, expected = record.checksum.partition(":")
-        if algo != "xxh3":
-            raise IntegrityError(record.key, f"unknown checksum algorithm {algo!r}")
-        if digest != expected:
-            raise IntegrityError(record.key, f"checksum {digest} differs from the record's {expected}")
 
 
 class TcpTransport:
@@ -174,7 +165,7 @@ class TcpTransport:
             try:
                 digest = self._stream_to_file(sock, fd, size, record.key)
                 complete = True  # the whole body was read: the connection can be reused
-                _check(record, digest, size)
+                record.verify(digest, size)
                 if self.settings.fsync:
                     os.fsync(fd)
             finally:
@@ -227,8 +218,15 @@ class TcpTransport:
             sock.close()
             raise
         self._release(record.owner, sock)
-        _check(record, xxhash.xxh3_64_hexdigest(buf), size)
+        record.verify(xxhash.xxh3_64_hexdigest(buf), size)
         return buf
+
+    @classmethod
+    def server_class(cls) -> type[TcpServer]:
+        """The server half, :class:`~instride.transport.tcp.server.TcpServer`."""
+        from .server import TcpServer
+
+        return TcpServer
 
     def close(self) -> None:
         """Close this thread's kept-alive connections."""

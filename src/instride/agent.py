@@ -1,0 +1,377 @@
+"""The node agent: the Unix-socket face of ``instride serve`` for thin clients.
+
+The C preload library and other local processes connect to ``$INSTRIDE_DIR/.instride/node.sock``
+(mode 0600 from its creation on, in a 0700 ``.instride/``) and send one text line per request::
+
+    CONSUME <timeout_ms or -1> <key>   ->  OK <absolute path>   |  ERR <errno> <message>
+    PUBLISH <key>                      ->  OK <absolute path>   |  ERR <errno> <message>
+    OVERWRITE <key>                    ->  OK <absolute path>   |  ERR <errno> <message>
+    PING                               ->  OK pong
+    STATS                              ->  OK <one-line JSON object of counters>
+
+``CONSUME`` waits for the key, fetches it from its owner if needed (through the node's
+:class:`~instride.client.Client`, so exactly as a Python consumer would) and answers once the
+file is local (``-1``: the server's ``INSTRIDE_TIMEOUT``, forever when unset). ``PUBLISH``
+records a regular file the client already placed under its key atomically, **write-once**: if
+another node already published the key, the local file is removed and the answer is ``ERR 17``
+(EEXIST). ``OVERWRITE`` records it as a new version replacing any earlier one (what a shim run
+with ``INSTRIDE_OVERWRITE=1`` sends). Replies are always one line: newlines in error messages
+are flattened. A client that disconnects while its ``CONSUME`` waits gets no reply and its wait
+ends within about a second; waits still pending at shutdown are answered ``ERR 103``
+(ECONNABORTED).
+
+Resource bounds: waits run in a pool of ``workers`` threads, in slices of at most a second, so
+an abandoned or cancelled wait frees its thread promptly; ``PUBLISH``/``OVERWRITE`` and
+``CONSUME`` of a key already on this node use a separate small pool that waits can never starve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import functools
+import json
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .client import Client
+from .config import Settings
+from .errors import AgentError, ConsumeTimeout, InstrideError, KeyNotServed
+from .keys import key_path
+from .store.served import check_real
+
+log = logging.getLogger("instride.server")
+
+#: Longest line accepted on the Unix socket.
+MAX_LINE = 4096
+#: Longest error message put in a reply (the shim's reply buffer is PATH_MAX + 128).
+MAX_MESSAGE = 1000
+#: Seconds any write to a client may take.
+SEND_TIMEOUT = 60.0
+#: Longest single blocking call of a wait; cancellation is noticed between slices.
+WAIT_SLICE = 1.0
+#: How often a pending wait checks whether its client is gone.
+WATCH_INTERVAL = 0.2
+#: Threads for publications and for consumptions of keys already on this node.
+QUICK_WORKERS = 4
+
+T = TypeVar("T")
+
+
+class _WaitCancelled(InstrideError):
+    """Raised in a worker thread when its wait was cancelled between slices (never leaves
+    the agent)."""
+
+
+class _ShuttingDown(InstrideError):
+    """A wait ended because the server is stopping (answered ``ERR 103``, never raised out)."""
+
+
+def one_line(text: str, limit: int = MAX_MESSAGE) -> str:
+    """``text`` on one line: CR, LF and other line breaks become spaces; cut at ``limit``."""
+    flat = " ".join(text.splitlines()) if text else ""
+    flat = "".join(" " if ord(c) < 0x20 or c == "\x7f" else c for c in flat)
+    return flat[:limit]
+
+
+def _err(code: int | None, message: object) -> str:
+    return f"ERR {code or errno.EIO} {one_line(str(message))}"
+
+
+class LocalAgent:
+    """Answer thin clients on this node's Unix socket.
+
+    Parameters
+    ----------
+    settings
+        The node's settings (directory, socket path, default timeout).
+    client
+        The client whose engine consumes and records keys.
+    workers
+        Threads for waiting ``CONSUME`` requests (each pending wait holds one).
+    send_timeout
+        Seconds a write to a client may take.
+    stats
+        Called by ``STATS`` for the counters to report (default: this agent's own).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        client: Client,
+        *,
+        workers: int = 64,
+        send_timeout: float = SEND_TIMEOUT,
+        stats: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.client = client
+        self.send_timeout = send_timeout
+        self.root_real = os.path.realpath(settings.dir)
+        self.waits = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="instride-wait")
+        self.quick = ThreadPoolExecutor(max_workers=QUICK_WORKERS, thread_name_prefix="instride-quick")
+        self._report = stats or self.snapshot
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._idle: set[asyncio.Task[Any]] = set()  # connections waiting for a request
+        self._cancels: set[threading.Event] = set()  # one per pending wait
+        self._closing = False
+        self._lock = threading.Lock()
+        self._busy = 0  # jobs running in worker threads
+        self._waiting = 0  # of which waits (CONSUME)
+        self.stats = {"local": 0, "abandoned": 0, "errors": 0, "stalled": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Create the socket (mode 0600, in a 0700 directory) and listen on it."""
+        internal = self.settings.internal_dir
+        internal.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if os.stat(internal).st_uid == os.getuid():
+            os.chmod(internal, 0o700)
+        sock = self.settings.socket
+        sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            sock.unlink()
+        old_umask = os.umask(0o177)  # the socket is 0600 from the moment it exists
+        try:
+            self._server = await asyncio.start_unix_server(self._track, str(sock),
+                                                           limit=MAX_LINE * 2)
+        finally:
+            os.umask(old_umask)
+        os.chmod(sock, 0o600)
+
+    async def _track(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            await self._handle_local(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass
+        except Exception:  # never let one client take the server down
+            self.stats["errors"] += 1
+            log.exception("unexpected error while serving a request")
+        finally:
+            self._tasks.discard(task)
+            writer.close()
+            # Cancelled here too at loop shutdown: end quietly, never as a cancelled task
+            # (asyncio's stream callback would log its CancelledError as an error).
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(writer.wait_closed(), 1.0)
+
+    @property
+    def busy(self) -> int:
+        """Jobs currently running in worker threads."""
+        return self._busy
+
+    async def stop(self, grace: float) -> None:
+        """Stop accepting; cancel waits; give in-flight requests ``grace`` seconds; remove the
+        socket; stop the worker pools."""
+        self._closing = True
+        if self._server is not None:
+            self._server.close()
+        for cancel in list(self._cancels):  # pending waits end within a slice
+            cancel.set()
+        for task in list(self._idle):  # connections with nothing in flight
+            task.cancel()
+        if self._tasks:
+            log.info("waiting for %d in-flight request(s)", len(self._tasks))
+            _done, pending = await asyncio.wait(set(self._tasks), timeout=grace)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
+        with contextlib.suppress(FileNotFoundError):
+            self.settings.socket.unlink()
+        for pool in (self.waits, self.quick):
+            pool.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + WAIT_SLICE + 2.0
+        while self._busy and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._busy:
+            log.warning("%d worker job(s) still running at exit", self._busy)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters plus the current numbers of waits and worker jobs."""
+        return {**self.stats, "waiting": self._waiting, "workers_busy": self._busy}
+
+    async def _drain(self, writer: asyncio.StreamWriter) -> None:
+        try:
+            await asyncio.wait_for(writer.drain(), self.send_timeout)
+        except asyncio.TimeoutError:
+            self.stats["stalled"] += 1
+            log.warning("a local client stopped reading; connection dropped")
+            writer.transport.abort()
+            raise ConnectionResetError("client stopped reading") from None
+
+    # ------------------------------------------------------------------ worker threads
+    async def _in_pool(self, pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(
+            pool, functools.partial(self._counted, fn, *args))
+
+    def _counted(self, fn: Callable[..., T], *args: Any) -> T:
+        with self._lock:
+            self._busy += 1
+        try:
+            return fn(*args)
+        finally:
+            with self._lock:
+                self._busy -= 1
+
+    def _consume_sliced(self, key: str, timeout: float | None, cancel: threading.Event) -> Path:
+        """``client.consume`` in slices of at most :data:`WAIT_SLICE`, checking ``cancel``."""
+        with self._lock:
+            self._busy += 1
+            self._waiting += 1
+        try:
+            start = time.monotonic()
+            deadline = None if timeout is None else start + timeout
+            while True:
+                if cancel.is_set():
+                    raise _WaitCancelled()
+                left = WAIT_SLICE if deadline is None else deadline - time.monotonic()
+                try:
+                    return self.client.consume(key, timeout=max(0.0, min(WAIT_SLICE, left)))
+                except ConsumeTimeout:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise ConsumeTimeout(key, time.monotonic() - start) from None
+        finally:
+            with self._lock:
+                self._busy -= 1
+                self._waiting -= 1
+
+    @staticmethod
+    def _gone(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Whether the client closed its connection (without reading anything from it)."""
+        return reader.at_eof() or reader.exception() is not None or writer.transport.is_closing()
+
+    async def _wait(
+        self, key: str, timeout: float | None, reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> Path | None:
+        """Run a sliced wait; ``None`` when the client went away (the wait is cancelled)."""
+        if self._closing:
+            raise _ShuttingDown()
+        local = os.path.exists(key_path(key, self.settings.dir))
+        pool = self.quick if local else self.waits
+        cancel = threading.Event()
+        self._cancels.add(cancel)
+        fut = asyncio.get_running_loop().run_in_executor(pool, self._consume_sliced, key, timeout,
+                                                         cancel)
+        try:
+            while True:
+                done, _ = await asyncio.wait({fut}, timeout=WATCH_INTERVAL)
+                if done:
+                    try:
+                        return fut.result()
+                    except _WaitCancelled:
+                        raise _ShuttingDown() from None
+                if self._closing:
+                    raise _ShuttingDown()
+                if self._gone(reader, writer):
+                    self.stats["abandoned"] += 1
+                    log.debug("client gone; wait for %s cancelled", key)
+                    return None
+        finally:
+            if not fut.done():
+                cancel.set()
+                fut.cancel()  # a queued job never starts; a running one ends at its next slice
+            self._cancels.discard(cancel)
+
+    # ------------------------------------------------------------------ requests
+    async def _handle_local(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        while True:
+            self._idle.add(task)
+            try:
+                line = await reader.readuntil(b"\n")
+            except asyncio.LimitOverrunError:
+                writer.write(f"ERR {errno.E2BIG} request line too long\n".encode())
+                await self._drain(writer)
+                return
+            except asyncio.IncompleteReadError:
+                return
+            finally:
+                self._idle.discard(task)
+            reply = await self._local_request(line[:-1].decode("utf-8", errors="replace"),
+                                              reader, writer)
+            if reply is None:  # the client went away: nobody to answer
+                return
+            writer.write(reply.encode() + b"\n")
+            await self._drain(writer)
+            if self._closing:
+                return
+
+    def _in_place(self, key: str) -> Path:
+        """The path of ``key`` if it holds a regular file inside the managed directory."""
+        path = key_path(key, self.settings.dir)
+        try:
+            st = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            raise AgentError(errno.ENOENT,
+                              f"{key} is not in place under the managed directory") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise AgentError(errno.EINVAL, f"{key} is not a regular file (symbolic links, "
+                              "directories and special files cannot be published)")
+        try:
+            check_real(self.root_real, key, os.path.realpath(path))
+        except KeyNotServed as exc:
+            raise AgentError(errno.EINVAL, f"{key} cannot be published: {exc.reason}") from None
+        return path
+
+    async def _local_request(
+        self, line: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> str | None:
+        """Answer one line; ``None`` means: send nothing (the client is gone)."""
+        self.stats["local"] += 1
+        verb, _, rest = line.partition(" ")
+        try:
+            if verb == "PING":
+                return "OK pong"
+            if verb == "STATS":
+                return "OK " + json.dumps(self._report(), separators=(",", ":"))
+            if verb == "CONSUME":
+                raw_timeout, _, key = rest.partition(" ")
+                try:
+                    ms = int(raw_timeout)
+                except ValueError:
+                    return _err(errno.EINVAL, f"bad timeout {raw_timeout[:50]!r} (milliseconds or -1)")
+                key = self.client.key(key)
+                timeout = self.settings.timeout if ms < 0 else ms / 1000.0
+                path = await self._wait(key, timeout, reader, writer)
+                return None if path is None else f"OK {path}"
+            if verb in ("PUBLISH", "OVERWRITE"):
+                key = self.client.key(rest)
+                path = self._in_place(key)
+                if self._closing:
+                    raise _ShuttingDown()
+                await self._in_pool(self.quick, functools.partial(
+                    self.client.register, key, overwrite=verb == "OVERWRITE"))
+                return f"OK {path}"
+            return _err(errno.EINVAL, f"unknown request {verb[:50]!r}")
+        except _ShuttingDown:
+            return _err(errno.ECONNABORTED, "server is shutting down")
+        except AgentError as exc:
+            return _err(exc.code, exc.message)
+        except InstrideError as exc:
+            return _err(exc.errno, exc)
+        except ValueError as exc:
+            return _err(errno.EINVAL, exc)
+        except OSError as exc:
+            return _err(exc.errno or errno.EIO, exc)
+        except Exception as exc:  # a bug or an untranslated library error: answer, log it
+            self.stats["errors"] += 1
+            log.exception("unexpected error answering %r", line[:200])
+            return _err(errno.EIO, f"internal error: {type(exc).__name__}: {exc}")
+
+
+__all__ = ["LocalAgent", "MAX_LINE", "MAX_MESSAGE", "one_line"]

@@ -1,0 +1,102 @@
+"""The engine contract: how a :class:`~instride.client.Client` reaches published keys.
+
+A client holds exactly one engine, chosen once at construction from the settings
+(``local`` when ``INSTRIDE_REDIS_URL`` is unset, ``cluster`` when it is set). Everything that
+differs between the modes lives behind these few methods; the client, the streams and the
+server never ask which mode they are in.
+
+=====================  =====================================================================
+method                 job
+=====================  =====================================================================
+``ready(key)``         the local path (str) of a key readable right now, else ``None``
+``consume(key, t)``    wait until the key is published and on this node; its local path
+``consume_bytes``      its content in memory (zero copy when local)
+``wait_any(keys, t)``  wait until one of the keys is published (not fetched); which one
+``exists(key)``        whether the key is published (anywhere)
+``published(key, o)``  a local atomic publication just happened: record it
+``register(key, o)``   record a file already in place under its key; the record
+``retired(key)``       a stream frame's file was taken away from its key: forget its record
+``drop_copy(key)``     remove this node's fetched copy of a key (never an original)
+``frame_path(key)``    where a key's file is on this node, if it can be opened without a fetch
+``stream_state(s)``    a stream's head, policy and consumer groups (files, or Redis)
+``close()``            release connections (the engine stays usable)
+=====================  =====================================================================
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from ..metadata.base import MetadataBackend
+from ..record import Record
+from ..store.streamstate import StreamState
+
+_open = io.open  # the builtin, captured before instride.interception.pyopen may patch it
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What a client needs from its mode."""
+
+    #: ``"local"`` or ``"cluster"`` (the registry name).
+    name: str
+    #: The metadata backend this engine records publications in.
+    metadata: MetadataBackend
+
+    def ready(self, key: str) -> str | None:
+        """The local path of ``key`` if it may be read now without waiting, else ``None``.
+
+        A string, not a :class:`~pathlib.Path`: this is the hot path of every read.
+        """
+
+    def consume(self, key: str, timeout: float | None) -> Path:
+        """Wait until ``key`` is published and present on this node; return its local path.
+
+        Raises :class:`~instride.errors.ConsumeTimeout` after ``timeout`` seconds.
+        """
+
+    def consume_bytes(self, key: str, timeout: float | None) -> memoryview:
+        """Wait for ``key``; return its content (read-only), with no second copy on disk."""
+
+    def wait_any(self, keys: Sequence[str], timeout: float | None) -> str:
+        """Wait until one of ``keys`` is published; return it (not fetched)."""
+
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` is published."""
+
+    def published(self, key: str, overwrite: bool) -> None:
+        """Called after ``key`` was atomically published on this node (writer closed)."""
+
+    def register(self, key: str, *, overwrite: bool) -> Record:
+        """Record the file in place under ``key``; return the record as stored."""
+
+    def retired(self, key: str) -> None:
+        """Called after a stream frame's file was moved away from ``key`` on this node."""
+
+    def drop_copy(self, key: str) -> None:
+        """Remove this node's fetched copy of ``key``; an original is never removed."""
+
+    def frame_path(self, key: str) -> str | None:
+        """Where ``key``'s file is on this node if it can be opened without a fetch."""
+
+    def stream_state(self, stream: str) -> StreamState:
+        """The head, policy and consumer groups of ``stream`` as this mode shares them."""
+
+    def close(self) -> None:
+        """Release connections; the engine stays usable (they are re-made on demand)."""
+
+
+def map_file(path: str | Path) -> memoryview:
+    """A read-only memory map of ``path`` (an empty view for an empty file)."""
+    with _open(path, "rb") as fh:
+        if os.fstat(fh.fileno()).st_size == 0:
+            return memoryview(b"")
+        return memoryview(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ))
+
+
+__all__ = ["Engine", "map_file"]

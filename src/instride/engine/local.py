@@ -1,0 +1,96 @@
+"""The local engine: one node, the file system is the metadata, inotify is the wake-up.
+
+A key is published exactly when a file exists under its final name; a reader of a missing key
+waits on an inotify watch (:mod:`instride.store.wait`). No server, no network, no checksum.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from .. import store
+from ..config import Settings
+from ..keys import key_path
+from ..metadata import get_backend
+from ..record import Record
+from ..store.streamstate import LocalStreamState
+from .base import map_file
+
+
+class LocalEngine:
+    """Engine of local mode (``INSTRIDE_REDIS_URL`` unset).
+
+    Parameters
+    ----------
+    settings
+        Supplies the managed directory, the node name and address (for records).
+    """
+
+    name = "local"
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.root = settings.dir
+        self._root_s = str(settings.dir)
+        self.metadata = get_backend("files", settings)
+
+    def ready(self, key: str) -> str | None:
+        """The file of ``key`` if it exists (one ``stat``)."""
+        path = f"{self._root_s}/{key}"  # strings, not pathlib, on this hot path
+        return path if os.path.exists(path) else None
+
+    def consume(self, key: str, timeout: float | None) -> Path:
+        """The file of ``key``, waiting for it with inotify if needed."""
+        path = key_path(key, self.root)
+        if os.path.exists(path):
+            return path
+        return store.wait_any([path], timeout, label=key)
+
+    def consume_bytes(self, key: str, timeout: float | None) -> memoryview:
+        """A read-only memory map of the file of ``key`` (zero copy)."""
+        return map_file(self.consume(key, timeout))
+
+    def wait_any(self, keys: Sequence[str], timeout: float | None) -> str:
+        """The first of ``keys`` whose file exists, waiting for one if none does."""
+        for key in keys:
+            if os.path.exists(self.root / key):
+                return key
+        return self.metadata.wait_any(list(keys), timeout).key
+
+    def exists(self, key: str) -> bool:
+        """Whether the file of ``key`` exists."""
+        return os.path.exists(self.root / key)
+
+    def published(self, key: str, overwrite: bool) -> None:
+        """Nothing to record: the atomic rename was the publication."""
+
+    def retired(self, key: str) -> None:
+        """Nothing to forget: moving the file away was the retirement."""
+
+    def drop_copy(self, key: str) -> None:
+        """Nothing to drop: every file here is an original."""
+
+    def frame_path(self, key: str) -> str | None:
+        """Where ``key``'s file is (whether or not it exists: opening it tells)."""
+        return f"{self._root_s}/{key}"
+
+    def stream_state(self, stream: str) -> LocalStreamState:
+        """The stream's head, policy and groups: files of this node."""
+        return LocalStreamState(self.root, stream)
+
+    def register(self, key: str, *, overwrite: bool) -> Record:
+        """A record built from ``stat`` (no checksum); nothing is stored."""
+        st = key_path(key, self.root).stat()
+        record = Record(key=key, owner=self.settings.addr, size=st.st_size, checksum=None,
+                        version=1, time=time.time(), node=self.settings.node)
+        return self.metadata.publish(record, overwrite=overwrite)
+
+    def close(self) -> None:
+        """Release the metadata backend (nothing is held)."""
+        self.metadata.close()
+
+
+__all__ = ["LocalEngine"]

@@ -1,0 +1,73 @@
+"""The managed directory itself: creation with safe permissions, its file-system type, and
+the checksum of a file in it."""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import stat
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..record import checksum_of
+
+_open = io.open  # the builtin, captured before instride.interception.pyopen may patch it
+
+
+def file_system_type(path: str) -> str:
+    """The type (``"tmpfs"``, ``"ext4"``...) of the file system holding ``path``, or ``""``.
+
+    Read from ``/proc/self/mountinfo``: the mount point that is the longest prefix of the
+    path's real path.
+    """
+    real = os.path.realpath(path)
+    best, kind = -1, ""
+    try:
+        with _open("/proc/self/mountinfo", "rb") as fh:
+            lines = fh.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        if len(fields) < 5 or not right:
+            continue
+        point = fields[4].replace("\\040", " ")
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > best:
+            best, kind = len(point), right.split()[0]
+    return kind
+
+
+def ensure_private_dir(root: Path) -> None:
+    """Create the managed directory (mode 0700) and check it is ours and not a symlink.
+
+    Raises
+    ------
+    ConfigError
+        The directory is a symbolic link, belongs to another user, or is writable by others.
+    """
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(root)
+    except OSError as exc:
+        raise ConfigError("INSTRIDE_DIR", str(root), f"cannot create it: {exc}") from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise ConfigError("INSTRIDE_DIR", str(root), "not a directory (or a symbolic link)")
+    if st.st_uid != os.getuid():
+        raise ConfigError("INSTRIDE_DIR", str(root), f"owned by uid {st.st_uid}, not {os.getuid()}")
+    if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
+        raise ConfigError("INSTRIDE_DIR", str(root), "writable by every user")
+
+
+def file_checksum(path: str | Path) -> str:
+    """Return ``"xxh3:<hex>"`` of a file's content (memory-mapped, no copy)."""
+    with _open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size == 0:
+            return checksum_of(b"")
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            return checksum_of(mm)
+
+
+__all__ = ["ensure_private_dir", "file_checksum", "file_system_type"]

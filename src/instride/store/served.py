@@ -1,0 +1,77 @@
+"""Which files of the managed directory may leave the node or be recorded.
+
+Only regular files are served or published: a symbolic link (as the key's last component or
+as a directory on the way), a FIFO, a device or a directory under a key is refused, and so is
+a file whose resolved path is outside the managed directory. Hard links are not detected.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+from ..errors import KeyNotFoundError, KeyNotServed
+from ..keys import key_path
+
+
+def check_real(root_real: str, key: str, real: str) -> None:
+    """Refuse a file whose resolved path ``real`` is not exactly ``key``'s path.
+
+    Parameters
+    ----------
+    root_real
+        The real path of the managed directory.
+
+    Raises
+    ------
+    KeyNotServed
+        The file resolves outside the directory, or is reached through a symbolic link.
+    """
+    if real == os.path.join(root_real, key):
+        return
+    if not real.startswith(root_real.rstrip(os.sep) + os.sep):
+        raise KeyNotServed(key, "it resolves outside the managed directory")
+    raise KeyNotServed(key, "it is reached through a symbolic link")
+
+
+def open_served(root: Path, root_real: str, key: str) -> tuple[int, os.stat_result]:
+    """Open ``key`` for sending: a regular file, no symlink, inside the managed directory.
+
+    Returns
+    -------
+    (int, os.stat_result)
+        An open read-only descriptor (the caller closes it) and its ``fstat``.
+
+    Raises
+    ------
+    KeyNotFoundError
+        No such key; :class:`~instride.errors.KeyNotServed` (with the reason) for a file that
+        exists but may not be served.
+    """
+    path = key_path(key, root)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        raise KeyNotFoundError(key) from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise KeyNotServed(key, "it is a symbolic link") from None
+        raise KeyNotServed(key, os.strerror(exc.errno or errno.EIO)) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise KeyNotServed(key, "it is not a regular file")
+        try:  # where the opened file really is (immune to changes after the open)
+            real = os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)")
+        except OSError:
+            real = os.path.realpath(path)
+        check_real(root_real, key, real)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+__all__ = ["check_real", "open_served"]

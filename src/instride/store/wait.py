@@ -1,0 +1,145 @@
+"""Waiting for a file to appear on node-local storage (inotify).
+
+A wait arms an inotify watch on the file's directory and re-checks after arming, so a
+publication that lands between the first check and the watch is never missed. No polling, no
+busy wait: the thread sleeps in ``read()`` until an event names an awaited file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+from inotify_simple import INotify
+from inotify_simple import flags as inflags
+
+from ..errors import ConsumeTimeout
+
+_MAX_WAIT_MS = 60_000  # one read() at most; longer waits loop (poll() takes an int)
+_LOST = int(inflags.Q_OVERFLOW)
+_GONE = int(inflags.IGNORED | inflags.DELETE_SELF | inflags.MOVE_SELF)
+_WATCH = inflags.CREATE | inflags.MOVED_TO | inflags.DELETE_SELF | inflags.MOVE_SELF
+
+
+class _Watcher(threading.local):
+    """One inotify instance per thread, kept for the life of the thread.
+
+    Closing an inotify descriptor waits for an RCU grace period (milliseconds on some
+    kernels), so waits reuse one instance and its directory watches instead of making and
+    closing one each time. Watches are bounded; stale events of other files are ignored.
+    """
+
+    MAX_WATCHES = 64
+
+    def __init__(self) -> None:
+        self.ino: INotify | None = None
+        self.pid = 0
+        self.wds: OrderedDict[Path, int] = OrderedDict()
+
+    def get(self) -> INotify:
+        if self.ino is None or self.pid != os.getpid():  # new thread, or a forked child
+            self.ino = INotify()
+            self.pid = os.getpid()
+            self.wds.clear()
+        return self.ino
+
+    def watch(self, directory: Path) -> None:
+        ino = self.get()
+        if directory in self.wds:
+            self.wds.move_to_end(directory)
+            return
+        directory.mkdir(parents=True, exist_ok=True)
+        self.wds[directory] = ino.add_watch(directory, _WATCH)
+        while len(self.wds) > self.MAX_WATCHES:
+            _old, wd = self.wds.popitem(last=False)
+            with contextlib.suppress(OSError):
+                ino.rm_watch(wd)
+
+    def forget(self, wd: int) -> None:
+        for directory, w in list(self.wds.items()):
+            if w == wd:
+                del self.wds[directory]
+                with contextlib.suppress(OSError):
+                    self.get().rm_watch(w)
+
+    def reset(self) -> None:
+        """Drop every watch (after a queue overflow); waits re-arm what they need."""
+        ino = self.get()
+        for wd in self.wds.values():
+            with contextlib.suppress(OSError):
+                ino.rm_watch(wd)
+        self.wds.clear()
+
+
+_watcher = _Watcher()
+
+
+def wait_any(
+    paths: Sequence[Path],
+    timeout: float | None,
+    *,
+    label: str,
+) -> Path:
+    """Block until one of ``paths`` exists and return it.
+
+    Parameters
+    ----------
+    paths
+        Candidate files; their directories are created if missing so they can be watched.
+    timeout
+        Seconds to wait; ``None`` waits forever.
+    label
+        What is being waited for, named in the :class:`ConsumeTimeout`.
+
+    Raises
+    ------
+    ConsumeTimeout
+        If none appears within ``timeout``.
+    """
+    for path in paths:
+        if os.path.exists(path):
+            return path
+    start = time.monotonic()
+    names = {p.name for p in paths}
+    dirs = list(dict.fromkeys(p.parent for p in paths))
+    ino = _watcher.get()
+    for directory in dirs:
+        _watcher.watch(directory)
+    # Re-check after arming: a publication between the first check and the watch produced
+    # no event we could see.
+    for path in paths:
+        if os.path.exists(path):
+            return path
+    while True:
+        if timeout is None:
+            wait_ms = _MAX_WAIT_MS
+        else:
+            remaining = timeout - (time.monotonic() - start)
+            if remaining <= 0:
+                raise ConsumeTimeout(label, time.monotonic() - start)
+            wait_ms = min(max(1, int(remaining * 1000)), _MAX_WAIT_MS)
+        wake = rearm = False
+        for ev in ino.read(timeout=wait_ms):  # the cheapest test first: this is the hot path
+            if ev.name in names:
+                wake = True
+            elif ev.mask & _LOST:  # events (maybe IN_IGNORED) were lost
+                _watcher.reset()
+                rearm = True
+            elif ev.mask & _GONE:  # a watched directory went away or moved
+                _watcher.forget(ev.wd)
+                rearm = True
+        if rearm:
+            for directory in dirs:
+                _watcher.watch(directory)
+        if wake or rearm:
+            for path in paths:
+                if os.path.exists(path):
+                    return path
+
+
+__all__ = ["wait_any"]

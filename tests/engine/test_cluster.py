@@ -1,0 +1,100 @@
+"""The cluster engine between loopback nodes (real ``instride serve`` processes, one Redis):
+remote fetch, the versioned cache, in-memory consumption, streams across nodes.
+
+Cross-node behaviour between network namespaces is tested in tests/emulate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import instride
+from instride.engine import Engine
+from instride.engine.cluster import ClusterEngine
+from tests.conftest import LoopbackNode, RedisServer
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LoopbackNode]]:
+    redis = RedisServer().start()
+    root = tmp_path_factory.mktemp("engine")
+    made = [LoopbackNode(root, i, redis.url, "engine-token") for i in (1, 2, 3)]
+    try:
+        for n in made:
+            n.start()
+        yield made
+    finally:
+        for n in made:
+            n.stop()
+        redis.stop()
+
+
+@pytest.fixture
+def clients(nodes: list[LoopbackNode]) -> Iterator[list[instride.Client]]:
+    made = [n.client() for n in nodes]
+    yield made
+    for c in made:
+        c.close()
+
+
+def test_the_cluster_engine_is_chosen_by_the_redis_url(clients: list[instride.Client]) -> None:
+    c1 = clients[0]
+    assert isinstance(c1.engine, ClusterEngine) and isinstance(c1.engine, Engine)
+    assert c1.mode == "cluster" and c1.cluster is c1.engine
+    assert c1.metadata is c1.engine.metadata
+
+
+def test_remote_fetch_then_local_reads(clients: list[instride.Client]) -> None:
+    c1, c2, _ = clients
+    data = np.random.default_rng(1).bytes(300_000)
+    with c1.open("rf/a.bin", "wb") as fh:
+        fh.write(data)
+    assert c1.ready("rf/a.bin") == str(c1.root / "rf" / "a.bin")  # an original: ready at once
+    assert c2.ready("rf/a.bin") is None  # on another node: must be fetched
+    assert c2.exists("rf/a.bin")
+    before = c2.engine.transfers
+    path = c2.consume("rf/a.bin", timeout=10)
+    assert path.read_bytes() == data and c2.engine.transfers == before + 1
+    assert set(c2.engine.last_timing) == {"wait", "fetch", "store"}
+    assert c2.engine.cached_version("rf/a.bin") == 1
+    assert c2.ready("rf/a.bin") == str(path)  # the fetched copy is current
+    with c2.open("rf/a.bin") as fh:  # served from the copy: no second transfer
+        assert fh.read() == data
+    assert c2.engine.transfers == before + 1
+
+
+def test_a_re_published_key_is_fetched_anew(clients: list[instride.Client]) -> None:
+    c1, c2, _ = clients
+    with c1.open("rf/v.bin", "wb") as fh:
+        fh.write(b"version one")
+    assert c2.consume("rf/v.bin", timeout=10).read_bytes() == b"version one"
+    with c1.open("rf/v.bin", "wb", overwrite=True) as fh:
+        fh.write(b"version two!")
+    assert c2.ready("rf/v.bin") is None  # the copy is stale now
+    assert c2.consume("rf/v.bin", timeout=10).read_bytes() == b"version two!"
+    assert c2.engine.cached_version("rf/v.bin") == 2
+
+
+def test_consume_bytes_of_a_remote_key_stores_nothing(clients: list[instride.Client]) -> None:
+    c1, _, c3 = clients
+    with c1.open("rf/mem.bin", "wb") as fh:
+        fh.write(b"in memory only")
+    assert bytes(c3.consume_bytes("rf/mem.bin", timeout=10)) == b"in memory only"
+    assert not (c3.root / "rf" / "mem.bin").exists()
+    assert bytes(c1.consume_bytes("rf/mem.bin", timeout=10)) == b"in memory only"  # own: mapped
+
+
+def test_a_stream_across_nodes(clients: list[instride.Client]) -> None:
+    c1, c2, _ = clients
+    pos = np.arange(30, dtype=np.float32).reshape(10, 3)
+    with instride.Stream("rf/run", mode="w", client=c1) as producer:
+        for i in range(3):
+            producer.append(pos + i, step=i)
+    consumer = instride.Stream("rf/run", timeout=10, client=c2)
+    frames = list(consumer)
+    assert [f.header.step for f in frames] == [0, 1, 2]
+    assert np.array_equal(frames[2].positions, pos + 2)
+    assert consumer.frame_count() == 3 and consumer.ended and consumer.has(2) and not consumer.has(3)

@@ -1,0 +1,180 @@
+"""The local engine through the public API, with real processes: open / publish / consume /
+consume_bytes / wait_any, settings from the environment, the managed directory's checks."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import instride
+from instride.errors import ConsumeTimeout, KeyExistsError, UnsupportedModeError
+from tests.conftest import finish
+
+CONSUMER = textwrap.dedent(
+    """
+    import hashlib, sys, instride
+    with instride.open(sys.argv[1], timeout=60) as fh:
+        data = fh.read()
+    print(len(data), hashlib.sha256(data).hexdigest())
+    """
+)
+PRODUCER = textwrap.dedent(
+    """
+    import os, sys, hashlib, instride
+    data = os.urandom(int(sys.argv[2]))
+    with instride.open(sys.argv[1], "wb") as fh:
+        fh.write(data)
+    print(len(data), hashlib.sha256(data).hexdigest())
+    """
+)
+
+
+def _run(code: str, *args: str) -> object:
+    import subprocess
+
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def test_write_read_roundtrip_text_and_binary(client: instride.Client) -> None:
+    with client.open("t/hello.txt", "w") as fh:
+        fh.write("héllo\n")
+    with client.open("t/hello.txt", "r") as fh:
+        assert fh.read() == "héllo\n"
+    with client.open("t/blob.bin", "wb") as fh:
+        fh.write(b"\x00\x01" * 1000)
+    assert client.consume("t/blob.bin").read_bytes() == b"\x00\x01" * 1000
+
+
+def test_consumer_started_before_producer(managed_dir: Path) -> None:
+    consumer = _run(CONSUMER, "pairs/early.bin")
+    time.sleep(0.5)
+    assert consumer.poll() is None, "consumer must block until the key is published"
+    producer = _run(PRODUCER, "pairs/early.bin", "3000000")
+    _, pout, perr = finish(producer)
+    rc, cout, cerr = finish(consumer)
+    assert rc == 0, cerr
+    assert cout == pout
+
+
+def test_consumer_started_after_producer(managed_dir: Path) -> None:
+    _, pout, _ = finish(_run(PRODUCER, "pairs/late.bin", "100000"))
+    rc, cout, cerr = finish(_run(CONSUMER, "pairs/late.bin"))
+    assert rc == 0, cerr
+    assert cout == pout
+
+
+def test_eight_concurrent_pairs(managed_dir: Path) -> None:
+    consumers = [_run(CONSUMER, f"pairs/p{i}.bin") for i in range(8)]
+    producers = [_run(PRODUCER, f"pairs/p{i}.bin", str(100_000 * (i + 1))) for i in range(8)]
+    outs = [finish(p)[1] for p in producers]
+    for i, c in enumerate(consumers):
+        rc, out, err = finish(c)
+        assert rc == 0, err
+        assert out == outs[i]
+
+
+def test_timeout_from_environment(managed_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("INSTRIDE_TIMEOUT", "0.2")
+    with pytest.raises(ConsumeTimeout):
+        instride.consume("env/timeout")
+
+
+def test_publish_file_written_by_other_means(client: instride.Client, tmp_path: Path) -> None:
+    src = tmp_path / "outside.dat"
+    src.write_bytes(b"legacy output")
+    key = client.publish(src, "legacy/out.dat")
+    assert key == "legacy/out.dat"
+    assert not src.exists()
+    assert client.consume(key).read_bytes() == b"legacy output"
+    other = tmp_path / "again.dat"
+    other.write_bytes(b"no")
+    with pytest.raises(KeyExistsError):
+        client.publish(other, "legacy/out.dat")
+    assert other.exists()  # a refused publication keeps its source
+    inplace = client.root / "legacy" / "inplace.dat"
+    inplace.write_bytes(b"in place")
+    assert client.publish(inplace) == "legacy/inplace.dat"
+    with pytest.raises(FileNotFoundError):
+        client.publish(tmp_path / "missing")
+
+
+def test_consume_bytes_is_a_zero_copy_view(client: instride.Client) -> None:
+    import mmap
+
+    with client.open("cb/data", "wb") as fh:
+        fh.write(b"0123456789")
+    view = client.consume_bytes("cb/data")
+    assert bytes(view) == b"0123456789"
+    assert isinstance(view.obj, mmap.mmap)
+    assert view.readonly
+    with client.open("cb/empty", "wb"):
+        pass
+    assert bytes(client.consume_bytes("cb/empty")) == b""
+
+
+def test_module_functions_follow_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("a", "b"):
+        monkeypatch.setenv("INSTRIDE_DIR", str(tmp_path / name))
+        with instride.open("k", "wb") as fh:
+            fh.write(name.encode())
+    assert (tmp_path / "a" / "k").read_bytes() == b"a"
+    assert (tmp_path / "b" / "k").read_bytes() == b"b"
+
+
+def test_wait_any_validates_keys(client: instride.Client, tmp_path: Path) -> None:
+    from instride.errors import KeyValidationError
+
+    with pytest.raises(KeyValidationError):
+        client.wait_any(["ok/key", "../../escape/x"], timeout=0.1)
+    assert not (client.root.parent.parent / "escape").exists()
+
+
+def test_publish_refuses_symlinks(client: instride.Client, tmp_path: Path) -> None:
+    target = tmp_path / "target"
+    target.write_bytes(b"t")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    with pytest.raises(UnsupportedModeError, match="symbolic link"):
+        client.publish(link, "sym/k")
+    assert not (client.root / "sym" / "k").exists()
+
+
+def test_managed_dir_must_be_private(tmp_path: Path) -> None:
+    from instride.config import Settings
+    from instride.errors import ConfigError
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 4242, 4242)
+    with pytest.raises(ConfigError, match="owned by uid 4242"):
+        instride.Client(Settings(dir=theirs))
+    target = tmp_path / "real"
+    target.mkdir()
+    (tmp_path / "sym").symlink_to(target)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        instride.Client(Settings(dir=tmp_path / "sym"))
+    fresh = tmp_path / "fresh" / "dir"
+    instride.Client(Settings(dir=fresh))
+    assert fresh.stat().st_mode & 0o777 == 0o700
+
+
+def test_the_engine_is_chosen_once_from_the_settings(client: instride.Client) -> None:
+    from instride.engine import Engine
+    from instride.engine.local import LocalEngine
+
+    assert isinstance(client.engine, LocalEngine) and isinstance(client.engine, Engine)
+    assert client.mode == "local" and client.cluster is None
+    assert client.metadata is client.engine.metadata
+    assert client.ready("ready/k") is None  # not published: nothing to read without waiting
+    with client.open("ready/k", "wb") as fh:
+        fh.write(b"here")
+    assert client.ready("ready/k") == str(client.root / "ready" / "k")
+    assert client.engine.wait_any(["ready/none", "ready/k"], 1) == "ready/k"
+    client.close()  # releases connections; the client stays usable
+    assert client.consume("ready/k", timeout=1).read_bytes() == b"here"

@@ -1,0 +1,181 @@
+"""The node server: the agent's Unix-socket protocol for thin clients, write-once across
+nodes, waits that never starve publications, and SIGTERM with pending waits.
+
+Tests share three module-scoped nodes (real ``instride serve`` processes on loopback and one
+Redis); tests that stop a server start their own.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from instride.agent import one_line
+from tests.conftest import LoopbackNode, RedisServer
+from tests.nodes import TOKEN, ask, no_traceback, put, stats, unix, until
+
+
+# ---------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def redis_mod() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory, redis_mod: RedisServer) -> Iterator[list[LoopbackNode]]:
+    """Three running nodes shared by the tests that do not stop them."""
+    root = tmp_path_factory.mktemp("srv")
+    made = [LoopbackNode(root, i, redis_mod.url, TOKEN) for i in (1, 2, 3)]
+    try:
+        for n in made:
+            n.start()
+        yield made
+    finally:
+        for n in made:
+            n.stop()
+
+
+@pytest.fixture
+def own_node(tmp_path: Path, redis_mod: RedisServer) -> Iterator[LoopbackNode]:
+    """A node of this test alone (not started: the test passes its options)."""
+    node = LoopbackNode(tmp_path, 7, redis_mod.url, TOKEN)
+    yield node
+    node.stop(signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------- thin clients
+def test_unix_socket_protocol(nodes: list[LoopbackNode]) -> None:
+    n1, n2, n3 = nodes
+    put(n1, "u/frame", b"abc" * 100)
+    assert ask(n2, "PING") == "OK pong"
+    assert ask(n2, "CONSUME 5000 u/frame") == f"OK {n2.dir / 'u' / 'frame'}"
+    assert (n2.dir / "u" / "frame").read_bytes() == b"abc" * 100
+    assert ask(n2, "CONSUME 200 u/never").startswith("ERR 110 ")
+    assert ask(n2, "CONSUME 0 u/never").startswith("ERR 110 ")
+    assert ask(n2, "CONSUME 200 ../x").startswith("ERR 22 ")
+    assert ask(n2, "CONSUME soon u/frame").startswith("ERR 22 ")
+    assert ask(n2, "BOGUS").startswith("ERR 22 ")
+    assert ask(n2, "x" * 9000).startswith("ERR 7 ")
+    (n2.dir / "u" / "shim.out").write_bytes(b"from the shim")
+    assert ask(n2, "PUBLISH u/shim.out") == f"OK {n2.dir / 'u' / 'shim.out'}"
+    assert ask(n2, "PUBLISH u/absent").startswith("ERR 2 ")
+    c3 = n3.client()
+    try:
+        assert c3.consume("u/shim.out", timeout=5).read_bytes() == b"from the shim"
+    finally:
+        c3.close()
+    # several requests on one connection
+    with unix(n2) as s:
+        f = s.makefile("rw")
+        for _ in range(3):
+            f.write("PING\n")
+            f.flush()
+            assert f.readline() == "OK pong\n"
+    # restrictive modes
+    assert oct(os.stat(n2.dir / ".instride" / "node.sock").st_mode & 0o777) == "0o600"
+    assert oct(os.stat(n2.dir / ".instride").st_mode & 0o777) == "0o700"
+
+
+def test_publish_is_write_once_across_nodes(nodes: list[LoopbackNode]) -> None:
+    n1, n2, n3 = nodes
+    first = put(n1, "wo/k.bin", b"first")
+    mine = n2.dir / "wo" / "k.bin"
+    mine.parent.mkdir(parents=True, exist_ok=True)
+    mine.write_bytes(b"second")
+    reply = ask(n2, "PUBLISH wo/k.bin")
+    assert reply.startswith("ERR 17 "), reply
+    assert not mine.exists(), "the conflicting local file must be removed"
+    c3 = n3.client()
+    try:
+        rec = c3.lookup("wo/k.bin")
+        assert rec is not None and rec.owner == n1.addr and rec.version == first.version
+        # The explicit overwrite form takes the key over, as a new version.
+        mine.write_bytes(b"second")
+        assert ask(n2, "OVERWRITE wo/k.bin") == f"OK {mine}"
+        rec = c3.lookup("wo/k.bin")
+        assert rec is not None and rec.owner == n2.addr and rec.version == first.version + 1
+        assert c3.consume("wo/k.bin", timeout=5).read_bytes() == b"second"
+    finally:
+        c3.close()
+
+
+def test_one_line_flattens_messages() -> None:
+    assert one_line("a\nb\r\nc\rd\x0be\x00f\u2028g") == "a b c d e f g"
+    assert one_line("x" * 5000) == "x" * 1000
+    assert "\n" not in one_line("Traceback:\n  line 1\n  line 2\n")
+
+
+def test_waits_never_starve_publications_and_end_with_their_clients(nodes: list[LoopbackNode]) -> None:
+    n3 = nodes[2]
+    base = stats(n3)
+    conns = []
+    try:
+        for _ in range(80):
+            s = unix(n3)
+            s.sendall(b"CONSUME -1 never/k\n")
+            conns.append(s)
+        # 64 wait threads busy, 16 waits queued behind them
+        until(lambda: stats(n3)["waiting"] == 64, 10, "64 waits running")
+
+        def quick_requests_answer() -> None:
+            ready = n3.dir / "busy" / f"ready-{time.monotonic_ns()}.bin"
+            ready.parent.mkdir(parents=True, exist_ok=True)
+            ready.write_bytes(b"r")
+            key = ready.relative_to(n3.dir).as_posix()
+            start = time.monotonic()
+            assert ask(n3, f"PUBLISH {key}", timeout=5) == f"OK {ready}"
+            assert ask(n3, f"CONSUME 1000 {key}", timeout=5) == f"OK {ready}"
+            assert time.monotonic() - start < 5
+
+        quick_requests_answer()
+        for s in conns[:40]:
+            s.close()
+        # the abandoned waits end (no reply to nobody); the 16 queued ones got threads
+        until(lambda: stats(n3)["waiting"] == 40, 8, "abandoned waits ended")
+        assert stats(n3)["abandoned"] - base["abandoned"] >= 24
+        quick_requests_answer()
+        # the remaining waits are still pending
+        for s in conns[40:]:
+            s.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                s.recv(1)
+    finally:
+        for s in conns:
+            s.close()
+    until(lambda: stats(n3)["waiting"] == 0, 8, "all waits ended")
+    assert stats(n3)["abandoned"] - base["abandoned"] == 80
+    assert n3.proc is not None and n3.proc.poll() is None
+    no_traceback(n3)
+
+
+# ---------------------------------------------------------------------- lifecycle
+def test_sigterm_with_pending_waits_exits_cleanly(own_node: LoopbackNode) -> None:
+    node = own_node.start("--grace", "2")
+    assert ask(node, "PING") == "OK pong"  # started and serving
+    conns = []
+    try:
+        for i in range(5):
+            s = unix(node)
+            s.sendall(f"CONSUME -1 never/{i}\n".encode())
+            conns.append(s)
+        until(lambda: stats(node)["waiting"] == 5, 10, "5 waits pending")
+        assert node.proc is not None
+        start = time.monotonic()
+        node.proc.send_signal(signal.SIGTERM)
+        assert node.proc.wait(2 + 2) == 0
+        assert time.monotonic() - start < 4
+        for s in conns:  # told, not left hanging
+            assert s.makefile().readline().startswith("ERR 103 ")
+    finally:
+        for s in conns:
+            s.close()
+    assert not (node.dir / ".instride" / "node.sock").exists()
+    text = node.log.read_text()
+    assert "shutting down" in text and "Traceback" not in text, text

@@ -1,0 +1,157 @@
+"""Atomic publication (instride.store.publish), through the public API with real processes:
+write-once and overwrite, nothing partial ever visible, failed or aborted writers publish
+nothing, immutable keys, garbage collection of dead writers' temporary files."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import instride
+from instride.errors import ConsumeTimeout, KeyExistsError, UnsupportedModeError
+from instride.keys import TMP_PATTERN
+from tests.conftest import finish, spawn_py
+
+
+def test_reader_never_sees_a_partial_file(managed_dir: Path) -> None:
+    hammer = spawn_py(textwrap.dedent(
+        """
+        import os, sys, time
+        root = os.environ["INSTRIDE_DIR"]
+        seen = partial = 0
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            for i in range(20):
+                p = os.path.join(root, "big", f"f{i}.bin")
+                try:
+                    with open(p, "rb") as fh:
+                        data = fh.read()
+                except FileNotFoundError:
+                    continue
+                seen += 1
+                if len(data) != 8_000_000 or data[-1:] != b"E":
+                    partial += 1
+            if os.path.exists(os.path.join(root, "big", "done")):
+                break
+        print(seen, partial)
+        """
+    ))
+    for i in range(20):
+        with instride.open(f"big/f{i}.bin", "wb") as fh:
+            for _ in range(7):
+                fh.write(os.urandom(1_000_000))
+            fh.write(b"\0" * 999_999 + b"E")
+    with instride.open("big/done", "wb"):
+        pass
+    rc, out, err = finish(hammer, 90)
+    assert rc == 0, err
+    seen, partial = map(int, out.split())
+    assert seen > 0
+    assert partial == 0
+
+
+def test_write_once_and_overwrite(client: instride.Client) -> None:
+    with client.open("w/once", "wb") as fh:
+        fh.write(b"v1")
+    with pytest.raises(KeyExistsError):
+        client.open("w/once", "wb")
+    with client.open("w/once", "wb", overwrite=True) as fh:
+        fh.write(b"v2")
+    assert client.consume("w/once").read_bytes() == b"v2"
+    with pytest.raises(KeyExistsError):
+        client.open("w/once", "xb", overwrite=True)
+
+
+def test_exception_in_with_block_publishes_nothing(client: instride.Client) -> None:
+    with pytest.raises(RuntimeError):
+        with client.open("crash/frame", "wb") as fh:
+            fh.write(b"half a frame")
+            raise RuntimeError("simulation crashed")
+    assert not (client.root / "crash" / "frame").exists()
+    assert not any(TMP_PATTERN.match(p.name) for p in (client.root / "crash").iterdir())
+
+
+def test_read_write_mode_then_publish(client: instride.Client) -> None:
+    with client.open("rw/file", "w+b") as fh:
+        fh.write(b"abcdef")
+        fh.seek(0)
+        assert fh.read() == b"abcdef"
+    assert client.consume("rw/file").read_bytes() == b"abcdef"
+
+
+@pytest.mark.parametrize("mode", ["a", "ab", "r+", "r+b", "q"])
+def test_append_and_update_refused(client: instride.Client, mode: str) -> None:
+    with pytest.raises(UnsupportedModeError):
+        client.open("modes/x", mode)
+    assert not (client.root / "modes").exists()
+
+
+def test_failed_write_publishes_nothing(managed_dir: Path) -> None:
+    # A write that fails at close (the file-size limit stands in for a full disk): the key
+    # must not appear, truncated or otherwise, and no temporary file may remain.
+    proc = spawn_py(textwrap.dedent(
+        """
+        import resource, signal, instride
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+        f = instride.open("full/frame.bin", "wb")
+        f.write(b"x" * 3000)          # buffered: nothing reaches the file yet
+        f.write(b"y" * 3000)
+        try:
+            f.close()                 # the flush fails with EFBIG
+            print("closed")
+        except OSError as e:
+            print("error", e.errno)
+        g = instride.open("full/direct.bin", "wb")
+        try:
+            g.write(b"z" * 100000)    # larger than the buffer: goes straight to the file
+        except OSError as e:
+            print("write error", e.errno)
+        try:
+            g.close()
+        except OSError as e:
+            print("close error", e.errno)
+        """
+    ))
+    rc, out, err = finish(proc)
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("error")
+    assert lines[1].startswith("write error") and lines[2].startswith("close error")
+    assert list((managed_dir / "full").iterdir()) == []
+
+
+def test_sigkilled_producer_leaves_nothing_and_gc_cleans(managed_dir: Path) -> None:
+    proc = spawn_py(textwrap.dedent(
+        """
+        import sys, instride
+        fh = instride.open("killed/frame.bin", "wb")
+        fh.write(b"x" * 1_000_000)
+        fh.flush()
+        print("writing", flush=True)
+        import time; time.sleep(60)
+        """
+    ))
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == b"writing"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    proc.stdout.close()
+    proc.stderr.close()
+    d = managed_dir / "killed"
+    assert not (d / "frame.bin").exists()
+    leftovers = [p for p in d.iterdir() if TMP_PATTERN.match(p.name)]
+    assert len(leftovers) == 1
+    with pytest.raises(ConsumeTimeout):
+        instride.consume("killed/frame.bin", timeout=0.2)
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "instride", "gc"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert str(leftovers[0]) in out.stdout
+    assert list(d.iterdir()) == []

@@ -1,0 +1,110 @@
+"""Waiting (instride.store.wait): inotify wake-ups, no lost wake-up, no busy wait, timeouts
+that name the key."""
+
+from __future__ import annotations
+
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import instride
+from instride.errors import ConsumeTimeout
+from tests.conftest import finish, spawn_py
+
+
+def test_no_wakeup_is_lost_under_racing_publications(client: instride.Client) -> None:
+    # Consumers start waiting at the same moment their key is published, many times over:
+    # a publication between the existence check and arming the watch must never be missed.
+    errors: list[BaseException] = []
+
+    def consume(key: str) -> None:
+        try:
+            client.consume(key, timeout=10)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    for i in range(200):
+        key = f"race/k{i}"
+        t = threading.Thread(target=consume, args=(key,))
+        t.start()
+        with client.open(key, "wb") as fh:
+            fh.write(b"x")
+        t.join(15)
+        assert not t.is_alive()
+    assert errors == []
+
+
+def test_timeout_names_key_and_seconds(client: instride.Client) -> None:
+    start = time.monotonic()
+    with pytest.raises(ConsumeTimeout) as info:
+        client.consume("never/there", timeout=0.3)
+    assert time.monotonic() - start < 5
+    assert isinstance(info.value, TimeoutError)
+    assert info.value.key == "never/there"
+    assert info.value.waited >= 0.3
+    assert "never/there" in str(info.value) and "0.3" in str(info.value)
+
+
+def test_waiting_does_not_busy_wait(managed_dir: Path) -> None:
+    proc = spawn_py(textwrap.dedent(
+        """
+        import resource, instride
+        try:
+            instride.consume("idle/key", timeout=2.0)
+        except instride.ConsumeTimeout:
+            pass
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        print(ru.ru_utime + ru.ru_stime)
+        """
+    ))
+    rc, out, err = finish(proc)
+    assert rc == 0, err
+    # Interpreter start-up and imports cost CPU; two seconds of polling would cost ~2 s.
+    assert float(out) < 1.0
+
+
+def test_publication_between_check_and_watch_is_not_missed(
+    client: instride.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Deterministic version of the race: the file is published exactly after the first
+    # existence check and before the inotify watch is armed. Only the re-check after arming
+    # can see it (no event will ever come).
+    from instride.store import wait as local
+
+    original = local._watcher.watch
+    published = []
+
+    def publish_then_arm(directory: Path) -> None:
+        if not published:
+            with client.open("race/exact", "wb") as fh:
+                fh.write(b"1")
+            published.append(True)
+        original(directory)
+
+    monkeypatch.setattr(local._watcher, "watch", publish_then_arm)
+    start = time.monotonic()
+    assert client.consume("race/exact", timeout=5) == client.root / "race" / "exact"
+    assert time.monotonic() - start < 2  # found by the re-check, not by the timeout
+    assert published
+
+
+def test_wait_does_not_burn_cpu(managed_dir: Path) -> None:
+    proc = spawn_py(textwrap.dedent(
+        """
+        import resource, instride
+        instride.get_client()
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        try:
+            instride.consume("idle/cpu", timeout=1.5)
+        except instride.ConsumeTimeout:
+            pass
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        print(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+        """
+    ))
+    rc, out, err = finish(proc)
+    assert rc == 0, err
+    assert float(out) < 0.1  # a polling loop would use a large part of the 1.5 s

@@ -1,0 +1,247 @@
+"""The transport contract every transport passes (run by test_tcp.py, and by each new one).
+
+A transport's test module subclasses :class:`TransportContract`, sets ``name`` (its registry
+name) and provides a ``dying_owner`` fixture: a callable ``(body, cut) -> owner address`` that
+starts a process speaking the transport's protocol which accepts one fetch, sends a valid reply
+announcing ``len(body)`` bytes, sends the first ``cut`` bytes of ``body`` and then dies
+(SIGKILL). Everything else runs against the transport's real server half, started by name
+(:func:`instride.transport.get_server`) in a child process, and its real client half
+(:func:`instride.transport.get_transport`).
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from instride.client import Client
+from instride.config import Settings
+from instride.errors import (
+    AuthenticationError,
+    IntegrityError,
+    KeyNotFoundError,
+    PeerUnavailable,
+    TransferError,
+)
+from instride.record import Record, checksum_of
+from instride.transport import Transport, TransportServer, get_transport
+from tests.conftest import free_port
+
+TOKEN = "contract-token"
+DyingOwner = Callable[[bytes, int], str]
+
+_SERVE = """
+import asyncio, sys
+from instride.config import Settings
+from instride.transport import get_server
+
+async def main():
+    server = get_server(sys.argv[1], Settings.from_env(), request_timeout=5.0, send_timeout=5.0)
+    await server.start()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def wait_ready(proc: subprocess.Popen, timeout: float = 30.0) -> bool:
+    """Whether ``proc`` printed its "ready" line within ``timeout`` seconds (never hangs)."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout
+    out = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while b"\n" not in out:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                return False
+            chunk = os.read(fd, 4096)
+            if not chunk:  # the child exited
+                return False
+            out += chunk
+    return b"ready" in out
+
+
+class Owner:
+    """A node's managed directory served by the transport's real server half (a child process)."""
+
+    def __init__(self, root: Path, name: str) -> None:
+        self.dir = root / "owner"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.addr = f"127.0.0.1:{free_port()}"
+        self.env = {**os.environ, "INSTRIDE_DIR": str(self.dir), "INSTRIDE_ADDR": self.addr,
+                    "INSTRIDE_TOKEN": TOKEN, "INSTRIDE_TRANSPORT": name, "INSTRIDE_NODE": "owner"}
+        self.env.pop("INSTRIDE_REDIS_URL", None)
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVE, name], env=self.env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        if not wait_ready(self.proc):
+            self.stop()
+            assert self.proc.stderr is not None
+            raise RuntimeError(f"{name} server half did not start: {self.proc.stderr.read()!r}")
+
+    def put(self, key: str, data: bytes) -> Record:
+        """Publish ``data`` under ``key`` on the owner node; return its cluster record."""
+        client = Client(Settings.from_env(self.env))
+        with client.open(key, "wb") as fh:
+            fh.write(data)
+        return Record(key=key, owner=self.addr, size=len(data), checksum=checksum_of(data),
+                      version=1, time=time.time(), node="owner")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()  # by its PID; also ends a stopped (SIGSTOP) process
+        self.proc.wait(10)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+class TransportContract:
+    """Transfer, integrity, peer death, authentication and timeouts, for one transport."""
+
+    #: the transport's registry name
+    name: str
+
+    @pytest.fixture
+    def owner(self, tmp_path: Path) -> Iterator[Owner]:
+        node = Owner(tmp_path, self.name)
+        yield node
+        node.stop()
+
+    @pytest.fixture
+    def consumer(self, tmp_path: Path) -> Iterator[Transport]:
+        transport = get_transport(self.name, self.consumer_settings(tmp_path))
+        yield transport
+        transport.close()
+
+    def consumer_settings(self, tmp_path: Path, token: str = TOKEN) -> Settings:
+        return Settings(dir=tmp_path / "consumer", token=token, connect_timeout=1.0,
+                        transport=self.name, node="consumer")
+
+    # ------------------------------------------------------------------ registry
+    def test_both_halves_are_found_by_name(self, consumer: Transport, tmp_path: Path) -> None:
+        assert isinstance(consumer, Transport) and consumer.name == self.name
+        server = type(consumer).server_class()(self.consumer_settings(tmp_path), max_peers=4,
+                                              request_timeout=1.0, send_timeout=1.0)
+        assert isinstance(server, TransportServer)
+
+    # ------------------------------------------------------------------ transfer
+    @pytest.mark.parametrize("size", [0, 1, 3 << 20])
+    def test_fetch_transfers_the_exact_bytes(self, owner: Owner, consumer: Transport, tmp_path: Path,
+                                             size: int) -> None:
+        data = os.urandom(size)
+        record = owner.put(f"t/{size}.bin", data)
+        dest = tmp_path / f"got-{size}.bin"
+        consumer.fetch(record, dest)
+        assert dest.read_bytes() == data
+        assert bytes(consumer.fetch_bytes(record)) == data
+        consumer.fetch(record, tmp_path / f"again-{size}.bin")  # a kept-alive connection, reused
+        assert (tmp_path / f"again-{size}.bin").read_bytes() == data
+
+    # ------------------------------------------------------------------ integrity
+    def test_wrong_checksum_in_record_is_integrity_error(self, owner: Owner, consumer: Transport,
+                                                         tmp_path: Path) -> None:
+        record = owner.put("t/sum.bin", b"the real bytes")
+        forged = Record(**{**record.__dict__, "checksum": checksum_of(b"other bytes!!!")})
+        dest = tmp_path / "sum.bin"
+        with pytest.raises(IntegrityError):
+            consumer.fetch(forged, dest)
+        assert not dest.exists()
+        with pytest.raises(IntegrityError):
+            consumer.fetch_bytes(forged)
+
+    def test_corrupted_bytes_are_integrity_error(self, owner: Owner, consumer: Transport,
+                                                 tmp_path: Path) -> None:
+        data = os.urandom(100_000)
+        record = owner.put("t/flip.bin", data)
+        flipped = bytearray(data)
+        flipped[50_000] ^= 0xFF
+        (owner.dir / "t" / "flip.bin").write_bytes(flipped)  # corrupted at rest, same size
+        dest = tmp_path / "flip.bin"
+        with pytest.raises(IntegrityError, match="checksum"):
+            consumer.fetch(record, dest)
+        assert not dest.exists()
+        assert list(tmp_path.glob("*flip*")) == []
+
+    def test_size_differing_from_record_is_integrity_error(self, owner: Owner, consumer: Transport,
+                                                           tmp_path: Path) -> None:
+        record = owner.put("t/size.bin", b"12345")
+        dest = tmp_path / "size.bin"
+        with pytest.raises(IntegrityError):
+            consumer.fetch(Record(**{**record.__dict__, "size": 6}), dest)
+        assert not dest.exists()
+
+    def test_missing_key_is_key_not_found(self, owner: Owner, consumer: Transport,
+                                          tmp_path: Path) -> None:
+        record = Record("t/absent.bin", owner.addr, 3, checksum_of(b"abc"), 1, time.time(), "owner")
+        dest = tmp_path / "absent.bin"
+        with pytest.raises(KeyNotFoundError):
+            consumer.fetch(record, dest)
+        assert not dest.exists()
+
+    # ------------------------------------------------------------------ authentication
+    @pytest.mark.parametrize("token", ["wrong-token", ""])
+    def test_wrong_token_is_authentication_error(self, owner: Owner, tmp_path: Path, token: str) -> None:
+        record = owner.put("t/secret.bin", b"secret")
+        thief = get_transport(self.name, self.consumer_settings(tmp_path).with_(token=token or None))
+        dest = tmp_path / "stolen.bin"
+        try:
+            with pytest.raises(AuthenticationError):
+                thief.fetch(record, dest)
+            with pytest.raises(AuthenticationError):
+                thief.fetch_bytes(record)
+        finally:
+            thief.close()
+        assert not dest.exists()
+
+    # ------------------------------------------------------------------ peer death, timeouts
+    def test_dead_owner_is_peer_unavailable(self, owner: Owner, consumer: Transport,
+                                            tmp_path: Path) -> None:
+        record = owner.put("t/dead.bin", b"gone with its node")
+        consumer.fetch(record, tmp_path / "first.bin")  # a kept-alive connection to a live owner
+        owner.proc.kill()
+        owner.proc.wait(10)
+        dest = tmp_path / "dead.bin"
+        start = time.monotonic()
+        with pytest.raises(PeerUnavailable):
+            consumer.fetch(record, dest)
+        assert time.monotonic() - start < 10
+        assert not dest.exists()
+
+    def test_owner_dying_mid_transfer_leaves_nothing(self, dying_owner: DyingOwner, consumer: Transport,
+                                                     tmp_path: Path) -> None:
+        body = os.urandom(1 << 20)
+        addr = dying_owner(body, len(body) // 3)
+        record = Record("t/cut.bin", addr, len(body), checksum_of(body), 1, time.time(), "dying")
+        dest = tmp_path / "cut.bin"
+        with pytest.raises((TransferError, PeerUnavailable)):
+            consumer.fetch(record, dest)
+        assert not dest.exists()
+        with pytest.raises((TransferError, PeerUnavailable)):
+            consumer.fetch_bytes(Record(**{**record.__dict__, "owner": dying_owner(body, 1000)}))
+
+    def test_silent_owner_times_out(self, owner: Owner, consumer: Transport, tmp_path: Path) -> None:
+        record = owner.put("t/silent.bin", os.urandom(1000))
+        os.kill(owner.proc.pid, signal.SIGSTOP)  # alive (the kernel accepts), never answers
+        dest = tmp_path / "silent.bin"
+        start = time.monotonic()
+        try:
+            with pytest.raises((PeerUnavailable, TransferError)):
+                consumer.fetch(record, dest)
+            took = time.monotonic() - start
+        finally:
+            os.kill(owner.proc.pid, signal.SIGCONT)
+        assert took < 1.0 + 5  # the consumer's connect timeout (1 s) bounds it, not forever
+        assert not dest.exists()
+        consumer.fetch(record, dest)  # the owner is back: a fresh connection works
+        assert dest.stat().st_size == 1000

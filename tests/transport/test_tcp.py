@@ -1,0 +1,337 @@
+"""The TCP transport: the transport contract, and its server half's peer protocol.
+
+The contract (:mod:`tests.transport.contract`) runs against the real server half started by
+name. The peer-protocol tests talk to real ``instride serve`` processes on loopback (three
+module-scoped nodes sharing one Redis; tests that stop a server or need other options start
+their own): authentication, key validation, malformed input, what is served, resource bounds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from instride.errors import AuthenticationError, TransferError
+from instride.record import Record
+from instride.transport import wire
+from instride.transport.tcp import TcpTransport
+from tests.conftest import LoopbackNode, RedisServer, free_port
+from tests.nodes import TOKEN, ask, forged, no_traceback, put, raw, recv_all, signed, stats, until
+
+from .contract import TransportContract, wait_ready
+
+_DYING = """
+import os, signal, socket, struct, sys
+from instride.transport import wire
+body = open(sys.argv[2], "rb").read()
+cut = int(sys.argv[3])
+listener = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+print("ready", flush=True)
+conn, _ = listener.accept()
+n = struct.unpack(">I", conn.recv(4, socket.MSG_WAITALL))[0]
+conn.recv(n, socket.MSG_WAITALL)
+conn.sendall(wire.pack({"ok": True, "key": "t/cut.bin", "size": len(body)}))
+conn.sendall(body[:cut])
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+class TestTcpContract(TransportContract):
+    name = "tcp"
+
+    @pytest.fixture
+    def dying_owner(self, tmp_path: Path) -> Iterator:
+        procs: list[subprocess.Popen] = []
+
+        def start(body: bytes, cut: int) -> str:
+            src = tmp_path / f"body-{len(procs)}.bin"
+            src.write_bytes(body)
+            port = free_port()
+            proc = subprocess.Popen([sys.executable, "-c", _DYING, str(port), str(src), str(cut)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            procs.append(proc)
+            assert wait_ready(proc), "the dying owner did not start"
+            return f"127.0.0.1:{port}"
+
+        yield start
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+            assert proc.stdout is not None and proc.stderr is not None
+            proc.stdout.close()
+            proc.stderr.close()
+
+
+# ---------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def redis_mod() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory, redis_mod: RedisServer) -> Iterator[list[LoopbackNode]]:
+    """Three running nodes shared by the tests that do not stop them."""
+    root = tmp_path_factory.mktemp("srv")
+    made = [LoopbackNode(root, i, redis_mod.url, TOKEN) for i in (1, 2, 3)]
+    try:
+        for n in made:
+            n.start()
+        yield made
+    finally:
+        for n in made:
+            n.stop()
+
+
+@pytest.fixture
+def own_node(tmp_path: Path, redis_mod: RedisServer) -> Iterator[LoopbackNode]:
+    """A node of this test alone (not started: the test passes its options)."""
+    node = LoopbackNode(tmp_path, 7, redis_mod.url, TOKEN)
+    yield node
+    node.stop(signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------- peers: authentication
+def test_fetch_with_right_token(nodes: list[LoopbackNode]) -> None:
+    n1 = nodes[0]
+    rec = put(n1, "s/ok.bin", b"payload" * 1000)
+    reply = raw(n1, signed("s/ok.bin"))
+    assert reply["ok"] is True and reply["size"] == rec.size
+
+
+@pytest.mark.parametrize("token", ["wrong-token", ""])
+def test_wrong_or_missing_token_is_refused_and_logged(nodes: list[LoopbackNode], token: str) -> None:
+    n1, n2 = nodes[:2]
+    rec = put(n1, f"s/secret-{len(token)}.bin", b"secret")
+    reply = raw(n1, signed(rec.key, token=token))
+    assert reply["ok"] is False and reply["error"] == "AuthenticationError"
+    # Through the transport, a wrong token is a typed error and leaves nothing behind.
+    bad = TcpTransport(n2.settings().with_(token=token or None))
+    dest = n2.dir / f"stolen-{len(token)}.bin"
+    with pytest.raises(AuthenticationError):
+        bad.fetch(rec, dest)
+    assert not dest.exists()
+    until(lambda: "refused request" in n1.log.read_text(), 5, "refusal logged")
+
+
+def test_unsigned_request_is_refused(nodes: list[LoopbackNode]) -> None:
+    n1 = nodes[0]
+    put(n1, "s/x", b"x")
+    reply = raw(n1, wire.pack({"op": "fetch", "key": "s/x"}))
+    assert reply["ok"] is False and reply["error"] == "AuthenticationError"
+
+
+@pytest.mark.parametrize("key", ["../../etc/passwd", "/etc/passwd", "a/../../../etc/shadow",
+                                 ".instride/node.sock", ""])
+def test_traversal_gets_an_error_never_bytes(nodes: list[LoopbackNode], key: str) -> None:
+    reply = raw(nodes[0], signed(key))
+    assert reply["ok"] is False
+    assert reply["error"] == "KeyValidationError"
+    assert "size" not in reply
+
+
+def test_missing_key_is_an_error(nodes: list[LoopbackNode]) -> None:
+    reply = raw(nodes[0], signed("not/here"))
+    assert reply == {"ok": False, "error": "KeyNotFoundError", "message": reply["message"]}
+
+
+# ---------------------------------------------------------------------- peers: malformed input
+MALFORMED_HEADERS = {
+    "deeply nested JSON": b"[" * 20_000 + b"]" * 20_000,
+    "nested object": b'{"a":' * 5_000 + b"1" + b"}" * 5_000,
+    "integer of 5000 digits": b'{"ts":' + b"9" * 5_000 + b"}",
+    "not UTF-8": b"\xff\xfe\xfd",
+    "lone surrogate": b'{"op":"fetch","key":"\\ud800","nonce":"n","ts":1,"mac":"' + b"0" * 64 + b'"}',
+    "not an object": b"[1,2,3]",
+    "not JSON": b"nope!",
+}
+
+
+@pytest.mark.parametrize("body", MALFORMED_HEADERS.values(), ids=MALFORMED_HEADERS.keys())
+def test_malformed_header_gets_wire_error(nodes: list[LoopbackNode], body: bytes) -> None:
+    n1 = nodes[0]
+    reply = raw(n1, struct.pack(">I", len(body)) + body)
+    assert reply["ok"] is False
+    assert reply["error"] in ("WireError", "AuthenticationError")  # never a silent close
+    no_traceback(n1)
+
+
+FORGED = {
+    "uppercase mac": {"mac": "A" * 64},
+    "non-ASCII mac": {"mac": "é" * 64},
+    "short mac": {"mac": "abc"},
+    "mac not a string": {"mac": 12},
+    "NaN timestamp": {"ts": float("nan")},
+    "infinite timestamp": {"ts": float("inf")},
+    "huge integer timestamp": {"ts": 10**300},
+    "boolean timestamp": {"ts": True},
+    "string timestamp": {"ts": "1700000000"},
+    "key not a string": {"key": ["a", "b"]},
+    "op not a string": {"op": {"x": 1}},
+    "nonce missing": {"nonce": None},
+}
+
+
+@pytest.mark.parametrize("fields", FORGED.values(), ids=FORGED.keys())
+def test_malformed_fields_are_refused(nodes: list[LoopbackNode], fields: dict) -> None:
+    n1 = nodes[0]
+    reply = raw(n1, forged(**fields))
+    assert reply["ok"] is False and reply["error"] == "AuthenticationError"
+    no_traceback(n1)
+
+
+def test_oversized_truncated_and_unknown_requests(nodes: list[LoopbackNode]) -> None:
+    n1 = nodes[0]
+    assert raw(n1, struct.pack(">I", 10_000_000))["error"] == "WireError"
+    assert raw(n1, struct.pack(">I", 0))["error"] == "WireError"
+    assert raw(n1, struct.pack(">I", 5) + b"nope!")["error"] == "WireError"
+    # A header cut short, and a length prefix cut short: an error reply, not a silent close.
+    assert raw(n1, struct.pack(">I", 100) + b'{"op":', shut=True)["error"] == "WireError"
+    assert raw(n1, b"\x00\x00", shut=True)["error"] == "WireError"
+    assert raw(n1, wire.pack({"op": "fetch"}))["ok"] is False
+    assert raw(n1, signed("k", op="delete"))["error"] == "WireError"
+    # ... and the server still serves others.
+    put(n1, "s/after", b"still here")
+    assert raw(n1, signed("s/after"))["ok"] is True
+    no_traceback(n1)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.binary(min_size=0, max_size=300))
+def test_fuzzed_bytes_never_crash_the_server(nodes: list[LoopbackNode], junk: bytes) -> None:
+    n1 = nodes[0]
+    with socket.create_connection(("127.0.0.1", n1.port), timeout=5) as s:
+        s.sendall(junk)
+        s.shutdown(socket.SHUT_WR)
+        try:
+            while s.recv(65536):
+                pass
+        except (ConnectionResetError, TimeoutError):
+            pass
+    assert n1.proc is not None and n1.proc.poll() is None
+    assert raw(n1, signed("fuzz/none"))["error"] == "KeyNotFoundError"
+
+
+# ---------------------------------------------------------------------- peers: what is served
+def test_symlinks_and_special_files_are_never_served(nodes: list[LoopbackNode]) -> None:
+    n1 = nodes[0]
+    put(n1, "sym/real.bin", b"inside")
+    (n1.dir / "sym" / "host").symlink_to("/etc/hostname")
+    (n1.dir / "sym" / "inner").symlink_to(n1.dir / "sym" / "real.bin")  # even pointing inside
+    (n1.dir / "symdir").symlink_to("/etc")
+    (n1.dir / "alias").symlink_to(n1.dir / "sym")  # a directory link, even pointing inside
+    os.mkfifo(n1.dir / "sym" / "fifo")
+    (n1.dir / "sym" / "adir").mkdir()
+    for key in ("sym/host", "sym/inner", "symdir/hostname", "alias/real.bin", "sym/fifo", "sym/adir"):
+        start = time.monotonic()
+        reply = raw(n1, signed(key))
+        assert reply["ok"] is False and reply["error"] == "KeyNotFoundError", (key, reply)
+        assert "size" not in reply
+        assert time.monotonic() - start < 3, f"{key}: the server blocked"
+    assert "symbolic link" in raw(n1, signed("sym/host"))["message"]
+    assert "not a regular file" in raw(n1, signed("sym/fifo"))["message"]
+    assert "outside" in raw(n1, signed("symdir/hostname"))["message"]
+    assert "symbolic link" in raw(n1, signed("alias/real.bin"))["message"]
+    # the regular file next to them is served; the FIFO did not block the event loop
+    assert raw(n1, signed("sym/real.bin"))["size"] == 6
+    # the thin-client face refuses to record them
+    assert ask(n1, "PUBLISH sym/host").startswith("ERR 22 ")
+    assert ask(n1, "PUBLISH sym/fifo").startswith("ERR 22 ")
+    assert ask(n1, "PUBLISH symdir/hostname").startswith("ERR 22 ")
+    assert ask(n1, "PUBLISH alias/real.bin").startswith("ERR 22 ")
+    no_traceback(n1)
+
+
+def test_peer_connection_limits_and_deadlines(own_node: LoopbackNode) -> None:
+    node = own_node.start("--max-peers", "2", "--request-timeout", "1", "--send-timeout", "1")
+    # Connection cap: the third concurrent connection is told "busy".
+    a = socket.create_connection(("127.0.0.1", node.port), timeout=10)
+    b = socket.create_connection(("127.0.0.1", node.port), timeout=10)
+    try:
+        until(lambda: stats(node)["peers"] == 2, 5, "2 peers connected")
+        reply = raw(node, signed("x"))
+        assert reply["ok"] is False and "busy" in reply["message"]
+        # A connection that sends nothing is closed after the request timeout.
+        start = time.monotonic()
+        assert a.recv(1) == b"" and b.recv(1) == b""
+        assert time.monotonic() - start < 5
+    finally:
+        a.close()
+        b.close()
+    until(lambda: stats(node)["peers"] == 0, 5, "idle peers dropped")
+    # After a successful request the connection is kept alive past the request timeout.
+    with socket.create_connection(("127.0.0.1", node.port), timeout=10) as s:
+        s.sendall(signed("", op="ping"))
+        n = struct.unpack(">I", recv_all(s, 4))[0]
+        assert json.loads(recv_all(s, n))["ok"] is True
+        time.sleep(1.5)
+        s.sendall(signed("kept/none"))
+        n = struct.unpack(">I", recv_all(s, 4))[0]
+        assert json.loads(recv_all(s, n))["error"] == "KeyNotFoundError"
+    # A peer that stops reading does not pin a transfer: dropped after 1 s + size / 50 MB/s.
+    size = 48 << 20
+    put(node, "big/stall.bin", b"\0" * size)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.settimeout(10)
+        s.connect(("127.0.0.1", node.port))
+        s.sendall(signed("big/stall.bin"))
+        until(lambda: "stalled" in node.log.read_text(), 10, "stalled transfer dropped")
+        got = 0
+        try:
+            while chunk := s.recv(1 << 20):
+                got += len(chunk)
+        except ConnectionResetError:
+            pass
+        assert got < size
+    assert stats(node)["stalled"] >= 1
+    assert raw(node, signed("big/none"))["error"] == "KeyNotFoundError"
+    no_traceback(node)
+
+
+# ---------------------------------------------------------------------- client side of a cut
+def test_transfer_cut_midway_is_a_transfer_error(nodes: list[LoopbackNode], tmp_path: Path) -> None:
+    """An owner that sends a valid reply header, half the body, then closes."""
+    body = os.urandom(100_000)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def fake_owner() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            n = struct.unpack(">I", recv_all(conn, 4))[0]
+            recv_all(conn, n)
+            conn.sendall(wire.pack({"ok": True, "key": "cut/x.bin", "size": len(body)}))
+            conn.sendall(body[: len(body) // 2])
+
+    owner = threading.Thread(target=fake_owner, daemon=True)
+    owner.start()
+    rec = Record(key="cut/x.bin", owner=f"127.0.0.1:{port}", size=len(body),
+                 checksum="xxh3:" + xxhash.xxh3_64_hexdigest(body), version=1, time=time.time(),
+                 node="fake")
+    dest = tmp_path / "partial.bin"
+    t = TcpTransport(nodes[1].settings())
+    try:
+        with pytest.raises(TransferError, match="closed after 50000 of 100000"):
+            t.fetch(rec, dest)
+    finally:
+        t.close()
+        owner.join(5)
+        listener.close()
+    assert not dest.exists()
