@@ -25,12 +25,12 @@ LAYERS: list[set[str]] = [
     {"errors"},
     {"config"},
     {"keys", "record", "registry", "frames"},
-    {"store"},
+    {"store", "archive"},
     {"metadata", "transport"},
     {"engine"},
     {"client"},
     {"stream", "agent"},
-    {"server"},
+    {"server", "archiver"},
     {"__init__"},
 ]
 RANK = {part: i for i, layer in enumerate(LAYERS) for part in layer}

@@ -66,8 +66,8 @@ def test_mdanalysis_reads_the_archive_file(managed_dir: Path, tmp_path: Path) ->
 ARCHIVER_VICTIM = textwrap.dedent(
     """
     import sys, instride
-    from instride.archive import archive_stream
-    from instride.archive import archiver
+    from instride import archiver
+    from instride.archiver import archive_stream
     real = archiver.open_writer
     def slow_writer(path):
         w = real(path)
@@ -110,13 +110,13 @@ def test_killed_archiver_loses_no_acknowledged_frame(managed_dir: Path, tmp_path
             [sys.executable, "-m", "instride", "archive", "crashy", "--to", str(dest), "-q"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE), 120)
         assert rc == 0, err
+        rc, _, err = finish(producer, 60)
+        assert rc == 0, err
     finally:
         for p in (victim, producer):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    rc, _, err = finish(producer, 60)
-    assert rc == 0, err
     rd = open_reader(dest)
     assert list(rd.indices()) == list(range(40))  # none lost, none twice
     assert rd.read(39).positions[0, 0] == 39.0

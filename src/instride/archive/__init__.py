@@ -1,4 +1,4 @@
-"""The durable tier of streams: frames written to a trajectory file while the run goes on.
+"""The durable tier of streams: archive file formats (the archiver is :mod:`instride.archiver`).
 
 An archiver reads a stream as the consumer group ``"archive"`` and appends every frame to a
 file (H5MD, which MDAnalysis reads). It acknowledges a frame (moves its group on) only after
@@ -12,16 +12,7 @@ protocols of :mod:`instride.archive.base`.
 
 from __future__ import annotations
 
-from .archiver import ArchiveReport, archive_stream, start_archiver
 from .base import FORMATS, ArchiveReader, ArchiveWriter, open_reader, open_writer
+from .process import start_archiver
 
-__all__ = [
-    "FORMATS",
-    "ArchiveReader",
-    "ArchiveReport",
-    "ArchiveWriter",
-    "archive_stream",
-    "open_reader",
-    "open_writer",
-    "start_archiver",
-]
+__all__ = ["FORMATS", "ArchiveReader", "ArchiveWriter", "open_reader", "open_writer", "start_archiver"]

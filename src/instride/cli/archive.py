@@ -7,7 +7,7 @@ import sys
 
 
 def cmd_archive(args: argparse.Namespace) -> int:
-    from ..archive import archive_stream
+    from ..archiver import archive_stream
 
     report = archive_stream(args.stream, args.to, group=args.group, timeout=args.timeout,
                             progress=not args.quiet)

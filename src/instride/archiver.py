@@ -1,4 +1,4 @@
-"""The archiver: a consumer group that writes every frame of a stream to a file.
+"""The archiver: a consumer group that writes every frame of a stream to an archive file.
 
 Examples
 --------
@@ -15,16 +15,14 @@ Python, from the producer (starts the archiver process and waits for it at ``clo
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..client import Client, get_client
-from ..errors import FramesMissed
-from ..stream import Stream
-from .base import open_writer
+from .archive import open_writer
+from .client import Client, get_client
+from .errors import FramesMissed
+from .stream import Stream
 
 GROUP = "archive"
 
@@ -111,16 +109,3 @@ def archive_stream(
         total = len(writer.indices())
         writer.close()
     return ArchiveReport(stream, dest, appended, total, reader.missed, time.monotonic() - start)
-
-
-def start_archiver(stream: str, path: str | os.PathLike[str], client: Client) -> subprocess.Popen:
-    """Start ``instride archive STREAM --to PATH`` as a process with the client's settings."""
-    s = client.settings
-    env = dict(os.environ, INSTRIDE_DIR=str(s.dir), INSTRIDE_NODE=s.node, INSTRIDE_ADDR=s.addr)
-    for name, value in (("INSTRIDE_REDIS_URL", s.redis_url), ("INSTRIDE_TOKEN", s.token)):
-        if value:
-            env[name] = value
-    return subprocess.Popen(
-        [sys.executable, "-m", "instride", "archive", stream, "--to", os.fspath(path)],
-        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
