@@ -140,3 +140,19 @@ def test_archive_cli_help_and_bad_format(managed_dir: Path, tmp_path: Path) -> N
     assert bad.returncode != 0 and "unknown archive format" in bad.stderr
     assert not (tmp_path / "x.txt").exists()
 
+
+
+def test_instride_url_reads_the_whole_run_memory_and_archive(managed_dir: Path, tmp_path: Path) -> None:
+    import MDAnalysis as mda
+
+    import instride.analytics  # noqa: F401  (registers the instride:// reader)
+
+    with instride.Stream("whole", mode="w", retain=3, archive=tmp_path / "whole.h5", timeout=60) as s:
+        for i in range(20):
+            s.append(np.full((100, 3), float(i), np.float32), step=i, time=float(i))
+    u = mda.Universe.empty(100, trajectory=True)
+    u.load_new("instride://whole")
+    assert len(u.trajectory) == 20
+    for i in (2, 19, 0, 17, 5):  # random access across the archive (0-16) and memory (17-19)
+        u.trajectory[i]
+        assert u.atoms.positions[0, 0] == i and u.trajectory.ts.time == i
