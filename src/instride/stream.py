@@ -273,8 +273,7 @@ class Stream:
         nbytes = frame_size(pos.shape[0], self.layout)
         self._make_room(nbytes, wait=True)
         key = self.frame_key(index)
-        final = self.client.root / key
-        final.parent.mkdir(parents=True, exist_ok=True)
+        final = f"{self._frame_dir}/{FRAME_FORMAT.format(index)}"
         slot = self._pool.take(nbytes)
         try:
             encode_into(
@@ -302,6 +301,9 @@ class Stream:
                     self.client.delete(key)
         self._share.start(self.policy, self.register_groups, reset=self.overwrite)
         pool_dir = state_dir(self.client.root, self.name) / "pool"
+        frame_dir = self.client.root / self.name
+        frame_dir.mkdir(parents=True, exist_ok=True)
+        self._frame_dir = str(frame_dir)
         self._pool = SlotPool(pool_dir, recycle=self.policy.bounded)
         if self.policy.archive is not None:
             from .archive import start_archiver
@@ -553,6 +555,7 @@ class Stream:
         leases = self._lease_table()
         engine = self.client.engine
         start = time.monotonic()
+        published_but_busy = False
         while True:
             path = engine.frame_path(key)
             got = leases.open(path) if path is not None else None
@@ -571,6 +574,8 @@ class Stream:
                 return archived
             # Wait in slices: a frame published and retired while we looked away shows up in
             # the head (a gap), not as a publication.
+            if published_but_busy:
+                time.sleep(0.001)  # published, yet not ours to hold: being replaced
             waited = time.monotonic() - start
             if timeout is not None and waited >= timeout:
                 raise ConsumeTimeout(key, waited)
@@ -593,8 +598,7 @@ class Stream:
                     if archived is not None:
                         return archived
                     raise
-            elif woke == key:
-                time.sleep(0.001)  # published, yet not ours to hold: being replaced
+            published_but_busy = woke == key and path is not None
 
     def _dropping_copy(self, key: str, release: Any) -> Any:
         """For a bounded stream: drop this node's fetched copy when the frame is released."""

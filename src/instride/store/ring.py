@@ -45,7 +45,8 @@ class Slot:
     size: int
     mm: mmap.mmap
     pool_name: str
-    path: Path  # where the file is now: in the pool, or at its key once published
+    path: str  # where the file is now: in the pool, or at its key once published
+    pooled: bool = True  # in the pool (not published under a key)
 
     def close(self) -> None:
         """Unmap and close (the file itself stays where it is)."""
@@ -70,6 +71,7 @@ class SlotPool:
 
     def __init__(self, pool_dir: Path, *, recycle: bool) -> None:
         self.pool_dir = pool_dir
+        self._pool_s = str(pool_dir)
         self.recycle = recycle
         pool_dir.mkdir(parents=True, exist_ok=True)
         collect_pool(pool_dir)  # files of an earlier producer of this stream that died
@@ -99,7 +101,7 @@ class SlotPool:
     def _new(self, size: int) -> Slot:
         self._made += 1
         name = f"slot-{os.getpid()}-{self._made}"
-        path = self.pool_dir / name
+        path = f"{self._pool_s}/{name}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
@@ -121,7 +123,7 @@ class SlotPool:
         slot.mm = mmap.mmap(slot.fd, size)
         slot.size = size
 
-    def publish(self, slot: Slot, final: Path, key: str, *, overwrite: bool, fsync: bool) -> None:
+    def publish(self, slot: Slot, final: str, key: str, *, overwrite: bool, fsync: bool) -> None:
         """Give the written ``slot`` its key (atomically) and let readers hold it."""
         if fsync:
             slot.mm.flush()
@@ -131,6 +133,7 @@ class SlotPool:
             self.discard(slot)
             raise
         slot.path = final
+        slot.pooled = False
         fcntl.flock(slot.fd, fcntl.LOCK_UN)
 
     def discard(self, slot: Slot) -> None:
@@ -156,7 +159,7 @@ class SlotPool:
                 os.unlink(slot.path)
             slot.close()
             return
-        target = self.pool_dir / slot.pool_name
+        target = f"{self._pool_s}/{slot.pool_name}"
         try:
             os.rename(slot.path, target)
         except FileNotFoundError:  # the key was deleted under us: the file is gone
@@ -164,20 +167,21 @@ class SlotPool:
             slot.close()
             return
         slot.path = target
+        slot.pooled = True
         self._free.append(ino)
 
     def forget_published(self) -> None:
         """Close the producer's hold on published files (they stay published)."""
         for ino in list(self._slots):
             slot = self._slots[ino]
-            if slot.path.parent != self.pool_dir:
+            if not slot.pooled:
                 self._slots.pop(ino)
                 slot.close()
 
     def close(self) -> None:
         """Delete the pooled (unpublished) files and close every mapping."""
         for slot in self._slots.values():
-            if slot.path.parent == self.pool_dir:
+            if slot.pooled:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(slot.path)
             slot.close()
@@ -253,7 +257,7 @@ class Leases:
         self.keep = keep
         self._maps: OrderedDict[tuple[int, int], mmap.mmap] = OrderedDict()
 
-    def open(self, path: Path) -> tuple[memoryview | bytes, Callable[[], None]] | None:
+    def open(self, path: str | Path) -> tuple[memoryview | bytes, Callable[[], None]] | None:
         """Hold the file published at ``path``; ``None`` if there is none (any more).
 
         Returns the file's bytes (a read-only mapping; ``bytes`` for an empty file) and the

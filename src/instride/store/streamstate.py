@@ -180,6 +180,8 @@ class Groups:
     def __init__(self, directory: Path) -> None:
         self.dir = directory / "groups"
         self._fds: dict[str, int] = {}
+        self._names: list[str] = []
+        self._listed = -1.0  # when the group names were last read (monotonic seconds)
 
     def register(self, name: str, start: int = 0) -> bool:
         """Create group ``name`` with its cursor at ``start``; False if it existed."""
@@ -203,9 +205,18 @@ class Groups:
             return []
 
     def cursors(self) -> dict[str, int]:
-        """Each group's cursor (the first frame it has not finished with)."""
+        """Each group's cursor (the first frame it has not finished with).
+
+        The names of the groups are re-read at most every 50 ms (a group registered
+        meanwhile is seen within that time; its cursor starts at 0, so no frame it needs is
+        retired before: retirement waits for it from then on).
+        """
+        now = time.monotonic()
+        if now - self._listed > 0.05:
+            self._names = self.names()
+            self._listed = now
         out = {}
-        for name in self.names():
+        for name in self._names:
             fd = self._fds.get(name)
             if fd is None:
                 try:
