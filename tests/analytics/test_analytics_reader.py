@@ -183,7 +183,7 @@ def test_consumer_started_before_producer(managed_dir: Path, adk) -> None:
     stream = instride.Stream("early", mode="w")
     for ts in adk.trajectory[:10]:
         stream.append(adk.atoms.positions, step=ts.frame, time=ts.time)
-        time.sleep(0.05)
+        time.sleep(0.15)  # slower than the consumer, also on a loaded machine
     stream.close()
     rc, out, err = finish(consumer, timeout=60)
     assert rc == 0, err
