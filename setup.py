@@ -34,11 +34,13 @@ class BuildPreload(build_ext):
         return super().get_export_symbols(ext)
 
 
+CORE = sorted(glob.glob("csrc/core/*.c"))
+
 preload = Extension(
     PRELOAD,
-    sources=sorted(glob.glob("csrc/preload/*.c")),
-    depends=sorted(glob.glob("csrc/preload/*.h")),
-    include_dirs=["csrc/preload"],
+    sources=CORE + sorted(glob.glob("csrc/preload/*.c")),
+    depends=sorted(glob.glob("csrc/core/*.h") + glob.glob("csrc/preload/*.h")),
+    include_dirs=["csrc/core", "csrc/preload"],
     extra_compile_args=["-std=c11", "-O2", "-fvisibility=hidden", "-Wall", "-Wextra"],
     libraries=["dl", "pthread", "m"],
 )

@@ -39,7 +39,8 @@ static inline int ins_passed(int fd)
     return fd;
 }
 
-int ins_open_managed(const struct ins_path *p, int flags, mode_t mode)
+/* Shared implementation of all open variants for a key. */
+static int ins_open_managed(const struct ins_path *p, int flags, mode_t mode)
 {
     int saved = errno;
     enum ins_open_kind kind = ins_open_kind(flags);
@@ -68,14 +69,8 @@ int ins_open_managed(const struct ins_path *p, int flags, mode_t mode)
 
     char tmp[PATH_MAX];
     int fd = -1;
-    if (ins_prepare_write(p, flags, &mode, tmp) == 0) {
-        int tflags = (flags & ~O_TRUNC) | O_CREAT | O_EXCL;
-        for (int tries = 0; tries < 8; tries++) {
-            fd = ins_real_open(tmp, tflags, mode);
-            if (fd >= 0 || errno != EEXIST || ins_temp_name(p, tmp) != 0)
-                break;
-        }
-    }
+    if (ins_prepare_write(p, flags, &mode, tmp) == 0)
+        fd = ins_create_temp(p, flags & ~O_TRUNC, mode, tmp);
     if (fd < 0) {
         ins_busy = 0;
         return -1;

@@ -1,0 +1,152 @@
+/*
+ * publish.c -- produce a key: a hidden temp file next to it, then publication
+ * by link(tmp, key) + unlink(tmp) (write-once) or rename(tmp, key)
+ * (INSTRIDE_OVERWRITE=1), fsync when INSTRIDE_FSYNC=1, and in cluster mode the
+ * registration with the node server.
+ */
+#include "ins_core.h"
+
+#include <string.h>
+
+#ifndef RENAME_NOREPLACE
+#define RENAME_NOREPLACE (1 << 0)
+#endif
+
+int ins_temp_name(const struct ins_path *p, char tmp[PATH_MAX])
+{
+    const char *base = strrchr(p->abs, '/') + 1;
+    size_t dir_len = (size_t)(base - p->abs); /* includes the slash */
+    size_t base_len = strlen(base);
+    /* Keep the temp's own name within NAME_MAX: shorten the copied basename. */
+    if (base_len > 200)
+        base_len = 200;
+    if (dir_len + base_len + 64 >= PATH_MAX)
+        return ins_fail(ENAMETOOLONG, "the temp name of key %.200s would be too long", ins_key(p));
+    memcpy(tmp, p->abs, dir_len);
+    int n = snprintf(tmp + dir_len, PATH_MAX - dir_len, ".%.*s.instride-%ld-%016llx.tmp",
+                     (int)base_len, base, (long)getpid(), (unsigned long long)ins_random64());
+    if (n < 0 || (size_t)n >= PATH_MAX - dir_len)
+        return ins_fail(ENAMETOOLONG, "the temp name of key %.200s would be too long", ins_key(p));
+    return 0;
+}
+
+enum ins_open_kind ins_open_kind(int flags)
+{
+    int acc = flags & O_ACCMODE;
+    if (acc == O_RDONLY)
+        return (flags & O_TRUNC) ? INS_OPEN_REFUSE : INS_OPEN_READ;
+    if (acc != O_WRONLY && acc != O_RDWR)
+        return INS_OPEN_REFUSE;
+    /* Append is allowed only where it cannot touch existing bytes. */
+    if ((flags & O_APPEND) && !(flags & O_TRUNC) && (flags & (O_CREAT | O_EXCL)) != (O_CREAT | O_EXCL))
+        return INS_OPEN_REFUSE;
+    if (flags & (O_CREAT | O_TRUNC))
+        return INS_OPEN_WRITE;
+    return INS_OPEN_REFUSE; /* read-modify-write in place */
+}
+
+int ins_prepare_write(const struct ins_path *p, int flags, mode_t *mode, char tmp[PATH_MAX])
+{
+    struct stat st;
+    if (stat(p->abs, &st) == 0) {
+        if ((flags & (O_CREAT | O_EXCL)) == (O_CREAT | O_EXCL) || !ins_cfg.overwrite)
+            return ins_fail(EEXIST, "key %.300s is already published (write-once)", ins_key(p));
+        if (!(flags & O_TRUNC))
+            return ins_fail(EPERM, "key %.300s is published: it cannot be modified in place",
+                            ins_key(p));
+        *mode = st.st_mode & 07777;
+    } else if (errno == ENOENT) {
+        if (!(flags & O_CREAT))
+            return ins_fail(ENOENT, "key %.300s does not exist (O_TRUNC without O_CREAT)",
+                            ins_key(p));
+    }
+    if (ins_mkdir_parents(p->abs) != 0)
+        return ins_fail(errno, "cannot create the directory of key %.300s: %s", ins_key(p),
+                        strerror(errno));
+    return ins_temp_name(p, tmp);
+}
+
+int ins_create_temp(const struct ins_path *p, int flags, mode_t mode, char tmp[PATH_MAX])
+{
+    int fd = -1;
+    for (int tries = 0; tries < 8; tries++) {
+        fd = ins_sys.open(tmp, flags | O_CREAT | O_EXCL, mode);
+        if (fd >= 0 || errno != EEXIST || ins_temp_name(p, tmp) != 0)
+            break;
+    }
+    if (fd < 0 && errno != ENAMETOOLONG)
+        ins_fail(errno, "cannot create the temp file of key %.300s: %s", ins_key(p),
+                 strerror(errno));
+    return fd;
+}
+
+void ins_fsync_dir_of(const char *abs)
+{
+    char dir[PATH_MAX];
+    memcpy(dir, abs, strlen(abs) + 1);
+    char *slash = strrchr(dir, '/');
+    if (slash == NULL)
+        return;
+    if (slash == dir)
+        slash[1] = '\0';
+    else
+        *slash = '\0';
+    int fd = ins_sys.open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd >= 0) {
+        (void)fsync(fd);
+        ins_sys.close(fd);
+    }
+}
+
+void ins_maybe_fsync(int fd)
+{
+    if (ins_cfg.fsync)
+        (void)fsync(fd);
+}
+
+int ins_notify_publish_as(const struct ins_path *p, int overwrite)
+{
+    if (!ins_cfg.cluster)
+        return 0;
+    return ins_agent_publish(ins_key(p), overwrite);
+}
+
+int ins_notify_publish(const struct ins_path *p)
+{
+    return ins_notify_publish_as(p, ins_cfg.overwrite);
+}
+
+/* Move tmp to the key without replacing it: link + unlink, or on file systems
+ * without hard links an atomic no-replace rename. */
+static int ins_link_noreplace(const char *tmp, const char *abs)
+{
+    if (link(tmp, abs) == 0) {
+        unlink(tmp);
+        return 0;
+    }
+    int e = errno;
+    if (e == EPERM || e == EOPNOTSUPP || e == EMLINK || e == ENOSYS) {
+        if (ins_sys.renameat2(AT_FDCWD, tmp, AT_FDCWD, abs, RENAME_NOREPLACE) == 0)
+            return 0;
+        e = errno;
+    }
+    errno = e;
+    return -1;
+}
+
+int ins_publish(const char *tmp, const struct ins_path *p, int noreplace)
+{
+    int overwrite = ins_cfg.overwrite && !noreplace;
+    int rc = overwrite ? ins_sys.rename(tmp, p->abs) : ins_link_noreplace(tmp, p->abs);
+    if (rc != 0) {
+        int e = errno;
+        unlink(tmp);
+        if (e == EEXIST)
+            return ins_fail(EEXIST, "key %.300s was published by someone else first (write-once)",
+                            ins_key(p));
+        return ins_fail(e, "cannot publish key %.300s: %s", ins_key(p), strerror(e));
+    }
+    if (ins_cfg.fsync)
+        ins_fsync_dir_of(p->abs);
+    return ins_notify_publish_as(p, overwrite);
+}
