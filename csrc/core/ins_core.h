@@ -186,6 +186,12 @@ INS_HIDDEN int ins_publish(const char *tmp, const struct ins_path *p, int norepl
 INS_HIDDEN int ins_notify_publish_as(const struct ins_path *p, int overwrite);
 INS_HIDDEN int ins_notify_publish(const struct ins_path *p); /* INSTRIDE_OVERWRITE decides */
 
+/* Publish an existing regular file (olddirfd, old) as np by moving it there
+ * (rename, or write-once link + unlink; across file systems a copy to a temp
+ * beside the key, then the source is removed). */
+INS_HIDDEN int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np,
+                                int noreplace);
+
 /* fsync the directory holding abs (for INSTRIDE_FSYNC=1). */
 INS_HIDDEN void ins_fsync_dir_of(const char *abs);
 /* fsync an fd if INSTRIDE_FSYNC=1 (errors ignored). */

@@ -7,6 +7,7 @@
 #include "ins_core.h"
 
 #include <string.h>
+#include <sys/sendfile.h>
 
 #ifndef RENAME_NOREPLACE
 #define RENAME_NOREPLACE (1 << 0)
@@ -149,4 +150,136 @@ int ins_publish(const char *tmp, const struct ins_path *p, int noreplace)
     if (ins_cfg.fsync)
         ins_fsync_dir_of(p->abs);
     return ins_notify_publish_as(p, overwrite);
+}
+
+/* ---- publishing an existing file (rename into the managed directory) ---- */
+
+/* Copy in -> out entirely. */
+static int ins_copy_fd(int in, int out)
+{
+    for (;;) {
+        ssize_t n = copy_file_range(in, NULL, out, NULL, (size_t)1 << 30, 0);
+        if (n == 0)
+            return 0;
+        if (n > 0)
+            continue;
+        if (errno == EINTR)
+            continue;
+        if (errno != EXDEV && errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP)
+            return -1;
+        break;
+    }
+    for (;;) { /* older kernels / special files: sendfile, then read/write */
+        ssize_t n = sendfile(out, in, NULL, (size_t)1 << 30);
+        if (n == 0)
+            return 0;
+        if (n > 0)
+            continue;
+        if (errno == EINTR)
+            continue;
+        if (errno != EINVAL && errno != ENOSYS)
+            return -1;
+        break;
+    }
+    char buf[16384];
+    for (;;) {
+        ssize_t n = read(in, buf, sizeof buf);
+        if (n == 0)
+            return 0;
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return -1;
+        }
+        for (ssize_t off = 0; off < n;) {
+            ssize_t w = write(out, buf + off, (size_t)(n - off));
+            if (w < 0 && errno == EINTR)
+                continue;
+            if (w <= 0)
+                return -1;
+            off += w;
+        }
+    }
+}
+
+/* EXDEV: copy the source to a temp beside the key, publish it, drop the source. */
+static int ins_copy_publish(int olddirfd, const char *old, const struct ins_path *np, int noreplace)
+{
+    struct stat st;
+    char tmp[PATH_MAX];
+    int in = ins_sys.openat(olddirfd, old, O_RDONLY | O_CLOEXEC);
+    if (in < 0)
+        return -1;
+    if (fstat(in, &st) != 0 || ins_temp_name(np, tmp) != 0) {
+        int e = errno;
+        ins_sys.close(in);
+        errno = e;
+        return -1;
+    }
+    int out = ins_sys.open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, st.st_mode & 07777);
+    if (out < 0) {
+        int e = errno;
+        ins_sys.close(in);
+        errno = e;
+        return -1;
+    }
+    int rc = ins_copy_fd(in, out);
+    int e = errno;
+    if (rc == 0)
+        ins_maybe_fsync(out);
+    ins_sys.close(in);
+    if (ins_sys.close(out) != 0 && rc == 0) {
+        rc = -1;
+        e = errno;
+    }
+    if (rc != 0) {
+        unlink(tmp);
+        errno = e;
+        return -1;
+    }
+    if (ins_publish(tmp, np, noreplace) != 0)
+        return -1;
+    unlinkat(olddirfd, old, 0);
+    return 0;
+}
+
+/* Move (olddirfd, old) to the key: rename, or write-once link + unlink (an
+ * atomic no-replace rename where hard links are not supported). EXDEV is left
+ * to the caller. */
+static int ins_move_into_place(int olddirfd, const char *old, const char *abs, int noreplace)
+{
+    if (!noreplace)
+        return ins_sys.renameat(olddirfd, old, AT_FDCWD, abs);
+    if (linkat(olddirfd, old, AT_FDCWD, abs, 0) == 0) {
+        unlinkat(olddirfd, old, 0);
+        return 0;
+    }
+    if (errno != EPERM && errno != EOPNOTSUPP && errno != EMLINK)
+        return -1;
+    return ins_sys.renameat2(olddirfd, old, AT_FDCWD, abs, RENAME_NOREPLACE);
+}
+
+int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, int noreplace)
+{
+    if (ins_mkdir_parents(np->abs) != 0)
+        return ins_fail(errno, "cannot create the directory of key %.300s: %s", ins_key(np),
+                        strerror(errno));
+    if (ins_cfg.fsync) {
+        int fd = ins_sys.openat(olddirfd, old, O_RDONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            (void)fsync(fd);
+            ins_sys.close(fd);
+        }
+    }
+    if (ins_move_into_place(olddirfd, old, np->abs, noreplace) != 0) {
+        if (errno == EXDEV) /* across file systems: ins_publish did the fsyncs and the notice */
+            return ins_copy_publish(olddirfd, old, np, noreplace);
+        if (errno == EEXIST)
+            return ins_fail(EEXIST, "key %.300s is already published (write-once)", ins_key(np));
+        return ins_fail(errno, "cannot publish key %.300s: %s", ins_key(np), strerror(errno));
+    }
+    if (ins_cfg.fsync)
+        ins_fsync_dir_of(np->abs);
+    /* noreplace: write-once across the cluster too */
+    return ins_notify_publish_as(np, !noreplace && ins_cfg.overwrite);
 }

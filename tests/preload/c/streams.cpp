@@ -1,4 +1,4 @@
-// streams.cpp -- drives include/instride/stream.hpp from pytest (no shim loaded).
+// streams.cpp -- drives include/instride/stream.hpp (linked with libinstride.so) from pytest.
 //   streams produce <path> <lines> [delay_ms]  write "line <i>" lines, publish on close
 //   streams consume <path>                     wait for the key, print its content
 //   streams eexist <path>                      opening a published key must fail EEXIST
