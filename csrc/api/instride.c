@@ -90,13 +90,19 @@ INS_API int instride_consume(const char *path, char *open_path, size_t cap)
 
 INS_API int instride_open_read(const char *path, int *fd)
 {
+    struct ins_path p;
     char where[PATH_MAX];
-    int err = instride_consume(path, where, sizeof where);
-    if (err != 0)
-        return err;
-    int f = ins_sys.open(where, O_RDONLY | O_CLOEXEC);
+    ins_api_enter();
+    if (ins_api_key(path, &p) != 0 || ins_consume(&p, where) != 0)
+        return ins_api_result(-1);
+    /* local mode: opened confined (beneath the managed directory, no link followed) */
+    int f = ins_cfg.cluster ? ins_sys.open(where, O_RDONLY | O_CLOEXEC)
+                            : ins_open_read_confined(&p, O_RDONLY | O_CLOEXEC, 0, 0);
     if (f < 0)
-        return ins_api_result(ins_fail(errno, "cannot open %.300s: %s", where, strerror(errno)));
+        return ins_api_result(errno == ELOOP || errno == EISDIR || errno == EINVAL
+                                  ? -1
+                                  : ins_fail(errno, "cannot open key %.300s: %s", ins_key(&p),
+                                             strerror(errno)));
     *fd = f;
     return 0;
 }

@@ -6,14 +6,15 @@
  * Modules, each a .c file here; an arrow means "calls", and there is no cycle:
  *
  *   consume.c  -> wait.c, agent.c, confine.c
- *   publish.c  -> agent.c, confine.c
- *   wait.c     -> confine.c, util.c
- *   agent.c    -> config.c, util.c
- *   confine.c  -> config.c, error.c
- *   key.c      -> config.c, path.c
+ *   publish.c  -> agent.c, confine.c, util.c
+ *   wait.c     -> util.c
+ *   agent.c    -> config.c, util.c, error.c
+ *   key.c      -> confine.c, config.c, path.c
+ *   confine.c  -> config.c, path.c, util.c, error.c
+ *   sys.c                          (the libc calls the preload library wraps)
  *   config.c   -> path.c          (every INSTRIDE_* read by C is parsed here, only here)
  *   error.c    -> config.c        (messages, INSTRIDE_DEBUG diagnostics)
- *   path.c, util.c, sys.c         (no instride dependencies)
+ *   path.c, util.c                (no instride dependencies)
  *
  * Everything here is hidden (not exported) in both libraries.
  */
@@ -98,8 +99,9 @@ INS_HIDDEN int ins_reserved(const char *key);
 
 /* A classified path: the absolute normalized path and where its key starts. */
 struct ins_path {
-    char abs[PATH_MAX];
-    size_t key_off; /* abs + key_off is the key (relative to the managed dir) */
+    char abs[PATH_MAX]; /* under the managed directory's real path (ins_root) */
+    size_t key_off;     /* abs + key_off is the key (relative to the managed dir) */
+    int refuse;         /* ELOOP: the path went back (..) through a symbolic link */
 };
 
 enum { INS_UNMANAGED = 0, INS_MANAGED = 1, INS_RESERVED = 2 };
@@ -111,6 +113,25 @@ INS_HIDDEN int ins_classify(int dirfd, const char *path, struct ins_path *out);
 
 static inline const char *ins_key(const struct ins_path *p) { return p->abs + p->key_off; }
 
+/* ---- confine.c: nothing escapes the managed directory ---------------------- */
+
+/* An O_PATH fd of the key's directory, resolved beneath the managed directory
+ * with no symbolic link followed (ELOOP); missing directories are created
+ * (confined) when create. -1 with errno (ENOENT without a message). */
+INS_HIDDEN int ins_parent_fd(const struct ins_path *p, int create);
+/* lstat of the key through its confined directory (see ins_parent_fd). */
+INS_HIDDEN int ins_lstat_key(const struct ins_path *p, struct stat *st, int create_parents);
+/* 0 for a regular file; else -1 with ELOOP (symlink), EISDIR, EINVAL (special). */
+INS_HIDDEN int ins_check_type(const struct ins_path *p, const struct stat *st);
+/* Open a key for reading, confined: no symbolic link followed (ELOOP), FIFOs,
+ * sockets and devices refused without blocking (EINVAL), directories refused
+ * (EISDIR) unless allow_dir. -1 with errno (ENOENT without a message). */
+INS_HIDDEN int ins_open_read_confined(const struct ins_path *p, int flags, mode_t mode,
+                                      int allow_dir);
+/* 1 when a ".." in the raw absolute path goes back through a symbolic link
+ * inside the managed directory (the kernel would leave the directory there). */
+INS_HIDDEN int ins_dotdot_through_link(const char *raw);
+
 /* ---- util.c: clocks, random names, mkdir -p ---------------------------------- */
 
 INS_HIDDEN double ins_now(void);
@@ -119,8 +140,6 @@ INS_HIDDEN int ins_remaining_ms(double deadline);
 INS_HIDDEN uint64_t ins_random64(void);
 /* mkdir -p of buf (modified temporarily, restored). */
 INS_HIDDEN int ins_mkdir_p(char *buf);
-/* Create the parent directories of an absolute path (mkdir -p of dirname). */
-INS_HIDDEN int ins_mkdir_parents(const char *abs);
 
 /* ---- error.c: messages --------------------------------------------------------- */
 

@@ -49,7 +49,14 @@ enum ins_open_kind ins_open_kind(int flags)
 int ins_prepare_write(const struct ins_path *p, int flags, mode_t *mode, char tmp[PATH_MAX])
 {
     struct stat st;
-    if (stat(p->abs, &st) == 0) {
+    if (p->refuse)
+        return ins_fail(p->refuse, "key %.300s: its path goes back (..) through a symbolic "
+                        "link inside the managed directory (refused)", ins_key(p));
+    /* The key's directory is made (confined: no symbolic link followed) and the key
+     * itself looked at without following it. */
+    if (ins_lstat_key(p, &st, 1) == 0) {
+        if (ins_check_type(p, &st) != 0)
+            return -1;
         if ((flags & (O_CREAT | O_EXCL)) == (O_CREAT | O_EXCL) || !ins_cfg.overwrite)
             return ins_fail(EEXIST, "key %.300s is already published (write-once)", ins_key(p));
         if (!(flags & O_TRUNC))
@@ -60,10 +67,9 @@ int ins_prepare_write(const struct ins_path *p, int flags, mode_t *mode, char tm
         if (!(flags & O_CREAT))
             return ins_fail(ENOENT, "key %.300s does not exist (O_TRUNC without O_CREAT)",
                             ins_key(p));
+    } else {
+        return -1;
     }
-    if (ins_mkdir_parents(p->abs) != 0)
-        return ins_fail(errno, "cannot create the directory of key %.300s: %s", ins_key(p),
-                        strerror(errno));
     return ins_temp_name(p, tmp);
 }
 
@@ -261,9 +267,16 @@ static int ins_move_into_place(int olddirfd, const char *old, const char *abs, i
 
 int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, int noreplace)
 {
-    if (ins_mkdir_parents(np->abs) != 0)
-        return ins_fail(errno, "cannot create the directory of key %.300s: %s", ins_key(np),
-                        strerror(errno));
+    struct stat st;
+    if (np->refuse)
+        return ins_fail(np->refuse, "key %.300s: its path goes back (..) through a symbolic "
+                        "link inside the managed directory (refused)", ins_key(np));
+    if (ins_lstat_key(np, &st, 1) == 0) { /* confined mkdir -p; the target itself */
+        if (ins_check_type(np, &st) != 0)
+            return -1;
+    } else if (errno != ENOENT) {
+        return -1;
+    }
     if (ins_cfg.fsync) {
         int fd = ins_sys.openat(olddirfd, old, O_RDONLY | O_CLOEXEC);
         if (fd >= 0) {

@@ -61,15 +61,3 @@ int ins_mkdir_p(char *buf)
         return -1;
     return 0;
 }
-
-int ins_mkdir_parents(const char *abs)
-{
-    char buf[PATH_MAX];
-    size_t n = strlen(abs);
-    memcpy(buf, abs, n + 1);
-    char *slash = strrchr(buf, '/');
-    if (slash == NULL || slash == buf)
-        return 0;
-    *slash = '\0';
-    return ins_mkdir_p(buf);
-}

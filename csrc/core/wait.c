@@ -135,8 +135,8 @@ static int ins_dir_gone(int ifd, int wd)
 
 int ins_wait_local(const char *abs)
 {
-    struct stat st;
-    if (stat(abs, &st) == 0)
+    struct stat st; /* lstat: a symbolic link under the key ends the wait (and is refused) */
+    if (lstat(abs, &st) == 0)
         return 0;
     if (errno != ENOENT)
         return -1;
@@ -158,7 +158,7 @@ int ins_wait_local(const char *abs)
         goto cleanup;
     /* Armed: from here no publication can be missed. Check, then wait. */
     for (;;) {
-        if (stat(abs, &st) == 0) {
+        if (lstat(abs, &st) == 0) {
             rc = 0;
             break;
         }

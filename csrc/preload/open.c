@@ -44,14 +44,15 @@ static int ins_open_managed(const struct ins_path *p, int flags, mode_t mode)
 {
     int saved = errno;
     enum ins_open_kind kind = ins_open_kind(flags);
-    if (kind == INS_OPEN_REFUSE) {
-        errno = EPERM; /* published keys are immutable; no append / in-place update */
-        return -1;
-    }
+    if (kind == INS_OPEN_REFUSE) /* published keys are immutable; no append / in-place update */
+        return ins_fail(EPERM, "key %.300s: append and in-place update are refused", ins_key(p));
     if (kind == INS_OPEN_READ && !ins_cfg.cluster && !(flags & O_CREAT)) {
         /* A key is published atomically: if it opens, it is complete. Only a
-         * missing key costs more than the open itself. */
-        int fd = ins_real_open(p->abs, flags, mode);
+         * missing key costs more than the open itself. Directories open as in
+         * libc; symbolic links and special files are refused. */
+        ins_busy = 1;
+        int fd = ins_open_read_confined(p, flags, mode, 1);
+        ins_busy = 0;
         if (fd >= 0 || errno != ENOENT)
             return ins_passed(fd);
         errno = saved;
@@ -59,12 +60,15 @@ static int ins_open_managed(const struct ins_path *p, int flags, mode_t mode)
     ins_busy = 1;
     if (kind == INS_OPEN_READ) {
         char open_path[PATH_MAX];
-        int rc = ins_consume(p, open_path);
+        int fd = -1;
+        if (ins_consume(p, open_path) == 0)
+            fd = ins_cfg.cluster ? ins_real_open(open_path, flags, mode)
+                                 : ins_open_read_confined(p, flags, mode, 0);
         ins_busy = 0;
-        if (rc != 0)
+        if (fd < 0)
             return -1;
         errno = saved;
-        return ins_passed(ins_real_open(open_path, flags, mode));
+        return ins_passed(fd);
     }
 
     char tmp[PATH_MAX];

@@ -217,6 +217,35 @@ static void t_overwrite(void) /* run with INSTRIDE_OVERWRITE=1 */
     CHECK(temps_in(mp("ow")) == 0);
 }
 
+/* Set up by the test: s/link -> <outside>/elsewhere (holding y), lk -> <outside>/elsewhere/y,
+ * adir/ a directory, fifo a FIFO. */
+static void t_confine(void)
+{
+    instride_writer *w = NULL;
+    char where[4096];
+    int fd = -1;
+    CHECK(instride_create(mp("s/link/new.bin"), 0, 0644, &w) == ELOOP);
+    CHECK(strstr(instride_last_error(), "symbolic link") != NULL);
+    CHECK(!exists(op("elsewhere/new.bin")));
+    CHECK(instride_create(mp("s/link/sub/new.bin"), 0, 0644, &w) == ELOOP);
+    CHECK(!exists(op("elsewhere/sub")));
+    CHECK(instride_create(mp("s/link/../new.bin"), 0, 0644, &w) == ELOOP);
+    CHECK(!exists(mp("s/new.bin")) && !exists(op("new.bin")));
+    CHECK(instride_consume(mp("s/link/y"), where, sizeof where) == ELOOP);
+    CHECK(instride_open_read(mp("lk"), &fd) == ELOOP);
+    CHECK(instride_create(mp("lk"), 0, 0644, &w) == ELOOP);
+    CHECK(instride_open_read(mp("adir"), &fd) == EISDIR);
+    CHECK(instride_create(mp("adir"), 0, 0644, &w) == EISDIR);
+    CHECK(instride_open_read(mp("fifo"), &fd) == EINVAL); /* at once, never blocks */
+    CHECK(strstr(instride_last_error(), "not a regular file") != NULL);
+    const char *src = op("src.bin");
+    FILE *fp = fopen(src, "w");
+    CHECK(fp != NULL && fputs("x", fp) >= 0 && fclose(fp) == 0);
+    CHECK(instride_publish(src, mp("s/link/pub.bin"), 0) == ELOOP);
+    CHECK(!exists(op("elsewhere/pub.bin")) && exists(src));
+    CHECK(file_is(op("elsewhere/y"), "outside\n")); /* untouched */
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 4) {
@@ -231,7 +260,7 @@ int main(int argc, char **argv)
     } tests[] = {
         {"settings", t_settings}, {"produce", t_produce}, {"abort", t_abort},
         {"wait", t_wait},         {"timeout", t_timeout}, {"not_key", t_not_key},
-        {"publish", t_publish},   {"overwrite", t_overwrite},
+        {"publish", t_publish},   {"overwrite", t_overwrite}, {"confine", t_confine},
     };
     for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
         if (strcmp(tests[i].name, argv[1]) == 0) {
