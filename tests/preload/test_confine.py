@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -128,4 +129,29 @@ def test_cpp_streams_confinement(shim: Shim, trap: Path, build: Builder, how: st
     assert proc.returncode == 0, proc.stderr.decode()
     assert proc.stdout.startswith(b"instride: key ")
     untouched(trap)
+    assert shim.temps() == []
+
+
+def test_without_openat2_the_walk_confines(shim: Shim, trap: Path, build: Builder) -> None:
+    """On a kernel without openat2 (emulated with seccomp) the O_NOFOLLOW walk takes over."""
+    wrap = build("no_openat2.c", api=False)
+    probe = shim.run([wrap, sys.executable, "-I", "-c",
+                      "import ctypes, os; libc = ctypes.CDLL(None, use_errno=True)\n"
+                      "assert libc.syscall(437, -100, b'/', None, 0) == -1\n"
+                      "assert ctypes.get_errno() == 38, ctypes.get_errno()"])
+    assert probe.returncode == 0, probe.stderr  # openat2 really is gone: ENOSYS
+    src = shim.outside / "x.bin"
+    src.write_bytes(b"payload")
+    for dest in ("s/link/y2", "s/link/new/y", "lk"):
+        proc = shim.run([wrap, "cp", src, shim.dir / dest])
+        assert proc.returncode != 0 and ELOOP_TEXT in proc.stderr, (dest, proc.stderr)
+    for key, text in (("s/link/y", ELOOP_TEXT), ("lk", ELOOP_TEXT),
+                      ("fifo", os.strerror(errno.EINVAL).encode())):
+        proc = shim.run([wrap, "cat", shim.dir / key], timeout=20)
+        assert proc.returncode != 0 and text in proc.stderr, (key, proc.stderr)
+    untouched(trap)
+    # ordinary keys still work: produce into a new directory, read back
+    shim.run([wrap, "cp", src, shim.dir / "fresh" / "deep" / "k.bin"], check=True)
+    out = shim.run([wrap, "cat", shim.dir / "fresh" / "deep" / "k.bin"], check=True)
+    assert out.stdout == b"payload"
     assert shim.temps() == []
