@@ -213,40 +213,42 @@ static int ins_copy_publish(int olddirfd, const char *old, const struct ins_path
 {
     struct stat st;
     char tmp[PATH_MAX];
-    int in = ins_sys.openat(olddirfd, old, O_RDONLY | O_CLOEXEC);
-    if (in < 0)
-        return -1;
-    if (fstat(in, &st) != 0 || ins_temp_name(np, tmp) != 0) {
-        int e = errno;
-        ins_sys.close(in);
-        errno = e;
-        return -1;
-    }
-    int out = ins_sys.open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, st.st_mode & 07777);
+    int in = -1, out = -1, rc = -1, published = 0;
+    tmp[0] = '\0';
+    in = ins_sys.openat(olddirfd, old, O_RDONLY | O_CLOEXEC);
+    if (in < 0 || fstat(in, &st) != 0 || ins_temp_name(np, tmp) != 0)
+        goto cleanup;
+    out = ins_sys.open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, st.st_mode & 07777);
     if (out < 0) {
-        int e = errno;
-        ins_sys.close(in);
-        errno = e;
-        return -1;
+        tmp[0] = '\0'; /* not ours to remove */
+        goto cleanup;
     }
-    int rc = ins_copy_fd(in, out);
-    int e = errno;
+    if (ins_copy_fd(in, out) != 0)
+        goto cleanup;
+    ins_maybe_fsync(out);
+    int fd = out;
+    out = -1;
+    if (ins_sys.close(fd) != 0)
+        goto cleanup;
+    rc = ins_publish(tmp, np, noreplace); /* removes the temp, sets the message on failure */
+    published = 1;
+    tmp[0] = '\0';
     if (rc == 0)
-        ins_maybe_fsync(out);
-    ins_sys.close(in);
-    if (ins_sys.close(out) != 0 && rc == 0) {
-        rc = -1;
-        e = errno;
-    }
-    if (rc != 0) {
-        unlink(tmp);
+        unlinkat(olddirfd, old, 0);
+cleanup:
+    {
+        int e = errno;
+        if (in >= 0)
+            ins_sys.close(in);
+        if (out >= 0)
+            ins_sys.close(out);
+        if (tmp[0] != '\0')
+            unlink(tmp);
         errno = e;
-        return -1;
     }
-    if (ins_publish(tmp, np, noreplace) != 0)
-        return -1;
-    unlinkat(olddirfd, old, 0);
-    return 0;
+    if (rc != 0 && !published)
+        ins_fail(errno, "cannot copy %.200s to key %.200s: %s", old, ins_key(np), strerror(errno));
+    return rc;
 }
 
 /* Move (olddirfd, old) to the key: rename, or write-once link + unlink (an

@@ -80,8 +80,9 @@ int instride_is_key(const char *path);
 /* ---- consume --------------------------------------------------------------- */
 
 /* Wait until the key at path is published (at most INSTRIDE_TIMEOUT seconds) and
- * copy into open_path (cap bytes) the path to open: path itself, made absolute, in
- * local mode; the node-local copy the node server made in cluster mode.
+ * copy into open_path (cap bytes) the path to open: in local mode the key's path
+ * under the managed directory's real path; in cluster mode the node-local copy
+ * the node server made.
  * Errors: ETIMEDOUT, EINVAL, ELOOP, EISDIR, ERANGE (cap too small), ECONNREFUSED,
  * EIO, or the errno of the underlying call. */
 int instride_consume(const char *path, char *open_path, size_t cap);

@@ -236,3 +236,22 @@ def test_stream_hpp_cluster_mode(cluster: tuple[Shim, FakeNodeServer], build: Bu
                          capture_output=True, timeout=30)
     assert out.stdout == b"fetched remote/y\n"
     assert server.requests == ["PUBLISH cpp/a.txt", "CONSUME 10000 remote/y"]
+
+
+def test_symlinked_key_refused_before_asking_the_server(
+    cluster: tuple[Shim, FakeNodeServer],
+) -> None:
+    """Confinement holds in cluster mode too: no request leaves for a path through a link."""
+    shim, server = cluster
+    elsewhere = shim.outside / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "y").write_text("outside\n")
+    (shim.dir / "s").mkdir()
+    (shim.dir / "s" / "link").symlink_to(elsewhere)
+    src = shim.outside / "x.bin"
+    src.write_bytes(b"x")
+    for args in (["cat", shim.dir / "s" / "link" / "y"], ["cp", src, shim.dir / "s" / "link" / "z"]):
+        proc = shim.run(args)
+        assert proc.returncode != 0 and os.strerror(errno.ELOOP).encode() in proc.stderr, args
+    assert server.requests == []
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["y"]
