@@ -141,6 +141,8 @@ INS_API int instride_commit(instride_writer *w)
 {
     int rc = -1;
     ins_api_enter();
+    if (w == NULL)
+        return ins_api_result(ins_fail(EINVAL, "no writer given"));
     ins_maybe_fsync(w->fd);
     if (ins_sys.close(w->fd) != 0 && errno != EINTR) {
         /* The data may not have reached the file: never publish it. */

@@ -154,7 +154,9 @@ int ins_open_read_confined(const struct ins_path *p, int flags, mode_t mode, int
     /* O_NONBLOCK: a FIFO must not block the open before it can be refused. */
     int extra = (flags & O_NONBLOCK) ? 0 : O_NONBLOCK;
     int fd = ins_openat2(AT_FDCWD, p->abs, flags | extra, mode);
-    if (fd < 0 && errno == ENOSYS) { /* no openat2: O_NOFOLLOW from a confined parent */
+    /* No openat2 (ENOSYS), or flags it refuses but open(2) ignores (EINVAL):
+     * O_NOFOLLOW from a confined parent. */
+    if (fd < 0 && (errno == ENOSYS || errno == EINVAL)) {
         int pfd = ins_parent_fd(p, 0);
         if (pfd < 0)
             return -1;

@@ -43,7 +43,9 @@
 
 #define INS_EXPORT __attribute__((visibility("default")))
 #define INS_HIDDEN __attribute__((visibility("hidden")))
-#define INS_TLS __thread __attribute__((tls_model("initial-exec")))
+/* Thread-locals of the core: the default model, so that libinstride.so may also be
+ * dlopen'ed (e.g. by ctypes); they are only touched on slow paths. */
+#define INS_TLS __thread
 
 /* ---- sys.c: the libc calls the core makes that the preload library wraps ---- */
 

@@ -10,7 +10,7 @@
 INS_FOR_EACH_REAL(INS_REAL_DEF)
 
 INS_HIDDEN atomic_int ins_ready = 0;
-INS_HIDDEN INS_TLS int ins_busy = 0;
+INS_HIDDEN INS_TLS_IE int ins_busy = 0;
 
 static pthread_once_t ins_once = PTHREAD_ONCE_INIT;
 

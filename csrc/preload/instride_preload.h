@@ -63,8 +63,10 @@ INS_FOR_EACH_REAL(INS_REAL_DECL)
 INS_HIDDEN void ins_init(void);
 extern INS_HIDDEN atomic_int ins_ready;
 
-/* Thread-local re-entrancy guard: while set, every wrapper forwards to libc. */
-extern INS_HIDDEN INS_TLS int ins_busy;
+/* Thread-local re-entrancy guard: while set, every wrapper forwards to libc. It is
+ * read by every wrapped call: initial-exec TLS (the library is loaded at start-up). */
+#define INS_TLS_IE __thread __attribute__((tls_model("initial-exec")))
+extern INS_HIDDEN INS_TLS_IE int ins_busy;
 
 #define INS_MAP_OR_FAIL(name, failval)                                              \
     do {                                                                            \

@@ -19,7 +19,7 @@ SCENARIOS = ["settings", "produce", "abort", "wait", "timeout", "not_key", "publ
 
 def plain(shim: Shim, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in shim.env.items() if k != "LD_PRELOAD"}
-    env.update(INSTRIDE_TIMEOUT="0.5", **extra)
+    env.update({"INSTRIDE_TIMEOUT": "0.5", **extra})
     return env
 
 
@@ -77,3 +77,28 @@ def test_library_exports_only_the_api() -> None:
     assert {"instride_create", "instride_commit", "instride_consume"} <= api
     wrappers = exported(preload_path())
     assert "open" in wrappers and not any(n.startswith("instride_") for n in wrappers)
+
+
+def test_library_can_be_dlopened(shim: Shim) -> None:
+    """libinstride.so loads with dlopen too (ctypes here): no initial-exec TLS in it."""
+    key = shim.dir / "ct" / "k.bin"
+    code = (
+        "import ctypes, sys\n"
+        "from instride.interception.preload import c_library_path\n"
+        "lib = ctypes.CDLL(str(c_library_path()))\n"
+        "lib.instride_is_key.argtypes = [ctypes.c_char_p]\n"
+        "lib.instride_last_error.restype = ctypes.c_char_p\n"
+        f"assert lib.instride_is_key({str(key).encode()!r}) == 1\n"
+        "buf = ctypes.create_string_buffer(4096)\n"
+        f"err = lib.instride_consume({str(key).encode()!r}, buf, 4096)\n"
+        "assert err == 110, err\n"
+        "assert b'ct/k.bin' in lib.instride_last_error()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=plain(shim, INSTRIDE_TIMEOUT="0.2"),
+                          capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr.decode()
+    from instride.interception.preload import c_library_path
+
+    dynamic = subprocess.run(["readelf", "-d", str(c_library_path())], capture_output=True,
+                             text=True, check=True).stdout
+    assert "STATIC_TLS" not in dynamic  # initial-exec TLS could fail to dlopen late
