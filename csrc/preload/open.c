@@ -39,61 +39,70 @@ static inline int ins_passed(int fd)
     return fd;
 }
 
+/* Read open of a key after its fast path missed: consume, then open. */
+static int ins_open_consumed(const struct ins_path *p, int flags, mode_t mode)
+{
+    char open_path[PATH_MAX];
+    if (ins_consume(p, open_path) != 0)
+        return -1;
+    int fd = ins_cfg.cluster ? ins_real_open(open_path, flags, mode)
+                             : ins_open_read_confined(p, flags, mode, 0);
+    return ins_passed(fd);
+}
+
+/* Write open of a key: a fresh temp file beside it, registered in the fd table
+ * to be published on its last close. */
+static int ins_open_produced(const struct ins_path *p, int flags, mode_t mode)
+{
+    char tmp[PATH_MAX];
+    struct ins_file *f = NULL;
+    int fd = -1;
+    if (ins_prepare_write(p, flags, &mode, tmp) != 0 ||
+        (fd = ins_create_temp(p, flags & ~O_TRUNC, mode, tmp)) < 0)
+        return -1;
+    ins_passed(fd);
+    if ((f = ins_file_new(tmp, p)) == NULL) {
+        errno = ENOMEM;
+        goto fail;
+    }
+    f->noreplace = (flags & O_EXCL) != 0;
+    if (ins_table_put(fd, f) != 0)
+        goto fail;
+    return fd;
+fail:
+    {
+        int e = errno;
+        ins_real_close(fd);
+        unlink(tmp);
+        free(f);
+        errno = e;
+    }
+    return -1;
+}
+
 /* Shared implementation of all open variants for a key. */
 static int ins_open_managed(const struct ins_path *p, int flags, mode_t mode)
 {
-    int saved = errno;
+    int saved = errno, fd;
     enum ins_open_kind kind = ins_open_kind(flags);
     if (kind == INS_OPEN_REFUSE) /* published keys are immutable; no append / in-place update */
         return ins_fail(EPERM, "key %.300s: append and in-place update are refused", ins_key(p));
+    ins_busy = 1;
     if (kind == INS_OPEN_READ && !ins_cfg.cluster && !(flags & O_CREAT)) {
         /* A key is published atomically: if it opens, it is complete. Only a
          * missing key costs more than the open itself. Directories open as in
          * libc; symbolic links and special files are refused. */
-        ins_busy = 1;
-        int fd = ins_open_read_confined(p, flags, mode, 1);
-        ins_busy = 0;
+        fd = ins_passed(ins_open_read_confined(p, flags, mode, 1));
         if (fd >= 0 || errno != ENOENT)
-            return ins_passed(fd);
+            goto done;
         errno = saved;
     }
-    ins_busy = 1;
-    if (kind == INS_OPEN_READ) {
-        char open_path[PATH_MAX];
-        int fd = -1;
-        if (ins_consume(p, open_path) == 0)
-            fd = ins_cfg.cluster ? ins_real_open(open_path, flags, mode)
-                                 : ins_open_read_confined(p, flags, mode, 0);
-        ins_busy = 0;
-        if (fd < 0)
-            return -1;
-        errno = saved;
-        return ins_passed(fd);
-    }
-
-    char tmp[PATH_MAX];
-    int fd = -1;
-    if (ins_prepare_write(p, flags, &mode, tmp) == 0)
-        fd = ins_create_temp(p, flags & ~O_TRUNC, mode, tmp);
-    if (fd < 0) {
-        ins_busy = 0;
-        return -1;
-    }
-    ins_passed(fd);
-    struct ins_file *f = ins_file_new(tmp, p);
-    if (f != NULL)
-        f->noreplace = (flags & O_EXCL) != 0;
-    if (f == NULL || ins_table_put(fd, f) != 0) {
-        int e = f == NULL ? ENOMEM : errno;
-        ins_real_close(fd);
-        unlink(tmp);
-        free(f);
-        ins_busy = 0;
-        errno = e;
-        return -1;
-    }
+    fd = kind == INS_OPEN_READ ? ins_open_consumed(p, flags, mode)
+                               : ins_open_produced(p, flags, mode);
+done:
     ins_busy = 0;
-    errno = saved;
+    if (fd >= 0)
+        errno = saved;
     return fd;
 }
 

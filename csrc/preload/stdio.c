@@ -120,38 +120,32 @@ static FILE *ins_fopen_managed(const struct ins_path *p, const char *mode, ins_f
     int local_read = !ins_cfg.cluster && ins_mode_flags(mode, &flags) == 0 &&
                      ins_open_kind(flags) == INS_OPEN_READ;
     FILE *fp = NULL;
+    ins_busy = 1;
     if (local_read) {
         /* published keys are complete: try the open first, wait only if missing */
-        ins_busy = 1;
-        fp = ins_fopen_read_confined(p, mode, 1);
-        ins_busy = 0;
+        fp = ins_passed_fp(ins_fopen_read_confined(p, mode, 1));
         if (fp != NULL || errno != ENOENT)
-            return ins_passed_fp(fp);
+            goto done;
         errno = saved;
     }
-    ins_busy = 1;
-    if (ins_stdio_target(p, mode, target, tmode, &writing) == 0) {
-        fp = local_read ? ins_fopen_read_confined(p, mode, 0) : real(target, tmode);
-        for (int tries = 0; fp == NULL && writing && errno == EEXIST && tries < 8; tries++) {
-            if (ins_temp_name(p, target) != 0)
-                break;
-            fp = real(target, tmode);
-        }
+    if (ins_stdio_target(p, mode, target, tmode, &writing) != 0)
+        goto done;
+    fp = local_read ? ins_fopen_read_confined(p, mode, 0) : real(target, tmode);
+    for (int tries = 0; fp == NULL && writing && errno == EEXIST && tries < 8; tries++) {
+        if (ins_temp_name(p, target) != 0)
+            break;
+        fp = real(target, tmode);
     }
-    if (fp == NULL) {
-        ins_busy = 0;
-        return NULL;
-    }
-    if (writing) {
-        if (ins_register_stream(fp, target, p, mode, ins_real_fclose) != 0) {
-            ins_busy = 0;
-            return NULL;
-        }
-    } else {
+    if (fp == NULL)
+        goto done;
+    if (!writing)
         ins_passed_fp(fp);
-    }
+    else if (ins_register_stream(fp, target, p, mode, ins_real_fclose) != 0)
+        fp = NULL; /* the stream was closed and its temp removed */
+done:
     ins_busy = 0;
-    errno = saved;
+    if (fp != NULL)
+        errno = saved;
     return fp;
 }
 
