@@ -97,6 +97,16 @@ static int ins_open_managed(const struct ins_path *p, int flags, mode_t mode)
             goto done;
         errno = saved;
     }
+    if (kind == INS_OPEN_READ && ins_cfg.cluster && !(flags & O_CREAT)) {
+        /* A directory here opens as in libc (a directory fsync), in cluster mode too:
+         * it is never a key the node server could serve. */
+        struct stat st;
+        if (ins_lstat_key(p, &st, 0) == 0 && S_ISDIR(st.st_mode)) {
+            fd = ins_passed(ins_open_read_confined(p, flags, mode, 1));
+            goto done;
+        }
+        errno = saved;
+    }
     fd = kind == INS_OPEN_READ ? ins_open_consumed(p, flags, mode)
                                : ins_open_produced(p, flags, mode);
 done:

@@ -255,3 +255,16 @@ def test_symlinked_key_refused_before_asking_the_server(
         assert proc.returncode != 0 and os.strerror(errno.ELOOP).encode() in proc.stderr, args
     assert server.requests == []
     assert sorted(p.name for p in elsewhere.iterdir()) == ["y"]
+
+
+def test_directory_opens_without_a_request(cluster: tuple[Shim, FakeNodeServer]) -> None:
+    """A read open of a directory (e.g. to fsync it) goes to libc in cluster mode too."""
+    shim, server = cluster
+    (shim.dir / "run").mkdir()
+    code = (
+        "import os\n"
+        f"fd = os.open({str(shim.dir / 'run')!r}, os.O_RDONLY)\n"
+        "os.fsync(fd)\nos.close(fd)\n"
+    )
+    shim.py(code, check=True)
+    assert server.requests == []
