@@ -56,7 +56,16 @@ def test_mv_through_a_symlink_is_refused(shim: Shim, trap: Path) -> None:
     proc = shim.run(["mv", src, shim.dir / "s" / "link" / "moved"])
     assert proc.returncode != 0 and ELOOP_TEXT in proc.stderr, proc.stderr
     assert src.exists()
+    # a directory is not published, but it may not leave through the link either
+    tree = shim.outside / "tree"
+    tree.mkdir()
+    (tree / "f").write_text("f")
+    proc = shim.run(["mv", "-T", tree, shim.dir / "s" / "link" / "tree"])
+    assert proc.returncode != 0 and ELOOP_TEXT in proc.stderr, proc.stderr
+    assert (tree / "f").exists()
     untouched(trap)
+    shim.run(["mv", "-T", tree, shim.dir / "tree"], check=True)  # elsewhere it is allowed
+    assert (shim.dir / "tree" / "f").read_text() == "f"
 
 
 def test_cat_through_a_symlink_is_refused(shim: Shim, trap: Path) -> None:
