@@ -46,27 +46,32 @@ static void ins_default_dir(char *buf, size_t cap)
     snprintf(buf, cap, "%s/instride-%u", t, uid);
 }
 
-/* The kernel hands back physical paths for dirfds: also know the real one. */
+/* The kernel hands back physical paths for dirfds, and keys are resolved beneath
+ * the real path with no symbolic link followed: know the real one. When the
+ * directory does not exist yet, its longest existing ancestor is resolved and
+ * the rest appended. */
 static void ins_real_dir(struct ins_config *c)
 {
-    char real[PATH_MAX];
-    if (realpath(c->dir, real) == NULL) {
-        /* Not created yet: resolve its parent. */
-        char parent[PATH_MAX];
-        memcpy(parent, c->dir, c->dir_len + 1);
-        char *slash = strrchr(parent, '/');
-        real[0] = '\0';
-        if (slash != NULL && slash != parent) {
-            *slash = '\0';
-            if (realpath(parent, real) != NULL &&
-                strlen(real) + strlen(slash + 1) + 2 < sizeof real) {
-                strcat(real, "/");
-                strcat(real, slash + 1);
-            } else {
-                real[0] = '\0';
-            }
+    char probe[PATH_MAX], real[PATH_MAX];
+    memcpy(probe, c->dir, c->dir_len + 1);
+    size_t cut = c->dir_len; /* probe = dir[0, cut) */
+    while (realpath(probe, real) == NULL) {
+        char *slash = strrchr(probe, '/');
+        if (slash == NULL || slash == probe) { /* nothing exists but "/" */
+            memcpy(real, "/", 2);
+            cut = 0;
+            break;
         }
+        *slash = '\0';
+        cut = (size_t)(slash - probe);
     }
+    const char *rest = c->dir + cut; /* "" or "/a/b" */
+    size_t rlen = strlen(real);
+    if (rlen == 1 && rest[0] == '/') /* real is "/" */
+        rlen = 0;
+    if (rlen + strlen(rest) + 1 > sizeof real)
+        return;
+    memcpy(real + rlen, rest, strlen(rest) + 1);
     if (real[0] == '/' && strcmp(real, c->dir) != 0) {
         memcpy(c->dir_real, real, strlen(real) + 1);
         c->dir_real_len = strlen(real);

@@ -164,3 +164,17 @@ def test_without_openat2_the_walk_confines(shim: Shim, trap: Path, build: Builde
     out = shim.run([wrap, "cat", shim.dir / "fresh" / "deep" / "k.bin"], check=True)
     assert out.stdout == b"payload"
     assert shim.temps() == []
+
+
+def test_managed_directory_below_a_symlink_not_created_yet(shim: Shim) -> None:
+    """Links *above* the managed directory are the user's choice: keys still work there,
+    even when the directory and its parents do not exist when the program starts."""
+    real = shim.outside / "real"
+    real.mkdir()
+    (shim.outside / "ln").symlink_to(real)
+    managed = shim.outside / "ln" / "a" / "b" / "c"
+    env = shim.with_env(INSTRIDE_DIR=str(managed))
+    env.run(["cp", "/etc/hostname", managed / "k" / "x"], check=True)
+    assert (real / "a" / "b" / "c" / "k" / "x").read_bytes() == Path("/etc/hostname").read_bytes()
+    out = env.run(["cat", managed / "k" / "x"], check=True)
+    assert out.stdout == Path("/etc/hostname").read_bytes()
