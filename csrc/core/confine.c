@@ -108,7 +108,9 @@ int ins_parent_fd(const struct ins_path *p, int create)
     int fd = ins_openat2(AT_FDCWD, len ? dir : "/", O_PATH | O_DIRECTORY | O_CLOEXEC, 0);
     if (fd >= 0)
         return fd;
-    if (errno == ENOSYS || (errno == ENOENT && create))
+    /* ELOOP: the walk tells a link below the managed directory (refused) from one
+     * made above it after start-up (the user's choice, followed). */
+    if (errno == ENOSYS || errno == ELOOP || (errno == ENOENT && create))
         fd = ins_walk_dir(p->abs, len, create);
     if (fd >= 0)
         return fd;
@@ -154,9 +156,10 @@ int ins_open_read_confined(const struct ins_path *p, int flags, mode_t mode, int
     /* O_NONBLOCK: a FIFO must not block the open before it can be refused. */
     int extra = (flags & O_NONBLOCK) ? 0 : O_NONBLOCK;
     int fd = ins_openat2(AT_FDCWD, p->abs, flags | extra, mode);
-    /* No openat2 (ENOSYS), or flags it refuses but open(2) ignores (EINVAL):
-     * O_NOFOLLOW from a confined parent. */
-    if (fd < 0 && (errno == ENOSYS || errno == EINVAL)) {
+    /* No openat2 (ENOSYS), flags it refuses but open(2) ignores (EINVAL), or a
+     * link that may lie above the managed directory (ELOOP): O_NOFOLLOW from a
+     * confined parent. */
+    if (fd < 0 && (errno == ENOSYS || errno == EINVAL || errno == ELOOP)) {
         int pfd = ins_parent_fd(p, 0);
         if (pfd < 0)
             return -1;

@@ -178,3 +178,12 @@ def test_managed_directory_below_a_symlink_not_created_yet(shim: Shim) -> None:
     assert (real / "a" / "b" / "c" / "k" / "x").read_bytes() == Path("/etc/hostname").read_bytes()
     out = env.run(["cat", managed / "k" / "x"], check=True)
     assert out.stdout == Path("/etc/hostname").read_bytes()
+
+
+def test_symlink_made_above_the_managed_directory_after_start(shim: Shim, build: Builder) -> None:
+    managed = shim.outside / "late" / "ln" / "d"
+    env = {k: v for k, v in shim.env.items() if k != "LD_PRELOAD"}
+    env["INSTRIDE_DIR"] = str(managed)
+    proc = subprocess.run([str(build("api.c", api=True)), "late_link", str(managed),
+                           str(shim.outside)], env=env, capture_output=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr.decode()

@@ -246,6 +246,21 @@ static void t_confine(void)
     CHECK(file_is(op("elsewhere/y"), "outside\n")); /* untouched */
 }
 
+/* Run with M = <outside>/late/ln/d, none of it existing: the settings are read
+ * first, then <outside>/late/ln is made a symbolic link (above the managed
+ * directory: the user's choice), then a key is produced and read back. */
+static void t_late_link(void)
+{
+    CHECK(instride_is_key(mp("k/x")) == 1); /* settings read now */
+    CHECK(mkdir(op("late"), 0777) == 0 && mkdir(op("late/real"), 0777) == 0);
+    CHECK(symlink("real", op("late/ln")) == 0);
+    CHECK(produce("k/x", "late link\n") == 0);
+    CHECK(file_is(op("late/real/d/k/x"), "late link\n"));
+    int fd = -1;
+    CHECK(instride_open_read(mp("k/x"), &fd) == 0);
+    close(fd);
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 4) {
@@ -261,6 +276,7 @@ int main(int argc, char **argv)
         {"settings", t_settings}, {"produce", t_produce}, {"abort", t_abort},
         {"wait", t_wait},         {"timeout", t_timeout}, {"not_key", t_not_key},
         {"publish", t_publish},   {"overwrite", t_overwrite}, {"confine", t_confine},
+        {"late_link", t_late_link},
     };
     for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
         if (strcmp(tests[i].name, argv[1]) == 0) {
