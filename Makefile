@@ -36,7 +36,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(BIN)/.installed-test: $(BIN)/python pyproject.toml setup.py $(wildcard csrc/preload/*.c csrc/preload/*.h)
+$(BIN)/.installed-test: $(BIN)/python pyproject.toml setup.py $(wildcard csrc/*/*.c csrc/*/*.h include/instride/*)
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 

@@ -1,9 +1,15 @@
-"""Build of libinstride_preload.so, the LD_PRELOAD interposition library.
+"""Build of instride's two C libraries, from one implementation of the protocol (csrc/core).
+
+- ``libinstride_preload.so``: the LD_PRELOAD interposition library (csrc/core + csrc/preload);
+  it exports only the wrapped libc symbols.
+- ``libinstride.so``: the C API of ``include/instride/instride.h`` (csrc/core + csrc/api),
+  which ``include/instride/stream.hpp`` wraps for C++; it exports only ``instride_*``.
 
 All package metadata lives in pyproject.toml; this file only adds the C build.
-The library is a plain shared object (never imported by Python): it is built
-as a setuptools Extension whose file name is forced to
-``instride/libinstride_preload.so`` and which exports no ``PyInit_`` symbol.
+The libraries are plain shared objects (never imported by Python): each is built
+as a setuptools Extension whose file name is forced to ``instride/<name>.so`` and
+which exports no ``PyInit_`` symbol. The headers are shipped in the package as
+``instride/include/instride/`` (``python -m instride.interception.preload --cflags``).
 """
 
 from __future__ import annotations
@@ -17,30 +23,46 @@ from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 PRELOAD = "instride.libinstride_preload"
+CAPI = "instride.libinstride"
+LIBRARIES = (PRELOAD, CAPI)
 
 
 class BuildPreload(build_ext):
-    """build_ext that names the preload library exactly libinstride_preload.so."""
+    """build_ext that names the C libraries exactly libinstride_preload.so and libinstride.so."""
 
     def get_ext_filename(self, fullname: str) -> str:
         # Called with the dotted name and, by get_ext_fullpath, with its last part.
-        if fullname in (PRELOAD, PRELOAD.rpartition(".")[2]):
+        if any(fullname in (lib, lib.rpartition(".")[2]) for lib in LIBRARIES):
             return os.path.join(*fullname.split(".")) + ".so"
         return super().get_ext_filename(fullname)
 
     def get_export_symbols(self, ext: Extension) -> list[str]:
-        if ext.name == PRELOAD:
+        if ext.name in LIBRARIES:
             return []
         return super().get_export_symbols(ext)
 
 
+CORE = sorted(glob.glob("csrc/core/*.c"))
+HEADERS = sorted(glob.glob("csrc/*/*.h") + glob.glob("include/instride/*"))
+CFLAGS = ["-std=c11", "-O2", "-fvisibility=hidden", "-Wall", "-Wextra"]
+
 preload = Extension(
     PRELOAD,
-    sources=sorted(glob.glob("csrc/preload/*.c")),
-    depends=sorted(glob.glob("csrc/preload/*.h")),
-    include_dirs=["csrc/preload"],
-    extra_compile_args=["-std=c11", "-O2", "-fvisibility=hidden", "-Wall", "-Wextra"],
+    sources=CORE + sorted(glob.glob("csrc/preload/*.c")),
+    depends=HEADERS,
+    include_dirs=["csrc/core", "csrc/preload"],
+    extra_compile_args=CFLAGS,
     libraries=["dl", "pthread", "m"],
+)
+
+capi = Extension(
+    CAPI,
+    sources=CORE + sorted(glob.glob("csrc/api/*.c")),
+    depends=HEADERS,
+    include_dirs=["csrc/core", "include"],
+    extra_compile_args=CFLAGS,
+    extra_link_args=["-Wl,-soname,libinstride.so"],
+    libraries=["pthread", "m"],
 )
 
 # INSTRIDE_PATCH_OPEN=1 must work for scripts that never import instride: a .pth file at the
@@ -51,13 +73,27 @@ PTH_SOURCE = os.path.join("src", "instride", "interception", "patch_open.pth")
 PTH_NAME = "instride-patch-open.pth"
 
 
+# The C/C++ headers go into regular wheels as instride/include/instride/* (an editable
+# install finds them in the source tree's include/ instead).
+PUBLIC_HEADERS = sorted(glob.glob("include/instride/*"))
+
+
 class BuildPyWithPth(build_py):
     def run(self) -> None:
         super().run()
         self.copy_file(PTH_SOURCE, os.path.join(self.build_lib, PTH_NAME))
+        dest = os.path.join(self.build_lib, "instride", "include", "instride")
+        self.mkpath(dest)
+        for header in PUBLIC_HEADERS:
+            self.copy_file(header, os.path.join(dest, os.path.basename(header)))
+
+    def _header_outputs(self) -> list[str]:
+        dest = os.path.join(self.build_lib, "instride", "include", "instride")
+        return [os.path.join(dest, os.path.basename(h)) for h in PUBLIC_HEADERS]
 
     def get_outputs(self, include_bytecode: bool = True) -> list[str]:
-        return [*super().get_outputs(include_bytecode), os.path.join(self.build_lib, PTH_NAME)]
+        return [*super().get_outputs(include_bytecode), os.path.join(self.build_lib, PTH_NAME),
+                *self._header_outputs()]
 
 
 cmdclass: dict[str, type] = {"build_ext": BuildPreload, "build_py": BuildPyWithPth}
@@ -75,4 +111,4 @@ try:
 except ImportError:  # setuptools < 64: no PEP 660 editable installs
     pass
 
-setup(ext_modules=[preload], cmdclass=cmdclass)
+setup(ext_modules=[preload, capi], cmdclass=cmdclass)

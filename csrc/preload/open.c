@@ -39,62 +39,80 @@ static inline int ins_passed(int fd)
     return fd;
 }
 
-int ins_open_managed(const struct ins_path *p, int flags, mode_t mode)
+/* Read open of a key after its fast path missed: consume, then open. */
+static int ins_open_consumed(const struct ins_path *p, int flags, mode_t mode)
 {
-    int saved = errno;
-    enum ins_open_kind kind = ins_open_kind(flags);
-    if (kind == INS_OPEN_REFUSE) {
-        errno = EPERM; /* published keys are immutable; no append / in-place update */
+    char open_path[PATH_MAX];
+    if (ins_consume(p, open_path) != 0)
         return -1;
-    }
-    if (kind == INS_OPEN_READ && !ins_cfg.cluster && !(flags & O_CREAT)) {
-        /* A key is published atomically: if it opens, it is complete. Only a
-         * missing key costs more than the open itself. */
-        int fd = ins_real_open(p->abs, flags, mode);
-        if (fd >= 0 || errno != ENOENT)
-            return ins_passed(fd);
-        errno = saved;
-    }
-    ins_busy = 1;
-    if (kind == INS_OPEN_READ) {
-        char open_path[PATH_MAX];
-        int rc = ins_consume(p, open_path);
-        ins_busy = 0;
-        if (rc != 0)
-            return -1;
-        errno = saved;
-        return ins_passed(ins_real_open(open_path, flags, mode));
-    }
+    int fd = ins_cfg.cluster ? ins_real_open(open_path, flags, mode)
+                             : ins_open_read_confined(p, flags, mode, 0);
+    return ins_passed(fd);
+}
 
+/* Write open of a key: a fresh temp file beside it, registered in the fd table
+ * to be published on its last close. */
+static int ins_open_produced(const struct ins_path *p, int flags, mode_t mode)
+{
     char tmp[PATH_MAX];
+    struct ins_file *f = NULL;
     int fd = -1;
-    if (ins_prepare_write(p, flags, &mode, tmp) == 0) {
-        int tflags = (flags & ~O_TRUNC) | O_CREAT | O_EXCL;
-        for (int tries = 0; tries < 8; tries++) {
-            fd = ins_real_open(tmp, tflags, mode);
-            if (fd >= 0 || errno != EEXIST || ins_temp_name(p, tmp) != 0)
-                break;
-        }
-    }
-    if (fd < 0) {
-        ins_busy = 0;
+    if (ins_prepare_write(p, flags, &mode, tmp) != 0 ||
+        (fd = ins_create_temp(p, flags & ~O_TRUNC, mode, tmp)) < 0)
         return -1;
-    }
     ins_passed(fd);
-    struct ins_file *f = ins_file_new(tmp, p);
-    if (f != NULL)
-        f->noreplace = (flags & O_EXCL) != 0;
-    if (f == NULL || ins_table_put(fd, f) != 0) {
-        int e = f == NULL ? ENOMEM : errno;
+    if ((f = ins_file_new(tmp, p)) == NULL) {
+        errno = ENOMEM;
+        goto fail;
+    }
+    f->noreplace = (flags & O_EXCL) != 0;
+    if (ins_table_put(fd, f) != 0)
+        goto fail;
+    return fd;
+fail:
+    {
+        int e = errno;
         ins_real_close(fd);
         unlink(tmp);
         free(f);
-        ins_busy = 0;
         errno = e;
-        return -1;
     }
+    return -1;
+}
+
+/* Shared implementation of all open variants for a key. */
+static int ins_open_managed(const struct ins_path *p, int flags, mode_t mode)
+{
+    int saved = errno, fd;
+    enum ins_open_kind kind = ins_open_kind(flags);
+    if (kind == INS_OPEN_REFUSE) /* published keys are immutable; no append / in-place update */
+        return ins_fail(EPERM, "key %.300s: append and in-place update are refused", ins_key(p));
+    ins_busy = 1;
+    if (kind == INS_OPEN_READ && !ins_cfg.cluster && !(flags & O_CREAT)) {
+        /* A key is published atomically: if it opens, it is complete. Only a
+         * missing key costs more than the open itself. Directories open as in
+         * libc; symbolic links and special files are refused. */
+        fd = ins_passed(ins_open_read_confined(p, flags, mode, 1));
+        if (fd >= 0 || errno != ENOENT)
+            goto done;
+        errno = saved;
+    }
+    if (kind == INS_OPEN_READ && ins_cfg.cluster && !(flags & O_CREAT)) {
+        /* A directory here opens as in libc (a directory fsync), in cluster mode too:
+         * it is never a key the node server could serve. */
+        struct stat st;
+        if (ins_lstat_key(p, &st, 0) == 0 && S_ISDIR(st.st_mode)) {
+            fd = ins_passed(ins_open_read_confined(p, flags, mode, 1));
+            goto done;
+        }
+        errno = saved;
+    }
+    fd = kind == INS_OPEN_READ ? ins_open_consumed(p, flags, mode)
+                               : ins_open_produced(p, flags, mode);
+done:
     ins_busy = 0;
-    errno = saved;
+    if (fd >= 0)
+        errno = saved;
     return fd;
 }
 

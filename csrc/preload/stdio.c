@@ -45,10 +45,8 @@ static int ins_stdio_target(const struct ins_path *p, const char *mode, char tar
         return -1;
     }
     enum ins_open_kind kind = ins_open_kind(flags);
-    if (kind == INS_OPEN_REFUSE) {
-        errno = EPERM;
-        return -1;
-    }
+    if (kind == INS_OPEN_REFUSE)
+        return ins_fail(EPERM, "key %.300s: append and in-place update are refused", ins_key(p));
     size_t n = strcspn(mode, ",");
     if (strlen(mode) + 2 > 64) {
         errno = EINVAL;
@@ -97,43 +95,57 @@ static int ins_register_stream(FILE *fp, const char *tmp, const struct ins_path 
 
 typedef FILE *(*ins_fopen_fn)(const char *, const char *);
 
+/* Local mode: a read stream on the key opened confined (no symbolic link,
+ * no special file; directories only when allow_dir), then fdopen'ed. */
+static FILE *ins_fopen_read_confined(const struct ins_path *p, const char *mode, int allow_dir)
+{
+    int flags = O_RDONLY | (strchr(mode, 'e') != NULL ? O_CLOEXEC : 0);
+    int fd = ins_open_read_confined(p, flags, 0, allow_dir);
+    if (fd < 0)
+        return NULL;
+    FILE *fp = fdopen(fd, mode);
+    if (fp == NULL) {
+        int e = errno;
+        ins_real_close(fd);
+        errno = e;
+    }
+    return fp;
+}
+
 static FILE *ins_fopen_managed(const struct ins_path *p, const char *mode, ins_fopen_fn real)
 {
     int saved = errno, writing = 0;
     char target[PATH_MAX], tmode[64];
     int flags = 0;
-    if (!ins_cfg.cluster && ins_mode_flags(mode, &flags) == 0 &&
-        ins_open_kind(flags) == INS_OPEN_READ) {
+    int local_read = !ins_cfg.cluster && ins_mode_flags(mode, &flags) == 0 &&
+                     ins_open_kind(flags) == INS_OPEN_READ;
+    FILE *fp = NULL;
+    ins_busy = 1;
+    if (local_read) {
         /* published keys are complete: try the open first, wait only if missing */
-        FILE *fp = real(p->abs, mode);
+        fp = ins_passed_fp(ins_fopen_read_confined(p, mode, 1));
         if (fp != NULL || errno != ENOENT)
-            return ins_passed_fp(fp);
+            goto done;
         errno = saved;
     }
-    ins_busy = 1;
-    FILE *fp = NULL;
-    if (ins_stdio_target(p, mode, target, tmode, &writing) == 0) {
+    if (ins_stdio_target(p, mode, target, tmode, &writing) != 0)
+        goto done;
+    fp = local_read ? ins_fopen_read_confined(p, mode, 0) : real(target, tmode);
+    for (int tries = 0; fp == NULL && writing && errno == EEXIST && tries < 8; tries++) {
+        if (ins_temp_name(p, target) != 0)
+            break;
         fp = real(target, tmode);
-        for (int tries = 0; fp == NULL && writing && errno == EEXIST && tries < 8; tries++) {
-            if (ins_temp_name(p, target) != 0)
-                break;
-            fp = real(target, tmode);
-        }
     }
-    if (fp == NULL) {
-        ins_busy = 0;
-        return NULL;
-    }
-    if (writing) {
-        if (ins_register_stream(fp, target, p, mode, ins_real_fclose) != 0) {
-            ins_busy = 0;
-            return NULL;
-        }
-    } else {
+    if (fp == NULL)
+        goto done;
+    if (!writing)
         ins_passed_fp(fp);
-    }
+    else if (ins_register_stream(fp, target, p, mode, ins_real_fclose) != 0)
+        fp = NULL; /* the stream was closed and its temp removed */
+done:
     ins_busy = 0;
-    errno = saved;
+    if (fp != NULL)
+        errno = saved;
     return fp;
 }
 

@@ -181,6 +181,8 @@ VARIABLES: tuple[Variable, ...] = (
              "(instride analyze) the mpiexec that launches MPI ranks"),
     Variable("INSTRIDE_CLUSTER_STATE_DIR", "cluster_state_dir", _state_dir, "/run/instride/clusters",
              "(instride cluster) directory of the emulated clusters' state files"),
+    Variable("INSTRIDE_DEBUG", "debug", _flag, "0",
+             "(C libraries) 1: one line on stderr per failure, naming the key and the cause"),
 )
 
 #: The names of all ``INSTRIDE_*`` variables, derived from :data:`VARIABLES`.
@@ -235,6 +237,7 @@ class Settings:
     patch_open: bool = False
     mpiexec: str | None = None
     cluster_state_dir: Path = Path("/run/instride/clusters")
+    debug: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

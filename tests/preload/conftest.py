@@ -3,7 +3,9 @@
 Every test runs real processes with ``LD_PRELOAD=libinstride_preload.so`` (never the
 pytest process itself) against a fresh managed directory under ``tmp_path``.
 The C/C++ test programs in ``tests/preload/c`` are compiled once per session;
-a missing compiler is an error, not a skip.
+a missing compiler is an error, not a skip. C++ programs and programs marked
+``uses_api`` are linked with ``libinstride.so`` (the C API) through the flags
+``instride preload-path --cflags --libs`` prints.
 """
 
 from __future__ import annotations
@@ -18,11 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from instride.interception.preload import preload_env, preload_path
+from instride.interception.preload import build_flags, preload_env, preload_path
 
 C_DIR = Path(__file__).resolve().parent / "c"
-REPO = Path(__file__).resolve().parents[2]
-INCLUDE = REPO / "include"
 
 
 def compiler(name: str) -> str:
@@ -42,16 +42,22 @@ class Builder:
         self.out = out
         self.cache: dict[tuple, Path] = {}
 
-    def __call__(self, source: str, *flags: str, name: str | None = None) -> Path:
-        key = (source, flags)
-        if key in self.cache:
-            return self.cache[key]
+    def __call__(
+        self, source: str, *flags: str, name: str | None = None, api: bool | None = None
+    ) -> Path:
+        """Compile ``source``; ``api`` links libinstride.so (default: for C++ sources)."""
         src = C_DIR / source
         cxx = src.suffix == ".cpp"
+        api = cxx if api is None else api
+        key = (source, flags, api)
+        if key in self.cache:
+            return self.cache[key]
         exe = self.out / (name or src.stem)
         cmd = [compiler("g++" if cxx else "gcc")]
-        cmd += ["-std=c++17", f"-I{INCLUDE}"] if cxx else ["-std=c11"]
+        cmd += ["-std=c++17"] if cxx else ["-std=c11"]
         cmd += ["-Wall", "-Wextra", "-Werror", "-O1", *flags, "-o", str(exe), str(src), "-pthread"]
+        if api:
+            cmd += build_flags()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         assert proc.returncode == 0, f"compile failed: {' '.join(cmd)}\n{proc.stderr}"
         self.cache[key] = exe

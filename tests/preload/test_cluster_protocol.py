@@ -236,3 +236,35 @@ def test_stream_hpp_cluster_mode(cluster: tuple[Shim, FakeNodeServer], build: Bu
                          capture_output=True, timeout=30)
     assert out.stdout == b"fetched remote/y\n"
     assert server.requests == ["PUBLISH cpp/a.txt", "CONSUME 10000 remote/y"]
+
+
+def test_symlinked_key_refused_before_asking_the_server(
+    cluster: tuple[Shim, FakeNodeServer],
+) -> None:
+    """Confinement holds in cluster mode too: no request leaves for a path through a link."""
+    shim, server = cluster
+    elsewhere = shim.outside / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "y").write_text("outside\n")
+    (shim.dir / "s").mkdir()
+    (shim.dir / "s" / "link").symlink_to(elsewhere)
+    src = shim.outside / "x.bin"
+    src.write_bytes(b"x")
+    for args in (["cat", shim.dir / "s" / "link" / "y"], ["cp", src, shim.dir / "s" / "link" / "z"]):
+        proc = shim.run(args)
+        assert proc.returncode != 0 and os.strerror(errno.ELOOP).encode() in proc.stderr, args
+    assert server.requests == []
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["y"]
+
+
+def test_directory_opens_without_a_request(cluster: tuple[Shim, FakeNodeServer]) -> None:
+    """A read open of a directory (e.g. to fsync it) goes to libc in cluster mode too."""
+    shim, server = cluster
+    (shim.dir / "run").mkdir()
+    code = (
+        "import os\n"
+        f"fd = os.open({str(shim.dir / 'run')!r}, os.O_RDONLY)\n"
+        "os.fsync(fd)\nos.close(fd)\n"
+    )
+    shim.py(code, check=True)
+    assert server.requests == []

@@ -1,4 +1,4 @@
-"""include/instride/stream.hpp: header-only C++17 streams, no shim loaded."""
+"""include/instride/stream.hpp: C++17 streams over the C API (libinstride.so), no shim loaded."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from .conftest import Builder, Shim
 
 @pytest.fixture
 def plain_env(shim: Shim) -> dict[str, str]:
-    """The shim fixture's settings, without LD_PRELOAD: the header works on its own."""
+    """The shim fixture's settings, without LD_PRELOAD: the streams work without the shim."""
     return {k: v for k, v in shim.env.items() if k != "LD_PRELOAD"}
 
 

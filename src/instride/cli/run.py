@@ -9,9 +9,12 @@ import sys
 
 
 def cmd_preload_path(args: argparse.Namespace) -> int:
-    from ..interception.preload import preload_path
+    from ..interception.preload import build_flags, preload_path
 
-    print(preload_path())
+    if args.cflags or args.libs:  # flags for C/C++ programs using instride.h / stream.hpp
+        print(" ".join(build_flags(cflags=args.cflags, libs=args.libs)))
+    else:
+        print(preload_path())
     return 0
 
 
@@ -49,7 +52,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("preload-path", help="print the path of libinstride_preload.so")
+    p = sub.add_parser(
+        "preload-path", help="print the path of libinstride_preload.so",
+        description="Print the path of libinstride_preload.so, or with --cflags/--libs the "
+        "flags to build a C/C++ program with instride/instride.h or instride/stream.hpp: "
+        "cc prog.c $(instride preload-path --cflags --libs)",
+    )
+    p.add_argument("--cflags", action="store_true", help="print -I<include dir>")
+    p.add_argument("--libs", action="store_true",
+                   help="print -L<dir> -Wl,-rpath,<dir> -linstride (libinstride.so, the C API)")
     p.set_defaults(func=cmd_preload_path)
 
     p = sub.add_parser(

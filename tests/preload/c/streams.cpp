@@ -1,9 +1,10 @@
-// streams.cpp -- drives include/instride/stream.hpp from pytest (no shim loaded).
+// streams.cpp -- drives include/instride/stream.hpp (linked with libinstride.so) from pytest.
 //   streams produce <path> <lines> [delay_ms]  write "line <i>" lines, publish on close
 //   streams consume <path>                     wait for the key, print its content
 //   streams eexist <path>                      opening a published key must fail EEXIST
 //   streams append <path>                      std::ios::app on a key must fail EPERM
 //   streams plain <path>                       non-managed path: a plain std::ofstream
+//   streams refuse <r|w> <path> <errno>        opening must fail with that errno (prints message())
 // Exit 0 on success; on failure print "ERRNO <n> <strerror>" to stderr, exit 3.
 #include <instride/stream.hpp>
 
@@ -70,6 +71,23 @@ int main(int argc, char **argv)
         instride::ofstream out(path, std::ios::app);
         if (out || out.error() != EPERM)
             return fail("expected EPERM", out.error());
+        return 0;
+    }
+    if (cmd == "refuse" && argc > 4) {
+        std::string how = argv[2];
+        path = argv[3];
+        int want = std::atoi(argv[4]);
+        if (how == "r") {
+            instride::ifstream in(path);
+            if (in || in.error() != want)
+                return fail("refuse-r", in.error());
+            std::cout << in.message() << "\n";
+        } else {
+            instride::ofstream out(path);
+            if (out || out.error() != want)
+                return fail("refuse-w", out.error());
+            std::cout << out.message() << "\n";
+        }
         return 0;
     }
     if (cmd == "plain") {

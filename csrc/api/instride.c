@@ -1,0 +1,218 @@
+/*
+ * instride.c -- the public C API (include/instride/instride.h), exported by
+ * libinstride.so: thin functions over the core (csrc/core/) that every
+ * interface shares. Only the instride_* symbols are exported.
+ */
+#include "ins_core.h"
+
+#include <instride/instride.h>
+
+#include <stdlib.h>
+#include <string.h>
+
+#define INS_API INS_EXPORT
+
+struct instride_writer {
+    int fd;
+    int noreplace;
+    char tmp[PATH_MAX];
+    struct ins_path key;
+};
+
+/* Every entry point: settings loaded, no stale message. */
+static void ins_api_enter(void)
+{
+    ins_config_load();
+    ins_clear_message();
+}
+
+/* Return convention of the API: 0, or the errno value (errno is set too). */
+static int ins_api_result(int rc)
+{
+    if (rc == 0)
+        return 0;
+    return errno != 0 ? errno : EIO;
+}
+
+/* Classify path as a key for the API; -1 with EINVAL and a message when it is not. */
+static int ins_api_key(const char *path, struct ins_path *p)
+{
+    if (path == NULL)
+        return ins_fail(EINVAL, "no path given");
+    switch (ins_classify(AT_FDCWD, path, p)) {
+    case INS_MANAGED:
+        return 0;
+    case INS_RESERVED:
+        return ins_fail(EINVAL, "%.300s is one of instride's own names, not a key", path);
+    default:
+        return ins_fail(EINVAL, "%.300s is not a key: not a file path under the managed "
+                        "directory %.300s", path, ins_cfg.dir);
+    }
+}
+
+INS_API int instride_settings(struct instride_settings *out)
+{
+    ins_api_enter();
+    out->dir = ins_cfg.dir;
+    out->socket_path = ins_cfg.socket_path;
+    out->timeout = ins_cfg.timeout > 0 ? ins_cfg.timeout : 0.0;
+    out->fsync = ins_cfg.fsync;
+    out->overwrite = ins_cfg.overwrite;
+    out->cluster = ins_cfg.cluster;
+    out->debug = ins_cfg.debug;
+    return 0;
+}
+
+INS_API int instride_is_key(const char *path)
+{
+    struct ins_path p;
+    int saved = errno;
+    ins_config_load();
+    int r = path != NULL && ins_classify(AT_FDCWD, path, &p) == INS_MANAGED;
+    errno = saved;
+    return r;
+}
+
+INS_API int instride_consume(const char *path, char *open_path, size_t cap)
+{
+    struct ins_path p;
+    char where[PATH_MAX];
+    ins_api_enter();
+    if (ins_api_key(path, &p) != 0 || ins_consume(&p, where) != 0)
+        return ins_api_result(-1);
+    size_t n = strlen(where);
+    if (open_path == NULL || n >= cap)
+        return ins_api_result(ins_fail(ERANGE, "the path of key %.300s needs %zu bytes",
+                                       ins_key(&p), n + 1));
+    memcpy(open_path, where, n + 1);
+    return 0;
+}
+
+INS_API int instride_open_read(const char *path, int *fd)
+{
+    struct ins_path p;
+    char where[PATH_MAX];
+    ins_api_enter();
+    if (ins_api_key(path, &p) != 0 || ins_consume(&p, where) != 0)
+        return ins_api_result(-1);
+    /* local mode: opened confined (beneath the managed directory, no link followed) */
+    int f = ins_cfg.cluster ? ins_sys.open(where, O_RDONLY | O_CLOEXEC)
+                            : ins_open_read_confined(&p, O_RDONLY | O_CLOEXEC, 0, 0);
+    if (f < 0)
+        return ins_api_result(errno == ELOOP || errno == EISDIR || errno == EINVAL
+                                  ? -1
+                                  : ins_fail(errno, "cannot open key %.300s: %s", ins_key(&p),
+                                             strerror(errno)));
+    *fd = f;
+    return 0;
+}
+
+INS_API int instride_create(const char *path, int flags, mode_t mode, instride_writer **out)
+{
+    ins_api_enter();
+    instride_writer *w = malloc(sizeof *w);
+    if (w == NULL)
+        return ins_api_result(ins_fail(ENOMEM, "out of memory"));
+    w->fd = -1;
+    w->noreplace = (flags & INSTRIDE_NOREPLACE) != 0;
+    int oflags = O_WRONLY | O_CREAT | O_TRUNC | (w->noreplace ? O_EXCL : 0);
+    if (ins_api_key(path, &w->key) != 0 ||
+        ins_prepare_write(&w->key, oflags, &mode, w->tmp) != 0 ||
+        (w->fd = ins_create_temp(&w->key, O_WRONLY | O_CLOEXEC, mode, w->tmp)) < 0)
+        goto fail;
+    *out = w;
+    return 0;
+fail:
+    {
+        int e = errno;
+        free(w);
+        errno = e;
+    }
+    return ins_api_result(-1);
+}
+
+INS_API int instride_writer_fd(const instride_writer *w) { return w->fd; }
+
+INS_API const char *instride_writer_path(const instride_writer *w) { return w->tmp; }
+
+INS_API const char *instride_writer_key(const instride_writer *w) { return ins_key(&w->key); }
+
+INS_API int instride_commit(instride_writer *w)
+{
+    int rc = -1;
+    ins_api_enter();
+    if (w == NULL)
+        return ins_api_result(ins_fail(EINVAL, "no writer given"));
+    ins_maybe_fsync(w->fd);
+    if (ins_sys.close(w->fd) != 0 && errno != EINTR) {
+        /* The data may not have reached the file: never publish it. */
+        ins_fail(errno, "closing key %.300s failed: %s", ins_key(&w->key), strerror(errno));
+        unlink(w->tmp);
+        goto cleanup;
+    }
+    rc = ins_publish(w->tmp, &w->key, w->noreplace);
+cleanup:
+    {
+        int e = errno;
+        free(w);
+        errno = e;
+    }
+    return ins_api_result(rc);
+}
+
+INS_API void instride_abort(instride_writer *w)
+{
+    if (w == NULL)
+        return;
+    int saved = errno;
+    ins_sys.close(w->fd);
+    unlink(w->tmp);
+    free(w);
+    errno = saved;
+}
+
+INS_API int instride_publish(const char *src, const char *path, int flags)
+{
+    struct ins_path p;
+    struct stat st;
+    ins_api_enter();
+    if (ins_api_key(path, &p) != 0)
+        return ins_api_result(-1);
+    if (src == NULL || lstat(src, &st) != 0)
+        return ins_api_result(ins_fail(src == NULL ? EINVAL : errno, "cannot publish %.300s: %s",
+                                       src ? src : "(null)", strerror(src == NULL ? EINVAL : errno)));
+    if (!S_ISREG(st.st_mode))
+        return ins_api_result(ins_fail(EINVAL, "cannot publish %.300s: not a regular file", src));
+    int noreplace = (flags & INSTRIDE_NOREPLACE) || !ins_cfg.overwrite;
+    return ins_api_result(ins_publish_move(AT_FDCWD, src, &p, noreplace));
+}
+
+INS_API const char *instride_last_error(void) { return ins_last_message(); }
+
+INS_API const char *instride_strerror(int err)
+{
+    switch (err) {
+    case 0:
+        return "success";
+    case ETIMEDOUT:
+        return "the key was not published within INSTRIDE_TIMEOUT";
+    case EEXIST:
+        return "the key is already published (keys are write-once)";
+    case EPERM:
+        return "published keys are immutable: no append or in-place update";
+    case EINVAL:
+        return "not a key: outside the managed directory, an instride name, or not a regular file";
+    case ELOOP:
+        return "the key's path goes through a symbolic link inside the managed directory";
+    case EISDIR:
+        return "the key names a directory";
+    case ECONNREFUSED:
+        return "no instride node server listens on INSTRIDE_SOCKET (cluster mode)";
+    case ECONNABORTED:
+        return "the instride node server shut down while waiting (cluster mode)";
+    case ERANGE:
+        return "the buffer for the path is too small";
+    default:
+        return strerror(err);
+    }
+}

@@ -1,0 +1,168 @@
+/*
+ * agent.c -- cluster mode: the Unix-socket client of the node server
+ * (`instride serve`). One connection per request, one line each way:
+ *
+ *     CONSUME <timeout_ms|-1> <key>\n  ->  OK <path>\n | ERR <errno> <msg>\n
+ *     PUBLISH <key>\n                  ->  OK <path>\n | ERR <errno> <msg>\n
+ *     OVERWRITE <key>\n                ->  OK <path>\n | ERR <errno> <msg>\n
+ *
+ * PUBLISH records the key write-once (ERR 17 and the local file removed when
+ * another node published it first); OVERWRITE (INSTRIDE_OVERWRITE=1) records a
+ * new version replacing any earlier one.
+ */
+#include "ins_core.h"
+
+#include <math.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+
+/* Connect to the node server's socket. Returns the socket or -1 with errno. */
+static int ins_agent_connect(void)
+{
+    struct sockaddr_un sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sun_family = AF_UNIX;
+    size_t plen = strlen(ins_cfg.socket_path);
+    if (plen == 0 || plen >= sizeof sa.sun_path)
+        return ins_fail(ENAMETOOLONG, "node server socket path is too long: %.200s",
+                        ins_cfg.socket_path);
+    memcpy(sa.sun_path, ins_cfg.socket_path, plen + 1);
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (s < 0)
+        return ins_fail(EIO, "cannot make a socket: %s", strerror(errno));
+    if (connect(s, (struct sockaddr *)&sa, sizeof sa) != 0) {
+        int e = errno;
+        ins_sys.close(s);
+        if (e == ENOENT || e == ECONNREFUSED)
+            return ins_fail(ECONNREFUSED, "no node server listens on %.200s (is `instride serve` running?)",
+                            ins_cfg.socket_path);
+        return ins_fail(EIO, "cannot reach the node server at %.200s: %s", ins_cfg.socket_path,
+                        strerror(e));
+    }
+    return s;
+}
+
+/* One request, one reply line (without its newline) in reply. wait_ms < 0: no bound. */
+static int ins_agent_request(const char *req, char *reply, size_t cap, int wait_ms)
+{
+    int rc = -1;
+    int s = ins_agent_connect();
+    if (s < 0)
+        return -1;
+    size_t len = strlen(req), off = 0;
+    while (off < len) {
+        ssize_t n = send(s, req + off, len - off, MSG_NOSIGNAL);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0) {
+            ins_fail(EIO, "lost the connection to the node server while sending");
+            goto cleanup;
+        }
+        off += (size_t)n;
+    }
+    double deadline = wait_ms < 0 ? -1.0 : ins_now() + wait_ms / 1000.0;
+    size_t got = 0;
+    for (;;) {
+        struct pollfd pfd = {.fd = s, .events = POLLIN};
+        int prc = poll(&pfd, 1, ins_remaining_ms(deadline));
+        if (prc < 0 && errno == EINTR)
+            continue;
+        if (prc == 0) {
+            ins_fail(ETIMEDOUT, "the node server did not answer within %d ms", wait_ms);
+            goto cleanup;
+        }
+        if (prc < 0 || got + 1 >= cap) {
+            ins_fail(EIO, "bad reply from the node server (too long or poll failed)");
+            goto cleanup;
+        }
+        ssize_t n = recv(s, reply + got, cap - 1 - got, 0);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0) {
+            ins_fail(EIO, "the node server closed the connection without an answer");
+            goto cleanup;
+        }
+        got += (size_t)n;
+        reply[got] = '\0';
+        char *nl = memchr(reply, '\n', got);
+        if (nl != NULL) {
+            *nl = '\0';
+            break;
+        }
+    }
+    rc = 0;
+cleanup:
+    {
+        int e = errno;
+        ins_sys.close(s);
+        errno = e;
+    }
+    return rc;
+}
+
+/* Parse "OK <path>" (path copied to out, may be NULL) or "ERR <n> <msg>". */
+static int ins_agent_reply(const char *key, const char *reply, char *out)
+{
+    if (strncmp(reply, "OK", 2) == 0 && (reply[2] == ' ' || reply[2] == '\0')) {
+        const char *path = reply[2] ? reply + 3 : "";
+        if (out != NULL) {
+            size_t n = strlen(path);
+            if (n == 0 || path[0] != '/' || n >= PATH_MAX)
+                return ins_fail(EIO, "node server answered %.40s for key %.200s: not a path",
+                                reply, key);
+            memcpy(out, path, n + 1);
+        }
+        return 0;
+    }
+    if (strncmp(reply, "ERR ", 4) == 0) {
+        char *end = NULL;
+        long e = strtol(reply + 4, &end, 10);
+        int err = (end != reply + 4 && e > 0 && e < 4096) ? (int)e : EIO;
+        const char *msg = (end != NULL && *end == ' ') ? end + 1 : "";
+        return ins_fail(err, "node server: %.300s (key %.150s)", msg, key);
+    }
+    return ins_fail(EIO, "malformed reply from the node server: %.100s", reply);
+}
+
+static int ins_key_ok(const char *key)
+{
+    if (strchr(key, '\n') == NULL && strchr(key, '\r') == NULL)
+        return 1;
+    ins_fail(EINVAL, "a key containing a newline cannot be sent to the node server");
+    return 0;
+}
+
+/* How long to wait for the server's reply: it bounds a CONSUME by the timeout
+ * we send; we allow it 5 s of grace on top. No INSTRIDE_TIMEOUT: no bound. */
+static int ins_reply_wait_ms(void)
+{
+    if (ins_cfg.timeout > 0)
+        return (int)(ins_cfg.timeout * 1000.0) + 5000;
+    return -1;
+}
+
+int ins_agent_publish(const char *key, int overwrite)
+{
+    if (!ins_key_ok(key))
+        return -1;
+    char req[PATH_MAX + 32], reply[PATH_MAX + 128];
+    snprintf(req, sizeof req, "%s %s\n", overwrite ? "OVERWRITE" : "PUBLISH", key);
+    if (ins_agent_request(req, reply, sizeof reply, ins_reply_wait_ms()) != 0)
+        return -1;
+    return ins_agent_reply(key, reply, NULL);
+}
+
+int ins_agent_consume(const char *key, char open_path[PATH_MAX])
+{
+    if (!ins_key_ok(key))
+        return -1;
+    char req[PATH_MAX + 64], reply[PATH_MAX + 128];
+    long long tms = ins_cfg.timeout > 0 ? (long long)ceil(ins_cfg.timeout * 1000.0) : -1;
+    snprintf(req, sizeof req, "CONSUME %lld %s\n", tms, key);
+    if (ins_agent_request(req, reply, sizeof reply, ins_reply_wait_ms()) != 0)
+        return -1;
+    return ins_agent_reply(key, reply, open_path);
+}

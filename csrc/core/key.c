@@ -1,0 +1,48 @@
+/*
+ * key.c -- which paths are keys: a path is made absolute (against the cwd or a
+ * directory fd), normalized lexically and compared with the managed directory
+ * (and its realpath). A key's path is then rebuilt under the directory's real
+ * path, where confine.c resolves it without following symbolic links.
+ */
+#include "ins_core.h"
+
+#include <string.h>
+
+int ins_classify(int dirfd, const char *path, struct ins_path *out)
+{
+    if (path == NULL || path[0] == '\0' || ins_cfg.dir_len == 0)
+        return INS_UNMANAGED;
+    size_t len = strlen(path);
+    if (path[len - 1] == '/') /* "key/" names a directory, never a key */
+        return INS_UNMANAGED;
+    /* Fast path: most paths are absolute, clean and elsewhere: no copy. */
+    if (path[0] == '/' && !ins_prefix(path, ins_cfg.dir, ins_cfg.dir_len) &&
+        !ins_prefix(path, ins_cfg.dir_real, ins_cfg.dir_real_len) && ins_clean_abs(path))
+        return INS_UNMANAGED;
+    if (ins_absolute(dirfd, path, out->abs) != 0)
+        return INS_UNMANAGED;
+    out->refuse = 0;
+    int dotdot = strstr(out->abs, "/..") != NULL;
+    if (dotdot && ins_dotdot_through_link(out->abs))
+        out->refuse = ELOOP;
+    ins_normalize(out->abs);
+    if (!ins_under(out->abs, ins_cfg.dir, ins_cfg.dir_len, &out->key_off) &&
+        !ins_under(out->abs, ins_cfg.dir_real, ins_cfg.dir_real_len, &out->key_off))
+        return INS_UNMANAGED;
+    if (ins_reserved(out->abs + out->key_off))
+        return INS_RESERVED;
+    /* Work under the directory's real path: resolution there follows no link. */
+    size_t rlen;
+    const char *root = ins_root(&rlen);
+    size_t base = rlen == 1 ? 0 : rlen; /* the managed directory "/" */
+    if (out->key_off != base + 1 || strncmp(out->abs, root, base) != 0) {
+        size_t klen = strlen(out->abs + out->key_off);
+        if (base + 1 + klen >= PATH_MAX)
+            return INS_UNMANAGED;
+        memmove(out->abs + base + 1, out->abs + out->key_off, klen + 1);
+        memcpy(out->abs, root, base);
+        out->abs[base] = '/';
+        out->key_off = base + 1;
+    }
+    return INS_MANAGED;
+}

@@ -1,0 +1,300 @@
+/*
+ * publish.c -- produce a key: a hidden temp file next to it, then publication
+ * by link(tmp, key) + unlink(tmp) (write-once) or rename(tmp, key)
+ * (INSTRIDE_OVERWRITE=1), fsync when INSTRIDE_FSYNC=1, and in cluster mode the
+ * registration with the node server.
+ */
+#include "ins_core.h"
+
+#include <string.h>
+#include <sys/sendfile.h>
+
+#ifndef RENAME_NOREPLACE
+#define RENAME_NOREPLACE (1 << 0)
+#endif
+
+int ins_temp_name(const struct ins_path *p, char tmp[PATH_MAX])
+{
+    const char *base = strrchr(p->abs, '/') + 1;
+    size_t dir_len = (size_t)(base - p->abs); /* includes the slash */
+    size_t base_len = strlen(base);
+    /* Keep the temp's own name within NAME_MAX: shorten the copied basename. */
+    if (base_len > 200)
+        base_len = 200;
+    if (dir_len + base_len + 64 >= PATH_MAX)
+        return ins_fail(ENAMETOOLONG, "the temp name of key %.200s would be too long", ins_key(p));
+    memcpy(tmp, p->abs, dir_len);
+    int n = snprintf(tmp + dir_len, PATH_MAX - dir_len, ".%.*s.instride-%ld-%016llx.tmp",
+                     (int)base_len, base, (long)getpid(), (unsigned long long)ins_random64());
+    if (n < 0 || (size_t)n >= PATH_MAX - dir_len)
+        return ins_fail(ENAMETOOLONG, "the temp name of key %.200s would be too long", ins_key(p));
+    return 0;
+}
+
+enum ins_open_kind ins_open_kind(int flags)
+{
+    int acc = flags & O_ACCMODE;
+    if (acc == O_RDONLY)
+        return (flags & O_TRUNC) ? INS_OPEN_REFUSE : INS_OPEN_READ;
+    if (acc != O_WRONLY && acc != O_RDWR)
+        return INS_OPEN_REFUSE;
+    /* Append is allowed only where it cannot touch existing bytes. */
+    if ((flags & O_APPEND) && !(flags & O_TRUNC) && (flags & (O_CREAT | O_EXCL)) != (O_CREAT | O_EXCL))
+        return INS_OPEN_REFUSE;
+    if (flags & (O_CREAT | O_TRUNC))
+        return INS_OPEN_WRITE;
+    return INS_OPEN_REFUSE; /* read-modify-write in place */
+}
+
+int ins_prepare_write(const struct ins_path *p, int flags, mode_t *mode, char tmp[PATH_MAX])
+{
+    struct stat st;
+    if (p->refuse)
+        return ins_fail(p->refuse, "key %.300s: its path goes back (..) through a symbolic "
+                        "link inside the managed directory (refused)", ins_key(p));
+    /* The key's directory is made (confined: no symbolic link followed) and the key
+     * itself looked at without following it. */
+    if (ins_lstat_key(p, &st, 1) == 0) {
+        if (ins_check_type(p, &st) != 0)
+            return -1;
+        if ((flags & (O_CREAT | O_EXCL)) == (O_CREAT | O_EXCL) || !ins_cfg.overwrite)
+            return ins_fail(EEXIST, "key %.300s is already published (write-once)", ins_key(p));
+        if (!(flags & O_TRUNC))
+            return ins_fail(EPERM, "key %.300s is published: it cannot be modified in place",
+                            ins_key(p));
+        *mode = st.st_mode & 07777;
+    } else if (errno == ENOENT) {
+        if (!(flags & O_CREAT))
+            return ins_fail(ENOENT, "key %.300s does not exist (O_TRUNC without O_CREAT)",
+                            ins_key(p));
+    } else {
+        return -1;
+    }
+    return ins_temp_name(p, tmp);
+}
+
+int ins_create_temp(const struct ins_path *p, int flags, mode_t mode, char tmp[PATH_MAX])
+{
+    int fd = -1;
+    for (int tries = 0; tries < 8; tries++) {
+        fd = ins_sys.open(tmp, flags | O_CREAT | O_EXCL, mode);
+        if (fd >= 0 || errno != EEXIST || ins_temp_name(p, tmp) != 0)
+            break;
+    }
+    if (fd < 0 && errno != ENAMETOOLONG)
+        ins_fail(errno, "cannot create the temp file of key %.300s: %s", ins_key(p),
+                 strerror(errno));
+    return fd;
+}
+
+void ins_fsync_dir_of(const char *abs)
+{
+    char dir[PATH_MAX];
+    memcpy(dir, abs, strlen(abs) + 1);
+    char *slash = strrchr(dir, '/');
+    if (slash == NULL)
+        return;
+    if (slash == dir)
+        slash[1] = '\0';
+    else
+        *slash = '\0';
+    int fd = ins_sys.open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd >= 0) {
+        (void)fsync(fd);
+        ins_sys.close(fd);
+    }
+}
+
+void ins_maybe_fsync(int fd)
+{
+    if (ins_cfg.fsync)
+        (void)fsync(fd);
+}
+
+int ins_notify_publish_as(const struct ins_path *p, int overwrite)
+{
+    if (!ins_cfg.cluster)
+        return 0;
+    return ins_agent_publish(ins_key(p), overwrite);
+}
+
+int ins_notify_publish(const struct ins_path *p)
+{
+    return ins_notify_publish_as(p, ins_cfg.overwrite);
+}
+
+/* Move tmp to the key without replacing it: link + unlink, or on file systems
+ * without hard links an atomic no-replace rename. */
+static int ins_link_noreplace(const char *tmp, const char *abs)
+{
+    if (link(tmp, abs) == 0) {
+        unlink(tmp);
+        return 0;
+    }
+    int e = errno;
+    if (e == EPERM || e == EOPNOTSUPP || e == EMLINK || e == ENOSYS) {
+        if (ins_sys.renameat2(AT_FDCWD, tmp, AT_FDCWD, abs, RENAME_NOREPLACE) == 0)
+            return 0;
+        e = errno;
+    }
+    errno = e;
+    return -1;
+}
+
+int ins_publish(const char *tmp, const struct ins_path *p, int noreplace)
+{
+    int overwrite = ins_cfg.overwrite && !noreplace;
+    int rc = overwrite ? ins_sys.rename(tmp, p->abs) : ins_link_noreplace(tmp, p->abs);
+    if (rc != 0) {
+        int e = errno;
+        unlink(tmp);
+        if (e == EEXIST)
+            return ins_fail(EEXIST, "key %.300s was published by someone else first (write-once)",
+                            ins_key(p));
+        return ins_fail(e, "cannot publish key %.300s: %s", ins_key(p), strerror(e));
+    }
+    if (ins_cfg.fsync)
+        ins_fsync_dir_of(p->abs);
+    return ins_notify_publish_as(p, overwrite);
+}
+
+/* ---- publishing an existing file (rename into the managed directory) ---- */
+
+/* Copy in -> out entirely. */
+static int ins_copy_fd(int in, int out)
+{
+    for (;;) {
+        ssize_t n = copy_file_range(in, NULL, out, NULL, (size_t)1 << 30, 0);
+        if (n == 0)
+            return 0;
+        if (n > 0)
+            continue;
+        if (errno == EINTR)
+            continue;
+        if (errno != EXDEV && errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP)
+            return -1;
+        break;
+    }
+    for (;;) { /* older kernels / special files: sendfile, then read/write */
+        ssize_t n = sendfile(out, in, NULL, (size_t)1 << 30);
+        if (n == 0)
+            return 0;
+        if (n > 0)
+            continue;
+        if (errno == EINTR)
+            continue;
+        if (errno != EINVAL && errno != ENOSYS)
+            return -1;
+        break;
+    }
+    char buf[16384];
+    for (;;) {
+        ssize_t n = read(in, buf, sizeof buf);
+        if (n == 0)
+            return 0;
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return -1;
+        }
+        for (ssize_t off = 0; off < n;) {
+            ssize_t w = write(out, buf + off, (size_t)(n - off));
+            if (w < 0 && errno == EINTR)
+                continue;
+            if (w <= 0)
+                return -1;
+            off += w;
+        }
+    }
+}
+
+/* EXDEV: copy the source to a temp beside the key, publish it, drop the source. */
+static int ins_copy_publish(int olddirfd, const char *old, const struct ins_path *np, int noreplace)
+{
+    struct stat st;
+    char tmp[PATH_MAX];
+    int in = -1, out = -1, rc = -1, published = 0;
+    tmp[0] = '\0';
+    in = ins_sys.openat(olddirfd, old, O_RDONLY | O_CLOEXEC);
+    if (in < 0 || fstat(in, &st) != 0 || ins_temp_name(np, tmp) != 0)
+        goto cleanup;
+    out = ins_sys.open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, st.st_mode & 07777);
+    if (out < 0) {
+        tmp[0] = '\0'; /* not ours to remove */
+        goto cleanup;
+    }
+    if (ins_copy_fd(in, out) != 0)
+        goto cleanup;
+    ins_maybe_fsync(out);
+    int fd = out;
+    out = -1;
+    if (ins_sys.close(fd) != 0)
+        goto cleanup;
+    rc = ins_publish(tmp, np, noreplace); /* removes the temp, sets the message on failure */
+    published = 1;
+    tmp[0] = '\0';
+    if (rc == 0)
+        unlinkat(olddirfd, old, 0);
+cleanup:
+    {
+        int e = errno;
+        if (in >= 0)
+            ins_sys.close(in);
+        if (out >= 0)
+            ins_sys.close(out);
+        if (tmp[0] != '\0')
+            unlink(tmp);
+        errno = e;
+    }
+    if (rc != 0 && !published)
+        ins_fail(errno, "cannot copy %.200s to key %.200s: %s", old, ins_key(np), strerror(errno));
+    return rc;
+}
+
+/* Move (olddirfd, old) to the key: rename, or write-once link + unlink (an
+ * atomic no-replace rename where hard links are not supported). EXDEV is left
+ * to the caller. */
+static int ins_move_into_place(int olddirfd, const char *old, const char *abs, int noreplace)
+{
+    if (!noreplace)
+        return ins_sys.renameat(olddirfd, old, AT_FDCWD, abs);
+    if (linkat(olddirfd, old, AT_FDCWD, abs, 0) == 0) {
+        unlinkat(olddirfd, old, 0);
+        return 0;
+    }
+    if (errno != EPERM && errno != EOPNOTSUPP && errno != EMLINK)
+        return -1;
+    return ins_sys.renameat2(olddirfd, old, AT_FDCWD, abs, RENAME_NOREPLACE);
+}
+
+int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, int noreplace)
+{
+    struct stat st;
+    if (np->refuse)
+        return ins_fail(np->refuse, "key %.300s: its path goes back (..) through a symbolic "
+                        "link inside the managed directory (refused)", ins_key(np));
+    if (ins_lstat_key(np, &st, 1) == 0) { /* confined mkdir -p; the target itself */
+        if (ins_check_type(np, &st) != 0)
+            return -1;
+    } else if (errno != ENOENT) {
+        return -1;
+    }
+    if (ins_cfg.fsync) {
+        int fd = ins_sys.openat(olddirfd, old, O_RDONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            (void)fsync(fd);
+            ins_sys.close(fd);
+        }
+    }
+    if (ins_move_into_place(olddirfd, old, np->abs, noreplace) != 0) {
+        if (errno == EXDEV) /* across file systems: ins_publish did the fsyncs and the notice */
+            return ins_copy_publish(olddirfd, old, np, noreplace);
+        if (errno == EEXIST)
+            return ins_fail(EEXIST, "key %.300s is already published (write-once)", ins_key(np));
+        return ins_fail(errno, "cannot publish key %.300s: %s", ins_key(np), strerror(errno));
+    }
+    if (ins_cfg.fsync)
+        ins_fsync_dir_of(np->abs);
+    /* noreplace: write-once across the cluster too */
+    return ins_notify_publish_as(np, !noreplace && ins_cfg.overwrite);
+}

@@ -1,0 +1,63 @@
+/*
+ * util.c -- monotonic clock and deadlines, random temp-name suffixes, mkdir -p.
+ */
+#include "ins_core.h"
+
+#include <math.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+
+double ins_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+int ins_remaining_ms(double deadline)
+{
+    if (deadline < 0)
+        return -1;
+    double left = deadline - ins_now();
+    if (left <= 0)
+        return 0;
+    double ms = ceil(left * 1000.0);
+    return ms > 2e9 ? 2000000000 : (int)ms;
+}
+
+uint64_t ins_random64(void)
+{
+    uint64_t x = 0;
+    if (getrandom(&x, sizeof x, GRND_NONBLOCK) == (ssize_t)sizeof x)
+        return x;
+    static atomic_uint_fast64_t counter;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    x = (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 32) ^ ((uint64_t)getpid() << 16) ^
+        atomic_fetch_add(&counter, 0x9e3779b97f4a7c15ull);
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    return x;
+}
+
+int ins_mkdir_p(char *buf)
+{
+    if (mkdir(buf, 0777) == 0 || errno == EEXIST)
+        return 0;
+    if (errno != ENOENT)
+        return -1;
+    for (char *s = buf + 1; *s; s++) {
+        if (*s != '/')
+            continue;
+        *s = '\0';
+        int rc = mkdir(buf, 0777);
+        *s = '/';
+        if (rc != 0 && errno != EEXIST)
+            return -1;
+    }
+    if (mkdir(buf, 0777) != 0 && errno != EEXIST)
+        return -1;
+    return 0;
+}

@@ -1,0 +1,226 @@
+/*
+ * fdtable.c -- the table of produced files, indexed by fd: which fds hold a key
+ * being written (published on the last close of its open file description),
+ * and which fds are the library's own (a thread's cached inotify fd).
+ */
+#include "instride_preload.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+
+static _Atomic(struct ins_file *) *ins_table; /* ins_table_size slots, mmap'd once */
+static size_t ins_table_size;
+static atomic_int ins_table_count; /* number of occupied slots */
+static pthread_mutex_t ins_table_mu = PTHREAD_MUTEX_INITIALIZER;
+
+void ins_table_lock(void) { pthread_mutex_lock(&ins_table_mu); }
+void ins_table_unlock(void) { pthread_mutex_unlock(&ins_table_mu); }
+
+int ins_table_any(void)
+{
+    return atomic_load_explicit(&ins_table_count, memory_order_acquire) > 0;
+}
+
+/* Internal fds (a thread's cached inotify fd) are marked with this sentinel,
+ * so that the application closing or reusing their number is noticed. */
+#define INS_INTERNAL ((struct ins_file *)(uintptr_t)1)
+
+int ins_table_occupied(int fd)
+{
+    if (fd < 0 || (size_t)fd >= ins_table_size || ins_table == NULL)
+        return 0;
+    return atomic_load_explicit(&ins_table[fd], memory_order_acquire) != NULL;
+}
+
+struct ins_file *ins_table_peek(int fd)
+{
+    if (fd < 0 || (size_t)fd >= ins_table_size || ins_table == NULL)
+        return NULL;
+    struct ins_file *f = atomic_load_explicit(&ins_table[fd], memory_order_acquire);
+    return f == INS_INTERNAL ? NULL : f;
+}
+
+int ins_table_is_internal(int fd)
+{
+    if (fd < 0 || (size_t)fd >= ins_table_size || ins_table == NULL)
+        return 0;
+    return atomic_load_explicit(&ins_table[fd], memory_order_acquire) == INS_INTERNAL;
+}
+
+int ins_table_mark_internal(int fd, int on)
+{
+    if (fd < 0 || (size_t)fd >= ins_table_size || ins_table == NULL)
+        return -1;
+    int last = 0;
+    ins_table_lock();
+    struct ins_file *stale = ins_table_take_locked(fd, &last);
+    if (on) {
+        atomic_store_explicit(&ins_table[fd], INS_INTERNAL, memory_order_release);
+        atomic_fetch_add(&ins_table_count, 1);
+    }
+    ins_table_unlock();
+    if (stale && last)
+        ins_file_discard(stale);
+    return 0;
+}
+
+size_t ins_table_capacity(void) { return ins_table == NULL ? 0 : ins_table_size; }
+
+struct ins_file *ins_table_take_locked(int fd, int *last)
+{
+    *last = 0;
+    if (fd < 0 || (size_t)fd >= ins_table_size || ins_table == NULL)
+        return NULL;
+    struct ins_file *f = atomic_load_explicit(&ins_table[fd], memory_order_relaxed);
+    if (f == NULL)
+        return NULL;
+    atomic_store_explicit(&ins_table[fd], NULL, memory_order_release);
+    atomic_fetch_sub(&ins_table_count, 1);
+    if (f == INS_INTERNAL) /* our internal fd is being closed / reused by the app */
+        return NULL;
+    *last = atomic_fetch_sub(&f->refs, 1) == 1;
+    return f;
+}
+
+struct ins_file *ins_table_take(int fd, int *last)
+{
+    ins_table_lock();
+    struct ins_file *f = ins_table_take_locked(fd, last);
+    ins_table_unlock();
+    return f;
+}
+
+int ins_table_put(int fd, struct ins_file *f)
+{
+    if (fd < 0 || (size_t)fd >= ins_table_size || ins_table == NULL) {
+        errno = EMFILE;
+        return -1;
+    }
+    int last = 0;
+    ins_table_lock();
+    /* A stale slot means the fd was closed behind our back (raw syscall). */
+    struct ins_file *stale = ins_table_take_locked(fd, &last);
+    atomic_store_explicit(&ins_table[fd], f, memory_order_release);
+    atomic_fetch_add(&ins_table_count, 1);
+    ins_table_unlock();
+    if (stale && last)
+        ins_file_discard(stale);
+    return 0;
+}
+
+void ins_table_dup_locked(int oldfd, int newfd)
+{
+    struct ins_file *f = ins_table_peek(oldfd);
+    if (f == NULL || newfd < 0 || (size_t)newfd >= ins_table_size)
+        return;
+    int last = 0;
+    struct ins_file *stale = ins_table_take_locked(newfd, &last); /* closed behind our back */
+    if (stale != NULL && last)
+        ins_file_discard(stale);
+    atomic_fetch_add(&f->refs, 1);
+    atomic_store_explicit(&ins_table[newfd], f, memory_order_release);
+    atomic_fetch_add(&ins_table_count, 1);
+}
+
+/* A pass-through open returned fd: if the table still has an entry for it, the
+ * fd had been closed without us seeing it. Forget that entry (the temp file is
+ * removed, nothing is published: we cannot know it was complete). */
+void ins_fd_reused(int fd)
+{
+    if (fd < 0 || !ins_table_any() || !ins_table_occupied(fd))
+        return;
+    int saved = errno, last = 0;
+    struct ins_file *f = ins_table_take(fd, &last);
+    if (f && last)
+        ins_file_discard(f);
+    errno = saved;
+}
+
+struct ins_file *ins_file_new(const char *tmp, const struct ins_path *final)
+{
+    struct ins_file *f = malloc(sizeof *f);
+    if (f == NULL)
+        return NULL;
+    atomic_init(&f->refs, 1);
+    f->pid = getpid();
+    f->noreplace = 0;
+    memcpy(f->tmp, tmp, strlen(tmp) + 1);
+    f->final = *final;
+    return f;
+}
+
+void ins_file_discard(struct ins_file *f)
+{
+    if (f->pid == getpid())
+        unlink(f->tmp);
+    free(f);
+}
+
+int ins_file_finish(struct ins_file *f, int close_rc, int close_errno)
+{
+    int rc = 0;
+    if (f->pid != getpid()) {
+        /* A forked child closing an inherited fd: it does not own the file. */
+        free(f);
+        if (close_rc != 0) {
+            errno = close_errno;
+            return -1;
+        }
+        return 0;
+    }
+    if (close_rc != 0 && close_errno != EINTR) {
+        /* The data may not have reached the file: never publish it. */
+        unlink(f->tmp);
+        errno = close_errno;
+        rc = -1;
+    } else {
+        rc = ins_publish(f->tmp, &f->final, f->noreplace);
+    }
+    int e = errno;
+    free(f);
+    errno = e;
+    return rc;
+}
+
+static void ins_alloc_table(void)
+{
+    struct rlimit rl;
+    size_t n = 1024;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0) {
+        rlim_t m = rl.rlim_max;
+        if (m == RLIM_INFINITY || m > (1u << 20))
+            m = 1u << 20;
+        if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur > m)
+            m = rl.rlim_cur > (1u << 20) ? (1u << 20) : rl.rlim_cur;
+        if ((size_t)m > n)
+            n = (size_t)m;
+    }
+    void *p = mmap(NULL, n * sizeof *ins_table, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED)
+        return; /* no table: managed writes fail with EMFILE, reads still work */
+    ins_table = p;
+    ins_table_size = n;
+}
+
+static void ins_atfork_prepare(void) { pthread_mutex_lock(&ins_table_mu); }
+static void ins_atfork_parent(void) { pthread_mutex_unlock(&ins_table_mu); }
+static void ins_atfork_child(void)
+{
+    pthread_mutex_unlock(&ins_table_mu);
+    ins_inotify_forget(); /* the inotify instance is shared with the parent now */
+}
+
+/* No destructor removes the temps of files still open at exit: language
+ * runtimes (libgfortran, ...) close their units from their own destructors,
+ * possibly after ours, and those closes must still publish. A file that is
+ * never closed is never published; its temp (named with the pid) is left for
+ * `instride gc`. */
+
+void ins_table_setup(void)
+{
+    ins_alloc_table();
+    pthread_atfork(ins_atfork_prepare, ins_atfork_parent, ins_atfork_child);
+}
