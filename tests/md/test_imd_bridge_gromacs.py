@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import instride
-from instride.md.imd import EngineUnavailable, IMDProtocolError, bridge, natoms_from_gro
+from instride.md.imd_bridge import EngineUnavailable, IMDProtocolError, bridge, natoms_from_gro
 from tests.conftest import finish, free_port
 
 NSTEPS, NSTXOUT = 40, 10
