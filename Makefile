@@ -6,10 +6,10 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # Debian packages the tests and benchmarks use: Redis (cluster metadata), iproute2 (emulated
-# nodes in network namespaces), GROMACS (a second MD engine streaming over IMD), compilers
+# nodes in network namespaces), GROMACS and LAMMPS (MD engines streaming over IMD v2), compilers
 # for the preload library and its C/C++ tests, sshfs + sshd (the shared-file-system baseline
 # of the benchmark: a real network file system between emulated nodes).
-APT_PACKAGES := redis-server iproute2 gromacs gcc g++ make procps sshfs openssh-server util-linux
+APT_PACKAGES := redis-server iproute2 gromacs lammps gcc g++ make procps sshfs openssh-server util-linux
 
 .PHONY: demo test lint bench clean system-deps
 
