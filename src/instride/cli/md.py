@@ -74,16 +74,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "demo",
         help="two OpenMM replicas with concurrent in situ analytics, vs. files + barriers",
         description=(
-            "Run two OpenMM replicas of the villin system shipped with OpenMM, each streamed "
-            "into an analytics consumer (RMSD, radius of gyration, distance-matrix "
-            "eigenvalues) running concurrently, then the same workflow through plain files "
-            "and a pairwise barrier per frame. Writes tables, plots and a summary to --out. "
-            "Uses INSTRIDE_DIR if set, else a temporary managed directory."
+            "Run two OpenMM replicas of the villin system shipped with OpenMM (3 ps each by "
+            "default), each streamed into an analytics consumer (RMSD, radius of gyration, "
+            "distance-matrix eigenvalues) running concurrently, then the same workflow through "
+            "plain files and a pairwise barrier per frame, and check that both workflows "
+            "simulated the same trajectories. Writes tables, science and performance plots and "
+            "a summary to --out. Uses INSTRIDE_DIR if set, else a temporary managed directory. "
+            "Takes about 4 minutes on 2 cores."
         ),
     )
     p.add_argument("--out", default="demo-output", help="output directory (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=600, help="MD steps per replica (%(default)s)")
-    p.add_argument("--interval", type=int, default=10, help="steps between frames (%(default)s)")
+    p.add_argument("--steps", type=int, default=1500,
+                   help="MD steps of 2 fs per replica (%(default)s = 3 ps)")
+    p.add_argument("--interval", type=int, default=15, help="steps between frames (%(default)s)")
     p.add_argument("--replicas", type=int, default=2, help="replicas (%(default)s)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per replica (%(default)s)")
     p.add_argument("--timeout", type=float, default=300.0,

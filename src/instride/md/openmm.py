@@ -138,7 +138,9 @@ class FrameReporter:
         self.stream.append(
             positions,
             step=int(simulation.currentStep),
-            time=float(state.getTime().value_in_unit(unit.picosecond)),
+            # OpenMM accumulates time as a float sum of steps (0.020000000000000004 ps): round
+            # to a femtosecond's millionth so tables and plots show 0.02
+            time=round(float(state.getTime().value_in_unit(unit.picosecond)), 9),
             box=box,
         )
         self.frames += 1
