@@ -228,11 +228,21 @@ class IMDServer:
 
     # ------------------------------------------------------------------ one client
     def _session_info(self, stream: Stream) -> SessionInfo:
-        box = True
+        """What every frame of this session will carry, judged from the stream's first frame.
+
+        A box is announced unless the first frame has none; velocities and forces only if
+        the stream's frames carry them (an attribute ``velocities`` / ``forces`` that is not
+        ``None``; today's frames hold positions and box only).
+        """
+        box, vel, forces = True, False, False
         published = stream.published()
-        if published:  # announce a box only if the stream's frames have one
-            box = stream.read(published[0]).header.has_box
-        return SessionInfo(time=True, energies=False, box=box, positions=True)
+        if published:
+            first = stream.read(published[0])
+            box = first.header.has_box
+            vel = getattr(first, "velocities", None) is not None
+            forces = getattr(first, "forces", None) is not None
+        return SessionInfo(time=True, energies=False, box=box, positions=True, velocities=vel,
+                           forces=forces)
 
     def _serve_client(self, s: _Session) -> None:
         t0 = time.perf_counter()
@@ -321,7 +331,8 @@ class IMDServer:
             box = frame.box if info.box else None
             parts = encode_frame_packets(
                 self.version, np.asarray(frame.positions), step=frame.step, time=frame.time, dt=dt,
-                box=box, session=info, order="<",
+                box=box, velocities=getattr(frame, "velocities", None),
+                forces=getattr(frame, "forces", None), session=info, order="<",
             )
             s.conn.sendall(b"".join(parts))
             s.report.frames += 1
