@@ -3,6 +3,7 @@ checked frame by frame against a direct read of the source trajectory."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -229,3 +230,26 @@ def test_cli_imd_serve(managed_dir: Path) -> None:
     assert count == len(u.trajectory)
     assert f"imd://127.0.0.1:{port} (IMD v3" in out
     assert f"{len(u.trajectory)} frames" in out and "end of stream" in out and "served 1 clients" in out
+
+
+def test_cli_imd_serve_stops_cleanly_on_sigterm(managed_dir: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "instride", "imd-serve", "nothing-yet", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        line = proc.stdout.readline().decode()
+        assert "serving stream nothing-yet on imd://127.0.0.1:" in line
+        port = int(line.split("imd://127.0.0.1:", 1)[1].split()[0])
+        # a client waiting for a stream that has no frame yet is cut off by the shutdown
+        client = IMDClient("127.0.0.1", port, 10, multithreaded=False, timeout=30)
+        proc.send_signal(signal.SIGTERM)
+        rc, out, err = finish(proc, timeout=30)
+        with pytest.raises(EOFError):
+            client.get_imdframe()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert rc == 0, err
+    assert "imd-serve: stopped" in out
