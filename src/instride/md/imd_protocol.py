@@ -31,6 +31,7 @@ __all__ = [
     "VERSIONS",
     "MsgType",
     "SessionInfo",
+    "client_body_size",
     "encode_frame_packets",
     "encode_handshake",
     "encode_header",
