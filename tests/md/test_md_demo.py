@@ -71,7 +71,7 @@ def test_demo_runs_both_workflows_and_writes_outputs(managed_dir: Path, tmp_path
     assert "instride r0 produced: 3/3 frame" in err and "localfs r0 analysed: 3/3 frame" in err
     assert "\r" not in err and "\x1b" not in err
     # same seed, same trajectory in both workflows
-    assert "replica 0: same" in stdout
+    assert "replica 0: same (every frame, every quantity identical)" in stdout
     assert (out / "performance.png").stat().st_size > 1000
     assert "0.06 ps simulated" in stdout
     assert [p.name for p in managed_dir.iterdir() if not p.name.startswith(".")] == []

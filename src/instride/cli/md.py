@@ -80,7 +80,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "plain files and a pairwise barrier per frame, and check that both workflows "
             "simulated the same trajectories. Writes tables, science and performance plots and "
             "a summary to --out. Uses INSTRIDE_DIR if set, else a temporary managed directory. "
-            "Takes about 4 minutes on 2 cores."
+            "Takes about 3 minutes on an idle 2-core machine."
         ),
     )
     p.add_argument("--out", default="demo-output", help="output directory (default: %(default)s)")
