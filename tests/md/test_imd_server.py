@@ -118,7 +118,7 @@ def test_slow_client_pauses_the_server_and_misses_nothing(server_factory) -> Non
             except EOFError:
                 break
             got.append((f.step, f.positions.copy()))
-            time.sleep(0.01)
+            time.sleep(0.02)  # slower than the server: its buffer fills
     finally:
         client.stop()
     assert [s for s, _ in got] == [ts.data["step"] for ts in u.trajectory]  # 1, 2, ...
