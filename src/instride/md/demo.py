@@ -500,7 +500,7 @@ def plot_performance(rows: list[DemoRow], path: str | os.PathLike[str]) -> Path:
     labels = [f"{r.workflow}\nreplica {r.replica}" for r in rows]
     x = np.arange(len(rows))
     width = 0.8 / len(metrics)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(rows)), 4.0))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.8 * len(rows)), 4.8))
     for k, (attr, name) in enumerate(metrics):
         values = [1e3 * getattr(r, attr) / max(r.frames, 1) for r in rows]
         ax.bar(x + (k - (len(metrics) - 1) / 2) * width, values, width, label=name)
@@ -508,10 +508,10 @@ def plot_performance(rows: list[DemoRow], path: str | os.PathLike[str]) -> Path:
     ax.set_ylabel("ms per frame")
     ax.set_yscale("symlog", linthresh=0.1)
     ax.set_title("moving frames from the simulation to the analytics")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
     fig.tight_layout()
     out = Path(path)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return out
 
