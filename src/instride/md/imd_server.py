@@ -23,8 +23,8 @@ then, in any number of Python sessions::
         ...
 
 IMD carries no atom names, so the client brings a topology with the stream's atom count.
-Messages meant for an engine (MDCOMM forces, KILL) are read and ignored: the stream's
-producer is not steered. IMD has no authentication: the server listens on 127.0.0.1 unless
+Messages meant to steer an engine are not passed on: MDCOMM forces and WAIT are read and
+ignored, and KILL ends only that client's session (like DISCONNECT), not the stream's producer. IMD has no authentication: the server listens on 127.0.0.1 unless
 told otherwise (``host="0.0.0.0"`` for clients on other nodes).
 """
 
