@@ -6,14 +6,29 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # Debian packages the tests and benchmarks use: Redis (cluster metadata), iproute2 (emulated
-# nodes in network namespaces), GROMACS (a second MD engine streaming over IMD), compilers
+# nodes in network namespaces), GROMACS and LAMMPS (MD engines streaming over IMD v2), compilers
 # for the preload library and its C/C++ tests, sshfs + sshd (the shared-file-system baseline
 # of the benchmark: a real network file system between emulated nodes).
-APT_PACKAGES := redis-server iproute2 gromacs gcc g++ make procps sshfs openssh-server util-linux
+# BUILD_PACKAGES: what `pip install -e .` needs to compile the preload library (without
+# libc6-dev, which apt does not install with gcc under --no-install-recommends, gcc finds no
+# headers); `make demo` installs only these.
+BUILD_PACKAGES := gcc libc6-dev
+APT_PACKAGES := $(BUILD_PACKAGES) redis-server iproute2 gromacs lammps g++ make procps sshfs openssh-server util-linux
 
-.PHONY: demo test lint bench clean system-deps
+.PHONY: demo test lint bench clean system-deps build-deps
 
-demo: $(BIN)/.installed-test
+# apt-get install the packages of $(1) that are missing (as root; Debian)
+define apt_install
+	@missing=""; \
+	for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  if [ "$$(id -u)" != 0 ]; then echo "need root to apt-get install:$$missing" >&2; exit 1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+endef
+
+demo: build-deps $(BIN)/.installed-test
 	$(BIN)/instride demo --out demo-output
 
 test: system-deps $(BIN)/.installed-test
@@ -24,19 +39,17 @@ lint: $(BIN)/.installed-test
 	$(BIN)/ruff check src tests benchmarks
 
 system-deps:
-	@missing=""; \
-	for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
-	if [ -n "$$missing" ]; then \
-	  echo "installing Debian packages:$$missing"; \
-	  if [ "$$(id -u)" != 0 ]; then echo "need root to apt-get install:$$missing" >&2; exit 1; fi; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
-	fi
+	$(call apt_install,$(APT_PACKAGES))
+
+build-deps:
+	$(call apt_install,$(BUILD_PACKAGES))
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(BIN)/.installed-test: $(BIN)/python pyproject.toml setup.py $(wildcard csrc/*/*.c csrc/*/*.h include/instride/*)
+# the package build compiles C: the compiler comes first (order-only: it never forces a rebuild)
+$(BIN)/.installed-test: $(BIN)/python pyproject.toml setup.py $(wildcard csrc/*/*.c csrc/*/*.h include/instride/*) | build-deps
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 

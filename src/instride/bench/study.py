@@ -220,8 +220,7 @@ def run_study(
     dict
         The study results (also in ``study.json``).
     """
-    from tqdm import tqdm
-
+    from ..progress import progress as tqdm
     from .report import write_report
 
     if isinstance(preset, str):

@@ -497,7 +497,7 @@ def run(
     started = time.time()
     try:
         with _maybe_cluster(cfg, cluster) as clu, _maybe_storage(cfg, clu, storage) as sto:
-            from tqdm import tqdm
+            from ..progress import progress as tqdm
 
             for rep in tqdm(range(cfg.repetitions), desc=cfg.label or cfg.name, unit="rep",
                             disable=not progress, leave=False):

@@ -98,7 +98,8 @@ def add_parser(subparsers: Any) -> None:
 
     p = sub.add_parser("study", help="run the paper's five experiments and write a report")
     p.add_argument("--preset", choices=("small", "paper", "tiny"), default="small",
-                   help="small: ~15 min on 2 cores; paper: the paper's scale; tiny: smoke test")
+                   help="small: about 7.5 min on 2 cores (measured: 7.4 min, docs/reproduction.md); "
+                        "paper: the paper's scale; tiny: smoke test")
     p.add_argument("--out", default="bench-study", help="report directory")
     p.add_argument("--experiments", default=None,
                    help="comma-separated subset of single_node,two_node,multi_node,"

@@ -41,6 +41,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     settings = Settings.from_env(env)  # validates the settings before the program starts
     env["INSTRIDE_DIR"] = str(settings.dir)
     settings.dir.mkdir(parents=True, exist_ok=True)
+    # A quoted '$INSTRIDE_DIR' reaches us unexpanded: fill in the managed directory, so the
+    # command works in a shell where the variable is not set (or with --dir).
+    argv = [a.replace("${INSTRIDE_DIR}", env["INSTRIDE_DIR"]).replace("$INSTRIDE_DIR", env["INSTRIDE_DIR"])
+            for a in argv]
     exe = shutil.which(argv[0], path=env.get("PATH"))
     if exe is None:
         print(f"instride run: error: command not found: {argv[0]}", file=sys.stderr)
@@ -68,7 +72,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="run an unmodified program with the preload library",
         description="Run CMD with libinstride_preload.so preloaded and the instride environment "
         "set: its opens of files under the managed directory wait for publication (reads) or "
-        "publish on close (writes).",
+        "publish on close (writes). A quoted '$INSTRIDE_DIR' in CMD's arguments is replaced "
+        "by the managed directory (the calling shell would expand an unquoted one, to nothing "
+        "if it is not set there): instride run -- cp a.dat '$INSTRIDE_DIR/run7/a.dat'.",
     )
     p.add_argument("--dir", help="managed directory (default: INSTRIDE_DIR)")
     p.add_argument("--timeout", type=float, help="consume timeout in seconds (INSTRIDE_TIMEOUT)")

@@ -115,7 +115,7 @@ class BarrierFileReporter:
         path = self.directory / f"frame_{self.frames:09d}.isf"
         self.bytes += write_frame(  # plain open / write / close
             path, positions, step=int(simulation.currentStep),
-            time=float(state.getTime().value_in_unit(unit.picosecond)), box=box,
+            time=round(float(state.getTime().value_in_unit(unit.picosecond)), 9), box=box,
         )
         self.barrier.wait(self.timeout)
         self.frames += 1
@@ -126,7 +126,8 @@ def _simulate(reporter: Any, seed: int, steps: int, interval: int, threads: int,
               progress: Any) -> tuple[float, int]:
     from .openmm import make_simulation
 
-    simulation = make_simulation(seed=seed, threads=threads)
+    # deterministic forces: both workflows then simulate the same trajectory for the same seed
+    simulation = make_simulation(seed=seed, threads=threads, deterministic=True)
     simulation.reporters.append(reporter)
     t0 = time.perf_counter()
     for _ in range(steps // interval):
@@ -167,17 +168,20 @@ def _analytics_kwargs() -> dict[str, Any]:
             "substructures": VILLIN_SUBSTRUCTURES}
 
 
-def _consumer_instride(stream: str, out_dir: str, timeout: float, progress: Any,
+def _consumer_instride(stream: str, out_dir: str, replica: int, timeout: float, progress: Any,
                        results: Any) -> None:
     warnings.filterwarnings("ignore")
     from ..analytics.live import analyze_stream
+    from ..analytics.plots import plot_table
     from .openmm import villin_pdb
 
     def tick(row: dict[str, float]) -> None:
         progress.value += 1
 
     report = analyze_stream(villin_pdb(), stream, out_dir, timeout=timeout, on_frame=tick,
-                            **_analytics_kwargs())
+                            plot=False, **_analytics_kwargs())
+    if report.table is not None:
+        plot_table(report.table, out_dir, title=f"instride, replica {replica}")
     results.put(("consumer", {
         "frames": report.frames, "bytes": report.bytes, "idle": report.wait_seconds,
         "read": report.read_seconds, "analysis": report.analysis_seconds,
@@ -185,7 +189,7 @@ def _consumer_instride(stream: str, out_dir: str, timeout: float, progress: Any,
     }))
 
 
-def _consumer_localfs(directory: str, barrier: Any, nframes: int, out_dir: str,
+def _consumer_localfs(directory: str, barrier: Any, nframes: int, out_dir: str, replica: int,
                       timeout: float, progress: Any, results: Any) -> None:
     warnings.filterwarnings("ignore")
     import MDAnalysis as mda
@@ -223,7 +227,7 @@ def _consumer_localfs(directory: str, barrier: Any, nframes: int, out_dir: str,
             progress.value += 1
     finally:
         analytics.finish()
-    plot_table(table, out_dir, title="localfs+barrier")
+    plot_table(table, out_dir, title=f"localfs+barrier, replica {replica}")
     results.put(("consumer", {
         "frames": analytics.frames, "bytes": nbytes, "idle": idle, "read": read,
         "analysis": analytics.analysis_seconds, "wall": time.perf_counter() - t_start,
@@ -270,13 +274,13 @@ def _stop(procs: list[Any]) -> None:
 def _run_workflow(name: str, pairs: list[tuple[Any, Any]], nframes: int,
                   progress: list[tuple[Any, Any]], results: list[Any],
                   aborters: list[Any], timeout: float) -> list[tuple[dict, dict]]:
-    from tqdm import tqdm
+    from ..progress import progress as bar_for
 
     procs = [p for pair in pairs for p in pair]
     bars = []
     for i in range(len(pairs)):
         for j, what in enumerate(("produced", "analysed")):
-            bars.append(tqdm(total=nframes, desc=f"{name} r{i} {what}", unit="frame",
+            bars.append(bar_for(total=nframes, desc=f"{name} r{i} {what}", unit="frame",
                              position=2 * i + j, leave=True, mininterval=0.5))
     counters = [c for pair in progress for c in pair]
     try:
@@ -326,8 +330,8 @@ def _run_workflow(name: str, pairs: list[tuple[Any, Any]], nframes: int,
 def run_demo(
     out: str | os.PathLike[str] = "demo-output",
     *,
-    steps: int = 600,
-    interval: int = 10,
+    steps: int = 1500,
+    interval: int = 15,
     replicas: int = 2,
     threads: int = 1,
     baseline: bool = True,
@@ -340,7 +344,7 @@ def run_demo(
     out
         Output directory (created).
     steps
-        MD steps per replica (2 fs each).
+        MD steps per replica (2 fs each; the default 1500 is 3 ps).
     interval
         Steps between frames.
     replicas
@@ -376,8 +380,9 @@ def run_demo(
     os.makedirs(managed, exist_ok=True)
     ctx = mp.get_context("spawn")
     rows: list[DemoRow] = []
-    print(f"instride demo: {replicas} OpenMM replicas x {steps} steps (frame every {interval} "
-          f"steps = {nframes} frames of villin, 8,867 atoms); managed directory {managed}")
+    print(f"instride demo: {replicas} OpenMM replicas x {steps} steps of 2 fs = {steps * 0.002:g} ps "
+          f"simulated each (a frame every {interval} steps = {nframes} frames of villin, 8,867 "
+          f"atoms); managed directory {managed}")
     try:
         with _environment(INSTRIDE_DIR=managed, INSTRIDE_REDIS_URL=None):
             # -- instride
@@ -391,7 +396,7 @@ def run_demo(
                     ctx.Process(target=_producer_instride, name=f"instride-producer{i}",
                                 args=(stream, 1000 + i, steps, interval, threads, prog[0], queue)),
                     ctx.Process(target=_consumer_instride, name=f"instride-consumer{i}",
-                                args=(stream, str(rdir), timeout, prog[1], queue)),
+                                args=(stream, str(rdir), i, timeout, prog[1], queue)),
                 ))
                 progress.append(prog)
                 results.append(queue)
@@ -415,8 +420,8 @@ def run_demo(
                                     args=(str(fdir), barrier, 1000 + i, steps, interval,
                                           threads, timeout, prog[0], queue)),
                         ctx.Process(target=_consumer_localfs, name=f"localfs-consumer{i}",
-                                    args=(str(fdir), barrier, nframes, str(rdir), timeout,
-                                          prog[1], queue)),
+                                    args=(str(fdir), barrier, nframes, str(rdir), i,
+                                          timeout, prog[1], queue)),
                     ))
                     progress.append(prog)
                     results.append(queue)
@@ -430,10 +435,85 @@ def run_demo(
         if user_dir:
             shutil.rmtree(os.path.join(user_dir, run_id), ignore_errors=True)
     text = format_summary(rows)
+    if baseline:
+        text += "\n\n" + format_comparison(compare_workflows(out_dir, replicas))
     print(text)
     _save_summary(rows, text, out_dir)
-    print(f"tables, plots and summary in {out_dir}")
+    plot_performance(rows, out_dir / "performance.png")
+    print(f"tables, plots (performance.png: the cost of moving frames) and summary in {out_dir}")
     return rows
+
+
+def compare_workflows(out_dir: str | os.PathLike[str], replicas: int) -> dict[int, dict[str, float]]:
+    """Largest difference of each analysed quantity between the two workflows, per replica.
+
+    Both workflows run the same seeds on OpenMM's CPU platform with deterministic forces, and
+    store frames identically (float32 Å), so they simulate the same trajectory and the tables
+    ``OUT/instride/replica<i>/analytics.csv`` and ``OUT/localfs+barrier/replica<i>/analytics.csv``
+    are equal.
+
+    Returns
+    -------
+    dict
+        replica -> {column: max |difference|} (``frames`` too: the frame count difference).
+    """
+    import numpy as np
+
+    from ..analytics.table import read_table
+
+    out = {}
+    for i in range(replicas):
+        a = read_table(Path(out_dir) / "instride" / f"replica{i}" / "analytics.csv")
+        b = read_table(Path(out_dir) / "localfs+barrier" / f"replica{i}" / "analytics.csv")
+        n = min(len(a["frame"]), len(b["frame"]))
+        diffs = {"frames": float(abs(len(a["frame"]) - len(b["frame"])))}
+        for col in a:
+            if col in b and col != "frame":
+                diffs[col] = float(np.max(np.abs(a[col][:n] - b[col][:n]))) if n else 0.0
+        out[i] = diffs
+    return out
+
+
+def format_comparison(diffs: dict[int, dict[str, float]]) -> str:
+    """One line per replica: are the two workflows' trajectories the same?"""
+    lines = ["same seed, same trajectory? largest difference between the workflows' analytics:"]
+    for i, d in diffs.items():
+        if not any(d.values()):
+            lines.append(f"  replica {i}: same (every frame, every quantity identical)")
+            continue
+        parts = ", ".join(f"{k} {v:.2g}" for k, v in d.items())
+        lines.append(f"  replica {i}: DIFFERENT ({parts})")
+    return "\n".join(lines)
+
+
+def plot_performance(rows: list[DemoRow], path: str | os.PathLike[str]) -> Path:
+    """A bar chart of the cost of moving frames, per workflow and replica (ms per frame)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    metrics = (("producer_overhead_s", "producer: publish (+ barrier)"),
+               ("consumer_idle_s", "consumer: idle, waiting for frames"),
+               ("consumer_read_s", "consumer: read + verify"))
+    labels = [f"{r.workflow}\nreplica {r.replica}" for r in rows]
+    x = np.arange(len(rows))
+    width = 0.8 / len(metrics)
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.8 * len(rows)), 4.8))
+    for k, (attr, name) in enumerate(metrics):
+        values = [1e3 * getattr(r, attr) / max(r.frames, 1) for r in rows]
+        ax.bar(x + (k - (len(metrics) - 1) / 2) * width, values, width, label=name)
+    ax.set_xticks(x, labels)
+    ax.set_ylabel("ms per frame")
+    ax.set_yscale("symlog", linthresh=0.1)
+    ax.set_title("moving frames from the simulation to the analytics")
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return out
 
 
 def _rows(workflow: str, got: list[tuple[dict, dict]]) -> list[DemoRow]:

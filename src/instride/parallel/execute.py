@@ -209,7 +209,7 @@ def _rank_work(
         timing.start, timing.stop = start, stop
         bar = None
         if progress:
-            from tqdm.auto import tqdm
+            from ..progress import progress as tqdm
 
             bar = tqdm(total=stop - start, desc=f"{analysis.name} rank {rank}", unit="frame",
                        leave=False)

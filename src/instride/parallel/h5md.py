@@ -163,9 +163,9 @@ def export_h5md(
         ``out`` exists and ``overwrite`` is false, or the stream has no frames.
     """
     import h5py
-    from tqdm.auto import tqdm
 
     from .. import __version__
+    from ..progress import progress as tqdm
 
     register_h5_extension()
     src = os.fspath(source)

@@ -1,35 +1,44 @@
 """A bridge from an unmodified MD engine's IMD socket into an instride stream.
 
-GROMACS (and NAMD, LAMMPS) can stream coordinates while they run through the *Interactive
+GROMACS, LAMMPS and NAMD can stream coordinates while they run through the *Interactive
 Molecular Dynamics* (IMD) protocol. :func:`bridge` connects to the engine as an IMD client
-(the ``imdclient`` package), receives every frame the engine sends and publishes it into an
-instride stream; when the engine terminates (it closes the socket after its last step) the
-stream is closed, so consumers' iterations end.
+(the ``imdclient`` package, which speaks IMD v2 and v3), receives every frame the engine sends
+and publishes it into an instride stream; when the engine terminates (it closes the socket
+after its last step) the stream is closed, so consumers' iterations end.
 
-GROMACS 2022 speaks IMD **v2**: frames carry positions (in Å; GROMACS converts from nm) and an
-energy block, but no step, time or box. GROMACS sends every step from the first one, so the
-bridge numbers v2 frames itself: frame ``n`` is step ``first_step + n`` (the energy block's
-``tstep`` is not used: with GROMACS 2022 it is one more than the step of the coordinates it
-accompanies, as checked against the ``.trr`` of the same run), its time is ``step * dt`` when
-``dt`` (ps per step) is given (else 0.0), and it has no box. IMD v3 engines (LAMMPS,
-GROMACS >= 2025) send time, step and box, which are used as is.
+**IMD v3** (LAMMPS ``fix imd ... version 3``, GROMACS >= 2025, NAMD 3) announces in its
+handshake what each frame carries; frames with time, step and box are published with them as
+is (positions and box in Å for GROMACS and NAMD; LAMMPS sends its own length units). Velocities
+and forces, when sent, are received but not stored: instride frames hold positions.
+
+**IMD v2** (GROMACS 2022, Debian's LAMMPS 2021) frames carry positions and, from GROMACS, an
+energy block, but no step, time or box. The bridge numbers v2 frames itself: frame ``n`` is
+step ``first_step + n * every``; its time is ``step * dt`` when ``dt`` (ps per step) is given
+(else 0.0), and it has no box. GROMACS sends every step from step 0 (``first_step=0``; the
+energy block's ``tstep`` is not used: with GROMACS 2022 it is one more than the step of the
+coordinates it accompanies, as checked against the ``.trr`` of the same run); LAMMPS sends
+every ``trate`` steps from step 1 (``first_step=1``, as checked against a dump of the same run).
 
 GROMACS side (mdp ``IMD-group = System``)::
 
     gmx mdrun -s md.tpr -imdport 8888 -imdwait -imdterm -nt 1
 
+LAMMPS side (input script)::
+
+    fix 2 all imd 8888 version 3 time on box on coordinates on velocities off forces off
+
 instride side::
 
     instride imd-bridge localhost:8888 gmx/run1 --gro conf.gro --dt 0.002
+    instride imd-bridge localhost:8888 lmp/run1 --natoms 4000
 
 Errors are typed: an engine that never accepts the connection raises
 :class:`EngineUnavailable`; an engine that stops sending for ``timeout`` seconds raises
 :class:`~instride.errors.ConsumeTimeout`; a protocol mismatch (wrong atom count...) raises
 :class:`IMDProtocolError`. In all three cases the stream is left without end-of-stream, so
-consumers do not mistake a broken run for a complete one. Limitation: IMD v2 has no "run
-finished" message, so an engine that crashes (a GROMACS fatal error) also just closes its
-socket, and the bridge then ends the stream after the last frame it received; check the
-engine's exit status.
+consumers do not mistake a broken run for a complete one. Limitation: IMD has no "run
+finished" message, so an engine that crashes also just closes its socket, and the bridge then
+ends the stream after the last frame it received; check the engine's exit status.
 """
 
 from __future__ import annotations
@@ -139,6 +148,7 @@ def bridge(
     *,
     dt: float | None = None,
     first_step: int = 0,
+    every: int = 1,
     connect_timeout: float = 60.0,
     timeout: float = 600.0,
     layout: str = "xyz32",
@@ -159,7 +169,11 @@ def bridge(
     dt
         Picoseconds per MD step, to fill the frame time when the protocol (v2) has none.
     first_step
-        Step of the first frame when the protocol (v2) carries no step (a continued run).
+        Step of the first frame when the protocol (v2) carries no step: 0 for GROMACS, 1 for
+        LAMMPS, or where a continued run starts.
+    every
+        Steps between two frames when the protocol (v2) carries no step (the engine's
+        transmission rate: LAMMPS ``trate``).
     connect_timeout
         Seconds to keep retrying the connection (the engine may still be starting).
     timeout
@@ -182,11 +196,13 @@ def bridge(
     IMDProtocolError
         The engine's frames do not match ``natoms`` or the protocol.
     ConfigError
-        A malformed ``address`` or ``natoms < 1``.
+        A malformed ``address``, ``natoms < 1`` or ``every < 1``.
     """
     host, port = parse_addr(address, name="HOST:PORT")
     if natoms < 1:
         raise ConfigError("natoms", natoms, "must be >= 1")
+    if every < 1:
+        raise ConfigError("every", every, "must be >= 1")
     out = stream if isinstance(stream, Stream) else Stream(
         stream, mode="w", layout=layout, overwrite=overwrite
     )
@@ -212,7 +228,7 @@ def bridge(
                 break  # the engine closed the connection: end of the run
             last = time.monotonic()
             p0 = time.perf_counter()
-            step = int(imdf.step) if imdf.step is not None else first_step + frames
+            step = int(imdf.step) if imdf.step is not None else first_step + frames * every
             when = float(imdf.time) if imdf.time is not None else (
                 step * dt if dt is not None else 0.0
             )

@@ -1,0 +1,431 @@
+"""Serve an instride stream over IMD v3, to unmodified ``imd://`` clients (MDAnalysis, imdclient).
+
+MDAnalysis reads a running simulation with ``mda.Universe(topology, "imd://host:port")`` (its
+IMD reader, built on the ``imdclient`` package, speaks IMD version 3). An engine accepts one
+such client; :class:`IMDServer` puts an IMD server in front of an instride stream instead, so
+any number of clients can connect, each with its own position in the stream: from the first
+frame (default) or from the newest one published when it connects. Each client gets time,
+step and box (when the stream's frames have one) with the positions, at its own pace: it
+pauses the server when its buffer fills (PAUSE / RESUME) and may ask for every n-th frame
+(TRATE). When the producer closes the stream, the server sends the last frame, then shuts
+its side of the connection down and waits for the client to close, so the client's iteration
+ends cleanly (``StopIteration``) after the last frame.
+
+Command line::
+
+    instride imd-serve run7 --port 8889
+
+then, in any number of Python sessions::
+
+    import MDAnalysis as mda
+    u = mda.Universe("conf.gro", "imd://localhost:8889")
+    for ts in u.trajectory:
+        ...
+
+IMD carries no atom names, so the client brings a topology with the stream's atom count.
+Messages meant to steer an engine are not passed on: MDCOMM forces and WAIT are read and
+ignored, and KILL ends only that client's session (like DISCONNECT), not the stream's producer. IMD has no authentication: the server listens on 127.0.0.1 unless
+told otherwise (``host="0.0.0.0"`` for clients on other nodes).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import ConfigError, ConsumeTimeout, InstrideError
+from ..frames import Frame
+from ..stream import Stream
+from .imd_protocol import (
+    HEADER_SIZE,
+    VERSIONS,
+    MsgType,
+    SessionInfo,
+    client_body_size,
+    decode_header,
+    encode_frame_packets,
+    encode_handshake,
+    recv_exact,
+)
+
+__all__ = ["ClientReport", "IMDServer", "serve"]
+
+log = logging.getLogger(__name__)
+
+_POLL = 0.25  # seconds between checks of the stop flag while waiting
+
+
+@dataclass
+class ClientReport:
+    """What one client got."""
+
+    peer: str
+    frames: int = 0
+    ended: bool = False  #: the client received every frame up to end-of-stream
+    error: str | None = None  #: why the session ended early (the client left, a protocol error)
+    seconds: float = 0.0
+    pauses: int = 0  #: PAUSE messages the client sent (its buffer was full)
+
+
+@dataclass
+class _Session:
+    conn: socket.socket
+    peer: str
+    report: ClientReport
+    go: threading.Event = field(default_factory=threading.Event)
+    resumed: threading.Event = field(default_factory=threading.Event)
+    gone: threading.Event = field(default_factory=threading.Event)
+    trate: int = 1
+
+
+class IMDServer:
+    """An IMD server over one instride stream, for any number of clients.
+
+    Parameters
+    ----------
+    stream
+        Name of the stream to serve (it may not exist yet; clients wait for its frames).
+    host, port
+        Address to listen on; ``port=0`` picks a free port (see :attr:`port`).
+    version
+        IMD version to speak: 3 (MDAnalysis's ``imd://`` reader) or 2 (older clients, VMD).
+    start
+        Where a new client starts: ``"first"`` (frame 0) or ``"newest"`` (the newest frame
+        published when it connects, or the first one when none is).
+    timeout
+        Seconds a client's session waits for the producer's next frame before it gives up and
+        closes that connection (``None``: wait as long as the server runs).
+    dt
+        Picoseconds per MD step for the TIME packet; by default estimated from consecutive
+        frames (time difference over step difference; 0.0 until two frames were sent).
+    on_client_done
+        Called with each :class:`ClientReport` when a session ends.
+
+    Examples
+    --------
+    >>> with IMDServer("run7", port=0) as srv:         # doctest: +SKIP
+    ...     u = mda.Universe("conf.gro", f"imd://localhost:{srv.port}")
+    """
+
+    def __init__(
+        self,
+        stream: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        version: int = 3,
+        start: str = "first",
+        timeout: float | None = None,
+        dt: float | None = None,
+        on_client_done: Callable[[ClientReport], None] | None = None,
+    ) -> None:
+        if version not in VERSIONS:
+            raise ConfigError("version", version, f"IMD version must be one of {VERSIONS}")
+        if start not in ("first", "newest"):
+            raise ConfigError("start", start, "must be 'first' or 'newest'")
+        if not 0 <= port < 65536:
+            raise ConfigError("port", port, "must be in 0..65535")
+        self.stream = Stream(stream, mode="r").name  # validates the name
+        self.host = host
+        self.version = version
+        self.start_at = start
+        self.timeout = timeout
+        self.dt = dt
+        self.on_client_done = on_client_done
+        self.reports: list[ClientReport] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
+        self._sessions: list[_Session] = []
+        self._threads: list[threading.Thread] = []
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._listener.bind((host, port))
+        except OSError as exc:
+            self._listener.close()
+            raise InstrideError(f"imd-serve: cannot listen on {host}:{port}: {exc}") from None
+        self._listener.listen(64)
+        self._listener.settimeout(_POLL)
+        self.port: int = self._listener.getsockname()[1]
+        self._acceptor = threading.Thread(target=self._accept_loop, name="imd-accept", daemon=True)
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def address(self) -> str:
+        """``imd://host:port`` for clients."""
+        return f"imd://{self.host}:{self.port}"
+
+    def start(self) -> IMDServer:
+        """Start accepting clients (in a background thread); return ``self``."""
+        if not self._acceptor.is_alive():
+            self._acceptor.start()
+        return self
+
+    def __enter__(self) -> IMDServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait_clients(self, n: int, timeout: float | None = None) -> bool:
+        """Block until ``n`` client sessions have ended; return whether they did in time."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._done:
+            while len(self.reports) < n and not self._stop.is_set():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._done.wait(_POLL if left is None else min(left, _POLL))
+            return len(self.reports) >= n
+
+    def close(self) -> None:
+        """Stop accepting, end every session (closing its connection) and join the threads."""
+        self._stop.set()
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        with self._lock:
+            sessions = list(self._sessions)
+        for s in sessions:
+            s.gone.set()
+            s.resumed.set()
+            try:
+                s.conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._acceptor.is_alive():
+            self._acceptor.join()
+        for t in list(self._threads):
+            t.join(timeout=5)
+
+    # ------------------------------------------------------------------ accepting
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                break  # closed
+            peer = f"{addr[0]}:{addr[1]}"
+            session = _Session(conn, peer, ClientReport(peer))
+            session.resumed.set()
+            with self._lock:
+                self._sessions.append(session)
+            t = threading.Thread(target=self._serve_client, args=(session,), name=f"imd-{peer}",
+                                 daemon=True)
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
+            t.start()
+
+    # ------------------------------------------------------------------ one client
+    def _session_info(self, stream: Stream) -> SessionInfo:
+        """What every frame of this session will carry, judged from the stream's first frame.
+
+        A box is announced unless the first frame has none; velocities and forces only if
+        the stream's frames carry them (an attribute ``velocities`` / ``forces`` that is not
+        ``None``; today's frames hold positions and box only).
+        """
+        box, vel, forces = True, False, False
+        published = stream.published()
+        if published:
+            first = stream.read(published[0])
+            box = first.header.has_box
+            vel = getattr(first, "velocities", None) is not None
+            forces = getattr(first, "forces", None) is not None
+        return SessionInfo(time=True, energies=False, box=box, positions=True, velocities=vel,
+                           forces=forces)
+
+    def _serve_client(self, s: _Session) -> None:
+        t0 = time.perf_counter()
+        stream = Stream(self.stream, mode="r", timeout=_POLL)
+        receiver: threading.Thread | None = None
+        try:
+            info = self._session_info(stream)
+            s.conn.settimeout(30.0)
+            s.conn.sendall(encode_handshake(self.version, "<", info))
+            receiver = threading.Thread(target=self._receive, args=(s,), name=f"imd-rx-{s.peer}",
+                                        daemon=True)
+            receiver.start()
+            if not s.go.wait(30.0) or s.gone.is_set():
+                raise _SessionEnd("no IMD_GO from the client within 30 s")
+            s.conn.settimeout(None if self.timeout is None else max(self.timeout, 30.0))
+            self._send_frames(s, stream, info)
+            s.report.ended = True
+            # End of stream: shut our side down and wait until the client has read everything
+            # and closed (closing at once can reset the connection while the client still has
+            # unread frames and unanswered PAUSE/RESUME messages in flight).
+            s.conn.shutdown(socket.SHUT_WR)
+            while not s.gone.wait(_POLL):
+                if self._stop.is_set():
+                    break
+        except _SessionEnd as exc:
+            s.report.error = str(exc)
+        except OSError as exc:  # reset, broken pipe: the client went away
+            s.report.error = f"connection lost: {exc}"
+        except InstrideError as exc:
+            s.report.error = str(exc)
+        finally:
+            s.gone.set()
+            try:
+                s.conn.close()
+            except OSError:
+                pass
+            if receiver is not None:
+                receiver.join(timeout=5)
+            s.report.seconds = time.perf_counter() - t0
+            with self._done:
+                self._sessions.remove(s)
+                self.reports.append(s.report)
+                self._done.notify_all()
+            log.info("imd client %s: %d frames, %s", s.peer, s.report.frames,
+                     "end of stream" if s.report.ended else s.report.error)
+            if self.on_client_done is not None:
+                self.on_client_done(s.report)
+
+    def _next_frame(self, s: _Session, stream: Stream) -> Frame | None:
+        """The stream's next frame, or ``None`` at its end; gives up after ``self.timeout``."""
+        waited = 0.0
+        while True:
+            if s.gone.is_set() or self._stop.is_set():
+                raise _SessionEnd(s.report.error or "the client left")
+            try:
+                return next(stream)
+            except StopIteration:
+                return None
+            except ConsumeTimeout:
+                waited += _POLL
+                if self.timeout is not None and waited >= self.timeout:
+                    raise _SessionEnd(f"no frame from the producer for {self.timeout} s") from None
+
+    def _send_frames(self, s: _Session, stream: Stream, info: SessionInfo) -> None:
+        if self.start_at == "newest":
+            published = stream.published()
+            if published:
+                stream.seek(published[-1])
+        prev: tuple[int, float] | None = None
+        dt = self.dt if self.dt is not None else 0.0
+        seen = 0
+        while True:
+            frame = self._next_frame(s, stream)
+            if frame is None:
+                return
+            seen += 1
+            if (seen - 1) % max(s.trate, 1):
+                continue
+            while not s.resumed.wait(_POLL):  # paused by the client
+                if s.gone.is_set() or self._stop.is_set():
+                    raise _SessionEnd(s.report.error or "the client left")
+            if self.dt is None:
+                if prev is not None and frame.step != prev[0]:
+                    dt = (frame.time - prev[1]) / (frame.step - prev[0])
+                prev = (frame.step, frame.time)
+            box = frame.box if info.box else None
+            parts = encode_frame_packets(
+                self.version, np.asarray(frame.positions), step=frame.step, time=frame.time, dt=dt,
+                box=box, velocities=getattr(frame, "velocities", None),
+                forces=getattr(frame, "forces", None), session=info, order="<",
+            )
+            s.conn.sendall(b"".join(parts))
+            s.report.frames += 1
+
+    def _receive(self, s: _Session) -> None:
+        """Read the client's messages until it closes (runs beside the sender)."""
+        conn = s.conn
+        try:
+            while True:
+                head = recv_exact(conn, HEADER_SIZE)
+                if head is None:
+                    break
+                kind, length = decode_header(head)
+                body = client_body_size(kind, length)
+                if body and recv_exact(conn, body) is None:
+                    break
+                if kind == MsgType.GO:
+                    s.go.set()
+                elif kind == MsgType.PAUSE:
+                    if self.version == 2 and not s.resumed.is_set():
+                        s.resumed.set()  # v2: PAUSE toggles
+                    else:
+                        s.resumed.clear()
+                        s.report.pauses += 1
+                elif kind == MsgType.RESUME:
+                    s.resumed.set()
+                elif kind == MsgType.TRATE:
+                    s.trate = max(int(length), 1)
+                elif kind in (MsgType.DISCONNECT, MsgType.KILL):
+                    s.report.error = s.report.error or (
+                        None if s.report.ended else "the client disconnected"
+                    )
+                    break
+                elif kind in (MsgType.WAIT, MsgType.MDCOMM, MsgType.IOERROR):
+                    pass  # engine controls: the stream's producer is not steered
+                else:
+                    s.report.error = f"unknown IMD message type {kind}"
+                    break
+        except (OSError, struct.error):
+            pass
+        finally:
+            s.gone.set()
+            s.resumed.set()
+
+
+class _SessionEnd(Exception):
+    pass
+
+
+def serve(
+    stream: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    version: int = 3,
+    start: str = "first",
+    clients: int | None = None,
+    timeout: float | None = None,
+    dt: float | None = None,
+    on_ready: Callable[[IMDServer], None] | None = None,
+    on_client_done: Callable[[ClientReport], None] | None = None,
+) -> list[ClientReport]:
+    """Serve ``stream`` over IMD until ``clients`` sessions have ended (or forever).
+
+    Parameters
+    ----------
+    stream, host, port, version, start, timeout, dt, on_client_done
+        As for :class:`IMDServer`.
+    clients
+        Return after this many client sessions have ended (``None``: serve until interrupted).
+    on_ready
+        Called with the listening server (its :attr:`IMDServer.port` is known then).
+
+    Returns
+    -------
+    list of ClientReport
+        One per finished session.
+
+    Raises
+    ------
+    ConfigError
+        A bad version, start or port.
+    InstrideError
+        The address cannot be bound.
+    """
+    server = IMDServer(stream, host=host, port=port, version=version, start=start, timeout=timeout,
+                       dt=dt, on_client_done=on_client_done)
+    with server:
+        if on_ready is not None:
+            on_ready(server)
+        if clients is None:
+            while True:
+                time.sleep(3600)
+        server.wait_clients(clients)
+    return list(server.reports)
+

@@ -1,0 +1,255 @@
+"""instride imd-serve: unmodified imd:// readers (MDAnalysis + imdclient) consume a stream,
+checked frame by frame against a direct read of the source trajectory."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import MDAnalysis as mda
+import numpy as np
+import pytest
+from imdclient.IMDClient import IMDClient
+from MDAnalysis.analysis import rms
+from MDAnalysisTests.datafiles import DCD, GRO, PSF, XTC
+
+import instride
+from instride.md.imd_bridge import bridge
+from instride.md.imd_server import IMDServer
+from tests.conftest import finish, free_port
+
+READER = Path(__file__).with_name("imd_reader.py")
+
+
+def _publish(name: str, u: mda.Universe, pause: float = 0.0) -> None:
+    with instride.Stream(name, mode="w") as s:
+        for ts in u.trajectory:
+            box = None if ts.dimensions is None else ts.triclinic_dimensions
+            s.append(u.atoms.positions, step=int(ts.data.get("step", ts.frame)), time=ts.time, box=box)
+            time.sleep(pause)
+
+
+def _reader(top: str, port: int, out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(READER), top, f"imd://127.0.0.1:{port}", str(out), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+
+
+@pytest.fixture
+def server_factory(managed_dir: Path):
+    servers: list[IMDServer] = []
+
+    def make(stream: str, **kw: object) -> IMDServer:
+        srv = IMDServer(stream, **kw).start()  # type: ignore[arg-type]
+        servers.append(srv)
+        return srv
+
+    yield make
+    for srv in servers:
+        srv.close()
+
+
+def test_mdanalysis_readers_follow_a_live_stream(server_factory, tmp_path: Path) -> None:
+    """Two MDAnalysis imd:// readers connect before the first frame and read while it is written."""
+    srv = server_factory("adk")
+    outs = [tmp_path / f"r{i}.npz" for i in range(2)]
+    readers = [_reader(GRO, srv.port, out, "select=protein") for out in outs]
+    try:
+        time.sleep(0.5)
+        _publish("adk", mda.Universe(GRO, XTC), pause=0.1)
+        for p in readers:
+            rc, out, err = finish(p, timeout=120)
+            assert rc == 0, err
+            assert "10 frames" in out
+    finally:
+        for p in readers:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert srv.wait_clients(2, timeout=30)
+    assert all(r.ended and r.frames == 10 for r in srv.reports), srv.reports
+    ref = mda.Universe(GRO, XTC)  # the direct read
+    protein = ref.select_atoms("protein")
+    first = None
+    for out in outs:
+        got = np.load(out)
+        assert len(got["positions"]) == len(ref.trajectory)
+        worst = np.zeros(4)
+        for i, ts in enumerate(ref.trajectory):
+            np.testing.assert_array_equal(got["positions"][i], ref.atoms.positions)
+            assert got["time"][i] == pytest.approx(ts.time)
+            assert got["step"][i] == ts.data["step"]
+            np.testing.assert_allclose(got["dimensions"][i], ts.dimensions, rtol=1e-5)
+            assert got["rg"][i] == pytest.approx(protein.radius_of_gyration(), rel=1e-6)
+            if first is None:
+                first = protein.positions.copy()
+            ref_rmsd = rms.rmsd(protein.positions, first, superposition=True)
+            assert got["rmsd"][i] == pytest.approx(ref_rmsd, abs=1e-4)
+            worst = np.maximum(worst, [np.abs(got["positions"][i] - ref.atoms.positions).max(),
+                                       np.abs(got["dimensions"][i] - ts.dimensions).max(),
+                                       abs(got["rg"][i] - protein.radius_of_gyration()),
+                                       abs(got["rmsd"][i] - ref_rmsd)])
+        print(f"imd-serve vs XTC: max |diff| positions {worst[0]:.2g} A, box {worst[1]:.2g}, "
+              f"Rg {worst[2]:.2g} A, RMSD {worst[3]:.2g} A; RMSD up to {got['rmsd'].max():.2f} A")
+        # dt: from consecutive frames (time / step), 0.0 for the first
+        assert got["dt"][0] == 0.0
+        assert got["dt"][1:] == pytest.approx(ref.trajectory.dt / 50000, rel=1e-5)
+
+
+def test_slow_client_pauses_the_server_and_misses_nothing(server_factory) -> None:
+    """imdclient with a buffer of a few frames sends PAUSE/RESUME; every frame arrives, in order."""
+    u = mda.Universe(PSF, DCD)
+    _publish("dcd", u)
+    srv = server_factory("dcd")
+    natoms = len(u.atoms)
+    client = IMDClient("127.0.0.1", srv.port, natoms, buffer_size=8 * natoms * 12, timeout=30)
+    info = client.get_imdsessioninfo()
+    assert (info.version, info.time, info.box, info.positions) == (3, True, False, True)
+    got = []
+    try:
+        while True:
+            try:
+                f = client.get_imdframe()
+            except EOFError:
+                break
+            got.append((f.step, f.positions.copy()))
+            time.sleep(0.02)  # slower than the server: its buffer fills
+    finally:
+        client.stop()
+    assert [s for s, _ in got] == [ts.data["step"] for ts in u.trajectory]  # 1, 2, ...
+    for ts in u.trajectory:
+        np.testing.assert_array_equal(got[ts.frame][1], u.atoms.positions)
+    assert srv.wait_clients(1, timeout=30) and srv.reports[0].ended
+    assert srv.reports[0].pauses >= 1  # the client's buffer did fill up
+
+
+def test_newest_start_and_a_client_leaving_early(server_factory) -> None:
+    u = mda.Universe(PSF, DCD)
+    _publish("dcd", u)
+    n = len(u.trajectory)
+    srv = server_factory("dcd", start="newest")
+    client = IMDClient("127.0.0.1", srv.port, len(u.atoms), multithreaded=False, timeout=30)
+    frames = []
+    while True:
+        try:
+            frames.append(client.get_imdframe().step)
+        except EOFError:
+            break
+    assert frames == [u.trajectory[-1].data["step"]]  # only the newest frame, then end of stream
+    # a client that leaves after 2 frames: its session ends, the server keeps serving
+    first = server_factory("dcd")
+    c1 = IMDClient("127.0.0.1", first.port, len(u.atoms), multithreaded=False, timeout=30)
+    c1.get_imdframe()
+    c1.get_imdframe()
+    c1.stop()
+    assert first.wait_clients(1, timeout=30)
+    assert not first.reports[0].ended and first.reports[0].error
+    c2 = IMDClient("127.0.0.1", first.port, len(u.atoms), multithreaded=False, timeout=30)
+    count = 0
+    while True:
+        try:
+            c2.get_imdframe()
+            count += 1
+        except EOFError:
+            break
+    assert count == n
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_bridge_receives_both_versions(server_factory, version: int) -> None:
+    """stream -> imd-serve (IMD v2 or v3) -> imd-bridge -> stream: same frames; v3 keeps step,
+    time and box, v2 numbers frames itself."""
+    u = mda.Universe(GRO, XTC)
+    _publish("src", u)
+    srv = server_factory("src", version=version)
+    report = bridge(f"127.0.0.1:{srv.port}", f"copy{version}", len(u.atoms), dt=0.002,
+                    first_step=5, every=10, connect_timeout=10, timeout=30)
+    assert (report.frames, report.imd_version) == (len(u.trajectory), version)
+    copy = list(instride.Stream(f"copy{version}", timeout=5))
+    assert len(copy) == len(u.trajectory)
+    for frame, ts in zip(copy, u.trajectory, strict=True):
+        np.testing.assert_array_equal(frame.positions, u.atoms.positions)
+        if version == 3:
+            assert (frame.step, frame.time) == (ts.data["step"], pytest.approx(ts.time))
+            np.testing.assert_allclose(frame.box, ts.triclinic_dimensions, rtol=1e-6, atol=1e-4)
+        else:
+            assert frame.step == 5 + 10 * ts.frame
+            assert frame.time == pytest.approx(frame.step * 0.002)
+            assert not frame.header.has_box
+
+
+def test_bad_settings_are_typed_errors(managed_dir: Path) -> None:
+    with pytest.raises(instride.ConfigError, match="version"):
+        IMDServer("s", version=4)
+    with pytest.raises(instride.ConfigError, match="start"):
+        IMDServer("s", start="middle")
+    with pytest.raises(instride.KeyValidationError):
+        IMDServer("../outside")
+    with IMDServer("s") as busy:
+        with pytest.raises(instride.InstrideError, match="cannot listen"):
+            IMDServer("s", port=busy.port)
+
+
+def test_cli_imd_serve(managed_dir: Path) -> None:
+    u = mda.Universe(PSF, DCD)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "instride", "imd-serve", "cli", "--port", str(port), "--clients", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        t = threading.Thread(target=_publish, args=("cli", u))
+        t.start()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client = IMDClient("127.0.0.1", port, len(u.atoms), multithreaded=False, timeout=30)
+                break
+            except ConnectionError:
+                assert time.monotonic() < deadline, "imd-serve did not start listening"
+                time.sleep(0.1)
+        count = 0
+        while True:
+            try:
+                client.get_imdframe()
+                count += 1
+            except EOFError:
+                break
+        t.join()
+        rc, out, err = finish(proc, timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert rc == 0, err
+    assert count == len(u.trajectory)
+    assert f"imd://127.0.0.1:{port} (IMD v3" in out
+    assert f"{len(u.trajectory)} frames" in out and "end of stream" in out and "served 1 clients" in out
+
+
+def test_cli_imd_serve_stops_cleanly_on_sigterm(managed_dir: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "instride", "imd-serve", "nothing-yet", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        line = proc.stdout.readline().decode()
+        assert "serving stream nothing-yet on imd://127.0.0.1:" in line
+        port = int(line.split("imd://127.0.0.1:", 1)[1].split()[0])
+        # a client waiting for a stream that has no frame yet is cut off by the shutdown
+        client = IMDClient("127.0.0.1", port, 10, multithreaded=False, timeout=30)
+        proc.send_signal(signal.SIGTERM)
+        rc, out, err = finish(proc, timeout=30)
+        with pytest.raises(EOFError):
+            client.get_imdframe()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert rc == 0, err
+    assert "imd-serve: stopped" in out
