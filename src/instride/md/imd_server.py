@@ -25,7 +25,8 @@ then, in any number of Python sessions::
 IMD carries no atom names, so the client brings a topology with the stream's atom count.
 Messages meant to steer an engine are not passed on: MDCOMM forces and WAIT are read and
 ignored, and KILL ends only that client's session (like DISCONNECT), not the stream's
-producer. IMD has no authentication: the server listens on 127.0.0.1 unless told otherwise (``host="0.0.0.0"`` for clients on other nodes).
+producer. IMD has no authentication: the server listens on 127.0.0.1 unless told otherwise
+(``host="0.0.0.0"`` for clients on other nodes).
 """
 
 from __future__ import annotations
