@@ -9,10 +9,11 @@ BIN    := $(VENV)/bin
 # nodes in network namespaces), GROMACS and LAMMPS (MD engines streaming over IMD v2), compilers
 # for the preload library and its C/C++ tests, sshfs + sshd (the shared-file-system baseline
 # of the benchmark: a real network file system between emulated nodes).
-# BUILD_PACKAGES: what `pip install -e .` needs to compile the preload library (without
+# BUILD_PACKAGES: what creating .venv and `pip install -e .` need: python3-venv (Debian's
+# python3 has no ensurepip without it), a C compiler for the preload library (without
 # libc6-dev, which apt does not install with gcc under --no-install-recommends, gcc finds no
 # headers); `make demo` installs only these.
-BUILD_PACKAGES := gcc libc6-dev
+BUILD_PACKAGES := python3-venv gcc libc6-dev
 APT_PACKAGES := $(BUILD_PACKAGES) redis-server iproute2 gromacs lammps g++ make procps sshfs openssh-server util-linux
 
 .PHONY: demo test lint bench clean system-deps build-deps
@@ -44,7 +45,7 @@ system-deps:
 build-deps:
 	$(call apt_install,$(BUILD_PACKAGES))
 
-$(BIN)/python:
+$(BIN)/python: | build-deps
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
