@@ -116,3 +116,14 @@ def controller(ports, switch_at=3, stop_at=8):
             ports.put("control", {"every": 5}, step=k)
         if k == stop_at:
             ports.put("control", {"stop": True}, step=k)
+
+
+def ranked(ports, n=4, every=10):
+    """Source of arrays ``[100 * instance + k]`` at steps ``k * every``."""
+    for k in range(n):
+        ports.put("out", np.array([100.0 * ports.instance + k]), step=k * every)
+
+
+def every_twenty(msg):
+    """Filter predicate: steps that are multiples of 20."""
+    return msg.step % 20 == 0
