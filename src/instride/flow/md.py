@@ -66,7 +66,8 @@ def openmm_producer(
     Ports: output ``frames`` (frame), optional non-blocking input ``control`` (json).
     Each instance runs its own replica (seed = ``seed`` or instance + 1). With ``out_dir``
     set it writes ``<module>-<instance>.json``: the steps it published, the interval in force
-    at each, the control messages it obeyed, and the seconds spent in ``put``.
+    at each, the control messages it obeyed, and the seconds of its loop, of MD
+    (``step`` + ``getState``) and of ``put``.
 
     Parameters
     ----------
@@ -90,6 +91,7 @@ def openmm_producer(
     sim = make_simulation(pdb, seed=seed or ports.instance + 1, threads=threads)
     atoms = protein_indices(sim.topology) if protein_only else None
     log: dict[str, Any] = {"published": [], "controls": [], "md_seconds": 0.0}
+    start, cpu = time.perf_counter(), time.process_time()
     while sim.currentStep < steps:
         ctl = ports.get("control") if "control" in ports.readers else None
         if ctl is not None:
@@ -109,6 +111,8 @@ def openmm_producer(
         ports.put("frames", np.asarray(pos, dtype=np.float32), step=int(sim.currentStep),
                   time=float(state.getTime().value_in_unit(unit.picosecond)), box=box)
         log["published"].append([int(sim.currentStep), interval])
+    log["loop_seconds"] = time.perf_counter() - start
+    log["loop_cpu_seconds"] = time.process_time() - cpu
     log["put_seconds"] = ports.recorder.seconds["put"]
     if ports.out_dir is not None:
         path = ports.out_dir / f"{ports.module}-{ports.instance}.json"
