@@ -8,6 +8,8 @@ import time
 
 import numpy as np
 
+from instride.flow import ModuleBase
+
 
 def count(ports, n=5, natoms=4, every=10, delay=0.0):
     """Source: ``n`` frames at steps 0, every, 2*every ...; positions filled with the index."""
@@ -127,3 +129,18 @@ def ranked(ports, n=4, every=10):
 def every_twenty(msg):
     """Filter predicate: steps that are multiples of 20."""
     return msg.step % 20 == 0
+
+
+class ScaleModule(ModuleBase):
+    """A class-based module: multiplies ``in`` by ``factor`` onto ``out``."""
+
+    def __init__(self, factor=2.0):
+        self.factor = factor
+        self.seen = 0
+
+    def process(self, msgs):
+        self.seen += 1
+        return {"out": msgs["in"].data * self.factor}
+
+    def finish(self, ports):
+        (ports.out_dir / "scale.json").write_text(str(self.seen))

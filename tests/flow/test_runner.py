@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from instride.errors import InstrideError
-from instride.flow import Graph, Input, ModuleFailed, run
+from instride.flow import FlowTimeout, Graph, Input, ModuleFailed, run
 
 from . import modules
 
@@ -120,3 +123,79 @@ def test_unknown_function_fails_before_start(flow_env: dict[str, Path]) -> None:
     g.module("m", "tests.flow.modules:does_not_exist")
     with pytest.raises(InstrideError, match="does_not_exist"):
         run(g, timeout=60)
+
+
+def test_class_module(flow_env: dict[str, Path]) -> None:
+    out = flow_env["out"]
+    g = Graph("cls")
+    src = g.module("src", modules.numbers, outputs={"out": "array"}, params={"n": 3})
+    sc = g.module("scale", modules.ScaleModule, inputs={"in": "array"},
+                  outputs={"out": "array"}, params={"factor": 10.0})
+    rec = g.module("rec", modules.record, inputs={"in": "array"})
+    g.connect(src.output("out"), sc.input("in"))
+    g.connect(sc.output("out"), rec.input("in"))
+    run(g, out=out, timeout=120)
+    assert json.loads((out / "record-0.json").read_text()) == [
+        [0, [0.0]], [10, [10.0]], [20, [20.0]]]
+    assert (out / "scale.json").read_text() == "3"
+
+
+def test_timeout_stops_the_graph(flow_env: dict[str, Path]) -> None:
+    out = flow_env["out"]
+    g = Graph("slow")
+    g.module("idle", modules.sleeper)
+    with pytest.raises(FlowTimeout, match="idle"):
+        run(g, out=out, timeout=3)
+    (pidfile,) = out.glob("sleeper-*.pid")
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pidfile.name.split("-")[1].split(".")[0]), 0)
+
+
+def test_runner_killed_leaves_no_instance(flow_env: dict[str, Path], tmp_path: Path) -> None:
+    """SIGTERM to `instride flow run` stops the graph; SIGKILL still takes the instances along
+    (parent-death signal)."""
+    graph = tmp_path / "g.py"
+    graph.write_text(textwrap.dedent("""
+        from instride.flow import Graph
+        from tests.flow import modules
+        graph = Graph("killed")
+        graph.module("idle", modules.sleeper, instances=2)
+        src = graph.module("src", modules.numbers, outputs={"out": "array"},
+                           params={"n": 10000, "delay": 0.01})
+        rec = graph.module("rec", modules.record, inputs={"in": "array"})
+        graph.connect(src.output("out"), rec.input("in"))
+    """))
+    out = flow_env["out"]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in out.glob("sleeper-*.pid"):
+            p.unlink()
+        proc = subprocess.Popen([sys.executable, "-m", "instride", "flow", "run", str(graph),
+                                 "--out", str(out), "-q"], env=env, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while len(list(out.glob("sleeper-*.pid"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = [int(p.name.split("-")[1].split(".")[0]) for p in out.glob("sleeper-*.pid")]
+        assert len(pids) == 2
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        if sig == signal.SIGTERM:
+            assert proc.returncode == 2 and b"received signal 15" in err
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids), sig
+    # a SIGKILLed runner could not clean up; the next run removes what it left
+    assert any(flow_env["state"].iterdir()) and (flow_env["managed"] / "flow").exists()
+    g = Graph("next")
+    g.module("src", modules.numbers, outputs={"out": "array"}, params={"n": 1})
+    run(g, timeout=60)  # the fixture checks that nothing is left
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as fh:  # a zombie is gone for our purposes
+        return fh.read().split(") ")[1][0] != "Z"

@@ -19,6 +19,7 @@ Examples
 
 from __future__ import annotations
 
+from .base import ModuleBase
 from .errors import (
     DeadlockError,
     FlowError,
@@ -48,6 +49,7 @@ __all__ = [
     "LocalLauncher",
     "Message",
     "Module",
+    "ModuleBase",
     "ModuleFailed",
     "PortRef",
     "PortTypeError",

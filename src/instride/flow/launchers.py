@@ -41,6 +41,17 @@ class Launcher(Protocol):
         """Remove every key under ``prefix`` on every node (and its metadata)."""
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL when the runner dies (Linux ``PR_SET_PDEATHSIG``),
+    so a killed runner leaves no orphan instance."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+
+
 def _remove_prefix(client: Client, prefix: str) -> None:
     for key in client.list(f"{prefix}/"):
         client.delete(key)
@@ -80,7 +91,8 @@ class LocalLauncher:
     def start(self, node: str, argv: Sequence[str], env: Mapping[str, str],
               log: IO[bytes]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(list(argv), env=dict(env), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_die_with_parent)
 
     def cleanup(self, prefix: str) -> None:
         client = Client(Settings.from_env(dict(self.env(self.node_name))))
@@ -120,7 +132,7 @@ class EmulatedLauncher:
               log: IO[bytes]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(self.cluster.command(node, argv), env=dict(env), stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_die_with_parent)
 
     def cleanup(self, prefix: str) -> None:
         # Records live in Redis, files on every node: delete through node 1's client (it sees

@@ -18,13 +18,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import FlowTimeout, ModuleFailed
+from .errors import FlowError, FlowTimeout, ModuleFailed
 from .graph import Graph
 from .launchers import Launcher, LocalLauncher
 from .ports import stream_name
@@ -77,6 +78,10 @@ def _tail(path: Path, lines: int = 25) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise FlowError(f"the flow runner received signal {signum}; the graph was stopped")
 
 
 def _stop(procs: Mapping[tuple[str, int], subprocess.Popen[bytes]]) -> None:
@@ -147,6 +152,7 @@ def run(
     for m in graph.modules.values():
         if m.target is not None:
             resolve(m.target)  # an unknown function fails here, before anything starts
+    gc_stale(launcher)
     run_id = secrets.token_hex(4)
     prefix = f"flow/{graph.name}-{run_id}"
     root = state_root()
@@ -168,6 +174,11 @@ def run(
         out_dir.mkdir(parents=True, exist_ok=True)
     pythonpath = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p)
 
+    # SIGTERM (a batch system cancelling the job) unwinds like Ctrl-C: instances are stopped
+    # and streams removed by the finally block below.
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminated)
     procs: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
     logs: dict[tuple[str, int], Path] = {}
     t0 = time.monotonic()
@@ -225,9 +236,39 @@ def run(
             if out_dir:
                 _write_outputs(graph, state, out_dir, stats)
             shutil.rmtree(state, ignore_errors=True)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
     if failed:
         raise failed
     return RunResult(graph.name, prefix, seconds, stats, out_dir)
+
+
+def gc_stale(launcher: Launcher, root: Path | None = None) -> list[str]:
+    """Remove what runs killed outright (SIGKILL: no chance to clean up) left behind: their
+    state directories and, for runs of the same launcher kind, their streams.
+
+    Returns
+    -------
+    list of str
+        The stream prefixes removed.
+    """
+    root = root or state_root()
+    removed = []
+    for info_path in root.glob("*/run.json") if root.is_dir() else []:
+        try:
+            info = json.loads(info_path.read_text())
+            os.kill(int(info["pid"]), 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except (OSError, ValueError, KeyError):
+            continue
+        if info.get("launcher") == launcher.name:
+            with contextlib.suppress(Exception):
+                launcher.cleanup(info["prefix"])
+                removed.append(info["prefix"])
+        shutil.rmtree(info_path.parent, ignore_errors=True)
+    return removed
 
 
 def _collect(state: Path) -> list[dict[str, Any]]:

@@ -2,7 +2,8 @@
 
 The runner starts it with ``INSTRIDE_FLOW_SPEC``, ``INSTRIDE_FLOW_MODULE`` and
 ``INSTRIDE_FLOW_INSTANCE`` in the environment; it builds the instance's :class:`Ports`, calls
-the module function ``fn(ports, **params)`` and, when it returns, ends the output streams.
+the module function ``fn(ports, **params)`` (or, for a class,
+``cls(**params)(ports)``) and, when it returns, ends the output streams.
 An exception exits with status 1 and its traceback on stderr (the runner then stops the graph).
 """
 
@@ -21,7 +22,10 @@ def main() -> int:
     if target is None:
         raise SystemExit(f"module {ports.module!r} is a command, not a Python function")
     fn = resolve(target)
-    fn(ports, **ports.params)
+    if isinstance(fn, type):  # a ModuleBase subclass: parameters go to its constructor
+        fn(**ports.params)(ports)
+    else:
+        fn(ports, **ports.params)
     ports.close()
     return 0
 
