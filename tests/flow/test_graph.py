@@ -135,3 +135,9 @@ def test_per_node_placement() -> None:
     assert m.instances == 4
     assert g.placement(["n1", "n2"]) == {("m", 0): "n1", ("m", 1): "n1", ("m", 2): "n2",
                                          ("m", 3): "n2"}
+
+
+def test_mpi_module_on_one_node() -> None:
+    g = Graph("g")
+    with pytest.raises(GraphError, match="mpi module runs on one node"):
+        g.module("m", modules.numbers, instances=2, nodes=["n1", "n2"], mpi=True)

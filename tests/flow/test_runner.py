@@ -199,3 +199,15 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as fh:  # a zombie is gone for our purposes
         return fh.read().split(") ")[1][0] != "Z"
+
+
+def test_mpi_module_ranks_are_instances(flow_env: dict[str, Path]) -> None:
+    out = flow_env["out"]
+    g = Graph("mpi")
+    src = g.module("src", modules.numbers, outputs={"out": "array"}, params={"n": 3})
+    rec = g.module("rec", modules.record, inputs={"in": "array"}, instances=3, mpi=True)
+    g.connect(src.output("out"), rec.input("in"))
+    run(g, out=out, timeout=120)
+    for i in range(3):  # every rank found its instance (and its input) from PMI_RANK
+        assert json.loads((out / f"record-{i}.json").read_text()) == [
+            [10 * k, [float(k)]] for k in range(3)]

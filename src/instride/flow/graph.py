@@ -97,6 +97,8 @@ class Module:
         Node of each instance (``None``: the launcher's first node... in turn).
     params
         JSON keyword arguments for the function.
+    mpi
+        Start the instances as the ranks of one ``mpiexec -n <instances>`` (rank = instance).
     """
 
     name: str
@@ -107,6 +109,7 @@ class Module:
     instances: int = 1
     nodes: list[str] | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    mpi: bool = False
 
     def input(self, port: str, instance: int | None = None) -> PortRef:
         """Reference to input ``port`` (of one instance when given)."""
@@ -222,6 +225,7 @@ class Graph:
         nodes: Sequence[str] | None = None,
         per_node: int | None = None,
         params: Mapping[str, Any] | None = None,
+        mpi: bool = False,
     ) -> Module:
         """Add a module and return it.
 
@@ -248,6 +252,10 @@ class Graph:
             Instances per node of ``nodes`` (instance ``i`` on ``nodes[i // per_node]``).
         params
             JSON-serializable keyword arguments for ``fn``.
+        mpi
+            Start the instances with the native MPI launcher, as the ranks of one
+            ``mpiexec -n <instances>`` on one node; each finds its instance in its rank
+            (``PMI_RANK``), as FlowVR modules inherit the rank ``mpirun`` gives them.
 
         Returns
         -------
@@ -285,7 +293,10 @@ class Graph:
             instances=instances,
             nodes=placement,
             params=dict(params or {}),
+            mpi=bool(mpi),
         )
+        if mod.mpi and placement and len(set(placement)) > 1:
+            raise GraphError(f"module {name!r}: an mpi module runs on one node, got {placement}")
         self.modules[name] = mod
         return mod
 

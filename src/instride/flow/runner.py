@@ -35,6 +35,23 @@ from .resolve import resolve
 STOP_GRACE = 3.0
 
 
+def mpiexec() -> str:
+    """The MPI launcher: ``$INSTRIDE_MPIEXEC``, the one next to Python, or ``mpiexec`` on PATH.
+
+    Raises
+    ------
+    FlowError
+        None is found.
+    """
+    found = os.environ.get("INSTRIDE_MPIEXEC") or (
+        str(Path(sys.executable).with_name("mpiexec"))
+        if Path(sys.executable).with_name("mpiexec").exists() else shutil.which("mpiexec"))
+    if not found:
+        raise FlowError("no mpiexec found for an mpi module: `pip install mpich` or set "
+                        "INSTRIDE_MPIEXEC")
+    return found
+
+
 def state_root() -> Path:
     """Directory of the runs in progress (``INSTRIDE_FLOW_STATE``, else a per-user temp dir)."""
     raw = os.environ.get("INSTRIDE_FLOW_STATE")
@@ -152,6 +169,8 @@ def run(
     for m in graph.modules.values():
         if m.target is not None:
             resolve(m.target)  # an unknown function fails here, before anything starts
+        if m.mpi:
+            mpiexec()
     gc_stale(launcher)
     run_id = secrets.token_hex(4)
     prefix = f"flow/{graph.name}-{run_id}"
@@ -186,27 +205,34 @@ def run(
     try:
         for name, i in graph.instances():
             m = graph.modules[name]
+            if m.mpi and i > 0:
+                continue  # one mpiexec starts every rank
             node = placement[(name, i)]
             env = launcher.env(node)
             env.update({
                 "INSTRIDE_FLOW_SPEC": str(state / "spec.json"),
                 "INSTRIDE_FLOW_MODULE": name,
-                "INSTRIDE_FLOW_INSTANCE": str(i),
                 "INSTRIDE_FLOW_PREFIX": prefix,
                 "PYTHONPATH": pythonpath,
             })
             if out_dir:
                 env["INSTRIDE_FLOW_OUT_DIR"] = str(out_dir)
-            for e in graph.edges_into(name, i):
-                env[f"INSTRIDE_FLOW_IN_{e.dst_port.upper()}"] = stream_name(
-                    prefix, e.src, e.src_instance, e.src_port)
-            for port in m.outputs:
-                env[f"INSTRIDE_FLOW_OUT_{port.upper()}"] = stream_name(prefix, name, i, port)
             argv = m.command or [sys.executable, "-m", "instride.flow.worker"]
+            if m.mpi:  # the instance is each rank's PMI_RANK
+                argv = [mpiexec(), "-n", str(m.instances), *argv]
+                env.pop("INSTRIDE_FLOW_INSTANCE", None)
+            else:
+                env["INSTRIDE_FLOW_INSTANCE"] = str(i)
+                for e in graph.edges_into(name, i):
+                    env[f"INSTRIDE_FLOW_IN_{e.dst_port.upper()}"] = stream_name(
+                        prefix, e.src, e.src_instance, e.src_port)
+                for port in m.outputs:
+                    env[f"INSTRIDE_FLOW_OUT_{port.upper()}"] = stream_name(prefix, name, i, port)
             logs[(name, i)] = state / "logs" / f"{name}.{i}.log"
             with open(logs[(name, i)], "wb") as log:
                 procs[(name, i)] = launcher.start(node, argv, env, log)
-            say(f"started {name}[{i}] on {node} (pid {procs[(name, i)].pid})")
+            what = f"{name}[0..{m.instances - 1}] (mpiexec)" if m.mpi else f"{name}[{i}]"
+            say(f"started {what} on {node} (pid {procs[(name, i)].pid})")
         pending = set(procs)
         while pending:
             for key in sorted(pending):
