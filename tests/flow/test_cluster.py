@@ -16,6 +16,8 @@ from instride.flow import EmulatedLauncher, Graph, UnknownNodeError, patterns, r
 
 from . import modules
 
+pytestmark = pytest.mark.root
+
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[EmulatedCluster]:

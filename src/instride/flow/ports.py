@@ -228,7 +228,7 @@ class Reader:
         if self._stream is not None:
             frame = self._stream.read(index)
             msg = Message(frame.step, frame.time, frame.positions, frame, index)
-            size = frame_size(frame.natoms, "xyz32")
+            size = frame_size(frame.natoms, frame.header.layout)
         else:
             buf = self.client.consume_bytes(self.key(index))
             size = len(buf)
