@@ -102,6 +102,8 @@ def _terminated(signum: int, frame: Any) -> None:
 
 
 def _stop(procs: Mapping[tuple[str, int], subprocess.Popen[bytes]]) -> None:
+    # Signals go to an instance's process group (its session, pgid = its PID) only while the
+    # leader is not yet reaped, so the group id cannot belong to anyone else.
     live = [p for p in procs.values() if p.poll() is None]
     for p in live:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -114,9 +116,6 @@ def _stop(procs: Mapping[tuple[str, int], subprocess.Popen[bytes]]) -> None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    for p in procs.values():  # children that outlived a finished leader
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(p.pid, signal.SIGKILL)
 
 
 def run(
