@@ -154,6 +154,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400, help="MD steps per replica")
     ap.add_argument("--interval", type=int, default=20, help="steps between frames")
     ap.add_argument("--reps", type=int, default=2, help="repetitions of the slowdown runs")
+    ap.add_argument("--parts", default="nto1,broadcast,slowdown",
+                    help="comma-separated experiments to run (default: all three)")
+    ap.add_argument("--name", default="bench_flow", help="results file name")
     args = ap.parse_args()
     if args.quick:
         args.msgs, args.frames, args.steps, args.reps = 40, 60, 100, 1
@@ -163,9 +166,10 @@ def main() -> None:
                     "slowdown": []}
     with tempfile.TemporaryDirectory(prefix="bench-flow-") as tmpdir:
         tmp = Path(tmpdir)
+        parts = set(args.parts.split(","))
         print("\n## N-to-1: reduction tree vs flat gather (8 KiB arrays)")
         print("producers | layout | merge modules | merged msg/s | producer msg/s | ratio to flat")
-        for n in (8, 16):
+        for n in (8, 16) if "nto1" in parts else ():
             rows = [n_to_1(n, arity, args.msgs, tmp) for arity in (None, 2, 4)]
             for r in rows:
                 r["ratio_to_flat"] = r["merged_per_s"] / rows[0]["merged_per_s"]
@@ -175,7 +179,7 @@ def main() -> None:
 
         print("\n## Broadcast of 104 KiB frames to 1..8 consumers")
         print("consumers | frames/s each (median) | aggregate MB/s | ratio to 1 consumer")
-        for c in (1, 2, 4, 8):
+        for c in (1, 2, 4, 8) if "broadcast" in parts else ():
             r = broadcast(c, args.frames, tmp)
             base = result["broadcast"][0] if result["broadcast"] else r
             r["aggregate_ratio"] = r["aggregate_MB_s"] / base["aggregate_MB_s"]
@@ -186,7 +190,7 @@ def main() -> None:
         print("\n## OpenMM replicas with the full ensemble graph attached vs outputs unconnected")
         print("replicas | frames | loop s, unconnected | loop s, graph | slowdown | "
               "CPU s/replica, unconnected | CPU s, graph | CPU slowdown | put share")
-        for replicas in (1, 2):
+        for replicas in (1, 2) if "slowdown" in parts else ():
             base, full = [], []
             for _ in range(args.reps):  # interleaved
                 base.append(simulation(replicas, False, args.steps, args.interval, tmp))
@@ -204,7 +208,7 @@ def main() -> None:
             print(f"{replicas} | {row['frames']} | {b:.2f} | {f:.2f} | "
                   f"{100 * row['slowdown']:+.1f} % | {bc:.2f} | {fc:.2f} | "
                   f"{100 * row['cpu_slowdown']:+.1f} % | {100 * share:.2f} %", flush=True)
-    save("bench_flow", result)
+    save(args.name, result)
 
 
 if __name__ == "__main__":
