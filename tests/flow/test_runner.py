@@ -38,6 +38,11 @@ def test_pipeline_end_of_stream_and_trace(flow_env: dict[str, Path]) -> None:
     assert {"wait", "get", "put"} <= regions
     threads = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
     assert threads == {"src[0] on local", "tot[0] on local", "rec[0] on local"}
+    arrows = [e for e in trace["traceEvents"] if e["ph"] in "sf"]
+    assert len(arrows) == 2 * 12  # put -> get of 6 frames and of 6 sums
+    starts = {e["id"]: e for e in arrows if e["ph"] == "s"}
+    for end in (e for e in arrows if e["ph"] == "f"):
+        assert starts[end["id"]]["ts"] <= end["ts"]  # published before it was taken
     assert (out / "timeline.png").stat().st_size > 1000
     assert (out / "logs" / "tot.0.log").exists()
 

@@ -323,11 +323,13 @@ class Ports:
         reader = self.readers[port]
         if reader is None:
             return None
-        with self.recorder.region("get"):
+        with self.recorder.region("get") as info:
             if self.input_specs[port].blocking:
                 msg = reader.take() if reader.wait() else None
             else:
                 msg = reader.take() if reader.available() else None
+            if msg is not None:
+                info["message"] = f"{reader.name}#{msg.index}"
         self._maybe_flush()
         return msg
 
@@ -350,7 +352,8 @@ class Ports:
         writer = self.writers[port]
         if writer is None:
             return
-        with self.recorder.region("put"):
+        with self.recorder.region("put") as info:
+            info["message"] = f"{writer.name}#{writer.count}"
             writer.put(data, int(step), float(time), box)
         self._maybe_flush()
 

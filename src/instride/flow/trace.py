@@ -3,7 +3,8 @@
 Every module instance records the regions it spends in ``wait()``, ``get()``, ``put()`` and in
 its own code between them ("compute"). The runner merges them into one file in the Chrome trace
 event format (``trace.json``: one process per module, one thread per instance, complete events
-``"ph": "X"`` with microsecond timestamps), which https://ui.perfetto.dev and
+``"ph": "X"`` with microsecond timestamps, and flow arrows from the ``put`` of each message to
+every ``get`` of it), which https://ui.perfetto.dev and
 ``chrome://tracing`` open, and draws a timeline picture (``timeline.png``).
 """
 
@@ -39,26 +40,34 @@ class Recorder:
         self._last_end: float | None = None
         self.seconds: dict[str, float] = {"wait": 0.0, "get": 0.0, "put": 0.0, "compute": 0.0}
 
-    def _add(self, name: str, start: float, end: float) -> None:
+    def _add(self, name: str, start: float, end: float, message: str | None = None) -> None:
         self.seconds[name] = self.seconds.get(name, 0.0) + (end - start)
         if not self.enabled:
             return
         if len(self.events) >= MAX_EVENTS:
             self.dropped += 1
             return
-        self.events.append([name, round(start * 1e6, 1), round((end - start) * 1e6, 1)])
+        event: list[Any] = [name, round(start * 1e6, 1), round((end - start) * 1e6, 1)]
+        if message is not None:
+            event.append(message)
+        self.events.append(event)
 
     @contextmanager
-    def region(self, name: str) -> Iterator[None]:
-        """Time a region; the gap since the previous region is recorded as ``compute``."""
+    def region(self, name: str) -> Iterator[dict[str, Any]]:
+        """Time a region; the gap since the previous region is recorded as ``compute``.
+
+        The caller may set ``info["message"]`` (``"<stream>#<index>"``) inside the block: the
+        trace then links the ``put`` of that message to every ``get`` of it.
+        """
         start = time.time()
         if self._last_end is not None and start > self._last_end:
             self._add("compute", self._last_end, start)
+        info: dict[str, Any] = {}
         try:
-            yield
+            yield info
         finally:
             end = time.time()
-            self._add(name, start, end)
+            self._add(name, start, end, info.get("message"))
             self._last_end = end
 
     def dump(self, path: Path, meta: Mapping[str, Any]) -> None:
@@ -80,6 +89,8 @@ def merge(parts: Sequence[Mapping[str, Any]], modules: Sequence[str]) -> dict[st
     """
     pids = {name: k + 1 for k, name in enumerate(modules)}
     events: list[dict[str, Any]] = []
+    puts: dict[str, tuple[int, int, float]] = {}
+    gets: list[tuple[str, int, int, float]] = []
     for name, pid in pids.items():
         events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
                        "args": {"name": name}})
@@ -89,9 +100,22 @@ def merge(parts: Sequence[Mapping[str, Any]], modules: Sequence[str]) -> dict[st
         pid, tid = pids.get(part["module"], 0), int(part["instance"])
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
                        "args": {"name": f"{part['module']}[{tid}] on {part.get('node', '?')}"}})
-        for region, ts, dur in part["events"]:
+        for region, ts, dur, *message in part["events"]:
             events.append({"ph": "X", "name": region, "cat": "flow", "pid": pid, "tid": tid,
                            "ts": ts, "dur": dur})
+            if message and region == "put":
+                puts[message[0]] = (pid, tid, ts + dur / 2)
+            elif message and region == "get":
+                gets.append((message[0], pid, tid, ts + dur / 2))
+    # data movements: an arrow from the put of each message to every get of it
+    for n, (message, pid, tid, ts) in enumerate(gets):
+        if message not in puts:
+            continue
+        spid, stid, sts = puts[message]
+        common = {"name": "message", "cat": "message", "id": n + 1}
+        events.append({**common, "ph": "s", "pid": spid, "tid": stid, "ts": sts,
+                       "args": {"message": message}})
+        events.append({**common, "ph": "f", "bp": "e", "pid": pid, "tid": tid, "ts": ts})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
