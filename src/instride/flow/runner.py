@@ -257,12 +257,14 @@ def run(
             if not keep_streams:
                 launcher.cleanup(prefix)
         finally:
-            stats = _collect(state)
-            if out_dir:
-                _write_outputs(graph, state, out_dir, stats)
-            shutil.rmtree(state, ignore_errors=True)
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            try:
+                stats = _collect(state)
+                if out_dir:
+                    _write_outputs(graph, state, out_dir, stats)
+            finally:
+                shutil.rmtree(state, ignore_errors=True)
+                if previous is not None:
+                    signal.signal(signal.SIGTERM, previous)
     if failed:
         raise failed
     return RunResult(graph.name, prefix, seconds, stats, out_dir)

@@ -104,7 +104,7 @@ def merge(parts: Sequence[Mapping[str, Any]], modules: Sequence[str]) -> dict[st
             events.append({"ph": "X", "name": region, "cat": "flow", "pid": pid, "tid": tid,
                            "ts": ts, "dur": dur})
             if message and region == "put":
-                puts[message[0]] = (pid, tid, ts + dur / 2)
+                puts[message[0]] = (pid, tid, ts)  # its start: surely before publication
             elif message and region == "get":
                 gets.append((message[0], pid, tid, ts + dur / 2))
     # data movements: an arrow from the put of each message to every get of it
