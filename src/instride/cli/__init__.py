@@ -26,6 +26,7 @@ _PLUGINS = [
     "instride.cli.bench",  # bench run/study
     "instride.cli.analyze",  # analyze, export
     "instride.cli.archive",  # archive
+    "instride.cli.flow",  # flow run/check/draw, top
 ]
 
 

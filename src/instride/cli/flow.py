@@ -1,0 +1,147 @@
+"""``instride flow run/check/draw`` and ``instride top`` (a plugin of :mod:`instride.cli`).
+
+``instride flow run GRAPH.py [--out DIR] [--param KEY=VALUE ...] [--cluster NAME]`` loads a
+graph file (it defines ``graph`` or ``build(**params)``), validates it and runs it: on this
+machine, or on the emulated nodes of ``instride cluster up --name NAME``. ``instride top`` shows
+the counters of a running graph, refreshed every second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+
+def _param(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+def _graph(args: argparse.Namespace) -> Any:
+    from ..flow import load_graph
+
+    return load_graph(args.graph, dict(args.param or []))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ..flow import EmulatedLauncher, LocalLauncher, run
+    from ..flow.monitor import render, rows
+
+    graph = _graph(args)
+    launcher = EmulatedLauncher(args.cluster) if args.cluster else LocalLauncher()
+    started = time.time()
+    result = run(graph, out=args.out, launcher=launcher, timeout=args.timeout,
+                 keep_streams=args.keep_streams, trace=not args.no_trace,
+                 on_event=None if args.quiet else lambda line: print(line, flush=True))
+    table = rows({"stats": result.stats, "run": {}, "taken": time.time()})
+    print(render(table, title=f"graph {graph.name}: {len(result.stats)} instances, "
+                             f"{result.seconds:.2f} s ({time.time() - started:.2f} s total)"))
+    if result.out:
+        print(f"trace: {result.out / 'trace.json'} (open in https://ui.perfetto.dev)")
+        print(f"timeline: {result.out / 'timeline.png'}")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    graph = _graph(args)
+    graph.validate(args.nodes.split(",") if args.nodes else None)
+    print(f"graph {graph.name}: {len(graph.modules)} modules, "
+          f"{len(graph.instances())} instances, {len(graph.edges)} connections: valid")
+    for m in graph.modules.values():
+        what = m.target or " ".join(m.command or [])
+        print(f"  {m.name} x{m.instances}: {what}")
+    return 0
+
+
+def cmd_draw(args: argparse.Namespace) -> int:
+    from ..flow.draw import draw
+
+    print(draw(_graph(args), args.output))
+    return 0
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..flow.monitor import live_runs, render, rows, snapshot
+    from ..flow.runner import state_root
+
+    if args.run:
+        run_dir = Path(args.run)
+        if not run_dir.is_absolute():
+            run_dir = state_root() / args.run
+    else:
+        runs = live_runs()
+        if not runs:
+            print("no graph is running (start one with `instride flow run GRAPH.py`)")
+            return 1
+        run_dir = runs[-1]
+    tty = sys.stdout.isatty()
+    previous = None
+    while (run_dir / "run.json").exists():
+        try:
+            snap = snapshot(run_dir)
+        except (OSError, ValueError):
+            break
+        text = render(rows(snap, previous),
+                      title=f"{snap['run']['graph']} ({run_dir.name}) "
+                            f"{time.strftime('%H:%M:%S')}")
+        print(("\x1b[H\x1b[2J" if tty else "") + text + ("" if tty else "\n"), flush=True)
+        if args.once:
+            return 0
+        previous = snap
+        time.sleep(args.interval)
+    print(f"run {run_dir.name} has ended")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``flow`` and ``top``."""
+    p = sub.add_parser("flow", help="dataflow graphs: run, check, draw",
+                       description="Dataflow graphs of modules connected by ports.")
+    fsub = p.add_subparsers(dest="flow_command", metavar="SUBCOMMAND", required=True)
+
+    def graph_args(q: argparse.ArgumentParser) -> None:
+        q.add_argument("graph", help="graph file: defines `graph` or `build(**params)`")
+        q.add_argument("--param", "-p", action="append", type=_param, metavar="KEY=VALUE",
+                       help="keyword argument for build() (JSON value or string); repeatable")
+
+    r = fsub.add_parser("run", help="validate and run a graph",
+                        description="Validate a graph file and run it to completion.")
+    graph_args(r)
+    r.add_argument("--out", "-o", help="output directory: trace.json, timeline.png, logs/")
+    r.add_argument("--cluster", help="run on the emulated nodes of this `instride cluster`")
+    r.add_argument("--timeout", type=float, help="stop the graph after this many seconds")
+    r.add_argument("--keep-streams", action="store_true",
+                   help="leave the run's streams in place after it ends")
+    r.add_argument("--no-trace", action="store_true", help="record no trace regions")
+    r.add_argument("--quiet", "-q", action="store_true", help="no start/finish lines")
+    r.set_defaults(func=cmd_run)
+
+    c = fsub.add_parser("check", help="validate a graph without running it",
+                        description="Load and validate a graph file; print its modules.")
+    graph_args(c)
+    c.add_argument("--nodes", help="comma-separated node names placement must stay within")
+    c.set_defaults(func=cmd_check)
+
+    d = fsub.add_parser("draw", help="draw a graph as a picture",
+                        description="Draw a graph file's modules and connections.")
+    graph_args(d)
+    d.add_argument("--output", "-o", default="graph.png", help="picture file (default graph.png)")
+    d.set_defaults(func=cmd_draw)
+
+    t = sub.add_parser("top", help="live counters of a running graph",
+                       description="Per module instance and port: messages, rate, queue "
+                                   "depth, idle %%, MiB; refreshed until the run ends.")
+    t.add_argument("run", nargs="?", help="run directory name (default: the newest running)")
+    t.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    t.add_argument("--once", action="store_true", help="print one table and exit")
+    t.set_defaults(func=cmd_top)

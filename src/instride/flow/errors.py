@@ -1,0 +1,70 @@
+"""Typed errors of :mod:`instride.flow`.
+
+Every error derives from :class:`instride.errors.InstrideError` (through :class:`FlowError`)
+and from the builtin it refines: a bad graph is a :class:`ValueError`, a failed run a
+:class:`RuntimeError`.
+"""
+
+from __future__ import annotations
+
+from ..errors import InstrideError
+
+
+class FlowError(InstrideError):
+    """Root of the dataflow errors."""
+
+
+class GraphError(FlowError, ValueError):
+    """A graph is not valid; raised by :meth:`Graph.validate` before anything starts."""
+
+
+class UnknownModuleError(GraphError, KeyError):
+    """A connection or placement names a module or port the graph does not have."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class UnconnectedInputError(GraphError):
+    """A blocking input port has no connection: its module's ``wait()`` would block forever."""
+
+
+class PortTypeError(GraphError, TypeError):
+    """A connection joins ports of different message types."""
+
+
+class DeadlockError(GraphError):
+    """A cycle of blocking connections carries no initial token: no module in it could start."""
+
+
+class UnknownNodeError(GraphError):
+    """A module is placed on a node the launcher does not have."""
+
+
+class ModuleFailed(FlowError, RuntimeError):
+    """A module instance exited with an error; the graph was stopped.
+
+    Attributes
+    ----------
+    module, instance
+        The failing module and instance number.
+    returncode
+        Its exit status (negative: killed by that signal).
+    log
+        The last lines of its standard error.
+    """
+
+    def __init__(self, module: str, instance: int, returncode: int | None, log: str) -> None:
+        self.module = module
+        self.instance = instance
+        self.returncode = returncode
+        self.log = log
+        tail = f"\n{log}" if log else ""
+        super().__init__(
+            f"module {module!r} instance {instance} failed (exit status {returncode}); "
+            f"the graph was stopped{tail}"
+        )
+
+
+class FlowTimeout(FlowError, TimeoutError):
+    """The graph ran longer than the run's timeout and was stopped."""

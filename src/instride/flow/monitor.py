@@ -1,0 +1,112 @@
+"""Counters of running graphs, as ``instride top`` shows them.
+
+Every module instance writes its counters (messages and bytes per port, seconds in
+wait/get/put/compute) to the run's state directory twice a second (:meth:`Ports.flush`); this
+module reads them back and joins them: the queue depth of an input is the number of messages
+its producer has published minus the input's cursor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from .runner import state_root
+
+COLUMNS = ("instance", "node", "port", "dir", "msgs", "rate/s", "queue", "idle%", "MiB")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def live_runs(root: Path | None = None) -> list[Path]:
+    """State directories of the runs in progress, oldest first."""
+    root = root or state_root()
+    runs = []
+    for path in root.glob("*/run.json") if root.is_dir() else []:
+        with contextlib.suppress(OSError, ValueError):
+            info = json.loads(path.read_text())
+            if _alive(int(info["pid"])):
+                runs.append((info["started"], path.parent))
+    return [p for _, p in sorted(runs)]
+
+
+def snapshot(run: Path) -> dict[str, Any]:
+    """The run's description and the latest counters of every instance."""
+    info = json.loads((run / "run.json").read_text())
+    stats = []
+    for path in sorted((run / "stats").glob("*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            stats.append(json.loads(path.read_text()))
+    return {"run": info, "stats": stats, "taken": time.time()}
+
+
+def rows(snap: dict[str, Any], previous: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One row per (instance, port): messages, rate, queue depth, idle %, MiB.
+
+    Parameters
+    ----------
+    snap
+        A :func:`snapshot`.
+    previous
+        An earlier snapshot: rates are computed over the interval; without it, over the
+        instance's lifetime.
+    """
+    produced: dict[str, int] = {}
+    for s in snap["stats"]:
+        for port in s["outputs"].values():
+            if port:
+                produced[port["stream"]] = port["msgs"]
+    before: dict[tuple[str, int, str, str], tuple[float, int]] = {}
+    for s in (previous or {}).get("stats", []):
+        for direction in ("inputs", "outputs"):
+            for name, port in s[direction].items():
+                if port:
+                    before[(s["module"], s["instance"], direction, name)] = (
+                        s["updated"], port["msgs"])
+    out = []
+    for s in snap["stats"]:
+        elapsed = max(1e-9, s["updated"] - s["started"])
+        idle = 100.0 * s["seconds"].get("wait", 0.0) / elapsed
+        for direction in ("inputs", "outputs"):
+            for name, port in s[direction].items():
+                if not port:
+                    continue
+                key = (s["module"], s["instance"], direction, name)
+                if key in before and s["updated"] > before[key][0]:
+                    rate = (port["msgs"] - before[key][1]) / (s["updated"] - before[key][0])
+                else:
+                    rate = port["msgs"] / elapsed
+                queue = ""
+                if direction == "inputs":
+                    queue = str(max(0, produced.get(port["stream"], 0) - port["cursor"]))
+                out.append({
+                    "instance": f"{s['module']}[{s['instance']}]" + ("" if not s.get("done")
+                                                                      else " done"),
+                    "node": s["node"], "port": name, "dir": direction[:-1].replace("put", ""),
+                    "msgs": port["msgs"], "rate/s": f"{rate:.1f}", "queue": queue,
+                    "idle%": f"{idle:.0f}", "MiB": f"{port['bytes'] / 2**20:.2f}",
+                })
+    return out
+
+
+def render(table: list[dict[str, Any]], title: str = "") -> str:
+    """The rows as a fixed-width text table."""
+    cells = [[str(r[c]) for c in COLUMNS] for r in table]
+    widths = [max([len(c)] + [len(row[k]) for row in cells]) for k, c in enumerate(COLUMNS)]
+    lines = [title] if title else []
+    lines.append("  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths, strict=True)))
+    for row in cells:
+        lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
+    return "\n".join(lines)

@@ -1,0 +1,321 @@
+"""The runner: validate a graph, start every module instance through a launcher, watch them.
+
+:func:`run` validates the graph against the launcher's nodes (nothing starts if it is bad),
+gives the run a unique stream prefix ``flow/<graph>-<id>``, starts one process per module
+instance with its ports in the environment, and waits. When every instance has returned, the
+run's streams are removed and its counters, ``trace.json`` and ``timeline.png`` are written to
+the output directory. When one instance fails, every other one is stopped (its process group:
+SIGTERM, then SIGKILL), the streams are removed and :class:`ModuleFailed` names the module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import FlowError, FlowTimeout, ModuleFailed
+from .graph import Graph
+from .launchers import Launcher, LocalLauncher
+from .ports import stream_name
+from .resolve import resolve
+
+#: Seconds an instance gets between SIGTERM and SIGKILL when the graph is stopped.
+STOP_GRACE = 3.0
+
+
+def mpiexec() -> str:
+    """The MPI launcher: ``$INSTRIDE_MPIEXEC``, the one next to Python, or ``mpiexec`` on PATH.
+
+    Raises
+    ------
+    FlowError
+        None is found.
+    """
+    found = os.environ.get("INSTRIDE_MPIEXEC") or (
+        str(Path(sys.executable).with_name("mpiexec"))
+        if Path(sys.executable).with_name("mpiexec").exists() else shutil.which("mpiexec"))
+    if not found:
+        raise FlowError("no mpiexec found for an mpi module: `pip install mpich` or set "
+                        "INSTRIDE_MPIEXEC")
+    return found
+
+
+def state_root() -> Path:
+    """Directory of the runs in progress (``INSTRIDE_FLOW_STATE``, else a per-user temp dir)."""
+    raw = os.environ.get("INSTRIDE_FLOW_STATE")
+    return Path(raw) if raw else Path("/tmp") / f"instride-flow-{os.getuid()}"
+
+
+@dataclass
+class RunResult:
+    """What a finished run leaves.
+
+    Attributes
+    ----------
+    graph
+        The graph's name.
+    prefix
+        The stream prefix the run used (removed when it ended).
+    seconds
+        Wall time from the first start to the last exit.
+    stats
+        The final counters of every instance (see :meth:`Ports.stats`).
+    out
+        The output directory, with ``trace.json``, ``timeline.png``, ``stats.json``, ``logs/``.
+    """
+
+    graph: str
+    prefix: str
+    seconds: float
+    stats: list[dict[str, Any]] = field(default_factory=list)
+    out: Path | None = None
+
+    def instance(self, module: str, instance: int = 0) -> dict[str, Any]:
+        """Counters of one instance."""
+        for s in self.stats:
+            if s["module"] == module and s["instance"] == instance:
+                return s
+        raise KeyError(f"{module}[{instance}]")
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise FlowError(f"the flow runner received signal {signum}; the graph was stopped")
+
+
+def _stop(procs: Mapping[tuple[str, int], subprocess.Popen[bytes]]) -> None:
+    # Signals go to an instance's process group (its session, pgid = its PID) only while the
+    # leader is not yet reaped, so the group id cannot belong to anyone else.
+    live = [p for p in procs.values() if p.poll() is None]
+    for p in live:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGTERM)  # the instance's own session
+    deadline = time.monotonic() + STOP_GRACE
+    for p in live:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def run(
+    graph: Graph,
+    *,
+    out: str | os.PathLike[str] | None = None,
+    launcher: Launcher | None = None,
+    timeout: float | None = None,
+    trace: bool = True,
+    keep_streams: bool = False,
+    on_event: Callable[[str], None] | None = None,
+) -> RunResult:
+    """Run a graph to completion.
+
+    Parameters
+    ----------
+    graph
+        The graph; validated first.
+    out
+        Output directory: ``trace.json`` (Chrome trace), ``timeline.png``, ``stats.json``,
+        the instances' logs (``logs/``); modules find it as ``ports.out_dir``.
+    launcher
+        Where instances run (default :class:`LocalLauncher`: processes on this machine).
+    timeout
+        Stop the graph and raise :class:`FlowTimeout` after this many seconds.
+    trace
+        Record wait/get/compute/put regions (needed for ``trace.json``).
+    keep_streams
+        Leave the run's streams in place (default: removed at the end).
+    on_event
+        Called with a line of text when an instance starts, ends or fails.
+
+    Returns
+    -------
+    RunResult
+
+    Raises
+    ------
+    GraphError
+        The graph is not valid (nothing was started).
+    ModuleFailed
+        An instance failed; every other one was stopped and the streams removed.
+    FlowTimeout
+        ``timeout`` passed; the graph was stopped.
+    """
+    launcher = launcher or LocalLauncher()
+    say = on_event or (lambda line: None)
+    nodes = launcher.nodes()
+    graph.validate(nodes)
+    for m in graph.modules.values():
+        if m.target is not None:
+            resolve(m.target)  # an unknown function fails here, before anything starts
+        if m.mpi:
+            mpiexec()
+    gc_stale(launcher)
+    run_id = secrets.token_hex(4)
+    prefix = f"flow/{graph.name}-{run_id}"
+    root = state_root()
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    state = root / f"{graph.name}-{run_id}"
+    out_dir = Path(out).resolve() if out is not None else None
+    for sub in ("stats", "trace", "logs"):
+        (state / sub).mkdir(parents=True)
+    spec = {"graph": graph.to_dict(), "prefix": prefix, "state": str(state),
+            "out": str(out_dir) if out_dir else None, "trace": trace}
+    (state / "spec.json").write_text(json.dumps(spec))
+    placement = graph.placement(nodes)
+    (state / "run.json").write_text(json.dumps({
+        "graph": graph.name, "prefix": prefix, "pid": os.getpid(), "started": time.time(),
+        "launcher": launcher.name,
+        "instances": [[m, i, placement[(m, i)]] for m, i in graph.instances()],
+    }))
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    pythonpath = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p)
+
+    # SIGTERM (a batch system cancelling the job) unwinds like Ctrl-C: instances are stopped
+    # and streams removed by the finally block below.
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminated)
+    procs: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
+    logs: dict[tuple[str, int], Path] = {}
+    t0 = time.monotonic()
+    failed: ModuleFailed | None = None
+    try:
+        for name, i in graph.instances():
+            m = graph.modules[name]
+            if m.mpi and i > 0:
+                continue  # one mpiexec starts every rank
+            node = placement[(name, i)]
+            env = launcher.env(node)
+            env.update({
+                "INSTRIDE_FLOW_SPEC": str(state / "spec.json"),
+                "INSTRIDE_FLOW_MODULE": name,
+                "INSTRIDE_FLOW_PREFIX": prefix,
+                "PYTHONPATH": pythonpath,
+            })
+            if out_dir:
+                env["INSTRIDE_FLOW_OUT_DIR"] = str(out_dir)
+            argv = m.command or [sys.executable, "-m", "instride.flow.worker"]
+            if m.mpi:  # the instance is each rank's PMI_RANK
+                argv = [mpiexec(), "-n", str(m.instances), *argv]
+                env.pop("INSTRIDE_FLOW_INSTANCE", None)
+            else:
+                env["INSTRIDE_FLOW_INSTANCE"] = str(i)
+                for e in graph.edges_into(name, i):
+                    env[f"INSTRIDE_FLOW_IN_{e.dst_port.upper()}"] = stream_name(
+                        prefix, e.src, e.src_instance, e.src_port)
+                for port in m.outputs:
+                    env[f"INSTRIDE_FLOW_OUT_{port.upper()}"] = stream_name(prefix, name, i, port)
+            logs[(name, i)] = state / "logs" / f"{name}.{i}.log"
+            with open(logs[(name, i)], "wb") as log:
+                procs[(name, i)] = launcher.start(node, argv, env, log)
+            what = f"{name}[0..{m.instances - 1}] (mpiexec)" if m.mpi else f"{name}[{i}]"
+            say(f"started {what} on {node} (pid {procs[(name, i)].pid})")
+        pending = set(procs)
+        while pending:
+            for key in sorted(pending):
+                rc = procs[key].poll()
+                if rc is None:
+                    continue
+                pending.discard(key)
+                if rc != 0:
+                    failed = ModuleFailed(key[0], key[1], rc, _tail(logs[key]))
+                    say(f"FAILED {key[0]}[{key[1]}] (exit status {rc})")
+                    break
+                say(f"finished {key[0]}[{key[1]}]")
+            if failed:
+                break
+            if timeout is not None and time.monotonic() - t0 > timeout:
+                raise FlowTimeout(f"graph {graph.name!r} ran past its {timeout} s timeout; "
+                                  f"still running: {sorted(f'{m}[{i}]' for m, i in pending)}")
+            time.sleep(0.05)
+        seconds = time.monotonic() - t0
+    finally:
+        _stop(procs)
+        try:
+            if not keep_streams:
+                launcher.cleanup(prefix)
+        finally:
+            try:
+                stats = _collect(state)
+                if out_dir:
+                    _write_outputs(graph, state, out_dir, stats)
+            finally:
+                shutil.rmtree(state, ignore_errors=True)
+                if previous is not None:
+                    signal.signal(signal.SIGTERM, previous)
+    if failed:
+        raise failed
+    return RunResult(graph.name, prefix, seconds, stats, out_dir)
+
+
+def gc_stale(launcher: Launcher, root: Path | None = None) -> list[str]:
+    """Remove what runs killed outright (SIGKILL: no chance to clean up) left behind: their
+    state directories and, for runs of the same launcher kind, their streams.
+
+    Returns
+    -------
+    list of str
+        The stream prefixes removed.
+    """
+    root = root or state_root()
+    removed = []
+    for info_path in root.glob("*/run.json") if root.is_dir() else []:
+        try:
+            info = json.loads(info_path.read_text())
+            os.kill(int(info["pid"]), 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except (OSError, ValueError, KeyError):
+            continue
+        if info.get("launcher") == launcher.name:
+            with contextlib.suppress(Exception):
+                launcher.cleanup(info["prefix"])
+                removed.append(info["prefix"])
+        shutil.rmtree(info_path.parent, ignore_errors=True)
+    return removed
+
+
+def _collect(state: Path) -> list[dict[str, Any]]:
+    stats = []
+    for path in sorted((state / "stats").glob("*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            stats.append(json.loads(path.read_text()))
+    return stats
+
+
+def _write_outputs(graph: Graph, state: Path, out: Path, stats: list[dict[str, Any]]) -> None:
+    from .trace import merge, timeline
+
+    (out / "stats.json").write_text(json.dumps(stats, indent=1))
+    shutil.copytree(state / "logs", out / "logs", dirs_exist_ok=True)
+    parts = []
+    for path in sorted((state / "trace").glob("*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            parts.append(json.loads(path.read_text()))
+    if parts:
+        trace = merge(parts, list(graph.modules))
+        (out / "trace.json").write_text(json.dumps(trace))
+        timeline(trace, out / "timeline.png", title=f"graph {graph.name}")

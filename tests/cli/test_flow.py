@@ -1,0 +1,94 @@
+"""``instride flow run/check/draw`` and ``instride top`` as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from tests.flow.conftest import flow_env  # noqa: F401 - the fixture
+
+GRAPH = textwrap.dedent("""
+    from instride.flow import Graph, patterns
+    from tests.flow import modules
+
+    def build(n=3, delay=0.0):
+        g = Graph("cli")
+        src = g.module("src", modules.numbers, outputs={"out": "array"}, instances=2,
+                       params={"n": n, "delay": delay})
+        rec = g.module("rec", modules.record, inputs={"in": "array"})
+        g.connect(patterns.gather(g, "all", src.output("out")), rec.input("in"))
+        return g
+""")
+
+BAD = textwrap.dedent("""
+    from instride.flow import Graph
+    from tests.flow import modules
+
+    graph = Graph("bad")
+    graph.module("tot", modules.total, inputs=["frames"], outputs={"sums": "array"})
+""")
+
+
+def cli(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "instride", *args], capture_output=True,
+                          text=True, timeout=180, env={**os.environ, "PYTHONPATH": os.getcwd()},
+                          **kw)
+
+
+def test_run_top_and_outputs(flow_env:  # noqa: F811
+                              dict[str, Path], tmp_path: Path) -> None:
+    graph = tmp_path / "graph.py"
+    graph.write_text(GRAPH)
+    out = flow_env["out"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "instride", "flow", "run", str(graph), "--out", str(out),
+         "-p", "n=40", "-p", "delay=0.05"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        top = None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            top = cli("top", "--once")
+            if top.returncode == 0 and "all_l0_0[0]" in top.stdout:
+                break
+            time.sleep(0.2)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stderr
+    assert top is not None and top.returncode == 0, top and top.stderr
+    header = top.stdout.splitlines()[1].split()
+    assert header[:4] == ["instance", "node", "port", "dir"] and "queue" in header
+    assert "src[1]" in top.stdout and "rec[0]" in top.stdout
+    assert "started src[0] on local" in stdout and "finished rec[0]" in stdout
+    got = json.loads((out / "record-0.json").read_text())
+    assert [s for s, _ in got] == [10 * k for k in range(40)]
+    assert (out / "trace.json").exists() and (out / "timeline.png").exists()
+    assert cli("top", "--once").stdout.startswith("no graph is running")
+
+
+def test_check_and_draw(flow_env:  # noqa: F811
+                         dict[str, Path], tmp_path: Path) -> None:
+    good, bad = tmp_path / "good.py", tmp_path / "bad.py"
+    good.write_text(GRAPH)
+    bad.write_text(BAD)
+    ok = cli("flow", "check", str(good))
+    assert ok.returncode == 0 and "valid" in ok.stdout and "all_l0_0 x1" in ok.stdout
+    res = cli("flow", "check", str(bad))
+    assert res.returncode == 2
+    assert "blocking input tot[0].frames is not connected" in res.stderr
+    res = cli("flow", "run", str(bad))
+    assert res.returncode == 2 and "not connected" in res.stderr
+    png = tmp_path / "g.png"
+    res = cli("flow", "draw", str(good), "-o", str(png))
+    assert res.returncode == 0 and png.stat().st_size > 1000
+    for sub in (["flow", "run"], ["flow", "check"], ["flow", "draw"], ["top"]):
+        assert cli(*sub, "--help").returncode == 0

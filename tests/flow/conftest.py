@@ -1,0 +1,20 @@
+"""Fixtures of the flow tests: a fresh managed directory and a private run-state directory."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def flow_env(managed_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Path]]:
+    """Local mode, run state under the test's temp dir; checks nothing is left behind."""
+    state = tmp_path / "flow-state"
+    monkeypatch.setenv("INSTRIDE_FLOW_STATE", str(state))
+    out = tmp_path / "out"
+    yield {"managed": managed_dir, "state": state, "out": out}
+    leftovers = sorted(p.relative_to(managed_dir).as_posix() for p in managed_dir.rglob("*"))
+    assert [p for p in leftovers if p.startswith("flow")] == [], "streams left behind"
+    assert not state.exists() or list(state.iterdir()) == [], "run state left behind"

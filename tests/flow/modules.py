@@ -1,0 +1,146 @@
+"""Module functions used by the flow tests (importable, so instances can find them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+
+from instride.flow import ModuleBase
+
+
+def count(ports, n=5, natoms=4, every=10, delay=0.0):
+    """Source: ``n`` frames at steps 0, every, 2*every ...; positions filled with the index."""
+    for k in range(n):
+        ports.put("frames", np.full((natoms, 3), float(k), dtype=np.float32), step=k * every,
+                  time=k * 0.02)
+        if delay:
+            time.sleep(delay)
+
+
+def numbers(ports, n=5, every=10, delay=0.0, port="out"):
+    """Source of arrays ``[k]`` at steps ``k * every``."""
+    for k in range(n):
+        ports.put(port, np.array([float(k)]), step=k * every)
+        if delay:
+            time.sleep(delay)
+
+
+def total(ports):
+    """frames -> array: the sum of the positions, same step."""
+    while ports.wait():
+        msg = ports.get("frames")
+        ports.put("sums", np.array([float(msg.data.sum())]), step=msg.step)
+
+
+def record(ports, name="record", port="in"):
+    """Write every message received on ``port`` (step, data) to ``out_dir/<name>.json``."""
+    got = []
+    while ports.wait():
+        msg = ports.get(port)
+        data = msg.data.tolist() if isinstance(msg.data, np.ndarray) else msg.data
+        got.append([msg.step, data])
+    (ports.out_dir / f"{name}-{ports.instance}.json").write_text(json.dumps(got))
+
+
+def slow_record(ports, name="slow", port="in", delay=0.2):
+    """Like :func:`record`, but slow: sleeps after every message."""
+    got = []
+    while ports.wait():
+        msg = ports.get(port)
+        got.append(msg.step)
+        time.sleep(delay)
+    (ports.out_dir / f"{name}.json").write_text(json.dumps(got))
+
+
+def crash_after(ports, n=2):
+    """Consume ``n`` messages, then fail."""
+    for _ in range(n):
+        ports.wait()
+        ports.get("in")
+    raise RuntimeError("boom: analysis diverged")
+
+
+def sleeper(ports):
+    """Never returns on its own (stopped by the runner)."""
+    open(ports.out_dir / f"sleeper-{os.getpid()}.pid", "w").close()
+    while True:
+        time.sleep(0.1)
+
+
+def ping(ports, n=5):
+    """Loop head: waits on ``back`` (blocking), sends ``k`` on ``out``; ``n`` rounds."""
+    seen = []
+    for k in range(n):
+        if not ports.wait():
+            break
+        msg = ports.get("back")
+        seen.append([msg.step, msg.token])
+        ports.put("out", {"k": k}, step=k)
+    (ports.out_dir / "ping.json").write_text(json.dumps(seen))
+
+
+def pong(ports):
+    """Loop tail: echoes every ``in`` message back on ``out``."""
+    while ports.wait():
+        msg = ports.get("in")
+        ports.put("out", msg.data, step=msg.step)
+
+
+def steerable(ports, n=200, every=1, delay=0.01):
+    """Source with a non-blocking ``control`` input: {"every": k} changes its interval,
+    {"stop": true} stops it; writes the steps it sent."""
+    sent, controls = [], []
+    step = 0
+    while step < n:
+        ctl = ports.get("control")
+        if ctl is not None:
+            controls.append(ctl.data)
+            if ctl.data.get("stop"):
+                break
+            every = int(ctl.data.get("every", every))
+        ports.put("out", np.array([float(step)]), step=step)
+        sent.append(step)
+        step += every
+        time.sleep(delay)
+    (ports.out_dir / "steerable.json").write_text(json.dumps({"sent": sent, "controls": controls}))
+
+
+def controller(ports, switch_at=3, stop_at=8):
+    """Receives ``in``; after ``switch_at`` messages asks for every=5, after ``stop_at`` stops."""
+    k = 0
+    while ports.wait():
+        ports.get("in")
+        k += 1
+        if k == switch_at:
+            ports.put("control", {"every": 5}, step=k)
+        if k == stop_at:
+            ports.put("control", {"stop": True}, step=k)
+
+
+def ranked(ports, n=4, every=10):
+    """Source of arrays ``[100 * instance + k]`` at steps ``k * every``."""
+    for k in range(n):
+        ports.put("out", np.array([100.0 * ports.instance + k]), step=k * every)
+
+
+def every_twenty(msg):
+    """Filter predicate: steps that are multiples of 20."""
+    return msg.step % 20 == 0
+
+
+class ScaleModule(ModuleBase):
+    """A class-based module: multiplies ``in`` by ``factor`` onto ``out``."""
+
+    def __init__(self, factor=2.0):
+        self.factor = factor
+        self.seen = 0
+
+    def process(self, msgs):
+        self.seen += 1
+        return {"out": msgs["in"].data * self.factor}
+
+    def finish(self, ports):
+        (ports.out_dir / "scale.json").write_text(str(self.seen))

@@ -1,0 +1,81 @@
+"""Patterns: reduction trees, gather, scatter, stride, filter, newest sampling, synchronizer.
+
+One graph holds every pattern side by side, so a single run (one set of processes) tests them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from instride.flow import Graph, GraphError, patterns, run
+
+from . import modules
+
+
+def _rec(g: Graph, name: str, kind: str = "array", instances: int = 1):
+    return g.module(f"rec_{name}", modules.record, inputs={"in": kind}, instances=instances,
+                    params={"name": name})
+
+
+def test_patterns_in_one_run(flow_env: dict[str, Path]) -> None:
+    out = flow_env["out"]
+    g = Graph("patterns")
+    # N-to-1 tree: 5 sources, arity 2 -> levels of 3, 2, 1 merge modules; merge = sum
+    src = g.module("src", modules.ranked, outputs={"out": "array"}, instances=5,
+                   params={"n": 4})
+    root = patterns.reduce_tree(g, "tree", src.output("out"), merge=patterns.add, arity=2)
+    g.connect(root, _rec(g, "tree").input("in"))
+    # flat gather of 3 more sources, concatenated in source order
+    few = g.module("few", modules.ranked, outputs={"out": "array"}, instances=3,
+                   params={"n": 2})
+    g.connect(patterns.gather(g, "flat", few.output("out")), _rec(g, "flat").input("in"))
+    # stride, filter, scatter off one broadcast source
+    num = g.module("num", modules.numbers, outputs={"out": "array"}, params={"n": 7})
+    patterns.stride(g, num.output("out"), _rec(g, "stride").input("in"), every=3)
+    g.connect(patterns.filter(g, "f20", num.output("out"), modules.every_twenty),
+              _rec(g, "filter").input("in"))
+    patterns.scatter(g, "deal", num.output("out"), _rec(g, "scatter", instances=2).input("in"))
+    # synchronizer: steps 0..50 by 10 and 0..40 by 20 meet at 0, 20, 40
+    a = g.module("a", modules.numbers, outputs={"out": "array"}, params={"n": 6})
+    b = g.module("b", modules.numbers, outputs={"out": "array"},
+                 params={"n": 3, "every": 20})
+    sync = patterns.synchronize(g, "sync", [a.output("out"), b.output("out")])
+    g.connect(sync, _rec(g, "sync").input("in"))
+    # greedy newest-frame sampling by a slow consumer
+    fast = g.module("fast", modules.count, outputs=["frames"],
+                    params={"n": 30, "delay": 0.02})
+    slow = g.module("slow", modules.slow_record, inputs={"in": "frame"},
+                    params={"delay": 0.25})
+    patterns.sample_newest(g, fast.output("frames"), slow.input("in"))
+
+    assert sum(m.startswith("tree_") for m in g.modules) == 6
+    run(g, out=out, timeout=180)
+
+    def got(name: str, i: int = 0) -> list:
+        return json.loads((out / f"{name}-{i}.json").read_text())
+
+    assert got("tree") == [[10 * k, [1000.0 + 5 * k]] for k in range(4)]
+    assert got("flat") == [[10 * k, [float(k), 100.0 + k, 200.0 + k]] for k in range(2)]
+    assert [s for s, _ in got("stride")] == [0, 30, 60]
+    assert [s for s, _ in got("filter")] == [0, 20, 40, 60]
+    assert [s for s, _ in got("scatter", 0)] == [0, 20, 40, 60]
+    assert [s for s, _ in got("scatter", 1)] == [10, 30, 50]
+    assert got("sync") == [[0, [[0.0], [0.0]]], [20, [[2.0], [1.0]]], [40, [[4.0], [2.0]]]]
+    steps = json.loads((out / "slow.json").read_text())
+    assert steps == sorted(set(steps)) and len(steps) < 30  # skipped what it had no time for
+    assert steps[0] >= 0 and steps[-1] == 290  # ... but always ends on the newest
+
+
+def test_pattern_errors() -> None:
+    g = Graph("bad")
+    src = g.module("src", modules.ranked, outputs={"out": "array"}, instances=2)
+    with pytest.raises(GraphError, match="arity"):
+        patterns.reduce_tree(g, "t", src.output("out"), arity=1)
+    rec = g.module("rec", modules.record, inputs={"in": "array"}, instances=3)
+    with pytest.raises(GraphError, match="n_to_n"):
+        patterns.n_to_n(g, src.output("out"), rec.input("in"))
+    with pytest.raises(GraphError, match="not an output"):
+        patterns.gather(g, "x", [rec.input("in")])

@@ -1,0 +1,218 @@
+"""Running graphs with local processes: end of stream, broadcast, tokens, steering, failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from instride.errors import InstrideError
+from instride.flow import FlowTimeout, Graph, Input, ModuleFailed, run
+
+from . import modules
+
+
+def test_pipeline_end_of_stream_and_trace(flow_env: dict[str, Path]) -> None:
+    out = flow_env["out"]
+    g = Graph("pipe")
+    src = g.module("src", modules.count, outputs=["frames"], params={"n": 6})
+    tot = g.module("tot", modules.total, inputs=["frames"], outputs={"sums": "array"})
+    rec = g.module("rec", modules.record, inputs={"in": "array"}, params={"name": "sums"})
+    g.connect(src.output("frames"), tot.input("frames"))
+    g.connect(tot.output("sums"), rec.input("in"))
+    result = run(g, out=out, timeout=120)
+    got = json.loads((out / "sums-0.json").read_text())
+    # 4 atoms x 3 coordinates filled with k: sum 12 k, stamped with the producer's step
+    assert got == [[10 * k, [12.0 * k]] for k in range(6)]
+    assert result.instance("tot")["inputs"]["frames"]["msgs"] == 6
+    assert result.instance("src")["outputs"]["frames"]["msgs"] == 6
+    trace = json.loads((out / "trace.json").read_text())
+    regions = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {"wait", "get", "put"} <= regions
+    threads = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert threads == {"src[0] on local", "tot[0] on local", "rec[0] on local"}
+    arrows = [e for e in trace["traceEvents"] if e["ph"] in "sf"]
+    assert len(arrows) == 2 * 12  # put -> get of 6 frames and of 6 sums
+    starts = {e["id"]: e for e in arrows if e["ph"] == "s"}
+    for end in (e for e in arrows if e["ph"] == "f"):
+        assert starts[end["id"]]["ts"] <= end["ts"]  # published before it was taken
+    assert (out / "timeline.png").stat().st_size > 1000
+    assert (out / "logs" / "tot.0.log").exists()
+
+
+def test_broadcast_to_instances(flow_env: dict[str, Path]) -> None:
+    out = flow_env["out"]
+    g = Graph("bcast")
+    src = g.module("src", modules.numbers, outputs={"out": "array"}, params={"n": 4})
+    rec = g.module("rec", modules.record, inputs={"in": "array"}, instances=3)
+    g.connect(src.output("out"), rec.input("in"))
+    run(g, out=out, timeout=120)
+    for i in range(3):
+        got = json.loads((out / f"record-{i}.json").read_text())
+        assert got == [[10 * k, [float(k)]] for k in range(4)]
+
+
+def test_cycle_unlocked_by_initial_token(flow_env: dict[str, Path]) -> None:
+    out = flow_env["out"]
+    g = Graph("loop")
+    a = g.module("a", modules.ping, inputs={"back": "json"}, outputs={"out": "json"},
+                 params={"n": 4})
+    b = g.module("b", modules.pong, inputs={"in": "json"}, outputs={"out": "json"})
+    g.connect(a.output("out"), b.input("in"))
+    g.connect(b.output("out"), a.input("back"), initial=1)
+    run(g, out=out, timeout=120)
+    seen = json.loads((out / "ping.json").read_text())
+    assert seen == [[-1, True], [0, False], [1, False], [2, False]]
+
+
+def test_control_messages_on_non_blocking_port(flow_env: dict[str, Path]) -> None:
+    out = flow_env["out"]
+    g = Graph("steer")
+    s = g.module("s", modules.steerable, inputs={"control": Input("json", blocking=False)},
+                 outputs={"out": "array"}, params={"n": 100_000, "delay": 0.01})
+    c = g.module("c", modules.controller, inputs={"in": "array"}, outputs={"control": "json"})
+    g.connect(s.output("out"), c.input("in"))
+    g.connect(c.output("control"), s.input("control"))
+    run(g, out=out, timeout=120)
+    got = json.loads((out / "steerable.json").read_text())
+    assert got["controls"] == [{"every": 5}, {"stop": True}]
+    assert got["sent"][-1] < 100_000 - 1  # stopped by the controller, not by running out
+
+
+def test_failing_module_stops_the_graph(flow_env: dict[str, Path]) -> None:
+    out = flow_env["out"]
+    g = Graph("crash")
+    src = g.module("src", modules.numbers, outputs={"out": "array"},
+                   params={"n": 1000, "delay": 0.02})
+    g.module("idle", modules.sleeper)
+    bad = g.module("bad", modules.crash_after, inputs={"in": "array"}, params={"n": 2})
+    g.connect(src.output("out"), bad.input("in"))
+    with pytest.raises(ModuleFailed) as info:
+        run(g, out=out, timeout=120)
+    err = info.value
+    assert isinstance(err, InstrideError)
+    assert (err.module, err.instance, err.returncode) == ("bad", 0, 1)
+    assert "boom: analysis diverged" in str(err)
+    pids = [int(p.name.split("-")[1].split(".")[0]) for p in out.glob("sleeper-*.pid")]
+    assert len(pids) == 1
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids[0], 0)  # the idle module was stopped with the graph
+
+
+def test_command_module_finds_its_ports_in_the_environment(flow_env: dict[str, Path]) -> None:
+    out = flow_env["out"]
+    code = textwrap.dedent("""
+        import os, json, instride
+        frames = instride.Stream(os.environ["INSTRIDE_FLOW_IN_FRAMES"], timeout=60)
+        steps = [f.step for f in frames]
+        out = os.path.join(os.environ["INSTRIDE_FLOW_OUT_DIR"], "cmd.json")
+        open(out, "w").write(json.dumps(steps))
+    """)
+    g = Graph("cmd")
+    src = g.module("src", modules.count, outputs=["frames"], params={"n": 3})
+    cmd = g.module("cmd", command=[sys.executable, "-c", code], inputs=["frames"])
+    g.connect(src.output("frames"), cmd.input("frames"))
+    run(g, out=out, timeout=120)
+    assert json.loads((out / "cmd.json").read_text()) == [0, 10, 20]
+
+
+def test_unknown_function_fails_before_start(flow_env: dict[str, Path]) -> None:
+    g = Graph("nofn")
+    g.module("m", "tests.flow.modules:does_not_exist")
+    with pytest.raises(InstrideError, match="does_not_exist"):
+        run(g, timeout=60)
+
+
+def test_class_module(flow_env: dict[str, Path]) -> None:
+    out = flow_env["out"]
+    g = Graph("cls")
+    src = g.module("src", modules.numbers, outputs={"out": "array"}, params={"n": 3})
+    sc = g.module("scale", modules.ScaleModule, inputs={"in": "array"},
+                  outputs={"out": "array"}, params={"factor": 10.0})
+    rec = g.module("rec", modules.record, inputs={"in": "array"})
+    g.connect(src.output("out"), sc.input("in"))
+    g.connect(sc.output("out"), rec.input("in"))
+    run(g, out=out, timeout=120)
+    assert json.loads((out / "record-0.json").read_text()) == [
+        [0, [0.0]], [10, [10.0]], [20, [20.0]]]
+    assert (out / "scale.json").read_text() == "3"
+
+
+def test_timeout_stops_the_graph(flow_env: dict[str, Path]) -> None:
+    out = flow_env["out"]
+    g = Graph("slow")
+    g.module("idle", modules.sleeper)
+    with pytest.raises(FlowTimeout, match="idle"):
+        run(g, out=out, timeout=3)
+    (pidfile,) = out.glob("sleeper-*.pid")
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pidfile.name.split("-")[1].split(".")[0]), 0)
+
+
+def test_runner_killed_leaves_no_instance(flow_env: dict[str, Path], tmp_path: Path) -> None:
+    """SIGTERM to `instride flow run` stops the graph; SIGKILL still takes the instances along
+    (parent-death signal)."""
+    graph = tmp_path / "g.py"
+    graph.write_text(textwrap.dedent("""
+        from instride.flow import Graph
+        from tests.flow import modules
+        graph = Graph("killed")
+        graph.module("idle", modules.sleeper, instances=2)
+        src = graph.module("src", modules.numbers, outputs={"out": "array"},
+                           params={"n": 10000, "delay": 0.01})
+        rec = graph.module("rec", modules.record, inputs={"in": "array"})
+        graph.connect(src.output("out"), rec.input("in"))
+    """))
+    out = flow_env["out"]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in out.glob("sleeper-*.pid"):
+            p.unlink()
+        proc = subprocess.Popen([sys.executable, "-m", "instride", "flow", "run", str(graph),
+                                 "--out", str(out), "-q"], env=env, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while len(list(out.glob("sleeper-*.pid"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = [int(p.name.split("-")[1].split(".")[0]) for p in out.glob("sleeper-*.pid")]
+        assert len(pids) == 2
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        if sig == signal.SIGTERM:
+            assert proc.returncode == 2 and b"received signal 15" in err
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids), sig
+    # a SIGKILLed runner could not clean up; the next run removes what it left
+    assert any(flow_env["state"].iterdir()) and (flow_env["managed"] / "flow").exists()
+    g = Graph("next")
+    g.module("src", modules.numbers, outputs={"out": "array"}, params={"n": 1})
+    run(g, timeout=60)  # the fixture checks that nothing is left
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as fh:  # a zombie is gone for our purposes
+        return fh.read().split(") ")[1][0] != "Z"
+
+
+def test_mpi_module_ranks_are_instances(flow_env: dict[str, Path]) -> None:
+    out = flow_env["out"]
+    g = Graph("mpi")
+    src = g.module("src", modules.numbers, outputs={"out": "array"}, params={"n": 3})
+    rec = g.module("rec", modules.record, inputs={"in": "array"}, instances=3, mpi=True)
+    g.connect(src.output("out"), rec.input("in"))
+    run(g, out=out, timeout=120)
+    for i in range(3):  # every rank found its instance (and its input) from PMI_RANK
+        assert json.loads((out / f"record-{i}.json").read_text()) == [
+            [10 * k, [float(k)]] for k in range(3)]
