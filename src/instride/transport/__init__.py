@@ -25,4 +25,6 @@ def get_transport(name: str, settings: Settings) -> Transport:
     return _registry.load(REGISTRY, "transport", name, settings)
 
 
+register("ucx", "instride.transport.ucx:UcxTransport", "apt-get install libucx-dev ucx-utils")
+
 __all__ = ["Transport", "REGISTRY", "register", "get_transport"]
