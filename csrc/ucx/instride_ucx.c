@@ -239,12 +239,12 @@ static int wait_op(isu_base *b, isu_op *op, int64_t deadline) {
  * record is on the heap: if the close does not finish in time it is left to UCX (leaked)
  * rather than freed under a request that may still complete.
  */
-static void close_ep(isu_base *b, ucp_ep_h ep, int force) {
+static int close_ep(isu_base *b, ucp_ep_h ep, int force) {
     if (ep == NULL)
-        return;
+        return 1;
     isu_op *op = calloc(1, sizeof(*op));
     if (op == NULL)
-        return;
+        return 0;
     ucp_request_param_t p;
     memset(&p, 0, sizeof(p));
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
@@ -255,13 +255,14 @@ static void close_ep(isu_base *b, ucp_ep_h ep, int force) {
     void *req = ucp_ep_close_nbx(ep, &p);
     if (req == NULL || UCS_PTR_IS_ERR(req)) {
         free(op);
-        return;
+        return 1;
     }
     wait_op(b, op, now_ns() + ISU_CLOSE_WAIT_NS);
-    if (op->done) {
-        ucp_request_free(req);
-        free(op);
-    }
+    if (!op->done)
+        return 0;
+    ucp_request_free(req);
+    free(op);
+    return 1;
 }
 
 static int fill_sockaddr(struct sockaddr_in *sa, const char *host, int port, char *err,
@@ -429,7 +430,7 @@ ISU_API isu_client *isu_client_new(char *err, size_t errlen) {
     return c;
 }
 
-static void client_forget_ep(isu_client *c, isu_ep *e, int force) {
+static int client_forget_ep(isu_client *c, isu_ep *e, int force) {
     isu_ep **pp = &c->eps;
     while (*pp != NULL && *pp != e)
         pp = &(*pp)->next;
@@ -437,8 +438,9 @@ static void client_forget_ep(isu_client *c, isu_ep *e, int force) {
         *pp = e->next;
     if (c->cur == e)
         c->cur = NULL;
-    close_ep(&c->b, e->ep, force || e->failed);
+    int closed = close_ep(&c->b, e->ep, force || e->failed);
     free(e);
+    return closed;
 }
 
 /*
@@ -715,14 +717,30 @@ ISU_API int isu_client_ep_info(isu_client *c, const char *host, int port, char *
     return -ENOENT;
 }
 
+/*
+ * Close every endpoint and the worker. Endpoints abandoned after a timeout, or whose close
+ * does not finish, may still hold requests; UCX 1.13 aborts (pending requests) or crashes
+ * (sockcm cleanup) when such a worker is destroyed, so the worker is then left to the
+ * process (its memory and sockets are released at exit).
+ */
 ISU_API void isu_client_close(isu_client *c) {
     if (c == NULL)
         return;
     if (c->have_reply)
         client_drop_reply(c);
-    while (c->eps != NULL)
-        client_forget_ep(c, c->eps, 0);
-    base_fini(&c->b);
+    int clean = 1;
+    while (c->eps != NULL) {
+        isu_ep *e = c->eps;
+        if (e->stale) {
+            c->eps = e->next;
+            free(e);
+            clean = 0;
+        } else if (!client_forget_ep(c, e, 0)) {
+            clean = 0;
+        }
+    }
+    if (clean)
+        base_fini(&c->b);
     free(c);
 }
 

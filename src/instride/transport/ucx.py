@@ -419,6 +419,10 @@ class UcxServer:
         ConfigError
             When UCX cannot listen there (address in use, not an address of this node).
         """
+        # like the TCP server's SO_REUSEADDR: a restarted server gets its port back at once
+        # (UCX reads its variables when the server's context is created)
+        os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
+        os.environ.setdefault("UCX_RDMA_CM_REUSEADDR", "y")
         self._thread = threading.Thread(target=self._run, name="instride-ucx", daemon=True)
         self._thread.start()
         self._ready.wait()
