@@ -51,7 +51,7 @@
 #define ISU_MAX_CONNS 512
 #define ISU_CLOSE_WAIT_NS (2LL * 1000000000LL)
 /* keep polling this long after the last activity before sleeping on the event fd */
-#define ISU_SPIN_NS (2LL * 1000000LL)
+#define ISU_SPIN_NS (100LL * 1000LL)
 
 /* ------------------------------------------------------------------ common */
 
@@ -173,9 +173,10 @@ static void base_fini(isu_base *b) {
  * (-1: no deadline; the sleep is sliced to 100 ms anyway). Returns 0, -ETIMEDOUT past the
  * deadline, or -EINTR when woken through `wake`.
  *
- * `busy`: an operation of ours is in flight (a send, a body). The worker's event fd signals
- * only incoming traffic, not that a socket became writable or a connection completed, so
- * while busy we do not sleep: we yield the CPU and progress again.
+ * Right after progress did something we poll again at once (yielding the CPU) for
+ * ISU_SPIN_NS. `busy`: an operation of ours is in flight (a send, a body). The worker's event
+ * fd signals only incoming traffic, not that a socket became writable or a connection
+ * completed, so while busy a sleep lasts at most 1 ms.
  */
 static int base_step(isu_base *b, int64_t deadline, int busy) {
     int64_t now = now_ns();
@@ -184,7 +185,7 @@ static int base_step(isu_base *b, int64_t deadline, int busy) {
         }
         b->active = now;
     }
-    if (busy || now - b->active < ISU_SPIN_NS) {
+    if (now - b->active < ISU_SPIN_NS) {
         if (deadline >= 0 && now_ns() >= deadline)
             return -ETIMEDOUT;
         struct pollfd w = {.fd = b->wake, .events = POLLIN};
@@ -200,7 +201,7 @@ static int base_step(isu_base *b, int64_t deadline, int busy) {
     ucs_status_t st = ucp_worker_arm(b->worker);
     if (st == UCS_ERR_BUSY)
         return 0; /* more events already: the caller re-checks, then calls again */
-    int timeout_ms = 100;
+    int timeout_ms = busy ? 1 : 100;
     if (deadline >= 0) {
         int64_t left = deadline - now_ns();
         if (left <= 0)
