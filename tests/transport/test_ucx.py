@@ -56,6 +56,7 @@ class Peer:
     dir: Path
     owner: str
     files: dict[str, bytes] = field(default_factory=dict)
+    killed: bool = False
 
     def record(self, key: str, *, data: bytes | None = None, checksum_of: bytes | None = None) -> Record:
         data = self.files[key] if data is None else data
@@ -74,18 +75,30 @@ class Peer:
                 break
         raise AssertionError("the server announced no reply")
 
+    def kill(self) -> None:
+        """Kill the server (SIGKILL) and wait for it."""
+        self.killed = True
+        self.proc.kill()
+        self.proc.wait()
+
     def stop(self) -> None:
+        """Stop the server with SIGTERM; unless the test killed it, it must exit cleanly."""
+        hung = False
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGCONT)
             self.proc.terminate()
             try:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:
+                hung = True
                 self.proc.kill()
                 self.proc.wait()
+        err = self.proc.stderr.read() if self.proc.stderr is not None else ""
         for pipe in (self.proc.stdout, self.proc.stderr):
             if pipe is not None:
                 pipe.close()
+        if not self.killed:
+            assert not hung and self.proc.returncode == 0, (self.proc.returncode, err[-2000:])
 
 
 @dataclass
@@ -113,6 +126,7 @@ def _start_server(argv: list[str], env: dict[str, str], directory: Path, owner: 
     line = proc.stdout.readline()
     if not line.startswith("ready "):
         err = proc.stderr.read() if proc.stderr else ""
+        peer.kill()
         peer.stop()
         raise AssertionError(f"UCX server did not start: {line!r} {err}")
     return peer
@@ -333,8 +347,7 @@ class TestUcxSharedMemory(UcxContract):
         t0 = time.monotonic()
         _reply, size = t._request(w, record)
         peer.announced()
-        peer.proc.kill()
-        peer.proc.wait()
+        peer.kill()
         try:
             t._receive(w, record, bytearray(size), size)
         except InstrideError as exc:
@@ -412,8 +425,7 @@ class TestUcxAcrossNodes(UcxContract):
             proc = self._client([(record, dest, TOKEN)])
             peer.announced()
             time.sleep(0.3)  # the body (~1.2 s at this rate) is on its way
-            peer.proc.kill()
-            peer.proc.wait()
+            peer.kill()
             (res,) = self._outcomes(proc, 1)
         finally:
             subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", "eth0", "root"], check=False)
