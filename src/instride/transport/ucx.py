@@ -17,6 +17,10 @@ A node's UCX data server listens on the host of its ``INSTRIDE_ADDR`` at that po
 Needs UCX (Debian ``libucx-dev`` when instride is built, ``libucx0`` at run time); without
 it, selecting the transport raises :class:`~instride.errors.ConfigError` naming the package.
 
+Security is the TCP transport's: requests are authenticated (job token, timestamp within
+:data:`~instride.transport.wire.MAX_SKEW`), nonces are not remembered (a captured request can
+be replayed within that window) and nothing is encrypted: run the traffic on a trusted network.
+
 Examples
 --------
 Serve a managed directory over UCX and fetch a key from it (normally the node server and
