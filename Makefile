@@ -8,8 +8,9 @@ BIN    := $(VENV)/bin
 # Debian packages the tests and benchmarks use: Redis (cluster metadata), iproute2 (emulated
 # nodes in network namespaces), GROMACS (a second MD engine streaming over IMD), compilers
 # for the preload library and its C/C++ tests, sshfs + sshd (the shared-file-system baseline
-# of the benchmark: a real network file system between emulated nodes).
-APT_PACKAGES := redis-server iproute2 gromacs gcc g++ make procps sshfs openssh-server util-linux
+# of the benchmark: a real network file system between emulated nodes), UCX (the ucx
+# transport's C engine is built against libucx-dev; ucx-utils has ucx_info/ucx_perftest).
+APT_PACKAGES := redis-server iproute2 gromacs gcc g++ make procps sshfs openssh-server util-linux libucx-dev ucx-utils
 
 .PHONY: demo test lint bench clean system-deps
 
@@ -36,7 +37,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(BIN)/.installed-test: $(BIN)/python pyproject.toml setup.py $(wildcard csrc/preload/*.c csrc/preload/*.h)
+$(BIN)/.installed-test: $(BIN)/python pyproject.toml setup.py $(wildcard csrc/preload/*.c csrc/preload/*.h csrc/ucx/*.c)
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 

@@ -1,9 +1,14 @@
-"""Build of libinstride_preload.so, the LD_PRELOAD interposition library.
+"""Build of the two C libraries of instride (plain shared objects, never imported by Python).
 
-All package metadata lives in pyproject.toml; this file only adds the C build.
-The library is a plain shared object (never imported by Python): it is built
-as a setuptools Extension whose file name is forced to
-``instride/libinstride_preload.so`` and which exports no ``PyInit_`` symbol.
+* ``libinstride_preload.so``, the LD_PRELOAD interposition library;
+* ``libinstride_ucx.so``, the UCX engine of the ``ucx`` transport (loaded with ctypes). It is
+  built only when UCX's headers are installed (Debian ``libucx-dev``); without them the
+  package still installs and selecting the ``ucx`` transport raises a ``ConfigError`` that
+  names the package.
+
+All package metadata lives in pyproject.toml; this file only adds the C build. Each library
+is a setuptools Extension whose file name is forced to ``instride/<name>.so`` and which
+exports no ``PyInit_`` symbol.
 """
 
 from __future__ import annotations
@@ -17,19 +22,21 @@ from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 PRELOAD = "instride.libinstride_preload"
+UCX = "instride.libinstride_ucx"
+PLAIN = (PRELOAD, UCX)
 
 
 class BuildPreload(build_ext):
-    """build_ext that names the preload library exactly libinstride_preload.so."""
+    """build_ext that names the plain libraries exactly lib<name>.so."""
 
     def get_ext_filename(self, fullname: str) -> str:
         # Called with the dotted name and, by get_ext_fullpath, with its last part.
-        if fullname in (PRELOAD, PRELOAD.rpartition(".")[2]):
+        if fullname in PLAIN or fullname in (p.rpartition(".")[2] for p in PLAIN):
             return os.path.join(*fullname.split(".")) + ".so"
         return super().get_ext_filename(fullname)
 
     def get_export_symbols(self, ext: Extension) -> list[str]:
-        if ext.name == PRELOAD:
+        if ext.name in PLAIN:
             return []
         return super().get_export_symbols(ext)
 
@@ -42,6 +49,28 @@ preload = Extension(
     extra_compile_args=["-std=c11", "-O2", "-fvisibility=hidden", "-Wall", "-Wextra"],
     libraries=["dl", "pthread", "m"],
 )
+
+
+def _have_ucx() -> bool:
+    """Whether UCX's development headers (Debian ``libucx-dev``) are installed."""
+    return any(os.path.exists(os.path.join(d, "ucp", "api", "ucp.h"))
+               for d in ("/usr/include", "/usr/local/include", os.environ.get("UCX_HOME", "/nonexistent") + "/include"))
+
+
+extensions = [preload]
+if _have_ucx():
+    ucx_home = os.environ.get("UCX_HOME")
+    extensions.append(Extension(
+        UCX,
+        sources=sorted(glob.glob("csrc/ucx/*.c")),
+        include_dirs=[os.path.join(ucx_home, "include")] if ucx_home else [],
+        library_dirs=[os.path.join(ucx_home, "lib")] if ucx_home else [],
+        extra_compile_args=["-std=c11", "-O2", "-fvisibility=hidden", "-Wall", "-Wextra"],
+        libraries=["ucp", "ucs"],
+    ))
+else:
+    print("instride: UCX headers not found (apt-get install libucx-dev): "
+          "the ucx transport is not built", flush=True)
 
 # INSTRIDE_PATCH_OPEN=1 must work for scripts that never import instride: a .pth file at the
 # top of site-packages installs the open() patch at interpreter start-up (it imports nothing
@@ -75,4 +104,4 @@ try:
 except ImportError:  # setuptools < 64: no PEP 660 editable installs
     pass
 
-setup(ext_modules=[preload], cmdclass=cmdclass)
+setup(ext_modules=extensions, cmdclass=cmdclass)
