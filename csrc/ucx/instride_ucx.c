@@ -783,7 +783,9 @@ typedef struct {
     isu_item *head, *tail;
     isu_item *current; /* the request returned by the last isu_server_next() */
     isu_send *sends;
+    int max_conns;
     uint64_t refused;
+    uint64_t busy; /* connections rejected: max_conns reached */
     uint64_t sent_bytes;
     uint64_t failed_sends;
 } isu_server;
@@ -804,8 +806,8 @@ static void server_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
 
 static void server_conn_cb(ucp_conn_request_h conn_request, void *arg) {
     isu_server *s = arg;
-    if (s->nconns >= ISU_MAX_CONNS) {
-        s->refused++;
+    if (s->nconns >= s->max_conns) {
+        s->busy++;
         ucp_listener_reject(s->listener, conn_request);
         return;
     }
@@ -868,7 +870,13 @@ static ucs_status_t server_am_request(void *arg, const void *header, size_t head
     return UCS_OK;
 }
 
-ISU_API isu_server *isu_server_start(const char *host, int port, char *err, size_t errlen) {
+/*
+ * Listen on host:port (port 0: any free port, see isu_server_port) and accept at most
+ * `max_conns` connections at once (<= 0 or more than ISU_MAX_CONNS: ISU_MAX_CONNS); more are
+ * rejected and counted as busy.
+ */
+ISU_API isu_server *isu_server_start(const char *host, int port, int max_conns, char *err,
+                                     size_t errlen) {
     struct sockaddr_in sa;
     if (fill_sockaddr(&sa, host, port, err, errlen) != 0)
         return NULL;
@@ -877,6 +885,7 @@ ISU_API isu_server *isu_server_start(const char *host, int port, char *err, size
         set_err(err, errlen, "out of memory");
         return NULL;
     }
+    s->max_conns = max_conns > 0 && max_conns < ISU_MAX_CONNS ? max_conns : ISU_MAX_CONNS;
     if (base_init(&s->b, err, errlen) != 0) {
         free(s);
         return NULL;
@@ -921,10 +930,13 @@ ISU_API isu_server *isu_server_start(const char *host, int port, char *err, size
 
 ISU_API int isu_server_port(isu_server *s) { return s->port; }
 
-ISU_API void isu_server_stats(isu_server *s, uint64_t *out3) {
-    out3[0] = s->sent_bytes;
-    out3[1] = s->failed_sends;
-    out3[2] = s->refused;
+/* Counters: bytes sent, failed sends, refused requests, busy rejections, connections now. */
+ISU_API void isu_server_stats(isu_server *s, uint64_t *out5) {
+    out5[0] = s->sent_bytes;
+    out5[1] = s->failed_sends;
+    out5[2] = s->refused;
+    out5[3] = s->busy;
+    out5[4] = (uint64_t)s->nconns;
 }
 
 /* Another thread interrupts isu_server_next() (and only that). */

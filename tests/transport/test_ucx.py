@@ -1,11 +1,14 @@
-"""The UCX transport, as a contract: transfer, integrity failure, peer death mid-transfer,
-authentication failure, timeouts — on one node over shared memory and between emulated
-nodes over UCX's TCP transport.
+"""The UCX transport: the shared transport contract, UCX's own scenarios, selection by name,
+and an end-to-end run of two emulated nodes whose ``instride serve`` speaks UCX.
 
-:class:`UcxContract` holds the tests; a subclass says how to start a data server (a real
-``python -m instride.transport.ucx`` process) and how to run fetches (in this process, or in
-another network namespace). It is meant to become a subclass of the shared transport
-contract suite with few changes.
+* :class:`TestUcxContract` runs :class:`~tests.transport.contract.TransportContract` against
+  the server half started by name (``get_server("ucx", ...)``) on one node;
+* :class:`UcxScenarios` checks which carrier UCX chose and kills a peer while a body is on
+  its way: on one node over shared memory (:class:`TestUcxSharedMemory`) and between emulated
+  nodes over UCX's TCP transport (:class:`TestUcxAcrossNodes`), with a real
+  ``python -m instride.transport.ucx`` server process;
+* :func:`test_two_nodes_serve_over_ucx`: ``INSTRIDE_TRANSPORT=ucx`` for a whole emulated
+  cluster (data servers, producer, consumer), keys and a stream, checksums verified.
 """
 
 from __future__ import annotations
@@ -27,10 +30,13 @@ import xxhash
 
 from instride.config import Settings
 from instride.errors import ConfigError, InstrideError
-from instride.metadata.base import Record
-from instride.transport import get_transport
+from instride.record import Record
+from instride.transport import get_server, get_transport
 from instride.transport import ucx as ucx_mod
-from instride.transport.ucx import UcxTransport, selected_transport
+from instride.transport.ucx import UcxServer, UcxTransport
+from tests.conftest import free_port
+
+from .contract import TransportContract, wait_ready
 
 PY = sys.executable
 TOKEN = "ucx-test-token"
@@ -155,7 +161,7 @@ CLIENT = textwrap.dedent(
     import json, sys
     from pathlib import Path
     from instride.config import Settings
-    from instride.metadata.base import Record
+    from instride.record import Record
     from instride.transport.ucx import UcxTransport
     sys.path.insert(0, sys.argv[2])
     from tests.transport.test_ucx import run_fetch
@@ -175,8 +181,73 @@ CLIENT = textwrap.dedent(
 )
 
 
-class UcxContract:
-    """The transport contract, run against the UCX transport.
+# ---------------------------------------------------------------------- the shared contract
+_DYING = """
+import os, signal, sys
+from pathlib import Path
+from instride.config import Settings
+from instride.transport.ucx import UcxServer
+
+class Dying(UcxServer):
+    def _reply(self, handle, header, fd=-1, size=0):
+        super()._reply(handle, header, fd, size)
+        if size:  # the reply header is out, the body handed to UCX: die before it is taken
+            os.kill(os.getpid(), signal.SIGKILL)
+
+settings = Settings.from_env()
+(settings.dir / "t").mkdir(parents=True, exist_ok=True)
+(settings.dir / "t" / "cut.bin").write_bytes(Path(sys.argv[1]).read_bytes())
+Dying(settings).open()
+print("ready", flush=True)
+signal.pause()
+"""
+
+
+class TestUcxContract(TransportContract):
+    """The contract on one node (UCX picks shared memory), server half started by name."""
+
+    name = "ucx"
+
+    @pytest.fixture(autouse=True)
+    def _one_node(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        for var in ("UCX_TLS", "UCX_NET_DEVICES"):
+            monkeypatch.delenv(var, raising=False)
+
+    @pytest.fixture
+    def dying_owner(self, tmp_path: Path) -> Iterator:
+        """A UCX server that dies right after handing a reply's body to UCX.
+
+        UCX sends a body as one message, so the cut cannot be placed at a byte: the consumer
+        has the reply header (the body announced) when the owner dies, before the body came.
+        """
+        procs: list[subprocess.Popen] = []
+
+        def start(body: bytes, cut: int) -> str:
+            src = tmp_path / f"body-{len(procs)}.bin"
+            src.write_bytes(body)
+            addr = f"127.0.0.1:{free_port()}"
+            env = dict(os.environ, INSTRIDE_DIR=str(tmp_path / f"dying-{len(procs)}"),
+                       INSTRIDE_ADDR=addr, INSTRIDE_TOKEN="contract-token")
+            proc = subprocess.Popen([PY, "-c", _DYING, str(src)], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            procs.append(proc)
+            assert wait_ready(proc), "the dying owner did not start"
+            return addr
+
+        yield start
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+            assert proc.stdout is not None and proc.stderr is not None
+            proc.stdout.close()
+            proc.stderr.close()
+
+
+# ---------------------------------------------------------------------- UCX's own scenarios
+class UcxScenarios:
+    """Transfers, integrity, peer death, authentication and timeouts where UCX is configured
+    as a deployment would be, checking which carrier it chose.
 
     Subclasses implement :meth:`start_peer`, :meth:`fetch_all`, :meth:`client_dir` and
     :meth:`die_mid_transfer`, and set :attr:`lanes` (transport names UCX must have chosen).
@@ -301,7 +372,7 @@ class UcxContract:
 
 
 # ---------------------------------------------------------------------- one node, shm
-class TestUcxSharedMemory(UcxContract):
+class TestUcxSharedMemory(UcxScenarios):
     """Server and client on one node: UCX moves the bytes through shared memory."""
 
     lanes = ("sysv", "cma")
@@ -318,13 +389,11 @@ class TestUcxSharedMemory(UcxContract):
             t.close()
 
     def start_peer(self, files: dict[str, bytes]) -> Peer:
-        from tests.conftest import free_port
-
-        port = free_port()
+        addr = f"127.0.0.1:{free_port()}"
         env = dict(os.environ, INSTRIDE_DIR=str(self.tmp / "owner"), INSTRIDE_TOKEN=TOKEN,
-                   INSTRIDE_ADDR=f"127.0.0.1:{port - 1}")
-        return _start_server([PY, "-m", "instride.transport.ucx", "--announce", "--port", str(port)],
-                             env, self.tmp / "owner", f"127.0.0.1:{port - 1}", files)
+                   INSTRIDE_ADDR=addr)
+        return _start_server([PY, "-m", "instride.transport.ucx", "--announce"],
+                             env, self.tmp / "owner", addr, files)
 
     def client_dir(self) -> Path:
         d = self.tmp / "consumer"
@@ -371,7 +440,7 @@ def cluster() -> Iterator[Any]:
 
 
 @pytest.mark.root
-class TestUcxAcrossNodes(UcxContract):
+class TestUcxAcrossNodes(UcxScenarios):
     """Server on node 1, client on node 2, UCX over TCP on each node's own veth."""
 
     lanes = ("tcp/eth0",)
@@ -433,26 +502,96 @@ class TestUcxAcrossNodes(UcxContract):
 
 
 # ---------------------------------------------------------------------- selection
-def test_selected_transport(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("INSTRIDE_TRANSPORT", raising=False)
-    assert selected_transport() == "tcp"
-    assert selected_transport({"INSTRIDE_TRANSPORT": " UCX "}) == "ucx"
-    with pytest.raises(ConfigError, match="INSTRIDE_TRANSPORT"):
-        selected_transport({"INSTRIDE_TRANSPORT": "carrier-pigeon"})
-
-
-def test_registered_by_name(tmp_path: Path) -> None:
-    t = get_transport("ucx", Settings(dir=tmp_path, token=TOKEN))
+def test_selected_by_settings(tmp_path: Path) -> None:
+    """INSTRIDE_TRANSPORT=ucx names both halves; unknown names are typed errors."""
+    settings = Settings.from_env({"INSTRIDE_DIR": str(tmp_path), "INSTRIDE_TOKEN": TOKEN,
+                                  "INSTRIDE_TRANSPORT": "ucx"})
+    assert settings.transport == "ucx"
+    t = get_transport(settings.transport, settings)
     assert isinstance(t, UcxTransport)
     t.close()
+    server = get_server(settings.transport, settings, max_peers=4, request_timeout=1.0,
+                        send_timeout=2.0)
+    assert isinstance(server, UcxServer) and server.max_peers == 4 and server.send_timeout == 2.0
+    assert (server.host, server.port) == ("127.0.0.1", 7437)  # INSTRIDE_ADDR itself
+    with pytest.raises(ConfigError, match="carrier-pigeon"):
+        get_transport("carrier-pigeon", settings)
+
+
+def test_import_instride_does_not_load_ucx() -> None:
+    code = ("import sys, instride; print('instride.transport.ucx' in sys.modules, "
+            "any('libinstride_ucx' in line for line in open('/proc/self/maps')))")
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "INSTRIDE_TRANSPORT": "ucx"}).stdout
+    assert out.split() == ["False", "False"]
 
 
 def test_missing_library_is_a_typed_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without libinstride_ucx.so (UCX headers missing at install), selection names the package."""
+    """Without libinstride_ucx.so (UCX headers missing at install), selecting either half
+    names the package."""
     monkeypatch.setattr(ucx_mod, "_lib", None)
     monkeypatch.setattr(ucx_mod, "library_path", lambda: tmp_path / "libinstride_ucx.so")
+    settings = Settings(dir=tmp_path, token=TOKEN, transport="ucx")
     with pytest.raises(ConfigError, match="libucx-dev"):
-        get_transport("ucx", Settings(dir=tmp_path, token=TOKEN))
+        get_transport("ucx", settings)
+    with pytest.raises(ConfigError, match="libucx-dev"):
+        get_server("ucx", settings)
     (tmp_path / "libinstride_ucx.so").write_bytes(b"not a library")
     with pytest.raises(ConfigError, match="libucx-dev"):
-        UcxTransport(Settings(dir=tmp_path, token=TOKEN))
+        UcxTransport(settings)
+
+
+# ---------------------------------------------------------------------- end to end
+PRODUCE = """
+import hashlib, sys, numpy as np, instride
+payload = np.random.default_rng(1).integers(0, 256, 5_000_000, dtype=np.uint8).tobytes()
+with instride.open("e2e/blob.bin", "wb") as fh:
+    fh.write(payload)
+print(hashlib.sha256(payload).hexdigest())
+rng = np.random.default_rng(2)
+with instride.Stream("e2e/run", mode="w", layout="paper") as s:
+    for i in range(int(sys.argv[1])):
+        pos = rng.random((2000, 3)) * 100
+        s.append(pos, step=i)
+        print(hashlib.sha256(pos.tobytes()).hexdigest())
+"""
+CONSUME = """
+import hashlib, numpy as np, instride
+out = [hashlib.sha256(instride.open("e2e/blob.bin", timeout=60).read()).hexdigest()]
+for f in instride.Stream("e2e/run", timeout=60):
+    out.append(hashlib.sha256(np.ascontiguousarray(f.positions).tobytes()).hexdigest())
+engine = instride.get_client().cluster
+out.append(f"{type(engine.transport).__name__} {engine.transfers}")
+print("\\n".join(out))
+"""
+
+
+@pytest.mark.root
+def test_two_nodes_serve_over_ucx() -> None:
+    """Two emulated nodes, every process with INSTRIDE_TRANSPORT=ucx: ``instride serve``
+    serves over UCX (TCP on the veth), a consumer on node 2 reads a key and a stream that a
+    producer on node 1 writes, and every byte matches."""
+    from instride.emulate import EmulatedCluster
+
+    frames = 20
+    env = {**UCX_ENV, "INSTRIDE_TRANSPORT": "ucx"}
+    with EmulatedCluster(nodes=2, token=TOKEN, env=env) as c:
+        consumer = c.popen(2, [PY, "-c", CONSUME], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+        produced = c.run(1, [PY, "-c", PRODUCE, str(frames)], capture_output=True, text=True,
+                         timeout=120)
+        assert produced.returncode == 0, produced.stderr
+        try:
+            out, err = consumer.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            consumer.kill()
+            out, err = consumer.communicate()
+            raise AssertionError(f"consumer timed out: {err}") from None
+        assert consumer.returncode == 0, err
+        got = out.splitlines()
+        assert got[:-1] == produced.stdout.splitlines()  # the blob, then every frame
+        assert len(got) == frames + 2
+        name, transfers = got[-1].split()
+        assert name == "UcxTransport" and int(transfers) >= frames + 1  # blob and every frame
+        log = (c.base_dir / "node1.log").read_text()
+        assert "over UCX on 10." in log and "(ucx)" in log, log[-3000:]

@@ -7,15 +7,24 @@ the reply a JSON header followed by the file as one message body. UCX chooses ho
 moves: shared memory between processes of one node, TCP between nodes on Ethernet, RDMA
 (InfiniBand, RoCE) where the hardware has it — the same code, configured by UCX's own
 variables (``UCX_TLS``, ``UCX_NET_DEVICES``). Every body is checked against the record
-(size and xxh3) before anything is written at its destination; a failed, short or corrupt
-transfer leaves nothing there.
+(:meth:`Record.verify <instride.record.Record.verify>`: size and xxh3) before anything is
+written at its destination; a failed, short or corrupt transfer leaves nothing there.
 
-Selection: ``INSTRIDE_TRANSPORT=ucx`` (default ``tcp``; see :func:`selected_transport`).
-A node's UCX data server listens on the host of its ``INSTRIDE_ADDR`` at that port plus
-:data:`PORT_OFFSET` (7438 by default), so a record's owner address names both servers.
+Selection: ``INSTRIDE_TRANSPORT=ucx`` (:attr:`Settings.transport
+<instride.config.Settings.transport>`, default ``tcp``) makes the cluster engine fetch with
+:class:`UcxTransport` and ``instride serve`` serve with :class:`UcxServer`, both found by name
+in :data:`instride.transport.REGISTRY`. The transport is a job-wide choice: every node of a
+job must use the same one.
+
+Address: a node's UCX server listens on ``INSTRIDE_ADDR`` itself (UCX's connection manager
+takes that TCP port; the TCP transport is not served then), and records name it as the
+owner, so a consumer connects to ``record.owner`` as with TCP. The host must be an IPv4
+address (or a name resolving to one) of an interface UCX can use: on InfiniBand, the node's
+IPoIB address.
 
 Needs UCX (Debian ``libucx-dev`` when instride is built, ``libucx0`` at run time); without
-it, selecting the transport raises :class:`~instride.errors.ConfigError` naming the package.
+it, selecting the transport (building either half) raises
+:class:`~instride.errors.ConfigError` naming the package. ``import instride`` never loads it.
 
 Security is the TCP transport's: requests are authenticated (job token, timestamp within
 :data:`~instride.transport.wire.MAX_SKEW`), nonces are not remembered (a captured request can
@@ -23,16 +32,15 @@ be replayed within that window) and nothing is encrypted: run the traffic on a t
 
 Examples
 --------
-Serve a managed directory over UCX and fetch a key from it (normally the node server and
-the cluster engine do this)::
+``INSTRIDE_TRANSPORT=ucx instride serve`` on every node, and the same variable for every
+producer and consumer of the job. From Python (what the node server and the cluster engine
+do)::
 
-    from instride.transport.ucx import UcxTransport, start_server
-    server = start_server(settings)                 # listens on INSTRIDE_ADDR's port + 1
-    UcxTransport(settings).fetch(record, dest)      # record: from the metadata backend
-    server.stop()
+    from instride.transport import get_server, get_transport
+    server = get_server("ucx", settings)            # await server.start() in an asyncio loop
+    get_transport("ucx", settings).fetch(record, dest)
 
-Run a UCX data server alone (what tests and benchmarks do until ``instride serve`` starts
-transports by name)::
+A data server for peers alone (no node agent), for diagnostics and benchmarks::
 
     python -m instride.transport.ucx --help
 """
@@ -40,6 +48,7 @@ transports by name)::
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import ctypes
 import errno
@@ -48,10 +57,8 @@ import logging
 import os
 import signal
 import socket
-import stat
 import sys
 import threading
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,19 +71,17 @@ from ..errors import (
     InstrideError,
     IntegrityError,
     KeyNotFoundError,
+    KeyNotServed,
     PeerUnavailable,
     TransferError,
 )
-from ..keys import key_path, normalize_key
-from ..metadata.base import Record
+from ..keys import normalize_key
+from ..record import Record
+from ..store.served import open_served
 from . import wire
 
 log = logging.getLogger("instride.transport.ucx")
 
-#: The UCX data server of a node listens at its ``INSTRIDE_ADDR`` port plus this.
-PORT_OFFSET = 1
-#: Names ``INSTRIDE_TRANSPORT`` accepts.
-TRANSPORTS = ("tcp", "ucx")
 #: Debian packages that provide UCX (build and run time).
 INSTALL_HINT = ("apt-get install libucx-dev ucx-utils, then reinstall instride "
                 "(pip install -e .) so that libinstride_ucx.so is built")
@@ -84,35 +89,31 @@ INSTALL_HINT = ("apt-get install libucx-dev ucx-utils, then reinstall instride "
 SEND_TIMEOUT = 60.0
 #: Bytes per second a peer is assumed to sustain at least, for a body's deadline.
 SEND_RATE = 50e6
+#: Peer connections served at once (also the C library's ceiling).
+MAX_PEERS = 512
+#: Accepted for the server protocol; a UCX request arrives whole (one message), so there is
+#: no half-received request to time out.
+REQUEST_TIMEOUT = 10.0
 _ERR = 512
 _REPLY_CAP = wire.MAX_HEADER + 1
 
 
-def selected_transport(env: Mapping[str, str] | None = None) -> str:
-    """The transport named by ``INSTRIDE_TRANSPORT`` (``tcp`` when unset or empty).
+def ucx_address(owner: str) -> tuple[str, int]:
+    """``(IPv4 address, port)`` of the UCX data server at ``owner`` (``host:port``).
 
     Raises
     ------
     ConfigError
-        For a name that is not a known transport.
+        ``owner`` is not ``host:port``.
+    PeerUnavailable
+        The host name does not resolve.
     """
-    env = os.environ if env is None else env
-    name = env.get("INSTRIDE_TRANSPORT", "").strip().lower() or "tcp"
-    if name not in TRANSPORTS:
-        raise ConfigError("INSTRIDE_TRANSPORT", name, f"expected one of {', '.join(TRANSPORTS)}")
-    return name
-
-
-def ucx_address(owner: str) -> tuple[str, int]:
-    """``(IPv4 address, port)`` of the UCX data server of the node whose TCP address is ``owner``."""
     host, port = parse_addr(owner, "owner")
-    if port + PORT_OFFSET > 65535:
-        raise ConfigError("owner", owner, "no room for the UCX port (port + 1 > 65535)")
     try:
         ip = socket.gethostbyname(host)
     except OSError as exc:
         raise PeerUnavailable(owner, f"cannot resolve {host}: {exc}") from None
-    return ip, port + PORT_OFFSET
+    return ip, port
 
 
 # ---------------------------------------------------------------------- the C library
@@ -160,7 +161,7 @@ def load_library() -> ctypes.CDLL:
             "isu_client_discard": (None, [vp]),
             "isu_client_ep_info": (ctypes.c_int, [vp, cp, ctypes.c_int, cp, sz]),
             "isu_client_close": (None, [vp]),
-            "isu_server_start": (vp, [cp, ctypes.c_int, cp, sz]),
+            "isu_server_start": (vp, [cp, ctypes.c_int, ctypes.c_int, cp, sz]),
             "isu_server_port": (ctypes.c_int, [vp]),
             "isu_server_stats": (None, [vp, ctypes.POINTER(u64)]),
             "isu_server_wake": (None, [vp]),
@@ -182,18 +183,6 @@ def _msg(buf: ctypes.Array[ctypes.c_char]) -> str:
 
 
 # ---------------------------------------------------------------------- client half
-def _check(record: Record, digest: str, size: int) -> None:
-    """Compare a received size and xxh3 digest with the record."""
-    if size != record.size:
-        raise IntegrityError(record.key, f"size {size} differs from the record's {record.size}")
-    if record.checksum is not None:
-        algo, _, expected = record.checksum.partition(":")
-        if algo != "xxh3":
-            raise IntegrityError(record.key, f"unknown checksum algorithm {algo!r}")
-        if digest != expected:
-            raise IntegrityError(record.key, f"checksum {digest} differs from the record's {expected}")
-
-
 class _Worker:
     """One UCP worker and its endpoints, used by one thread only."""
 
@@ -336,7 +325,7 @@ class UcxTransport:
         buf = self._scratch(w, size)
         self._receive(w, record, buf, size)
         view = memoryview(buf)[:size]
-        _check(record, xxhash.xxh3_64_hexdigest(view), size)
+        record.verify(xxhash.xxh3_64_hexdigest(view), size)
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             done = 0
@@ -357,7 +346,7 @@ class UcxTransport:
         _reply, size = self._request(w, record)
         buf = bytearray(size)
         self._receive(w, record, buf, size)
-        _check(record, xxhash.xxh3_64_hexdigest(buf), size)
+        record.verify(xxhash.xxh3_64_hexdigest(buf), size)
         return buf
 
     def endpoint_info(self, record: Record) -> str:
@@ -368,6 +357,11 @@ class UcxTransport:
         out = ctypes.create_string_buffer(1 << 16)
         rc = self.lib.isu_client_ep_info(w.handle, host.encode(), port, out, len(out))
         return _msg(out) if rc == 0 else ""
+
+    @classmethod
+    def server_class(cls) -> type[UcxServer]:
+        """The server half: :class:`UcxServer`."""
+        return UcxServer
 
     def close(self) -> None:
         """Close every thread's worker and endpoints (call when no fetch is running)."""
@@ -382,31 +376,54 @@ class UcxServer:
     """Serve the files of a managed directory to peers over UCX.
 
     One thread runs the UCP worker: it authenticates each request (the job token), opens the
-    key's file (a regular file inside the directory, reached without symbolic links) and
-    hands it to UCX, which sends it from a memory map while the thread answers the next
-    request, so a large body does not hold up small ones.
+    key's file (:func:`~instride.store.served.open_served`: a regular file inside the
+    directory, reached without symbolic links) and hands it to UCX, which sends it from a
+    memory map while the thread answers the next request, so a large body does not hold up
+    small ones. The asyncio methods (:meth:`start`, :meth:`stop`) are the
+    :class:`~instride.transport.base.TransportServer` protocol, used by ``instride serve``;
+    :meth:`open` and :meth:`close` do the same without an event loop.
 
     Parameters
     ----------
     settings
-        The node's settings: managed directory, job token, ``INSTRIDE_ADDR``.
+        The node's settings: managed directory, job token, ``INSTRIDE_ADDR`` (where to
+        listen, unless ``host``/``port`` say otherwise).
+    max_peers
+        Peer connections served at once (at most :data:`MAX_PEERS`); more are rejected by
+        UCX and counted as ``busy``.
+    request_timeout
+        Accepted for the protocol and unused: a UCX request arrives as one whole message.
+    send_timeout
+        Seconds a reply may take to be taken by its peer, plus size / 50 MB/s for a body;
+        a peer that does not take it in time is disconnected (counted as ``stalled``).
     host, port
-        Where to listen; default: ``INSTRIDE_ADDR``'s host and port + :data:`PORT_OFFSET`.
-        Port 0 picks a free port (see :attr:`port`).
+        Override the listen address; port 0 picks a free port (see :attr:`port`).
     on_reply
         Called with ``(key, size)`` before each body is handed to UCX (diagnostics).
+
+    Raises
+    ------
+    ConfigError
+        When UCX support is not installed (names the Debian packages).
     """
 
-    def __init__(self, settings: Settings, host: str | None = None, port: int | None = None,
-                 on_reply: Any = None) -> None:
+    def __init__(self, settings: Settings, *, max_peers: int = MAX_PEERS,
+                 request_timeout: float = REQUEST_TIMEOUT, send_timeout: float = SEND_TIMEOUT,
+                 host: str | None = None, port: int | None = None, on_reply: Any = None) -> None:
         self.settings = settings
-        default_host, default_port = ucx_address(settings.addr)
-        self.host = socket.gethostbyname(host) if host else default_host
+        self.lib = load_library()
+        default_host, default_port = parse_addr(settings.addr)
+        self.host = host or default_host
         self.port = default_port if port is None else port
+        self.max_peers = max_peers
+        self.request_timeout = request_timeout
+        self.send_timeout = send_timeout
         self.on_reply = on_reply
         self.root_real = os.path.realpath(settings.dir)
-        self.lib = load_library()
-        self.stats = {"fetches": 0, "refused": 0, "errors": 0}
+        self.stats = {"fetches": 0, "bytes_sent": 0, "refused": 0, "errors": 0, "busy": 0,
+                      "stalled": 0}
+        self._peers = 0
+        self._c_refused = 0  # requests the C library dropped (malformed at the UCX level)
         self._handle: int | None = None
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -415,71 +432,106 @@ class UcxServer:
         self.grace = 10.0
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> UcxServer:
-        """Start listening (in the serving thread) and return once it listens.
+    async def start(self) -> None:
+        """Listen on ``INSTRIDE_ADDR`` (the serving thread starts; returns once it listens).
 
         Raises
         ------
         ConfigError
             When UCX cannot listen there (address in use, not an address of this node).
         """
+        await asyncio.to_thread(self.open)
+
+    async def stop(self, grace: float) -> None:
+        """Stop listening; let bodies in flight finish for up to ``grace`` seconds."""
+        self.grace = grace
+        await asyncio.to_thread(self.close)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The counters plus ``peers`` (connections open); refreshed by the serving thread at
+        least every half second."""
+        return {**self.stats, "refused": self.stats["refused"] + self._c_refused,
+                "peers": self._peers}
+
+    def open(self) -> UcxServer:
+        """Start serving in a thread and return once it listens (see :meth:`start`)."""
         # like the TCP server's SO_REUSEADDR: a restarted server gets its port back at once
         # (UCX reads its variables when the server's context is created)
         os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
         os.environ.setdefault("UCX_RDMA_CM_REUSEADDR", "y")
-        self._thread = threading.Thread(target=self._run, name="instride-ucx", daemon=True)
+        try:
+            ip = socket.gethostbyname(self.host)
+        except OSError as exc:
+            raise ConfigError("INSTRIDE_ADDR", self.settings.addr,
+                              f"cannot resolve {self.host}: {exc}") from None
+        self._thread = threading.Thread(target=self._run, args=(ip,), name="instride-ucx",
+                                        daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._error is not None:
             raise self._error
         return self
 
-    def stop(self) -> None:
-        """Stop listening; let bodies in flight finish for up to ``grace`` seconds."""
+    def close(self) -> None:
+        """Stop listening; let bodies in flight finish for up to :attr:`grace` seconds."""
         self._stop.set()
-        if self._handle:
-            self.lib.isu_server_wake(self._handle)
+        handle = self._handle
+        if handle:
+            self.lib.isu_server_wake(handle)
         if self._thread is not None:
             self._thread.join()
 
     def __enter__(self) -> UcxServer:
-        return self.start()
+        return self.open()
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        self.close()
 
-    def _run(self) -> None:
+    def _refresh(self, handle: int) -> None:
+        """Copy the C library's counters (serving thread only)."""
+        out = (ctypes.c_uint64 * 5)()
+        self.lib.isu_server_stats(handle, out)
+        self.stats["bytes_sent"] = out[0]
+        self.stats["stalled"] = out[1]
+        self.stats["busy"] = out[3]
+        self._peers = out[4]
+        self._c_refused = out[2]
+
+    def _run(self, ip: str) -> None:
         err = ctypes.create_string_buffer(_ERR)
-        handle = self.lib.isu_server_start(self.host.encode(), self.port, err, _ERR)
+        handle = self.lib.isu_server_start(ip.encode(), self.port, self.max_peers, err, _ERR)
         if not handle:
-            self._error = ConfigError("UCX listen address", f"{self.host}:{self.port}", _msg(err))
+            self._error = ConfigError("INSTRIDE_ADDR", f"{self.host}:{self.port}",
+                                      f"UCX cannot listen there: {_msg(err)}")
             self._ready.set()
             return
         self._handle = handle
         self.port = self.lib.isu_server_port(handle)
         self._ready.set()
-        log.info("serving %s over UCX on %s:%d", self.settings.dir, self.host, self.port)
+        log.info("serving %s over UCX on %s:%d", self.settings.dir, ip, self.port)
         buf = ctypes.create_string_buffer(_REPLY_CAP)
         try:
             while not self._stop.is_set():
                 n = self.lib.isu_server_next(handle, buf, _REPLY_CAP, 500)
-                if n <= 0:
-                    continue  # timeout slice or woken to stop
-                try:
-                    self._answer(handle, buf.raw[:n])
-                except Exception:  # never let one request take the server down
-                    self.stats["errors"] += 1
-                    log.exception("unexpected error answering a UCX request")
+                if n > 0:
+                    try:
+                        self._answer(handle, buf.raw[:n])
+                    except Exception:  # never let one request take the server down
+                        self.stats["errors"] += 1
+                        log.exception("unexpected error answering a UCX request")
+                self._refresh(handle)
         finally:
             self._handle = None
+            self._refresh(handle)
             self.lib.isu_server_close(handle, int(self.grace * 1000))
+            self._peers = 0
             log.info("UCX server stopped; stats %s", self.stats)
 
     # ------------------------------------------------------------------ requests
     def _reply(self, handle: int, header: dict[str, Any], fd: int = -1, size: int = 0) -> None:
         body = json.dumps(header, separators=(",", ":")).encode()
         err = ctypes.create_string_buffer(_ERR)
-        deadline_ms = int((SEND_TIMEOUT + size / SEND_RATE) * 1000)
+        deadline_ms = int((self.send_timeout + size / SEND_RATE) * 1000)
         rc = self.lib.isu_server_reply(handle, body, len(body), fd, size, deadline_ms, err, _ERR)
         if rc != 0:
             log.debug("reply not sent: %s", _msg(err))
@@ -508,8 +560,11 @@ class UcxServer:
             return
         try:
             key = normalize_key(req["key"], self.settings.dir)
-            fd, st = self._open_served(key)
+            fd, st = open_served(self.settings.dir, self.root_real, key)
         except KeyNotFoundError as exc:
+            if isinstance(exc, KeyNotServed):
+                self.stats["refused"] += 1
+                log.warning("refused to serve over UCX: %s", exc)
             self._reply(handle, {"ok": False, "error": "KeyNotFoundError", "message": str(exc)})
             return
         except InstrideError as exc:
@@ -520,43 +575,6 @@ class UcxServer:
         self.stats["fetches"] += 1
         self._reply(handle, {"ok": True, "key": key, "size": st.st_size}, fd, st.st_size)
 
-    def _open_served(self, key: str) -> tuple[int, os.stat_result]:
-        """Open ``key``: a regular file inside the managed directory, no symbolic link."""
-        path = key_path(key, self.settings.dir)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError):
-            raise KeyNotFoundError(key) from None
-        except OSError as exc:
-            detail = "it is a symbolic link" if exc.errno == errno.ELOOP else os.strerror(exc.errno or 5)
-            raise _not_served(key, detail) from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise _not_served(key, "it is not a regular file")
-            try:
-                real = os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)")
-            except OSError:
-                real = os.path.realpath(path)
-            if real != os.path.join(self.root_real, key):
-                raise _not_served(key, "it resolves outside the managed directory or through a link")
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd, st
-
-
-def _not_served(key: str, reason: str) -> KeyNotFoundError:
-    exc = KeyNotFoundError(key)
-    exc.strerror = f"key {key!r} is not served: {reason}"
-    return exc
-
-
-def start_server(settings: Settings, host: str | None = None, port: int | None = None) -> UcxServer:
-    """Start a :class:`UcxServer` for ``settings`` (what a node server calls); stop it with
-    :meth:`UcxServer.stop`."""
-    return UcxServer(settings, host, port).start()
-
 
 # ---------------------------------------------------------------------- stand-alone server
 def main(argv: list[str] | None = None) -> int:
@@ -564,10 +582,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m instride.transport.ucx",
         description="Serve this node's managed directory (INSTRIDE_DIR) to peers over UCX, "
-                    "authenticated with INSTRIDE_TOKEN, on INSTRIDE_ADDR's host and port + 1.",
+                    "authenticated with INSTRIDE_TOKEN, on INSTRIDE_ADDR (peers only: "
+                    "`INSTRIDE_TRANSPORT=ucx instride serve` also serves local thin clients).",
     )
     ap.add_argument("--host", help="address to listen on (default: INSTRIDE_ADDR's host)")
-    ap.add_argument("--port", type=int, help="port (default: INSTRIDE_ADDR's port + 1; 0: any)")
+    ap.add_argument("--port", type=int, help="port (default: INSTRIDE_ADDR's port; 0: any)")
     ap.add_argument("--announce", action="store_true",
                     help="print 'reply KEY SIZE' on stdout before each body is sent")
     args = ap.parse_args(argv)
@@ -577,19 +596,20 @@ def main(argv: list[str] | None = None) -> int:
     def announce(key: str, size: int) -> None:
         print(f"reply {key} {size}", flush=True)
 
-    server = UcxServer(settings, args.host, args.port, on_reply=announce if args.announce else None)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        server.start()
+        server = UcxServer(settings, host=args.host, port=args.port,
+                           on_reply=announce if args.announce else None)
+        server.open()
     except InstrideError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"ready {server.host}:{server.port}", flush=True)
     while not stop.wait(0.5):
         pass
-    server.stop()
+    server.close()
     return 0
 
 
