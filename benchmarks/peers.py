@@ -7,7 +7,10 @@
   TCP on ``eth0``) streaming frames of the same size from node 1 to node 2.
 
 UCX runs with ``UCX_TLS=tcp`` and ``UCX_NET_DEVICES=eth0``: network namespaces do not isolate
-shared memory, and without them two emulated nodes would talk through sysv/cma.
+shared memory, and without them two emulated nodes would talk through sysv/cma. Node 1's
+``instride serve`` keeps serving TCP on its address (port 7437); a stand-alone UCX data server
+(``python -m instride.transport.ucx``) serves the same directory beside it on
+:data:`UCX_PORT`, and the UCX fetches use the records with that port as owner.
 """
 
 from __future__ import annotations
@@ -24,28 +27,35 @@ from common import summary
 
 PY = sys.executable
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
+#: Port of the UCX data server beside node 1's TCP one (the records name the TCP one).
+UCX_PORT = 7438
 
 FETCH = textwrap.dedent(
     """
-    import json, os, sys, time
+    import dataclasses, json, os, sys, time
     from pathlib import Path
     from instride.config import Settings
     from instride.metadata import get_backend
     from instride.transport import get_transport
     keys, out, rounds = json.loads(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+    ucx_port = sys.argv[4]
     settings = Settings.from_env()
     meta = get_backend("redis", settings)
-    records = [meta.lookup(k) for k in keys]
-    assert all(records), "missing records"
+    tcp_records = [meta.lookup(k) for k in keys]
+    assert all(tcp_records), "missing records"
+    # the UCX server of the owner node listens beside its TCP server, on ucx_port
+    ucx_records = [dataclasses.replace(r, owner=r.owner.rpartition(":")[0] + ":" + ucx_port)
+                   for r in tcp_records]
+    by_name = {"tcp": tcp_records, "ucx": ucx_records}
     transports = {name: get_transport(name, settings) for name in ("tcp", "ucx")}
     res = {name: {"seconds": 0.0, "bytes": 0, "lat_us": []} for name in transports}
     out.mkdir(parents=True, exist_ok=True)
     for name, t in transports.items():  # warm-up: connections, buffers
-        t.fetch(records[0], out / "warm"); os.unlink(out / "warm")
+        t.fetch(by_name[name][0], out / "warm"); os.unlink(out / "warm")
     for _ in range(rounds):
         for name, t in transports.items():
             r = res[name]
-            for i, rec in enumerate(records):
+            for i, rec in enumerate(by_name[name]):
                 dest = out / f"{name}-{i}"
                 t0 = time.perf_counter()
                 t.fetch(rec, dest)
@@ -100,7 +110,7 @@ SST_READ = textwrap.dedent(
 
 def start_ucx_server(c: Any, node: int) -> subprocess.Popen:
     """Start a UCX data server on ``node`` (serving its managed directory); wait until ready."""
-    proc = c.popen(node, [PY, "-m", "instride.transport.ucx"], env=UCX_ENV,
+    proc = c.popen(node, [PY, "-m", "instride.transport.ucx", "--port", str(UCX_PORT)], env=UCX_ENV,
                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     if not line.startswith("ready"):
@@ -123,7 +133,8 @@ def transport_rows(c: Any, keys: list[str], rounds: int = 2) -> dict[str, Any]:
     server = start_ucx_server(c, 1)
     try:
         out = c.node(2).dir / ".bench-fetch"
-        proc = c.run(2, [PY, "-c", FETCH, json.dumps(keys), str(out), str(rounds)], env=UCX_ENV,
+        proc = c.run(2, [PY, "-c", FETCH, json.dumps(keys), str(out), str(rounds), str(UCX_PORT)],
+                     env=UCX_ENV,
                      capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             raise RuntimeError(f"fetch benchmark failed: {proc.stderr[-3000:]}")
