@@ -505,7 +505,7 @@ class TestUcxAcrossNodes(UcxScenarios):
 def test_selected_by_settings(tmp_path: Path) -> None:
     """INSTRIDE_TRANSPORT=ucx names both halves; unknown names are typed errors."""
     settings = Settings.from_env({"INSTRIDE_DIR": str(tmp_path), "INSTRIDE_TOKEN": TOKEN,
-                                  "INSTRIDE_TRANSPORT": "ucx"})
+                                  "INSTRIDE_TRANSPORT": " UCX "})
     assert settings.transport == "ucx"
     t = get_transport(settings.transport, settings)
     assert isinstance(t, UcxTransport)
