@@ -35,6 +35,7 @@ from instride.transport import get_server, get_transport
 from instride.transport import ucx as ucx_mod
 from instride.transport.ucx import UcxServer, UcxTransport
 from tests.conftest import free_port
+from tests.nodes import stats, until
 
 from .contract import TransportContract, wait_ready
 
@@ -593,5 +594,8 @@ def test_two_nodes_serve_over_ucx() -> None:
         assert len(got) == frames + 2
         name, transfers = got[-1].split()
         assert name == "UcxTransport" and int(transfers) >= frames + 1  # blob and every frame
+        # node 1's `instride serve` sent them over UCX (its counters lag by at most 0.5 s)
+        until(lambda: stats(c.node(1))["fetches"] >= frames + 1, 5, "node 1 counted the fetches")
+        assert stats(c.node(1))["bytes_sent"] >= 5_000_000
         log = (c.base_dir / "node1.log").read_text()
         assert "over UCX on 10." in log and "(ucx)" in log, log[-3000:]
