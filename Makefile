@@ -8,13 +8,14 @@ BIN    := $(VENV)/bin
 # Debian packages the tests and benchmarks use: Redis (cluster metadata), iproute2 (emulated
 # nodes in network namespaces), GROMACS and LAMMPS (MD engines streaming over IMD v2), compilers
 # for the preload library and its C/C++ tests, sshfs + sshd (the shared-file-system baseline
-# of the benchmark: a real network file system between emulated nodes).
+# of the benchmark: a real network file system between emulated nodes), UCX (the ucx
+# transport's C engine is built against libucx-dev; ucx-utils has ucx_info/ucx_perftest).
 # BUILD_PACKAGES: what creating .venv and `pip install -e .` need: python3-venv (Debian's
 # python3 has no ensurepip without it), a C compiler for the preload library (without
 # libc6-dev, which apt does not install with gcc under --no-install-recommends, gcc finds no
 # headers); `make demo` installs only these.
 BUILD_PACKAGES := python3-venv gcc libc6-dev
-APT_PACKAGES := $(BUILD_PACKAGES) redis-server iproute2 gromacs lammps g++ make procps sshfs openssh-server util-linux
+APT_PACKAGES := $(BUILD_PACKAGES) redis-server iproute2 gromacs lammps g++ make procps sshfs openssh-server util-linux libucx-dev ucx-utils
 
 .PHONY: demo test lint bench clean system-deps build-deps
 
@@ -33,6 +34,9 @@ demo: build-deps $(BIN)/.installed-test
 	$(BIN)/instride demo --out demo-output
 
 test: system-deps $(BIN)/.installed-test
+	@# libucx-dev installed after the venv was made (`make demo` first): build the ucx engine now
+	@if [ -e /usr/include/ucp/api/ucp.h ] && [ ! -e src/instride/libinstride_ucx.so ]; then \
+	  $(BIN)/python -m pip install -q -e '.[test]'; fi
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 

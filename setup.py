@@ -1,9 +1,13 @@
-"""Build of instride's two C libraries, from one implementation of the protocol (csrc/core).
+"""Build of instride's C libraries, from one implementation of the protocol (csrc/core).
 
 - ``libinstride_preload.so``: the LD_PRELOAD interposition library (csrc/core + csrc/preload);
   it exports only the wrapped libc symbols.
 - ``libinstride.so``: the C API of ``include/instride/instride.h`` (csrc/core + csrc/api),
   which ``include/instride/stream.hpp`` wraps for C++; it exports only ``instride_*``.
+- ``libinstride_ucx.so``: the UCX engine of the ``ucx`` transport (csrc/ucx, loaded with
+  ctypes). It is built only when UCX's headers are installed (Debian ``libucx-dev``); without
+  them the package still installs and selecting the ``ucx`` transport raises a
+  ``ConfigError`` that names the package.
 
 All package metadata lives in pyproject.toml; this file only adds the C build.
 The libraries are plain shared objects (never imported by Python): each is built
@@ -24,11 +28,12 @@ from setuptools.command.build_py import build_py
 
 PRELOAD = "instride.libinstride_preload"
 CAPI = "instride.libinstride"
-LIBRARIES = (PRELOAD, CAPI)
+UCX = "instride.libinstride_ucx"
+LIBRARIES = (PRELOAD, CAPI, UCX)
 
 
 class BuildPreload(build_ext):
-    """build_ext that names the C libraries exactly libinstride_preload.so and libinstride.so."""
+    """build_ext that names the C libraries exactly lib<name>.so."""
 
     def get_ext_filename(self, fullname: str) -> str:
         # Called with the dotted name and, by get_ext_fullpath, with its last part.
@@ -64,6 +69,28 @@ capi = Extension(
     extra_link_args=["-Wl,-soname,libinstride.so"],
     libraries=["pthread", "m"],
 )
+
+
+def _have_ucx() -> bool:
+    """Whether UCX's development headers (Debian ``libucx-dev``) are installed."""
+    dirs = ("/usr/include", "/usr/local/include", os.environ.get("UCX_HOME", "/nonexistent") + "/include")
+    return any(os.path.exists(os.path.join(d, "ucp", "api", "ucp.h")) for d in dirs)
+
+
+extensions = [preload, capi]
+if _have_ucx():
+    ucx_home = os.environ.get("UCX_HOME")
+    extensions.append(Extension(
+        UCX,
+        sources=sorted(glob.glob("csrc/ucx/*.c")),
+        include_dirs=[os.path.join(ucx_home, "include")] if ucx_home else [],
+        library_dirs=[os.path.join(ucx_home, "lib")] if ucx_home else [],
+        extra_compile_args=CFLAGS,
+        libraries=["ucp", "ucs"],
+    ))
+else:
+    print("instride: UCX headers not found (apt-get install libucx-dev): "
+          "the ucx transport is not built", flush=True)
 
 # INSTRIDE_PATCH_OPEN=1 must work for scripts that never import instride: a .pth file at the
 # top of site-packages installs the open() patch at interpreter start-up (it imports nothing
@@ -111,4 +138,4 @@ try:
 except ImportError:  # setuptools < 64: no PEP 660 editable installs
     pass
 
-setup(ext_modules=[preload, capi], cmdclass=cmdclass)
+setup(ext_modules=extensions, cmdclass=cmdclass)

@@ -12,10 +12,14 @@ Measures, in one run, on an emulated cluster made for the purpose:
    consumers on nodes 3-4) moving JAC-sized frames as fast as they can;
 5. publish -> consume latency through the preload library across nodes: unmodified C
    programs (open/write/close on node 1, open/read on node 2) exchanging 4 KiB keys;
-6. the data server's start-up time (process start to listening).
+6. the data server's start-up time (process start to listening);
+7. transports side by side on the same published frames (STMV and JAC, node 1 -> node 2):
+   the TCP and the UCX transport (UCX over TCP on the veth), each fetch verified and stored,
+   beside raw TCP measured again right then, and ADIOS2 SST (a peer middleware) streaming
+   frames of the same sizes between the same two namespaces (``benchmarks/peers.py``).
 
 Needs root (network namespaces), iproute2 and redis-server (``make test`` installs them).
-Usage: ``python benchmarks/bench_cluster.py [--quick]``
+Usage: ``python benchmarks/bench_cluster.py [--quick] [--transports-only]``
 """
 
 from __future__ import annotations
@@ -168,6 +172,8 @@ def stream_run(c: EmulatedCluster, name: str, n: int, atoms: int, gap: float,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--transports-only", action="store_true",
+                    help="run sections 1, 2 and 7 only (transports and peers); results are not saved")
     args = ap.parse_args()
     m = header("instride cluster mode between emulated nodes")
     result: dict = {"machine": m}
@@ -202,6 +208,9 @@ def main() -> None:
               f" node1 -> bytes local on node2")
         print(f"median {s['median']:.0f} µs   p99 {s['p99']:.0f} µs   min {s['min']:.0f} µs   (n={s['n']})")
 
+        if args.transports_only:
+            transports(c, result, stmv, jac, n_stmv, args.quick)
+            return
         # 3. remote wake-up through Redis
         n = 300 if args.quick else 1000
         w = _popen(c, 2, WAKE_CONSUMER, n)
@@ -258,7 +267,44 @@ def main() -> None:
         med = summary(starts)["median"]
         print(f"\n## data server start-up (process start -> accepting): median {med:.2f} s"
               " (requirement: under a second)")
+        transports(c, result, stmv, jac, n_stmv, args.quick)
     save("cluster", result)
+
+
+def transports(c: EmulatedCluster, result: dict, stmv: int, jac: int, n_stmv: int, quick: bool) -> None:
+    """7. TCP and UCX transports on the same frames, raw TCP, ADIOS2 SST; adds to ``result``."""
+    from peers import sst_rows, transport_rows
+
+    d1 = c.node(1).dir
+    print("\n## transports, node1 -> node2, same published frames (fetch + verify + store as a file)")
+    print("UCX over TCP (UCX_TLS=tcp, UCX_NET_DEVICES=eth0); ADIOS2 SST with DataTransport=WAN on eth0")
+    sets = (("stmv", stmv, n_stmv), ("jac", jac, 100 if quick else 300))
+    for label, size, n_keys in sets:
+        keys = sorted(str(p.relative_to(d1)) for p in (d1 / label / "p0").glob("frame_*.isf"))[:n_keys]
+        raw = raw_tcp(c, str(d1 / keys[0]), size, len(keys))
+        rows = transport_rows(c, keys)
+        sst = sst_rows(c, len(keys), size)
+        entry = {
+            "frame_bytes": size, "frames": len(keys), "raw_tcp_sendfile": raw,
+            "tcp": rows["tcp"]["MBps"], "ucx": rows["ucx"]["MBps"], "adios2_sst": sst["MBps"],
+            "ratio_tcp_vs_raw": rows["tcp"]["MBps"] / raw, "ratio_ucx_vs_raw": rows["ucx"]["MBps"] / raw,
+            "ratio_ucx_vs_tcp": rows["ucx"]["MBps"] / rows["tcp"]["MBps"],
+            "ratio_best_instride_vs_sst": max(rows["tcp"]["MBps"], rows["ucx"]["MBps"]) / sst["MBps"],
+            "fetch_latency_us": {name: rows[name]["fetch_latency_us"] for name in ("tcp", "ucx")},
+            "sst_step_latency_us": sst["step_latency_us"],
+        }
+        result[f"transports_{label}_MBps"] = entry
+        print(f"\n{label.upper()} frames ({size / 2**10:.1f} KiB x {len(keys)}):")
+        print(f"  raw TCP sendfile -> recv_into   {raw:8.0f} MB/s")
+        for name in ("tcp", "ucx"):
+            lat = rows[name]["fetch_latency_us"]
+            print(f"  instride {name} transport       {rows[name]['MBps']:8.0f} MB/s  ratio vs raw"
+                  f" {rows[name]['MBps'] / raw:.2f}   fetch median {lat['median']:.0f} µs"
+                  f" p99 {lat['p99']:.0f} µs")
+        print(f"  ADIOS2 SST (WAN)                {sst['MBps']:8.0f} MB/s   step median"
+              f" {sst['step_latency_us']['median']:.0f} µs")
+        print(f"  UCX / TCP transport: {entry['ratio_ucx_vs_tcp']:.2f}   best instride / SST:"
+              f" {entry['ratio_best_instride_vs_sst']:.2f} (target >= 1.2)")
 
 
 if __name__ == "__main__":

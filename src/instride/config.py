@@ -133,7 +133,7 @@ def _fsync(name: str, raw: str | None) -> bool:
 
 
 def _name(name: str, raw: str | None) -> str:
-    value = (raw or "").strip() or "tcp"
+    value = (raw or "").strip().lower() or "tcp"
     if not value.replace("_", "").replace("-", "").isalnum():
         raise ConfigError(name, raw, "expected a registered name such as 'tcp'")
     return value
@@ -172,7 +172,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("INSTRIDE_CONNECT_TIMEOUT", "connect_timeout", _connect_timeout, "5",
              "seconds to reach a peer or Redis"),
     Variable("INSTRIDE_TRANSPORT", "transport", _name, "tcp",
-             "transport the cluster engine fetches with and the data server serves"),
+             "transport the cluster engine fetches with and the data server serves: tcp or ucx"),
     Variable("INSTRIDE_OVERWRITE", "overwrite", _flag, "0",
              "(preload library) let writes replace published keys"),
     Variable("INSTRIDE_PATCH_OPEN", "patch_open", _flag, "0",

@@ -2,10 +2,12 @@
 
 It composes two faces and owns nothing else:
 
-* **peers**: the server half of the configured transport (``INSTRIDE_TRANSPORT``, default
-  ``tcp``: :class:`~instride.transport.tcp.TcpServer` on ``INSTRIDE_ADDR``) lets other nodes
-  fetch files of this node's managed directory — authenticated with the job token, regular
-  files only, every write with a deadline (see :mod:`instride.transport.tcp.server`);
+* **peers**: the server half of the configured transport, started by name on
+  ``INSTRIDE_ADDR`` (``INSTRIDE_TRANSPORT``: ``tcp``, the default,
+  :class:`~instride.transport.tcp.TcpServer`; ``ucx``,
+  :class:`~instride.transport.ucx.UcxServer`) lets other nodes fetch files of this node's
+  managed directory — authenticated with the job token, regular files only, every send with
+  a deadline (see :mod:`instride.transport.tcp.server`, :mod:`instride.transport.ucx`);
 * **thin clients**: the node agent (:class:`~instride.agent.LocalAgent`) on the Unix socket
   ``$INSTRIDE_DIR/.instride/node.sock`` answers the C preload library's ``CONSUME``,
   ``PUBLISH``, ``OVERWRITE``, ``PING`` and ``STATS`` lines (see :mod:`instride.agent`).

@@ -85,9 +85,12 @@ class Owner:
         self.proc = subprocess.Popen([sys.executable, "-c", _SERVE, name], env=self.env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         if not wait_ready(self.proc):
-            self.stop()
+            if self.proc.poll() is None:
+                self.proc.kill()
             assert self.proc.stderr is not None
-            raise RuntimeError(f"{name} server half did not start: {self.proc.stderr.read()!r}")
+            err = self.proc.stderr.read()  # before stop() closes the pipes
+            self.stop()
+            raise RuntimeError(f"{name} server half did not start: {err[-3000:]!r}")
 
     def put(self, key: str, data: bytes) -> Record:
         """Publish ``data`` under ``key`` on the owner node; return its cluster record."""

@@ -61,19 +61,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
-        help="run this node's data server (peers over TCP, thin clients over a Unix socket)",
-        description="Serve this node's managed directory. Settings from INSTRIDE_* variables.",
+        help="run this node's data server (peers over INSTRIDE_TRANSPORT: TCP or UCX; "
+             "thin clients over a Unix socket)",
+        description="Serve this node's managed directory to peers (over the transport "
+                    "INSTRIDE_TRANSPORT names: tcp, the default, or ucx) and to local thin "
+                    "clients. Settings from INSTRIDE_* variables.",
     )
-    p.add_argument("--listen", metavar="HOST:PORT", help="TCP address (default: INSTRIDE_ADDR)")
+    p.add_argument("--listen", metavar="HOST:PORT", help="address peers reach (default: INSTRIDE_ADDR)")
     p.add_argument("--socket", metavar="PATH", help="Unix socket (default: INSTRIDE_SOCKET)")
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds in-flight transfers may take after SIGTERM (default 10)")
     p.add_argument("--workers", type=_positive_int, default=64,
                    help="threads for waiting CONSUME requests, one per pending wait (default 64)")
     p.add_argument("--max-peers", type=_positive_int, default=512,
-                   help="TCP connections served at once; more get a 'busy' error (default 512)")
+                   help="peer connections served at once; more get a 'busy' error (default 512)")
     p.add_argument("--request-timeout", type=_positive_float, default=10.0,
-                   help="seconds a new TCP connection has to send its first request (default 10)")
+                   help="seconds a new TCP connection has to send its first request (default 10; "
+                        "unused by ucx, whose requests arrive whole)")
     p.add_argument("--send-timeout", type=_positive_float, default=60.0,
                    help="seconds a write to a peer may take; a file body gets this plus "
                         "size / 50 MB/s (default 60)")

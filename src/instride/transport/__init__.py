@@ -9,6 +9,8 @@ name       client half / server half                    needs
 =========  ===========================================  =======
 ``tcp``    :class:`~.tcp.TcpTransport` /                nothing
            :class:`~.tcp.TcpServer`
+``ucx``    :class:`~.ucx.UcxTransport` /                ``libucx-dev`` (UCP, in C)
+           :class:`~.ucx.UcxServer`
 =========  ===========================================  =======
 """
 
@@ -24,6 +26,7 @@ from .base import Transport, TransportServer
 #: server half (:meth:`Transport.server_class`).
 REGISTRY: _registry.Registry = {
     "tcp": ("instride.transport.tcp:TcpTransport", ""),
+    "ucx": ("instride.transport.ucx:UcxTransport", "apt-get install libucx-dev ucx-utils"),
 }
 
 

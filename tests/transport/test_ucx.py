@@ -1,0 +1,601 @@
+"""The UCX transport: the shared transport contract, UCX's own scenarios, selection by name,
+and an end-to-end run of two emulated nodes whose ``instride serve`` speaks UCX.
+
+* :class:`TestUcxContract` runs :class:`~tests.transport.contract.TransportContract` against
+  the server half started by name (``get_server("ucx", ...)``) on one node;
+* :class:`UcxScenarios` checks which carrier UCX chose and kills a peer while a body is on
+  its way: on one node over shared memory (:class:`TestUcxSharedMemory`) and between emulated
+  nodes over UCX's TCP transport (:class:`TestUcxAcrossNodes`), with a real
+  ``python -m instride.transport.ucx`` server process;
+* :func:`test_two_nodes_serve_over_ucx`: ``INSTRIDE_TRANSPORT=ucx`` for a whole emulated
+  cluster (data servers, producer, consumer), keys and a stream, checksums verified.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import xxhash
+
+from instride.config import Settings
+from instride.errors import ConfigError, InstrideError
+from instride.record import Record
+from instride.transport import get_server, get_transport
+from instride.transport import ucx as ucx_mod
+from instride.transport.ucx import UcxServer, UcxTransport
+from tests.conftest import free_port
+from tests.nodes import stats, until
+
+from .contract import TransportContract, wait_ready
+
+PY = sys.executable
+TOKEN = "ucx-test-token"
+#: seconds a fetch waits for a reply in these tests (INSTRIDE_CONNECT_TIMEOUT)
+TIMEOUT = 1.5
+#: sizes around UCX's protocol switches (short, eager copy, zero-copy, rendezvous)
+SIZES = {"empty": 0, "one": 1, "small": 8185, "eager": 8193, "mid": 300_000, "big": 3_000_017}
+
+
+def payload(name: str, size: int) -> bytes:
+    return (name.encode() * (size // max(1, len(name)) + 1))[:size] if size < 64 else os.urandom(size)
+
+
+def checksum(data: bytes) -> str:
+    return "xxh3:" + xxhash.xxh3_64_hexdigest(data)
+
+
+@dataclass
+class Peer:
+    """A UCX data server process serving ``dir``; ``owner`` is the record's owner address."""
+
+    proc: subprocess.Popen
+    dir: Path
+    owner: str
+    files: dict[str, bytes] = field(default_factory=dict)
+    killed: bool = False
+
+    def record(self, key: str, *, data: bytes | None = None, checksum_of: bytes | None = None) -> Record:
+        data = self.files[key] if data is None else data
+        return Record(key, self.owner, len(data), checksum(checksum_of if checksum_of is not None else data),
+                      1, time.time(), "owner")
+
+    def announced(self, timeout: float = 30) -> str:
+        """The next ``reply KEY SIZE`` line the server printed (before handing a body to UCX)."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if line.startswith("reply "):
+                return line
+            if not line:
+                break
+        raise AssertionError("the server announced no reply")
+
+    def kill(self) -> None:
+        """Kill the server (SIGKILL) and wait for it."""
+        self.killed = True
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        """Stop the server with SIGTERM; unless the test killed it, it must exit cleanly."""
+        hung = False
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                hung = True
+                self.proc.kill()
+                self.proc.wait()
+        err = self.proc.stderr.read() if self.proc.stderr is not None else ""
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        if not self.killed:
+            assert not hung and self.proc.returncode == 0, (self.proc.returncode, err[-2000:])
+
+
+@dataclass
+class Outcome:
+    """What one fetch did: ``error`` is the exception's class name (``None`` on success)."""
+
+    error: str | None
+    bases: list[str]
+    message: str
+    digest: str | None
+    dest_exists: bool
+    elapsed: float
+    info: str = ""
+
+
+def _start_server(argv: list[str], env: dict[str, str], directory: Path, owner: str,
+                  files: dict[str, bytes]) -> Peer:
+    directory.mkdir(parents=True, exist_ok=True)
+    for key, data in files.items():
+        (directory / key).parent.mkdir(parents=True, exist_ok=True)
+        (directory / key).write_bytes(data)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peer = Peer(proc, directory, owner, dict(files))
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("ready "):
+        err = proc.stderr.read() if proc.stderr else ""
+        peer.kill()
+        peer.stop()
+        raise AssertionError(f"UCX server did not start: {line!r} {err}")
+    return peer
+
+
+def run_fetch(transport: UcxTransport, record: Record, dest: Path | None) -> Outcome:
+    """One fetch (to ``dest``, or into memory when ``None``) and what came of it."""
+    t0 = time.monotonic()
+    digest = None
+    try:
+        if dest is not None:
+            transport.fetch(record, dest)
+            digest = checksum(dest.read_bytes())
+        else:
+            digest = checksum(bytes(transport.fetch_bytes(record)))
+        error, bases, message = None, [], ""
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        error, bases, message = type(exc).__name__, [c.__name__ for c in type(exc).__mro__], str(exc)
+    elapsed = time.monotonic() - t0
+    return Outcome(error, bases, message, digest, dest is not None and dest.exists(), elapsed,
+                   transport.endpoint_info(record))
+
+
+CLIENT = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    from instride.config import Settings
+    from instride.record import Record
+    from instride.transport.ucx import UcxTransport
+    sys.path.insert(0, sys.argv[2])
+    from tests.transport.test_ucx import run_fetch
+    spec = json.loads(sys.argv[1])
+    transports = {}
+    for op in spec["ops"]:
+        t = transports.get(op["token"])
+        if t is None:
+            s = Settings(dir=Path(spec["dir"]), token=op["token"], connect_timeout=spec["timeout"],
+                         fsync=False)
+            t = transports[op["token"]] = UcxTransport(s)
+        out = run_fetch(t, Record(**op["record"]), Path(op["dest"]) if op["dest"] else None)
+        print(json.dumps(out.__dict__), flush=True)
+    for t in transports.values():
+        t.close()
+    """
+)
+
+
+# ---------------------------------------------------------------------- the shared contract
+_DYING = """
+import os, signal, sys
+from pathlib import Path
+from instride.config import Settings
+from instride.transport.ucx import UcxServer
+
+class Dying(UcxServer):
+    def _reply(self, handle, header, fd=-1, size=0):
+        super()._reply(handle, header, fd, size)
+        if size:  # the reply header is out, the body handed to UCX: die before it is taken
+            os.kill(os.getpid(), signal.SIGKILL)
+
+settings = Settings.from_env()
+(settings.dir / "t").mkdir(parents=True, exist_ok=True)
+(settings.dir / "t" / "cut.bin").write_bytes(Path(sys.argv[1]).read_bytes())
+Dying(settings).open()
+print("ready", flush=True)
+signal.pause()
+"""
+
+
+class TestUcxContract(TransportContract):
+    """The contract on one node (UCX picks shared memory), server half started by name."""
+
+    name = "ucx"
+
+    @pytest.fixture(autouse=True)
+    def _one_node(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        for var in ("UCX_TLS", "UCX_NET_DEVICES"):
+            monkeypatch.delenv(var, raising=False)
+
+    @pytest.fixture
+    def dying_owner(self, tmp_path: Path) -> Iterator:
+        """A UCX server that dies right after handing a reply's body to UCX.
+
+        UCX sends a body as one message, so the cut cannot be placed at a byte: the consumer
+        has the reply header (the body announced) when the owner dies, before the body came.
+        """
+        procs: list[subprocess.Popen] = []
+
+        def start(body: bytes, cut: int) -> str:
+            src = tmp_path / f"body-{len(procs)}.bin"
+            src.write_bytes(body)
+            addr = f"127.0.0.1:{free_port()}"
+            env = dict(os.environ, INSTRIDE_DIR=str(tmp_path / f"dying-{len(procs)}"),
+                       INSTRIDE_ADDR=addr, INSTRIDE_TOKEN="contract-token")
+            proc = subprocess.Popen([PY, "-c", _DYING, str(src)], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            procs.append(proc)
+            assert wait_ready(proc), "the dying owner did not start"
+            return addr
+
+        yield start
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+            assert proc.stdout is not None and proc.stderr is not None
+            proc.stdout.close()
+            proc.stderr.close()
+
+
+# ---------------------------------------------------------------------- UCX's own scenarios
+class UcxScenarios:
+    """Transfers, integrity, peer death, authentication and timeouts where UCX is configured
+    as a deployment would be, checking which carrier it chose.
+
+    Subclasses implement :meth:`start_peer`, :meth:`fetch_all`, :meth:`client_dir` and
+    :meth:`die_mid_transfer`, and set :attr:`lanes` (transport names UCX must have chosen).
+    """
+
+    #: UCX transports the endpoint must use, and must not use
+    lanes: tuple[str, ...] = ()
+    not_lanes: tuple[str, ...] = ()
+
+    def start_peer(self, files: dict[str, bytes]) -> Peer:
+        raise NotImplementedError
+
+    def fetch_all(self, ops: list[tuple[Record, Path | None, str]]) -> list[Outcome]:
+        raise NotImplementedError
+
+    def client_dir(self) -> Path:
+        raise NotImplementedError
+
+    def die_mid_transfer(self, peer: Peer, record: Record, dest: Path) -> Outcome:
+        raise NotImplementedError
+
+    @pytest.fixture
+    def peer(self) -> Iterator[Peer]:
+        files = {f"run/{name}.bin": payload(name, size) for name, size in SIZES.items()}
+        p = self.start_peer(files)
+        try:
+            yield p
+        finally:
+            p.stop()
+
+    # ------------------------------------------------------------------ transfer
+    def test_transfer(self, peer: Peer) -> None:
+        out = self.client_dir()
+        ops: list[tuple[Record, Path | None, str]] = []
+        for key in peer.files:
+            ops.append((peer.record(key), out / (key.replace("/", "_") + ".got"), TOKEN))
+            ops.append((peer.record(key), None, TOKEN))
+        results = self.fetch_all(ops)
+        for (record, dest, _), res in zip(ops, results, strict=True):
+            assert res.error is None, (record.key, res.message)
+            assert res.digest == record.checksum, record.key
+            if dest is not None:
+                assert res.dest_exists and dest.stat().st_size == record.size
+        lanes = "\n".join(line for line in results[-1].info.splitlines() if "lane[" in line)
+        for name in self.lanes:  # the traffic went where the test says it goes...
+            assert name in lanes, lanes
+        for name in self.not_lanes:  # ... and nowhere else
+            assert name not in lanes, lanes
+
+    def test_missing_key(self, peer: Peer) -> None:
+        rec = Record("run/nope.bin", peer.owner, 3, checksum(b"abc"), 1, 0.0)
+        dest = self.client_dir() / "nope.got"
+        (res,) = self.fetch_all([(rec, dest, TOKEN)])
+        assert res.error == "KeyNotFoundError" and not res.dest_exists
+
+    # ------------------------------------------------------------------ integrity
+    def test_integrity_failure(self, peer: Peer) -> None:
+        key = "run/mid.bin"
+        good = peer.files[key]
+        wrong_sum = peer.record(key, checksum_of=good[:-1] + bytes([good[-1] ^ 1]))
+        wrong_size = Record(key, peer.owner, len(good) + 1, checksum(good), 1, 0.0)
+        out = self.client_dir()
+        ops = [(wrong_sum, out / "sum.got", TOKEN), (wrong_sum, None, TOKEN),
+               (wrong_size, out / "size.got", TOKEN), (peer.record(key), out / "after.got", TOKEN)]
+        res = self.fetch_all(ops)
+        for r in res[:3]:
+            assert r.error == "IntegrityError" and "IntegrityError" in r.bases and "OSError" in r.bases, r
+            assert not r.dest_exists
+        assert res[3].error is None and res[3].digest == checksum(good)  # the endpoint still works
+
+    # ------------------------------------------------------------------ authentication
+    def test_auth_failure(self, peer: Peer) -> None:
+        rec = peer.record("run/mid.bin")
+        out = self.client_dir()
+        res = self.fetch_all([(rec, out / "bad.got", "not-the-token"), (rec, None, ""),
+                              (rec, out / "good.got", TOKEN)])
+        for r in res[:2]:
+            assert r.error == "AuthenticationError" and "PermissionError" in r.bases, r
+            assert not r.dest_exists
+        assert "bad mac" in res[0].message
+        assert res[2].error is None
+
+    # ------------------------------------------------------------------ peer death
+    def test_peer_death_mid_transfer(self, peer: Peer) -> None:
+        dest = self.client_dir() / "dead.got"
+        res = self.die_mid_transfer(peer, peer.record("run/big.bin"), dest)
+        assert res.error == "TransferError", res
+        assert "InstrideError" in res.bases
+        assert not res.dest_exists
+        # and a fetch from the dead peer fails fast with a typed error, leaving nothing
+        (again,) = self.fetch_all([(peer.record("run/mid.bin"), dest, TOKEN)])
+        assert again.error in ("PeerUnavailable", "TransferError"), again
+        assert not again.dest_exists
+        assert again.elapsed < TIMEOUT + 5
+
+    # ------------------------------------------------------------------ timeouts
+    def test_timeout(self, peer: Peer) -> None:
+        """A peer that stops answering (SIGSTOP) costs a bounded wait and a typed error."""
+        rec = peer.record("run/mid.bin")
+        dest = self.client_dir() / "late.got"
+        self.fetch_all([(rec, None, TOKEN)])  # connected and working
+        os.kill(peer.proc.pid, signal.SIGSTOP)
+        try:
+            (res,) = self.fetch_all([(rec, dest, TOKEN)])
+        finally:
+            os.kill(peer.proc.pid, signal.SIGCONT)
+        assert res.error == "PeerUnavailable", res
+        assert "ConnectionError" in res.bases
+        assert TIMEOUT * 0.9 <= res.elapsed < TIMEOUT + 5
+        assert not dest.exists()
+        (again,) = self.fetch_all([(rec, dest, TOKEN)])  # the resumed peer serves again
+        assert again.error is None and again.digest == rec.checksum
+
+    def test_unreachable_peer(self, tmp_path: Path) -> None:
+        """Nobody listening: PeerUnavailable at once, not after a timeout."""
+        peer = self.start_peer({})
+        peer.stop()
+        rec = Record("run/x", peer.owner, 1, checksum(b"x"), 1, 0.0)
+        (res,) = self.fetch_all([(rec, self.client_dir() / "x.got", TOKEN)])
+        assert res.error == "PeerUnavailable", res
+        assert res.elapsed < TIMEOUT + 5
+
+
+# ---------------------------------------------------------------------- one node, shm
+class TestUcxSharedMemory(UcxScenarios):
+    """Server and client on one node: UCX moves the bytes through shared memory."""
+
+    lanes = ("sysv", "cma")
+    not_lanes = ("tcp/",)
+
+    @pytest.fixture(autouse=True)
+    def _node(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+        for var in ("UCX_TLS", "UCX_NET_DEVICES", "INSTRIDE_UCX_PEER_ERRORS"):
+            monkeypatch.delenv(var, raising=False)
+        self.tmp = tmp_path
+        self.transports: dict[str, UcxTransport] = {}
+        yield
+        for t in self.transports.values():
+            t.close()
+
+    def start_peer(self, files: dict[str, bytes]) -> Peer:
+        addr = f"127.0.0.1:{free_port()}"
+        env = dict(os.environ, INSTRIDE_DIR=str(self.tmp / "owner"), INSTRIDE_TOKEN=TOKEN,
+                   INSTRIDE_ADDR=addr)
+        return _start_server([PY, "-m", "instride.transport.ucx", "--announce"],
+                             env, self.tmp / "owner", addr, files)
+
+    def client_dir(self) -> Path:
+        d = self.tmp / "consumer"
+        d.mkdir(exist_ok=True)
+        return d
+
+    def _transport(self, token: str) -> UcxTransport:
+        if token not in self.transports:
+            s = Settings(dir=self.client_dir(), token=token, connect_timeout=TIMEOUT, fsync=False)
+            self.transports[token] = UcxTransport(s)
+        return self.transports[token]
+
+    def fetch_all(self, ops: list[tuple[Record, Path | None, str]]) -> list[Outcome]:
+        return [run_fetch(self._transport(tok), rec, dest) for rec, dest, tok in ops]
+
+    def die_mid_transfer(self, peer: Peer, record: Record, dest: Path) -> Outcome:
+        """The reply header arrives, then the server dies before the body is taken."""
+        t = self._transport(TOKEN)
+        w = t._worker()
+        t0 = time.monotonic()
+        _reply, size = t._request(w, record)
+        peer.announced()
+        peer.kill()
+        try:
+            t._receive(w, record, bytearray(size), size)
+        except InstrideError as exc:
+            return Outcome(type(exc).__name__, [c.__name__ for c in type(exc).__mro__], str(exc), None,
+                           dest.exists(), time.monotonic() - t0)
+        return Outcome(None, [], "received", None, dest.exists(), time.monotonic() - t0)
+
+
+# ---------------------------------------------------------------------- two emulated nodes
+#: namespaces do not isolate shared memory: without UCX_TLS=tcp, processes of two emulated
+#: nodes would silently talk through sysv/cma. Each node names its own veth (eth0).
+UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    from instride.emulate import EmulatedCluster
+
+    with EmulatedCluster(nodes=2, serve=False, redis=False, token=TOKEN, env=UCX_ENV) as c:
+        yield c
+
+
+@pytest.mark.root
+class TestUcxAcrossNodes(UcxScenarios):
+    """Server on node 1, client on node 2, UCX over TCP on each node's own veth."""
+
+    lanes = ("tcp/eth0",)
+    not_lanes = ("sysv", "posix", "cma", "tcp/lo")
+
+    @pytest.fixture(autouse=True)
+    def _nodes(self, cluster: Any, tmp_path: Path) -> None:
+        self.c = cluster
+        self.tmp = tmp_path
+
+    def start_peer(self, files: dict[str, bytes]) -> Peer:
+        node = self.c.node(1)
+        return _start_server(self.c.command(1, [PY, "-m", "instride.transport.ucx", "--announce"]),
+                             node.env, node.dir, node.addr, files)
+
+    def client_dir(self) -> Path:
+        d = self.c.node(2).dir / self.tmp.name
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def _client(self, ops: list[tuple[Record, Path | None, str]]) -> subprocess.Popen:
+        spec = {"dir": str(self.c.node(2).dir), "timeout": TIMEOUT,
+                "ops": [{"record": rec.__dict__, "dest": str(dest) if dest else None, "token": tok}
+                        for rec, dest, tok in ops]}
+        root = str(Path(__file__).resolve().parents[2])
+        return self.c.popen(2, [PY, "-c", CLIENT, json.dumps(spec), root],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    @staticmethod
+    def _outcomes(proc: subprocess.Popen, n: int) -> list[Outcome]:
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            raise AssertionError(f"client timed out: {err}") from None
+        assert proc.returncode == 0, err
+        lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert len(lines) == n, (out, err)
+        return [Outcome(**d) for d in lines]
+
+    def fetch_all(self, ops: list[tuple[Record, Path | None, str]]) -> list[Outcome]:
+        return self._outcomes(self._client(ops), len(ops))
+
+    def die_mid_transfer(self, peer: Peer, record: Record, dest: Path) -> Outcome:
+        """Node 1's link is slowed to 20 Mbit/s, so the body is still flowing when it dies."""
+        ns = self.c.node(1).netns
+        subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
+                        "20mbit", "burst", "32kb", "latency", "400ms"], check=True)
+        try:
+            proc = self._client([(record, dest, TOKEN)])
+            peer.announced()
+            time.sleep(0.3)  # the body (~1.2 s at this rate) is on its way
+            peer.kill()
+            (res,) = self._outcomes(proc, 1)
+        finally:
+            subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", "eth0", "root"], check=False)
+        return res
+
+
+# ---------------------------------------------------------------------- selection
+def test_selected_by_settings(tmp_path: Path) -> None:
+    """INSTRIDE_TRANSPORT=ucx names both halves; unknown names are typed errors."""
+    settings = Settings.from_env({"INSTRIDE_DIR": str(tmp_path), "INSTRIDE_TOKEN": TOKEN,
+                                  "INSTRIDE_TRANSPORT": " UCX "})
+    assert settings.transport == "ucx"
+    t = get_transport(settings.transport, settings)
+    assert isinstance(t, UcxTransport)
+    t.close()
+    server = get_server(settings.transport, settings, max_peers=4, request_timeout=1.0,
+                        send_timeout=2.0)
+    assert isinstance(server, UcxServer) and server.max_peers == 4 and server.send_timeout == 2.0
+    assert (server.host, server.port) == ("127.0.0.1", 7437)  # INSTRIDE_ADDR itself
+    with pytest.raises(ConfigError, match="carrier-pigeon"):
+        get_transport("carrier-pigeon", settings)
+
+
+def test_import_instride_does_not_load_ucx() -> None:
+    code = ("import sys, instride; print('instride.transport.ucx' in sys.modules, "
+            "any('libinstride_ucx' in line for line in open('/proc/self/maps')))")
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "INSTRIDE_TRANSPORT": "ucx"}).stdout
+    assert out.split() == ["False", "False"]
+
+
+def test_missing_library_is_a_typed_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without libinstride_ucx.so (UCX headers missing at install), selecting either half
+    names the package."""
+    monkeypatch.setattr(ucx_mod, "_lib", None)
+    monkeypatch.setattr(ucx_mod, "library_path", lambda: tmp_path / "libinstride_ucx.so")
+    settings = Settings(dir=tmp_path, token=TOKEN, transport="ucx")
+    with pytest.raises(ConfigError, match="libucx-dev"):
+        get_transport("ucx", settings)
+    with pytest.raises(ConfigError, match="libucx-dev"):
+        get_server("ucx", settings)
+    (tmp_path / "libinstride_ucx.so").write_bytes(b"not a library")
+    with pytest.raises(ConfigError, match="libucx-dev"):
+        UcxTransport(settings)
+
+
+# ---------------------------------------------------------------------- end to end
+PRODUCE = """
+import hashlib, sys, numpy as np, instride
+payload = np.random.default_rng(1).integers(0, 256, 5_000_000, dtype=np.uint8).tobytes()
+with instride.open("e2e/blob.bin", "wb") as fh:
+    fh.write(payload)
+print(hashlib.sha256(payload).hexdigest())
+rng = np.random.default_rng(2)
+with instride.Stream("e2e/run", mode="w", layout="paper") as s:
+    for i in range(int(sys.argv[1])):
+        pos = rng.random((2000, 3)) * 100
+        s.append(pos, step=i)
+        print(hashlib.sha256(pos.tobytes()).hexdigest())
+"""
+CONSUME = """
+import hashlib, numpy as np, instride
+out = [hashlib.sha256(instride.open("e2e/blob.bin", timeout=60).read()).hexdigest()]
+for f in instride.Stream("e2e/run", timeout=60):
+    out.append(hashlib.sha256(np.ascontiguousarray(f.positions).tobytes()).hexdigest())
+engine = instride.get_client().cluster
+out.append(f"{type(engine.transport).__name__} {engine.transfers}")
+print("\\n".join(out))
+"""
+
+
+@pytest.mark.root
+def test_two_nodes_serve_over_ucx() -> None:
+    """Two emulated nodes, every process with INSTRIDE_TRANSPORT=ucx: ``instride serve``
+    serves over UCX (TCP on the veth), a consumer on node 2 reads a key and a stream that a
+    producer on node 1 writes, and every byte matches."""
+    from instride.emulate import EmulatedCluster
+
+    frames = 20
+    env = {**UCX_ENV, "INSTRIDE_TRANSPORT": "ucx"}
+    with EmulatedCluster(nodes=2, token=TOKEN, env=env) as c:
+        consumer = c.popen(2, [PY, "-c", CONSUME], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+        produced = c.run(1, [PY, "-c", PRODUCE, str(frames)], capture_output=True, text=True,
+                         timeout=120)
+        assert produced.returncode == 0, produced.stderr
+        try:
+            out, err = consumer.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            consumer.kill()
+            out, err = consumer.communicate()
+            raise AssertionError(f"consumer timed out: {err}") from None
+        assert consumer.returncode == 0, err
+        got = out.splitlines()
+        assert got[:-1] == produced.stdout.splitlines()  # the blob, then every frame
+        assert len(got) == frames + 2
+        name, transfers = got[-1].split()
+        assert name == "UcxTransport" and int(transfers) >= frames + 1  # blob and every frame
+        # node 1's `instride serve` sent them over UCX (its counters lag by at most 0.5 s)
+        until(lambda: stats(c.node(1))["fetches"] >= frames + 1, 5, "node 1 counted the fetches")
+        assert stats(c.node(1))["bytes_sent"] >= 5_000_000
+        log = (c.base_dir / "node1.log").read_text()
+        assert "over UCX on 10." in log and "(ucx)" in log, log[-3000:]
