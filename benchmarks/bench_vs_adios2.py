@@ -5,7 +5,10 @@ JAC 23,558 atoms = 644 KiB, STMV 1,066,628 atoms = 28.5 MiB); a reader process r
 frame and copies it into arrays of its own, as a new user's analysis would. Three ways, all
 in the same run:
 
-* ``instride`` — ``instride.Stream`` (``mode="w"`` / iteration), managed directory on tmpfs;
+* ``instride`` — ``instride.Stream`` with ``retain`` (the queue bound) and a consumer group,
+  ``layout="paper"`` (interleaved records, as the paper serialized them), managed directory on
+  tmpfs; ``instride-soa`` — the same with ``layout="paper-soa"`` (the same bytes per atom as
+  arrays: coordinates, then ids);
 * ``adios2-sst`` — the ADIOS2 SST staging engine (PyPI ``adios2``), the peer users would pick;
   ``QueueLimit`` and ``QueueFullPolicy=Block`` bound the writer like instride's retention;
 * ``rename`` — the naive baseline: write the frame bytes to a temporary file in /dev/shm and
@@ -275,14 +278,18 @@ def main() -> None:
             print(f"{name:5} {way:12} {r['frames_per_s']:9.1f} frames/s {r['GB_per_s']:6.2f} GB/s  "
                   f"latency median {lat['median'] / 1e3:7.2f} ms p99 {lat['p99'] / 1e3:7.2f} ms  "
                   f"writer {cost:6.2f} ms")
-        ins, sst, ren = per["instride"], per["adios2-sst"], per["rename"]
-        per["ratios"] = {
-            "throughput_vs_sst": ins["frames_per_s"] / sst["frames_per_s"],
-            "latency_vs_sst": ins["latency_us"]["median"] / sst["latency_us"]["median"],
-            "writer_cost_vs_rename": ins["writer_cost_s"]["median"] / ren["writer_cost_s"]["median"],
-            "throughput_vs_rename": ins["frames_per_s"] / ren["frames_per_s"],
-        }
-        print(f"{name:5} ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in per["ratios"].items()))
+        sst, ren = per["adios2-sst"], per["rename"]
+        ratios: dict[str, float] = {}
+        for way in ("instride", "instride-soa"):
+            ins, tag = per[way], way.replace("instride", "").lstrip("-") or "paper"
+            ratios[f"{tag}_throughput_vs_sst"] = ins["frames_per_s"] / sst["frames_per_s"]
+            ratios[f"{tag}_latency_vs_sst"] = ins["latency_us"]["median"] / sst["latency_us"]["median"]
+            ratios[f"{tag}_writer_cost_vs_rename"] = (
+                ins["writer_cost_s"]["median"] / ren["writer_cost_s"]["median"]
+            )
+            ratios[f"{tag}_throughput_vs_rename"] = ins["frames_per_s"] / ren["frames_per_s"]
+        per["ratios"] = ratios
+        print(f"{name:5} ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
         results["sizes"][name] = per
     save("vs_adios2", results)
     plot(results, Path(__file__).resolve().parent / "results" / "vs_adios2.png")
