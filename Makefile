@@ -8,8 +8,9 @@ BIN    := $(VENV)/bin
 # Debian packages the tests and benchmarks use: Redis (cluster metadata), iproute2 (emulated
 # nodes in network namespaces), GROMACS (a second MD engine streaming over IMD), compilers
 # for the preload library and its C/C++ tests, sshfs + sshd (the shared-file-system baseline
-# of the benchmark: a real network file system between emulated nodes).
-APT_PACKAGES := redis-server iproute2 gromacs gcc g++ make procps sshfs openssh-server util-linux
+# of the benchmark: a real network file system between emulated nodes), slurm-wlm + munge (a real
+# Slurm of emulated nodes for `instride job`).
+APT_PACKAGES := redis-server iproute2 gromacs gcc g++ make procps sshfs openssh-server util-linux slurm-wlm munge
 
 .PHONY: demo test lint bench clean system-deps
 

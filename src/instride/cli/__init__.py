@@ -25,6 +25,7 @@ _PLUGINS = [
     "instride.cli.md",  # demo, imd-bridge
     "instride.cli.bench",  # bench run/study
     "instride.cli.analyze",  # analyze, export
+    "instride.cli.job",  # job (Slurm / mpiexec services)
 ]
 
 

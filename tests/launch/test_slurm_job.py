@@ -1,0 +1,164 @@
+"""``instride job`` inside real Slurm batch jobs on emulated nodes.
+
+Each emulated node is a network namespace with its own host name and its own ``slurmd``; the
+jobs run producers on one node and consumers on another through the preload library and the
+Python API, and the tests check the results, the job states (``scontrol show job``/``squeue``)
+and that nothing is left behind: no process but ``slurmd`` on any node, no managed directory,
+no service record.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from instride.emulate.slurm import EmulatedSlurm
+
+from .conftest import PY, job_script, settle, tree
+
+pytestmark = pytest.mark.root
+
+
+def _wait_for(path: Path, text: str, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        content = path.read_text() if path.exists() else ""
+        if text in content:
+            return content
+        time.sleep(0.1)
+    raise AssertionError(f"{text!r} not in {path} after {timeout} s:\n"
+                         f"{path.read_text() if path.exists() else '(no file)'}")
+
+
+def test_slurm_job_moves_files_between_nodes(slurm: EmulatedSlurm, tmp_path: Path) -> None:
+    """Python API producer on one node, preload consumer on the other, and the reverse."""
+    scratch, states = tmp_path / "scratch", tmp_path / "states"
+    scratch.mkdir()
+    out = tmp_path / "out.txt"
+    consumer = textwrap.dedent("""
+        import os, instride
+        with instride.open("run/py.dat", "wb") as f:
+            f.write(("python-" + os.environ["INSTRIDE_NODE"]).encode())
+        print("api-read", instride.open("run/pre.dat", timeout=60).read().decode().strip())
+    """)
+    (tmp_path / "consumer.py").write_text(consumer)
+    body = f"""
+{PY} -m instride job --dir {scratch}/%n/job%j -- sh -c '
+  srun -N1 -n1 --relative=1 {PY} {tmp_path}/consumer.py &
+  srun -N1 -n1 --relative=0 {PY} -m instride run -- sh -c \\
+    "echo preload-\\$INSTRIDE_NODE > \\$INSTRIDE_DIR/run/pre.dat && \\
+     echo preload-read \\$(cat \\$INSTRIDE_DIR/run/py.dat)"
+  wait
+'
+echo "job rc=$?"
+"""
+    job = slurm.sbatch(job_script(slurm, body, states=states), "-N", "2", f"--output={out}")
+    state = slurm.wait(job, timeout=120)
+    text = out.read_text()
+    info = slurm.job(job)
+    assert state == "COMPLETED", text
+    assert info["ExitCode"] == "0:0"
+    assert "job rc=0" in text
+    nodes = slurm.run(["scontrol", "show", "hostnames", info["NodeList"]], capture_output=True,
+                      text=True).stdout.split()
+    producer_node, consumer_node = nodes[0], nodes[1]
+    assert f"api-read preload-{producer_node}" in text
+    assert f"preload-read python-{consumer_node}" in text
+    assert all(row["id"] != str(job) for row in slurm.squeue())
+    assert settle(slurm) == {}
+    assert tree(scratch) == []  # every node's managed directory removed
+    assert tree(states) == []
+
+
+def test_slurm_scancel_mid_run_cleans_up(slurm: EmulatedSlurm, tmp_path: Path) -> None:
+    scratch, states = tmp_path / "scratch", tmp_path / "states"
+    scratch.mkdir()
+    out = tmp_path / "out.txt"
+    waiter = ("import instride; print('waiting', flush=True); "
+              "instride.open('never/published', timeout=600)")
+    body = (f"{PY} -m instride job --dir {scratch}/%n/job%j -- "
+            f"srun -N3 -n3 {PY} -c \"{waiter}\"")
+    job = slurm.sbatch(job_script(slurm, body, states=states), "-N", "3", f"--output={out}")
+    text = _wait_for(out, "waiting")
+    assert "services up on 3 node(s)" in text
+    assert len(list(scratch.glob("node*/job*/.instride/node.env"))) == 3
+    slurm.scancel(job)
+    assert slurm.wait(job, timeout=60) == "CANCELLED"
+    assert settle(slurm) == {}
+    assert tree(scratch) == []
+    assert tree(states) == []
+
+
+def test_slurm_failing_command_keeps_its_status(slurm: EmulatedSlurm, tmp_path: Path) -> None:
+    scratch, states = tmp_path / "scratch", tmp_path / "states"
+    scratch.mkdir()
+    out = tmp_path / "out.txt"
+    body = f"{PY} -m instride job --dir {scratch}/%n/job%j -- sh -c 'srun -N2 true; exit 7'"
+    job = slurm.sbatch(job_script(slurm, body, states=states), "-N", "2", f"--output={out}")
+    assert slurm.wait(job, timeout=120) == "FAILED", out.read_text()
+    assert slurm.job(job)["ExitCode"] == "7:0"
+    assert settle(slurm) == {}
+    assert tree(scratch) == []
+    assert tree(states) == []
+
+
+def test_slurm_bad_input_gives_typed_errors_and_leaves_nothing(
+    slurm: EmulatedSlurm, tmp_path: Path
+) -> None:
+    """Redis unreachable, a node whose server cannot start, a live and a dead stale service."""
+    scratch, states = tmp_path / "scratch", tmp_path / "states"
+    (scratch / "node1").mkdir(parents=True)
+    (scratch / "node2").write_text("a file where node2's directory should go\n")
+    states.mkdir()
+    (tmp_path / "other").mkdir()
+    out = tmp_path / "out.txt"
+    live = subprocess.Popen(["sleep", "300"])
+    try:
+        stat = Path(f"/proc/{live.pid}/stat").read_text()
+        start = int(stat[stat.rfind(")") + 2:].split()[19])
+        # node3 still runs the service of an earlier job (a live process; recorded by the
+        # script before the third `instride job`) ...
+        record = (f'{{"job": "999", "node": "node3", "dir": "/nonexistent", "pid": {live.pid}, '
+                  f'"start": {start}}}')
+        # ... node1's earlier service died and left its directory behind.
+        dead_dir = scratch / "node1" / "job-old"
+        (dead_dir / ".instride").mkdir(parents=True)
+        (dead_dir / "frame.dat").write_text("stale")
+        (states / "node1.json").write_text(
+            f'{{"job": "old", "node": "node1", "dir": "{dead_dir}", "pid": 999999999, '
+            f'"start": 1}}')
+        job_cmd = f"{PY} -m instride job --dir {scratch}/%n/job%j --ready-timeout 30"
+        body = f"""
+INSTRIDE_REDIS_URL=redis://{slurm.hub_ip}:1/0 {job_cmd} -- true 2>&1; echo "== redis rc=$?"
+{job_cmd} -- true 2>&1; echo "== node2 rc=$?"
+echo '{record}' > {states}/node3.json
+{job_cmd} --dir {tmp_path}/other/%n/ok%j -- true 2>&1; echo "== stale rc=$?"
+{job_cmd} --dir /tmp/instride-slurm-bad -- true 2>&1; echo "== pattern rc=$?"
+"""
+        job = slurm.sbatch(job_script(slurm, body, states=states), "-N", "3",
+                           f"--output={out}")
+        assert slurm.wait(job, timeout=120) == "COMPLETED"
+        text = out.read_text()
+        assert "== redis rc=2" in text
+        assert f"metadata service redis://{slurm.hub_ip}:1/0 unavailable" in text
+        assert "== node2 rc=2" in text
+        assert "instride service of node node2 did not start" in text
+        assert "cannot create its managed directory" in text
+        assert "== stale rc=2" in text
+        assert f"node node3 did not start: it still runs the service of job 999 (pid {live.pid})"\
+            in text
+        assert "== pattern rc=2" in text and "must contain %j" in text
+        assert settle(slurm) == {}
+        assert live.poll() is None  # a live earlier service is never touched
+        # The dead service's leftovers went (the first job's node1 agent removed them).
+        assert not dead_dir.exists()
+        assert tree(scratch) == ["node1", "node2"]
+        assert tree(tmp_path / "other") == []  # parents it created went too
+        assert tree(states) == ["node3.json"]
+    finally:
+        live.kill()
+        live.wait()
