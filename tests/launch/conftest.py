@@ -6,7 +6,9 @@ loudly (``make test`` installs ``slurm-wlm`` and ``munge``).
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,3 +47,11 @@ def settle(slurm: EmulatedSlurm, timeout: float = 20.0) -> dict[str, list[int]]:
 def tree(path: Path) -> list[str]:
     """Every path under ``path`` (for 'nothing left behind' checks)."""
     return sorted(str(p.relative_to(path)) for p in path.rglob("*")) if path.exists() else []
+
+
+@pytest.fixture
+def scratch() -> Iterator[Path]:
+    """A short-named scratch directory (a managed directory's Unix socket path is bounded)."""
+    path = Path(tempfile.mkdtemp(prefix="isl-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

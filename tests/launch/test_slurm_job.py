@@ -34,10 +34,11 @@ def _wait_for(path: Path, text: str, timeout: float = 60.0) -> str:
                          f"{path.read_text() if path.exists() else '(no file)'}")
 
 
-def test_slurm_job_moves_files_between_nodes(slurm: EmulatedSlurm, tmp_path: Path) -> None:
+def test_slurm_job_moves_files_between_nodes(
+    slurm: EmulatedSlurm, tmp_path: Path, scratch: Path
+) -> None:
     """Python API producer on one node, preload consumer on the other, and the reverse."""
-    scratch, states = tmp_path / "scratch", tmp_path / "states"
-    scratch.mkdir()
+    states = tmp_path / "states"
     out = tmp_path / "out.txt"
     consumer = textwrap.dedent("""
         import os, instride
@@ -74,9 +75,10 @@ echo "job rc=$?"
     assert tree(states) == []
 
 
-def test_slurm_scancel_mid_run_cleans_up(slurm: EmulatedSlurm, tmp_path: Path) -> None:
-    scratch, states = tmp_path / "scratch", tmp_path / "states"
-    scratch.mkdir()
+def test_slurm_scancel_mid_run_cleans_up(
+    slurm: EmulatedSlurm, tmp_path: Path, scratch: Path
+) -> None:
+    states = tmp_path / "states"
     out = tmp_path / "out.txt"
     waiter = ("import instride; print('waiting', flush=True); "
               "instride.open('never/published', timeout=600)")
@@ -93,9 +95,10 @@ def test_slurm_scancel_mid_run_cleans_up(slurm: EmulatedSlurm, tmp_path: Path) -
     assert tree(states) == []
 
 
-def test_slurm_failing_command_keeps_its_status(slurm: EmulatedSlurm, tmp_path: Path) -> None:
-    scratch, states = tmp_path / "scratch", tmp_path / "states"
-    scratch.mkdir()
+def test_slurm_failing_command_keeps_its_status(
+    slurm: EmulatedSlurm, tmp_path: Path, scratch: Path
+) -> None:
+    states = tmp_path / "states"
     out = tmp_path / "out.txt"
     body = f"{PY} -m instride job --dir {scratch}/%n/job%j -- sh -c 'srun -N2 true; exit 7'"
     job = slurm.sbatch(job_script(slurm, body, states=states), "-N", "2", f"--output={out}")
@@ -107,10 +110,10 @@ def test_slurm_failing_command_keeps_its_status(slurm: EmulatedSlurm, tmp_path: 
 
 
 def test_slurm_bad_input_gives_typed_errors_and_leaves_nothing(
-    slurm: EmulatedSlurm, tmp_path: Path
+    slurm: EmulatedSlurm, tmp_path: Path, scratch: Path
 ) -> None:
     """Redis unreachable, a node whose server cannot start, a live and a dead stale service."""
-    scratch, states = tmp_path / "scratch", tmp_path / "states"
+    states = tmp_path / "states"
     (scratch / "node1").mkdir(parents=True)
     (scratch / "node2").write_text("a file where node2's directory should go\n")
     states.mkdir()
@@ -135,6 +138,7 @@ def test_slurm_bad_input_gives_typed_errors_and_leaves_nothing(
         body = f"""
 INSTRIDE_REDIS_URL=redis://{slurm.hub_ip}:1/0 {job_cmd} -- true 2>&1; echo "== redis rc=$?"
 {job_cmd} -- true 2>&1; echo "== node2 rc=$?"
+{job_cmd} --dir {scratch}/{"x" * 90}/%n/job%j -- true 2>&1; echo "== long rc=$?"
 echo '{record}' > {states}/node3.json
 {job_cmd} --dir {tmp_path}/other/%n/ok%j -- true 2>&1; echo "== stale rc=$?"
 {job_cmd} --dir /tmp/instride-slurm-bad -- true 2>&1; echo "== pattern rc=$?"
@@ -152,6 +156,7 @@ echo '{record}' > {states}/node3.json
         assert f"node node3 did not start: it still runs the service of job 999 (pid {live.pid})"\
             in text
         assert "== pattern rc=2" in text and "must contain %j" in text
+        assert "== long rc=2" in text and "too long for the data server's Unix socket" in text
         assert settle(slurm) == {}
         assert live.poll() is None  # a live earlier service is never touched
         # The dead service's leftovers went (the first job's node1 agent removed them).

@@ -299,6 +299,31 @@ class EmulatedSlurm:
         return [*self._nsenter(node.netns), _which("unshare"), "--uts", "sh", "-c",
                 'hostname "$0" && exec "$@"', node.name, *argv]
 
+    def ssh_script(self) -> Path:
+        """An ``ssh`` stand-in: ``SCRIPT [-x] HOST COMMAND...`` runs COMMAND on that node.
+
+        HOST is a node's name or address. For MPICH's Hydra: ``HYDRA_LAUNCHER=ssh``,
+        ``HYDRA_LAUNCHER_EXEC=<this script>`` (and ``HYDRA_IFACE=eth0``, since node names do
+        not resolve) start ranks on the emulated nodes, as ``ssh`` would on real hosts.
+        """
+        path = self.base_dir / "bin" / "ssh"
+        path.parent.mkdir(exist_ok=True)
+        cases = "\n".join(f"    {n.name}|{n.ip}) ns={n.netns} name={n.name} ;;"
+                          for n in self.nodes)
+        path.write_text(f"""#!/bin/sh
+# ssh stand-in for the emulated Slurm nodes of {self.base_dir}
+while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done
+host=$1; shift
+case "$host" in
+{cases}
+    *) echo "ssh stand-in: unknown host $host" >&2; exit 255 ;;
+esac
+exec {_which("nsenter")} --net=/run/netns/$ns {_which("unshare")} --uts \\
+    sh -c 'hostname "$1" && exec sh -c "$0"' "$*" "$name"
+""")
+        path.chmod(0o755)
+        return path
+
     def _start_ctld(self, progs: dict[str, str]) -> None:
         self._spawn("slurmctld", [*self._nsenter(self.hub), progs["slurmctld"], "-D", "-c",
                                   "-f", str(self.conf)])

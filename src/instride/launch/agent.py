@@ -51,6 +51,8 @@ from .base import (
 
 #: Seconds the data server has to listen after it was started.
 SERVER_READY_TIMEOUT = 30.0
+#: Longest path of a Unix socket (sun_path holds 108 bytes with its terminating NUL).
+MAX_SOCKET_PATH = 107
 
 
 def state_dir(env: dict[str, str] | None = None) -> Path:
@@ -158,6 +160,20 @@ def check_stale(node: str, job: str, states: Path) -> str | None:
             f"({record.get('dir', 'no directory')})")
 
 
+def _listening(host: str, port: int, sock_path: Path) -> bool:
+    """Whether a data server answers on both its faces: TCP and its Unix socket (PING)."""
+    try:
+        with socket.create_connection((host, port), 0.5):
+            pass
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(2.0)
+            s.connect(str(sock_path))
+            s.sendall(b"PING\n")
+            return s.recv(64).startswith(b"OK")
+    except OSError:
+        return False
+
+
 class Agent:
     """The service of one node (see the module docstring)."""
 
@@ -196,6 +212,12 @@ class Agent:
             print(f"instride agent: {note}", file=sys.stderr, flush=True)
         host = self.address()
         addr = f"{host}:{self.port}"
+        sock_path = self.dir / ".instride" / "node.sock"
+        if len(os.fsencode(sock_path)) > MAX_SOCKET_PATH:
+            raise ServerStartError(
+                self.node, f"its managed directory {self.dir} is too long for the data server's"
+                f" Unix socket ({len(os.fsencode(sock_path))} > {MAX_SOCKET_PATH} bytes for "
+                f"{sock_path}); choose a shorter --dir")
         top = self.dir
         while not top.parent.exists() and top.parent != top:
             top = top.parent
@@ -224,7 +246,7 @@ class Agent:
             if self.server.poll() is not None:
                 raise ServerStartError(self.node, f"`instride serve` on {addr} exited with "
                                        f"status {self.server.returncode} (its error is above)")
-            with contextlib.suppress(OSError), socket.create_connection((host, self.port), 0.5):
+            if _listening(host, self.port, sock_path):
                 break
             if time.monotonic() > deadline:
                 raise ServerStartError(self.node, f"`instride serve` did not listen on {addr} "

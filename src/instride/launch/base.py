@@ -312,6 +312,10 @@ class JobServices:
         """Launcher-specific variables for the job's commands."""
         return {}
 
+    def registered(self) -> bool:
+        """Whether every node's agent has registered (in :attr:`addrs`)."""
+        return set(self.nodes) <= set(self.addrs)
+
     def signal_agents(self) -> None:
         """Ask every node agent to stop (default: SIGTERM to the per-node command)."""
         if self._agents is not None and self._agents.poll() is None:
@@ -472,9 +476,9 @@ class JobServices:
                     node = sorted(failed)[0]
                     raise _node_error(node, failed[node])
                 self.addrs = client.hgetall(registry)
-                if set(self.nodes) <= set(self.addrs):
+                if self.registered():
                     return
-                missing = sorted(set(self.nodes) - set(self.addrs))
+                missing = sorted(set(self.nodes) - set(self.addrs)) or ["?"]
                 if self._agents.poll() is not None:
                     raise ServerStartError(
                         ",".join(missing), f"`{argv[0]}` exited with status "
