@@ -82,7 +82,7 @@ def test_slurm_scancel_mid_run_cleans_up(
     out = tmp_path / "out.txt"
     waiter = ("import instride; print('waiting', flush=True); "
               "instride.open('never/published', timeout=600)")
-    body = (f"{PY} -m instride job --dir {scratch}/%n/job%j -- "
+    body = (f"{PY} -m instride job --iface eth0 --dir {scratch}/%n/job%j -- "
             f"srun -N3 -n3 {PY} -c \"{waiter}\"")
     job = slurm.sbatch(job_script(slurm, body, states=states), "-N", "3", f"--output={out}")
     text = _wait_for(out, "waiting")
@@ -100,10 +100,13 @@ def test_slurm_failing_command_keeps_its_status(
 ) -> None:
     states = tmp_path / "states"
     out = tmp_path / "out.txt"
-    body = f"{PY} -m instride job --dir {scratch}/%n/job%j -- sh -c 'srun -N2 true; exit 7'"
+    body = (f"{PY} -m instride job --dry-run --dir {scratch}/%n/job%j\n"
+            f"{PY} -m instride job --dir {scratch}/%n/job%j -- sh -c 'srun -N2 true; exit 7'")
     job = slurm.sbatch(job_script(slurm, body, states=states), "-N", "2", f"--output={out}")
     assert slurm.wait(job, timeout=120) == "FAILED", out.read_text()
     assert slurm.job(job)["ExitCode"] == "7:0"
+    text = out.read_text()
+    assert "launcher:  slurm" in text and "srun --overlap --nodes=2 --ntasks=2" in text
     assert settle(slurm) == {}
     assert tree(scratch) == []
     assert tree(states) == []
@@ -139,6 +142,7 @@ def test_slurm_bad_input_gives_typed_errors_and_leaves_nothing(
 INSTRIDE_REDIS_URL=redis://{slurm.hub_ip}:1/0 {job_cmd} -- true 2>&1; echo "== redis rc=$?"
 {job_cmd} -- true 2>&1; echo "== node2 rc=$?"
 {job_cmd} --dir {scratch}/{"x" * 90}/%n/job%j -- true 2>&1; echo "== long rc=$?"
+{job_cmd} --iface nope0 -- true 2>&1; echo "== iface rc=$?"
 echo '{record}' > {states}/node3.json
 {job_cmd} --dir {tmp_path}/other/%n/ok%j -- true 2>&1; echo "== stale rc=$?"
 {job_cmd} --dir /tmp/instride-slurm-bad -- true 2>&1; echo "== pattern rc=$?"
@@ -157,6 +161,7 @@ echo '{record}' > {states}/node3.json
             in text
         assert "== pattern rc=2" in text and "must contain %j" in text
         assert "== long rc=2" in text and "too long for the data server's Unix socket" in text
+        assert "== iface rc=2" in text and "network interface 'nope0' has no IPv4 address" in text
         assert settle(slurm) == {}
         assert live.poll() is None  # a live earlier service is never touched
         # The dead service's leftovers went (the first job's node1 agent removed them).
@@ -164,6 +169,15 @@ echo '{record}' > {states}/node3.json
         assert tree(scratch) == ["node1", "node2"]
         assert tree(tmp_path / "other") == []  # parents it created went too
         assert tree(states) == ["node3.json"]
+        # `instride job --cleanup` on node3 stops the recorded service (by PID) and its record.
+        proc = subprocess.run(
+            slurm.node_command(3, [PY, "-m", "instride", "job", "--cleanup",
+                                   "--state-dir", str(states)]),
+            capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert "stopped the service of job 999" in proc.stdout
+        assert live.wait(10) == -15
+        assert tree(states) == []
     finally:
         live.kill()
         live.wait()

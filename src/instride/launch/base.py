@@ -393,6 +393,13 @@ class JobServices:
             Redis did not start, or this node is not part of the job.
         """
         self.detect()
+        script = node_env_script()
+        if not os.access(script, os.X_OK):
+            try:
+                script.chmod(script.stat().st_mode | 0o111)
+            except OSError as exc:
+                raise LaunchError(f"{script} (the task prolog) is not executable and cannot be "
+                                  f"made so: {exc.strerror}; reinstall instride") from None
         try:
             self.workdir = Path(tempfile.mkdtemp(prefix=f"instride-job{self.job_id}-"))
             self.token = secrets.token_hex(16)
