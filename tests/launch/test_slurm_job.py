@@ -9,6 +9,7 @@ no service record.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import textwrap
 import time
@@ -34,10 +35,23 @@ def _wait_for(path: Path, text: str, timeout: float = 60.0) -> str:
                          f"{path.read_text() if path.exists() else '(no file)'}")
 
 
+def _build_streams(out: Path) -> Path:
+    """Compile the C++ stream test driver (tests/preload/c/streams.cpp)."""
+    root = Path(__file__).resolve().parents[2]
+    gxx = shutil.which("g++")
+    assert gxx, "g++ is required (apt-get install g++)"
+    exe = out / "streams"
+    proc = subprocess.run([gxx, "-std=c++17", f"-I{root / 'include'}", "-O1", "-o", str(exe),
+                           str(root / "tests" / "preload" / "c" / "streams.cpp"), "-pthread"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return exe
+
+
 def test_slurm_job_moves_files_between_nodes(
     slurm: EmulatedSlurm, tmp_path: Path, scratch: Path
 ) -> None:
-    """Python API producer on one node, preload consumer on the other, and the reverse."""
+    """Producers on one node, consumers on the other: Python API, preload library, C++ streams."""
     states = tmp_path / "states"
     out = tmp_path / "out.txt"
     consumer = textwrap.dedent("""
@@ -45,11 +59,15 @@ def test_slurm_job_moves_files_between_nodes(
         with instride.open("run/py.dat", "wb") as f:
             f.write(("python-" + os.environ["INSTRIDE_NODE"]).encode())
         print("api-read", instride.open("run/pre.dat", timeout=60).read().decode().strip())
+        print("api-read-cpp", instride.open("run/cpp.txt", timeout=60).read().decode().split())
     """)
     (tmp_path / "consumer.py").write_text(consumer)
+    cpp = _build_streams(tmp_path)  # include/instride/stream.hpp's test driver
     body = f"""
 {PY} -m instride job --dir {scratch}/%n/job%j -- sh -c '
   srun -N1 -n1 --relative=1 {PY} {tmp_path}/consumer.py &
+  srun -N1 -n1 --relative=1 sh -c "echo cpp-read \\$({cpp} consume \\$INSTRIDE_DIR/run/pre.dat)" &
+  srun -N1 -n1 --relative=0 sh -c "{cpp} produce \\$INSTRIDE_DIR/run/cpp.txt 2" &
   srun -N1 -n1 --relative=0 {PY} -m instride run -- sh -c \\
     "echo preload-\\$INSTRIDE_NODE > \\$INSTRIDE_DIR/run/pre.dat && \\
      echo preload-read \\$(cat \\$INSTRIDE_DIR/run/py.dat)"
@@ -69,6 +87,8 @@ echo "job rc=$?"
     producer_node, consumer_node = nodes[0], nodes[1]
     assert f"api-read preload-{producer_node}" in text
     assert f"preload-read python-{consumer_node}" in text
+    assert f"cpp-read preload-{producer_node}" in text
+    assert "api-read-cpp ['line', '0', 'line', '1']" in text
     assert all(row["id"] != str(job) for row in slurm.squeue())
     assert settle(slurm) == {}
     assert tree(scratch) == []  # every node's managed directory removed
