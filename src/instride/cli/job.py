@@ -26,7 +26,7 @@ def cmd_job(args: argparse.Namespace) -> int:
         command = command[1:]
     svc = services(args.launcher, hostfile=args.hostfile, dir_pattern=args.dir, port=args.port,
                    iface=args.iface, ready_timeout=args.ready_timeout, state_dir=args.state_dir,
-                   **({"mpiexec": args.mpiexec} if args.mpiexec else {}))
+                   mpiexec=args.mpiexec)
     if args.dry_run:
         svc.detect()
         print(svc.describe())

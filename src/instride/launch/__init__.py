@@ -29,7 +29,8 @@ LAUNCHERS = ("auto", "slurm", "mpiexec")
 
 
 def services(launcher: str = "auto", *, hostfile: str | None = None,
-             env: Mapping[str, str] | None = None, **kwargs: object) -> JobServices:
+             mpiexec: str | None = None, env: Mapping[str, str] | None = None,
+             **kwargs: object) -> JobServices:
     """The :class:`JobServices` of this job.
 
     Parameters
@@ -39,6 +40,8 @@ def services(launcher: str = "auto", *, hostfile: str | None = None,
         (``SLURM_JOB_ID`` set), else ``mpiexec`` when a host file is given.
     hostfile
         The host file of ``mpiexec`` (one host per line, first host first).
+    mpiexec
+        The ``mpiexec`` that starts the node agents (``mpiexec`` launcher only).
     env
         The environment to read (default: this process's).
     **kwargs
@@ -67,7 +70,8 @@ def services(launcher: str = "auto", *, hostfile: str | None = None,
         return SlurmServices(env=env, **kwargs)  # type: ignore[arg-type]
     from .mpiexec import MpiexecServices
 
-    return MpiexecServices(hostfile=hostfile, env=env, **kwargs)  # type: ignore[arg-type]
+    return MpiexecServices(hostfile=hostfile, mpiexec=mpiexec, env=env,
+                           **kwargs)  # type: ignore[arg-type]
 
 
 __all__ = ["LAUNCHERS", "JobServices", "LaunchError", "NoAllocationError", "ServerStartError",
