@@ -9,7 +9,9 @@ no service record.
 
 from __future__ import annotations
 
+import re
 import shutil
+import socket
 import subprocess
 import textwrap
 import time
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from instride.emulate import netns as nn
 from instride.emulate.slurm import EmulatedSlurm
 
 from .conftest import PY, job_script, settle, tree
@@ -142,6 +145,9 @@ def test_slurm_bad_input_gives_typed_errors_and_leaves_nothing(
     states.mkdir()
     (tmp_path / "other").mkdir()
     out = tmp_path / "out.txt"
+    # node2's data server port is taken by another program.
+    busy = nn.in_netns(slurm.node(2).netns, lambda: socket.create_server(("0.0.0.0", 0)))
+    busy_port = busy.getsockname()[1]
     live = subprocess.Popen(["sleep", "300"])
     try:
         stat = Path(f"/proc/{live.pid}/stat").read_text()
@@ -163,6 +169,7 @@ INSTRIDE_REDIS_URL=redis://{slurm.hub_ip}:1/0 {job_cmd} -- true 2>&1; echo "== r
 {job_cmd} -- true 2>&1; echo "== node2 rc=$?"
 {job_cmd} --dir {scratch}/{"x" * 90}/%n/job%j -- true 2>&1; echo "== long rc=$?"
 {job_cmd} --iface nope0 -- true 2>&1; echo "== iface rc=$?"
+{job_cmd} --dir {tmp_path}/other/%n/p%j --port {busy_port} -- true 2>&1; echo "== port rc=$?"
 echo '{record}' > {states}/node3.json
 {job_cmd} --dir {tmp_path}/other/%n/ok%j -- true 2>&1; echo "== stale rc=$?"
 {job_cmd} --dir /tmp/instride-slurm-bad -- true 2>&1; echo "== pattern rc=$?"
@@ -182,6 +189,9 @@ echo '{record}' > {states}/node3.json
         assert "== pattern rc=2" in text and "must contain %j" in text
         assert "== long rc=2" in text and "too long for the data server's Unix socket" in text
         assert "== iface rc=2" in text and "network interface 'nope0' has no IPv4 address" in text
+        assert "== port rc=2" in text
+        assert re.search(r"node node2 did not start: `instride serve` on \S+:" + str(busy_port)
+                         + r" exited with status \d+: .*[Aa]ddress already in use", text), text
         assert settle(slurm) == {}
         assert live.poll() is None  # a live earlier service is never touched
         # The dead service's leftovers went (the first job's node1 agent removed them).
@@ -199,5 +209,6 @@ echo '{record}' > {states}/node3.json
         assert live.wait(10) == -15
         assert tree(states) == []
     finally:
+        busy.close()
         live.kill()
         live.wait()

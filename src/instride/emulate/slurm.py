@@ -147,8 +147,12 @@ class EmulatedSlurm:
 
     @property
     def env(self) -> dict[str, str]:
-        """Environment of client commands: the caller's, ``SLURM_CONF`` and the extras."""
+        """Environment of client commands (and so of jobs): the caller's without ``SLURM_*``,
+        ``INSTRIDE_JOB_STATE_DIR`` private to this cluster, the extras, ``SLURM_CONF``."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        # Node-local state of `instride job` (service records) kept per cluster: emulated
+        # nodes share one /tmp, and every cluster names its nodes node1, node2...
+        env["INSTRIDE_JOB_STATE_DIR"] = str(self.base_dir / "scratch" / "instride-services")
         env.update(self.extra_env)
         env["SLURM_CONF"] = str(self.conf)
         return env

@@ -22,6 +22,7 @@ could not start, 4 when the server died on its own.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -30,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -197,6 +199,7 @@ class Agent:
         self.created_top = self.dir
         self.wrote_record = False
         self.stop_signal: int | None = None
+        self.server_log: collections.deque[str] = collections.deque(maxlen=8)
 
     # ------------------------------------------------------------------ start
     def address(self) -> str:
@@ -239,13 +242,16 @@ class Agent:
         env.pop("INSTRIDE_SOCKET", None)
         self.server = subprocess.Popen(
             [sys.executable, "-m", "instride", "serve", "--grace", "2", "--log-level", "warning"],
-            stdin=subprocess.DEVNULL, env=env)
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+        threading.Thread(target=self._relay, args=(self.server.stderr,), daemon=True).start()
         self._write_record()
         deadline = time.monotonic() + SERVER_READY_TIMEOUT
         while True:
             if self.server.poll() is not None:
+                time.sleep(0.2)  # let the relay read the server's last words
+                last = " | ".join(line for line in self.server_log if line.strip())[-600:]
                 raise ServerStartError(self.node, f"`instride serve` on {addr} exited with "
-                                       f"status {self.server.returncode} (its error is above)")
+                                       f"status {self.server.returncode}: {last or 'no output'}")
             if _listening(host, self.port, sock_path):
                 break
             if time.monotonic() > deadline:
@@ -260,6 +266,14 @@ class Agent:
         tmp.write_text("\n".join(lines) + "\n")
         os.replace(tmp, internal / "node.env")
         return addr
+
+    def _relay(self, stream: Any) -> None:
+        """Copy the server's stderr to ours, keeping its last lines for error messages."""
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip()
+            self.server_log.append(line)
+            print(f"[{self.node}] {line}", file=sys.stderr, flush=True)
+        stream.close()
 
     def _write_record(self) -> None:
         self.states.mkdir(parents=True, exist_ok=True, mode=0o700)
