@@ -123,13 +123,21 @@ def test_slurm_failing_command_keeps_its_status(
 ) -> None:
     states = tmp_path / "states"
     out = tmp_path / "out.txt"
+    # Placement meant for the job's steps (both tasks on the first node) must not move the
+    # services: still one agent per node.
     body = (f"{PY} -m instride job --dry-run --dir {scratch}/%n/job%j\n"
-            f"{PY} -m instride job --dir {scratch}/%n/job%j -- sh -c 'srun -N2 true; exit 7'")
-    job = slurm.sbatch(job_script(slurm, body, states=states), "-N", "2", f"--output={out}")
+            f"printf 'node1\\nnode1\\n' > {tmp_path}/hosts\n"
+            f"export SLURM_HOSTFILE={tmp_path}/hosts SLURM_DISTRIBUTION=arbitrary\n"
+            f"{PY} -m instride job --dir {scratch}/%n/job%j -- "
+            "sh -c 'srun -n2 --overcommit sh -c \"echo step-on \\$INSTRIDE_NODE\"; exit 7'")
+    job = slurm.sbatch(job_script(slurm, body, states=states), "-N", "2", f"--output={out}",
+                       "-w", "node1,node2")
     assert slurm.wait(job, timeout=120) == "FAILED", out.read_text()
     assert slurm.job(job)["ExitCode"] == "7:0"
     text = out.read_text()
     assert "launcher:  slurm" in text and "srun --overlap --nodes=2 --ntasks=2" in text
+    assert "services up on 2 node(s)" in text
+    assert text.count("step-on node1") == 2
     assert settle(slurm) == {}
     assert tree(scratch) == []
     assert tree(states) == []

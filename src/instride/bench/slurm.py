@@ -4,7 +4,7 @@ Each repetition of a configuration is one ``sbatch -N <nodes>`` job. Its ranks a
 job step placed rank by rank (producers on the first half of the nodes, consumers on the
 second, as :func:`~instride.bench.runner.placement` says), with MPI wired up by Slurm itself::
 
-    SLURM_HOSTFILE=hosts srun --mpi=pmi2 --distribution=arbitrary --overcommit -n 2P \\
+    env SLURM_HOSTFILE=hosts srun --mpi=pmi2 --distribution=arbitrary --overcommit -n 2P \\
         python -m mpi4py -m instride.bench.workflow spec.json REP
 
 For the ``instride`` backend the step runs inside ``instride job`` (Redis on the first node, a
@@ -68,7 +68,8 @@ class SlurmBench:
         """
         py = sys.executable
         ranks = 2 * cfg.pairs
-        step = (f"srun --mpi=pmi2 --distribution=arbitrary --overcommit -n {ranks} "
+        step = (f"env SLURM_HOSTFILE={hosts} "
+                f"srun --mpi=pmi2 --distribution=arbitrary --overcommit -n {ranks} "
                 f"--kill-on-bad-exit=1 --job-name=workflow "
                 f"{py} -m mpi4py -m instride.bench.workflow {spec_path} {rep}")
         order = " ".join(str(n) for n in nodes_of)
@@ -76,7 +77,6 @@ class SlurmBench:
                  'nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
                  f': > {hosts}',
                  f'for i in {order}; do echo "$nodes" | sed -n "${{i}}p" >> {hosts}; done',
-                 f"export SLURM_HOSTFILE={hosts}",
                  f"export INSTRIDE_FSYNC={'1' if cfg.fsync else '0'}"]
         if cfg.backend == "instride":
             token = secrets.token_hex(3)

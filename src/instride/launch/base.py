@@ -256,6 +256,9 @@ class JobServices:
 
     #: Name of the launcher (``--launcher``).
     name = "base"
+    #: Variables of the caller that must not reach the per-node command (placement settings
+    #: meant for the job's own steps).
+    agent_env_drop: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -466,7 +469,7 @@ class JobServices:
 
     def _start_agents(self) -> None:
         assert self.workdir is not None
-        env = self._clean_env()
+        env = {k: v for k, v in self._clean_env().items() if k not in self.agent_env_drop}
         env.update(self.job_env())
         argv = self.per_node([sys.executable, "-m", "instride.launch.agent"])
         log = self.workdir / "services.log"

@@ -66,6 +66,11 @@ class SlurmServices(JobServices):
     """
 
     name = "slurm"
+    # A host file or distribution exported for the job's steps would place several agents on
+    # one node (srun reads them from the environment).
+    agent_env_drop = ("SLURM_HOSTFILE", "SLURM_DISTRIBUTION", "SLURM_ARBITRARY_NODELIST",
+                      "SLURM_NTASKS_PER_NODE", "SLURM_CPUS_PER_TASK", "SLURM_NTASKS",
+                      "SLURM_NPROCS")
 
     def __init__(self, *, srun: str | None = None, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
