@@ -476,6 +476,8 @@ class JobServices:
         with open(log, "ab") as out:
             self._agents = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
                                             stderr=out, env=env)
+        import redis
+
         client = redis_client(self.redis_url)
         registry, errors = REGISTRY.format(job=self.job_id), ERRORS.format(job=self.job_id)
         deadline = time.monotonic() + self.ready_timeout
@@ -498,6 +500,9 @@ class JobServices:
                         ",".join(missing), f"not up within {self.ready_timeout:.0f} s:\n"
                         f"{tail(log)}")
                 time.sleep(0.05)
+        except redis.RedisError as exc:
+            raise MetadataUnavailable(redact(self.redis_url),
+                                      f"while the services started: {exc}") from None
         finally:
             client.close()
 
