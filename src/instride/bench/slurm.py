@@ -35,6 +35,9 @@ from .molecules import BenchConfigError
 from .results import merge_repetition, summarize, write_tables
 from .runner import BenchRunError, RunConfig, placement
 
+#: What slurmstepd logs when it cannot parse an MPI rank's PMI-2 request during MPI start-up.
+PMI_FLAKE = "mpi/pmi2: invalid client request"
+
 
 def slurm_config(cfg: RunConfig) -> RunConfig:
     """``cfg`` as it runs on Slurm: ``sharedfs`` is the cluster's shared directory."""
@@ -118,9 +121,19 @@ class SlurmBench:
         period = model.stride / model.steps_per_second * cfg.time_scale
         budget = 90.0 + 3 * cfg.frames * period + 3.0 * len(nodes_of) + cfg.timeout
         try:
-            job = self.slurm.sbatch(script, "-N", str(cfg.nodes), f"--output={log}",
-                                    f"--job-name={cfg.name}", f"--time={int(budget // 60) + 2}")
-            state = self.slurm.wait(job, timeout=budget)
+            for attempt in range(2):
+                job = self.slurm.sbatch(script, "-N", str(cfg.nodes), f"--output={log}",
+                                        f"--job-name={cfg.name}",
+                                        f"--time={int(budget // 60) + 2}")
+                state = self.slurm.wait(job, timeout=budget)
+                text = log.read_text(errors="replace") if log.exists() else ""
+                if state == "COMPLETED" or attempt or PMI_FLAKE not in text:
+                    break
+                # MPI never started (a PMI-2 message Slurm could not parse, seen under load):
+                # no frame was timed. Keep that output and submit the repetition once more.
+                log.rename(raw / "slurm.attempt0.out")
+                for stale in [*raw.glob("rank*.csv"), *raw.glob("rank*.json")]:
+                    stale.unlink()
         finally:
             if root is not None:
                 shutil.rmtree(root / run_id, ignore_errors=True)
