@@ -31,6 +31,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from ..errors import InstrideError
 from .molecules import BenchConfigError
 from .results import merge_repetition, summarize, write_tables
 from .runner import BenchRunError, RunConfig, placement
@@ -76,7 +77,9 @@ class SlurmBench:
                 f"--kill-on-bad-exit=1 --job-name=workflow "
                 f"{py} -m mpi4py -m instride.bench.workflow {spec_path} {rep}")
         order = " ".join(str(n) for n in nodes_of)
-        lines = ["#!/bin/sh", "set -e",
+        # MPI start-up uses the PMI-1 wire protocol of Slurm's pmi2 plugin: under load its
+        # PMI-2 parser failed on MPICH's requests (see PMI_FLAKE).
+        lines = ["#!/bin/sh", "set -e", "export MPIR_CVAR_PMI_VERSION=1",
                  'nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
                  f': > {hosts}',
                  f'for i in {order}; do echo "$nodes" | sed -n "${{i}}p" >> {hosts}; done',
@@ -125,7 +128,13 @@ class SlurmBench:
                 job = self.slurm.sbatch(script, "-N", str(cfg.nodes), f"--output={log}",
                                         f"--job-name={cfg.name}",
                                         f"--time={int(budget // 60) + 2}")
-                state = self.slurm.wait(job, timeout=budget)
+                try:
+                    state = self.slurm.wait(job, timeout=budget)
+                except InstrideError:  # still running after the budget: cancel, report
+                    self.slurm.scancel(job)
+                    self.slurm.wait(job, timeout=120)
+                    raise BenchRunError(cfg.name, f"repetition {rep}: Slurm job {job} exceeded "
+                                        f"{budget:.0f} s and was cancelled") from None
                 text = log.read_text(errors="replace") if log.exists() else ""
                 if state == "COMPLETED" or attempt or PMI_FLAKE not in text:
                     break
