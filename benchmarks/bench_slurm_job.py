@@ -81,7 +81,7 @@ def main() -> None:
                       f"{args.repeats}); left behind: {len(left)}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(f"saved {save('slurm_job', result)}")
+    save("slurm_job", result)
 
 
 if __name__ == "__main__":
