@@ -377,6 +377,7 @@ exec {_which("nsenter")} --net=/run/netns/$ns {_which("unshare")} --uts \\
         """
         if not self.up_done:
             return
+        self._cancel_jobs()
         order = [r for r in self._procs if r.startswith("slurmd-")] + ["slurmctld", "munged"]
         for role in order:
             proc = self._procs.get(role)
@@ -403,6 +404,20 @@ exec {_which("nsenter")} --net=/run/netns/$ns {_which("unshare")} --uts \\
         if self._own_base:
             shutil.rmtree(self.base_dir, ignore_errors=True)
         self.up_done = False
+
+    def _cancel_jobs(self) -> None:
+        """Cancel every job still queued or running and wait (bounded) until they are gone, so
+        their steps get SIGTERM and can clean up before the daemons stop."""
+        ctld = self._procs.get("slurmctld")
+        if ctld is None or ctld.poll() is not None:
+            return
+        with contextlib.suppress(Exception):
+            if not self.squeue():
+                return
+            self.run(["scancel", "--user=root"], capture_output=True, timeout=30)
+            deadline = time.monotonic() + self.kill_wait + 15
+            while self.squeue() and time.monotonic() < deadline:
+                time.sleep(0.2)
 
     # ------------------------------------------------------------------ client commands
     def command(self, argv: Sequence[str]) -> list[str]:
