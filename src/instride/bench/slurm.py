@@ -34,7 +34,13 @@ from typing import Any
 from ..errors import InstrideError
 from .molecules import BenchConfigError
 from .results import merge_repetition, summarize, write_tables
-from .runner import BenchRunError, RunConfig, placement
+from .runner import (
+    BenchRunError,
+    RunConfig,
+    _mpich_segments,
+    _remove_orphan_segments,
+    placement,
+)
 
 #: What slurmstepd logs when it cannot parse an MPI rank's PMI-2 request during MPI start-up.
 PMI_FLAKE = "mpi/pmi2: invalid client request"
@@ -123,6 +129,7 @@ class SlurmBench:
         log = raw / "slurm.out"
         period = model.stride / model.steps_per_second * cfg.time_scale
         budget = 90.0 + 3 * cfg.frames * period + 3.0 * len(nodes_of) + cfg.timeout
+        segments = _mpich_segments()
         try:
             for attempt in range(2):
                 job = self.slurm.sbatch(script, "-N", str(cfg.nodes), f"--output={log}",
@@ -141,6 +148,7 @@ class SlurmBench:
                 # MPI never started (a PMI-2 message Slurm could not parse, seen under load):
                 # no frame was timed. Keep that output and submit the repetition once more.
                 log.rename(raw / "slurm.attempt0.out")
+                _remove_orphan_segments(segments)
                 for stale in [*raw.glob("rank*.csv"), *raw.glob("rank*.json")]:
                     stale.unlink()
         finally:
@@ -151,6 +159,9 @@ class SlurmBench:
         info = self.slurm.job(job)
         (raw / "job.json").write_text(json.dumps(info, indent=1))
         if state != "COMPLETED":
+            # MPI_Abort skips MPICH's unlink of its shared-memory segments (emulated nodes
+            # share one /dev/shm): remove the new ones no live process uses.
+            _remove_orphan_segments(segments)
             tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
             raise BenchRunError(cfg.name, f"repetition {rep}: Slurm job {job} ended {state} "
                                 f"(exit {info.get('ExitCode')}):\n" + "\n".join(tail))
