@@ -191,6 +191,7 @@ def run_study(
     progress: bool = True,
     command: str = "",
     sharedfs_kind: str | None = None,
+    launcher: str = "emulated",
 ) -> dict[str, Any]:
     """Run a study preset and write its report directory.
 
@@ -214,6 +215,11 @@ def run_study(
     sharedfs_kind
         Override the preset's ``sharedfs`` (``"sshfs"``: a network file system, or ``"dir"``:
         a plain shared directory); see :class:`~instride.bench.workflow_run.RunConfig`.
+    launcher
+        ``"emulated"`` (ranks started by ``mpiexec`` inside emulated nodes) or ``"slurm"``
+        (every repetition a batch job on an emulated Slurm cluster, ranks placed by ``srun``;
+        ``sharedfs`` is then the cluster's shared directory); see
+        :mod:`instride.bench.slurm`.
 
     Returns
     -------
@@ -229,6 +235,10 @@ def run_study(
         preset = PRESETS[preset]
     if repetitions is not None:
         preset = replace(preset, repetitions=repetitions)
+    if launcher not in ("emulated", "slurm"):
+        raise BenchConfigError("launcher", f"unknown {launcher!r}; expected emulated or slurm")
+    if launcher == "slurm":
+        sharedfs_kind = "dir"  # the Slurm cluster's shared directory
     if sharedfs_kind is not None:
         preset = replace(preset, sharedfs_kind=sharedfs_kind)
     if preset.sharedfs_kind == "sshfs" and any(
@@ -242,7 +252,12 @@ def run_study(
     planned = plan(preset, tuple(experiments))
     results: list[dict[str, Any]] = []
     started = time.time()
-    with _clusters() as clusters:
+    on_slurm: Any = contextlib.nullcontext()
+    if launcher == "slurm":
+        from .slurm import emulated_slurm_runner
+
+        on_slurm = emulated_slurm_runner(max(p.config.nodes for p in planned))
+    with _clusters() as clusters, on_slurm as slurm_run:
         bar = tqdm(planned, desc="study", unit="config", disable=not progress)
         current_nodes = 0
         for item in bar:
@@ -251,9 +266,12 @@ def run_study(
             if cfg.nodes != current_nodes:  # free the previous node count's cluster
                 clusters.release()
                 current_nodes = cfg.nodes
-            summary = run(cfg, outp / "runs" / item.experiment / cfg.name,
-                          cluster=clusters.get(cfg.nodes), storage=clusters.storage(cfg),
-                          progress=False)
+            if slurm_run is not None:
+                summary = slurm_run(cfg, outp / "runs" / item.experiment / cfg.name)
+            else:
+                summary = run(cfg, outp / "runs" / item.experiment / cfg.name,
+                              cluster=clusters.get(cfg.nodes), storage=clusters.storage(cfg),
+                              progress=False)
             results.append({"experiment": item.experiment, "x": item.x, "group": item.group,
                             "summary": summary})
     study = {
@@ -261,6 +279,7 @@ def run_study(
         "experiments": list(experiments),
         "elapsed_s": time.time() - started,
         "command": command,
+        "launcher": launcher,
         "results": results,
     }
     (outp / "study.json").write_text(json.dumps(study, indent=1))

@@ -27,6 +27,7 @@ _PLUGINS = [
     "instride.cli.analyze",  # analyze, export
     "instride.cli.archive",  # archive
     "instride.cli.flow",  # flow run/check/draw, top
+    "instride.cli.job",  # job (Slurm / mpiexec services)
 ]
 
 

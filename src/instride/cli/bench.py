@@ -48,7 +48,7 @@ def cmd_study(args: argparse.Namespace) -> int:
     study = run_study(
         args.preset, args.out, experiments=experiments, repetitions=args.repetitions,
         workdir=args.workdir, progress=not args.quiet, command=command,
-        sharedfs_kind=args.sharedfs_kind,
+        sharedfs_kind=args.sharedfs_kind, launcher=args.launcher,
     )
     print(f"{len(study['results'])} configurations in {study['elapsed_s'] / 60:.1f} min; "
           f"report: {args.out}/report.md")
@@ -109,6 +109,9 @@ def add_parser(subparsers: Any) -> None:
                    help="sharedfs on emulated nodes: sshfs (default: a storage server mounted "
                         "over the network) or dir (a plain shared directory, no data movement)")
     p.add_argument("--workdir", default=None, help="node-local data directory (default /dev/shm)")
+    p.add_argument("--launcher", choices=("emulated", "slurm"), default="emulated",
+                   help="emulated: mpiexec inside emulated nodes; slurm: every repetition a "
+                        "batch job on a real Slurm of emulated nodes (needs slurm-wlm, munge)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_study)
 

@@ -1,0 +1,77 @@
+"""``instride job``: start a job's instride services around a command (Slurm, mpiexec)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def cmd_job(args: argparse.Namespace) -> int:
+    if args.cleanup:
+        from pathlib import Path
+
+        from ..launch.agent import cleanup_node
+
+        record = cleanup_node(states=Path(args.state_dir) if args.state_dir else None)
+        if record is None:
+            print("instride job: no instride service recorded on this node")
+        else:
+            print(f"instride job: stopped the service of job {record.get('job', '?')} and "
+                  f"removed {record.get('dir', 'nothing')}")
+        return 0
+    from ..launch import services
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    svc = services(args.launcher, hostfile=args.hostfile, dir_pattern=args.dir, port=args.port,
+                   iface=args.iface, ready_timeout=args.ready_timeout, state_dir=args.state_dir,
+                   mpiexec=args.mpiexec)
+    if args.dry_run:
+        svc.detect()
+        print(svc.describe())
+        return 0
+    if not command:
+        print("instride job: error: give the command to run after --", file=sys.stderr)
+        return 2
+    return svc.run(command)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "job",
+        help="run a command with the job's instride services up on every node (Slurm, mpiexec)",
+        description="Inside an allocation: start Redis on this (the first) node, one "
+                    "`instride serve` per node and a fresh job token; run COMMAND with the "
+                    "settings its job steps need (srun steps get their node's INSTRIDE_DIR/ADDR/"
+                    "NODE from a task prolog; mpiexec ranks by prefixing $INSTRIDE_NODE_ENV); "
+                    "stop everything when COMMAND ends, fails or the job is cancelled. Exit "
+                    "status: COMMAND's (128+N after signal N), 2 when the services did not start.",
+        epilog="example (in an sbatch script): instride job -- sh -c 'srun -N1 -w $(hostname) "
+               "producer & srun -N1 consumer; wait'",
+    )
+    p.add_argument("--launcher", choices=("auto", "slurm", "mpiexec"), default="auto",
+                   help="auto: slurm inside a Slurm job, mpiexec with --hostfile")
+    p.add_argument("--hostfile", metavar="FILE",
+                   help="mpiexec host file (one host per line; run on the first host)")
+    p.add_argument("--mpiexec", metavar="PATH", help="the mpiexec to use (default: on PATH)")
+    p.add_argument("--dir", metavar="PATTERN", default=None,
+                   help="managed directory on every node, %%n = node, %%j = job id (default: "
+                        "$INSTRIDE_JOB_DIR or /dev/shm/instride-<uid>-job%%j)")
+    p.add_argument("--port", type=int, default=7437, help="data server port (default 7437)")
+    p.add_argument("--iface", metavar="NAME", default=None,
+                   help="interface the data servers listen on, e.g. ib0 (default: the address "
+                        "on the route to Redis)")
+    p.add_argument("--ready-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds the services have to start (default 60)")
+    p.add_argument("--state-dir", metavar="DIR", default=None,
+                   help="node-local directory of service records (default "
+                        "$INSTRIDE_JOB_STATE_DIR or /tmp/instride-<uid>-services)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print what would be started, start nothing")
+    p.add_argument("--cleanup", action="store_true",
+                   help="stop this node's recorded service and remove its directory (for a "
+                        "Slurm Epilog or after a crash), then exit")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                   help="the command to run on this node with the services up")
+    p.set_defaults(func=cmd_job)

@@ -1,0 +1,369 @@
+"""The node agent: one per node of a job, started by ``instride job`` through the launcher.
+
+``python -m instride.launch.agent`` (with the job's variables: ``INSTRIDE_JOB_ID``,
+``INSTRIDE_JOB_DIR``, ``INSTRIDE_JOB_PORT``, ``INSTRIDE_REDIS_URL``, ``INSTRIDE_TOKEN``)
+
+1. refuses to start when this node still runs an earlier job's service (its record in the
+   node's state directory names a live process) and removes what a *dead* earlier service
+   left behind (its managed directory and record);
+2. creates the node's managed directory (``INSTRIDE_JOB_DIR`` with ``%n``/``%j`` replaced;
+   an existing directory is refused, never reused or removed);
+3. runs ``instride serve`` on this node's address (``INSTRIDE_JOB_IFACE``'s, else the one on
+   the route to Redis) and waits until it listens;
+4. writes ``<dir>/.instride/node.env`` (read by the task prolog / wrapper script) and
+   registers ``node -> host:port`` in Redis;
+5. on SIGTERM/SIGINT/SIGHUP, or when the server ends, stops the server and removes the managed
+   directory and the record.
+
+A failure before the service is up is reported in Redis (so the launcher can name the node)
+and on stderr, and leaves nothing behind. Exit status: 0 after a normal stop, 3 when the service
+could not start, 4 when the server died on its own.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from ..config import DEFAULT_PORT
+from .base import (
+    ERRORS,
+    REGISTRY,
+    LaunchError,
+    ServerStartError,
+    StaleServiceError,
+    expand_dir,
+    iface_address,
+    node_name,
+    redis_client,
+    route_address,
+)
+
+#: Seconds the data server has to listen after it was started.
+SERVER_READY_TIMEOUT = 30.0
+#: Longest path of a Unix socket (sun_path holds 108 bytes with its terminating NUL).
+MAX_SOCKET_PATH = 107
+
+
+def state_dir(env: dict[str, str] | None = None) -> Path:
+    """The node-local directory of service records (``INSTRIDE_JOB_STATE_DIR``)."""
+    env = dict(os.environ) if env is None else env
+    return Path(env.get("INSTRIDE_JOB_STATE_DIR") or f"/tmp/instride-{os.getuid()}-services")
+
+
+def _start_time(pid: int) -> int | None:
+    """Start time of a live, non-zombie process (clock ticks since boot), else None."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(")") + 2:].split()
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def _alive(pid: int | None, start: int | None) -> bool:
+    return pid is not None and start is not None and _start_time(pid) == start
+
+
+def read_record(node: str, states: Path) -> dict[str, Any] | None:
+    """The record of ``node``'s service in ``states``, or None."""
+    try:
+        return json.loads((states / f"{node}.json").read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}  # unreadable: treated as the leftover of a dead service
+
+
+def _remove_empty_parents(path: Path, top: Path) -> None:
+    """Remove the parents of ``path`` up to ``top`` (included) while they are empty."""
+    if path != top and top not in path.parents:
+        return
+    for parent in [p for p in path.parents if p == top or top in p.parents]:
+        try:
+            parent.rmdir()
+        except OSError:
+            return
+
+
+def _remove_leftovers(record: dict[str, Any]) -> None:
+    raw = record.get("dir")
+    if raw:
+        path = Path(raw)
+        # Only what looks like an instride managed directory is removed.
+        if path.is_dir() and (path / ".instride").is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            if record.get("top"):
+                _remove_empty_parents(path, Path(record["top"]))
+
+
+def cleanup_node(node: str | None = None, states: Path | None = None,
+                 grace: float = 5.0) -> dict[str, Any] | None:
+    """Stop the service recorded for ``node`` (by PID) and remove what it left; return its record.
+
+    What ``instride job --cleanup`` runs (e.g. in a Slurm ``Epilog``). Processes are signalled
+    only when their PID still has the recorded start time.
+    """
+    node = node or node_name()
+    states = states or state_dir()
+    record = read_record(node, states)
+    if record is None:
+        return None
+    procs = [(record.get("server_pid"), record.get("server_start")),
+             (record.get("pid"), record.get("start"))]
+    for pid, start in procs:
+        if _alive(pid, start):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for pid, start in procs:
+        while _alive(pid, start) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _alive(pid, start):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    _remove_leftovers(record)
+    with contextlib.suppress(FileNotFoundError):
+        (states / f"{node}.json").unlink()
+    return record
+
+
+def check_stale(node: str, job: str, states: Path) -> str | None:
+    """Refuse a live earlier service; remove a dead one's leftovers (return a note if so).
+
+    Raises
+    ------
+    StaleServiceError
+        When the recorded agent or server of this node still runs.
+    """
+    record = read_record(node, states)
+    if record is None:
+        return None
+    for pid, start in ((record.get("pid"), record.get("start")),
+                       (record.get("server_pid"), record.get("server_start"))):
+        if _alive(pid, start):
+            raise StaleServiceError(node, str(record.get("job", "?")), int(pid))
+    _remove_leftovers(record)
+    with contextlib.suppress(FileNotFoundError):
+        (states / f"{node}.json").unlink()
+    return (f"removed the leftovers of job {record.get('job', '?')} on {node} "
+            f"({record.get('dir', 'no directory')})")
+
+
+def _listening(host: str, port: int, sock_path: Path) -> bool:
+    """Whether a data server answers on both its faces: TCP and its Unix socket (PING)."""
+    try:
+        with socket.create_connection((host, port), 0.5):
+            pass
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(2.0)
+            s.connect(str(sock_path))
+            s.sendall(b"PING\n")
+            return s.recv(64).startswith(b"OK")
+    except OSError:
+        return False
+
+
+class Agent:
+    """The service of one node (see the module docstring)."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        self.env = dict(os.environ) if env is None else env
+        try:
+            self.job = self.env["INSTRIDE_JOB_ID"]
+            self.pattern = self.env["INSTRIDE_JOB_DIR"]
+            self.redis_url = self.env["INSTRIDE_REDIS_URL"]
+            self.token = self.env["INSTRIDE_TOKEN"]
+        except KeyError as exc:
+            raise LaunchError(f"the node agent needs {exc.args[0]} (start it with `instride job`)"
+                              ) from None
+        self.port = int(self.env.get("INSTRIDE_JOB_PORT") or DEFAULT_PORT)
+        self.iface = self.env.get("INSTRIDE_JOB_IFACE") or None
+        self.node = node_name(self.env)
+        self.states = state_dir(self.env)
+        self.dir = expand_dir(self.pattern, self.node, self.job)
+        self.server: subprocess.Popen[bytes] | None = None
+        self.created_dir = False
+        self.created_top = self.dir
+        self.wrote_record = False
+        self.stop_signal: int | None = None
+        self.server_log: collections.deque[str] = collections.deque(maxlen=8)
+
+    # ------------------------------------------------------------------ start
+    def address(self) -> str:
+        if self.iface:
+            return iface_address(self.iface)
+        parts = urlsplit(self.redis_url)
+        return route_address(parts.hostname or "127.0.0.1", parts.port or 6379)
+
+    def start(self) -> str:
+        """Bring the service up; return this node's ``host:port``."""
+        note = check_stale(self.node, self.job, self.states)
+        if note:
+            print(f"instride agent: {note}", file=sys.stderr, flush=True)
+        host = self.address()
+        addr = f"{host}:{self.port}"
+        sock_path = self.dir / ".instride" / "node.sock"
+        if len(os.fsencode(sock_path)) > MAX_SOCKET_PATH:
+            raise ServerStartError(
+                self.node, f"its managed directory {self.dir} is too long for the data server's"
+                f" Unix socket ({len(os.fsencode(sock_path))} > {MAX_SOCKET_PATH} bytes for "
+                f"{sock_path}); choose a shorter --dir")
+        top = self.dir
+        while not top.parent.exists() and top.parent != top:
+            top = top.parent
+        try:
+            self.dir.mkdir(parents=True)
+            self.created_top = top
+        except FileExistsError:
+            raise ServerStartError(self.node, f"its managed directory {self.dir} exists already"
+                                   " (choose a fresh --dir; it must contain %j)") from None
+        except OSError as exc:
+            raise ServerStartError(
+                self.node, f"cannot create its managed directory {self.dir}: {exc.strerror}"
+            ) from None
+        self.created_dir = True
+        self._write_record()
+        env = {k: v for k, v in self.env.items() if not k.startswith("INSTRIDE_JOB_")}
+        env.update(INSTRIDE_DIR=str(self.dir), INSTRIDE_ADDR=addr, INSTRIDE_NODE=self.node,
+                   INSTRIDE_TOKEN=self.token, INSTRIDE_REDIS_URL=self.redis_url)
+        env.pop("INSTRIDE_SOCKET", None)
+        self.server = subprocess.Popen(
+            [sys.executable, "-m", "instride", "serve", "--grace", "2", "--log-level", "warning"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+        threading.Thread(target=self._relay, args=(self.server.stderr,), daemon=True).start()
+        self._write_record()
+        deadline = time.monotonic() + SERVER_READY_TIMEOUT
+        while True:
+            if self.server.poll() is not None:
+                time.sleep(0.2)  # let the relay read the server's last words
+                last = " | ".join(line for line in self.server_log if line.strip())[-600:]
+                raise ServerStartError(self.node, f"`instride serve` on {addr} exited with "
+                                       f"status {self.server.returncode}: {last or 'no output'}")
+            if _listening(host, self.port, sock_path):
+                break
+            if time.monotonic() > deadline:
+                raise ServerStartError(self.node, f"`instride serve` did not listen on {addr} "
+                                       f"within {SERVER_READY_TIMEOUT:.0f} s")
+            time.sleep(0.05)
+        internal = self.dir / ".instride"
+        internal.mkdir(mode=0o700, exist_ok=True)
+        lines = [f"export INSTRIDE_DIR={self.dir}", f"export INSTRIDE_ADDR={addr}",
+                 f"export INSTRIDE_NODE={self.node}"]
+        tmp = internal / ".node.env.tmp"
+        tmp.write_text("\n".join(lines) + "\n")
+        os.replace(tmp, internal / "node.env")
+        return addr
+
+    def _relay(self, stream: Any) -> None:
+        """Copy the server's stderr to ours, keeping its last lines for error messages."""
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip()
+            self.server_log.append(line)
+            print(f"[{self.node}] {line}", file=sys.stderr, flush=True)
+        stream.close()
+
+    def _write_record(self) -> None:
+        self.states.mkdir(parents=True, exist_ok=True, mode=0o700)
+        server_pid = self.server.pid if self.server is not None else None
+        record = {
+            "job": self.job, "node": self.node, "dir": str(self.dir),
+            "top": str(self.created_top),
+            "pid": os.getpid(), "start": _start_time(os.getpid()),
+            "server_pid": server_pid,
+            "server_start": _start_time(server_pid) if server_pid else None,
+        }
+        path = self.states / f"{self.node}.json"
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+        self.wrote_record = True
+
+    # ------------------------------------------------------------------ stop
+    def stop(self) -> None:
+        """Stop the server (if any), remove the managed directory and the record."""
+        if self.server is not None and self.server.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.server.send_signal(signal.SIGTERM)
+            try:
+                self.server.wait(8)
+            except subprocess.TimeoutExpired:
+                self.server.kill()
+                self.server.wait(5)
+        if self.created_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            _remove_empty_parents(self.dir, self.created_top)
+            self.created_dir = False
+        if self.wrote_record:
+            with contextlib.suppress(FileNotFoundError):
+                (self.states / f"{self.node}.json").unlink()
+            self.wrote_record = False
+
+    def run(self) -> int:
+        """Start, serve until told to stop, clean up; return the exit status."""
+        def on_signal(signum: int, _frame: object) -> None:
+            self.stop_signal = signum
+            if self.server is not None and self.server.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self.server.send_signal(signal.SIGTERM)
+
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(s, on_signal)
+        client = redis_client(self.redis_url, timeout=2.0)
+        try:
+            try:
+                addr = self.start()
+                if self.stop_signal is not None:
+                    return 0
+                client.hset(REGISTRY.format(job=self.job), self.node, addr)
+            except Exception as exc:  # noqa: BLE001 - reported to the launcher, then re-raised
+                if isinstance(exc, StaleServiceError):
+                    message = f"stale|{exc.job}|{exc.pid}"
+                else:
+                    message = "error|" + (exc.detail if isinstance(exc, ServerStartError)
+                                          else f"{type(exc).__name__}: {exc}")
+                with contextlib.suppress(Exception):
+                    client.hset(ERRORS.format(job=self.job), self.node, message)
+                print(f"instride agent on {self.node}: {exc}", file=sys.stderr, flush=True)
+                return 3
+            assert self.server is not None
+            rc = self.server.wait()
+            self.stop()  # before anything else: Redis may be gone already
+            if self.stop_signal is None:
+                print(f"instride agent on {self.node}: the data server ended on its own "
+                      f"(status {rc})", file=sys.stderr, flush=True)
+                return 4
+            with contextlib.suppress(Exception):
+                client.hdel(REGISTRY.format(job=self.job), self.node)
+            return 0
+        finally:
+            for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(s, signal.SIG_IGN)
+            self.stop()
+            client.close()
+
+
+def main() -> int:
+    """Entry point of ``python -m instride.launch.agent``."""
+    try:
+        agent = Agent()
+    except LaunchError as exc:
+        print(f"instride agent: {exc}", file=sys.stderr)
+        return 3
+    return agent.run()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
