@@ -2,7 +2,7 @@
 
 Each repetition of a configuration is one ``sbatch -N <nodes>`` job. Its ranks are one Slurm
 job step placed rank by rank (producers on the first half of the nodes, consumers on the
-second, as :func:`~instride.bench.runner.placement` says), with MPI wired up by Slurm itself::
+second, as :func:`~instride.bench.workflow_run.placement` says), with MPI wired up by Slurm itself::
 
     env SLURM_HOSTFILE=hosts srun --mpi=pmi2 --distribution=arbitrary --overcommit -n 2P \\
         python -m mpi4py -m instride.bench.workflow spec.json REP
@@ -11,7 +11,7 @@ For the ``instride`` backend the step runs inside ``instride job`` (Redis on the
 data server per node, settings per node through the task prolog); the file-system backends use
 a directory every node sees (``sharedfs``: the cluster's shared file system; in the emulated
 cluster a plain shared directory) or node-local tmpfs (``localfs``, one node). Results land in
-the same files as :func:`instride.bench.runner.run` writes (``timings.csv``, ``ranks.csv``,
+the same files as :func:`instride.bench.workflow_run.run` writes (``timings.csv``, ``ranks.csv``,
 ``summary.json``), so the study's report is unchanged.
 
 :class:`SlurmBench` works with an :class:`~instride.emulate.slurm.EmulatedSlurm` (what the study
@@ -34,12 +34,12 @@ from typing import Any
 from ..errors import InstrideError
 from .molecules import BenchConfigError
 from .results import merge_repetition, summarize, write_tables
-from .runner import (
+from .workflow_run import (
     BenchRunError,
     RunConfig,
-    _mpich_segments,
-    _remove_orphan_segments,
+    mpich_segments,
     placement,
+    remove_orphan_segments,
 )
 
 #: What slurmstepd logs when it cannot parse an MPI rank's PMI-2 request during MPI start-up.
@@ -129,7 +129,7 @@ class SlurmBench:
         log = raw / "slurm.out"
         period = model.stride / model.steps_per_second * cfg.time_scale
         budget = 90.0 + 3 * cfg.frames * period + 3.0 * len(nodes_of) + cfg.timeout
-        segments = _mpich_segments()
+        segments = mpich_segments()
         try:
             for attempt in range(2):
                 job = self.slurm.sbatch(script, "-N", str(cfg.nodes), f"--output={log}",
@@ -148,7 +148,7 @@ class SlurmBench:
                 # MPI never started (a PMI-2 message Slurm could not parse, seen under load):
                 # no frame was timed. Keep that output and submit the repetition once more.
                 log.rename(raw / "slurm.attempt0.out")
-                _remove_orphan_segments(segments)
+                remove_orphan_segments(segments)
                 for stale in [*raw.glob("rank*.csv"), *raw.glob("rank*.json")]:
                     stale.unlink()
         finally:
@@ -161,7 +161,7 @@ class SlurmBench:
         if state != "COMPLETED":
             # MPI_Abort skips MPICH's unlink of its shared-memory segments (emulated nodes
             # share one /dev/shm): remove the new ones no live process uses.
-            _remove_orphan_segments(segments)
+            remove_orphan_segments(segments)
             tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
             raise BenchRunError(cfg.name, f"repetition {rep}: Slurm job {job} ended {state} "
                                 f"(exit {info.get('ExitCode')}):\n" + "\n".join(tail))

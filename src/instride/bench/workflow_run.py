@@ -315,7 +315,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 _SHM = Path("/dev/shm")
 
 
-def _mpich_segments() -> set[str]:
+def mpich_segments() -> set[str]:
     try:
         return {p.name for p in _SHM.glob("mpich_shm_*")}
     except OSError:
@@ -350,13 +350,13 @@ def segments_in_use(names: set[str]) -> set[str]:
     return used & names
 
 
-def _remove_orphan_segments(before: set[str]) -> None:
+def remove_orphan_segments(before: set[str]) -> None:
     """Remove the MPICH shared-memory segments an aborted job left behind.
 
     ``MPI_Abort`` skips the unlink MPICH does at finalize. Only segments that appeared during
     our run and that no live process has open or mapped are removed.
     """
-    new = _mpich_segments() - before
+    new = mpich_segments() - before
     for name in new - segments_in_use(new):
         with contextlib.suppress(FileNotFoundError):
             (_SHM / name).unlink()
@@ -418,7 +418,7 @@ def run_once(cfg: RunConfig, out: Path, rep: int, cluster: Any, workdir: Path,
     (raw / "command.txt").write_text(" ".join(argv) + "\n")
     period = model.stride / model.steps_per_second * cfg.time_scale
     budget = 60.0 + 3 * cfg.frames * period + 3.0 * len(nodes_of) + cfg.timeout
-    segments = _mpich_segments()
+    segments = mpich_segments()
     proc = subprocess.Popen(
         argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
     )
@@ -427,14 +427,14 @@ def run_once(cfg: RunConfig, out: Path, rep: int, cluster: Any, workdir: Path,
             stdout, stderr = proc.communicate(timeout=budget)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
-            _remove_orphan_segments(segments)
+            remove_orphan_segments(segments)
             raise BenchRunError(cfg.name, f"repetition {rep} exceeded {budget:.0f} s") from None
         except BaseException:
             _kill_group(proc)
             raise
         (raw / "mpiexec.log").write_bytes(stdout + b"\n--- stderr ---\n" + stderr)
         if proc.returncode != 0:
-            _remove_orphan_segments(segments)
+            remove_orphan_segments(segments)
             tail = stderr.decode(errors="replace").strip().splitlines()[-15:]
             raise BenchRunError(
                 cfg.name, f"repetition {rep}: mpiexec exited {proc.returncode}:\n" + "\n".join(tail)
