@@ -32,20 +32,21 @@ PY = sys.executable
 PRODUCER = textwrap.dedent(
     """
     import cProfile, sys, time, numpy as np, instride
-    name, n, atoms, gap, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+    name, n, atoms, gap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+    out = sys.argv[5]
     pos = np.random.default_rng(0).random((atoms, 3))
     instride.get_client().exists("warm-up")
-    prof = cProfile.Profile(time.process_time)
+    prof = cProfile.Profile(time.process_time) if out != "-" else None
     cpu = 0.0
     with instride.Stream(name, mode="w", layout="paper") as s:
         for i in range(n):
             time.sleep(gap)
             c0 = time.process_time()
-            prof.enable()
+            prof and prof.enable()
             s.append(pos, step=i)
-            prof.disable()
+            prof and prof.disable()
             cpu += time.process_time() - c0
-    prof.dump_stats(out)
+    prof and prof.dump_stats(out)
     print(cpu / n)
     """
 )
@@ -56,15 +57,15 @@ CONSUMER = textwrap.dedent(
     s = instride.Stream(name, timeout=120)
     c = instride.get_client()
     c.exists("warm-up")
-    prof = cProfile.Profile(time.process_time)
+    prof = cProfile.Profile(time.process_time) if out != "-" else None
     print("ready", flush=True)
     c0 = time.process_time()
-    prof.enable()
+    prof and prof.enable()
     for i in range(n):
         s.read(i)
-    prof.disable()
+    prof and prof.disable()
     cpu = time.process_time() - c0
-    prof.dump_stats(out)
+    prof and prof.dump_stats(out)
     print(cpu / n)
     """
 )
@@ -73,13 +74,14 @@ SERVER = textwrap.dedent(
     import cProfile, runpy, sys, time
     out = sys.argv[1]
     sys.argv = ["instride", "serve"]
-    prof = cProfile.Profile(time.process_time)
-    prof.enable()
+    prof = cProfile.Profile(time.process_time) if out != "-" else None
+    prof and prof.enable()
     try:
         runpy.run_module("instride", run_name="__main__")
     finally:
-        prof.disable()
-        prof.dump_stats(out)
+        if prof:
+            prof.disable()
+            prof.dump_stats(out)
     """
 )
 
@@ -97,6 +99,8 @@ def main() -> None:
     ap.add_argument("--gap", type=float, default=0.005, help="seconds between frames")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=None, help="keep the .prof files here")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="only the CPU time per frame, without the profiler's own overhead")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="instride-prof-", dir="/dev/shm"))
     out = Path(args.out) if args.out else work
@@ -113,7 +117,8 @@ def main() -> None:
                 "INSTRIDE_ADDR": f"127.0.0.1:{sport}"}
         env2 = {**base, "INSTRIDE_DIR": str(work / "node2"), "INSTRIDE_NODE": "node2",
                 "INSTRIDE_ADDR": f"127.0.0.1:{free_port()}"}
-        srv = subprocess.Popen([PY, "-c", SERVER, str(out / "server.prof")], env=env1,
+        tag = (lambda role: "-") if args.no_profile else (lambda role: str(out / f"{role}.prof"))
+        srv = subprocess.Popen([PY, "-c", SERVER, tag("server")], env=env1,
                                stderr=subprocess.DEVNULL)
         procs.append(srv)
         deadline = time.monotonic() + 20
@@ -127,12 +132,12 @@ def main() -> None:
                     raise
                 time.sleep(0.05)
         srv_cpu0 = _cpu(srv.pid)
-        cons = subprocess.Popen([PY, "-c", CONSUMER, "prof", str(args.frames), str(out / "consumer.prof")],
+        cons = subprocess.Popen([PY, "-c", CONSUMER, "prof", str(args.frames), tag("consumer")],
                                 env=env2, stdout=subprocess.PIPE, text=True)
         procs.append(cons)
         assert cons.stdout is not None and cons.stdout.readline().strip() == "ready"
         prod = subprocess.run([PY, "-c", PRODUCER, "prof", str(args.frames), str(args.atoms), str(args.gap),
-                               str(out / "producer.prof")], env=env1, capture_output=True, text=True, check=True)
+                               tag("producer")], env=env1, capture_output=True, text=True, check=True)
         c_out = cons.communicate(timeout=600)[0].split()
         srv_cpu = (_cpu(srv.pid) - srv_cpu0) / args.frames
         srv.send_signal(signal.SIGTERM)
@@ -143,7 +148,7 @@ def main() -> None:
         for role, t in per.items():
             print(f"{role:9s} {t * 1e6:8.0f} µs")
         print(f"total     {sum(per.values()) * 1e6:8.0f} µs")
-        for role in ("producer", "consumer", "server"):
+        for role in () if args.no_profile else ("producer", "consumer", "server"):
             print(f"\n## {role}: top functions by own time")
             st = pstats.Stats(str(out / f"{role}.prof"))
             st.sort_stats("tottime").print_stats(args.top)

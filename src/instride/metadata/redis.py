@@ -150,6 +150,10 @@ class RedisMetadata:
         return _record(self._call("lookup", lambda: self.redis.hgetall(_REC + key)))
 
     def _lookup_many(self, keys: Sequence[str], deadline: float | None = None) -> Record | None:
+        if len(keys) == 1:  # one command costs less than a pipeline of one (client side)
+            key = _REC + keys[0]
+            return _record(self._call("lookup", lambda: self.redis.hgetall(key), deadline))
+
         def run() -> list[Any]:
             pipe = self.redis.pipeline(transaction=False)
             for key in keys:
