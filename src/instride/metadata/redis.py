@@ -255,6 +255,9 @@ class RedisMetadata:
                 raise ConsumeTimeout(keys[0], time.monotonic() - start)
             return min(left, 1.0)
 
+        if self._fast_args is not None:
+            return self._wait_lean(keys, channels, wanted, remaining, start, deadline)
+
         while True:
             ps = self._pubsub()
             try:
@@ -288,6 +291,52 @@ class RedisMetadata:
             except _ERRORS as exc:
                 # Redis went away: drop the connection, back off, re-subscribe, re-check.
                 self._drop_pubsub()
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
+                time.sleep(0.05)
+
+    def _subscriber(self) -> RespConnection:
+        conn = getattr(self._local, "sub", None)
+        if conn is None:
+            assert self._fast_args is not None
+            conn = self._local.sub = RespConnection(*self._fast_args)
+            with self._lock:
+                self._fasts.add(conn)
+        return conn
+
+    def _wait_lean(self, keys: Sequence[str], channels: list[str], wanted: set[bytes],
+                   remaining: Any, start: float, deadline: float | None) -> Record:
+        """:meth:`wait_any`'s subscription on this thread's lean subscriber connection.
+
+        The same protocol as the redis-py path: subscribe, wait for Redis to confirm every
+        channel, check, then wait for a message; leftovers of earlier waits (unsubscribe
+        confirmations, messages of other channels) are skipped.
+        """
+        while True:
+            sub = self._subscriber()
+            try:
+                sub.send([("SUBSCRIBE", *channels)])
+                try:
+                    unconfirmed = set(wanted)
+                    while True:
+                        msg = sub.read(remaining())
+                        if not isinstance(msg, list) or len(msg) < 3:
+                            continue
+                        if msg[0] == b"subscribe" and unconfirmed:
+                            unconfirmed.discard(msg[1])
+                            if not unconfirmed:  # the subscription is in force: check now
+                                rec = self._lookup_many(keys)
+                                if rec is not None:
+                                    return rec
+                        elif msg[0] == b"message" and msg[1] in wanted:
+                            rec = _from_message(msg[2]) or self._lookup_many(keys)
+                            if rec is not None:
+                                return rec
+                finally:
+                    if sub.sock is not None:  # (a broken connection is gone already)
+                        sub.send([("UNSUBSCRIBE", *channels)])
+            except _ERRORS as exc:
+                # Redis went away: the connection is closed; back off, re-subscribe, re-check.
                 if deadline is not None and time.monotonic() >= deadline:
                     raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
                 time.sleep(0.05)

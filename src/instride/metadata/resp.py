@@ -83,6 +83,38 @@ class RespConnection:
             raise
         return out
 
+    def send(self, commands: Sequence[tuple[Any, ...]]) -> None:
+        """Send ``commands`` in one write without reading replies (subscriptions)."""
+        sock = self.sock or self._connect()
+        try:
+            sock.sendall(b"".join(hiredis.pack_command(tuple(c)) for c in commands))
+        except BaseException:
+            self.close()
+            raise
+
+    def read(self, timeout: float) -> Any | None:
+        """The next reply or pushed message, or ``None`` if none came within ``timeout`` s."""
+        reply = self.reader.gets() if self.sock is not None else False
+        if reply is not False:
+            return reply
+        sock = self.sock or self._connect()
+        sock.settimeout(max(timeout, 1e-3))
+        try:
+            chunk = sock.recv(1 << 16)
+        except TimeoutError:
+            sock.settimeout(self.timeout)
+            return None
+        except BaseException:
+            self.close()
+            raise
+        sock.settimeout(self.timeout)
+        if not chunk:
+            self.close()
+            raise ConnectionError("Redis closed the connection")
+        self.reader.feed(chunk)
+        reply = self.reader.gets()
+        return None if reply is False else reply
+
     def close(self) -> None:
         """Close the socket (a later :meth:`call` reconnects)."""
         sock, self.sock = self.sock, None
