@@ -28,6 +28,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 from common import header, save, summary
 from instride.emulate import EmulatedCluster
@@ -272,6 +273,49 @@ def head_of_line(c: EmulatedCluster, n: int, jac_atoms: int, stmv_keys: list[str
             "added_p99_us": s["p99"] - unloaded["p99"]}
 
 
+def plot_targets(result: dict, path: Path) -> None:
+    """Two panels: throughput ratios against raw TCP, latencies, each beside its target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.8), gridspec_kw={"width_ratios": [1, 2]})
+    ratios = [("STMV node1→node2\nvs raw TCP", result["stmv_throughput_MBps"]["ratio"], 0.90)]
+    if "aggregate_8_pairs_vs_raw_tcp" in result:
+        agg = result["aggregate_8_pairs_vs_raw_tcp"]["ratio"]
+        ratios.append(("8 pairs, JAC\nvs 8 raw TCP pairs", agg, 0.5))
+    x = range(len(ratios))
+    ax1.bar(x, [r for _, r, _ in ratios], color="tab:blue", label="measured")
+    ax1.scatter(x, [t for _, _, t in ratios], marker="_", s=900, color="tab:red", zorder=3, label="target")
+    ax1.set_xticks(list(x), [n for n, _, _ in ratios], fontsize=8)
+    ax1.set_ylim(0, 1.05)
+    ax1.set_ylabel("fraction of raw TCP")
+    ax1.legend(fontsize=8)
+    jac, wake = result["jac_consume_latency_us"], result["remote_wakeup_us"]
+    lats = [("JAC median", jac["median"], 2000), ("JAC p99", jac["p99"], 5000),
+            ("wake-up median", wake["median"], 300)]
+    if "head_of_line" in result:
+        h = result["head_of_line"]["jac_latency_us"]
+        lats[2:2] = [("JAC median\nSTMV load", h["median"], None), ("JAC p99\nSTMV load", h["p99"], None)]
+    x = range(len(lats))
+    ax2.bar(x, [v / 1e3 for _, v, _ in lats], color="tab:blue", label="measured")
+    tx = [i for i, (_, _, t) in enumerate(lats) if t is not None]
+    ax2.scatter(tx, [lats[i][2] / 1e3 for i in tx], marker="_", s=900, color="tab:red", zorder=3,
+                label="target")
+    ax2.set_xticks(list(x), [n for n, _, _ in lats], fontsize=8)
+    ax2.set_yscale("log")
+    ax2.set_ylabel("ms")
+    ax2.legend(fontsize=8)
+    m = result["machine"]
+    fig.suptitle(f"Cluster mode between emulated nodes ({m['cores']} cores, load {m['load_avg_1m']})",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"saved {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
@@ -392,6 +436,7 @@ def main() -> None:
         print(f"\n## data server start-up (process start -> accepting): median {med:.2f} s"
               " (requirement: under a second)")
     save("cluster", result)
+    plot_targets(result, Path(__file__).resolve().parent / "results" / "cluster.png")
 
 
 if __name__ == "__main__":
