@@ -204,6 +204,29 @@ RAW_PAIR_CLIENT = textwrap.dedent(
     print(t, time.clock_gettime_ns(time.CLOCK_MONOTONIC))
     """
 )
+RAW_STORE_CLIENT = textwrap.dedent(
+    """
+    import os, socket, sys, time
+    host, port, size, n, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    s = socket.create_connection((host, port))
+    view = memoryview(bytearray(4 << 20))
+    t = time.perf_counter()
+    s.sendall(str(n).encode().ljust(16))
+    for i in range(n):
+        fd = os.open(f"{out}/raw-{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        got = 0
+        while got < size:
+            k = s.recv_into(view[: min(len(view), size - got)])
+            done = 0
+            while done < k:
+                done += os.write(fd, view[done:k])
+            got += k
+        os.close(fd)
+    print(time.perf_counter() - t)
+    for i in range(n):
+        os.unlink(f"{out}/raw-{i}")
+    """
+)
 LOADER = textwrap.dedent(
     """
     import sys, time, instride
@@ -218,6 +241,22 @@ LOADER = textwrap.dedent(
     print(n / (time.perf_counter() - t0) / 1e6)
     """
 )
+
+
+def raw_tcp_store(c: EmulatedCluster, path: str, size: int, n: int) -> float:
+    """MB/s of raw TCP (``sendfile`` -> ``recv_into``) that also writes each frame to a new file
+    in node 2's directory: what storing the bytes costs any design that makes them a file."""
+    port = 7601
+    srv = _popen(c, 1, RAW_SERVER, path, c.node(1).ip, port)
+    _ready(srv)
+    out = c.node(2).dir / "raw-store"
+    out.mkdir(exist_ok=True)
+    took = subprocess.run(c.command(2, [PY, "-c", RAW_STORE_CLIENT, c.node(1).ip, str(port), str(size),
+                                        str(n), str(out)]),
+                          capture_output=True, text=True, env=c.node(2).env, check=True).stdout
+    srv.wait(30)
+    out.rmdir()
+    return n * size / float(took) / 1e6
 
 
 def raw_tcp_pairs(c: EmulatedCluster, pairs: list[tuple[int, int]], paths: list[str], size: int,
@@ -339,11 +378,15 @@ def main() -> None:
         ours = n_stmv * stmv / elapsed / 1e6
         src = c.node(1).dir / "stmv" / "p0" / "frame_000000000.isf"
         raw = raw_tcp(c, str(src), stmv, n_stmv)
-        result["stmv_throughput_MBps"] = {"instride": ours, "raw_tcp_sendfile": raw, "ratio": ours / raw}
+        stored = raw_tcp_store(c, str(src), stmv, n_stmv)
+        result["stmv_throughput_MBps"] = {"instride": ours, "raw_tcp_sendfile": raw, "ratio": ours / raw,
+                                          "raw_tcp_stored": stored, "ratio_to_stored": ours / stored}
         print(f"\n## cross-node STMV frames ({stmv / 2**20:.2f} MiB x {n_stmv}), node1 -> node2")
         print(f"instride consume (wait+fetch+verify+store): {ours:8.0f} MB/s")
         print(f"raw TCP sendfile -> recv_into:               {raw:8.0f} MB/s")
         print(f"ratio: {ours / raw:.2f}  (target >= 0.90, moonshot 0.95)")
+        print(f"raw TCP + each frame written to a new file:  {stored:8.0f} MB/s  (instride / this:"
+              f" {ours / stored:.2f}; the cost of storing the bytes at all)")
 
         # 2. JAC consume latency, frames paced so the consumer is waiting
         _, lat = stream_run(c, "jac", n_jac, jac_atoms, 0.02, [(1, 2)])
