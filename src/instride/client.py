@@ -178,7 +178,7 @@ class Client:
                 mode,
                 overwrite=overwrite,
                 fsync=self.fsync,
-                on_publish=lambda k, _p, digest, size: self.engine.published(
+                on_publish=lambda k, _p, digest=None, size=None: self.engine.published(
                     k, overwrite, digest, size),
                 checksum=self.engine.wants_checksum,
                 buffering=buffering,

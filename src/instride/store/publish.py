@@ -97,10 +97,10 @@ def fsync_dir(directory: str | Path) -> None:
         os.close(fd)
 
 
-#: called after a publication with the key, the final path, and the record checksum
-#: (``"xxh3:<hex>"``) and size of the content when the writer computed them while writing
-#: (else ``None``, ``None``)
-PublishHook = Callable[[str, str, "str | None", "int | None"], None]
+#: called after a publication with the key and the final path; a writer opened with
+#: ``checksum=True`` also passes the record checksum (``"xxh3:<hex>"``) and size of the content
+#: it computed while writing (``None``, ``None`` if it could not: it seeked or truncated)
+PublishHook = Callable[..., None]
 
 
 class _PublishingFileIO(io.FileIO):
@@ -130,6 +130,7 @@ class _PublishingFileIO(io.FileIO):
         # The content is hashed as it is written (while still in the CPU cache), so that
         # recording it needs no second pass over the file; any seek or truncate drops it.
         self._hasher: Any = xxhash.xxh3_64() if checksum else None
+        self._checksum = checksum
         self._size = 0
         try:
             super().__init__(self._tmp, "x+" if readable else "x")
@@ -209,7 +210,10 @@ class _PublishingFileIO(io.FileIO):
         if self._fsync:
             fsync_dir(os.path.dirname(self._final))  # the new name survives a crash too
         if self._on_publish is not None:
-            self._on_publish(self._key, self._final, *self._digest())
+            if self._checksum:
+                self._on_publish(self._key, self._final, *self._digest())
+            else:
+                self._on_publish(self._key, self._final)
 
     def __del__(self) -> None:
         # Never publish a file nobody closed: its content may be incomplete.
@@ -307,8 +311,9 @@ def open_for_write(
 
     Leaving a ``with`` block by an exception discards the file instead of publishing it.
     ``x`` modes are write-once regardless of ``overwrite``. With ``checksum``, the content is
-    hashed while it is written and ``on_publish`` receives its record checksum and size (a
-    write-only file that was never seeked); otherwise it receives ``None`` for both.
+    hashed while it is written and ``on_publish(key, path, checksum, size)`` receives its record
+    checksum and size (``None`` for both if the file was seeked, truncated or is readable);
+    without, ``on_publish(key, path)``.
     """
     if "x" in mode:
         overwrite = False
