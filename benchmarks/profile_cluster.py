@@ -1,194 +1,177 @@
-"""Where the time of a cross-node JAC frame goes: a profile of the cluster data path.
+"""CPU profile of the cluster data plane: where the time per frame goes, process by process.
 
-Runs the producer/consumer scripts of ``bench_cluster.py`` (JAC frames, 644 KiB) on an
-emulated 4-node cluster, with timers wrapped around the functions of the path (nothing in the
-package is changed: the wrappers are installed by the scripts), and reads
+Runs, on this machine without network namespaces (loopback), a Redis server, the data server
+of "node 1" (``instride serve``), a producer on node 1 appending JAC-sized frames to a stream
+and a consumer on "node 2" (another managed directory) waiting for and fetching each frame —
+each Python process under :mod:`cProfile` with a CPU-time clock (so time spent blocked or
+preempted by other processes is not counted). Prints, per process, the CPU time per frame
+(``time.process_time``; a CPU-time measure, meaningful on a loaded machine) and the functions
+with the most own time.
 
-* per process: CPU time (user + system), minor page faults, context switches (getrusage,
-  counted from the first call of the path on: imports and start-up excluded);
-* the data servers and Redis: CPU time from ``/proc/<pid>/stat``; Redis: calls per command
-  (``INFO commandstats``);
-
-for (a) one pair, frames paced 20 ms apart (the consumer waits: latency) and (b) 8 pairs on
-4 nodes flat out (throughput). Everything is reported per frame.
-
-Needs root (network namespaces), iproute2 and redis-server.
-Usage: ``python benchmarks/profile_cluster.py [--frames N] [--json PATH]``
+Usage: ``python benchmarks/profile_cluster.py [--frames N] [--atoms N] [--top K] [--out DIR]``
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import pstats
+import secrets
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import textwrap
 import time
-from typing import Any
-
-from bench_cluster import CONSUME, PRODUCE
-from common import header
-from instride.emulate import EmulatedCluster
-from instride.emulate import netns as nn
+from pathlib import Path
 
 PY = sys.executable
-TICK = os.sysconf("SC_CLK_TCK")
 
-#: functions timed in every process: (module, attribute path)
-WRAP = [
-    ("instride.stream", "Stream.append"),
-    ("instride.stream", "encode_frame"),
-    ("instride.client", "Client.publish"),
-    ("instride.client", "file_checksum"),
-    ("instride.client", "Client.wait_any"),
-    ("instride.client", "Client.exists"),
-    ("instride.client", "Client.consume"),
-    ("instride.local", "publish_file"),
-    ("instride.metadata.redis", "RedisMetadata.publish"),
-    ("instride.metadata.redis", "RedisMetadata.lookup"),
-    ("instride.metadata.redis", "RedisMetadata.wait_any"),
-    ("instride.remote", "RemoteStore._current"),
-    ("instride.remote", "RemoteStore._fetch"),
-    ("instride.remote", "RemoteStore._remember"),
-    ("instride.remote", "RemoteStore.evict"),
-    ("instride.transport.tcp", "TcpTransport.fetch"),
-    ("instride.transport.tcp", "TcpTransport._request"),
-    ("instride.transport.tcp", "TcpTransport._stream_to_file"),
-    ("os", "fsync"),
-    ("redis.client", "Redis.execute_command"),
-    ("redis.client", "Pipeline.execute"),
-]
-
-PREAMBLE = f"""
-import atexit, functools, importlib, json, resource, time
-_PROF = {{}}
-_BASE = []
-def _usage():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return [r.ru_utime + r.ru_stime, r.ru_minflt, r.ru_nvcsw + r.ru_nivcsw]
-def _wrap(modname, qual):
-    obj = importlib.import_module(modname)
-    parts = qual.split(".")
-    for p in parts[:-1]:
-        obj = getattr(obj, p)
-    fn = getattr(obj, parts[-1])
-    @functools.wraps(fn)
-    def timed(*a, **k):
-        if not _BASE:  # the first call of the path: imports and start-up are behind us
-            _BASE.append(_usage())
-        t = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            e = _PROF.setdefault(qual, [0, 0.0]); e[0] += 1; e[1] += time.perf_counter() - t
-    setattr(obj, parts[-1], timed)
-for _m, _q in {WRAP!r}:
-    _wrap(_m, _q)
-def _report():
-    end, base = _usage(), (_BASE or [[0, 0, 0]])[0]
-    print("PROF " + json.dumps({{"funcs": _PROF, "cpu": end[0] - base[0], "minflt": end[1] - base[1],
-                                "csw": end[2] - base[2]}}), flush=True)
-atexit.register(_report)
-"""
+PRODUCER = textwrap.dedent(
+    """
+    import cProfile, sys, time, numpy as np, instride
+    name, n, atoms, gap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+    out = sys.argv[5]
+    pos = np.random.default_rng(0).random((atoms, 3))
+    instride.get_client().exists("warm-up")
+    prof = cProfile.Profile(time.process_time) if out != "-" else None
+    cpu = 0.0
+    with instride.Stream(name, mode="w", layout="paper") as s:
+        for i in range(n):
+            time.sleep(gap)
+            c0 = time.process_time()
+            prof and prof.enable()
+            s.append(pos, step=i)
+            prof and prof.disable()
+            cpu += time.process_time() - c0
+    prof and prof.dump_stats(out)
+    print(cpu / n)
+    """
+)
+CONSUMER = textwrap.dedent(
+    """
+    import cProfile, sys, time, instride
+    name, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    s = instride.Stream(name, timeout=120)
+    c = instride.get_client()
+    c.exists("warm-up")
+    prof = cProfile.Profile(time.process_time) if out != "-" else None
+    print("ready", flush=True)
+    c0 = time.process_time()
+    prof and prof.enable()
+    for i in range(n):
+        s.read(i)
+    prof and prof.disable()
+    cpu = time.process_time() - c0
+    prof and prof.dump_stats(out)
+    print(cpu / n)
+    """
+)
+SERVER = textwrap.dedent(
+    """
+    import cProfile, runpy, sys, time
+    out = sys.argv[1]
+    sys.argv = ["instride", "serve"]
+    prof = cProfile.Profile(time.process_time) if out != "-" else None
+    prof and prof.enable()
+    try:
+        runpy.run_module("instride", run_name="__main__")
+    finally:
+        if prof:
+            prof.disable()
+            prof.dump_stats(out)
+    """
+)
 
 
-def proc_cpu(pid: int) -> float:
-    """CPU seconds (user + system) of process ``pid``."""
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def redis_stats(c: EmulatedCluster) -> dict[str, int]:
-    import redis
-
-    def read() -> dict[str, Any]:
-        r = redis.Redis.from_url(c.redis_url)
-        try:
-            return r.info("commandstats")
-        finally:
-            r.close()
-
-    stats = nn.in_netns(c.hub, read)
-    return {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()}
-
-
-def run(c: EmulatedCluster, name: str, pairs: list[tuple[int, int]], n: int, gap: float) -> dict[str, Any]:
-    servers = {node.name: c._pids[node.name][0] for node in c.nodes}  # noqa: SLF001
-    redis_pid = c._pids["redis"][0]  # noqa: SLF001
-    before = {role: proc_cpu(pid) for role, pid in servers.items()} | {"redis": proc_cpu(redis_pid)}
-    cmds0 = redis_stats(c)
-    cons = [c.popen(q, [PY, "-c", PREAMBLE + CONSUME, f"{name}/p{i}"], stdout=subprocess.PIPE, text=True)
-            for i, (_p, q) in enumerate(pairs)]
-    for p in cons:
-        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-    t0 = time.perf_counter()
-    prods = [c.popen(p, [PY, "-c", PREAMBLE + PRODUCE, f"{name}/p{i}", str(n), "23558", str(gap)],
-                     stdout=subprocess.PIPE, text=True) for i, (p, _q) in enumerate(pairs)]
-    outs = {"producer": [p.communicate(timeout=900)[0] for p in prods],
-            "consumer": [p.communicate(timeout=900)[0] for p in cons]}
-    wall = time.perf_counter() - t0
-    after = {role: proc_cpu(pid) for role, pid in servers.items()} | {"redis": proc_cpu(redis_pid)}
-    cmds1 = redis_stats(c)
-    frames = n * len(pairs)
-    res: dict[str, Any] = {"frames": frames, "wall_s": wall, "frames_per_s": frames / wall, "roles": {}}
-    for role, texts in outs.items():
-        profs = [json.loads(line[5:]) for t in texts for line in t.splitlines() if line.startswith("PROF ")]
-        assert len(profs) == len(texts), texts
-        funcs: dict[str, list[float]] = {}
-        for p in profs:
-            for q, (k, s) in p["funcs"].items():
-                e = funcs.setdefault(q, [0, 0.0])
-                e[0] += k
-                e[1] += s
-        res["roles"][role] = {
-            "cpu_ms_per_frame": 1e3 * sum(p["cpu"] for p in profs) / frames,
-            "minflt_per_frame": sum(p["minflt"] for p in profs) / frames,
-            "ctx_switches_per_frame": sum(p["csw"] for p in profs) / frames,
-            "calls_per_frame": {q: k / frames for q, (k, _s) in funcs.items()},
-            "ms_per_frame": {q: 1e3 * s / frames for q, (_k, s) in funcs.items()},
-        }
-    res["servers_cpu_ms_per_frame"] = {role: 1e3 * (after[role] - before[role]) / frames for role in servers}
-    res["redis_cpu_ms_per_frame"] = 1e3 * (after["redis"] - before["redis"]) / frames
-    res["redis_calls_per_frame"] = {k: (v - cmds0.get(k, 0)) / frames for k, v in cmds1.items()
-                                    if v - cmds0.get(k, 0) > 0}
-    return res
-
-
-def show(title: str, r: dict[str, Any]) -> None:
-    print(f"\n## {title}: {r['frames']} frames in {r['wall_s']:.2f} s ({r['frames_per_s']:.0f} frames/s)")
-    total = sum(v["cpu_ms_per_frame"] for v in r["roles"].values())
-    total += sum(r["servers_cpu_ms_per_frame"].values()) + r["redis_cpu_ms_per_frame"]
-    print(f"CPU per frame, all processes: {total:.2f} ms")
-    for role, v in r["roles"].items():
-        print(f"  {role:9s} {v['cpu_ms_per_frame']:6.2f} ms CPU, {v['minflt_per_frame']:6.0f} minor faults,"
-              f" {v['ctx_switches_per_frame']:5.1f} context switches")
-    for role, ms in r["servers_cpu_ms_per_frame"].items():
-        print(f"  server {role}: {ms:6.2f} ms CPU")
-    print(f"  redis     {r['redis_cpu_ms_per_frame']:6.2f} ms CPU;  commands per frame: "
-          + ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["redis_calls_per_frame"].items())))
-    for role, v in r["roles"].items():
-        print(f"  {role} wall time inside (ms per frame, calls per frame):")
-        for q, ms in sorted(v["ms_per_frame"].items(), key=lambda kv: -kv[1]):
-            print(f"    {q:34s} {ms:7.3f} ms  x{v['calls_per_frame'][q]:.2f}")
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--frames", type=int, default=100, help="frames per pair (default 100)")
-    ap.add_argument("--json", help="also write the results to this JSON file")
+    ap.add_argument("--frames", type=int, default=300)
+    ap.add_argument("--atoms", type=int, default=23_558, help="atoms per frame (JAC: 23,558)")
+    ap.add_argument("--gap", type=float, default=0.005, help="seconds between frames")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", default=None, help="keep the .prof files here")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="only the CPU time per frame, without the profiler's own overhead")
     args = ap.parse_args()
-    m = header("profile of the cluster data path (JAC frames)")
-    out: dict[str, Any] = {"machine": m}
-    with EmulatedCluster(nodes=4) as c:
-        out["one_pair_paced"] = run(c, "prof1", [(1, 2)], args.frames, 0.02)
-        show("one pair, node1 -> node2, 20 ms apart", out["one_pair_paced"])
-        pairs = [(1 + i % 2, 3 + (i // 2) % 2) for i in range(8)]
-        out["eight_pairs"] = run(c, "prof8", pairs, max(10, args.frames // 2), 0.0)
-        show("8 pairs, nodes 1-2 -> nodes 3-4, flat out", out["eight_pairs"])
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=2)
+    work = Path(tempfile.mkdtemp(prefix="instride-prof-", dir="/dev/shm"))
+    out = Path(args.out) if args.out else work
+    out.mkdir(parents=True, exist_ok=True)
+    rport, sport = free_port(), free_port()
+    procs: list[subprocess.Popen] = []
+    try:
+        redis = subprocess.Popen(["redis-server", "--port", str(rport), "--bind", "127.0.0.1",
+                                  "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+        procs.append(redis)
+        base = {**os.environ, "INSTRIDE_REDIS_URL": f"redis://127.0.0.1:{rport}/0",
+                "INSTRIDE_TOKEN": secrets.token_hex(16)}
+        env1 = {**base, "INSTRIDE_DIR": str(work / "node1"), "INSTRIDE_NODE": "node1",
+                "INSTRIDE_ADDR": f"127.0.0.1:{sport}"}
+        env2 = {**base, "INSTRIDE_DIR": str(work / "node2"), "INSTRIDE_NODE": "node2",
+                "INSTRIDE_ADDR": f"127.0.0.1:{free_port()}"}
+        tag = (lambda role: "-") if args.no_profile else (lambda role: str(out / f"{role}.prof"))
+        srv = subprocess.Popen([PY, "-c", SERVER, tag("server")], env=env1,
+                               stderr=subprocess.DEVNULL)
+        procs.append(srv)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", sport), timeout=1).close()
+                socket.create_connection(("127.0.0.1", rport), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        srv_cpu0 = _cpu(srv.pid)
+        cons = subprocess.Popen([PY, "-c", CONSUMER, "prof", str(args.frames), tag("consumer")],
+                                env=env2, stdout=subprocess.PIPE, text=True)
+        procs.append(cons)
+        assert cons.stdout is not None and cons.stdout.readline().strip() == "ready"
+        prod = subprocess.run([PY, "-c", PRODUCER, "prof", str(args.frames), str(args.atoms), str(args.gap),
+                               tag("producer")], env=env1, capture_output=True, text=True, check=True)
+        c_out = cons.communicate(timeout=600)[0].split()
+        srv_cpu = (_cpu(srv.pid) - srv_cpu0) / args.frames
+        srv.send_signal(signal.SIGTERM)
+        srv.wait(30)
+        per = {"producer": float(prod.stdout.split()[-1]), "consumer": float(c_out[-1]), "server": srv_cpu}
+        print(f"# CPU time per frame ({args.atoms} atoms, {args.frames} frames, load "
+              f"{os.getloadavg()[0]:.1f})")
+        for role, t in per.items():
+            print(f"{role:9s} {t * 1e6:8.0f} µs")
+        print(f"total     {sum(per.values()) * 1e6:8.0f} µs")
+        for role in () if args.no_profile else ("producer", "consumer", "server"):
+            print(f"\n## {role}: top functions by own time")
+            st = pstats.Stats(str(out / f"{role}.prof"))
+            st.sort_stats("tottime").print_stats(args.top)
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        if not args.out:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            shutil.rmtree(work / "node1", ignore_errors=True)
+            shutil.rmtree(work / "node2", ignore_errors=True)
+
+
+def _cpu(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":

@@ -179,7 +179,9 @@ class Client:
                 mode,
                 overwrite=overwrite,
                 fsync=self.fsync,
-                on_publish=lambda k, _p: self.engine.published(k, overwrite),
+                on_publish=lambda k, _p, digest=None, size=None: self.engine.published(
+                    k, overwrite, digest, size),
+                checksum=self.engine.wants_checksum,
                 buffering=buffering,
                 encoding=encoding,
                 errors=errors,

@@ -98,3 +98,43 @@ def test_a_stream_across_nodes(clients: list[instride.Client]) -> None:
     assert [f.header.step for f in frames] == [0, 1, 2]
     assert np.array_equal(frames[2].positions, pos + 2)
     assert consumer.frame_count() == 3 and consumer.ended and consumer.has(2) and not consumer.has(3)
+
+
+def test_a_writers_checksum_is_the_files_and_seeking_falls_back(clients: list[instride.Client]) -> None:
+    """The checksum a writer computes while writing is recorded; a writer that seeks back (its
+    running hash no longer describes the file) is hashed from the file instead. A consumer on
+    another node verifies both against the bytes it receives."""
+    from instride.record import checksum_of
+
+    c1, c2, _ = clients
+    data = np.random.default_rng(3).bytes(200_000)
+    with c1.open("ck/plain.bin", "wb") as fh:
+        fh.write(data[:1000])
+        fh.write(memoryview(data)[1000:])
+    with c1.open("ck/seek.bin", "wb") as fh:
+        fh.write(data)
+        fh.seek(10)
+        fh.write(b"XYZ")
+    patched = data[:10] + b"XYZ" + data[13:]
+    with c1.open("ck/plus.bin", "w+b") as fh:  # readable writer: never hashed while writing
+        fh.write(data)
+    for key, body in [("ck/plain.bin", data), ("ck/seek.bin", patched), ("ck/plus.bin", data)]:
+        rec = c1.lookup(key)
+        assert rec is not None and rec.checksum == checksum_of(body) and rec.size == len(body)
+        assert c2.consume(key, timeout=10).read_bytes() == body
+
+
+def test_a_record_seen_by_wait_any_then_overwritten_is_fetched_current(
+        clients: list[instride.Client]) -> None:
+    """consume() after wait_any() reuses the record it returned; if the owner re-published the
+    key in between, the transfer does not verify against that record, and the consumer retries
+    with the current one (never stores bytes under a stale version)."""
+    c1, c2, _ = clients
+    with c1.open("seen/k.bin", "wb") as fh:
+        fh.write(b"first version " * 1000)
+    assert c2.wait_any(["seen/k.bin"], timeout=10) == "seen/k.bin"
+    with c1.open("seen/k.bin", "wb", overwrite=True) as fh:
+        fh.write(b"second version, longer " * 1000)
+    path = c2.consume("seen/k.bin", timeout=10)
+    assert path.read_bytes() == b"second version, longer " * 1000
+    assert c2.engine.cached_version("seen/k.bin") == c1.lookup("seen/k.bin").version == 2

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import redis
 
 from instride.config import Settings
 from instride.errors import KeyExistsError, MetadataUnavailable
@@ -97,3 +98,28 @@ def test_failed_record_retracts_write_once_file(tmp_path) -> None:  # type: igno
         with c.open("half/k", "wb") as fh:
             fh.write(b"data")
     assert not (settings.dir / "half" / "k").exists()
+
+
+def test_password_and_database_of_the_url_are_used(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The lean per-frame connection authenticates and selects the URL's database, like redis-py."""
+    server = RedisServer().start()
+    try:
+        admin = redis.Redis(host=server.host, port=server.port)
+        admin.config_set("requirepass", "s3cret")
+        url = f"redis://:s3cret@{server.host}:{server.port}/3"
+        meta = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=2.0))
+        try:
+            rec = meta.publish(Record("k/a", "h:1", 3, "xxh3:00", 1, 1.0, "n"), overwrite=False)
+            assert rec.version == 1
+            assert meta.lookup("k/a") == rec
+            authed = redis.Redis(host=server.host, port=server.port, password="s3cret", db=3)
+            assert authed.exists("instride:rec:k/a") == 1  # in database 3, not 0
+            bad = RedisMetadata(Settings(dir=tmp_path, redis_url=url.replace("s3cret", "wrong"),
+                                         connect_timeout=0.5))
+            with pytest.raises(MetadataUnavailable):
+                bad.lookup("k/a")
+            bad.close()
+        finally:
+            meta.close()
+    finally:
+        server.stop()

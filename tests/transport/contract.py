@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,22 @@ class TransportContract:
         assert bytes(consumer.fetch_bytes(record)) == data
         consumer.fetch(record, tmp_path / f"again-{size}.bin")  # a kept-alive connection, reused
         assert (tmp_path / f"again-{size}.bin").read_bytes() == data
+
+    def test_concurrent_fetches_are_all_exact(self, owner: Owner, consumer: Transport,
+                                              tmp_path: Path) -> None:
+        """Many fetches at once (one large, several small, from threads) all arrive verified."""
+        sizes = [8 << 20] + [100_000] * 7
+        records = [(owner.put(f"t/many-{i}.bin", data), data)
+                   for i, data in enumerate(os.urandom(n) for n in sizes)]
+
+        def fetch(item: tuple[Record, bytes]) -> bool:
+            record, data = item
+            dest = tmp_path / f"many-{record.key.rsplit('/', 1)[1]}"
+            consumer.fetch(record, dest)
+            return dest.read_bytes() == data
+
+        with ThreadPoolExecutor(len(records)) as pool:
+            assert all(pool.map(fetch, records))
 
     # ------------------------------------------------------------------ integrity
     def test_wrong_checksum_in_record_is_integrity_error(self, owner: Owner, consumer: Transport,

@@ -32,6 +32,7 @@ from instride.transport.tcp import TcpTransport
 from tests.conftest import LoopbackNode, RedisServer, free_port
 from tests.nodes import TOKEN, ask, forged, no_traceback, put, raw, recv_all, signed, stats, until
 
+from .contract import TOKEN as CONTRACT_TOKEN
 from .contract import TransportContract, wait_ready
 
 _DYING = """
@@ -75,6 +76,32 @@ class TestTcpContract(TransportContract):
             assert proc.stdout is not None and proc.stderr is not None
             proc.stdout.close()
             proc.stderr.close()
+
+
+    def test_stalled_large_fetch_does_not_block_small_ones(self, owner, consumer, tmp_path: Path) -> None:
+        """No head-of-line blocking: while a peer is not reading a 32 MiB body (so the server
+        cannot have finished sending it), small fetches on other connections complete; the large
+        body then still arrives whole."""
+        big = os.urandom(32 << 20)
+        owner.put("t/big.bin", big)
+        small = [owner.put(f"t/small-{i}.bin", bytes([i]) * 70_000) for i in range(5)]
+        stalled = socket.create_connection(owner.addr.rsplit(":", 1), timeout=30)
+        try:
+            stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+            stalled.sendall(wire.pack(wire.sign(CONTRACT_TOKEN, "fetch", "t/big.bin")))
+            time.sleep(0.2)  # the server is now writing the big body into a full socket
+            for i, record in enumerate(small):
+                consumer.fetch(record, tmp_path / f"small-{i}.bin")
+                assert (tmp_path / f"small-{i}.bin").read_bytes() == bytes([i]) * 70_000
+            (n,) = struct.unpack(">I", recv_all(stalled, 4))
+            assert json.loads(recv_all(stalled, n))["size"] == len(big)
+            got = bytearray(len(big))
+            view, done = memoryview(got), 0
+            while done < len(big) and (k := stalled.recv_into(view[done:])):
+                done += k
+            assert got == big  # the stalled transfer was never dropped
+        finally:
+            stalled.close()
 
 
 # ---------------------------------------------------------------------- fixtures

@@ -69,10 +69,19 @@ class Engine(Protocol):
     def exists(self, key: str) -> bool:
         """Whether ``key`` is published."""
 
-    def published(self, key: str, overwrite: bool) -> None:
-        """Called after ``key`` was atomically published on this node (writer closed)."""
+    #: whether :meth:`published` can use a checksum computed by the writer while writing
+    wants_checksum: bool
 
-    def register(self, key: str, *, overwrite: bool) -> Record:
+    def published(self, key: str, overwrite: bool, checksum: str | None = None,
+                  size: int | None = None) -> None:
+        """Called after ``key`` was atomically published on this node (writer closed).
+
+        ``checksum`` (``"xxh3:<hex>"``) and ``size`` are the writer's, computed while writing,
+        or ``None`` (the engine computes what it needs).
+        """
+
+    def register(self, key: str, *, overwrite: bool, checksum: str | None = None,
+                 size: int | None = None) -> Record:
         """Record the file in place under ``key``; return the record as stored."""
 
     def retired(self, key: str) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import store
 from ..config import Settings
-from ..errors import ConsumeTimeout, IntegrityError
+from ..errors import ConsumeTimeout, IntegrityError, KeyNotFoundError
 from ..keys import TMP_PATTERN, key_path, tmp_path
 from ..metadata import get_backend
 from ..record import Record
@@ -31,6 +31,9 @@ from ..transport import Transport, get_transport
 from .base import map_file
 
 _open = io.open  # the builtin, captured before instride.interception.pyopen may patch it
+#: records remembered from wait_any: at most this many, for at most this many seconds
+_SEEN_MAX = 1024
+_SEEN_AGE = 5.0
 
 
 class ClusterEngine:
@@ -58,10 +61,17 @@ class ClusterEngine:
         #: seconds spent by the last :meth:`consume` waiting for the record, receiving and
         #: verifying the bytes, and storing them (publication under the key + cache index)
         self.last_timing = {"wait": 0.0, "fetch": 0.0, "store": 0.0}
+        # Records just returned by wait_any, so that the consume() that usually follows needs
+        # no second metadata round trip: key -> (monotonic time seen, record). Bounded in size
+        # and age; a stale record costs nothing but a verified retry (see _fetch).
+        self._seen: dict[str, tuple[float, Record]] = {}
+        self._dirs: set[str] = set()  # directories known to exist (for fetched copies)
+        self._cache_s = str(self.cache_dir)
+        self._lock_s = str(self.lock_dir)
 
     # ------------------------------------------------------------------ cache index
-    def _sidecar(self, key: str) -> Path:
-        return self.cache_dir / f"{key}.json"
+    def _sidecar(self, key: str) -> str:
+        return f"{self._cache_s}/{key}.json"  # a string: this is on every read's path
 
     def cached_version(self, key: str) -> int | None:
         """Version of the fetched copy of ``key`` on this node, or ``None`` (absent or original)."""
@@ -73,24 +83,34 @@ class ClusterEngine:
 
     def forget_fetched(self, key: str) -> None:
         """Drop the cache entry of ``key`` (it became an original of this node)."""
-        with contextlib.suppress(FileNotFoundError):
-            self._sidecar(key).unlink()
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            os.unlink(self._sidecar(key))
 
     def _remember(self, record: Record) -> None:
         side = self._sidecar(record.key)
-        side.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tmp_path(side)
-        with _open(tmp, "wb") as fh:
-            fh.write(json.dumps({"version": record.version, "size": record.size,
-                                 "checksum": record.checksum, "owner": record.owner}).encode())
+        tmp = str(tmp_path(side))
+        body = json.dumps({"version": record.version, "size": record.size,
+                           "checksum": record.checksum, "owner": record.owner}).encode()
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:  # first copy under this directory
+            os.makedirs(os.path.dirname(side), exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, body)  # a few dozen bytes: one write
+        finally:
+            os.close(fd)
         os.replace(tmp, side)
 
     @contextlib.contextmanager
     def _lock(self, key: str, deadline: float | None) -> Iterator[None]:
         """Exclusive per-key lock across the node's processes, bounded by ``deadline``."""
-        self.lock_dir.mkdir(parents=True, exist_ok=True)
-        name = hashlib.sha1(key.encode()).hexdigest()
-        fd = os.open(self.lock_dir / name, os.O_RDWR | os.O_CREAT, 0o600)
+        name = f"{self._lock_s}/{hashlib.sha1(key.encode()).hexdigest()}"
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:
+            self.lock_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             delay = 0.001
             while True:
@@ -117,7 +137,7 @@ class ClusterEngine:
                 key = str(side.relative_to(self.cache_dir))[: -len(".json")]
                 try:
                     st = os.stat(self.root / key)
-                    used = side.stat().st_mtime
+                    used = os.stat(side).st_mtime
                 except FileNotFoundError:
                     continue
                 out.append((used, st.st_size, key))
@@ -144,7 +164,7 @@ class ClusterEngine:
         return evicted
 
     # ------------------------------------------------------------------ consuming
-    def _current(self, key: str, path: Path) -> bool:
+    def _current(self, key: str, path: str | Path) -> bool:
         """Whether the local file of ``key`` may be served (original, or copy of the latest version)."""
         if not os.path.exists(path):
             return False
@@ -166,7 +186,7 @@ class ClusterEngine:
             return path
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
-        record = self.metadata.wait_any([key], timeout)
+        record = self._take_seen(key, start) or self.metadata.wait_any([key], timeout)
         timing["wait"] = time.monotonic() - start
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         if record.owner == self.settings.addr:
@@ -180,17 +200,37 @@ class ClusterEngine:
         self.evict(keep=key)
         return path
 
+    def _take_seen(self, key: str, now: float) -> Record | None:
+        """The record :meth:`wait_any` returned for ``key`` moments ago, if any (used once)."""
+        seen = self._seen.pop(key, None)
+        if seen is None or now - seen[0] > _SEEN_AGE:
+            return None
+        return seen[1]
+
     def _fetch(self, record: Record, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         staged = tmp_path(path)
+        parent = str(path.parent)
+        if parent not in self._dirs:  # one mkdir per directory, not one per fetch
+            os.makedirs(parent, exist_ok=True)
+            if len(self._dirs) >= _SEEN_MAX:
+                self._dirs.clear()
+            self._dirs.add(parent)
         t0 = time.monotonic()
-        for attempt in range(2):
+        for attempt in range(3):
             try:
-                self.transport.fetch(record, staged)
+                try:
+                    self.transport.fetch(record, staged)
+                except FileNotFoundError as exc:
+                    if isinstance(exc, KeyNotFoundError) or os.path.isdir(parent):
+                        raise
+                    os.makedirs(parent, exist_ok=True)  # removed meanwhile (instride gc)
+                    self.transport.fetch(record, staged)
                 break
-            except IntegrityError:
+            except (IntegrityError, KeyNotFoundError):
+                # The owner may have re-published meanwhile (or the record came from a
+                # moment-old notification): retry with the current record.
                 # The owner may have re-published meanwhile: retry once with the new record.
-                newer = self.metadata.lookup(record.key) if attempt == 0 else None
+                newer = self.metadata.lookup(record.key) if attempt < 2 else None
                 if newer is not None and newer.version != record.version:
                     record = newer
                     continue
@@ -214,7 +254,7 @@ class ClusterEngine:
         into memory, verified and not stored."""
         path = key_path(key, self.root)
         if not self._current(key, path):
-            record = self.metadata.wait_any([key], timeout)
+            record = self._take_seen(key, time.monotonic()) or self.metadata.wait_any([key], timeout)
             if record.owner != self.settings.addr:
                 self.transfers += 1
                 return memoryview(self.transport.fetch_bytes(record))
@@ -228,16 +268,23 @@ class ClusterEngine:
         return str(path) if self._current(key, path) else None
 
     def wait_any(self, keys: Sequence[str], timeout: float | None) -> str:
-        """The first of ``keys`` to be recorded in the metadata (not fetched)."""
-        return self.metadata.wait_any(list(keys), timeout).key
+        """The first of ``keys`` to be recorded in the metadata (not fetched).
+
+        The record is remembered for a moment, so that a :meth:`consume` of the key right
+        after (the usual sequence of a stream consumer) needs no second metadata round trip.
+        """
+        record = self.metadata.wait_any(list(keys), timeout)
+        if len(self._seen) >= _SEEN_MAX:
+            self._seen.clear()
+        self._seen[record.key] = (time.monotonic(), record)
+        return record.key
 
     def exists(self, key: str) -> bool:
         """Whether ``key`` is on this node or recorded in the metadata."""
         return os.path.exists(self.root / key) or self.metadata.lookup(key) is not None
 
-    def published(self, key: str, overwrite: bool) -> None:
-        """Record a publication of this node (owner, size, checksum, new version)."""
-        self.register(key, overwrite=overwrite)
+    #: a writer should hash what it writes and pass it to :meth:`published` (saves a pass)
+    wants_checksum = True
 
     def retired(self, key: str) -> None:
         """A file of this node was taken away from its key: delete its record."""
@@ -259,16 +306,30 @@ class ClusterEngine:
         """The stream's head, policy and groups: in Redis, shared by every node."""
         return RedisStreamState(self.metadata.redis, stream)
 
-    def register(self, key: str, *, overwrite: bool) -> Record:
+    def published(self, key: str, overwrite: bool, checksum: str | None = None,
+                  size: int | None = None) -> None:
+        """Record a publication of this node (owner, size, checksum, new version).
+
+        ``checksum`` and ``size``, when the writer computed them while writing, spare a second
+        pass over the file.
+        """
+        self.register(key, overwrite=overwrite, checksum=checksum, size=size)
+
+    def register(self, key: str, *, overwrite: bool, checksum: str | None = None,
+                 size: int | None = None) -> Record:
         """Record the file in place under ``key`` with this node as owner.
 
-        If recording fails, a write-once file is removed again, so no key is left visible
-        without a record.
+        ``checksum`` (``"xxh3:<hex>"``) and ``size`` may be given by a caller that computed
+        them while writing the file; otherwise the file is read once to compute them. If
+        recording fails, a write-once file is removed again, so no key is left visible without
+        a record.
         """
-        path = key_path(key, self.root)
-        st = path.stat()
-        record = Record(key=key, owner=self.settings.addr, size=st.st_size,
-                        checksum=store.file_checksum(path), version=1, time=time.time(),
+        path = f"{self.root}/{key}"
+        if checksum is None or size is None:
+            size = os.stat(path).st_size
+            checksum = store.file_checksum(path)
+        record = Record(key=key, owner=self.settings.addr, size=size,
+                        checksum=checksum, version=1, time=time.time(),
                         node=self.settings.node)
         self.forget_fetched(key)  # our own original now, never evicted
         try:

@@ -64,7 +64,11 @@ class LocalEngine:
         """Whether the file of ``key`` exists."""
         return os.path.exists(self.root / key)
 
-    def published(self, key: str, overwrite: bool) -> None:
+    #: local mode records no checksum: writers need not compute one
+    wants_checksum = False
+
+    def published(self, key: str, overwrite: bool, checksum: str | None = None,
+                  size: int | None = None) -> None:
         """Nothing to record: the atomic rename was the publication."""
 
     def retired(self, key: str) -> None:
@@ -81,7 +85,8 @@ class LocalEngine:
         """The stream's head, policy and groups: files of this node."""
         return LocalStreamState(self.root, stream)
 
-    def register(self, key: str, *, overwrite: bool) -> Record:
+    def register(self, key: str, *, overwrite: bool, checksum: str | None = None,
+                 size: int | None = None) -> Record:
         """A record built from ``stat`` (no checksum); nothing is stored."""
         st = key_path(key, self.root).stat()
         record = Record(key=key, owner=self.settings.addr, size=st.st_size, checksum=None,

@@ -32,6 +32,7 @@ from redis.retry import Retry
 from ..config import Settings
 from ..errors import ConsumeTimeout, KeyExistsError, MetadataUnavailable
 from ..record import Record
+from .resp import RespConnection, hash_fields
 
 PREFIX = "instride:"
 _REC = PREFIX + "rec:"
@@ -109,6 +110,16 @@ class RedisMetadata:
         self._lock = threading.Lock()
         # weak: a thread's subscriber goes (and its connection closes) when the thread ends
         self._pubsubs: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._fasts: weakref.WeakSet[RespConnection] = weakref.WeakSet()
+        # The per-frame commands (publish, lookup) go through a lean connection per thread
+        # (:mod:`.resp`) when the URL is plain TCP; anything else keeps to redis-py.
+        pool = self.redis.connection_pool
+        kw = pool.connection_kwargs
+        self._fast_args: tuple[Any, ...] | None = None
+        if pool.connection_class is redis.Connection and "host" in kw:
+            self._fast_args = (kw["host"], int(kw.get("port", 6379)), int(kw.get("db") or 0),
+                               kw.get("username"), kw.get("password"),
+                               max(settings.connect_timeout, 5.0), settings.connect_timeout)
 
     # ------------------------------------------------------------------ retries
     def _call(self, what: str, fn: Any, deadline: float | None = None) -> Any:
@@ -129,27 +140,64 @@ class RedisMetadata:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
 
+    def _fast(self) -> RespConnection | None:
+        """This thread's lean connection, or ``None`` when the URL needs redis-py."""
+        if self._fast_args is None:
+            return None
+        conn = getattr(self._local, "fast", None)
+        if conn is None:
+            conn = self._local.fast = RespConnection(*self._fast_args)
+            with self._lock:
+                self._fasts.add(conn)
+        return conn
+
     # ------------------------------------------------------------------ contract
     def publish(self, record: Record, *, overwrite: bool = True) -> Record:
         """Record ``record`` (its version is assigned here) and notify waiters."""
-        version = self._call(
-            "publish",
-            lambda: self._publish(
-                keys=[_REC + record.key, _KEYS, _CHAN + record.key, _VER + record.key],
-                args=[record.owner, record.size, record.checksum or "", repr(record.time),
-                      record.node, record.key, "1" if overwrite else "0"],
-            ),
-        )
+        keys = [_REC + record.key, _KEYS, _CHAN + record.key, _VER + record.key]
+        args = [record.owner, record.size, record.checksum or "", repr(record.time),
+                record.node, record.key, "1" if overwrite else "0"]
+
+        def run() -> Any:
+            fast = self._fast()
+            if fast is not None:
+                (reply,) = fast.call([("EVALSHA", self._publish.sha, len(keys), *keys, *args)])
+                if not isinstance(reply, Exception):
+                    return reply
+                if not str(reply).startswith("NOSCRIPT"):
+                    raise redis.ResponseError(str(reply))
+            # redis-py loads the script when Redis does not know it (first use, restart)
+            return self._publish(keys=keys, args=args)
+
+        version = self._call("publish", run)
         if int(version) < 0:
             raise KeyExistsError(record.key)
         return Record(record.key, record.owner, record.size, record.checksum, int(version),
                       record.time, record.node)
 
+    def _hgetall(self, keys: Sequence[str]) -> list[dict[bytes, bytes]]:
+        fast = self._fast()
+        if fast is not None:  # pipelined: one write, one round trip
+            return [hash_fields(r) for r in fast.call([("HGETALL", _REC + k) for k in keys])]
+        if len(keys) == 1:
+            return [self.redis.hgetall(_REC + keys[0])]
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(_REC + key)
+        return pipe.execute()
+
     def lookup(self, key: str) -> Record | None:
         """The record of ``key``, or ``None``; :class:`MetadataUnavailable` if Redis is down."""
-        return _record(self._call("lookup", lambda: self.redis.hgetall(_REC + key)))
+        return _record(self._call("lookup", lambda: self._hgetall([key])[0]))
 
     def _lookup_many(self, keys: Sequence[str], deadline: float | None = None) -> Record | None:
+        if self._fast_args is not None:
+            for f in self._call("lookup", lambda: self._hgetall(keys), deadline):
+                rec = _record(f)
+                if rec is not None:
+                    return rec
+            return None
+
         def run() -> list[Any]:
             pipe = self.redis.pipeline(transaction=False)
             for key in keys:
@@ -207,6 +255,9 @@ class RedisMetadata:
                 raise ConsumeTimeout(keys[0], time.monotonic() - start)
             return min(left, 1.0)
 
+        if self._fast_args is not None:
+            return self._wait_lean(keys, channels, wanted, remaining, start, deadline)
+
         while True:
             ps = self._pubsub()
             try:
@@ -244,6 +295,52 @@ class RedisMetadata:
                     raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
                 time.sleep(0.05)
 
+    def _subscriber(self) -> RespConnection:
+        conn = getattr(self._local, "sub", None)
+        if conn is None:
+            assert self._fast_args is not None
+            conn = self._local.sub = RespConnection(*self._fast_args)
+            with self._lock:
+                self._fasts.add(conn)
+        return conn
+
+    def _wait_lean(self, keys: Sequence[str], channels: list[str], wanted: set[bytes],
+                   remaining: Any, start: float, deadline: float | None) -> Record:
+        """:meth:`wait_any`'s subscription on this thread's lean subscriber connection.
+
+        The same protocol as the redis-py path: subscribe, wait for Redis to confirm every
+        channel, check, then wait for a message; leftovers of earlier waits (unsubscribe
+        confirmations, messages of other channels) are skipped.
+        """
+        while True:
+            sub = self._subscriber()
+            try:
+                sub.send([("SUBSCRIBE", *channels)])
+                try:
+                    unconfirmed = set(wanted)
+                    while True:
+                        msg = sub.read(remaining())
+                        if not isinstance(msg, list) or len(msg) < 3:
+                            continue
+                        if msg[0] == b"subscribe" and unconfirmed:
+                            unconfirmed.discard(msg[1])
+                            if not unconfirmed:  # the subscription is in force: check now
+                                rec = self._lookup_many(keys)
+                                if rec is not None:
+                                    return rec
+                        elif msg[0] == b"message" and msg[1] in wanted:
+                            rec = _from_message(msg[2]) or self._lookup_many(keys)
+                            if rec is not None:
+                                return rec
+                finally:
+                    if sub.sock is not None:  # (a broken connection is gone already)
+                        sub.send([("UNSUBSCRIBE", *channels)])
+            except _ERRORS as exc:
+                # Redis went away: the connection is closed; back off, re-subscribe, re-check.
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
+                time.sleep(0.05)
+
     def delete(self, key: str) -> None:
         """Forget ``key`` (its version counter is kept)."""
 
@@ -276,4 +373,8 @@ class RedisMetadata:
                 ps.close()
             except _ERRORS:
                 pass
+        with self._lock:
+            fasts = list(self._fasts)
+        for conn in fasts:
+            conn.close()  # reconnected on next use: the backend stays usable
         self.redis.close()

@@ -19,8 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from ..errors import KeyExistsError, UnsupportedModeError
 from ..keys import tmp_name
+from ..record import CHECKSUM_ALGORITHM
 
 
 def _load_renameat2():  # type: ignore[no-untyped-def]
@@ -94,7 +97,10 @@ def fsync_dir(directory: str | Path) -> None:
         os.close(fd)
 
 
-PublishHook = Callable[[str, str], None]
+#: called after a publication with the key and the final path; a writer opened with
+#: ``checksum=True`` also passes the record checksum (``"xxh3:<hex>"``) and size of the content
+#: it computed while writing (``None``, ``None`` if it could not: it seeked or truncated)
+PublishHook = Callable[..., None]
 
 
 class _PublishingFileIO(io.FileIO):
@@ -109,6 +115,7 @@ class _PublishingFileIO(io.FileIO):
         overwrite: bool,
         fsync: bool,
         on_publish: PublishHook | None,
+        checksum: bool = False,
     ) -> None:
         if not overwrite and os.path.exists(final):
             raise KeyExistsError(key)
@@ -120,6 +127,11 @@ class _PublishingFileIO(io.FileIO):
         self._on_publish = on_publish
         self._aborted = False
         self._failed: BaseException | None = None
+        # The content is hashed as it is written (while still in the CPU cache), so that
+        # recording it needs no second pass over the file; any seek or truncate drops it.
+        self._hasher: Any = xxhash.xxh3_64() if checksum else None
+        self._checksum = checksum
+        self._size = 0
         try:
             super().__init__(self._tmp, "x+" if readable else "x")
         except FileNotFoundError:  # first file of its directory
@@ -133,10 +145,34 @@ class _PublishingFileIO(io.FileIO):
 
     def write(self, b: Any) -> int | None:  # type: ignore[override]
         try:
-            return super().write(b)
+            n = super().write(b)
         except BaseException as exc:
             self._failed = exc  # a lost write must never be published as a complete file
             raise
+        if self._hasher is not None and n:
+            try:
+                view = memoryview(b)
+                if view.ndim != 1 or view.itemsize != 1:
+                    view = view.cast("B")
+                self._hasher.update(view[:n])
+                self._size += n
+            except (TypeError, ValueError):
+                self._hasher = None  # an exotic buffer: hash the file at publication instead
+        return n
+
+    def seek(self, pos: int, whence: int = 0) -> int:  # type: ignore[override]
+        if not (pos == 0 and whence == os.SEEK_CUR):  # a tell() keeps the running hash
+            self._hasher = None
+        return super().seek(pos, whence)
+
+    def truncate(self, size: int | None = None) -> int:  # type: ignore[override]
+        self._hasher = None
+        return super().truncate(size)
+
+    def _digest(self) -> tuple[str | None, int | None]:
+        if self._hasher is None:
+            return None, None
+        return f"{CHECKSUM_ALGORITHM}:{self._hasher.hexdigest()}", self._size
 
     def abort(self) -> None:
         """Close without publishing and remove the temporary file."""
@@ -174,7 +210,10 @@ class _PublishingFileIO(io.FileIO):
         if self._fsync:
             fsync_dir(os.path.dirname(self._final))  # the new name survives a crash too
         if self._on_publish is not None:
-            self._on_publish(self._key, self._final)
+            if self._checksum:
+                self._on_publish(self._key, self._final, *self._digest())
+            else:
+                self._on_publish(self._key, self._final)
 
     def __del__(self) -> None:
         # Never publish a file nobody closed: its content may be incomplete.
@@ -262,6 +301,7 @@ def open_for_write(
     overwrite: bool,
     fsync: bool,
     on_publish: PublishHook | None = None,
+    checksum: bool = False,
     buffering: int = -1,
     encoding: str | None = None,
     errors: str | None = None,
@@ -270,13 +310,17 @@ def open_for_write(
     """Open a file that is written under a temporary name and published when closed.
 
     Leaving a ``with`` block by an exception discards the file instead of publishing it.
-    ``x`` modes are write-once regardless of ``overwrite``.
+    ``x`` modes are write-once regardless of ``overwrite``. With ``checksum``, the content is
+    hashed while it is written and ``on_publish(key, path, checksum, size)`` receives its record
+    checksum and size (``None`` for both if the file was seeked, truncated or is readable);
+    without, ``on_publish(key, path)``.
     """
     if "x" in mode:
         overwrite = False
     readable = "+" in mode
     raw = _PublishingFileIO(
-        final, key, readable=readable, overwrite=overwrite, fsync=fsync, on_publish=on_publish
+        final, key, readable=readable, overwrite=overwrite, fsync=fsync, on_publish=on_publish,
+        checksum=checksum and not readable,
     )
     if buffering == 0:
         if "b" not in mode:

@@ -27,7 +27,9 @@ import asyncio
 import contextlib
 import logging
 import os
-from typing import Any
+import sys
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from ...config import Settings, parse_addr
 from ...errors import InstrideError, KeyNotFoundError, KeyNotServed, WireError
@@ -49,6 +51,20 @@ SEND_TIMEOUT = 60.0
 SEND_RATE = 50e6
 #: Peer connections served at once.
 MAX_PEERS = 512
+
+_T = TypeVar("_T")
+
+
+async def _within(aw: Awaitable[_T], seconds: float) -> _T:
+    """``await aw`` with a deadline; :class:`asyncio.TimeoutError` past it.
+
+    ``asyncio.timeout`` (Python 3.11+) cancels in place; ``wait_for`` wraps the awaitable in a
+    new task, which cost a noticeable share of the server's CPU per request.
+    """
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(seconds):
+            return await aw
+    return await asyncio.wait_for(aw, seconds)  # pragma: no cover - Python 3.10
 
 
 class TcpServer:
@@ -134,7 +150,7 @@ class TcpServer:
     # ------------------------------------------------------------------ requests
     async def _drain(self, writer: asyncio.StreamWriter) -> None:
         try:
-            await asyncio.wait_for(writer.drain(), self.send_timeout)
+            await _within(writer.drain(), self.send_timeout)
         except asyncio.TimeoutError:
             self.stats["stalled"] += 1
             log.warning("%s stopped reading; connection dropped", writer.get_extra_info("peername"))
@@ -161,7 +177,7 @@ class TcpServer:
             while True:
                 self._idle.add(task)
                 try:
-                    prefix = await asyncio.wait_for(reader.readexactly(4), wait)
+                    prefix = await _within(reader.readexactly(4), wait)
                 except asyncio.IncompleteReadError as exc:
                     if exc.partial:
                         await self._refuse(writer, peer, "truncated length prefix")
@@ -189,7 +205,7 @@ class TcpServer:
         peer = writer.get_extra_info("peername")
         try:
             n = wire.parse_length(prefix)
-            body = await asyncio.wait_for(reader.readexactly(n), self.request_timeout)
+            body = await _within(reader.readexactly(n), self.request_timeout)
             req = wire.parse_header(body)
         except WireError as exc:
             await self._refuse(writer, peer, str(exc))
@@ -234,12 +250,16 @@ class TcpServer:
         with open(fd, "rb") as fh:  # takes over fd
             size = st.st_size
             writer.write(wire.pack({"ok": True, "key": key, "size": size}))
-            await self._drain(writer)
-            if size:
+            if not size:
+                await self._drain(writer)
+            else:
+                # loop.sendfile flushes the reply header first; between its os.sendfile calls
+                # (each bounded by the socket's send buffer) the loop serves other peers, so a
+                # large body does not hold back small ones.
                 loop = asyncio.get_running_loop()
                 try:
-                    await asyncio.wait_for(loop.sendfile(writer.transport, fh, 0, size),
-                                           self.send_timeout + size / SEND_RATE)
+                    await _within(loop.sendfile(writer.transport, fh, 0, size),
+                                  self.send_timeout + size / SEND_RATE)
                 except asyncio.TimeoutError:
                     self.stats["stalled"] += 1
                     log.warning("transfer of %s (%d bytes) to %s stalled; connection dropped",

@@ -1,0 +1,132 @@
+"""A minimal Redis connection for the per-frame commands (RESP2 over one TCP socket).
+
+Each publication and each lookup is one Redis command; through redis-py's general client
+(connection pool, retry wrapper, observability hooks, response callbacks) it cost several times
+the round trip itself in CPU on the producer and the consumer. This connection packs commands
+and parses replies with ``hiredis`` (the C parser redis-py itself uses), pipelines several
+commands in one ``sendall``, and nothing more. It is used for plain ``redis://`` URLs only;
+anything else (TLS, Unix sockets) keeps to redis-py. Errors are the builtin ``OSError`` /
+``ConnectionError`` (the caller retries) and :class:`redis.ResponseError` for an error reply.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import hiredis
+import redis
+
+
+class RespConnection:
+    """One socket to Redis, connected on first use and re-connected after any failure.
+
+    Parameters
+    ----------
+    host, port, db, username, password
+        Where and as whom to connect (from the Redis URL).
+    timeout
+        Seconds a reply may take.
+    connect_timeout
+        Seconds connecting may take.
+    """
+
+    def __init__(self, host: str, port: int, db: int, username: str | None, password: str | None,
+                 timeout: float, connect_timeout: float) -> None:
+        self.host, self.port, self.db = host, port, db
+        self.username, self.password = username, password
+        self.timeout, self.connect_timeout = timeout, connect_timeout
+        self.sock: socket.socket | None = None
+        self.reader: Any = None
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(self.timeout)
+        self.sock, self.reader = sock, hiredis.Reader()
+        setup: list[tuple[Any, ...]] = []
+        if self.password:
+            setup.append(("AUTH", self.username, self.password) if self.username
+                         else ("AUTH", self.password))
+        if self.db:
+            setup.append(("SELECT", self.db))
+        if setup:
+            for reply in self.call(setup):
+                if isinstance(reply, Exception):
+                    self.close()
+                    raise redis.AuthenticationError(str(reply))
+        return sock
+
+    def call(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Send ``commands`` in one write and return their replies, in order.
+
+        An error reply is returned as an exception instance (``hiredis.ReplyError``), not
+        raised, so that the caller can handle e.g. ``NOSCRIPT``. A connection failure closes
+        the socket and raises (the next call reconnects).
+        """
+        sock = self.sock or self._connect()
+        try:
+            sock.sendall(b"".join(hiredis.pack_command(tuple(c)) for c in commands))
+            out: list[Any] = []
+            while len(out) < len(commands):
+                reply = self.reader.gets()
+                if reply is False:
+                    chunk = sock.recv(1 << 16)
+                    if not chunk:
+                        raise ConnectionError("Redis closed the connection")
+                    self.reader.feed(chunk)
+                    continue
+                out.append(reply)
+        except BaseException:
+            self.close()
+            raise
+        return out
+
+    def send(self, commands: Sequence[tuple[Any, ...]]) -> None:
+        """Send ``commands`` in one write without reading replies (subscriptions)."""
+        sock = self.sock or self._connect()
+        try:
+            sock.sendall(b"".join(hiredis.pack_command(tuple(c)) for c in commands))
+        except BaseException:
+            self.close()
+            raise
+
+    def read(self, timeout: float) -> Any | None:
+        """The next reply or pushed message, or ``None`` if none came within ``timeout`` s."""
+        reply = self.reader.gets() if self.sock is not None else False
+        if reply is not False:
+            return reply
+        sock = self.sock or self._connect()
+        sock.settimeout(max(timeout, 1e-3))
+        try:
+            chunk = sock.recv(1 << 16)
+        except TimeoutError:
+            sock.settimeout(self.timeout)
+            return None
+        except BaseException:
+            self.close()
+            raise
+        sock.settimeout(self.timeout)
+        if not chunk:
+            self.close()
+            raise ConnectionError("Redis closed the connection")
+        self.reader.feed(chunk)
+        reply = self.reader.gets()
+        return None if reply is False else reply
+
+    def close(self) -> None:
+        """Close the socket (a later :meth:`call` reconnects)."""
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            sock.close()
+
+
+def hash_fields(reply: Any) -> dict[bytes, bytes]:
+    """An ``HGETALL`` reply (a flat list ``[field, value, ...]``) as a dict."""
+    if isinstance(reply, Exception):
+        raise redis.ResponseError(str(reply))
+    return dict(zip(reply[::2], reply[1::2], strict=True))
+
+
+__all__ = ["RespConnection", "hash_fields"]
