@@ -57,6 +57,7 @@ from .errors import (
     EndOfStream,
     FramesMissed,
     IntegrityError,
+    KeyNotFoundError,
     KeyValidationError,
     StreamFull,
 )
@@ -591,7 +592,7 @@ class Stream:
             if path is None:  # on another node: fetch it here
                 try:
                     self.client.consume(key, timeout=part)
-                except ConsumeTimeout:
+                except (ConsumeTimeout, KeyNotFoundError):
                     continue  # retired meanwhile? the head tells, on the next turn
                 except IntegrityError:  # rewritten by its owner under the transfer: retired
                     archived = self._gap(index)
