@@ -44,8 +44,11 @@ def _build_streams(out: Path) -> Path:
     gxx = shutil.which("g++")
     assert gxx, "g++ is required (apt-get install g++)"
     exe = out / "streams"
-    proc = subprocess.run([gxx, "-std=c++17", f"-I{root / 'include'}", "-O1", "-o", str(exe),
-                           str(root / "tests" / "preload" / "c" / "streams.cpp"), "-pthread"],
+    from instride.interception.preload import build_flags  # stream.hpp links libinstride.so
+
+    proc = subprocess.run([gxx, "-std=c++17", "-O1", "-o", str(exe),
+                           str(root / "tests" / "preload" / "c" / "streams.cpp"), "-pthread",
+                           *build_flags()],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return exe
