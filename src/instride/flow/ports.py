@@ -11,10 +11,20 @@ Inside a module, :class:`Ports` is the whole API:
 * ``put(port, data, step=...)`` sends a message on an output port; every input connected to it
   receives it (broadcast). An unconnected output drops it.
 
-Each output port is one stream: frames go into an :class:`instride.Stream` (so any instride
-consumer, or MDAnalysis through ``instride://``, can read it); arrays, bytes and JSON values go
-into keys ``<stream>/msg_<index>.bin`` with the same end-of-stream marker. Every input keeps its
-own cursor, so one stream feeds any number of inputs.
+Each output port is one **bounded** stream: frames go into an :class:`instride.Stream` (so any
+instride consumer, or MDAnalysis through ``instride://``, can read it); arrays, bytes and JSON
+values go into keys ``<stream>/msg_<index>.bin`` with the same head, consumer groups and
+end-of-stream marker. The stream keeps at most the graph's ``retain`` messages (one more while
+the newest is being published); every connected consumer instance reads it as its own consumer
+group (``<module>.<instance>.<port>``), registered by the producer before its first message,
+and a message is retired only when every group has taken it (``on_full="block"``), so a slow
+consumer holds its producer back (back-pressure) and nothing is lost. A newest-message sampler
+reads without a group (it never holds the producer back); a port read only by samplers keeps
+just its newest message (``on_full="latest"``).
+
+A message received is a view: frames point into the mapped frame file, which the producer
+reuses once the group moved on, so ``msg.data`` is valid until the next ``get()`` on the same
+port. A module that keeps a message longer keeps a copy (``msg.data.copy()``).
 
 Examples
 --------
@@ -66,6 +76,8 @@ class Message:
         Simulation time (ps) for frames; what the sender passed otherwise.
     data
         Positions (``(natoms, 3)`` array) for frames; the array, bytes or JSON value sent.
+        Arrays (frame positions included) are read-only views of the received message,
+        valid until the next ``get()`` on the same port: copy what you keep.
     frame
         The whole :class:`instride.Frame` (box, header) for frame ports, else ``None``.
     index
@@ -545,6 +557,10 @@ class Ports:
     def get(self, port: str) -> Message | None:
         """The oldest message of input ``port`` (the newest with ``sampling="newest"``).
 
+        The message taken before on this port is released: its arrays (views of the received
+        message; for frames, of storage the producer reuses) may change after this call, so
+        copy what you keep beyond it.
+
         Returns
         -------
         Message or None
@@ -570,6 +586,9 @@ class Ports:
             box: Any = None) -> None:
         """Send ``data`` on output ``port``, stamped with the MD ``step``.
 
+        Waits while the port's stream is full (a consumer has not taken the oldest message
+        yet): back-pressure.
+
         Parameters
         ----------
         port
@@ -579,6 +598,12 @@ class Ports:
             value, as the port's type says.
         step, time, box
             MD step, time (ps) and box (frames) of the message.
+
+        Raises
+        ------
+        PortBlocked
+            The stream stayed full longer than the graph's ``put_timeout`` (a consumer
+            stalled or died); names the port and the consumer groups holding it.
         """
         if port not in self.writers:
             raise FlowError(f"module {self.module!r} has no output port {port!r}")
@@ -595,7 +620,8 @@ class Ports:
         return (self.readers.get(port) or self.writers.get(port)) is not None
 
     def close(self) -> None:
-        """End every output stream (end of stream propagates downstream) and write stats."""
+        """End every output stream (end of stream propagates downstream), write stats, and
+        release the inputs' consumer groups (their producers no longer wait for this one)."""
         if self._closed:
             return
         self._closed = True
