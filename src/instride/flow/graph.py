@@ -441,9 +441,14 @@ class Graph:
         """Messages the stream of ``module[instance].port`` keeps at most (``None``: all).
 
         The largest ``retain`` its connections ask for, else the graph's; never less than its
-        initial tokens plus one (the tokens are messages too).
+        initial tokens plus one (the tokens are messages too). A port feeding a program
+        (``command=``) without an explicit ``retain`` on that connection keeps every message:
+        the program may read the stream without its consumer group (e.g. through MDAnalysis),
+        and the producer would wait for it forever.
         """
         edges = [e for e in self.edges_from(module, instance) if e.src_port == port]
+        if any(e.retain is None and self.modules[e.dst].command for e in edges):
+            return None
         asked = [e.retain for e in edges if e.retain is not None]
         retain = max(asked) if asked else self.retain
         if retain is None:
