@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from instride.errors import InstrideError
-from instride.flow import Graph, ModuleFailed, PortBlocked, Ports, run
+from instride.flow import Graph, GraphError, ModuleFailed, PortBlocked, Ports, run
 from instride.flow.launchers import LocalLauncher
+from instride.flow.ports import PortPolicy, port_policy
 
 from . import modules
 
@@ -119,3 +120,31 @@ def test_killed_consumer_makes_put_raise_port_blocked(
             consumer.wait()
         producer.close()
         LocalLauncher().cleanup(prefix)
+
+
+def test_port_policies_follow_the_connections() -> None:
+    g = Graph("policies", retain=8)
+    src = g.module("src", modules.count, outputs=["frames", "only_sampled"])
+    a = g.module("a", modules.record, inputs=["in"])
+    b = g.module("b", modules.record, inputs=["in"], instances=2)
+    s = g.module("s", modules.record, inputs=["in", "other"])
+    cmd = g.module("cmd", command=["true"], inputs=["in"])
+    g.connect(src.output("frames"), a.input("in"), stride=3)
+    g.connect(src.output("frames"), b.input("in"))  # broadcast: one group per instance
+    g.connect(src.output("frames"), s.input("in"), sampling="newest")
+    g.connect(src.output("only_sampled"), s.input("other"), sampling="newest")
+    mixed = port_policy(g, "src", 0, "frames")
+    assert mixed == PortPolicy(8, "block", ("a.0.in", "b.0.in", "b.1.in"))
+    assert port_policy(g, "src", 0, "only_sampled") == PortPolicy(1, "latest", ())
+    g2 = Graph.from_dict(g.to_dict())  # the retention survives the trip to the instances
+    assert port_policy(g2, "src", 0, "frames") == mixed
+    # a connection asking for more wins; a program reading the stream keeps everything
+    g.connect(src.output("frames"), cmd.input("in"))
+    assert port_policy(g, "src", 0, "frames").retain is None
+    h = Graph("more", retain=8)
+    p = h.module("p", modules.numbers, outputs={"out": "array"})
+    q = h.module("q", modules.record, inputs={"in": "array"})
+    h.connect(p.output("out"), q.input("in"), retain=100)
+    assert port_policy(h, "p", 0, "out").retain == 100
+    with pytest.raises(GraphError, match="retain"):
+        Graph("bad", retain=0)
