@@ -1,4 +1,4 @@
-"""Bounded flow streams: retention, back-pressure, a stalled or dead consumer, early return."""
+"""Channels (bounded flow streams): retention, back-pressure, a stalled or dead consumer, early return."""
 
 from __future__ import annotations
 
