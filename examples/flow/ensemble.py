@@ -61,7 +61,7 @@ def ensemble_stats(ports, replicas=0):
                       + ",".join(f"{x:.4f}" for x in v) + "\n")
             csv.flush()
             steps.append(msg.step)
-            rows.append(v)
+            rows.append(v.copy())  # a message is a view valid until the next get(): keep a copy
     if rows:
         _plot(ports.out_dir / "ensemble.png", steps, rows, "ensemble radius of gyration")
 
@@ -72,7 +72,7 @@ def live_plot(ports, replicas=0):
     while ports.wait():
         msg = ports.get("rg")
         steps.append(msg.step)
-        rows.append(msg.data)
+        rows.append(msg.data.copy())
         _plot(ports.out_dir / "live.png", steps, rows, f"live: step {msg.step}")
     (ports.out_dir / "live.json").write_text(json.dumps({"steps_drawn": steps}))
 

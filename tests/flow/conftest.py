@@ -17,4 +17,6 @@ def flow_env(managed_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     yield {"managed": managed_dir, "state": state, "out": out}
     leftovers = sorted(p.relative_to(managed_dir).as_posix() for p in managed_dir.rglob("*"))
     assert [p for p in leftovers if p.startswith("flow")] == [], "streams left behind"
+    assert [p for p in leftovers if p.startswith(".instride/streams/flow")] == [], \
+        "stream state (heads, groups, pools) left behind"
     assert not state.exists() or list(state.iterdir()) == [], "run state left behind"

@@ -144,3 +144,42 @@ class ScaleModule(ModuleBase):
 
     def finish(self, ports):
         (ports.out_dir / "scale.json").write_text(str(self.seen))
+
+
+def relay_steps(ports):
+    """frames -> array ``[step]``: a middle stage whose own stream is a message stream."""
+    while ports.wait():
+        msg = ports.get("frames")
+        ports.put("out", np.array([msg.step]), step=msg.step)
+
+
+def watch_dirs(ports, streams=(), delay=0.0005, port="in"):
+    """Slow sink: after every message, counts the published messages of each of ``streams``
+    (``"<module>.<instance>/<port>"`` of this run); writes the steps and the largest counts."""
+    root = ports.client.root / ports.spec["prefix"]
+    steps, most = [], dict.fromkeys(streams, 0)
+    while ports.wait():
+        msg = ports.get(port)
+        steps.append(int(msg.step))
+        for name in streams:
+            with os.scandir(root / name) as it:
+                n = sum(1 for e in it if e.name.startswith(("frame_", "msg_")))
+            most[name] = max(most[name], n)
+        time.sleep(delay)
+    (ports.out_dir / "watch.json").write_text(json.dumps({"steps": steps, "most": most}))
+
+
+def take_then_return(ports, n=3, port="in"):
+    """Take ``n`` messages, then return early (its producer must not wait for it any more)."""
+    for _ in range(n):
+        if not ports.wait():
+            break
+        ports.get(port)
+    (ports.out_dir / "early.json").write_text(json.dumps(n))
+
+
+def stall(ports, port="in"):
+    """Take one message, then hang without taking more (a stalled consumer)."""
+    ports.wait()
+    ports.get(port)
+    time.sleep(600)

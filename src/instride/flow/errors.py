@@ -68,3 +68,29 @@ class ModuleFailed(FlowError, RuntimeError):
 
 class FlowTimeout(FlowError, TimeoutError):
     """The graph ran longer than the run's timeout and was stopped."""
+
+
+class PortBlocked(FlowError, TimeoutError):
+    """A ``put`` waited longer than the graph's ``put_timeout`` for consumers to take the
+    oldest message of a full output stream (a consumer stalled or died).
+
+    Attributes
+    ----------
+    module, instance, port
+        The producer's output port.
+    groups
+        The consumer groups (``<module>.<instance>.<port>`` of each consumer) that held the
+        oldest message back.
+    waited
+        Seconds the ``put`` waited.
+    """
+
+    def __init__(self, module: str, instance: int, port: str, groups: list[str],
+                 waited: float) -> None:
+        self.module, self.instance, self.port = module, instance, port
+        self.groups, self.waited = list(groups), waited
+        super().__init__(
+            f"module {module!r} instance {instance} output {port!r}: the stream is full and "
+            f"consumer group(s) {', '.join(groups) or '(none)'} did not take its oldest message "
+            f"within {waited:.1f} s (a consumer stalled or died)"
+        )

@@ -147,6 +147,7 @@ class Edge:
     initial: int = 0
     sampling: str = "all"
     stride: int = 1
+    retain: int | None = None
 
 
 _REF_RE = re.compile(r"^([A-Za-z0-9_-]+)(?:\[(\d+)\])?\.([A-Za-z0-9_-]+)$")
@@ -196,6 +197,15 @@ def _outputs(spec: Mapping[str, str] | Sequence[str] | None) -> dict[str, str]:
     return {str(name): "frame" for name in spec}
 
 
+#: Messages an output port's stream keeps by default (``Graph(retain=...)``).
+DEFAULT_RETAIN = 64
+
+
+def _check_retain(retain: int | None) -> None:
+    if retain is not None and (isinstance(retain, bool) or not isinstance(retain, int) or retain < 1):
+        raise GraphError(f"retain must be an integer >= 1 (or None: unbounded), got {retain!r}")
+
+
 class Graph:
     """A dataflow graph: modules, their ports, connections and placement.
 
@@ -203,12 +213,27 @@ class Graph:
     ----------
     name
         Name of the graph; names its streams (``flow/<name>-<run id>/...``) and its run.
+    retain
+        Messages each output port's stream keeps at most (one more while the newest is being
+        published) before its producer waits for the consumers (back-pressure). ``None``:
+        unbounded, every message is kept until the run ends. A connection may ask for more
+        (``connect(..., retain=k)``).
+    put_timeout
+        Seconds a ``put`` blocked by a full stream waits for its consumers before the
+        producer fails with :class:`~instride.flow.errors.PortBlocked` (default: the run's
+        ``timeout``, else ``INSTRIDE_TIMEOUT``, else forever).
     """
 
-    def __init__(self, name: str = "graph") -> None:
+    def __init__(self, name: str = "graph", *, retain: int | None = DEFAULT_RETAIN,
+                 put_timeout: float | None = None) -> None:
         if not name or not all(c.isalnum() or c in "-_" for c in name):
             raise GraphError(f"graph name {name!r}: use letters, digits, '-', '_'")
+        _check_retain(retain)
+        if put_timeout is not None and not put_timeout > 0:
+            raise GraphError(f"put_timeout must be > 0 seconds, got {put_timeout!r}")
         self.name = name
+        self.retain = retain
+        self.put_timeout = put_timeout
         self.modules: dict[str, Module] = {}
         self.edges: list[Edge] = []
 
@@ -316,6 +341,7 @@ class Graph:
         initial: int = 0,
         sampling: str = "all",
         stride: int = 1,
+        retain: int | None = None,
     ) -> list[Edge]:
         """Connect an output port to an input port.
 
@@ -336,6 +362,9 @@ class Graph:
             ``"all"`` (every message, in order) or ``"newest"`` (skip to the newest).
         stride
             Hand over every ``stride``-th message.
+        retain
+            Messages the source port's stream keeps at most (default: the graph's
+            ``retain``); the port takes the largest value its connections ask for.
 
         Returns
         -------
@@ -349,6 +378,7 @@ class Graph:
             raise GraphError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
         if stride < 1 or initial < 0:
             raise GraphError("stride must be >= 1 and initial >= 0")
+        _check_retain(retain)
         s, d = self._module(src.module), self._module(dst.module)
         s.output(src.port)
         d.input(dst.port)
@@ -374,7 +404,8 @@ class Graph:
                 f"{dst.module!r} directly: use a pattern (reduce_tree, gather, scatter)"
             )
         edges = [
-            Edge(src.module, i, src.port, dst.module, j, dst.port, initial, sampling, stride)
+            Edge(src.module, i, src.port, dst.module, j, dst.port, initial, sampling, stride,
+                 retain)
             for i, j in pairs
         ]
         self.edges.extend(edges)
@@ -405,6 +436,24 @@ class Graph:
     def edges_from(self, module: str, instance: int) -> list[Edge]:
         """Connections out of one instance."""
         return [e for e in self.edges if e.src == module and e.src_instance == instance]
+
+    def retention(self, module: str, instance: int, port: str) -> int | None:
+        """Messages the stream of ``module[instance].port`` keeps at most (``None``: all).
+
+        The largest ``retain`` its connections ask for, else the graph's; never less than its
+        initial tokens plus one (the tokens are messages too). A port feeding a program
+        (``command=``) without an explicit ``retain`` on that connection keeps every message:
+        the program may read the stream without its consumer group (e.g. through MDAnalysis),
+        and the producer would wait for it forever.
+        """
+        edges = [e for e in self.edges_from(module, instance) if e.src_port == port]
+        if any(e.retain is None and self.modules[e.dst].command for e in edges):
+            return None
+        asked = [e.retain for e in edges if e.retain is not None]
+        retain = max(asked) if asked else self.retain
+        if retain is None:
+            return None
+        return max(retain, self.tokens(module, instance, port) + 1)
 
     def tokens(self, module: str, instance: int, port: str) -> int:
         """Initial tokens the output stream of ``module[instance].port`` starts with."""
@@ -532,6 +581,8 @@ class Graph:
         """The graph as JSON-serializable plain data."""
         return {
             "name": self.name,
+            "retain": self.retain,
+            "put_timeout": self.put_timeout,
             "modules": [
                 {**asdict(m), "inputs": {k: asdict(v) for k, v in m.inputs.items()}}
                 for m in self.modules.values()
@@ -542,7 +593,8 @@ class Graph:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Graph:
         """Rebuild a graph from :meth:`to_dict` data."""
-        g = cls(data["name"])
+        g = cls(data["name"], retain=data.get("retain", DEFAULT_RETAIN),
+                put_timeout=data.get("put_timeout"))
         for m in data["modules"]:
             m = copy.deepcopy(dict(m))
             m["inputs"] = {k: Input(**v) for k, v in m["inputs"].items()}

@@ -52,10 +52,8 @@ def _die_with_parent() -> None:
         pass
 
 
-def _remove_prefix(client: Client, prefix: str) -> None:
-    for key in client.list(f"{prefix}/"):
-        client.delete(key)
-    root = Path(client.root)
+def _remove_tree(root: Path, prefix: str) -> None:
+    """Remove ``root/prefix`` and the parents it leaves empty (up to ``root``)."""
     shutil.rmtree(root / prefix, ignore_errors=True)
     # drop the now empty parents ("flow/") but nothing that still holds another run
     parent = (root / prefix).parent
@@ -65,6 +63,24 @@ def _remove_prefix(client: Client, prefix: str) -> None:
         except OSError:
             break
         parent = parent.parent
+
+
+def _remove_stream_state(root: Path, prefix: str) -> None:
+    """Remove the streams' state on this node: heads, consumer groups, recycled storage."""
+    _remove_tree(root / ".instride" / "streams", prefix)
+
+
+def _remove_prefix(client: Client, prefix: str) -> None:
+    for key in client.list(f"{prefix}/"):
+        client.delete(key)
+    root = Path(client.root)
+    _remove_tree(root, prefix)
+    _remove_stream_state(root, prefix)
+    redis = getattr(getattr(client.engine, "metadata", None), "redis", None)
+    if redis is not None:  # cluster mode: the streams' heads and groups live in Redis
+        keys = list(redis.scan_iter(match=f"instride:stream:{client.key(prefix)}/*", count=1000))
+        if keys:
+            redis.delete(*keys)
 
 
 class LocalLauncher:
@@ -145,11 +161,5 @@ class EmulatedLauncher:
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
         for name in self._names:
             root = Path(self.cluster.node(name).dir)
-            shutil.rmtree(root / prefix, ignore_errors=True)
-            for parent in (root / prefix).parents:
-                if parent == root or not parent.is_dir():
-                    break
-                try:
-                    parent.rmdir()
-                except OSError:
-                    break
+            _remove_tree(root, prefix)
+            _remove_stream_state(root, prefix)

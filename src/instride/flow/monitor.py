@@ -3,7 +3,8 @@
 Every module instance writes its counters (messages and bytes per port, seconds in
 wait/get/put/compute) to the run's state directory twice a second (:meth:`Ports.flush`); this
 module reads them back and joins them: the queue depth of an input is the number of messages
-its producer has published minus the input's cursor.
+its stream has written minus the input's consumer-group cursor (read from the stream's head;
+an output shows the messages its bounded stream holds over its retention).
 """
 
 from __future__ import annotations
@@ -89,8 +90,13 @@ def rows(snap: dict[str, Any], previous: dict[str, Any] | None = None) -> list[d
                 else:
                     rate = port["msgs"] / elapsed
                 queue = ""
-                if direction == "inputs":
-                    queue = str(max(0, produced.get(port["stream"], 0) - port["cursor"]))
+                if direction == "inputs":  # the stream's head: written - the group's cursor
+                    depth = port.get("queue")
+                    if depth is None:  # no head yet (or an older instance): its producer's count
+                        depth = max(0, produced.get(port["stream"], 0) - port["cursor"])
+                    queue = str(depth)
+                elif port.get("retain"):  # messages the bounded stream holds / its bound
+                    queue = f"{port.get('retained', 0)}/{port['retain']}"
                 out.append({
                     "instance": f"{s['module']}[{s['instance']}]" + ("" if not s.get("done")
                                                                       else " done"),

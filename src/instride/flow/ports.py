@@ -11,10 +11,20 @@ Inside a module, :class:`Ports` is the whole API:
 * ``put(port, data, step=...)`` sends a message on an output port; every input connected to it
   receives it (broadcast). An unconnected output drops it.
 
-Each output port is one stream: frames go into an :class:`instride.Stream` (so any instride
-consumer, or MDAnalysis through ``instride://``, can read it); arrays, bytes and JSON values go
-into keys ``<stream>/msg_<index>.bin`` with the same end-of-stream marker. Every input keeps its
-own cursor, so one stream feeds any number of inputs.
+Each output port is one **bounded** stream: frames go into an :class:`instride.Stream` (so any
+instride consumer, or MDAnalysis through ``instride://``, can read it); arrays, bytes and JSON
+values go into keys ``<stream>/msg_<index>.bin`` with the same head, consumer groups and
+end-of-stream marker. The stream keeps at most the graph's ``retain`` messages (one more while
+the newest is being published); every connected consumer instance reads it as its own consumer
+group (``<module>.<instance>.<port>``), registered by the producer before its first message,
+and a message is retired only when every group has taken it (``on_full="block"``), so a slow
+consumer holds its producer back (back-pressure) and nothing is lost. A newest-message sampler
+reads without a group (it never holds the producer back); a port read only by samplers keeps
+just its newest message (``on_full="latest"``).
+
+A message received is a view: frames point into the mapped frame file, which the producer
+reuses once the group moved on, so ``msg.data`` is valid until the next ``get()`` on the same
+port. A module that keeps a message longer keeps a copy (``msg.data.copy()``).
 
 Examples
 --------
@@ -30,213 +40,32 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import struct
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..client import Client, get_client
-from ..frames import Frame, frame_size
-from ..stream import END_NAME, Stream
+from .channels import (
+    Message,
+    PortPolicy,
+    Reader,
+    Writer,
+    decode_message,
+    encode_message,
+    group_name,
+    port_policy,
+    stream_name,
+)
 from .errors import FlowError
 from .graph import Graph, Input
 from .trace import Recorder
 
-_MAGIC = b"IFLM"
-_MSG_FORMAT = "msg_{:09d}.bin"
-_MSG_RE = re.compile(r"msg_(\d{9})\.bin$")
 STATS_INTERVAL = 0.5  # seconds between two stats files of one instance
 
-
-@dataclass
-class Message:
-    """A message received on an input port.
-
-    Attributes
-    ----------
-    step
-        The MD step it belongs to (``-1`` for an initial token).
-    time
-        Simulation time (ps) for frames; what the sender passed otherwise.
-    data
-        Positions (``(natoms, 3)`` array) for frames; the array, bytes or JSON value sent.
-    frame
-        The whole :class:`instride.Frame` (box, header) for frame ports, else ``None``.
-    index
-        Position of the message in its stream.
-    token
-        ``True`` for an initial token (an empty message that unlocks a cycle).
-    """
-
-    step: int
-    time: float
-    data: Any
-    frame: Frame | None = None
-    index: int = 0
-    token: bool = False
-
-
-def stream_name(prefix: str, module: str, instance: int, port: str) -> str:
-    """Name of the stream behind output ``port`` of ``module[instance]``."""
-    return f"{prefix}/{module}.{instance}/{port}"
-
-
-# ---------------------------------------------------------------------- message codec
-def encode_message(kind: str, data: Any, step: int, time: float, token: bool = False) -> bytes:
-    """Encode a non-frame message: magic, header length, JSON header, payload."""
-    if kind == "any":
-        kind = (
-            "array" if isinstance(data, np.ndarray)
-            else "bytes" if isinstance(data, (bytes, bytearray, memoryview)) else "json"
-        )
-    header: dict[str, Any] = {"kind": kind, "step": int(step), "time": float(time)}
-    if token:
-        header["token"] = True
-        payload = b""
-    elif kind == "array":
-        arr = np.ascontiguousarray(data)
-        header.update(dtype=arr.dtype.str, shape=list(arr.shape))
-        payload = arr.tobytes()
-    elif kind == "bytes":
-        payload = bytes(data)
-    elif kind == "json":
-        payload = json.dumps(data).encode()
-    else:
-        raise FlowError(f"cannot send {type(data).__name__} on a {kind!r} port")
-    head = json.dumps(header).encode()
-    return _MAGIC + struct.pack("<I", len(head)) + head + payload
-
-
-def decode_message(buf: memoryview | bytes, index: int) -> Message:
-    """Decode what :func:`encode_message` wrote."""
-    buf = memoryview(buf)
-    if bytes(buf[:4]) != _MAGIC:
-        raise FlowError(f"message {index} is not a flow message")
-    (n,) = struct.unpack("<I", buf[4:8])
-    header = json.loads(bytes(buf[8 : 8 + n]))
-    payload = buf[8 + n :]
-    step, t = header["step"], header["time"]
-    if header.get("token"):
-        return Message(step, t, None, index=index, token=True)
-    kind = header["kind"]
-    if kind == "array":
-        data: Any = np.frombuffer(payload, dtype=header["dtype"]).reshape(header["shape"]).copy()
-    elif kind == "bytes":
-        data = bytes(payload)
-    else:
-        data = json.loads(bytes(payload))
-    return Message(step, t, data, index=index)
-
-
-# ---------------------------------------------------------------------- writers and readers
-class Writer:
-    """The sending end of one output port: one stream, any number of readers."""
-
-    def __init__(self, client: Client, name: str, kind: str, tokens: int = 0) -> None:
-        self.client, self.name, self.kind = client, name, kind
-        self.count = 0
-        self.bytes = 0
-        self._stream = Stream(name, mode="w", client=client) if kind == "frame" else None
-        for _ in range(tokens):
-            self._publish(encode_message(kind, None, -1, 0.0, token=True))
-
-    def _publish(self, body: bytes) -> None:
-        key = f"{self.name}/{_MSG_FORMAT.format(self.count)}"
-        with self.client.open(key, "wb") as fh:
-            fh.write(body)
-        self.count += 1
-        self.bytes += len(body)
-
-    def put(self, data: Any, step: int, time: float = 0.0, box: Any = None) -> None:
-        """Publish one message."""
-        if self._stream is not None:
-            if isinstance(data, Frame):
-                step, time, box = data.step, data.time, data.box if box is None else box
-                data = data.positions
-            positions = np.asarray(data)
-            self._stream.append(positions, step=step, time=time, box=box)
-            self.count += 1
-            self.bytes += frame_size(len(positions), self._stream.layout)
-        else:
-            self._publish(encode_message(self.kind, data, step, time))
-
-    def close(self) -> None:
-        """Publish end-of-stream."""
-        if self._stream is not None:
-            self._stream.close()
-        else:
-            with self.client.open(f"{self.name}/{END_NAME}", "wb") as fh:
-                fh.write(json.dumps({"frames": self.count}).encode())
-
-
-class Reader:
-    """The receiving end of one connection: its own cursor in the source's stream."""
-
-    def __init__(
-        self,
-        client: Client,
-        name: str,
-        kind: str,
-        start: int = 0,
-        sampling: str = "all",
-        stride: int = 1,
-    ) -> None:
-        self.client, self.name, self.kind = client, name, kind
-        self.cursor = start
-        self.sampling, self.stride = sampling, stride
-        self.count = 0
-        self.bytes = 0
-        self.end_key = f"{name}/{END_NAME}"
-        self._stream = Stream(name, mode="r", client=client) if kind == "frame" else None
-
-    def key(self, index: int) -> str:
-        if self._stream is not None:
-            return self._stream.frame_key(index)
-        return f"{self.name}/{_MSG_FORMAT.format(index)}"
-
-    def available(self) -> bool:
-        """Whether the next message is published."""
-        return self.client.exists(self.key(self.cursor))
-
-    def wait(self) -> bool:
-        """Block until the next message is published (``True``) or the stream ended (``False``)."""
-        key = self.key(self.cursor)
-        if self.client.exists(key):
-            return True
-        got = self.client.wait_any([key, self.end_key])
-        return got == key or self.client.exists(key)
-
-    def _published(self) -> list[int]:
-        if self._stream is not None:
-            return self._stream.published()
-        out = []
-        for key in self.client.list(f"{self.name}/msg_"):
-            m = _MSG_RE.search(key)
-            if m and key.rpartition("/")[0] == self.name:
-                out.append(int(m.group(1)))
-        return out
-
-    def take(self) -> Message:
-        """Read the message at the cursor (or the newest one) and move past it."""
-        index = self.cursor
-        if self.sampling == "newest":
-            index = max([i for i in self._published() if i >= self.cursor], default=index)
-        if self._stream is not None:
-            frame = self._stream.read(index)
-            msg = Message(frame.step, frame.time, frame.positions, frame, index)
-            size = frame_size(frame.natoms, frame.header.layout)
-        else:
-            buf = self.client.consume_bytes(self.key(index))
-            size = len(buf)
-            msg = decode_message(buf, index)
-        self.cursor = index + (1 if self.sampling == "newest" else self.stride)
-        self.count += 1
-        self.bytes += size
-        return msg
+__all__ = [
+    "Message", "PortPolicy", "Ports", "Reader", "Writer", "decode_message", "encode_message",
+    "from_env", "group_name", "port_policy", "stream_name",
+]
 
 
 # ---------------------------------------------------------------------- the module API
@@ -268,20 +97,25 @@ class Ports:
         prefix = spec["prefix"]
         self.input_specs: dict[str, Input] = dict(mod.inputs)
         self.readers: dict[str, Reader | None] = {p: None for p in mod.inputs}
+        # Outputs first: their consumer groups are registered before anything is read or sent.
+        connected = {e.src_port for e in self.graph.edges_from(module, self.instance)}
+        put_timeout = self.graph.put_timeout or spec.get("timeout")
+        self.writers: dict[str, Writer | None] = {}
+        for port, kind in mod.outputs.items():
+            self.writers[port] = (
+                Writer(self.client, stream_name(prefix, module, self.instance, port), kind,
+                       tokens=self.graph.tokens(module, self.instance, port),
+                       policy=port_policy(self.graph, module, self.instance, port),
+                       timeout=put_timeout, owner=(module, self.instance, port))
+                if port in connected else None
+            )
         for e in self.graph.edges_into(module, self.instance):
             src_type = self.graph.modules[e.src].outputs[e.src_port]
             tokens = self.graph.tokens(e.src, e.src_instance, e.src_port)
             self.readers[e.dst_port] = Reader(
                 self.client, stream_name(prefix, e.src, e.src_instance, e.src_port), src_type,
                 start=tokens - e.initial, sampling=e.sampling, stride=e.stride,
-            )
-        connected = {e.src_port for e in self.graph.edges_from(module, self.instance)}
-        self.writers: dict[str, Writer | None] = {}
-        for port, kind in mod.outputs.items():
-            self.writers[port] = (
-                Writer(self.client, stream_name(prefix, module, self.instance, port), kind,
-                       tokens=self.graph.tokens(module, self.instance, port))
-                if port in connected else None
+                group=group_name(e),
             )
         self.recorder = Recorder(enabled=bool(spec.get("trace", True)))
         state = spec.get("state")
@@ -312,6 +146,10 @@ class Ports:
     def get(self, port: str) -> Message | None:
         """The oldest message of input ``port`` (the newest with ``sampling="newest"``).
 
+        The message taken before on this port is released: its arrays (views of the received
+        message; for frames, of storage the producer reuses) may change after this call, so
+        copy what you keep beyond it.
+
         Returns
         -------
         Message or None
@@ -337,6 +175,9 @@ class Ports:
             box: Any = None) -> None:
         """Send ``data`` on output ``port``, stamped with the MD ``step``.
 
+        Waits while the port's stream is full (a consumer has not taken the oldest message
+        yet): back-pressure.
+
         Parameters
         ----------
         port
@@ -346,6 +187,12 @@ class Ports:
             value, as the port's type says.
         step, time, box
             MD step, time (ps) and box (frames) of the message.
+
+        Raises
+        ------
+        PortBlocked
+            The stream stayed full longer than the graph's ``put_timeout`` (a consumer
+            stalled or died); names the port and the consumer groups holding it.
         """
         if port not in self.writers:
             raise FlowError(f"module {self.module!r} has no output port {port!r}")
@@ -362,7 +209,8 @@ class Ports:
         return (self.readers.get(port) or self.writers.get(port)) is not None
 
     def close(self) -> None:
-        """End every output stream (end of stream propagates downstream) and write stats."""
+        """End every output stream (end of stream propagates downstream), write stats, and
+        release the inputs' consumer groups (their producers no longer wait for this one)."""
         if self._closed:
             return
         self._closed = True
@@ -370,6 +218,9 @@ class Ports:
             if w is not None:
                 w.close()
         self.flush(done=True)
+        for r in self.readers.values():
+            if r is not None:
+                r.close()
 
     # ------------------------------------------------------------------ counters
     def stats(self) -> dict[str, Any]:
@@ -380,10 +231,13 @@ class Ports:
             "pid": os.getpid(), "started": self._started, "updated": now,
             "seconds": dict(self.recorder.seconds),
             "inputs": {p: None if r is None else {
-                "stream": r.name, "msgs": r.count, "bytes": r.bytes, "cursor": r.cursor}
+                "stream": r.name, "msgs": r.count, "bytes": r.bytes, "cursor": r.cursor,
+                "group": r.group, "queue": r.queue()}
                 for p, r in self.readers.items()},
             "outputs": {p: None if w is None else {
-                "stream": w.name, "msgs": w.count, "bytes": w.bytes}
+                "stream": w.name, "msgs": w.count, "bytes": w.bytes,
+                "retain": w.policy.retain, "on_full": w.policy.on_full,
+                "groups": list(w.policy.groups), "retained": w.head()[1] - w.head()[0]}
                 for p, w in self.writers.items()},
         }
 

@@ -28,7 +28,7 @@ from typing import Any
 from .errors import FlowError, FlowTimeout, ModuleFailed
 from .graph import Graph
 from .launchers import Launcher, LocalLauncher
-from .ports import stream_name
+from .ports import group_name, stream_name
 from .resolve import resolve
 
 #: Seconds an instance gets between SIGTERM and SIGKILL when the graph is stopped.
@@ -180,7 +180,7 @@ def run(
     for sub in ("stats", "trace", "logs"):
         (state / sub).mkdir(parents=True)
     spec = {"graph": graph.to_dict(), "prefix": prefix, "state": str(state),
-            "out": str(out_dir) if out_dir else None, "trace": trace}
+            "out": str(out_dir) if out_dir else None, "trace": trace, "timeout": timeout}
     (state / "spec.json").write_text(json.dumps(spec))
     placement = graph.placement(nodes)
     (state / "run.json").write_text(json.dumps({
@@ -225,6 +225,8 @@ def run(
                 for e in graph.edges_into(name, i):
                     env[f"INSTRIDE_FLOW_IN_{e.dst_port.upper()}"] = stream_name(
                         prefix, e.src, e.src_instance, e.src_port)
+                    if e.sampling != "newest":  # the consumer group its producer waits for
+                        env[f"INSTRIDE_FLOW_GROUP_{e.dst_port.upper()}"] = group_name(e)
                 for port in m.outputs:
                     env[f"INSTRIDE_FLOW_OUT_{port.upper()}"] = stream_name(prefix, name, i, port)
             logs[(name, i)] = state / "logs" / f"{name}.{i}.log"
