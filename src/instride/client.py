@@ -26,6 +26,7 @@ from .config import Settings
 from .errors import ConfigError, KeyExistsError, UnsupportedModeError
 from .keys import key_path, normalize_key, tmp_path
 from .metadata import MetadataBackend, Record, get_backend
+from .paths import confined_path, open_confined
 
 if TYPE_CHECKING:
     from .remote import RemoteStore
@@ -126,6 +127,7 @@ class Client:
         self.root = self.settings.dir
         self._root_s = str(self.root)
         ensure_private_dir(self.root)
+        self._root_real = os.path.realpath(self.root)  # confinement: opened files must be under it
         #: whether publications fsync: asked for, and the managed directory is not on tmpfs
         #: (where fsync cannot make anything durable and only costs time)
         self.fsync = self.settings.fsync and file_system_type(self._root_s) != "tmpfs"
@@ -213,7 +215,7 @@ class Client:
             Redis could not be reached.
         """
         key = self.key(key)
-        path = key_path(key, self.root)
+        path = confined_path(self.root, key, for_write=False)  # [confine] a regular file, no link
         record = self._record_for(key, path)
         if not self.settings.redis_url:
             return self.metadata.publish(record, overwrite=overwrite)
@@ -276,6 +278,9 @@ class Client:
             A read waited longer than ``timeout``.
         UnsupportedModeError
             Append or update modes: published keys are immutable.
+        UnsafePathError, FileTypeError
+            A symbolic link on the way or under the key, or the key names a directory or a
+            special file: nothing is read or written outside the managed directory.
 
         Examples
         --------
@@ -288,6 +293,7 @@ class Client:
         key = self.key(key_or_path)
         path = f"{self._root_s}/{key}"  # strings, not pathlib, on this hot path
         if writing:
+            confined_path(self._root_s, key, for_write=True)  # [confine] no link, dir, device
             return local.open_for_write(
                 path,
                 key,
@@ -304,20 +310,24 @@ class Client:
             path = self._consume_key(key, timeout)
         else:
             try:  # adaptive: a key already here costs just the open
-                return self._open_read(path, mode, buffering, encoding, errors, newline)
+                return self._open_read(key, path, mode, buffering, encoding, errors, newline)
             except FileNotFoundError:
                 path = self._consume_key(key, timeout)
-        return self._open_read(path, mode, buffering, encoding, errors, newline)
+        return self._open_read(key, path, mode, buffering, encoding, errors, newline)
 
-    @staticmethod
+    def _opener(self, key: str) -> Any:
+        """An ``opener`` for :func:`open` that refuses links, directories and special files."""
+        return lambda path, _flags: open_confined(self._root_real, key, path)  # [confine]
+
     def _open_read(
-        path: str | Path, mode: str, buffering: int, encoding: str | None, errors: str | None,
-        newline: str | None,
+        self, key: str, path: str | Path, mode: str, buffering: int, encoding: str | None,
+        errors: str | None, newline: str | None,
     ) -> IO[Any]:
+        opener = self._opener(key)
         if "b" in mode:
-            return _open(path, "rb", buffering=buffering)
+            return _open(path, "rb", buffering=buffering, opener=opener)
         return _open(path, "r", buffering=buffering, encoding=encoding or "utf-8", errors=errors,
-                    newline=newline)
+                     newline=newline, opener=opener)
 
     def publish(
         self,
@@ -365,13 +375,14 @@ class Client:
             raise FileNotFoundError(f"cannot publish {str(srcp)!r}: no such file")
         if key is None:
             key = self.key(srcp)
-            final = key_path(key, self.root)
+            final = confined_path(self.root, key, for_write=True)  # [confine]
             if srcp == final:  # already in place (written non-atomically by a legacy tool)
                 self._after_publish(key, final, overwrite)
                 return key
         else:
             key = self.key(key)
             final = key_path(key, self.root)
+        confined_path(self.root, key, for_write=True)  # [confine] no link or directory on the way
         final.parent.mkdir(parents=True, exist_ok=True)
         if not overwrite and final.exists():
             raise KeyExistsError(key)
@@ -399,12 +410,14 @@ class Client:
     # ------------------------------------------------------------------ consuming
     def _consume_key(self, key: str, timeout: float | None) -> Path:
         timeout = self._timeout(timeout)
+        path = confined_path(self.root, key, for_write=False)  # [confine] before waiting/fetching
         if self.settings.redis_url:
-            return self.cluster.consume(key, timeout)
-        path = key_path(key, self.root)
-        if os.path.exists(path):
+            self.cluster.consume(key, timeout)
+        elif os.path.exists(path):
             return path
-        return local.wait_any([path], timeout, label=key)
+        else:
+            local.wait_any([path], timeout, label=key)
+        return confined_path(self.root, key, for_write=False)  # [confine] what was published
 
     def consume(self, key: str | os.PathLike[str], timeout: float | None = None) -> Path:
         """Wait until ``key`` is published and present on this node; return its local path.
@@ -427,6 +440,10 @@ class Client:
             After ``timeout`` seconds (default ``INSTRIDE_TIMEOUT``, else forever).
         PeerUnavailable, IntegrityError
             Cluster mode: the owner cannot be reached / the bytes do not verify.
+        UnsafePathError
+            A symbolic link on the way to the key, or as the key itself (never followed).
+        FileTypeError
+            The key names a directory, a FIFO, a socket or a device.
         """
         return self._consume_key(self.key(key), timeout)
 
@@ -455,7 +472,7 @@ class Client:
             if data is not None:
                 return data
         path = self._consume_key(key, timeout)
-        with _open(path, "rb") as fh:
+        with _open(path, "rb", opener=self._opener(key)) as fh:
             if os.fstat(fh.fileno()).st_size == 0:
                 return memoryview(b"")
             return memoryview(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ))
@@ -538,6 +555,7 @@ class Client:
             The key; no error when it is not published.
         """
         key = self.key(key)
+        confined_path(self.root, key, for_write=True)  # [confine] never unlink through a link
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.root / key)
         self.metadata.delete(key)
