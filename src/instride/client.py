@@ -174,7 +174,11 @@ class Client:
         return key_path(self.key(key_or_path), self.root)
 
     def _timeout(self, timeout: float | None) -> float | None:
-        return self.settings.timeout if timeout is None else timeout
+        if timeout is None:
+            return self.settings.timeout
+        if timeout < 0:  # 0 means "do not wait", like INSTRIDE_TIMEOUT=0 and --timeout 0
+            raise ConfigError("timeout", timeout, "must be >= 0 (0: do not wait; None: forever)")
+        return None if timeout == float("inf") else timeout
 
     def _record_for(self, key: str, path: Path) -> Record:
         st = path.stat()

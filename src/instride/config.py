@@ -8,7 +8,9 @@
 ``INSTRIDE_TOKEN``
     The job token every cluster request is HMAC-signed with (required in cluster mode).
 ``INSTRIDE_TIMEOUT``
-    Default consume timeout in seconds; empty, 0, negative or ``inf`` waits forever.
+    Default consume timeout in seconds, with the meaning of ``--timeout`` (see
+    :func:`parse_timeout`): unset, empty or ``inf`` waits forever; ``0`` does not wait (a key
+    not yet published fails at once); negative values are refused.
 ``INSTRIDE_FSYNC``
     fsync a produced file and its directory when publishing it (``0``/``1``, default ``1``);
     skipped when the managed directory is on tmpfs, where it cannot make anything durable.
@@ -59,6 +61,46 @@ def _float_or_none(name: str, raw: str | None) -> float | None:
     if math.isnan(value):
         raise ConfigError(name, raw, "not a number")
     return value if 0 < value < math.inf else None  # 0, negative or inf: no limit
+
+
+def parse_timeout(raw: str | float | None, name: str = "INSTRIDE_TIMEOUT") -> float | None:
+    """Parse a consume timeout, the one meaning shared by ``INSTRIDE_TIMEOUT`` and ``--timeout``.
+
+    Parameters
+    ----------
+    raw
+        Seconds as text or a number. ``None``, empty, ``inf``, ``forever`` or ``none``: wait
+        forever (returns ``None``). ``0``: do not wait, fail at once unless published.
+    name
+        The setting or option named in the error.
+
+    Returns
+    -------
+    float or None
+        Seconds, or ``None`` for no limit.
+
+    Raises
+    ------
+    ConfigError
+        Not a number, NaN, or negative.
+    """
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        text = raw.strip().lower()
+        if text in ("", "inf", "infinity", "forever", "none"):
+            return None
+        try:
+            value = float(text)
+        except ValueError:
+            raise ConfigError(name, raw, "not a number of seconds") from None
+    else:
+        value = float(raw)
+    if math.isnan(value):
+        raise ConfigError(name, raw, "not a number of seconds")
+    if value < 0:
+        raise ConfigError(name, raw, "must be >= 0 (0: do not wait; unset or inf: forever)")
+    return None if value == math.inf else value
 
 
 def _bool(name: str, raw: str | None, default: bool) -> bool:
@@ -133,7 +175,7 @@ class Settings:
             dir=directory,
             redis_url=env.get("INSTRIDE_REDIS_URL", "").strip() or None,
             token=env.get("INSTRIDE_TOKEN") or None,
-            timeout=_float_or_none("INSTRIDE_TIMEOUT", env.get("INSTRIDE_TIMEOUT")),
+            timeout=parse_timeout(env.get("INSTRIDE_TIMEOUT")),
             fsync=_bool("INSTRIDE_FSYNC", env.get("INSTRIDE_FSYNC"), True),
             cache_bytes=_int_or_none("INSTRIDE_CACHE_BYTES", env.get("INSTRIDE_CACHE_BYTES")),
             node=env.get("INSTRIDE_NODE", "").strip() or socket.gethostname(),

@@ -125,6 +125,13 @@ class _Watcher(threading.local):
             with contextlib.suppress(OSError):
                 ino.rm_watch(wd)
 
+    def drop(self, directory: Path) -> None:
+        """Stop watching ``directory`` (about to be removed)."""
+        wd = self.wds.pop(directory, None)
+        if wd is not None:
+            with contextlib.suppress(OSError):
+                self.get().rm_watch(wd)
+
     def forget(self, wd: int) -> None:
         for directory, w in list(self.wds.items()):
             if w == wd:
@@ -158,6 +165,17 @@ def fsync_dir(directory: str | Path) -> None:
         os.close(fd)
 
 
+def _missing_dirs(dirs: Iterable[Path]) -> list[Path]:
+    """The directories (deepest first) that watching ``dirs`` would create."""
+    missing: list[Path] = []
+    for directory in dirs:
+        d = directory
+        while d not in missing and not os.path.isdir(d) and d != d.parent:
+            missing.append(d)
+            d = d.parent
+    return sorted(missing, key=lambda p: len(p.parts), reverse=True)
+
+
 def wait_any(
     paths: Sequence[Path],
     timeout: float | None,
@@ -169,7 +187,8 @@ def wait_any(
     Parameters
     ----------
     paths
-        Candidate files; their directories are created if missing so they can be watched.
+        Candidate files; their directories are created if missing so they can be watched, and
+        removed again (when still empty) if the wait fails: a failed wait leaves nothing behind.
     timeout
         Seconds to wait; ``None`` waits forever.
     label
@@ -183,6 +202,18 @@ def wait_any(
     for path in paths:
         if os.path.exists(path):
             return path
+    created = _missing_dirs(dict.fromkeys(p.parent for p in paths))  # [cleanup]
+    try:
+        return _wait_any(paths, timeout, label)
+    except BaseException:
+        for directory in created:  # [cleanup] deepest first; a non-empty one stays
+            _watcher.drop(directory)
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)
+        raise
+
+
+def _wait_any(paths: Sequence[Path], timeout: float | None, label: str) -> Path:
     start = time.monotonic()
     names = {p.name for p in paths}
     dirs = list(dict.fromkeys(p.parent for p in paths))
@@ -289,11 +320,14 @@ class _PublishingFileIO(io.FileIO):
         self._on_publish = on_publish
         self._aborted = False
         self._failed: BaseException | None = None
-        try:
-            super().__init__(self._tmp, "x+" if readable else "x")
-        except FileNotFoundError:  # first file of its directory
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            super().__init__(self._tmp, "x+" if readable else "x")
+        for attempt in range(5):
+            try:
+                super().__init__(self._tmp, "x+" if readable else "x")
+                break
+            except FileNotFoundError:  # first file of its directory (or a failed wait's
+                if attempt == 4:      # cleanup removed the empty directory meanwhile)
+                    raise
+                os.makedirs(os.path.dirname(final), exist_ok=True)
 
     @property
     def key(self) -> str:
