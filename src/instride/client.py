@@ -492,14 +492,21 @@ class Client:
             After ``timeout`` seconds (default ``INSTRIDE_TIMEOUT``, else forever).
         KeyValidationError
             A bad key.
+        UnsafePathError, FileTypeError
+            A key reached through a symbolic link, or naming a directory or special file.
         """
         keys = [self.key(k) for k in keys]
         timeout = self._timeout(timeout)
+        for key in keys:
+            confined_path(self.root, key, for_write=False)  # [confine] links, dirs, special files
         if not self.settings.redis_url:
             for key in keys:
                 if os.path.exists(self.root / key):
                     return key
-        return self.metadata.wait_any(list(keys), timeout).key
+        key = self.metadata.wait_any(list(keys), timeout).key
+        if not self.settings.redis_url:
+            confined_path(self.root, key, for_write=False)  # [confine] what appeared
+        return key
 
     def exists(self, key: str | os.PathLike[str]) -> bool:
         """Whether ``key`` is published (anywhere, in cluster mode).

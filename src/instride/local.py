@@ -213,13 +213,43 @@ def wait_any(
         raise
 
 
+#: errno of inotify_init / inotify_add_watch when the per-user limits are reached
+#: (fs.inotify.max_user_instances, 128 by default; max_user_watches) or memory is short.
+_NO_INOTIFY = (errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.ENOMEM)
+#: Longest sleep between two checks of a polling wait.
+_POLL_MAX = 0.05
+
+
+def _poll_any(paths: Sequence[Path], timeout: float | None, label: str, start: float) -> Path:
+    """Wait by polling (1 ms doubling to 50 ms): the fallback when no inotify is available.
+
+    A process can hold only so many inotify instances (a thousand waiting threads exceed the
+    default per-user limit of 128); their waits still end correctly, at most 50 ms late.
+    """
+    delay = 0.001
+    while True:
+        for path in paths:
+            if os.path.exists(path):
+                return path
+        elapsed = time.monotonic() - start
+        if timeout is not None and elapsed >= timeout:
+            raise ConsumeTimeout(label, elapsed)
+        time.sleep(delay if timeout is None else max(0.0, min(delay, timeout - elapsed)))
+        delay = min(delay * 2, _POLL_MAX)
+
+
 def _wait_any(paths: Sequence[Path], timeout: float | None, label: str) -> Path:
     start = time.monotonic()
     names = {p.name for p in paths}
     dirs = list(dict.fromkeys(p.parent for p in paths))
-    ino = _watcher.get()
-    for directory in dirs:
-        _watcher.watch(directory)
+    try:
+        ino = _watcher.get()
+        for directory in dirs:
+            _watcher.watch(directory)
+    except OSError as exc:  # [limits] out of inotify instances or watches: poll instead
+        if exc.errno not in _NO_INOTIFY:
+            raise
+        return _poll_any(paths, timeout, label, start)
     # Re-check after arming: a publication between the first check and the watch produced
     # no event we could see.
     for path in paths:

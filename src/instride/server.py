@@ -40,11 +40,11 @@ stops reading cannot pin a transfer.
 
 Security notes: requests are authenticated with the job token (HMAC-SHA256 over op, key,
 nonce and timestamp) and must be within :data:`~instride.transport.wire.MAX_SKEW` (300 s) of
-the server's clock. Nonces are **not** remembered: anyone who can capture a request on the
-network can replay it within that window and receive the same file again. Requests are not
-encrypted either, so such an observer already sees the file's bytes in the original reply;
-replay adds only a fresh copy (and the load of sending it). The token protects against
-fetching arbitrary keys without it, not against eavesdropping: run the cluster traffic on a
+the server's clock. Each nonce is accepted once (:class:`~instride.transport.replay.ReplayGuard`
+remembers them for that window, bounded in memory), so a captured request sent again is
+refused with an ``AuthenticationError`` reply. Requests and replies are not encrypted: an
+observer on the network sees the file's bytes in the original reply. The token protects
+against fetching keys without it, not against eavesdropping: run the cluster traffic on a
 trusted network. Hard links are not detected: a hard link under the managed directory to a
 file readable by the server's user is served like any other regular file.
 
@@ -75,6 +75,7 @@ from .config import Settings, parse_addr
 from .errors import ConsumeTimeout, InstrideError, KeyNotFoundError
 from .keys import key_path, normalize_key
 from .transport import wire
+from .transport.replay import ReplayGuard
 
 log = logging.getLogger("instride.server")
 
@@ -157,6 +158,7 @@ class NodeServer:
         self.send_timeout = send_timeout
         self.client = Client(settings)
         self.root_real = os.path.realpath(settings.dir)
+        self.replays = ReplayGuard()  # [replay] each signed request is accepted once
         self.waits = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="instride-wait")
         self.quick = ThreadPoolExecutor(max_workers=QUICK_WORKERS, thread_name_prefix="instride-quick")
         self._servers: list[asyncio.base_events.Server] = []
@@ -450,6 +452,8 @@ class NodeServer:
             await self._refuse(writer, peer, "timed out reading the request header")
             return False
         reason = wire.verify(self.settings.token, req)
+        if reason is None:  # [replay] a captured request sent again is refused
+            reason = self.replays.check(req["nonce"], float(req["ts"]), now=time.time())
         if reason is not None:
             self.stats["refused"] += 1
             log.warning("refused request from %s: %s", peer, reason)

@@ -36,6 +36,7 @@ import numpy as np
 from .client import Client, get_client
 from .errors import EndOfStream, KeyValidationError
 from .frames import Frame, encode_frame, read_frame
+from .paths import confined_path
 
 FRAME_FORMAT = "frame_{:09d}.isf"
 END_NAME = "end_of_stream.json"
@@ -234,7 +235,7 @@ class Stream:
         key = self.frame_key(index)
         if self.client.mode == "local":
             try:  # adaptive: a frame already here costs just its read
-                return read_frame(f"{self.client.root}/{key}")
+                return read_frame(confined_path(self.client.root, key, for_write=False))  # [confine]
             except FileNotFoundError:
                 pass
         got = self.client.wait_any([key, self.end_key], timeout=self.timeout)
