@@ -226,6 +226,16 @@ class Client:
         self.cluster.forget_fetched(key)  # our own original now, never evicted
         try:
             return self.metadata.publish(record, overwrite=overwrite)
+        except KeyExistsError:
+            # [keep] a second PUBLISH of the very bytes already recorded (the same file) must
+            # not remove the published original; a conflicting file is removed.
+            existing = None if overwrite else self.metadata.lookup(key)
+            same = existing is not None and existing.checksum == record.checksum and (
+                existing.owner == record.owner)
+            if not overwrite and not same:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            raise
         except BaseException:
             if not overwrite:
                 with contextlib.suppress(FileNotFoundError):

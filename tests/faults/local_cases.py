@@ -214,7 +214,8 @@ def case_many_waiters(work: Path, trials: int, waiters: int = 1000, seed: int = 
             errors: list[BaseException] = []
             lock = threading.Lock()
 
-            def wait(key: str = key) -> None:
+            def wait(key: str = key, got: list[str] = got, errors: list[BaseException] = errors,
+                     lock: threading.Lock = lock) -> None:
                 try:
                     view = client.consume_bytes(key, timeout=60)
                     d = digest(view)
@@ -237,8 +238,8 @@ def case_many_waiters(work: Path, trials: int, waiters: int = 1000, seed: int = 
             res.hangs += sum(th.is_alive() for th in threads)
             res.corrupted += sum(d != want for d in got)
             res.lost += len(errors)
-            for exc in errors[:3]:
-                res.notes.append(f"waiter failed: {exc!r}")
+            for failure in errors[:3]:
+                res.notes.append(f"waiter failed: {failure!r}")
             res.saw("every waiter got the whole file", int(len(got) == waiters))
     client.close()
     return res
