@@ -20,10 +20,12 @@ Usage:  python benchmarks/faults.py [--scale 1.0] [--only NAME ...] [--list]
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import textwrap
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -88,7 +90,7 @@ def figures(results: dict[str, CaseResult], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     names = list(results)
     rs = [results[n] for n in names]
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rs) + 1.5))
+    fig, ax = plt.subplots(figsize=(12, 0.45 * len(rs) + 1.5))
     y = range(len(rs))
     ax.barh(y, [r.trials for r in rs], color="#4c72b0", label="trials")
     bad = [r.lost + r.corrupted + r.hangs for r in rs]
@@ -98,13 +100,13 @@ def figures(results: dict[str, CaseResult], out: Path) -> list[Path]:
                 f"corrupted · {r.hangs} hangs", va="center", fontsize=8)
     ax.set_yticks(list(y), [r.name for r in rs], fontsize=8)
     ax.set_xscale("log")
-    ax.set_xlim(0.7, max(r.trials for r in rs) * 400)
+    ax.set_xlim(0.7, max(r.trials for r in rs) * 5000)
     ax.invert_yaxis()
     ax.set_xlabel("trials (log scale)")
     total_bad = sum(bad)
     ax.set_title("instride fault injection and fuzzing: trials per case, and failures "
                  f"({'none' if total_bad == 0 else total_bad})")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     summary = out / "faults_summary.png"
     fig.savefig(summary, dpi=120)
@@ -112,14 +114,14 @@ def figures(results: dict[str, CaseResult], out: Path) -> list[Path]:
 
     cols = 2
     rows = (len(rs) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(13, 2.3 * rows))
+    fig, axes = plt.subplots(rows, cols, figsize=(14, 2.6 * rows))
     for ax, r in zip(axes.flat, rs, strict=False):
         items = r.outcomes.most_common(6)
         labels = [textwrap.shorten(k, 58, placeholder="…") for k, _ in items]
         ax.barh(range(len(items)), [v for _, v in items], color="#55a868")
         ax.set_yticks(range(len(items)), labels, fontsize=7)
         ax.invert_yaxis()
-        ax.set_title(f"{r.name} — {r.trials:,} trials, {r.lost} lost, {r.corrupted} corrupted, "
+        ax.set_title(f"{r.name}\n{r.trials:,} trials, {r.lost} lost, {r.corrupted} corrupted, "
                      f"{r.hangs} hangs", fontsize=8)
         ax.tick_params(axis="x", labelsize=7)
     for ax in list(axes.flat)[len(rs):]:
@@ -141,10 +143,22 @@ def main() -> int:
     ap.add_argument("--figures", default=str(ROOT / "docs" / "figures"),
                     help="directory of the PNG figures (default docs/figures)")
     ap.add_argument("--list", action="store_true", help="list the cases and their trial counts")
+    ap.add_argument("--replot", action="store_true",
+                    help="redraw the figures and table from benchmarks/results/faults.json")
     args = ap.parse_args()
     if args.list:
         for name, (fn, n) in CASES.items():
             print(f"{name:14} {n:>8,}  {fn.__doc__.strip().splitlines()[0]}")
+        return 0
+    if args.replot:
+        saved = json.loads((ROOT / "benchmarks" / "results" / "faults.json").read_text())
+        results = {}
+        for name, d in saved["cases"].items():
+            r = CaseResult(d["name"], d["trials"], d["lost"], d["corrupted"], d["hangs"],
+                           Counter(d["outcomes"]), d["notes"], d["seconds"])
+            results[name] = r
+        for path in figures(results, Path(args.figures)):
+            print(f"wrote {path}")
         return 0
     machine = header("fault injection and fuzzing (benchmarks/faults.py)")
     names = args.only or list(CASES)
