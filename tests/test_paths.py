@@ -155,3 +155,31 @@ def test_managed_key_of(tmp_path: Path, managed_dir: Path) -> None:
     assert managed_key_of(managed_dir, tmp_path / "alias" / "out.h5") == "out.h5"
     with pytest.raises(KeyValidationError):
         managed_key_of(managed_dir, managed_dir / ".instride" / "x")
+
+
+@pytest.mark.parametrize("kernel_checks", [True, False], ids=["openat2", "portable"])
+def test_reads_are_confined_with_and_without_openat2(
+    client: instride.Client, managed_dir: Path, outside: Path, monkeypatch: pytest.MonkeyPatch,
+    kernel_checks: bool,
+) -> None:
+    from instride.paths import ConfinedOpener
+
+    if not kernel_checks:  # an old kernel, or a seccomp filter refusing openat2
+        monkeypatch.setattr(ConfinedOpener, "_syscall", None)
+    else:
+        assert ConfinedOpener._syscall is not None, "openat2 expected on this kernel"
+    with instride.open("ok/k.bin", "wb") as fh:
+        fh.write(b"fine")
+    (managed_dir / "s").mkdir()
+    (managed_dir / "s" / "link").symlink_to(outside)
+    (managed_dir / "lnk").symlink_to(outside / "secret.bin")
+    os.mkfifo(managed_dir / "fifo")
+    assert client.open("ok/k.bin").read() == b"fine"
+    assert client.open("ok/k.bin", "r").read() == "fine"
+    for key, err in (("s/link/secret.bin", UnsafePathError), ("lnk", UnsafePathError),
+                     ("fifo", FileTypeError), ("ok", FileTypeError)):
+        with pytest.raises(err):
+            client.open(key).read()
+    with pytest.raises(FileNotFoundError):
+        client._open_read("ok/none.bin", managed_dir / "ok" / "none.bin", "rb", -1, None, None,
+                          None)

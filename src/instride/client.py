@@ -26,7 +26,7 @@ from .config import Settings
 from .errors import ConfigError, KeyExistsError, UnsupportedModeError
 from .keys import key_path, normalize_key, tmp_path
 from .metadata import MetadataBackend, Record, get_backend
-from .paths import confined_path, open_confined
+from .paths import ConfinedOpener, confined_path
 
 if TYPE_CHECKING:
     from .remote import RemoteStore
@@ -127,7 +127,7 @@ class Client:
         self.root = self.settings.dir
         self._root_s = str(self.root)
         ensure_private_dir(self.root)
-        self._root_real = os.path.realpath(self.root)  # confinement: opened files must be under it
+        self._confined = ConfinedOpener(self.root)  # [confine] opens keys, never through links
         #: whether publications fsync: asked for, and the managed directory is not on tmpfs
         #: (where fsync cannot make anything durable and only costs time)
         self.fsync = self.settings.fsync and file_system_type(self._root_s) != "tmpfs"
@@ -158,6 +158,7 @@ class Client:
 
     def close(self) -> None:
         """Release connections held by this client."""
+        self._confined.close()
         if self._metadata is not None:
             self._metadata.close()
             self._metadata = None
@@ -331,7 +332,7 @@ class Client:
 
     def _opener(self, key: str) -> Any:
         """An ``opener`` for :func:`open` that refuses links, directories and special files."""
-        return lambda path, _flags: open_confined(self._root_real, key, path)  # [confine]
+        return lambda _path, _flags: self._confined.open(key)  # [confine]
 
     def _open_read(
         self, key: str, path: str | Path, mode: str, buffering: int, encoding: str | None,
