@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from instride.cli import EXIT_ERROR
 from instride.errors import InstrideError
 from instride.flow import FlowTimeout, Graph, Input, ModuleFailed, run
 
@@ -185,7 +186,7 @@ def test_runner_killed_leaves_no_instance(flow_env: dict[str, Path], tmp_path: P
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
         if sig == signal.SIGTERM:
-            assert proc.returncode == 2 and b"received signal 15" in err
+            assert proc.returncode == EXIT_ERROR and b"received signal 15" in err
         deadline = time.monotonic() + 10
         while any(_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -12,9 +12,11 @@ Exit status (the same for every command; :data:`EXIT_CODES`, mapped from the typ
 1     any other error (including errors of the command run by ``instride run`` /
       ``cluster exec``, which pass their own status through)
 2     usage: a bad command line or a bad ``INSTRIDE_*`` setting (``ConfigError``)
-3     timeout: a key was not published in time (``ConsumeTimeout``)
+3     timeout: a key was not published in time (``ConsumeTimeout``), a flow ran past its
+      ``--timeout`` (``FlowTimeout``)
 4     invalid input: a bad or unsafe key, a directory or special file under a key, a
-      write-once key already published, a missing key or input file, an unsupported mode
+      write-once key already published, a missing key or input file, an unsupported mode,
+      a dataflow graph that does not validate (``GraphError``)
 5     integrity or transfer failure: bytes that do not verify, a transfer cut short
 6     unavailable: a peer's data server or the metadata service (Redis) cannot be reached
       (also a wait that ran out while Redis could not be reached)
@@ -77,7 +79,7 @@ EXIT_INTERRUPTED = 130
 #: input of a command: an unknown model, a missing trajectory) are invalid input too.
 EXIT_CODES: list[tuple[type[BaseException] | tuple[type[BaseException], ...], int]] = [
     (ConfigError, EXIT_USAGE),
-    (ConsumeTimeout, EXIT_TIMEOUT),
+    ((ConsumeTimeout, TimeoutError), EXIT_TIMEOUT),  # also a flow run's FlowTimeout
     ((IntegrityError, TransferError), EXIT_INTEGRITY),
     ((PeerUnavailable, MetadataUnavailable), EXIT_UNAVAILABLE),
     (AuthenticationError, EXIT_REFUSED),
