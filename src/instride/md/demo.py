@@ -172,7 +172,7 @@ def _consumer_instride(stream: str, out_dir: str, replica: int, timeout: float, 
                        results: Any) -> None:
     warnings.filterwarnings("ignore")
     from ..analytics.live import analyze_stream
-    from ..analytics.plots import plot_table
+    from ..analytics.table_plots import plot_table
     from .openmm import villin_pdb
 
     def tick(row: dict[str, float]) -> None:
