@@ -28,7 +28,7 @@ def test_all_variables() -> None:
     assert s.dir == Path("/x/z") and s.mode == "cluster" and s.token == "t"
     assert (s.timeout, s.fsync, s.cache_bytes, s.node) == (2.5, False, 1000, "n7")
     assert s.addr == "10.0.0.7:9000" and s.socket == Path("/s.sock")
-    assert Settings.from_env({"INSTRIDE_TIMEOUT": "0"}).timeout is None
+    assert Settings.from_env({"INSTRIDE_TIMEOUT": "0"}).timeout == 0.0  # do not wait
 
 
 @pytest.mark.parametrize(
@@ -45,11 +45,13 @@ def test_parse_addr() -> None:
     assert parse_addr("[::1]:80") == ("::1", 80)
 
 
-def test_infinite_and_negative_timeouts_mean_forever() -> None:
-    for raw in ("inf", "-1", "0", ""):
+def test_timeout_meaning_zero_no_wait_inf_forever_negative_refused() -> None:
+    for raw in ("inf", "", "  ", "forever"):
         assert Settings.from_env({"INSTRIDE_TIMEOUT": raw}).timeout is None
-    with pytest.raises(ConfigError):
-        Settings.from_env({"INSTRIDE_TIMEOUT": "nan"})
+    assert Settings.from_env({"INSTRIDE_TIMEOUT": "0"}).timeout == 0.0
+    for raw in ("nan", "-1", "-0.5", "-inf"):
+        with pytest.raises(ConfigError, match="INSTRIDE_TIMEOUT"):
+            Settings.from_env({"INSTRIDE_TIMEOUT": raw})
 
 
 def test_every_variable_fills_one_field_and_is_documented_once() -> None:

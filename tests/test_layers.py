@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
     {"errors"},
     {"config"},
     {"keys", "record", "registry", "frames"},
-    {"store", "archive"},
+    {"store", "archive", "paths"},
     {"metadata", "transport"},
     {"engine"},
     {"client"},

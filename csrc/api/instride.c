@@ -55,7 +55,7 @@ INS_API int instride_settings(struct instride_settings *out)
     ins_api_enter();
     out->dir = ins_cfg.dir;
     out->socket_path = ins_cfg.socket_path;
-    out->timeout = ins_cfg.timeout > 0 ? ins_cfg.timeout : 0.0;
+    out->timeout = ins_cfg.timeout; /* -1: forever; 0: do not wait */
     out->fsync = ins_cfg.fsync;
     out->overwrite = ins_cfg.overwrite;
     out->cluster = ins_cfg.cluster;

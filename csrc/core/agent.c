@@ -139,7 +139,7 @@ static int ins_key_ok(const char *key)
  * we send; we allow it 5 s of grace on top. No INSTRIDE_TIMEOUT: no bound. */
 static int ins_reply_wait_ms(void)
 {
-    if (ins_cfg.timeout > 0)
+    if (ins_cfg.timeout >= 0)
         return (int)(ins_cfg.timeout * 1000.0) + 5000;
     return -1;
 }
@@ -160,7 +160,8 @@ int ins_agent_consume(const char *key, char open_path[PATH_MAX])
     if (!ins_key_ok(key))
         return -1;
     char req[PATH_MAX + 64], reply[PATH_MAX + 128];
-    long long tms = ins_cfg.timeout > 0 ? (long long)ceil(ins_cfg.timeout * 1000.0) : -1;
+    /* 0: the server does not wait either; -1: forever (the server's own default) */
+    long long tms = ins_cfg.timeout >= 0 ? (long long)ceil(ins_cfg.timeout * 1000.0) : -1;
     snprintf(req, sizeof req, "CONSUME %lld %s\n", tms, key);
     if (ins_agent_request(req, reply, sizeof reply, ins_reply_wait_ms()) != 0)
         return -1;

@@ -5,7 +5,11 @@
  *
  *   INSTRIDE_DIR        managed directory (default /dev/shm/instride-<uid>, else
  *                       ${TMPDIR:-/tmp}/instride-<uid>)
- *   INSTRIDE_TIMEOUT    seconds a consume waits; unset, empty, 0, negative: forever
+ *   INSTRIDE_TIMEOUT    seconds a consume waits, the meaning of Python's
+ *                       parse_timeout and `--timeout`: unset, empty, inf:
+ *                       forever; 0: do not wait (a key not yet published fails
+ *                       at once with ETIMEDOUT); negative or not a number:
+ *                       refused (every consume fails with EINVAL)
  *   INSTRIDE_FSYNC      1/true/yes/on: fsync before publishing (default 0 here)
  *   INSTRIDE_OVERWRITE  1/true/yes/on: publishing replaces an existing key
  *   INSTRIDE_REDIS_URL  non-empty: cluster mode (talk to the node server)
@@ -22,6 +26,42 @@
 INS_HIDDEN struct ins_config ins_cfg;
 
 static pthread_once_t ins_config_once = PTHREAD_ONCE_INIT;
+
+/* INSTRIDE_TIMEOUT: -1 (forever) when unset, empty or inf/infinity/forever/none;
+ * 0 or more seconds otherwise; negative, NaN or not a number: timeout_bad. */
+static void ins_parse_timeout(const char *t, struct ins_config *c)
+{
+    c->timeout = -1.0;
+    c->timeout_bad = 0;
+    if (t == NULL)
+        return;
+    while (*t == ' ' || *t == '\t')
+        t++;
+    size_t n = strlen(t);
+    while (n > 0 && (t[n - 1] == ' ' || t[n - 1] == '\t' || t[n - 1] == '\n'))
+        n--;
+    if (n == 0)
+        return;
+    static const char *const forever[] = {"inf", "infinity", "forever", "none"};
+    for (size_t i = 0; i < sizeof forever / sizeof forever[0]; i++)
+        if (strlen(forever[i]) == n && strncasecmp(t, forever[i], n) == 0)
+            return;
+    char buf[64];
+    if (n >= sizeof buf || (n > 1 && t[0] == '0' && (t[1] == 'x' || t[1] == 'X'))) {
+        c->timeout_bad = 1;
+        return;
+    }
+    memcpy(buf, t, n);
+    buf[n] = '\0';
+    char *end = NULL;
+    double v = strtod(buf, &end);
+    if (end == buf || *end != '\0' || v != v || v < 0.0) {
+        c->timeout_bad = 1; /* "-1", "nan", "soon": refused, like Python's ConfigError */
+        return;
+    }
+    if (v < 1e9) /* longer than ~31 years (and inf): forever */
+        c->timeout = v;
+}
 
 static int ins_env_true(const char *name)
 {
@@ -100,14 +140,7 @@ static void ins_read_config(void)
     else if (c->dir_len > 0 && c->dir_len + 20 < sizeof c->socket_path)
         snprintf(c->socket_path, sizeof c->socket_path, "%s/.instride/node.sock", c->dir);
 
-    const char *t = getenv("INSTRIDE_TIMEOUT");
-    c->timeout = 0.0;
-    if (t != NULL && t[0] != '\0') {
-        char *end = NULL;
-        double v = strtod(t, &end);
-        if (end != t && v == v && v > 0.0 && v < 1e9)
-            c->timeout = v;
-    }
+    ins_parse_timeout(getenv("INSTRIDE_TIMEOUT"), c);
     c->fsync = ins_env_true("INSTRIDE_FSYNC");
     c->overwrite = ins_env_true("INSTRIDE_OVERWRITE");
     const char *r = getenv("INSTRIDE_REDIS_URL");

@@ -69,7 +69,8 @@ struct ins_config {
     char dir_real[PATH_MAX]; /* its realpath() when it differs, else ""       */
     size_t dir_real_len;
     char socket_path[PATH_MAX];
-    double timeout;          /* seconds; <= 0 means wait forever               */
+    double timeout;          /* seconds; 0: do not wait; < 0: wait forever     */
+    int timeout_bad;         /* INSTRIDE_TIMEOUT negative or not a number      */
     int fsync;               /* INSTRIDE_FSYNC=1                               */
     int overwrite;           /* INSTRIDE_OVERWRITE=1                           */
     int cluster;             /* INSTRIDE_REDIS_URL non-empty                   */

@@ -141,7 +141,7 @@ int ins_wait_local(const char *abs)
     if (errno != ENOENT)
         return -1;
 
-    double deadline = ins_cfg.timeout > 0 ? ins_now() + ins_cfg.timeout : -1.0;
+    double deadline = ins_cfg.timeout >= 0 ? ins_now() + ins_cfg.timeout : -1.0; /* 0: no wait */
     char dir[PATH_MAX];
     memcpy(dir, abs, strlen(abs) + 1);
     char *slash = strrchr(dir, '/');

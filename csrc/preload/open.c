@@ -88,6 +88,10 @@ static int ins_open_managed(const struct ins_path *p, int flags, mode_t mode)
     if (kind == INS_OPEN_REFUSE) /* published keys are immutable; no append / in-place update */
         return ins_fail(EPERM, "key %.300s: append and in-place update are refused", ins_key(p));
     ins_busy = 1;
+    if (kind == INS_OPEN_READ && ins_cfg.timeout_bad) { /* refused, like Python's ConfigError */
+        fd = ins_consume(p, NULL);                       /* fails with EINVAL, naming it */
+        goto done;
+    }
     if (kind == INS_OPEN_READ && !ins_cfg.cluster && !(flags & O_CREAT)) {
         /* A key is published atomically: if it opens, it is complete. Only a
          * missing key costs more than the open itself. Directories open as in

@@ -8,6 +8,10 @@
  * It is the same implementation as libinstride_preload.so's, and follows the same
  * settings (INSTRIDE_DIR, INSTRIDE_TIMEOUT, INSTRIDE_FSYNC, INSTRIDE_OVERWRITE,
  * INSTRIDE_REDIS_URL, INSTRIDE_SOCKET, INSTRIDE_DEBUG), read once per process.
+ * INSTRIDE_TIMEOUT has the meaning of the `instride` command's --timeout: unset,
+ * empty or inf waits forever; 0 does not wait (a key not yet published fails at once
+ * with ETIMEDOUT); a negative value or not a number is refused (every consume fails
+ * with EINVAL).
  *
  *     #include <instride/instride.h>
  *
@@ -35,7 +39,8 @@
  *   (also stored in errno). instride_last_error() then returns a message that names
  *   the key and the cause, for this thread. The errno values and their meaning are
  *   listed in docs/preload.md ("Errors"); the main ones:
- *     ETIMEDOUT     the key was not published within INSTRIDE_TIMEOUT
+ *     ETIMEDOUT     the key was not published within INSTRIDE_TIMEOUT (at once
+ *                   when INSTRIDE_TIMEOUT=0)
  *     EEXIST        write-once: the key is already published
  *     EINVAL        the path is not a key (outside the managed directory, an
  *                   instride-reserved name, a name ending in "/"), or the key is
@@ -64,7 +69,8 @@ extern "C" {
 struct instride_settings {
     const char *dir;         /* managed directory, absolute and normalized (INSTRIDE_DIR) */
     const char *socket_path; /* node server's Unix socket (INSTRIDE_SOCKET)              */
-    double timeout;          /* seconds a consume waits; 0 means forever (INSTRIDE_TIMEOUT) */
+    double timeout;          /* seconds a consume waits (INSTRIDE_TIMEOUT): -1 forever,   */
+                             /* 0 do not wait (fail at once unless published)            */
     int fsync;               /* 1: fsync before publishing (INSTRIDE_FSYNC)                */
     int overwrite;           /* 1: publishing replaces a key (INSTRIDE_OVERWRITE)          */
     int cluster;             /* 1: cluster mode (INSTRIDE_REDIS_URL is set)               */
@@ -83,8 +89,9 @@ int instride_is_key(const char *path);
  * copy into open_path (cap bytes) the path to open: in local mode the key's path
  * under the managed directory's real path; in cluster mode the node-local copy
  * the node server made.
- * Errors: ETIMEDOUT, EINVAL, ELOOP, EISDIR, ERANGE (cap too small), ECONNREFUSED,
- * EIO, or the errno of the underlying call. */
+ * Errors: ETIMEDOUT, EINVAL (also: INSTRIDE_TIMEOUT negative or not a number), ELOOP,
+ * EISDIR, ERANGE (cap too small), ECONNREFUSED, EIO, or the errno of the underlying
+ * call. */
 int instride_consume(const char *path, char *open_path, size_t cap);
 
 /* instride_consume, then open the key read-only (O_CLOEXEC); *fd receives the fd. */

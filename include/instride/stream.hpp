@@ -19,6 +19,8 @@
 //   Appending (std::ios::app) or updating (in without trunc) a key: EPERM.
 // * ifstream waits for the key up to INSTRIDE_TIMEOUT seconds (instride_consume),
 //   then opens it; in cluster mode the node server makes it local first.
+//   INSTRIDE_TIMEOUT unset, empty or inf: forever; 0: do not wait (a key not yet
+//   published fails at once with ETIMEDOUT); negative: refused (EINVAL).
 // * Failures set failbit (which throws if you enabled exceptions()); error() returns
 //   the errno (ETIMEDOUT, EEXIST, EPERM, ELOOP, EINVAL, ECONNREFUSED, ...; the list is
 //   in docs/preload.md) and message() instride's message naming the key.
@@ -87,7 +89,7 @@ class ifstream : public std::ifstream, public detail::status {
         open(path, mode);
     }
 
-    /// Wait for the key (bounded by INSTRIDE_TIMEOUT), then open it. On failure
+    /// Wait for the key (bounded by INSTRIDE_TIMEOUT; 0: no wait), then open it. On failure
     /// failbit is set and error()/message() tell why.
     void open(const std::string &path, std::ios_base::openmode mode = std::ios_base::in)
     {

@@ -28,6 +28,7 @@ from .errors import (
     ConfigError,
     ConsumeTimeout,
     EndOfStream,
+    FileTypeError,
     InstrideError,
     IntegrityError,
     KeyExistsError,
@@ -36,6 +37,7 @@ from .errors import (
     MetadataUnavailable,
     PeerUnavailable,
     TransferError,
+    UnsafePathError,
     UnsupportedModeError,
 )
 from .frames import Frame, FrameHeader, read_frame, read_header, write_frame
@@ -205,6 +207,7 @@ __all__ = [
     "ConfigError",
     "ConsumeTimeout",
     "EndOfStream",
+    "FileTypeError",
     "Frame",
     "FrameHeader",
     "InstrideError",
@@ -217,6 +220,7 @@ __all__ = [
     "Settings",
     "Stream",
     "TransferError",
+    "UnsafePathError",
     "UnsupportedModeError",
     "__version__",
     "consume",

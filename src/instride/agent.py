@@ -345,8 +345,12 @@ class LocalAgent:
                     ms = int(raw_timeout)
                 except ValueError:
                     return _err(errno.EINVAL, f"bad timeout {raw_timeout[:50]!r} (milliseconds or -1)")
+                if ms < -1:
+                    return _err(errno.EINVAL, f"bad timeout {raw_timeout[:50]!r} (milliseconds "
+                                "or -1)")
                 key = self.client.key(key)
-                timeout = self.settings.timeout if ms < 0 else ms / 1000.0
+                # -1: the server's INSTRIDE_TIMEOUT (forever when unset); 0: do not wait
+                timeout = self.settings.timeout if ms == -1 else ms / 1000.0
                 path = await self._wait(key, timeout, reader, writer)
                 return None if path is None else f"OK {path}"
             if verb in ("PUBLISH", "OVERWRITE"):

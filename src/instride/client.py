@@ -22,9 +22,10 @@ from typing import IO, Any
 from . import store
 from .config import Settings, env_snapshot
 from .engine import Engine, get_engine
-from .errors import KeyExistsError, UnsupportedModeError
+from .errors import ConfigError, KeyExistsError, UnsupportedModeError
 from .keys import key_path, normalize_key, tmp_path
 from .metadata import MetadataBackend, Record
+from .paths import ConfinedOpener, confined_path
 from .store import ensure_private_dir, file_checksum, file_system_type
 from .store.ring import collect_pools
 
@@ -48,6 +49,7 @@ class Client:
         self.root = self.settings.dir
         self._root_s = str(self.root)
         ensure_private_dir(self.root)
+        self._confined = ConfinedOpener(self.root)  # [confine] opens keys, never through links
         #: whether publications fsync: asked for, and the managed directory is not on tmpfs
         #: (where fsync cannot make anything durable and only costs time)
         self.fsync = self.settings.fsync and file_system_type(self._root_s) != "tmpfs"
@@ -75,6 +77,7 @@ class Client:
 
     def close(self) -> None:
         """Release connections held by this client (it stays usable)."""
+        self._confined.close()
         self.engine.close()
 
     def key(self, key_or_path: str | os.PathLike[str]) -> str:
@@ -86,7 +89,11 @@ class Client:
         return key_path(self.key(key_or_path), self.root)
 
     def _timeout(self, timeout: float | None) -> float | None:
-        return self.settings.timeout if timeout is None else timeout
+        if timeout is None:
+            return self.settings.timeout
+        if timeout < 0:  # 0 means "do not wait", like INSTRIDE_TIMEOUT=0 and --timeout 0
+            raise ConfigError("timeout", timeout, "must be >= 0 (0: do not wait; None: forever)")
+        return None if timeout == float("inf") else timeout
 
     def register(self, key: str | os.PathLike[str], *, overwrite: bool = False) -> Record:
         """Record a file already in place under ``key`` in the metadata (cluster mode).
@@ -114,7 +121,9 @@ class Client:
         MetadataUnavailable
             Redis could not be reached.
         """
-        return self.engine.register(self.key(key), overwrite=overwrite)
+        key = self.key(key)
+        confined_path(self.root, key, for_write=False)  # [confine] a regular file, no link
+        return self.engine.register(key, overwrite=overwrite)
 
     # ------------------------------------------------------------------ producing
     def open(
@@ -162,6 +171,9 @@ class Client:
             A read waited longer than ``timeout``.
         UnsupportedModeError
             Append or update modes: published keys are immutable.
+        UnsafePathError, FileTypeError
+            A symbolic link on the way or under the key, or the key names a directory or a
+            special file: nothing is read or written outside the managed directory.
 
         Examples
         --------
@@ -173,6 +185,7 @@ class Client:
         writing = store.check_mode(mode)
         key = self.key(key_or_path)
         if writing:
+            confined_path(self._root_s, key, for_write=True)  # [confine] no link, dir, device
             return store.open_for_write(
                 f"{self._root_s}/{key}",  # strings, not pathlib, on this hot path
                 key,
@@ -190,21 +203,41 @@ class Client:
         ready = self.engine.ready(key)
         if ready is not None:  # adaptive: a key already here costs a stat and the open
             try:
-                return self._open_read(ready, mode, buffering, encoding, errors, newline)
+                return self._open_read(key, ready, mode, buffering, encoding, errors, newline)
             except FileNotFoundError:
                 pass  # deleted or evicted meanwhile: wait for it like any missing key
-        path = self.engine.consume(key, self._timeout(timeout))
-        return self._open_read(path, mode, buffering, encoding, errors, newline)
+        path = self._consume_key(key, timeout)
+        return self._open_read(key, path, mode, buffering, encoding, errors, newline)
 
-    @staticmethod
+    def open_fd(self, key: str) -> int:
+        """A read-only descriptor of the local file of the normalized ``key``, confined.
+
+        No symbolic link is followed on the way (the kernel's ``openat2`` beneath the managed
+        directory where it has one, see :class:`~instride.paths.ConfinedOpener`), and only a
+        regular file is opened. The caller closes it.
+
+        Raises
+        ------
+        FileNotFoundError
+            No file under ``key`` on this node (yet).
+        UnsafePathError, FileTypeError
+            A symbolic link on the way or as the key; a directory or special file.
+        """
+        return self._confined.open(key)
+
+    def _opener(self, key: str) -> Any:
+        """An ``opener`` for :func:`open` that refuses links, directories and special files."""
+        return lambda _path, _flags: self._confined.open(key)  # [confine]
+
     def _open_read(
-        path: str | Path, mode: str, buffering: int, encoding: str | None, errors: str | None,
-        newline: str | None,
+        self, key: str, path: str | Path, mode: str, buffering: int, encoding: str | None,
+        errors: str | None, newline: str | None,
     ) -> IO[Any]:
+        opener = self._opener(key)
         if "b" in mode:
-            return _open(path, "rb", buffering=buffering)
+            return _open(path, "rb", buffering=buffering, opener=opener)
         return _open(path, "r", buffering=buffering, encoding=encoding or "utf-8", errors=errors,
-                    newline=newline)
+                     newline=newline, opener=opener)
 
     def publish(
         self,
@@ -252,13 +285,14 @@ class Client:
             raise FileNotFoundError(f"cannot publish {str(srcp)!r}: no such file")
         if key is None:
             key = self.key(srcp)
-            final = key_path(key, self.root)
+            final = confined_path(self.root, key, for_write=True)  # [confine]
             if srcp == final:  # already in place (written non-atomically by a legacy tool)
                 self.engine.published(key, overwrite)
                 return key
         else:
             key = self.key(key)
             final = key_path(key, self.root)
+        confined_path(self.root, key, for_write=True)  # [confine] no link or directory on the way
         final.parent.mkdir(parents=True, exist_ok=True)
         if not overwrite and final.exists():
             raise KeyExistsError(key)
@@ -284,6 +318,12 @@ class Client:
         return key
 
     # ------------------------------------------------------------------ consuming
+    def _consume_key(self, key: str, timeout: float | None) -> Path:
+        timeout = self._timeout(timeout)
+        confined_path(self.root, key, for_write=False)  # [confine] before waiting/fetching
+        self.engine.consume(key, timeout)
+        return confined_path(self.root, key, for_write=False)  # [confine] what was published
+
     def ready(self, key: str | os.PathLike[str]) -> str | None:
         """The local path of ``key`` if it can be read right now without waiting, else ``None``.
 
@@ -323,8 +363,12 @@ class Client:
             After ``timeout`` seconds (default ``INSTRIDE_TIMEOUT``, else forever).
         PeerUnavailable, IntegrityError
             Cluster mode: the owner cannot be reached / the bytes do not verify.
+        UnsafePathError
+            A symbolic link on the way to the key, or as the key itself (never followed).
+        FileTypeError
+            The key names a directory, a FIFO, a socket or a device.
         """
-        return self.engine.consume(self.key(key), self._timeout(timeout))
+        return self._consume_key(self.key(key), timeout)
 
     def consume_bytes(self, key: str | os.PathLike[str], timeout: float | None = None) -> memoryview:
         """Wait for ``key`` and return its content without a second copy on disk.
@@ -344,7 +388,10 @@ class Client:
         memoryview
             The content (read-only).
         """
-        return self.engine.consume_bytes(self.key(key), self._timeout(timeout))
+        key = self.key(key)
+        timeout = self._timeout(timeout)
+        confined_path(self.root, key, for_write=False)  # [confine] the engine maps it confined
+        return self.engine.consume_bytes(key, timeout)
 
     def wait_any(self, keys: Sequence[str], timeout: float | None = None) -> str:
         """Wait until one of ``keys`` is published; return the (normalized) key that was.
@@ -357,8 +404,16 @@ class Client:
             After ``timeout`` seconds (default ``INSTRIDE_TIMEOUT``, else forever).
         KeyValidationError
             A bad key.
+        UnsafePathError, FileTypeError
+            A key reached through a symbolic link, or naming a directory or special file.
         """
-        return self.engine.wait_any([self.key(k) for k in keys], self._timeout(timeout))
+        keys = [self.key(k) for k in keys]
+        timeout = self._timeout(timeout)
+        for key in keys:
+            confined_path(self.root, key, for_write=False)  # [confine] links, dirs, special files
+        key = self.engine.wait_any(keys, timeout)
+        confined_path(self.root, key, for_write=False)  # [confine] what appeared here
+        return key
 
     def exists(self, key: str | os.PathLike[str]) -> bool:
         """Whether ``key`` is published (anywhere, in cluster mode).
@@ -415,6 +470,7 @@ class Client:
             The key; no error when it is not published.
         """
         key = self.key(key)
+        confined_path(self.root, key, for_write=True)  # [confine] never unlink through a link
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.root / key)
         self.metadata.delete(key)

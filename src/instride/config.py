@@ -46,6 +46,46 @@ def _float_or_none(name: str, raw: str | None) -> float | None:
     return value if 0 < value < math.inf else None  # 0, negative or inf: no limit
 
 
+def parse_timeout(raw: str | float | None, name: str = "INSTRIDE_TIMEOUT") -> float | None:
+    """Parse a consume timeout, the one meaning shared by ``INSTRIDE_TIMEOUT`` and ``--timeout``.
+
+    Parameters
+    ----------
+    raw
+        Seconds as text or a number. ``None``, empty, ``inf``, ``forever`` or ``none``: wait
+        forever (returns ``None``). ``0``: do not wait, fail at once unless published.
+    name
+        The setting or option named in the error.
+
+    Returns
+    -------
+    float or None
+        Seconds, or ``None`` for no limit.
+
+    Raises
+    ------
+    ConfigError
+        Not a number, NaN, or negative.
+    """
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        text = raw.strip().lower()
+        if text in ("", "inf", "infinity", "forever", "none"):
+            return None
+        try:
+            value = float(text)
+        except ValueError:
+            raise ConfigError(name, raw, "not a number of seconds") from None
+    else:
+        value = float(raw)
+    if math.isnan(value):
+        raise ConfigError(name, raw, "not a number of seconds")
+    if value < 0:
+        raise ConfigError(name, raw, "must be >= 0 (0: do not wait; unset or inf: forever)")
+    return None if value == math.inf else value
+
+
 def _bool(name: str, raw: str | None, default: bool) -> bool:
     if raw is None or raw.strip() == "":
         return default
@@ -114,6 +154,10 @@ def _path_or_none(name: str, raw: str | None) -> Path | None:
     return Path(raw) if raw else None
 
 
+def _timeout(name: str, raw: str | None) -> float | None:
+    return parse_timeout(raw, name)
+
+
 def _connect_timeout(name: str, raw: str | None) -> float:
     value = _float_or_none(name, raw)
     return 5.0 if value is None else value
@@ -158,8 +202,9 @@ VARIABLES: tuple[Variable, ...] = (
              "set: cluster mode (metadata in Redis); unset: local mode"),
     Variable("INSTRIDE_TOKEN", "token", _token, "unset",
              "job token; every cluster request carries an HMAC of it"),
-    Variable("INSTRIDE_TIMEOUT", "timeout", _float_or_none, "forever",
-             "default consume timeout, seconds (empty, 0, negative or inf: forever)"),
+    Variable("INSTRIDE_TIMEOUT", "timeout", _timeout, "forever",
+             "default consume timeout, seconds (0: do not wait, fail at once unless published; "
+             "empty or inf: forever; negative: refused)"),
     Variable("INSTRIDE_FSYNC", "fsync", _fsync, "1",
              "fsync a produced file (and its directory) when publishing it; skipped on tmpfs"),
     Variable("INSTRIDE_CACHE_BYTES", "cache_bytes", _int_or_none, "unbounded",

@@ -61,6 +61,37 @@ class KeyNotServed(KeyNotFoundError):
         self.strerror = f"key {key!r} is not served: {reason}"
 
 
+class UnsafePathError(InstrideError, PermissionError):
+    """A key's path leaves the managed directory: a symbolic link on the way, or it resolves outside.
+
+    Keys never follow symbolic links, so nothing is ever read or written outside the managed
+    directory through one (see :mod:`instride.paths`).
+    """
+
+    errno = _errno.ELOOP
+
+    def __init__(self, key: str, reason: str) -> None:
+        self.key = key
+        self.reason = reason
+        super().__init__(_errno.ELOOP, f"key {key!r} refused: {reason}")
+
+
+class FileTypeError(InstrideError, OSError):
+    """A key names something other than a regular file (a directory, a FIFO, a device...).
+
+    ``errno`` is ``EISDIR`` for a directory, ``ENOTDIR`` for a file where a directory is
+    needed, ``EINVAL`` for a special file.
+    """
+
+    errno = _errno.EINVAL
+
+    def __init__(self, key: str, reason: str, code: int = _errno.EINVAL) -> None:
+        self.key = key
+        self.reason = reason
+        super().__init__(code, f"key {key!r} refused: {reason}")
+        self.errno = code  # the instance's code, over the class default
+
+
 class ConsumeTimeout(InstrideError, TimeoutError):
     """A consumer waited longer than its timeout for a key (or the next frame of a stream)."""
 
@@ -241,6 +272,8 @@ BY_NAME: dict[str, type[InstrideError]] = {
         KeyValidationError,
         KeyExistsError,
         KeyNotFoundError,
+        UnsafePathError,
+        FileTypeError,
         ConsumeTimeout,
         IntegrityError,
         PeerUnavailable,

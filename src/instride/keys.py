@@ -57,7 +57,8 @@ def normalize_key(key_or_path: str | os.PathLike[str] | bytes, root: Path) -> st
     ------
     KeyValidationError
         For a non-string, empty key, NUL or control character, ``..`` component, a path
-        outside ``root``, a reserved name, or an over-long key or component.
+        outside ``root``, a trailing ``/`` (a directory), a reserved name, or an over-long key
+        or component.
     """
     if (
         type(key_or_path) is str
@@ -93,6 +94,8 @@ def normalize_key(key_or_path: str | os.PathLike[str] | bytes, root: Path) -> st
         if norm != rootstr and not norm.startswith(rootstr + "/"):
             raise KeyValidationError(key_or_path, f"path is outside the managed directory {rootstr}")
         parts = norm[len(rootstr) :].split("/")
+    if raw.rsplit("/", 1)[-1] in ("", "."):  # "dir/", "dir/.": a directory, never a file key
+        raise KeyValidationError(key_or_path, "ends with '/': a key names a file, not a directory")
     comps = [p for p in parts if p not in ("", ".")]
     if not comps:
         raise KeyValidationError(key_or_path, "empty name")

@@ -39,6 +39,7 @@ A frame a reader holds is never rewritten under it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -559,7 +560,8 @@ class Stream:
         published_but_busy = False
         while True:
             path = engine.frame_path(key)
-            got = leases.open(path) if path is not None else None
+            got = None if path is None else leases.open(  # [confine] no link on the way
+                path, functools.partial(self.client.open_fd, key))
             if got is not None:
                 buf, release = got
                 try:

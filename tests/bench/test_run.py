@@ -154,7 +154,7 @@ def test_cli_run_and_tiny_study(tmp_path: Path) -> None:
     assert (out / "timings.csv").exists() and (out / "summary.json").exists()
     bad = subprocess.run([*exe, "bench", "run", "--model", "lysozyme", "--out", str(out)],
                          capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "unknown model" in bad.stderr
+    assert bad.returncode == 4 and "unknown model" in bad.stderr  # invalid input
     rep = tmp_path / "study"
     proc = subprocess.run(
         [*exe, "bench", "study", "--preset", "tiny", "--experiments", "single_node",

@@ -70,4 +70,4 @@ def test_cli_round_trip(tmp_path: Path) -> None:
     again = cli("down", "--name", name)
     assert again.returncode == 0 and f"no cluster {name}" in again.stderr
     missing = cli("status", "--name", name)
-    assert missing.returncode == 2 and "no cluster named" in missing.stderr
+    assert missing.returncode == 1 and "no cluster named" in missing.stderr

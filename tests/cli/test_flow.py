@@ -10,6 +10,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from instride.cli import EXIT_INVALID
 from tests.flow.conftest import flow_env  # noqa: F401 - the fixture
 
 GRAPH = textwrap.dedent("""
@@ -83,10 +84,10 @@ def test_check_and_draw(flow_env:  # noqa: F811
     ok = cli("flow", "check", str(good))
     assert ok.returncode == 0 and "valid" in ok.stdout and "all_l0_0 x1" in ok.stdout
     res = cli("flow", "check", str(bad))
-    assert res.returncode == 2
+    assert res.returncode == EXIT_INVALID  # a graph that does not validate: invalid input
     assert "blocking input tot[0].frames is not connected" in res.stderr
     res = cli("flow", "run", str(bad))
-    assert res.returncode == 2 and "not connected" in res.stderr
+    assert res.returncode == EXIT_INVALID and "not connected" in res.stderr
     png = tmp_path / "g.png"
     res = cli("flow", "draw", str(good), "-o", str(png))
     assert res.returncode == 0 and png.stat().st_size > 1000

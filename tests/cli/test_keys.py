@@ -72,11 +72,11 @@ def test_wait_blocks_until_published(managed_dir: Path) -> None:
 
 def test_errors_are_reported_not_tracebacks(managed_dir: Path) -> None:
     res = _cli("wait", "nothing/here", "--timeout", "0.2")
-    assert res.returncode == 2
+    assert res.returncode == 3  # timeout
     assert "timed out" in res.stderr and "nothing/here" in res.stderr
     assert "Traceback" not in res.stderr
     res = _cli("cat", "../../etc/passwd")
-    assert res.returncode == 2
+    assert res.returncode == 4  # invalid input
     assert "invalid key" in res.stderr
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from instride.cli import EXIT_ERROR
 from instride.errors import InstrideError
 from instride.flow import FlowTimeout, Graph, Input, ModuleFailed, run
 
@@ -178,14 +179,19 @@ def test_runner_killed_leaves_no_instance(flow_env: dict[str, Path], tmp_path: P
         proc = subprocess.Popen([sys.executable, "-m", "instride", "flow", "run", str(graph),
                                  "--out", str(out), "-q"], env=env, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 60
-        while len(list(out.glob("sleeper-*.pid"))) < 2 and time.monotonic() < deadline:
+        streams = flow_env["managed"] / "flow"
+        # wait for the instances and a first published message (a wait that fails removes
+        # the directories it created, so only a message makes a stream outlive the runner)
+        while ((len(list(out.glob("sleeper-*.pid"))) < 2
+                or not any(p.is_file() for p in streams.rglob("*")))
+               and time.monotonic() < deadline):
             time.sleep(0.1)
         pids = [int(p.name.split("-")[1].split(".")[0]) for p in out.glob("sleeper-*.pid")]
         assert len(pids) == 2
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
         if sig == signal.SIGTERM:
-            assert proc.returncode == 2 and b"received signal 15" in err
+            assert proc.returncode == EXIT_ERROR and b"received signal 15" in err
         deadline = time.monotonic() + 10
         while any(_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -85,12 +85,12 @@ def test_cli_export_h5md_readable_by_mdanalysis(adk: AdkData, tmp_path: Path) ->
             assert ts.dimensions is None
     # exporting again refuses to overwrite
     again = run(instride_cmd("export", "--h5md", "adk", str(out), "--quiet"))
-    assert again.returncode == 2 and "exists" in again.stderr
+    assert again.returncode == 4 and "exists" in again.stderr  # invalid input
 
 
 def test_cli_bad_input_exit_code(adk: AdkData, tmp_path: Path) -> None:
     proc = run(instride_cmd("analyze", "rmsd", "--topology", adk.psf, "--trajectory",
                             str(tmp_path / "missing.dcd"), "--out", str(tmp_path / "o")))
-    assert proc.returncode == 2
+    assert proc.returncode == 4  # invalid input
     assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "o").exists()

@@ -145,6 +145,15 @@ def test_server_timeout_is_etimedout(cluster: tuple[Shim, FakeNodeServer]) -> No
     assert server.requests == ["CONSUME 500 never.bin"]
 
 
+def test_timeout_zero_sends_zero(cluster: tuple[Shim, FakeNodeServer]) -> None:
+    """INSTRIDE_TIMEOUT=0 asks the node server not to wait (``CONSUME 0``), not forever (-1)."""
+    shim, server = cluster
+    proc = shim.with_env(INSTRIDE_TIMEOUT="0").run(["cat", shim.dir / "never.bin"], timeout=20)
+    assert proc.returncode != 0
+    assert os.strerror(errno.ETIMEDOUT).encode() in proc.stderr
+    assert server.requests == ["CONSUME 0 never.bin"]
+
+
 def test_no_timeout_sends_minus_one(cluster: tuple[Shim, FakeNodeServer]) -> None:
     shim, server = cluster
     (shim.dir / "here.txt").write_text("here")

@@ -100,6 +100,30 @@ def test_timeout_is_etimedout_and_quick(shim: Shim) -> None:
     assert fast.py(code).returncode == 0
 
 
+def test_timeout_zero_does_not_wait_and_negative_is_refused(shim: Shim) -> None:
+    """INSTRIDE_TIMEOUT=0 means what ``--timeout 0`` means: fail at once, never wait forever."""
+    now = shim.with_env(INSTRIDE_TIMEOUT="0")
+    code = (
+        "import errno\n"
+        "try:\n"
+        f"    open({str(shim.dir / 'zero' / 'missing.bin')!r}, 'rb')\n"
+        "except OSError as e:\n"
+        "    raise SystemExit(0 if e.errno == errno.ETIMEDOUT else 1)\n"
+        "raise SystemExit(2)\n"
+    )
+    proc = now.py(code, timeout=20)  # a wait forever would be killed here, and fail
+    assert proc.returncode == 0, proc.stderr.decode()
+    (shim.dir / "zero").mkdir(exist_ok=True)
+    (shim.dir / "zero" / "here.bin").write_bytes(b"here")
+    assert now.run(["cat", shim.dir / "zero" / "here.bin"], check=True).stdout == b"here"
+    for bad in ("-1", "nan", "soon"):
+        proc = shim.with_env(INSTRIDE_TIMEOUT=bad, INSTRIDE_DEBUG="1").run(
+            ["cat", shim.dir / "zero" / "here.bin"], timeout=20)
+        assert proc.returncode != 0 and proc.stdout == b""
+        assert os.strerror(errno.EINVAL).encode() in proc.stderr
+        assert b"INSTRIDE_TIMEOUT must be >= 0" in proc.stderr
+
+
 def test_write_once_second_cp_fails_eexist(shim: Shim) -> None:
     a = shim.outside / "a.txt"
     b = shim.outside / "b.txt"

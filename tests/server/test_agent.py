@@ -61,10 +61,14 @@ def test_unix_socket_protocol(nodes: list[LoopbackNode]) -> None:
     assert ask(n2, "CONSUME 0 u/never").startswith("ERR 110 ")
     assert ask(n2, "CONSUME 200 ../x").startswith("ERR 22 ")
     assert ask(n2, "CONSUME soon u/frame").startswith("ERR 22 ")
+    assert ask(n2, "CONSUME -2 u/frame").startswith("ERR 22 ")  # only -1 means "default"
     assert ask(n2, "BOGUS").startswith("ERR 22 ")
     assert ask(n2, "x" * 9000).startswith("ERR 7 ")
     (n2.dir / "u" / "shim.out").write_bytes(b"from the shim")
     assert ask(n2, "PUBLISH u/shim.out") == f"OK {n2.dir / 'u' / 'shim.out'}"
+    # a second PUBLISH of the same file is refused (write-once) but keeps the original
+    assert ask(n2, "PUBLISH u/shim.out").startswith("ERR 17 ")
+    assert (n2.dir / "u" / "shim.out").read_bytes() == b"from the shim"
     assert ask(n2, "PUBLISH u/absent").startswith("ERR 2 ")
     c3 = n3.client()
     try:

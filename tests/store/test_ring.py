@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from instride.errors import KeyValidationError
+from instride.errors import FileTypeError, UnsafePathError
 from instride.store.ring import Leases, SlotPool, collect_pool
 
 
@@ -60,11 +61,29 @@ def test_lease_refuses_a_retired_key(tmp_path: Path) -> None:
     assert Leases().open(tmp_path / "a") is None
     assert Leases().open(tmp_path / "missing") is None
     os.symlink(tmp_path / "pool", tmp_path / "link")
-    with pytest.raises(KeyValidationError, match="symbolic link"):  # never followed
+    with pytest.raises(UnsafePathError, match="symbolic link"):  # never followed
         Leases().open(tmp_path / "link")
-    with pytest.raises(KeyValidationError, match="regular file"):
+    with pytest.raises(FileTypeError, match="regular file") as info:
         Leases().open(tmp_path / "pool")
+    assert info.value.errno == errno.EISDIR
     pool.close()
+
+
+def test_lease_with_a_confined_opener_refuses_a_linked_directory(tmp_path: Path) -> None:
+    from instride.paths import ConfinedOpener
+
+    root = tmp_path / "root"
+    (root / "real").mkdir(parents=True)
+    (root / "real" / "f").write_bytes(b"x" * 10)
+    os.symlink(root / "real", root / "linked")
+    opener = ConfinedOpener(root)
+    buf, release = Leases().open(root / "real" / "f", lambda: opener.open("real/f"))
+    assert bytes(buf) == b"x" * 10
+    release()
+    with pytest.raises(UnsafePathError, match="'linked' is a symbolic link"):
+        Leases().open(root / "linked" / "f", lambda: opener.open("linked/f"))
+    assert Leases().open(root / "real" / "g", lambda: opener.open("real/g")) is None
+    opener.close()
 
 
 def test_killed_producer_leaves_nothing_published_and_its_pool_is_reclaimed(tmp_path: Path) -> None:

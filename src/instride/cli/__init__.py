@@ -3,6 +3,26 @@
 Each command parses its arguments, calls one library function and prints. Heavy imports
 (numpy-based benchmarks, OpenMM, MDAnalysis) happen inside the command that needs them, so
 ``instride --help`` stays fast.
+
+Exit status (the same for every command; :data:`EXIT_CODES`, mapped from the typed errors by
+:func:`exit_code`):
+
+====  ======================================================================================
+0     success
+1     any other error (including errors of the command run by ``instride run`` /
+      ``cluster exec``, which pass their own status through)
+2     usage: a bad command line or a bad ``INSTRIDE_*`` setting (``ConfigError``)
+3     timeout: a key was not published in time (``ConsumeTimeout``), a flow ran past its
+      ``--timeout`` (``FlowTimeout``)
+4     invalid input: a bad or unsafe key, a directory or special file under a key, a
+      write-once key already published, a missing key or input file, an unsupported mode,
+      a dataflow graph that does not validate (``GraphError``)
+5     integrity or transfer failure: bytes that do not verify, a transfer cut short
+6     unavailable: a peer's data server or the metadata service (Redis) cannot be reached
+      (also a wait that ran out while Redis could not be reached)
+7     refused: authentication with the job token failed
+130   interrupted (Ctrl-C)
+====  ======================================================================================
 """
 
 from __future__ import annotations
@@ -13,7 +33,22 @@ import sys
 from collections.abc import Callable, Sequence
 
 from .. import __version__
-from ..errors import InstrideError
+from ..errors import (
+    AuthenticationError,
+    ConfigError,
+    ConsumeTimeout,
+    FileTypeError,
+    InstrideError,
+    IntegrityError,
+    KeyExistsError,
+    KeyNotFoundError,
+    KeyValidationError,
+    MetadataUnavailable,
+    PeerUnavailable,
+    TransferError,
+    UnsafePathError,
+    UnsupportedModeError,
+)
 
 Handler = Callable[[argparse.Namespace], int]
 #: Extra command groups: module path of a function ``add_parser(subparsers)``.
@@ -30,13 +65,78 @@ _PLUGINS = [
     "instride.cli.job",  # job (Slurm / mpiexec services)
 ]
 
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_TIMEOUT = 3
+EXIT_INVALID = 4
+EXIT_INTEGRITY = 5
+EXIT_UNAVAILABLE = 6
+EXIT_REFUSED = 7
+EXIT_INTERRUPTED = 130
+
+#: Typed error -> exit status, first match wins (so the more specific classes come first).
+#: Other errors of instride that refine ValueError, LookupError or FileNotFoundError (bad
+#: input of a command: an unknown model, a missing trajectory) are invalid input too.
+EXIT_CODES: list[tuple[type[BaseException] | tuple[type[BaseException], ...], int]] = [
+    (ConfigError, EXIT_USAGE),
+    ((ConsumeTimeout, TimeoutError), EXIT_TIMEOUT),  # also a flow run's FlowTimeout
+    ((IntegrityError, TransferError), EXIT_INTEGRITY),
+    ((PeerUnavailable, MetadataUnavailable), EXIT_UNAVAILABLE),
+    (AuthenticationError, EXIT_REFUSED),
+    ((KeyValidationError, UnsafePathError, FileTypeError, UnsupportedModeError, KeyExistsError,
+      KeyNotFoundError), EXIT_INVALID),
+    ((ValueError, LookupError, FileNotFoundError), EXIT_INVALID),
+]
+
+
+def exit_code(exc: BaseException) -> int:
+    """The exit status of the ``instride`` command for an error (see :data:`EXIT_CODES`)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(exc, ConsumeTimeout) and _unreachable(exc):
+        return EXIT_UNAVAILABLE  # the wait ran out while Redis could not be reached
+    if isinstance(exc, InstrideError):
+        for kinds, code in EXIT_CODES:
+            if isinstance(exc, kinds):
+                return code
+    return EXIT_ERROR
+
+
+def _unreachable(exc: BaseException) -> BaseException | None:
+    """The connection error behind a timeout (Redis down during the wait), if any."""
+    cause = exc.__cause__
+    if isinstance(cause, (MetadataUnavailable, PeerUnavailable, ConnectionError)):
+        return cause
+    if cause is not None and type(cause).__module__.startswith("redis"):  # redis-py's own
+        return cause  # ConnectionError / TimeoutError (not the builtin classes)
+    return None
+
+
+def timeout_arg(text: str) -> float | None:
+    """``--timeout`` values: seconds; ``0`` does not wait; ``inf`` waits forever (argparse type)."""
+    from ..config import parse_timeout
+
+    try:
+        return parse_timeout(text, "--timeout")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+#: Help text of every ``--timeout`` option that waits for keys.
+TIMEOUT_HELP = ("seconds to wait; 0: do not wait (fail at once unless published); inf: forever "
+                "(default: INSTRIDE_TIMEOUT, else forever)")
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``instride`` command."""
     parser = argparse.ArgumentParser(
         prog="instride",
         description="Producer/consumer data movement for in situ MD workflows.",
-        epilog="Settings come from INSTRIDE_* environment variables; see `instride info`.",
+        epilog="Settings come from INSTRIDE_* environment variables; see `instride info`. "
+        "Exit status: 0 ok, 1 other error, 2 usage or bad setting, 3 timeout, 4 invalid "
+        "input (key, path, file), 5 integrity/transfer failure, 6 peer or Redis unavailable, "
+        "7 authentication refused, 130 interrupted.",
     )
     parser.add_argument("--version", action="version", version=f"instride {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -47,17 +147,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``instride`` command; return its exit status."""
+    """Run the ``instride`` command; return its exit status (see :data:`EXIT_CODES`)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # usage errors: argparse exits with 2
     handler: Handler = args.func
     try:
         return handler(args)
     except InstrideError as exc:
-        print(f"instride: error: {exc}", file=sys.stderr)
-        return 2
+        cause = _unreachable(exc) if isinstance(exc, ConsumeTimeout) else None
+        extra = f" (unreachable meanwhile: {cause})" if cause is not None else ""
+        print(f"instride: error: {exc}{extra}", file=sys.stderr)
+        return exit_code(exc)
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import json
 import os
 from typing import Any
 
+from . import exit_code, timeout_arg
+
 _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
 
@@ -96,9 +98,9 @@ def cmd_analyze(args: argparse.Namespace) -> int:
             straggler_factor=args.straggler_factor, timeout=args.timeout,
             progress=args.progress,
         )
-    except InstrideError:
+    except InstrideError as exc:
         if args.backend == "mpi" and _rank() != 0:
-            return 2  # rank 0 prints the error once
+            return exit_code(exc)  # rank 0 prints the error once
         raise
     if run is None:  # MPI rank > 0
         return 0
@@ -142,8 +144,8 @@ def add_parser(subparsers: Any) -> None:
                         help="testing/diagnostics: make RANK sleep SECONDS per frame")
     common.add_argument("--straggler-factor", type=float, default=1.5,
                         help="flag ranks whose work time exceeds this x the median (1.5)")
-    common.add_argument("--timeout", type=float, default=None,
-                        help="seconds a stream input waits for frames")
+    common.add_argument("--timeout", type=timeout_arg, default=None,
+                        help="seconds a stream input waits for frames (0: do not wait)")
     common.add_argument("--mpiexec", default=None, help="mpiexec to launch with")
     common.add_argument("--no-plot", action="store_true", help="skip timing.png")
     common.add_argument("--progress", action="store_true", help="progress bar for rank 0")
@@ -170,7 +172,8 @@ def add_parser(subparsers: Any) -> None:
                    "--topology)")
     p.add_argument("out", help="output .h5 file")
     p.add_argument("--topology", default=None, help="topology of a trajectory-file source")
-    p.add_argument("--timeout", type=float, default=None, help="seconds to wait per frame")
+    p.add_argument("--timeout", type=timeout_arg, default=None,
+                   help="seconds to wait per frame (0: do not wait)")
     p.add_argument("--force", action="store_true", help="overwrite OUT")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_export)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import timeout_arg
+
 
 def cmd_archive(args: argparse.Namespace) -> int:
     from ..archiver import archive_stream
@@ -28,7 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("stream", help="stream name, e.g. run7")
     p.add_argument("--to", required=True, metavar="FILE", help="archive file (.h5 or .h5md: H5MD)")
     p.add_argument("--group", default="archive", help="consumer group name (default: archive)")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="seconds to wait for each frame (default: INSTRIDE_TIMEOUT, else forever)")
+    p.add_argument("--timeout", type=timeout_arg, default=None,
+                   help="seconds to wait for each frame; 0: do not wait; inf: forever "
+                   "(default: INSTRIDE_TIMEOUT, else forever)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=cmd_archive)

@@ -7,6 +7,7 @@ import json
 import sys
 
 from .. import __version__
+from . import TIMEOUT_HELP, timeout_arg
 
 
 def _client():  # type: ignore[no-untyped-def]
@@ -86,12 +87,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
     p = sub.add_parser("wait", help="wait until KEY is published and local; print its path")
     p.add_argument("key")
-    p.add_argument("--timeout", type=float, default=None, help="seconds (default: forever)")
+    p.add_argument("--timeout", type=timeout_arg, default=None, help=TIMEOUT_HELP)
     p.set_defaults(func=cmd_wait)
 
     p = sub.add_parser("cat", help="wait for KEY and write its content to stdout")
     p.add_argument("key")
-    p.add_argument("--timeout", type=float, default=None, help="seconds (default: forever)")
+    p.add_argument("--timeout", type=timeout_arg, default=None, help=TIMEOUT_HELP)
     p.set_defaults(func=cmd_cat)
 
     p = sub.add_parser("gc", help="remove temporary files left by dead producers")

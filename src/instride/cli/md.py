@@ -6,6 +6,8 @@ import argparse
 import signal
 import sys
 
+from . import EXIT_INVALID, timeout_arg
+
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from ..md.demo import run_demo
@@ -27,7 +29,7 @@ def cmd_imd_bridge(args: argparse.Namespace) -> int:
         natoms = args.natoms if args.natoms is not None else natoms_from_gro(args.gro)
     except (OSError, ValueError) as exc:
         print(f"instride imd-bridge: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_INVALID  # an unreadable or bad .gro file: invalid input
     report = bridge(
         args.address, args.stream, natoms, dt=args.dt, first_step=args.first_step, every=args.every,
         connect_timeout=args.connect_timeout, timeout=args.timeout, layout=args.layout,
@@ -147,8 +149,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="IMD version to speak (default %(default)s; MDAnalysis needs 3)")
     p.add_argument("--clients", type=int, default=None,
                    help="exit after this many client sessions have ended (default: run until stopped)")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="seconds a session waits for the producer's next frame (default: no limit)")
+    p.add_argument("--timeout", type=timeout_arg, default=None,
+                   help="seconds a session waits for the producer's next frame; 0: do not wait; "
+                   "inf: forever (default: no limit)")
     p.add_argument("--dt", type=float, default=None,
                    help="ps per MD step sent in the TIME packet (default: from consecutive frames)")
     p.set_defaults(func=cmd_imd_serve)

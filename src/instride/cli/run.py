@@ -7,6 +7,8 @@ import os
 import shutil
 import sys
 
+from . import timeout_arg
+
 
 def cmd_preload_path(args: argparse.Namespace) -> int:
     from ..interception.preload import build_flags, preload_path
@@ -77,7 +79,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "if it is not set there): instride run -- cp a.dat '$INSTRIDE_DIR/run7/a.dat'.",
     )
     p.add_argument("--dir", help="managed directory (default: INSTRIDE_DIR)")
-    p.add_argument("--timeout", type=float, help="consume timeout in seconds (INSTRIDE_TIMEOUT)")
+    p.add_argument("--timeout", type=timeout_arg,
+                   help="consume timeout in seconds, as INSTRIDE_TIMEOUT (0: do not wait)")
     p.add_argument("--overwrite", action="store_true",
                    help="let writes replace published keys (INSTRIDE_OVERWRITE=1)")
     p.add_argument("--patch-python-open", action="store_true",

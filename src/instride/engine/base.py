@@ -30,7 +30,7 @@ import mmap
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ..metadata.base import MetadataBackend
 from ..record import Record
@@ -100,9 +100,13 @@ class Engine(Protocol):
         """Release connections; the engine stays usable (they are re-made on demand)."""
 
 
-def map_file(path: str | Path) -> memoryview:
-    """A read-only memory map of ``path`` (an empty view for an empty file)."""
-    with _open(path, "rb") as fh:
+def map_file(path: str | Path, opener: Any = None) -> memoryview:
+    """A read-only memory map of ``path`` (an empty view for an empty file).
+
+    ``opener`` (as for :func:`open`) opens it: engines pass one that refuses symbolic links,
+    directories and special files (:class:`~instride.paths.ConfinedOpener`).
+    """
+    with _open(path, "rb", opener=opener) as fh:
         if os.fstat(fh.fileno()).st_size == 0:
             return memoryview(b"")
         return memoryview(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ))

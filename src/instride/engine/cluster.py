@@ -22,9 +22,10 @@ from pathlib import Path
 
 from .. import store
 from ..config import Settings
-from ..errors import ConsumeTimeout, IntegrityError, KeyNotFoundError
+from ..errors import ConsumeTimeout, IntegrityError, KeyExistsError, KeyNotFoundError
 from ..keys import TMP_PATTERN, key_path, tmp_path
 from ..metadata import get_backend
+from ..paths import ConfinedOpener
 from ..record import Record
 from ..store.streamstate import RedisStreamState
 from ..transport import Transport, get_transport
@@ -52,6 +53,7 @@ class ClusterEngine:
         self.settings = settings
         self.root = settings.dir
         self.metadata = get_backend("redis", settings)
+        self.confined = ConfinedOpener(self.root)  # [confine] maps keys, never through links
         self.transport: Transport = get_transport(settings.transport, settings)
         settings.internal_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.cache_dir = settings.internal_dir / "cache"
@@ -258,7 +260,8 @@ class ClusterEngine:
             if record.owner != self.settings.addr:
                 self.transfers += 1
                 return memoryview(self.transport.fetch_bytes(record))
-        return map_file(self.consume(key, timeout))
+        path = self.consume(key, timeout)
+        return map_file(path, lambda _p, _f: self.confined.open(key))  # [confine]
 
     # ------------------------------------------------------------------ engine protocol
     def ready(self, key: str) -> str | None:
@@ -322,7 +325,9 @@ class ClusterEngine:
         ``checksum`` (``"xxh3:<hex>"``) and ``size`` may be given by a caller that computed
         them while writing the file; otherwise the file is read once to compute them. If
         recording fails, a write-once file is removed again, so no key is left visible without
-        a record.
+        a record; except a second registration of the very file already recorded (same owner
+        and checksum: a thin client's repeated ``PUBLISH``), which must not remove the
+        published original.
         """
         path = f"{self.root}/{key}"
         if checksum is None or size is None:
@@ -334,6 +339,16 @@ class ClusterEngine:
         self.forget_fetched(key)  # our own original now, never evicted
         try:
             return self.metadata.publish(record, overwrite=overwrite)
+        except KeyExistsError:
+            # [keep] a second PUBLISH of the very bytes already recorded (the same file) must
+            # not remove the published original; a conflicting file is removed.
+            existing = None if overwrite else self.metadata.lookup(key)
+            same = existing is not None and existing.checksum == record.checksum and (
+                existing.owner == record.owner)
+            if not overwrite and not same:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            raise
         except BaseException:
             if not overwrite:
                 with contextlib.suppress(FileNotFoundError):
@@ -342,6 +357,7 @@ class ClusterEngine:
 
     def close(self) -> None:
         """Release the transport's and the metadata backend's connections."""
+        self.confined.close()
         self.transport.close()
         self.metadata.close()
 

@@ -15,6 +15,7 @@ from .. import store
 from ..config import Settings
 from ..keys import key_path
 from ..metadata import get_backend
+from ..paths import ConfinedOpener
 from ..record import Record
 from ..store.streamstate import LocalStreamState
 from .base import map_file
@@ -36,6 +37,7 @@ class LocalEngine:
         self.root = settings.dir
         self._root_s = str(settings.dir)
         self.metadata = get_backend("files", settings)
+        self.confined = ConfinedOpener(self.root)  # [confine] maps keys, never through links
 
     def ready(self, key: str) -> str | None:
         """The file of ``key`` if it exists (one ``stat``)."""
@@ -51,7 +53,8 @@ class LocalEngine:
 
     def consume_bytes(self, key: str, timeout: float | None) -> memoryview:
         """A read-only memory map of the file of ``key`` (zero copy)."""
-        return map_file(self.consume(key, timeout))
+        path = self.consume(key, timeout)
+        return map_file(path, lambda _p, _f: self.confined.open(key))  # [confine]
 
     def wait_any(self, keys: Sequence[str], timeout: float | None) -> str:
         """The first of ``keys`` whose file exists, waiting for one if none does."""
@@ -94,7 +97,8 @@ class LocalEngine:
         return self.metadata.publish(record, overwrite=overwrite)
 
     def close(self) -> None:
-        """Release the metadata backend (nothing is held)."""
+        """Release the metadata backend and the directory descriptor (reopened when needed)."""
+        self.confined.close()
         self.metadata.close()
 
 

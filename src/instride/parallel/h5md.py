@@ -170,6 +170,7 @@ def export_h5md(
     register_h5_extension()
     src = os.fspath(source)
     out = Path(out)
+    key = _managed_key(out)  # [confine] inside the managed directory: published, not written there
     if out.exists() and not overwrite:
         raise UnsupportedInputError(str(out), "output exists (pass overwrite=True / --force)")
     if topology is not None:
@@ -182,7 +183,7 @@ def export_h5md(
         name = stream_name(src) if src.startswith(SCHEME) else src
         total, frames = _stream_frames(name, timeout)
 
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp") if key is None else key[1]
     try:
         with h5py.File(tmp, "w") as f:
             n = _write(f, frames, total, batch, __version__,
@@ -190,11 +191,33 @@ def export_h5md(
                             disable=not progress))
         if n == 0:
             raise UnsupportedInputError(src, "no frames to export")
-        os.replace(tmp, out)
+        if key is None:
+            os.replace(tmp, out)
+        else:
+            key[0].publish(tmp, key[2], overwrite=overwrite)  # atomic, recorded, confined
     finally:
         if tmp.exists():
             tmp.unlink()
     return out
+
+
+def _managed_key(out: Path) -> tuple[Any, Path, str] | None:
+    """``(client, temporary file, key)`` when ``out`` lies in the managed directory, else ``None``.
+
+    An export into the managed directory is written to a temporary file in instride's own
+    directory and published under its key (atomic, checked for links, recorded in cluster
+    mode), so consumers wait for it like for any other key.
+    """
+    from ..client import get_client
+    from ..config import Settings
+    from ..paths import managed_key_of
+
+    key = managed_key_of(Settings.from_env().dir, out)
+    if key is None:
+        return None
+    client = get_client()
+    client.settings.internal_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return client, client.settings.internal_dir / f"export-{os.getpid()}-{out.name}.tmp", key
 
 
 def _write(f: Any, frames: Iterator[FrameTuple], total: int | None, batch: int,

@@ -132,11 +132,14 @@ class _PublishingFileIO(io.FileIO):
         self._hasher: Any = xxhash.xxh3_64() if checksum else None
         self._checksum = checksum
         self._size = 0
-        try:
-            super().__init__(self._tmp, "x+" if readable else "x")
-        except FileNotFoundError:  # first file of its directory
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            super().__init__(self._tmp, "x+" if readable else "x")
+        for attempt in range(5):
+            try:
+                super().__init__(self._tmp, "x+" if readable else "x")
+                break
+            except FileNotFoundError:  # first file of its directory (or a failed wait's
+                if attempt == 4:      # cleanup removed the empty directory meanwhile)
+                    raise
+                os.makedirs(os.path.dirname(final), exist_ok=True)
 
     @property
     def key(self) -> str:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import KeyValidationError
+from ..errors import FileTypeError, UnsafePathError
 from .publish import publish_file
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -257,19 +257,41 @@ class Leases:
         self.keep = keep
         self._maps: OrderedDict[tuple[int, int], mmap.mmap] = OrderedDict()
 
-    def open(self, path: str | Path) -> tuple[memoryview | bytes, Callable[[], None]] | None:
+    def open(
+        self, path: str | Path, opener: Callable[[], int] | None = None,
+    ) -> tuple[memoryview | bytes, Callable[[], None]] | None:
         """Hold the file published at ``path``; ``None`` if there is none (any more).
 
         Returns the file's bytes (a read-only mapping; ``bytes`` for an empty file) and the
         function that releases the hold.
+
+        Parameters
+        ----------
+        path
+            The frame file.
+        opener
+            Opens ``path`` read-only and returns the descriptor, refusing symbolic links on the
+            way (a :class:`~instride.paths.ConfinedOpener`); default: ``open`` with
+            ``O_NOFOLLOW`` (the last component only).
+
+        Raises
+        ------
+        UnsafePathError
+            ``path`` is a symbolic link (never followed), or reached through one.
+        FileTypeError
+            ``path`` is a directory or a special file.
         """
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            if opener is not None:
+                fd = opener()
+            else:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise KeyValidationError(str(path), "is a symbolic link (never followed)") from None
+            if exc.errno == errno.ELOOP and not isinstance(exc, UnsafePathError):
+                raise UnsafePathError(str(path), "it is a symbolic link; frames never follow "
+                                      "links") from None
             raise
         try:
             try:
@@ -279,7 +301,9 @@ class Leases:
                 return None
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise KeyValidationError(str(path), "is not a regular file")
+                code = errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL
+                raise FileTypeError(str(path), "it is not a regular file; only regular files "
+                                    "are read", code)
             try:
                 now = os.stat(path, follow_symlinks=False)
             except FileNotFoundError:

@@ -2,17 +2,21 @@
 
 A wait arms an inotify watch on the file's directory and re-checks after arming, so a
 publication that lands between the first check and the watch is never missed. No polling, no
-busy wait: the thread sleeps in ``read()`` until an event names an awaited file.
+busy wait: the thread sleeps in ``read()`` until an event names an awaited file. When the
+per-user inotify limits are reached (a thousand waiting threads exceed the default 128
+instances) a wait falls back to polling (1 ms doubling to 50 ms), still ending correctly. A
+failed wait (timeout, interruption) removes the directories it created to watch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from inotify_simple import INotify
@@ -60,6 +64,13 @@ class _Watcher(threading.local):
             with contextlib.suppress(OSError):
                 ino.rm_watch(wd)
 
+    def drop(self, directory: Path) -> None:
+        """Stop watching ``directory`` (about to be removed)."""
+        wd = self.wds.pop(directory, None)
+        if wd is not None:
+            with contextlib.suppress(OSError):
+                self.get().rm_watch(wd)
+
     def forget(self, wd: int) -> None:
         for directory, w in list(self.wds.items()):
             if w == wd:
@@ -79,6 +90,17 @@ class _Watcher(threading.local):
 _watcher = _Watcher()
 
 
+def _missing_dirs(dirs: Iterable[Path]) -> list[Path]:
+    """The directories (deepest first) that watching ``dirs`` would create."""
+    missing: list[Path] = []
+    for directory in dirs:
+        d = directory
+        while d not in missing and not os.path.isdir(d) and d != d.parent:
+            missing.append(d)
+            d = d.parent
+    return sorted(missing, key=lambda p: len(p.parts), reverse=True)
+
+
 def wait_any(
     paths: Sequence[Path],
     timeout: float | None,
@@ -90,7 +112,8 @@ def wait_any(
     Parameters
     ----------
     paths
-        Candidate files; their directories are created if missing so they can be watched.
+        Candidate files; their directories are created if missing so they can be watched, and
+        removed again (when still empty) if the wait fails: a failed wait leaves nothing behind.
     timeout
         Seconds to wait; ``None`` waits forever.
     label
@@ -104,12 +127,54 @@ def wait_any(
     for path in paths:
         if os.path.exists(path):
             return path
+    created = _missing_dirs(dict.fromkeys(p.parent for p in paths))  # [cleanup]
+    try:
+        return _wait_any(paths, timeout, label)
+    except BaseException:
+        for directory in created:  # [cleanup] deepest first; a non-empty one stays
+            _watcher.drop(directory)
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)
+        raise
+
+
+#: errno of inotify_init / inotify_add_watch when the per-user limits are reached
+#: (fs.inotify.max_user_instances, 128 by default; max_user_watches) or memory is short.
+_NO_INOTIFY = (errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.ENOMEM)
+#: Longest sleep between two checks of a polling wait.
+_POLL_MAX = 0.05
+
+
+def _poll_any(paths: Sequence[Path], timeout: float | None, label: str, start: float) -> Path:
+    """Wait by polling (1 ms doubling to 50 ms): the fallback when no inotify is available.
+
+    A process can hold only so many inotify instances (a thousand waiting threads exceed the
+    default per-user limit of 128); their waits still end correctly, at most 50 ms late.
+    """
+    delay = 0.001
+    while True:
+        for path in paths:
+            if os.path.exists(path):
+                return path
+        elapsed = time.monotonic() - start
+        if timeout is not None and elapsed >= timeout:
+            raise ConsumeTimeout(label, elapsed)
+        time.sleep(delay if timeout is None else max(0.0, min(delay, timeout - elapsed)))
+        delay = min(delay * 2, _POLL_MAX)
+
+
+def _wait_any(paths: Sequence[Path], timeout: float | None, label: str) -> Path:
     start = time.monotonic()
     names = {p.name for p in paths}
     dirs = list(dict.fromkeys(p.parent for p in paths))
-    ino = _watcher.get()
-    for directory in dirs:
-        _watcher.watch(directory)
+    try:
+        ino = _watcher.get()
+        for directory in dirs:
+            _watcher.watch(directory)
+    except OSError as exc:  # [limits] out of inotify instances or watches: poll instead
+        if exc.errno not in _NO_INOTIFY:
+            raise
+        return _poll_any(paths, timeout, label, start)
     # Re-check after arming: a publication between the first check and the watch produced
     # no event we could see.
     for path in paths:

@@ -13,12 +13,15 @@ Resource bounds: at most ``max_peers`` connections are served at once (others ge
 every write to a peer has a deadline (``send_timeout``, plus size / 50 MB/s for a file body),
 so a peer that stops reading cannot pin a transfer.
 
-Security notes: requests must be within :data:`~instride.transport.wire.MAX_SKEW` (300 s) of
-the server's clock. Nonces are **not** remembered: anyone who can capture a request on the
-network can replay it within that window and receive the same file again. Requests are not
-encrypted either, so such an observer already sees the file's bytes in the original reply;
-replay adds only a fresh copy. The token protects against fetching arbitrary keys without it,
-not against eavesdropping: run the cluster traffic on a trusted network.
+Security notes: requests are authenticated with the job token (HMAC-SHA256 over op, key,
+nonce and timestamp) and must be within :data:`~instride.transport.wire.MAX_SKEW` (300 s) of
+the server's clock. Each nonce is accepted once (:class:`~instride.transport.replay.ReplayGuard`
+remembers them for that window, bounded in memory), so a captured request sent again is
+refused with an ``AuthenticationError`` reply. Requests and replies are not encrypted: an
+observer on the network sees the file's bytes in the original reply. The token protects
+against fetching keys without it, not against eavesdropping: run the cluster traffic on a
+trusted network. Hard links are not detected: a hard link under the managed directory to a
+file readable by the server's user is served like any other regular file.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import contextlib
 import logging
 import os
 import sys
+import time
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -36,6 +40,7 @@ from ...errors import InstrideError, KeyNotFoundError, KeyNotServed, WireError
 from ...keys import normalize_key
 from ...store.served import open_served
 from .. import wire
+from ..replay import ReplayGuard
 
 log = logging.getLogger("instride.server")
 
@@ -95,6 +100,7 @@ class TcpServer:
         self.request_timeout = request_timeout
         self.send_timeout = send_timeout
         self.root_real = os.path.realpath(settings.dir)
+        self.replays = ReplayGuard()  # [replay] each signed request is accepted once
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._idle: set[asyncio.Task[Any]] = set()  # connections waiting for a request
@@ -217,6 +223,8 @@ class TcpServer:
             await self._refuse(writer, peer, "timed out reading the request header")
             return False
         reason = wire.verify(self.settings.token, req)
+        if reason is None:  # [replay] a captured request sent again is refused
+            reason = self.replays.check(req["nonce"], float(req["ts"]), now=time.time())
         if reason is not None:
             self.stats["refused"] += 1
             log.warning("refused request from %s: %s", peer, reason)
