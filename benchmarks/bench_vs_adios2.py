@@ -260,7 +260,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="JAC,STMV", help="comma-separated: JAC, STMV")
     parser.add_argument("--repeats", type=int, default=5, help="flat-out repetitions")
-    parser.add_argument("--frames", type=str, default="JAC=1000,STMV=60", help="frames per run")
+    parser.add_argument("--frames", type=str, default="JAC=3000,STMV=200",
+                        help="frames per flat-out run (long enough for the steady state)")
     parser.add_argument("--quick", action="store_true", help="1 repetition, few frames")
     args = parser.parse_args()
     machine = header("instride vs ADIOS2 SST vs write + rename (one node)")
