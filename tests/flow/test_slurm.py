@@ -77,13 +77,20 @@ def test_slurm_flow_run_across_two_nodes(slurm: EmulatedSlurm, tmp_path: Path) -
         #!/bin/sh
         export INSTRIDE_JOB_STATE_DIR={states} INSTRIDE_FLOW_STATE={flow_state}
         cd {tmp_path}
-        {job_cmd} {PY} -m instride flow run graph.py --out {tmp_path}/ok --timeout 60
-        echo "== ok rc=$?"
+        {job_cmd} sh {tmp_path}/ok.sh
         {job_cmd} {PY} -m instride flow run graph.py -p fail=true --out {tmp_path}/bad \\
             --timeout 60
         echo "== fail rc=$?"
         squeue -h -s -j $SLURM_JOB_ID -o "step %i %j"
         """)
+    # the graph, then what its run left in each node's managed directory (nothing)
+    (tmp_path / "ok.sh").write_text(textwrap.dedent(f"""\
+        {PY} -m instride flow run graph.py --out {tmp_path}/ok --timeout 60
+        echo "== ok rc=$?"
+        srun --overlap -N2 -n2 --ntasks-per-node=1 sh -c \
+          'echo "left on $INSTRIDE_NODE: [$(ls -A $INSTRIDE_DIR $INSTRIDE_DIR/.instride/streams \
+           2>/dev/null | grep -cx flow)]"'
+        """))
     job = slurm.sbatch(body, "-N", "2", f"--output={out}")
     assert slurm.wait(job, timeout=120) == "COMPLETED", out.read_text()
     text = out.read_text()
@@ -92,6 +99,7 @@ def test_slurm_flow_run_across_two_nodes(slurm: EmulatedSlurm, tmp_path: Path) -
                       text=True).stdout.split()
     assert "== ok rc=0" in text, text
     assert f"started src[0] on {nodes[0]}" in text and f"started dst[0] on {nodes[1]}" in text
+    assert f"left on {nodes[0]}: [0]" in text and f"left on {nodes[1]}: [0]" in text, text
     result = json.loads((tmp_path / "ok" / "result.json").read_text())
     assert result == {"rows": [[s, [float(s), 10.0 * s]] for s in range(5)],
                       "producer": nodes[0], "consumer": nodes[1]}
@@ -111,3 +119,13 @@ def test_slurm_launcher_outside_a_job_is_refused() -> None:
         SlurmLauncher(env={"PATH": "/usr/bin"})
     with pytest.raises(FlowError, match="instride job"):
         SlurmLauncher(env={"PATH": "/usr/bin", "SLURM_JOB_ID": "7"})
+
+
+def test_slurm_launcher_with_cluster_is_refused(tmp_path: Path) -> None:
+    import subprocess
+
+    (tmp_path / "graph.py").write_text(GRAPH)
+    proc = subprocess.run([PY, "-m", "instride", "flow", "run", "graph.py", "--launcher", "slurm",
+                           "--cluster", "c1"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "--cluster is for the emulated launcher" in proc.stderr
