@@ -16,8 +16,6 @@ import sys
 import time
 from typing import Any
 
-from ..errors import ConfigError
-
 
 def _param(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
@@ -37,16 +35,16 @@ def _graph(args: argparse.Namespace) -> Any:
 
 def _launcher(args: argparse.Namespace) -> Any:
     """``--launcher``, else emulated with ``--cluster``, Slurm inside an allocation, local."""
-    from ..flow import EmulatedLauncher, LocalLauncher, SlurmLauncher
+    from ..flow import EmulatedLauncher, FlowError, LocalLauncher, SlurmLauncher
 
     kind = args.launcher or ("emulated" if args.cluster else
                              "slurm" if os.environ.get("SLURM_JOB_ID") else "local")
     if kind == "emulated":
         if not args.cluster:
-            raise ConfigError("--launcher emulated needs --cluster NAME")
+            raise FlowError("--launcher emulated needs --cluster NAME")
         return EmulatedLauncher(args.cluster)
     if args.cluster:
-        raise ConfigError(f"--cluster is for the emulated launcher, not {kind!r}")
+        raise FlowError(f"--cluster is for the emulated launcher, not {kind!r}")
     return SlurmLauncher() if kind == "slurm" else LocalLauncher()
 
 
