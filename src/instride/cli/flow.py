@@ -2,7 +2,8 @@
 
 ``instride flow run GRAPH.py [--out DIR] [--param KEY=VALUE ...] [--cluster NAME]`` loads a
 graph file (it defines ``graph`` or ``build(**params)``), validates it and runs it: on this
-machine, or on the emulated nodes of ``instride cluster up --name NAME``. ``instride top`` shows
+machine, on the emulated nodes of ``instride cluster up --name NAME``, or as job steps of the
+Slurm allocation it runs in (``instride job -- instride flow run ...``). ``instride top`` shows
 the counters of a running graph, refreshed every second.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -31,12 +33,27 @@ def _graph(args: argparse.Namespace) -> Any:
     return load_graph(args.graph, dict(args.param or []))
 
 
+def _launcher(args: argparse.Namespace) -> Any:
+    """``--launcher``, else emulated with ``--cluster``, Slurm inside an allocation, local."""
+    from ..flow import EmulatedLauncher, FlowError, LocalLauncher, SlurmLauncher
+
+    kind = args.launcher or ("emulated" if args.cluster else
+                             "slurm" if os.environ.get("SLURM_JOB_ID") else "local")
+    if kind == "emulated":
+        if not args.cluster:
+            raise FlowError("--launcher emulated needs --cluster NAME")
+        return EmulatedLauncher(args.cluster)
+    if args.cluster:
+        raise FlowError(f"--cluster is for the emulated launcher, not {kind!r}")
+    return SlurmLauncher() if kind == "slurm" else LocalLauncher()
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    from ..flow import EmulatedLauncher, LocalLauncher, run
+    from ..flow import run
     from ..flow.monitor import render, rows
 
     graph = _graph(args)
-    launcher = EmulatedLauncher(args.cluster) if args.cluster else LocalLauncher()
+    launcher = _launcher(args)
     started = time.time()
     result = run(graph, out=args.out, launcher=launcher, timeout=args.timeout,
                  keep_streams=args.keep_streams, trace=not args.no_trace,
@@ -119,6 +136,9 @@ def add_parser(sub: Any) -> None:
     graph_args(r)
     r.add_argument("--out", "-o", help="output directory: trace.json, timeline.png, logs/")
     r.add_argument("--cluster", help="run on the emulated nodes of this `instride cluster`")
+    r.add_argument("--launcher", choices=["local", "emulated", "slurm"],
+                   help="where instances run (default: emulated with --cluster, slurm when "
+                        "SLURM_JOB_ID is set, else local)")
     r.add_argument("--timeout", type=float, help="stop the graph after this many seconds")
     r.add_argument("--keep-streams", action="store_true",
                    help="leave the run's streams in place after it ends")

@@ -33,7 +33,7 @@ from .errors import (
     UnknownNodeError,
 )
 from .graph import Edge, Graph, Input, Module, PortRef, load_graph
-from .launchers import EmulatedLauncher, Launcher, LocalLauncher
+from .launchers import EmulatedLauncher, Launcher, LocalLauncher, SlurmLauncher
 from .ports import Message, Ports, from_env
 from .runner import RunResult, run
 
@@ -48,6 +48,7 @@ __all__ = [
     "Input",
     "Launcher",
     "LocalLauncher",
+    "SlurmLauncher",
     "Message",
     "Module",
     "ModuleBase",

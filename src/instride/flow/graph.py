@@ -272,7 +272,8 @@ class Graph:
         instances
             Number of processes (default 1, or ``per_node * len(nodes)``).
         nodes
-            Placement: the nodes its instances run on, in turn.
+            Placement: the nodes its instances run on, in turn: names, or indices into the
+            launcher's node list (``nodes=[0]``: the first node of a Slurm allocation).
         per_node
             Instances per node of ``nodes`` (instance ``i`` on ``nodes[i // per_node]``).
         params
@@ -423,7 +424,8 @@ class Graph:
         for m in self.modules.values():
             for i in range(m.instances):
                 if m.nodes:
-                    out[(m.name, i)] = m.nodes[i % len(m.nodes)]
+                    n = m.nodes[i % len(m.nodes)]
+                    out[(m.name, i)] = nodes[n] if isinstance(n, int) else n  # index or name
                 else:
                     out[(m.name, i)] = nodes[k % len(nodes)]
                     k += 1
@@ -539,7 +541,8 @@ class Graph:
             if m.nodes is not None and nodes is not None:
                 known = list(nodes)
                 for n in m.nodes:
-                    if n not in known:
+                    index = isinstance(n, int) and not isinstance(n, bool)
+                    if (index and not 0 <= n < len(known)) or (not index and n not in known):
                         raise UnknownNodeError(
                             f"module {m.name!r} is placed on node {n!r}, which this launcher "
                             f"does not have (nodes: {known})"

@@ -163,3 +163,116 @@ class EmulatedLauncher:
             root = Path(self.cluster.node(name).dir)
             _remove_tree(root, prefix)
             _remove_stream_state(root, prefix)
+
+
+#: Per-node settings the Slurm task prolog sets on each node (never taken from the runner's node).
+_NODE_VARS = ("INSTRIDE_DIR", "INSTRIDE_ADDR", "INSTRIDE_NODE")
+
+
+def _step_name(prefix: str) -> str:
+    """The Slurm step name of the instances of the run ``prefix`` (``flow/g-id`` -> ``flow-g-id``)."""
+    return prefix.replace("/", "-")
+
+
+class SlurmLauncher:
+    """Instances run as job steps of the current Slurm allocation (``srun --overlap``).
+
+    Run it inside ``instride job -- instride flow run GRAPH.py``: ``instride job`` has started
+    Redis, one data server per node and the job token, and its task prolog gives every step its
+    node's ``INSTRIDE_DIR``/``INSTRIDE_ADDR``/``INSTRIDE_NODE``. Each instance is
+    ``srun --overlap -N1 -n1 --nodelist=<node> --job-name=<run>`` with the runner's environment
+    (its ports included); steps still alive when the run ends are cancelled (``scancel
+    <job>.<step>``).
+
+    Parameters
+    ----------
+    env
+        The environment to start from (default ``os.environ``).
+
+    Raises
+    ------
+    FlowError
+        Not inside a Slurm allocation, or outside ``instride job`` (no cluster-mode services).
+    """
+
+    name = "slurm"
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        from .errors import FlowError
+
+        self.base = dict(os.environ if env is None else env)
+        self.job_id = self.base.get("SLURM_JOB_ID", "")
+        if not self.job_id:
+            raise FlowError("the slurm launcher needs a Slurm allocation: SLURM_JOB_ID is not set "
+                            "(run `instride job -- instride flow run ...` in an sbatch script)")
+        if not (self.base.get("INSTRIDE_JOB_ID") and self.base.get("INSTRIDE_REDIS_URL")
+                and self.base.get("SLURM_TASK_PROLOG")):
+            raise FlowError("the slurm launcher runs inside `instride job` (which starts Redis, a "
+                            "data server per node and the token): `instride job -- instride flow "
+                            "run GRAPH.py` (or `--launcher local` for this node only)")
+        self.srun = shutil.which("srun", path=self.base.get("PATH")) or "srun"
+        nodelist = self.base.get("SLURM_JOB_NODELIST") or self.base.get("SLURM_NODELIST", "")
+        proc = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                              text=True, env=self.base, timeout=60)
+        self._names = proc.stdout.split()
+        if proc.returncode != 0 or not self._names:
+            raise FlowError(f"cannot list the nodes of Slurm job {self.job_id} "
+                            f"({nodelist!r}): {proc.stderr.strip()}")
+        submit = self.base.get("SLURM_SUBMIT_DIR") or os.getcwd()
+        #: Run state (spec, counters, logs) every node reads and writes: on a shared file system.
+        self.state_root = Path(self.base.get("INSTRIDE_FLOW_STATE")
+                               or Path(submit) / ".instride-flow")
+
+    def nodes(self) -> list[str]:
+        return list(self._names)
+
+    def env(self, node: str) -> dict[str, str]:
+        return {k: v for k, v in self.base.items() if k not in _NODE_VARS}
+
+    def _srun(self, *args: str) -> list[str]:
+        return [self.srun, "--overlap", "--quiet", f"--jobid={self.job_id}", *args]
+
+    def start(self, node: str, argv: Sequence[str], env: Mapping[str, str],
+              log: IO[bytes]) -> subprocess.Popen[bytes]:
+        step = _step_name(env.get("INSTRIDE_FLOW_PREFIX", "instride-flow"))
+        cmd = self._srun("-N1", "-n1", f"--nodelist={node}", f"--job-name={step}",
+                         "--kill-on-bad-exit=1", *argv)
+        # srun forwards SIGTERM/SIGKILL-on-exit to the step; a killed srun's step is cancelled
+        # by cleanup() (by its name), so no instance outlives the run.
+        return subprocess.Popen(cmd, env=dict(env), stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_die_with_parent)
+
+    def steps(self, prefix: str) -> list[str]:
+        """The ids (``job.step``) of the run's steps Slurm still lists."""
+        proc = subprocess.run(["squeue", "-h", "-s", "-j", self.job_id, "-o", "%i %j"],
+                              capture_output=True, text=True, env=self.base, timeout=60)
+        name = _step_name(prefix)
+        return [line.split()[0] for line in proc.stdout.splitlines()
+                if len(line.split()) == 2 and line.split()[1] == name]
+
+    def cleanup(self, prefix: str) -> None:
+        import time
+
+        steps = self.steps(prefix)
+        if steps:
+            subprocess.run(["scancel", "--signal=KILL", *steps], env=self.base, timeout=60,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+            deadline = time.monotonic() + 30
+            while self.steps(prefix) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        # Records live in Redis (this node's client sees them all); files on every node: one
+        # task per node removes what is left in its managed directory.
+        client = Client(Settings.from_env(self.base))
+        try:
+            _remove_prefix(client, prefix)
+        finally:
+            client.close()
+        code = ("import os, sys; from pathlib import Path; "
+                "from instride.flow.launchers import _remove_tree, _remove_stream_state; "
+                "root = Path(os.environ['INSTRIDE_DIR']); "
+                "_remove_tree(root, sys.argv[1]); _remove_stream_state(root, sys.argv[1])")
+        subprocess.run(self._srun(f"-N{len(self._names)}", f"-n{len(self._names)}",
+                                  "--ntasks-per-node=1", sys.executable, "-c", code, prefix),
+                       env=self.env(self._names[0]), timeout=120, check=False,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

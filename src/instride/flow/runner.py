@@ -173,7 +173,7 @@ def run(
     gc_stale(launcher)
     run_id = secrets.token_hex(4)
     prefix = f"flow/{graph.name}-{run_id}"
-    root = state_root()
+    root = getattr(launcher, "state_root", None) or state_root()  # shared for batch launchers
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     state = root / f"{graph.name}-{run_id}"
     out_dir = Path(out).resolve() if out is not None else None
@@ -281,7 +281,7 @@ def gc_stale(launcher: Launcher, root: Path | None = None) -> list[str]:
     list of str
         The stream prefixes removed.
     """
-    root = root or state_root()
+    root = root or getattr(launcher, "state_root", None) or state_root()
     removed = []
     for info_path in root.glob("*/run.json") if root.is_dir() else []:
         try:
