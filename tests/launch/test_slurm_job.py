@@ -189,18 +189,18 @@ echo '{record}' > {states}/node3.json
                            f"--output={out}")
         assert slurm.wait(job, timeout=120) == "COMPLETED"
         text = out.read_text()
-        assert "== redis rc=2" in text
+        assert "== redis rc=6" in text
         assert f"metadata service redis://{slurm.hub_ip}:1/0 unavailable" in text
-        assert "== node2 rc=2" in text
+        assert "== node2 rc=6" in text
         assert "instride service of node node2 did not start" in text
         assert "cannot create its managed directory" in text
-        assert "== stale rc=2" in text
+        assert "== stale rc=6" in text
         assert f"node node3 did not start: it still runs the service of job 999 (pid {live.pid})"\
             in text
         assert "== pattern rc=2" in text and "must contain %j" in text
-        assert "== long rc=2" in text and "too long for the data server's Unix socket" in text
-        assert "== iface rc=2" in text and "network interface 'nope0' has no IPv4 address" in text
-        assert "== port rc=2" in text
+        assert "== long rc=6" in text and "too long for the data server's Unix socket" in text
+        assert "== iface rc=6" in text and "network interface 'nope0' has no IPv4 address" in text
+        assert "== port rc=6" in text
         assert re.search(r"node node2 did not start: `instride serve` on \S+:" + str(busy_port)
                          + r" exited with status \d+: .*[Aa]ddress already in use", text), text
         assert settle(slurm) == {}

@@ -11,7 +11,8 @@ Exit status (the same for every command; :data:`EXIT_CODES`, mapped from the typ
 0     success
 1     any other error (including errors of the command run by ``instride run`` /
       ``cluster exec``, which pass their own status through)
-2     usage: a bad command line or a bad ``INSTRIDE_*`` setting (``ConfigError``)
+2     usage: a bad command line or a bad ``INSTRIDE_*`` setting (``ConfigError``),
+      ``instride job`` outside an allocation without a host file (``NoAllocationError``)
 3     timeout: a key was not published in time (``ConsumeTimeout``), a flow ran past its
       ``--timeout`` (``FlowTimeout``)
 4     invalid input: a bad or unsafe key, a directory or special file under a key, a
@@ -19,7 +20,8 @@ Exit status (the same for every command; :data:`EXIT_CODES`, mapped from the typ
       a dataflow graph that does not validate (``GraphError``)
 5     integrity or transfer failure: bytes that do not verify, a transfer cut short
 6     unavailable: a peer's data server or the metadata service (Redis) cannot be reached
-      (also a wait that ran out while Redis could not be reached)
+      (also a wait that ran out while Redis could not be reached); a node's services did
+      not start under ``instride job`` (``ServerStartError``, ``StaleServiceError``)
 7     refused: authentication with the job token failed
 130   interrupted (Ctrl-C)
 ====  ======================================================================================
@@ -49,6 +51,7 @@ from ..errors import (
     UnsafePathError,
     UnsupportedModeError,
 )
+from ..launch.base import NoAllocationError, ServerStartError
 
 Handler = Callable[[argparse.Namespace], int]
 #: Extra command groups: module path of a function ``add_parser(subparsers)``.
@@ -79,7 +82,8 @@ EXIT_INTERRUPTED = 130
 #: Other errors of instride that refine ValueError, LookupError or FileNotFoundError (bad
 #: input of a command: an unknown model, a missing trajectory) are invalid input too.
 EXIT_CODES: list[tuple[type[BaseException] | tuple[type[BaseException], ...], int]] = [
-    (ConfigError, EXIT_USAGE),
+    ((ConfigError, NoAllocationError), EXIT_USAGE),
+    (ServerStartError, EXIT_UNAVAILABLE),
     ((ConsumeTimeout, TimeoutError), EXIT_TIMEOUT),  # also a flow run's FlowTimeout
     ((IntegrityError, TransferError), EXIT_INTEGRITY),
     ((PeerUnavailable, MetadataUnavailable), EXIT_UNAVAILABLE),
