@@ -105,7 +105,7 @@ def test_slurm_flow_run_across_two_nodes(slurm: EmulatedSlurm, tmp_path: Path) -
                       "producer": nodes[0], "consumer": nodes[1]}
     assert (tmp_path / "ok" / "trace.json").exists()
     # the failing graph: boom fails on node 1, the hanging step on node 0 is stopped
-    assert "== fail rc=2" in text, text
+    assert "== fail rc=1" in text, text
     assert "FAILED boom[0] (exit status 3)" in text
     steps = [line for line in text.splitlines() if line.startswith("step ")]
     assert steps and not [line for line in steps if "flow-" in line]  # only the batch step

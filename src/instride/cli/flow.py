@@ -35,16 +35,17 @@ def _graph(args: argparse.Namespace) -> Any:
 
 def _launcher(args: argparse.Namespace) -> Any:
     """``--launcher``, else emulated with ``--cluster``, Slurm inside an allocation, local."""
-    from ..flow import EmulatedLauncher, FlowError, LocalLauncher, SlurmLauncher
+    from ..errors import ConfigError
+    from ..flow import EmulatedLauncher, LocalLauncher, SlurmLauncher
 
     kind = args.launcher or ("emulated" if args.cluster else
                              "slurm" if os.environ.get("SLURM_JOB_ID") else "local")
     if kind == "emulated":
         if not args.cluster:
-            raise FlowError("--launcher emulated needs --cluster NAME")
+            raise ConfigError("--launcher", kind, "the emulated launcher needs --cluster NAME")
         return EmulatedLauncher(args.cluster)
     if args.cluster:
-        raise FlowError(f"--cluster is for the emulated launcher, not {kind!r}")
+        raise ConfigError("--cluster", args.cluster, f"--cluster is for the emulated launcher, not {kind!r}")
     return SlurmLauncher() if kind == "slurm" else LocalLauncher()
 
 
