@@ -29,7 +29,7 @@ import pytest
 import xxhash
 
 from instride.config import Settings
-from instride.errors import ConfigError, InstrideError
+from instride.errors import ConfigError, InstrideError, PeerUnavailable, TransferError
 from instride.record import Record
 from instride.transport import get_server, get_transport
 from instride.transport import ucx as ucx_mod
@@ -213,6 +213,24 @@ class TestUcxContract(TransportContract):
     def _one_node(self, monkeypatch: pytest.MonkeyPatch) -> None:
         for var in ("UCX_TLS", "UCX_NET_DEVICES"):
             monkeypatch.delenv(var, raising=False)
+
+    def test_owner_dying_mid_transfer_leaves_nothing(self, dying_owner: Any, consumer: Any,
+                                                     tmp_path: Path) -> None:
+        """UCX hands a reply's body to the wire as one message, so an owner that dies right
+        after may or may not have got it out: either the consumer gets a typed error and
+        nothing under the key, or the whole verified body — never a partial or wrong file.
+        (Death in the middle of a body is forced, with a throttled link, in UcxScenarios.)"""
+        body = os.urandom(1 << 20)
+        addr = dying_owner(body, len(body) // 3)
+        record = Record("t/cut.bin", addr, len(body), "xxh3:" + xxhash.xxh3_64_hexdigest(body), 1,
+                        time.time(), "dying")
+        dest = tmp_path / "cut.bin"
+        try:
+            consumer.fetch(record, dest)
+        except (TransferError, PeerUnavailable):
+            assert not dest.exists()
+        else:
+            assert dest.read_bytes() == body
 
     @pytest.fixture
     def dying_owner(self, tmp_path: Path) -> Iterator:

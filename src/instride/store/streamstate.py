@@ -187,7 +187,8 @@ class Groups:
         """Create group ``name`` with its cursor at ``start``; False if it existed."""
         check_group(name)
         self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / f".{name}.{os.getpid()}.tmp"
+        # unique per thread: a producer and a reader thread of one process may register at once
+        tmp = self.dir / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
         tmp.write_bytes(_CURSOR.pack(start))
         try:
             os.link(tmp, self.dir / name)  # atomic create-if-absent with its content
