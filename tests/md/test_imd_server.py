@@ -244,7 +244,8 @@ def test_cli_imd_serve_stops_cleanly_on_sigterm(managed_dir: Path) -> None:
         # a client waiting for a stream that has no frame yet is cut off by the shutdown
         client = IMDClient("127.0.0.1", port, 10, multithreaded=False, timeout=30)
         proc.send_signal(signal.SIGTERM)
-        rc, out, err = finish(proc, timeout=30)
+        # a session still in its handshake has up to 30 s for the client's answer
+        rc, out, err = finish(proc, timeout=90)
         with pytest.raises(EOFError):
             client.get_imdframe()
     finally:
