@@ -85,10 +85,7 @@ class SlurmBench:
         order = " ".join(str(n) for n in nodes_of)
         # MPI start-up uses the PMI-1 wire protocol of Slurm's pmi2 plugin: under load its
         # PMI-2 parser failed on MPICH's requests (see PMI_FLAKE).
-        # UCX_TLS: MPICH's UCX address travels through PMI; with every shared-memory transport
-        # in it, it was cut short between emulated nodes (network namespaces do not isolate
-        # shared memory), so the ranks of the study use UCX over TCP only.
-        lines = ["#!/bin/sh", "set -e", "export MPIR_CVAR_PMI_VERSION=1", "export UCX_TLS=tcp,self",
+        lines = ["#!/bin/sh", "set -e", "export MPIR_CVAR_PMI_VERSION=1",
                  'nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
                  f': > {hosts}',
                  f'for i in {order}; do echo "$nodes" | sed -n "${{i}}p" >> {hosts}; done',
