@@ -55,11 +55,20 @@ def slow_record(ports, name="slow", port="in", delay=0.2):
     (ports.out_dir / f"{name}.json").write_text(json.dumps(got))
 
 
-def crash_after(ports, n=2):
-    """Consume ``n`` messages, then fail."""
+def crash_after(ports, n=2, after_pid_of=None):
+    """Consume ``n`` messages, then fail.
+
+    With ``after_pid_of``, fail only once that module has written its pid file (so a test
+    knows which process the runner must stop, however slowly the sibling started).
+    """
     for _ in range(n):
         ports.wait()
         ports.get("in")
+    deadline = time.monotonic() + 60
+    while after_pid_of and not list(ports.out_dir.glob(f"{after_pid_of}-*.pid")):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{after_pid_of} never started")
+        time.sleep(0.05)
     raise RuntimeError("boom: analysis diverged")
 
 

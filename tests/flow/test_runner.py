@@ -93,7 +93,8 @@ def test_failing_module_stops_the_graph(flow_env: dict[str, Path]) -> None:
     src = g.module("src", modules.numbers, outputs={"out": "array"},
                    params={"n": 1000, "delay": 0.02})
     g.module("idle", modules.sleeper)
-    bad = g.module("bad", modules.crash_after, inputs={"in": "array"}, params={"n": 2})
+    bad = g.module("bad", modules.crash_after, inputs={"in": "array"},
+                   params={"n": 2, "after_pid_of": "sleeper"})
     g.connect(src.output("out"), bad.input("in"))
     with pytest.raises(ModuleFailed) as info:
         run(g, out=out, timeout=120)

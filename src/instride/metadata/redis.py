@@ -31,6 +31,7 @@ from redis.retry import Retry
 
 from ..config import Settings
 from ..errors import ConsumeTimeout, KeyExistsError, MetadataUnavailable
+from ..perthread import PerThread
 from ..record import Record
 from .resp import RespConnection, hash_fields
 
@@ -106,7 +107,7 @@ class RedisMetadata:
             health_check_interval=0,
         )
         self._publish = self.redis.register_script(_PUBLISH)
-        self._local = threading.local()
+        self._per_thread = PerThread()
         self._lock = threading.Lock()
         # weak: a thread's subscriber goes (and its connection closes) when the thread ends
         self._pubsubs: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -144,9 +145,10 @@ class RedisMetadata:
         """This thread's lean connection, or ``None`` when the URL needs redis-py."""
         if self._fast_args is None:
             return None
-        conn = getattr(self._local, "fast", None)
+        local = self._per_thread.get()
+        conn = getattr(local, "fast", None)
         if conn is None:
-            conn = self._local.fast = RespConnection(*self._fast_args)
+            conn = local.fast = RespConnection(*self._fast_args)
             with self._lock:
                 self._fasts.add(conn)
         return conn
@@ -212,17 +214,19 @@ class RedisMetadata:
 
     def _pubsub(self) -> Any:
         """This thread's subscriber connection, kept across waits (PubSub is not thread-safe)."""
-        ps = getattr(self._local, "pubsub", None)
+        local = self._per_thread.get()
+        ps = getattr(local, "pubsub", None)
         if ps is None:
             ps = self.redis.pubsub(ignore_subscribe_messages=False)
-            self._local.pubsub = ps
+            local.pubsub = ps
             with self._lock:
                 self._pubsubs.add(ps)
         return ps
 
     def _drop_pubsub(self) -> None:
-        ps = getattr(self._local, "pubsub", None)
-        self._local.pubsub = None
+        local = self._per_thread.get()
+        ps = getattr(local, "pubsub", None)
+        local.pubsub = None
         if ps is not None:
             with self._lock:
                 self._pubsubs.discard(ps)
@@ -296,10 +300,11 @@ class RedisMetadata:
                 time.sleep(0.05)
 
     def _subscriber(self) -> RespConnection:
-        conn = getattr(self._local, "sub", None)
+        local = self._per_thread.get()
+        conn = getattr(local, "sub", None)
         if conn is None:
             assert self._fast_args is not None
-            conn = self._local.sub = RespConnection(*self._fast_args)
+            conn = local.sub = RespConnection(*self._fast_args)
             with self._lock:
                 self._fasts.add(conn)
         return conn

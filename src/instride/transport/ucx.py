@@ -76,6 +76,7 @@ from ..errors import (
     TransferError,
 )
 from ..keys import normalize_key
+from ..perthread import PerThread
 from ..record import Record
 from ..store.served import open_served
 from . import wire
@@ -225,14 +226,15 @@ class UcxTransport:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.lib = load_library()
-        self._local = threading.local()
+        self._per_thread = PerThread()  # a forked child makes its own worker
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
 
     def _worker(self) -> _Worker:
-        w = getattr(self._local, "worker", None)
+        local = self._per_thread.get()
+        w = getattr(local, "worker", None)
         if w is None or w.handle is None:
-            w = self._local.worker = _Worker(self.lib)
+            w = local.worker = _Worker(self.lib)
             with self._lock:
                 self._workers.append(w)
         return w

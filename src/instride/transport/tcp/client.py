@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +25,7 @@ from ...errors import (
     PeerUnavailable,
     TransferError,
 )
+from ...perthread import PerThread
 from ...record import Record
 from .. import wire
 
@@ -87,7 +87,8 @@ class TcpTransport:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self._local = threading.local()  # per thread: owner address -> kept-alive socket
+        # per thread (and process): owner address -> kept-alive socket
+        self._per_thread = PerThread()
 
     def _connect(self, record: Record) -> socket.socket:
         host, port = parse_addr(record.owner, "owner")
@@ -99,9 +100,10 @@ class TcpTransport:
         return sock
 
     def _pool(self) -> dict[str, socket.socket]:
-        pool = getattr(self._local, "pool", None)
+        local = self._per_thread.get()
+        pool = getattr(local, "pool", None)
         if pool is None:
-            pool = self._local.pool = {}
+            pool = local.pool = {}
         return pool
 
     def _request(self, record: Record, op: str = "fetch") -> tuple[socket.socket, dict[str, Any]]:
@@ -181,9 +183,10 @@ class TcpTransport:
                 sock.close()
 
     def _buffer(self) -> memoryview:
-        buf = getattr(self._local, "buffer", None)
+        local = self._per_thread.get()
+        buf = getattr(local, "buffer", None)
         if buf is None:
-            buf = self._local.buffer = memoryview(bytearray(_CHUNK))
+            buf = local.buffer = memoryview(bytearray(_CHUNK))
         return buf
 
     def _stream_to_file(self, sock: socket.socket, fd: int, size: int, key: str) -> str:
