@@ -84,8 +84,12 @@ class SlurmBench:
                 f"{py} -m mpi4py -m instride.bench.workflow {spec_path} {rep}")
         order = " ".join(str(n) for n in nodes_of)
         # MPI start-up uses the PMI-1 wire protocol of Slurm's pmi2 plugin: under load its
-        # PMI-2 parser failed on MPICH's requests (see PMI_FLAKE).
+        # PMI-2 parser failed on MPICH's requests (see PMI_FLAKE). The ranks use MPICH's OFI
+        # netmod over TCP: its address is a 16-byte sockaddr, where UCX's (every transport,
+        # hex-encoded) made long PMI requests that slurmstepd now and then read in pieces and
+        # rejected ("request not begin with 'cmd='", then "UCX failed to unpack address").
         lines = ["#!/bin/sh", "set -e", "export MPIR_CVAR_PMI_VERSION=1",
+                 "export MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp",
                  'nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
                  f': > {hosts}',
                  f'for i in {order}; do echo "$nodes" | sed -n "${{i}}p" >> {hosts}; done',
