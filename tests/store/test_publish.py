@@ -155,3 +155,19 @@ def test_sigkilled_producer_leaves_nothing_and_gc_cleans(managed_dir: Path) -> N
     assert out.returncode == 0, out.stderr
     assert str(leftovers[0]) in out.stdout
     assert list(d.iterdir()) == []
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_publish_recreates_a_directory_removed_under_it(tmp_path: Path, overwrite: bool) -> None:
+    """A consumer's failed wait removes the empty directory it made to watch, maybe just as a
+    producer publishes into it: the publication re-creates the directory instead of failing."""
+    from instride.store.publish import publish_file
+
+    tmp = tmp_path / "slot-1"
+    tmp.write_bytes(b"frame")
+    final = tmp_path / "run" / "frame_0.isf"  # "run/" was removed (or never made)
+    publish_file(tmp, final, "run/frame_0.isf", overwrite=overwrite)
+    assert final.read_bytes() == b"frame" and not tmp.exists()
+    with pytest.raises(FileNotFoundError):  # a missing source is still an error
+        publish_file(tmp, tmp_path / "run" / "frame_1.isf", "run/frame_1.isf",
+                     overwrite=overwrite)

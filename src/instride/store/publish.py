@@ -64,11 +64,25 @@ def publish_file(tmp: str | Path, final: str | Path, key: str, *, overwrite: boo
     ``unlink`` where unsupported) so that an existing key is detected atomically and never
     replaced; ``overwrite=True`` uses ``rename``.
 
+    The directory of ``final`` is created again if it is missing: a consumer's failed wait
+    removes the empty directory it created to watch, possibly just after the producer checked
+    it (both sides only ever create it or remove it while empty, so retrying converges).
+
     Raises
     ------
     KeyExistsError
         If ``final`` exists and ``overwrite`` is false; ``tmp`` is removed.
     """
+    for attempt in range(5):
+        try:
+            return _publish_once(tmp, final, key, overwrite=overwrite)
+        except FileNotFoundError:
+            if attempt == 4 or not os.path.exists(tmp):  # the temporary file itself is gone
+                raise
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+
+
+def _publish_once(tmp: str | Path, final: str | Path, key: str, *, overwrite: bool) -> None:
     if overwrite:
         os.rename(tmp, final)
         return
