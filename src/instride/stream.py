@@ -578,7 +578,7 @@ class Stream:
             # Wait in slices: a frame published and retired while we looked away shows up in
             # the head (a gap), not as a publication.
             if published_but_busy:
-                time.sleep(0.001)  # published, yet not ours to hold: being replaced
+                time.sleep(0.0002)  # published, yet not ours to hold: being replaced
             waited = time.monotonic() - start
             if timeout is not None and waited >= timeout:
                 raise ConsumeTimeout(key, waited)

@@ -124,9 +124,17 @@ class SlotPool:
         slot.size = size
 
     def publish(self, slot: Slot, final: str, key: str, *, overwrite: bool, fsync: bool) -> None:
-        """Give the written ``slot`` its key (atomically) and let readers hold it."""
+        """Give the written ``slot`` its key (atomically) and let readers hold it.
+
+        The exclusive lock is dropped *before* the rename: a reader woken by the rename must
+        find the frame lockable (else it takes it for a frame being replaced and backs off —
+        that cost a millisecond per frame). Nobody can reach the pooled file meanwhile: readers
+        open keys only, and one that opened this file under its previous key finds, once
+        locked, that the key no longer names it.
+        """
         if fsync:
             slot.mm.flush()
+        fcntl.flock(slot.fd, fcntl.LOCK_UN)
         try:
             publish_file(slot.path, final, key, overwrite=overwrite)
         except BaseException:
@@ -134,7 +142,6 @@ class SlotPool:
             raise
         slot.path = final
         slot.pooled = False
-        fcntl.flock(slot.fd, fcntl.LOCK_UN)
 
     def discard(self, slot: Slot) -> None:
         """Forget a slot whose frame was not published (a failed write): delete its file."""
