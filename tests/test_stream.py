@@ -142,3 +142,24 @@ def test_overwritten_stream_drops_the_old_end_marker(client: instride.Client) ->
     again.close()
     frames = [int(f.positions[0, 0]) for f in instride.Stream("rerun", client=client)]
     assert frames == [10]
+
+
+def test_unbounded_stream_holds_no_descriptor_per_frame(managed_dir: Path) -> None:
+    """A stream without retention keeps every frame, but not a descriptor and a mapping per
+    frame: 600 frames under a limit of 256 open files (a long MD run would hit EMFILE)."""
+    proc = spawn_py(textwrap.dedent("""
+        import os, resource
+        import numpy as np
+        import instride
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+        s = instride.Stream("long", mode="w")
+        for i in range(600):
+            s.append(np.full((10, 3), i, dtype=np.float32), step=i)
+        s.close()
+        print(len(os.listdir("/proc/self/fd")))
+    """))
+    rc, out, err = finish(proc, timeout=120)
+    assert rc == 0, err
+    assert int(out.split()[-1]) < 64  # open descriptors at the end
+    got = instride.Stream("long")
+    assert [f.step for f in got] == list(range(600))

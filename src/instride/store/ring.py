@@ -142,6 +142,9 @@ class SlotPool:
             raise
         slot.path = final
         slot.pooled = False
+        if not self.recycle:  # never rewritten nor retired by us: let go of it now (an
+            self._slots.pop(slot.ino, None)  # unbounded stream would otherwise hold a
+            slot.close()  # descriptor and a mapping per frame, until EMFILE)
 
     def discard(self, slot: Slot) -> None:
         """Forget a slot whose frame was not published (a failed write): delete its file."""
@@ -158,7 +161,7 @@ class SlotPool:
         deleted instead.
         """
         slot = self._slots.get(ino)
-        if slot is None:
+        if slot is None:  # (without recycling, published files are not kept: nothing to do)
             return
         if not self.recycle:
             self._slots.pop(ino)
