@@ -177,6 +177,17 @@ class RedisMetadata:
         return Record(record.key, record.owner, record.size, record.checksum, int(version),
                       record.time, record.node)
 
+    def set_later(self, name: str, mapping: dict[str, Any]) -> None:
+        """``HSET name mapping`` without waiting for the reply (its round trip overlaps the
+        caller's next work; see :meth:`RespConnection.defer`). Plain ``HSET`` where the URL
+        needs redis-py."""
+        fast = self._fast()
+        if fast is None:
+            self._call("hset", lambda: self.redis.hset(name, mapping=mapping))
+            return
+        args = [x for kv in mapping.items() for x in kv]
+        self._call("hset", lambda: fast.defer([("HSET", name, *args)]))
+
     def _hgetall(self, keys: Sequence[str]) -> list[dict[bytes, bytes]]:
         fast = self._fast()
         if fast is not None:  # pipelined: one write, one round trip

@@ -39,6 +39,7 @@ class RespConnection:
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.sock: socket.socket | None = None
         self.reader: Any = None
+        self.deferred = 0  # replies of :meth:`defer`'d commands not read yet
 
     def _connect(self) -> socket.socket:
         sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
@@ -69,6 +70,7 @@ class RespConnection:
         try:
             sock.sendall(b"".join(hiredis.pack_command(tuple(c)) for c in commands))
             out: list[Any] = []
+            failed = None
             while len(out) < len(commands):
                 reply = self.reader.gets()
                 if reply is False:
@@ -77,11 +79,33 @@ class RespConnection:
                         raise ConnectionError("Redis closed the connection")
                     self.reader.feed(chunk)
                     continue
+                if self.deferred:  # replies come in order: the deferred commands' first
+                    self.deferred -= 1
+                    if isinstance(reply, Exception) and failed is None:
+                        failed = reply
+                    continue
                 out.append(reply)
         except BaseException:
             self.close()
             raise
+        if failed is not None:
+            raise redis.ResponseError(f"a deferred Redis command failed: {failed}")
         return out
+
+    def defer(self, commands: Sequence[tuple[Any, ...]]) -> None:
+        """Send ``commands`` now and read their replies with the next :meth:`call`.
+
+        For updates nobody waits on (a stream's head counters): the round trip overlaps the
+        caller's next work. An error reply surfaces as :class:`redis.ResponseError` from that
+        next call; if the connection breaks first, the commands may or may not have run.
+        """
+        sock = self.sock or self._connect()
+        try:
+            sock.sendall(b"".join(hiredis.pack_command(tuple(c)) for c in commands))
+        except BaseException:
+            self.close()
+            raise
+        self.deferred += len(commands)
 
     def send(self, commands: Sequence[tuple[Any, ...]]) -> None:
         """Send ``commands`` in one write without reading replies (subscriptions)."""
@@ -118,6 +142,7 @@ class RespConnection:
     def close(self) -> None:
         """Close the socket (a later :meth:`call` reconnects)."""
         sock, self.sock = self.sock, None
+        self.deferred = 0  # (their replies go with the socket)
         if sock is not None:
             sock.close()
 

@@ -127,9 +127,10 @@ class SlotPool:
         """Give the written ``slot`` its key (atomically) and let readers hold it.
 
         The exclusive lock is dropped *before* the rename: a reader woken by the rename must
-        find the frame lockable (else it takes it for a frame being replaced and backs off). Nobody can reach the pooled file meanwhile: readers
-        open keys only, and one that opened this file under its previous key finds, once
-        locked, that the key no longer names it.
+        find the frame lockable (else it takes it for a frame being replaced and backs off).
+        Nobody can reach the pooled file meanwhile: readers open keys only, and one that
+        opened this file under its previous key finds, once locked, that the key no longer
+        names it.
         """
         if fsync:
             slot.mm.flush()

@@ -30,6 +30,7 @@ import struct
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -435,10 +436,15 @@ class RedisStreamState:
         The stream name.
     lease_s
         Lifetime of a group reader's lease.
+    set_later
+        ``set_later(hash, mapping)``: an ``HSET`` that does not wait for the reply (the
+        metadata backend's), used for the head counters written with every frame.
     """
 
-    def __init__(self, redis: Any, stream: str, lease_s: float = 10.0) -> None:
+    def __init__(self, redis: Any, stream: str, lease_s: float = 10.0,
+                 set_later: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         self.redis = redis
+        self._set_later = set_later
         self.stream = stream
         self.lease_s = lease_s
         self._head = f"instride:stream:{stream}:head"
@@ -458,8 +464,11 @@ class RedisStreamState:
         pipe.execute()
 
     def set_head(self, oldest: int, written: int) -> None:
-        """Publish the head counters."""
-        self.redis.hset(self._head, mapping={"oldest": oldest, "written": written})
+        """Publish the head counters (without waiting for Redis's reply, where it can)."""
+        if self._set_later is not None:
+            self._set_later(self._head, {"oldest": oldest, "written": written})
+        else:
+            self.redis.hset(self._head, mapping={"oldest": oldest, "written": written})
 
     def cursors(self) -> dict[str, int]:
         """Each group's cursor."""

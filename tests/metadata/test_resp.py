@@ -1,0 +1,45 @@
+"""The lean Redis connection: pipelined calls and deferred commands, against a real Redis."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from instride.metadata.redis import RedisMetadata
+from instride.metadata.resp import RespConnection
+from tests.conftest import RedisServer
+
+
+def _conn(server: RedisServer) -> RespConnection:
+    return RespConnection(server.host, server.port, 0, None, None, 5.0, 5.0)
+
+
+def test_deferred_replies_are_read_before_the_next_calls(redis_server: RedisServer) -> None:
+    conn = _conn(redis_server)
+    conn.defer([("HSET", "h", "a", 1), ("HSET", "h", "b", 2)])
+    assert conn.deferred == 2
+    # the next call gets its own replies, not the deferred ones
+    assert conn.call([("HGET", "h", "a"), ("HGET", "h", "b")]) == [b"1", b"2"]
+    assert conn.deferred == 0
+    conn.close()
+
+
+def test_a_failed_deferred_command_surfaces_at_the_next_call(redis_server: RedisServer) -> None:
+    conn = _conn(redis_server)
+    conn.call([("SET", "s", "x")])
+    conn.defer([("HSET", "s", "a", 1)])  # WRONGTYPE: s is a string
+    with pytest.raises(redis.ResponseError, match="deferred.*WRONGTYPE"):
+        conn.call([("GET", "s")])
+    assert conn.call([("GET", "s")]) == [b"x"]  # the connection is still in step
+    conn.close()
+
+
+def test_set_later_is_seen_by_other_clients(redis_server: RedisServer, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from instride.config import Settings
+
+    md = RedisMetadata(Settings(dir=tmp_path, redis_url=redis_server.url, connect_timeout=2))
+    md.set_later("instride:test:head", {"oldest": 3, "written": 9})
+    md.lookup("any")  # the next command on the connection reads the deferred reply
+    other = redis.Redis.from_url(redis_server.url)
+    assert other.hgetall("instride:test:head") == {b"oldest": b"3", b"written": b"9"}
+    md.close()
