@@ -63,6 +63,7 @@ from .errors import (
     StreamFull,
 )
 from .frames import Frame, decode_frame, encode_into, frame_size
+from .record import checksum_of
 from .store.ring import Leases, SlotPool
 from .store.streamstate import Policy, check_group, state_dir
 
@@ -285,8 +286,12 @@ class Stream:
         except BaseException:
             self._pool.discard(slot)
             raise
+        engine = self.client.engine
+        # the record's checksum (cluster mode) from the producer's own mapping, while the frame
+        # is still in cache: the engine would otherwise open and map the file again
+        checksum = checksum_of(slot.mm) if engine.wants_checksum else None
         self._pool.publish(slot, final, key, overwrite=self.overwrite, fsync=self.client.fsync)
-        self.client.engine.published(key, self.overwrite)
+        engine.published(key, self.overwrite, checksum, slot.size if checksum else None)
         self._retained.append((index, slot.ino, nbytes))
         self._retained_bytes += nbytes
         self._written += 1
