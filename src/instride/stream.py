@@ -297,6 +297,7 @@ class Stream:
         self._written += 1
         self._make_room(0, wait=False)
         self._share.set_head(self._oldest, self._written)
+        self._pool.prepare(nbytes)  # the next frame's file, between frames (unbounded streams)
         return index
 
     def _start_producing(self) -> None:

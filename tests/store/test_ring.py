@@ -113,3 +113,28 @@ def test_killed_producer_leaves_nothing_published_and_its_pool_is_reclaimed(tmp_
     removed = collect_pool(tmp_path / "pool")
     assert [p.name for p in removed] == left
     assert os.listdir(tmp_path / "pool") == []
+
+
+def test_prepare_makes_the_next_file_ahead_and_close_removes_it(tmp_path: Path) -> None:
+    pool = SlotPool(tmp_path / "pool", recycle=False)
+    pool.prepare(8192)
+    spare = os.listdir(tmp_path / "pool")
+    assert len(spare) == 1  # made ahead, hidden in the pool
+    spare_ino = os.stat(tmp_path / "pool" / spare[0]).st_ino
+    ino = _write(pool, tmp_path, "a", b"A" * 8192)
+    assert ino == spare_ino == os.stat(tmp_path / "a").st_ino
+    assert os.listdir(tmp_path / "pool") == []  # the spare became frame "a"
+    pool.prepare(4096)
+    _write(pool, tmp_path, "b", b"B" * 1000)  # another size: the spare is resized
+    assert (tmp_path / "b").read_bytes() == b"B" * 1000
+    pool.prepare(4096)
+    pool.close()  # an unused spare is deleted; published frames stay
+    assert os.listdir(tmp_path / "pool") == []
+    assert (tmp_path / "a").read_bytes() == b"A" * 8192
+
+
+def test_recycling_pool_makes_no_spare(tmp_path: Path) -> None:
+    pool = SlotPool(tmp_path / "pool", recycle=True)
+    pool.prepare(4096)
+    assert os.listdir(tmp_path / "pool") == []
+    pool.close()

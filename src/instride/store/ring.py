@@ -34,6 +34,8 @@ from ..errors import FileTypeError, UnsafePathError
 from .publish import publish_file
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+#: madvise(MADV_POPULATE_WRITE) (Linux 5.14): allocate a mapping's pages now, writable
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 @dataclass
@@ -77,13 +79,15 @@ class SlotPool:
         collect_pool(pool_dir)  # files of an earlier producer of this stream that died
         self._slots: dict[int, Slot] = {}  # ino -> slot, every file this producer owns
         self._free: deque[int] = deque()  # retired, in the order they were retired
+        self._spare: Slot | None = None  # made ahead by prepare(), for the next take()
         self._made = 0
 
     # ------------------------------------------------------------------ writing
     def take(self, size: int) -> Slot:
         """A file of ``size`` bytes, mapped writable, that no reader holds (exclusive lock).
 
-        Reuses the longest-retired file nobody holds; makes a new file when there is none.
+        Reuses the longest-retired file nobody holds, else the file :meth:`prepare` made;
+        makes a new file when there is none.
         """
         for _ in range(len(self._free)):
             ino = self._free.popleft()
@@ -96,7 +100,27 @@ class SlotPool:
             if slot.size != size:
                 self._resize(slot, size)
             return slot
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            if spare.size != size:
+                self._resize(spare, size)
+            return spare
         return self._new(size)
+
+    def prepare(self, size: int) -> None:
+        """Make the next frame's file now, its pages allocated (for a pool that does not
+        recycle: every frame is a new file).
+
+        A producer calls it after publishing a frame, so that allocating and faulting in the
+        next file's pages (about as long as writing the frame) happens between frames instead
+        of between the start of the next ``append`` and its publication.
+        """
+        if self.recycle or self._spare is not None:
+            return
+        slot = self._new(size)
+        with contextlib.suppress(OSError, ValueError):  # (kernels before 5.14: on first write)
+            slot.mm.madvise(_POPULATE_WRITE)
+        self._spare = slot
 
     def _new(self, size: int) -> Slot:
         self._made += 1
@@ -197,6 +221,7 @@ class SlotPool:
             slot.close()
         self._slots.clear()
         self._free.clear()
+        self._spare = None
 
     @property
     def files(self) -> int:
