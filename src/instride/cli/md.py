@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import os
 import signal
 import sys
 
@@ -42,6 +44,10 @@ def cmd_imd_bridge(args: argparse.Namespace) -> int:
     return 0
 
 
+#: seconds imd-serve may take to stop after SIGTERM before it dumps its threads and exits
+_STOP_WATCHDOG_S = 40
+
+
 def cmd_imd_serve(args: argparse.Namespace) -> int:
     from ..md.imd_server import ClientReport, IMDServer, serve
 
@@ -54,6 +60,9 @@ def cmd_imd_serve(args: argparse.Namespace) -> int:
         print(f"client {r.peer}: {r.frames} frames in {r.seconds:.2f} s, {how}", flush=True)
 
     def terminate(signum: int, frame: object) -> None:
+        # A stop must never hang: should closing the sessions take longer than this, every
+        # thread's stack goes to stderr and the process exits (status 1).
+        faulthandler.dump_traceback_later(_STOP_WATCHDOG_S, exit=True)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, terminate)
@@ -65,7 +74,10 @@ def cmd_imd_serve(args: argparse.Namespace) -> int:
         )
     except KeyboardInterrupt:
         print("imd-serve: stopped", flush=True)
-        return 0
+        sys.stderr.flush()
+        # Every session is closed and its threads joined (or given up on after 5 s): leave
+        # now rather than wait at interpreter shutdown on a session thread still blocked.
+        os._exit(0)
     print(f"served {len(reports)} clients", flush=True)
     return 0
 
