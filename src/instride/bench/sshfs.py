@@ -421,7 +421,11 @@ class SshfsStorage:
                 if pid != os.getpid():
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
-            nn.del_netns(self.netns)  # removes its veth, and the peer in the hub with it
+            # the veth pair first, explicitly: a namespace's devices go away asynchronously
+            # after `ip netns del`, and the next up() of this cluster would find "st0" taken
+            if nn.netns_exists(self.cluster.hub):
+                nn.ip("-n", self.cluster.hub, "link", "del", "st0", check=False)
+            nn.del_netns(self.netns)
             self._made_netns = False
         if self.run_dir.is_dir() and not any(_mounted(self.mountpoint(i)) for i in self.nodes):
             shutil.rmtree(self.run_dir, ignore_errors=True)
