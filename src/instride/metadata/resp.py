@@ -99,12 +99,7 @@ class RespConnection:
         caller's next work. An error reply surfaces as :class:`redis.ResponseError` from that
         next call; if the connection breaks first, the commands may or may not have run.
         """
-        sock = self.sock or self._connect()
-        try:
-            sock.sendall(b"".join(hiredis.pack_command(tuple(c)) for c in commands))
-        except BaseException:
-            self.close()
-            raise
+        self.send(commands)
         self.deferred += len(commands)
 
     def send(self, commands: Sequence[tuple[Any, ...]]) -> None:
