@@ -72,7 +72,9 @@ COMMON = textwrap.dedent(
 INSTRIDE = COMMON + textwrap.dedent(
     """
     import instride
-    layout = "paper-soa" if way.endswith("soa") else "paper"
+    layout = "paper-soa" if "soa" in way else "paper"
+    spin = 1.0 if "spin" in way else 0.0  # a reader that busy-polls between frames
+    copy = "copy" in way  # frames delivered as the reader's own arrays (copied + verified once)
     if role == "w":
         t, cost = [], []
         with instride.Stream("bench", mode="w", layout=layout, retain=queue, groups=["bench"],
@@ -87,8 +89,11 @@ INSTRIDE = COMMON + textwrap.dedent(
     else:
         t, check = [], 0
         print("ready", flush=True)
-        for f in instride.Stream("bench", group="bench", timeout=120):
-            xyz = np.array(f.positions); ids = np.array(f.ids)
+        for f in instride.Stream("bench", group="bench", timeout=120, spin=spin, copy=copy):
+            if copy:
+                xyz, ids = f.positions, f.ids
+            else:
+                xyz = np.array(f.positions); ids = np.array(f.ids)
             t.append(now()); check += int(xyz[0, 0] == f.step)
         print(json.dumps({"t": t, "ok": check}))
     """
@@ -167,7 +172,9 @@ RENAME = COMMON + textwrap.dedent(
     """
 )
 
-WAYS = {"instride": INSTRIDE, "instride-soa": INSTRIDE, "adios2-sst": ADIOS2, "rename": RENAME}
+WAYS = {way: INSTRIDE for way in ("instride", "instride-soa", "instride-copy", "instride-soa-copy",
+                                   "instride-soa-copy-spin")}
+WAYS.update({"adios2-sst": ADIOS2, "rename": RENAME})
 
 
 def run_pair(way: str, natoms: int, nframes: int, interval: float, queue: int = 16) -> dict[str, Any]:
@@ -262,6 +269,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="flat-out repetitions")
     parser.add_argument("--frames", type=str, default="JAC=3000,STMV=200",
                         help="frames per flat-out run (long enough for the steady state)")
+    parser.add_argument("--ways", default=",".join(WAYS),
+                        help="comma-separated subset of: " + ", ".join(WAYS))
     parser.add_argument("--quick", action="store_true", help="1 repetition, few frames")
     args = parser.parse_args()
     machine = header("instride vs ADIOS2 SST vs write + rename (one node)")
@@ -272,7 +281,7 @@ def main() -> None:
         n = 50 if args.quick else int(frames[name])
         interval = 20.0 if name == "JAC" else 200.0
         per: dict[str, Any] = {}
-        for way in WAYS:
+        for way in args.ways.split(","):
             per[way] = measure(way, name, n, repeats, interval)
             r = per[way]
             lat, cost = r["latency_us"], r["writer_cost_s"]["median"] * 1e3

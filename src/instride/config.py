@@ -163,6 +163,18 @@ def _connect_timeout(name: str, raw: str | None) -> float:
     return 5.0 if value is None else value
 
 
+def _spin(name: str, raw: str | None) -> float:
+    if raw is None or raw.strip() == "":
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(name, raw, "not a number of seconds") from None
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(name, raw, "must be a finite number of seconds >= 0")
+    return value
+
+
 def _state_dir(name: str, raw: str | None) -> Path:
     raw = (raw or "").strip()
     return Path(raw) if raw else Path("/run/instride/clusters")
@@ -218,6 +230,9 @@ VARIABLES: tuple[Variable, ...] = (
              "seconds to reach a peer or Redis"),
     Variable("INSTRIDE_TRANSPORT", "transport", _name, "tcp",
              "transport the cluster engine fetches with and the data server serves: tcp or ucx"),
+    Variable("INSTRIDE_SPIN", "spin", _spin, "0",
+             "seconds a waiting consumer busy-polls before it sleeps (trades a core for "
+             "wake-up latency; 0: sleep at once)"),
     Variable("INSTRIDE_OVERWRITE", "overwrite", _flag, "0",
              "(preload library) let writes replace published keys"),
     Variable("INSTRIDE_PATCH_OPEN", "patch_open", _flag, "0",
@@ -278,6 +293,7 @@ class Settings:
     socket_path: Path | None = None
     connect_timeout: float = 5.0
     transport: str = "tcp"
+    spin: float = 0.0
     overwrite: bool = False
     patch_open: bool = False
     mpiexec: str | None = None

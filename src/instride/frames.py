@@ -502,7 +502,8 @@ def decode_header(buf: bytes | memoryview, what: str = "frame") -> FrameHeader:
 
 
 def decode_frame(
-    buf: bytes | memoryview | mmap.mmap, what: str = "frame", *, verify: bool = True
+    buf: bytes | memoryview | mmap.mmap, what: str = "frame", *, verify: bool = True,
+    copy: bool = False,
 ) -> Frame:
     """Decode and verify a frame held in memory; coordinates are views of ``buf``.
 
@@ -514,6 +515,10 @@ def decode_frame(
         Name used in errors.
     verify
         Check the payload checksum (the header's own checksum is always checked).
+    copy
+        Return arrays of their own instead of views of ``buf``: the payload is copied and
+        verified in one pass, chunk by chunk (each chunk is hashed while it is in the CPU
+        cache), instead of a checksum pass over ``buf`` followed by the caller's copy.
 
     Returns
     -------
@@ -532,6 +537,11 @@ def decode_frame(
         raise IntegrityError(
             what, f"payload is {payload.nbytes} bytes, header says {header.payload_nbytes}"
         )
+    if copy:
+        positions, ids, digest = _copy_payload(payload, header, verify)
+        if verify and digest != header.payload_checksum:
+            raise IntegrityError(what, "payload checksum mismatch")
+        return Frame(header, positions, ids)
     if verify and _checksum(payload) != header.payload_checksum:
         raise IntegrityError(what, "payload checksum mismatch")
     if header.layout == "xyz32":
@@ -543,6 +553,52 @@ def decode_frame(
     n = header.natoms
     xyz = np.frombuffer(payload, dtype=_F64, count=3 * n).reshape(n, 3)
     return Frame(header, xyz, np.frombuffer(payload, dtype=_I32, offset=24 * n))
+
+
+def _copy_payload(
+    payload: memoryview, header: FrameHeader, verify: bool
+) -> tuple[np.ndarray, np.ndarray | None, int | None]:
+    """Copy a frame's payload into new arrays, hashing each chunk as it passes the cache.
+
+    Returns the positions, the ids (``None`` for ``xyz32``) and the payload's xxh3 digest
+    (``None`` when ``verify`` is false).
+    """
+    n = header.natoms
+    hasher = xxhash.xxh3_64() if verify else None
+    if header.layout == "paper":  # interleaved records: hash a chunk, then split it out
+        rec = np.frombuffer(payload, dtype=_PAPER_RAW)
+        positions = np.empty((n, 3), _F64)
+        ids: np.ndarray | None = np.empty(n, _I32)
+        xyz_raw = positions.view("V24").reshape(n)
+        step = max(1, _CHUNK_BYTES // 28)
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            if hasher is not None:
+                hasher.update(payload[lo * 28 : hi * 28])
+            part = rec[lo:hi]
+            xyz_raw[lo:hi] = part["xyz"]
+            ids[lo:hi] = part["id"]  # type: ignore[index]
+        return positions, ids, None if hasher is None else hasher.intdigest()
+    if header.layout == "xyz32":
+        positions = np.empty((n, 3), _XYZ32)
+        ids = None
+        parts = [positions]
+    else:  # paper-soa: the coordinates, then the ids, each one contiguous copy
+        positions = np.empty((n, 3), _F64)
+        ids = np.empty(n, _I32)
+        parts = [positions, ids]
+    src = np.frombuffer(payload, np.uint8)
+    at = 0
+    for arr in parts:
+        dst = arr.reshape(-1).view(np.uint8)
+        for lo in range(0, dst.nbytes, _CHUNK_BYTES):
+            hi = min(dst.nbytes, lo + _CHUNK_BYTES)
+            chunk = dst[lo:hi]
+            chunk[:] = src[at + lo : at + hi]
+            if hasher is not None:
+                hasher.update(chunk)  # the copy, still in cache: what the caller gets
+        at += dst.nbytes
+    return positions, ids, None if hasher is None else hasher.intdigest()
 
 
 def read_frame(source: str | os.PathLike[str] | bytes | memoryview | mmap.mmap) -> Frame:

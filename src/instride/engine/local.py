@@ -49,7 +49,7 @@ class LocalEngine:
         path = key_path(key, self.root)
         if os.path.exists(path):
             return path
-        return store.wait_any([path], timeout, label=key)
+        return store.wait_any([path], timeout, label=key, spin=self.settings.spin)
 
     def consume_bytes(self, key: str, timeout: float | None) -> memoryview:
         """A read-only memory map of the file of ``key`` (zero copy)."""

@@ -27,6 +27,7 @@ class FileMetadata:
         self.root = settings.dir
         self.owner = settings.addr
         self.node = settings.node
+        self.spin = settings.spin  # seconds a wait busy-polls before it sleeps
 
     def _record(self, key: str, st: os.stat_result) -> Record:
         return Record(key, self.owner, st.st_size, None, 1, st.st_mtime, self.node)
@@ -48,7 +49,8 @@ class FileMetadata:
         start = time.monotonic()
         while True:
             remaining = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
-            path = store.wait_any([self.root / k for k in keys], remaining, label=keys[0])
+            path = store.wait_any([self.root / k for k in keys], remaining, label=keys[0],
+                                  spin=self.spin)
             record = self.lookup(os.path.relpath(path, self.root))
             if record is not None:
                 return record

@@ -328,6 +328,7 @@ class RedisMetadata:
         channel, check, then wait for a message; leftovers of earlier waits (unsubscribe
         confirmations, messages of other channels) are skipped.
         """
+        spin = self.settings.spin  # busy-poll the subscription before sleeping on it
         while True:
             sub = self._subscriber()
             try:
@@ -335,7 +336,7 @@ class RedisMetadata:
                 try:
                     unconfirmed = set(wanted)
                     while True:
-                        msg = sub.read(remaining())
+                        msg = sub.read(remaining(), spin)
                         if not isinstance(msg, list) or len(msg) < 3:
                             continue
                         if msg[0] == b"subscribe" and unconfirmed:

@@ -18,6 +18,8 @@ from typing import Any
 import hiredis
 import redis
 
+from ..busypoll import recv_polling
+
 
 class RespConnection:
     """One socket to Redis, connected on first use and re-connected after any failure.
@@ -111,22 +113,29 @@ class RespConnection:
             self.close()
             raise
 
-    def read(self, timeout: float) -> Any | None:
-        """The next reply or pushed message, or ``None`` if none came within ``timeout`` s."""
+    def read(self, timeout: float, spin: float = 0.0) -> Any | None:
+        """The next reply or pushed message, or ``None`` if none came within ``timeout`` s.
+
+        With ``spin``, the socket is busy-polled that long (within ``timeout``) before the
+        thread sleeps in ``recv`` (:mod:`instride.busypoll`).
+        """
         reply = self.reader.gets() if self.sock is not None else False
         if reply is not False:
             return reply
         sock = self.sock or self._connect()
-        sock.settimeout(max(timeout, 1e-3))
         try:
-            chunk = sock.recv(1 << 16)
-        except TimeoutError:
-            sock.settimeout(self.timeout)
-            return None
+            chunk = recv_polling(sock, 1 << 16, min(spin, timeout))
+            if chunk is None:
+                sock.settimeout(max(timeout, 1e-3))
+                try:
+                    chunk = sock.recv(1 << 16)
+                except TimeoutError:
+                    return None
+                finally:
+                    sock.settimeout(self.timeout)
         except BaseException:
             self.close()
             raise
-        sock.settimeout(self.timeout)
         if not chunk:
             self.close()
             raise ConnectionError("Redis closed the connection")

@@ -2,7 +2,9 @@
 
 A wait arms an inotify watch on the file's directory and re-checks after arming, so a
 publication that lands between the first check and the watch is never missed. No polling, no
-busy wait: the thread sleeps in ``read()`` until an event names an awaited file. When the
+busy wait by default: the thread sleeps in ``read()`` until an event names an awaited file
+(``spin=`` busy-polls first, for a caller that would rather keep a core busy than pay the
+wake-up of a sleeping one). When the
 per-user inotify limits are reached (a thousand waiting threads exceed the default 128
 instances) a wait falls back to polling (1 ms doubling to 50 ms), still ending correctly. A
 failed wait (timeout, interruption) removes the directories it created to watch.
@@ -22,6 +24,7 @@ from pathlib import Path
 from inotify_simple import INotify
 from inotify_simple import flags as inflags
 
+from ..busypoll import poll_paths
 from ..errors import ConsumeTimeout
 
 _MAX_WAIT_MS = 60_000  # one read() at most; longer waits loop (poll() takes an int)
@@ -106,6 +109,7 @@ def wait_any(
     timeout: float | None,
     *,
     label: str,
+    spin: float = 0.0,
 ) -> Path:
     """Block until one of ``paths`` exists and return it.
 
@@ -118,6 +122,8 @@ def wait_any(
         Seconds to wait; ``None`` waits forever.
     label
         What is being waited for, named in the :class:`ConsumeTimeout`.
+    spin
+        Seconds to busy-poll before sleeping (within ``timeout``); ``0`` sleeps at once.
 
     Raises
     ------
@@ -127,6 +133,13 @@ def wait_any(
     for path in paths:
         if os.path.exists(path):
             return path
+    if spin > 0:
+        start = time.monotonic()
+        found = poll_paths(paths, spin if timeout is None else min(spin, timeout))
+        if found is not None:
+            return Path(found)
+        if timeout is not None:
+            timeout = max(0.0, timeout - (time.monotonic() - start))
     created = _missing_dirs(dict.fromkeys(p.parent for p in paths))  # [cleanup]
     try:
         return _wait_any(paths, timeout, label)

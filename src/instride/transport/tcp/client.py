@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from ...busypoll import poll_readable
 from ...config import Settings, parse_addr
 from ...errors import (
     AuthenticationError,
@@ -123,6 +124,7 @@ class TcpTransport:
                 header = wire.sign(self.settings.token or "", op, record.key)
                 header["version"] = record.version
                 sock.sendall(wire.pack(header))
+                poll_readable(sock, self.settings.spin)  # INSTRIDE_SPIN: poll before sleeping
                 n = wire.parse_length(_recv_exact(sock, 4, record.key))
                 reply = wire.parse_header(_recv_exact(sock, n, record.key))
                 break
