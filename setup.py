@@ -8,6 +8,9 @@
   ctypes). It is built only when UCX's headers are installed (Debian ``libucx-dev``); without
   them the package still installs and selecting the ``ucx`` transport raises a
   ``ConfigError`` that names the package.
+- ``libinstride_serve.so``: the data server of the ``tcp`` transport (csrc/serve, loaded with
+  ctypes): connections, framing, the signed-request fast path and ``sendfile`` in C, every
+  other decision in Python. Links OpenSSL's libcrypto (HMAC-SHA256; Debian ``libssl-dev``).
 
 All package metadata lives in pyproject.toml; this file only adds the C build.
 The libraries are plain shared objects (never imported by Python): each is built
@@ -29,7 +32,8 @@ from setuptools.command.build_py import build_py
 PRELOAD = "instride.libinstride_preload"
 CAPI = "instride.libinstride"
 UCX = "instride.libinstride_ucx"
-LIBRARIES = (PRELOAD, CAPI, UCX)
+SERVE = "instride.libinstride_serve"
+LIBRARIES = (PRELOAD, CAPI, UCX, SERVE)
 
 
 class BuildPreload(build_ext):
@@ -70,6 +74,13 @@ capi = Extension(
     libraries=["pthread", "m"],
 )
 
+serve = Extension(
+    SERVE,
+    sources=sorted(glob.glob("csrc/serve/*.c")),
+    extra_compile_args=CFLAGS,
+    libraries=["crypto", "pthread", "m"],
+)
+
 
 def _have_ucx() -> bool:
     """Whether UCX's development headers (Debian ``libucx-dev``) are installed."""
@@ -77,7 +88,7 @@ def _have_ucx() -> bool:
     return any(os.path.exists(os.path.join(d, "ucp", "api", "ucp.h")) for d in dirs)
 
 
-extensions = [preload, capi]
+extensions = [preload, capi, serve]
 if _have_ucx():
     ucx_home = os.environ.get("UCX_HOME")
     extensions.append(Extension(

@@ -129,9 +129,12 @@ WAKE_PRODUCER = textwrap.dedent(
     instride.get_client().exists("warm-up")
     for i in range(n):
         time.sleep(0.003)
+        fh = instride.open(f"wake/k{i}", "wb")
+        fh.write(b"x")
+        fh.flush()
+        # the clock starts at the publication, close(), as in bench_local.py's wake-up
         t = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-        with instride.open(f"wake/k{i}", "wb") as fh:
-            fh.write(b"x")
+        fh.close()
         out.append(t)
     print(" ".join(map(str, out)))
     """

@@ -8,6 +8,7 @@ and symbolic links through the data server and cluster consumers.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
@@ -354,7 +355,12 @@ def _raw_exchange(port: int, payload_bytes: bytes, timeout: float = 10.0) -> tup
     """Send ``payload_bytes``, half-close, read the reply header and everything after it."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         s.sendall(payload_bytes)
-        s.shutdown(socket.SHUT_WR)
+        try:
+            s.shutdown(socket.SHUT_WR)
+        except OSError as exc:  # the server answered and closed before we were done sending
+            if exc.errno != errno.ENOTCONN:
+                raise
+            raise ConnectionResetError(exc.errno, "closed by the server") from None
         data = b""
         while True:
             chunk = s.recv(1 << 20)

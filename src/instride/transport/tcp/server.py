@@ -1,46 +1,55 @@
 """TCP transport, server half: serve this node's managed directory to peers.
 
-Each request is a length-prefixed JSON header signed with an HMAC of the job token
-(:mod:`instride.transport.wire`); the reply header is followed by the body, sent with
-``sendfile``. Keys are validated by the server itself: traversal or absolute paths get an
-error reply, never bytes. Only regular files are served (:mod:`instride.store.served`): a
-symbolic link, a FIFO, a device or a directory under a key gets a ``KeyNotFoundError`` reply,
-and so does a file whose resolved path is outside the managed directory.
+The server is ``libinstride_serve.so`` (C, loaded with :mod:`ctypes`): one thread per peer
+connection, blocking I/O with deadlines, ``sendfile`` for the bodies. Each request is a
+length-prefixed JSON header signed with an HMAC of the job token
+(:mod:`instride.transport.wire`). The C engine answers on its own only the common case — a
+plain, correctly signed, fresh ``fetch`` of a plain key that opens as a regular file beneath the
+directory (``openat2`` with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``) — and framing errors.
+Every other request is handed to :meth:`TcpServer.decide`, written here in Python with the
+protocol's own functions: that is where keys are validated (traversal or absolute paths get an
+error reply, never bytes), where only regular files are served (:mod:`instride.store.served`: a
+symbolic link, a FIFO, a device or a directory under a key gets a ``KeyNotFoundError`` reply, and
+so does a file whose resolved path is outside the managed directory), and where forged,
+malformed and replayed requests are refused, logged and counted. (Cold Python costs ~0.5 ms per
+request on an idle VM; the C path answers a fetch in tens of µs.)
 
 Resource bounds: at most ``max_peers`` connections are served at once (others get a
 ``WireError`` "busy" reply); a new connection must send its first request within
 ``request_timeout`` seconds, only then does it get the long keep-alive (:data:`IDLE_TIMEOUT`);
 every write to a peer has a deadline (``send_timeout``, plus size / 50 MB/s for a file body),
-so a peer that stops reading cannot pin a transfer.
+so a peer that stops reading cannot pin a transfer, and other connections are served meanwhile
+(each has its own thread: no head-of-line blocking).
 
 Security notes: requests are authenticated with the job token (HMAC-SHA256 over op, key,
 nonce and timestamp) and must be within :data:`~instride.transport.wire.MAX_SKEW` (300 s) of
-the server's clock. Each nonce is accepted once (:class:`~instride.transport.replay.ReplayGuard`
-remembers them for that window, bounded in memory), so a captured request sent again is
-refused with an ``AuthenticationError`` reply. Requests and replies are not encrypted: an
-observer on the network sees the file's bytes in the original reply. The token protects
-against fetching keys without it, not against eavesdropping: run the cluster traffic on a
-trusted network. Hard links are not detected: a hard link under the managed directory to a
-file readable by the server's user is served like any other regular file.
+the server's clock. Each nonce is accepted once (one replay guard, in the C engine, used by
+both paths; same rules as :class:`~instride.transport.replay.ReplayGuard`: remembered for that
+window, bounded in memory), so a captured request sent again is refused with an
+``AuthenticationError`` reply. Requests and replies are not encrypted: an observer on the
+network sees the file's bytes in the original reply. The token protects against fetching keys
+without it, not against eavesdropping: run the cluster traffic on a trusted network. Hard links
+are not detected: a hard link under the managed directory to a file readable by the server's
+user is served like any other regular file.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import ctypes
+import json
 import logging
 import os
-import sys
+import threading
 import time
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any
 
 from ...config import Settings, parse_addr
-from ...errors import InstrideError, KeyNotFoundError, KeyNotServed, WireError
+from ...errors import ConfigError, InstrideError, KeyNotFoundError, KeyNotServed, WireError
 from ...keys import normalize_key
 from ...store.served import open_served
 from .. import wire
-from ..replay import ReplayGuard
 
 log = logging.getLogger("instride.server")
 
@@ -56,20 +65,74 @@ SEND_TIMEOUT = 60.0
 SEND_RATE = 50e6
 #: Peer connections served at once.
 MAX_PEERS = 512
+#: The reply buffer the C engine gives :meth:`TcpServer.decide` (bytes).
+_REPLY_CAP = 16 * 1024
+_KEEP = 1
 
-_T = TypeVar("_T")
+INSTALL_HINT = ("install OpenSSL's headers (Debian: apt-get install libssl-dev) and reinstall "
+                "instride (pip install -e .) so that libinstride_serve.so is built")
+
+_DECIDE = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_char_p,
+    ctypes.c_void_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_int),
+    ctypes.POINTER(ctypes.c_int64),
+)
+_LOG = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p)
 
 
-async def _within(aw: Awaitable[_T], seconds: float) -> _T:
-    """``await aw`` with a deadline; :class:`asyncio.TimeoutError` past it.
+class _Stats(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in
+                ("fetches", "bytes_sent", "errors", "busy", "stalled", "refused", "peers")]
 
-    ``asyncio.timeout`` (Python 3.11+) cancels in place; ``wait_for`` wraps the awaitable in a
-    new task, which cost a noticeable share of the server's CPU per request.
+
+_lib: ctypes.CDLL | None = None
+_lib_lock = threading.Lock()
+
+
+def library_path() -> Path:
+    """Where ``libinstride_serve.so`` is installed (next to the package's modules)."""
+    return Path(__file__).resolve().parents[2] / "libinstride_serve.so"
+
+
+def load_library() -> ctypes.CDLL:
+    """Load ``libinstride_serve.so`` once.
+
+    Raises
+    ------
+    ConfigError
+        When it was not built (OpenSSL headers missing at install time) or cannot be loaded.
     """
-    if sys.version_info >= (3, 11):
-        async with asyncio.timeout(seconds):
-            return await aw
-    return await asyncio.wait_for(aw, seconds)  # pragma: no cover - Python 3.10
+    global _lib
+    with _lib_lock:
+        if _lib is not None:
+            return _lib
+        path = library_path()
+        if not path.exists():
+            raise ConfigError("INSTRIDE_TRANSPORT", "tcp",
+                              f"the data server was not built ({path.name} is missing); {INSTALL_HINT}")
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise ConfigError("INSTRIDE_TRANSPORT", "tcp",
+                              f"cannot load {path.name} ({exc}); {INSTALL_HINT}") from None
+        vp, cp, sz, i = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int
+        lib.iss_start.restype = i
+        lib.iss_start.argtypes = [cp, i, cp, cp, sz, i, i, i, i, ctypes.c_double, _DECIDE, _LOG, vp,
+                                  ctypes.POINTER(vp), cp, sz]
+        lib.iss_port.restype = i
+        lib.iss_port.argtypes = [vp]
+        lib.iss_stats_get.restype = None
+        lib.iss_stats_get.argtypes = [vp, ctypes.POINTER(_Stats)]
+        lib.iss_replay_check.restype = i
+        lib.iss_replay_check.argtypes = [vp, cp, sz, ctypes.c_double, ctypes.c_double]
+        lib.iss_stop.restype = i
+        lib.iss_stop.argtypes = [vp, i]
+        _lib = lib
+        return lib
+
+
+def _error(err: str, message: str) -> dict[str, Any]:
+    return {"ok": False, "error": err, "message": message[:MAX_MESSAGE]}
 
 
 class TcpServer:
@@ -99,185 +162,176 @@ class TcpServer:
         self.max_peers = max_peers
         self.request_timeout = request_timeout
         self.send_timeout = send_timeout
-        self.root_real = os.path.realpath(settings.dir)
-        self.replays = ReplayGuard()  # [replay] each signed request is accepted once
-        self._server: asyncio.base_events.Server | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._idle: set[asyncio.Task[Any]] = set()  # connections waiting for a request
-        self._closing = False
-        self._peers = 0
-        self.stats = {"fetches": 0, "bytes_sent": 0, "refused": 0, "errors": 0, "busy": 0,
-                      "stalled": 0}
+        self.root_real = str(Path(settings.dir).resolve())
+        self._token = (settings.token or "").encode()
+        self._handle: ctypes.c_void_p | None = None
+        self._lock = threading.Lock()
+        #: decisions counted here (the C engine counts transfers, framing errors and gauges)
+        self.stats = {"refused": 0, "errors": 0}
+        self._final: dict[str, int] = {}  # the engine's counters when it was stopped
+        # the callbacks must outlive every C thread that may call them: kept on the instance
+        self._decide_cb = _DECIDE(self._decide_c)
+        self._log_cb = _LOG(self._log_c)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Listen on ``settings.addr``."""
-        host, port = parse_addr(self.settings.addr)
-        self._server = await asyncio.start_server(self._track, host, port, reuse_address=True,
-                                                  limit=wire.MAX_HEADER * 2)
+        """Listen on ``settings.addr``.
 
-    async def _track(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        try:
-            await self._handle_peer(reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
-            pass
-        except Exception:  # never let one peer take the server down
-            self.stats["errors"] += 1
-            log.exception("unexpected error while serving a peer")
-        finally:
-            self._tasks.discard(task)
-            writer.close()
-            # Cancelled here too at loop shutdown: end quietly, never as a cancelled task.
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.wait_for(writer.wait_closed(), 1.0)
+        Raises
+        ------
+        OSError
+            The address cannot be resolved or listened on (e.g. in use).
+        ConfigError
+            ``libinstride_serve.so`` is missing.
+        """
+        lib = load_library()
+        host, port = parse_addr(self.settings.addr)
+        err = ctypes.create_string_buffer(512)
+        handle = ctypes.c_void_p()
+        rc = lib.iss_start(
+            host.encode(), port, str(self.settings.dir).encode(), self._token, len(self._token),
+            self.max_peers, int(self.request_timeout * 1000), int(IDLE_TIMEOUT * 1000),
+            int(self.send_timeout * 1000), SEND_RATE, self._decide_cb, self._log_cb, None,
+            ctypes.byref(handle), err, len(err))
+        if rc != 0:
+            raise OSError(-rc, err.value.decode(errors="replace") or "cannot start the data server")
+        self._handle = handle
+
+    @property
+    def port(self) -> int:
+        """The port listened on (the one asked for, or the kernel's choice for port 0)."""
+        if self._handle is None:
+            raise RuntimeError("the server is not started")
+        return int(load_library().iss_port(self._handle))
 
     async def stop(self, grace: float) -> None:
         """Stop accepting, drop idle connections, give transfers ``grace`` seconds."""
-        self._closing = True
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._idle):
-            task.cancel()
-        if self._tasks:
-            log.info("waiting for %d in-flight transfer(s)", len(self._tasks))
-            _done, pending = await asyncio.wait(set(self._tasks), timeout=grace)
-            for task in pending:
-                task.cancel()
-            if pending:
-                await asyncio.wait(pending, timeout=1.0)
+        handle, self._handle = self._handle, None
+        if handle is None:
+            return
+        with self._lock:
+            self._final = self._engine_stats(handle)
+        left = await asyncio.to_thread(load_library().iss_stop, handle, int(grace * 1000))
+        if left:
+            log.warning("%d peer connection(s) still closing after the grace period", left)
+
+    def _engine_stats(self, handle: ctypes.c_void_p) -> dict[str, int]:
+        out = _Stats()
+        load_library().iss_stats_get(handle, ctypes.byref(out))
+        return {name: int(getattr(out, name)) for name, _ in _Stats._fields_}
 
     def snapshot(self) -> dict[str, Any]:
         """Counters plus the number of peer connections being served."""
-        return {**self.stats, "peers": self._peers}
+        handle = self._handle
+        engine = self._engine_stats(handle) if handle is not None else dict(self._final, peers=0)
+        with self._lock:
+            mine = dict(self.stats)
+        out: dict[str, Any] = {"fetches": 0, "bytes_sent": 0, "refused": 0, "errors": 0, "busy": 0,
+                               "stalled": 0, **engine}
+        for name, value in mine.items():
+            out[name] = out.get(name, 0) + value
+        out.setdefault("peers", 0)
+        return out
 
-    # ------------------------------------------------------------------ requests
-    async def _drain(self, writer: asyncio.StreamWriter) -> None:
+    # ------------------------------------------------------------------ decisions
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self.stats[name] += 1
+
+    def _replay(self, nonce: str, ts: float) -> str | None:
+        handle = self._handle
+        if handle is None:
+            return "server is stopping"
+        raw = nonce.encode()
+        rc = load_library().iss_replay_check(handle, raw, len(raw), ts, time.time())
+        if rc == 0:
+            return None
+        if rc == 1:
+            return "replayed request (nonce already used)"
+        if rc == 2:
+            return "request too old for the replay window (resend it)"
+        return "server out of memory for its replay guard"
+
+    def decide(self, body: bytes, peer: str) -> tuple[dict[str, Any], int | None, int, bool]:
+        """Answer a request the C engine did not serve on its own.
+
+        Parameters
+        ----------
+        body
+            The request's JSON header (after the length prefix).
+        peer
+            The peer's address, for the log.
+
+        Returns
+        -------
+        (dict, int or None, int, bool)
+            The reply header, the descriptor of the file to send after it (the engine sends
+            and closes it) or ``None``, its size, and whether the connection may serve
+            another request.
+        """
         try:
-            await _within(writer.drain(), self.send_timeout)
-        except asyncio.TimeoutError:
-            self.stats["stalled"] += 1
-            log.warning("%s stopped reading; connection dropped", writer.get_extra_info("peername"))
-            writer.transport.abort()
-            raise ConnectionResetError("peer stopped reading") from None
-
-    async def _reply_error(self, writer: asyncio.StreamWriter, err: str, message: str) -> None:
-        writer.write(wire.pack({"ok": False, "error": err, "message": message[:MAX_MESSAGE]}))
-        await self._drain(writer)
-
-    async def _handle_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Serve requests on one connection until the peer closes it, errs, or idles out."""
-        peer = writer.get_extra_info("peername")
-        if self._peers >= self.max_peers:
-            self.stats["busy"] += 1
-            log.warning("refused connection from %s: %d connections already", peer, self._peers)
-            await self._reply_error(writer, "WireError", "busy: too many connections, retry later")
-            return
-        self._peers += 1
-        task = asyncio.current_task()
-        assert task is not None
-        wait = self.request_timeout  # the long keep-alive only after a successful request
-        try:
-            while True:
-                self._idle.add(task)
-                try:
-                    prefix = await _within(reader.readexactly(4), wait)
-                except asyncio.IncompleteReadError as exc:
-                    if exc.partial:
-                        await self._refuse(writer, peer, "truncated length prefix")
-                    return
-                except asyncio.TimeoutError:
-                    log.debug("connection from %s idle for %.0f s: closed", peer, wait)
-                    return
-                finally:
-                    self._idle.discard(task)
-                if not await self._peer_request(prefix, reader, writer) or self._closing:
-                    return
-                wait = IDLE_TIMEOUT
-        finally:
-            self._peers -= 1
-
-    async def _refuse(self, writer: asyncio.StreamWriter, peer: Any, reason: str) -> None:
-        self.stats["refused"] += 1
-        log.warning("malformed request from %s: %s", peer, reason)
-        await self._reply_error(writer, "WireError", reason)
-
-    async def _peer_request(
-        self, prefix: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> bool:
-        """Answer one request; return whether the connection may serve another."""
-        peer = writer.get_extra_info("peername")
-        try:
-            n = wire.parse_length(prefix)
-            body = await _within(reader.readexactly(n), self.request_timeout)
             req = wire.parse_header(body)
         except WireError as exc:
-            await self._refuse(writer, peer, str(exc))
-            return False
-        except asyncio.IncompleteReadError as exc:
-            await self._refuse(writer, peer, f"truncated header ({len(exc.partial)} bytes)")
-            return False
-        except asyncio.TimeoutError:
-            await self._refuse(writer, peer, "timed out reading the request header")
-            return False
+            self._count("refused")
+            log.warning("malformed request from %s: %s", peer, exc)
+            return _error("WireError", str(exc)), None, 0, False
         reason = wire.verify(self.settings.token, req)
         if reason is None:  # [replay] a captured request sent again is refused
-            reason = self.replays.check(req["nonce"], float(req["ts"]), now=time.time())
+            reason = self._replay(req["nonce"], float(req["ts"]))
         if reason is not None:
-            self.stats["refused"] += 1
+            self._count("refused")
             log.warning("refused request from %s: %s", peer, reason)
-            await self._reply_error(writer, "AuthenticationError", reason)
-            return False
+            return _error("AuthenticationError", reason), None, 0, False
         op = req["op"]  # a str, checked by verify
         if op == "ping":
-            writer.write(wire.pack({"ok": True, "node": self.settings.node}))
-            await self._drain(writer)
-            return True
+            return {"ok": True, "node": self.settings.node}, None, 0, True
         if op != "fetch":
-            self.stats["refused"] += 1
-            await self._reply_error(writer, "WireError", f"unknown op {op[:100]!r}")
-            return False
+            self._count("refused")
+            return _error("WireError", f"unknown op {op[:100]!r}"), None, 0, False
         try:
             key = normalize_key(req["key"], self.settings.dir)
             fd, st = open_served(self.settings.dir, self.root_real, key)
         except KeyNotFoundError as exc:
             if isinstance(exc, KeyNotServed):
-                self.stats["refused"] += 1
+                self._count("refused")
                 log.warning("refused to serve to %s: %s", peer, exc)
             else:
                 log.debug("not serving to %s: %s", peer, exc)
-            await self._reply_error(writer, "KeyNotFoundError", str(exc))
-            return False
+            return _error("KeyNotFoundError", str(exc)), None, 0, False
         except InstrideError as exc:
-            self.stats["refused"] += 1
+            self._count("refused")
             log.warning("refused key from %s: %s", peer, exc)
-            await self._reply_error(writer, type(exc).__name__, str(exc))
-            return False
-        with open(fd, "rb") as fh:  # takes over fd
-            size = st.st_size
-            writer.write(wire.pack({"ok": True, "key": key, "size": size}))
-            if not size:
-                await self._drain(writer)
-            else:
-                # loop.sendfile flushes the reply header first; between its os.sendfile calls
-                # (each bounded by the socket's send buffer) the loop serves other peers, so a
-                # large body does not hold back small ones.
-                loop = asyncio.get_running_loop()
-                try:
-                    await _within(loop.sendfile(writer.transport, fh, 0, size),
-                                  self.send_timeout + size / SEND_RATE)
-                except asyncio.TimeoutError:
-                    self.stats["stalled"] += 1
-                    log.warning("transfer of %s (%d bytes) to %s stalled; connection dropped",
-                                key, size, peer)
-                    writer.transport.abort()
-                    return False
-            self.stats["fetches"] += 1
-            self.stats["bytes_sent"] += size
-        log.debug("sent %s (%d bytes) to %s", key, size, peer)
-        return True
+            return _error(type(exc).__name__, str(exc)), None, 0, False
+        log.debug("sending %s (%d bytes) to %s", key, st.st_size, peer)
+        return {"ok": True, "key": key, "size": st.st_size}, fd, st.st_size, True
+
+    def _decide_c(self, _ctx: Any, hdr: int, length: int, peer: bytes, reply: int, cap: int,
+                  reply_len: Any, fd: Any, size: Any) -> int:
+        """The C engine's callback: :meth:`decide`, its reply copied into the engine's buffer."""
+        out_fd = None
+        try:
+            answer, out_fd, nbytes, keep = self.decide(ctypes.string_at(hdr, length),
+                                                       peer.decode(errors="replace"))
+            data = json.dumps(answer, separators=(",", ":")).encode()
+            if len(data) > cap:  # (messages are bounded; this is a last resort)
+                data = json.dumps(_error(answer.get("error", "WireError"), "reply too long")).encode()
+            ctypes.memmove(reply, data, len(data))
+            reply_len[0] = len(data)
+            fd[0] = -1 if out_fd is None else out_fd
+            size[0] = nbytes
+            return _KEEP if keep else 0
+        except BaseException:  # never let one request take the server down
+            self._count("errors")
+            log.exception("unexpected error while serving a peer")
+            if out_fd is not None:
+                os.close(out_fd)
+            reply_len[0] = 0
+            fd[0] = -1
+            return 0
+
+    @staticmethod
+    def _log_c(_ctx: Any, level: int, message: bytes) -> None:
+        log.log(level, "%s", message.decode(errors="replace"))
 
 
 __all__ = ["IDLE_TIMEOUT", "MAX_PEERS", "REQUEST_TIMEOUT", "SEND_RATE", "SEND_TIMEOUT", "TcpServer"]

@@ -1,0 +1,989 @@
+/*
+ * libinstride_serve: the data server of the `tcp` transport, in C.
+ *
+ * Serves the regular files of one managed directory to peers, speaking the wire protocol of
+ * src/instride/transport/wire.py: a 4-byte big-endian length, a JSON header signed with an
+ * HMAC-SHA256 of the job token; a successful fetch reply is followed by the file's bytes,
+ * sent with sendfile(2). One thread per connection, blocking I/O with deadlines.
+ *
+ * Fast path, decided here: a well-formed `fetch` whose JSON is plain (ASCII strings without
+ * escapes, the known fields once each), whose MAC is right, whose timestamp is inside the
+ * window, whose nonce is fresh and whose key is a plain key that opens (openat2 beneath the
+ * directory, no symbolic link, a regular file). Everything else — malformed, forged, replayed,
+ * unknown operations, special files, keys needing normalization, missing keys — goes to the
+ * `decide` callback (Python: the one place the protocol's rules and messages are written), which
+ * returns the reply and, for a fetch it allows, the descriptor to send. Framing errors (length
+ * out of range, truncated or late headers) and "busy" are answered here.
+ *
+ * One replay guard (nonces accepted once while their timestamps are in the window, bounded
+ * memory), used by both the fast path and, through iss_replay_check(), the callback.
+ *
+ * Return codes: 0 or a positive count on success, a negative errno on failure, with a message
+ * in the caller's `err` buffer.
+ */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/openat2.h>
+#include <math.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/sendfile.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+
+#define ISS_API __attribute__((visibility("default")))
+#define ISS_MAX_HEADER (16 * 1024)
+#define ISS_MAX_REPLY (16 * 1024)
+#define ISS_MAX_KEY 200
+#define ISS_MAX_SKEW 300.0
+#define ISS_PROTOCOL 1
+
+/* What the callback returns (a bit set). */
+#define ISS_KEEP 1 /* the connection may serve another request */
+
+/* decide(ctx, header, len, peer, reply, cap, *reply_len, *fd, *size) -> ISS_KEEP or 0 */
+typedef int (*iss_decide_fn)(void *ctx, const char *hdr, uint32_t len, const char *peer,
+                             char *reply, uint32_t cap, uint32_t *reply_len, int *fd,
+                             int64_t *size);
+/* log(ctx, level, message): level 30 warning, 10 debug (Python's logging levels) */
+typedef void (*iss_log_fn)(void *ctx, int level, const char *msg);
+
+typedef struct {
+    uint64_t fetches, bytes_sent, errors, busy, stalled, refused, peers;
+} iss_stats;
+
+/* ------------------------------------------------------------------ replay guard */
+
+typedef struct entry {
+    uint8_t h[16];
+    double ts;
+    struct entry *next; /* hash chain */
+} entry;
+
+typedef struct {
+    pthread_mutex_t mu;
+    entry **table;
+    size_t nbuckets, count, capacity;
+    entry **heap; /* min-heap by ts */
+    size_t heap_cap;
+    double floor, window;
+} guard;
+
+static void nonce_hash(const char *nonce, size_t len, uint8_t out[16]) {
+    uint8_t full[32];
+    unsigned int n = 0;
+    EVP_Digest(nonce, len, full, &n, EVP_sha256(), NULL);
+    memcpy(out, full, 16);
+}
+
+static size_t bucket_of(const guard *g, const uint8_t h[16]) {
+    uint64_t x;
+    memcpy(&x, h, sizeof x);
+    return (size_t)(x % g->nbuckets);
+}
+
+static void heap_swap(entry **a, size_t i, size_t j) {
+    entry *t = a[i];
+    a[i] = a[j];
+    a[j] = t;
+}
+
+static int heap_push(guard *g, entry *e) {
+    if (g->count == g->heap_cap) {
+        size_t cap = g->heap_cap ? g->heap_cap * 2 : 1024;
+        entry **h = realloc(g->heap, cap * sizeof *h);
+        if (h == NULL)
+            return -ENOMEM;
+        g->heap = h;
+        g->heap_cap = cap;
+    }
+    size_t i = g->count;
+    g->heap[i] = e;
+    while (i > 0 && g->heap[(i - 1) / 2]->ts > g->heap[i]->ts) {
+        heap_swap(g->heap, i, (i - 1) / 2);
+        i = (i - 1) / 2;
+    }
+    return 0;
+}
+
+/* Remove the oldest entry (heap top) from heap and table; count-- ; returns its ts. */
+static double heap_pop(guard *g) {
+    entry *top = g->heap[0];
+    size_t n = g->count - 1;
+    g->heap[0] = g->heap[n];
+    size_t i = 0;
+    for (;;) {
+        size_t l = 2 * i + 1, r = l + 1, m = i;
+        if (l < n && g->heap[l]->ts < g->heap[m]->ts)
+            m = l;
+        if (r < n && g->heap[r]->ts < g->heap[m]->ts)
+            m = r;
+        if (m == i)
+            break;
+        heap_swap(g->heap, i, m);
+        i = m;
+    }
+    entry **p = &g->table[bucket_of(g, top->h)];
+    while (*p != NULL && *p != top)
+        p = &(*p)->next;
+    if (*p == top)
+        *p = top->next;
+    double ts = top->ts;
+    free(top);
+    g->count = n;
+    return ts;
+}
+
+static int guard_init(guard *g, size_t capacity, double window) {
+    memset(g, 0, sizeof *g);
+    pthread_mutex_init(&g->mu, NULL);
+    g->capacity = capacity;
+    g->window = window;
+    g->floor = -INFINITY;
+    g->nbuckets = 1 << 16;
+    g->table = calloc(g->nbuckets, sizeof *g->table);
+    return g->table == NULL ? -ENOMEM : 0;
+}
+
+static void guard_free(guard *g) {
+    while (g->count > 0)
+        heap_pop(g);
+    free(g->table);
+    free(g->heap);
+    pthread_mutex_destroy(&g->mu);
+}
+
+/* 0: fresh (remembered now); 1: replayed; 2: too old for the window; <0: out of memory. */
+static int guard_check(guard *g, const char *nonce, size_t len, double ts, double now) {
+    uint8_t h[16];
+    nonce_hash(nonce, len, h);
+    pthread_mutex_lock(&g->mu);
+    int rc = 0;
+    while (g->count > 0 && g->heap[0]->ts < now - g->window)
+        heap_pop(g);
+    if (ts <= g->floor) {
+        rc = 2;
+        goto out;
+    }
+    for (entry *e = g->table[bucket_of(g, h)]; e != NULL; e = e->next)
+        if (memcmp(e->h, h, 16) == 0) {
+            rc = 1;
+            goto out;
+        }
+    entry *e = malloc(sizeof *e);
+    if (e == NULL || heap_push(g, e) != 0) {
+        free(e);
+        rc = -ENOMEM;
+        goto out;
+    }
+    memcpy(e->h, h, 16);
+    e->ts = ts;
+    size_t b = bucket_of(g, h);
+    e->next = g->table[b];
+    g->table[b] = e;
+    g->count++;
+    while (g->count > g->capacity) {
+        double old = heap_pop(g);
+        if (old > g->floor)
+            g->floor = old;
+    }
+out:
+    pthread_mutex_unlock(&g->mu);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ server state */
+
+typedef struct conn {
+    struct server *srv;
+    int fd;
+    int busy; /* a request is being answered (under srv->mu) */
+    int dead; /* a send to the peer failed or stalled: no lingering */
+    int refuse; /* over max_peers: answer "busy" and close */
+    char peer[64];
+    struct conn *next;
+} conn;
+
+typedef struct server {
+    int lfd, rootfd;
+    char *token;
+    size_t token_len;
+    int max_peers;
+    int request_timeout_ms, idle_timeout_ms, send_timeout_ms;
+    double send_rate;
+    iss_decide_fn decide;
+    iss_log_fn log;
+    void *ctx;
+    pthread_t acceptor;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    conn *conns;
+    int threads; /* connection threads alive (under mu) */
+    int inflight; /* requests being answered (under mu) */
+    atomic_int closing;
+    _Atomic uint64_t fetches, bytes_sent, errors, busy, stalled, refused;
+    atomic_int peers;
+    guard replay;
+} server;
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static double wall_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static void set_err(char *err, size_t errlen, const char *fmt, ...) {
+    if (err == NULL || errlen == 0)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+static void logf_(server *s, int level, const char *fmt, ...) {
+    if (s->log == NULL)
+        return;
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    s->log(s->ctx, level, msg);
+}
+
+/* Send all of buf within timeout_ms; 0, or -1 on failure or timeout. */
+static int send_all(int fd, const char *buf, size_t len, int timeout_ms) {
+    int64_t deadline = now_ns() + (int64_t)timeout_ms * 1000000LL;
+    while (len > 0) {
+        ssize_t n = send(fd, buf, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n > 0) {
+            buf += n;
+            len -= (size_t)n;
+            continue;
+        }
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && errno != EAGAIN)
+            return -1;
+        int64_t left = (deadline - now_ns()) / 1000000LL;
+        if (left <= 0)
+            return -1;
+        struct pollfd p = {fd, POLLOUT, 0};
+        if (poll(&p, 1, (int)left) < 0 && errno != EINTR)
+            return -1;
+    }
+    return 0;
+}
+
+/* Reply with a 4-byte length and the JSON body. */
+static int send_reply(server *s, int fd, const char *json, size_t len) {
+    char buf[4 + ISS_MAX_REPLY];
+    if (len > ISS_MAX_REPLY)
+        len = ISS_MAX_REPLY;
+    uint32_t be = htonl((uint32_t)len);
+    memcpy(buf, &be, 4);
+    memcpy(buf + 4, json, len);
+    return send_all(fd, buf, 4 + len, s->send_timeout_ms);
+}
+
+/* {"ok":false,"error":ERR,"message":MSG}; MSG is plain ASCII made here (no escaping needed). */
+static void send_error(server *s, int fd, const char *err, const char *msg) {
+    char json[ISS_MAX_REPLY];
+    int n = snprintf(json, sizeof json, "{\"ok\":false,\"error\":\"%s\",\"message\":\"%s\"}", err, msg);
+    if (n > 0)
+        send_reply(s, fd, json, (size_t)n < sizeof json ? (size_t)n : sizeof json - 1);
+}
+
+/* Read exactly len bytes before the deadline (ns; -1: none). Returns bytes read (< len on EOF),
+ * -ETIMEDOUT, or another negative errno. */
+static ssize_t recv_exact(int fd, char *buf, size_t len, int64_t deadline) {
+    size_t got = 0;
+    while (got < len) {
+        int wait_ms = -1;
+        if (deadline >= 0) {
+            int64_t left = (deadline - now_ns()) / 1000000LL;
+            if (left <= 0)
+                return -ETIMEDOUT;
+            wait_ms = (int)(left > 3600000 ? 3600000 : left);
+        }
+        struct pollfd p = {fd, POLLIN, 0};
+        int r = poll(&p, 1, wait_ms);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        if (r == 0)
+            continue; /* the deadline check above ends it */
+        ssize_t n = recv(fd, buf + got, len - got, MSG_DONTWAIT);
+        if (n == 0)
+            return (ssize_t)got;
+        if (n < 0) {
+            if (errno == EINTR || errno == EAGAIN)
+                continue;
+            return -errno;
+        }
+        got += (size_t)n;
+    }
+    return (ssize_t)got;
+}
+
+/* ------------------------------------------------------------------ the fast path */
+
+typedef struct {
+    const char *op, *key, *nonce, *mac; /* into the header buffer, NUL-terminated in place */
+    size_t op_len, key_len, nonce_len, mac_len;
+    double ts;
+    int has_ts, has_v;
+} request;
+
+static const char *skip_ws(const char *p, const char *end) {
+    while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r'))
+        p++;
+    return p;
+}
+
+/* A plain JSON string at p ('"' expected): printable ASCII, no escapes. Terminates it with a
+ * NUL in place of the closing quote. Returns the position after it, or NULL. */
+static char *plain_string(char *p, char *end, const char **out, size_t *len) {
+    if (p >= end || *p != '"')
+        return NULL;
+    char *start = ++p;
+    while (p < end && *p != '"') {
+        unsigned char c = (unsigned char)*p;
+        if (c == '\\' || c < 0x20 || c > 0x7e)
+            return NULL;
+        p++;
+    }
+    if (p >= end)
+        return NULL;
+    *out = start;
+    *len = (size_t)(p - start);
+    *p = '\0';
+    return p + 1;
+}
+
+/* A JSON number; returns the position after it, or NULL. */
+static char *plain_number(char *p, char *end, double *out) {
+    char buf[64];
+    char *q = p;
+    if (q < end && *q == '-')
+        q++;
+    if (q >= end || *q < '0' || *q > '9')
+        return NULL;
+    while (q < end && ((*q >= '0' && *q <= '9') || *q == '.' || *q == 'e' || *q == 'E' || *q == '+' ||
+                       *q == '-'))
+        q++;
+    size_t n = (size_t)(q - p);
+    if (n >= sizeof buf)
+        return NULL;
+    memcpy(buf, p, n);
+    buf[n] = '\0';
+    char *stop;
+    errno = 0;
+    double v = strtod(buf, &stop);
+    if (*stop != '\0' || errno != 0 || !isfinite(v))
+        return NULL;
+    *out = v;
+    return q;
+}
+
+/* Parse a plain request header in place; 0, or -1 when it is not plain (the callback decides). */
+static int parse_plain(char *p, size_t len, request *r) {
+    char *end = p + len;
+    memset(r, 0, sizeof *r);
+    p = (char *)skip_ws(p, end);
+    if (p >= end || *p != '{')
+        return -1;
+    p++;
+    for (;;) {
+        p = (char *)skip_ws(p, end);
+        const char *name;
+        size_t nlen;
+        if ((p = plain_string(p, end, &name, &nlen)) == NULL)
+            return -1;
+        p = (char *)skip_ws(p, end);
+        if (p >= end || *p != ':')
+            return -1;
+        p = (char *)skip_ws(p + 1, end);
+        const char **sv = NULL;
+        size_t *sl = NULL;
+        if (strcmp(name, "op") == 0)
+            sv = &r->op, sl = &r->op_len;
+        else if (strcmp(name, "key") == 0)
+            sv = &r->key, sl = &r->key_len;
+        else if (strcmp(name, "nonce") == 0)
+            sv = &r->nonce, sl = &r->nonce_len;
+        else if (strcmp(name, "mac") == 0)
+            sv = &r->mac, sl = &r->mac_len;
+        if (sv != NULL) {
+            if (*sv != NULL || (p = plain_string(p, end, sv, sl)) == NULL)
+                return -1;
+        } else if (strcmp(name, "ts") == 0) {
+            if (r->has_ts || (p = plain_number(p, end, &r->ts)) == NULL)
+                return -1;
+            r->has_ts = 1;
+        } else if (strcmp(name, "v") == 0 || strcmp(name, "version") == 0) {
+            double v;
+            int *seen = name[1] == '\0' ? &r->has_v : NULL;
+            if ((seen != NULL && *seen) || (p = plain_number(p, end, &v)) == NULL)
+                return -1;
+            if (seen != NULL) {
+                if (v != ISS_PROTOCOL)
+                    return -1;
+                *seen = 1;
+            }
+        } else {
+            return -1; /* a field we do not know: let the callback look */
+        }
+        p = (char *)skip_ws(p, end);
+        if (p < end && *p == ',') {
+            p++;
+            continue;
+        }
+        if (p < end && *p == '}') {
+            p = (char *)skip_ws(p + 1, end);
+            break;
+        }
+        return -1;
+    }
+    if (p != end || r->op == NULL || r->key == NULL || r->nonce == NULL || r->mac == NULL || !r->has_ts)
+        return -1;
+    return 0;
+}
+
+/* A plain key: what keys.normalize_key returns unchanged (components not starting with '.',
+ * no control characters, ASCII, at most 200 bytes, not only spaces). */
+static int plain_key(const char *k, size_t len) {
+    if (len == 0 || len > ISS_MAX_KEY)
+        return 0;
+    int start = 1, blank = 1;
+    for (size_t i = 0; i < len; i++) {
+        unsigned char c = (unsigned char)k[i];
+        if (c < 0x20 || c >= 0x7f)
+            return 0;
+        if (c == '/') {
+            if (start)
+                return 0; /* empty component or leading '/' */
+            start = 1;
+            continue;
+        }
+        if (start && c == '.')
+            return 0;
+        start = 0;
+        if (c != ' ' && c != '\t')
+            blank = 0;
+    }
+    return !start && !blank;
+}
+
+static int lower_hex(const char *s, size_t len) {
+    for (size_t i = 0; i < len; i++)
+        if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f')))
+            return 0;
+    return 1;
+}
+
+/* The MAC of a request, as wire.sign computes it, in lowercase hex (65 bytes with the NUL). */
+static int request_mac(server *s, const request *r, char out[65]) {
+    char canon[ISS_MAX_HEADER + 128];
+    int n = snprintf(canon, sizeof canon, "instride/%d\n%s\n%s\n%s\n%.6f", ISS_PROTOCOL, r->op, r->key,
+                     r->nonce, r->ts);
+    if (n < 0 || (size_t)n >= sizeof canon)
+        return -1;
+    unsigned char md[32];
+    unsigned int mdlen = 0;
+    if (HMAC(EVP_sha256(), s->token, (int)s->token_len, (const unsigned char *)canon, (size_t)n, md,
+             &mdlen) == NULL || mdlen != 32)
+        return -1;
+    static const char hex[] = "0123456789abcdef";
+    for (int i = 0; i < 32; i++) {
+        out[2 * i] = hex[md[i] >> 4];
+        out[2 * i + 1] = hex[md[i] & 15];
+    }
+    out[64] = '\0';
+    return 0;
+}
+
+/* Try the fast path: returns an open regular file (and its size) to serve, or -1 (delegate). */
+static int fast_path(server *s, char *hdr, size_t len, request *r, int64_t *size) {
+    if (s->token_len == 0 || parse_plain(hdr, len, r) != 0)
+        return -1;
+    if (r->op_len != 5 || memcmp(r->op, "fetch", 5) != 0)
+        return -1;
+    if (r->mac_len != 64 || !lower_hex(r->mac, 64) || !plain_key(r->key, r->key_len))
+        return -1;
+    char mac[65];
+    if (request_mac(s, r, mac) != 0 || CRYPTO_memcmp(mac, r->mac, 64) != 0)
+        return -1;
+    double now = wall_now();
+    if (fabs(now - r->ts) > ISS_MAX_SKEW)
+        return -1;
+    struct open_how how = {
+        .flags = O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK,
+        .resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS,
+    };
+    int fd = (int)syscall(SYS_openat2, s->rootfd, r->key, &how, sizeof how);
+    if (fd < 0)
+        return -2;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return -2;
+    }
+    /* Last: a request delegated before this point has not spent its nonce. A replayed or
+     * too old one is delegated too, and refused there (the guard answers the same again). */
+    if (guard_check(&s->replay, r->nonce, r->nonce_len, r->ts, now) != 0) {
+        close(fd);
+        return -2;
+    }
+    *size = (int64_t)st.st_size;
+    return fd;
+}
+
+/* ------------------------------------------------------------------ serving a body */
+
+/* Send size bytes of file fd with sendfile, within send_timeout + size / send_rate.
+ * 0: sent; -1: the peer went away or the transfer stalled (connection to be closed). */
+static int send_body(server *s, int sock, int fd, int64_t size, const char *key, const char *peer) {
+    double allowed = s->send_timeout_ms / 1000.0 + (double)size / s->send_rate;
+    int64_t deadline = now_ns() + (int64_t)(allowed * 1e9);
+    off_t off = 0;
+    while (off < size) {
+        ssize_t n = sendfile(sock, fd, &off, (size_t)(size - off));
+        if (n > 0)
+            continue;
+        if (n == 0)
+            return -1; /* the file shrank under us */
+        if (errno == EINTR)
+            continue;
+        if (errno != EAGAIN)
+            return -1;
+        int64_t left = (deadline - now_ns()) / 1000000LL;
+        if (left > 0) {
+            struct pollfd p = {sock, POLLOUT, 0};
+            if (poll(&p, 1, (int)(left > 1000 ? 1000 : left)) >= 0 || errno == EINTR)
+                continue;
+            return -1;
+        }
+        atomic_fetch_add(&s->stalled, 1);
+        logf_(s, 30, "transfer of %s (%lld bytes) to %s stalled; connection dropped", key,
+              (long long)size, peer);
+        return -1;
+    }
+    atomic_fetch_add(&s->fetches, 1);
+    atomic_fetch_add(&s->bytes_sent, (uint64_t)size);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ one connection */
+
+static void set_busy(server *s, conn *c, int busy) {
+    pthread_mutex_lock(&s->mu);
+    c->busy = busy;
+    s->inflight += busy ? 1 : -1;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Answer one request whose header is hdr; 1: keep the connection, 0: close it. */
+static int answer(server *s, conn *c, char *hdr, uint32_t len) {
+    request r;
+    int64_t size = 0;
+    char copy[ISS_MAX_HEADER];
+    memcpy(copy, hdr, len); /* parse_plain writes NULs into hdr; the callback gets the original */
+    int fd = fast_path(s, hdr, len, &r, &size);
+    if (fd >= 0) {
+        char json[ISS_MAX_REPLY];
+        int n = snprintf(json, sizeof json, "{\"ok\":true,\"key\":\"%s\",\"size\":%lld}", r.key,
+                         (long long)size);
+        int keep = send_reply(s, c->fd, json, (size_t)n) == 0 &&
+                   (size == 0 || send_body(s, c->fd, fd, size, r.key, c->peer) == 0);
+        if (keep && size == 0) {
+            atomic_fetch_add(&s->fetches, 1);
+        }
+        c->dead = !keep;
+        close(fd);
+        return keep;
+    }
+    char reply[ISS_MAX_REPLY];
+    uint32_t reply_len = 0;
+    int out_fd = -1;
+    int flags = s->decide(s->ctx, copy, len, c->peer, reply, sizeof reply, &reply_len, &out_fd, &size);
+    if (reply_len > sizeof reply)
+        reply_len = 0;
+    int keep = (flags & ISS_KEEP) != 0;
+    if (reply_len == 0) {
+        atomic_fetch_add(&s->errors, 1);
+        send_error(s, c->fd, "WireError", "internal error");
+        keep = 0;
+    } else if (send_reply(s, c->fd, reply, reply_len) != 0) {
+        keep = 0;
+        c->dead = 1;
+    } else if (out_fd >= 0) {
+        if (size > 0) {
+            if (send_body(s, c->fd, out_fd, size, "a key", c->peer) != 0)
+                keep = 0, c->dead = 1;
+        } else {
+            atomic_fetch_add(&s->fetches, 1);
+        }
+    }
+    if (out_fd >= 0)
+        close(out_fd);
+    return keep;
+}
+
+/* Close after a reply without losing it: closing a socket with unread request bytes makes the
+ * kernel reset the connection, and a reset discards the reply not yet read by the peer. So
+ * half-close, then read and drop what the peer still sends (at most 1 MiB, 1 s). */
+static void linger_close(int fd) {
+    shutdown(fd, SHUT_WR);
+    int64_t deadline = now_ns() + 1000000000LL;
+    size_t drained = 0;
+    char buf[16384];
+    while (drained < (1u << 20)) {
+        int64_t left = (deadline - now_ns()) / 1000000LL;
+        if (left <= 0)
+            break;
+        struct pollfd p = {fd, POLLIN, 0};
+        int r = poll(&p, 1, (int)left);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            break;
+        ssize_t n = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+        if (n < 0 && (errno == EINTR || errno == EAGAIN))
+            continue;
+        if (n <= 0)
+            break;
+        drained += (size_t)n;
+    }
+    close(fd);
+}
+
+static void *conn_main(void *arg) {
+    conn *c = arg;
+    server *s = c->srv;
+    pthread_mutex_lock(&s->mu);
+    c->next = s->conns;
+    s->conns = c;
+    pthread_mutex_unlock(&s->mu);
+    int one = 1;
+    setsockopt(c->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    int first = 1, linger = 0;
+    char *hdr = c->refuse ? NULL : malloc(ISS_MAX_HEADER + 1);
+    if (c->refuse) { /* (in this thread, so that the acceptor never waits on a lingering close) */
+        send_error(s, c->fd, "WireError", "busy: too many connections, retry later");
+        linger = 1;
+    }
+    while (hdr != NULL && !atomic_load(&s->closing)) {
+        int wait_ms = first ? s->request_timeout_ms : s->idle_timeout_ms;
+        unsigned char prefix[4];
+        ssize_t got = recv_exact(c->fd, (char *)prefix, 4, now_ns() + (int64_t)wait_ms * 1000000LL);
+        if (got == -ETIMEDOUT || got == 0 || got < 0)
+            break; /* idle too long, closed, or stopped: close quietly */
+        set_busy(s, c, 1);
+        int keep = 0;
+        if (got < 4) {
+            atomic_fetch_add(&s->refused, 1);
+            logf_(s, 30, "malformed request from %s: truncated length prefix", c->peer);
+            send_error(s, c->fd, "WireError", "truncated length prefix");
+        } else {
+            uint32_t n;
+            memcpy(&n, prefix, 4);
+            n = ntohl(n);
+            if (n == 0 || n > ISS_MAX_HEADER) {
+                char msg[128];
+                snprintf(msg, sizeof msg, "header length %u out of range (1..%d)", n, ISS_MAX_HEADER);
+                atomic_fetch_add(&s->refused, 1);
+                logf_(s, 30, "malformed request from %s: %s", c->peer, msg);
+                send_error(s, c->fd, "WireError", msg);
+            } else {
+                int64_t deadline = now_ns() + (int64_t)s->request_timeout_ms * 1000000LL;
+                ssize_t h = recv_exact(c->fd, hdr, n, deadline);
+                if (h == (ssize_t)n) {
+                    keep = answer(s, c, hdr, n);
+                    first = first && !keep;
+                } else {
+                    char msg[128];
+                    if (h == -ETIMEDOUT)
+                        snprintf(msg, sizeof msg, "timed out reading the request header");
+                    else
+                        snprintf(msg, sizeof msg, "truncated header (%zd bytes)", h < 0 ? (ssize_t)0 : h);
+                    atomic_fetch_add(&s->refused, 1);
+                    logf_(s, 30, "malformed request from %s: %s", c->peer, msg);
+                    send_error(s, c->fd, "WireError", msg);
+                }
+            }
+        }
+        set_busy(s, c, 0);
+        if (!keep) {
+            linger = !c->dead; /* an error reply was sent: let the peer read it */
+            break;
+        }
+    }
+    free(hdr);
+    pthread_mutex_lock(&s->mu);
+    for (conn **p = &s->conns; *p != NULL; p = &(*p)->next)
+        if (*p == c) {
+            *p = c->next;
+            break;
+        }
+    pthread_mutex_unlock(&s->mu);
+    if (linger && !atomic_load(&s->closing))
+        linger_close(c->fd);
+    else
+        close(c->fd);
+    pthread_mutex_lock(&s->mu);
+    if (!c->refuse)
+        atomic_fetch_sub(&s->peers, 1);
+    free(c);
+    s->threads--;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+static void *accept_main(void *arg) {
+    server *s = arg;
+    for (;;) {
+        struct sockaddr_storage addr;
+        socklen_t alen = sizeof addr;
+        int fd = accept4(s->lfd, (struct sockaddr *)&addr, &alen, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (atomic_load(&s->closing)) {
+            if (fd >= 0)
+                close(fd);
+            break;
+        }
+        if (fd < 0) {
+            if (errno == EINTR || errno == ECONNABORTED || errno == EAGAIN)
+                continue;
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+                usleep(10000);
+                continue;
+            }
+            break;
+        }
+        char host[INET6_ADDRSTRLEN] = "?", peer[64];
+        int port = 0;
+        if (addr.ss_family == AF_INET) {
+            struct sockaddr_in *a = (struct sockaddr_in *)&addr;
+            inet_ntop(AF_INET, &a->sin_addr, host, sizeof host);
+            port = ntohs(a->sin_port);
+        } else if (addr.ss_family == AF_INET6) {
+            struct sockaddr_in6 *a = (struct sockaddr_in6 *)&addr;
+            inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host);
+            port = ntohs(a->sin6_port);
+        }
+        snprintf(peer, sizeof peer, "('%s', %d)", host, port);
+        int refuse = atomic_load(&s->peers) >= s->max_peers;
+        if (refuse) {
+            atomic_fetch_add(&s->busy, 1);
+            logf_(s, 30, "refused connection from %s: %d connections already", peer,
+                  atomic_load(&s->peers));
+        }
+        pthread_mutex_lock(&s->mu);
+        int flood = refuse && s->threads >= 2 * s->max_peers + 64;
+        pthread_mutex_unlock(&s->mu);
+        conn *c = flood ? NULL : calloc(1, sizeof *c);
+        if (c == NULL) { /* (a flood of refused connections: no reply, no thread) */
+            close(fd);
+            continue;
+        }
+        c->fd = fd;
+        c->refuse = refuse;
+        memcpy(c->peer, peer, sizeof peer);
+        c->srv = s;
+        if (!refuse)
+            atomic_fetch_add(&s->peers, 1);
+        pthread_mutex_lock(&s->mu);
+        s->threads++;
+        pthread_mutex_unlock(&s->mu);
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&attr, 256 * 1024);
+        pthread_t t;
+        if (pthread_create(&t, &attr, conn_main, c) != 0) {
+            if (!refuse)
+                atomic_fetch_sub(&s->peers, 1);
+            pthread_mutex_lock(&s->mu);
+            s->threads--;
+            pthread_mutex_unlock(&s->mu);
+            close(fd);
+            free(c);
+        }
+        pthread_attr_destroy(&attr);
+    }
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ API */
+
+ISS_API int iss_start(const char *host, int port, const char *root, const char *token,
+                      size_t token_len, int max_peers,
+                      int request_timeout_ms, int idle_timeout_ms, int send_timeout_ms,
+                      double send_rate, iss_decide_fn decide, iss_log_fn log, void *ctx,
+                      void **out, char *err, size_t errlen) {
+    server *s = calloc(1, sizeof *s);
+    if (s == NULL)
+        return -ENOMEM;
+    s->lfd = s->rootfd = -1;
+    s->rootfd = open(root, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (s->rootfd < 0) {
+        int e = errno;
+        set_err(err, errlen, "cannot open the managed directory %s: %s", root, strerror(e));
+        free(s);
+        return -e;
+    }
+    s->token = malloc(token_len + 1);
+    if (s->token == NULL) {
+        close(s->rootfd);
+        free(s);
+        return -ENOMEM;
+    }
+    if (token_len > 0)
+        memcpy(s->token, token, token_len);
+    s->token[token_len] = '\0';
+    s->token_len = token_len; /* (a token may hold any byte, NUL included) */
+    s->max_peers = max_peers;
+    s->request_timeout_ms = request_timeout_ms;
+    s->idle_timeout_ms = idle_timeout_ms;
+    s->send_timeout_ms = send_timeout_ms;
+    s->send_rate = send_rate > 0 ? send_rate : 50e6;
+    s->decide = decide;
+    s->log = log;
+    s->ctx = ctx;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    int rc = guard_init(&s->replay, 1000000, ISS_MAX_SKEW);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE},
+                    *res = NULL;
+    char portstr[16];
+    snprintf(portstr, sizeof portstr, "%d", port);
+    if (rc == 0 && (rc = getaddrinfo(host, portstr, &hints, &res)) != 0) {
+        set_err(err, errlen, "cannot resolve %s: %s", host, gai_strerror(rc));
+        rc = -EADDRNOTAVAIL;
+    }
+    if (rc == 0) {
+        s->lfd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        int one = 1;
+        if (s->lfd < 0 || setsockopt(s->lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) != 0 ||
+            bind(s->lfd, res->ai_addr, res->ai_addrlen) != 0 || listen(s->lfd, 512) != 0) {
+            rc = -errno;
+            set_err(err, errlen, "cannot listen on %s:%d: %s", host, port, strerror(errno));
+        }
+    }
+    if (res != NULL)
+        freeaddrinfo(res);
+    if (rc == 0 && pthread_create(&s->acceptor, NULL, accept_main, s) != 0) {
+        rc = -EAGAIN;
+        set_err(err, errlen, "cannot start the accepting thread");
+    }
+    if (rc != 0) {
+        if (s->lfd >= 0)
+            close(s->lfd);
+        close(s->rootfd);
+        guard_free(&s->replay);
+        free(s->token);
+        free(s);
+        return rc;
+    }
+    *out = s;
+    return 0;
+}
+
+/* The port the server listens on (useful with port 0). */
+ISS_API int iss_port(void *h) {
+    server *s = h;
+    struct sockaddr_storage a;
+    socklen_t len = sizeof a;
+    if (getsockname(s->lfd, (struct sockaddr *)&a, &len) != 0)
+        return -errno;
+    if (a.ss_family == AF_INET)
+        return ntohs(((struct sockaddr_in *)&a)->sin_port);
+    return ntohs(((struct sockaddr_in6 *)&a)->sin6_port);
+}
+
+ISS_API void iss_stats_get(void *h, iss_stats *out) {
+    server *s = h;
+    out->fetches = atomic_load(&s->fetches);
+    out->bytes_sent = atomic_load(&s->bytes_sent);
+    out->errors = atomic_load(&s->errors);
+    out->busy = atomic_load(&s->busy);
+    out->stalled = atomic_load(&s->stalled);
+    out->refused = atomic_load(&s->refused);
+    out->peers = (uint64_t)atomic_load(&s->peers);
+}
+
+/* The replay guard, for requests the callback verifies: 0 fresh, 1 replayed, 2 too old. */
+ISS_API int iss_replay_check(void *h, const char *nonce, size_t len, double ts, double now) {
+    server *s = h;
+    return guard_check(&s->replay, nonce, len, ts, now);
+}
+
+/* Stop accepting, close idle connections, give requests in flight grace_ms, then cut them.
+ * Returns the number of connection threads still alive (0 normally). */
+ISS_API int iss_stop(void *h, int grace_ms) {
+    server *s = h;
+    atomic_store(&s->closing, 1);
+    shutdown(s->lfd, SHUT_RDWR);
+    pthread_join(s->acceptor, NULL);
+    close(s->lfd);
+    pthread_mutex_lock(&s->mu);
+    for (conn *c = s->conns; c != NULL; c = c->next)
+        if (!c->busy)
+            shutdown(c->fd, SHUT_RDWR);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += grace_ms / 1000;
+    until.tv_nsec += (long)(grace_ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    while (s->inflight > 0 && pthread_cond_timedwait(&s->cv, &s->mu, &until) == 0) {
+    }
+    for (conn *c = s->conns; c != NULL; c = c->next)
+        shutdown(c->fd, SHUT_RDWR);
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 2;
+    while (s->threads > 0 && pthread_cond_timedwait(&s->cv, &s->mu, &until) == 0) {
+    }
+    int left = s->threads;
+    pthread_mutex_unlock(&s->mu);
+    if (left == 0) { /* (else leak the state: a thread may still touch it) */
+        close(s->rootfd);
+        guard_free(&s->replay);
+        free(s->token);
+        pthread_mutex_destroy(&s->mu);
+        pthread_cond_destroy(&s->cv);
+        free(s);
+    }
+    return left;
+}
