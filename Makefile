@@ -14,9 +14,9 @@ BIN    := $(VENV)/bin
 # BUILD_PACKAGES: what creating .venv and `pip install -e .` need: python3-venv (Debian's
 # python3 has no ensurepip without it), a C compiler for the preload library (without
 # libc6-dev, which apt does not install with gcc under --no-install-recommends, gcc finds no
-# headers), OpenSSL's headers for the data server's HMAC (libinstride_serve.so links libcrypto);
-# `make demo` installs only these.
-BUILD_PACKAGES := python3-venv gcc libc6-dev libssl-dev
+# headers), OpenSSL's and xxhash's headers for the tcp transport's C engine (libinstride_tcp.so:
+# HMAC-SHA256 from libcrypto, xxh3 inlined); `make demo` installs only these.
+BUILD_PACKAGES := python3-venv gcc libc6-dev libssl-dev libxxhash-dev
 APT_PACKAGES := $(BUILD_PACKAGES) redis-server iproute2 gromacs lammps g++ make procps sshfs openssh-server util-linux libucx-dev ucx-utils slurm-wlm munge
 
 .PHONY: demo test lint bench clean system-deps build-deps

@@ -8,9 +8,11 @@
   ctypes). It is built only when UCX's headers are installed (Debian ``libucx-dev``); without
   them the package still installs and selecting the ``ucx`` transport raises a
   ``ConfigError`` that names the package.
-- ``libinstride_serve.so``: the data server of the ``tcp`` transport (csrc/serve, loaded with
-  ctypes): connections, framing, the signed-request fast path and ``sendfile`` in C, every
-  other decision in Python. Links OpenSSL's libcrypto (HMAC-SHA256; Debian ``libssl-dev``).
+- ``libinstride_tcp.so``: the C engine of the ``tcp`` transport (csrc/tcp, loaded with ctypes):
+  the data server (connections, framing, the signed-request fast path and ``sendfile`` in C,
+  every other decision in Python) and the client's receive loop (recv, xxh3, write). Links
+  OpenSSL's libcrypto (HMAC-SHA256; Debian ``libssl-dev``) and inlines xxhash (Debian
+  ``libxxhash-dev``, header only).
 
 All package metadata lives in pyproject.toml; this file only adds the C build.
 The libraries are plain shared objects (never imported by Python): each is built
@@ -32,8 +34,8 @@ from setuptools.command.build_py import build_py
 PRELOAD = "instride.libinstride_preload"
 CAPI = "instride.libinstride"
 UCX = "instride.libinstride_ucx"
-SERVE = "instride.libinstride_serve"
-LIBRARIES = (PRELOAD, CAPI, UCX, SERVE)
+TCP = "instride.libinstride_tcp"
+LIBRARIES = (PRELOAD, CAPI, UCX, TCP)
 
 
 class BuildPreload(build_ext):
@@ -74,9 +76,9 @@ capi = Extension(
     libraries=["pthread", "m"],
 )
 
-serve = Extension(
-    SERVE,
-    sources=sorted(glob.glob("csrc/serve/*.c")),
+tcp = Extension(
+    TCP,
+    sources=sorted(glob.glob("csrc/tcp/*.c")),
     extra_compile_args=CFLAGS,
     libraries=["crypto", "pthread", "m"],
 )
@@ -88,7 +90,7 @@ def _have_ucx() -> bool:
     return any(os.path.exists(os.path.join(d, "ucp", "api", "ucp.h")) for d in dirs)
 
 
-extensions = [preload, capi, serve]
+extensions = [preload, capi, tcp]
 if _have_ucx():
     ucx_home = os.environ.get("UCX_HOME")
     extensions.append(Extension(

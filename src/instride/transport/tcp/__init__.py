@@ -3,7 +3,7 @@
 * :class:`TcpTransport` (``client.py``): signed requests, kept-alive connections per owner
   and thread, bodies received in chunks, hashed on the way, verified against the record;
 * :class:`TcpServer` (``server.py``): the server of ``instride serve`` that answers them, in C
-  (``libinstride_serve.so``: connections, the common fetch, ``sendfile``) with every other
+  (``libinstride_tcp.so``: connections, the common fetch, ``sendfile``) with every other
   decision in Python.
 
 The wire format (length-prefixed JSON headers, HMAC-SHA256 of the job token) is

@@ -1,15 +1,17 @@
 """TCP transport, client half.
 
-Connections to each owner are kept alive per thread. A body is received in chunks into a
-reused buffer; each chunk is hashed (xxh3, streaming) and written to the destination while it
-is still in the CPU cache, and the digest is compared with the record before the file is
-published. (Receiving into a memory map of a fresh file cost twice as much here: allocating
+Connections to each owner are kept alive per thread. A body is received in chunks by C code
+(``libinstride_tcp.so``, :mod:`.engine`): each chunk is hashed (xxh3, streaming) and written to
+the destination while it is still in the CPU cache, and the digest is compared with the record
+before the file is published. (Receiving into a memory map of a fresh file cost twice as much here: allocating
 and mapping its pages dominated.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 import socket
 from pathlib import Path
@@ -29,6 +31,7 @@ from ...errors import (
 from ...perthread import PerThread
 from ...record import Record
 from .. import wire
+from .engine import load_library
 
 if TYPE_CHECKING:
     from .server import TcpServer
@@ -184,31 +187,30 @@ class TcpTransport:
             else:
                 sock.close()
 
-    def _buffer(self) -> memoryview:
-        local = self._per_thread.get()
-        buf = getattr(local, "buffer", None)
-        if buf is None:
-            buf = local.buffer = memoryview(bytearray(_CHUNK))
-        return buf
-
     def _stream_to_file(self, sock: socket.socket, fd: int, size: int, key: str) -> str:
-        """Receive ``size`` bytes into ``fd`` through a reused buffer, hashing on the way.
+        """Receive ``size`` bytes into ``fd``, hashing on the way; return the xxh3 hex digest.
 
-        Each chunk is hashed and written while it is still in the CPU cache; the buffer is
-        reused (no fresh pages), and ``write`` reports a full disk as ``OSError``.
+        The loop is C (``isc_recv_file`` in ``libinstride_tcp.so``, GIL released): each piece is
+        hashed while it is in cache and written to the file (``write`` reports a full disk as
+        ``OSError``); nothing arriving for the socket's timeout is a stall.
         """
-        buf = self._buffer()
-        hasher = xxhash.xxh3_64()
-        got = 0
-        while got < size:
-            n = _recv_some(sock, buf[: min(_CHUNK, size - got)], got, size, key)
-            chunk = buf[:n]
-            hasher.update(chunk)
-            done = 0
-            while done < n:
-                done += os.write(fd, chunk[done:])
-            got += n
-        return hasher.hexdigest()
+        lib = load_library()
+        timeout = sock.gettimeout()
+        stall_ms = -1 if timeout is None else max(1, int(timeout * 1000))
+        hexdigest = ctypes.create_string_buffer(17)
+        got, where = ctypes.c_uint64(0), ctypes.c_int(0)
+        rc = lib.isc_recv_file(sock.fileno(), fd, size, stall_ms, hexdigest, ctypes.byref(got),
+                               ctypes.byref(where))
+        if rc == 0:
+            return hexdigest.value.decode()
+        err = -rc
+        if where.value:  # the file: a full disk, a quota, ...
+            raise OSError(err, os.strerror(err))
+        if err == errno.ETIMEDOUT:
+            raise TransferError(key, f"stalled after {got.value} of {size} bytes")
+        if err == errno.ECONNRESET:
+            raise TransferError(key, f"connection closed after {got.value} of {size} bytes")
+        raise TransferError(key, f"{os.strerror(err)} after {got.value} of {size} bytes")
 
     def fetch_bytes(self, record: Record) -> bytearray:
         """Receive ``record.key`` into memory and verify it."""

@@ -1,6 +1,6 @@
 """TCP transport, server half: serve this node's managed directory to peers.
 
-The server is ``libinstride_serve.so`` (C, loaded with :mod:`ctypes`): one thread per peer
+The server is ``libinstride_tcp.so`` (C, loaded with :mod:`ctypes`): one thread per peer
 connection, blocking I/O with deadlines, ``sendfile`` for the bodies. Each request is a
 length-prefixed JSON header signed with an HMAC of the job token
 (:mod:`instride.transport.wire`). The C engine answers on its own only the common case — a
@@ -46,10 +46,11 @@ from pathlib import Path
 from typing import Any
 
 from ...config import Settings, parse_addr
-from ...errors import ConfigError, InstrideError, KeyNotFoundError, KeyNotServed, WireError
+from ...errors import InstrideError, KeyNotFoundError, KeyNotServed, WireError
 from ...keys import normalize_key
 from ...store.served import open_served
 from .. import wire
+from .engine import DECIDE, LOG, EngineStats, load_library
 
 log = logging.getLogger("instride.server")
 
@@ -68,68 +69,6 @@ MAX_PEERS = 512
 #: The reply buffer the C engine gives :meth:`TcpServer.decide` (bytes).
 _REPLY_CAP = 16 * 1024
 _KEEP = 1
-
-INSTALL_HINT = ("install OpenSSL's headers (Debian: apt-get install libssl-dev) and reinstall "
-                "instride (pip install -e .) so that libinstride_serve.so is built")
-
-_DECIDE = ctypes.CFUNCTYPE(
-    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_char_p,
-    ctypes.c_void_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_int),
-    ctypes.POINTER(ctypes.c_int64),
-)
-_LOG = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p)
-
-
-class _Stats(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_uint64) for name in
-                ("fetches", "bytes_sent", "errors", "busy", "stalled", "refused", "peers")]
-
-
-_lib: ctypes.CDLL | None = None
-_lib_lock = threading.Lock()
-
-
-def library_path() -> Path:
-    """Where ``libinstride_serve.so`` is installed (next to the package's modules)."""
-    return Path(__file__).resolve().parents[2] / "libinstride_serve.so"
-
-
-def load_library() -> ctypes.CDLL:
-    """Load ``libinstride_serve.so`` once.
-
-    Raises
-    ------
-    ConfigError
-        When it was not built (OpenSSL headers missing at install time) or cannot be loaded.
-    """
-    global _lib
-    with _lib_lock:
-        if _lib is not None:
-            return _lib
-        path = library_path()
-        if not path.exists():
-            raise ConfigError("INSTRIDE_TRANSPORT", "tcp",
-                              f"the data server was not built ({path.name} is missing); {INSTALL_HINT}")
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as exc:
-            raise ConfigError("INSTRIDE_TRANSPORT", "tcp",
-                              f"cannot load {path.name} ({exc}); {INSTALL_HINT}") from None
-        vp, cp, sz, i = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int
-        lib.iss_start.restype = i
-        lib.iss_start.argtypes = [cp, i, cp, cp, sz, i, i, i, i, ctypes.c_double, _DECIDE, _LOG, vp,
-                                  ctypes.POINTER(vp), cp, sz]
-        lib.iss_port.restype = i
-        lib.iss_port.argtypes = [vp]
-        lib.iss_stats_get.restype = None
-        lib.iss_stats_get.argtypes = [vp, ctypes.POINTER(_Stats)]
-        lib.iss_replay_check.restype = i
-        lib.iss_replay_check.argtypes = [vp, cp, sz, ctypes.c_double, ctypes.c_double]
-        lib.iss_stop.restype = i
-        lib.iss_stop.argtypes = [vp, i]
-        _lib = lib
-        return lib
-
 
 def _error(err: str, message: str) -> dict[str, Any]:
     return {"ok": False, "error": err, "message": message[:MAX_MESSAGE]}
@@ -170,8 +109,8 @@ class TcpServer:
         self.stats = {"refused": 0, "errors": 0}
         self._final: dict[str, int] = {}  # the engine's counters when it was stopped
         # the callbacks must outlive every C thread that may call them: kept on the instance
-        self._decide_cb = _DECIDE(self._decide_c)
-        self._log_cb = _LOG(self._log_c)
+        self._decide_cb = DECIDE(self._decide_c)
+        self._log_cb = LOG(self._log_c)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -182,7 +121,7 @@ class TcpServer:
         OSError
             The address cannot be resolved or listened on (e.g. in use).
         ConfigError
-            ``libinstride_serve.so`` is missing.
+            ``libinstride_tcp.so`` is missing.
         """
         lib = load_library()
         host, port = parse_addr(self.settings.addr)
@@ -216,9 +155,9 @@ class TcpServer:
             log.warning("%d peer connection(s) still closing after the grace period", left)
 
     def _engine_stats(self, handle: ctypes.c_void_p) -> dict[str, int]:
-        out = _Stats()
+        out = EngineStats()
         load_library().iss_stats_get(handle, ctypes.byref(out))
-        return {name: int(getattr(out, name)) for name, _ in _Stats._fields_}
+        return {name: int(getattr(out, name)) for name, _ in EngineStats._fields_}
 
     def snapshot(self) -> dict[str, Any]:
         """Counters plus the number of peer connections being served."""

@@ -1,5 +1,5 @@
 /*
- * libinstride_serve: the data server of the `tcp` transport, in C.
+ * libinstride_tcp, server half: the data server of the `tcp` transport, in C.
  *
  * Serves the regular files of one managed directory to peers, speaking the wire protocol of
  * src/instride/transport/wire.py: a 4-byte big-endian length, a JSON header signed with an

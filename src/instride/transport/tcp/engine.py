@@ -1,0 +1,86 @@
+"""The ctypes binding of ``libinstride_tcp.so``, the C engine of the ``tcp`` transport.
+
+Server half (``csrc/tcp/serve.c``): ``iss_start`` / ``iss_stop`` / ``iss_stats_get`` /
+``iss_port`` / ``iss_replay_check``, with two callbacks into Python (:data:`DECIDE`,
+:data:`LOG`). Client half (``csrc/tcp/recv.c``): ``isc_recv_file``, the receive loop of a fetch
+(recv, xxh3, write). Calls through :mod:`ctypes` release the GIL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+from ...errors import ConfigError
+
+INSTALL_HINT = ("install OpenSSL's and xxhash's headers (Debian: apt-get install libssl-dev "
+                "libxxhash-dev) and reinstall "
+                "instride (pip install -e .) so that libinstride_tcp.so is built")
+
+DECIDE = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_char_p,
+    ctypes.c_void_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_int),
+    ctypes.POINTER(ctypes.c_int64),
+)
+LOG = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p)
+
+
+class EngineStats(ctypes.Structure):
+    """The server's counters (``iss_stats``)."""
+
+    _fields_ = [(name, ctypes.c_uint64) for name in
+                ("fetches", "bytes_sent", "errors", "busy", "stalled", "refused", "peers")]
+
+
+_lib: ctypes.CDLL | None = None
+_lib_lock = threading.Lock()
+
+
+def library_path() -> Path:
+    """Where ``libinstride_tcp.so`` is installed (next to the package's modules)."""
+    return Path(__file__).resolve().parents[2] / "libinstride_tcp.so"
+
+
+def load_library() -> ctypes.CDLL:
+    """Load ``libinstride_tcp.so`` once.
+
+    Raises
+    ------
+    ConfigError
+        When it was not built (OpenSSL headers missing at install time) or cannot be loaded.
+    """
+    global _lib
+    with _lib_lock:
+        if _lib is not None:
+            return _lib
+        path = library_path()
+        if not path.exists():
+            raise ConfigError("INSTRIDE_TRANSPORT", "tcp",
+                              f"the tcp transport's C engine was not built ({path.name} is "
+                              f"missing); {INSTALL_HINT}")
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise ConfigError("INSTRIDE_TRANSPORT", "tcp",
+                              f"cannot load {path.name} ({exc}); {INSTALL_HINT}") from None
+        vp, cp, sz, i = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int
+        lib.iss_start.restype = i
+        lib.iss_start.argtypes = [cp, i, cp, cp, sz, i, i, i, i, ctypes.c_double, DECIDE, LOG, vp,
+                                  ctypes.POINTER(vp), cp, sz]
+        lib.iss_port.restype = i
+        lib.iss_port.argtypes = [vp]
+        lib.iss_stats_get.restype = None
+        lib.iss_stats_get.argtypes = [vp, ctypes.POINTER(EngineStats)]
+        lib.iss_replay_check.restype = i
+        lib.iss_replay_check.argtypes = [vp, cp, sz, ctypes.c_double, ctypes.c_double]
+        lib.iss_stop.restype = i
+        lib.iss_stop.argtypes = [vp, i]
+        lib.isc_recv_file.restype = i
+        lib.isc_recv_file.argtypes = [i, i, ctypes.c_uint64, i, cp, ctypes.POINTER(ctypes.c_uint64),
+                                      ctypes.POINTER(i)]
+        _lib = lib
+        return lib
+
+
+__all__ = ["DECIDE", "LOG", "EngineStats", "library_path", "load_library"]
