@@ -21,6 +21,7 @@
 
 #define ISC_API __attribute__((visibility("default")))
 #define ISC_CHUNK (1 << 20)
+#define ISC_LOWAT (1 << 20) /* most bytes waited for at once (SO_RCVLOWAT) */
 
 enum { ISC_AT_RECV = 0, ISC_AT_WRITE = 1 };
 
@@ -31,8 +32,22 @@ enum { ISC_AT_RECV = 0, ISC_AT_WRITE = 1 };
  * for stall_ms, -ECONNRESET when the peer closed the connection early, another -errno from
  * recv or write. *got says how many bytes were received, *where whether the failure was on
  * the socket (0) or the file (1). */
+static int recv_file(int sock, int dest, uint64_t size, int stall_ms, char *hex, uint64_t *got,
+                     int *where, int *lowat_set);
+
 ISC_API int isc_recv_file(int sock, int dest, uint64_t size, int stall_ms, char *hex, uint64_t *got,
                           int *where) {
+    int lowat_set = 0;
+    int rc = recv_file(sock, dest, size, stall_ms, hex, got, where, &lowat_set);
+    if (lowat_set) { /* the connection is kept alive: leave it as it was */
+        int one = 1;
+        setsockopt(sock, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof one);
+    }
+    return rc;
+}
+
+static int recv_file(int sock, int dest, uint64_t size, int stall_ms, char *hex, uint64_t *got,
+                     int *where, int *lowat_set) {
     static __thread char *buf;
     *got = 0;
     *where = ISC_AT_RECV;
@@ -40,6 +55,7 @@ ISC_API int isc_recv_file(int sock, int dest, uint64_t size, int stall_ms, char 
         return -ENOMEM;
     XXH3_state_t state;
     XXH3_64bits_reset(&state);
+    int cur_lowat = 1;
     while (*got < size) {
         size_t want = size - *got < ISC_CHUNK ? (size_t)(size - *got) : ISC_CHUNK;
         ssize_t n = recv(sock, buf, want, MSG_DONTWAIT);
@@ -50,6 +66,12 @@ ISC_API int isc_recv_file(int sock, int dest, uint64_t size, int stall_ms, char 
                 continue;
             if (errno != EAGAIN)
                 return -errno;
+            /* Sleep until a large piece is there, not the next packet: on a VM every wake-up
+             * of a sleeping thread costs ~100-400 µs, and a drained socket wakes us per packet. */
+            uint64_t left = size - *got;
+            int lowat = (int)(left < ISC_LOWAT ? left : ISC_LOWAT);
+            if (lowat != cur_lowat && setsockopt(sock, SOL_SOCKET, SO_RCVLOWAT, &lowat, sizeof lowat) == 0)
+                cur_lowat = lowat, *lowat_set = 1;
             struct pollfd p = {sock, POLLIN, 0};
             int r = poll(&p, 1, stall_ms);
             if (r == 0)
