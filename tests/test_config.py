@@ -29,12 +29,15 @@ def test_all_variables() -> None:
     assert (s.timeout, s.fsync, s.cache_bytes, s.node) == (2.5, False, 1000, "n7")
     assert s.addr == "10.0.0.7:9000" and s.socket == Path("/s.sock")
     assert Settings.from_env({"INSTRIDE_TIMEOUT": "0"}).timeout == 0.0  # do not wait
+    assert Settings.from_env({}).spin == 0.0 and Settings.from_env({"INSTRIDE_SPIN": ""}).spin == 0.0
+    assert Settings.from_env({"INSTRIDE_SPIN": "0.002"}).spin == 0.002
 
 
 @pytest.mark.parametrize(
     ("name", "value"),
     [("INSTRIDE_TIMEOUT", "x"), ("INSTRIDE_FSYNC", "maybe"), ("INSTRIDE_CACHE_BYTES", "-1"),
-     ("INSTRIDE_ADDR", "nohost"), ("INSTRIDE_ADDR", "h:99999")],
+     ("INSTRIDE_ADDR", "nohost"), ("INSTRIDE_ADDR", "h:99999"), ("INSTRIDE_SPIN", "-0.1"),
+     ("INSTRIDE_SPIN", "nan"), ("INSTRIDE_SPIN", "inf"), ("INSTRIDE_SPIN", "soon")],
 )
 def test_bad_values(name: str, value: str) -> None:
     with pytest.raises(ConfigError, match=name):

@@ -130,3 +130,33 @@ def test_property_roundtrip(pos: np.ndarray, step: int, time: float, layout: str
     assert frame.time == time
     assert frame.natoms == len(pos)
     np.testing.assert_array_equal(frame.positions, pos.astype(frame.positions.dtype))
+
+
+@pytest.mark.parametrize("layout", ["xyz32", "paper", "paper-soa"])
+def test_copy_decode_owns_its_arrays_and_verifies_in_the_same_pass(layout: str) -> None:
+    from instride.frames import decode_frame
+
+    rng = np.random.default_rng(5)
+    n = 70_000  # several chunks of the copy loop
+    header, payload = encode_frame(rng.random((n, 3)) * 50, step=9, layout=layout,
+                                   ids=None if layout == "xyz32" else rng.permutation(n).astype(np.int32))
+    buf = bytearray(header + bytes(payload))
+    views = decode_frame(memoryview(buf))
+    copied = decode_frame(memoryview(buf), copy=True)
+    assert copied.step == 9
+    assert np.array_equal(copied.positions, views.positions)
+    assert not np.shares_memory(copied.positions, np.frombuffer(buf, dtype=np.uint8))
+    assert copied.positions.flags.c_contiguous and copied.positions.flags.writeable
+    if layout == "xyz32":
+        assert copied.ids is None
+    else:
+        assert copied.ids is not None and np.array_equal(copied.ids, views.ids)
+        assert not np.shares_memory(copied.ids, np.frombuffer(buf, dtype=np.uint8))
+    # a flipped payload byte is caught by the copy's own checksum ...
+    for where in (HEADER_SIZE, HEADER_SIZE + len(payload) // 2, len(buf) - 1):
+        bad = bytearray(buf)
+        bad[where] ^= 0x10
+        with pytest.raises(IntegrityError, match="payload checksum"):
+            decode_frame(memoryview(bad), copy=True)
+        # ... and not looked for with verify=False (the header is still checked)
+        decode_frame(memoryview(bad), copy=True, verify=False)

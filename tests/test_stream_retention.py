@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import instride
-from instride.errors import ConfigError, FramesMissed, GroupBusy, StreamFull
+from instride.errors import ConfigError, FramesMissed, GroupBusy, IntegrityError, StreamFull
 from tests.conftest import finish, spawn_py
 
 NATOMS = 2000
@@ -82,6 +82,47 @@ def test_views_are_zero_copy_and_never_change_while_held(managed_dir: Path) -> N
         assert not (managed_dir / "held" / "frame_000000000.isf").exists()
         assert frame.step == 0 and np.all(frame.positions[:, 0] == 0)
         frame.release()
+
+
+def test_copies_are_verified_arrays_of_their_own_and_hold_nothing(managed_dir: Path) -> None:
+    """copy=True: each frame is the reader's own (writable) arrays, verified on the way; its file
+    is released at once, so a reader keeping every frame never holds the producer back."""
+    kept = []
+    with instride.Stream("copies", mode="w", retain=2, groups=["g"], timeout=5) as s:
+        reader = instride.Stream("copies", group="g", copy=True, timeout=5)
+        for i in range(10):  # retain=2 under "block": only works if nothing stays held
+            s.append(_positions(i), step=i)
+            frame = next(reader)
+            assert frame.step == i and frame.positions.flags.writeable and np.all(frame.positions[:, 0] == i)
+            kept.append(frame)
+    assert [int(f.positions[0, 0]) for f in kept] == list(range(10))  # still intact
+    # a corrupted frame is refused by the copying reader too
+    with instride.Stream("copies2", mode="w") as s:
+        s.append(_positions(3), step=3)
+    path = managed_dir / "copies2" / "frame_000000000.isf"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="payload checksum"):
+        instride.Stream("copies2", copy=True, timeout=5).read(0)
+
+
+def test_spinning_reader_gets_every_frame_across_processes(managed_dir: Path) -> None:
+    consumer = spawn_py(textwrap.dedent(
+        """
+        import instride
+        for f in instride.Stream("spun", spin=0.01, copy=True, timeout=30):
+            print(f.step)
+        """
+    ))
+    time.sleep(0.3)
+    with instride.Stream("spun", mode="w") as s:
+        for i in range(30):
+            s.append(_positions(i), step=i)
+            time.sleep(0.002 if i % 2 else 0.05)  # within the 10 ms spin, or past it
+    rc, out, err = finish(consumer)
+    assert rc == 0, err
+    assert [int(x) for x in out.split()] == list(range(30))
 
 
 def test_block_producer_raises_stream_full_naming_the_group(managed_dir: Path) -> None:
@@ -207,6 +248,9 @@ def test_producer_killed_mid_frame_publishes_nothing_and_gc_reclaims(managed_dir
         ({"group": "bad name"}, "group"),
         ({"group": ".hidden"}, "group"),
         ({"on_gap": "ignore"}, "on_gap"),
+        ({"spin": -1}, "spin"),
+        ({"spin": float("nan")}, "spin"),
+        ({"spin": float("inf")}, "spin"),
     ],
 )
 def test_bad_settings_are_config_errors(managed_dir: Path, kwargs: dict, what: str) -> None:

@@ -108,3 +108,43 @@ def test_wait_does_not_burn_cpu(managed_dir: Path) -> None:
     rc, out, err = finish(proc)
     assert rc == 0, err
     assert float(out) < 0.1  # a polling loop would use a large part of the 1.5 s
+
+
+def test_spinning_wait_sees_the_file_and_keeps_the_timeout(managed_dir: Path) -> None:
+    from instride.store import wait_any
+
+    d = managed_dir / "spin"
+    d.mkdir()
+    key = d / "k"
+    threading.Timer(0.05, key.write_bytes, args=(b"x",)).start()
+    assert wait_any([key], 10.0, label="spin/k", spin=5.0) == key
+    # the spin comes out of the timeout: a missing file still fails on time, through inotify
+    start = time.monotonic()
+    with pytest.raises(ConsumeTimeout):
+        wait_any([d / "never"], 0.3, label="spin/never", spin=0.1)
+    assert 0.25 < time.monotonic() - start < 3.0
+    # a file that comes after the spin is over is found by the sleeping wait
+    late = d / "late"
+    threading.Timer(0.3, late.write_bytes, args=(b"x",)).start()
+    assert wait_any([late], 10.0, label="spin/late", spin=0.05) == late
+
+
+def test_instride_spin_makes_a_consumer_busy_poll(managed_dir: Path) -> None:
+    """INSTRIDE_SPIN=s: a consumer spends its wait on the CPU (measured with getrusage)."""
+    proc = spawn_py(textwrap.dedent(
+        """
+        import os, resource, instride
+        os.environ["INSTRIDE_SPIN"] = "0.4"
+        c = instride.Client()
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        try:
+            c.consume("spin/cpu", timeout=0.6)
+        except instride.ConsumeTimeout:
+            pass
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        print(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+        """
+    ))
+    rc, out, err = finish(proc)
+    assert rc == 0, err
+    assert float(out) > 0.2  # the 0.4 s of polling, against < 0.1 s for a sleeping wait

@@ -1,0 +1,102 @@
+"""The C engine of the tcp transport (libinstride_tcp.so): its fast path and Python's decisions
+agree, and they share one replay guard."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from instride.config import Settings
+from instride.transport import wire
+from instride.transport.tcp.server import TcpServer
+from tests.conftest import free_port
+from tests.nodes import recv_all
+
+
+class _Running:
+    def __init__(self, root: Path, token: str) -> None:
+        self.port = free_port()
+        self.token = token
+        self.server = TcpServer(Settings(dir=root, token=token, addr=f"127.0.0.1:{self.port}"))
+        self.loop = asyncio.new_event_loop()
+        self.loop.run_until_complete(self.server.start())
+
+    def ask(self, payload: bytes) -> tuple[dict, bytes]:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=10) as s:
+            s.sendall(payload)
+            (n,) = struct.unpack(">I", recv_all(s, 4))
+            reply = json.loads(recv_all(s, n))
+            body = recv_all(s, reply["size"]) if reply.get("ok") and "size" in reply else b""
+        return reply, body
+
+    def stop(self) -> None:
+        self.loop.run_until_complete(self.server.stop(1.0))
+        self.loop.close()
+
+
+@pytest.fixture(params=["short-token", "t" * 100 + "\u00e9 and more than 64 bytes"])
+def running(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[_Running]:
+    (tmp_path / "k").mkdir()
+    (tmp_path / "k" / "a.bin").write_bytes(b"abc" * 1000)
+    node = _Running(tmp_path, request.param)
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+def test_signed_fetch_is_served_by_the_engine_alone(running: _Running,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="instride.server")
+    reply, body = running.ask(wire.pack(wire.sign(running.token, "fetch", "k/a.bin")))
+    assert reply == {"ok": True, "key": "k/a.bin", "size": 3000} and body == b"abc" * 1000
+    assert not [r for r in caplog.records if "sending" in r.getMessage()]  # not handed to Python
+    stats = running.server.snapshot()
+    assert stats["fetches"] == 1 and stats["bytes_sent"] == 3000
+    # the same with a wrong token: refused by Python, with the reason
+    reply, body = running.ask(wire.pack(wire.sign("wrong", "fetch", "k/a.bin")))
+    assert reply["error"] == "AuthenticationError" and "bad mac" in reply["message"] and not body
+
+
+def test_one_replay_guard_for_both_paths(running: _Running) -> None:
+    header = wire.sign(running.token, "fetch", "k/a.bin")
+    assert running.ask(wire.pack(header))[0]["ok"] is True  # the engine's fast path
+    # the same request again, byte for byte: refused
+    reply, body = running.ask(wire.pack(header))
+    assert reply["error"] == "AuthenticationError" and "replayed" in reply["message"] and not body
+    # ... and formatted otherwise (an escaped character: the engine hands it to Python), the
+    # MAC still valid: refused as well, Python asks the engine's guard
+    raw = json.dumps(header, separators=(",", ":")).replace('"fetch"', '"\\u0066etch"').encode()
+    reply, body = running.ask(struct.pack(">I", len(raw)) + raw)
+    assert reply["error"] == "AuthenticationError" and "replayed" in reply["message"] and not body
+    # a request first seen by Python (a field the engine does not know) spends its nonce too
+    odd = dict(wire.sign(running.token, "fetch", "k/a.bin"), extra=1)
+    assert running.ask(wire.pack(odd))[0]["ok"] is True
+    odd.pop("extra")
+    assert "replayed" in running.ask(wire.pack(odd))[0]["message"]
+
+
+def test_engine_declines_what_python_refuses(running: _Running, tmp_path: Path) -> None:
+    (tmp_path / "k" / "link").symlink_to(tmp_path / "k" / "a.bin")
+    (tmp_path / "k" / "sub").mkdir()
+    cases = {
+        "k/link": ("KeyNotFoundError", "symbolic link"),
+        "k/sub": ("KeyNotFoundError", "not a regular file"),
+        "k/none": ("KeyNotFoundError", "k/none"),
+        "../outside": ("KeyValidationError", ""),
+        "k/./a.bin": ("", ""),  # needs normalizing: Python serves it under its normal name
+    }
+    for key, (err, text) in cases.items():
+        reply, body = running.ask(wire.pack(wire.sign(running.token, "fetch", key)))
+        if not err:
+            assert reply == {"ok": True, "key": "k/a.bin", "size": 3000} and body == b"abc" * 1000
+            continue
+        assert reply["error"] == err and text in reply["message"], (key, reply)
+        assert not body
