@@ -6,9 +6,12 @@ Measures, in one run, on an emulated cluster made for the purpose:
    published on node 1, vs a raw TCP transfer (``os.sendfile`` -> ``recv_into``) of the same
    bytes between the same two namespaces;
 2. cross-node consume latency of JAC-sized frames: publish on node 1 -> bytes local on node 2
-   (median, p99); then the same while node 3 fetches STMV frames from node 1's server without
+   (median, p99), also with a consumer that busy-polls (``INSTRIDE_SPIN=1``); then the same
+   while node 3 fetches STMV frames from node 1's server without
    pause (head-of-line blocking: how much a large transfer delays small ones);
-3. publish -> remote wake-up latency through Redis (a tiny key; median, p99);
+3. publish -> remote wake-up latency through Redis (a tiny key; median, p99; the clock starts
+   at the producer's ``close()``, as in ``bench_local.py``), with a sleeping consumer and with
+   one that busy-polls its subscription (``INSTRIDE_SPIN=1``);
 4. aggregate throughput of 8 producer/consumer pairs across 4 nodes (producers on nodes 1-2,
    consumers on nodes 3-4) moving JAC-sized frames as fast as they can, vs 8 raw TCP pairs
    (``sendfile`` -> ``recv_into``) moving the same bytes between the same nodes;
@@ -114,10 +117,10 @@ WAKE_CONSUMER = textwrap.dedent(
     import sys, time, instride
     c = instride.get_client()
     c.exists("warm-up")
-    n = int(sys.argv[1]); out = []
+    n, tag = int(sys.argv[1]), sys.argv[2]; out = []
     print("ready", flush=True)
     for i in range(n):
-        c.wait_any([f"wake/k{i}"], timeout=60)
+        c.wait_any([f"{tag}/k{i}"], timeout=60)
         out.append(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
     print(" ".join(map(str, out)))
     """
@@ -125,11 +128,11 @@ WAKE_CONSUMER = textwrap.dedent(
 WAKE_PRODUCER = textwrap.dedent(
     """
     import sys, time, instride
-    n = int(sys.argv[1]); out = []
+    n, tag = int(sys.argv[1]), sys.argv[2]; out = []
     instride.get_client().exists("warm-up")
     for i in range(n):
         time.sleep(0.003)
-        fh = instride.open(f"wake/k{i}", "wb")
+        fh = instride.open(f"{tag}/k{i}", "wb")
         fh.write(b"x")
         fh.flush()
         # the clock starts at the publication, close(), as in bench_local.py's wake-up
@@ -162,8 +165,10 @@ def raw_tcp(c: EmulatedCluster, path: str, size: int, n: int) -> float:
 
 
 def stream_run(c: EmulatedCluster, name: str, n: int, atoms: int, gap: float,
-               pairs: list[tuple[int, int]]) -> tuple[float, list[list[float]]]:
-    cons = [_popen(c, q, CONSUME, f"{name}/p{i}") for i, (_p, q) in enumerate(pairs)]
+               pairs: list[tuple[int, int]], spin: float = 0.0) -> tuple[float, list[list[float]]]:
+    env = {"INSTRIDE_SPIN": str(spin)}  # the consumers' (0: they sleep while waiting)
+    cons = [c.popen(q, [PY, "-c", CONSUME, f"{name}/p{i}"], stdout=subprocess.PIPE, text=True, env=env)
+            for i, (_p, q) in enumerate(pairs)]
     for p in cons:
         _ready(p)
     t0 = time.perf_counter()
@@ -439,6 +444,11 @@ def main() -> None:
               f" node1 -> bytes local on node2")
         print(f"median {s['median']:.0f} µs   p99 {s['p99']:.0f} µs   min {s['min']:.0f} µs   (n={s['n']})"
               "  (target: median <= 2000 µs, p99 <= 5000 µs)")
+        _, lat = stream_run(c, "jacspin", n_jac, jac_atoms, 0.02, [(1, 2)], spin=1.0)
+        s = summary(lat[0])
+        result["jac_consume_latency_spin_us"] = s
+        print(f"the same, consumer with INSTRIDE_SPIN=1 (busy-polls while it waits): median"
+              f" {s['median']:.0f} µs   p99 {s['p99']:.0f} µs")
 
         # 2b. the same while node 3 pulls STMV frames from node 1's server (head-of-line blocking)
         hol = head_of_line(c, 100 if args.quick else 300, jac_atoms,
@@ -456,18 +466,20 @@ def main() -> None:
         if args.transports_only:
             transports(c, result, stmv, jac, n_stmv, args.quick)
             return
-        # 3. remote wake-up through Redis
+        # 3. remote wake-up through Redis (the clock starts at close(), the publication)
         n = 300 if args.quick else 1000
-        w = _popen(c, 2, WAKE_CONSUMER, n)
-        _ready(w)
-        p = _popen(c, 1, WAKE_PRODUCER, n)
-        starts = [int(x) for x in p.communicate(timeout=300)[0].split()]
-        wakes = [int(x) for x in w.communicate(timeout=300)[0].split()]
-        s = summary([(a - b) / 1e3 for a, b in zip(wakes, starts, strict=True)])
-        result["remote_wakeup_us"] = s
-        print("\n## publish (node1) -> remote wake-up (node2) through Redis, 1-byte keys")
-        print(f"median {s['median']:.0f} µs   p99 {s['p99']:.0f} µs   (n={s['n']}; target: median <= 300 µs;"
-              " Redis RPUSH->BLPOP alone: ~158 µs median on this machine)")
+        print("\n## publish (close() on node1) -> remote wake-up (node2) through Redis, 1-byte keys")
+        for tag, spin in (("remote_wakeup_us", "0"), ("remote_wakeup_spin_us", "1")):
+            w = c.popen(2, [PY, "-c", WAKE_CONSUMER, str(n), tag], stdout=subprocess.PIPE, text=True,
+                        env={"INSTRIDE_SPIN": spin})
+            _ready(w)
+            p = _popen(c, 1, WAKE_PRODUCER, n, tag)
+            starts = [int(x) for x in p.communicate(timeout=300)[0].split()]
+            wakes = [int(x) for x in w.communicate(timeout=300)[0].split()]
+            s = summary([(a - b) / 1e3 for a, b in zip(wakes, starts, strict=True)])
+            result[tag] = s
+            print(f"INSTRIDE_SPIN={spin}: median {s['median']:.0f} µs   p99 {s['p99']:.0f} µs   (n={s['n']};"
+                  " target: median <= 300 µs)")
 
         # 4. aggregate, 8 pairs across 4 nodes
         pairs = [(1 + i % 2, 3 + (i // 2) % 2) for i in range(8)]

@@ -9,6 +9,10 @@ in the same run:
   ``layout="paper"`` (interleaved records, as the paper serialized them), managed directory on
   tmpfs; ``instride-soa`` — the same with ``layout="paper-soa"`` (the same bytes per atom as
   arrays: coordinates, then ids);
+* ``instride-copy``, ``instride-soa-copy`` — the reader takes each frame as arrays of its own
+  with ``Stream(copy=True)`` (copied and verified in one pass) instead of views + ``np.array``;
+  ``instride-soa-copy-spin`` — the same reader with ``spin=1.0`` (it busy-polls for the next
+  frame instead of sleeping in inotify: no wake-up of a sleeping thread, a core kept busy);
 * ``adios2-sst`` — the ADIOS2 SST staging engine (PyPI ``adios2``), the peer users would pick;
   ``QueueLimit`` and ``QueueFullPolicy=Block`` bound the writer like instride's retention;
 * ``rename`` — the naive baseline: write the frame bytes to a temporary file in /dev/shm and
@@ -23,7 +27,7 @@ Measured per way and frame size:
   being in the reader's numpy arrays, median and p99;
 * writer cost — seconds per append in the flat-out run (median over frames).
 
-Usage: ``python benchmarks/bench_vs_adios2.py [--sizes JAC,STMV] [--repeats 5] [--quick]``
+Usage: ``python benchmarks/bench_vs_adios2.py [--sizes JAC,STMV] [--repeats 5] [--ways ...] [--quick]``
 Results: ``benchmarks/results/vs_adios2.json`` and ``benchmarks/results/vs_adios2.png``.
 """
 
@@ -241,7 +245,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     sizes = list(results["sizes"])
-    ways = list(WAYS)
+    ways = [w for w in WAYS if all(w in results["sizes"][s] for s in sizes)]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     metrics = [
         ("frames_per_s", "throughput (frames/s)", lambda r: r["frames_per_s"]),
@@ -290,7 +294,7 @@ def main() -> None:
                   f"writer {cost:6.2f} ms")
         sst, ren = per["adios2-sst"], per["rename"]
         ratios: dict[str, float] = {}
-        for way in ("instride", "instride-soa"):
+        for way in [w for w in per if w.startswith("instride")]:
             ins, tag = per[way], way.replace("instride", "").lstrip("-") or "paper"
             ratios[f"{tag}_throughput_vs_sst"] = ins["frames_per_s"] / sst["frames_per_s"]
             ratios[f"{tag}_latency_vs_sst"] = ins["latency_us"]["median"] / sst["latency_us"]["median"]

@@ -992,8 +992,9 @@ ISS_API int iss_replay_check(void *h, const char *nonce, size_t len, double ts, 
 }
 
 /* Stop accepting, close idle connections, give requests in flight grace_ms, then cut them.
- * Returns the number of connection threads still alive (0 normally). */
-ISS_API int iss_stop(void *h, int grace_ms) {
+ * Fills *final with the last counters. Returns the number of connection threads still alive
+ * (0 normally; else the state is left allocated, and the callbacks must stay valid). */
+ISS_API int iss_stop(void *h, int grace_ms, iss_stats *final) {
     server *s = h;
     atomic_store(&s->closing, 1);
     shutdown(s->lfd, SHUT_RDWR);
@@ -1021,6 +1022,8 @@ ISS_API int iss_stop(void *h, int grace_ms) {
     }
     int left = s->threads;
     pthread_mutex_unlock(&s->mu);
+    if (final != NULL)
+        iss_stats_get(s, final);
     if (left == 0) { /* (else leak the state: a thread may still touch it) */
         close(s->rootfd);
         guard_free(&s->replay);

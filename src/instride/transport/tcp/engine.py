@@ -75,7 +75,7 @@ def load_library() -> ctypes.CDLL:
         lib.iss_replay_check.restype = i
         lib.iss_replay_check.argtypes = [vp, cp, sz, ctypes.c_double, ctypes.c_double]
         lib.iss_stop.restype = i
-        lib.iss_stop.argtypes = [vp, i]
+        lib.iss_stop.argtypes = [vp, i, ctypes.POINTER(EngineStats)]
         lib.isc_recv_file.restype = i
         lib.isc_recv_file.argtypes = [i, i, ctypes.c_uint64, i, cp, ctypes.POINTER(ctypes.c_uint64),
                                       ctypes.POINTER(i)]

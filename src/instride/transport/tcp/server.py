@@ -66,9 +66,9 @@ SEND_TIMEOUT = 60.0
 SEND_RATE = 50e6
 #: Peer connections served at once.
 MAX_PEERS = 512
-#: The reply buffer the C engine gives :meth:`TcpServer.decide` (bytes).
-_REPLY_CAP = 16 * 1024
 _KEEP = 1
+#: callbacks of servers stopped while connection threads were still closing (kept alive)
+_ORPHANED: list[tuple[Any, Any]] = []
 
 def _error(err: str, message: str) -> dict[str, Any]:
     return {"ok": False, "error": err, "message": message[:MAX_MESSAGE]}
@@ -148,10 +148,12 @@ class TcpServer:
         handle, self._handle = self._handle, None
         if handle is None:
             return
-        with self._lock:
-            self._final = self._engine_stats(handle)
-        left = await asyncio.to_thread(load_library().iss_stop, handle, int(grace * 1000))
-        if left:
+        final = EngineStats()
+        left = await asyncio.to_thread(load_library().iss_stop, handle, int(grace * 1000),
+                                       ctypes.byref(final))
+        self._final = {name: int(getattr(final, name)) for name, _ in EngineStats._fields_}
+        if left:  # their threads may still call back: the callbacks must outlive them
+            _ORPHANED.append((self._decide_cb, self._log_cb))
             log.warning("%d peer connection(s) still closing after the grace period", left)
 
     def _engine_stats(self, handle: ctypes.c_void_p) -> dict[str, int]:
