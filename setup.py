@@ -79,6 +79,7 @@ capi = Extension(
 tcp = Extension(
     TCP,
     sources=sorted(glob.glob("csrc/tcp/*.c")),
+    depends=sorted(glob.glob("csrc/tcp/*.h")),
     extra_compile_args=CFLAGS,
     libraries=["crypto", "pthread", "m"],
 )

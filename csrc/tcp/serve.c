@@ -4,7 +4,7 @@
  * Serves the regular files of one managed directory to peers, speaking the wire protocol of
  * src/instride/transport/wire.py: a 4-byte big-endian length, a JSON header signed with an
  * HMAC-SHA256 of the job token; a successful fetch reply is followed by the file's bytes,
- * sent with sendfile(2). One thread per connection, blocking I/O with deadlines.
+ * sent with sendfile(2). One thread per connection; every read and write has a deadline.
  *
  * Fast path, decided here: a well-formed `fetch` whose JSON is plain (ASCII strings without
  * escapes, the known fields once each), whose MAC is right, whose timestamp is inside the
@@ -15,8 +15,8 @@
  * returns the reply and, for a fetch it allows, the descriptor to send. Framing errors (length
  * out of range, truncated or late headers) and "busy" are answered here.
  *
- * One replay guard (nonces accepted once while their timestamps are in the window, bounded
- * memory), used by both the fast path and, through iss_replay_check(), the callback.
+ * One replay guard (replay.c), used by both the fast path and, through iss_replay_check(), the
+ * callback. What a plain request is: request.c.
  *
  * Return codes: 0 or a positive count on success, a negative errno on failure, with a message
  * in the caller's `err` buffer.
@@ -48,12 +48,12 @@
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 
+#include "tcp.h"
+
 #define ISS_API __attribute__((visibility("default")))
 #define ISS_MAX_HEADER (16 * 1024)
 #define ISS_MAX_REPLY (16 * 1024)
-#define ISS_MAX_KEY 200
 #define ISS_MAX_SKEW 300.0
-#define ISS_PROTOCOL 1
 
 /* What the callback returns (a bit set). */
 #define ISS_KEEP 1 /* the connection may serve another request */
@@ -68,146 +68,6 @@ typedef void (*iss_log_fn)(void *ctx, int level, const char *msg);
 typedef struct {
     uint64_t fetches, bytes_sent, errors, busy, stalled, refused, peers;
 } iss_stats;
-
-/* ------------------------------------------------------------------ replay guard */
-
-typedef struct entry {
-    uint8_t h[16];
-    double ts;
-    struct entry *next; /* hash chain */
-} entry;
-
-typedef struct {
-    pthread_mutex_t mu;
-    entry **table;
-    size_t nbuckets, count, capacity;
-    entry **heap; /* min-heap by ts */
-    size_t heap_cap;
-    double floor, window;
-} guard;
-
-static void nonce_hash(const char *nonce, size_t len, uint8_t out[16]) {
-    uint8_t full[32];
-    unsigned int n = 0;
-    EVP_Digest(nonce, len, full, &n, EVP_sha256(), NULL);
-    memcpy(out, full, 16);
-}
-
-static size_t bucket_of(const guard *g, const uint8_t h[16]) {
-    uint64_t x;
-    memcpy(&x, h, sizeof x);
-    return (size_t)(x % g->nbuckets);
-}
-
-static void heap_swap(entry **a, size_t i, size_t j) {
-    entry *t = a[i];
-    a[i] = a[j];
-    a[j] = t;
-}
-
-static int heap_push(guard *g, entry *e) {
-    if (g->count == g->heap_cap) {
-        size_t cap = g->heap_cap ? g->heap_cap * 2 : 1024;
-        entry **h = realloc(g->heap, cap * sizeof *h);
-        if (h == NULL)
-            return -ENOMEM;
-        g->heap = h;
-        g->heap_cap = cap;
-    }
-    size_t i = g->count;
-    g->heap[i] = e;
-    while (i > 0 && g->heap[(i - 1) / 2]->ts > g->heap[i]->ts) {
-        heap_swap(g->heap, i, (i - 1) / 2);
-        i = (i - 1) / 2;
-    }
-    return 0;
-}
-
-/* Remove the oldest entry (heap top) from heap and table; count-- ; returns its ts. */
-static double heap_pop(guard *g) {
-    entry *top = g->heap[0];
-    size_t n = g->count - 1;
-    g->heap[0] = g->heap[n];
-    size_t i = 0;
-    for (;;) {
-        size_t l = 2 * i + 1, r = l + 1, m = i;
-        if (l < n && g->heap[l]->ts < g->heap[m]->ts)
-            m = l;
-        if (r < n && g->heap[r]->ts < g->heap[m]->ts)
-            m = r;
-        if (m == i)
-            break;
-        heap_swap(g->heap, i, m);
-        i = m;
-    }
-    entry **p = &g->table[bucket_of(g, top->h)];
-    while (*p != NULL && *p != top)
-        p = &(*p)->next;
-    if (*p == top)
-        *p = top->next;
-    double ts = top->ts;
-    free(top);
-    g->count = n;
-    return ts;
-}
-
-static int guard_init(guard *g, size_t capacity, double window) {
-    memset(g, 0, sizeof *g);
-    pthread_mutex_init(&g->mu, NULL);
-    g->capacity = capacity;
-    g->window = window;
-    g->floor = -INFINITY;
-    g->nbuckets = 1 << 16;
-    g->table = calloc(g->nbuckets, sizeof *g->table);
-    return g->table == NULL ? -ENOMEM : 0;
-}
-
-static void guard_free(guard *g) {
-    while (g->count > 0)
-        heap_pop(g);
-    free(g->table);
-    free(g->heap);
-    pthread_mutex_destroy(&g->mu);
-}
-
-/* 0: fresh (remembered now); 1: replayed; 2: too old for the window; <0: out of memory. */
-static int guard_check(guard *g, const char *nonce, size_t len, double ts, double now) {
-    uint8_t h[16];
-    nonce_hash(nonce, len, h);
-    pthread_mutex_lock(&g->mu);
-    int rc = 0;
-    while (g->count > 0 && g->heap[0]->ts < now - g->window)
-        heap_pop(g);
-    if (ts <= g->floor) {
-        rc = 2;
-        goto out;
-    }
-    for (entry *e = g->table[bucket_of(g, h)]; e != NULL; e = e->next)
-        if (memcmp(e->h, h, 16) == 0) {
-            rc = 1;
-            goto out;
-        }
-    entry *e = malloc(sizeof *e);
-    if (e == NULL || heap_push(g, e) != 0) {
-        free(e);
-        rc = -ENOMEM;
-        goto out;
-    }
-    memcpy(e->h, h, 16);
-    e->ts = ts;
-    size_t b = bucket_of(g, h);
-    e->next = g->table[b];
-    g->table[b] = e;
-    g->count++;
-    while (g->count > g->capacity) {
-        double old = heap_pop(g);
-        if (old > g->floor)
-            g->floor = old;
-    }
-out:
-    pthread_mutex_unlock(&g->mu);
-    return rc;
-}
 
 /* ------------------------------------------------------------------ server state */
 
@@ -355,160 +215,6 @@ static ssize_t recv_exact(int fd, char *buf, size_t len, int64_t deadline) {
 }
 
 /* ------------------------------------------------------------------ the fast path */
-
-typedef struct {
-    const char *op, *key, *nonce, *mac; /* into the header buffer, NUL-terminated in place */
-    size_t op_len, key_len, nonce_len, mac_len;
-    double ts;
-    int has_ts, has_v;
-} request;
-
-static const char *skip_ws(const char *p, const char *end) {
-    while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r'))
-        p++;
-    return p;
-}
-
-/* A plain JSON string at p ('"' expected): printable ASCII, no escapes. Terminates it with a
- * NUL in place of the closing quote. Returns the position after it, or NULL. */
-static char *plain_string(char *p, char *end, const char **out, size_t *len) {
-    if (p >= end || *p != '"')
-        return NULL;
-    char *start = ++p;
-    while (p < end && *p != '"') {
-        unsigned char c = (unsigned char)*p;
-        if (c == '\\' || c < 0x20 || c > 0x7e)
-            return NULL;
-        p++;
-    }
-    if (p >= end)
-        return NULL;
-    *out = start;
-    *len = (size_t)(p - start);
-    *p = '\0';
-    return p + 1;
-}
-
-/* A JSON number; returns the position after it, or NULL. */
-static char *plain_number(char *p, char *end, double *out) {
-    char buf[64];
-    char *q = p;
-    if (q < end && *q == '-')
-        q++;
-    if (q >= end || *q < '0' || *q > '9')
-        return NULL;
-    while (q < end && ((*q >= '0' && *q <= '9') || *q == '.' || *q == 'e' || *q == 'E' || *q == '+' ||
-                       *q == '-'))
-        q++;
-    size_t n = (size_t)(q - p);
-    if (n >= sizeof buf)
-        return NULL;
-    memcpy(buf, p, n);
-    buf[n] = '\0';
-    char *stop;
-    errno = 0;
-    double v = strtod(buf, &stop);
-    if (*stop != '\0' || errno != 0 || !isfinite(v))
-        return NULL;
-    *out = v;
-    return q;
-}
-
-/* Parse a plain request header in place; 0, or -1 when it is not plain (the callback decides). */
-static int parse_plain(char *p, size_t len, request *r) {
-    char *end = p + len;
-    memset(r, 0, sizeof *r);
-    p = (char *)skip_ws(p, end);
-    if (p >= end || *p != '{')
-        return -1;
-    p++;
-    for (;;) {
-        p = (char *)skip_ws(p, end);
-        const char *name;
-        size_t nlen;
-        if ((p = plain_string(p, end, &name, &nlen)) == NULL)
-            return -1;
-        p = (char *)skip_ws(p, end);
-        if (p >= end || *p != ':')
-            return -1;
-        p = (char *)skip_ws(p + 1, end);
-        const char **sv = NULL;
-        size_t *sl = NULL;
-        if (strcmp(name, "op") == 0)
-            sv = &r->op, sl = &r->op_len;
-        else if (strcmp(name, "key") == 0)
-            sv = &r->key, sl = &r->key_len;
-        else if (strcmp(name, "nonce") == 0)
-            sv = &r->nonce, sl = &r->nonce_len;
-        else if (strcmp(name, "mac") == 0)
-            sv = &r->mac, sl = &r->mac_len;
-        if (sv != NULL) {
-            if (*sv != NULL || (p = plain_string(p, end, sv, sl)) == NULL)
-                return -1;
-        } else if (strcmp(name, "ts") == 0) {
-            if (r->has_ts || (p = plain_number(p, end, &r->ts)) == NULL)
-                return -1;
-            r->has_ts = 1;
-        } else if (strcmp(name, "v") == 0 || strcmp(name, "version") == 0) {
-            double v;
-            int *seen = name[1] == '\0' ? &r->has_v : NULL;
-            if ((seen != NULL && *seen) || (p = plain_number(p, end, &v)) == NULL)
-                return -1;
-            if (seen != NULL) {
-                if (v != ISS_PROTOCOL)
-                    return -1;
-                *seen = 1;
-            }
-        } else {
-            return -1; /* a field we do not know: let the callback look */
-        }
-        p = (char *)skip_ws(p, end);
-        if (p < end && *p == ',') {
-            p++;
-            continue;
-        }
-        if (p < end && *p == '}') {
-            p = (char *)skip_ws(p + 1, end);
-            break;
-        }
-        return -1;
-    }
-    if (p != end || r->op == NULL || r->key == NULL || r->nonce == NULL || r->mac == NULL || !r->has_ts)
-        return -1;
-    return 0;
-}
-
-/* A plain key: what keys.normalize_key returns unchanged (components not starting with '.',
- * no control characters, ASCII, at most 200 bytes, not only spaces). */
-static int plain_key(const char *k, size_t len) {
-    if (len == 0 || len > ISS_MAX_KEY)
-        return 0;
-    int start = 1, blank = 1;
-    for (size_t i = 0; i < len; i++) {
-        unsigned char c = (unsigned char)k[i];
-        if (c < 0x20 || c >= 0x7f)
-            return 0;
-        if (c == '/') {
-            if (start)
-                return 0; /* empty component or leading '/' */
-            start = 1;
-            continue;
-        }
-        if (start && c == '.')
-            return 0;
-        start = 0;
-        if (c != ' ' && c != '\t')
-            blank = 0;
-    }
-    return !start && !blank;
-}
-
-static int lower_hex(const char *s, size_t len) {
-    for (size_t i = 0; i < len; i++)
-        if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f')))
-            return 0;
-    return 1;
-}
 
 /* HMAC-SHA256 keyed with the token: the inner and outer digests of the padded key are made
  * once (OpenSSL's one-shot HMAC() looks the algorithm up on every call: ~50 µs here). */

@@ -1,0 +1,55 @@
+/*
+ * tcp.h -- internal declarations of libinstride_tcp (the tcp transport's C engine).
+ *
+ *   serve.c    -> replay.c, request.c   the data server: connections, fast path, API
+ *   replay.c                            the replay guard (each nonce accepted once)
+ *   request.c                           plain signed requests: JSON fields, keys
+ *   recv.c                              the client's receive loop (recv, xxh3, write)
+ *
+ * Everything here is hidden (the library exports only iss_* and isc_*).
+ */
+#ifndef INSTRIDE_TCP_H
+#define INSTRIDE_TCP_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* ---- replay.c ---------------------------------------------------------------- */
+
+typedef struct entry entry;
+
+typedef struct {
+    pthread_mutex_t mu;
+    entry **table;
+    size_t nbuckets, count, capacity;
+    entry **heap; /* min-heap by ts */
+    size_t heap_cap;
+    double floor, window;
+} guard;
+
+int guard_init(guard *g, size_t capacity, double window);
+void guard_free(guard *g);
+/* 0: fresh (remembered now); 1: replayed; 2: too old for the window; <0: out of memory. */
+int guard_check(guard *g, const char *nonce, size_t len, double ts, double now);
+
+/* ---- request.c ----------------------------------------------------------------- */
+
+#define ISS_PROTOCOL 1
+#define ISS_MAX_KEY 200
+
+typedef struct {
+    const char *op, *key, *nonce, *mac; /* into the header buffer, NUL-terminated in place */
+    size_t op_len, key_len, nonce_len, mac_len;
+    double ts;
+    int has_ts, has_v;
+} request;
+
+/* Parse a plain request header in place (writes NULs into it); 0, or -1 when it is not plain. */
+int parse_plain(char *p, size_t len, request *r);
+/* Is k a key that keys.normalize_key returns unchanged? */
+int plain_key(const char *k, size_t len);
+/* Only lowercase hexadecimal digits? */
+int lower_hex(const char *s, size_t len);
+
+#endif
