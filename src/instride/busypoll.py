@@ -33,8 +33,8 @@ def poll_paths(paths: Sequence[str | Path], seconds: float) -> str | Path | None
             return None
 
 
-def recv_polling(sock: socket.socket, bufsize: int, seconds: float) -> bytes | None:
-    """Poll ``sock`` for up to ``seconds`` with non-blocking ``recv``.
+def recv_polling(sock: socket.socket, bufsize: int, seconds: float, flags: int = 0) -> bytes | None:
+    """Poll ``sock`` for up to ``seconds`` with non-blocking ``recv`` (``flags`` passed on).
 
     Returns
     -------
@@ -51,7 +51,7 @@ def recv_polling(sock: socket.socket, bufsize: int, seconds: float) -> bytes | N
     try:
         while True:
             try:
-                return sock.recv(bufsize)
+                return sock.recv(bufsize, flags)
             except BlockingIOError:
                 if clock() >= end:
                     return None
@@ -64,19 +64,4 @@ def poll_readable(sock: socket.socket, seconds: float) -> bool:
 
     Nothing is consumed (``MSG_PEEK``): the caller's next ``recv`` returns at once.
     """
-    if seconds <= 0:
-        return False
-    old = sock.gettimeout()
-    sock.settimeout(0.0)
-    clock = time.monotonic
-    end = clock() + seconds
-    try:
-        while True:
-            try:
-                sock.recv(1, socket.MSG_PEEK)
-                return True
-            except BlockingIOError:
-                if clock() >= end:
-                    return False
-    finally:
-        sock.settimeout(old)
+    return recv_polling(sock, 1, seconds, socket.MSG_PEEK) is not None

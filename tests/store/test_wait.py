@@ -91,14 +91,16 @@ def test_publication_between_check_and_watch_is_not_missed(
     assert published
 
 
-def test_wait_does_not_burn_cpu(managed_dir: Path) -> None:
+def _wait_cpu_seconds(key: str, timeout: float, spin: str = "0") -> float:
+    """CPU seconds a fresh process spends in one consume of ``key`` that times out."""
     proc = spawn_py(textwrap.dedent(
-        """
-        import resource, instride
-        instride.get_client()
+        f"""
+        import os, resource, instride
+        os.environ["INSTRIDE_SPIN"] = "{spin}"
+        c = instride.Client()
         before = resource.getrusage(resource.RUSAGE_SELF)
         try:
-            instride.consume("idle/cpu", timeout=1.5)
+            c.consume("{key}", timeout={timeout})
         except instride.ConsumeTimeout:
             pass
         after = resource.getrusage(resource.RUSAGE_SELF)
@@ -107,7 +109,11 @@ def test_wait_does_not_burn_cpu(managed_dir: Path) -> None:
     ))
     rc, out, err = finish(proc)
     assert rc == 0, err
-    assert float(out) < 0.1  # a polling loop would use a large part of the 1.5 s
+    return float(out)
+
+
+def test_wait_does_not_burn_cpu(managed_dir: Path) -> None:
+    assert _wait_cpu_seconds("idle/cpu", 1.5) < 0.1  # a polling loop would use most of 1.5 s
 
 
 def test_spinning_wait_sees_the_file_and_keeps_the_timeout(managed_dir: Path) -> None:
@@ -131,20 +137,5 @@ def test_spinning_wait_sees_the_file_and_keeps_the_timeout(managed_dir: Path) ->
 
 def test_instride_spin_makes_a_consumer_busy_poll(managed_dir: Path) -> None:
     """INSTRIDE_SPIN=s: a consumer spends its wait on the CPU (measured with getrusage)."""
-    proc = spawn_py(textwrap.dedent(
-        """
-        import os, resource, instride
-        os.environ["INSTRIDE_SPIN"] = "0.4"
-        c = instride.Client()
-        before = resource.getrusage(resource.RUSAGE_SELF)
-        try:
-            c.consume("spin/cpu", timeout=0.6)
-        except instride.ConsumeTimeout:
-            pass
-        after = resource.getrusage(resource.RUSAGE_SELF)
-        print(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
-        """
-    ))
-    rc, out, err = finish(proc)
-    assert rc == 0, err
-    assert float(out) > 0.2  # the 0.4 s of polling, against < 0.1 s for a sleeping wait
+    # the 0.4 s of polling, against < 0.1 s for a sleeping wait
+    assert _wait_cpu_seconds("spin/cpu", 0.6, spin="0.4") > 0.2

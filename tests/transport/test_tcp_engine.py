@@ -100,3 +100,17 @@ def test_engine_declines_what_python_refuses(running: _Running, tmp_path: Path) 
             continue
         assert reply["error"] == err and text in reply["message"], (key, reply)
         assert not body
+
+
+def test_engine_not_built_is_a_config_error_naming_the_packages(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from instride.errors import ConfigError
+    from instride.transport.tcp import engine
+
+    monkeypatch.setattr(engine, "_lib", None)
+    monkeypatch.setattr(engine, "library_path", lambda: tmp_path / "libinstride_tcp.so")
+    with pytest.raises(ConfigError, match="libssl-dev libxxhash-dev"):
+        engine.load_library()
+    (tmp_path / "libinstride_tcp.so").write_bytes(b"not an ELF file")
+    with pytest.raises(ConfigError, match="cannot load libinstride_tcp.so"):
+        engine.load_library()

@@ -21,9 +21,11 @@ A new transport is one module (or package) with both classes, one line in
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from ..errors import ConfigError
 from ..record import Record
 
 
@@ -79,5 +81,32 @@ class TransportServer(Protocol):
     def snapshot(self) -> dict[str, Any]:
         """The counters plus current gauges (``peers``: connections being served)."""
 
+def open_engine(path: Path, transport: str, missing: str, hint: str) -> ctypes.CDLL:
+    """Load a transport's C engine (a shared library next to the package's modules).
 
-__all__ = ["Transport", "TransportServer"]
+    Parameters
+    ----------
+    path
+        The library.
+    transport
+        The transport's registry name (``INSTRIDE_TRANSPORT``), named in the error.
+    missing
+        What is missing when the file is not there (it was not built).
+    hint
+        How to get it built (the Debian packages to install).
+
+    Raises
+    ------
+    ConfigError
+        The library was not built or cannot be loaded.
+    """
+    if not path.exists():
+        raise ConfigError("INSTRIDE_TRANSPORT", transport, f"{missing} ({path.name} is missing); {hint}")
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise ConfigError("INSTRIDE_TRANSPORT", transport,
+                          f"cannot load {path.name} ({exc}); {hint}") from None
+
+
+__all__ = ["Transport", "TransportServer", "open_engine"]

@@ -80,6 +80,7 @@ from ..perthread import PerThread
 from ..record import Record
 from ..store.served import open_served
 from . import wire
+from .base import open_engine
 
 log = logging.getLogger("instride.transport.ucx")
 
@@ -142,15 +143,7 @@ def load_library() -> ctypes.CDLL:
     with _lib_lock:
         if _lib is not None:
             return _lib
-        path = library_path()
-        if not path.exists():
-            raise ConfigError("INSTRIDE_TRANSPORT", "ucx",
-                              f"UCX support was not built ({path.name} is missing); {INSTALL_HINT}")
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as exc:
-            raise ConfigError("INSTRIDE_TRANSPORT", "ucx",
-                              f"cannot load {path.name} ({exc}); {INSTALL_HINT}") from None
+        lib = open_engine(library_path(), "ucx", "UCX support was not built", INSTALL_HINT)
         vp, cp, sz, i64, u64 = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int64, \
             ctypes.c_uint64
         sigs: dict[str, tuple[Any, list[Any]]] = {

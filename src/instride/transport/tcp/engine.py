@@ -12,7 +12,7 @@ import ctypes
 import threading
 from pathlib import Path
 
-from ...errors import ConfigError
+from ..base import open_engine
 
 INSTALL_HINT = ("install OpenSSL's and xxhash's headers (Debian: apt-get install libssl-dev "
                 "libxxhash-dev) and reinstall "
@@ -54,16 +54,8 @@ def load_library() -> ctypes.CDLL:
     with _lib_lock:
         if _lib is not None:
             return _lib
-        path = library_path()
-        if not path.exists():
-            raise ConfigError("INSTRIDE_TRANSPORT", "tcp",
-                              f"the tcp transport's C engine was not built ({path.name} is "
-                              f"missing); {INSTALL_HINT}")
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as exc:
-            raise ConfigError("INSTRIDE_TRANSPORT", "tcp",
-                              f"cannot load {path.name} ({exc}); {INSTALL_HINT}") from None
+        lib = open_engine(library_path(), "tcp", "the tcp transport's C engine was not built",
+                          INSTALL_HINT)
         vp, cp, sz, i = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int
         lib.iss_start.restype = i
         lib.iss_start.argtypes = [cp, i, cp, cp, sz, i, i, i, i, ctypes.c_double, DECIDE, LOG, vp,
