@@ -27,6 +27,7 @@ from .keys import key_path, normalize_key, tmp_path
 from .metadata import MetadataBackend, Record
 from .paths import ConfinedOpener, confined_path
 from .store import ensure_private_dir, file_checksum, file_system_type
+from .store.recvpool import ReceivePool
 from .store.ring import collect_pools
 
 _open = _io.open  # the builtin, captured before instride.interception.pyopen may patch it
@@ -476,7 +477,8 @@ class Client:
         self.metadata.delete(key)
 
     def gc(self, min_age: float = 0.0) -> list[Path]:
-        """Remove temporary files of dead producers.
+        """Remove temporary files of dead producers, and the files kept for reuse by fetches
+        (the node's receive pool, :mod:`instride.store.recvpool`).
 
         Parameters
         ----------
@@ -488,7 +490,8 @@ class Client:
         list of pathlib.Path
             The files removed. See :func:`instride.store.collect_garbage`.
         """
-        return store.collect_garbage(self.root, min_age=min_age) + collect_pools(self.root)
+        return (store.collect_garbage(self.root, min_age=min_age) + collect_pools(self.root)
+                + ReceivePool(self.settings.internal_dir / "recv").clear())
 
 
 _default: tuple[tuple[object, ...], Client] | None = None

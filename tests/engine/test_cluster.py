@@ -6,6 +6,7 @@ Cross-node behaviour between network namespaces is tested in tests/emulate.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 import instride
 from instride.engine import Engine
 from instride.engine.cluster import ClusterEngine
+from instride.errors import IntegrityError
 from tests.conftest import LoopbackNode, RedisServer
 
 
@@ -98,6 +100,49 @@ def test_a_stream_across_nodes(clients: list[instride.Client]) -> None:
     assert [f.header.step for f in frames] == [0, 1, 2]
     assert np.array_equal(frames[2].positions, pos + 2)
     assert consumer.frame_count() == 3 and consumer.ended and consumer.has(2) and not consumer.has(3)
+
+
+def test_a_bounded_streams_copies_are_recycled(clients: list[instride.Client]) -> None:
+    """A consumer node reading a bounded stream drops each fetched copy once the frame is
+    released; the next fetch overwrites that storage in place (the receive pool), and every
+    frame still arrives exact."""
+    c1, c2, _ = clients
+    pos = np.random.default_rng(5).random((5000, 3)).astype(np.float32)
+    frames = 12
+    with instride.Stream("rc/run", mode="w", retain=frames, client=c1) as producer:
+        for i in range(frames):
+            producer.append(pos + i, step=i)
+    inodes, got = set(), []
+    for frame in instride.Stream("rc/run", timeout=10, client=c2):
+        inodes.add(os.stat(c2.root / "rc" / "run" / f"frame_{frame.header.step:09d}.isf").st_ino)
+        got.append(frame.header.step)
+        assert np.array_equal(frame.positions, pos + frame.header.step)
+    assert got == list(range(frames))
+    assert c2.engine.recv_pool.reused >= frames - 2 and len(inodes) <= 2
+    assert c2.engine.cached_version("rc/run/frame_000000000.isf") is None  # dropped
+
+
+def test_a_failed_fetch_into_a_recycled_file_leaves_nothing(clients: list[instride.Client]) -> None:
+    c1, c2, _ = clients
+    with c1.open("rc/old.bin", "wb") as fh:
+        fh.write(b"o" * 50_000)
+    c2.consume("rc/old.bin", timeout=10)
+    recv = c2.root / ".instride" / "recv"
+    c2.gc()
+    c2.engine.drop_copy("rc/old.bin")  # into the receive pool
+    assert len(os.listdir(recv)) == 1
+    with c1.open("rc/bad.bin", "wb") as fh:
+        fh.write(b"g" * 50_000)
+    (c1.root / "rc" / "bad.bin").write_bytes(b"b" * 50_000)  # corrupted at rest, same size
+    with pytest.raises(IntegrityError):
+        c2.consume("rc/bad.bin", timeout=10)
+    assert not (c2.root / "rc" / "bad.bin").exists()
+    assert [n for n in os.listdir(c2.root / "rc") if "bad" in n] == []  # no staged file either
+    assert c2.engine.cached_version("rc/bad.bin") is None
+    assert os.listdir(recv) == []  # the recycled file was claimed, then discarded
+    c2.consume("rc/old.bin", timeout=10)
+    c2.engine.drop_copy("rc/old.bin")
+    assert len(c2.gc()) == 1 and os.listdir(recv) == []  # gc empties the pool
 
 
 def test_a_writers_checksum_is_the_files_and_seeking_falls_back(clients: list[instride.Client]) -> None:

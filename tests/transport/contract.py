@@ -152,6 +152,31 @@ class TransportContract:
         consumer.fetch(record, tmp_path / f"again-{size}.bin")  # a kept-alive connection, reused
         assert (tmp_path / f"again-{size}.bin").read_bytes() == data
 
+    def test_fetch_into_overwrites_an_existing_file_in_place(self, owner: Owner, consumer: Transport,
+                                                              tmp_path: Path) -> None:
+        """``fetch_into`` writes into a given (recycled) file from its offset, verified; a
+        corrupted body raises and the caller discards the file."""
+        data = os.urandom(700_000)
+        record = owner.put("t/into.bin", data)
+        dest = tmp_path / "recycled.bin"
+        dest.write_bytes(b"old frame " * 70_000)
+        ino = dest.stat().st_ino
+        fd = os.open(dest, os.O_WRONLY)
+        try:
+            consumer.fetch_into(record, fd)
+        finally:
+            os.close(fd)
+        assert dest.read_bytes() == data and dest.stat().st_ino == ino
+        flipped = bytearray(data)
+        flipped[123] ^= 1
+        (owner.dir / "t" / "into.bin").write_bytes(flipped)
+        fd = os.open(dest, os.O_WRONLY)
+        try:
+            with pytest.raises(IntegrityError, match="checksum"):
+                consumer.fetch_into(record, fd)
+        finally:
+            os.close(fd)
+
     def test_concurrent_fetches_are_all_exact(self, owner: Owner, consumer: Transport,
                                               tmp_path: Path) -> None:
         """Many fetches at once (one large, several small, from threads) all arrive verified."""

@@ -27,6 +27,7 @@ from ..keys import TMP_PATTERN, key_path, tmp_path
 from ..metadata import get_backend
 from ..paths import ConfinedOpener
 from ..record import Record
+from ..store.recvpool import ReceivePool
 from ..store.streamstate import RedisStreamState
 from ..transport import Transport, get_transport
 from .base import map_file
@@ -57,6 +58,8 @@ class ClusterEngine:
         self.transport: Transport = get_transport(settings.transport, settings)
         settings.internal_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.cache_dir = settings.internal_dir / "cache"
+        #: dropped copies' files, reused by the next fetches (no fresh pages per fetch)
+        self.recv_pool = ReceivePool(settings.internal_dir / "recv")
         self.lock_dir = settings.internal_dir / "locks"
         #: number of transfers this process made (for tests and benchmarks)
         self.transfers = 0
@@ -158,8 +161,8 @@ class ClusterEngine:
                 break
             if key == keep:
                 continue
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.root / key)
+            # the file first: a moment without sidecar would make the copy look like an original
+            self._drop_file(f"{self.root}/{key}")
             self.forget_fetched(key)
             total -= size
             evicted.append(key)
@@ -221,17 +224,16 @@ class ClusterEngine:
         for attempt in range(3):
             try:
                 try:
-                    self.transport.fetch(record, staged)
+                    self._receive(record, staged)
                 except FileNotFoundError as exc:
                     if isinstance(exc, KeyNotFoundError) or os.path.isdir(parent):
                         raise
                     os.makedirs(parent, exist_ok=True)  # removed meanwhile (instride gc)
-                    self.transport.fetch(record, staged)
+                    self._receive(record, staged)
                 break
             except (IntegrityError, KeyNotFoundError):
                 # The owner may have re-published meanwhile (or the record came from a
                 # moment-old notification): retry with the current record.
-                # The owner may have re-published meanwhile: retry once with the new record.
                 newer = self.metadata.lookup(record.key) if attempt < 2 else None
                 if newer is not None and newer.version != record.version:
                     record = newer
@@ -250,6 +252,22 @@ class ClusterEngine:
             raise
         self.last_timing["fetch"] = t1 - t0
         self.last_timing["store"] = time.monotonic() - t1
+
+    def _receive(self, record: Record, staged: Path) -> None:
+        """Fetch ``record`` into ``staged``: a recycled file of the receive pool when there is
+        one (overwritten in place), else a new file; nothing is left there on failure."""
+        fd = self.recv_pool.take(str(staged), record.size)
+        if fd is None:
+            self.transport.fetch(record, staged)
+            return
+        try:
+            self.transport.fetch_into(record, fd)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staged)
+            raise
+        finally:
+            os.close(fd)
 
     def consume_bytes(self, key: str, timeout: float | None) -> memoryview:
         """Content of ``key``: the local file memory-mapped, or a key owned elsewhere received
@@ -294,11 +312,18 @@ class ClusterEngine:
         self.metadata.delete(key)
 
     def drop_copy(self, key: str) -> None:
-        """Remove this node's fetched copy of ``key`` (never an original of this node)."""
+        """Remove this node's fetched copy of ``key`` (never an original of this node); its
+        storage goes to the receive pool for the next fetch."""
         if self.cached_version(key) is not None:
+            # the file first: a moment without sidecar would make the copy look like an original
+            self._drop_file(f"{self.root}/{key}")
             self.forget_fetched(key)
+
+    def _drop_file(self, path: str) -> None:
+        """Take a dropped copy's name away: into the receive pool, else deleted."""
+        if not self.recv_pool.give(path):
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.root / key)
+                os.unlink(path)
 
     def frame_path(self, key: str) -> str | None:
         """Where ``key``'s file is when a copy is on this node (else fetch it first)."""

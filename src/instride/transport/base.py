@@ -21,7 +21,9 @@ A new transport is one module (or package) with both classes, one line in
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -47,6 +49,14 @@ class Transport(Protocol):
 
     def fetch(self, record: Record, dest: Path) -> None:
         """Write the content of ``record.key`` to the new file ``dest`` and verify it."""
+
+    def fetch_into(self, record: Record, fd: int) -> None:
+        """Write the verified content of ``record.key`` into the open file ``fd``.
+
+        From the descriptor's current offset (the caller gives a file of ``record.size``
+        bytes, positioned at 0: a recycled one, see :mod:`instride.store.recvpool`). On a
+        failure the file's content is undefined and the caller discards it.
+        """
 
     def fetch_bytes(self, record: Record) -> bytearray:
         """Return the verified content of ``record.key`` in memory."""
@@ -81,6 +91,20 @@ class TransportServer(Protocol):
     def snapshot(self) -> dict[str, Any]:
         """The counters plus current gauges (``peers``: connections being served)."""
 
+def fetch_to_new_file(transport: Transport, record: Record, dest: Path) -> None:
+    """``transport.fetch`` in terms of ``transport.fetch_into``: create ``dest`` (it must not
+    exist), receive into it, and remove it again on any failure."""
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        transport.fetch_into(record, fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(dest)
+        raise
+    os.close(fd)
+
+
 def open_engine(path: Path, transport: str, missing: str, hint: str) -> ctypes.CDLL:
     """Load a transport's C engine (a shared library next to the package's modules).
 
@@ -109,4 +133,4 @@ def open_engine(path: Path, transport: str, missing: str, hint: str) -> ctypes.C
                           f"cannot load {path.name} ({exc}); {hint}") from None
 
 
-__all__ = ["Transport", "TransportServer", "open_engine"]
+__all__ = ["Transport", "TransportServer", "fetch_to_new_file", "open_engine"]

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import ctypes
 import errno
 import json
@@ -80,7 +79,7 @@ from ..perthread import PerThread
 from ..record import Record
 from ..store.served import open_served
 from . import wire
-from .base import open_engine
+from .base import fetch_to_new_file, open_engine
 
 log = logging.getLogger("instride.transport.ucx")
 
@@ -315,25 +314,21 @@ class UcxTransport:
         PeerUnavailable, TransferError, IntegrityError, AuthenticationError, KeyNotFoundError
             As the transport contract says; ``dest`` does not exist afterwards.
         """
+        fetch_to_new_file(self, record, dest)
+
+    def fetch_into(self, record: Record, fd: int) -> None:
+        """Receive ``record.key`` into the reused buffer, verify it, write it to ``fd``."""
         w = self._worker()
         _reply, size = self._request(w, record)
         buf = self._scratch(w, size)
         self._receive(w, record, buf, size)
         view = memoryview(buf)[:size]
         record.verify(xxhash.xxh3_64_hexdigest(view), size)
-        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            done = 0
-            while done < size:
-                done += os.write(fd, view[done:])
-            if self.settings.fsync:
-                os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(dest)
-            raise
-        os.close(fd)
+        done = 0
+        while done < size:
+            done += os.write(fd, view[done:])
+        if self.settings.fsync:
+            os.fsync(fd)
 
     def fetch_bytes(self, record: Record) -> bytearray:
         """Receive ``record.key`` into a new ``bytearray`` and verify it."""

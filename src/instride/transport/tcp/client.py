@@ -9,7 +9,6 @@ and mapping its pages dominated.)
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import os
@@ -31,6 +30,7 @@ from ...errors import (
 from ...perthread import PerThread
 from ...record import Record
 from .. import wire
+from ..base import fetch_to_new_file
 from .engine import load_library
 
 if TYPE_CHECKING:
@@ -162,25 +162,21 @@ class TcpTransport:
 
     def fetch(self, record: Record, dest: Path) -> None:
         """Receive ``record.key`` into the new file ``dest``; remove it on any failure."""
+        fetch_to_new_file(self, record, dest)
+
+    def fetch_into(self, record: Record, fd: int) -> None:
+        """Receive ``record.key`` into the open file ``fd`` (from its offset), verified."""
         sock, reply = self._request(record)
         complete = False
         try:
             size = _size(reply, record)
             if size != record.size:
                 raise IntegrityError(record.key, f"owner has {size} bytes, record says {record.size}")
-            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            try:
-                digest = self._stream_to_file(sock, fd, size, record.key)
-                complete = True  # the whole body was read: the connection can be reused
-                record.verify(digest, size)
-                if self.settings.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(dest)
-            raise
+            digest = self._stream_to_file(sock, fd, size, record.key)
+            complete = True  # the whole body was read: the connection can be reused
+            record.verify(digest, size)
+            if self.settings.fsync:
+                os.fsync(fd)
         finally:
             if complete:
                 self._release(record.owner, sock)

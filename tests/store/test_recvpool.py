@@ -1,0 +1,80 @@
+"""The receive pool: dropped copies' files reused for the next fetches, never while held."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from instride.store.recvpool import ReceivePool
+
+
+def _file(path: Path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
+
+
+def test_a_dropped_copy_is_reused_in_place(tmp_path: Path) -> None:
+    pool = ReceivePool(tmp_path / "recv")
+    copy = _file(tmp_path / "frame_0.isf", b"a" * 5000)
+    ino = os.stat(copy).st_ino
+    assert pool.give(copy) and not os.path.exists(copy)  # the key is gone at once
+    staged = str(tmp_path / "frame_1.isf.tmp")
+    fd = pool.take(staged, 3000)
+    assert fd is not None and pool.reused == 1
+    try:
+        st = os.fstat(fd)
+        assert st.st_ino == ino and st.st_size == 3000  # the same storage, sized to the frame
+        assert os.lseek(fd, 0, os.SEEK_CUR) == 0
+        with open(staged, "rb") as other:  # the claimer holds the exclusive lock
+            try:
+                fcntl.flock(other.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+                raise AssertionError("a claimed file must be locked")
+            except BlockingIOError:
+                pass
+        os.write(fd, b"b" * 3000)
+    finally:
+        os.close(fd)
+    assert Path(staged).read_bytes() == b"b" * 3000
+    assert pool.take(str(tmp_path / "again.tmp"), 10) is None  # empty now: the caller makes a file
+
+
+def test_a_file_a_reader_holds_is_never_rewritten(tmp_path: Path) -> None:
+    pool = ReceivePool(tmp_path / "recv")
+    copy = _file(tmp_path / "held.isf", b"frame one")
+    reader = os.open(copy, os.O_RDONLY)
+    try:
+        fcntl.flock(reader, fcntl.LOCK_SH)  # a reader's lease (instride.store.ring.Leases)
+        assert pool.give(copy)
+        staged = str(tmp_path / "next.tmp")
+        assert pool.take(staged, 100) is None  # held: deleted from the pool, not reused
+        assert not os.path.exists(staged) and not os.listdir(tmp_path / "recv")
+        assert os.pread(reader, 100, 0) == b"frame one"  # the reader's bytes are untouched
+    finally:
+        os.close(reader)
+
+
+def test_the_pool_is_bounded_in_files_and_bytes(tmp_path: Path) -> None:
+    pool = ReceivePool(tmp_path / "recv", keep_files=2, keep_bytes=10_000)
+    a, b, c = (_file(tmp_path / f"{n}.isf", b"x" * 4000) for n in "abc")
+    assert pool.give(a) and pool.give(b)
+    assert not pool.give(c) and os.path.exists(c)  # full: the caller deletes it
+    pool = ReceivePool(tmp_path / "recv2", keep_bytes=6000)
+    assert pool.give(c)
+    d = _file(tmp_path / "d.isf", b"y" * 4000)
+    assert not pool.give(d)  # 8000 bytes would exceed the bound
+    assert pool.give(str(tmp_path / "gone.isf"))  # nothing to drop: fine
+    empty = _file(tmp_path / "empty.isf", b"")
+    assert not pool.give(empty)  # nothing worth keeping
+    link = tmp_path / "link.isf"
+    link.symlink_to(d)
+    assert not pool.give(str(link)) and link.is_symlink()  # only regular files
+
+
+def test_clear_removes_every_pooled_file(tmp_path: Path) -> None:
+    pool = ReceivePool(tmp_path / "recv")
+    for n in "ab":
+        pool.give(_file(tmp_path / f"{n}.isf", b"z" * 10))
+    removed = pool.clear()
+    assert len(removed) == 2 and not os.listdir(tmp_path / "recv")
+    assert ReceivePool(tmp_path / "never-made").clear() == []
