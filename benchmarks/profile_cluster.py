@@ -8,7 +8,8 @@ preempted by other processes is not counted). Prints, per process, the CPU time 
 (``time.process_time``; a CPU-time measure, meaningful on a loaded machine) and the functions
 with the most own time.
 
-Usage: ``python benchmarks/profile_cluster.py [--frames N] [--atoms N] [--top K] [--out DIR]``
+Usage: ``python benchmarks/profile_cluster.py [--frames N] [--atoms N] [--retain N] [--top K]
+[--out DIR] [--no-profile]``
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ PRODUCER = textwrap.dedent(
     """
     import cProfile, sys, time, numpy as np, instride
     name, n, atoms, gap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-    out = sys.argv[5]
+    out, retain = sys.argv[5], int(sys.argv[6])
+    bounded = dict(retain=retain, groups=["prof"]) if retain else {}
     pos = np.random.default_rng(0).random((atoms, 3))
     instride.get_client().exists("warm-up")
     prof = cProfile.Profile(time.process_time) if out != "-" else None
     cpu = 0.0
-    with instride.Stream(name, mode="w", layout="paper") as s:
+    with instride.Stream(name, mode="w", layout="paper", **bounded) as s:
         for i in range(n):
             time.sleep(gap)
             c0 = time.process_time()
@@ -53,16 +55,16 @@ PRODUCER = textwrap.dedent(
 CONSUMER = textwrap.dedent(
     """
     import cProfile, sys, time, instride
-    name, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    s = instride.Stream(name, timeout=120)
+    name, n, out, retain = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    s = instride.Stream(name, timeout=120, **(dict(group="prof") if retain else {}))
     c = instride.get_client()
     c.exists("warm-up")
     prof = cProfile.Profile(time.process_time) if out != "-" else None
     print("ready", flush=True)
     c0 = time.process_time()
     prof and prof.enable()
-    for i in range(n):
-        s.read(i)
+    for i, _frame in zip(range(n), s):  # each frame released when the next is taken
+        pass
     prof and prof.disable()
     cpu = time.process_time() - c0
     prof and prof.dump_stats(out)
@@ -98,6 +100,8 @@ def main() -> None:
     ap.add_argument("--atoms", type=int, default=23_558, help="atoms per frame (JAC: 23,558)")
     ap.add_argument("--gap", type=float, default=0.005, help="seconds between frames")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--retain", type=int, default=0,
+                    help="a bounded stream: retain=N frames, one consumer group (0: unbounded)")
     ap.add_argument("--out", default=None, help="keep the .prof files here")
     ap.add_argument("--no-profile", action="store_true",
                     help="only the CPU time per frame, without the profiler's own overhead")
@@ -132,12 +136,14 @@ def main() -> None:
                     raise
                 time.sleep(0.05)
         srv_cpu0 = _cpu(srv.pid)
-        cons = subprocess.Popen([PY, "-c", CONSUMER, "prof", str(args.frames), tag("consumer")],
+        cons = subprocess.Popen([PY, "-c", CONSUMER, "prof", str(args.frames), tag("consumer"),
+                                 str(args.retain)],
                                 env=env2, stdout=subprocess.PIPE, text=True)
         procs.append(cons)
         assert cons.stdout is not None and cons.stdout.readline().strip() == "ready"
         prod = subprocess.run([PY, "-c", PRODUCER, "prof", str(args.frames), str(args.atoms), str(args.gap),
-                               tag("producer")], env=env1, capture_output=True, text=True, check=True)
+                               tag("producer"), str(args.retain)],
+                              env=env1, capture_output=True, text=True, check=True)
         c_out = cons.communicate(timeout=600)[0].split()
         srv_cpu = (_cpu(srv.pid) - srv_cpu0) / args.frames
         srv.send_signal(signal.SIGTERM)

@@ -332,7 +332,7 @@ class ClusterEngine:
 
     def stream_state(self, stream: str) -> RedisStreamState:
         """The stream's head, policy and groups: in Redis, shared by every node."""
-        return RedisStreamState(self.metadata.redis, stream, set_later=self.metadata.set_later)
+        return RedisStreamState(self.metadata, stream)
 
     def published(self, key: str, overwrite: bool, checksum: str | None = None,
                   size: int | None = None) -> None:

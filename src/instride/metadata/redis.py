@@ -188,6 +188,32 @@ class RedisMetadata:
         args = [x for kv in mapping.items() for x in kv]
         self._call("hset", lambda: fast.defer([("HSET", name, *args)]))
 
+    def command(self, *args: Any) -> Any:
+        """One Redis command, on this thread's lean connection where the URL allows (the
+        per-frame commands of streams), else through redis-py; connection errors retried."""
+        fast = self._fast()
+        if fast is None:
+            return self._call(str(args[0]), lambda: self.redis.execute_command(*args))
+
+        def run() -> Any:
+            (reply,) = fast.call([args])
+            if isinstance(reply, Exception):
+                raise redis.ResponseError(str(reply))
+            return reply
+
+        return self._call(str(args[0]), run)
+
+    def flush(self) -> None:
+        """Wait until this thread's deferred commands (:meth:`set_later`) have run."""
+        fast = self._fast()
+        if fast is not None and fast.deferred:
+            self.command("PING")
+
+    def hgetall(self, name: str) -> dict[bytes, bytes]:
+        """``HGETALL name`` (see :meth:`command`)."""
+        reply = self.command("HGETALL", name)
+        return reply if isinstance(reply, dict) else hash_fields(reply)
+
     def _hgetall(self, keys: Sequence[str]) -> list[dict[bytes, bytes]]:
         fast = self._fast()
         if fast is not None:  # pipelined: one write, one round trip
@@ -360,6 +386,16 @@ class RedisMetadata:
 
     def delete(self, key: str) -> None:
         """Forget ``key`` (its version counter is kept)."""
+        fast = self._fast()
+        if fast is not None:  # one write, one round trip (a bounded stream retires per frame)
+            def lean() -> None:
+                replies = fast.call([("MULTI",), ("DEL", _REC + key), ("ZREM", _KEYS, key), ("EXEC",)])
+                failed = [r for r in replies if isinstance(r, Exception)]
+                if failed:
+                    raise redis.ResponseError(str(failed[0]))
+
+            self._call("delete", lean)
+            return
 
         def run() -> None:
             pipe = self.redis.pipeline(transaction=True)

@@ -30,7 +30,6 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -430,21 +429,20 @@ class RedisStreamState:
 
     Parameters
     ----------
-    redis
-        A ``redis.Redis`` client.
+    metadata
+        The engine's :class:`~instride.metadata.redis.RedisMetadata`: its ``redis`` client
+        for what happens once per stream, its lean ``command``, ``hgetall`` and
+        ``set_later`` (an ``HSET`` that does not wait for the reply) for what happens with
+        every frame (head counters, group cursors).
     stream
         The stream name.
     lease_s
         Lifetime of a group reader's lease.
-    set_later
-        ``set_later(hash, mapping)``: an ``HSET`` that does not wait for the reply (the
-        metadata backend's), used for the head counters written with every frame.
     """
 
-    def __init__(self, redis: Any, stream: str, lease_s: float = 10.0,
-                 set_later: Callable[[str, dict[str, Any]], None] | None = None) -> None:
-        self.redis = redis
-        self._set_later = set_later
+    def __init__(self, metadata: Any, stream: str, lease_s: float = 10.0) -> None:
+        self.metadata = metadata
+        self.redis = metadata.redis
         self.stream = stream
         self.lease_s = lease_s
         self._head = f"instride:stream:{stream}:head"
@@ -465,14 +463,11 @@ class RedisStreamState:
 
     def set_head(self, oldest: int, written: int) -> None:
         """Publish the head counters (without waiting for Redis's reply, where it can)."""
-        if self._set_later is not None:
-            self._set_later(self._head, {"oldest": oldest, "written": written})
-        else:
-            self.redis.hset(self._head, mapping={"oldest": oldest, "written": written})
+        self.metadata.set_later(self._head, {"oldest": oldest, "written": written})
 
     def cursors(self) -> dict[str, int]:
         """Each group's cursor."""
-        return {k.decode(): int(v) for k, v in self.redis.hgetall(self._groups).items()}
+        return {k.decode(): int(v) for k, v in self.metadata.hgetall(self._groups).items()}
 
     def wait_progress(self, seconds: float) -> None:
         """Sleep a little before the caller polls the cursors again."""
@@ -496,7 +491,7 @@ class RedisStreamState:
     # consumer
     def head(self) -> tuple[int, int] | None:
         """``(oldest retained, frames written)``; ``None`` if no producer recorded one."""
-        oldest, written = self.redis.hmget(self._head, ["oldest", "written"])
+        oldest, written = self.metadata.command("HMGET", self._head, "oldest", "written")
         if oldest is None or written is None:
             return None
         return int(oldest), int(written)
@@ -541,14 +536,16 @@ class RedisGroupCursor:
 
     def commit(self, value: int) -> None:
         """Record that the group is done with every frame before ``value``."""
-        if value != self.value:
-            self.state.redis.hset(self.state._groups, self.name, value)
+        if value != self.value:  # not waiting for the reply: read with the next command
+            self.state.metadata.set_later(self.state._groups, {self.name: value})
             self.value = value
 
     def close(self) -> None:
         """Release the lease (the cursor stays)."""
         if not self._stop.is_set():
             self._stop.set()
+            with contextlib.suppress(Exception):
+                self.state.metadata.flush()  # the last commit is in Redis before the lease goes
             with contextlib.suppress(Exception):
                 if self.state.redis.get(self._lock) == self._token.encode():
                     self.state.redis.delete(self._lock)
