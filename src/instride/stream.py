@@ -601,7 +601,9 @@ class Stream:
                 if leases.keep:  # a bounded stream: a fetched copy goes when the frame does
                     release = self._dropping_copy(key, release)
                 return Frame(frame.header, frame.positions, frame.ids, release)
-            archived = self._gap(index)
+            # (an unbounded stream retires nothing: no frame can be missing)
+            policy = self._reader_policy
+            archived = self._gap(index) if policy is None or policy.bounded else None
             if archived is not None:
                 return archived
             # Wait in slices: a frame published and retired while we looked away shows up in

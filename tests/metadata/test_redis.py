@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from instride.config import Settings
-from instride.errors import KeyExistsError, MetadataUnavailable
+from instride.errors import ConsumeTimeout, KeyExistsError, MetadataUnavailable
 from instride.metadata.base import Record
 from instride.metadata.redis import RedisMetadata
 from tests.conftest import RedisServer
@@ -123,3 +123,30 @@ def test_password_and_database_of_the_url_are_used(tmp_path) -> None:  # type: i
             meta.close()
     finally:
         server.stop()
+
+
+def test_a_consumer_waits_frame_after_frame_of_one_directory(backend: RedisMetadata, put: Put) -> None:
+    # The per-directory subscription stays in force between waits: records published
+    # while nobody waits are heard and found, records published during a wait wake it.
+    put("run/f0", b"x")
+    assert backend.wait_any(["run/f0", "run/end"], 5).key == "run/f0"
+    with pytest.raises(ConsumeTimeout):  # nothing there yet: a timeout, not a hang
+        backend.wait_any(["run/f1", "run/end"], 0.2)
+    for i in (1, 2, 3):  # published between waits
+        put(f"run/f{i}", b"x")
+    for i in (1, 2, 3):
+        rec = backend.wait_any([f"run/f{i}", "run/end"], 5)
+        assert (rec.key, rec.version) == (f"run/f{i}", 1)
+
+    def produce() -> None:
+        for i in range(4, 40):
+            time.sleep(0.003)
+            put(f"run/f{i}", b"x")
+
+    writer = threading.Thread(target=produce)
+    writer.start()
+    try:
+        keys = [backend.wait_any([f"run/f{i}", "run/end"], 5).key for i in range(4, 40)]
+    finally:
+        writer.join()
+    assert keys == [f"run/f{i}" for i in range(4, 40)]

@@ -43,3 +43,19 @@ def test_set_later_is_seen_by_other_clients(redis_server: RedisServer, tmp_path)
     other = redis.Redis.from_url(redis_server.url)
     assert other.hgetall("instride:test:head") == {b"oldest": b"3", b"written": b"9"}
     md.close()
+
+
+def test_pending_drains_what_arrived_without_waiting(redis_server: RedisServer) -> None:
+    conn = _conn(redis_server)  # (a socket with a 5 s timeout: pending must not wait on it)
+    conn.send([("SUBSCRIBE", "instride:test:chan")])
+    assert conn.read(5.0) == [b"subscribe", b"instride:test:chan", 1]
+    assert conn.pending() == []  # nothing came: an empty list, at once
+    redis.Redis(redis_server.host, redis_server.port).publish("instride:test:chan", "a")
+    got: list[object] = []
+    for _ in range(1000):  # the message crosses loopback: poll for it
+        got = conn.pending()
+        if got:
+            break
+    assert got == [[b"message", b"instride:test:chan", b"a"]]
+    assert conn.sock is not None and conn.sock.gettimeout() == 5.0  # left as it was
+    conn.close()

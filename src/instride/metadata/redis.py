@@ -88,6 +88,46 @@ def _from_message(data: Any) -> Record | None:
         return None
 
 
+#: directories whose publications a thread's subscriber keeps watching between waits
+_WATCH_MAX = 8
+#: records heard through those subscriptions and kept: at most so many, for so many seconds
+_HEARD_MAX = 4096
+_HEARD_AGE = 5.0
+
+
+def _common_dir(keys: Sequence[str]) -> str:
+    """The directory (``"a/b/"``) holding every one of ``keys``, or ``""`` (top level)."""
+    first = keys[0].rpartition("/")[0]
+    if not first:
+        return ""
+    prefix = first + "/"
+    for key in keys[1:]:
+        while not key.startswith(prefix):
+            first = first.rpartition("/")[0]
+            if not first:
+                return ""
+            prefix = first + "/"
+    return prefix
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` matched literally in a Redis glob pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def _hear(msg: Any, heard: dict[str, tuple[float, Record]]) -> Record | None:
+    """Keep the record announced by ``msg`` if it is a pattern message; return it."""
+    if not isinstance(msg, list) or len(msg) < 4 or msg[0] != b"pmessage":
+        return None
+    rec = _from_message(msg[3])
+    if rec is None:
+        return None
+    if len(heard) >= _HEARD_MAX:
+        heard.clear()  # (a consumer that fell that far behind asks Redis again)
+    heard[rec.key] = (time.monotonic(), rec)
+    return rec
+
+
 class RedisMetadata:
     """Metadata backend on a Redis server (``INSTRIDE_REDIS_URL``)."""
 
@@ -297,6 +337,9 @@ class RedisMetadata:
             return min(left, 1.0)
 
         if self._fast_args is not None:
+            prefix = _common_dir(keys)
+            if prefix:
+                return self._wait_watched(prefix, keys, remaining, start, deadline)
             return self._wait_lean(keys, channels, wanted, remaining, start, deadline)
 
         while True:
@@ -345,6 +388,74 @@ class RedisMetadata:
             with self._lock:
                 self._fasts.add(conn)
         return conn
+
+    def _wait_watched(self, prefix: str, keys: Sequence[str], remaining: Any, start: float,
+                      deadline: float | None) -> Record:
+        """:meth:`wait_any` for keys under one directory, through a pattern subscription to
+        the directory's publications that stays in force between waits.
+
+        A stream's consumer waits for frame after frame of one directory: subscribing and
+        unsubscribing per frame cost three round trips. Instead the thread's subscriber
+        keeps ``PSUBSCRIBE instride:pub:<dir>/*`` (the :data:`_WATCH_MAX` directories used
+        last); records announced meanwhile are kept (:data:`_HEARD_MAX`, for
+        :data:`_HEARD_AGE` s), so a consumer that is behind finds the next frame's record
+        without asking Redis at all. Once the pattern is confirmed, a lookup followed by
+        waiting for messages misses no publication.
+        """
+        spin = self.settings.spin
+        local = self._per_thread.get()
+        heard: dict[str, tuple[float, Record]] | None = getattr(local, "heard", None)
+        if heard is None:
+            heard = local.heard = {}
+        pattern = _CHAN + _glob_escape(prefix) + "*"
+        wanted = set(keys)
+        while True:
+            sub = self._subscriber()
+            try:
+                if pattern in sub.patterns:
+                    sub.patterns[pattern] = sub.patterns.pop(pattern)  # most recently used
+                    for msg in sub.pending():
+                        _hear(msg, heard)
+                    now = time.monotonic()
+                    for key in keys:
+                        got = heard.pop(key, None)
+                        if got is not None and now - got[0] <= _HEARD_AGE:
+                            return got[1]
+                else:
+                    self._watch(sub, pattern, heard, remaining)
+                rec = self._lookup_many(keys)
+                if rec is not None:
+                    return rec
+                while True:
+                    msg = sub.read(remaining(), spin)
+                    rec = _hear(msg, heard)
+                    if rec is not None and rec.key in wanted:
+                        heard.pop(rec.key, None)
+                        return rec
+            except _ERRORS as exc:
+                # Redis went away: the connection (and its subscriptions) closed; back off,
+                # subscribe again, check again.
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
+                time.sleep(0.05)
+
+    @staticmethod
+    def _watch(sub: RespConnection, pattern: str, heard: dict[str, tuple[float, Record]],
+               remaining: Any) -> None:
+        """Subscribe ``sub`` to ``pattern`` and wait for Redis's confirmation."""
+        commands: list[tuple[Any, ...]] = [("PSUBSCRIBE", pattern)]
+        while len(sub.patterns) >= _WATCH_MAX:  # the least recently used goes
+            old = next(iter(sub.patterns))
+            del sub.patterns[old]
+            commands.append(("PUNSUBSCRIBE", old))
+        sub.send(commands)
+        want = pattern.encode()
+        while True:
+            msg = sub.read(remaining())
+            if isinstance(msg, list) and len(msg) >= 2 and msg[0] == b"psubscribe" and msg[1] == want:
+                sub.patterns[pattern] = None
+                return
+            _hear(msg, heard)
 
     def _wait_lean(self, keys: Sequence[str], channels: list[str], wanted: set[bytes],
                    remaining: Any, start: float, deadline: float | None) -> Record:

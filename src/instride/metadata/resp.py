@@ -42,6 +42,8 @@ class RespConnection:
         self.sock: socket.socket | None = None
         self.reader: Any = None
         self.deferred = 0  # replies of :meth:`defer`'d commands not read yet
+        #: patterns this connection is subscribed to, in order of use (gone with the socket)
+        self.patterns: dict[str, None] = {}
 
     def _connect(self) -> socket.socket:
         sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
@@ -143,10 +145,40 @@ class RespConnection:
         reply = self.reader.gets()
         return None if reply is False else reply
 
+    def pending(self) -> list[Any]:
+        """The replies and pushed messages already received, without waiting for more."""
+        out: list[Any] = []
+        sock = self.sock
+        if sock is None:
+            return out
+        # (a socket with a timeout polls before recv even under MSG_DONTWAIT: make it
+        # non-blocking for the drain)
+        sock.settimeout(0.0)
+        try:
+            while True:
+                reply = self.reader.gets()
+                if reply is not False:
+                    out.append(reply)
+                    continue
+                try:
+                    chunk = sock.recv(1 << 16)
+                except BlockingIOError:
+                    return out
+                if not chunk:
+                    raise ConnectionError("Redis closed the connection")
+                self.reader.feed(chunk)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            if self.sock is not None:
+                sock.settimeout(self.timeout)
+
     def close(self) -> None:
         """Close the socket (a later :meth:`call` reconnects)."""
         sock, self.sock = self.sock, None
         self.deferred = 0  # (their replies go with the socket)
+        self.patterns.clear()  # (and so do subscriptions)
         if sock is not None:
             sock.close()
 
