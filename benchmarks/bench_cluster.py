@@ -4,9 +4,12 @@ Measures, in one run, on an emulated cluster made for the purpose:
 
 1. cross-node transfer of STMV-sized frames (28.48 MiB): consumer on node 2 fetching frames
    published on node 1, vs a raw TCP transfer (``os.sendfile`` -> ``recv_into``) of the same
-   bytes between the same two namespaces;
+   bytes between the same two namespaces, and again with node 2 keeping only 3 fetched copies
+   (``INSTRIDE_CACHE_BYTES``), so that fetches reuse the files of evicted copies;
 2. cross-node consume latency of JAC-sized frames: publish on node 1 -> bytes local on node 2
-   (median, p99), also with a consumer that busy-polls (``INSTRIDE_SPIN=1``); then the same
+   (median, p99), also with a consumer that busy-polls (``INSTRIDE_SPIN=1``), and on a bounded
+   stream (``retain=16``, a consumer group iterating the stream: publish start -> the frame's
+   arrays in numpy; fetched copies recycled as frames retire); then the same
    while node 3 fetches STMV frames from node 1's server without
    pause (head-of-line blocking: how much a large transfer delays small ones);
 3. publish -> remote wake-up latency through Redis (a tiny key; median, p99; the clock starts
@@ -14,7 +17,8 @@ Measures, in one run, on an emulated cluster made for the purpose:
    one that busy-polls its subscription (``INSTRIDE_SPIN=1``);
 4. aggregate throughput of 8 producer/consumer pairs across 4 nodes (producers on nodes 1-2,
    consumers on nodes 3-4) moving JAC-sized frames as fast as they can, vs 8 raw TCP pairs
-   (``sendfile`` -> ``recv_into``) moving the same bytes between the same nodes;
+   (``sendfile`` -> ``recv_into``) moving the same bytes between the same nodes; then the
+   same pairs on bounded streams (``retain=16``, consumer groups);
 5. publish -> consume latency through the preload library across nodes: unmodified C
    programs (open/write/close on node 1, open/read on node 2) exchanging 4 KiB keys;
 6. the data server's start-up time (process start to listening);
@@ -79,9 +83,11 @@ PRODUCE = textwrap.dedent(
     """
     import sys, time, numpy as np, instride
     name, n, atoms, gap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+    # a bounded stream (retain=N, consumer group "g") when a fifth argument is given
+    kw = dict(retain=int(sys.argv[5]), groups=["g"]) if len(sys.argv) > 5 else {}
     pos = np.random.default_rng(0).random((atoms, 3))
     instride.get_client().exists("warm-up")
-    with instride.Stream(name, mode="w", layout="paper") as s:
+    with instride.Stream(name, mode="w", layout="paper", **kw) as s:
         for i in range(n):
             if gap:
                 time.sleep(gap)
@@ -112,6 +118,25 @@ CONSUME = textwrap.dedent(
     print(" ".join(map(str, out)))
     """
 )
+CONSUME_GROUP = textwrap.dedent(
+    """
+    import sys, time, instride
+    # the consumer of a bounded stream, as a user writes it: iterate, as group "g"
+    s = instride.Stream(sys.argv[1], timeout=120, group="g")
+    instride.get_client().exists("warm-up")
+    out = []
+    print("ready", flush=True)
+    t0 = time.perf_counter()
+    for frame in s:  # the frame's arrays, verified, in numpy
+        out.append(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
+    print(time.perf_counter() - t0)
+    print(" ".join(map(str, out)))
+    """
+)
+#: STMV copies node 2's cache keeps in the recycled-storage rounds (INSTRIDE_CACHE_BYTES)
+CACHED_STMV = 3
+#: frames a bounded stream keeps (its consumers' fetched copies are recycled as frames retire)
+RETAIN = 16
 WAKE_CONSUMER = textwrap.dedent(
     """
     import sys, time, instride
@@ -164,15 +189,24 @@ def raw_tcp(c: EmulatedCluster, path: str, size: int, n: int) -> float:
     return n * size / float(out) / 1e6
 
 
+def _bounded(bounded: bool) -> tuple[str, tuple[object, ...]]:
+    """The consumer's code and the producer's extra arguments: unbounded stream, consumer
+    waiting for and consuming keys; or bounded (:data:`RETAIN`), consumer group iterating."""
+    return (CONSUME_GROUP, (RETAIN,)) if bounded else (CONSUME, ())
+
+
 def stream_run(c: EmulatedCluster, name: str, n: int, atoms: int, gap: float,
-               pairs: list[tuple[int, int]], spin: float = 0.0) -> tuple[float, list[list[float]]]:
+               pairs: list[tuple[int, int]], spin: float = 0.0,
+               bounded: bool = False) -> tuple[float, list[list[float]]]:
     env = {"INSTRIDE_SPIN": str(spin)}  # the consumers' (0: they sleep while waiting)
-    cons = [c.popen(q, [PY, "-c", CONSUME, f"{name}/p{i}"], stdout=subprocess.PIPE, text=True, env=env)
+    code, extra = _bounded(bounded)
+    cons = [c.popen(q, [PY, "-c", code, f"{name}/p{i}"], stdout=subprocess.PIPE, text=True, env=env)
             for i, (_p, q) in enumerate(pairs)]
     for p in cons:
         _ready(p)
     t0 = time.perf_counter()
-    prods = [_popen(c, p, PRODUCE, f"{name}/p{i}", n, atoms, gap) for i, (p, _q) in enumerate(pairs)]
+    prods = [_popen(c, p, PRODUCE, f"{name}/p{i}", n, atoms, gap, *extra)
+             for i, (p, _q) in enumerate(pairs)]
     starts = [[int(x) for x in p.communicate(timeout=600)[0].split()] for p in prods]
     lat = []
     for i, p in enumerate(cons):
@@ -272,17 +306,26 @@ CONSUME_RANGE = textwrap.dedent(
 )
 
 
-def stmv_rounds(c: EmulatedCluster, name: str, src: str, size: int, n: int, rounds: int) -> list[dict]:
-    """Alternate instride (node 2 consuming n/rounds published frames) and raw TCP (the same
-    bytes) ``rounds`` times, so that both see the same load on a shared machine."""
+def stmv_rounds(c: EmulatedCluster, name: str, recycled: str, src: str, size: int, n: int,
+                rounds: int) -> list[dict]:
+    """Alternate instride (node 2 consuming n/rounds published frames of ``name``), raw TCP (the
+    same bytes) and instride with a bounded cache on node 2 (frames of ``recycled``; evicted
+    copies' files are reused by the next fetches) ``rounds`` times, so that all see the same
+    load on a shared machine."""
     out = []
     per = n // rounds
+
+    def consume(stream: str, r: int, env: dict[str, str] | None = None) -> float:
+        took = float(c.run(2, [PY, "-c", CONSUME_RANGE, stream, str(r * per), str((r + 1) * per)],
+                           capture_output=True, text=True, check=True, env=env).stdout)
+        return per * size / took / 1e6
+
     for r in range(rounds):
-        took = float(c.run(2, [PY, "-c", CONSUME_RANGE, name, str(r * per), str((r + 1) * per)],
-                           capture_output=True, text=True, check=True).stdout)
-        ours = per * size / took / 1e6
+        ours = consume(name, r)
         raw = raw_tcp(c, src, size, per)
-        out.append({"instride": ours, "raw_tcp_sendfile": raw, "ratio": ours / raw})
+        rec = consume(recycled, r, {"INSTRIDE_CACHE_BYTES": str(CACHED_STMV * size)})
+        out.append({"instride": ours, "raw_tcp_sendfile": raw, "ratio": ours / raw,
+                    "instride_recycled": rec, "ratio_recycled": rec / raw})
     return out
 
 
@@ -327,14 +370,16 @@ def raw_tcp_pairs(c: EmulatedCluster, pairs: list[tuple[int, int]], paths: list[
 
 
 def stream_span(c: EmulatedCluster, name: str, n: int, atoms: int,
-                pairs: list[tuple[int, int]]) -> tuple[float, float]:
+                pairs: list[tuple[int, int]], bounded: bool = False) -> tuple[float, float]:
     """Run producer/consumer ``pairs`` flat out; return (seconds from starting the producers to
     the end, seconds from the first frame's publication start to the last frame local)."""
-    cons = [_popen(c, q, CONSUME, f"{name}/p{i}") for i, (_p, q) in enumerate(pairs)]
+    code, extra = _bounded(bounded)
+    cons = [_popen(c, q, code, f"{name}/p{i}") for i, (_p, q) in enumerate(pairs)]
     for p in cons:
         _ready(p)
     t0 = time.perf_counter()
-    prods = [_popen(c, p, PRODUCE, f"{name}/p{i}", n, atoms, 0.0) for i, (p, _q) in enumerate(pairs)]
+    prods = [_popen(c, p, PRODUCE, f"{name}/p{i}", n, atoms, 0.0, *extra)
+             for i, (p, _q) in enumerate(pairs)]
     first = min(int(p.communicate(timeout=600)[0].split()[0]) for p in prods)
     last = max(int(p.communicate(timeout=600)[0].splitlines()[1].split()[-1]) for p in cons)
     return time.perf_counter() - t0, (last - first) / 1e9
@@ -363,10 +408,16 @@ def plot_targets(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.8), gridspec_kw={"width_ratios": [1, 2]})
-    ratios = [("STMV node1→node2\nvs raw TCP", result["stmv_throughput_MBps"]["ratio"], 0.90)]
+    stmv = result["stmv_throughput_MBps"]
+    ratios = [("STMV node1→node2\nvs raw TCP", stmv["ratio"], 0.90)]
+    if "ratio_recycled" in stmv:
+        ratios.append(("STMV, copies\nrecycled", stmv["ratio_recycled"], 0.90))
     if "aggregate_8_pairs_vs_raw_tcp" in result:
         agg = result["aggregate_8_pairs_vs_raw_tcp"]["ratio"]
         ratios.append(("8 pairs, JAC\nvs 8 raw TCP pairs", agg, 0.5))
+    if "aggregate_8_pairs_bounded_vs_raw_tcp" in result:
+        agg = result["aggregate_8_pairs_bounded_vs_raw_tcp"]["ratio"]
+        ratios.append(("8 pairs, JAC,\nbounded streams", agg, 0.5))
     x = range(len(ratios))
     ax1.bar(x, [r for _, r, _ in ratios], color="tab:blue", label="measured")
     ax1.scatter(x, [t for _, _, t in ratios], marker="_", s=900, color="tab:red", zorder=3, label="target")
@@ -377,6 +428,9 @@ def plot_targets(result: dict, path: Path) -> None:
     jac, wake = result["jac_consume_latency_us"], result["remote_wakeup_us"]
     lats = [("JAC median", jac["median"], 2000), ("JAC p99", jac["p99"], 5000),
             ("wake-up median", wake["median"], 300)]
+    if "jac_consume_latency_bounded_us" in result:
+        b = result["jac_consume_latency_bounded_us"]
+        lats[2:2] = [("JAC median\nbounded", b["median"], 2000), ("JAC p99\nbounded", b["p99"], 5000)]
     if "head_of_line" in result:
         h = result["head_of_line"]["jac_latency_us"]
         lats[2:2] = [("JAC median\nSTMV load", h["median"], None), ("JAC p99\nSTMV load", h["p99"], None)]
@@ -415,16 +469,19 @@ def main() -> None:
     n_jac = 100 if args.quick else 500
     with EmulatedCluster(nodes=4) as c:
         # 1. STMV throughput vs raw TCP: frames already published on node 1, node 2 consumes
-        prod = _popen(c, 1, PRODUCE, "stmv/p0", n_stmv, stmv_atoms, 0.0)
-        prod.communicate(timeout=600)
+        for name in ("stmv/p0", "stmv/p1"):
+            _popen(c, 1, PRODUCE, name, n_stmv, stmv_atoms, 0.0).communicate(timeout=600)
         src = c.node(1).dir / "stmv" / "p0" / "frame_000000000.isf"
-        rounds = stmv_rounds(c, "stmv/p0", str(src), stmv, n_stmv, 3)
+        rounds = stmv_rounds(c, "stmv/p0", "stmv/p1", str(src), stmv, n_stmv, 3)
         ours = statistics.median(r["instride"] for r in rounds)
         raw = statistics.median(r["raw_tcp_sendfile"] for r in rounds)
         ratio = statistics.median(r["ratio"] for r in rounds)
+        rec = statistics.median(r["instride_recycled"] for r in rounds)
+        ratio_rec = statistics.median(r["ratio_recycled"] for r in rounds)
         stored = raw_tcp_store(c, str(src), stmv, n_stmv // 3)
         result["stmv_throughput_MBps"] = {"instride": ours, "raw_tcp_sendfile": raw, "ratio": ratio,
                                           "raw_tcp_stored": stored, "ratio_to_stored": ours / stored,
+                                          "instride_recycled": rec, "ratio_recycled": ratio_rec,
                                           "rounds": rounds}
         print(f"\n## cross-node STMV frames ({stmv / 2**20:.2f} MiB x {n_stmv}), node1 -> node2,"
               f" {len(rounds)} rounds alternating instride and raw TCP (medians)")
@@ -435,6 +492,9 @@ def main() -> None:
               "  (target >= 0.90, moonshot 0.95)")
         print(f"raw TCP + each frame written to a new file:  {stored:8.0f} MB/s  (instride / this:"
               f" {ours / stored:.2f}; the cost of storing the bytes at all)")
+        per_round = ", ".join(f"{r['ratio_recycled']:.2f}" for r in rounds)
+        print(f"instride, node 2 keeping {CACHED_STMV} copies (INSTRIDE_CACHE_BYTES; evicted copies'"
+              f" files reused): {rec:8.0f} MB/s, ratio {ratio_rec:.2f} (per round: {per_round})")
 
         # 2. JAC consume latency, frames paced so the consumer is waiting
         _, lat = stream_run(c, "jac", n_jac, jac_atoms, 0.02, [(1, 2)])
@@ -449,6 +509,11 @@ def main() -> None:
         result["jac_consume_latency_spin_us"] = s
         print(f"the same, consumer with INSTRIDE_SPIN=1 (busy-polls while it waits): median"
               f" {s['median']:.0f} µs   p99 {s['p99']:.0f} µs")
+        _, lat = stream_run(c, "jacbnd", n_jac, jac_atoms, 0.02, [(1, 2)], bounded=True)
+        s = summary(lat[0])
+        result["jac_consume_latency_bounded_us"] = s
+        print(f"a bounded stream (retain={RETAIN}, consumer group iterating: publish start -> the"
+              f" frame's arrays in numpy): median {s['median']:.0f} µs   p99 {s['p99']:.0f} µs")
 
         # 2b. the same while node 3 pulls STMV frames from node 1's server (head-of-line blocking)
         hol = head_of_line(c, 100 if args.quick else 300, jac_atoms,
@@ -502,6 +567,14 @@ def main() -> None:
         print(f"first publication -> last frame local: {moving:.0f} MB/s ({8 * nf / span:.0f} frames/s)")
         print(f"8 raw TCP pairs (sendfile -> recv_into), same nodes, same bytes: {raw8:.0f} MB/s")
         print(f"ratio: {moving / raw8:.2f}  (target >= 0.5)")
+        _, span = stream_span(c, "aggb", nf, jac_atoms, pairs, bounded=True)
+        bmoving = 8 * nf * jac / span / 1e6
+        result["aggregate_8_pairs_bounded_vs_raw_tcp"] = {
+            "instride_MBps": bmoving, "instride_frames_per_s": 8 * nf / span,
+            "raw_tcp_MBps": raw8, "ratio": bmoving / raw8, "retain": RETAIN,
+        }
+        print(f"bounded streams (retain={RETAIN}, consumer groups iterating): {bmoving:.0f} MB/s"
+              f" ({8 * nf / span:.0f} frames/s), ratio {bmoving / raw8:.2f}")
         # 5. through the preload library, node 1 -> node 2 (unmodified C programs)
         import tempfile
         from pathlib import Path

@@ -25,7 +25,7 @@ from .engine import Engine, get_engine
 from .errors import ConfigError, KeyExistsError, UnsupportedModeError
 from .keys import key_path, normalize_key, tmp_path
 from .metadata import MetadataBackend, Record
-from .paths import ConfinedOpener, confined_path
+from .paths import ConfinedOpener, check_confined, confined_path
 from .store import ensure_private_dir, file_checksum, file_system_type
 from .store.recvpool import ReceivePool
 from .store.ring import collect_pools
@@ -186,7 +186,7 @@ class Client:
         writing = store.check_mode(mode)
         key = self.key(key_or_path)
         if writing:
-            confined_path(self._root_s, key, for_write=True)  # [confine] no link, dir, device
+            check_confined(self._root_s, key, for_write=True)  # [confine] no link, dir, device
             return store.open_for_write(
                 f"{self._root_s}/{key}",  # strings, not pathlib, on this hot path
                 key,
@@ -321,7 +321,7 @@ class Client:
     # ------------------------------------------------------------------ consuming
     def _consume_key(self, key: str, timeout: float | None) -> Path:
         timeout = self._timeout(timeout)
-        confined_path(self.root, key, for_write=False)  # [confine] before waiting/fetching
+        check_confined(self._root_s, key, for_write=False)  # [confine] before waiting/fetching
         self.engine.consume(key, timeout)
         return confined_path(self.root, key, for_write=False)  # [confine] what was published
 
@@ -391,7 +391,7 @@ class Client:
         """
         key = self.key(key)
         timeout = self._timeout(timeout)
-        confined_path(self.root, key, for_write=False)  # [confine] the engine maps it confined
+        check_confined(self._root_s, key, for_write=False)  # [confine] the engine maps it confined
         return self.engine.consume_bytes(key, timeout)
 
     def wait_any(self, keys: Sequence[str], timeout: float | None = None) -> str:
@@ -411,9 +411,9 @@ class Client:
         keys = [self.key(k) for k in keys]
         timeout = self._timeout(timeout)
         for key in keys:
-            confined_path(self.root, key, for_write=False)  # [confine] links, dirs, special files
+            check_confined(self._root_s, key, for_write=False)  # [confine] links, dirs, special files
         key = self.engine.wait_any(keys, timeout)
-        confined_path(self.root, key, for_write=False)  # [confine] what appeared here
+        check_confined(self._root_s, key, for_write=False)  # [confine] what appeared here
         return key
 
     def exists(self, key: str | os.PathLike[str]) -> bool:

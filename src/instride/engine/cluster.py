@@ -23,7 +23,7 @@ from pathlib import Path
 from .. import store
 from ..config import Settings
 from ..errors import ConsumeTimeout, IntegrityError, KeyExistsError, KeyNotFoundError
-from ..keys import TMP_PATTERN, key_path, tmp_path
+from ..keys import TMP_PATTERN, key_path, tmp_name
 from ..metadata import get_backend
 from ..paths import ConfinedOpener
 from ..record import Record
@@ -93,7 +93,7 @@ class ClusterEngine:
 
     def _remember(self, record: Record) -> None:
         side = self._sidecar(record.key)
-        tmp = str(tmp_path(side))
+        tmp = tmp_name(side)
         body = json.dumps({"version": record.version, "size": record.size,
                            "checksum": record.checksum, "owner": record.owner}).encode()
         try:
@@ -213,7 +213,7 @@ class ClusterEngine:
         return seen[1]
 
     def _fetch(self, record: Record, path: Path) -> None:
-        staged = tmp_path(path)
+        staged = tmp_name(str(path))
         parent = str(path.parent)
         if parent not in self._dirs:  # one mkdir per directory, not one per fetch
             os.makedirs(parent, exist_ok=True)
@@ -253,12 +253,12 @@ class ClusterEngine:
         self.last_timing["fetch"] = t1 - t0
         self.last_timing["store"] = time.monotonic() - t1
 
-    def _receive(self, record: Record, staged: Path) -> None:
+    def _receive(self, record: Record, staged: str) -> None:
         """Fetch ``record`` into ``staged``: a recycled file of the receive pool when there is
         one (overwritten in place), else a new file; nothing is left there on failure."""
-        fd = self.recv_pool.take(str(staged), record.size)
+        fd = self.recv_pool.take(staged, record.size)
         if fd is None:
-            self.transport.fetch(record, staged)
+            self.transport.fetch(record, Path(staged))
             return
         try:
             self.transport.fetch_into(record, fd)
