@@ -2,7 +2,9 @@
 
 * :func:`transport_rows`: the TCP and UCX transports fetching the same published frames
   (node 1 -> node 2, records from Redis, each body verified and written as a file on node 2),
-  one transport after the other in the same client process, twice, beside raw TCP.
+  one transport after the other in the same client process, twice, beside raw TCP; each into
+  new files and into recycled ones (``fetch_into`` an existing file, overwritten in place, as
+  a node's receive pool does with the storage of dropped copies).
 * :func:`sst_rows`: ADIOS2's SST engine (PyPI ``adios2``, ``DataTransport=WAN``: EVPath over
   TCP on ``eth0``) streaming frames of the same size from node 1 to node 2.
 
@@ -48,20 +50,42 @@ FETCH = textwrap.dedent(
                    for r in tcp_records]
     by_name = {"tcp": tcp_records, "ucx": ucx_records}
     transports = {name: get_transport(name, settings) for name in ("tcp", "ucx")}
-    res = {name: {"seconds": 0.0, "bytes": 0, "lat_us": []} for name in transports}
+    modes = [(name, recycled) for name in transports for recycled in (False, True)]
+    res = {name + ("_recycled" if recycled else ""): {"seconds": 0.0, "bytes": 0, "lat_us": []}
+           for name, recycled in modes}
     out.mkdir(parents=True, exist_ok=True)
-    for name, t in transports.items():  # warm-up: connections, buffers
+
+    def into(t, rec, path):
+        # what a node's receive pool does with a dropped copy's file: overwrite it in place
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.ftruncate(fd, rec.size)
+            t.fetch_into(rec, fd)
+        finally:
+            os.close(fd)
+
+    for name, t in transports.items():  # warm-up: connections, buffers, the recycled files
         t.fetch(by_name[name][0], out / "warm"); os.unlink(out / "warm")
+        for j in range(2):
+            into(t, by_name[name][0], out / f"{name}-r{j}")
     for _ in range(rounds):
-        for name, t in transports.items():
-            r = res[name]
+        for name, recycled in modes:
+            t = transports[name]
+            r = res[name + ("_recycled" if recycled else "")]
             for i, rec in enumerate(by_name[name]):
-                dest = out / f"{name}-{i}"
+                dest = out / (f"{name}-r{i % 2}" if recycled else f"{name}-{i}")
                 t0 = time.perf_counter()
-                t.fetch(rec, dest)
+                if recycled:
+                    into(t, rec, dest)
+                else:
+                    t.fetch(rec, dest)
                 dt = time.perf_counter() - t0
                 r["seconds"] += dt; r["bytes"] += rec.size; r["lat_us"].append(dt * 1e6)
-                os.unlink(dest)
+                if not recycled:
+                    os.unlink(dest)
+    for name in transports:
+        for j in range(2):
+            os.unlink(out / f"{name}-r{j}")
     for t in transports.values():
         t.close()
     print(json.dumps(res))

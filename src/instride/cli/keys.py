@@ -95,7 +95,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--timeout", type=timeout_arg, default=None, help=TIMEOUT_HELP)
     p.set_defaults(func=cmd_cat)
 
-    p = sub.add_parser("gc", help="remove temporary files left by dead producers")
+    p = sub.add_parser(
+        "gc", help="remove temporary files left by dead producers and the receive pool's recycled copies",
+    )
     p.add_argument(
         "--min-age", type=float, default=0.0,
         help="also remove temporary files older than this many seconds (PID reuse)",
