@@ -408,17 +408,17 @@ def plot_targets(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.8), gridspec_kw={"width_ratios": [1, 2]})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.8), gridspec_kw={"width_ratios": [1.3, 2]})
     stmv = result["stmv_throughput_MBps"]
-    ratios = [("STMV node1→node2\nvs raw TCP", stmv["ratio"], 0.90)]
+    ratios = [("STMV\nvs raw TCP", stmv["ratio"], 0.90)]
     if "ratio_recycled" in stmv:
         ratios.append(("STMV, copies\nrecycled", stmv["ratio_recycled"], 0.90))
     if "aggregate_8_pairs_vs_raw_tcp" in result:
         agg = result["aggregate_8_pairs_vs_raw_tcp"]["ratio"]
-        ratios.append(("8 pairs, JAC\nvs 8 raw TCP pairs", agg, 0.5))
+        ratios.append(("8 pairs JAC\nvs raw TCP", agg, 0.5))
     if "aggregate_8_pairs_bounded_vs_raw_tcp" in result:
         agg = result["aggregate_8_pairs_bounded_vs_raw_tcp"]["ratio"]
-        ratios.append(("8 pairs, JAC,\nbounded streams", agg, 0.5))
+        ratios.append(("8 pairs JAC,\nbounded", agg, 0.5))
     x = range(len(ratios))
     ax1.bar(x, [r for _, r, _ in ratios], color="tab:blue", label="measured")
     ax1.scatter(x, [t for _, _, t in ratios], marker="_", s=900, color="tab:red", zorder=3, label="target")
