@@ -350,16 +350,25 @@ def segments_in_use(names: set[str]) -> set[str]:
     return used & names
 
 
-def remove_orphan_segments(before: set[str]) -> None:
+def remove_orphan_segments(before: set[str], settle: float = 5.0) -> None:
     """Remove the MPICH shared-memory segments an aborted job left behind.
 
     ``MPI_Abort`` skips the unlink MPICH does at finalize. Only segments that appeared during
-    our run and that no live process has open or mapped are removed.
+    our run and that no live process has open or mapped are removed. Ranks of the aborted job
+    may still be exiting when ``mpiexec`` has returned: segments still in use are looked at
+    again for up to ``settle`` seconds (another job's live segments stay, however long).
     """
     new = mpich_segments() - before
-    for name in new - segments_in_use(new):
-        with contextlib.suppress(FileNotFoundError):
-            (_SHM / name).unlink()
+    deadline = time.monotonic() + settle
+    while True:
+        used = segments_in_use(new)
+        for name in new - used:
+            with contextlib.suppress(FileNotFoundError):
+                (_SHM / name).unlink()
+        new = used
+        if not new or time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)
 
 
 def run_once(cfg: RunConfig, out: Path, rep: int, cluster: Any, workdir: Path,
@@ -434,6 +443,7 @@ def run_once(cfg: RunConfig, out: Path, rep: int, cluster: Any, workdir: Path,
             raise
         (raw / "mpiexec.log").write_bytes(stdout + b"\n--- stderr ---\n" + stderr)
         if proc.returncode != 0:
+            _kill_group(proc)  # ranks of the aborted job that are still exiting
             remove_orphan_segments(segments)
             tail = stderr.decode(errors="replace").strip().splitlines()[-15:]
             raise BenchRunError(
