@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -150,3 +151,31 @@ def test_a_consumer_waits_frame_after_frame_of_one_directory(backend: RedisMetad
     finally:
         writer.join()
     assert keys == [f"run/f{i}" for i in range(4, 40)]
+
+
+def test_unwatch_ends_the_kept_subscription(backend: RedisMetadata, put: Put,
+                                            redis_server: RedisServer) -> None:
+    other = redis.Redis.from_url(redis_server.url)
+    d = f"unwatch{uuid.uuid4().hex[:8]}/"  # a directory no other client watches
+
+    def watched() -> bool:
+        return other.execute_command("PUBSUB", "NUMPAT") > base
+
+    base = other.execute_command("PUBSUB", "NUMPAT")
+    put(f"{d}f0", b"x")
+    with pytest.raises(ConsumeTimeout):  # waiting in d subscribes to its publications
+        backend.wait_any([f"{d}f1", f"{d}end"], 0.2)
+    assert watched()
+    put(f"{d}f1", b"x")  # heard while nobody waits
+    backend.unwatch(d)
+    for _ in range(100):  # PUNSUBSCRIBE is not waited for
+        if not watched():
+            break
+        time.sleep(0.01)
+    assert not watched()
+    backend.unwatch(d)  # again: nothing to do
+    # what was published is still found; waiting there again subscribes again
+    assert backend.wait_any([f"{d}f1", f"{d}end"], 5).key == f"{d}f1"
+    with pytest.raises(ConsumeTimeout):
+        backend.wait_any([f"{d}f2", f"{d}end"], 0.2)
+    assert watched()

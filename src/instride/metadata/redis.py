@@ -439,6 +439,27 @@ class RedisMetadata:
                     raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
                 time.sleep(0.05)
 
+    def unwatch(self, prefix: str) -> None:
+        """Stop this thread's subscription to the publications under ``prefix`` (a directory,
+        ``"a/b/"``) that waits for its keys kept, and forget the records heard there.
+
+        Called when a stream's reader closes; nothing to do if the thread never waited there.
+        """
+        local = self._per_thread.get()
+        heard = getattr(local, "heard", None)
+        if heard:
+            for key in [k for k in heard if k.startswith(prefix)]:
+                del heard[key]
+        sub = getattr(local, "sub", None)
+        pattern = _CHAN + _glob_escape(prefix) + "*"
+        if sub is None or sub.sock is None or pattern not in sub.patterns:
+            return
+        del sub.patterns[pattern]
+        try:  # (the confirmation is skipped by the next wait, as other leftovers are)
+            sub.send([("PUNSUBSCRIBE", pattern)])
+        except _ERRORS:
+            pass  # the connection closed, and its subscriptions with it
+
     @staticmethod
     def _watch(sub: RespConnection, pattern: str, heard: dict[str, tuple[float, Record]],
                remaining: Any) -> None:

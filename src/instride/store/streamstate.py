@@ -474,7 +474,9 @@ class RedisStreamState:
         time.sleep(min(seconds, 0.005))
 
     def close(self) -> None:
-        """Nothing to release (the Redis client belongs to the engine)."""
+        """Stop waiting on the stream's directory: this thread's kept subscription to its
+        publications (if it waited for frames) ends."""
+        self.metadata.unwatch(f"{self.stream}/")
 
     def set_archive(self, node: str, path: str) -> None:
         """Record the node and path of the stream's archive file."""
