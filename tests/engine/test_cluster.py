@@ -183,3 +183,33 @@ def test_a_record_seen_by_wait_any_then_overwritten_is_fetched_current(
     path = c2.consume("seen/k.bin", timeout=10)
     assert path.read_bytes() == b"second version, longer " * 1000
     assert c2.engine.cached_version("seen/k.bin") == c1.lookup("seen/k.bin").version == 2
+
+
+def test_an_evicted_copy_a_reader_still_has_is_never_rewritten(nodes: list[LoopbackNode]) -> None:
+    """Readers of a cached copy take no lock (a path, an open file, a ``consume_bytes``
+    mapping): an evicted copy's storage is reused only once nobody has it open or mapped —
+    never rewritten or shrunk under a reader."""
+    from instride.config import Settings
+
+    c1 = nodes[0].client()
+    c2 = instride.Client(Settings.from_env({**nodes[1].env, "INSTRIDE_CACHE_BYTES": "150000"}))
+    try:
+        for name, fill, size in (("a", b"A", 100_000), ("b", b"B", 100_000), ("c", b"C", 30_000),
+                                 ("d", b"D", 100_000)):
+            with c1.open(f"ev/{name}.bin", "wb") as fh:
+                fh.write(fill * size)
+        path = c2.consume("ev/a.bin", timeout=10)
+        view = c2.consume_bytes("ev/a.bin", timeout=10)  # a mapping of the local copy
+        with open(path, "rb") as reader:  # a plain reader of consume()'s path
+            c2.consume("ev/b.bin", timeout=10)  # evicts a: into the receive pool
+            c2.consume("ev/c.bin", timeout=10)  # a smaller frame: must not land in a's file
+            assert c2.engine.recv_pool.reused == 0
+            assert bytes(view[-1:]) == b"A" and bytes(view) == b"A" * 100_000  # intact
+            assert reader.read() == b"A" * 100_000
+        del view
+        c2.consume("ev/d.bin", timeout=10)  # nobody holds a's file any more: reused
+        assert c2.engine.recv_pool.reused == 1
+        assert c2.consume("ev/d.bin", timeout=10).read_bytes() == b"D" * 100_000
+    finally:
+        c1.close()
+        c2.close()

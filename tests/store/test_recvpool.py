@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import mmap
 import os
 from pathlib import Path
 
@@ -26,12 +27,6 @@ def test_a_dropped_copy_is_reused_in_place(tmp_path: Path) -> None:
         st = os.fstat(fd)
         assert st.st_ino == ino and st.st_size == 3000  # the same storage, sized to the frame
         assert os.lseek(fd, 0, os.SEEK_CUR) == 0
-        with open(staged, "rb") as other:  # the claimer holds the exclusive lock
-            try:
-                fcntl.flock(other.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
-                raise AssertionError("a claimed file must be locked")
-            except BlockingIOError:
-                pass
         os.write(fd, b"b" * 3000)
     finally:
         os.close(fd)
@@ -42,16 +37,59 @@ def test_a_dropped_copy_is_reused_in_place(tmp_path: Path) -> None:
 def test_a_file_a_reader_holds_is_never_rewritten(tmp_path: Path) -> None:
     pool = ReceivePool(tmp_path / "recv")
     copy = _file(tmp_path / "held.isf", b"frame one")
-    reader = os.open(copy, os.O_RDONLY)
+    reader = os.open(copy, os.O_RDONLY)  # a plain reader: no lock, just an open file
     try:
-        fcntl.flock(reader, fcntl.LOCK_SH)  # a reader's lease (instride.store.ring.Leases)
         assert pool.give(copy)
         staged = str(tmp_path / "next.tmp")
-        assert pool.take(staged, 100) is None  # held: deleted from the pool, not reused
-        assert not os.path.exists(staged) and not os.listdir(tmp_path / "recv")
+        assert pool.take(staged, 100) is None and pool.reused == 0  # held: not reused
+        assert not os.path.exists(staged) and len(os.listdir(tmp_path / "recv")) == 1  # kept
         assert os.pread(reader, 100, 0) == b"frame one"  # the reader's bytes are untouched
     finally:
         os.close(reader)
+    fd = pool.take(staged, 100)  # nobody holds it now: reused
+    assert fd is not None and pool.reused == 1
+    os.close(fd)
+
+
+def test_a_mapped_file_is_never_rewritten_or_shrunk(tmp_path: Path) -> None:
+    # a reader's numpy views of a released frame keep its mapping (the descriptor is closed):
+    # the file must neither change nor shrink under them (a shrink would be SIGBUS)
+    pool = ReceivePool(tmp_path / "recv")
+    copy = _file(tmp_path / "mapped.isf", b"m" * 65536)
+    with open(copy, "rb") as fh:
+        view = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
+    try:
+        assert pool.give(copy)
+        assert pool.take(str(tmp_path / "small.tmp"), 10) is None
+        assert view[:] == b"m" * 65536  # readable to its end, unchanged
+    finally:
+        view.close()
+    fd = pool.take(str(tmp_path / "small.tmp"), 10)
+    assert fd is not None and os.fstat(fd).st_size == 10
+    os.close(fd)
+
+
+def test_a_stream_frame_is_reused_once_no_reader_holds_its_lock(tmp_path: Path) -> None:
+    # a bounded stream's copy (locked=True): readers hold a shared flock while they hold the
+    # frame; a released frame's mapping a reader keeps for reuse does not hold it
+    pool = ReceivePool(tmp_path / "recv")
+    copy = _file(tmp_path / "leased.isf", b"frame two")
+    reader = os.open(copy, os.O_RDONLY)
+    with open(copy, "rb") as fh:
+        kept = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
+    try:
+        fcntl.flock(reader, fcntl.LOCK_SH)  # a reader's lease (instride.store.ring.Leases)
+        assert pool.give(copy, locked=True)
+        assert pool.take(str(tmp_path / "n.tmp"), 9) is None  # held: not reused
+        assert os.pread(reader, 100, 0) == b"frame two"
+        os.close(reader)  # released (the kept mapping stays)
+        fd = pool.take(str(tmp_path / "n.tmp"), 9)
+        assert fd is not None and pool.reused == 1
+        os.write(fd, b"frame 3!!")
+        os.close(fd)
+        assert kept[:] == b"frame 3!!"  # a released frame's mapping may show the next frame
+    finally:
+        kept.close()
 
 
 def test_the_pool_is_bounded_in_files_and_bytes(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from ..keys import TMP_PATTERN, key_path, tmp_name
 from ..metadata import get_backend
 from ..paths import ConfinedOpener
 from ..record import Record
-from ..store.recvpool import ReceivePool
+from ..store.recvpool import KEEP_BYTES, ReceivePool
 from ..store.streamstate import RedisStreamState
 from ..transport import Transport, get_transport
 from .base import map_file
@@ -59,7 +59,9 @@ class ClusterEngine:
         settings.internal_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.cache_dir = settings.internal_dir / "cache"
         #: dropped copies' files, reused by the next fetches (no fresh pages per fetch)
-        self.recv_pool = ReceivePool(settings.internal_dir / "recv")
+        # (bounded like the cache it recycles: a node that keeps few copies keeps few spares)
+        self.recv_pool = ReceivePool(settings.internal_dir / "recv", keep_bytes=min(
+            KEEP_BYTES, KEEP_BYTES if settings.cache_bytes is None else settings.cache_bytes))
         self.lock_dir = settings.internal_dir / "locks"
         #: number of transfers this process made (for tests and benchmarks)
         self.transfers = 0
@@ -162,7 +164,7 @@ class ClusterEngine:
             if key == keep:
                 continue
             # the file first: a moment without sidecar would make the copy look like an original
-            self._drop_file(f"{self.root}/{key}")
+            self._drop_file(f"{self.root}/{key}", locked=False)
             self.forget_fetched(key)
             total -= size
             evicted.append(key)
@@ -312,16 +314,17 @@ class ClusterEngine:
         self.metadata.delete(key)
 
     def drop_copy(self, key: str) -> None:
-        """Remove this node's fetched copy of ``key`` (never an original of this node); its
-        storage goes to the receive pool for the next fetch."""
+        """Remove this node's fetched copy of ``key`` (never an original of this node): a
+        bounded stream's frame its reader released. Its storage goes to the receive pool for
+        the next fetch, reused once no reader holds the frame's lock."""
         if self.cached_version(key) is not None:
             # the file first: a moment without sidecar would make the copy look like an original
-            self._drop_file(f"{self.root}/{key}")
+            self._drop_file(f"{self.root}/{key}", locked=True)
             self.forget_fetched(key)
 
-    def _drop_file(self, path: str) -> None:
+    def _drop_file(self, path: str, *, locked: bool) -> None:
         """Take a dropped copy's name away: into the receive pool, else deleted."""
-        if not self.recv_pool.give(path):
+        if not self.recv_pool.give(path, locked=locked):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 

@@ -8,12 +8,24 @@ new page costs a fault in the host too: writing a JAC frame (644 KiB) into a new
 into the node's hidden pool (``.instride/recv/``, its key gone in that one step), and the
 next fetch of a frame claims a pooled file, overwrites it in place and renames it to its key.
 
-A reader that still holds the old copy keeps a shared ``flock`` on it (see
-:class:`~instride.store.ring.Leases`); a pooled file is rewritten only by the process that
-claimed it (a rename, so two fetches never claim the same file) and only under an exclusive
-lock taken without waiting: a file still held is deleted instead (the holder's mapping stays
-valid). The pool is bounded (:data:`KEEP_FILES` files, :data:`KEEP_BYTES` bytes); beyond
-that a dropped copy is deleted as before.
+A pooled file is rewritten only by the process that claimed it (a rename, so two fetches never
+claim the same file), and only once nobody holds it any more. What "holds" means depends on how
+the copy was read, which the dropping side says:
+
+* a bounded stream's frame (``locked=True``): its readers hold a shared ``flock`` while they
+  hold the frame (:class:`~instride.store.ring.Leases`), so the file is reused when an exclusive
+  lock can be taken without waiting — as the producer's ring reuses retired frames, a reader's
+  released mapping may then show the new frame's bytes;
+* any other copy (an eviction beyond ``INSTRIDE_CACHE_BYTES``; ``locked=False``): its readers
+  (a path from ``consume``, an open file, a ``consume_bytes`` mapping) take no lock, so the file
+  is reused only when no other descriptor or mapping of it exists anywhere. The test is a write
+  lease (``F_SETLEASE``, ``F_WRLCK``), which the kernel grants only then; it is released at once
+  (the claimed file has no key any more, so nobody can open it meanwhile). Where leases are not
+  available (``fs.leases-enable=0``, a file system without them) such a file is never reused.
+
+A file still held stays in the pool, untouched, for a later fetch. The pool is bounded
+(:data:`KEEP_FILES` files, :data:`KEEP_BYTES` bytes or less); beyond that a dropped copy is
+deleted as before.
 """
 
 from __future__ import annotations
@@ -60,9 +72,11 @@ class ReceivePool:
         except FileNotFoundError:
             return []
 
-    def give(self, path: str) -> bool:
+    def give(self, path: str, *, locked: bool = False) -> bool:
         """Move the dropped copy at ``path`` into the pool (its name disappears at once).
 
+        ``locked``: every reader of the copy holds a shared ``flock`` while it holds it (a
+        stream's frames); otherwise the file is reused only when nobody has it open or mapped.
         Returns ``False`` (``path`` untouched) when the pool is full or ``path`` is not a
         regular file; the caller deletes it then.
         """
@@ -81,43 +95,60 @@ class ReceivePool:
                 held += e.stat(follow_symlinks=False).st_size
         if held + st.st_size > self.keep_bytes:
             return False
-        target = f"{self._pool_s}/copy-{os.getpid()}-{next(_names)}"
+        target = self._name("lock" if locked else "free")
         try:
-            os.rename(path, target)
-        except FileNotFoundError:
             try:
-                os.makedirs(self._pool_s, exist_ok=True)
                 os.rename(path, target)
             except FileNotFoundError:
-                return True  # the copy itself went meanwhile
+                os.makedirs(self._pool_s, exist_ok=True)
+                os.rename(path, target)
+        except FileNotFoundError:
+            return True  # the copy itself went meanwhile
+        except OSError:
+            return False  # (e.g. the pool on another file system): the caller deletes it
         return True
 
     def take(self, staged: str, size: int) -> int | None:
         """Claim a pooled file as ``staged`` (a temporary name beside its key), ``size`` bytes.
 
-        Returns a descriptor open for writing at offset 0, holding the file's exclusive lock
-        (dropped when it is closed), or ``None`` when the pool has no file nobody holds (the
-        caller makes a new file). A claimed file that a reader still holds is deleted.
+        Returns a descriptor open for writing at offset 0, or ``None`` when the pool has no
+        file that nobody holds (the caller makes a new file). A claimed file that someone still
+        has open or mapped goes back into the pool, untouched.
         """
         for entry in self._entries():
             try:
                 os.rename(entry.path, staged)  # the claim: no other process can have it now
             except FileNotFoundError:
                 continue  # claimed by another process first
-            fd = os.open(staged, os.O_WRONLY | os.O_CLOEXEC)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if os.fstat(fd).st_size != size:
+                fd = os.open(staged, os.O_WRONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                kind = entry.name.split("-", 2)[1]
+                reusable = _unlocked(fd) if kind == "lock" else unshared(fd)
+                if reusable and os.fstat(fd).st_size != size:
                     os.ftruncate(fd, size)
-            except BaseException as exc:
+            except BaseException:
                 os.close(fd)
-                os.unlink(staged)  # a reader still holds it: leave it to the reader
-                if isinstance(exc, (BlockingIOError, OSError)):
-                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(staged)
                 raise
+            if not reusable:  # a reader still holds it: back into the pool, for later
+                os.close(fd)
+                try:
+                    os.rename(staged, self._name(kind))
+                except OSError:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(staged)
+                continue
             self.reused += 1
             return fd
         return None
+
+    def _name(self, kind: str) -> str:
+        """A new name in the pool for a file whose readers are checked the ``kind`` way."""
+        return f"{self._pool_s}/copy-{kind}-{os.getpid()}-{next(_names)}"
 
     def clear(self) -> list[Path]:
         """Delete every pooled file (``instride gc``); return them."""
@@ -129,4 +160,28 @@ class ReceivePool:
         return removed
 
 
-__all__ = ["KEEP_BYTES", "KEEP_FILES", "ReceivePool"]
+def _unlocked(fd: int) -> bool:
+    """Whether no reader holds a lock on ``fd``'s file (the exclusive lock, taken without
+    waiting, stays with the descriptor until it is closed)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def unshared(fd: int) -> bool:
+    """Whether no other descriptor or memory mapping of ``fd``'s file exists anywhere.
+
+    A write lease is granted only then; it is released again at once. ``False`` also where
+    leases are not available (then nothing can be proven, and nothing is reused).
+    """
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+    except OSError:
+        return False  # EAGAIN: open or mapped elsewhere; EINVAL, EACCES: no leases here
+    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+    return True
+
+
+__all__ = ["KEEP_BYTES", "KEEP_FILES", "ReceivePool", "unshared"]
