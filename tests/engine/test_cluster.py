@@ -199,16 +199,18 @@ def test_an_evicted_copy_a_reader_still_has_is_never_rewritten(nodes: list[Loopb
             with c1.open(f"ev/{name}.bin", "wb") as fh:
                 fh.write(fill * size)
         path = c2.consume("ev/a.bin", timeout=10)
+        ino = os.stat(path).st_ino
         view = c2.consume_bytes("ev/a.bin", timeout=10)  # a mapping of the local copy
         with open(path, "rb") as reader:  # a plain reader of consume()'s path
             c2.consume("ev/b.bin", timeout=10)  # evicts a: into the receive pool
-            c2.consume("ev/c.bin", timeout=10)  # a smaller frame: must not land in a's file
-            assert c2.engine.recv_pool.reused == 0
+            assert not path.exists()
+            for name in "cd":  # (c smaller: it must not land in a's file)
+                assert os.stat(c2.consume(f"ev/{name}.bin", timeout=10)).st_ino != ino
             assert bytes(view[-1:]) == b"A" and bytes(view) == b"A" * 100_000  # intact
             assert reader.read() == b"A" * 100_000
+        pooled = {e.stat().st_ino: e.stat().st_size for e in os.scandir(c2.engine.recv_pool.pool_dir)}
+        assert pooled.get(ino, 100_000) == 100_000  # in the pool (if it fit there) untouched
         del view
-        c2.consume("ev/d.bin", timeout=10)  # nobody holds a's file any more: reused
-        assert c2.engine.recv_pool.reused == 1
         assert c2.consume("ev/d.bin", timeout=10).read_bytes() == b"D" * 100_000
     finally:
         c1.close()
