@@ -179,3 +179,49 @@ def test_unwatch_ends_the_kept_subscription(backend: RedisMetadata, put: Put,
     with pytest.raises(ConsumeTimeout):
         backend.wait_any([f"{d}f2", f"{d}end"], 0.2)
     assert watched()
+
+
+def test_a_record_heard_before_a_deletion_is_not_returned(backend: RedisMetadata, put: Put) -> None:
+    d = f"del{uuid.uuid4().hex[:8]}/"
+    with pytest.raises(ConsumeTimeout):  # the directory is watched from now on
+        backend.wait_any([f"{d}k", f"{d}end"], 0.1)
+    put(f"{d}k", b"x")  # announced to the kept subscription, not read yet
+    backend.delete(f"{d}k")
+    with pytest.raises(ConsumeTimeout):  # gone: the announcement must not wake the wait
+        backend.wait_any([f"{d}k"], 0.3)
+
+
+def test_a_subscription_that_times_out_unconfirmed_does_not_linger(
+        backend: RedisMetadata, redis_server: RedisServer) -> None:
+    other = redis.Redis.from_url(redis_server.url)
+    base = other.execute_command("PUBSUB", "NUMPAT")
+    for i in range(20):  # deadlines that pass while the subscription is being confirmed
+        with pytest.raises(ConsumeTimeout):
+            backend.wait_any([f"gone{i}/x"], 1e-6 * i)
+    for _ in range(100):  # (a closed connection's subscriptions go when Redis sees it closed)
+        if other.execute_command("PUBSUB", "NUMPAT") <= base + 1:
+            break
+        time.sleep(0.01)
+    assert other.execute_command("PUBSUB", "NUMPAT") <= base + 1  # at most the one confirmed
+
+
+def test_waits_work_where_an_acl_refuses_pattern_subscriptions(redis_server: RedisServer,
+                                                               tmp_path) -> None:  # type: ignore[no-untyped-def]
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.execute_command("ACL", "SETUSER", "app", "on", ">pw", "~*", "resetchannels",
+                          "&instride:pub:*", "+@all")  # channels yes, the pattern d/* no
+    url = f"redis://app:pw@{redis_server.host}:{redis_server.port}/0"
+    md = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=2))
+    pub = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=2))
+    try:
+        for key in ("top", "d/k", "d/k2"):
+            timer = threading.Timer(0.1, lambda k=key: pub.publish(
+                Record(k, "127.0.0.1:1", 1, None, 0, time.time(), "n1")))
+            timer.start()
+            try:
+                assert md.wait_any([key], 10).key == key
+            finally:
+                timer.join()
+    finally:
+        md.close()
+        pub.close()

@@ -17,6 +17,7 @@ so waiters survive a Redis restart.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import threading
@@ -90,9 +91,6 @@ def _from_message(data: Any) -> Record | None:
 
 #: directories whose publications a thread's subscriber keeps watching between waits
 _WATCH_MAX = 8
-#: records heard through those subscriptions and kept: at most so many, for so many seconds
-_HEARD_MAX = 4096
-_HEARD_AGE = 5.0
 
 
 def _common_dir(keys: Sequence[str]) -> str:
@@ -115,17 +113,20 @@ def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
-def _hear(msg: Any, heard: dict[str, tuple[float, Record]]) -> Record | None:
-    """Keep the record announced by ``msg`` if it is a pattern message; return it."""
+def _pattern(prefix: str) -> str:
+    """The channel pattern of the publications under the directory ``prefix``."""
+    return _CHAN + _glob_escape(prefix) + "*"
+
+
+def _announced(msg: Any) -> Record | None:
+    """The record a pattern message announces (``None`` for anything else)."""
     if not isinstance(msg, list) or len(msg) < 4 or msg[0] != b"pmessage":
         return None
-    rec = _from_message(msg[3])
-    if rec is None:
-        return None
-    if len(heard) >= _HEARD_MAX:
-        heard.clear()  # (a consumer that fell that far behind asks Redis again)
-    heard[rec.key] = (time.monotonic(), rec)
-    return rec
+    return _from_message(msg[3])
+
+
+class _PatternsRefused(Exception):
+    """Redis refused a pattern subscription (an ACL that allows channels, not patterns)."""
 
 
 class RedisMetadata:
@@ -161,6 +162,8 @@ class RedisMetadata:
             self._fast_args = (kw["host"], int(kw.get("port", 6379)), int(kw.get("db") or 0),
                                kw.get("username"), kw.get("password"),
                                max(settings.connect_timeout, 5.0), settings.connect_timeout)
+        #: whether waits may keep pattern subscriptions (off once Redis refused one: an ACL)
+        self._patterns = True
 
     # ------------------------------------------------------------------ retries
     def _call(self, what: str, fn: Any, deadline: float | None = None) -> Any:
@@ -319,14 +322,6 @@ class RedisMetadata:
         """
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
-        try:  # fast path: already published, no subscription needed
-            rec = self._lookup_many(keys, math.inf if deadline is None else deadline)
-        except MetadataUnavailable as exc:
-            raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
-        if rec is not None:
-            return rec
-        channels = [_CHAN + k for k in keys]
-        wanted = {c.encode() for c in channels}
 
         def remaining() -> float:
             if deadline is None:
@@ -336,10 +331,25 @@ class RedisMetadata:
                 raise ConsumeTimeout(keys[0], time.monotonic() - start)
             return min(left, 1.0)
 
-        if self._fast_args is not None:
-            prefix = _common_dir(keys)
-            if prefix:
+        prefix = _common_dir(keys) if self._fast_args is not None and self._patterns else ""
+        if prefix and self._watching(prefix):
+            # the directory's publications are heard already: one lookup, then wait
+            with contextlib.suppress(_PatternsRefused):
                 return self._wait_watched(prefix, keys, remaining, start, deadline)
+        try:  # fast path: already published, no subscription needed
+            rec = self._lookup_many(keys, math.inf if deadline is None else deadline)
+        except MetadataUnavailable as exc:
+            raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
+        if rec is not None:
+            return rec
+        channels = [_CHAN + k for k in keys]
+        wanted = {c.encode() for c in channels}
+        if self._fast_args is not None:
+            if prefix:
+                try:
+                    return self._wait_watched(prefix, keys, remaining, start, deadline)
+                except _PatternsRefused:
+                    self._patterns = False  # (and per key from now on)
             return self._wait_lean(keys, channels, wanted, remaining, start, deadline)
 
         while True:
@@ -389,48 +399,46 @@ class RedisMetadata:
                 self._fasts.add(conn)
         return conn
 
+    def _watching(self, prefix: str) -> bool:
+        """Whether this thread's subscriber hears the publications under ``prefix`` now."""
+        sub = getattr(self._per_thread.get(), "sub", None)
+        return sub is not None and sub.sock is not None and _pattern(prefix) in sub.patterns
+
     def _wait_watched(self, prefix: str, keys: Sequence[str], remaining: Any, start: float,
                       deadline: float | None) -> Record:
         """:meth:`wait_any` for keys under one directory, through a pattern subscription to
         the directory's publications that stays in force between waits.
 
         A stream's consumer waits for frame after frame of one directory: subscribing and
-        unsubscribing per frame cost three round trips. Instead the thread's subscriber
-        keeps ``PSUBSCRIBE instride:pub:<dir>/*`` (the :data:`_WATCH_MAX` directories used
-        last); records announced meanwhile are kept (:data:`_HEARD_MAX`, for
-        :data:`_HEARD_AGE` s), so a consumer that is behind finds the next frame's record
-        without asking Redis at all. Once the pattern is confirmed, a lookup followed by
-        waiting for messages misses no publication.
+        unsubscribing per frame cost three round trips. Instead the thread's subscriber keeps
+        ``PSUBSCRIBE instride:pub:<dir>/*`` (the :data:`_WATCH_MAX` directories used last).
+        Each wait drops what arrived before it (the lookup that follows covers it), looks
+        the keys up once, and trusts only announcements read after that lookup — the same
+        protocol as a per-key subscription, so no publication is missed and no record of a
+        key deleted meanwhile is returned.
+
+        Raises
+        ------
+        _PatternsRefused
+            Redis refused the pattern subscription (the caller waits per key instead).
         """
         spin = self.settings.spin
-        local = self._per_thread.get()
-        heard: dict[str, tuple[float, Record]] | None = getattr(local, "heard", None)
-        if heard is None:
-            heard = local.heard = {}
-        pattern = _CHAN + _glob_escape(prefix) + "*"
+        pattern = _pattern(prefix)
         wanted = set(keys)
         while True:
             sub = self._subscriber()
             try:
                 if pattern in sub.patterns:
                     sub.patterns[pattern] = sub.patterns.pop(pattern)  # most recently used
-                    for msg in sub.pending():
-                        _hear(msg, heard)
-                    now = time.monotonic()
-                    for key in keys:
-                        got = heard.pop(key, None)
-                        if got is not None and now - got[0] <= _HEARD_AGE:
-                            return got[1]
                 else:
-                    self._watch(sub, pattern, heard, remaining)
+                    self._watch(sub, pattern, remaining)
+                sub.pending()  # (published before the lookup: the lookup sees it)
                 rec = self._lookup_many(keys)
                 if rec is not None:
                     return rec
                 while True:
-                    msg = sub.read(remaining(), spin)
-                    rec = _hear(msg, heard)
+                    rec = _announced(sub.read(remaining(), spin))
                     if rec is not None and rec.key in wanted:
-                        heard.pop(rec.key, None)
                         return rec
             except _ERRORS as exc:
                 # Redis went away: the connection (and its subscriptions) closed; back off,
@@ -440,18 +448,13 @@ class RedisMetadata:
                 time.sleep(0.05)
 
     def unwatch(self, prefix: str) -> None:
-        """Stop this thread's subscription to the publications under ``prefix`` (a directory,
-        ``"a/b/"``) that waits for its keys kept, and forget the records heard there.
+        """End this thread's kept subscription to the publications under ``prefix`` (a
+        directory, ``"a/b/"``; see :meth:`wait_any`).
 
         Called when a stream's reader closes; nothing to do if the thread never waited there.
         """
-        local = self._per_thread.get()
-        heard = getattr(local, "heard", None)
-        if heard:
-            for key in [k for k in heard if k.startswith(prefix)]:
-                del heard[key]
-        sub = getattr(local, "sub", None)
-        pattern = _CHAN + _glob_escape(prefix) + "*"
+        sub = getattr(self._per_thread.get(), "sub", None)
+        pattern = _pattern(prefix)
         if sub is None or sub.sock is None or pattern not in sub.patterns:
             return
         del sub.patterns[pattern]
@@ -461,9 +464,12 @@ class RedisMetadata:
             pass  # the connection closed, and its subscriptions with it
 
     @staticmethod
-    def _watch(sub: RespConnection, pattern: str, heard: dict[str, tuple[float, Record]],
-               remaining: Any) -> None:
-        """Subscribe ``sub`` to ``pattern`` and wait for Redis's confirmation."""
+    def _watch(sub: RespConnection, pattern: str, remaining: Any) -> None:
+        """Subscribe ``sub`` to ``pattern`` and wait for Redis's confirmation.
+
+        A subscription that cannot be confirmed (a timeout, an error) closes the connection,
+        so that none stays in force unaccounted for.
+        """
         commands: list[tuple[Any, ...]] = [("PSUBSCRIBE", pattern)]
         while len(sub.patterns) >= _WATCH_MAX:  # the least recently used goes
             old = next(iter(sub.patterns))
@@ -471,12 +477,18 @@ class RedisMetadata:
             commands.append(("PUNSUBSCRIBE", old))
         sub.send(commands)
         want = pattern.encode()
-        while True:
-            msg = sub.read(remaining())
-            if isinstance(msg, list) and len(msg) >= 2 and msg[0] == b"psubscribe" and msg[1] == want:
-                sub.patterns[pattern] = None
-                return
-            _hear(msg, heard)
+        try:
+            while True:
+                msg = sub.read(remaining())
+                if isinstance(msg, Exception):  # e.g. NOPERM: patterns are not allowed
+                    raise _PatternsRefused(str(msg))
+                if isinstance(msg, list) and len(msg) >= 2 and msg[0] == b"psubscribe" \
+                        and msg[1] == want:
+                    sub.patterns[pattern] = None
+                    return
+        except BaseException:
+            sub.close()
+            raise
 
     def _wait_lean(self, keys: Sequence[str], channels: list[str], wanted: set[bytes],
                    remaining: Any, start: float, deadline: float | None) -> Record:
