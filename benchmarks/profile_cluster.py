@@ -166,11 +166,7 @@ def main() -> None:
                     p.wait(10)
                 except subprocess.TimeoutExpired:
                     p.kill()
-        if not args.out:
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            shutil.rmtree(work / "node1", ignore_errors=True)
-            shutil.rmtree(work / "node2", ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)  # (with --out the profiles went there)
 
 
 def _cpu(pid: int) -> float:
