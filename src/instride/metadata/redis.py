@@ -458,10 +458,10 @@ class RedisMetadata:
         if sub is None or sub.sock is None or pattern not in sub.patterns:
             return
         del sub.patterns[pattern]
-        try:  # (the confirmation is skipped by the next wait, as other leftovers are)
+        # The confirmation is skipped by the next wait, as other leftovers are. If the send
+        # fails, send() has closed the connection, and Redis dropped its subscriptions with it.
+        with contextlib.suppress(*_ERRORS):
             sub.send([("PUNSUBSCRIBE", pattern)])
-        except _ERRORS:
-            pass  # the connection closed, and its subscriptions with it
 
     @staticmethod
     def _watch(sub: RespConnection, pattern: str, remaining: Any) -> None:
