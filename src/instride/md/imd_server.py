@@ -425,8 +425,11 @@ def serve(
         if on_ready is not None:
             on_ready(server)
         if clients is None:
+            # Short sleeps, not one long one: the kernel may deliver SIGTERM to any of the
+            # session threads, and then only the main thread's return to Python runs the
+            # handler; a sleep of an hour would hold the stop back for up to an hour.
             while True:
-                time.sleep(3600)
+                time.sleep(_POLL)
         server.wait_clients(clients)
     return list(server.reports)
 
