@@ -339,7 +339,15 @@ class Agent:
                 print(f"instride agent on {self.node}: {exc}", file=sys.stderr, flush=True)
                 return 3
             assert self.server is not None
-            rc = self.server.wait()
+            # Waited in steps: the kernel may hand a SIGTERM to the relay thread, and the
+            # handler (which forwards it to the server) runs only when the main thread is back
+            # in Python — a plain wait() would hold it until the server ended on its own.
+            while True:
+                try:
+                    rc = self.server.wait(timeout=0.25)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
             self.stop()  # before anything else: Redis may be gone already
             if self.stop_signal is None:
                 print(f"instride agent on {self.node}: the data server ended on its own "
