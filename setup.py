@@ -8,6 +8,9 @@
   ctypes). It is built only when UCX's headers are installed (Debian ``libucx-dev``); without
   them the package still installs and selecting the ``ucx`` transport raises a
   ``ConfigError`` that names the package.
+- ``libinstride_local.so``: the sleeping part of local-mode waits (csrc/local, loaded with
+  ctypes): poll the thread's inotify descriptor, read the events and check the awaited files,
+  GIL released; without it the waits run the same loop in Python.
 - ``libinstride_tcp.so``: the C engine of the ``tcp`` transport (csrc/tcp, loaded with ctypes):
   the data server (connections, framing, the signed-request fast path and ``sendfile`` in C,
   every other decision in Python) and the client's receive loop (recv, xxh3, write). Links
@@ -35,7 +38,8 @@ PRELOAD = "instride.libinstride_preload"
 CAPI = "instride.libinstride"
 UCX = "instride.libinstride_ucx"
 TCP = "instride.libinstride_tcp"
-LIBRARIES = (PRELOAD, CAPI, UCX, TCP)
+LOCAL = "instride.libinstride_local"
+LIBRARIES = (PRELOAD, CAPI, UCX, TCP, LOCAL)
 
 
 class BuildPreload(build_ext):
@@ -91,7 +95,13 @@ def _have_ucx() -> bool:
     return any(os.path.exists(os.path.join(d, "ucp", "api", "ucp.h")) for d in dirs)
 
 
-extensions = [preload, capi, tcp]
+local = Extension(
+    LOCAL,
+    sources=sorted(glob.glob("csrc/local/*.c")),
+    extra_compile_args=CFLAGS,
+)
+
+extensions = [preload, capi, tcp, local]
 if _have_ucx():
     ucx_home = os.environ.get("UCX_HOME")
     extensions.append(Extension(

@@ -292,16 +292,20 @@ def main() -> None:
             print(f"{name:5} {way:12} {r['frames_per_s']:9.1f} frames/s {r['GB_per_s']:6.2f} GB/s  "
                   f"latency median {lat['median'] / 1e3:7.2f} ms p99 {lat['p99'] / 1e3:7.2f} ms  "
                   f"writer {cost:6.2f} ms")
-        sst, ren = per["adios2-sst"], per["rename"]
+        sst, ren = per.get("adios2-sst"), per.get("rename")  # a --ways subset may lack either
         ratios: dict[str, float] = {}
         for way in [w for w in per if w.startswith("instride")]:
             ins, tag = per[way], way.replace("instride", "").lstrip("-") or "paper"
-            ratios[f"{tag}_throughput_vs_sst"] = ins["frames_per_s"] / sst["frames_per_s"]
-            ratios[f"{tag}_latency_vs_sst"] = ins["latency_us"]["median"] / sst["latency_us"]["median"]
-            ratios[f"{tag}_writer_cost_vs_rename"] = (
-                ins["writer_cost_s"]["median"] / ren["writer_cost_s"]["median"]
-            )
-            ratios[f"{tag}_throughput_vs_rename"] = ins["frames_per_s"] / ren["frames_per_s"]
+            if sst is not None:
+                ratios[f"{tag}_throughput_vs_sst"] = ins["frames_per_s"] / sst["frames_per_s"]
+                ratios[f"{tag}_latency_vs_sst"] = (
+                    ins["latency_us"]["median"] / sst["latency_us"]["median"]
+                )
+            if ren is not None:
+                ratios[f"{tag}_writer_cost_vs_rename"] = (
+                    ins["writer_cost_s"]["median"] / ren["writer_cost_s"]["median"]
+                )
+                ratios[f"{tag}_throughput_vs_rename"] = ins["frames_per_s"] / ren["frames_per_s"]
         per["ratios"] = ratios
         print(f"{name:5} ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
         results["sizes"][name] = per

@@ -139,3 +139,100 @@ def test_instride_spin_makes_a_consumer_busy_poll(managed_dir: Path) -> None:
     """INSTRIDE_SPIN=s: a consumer spends its wait on the CPU (measured with getrusage)."""
     # the 0.4 s of polling, against < 0.1 s for a sleeping wait
     assert _wait_cpu_seconds("spin/cpu", 0.6, spin="0.4") > 0.2
+
+
+@pytest.fixture(params=["c", "python"])
+def wait_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both implementations of the sleeping wait: C (libinstride_local.so) and Python."""
+    from instride.store import wait
+
+    if request.param == "python":
+        monkeypatch.setattr(wait, "_lib", None)
+        monkeypatch.setattr(wait, "_lib_loaded", True)
+    else:  # built by pip install with the package: its absence is a failure, not a skip
+        assert wait._native() is not None, "libinstride_local.so is missing: reinstall instride"
+    return str(request.param)
+
+
+def _consume_in_thread(client: instride.Client, key: str) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["path"] = client.consume(key, timeout=10)
+        except BaseException as exc:  # reported by the caller
+            result["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, result
+
+
+def test_wake_up_returns_the_published_key(client: instride.Client, wait_impl: str) -> None:
+    t, result = _consume_in_thread(client, "woken/k")
+    time.sleep(0.2)  # asleep in the wait by now
+    with client.open("woken/other", "wb") as fh:  # an event of another file: not a wake-up
+        fh.write(b"o")
+    with client.open("woken/k", "wb") as fh:
+        fh.write(b"k")
+    t.join(15)
+    assert result == {"path": client.root / "woken" / "k"}
+
+
+def test_a_link_appearing_during_a_wait_is_refused(
+    client: instride.Client, tmp_path: Path, wait_impl: str
+) -> None:
+    # the check right after the wake-up sees a symbolic link where the key should be
+    from instride.errors import UnsafePathError
+
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"x")
+    (client.root / "links").mkdir()
+    t, result = _consume_in_thread(client, "links/k")
+    time.sleep(0.2)
+    (client.root / "links" / "k").symlink_to(target)
+    t.join(15)
+    assert not t.is_alive()
+    assert isinstance(result.get("error"), UnsafePathError), result
+    assert "symbolic link" in str(result["error"])
+
+
+def test_a_watched_directory_removed_and_made_again_still_wakes(
+    client: instride.Client, wait_impl: str
+) -> None:
+    # the watch goes away with its directory (IN_IGNORED): the wait arms a new one
+    d = client.root / "again"
+    d.mkdir()
+    t, result = _consume_in_thread(client, "again/k")
+    time.sleep(0.2)
+    d.rmdir()
+    time.sleep(0.2)
+    d.mkdir(exist_ok=True)  # (the wait may have made it again already, to watch it)
+    time.sleep(0.2)
+    with client.open("again/k", "wb") as fh:
+        fh.write(b"k")
+    t.join(15)
+    assert result == {"path": d / "k"}
+
+
+def test_a_signal_handler_runs_during_a_wait(client: instride.Client, wait_impl: str) -> None:
+    # the C sleep returns on EINTR, so Python runs the handler (Ctrl-C) at once
+    import signal
+
+    class Alarm(Exception):
+        pass
+
+    def handler(signum: int, frame: object) -> None:
+        raise Alarm
+
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        start = time.monotonic()
+        with pytest.raises(Alarm):
+            client.consume("sig/never", timeout=30)
+        assert time.monotonic() - start < 10  # the handler's exception, not the timeout
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert not (client.root / "sig").exists()  # the failed wait removed what it made

@@ -72,6 +72,10 @@ class Engine(Protocol):
     #: whether :meth:`published` can use a checksum computed by the writer while writing
     wants_checksum: bool
 
+    #: whether :meth:`consume` and :meth:`wait_any` return only keys they checked to be regular
+    #: files reached without a symbolic link (the client then checks nothing after the wait)
+    confines: bool
+
     def published(self, key: str, overwrite: bool, checksum: str | None = None,
                   size: int | None = None) -> None:
         """Called after ``key`` was atomically published on this node (writer closed).

@@ -308,6 +308,7 @@ class ClusterEngine:
 
     #: a writer should hash what it writes and pass it to :meth:`published` (saves a pass)
     wants_checksum = True
+    confines = False  # a fetched copy is checked by the client
 
     def retired(self, key: str) -> None:
         """A file of this node was taken away from its key: delete its record."""

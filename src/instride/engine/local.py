@@ -15,7 +15,7 @@ from .. import store
 from ..config import Settings
 from ..keys import key_path
 from ..metadata import get_backend
-from ..paths import ConfinedOpener
+from ..paths import ConfinedOpener, check_confined
 from ..record import Record
 from ..store.streamstate import LocalStreamState
 from .base import map_file
@@ -45,11 +45,17 @@ class LocalEngine:
         return path if os.path.exists(path) else None
 
     def consume(self, key: str, timeout: float | None) -> Path:
-        """The file of ``key``, waiting for it with inotify if needed."""
-        path = key_path(key, self.root)
-        if os.path.exists(path):
-            return path
-        return store.wait_any([path], timeout, label=key, spin=self.settings.spin)
+        """The file of ``key``, waiting for it with inotify if needed.
+
+        Checked confined (a regular file reached through directories only) before and right
+        after the wait, by :func:`instride.store.wait.wait_keys`.
+        """
+        store.wait_keys(self._root_s, [key], timeout, label=key, refuse=self._refuse,
+                        spin=self.settings.spin)
+        return key_path(key, self.root)
+
+    def _refuse(self, key: str) -> None:
+        check_confined(self._root_s, key, for_write=False)  # [confine] names what is in the way
 
     def consume_bytes(self, key: str, timeout: float | None) -> memoryview:
         """A read-only memory map of the file of ``key`` (zero copy)."""
@@ -57,10 +63,7 @@ class LocalEngine:
         return map_file(path, lambda _p, _f: self.confined.open(key))  # [confine]
 
     def wait_any(self, keys: Sequence[str], timeout: float | None) -> str:
-        """The first of ``keys`` whose file exists, waiting for one if none does."""
-        for key in keys:
-            if os.path.exists(self.root / key):
-                return key
+        """The first of ``keys`` whose file exists (checked confined), waiting for one if none does."""
         return self.metadata.wait_any(list(keys), timeout).key
 
     def exists(self, key: str) -> bool:
@@ -69,6 +72,8 @@ class LocalEngine:
 
     #: local mode records no checksum: writers need not compute one
     wants_checksum = False
+    #: consume and wait_any check what they return (in the wait, right after the wake-up)
+    confines = True
 
     def published(self, key: str, overwrite: bool, checksum: str | None = None,
                   size: int | None = None) -> None:

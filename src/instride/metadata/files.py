@@ -15,6 +15,7 @@ from pathlib import Path
 from .. import store
 from ..config import INTERNAL_DIRNAME, Settings
 from ..keys import TMP_PATTERN
+from ..paths import check_confined
 from ..record import Record
 
 
@@ -45,16 +46,25 @@ class FileMetadata:
         return self._record(key, st)
 
     def wait_any(self, keys: Sequence[str], timeout: float | None) -> Record:
-        """Block until one of ``keys`` exists (inotify); :class:`ConsumeTimeout` after ``timeout``."""
+        """Block until one of ``keys`` exists (inotify); :class:`ConsumeTimeout` after ``timeout``.
+
+        The key returned is a regular file reached through directories only; a symbolic link
+        or a special file on the way raises (:class:`~instride.errors.UnsafePathError`,
+        :class:`~instride.errors.FileTypeError`).
+        """
         start = time.monotonic()
+        root = str(self.root)
         while True:
             remaining = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
-            path = store.wait_any([self.root / k for k in keys], remaining, label=keys[0],
-                                  spin=self.spin)
-            record = self.lookup(os.path.relpath(path, self.root))
+            i = store.wait_keys(root, keys, remaining, label=keys[0], refuse=self._refuse,
+                                spin=self.spin)
+            record = self.lookup(keys[i])
             if record is not None:
                 return record
             # deleted right after it appeared: keep waiting within the same deadline
+
+    def _refuse(self, key: str) -> None:
+        check_confined(self.root, key, for_write=False)  # [confine] names what is in the way
 
     def delete(self, key: str) -> None:
         """Remove the key's file."""

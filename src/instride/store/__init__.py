@@ -29,7 +29,7 @@ from .publish import (
     publish_file,
     read_error,
 )
-from .wait import wait_any
+from .wait import wait_any, wait_keys
 
 __all__ = [
     "READ_MODES",
@@ -47,4 +47,5 @@ __all__ = [
     "publish_file",
     "read_error",
     "wait_any",
+    "wait_keys",
 ]
