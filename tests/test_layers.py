@@ -24,7 +24,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "instride"
 LAYERS: list[set[str]] = [
     {"errors"},
     {"config"},
-    {"keys", "record", "registry", "frames", "perthread", "busypoll"},
+    {"keys", "record", "registry", "frames", "perthread", "busypoll", "native"},
     {"store", "archive", "paths"},
     {"metadata", "transport"},
     {"engine"},

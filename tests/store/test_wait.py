@@ -144,13 +144,13 @@ def test_instride_spin_makes_a_consumer_busy_poll(managed_dir: Path) -> None:
 @pytest.fixture(params=["c", "python"])
 def wait_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Both implementations of the sleeping wait: C (libinstride_local.so) and Python."""
+    from instride import native
     from instride.store import wait
 
     if request.param == "python":
-        monkeypatch.setattr(wait, "_lib", None)
-        monkeypatch.setattr(wait, "_lib_loaded", True)
+        monkeypatch.setattr(wait, "library", lambda: None)
     else:  # built by pip install with the package: its absence is a failure, not a skip
-        assert wait._native() is not None, "libinstride_local.so is missing: reinstall instride"
+        assert native.library() is not None, "libinstride_local.so is missing: reinstall instride"
     return str(request.param)
 
 

@@ -9,11 +9,12 @@ per-user inotify limits are reached (a thousand waiting threads exceed the defau
 instances) a wait falls back to polling (1 ms doubling to 50 ms), still ending correctly. A
 failed wait (timeout, interruption) removes the directories it created to watch.
 
-The sleep itself is C where ``libinstride_local.so`` was built (it always is by ``pip install``):
-:func:`isl_wait <_native>` polls the thread's inotify descriptor, reads the events and checks
-the awaited files, GIL released, and returns only when a key is there — so a woken consumer
-runs no Python until then (about 50 µs less from publication to the consumer's return on the
-development VM). Without the library the same loop runs in Python (``inotify_simple``).
+The sleep itself is C where ``libinstride_local.so`` was built (``pip install`` builds it;
+:mod:`instride.native`):
+``isl_wait`` (``csrc/local/wait.c``) polls the thread's inotify descriptor, reads the events
+and checks the awaited files, GIL released, and returns only when a key is there — so a woken
+consumer runs no Python until then (~35 µs less from publication to the consumer's return on
+the development VM). Without the library the same loop runs in Python (``inotify_simple``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from inotify_simple import flags as inflags
 
 from ..busypoll import poll_paths
 from ..errors import ConsumeTimeout
+from ..native import library
 
 _MAX_WAIT_MS = 60_000  # one read() at most; longer waits loop (poll() takes an int)
 _LOST = int(inflags.Q_OVERFLOW)
@@ -179,7 +181,7 @@ def wait_keys(
 
 
 def _there(root: str, key: str, confined: bool, refuse: Callable[[str], object] | None) -> bool:
-    lib = _native()
+    lib = library()
     state = lib.isl_state(os.fsencode(root), os.fsencode(key), confined) if lib else (
         _py_state(root, key, confined))
     if state < 0 and refuse is not None:
@@ -265,31 +267,6 @@ def _poll_any(root: str, keys: list[str], confined: bool, timeout: float | None,
 #: isl_wait's results (csrc/local/wait.c)
 _FOUND, _TIMEOUT, _INTERRUPTED, _REARM, _CHECK = range(5)
 _GONE_CAP = 16
-_lib: ctypes.CDLL | None = None
-_lib_loaded = False
-
-
-def _native() -> ctypes.CDLL | None:
-    """``libinstride_local.so`` (loaded once), or ``None`` where it is missing."""
-    global _lib, _lib_loaded
-    if not _lib_loaded:
-        _lib_loaded = True
-        path = Path(__file__).resolve().parent.parent / "libinstride_local.so"
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError:
-            return None
-        lib.isl_state.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int]
-        lib.isl_state.restype = ctypes.c_int
-        lib.isl_wait.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p),
-                                 ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                 ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int),
-                                 ctypes.c_int]
-        lib.isl_wait.restype = ctypes.c_int
-        _lib = lib
-    return _lib
-
-
 def _sleep(root: str, keys: list[str], full: list[str], confined: bool, timeout: float | None,
            label: str, refuse: Callable[[str], object] | None) -> int:
     start = time.monotonic()
@@ -307,7 +284,7 @@ def _sleep(root: str, keys: list[str], full: list[str], confined: bool, timeout:
     for i, key in enumerate(keys):
         if _there(root, key, confined, refuse):
             return i
-    lib = _native()
+    lib = library()
     if lib is not None:
         ckeys = (ctypes.c_char_p * len(keys))(*(os.fsencode(k) for k in keys))
         croot = os.fsencode(root)
