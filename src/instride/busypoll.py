@@ -22,12 +22,12 @@ def poll_paths(paths: Sequence[str | Path], seconds: float) -> str | Path | None
     """Poll for up to ``seconds`` until one of ``paths`` exists; return it, else ``None``."""
     if seconds <= 0:
         return None
-    exists = os.path.exists
+    access, ok = os.access, os.F_OK  # not os.path.exists: it raises and catches per miss
     clock = time.monotonic
     end = clock() + seconds
     while True:
         for path in paths:
-            if exists(path):
+            if access(path, ok):
                 return path
         if clock() >= end:
             return None

@@ -336,7 +336,7 @@ class ClusterEngine:
     def frame_path(self, key: str) -> str | None:
         """Where ``key``'s file is when a copy is on this node (else fetch it first)."""
         path = f"{self.root}/{key}"
-        return path if os.path.exists(path) else None
+        return path if os.access(path, os.F_OK) else None  # (exists() raises per miss)
 
     def stream_state(self, stream: str) -> RedisStreamState:
         """The stream's head, policy and groups: in Redis, shared by every node."""

@@ -42,7 +42,7 @@ class LocalEngine:
     def ready(self, key: str) -> str | None:
         """The file of ``key`` if it exists (one ``stat``)."""
         path = f"{self._root_s}/{key}"  # strings, not pathlib, on this hot path
-        return path if os.path.exists(path) else None
+        return path if os.access(path, os.F_OK) else None  # (exists() raises per miss)
 
     def consume(self, key: str, timeout: float | None) -> Path:
         """The file of ``key``, waiting for it with inotify if needed.
