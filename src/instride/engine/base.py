@@ -72,8 +72,8 @@ class Engine(Protocol):
     #: whether :meth:`published` can use a checksum computed by the writer while writing
     wants_checksum: bool
 
-    #: whether :meth:`consume` and :meth:`wait_any` return only keys they checked to be regular
-    #: files reached without a symbolic link (the client then checks nothing after the wait)
+    #: whether :meth:`consume` returns only files it checked to be regular files reached
+    #: without a symbolic link (the client then checks nothing after the wait)
     confines: bool
 
     def published(self, key: str, overwrite: bool, checksum: str | None = None,

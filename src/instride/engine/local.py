@@ -72,7 +72,7 @@ class LocalEngine:
 
     #: local mode records no checksum: writers need not compute one
     wants_checksum = False
-    #: consume and wait_any check what they return (in the wait, right after the wake-up)
+    #: consume checks what it returns (in the wait, right after the wake-up)
     confines = True
 
     def published(self, key: str, overwrite: bool, checksum: str | None = None,
