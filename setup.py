@@ -8,9 +8,11 @@
   ctypes). It is built only when UCX's headers are installed (Debian ``libucx-dev``); without
   them the package still installs and selecting the ``ucx`` transport raises a
   ``ConfigError`` that names the package.
-- ``libinstride_local.so``: the sleeping part of local-mode waits (csrc/local, loaded with
-  ctypes by instride/native.py): poll the thread's inotify descriptor, read the events and
-  check the awaited files, GIL released; without it the waits run the same loop in Python.
+- ``libinstride_local.so``: node-local hot paths (csrc/local, loaded with ctypes by
+  instride/native.py): the sleep of a wait (poll the thread's inotify descriptor, read the
+  events, check the awaited files) and the ``paper`` frame layout's encode and decode (records
+  interleaved or split and hashed with xxh3 in one pass; xxhash inlined from Debian
+  ``libxxhash-dev``); without it the same logic runs in Python.
 - ``libinstride_tcp.so``: the C engine of the ``tcp`` transport (csrc/tcp, loaded with ctypes):
   the data server (connections, framing, the signed-request fast path and ``sendfile`` in C,
   every other decision in Python) and the client's receive loop (recv, xxh3, write). Links

@@ -160,3 +160,68 @@ def test_copy_decode_owns_its_arrays_and_verifies_in_the_same_pass(layout: str) 
             decode_frame(memoryview(bad), copy=True)
         # ... and not looked for with verify=False (the header is still checked)
         decode_frame(memoryview(bad), copy=True, verify=False)
+
+
+def _paper_both_ways(
+    monkeypatch: pytest.MonkeyPatch, pos: np.ndarray, ids: np.ndarray | None
+) -> tuple[bytearray, bytearray]:
+    """A paper frame encoded by the C codec and by numpy (the library hidden)."""
+    from instride import frames, native
+    from instride.frames import encode_into
+
+    assert native.library() is not None, "libinstride_local.so is missing: reinstall instride"
+    n = pos.shape[0]
+    by_c, by_numpy = bytearray(frame_size(n, "paper")), bytearray(frame_size(n, "paper"))
+    encode_into(by_c, pos, step=7, time=1.5, layout="paper", ids=ids)
+    with monkeypatch.context() as m:
+        m.setattr(frames, "library", lambda: None)
+        encode_into(by_numpy, pos, step=7, time=1.5, layout="paper", ids=ids)
+    return by_c, by_numpy
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.sampled_from([0, 1, 2, 9361, 9362, 9363, 23_558]), with_ids=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_paper_codec_in_c_matches_numpy(n: int, with_ids: bool, seed: int) -> None:
+    # the C codec (csrc/local/paper.c) writes the same bytes and digest as the numpy path, and
+    # reads back the same arrays; sizes around its 9,362-atom chunks
+    from instride import frames
+    from instride.frames import decode_frame
+
+    rng = np.random.default_rng(seed)
+    pos = rng.normal(size=(n, 3)) * 50
+    ids = rng.integers(-(2**31), 2**31 - 1, size=n, dtype=np.int64).astype(np.int32) if with_ids else None
+    with pytest.MonkeyPatch.context() as mp:
+        by_c, by_numpy = _paper_both_ways(mp, pos, ids)
+        assert by_c == by_numpy
+        got_c = decode_frame(memoryview(by_c), "k", copy=True)
+        mp.setattr(frames, "library", lambda: None)
+        got_numpy = decode_frame(memoryview(by_c), "k", copy=True)
+    for got in (got_c, got_numpy):
+        assert np.array_equal(got.positions, pos)
+        assert np.array_equal(got.ids, np.arange(n, dtype=np.int32) if ids is None else ids)
+
+
+def test_paper_codec_in_c_detects_a_flipped_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    from instride.frames import decode_frame
+
+    pos = np.random.default_rng(3).random((1000, 3))
+    by_c, _ = _paper_both_ways(monkeypatch, pos, None)
+    for at in (HEADER_SIZE, HEADER_SIZE + 13_999, len(by_c) - 1):
+        bad = bytearray(by_c)
+        bad[at] ^= 0x10
+        with pytest.raises(IntegrityError, match="checksum"):
+            decode_frame(memoryview(bad), "k", copy=True)
+    # not verifying: the bytes as they are, no error
+    bad = bytearray(by_c)
+    bad[HEADER_SIZE + 4] ^= 0x10
+    assert not np.array_equal(decode_frame(memoryview(bad), "k", verify=False, copy=True).positions, pos)
+
+
+def test_paper_encode_into_a_read_only_buffer_is_refused() -> None:
+    # the C codec never writes through a read-only buffer: numpy's path refuses it
+    from instride.frames import encode_into
+
+    pos = np.zeros((10, 3))
+    with pytest.raises((TypeError, ValueError)):
+        encode_into(bytes(frame_size(10, "paper")), pos, layout="paper")

@@ -47,6 +47,7 @@ import io as _io
 import mmap
 import os
 import struct
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -55,6 +56,7 @@ import numpy as np
 import xxhash
 
 from .errors import IntegrityError
+from .native import library
 
 MAGIC = b"ISF1"
 VERSION = 1
@@ -78,6 +80,8 @@ _I32 = np.dtype("<i4")
 _PAPER_RAW = np.dtype([("id", "<i4"), ("xyz", "V24")])
 #: Atoms encoded and hashed per chunk, so each chunk is hashed while still in the CPU cache.
 _CHUNK_BYTES = 1 << 18
+#: the C codec of the paper layout writes and reads little-endian records in native order
+_NATIVE_LE = sys.byteorder == "little"
 
 _open = _io.open  # the builtin, captured before instride.interception.pyopen may patch it
 
@@ -319,6 +323,15 @@ def encode_into(
         out = np.frombuffer(payload, _XYZ32).reshape(natoms, 3)
         _copy_hashed(out, pos, payload, 12, hasher)
     elif layout == "paper":
+        out8 = np.frombuffer(payload, np.uint8)
+        lib = library() if _NATIVE_LE and out8.flags.writeable else None
+        if lib is not None:  # one C pass: interleave and hash (csrc/local/paper.c)
+            src64 = np.ascontiguousarray(pos, dtype=_F64)
+            id32 = None if ids is None else np.ascontiguousarray(ids, dtype=_I32)
+            digest = lib.isl_paper_encode(out8.ctypes.data, src64.ctypes.data,
+                                          None if id32 is None else id32.ctypes.data, natoms)
+            view[:HEADER_SIZE] = _pack_header(natoms, step, time, box, layout, nbytes, digest)
+            return HEADER_SIZE + nbytes
         rec = np.frombuffer(payload, _PAPER_RAW)
         src = np.ascontiguousarray(pos, dtype=_F64).view("V24").reshape(natoms)
         idv = _default_ids(natoms) if ids is None else ids
@@ -566,9 +579,15 @@ def _copy_payload(
     n = header.natoms
     hasher = xxhash.xxh3_64() if verify else None
     if header.layout == "paper":  # interleaved records: hash a chunk, then split it out
-        rec = np.frombuffer(payload, dtype=_PAPER_RAW)
         positions = np.empty((n, 3), _F64)
         ids: np.ndarray | None = np.empty(n, _I32)
+        lib = library() if _NATIVE_LE else None
+        if lib is not None:  # one C pass (csrc/local/paper.c)
+            src8 = np.frombuffer(payload, np.uint8)
+            digest = lib.isl_paper_decode(src8.ctypes.data, n, positions.ctypes.data,
+                                          ids.ctypes.data, 1 if verify else 0)  # type: ignore[union-attr]
+            return positions, ids, digest if verify else None
+        rec = np.frombuffer(payload, dtype=_PAPER_RAW)
         xyz_raw = positions.view("V24").reshape(n)
         step = max(1, _CHUNK_BYTES // 28)
         for lo in range(0, n, step):

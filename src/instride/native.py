@@ -1,11 +1,17 @@
-"""The ctypes binding of ``libinstride_local.so``: the sleeping part of local-mode waits, in C.
+"""The ctypes binding of ``libinstride_local.so``: node-local hot paths in C.
 
-``isl_wait`` and ``isl_state`` (``csrc/local/wait.c``) sleep on a thread's inotify descriptor,
-read its events and check the awaited files in one call (ctypes releases the GIL); see
-:mod:`instride.store.wait`. The package build always makes the library; where it is missing or
-cannot be loaded, :func:`library` returns ``None`` and the waits run the same loop in Python.
-(A confined ``openat2`` + ``fstat`` in C was tried too and saved 0.6 µs of 9 per open over
-ctypes' ``syscall``: not kept.)
+Each is one call (ctypes releases the GIL):
+
+* ``isl_wait`` and ``isl_state`` (``csrc/local/wait.c``) sleep on a thread's inotify
+  descriptor, read its events and check the awaited files (:mod:`instride.store.wait`);
+* ``isl_paper_encode`` and ``isl_paper_decode`` (``csrc/local/paper.c``) interleave or split
+  the ``paper`` layout's 28-byte records and hash them with xxh3-64 in the same pass
+  (:mod:`instride.frames`).
+
+The package build always makes the library; where it is missing or cannot be loaded,
+:func:`library` returns ``None`` and the callers run the same logic in Python. (A confined
+``openat2`` + ``fstat`` in C was tried too and saved 0.6 µs of 9 per open over ctypes'
+``syscall``: not kept.)
 """
 
 from __future__ import annotations
@@ -34,5 +40,10 @@ def library() -> ctypes.CDLL | None:
         lib.isl_wait.argtypes = [c_int, c_char_p, ctypes.POINTER(c_char_p), c_int, c_int, c_int,
                                  p_int, p_int, c_int]
         lib.isl_wait.restype = c_int
+        ptr, i64, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
+        lib.isl_paper_encode.argtypes = [ptr, ptr, ptr, i64]
+        lib.isl_paper_encode.restype = u64
+        lib.isl_paper_decode.argtypes = [ptr, i64, ptr, ptr, c_int]
+        lib.isl_paper_decode.restype = u64
         _lib = lib
     return _lib
