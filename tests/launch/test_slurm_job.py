@@ -57,7 +57,12 @@ def _build_streams(out: Path) -> Path:
 def test_slurm_job_moves_files_between_nodes(
     slurm: EmulatedSlurm, tmp_path: Path, scratch: Path
 ) -> None:
-    """Producers on one node, consumers on the other: Python API, preload library, C++ streams."""
+    """Producers on one node, consumers on the other: Python API, preload library, C++ streams.
+
+    Two steps per node, each node one CPU: the steps wait for each other's files, so they must
+    run at the same time (``--overlap``); without it Slurm runs them one after the other and the
+    job's progress hangs on srun's retry back-off (seen once: still RUNNING after 120 s).
+    """
     states = tmp_path / "states"
     out = tmp_path / "out.txt"
     consumer = textwrap.dedent("""
@@ -71,10 +76,10 @@ def test_slurm_job_moves_files_between_nodes(
     cpp = _build_streams(tmp_path)  # include/instride/stream.hpp's test driver
     body = f"""
 {PY} -m instride job --dir {scratch}/%n/job%j -- sh -c '
-  srun -N1 -n1 --relative=1 {PY} {tmp_path}/consumer.py &
-  srun -N1 -n1 --relative=1 sh -c "echo cpp-read \\$({cpp} consume \\$INSTRIDE_DIR/run/pre.dat)" &
-  srun -N1 -n1 --relative=0 sh -c "{cpp} produce \\$INSTRIDE_DIR/run/cpp.txt 2" &
-  srun -N1 -n1 --relative=0 {PY} -m instride run -- sh -c \\
+  srun --overlap -N1 -n1 --relative=1 {PY} {tmp_path}/consumer.py &
+  srun --overlap -N1 -n1 --relative=1 sh -c "echo cpp-read \\$({cpp} consume \\$INSTRIDE_DIR/run/pre.dat)" &
+  srun --overlap -N1 -n1 --relative=0 sh -c "{cpp} produce \\$INSTRIDE_DIR/run/cpp.txt 2" &
+  srun --overlap -N1 -n1 --relative=0 {PY} -m instride run -- sh -c \\
     "echo preload-\\$INSTRIDE_NODE > \\$INSTRIDE_DIR/run/pre.dat && \\
      echo preload-read \\$(cat \\$INSTRIDE_DIR/run/py.dat)"
   wait
