@@ -190,6 +190,15 @@ def _there(root: str, key: str, confined: bool, refuse: Callable[[str], object] 
     return state > 0
 
 
+def _first_there(root: str, keys: list[str], confined: bool,
+                 refuse: Callable[[str], object] | None) -> int | None:
+    """The index of the first of ``keys`` that is there (see :func:`_there`), else ``None``."""
+    for i, key in enumerate(keys):
+        if _there(root, key, confined, refuse):
+            return i
+    return None
+
+
 def _py_state(root: str, key: str, confined: bool) -> int:
     """``isl_state`` in Python (for when the library is missing)."""
     if not confined:
@@ -211,9 +220,9 @@ def _py_state(root: str, key: str, confined: bool) -> int:
 
 def _wait(root: str, keys: list[str], confined: bool, timeout: float | None, label: str,
           spin: float, refuse: Callable[[str], object] | None) -> int:
-    for i, key in enumerate(keys):
-        if _there(root, key, confined, refuse):
-            return i
+    found = _first_there(root, keys, confined, refuse)
+    if found is not None:
+        return found
     full = [f"{root}/{k}" for k in keys] if confined else keys
     if spin > 0:
         start = time.monotonic()
@@ -254,9 +263,9 @@ def _poll_any(root: str, keys: list[str], confined: bool, timeout: float | None,
     """
     delay = 0.001
     while True:
-        for i, key in enumerate(keys):
-            if _there(root, key, confined, refuse):
-                return i
+        found = _first_there(root, keys, confined, refuse)
+        if found is not None:
+            return found
         elapsed = time.monotonic() - start
         if timeout is not None and elapsed >= timeout:
             raise ConsumeTimeout(label, elapsed)
@@ -267,6 +276,8 @@ def _poll_any(root: str, keys: list[str], confined: bool, timeout: float | None,
 #: isl_wait's results (csrc/local/wait.c)
 _FOUND, _TIMEOUT, _INTERRUPTED, _REARM, _CHECK = range(5)
 _GONE_CAP = 16
+
+
 def _sleep(root: str, keys: list[str], full: list[str], confined: bool, timeout: float | None,
            label: str, refuse: Callable[[str], object] | None) -> int:
     start = time.monotonic()
@@ -281,9 +292,9 @@ def _sleep(root: str, keys: list[str], full: list[str], confined: bool, timeout:
         return _poll_any(root, keys, confined, timeout, label, start, refuse)
     # Re-check after arming: a publication between the first check and the watch produced
     # no event we could see.
-    for i, key in enumerate(keys):
-        if _there(root, key, confined, refuse):
-            return i
+    there = _first_there(root, keys, confined, refuse)
+    if there is not None:
+        return there
     lib = library()
     if lib is not None:
         ckeys = (ctypes.c_char_p * len(keys))(*(os.fsencode(k) for k in keys))
@@ -306,17 +317,18 @@ def _sleep(root: str, keys: list[str], full: list[str], confined: bool, timeout:
                 return found.value
             if rc < 0:
                 raise OSError(-rc, f"waiting for {label}: {os.strerror(-rc)}")
-            if rc == _CHECK:
-                if refuse is not None:
-                    refuse(keys[found.value])  # raises, unless it went away meanwhile
+            if rc == _CHECK:  # something else than a file on the way: named, unless it went
+                if refuse is not None:  # away meanwhile (then the check below looks again)
+                    refuse(keys[found.value])
+                wake, rearm = True, False
+            elif rc == _REARM:
+                if found.value < 0:  # the queue overflowed
+                    _watcher.reset()
+                for wd in gone[: max(0, found.value)]:  # watched directories that went away
+                    _watcher.forget(wd)
+                wake = rearm = True
+            else:  # timed out (the loop's clock says whether for good) or a signal
                 continue
-            if rc != _REARM:  # timed out (the loop's clock says whether for good) or a signal
-                continue
-            if found.value < 0:  # the queue overflowed
-                _watcher.reset()
-            for wd in gone[: max(0, found.value)]:  # watched directories that went away
-                _watcher.forget(wd)
-            wake = rearm = True
         else:
             wake = rearm = False
             for ev in ino.read(timeout=wait_ms):  # the cheapest test first: the hot path
@@ -332,9 +344,9 @@ def _sleep(root: str, keys: list[str], full: list[str], confined: bool, timeout:
             for directory in dirs:
                 _watcher.watch(directory)
         if wake or rearm:
-            for i, key in enumerate(keys):
-                if _there(root, key, confined, refuse):
-                    return i
+            there = _first_there(root, keys, confined, refuse)
+            if there is not None:
+                return there
 
 
 __all__ = ["wait_any", "wait_keys"]
