@@ -2,7 +2,9 @@
  * libinstride_tcp: plain signed requests, the only ones the data server answers on its own.
  *
  * A plain request is a JSON object whose strings are printable ASCII without escapes and whose
- * known fields (v, op, key, nonce, mac, ts, version) each appear once; its key is one that
+ * known fields (v, op, key, nonce, mac, ts, version, wait, until) each appear once (wait: a
+ * whole number of milliseconds, 0 to ISS_MAX_WAIT_MS; until: one plain name, with a wait); its
+ * key is one that
  * keys.normalize_key returns unchanged. Anything else is not parsed here: the server hands it
  * to Python, where the protocol's rules and messages live.
  */
@@ -94,6 +96,8 @@ int parse_plain(char *p, size_t len, request *r) {
             sv = &r->nonce, sl = &r->nonce_len;
         else if (strcmp(name, "mac") == 0)
             sv = &r->mac, sl = &r->mac_len;
+        else if (strcmp(name, "until") == 0)
+            sv = &r->until, sl = &r->until_len;
         if (sv != NULL) {
             if (*sv != NULL || (p = plain_string(p, end, sv, sl)) == NULL)
                 return -1;
@@ -101,6 +105,14 @@ int parse_plain(char *p, size_t len, request *r) {
             if (r->has_ts || (p = plain_number(p, end, &r->ts)) == NULL)
                 return -1;
             r->has_ts = 1;
+        } else if (strcmp(name, "wait") == 0) {
+            double v;
+            if (r->has_wait || (p = plain_number(p, end, &v)) == NULL)
+                return -1;
+            if (v < 0 || v > ISS_MAX_WAIT_MS || v != (double)(int)v)
+                return -1;
+            r->wait_ms = (int)v;
+            r->has_wait = 1;
         } else if (strcmp(name, "v") == 0 || strcmp(name, "version") == 0) {
             double v;
             int *seen = name[1] == '\0' ? &r->has_v : NULL;
@@ -127,6 +139,9 @@ int parse_plain(char *p, size_t len, request *r) {
     }
     if (p != end || r->op == NULL || r->key == NULL || r->nonce == NULL || r->mac == NULL || !r->has_ts)
         return -1;
+    if (r->until != NULL && (!r->has_wait || !plain_key(r->until, r->until_len) ||
+                             memchr(r->until, '/', r->until_len) != NULL))
+        return -1; /* "until" is one plain name, beside a waiting fetch's key */
     return 0;
 }
 

@@ -12,7 +12,10 @@
  * directory, no symbolic link, a regular file). Everything else — malformed, forged, replayed,
  * unknown operations, special files, keys needing normalization, missing keys — goes to the
  * `decide` callback (Python: the one place the protocol's rules and messages are written), which
- * returns the reply and, for a fetch it allows, the descriptor to send. Framing errors (length
+ * returns the reply and, for a fetch it allows, the descriptor to send. A plain fetch with a
+ * "wait" (ms) of a key not there yet is held here, in inotify on the key's directory, until the
+ * key is published (then served like any fetch) or the wait ends (then the callback answers:
+ * not found) -- a stream's consumer asks for its next frame before it exists. Framing errors (length
  * out of range, truncated or late headers) and "busy" are answered here.
  *
  * One replay guard (replay.c), used by both the fast path and, through iss_replay_check(), the
@@ -38,6 +41,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/inotify.h>
 #include <sys/sendfile.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -77,6 +81,8 @@ typedef struct conn {
     int busy; /* a request is being answered (under srv->mu) */
     int dead; /* a send to the peer failed or stalled: no lingering */
     int refuse; /* over max_peers: answer "busy" and close */
+    int ifd, wd; /* inotify instance and watch of the waiting fetches (-1: none yet), kept:
+                  * closing an instance waits for an RCU grace period (0.5-5 ms here) */
     char peer[64];
     struct conn *next;
 } conn;
@@ -255,6 +261,10 @@ static int request_mac(server *s, const request *r, char out[65]) {
     char canon[ISS_MAX_HEADER + 128];
     int n = snprintf(canon, sizeof canon, "instride/%d\n%s\n%s\n%s\n%.6f", ISS_PROTOCOL, r->op, r->key,
                      r->nonce, r->ts);
+    if (n >= 0 && r->has_wait && (size_t)n < sizeof canon) /* the wait is signed too */
+        n += snprintf(canon + n, sizeof canon - (size_t)n, "\nwait=%d", r->wait_ms);
+    if (n >= 0 && r->until != NULL && (size_t)n < sizeof canon)
+        n += snprintf(canon + n, sizeof canon - (size_t)n, "\nuntil=%s", r->until);
     if (n < 0 || (size_t)n >= sizeof canon)
         return -1;
     unsigned char inner[32], md[32];
@@ -275,8 +285,113 @@ static int request_mac(server *s, const request *r, char out[65]) {
     return 0;
 }
 
-/* Try the fast path: returns an open regular file (and its size) to serve, or -1 (delegate). */
-static int fast_path(server *s, char *hdr, size_t len, request *r, int64_t *size) {
+/* ------------------------------------------------------------------ awaiting a key */
+
+#define ISS_AWAIT_ABANDON (-3) /* the server is stopping or the peer left: close, no reply */
+
+/* Read the events waiting on ifd; only those of watch wd count (base NULL: drop them all).
+ * Returns 1 when one names another entry that appeared in the directory (not `base`, not a
+ * hidden or temporary name), 2 when the directory itself went away, else 0. */
+static int await_events(int ifd, int wd, const char *base) {
+    char buf[4096] __attribute__((aligned(__alignof__(struct inotify_event))));
+    int other = 0;
+    for (;;) {
+        ssize_t n = read(ifd, buf, sizeof buf);
+        if (n <= 0)
+            return other;
+        for (char *p = buf; p < buf + n;) {
+            struct inotify_event *ev = (struct inotify_event *)p;
+            p += sizeof *ev + ev->len;
+            if (base == NULL || (ev->wd != wd && !(ev->mask & IN_Q_OVERFLOW)))
+                continue;
+            if (ev->mask & (IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED | IN_Q_OVERFLOW))
+                return 2;
+            if (ev->len > 0 && ev->name[0] != '.' && strcmp(ev->name, base) != 0)
+                other = 1;
+        }
+    }
+}
+
+/* A fetch with "wait" of a key not there yet: sleep in inotify on the key's directory until the
+ * key opens (a publication renames it into place), the wait runs out, or another entry appears
+ * in the directory (say, a stream's end marker: the client then looks the usual way). A request
+ * naming "until" (a stream's end marker) is not held at all while that name exists.
+ * Returns what openat2 returned (a descriptor, or -1 with errno), or ISS_AWAIT_ABANDON. */
+static int await_key(server *s, conn *c, const request *r, struct open_how *how) {
+    const char *slash = strrchr(r->key, '/');
+    char dir[ISS_MAX_KEY + 1] = ".";
+    if (slash != NULL) {
+        memcpy(dir, r->key, (size_t)(slash - r->key));
+        dir[slash - r->key] = '\0';
+    }
+    const char *base = slash != NULL ? slash + 1 : r->key;
+    struct open_how dh = {
+        .flags = O_PATH | O_DIRECTORY | O_CLOEXEC,
+        .resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS,
+    };
+    int dfd = (int)syscall(SYS_openat2, s->rootfd, dir, &dh, sizeof dh);
+    if (dfd < 0) {
+        errno = ENOENT;
+        return -1;
+    }
+    if (c->ifd < 0)
+        c->ifd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+    int ifd = c->ifd;
+    char at[64];
+    snprintf(at, sizeof at, "/proc/self/fd/%d", dfd); /* the directory opened beneath the root */
+    int fd = -1, saved = ENOENT;
+    int wd = ifd < 0 ? -1
+                     : inotify_add_watch(ifd, at, IN_MOVED_TO | IN_CREATE | IN_DELETE_SELF |
+                                                      IN_MOVE_SELF | IN_ONLYDIR);
+    if (wd < 0)
+        goto out;
+    if (c->wd >= 0 && c->wd != wd) /* (the same directory as last time: the same watch) */
+        inotify_rm_watch(ifd, c->wd);
+    c->wd = wd;
+    await_events(ifd, wd, NULL); /* what happened there before this request */
+    int64_t deadline = now_ns() + (int64_t)r->wait_ms * 1000000LL;
+    if (r->until != NULL && faccessat(dfd, r->until, F_OK, AT_SYMLINK_NOFOLLOW) == 0)
+        deadline = 0; /* (one look for the key below, no wait) */
+    for (;;) {
+        fd = (int)syscall(SYS_openat2, s->rootfd, r->key, how, sizeof *how); /* after the watch */
+        if (fd >= 0 || errno != ENOENT) {
+            saved = errno;
+            break;
+        }
+        int64_t left = (deadline - now_ns()) / 1000000LL;
+        if (left <= 0)
+            break;
+        if (atomic_load(&s->closing)) {
+            fd = ISS_AWAIT_ABANDON;
+            break;
+        }
+        struct pollfd p[2] = {{ifd, POLLIN, 0}, {c->fd, POLLIN | POLLRDHUP, 0}};
+        int k = poll(p, 2, (int)(left > 100 ? 100 : left)); /* (100 ms: notice a stop) */
+        if (k < 0 && errno != EINTR)
+            break;
+        if (k <= 0)
+            continue;
+        if (p[1].revents) { /* the peer closed, or sent before its answer: give up on it */
+            fd = ISS_AWAIT_ABANDON;
+            break;
+        }
+        int seen = await_events(ifd, wd, base);
+        if (seen == 0)
+            continue;
+        fd = (int)syscall(SYS_openat2, s->rootfd, r->key, how, sizeof *how);
+        saved = errno;
+        break; /* opened, or the directory changed otherwise: answer now */
+    }
+out:
+    close(dfd);
+    if (fd == -1)
+        errno = saved;
+    return fd;
+}
+
+/* Try the fast path: returns an open regular file (and its size) to serve, -1 or -2 (delegate),
+ * or ISS_AWAIT_ABANDON (close without a reply). */
+static int fast_path(server *s, conn *c, char *hdr, size_t len, request *r, int64_t *size) {
     if (s->token_len == 0 || parse_plain(hdr, len, r) != 0)
         return -1;
     if (r->op_len != 5 || memcmp(r->op, "fetch", 5) != 0)
@@ -294,6 +409,12 @@ static int fast_path(server *s, char *hdr, size_t len, request *r, int64_t *size
         .resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS,
     };
     int fd = (int)syscall(SYS_openat2, s->rootfd, r->key, &how, sizeof how);
+    if (fd < 0 && errno == ENOENT && r->has_wait && r->wait_ms > 0) {
+        fd = await_key(s, c, r, &how);
+        if (fd == ISS_AWAIT_ABANDON)
+            return fd;
+        now = wall_now();
+    }
     if (fd < 0)
         return -2;
     struct stat st;
@@ -362,7 +483,11 @@ static int answer(server *s, conn *c, char *hdr, uint32_t len) {
     int64_t size = 0;
     char copy[ISS_MAX_HEADER];
     memcpy(copy, hdr, len); /* parse_plain writes NULs into hdr; the callback gets the original */
-    int fd = fast_path(s, hdr, len, &r, &size);
+    int fd = fast_path(s, c, hdr, len, &r, &size);
+    if (fd == ISS_AWAIT_ABANDON) {
+        c->dead = 1;
+        return 0;
+    }
     if (fd >= 0) {
         char json[ISS_MAX_REPLY];
         int n = snprintf(json, sizeof json, "{\"ok\":true,\"key\":\"%s\",\"size\":%lld}", r.key,
@@ -493,6 +618,8 @@ static void *conn_main(void *arg) {
         }
     }
     free(hdr);
+    if (c->ifd >= 0)
+        close(c->ifd);
     pthread_mutex_lock(&s->mu);
     for (conn **p = &s->conns; *p != NULL; p = &(*p)->next)
         if (*p == c) {
@@ -561,6 +688,7 @@ static void *accept_main(void *arg) {
             continue;
         }
         c->fd = fd;
+        c->ifd = c->wd = -1;
         c->refuse = refuse;
         memcpy(c->peer, peer, sizeof peer);
         c->srv = s;

@@ -41,9 +41,15 @@ int guard_check(guard *g, const char *nonce, size_t len, double ts, double now);
 typedef struct {
     const char *op, *key, *nonce, *mac; /* into the header buffer, NUL-terminated in place */
     size_t op_len, key_len, nonce_len, mac_len;
+    const char *until; /* with "wait": a name beside the key that ends the wait (or NULL) */
+    size_t until_len;
     double ts;
     int has_ts, has_v;
+    int has_wait, wait_ms; /* "wait": hold a fetch of an absent key this long (ms) */
 } request;
+
+/* Longest wait a request may ask for (ms). */
+#define ISS_MAX_WAIT_MS 60000
 
 /* Parse a plain request header in place (writes NULs into it); 0, or -1 when it is not plain. */
 int parse_plain(char *p, size_t len, request *r);

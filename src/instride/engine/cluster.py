@@ -17,12 +17,18 @@ import io
 import json
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from .. import store
 from ..config import Settings
-from ..errors import ConsumeTimeout, IntegrityError, KeyExistsError, KeyNotFoundError
+from ..errors import (
+    ConsumeTimeout,
+    InstrideError,
+    IntegrityError,
+    KeyExistsError,
+    KeyNotFoundError,
+)
 from ..keys import TMP_PATTERN, key_path, tmp_name
 from ..metadata import get_backend
 from ..paths import ConfinedOpener
@@ -63,8 +69,10 @@ class ClusterEngine:
         self.recv_pool = ReceivePool(settings.internal_dir / "recv", keep_bytes=min(
             KEEP_BYTES, KEEP_BYTES if settings.cache_bytes is None else settings.cache_bytes))
         self.lock_dir = settings.internal_dir / "locks"
-        #: number of transfers this process made (for tests and benchmarks)
+        #: number of transfers this process made (for tests and benchmarks), and how many of
+        #: them were answered as their key was published (:meth:`fetch_when_published`)
         self.transfers = 0
+        self.early_transfers = 0
         #: seconds spent by the last :meth:`consume` waiting for the record, receiving and
         #: verifying the bytes, and storing them (publication under the key + cache index)
         self.last_timing = {"wait": 0.0, "fetch": 0.0, "store": 0.0}
@@ -73,6 +81,9 @@ class ClusterEngine:
         # and age; a stale record costs nothing but a verified retry (see _fetch).
         self._seen: dict[str, tuple[float, Record]] = {}
         self._dirs: set[str] = set()  # directories known to exist (for fetched copies)
+        #: the record of the last key this process fetched (a stream's reader asks the same
+        #: owner for its next frame: :meth:`fetch_when_published`)
+        self.last_fetched: Record | None = None
         self._cache_s = str(self.cache_dir)
         self._lock_s = str(self.lock_dir)
 
@@ -218,14 +229,17 @@ class ClusterEngine:
             return None
         return seen[1]
 
-    def _fetch(self, record: Record, path: Path) -> None:
-        staged = tmp_name(str(path))
-        parent = str(path.parent)
+    def _parent_made(self, parent: str) -> None:
         if parent not in self._dirs:  # one mkdir per directory, not one per fetch
             os.makedirs(parent, exist_ok=True)
             if len(self._dirs) >= _SEEN_MAX:
                 self._dirs.clear()
             self._dirs.add(parent)
+
+    def _fetch(self, record: Record, path: Path) -> None:
+        staged = tmp_name(str(path))
+        parent = str(path.parent)
+        self._parent_made(parent)
         t0 = time.monotonic()
         for attempt in range(3):
             try:
@@ -246,6 +260,7 @@ class ClusterEngine:
                     continue
                 raise
         self.transfers += 1
+        self.last_fetched = record
         t1 = time.monotonic()
         try:
             # Bytes first, then the version: in between, a reader sees new bytes with an older
@@ -274,6 +289,72 @@ class ClusterEngine:
             raise
         finally:
             os.close(fd)
+
+    def fetch_when_published(self, key: str, like: Record, wait: float,
+                             until: str | None = None) -> str | None:
+        """Fetch ``key`` from the owner of ``like`` as soon as it is published there.
+
+        For a stream's reader that asks for its next frame before it exists: the owner's data
+        server holds the request until the frame is published (at most ``wait`` seconds, not
+        while ``until`` — the stream's end marker — is there), then sends it at once — no
+        wake-up through the metadata and no request round trip on the frame's path. The bytes
+        are then checked against the key's record (looked up, waited for a moment if the
+        owner has not recorded it yet) and kept as a fetched copy, as :meth:`consume` keeps
+        one. Anything else — nothing published within ``wait``, a transport without the
+        operation, a failed transfer, bytes that do not match the record — returns ``None``
+        and leaves nothing behind: the caller then waits the usual way, which reports errors.
+
+        Returns
+        -------
+        str or None
+            The path of the fetched copy, or ``None``.
+        """
+        fetch = getattr(self.transport, "fetch_when_published", None)
+        if fetch is None:
+            return None
+        path = f"{self.root}/{key}"
+        staged = tmp_name(path)
+        self._parent_made(path.rpartition("/")[0])
+        fd = self.recv_pool.take(staged, like.size)
+        if fd is None:
+            fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        asked: list[Callable[[], Record | None]] = []  # the record, asked for meanwhile
+        try:
+            try:
+                got = fetch(like, key, fd, wait, until,
+                            lambda: asked.append(self.metadata.lookup_soon(key)))
+                if got is not None and os.fstat(fd).st_size != got[0]:
+                    os.ftruncate(fd, got[0])  # (a recycled file sized for another frame)
+            except (InstrideError, OSError):
+                return None
+            finally:
+                os.close(fd)
+            if got is None:
+                return None
+            record = asked[0]() if asked else self.metadata.lookup(key)
+            if record is None:  # sent as it was renamed into place: recorded a moment later
+                record = self.metadata.wait_any([key], max(wait, 0.05))
+            record.verify(got[1], got[0])
+            with self._lock(key, time.monotonic() + max(wait, 1.0)):
+                have = self.cached_version(key)
+                if not (have is not None and have >= record.version and os.access(path, os.F_OK)):
+                    store.publish_file(staged, path, key, overwrite=True)
+                    self._remember(record)
+        except (ConsumeTimeout, IntegrityError):
+            return None  # not recorded, or not the recorded bytes: the usual way sorts it out
+        finally:
+            if os.access(staged, os.F_OK, follow_symlinks=False):
+                self._drop_file(staged, locked=False)
+        self.transfers += 1
+        self.early_transfers += 1
+        self.last_fetched = record
+        # Frames come this way now: the directory's announcements would pile up unread in
+        # this thread's kept subscription (a later wait subscribes again).
+        parent = key.rpartition("/")[0]
+        if parent:
+            self.metadata.unwatch(parent + "/")
+        self.evict(keep=key)
+        return path
 
     def consume_bytes(self, key: str, timeout: float | None) -> memoryview:
         """Content of ``key``: the local file memory-mapped, or a key owned elsewhere received

@@ -23,7 +23,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -271,6 +271,32 @@ class RedisMetadata:
     def lookup(self, key: str) -> Record | None:
         """The record of ``key``, or ``None``; :class:`MetadataUnavailable` if Redis is down."""
         return _record(self._call("lookup", lambda: self._hgetall([key])[0]))
+
+    def lookup_soon(self, key: str) -> Callable[[], Record | None]:
+        """Ask for the record of ``key`` now; the function returned gives it (or ``None``).
+
+        On the lean connection the request goes out at once and its round trip overlaps the
+        caller's work until the function is called (which must come before any other command
+        of this thread); elsewhere, or if the connection fails, the function looks it up then.
+        """
+        fast = self._fast()
+        if fast is None:
+            return lambda: self.lookup(key)
+        try:
+            replies = fast.call_soon([("HGETALL", _REC + key)])
+        except (ConnectionError, OSError, redis.RedisError):
+            return lambda: self.lookup(key)
+
+        def finish() -> Record | None:
+            try:
+                (reply,) = replies()
+            except (ConnectionError, OSError, redis.RedisError):
+                return self.lookup(key)  # (with the usual retries and errors)
+            if isinstance(reply, Exception):
+                return self.lookup(key)
+            return _record(hash_fields(reply))
+
+        return finish
 
     def _lookup_many(self, keys: Sequence[str], deadline: float | None = None) -> Record | None:
         if self._fast_args is not None:

@@ -11,8 +11,9 @@ anything else (TLS, Unix sockets) keeps to redis-py. Errors are the builtin ``OS
 
 from __future__ import annotations
 
+import functools
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import hiredis
@@ -70,12 +71,26 @@ class RespConnection:
         raised, so that the caller can handle e.g. ``NOSCRIPT``. A connection failure closes
         the socket and raises (the next call reconnects).
         """
-        sock = self.sock or self._connect()
+        self.send(commands)
+        return self._replies(len(commands))
+
+    def call_soon(self, commands: Sequence[tuple[Any, ...]]) -> Callable[[], list[Any]]:
+        """Send ``commands`` now; the function returned reads their replies (as :meth:`call`).
+
+        The round trip overlaps the caller's work in between, which must not use this
+        connection: call the function before any other command.
+        """
+        self.send(commands)
+        return functools.partial(self._replies, len(commands))
+
+    def _replies(self, n: int) -> list[Any]:
+        sock = self.sock
         try:
-            sock.sendall(b"".join(hiredis.pack_command(tuple(c)) for c in commands))
+            if sock is None:
+                raise ConnectionError("the connection to Redis was closed")
             out: list[Any] = []
             failed = None
-            while len(out) < len(commands):
+            while len(out) < n:
                 reply = self.reader.gets()
                 if reply is False:
                     chunk = sock.recv(1 << 16)

@@ -29,16 +29,38 @@ PROTOCOL = 1
 _MAC = re.compile(r"[0-9a-f]{64}")
 
 
-def _canonical(op: str, key: str, nonce: str, ts: float) -> bytes:
-    return f"instride/{PROTOCOL}\n{op}\n{key}\n{nonce}\n{ts:.6f}".encode()
+#: Longest a fetch may ask the server to wait for its key to be published (milliseconds).
+MAX_WAIT_MS = 60_000
 
 
-def sign(token: str, op: str, key: str) -> dict[str, Any]:
-    """Build a signed request header for ``op`` on ``key``."""
+def _canonical(op: str, key: str, nonce: str, ts: float, wait: int | None = None,
+               until: str | None = None) -> bytes:
+    text = f"instride/{PROTOCOL}\n{op}\n{key}\n{nonce}\n{ts:.6f}"
+    if wait is not None:
+        text += f"\nwait={wait}"
+    if until is not None:
+        text += f"\nuntil={until}"
+    return text.encode()
+
+
+def sign(token: str, op: str, key: str, wait: int | None = None,
+         until: str | None = None) -> dict[str, Any]:
+    """Build a signed request header for ``op`` on ``key``.
+
+    ``wait`` (milliseconds, a fetch only): the server holds the request up to that long for
+    a key not published yet; ``until``: a name in the key's directory (a stream's end marker)
+    whose presence ends that wait. Both are signed with the rest.
+    """
     nonce = secrets.token_hex(8)
     ts = round(time.time(), 6)
-    mac = hmac.new(token.encode(), _canonical(op, key, nonce, ts), hashlib.sha256).hexdigest()
-    return {"v": PROTOCOL, "op": op, "key": key, "nonce": nonce, "ts": ts, "mac": mac}
+    canonical = _canonical(op, key, nonce, ts, wait, until)
+    mac = hmac.new(token.encode(), canonical, hashlib.sha256).hexdigest()
+    header = {"v": PROTOCOL, "op": op, "key": key, "nonce": nonce, "ts": ts, "mac": mac}
+    if wait is not None:
+        header["wait"] = wait
+    if until is not None:
+        header["until"] = until
+    return header
 
 
 def verify(token: str | None, req: dict[str, Any]) -> str | None:
@@ -65,8 +87,15 @@ def verify(token: str | None, req: dict[str, Any]) -> str | None:
         return "timestamp out of range"
     if not math.isfinite(ts):
         return "timestamp is not finite"
+    wait = req.get("wait")
+    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, int)
+                             or not 0 <= wait <= MAX_WAIT_MS):
+        return f"malformed wait (whole milliseconds, 0 to {MAX_WAIT_MS})"
+    until = req.get("until")
+    if until is not None and not isinstance(until, str):
+        return "malformed until (a name expected)"
     try:
-        canonical = _canonical(op, key, nonce, ts)
+        canonical = _canonical(op, key, nonce, ts, wait, until)
     except UnicodeEncodeError:  # lone surrogates from \ud800-style JSON escapes
         return "fields are not valid Unicode"
     expected = hmac.new(token.encode(), canonical, hashlib.sha256).hexdigest()

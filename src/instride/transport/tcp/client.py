@@ -13,6 +13,7 @@ import ctypes
 import errno
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -110,12 +111,16 @@ class TcpTransport:
             pool = local.pool = {}
         return pool
 
-    def _request(self, record: Record, op: str = "fetch") -> tuple[socket.socket, dict[str, Any]]:
+    def _request(self, record: Record, op: str = "fetch", wait: float | None = None,
+                 until: str | None = None) -> tuple[socket.socket, dict[str, Any]]:
         """Send a signed request and read the reply header, reusing a kept-alive connection.
 
+        ``wait`` (seconds): the owner holds the fetch that long for a key not published yet,
+        unless ``until`` (a name beside the key) is there or appears.
         The returned socket is positioned at the body; give it back with :meth:`_release` once
         the body is read completely, or close it.
         """
+        wait_ms = None if wait is None else max(0, min(wire.MAX_WAIT_MS, int(wait * 1000)))
         node = record.node or record.owner
         pool = self._pool()
         sock = pool.pop(record.owner, None)
@@ -124,11 +129,20 @@ class TcpTransport:
             if sock is None:
                 sock = self._connect(record)
             try:
-                header = wire.sign(self.settings.token or "", op, record.key)
+                header = wire.sign(self.settings.token or "", op, record.key, wait_ms, until)
                 header["version"] = record.version
                 sock.sendall(wire.pack(header))
                 poll_readable(sock, self.settings.spin)  # INSTRIDE_SPIN: poll before sleeping
-                n = wire.parse_length(_recv_exact(sock, 4, record.key))
+                if wait_ms:  # the reply may come that much later than usual
+                    stall = sock.gettimeout()
+                    sock.settimeout(None if stall is None else stall + wait_ms / 1000)
+                    try:
+                        prefix = _recv_exact(sock, 4, record.key)
+                    finally:
+                        sock.settimeout(stall)
+                else:
+                    prefix = _recv_exact(sock, 4, record.key)
+                n = wire.parse_length(prefix)
                 reply = wire.parse_header(_recv_exact(sock, n, record.key))
                 break
             except (OSError, wire.WireError) as exc:
@@ -182,6 +196,60 @@ class TcpTransport:
                 self._release(record.owner, sock)
             else:
                 sock.close()
+
+    def fetch_when_published(self, owner: Record, key: str, fd: int, wait: float,
+                             until: str | None = None,
+                             on_reply: Callable[[], object] | None = None) -> tuple[int, str] | None:
+        """Receive ``key`` from ``owner``'s node into ``fd`` as soon as it is published there.
+
+        The owner's data server holds the request up to ``wait`` seconds for a key that is not
+        there yet (a stream's next frame), then sends it like any fetch: no metadata round
+        trip and no separate request on the frame's path. The bytes are not verified here —
+        the key's record may not even exist yet; the caller looks it up and compares.
+
+        Parameters
+        ----------
+        owner
+            A record of a key of the same owner (its address and node name are used).
+        key
+            The key to receive.
+        fd
+            Open file to write the bytes into (from its offset).
+        wait
+            Seconds the owner may hold the request.
+        until
+            A name in the key's directory (a stream's end marker): while it exists, the
+            owner does not hold the request.
+        on_reply
+            Called when the owner's reply arrives, before the bytes are received (the caller
+            asks for the key's record meanwhile).
+
+        Returns
+        -------
+        (int, str) or None
+            The size and xxh3 hex digest of the bytes received, or ``None`` when the key
+            was not published there within ``wait`` (or something else appeared beside it,
+            or ``until`` is there).
+        """
+        hint = Record(key=key, owner=owner.owner, size=0, checksum="", version=0, time=0.0,
+                      node=owner.node)
+        try:
+            sock, reply = self._request(hint, wait=wait, until=until)
+        except KeyNotFoundError:
+            return None
+        complete = False
+        try:
+            size = _size(reply, hint)
+            if on_reply is not None:
+                on_reply()
+            digest = self._stream_to_file(sock, fd, size, key)
+            complete = True
+        finally:
+            if complete:
+                self._release(owner.owner, sock)
+            else:
+                sock.close()
+        return size, digest
 
     def _stream_to_file(self, sock: socket.socket, fd: int, size: int, key: str) -> str:
         """Receive ``size`` bytes into ``fd``, hashing on the way; return the xxh3 hex digest.
