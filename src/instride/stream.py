@@ -604,6 +604,20 @@ class Stream:
                 if leases.keep:  # a bounded stream: a fetched copy goes when the frame does
                     release = self._dropping_copy(key, release)
                 return Frame(frame.header, frame.positions, frame.ids, release)
+            like = self._fetched_from
+            if path is None and like is not None and not published_but_busy and index > 0 \
+                    and like.key == self.frame_key(index - 1):
+                # Streaming from another node: ask the owner of the last frame for this one
+                # now; its data server sends it the moment it is published (no wake-up through
+                # Redis, no request round trip). Nothing there in time (or a frame retired
+                # before we asked: another one appears instead): the usual way below.
+                early = getattr(engine, "fetch_when_published", None)
+                self._fetched_from = None  # (set again on success)
+                waited = time.monotonic() - start
+                part = _SLICE if timeout is None else min(_SLICE, timeout - waited)
+                if early is not None and part > 0 and early(key, like, part, until=END_NAME):
+                    self._fetched_from = engine.last_fetched
+                    continue
             # (an unbounded stream retires nothing: no frame can be missing)
             policy = self._reader_policy
             archived = self._gap(index) if policy is None or policy.bounded else None
@@ -617,15 +631,6 @@ class Stream:
             if timeout is not None and waited >= timeout:
                 raise ConsumeTimeout(key, waited)
             part = _SLICE if timeout is None else min(_SLICE, timeout - waited)
-            if path is None and self._fetched_from is not None and not published_but_busy:
-                # Streaming from another node: ask the owner of the last frame for this one
-                # now; its data server sends it the moment it is published (no wake-up through
-                # Redis, no request round trip). Nothing there in time: the usual wait below.
-                early = getattr(engine, "fetch_when_published", None)
-                like, self._fetched_from = self._fetched_from, None  # (set again on success)
-                if early is not None and early(key, like, part, until=END_NAME):
-                    self._fetched_from = engine.last_fetched
-                    continue
             if self.spin > 0 and path is not None:
                 end = engine.frame_path(self.end_key)
                 if poll_paths([path, end] if end else [path], min(self.spin, part)) == path:

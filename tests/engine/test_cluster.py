@@ -7,7 +7,10 @@ Cross-node behaviour between network namespaces is tested in tests/emulate.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -215,3 +218,67 @@ def test_an_evicted_copy_a_reader_still_has_is_never_rewritten(nodes: list[Loopb
     finally:
         c1.close()
         c2.close()
+
+
+# ---------------------------------------------------------------------- asked before published
+def test_a_streams_reader_gets_its_next_frame_as_it_is_published(clients: list[instride.Client]) -> None:
+    """A reader on another node asks the owner for frame i + 1 once it has frame i; the owner's
+    data server sends it as it is published (no wake-up through Redis): every frame exact,
+    in order, nearly all of them fetched that way, also on a bounded stream as a group."""
+    c1, c2, _ = clients
+    pos = np.random.default_rng(9).random((4000, 3)).astype(np.float32)
+    frames = 12
+    for name, kw, group in (("ep/run", {}, None), ("ep/bounded", {"retain": 4, "groups": ["g"]}, "g")):
+        reader = instride.Stream(name, timeout=20, client=c2, group=group)
+        got: list[int] = []
+        errors: list[BaseException] = []
+
+        def read(reader: instride.Stream = reader, got: list[int] = got,
+                 errors: list[BaseException] = errors) -> None:
+            try:
+                for frame in reader:
+                    assert np.array_equal(frame.positions, pos + frame.header.step)
+                    got.append(frame.header.step)
+            except BaseException as exc:  # noqa: BLE001 (re-raised below)
+                errors.append(exc)
+
+        before = c2.engine.early_transfers
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        with instride.Stream(name, mode="w", client=c1, **kw) as producer:
+            for i in range(frames):
+                time.sleep(0.03)  # the reader is waiting for each frame
+                producer.append(pos + i, step=i)
+        thread.join(60)
+        assert not thread.is_alive() and errors == []
+        assert got == list(range(frames))
+        assert c2.engine.early_transfers - before >= frames - 2  # (the first one the usual way)
+
+
+def test_bytes_asked_for_early_are_kept_only_if_they_are_the_recorded_ones(
+        clients: list[instride.Client]) -> None:
+    """A file at the owner without a record, or whose bytes differ from its record, is not
+    taken: ``None``, and nothing is left on the reader's node (no copy, no staged file)."""
+    c1, c2, _ = clients
+    with c1.open("eb/first", "wb") as fh:
+        fh.write(b"first")
+    c2.consume("eb/first", timeout=10)
+    like = c2.engine.last_fetched
+    assert like is not None and like.key == "eb/first"
+    (c1.root / "eb" / "unrecorded").write_bytes(b"u" * 40_000)  # there, never published
+    assert c2.engine.fetch_when_published("eb/unrecorded", like, 0.3) is None
+    with c1.open("eb/changed", "wb") as fh:
+        fh.write(b"a" * 40_000)
+    (c1.root / "eb" / "changed").write_bytes(b"b" * 40_000)  # changed at rest, same size
+    before = c2.engine.transfers
+    assert c2.engine.fetch_when_published("eb/changed", like, 0.3) is None
+    assert c2.engine.transfers == before
+    assert sorted(os.listdir(c2.root / "eb")) == ["first"]
+    assert c2.engine.cached_version("eb/changed") is None
+    with pytest.raises(IntegrityError):  # the usual way reports it
+        c2.consume("eb/changed", timeout=10)
+    with c1.open("eb/fine", "wb") as fh:
+        fh.write(b"fine")
+    path = c2.engine.fetch_when_published("eb/fine", like, 5.0)
+    assert path is not None and Path(path).read_bytes() == b"fine"
+    assert c2.engine.cached_version("eb/fine") == 1 and c2.ready("eb/fine") == path

@@ -362,3 +362,155 @@ def test_transfer_cut_midway_is_a_transfer_error(nodes: list[LoopbackNode], tmp_
         owner.join(5)
         listener.close()
     assert not dest.exists()
+
+
+# ---------------------------------------------------------------------- fetches that wait
+def _transport(node: LoopbackNode) -> TcpTransport:
+    return TcpTransport(node.settings())
+
+
+def _waiting(transport: TcpTransport, like: Record, key: str, out: Path, wait: float,
+             until_name: str | None = None) -> tuple[threading.Thread, dict]:
+    """Start ``fetch_when_published`` in a thread; its result (or error) lands in the dict."""
+    result: dict = {}
+
+    def run() -> None:
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            result["got"] = transport.fetch_when_published(like, key, fd, wait, until_name)
+        except Exception as exc:  # noqa: BLE001 (reported by the test)
+            result["error"] = exc
+        finally:
+            os.close(fd)
+        result["done"] = time.monotonic()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_a_waiting_fetch_is_answered_when_the_key_is_published(nodes: list[LoopbackNode],
+                                                                tmp_path: Path) -> None:
+    n1, n2 = nodes[0], nodes[1]
+    like = put(n1, "wt/first", b"first")
+    transport = _transport(n2)
+    try:
+        thread, result = _waiting(transport, like, "wt/second", tmp_path / "second", 30.0)
+        time.sleep(0.3)  # the request is held at the owner now
+        assert thread.is_alive()
+        data = os.urandom(700_000)
+        put(n1, "wt/second", data)
+        published = time.monotonic()
+        thread.join(30)
+        assert "error" not in result, result
+        assert result["got"] == (len(data), xxhash.xxh3_64_hexdigest(data))
+        assert (tmp_path / "second").read_bytes() == data
+        assert result["done"] - published < 10  # sent on publication, not when the wait ran out
+        # the same kept connection serves the next request
+        thread, result = _waiting(transport, like, "wt/first", tmp_path / "again", 5.0)
+        thread.join(30)
+        assert result["got"] == (5, xxhash.xxh3_64_hexdigest(b"first"))
+    finally:
+        transport.close()
+    no_traceback(n1)
+
+
+def test_a_waiting_fetch_ends_when_its_wait_runs_out(nodes: list[LoopbackNode], tmp_path: Path) -> None:
+    n1, n2 = nodes[0], nodes[1]
+    like = put(n1, "wo/first", b"first")
+    transport = _transport(n2)
+    try:
+        start = time.monotonic()
+        thread, result = _waiting(transport, like, "wo/never", tmp_path / "never", 0.4)
+        thread.join(30)
+        assert result == {"got": None, "done": result["done"]}
+        assert result["done"] - start >= 0.4  # it was held
+        assert (tmp_path / "never").read_bytes() == b""  # nothing received
+    finally:
+        transport.close()
+
+
+def test_a_waiting_fetch_is_not_held_while_its_until_name_exists(nodes: list[LoopbackNode],
+                                                                 tmp_path: Path) -> None:
+    """A stream's reader names the end marker: a stream that ended answers at once."""
+    n1, n2 = nodes[0], nodes[1]
+    like = put(n1, "wu/first", b"first")
+    put(n1, "wu/END", b"{}")
+    transport = _transport(n2)
+    try:
+        start = time.monotonic()
+        thread, result = _waiting(transport, like, "wu/next", tmp_path / "next", 30.0, "END")
+        thread.join(30)
+        assert result.get("got", "missing") is None and result["done"] - start < 10
+    finally:
+        transport.close()
+
+
+def test_a_waiting_fetch_ends_when_another_name_appears(nodes: list[LoopbackNode], tmp_path: Path) -> None:
+    n1, n2 = nodes[0], nodes[1]
+    like = put(n1, "wa/first", b"first")
+    transport = _transport(n2)
+    try:
+        thread, result = _waiting(transport, like, "wa/next", tmp_path / "next", 30.0)
+        time.sleep(0.3)
+        put(n1, "wa/end_of_stream.json", b"{}")  # e.g. the stream ended instead
+        appeared = time.monotonic()
+        thread.join(30)
+        assert result.get("got", "missing") is None and result["done"] - appeared < 10
+    finally:
+        transport.close()
+
+
+WAITS = {
+    "wait a boolean": {"wait": True},
+    "wait negative": {"wait": -1},
+    "wait over the limit": {"wait": wire.MAX_WAIT_MS + 1},
+    "wait fractional": {"wait": 1.5},
+    "wait a string": {"wait": "100"},
+    "until not a string": {"wait": 100, "until": 7},
+}
+
+
+@pytest.mark.parametrize("fields", WAITS.values(), ids=WAITS.keys())
+def test_malformed_waits_are_refused(nodes: list[LoopbackNode], fields: dict) -> None:
+    reply = raw(nodes[0], forged(**fields))
+    assert reply["ok"] is False and reply["error"] == "AuthenticationError"
+    no_traceback(nodes[0])
+
+
+@pytest.mark.parametrize("change", [{"wait": 50}, {"until": "OTHER"}, {"until": None}])
+def test_the_wait_and_until_are_signed(nodes: list[LoopbackNode], change: dict) -> None:
+    """A captured waiting fetch with its wait or its until name changed is refused."""
+    header = wire.sign(TOKEN, "fetch", "ws/k", wait=100, until="END")
+    header.update(change)
+    if header["until"] is None:
+        del header["until"]
+    reply = raw(nodes[0], wire.pack(header))
+    assert reply["ok"] is False and reply["error"] == "AuthenticationError"
+    assert "bad mac" in reply["message"]
+    ok = wire.sign(TOKEN, "fetch", "ws/k", wait=100, until="END")
+    assert wire.verify(TOKEN, ok) is None
+    assert raw(nodes[0], wire.pack(ok))["error"] == "KeyNotFoundError"  # signed right: answered
+
+
+def test_a_peer_leaving_or_a_stop_ends_a_held_fetch(own_node: LoopbackNode) -> None:
+    node = own_node.start()
+    put(node, "wl/first", b"first")
+    gone = socket.create_connection(("127.0.0.1", node.port), timeout=10)
+    gone.sendall(wire.pack(wire.sign(TOKEN, "fetch", "wl/never", wait=wire.MAX_WAIT_MS)))
+    until(lambda: stats(node)["peers"] == 1, 5, "the waiting peer connected")
+    gone.close()  # the peer goes away: the server lets go of its request
+    until(lambda: stats(node)["peers"] == 0, 5, "the held request of a peer gone ended")
+    held = socket.create_connection(("127.0.0.1", node.port), timeout=10)
+    try:
+        held.sendall(wire.pack(wire.sign(TOKEN, "fetch", "wl/never", wait=wire.MAX_WAIT_MS)))
+        until(lambda: stats(node)["peers"] == 1, 5, "the waiting peer connected")
+        assert node.proc is not None
+        start = time.monotonic()
+        node.proc.send_signal(signal.SIGTERM)  # a held request does not keep the server up
+        node.proc.wait(30)
+        assert time.monotonic() - start < 20 and node.proc.returncode == 0
+        assert held.recv(1) == b""  # closed without a reply
+    finally:
+        held.close()
+    no_traceback(node)

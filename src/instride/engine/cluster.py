@@ -332,7 +332,14 @@ class ClusterEngine:
             if got is None:
                 return None
             record = asked[0]() if asked else self.metadata.lookup(key)
-            if record is None:  # sent as it was renamed into place: recorded a moment later
+            # Sent as it was renamed into place, the frame is recorded a moment later (the
+            # owner's next round trip to Redis): look again shortly, then wait for it.
+            pause = 0.0002
+            while record is None and pause < 0.005:
+                time.sleep(pause)
+                pause *= 2
+                record = self.metadata.lookup(key)
+            if record is None:
                 record = self.metadata.wait_any([key], max(wait, 0.05))
             record.verify(got[1], got[0])
             with self._lock(key, time.monotonic() + max(wait, 1.0)):

@@ -13,6 +13,12 @@ Every transfer is authenticated (an HMAC of the job token, ``INSTRIDE_TOKEN``) a
 <instride.record.Record.verify>`) before the file is published locally; a failed, refused or
 short transfer leaves nothing at the destination.
 
+A client half may also offer ``fetch_when_published(owner, key, fd, wait, until, on_reply)``
+(the TCP transport does): the owner holds the fetch until the key is published there, so a
+stream's reader can ask for its next frame before it exists (see
+:meth:`instride.engine.cluster.ClusterEngine.fetch_when_published`). It is optional; the
+cluster engine looks for it and waits the usual way without it.
+
 A new transport is one module (or package) with both classes, one line in
 :data:`instride.transport.REGISTRY`, and a subclass of the contract test suite
 (``tests/transport/contract.py``). The client class names its server class with
