@@ -9,7 +9,8 @@ Measures, in one run, on an emulated cluster made for the purpose:
 2. cross-node consume latency of JAC-sized frames: publish on node 1 -> bytes local on node 2
    (median, p99), also with a consumer that busy-polls (``INSTRIDE_SPIN=1``), and on a bounded
    stream (``retain=16``, a consumer group iterating the stream: publish start -> the frame's
-   arrays in numpy; fetched copies recycled as frames retire); then the same
+   arrays in numpy; fetched copies recycled as frames retire; the reader asks the owner for
+   each next frame before it is published), sleeping and busy-polling; then the unbounded case
    while node 3 fetches STMV frames from node 1's server without
    pause (head-of-line blocking: how much a large transfer delays small ones);
 3. publish -> remote wake-up latency through Redis (a tiny key; median, p99; the clock starts
@@ -432,6 +433,9 @@ def plot_targets(result: dict, path: Path) -> None:
     if "jac_consume_latency_bounded_us" in result:
         b = result["jac_consume_latency_bounded_us"]
         lats[2:2] = [("JAC median\nbounded", b["median"], 2000), ("JAC p99\nbounded", b["p99"], 5000)]
+    if "jac_consume_latency_bounded_spin_us" in result:
+        b = result["jac_consume_latency_bounded_spin_us"]
+        lats[4:4] = [("JAC median\nbounded, spin", b["median"], 2000)]
     if "head_of_line" in result:
         h = result["head_of_line"]["jac_latency_us"]
         lats[2:2] = [("JAC median\nSTMV load", h["median"], None), ("JAC p99\nSTMV load", h["p99"], None)]
@@ -499,7 +503,7 @@ def main() -> None:
 
         # 2. JAC consume latency, frames paced so the consumer is waiting
         _, lat = stream_run(c, "jac", n_jac, jac_atoms, 0.02, [(1, 2)])
-        s = summary(lat[0])
+        s = unloaded = summary(lat[0])
         result["jac_consume_latency_us"] = s
         print(f"\n## cross-node consume latency, JAC frames ({jac / 1024:.1f} KiB), publish start on"
               f" node1 -> bytes local on node2")
@@ -515,10 +519,15 @@ def main() -> None:
         result["jac_consume_latency_bounded_us"] = s
         print(f"a bounded stream (retain={RETAIN}, consumer group iterating: publish start -> the"
               f" frame's arrays in numpy): median {s['median']:.0f} µs   p99 {s['p99']:.0f} µs")
+        _, lat = stream_run(c, "jacbndspin", n_jac, jac_atoms, 0.02, [(1, 2)], spin=1.0, bounded=True)
+        s = summary(lat[0])
+        result["jac_consume_latency_bounded_spin_us"] = s
+        print(f"the bounded stream, its reader with INSTRIDE_SPIN=1: median {s['median']:.0f} µs"
+              f"   p99 {s['p99']:.0f} µs")
 
         # 2b. the same while node 3 pulls STMV frames from node 1's server (head-of-line blocking)
         hol = head_of_line(c, 100 if args.quick else 300, jac_atoms,
-                           [f"stmv/p0/frame_{i:09d}.isf" for i in range(4)], s)
+                           [f"stmv/p0/frame_{i:09d}.isf" for i in range(4)], unloaded)
         result["head_of_line"] = hol
         h = hol["jac_latency_us"]
         one_stmv_ms = stmv / (raw * 1e6) * 1e3
