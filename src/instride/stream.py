@@ -615,8 +615,9 @@ class Stream:
                 self._fetched_from = None  # (set again on success)
                 waited = time.monotonic() - start
                 part = _SLICE if timeout is None else min(_SLICE, timeout - waited)
-                if early is not None and part > 0 and early(key, like, part, until=END_NAME):
-                    self._fetched_from = engine.last_fetched
+                got_early = None if early is None or part <= 0 else early(key, like, part, until=END_NAME)
+                if got_early is not None:
+                    self._fetched_from = got_early
                     continue
             # (an unbounded stream retires nothing: no frame can be missing)
             policy = self._reader_policy

@@ -10,7 +10,6 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -279,6 +278,7 @@ def test_bytes_asked_for_early_are_kept_only_if_they_are_the_recorded_ones(
         c2.consume("eb/changed", timeout=10)
     with c1.open("eb/fine", "wb") as fh:
         fh.write(b"fine")
-    path = c2.engine.fetch_when_published("eb/fine", like, 5.0)
-    assert path is not None and Path(path).read_bytes() == b"fine"
-    assert c2.engine.cached_version("eb/fine") == 1 and c2.ready("eb/fine") == path
+    record = c2.engine.fetch_when_published("eb/fine", like, 5.0)
+    assert record is not None and record.key == "eb/fine" and record.owner == like.owner
+    assert (c2.root / "eb" / "fine").read_bytes() == b"fine"
+    assert c2.engine.cached_version("eb/fine") == 1 and c2.ready("eb/fine") == str(c2.root / "eb" / "fine")

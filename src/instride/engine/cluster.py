@@ -291,7 +291,7 @@ class ClusterEngine:
             os.close(fd)
 
     def fetch_when_published(self, key: str, like: Record, wait: float,
-                             until: str | None = None) -> str | None:
+                             until: str | None = None) -> Record | None:
         """Fetch ``key`` from the owner of ``like`` as soon as it is published there.
 
         For a stream's reader that asks for its next frame before it exists: the owner's data
@@ -306,8 +306,9 @@ class ClusterEngine:
 
         Returns
         -------
-        str or None
-            The path of the fetched copy, or ``None``.
+        Record or None
+            The record of the copy now on this node (under the key, as :meth:`consume` leaves
+            it), or ``None``.
         """
         fetch = getattr(self.transport, "fetch_when_published", None)
         if fetch is None:
@@ -361,7 +362,7 @@ class ClusterEngine:
         if parent:
             self.metadata.unwatch(parent + "/")
         self.evict(keep=key)
-        return path
+        return record
 
     def consume_bytes(self, key: str, timeout: float | None) -> memoryview:
         """Content of ``key``: the local file memory-mapped, or a key owned elsewhere received
