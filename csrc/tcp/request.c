@@ -106,12 +106,17 @@ int parse_plain(char *p, size_t len, request *r) {
                 return -1;
             r->has_ts = 1;
         } else if (strcmp(name, "wait") == 0) {
-            double v;
-            if (r->has_wait || (p = plain_number(p, end, &v)) == NULL)
+            /* digits only (as Python's json writes an int): 100.0, 1e2, -0 go to the callback,
+             * which refuses them, as it would after a wait */
+            int v = 0, digits = 0;
+            while (p < end && *p >= '0' && *p <= '9' && digits < 6)
+                v = v * 10 + (*p++ - '0'), digits++;
+            if (r->has_wait || digits == 0 || (p < end && *p >= '0' && *p <= '9') ||
+                (digits > 1 && p[-digits] == '0') || v > ISS_MAX_WAIT_MS)
                 return -1;
-            if (v < 0 || v > ISS_MAX_WAIT_MS || v != (double)(int)v)
+            if (p < end && (*p == '.' || *p == 'e' || *p == 'E'))
                 return -1;
-            r->wait_ms = (int)v;
+            r->wait_ms = v;
             r->has_wait = 1;
         } else if (strcmp(name, "v") == 0 || strcmp(name, "version") == 0) {
             double v;

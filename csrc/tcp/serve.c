@@ -81,11 +81,18 @@ typedef struct conn {
     int busy; /* a request is being answered (under srv->mu) */
     int dead; /* a send to the peer failed or stalled: no lingering */
     int refuse; /* over max_peers: answer "busy" and close */
-    int ifd, wd; /* inotify instance and watch of the waiting fetches (-1: none yet), kept:
-                  * closing an instance waits for an RCU grace period (0.5-5 ms here) */
     char peer[64];
     struct conn *next;
 } conn;
+
+/* An inotify instance and its current watch, kept across the waiting fetches that use it:
+ * closing an instance waits for an RCU grace period (0.5-5 ms here), and instances are few
+ * (fs.inotify.max_user_instances, shared by all the user's processes: often 128). */
+typedef struct {
+    int fd, wd;
+} watcher;
+
+#define ISS_WATCHERS 8 /* at most this many fetches wait at once; more are answered at once */
 
 typedef struct server {
     int lfd, rootfd;
@@ -107,6 +114,8 @@ typedef struct server {
     _Atomic uint64_t fetches, bytes_sent, errors, busy, stalled, refused;
     atomic_int peers;
     guard replay;
+    watcher idle[ISS_WATCHERS]; /* inotify instances of waiting fetches, free for the next */
+    int nidle, nwatchers;       /* (under mu) */
     EVP_MD *md;               /* SHA-256, fetched once */
     EVP_MD_CTX *inner, *outer; /* the HMAC's padded-key states (read only after start) */
 } server;
@@ -289,6 +298,34 @@ static int request_mac(server *s, const request *r, char out[65]) {
 
 #define ISS_AWAIT_ABANDON (-3) /* the server is stopping or the peer left: close, no reply */
 
+/* Take a watcher from the server's pool (made on first use); 0 when all are in use. */
+static int watcher_take(server *s, watcher *w) {
+    pthread_mutex_lock(&s->mu);
+    int have = s->nidle > 0, make = !have && s->nwatchers < ISS_WATCHERS;
+    if (have)
+        *w = s->idle[--s->nidle];
+    else if (make)
+        s->nwatchers++;
+    pthread_mutex_unlock(&s->mu);
+    if (make) {
+        w->wd = -1;
+        w->fd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+        if (w->fd < 0) {
+            pthread_mutex_lock(&s->mu);
+            s->nwatchers--;
+            pthread_mutex_unlock(&s->mu);
+            return 0;
+        }
+    }
+    return have || make;
+}
+
+static void watcher_give(server *s, const watcher *w) {
+    pthread_mutex_lock(&s->mu);
+    s->idle[s->nidle++] = *w;
+    pthread_mutex_unlock(&s->mu);
+}
+
 /* Read the events waiting on ifd; only those of watch wd count (base NULL: drop them all).
  * Returns 1 when one names another entry that appeared in the directory (not `base`, not a
  * hidden or temporary name), 2 when the directory itself went away, else 0. */
@@ -317,7 +354,7 @@ static int await_events(int ifd, int wd, const char *base) {
  * in the directory (say, a stream's end marker: the client then looks the usual way). A request
  * naming "until" (a stream's end marker) is not held at all while that name exists.
  * Returns what openat2 returned (a descriptor, or -1 with errno), or ISS_AWAIT_ABANDON. */
-static int await_key(server *s, conn *c, const request *r, struct open_how *how) {
+static int await_key(server *s, int sock, const request *r, struct open_how *how) {
     const char *slash = strrchr(r->key, '/');
     char dir[ISS_MAX_KEY + 1] = ".";
     if (slash != NULL) {
@@ -334,20 +371,23 @@ static int await_key(server *s, conn *c, const request *r, struct open_how *how)
         errno = ENOENT;
         return -1;
     }
-    if (c->ifd < 0)
-        c->ifd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
-    int ifd = c->ifd;
+    watcher w;
+    if (!watcher_take(s, &w)) { /* as many waiting as the pool allows: no wait */
+        close(dfd);
+        errno = ENOENT;
+        return -1;
+    }
+    int ifd = w.fd;
     char at[64];
     snprintf(at, sizeof at, "/proc/self/fd/%d", dfd); /* the directory opened beneath the root */
     int fd = -1, saved = ENOENT;
-    int wd = ifd < 0 ? -1
-                     : inotify_add_watch(ifd, at, IN_MOVED_TO | IN_CREATE | IN_DELETE_SELF |
-                                                      IN_MOVE_SELF | IN_ONLYDIR);
+    int wd = inotify_add_watch(ifd, at, IN_MOVED_TO | IN_CREATE | IN_DELETE_SELF | IN_MOVE_SELF |
+                                            IN_ONLYDIR);
+    if (w.wd >= 0 && w.wd != wd) /* (the same directory as last time: the same watch) */
+        inotify_rm_watch(ifd, w.wd);
+    w.wd = wd;
     if (wd < 0)
         goto out;
-    if (c->wd >= 0 && c->wd != wd) /* (the same directory as last time: the same watch) */
-        inotify_rm_watch(ifd, c->wd);
-    c->wd = wd;
     await_events(ifd, wd, NULL); /* what happened there before this request */
     int64_t deadline = now_ns() + (int64_t)r->wait_ms * 1000000LL;
     if (r->until != NULL && faccessat(dfd, r->until, F_OK, AT_SYMLINK_NOFOLLOW) == 0)
@@ -365,7 +405,7 @@ static int await_key(server *s, conn *c, const request *r, struct open_how *how)
             fd = ISS_AWAIT_ABANDON;
             break;
         }
-        struct pollfd p[2] = {{ifd, POLLIN, 0}, {c->fd, POLLIN | POLLRDHUP, 0}};
+        struct pollfd p[2] = {{ifd, POLLIN, 0}, {sock, POLLIN | POLLRDHUP, 0}};
         int k = poll(p, 2, (int)(left > 100 ? 100 : left)); /* (100 ms: notice a stop) */
         if (k < 0 && errno != EINTR)
             break;
@@ -383,6 +423,7 @@ static int await_key(server *s, conn *c, const request *r, struct open_how *how)
         break; /* opened, or the directory changed otherwise: answer now */
     }
 out:
+    watcher_give(s, &w);
     close(dfd);
     if (fd == -1)
         errno = saved;
@@ -410,7 +451,7 @@ static int fast_path(server *s, conn *c, char *hdr, size_t len, request *r, int6
     };
     int fd = (int)syscall(SYS_openat2, s->rootfd, r->key, &how, sizeof how);
     if (fd < 0 && errno == ENOENT && r->has_wait && r->wait_ms > 0) {
-        fd = await_key(s, c, r, &how);
+        fd = await_key(s, c->fd, r, &how);
         if (fd == ISS_AWAIT_ABANDON)
             return fd;
         now = wall_now();
@@ -618,8 +659,6 @@ static void *conn_main(void *arg) {
         }
     }
     free(hdr);
-    if (c->ifd >= 0)
-        close(c->ifd);
     pthread_mutex_lock(&s->mu);
     for (conn **p = &s->conns; *p != NULL; p = &(*p)->next)
         if (*p == c) {
@@ -688,7 +727,6 @@ static void *accept_main(void *arg) {
             continue;
         }
         c->fd = fd;
-        c->ifd = c->wd = -1;
         c->refuse = refuse;
         memcpy(c->peer, peer, sizeof peer);
         c->srv = s;
@@ -859,6 +897,8 @@ ISS_API int iss_stop(void *h, int grace_ms, iss_stats *final) {
     if (final != NULL)
         iss_stats_get(s, final);
     if (left == 0) { /* (else leak the state: a thread may still touch it) */
+        for (int i = 0; i < s->nidle; i++)
+            close(s->idle[i].fd);
         close(s->rootfd);
         guard_free(&s->replay);
         mac_free(s);

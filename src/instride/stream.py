@@ -606,11 +606,10 @@ class Stream:
                 return Frame(frame.header, frame.positions, frame.ids, release)
             like = self._fetched_from
             if path is None and like is not None and not published_but_busy and index > 0 \
-                    and like.key == self.frame_key(index - 1):
+                    and like.key == self.frame_key(index - 1) and self._no_gaps():
                 # Streaming from another node: ask the owner of the last frame for this one
                 # now; its data server sends it the moment it is published (no wake-up through
-                # Redis, no request round trip). Nothing there in time (or a frame retired
-                # before we asked: another one appears instead): the usual way below.
+                # Redis, no request round trip). Nothing there in time: the usual way below.
                 early = getattr(engine, "fetch_when_published", None)
                 self._fetched_from = None  # (set again on success)
                 waited = time.monotonic() - start
@@ -657,6 +656,15 @@ class Stream:
                         return archived
                     raise
             published_but_busy = woke == key and path is not None
+
+    def _no_gaps(self) -> bool:
+        """Whether this reader can never find a frame retired before it got there: an
+        unbounded stream, or a consumer group of a stream that blocks for its groups. (Only
+        then is a frame asked for early sure to come; a retired one would hold the request
+        until the next publication.)"""
+        policy = self._reader_policy
+        return policy is not None and (not policy.bounded or (self.group is not None
+                                                              and not policy.drops))
 
     def _dropping_copy(self, key: str, release: Any) -> Any:
         """For a bounded stream: drop this node's fetched copy when the frame is released."""

@@ -282,3 +282,18 @@ def test_bytes_asked_for_early_are_kept_only_if_they_are_the_recorded_ones(
     assert record is not None and record.key == "eb/fine" and record.owner == like.owner
     assert (c2.root / "eb" / "fine").read_bytes() == b"fine"
     assert c2.engine.cached_version("eb/fine") == 1 and c2.ready("eb/fine") == str(c2.root / "eb" / "fine")
+
+
+def test_readers_that_may_meet_retired_frames_do_not_ask_early(clients: list[instride.Client]) -> None:
+    """A frame retired before it was asked for would hold the request until the next
+    publication: readers that may meet one (drop policies, readers outside a group of a
+    bounded stream) wait the usual way — and still see every frame they can."""
+    c1, c2, _ = clients
+    pos = np.zeros((100, 3), np.float32)
+    with instride.Stream("nd/run", mode="w", client=c1, retain=50, on_full="drop-oldest") as producer:
+        for i in range(6):
+            producer.append(pos + i, step=i)
+    before = c2.engine.early_transfers
+    reader = instride.Stream("nd/run", timeout=10, client=c2)
+    assert [f.header.step for f in reader] == list(range(6))
+    assert not reader._no_gaps() and c2.engine.early_transfers == before

@@ -24,6 +24,25 @@ def test_deferred_replies_are_read_before_the_next_calls(redis_server: RedisServ
     conn.close()
 
 
+def test_replies_asked_for_soon_never_go_to_another_caller(redis_server: RedisServer) -> None:
+    conn = _conn(redis_server)
+    conn.call([("SET", "k1", "one"), ("SET", "k2", "two")])
+    conn.defer([("SET", "k3", "three")])  # a deferred reply ahead of everything
+    first = conn.call_soon([("GET", "k1")])
+    assert first() == [b"one"]
+    abandoned = conn.call_soon([("GET", "k1")])  # (its function not called before the next use)
+    assert conn.call([("GET", "k2")]) == [b"two"]  # not k1's reply
+    conn.defer([("SET", "k4", "four")])
+    later = conn.call_soon([("GET", "k3")])
+    assert later() == [b"three"]
+    assert abandoned() == [b"one"]  # kept for it meanwhile
+    gone = conn.call_soon([("GET", "k2")])
+    conn.close()
+    with pytest.raises(ConnectionError):  # lost with the connection: an error, not a wrong reply
+        gone()
+    assert conn.call([("GET", "k4")]) == [b"four"]  # reconnects, in step
+
+
 def test_a_failed_deferred_command_surfaces_at_the_next_call(redis_server: RedisServer) -> None:
     conn = _conn(redis_server)
     conn.call([("SET", "s", "x")])

@@ -514,3 +514,56 @@ def test_a_peer_leaving_or_a_stop_ends_a_held_fetch(own_node: LoopbackNode) -> N
     finally:
         held.close()
     no_traceback(node)
+
+
+def test_a_wait_that_is_not_a_plain_integer_is_refused_whole(nodes: list[LoopbackNode]) -> None:
+    """``100.0`` or ``1e2`` sign like 100 but are not what a client sends: the C engine does
+    not serve them, and the protocol's rules refuse them — never bytes after a wait."""
+    n1 = nodes[0]
+    put(n1, "wf/here", b"here")
+    for text in ("100.0", "1e2", "0100"):
+        header = wire.sign(TOKEN, "fetch", "wf/here", wait=100)
+        body = json.dumps(header, separators=(",", ":")).replace('"wait":100', f'"wait":{text}')
+        reply = raw(n1, struct.pack(">I", len(body)) + body.encode())
+        assert reply["ok"] is False and reply["error"] in ("AuthenticationError", "WireError")
+    no_traceback(n1)
+
+
+def test_waiting_fetches_are_bounded_and_a_miss_keeps_the_connection(own_node: LoopbackNode,
+                                                                     tmp_path: Path) -> None:
+    """At most 8 fetches wait at once on a server (inotify instances are few and shared by
+    all of a user's processes); one more is answered at once. A request whose wait ran out
+    leaves its connection open for the next fetch."""
+    node = own_node.start()
+    like = put(node, "wb/first", b"first")
+    held = [socket.create_connection(("127.0.0.1", node.port), timeout=30) for _ in range(8)]
+    try:
+        for i, s in enumerate(held):
+            s.sendall(wire.pack(wire.sign(TOKEN, "fetch", f"wb/never-{i}", wait=30_000)))
+        until(lambda: stats(node)["peers"] == 8, 5, "8 waiting peers")
+        time.sleep(0.3)
+        start = time.monotonic()
+        with socket.create_connection(("127.0.0.1", node.port), timeout=30) as extra:
+            extra.sendall(wire.pack(wire.sign(TOKEN, "fetch", "wb/never-x", wait=30_000)))
+            (n,) = struct.unpack(">I", recv_all(extra, 4))
+            assert json.loads(recv_all(extra, n))["error"] == "KeyNotFoundError"
+        assert time.monotonic() - start < 20  # answered, not held
+        put(node, "wb/never-0", b"zero")  # the held ones still get theirs
+        (n,) = struct.unpack(">I", recv_all(held[0], 4))
+        assert json.loads(recv_all(held[0], n))["size"] == 4 and recv_all(held[0], 4) == b"zero"
+    finally:
+        for s in held:
+            s.close()
+    until(lambda: stats(node)["peers"] == 0, 10, "the waiting peers gone")
+    transport = _transport(own_node)
+    fd = os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:  # (in this thread: connections are kept per thread)
+        assert transport.fetch_when_published(like, "wb/later", fd, 0.3) is None
+        assert stats(node)["peers"] == 1  # kept open after the miss
+        assert transport.fetch_when_published(like, "wb/first", fd, 5.0) == (
+            5, xxhash.xxh3_64_hexdigest(b"first"))
+        assert stats(node)["peers"] == 1  # the same connection served it
+    finally:
+        os.close(fd)
+        transport.close()
+    no_traceback(node)

@@ -315,19 +315,17 @@ class ClusterEngine:
             return None
         path = f"{self.root}/{key}"
         staged = tmp_name(path)
-        self._parent_made(path.rpartition("/")[0])
-        fd = self.recv_pool.take(staged, like.size)
-        if fd is None:
-            fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         asked: list[Callable[[], Record | None]] = []  # the record, asked for meanwhile
         try:
+            self._parent_made(path.rpartition("/")[0])
+            fd = self.recv_pool.take(staged, like.size)
+            if fd is None:
+                fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
                 got = fetch(like, key, fd, wait, until,
                             lambda: asked.append(self.metadata.lookup_soon(key)))
                 if got is not None and os.fstat(fd).st_size != got[0]:
                     os.ftruncate(fd, got[0])  # (a recycled file sized for another frame)
-            except (InstrideError, OSError):
-                return None
             finally:
                 os.close(fd)
             if got is None:
@@ -342,14 +340,19 @@ class ClusterEngine:
                 record = self.metadata.lookup(key)
             if record is None:
                 record = self.metadata.wait_any([key], max(wait, 0.05))
+            if record.key != key:
+                return None
             record.verify(got[1], got[0])
             with self._lock(key, time.monotonic() + max(wait, 1.0)):
                 have = self.cached_version(key)
                 if not (have is not None and have >= record.version and os.access(path, os.F_OK)):
                     store.publish_file(staged, path, key, overwrite=True)
                     self._remember(record)
-        except (ConsumeTimeout, IntegrityError):
-            return None  # not recorded, or not the recorded bytes: the usual way sorts it out
+        except (InstrideError, OSError):
+            # nothing there in time, not recorded, not the recorded bytes, a failed transfer
+            # or store, Redis away for a moment: the usual way sorts it out (or says what)
+            self._dirs.discard(path.rpartition("/")[0])  # (in case gc removed it)
+            return None
         finally:
             if os.access(staged, os.F_OK, follow_symlinks=False):
                 self._drop_file(staged, locked=False)

@@ -11,7 +11,6 @@ anything else (TLS, Unix sockets) keeps to redis-py. Errors are the builtin ``OS
 
 from __future__ import annotations
 
-import functools
 import socket
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,6 +42,8 @@ class RespConnection:
         self.sock: socket.socket | None = None
         self.reader: Any = None
         self.deferred = 0  # replies of :meth:`defer`'d commands not read yet
+        # the replies a :meth:`call_soon` function will read (their count, where they go)
+        self._soon: tuple[int, list[list[Any]]] | None = None
         #: patterns this connection is subscribed to, in order of use (gone with the socket)
         self.patterns: dict[str, None] = {}
 
@@ -77,11 +78,29 @@ class RespConnection:
     def call_soon(self, commands: Sequence[tuple[Any, ...]]) -> Callable[[], list[Any]]:
         """Send ``commands`` now; the function returned reads their replies (as :meth:`call`).
 
-        The round trip overlaps the caller's work in between, which must not use this
-        connection: call the function before any other command.
+        The round trip overlaps the caller's work until the function is called. Any other use
+        of the connection first reads those replies and keeps them for the function, so
+        replies never go to the wrong caller — also when the function is never called. The
+        function raises :class:`ConnectionError` if the connection was lost meanwhile.
         """
         self.send(commands)
-        return functools.partial(self._replies, len(commands))
+        box: list[list[Any]] = []
+        self._soon = (len(commands), box)
+
+        def replies() -> list[Any]:
+            if self._soon is not None and self._soon[1] is box:
+                self._settle()
+            if not box:
+                raise ConnectionError("the connection to Redis was closed before the reply")
+            return box[0]
+
+        return replies
+
+    def _settle(self) -> None:
+        """Read the replies a :meth:`call_soon` function is owed, into its box."""
+        soon, self._soon = self._soon, None
+        if soon is not None:
+            soon[1].append(self._replies(soon[0]))
 
     def _replies(self, n: int) -> list[Any]:
         sock = self.sock
@@ -123,6 +142,7 @@ class RespConnection:
 
     def send(self, commands: Sequence[tuple[Any, ...]]) -> None:
         """Send ``commands`` in one write without reading replies (subscriptions)."""
+        self._settle()  # (replies still owed to a call_soon come first)
         sock = self.sock or self._connect()
         try:
             sock.sendall(b"".join(hiredis.pack_command(tuple(c)) for c in commands))
@@ -193,6 +213,7 @@ class RespConnection:
         """Close the socket (a later :meth:`call` reconnects)."""
         sock, self.sock = self.sock, None
         self.deferred = 0  # (their replies go with the socket)
+        self._soon = None  # (a call_soon function then finds its box empty)
         self.patterns.clear()  # (and so do subscriptions)
         if sock is not None:
             sock.close()

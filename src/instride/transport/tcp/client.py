@@ -158,13 +158,14 @@ class TcpTransport:
                 sock.close()
                 raise
         if not reply.get("ok"):
-            sock.close()
             err = str(reply.get("error"))
             message = str(reply.get("message", "refused"))
+            if err == "KeyNotFoundError":  # e.g. deleted or evicted at the owner meanwhile
+                self._release(record.owner, sock)  # a miss: the connection stays usable
+                raise KeyNotFoundError(record.key)
+            sock.close()
             if err == "AuthenticationError":
                 raise AuthenticationError(f"{node}: {message}")
-            if err == "KeyNotFoundError":  # e.g. deleted or evicted at the owner meanwhile
-                raise KeyNotFoundError(record.key)
             raise TransferError(record.key, f"{node} refused: {reply.get('error')}: {message}")
         return sock, reply
 

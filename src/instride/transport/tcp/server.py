@@ -236,9 +236,11 @@ class TcpServer:
             if isinstance(exc, KeyNotServed):
                 self._count("refused")
                 log.warning("refused to serve to %s: %s", peer, exc)
-            else:
-                log.debug("not serving to %s: %s", peer, exc)
-            return _error("KeyNotFoundError", str(exc)), None, 0, False
+                return _error("KeyNotFoundError", str(exc)), None, 0, False
+            log.debug("not serving to %s: %s", peer, exc)
+            # a plain miss (say, a stream's next frame not published within the request's
+            # wait): the connection stays usable
+            return _error("KeyNotFoundError", str(exc)), None, 0, True
         except InstrideError as exc:
             self._count("refused")
             log.warning("refused key from %s: %s", peer, exc)
