@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import re
 import time
@@ -77,6 +78,8 @@ _FRAME_RE = re.compile(r"frame_(\d{9})\.isf$")
 _MAP_SLACK = 8
 #: Longest single wait of a reader before it looks at the stream's head again.
 _SLICE = 0.5
+#: seconds a reading of the groups' cursors may be used to retire frames they are past
+_GROUPS_FRESH = 0.05
 _GAP_POLICIES = ("raise", "count")
 
 
@@ -205,6 +208,8 @@ class Stream:
         self._retained: deque[tuple[int, int, int]] = deque()  # (index, inode, bytes)
         self._retained_bytes = 0
         self._oldest = 0
+        # every group's cursor was past this frame when last read (at this monotonic time)
+        self._groups_past = (0, -math.inf)
         self._archiver: Any = None
         self._archive_reader: Any = None
         # consumer
@@ -357,8 +362,13 @@ class Stream:
         slack = 1 if wait else 0
         while self._retained and self._over(nbytes, slack):
             oldest = self._retained[0][0]
-            if not self.policy.drops:
+            past, seen = self._groups_past
+            # Cursors only move on, so frames before the lowest one read moments ago need no
+            # new look (in cluster mode a round trip per frame); group names are re-read as
+            # often as the local state re-reads them (a group registered meanwhile starts at 0).
+            if not self.policy.drops and not (oldest < past and time.monotonic() - seen < _GROUPS_FRESH):
                 cursors = self._share.cursors()
+                self._groups_past = (min(cursors.values(), default=math.inf), time.monotonic())
                 holders = sorted(g for g, c in cursors.items() if c <= oldest)
                 if holders:
                     if not wait:
