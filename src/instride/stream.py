@@ -65,7 +65,7 @@ from .errors import (
     StreamFull,
 )
 from .frames import Frame, decode_frame, encode_into, frame_size
-from .record import checksum_of
+from .record import Record, checksum_of
 from .store.ring import Leases, SlotPool
 from .store.streamstate import Policy, check_group, state_dir
 
@@ -219,7 +219,7 @@ class Stream:
         self._cursor_file: Any = None
         #: the record of the last frame fetched from another node: its owner is asked for the
         #: next frame before that is published (cluster mode, see ``read``)
-        self._fetched_from: Any = None
+        self._fetched_from: Record | None = None
         if self.group is not None:
             if mode == "w":
                 raise ValueError("group= is for consumers; a producer registers groups with groups=")
