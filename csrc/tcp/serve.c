@@ -41,6 +41,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/inotify.h>
 #include <sys/sendfile.h>
 #include <sys/socket.h>
@@ -85,14 +86,30 @@ typedef struct conn {
     struct conn *next;
 } conn;
 
-/* An inotify instance and its current watch, kept across the waiting fetches that use it:
- * closing an instance waits for an RCU grace period (0.5-5 ms here), and instances are few
- * (fs.inotify.max_user_instances, shared by all the user's processes: often 128). */
-typedef struct {
-    int fd, wd;
-} watcher;
+/* Waiting fetches share one inotify instance per server: instances are few
+ * (fs.inotify.max_user_instances, shared by all the user's processes: often 128), and closing
+ * one waits for an RCU grace period (0.5-5 ms here). Every waiter polls it; whichever wakes
+ * first reads the events and hands each to the waiters it concerns (their `seen`, and their
+ * eventfd), so the usual single waiter is woken once, by the kernel, with no thread between.
+ * Watches are shared by the waiters of a directory (inotify gives one watch per directory and
+ * instance) and kept, idle, for the next. */
+typedef struct waiter {
+    int wd;           /* the watch of the key's directory */
+    const char *base; /* the key's last component */
+    int efd;          /* eventfd written by whichever waiter reads its events */
+    int seen;         /* what they were (under mu): ISS_SEEN_* bits */
+    struct waiter *next;
+} waiter;
 
-#define ISS_WATCHERS 8 /* at most this many fetches wait at once; more are answered at once */
+#define ISS_SEEN_KEY 1   /* an entry of the key's name appeared */
+#define ISS_SEEN_OTHER 2 /* another visible name appeared */
+#define ISS_SEEN_GONE 4  /* the directory went away, or events were lost */
+
+typedef struct {
+    int wd, refs; /* refs: waiters using it now (0: idle, kept for the next) */
+} watch;
+
+#define ISS_WATCHES 64 /* watches kept (in use or idle); beyond that, idle ones are removed */
 
 typedef struct server {
     int lfd, rootfd;
@@ -114,8 +131,10 @@ typedef struct server {
     _Atomic uint64_t fetches, bytes_sent, errors, busy, stalled, refused;
     atomic_int peers;
     guard replay;
-    watcher idle[ISS_WATCHERS]; /* inotify instances of waiting fetches, free for the next */
-    int nidle, nwatchers;       /* (under mu) */
+    int ifd;                    /* the waiting fetches' inotify instance (-1: none yet) */
+    waiter *waiters;            /* (under mu) */
+    watch watches[ISS_WATCHES]; /* (under mu) */
+    int nwatches;
     EVP_MD *md;               /* SHA-256, fetched once */
     EVP_MD_CTX *inner, *outer; /* the HMAC's padded-key states (read only after start) */
 } server;
@@ -298,55 +317,99 @@ static int request_mac(server *s, const request *r, char out[65]) {
 
 #define ISS_AWAIT_ABANDON (-3) /* the server is stopping or the peer left: close, no reply */
 
-/* Take a watcher from the server's pool (made on first use); 0 when all are in use. */
-static int watcher_take(server *s, watcher *w) {
-    pthread_mutex_lock(&s->mu);
-    int have = s->nidle > 0, make = !have && s->nwatchers < ISS_WATCHERS;
-    if (have)
-        *w = s->idle[--s->nidle];
-    else if (make)
-        s->nwatchers++;
-    pthread_mutex_unlock(&s->mu);
-    if (make) {
-        w->wd = -1;
-        w->fd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
-        if (w->fd < 0) {
-            pthread_mutex_lock(&s->mu);
-            s->nwatchers--;
-            pthread_mutex_unlock(&s->mu);
-            return 0;
-        }
-    }
-    return have || make;
-}
-
-static void watcher_give(server *s, const watcher *w) {
-    pthread_mutex_lock(&s->mu);
-    s->idle[s->nidle++] = *w;
-    pthread_mutex_unlock(&s->mu);
-}
-
-/* Read the events waiting on ifd; only those of watch wd count (base NULL: drop them all).
- * Returns 1 when one names another entry that appeared in the directory (not `base`, not a
- * hidden or temporary name), 2 when the directory itself went away, else 0. */
-static int await_events(int ifd, int wd, const char *base) {
-    char buf[4096] __attribute__((aligned(__alignof__(struct inotify_event))));
-    int other = 0;
+/* Read the events queued on the shared instance and hand each to the waiters it concerns;
+ * under mu. */
+static void dispatch_events(server *s) {
+    char buf[8192] __attribute__((aligned(__alignof__(struct inotify_event))));
     for (;;) {
-        ssize_t n = read(ifd, buf, sizeof buf);
+        ssize_t n = read(s->ifd, buf, sizeof buf);
         if (n <= 0)
-            return other;
-        for (char *p = buf; p < buf + n;) {
-            struct inotify_event *ev = (struct inotify_event *)p;
-            p += sizeof *ev + ev->len;
-            if (base == NULL || (ev->wd != wd && !(ev->mask & IN_Q_OVERFLOW)))
-                continue;
-            if (ev->mask & (IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED | IN_Q_OVERFLOW))
-                return 2;
-            if (ev->len > 0 && ev->name[0] != '.' && strcmp(ev->name, base) != 0)
-                other = 1;
+            return;
+        for (char *q = buf; q < buf + n;) {
+            struct inotify_event *ev = (struct inotify_event *)q;
+            q += sizeof *ev + ev->len;
+            if (ev->mask & IN_IGNORED) { /* a watch removed (by us, or with its directory) */
+                for (int i = 0; i < s->nwatches; i++)
+                    if (s->watches[i].wd == ev->wd) {
+                        s->watches[i] = s->watches[--s->nwatches];
+                        break;
+                    }
+            }
+            for (waiter *w = s->waiters; w != NULL; w = w->next) {
+                int seen = 0;
+                if (ev->mask & IN_Q_OVERFLOW)
+                    seen = ISS_SEEN_GONE;
+                else if (ev->wd != w->wd)
+                    continue;
+                else if (ev->mask & (IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED))
+                    seen = ISS_SEEN_GONE;
+                else if (ev->len > 0 && strcmp(ev->name, w->base) == 0)
+                    seen = ISS_SEEN_KEY;
+                else if (ev->len > 0 && ev->name[0] != '.')
+                    seen = ISS_SEEN_OTHER;
+                if (seen) {
+                    w->seen |= seen;
+                    uint64_t one = 1;
+                    if (write(w->efd, &one, sizeof one) < 0) { /* (full: it is awake anyway) */
+                    }
+                }
+            }
         }
     }
+}
+
+/* Register a waiter on the directory dfd (a watch shared with its other waiters); under mu.
+ * Returns 0, or -1 (no waiting possible: no inotify instance, no watch). */
+static int waiter_add(server *s, waiter *w, int dfd) {
+    if (s->ifd < 0 && (s->ifd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC)) < 0)
+        return -1; /* (the first waiting fetch of this server makes it) */
+    dispatch_events(s); /* what happened before this waiter: to the others, if anyone's */
+    char at[64];
+    snprintf(at, sizeof at, "/proc/self/fd/%d", dfd); /* the directory opened beneath the root */
+    int wd = inotify_add_watch(s->ifd, at, IN_MOVED_TO | IN_CREATE | IN_DELETE_SELF | IN_MOVE_SELF |
+                                               IN_ONLYDIR);
+    if (wd < 0)
+        return -1;
+    int i = 0;
+    while (i < s->nwatches && s->watches[i].wd != wd)
+        i++;
+    if (i == s->nwatches) {
+        if (s->nwatches == ISS_WATCHES) { /* full: drop an idle watch, else do not wait */
+            int idle = 0;
+            while (idle < s->nwatches && s->watches[idle].refs > 0)
+                idle++;
+            if (idle == s->nwatches) {
+                inotify_rm_watch(s->ifd, wd); /* (a new one: nobody else uses it) */
+                return -1;
+            }
+            inotify_rm_watch(s->ifd, s->watches[idle].wd);
+            s->watches[idle] = s->watches[--s->nwatches];
+            i = s->nwatches;
+        }
+        s->watches[i].wd = wd;
+        s->watches[i].refs = 0;
+        s->nwatches++;
+    }
+    s->watches[i].refs++;
+    w->wd = wd;
+    w->seen = 0;
+    w->next = s->waiters;
+    s->waiters = w;
+    return 0;
+}
+
+/* Unregister a waiter (its watch stays, idle, for the next waiter of the directory); under mu. */
+static void waiter_remove(server *s, waiter *w) {
+    for (waiter **p = &s->waiters; *p != NULL; p = &(*p)->next)
+        if (*p == w) {
+            *p = w->next;
+            break;
+        }
+    for (int i = 0; i < s->nwatches; i++)
+        if (s->watches[i].wd == w->wd) {
+            s->watches[i].refs--;
+            break;
+        }
 }
 
 /* A fetch with "wait" of a key not there yet: sleep in inotify on the key's directory until the
@@ -361,7 +424,6 @@ static int await_key(server *s, int sock, const request *r, struct open_how *how
         memcpy(dir, r->key, (size_t)(slash - r->key));
         dir[slash - r->key] = '\0';
     }
-    const char *base = slash != NULL ? slash + 1 : r->key;
     struct open_how dh = {
         .flags = O_PATH | O_DIRECTORY | O_CLOEXEC,
         .resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS,
@@ -371,24 +433,14 @@ static int await_key(server *s, int sock, const request *r, struct open_how *how
         errno = ENOENT;
         return -1;
     }
-    watcher w;
-    if (!watcher_take(s, &w)) { /* as many waiting as the pool allows: no wait */
-        close(dfd);
-        errno = ENOENT;
-        return -1;
-    }
-    int ifd = w.fd;
-    char at[64];
-    snprintf(at, sizeof at, "/proc/self/fd/%d", dfd); /* the directory opened beneath the root */
+    waiter w = {.base = slash != NULL ? slash + 1 : r->key};
+    w.efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    pthread_mutex_lock(&s->mu);
+    int added = w.efd >= 0 && !atomic_load(&s->closing) && waiter_add(s, &w, dfd) == 0;
+    pthread_mutex_unlock(&s->mu);
     int fd = -1, saved = ENOENT;
-    int wd = inotify_add_watch(ifd, at, IN_MOVED_TO | IN_CREATE | IN_DELETE_SELF | IN_MOVE_SELF |
-                                            IN_ONLYDIR);
-    if (w.wd >= 0 && w.wd != wd) /* (the same directory as last time: the same watch) */
-        inotify_rm_watch(ifd, w.wd);
-    w.wd = wd;
-    if (wd < 0)
+    if (!added)
         goto out;
-    await_events(ifd, wd, NULL); /* what happened there before this request */
     int64_t deadline = now_ns() + (int64_t)r->wait_ms * 1000000LL;
     if (r->until != NULL && faccessat(dfd, r->until, F_OK, AT_SYMLINK_NOFOLLOW) == 0)
         deadline = 0; /* (one look for the key below, no wait) */
@@ -405,25 +457,39 @@ static int await_key(server *s, int sock, const request *r, struct open_how *how
             fd = ISS_AWAIT_ABANDON;
             break;
         }
-        struct pollfd p[2] = {{ifd, POLLIN, 0}, {sock, POLLIN | POLLRDHUP, 0}};
-        int k = poll(p, 2, (int)(left > 100 ? 100 : left)); /* (100 ms: notice a stop) */
+        struct pollfd p[3] = {{s->ifd, POLLIN, 0}, {w.efd, POLLIN, 0}, {sock, POLLIN | POLLRDHUP, 0}};
+        int k = poll(p, 3, (int)(left > 100 ? 100 : left)); /* (100 ms: notice a stop) */
         if (k < 0 && errno != EINTR)
             break;
         if (k <= 0)
             continue;
-        if (p[1].revents) { /* the peer closed, or sent before its answer: give up on it */
+        if (p[2].revents) { /* the peer closed, or sent before its answer: give up on it */
             fd = ISS_AWAIT_ABANDON;
             break;
         }
-        int seen = await_events(ifd, wd, base);
-        if (seen == 0)
-            continue;
+        uint64_t count;
+        if (p[1].revents && read(w.efd, &count, sizeof count) < 0) { /* (reset it) */
+        }
+        pthread_mutex_lock(&s->mu);
+        if (p[0].revents)
+            dispatch_events(s); /* (another waiter may have been first: then nothing to read) */
+        int seen = w.seen;
+        w.seen = 0;
+        pthread_mutex_unlock(&s->mu);
+        if (!(seen & (ISS_SEEN_OTHER | ISS_SEEN_GONE)))
+            continue; /* the key's name (or nothing new): look again */
         fd = (int)syscall(SYS_openat2, s->rootfd, r->key, how, sizeof *how);
         saved = errno;
         break; /* opened, or the directory changed otherwise: answer now */
     }
 out:
-    watcher_give(s, &w);
+    if (added) {
+        pthread_mutex_lock(&s->mu);
+        waiter_remove(s, &w);
+        pthread_mutex_unlock(&s->mu);
+    }
+    if (w.efd >= 0)
+        close(w.efd);
     close(dfd);
     if (fd == -1)
         errno = saved;
@@ -764,7 +830,7 @@ ISS_API int iss_start(const char *host, int port, const char *root, const char *
     server *s = calloc(1, sizeof *s);
     if (s == NULL)
         return -ENOMEM;
-    s->lfd = s->rootfd = -1;
+    s->lfd = s->rootfd = s->ifd = -1;
     s->rootfd = open(root, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (s->rootfd < 0) {
         int e = errno;
@@ -897,8 +963,8 @@ ISS_API int iss_stop(void *h, int grace_ms, iss_stats *final) {
     if (final != NULL)
         iss_stats_get(s, final);
     if (left == 0) { /* (else leak the state: a thread may still touch it) */
-        for (int i = 0; i < s->nidle; i++)
-            close(s->idle[i].fd);
+        if (s->ifd >= 0)
+            close(s->ifd);
         close(s->rootfd);
         guard_free(&s->replay);
         mac_free(s);

@@ -529,30 +529,43 @@ def test_a_wait_that_is_not_a_plain_integer_is_refused_whole(nodes: list[Loopbac
     no_traceback(n1)
 
 
-def test_waiting_fetches_are_bounded_and_a_miss_keeps_the_connection(own_node: LoopbackNode,
-                                                                     tmp_path: Path) -> None:
-    """At most 8 fetches wait at once on a server (inotify instances are few and shared by
-    all of a user's processes); one more is answered at once. A request whose wait ran out
-    leaves its connection open for the next fetch."""
+def test_waiting_fetches_share_the_servers_watches_and_a_miss_keeps_the_connection(
+        own_node: LoopbackNode, tmp_path: Path) -> None:
+    """Many fetches wait at once, each answered when its own key is published (they share one
+    inotify instance: instances are few, and shared by all of a user's processes); at most 64
+    directories are watched at once — a fetch in a 65th is answered at once. A request whose
+    wait ran out leaves its connection open for the next fetch."""
     node = own_node.start()
     like = put(node, "wb/first", b"first")
-    held = [socket.create_connection(("127.0.0.1", node.port), timeout=30) for _ in range(8)]
+    for d in range(65):
+        (node.dir / f"wd{d}").mkdir()
+
+    def ask_waiting(key: str) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", node.port), timeout=30)
+        s.sendall(wire.pack(wire.sign(TOKEN, "fetch", key, wait=30_000)))
+        return s
+
+    def reply(s: socket.socket) -> dict:
+        (n,) = struct.unpack(">I", recv_all(s, 4))
+        return json.loads(recv_all(s, n))
+
+    same_key = [ask_waiting("wb/next") for _ in range(12)]  # e.g. 12 readers of one stream
+    held = [ask_waiting(f"wd{d}/k") for d in range(63)]  # 63 more: 64 directories
     try:
-        for i, s in enumerate(held):
-            s.sendall(wire.pack(wire.sign(TOKEN, "fetch", f"wb/never-{i}", wait=30_000)))
-        until(lambda: stats(node)["peers"] == 8, 5, "8 waiting peers")
+        until(lambda: stats(node)["peers"] == 75, 10, "75 waiting peers")
         time.sleep(0.3)
         start = time.monotonic()
-        with socket.create_connection(("127.0.0.1", node.port), timeout=30) as extra:
-            extra.sendall(wire.pack(wire.sign(TOKEN, "fetch", "wb/never-x", wait=30_000)))
-            (n,) = struct.unpack(">I", recv_all(extra, 4))
-            assert json.loads(recv_all(extra, n))["error"] == "KeyNotFoundError"
+        with ask_waiting("wd64/k") as extra:  # a 65th directory: not held
+            assert reply(extra)["error"] == "KeyNotFoundError"
         assert time.monotonic() - start < 20  # answered, not held
-        put(node, "wb/never-0", b"zero")  # the held ones still get theirs
-        (n,) = struct.unpack(">I", recv_all(held[0], 4))
-        assert json.loads(recv_all(held[0], n))["size"] == 4 and recv_all(held[0], 4) == b"zero"
+        put(node, "wb/next", b"next")
+        for s in same_key:  # every one of them, from one event
+            got = reply(s)
+            assert got["key"] == "wb/next" and recv_all(s, got["size"]) == b"next"
+        put(node, "wd5/k", b"five")
+        assert reply(held[5])["size"] == 4 and recv_all(held[5], 4) == b"five"
     finally:
-        for s in held:
+        for s in same_key + held:
             s.close()
     until(lambda: stats(node)["peers"] == 0, 10, "the waiting peers gone")
     transport = _transport(own_node)
