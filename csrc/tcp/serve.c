@@ -317,9 +317,10 @@ static int request_mac(server *s, const request *r, char out[65]) {
 
 #define ISS_AWAIT_ABANDON (-3) /* the server is stopping or the peer left: close, no reply */
 
-/* Read the events queued on the shared instance and hand each to the waiters it concerns;
+/* Read the events queued on the shared instance and hand each to the waiters it concerns
+ * (`self`, the caller if it is one, learns from its `seen` alone: no wake-up of its own);
  * under mu. */
-static void dispatch_events(server *s) {
+static void dispatch_events(server *s, const waiter *self) {
     char buf[8192] __attribute__((aligned(__alignof__(struct inotify_event))));
     for (;;) {
         ssize_t n = read(s->ifd, buf, sizeof buf);
@@ -350,7 +351,7 @@ static void dispatch_events(server *s) {
                 if (seen) {
                     w->seen |= seen;
                     uint64_t one = 1;
-                    if (write(w->efd, &one, sizeof one) < 0) { /* (full: it is awake anyway) */
+                    if (w != self && write(w->efd, &one, sizeof one) < 0) { /* (full: awake) */
                     }
                 }
             }
@@ -363,7 +364,7 @@ static void dispatch_events(server *s) {
 static int waiter_add(server *s, waiter *w, int dfd) {
     if (s->ifd < 0 && (s->ifd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC)) < 0)
         return -1; /* (the first waiting fetch of this server makes it) */
-    dispatch_events(s); /* what happened before this waiter: to the others, if anyone's */
+    dispatch_events(s, NULL); /* what happened before this waiter: to the others, if anyone's */
     char at[64];
     snprintf(at, sizeof at, "/proc/self/fd/%d", dfd); /* the directory opened beneath the root */
     int wd = inotify_add_watch(s->ifd, at, IN_MOVED_TO | IN_CREATE | IN_DELETE_SELF | IN_MOVE_SELF |
@@ -391,6 +392,17 @@ static int waiter_add(server *s, waiter *w, int dfd) {
         s->nwatches++;
     }
     s->watches[i].refs++;
+    /* Idle watches of other directories would wake the waiters here for nothing: they go now
+     * (the one of this directory stays across its waits, as a stream's reader asks frame after
+     * frame; removing a watch is cheap, closing an instance is what is not). */
+    for (int j = 0; j < s->nwatches;) {
+        if (s->watches[j].refs == 0 && s->watches[j].wd != wd) {
+            inotify_rm_watch(s->ifd, s->watches[j].wd);
+            s->watches[j] = s->watches[--s->nwatches];
+        } else {
+            j++;
+        }
+    }
     w->wd = wd;
     w->seen = 0;
     w->next = s->waiters;
@@ -472,7 +484,7 @@ static int await_key(server *s, int sock, const request *r, struct open_how *how
         }
         pthread_mutex_lock(&s->mu);
         if (p[0].revents)
-            dispatch_events(s); /* (another waiter may have been first: then nothing to read) */
+            dispatch_events(s, &w); /* (another waiter may have been first: nothing to read) */
         int seen = w.seen;
         w.seen = 0;
         pthread_mutex_unlock(&s->mu);
