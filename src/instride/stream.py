@@ -127,7 +127,9 @@ class Stream:
         them and adds their number to :attr:`missed`.
     verify
         Consumer: check each frame's payload checksum (default). ``False`` skips it (the
-        header checksum is always checked).
+        header checksum is always checked). A frame this reader fetches from another node
+        is verified as it arrives (the whole file against the producer's checksum, hashed
+        while it is received) and not hashed a second time.
     archive
         Producer: also write every frame to this file (``.h5``: H5MD) while the run goes on,
         through an archiver process reading as consumer group ``"archive"``
@@ -597,6 +599,7 @@ class Stream:
         engine = self.client.engine
         start = time.monotonic()
         published_but_busy = False
+        arrived = False  # fetched from another node in this call: verified on the way in
         while True:
             path = engine.frame_path(key)
             got = None if path is None else leases.open(  # [confine] no link on the way
@@ -604,7 +607,8 @@ class Stream:
             if got is not None:
                 buf, release = got
                 try:
-                    frame = decode_frame(buf, key, verify=self.verify, copy=self.copy)
+                    frame = decode_frame(buf, key, verify=self.verify and not arrived,
+                                         copy=self.copy)
                 except BaseException:
                     release()
                     raise
@@ -627,6 +631,7 @@ class Stream:
                 got_early = None if early is None or part <= 0 else early(key, like, part, until=END_NAME)
                 if got_early is not None:
                     self._fetched_from = got_early
+                    arrived = True
                     continue
             # (an unbounded stream retires nothing: no frame can be missing)
             policy = self._reader_policy
@@ -658,6 +663,7 @@ class Stream:
                     self.client.consume(key, timeout=part)
                     fetched = getattr(engine, "last_fetched", None)
                     self._fetched_from = fetched if fetched is not None and fetched.key == key else None
+                    arrived = self._fetched_from is not None
                 except (ConsumeTimeout, KeyNotFoundError):
                     continue  # retired meanwhile? the head tells, on the next turn
                 except IntegrityError:  # rewritten by its owner under the transfer: retired

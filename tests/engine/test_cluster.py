@@ -223,7 +223,8 @@ def test_an_evicted_copy_a_reader_still_has_is_never_rewritten(nodes: list[Loopb
 def test_a_streams_reader_gets_its_next_frame_as_it_is_published(clients: list[instride.Client]) -> None:
     """A reader on another node asks the owner for frame i + 1 once it has frame i; the owner's
     data server sends it as it is published (no wake-up through Redis): every frame exact,
-    in order, nearly all of them fetched that way, also on a bounded stream as a group."""
+    in order, nearly all of them fetched that way, also on a bounded stream as a group. The
+    frames' records come from the announcements the reader's first wait subscribed to."""
     c1, c2, _ = clients
     pos = np.random.default_rng(9).random((4000, 3)).astype(np.float32)
     frames = 12
@@ -241,7 +242,7 @@ def test_a_streams_reader_gets_its_next_frame_as_it_is_published(clients: list[i
             except BaseException as exc:  # noqa: BLE001 (re-raised below)
                 errors.append(exc)
 
-        before = c2.engine.early_transfers
+        before, heard = c2.engine.early_transfers, c2.engine.records_heard
         thread = threading.Thread(target=read, daemon=True)
         thread.start()
         with instride.Stream(name, mode="w", client=c1, **kw) as producer:
@@ -252,6 +253,9 @@ def test_a_streams_reader_gets_its_next_frame_as_it_is_published(clients: list[i
         assert not thread.is_alive() and errors == []
         assert got == list(range(frames))
         assert c2.engine.early_transfers - before >= frames - 2  # (the first one the usual way)
+        # their records heard from the directory's announcements (no lookup), unless one came
+        # later than the bytes by more than a moment
+        assert c2.engine.records_heard - heard >= (frames - 2) // 2
 
 
 def test_bytes_asked_for_early_are_kept_only_if_they_are_the_recorded_ones(

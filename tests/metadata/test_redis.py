@@ -181,6 +181,31 @@ def test_unwatch_ends_the_kept_subscription(backend: RedisMetadata, put: Put,
     assert watched()
 
 
+def test_a_watching_thread_hears_a_records_announcement(backend: RedisMetadata, put: Put) -> None:
+    """After a wait in a directory, the thread's kept subscription hears the records
+    published there: :meth:`announced` gives one without a lookup (it waits for one that is
+    about to come), once; nothing for a directory not watched or a key not announced."""
+    d = f"heard{uuid.uuid4().hex[:8]}/"
+    put(f"{d}f0", b"x")
+    assert backend.announced(f"{d}f0", 0.1) is None and not backend.watching(d)  # not watched
+    with pytest.raises(ConsumeTimeout):  # waiting in d subscribes to its publications
+        backend.wait_any([f"{d}f1", f"{d}end"], 0.1)
+    assert backend.watching(d)
+    put(f"{d}other", b"x")  # another key's announcement: dropped on the way
+    put(f"{d}f1", b"x")
+    rec = backend.announced(f"{d}f1", 5.0)
+    assert rec is not None and (rec.key, rec.version, rec.owner, rec.node) == (f"{d}f1", 1, "127.0.0.1:1", "n1")
+    assert backend.announced(f"{d}f1", 0.1) is None  # read once
+    later = threading.Timer(0.1, lambda: put(f"{d}f2", b"x"))  # published while it listens
+    later.start()
+    try:
+        rec = backend.announced(f"{d}f2", 10.0)
+    finally:
+        later.join()
+    assert rec is not None and rec.key == f"{d}f2"
+    assert backend.announced(f"{d}f3", 0.1) is None  # never published: nothing within the wait
+
+
 def test_a_record_heard_before_a_deletion_is_not_returned(backend: RedisMetadata, put: Put) -> None:
     d = f"del{uuid.uuid4().hex[:8]}/"
     with pytest.raises(ConsumeTimeout):  # the directory is watched from now on

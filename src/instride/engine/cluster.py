@@ -42,6 +42,9 @@ _open = io.open  # the builtin, captured before instride.interception.pyopen may
 #: records remembered from wait_any: at most this many, for at most this many seconds
 _SEEN_MAX = 1024
 _SEEN_AGE = 5.0
+#: seconds an early fetch waits for its record to be announced (the owner records a frame
+#: right after renaming it) before looking it up
+_HEARD_WITHIN = 0.002
 
 
 class ClusterEngine:
@@ -84,6 +87,8 @@ class ClusterEngine:
         #: the record of the last key this process fetched (a stream's reader asks the same
         #: owner for its next frame: :meth:`fetch_when_published`)
         self.last_fetched: Record | None = None
+        #: early fetches whose record came from the announcements heard (no lookup)
+        self.records_heard = 0
         self._cache_s = str(self.cache_dir)
         self._lock_s = str(self.lock_dir)
 
@@ -298,9 +303,11 @@ class ClusterEngine:
         server holds the request until the frame is published (at most ``wait`` seconds, not
         while ``until`` — the stream's end marker — is there), then sends it at once — no
         wake-up through the metadata and no request round trip on the frame's path. The bytes
-        are then checked against the key's record (looked up, waited for a moment if the
-        owner has not recorded it yet) and kept as a fetched copy, as :meth:`consume` keeps
-        one. Anything else — nothing published within ``wait``, a transport without the
+        are then checked against the key's record and kept as a fetched copy, as
+        :meth:`consume` keeps one. The record is taken from the announcements this thread
+        hears when it waited in the key's directory before (a stream reader's first frame
+        leaves such a subscription), else looked up — asked for as soon as the owner's reply
+        starts, and again a moment later if the owner has not recorded it yet. Anything else — nothing published within ``wait``, a transport without the
         operation, a failed transfer, bytes that do not match the record — returns ``None``
         and leaves nothing behind: the caller then waits the usual way, which reports errors.
 
@@ -316,6 +323,10 @@ class ClusterEngine:
         path = f"{self.root}/{key}"
         staged = tmp_name(path)
         asked: list[Callable[[], Record | None]] = []  # the record, asked for meanwhile
+        # A reader that waited in the key's directory keeps hearing its announcements: the
+        # record will be among them (no round trip). Otherwise it is asked for as soon as
+        # the owner's reply starts, overlapping the body.
+        watched = self.metadata.watching(key.rpartition("/")[0] + "/")
         try:
             self._parent_made(path.rpartition("/")[0])
             fd = self.recv_pool.take(staged, like.size)
@@ -323,14 +334,20 @@ class ClusterEngine:
                 fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
                 got = fetch(like, key, fd, wait, until,
-                            lambda: asked.append(self.metadata.lookup_soon(key)))
+                            None if watched else lambda: asked.append(self.metadata.lookup_soon(key)))
                 if got is not None and os.fstat(fd).st_size != got[0]:
                     os.ftruncate(fd, got[0])  # (a recycled file sized for another frame)
             finally:
                 os.close(fd)
             if got is None:
                 return None
-            record = asked[0]() if asked else self.metadata.lookup(key)
+            if asked:
+                record = asked[0]()
+            else:
+                record = self.metadata.announced(key, _HEARD_WITHIN)
+                self.records_heard += record is not None
+            if record is None:
+                record = self.metadata.lookup(key)
             # Sent as it was renamed into place, the frame is recorded a moment later (the
             # owner's next round trip to Redis): look again shortly, then wait for it.
             pause = 0.0002
@@ -344,8 +361,9 @@ class ClusterEngine:
                 return None
             record.verify(got[1], got[0])
             with self._lock(key, time.monotonic() + max(wait, 1.0)):
-                have = self.cached_version(key)
-                if not (have is not None and have >= record.version and os.access(path, os.F_OK)):
+                # (usually no copy is there: the sidecar is read only when one is)
+                have = self.cached_version(key) if os.access(path, os.F_OK) else None
+                if not (have is not None and have >= record.version):
                     store.publish_file(staged, path, key, overwrite=True)
                     self._remember(record)
         except (InstrideError, OSError):
@@ -359,11 +377,6 @@ class ClusterEngine:
         self.transfers += 1
         self.early_transfers += 1
         self.last_fetched = record
-        # Frames come this way now: the directory's announcements would pile up unread in
-        # this thread's kept subscription (a later wait subscribes again).
-        parent = key.rpartition("/")[0]
-        if parent:
-            self.metadata.unwatch(parent + "/")
         self.evict(keep=key)
         return record
 

@@ -473,6 +473,44 @@ class RedisMetadata:
                     raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
                 time.sleep(0.05)
 
+    def watching(self, prefix: str) -> bool:
+        """Whether this thread keeps a subscription to the publications under ``prefix`` (a
+        directory, ``"a/b/"``), as a wait there leaves one: see :meth:`announced`."""
+        return self._watching(prefix)
+
+    def announced(self, key: str, wait: float = 0.0) -> Record | None:
+        """The record of ``key`` as this thread's kept subscription to its directory heard it
+        announced, without a round trip; ``None`` when not heard within ``wait`` seconds, or
+        when the directory is not watched.
+
+        What was received already is read first; announcements of other keys are dropped
+        (each wait drops what arrived before it anyway). For a stream's reader that received
+        a frame before asking for its record: the owner records a frame right after renaming
+        it into place, so its announcement is in, or moments away, by the time the bytes
+        are — reading it replaces a lookup's round trip.
+        """
+        prefix = key.rpartition("/")[0] + "/"
+        if prefix == "/" or not self._watching(prefix):
+            return None
+        sub = self._subscriber()
+        found = None
+        try:
+            for msg in sub.pending():
+                rec = _announced(msg)
+                if rec is not None and rec.key == key:
+                    found = rec  # (the newest, were it announced twice)
+            end = time.monotonic() + wait
+            while found is None:
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                rec = _announced(sub.read(left))
+                if rec is not None and rec.key == key:
+                    found = rec
+        except _ERRORS:
+            return None  # (the connection is closed; the next wait subscribes again)
+        return found
+
     def unwatch(self, prefix: str) -> None:
         """End this thread's kept subscription to the publications under ``prefix`` (a
         directory, ``"a/b/"``; see :meth:`wait_any`).
