@@ -194,7 +194,8 @@ def test_a_watching_thread_hears_a_records_announcement(backend: RedisMetadata, 
     put(f"{d}other", b"x")  # another key's announcement: dropped on the way
     put(f"{d}f1", b"x")
     rec = backend.announced(f"{d}f1", 5.0)
-    assert rec is not None and (rec.key, rec.version, rec.owner, rec.node) == (f"{d}f1", 1, "127.0.0.1:1", "n1")
+    assert rec is not None
+    assert (rec.key, rec.version, rec.owner, rec.node) == (f"{d}f1", 1, "127.0.0.1:1", "n1")
     assert backend.announced(f"{d}f1", 0.1) is None  # read once
     later = threading.Timer(0.1, lambda: put(f"{d}f2", b"x"))  # published while it listens
     later.start()

@@ -307,9 +307,10 @@ class ClusterEngine:
         :meth:`consume` keeps one. The record is taken from the announcements this thread
         hears when it waited in the key's directory before (a stream reader's first frame
         leaves such a subscription), else looked up — asked for as soon as the owner's reply
-        starts, and again a moment later if the owner has not recorded it yet. Anything else — nothing published within ``wait``, a transport without the
-        operation, a failed transfer, bytes that do not match the record — returns ``None``
-        and leaves nothing behind: the caller then waits the usual way, which reports errors.
+        starts, and again a moment later if the owner has not recorded it yet. Anything
+        else — nothing published within ``wait``, a transport without the operation, a
+        failed transfer, bytes that do not match the record — returns ``None`` and leaves
+        nothing behind: the caller then waits the usual way, which reports errors.
 
         Returns
         -------
