@@ -20,7 +20,10 @@
 #include <xxhash.h>
 
 #define ISC_API __attribute__((visibility("default")))
-#define ISC_CHUNK (1 << 20)
+/* Bytes taken from the socket per recv: each piece is hashed and written while it is still in
+ * the CPU's L2 cache. With 1 MiB pieces a JAC frame (644 KiB) went through memory three times
+ * (recv, hash, write), ~250 µs more per frame on a VM after an idle pause. */
+#define ISC_CHUNK (1 << 17)
 #define ISC_LOWAT (1 << 20) /* most bytes waited for at once (SO_RCVLOWAT) */
 
 enum { ISC_AT_RECV = 0, ISC_AT_WRITE = 1 };
