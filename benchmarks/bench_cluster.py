@@ -95,13 +95,14 @@ PRODUCE = textwrap.dedent(
         print("ready", flush=True)
         sys.stdin.readline()
         gap = 0.0
+    out = []  # printed at the end: a line per frame would wake the benchmark in the window
     with instride.Stream(name, mode="w", layout="paper", **kw) as s:
         for i in range(n):
             if gap:
                 time.sleep(gap)
-            t = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+            out.append(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
             s.append(pos, step=i)
-            print(t, flush=True)
+    print(" ".join(map(str, out)))
     """
 )
 CONSUME = textwrap.dedent(
