@@ -399,7 +399,9 @@ class Client:
     def wait_any(self, keys: Sequence[str], timeout: float | None = None) -> str:
         """Wait until one of ``keys`` is published; return the (normalized) key that was.
 
-        The key is not fetched; call :meth:`consume` for its content.
+        Call :meth:`consume` for its content. (In cluster mode, a consumer that fetched the
+        key before ``keys[0]`` from another node asks that node for ``keys[0]`` while it
+        waits, so the key is usually on this node already when the wait returns.)
 
         Raises
         ------

@@ -17,7 +17,7 @@ import pytest
 import instride
 from instride.engine import Engine
 from instride.engine.cluster import ClusterEngine
-from instride.errors import IntegrityError
+from instride.errors import ConsumeTimeout, IntegrityError
 from tests.conftest import LoopbackNode, RedisServer
 
 
@@ -301,3 +301,73 @@ def test_readers_that_may_meet_retired_frames_do_not_ask_early(clients: list[ins
     reader = instride.Stream("nd/run", timeout=10, client=c2)
     assert [f.header.step for f in reader] == list(range(6))
     assert not reader._no_gaps() and c2.engine.early_transfers == before
+
+
+def test_a_consumer_waiting_key_by_key_gets_each_next_key_as_it_is_published(
+        clients: list[instride.Client]) -> None:
+    """The file API's stream loop (wait for the next key or the end marker, then consume):
+    after the first key came from another node, each wait asks that owner for the next key,
+    which is on this node when the wait returns; the end marker still ends the loop."""
+    c1, c2, _ = clients
+    n = 10
+    got: list[bytes] = []
+    errors: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            i = 0
+            while True:
+                woke = c2.wait_any([f"wk/f{i}", "wk/end"], timeout=20)
+                if woke != f"wk/f{i}":
+                    return
+                with open(c2.consume(woke, timeout=20), "rb") as fh:
+                    got.append(fh.read())
+                i += 1
+        except BaseException as exc:  # noqa: BLE001 (re-raised below)
+            errors.append(exc)
+
+    before = c2.engine.early_transfers
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    for i in range(n):
+        time.sleep(0.03)  # the consumer is waiting for each key
+        with c1.open(f"wk/f{i}", "wb") as fh:
+            fh.write(bytes([i]) * 30_000)
+    time.sleep(0.03)
+    with c1.open("wk/end", "wb") as fh:
+        fh.write(b"done")
+    thread.join(60)
+    assert not thread.is_alive() and errors == []
+    assert got == [bytes([i]) * 30_000 for i in range(n)]
+    assert c2.engine.early_transfers - before >= n - 2  # (the first one the usual way)
+    assert sorted(os.listdir(c2.root / "wk")) == sorted(f"f{i}" for i in range(n))  # nothing staged
+
+
+def test_a_key_published_by_another_owner_wins_over_the_early_request(
+        clients: list[instride.Client]) -> None:
+    """While a wait's early request is held at the owner of the previous key, the next key
+    is published by another node: the wait returns that node's record (the request is
+    withdrawn), and consuming it brings that node's bytes."""
+    c1, c2, c3 = clients
+    with pytest.raises(ConsumeTimeout):  # a wait in the directory: its announcements are heard
+        c2.wait_any(["wo/f0"], timeout=0.1)
+    with c1.open("wo/f0", "wb") as fh:
+        fh.write(b"from node 1")
+    c2.consume("wo/f0", timeout=10)  # the next wait will ask node 1 first
+    withdrawn = c2.engine.early_withdrawn
+
+    def publish_on_node_3() -> None:
+        with c3.open("wo/f1", "wb") as fh:
+            fh.write(b"from node 3")
+
+    timer = threading.Timer(0.1, publish_on_node_3)
+    timer.start()
+    try:
+        assert c2.wait_any(["wo/f1", "wo/end"], timeout=10) == "wo/f1"
+    finally:
+        timer.join()
+    assert c2.engine.early_withdrawn == withdrawn + 1
+    assert c2.consume_bytes("wo/f1", timeout=10) == b"from node 3"
+    with open(c2.consume("wo/f1", timeout=10), "rb") as fh:
+        assert fh.read() == b"from node 3"
+    assert sorted(os.listdir(c2.root / "wo")) == ["f0", "f1"]  # nothing staged left

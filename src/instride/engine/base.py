@@ -11,7 +11,7 @@ method                 job
 ``ready(key)``         the local path (str) of a key readable right now, else ``None``
 ``consume(key, t)``    wait until the key is published and on this node; its local path
 ``consume_bytes``      its content in memory (zero copy when local)
-``wait_any(keys, t)``  wait until one of the keys is published (not fetched); which one
+``wait_any(keys, t)``  wait until one of the keys is published; which one (may fetch it too)
 ``exists(key)``        whether the key is published (anywhere)
 ``published(key, o)``  a local atomic publication just happened: record it
 ``register(key, o)``   record a file already in place under its key; the record
@@ -64,7 +64,8 @@ class Engine(Protocol):
         """Wait for ``key``; return its content (read-only), with no second copy on disk."""
 
     def wait_any(self, keys: Sequence[str], timeout: float | None) -> str:
-        """Wait until one of ``keys`` is published; return it (not fetched)."""
+        """Wait until one of ``keys`` is published; return it (an engine may bring it to this
+        node on the way, as the cluster engine does for a stream's next key)."""
 
     def exists(self, key: str) -> bool:
         """Whether ``key`` is published."""

@@ -16,6 +16,7 @@ import hashlib
 import io
 import json
 import os
+import select
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -45,6 +46,18 @@ _SEEN_AGE = 5.0
 #: seconds an early fetch waits for its record to be announced (the owner records a frame
 #: right after renaming it) before looking it up
 _HEARD_WITHIN = 0.002
+#: seconds :meth:`ClusterEngine.wait_any` holds a request for the next key at its likely owner
+#: before waiting the usual way (and a margin for the owner's reply)
+_EARLY_WAIT = 0.5
+_EARLY_MARGIN = 1.0
+
+
+class _Elsewhere(Exception):  # noqa: N818 (not an error: the other way won the race)
+    """A key waited for was published by another owner: its record."""
+
+    def __init__(self, record: Record) -> None:
+        super().__init__(record.key)
+        self.record = record
 
 
 class ClusterEngine:
@@ -89,6 +102,8 @@ class ClusterEngine:
         self.last_fetched: Record | None = None
         #: early fetches whose record came from the announcements heard (no lookup)
         self.records_heard = 0
+        #: waits whose early request was withdrawn: another owner published first
+        self.early_withdrawn = 0
         self._cache_s = str(self.cache_dir)
         self._lock_s = str(self.lock_dir)
 
@@ -198,7 +213,12 @@ class ClusterEngine:
         have = self.cached_version(key)
         if have is None:
             return True  # an original produced on this node: no round trip
-        rec = self.metadata.lookup(key)
+        seen = self._seen.get(key)  # what wait_any returned moments ago: no second round trip
+        if seen is not None and seen[1].version == have and time.monotonic() - seen[0] <= _SEEN_AGE:
+            del self._seen[key]
+            rec: Record | None = seen[1]
+        else:
+            rec = self.metadata.lookup(key)
         if rec is None or rec.version == have:
             with contextlib.suppress(FileNotFoundError):
                 os.utime(self._sidecar(key))  # LRU touch
@@ -321,30 +341,42 @@ class ClusterEngine:
         fetch = getattr(self.transport, "fetch_when_published", None)
         if fetch is None:
             return None
-        path = f"{self.root}/{key}"
-        staged = tmp_name(path)
         asked: list[Callable[[], Record | None]] = []  # the record, asked for meanwhile
         # A reader that waited in the key's directory keeps hearing its announcements: the
         # record will be among them (no round trip). Otherwise it is asked for as soon as
         # the owner's reply starts, overlapping the body.
         watched = self.metadata.watching(key.rpartition("/")[0] + "/")
+
+        def receive(fd: int) -> tuple[tuple[int, str] | None, Record | None]:
+            on_reply = None if watched else lambda: asked.append(self.metadata.lookup_soon(key))
+            return fetch(like, key, fd, wait, until, on_reply), None
+
+        return self._take_early(key, like, wait, receive, asked)
+
+    def _take_early(self, key: str, like: Record, wait: float,
+                    receive: Callable[[int], tuple[tuple[int, str] | None, Record | None]],
+                    asked: list[Callable[[], Record | None]]) -> Record | None:
+        """Receive ``key`` asked for early into a staged file (``receive(fd)`` gives its size
+        and digest, and its record if known already) and keep it as a fetched copy once it
+        matches the key's record; ``None`` (nothing left behind) for anything else."""
+        path = f"{self.root}/{key}"
+        staged = tmp_name(path)
         try:
             self._parent_made(path.rpartition("/")[0])
             fd = self.recv_pool.take(staged, like.size)
             if fd is None:
                 fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
-                got = fetch(like, key, fd, wait, until,
-                            None if watched else lambda: asked.append(self.metadata.lookup_soon(key)))
+                got, record = receive(fd)
                 if got is not None and os.fstat(fd).st_size != got[0]:
                     os.ftruncate(fd, got[0])  # (a recycled file sized for another frame)
             finally:
                 os.close(fd)
             if got is None:
                 return None
-            if asked:
+            if record is None and asked:
                 record = asked[0]()
-            else:
+            elif record is None:
                 record = self.metadata.announced(key, _HEARD_WITHIN)
                 self.records_heard += record is not None
             if record is None:
@@ -381,6 +413,69 @@ class ClusterEngine:
         self.evict(keep=key)
         return record
 
+    def _wait_early(self, keys: Sequence[str], timeout: float | None) -> Record | None:
+        """:meth:`wait_any` for a consumer that fetched the key before the first of ``keys``
+        from another node: ask that key's owner for ``keys[0]`` (its data server sends it as
+        it is published), while hearing the directory's announcements — whichever comes
+        first. The key then arrives as a fetched copy (see :meth:`fetch_when_published`).
+
+        Returns the record of ``keys[0]``, now on this node; ``None`` when this does not
+        apply or nothing came in time (the caller waits the usual way).
+
+        Raises
+        ------
+        _Elsewhere
+            One of ``keys`` was published by another owner (or another of them first): its
+            record, as the usual wait would return it.
+        """
+        like = self.last_fetched
+        ask = getattr(self.transport, "ask_when_published", None)
+        key = keys[0] if keys else ""
+        parent = like.key.rpartition("/")[0] if like is not None else ""
+        if like is None or ask is None or not parent or key == like.key \
+                or any(k.rpartition("/")[0] != parent for k in keys):
+            return None
+        sub = self.metadata.subscription(parent + "/")  # (a stream's first wait left one)
+        wait = _EARLY_WAIT if timeout is None else min(_EARLY_WAIT, timeout)
+        if sub is None or wait < 0.01 or os.access(f"{self.root}/{key}", os.F_OK):
+            return None
+        until = keys[1].rpartition("/")[2] if len(keys) > 1 else None
+
+        def receive(fd: int) -> tuple[tuple[int, str] | None, Record | None]:
+            # The same protocol as the usual wait: drop what was heard, look up, then trust
+            # what is heard after the lookup. The request goes out first: the lookup's round
+            # trip overlaps its wait.
+            self.metadata.heard(keys)
+            sock = ask(like, key, wait, until)
+            try:
+                rec = self.metadata.lookup_any(keys)
+                known = None
+                poller = select.poll()
+                poller.register(sock.fileno(), select.POLLIN)
+                poller.register(sub.fileno(), select.POLLIN)
+                deadline = time.monotonic() + wait + _EARLY_MARGIN
+                while True:
+                    if rec is not None and (rec.key != key or rec.owner != like.owner):
+                        raise _Elsewhere(rec)  # (withdrawn: the owner drops a closed request)
+                    if rec is not None:
+                        known = rec  # from the owner asked: its bytes are on their way
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return None, None
+                    ready = dict(poller.poll(left * 1000))
+                    if sock.fileno() in ready:
+                        break
+                    if ready.get(sub.fileno(), 0) & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+                        return None, None  # Redis went away: the usual wait recovers
+                    heard = self.metadata.heard(keys)
+                    rec = next((heard[k] for k in keys if k in heard), known)
+            except BaseException:
+                sock.close()
+                raise
+            return self.transport.receive_asked(sock, like, key, fd, wait), known  # type: ignore[attr-defined]
+
+        return self._take_early(key, like, wait, receive, [])
+
     def consume_bytes(self, key: str, timeout: float | None) -> memoryview:
         """Content of ``key``: the local file memory-mapped, or a key owned elsewhere received
         into memory, verified and not stored."""
@@ -401,12 +496,21 @@ class ClusterEngine:
         return str(path) if self._current(key, path) else None
 
     def wait_any(self, keys: Sequence[str], timeout: float | None) -> str:
-        """The first of ``keys`` to be recorded in the metadata (not fetched).
+        """The first of ``keys`` to be recorded in the metadata.
 
         The record is remembered for a moment, so that a :meth:`consume` of the key right
         after (the usual sequence of a stream consumer) needs no second metadata round trip.
+        A consumer that fetched the key before ``keys[0]`` from another node (frame after
+        frame of a stream) asks that owner for ``keys[0]`` while it waits, so the key is
+        usually on this node already when the wait returns (:meth:`_wait_early`).
         """
-        record = self.metadata.wait_any(list(keys), timeout)
+        try:
+            record = self._wait_early(keys, timeout)
+        except _Elsewhere as first:
+            record = first.record
+            self.early_withdrawn += 1
+        if record is None:
+            record = self.metadata.wait_any(list(keys), timeout)
         if len(self._seen) >= _SEEN_MAX:
             self._seen.clear()
         self._seen[record.key] = (time.monotonic(), record)

@@ -298,6 +298,10 @@ class RedisMetadata:
 
         return finish
 
+    def lookup_any(self, keys: Sequence[str]) -> Record | None:
+        """The record of the first of ``keys`` that is recorded (one round trip), or ``None``."""
+        return self._lookup_many(keys)
+
     def _lookup_many(self, keys: Sequence[str], deadline: float | None = None) -> Record | None:
         if self._fast_args is not None:
             for f in self._call("lookup", lambda: self._hgetall(keys), deadline):
@@ -493,14 +497,10 @@ class RedisMetadata:
         if prefix == "/" or not self._watching(prefix):
             return None
         sub = self._subscriber()
-        found = None
+        found = self.heard([key]).get(key)
         try:
-            for msg in sub.pending():
-                rec = _announced(msg)
-                if rec is not None and rec.key == key:
-                    found = rec  # (the newest, were it announced twice)
             end = time.monotonic() + wait
-            while found is None:
+            while found is None and sub.sock is not None:
                 left = end - time.monotonic()
                 if left <= 0:
                     break
@@ -510,6 +510,31 @@ class RedisMetadata:
         except _ERRORS:
             return None  # (the connection is closed; the next wait subscribes again)
         return found
+
+    def heard(self, keys: Sequence[str]) -> dict[str, Record]:
+        """The records of ``keys`` announced on this thread's kept subscriptions since they
+        were last read (the newest of each); nothing is waited for, and announcements of
+        other keys are dropped. Empty when the thread keeps no subscription."""
+        sub = getattr(self._per_thread.get(), "sub", None)
+        out: dict[str, Record] = {}
+        if sub is None or sub.sock is None:
+            return out
+        wanted = set(keys)
+        try:
+            for msg in sub.pending():
+                rec = _announced(msg)
+                if rec is not None and rec.key in wanted:
+                    out[rec.key] = rec
+        except _ERRORS:
+            pass  # (the connection is closed; the next wait subscribes again)
+        return out
+
+    def subscription(self, prefix: str) -> Any | None:
+        """The socket of this thread's kept subscription to the publications under ``prefix``
+        (to poll beside another socket; read it with :meth:`heard`), or ``None`` when the
+        thread does not watch ``prefix``."""
+        sub = getattr(self._per_thread.get(), "sub", None)
+        return sub.sock if self._watching(prefix) else None
 
     def unwatch(self, prefix: str) -> None:
         """End this thread's kept subscription to the publications under ``prefix`` (a

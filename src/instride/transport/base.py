@@ -17,7 +17,11 @@ A client half may also offer ``fetch_when_published(owner, key, fd, wait, until,
 (the TCP transport does): the owner holds the fetch until the key is published there, so a
 stream's reader can ask for its next frame before it exists (see
 :meth:`instride.engine.cluster.ClusterEngine.fetch_when_published`). It is optional; the
-cluster engine looks for it and waits the usual way without it.
+cluster engine looks for it and waits the usual way without it. Its two halves,
+``ask_when_published(owner, key, wait, until)`` (send; returns the socket the reply comes on)
+and ``receive_asked(sock, owner, key, fd, wait)``, let a waiter poll that socket beside another
+(the cluster engine's ``wait_any`` races it against Redis announcements); closing the socket
+withdraws the request.
 
 A new transport is one module (or package) with both classes, one line in
 :data:`instride.transport.REGISTRY`, and a subclass of the contract test suite

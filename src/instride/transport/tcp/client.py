@@ -72,6 +72,15 @@ def _recv_into(sock: socket.socket, view: memoryview, key: str) -> None:
         got += _recv_some(sock, view[got : got + _CHUNK], got, n, key)
 
 
+def _hint(owner: Record, key: str) -> Record:
+    """What a request for ``key`` needs of a record: the owner of a key beside it."""
+    return Record(key=key, owner=owner.owner, size=0, checksum="", version=0, time=0.0, node=owner.node)
+
+
+def _wait_ms(wait: float | None) -> int | None:
+    return None if wait is None else max(0, min(wire.MAX_WAIT_MS, int(wait * 1000)))
+
+
 def _size(reply: dict[str, Any], record: Record) -> int:
     try:
         return int(reply["size"])
@@ -120,54 +129,85 @@ class TcpTransport:
         The returned socket is positioned at the body; give it back with :meth:`_release` once
         the body is read completely, or close it.
         """
-        wait_ms = None if wait is None else max(0, min(wire.MAX_WAIT_MS, int(wait * 1000)))
-        node = record.node or record.owner
-        pool = self._pool()
-        sock = pool.pop(record.owner, None)
-        reused = sock is not None
+        wait_ms = _wait_ms(wait)
+        sock, reused = self._send(record, op, wait_ms, until)
         while True:
-            if sock is None:
-                sock = self._connect(record)
             try:
-                header = wire.sign(self.settings.token or "", op, record.key, wait_ms, until)
-                header["version"] = record.version
-                sock.sendall(wire.pack(header))
                 poll_readable(sock, self.settings.spin)  # INSTRIDE_SPIN: poll before sleeping
-                if wait_ms:  # the reply may come that much later than usual
-                    stall = sock.gettimeout()
-                    sock.settimeout(None if stall is None else stall + wait_ms / 1000)
-                    try:
-                        prefix = _recv_exact(sock, 4, record.key)
-                    finally:
-                        sock.settimeout(stall)
-                else:
-                    prefix = _recv_exact(sock, 4, record.key)
-                n = wire.parse_length(prefix)
-                reply = wire.parse_header(_recv_exact(sock, n, record.key))
+                reply = self._reply(sock, record, wait_ms)
                 break
-            except (OSError, wire.WireError) as exc:
+            except (OSError, wire.WireError, PeerUnavailable) as exc:
                 sock.close()
-                sock = None
                 if reused:  # the owner closed an idle connection: retry once on a new one
                     reused = False
+                    sock = self._send_new(record, op, wait_ms, until)
                     continue
-                if isinstance(exc, TransferError):
+                if isinstance(exc, TransferError | PeerUnavailable):
                     raise
+                node = record.node or record.owner
                 raise PeerUnavailable(f"{node} ({record.owner})", f"no valid reply: {exc}") from None
             except BaseException:
                 sock.close()
                 raise
-        if not reply.get("ok"):
-            err = str(reply.get("error"))
-            message = str(reply.get("message", "refused"))
-            if err == "KeyNotFoundError":  # e.g. deleted or evicted at the owner meanwhile
-                self._release(record.owner, sock)  # a miss: the connection stays usable
-                raise KeyNotFoundError(record.key)
+        return sock, self._accepted(sock, reply, record)
+
+    def _send(self, record: Record, op: str, wait_ms: int | None,
+              until: str | None) -> tuple[socket.socket, bool]:
+        """Send a signed request on this thread's kept-alive connection to the owner (a new
+        one if there is none or it is gone); return the socket and whether it was kept."""
+        sock = self._pool().pop(record.owner, None)
+        if sock is not None:
+            try:
+                sock.sendall(self._signed(record, op, wait_ms, until))
+                return sock, True
+            except OSError:
+                sock.close()  # (closed by the owner while idle)
+        return self._send_new(record, op, wait_ms, until), False
+
+    def _send_new(self, record: Record, op: str, wait_ms: int | None, until: str | None) -> socket.socket:
+        sock = self._connect(record)
+        try:
+            sock.sendall(self._signed(record, op, wait_ms, until))
+        except OSError as exc:
             sock.close()
-            if err == "AuthenticationError":
-                raise AuthenticationError(f"{node}: {message}")
-            raise TransferError(record.key, f"{node} refused: {reply.get('error')}: {message}")
-        return sock, reply
+            node = record.node or record.owner
+            raise PeerUnavailable(f"{node} ({record.owner})", f"no valid reply: {exc}") from None
+        return sock
+
+    def _signed(self, record: Record, op: str, wait_ms: int | None, until: str | None) -> bytes:
+        header = wire.sign(self.settings.token or "", op, record.key, wait_ms, until)
+        header["version"] = record.version
+        return wire.pack(header)
+
+    @staticmethod
+    def _reply(sock: socket.socket, record: Record, wait_ms: int | None) -> dict[str, Any]:
+        """Read a reply header (a held fetch's may come ``wait_ms`` later than usual)."""
+        if wait_ms:
+            stall = sock.gettimeout()
+            sock.settimeout(None if stall is None else stall + wait_ms / 1000)
+            try:
+                prefix = _recv_exact(sock, 4, record.key)
+            finally:
+                sock.settimeout(stall)
+        else:
+            prefix = _recv_exact(sock, 4, record.key)
+        n = wire.parse_length(prefix)
+        return wire.parse_header(_recv_exact(sock, n, record.key))
+
+    def _accepted(self, sock: socket.socket, reply: dict[str, Any], record: Record) -> dict[str, Any]:
+        """``reply`` if it says yes; else the typed error (a miss keeps the connection)."""
+        if reply.get("ok"):
+            return reply
+        node = record.node or record.owner
+        err = str(reply.get("error"))
+        message = str(reply.get("message", "refused"))
+        if err == "KeyNotFoundError":  # e.g. deleted or evicted at the owner meanwhile
+            self._release(record.owner, sock)  # a miss: the connection stays usable
+            raise KeyNotFoundError(record.key)
+        sock.close()
+        if err == "AuthenticationError":
+            raise AuthenticationError(f"{node}: {message}")
+        raise TransferError(record.key, f"{node} refused: {reply.get('error')}: {message}")
 
     def _release(self, owner: str, sock: socket.socket) -> None:
         old = self._pool().pop(owner, None)
@@ -232,22 +272,60 @@ class TcpTransport:
             was not published there within ``wait`` (or something else appeared beside it,
             or ``until`` is there).
         """
-        hint = Record(key=key, owner=owner.owner, size=0, checksum="", version=0, time=0.0,
-                      node=owner.node)
+        hint = _hint(owner, key)
         try:
             sock, reply = self._request(hint, wait=wait, until=until)
         except KeyNotFoundError:
             return None
+        return self._body(sock, reply, hint, fd, on_reply)
+
+    def ask_when_published(self, owner: Record, key: str, wait: float,
+                           until: str | None = None) -> socket.socket:
+        """The first half of :meth:`fetch_when_published`: send the request and return the
+        socket its reply will come on, for a caller that waits for something else meanwhile
+        (it polls the socket). Finish with :meth:`receive_asked`, or close the socket to
+        withdraw the request (the owner's server then drops it without a reply).
+
+        Raises
+        ------
+        PeerUnavailable
+            The owner's data server cannot be reached.
+        """
+        sock, _ = self._send(_hint(owner, key), "fetch", _wait_ms(wait), until)
+        return sock
+
+    def receive_asked(self, sock: socket.socket, owner: Record, key: str, fd: int,
+                      wait: float) -> tuple[int, str] | None:
+        """The second half of :meth:`fetch_when_published`: the owner's reply to
+        :meth:`ask_when_published` and the bytes into ``fd``; ``None`` if the owner answered
+        that the key was not published in time. The socket is consumed (kept for the next
+        request, or closed)."""
+        hint = _hint(owner, key)
+        try:
+            reply = self._reply(sock, hint, _wait_ms(wait))
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            reply = self._accepted(sock, reply, hint)
+        except KeyNotFoundError:
+            return None
+        return self._body(sock, reply, hint, fd, None)
+
+    def _body(self, sock: socket.socket, reply: dict[str, Any], hint: Record, fd: int,
+              on_reply: Callable[[], object] | None) -> tuple[int, str]:
+        """Receive the body announced by ``reply`` into ``fd``; the connection is kept after a
+        whole body, else closed."""
         complete = False
         try:
             size = _size(reply, hint)
             if on_reply is not None:
                 on_reply()
-            digest = self._stream_to_file(sock, fd, size, key)
+            digest = self._stream_to_file(sock, fd, size, hint.key)
             complete = True
         finally:
             if complete:
-                self._release(owner.owner, sock)
+                self._release(hint.owner, sock)
             else:
                 sock.close()
         return size, digest
