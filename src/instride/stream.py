@@ -660,10 +660,12 @@ class Stream:
                     raise EndOfStream(self.name, index)
             if path is None:  # on another node: fetch it here
                 try:
+                    transfers = getattr(engine, "transfers", None)
                     self.client.consume(key, timeout=part)
                     fetched = getattr(engine, "last_fetched", None)
                     self._fetched_from = fetched if fetched is not None and fetched.key == key else None
-                    arrived = self._fetched_from is not None
+                    arrived = self._fetched_from is not None and transfers is not None \
+                        and getattr(engine, "transfers", None) != transfers
                 except (ConsumeTimeout, KeyNotFoundError):
                     continue  # retired meanwhile? the head tells, on the next turn
                 except IntegrityError:  # rewritten by its owner under the transfer: retired

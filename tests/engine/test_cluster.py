@@ -371,3 +371,53 @@ def test_a_key_published_by_another_owner_wins_over_the_early_request(
     with open(c2.consume("wo/f1", timeout=10), "rb") as fh:
         assert fh.read() == b"from node 3"
     assert sorted(os.listdir(c2.root / "wo")) == ["f0", "f1"]  # nothing staged left
+
+
+def test_an_early_wait_survives_its_subscription_being_dropped(clients: list[instride.Client]) -> None:
+    """Redis drops the consumer's subscriber connection (a restart, an output-buffer limit)
+    while its wait holds an early request: the wait still returns the key when it comes,
+    with no error, and the next wait subscribes again."""
+    import redis as redis_py
+
+    c1, c2, _ = clients
+    with pytest.raises(ConsumeTimeout):  # a wait in the directory: its announcements are heard
+        c2.wait_any(["rk/f0"], timeout=0.1)
+    with c1.open("rk/f0", "wb") as fh:
+        fh.write(b"0")
+    c2.consume("rk/f0", timeout=10)
+    meta = c2.engine.metadata
+    sub = meta.subscription("rk/")
+    assert sub is not None
+    host, port = sub.getsockname()[:2]
+    here = f"{host}:{port}"
+    admin = redis_py.Redis.from_url(meta.url)
+
+    def drop_then_publish() -> None:
+        time.sleep(0.1)
+        admin.execute_command("CLIENT", "KILL", "ADDR", here)
+        time.sleep(0.2)
+        with c1.open("rk/f1", "wb") as fh:
+            fh.write(b"1")
+
+    thread = threading.Thread(target=drop_then_publish)
+    thread.start()
+    try:
+        assert c2.wait_any(["rk/f1", "rk/end"], timeout=20) == "rk/f1"
+    finally:
+        thread.join()
+        admin.close()
+    with open(c2.consume("rk/f1", timeout=10), "rb") as fh:
+        assert fh.read() == b"1"
+    assert sorted(os.listdir(c2.root / "rk")) == ["f0", "f1"]
+
+
+def test_only_the_next_numbered_key_is_asked_for_early() -> None:
+    """The early ask is for a consumer walking numbered keys: the next number, same name
+    around it; any other wait moves no bytes."""
+    from instride.engine.cluster import _follows
+
+    assert _follows("s/frame_000000007.isf", "s/frame_000000006.isf")
+    assert _follows("run/f12", "run/f11") and _follows("run/f10", "run/f9")
+    assert not _follows("run/f13", "run/f11") and not _follows("run/f11", "run/f11")
+    assert not _follows("run/g12", "run/f11") and not _follows("run/f12.h5", "run/f11.xtc")
+    assert not _follows("run/end", "run/f11") and not _follows("run/f1", "run/end")

@@ -16,6 +16,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import select
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -47,9 +48,21 @@ _SEEN_AGE = 5.0
 #: right after renaming it) before looking it up
 _HEARD_WITHIN = 0.002
 #: seconds :meth:`ClusterEngine.wait_any` holds a request for the next key at its likely owner
-#: before waiting the usual way (and a margin for the owner's reply)
+#: before waiting the usual way (at most half the wait's timeout), and at most that much again
+#: for the owner's reply
 _EARLY_WAIT = 0.5
 _EARLY_MARGIN = 1.0
+
+
+_NUMBERED = re.compile(r"^(.*?)(\d+)(\D*)$")
+
+
+def _follows(key: str, prev: str) -> bool:
+    """Whether ``key`` is the next of numbered keys after ``prev`` in the same directory
+    (``.../frame_000000007.isf`` after ``..._000000006.isf``, ``run/f12`` after ``run/f11``)."""
+    a, b = _NUMBERED.match(key), _NUMBERED.match(prev)
+    return a is not None and b is not None and a[1] == b[1] and a[3] == b[3] \
+        and int(a[2]) == int(b[2]) + 1
 
 
 class _Elsewhere(Exception):  # noqa: N818 (not an error: the other way won the race)
@@ -414,10 +427,12 @@ class ClusterEngine:
         return record
 
     def _wait_early(self, keys: Sequence[str], timeout: float | None) -> Record | None:
-        """:meth:`wait_any` for a consumer that fetched the key before the first of ``keys``
-        from another node: ask that key's owner for ``keys[0]`` (its data server sends it as
-        it is published), while hearing the directory's announcements — whichever comes
-        first. The key then arrives as a fetched copy (see :meth:`fetch_when_published`).
+        """:meth:`wait_any` for a consumer walking numbered keys (a stream's frames) that
+        fetched the key before ``keys[0]`` from another node: ask that key's owner for
+        ``keys[0]`` (its data server sends it as it is published), while hearing the
+        directory's announcements — whichever comes first. The key then arrives as a fetched
+        copy (see :meth:`fetch_when_published`). Only then: a wait for any other key does not
+        move its bytes.
 
         Returns the record of ``keys[0]``, now on this node; ``None`` when this does not
         apply or nothing came in time (the caller waits the usual way).
@@ -432,14 +447,17 @@ class ClusterEngine:
         ask = getattr(self.transport, "ask_when_published", None)
         key = keys[0] if keys else ""
         parent = like.key.rpartition("/")[0] if like is not None else ""
-        if like is None or ask is None or not parent or key == like.key \
+        if like is None or ask is None or not parent or not _follows(key, like.key) \
                 or any(k.rpartition("/")[0] != parent for k in keys):
             return None
-        sub = self.metadata.subscription(parent + "/")  # (a stream's first wait left one)
-        wait = _EARLY_WAIT if timeout is None else min(_EARLY_WAIT, timeout)
+        prefix = parent + "/"
+        sub = self.metadata.subscription(prefix)  # (a stream's first wait left one)
+        wait = _EARLY_WAIT if timeout is None else min(_EARLY_WAIT, timeout / 2)
         if sub is None or wait < 0.01 or os.access(f"{self.root}/{key}", os.F_OK):
             return None
+        sub_fd = sub.fileno()
         until = keys[1].rpartition("/")[2] if len(keys) > 1 else None
+        gone = select.POLLERR | select.POLLHUP | select.POLLNVAL
 
         def receive(fd: int) -> tuple[tuple[int, str] | None, Record | None]:
             # The same protocol as the usual wait: drop what was heard, look up, then trust
@@ -447,32 +465,37 @@ class ClusterEngine:
             # trip overlaps its wait.
             self.metadata.heard(keys)
             sock = ask(like, key, wait, until)
+            handed = False
             try:
                 rec = self.metadata.lookup_any(keys)
                 known = None
                 poller = select.poll()
                 poller.register(sock.fileno(), select.POLLIN)
-                poller.register(sub.fileno(), select.POLLIN)
-                deadline = time.monotonic() + wait + _EARLY_MARGIN
+                poller.register(sub_fd, select.POLLIN)
+                # (the owner answers when its wait ends; a margin for that answer, within the
+                # caller's timeout, of which the early wait takes at most half)
+                deadline = time.monotonic() + wait + min(_EARLY_MARGIN, wait)
                 while True:
                     if rec is not None and (rec.key != key or rec.owner != like.owner):
                         raise _Elsewhere(rec)  # (withdrawn: the owner drops a closed request)
                     if rec is not None:
                         known = rec  # from the owner asked: its bytes are on their way
                     left = deadline - time.monotonic()
-                    if left <= 0:
-                        return None, None
+                    if left <= 0 or self.metadata.subscription(prefix) is not sub:
+                        return None, None  # (Redis went away: the usual wait recovers)
                     ready = dict(poller.poll(left * 1000))
                     if sock.fileno() in ready:
                         break
-                    if ready.get(sub.fileno(), 0) & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
-                        return None, None  # Redis went away: the usual wait recovers
+                    if ready.get(sub_fd, 0) & gone:
+                        return None, None
                     heard = self.metadata.heard(keys)
                     rec = next((heard[k] for k in keys if k in heard), known)
-            except BaseException:
-                sock.close()
-                raise
-            return self.transport.receive_asked(sock, like, key, fd, wait), known  # type: ignore[attr-defined]
+                handed = True
+                got = self.transport.receive_asked(sock, like, key, fd, wait)  # type: ignore[attr-defined]
+                return got, known
+            finally:
+                if not handed:
+                    sock.close()  # (withdrawn: the owner's server drops it)
 
         return self._take_early(key, like, wait, receive, [])
 
@@ -504,13 +527,15 @@ class ClusterEngine:
         frame of a stream) asks that owner for ``keys[0]`` while it waits, so the key is
         usually on this node already when the wait returns (:meth:`_wait_early`).
         """
+        start = time.monotonic()
         try:
             record = self._wait_early(keys, timeout)
         except _Elsewhere as first:
             record = first.record
             self.early_withdrawn += 1
         if record is None:
-            record = self.metadata.wait_any(list(keys), timeout)
+            left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+            record = self.metadata.wait_any(list(keys), left)
         if len(self._seen) >= _SEEN_MAX:
             self._seen.clear()
         self._seen[record.key] = (time.monotonic(), record)

@@ -162,14 +162,19 @@ class TcpTransport:
                 return sock, True
             except OSError:
                 sock.close()  # (closed by the owner while idle)
+            except BaseException:
+                sock.close()
+                raise
         return self._send_new(record, op, wait_ms, until), False
 
     def _send_new(self, record: Record, op: str, wait_ms: int | None, until: str | None) -> socket.socket:
         sock = self._connect(record)
         try:
             sock.sendall(self._signed(record, op, wait_ms, until))
-        except OSError as exc:
+        except BaseException as exc:
             sock.close()
+            if not isinstance(exc, OSError):
+                raise
             node = record.node or record.owner
             raise PeerUnavailable(f"{node} ({record.owner})", f"no valid reply: {exc}") from None
         return sock
@@ -299,7 +304,9 @@ class TcpTransport:
         """The second half of :meth:`fetch_when_published`: the owner's reply to
         :meth:`ask_when_published` and the bytes into ``fd``; ``None`` if the owner answered
         that the key was not published in time. The socket is consumed (kept for the next
-        request, or closed)."""
+        request, or closed). Unlike a fetch, a kept-alive connection the owner had closed is
+        not retried here: the request fails (:class:`TransferError`) and the caller waits
+        the usual way."""
         hint = _hint(owner, key)
         try:
             reply = self._reply(sock, hint, _wait_ms(wait))
