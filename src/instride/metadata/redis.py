@@ -514,7 +514,10 @@ class RedisMetadata:
     def heard(self, keys: Sequence[str]) -> dict[str, Record]:
         """The records of ``keys`` announced on this thread's kept subscriptions since they
         were last read (the newest of each); nothing is waited for, and announcements of
-        other keys are dropped. Empty when the thread keeps no subscription."""
+        other keys are dropped. Empty when the thread keeps no subscription, or when reading
+        it finds the connection lost: the connection is closed then, which callers see as
+        :meth:`subscription` no longer returning its socket (the next wait subscribes
+        again, and its lookup covers what was announced meanwhile)."""
         sub = getattr(self._per_thread.get(), "sub", None)
         out: dict[str, Record] = {}
         if sub is None or sub.sock is None:
@@ -526,7 +529,7 @@ class RedisMetadata:
                 if rec is not None and rec.key in wanted:
                     out[rec.key] = rec
         except _ERRORS:
-            pass  # (the connection is closed; the next wait subscribes again)
+            return {}  # (lost: pending() closed the connection; see above)
         return out
 
     def subscription(self, prefix: str) -> Any | None:
