@@ -258,6 +258,36 @@ def test_a_streams_reader_gets_its_next_frame_as_it_is_published(clients: list[i
         assert c2.engine.records_heard - heard >= (frames - 2) // 2
 
 
+def test_a_reader_behind_its_producer_takes_the_records_of_the_frames_ahead_as_heard(
+        clients: list[instride.Client]) -> None:
+    """A reader that fell behind hears the announcements of the frames ahead of it all at once
+    while it looks for its next frame's: they are kept, so each later frame's record is
+    still taken from them (no lookup, no wait for an announcement that came already)."""
+    c1, c2, _ = clients
+    pos = np.random.default_rng(4).random((3000, 3)).astype(np.float32)
+    frames = 12
+    reader = instride.Stream("behind/run", timeout=20, client=c2)
+    frames_in = iter(reader)
+    with instride.Stream("behind/run", mode="w", client=c1) as producer:
+        later = threading.Timer(0.2, producer.append, args=(pos,), kwargs={"step": 0})
+        later.start()
+        try:  # (a wait for a frame not yet published subscribes to the directory's announcements)
+            first = next(frames_in)
+        finally:
+            later.join()
+        assert first.header.step == 0 and np.array_equal(first.positions, pos)
+        heard = c2.engine.records_heard
+        for i in range(1, frames):  # all published before the reader looks again
+            producer.append(pos + i, step=i)
+    got = []
+    for frame in frames_in:
+        assert np.array_equal(frame.positions, pos + frame.header.step)
+        got.append(frame.header.step)
+    reader.close()
+    assert got == list(range(1, frames))
+    assert c2.engine.records_heard - heard >= frames - 2
+
+
 def test_bytes_asked_for_early_are_kept_only_if_they_are_the_recorded_ones(
         clients: list[instride.Client]) -> None:
     """A file at the owner without a record, or whose bytes differ from its record, is not

@@ -191,12 +191,15 @@ def test_a_watching_thread_hears_a_records_announcement(backend: RedisMetadata, 
     with pytest.raises(ConsumeTimeout):  # waiting in d subscribes to its publications
         backend.wait_any([f"{d}f1", f"{d}end"], 0.1)
     assert backend.watching(d)
-    put(f"{d}other", b"x")  # another key's announcement: dropped on the way
+    put(f"{d}other", b"x")  # another key's announcement: kept on the way, for later
     put(f"{d}f1", b"x")
     rec = backend.announced(f"{d}f1", 5.0)
     assert rec is not None
     assert (rec.key, rec.version, rec.owner, rec.node) == (f"{d}f1", 1, "127.0.0.1:1", "n1")
     assert backend.announced(f"{d}f1", 0.1) is None  # read once
+    kept = backend.heard([f"{d}other", f"{d}f1"])  # (a reader behind its producer reads ahead)
+    assert list(kept) == [f"{d}other"] and kept[f"{d}other"].version == 1
+    assert backend.heard([f"{d}other"]) == {}  # taken once
     later = threading.Timer(0.1, lambda: put(f"{d}f2", b"x"))  # published while it listens
     later.start()
     try:

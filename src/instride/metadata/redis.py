@@ -17,6 +17,7 @@ so waiters survive a Redis restart.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import math
@@ -91,6 +92,9 @@ def _from_message(data: Any) -> Record | None:
 
 #: directories whose publications a thread's subscriber keeps watching between waits
 _WATCH_MAX = 8
+#: announcements of keys not asked for yet a thread keeps (a reader behind its producer
+#: reads the announcements of the frames ahead together with the one it asked for)
+_HEARD_MAX = 256
 
 
 def _common_dir(keys: Sequence[str]) -> str:
@@ -487,8 +491,9 @@ class RedisMetadata:
         announced, without a round trip; ``None`` when not heard within ``wait`` seconds, or
         when the directory is not watched.
 
-        What was received already is read first; announcements of other keys are dropped
-        (each wait drops what arrived before it anyway). For a stream's reader that received
+        What was received already is read first; announcements of other keys are kept for a
+        later call (the :data:`_HEARD_MAX` last: a reader behind its producer reads the
+        announcements of the frames ahead with the one it asks for). For a stream's reader that received
         a frame before asking for its record: the owner records a frame right after renaming
         it into place, so its announcement is in, or moments away, by the time the bytes
         are — reading it replaces a lookup's round trip.
@@ -497,6 +502,7 @@ class RedisMetadata:
         if prefix == "/" or not self._watching(prefix):
             return None
         sub = self._subscriber()
+        local = self._per_thread.get()
         found = self.heard([key]).get(key)
         try:
             end = time.monotonic() + wait
@@ -507,30 +513,50 @@ class RedisMetadata:
                 rec = _announced(sub.read(left))
                 if rec is not None and rec.key == key:
                     found = rec
+                else:
+                    self._keep_heard(local, rec)
         except _ERRORS:
             return None  # (the connection is closed; the next wait subscribes again)
         return found
 
     def heard(self, keys: Sequence[str]) -> dict[str, Record]:
         """The records of ``keys`` announced on this thread's kept subscriptions since they
-        were last read (the newest of each); nothing is waited for, and announcements of
-        other keys are dropped. Empty when the thread keeps no subscription, or when reading
+        were last read (the newest of each; taken: a second call does not return them again);
+        nothing is waited for, and announcements of other keys are kept for a later call.
+        Empty when the thread keeps no subscription, or when reading
         it finds the connection lost: the connection is closed then, which callers see as
         :meth:`subscription` no longer returning its socket (the next wait subscribes
         again, and its lookup covers what was announced meanwhile)."""
-        sub = getattr(self._per_thread.get(), "sub", None)
-        out: dict[str, Record] = {}
+        local = self._per_thread.get()
+        sub = getattr(local, "sub", None)
         if sub is None or sub.sock is None:
-            return out
-        wanted = set(keys)
+            return {}
         try:
             for msg in sub.pending():
-                rec = _announced(msg)
-                if rec is not None and rec.key in wanted:
-                    out[rec.key] = rec
+                self._keep_heard(local, _announced(msg))
         except _ERRORS:
             return {}  # (lost: pending() closed the connection; see above)
-        return out
+        return self._take_heard(local, keys)
+
+    @staticmethod
+    def _keep_heard(local: Any, rec: Record | None) -> None:
+        """Keep an announced record (the newest of each key, the :data:`_HEARD_MAX` last)."""
+        if rec is None:
+            return
+        kept = getattr(local, "heard", None)
+        if kept is None:
+            kept = local.heard = collections.OrderedDict()
+        old = kept.pop(rec.key, None)
+        kept[rec.key] = rec if old is None or rec.version >= old.version else old
+        while len(kept) > _HEARD_MAX:
+            kept.popitem(last=False)
+
+    @staticmethod
+    def _take_heard(local: Any, keys: Sequence[str]) -> dict[str, Record]:
+        kept = getattr(local, "heard", None)
+        if not kept:
+            return {}
+        return {k: kept.pop(k) for k in keys if k in kept}
 
     def subscription(self, prefix: str) -> Any | None:
         """The socket of this thread's kept subscription to the publications under ``prefix``
