@@ -77,7 +77,8 @@ INSTRIDE = COMMON + textwrap.dedent(
     """
     import instride
     layout = "paper-soa" if "soa" in way else "paper"
-    spin = 1.0 if "spin" in way else 0.0  # a reader that busy-polls between frames
+    # a reader that busy-polls between frames, or polls only around when the next one is due
+    spin = 1.0 if "spin" in way else "auto" if "auto" in way else 0.0
     copy = "copy" in way  # frames delivered as the reader's own arrays (copied + verified once)
     if role == "w":
         t, cost = [], []
@@ -99,7 +100,9 @@ INSTRIDE = COMMON + textwrap.dedent(
             else:
                 xyz = np.array(f.positions); ids = np.array(f.ids)
             t.append(now()); check += int(xyz[0, 0] == f.step)
-        print(json.dumps({"t": t, "ok": check}))
+            if len(t) == 1:
+                cpu = time.process_time()  # the reader's CPU from its first frame on
+        print(json.dumps({"t": t, "ok": check, "cpu": time.process_time() - cpu}))
     """
 )
 
@@ -177,7 +180,7 @@ RENAME = COMMON + textwrap.dedent(
 )
 
 WAYS = {way: INSTRIDE for way in ("instride", "instride-soa", "instride-copy", "instride-soa-copy",
-                                   "instride-soa-copy-spin")}
+                                   "instride-soa-copy-spin", "instride-soa-copy-auto")}
 WAYS.update({"adios2-sst": ADIOS2, "rename": RENAME})
 
 
@@ -227,7 +230,11 @@ def measure(way: str, name: str, nframes: int, repeats: int, interval: float) ->
     run = run_pair(way, natoms, paced_n, interval)
     lat = [(r - w) / 1e3 for w, r in zip(run["w"]["t"], run["r"]["t"], strict=True)]
     fps = statistics.median(rates)
-    return {
+    out = {}
+    if "cpu" in run["r"]:  # the reader's CPU per frame while paced (how much its waiting costs)
+        out["reader_cpu_per_frame_us"] = run["r"]["cpu"] / (paced_n - 1) * 1e6
+        out["reader_cpu_share"] = run["r"]["cpu"] / ((run["r"]["t"][-1] - run["r"]["t"][0]) / 1e9)
+    return out | {
         "frames_per_s": fps,
         "frames_per_s_runs": rates,
         "GB_per_s": fps * nbytes / 1e9,
@@ -289,9 +296,11 @@ def main() -> None:
             per[way] = measure(way, name, n, repeats, interval)
             r = per[way]
             lat, cost = r["latency_us"], r["writer_cost_s"]["median"] * 1e3
+            cpu = (f"  reader CPU {r['reader_cpu_share']:5.1%} of a core while paced"
+                   if "reader_cpu_share" in r else "")
             print(f"{name:5} {way:12} {r['frames_per_s']:9.1f} frames/s {r['GB_per_s']:6.2f} GB/s  "
                   f"latency median {lat['median'] / 1e3:7.2f} ms p99 {lat['p99'] / 1e3:7.2f} ms  "
-                  f"writer {cost:6.2f} ms")
+                  f"writer {cost:6.2f} ms{cpu}")
         sst, ren = per.get("adios2-sst"), per.get("rename")  # a --ways subset may lack either
         ratios: dict[str, float] = {}
         for way in [w for w in per if w.startswith("instride")]:

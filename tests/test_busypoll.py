@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 
-from instride.busypoll import poll_paths, poll_readable, recv_polling
+from instride.busypoll import LEAD_MAX, LEAD_MIN, Cadence, poll_paths, poll_readable, recv_polling
 
 
 def test_poll_paths_sees_a_file_renamed_into_place(tmp_path: Path) -> None:
@@ -55,3 +55,39 @@ def test_poll_readable_leaves_the_data_to_the_next_recv() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_cadence_predicts_the_next_frame_from_the_ones_waited_for() -> None:
+    c = Cadence()
+    for i in range(3):  # two gaps: not enough to go by
+        c.arrived(i, 10.0 + 0.02 * i, waited=True)
+        assert c.window(i + 1) is None
+    c.arrived(3, 10.06, waited=True)
+    start, end = c.window(4)  # due at 10.08; a regular producer: 5 % of the gap either side
+    assert abs((start + end) / 2 - 10.08) < 1e-9 and abs((end - start) / 2 - 0.001) < 1e-9
+    start, end = c.window(6)  # two frames ahead: two gaps on
+    assert abs((start + end) / 2 - 10.12) < 1e-9
+    assert c.window(3) is None  # (the one it has)
+    c.arrived(4, 10.50, waited=False)  # there already: the reader was behind
+    assert c.window(5) is None  # nothing to count from
+    c.arrived(5, 10.52, waited=True)  # no gap measured across the frame found there ...
+    start, end = c.window(6)  # ... the cadence is still the one learned
+    assert abs((start + end) / 2 - 10.54) < 1e-9
+
+
+def test_cadence_polls_longer_for_an_irregular_producer_within_bounds() -> None:
+    c = Cadence()
+    for i, t in enumerate([0.0, 0.010, 0.021, 0.030, 0.041, 0.050]):  # gaps 10, 11, 9, 11, 9 ms
+        c.arrived(i, t, waited=True)
+    start, end = c.window(6)  # 5 % of 10 ms plus three deviations of 1 ms
+    assert abs((end - start) / 2 - 0.0035) < 1e-9
+    fast = Cadence()
+    for i in range(5):  # frames every 100 µs: at least LEAD_MIN
+        fast.arrived(i, 1e-4 * i, waited=True)
+    start, end = fast.window(5)
+    assert abs((end - start) / 2 - LEAD_MIN) < 1e-12
+    slow = Cadence()
+    for i in range(5):  # every 10 s: at most LEAD_MAX
+        slow.arrived(i, 10.0 * i, waited=True)
+    start, end = slow.window(5)
+    assert abs((end - start) / 2 - LEAD_MAX) < 1e-9

@@ -125,6 +125,33 @@ def test_spinning_reader_gets_every_frame_across_processes(managed_dir: Path) ->
     assert [int(x) for x in out.split()] == list(range(30))
 
 
+def test_hybrid_polling_reader_learns_the_cadence_and_gets_every_frame(managed_dir: Path) -> None:
+    """``spin="auto"``: a reader of a producer that publishes every 30 ms learns when frames
+    are due and polls around then; every frame comes, in order, also one that is late (past
+    its window: waited for asleep) or early, and the end marker, which comes instead of a
+    frame due, ends the iteration."""
+    consumer = spawn_py(textwrap.dedent(
+        """
+        import instride
+        s = instride.Stream("hybrid", spin="auto", copy=True, timeout=30)
+        for f in s:
+            print(f.step, float(f.positions[0, 0]), s._cadence.window(f.step + 1) is not None)
+        """
+    ))
+    time.sleep(0.3)
+    gaps = [0.03] * 8 + [0.12] + [0.03] * 4 + [0.005] + [0.03] * 4  # late, then early
+    with instride.Stream("hybrid", mode="w") as s:
+        for i, gap in enumerate(gaps):
+            s.append(_positions(i), step=i)
+            time.sleep(gap)
+    rc, out, err = finish(consumer)
+    assert rc == 0, err
+    rows = [line.split() for line in out.splitlines()]
+    assert [int(r[0]) for r in rows] == list(range(len(gaps)))
+    assert [float(r[1]) for r in rows] == [float(i) for i in range(len(gaps))]
+    assert rows[-2][2] == "True"  # the cadence known by the end (a window for the next frame)
+
+
 def test_block_producer_raises_stream_full_naming_the_group(managed_dir: Path) -> None:
     instride.Stream("stuck", group="slow").close()  # registered, never reads
     with instride.Stream("stuck", mode="w", retain=3, timeout=0.5) as s:
@@ -251,6 +278,7 @@ def test_producer_killed_mid_frame_publishes_nothing_and_gc_reclaims(managed_dir
         ({"spin": -1}, "spin"),
         ({"spin": float("nan")}, "spin"),
         ({"spin": float("inf")}, "spin"),
+        ({"spin": "fast"}, "spin"),
     ],
 )
 def test_bad_settings_are_config_errors(managed_dir: Path, kwargs: dict, what: str) -> None:

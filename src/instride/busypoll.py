@@ -5,17 +5,27 @@ a socket) costs ~100–400 µs on an idle virtual machine, where the vCPU halted
 polls sees the event within a few µs, at the price of a core kept busy for as long as it polls —
 the trade MPI progress engines and UCX make by default. Every wait of instride sleeps at once
 unless a spin is asked for.
+
+Between the two, :class:`Cadence` does what Linux's hybrid polling of fast block devices does
+(sleep for about the expected wait, then poll): a stream's reader that learned how regularly
+its frames come sleeps until shortly before the next one is due and polls only around that
+moment — the latency of a polling reader for a small share of a core.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import statistics
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["poll_paths", "poll_readable", "recv_polling"]
+__all__ = ["Cadence", "poll_paths", "poll_readable", "recv_polling"]
+
+#: bounds of the time a :class:`Cadence` polls before (and after) a frame is due, seconds
+LEAD_MIN, LEAD_MAX = 0.0003, 0.005
 
 
 def poll_paths(paths: Sequence[str | Path], seconds: float) -> str | Path | None:
@@ -65,3 +75,45 @@ def poll_readable(sock: socket.socket, seconds: float) -> bool:
     Nothing is consumed (``MSG_PEEK``): the caller's next ``recv`` returns at once.
     """
     return recv_polling(sock, 1, seconds, socket.MSG_PEEK) is not None
+
+
+class Cadence:
+    """When a stream's next frame is due, learned from the arrivals of the last ones.
+
+    Only frames a reader waited for count: their arrival is (within a wake-up) their
+    publication. A frame found already there says nothing about the producer's pace (the
+    reader was behind), and the next gap is not measured across it.
+
+    Parameters
+    ----------
+    keep
+        Gaps between frames remembered (the median of these is the cadence).
+    """
+
+    def __init__(self, keep: int = 8) -> None:
+        self._gaps: deque[float] = deque(maxlen=keep)
+        self._last: tuple[int, float] | None = None
+
+    def arrived(self, index: int, when: float, *, waited: bool) -> None:
+        """Frame ``index`` was seen at ``when`` (``time.monotonic()``); ``waited``: the reader
+        had to wait for it."""
+        if waited and self._last is not None and index > self._last[0]:
+            self._gaps.append((when - self._last[1]) / (index - self._last[0]))
+        self._last = (index, when) if waited else None
+
+    def window(self, index: int) -> tuple[float, float] | None:
+        """``(start, end)`` on the ``time.monotonic()`` clock between which to poll for frame
+        ``index`` (sleeping before), or ``None`` while the cadence is unknown (fewer than three
+        gaps measured, or the last frame was not waited for).
+
+        The window reaches ``lead`` either side of the frame's due time: 5 % of the gap plus
+        three median absolute deviations of the recent gaps (how irregular the producer is),
+        within :data:`LEAD_MIN` … :data:`LEAD_MAX`.
+        """
+        if len(self._gaps) < 3 or self._last is None or index <= self._last[0]:
+            return None
+        gap = statistics.median(self._gaps)
+        spread = statistics.median(abs(g - gap) for g in self._gaps)
+        lead = min(max(0.05 * gap + 3 * spread, LEAD_MIN), LEAD_MAX)
+        due = self._last[1] + gap * (index - self._last[0])
+        return due - lead, due + lead

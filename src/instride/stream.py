@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from .busypoll import poll_paths
+from .busypoll import Cadence, poll_paths
 from .client import Client, get_client
 from .errors import (
     ArchiveError,
@@ -141,6 +141,12 @@ class Stream:
         within a few µs instead of paying the wake-up of a sleeping thread (~100–400 µs on
         an idle virtual machine), at the cost of a core kept busy while it waits — the
         trade MPI's progress engines make; worth it for an analysis pinned to its own core.
+        ``"auto"``: hybrid polling — once the reader has seen how regularly frames come
+        (three gaps), it sleeps until shortly before the next frame is due and polls only
+        around that moment (:class:`~instride.busypoll.Cadence`: 5 % of the gap plus the
+        producer's jitter either side, 0.3–5 ms), waking at once if the frame comes earlier;
+        a frame later than that is waited for asleep. The latency of a polling reader for a
+        few per cent of a core. Applies to frames published on the reader's node.
     copy
         Consumer: deliver each frame as arrays of its own instead of views of the mapped
         file, copied and verified in one pass over the bytes (each chunk hashed while it is
@@ -171,13 +177,19 @@ class Stream:
         on_gap: str = "raise",
         verify: bool = True,
         archive: str | os.PathLike[str] | None = None,
-        spin: float | None = None,
+        spin: float | str | None = None,
         copy: bool = False,
     ) -> None:
         self.client = client or get_client()
-        self.spin = self.client.settings.spin if spin is None else float(spin)
+        #: hybrid polling (``spin="auto"``): when the next frame is due
+        self._cadence = Cadence() if spin == "auto" else None
+        try:
+            self.spin = 0.0 if spin == "auto" else self.client.settings.spin if spin is None \
+                else float(spin)
+        except (TypeError, ValueError):
+            self.spin = math.nan
         if not self.spin >= 0 or self.spin == float("inf"):
-            raise ConfigError("spin", spin, "must be a finite number of seconds >= 0")
+            raise ConfigError("spin", spin, 'must be a finite number of seconds >= 0, or "auto"')
         self.name = self.client.key(name)
         if mode not in (None, "r", "w"):
             raise ValueError(f"mode must be 'r', 'w' or None, got {mode!r}")
@@ -600,11 +612,16 @@ class Stream:
         start = time.monotonic()
         published_but_busy = False
         arrived = False  # fetched from another node in this call: verified on the way in
+        looks = 0  # how often the frame was looked for (more than once: the reader waited)
+        plan = None if self._cadence is None else self._cadence.window(index)
         while True:
             path = engine.frame_path(key)
             got = None if path is None else leases.open(  # [confine] no link on the way
                 path, functools.partial(self.client.open_fd, key))
+            looks += 1
             if got is not None:
+                if self._cadence is not None:
+                    self._cadence.arrived(index, time.monotonic(), waited=looks > 1)
                 buf, release = got
                 try:
                     frame = decode_frame(buf, key, verify=self.verify and not arrived,
@@ -646,6 +663,12 @@ class Stream:
             if timeout is not None and waited >= timeout:
                 raise ConsumeTimeout(key, waited)
             part = _SLICE if timeout is None else min(_SLICE, timeout - waited)
+            if plan is not None and path is not None:
+                # hybrid polling: asleep until shortly before the frame is due, then polling
+                # (once per frame: a frame later than its window is waited for asleep)
+                came, plan = self._sleep_then_poll(key, path, plan, part), None
+                if came:
+                    continue
             if self.spin > 0 and path is not None:
                 end = engine.frame_path(self.end_key)
                 if poll_paths([path, end] if end else [path], min(self.spin, part)) == path:
@@ -674,6 +697,21 @@ class Stream:
                         return archived
                     raise
             published_but_busy = woke == key and path is not None
+
+    def _sleep_then_poll(self, key: str, path: str, plan: tuple[float, float], most: float) -> bool:
+        """Sleep (woken at once by a publication) until ``plan[0]``, then poll for ``key``'s
+        file until ``plan[1]``, within ``most`` seconds; whether anything came meanwhile."""
+        start, end = plan
+        now = time.monotonic()
+        if now < start:
+            try:
+                self.client.wait_any([key, self.end_key], timeout=min(start - now, most))
+                return True  # published while asleep (or the end): the caller looks
+            except ConsumeTimeout:
+                pass
+        marker = self.client.engine.frame_path(self.end_key)
+        left = min(end - time.monotonic(), most - (time.monotonic() - now))
+        return poll_paths([path, marker] if marker else [path], left) is not None
 
     def _no_gaps(self) -> bool:
         """Whether this reader can never find a frame retired before it got there: an
