@@ -92,7 +92,7 @@ INSTRIDE = COMMON + textwrap.dedent(
                 cost.append(now() - a)
         print(json.dumps({"t": t, "cost": cost}))
     else:
-        t, check = [], 0
+        t, check, cpu = [], 0, time.process_time()
         print("ready", flush=True)
         for f in instride.Stream("bench", group="bench", timeout=120, spin=spin, copy=copy):
             if copy:

@@ -136,6 +136,7 @@ def test_hybrid_polling_reader_learns_the_cadence_and_gets_every_frame(managed_d
         s = instride.Stream("hybrid", spin="auto", copy=True, timeout=30)
         for f in s:
             print(f.step, float(f.positions[0, 0]), s._cadence.window(f.step + 1) is not None)
+        print("polled", s.windows_polled)
         """
     ))
     time.sleep(0.3)
@@ -146,10 +147,35 @@ def test_hybrid_polling_reader_learns_the_cadence_and_gets_every_frame(managed_d
             time.sleep(gap)
     rc, out, err = finish(consumer)
     assert rc == 0, err
-    rows = [line.split() for line in out.splitlines()]
+    *rows, polled = [line.split() for line in out.splitlines()]
     assert [int(r[0]) for r in rows] == list(range(len(gaps)))
     assert [float(r[1]) for r in rows] == [float(i) for i in range(len(gaps))]
-    assert rows[-2][2] == "True"  # the cadence known by the end (a window for the next frame)
+    assert any(r[2] == "True" for r in rows[5:])  # the cadence learned
+    assert polled[0] == "polled" and int(polled[1]) >= 1  # and polled around a due frame
+
+
+def test_hybrid_polling_reader_of_a_slow_producer_sleeps_until_the_window(managed_dir: Path) -> None:
+    """Frames 0.7 s apart, longer than a wait's slice (0.5 s): the reader sleeps slice after
+    slice until the next frame is due and still polls in its window."""
+    consumer = spawn_py(textwrap.dedent(
+        """
+        import instride
+        s = instride.Stream("slowhybrid", spin="auto", timeout=30)
+        for f in s:
+            print(f.step)
+        print(s.windows_polled)
+        """
+    ))
+    time.sleep(0.3)
+    with instride.Stream("slowhybrid", mode="w") as s:
+        for i in range(5):
+            s.append(_positions(i), step=i)
+            time.sleep(0.7)
+    rc, out, err = finish(consumer)
+    assert rc == 0, err
+    *steps, polled = out.split()
+    assert [int(x) for x in steps] == list(range(5))
+    assert int(polled) >= 1  # frame 4's window (three gaps known), reached across slices
 
 
 def test_block_producer_raises_stream_full_naming_the_group(managed_dir: Path) -> None:
@@ -279,6 +305,7 @@ def test_producer_killed_mid_frame_publishes_nothing_and_gc_reclaims(managed_dir
         ({"spin": float("nan")}, "spin"),
         ({"spin": float("inf")}, "spin"),
         ({"spin": "fast"}, "spin"),
+        ({"spin": True}, "spin"),
     ],
 )
 def test_bad_settings_are_config_errors(managed_dir: Path, kwargs: dict, what: str) -> None:

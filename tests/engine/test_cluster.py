@@ -268,13 +268,12 @@ def test_a_reader_behind_its_producer_takes_the_records_of_the_frames_ahead_as_h
     frames = 12
     reader = instride.Stream("behind/run", timeout=20, client=c2)
     frames_in = iter(reader)
+    with pytest.raises(ConsumeTimeout):  # a wait in the directory: this thread now hears it
+        c2.wait_any([reader.frame_key(0), reader.end_key], timeout=0.1)
+    assert c2.engine.metadata.watching("behind/run/")
     with instride.Stream("behind/run", mode="w", client=c1) as producer:
-        later = threading.Timer(0.2, producer.append, args=(pos,), kwargs={"step": 0})
-        later.start()
-        try:  # (a wait for a frame not yet published subscribes to the directory's announcements)
-            first = next(frames_in)
-        finally:
-            later.join()
+        producer.append(pos, step=0)
+        first = next(frames_in)
         assert first.header.step == 0 and np.array_equal(first.positions, pos)
         heard = c2.engine.records_heard
         for i in range(1, frames):  # all published before the reader looks again

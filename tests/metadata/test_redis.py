@@ -210,6 +210,31 @@ def test_a_watching_thread_hears_a_records_announcement(backend: RedisMetadata, 
     assert backend.announced(f"{d}f3", 0.1) is None  # never published: nothing within the wait
 
 
+def test_kept_announcements_are_bounded_and_forgotten_with_their_directory(
+        backend: RedisMetadata, put: Put, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader far behind overflows the kept announcements: the oldest go, and for a while
+    :meth:`announced` does not wait for one (it may have been dropped) but answers at once,
+    so the caller looks the record up. Ending the watch of a directory forgets its kept
+    announcements."""
+    import instride.metadata.redis as mod
+
+    monkeypatch.setattr(mod, "_HEARD_MAX", 4)
+    d = f"kept{uuid.uuid4().hex[:8]}/"
+    with pytest.raises(ConsumeTimeout):
+        backend.wait_any([f"{d}k0", f"{d}end"], 0.1)
+    for i in range(6):
+        put(f"{d}k{i}", b"x")
+    kept = backend.heard([f"{d}k5"])  # reads all six: k0 and k1 dropped on the way
+    assert list(kept) == [f"{d}k5"]
+    assert backend.heard([f"{d}k0", f"{d}k1"]) == {}
+    assert set(backend.heard([f"{d}k2", f"{d}k3"])) == {f"{d}k2", f"{d}k3"}
+    t = time.monotonic()
+    assert backend.announced(f"{d}k9", 5.0) is None  # never published, and not waited for
+    assert time.monotonic() - t < 2.5
+    backend.unwatch(d)
+    assert backend.heard([f"{d}k4"]) == {}  # forgotten with the watch
+
+
 def test_a_record_heard_before_a_deletion_is_not_returned(backend: RedisMetadata, put: Put) -> None:
     d = f"del{uuid.uuid4().hex[:8]}/"
     with pytest.raises(ConsumeTimeout):  # the directory is watched from now on

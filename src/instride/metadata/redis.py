@@ -95,6 +95,9 @@ _WATCH_MAX = 8
 #: announcements of keys not asked for yet a thread keeps (a reader behind its producer
 #: reads the announcements of the frames ahead together with the one it asked for)
 _HEARD_MAX = 256
+#: seconds after dropping a kept announcement during which :meth:`RedisMetadata.announced`
+#: does not wait for one (it may have been among those dropped: a reader far behind)
+_HEARD_OVERFLOW_S = 5.0
 
 
 def _common_dir(keys: Sequence[str]) -> str:
@@ -459,6 +462,7 @@ class RedisMetadata:
         spin = self.settings.spin
         pattern = _pattern(prefix)
         wanted = set(keys)
+        local = self._per_thread.get()
         while True:
             sub = self._subscriber()
             try:
@@ -466,7 +470,11 @@ class RedisMetadata:
                     sub.patterns[pattern] = sub.patterns.pop(pattern)  # most recently used
                 else:
                     self._watch(sub, pattern, remaining)
-                sub.pending()  # (published before the lookup: the lookup sees it)
+                # Published before the lookup: the lookup sees the keys waited for; other
+                # keys' announcements are kept for :meth:`announced`.
+                for msg in sub.pending():
+                    self._keep_heard(local, _announced(msg))
+                self._take_heard(local, keys)
                 rec = self._lookup_many(keys)
                 if rec is not None:
                     return rec
@@ -474,9 +482,11 @@ class RedisMetadata:
                     rec = _announced(sub.read(remaining(), spin))
                     if rec is not None and rec.key in wanted:
                         return rec
+                    self._keep_heard(local, rec)
             except _ERRORS as exc:
                 # Redis went away: the connection (and its subscriptions) closed; back off,
                 # subscribe again, check again.
+                self._forget_heard(local)  # (what it missed meanwhile is not among them)
                 if deadline is not None and time.monotonic() >= deadline:
                     raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
                 time.sleep(0.05)
@@ -504,6 +514,8 @@ class RedisMetadata:
         sub = self._subscriber()
         local = self._per_thread.get()
         found = self.heard([key]).get(key)
+        if time.monotonic() - getattr(local, "heard_overflow", -math.inf) < _HEARD_OVERFLOW_S:
+            wait = 0.0  # (kept announcements were dropped lately: this one may have been)
         try:
             end = time.monotonic() + wait
             while found is None and sub.sock is not None:
@@ -530,11 +542,13 @@ class RedisMetadata:
         local = self._per_thread.get()
         sub = getattr(local, "sub", None)
         if sub is None or sub.sock is None:
+            self._forget_heard(local)
             return {}
         try:
             for msg in sub.pending():
                 self._keep_heard(local, _announced(msg))
         except _ERRORS:
+            self._forget_heard(local)
             return {}  # (lost: pending() closed the connection; see above)
         return self._take_heard(local, keys)
 
@@ -550,6 +564,15 @@ class RedisMetadata:
         kept[rec.key] = rec if old is None or rec.version >= old.version else old
         while len(kept) > _HEARD_MAX:
             kept.popitem(last=False)
+            local.heard_overflow = time.monotonic()
+
+    @staticmethod
+    def _forget_heard(local: Any, prefix: str = "") -> None:
+        """Drop the kept announcements (of the keys under ``prefix``; all by default)."""
+        kept = getattr(local, "heard", None)
+        if kept:
+            for key in [k for k in kept if k.startswith(prefix)]:
+                del kept[key]
 
     @staticmethod
     def _take_heard(local: Any, keys: Sequence[str]) -> dict[str, Record]:
@@ -571,7 +594,9 @@ class RedisMetadata:
 
         Called when a stream's reader closes; nothing to do if the thread never waited there.
         """
-        sub = getattr(self._per_thread.get(), "sub", None)
+        local = self._per_thread.get()
+        self._forget_heard(local, prefix)
+        sub = getattr(local, "sub", None)
         pattern = _pattern(prefix)
         if sub is None or sub.sock is None or pattern not in sub.patterns:
             return
