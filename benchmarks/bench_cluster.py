@@ -10,7 +10,8 @@ Measures, in one run, on an emulated cluster made for the purpose:
    (median, p99), also with a consumer that busy-polls (``INSTRIDE_SPIN=1``), and on a bounded
    stream (``retain=16``, a consumer group iterating the stream: publish start -> the frame's
    arrays in numpy; fetched copies recycled as frames retire; the reader asks the owner for
-   each next frame before it is published), sleeping and busy-polling; then the unbounded case
+   each next frame before it is published), sleeping, busy-polling and polling only when a
+   frame is due (``spin="auto"``); then the unbounded case
    while node 3 fetches STMV frames from node 1's server without
    pause (head-of-line blocking: how much a large transfer delays small ones);
 3. publish -> remote wake-up latency through Redis (a tiny key; median, p99; the clock starts
@@ -131,7 +132,9 @@ CONSUME_GROUP = textwrap.dedent(
     """
     import sys, time, instride
     # the consumer of a bounded stream, as a user writes it: iterate, as group "g"
-    s = instride.Stream(sys.argv[1], timeout=120, group="g")
+    # (a second argument: spin="auto", hybrid polling)
+    spin = sys.argv[2] if len(sys.argv) > 2 else None
+    s = instride.Stream(sys.argv[1], timeout=120, group="g", spin=spin)
     instride.get_client().exists("warm-up")
     out = []
     print("ready", flush=True)
@@ -206,10 +209,12 @@ def _bounded(bounded: bool) -> tuple[str, tuple[object, ...]]:
 
 def stream_run(c: EmulatedCluster, name: str, n: int, atoms: int, gap: float,
                pairs: list[tuple[int, int]], spin: float = 0.0,
-               bounded: bool = False) -> tuple[float, list[list[float]]]:
+               bounded: bool = False, auto: bool = False) -> tuple[float, list[list[float]]]:
     env = {"INSTRIDE_SPIN": str(spin)}  # the consumers' (0: they sleep while waiting)
     code, extra = _bounded(bounded)
-    cons = [c.popen(q, [PY, "-c", code, f"{name}/p{i}"], stdout=subprocess.PIPE, text=True, env=env)
+    more = ["auto"] if auto else []  # (a bounded stream's reader: spin="auto")
+    cons = [c.popen(q, [PY, "-c", code, f"{name}/p{i}", *more], stdout=subprocess.PIPE, text=True,
+                    env=env)
             for i, (_p, q) in enumerate(pairs)]
     for p in cons:
         _ready(p)
@@ -540,6 +545,11 @@ def main() -> None:
         result["jac_consume_latency_bounded_spin_us"] = s
         print(f"the bounded stream, its reader with INSTRIDE_SPIN=1: median {s['median']:.0f} µs"
               f"   p99 {s['p99']:.0f} µs")
+        _, lat = stream_run(c, "jacbndauto", n_jac, jac_atoms, 0.02, [(1, 2)], bounded=True, auto=True)
+        s = summary(lat[0])
+        result["jac_consume_latency_bounded_auto_us"] = s
+        print(f"the bounded stream, its reader with spin=\"auto\" (hybrid polling: asleep until a"
+              f" frame is due): median {s['median']:.0f} µs   p99 {s['p99']:.0f} µs")
 
         # 2b. the same while node 3 pulls STMV frames from node 1's server (head-of-line blocking)
         hol = head_of_line(c, 100 if args.quick else 300, jac_atoms,

@@ -15,6 +15,7 @@ moment — the latency of a polling reader for a small share of a core.
 from __future__ import annotations
 
 import os
+import select
 import socket
 import statistics
 import time
@@ -22,7 +23,7 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["Cadence", "poll_paths", "poll_readable", "recv_polling"]
+__all__ = ["Cadence", "poll_paths", "poll_readable", "poll_readable_in", "recv_polling"]
 
 #: bounds of the time a :class:`Cadence` polls before (and after) a frame is due, seconds
 LEAD_MIN, LEAD_MAX = 0.0003, 0.005
@@ -69,6 +70,19 @@ def recv_polling(sock: socket.socket, bufsize: int, seconds: float, flags: int =
         sock.settimeout(old)
 
 
+def poll_readable_in(sock: socket.socket, window: tuple[float, float]) -> bool:
+    """Sleep until ``sock`` has data to read or ``window[0]`` comes (``time.monotonic()``),
+    then poll it until ``window[1]``; whether it has data (nothing is consumed)."""
+    start, end = window
+    left = start - time.monotonic()
+    if left > 0:
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        if poller.poll(left * 1000):
+            return True
+    return poll_readable(sock, end - time.monotonic())
+
+
 def poll_readable(sock: socket.socket, seconds: float) -> bool:
     """Poll ``sock`` for up to ``seconds`` until it has data to read (or the peer closed it).
 
@@ -80,23 +94,37 @@ def poll_readable(sock: socket.socket, seconds: float) -> bool:
 class Cadence:
     """When a stream's next frame is due, learned from the arrivals of the last ones.
 
-    Only frames a reader waited for count: their arrival is (within a wake-up) their
-    publication. A frame found already there says nothing about the producer's pace (the
-    reader was behind), and the next gap is not measured across it.
+    Frames that arrive on their own (local mode): only frames a reader waited for count, as
+    their arrival is (within a wake-up) their publication; a frame found already there says
+    nothing about the producer's pace (the reader was behind), and no gap is measured across
+    it. Frames fetched from another node carry their publication time (the producer's
+    clock): every frame counts then, the gaps are taken between publication times, and the
+    due time on this node's clock is the next publication plus the smallest delay seen
+    lately between a publication and the frame's arrival here (clock offset and transfer;
+    frames that waited here only add to it, so the smallest is the one to go by).
 
     Parameters
     ----------
     keep
-        Gaps between frames remembered (the median of these is the cadence).
+        Gaps (and delays) remembered; the median gap is the cadence.
     """
 
     def __init__(self, keep: int = 8) -> None:
         self._gaps: deque[float] = deque(maxlen=keep)
-        self._last: tuple[int, float] | None = None
+        self._delays: deque[float] = deque(maxlen=keep)
+        self._last: tuple[int, float] | None = None  # (index, arrival or publication time)
 
-    def arrived(self, index: int, when: float, *, waited: bool) -> None:
+    def arrived(self, index: int, when: float, *, waited: bool,
+                published: float | None = None) -> None:
         """Frame ``index`` was seen at ``when`` (``time.monotonic()``); ``waited``: the reader
-        had to wait for it."""
+        had to wait for it; ``published``: its publication time (``time.time()`` of the
+        producer), where known — then ``waited`` does not matter."""
+        if published is not None:
+            if self._last is not None and index > self._last[0]:
+                self._gaps.append((published - self._last[1]) / (index - self._last[0]))
+            self._delays.append(when - published)
+            self._last = (index, published)
+            return
         if waited and self._last is not None and index > self._last[0]:
             self._gaps.append((when - self._last[1]) / (index - self._last[0]))
         self._last = (index, when) if waited else None
@@ -116,4 +144,6 @@ class Cadence:
         spread = statistics.median(abs(g - gap) for g in self._gaps)
         lead = min(max(0.05 * gap + 3 * spread, LEAD_MIN), LEAD_MAX)
         due = self._last[1] + gap * (index - self._last[0])
+        if self._delays:  # (publication times: onto this node's clock)
+            due += min(self._delays)
         return due - lead, due + lead

@@ -146,8 +146,9 @@ class Stream:
         around that moment (:class:`~instride.busypoll.Cadence`: 5 % of the gap plus the
         producer's jitter either side, 0.3–5 ms), waking at once if the frame comes earlier;
         a frame later than that is waited for asleep. About half the latency gained by
-        polling all the time, for a few per cent of a core. Local mode only: in cluster mode
-        the reader waits as with ``spin=0``.
+        polling all the time, for a few per cent of a core (local mode, measured). A reader
+        on another node than the producer learns the pace from the frames' publication
+        times and polls for the owner's reply in the window.
     copy
         Consumer: deliver each frame as arrays of its own instead of views of the mapped
         file, copied and verified in one pass over the bytes (each chunk hashed while it is
@@ -623,7 +624,7 @@ class Stream:
                 path, functools.partial(self.client.open_fd, key))
             looks += 1
             if got is not None:
-                if self._cadence is not None:
+                if self._cadence is not None and not arrived:  # (a fetched frame: noted above)
                     self._cadence.arrived(index, time.monotonic(), waited=looks > 1)
                 buf, release = got
                 try:
@@ -648,10 +649,27 @@ class Stream:
                 self._fetched_from = None  # (set again on success)
                 waited = time.monotonic() - start
                 part = _SLICE if timeout is None else min(_SLICE, timeout - waited)
-                got_early = None if early is None or part <= 0 else early(key, like, part, until=END_NAME)
+                kw = {}
+                if plan is not None:
+                    # hybrid polling: the owner's reply slept for until the frame is due, then
+                    # polled for; held past the window (a slow producer's frame is due later
+                    # than a slice), never past the timeout
+                    kw["window"] = plan
+                    longer = plan[1] - time.monotonic() + _SLICE
+                    part = max(part, longer if timeout is None else min(longer, timeout - waited))
+                got_early = None if early is None or part <= 0 \
+                    else early(key, like, part, until=END_NAME, **kw)
+                if plan is not None and time.monotonic() >= plan[0]:
+                    self.windows_polled += 1
+                    plan = None  # (a later frame is waited for asleep; before the window:
+                    # a slow producer, the next slice still sleeps until it)
                 if got_early is not None:
                     self._fetched_from = got_early
                     arrived = True
+                    if self._cadence is not None:  # (frames from another node: their
+                        # publication times give the cadence, whether waited for or not)
+                        self._cadence.arrived(index, time.monotonic(), waited=True,
+                                              published=got_early.time)
                     continue
             # (an unbounded stream retires nothing: no frame can be missing)
             policy = self._reader_policy
@@ -693,6 +711,9 @@ class Stream:
                     self._fetched_from = fetched if fetched is not None and fetched.key == key else None
                     arrived = self._fetched_from is not None and transfers is not None \
                         and getattr(engine, "transfers", None) != transfers
+                    if arrived and self._cadence is not None:
+                        self._cadence.arrived(index, time.monotonic(), waited=True,
+                                              published=self._fetched_from.time)
                 except (ConsumeTimeout, KeyNotFoundError):
                     continue  # retired meanwhile? the head tells, on the next turn
                 except IntegrityError:  # rewritten by its owner under the transfer: retired

@@ -258,6 +258,40 @@ def test_a_streams_reader_gets_its_next_frame_as_it_is_published(clients: list[i
         assert c2.engine.records_heard - heard >= (frames - 2) // 2
 
 
+def test_a_hybrid_polling_reader_on_another_node_learns_the_cadence_from_publication_times(
+        clients: list[instride.Client]) -> None:
+    """``spin="auto"`` across nodes: the reader learns the producer's pace from the frames'
+    publication times and sleeps on the owner's reply until the next frame is due, then
+    polls for it; every frame exact, in order, windows polled, the end ends it."""
+    c1, c2, _ = clients
+    pos = np.random.default_rng(5).random((3000, 3)).astype(np.float32)
+    frames = 14
+    reader = instride.Stream("hyb/run", timeout=20, client=c2, spin="auto")
+    got: list[int] = []
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            for frame in reader:
+                assert np.array_equal(frame.positions, pos + frame.header.step)
+                got.append(frame.header.step)
+        except BaseException as exc:  # noqa: BLE001 (re-raised below)
+            errors.append(exc)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    with instride.Stream("hyb/run", mode="w", client=c1) as producer:
+        for i in range(frames):
+            time.sleep(0.04)
+            producer.append(pos + i, step=i)
+    thread.join(60)
+    assert not thread.is_alive() and errors == []
+    assert got == list(range(frames))
+    assert reader.windows_polled >= 1
+    assert reader._cadence is not None and reader._cadence.window(frames) is not None
+    reader.close()
+
+
 def test_a_reader_behind_its_producer_takes_the_records_of_the_frames_ahead_as_heard(
         clients: list[instride.Client]) -> None:
     """A reader that fell behind hears the announcements of the frames ahead of it all at once

@@ -329,7 +329,8 @@ class ClusterEngine:
             os.close(fd)
 
     def fetch_when_published(self, key: str, like: Record, wait: float,
-                             until: str | None = None) -> Record | None:
+                             until: str | None = None,
+                             window: tuple[float, float] | None = None) -> Record | None:
         """Fetch ``key`` from the owner of ``like`` as soon as it is published there.
 
         For a stream's reader that asks for its next frame before it exists: the owner's data
@@ -344,6 +345,8 @@ class ClusterEngine:
         else — nothing published within ``wait``, a transport without the operation, a
         failed transfer, bytes that do not match the record — returns ``None`` and leaves
         nothing behind: the caller then waits the usual way, which reports errors.
+        ``window`` (``time.monotonic()``, from, to): when the frame is due — the reply is
+        slept for until then and busy-polled in it (``Stream(spin="auto")``).
 
         Returns
         -------
@@ -362,7 +365,9 @@ class ClusterEngine:
 
         def receive(fd: int) -> tuple[tuple[int, str] | None, Record | None]:
             on_reply = None if watched else lambda: asked.append(self.metadata.lookup_soon(key))
-            return fetch(like, key, fd, wait, until, on_reply), None
+            if window is None:
+                return fetch(like, key, fd, wait, until, on_reply), None
+            return fetch(like, key, fd, wait, until, on_reply, window=window), None
 
         return self._take_early(key, like, wait, receive, asked)
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from ...busypoll import poll_readable
+from ...busypoll import poll_readable, poll_readable_in
 from ...config import Settings, parse_addr
 from ...errors import (
     AuthenticationError,
@@ -121,11 +121,13 @@ class TcpTransport:
         return pool
 
     def _request(self, record: Record, op: str = "fetch", wait: float | None = None,
-                 until: str | None = None) -> tuple[socket.socket, dict[str, Any]]:
+                 until: str | None = None,
+                 window: tuple[float, float] | None = None) -> tuple[socket.socket, dict[str, Any]]:
         """Send a signed request and read the reply header, reusing a kept-alive connection.
 
         ``wait`` (seconds): the owner holds the fetch that long for a key not published yet,
-        unless ``until`` (a name beside the key) is there or appears.
+        unless ``until`` (a name beside the key) is there or appears. ``window``: when the
+        reply is expected (``time.monotonic()``, from, to): asleep until then, polled in it.
         The returned socket is positioned at the body; give it back with :meth:`_release` once
         the body is read completely, or close it.
         """
@@ -133,7 +135,11 @@ class TcpTransport:
         sock, reused = self._send(record, op, wait_ms, until)
         while True:
             try:
-                poll_readable(sock, self.settings.spin)  # INSTRIDE_SPIN: poll before sleeping
+                if window is not None:  # hybrid polling: only around when the reply is due
+                    poll_readable_in(sock, window)
+                    window = None
+                else:
+                    poll_readable(sock, self.settings.spin)  # INSTRIDE_SPIN: poll, then sleep
                 reply = self._reply(sock, record, wait_ms)
                 break
             except (OSError, wire.WireError, PeerUnavailable) as exc:
@@ -245,7 +251,8 @@ class TcpTransport:
 
     def fetch_when_published(self, owner: Record, key: str, fd: int, wait: float,
                              until: str | None = None,
-                             on_reply: Callable[[], object] | None = None) -> tuple[int, str] | None:
+                             on_reply: Callable[[], object] | None = None,
+                             window: tuple[float, float] | None = None) -> tuple[int, str] | None:
         """Receive ``key`` from ``owner``'s node into ``fd`` as soon as it is published there.
 
         The owner's data server holds the request up to ``wait`` seconds for a key that is not
@@ -269,6 +276,10 @@ class TcpTransport:
         on_reply
             Called when the owner's reply arrives, before the bytes are received (the caller
             asks for the key's record meanwhile).
+        window
+            ``(from, to)`` on the ``time.monotonic()`` clock: when the reply is expected
+            (hybrid polling, ``Stream(spin="auto")``): the socket is slept on until ``from``,
+            then busy-polled until ``to``, then slept on again.
 
         Returns
         -------
@@ -279,7 +290,7 @@ class TcpTransport:
         """
         hint = _hint(owner, key)
         try:
-            sock, reply = self._request(hint, wait=wait, until=until)
+            sock, reply = self._request(hint, wait=wait, until=until, window=window)
         except KeyNotFoundError:
             return None
         return self._body(sock, reply, hint, fd, on_reply)
