@@ -9,7 +9,7 @@ Measures, in one run, on an emulated cluster made for the purpose:
 2. cross-node consume latency of JAC-sized frames: publish on node 1 -> bytes local on node 2
    (median, p99), also with a consumer that busy-polls (``INSTRIDE_SPIN=1``), and on a bounded
    stream (``retain=16``, a consumer group iterating the stream: publish start -> the frame's
-   arrays in numpy; fetched copies recycled as frames retire; the reader asks the owner for
+   arrays in numpy; the group reader receives frames into reused memory; it asks the owner for
    each next frame before it is published), sleeping, busy-polling and polling only when a
    frame is due (``spin="auto"``); then the unbounded case
    while node 3 fetches STMV frames from node 1's server without
@@ -147,7 +147,7 @@ CONSUME_GROUP = textwrap.dedent(
 )
 #: STMV copies node 2's cache keeps in the recycled-storage rounds (INSTRIDE_CACHE_BYTES)
 CACHED_STMV = 3
-#: frames a bounded stream keeps (its consumers' fetched copies are recycled as frames retire)
+#: frames a bounded stream keeps (its group readers on other nodes receive them into reused memory)
 RETAIN = 16
 WAKE_CONSUMER = textwrap.dedent(
     """

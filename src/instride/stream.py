@@ -66,6 +66,7 @@ from .errors import (
 )
 from .frames import Frame, decode_frame, encode_into, frame_size
 from .record import Record, checksum_of
+from .store.inbox import Inbox
 from .store.ring import Leases, SlotPool
 from .store.streamstate import Policy, check_group, state_dir
 
@@ -129,7 +130,9 @@ class Stream:
         Consumer: check each frame's payload checksum (default). ``False`` skips it (the
         header checksum is always checked). A frame this reader fetches from another node
         is verified as it arrives (the whole file against the producer's checksum, hashed
-        while it is received) and not hashed a second time.
+        while it is received) and not hashed a second time. A consumer group's reader of a
+        bounded stream receives such frames into memory of its own (reused buffers), not
+        into files on its node.
     archive
         Producer: also write every frame to this file (``.h5``: H5MD) while the run goes on,
         through an archiver process reading as consumer group ``"archive"``
@@ -232,6 +235,7 @@ class Stream:
         self._archive_reader: Any = None
         # consumer
         self._leases: Leases | None = None
+        self._inbox: Inbox | None = None  # (a bounded stream's frames fetched from another node)
         self._reader_policy: Policy | None = None  # the producer's, once it is known
         self._held: Frame | None = None
         self._cursor_file: Any = None
@@ -470,6 +474,9 @@ class Stream:
             self._cursor_file = None
         if self._leases is not None:
             self._leases.close()
+        if self._inbox is not None:
+            self._inbox.close()
+            self._inbox = None
         if self._archive_reader is not None:
             self._archive_reader.close()
             self._archive_reader = None
@@ -552,6 +559,11 @@ class Stream:
         """The oldest frame still retained on this node (0 for a stream without retention)."""
         head = self._share.head()
         return head[0] if head is not None else 0
+
+    def _inbox_buffers(self) -> Inbox:
+        if self._inbox is None:
+            self._inbox = Inbox()
+        return self._inbox
 
     def _lease_table(self) -> Leases:
         if self._leases is None or self._reader_policy is None:
@@ -657,12 +669,38 @@ class Stream:
                     kw["window"] = plan
                     longer = plan[1] - time.monotonic() + _SLICE
                     part = max(part, longer if timeout is None else min(longer, timeout - waited))
-                got_early = None if early is None or part <= 0 \
-                    else early(key, like, part, until=END_NAME, **kw)
+                into = getattr(engine, "receive_when_published", None) if leases.keep else None
+                if into is not None and part > 0:
+                    # A bounded stream's frame goes once the reader moves on: into memory of
+                    # the reader's own, not a copy in a file (see instride.store.inbox)
+                    inbox = self._inbox_buffers()
+                    buf = inbox.take()
+                    try:
+                        got_early = into(key, like, part, buf.rewound(), until=END_NAME, **kw)
+                        frame = None if got_early is None else decode_frame(
+                            buf.view(got_early.size), key, verify=False, copy=self.copy)
+                    except BaseException:
+                        buf.release()
+                        raise
+                    if frame is None:
+                        buf.release()
+                else:
+                    frame = None
+                    got_early = None if early is None or part <= 0 \
+                        else early(key, like, part, until=END_NAME, **kw)
                 if plan is not None and time.monotonic() >= plan[0]:
                     self.windows_polled += 1
                     plan = None  # (a later frame is waited for asleep; before the window:
                     # a slow producer, the next slice still sleeps until it)
+                if frame is not None and got_early is not None:  # received into the inbox
+                    self._fetched_from = got_early
+                    if self._cadence is not None:
+                        self._cadence.arrived(index, time.monotonic(), waited=True,
+                                              published=got_early.time)
+                    if self.copy:  # arrays of its own: the buffer takes the next frame
+                        buf.release()
+                        return frame
+                    return Frame(frame.header, frame.positions, frame.ids, buf.release)
                 if got_early is not None:
                     self._fetched_from = got_early
                     arrived = True

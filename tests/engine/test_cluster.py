@@ -124,6 +124,45 @@ def test_a_bounded_streams_copies_are_recycled(clients: list[instride.Client]) -
     assert c2.engine.cached_version("rc/run/frame_000000000.isf") is None  # dropped
 
 
+def test_a_bounded_streams_group_reader_takes_frames_into_memory_not_files(
+        clients: list[instride.Client]) -> None:
+    """A group reader on another node receives each frame of a bounded stream into buffers of
+    its own (the inbox), verified on the way in: every frame exact, nothing stored on its
+    node (no copy, no staged file, no sidecar), and a frame held stays intact while the next
+    ones arrive (a buffer per frame held)."""
+    c1, c2, _ = clients
+    pos = np.random.default_rng(6).random((4000, 3)).astype(np.float32)
+    frames = 10
+    reader = instride.Stream("mem/run", timeout=20, client=c2, group="g")
+    with pytest.raises(ConsumeTimeout):  # (subscribed to the directory's announcements)
+        c2.wait_any([reader.frame_key(0), reader.end_key], timeout=0.1)
+    before = c2.engine.early_transfers
+    with instride.Stream("mem/run", mode="w", retain=frames, groups=["g"], client=c1) as producer:
+        for i in range(frames):
+            producer.append(pos + i, step=i)
+    held = [reader.read(i) for i in range(frames)]  # all held at once
+    for i, frame in enumerate(held):
+        assert frame.header.step == i and np.array_equal(frame.positions, pos + i)
+    assert c2.engine.early_transfers - before >= frames - 2
+    here = c2.root / "mem" / "run"
+    stored = sorted(p.name for p in here.iterdir()) if here.exists() else []
+    assert [n for n in stored if n.startswith("frame_")] in ([], ["frame_000000000.isf"])  # (the first
+    assert not [n for n in stored if n.startswith(".")]  # frame the usual way); nothing staged
+    for frame in held:
+        frame.release()
+    assert reader._inbox is not None
+    buffers = len(reader._inbox._buffers)
+    assert buffers >= frames - 2
+    got = []
+    for frame in reader:  # the group's cursor is still at 0: all again, each released in turn
+        assert np.array_equal(frame.positions, pos + frame.header.step)
+        got.append(frame.header.step)
+    assert got == list(range(frames))
+    assert len(reader._inbox._buffers) == buffers  # released buffers reused, none added
+    reader.close()
+    assert reader._inbox is None
+
+
 def test_a_failed_fetch_into_a_recycled_file_leaves_nothing(clients: list[instride.Client]) -> None:
     c1, c2, _ = clients
     with c1.open("rc/old.bin", "wb") as fh:

@@ -392,25 +392,9 @@ class ClusterEngine:
                 os.close(fd)
             if got is None:
                 return None
-            if record is None and asked:
-                record = asked[0]()
-            elif record is None:
-                record = self.metadata.announced(key, _HEARD_WITHIN)
-                self.records_heard += record is not None
+            record = self._early_record(key, got, record, asked, wait)
             if record is None:
-                record = self.metadata.lookup(key)
-            # Sent as it was renamed into place, the frame is recorded a moment later (the
-            # owner's next round trip to Redis): look again shortly, then wait for it.
-            pause = 0.0002
-            while record is None and pause < 0.005:
-                time.sleep(pause)
-                pause *= 2
-                record = self.metadata.lookup(key)
-            if record is None:
-                record = self.metadata.wait_any([key], max(wait, 0.05))
-            if record.key != key:
                 return None
-            record.verify(got[1], got[0])
             with self._lock(key, time.monotonic() + max(wait, 1.0)):
                 # (usually no copy is there: the sidecar is read only when one is)
                 have = self.cached_version(key) if os.access(path, os.F_OK) else None
@@ -429,6 +413,71 @@ class ClusterEngine:
         self.early_transfers += 1
         self.last_fetched = record
         self.evict(keep=key)
+        return record
+
+    def _early_record(self, key: str, got: tuple[int, str], record: Record | None,
+                      asked: list[Callable[[], Record | None]], wait: float) -> Record | None:
+        """The record of ``key`` received early (``got``: its size and digest), checked against
+        the bytes: the one known already, else asked for meanwhile, heard announced or looked
+        up; ``None`` when what the owner sent is not that key's (a record of another key).
+
+        Raises
+        ------
+        IntegrityError
+            The bytes are not the recorded ones.
+        """
+        if record is None and asked:
+            record = asked[0]()
+        elif record is None:
+            record = self.metadata.announced(key, _HEARD_WITHIN)
+            self.records_heard += record is not None
+        if record is None:
+            record = self.metadata.lookup(key)
+        # Sent as it was renamed into place, the frame is recorded a moment later (the
+        # owner's next round trip to Redis): look again shortly, then wait for it.
+        pause = 0.0002
+        while record is None and pause < 0.005:
+            time.sleep(pause)
+            pause *= 2
+            record = self.metadata.lookup(key)
+        if record is None:
+            record = self.metadata.wait_any([key], max(wait, 0.05))
+        if record.key != key:
+            return None
+        record.verify(got[1], got[0])
+        return record
+
+    def receive_when_published(self, key: str, like: Record, wait: float, fd: int,
+                               until: str | None = None,
+                               window: tuple[float, float] | None = None) -> Record | None:
+        """:meth:`fetch_when_published` into the caller's ``fd`` (from its offset) instead of a
+        fetched copy: nothing is stored on this node. For a bounded stream's reader, which
+        drops each frame once it moves on (:mod:`~instride.store.inbox`).
+
+        Returns
+        -------
+        Record or None
+            The key's record, the bytes in ``fd`` checked against it; ``None`` when nothing was
+            published within ``wait``, the transport cannot, the transfer failed or the bytes
+            are not the recorded ones (the caller waits the usual way, which reports errors).
+        """
+        fetch = getattr(self.transport, "fetch_when_published", None)
+        if fetch is None:
+            return None
+        asked: list[Callable[[], Record | None]] = []
+        watched = self.metadata.watching(key.rpartition("/")[0] + "/")
+        on_reply = None if watched else lambda: asked.append(self.metadata.lookup_soon(key))
+        kw = {} if window is None else {"window": window}
+        try:
+            got = fetch(like, key, fd, wait, until, on_reply, **kw)
+            record = None if got is None else self._early_record(key, got, None, asked, wait)
+        except (InstrideError, OSError):
+            return None  # (as for a fetched copy: the usual way sorts it out, or says what)
+        if record is None:
+            return None
+        self.transfers += 1
+        self.early_transfers += 1
+        self.last_fetched = record
         return record
 
     def _wait_early(self, keys: Sequence[str], timeout: float | None) -> Record | None:
