@@ -1,5 +1,5 @@
 /*
- * libinstride_tcp, client half: receive a fetched body into its destination file.
+ * libinstride_tcp, client half: receive a fetched body into its destination file (or memory).
  *
  * The body arrives on a socket in pieces; each piece is hashed (xxh3-64, streaming, while it
  * is in the CPU cache) and written to the destination file, without the Python loop around
@@ -35,13 +35,13 @@ enum { ISC_AT_RECV = 0, ISC_AT_WRITE = 1 };
  * for stall_ms, -ECONNRESET when the peer closed the connection early, another -errno from
  * recv or write. *got says how many bytes were received, *where whether the failure was on
  * the socket (0) or the file (1). */
-static int recv_file(int sock, int dest, uint64_t size, int stall_ms, char *hex, uint64_t *got,
-                     int *where, int *lowat_set);
+static int recv_file(int sock, int dest, char *mem, uint64_t size, int stall_ms, char *hex,
+                     uint64_t *got, int *where, int *lowat_set);
 
-ISC_API int isc_recv_file(int sock, int dest, uint64_t size, int stall_ms, char *hex, uint64_t *got,
-                          int *where) {
+static int recv_restoring(int sock, int dest, char *mem, uint64_t size, int stall_ms, char *hex,
+                          uint64_t *got, int *where) {
     int lowat_set = 0;
-    int rc = recv_file(sock, dest, size, stall_ms, hex, got, where, &lowat_set);
+    int rc = recv_file(sock, dest, mem, size, stall_ms, hex, got, where, &lowat_set);
     if (lowat_set) { /* the connection is kept alive: leave it as it was */
         int one = 1;
         setsockopt(sock, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof one);
@@ -49,18 +49,31 @@ ISC_API int isc_recv_file(int sock, int dest, uint64_t size, int stall_ms, char 
     return rc;
 }
 
-static int recv_file(int sock, int dest, uint64_t size, int stall_ms, char *hex, uint64_t *got,
-                     int *where, int *lowat_set) {
-    static __thread char *buf;
+ISC_API int isc_recv_file(int sock, int dest, uint64_t size, int stall_ms, char *hex, uint64_t *got,
+                          int *where) {
+    return recv_restoring(sock, dest, NULL, size, stall_ms, hex, got, where);
+}
+
+/* The same into memory at mem (size bytes writable, e.g. a shared mapping of a memory file):
+ * each piece lands where it belongs, no copy through a buffer and no write. */
+ISC_API int isc_recv_mem(int sock, char *mem, uint64_t size, int stall_ms, char *hex, uint64_t *got) {
+    int where = ISC_AT_RECV;
+    return recv_restoring(sock, -1, mem, size, stall_ms, hex, got, &where);
+}
+
+static int recv_file(int sock, int dest, char *mem, uint64_t size, int stall_ms, char *hex,
+                     uint64_t *got, int *where, int *lowat_set) {
+    static __thread char *chunk;
     *got = 0;
     *where = ISC_AT_RECV;
-    if (buf == NULL && (buf = malloc(ISC_CHUNK)) == NULL)
+    if (mem == NULL && chunk == NULL && (chunk = malloc(ISC_CHUNK)) == NULL)
         return -ENOMEM;
     XXH3_state_t state;
     XXH3_64bits_reset(&state);
     int cur_lowat = 1;
     while (*got < size) {
         size_t want = size - *got < ISC_CHUNK ? (size_t)(size - *got) : ISC_CHUNK;
+        char *buf = mem != NULL ? mem + *got : chunk;
         ssize_t n = recv(sock, buf, want, MSG_DONTWAIT);
         if (n == 0)
             return -ECONNRESET;
@@ -84,7 +97,7 @@ static int recv_file(int sock, int dest, uint64_t size, int stall_ms, char *hex,
             continue;
         }
         XXH3_64bits_update(&state, buf, (size_t)n);
-        size_t done = 0;
+        size_t done = mem != NULL ? (size_t)n : 0; /* (in memory: where it belongs already) */
         while (done < (size_t)n) {
             ssize_t w = write(dest, buf + done, (size_t)n - done);
             if (w < 0) {

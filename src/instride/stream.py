@@ -676,7 +676,8 @@ class Stream:
                     inbox = self._inbox_buffers()
                     buf = inbox.take()
                     try:
-                        got_early = into(key, like, part, buf.rewound(), until=END_NAME, **kw)
+                        got_early = into(key, like, part, buf.rewound(), until=END_NAME,
+                                         into=buf.writable(like.size), **kw)
                         frame = None if got_early is None else decode_frame(
                             buf.view(got_early.size), key, verify=False, copy=self.copy)
                     except BaseException:

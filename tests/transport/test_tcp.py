@@ -357,6 +357,11 @@ def test_transfer_cut_midway_is_a_transfer_error(nodes: list[LoopbackNode], tmp_
     try:
         with pytest.raises(TransferError, match="closed after 50000 of 100000"):
             t.fetch(rec, dest)
+        owner.join(5)
+        owner = threading.Thread(target=fake_owner, daemon=True)  # again, into memory
+        owner.start()
+        with pytest.raises(TransferError, match="closed after 50000 of 100000"):
+            t.fetch_when_published(rec, "cut/x.bin", -1, 1.0, into=memoryview(bytearray(200_000)))
     finally:
         t.close()
         owner.join(5)
@@ -413,6 +418,29 @@ def test_a_waiting_fetch_is_answered_when_the_key_is_published(nodes: list[Loopb
     finally:
         transport.close()
     no_traceback(n1)
+
+
+def test_a_fetch_into_memory_lands_there_or_in_the_file_when_it_does_not_fit(
+        nodes: list[LoopbackNode], tmp_path: Path) -> None:
+    """``into``: the body is received straight into the caller's memory, hashed on the way (the
+    file untouched); a body larger than that memory goes to the file as usual."""
+    n1, n2 = nodes[0], nodes[1]
+    data = os.urandom(300_000)
+    like = put(n1, "mem/a", data)
+    transport = _transport(n2)
+    fd = os.open(tmp_path / "a", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        room = bytearray(400_000)
+        got = transport.fetch_when_published(like, "mem/a", fd, 5.0, into=memoryview(room))
+        assert got == (len(data), xxhash.xxh3_64_hexdigest(data))
+        assert bytes(room[: len(data)]) == data and os.fstat(fd).st_size == 0
+        small = bytearray(1000)
+        got = transport.fetch_when_published(like, "mem/a", fd, 5.0, into=memoryview(small))
+        assert got == (len(data), xxhash.xxh3_64_hexdigest(data))
+        assert small == bytearray(1000) and (tmp_path / "a").read_bytes() == data
+    finally:
+        os.close(fd)
+        transport.close()
 
 
 def test_a_waiting_fetch_ends_when_its_wait_runs_out(nodes: list[LoopbackNode], tmp_path: Path) -> None:

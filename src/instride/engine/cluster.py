@@ -449,10 +449,12 @@ class ClusterEngine:
 
     def receive_when_published(self, key: str, like: Record, wait: float, fd: int,
                                until: str | None = None,
-                               window: tuple[float, float] | None = None) -> Record | None:
-        """:meth:`fetch_when_published` into the caller's ``fd`` (from its offset) instead of a
-        fetched copy: nothing is stored on this node. For a bounded stream's reader, which
-        drops each frame once it moves on (:mod:`~instride.store.inbox`).
+                               window: tuple[float, float] | None = None,
+                               into: memoryview | None = None) -> Record | None:
+        """:meth:`fetch_when_published` into the caller's memory ``into`` (when the frame fits;
+        else into ``fd``, from its offset) instead of a fetched copy: nothing is stored on this
+        node. For a bounded stream's reader, which drops each frame once it moves on
+        (:mod:`~instride.store.inbox`).
 
         Returns
         -------
@@ -467,7 +469,9 @@ class ClusterEngine:
         asked: list[Callable[[], Record | None]] = []
         watched = self.metadata.watching(key.rpartition("/")[0] + "/")
         on_reply = None if watched else lambda: asked.append(self.metadata.lookup_soon(key))
-        kw = {} if window is None else {"window": window}
+        kw: dict[str, object] = {} if window is None else {"window": window}
+        if into is not None:
+            kw["into"] = into
         try:
             got = fetch(like, key, fd, wait, until, on_reply, **kw)
             record = None if got is None else self._early_record(key, got, None, asked, wait)

@@ -77,6 +77,15 @@ def _hint(owner: Record, key: str) -> Record:
     return Record(key=key, owner=owner.owner, size=0, checksum="", version=0, time=0.0, node=owner.node)
 
 
+def _receive_error(key: str, err: int, got: int, size: int) -> TransferError:
+    """The error of a receive that ended early with ``errno`` ``err``."""
+    if err == errno.ETIMEDOUT:
+        return TransferError(key, f"stalled after {got} of {size} bytes")
+    if err == errno.ECONNRESET:
+        return TransferError(key, f"connection closed after {got} of {size} bytes")
+    return TransferError(key, f"{os.strerror(err)} after {got} of {size} bytes")
+
+
 def _wait_ms(wait: float | None) -> int | None:
     return None if wait is None else max(0, min(wire.MAX_WAIT_MS, int(wait * 1000)))
 
@@ -252,7 +261,8 @@ class TcpTransport:
     def fetch_when_published(self, owner: Record, key: str, fd: int, wait: float,
                              until: str | None = None,
                              on_reply: Callable[[], object] | None = None,
-                             window: tuple[float, float] | None = None) -> tuple[int, str] | None:
+                             window: tuple[float, float] | None = None,
+                             into: memoryview | None = None) -> tuple[int, str] | None:
         """Receive ``key`` from ``owner``'s node into ``fd`` as soon as it is published there.
 
         The owner's data server holds the request up to ``wait`` seconds for a key that is not
@@ -280,6 +290,9 @@ class TcpTransport:
             ``(from, to)`` on the ``time.monotonic()`` clock: when the reply is expected
             (hybrid polling, ``Stream(spin="auto")``): the socket is slept on until ``from``,
             then busy-polled until ``to``, then slept on again.
+        into
+            Writable memory to receive the bytes into instead of ``fd`` when they fit (a
+            stream reader's inbox: no copy through a buffer, no ``write``).
 
         Returns
         -------
@@ -293,7 +306,7 @@ class TcpTransport:
             sock, reply = self._request(hint, wait=wait, until=until, window=window)
         except KeyNotFoundError:
             return None
-        return self._body(sock, reply, hint, fd, on_reply)
+        return self._body(sock, reply, hint, fd, on_reply, into)
 
     def ask_when_published(self, owner: Record, key: str, wait: float,
                            until: str | None = None) -> socket.socket:
@@ -331,15 +344,20 @@ class TcpTransport:
         return self._body(sock, reply, hint, fd, None)
 
     def _body(self, sock: socket.socket, reply: dict[str, Any], hint: Record, fd: int,
-              on_reply: Callable[[], object] | None) -> tuple[int, str]:
-        """Receive the body announced by ``reply`` into ``fd``; the connection is kept after a
-        whole body, else closed."""
+              on_reply: Callable[[], object] | None,
+              into: memoryview | None = None) -> tuple[int, str]:
+        """Receive the body announced by ``reply`` into ``fd`` — or into the writable memory
+        ``into`` when it is large enough; the connection is kept after a whole body, else
+        closed."""
         complete = False
         try:
             size = _size(reply, hint)
             if on_reply is not None:
                 on_reply()
-            digest = self._stream_to_file(sock, fd, size, hint.key)
+            if into is not None and size <= len(into):
+                digest = self._stream_to_memory(sock, into, size, hint.key)
+            else:
+                digest = self._stream_to_file(sock, fd, size, hint.key)
             complete = True
         finally:
             if complete:
@@ -347,6 +365,23 @@ class TcpTransport:
             else:
                 sock.close()
         return size, digest
+
+    def _stream_to_memory(self, sock: socket.socket, into: memoryview, size: int, key: str) -> str:
+        """:meth:`_stream_to_file` into the writable memory ``into`` (``isc_recv_mem``)."""
+        lib = load_library()
+        timeout = sock.gettimeout()
+        stall_ms = -1 if timeout is None else max(1, int(timeout * 1000))
+        hexdigest = ctypes.create_string_buffer(17)
+        got = ctypes.c_uint64(0)
+        base = (ctypes.c_char * len(into)).from_buffer(into)  # (no copy: its address)
+        try:
+            rc = lib.isc_recv_mem(sock.fileno(), ctypes.addressof(base), size, stall_ms, hexdigest,
+                                  ctypes.byref(got))
+        finally:
+            del base
+        if rc == 0:
+            return hexdigest.value.decode()
+        raise _receive_error(key, -rc, got.value, size)
 
     def _stream_to_file(self, sock: socket.socket, fd: int, size: int, key: str) -> str:
         """Receive ``size`` bytes into ``fd``, hashing on the way; return the xxh3 hex digest.
@@ -367,11 +402,7 @@ class TcpTransport:
         err = -rc
         if where.value:  # the file: a full disk, a quota, ...
             raise OSError(err, os.strerror(err))
-        if err == errno.ETIMEDOUT:
-            raise TransferError(key, f"stalled after {got.value} of {size} bytes")
-        if err == errno.ECONNRESET:
-            raise TransferError(key, f"connection closed after {got.value} of {size} bytes")
-        raise TransferError(key, f"{os.strerror(err)} after {got.value} of {size} bytes")
+        raise _receive_error(key, err, got.value, size)
 
     def fetch_bytes(self, record: Record) -> bytearray:
         """Receive ``record.key`` into memory and verify it."""

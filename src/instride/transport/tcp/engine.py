@@ -3,7 +3,7 @@
 Server half (``csrc/tcp/serve.c``): ``iss_start`` / ``iss_stop`` / ``iss_stats_get`` /
 ``iss_port`` / ``iss_replay_check``, with two callbacks into Python (:data:`DECIDE`,
 :data:`LOG`). Client half (``csrc/tcp/recv.c``): ``isc_recv_file``, the receive loop of a fetch
-(recv, xxh3, write). Calls through :mod:`ctypes` release the GIL.
+(recv, xxh3, write), and ``isc_recv_mem``, the same into memory. Calls through :mod:`ctypes` release the GIL.
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ def load_library() -> ctypes.CDLL:
         lib.isc_recv_file.restype = i
         lib.isc_recv_file.argtypes = [i, i, ctypes.c_uint64, i, cp, ctypes.POINTER(ctypes.c_uint64),
                                       ctypes.POINTER(i)]
+        lib.isc_recv_mem.restype = i
+        lib.isc_recv_mem.argtypes = [i, vp, ctypes.c_uint64, i, cp, ctypes.POINTER(ctypes.c_uint64)]
         _lib = lib
         return lib
 
