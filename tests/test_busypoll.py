@@ -91,3 +91,18 @@ def test_cadence_polls_longer_for_an_irregular_producer_within_bounds() -> None:
         slow.arrived(i, 10.0 * i, waited=True)
     start, end = slow.window(5)
     assert abs((end - start) / 2 - LEAD_MAX) < 1e-9
+
+
+def test_cadence_does_not_mix_arrival_and_publication_clocks() -> None:
+    """A reader that found one frame on its node, then fetches the next ones, learns anew from
+    their publication times (a wall clock) instead of mixing them with monotonic arrivals."""
+    c = Cadence()
+    for i in range(4):
+        c.arrived(i, 100.0 + 0.02 * i, waited=True)
+    assert c.window(4) is not None
+    c.arrived(4, 100.09, waited=True, published=1.7e9)  # now fetched: publication times
+    assert c.window(5) is None  # (only one such frame: nothing learned yet)
+    for i in range(5, 9):
+        c.arrived(i, 100.09 + 0.02 * (i - 4), waited=True, published=1.7e9 + 0.02 * (i - 4))
+    start, end = c.window(9)
+    assert abs((start + end) / 2 - (100.09 + 0.02 * 5)) < 1e-6  # on the arrival clock

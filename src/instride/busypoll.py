@@ -78,7 +78,7 @@ def poll_readable_in(sock: socket.socket, window: tuple[float, float]) -> bool:
     if left > 0:
         poller = select.poll()
         poller.register(sock.fileno(), select.POLLIN)
-        if poller.poll(left * 1000):
+        if poller.poll(min(left, 3600.0) * 1000):
             return True
     return poll_readable(sock, end - time.monotonic())
 
@@ -113,12 +113,20 @@ class Cadence:
         self._gaps: deque[float] = deque(maxlen=keep)
         self._delays: deque[float] = deque(maxlen=keep)
         self._last: tuple[int, float] | None = None  # (index, arrival or publication time)
+        self._published: bool | None = None  # which clock the times are on
 
     def arrived(self, index: int, when: float, *, waited: bool,
                 published: float | None = None) -> None:
         """Frame ``index`` was seen at ``when`` (``time.monotonic()``); ``waited``: the reader
         had to wait for it; ``published``: its publication time (``time.time()`` of the
-        producer), where known — then ``waited`` does not matter."""
+        producer), where known — then ``waited`` does not matter. Frames of one kind and the
+        other (a reader that found one frame on its node and fetched the next) are not
+        mixed: what was learned from the other kind is forgotten."""
+        if self._published is not (published is not None):
+            self._gaps.clear()
+            self._delays.clear()
+            self._last = None
+            self._published = published is not None
         if published is not None:
             if self._last is not None and index > self._last[0]:
                 self._gaps.append((published - self._last[1]) / (index - self._last[0]))

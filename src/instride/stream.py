@@ -673,18 +673,24 @@ class Stream:
                 if into is not None and part > 0:
                     # A bounded stream's frame goes once the reader moves on: into memory of
                     # the reader's own, not a copy in a file (see instride.store.inbox)
-                    inbox = self._inbox_buffers()
-                    buf = inbox.take()
+                    buf, free = self._inbox_buffers().take()
                     try:
+                        try:
+                            room: memoryview | None = buf.writable(like.size)
+                        except (OSError, ValueError):
+                            room = None  # (no memory to map: written through the descriptor)
                         got_early = into(key, like, part, buf.rewound(), until=END_NAME,
-                                         into=buf.writable(like.size), **kw)
+                                         into=room, **kw)
                         frame = None if got_early is None else decode_frame(
                             buf.view(got_early.size), key, verify=False, copy=self.copy)
+                        if frame is not None and self._cadence is not None:
+                            self._cadence.arrived(index, time.monotonic(), waited=True,
+                                                  published=got_early.time)
                     except BaseException:
-                        buf.release()
+                        free()
                         raise
                     if frame is None:
-                        buf.release()
+                        free()
                 else:
                     frame = None
                     got_early = None if early is None or part <= 0 \
@@ -695,13 +701,10 @@ class Stream:
                     # a slow producer, the next slice still sleeps until it)
                 if frame is not None and got_early is not None:  # received into the inbox
                     self._fetched_from = got_early
-                    if self._cadence is not None:
-                        self._cadence.arrived(index, time.monotonic(), waited=True,
-                                              published=got_early.time)
                     if self.copy:  # arrays of its own: the buffer takes the next frame
-                        buf.release()
+                        free()
                         return frame
-                    return Frame(frame.header, frame.positions, frame.ids, buf.release)
+                    return Frame(frame.header, frame.positions, frame.ids, free)
                 if got_early is not None:
                     self._fetched_from = got_early
                     arrived = True

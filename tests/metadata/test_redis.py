@@ -224,7 +224,11 @@ def test_kept_announcements_are_bounded_and_forgotten_with_their_directory(
         backend.wait_any([f"{d}k0", f"{d}end"], 0.1)
     for i in range(6):
         put(f"{d}k{i}", b"x")
-    kept = backend.heard([f"{d}k5"])  # reads all six: k0 and k1 dropped on the way
+    kept: dict = {}
+    deadline = time.monotonic() + 10
+    while not kept and time.monotonic() < deadline:  # (announcements arrive asynchronously)
+        kept = backend.heard([f"{d}k5"])  # all six read by now: k0 and k1 dropped on the way
+        time.sleep(0.01)
     assert list(kept) == [f"{d}k5"]
     assert backend.heard([f"{d}k0", f"{d}k1"]) == {}
     assert set(backend.heard([f"{d}k2", f"{d}k3"])) == {f"{d}k2", f"{d}k3"}

@@ -9,23 +9,32 @@ after the first frame: the bytes are hashed on the way in as always, and the fra
 mapping until the reader moves on or releases the frame, as with a frame read in place.
 
 A buffer is reused only once its frame was released; a reader that holds several frames at once
-(``Stream.read`` without iterating) gets a buffer per frame it holds. A buffer grows for a larger
-frame but never shrinks, so a stale view of a released frame never faults.
+(``Stream.read`` without iterating) gets a buffer per frame it holds, and the free ones beyond
+two are closed as those frames are released. A buffer grows for a larger frame but never
+shrinks, so a stale view of a released frame never faults. The frame's arrays are read-only
+views, as those of a frame read in place.
 """
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
+import weakref
+from collections.abc import Callable
+
+#: free buffers an inbox keeps for the next frames (more are closed as frames are released)
+KEEP_FREE = 2
 
 
 class InboxBuffer:
-    """One reusable buffer: a memory file and a shared mapping of it."""
+    """One reusable buffer: a memory file, a writable shared mapping to receive into, and a
+    read-only one the frame's arrays are views of."""
 
     def __init__(self) -> None:
         self.fd = os.memfd_create("instride-frame", os.MFD_CLOEXEC)
-        self._map: mmap.mmap | None = None
+        self._closer = weakref.finalize(self, os.close, self.fd)
+        self._rw: mmap.mmap | None = None
+        self._ro: mmap.mmap | None = None
         self._mapped = 0
         self.held = False
 
@@ -38,35 +47,33 @@ class InboxBuffer:
     def writable(self, size: int) -> memoryview:
         """The buffer's memory, at least ``size`` bytes, to receive a frame into (its pages are
         allocated by the first frame and reused by the next ones)."""
-        if size > self._mapped or self._map is None:
-            self._remap(size)
-        assert self._map is not None
-        return memoryview(self._map)
+        self._fit(size)
+        assert self._rw is not None
+        return memoryview(self._rw)
 
     def view(self, size: int) -> memoryview:
-        """The frame's ``size`` bytes (received into memory, or written through the descriptor)."""
-        if size > self._mapped or self._map is None:
-            self._remap(size)
-        assert self._map is not None
-        return memoryview(self._map)[:size]
+        """The frame's ``size`` bytes, read-only (received into memory, or written through the
+        descriptor)."""
+        self._fit(size)
+        assert self._ro is not None
+        return memoryview(self._ro)[:size]
 
-    def _remap(self, size: int) -> None:
-        """Map ``size`` bytes anew (grown, never shrunk: a stale view of an earlier, smaller
+    def _fit(self, size: int) -> None:
+        """Map at least ``size`` bytes (grown, never shrunk: a stale view of an earlier, smaller
         frame stays within the file)."""
+        if size <= self._mapped and self._rw is not None:
+            return
+        size = max(size, 1)
         if os.fstat(self.fd).st_size < size:
             os.ftruncate(self.fd, size)
-        self._map = mmap.mmap(self.fd, size)
+        self._rw = mmap.mmap(self.fd, size)
+        self._ro = mmap.mmap(self.fd, size, prot=mmap.PROT_READ)
         self._mapped = size
-
-    def release(self) -> None:
-        """The frame in it is released: the buffer may take the next one."""
-        self.held = False
 
     def close(self) -> None:
         """Close the descriptor (a mapping still viewed stays valid until its views go)."""
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
-        self._map = None
+        self._closer()
+        self._rw = self._ro = None
 
 
 class Inbox:
@@ -75,16 +82,32 @@ class Inbox:
     def __init__(self) -> None:
         self._buffers: list[InboxBuffer] = []
 
-    def take(self) -> InboxBuffer:
-        """A buffer no frame is held in (a new one if every buffer holds one), now held."""
-        for buf in self._buffers:
-            if not buf.held:
-                buf.held = True
-                return buf
-        buf = InboxBuffer()
+    def take(self) -> tuple[InboxBuffer, Callable[[], None]]:
+        """A buffer no frame is held in (a new one if every buffer holds one), now held, and
+        the function that releases it — once: a second call does nothing (the buffer may hold
+        another frame by then)."""
+        buf = next((b for b in self._buffers if not b.held), None)
+        if buf is None:
+            buf = InboxBuffer()
+            self._buffers.append(buf)
         buf.held = True
-        self._buffers.append(buf)
-        return buf
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                buf.held = False
+                self._trim()
+
+        return buf, release
+
+    def _trim(self) -> None:
+        """Close free buffers beyond :data:`KEEP_FREE` (after many frames were held at once)."""
+        free = [b for b in self._buffers if not b.held]
+        for extra in free[KEEP_FREE:]:
+            extra.close()
+            self._buffers.remove(extra)
 
     def close(self) -> None:
         """Close every buffer."""
