@@ -229,6 +229,7 @@ class Stream:
         self._retained: deque[tuple[int, int, int]] = deque()  # (index, inode, bytes)
         self._retained_bytes = 0
         self._oldest = 0
+        self._head_shared: tuple[int, int] | None = None  # the head counters shared last
         # every group's cursor was past this frame when last read (at this monotonic time)
         self._groups_past = (0, -math.inf)
         self._archiver: Any = None
@@ -345,7 +346,7 @@ class Stream:
         self._retained_bytes += nbytes
         self._written += 1
         self._make_room(0, wait=False)
-        self._share.set_head(self._oldest, self._written)
+        self._publish_head()
         self._pool.prepare(nbytes)  # the next frame's file, between frames (unbounded streams)
         return index
 
@@ -406,12 +407,20 @@ class Stream:
             raise StreamFull(self.name, waited, holders)
         self._share.wait_progress(1.0 if timeout is None else min(1.0, timeout - waited))
 
+    def _publish_head(self) -> None:
+        """Share the head counters, unless they are the ones shared last (a frame retired right
+        after the write already shared them: one command per frame less in cluster mode)."""
+        head = (self._oldest, self._written)
+        if head != self._head_shared:
+            self._share.set_head(*head)
+            self._head_shared = head
+
     def _retire_oldest(self) -> None:
         assert self._pool is not None
         index, ino, nbytes = self._retained.popleft()
         self._retained_bytes -= nbytes
         self._oldest = index + 1
-        self._share.set_head(self._oldest, self._written)  # first: a reader that misses it sees why
+        self._publish_head()  # first: a reader that misses it sees why
         self._pool.retire(ino)
         self.client.engine.retired(self.frame_key(index))
 
