@@ -268,6 +268,26 @@ def test_an_evicted_copy_a_reader_still_has_is_never_rewritten(nodes: list[Loopb
 
 
 # ---------------------------------------------------------------------- asked before published
+def _read_in_thread(reader: instride.Stream, pos: np.ndarray
+                    ) -> tuple[threading.Thread, list[int], list[BaseException]]:
+    """Iterate ``reader`` in a thread, checking each frame is ``pos + step``: the thread, the
+    steps got and the errors raised (for the test to assert on)."""
+    got: list[int] = []
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            for frame in reader:
+                assert np.array_equal(frame.positions, pos + frame.header.step)
+                got.append(frame.header.step)
+        except BaseException as exc:  # noqa: BLE001 (re-raised by the test)
+            errors.append(exc)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread, got, errors
+
+
 def test_a_streams_reader_gets_its_next_frame_as_it_is_published(clients: list[instride.Client]) -> None:
     """A reader on another node asks the owner for frame i + 1 once it has frame i; the owner's
     data server sends it as it is published (no wake-up through Redis): every frame exact,
@@ -278,21 +298,8 @@ def test_a_streams_reader_gets_its_next_frame_as_it_is_published(clients: list[i
     frames = 12
     for name, kw, group in (("ep/run", {}, None), ("ep/bounded", {"retain": 4, "groups": ["g"]}, "g")):
         reader = instride.Stream(name, timeout=20, client=c2, group=group)
-        got: list[int] = []
-        errors: list[BaseException] = []
-
-        def read(reader: instride.Stream = reader, got: list[int] = got,
-                 errors: list[BaseException] = errors) -> None:
-            try:
-                for frame in reader:
-                    assert np.array_equal(frame.positions, pos + frame.header.step)
-                    got.append(frame.header.step)
-            except BaseException as exc:  # noqa: BLE001 (re-raised below)
-                errors.append(exc)
-
         before, heard = c2.engine.early_transfers, c2.engine.records_heard
-        thread = threading.Thread(target=read, daemon=True)
-        thread.start()
+        thread, got, errors = _read_in_thread(reader, pos)
         with instride.Stream(name, mode="w", client=c1, **kw) as producer:
             for i in range(frames):
                 time.sleep(0.03)  # the reader is waiting for each frame
@@ -315,19 +322,7 @@ def test_a_hybrid_polling_reader_on_another_node_learns_the_cadence_from_publica
     pos = np.random.default_rng(5).random((3000, 3)).astype(np.float32)
     frames = 14
     reader = instride.Stream("hyb/run", timeout=20, client=c2, spin="auto")
-    got: list[int] = []
-    errors: list[BaseException] = []
-
-    def read() -> None:
-        try:
-            for frame in reader:
-                assert np.array_equal(frame.positions, pos + frame.header.step)
-                got.append(frame.header.step)
-        except BaseException as exc:  # noqa: BLE001 (re-raised below)
-            errors.append(exc)
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
+    thread, got, errors = _read_in_thread(reader, pos)
     with instride.Stream("hyb/run", mode="w", client=c1) as producer:
         for i in range(frames):
             time.sleep(0.04)

@@ -65,6 +65,13 @@ def _follows(key: str, prev: str) -> bool:
         and int(a[2]) == int(b[2]) + 1
 
 
+def _options(window: tuple[float, float] | None,
+             into: memoryview | None = None) -> dict[str, object]:
+    """The optional arguments of a transport's ``fetch_when_published`` that are set (a
+    transport without them is called as before)."""
+    return {k: v for k, v in (("window", window), ("into", into)) if v is not None}
+
+
 class _Elsewhere(Exception):  # noqa: N818 (not an error: the other way won the race)
     """A key waited for was published by another owner: its record."""
 
@@ -357,19 +364,23 @@ class ClusterEngine:
         fetch = getattr(self.transport, "fetch_when_published", None)
         if fetch is None:
             return None
-        asked: list[Callable[[], Record | None]] = []  # the record, asked for meanwhile
-        # A reader that waited in the key's directory keeps hearing its announcements: the
-        # record will be among them (no round trip). Otherwise it is asked for as soon as
-        # the owner's reply starts, overlapping the body.
-        watched = self.metadata.watching(key.rpartition("/")[0] + "/")
+        asked, on_reply = self._asking(key)
 
         def receive(fd: int) -> tuple[tuple[int, str] | None, Record | None]:
-            on_reply = None if watched else lambda: asked.append(self.metadata.lookup_soon(key))
-            if window is None:
-                return fetch(like, key, fd, wait, until, on_reply), None
-            return fetch(like, key, fd, wait, until, on_reply, window=window), None
+            return fetch(like, key, fd, wait, until, on_reply, **_options(window)), None
 
         return self._take_early(key, like, wait, receive, asked)
+
+    def _asking(self, key: str) -> tuple[list[Callable[[], Record | None]], Callable[[], None] | None]:
+        """Where an early fetch's record comes from: a thread that waited in the key's
+        directory keeps hearing its announcements (the record will be among them, no round
+        trip); otherwise it is asked for as soon as the owner's reply starts, overlapping the
+        body. Returns the list the asked-for record's reader lands in, and the ``on_reply``
+        that asks (``None`` when the record will be heard)."""
+        asked: list[Callable[[], Record | None]] = []
+        if self.metadata.watching(key.rpartition("/")[0] + "/"):
+            return asked, None
+        return asked, lambda: asked.append(self.metadata.lookup_soon(key))
 
     def _take_early(self, key: str, like: Record, wait: float,
                     receive: Callable[[int], tuple[tuple[int, str] | None, Record | None]],
@@ -466,14 +477,9 @@ class ClusterEngine:
         fetch = getattr(self.transport, "fetch_when_published", None)
         if fetch is None:
             return None
-        asked: list[Callable[[], Record | None]] = []
-        watched = self.metadata.watching(key.rpartition("/")[0] + "/")
-        on_reply = None if watched else lambda: asked.append(self.metadata.lookup_soon(key))
-        kw: dict[str, object] = {} if window is None else {"window": window}
-        if into is not None:
-            kw["into"] = into
+        asked, on_reply = self._asking(key)
         try:
-            got = fetch(like, key, fd, wait, until, on_reply, **kw)
+            got = fetch(like, key, fd, wait, until, on_reply, **_options(window, into))
             record = None if got is None else self._early_record(key, got, None, asked, wait)
         except (InstrideError, OSError):
             return None  # (as for a fetched copy: the usual way sorts it out, or says what)
