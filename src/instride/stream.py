@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import math
 import os
@@ -324,7 +325,7 @@ class Stream:
         self.mode = "w"
         index = self._written
         nbytes = frame_size(pos.shape[0], self.layout)
-        self._make_room(nbytes, wait=True)
+        self._make_room(nbytes)
         key = self.frame_key(index)
         final = f"{self._frame_dir}/{FRAME_FORMAT.format(index)}"
         slot = self._pool.take(nbytes)
@@ -341,11 +342,27 @@ class Stream:
         # is still in cache: the engine would otherwise open and map the file again
         checksum = checksum_of(slot.mm) if engine.wants_checksum else None
         self._pool.publish(slot, final, key, overwrite=self.overwrite, fsync=self.client.fsync)
-        engine.published(key, self.overwrite, checksum, slot.size if checksum else None)
         self._retained.append((index, slot.ino, nbytes))
         self._retained_bytes += nbytes
+        # The frames that can go now without waiting for a group; where the stream's state is
+        # shared through the metadata (cluster mode), their records go and the head counters
+        # are shared in the same step as the new record: one message to Redis per frame.
+        going = self._retirable()
+        then = self._share.along_publication(
+            self._retained[going - 1][0] + 1 if going else self._oldest, index + 1,
+            [self.frame_key(i) for i, _, _ in itertools.islice(self._retained, going)])
+        try:
+            engine.published(key, self.overwrite, checksum, slot.size if checksum else None,
+                             then=then or ())
+        except BaseException:
+            self._retained.pop()
+            self._retained_bytes -= nbytes
+            raise
         self._written += 1
-        self._make_room(0, wait=False)
+        for _ in range(going):
+            self._retire_oldest(shared=then is not None)
+        if then is not None:
+            self._head_shared = (self._oldest, self._written)
         self._publish_head()
         self._pool.prepare(nbytes)  # the next frame's file, between frames (unbounded streams)
         return index
@@ -368,37 +385,54 @@ class Stream:
 
             self._archiver = start_archiver(self.name, self.policy.archive, self.client)
 
-    def _over(self, nbytes: int, slack: int) -> bool:
-        """Whether keeping one more frame of ``nbytes`` would exceed the bound by > ``slack``."""
+    def _over(self, count: int, total: int, allowance: int) -> bool:
+        """Whether ``count`` frames of ``total`` bytes exceed the bound by more than one frame
+        of ``allowance`` bytes (before a write: the new frame; after it, 0: at all)."""
         p = self.policy
-        n = len(self._retained) + (1 if nbytes else 0)
-        if p.retain is not None and n > p.retain + slack:
+        if p.retain is not None and count > p.retain + (1 if allowance else 0):
             return True
-        return p.retain_bytes is not None and self._retained_bytes + nbytes > p.retain_bytes + slack * nbytes
+        return p.retain_bytes is not None and total > p.retain_bytes + allowance
 
-    def _make_room(self, nbytes: int, *, wait: bool) -> None:
-        """Retire old frames per the policy. Before a write (``wait``): down to the bound,
-        waiting for groups under "block"; after it: what can go without waiting."""
+    def _holders(self, index: int) -> list[str]:
+        """The consumer groups still holding frame ``index`` (none under the drop policies)."""
+        if self.policy.drops:
+            return []
+        past, seen = self._groups_past
+        # Cursors only move on, so frames before the lowest one read moments ago need no
+        # new look (in cluster mode a round trip per frame); group names are re-read as
+        # often as the local state re-reads them (a group registered meanwhile starts at 0).
+        if index < past and time.monotonic() - seen < _GROUPS_FRESH:
+            return []
+        cursors = self._share.cursors()
+        self._groups_past = (min(cursors.values(), default=math.inf), time.monotonic())
+        return sorted(g for g, c in cursors.items() if c <= index)
+
+    def _make_room(self, nbytes: int) -> None:
+        """Before a write of ``nbytes``: retire old frames down to the bound (one frame over
+        it at most, retired right after the write), waiting for groups under "block"."""
         if not self.policy.bounded:
             return
         start = time.monotonic()
-        slack = 1 if wait else 0
-        while self._retained and self._over(nbytes, slack):
-            oldest = self._retained[0][0]
-            past, seen = self._groups_past
-            # Cursors only move on, so frames before the lowest one read moments ago need no
-            # new look (in cluster mode a round trip per frame); group names are re-read as
-            # often as the local state re-reads them (a group registered meanwhile starts at 0).
-            if not self.policy.drops and not (oldest < past and time.monotonic() - seen < _GROUPS_FRESH):
-                cursors = self._share.cursors()
-                self._groups_past = (min(cursors.values(), default=math.inf), time.monotonic())
-                holders = sorted(g for g, c in cursors.items() if c <= oldest)
-                if holders:
-                    if not wait:
-                        return
-                    self._wait_for_groups(start, holders)
-                    continue
+        while self._retained and self._over(len(self._retained) + 1,
+                                            self._retained_bytes + nbytes, nbytes):
+            holders = self._holders(self._retained[0][0])
+            if holders:
+                self._wait_for_groups(start, holders)
+                continue
             self._retire_oldest()
+
+    def _retirable(self) -> int:
+        """After a write: how many of the oldest frames go now, down to the bound, without
+        waiting (up to the first a group still holds)."""
+        if not self.policy.bounded:
+            return 0
+        count, total, going = len(self._retained), self._retained_bytes, 0
+        for index, _ino, size in self._retained:
+            if not self._over(count - going, total, 0) or self._holders(index):
+                break
+            going += 1
+            total -= size
+        return going
 
     def _wait_for_groups(self, start: float, holders: list[str]) -> None:
         timeout = self.client.settings.timeout if self.timeout is None else self.timeout
@@ -415,14 +449,19 @@ class Stream:
             self._share.set_head(*head)
             self._head_shared = head
 
-    def _retire_oldest(self) -> None:
+    def _retire_oldest(self, *, shared: bool = False) -> None:
+        """Retire the oldest frame: the head first (a reader that misses the file sees why),
+        then its file, then its record — unless the record went and the head was shared
+        along with the last publication already (``shared``)."""
         assert self._pool is not None
         index, ino, nbytes = self._retained.popleft()
         self._retained_bytes -= nbytes
         self._oldest = index + 1
-        self._publish_head()  # first: a reader that misses it sees why
+        if not shared:
+            self._publish_head()
         self._pool.retire(ino)
-        self.client.engine.retired(self.frame_key(index))
+        if not shared:
+            self.client.engine.retired(self.frame_key(index))
 
     def close(self) -> None:
         """End the stream (producer: publish the end-of-stream marker; consumer: release

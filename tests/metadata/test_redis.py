@@ -88,6 +88,24 @@ def test_version_survives_delete_and_republish(backend: RedisMetadata, put: Put)
     assert put("d/k", b"3").version == 3
 
 
+def test_commands_run_with_a_publication_only_once_it_is_stored(backend: RedisMetadata,
+                                                                put: Put) -> None:
+    """A stream's producer shares its head and forgets retired frames in the step that
+    records the next frame: the commands run after the record, and not at all if the
+    publication is refused."""
+    put("t/old", b"1")
+    rec = Record("t/new", "127.0.0.1:1", 1, "xxh3:0", 0, time.time(), "n1")
+    head = "instride:test:head"
+    then = [("HSET", head, "oldest", 1, "written", 2), *backend.forget_commands("t/old")]
+    assert backend.publish(rec, then=then).version == 1
+    assert backend.lookup("t/new") is not None and backend.lookup("t/old") is None
+    assert "t/old" not in backend.list("t/")
+    assert backend.redis.hgetall(head) == {b"oldest": b"1", b"written": b"2"}
+    with pytest.raises(KeyExistsError):  # refused: the commands do not run
+        backend.publish(rec, overwrite=False, then=[("HSET", head, "written", 3)])
+    assert backend.redis.hget(head, "written") == b"2"
+
+
 def test_failed_record_retracts_write_once_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import instride
     from tests.conftest import free_port

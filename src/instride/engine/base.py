@@ -78,11 +78,13 @@ class Engine(Protocol):
     confines: bool
 
     def published(self, key: str, overwrite: bool, checksum: str | None = None,
-                  size: int | None = None) -> None:
+                  size: int | None = None, *, then: Sequence[tuple[Any, ...]] = ()) -> None:
         """Called after ``key`` was atomically published on this node (writer closed).
 
         ``checksum`` (``"xxh3:<hex>"``) and ``size`` are the writer's, computed while writing,
-        or ``None`` (the engine computes what it needs).
+        or ``None`` (the engine computes what it needs). ``then``: metadata commands to run in
+        the same step as the record (from a stream state's ``along_publication``; only
+        engines that keep records in a metadata service get any).
         """
 
     def register(self, key: str, *, overwrite: bool, checksum: str | None = None,

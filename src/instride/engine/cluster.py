@@ -21,6 +21,7 @@ import select
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from .. import store
 from ..config import Settings
@@ -642,20 +643,22 @@ class ClusterEngine:
         return RedisStreamState(self.metadata, stream)
 
     def published(self, key: str, overwrite: bool, checksum: str | None = None,
-                  size: int | None = None) -> None:
+                  size: int | None = None, *, then: Sequence[tuple[Any, ...]] = ()) -> None:
         """Record a publication of this node (owner, size, checksum, new version).
 
         ``checksum`` and ``size``, when the writer computed them while writing, spare a second
-        pass over the file.
+        pass over the file. ``then``: metadata commands run in the same step once the record
+        is stored (a stream's head counters and retired frames).
         """
-        self.register(key, overwrite=overwrite, checksum=checksum, size=size)
+        self.register(key, overwrite=overwrite, checksum=checksum, size=size, then=then)
 
     def register(self, key: str, *, overwrite: bool, checksum: str | None = None,
-                 size: int | None = None) -> Record:
+                 size: int | None = None, then: Sequence[tuple[Any, ...]] = ()) -> Record:
         """Record the file in place under ``key`` with this node as owner.
 
         ``checksum`` (``"xxh3:<hex>"``) and ``size`` may be given by a caller that computed
-        them while writing the file; otherwise the file is read once to compute them. If
+        them while writing the file; otherwise the file is read once to compute them. ``then``
+        are metadata commands to run in the same step, once the record is stored. If
         recording fails, a write-once file is removed again, so no key is left visible without
         a record; except a second registration of the very file already recorded (same owner
         and checksum: a thin client's repeated ``PUBLISH``), which must not remove the
@@ -670,6 +673,8 @@ class ClusterEngine:
                         node=self.settings.node)
         self.forget_fetched(key)  # our own original now, never evicted
         try:
+            if then:  # (a Redis backend's extension: the protocol's publish takes none)
+                return self.metadata.publish(record, overwrite=overwrite, then=then)
             return self.metadata.publish(record, overwrite=overwrite)
         except KeyExistsError:
             # [keep] a second PUBLISH of the very bytes already recorded (the same file) must

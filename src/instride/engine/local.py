@@ -10,6 +10,7 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .. import store
 from ..config import Settings
@@ -76,7 +77,7 @@ class LocalEngine:
     confines = True
 
     def published(self, key: str, overwrite: bool, checksum: str | None = None,
-                  size: int | None = None) -> None:
+                  size: int | None = None, *, then: Sequence[tuple[Any, ...]] = ()) -> None:
         """Nothing to record: the atomic rename was the publication."""
 
     def retired(self, key: str) -> None:

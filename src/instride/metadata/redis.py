@@ -58,6 +58,14 @@ redis.call('ZADD', KEYS[2], 0, ARGV[6])
 redis.call('PUBLISH', KEYS[3], cjson.encode({key = ARGV[6], owner = ARGV[1],
            size = tonumber(ARGV[2]), checksum = ARGV[3], version = version,
            time = tonumber(ARGV[4]), node = ARGV[5]}))
+-- then the caller's follow-up commands, in the same step (a stream's head counters, its
+-- retired frames' records): ARGV[8] commands, each as its length and its words
+local at = 9
+for _ = 1, tonumber(ARGV[8] or '0') do
+  local n = tonumber(ARGV[at])
+  redis.call(unpack(ARGV, at + 1, at + n))
+  at = at + n + 1
+end
 return version
 """
 
@@ -204,11 +212,18 @@ class RedisMetadata:
         return conn
 
     # ------------------------------------------------------------------ contract
-    def publish(self, record: Record, *, overwrite: bool = True) -> Record:
-        """Record ``record`` (its version is assigned here) and notify waiters."""
+    def publish(self, record: Record, *, overwrite: bool = True,
+                then: Sequence[tuple[Any, ...]] = ()) -> Record:
+        """Record ``record`` (its version is assigned here) and notify waiters; then run the
+        commands ``then`` (e.g. :meth:`forget_commands`) in the same step, only if the record
+        was stored."""
         keys = [_REC + record.key, _KEYS, _CHAN + record.key, _VER + record.key]
-        args = [record.owner, record.size, record.checksum or "", repr(record.time),
-                record.node, record.key, "1" if overwrite else "0"]
+        args: list[Any] = [record.owner, record.size, record.checksum or "", repr(record.time),
+                           record.node, record.key, "1" if overwrite else "0"]
+        if then:
+            args.append(len(then))
+            for command in then:
+                args += (len(command), *command)
 
         def run() -> Any:
             fast = self._fast()
@@ -671,12 +686,17 @@ class RedisMetadata:
                     raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
                 time.sleep(0.05)
 
+    @staticmethod
+    def forget_commands(key: str) -> list[tuple[Any, ...]]:
+        """The commands that forget ``key``'s record (its version counter is kept)."""
+        return [("DEL", _REC + key), ("ZREM", _KEYS, key)]
+
     def delete(self, key: str) -> None:
         """Forget ``key`` (its version counter is kept)."""
         fast = self._fast()
         if fast is not None:  # one write, one round trip (a bounded stream retires per frame)
             def lean() -> None:
-                replies = fast.call([("MULTI",), ("DEL", _REC + key), ("ZREM", _KEYS, key), ("EXEC",)])
+                replies = fast.call([("MULTI",), *self.forget_commands(key), ("EXEC",)])
                 failed = [r for r in replies if isinstance(r, Exception)]
                 if failed:
                     raise redis.ResponseError(str(failed[0]))

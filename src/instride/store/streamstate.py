@@ -290,6 +290,12 @@ class StreamState(Protocol):
     def set_head(self, oldest: int, written: int) -> None:
         """Producer: the oldest frame retained and the frames written."""
 
+    def along_publication(self, oldest: int, written: int,
+                          retired: list[str]) -> list[tuple[Any, ...]] | None:
+        """Producer: the metadata commands that share the head counters and forget the
+        ``retired`` frames' records in the same step as the next publication, or ``None``
+        where the state shares the head itself (:meth:`set_head`)."""
+
     def cursors(self) -> dict[str, int]:
         """Each consumer group's cursor."""
 
@@ -356,6 +362,11 @@ class LocalStreamState:
         self._head.oldest = oldest
         self._head.written = written
 
+
+    def along_publication(self, oldest: int, written: int,
+                          retired: list[str]) -> list[tuple[Any, ...]] | None:
+        """``None``: the head is a file of this node, shared by :meth:`set_head`."""
+        return None
     def cursors(self) -> dict[str, int]:
         """Each group's cursor."""
         return self._groups.cursors()
@@ -464,6 +475,15 @@ class RedisStreamState:
     def set_head(self, oldest: int, written: int) -> None:
         """Publish the head counters (without waiting for Redis's reply, where it can)."""
         self.metadata.set_later(self._head, {"oldest": oldest, "written": written})
+
+    def along_publication(self, oldest: int, written: int,
+                          retired: list[str]) -> list[tuple[Any, ...]] | None:
+        """The head counters and the retired frames' records, as commands the publication of
+        the next frame runs right after storing its record (one script, one round trip)."""
+        commands: list[tuple[Any, ...]] = [("HSET", self._head, "oldest", oldest, "written", written)]
+        for key in retired:
+            commands += self.metadata.forget_commands(key)
+        return commands
 
     def cursors(self) -> dict[str, int]:
         """Each group's cursor."""
