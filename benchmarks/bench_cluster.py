@@ -131,10 +131,10 @@ CONSUME = textwrap.dedent(
 CONSUME_GROUP = textwrap.dedent(
     """
     import sys, time, instride
-    # the consumer of a bounded stream, as a user writes it: iterate, as group "g"
-    # (a second argument: spin="auto", hybrid polling)
+    # the consumer of a bounded stream, as a user writes it: iterate, as group "g", the
+    # group's position recorded every 4 frames (a second argument: spin="auto", hybrid polling)
     spin = sys.argv[2] if len(sys.argv) > 2 else None
-    s = instride.Stream(sys.argv[1], timeout=120, group="g", spin=spin)
+    s = instride.Stream(sys.argv[1], timeout=120, group="g", spin=spin, commit_every=4)
     instride.get_client().exists("warm-up")
     out = []
     print("ready", flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -259,6 +260,66 @@ def test_group_resumes_after_its_reader_is_killed(managed_dir: Path) -> None:
     assert got == list(range(7))
     again = [f.step for f in instride.Stream("resume", group="g", timeout=30)]
     assert again == list(range(6, 20))  # frame 6 was held, not finished: delivered again
+
+
+def test_group_position_recorded_every_few_frames_loses_none(managed_dir: Path) -> None:
+    """``commit_every=4``: the group's position is recorded every 4 frames, exactly at close;
+    a reader killed in between resumes at most 3 frames before the frame it held (delivered
+    again, none skipped)."""
+    with instride.Stream("every", mode="w", retain=50, groups=["g"]) as s:
+        for i in range(30):
+            s.append(_positions(i), step=i)
+    reader = instride.Stream("every", group="g", commit_every=4, timeout=30)
+    recorded = []
+    for _ in range(10):  # holds frame 9
+        next(reader)
+        recorded.append(reader._cursor_file.value)
+    assert recorded == [0, 0, 0, 0, 4, 4, 4, 4, 8, 8]
+    reader.close()  # the frame held (9) is delivered again; every one before it is done
+    with instride.Stream("every", group="g") as again_reader:  # holds frame 10 at close
+        assert [f.step for f in itertools.islice(again_reader, 2)] == [9, 10]
+    code = textwrap.dedent(
+        """
+        import sys, instride
+        for f in instride.Stream("every", group="g", commit_every=4, timeout=30):
+            print(f.step, flush=True)
+            if f.step == 16:
+                sys.stdin.read()   # holds frame 16 until killed
+        """
+    )
+    proc = spawn_py(code, stdin=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        got = [int(proc.stdout.readline()) for _ in range(7)]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert got == list(range(10, 17))
+    again = [f.step for f in instride.Stream("every", group="g", timeout=30)]
+    assert 16 - 3 <= again[0] <= 16 and again == list(range(again[0], 30))
+
+
+def test_group_position_every_few_frames_never_stalls_a_blocked_producer(
+        managed_dir: Path) -> None:
+    """``commit_every`` larger than the producer's ``retain`` under "block": positions are
+    recorded often enough for the producer to go on (every frame seen, no StreamFull)."""
+    producer = _produce("every-small", 60, 2, "block")
+    try:
+        seen = [f.step for f in instride.Stream("every-small", group="g", commit_every=50,
+                                                 timeout=60)]
+    finally:
+        rc, out, err = finish(producer)
+    assert rc == 0, err
+    assert seen == list(range(60))
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "4"])
+def test_commit_every_must_be_a_whole_number_of_frames(managed_dir: Path, bad: object) -> None:
+    with pytest.raises(ConfigError, match="commit_every"):
+        instride.Stream("x", group="g", commit_every=bad)  # type: ignore[arg-type]
 
 
 def test_producer_killed_mid_frame_publishes_nothing_and_gc_reclaims(managed_dir: Path) -> None:

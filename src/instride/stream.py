@@ -159,11 +159,21 @@ class Stream:
         in the CPU cache); the frame's storage is released at once, so frames can be kept
         as long as wanted. Cheaper than views plus ``np.array`` for the interleaved
         ``paper`` layout (1.4–2× here), about even for the contiguous layouts.
+    commit_every
+        Consumer group: record the group's position every this many frames instead of after
+        every frame (and always when the reader closes). In cluster mode each record is a
+        message to Redis, so a fast reader gains about a tenth of its time per frame with
+        4 (measured with 8 pairs across nodes). A reader killed without closing then
+        resumes up to ``commit_every - 1`` frames before the frame it held (they are
+        delivered again; none is skipped). Never more than the producer's ``retain`` under
+        ``"block"`` (its waits must see progress), and 1 where the producer bounds only
+        bytes. Default 1.
 
     Raises
     ------
     ConfigError
-        A retention below 1, an unknown ``on_full`` or ``on_gap``, an invalid group name.
+        A retention below 1, an unknown ``on_full`` or ``on_gap``, an invalid group name, a
+        ``commit_every`` below 1.
     """
 
     def __init__(
@@ -185,7 +195,11 @@ class Stream:
         archive: str | os.PathLike[str] | None = None,
         spin: float | str | None = None,
         copy: bool = False,
+        commit_every: int = 1,
     ) -> None:
+        if isinstance(commit_every, bool) or not isinstance(commit_every, int) or commit_every < 1:
+            raise ConfigError("commit_every", commit_every, "must be a whole number of frames >= 1")
+        self.commit_every = commit_every
         self.client = client or get_client()
         #: hybrid polling (``spin="auto"``): when the next frame is due
         self._cadence = Cadence() if spin == "auto" else None
@@ -241,6 +255,7 @@ class Stream:
         self._reader_policy: Policy | None = None  # the producer's, once it is known
         self._held: Frame | None = None
         self._cursor_file: Any = None
+        self._done: int | None = None  # the group finished every frame before this one
         #: the record of the last frame fetched from another node: its owner is asked for the
         #: next frame before that is published (cluster mode, see ``read``)
         self._fetched_from: Record | None = None
@@ -518,6 +533,8 @@ class Stream:
         self._share.close()
         self._release_held()
         if self._cursor_file is not None:
+            if self._done is not None:  # (positions recorded every commit_every frames)
+                self._cursor_file.commit(self._done)
             self._cursor_file.close()
             self._cursor_file = None
         if self._leases is not None:
@@ -880,10 +897,22 @@ class Stream:
             held.release()
 
     def _move_on(self) -> None:
-        """Release the frame held and record the group's progress."""
+        """Release the frame held and record the group's progress (every ``commit_every``
+        frames)."""
         self._release_held()
         if self._cursor_file is not None:
-            self._cursor_file.commit(self._cursor)
+            self._done = self._cursor
+            if not 0 <= self._cursor - self._cursor_file.value < self._commit_step():
+                self._cursor_file.commit(self._cursor)
+
+    def _commit_step(self) -> int:
+        """Frames between two records of the group's position: ``commit_every``, at most the
+        producer's ``retain`` under "block" (1 where it is not known)."""
+        step, policy = self.commit_every, self._reader_policy
+        if step > 1 and (policy is None or not policy.drops):
+            step = 1 if policy is None or (policy.bounded and policy.retain is None) \
+                else min(step, policy.retain or step)
+        return step
 
     def __iter__(self) -> Iterator[Frame]:
         return self

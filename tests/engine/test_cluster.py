@@ -313,6 +313,27 @@ def test_a_streams_reader_gets_its_next_frame_as_it_is_published(clients: list[i
         assert c2.engine.records_heard - heard >= (frames - 2) // 2
 
 
+def test_a_group_reader_on_another_node_records_its_position_every_few_frames(
+        clients: list[instride.Client]) -> None:
+    """``commit_every`` in cluster mode (one message to Redis per few frames): a producer
+    blocked on ``retain=3`` still sees progress (positions recorded at least every 3 frames),
+    every frame arrives, and closing records the exact position."""
+    c1, c2, _ = clients
+    pos = np.random.default_rng(9).random((3000, 3)).astype(np.float32)
+    reader = instride.Stream("every/run", timeout=30, client=c2, group="g", commit_every=8)
+    thread, got, errors = _read_in_thread(reader, pos)
+    with instride.Stream("every/run", mode="w", retain=3, groups=["g"], client=c1,
+                         timeout=30) as producer:
+        for i in range(40):
+            producer.append(pos + i, step=i)
+    thread.join(60)
+    assert not thread.is_alive() and errors == []
+    assert got == list(range(40))
+    reader.close()
+    cursors = c1.engine.stream_state("every/run").cursors()
+    assert cursors == {"g": 40}
+
+
 def test_a_hybrid_polling_reader_on_another_node_learns_the_cadence_from_publication_times(
         clients: list[instride.Client]) -> None:
     """``spin="auto"`` across nodes: the reader learns the producer's pace from the frames'
