@@ -5,7 +5,8 @@ Measures, in one run, on an emulated cluster made for the purpose:
 1. cross-node transfer of STMV-sized frames (28.48 MiB): consumer on node 2 fetching frames
    published on node 1, vs a raw TCP transfer (``os.sendfile`` -> ``recv_into``) of the same
    bytes between the same two namespaces, and again with node 2 keeping only 3 fetched copies
-   (``INSTRIDE_CACHE_BYTES``), so that fetches reuse the files of evicted copies;
+   (``INSTRIDE_CACHE_BYTES``), so that fetches reuse the files of evicted copies (after a
+   warm-up of 8 frames, not measured, that fills the cache and the node's receive pool);
 2. cross-node consume latency of JAC-sized frames: publish on node 1 -> bytes local on node 2
    (median, p99), also with a consumer that busy-polls (``INSTRIDE_SPIN=1``), and on a bounded
    stream (``retain=16``, a consumer group iterating the stream: publish start -> the frame's
@@ -148,6 +149,8 @@ CONSUME_GROUP = textwrap.dedent(
 )
 #: STMV copies node 2's cache keeps in the recycled-storage rounds (INSTRIDE_CACHE_BYTES)
 CACHED_STMV = 3
+#: STMV frames node 2 consumes before the recycled-storage rounds (warm-up, not measured)
+WARM_STMV = 8
 #: frames a bounded stream keeps (its group readers on other nodes receive them into reused memory)
 RETAIN = 16
 WAKE_CONSUMER = textwrap.dedent(
@@ -335,6 +338,10 @@ def stmv_rounds(c: EmulatedCluster, name: str, recycled: str, src: str, size: in
                            capture_output=True, text=True, check=True, env=env).stdout)
         return per * size / took / 1e6
 
+    # warm-up, not measured: node 2's cache fills and its evicted copies' files go to the
+    # receive pool (the first frames of a node take fresh pages; later ones reuse them)
+    c.run(2, [PY, "-c", CONSUME_RANGE, recycled, str(n), str(n + WARM_STMV)], capture_output=True,
+          text=True, check=True, env={"INSTRIDE_CACHE_BYTES": str(CACHED_STMV * size)})
     for r in range(rounds):
         ours = consume(name, r)
         raw = raw_tcp(c, src, size, per)
@@ -496,8 +503,8 @@ def main() -> None:
     n_jac = 100 if args.quick else 500
     with EmulatedCluster(nodes=4) as c:
         # 1. STMV throughput vs raw TCP: frames already published on node 1, node 2 consumes
-        for name in ("stmv/p0", "stmv/p1"):
-            _popen(c, 1, PRODUCE, name, n_stmv, stmv_atoms, 0.0).communicate(timeout=600)
+        for name, frames in (("stmv/p0", n_stmv), ("stmv/p1", n_stmv + WARM_STMV)):
+            _popen(c, 1, PRODUCE, name, frames, stmv_atoms, 0.0).communicate(timeout=600)
         src = c.node(1).dir / "stmv" / "p0" / "frame_000000000.isf"
         rounds = stmv_rounds(c, "stmv/p0", "stmv/p1", str(src), stmv, n_stmv, 3)
         ours = statistics.median(r["instride"] for r in rounds)
@@ -509,7 +516,7 @@ def main() -> None:
         result["stmv_throughput_MBps"] = {"instride": ours, "raw_tcp_sendfile": raw, "ratio": ratio,
                                           "raw_tcp_stored": stored, "ratio_to_stored": ours / stored,
                                           "instride_recycled": rec, "ratio_recycled": ratio_rec,
-                                          "rounds": rounds}
+                                          "recycled_warm_up_frames": WARM_STMV, "rounds": rounds}
         print(f"\n## cross-node STMV frames ({stmv / 2**20:.2f} MiB x {n_stmv}), node1 -> node2,"
               f" {len(rounds)} rounds alternating instride and raw TCP (medians)")
         print(f"instride consume (wait+fetch+verify+store): {ours:8.0f} MB/s")
@@ -521,7 +528,8 @@ def main() -> None:
               f" {ours / stored:.2f}; the cost of storing the bytes at all)")
         per_round = ", ".join(f"{r['ratio_recycled']:.2f}" for r in rounds)
         print(f"instride, node 2 keeping {CACHED_STMV} copies (INSTRIDE_CACHE_BYTES; evicted copies'"
-              f" files reused): {rec:8.0f} MB/s, ratio {ratio_rec:.2f} (per round: {per_round})")
+              f" files reused, after a warm-up of {WARM_STMV} frames): {rec:8.0f} MB/s, ratio"
+              f" {ratio_rec:.2f} (per round: {per_round})  (target >= 0.90)")
 
         # 2. JAC consume latency, frames paced so the consumer is waiting
         _, lat = stream_run(c, "jac", n_jac, jac_atoms, 0.02, [(1, 2)])
