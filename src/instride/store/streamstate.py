@@ -362,11 +362,11 @@ class LocalStreamState:
         self._head.oldest = oldest
         self._head.written = written
 
-
     def along_publication(self, oldest: int, written: int,
                           retired: list[str]) -> list[tuple[Any, ...]] | None:
         """``None``: the head is a file of this node, shared by :meth:`set_head`."""
         return None
+
     def cursors(self) -> dict[str, int]:
         """Each group's cursor."""
         return self._groups.cursors()
