@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import json
 import math
 import threading
@@ -128,8 +129,10 @@ def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
+@functools.lru_cache(maxsize=256)
 def _pattern(prefix: str) -> str:
-    """The channel pattern of the publications under the directory ``prefix``."""
+    """The channel pattern of the publications under the directory ``prefix`` (computed once
+    per directory: a stream's reader asks for it several times per frame)."""
     return _CHAN + _glob_escape(prefix) + "*"
 
 
