@@ -2,8 +2,9 @@
  * libinstride_tcp: plain signed requests, the only ones the data server answers on its own.
  *
  * A plain request is a JSON object whose strings are printable ASCII without escapes and whose
- * known fields (v, op, key, nonce, mac, ts, version, wait, until) each appear once (wait: a
- * whole number of milliseconds, 0 to ISS_MAX_WAIT_MS; until: one plain name, with a wait); its
+ * known fields (v, op, key, nonce, mac, ts, version, wait, until, count) each appear once (wait:
+ * a whole number of milliseconds, 0 to ISS_MAX_WAIT_MS; until: one plain name, with a wait;
+ * count: 2 to ISS_MAX_COUNT, with a wait); its
  * key is one that
  * keys.normalize_key returns unchanged. Anything else is not parsed here: the server hands it
  * to Python, where the protocol's rules and messages live.
@@ -118,6 +119,17 @@ int parse_plain(char *p, size_t len, request *r) {
                 return -1;
             r->wait_ms = v;
             r->has_wait = 1;
+        } else if (strcmp(name, "count") == 0) {
+            /* digits only, 2 to ISS_MAX_COUNT (1 is a plain fetch: sent without it) */
+            int v = 0, digits = 0;
+            while (p < end && *p >= '0' && *p <= '9' && digits < 3)
+                v = v * 10 + (*p++ - '0'), digits++;
+            if (r->count || digits == 0 || (p < end && *p >= '0' && *p <= '9') ||
+                p[-digits] == '0' || v < 2 || v > ISS_MAX_COUNT)
+                return -1;
+            if (p < end && (*p == '.' || *p == 'e' || *p == 'E'))
+                return -1;
+            r->count = v;
         } else if (strcmp(name, "v") == 0 || strcmp(name, "version") == 0) {
             double v;
             int *seen = name[1] == '\0' ? &r->has_v : NULL;
@@ -144,6 +156,8 @@ int parse_plain(char *p, size_t len, request *r) {
     }
     if (p != end || r->op == NULL || r->key == NULL || r->nonce == NULL || r->mac == NULL || !r->has_ts)
         return -1;
+    if (r->count && !r->has_wait)
+        return -1; /* "count" asks for the keys that follow as they are published: with a wait */
     if (r->until != NULL && (!r->has_wait || !plain_key(r->until, r->until_len) ||
                              memchr(r->until, '/', r->until_len) != NULL))
         return -1; /* "until" is one plain name, beside a waiting fetch's key */

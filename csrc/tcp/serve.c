@@ -293,6 +293,8 @@ static int request_mac(server *s, const request *r, char out[65]) {
         n += snprintf(canon + n, sizeof canon - (size_t)n, "\nwait=%d", r->wait_ms);
     if (n >= 0 && r->until != NULL && (size_t)n < sizeof canon)
         n += snprintf(canon + n, sizeof canon - (size_t)n, "\nuntil=%s", r->until);
+    if (n >= 0 && r->count && (size_t)n < sizeof canon)
+        n += snprintf(canon + n, sizeof canon - (size_t)n, "\ncount=%d", r->count);
     if (n < 0 || (size_t)n >= sizeof canon)
         return -1;
     unsigned char inner[32], md[32];
@@ -508,6 +510,8 @@ out:
     return fd;
 }
 
+static int open_key(server *s, conn *c, const request *r, int64_t *size);
+
 /* Try the fast path: returns an open regular file (and its size) to serve, -1 or -2 (delegate),
  * or ISS_AWAIT_ABANDON (close without a reply). */
 static int fast_path(server *s, conn *c, char *hdr, size_t len, request *r, int64_t *size) {
@@ -523,6 +527,22 @@ static int fast_path(server *s, conn *c, char *hdr, size_t len, request *r, int6
     double now = wall_now();
     if (fabs(now - r->ts) > ISS_MAX_SKEW)
         return -1;
+    int fd = open_key(s, c, r, size);
+    if (fd < 0)
+        return fd;
+    /* Last: a request delegated before this point has not spent its nonce. A replayed or
+     * too old one is delegated too, and refused there (the guard answers the same again). */
+    if (guard_check(&s->replay, r->nonce, r->nonce_len, r->ts, wall_now()) != 0) {
+        close(fd);
+        return -2;
+    }
+    return fd;
+}
+
+/* Open r->key, a regular file beneath the directory (waiting for it as the request asks):
+ * the descriptor and its size, -2 (none: delegate or answer "not found") or
+ * ISS_AWAIT_ABANDON. */
+static int open_key(server *s, conn *c, const request *r, int64_t *size) {
     struct open_how how = {
         .flags = O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK,
         .resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS,
@@ -532,7 +552,6 @@ static int fast_path(server *s, conn *c, char *hdr, size_t len, request *r, int6
         fd = await_key(s, c->fd, r, &how);
         if (fd == ISS_AWAIT_ABANDON)
             return fd;
-        now = wall_now();
     }
     if (fd < 0)
         return -2;
@@ -541,14 +560,29 @@ static int fast_path(server *s, conn *c, char *hdr, size_t len, request *r, int6
         close(fd);
         return -2;
     }
-    /* Last: a request delegated before this point has not spent its nonce. A replayed or
-     * too old one is delegated too, and refused there (the guard answers the same again). */
-    if (guard_check(&s->replay, r->nonce, r->nonce_len, r->ts, now) != 0) {
-        close(fd);
-        return -2;
-    }
     *size = (int64_t)st.st_size;
     return fd;
+}
+
+/* The numbered key after key, in place: its last run of digits plus one, same width.
+ * 0 when there is none (no digits in its last component, or they would overflow). */
+static int next_key(char *key) {
+    char *base = strrchr(key, '/');
+    base = base != NULL ? base + 1 : key;
+    char *end = base + strlen(base), *p = end;
+    while (p > base && (p[-1] < '0' || p[-1] > '9'))
+        p--;
+    if (p == base)
+        return 0;
+    for (char *q = p - 1;; q--) {
+        if (*q < '9') {
+            (*q)++;
+            return 1;
+        }
+        if (q == base || q[-1] < '0' || q[-1] > '9')
+            return 0; /* all nines: the next number needs another digit */
+        *q = '0';
+    }
 }
 
 /* ------------------------------------------------------------------ serving a body */
@@ -608,16 +642,33 @@ static int answer(server *s, conn *c, char *hdr, uint32_t len) {
         return 0;
     }
     if (fd >= 0) {
-        char json[ISS_MAX_REPLY];
-        int n = snprintf(json, sizeof json, "{\"ok\":true,\"key\":\"%s\",\"size\":%lld}", r.key,
-                         (long long)size);
-        int keep = send_reply(s, c->fd, json, (size_t)n) == 0 &&
-                   (size == 0 || send_body(s, c->fd, fd, size, r.key, c->peer) == 0);
-        if (keep && size == 0) {
-            atomic_fetch_add(&s->fetches, 1);
+        /* "count": the numbered keys after this one too, each as it is published, each with
+         * its own reply; the first one not published in time ends them ("not found") */
+        char key[ISS_MAX_KEY + 1];
+        snprintf(key, sizeof key, "%s", r.key);
+        r.key = key;
+        int keep = 1;
+        for (int j = 0; keep; j++) {
+            char json[ISS_MAX_REPLY];
+            int n = snprintf(json, sizeof json, "{\"ok\":true,\"key\":\"%s\",\"size\":%lld}",
+                             key, (long long)size);
+            keep = send_reply(s, c->fd, json, (size_t)n) == 0 &&
+                   (size == 0 || send_body(s, c->fd, fd, size, key, c->peer) == 0);
+            if (keep && size == 0) {
+                atomic_fetch_add(&s->fetches, 1);
+            }
+            close(fd);
+            if (!keep || j + 1 >= r.count)
+                break;
+            fd = next_key(key) ? open_key(s, c, &r, &size) : -2;
+            if (fd == ISS_AWAIT_ABANDON)
+                keep = 0;
+            else if (fd < 0) {
+                send_error(s, c->fd, "KeyNotFoundError", "not published in time");
+                break;
+            }
         }
         c->dead = !keep;
-        close(fd);
         return keep;
     }
     char reply[ISS_MAX_REPLY];

@@ -46,7 +46,11 @@ typedef struct {
     double ts;
     int has_ts, has_v;
     int has_wait, wait_ms; /* "wait": hold a fetch of an absent key this long (ms) */
+    int count;             /* "count" (with "wait"): also send the next count - 1 numbered keys */
 } request;
+
+/* Most keys one request may ask for ("count"). */
+#define ISS_MAX_COUNT 64
 
 /* Longest wait a request may ask for (ms). */
 #define ISS_MAX_WAIT_MS 60000

@@ -82,6 +82,9 @@ _MAP_SLACK = 8
 _SLICE = 0.5
 #: seconds a reading of the groups' cursors may be used to retire frames they are past
 _GROUPS_FRESH = 0.05
+#: frames a group reader on another node asks its owner for ahead of the one it reads (the
+#: owner sends each as it is published: one request per 1 + _AHEAD frames)
+_AHEAD = 3
 _GAP_POLICIES = ("raise", "count")
 
 
@@ -745,7 +748,7 @@ class Stream:
                         except (OSError, ValueError):
                             room = None  # (no memory to map: written through the descriptor)
                         got_early = into(key, like, part, buf.rewound(), until=END_NAME,
-                                         into=room, **kw)
+                                         into=room, ahead=_AHEAD, **kw)
                         frame = None if got_early is None else decode_frame(
                             buf.view(got_early.size), key, verify=False, copy=self.copy)
                         if frame is not None and self._cadence is not None:

@@ -67,10 +67,11 @@ def _follows(key: str, prev: str) -> bool:
 
 
 def _options(window: tuple[float, float] | None,
-             into: memoryview | None = None) -> dict[str, object]:
+             into: memoryview | None = None, ahead: int = 0) -> dict[str, object]:
     """The optional arguments of a transport's ``fetch_when_published`` that are set (a
     transport without them is called as before)."""
-    return {k: v for k, v in (("window", window), ("into", into)) if v is not None}
+    return {k: v for k, v in (("window", window), ("into", into), ("ahead", ahead or None))
+            if v is not None}
 
 
 class _Elsewhere(Exception):  # noqa: N818 (not an error: the other way won the race)
@@ -462,11 +463,14 @@ class ClusterEngine:
     def receive_when_published(self, key: str, like: Record, wait: float, fd: int,
                                until: str | None = None,
                                window: tuple[float, float] | None = None,
-                               into: memoryview | None = None) -> Record | None:
+                               into: memoryview | None = None,
+                               ahead: int = 0) -> Record | None:
         """:meth:`fetch_when_published` into the caller's memory ``into`` (when the frame fits;
         else into ``fd``, from its offset) instead of a fetched copy: nothing is stored on this
         node. For a bounded stream's reader, which drops each frame once it moves on
-        (:mod:`~instride.store.inbox`).
+        (:mod:`~instride.store.inbox`). ``ahead``: the owner may send that many next frames
+        too, each as it is published (the reader's next calls then send no request; see
+        the transport's ``fetch_when_published``).
 
         Returns
         -------
@@ -480,7 +484,7 @@ class ClusterEngine:
             return None
         asked, on_reply = self._asking(key)
         try:
-            got = fetch(like, key, fd, wait, until, on_reply, **_options(window, into))
+            got = fetch(like, key, fd, wait, until, on_reply, **_options(window, into, ahead))
             record = None if got is None else self._early_record(key, got, None, asked, wait)
         except (InstrideError, OSError):
             return None  # (as for a fetched copy: the usual way sorts it out, or says what)

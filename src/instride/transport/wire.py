@@ -31,35 +31,44 @@ _MAC = re.compile(r"[0-9a-f]{64}")
 
 #: Longest a fetch may ask the server to wait for its key to be published (milliseconds).
 MAX_WAIT_MS = 60_000
+#: Most keys one request may ask for (``count``; the C server's ISS_MAX_COUNT).
+MAX_COUNT = 64
 
 
 def _canonical(op: str, key: str, nonce: str, ts: float, wait: int | None = None,
-               until: str | None = None) -> bytes:
+               until: str | None = None, count: int | None = None) -> bytes:
     text = f"instride/{PROTOCOL}\n{op}\n{key}\n{nonce}\n{ts:.6f}"
     if wait is not None:
         text += f"\nwait={wait}"
     if until is not None:
         text += f"\nuntil={until}"
+    if count is not None:
+        text += f"\ncount={count}"
     return text.encode()
 
 
 def sign(token: str, op: str, key: str, wait: int | None = None,
-         until: str | None = None) -> dict[str, Any]:
+         until: str | None = None, count: int | None = None) -> dict[str, Any]:
     """Build a signed request header for ``op`` on ``key``.
 
     ``wait`` (milliseconds, a fetch only): the server holds the request up to that long for
     a key not published yet; ``until``: a name in the key's directory (a stream's end marker)
-    whose presence ends that wait. Both are signed with the rest.
+    whose presence ends that wait; ``count`` (2 to :data:`MAX_COUNT`, with a wait): the
+    server also sends the numbered keys after ``key`` (a stream's next frames), each as it
+    is published and with its own reply, until one is not published in time. All are
+    signed with the rest.
     """
     nonce = secrets.token_hex(8)
     ts = round(time.time(), 6)
-    canonical = _canonical(op, key, nonce, ts, wait, until)
+    canonical = _canonical(op, key, nonce, ts, wait, until, count)
     mac = hmac.new(token.encode(), canonical, hashlib.sha256).hexdigest()
     header = {"v": PROTOCOL, "op": op, "key": key, "nonce": nonce, "ts": ts, "mac": mac}
     if wait is not None:
         header["wait"] = wait
     if until is not None:
         header["until"] = until
+    if count is not None:
+        header["count"] = count
     return header
 
 
@@ -94,8 +103,12 @@ def verify(token: str | None, req: dict[str, Any]) -> str | None:
     until = req.get("until")
     if until is not None and not isinstance(until, str):
         return "malformed until (a name expected)"
+    count = req.get("count")
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int)
+                              or not 2 <= count <= MAX_COUNT or wait is None):
+        return f"malformed count (2 to {MAX_COUNT} keys, with a wait)"
     try:
-        canonical = _canonical(op, key, nonce, ts, wait, until)
+        canonical = _canonical(op, key, nonce, ts, wait, until, count)
     except UnicodeEncodeError:  # lone surrogates from \ud800-style JSON escapes
         return "fields are not valid Unicode"
     expected = hmac.new(token.encode(), canonical, hashlib.sha256).hexdigest()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,7 @@ from ...busypoll import poll_readable, poll_readable_in
 from ...config import Settings, parse_addr
 from ...errors import (
     AuthenticationError,
+    InstrideError,
     IntegrityError,
     KeyNotFoundError,
     PeerUnavailable,
@@ -86,6 +88,22 @@ def _receive_error(key: str, err: int, got: int, size: int) -> TransferError:
     return TransferError(key, f"{os.strerror(err)} after {got} of {size} bytes")
 
 
+def _numbered_after(key: str, n: int) -> list[str]:
+    """The ``n`` numbered keys after ``key`` (its last component's last run of digits plus
+    1, 2, ..., same width: a stream's next frames), or none when ``key`` is not numbered or
+    the number would need another digit (as the owner's server counts, csrc/tcp/serve.c)."""
+    n = min(n, wire.MAX_COUNT - 1)
+    head, _, base = key.rpartition("/")
+    m = re.search(r"(\d+)(\D*)$", base)
+    if n <= 0 or m is None:
+        return []
+    digits, width = m.group(1), len(m.group(1))
+    if int(digits) + n >= 10**width:
+        return []
+    stem = (head + "/" if head else "") + base[: m.start(1)]
+    return [f"{stem}{int(digits) + i:0{width}d}{m.group(2)}" for i in range(1, n + 1)]
+
+
 def _wait_ms(wait: float | None) -> int | None:
     return None if wait is None else max(0, min(wire.MAX_WAIT_MS, int(wait * 1000)))
 
@@ -131,7 +149,8 @@ class TcpTransport:
 
     def _request(self, record: Record, op: str = "fetch", wait: float | None = None,
                  until: str | None = None,
-                 window: tuple[float, float] | None = None) -> tuple[socket.socket, dict[str, Any]]:
+                 window: tuple[float, float] | None = None,
+                 count: int | None = None) -> tuple[socket.socket, dict[str, Any]]:
         """Send a signed request and read the reply header, reusing a kept-alive connection.
 
         ``wait`` (seconds): the owner holds the fetch that long for a key not published yet,
@@ -141,7 +160,7 @@ class TcpTransport:
         the body is read completely, or close it.
         """
         wait_ms = _wait_ms(wait)
-        sock, reused = self._send(record, op, wait_ms, until)
+        sock, reused = self._send(record, op, wait_ms, until, count)
         while True:
             try:
                 if window is not None:  # hybrid polling: only around when the reply is due
@@ -155,7 +174,7 @@ class TcpTransport:
                 sock.close()
                 if reused:  # the owner closed an idle connection: retry once on a new one
                     reused = False
-                    sock = self._send_new(record, op, wait_ms, until)
+                    sock = self._send_new(record, op, wait_ms, until, count)
                     continue
                 if isinstance(exc, TransferError | PeerUnavailable):
                     raise
@@ -167,25 +186,26 @@ class TcpTransport:
         return sock, self._accepted(sock, reply, record)
 
     def _send(self, record: Record, op: str, wait_ms: int | None,
-              until: str | None) -> tuple[socket.socket, bool]:
+              until: str | None, count: int | None = None) -> tuple[socket.socket, bool]:
         """Send a signed request on this thread's kept-alive connection to the owner (a new
         one if there is none or it is gone); return the socket and whether it was kept."""
         sock = self._pool().pop(record.owner, None)
         if sock is not None:
             try:
-                sock.sendall(self._signed(record, op, wait_ms, until))
+                sock.sendall(self._signed(record, op, wait_ms, until, count))
                 return sock, True
             except OSError:
                 sock.close()  # (closed by the owner while idle)
             except BaseException:
                 sock.close()
                 raise
-        return self._send_new(record, op, wait_ms, until), False
+        return self._send_new(record, op, wait_ms, until, count), False
 
-    def _send_new(self, record: Record, op: str, wait_ms: int | None, until: str | None) -> socket.socket:
+    def _send_new(self, record: Record, op: str, wait_ms: int | None, until: str | None,
+                  count: int | None = None) -> socket.socket:
         sock = self._connect(record)
         try:
-            sock.sendall(self._signed(record, op, wait_ms, until))
+            sock.sendall(self._signed(record, op, wait_ms, until, count))
         except BaseException as exc:
             sock.close()
             if not isinstance(exc, OSError):
@@ -194,8 +214,9 @@ class TcpTransport:
             raise PeerUnavailable(f"{node} ({record.owner})", f"no valid reply: {exc}") from None
         return sock
 
-    def _signed(self, record: Record, op: str, wait_ms: int | None, until: str | None) -> bytes:
-        header = wire.sign(self.settings.token or "", op, record.key, wait_ms, until)
+    def _signed(self, record: Record, op: str, wait_ms: int | None, until: str | None,
+                count: int | None = None) -> bytes:
+        header = wire.sign(self.settings.token or "", op, record.key, wait_ms, until, count)
         header["version"] = record.version
         return wire.pack(header)
 
@@ -262,7 +283,8 @@ class TcpTransport:
                              until: str | None = None,
                              on_reply: Callable[[], object] | None = None,
                              window: tuple[float, float] | None = None,
-                             into: memoryview | None = None) -> tuple[int, str] | None:
+                             into: memoryview | None = None,
+                             ahead: int = 0) -> tuple[int, str] | None:
         """Receive ``key`` from ``owner``'s node into ``fd`` as soon as it is published there.
 
         The owner's data server holds the request up to ``wait`` seconds for a key that is not
@@ -293,6 +315,11 @@ class TcpTransport:
         into
             Writable memory to receive the bytes into instead of ``fd`` when they fit (a
             stream reader's inbox: no copy through a buffer, no ``write``).
+        ahead
+            Also ask for the ``ahead`` numbered keys after ``key`` (a stream's next frames,
+            for a reader that will take them in order): the owner sends each as it is
+            published, on this connection, and the calls for them send no request — one
+            request per ``1 + ahead`` frames. Asking for any other key next drops the rest.
 
         Returns
         -------
@@ -302,11 +329,51 @@ class TcpTransport:
             or ``until`` is there).
         """
         hint = _hint(owner, key)
+        batches = self._batches()
+        asked = batches.pop(owner.owner, None)
         try:
-            sock, reply = self._request(hint, wait=wait, until=until, window=window)
+            if asked is not None and asked[1][0] == key:  # asked for with an earlier key
+                sock, rest = asked[0], asked[1][1:]
+                reply = self._reply_asked(sock, hint, wait, window)
+            else:
+                if asked is not None:
+                    asked[0].close()  # (the owner stops sending what was asked for)
+                rest = _numbered_after(key, ahead)
+                sock, reply = self._request(hint, wait=wait, until=until, window=window,
+                                            count=1 + len(rest) if rest else None)
         except KeyNotFoundError:
-            return None
-        return self._body(sock, reply, hint, fd, on_reply, into)
+            return None  # (the last the owner sends for a request: the connection is free)
+        got = self._body(sock, reply, hint, fd, on_reply, into, keep=not rest)
+        if rest:
+            batches[owner.owner] = (sock, rest)
+        return got
+
+    def _batches(self) -> dict[str, tuple[socket.socket, list[str]]]:
+        """This thread's connections on which keys were asked for ahead: owner -> (socket,
+        the keys whose replies are still to come, in order)."""
+        local = self._per_thread.get()
+        batches = getattr(local, "batches", None)
+        if batches is None:
+            batches = local.batches = {}
+        return batches
+
+    def _reply_asked(self, sock: socket.socket, hint: Record, wait: float,
+                     window: tuple[float, float] | None) -> dict[str, Any]:
+        """The owner's reply for a key asked for ahead (see :meth:`fetch_when_published`)."""
+        wait_ms = _wait_ms(wait)
+        try:
+            if window is not None:
+                poll_readable_in(sock, window)
+            else:
+                poll_readable(sock, self.settings.spin)
+            reply = self._reply(sock, hint, wait_ms)
+        except BaseException as exc:
+            sock.close()
+            if isinstance(exc, OSError | wire.WireError) and not isinstance(exc, InstrideError):
+                node = hint.node or hint.owner
+                raise PeerUnavailable(f"{node} ({hint.owner})", f"no valid reply: {exc}") from None
+            raise
+        return self._accepted(sock, reply, hint)
 
     def ask_when_published(self, owner: Record, key: str, wait: float,
                            until: str | None = None) -> socket.socket:
@@ -345,10 +412,11 @@ class TcpTransport:
 
     def _body(self, sock: socket.socket, reply: dict[str, Any], hint: Record, fd: int,
               on_reply: Callable[[], object] | None,
-              into: memoryview | None = None) -> tuple[int, str]:
+              into: memoryview | None = None, keep: bool = True) -> tuple[int, str]:
         """Receive the body announced by ``reply`` into ``fd`` — or into the writable memory
-        ``into`` when it is large enough; the connection is kept after a whole body, else
-        closed."""
+        ``into`` when it is large enough; the connection is kept after a whole body (for
+        the next request; ``keep=False``: left to the caller, more replies are due on it),
+        else closed."""
         complete = False
         try:
             size = _size(reply, hint)
@@ -360,10 +428,10 @@ class TcpTransport:
                 digest = self._stream_to_file(sock, fd, size, hint.key)
             complete = True
         finally:
-            if complete:
-                self._release(hint.owner, sock)
-            else:
+            if not complete:
                 sock.close()
+            elif keep:
+                self._release(hint.owner, sock)
         return size, digest
 
     def _stream_to_memory(self, sock: socket.socket, into: memoryview, size: int, key: str) -> str:
@@ -428,8 +496,13 @@ class TcpTransport:
         return TcpServer
 
     def close(self) -> None:
-        """Close this thread's kept-alive connections."""
+        """Close this thread's kept-alive connections (and those keys were asked for ahead on:
+        their owners stop sending)."""
         pool = self._pool()
         for sock in pool.values():
             sock.close()
         pool.clear()
+        batches = self._batches()
+        for sock, _rest in batches.values():
+            sock.close()
+        batches.clear()
