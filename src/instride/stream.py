@@ -543,6 +543,9 @@ class Stream:
         if self._leases is not None:
             self._leases.close()
         if self._inbox is not None:
+            drop = getattr(self.client.engine, "drop_ahead", None)
+            if drop is not None:  # (its owner stops sending the frames asked for ahead)
+                drop()
             self._inbox.close()
             self._inbox = None
         if self._archive_reader is not None:

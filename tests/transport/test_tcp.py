@@ -443,6 +443,117 @@ def test_a_fetch_into_memory_lands_there_or_in_the_file_when_it_does_not_fit(
         transport.close()
 
 
+def test_frames_asked_for_ahead_come_as_published_on_one_request(
+        nodes: list[LoopbackNode], tmp_path: Path) -> None:
+    """``ahead``: one request asks for a numbered key and the next ones; the owner sends each
+    as it is published, and the calls for them send no request (the server counts one fetch
+    request per body all the same). A key not published in time ends them: that call gets
+    ``None``, the connection stays usable, and a later call asks again."""
+    n1, n2 = nodes[0], nodes[1]
+    frames = [os.urandom(200_000 + i) for i in range(7)]
+    like = put(n1, "ah/frame_000000000.isf", frames[0])
+    transport = _transport(n2)
+    sent = []
+    signed_before = transport._signed
+
+    def counting(*args: object, **kw: object) -> bytes:
+        sent.append(args[0].key)  # type: ignore[attr-defined]
+        return signed_before(*args, **kw)  # type: ignore[arg-type]
+
+    transport._signed = counting  # type: ignore[method-assign]
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        for i in range(1, 5):
+            put(n1, f"ah/frame_{i:09d}.isf", frames[i])
+        room = bytearray(300_000)
+        for i in range(1, 5):  # one request for 1 + 3
+            got = transport.fetch_when_published(like, f"ah/frame_{i:09d}.isf", fd, 5.0,
+                                                 into=memoryview(room), ahead=3)
+            assert got == (len(frames[i]), xxhash.xxh3_64_hexdigest(frames[i]))
+            assert bytes(room[: len(frames[i])]) == frames[i]
+        assert sent == ["ah/frame_000000001.isf"]
+        # the next batch: frame 5 is published while it is held, frame 6 is never published
+        threading.Timer(0.3, put, (n1, "ah/frame_000000005.isf", frames[5])).start()
+        got = transport.fetch_when_published(like, "ah/frame_000000005.isf", fd, 1.0,
+                                             into=memoryview(room), ahead=3)
+        assert got == (len(frames[5]), xxhash.xxh3_64_hexdigest(frames[5]))
+        assert transport.fetch_when_published(like, "ah/frame_000000006.isf", fd, 1.0,
+                                              into=memoryview(room), ahead=3) is None
+        assert sent == ["ah/frame_000000001.isf", "ah/frame_000000005.isf"]
+        put(n1, "ah/frame_000000006.isf", frames[6])
+        got = transport.fetch_when_published(like, "ah/frame_000000006.isf", fd, 1.0,
+                                             into=memoryview(room), ahead=3)
+        assert got == (len(frames[6]), xxhash.xxh3_64_hexdigest(frames[6]))
+        assert sent[-1] == "ah/frame_000000006.isf"  # asked again
+    finally:
+        os.close(fd)
+        transport.close()
+    until(lambda: stats(n1)["peers"] == 0, 10, "the batch's connection closed")
+    no_traceback(n1)
+
+
+def test_a_reader_that_asks_for_another_key_drops_what_it_asked_for_ahead(
+        nodes: list[LoopbackNode], tmp_path: Path) -> None:
+    """Frames asked for ahead and not wanted any more (another key asked for, or
+    :meth:`drop_ahead` when a stream's reader closes): the connection is closed (the owner lets
+    go of the request), and the other key arrives exact on a new one."""
+    n1, n2 = nodes[0], nodes[1]
+    like = put(n1, "ad/frame_000000000.isf", b"zero")
+    put(n1, "ad/frame_000000001.isf", b"one")
+    put(n1, "ad/other", b"other")
+    transport = _transport(n2)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        room = bytearray(100)
+        got = transport.fetch_when_published(like, "ad/frame_000000001.isf", fd, 30.0,
+                                             into=memoryview(room), ahead=3)
+        assert got == (3, xxhash.xxh3_64_hexdigest(b"one"))
+        until(lambda: stats(n1)["peers"] == 1, 5, "the batch is held at the owner")
+        got = transport.fetch_when_published(like, "ad/other", fd, 5.0, into=memoryview(room))
+        assert got == (5, xxhash.xxh3_64_hexdigest(b"other"))
+        until(lambda: stats(n1)["peers"] == 1, 10, "the abandoned batch's connection closed")
+        got = transport.fetch_when_published(like, "ad/frame_000000001.isf", fd, 30.0,
+                                             into=memoryview(room), ahead=3)  # (the kept one)
+        assert got == (3, xxhash.xxh3_64_hexdigest(b"one"))
+        transport.drop_ahead()  # a stream's reader closes
+        until(lambda: stats(n1)["peers"] == 0, 10, "the dropped batch's connection closed")
+    finally:
+        os.close(fd)
+        transport.close()
+    no_traceback(n1)
+
+
+COUNTS = {
+    "count 1": {"count": 1, "wait": 100},
+    "count over the limit": {"count": wire.MAX_COUNT + 1, "wait": 100},
+    "count a boolean": {"count": True, "wait": 100},
+    "count a string": {"count": "3", "wait": 100},
+    "count without a wait": {"count": 3},
+}
+
+
+@pytest.mark.parametrize("fields", COUNTS.values(), ids=COUNTS.keys())
+def test_malformed_counts_are_refused(nodes: list[LoopbackNode], fields: dict) -> None:
+    reply = raw(nodes[0], forged(**fields))
+    assert reply["ok"] is False and reply["error"] == "AuthenticationError"
+    no_traceback(nodes[0])
+
+
+def test_the_count_is_signed(nodes: list[LoopbackNode]) -> None:
+    """A captured request for frames ahead with its count changed is refused; signed right, a
+    count the C engine cannot serve (the key's file appeared after it looked, or a key that
+    needs normalizing) is answered "not found", never with fewer replies than asked for."""
+    put(nodes[0], "cs/frame_1", b"x")
+    header = wire.sign(TOKEN, "fetch", "cs/frame_0", wait=100, count=3)
+    header["count"] = 5
+    reply = raw(nodes[0], wire.pack(header))
+    assert reply["error"] == "AuthenticationError" and "bad mac" in reply["message"]
+    ok = wire.sign(TOKEN, "fetch", "cs//frame_1", wait=100, count=3)  # (normalized by Python)
+    reply = raw(nodes[0], wire.pack(ok))
+    assert reply["ok"] is False and reply["error"] == "KeyNotFoundError"
+    no_traceback(nodes[0])
+
+
 def test_a_waiting_fetch_ends_when_its_wait_runs_out(nodes: list[LoopbackNode], tmp_path: Path) -> None:
     n1, n2 = nodes[0], nodes[1]
     like = put(n1, "wo/first", b"first")

@@ -495,6 +495,12 @@ class ClusterEngine:
         self.last_fetched = record
         return record
 
+    def drop_ahead(self) -> None:
+        """Drop the frames this thread asked for ahead (a stream's reader closes)."""
+        drop = getattr(self.transport, "drop_ahead", None)
+        if drop is not None:
+            drop()
+
     def _wait_early(self, keys: Sequence[str], timeout: float | None) -> Record | None:
         """:meth:`wait_any` for a consumer walking numbered keys (a stream's frames) that
         fetched the key before ``keys[0]`` from another node: ask that key's owner for

@@ -348,6 +348,14 @@ class TcpTransport:
             batches[owner.owner] = (sock, rest)
         return got
 
+    def drop_ahead(self) -> None:
+        """Drop what this thread asked for ahead (:meth:`fetch_when_published`'s ``ahead``):
+        the connections are closed, so the owners stop sending (a stream's reader that stops)."""
+        batches = self._batches()
+        for sock, _rest in batches.values():
+            sock.close()
+        batches.clear()
+
     def _batches(self) -> dict[str, tuple[socket.socket, list[str]]]:
         """This thread's connections on which keys were asked for ahead: owner -> (socket,
         the keys whose replies are still to come, in order)."""
@@ -502,7 +510,4 @@ class TcpTransport:
         for sock in pool.values():
             sock.close()
         pool.clear()
-        batches = self._batches()
-        for sock, _rest in batches.values():
-            sock.close()
-        batches.clear()
+        self.drop_ahead()
