@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -232,31 +233,43 @@ def test_latest_sampling_under_a_fast_producer(managed_dir: Path) -> None:
     assert seen == sorted(set(seen)) and seen[-1] == 399 and len(seen) < 400
 
 
-def test_group_resumes_after_its_reader_is_killed(managed_dir: Path) -> None:
-    with instride.Stream("resume", mode="w", retain=50, groups=["g"]) as s:
-        for i in range(20):
-            s.append(_positions(i), step=i)
+def _read_as_group_until_killed(name: str, *, hold: int, frames: int, commit_every: int = 1,
+                                meanwhile: Callable[[], None] | None = None) -> list[int]:
+    """A reader process iterating ``name`` as group "g" that holds frame ``hold`` until it is
+    killed (``SIGKILL``, after ``frames`` frames and ``meanwhile``): the steps it got."""
     code = textwrap.dedent(
-        """
+        f"""
         import sys, instride
-        for f in instride.Stream("resume", group="g", timeout=30):
+        for f in instride.Stream({name!r}, group="g", commit_every={commit_every}, timeout=30):
             print(f.step, flush=True)
-            if f.step == 6:
-                sys.stdin.read()   # holds frame 6 until killed
+            if f.step == {hold}:
+                sys.stdin.read()   # holds the frame until killed
         """
     )
     proc = spawn_py(code, stdin=subprocess.PIPE)
     try:
         assert proc.stdout is not None
-        got = [int(proc.stdout.readline()) for _ in range(7)]
-        with pytest.raises(GroupBusy):
-            instride.Stream("resume", group="g")  # the group has a live reader
+        got = [int(proc.stdout.readline()) for _ in range(frames)]
+        if meanwhile is not None:
+            meanwhile()
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    return got
+
+
+def test_group_resumes_after_its_reader_is_killed(managed_dir: Path) -> None:
+    with instride.Stream("resume", mode="w", retain=50, groups=["g"]) as s:
+        for i in range(20):
+            s.append(_positions(i), step=i)
+    def busy() -> None:
+        with pytest.raises(GroupBusy):
+            instride.Stream("resume", group="g")  # the group has a live reader
+
+    got = _read_as_group_until_killed("resume", hold=6, frames=7, meanwhile=busy)
     assert got == list(range(7))
     again = [f.step for f in instride.Stream("resume", group="g", timeout=30)]
     assert again == list(range(6, 20))  # frame 6 was held, not finished: delivered again
@@ -278,25 +291,7 @@ def test_group_position_recorded_every_few_frames_loses_none(managed_dir: Path) 
     reader.close()  # the frame held (9) is delivered again; every one before it is done
     with instride.Stream("every", group="g") as again_reader:  # holds frame 10 at close
         assert [f.step for f in itertools.islice(again_reader, 2)] == [9, 10]
-    code = textwrap.dedent(
-        """
-        import sys, instride
-        for f in instride.Stream("every", group="g", commit_every=4, timeout=30):
-            print(f.step, flush=True)
-            if f.step == 16:
-                sys.stdin.read()   # holds frame 16 until killed
-        """
-    )
-    proc = spawn_py(code, stdin=subprocess.PIPE)
-    try:
-        assert proc.stdout is not None
-        got = [int(proc.stdout.readline()) for _ in range(7)]
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    got = _read_as_group_until_killed("every", hold=16, frames=7, commit_every=4)
     assert got == list(range(10, 17))
     again = [f.step for f in instride.Stream("every", group="g", timeout=30)]
     assert 16 - 3 <= again[0] <= 16 and again == list(range(again[0], 30))
