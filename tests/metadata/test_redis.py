@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 import time
 import uuid
@@ -104,6 +106,96 @@ def test_commands_run_with_a_publication_only_once_it_is_stored(backend: RedisMe
     with pytest.raises(KeyExistsError):  # refused: the commands do not run
         backend.publish(rec, overwrite=False, then=[("HSET", head, "written", 3)])
     assert backend.redis.hget(head, "written") == b"2"
+
+
+class _ReplyDropper:
+    """A TCP relay in front of Redis that, once armed, forwards the next ``EVALSHA`` and
+    then closes the connection instead of passing its reply on: Redis has run the script,
+    the client never hears so (a network failure at the worst moment)."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.armed = False
+        self.dropped = 0
+        self.socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            self.socks += [client, server]
+            doomed = threading.Event()
+            threading.Thread(target=self._up, args=(client, server, doomed), daemon=True).start()
+            threading.Thread(target=self._down, args=(server, client, doomed), daemon=True).start()
+
+    def _up(self, src: socket.socket, dst: socket.socket, doomed: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                if self.armed and b"EVALSHA" in data:
+                    self.armed = False
+                    doomed.set()  # (before the request goes: its reply is the one dropped)
+                dst.sendall(data)
+
+    def _down(self, src: socket.socket, dst: socket.socket, doomed: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                if doomed.is_set():
+                    self.dropped += 1
+                    for s in (src, dst):
+                        s.shutdown(socket.SHUT_RDWR)
+                        s.close()
+                    return
+                dst.sendall(data)
+
+    def close(self) -> None:
+        self.listener.close()
+        for s in self.socks:
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_publication_whose_reply_is_lost_is_retried_as_itself(redis_server: RedisServer,
+                                                                  tmp_path, overwrite: bool) -> None:  # type: ignore[no-untyped-def]
+    """The connection fails after Redis stored a record and before its reply arrived: the
+    retry finds the publication done — one version, one announcement — and a write-once
+    key is not reported as existing (its own producer would otherwise fail)."""
+    relay = _ReplyDropper((redis_server.host, redis_server.port))
+    url = f"redis://127.0.0.1:{relay.port}/0"
+    b = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=5))
+    watch = redis.Redis.from_url(redis_server.url).pubsub()
+    try:
+        b.publish(Record("lost/warm", "127.0.0.1:1", 1, "xxh3:0", 0, time.time(), "n1"))
+        watch.subscribe("instride:pub:lost/k")
+        assert watch.get_message(timeout=5)["type"] == "subscribe"  # type: ignore[index]
+        relay.armed = True
+        rec = b.publish(Record("lost/k", "127.0.0.1:1", 7, "xxh3:1", 0, time.time(), "n1"),
+                        overwrite=overwrite)
+        assert relay.dropped == 1  # the reply was lost: the publication was retried
+        assert rec.version == 1
+        stored = b.lookup("lost/k")
+        assert stored is not None and stored.version == 1 and stored.size == 7
+        first = watch.get_message(timeout=5)
+        assert first is not None and first["type"] == "message"
+        assert watch.get_message(timeout=0.3) is None  # announced once
+        # a later publication of the key is a new one: refused write-once, a new version else
+        if overwrite:
+            again = b.publish(Record("lost/k", "127.0.0.1:1", 7, "xxh3:1", 0, time.time(), "n1"))
+            assert again.version == 2
+        else:
+            with pytest.raises(KeyExistsError):
+                b.publish(Record("lost/k", "127.0.0.1:1", 7, "xxh3:1", 0, time.time(), "n1"),
+                          overwrite=False)
+    finally:
+        watch.close()
+        b.close()
+        relay.close()
 
 
 def test_failed_record_retracts_write_once_file(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -20,8 +20,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import itertools
 import json
 import math
+import os
+import secrets
 import threading
 import time
 import weakref
@@ -46,6 +49,13 @@ _VER = PREFIX + "ver:"
 
 _PUBLISH = """
 local rec = KEYS[1]
+-- a retry of this very publication (ARGV[8], its id), whose reply was lost with the
+-- connection after Redis had stored it: done already, the same version (never a second one,
+-- nor "exists" for a write-once key)
+local had = redis.call('HMGET', rec, 'pub', 'version')
+if had[1] == ARGV[8] and had[2] then
+  return tonumber(had[2])
+end
 if ARGV[7] == '0' and redis.call('EXISTS', rec) == 1 then
   return -1
 end
@@ -53,22 +63,33 @@ end
 -- a version that a node's cached copy may still carry
 local version = redis.call('INCR', KEYS[4])
 redis.call('HSET', rec, 'version', version, 'owner', ARGV[1], 'size', ARGV[2],
-           'checksum', ARGV[3], 'time', ARGV[4], 'node', ARGV[5], 'key', ARGV[6])
+           'checksum', ARGV[3], 'time', ARGV[4], 'node', ARGV[5], 'key', ARGV[6],
+           'pub', ARGV[8])
 redis.call('ZADD', KEYS[2], 0, ARGV[6])
 -- the notification carries the record, so a woken waiter needs no second round trip
 redis.call('PUBLISH', KEYS[3], cjson.encode({key = ARGV[6], owner = ARGV[1],
            size = tonumber(ARGV[2]), checksum = ARGV[3], version = version,
            time = tonumber(ARGV[4]), node = ARGV[5]}))
 -- then the caller's follow-up commands, in the same step (a stream's head counters, its
--- retired frames' records): ARGV[8] commands, each as its length and its words
-local at = 9
-for _ = 1, tonumber(ARGV[8] or '0') do
+-- retired frames' records): ARGV[9] commands, each as its length and its words
+local at = 10
+for _ = 1, tonumber(ARGV[9] or '0') do
   local n = tonumber(ARGV[at])
   redis.call(unpack(ARGV, at + 1, at + n))
   at = at + n + 1
 end
 return version
 """
+
+#: what makes a publication's id unique: this run of the program, then a count
+_RUN = secrets.token_hex(6)
+_COUNT = itertools.count()
+
+
+def _publication_id() -> str:
+    """An id no other publication has (the process id: a forked child counts on alone)."""
+    return f"{_RUN}.{os.getpid()}.{next(_COUNT)}"
+
 
 _ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError)
 
@@ -219,10 +240,14 @@ class RedisMetadata:
                 then: Sequence[tuple[Any, ...]] = ()) -> Record:
         """Record ``record`` (its version is assigned here) and notify waiters; then run the
         commands ``then`` (e.g. :meth:`forget_commands`) in the same step, only if the record
-        was stored."""
+        was stored. Retried after a connection failure, it stays one publication: a reply
+        lost after Redis stored it gives the stored version on the retry (not a second
+        version, nor :class:`KeyExistsError` for a write-once key)."""
         keys = [_REC + record.key, _KEYS, _CHAN + record.key, _VER + record.key]
+        # the publication's id: a retry after a lost reply finds it stored (see _PUBLISH)
         args: list[Any] = [record.owner, record.size, record.checksum or "", repr(record.time),
-                           record.node, record.key, "1" if overwrite else "0"]
+                           record.node, record.key, "1" if overwrite else "0",
+                           _publication_id()]
         if then:
             args.append(len(then))
             for command in then:
