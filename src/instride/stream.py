@@ -262,6 +262,10 @@ class Stream:
         #: the record of the last frame fetched from another node: its owner is asked for the
         #: next frame before that is published (cluster mode, see ``read``)
         self._fetched_from: Record | None = None
+        #: where this node keeps the frames, when the last frame read was one here without a
+        #: fetch (a producer on this node, cluster mode): a reader that polls watches there
+        #: for the next one, as in local mode, instead of waiting only through the metadata
+        self._here: str | None = None
         if self.group is not None:
             if mode == "w":
                 raise ValueError("group= is for consumers; a producer registers groups with groups=")
@@ -709,6 +713,7 @@ class Stream:
             if got is not None:
                 if self._cadence is not None and not arrived:  # (a fetched frame: noted above)
                     self._cadence.arrived(index, time.monotonic(), waited=looks > 1)
+                self._here = None if arrived else path[: len(path) - len(key)]
                 buf, release = got
                 try:
                     frame = decode_frame(buf, key, verify=self.verify and not arrived,
@@ -797,16 +802,19 @@ class Stream:
             if timeout is not None and waited >= timeout:
                 raise ConsumeTimeout(key, waited)
             part = _SLICE if timeout is None else min(_SLICE, timeout - waited)
-            if plan is not None and path is not None:
+            # where the frame's file will appear: its path here (local mode; cluster mode when
+            # the last frame was one of this node's: the producer is here too)
+            near = path if path is not None or self._here is None else self._here + key
+            if plan is not None and near is not None:
                 # hybrid polling: asleep until shortly before the frame is due (a slice at a
                 # time), then polling; once the window is over, a later frame is waited for
                 # asleep. The loop looks again either way (and keeps to the timeout).
-                if self._sleep_then_poll(key, path, plan, part) is not None:
+                if self._sleep_then_poll(key, near, plan, part) is not None:
                     plan = None
                 continue
-            if self.spin > 0 and path is not None:
+            if self.spin > 0 and near is not None:
                 end = engine.frame_path(self.end_key)
-                if poll_paths([path, end] if end else [path], min(self.spin, part)) == path:
+                if poll_paths([near, end] if end else [near], min(self.spin, part)) == near:
                     continue  # seen while polling: open it (an end marker: the wait says so)
             try:
                 woke = self.client.wait_any([key, self.end_key], timeout=part)

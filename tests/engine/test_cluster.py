@@ -356,6 +356,29 @@ def test_a_hybrid_polling_reader_on_another_node_learns_the_cadence_from_publica
     reader.close()
 
 
+def test_a_hybrid_polling_reader_on_the_producers_node_polls_for_the_next_file(
+        clients: list[instride.Client]) -> None:
+    """``spin="auto"`` in cluster mode with the producer on the reader's node: a frame not
+    published yet has no local file to look at, so the reader watches the path where the
+    producer's next frame will appear (as in local mode) — windows polled, every frame exact
+    and in order — instead of waiting only through Redis."""
+    c1 = clients[0]
+    pos = np.random.default_rng(6).random((3000, 3)).astype(np.float32)
+    frames = 14
+    reader = instride.Stream("hybhere/run", timeout=20, client=c1, spin="auto")
+    thread, got, errors = _read_in_thread(reader, pos)
+    with instride.Stream("hybhere/run", mode="w", client=c1) as producer:
+        for i in range(frames):
+            time.sleep(0.04)
+            producer.append(pos + i, step=i)
+    thread.join(60)
+    assert not thread.is_alive() and errors == []
+    assert got == list(range(frames))
+    assert reader.windows_polled >= 1
+    assert c1.engine.transfers == 0  # (every frame read in place)
+    reader.close()
+
+
 def test_a_reader_behind_its_producer_takes_the_records_of_the_frames_ahead_as_heard(
         clients: list[instride.Client]) -> None:
     """A reader that fell behind hears the announcements of the frames ahead of it all at once
