@@ -48,6 +48,7 @@ import re
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -66,10 +67,12 @@ from .errors import (
     StreamFull,
 )
 from .frames import Frame, decode_frame, encode_into, frame_size
+from .paths import check_confined
 from .record import Record, checksum_of
 from .store.inbox import Inbox
 from .store.ring import Leases, SlotPool
 from .store.streamstate import Policy, check_group, state_dir
+from .store.wait import wait_keys
 
 FRAME_FORMAT = "frame_{:09d}.isf"
 END_NAME = "end_of_stream.json"
@@ -262,10 +265,12 @@ class Stream:
         #: the record of the last frame fetched from another node: its owner is asked for the
         #: next frame before that is published (cluster mode, see ``read``)
         self._fetched_from: Record | None = None
-        #: where this node keeps the frames, when the last frame read was one here without a
-        #: fetch (a producer on this node, cluster mode): a reader that polls watches there
-        #: for the next one, as in local mode, instead of waiting only through the metadata
+        #: where this node keeps the frames, when the last frame read was an original of this
+        #: node (a producer here, cluster mode): the reader watches there for the next one, as
+        #: in local mode, instead of waiting only through the metadata
         self._here: str | None = None
+        #: waits that ended on this node's inotify that way (for tests and benchmarks)
+        self.woken_here = 0
         if self.group is not None:
             if mode == "w":
                 raise ValueError("group= is for consumers; a producer registers groups with groups=")
@@ -713,7 +718,8 @@ class Stream:
             if got is not None:
                 if self._cadence is not None and not arrived:  # (a fetched frame: noted above)
                     self._cadence.arrived(index, time.monotonic(), waited=looks > 1)
-                self._here = None if arrived else path[: len(path) - len(key)]
+                # (a copy another reader here fetched says nothing of where the next comes)
+                self._here = None if arrived or engine.is_copy(key) else path[: len(path) - len(key)]
                 buf, release = got
                 try:
                     frame = decode_frame(buf, key, verify=self.verify and not arrived,
@@ -805,11 +811,12 @@ class Stream:
             # where the frame's file will appear: its path here (local mode; cluster mode when
             # the last frame was one of this node's: the producer is here too)
             near = path if path is not None or self._here is None else self._here + key
+            here = path is None and near is not None
             if plan is not None and near is not None:
                 # hybrid polling: asleep until shortly before the frame is due (a slice at a
                 # time), then polling; once the window is over, a later frame is waited for
                 # asleep. The loop looks again either way (and keeps to the timeout).
-                if self._sleep_then_poll(key, near, plan, part) is not None:
+                if self._sleep_then_poll(key, near, plan, part, here=here) is not None:
                     plan = None
                 continue
             if self.spin > 0 and near is not None:
@@ -817,13 +824,15 @@ class Stream:
                 if poll_paths([near, end] if end else [near], min(self.spin, part)) == near:
                     continue  # seen while polling: open it (an end marker: the wait says so)
             try:
-                woke = self.client.wait_any([key, self.end_key], timeout=part)
+                woke = self._wait_for(key, part, here=here)
             except ConsumeTimeout:
                 continue
             if woke != key:
                 count = self.frame_count(timeout=timeout)
                 if count is not None and index >= count:
                     raise EndOfStream(self.name, index)
+            elif here:
+                continue  # its file is here now: the loop opens it
             if path is None:  # on another node: fetch it here
                 try:
                     transfers = getattr(engine, "transfers", None)
@@ -844,17 +853,43 @@ class Stream:
                     raise
             published_but_busy = woke == key and path is not None
 
+    def _wait_for(self, key: str, timeout: float, *, here: bool = False) -> str:
+        """Sleep until ``key`` or the end marker is published; return which.
+
+        ``here``: cluster mode, the producer on this node (the last frame was one of its
+        files): its rename wakes the reader through inotify on this node, as in local mode,
+        before the publication's round trip through Redis. Nothing here within ``timeout``:
+        later waits go through Redis again (the producer may have moved).
+
+        Raises
+        ------
+        ConsumeTimeout
+            Neither was published within ``timeout``.
+        """
+        keys = [key, self.end_key]
+        if not here or self._here is None:
+            return self.client.wait_any(keys, timeout=timeout)
+        root = self._here[:-1]
+        try:
+            i = wait_keys(root, keys, timeout, label=key, spin=0.0,
+                          refuse=functools.partial(check_confined, Path(root), for_write=False))
+        except ConsumeTimeout:
+            self._here = None
+            raise
+        self.woken_here += 1
+        return keys[i]
+
     def _sleep_then_poll(self, key: str, path: str, plan: tuple[float, float],
-                         most: float) -> bool | None:
+                         most: float, *, here: bool = False) -> bool | None:
         """Sleep (woken at once by a publication) until ``plan[0]``, then poll for ``key``'s
         file until ``plan[1]``, within ``most`` seconds. Returns whether anything came, or
         ``None`` when ``most`` ran out before the window began (asleep all the time: the
-        caller comes back with the next slice)."""
+        caller comes back with the next slice). ``here``: see :meth:`_wait_for`."""
         start, end = plan
         now = time.monotonic()
         if now < start:
             try:
-                self.client.wait_any([key, self.end_key], timeout=min(start - now, most))
+                self._wait_for(key, min(start - now, most), here=here)
                 return True  # published while asleep (or the end): the caller looks
             except ConsumeTimeout:
                 if time.monotonic() < start:

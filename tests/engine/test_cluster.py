@@ -64,6 +64,7 @@ def test_remote_fetch_then_local_reads(clients: list[instride.Client]) -> None:
     assert path.read_bytes() == data and c2.engine.transfers == before + 1
     assert set(c2.engine.last_timing) == {"wait", "fetch", "store"}
     assert c2.engine.cached_version("rf/a.bin") == 1
+    assert c2.engine.is_copy("rf/a.bin") and not c1.engine.is_copy("rf/a.bin")
     assert c2.ready("rf/a.bin") == str(path)  # the fetched copy is current
     with c2.open("rf/a.bin") as fh:  # served from the copy: no second transfer
         assert fh.read() == data
@@ -375,6 +376,29 @@ def test_a_hybrid_polling_reader_on_the_producers_node_polls_for_the_next_file(
     assert not thread.is_alive() and errors == []
     assert got == list(range(frames))
     assert reader.windows_polled >= 1
+    assert c1.engine.transfers == 0  # (every frame read in place)
+    reader.close()
+
+
+def test_a_sleeping_reader_on_the_producers_node_is_woken_by_the_rename_here(
+        clients: list[instride.Client]) -> None:
+    """Cluster mode, the producer on the reader's node: once the reader took a frame in
+    place, it sleeps in inotify on this node for the next (the producer's rename wakes it
+    before the publication's round trip through Redis). A pause longer than a wait slice
+    sends it back to Redis, from where the next frame wakes it as before; the end marker,
+    also written here, ends the iteration."""
+    c1 = clients[0]
+    pos = np.random.default_rng(7).random((3000, 3)).astype(np.float32)
+    reader = instride.Stream("wakehere/run", timeout=20, client=c1, group="g")
+    thread, got, errors = _read_in_thread(reader, pos)
+    with instride.Stream("wakehere/run", mode="w", client=c1, retain=4, groups=["g"]) as producer:
+        for i in range(12):
+            time.sleep(0.9 if i == 6 else 0.03)  # (frame 6: after more than a slice)
+            producer.append(pos + i, step=i)
+    thread.join(60)
+    assert not thread.is_alive() and errors == []
+    assert got == list(range(12))
+    assert reader.woken_here >= 5  # frames 2-5 and 8-11, most of them
     assert c1.engine.transfers == 0  # (every frame read in place)
     reader.close()
 

@@ -17,6 +17,7 @@ method                 job
 ``register(key, o)``   record a file already in place under its key; the record
 ``retired(key)``       a stream frame's file was taken away from its key: forget its record
 ``drop_copy(key)``     remove this node's fetched copy of a key (never an original)
+``is_copy(key)``       whether this node's file of a key is a fetched copy, not an original
 ``frame_path(key)``    where a key's file is on this node, if it can be opened without a fetch
 ``stream_state(s)``    a stream's head, policy and consumer groups (files, or Redis)
 ``close()``            release connections (the engine stays usable)
@@ -96,6 +97,9 @@ class Engine(Protocol):
 
     def drop_copy(self, key: str) -> None:
         """Remove this node's fetched copy of ``key``; an original is never removed."""
+
+    def is_copy(self, key: str) -> bool:
+        """Whether this node's file of ``key`` is a copy fetched from another node."""
 
     def frame_path(self, key: str) -> str | None:
         """Where ``key``'s file is on this node if it can be opened without a fetch."""

@@ -637,6 +637,11 @@ class ClusterEngine:
             self._drop_file(f"{self.root}/{key}", locked=True)
             self.forget_fetched(key)
 
+    def is_copy(self, key: str) -> bool:
+        """Whether this node's file of ``key`` was fetched from another node (it has a cache
+        entry; an original has none)."""
+        return os.access(self._sidecar(key), os.F_OK, follow_symlinks=False)
+
     def _drop_file(self, path: str, *, locked: bool) -> None:
         """Take a dropped copy's name away: into the receive pool, else deleted."""
         if not self.recv_pool.give(path, locked=locked):

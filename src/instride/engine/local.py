@@ -86,6 +86,10 @@ class LocalEngine:
     def drop_copy(self, key: str) -> None:
         """Nothing to drop: every file here is an original."""
 
+    def is_copy(self, key: str) -> bool:
+        """Never: every file here is an original."""
+        return False
+
     def frame_path(self, key: str) -> str | None:
         """Where ``key``'s file is (whether or not it exists: opening it tells)."""
         return f"{self._root_s}/{key}"
