@@ -6,13 +6,16 @@ Measures, in one run, on an emulated cluster made for the purpose:
    published on node 1, vs a raw TCP transfer (``os.sendfile`` -> ``recv_into``) of the same
    bytes between the same two namespaces, and again with node 2 keeping only 3 fetched copies
    (``INSTRIDE_CACHE_BYTES``), so that fetches reuse the files of evicted copies (after a
-   warm-up of 8 frames, not measured, that fills the cache and the node's receive pool);
+   warm-up of 8 frames, not measured, that fills the cache and the node's receive pool); each
+   consumer process fetches one frame before its clock starts (as the raw TCP client connects
+   first), and the copies of the first kind of run are removed between rounds, unmeasured;
 2. cross-node consume latency of JAC-sized frames: publish on node 1 -> bytes local on node 2
    (median, p99), also with a consumer that busy-polls (``INSTRIDE_SPIN=1``), and on a bounded
    stream (``retain=16``, a consumer group iterating the stream: publish start -> the frame's
    arrays in numpy; the group reader receives frames into reused memory; it asks the owner for
    each next frame before it is published), sleeping, busy-polling and polling only when a
-   frame is due (``spin="auto"``); then the unbounded case
+   frame is due (``spin="auto"``), and with producer and reader on the same node (frames read
+   in place); then the unbounded case
    while node 3 fetches STMV frames from node 1's server without
    pause (head-of-line blocking: how much a large transfer delays small ones);
 3. publish -> remote wake-up latency through Redis (a tiny key; median, p99; the clock starts
@@ -313,13 +316,26 @@ CONSUME_RANGE = textwrap.dedent(
     import sys, time, instride
     s = instride.Stream(sys.argv[1], timeout=120)
     c = instride.get_client()
-    c.exists("warm-up")
+    first, end = int(sys.argv[2]), int(sys.argv[3])
+    # one frame before the clock starts (connections to Redis and to the owner's data server
+    # made, the code paths warm), as the raw TCP client connects before its clock starts
+    c.wait_any([s.frame_key(first)], timeout=120)
+    c.consume(s.frame_key(first))
     t0 = time.perf_counter()
-    for i in range(int(sys.argv[2]), int(sys.argv[3])):
+    for i in range(first + 1, end):
         key = s.frame_key(i)
         c.wait_any([key], timeout=120)
         c.consume(key)
     print(time.perf_counter() - t0)
+    """
+)
+DROP_COPIES = textwrap.dedent(
+    """
+    import sys, instride
+    # a node's fetched copies of frames [first, end) of a stream removed (not kept for reuse)
+    s, engine = instride.Stream(sys.argv[1]), instride.get_client().engine
+    for i in range(int(sys.argv[2]), int(sys.argv[3])):
+        engine.drop_copy(s.frame_key(i))
     """
 )
 
@@ -329,21 +345,29 @@ def stmv_rounds(c: EmulatedCluster, name: str, recycled: str, src: str, size: in
     """Alternate instride (node 2 consuming n/rounds published frames of ``name``), raw TCP (the
     same bytes) and instride with a bounded cache on node 2 (frames of ``recycled``; evicted
     copies' files are reused by the next fetches) ``rounds`` times, so that all see the same
-    load on a shared machine."""
+    load on a shared machine. Each instride round consumes one frame more, before its clock
+    starts (the streams have ``n + rounds`` frames); the copies of ``name`` a round made are
+    removed after it, outside every timing (each measured run starts from the state its own
+    kind of run left, not with another run's copies to evict)."""
     out = []
     per = n // rounds
 
     def consume(stream: str, r: int, env: dict[str, str] | None = None) -> float:
-        took = float(c.run(2, [PY, "-c", CONSUME_RANGE, stream, str(r * per), str((r + 1) * per)],
+        first = r * (per + 1)  # (not measured)
+        took = float(c.run(2, [PY, "-c", CONSUME_RANGE, stream, str(first), str(first + per + 1)],
                            capture_output=True, text=True, check=True, env=env).stdout)
         return per * size / took / 1e6
 
     # warm-up, not measured: node 2's cache fills and its evicted copies' files go to the
     # receive pool (the first frames of a node take fresh pages; later ones reuse them)
-    c.run(2, [PY, "-c", CONSUME_RANGE, recycled, str(n), str(n + WARM_STMV)], capture_output=True,
-          text=True, check=True, env={"INSTRIDE_CACHE_BYTES": str(CACHED_STMV * size)})
+    total = rounds * (per + 1)
+    c.run(2, [PY, "-c", CONSUME_RANGE, recycled, str(total), str(total + WARM_STMV)],
+          capture_output=True, text=True, check=True,
+          env={"INSTRIDE_CACHE_BYTES": str(CACHED_STMV * size)})
     for r in range(rounds):
         ours = consume(name, r)
+        c.run(2, [PY, "-c", DROP_COPIES, name, str(r * (per + 1)), str((r + 1) * (per + 1))],
+              capture_output=True, text=True, check=True, env={"INSTRIDE_CACHE_BYTES": "0"})
         raw = raw_tcp(c, src, size, per)
         rec = consume(recycled, r, {"INSTRIDE_CACHE_BYTES": str(CACHED_STMV * size)})
         out.append({"instride": ours, "raw_tcp_sendfile": raw, "ratio": ours / raw,
@@ -503,7 +527,8 @@ def main() -> None:
     n_jac = 100 if args.quick else 500
     with EmulatedCluster(nodes=4) as c:
         # 1. STMV throughput vs raw TCP: frames already published on node 1, node 2 consumes
-        for name, frames in (("stmv/p0", n_stmv), ("stmv/p1", n_stmv + WARM_STMV)):
+        # (3 rounds, each with one frame consumed before its clock starts)
+        for name, frames in (("stmv/p0", n_stmv + 3), ("stmv/p1", n_stmv + 3 + WARM_STMV)):
             _popen(c, 1, PRODUCE, name, frames, stmv_atoms, 0.0).communicate(timeout=600)
         src = c.node(1).dir / "stmv" / "p0" / "frame_000000000.isf"
         rounds = stmv_rounds(c, "stmv/p0", "stmv/p1", str(src), stmv, n_stmv, 3)
@@ -559,6 +584,11 @@ def main() -> None:
         result["jac_consume_latency_bounded_auto_us"] = s
         print(f"the bounded stream, its reader with spin=\"auto\" (hybrid polling: asleep until a"
               f" frame is due): median {s['median']:.0f} µs   p99 {s['p99']:.0f} µs")
+        _, lat = stream_run(c, "jacbndhere", n_jac, jac_atoms, 0.02, [(1, 1)], bounded=True)
+        s = summary(lat[0])
+        result["jac_consume_latency_bounded_same_node_us"] = s
+        print(f"the bounded stream, producer and reader both on node1 (frames read in place, the"
+              f" reader asleep on node1): median {s['median']:.0f} µs   p99 {s['p99']:.0f} µs")
 
         # 2b. the same while node 3 pulls STMV frames from node 1's server (head-of-line blocking)
         hol = head_of_line(c, 100 if args.quick else 300, jac_atoms,
