@@ -853,13 +853,15 @@ class Stream:
                     raise
             published_but_busy = woke == key and path is not None
 
-    def _wait_for(self, key: str, timeout: float, *, here: bool = False) -> str:
+    def _wait_for(self, key: str, timeout: float, *, here: bool = False,
+                  until_due: bool = False) -> str:
         """Sleep until ``key`` or the end marker is published; return which.
 
         ``here``: cluster mode, the producer on this node (the last frame was one of its
         files): its rename wakes the reader through inotify on this node, as in local mode,
         before the publication's round trip through Redis. Nothing here within ``timeout``:
-        later waits go through Redis again (the producer may have moved).
+        later waits go through Redis again (the producer may have moved) — unless the wait
+        was only ``until_due`` (hybrid polling's sleep before the frame is due).
 
         Raises
         ------
@@ -874,7 +876,8 @@ class Stream:
             i = wait_keys(root, keys, timeout, label=key, spin=0.0,
                           refuse=functools.partial(check_confined, Path(root), for_write=False))
         except ConsumeTimeout:
-            self._here = None
+            if not until_due:
+                self._here = None
             raise
         self.woken_here += 1
         return keys[i]
@@ -889,7 +892,7 @@ class Stream:
         now = time.monotonic()
         if now < start:
             try:
-                self._wait_for(key, min(start - now, most), here=here)
+                self._wait_for(key, min(start - now, most), here=here, until_due=True)
                 return True  # published while asleep (or the end): the caller looks
             except ConsumeTimeout:
                 if time.monotonic() < start:
