@@ -76,10 +76,10 @@ def wait_ready(proc: subprocess.Popen, timeout: float = 30.0) -> bool:
 class Owner:
     """A node's managed directory served by the transport's real server half (a child process)."""
 
-    def __init__(self, root: Path, name: str) -> None:
+    def __init__(self, root: Path, name: str, addr: str | None = None) -> None:
         self.dir = root / "owner"
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.addr = f"127.0.0.1:{free_port()}"
+        self.addr = addr or f"127.0.0.1:{free_port()}"
         self.env = {**os.environ, "INSTRIDE_DIR": str(self.dir), "INSTRIDE_ADDR": self.addr,
                     "INSTRIDE_TOKEN": TOKEN, "INSTRIDE_TRANSPORT": name, "INSTRIDE_NODE": "owner"}
         self.env.pop("INSTRIDE_REDIS_URL", None)

@@ -33,7 +33,7 @@ from tests.conftest import LoopbackNode, RedisServer, free_port
 from tests.nodes import TOKEN, ask, forged, no_traceback, put, raw, recv_all, signed, stats, until
 
 from .contract import TOKEN as CONTRACT_TOKEN
-from .contract import TransportContract, wait_ready
+from .contract import Owner, TransportContract, wait_ready
 
 _DYING = """
 import os, signal, socket, struct, sys
@@ -102,6 +102,30 @@ class TestTcpContract(TransportContract):
             assert got == big  # the stalled transfer was never dropped
         finally:
             stalled.close()
+
+
+    def test_an_early_ask_after_the_owner_restarted_takes_a_new_connection(
+            self, owner, consumer, tmp_path: Path) -> None:
+        """A kept-alive connection whose owner went away (a restart on the same address) is
+        not used for the next request: asked early for a key, the restarted owner sends it
+        (the request is not sent into the dead connection, where it would fail)."""
+        first = owner.put("t/before.bin", b"before the restart")
+        consumer.fetch(first, tmp_path / "before.bin")  # (its connection is kept alive)
+        owner.stop()
+        again = Owner(tmp_path, self.name, addr=owner.addr)
+        try:
+            body = os.urandom(100_000)
+            again.put("t/after.bin", body)
+            sock = consumer.ask_when_published(first, "t/after.bin", 5)
+            fd = os.open(tmp_path / "after.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                got = consumer.receive_asked(sock, first, "t/after.bin", fd, 5)
+            finally:
+                os.close(fd)
+            assert got == (len(body), xxhash.xxh3_64_hexdigest(body))
+            assert (tmp_path / "after.bin").read_bytes() == body
+        finally:
+            again.stop()
 
 
 # ---------------------------------------------------------------------- fixtures

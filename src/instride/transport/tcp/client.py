@@ -13,6 +13,7 @@ import ctypes
 import errno
 import os
 import re
+import select
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -72,6 +73,14 @@ def _recv_into(sock: socket.socket, view: memoryview, key: str) -> None:
     got = 0
     while got < n:
         got += _recv_some(sock, view[got : got + _CHUNK], got, n, key)
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether an idle kept-alive connection can no longer carry a request: its owner closed
+    it (a restart, an idle timeout) or sent something nobody asked for."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLRDHUP)
+    return bool(poller.poll(0))
 
 
 def _hint(owner: Record, key: str) -> Record:
@@ -190,6 +199,9 @@ class TcpTransport:
         """Send a signed request on this thread's kept-alive connection to the owner (a new
         one if there is none or it is gone); return the socket and whether it was kept."""
         sock = self._pool().pop(record.owner, None)
+        if sock is not None and _closed_by_peer(sock):
+            sock.close()  # (found now, not by a request that fails after it was sent)
+            sock = None
         if sock is not None:
             try:
                 sock.sendall(self._signed(record, op, wait_ms, until, count))
@@ -403,9 +415,10 @@ class TcpTransport:
         """The second half of :meth:`fetch_when_published`: the owner's reply to
         :meth:`ask_when_published` and the bytes into ``fd``; ``None`` if the owner answered
         that the key was not published in time. The socket is consumed (kept for the next
-        request, or closed). Unlike a fetch, a kept-alive connection the owner had closed is
-        not retried here: the request fails (:class:`TransferError`) and the caller waits
-        the usual way."""
+        request, or closed). A kept-alive connection the owner had closed is not used for
+        the request (:meth:`ask_when_published` checks first); one it closes in the moment
+        between that check and the request is not retried here, unlike a fetch: the request
+        fails (:class:`TransferError`) and the caller waits the usual way."""
         hint = _hint(owner, key)
         try:
             reply = self._reply(sock, hint, _wait_ms(wait))
