@@ -158,7 +158,9 @@ class Stream:
         a frame later than that is waited for asleep. About half the latency gained by
         polling all the time, for a few per cent of a core (local mode, measured). A reader
         on another node than the producer learns the pace from the frames' publication
-        times and polls for the owner's reply in the window.
+        times and polls for the owner's reply in the window; one on the producer's node in
+        cluster mode sleeps and polls where the next frame's file will appear, as in local
+        mode.
     copy
         Consumer: deliver each frame as arrays of its own instead of views of the mapped
         file, copied and verified in one pass over the bytes (each chunk hashed while it is
