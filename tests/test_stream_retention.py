@@ -233,6 +233,39 @@ def test_latest_sampling_under_a_fast_producer(managed_dir: Path) -> None:
     assert seen == sorted(set(seen)) and seen[-1] == 399 and len(seen) < 400
 
 
+def test_a_reader_stopped_while_its_frames_come_and_go_resumes_from_the_head(
+        managed_dir: Path) -> None:
+    """``drop-oldest`` with ``retain=1``: the reader process is stopped (``SIGSTOP``) while it
+    waits for frame 1, and frames 1 and 2 are published and dropped meanwhile — its wake-up
+    finds neither file. Continued, it learns from the stream's head that it missed them and
+    reads frame 3, while the producer publishes nothing more."""
+    code = textwrap.dedent(
+        """
+        import instride
+        s = instride.Stream("gone", timeout=30, on_gap="count")
+        for f in s:
+            print(f.step, s.missed, flush=True)
+        """
+    )
+    reader = spawn_py(code)
+    try:
+        with instride.Stream("gone", mode="w", retain=1, on_full="drop-oldest") as s:
+            s.append(_positions(0), step=0)
+            assert reader.stdout is not None and reader.stdout.readline().split() == [b"0", b"0"]
+            time.sleep(0.1)  # (it waits for frame 1 now)
+            os.kill(reader.pid, signal.SIGSTOP)
+            try:
+                for i in (1, 2, 3):
+                    s.append(_positions(i), step=i)
+            finally:
+                os.kill(reader.pid, signal.SIGCONT)
+            assert reader.stdout.readline().split() == [b"3", b"2"]  # before anything else comes
+    finally:
+        rc, out, err = finish(reader)
+    assert rc == 0, err
+    assert out == ""  # (and nothing after the end)
+
+
 def _read_as_group_until_killed(name: str, *, hold: int, frames: int, commit_every: int = 1,
                                 meanwhile: Callable[[], None] | None = None) -> list[int]:
     """A reader process iterating ``name`` as group "g" that holds frame ``hold`` until it is

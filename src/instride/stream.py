@@ -83,12 +83,21 @@ _FRAME_RE = re.compile(r"frame_(\d{9})\.isf$")
 _MAP_SLACK = 8
 #: Longest single wait of a reader before it looks at the stream's head again.
 _SLICE = 0.5
+#: ... where the stream may retire frames the reader has not read (its frame may be gone
+#: before the reader's wake-up looks)
+_GAP_SLICE = 0.02
 #: seconds a reading of the groups' cursors may be used to retire frames they are past
 _GROUPS_FRESH = 0.05
 #: frames a group reader on another node asks its owner for ahead of the one it reads (the
 #: owner sends each as it is published: one request per 1 + _AHEAD frames)
 _AHEAD = 3
 _GAP_POLICIES = ("raise", "count")
+
+
+
+def _beside(path: str, key: str, nxt: str | None) -> list[str]:
+    """``path`` (``key``'s file), and the file of ``nxt`` beside it when given."""
+    return [path, path[: len(path) - len(key)] + nxt] if nxt else [path]
 
 
 class Stream:
@@ -814,21 +823,33 @@ class Stream:
             # the last frame was one of this node's: the producer is here too)
             near = path if path is not None or self._here is None else self._here + key
             here = path is None and near is not None
+            # A stream that may retire frames nobody read: the frame may come and go before
+            # this reader looks (a local wait sees only files that are there). The next one
+            # appearing says so; the head then tells (a gap) without waiting a slice.
+            nxt = None if self._no_gaps() else self.frame_key(index + 1)
+            if nxt is not None:
+                # (and both may come and go while this reader is not running: woken by the
+                # frames' files, a local wait still sees none; a short slice bounds the miss)
+                part = min(part, _GAP_SLICE)
             if plan is not None and near is not None:
                 # hybrid polling: asleep until shortly before the frame is due (a slice at a
                 # time), then polling; once the window is over, a later frame is waited for
                 # asleep. The loop looks again either way (and keeps to the timeout).
-                if self._sleep_then_poll(key, near, plan, part, here=here) is not None:
+                if self._sleep_then_poll(key, near, plan, part, here=here, nxt=nxt) is not None:
                     plan = None
                 continue
             if self.spin > 0 and near is not None:
                 end = engine.frame_path(self.end_key)
-                if poll_paths([near, end] if end else [near], min(self.spin, part)) == near:
-                    continue  # seen while polling: open it (an end marker: the wait says so)
+                seen = poll_paths(_beside(near, key, nxt) + ([end] if end else []),
+                                  min(self.spin, part))
+                if seen is not None and seen != end:
+                    continue  # seen while polling: look (an end marker: the wait says so)
             try:
-                woke = self._wait_for(key, part, here=here)
+                woke = self._wait_for(key, part, here=here, nxt=nxt)
             except ConsumeTimeout:
                 continue
+            if woke == nxt:
+                woke = key  # (published, perhaps retired since: looked at as if it woke us)
             if woke != key:
                 count = self.frame_count(timeout=timeout)
                 if count is not None and index >= count:
@@ -856,8 +877,9 @@ class Stream:
             published_but_busy = woke == key and path is not None
 
     def _wait_for(self, key: str, timeout: float, *, here: bool = False,
-                  until_due: bool = False) -> str:
-        """Sleep until ``key`` or the end marker is published; return which.
+                  until_due: bool = False, nxt: str | None = None) -> str:
+        """Sleep until ``key``, the end marker or ``nxt`` (the frame after ``key``, where
+        ``key`` may be retired unread) is published; return which.
 
         ``here``: cluster mode, the producer on this node (the last frame was one of its
         files): its rename wakes the reader through inotify on this node, as in local mode,
@@ -870,7 +892,7 @@ class Stream:
         ConsumeTimeout
             Neither was published within ``timeout``.
         """
-        keys = [key, self.end_key]
+        keys = [key, self.end_key] + ([nxt] if nxt else [])
         if not here or self._here is None:
             return self.client.wait_any(keys, timeout=timeout)
         root = self._here[:-1]
@@ -885,16 +907,16 @@ class Stream:
         return keys[i]
 
     def _sleep_then_poll(self, key: str, path: str, plan: tuple[float, float],
-                         most: float, *, here: bool = False) -> bool | None:
+                         most: float, *, here: bool = False, nxt: str | None = None) -> bool | None:
         """Sleep (woken at once by a publication) until ``plan[0]``, then poll for ``key``'s
         file until ``plan[1]``, within ``most`` seconds. Returns whether anything came, or
         ``None`` when ``most`` ran out before the window began (asleep all the time: the
-        caller comes back with the next slice). ``here``: see :meth:`_wait_for`."""
+        caller comes back with the next slice). ``here``, ``nxt``: see :meth:`_wait_for`."""
         start, end = plan
         now = time.monotonic()
         if now < start:
             try:
-                self._wait_for(key, min(start - now, most), here=here, until_due=True)
+                self._wait_for(key, min(start - now, most), here=here, until_due=True, nxt=nxt)
                 return True  # published while asleep (or the end): the caller looks
             except ConsumeTimeout:
                 if time.monotonic() < start:
@@ -902,7 +924,7 @@ class Stream:
         marker = self.client.engine.frame_path(self.end_key)
         left = min(end - time.monotonic(), most - (time.monotonic() - now))
         self.windows_polled += 1
-        return poll_paths([path, marker] if marker else [path], left) is not None
+        return poll_paths(_beside(path, key, nxt) + ([marker] if marker else []), left) is not None
 
     def _no_gaps(self) -> bool:
         """Whether this reader can never find a frame retired before it got there: an
