@@ -826,7 +826,8 @@ class Stream:
             # A stream that may retire frames nobody read: the frame may come and go before
             # this reader looks (a local wait sees only files that are there). The next one
             # appearing says so; the head then tells (a gap) without waiting a slice.
-            nxt = None if self._no_gaps() else self.frame_key(index + 1)
+            dropping = policy is not None and policy.bounded and not self._no_gaps()
+            nxt = self.frame_key(index + 1) if dropping else None
             if nxt is not None:
                 # (and both may come and go while this reader is not running: woken by the
                 # frames' files, a local wait still sees none; a short slice bounds the miss)
