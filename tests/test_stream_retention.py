@@ -238,7 +238,9 @@ def test_a_reader_stopped_while_its_frames_come_and_go_resumes_from_the_head(
     """``drop-oldest`` with ``retain=1``: the reader process is stopped (``SIGSTOP``) while it
     waits for frame 1, and frames 1 and 2 are published and dropped meanwhile — its wake-up
     finds neither file. Continued, it learns from the stream's head that it missed them and
-    reads frame 3, while the producer publishes nothing more."""
+    reads frame 3, while the producer publishes nothing more. (This checks what it gets; how
+    soon — within a short wait slice, not a whole one — is measured by
+    ``benchmarks/bench_drop_policies.py``.)"""
     code = textwrap.dedent(
         """
         import instride

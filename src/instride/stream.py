@@ -94,7 +94,6 @@ _AHEAD = 3
 _GAP_POLICIES = ("raise", "count")
 
 
-
 def _beside(path: str, key: str, nxt: str | None) -> list[str]:
     """``path`` (``key``'s file), and the file of ``nxt`` beside it when given."""
     return [path, path[: len(path) - len(key)] + nxt] if nxt else [path]
@@ -276,10 +275,12 @@ class Stream:
         #: the record of the last frame fetched from another node: its owner is asked for the
         #: next frame before that is published (cluster mode, see ``read``)
         self._fetched_from: Record | None = None
-        #: where this node keeps the frames, when the last frame read was an original of this
-        #: node (a producer here, cluster mode): the reader watches there for the next one, as
-        #: in local mode, instead of waiting only through the metadata
+        #: cluster mode: where this node keeps the frames, when the last frame read was an
+        #: original of this node (a producer here): the reader watches there for the next
+        #: one, as in local mode, instead of waiting only through the metadata (also set in
+        #: local mode, where it is not used)
         self._here: str | None = None
+        self._here_waited = 0.0  # seconds waited there in vain since the last frame
         #: waits that ended on this node's inotify that way (for tests and benchmarks)
         self.woken_here = 0
         if self.group is not None:
@@ -731,6 +732,7 @@ class Stream:
                     self._cadence.arrived(index, time.monotonic(), waited=looks > 1)
                 # (a copy another reader here fetched says nothing of where the next comes)
                 self._here = None if arrived or engine.is_copy(key) else path[: len(path) - len(key)]
+                self._here_waited = 0.0
                 buf, release = got
                 try:
                     frame = decode_frame(buf, key, verify=self.verify and not arrived,
@@ -828,10 +830,6 @@ class Stream:
             # appearing says so; the head then tells (a gap) without waiting a slice.
             dropping = policy is not None and policy.bounded and not self._no_gaps()
             nxt = self.frame_key(index + 1) if dropping else None
-            if nxt is not None:
-                # (and both may come and go while this reader is not running: woken by the
-                # frames' files, a local wait still sees none; a short slice bounds the miss)
-                part = min(part, _GAP_SLICE)
             if plan is not None and near is not None:
                 # hybrid polling: asleep until shortly before the frame is due (a slice at a
                 # time), then polling; once the window is over, a later frame is waited for
@@ -839,6 +837,11 @@ class Stream:
                 if self._sleep_then_poll(key, near, plan, part, here=here, nxt=nxt) is not None:
                     plan = None
                 continue
+            if nxt is not None and near is not None:
+                # (and both may come and go while this reader is not running: woken by the
+                # frames' files, a wait on this node still sees none — a short slice bounds
+                # the miss; one through Redis is woken by the announcements themselves)
+                part = min(part, _GAP_SLICE)
             if self.spin > 0 and near is not None:
                 end = engine.frame_path(self.end_key)
                 seen = poll_paths(_beside(near, key, nxt) + ([end] if end else []),
@@ -850,7 +853,15 @@ class Stream:
             except ConsumeTimeout:
                 continue
             if woke == nxt:
-                woke = key  # (published, perhaps retired since: looked at as if it woke us)
+                # published, perhaps retired since: the head says (a gap); else looked at as
+                # if it had woken us
+                archived = self._gap(index)
+                if archived is not None:
+                    return archived
+                if here and near is not None and not os.access(near, os.F_OK):
+                    self._here = None  # neither retired nor here: made on another node
+                    continue
+                woke = key
             if woke != key:
                 count = self.frame_count(timeout=timeout)
                 if count is not None and index >= count:
@@ -879,19 +890,29 @@ class Stream:
 
     def _wait_for(self, key: str, timeout: float, *, here: bool = False,
                   until_due: bool = False, nxt: str | None = None) -> str:
-        """Sleep until ``key``, the end marker or ``nxt`` (the frame after ``key``, where
-        ``key`` may be retired unread) is published; return which.
+        """Sleep until ``key``, the end marker or ``nxt`` is published; return which.
 
-        ``here``: cluster mode, the producer on this node (the last frame was one of its
-        files): its rename wakes the reader through inotify on this node, as in local mode,
-        before the publication's round trip through Redis. Nothing here within ``timeout``:
-        later waits go through Redis again (the producer may have moved) — unless the wait
-        was only ``until_due`` (hybrid polling's sleep before the frame is due).
+        Parameters
+        ----------
+        key
+            The frame waited for.
+        timeout
+            Seconds to wait at most.
+        here
+            Cluster mode, the producer on this node (the last frame was one of its files):
+            its rename wakes the reader through inotify on this node, as in local mode,
+            before the publication's round trip through Redis. After a wait slice
+            (``_SLICE``) of nothing here since the last frame, later waits go through Redis
+            again (the producer may have moved).
+        until_due
+            Only hybrid polling's sleep until the frame is due (it does not count).
+        nxt
+            The frame after ``key``, where ``key`` may be retired unread.
 
         Raises
         ------
         ConsumeTimeout
-            Neither was published within ``timeout``.
+            None of them was published within ``timeout``.
         """
         keys = [key, self.end_key] + ([nxt] if nxt else [])
         if not here or self._here is None:
@@ -902,7 +923,9 @@ class Stream:
                           refuse=functools.partial(check_confined, Path(root), for_write=False))
         except ConsumeTimeout:
             if not until_due:
-                self._here = None
+                self._here_waited += timeout
+                if self._here_waited >= _SLICE:
+                    self._here = None
             raise
         self.woken_here += 1
         return keys[i]

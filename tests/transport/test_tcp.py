@@ -103,7 +103,6 @@ class TestTcpContract(TransportContract):
         finally:
             stalled.close()
 
-
     def test_an_early_ask_after_the_owner_restarted_takes_a_new_connection(
             self, owner, consumer, tmp_path: Path) -> None:
         """A kept-alive connection whose owner went away (a restart on the same address) is
