@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import selectors
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -62,6 +63,30 @@ def spawn_py(code: str, env: dict[str, str] | None = None, **kw: object) -> subp
         [sys.executable, "-c", code], env=env or dict(os.environ),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw,  # type: ignore[arg-type]
     )
+
+
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """``SIGSTOP`` process ``pid`` and return once every thread of it has stopped.
+
+    ``kill`` returns when the signal is queued: a thread running on another core may go on
+    for a moment (a reply sent, a frame read) before it stops; a test that acts on a stopped
+    process waits for it here (``/proc/<pid>/task/*/stat``, state ``T``).
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as fh:
+                    states.append(fh.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                continue  # (a thread that ended meanwhile)
+        if states and all(st in ("T", "t") for st in states):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} did not stop within {timeout} s: {states}")
+        time.sleep(0.001)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:

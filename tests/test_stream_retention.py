@@ -18,7 +18,7 @@ import pytest
 
 import instride
 from instride.errors import ConfigError, FramesMissed, GroupBusy, IntegrityError, StreamFull
-from tests.conftest import finish, spawn_py
+from tests.conftest import finish, spawn_py, stop_process
 
 NATOMS = 2000
 
@@ -255,7 +255,7 @@ def test_a_reader_stopped_while_its_frames_come_and_go_resumes_from_the_head(
             s.append(_positions(0), step=0)
             assert reader.stdout is not None and reader.stdout.readline().split() == [b"0", b"0"]
             time.sleep(0.1)  # (it waits for frame 1 now)
-            os.kill(reader.pid, signal.SIGSTOP)
+            stop_process(reader.pid)
             try:
                 for i in (1, 2, 3):
                     s.append(_positions(i), step=i)

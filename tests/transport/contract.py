@@ -34,7 +34,7 @@ from instride.errors import (
 )
 from instride.record import Record, checksum_of
 from instride.transport import Transport, TransportServer, get_transport
-from tests.conftest import free_port
+from tests.conftest import free_port, stop_process
 
 TOKEN = "contract-token"
 DyingOwner = Callable[[bytes, int], str]
@@ -277,7 +277,7 @@ class TransportContract:
 
     def test_silent_owner_times_out(self, owner: Owner, consumer: Transport, tmp_path: Path) -> None:
         record = owner.put("t/silent.bin", os.urandom(1000))
-        os.kill(owner.proc.pid, signal.SIGSTOP)  # alive (the kernel accepts), never answers
+        stop_process(owner.proc.pid)  # alive (the kernel accepts), never answers
         dest = tmp_path / "silent.bin"
         start = time.monotonic()
         try:

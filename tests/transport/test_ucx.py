@@ -34,7 +34,7 @@ from instride.record import Record
 from instride.transport import get_server, get_transport
 from instride.transport import ucx as ucx_mod
 from instride.transport.ucx import UcxServer, UcxTransport
-from tests.conftest import free_port
+from tests.conftest import free_port, stop_process
 from tests.nodes import stats, until
 
 from .contract import TransportContract, wait_ready
@@ -368,7 +368,7 @@ class UcxScenarios:
         rec = peer.record("run/mid.bin")
         dest = self.client_dir() / "late.got"
         self.fetch_all([(rec, None, TOKEN)])  # connected and working
-        os.kill(peer.proc.pid, signal.SIGSTOP)
+        stop_process(peer.proc.pid)  # (returns once it has stopped)
         try:
             (res,) = self.fetch_all([(rec, dest, TOKEN)])
         finally:
