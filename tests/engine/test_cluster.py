@@ -335,25 +335,33 @@ def test_a_group_reader_on_another_node_records_its_position_every_few_frames(
     assert cursors == {"g": 40}
 
 
+def _hybrid_read(name: str, producer: instride.Client, reader_client: instride.Client,
+                 frames: int = 14) -> instride.Stream:
+    """A ``spin="auto"`` reader (on ``reader_client``'s node) of ``frames`` frames appended
+    40 ms apart on ``producer``'s node: every frame exact, in order, windows polled. Returns
+    the reader, still open."""
+    pos = np.random.default_rng(5).random((3000, 3)).astype(np.float32)
+    reader = instride.Stream(name, timeout=20, client=reader_client, spin="auto")
+    thread, got, errors = _read_in_thread(reader, pos)
+    with instride.Stream(name, mode="w", client=producer) as s:
+        for i in range(frames):
+            time.sleep(0.04)
+            s.append(pos + i, step=i)
+    thread.join(60)
+    assert not thread.is_alive() and errors == []
+    assert got == list(range(frames))
+    assert reader.windows_polled >= 1
+    return reader
+
+
 def test_a_hybrid_polling_reader_on_another_node_learns_the_cadence_from_publication_times(
         clients: list[instride.Client]) -> None:
     """``spin="auto"`` across nodes: the reader learns the producer's pace from the frames'
     publication times and sleeps on the owner's reply until the next frame is due, then
     polls for it; every frame exact, in order, windows polled, the end ends it."""
     c1, c2, _ = clients
-    pos = np.random.default_rng(5).random((3000, 3)).astype(np.float32)
-    frames = 14
-    reader = instride.Stream("hyb/run", timeout=20, client=c2, spin="auto")
-    thread, got, errors = _read_in_thread(reader, pos)
-    with instride.Stream("hyb/run", mode="w", client=c1) as producer:
-        for i in range(frames):
-            time.sleep(0.04)
-            producer.append(pos + i, step=i)
-    thread.join(60)
-    assert not thread.is_alive() and errors == []
-    assert got == list(range(frames))
-    assert reader.windows_polled >= 1
-    assert reader._cadence is not None and reader._cadence.window(frames) is not None
+    reader = _hybrid_read("hyb/run", c1, c2)
+    assert reader._cadence is not None and reader._cadence.window(14) is not None
     reader.close()
 
 
@@ -364,18 +372,7 @@ def test_a_hybrid_polling_reader_on_the_producers_node_polls_for_the_next_file(
     producer's next frame will appear (as in local mode) — windows polled, every frame exact
     and in order — instead of waiting only through Redis."""
     c1 = clients[0]
-    pos = np.random.default_rng(6).random((3000, 3)).astype(np.float32)
-    frames = 14
-    reader = instride.Stream("hybhere/run", timeout=20, client=c1, spin="auto")
-    thread, got, errors = _read_in_thread(reader, pos)
-    with instride.Stream("hybhere/run", mode="w", client=c1) as producer:
-        for i in range(frames):
-            time.sleep(0.04)
-            producer.append(pos + i, step=i)
-    thread.join(60)
-    assert not thread.is_alive() and errors == []
-    assert got == list(range(frames))
-    assert reader.windows_polled >= 1
+    reader = _hybrid_read("hybhere/run", c1, c1)
     assert c1.engine.transfers == 0  # (every frame read in place)
     reader.close()
 
