@@ -163,28 +163,30 @@ def test_copy_decode_owns_its_arrays_and_verifies_in_the_same_pass(layout: str) 
 
 
 def _paper_both_ways(
-    monkeypatch: pytest.MonkeyPatch, pos: np.ndarray, ids: np.ndarray | None
+    monkeypatch: pytest.MonkeyPatch, pos: np.ndarray, ids: np.ndarray | None, layout: str = "paper"
 ) -> tuple[bytearray, bytearray]:
-    """A paper frame encoded by the C codec and by numpy (the library hidden)."""
+    """A frame encoded by the C codec and by numpy (the library hidden)."""
     from instride import frames, native
     from instride.frames import encode_into
 
     assert native.library() is not None, "libinstride_local.so is missing: reinstall instride"
     n = pos.shape[0]
-    by_c, by_numpy = bytearray(frame_size(n, "paper")), bytearray(frame_size(n, "paper"))
-    encode_into(by_c, pos, step=7, time=1.5, layout="paper", ids=ids)
+    by_c, by_numpy = bytearray(frame_size(n, layout)), bytearray(frame_size(n, layout))
+    encode_into(by_c, pos, step=7, time=1.5, layout=layout, ids=ids)
     with monkeypatch.context() as m:
         m.setattr(frames, "library", lambda: None)
-        encode_into(by_numpy, pos, step=7, time=1.5, layout="paper", ids=ids)
+        encode_into(by_numpy, pos, step=7, time=1.5, layout=layout, ids=ids)
     return by_c, by_numpy
 
 
-@settings(max_examples=40, deadline=None)
-@given(n=st.sampled_from([0, 1, 2, 9361, 9362, 9363, 23_558]), with_ids=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_paper_codec_in_c_matches_numpy(n: int, with_ids: bool, seed: int) -> None:
-    # the C codec (csrc/local/paper.c) writes the same bytes and digest as the numpy path, and
-    # reads back the same arrays; sizes around its 9,362-atom chunks
+@settings(max_examples=60, deadline=None)
+@given(n=st.sampled_from([0, 1, 2, 9361, 9362, 9363, 10_922, 10_923, 23_558]),
+       with_ids=st.booleans(), seed=st.integers(0, 2**16),
+       layout=st.sampled_from(["paper", "paper-soa", "xyz32"]))
+def test_codecs_in_c_match_numpy(n: int, with_ids: bool, seed: int, layout: str) -> None:
+    # the C codecs (csrc/local/paper.c) write the same bytes and digest as the numpy path, and
+    # read back the same arrays; sizes around the paper codec's 9,362-atom chunks and the
+    # array layouts' 256 KiB ones (10,923 atoms of coordinates)
     from instride import frames
     from instride.frames import decode_frame
 
@@ -192,30 +194,36 @@ def test_paper_codec_in_c_matches_numpy(n: int, with_ids: bool, seed: int) -> No
     pos = rng.normal(size=(n, 3)) * 50
     ids = rng.integers(-(2**31), 2**31 - 1, size=n, dtype=np.int64).astype(np.int32) if with_ids else None
     with pytest.MonkeyPatch.context() as mp:
-        by_c, by_numpy = _paper_both_ways(mp, pos, ids)
+        by_c, by_numpy = _paper_both_ways(mp, pos, ids, layout)
         assert by_c == by_numpy
         got_c = decode_frame(memoryview(by_c), "k", copy=True)
         mp.setattr(frames, "library", lambda: None)
         got_numpy = decode_frame(memoryview(by_c), "k", copy=True)
     for got in (got_c, got_numpy):
+        if layout == "xyz32":
+            assert np.array_equal(got.positions, pos.astype(np.float32))
+            assert got.ids is None
+            continue
         assert np.array_equal(got.positions, pos)
         assert np.array_equal(got.ids, np.arange(n, dtype=np.int32) if ids is None else ids)
 
 
-def test_paper_codec_in_c_detects_a_flipped_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("layout", ["paper", "paper-soa", "xyz32"])
+def test_codecs_in_c_detect_a_flipped_byte(monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
     from instride.frames import decode_frame
 
     pos = np.random.default_rng(3).random((1000, 3))
-    by_c, _ = _paper_both_ways(monkeypatch, pos, None)
-    for at in (HEADER_SIZE, HEADER_SIZE + 13_999, len(by_c) - 1):
+    by_c, _ = _paper_both_ways(monkeypatch, pos, None, layout)
+    for at in (HEADER_SIZE, (HEADER_SIZE + len(by_c)) // 2 + 1, len(by_c) - 1):
         bad = bytearray(by_c)
         bad[at] ^= 0x10
         with pytest.raises(IntegrityError, match="checksum"):
             decode_frame(memoryview(bad), "k", copy=True)
     # not verifying: the bytes as they are, no error
+    good = decode_frame(memoryview(by_c), "k", copy=True).positions
     bad = bytearray(by_c)
-    bad[HEADER_SIZE + 4] ^= 0x10
-    assert not np.array_equal(decode_frame(memoryview(bad), "k", verify=False, copy=True).positions, pos)
+    bad[HEADER_SIZE + 6] ^= 0x10
+    assert not np.array_equal(decode_frame(memoryview(bad), "k", verify=False, copy=True).positions, good)
 
 
 def test_paper_encode_into_a_read_only_buffer_is_refused() -> None:

@@ -25,7 +25,7 @@
 /* isl_wait's results (>= 0); a negative result is -errno of a failed poll or read. */
 enum {
     ISL_FOUND = 0,       /* *found: the index of a key that is there */
-    ISL_TIMEOUT = 1,     /* nothing within timeout_ms */
+    ISL_TIMEOUT = 1,     /* nothing within timeout_us */
     ISL_INTERRUPTED = 2, /* a signal arrived: Python runs its handlers, then waits again */
     ISL_REARM = 3,       /* watches went away: gone[0..*found) holds their descriptors, or
                             *found = -1: the queue overflowed, every watch must be re-armed */
@@ -65,11 +65,11 @@ ISL_EXPORT int isl_state(const char *root, const char *key, int confined)
     return S_ISREG(st.st_mode) ? 1 : -1;
 }
 
-static long long isl_now_ms(void)
+static long long isl_now_us(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    return (long long)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
 /* The last component of a key (what inotify names in its events). */
@@ -81,18 +81,24 @@ static const char *isl_base(const char *key)
 
 /* Sleep on the inotify descriptor ifd (its watches armed by the caller, the files checked
  * after arming) until an event names one of the n keys and that key is there (see
- * isl_state), at most timeout_ms (>= 0) milliseconds. Events of other files are skipped.
+ * isl_state), at most timeout_us (>= 0) microseconds. Events of other files are skipped.
  * Every event of a batch is read before returning: a watch that went away is reported
- * (ISL_REARM), never lost, so that its directory is watched again. */
+ * (ISL_REARM), never lost, so that its directory is watched again.
+ *
+ * The timeout is kept to the microsecond (ppoll): a wait in whole milliseconds ends up to
+ * ~1 ms late, longer than a hybrid-polling reader's window opens before a frame is due
+ * (Stream(spin="auto") sleeps until then, and would sleep through the window). */
 ISL_EXPORT int isl_wait(int ifd, const char *root, const char *const *keys, int n, int confined,
-                        int timeout_ms, int *found, int *gone, int gone_cap)
+                        long long timeout_us, int *found, int *gone, int gone_cap)
 {
     char buf[8192] __attribute__((aligned(__alignof__(struct inotify_event))));
-    long long deadline = isl_now_ms() + timeout_ms;
+    long long deadline = isl_now_us() + timeout_us;
     struct pollfd pfd = {.fd = ifd, .events = POLLIN};
     for (;;) {
-        long long left = deadline - isl_now_ms();
-        int rc = poll(&pfd, 1, left > 0 ? (int)left : 0);
+        long long left = deadline - isl_now_us();
+        struct timespec ts = {.tv_sec = left > 0 ? left / 1000000 : 0,
+                              .tv_nsec = left > 0 ? (left % 1000000) * 1000 : 0};
+        int rc = ppoll(&pfd, 1, &ts, NULL);
         if (rc == 0)
             return ISL_TIMEOUT;
         if (rc < 0)

@@ -16,8 +16,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#define XXH_INLINE_ALL
-#include <xxhash.h>
+#include "../common/ins_xxh.h"
 
 #define ISC_API __attribute__((visibility("default")))
 /* Bytes taken from the socket per recv: each piece is hashed and written while it is still in

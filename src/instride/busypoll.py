@@ -76,10 +76,16 @@ def poll_readable_in(sock: socket.socket, window: tuple[float, float]) -> bool:
     start, end = window
     left = start - time.monotonic()
     if left > 0:
+        # poll() counts whole milliseconds, rounded up: up to 1 ms past the window's start
+        # (as wide as a window may be). Whole ms asleep on the socket, the rest (< 1 ms,
+        # before the window: nothing is due yet) in a precise sleep.
         poller = select.poll()
         poller.register(sock.fileno(), select.POLLIN)
-        if poller.poll(min(left, 3600.0) * 1000):
+        if poller.poll(int(min(left, 3600.0) * 1000)):
             return True
+        rest = start - time.monotonic()
+        if rest > 0:
+            time.sleep(rest)
     return poll_readable(sock, end - time.monotonic())
 
 

@@ -5,7 +5,9 @@ Each is one call (ctypes releases the GIL):
 * ``isl_wait`` and ``isl_state`` (``csrc/local/wait.c``) sleep on a thread's inotify
   descriptor, read its events and check the awaited files (:mod:`instride.store.wait`);
 * ``isl_paper_encode`` and ``isl_paper_decode`` (``csrc/local/paper.c``) interleave or split
-  the ``paper`` layout's 28-byte records and hash them with xxh3-64 in the same pass
+  the ``paper`` layout's 28-byte records and hash them with xxh3-64 in the same pass;
+  ``isl_gather_hash`` and ``isl_scatter_hash`` do the same for the array layouts (the
+  coordinates, then the ids), one call instead of a Python loop of chunks
   (:mod:`instride.frames`).
 
 The package build always makes the library; where it is missing or cannot be loaded,
@@ -37,13 +39,17 @@ def library() -> ctypes.CDLL | None:
         c_int, c_char_p, p_int = ctypes.c_int, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)
         lib.isl_state.argtypes = [c_char_p, c_char_p, c_int]
         lib.isl_state.restype = c_int
-        lib.isl_wait.argtypes = [c_int, c_char_p, ctypes.POINTER(c_char_p), c_int, c_int, c_int,
-                                 p_int, p_int, c_int]
+        lib.isl_wait.argtypes = [c_int, c_char_p, ctypes.POINTER(c_char_p), c_int, c_int,
+                                 ctypes.c_longlong, p_int, p_int, c_int]
         lib.isl_wait.restype = c_int
         ptr, i64, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
         lib.isl_paper_encode.argtypes = [ptr, ptr, ptr, i64]
         lib.isl_paper_encode.restype = u64
         lib.isl_paper_decode.argtypes = [ptr, i64, ptr, ptr, c_int]
         lib.isl_paper_decode.restype = u64
+        lib.isl_gather_hash.argtypes = [ptr, ptr, i64, ptr, i64]
+        lib.isl_gather_hash.restype = u64
+        lib.isl_scatter_hash.argtypes = [ptr, ptr, i64, ptr, i64, c_int]
+        lib.isl_scatter_hash.restype = u64
         _lib = lib
     return _lib

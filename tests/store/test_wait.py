@@ -48,6 +48,26 @@ def test_timeout_names_key_and_seconds(client: instride.Client) -> None:
     assert "never/there" in str(info.value) and "0.3" in str(info.value)
 
 
+def test_a_timeout_is_kept_to_the_microsecond_not_rounded_up_to_a_millisecond(
+        tmp_path: Path) -> None:
+    """A hybrid-polling reader sleeps until its poll window opens, a fraction of a millisecond
+    before the frame is due: a wait rounded to whole milliseconds overshot by 0.6-1.1 ms (the
+    fastest of 20 on the development VM) and slept through the window. Now it never ends
+    early, and the fastest of 20 (robust to a loaded machine) ends within 0.5 ms."""
+    from instride.store.wait import wait_any
+
+    path = [tmp_path / "never"]
+    for timeout in (0.0005, 0.0025):
+        over = []
+        for _ in range(20):
+            start = time.monotonic()
+            with pytest.raises(ConsumeTimeout):
+                wait_any(path, timeout, label="never")
+            over.append(time.monotonic() - start - timeout)
+        assert min(over) >= 0
+        assert min(over) < 0.0005, over
+
+
 def test_waiting_does_not_busy_wait(managed_dir: Path) -> None:
     proc = spawn_py(textwrap.dedent(
         """

@@ -304,14 +304,16 @@ def _sleep(root: str, keys: list[str], full: list[str], confined: bool, timeout:
     names = {Path(p).name for p in full}
     while True:
         if timeout is None:
-            wait_ms = _MAX_WAIT_MS
+            wait_us = _MAX_WAIT_MS * 1000
         else:
             remaining = timeout - (time.monotonic() - start)
             if remaining <= 0:
                 raise ConsumeTimeout(label, time.monotonic() - start)
-            wait_ms = min(max(1, int(remaining * 1000)), _MAX_WAIT_MS)
+            # (to the µs: a hybrid-polling reader sleeps until its window opens, not ~1 ms past)
+            wait_us = min(max(1, int(remaining * 1e6)), _MAX_WAIT_MS * 1000)
+        wait_ms = max(1, -(-wait_us // 1000))  # (the Python fallback's read: whole ms)
         if lib is not None:  # the hot path: sleep, read and check in C, GIL released
-            rc = lib.isl_wait(ino.fileno(), croot, ckeys, len(keys), confined, wait_ms,
+            rc = lib.isl_wait(ino.fileno(), croot, ckeys, len(keys), confined, wait_us,
                               ctypes.byref(found), gone, _GONE_CAP)
             if rc == _FOUND:
                 return found.value
