@@ -179,14 +179,12 @@ def _paper_both_ways(
     return by_c, by_numpy
 
 
-@settings(max_examples=60, deadline=None)
-@given(n=st.sampled_from([0, 1, 2, 9361, 9362, 9363, 10_922, 10_923, 23_558]),
-       with_ids=st.booleans(), seed=st.integers(0, 2**16),
-       layout=st.sampled_from(["paper", "paper-soa", "xyz32"]))
-def test_codecs_in_c_match_numpy(n: int, with_ids: bool, seed: int, layout: str) -> None:
-    # the C codecs (csrc/local/paper.c) write the same bytes and digest as the numpy path, and
-    # read back the same arrays; sizes around the paper codec's 9,362-atom chunks and the
-    # array layouts' 256 KiB ones (10,923 atoms of coordinates)
+@settings(max_examples=40, deadline=None)
+@given(n=st.sampled_from([0, 1, 2, 9361, 9362, 9363, 23_558]), with_ids=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_paper_codec_in_c_matches_numpy(n: int, with_ids: bool, seed: int) -> None:
+    # the C codec (csrc/local/paper.c) writes the same bytes and digest as the numpy path, and
+    # reads back the same arrays; sizes around its 9,362-atom chunks
     from instride import frames
     from instride.frames import decode_frame
 
@@ -194,16 +192,12 @@ def test_codecs_in_c_match_numpy(n: int, with_ids: bool, seed: int, layout: str)
     pos = rng.normal(size=(n, 3)) * 50
     ids = rng.integers(-(2**31), 2**31 - 1, size=n, dtype=np.int64).astype(np.int32) if with_ids else None
     with pytest.MonkeyPatch.context() as mp:
-        by_c, by_numpy = _paper_both_ways(mp, pos, ids, layout)
+        by_c, by_numpy = _paper_both_ways(mp, pos, ids)
         assert by_c == by_numpy
         got_c = decode_frame(memoryview(by_c), "k", copy=True)
         mp.setattr(frames, "library", lambda: None)
         got_numpy = decode_frame(memoryview(by_c), "k", copy=True)
     for got in (got_c, got_numpy):
-        if layout == "xyz32":
-            assert np.array_equal(got.positions, pos.astype(np.float32))
-            assert got.ids is None
-            continue
         assert np.array_equal(got.positions, pos)
         assert np.array_equal(got.ids, np.arange(n, dtype=np.int32) if ids is None else ids)
 

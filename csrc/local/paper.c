@@ -9,7 +9,7 @@
  * the cache -- the same digest as the Python xxhash package's xxh3_64 over the payload.
  * Callers (instride/frames.py) use it on little-endian machines only.
  *
- * Exported: isl_paper_encode, isl_paper_decode, isl_gather_hash, isl_scatter_hash.
+ * Exported: isl_paper_encode, isl_paper_decode.
  */
 #include <stdint.h>
 #include <string.h>
@@ -62,50 +62,3 @@ ISL_EXPORT uint64_t isl_paper_decode(const unsigned char *src, int64_t n, double
     return hash ? XXH3_64bits_digest(&st) : 0;
 }
 
-#define CHUNK_BYTES (1 << 18) /* ~256 KiB: hashed while it is in the cache */
-
-/* Copy na bytes of a then nb bytes of b into dst, one after the other (the `paper-soa`
- * layout: coordinates, then ids), hashing each chunk of dst as it is written. Returns the
- * xxh3-64 of the na + nb bytes -- the digest the Python xxhash package gives. One C call
- * instead of a Python loop of numpy slices: cold (a writer that runs once every few ms)
- * the loop costs tens of us per frame. */
-ISL_EXPORT uint64_t isl_gather_hash(unsigned char *dst, const unsigned char *a, int64_t na,
-                                    const unsigned char *b, int64_t nb)
-{
-    XXH3_state_t st;
-    XXH3_64bits_reset(&st);
-    const unsigned char *srcs[2] = {a, b};
-    int64_t lens[2] = {na, nb};
-    for (int k = 0; k < 2; k++) {
-        for (int64_t lo = 0; lo < lens[k]; lo += CHUNK_BYTES) {
-            int64_t len = lens[k] - lo < CHUNK_BYTES ? lens[k] - lo : CHUNK_BYTES;
-            memcpy(dst + lo, srcs[k] + lo, (size_t)len);
-            XXH3_64bits_update(&st, dst + lo, (size_t)len);
-        }
-        dst += lens[k];
-    }
-    return XXH3_64bits_digest(&st);
-}
-
-/* The reverse: na bytes of src into a, the next nb into b (nb may be 0). With hash, returns
- * the xxh3-64 of the na + nb source bytes (each chunk hashed from the cache, as it is
- * copied), else 0. */
-ISL_EXPORT uint64_t isl_scatter_hash(const unsigned char *src, unsigned char *a, int64_t na,
-                                     unsigned char *b, int64_t nb, int hash)
-{
-    XXH3_state_t st;
-    if (hash)
-        XXH3_64bits_reset(&st);
-    unsigned char *dsts[2] = {a, b};
-    int64_t lens[2] = {na, nb};
-    for (int k = 0; k < 2; k++) {
-        for (int64_t lo = 0; lo < lens[k]; lo += CHUNK_BYTES) {
-            int64_t len = lens[k] - lo < CHUNK_BYTES ? lens[k] - lo : CHUNK_BYTES;
-            memcpy(dsts[k] + lo, src + lo, (size_t)len);
-            if (hash)
-                XXH3_64bits_update(&st, dsts[k] + lo, (size_t)len);
-        }
-        src += lens[k];
-    }
-    return hash ? XXH3_64bits_digest(&st) : 0;
-}

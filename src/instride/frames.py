@@ -343,15 +343,6 @@ def encode_into(
             part["xyz"] = src[lo:hi]
             hasher.update(payload[lo * 28 : hi * 28])
     else:  # paper-soa: coordinates, then ids
-        out8 = np.frombuffer(payload, np.uint8)
-        lib = library() if _NATIVE_LE and out8.flags.writeable else None
-        if lib is not None:  # one C pass: both arrays copied and hashed (csrc/local/paper.c)
-            src64 = np.ascontiguousarray(pos, dtype=_F64)
-            id32 = np.ascontiguousarray(_default_ids(natoms) if ids is None else ids, dtype=_I32)
-            digest = lib.isl_gather_hash(out8.ctypes.data, src64.ctypes.data, 24 * natoms,
-                                         id32.ctypes.data, 4 * natoms)
-            view[:HEADER_SIZE] = _pack_header(natoms, step, time, box, layout, nbytes, digest)
-            return HEADER_SIZE + nbytes
         xyz = np.frombuffer(payload[: 24 * natoms], _F64).reshape(natoms, 3)
         _copy_hashed(xyz, pos, payload, 24, hasher)
         idout = np.frombuffer(payload[24 * natoms :], _I32)
@@ -616,14 +607,6 @@ def _copy_payload(
         ids = np.empty(n, _I32)
         parts = [positions, ids]
     src = np.frombuffer(payload, np.uint8)
-    lib = library() if _NATIVE_LE else None
-    if lib is not None:  # one C pass: copied and hashed chunk by chunk (csrc/local/paper.c)
-        second = parts[1] if len(parts) > 1 else None
-        digest = lib.isl_scatter_hash(
-            src.ctypes.data, positions.ctypes.data, positions.nbytes,
-            None if second is None else second.ctypes.data, 0 if second is None else second.nbytes,
-            1 if verify else 0)
-        return positions, ids, digest if verify else None
     at = 0
     for arr in parts:
         dst = arr.reshape(-1).view(np.uint8)
