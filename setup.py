@@ -111,7 +111,7 @@ local = Extension(
     depends=sorted(glob.glob("csrc/common/*.h")),
     extra_compile_args=CFLAGS,
     define_macros=XXH["define_macros"],
-    libraries=XXH["libraries"],
+    libraries=["pthread", *XXH["libraries"]],
 )
 
 extensions = [preload, capi, tcp, local]

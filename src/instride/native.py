@@ -6,12 +6,16 @@ Each is one call (ctypes releases the GIL):
   descriptor, read its events and check the awaited files (:mod:`instride.store.wait`);
 * ``isl_paper_encode`` and ``isl_paper_decode`` (``csrc/local/paper.c``) interleave or split
   the ``paper`` layout's 28-byte records and hash them with xxh3-64 in the same pass
-  (:mod:`instride.frames`). (The array layouts were tried the same way, ``memcpy`` + xxh3 per
-  256 KiB chunk in one C call: 30-90 µs slower per cold JAC frame than numpy's chunked copy
-  and the Python xxhash package, in alternating runs; not kept.)
+  (:mod:`instride.frames`);
+* ``isl_spare_*`` (``csrc/local/spare.c``) make a stream's next frame file in a native
+  ``SCHED_IDLE`` thread (:mod:`instride.store.spare`).
 
 The package build always makes the library; where it is missing or cannot be loaded,
-:func:`library` returns ``None`` and the callers run the same logic in Python. (A confined
+:func:`library` returns ``None`` and the callers run the same logic in Python (the next frame
+file is then made when it is needed). (The array layouts were tried the same way as the paper
+codec, ``memcpy`` + xxh3 per 256 KiB chunk in one C call: 30-90 µs slower per cold JAC frame
+than numpy's chunked copy and the Python xxhash package, in alternating runs; not kept. A
+confined
 ``openat2`` + ``fstat`` in C was tried too and saved 0.6 µs of 9 per open over ctypes'
 ``syscall``: not kept.)
 """
@@ -47,5 +51,13 @@ def library() -> ctypes.CDLL | None:
         lib.isl_paper_encode.restype = u64
         lib.isl_paper_decode.argtypes = [ptr, i64, ptr, ptr, c_int]
         lib.isl_paper_decode.restype = u64
+        lib.isl_spare_start.argtypes = [c_char_p, ctypes.c_longlong]
+        lib.isl_spare_start.restype = ptr
+        lib.isl_spare_ready.argtypes = [ptr]
+        lib.isl_spare_ready.restype = c_int
+        lib.isl_spare_take.argtypes = [ptr]
+        lib.isl_spare_take.restype = c_int
+        lib.isl_spare_drop.argtypes = [ptr]
+        lib.isl_spare_drop.restype = None
         _lib = lib
     return _lib

@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -115,22 +117,58 @@ def test_killed_producer_leaves_nothing_published_and_its_pool_is_reclaimed(tmp_
     assert os.listdir(tmp_path / "pool") == []
 
 
-def test_prepare_makes_the_next_file_ahead_and_close_removes_it(tmp_path: Path) -> None:
+def _until(what: Callable[[], bool], seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not what():
+        assert time.monotonic() < deadline, "not within 10 s"
+        time.sleep(0.001)
+
+
+def test_prepare_has_the_next_file_made_ahead_and_close_removes_it(tmp_path: Path) -> None:
+    # made by a helper thread while the CPU is idle (instride.store.spare): its pages
+    # allocated, hidden in the pool; mapped by the next prepare, taken by the frame after
     pool = SlotPool(tmp_path / "pool", recycle=False)
     pool.prepare(8192)
+    _until(lambda: pool.spare_ready)
     spare = os.listdir(tmp_path / "pool")
-    assert len(spare) == 1  # made ahead, hidden in the pool
-    spare_ino = os.stat(tmp_path / "pool" / spare[0]).st_ino
+    assert len(spare) == 1
+    st = os.stat(tmp_path / "pool" / spare[0])
+    assert st.st_size == 8192 and st.st_blocks * 512 >= 8192  # allocated, not sparse
+    pool.prepare(8192)  # mapped now; the next one asked for
     ino = _write(pool, tmp_path, "a", b"A" * 8192)
-    assert ino == spare_ino == os.stat(tmp_path / "a").st_ino
-    assert os.listdir(tmp_path / "pool") == []  # the spare became frame "a"
-    pool.prepare(4096)
-    _write(pool, tmp_path, "b", b"B" * 1000)  # another size: the spare is resized
+    assert ino == st.st_ino == os.stat(tmp_path / "a").st_ino
+    _until(lambda: pool.spare_ready)
+    [made] = os.listdir(tmp_path / "pool")  # the next one, made
+    pool.prepare(8192)  # ... mapped now, a third asked for
+    ino_b = _write(pool, tmp_path, "b", b"B" * 1000)  # another size: a new file instead
     assert (tmp_path / "b").read_bytes() == b"B" * 1000
+    assert ino_b != ino
+    _until(lambda: pool.spare_ready)
+    left = os.listdir(tmp_path / "pool")
+    assert made not in left and len(left) == 1  # the mapped one of the wrong size deleted
     pool.prepare(4096)
-    pool.close()  # an unused spare is deleted; published frames stay
+    _until(lambda: pool.spare_ready)
+    pool.prepare(4096)
+    _until(lambda: pool.spare_ready)
+    assert len(os.listdir(tmp_path / "pool")) == 2  # one mapped, one made
+    pool.close()  # unused spares are deleted; published frames stay
     assert os.listdir(tmp_path / "pool") == []
     assert (tmp_path / "a").read_bytes() == b"A" * 8192
+
+
+def test_a_frame_does_not_wait_for_its_file_to_be_made_and_a_dropped_one_is_deleted(
+        tmp_path: Path) -> None:
+    # the next append never waits for the helper: a file not made yet is made the usual way;
+    # the pool closed while the helper is at work: the helper deletes its file when done
+    pool = SlotPool(tmp_path / "pool", recycle=False)
+    for i in range(50):
+        pool.prepare(1 << 20)
+        _write(pool, tmp_path, f"f{i}", bytes([i]) * (1 << 20))  # taken at once, ready or not
+        assert (tmp_path / f"f{i}").read_bytes() == bytes([i]) * (1 << 20)
+    pool.prepare(1 << 20)
+    pool.close()
+    _until(lambda: os.listdir(tmp_path / "pool") == [])
+    assert len(list(tmp_path.glob("f*"))) == 50
 
 
 def test_recycling_pool_makes_no_spare(tmp_path: Path) -> None:

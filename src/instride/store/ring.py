@@ -32,10 +32,9 @@ from pathlib import Path
 
 from ..errors import FileTypeError, UnsafePathError
 from .publish import publish_file
+from .spare import SpareMaker
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-#: madvise(MADV_POPULATE_WRITE) (Linux 5.14): allocate a mapping's pages now, writable
-_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 @dataclass
@@ -79,7 +78,8 @@ class SlotPool:
         collect_pool(pool_dir)  # files of an earlier producer of this stream that died
         self._slots: dict[int, Slot] = {}  # ino -> slot, every file this producer owns
         self._free: deque[int] = deque()  # retired, in the order they were retired
-        self._spare: Slot | None = None  # made ahead by prepare(), for the next take()
+        self._spare = SpareMaker()  # the next files, made ahead while the CPU is idle
+        self._mapped: Slot | None = None  # one of them, mapped, for the next take()
         self._published: list[Slot] = []  # published, not recycled: closed by prepare()
         self._made = 0
 
@@ -87,8 +87,8 @@ class SlotPool:
     def take(self, size: int) -> Slot:
         """A file of ``size`` bytes, mapped writable, that no reader holds (exclusive lock).
 
-        Reuses the longest-retired file nobody holds, else the file :meth:`prepare` made;
-        makes a new file when there is none.
+        Reuses the longest-retired file nobody holds, else the file :meth:`prepare` made and
+        mapped; makes a new file when there is none (it never waits for one being made).
         """
         for _ in range(len(self._free)):
             ino = self._free.popleft()
@@ -101,44 +101,56 @@ class SlotPool:
             if slot.size != size:
                 self._resize(slot, size)
             return slot
-        spare, self._spare = self._spare, None
-        if spare is not None:
-            if spare.size != size:
-                self._resize(spare, size)
-            return spare
+        mapped, self._mapped = self._mapped, None
+        if mapped is not None:
+            if mapped.size == size:
+                return mapped
+            self.discard(mapped)
         return self._new(size)
 
     def prepare(self, size: int) -> None:
-        """Make the next frame's file now, its pages allocated (for a pool that does not
+        """Have the next frame's file made, its pages allocated (for a pool that does not
         recycle: every frame is a new file).
 
-        A producer calls it after publishing a frame, so that allocating and faulting in the
-        next file's pages (about as long as writing the frame) happens between frames instead
-        of between the start of the next ``append`` and its publication.
+        A producer calls it after publishing a frame, so that allocating the next file's pages
+        (about as long as writing the frame) happens between frames instead of between the
+        start of the next ``append`` and its publication — in a helper thread that runs only
+        when the CPU is otherwise idle (:mod:`~instride.store.spare`), so not while the
+        frame's consumers need it. The file asked for after one frame is mapped after the
+        next (if it is made by then: else later), for the one after: :meth:`take` never waits
+        for it.
         """
         self.release_published()
-        if self.recycle or self._spare is not None:
+        if self.recycle:
             return
-        slot = self._new(size)
-        with contextlib.suppress(OSError, ValueError):  # (kernels before 5.14: on first write)
-            slot.mm.madvise(_POPULATE_WRITE)
-        self._spare = slot
+        if self._mapped is None:  # the file made since: mapped now, not in the next append
+            made = self._spare.take(size)
+            if made is not None:
+                self._mapped = self._adopt(*made, size)
+        if not self._spare.pending:
+            self._made += 1
+            self._spare.ask(f"{self._pool_s}/slot-{os.getpid()}-{self._made}", size)
 
     def _new(self, size: int) -> Slot:
         self._made += 1
-        name = f"slot-{os.getpid()}-{self._made}"
-        path = f"{self._pool_s}/{name}"
+        path = f"{self._pool_s}/slot-{os.getpid()}-{self._made}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        return self._adopt(path, fd, size, made=False)
+
+    def _adopt(self, path: str, fd: int, size: int, *, made: bool = True) -> Slot:
+        """Take the new file ``path`` (open as ``fd``) as a slot of ``size`` bytes; ``made``:
+        its pages were allocated ahead (:mod:`~instride.store.spare`), mapped at once."""
         try:
-            os.ftruncate(fd, size)
+            if not made:
+                os.ftruncate(fd, size)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            mm = mmap.mmap(fd, size)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (_POPULATE if made else 0))
         except BaseException:
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             raise
-        slot = Slot(fd, os.fstat(fd).st_ino, size, mm, name, path)
+        slot = Slot(fd, os.fstat(fd).st_ino, size, mm, os.path.basename(path), path)
         self._slots[slot.ino] = slot
         return slot
 
@@ -234,7 +246,13 @@ class SlotPool:
             slot.close()
         self._slots.clear()
         self._free.clear()
-        self._spare = None
+        self._mapped = None  # (a pooled slot: deleted above)
+        self._spare.close()
+
+    @property
+    def spare_ready(self) -> bool:
+        """Whether a file asked for by :meth:`prepare` is made (not yet mapped)."""
+        return self._spare.ready
 
     @property
     def files(self) -> int:

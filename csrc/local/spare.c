@@ -1,0 +1,130 @@
+/*
+ * spare.c -- libinstride_local: a new frame file made by a helper thread while the CPU is idle.
+ *
+ * A stream that keeps every frame writes each into a new file; allocating its pages (on a VM
+ * that gives free memory back to its host, a host fault per page: ~0.7 ms for 644 KiB) is done
+ * ahead, after a publication (instride/store/spare.py says why not by the producer itself).
+ * The helper is a native thread at SCHED_IDLE: it runs only when no other thread wants the
+ * CPU. A Python thread would not do -- it must hold the GIL to return from the system call,
+ * and a starved idle thread holding the GIL stops the producer.
+ *
+ * Exported: isl_spare_start, isl_spare_ready, isl_spare_take, isl_spare_drop.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define ISL_EXPORT __attribute__((visibility("default")))
+
+enum { MAKING, MADE, DROPPED };
+
+typedef struct {
+    atomic_int state;
+    int fd;  /* the file, once MADE (-1: failed) */
+    int err; /* errno of the failure */
+    long long size;
+    char path[4096];
+} spare;
+
+static void forget(spare *s) {
+    if (s->fd >= 0) {
+        close(s->fd);
+        unlink(s->path);
+    }
+    free(s);
+}
+
+/* Write size zero bytes into fd: every page allocated *and touched* (a tmpfs page that is only
+ * fallocate'd is cleared -- and, on a VM, faulted in the host -- at its first use, which would
+ * be the producer's write). Only the new file's own lock is taken: nothing the producer needs. */
+static int fill(int fd, long long size) {
+    static const char zeros[64 * 1024];
+    for (long long at = 0; at < size;) {
+        size_t n = size - at < (long long)sizeof zeros ? (size_t)(size - at) : sizeof zeros;
+        ssize_t w = pwrite(fd, zeros, n, (off_t)at);
+        if (w < 0 && errno != EINTR)
+            return -1;
+        if (w > 0)
+            at += w;
+    }
+    return 0;
+}
+
+static void *make(void *arg) {
+    spare *s = arg;
+    struct sched_param none = {0};
+    pthread_setschedparam(pthread_self(), SCHED_IDLE, &none); /* (best effort) */
+    int fd = open(s->path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0)
+        s->err = errno;
+    else if (fill(fd, s->size) != 0) {
+        s->err = errno;
+        close(fd);
+        unlink(s->path);
+        fd = -1;
+    }
+    s->fd = fd;
+    int expected = MAKING;
+    if (!atomic_compare_exchange_strong(&s->state, &expected, MADE))
+        forget(s); /* dropped meanwhile: nobody will take it */
+    return NULL;
+}
+
+/* Start making the file path (created, must not exist) of size bytes, its pages allocated.
+ * Returns a handle for isl_spare_ready / _take / _drop, or NULL (errno) if no thread started. */
+ISL_EXPORT void *isl_spare_start(const char *path, long long size) {
+    size_t n = strlen(path);
+    if (n >= sizeof ((spare *)0)->path) {
+        errno = ENAMETOOLONG;
+        return NULL;
+    }
+    spare *s = calloc(1, sizeof *s);
+    if (s == NULL)
+        return NULL;
+    atomic_init(&s->state, MAKING);
+    s->fd = -1;
+    s->size = size;
+    memcpy(s->path, path, n + 1);
+    pthread_attr_t attr;
+    pthread_t t;
+    int rc = pthread_attr_init(&attr);
+    if (rc == 0) {
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&attr, 64 * 1024);
+        rc = pthread_create(&t, &attr, make, s);
+        pthread_attr_destroy(&attr);
+    }
+    if (rc != 0) {
+        free(s);
+        errno = rc;
+        return NULL;
+    }
+    return s;
+}
+
+/* Whether the file is made (or failed): isl_spare_take then returns at once. */
+ISL_EXPORT int isl_spare_ready(void *h) { return atomic_load(&((spare *)h)->state) == MADE; }
+
+/* Once ready: the file's descriptor (open read-write), or -errno of the failure; the handle
+ * is freed. */
+ISL_EXPORT int isl_spare_take(void *h) {
+    spare *s = h;
+    int fd = s->fd >= 0 ? s->fd : -s->err;
+    free(s);
+    return fd;
+}
+
+/* Give up on the file: deleted now if made, else by the helper when it is done. The handle is
+ * freed either way. */
+ISL_EXPORT void isl_spare_drop(void *h) {
+    spare *s = h;
+    int expected = MAKING;
+    if (!atomic_compare_exchange_strong(&s->state, &expected, DROPPED))
+        forget(s); /* made already */
+}

@@ -1,0 +1,81 @@
+"""The next frame file of a stream that keeps every frame, made while the CPU is idle.
+
+A stream without retention writes each frame into a new file, whose pages must be allocated
+(and, on a VM that gives free memory back to its host, faulted in the host too: ~0.7 ms for a
+JAC frame of 644 KiB on the development VM). The producer has the next file made right after
+a publication (:meth:`~instride.store.ring.SlotPool.prepare`), so that the cost is not
+between the start of an ``append`` and its publication. Made by the producer itself, it still
+took a core just when the frame's consumers needed one — the data server sending the frame,
+the reader receiving and verifying it, Redis announcing it: on a node with fewer cores than
+busy processes (the 2-core test VM with two emulated nodes on it) a third of a cross-node JAC
+frame's latency.
+
+So a helper thread makes the file instead, at ``SCHED_IDLE`` (it runs only when no other
+thread wants the CPU): it creates the file in the stream's pool and writes zeros into it
+(``pwrite``: every page allocated and touched — one only ``fallocate``'d is cleared at its first
+use, by the producer — and no memory mapping of the process involved). The helper is a native
+thread (``csrc/local/spare.c``): a Python thread must take the GIL to return from the system
+call, and a starved idle thread holding the GIL would stop the producer (tried: the next
+``append`` waited ~0.5 ms for it). The producer takes the file when it is ready and never
+waits for it: a file not ready yet is made the usual way, and the helper's file goes to a
+later frame.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..native import library
+
+__all__ = ["SpareMaker"]
+
+
+class SpareMaker:
+    """A file of ``size`` bytes made at a time by a ``SCHED_IDLE`` helper thread.
+
+    :meth:`ask` for one (the path to create), :meth:`take` it once it is ready (a descriptor
+    open read-write, its pages allocated), :meth:`close` to stop: a file made and not taken
+    is deleted. Without ``libinstride_local.so`` nothing is made (:meth:`take` says so).
+    """
+
+    def __init__(self) -> None:
+        self._lib = library()
+        self._handle: Any = None  # the helper's handle, while a file is asked for
+        self._path, self._size = "", 0
+
+    @property
+    def pending(self) -> bool:
+        """Whether a file was asked for and not taken yet (made or not)."""
+        return self._handle is not None
+
+    @property
+    def ready(self) -> bool:
+        """Whether the file asked for is made (:meth:`take` returns it at once)."""
+        return self._handle is not None and bool(self._lib.isl_spare_ready(self._handle))
+
+    def ask(self, path: str, size: int) -> None:
+        """Have the helper make the file ``path`` of ``size`` bytes (unless one is pending)."""
+        if self._handle is not None or self._lib is None:
+            return
+        self._handle = self._lib.isl_spare_start(os.fsencode(path), size) or None
+        self._path, self._size = path, size
+
+    def take(self, size: int) -> tuple[str, int] | None:
+        """The file made, as ``(path, descriptor)``, if it is ready and of ``size`` bytes;
+        else ``None`` (a ready file of another size, or one that failed, is dropped; one not
+        ready yet stays asked for)."""
+        if not self.ready:
+            return None
+        if self._size != size:
+            self.close()
+            return None
+        handle, self._handle = self._handle, None
+        fd = self._lib.isl_spare_take(handle)
+        return None if fd < 0 else (self._path, fd)
+
+    def close(self) -> None:
+        """Give up the file asked for: deleted now if made, else by the helper once done."""
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            self._lib.isl_spare_drop(handle)
