@@ -37,6 +37,7 @@ from inotify_simple import flags as inflags
 from ..busypoll import poll_paths
 from ..errors import ConsumeTimeout
 from ..native import library
+from ..perthread import forks
 
 _MAX_WAIT_MS = 60_000  # one read() at most; longer waits loop (poll() takes an int)
 _LOST = int(inflags.Q_OVERFLOW)
@@ -56,13 +57,13 @@ class _Watcher(threading.local):
 
     def __init__(self) -> None:
         self.ino: INotify | None = None
-        self.pid = 0
+        self.forks = -1
         self.wds: OrderedDict[Path, int] = OrderedDict()
 
     def get(self) -> INotify:
-        if self.ino is None or self.pid != os.getpid():  # new thread, or a forked child
+        if self.ino is None or self.forks != forks():  # new thread, or a forked child
             self.ino = INotify()
-            self.pid = os.getpid()
+            self.forks = forks()
             self.wds.clear()
         return self.ino
 
