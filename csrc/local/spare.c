@@ -48,7 +48,9 @@ static int fill(int fd, long long size) {
     for (long long at = 0; at < size;) {
         size_t n = size - at < (long long)sizeof zeros ? (size_t)(size - at) : sizeof zeros;
         ssize_t w = pwrite(fd, zeros, n, (off_t)at);
-        if (w < 0 && errno != EINTR)
+        if (w == 0)
+            errno = ENOSPC; /* (never for a regular file; not a reason to loop forever) */
+        if (w == 0 || (w < 0 && errno != EINTR))
             return -1;
         if (w > 0)
             at += w;
