@@ -71,6 +71,34 @@ def test_remote_fetch_then_local_reads(clients: list[instride.Client]) -> None:
     assert c2.engine.transfers == before + 1
 
 
+def test_a_copys_name_never_appears_before_its_sidecar(
+        clients: list[instride.Client], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The moment a fetched copy takes its key's name, the node already knows it is a copy
+    (``is_copy``): a first copy's sidecar is written before its bytes are renamed into place
+    (else a stream's reader beside it would take it for an original and wait on this node for
+    the next frame, which is made elsewhere); a newer version's bytes come before its sidecar
+    (the older one is there meanwhile)."""
+    from instride import store
+
+    c1, c2, _ = clients
+    seen: list[tuple[bool, bool]] = []
+    real = store.publish_file
+
+    def spy(staged, path, key, *, overwrite):  # type: ignore[no-untyped-def]
+        seen.append((os.path.exists(path), c2.engine.is_copy(key)))
+        real(staged, path, key, overwrite=overwrite)
+
+    with c1.open("rf/side.bin", "wb") as fh:
+        fh.write(b"first")
+    monkeypatch.setattr(store, "publish_file", spy)
+    assert c2.consume("rf/side.bin", timeout=10).read_bytes() == b"first"
+    with c1.open("rf/side.bin", "wb", overwrite=True) as fh:
+        fh.write(b"second")
+    assert c2.consume("rf/side.bin", timeout=10).read_bytes() == b"second"
+    assert seen == [(False, True), (True, True)]
+    assert c2.engine.cached_version("rf/side.bin") == 2
+
+
 def test_a_re_published_key_is_fetched_anew(clients: list[instride.Client]) -> None:
     c1, c2, _ = clients
     with c1.open("rf/v.bin", "wb") as fh:

@@ -166,6 +166,27 @@ class ClusterEngine:
             os.close(fd)
         os.replace(tmp, side)
 
+    def _store_copy(self, staged: str, path: str, record: Record) -> None:
+        """Give the fetched bytes in ``staged`` the key's name, and their version a sidecar.
+
+        Over an earlier copy: the bytes first, then the version — in between, a reader sees
+        new bytes with an older sidecar and merely re-checks (never old bytes with a newer
+        version). The first copy: the sidecar first — a moment with the file and no sidecar
+        would make the copy look like an original of this node (:meth:`is_copy`), and a
+        reader beside it would wait here for the stream's next frame, which is made elsewhere,
+        for a whole wait slice; a sidecar without its file yet only says nothing is cached.
+        """
+        if os.access(self._sidecar(record.key), os.F_OK, follow_symlinks=False):
+            store.publish_file(staged, path, record.key, overwrite=True)
+            self._remember(record)
+            return
+        self._remember(record)
+        try:
+            store.publish_file(staged, path, record.key, overwrite=True)
+        except BaseException:
+            self.forget_fetched(record.key)
+            raise
+
     @contextlib.contextmanager
     def _lock(self, key: str, deadline: float | None) -> Iterator[None]:
         """Exclusive per-key lock across the node's processes, bounded by ``deadline``."""
@@ -310,10 +331,7 @@ class ClusterEngine:
         self.last_fetched = record
         t1 = time.monotonic()
         try:
-            # Bytes first, then the version: in between, a reader sees new bytes with an older
-            # sidecar and merely re-checks (never old bytes with a newer version).
-            store.publish_file(staged, path, record.key, overwrite=True)
-            self._remember(record)
+            self._store_copy(staged, str(path), record)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(staged)
@@ -412,8 +430,7 @@ class ClusterEngine:
                 # (usually no copy is there: the sidecar is read only when one is)
                 have = self.cached_version(key) if os.access(path, os.F_OK) else None
                 if not (have is not None and have >= record.version):
-                    store.publish_file(staged, path, key, overwrite=True)
-                    self._remember(record)
+                    self._store_copy(staged, path, record)
         except (InstrideError, OSError):
             # nothing there in time, not recorded, not the recorded bytes, a failed transfer
             # or store, Redis away for a moment: the usual way sorts it out (or says what)
