@@ -10,6 +10,11 @@ from pathlib import Path
 from instride.store.recvpool import ReceivePool
 
 
+def _pooled(pool_dir: Path) -> list[str]:
+    """The dropped copies in the pool (not the file made ahead for the next fetch)."""
+    return [n for n in os.listdir(pool_dir) if n.startswith("copy-")]
+
+
 def _file(path: Path, data: bytes) -> str:
     path.write_bytes(data)
     return str(path)
@@ -42,7 +47,7 @@ def test_a_file_a_reader_holds_is_never_rewritten(tmp_path: Path) -> None:
         assert pool.give(copy)
         staged = str(tmp_path / "next.tmp")
         assert pool.take(staged, 100) is None and pool.reused == 0  # held: not reused
-        assert not os.path.exists(staged) and len(os.listdir(tmp_path / "recv")) == 1  # kept
+        assert not os.path.exists(staged) and len(_pooled(tmp_path / "recv")) == 1  # kept
         assert os.pread(reader, 100, 0) == b"frame one"  # the reader's bytes are untouched
     finally:
         os.close(reader)
@@ -114,5 +119,55 @@ def test_clear_removes_every_pooled_file(tmp_path: Path) -> None:
     for n in "ab":
         pool.give(_file(tmp_path / f"{n}.isf", b"z" * 10))
     removed = pool.clear()
-    assert len(removed) == 2 and not os.listdir(tmp_path / "recv")
+    assert len(removed) == 2 and not _pooled(tmp_path / "recv")
     assert ReceivePool(tmp_path / "never-made").clear() == []
+
+
+def _until(what, seconds: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not what():
+        assert time.monotonic() < deadline, "not within 10 s"
+        time.sleep(0.001)
+
+
+def test_a_node_that_keeps_its_copies_receives_into_a_file_made_ahead(tmp_path: Path) -> None:
+    # nothing pooled (no cache bound): the first fetch makes its own file; the next one of the
+    # same size gets a file an idle helper made meanwhile, its pages written, under its name
+    pool = ReceivePool(tmp_path / "recv")
+    assert pool.take(str(tmp_path / "f0.tmp"), 70_000) is None
+    _until(lambda: pool.spare_ready)
+    [made] = os.listdir(tmp_path / "recv")
+    assert made.startswith(f"spare-{os.getpid()}-")  # never claimed by another process
+    assert pool.take(str(tmp_path / "f1.tmp"), 1000) is None  # another size: dropped
+    _until(lambda: pool.spare_ready)
+    staged = str(tmp_path / "f2.tmp")
+    fd = pool.take(staged, 1000)
+    assert fd is not None and pool.spares_used == 1
+    try:
+        st = os.fstat(fd)
+        assert st.st_ino == os.stat(staged).st_ino and st.st_size == 1000
+        assert st.st_blocks * 512 >= 1000 and os.lseek(fd, 0, os.SEEK_CUR) == 0
+        os.write(fd, b"x" * 1000)
+    finally:
+        os.close(fd)
+    assert Path(staged).read_bytes() == b"x" * 1000
+    _until(lambda: pool.spare_ready)  # (the next one, asked for at once)
+    pool.close()  # the one made and not taken is deleted
+    assert os.listdir(tmp_path / "recv") == []
+
+
+def test_gc_removes_files_made_ahead_by_processes_that_are_gone(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (tmp_path / "recv").mkdir()
+    dead = tmp_path / "recv" / f"spare-{gone}-3"
+    mine = tmp_path / "recv" / f"spare-{os.getpid()}-4"
+    dead.write_bytes(b"0" * 100)
+    mine.write_bytes(b"0" * 100)
+    removed = ReceivePool(tmp_path / "recv").clear()
+    assert removed == [dead] and mine.exists()

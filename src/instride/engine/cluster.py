@@ -729,6 +729,7 @@ class ClusterEngine:
         self.confined.close()
         self.transport.close()
         self.metadata.close()
+        self.recv_pool.close()
 
 
 __all__ = ["ClusterEngine"]

@@ -26,6 +26,13 @@ the copy was read, which the dropping side says:
 A file still held stays in the pool, untouched, for a later fetch. The pool is bounded
 (:data:`KEEP_FILES` files, :data:`KEEP_BYTES` bytes or less); beyond that a dropped copy is
 deleted as before.
+
+A node that keeps every copy (no cache bound) has nothing to recycle: each fetch needs new
+pages. When a fetch finds no pooled file, the pool has the next one made ahead, of the same
+size, by a helper thread of this process that runs only when the CPU is otherwise idle
+(:mod:`~instride.store.spare`; named ``spare-<pid>-<n>``, which other processes never claim):
+the next fetch of that size receives into pages already allocated — between a stream's frames
+there is idle time — instead of taking a fault per page while the bytes arrive.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ import fcntl
 import itertools
 import os
 from pathlib import Path
+
+from .spare import SpareMaker
 
 #: at most this many files in a node's receive pool
 KEEP_FILES = 16
@@ -64,6 +73,9 @@ class ReceivePool:
         self.keep_bytes = keep_bytes
         #: files this process claimed from the pool (for tests and benchmarks)
         self.reused = 0
+        #: files made ahead by the idle helper that fetches received into
+        self.spares_used = 0
+        self._spare = SpareMaker()
 
     def _entries(self) -> list[os.DirEntry[str]]:
         try:
@@ -144,20 +156,70 @@ class ReceivePool:
                 continue
             self.reused += 1
             return fd
-        return None
+        return self._take_spare(staged, size)
+
+    def _take_spare(self, staged: str, size: int) -> int | None:
+        """The file made ahead for a fetch of ``size`` bytes, as ``staged``, if it is ready;
+        either way the next one is asked for (nothing pooled: this node keeps its copies)."""
+        made = self._spare.take(size)
+        fd = None
+        if made is not None:
+            path, fd = made
+            try:
+                os.rename(path, staged)
+            except OSError:
+                os.close(fd)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                fd = None
+            else:
+                self.spares_used += 1
+        if not self._spare.pending:
+            with contextlib.suppress(OSError):
+                os.makedirs(self._pool_s, exist_ok=True)
+                self._spare.ask(f"{self._pool_s}/spare-{os.getpid()}-{next(_names)}", size)
+        return fd
+
+    @property
+    def spare_ready(self) -> bool:
+        """Whether the file asked for ahead is made."""
+        return self._spare.ready
+
+    def close(self) -> None:
+        """Give up the file being made ahead (deleted)."""
+        self._spare.close()
 
     def _name(self, kind: str) -> str:
         """A new name in the pool for a file whose readers are checked the ``kind`` way."""
         return f"{self._pool_s}/copy-{kind}-{os.getpid()}-{next(_names)}"
 
     def clear(self) -> list[Path]:
-        """Delete every pooled file (``instride gc``); return them."""
+        """Delete every pooled file (``instride gc``), and files made ahead by processes that
+        are gone; return them."""
         removed = []
-        for entry in self._entries():
+        for entry in self._entries() + self._dead_spares():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry.path)
                 removed.append(Path(entry.path))
         return removed
+
+    def _dead_spares(self) -> list[os.DirEntry[str]]:
+        try:
+            with os.scandir(self._pool_s) as it:
+                return [e for e in it if e.name.startswith("spare-") and not _alive(e.name)]
+        except FileNotFoundError:
+            return []
+
+
+def _alive(name: str) -> bool:
+    """Whether the process that made the spare file ``name`` (``spare-<pid>-<n>``) runs."""
+    try:
+        os.kill(int(name.split("-")[1]), 0)
+    except (ValueError, IndexError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _unlocked(fd: int) -> bool:
