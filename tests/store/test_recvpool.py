@@ -135,7 +135,9 @@ def _until(what, seconds: float = 10.0) -> None:  # type: ignore[no-untyped-def]
 def test_a_node_that_keeps_its_copies_receives_into_a_file_made_ahead(tmp_path: Path) -> None:
     # nothing pooled (no cache bound): the first fetch makes its own file; the next one of the
     # same size gets a file an idle helper made meanwhile, its pages written, under its name
-    pool = ReceivePool(tmp_path / "recv")
+    bounded = ReceivePool(tmp_path / "bounded")  # (a cache bound: evicted copies come next)
+    assert bounded.take(str(tmp_path / "b.tmp"), 70_000) is None and not bounded.spare_ready
+    pool = ReceivePool(tmp_path / "recv", ahead=True)
     assert pool.take(str(tmp_path / "f0.tmp"), 70_000) is None
     _until(lambda: pool.spare_ready)
     [made] = os.listdir(tmp_path / "recv")
@@ -156,6 +158,7 @@ def test_a_node_that_keeps_its_copies_receives_into_a_file_made_ahead(tmp_path: 
     _until(lambda: pool.spare_ready)  # (the next one, asked for at once)
     pool.close()  # the one made and not taken is deleted
     assert os.listdir(tmp_path / "recv") == []
+    assert not (tmp_path / "bounded").exists()  # nothing made ahead there
 
 
 def test_gc_removes_files_made_ahead_by_processes_that_are_gone(tmp_path: Path) -> None:

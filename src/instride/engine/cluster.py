@@ -104,8 +104,10 @@ class ClusterEngine:
         self.cache_dir = settings.internal_dir / "cache"
         #: dropped copies' files, reused by the next fetches (no fresh pages per fetch)
         # (bounded like the cache it recycles: a node that keeps few copies keeps few spares)
+        # (a node that keeps every copy has nothing to recycle: its next file is made ahead)
         self.recv_pool = ReceivePool(settings.internal_dir / "recv", keep_bytes=min(
-            KEEP_BYTES, KEEP_BYTES if settings.cache_bytes is None else settings.cache_bytes))
+            KEEP_BYTES, KEEP_BYTES if settings.cache_bytes is None else settings.cache_bytes),
+            ahead=settings.cache_bytes is None)
         self.lock_dir = settings.internal_dir / "locks"
         #: number of transfers this process made (for tests and benchmarks), and how many of
         #: them were answered as their key was published (:meth:`fetch_when_published`)

@@ -63,11 +63,16 @@ class ReceivePool:
         file is renamed to its key).
     keep_files, keep_bytes
         Bounds of the pool; a copy that would exceed them is deleted.
+    ahead
+        Have the next file made ahead when a fetch finds nothing pooled (a node that keeps
+        every copy; with a cache bound the evicted copies are the next files, and a file
+        made ahead would be made for nothing).
     """
 
     def __init__(self, pool_dir: Path, *, keep_files: int = KEEP_FILES,
-                 keep_bytes: int = KEEP_BYTES) -> None:
+                 keep_bytes: int = KEEP_BYTES, ahead: bool = False) -> None:
         self.pool_dir = pool_dir
+        self.ahead = ahead
         self._pool_s = str(pool_dir)
         self.keep_files = keep_files
         self.keep_bytes = keep_bytes
@@ -156,7 +161,7 @@ class ReceivePool:
                 continue
             self.reused += 1
             return fd
-        return self._take_spare(staged, size)
+        return self._take_spare(staged, size) if self.ahead else None
 
     def _take_spare(self, staged: str, size: int) -> int | None:
         """The file made ahead for a fetch of ``size`` bytes, as ``staged``, if it is ready;
