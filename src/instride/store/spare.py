@@ -1,24 +1,22 @@
-"""The next frame file of a stream that keeps every frame, made while the CPU is idle.
+"""Files made ahead, while the CPU is idle: the next frame file, the next fetched copy.
 
-A stream without retention writes each frame into a new file, whose pages must be allocated
-(and, on a VM that gives free memory back to its host, faulted in the host too: ~0.7 ms for a
-JAC frame of 644 KiB on the development VM). The producer has the next file made right after
-a publication (:meth:`~instride.store.ring.SlotPool.prepare`), so that the cost is not
-between the start of an ``append`` and its publication. Made by the producer itself, it still
-took a core just when the frame's consumers needed one — the data server sending the frame,
-the reader receiving and verifying it, Redis announcing it: on a node with fewer cores than
-busy processes (the 2-core test VM with two emulated nodes on it) a third of a cross-node JAC
-frame's latency.
+A stream without retention writes each frame into a new file, and a node that keeps every
+fetched copy receives each into a new file: their pages must be allocated (and, on a VM that
+gives free memory back to its host, faulted in the host too: ~0.7 ms for a JAC frame of
+644 KiB, ~13 ms for STMV's 28.5 MiB on the development VM). The producer had the next file made
+right after a publication (:meth:`~instride.store.ring.SlotPool.prepare`), by itself: off the
+path from ``append`` to publication, but still its own time (STMV appends took 21.7-22.4 ms,
+8.3-9.0 ms since); a fetch paid the faults while the bytes arrived (the file API's cross-node
+JAC latency: 3.3 ms on that VM, 1.5-1.7 ms since, :class:`~instride.store.recvpool.ReceivePool`).
 
-So a helper thread makes the file instead, at ``SCHED_IDLE`` (it runs only when no other
-thread wants the CPU): it creates the file in the stream's pool and writes zeros into it
-(``pwrite``: every page allocated and touched — one only ``fallocate``'d is cleared at its first
-use, by the producer — and no memory mapping of the process involved). The helper is a native
-thread (``csrc/local/spare.c``): a Python thread must take the GIL to return from the system
-call, and a starved idle thread holding the GIL would stop the producer (tried: the next
-``append`` waited ~0.5 ms for it). The producer takes the file when it is ready and never
-waits for it: a file not ready yet is made the usual way, and the helper's file goes to a
-later frame.
+So a helper thread makes the file, at ``SCHED_IDLE`` (it runs only when no other thread wants
+the CPU): it creates the file and writes zeros into it (``pwrite``: every page allocated and
+touched — one only ``fallocate``'d is cleared at its first use, by the producer — and no memory
+mapping of the process involved). The helper is a native thread (``csrc/local/spare.c``): a
+Python thread must take the GIL to return from the system call, and a starved idle thread
+holding the GIL would stop the producer (tried: the next ``append`` waited ~0.5 ms for it).
+Nobody waits for the helper: a file not ready yet is made the usual way, and the helper's file
+goes to a later frame.
 """
 
 from __future__ import annotations
