@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import glob
 import os
-import platform
 import shutil
 
 from setuptools import Extension, setup
@@ -63,12 +62,6 @@ class BuildPreload(build_ext):
 CORE = sorted(glob.glob("csrc/core/*.c"))
 HEADERS = sorted(glob.glob("csrc/*/*.h") + glob.glob("include/instride/*"))
 CFLAGS = ["-std=c11", "-O2", "-fvisibility=hidden", "-Wall", "-Wextra"]
-# xxh3 through libxxhash's run-time dispatch (AVX2 where there is one) on x86-64: see
-# csrc/common/ins_xxh.h; elsewhere the portable code inlined from xxhash.h
-XXH_DISPATCH = platform.machine() in ("x86_64", "AMD64") and any(
-    os.path.exists(os.path.join(d, "xxh_x86dispatch.h")) for d in ("/usr/include", "/usr/local/include"))
-XXH = {"define_macros": [("INS_XXH_DISPATCH", "1")], "libraries": ["xxhash"]} if XXH_DISPATCH else {
-    "define_macros": [], "libraries": []}
 
 preload = Extension(
     PRELOAD,
@@ -94,8 +87,7 @@ tcp = Extension(
     sources=sorted(glob.glob("csrc/tcp/*.c")),
     depends=sorted(glob.glob("csrc/tcp/*.h") + glob.glob("csrc/common/*.h")),
     extra_compile_args=CFLAGS,
-    define_macros=XXH["define_macros"],
-    libraries=["crypto", "pthread", "m", *XXH["libraries"]],
+    libraries=["crypto", "pthread", "m", "dl"],  # (dl: libxxhash's dispatch, csrc/common/ins_xxh.h)
 )
 
 
@@ -110,8 +102,7 @@ local = Extension(
     sources=sorted(glob.glob("csrc/local/*.c")),
     depends=sorted(glob.glob("csrc/common/*.h")),
     extra_compile_args=CFLAGS,
-    define_macros=XXH["define_macros"],
-    libraries=["pthread", *XXH["libraries"]],
+    libraries=["pthread", "dl"],
 )
 
 extensions = [preload, capi, tcp, local]

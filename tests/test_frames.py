@@ -227,3 +227,32 @@ def test_paper_encode_into_a_read_only_buffer_is_refused() -> None:
     pos = np.zeros((10, 3))
     with pytest.raises((TypeError, ValueError)):
         encode_into(bytes(frame_size(10, "paper")), pos, layout="paper")
+
+
+@pytest.mark.parametrize("dispatch", ["1", "0"])
+def test_the_c_codec_hashes_alike_with_and_without_libxxhash_dispatch(dispatch: str) -> None:
+    # csrc/common/ins_xxh.h: the streaming xxh3 goes to libxxhash's run-time dispatch where the
+    # library is there (AVX2 here), else to the inlined code (INSTRIDE_XXH_DISPATCH=0 forces
+    # it): the same digest as the Python package either way, across several chunks
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import numpy as np, xxhash
+        from instride.frames import HEADER_SIZE, decode_frame, encode_into, frame_size
+        n = 30_000
+        pos = np.random.default_rng(5).normal(size=(n, 3))
+        buf = bytearray(frame_size(n, "paper"))
+        encode_into(buf, pos, layout="paper")
+        frame = decode_frame(memoryview(buf), "k", copy=True)  # verified by the C decoder
+        assert np.array_equal(frame.positions, pos)
+        print(frame.header.payload_checksum == xxhash.xxh3_64_intdigest(bytes(buf[HEADER_SIZE:])))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, INSTRIDE_XXH_DISPATCH=dispatch))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True"]

@@ -35,7 +35,7 @@ ISL_EXPORT uint64_t isl_paper_encode(unsigned char *dst, const double *pos, cons
             memcpy(out, &id, 4);
             memcpy(out + 4, pos + 3 * i, 24);
         }
-        XXH3_64bits_update(&st, dst + lo * REC, (size_t)(hi - lo) * REC);
+        INS_XXH3_UPDATE(&st, dst + lo * REC, (size_t)(hi - lo) * REC);
     }
     return XXH3_64bits_digest(&st);
 }
@@ -53,7 +53,7 @@ ISL_EXPORT uint64_t isl_paper_decode(const unsigned char *src, int64_t n, double
         int64_t hi = lo + CHUNK_ATOMS < n ? lo + CHUNK_ATOMS : n;
         const unsigned char *in = src + lo * REC;
         if (hash)
-            XXH3_64bits_update(&st, in, (size_t)(hi - lo) * REC);
+            INS_XXH3_UPDATE(&st, in, (size_t)(hi - lo) * REC);
         for (int64_t i = lo; i < hi; i++, in += REC) {
             memcpy(ids + i, in, 4);
             memcpy(pos + 3 * i, in + 4, 24);

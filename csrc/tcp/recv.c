@@ -95,7 +95,7 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, int stall_ms,
                 return -errno;
             continue;
         }
-        XXH3_64bits_update(&state, buf, (size_t)n);
+        INS_XXH3_UPDATE(&state, buf, (size_t)n);
         size_t done = mem != NULL ? (size_t)n : 0; /* (in memory: where it belongs already) */
         while (done < (size_t)n) {
             ssize_t w = write(dest, buf + done, (size_t)n - done);
