@@ -15,6 +15,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stdio.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,14 +30,12 @@ typedef struct {
     int fd;  /* the file, once MADE (-1: failed) */
     int err; /* errno of the failure */
     long long size;
-    char path[4096];
+    char path[4096]; /* the directory */
 } spare;
 
 static void forget(spare *s) {
-    if (s->fd >= 0) {
-        close(s->fd);
-        unlink(s->path);
-    }
+    if (s->fd >= 0)
+        close(s->fd); /* (nameless: its pages go with it) */
     free(s);
 }
 
@@ -62,13 +61,14 @@ static void *make(void *arg) {
     spare *s = arg;
     struct sched_param none = {0};
     pthread_setschedparam(pthread_self(), SCHED_IDLE, &none); /* (best effort) */
-    int fd = open(s->path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    /* a file without a name in the directory: nothing is left behind if this process dies
+     * or drops it; the taker gives it a name (linkat through /proc/self/fd) */
+    int fd = open(s->path, O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
     if (fd < 0)
-        s->err = errno;
+        s->err = errno; /* (a file system without O_TMPFILE: no files made ahead) */
     else if (fill(fd, s->size) != 0) {
         s->err = errno;
         close(fd);
-        unlink(s->path);
         fd = -1;
     }
     s->fd = fd;
@@ -78,10 +78,10 @@ static void *make(void *arg) {
     return NULL;
 }
 
-/* Start making the file path (created, must not exist) of size bytes, its pages allocated.
+/* Start making a file without a name in the directory dir, of size bytes, its pages allocated.
  * Returns a handle for isl_spare_ready / _take / _drop, or NULL (errno) if no thread started. */
-ISL_EXPORT void *isl_spare_start(const char *path, long long size) {
-    size_t n = strlen(path);
+ISL_EXPORT void *isl_spare_start(const char *dir, long long size) {
+    size_t n = strlen(dir);
     if (n >= sizeof ((spare *)0)->path) {
         errno = ENAMETOOLONG;
         return NULL;
@@ -92,7 +92,7 @@ ISL_EXPORT void *isl_spare_start(const char *path, long long size) {
     atomic_init(&s->state, MAKING);
     s->fd = -1;
     s->size = size;
-    memcpy(s->path, path, n + 1);
+    memcpy(s->path, dir, n + 1);
     pthread_attr_t attr;
     pthread_t t;
     int rc = pthread_attr_init(&attr);
@@ -113,17 +113,26 @@ ISL_EXPORT void *isl_spare_start(const char *path, long long size) {
 /* Whether the file is made (or failed): isl_spare_take then returns at once. */
 ISL_EXPORT int isl_spare_ready(void *h) { return atomic_load(&((spare *)h)->state) == MADE; }
 
-/* Once ready: the file's descriptor (open read-write), or -errno of the failure; the handle
- * is freed. */
-ISL_EXPORT int isl_spare_take(void *h) {
+/* Once ready: the file, named name now (it must not exist), as its descriptor (open
+ * read-write); or -errno of the failure (the file is gone then). The handle is freed. */
+ISL_EXPORT int isl_spare_take(void *h, const char *name) {
     spare *s = h;
-    int fd = s->fd >= 0 ? s->fd : -s->err;
+    int fd = s->fd, err = s->err;
     free(s);
+    if (fd < 0)
+        return -err;
+    char proc[64];
+    snprintf(proc, sizeof proc, "/proc/self/fd/%d", fd);
+    if (linkat(AT_FDCWD, proc, AT_FDCWD, name, AT_SYMLINK_FOLLOW) != 0) {
+        err = errno;
+        close(fd);
+        return -err;
+    }
     return fd;
 }
 
-/* Give up on the file: deleted now if made, else by the helper when it is done. The handle is
- * freed either way. */
+/* Give up on the file: closed now if made (it has no name: gone), else by the helper when it
+ * is done. The handle is freed either way. */
 ISL_EXPORT void isl_spare_drop(void *h) {
     spare *s = h;
     int expected = MAKING;

@@ -55,7 +55,7 @@ def library() -> ctypes.CDLL | None:
         lib.isl_spare_start.restype = ptr
         lib.isl_spare_ready.argtypes = [ptr]
         lib.isl_spare_ready.restype = c_int
-        lib.isl_spare_take.argtypes = [ptr]
+        lib.isl_spare_take.argtypes = [ptr, c_char_p]
         lib.isl_spare_take.restype = c_int
         lib.isl_spare_drop.argtypes = [ptr]
         lib.isl_spare_drop.restype = None

@@ -125,33 +125,34 @@ def _until(what: Callable[[], bool], seconds: float = 10.0) -> None:
 
 
 def test_prepare_has_the_next_file_made_ahead_and_close_removes_it(tmp_path: Path) -> None:
-    # made by a helper thread while the CPU is idle (instride.store.spare): its pages
-    # allocated, hidden in the pool; mapped by the next prepare, taken by the frame after
+    # made by a helper thread while the CPU is idle (instride.store.spare), its pages
+    # allocated and without a name; mapped (and named, in the pool) by the next prepare,
+    # taken by the frame after
     pool = SlotPool(tmp_path / "pool", recycle=False)
     pool.prepare(8192)
     _until(lambda: pool.spare_ready)
-    spare = os.listdir(tmp_path / "pool")
-    assert len(spare) == 1
-    st = os.stat(tmp_path / "pool" / spare[0])
+    assert os.listdir(tmp_path / "pool") == []  # made, nameless
+    pool.prepare(8192)  # mapped now, named; the next one asked for
+    [made] = os.listdir(tmp_path / "pool")
+    st = os.stat(tmp_path / "pool" / made)
     assert st.st_size == 8192 and st.st_blocks * 512 >= 8192  # allocated, not sparse
-    pool.prepare(8192)  # mapped now; the next one asked for
     ino = _write(pool, tmp_path, "a", b"A" * 8192)
     assert ino == st.st_ino == os.stat(tmp_path / "a").st_ino
+    assert os.listdir(tmp_path / "pool") == []  # it became frame "a"
     _until(lambda: pool.spare_ready)
-    [made] = os.listdir(tmp_path / "pool")  # the next one, made
-    pool.prepare(8192)  # ... mapped now, a third asked for
+    pool.prepare(8192)  # the next one mapped, a third asked for
+    [made] = os.listdir(tmp_path / "pool")
     ino_b = _write(pool, tmp_path, "b", b"B" * 1000)  # another size: a new file instead
     assert (tmp_path / "b").read_bytes() == b"B" * 1000
     assert ino_b != ino
+    assert os.listdir(tmp_path / "pool") == []  # the mapped one of the wrong size deleted
     _until(lambda: pool.spare_ready)
-    left = os.listdir(tmp_path / "pool")
-    assert made not in left and len(left) == 1  # the mapped one of the wrong size deleted
+    pool.prepare(4096)  # the one made is of another size: dropped; a 4096 one asked for
+    assert os.listdir(tmp_path / "pool") == []
+    _until(lambda: pool.spare_ready)
     pool.prepare(4096)
-    _until(lambda: pool.spare_ready)
-    pool.prepare(4096)
-    _until(lambda: pool.spare_ready)
-    assert len(os.listdir(tmp_path / "pool")) == 2  # one mapped, one made
-    pool.close()  # unused spares are deleted; published frames stay
+    assert len(os.listdir(tmp_path / "pool")) == 1  # one mapped (and one made, nameless)
+    pool.close()  # unused ones are deleted; published frames stay
     assert os.listdir(tmp_path / "pool") == []
     assert (tmp_path / "a").read_bytes() == b"A" * 8192
 

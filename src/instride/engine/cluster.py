@@ -171,14 +171,15 @@ class ClusterEngine:
     def _store_copy(self, staged: str, path: str, record: Record) -> None:
         """Give the fetched bytes in ``staged`` the key's name, and their version a sidecar.
 
-        Over an earlier copy: the bytes first, then the version — in between, a reader sees
-        new bytes with an older sidecar and merely re-checks (never old bytes with a newer
-        version). The first copy: the sidecar first — a moment with the file and no sidecar
-        would make the copy look like an original of this node (:meth:`is_copy`), and a
-        reader beside it would wait here for the stream's next frame, which is made elsewhere,
-        for a whole wait slice; a sidecar without its file yet only says nothing is cached.
+        Over a file already there (an earlier copy, or an original): the bytes first, then
+        the version — in between, a reader sees new bytes with an older sidecar and merely
+        re-checks (never old bytes with a newer version). Where there is none: the sidecar
+        first — a moment with the file and no sidecar would make the copy look like an
+        original of this node (:meth:`is_copy`), and a reader beside it would wait here for
+        the stream's next frame, which is made elsewhere, for a whole wait slice; a sidecar
+        without its file yet only says nothing is cached.
         """
-        if os.access(self._sidecar(record.key), os.F_OK, follow_symlinks=False):
+        if os.access(path, os.F_OK, follow_symlinks=False):
             store.publish_file(staged, path, record.key, overwrite=True)
             self._remember(record)
             return

@@ -28,11 +28,12 @@ A file still held stays in the pool, untouched, for a later fetch. The pool is b
 deleted as before.
 
 A node that keeps every copy (no cache bound) has nothing to recycle: each fetch needs new
-pages. When a fetch finds no pooled file, the pool has the next one made ahead, of the same
-size, by a helper thread of this process that runs only when the CPU is otherwise idle
-(:mod:`~instride.store.spare`; named ``spare-<pid>-<n>``, which other processes never claim):
-the next fetch of that size receives into pages already allocated — between a stream's frames
-there is idle time — instead of taking a fault per page while the bytes arrive.
+pages. When two fetches in a row of the same size (up to :data:`AHEAD_BYTES`) find no pooled
+file, the pool has the next one made ahead, of that size, by a helper thread of this process
+that runs only when the CPU is otherwise idle (:mod:`~instride.store.spare`; the file has no
+name until a fetch takes it): the next fetch of that size — a stream's next frame — receives
+into pages already allocated (between a stream's frames there is idle time) instead of taking
+a fault per page while the bytes arrive.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ from .spare import SpareMaker
 
 #: at most this many files in a node's receive pool
 KEEP_FILES = 16
+#: the largest fetch whose next file of the same size is made ahead (a one-off large fetch
+#: does not make another of its size, in memory, for nothing)
+AHEAD_BYTES = 64 << 20
 #: and at most this many bytes
 KEEP_BYTES = 1 << 30
 
@@ -81,6 +85,7 @@ class ReceivePool:
         #: files made ahead by the idle helper that fetches received into
         self.spares_used = 0
         self._spare = SpareMaker()
+        self._last_size = -1  # of the last fetch that found nothing pooled
 
     def _entries(self) -> list[os.DirEntry[str]]:
         try:
@@ -164,25 +169,17 @@ class ReceivePool:
         return self._take_spare(staged, size) if self.ahead else None
 
     def _take_spare(self, staged: str, size: int) -> int | None:
-        """The file made ahead for a fetch of ``size`` bytes, as ``staged``, if it is ready;
-        either way the next one is asked for (nothing pooled: this node keeps its copies)."""
-        made = self._spare.take(size)
-        fd = None
-        if made is not None:
-            path, fd = made
-            try:
-                os.rename(path, staged)
-            except OSError:
-                os.close(fd)
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-                fd = None
-            else:
-                self.spares_used += 1
-        if not self._spare.pending:
+        """The file made ahead for a fetch of ``size`` bytes, named ``staged``, if it is ready;
+        the next one is asked for after two fetches in a row of that size (nothing pooled: this
+        node keeps its copies)."""
+        fd = self._spare.take(size, staged)
+        if fd is not None:
+            self.spares_used += 1
+        if size == self._last_size and size <= AHEAD_BYTES and not self._spare.pending:
             with contextlib.suppress(OSError):
                 os.makedirs(self._pool_s, exist_ok=True)
-                self._spare.ask(f"{self._pool_s}/spare-{os.getpid()}-{next(_names)}", size)
+                self._spare.ask(self._pool_s, size)
+        self._last_size = size
         return fd
 
     @property
@@ -199,32 +196,13 @@ class ReceivePool:
         return f"{self._pool_s}/copy-{kind}-{os.getpid()}-{next(_names)}"
 
     def clear(self) -> list[Path]:
-        """Delete every pooled file (``instride gc``), and files made ahead by processes that
-        are gone; return them."""
+        """Delete every pooled file (``instride gc``); return them."""
         removed = []
-        for entry in self._entries() + self._dead_spares():
+        for entry in self._entries():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry.path)
                 removed.append(Path(entry.path))
         return removed
-
-    def _dead_spares(self) -> list[os.DirEntry[str]]:
-        try:
-            with os.scandir(self._pool_s) as it:
-                return [e for e in it if e.name.startswith("spare-") and not _alive(e.name)]
-        except FileNotFoundError:
-            return []
-
-
-def _alive(name: str) -> bool:
-    """Whether the process that made the spare file ``name`` (``spare-<pid>-<n>``) runs."""
-    try:
-        os.kill(int(name.split("-")[1]), 0)
-    except (ValueError, IndexError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _unlocked(fd: int) -> bool:
@@ -251,4 +229,4 @@ def unshared(fd: int) -> bool:
     return True
 
 
-__all__ = ["KEEP_BYTES", "KEEP_FILES", "ReceivePool", "unshared"]
+__all__ = ["AHEAD_BYTES", "KEEP_BYTES", "KEEP_FILES", "ReceivePool", "unshared"]

@@ -124,12 +124,13 @@ class SlotPool:
         if self.recycle:
             return
         if self._mapped is None:  # the file made since: mapped now, not in the next append
-            made = self._spare.take(size)
-            if made is not None:
-                self._mapped = self._adopt(*made, size)
-        if not self._spare.pending:
             self._made += 1
-            self._spare.ask(f"{self._pool_s}/slot-{os.getpid()}-{self._made}", size)
+            path = f"{self._pool_s}/slot-{os.getpid()}-{self._made}"
+            fd = self._spare.take(size, path)
+            if fd is not None:
+                self._mapped = self._adopt(path, fd, size)
+        if not self._spare.pending:
+            self._spare.ask(self._pool_s, size)
 
     def _new(self, size: int) -> Slot:
         self._made += 1

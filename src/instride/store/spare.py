@@ -10,21 +10,25 @@ path from ``append`` to publication, but still its own time (STMV appends took 2
 JAC latency: 3.3 ms on that VM, 1.5-1.7 ms since, :class:`~instride.store.recvpool.ReceivePool`).
 
 So a helper thread makes the file, at ``SCHED_IDLE`` (it runs only when no other thread wants
-the CPU): it creates the file and writes zeros into it (``pwrite``: every page allocated and
-touched — one only ``fallocate``'d is cleared at its first use, by the producer — and no memory
-mapping of the process involved). The helper is a native thread (``csrc/local/spare.c``): a
-Python thread must take the GIL to return from the system call, and a starved idle thread
-holding the GIL would stop the producer (tried: the next ``append`` waited ~0.5 ms for it).
-Nobody waits for the helper: a file not ready yet is made the usual way, and the helper's file
-goes to a later frame.
+the CPU): it creates the file without a name (``O_TMPFILE``: nothing is left behind by a
+process that dies or drops it; the taker names it) and writes zeros into it (``pwrite``: every
+page allocated and touched — one only ``fallocate``'d is cleared at its first use, by the
+producer — and no memory mapping of the process involved). The helper is a native thread
+(``csrc/local/spare.c``): a Python thread must take the GIL to return from the system call,
+and a starved idle thread holding the GIL would stop the producer (tried: the next ``append``
+waited ~0.5 ms for it). Nobody waits for the helper: a file not ready yet is made the usual
+way, and the helper's file goes to a later frame.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from typing import Any
 
 from ..native import library
+from ..perthread import forks
 
 __all__ = ["SpareMaker"]
 
@@ -32,48 +36,69 @@ __all__ = ["SpareMaker"]
 class SpareMaker:
     """A file of ``size`` bytes made at a time by a ``SCHED_IDLE`` helper thread.
 
-    :meth:`ask` for one (the path to create), :meth:`take` it once it is ready (a descriptor
-    open read-write, its pages allocated), :meth:`close` to stop: a file made and not taken
-    is deleted. Without ``libinstride_local.so`` nothing is made (:meth:`take` says so).
+    The file has no name while it is made (``O_TMPFILE`` in the directory given): a process
+    that dies, or drops it, leaves nothing behind. :meth:`ask` for one, :meth:`take` it once it
+    is ready — it gets its name then — and :meth:`close` to drop it. Safe to share between
+    threads (a node's receive pool is); a forked child does not touch its parent's file.
+    Without ``libinstride_local.so``, or where the file system has no ``O_TMPFILE``, nothing
+    is made (:meth:`take` says so).
     """
 
     def __init__(self) -> None:
         self._lib = library()
+        self._lock = threading.Lock()
         self._handle: Any = None  # the helper's handle, while a file is asked for
-        self._path, self._size = "", 0
+        self._size = 0
+        self._forks = forks()  # (of the process that asked)
+
+    def _mine(self) -> Any:
+        """The handle, if it was asked for in this process (a forked child forgets it: the
+        parent's helper and file are not its own). Called with the lock held."""
+        if self._handle is not None and self._forks != forks():
+            self._handle = None
+        return self._handle
 
     @property
     def pending(self) -> bool:
         """Whether a file was asked for and not taken yet (made or not)."""
-        return self._handle is not None
+        with self._lock:
+            return self._mine() is not None
 
     @property
     def ready(self) -> bool:
         """Whether the file asked for is made (:meth:`take` returns it at once)."""
-        return self._handle is not None and bool(self._lib.isl_spare_ready(self._handle))
+        with self._lock:
+            handle = self._mine()
+            return handle is not None and bool(self._lib.isl_spare_ready(handle))
 
-    def ask(self, path: str, size: int) -> None:
-        """Have the helper make the file ``path`` of ``size`` bytes (unless one is pending)."""
-        if self._handle is not None or self._lib is None:
-            return
-        self._handle = self._lib.isl_spare_start(os.fsencode(path), size) or None
-        self._path, self._size = path, size
+    def ask(self, directory: str, size: int) -> None:
+        """Have the helper make a file of ``size`` bytes in ``directory`` (unless one is
+        pending)."""
+        with self._lock:
+            if self._mine() is not None or self._lib is None:
+                return
+            self._handle = self._lib.isl_spare_start(os.fsencode(directory), size) or None
+            self._size, self._forks = size, forks()
 
-    def take(self, size: int) -> tuple[str, int] | None:
-        """The file made, as ``(path, descriptor)``, if it is ready and of ``size`` bytes;
-        else ``None`` (a ready file of another size, or one that failed, is dropped; one not
-        ready yet stays asked for)."""
-        if not self.ready:
-            return None
-        if self._size != size:
-            self.close()
-            return None
-        handle, self._handle = self._handle, None
-        fd = self._lib.isl_spare_take(handle)
-        return None if fd < 0 else (self._path, fd)
+    def take(self, size: int, name: str) -> int | None:
+        """The file made, named ``name`` now, as a descriptor open read-write — if it is ready
+        and of ``size`` bytes; else ``None`` (a ready file of another size, or one that failed
+        or cannot be named, is dropped; one not ready yet stays asked for)."""
+        with self._lock:
+            handle = self._mine()
+            if handle is None or not self._lib.isl_spare_ready(handle):
+                return None
+            self._handle = None
+            if self._size != size:
+                self._lib.isl_spare_drop(handle)
+                return None
+            fd = self._lib.isl_spare_take(handle, os.fsencode(name))  # (named: linkat)
+        return None if fd < 0 else fd
 
     def close(self) -> None:
-        """Give up the file asked for: deleted now if made, else by the helper once done."""
-        if self._handle is not None:
-            handle, self._handle = self._handle, None
-            self._lib.isl_spare_drop(handle)
+        """Give up the file asked for (it has no name: gone with its descriptor)."""
+        with self._lock:
+            handle, self._handle = self._mine(), None
+            if handle is not None:
+                with contextlib.suppress(Exception):
+                    self._lib.isl_spare_drop(handle)
