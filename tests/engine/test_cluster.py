@@ -232,7 +232,7 @@ def test_a_failed_fetch_into_a_recycled_file_leaves_nothing(clients: list[instri
     c2.consume("rc/old.bin", timeout=10)
     recv = c2.root / ".instride" / "recv"
 
-    def pooled() -> list[str]:  # (not the file made ahead for the next fetch: spare-<pid>-<n>)
+    def pooled() -> list[str]:  # (the dropped copies)
         return [n for n in os.listdir(recv) if n.startswith("copy-")]
 
     c2.gc()
