@@ -15,6 +15,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -60,7 +61,7 @@ static int fill(int fd, long long size) {
 static void *make(void *arg) {
     spare *s = arg;
     struct sched_param none = {0};
-    pthread_setschedparam(pthread_self(), SCHED_IDLE, &none); /* (best effort) */
+    pthread_setschedparam(pthread_self(), SCHED_IDLE, &none); /* (set already, or best effort) */
     /* a file without a name in the directory: nothing is left behind if this process dies
      * or drops it; the taker gives it a name (linkat through /proc/self/fd) */
     int fd = open(s->path, O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
@@ -95,13 +96,27 @@ ISL_EXPORT void *isl_spare_start(const char *dir, long long size) {
     memcpy(s->path, dir, n + 1);
     pthread_attr_t attr;
     pthread_t t;
+    /* the helper takes no signals (they stay with the process's other threads: Python's
+     * handlers run in its main thread) and starts at SCHED_IDLE */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
     int rc = pthread_attr_init(&attr);
     if (rc == 0) {
+        struct sched_param none = {0};
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
         pthread_attr_setstacksize(&attr, 64 * 1024);
+        pthread_attr_setinheritsched(&attr, PTHREAD_EXPLICIT_SCHED);
+        pthread_attr_setschedpolicy(&attr, SCHED_IDLE);
+        pthread_attr_setschedparam(&attr, &none);
         rc = pthread_create(&t, &attr, make, s);
+        if (rc == EPERM) { /* (not allowed here: inherit, and lower it from inside) */
+            pthread_attr_setinheritsched(&attr, PTHREAD_INHERIT_SCHED);
+            rc = pthread_create(&t, &attr, make, s);
+        }
         pthread_attr_destroy(&attr);
     }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (rc != 0) {
         free(s);
         errno = rc;

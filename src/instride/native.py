@@ -23,30 +23,42 @@ confined
 from __future__ import annotations
 
 import ctypes
+import threading
 from pathlib import Path
 
 __all__ = ["library"]
 
 _lib: ctypes.CDLL | None = None
 _loaded = False
+_loading = threading.Lock()
 
 
 def library() -> ctypes.CDLL | None:
-    """``libinstride_local.so``, loaded once with its prototypes, or ``None`` where missing."""
+    """``libinstride_local.so``, loaded once with its prototypes, or ``None`` where missing
+    (or where it is a stale build without a function this package calls: reinstall)."""
     global _lib, _loaded
-    if not _loaded:
-        _loaded = True
-        try:
-            lib = ctypes.CDLL(str(Path(__file__).resolve().parent / "libinstride_local.so"))
-        except OSError:
-            return None
-        c_int, c_char_p, p_int = ctypes.c_int, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)
+    if _loaded:
+        return _lib
+    with _loading:  # (a thread asking meanwhile waits for the prototypes, not a half library)
+        if not _loaded:
+            _lib = _load()
+            _loaded = True
+    return _lib
+
+
+def _load() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(str(Path(__file__).resolve().parent / "libinstride_local.so"))
+    except OSError:
+        return None
+    c_int, c_char_p, p_int = ctypes.c_int, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)
+    ptr, i64, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
+    try:
         lib.isl_state.argtypes = [c_char_p, c_char_p, c_int]
         lib.isl_state.restype = c_int
         lib.isl_wait.argtypes = [c_int, c_char_p, ctypes.POINTER(c_char_p), c_int, c_int,
                                  ctypes.c_longlong, p_int, p_int, c_int]
         lib.isl_wait.restype = c_int
-        ptr, i64, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
         lib.isl_paper_encode.argtypes = [ptr, ptr, ptr, i64]
         lib.isl_paper_encode.restype = u64
         lib.isl_paper_decode.argtypes = [ptr, i64, ptr, ptr, c_int]
@@ -59,5 +71,6 @@ def library() -> ctypes.CDLL | None:
         lib.isl_spare_take.restype = c_int
         lib.isl_spare_drop.argtypes = [ptr]
         lib.isl_spare_drop.restype = None
-        _lib = lib
-    return _lib
+    except AttributeError:  # a library built from older sources: the Python paths instead
+        return None
+    return lib
