@@ -37,7 +37,9 @@ static ins_xxh_update_fn ins_xxh_update_impl(void) {
     fn = ins_xxh_inline_update;
 #if defined(__x86_64__)
     const char *off = getenv("INSTRIDE_XXH_DISPATCH");
-    void *lib = off != NULL && strcmp(off, "0") == 0 ? NULL : dlopen("libxxhash.so.0", RTLD_NOW | RTLD_LOCAL);
+    void *lib = off != NULL && strcmp(off, "0") == 0
+                    ? NULL
+                    : dlopen("libxxhash.so.0", RTLD_NOW | RTLD_LOCAL);
     if (lib != NULL) {
         unsigned (*version)(void) = (unsigned (*)(void))dlsym(lib, "XXH_versionNumber");
         void *update = dlsym(lib, "XXH3_64bits_update_dispatch");

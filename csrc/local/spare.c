@@ -1,9 +1,10 @@
 /*
- * spare.c -- libinstride_local: a new frame file made by a helper thread while the CPU is idle.
+ * spare.c -- libinstride_local: a new file made by a helper thread while the CPU is idle.
  *
- * A stream that keeps every frame writes each into a new file; allocating its pages (on a VM
- * that gives free memory back to its host, a host fault per page: ~0.7 ms for 644 KiB) is done
- * ahead, after a publication (instride/store/spare.py says why not by the producer itself).
+ * A stream that keeps every frame writes each into a new file, and a node that keeps every
+ * fetched copy receives each into one; allocating their pages (on a VM that gives free memory
+ * back to its host, a host fault per page: ~0.7 ms for 644 KiB) is done ahead, by this helper
+ * (instride/store/spare.py says why, and what it changed).
  * The helper is a native thread at SCHED_IDLE: it runs only when no other thread wants the
  * CPU. A Python thread would not do -- it must hold the GIL to return from the system call,
  * and a starved idle thread holding the GIL stops the producer.

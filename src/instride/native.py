@@ -7,17 +7,17 @@ Each is one call (ctypes releases the GIL):
 * ``isl_paper_encode`` and ``isl_paper_decode`` (``csrc/local/paper.c``) interleave or split
   the ``paper`` layout's 28-byte records and hash them with xxh3-64 in the same pass
   (:mod:`instride.frames`);
-* ``isl_spare_*`` (``csrc/local/spare.c``) make a stream's next frame file in a native
-  ``SCHED_IDLE`` thread (:mod:`instride.store.spare`).
+* ``isl_spare_*`` (``csrc/local/spare.c``) make the next frame file of a stream, or the next
+  fetched copy, in a native ``SCHED_IDLE`` thread (:mod:`instride.store.spare`).
 
-The package build always makes the library; where it is missing or cannot be loaded,
-:func:`library` returns ``None`` and the callers run the same logic in Python (the next frame
-file is then made when it is needed). (The array layouts were tried the same way as the paper
-codec, ``memcpy`` + xxh3 per 256 KiB chunk in one C call: 30-90 µs slower per cold JAC frame
-than numpy's chunked copy and the Python xxhash package, in alternating runs; not kept. A
-confined
-``openat2`` + ``fstat`` in C was tried too and saved 0.6 µs of 9 per open over ctypes'
-``syscall``: not kept.)
+The package build always makes the library; where it is missing or cannot be loaded (or is a
+stale build without a function called here), :func:`library` returns ``None`` and the callers
+run the same logic in Python (files are then made when they are needed).
+
+Tried and not kept: the array layouts copied and hashed in one C call like the paper codec
+(``memcpy`` + xxh3 per 256 KiB chunk: 30-90 µs slower per cold JAC frame than numpy's chunked
+copy and the Python xxhash package, in alternating runs); a confined ``openat2`` + ``fstat`` in
+C (0.6 µs of 9 per open saved over ctypes' ``syscall``).
 """
 
 from __future__ import annotations

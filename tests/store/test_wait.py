@@ -49,23 +49,34 @@ def test_timeout_names_key_and_seconds(client: instride.Client) -> None:
 
 
 def test_a_timeout_is_kept_to_the_microsecond_not_rounded_up_to_a_millisecond(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A hybrid-polling reader sleeps until its poll window opens, a fraction of a millisecond
-    before the frame is due: a wait rounded to whole milliseconds overshot by 0.6-1.1 ms (the
-    fastest of 20 on the development VM) and slept through the window. Now it never ends
-    early, and the fastest of 20 (robust to a loaded machine) ends within 0.5 ms."""
-    from instride.store.wait import wait_any
+    before the frame is due: a wait counted in whole milliseconds, rounded up, slept through
+    the window. The C sleep is now given the remaining time in µs (here ~2,400 of 2,500), and a
+    wait never ends early."""
+    from instride.store import wait as wait_mod
 
+    lib = wait_mod.library()
+    assert lib is not None, "libinstride_local.so is missing: reinstall instride"
+    asked: list[int] = []
+
+    class Spy:  # the library, with the timeouts of isl_wait noted on the way
+        def __getattr__(self, name: str) -> object:
+            return getattr(lib, name)
+
+        def isl_wait(self, *args: object) -> int:
+            asked.append(int(args[5]))  # type: ignore[call-overload]
+            return int(lib.isl_wait(*args))
+
+    monkeypatch.setattr(wait_mod, "library", lambda: Spy())
     path = [tmp_path / "never"]
-    for timeout in (0.0005, 0.0025):
-        over = []
-        for _ in range(20):
-            start = time.monotonic()
-            with pytest.raises(ConsumeTimeout):
-                wait_any(path, timeout, label="never")
-            over.append(time.monotonic() - start - timeout)
-        assert min(over) >= 0
-        assert min(over) < 0.0005, over
+    start = time.monotonic()
+    with pytest.raises(ConsumeTimeout):
+        wait_mod.wait_any(path, 0.0025, label="never")
+    assert time.monotonic() - start >= 0.0025
+    assert asked, "the wait did not sleep in C"
+    first = asked[0]
+    assert 1500 <= first <= 2500, asked  # µs left (a count of whole ms would be 2 or 3)
 
 
 def test_waiting_does_not_busy_wait(managed_dir: Path) -> None:

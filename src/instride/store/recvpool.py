@@ -48,11 +48,11 @@ from .spare import SpareMaker
 
 #: at most this many files in a node's receive pool
 KEEP_FILES = 16
+#: and at most this many bytes
+KEEP_BYTES = 1 << 30
 #: the largest fetch whose next file of the same size is made ahead (a one-off large fetch
 #: does not make another of its size, in memory, for nothing)
 AHEAD_BYTES = 64 << 20
-#: and at most this many bytes
-KEEP_BYTES = 1 << 30
 
 _names = itertools.count()
 

@@ -7,7 +7,7 @@ gives free memory back to its host, faulted in the host too: ~0.7 ms for a JAC f
 right after a publication (:meth:`~instride.store.ring.SlotPool.prepare`), by itself: off the
 path from ``append`` to publication, but still its own time (STMV appends took 21.7-22.4 ms,
 8.3-9.0 ms since); a fetch paid the faults while the bytes arrived (the file API's cross-node
-JAC latency: 3.3 ms on that VM, 1.5-1.7 ms since, :class:`~instride.store.recvpool.ReceivePool`).
+JAC latency: 3.3 ms on that VM, 1.5-2.0 ms since, :class:`~instride.store.recvpool.ReceivePool`).
 
 So a helper thread makes the file, at ``SCHED_IDLE`` (it runs only when no other thread wants
 the CPU): it creates the file without a name (``O_TMPFILE``: nothing is left behind by a
