@@ -22,12 +22,17 @@ Measured per way and frame size:
 
 * throughput — frames/s and GB/s from the writer's first append to the reader's last copy,
   writer flat out (median of ``--repeats`` repetitions);
-* latency — a paced writer (one frame every ``--interval`` ms, so the reader is idle and
-  waiting): monotonic time from the start of the writer's append to the frame's coordinates
-  being in the reader's numpy arrays, median and p99;
+* latency — a paced writer (one frame every 20 ms for JAC, 200 ms for STMV, so the reader is
+  idle and waiting): monotonic time from the start of the writer's append to the frame's
+  coordinates being in the reader's numpy arrays, median and p99 over ``--rounds`` runs; the
+  ratio to SST is the median of the rounds' ratios;
 * writer cost — seconds per append in the flat-out run (median over frames).
 
-Usage: ``python benchmarks/bench_vs_adios2.py [--sizes JAC,STMV] [--repeats 5] [--ways ...] [--quick]``
+The runs are interleaved: each flat-out repetition and each latency round runs every way once,
+in turn, so a slower minute of the machine falls on all ways alike.
+
+Usage: ``python benchmarks/bench_vs_adios2.py [--sizes JAC,STMV] [--repeats 5] [--rounds 3]
+[--ways ...] [--quick]``
 Results: ``benchmarks/results/vs_adios2.json`` and ``benchmarks/results/vs_adios2.png``.
 """
 
@@ -216,32 +221,62 @@ def run_pair(way: str, natoms: int, nframes: int, interval: float, queue: int = 
     return {"w": w, "r": r}
 
 
-def measure(way: str, name: str, nframes: int, repeats: int, interval: float) -> dict[str, Any]:
-    """Throughput (flat out, ``repeats`` runs), writer cost and paced latency for one way/size."""
-    natoms = SIZES[name]
-    nbytes = natoms * 28
-    rates, costs = [], []
-    for _ in range(repeats):
-        run = run_pair(way, natoms, nframes, 0.0)
-        span = (run["r"]["t"][-1] - run["w"]["t"][0]) / 1e9
-        rates.append(nframes / span)
-        costs.extend(c / 1e9 for c in run["w"]["cost"])
-    paced_n = max(20, min(nframes, 200))
-    run = run_pair(way, natoms, paced_n, interval)
-    lat = [(r - w) / 1e3 for w, r in zip(run["w"]["t"], run["r"]["t"], strict=True)]
-    fps = statistics.median(rates)
-    out = {}
+def throughput_run(way: str, name: str, nframes: int) -> tuple[float, list[float]]:
+    """One flat-out run of ``way``: frames/s and the writer's seconds per append."""
+    run = run_pair(way, SIZES[name], nframes, 0.0)
+    span = (run["r"]["t"][-1] - run["w"]["t"][0]) / 1e9
+    return nframes / span, [c / 1e9 for c in run["w"]["cost"]]
+
+
+def paced_run(way: str, name: str, nframes: int, interval: float) -> dict[str, Any]:
+    """One paced run of ``way`` (a frame every ``interval`` ms, the reader idle and waiting):
+    the latency of each frame (µs) and, where the reader reports it, its CPU while waiting."""
+    run = run_pair(way, SIZES[name], nframes, interval)
+    out: dict[str, Any] = {"lat": [(r - w) / 1e3 for w, r in zip(run["w"]["t"], run["r"]["t"],
+                                                                  strict=True)]}
     if "cpu" in run["r"]:  # the reader's CPU per frame while paced (how much its waiting costs)
-        out["reader_cpu_per_frame_us"] = run["r"]["cpu"] / (paced_n - 1) * 1e6
-        out["reader_cpu_share"] = run["r"]["cpu"] / ((run["r"]["t"][-1] - run["r"]["t"][0]) / 1e9)
-    return out | {
-        "frames_per_s": fps,
-        "frames_per_s_runs": rates,
-        "GB_per_s": fps * nbytes / 1e9,
-        "writer_cost_s": summary(costs),
-        "latency_us": summary(lat),
-        "frame_bytes": nbytes,
-    }
+        out["cpu_per_frame_us"] = run["r"]["cpu"] / (nframes - 1) * 1e6
+        out["cpu_share"] = run["r"]["cpu"] / ((run["r"]["t"][-1] - run["r"]["t"][0]) / 1e9)
+    return out
+
+
+def measure(ways: list[str], name: str, nframes: int, repeats: int, interval: float,
+            rounds: int) -> dict[str, Any]:
+    """Throughput (flat out, ``repeats`` runs per way), writer cost and paced latency
+    (``rounds`` runs per way) for one size. The runs are interleaved — each repetition and
+    each latency round runs every way once, in turn — so that a slower phase of the machine
+    falls on all ways alike instead of on whichever ran then."""
+    nbytes = SIZES[name] * 28
+    rates: dict[str, list[float]] = {w: [] for w in ways}
+    costs: dict[str, list[float]] = {w: [] for w in ways}
+    for _ in range(repeats):
+        for way in ways:
+            fps, cost = throughput_run(way, name, nframes)
+            rates[way].append(fps)
+            costs[way].extend(cost)
+    paced_n = max(20, min(nframes, 200))
+    paced: dict[str, list[dict[str, Any]]] = {w: [] for w in ways}
+    for _ in range(rounds):
+        for way in ways:
+            paced[way].append(paced_run(way, name, paced_n, interval))
+    per: dict[str, Any] = {}
+    for way in ways:
+        fps = statistics.median(rates[way])
+        runs = paced[way]
+        out: dict[str, Any] = {}
+        if "cpu_share" in runs[0]:
+            out["reader_cpu_per_frame_us"] = statistics.median(r["cpu_per_frame_us"] for r in runs)
+            out["reader_cpu_share"] = statistics.median(r["cpu_share"] for r in runs)
+        per[way] = out | {
+            "frames_per_s": fps,
+            "frames_per_s_runs": rates[way],
+            "GB_per_s": fps * nbytes / 1e9,
+            "writer_cost_s": summary(costs[way]),
+            "latency_us": summary([x for r in runs for x in r["lat"]]),
+            "latency_median_us_rounds": [statistics.median(r["lat"]) for r in runs],
+            "frame_bytes": nbytes,
+        }
+    return per
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -282,19 +317,21 @@ def main() -> None:
                         help="frames per flat-out run (long enough for the steady state)")
     parser.add_argument("--ways", default=",".join(WAYS),
                         help="comma-separated subset of: " + ", ".join(WAYS))
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="paced latency runs per way (interleaved; the ratio to SST is the"
+                             " median of the rounds' ratios)")
     parser.add_argument("--quick", action="store_true", help="1 repetition, few frames")
     args = parser.parse_args()
     machine = header("instride vs ADIOS2 SST vs write + rename (one node)")
     frames = dict(item.split("=") for item in args.frames.split(","))
     repeats = 1 if args.quick else args.repeats
+    rounds = 1 if args.quick else args.rounds
     results: dict[str, Any] = {"machine": machine, "sizes": {}}
     for name in args.sizes.split(","):
         n = 50 if args.quick else int(frames[name])
         interval = 20.0 if name == "JAC" else 200.0
-        per: dict[str, Any] = {}
-        for way in args.ways.split(","):
-            per[way] = measure(way, name, n, repeats, interval)
-            r = per[way]
+        per = measure(args.ways.split(","), name, n, repeats, interval, rounds)
+        for way, r in per.items():
             lat, cost = r["latency_us"], r["writer_cost_s"]["median"] * 1e3
             cpu = (f"  reader CPU {r['reader_cpu_share']:5.1%} of a core while paced"
                    if "reader_cpu_share" in r else "")
@@ -302,21 +339,25 @@ def main() -> None:
                   f"latency median {lat['median'] / 1e3:7.2f} ms p99 {lat['p99'] / 1e3:7.2f} ms  "
                   f"writer {cost:6.2f} ms{cpu}")
         sst, ren = per.get("adios2-sst"), per.get("rename")  # a --ways subset may lack either
-        ratios: dict[str, float] = {}
+        ratios: dict[str, Any] = {}
         for way in [w for w in per if w.startswith("instride")]:
             ins, tag = per[way], way.replace("instride", "").lstrip("-") or "paper"
             if sst is not None:
                 ratios[f"{tag}_throughput_vs_sst"] = ins["frames_per_s"] / sst["frames_per_s"]
-                ratios[f"{tag}_latency_vs_sst"] = (
-                    ins["latency_us"]["median"] / sst["latency_us"]["median"]
-                )
+                # per latency round (the ways ran in turn), then their median: the headline
+                each = [a / b for a, b in zip(ins["latency_median_us_rounds"],
+                                              sst["latency_median_us_rounds"], strict=True)]
+                ratios[f"{tag}_latency_vs_sst"] = statistics.median(each)
+                ratios[f"{tag}_latency_vs_sst_rounds"] = each
             if ren is not None:
                 ratios[f"{tag}_writer_cost_vs_rename"] = (
                     ins["writer_cost_s"]["median"] / ren["writer_cost_s"]["median"]
                 )
                 ratios[f"{tag}_throughput_vs_rename"] = ins["frames_per_s"] / ren["frames_per_s"]
         per["ratios"] = ratios
-        print(f"{name:5} ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+        print(f"{name:5} ratios: " + ", ".join(
+            f"{k} {'/'.join(f'{x:.2f}' for x in v) if isinstance(v, list) else f'{v:.2f}'}"
+            for k, v in ratios.items()))
         results["sizes"][name] = per
     save("vs_adios2", results)
     plot(results, Path(__file__).resolve().parent / "results" / "vs_adios2.png")
