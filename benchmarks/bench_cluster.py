@@ -27,7 +27,8 @@ Measures, in one run, on an emulated cluster made for the purpose:
    same pairs on bounded streams (``retain=16``, consumer groups recording their position every
    4 frames, 600 frames per pair, against raw TCP pairs moving as many). Like the raw TCP pairs, all
    producers start up first (imports, connections) and then begin together; the span is first
-   publication -> last frame local;
+   publication -> last frame local. For the bounded pairs and their raw TCP pairs, the whole
+   machine's CPU per frame (user and kernel ms, context switches, interrupts; ``/proc/stat``);
 5. publish -> consume latency through the preload library across nodes: unmodified C
    programs (open/write/close on node 1, open/read on node 2) exchanging 4 KiB keys;
 6. the data server's start-up time (process start to listening);
@@ -45,6 +46,7 @@ Every ratio is printed with the target of issue 13. Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import subprocess
 import sys
@@ -52,7 +54,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from common import header, save, summary
+from common import CpuMeter, header, save, summary
 from instride.emulate import EmulatedCluster
 
 PY = sys.executable
@@ -392,10 +394,10 @@ def raw_tcp_store(c: EmulatedCluster, path: str, size: int, n: int) -> float:
 
 
 def raw_tcp_pairs(c: EmulatedCluster, pairs: list[tuple[int, int]], paths: list[str], size: int,
-                  n: int) -> float:
+                  n: int, meter: CpuMeter | None = None) -> float:
     """Aggregate MB/s of raw TCP pairs (``sendfile`` -> ``recv_into``), one per ``(p, q)``
     (node p serves ``paths[i]`` ``n`` times to node q), all started at once; first byte asked
-    -> last byte received."""
+    -> last byte received. ``meter``: measures the machine's CPU from the start to the end."""
     srvs = [_popen(c, p, RAW_PAIR_SERVER, paths[i], c.node(p).ip, 7610 + i)
             for i, (p, _q) in enumerate(pairs)]
     for srv in srvs:
@@ -405,20 +407,23 @@ def raw_tcp_pairs(c: EmulatedCluster, pairs: list[tuple[int, int]], paths: list[
             for i, (p, q) in enumerate(pairs)]
     for cli in clis:
         _ready(cli)
-    for cli in clis:
-        assert cli.stdin is not None
-        cli.stdin.write("go\n")
-        cli.stdin.flush()
-    spans = [tuple(map(int, cli.communicate(timeout=300)[0].split())) for cli in clis]
+    with meter or contextlib.nullcontext():
+        for cli in clis:
+            assert cli.stdin is not None
+            cli.stdin.write("go\n")
+            cli.stdin.flush()
+        spans = [tuple(map(int, cli.communicate(timeout=300)[0].split())) for cli in clis]
     for srv in srvs:
         srv.wait(30)
     return len(pairs) * n * size / ((max(e for _, e in spans) - min(b for b, _ in spans)) / 1e9) / 1e6
 
 
 def stream_span(c: EmulatedCluster, name: str, n: int, atoms: int,
-                pairs: list[tuple[int, int]], bounded: bool = False) -> tuple[float, float]:
+                pairs: list[tuple[int, int]], bounded: bool = False,
+                meter: CpuMeter | None = None) -> tuple[float, float]:
     """Run producer/consumer ``pairs`` flat out; return (seconds from starting the producers to
-    the end, seconds from the first frame's publication start to the last frame local)."""
+    the end, seconds from the first frame's publication start to the last frame local).
+    ``meter``: measures the machine's CPU from the go to the last consumer's exit."""
     code, extra = _bounded(bounded)
     cons = [_popen(c, q, code, f"{name}/p{i}") for i, (_p, q) in enumerate(pairs)]
     for p in cons:
@@ -431,12 +436,13 @@ def stream_span(c: EmulatedCluster, name: str, n: int, atoms: int,
     for p in prods:
         _ready(p)
     t0 = time.perf_counter()
-    for p in prods:
-        assert p.stdin is not None
-        p.stdin.write("go\n")
-        p.stdin.flush()
-    first = min(int(p.communicate(timeout=600)[0].split()[0]) for p in prods)
-    last = max(int(p.communicate(timeout=600)[0].splitlines()[1].split()[-1]) for p in cons)
+    with meter or contextlib.nullcontext():
+        for p in prods:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        first = min(int(p.communicate(timeout=600)[0].split()[0]) for p in prods)
+        last = max(int(p.communicate(timeout=600)[0].splitlines()[1].split()[-1]) for p in cons)
     return time.perf_counter() - t0, (last - first) / 1e9
 
 
@@ -645,18 +651,27 @@ def main() -> None:
         # bounded streams keep 16 frames per pair, so they run longer: steady state (the ring's
         # first 17 frames take fresh pages), against raw TCP pairs moving as many frames
         nb = 200 if args.quick else 600
-        _, span = stream_span(c, "aggb", nb, jac_atoms, pairs, bounded=True)
-        raw8b = raw_tcp_pairs(c, pairs, paths, jac, nb)
+        ours_cpu, raw_cpu = CpuMeter(), CpuMeter()
+        _, span = stream_span(c, "aggb", nb, jac_atoms, pairs, bounded=True, meter=ours_cpu)
+        raw8b = raw_tcp_pairs(c, pairs, paths, jac, nb, meter=raw_cpu)
         bmoving = 8 * nb * jac / span / 1e6
         result["aggregate_8_pairs_bounded_vs_raw_tcp"] = {
             "instride_MBps": bmoving, "instride_frames_per_s": 8 * nb / span,
             "raw_tcp_MBps": raw8b, "ratio": bmoving / raw8b, "retain": RETAIN,
             "frames_per_pair": nb, "commit_every": 4,
+            # the whole machine's CPU per frame moved (all processes: producers, readers, data
+            # servers, Redis), against the raw TCP pairs'
+            "cpu_per_frame": {"instride": ours_cpu.per(8 * nb), "raw_tcp": raw_cpu.per(8 * nb)},
         }
         print(f"bounded streams (retain={RETAIN}, consumer groups iterating, positions recorded"
               f" every 4 frames), {nb} frames each: {bmoving:.0f} MB/s ({8 * nb / span:.0f}"
               f" frames/s); 8 raw TCP pairs, {nb} frames each: {raw8b:.0f} MB/s;"
               f" ratio {bmoving / raw8b:.2f}  (target >= 0.5)")
+        for who, m in (("bounded streams", ours_cpu), ("raw TCP pairs", raw_cpu)):
+            u = m.per(8 * nb)
+            print(f"  whole machine per frame, {who}: {u['user_ms']:.2f} ms user +"
+                  f" {u['system_ms']:.2f} ms kernel, {u['context_switches']:.1f} context switches,"
+                  f" {u['interrupts']:.1f} interrupts; cores {u['busy']:.0%} busy")
         # 5. through the preload library, node 1 -> node 2 (unmodified C programs)
         import tempfile
         from pathlib import Path

@@ -249,16 +249,20 @@ def measure(ways: list[str], name: str, nframes: int, repeats: int, interval: fl
     nbytes = SIZES[name] * 28
     rates: dict[str, list[float]] = {w: [] for w in ways}
     costs: dict[str, list[float]] = {w: [] for w in ways}
-    for _ in range(repeats):
+    for rep in range(repeats):
         for way in ways:
             fps, cost = throughput_run(way, name, nframes)
             rates[way].append(fps)
             costs[way].extend(cost)
-    paced_n = max(20, min(nframes, 200))
+            print(f"  {name} flat out {rep + 1}/{repeats} {way}: {fps:.0f} frames/s", flush=True)
+    # 200 frames per way in all for STMV (as many as JAC's per round: 40 s per way at 200 ms)
+    paced_n = max(20, min(nframes, 200 if name == "JAC" else -(-200 // rounds)))
     paced: dict[str, list[dict[str, Any]]] = {w: [] for w in ways}
-    for _ in range(rounds):
+    for rnd in range(rounds):
         for way in ways:
             paced[way].append(paced_run(way, name, paced_n, interval))
+            print(f"  {name} latency round {rnd + 1}/{rounds} {way}: median"
+                  f" {statistics.median(paced[way][-1]['lat']):.0f} µs", flush=True)
     per: dict[str, Any] = {}
     for way in ways:
         fps = statistics.median(rates[way])
