@@ -346,6 +346,47 @@ def test_group_position_every_few_frames_never_stalls_a_blocked_producer(
     assert seen == list(range(60))
 
 
+
+def test_group_position_every_few_frames_with_a_byte_bound_never_stalls(
+        managed_dir: Path) -> None:
+    """``retain_bytes`` binding before ``retain`` under "block": the group's position is
+    recorded after every frame (how many frames fit the bytes is not known), so the producer
+    goes on and the group sees every frame."""
+    frame = 128 + 2000 * 12  # (xyz32 frames of _positions)
+    got: list[int] = []
+    errors: list[BaseException] = []
+    with instride.Stream("every-bytes", mode="w", retain=10, retain_bytes=2 * frame,
+                         groups=["g"], timeout=10) as s:
+        s.append(_positions(0), step=0)
+
+        def consume() -> None:
+            try:
+                reader = instride.Stream("every-bytes", group="g", commit_every=10, timeout=10)
+                got.extend(f.step for f in reader)
+                reader.close()
+            except BaseException as exc:  # (raised again below)
+                errors.append(exc)
+
+        thread = threading.Thread(target=consume)
+        thread.start()
+        for i in range(1, 8):
+            s.append(_positions(i), step=i)
+    thread.join(30)
+    assert not errors and got == list(range(8))
+
+
+def test_latest_then_close_never_moves_the_group_back(managed_dir: Path) -> None:
+    """The frames ``latest()`` skipped count as taken, also once the reader closes: the
+    group resumes at the frame it held, not at its first frame."""
+    with instride.Stream("latest-group", mode="w", retain=50, groups=["g"]) as s:
+        for i in range(10):
+            s.append(_positions(i), step=i)
+    reader = instride.Stream("latest-group", group="g", timeout=5)
+    assert reader.latest().step == 9
+    reader.close()
+    with instride.Stream("latest-group", group="g", timeout=5) as again:
+        assert [f.step for f in again] == [9]
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "4"])
 def test_commit_every_must_be_a_whole_number_of_frames(managed_dir: Path, bad: object) -> None:
     with pytest.raises(ConfigError, match="commit_every"):
@@ -411,6 +452,52 @@ def test_retain_bytes_bounds_the_stream(managed_dir: Path) -> None:
             s.append(_positions(i), step=i)
             on_disk = _frames_on_disk(managed_dir, "bytes")
             assert sum(size(managed_dir / "bytes" / n) for n in on_disk) <= 5 * 24_128
+
+
+def test_a_frame_larger_than_the_byte_bound_stays_readable(managed_dir: Path) -> None:
+    """The newest frame is kept even when it alone exceeds ``retain_bytes`` (the atom count
+    grew): the older frames go, the new one is published and readable."""
+    small = 128 + 100 * 12
+    with instride.Stream("grown", mode="w", retain_bytes=4 * small, on_full="drop-oldest") as s:
+        for i in range(3):
+            s.append(np.full((100, 3), i, np.float32), step=i)
+        s.append(np.full((1000, 3), 3, np.float32), step=3)
+        assert s.published() == [3]
+        assert _frames_on_disk(managed_dir, "grown") == ["frame_000000003.isf"]
+        frame = instride.Stream("grown", timeout=5).read(3)
+        assert frame.positions.shape == (1000, 3) and frame.step == 3
+        s.append(np.full((100, 3), 4, np.float32), step=4)  # (then retired as usual)
+        assert s.published() == [4]
+
+
+def test_a_forked_child_leaves_the_producers_files_alone(managed_dir: Path) -> None:
+    """A child forked from a producer that drops its copy of the stream deletes none of
+    the producer's pooled frame files: the producer goes on appending."""
+    s = instride.Stream("forked", mode="w", retain=2, on_full="drop-oldest")
+    for i in range(5):
+        s.append(_positions(i), step=i)
+    assert s._pool is not None
+    pool = s._pool.pool_dir
+    before = sorted(os.listdir(pool))
+    assert before  # (a retired frame's file waits there for reuse)
+    pid = os.fork()
+    if pid == 0:  # the child: drops its copy (Stream.__del__ closes the pool) and exits
+        try:
+            del s
+            import gc
+
+            gc.collect()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert sorted(os.listdir(pool)) == before
+    for i in range(5, 8):
+        s.append(_positions(i), step=i)
+    assert s.published() == [6, 7]
+    s.close()
+    reader = instride.Stream("forked", timeout=5)
+    assert [reader.read(i).step for i in (6, 7)] == [6, 7]
 
 
 def test_block_with_a_live_consumer_in_threads(managed_dir: Path) -> None:

@@ -125,7 +125,8 @@ class Stream:
         being published); older frames are retired — their keys disappear and their storage
         is reused for new frames. ``None`` (default): keep every frame.
     retain_bytes
-        Producer: the same bound in bytes of frame files.
+        Producer: the same bound in bytes of frame files. The newest frame is always kept,
+        also one larger than the bound on its own (the older ones are retired then).
     on_full
         Producer, when the bound is reached: ``"block"`` (default) waits until every
         consumer group has taken the oldest frame; ``"drop-oldest"`` retires it at once;
@@ -183,8 +184,8 @@ class Stream:
         test machine). A reader killed without closing then
         resumes up to ``commit_every - 1`` frames before the frame it held (they are
         delivered again; none is skipped). Never more than the producer's ``retain`` under
-        ``"block"`` (its waits must see progress), and 1 where the producer bounds only
-        bytes. Default 1.
+        ``"block"`` (its waits must see progress), and 1 where the producer bounds bytes
+        (``retain_bytes``: how many frames fit is not known). Default 1.
 
     Raises
     ------
@@ -467,7 +468,8 @@ class Stream:
         if not self.policy.bounded:
             return 0
         count, total, going = len(self._retained), self._retained_bytes, 0
-        for index, _ino, size in self._retained:
+        # (never the frame just written: one frame larger than the byte bound stays readable)
+        for index, _ino, size in itertools.islice(self._retained, count - 1):
             if not self._over(count - going, total, 0) or self._holders(index):
                 break
             going += 1
@@ -1011,8 +1013,9 @@ class Stream:
         producer's ``retain`` under "block" (1 where it is not known)."""
         step, policy = self.commit_every, self._reader_policy
         if step > 1 and (policy is None or not policy.drops):
+            # (a byte bound may hold fewer frames than ``retain``: how many is not known)
             step = 1 if policy is None or (policy.bounded and policy.retain is None) \
-                else min(step, policy.retain or step)
+                or policy.retain_bytes is not None else min(step, policy.retain or step)
         return step
 
     def __iter__(self) -> Iterator[Frame]:
@@ -1064,6 +1067,7 @@ class Stream:
         self._cursor = index + 1
         if self._cursor_file is not None:
             self._cursor_file.commit(index)
+            self._done = index  # (what close() records: never behind the frames skipped)
         self._held = frame
         return frame
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FileTypeError, UnsafePathError
+from ..perthread import forks
 from .publish import publish_file
 from .spare import SpareMaker
 
@@ -82,6 +83,7 @@ class SlotPool:
         self._mapped: Slot | None = None  # one of them, mapped, for the next take()
         self._published: list[Slot] = []  # published, not recycled: closed by prepare()
         self._made = 0
+        self._forks = forks()  # (of the producer: a forked child owns none of these files)
 
     # ------------------------------------------------------------------ writing
     def take(self, size: int) -> Slot:
@@ -238,10 +240,15 @@ class SlotPool:
                 slot.close()
 
     def close(self) -> None:
-        """Delete the pooled (unpublished) files and close every mapping."""
+        """Delete the pooled (unpublished) files and close every mapping.
+
+        In a forked child (a copy of the producer's pool) only the child's descriptors and
+        mappings are closed: the files are the producer's, which goes on using them.
+        """
         self.release_published()
+        mine = self._forks == forks()
         for slot in self._slots.values():
-            if slot.pooled:
+            if slot.pooled and mine:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(slot.path)
             slot.close()
