@@ -579,3 +579,83 @@ def test_cluster_remote_reader_learns_of_dropped_frames(loopback_nodes: list) ->
     steps, rest = out.split("|")
     assert [int(x) for x in steps.split()] == [27, 28, 29]
     assert int(rest.split()[0]) == 27  # counted, never a silent gap
+
+
+LEASED_PRODUCER = textwrap.dedent(
+    """
+    import time, numpy as np, instride
+    pos = np.zeros((100, 3), dtype=np.float32)
+    with instride.Stream("leased", mode="w", groups=["g"], timeout=60) as s:
+        for i in range(150):
+            pos[:, 0] = i
+            s.append(pos, step=i)
+            time.sleep(0.03)
+    """
+)
+LEASED_READER = textwrap.dedent(
+    """
+    import sys, time, instride
+    import instride.store.streamstate as state
+    from instride.errors import GroupBusy, GroupLeaseLost
+    state.LEASE_S = 1.0  # (a short lease: the test pauses a reader for longer than it)
+    log = open(sys.argv[1], "a", buffering=1)
+    while True:
+        try:
+            s = instride.Stream("leased", group="g", timeout=60)
+            break
+        except GroupLeaseLost:
+            raise
+        except GroupBusy:
+            time.sleep(0.05)
+    try:
+        for f in s:
+            log.write(f"{f.step}\\n")
+    except GroupLeaseLost as exc:
+        print("LOST", exc, flush=True)
+        s.close()
+        sys.exit(3)
+    s.close()
+    print("END", flush=True)
+    """
+)
+
+
+def _steps(path: Path) -> list[int]:
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def test_cluster_group_reader_paused_past_its_lease_stops_reading_as_the_group(
+        loopback_nodes: list, tmp_path: Path) -> None:
+    """A group reader stopped for longer than its lease loses the group to a reader waiting
+    for it; resumed, it raises ``GroupLeaseLost`` instead of taking frames as the group, and
+    the two together take every frame — only the frame held at the pause twice."""
+    owner, remote = loopback_nodes[0], loopback_nodes[1]
+    first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
+    producer = spawn_py(LEASED_PRODUCER, env=owner.env)
+    first = subprocess.Popen([sys.executable, "-c", LEASED_READER, str(first_log)], env=remote.env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    second = None
+    try:
+        deadline = time.monotonic() + 60
+        while len(_steps(first_log)) < 5:
+            assert time.monotonic() < deadline and first.poll() is None, "first reader stalled"
+            time.sleep(0.02)
+        stop_process(first.pid)
+        before = _steps(first_log)
+        second = subprocess.Popen([sys.executable, "-c", LEASED_READER, str(second_log)],
+                                  env=remote.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        while len(_steps(second_log)) < 3:  # (it takes the group once the lease ran out)
+            assert time.monotonic() < deadline and second.poll() is None, "second reader stalled"
+            time.sleep(0.02)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    rc, out, err = finish(first, 60)
+    assert rc == 3 and "LOST" in out and "lost the lease on consumer group 'g'" in out, (rc, out, err)
+    assert _steps(first_log) == before  # not one frame taken as the group after the pause
+    rc, _, err = finish(second, 120)
+    assert rc == 0, err
+    rc, _, err = finish(producer, 120)
+    assert rc == 0, err
+    later = _steps(second_log)
+    assert later == list(range(later[0], 150))
+    assert before[-1] <= later[0] <= before[-1] + 1 and before == list(range(len(before)))

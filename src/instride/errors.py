@@ -217,6 +217,21 @@ class GroupBusy(InstrideError, BlockingIOError):
         )
 
 
+class GroupLeaseLost(GroupBusy):
+    """A cluster reader's lease on its consumer group expired and another reader took the
+    group over (this one was stopped or paused longer than the lease): it must not go on
+    reading as the group, or both would take the same frames."""
+
+    def __init__(self, stream: str, group: str, lease_s: float) -> None:
+        super().__init__(stream, group)
+        self.lease_s = lease_s
+        self.strerror = (
+            f"lost the lease on consumer group {group!r} of stream {stream!r}: this reader was "
+            f"not heard from for longer than the lease ({lease_s:g} s) and another reader took "
+            "the group over; open the stream again to read as the group")
+        self.args = (_errno.EBUSY, self.strerror)
+
+
 class ArchiveError(InstrideError, OSError):
     """A stream's archiver failed: frames may be missing from its archive file."""
 
@@ -284,6 +299,7 @@ BY_NAME: dict[str, type[InstrideError]] = {
         FramesMissed,
         StreamFull,
         GroupBusy,
+        GroupLeaseLost,
         ArchiveError,
         ConfigError,
         UnsupportedModeError,

@@ -61,6 +61,7 @@ from .errors import (
     ConsumeTimeout,
     EndOfStream,
     FramesMissed,
+    GroupLeaseLost,
     IntegrityError,
     KeyNotFoundError,
     KeyValidationError,
@@ -561,7 +562,8 @@ class Stream:
         self._release_held()
         if self._cursor_file is not None:
             if self._done is not None:  # (positions recorded every commit_every frames)
-                self._cursor_file.commit(self._done)
+                with contextlib.suppress(GroupLeaseLost):  # (the group's new reader's now)
+                    self._cursor_file.commit(self._done)
             self._cursor_file.close()
             self._cursor_file = None
         if self._leases is not None:
@@ -1004,6 +1006,7 @@ class Stream:
         frames)."""
         self._release_held()
         if self._cursor_file is not None:
+            self._cursor_file.check()  # (a cluster group's lease lost: no more frames as it)
             self._done = self._cursor
             if not 0 <= self._cursor - self._cursor_file.value < self._commit_step():
                 self._cursor_file.commit(self._cursor)
@@ -1038,6 +1041,12 @@ class Stream:
                     raise
                 self.missed += exc.missed
                 continue
+            if self._cursor_file is not None:
+                try:  # (a reader paused in its wait, its group taken over meanwhile)
+                    self._cursor_file.check()
+                except GroupLeaseLost:
+                    frame.release()
+                    raise
             self._cursor += 1
             self._held = frame
             return frame

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import ConfigError, GroupBusy
+from ..errors import ConfigError, GroupBusy, GroupLeaseLost
 
 POLICIES = ("block", "drop-oldest", "latest")
 _GROUP_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\Z")
@@ -268,6 +268,10 @@ class GroupCursor:
             raise GroupBusy(stream, name) from None
         self.value = int(_CURSOR.unpack(os.pread(self._fd, _CURSOR.size, 0))[0])
 
+    def check(self) -> None:
+        """Whether the group is still this reader's: on one node always (its lock is held
+        until the reader closes or dies)."""
+
     def commit(self, value: int) -> None:
         """Record that the group is done with every frame before ``value``."""
         if value != self.value:
@@ -429,6 +433,10 @@ class LocalStreamState:
         self._groups.close()
 
 
+#: seconds a cluster group reader's lease lasts unless renewed (renewed every third of it)
+LEASE_S = 10.0
+
+
 class RedisStreamState:
     """A stream's head, policy and consumer groups in Redis (cluster mode).
 
@@ -448,14 +456,14 @@ class RedisStreamState:
     stream
         The stream name.
     lease_s
-        Lifetime of a group reader's lease.
+        Lifetime of a group reader's lease (default :data:`LEASE_S`).
     """
 
-    def __init__(self, metadata: Any, stream: str, lease_s: float = 10.0) -> None:
+    def __init__(self, metadata: Any, stream: str, lease_s: float | None = None) -> None:
         self.metadata = metadata
         self.redis = metadata.redis
         self.stream = stream
-        self.lease_s = lease_s
+        self.lease_s = LEASE_S if lease_s is None else lease_s
         self._head = f"instride:stream:{stream}:head"
         self._groups = f"instride:stream:{stream}:groups"
 
@@ -534,8 +542,24 @@ class RedisStreamState:
         return RedisGroupCursor(self, check_group(name), start)
 
 
+#: renew a lease only if it is still this reader's (its token): never one another reader took
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+
 class RedisGroupCursor:
-    """A reader's lease on its group in Redis, renewed on every commit and in the background."""
+    """A reader's lease on its group in Redis, renewed in the background.
+
+    The lease is renewed only while it is still this reader's (a token compared in Redis), so
+    a reader stopped or paused for longer than the lease — whose group another reader then
+    took over — finds it lost: :meth:`check` (before every frame) and :meth:`commit` raise
+    :class:`~instride.errors.GroupLeaseLost` instead of taking frames as the group, and the
+    new reader's lease is never extended by the old one.
+    """
 
     def __init__(self, state: RedisStreamState, name: str, start: int) -> None:
         self.state, self.name = state, name
@@ -544,6 +568,9 @@ class RedisGroupCursor:
         r = state.redis
         if not r.set(self._lock, self._token, nx=True, px=int(state.lease_s * 1000)):
             raise GroupBusy(state.stream, name)
+        self._renewed = time.monotonic()  # (the lease is good until lease_s after this)
+        self._lost = False
+        self._script = r.register_script(_RENEW)
         r.hsetnx(state._groups, name, start)
         self.value = int(r.hget(state._groups, name))
         self._stop = threading.Event()
@@ -554,10 +581,48 @@ class RedisGroupCursor:
         every = self.state.lease_s / 3
         while not self._stop.wait(every):
             with contextlib.suppress(Exception):
-                self.state.redis.pexpire(self._lock, int(self.state.lease_s * 1000))
+                self._extend()
+
+    def _extend(self) -> bool:
+        """Extend the lease if it is still ours; whether it was (else it is lost for good)."""
+        started = time.monotonic()
+        if self._lost:
+            return False
+        if self._script(keys=[self._lock], args=[self._token, int(self.state.lease_s * 1000)]):
+            self._renewed = max(self._renewed, started)
+            return True
+        self._lost = True
+        return False
+
+    def check(self) -> None:
+        """Before the reader takes another frame as the group: the lease is still its own.
+
+        Free while the background renewals keep up; after a pause of more than two renewal
+        periods (the process was stopped, the machine paused) one round trip to Redis says.
+
+        Raises
+        ------
+        GroupLeaseLost
+            The lease expired and is (or was) another reader's.
+        """
+        if not self._lost and time.monotonic() - self._renewed < self.state.lease_s * 2 / 3:
+            return
+        try:
+            ours = self._extend()
+        except Exception:  # (Redis unreachable: the lease may still be ours; the commit says)
+            return
+        if not ours:
+            raise GroupLeaseLost(self.state.stream, self.name, self.state.lease_s)
 
     def commit(self, value: int) -> None:
-        """Record that the group is done with every frame before ``value``."""
+        """Record that the group is done with every frame before ``value``.
+
+        Raises
+        ------
+        GroupLeaseLost
+            The lease is another reader's now: nothing is recorded.
+        """
+        self.check()
         if value != self.value:  # not waiting for the reply: read with the next command
             self.state.metadata.set_later(self.state._groups, {self.name: value})
             self.value = value
