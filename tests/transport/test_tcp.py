@@ -672,7 +672,11 @@ def test_a_peer_leaving_or_a_stop_ends_a_held_fetch(own_node: LoopbackNode) -> N
         node.proc.send_signal(signal.SIGTERM)  # a held request does not keep the server up
         node.proc.wait(30)
         assert time.monotonic() - start < 20 and node.proc.returncode == 0
-        assert held.recv(1) == b""  # closed without a reply
+        try:
+            ended = held.recv(1)
+        except ConnectionResetError:  # ("peers" counts connections: a request the server had
+            ended = b""  # not read yet when it stopped is reset by the kernel, not answered)
+        assert ended == b""  # closed without a reply
     finally:
         held.close()
     no_traceback(node)
