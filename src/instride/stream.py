@@ -1073,10 +1073,14 @@ class Stream:
             except FramesMissed:
                 continue  # retired between our look and our read: a newer frame exists
             break
-        self._cursor = index + 1
         if self._cursor_file is not None:
-            self._cursor_file.commit(index)
+            try:
+                self._cursor_file.commit(index)
+            except GroupLeaseLost:
+                frame.release()
+                raise
             self._done = index  # (what close() records: never behind the frames skipped)
+        self._cursor = index + 1
         self._held = frame
         return frame
 
