@@ -346,7 +346,6 @@ def test_group_position_every_few_frames_never_stalls_a_blocked_producer(
     assert seen == list(range(60))
 
 
-
 def test_group_position_every_few_frames_with_a_byte_bound_never_stalls(
         managed_dir: Path) -> None:
     """``retain_bytes`` binding before ``retain`` under "block": the group's position is
@@ -386,6 +385,7 @@ def test_latest_then_close_never_moves_the_group_back(managed_dir: Path) -> None
     reader.close()
     with instride.Stream("latest-group", group="g", timeout=5) as again:
         assert [f.step for f in again] == [9]
+
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "4"])
 def test_commit_every_must_be_a_whole_number_of_frames(managed_dir: Path, bad: object) -> None:
@@ -603,9 +603,7 @@ LEASED_READER = textwrap.dedent(
         try:
             s = instride.Stream("leased", group="g", timeout=60)
             break
-        except GroupLeaseLost:
-            raise
-        except GroupBusy:
+        except GroupBusy:  # (the first reader's lease has not run out yet)
             time.sleep(0.05)
     try:
         for f in s:
