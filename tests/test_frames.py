@@ -256,3 +256,57 @@ def test_the_c_codec_hashes_alike_with_and_without_libxxhash_dispatch(dispatch: 
                          env=dict(os.environ, INSTRIDE_XXH_DISPATCH=dispatch))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(layout=st.sampled_from(["xyz32", "paper", "paper-soa"]),
+       n=st.sampled_from([0, 1, 10_922, 10_923, 21_845, 21_846, 23_558]), with_ids=st.booleans(),
+       with_box=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_one_call_encode_writes_the_bytes_of_encode_into(
+    layout: str, n: int, with_ids: bool, with_box: bool, seed: int
+) -> None:
+    # isl_append (csrc/local/frame.c), the bounded stream's one-call encode, writes the same
+    # header and payload as encode_into, across its 256 KiB chunks; and the C copy of the
+    # array layouts reads the same arrays back as numpy's
+    from instride import frames, native
+    from instride.frames import decode_frame, encode_into, native_frame
+
+    lib = native.library()
+    assert lib is not None, "libinstride_local.so is missing: reinstall instride"
+    rng = np.random.default_rng(seed)
+    pos = rng.normal(size=(n, 3)) * 50
+    if layout == "xyz32":
+        pos = pos.astype(np.float32)
+    ids = rng.permutation(n).astype(np.int32) if with_ids else None
+    box = np.array([10.0, 20.0, 30.0]) if with_box else None
+    expected = bytearray(frame_size(n, layout))
+    encode_into(expected, pos, step=-3, time=2.5, box=box, layout=layout, ids=ids)
+    got = bytearray(frame_size(n, layout))
+    native = native_frame(pos, step=-3, time=2.5, box=box, layout=layout, ids=ids)
+    assert native is not None
+    dst = np.frombuffer(got, np.uint8)
+    assert lib.isl_append(dst.ctypes.data, *native.args(), -1, None, None, 0) == 0
+    assert got == expected
+    with pytest.MonkeyPatch.context() as mp:
+        copied_c = decode_frame(memoryview(got), "k", copy=True)
+        mp.setattr(frames, "library", lambda: None)
+        copied_numpy = decode_frame(memoryview(got), "k", copy=True)
+    assert np.array_equal(copied_c.positions, copied_numpy.positions)
+    assert np.array_equal(copied_c.positions, pos)
+    if layout != "xyz32":
+        assert np.array_equal(copied_c.ids, copied_numpy.ids)
+
+
+def test_arrays_the_one_call_encode_cannot_take_go_the_numpy_way() -> None:
+    from instride.frames import native_frame
+
+    pos = np.zeros((10, 3))
+    kw = {"step": 0, "time": 0.0, "box": None, "ids": None}
+    assert native_frame(pos, layout="paper-soa", **kw) is not None
+    assert native_frame(pos, layout="xyz32", **kw) is None  # float64 for xyz32: converted
+    assert native_frame(pos.astype(np.float32), layout="paper", **kw) is None
+    assert native_frame(np.zeros((10, 6))[:, ::2], layout="paper", **kw) is None  # strided
+    assert native_frame(pos, layout="paper", **{**kw, "ids": np.arange(9)}) is None
+    assert native_frame(pos, layout="nope", **kw) is None  # encode_into names the error
+    with pytest.raises(ValueError, match="box"):
+        native_frame(pos, layout="paper", **{**kw, "box": np.zeros(4)})

@@ -226,6 +226,11 @@ class Client:
         """
         return self._confined.open(key)
 
+    @property
+    def confined(self) -> ConfinedOpener:
+        """The opener of this client's keys (beneath the managed directory, no links)."""
+        return self._confined
+
     def _opener(self, key: str) -> Any:
         """An ``opener`` for :func:`open` that refuses links, directories and special files."""
         return lambda _path, _flags: self._confined.open(key)  # [confine]

@@ -43,6 +43,7 @@ Examples
 
 from __future__ import annotations
 
+import ctypes
 import io as _io
 import mmap
 import os
@@ -352,6 +353,59 @@ def encode_into(
     return HEADER_SIZE + nbytes
 
 
+@dataclass(frozen=True)
+class NativeFrame:
+    """A frame's arrays and header fields ready for the one-call C encode (``isl_append``,
+    see :meth:`~instride.store.ring.SlotPool.write_and_publish`); holds the arrays passed."""
+
+    layout: int
+    natoms: int
+    positions: np.ndarray  # C-contiguous: float32 for xyz32, float64 for the paper layouts
+    ids: np.ndarray | None  # C-contiguous int32, or None for 0..natoms-1
+    step: int
+    time: float
+    box: ctypes.Array[ctypes.c_double]
+
+    def args(self) -> tuple[object, ...]:
+        """The frame's arguments of ``isl_append``, after the destination address."""
+        return (self.layout, self.natoms, self.positions.ctypes.data,
+                None if self.ids is None else self.ids.ctypes.data, self.step, self.time,
+                self.box)
+
+
+_NO_BOX = (ctypes.c_double * 9)()
+
+
+def native_frame(
+    positions: np.ndarray, *, step: int, time: float, box: np.ndarray | None, layout: str,
+    ids: np.ndarray | None,
+) -> NativeFrame | None:
+    """The frame as :class:`NativeFrame`, or ``None`` where :func:`encode_into` must encode it
+    (no native library, a big-endian machine, positions of another dtype or not contiguous,
+    bad shapes — whose error :func:`encode_into` raises).
+
+    Parameters
+    ----------
+    positions, step, time, box, layout, ids
+        As for :func:`encode_into`.
+    """
+    if not _NATIVE_LE or layout not in LAYOUTS or library() is None:
+        return None
+    pos = np.asarray(positions)
+    want = _XYZ32 if layout == "xyz32" else _F64
+    if pos.ndim != 2 or pos.shape[1] != 3 or pos.dtype != want or not pos.flags.c_contiguous:
+        return None
+    natoms = pos.shape[0]
+    id32 = None
+    if ids is not None and layout != "xyz32":
+        id32 = np.asarray(ids)
+        if id32.shape != (natoms,):
+            return None
+        id32 = np.ascontiguousarray(id32, dtype=_I32)
+    boxv = _NO_BOX if box is None else (ctypes.c_double * 9)(*_box_vector(box))
+    return NativeFrame(LAYOUTS[layout], natoms, pos, id32, int(step), float(time), boxv)
+
+
 def _copy_hashed(
     out: np.ndarray, pos: np.ndarray, payload: memoryview, per_atom: int, hasher: xxhash.xxh3_64
 ) -> None:
@@ -607,6 +661,13 @@ def _copy_payload(
         ids = np.empty(n, _I32)
         parts = [positions, ids]
     src = np.frombuffer(payload, np.uint8)
+    lib = library() if _NATIVE_LE else None
+    if lib is not None:  # one C pass: copy a chunk, hash it from the cache (csrc/local/frame.c)
+        second = parts[1] if len(parts) > 1 else None
+        digest = lib.isl_split_copy(src.ctypes.data, positions.ctypes.data, positions.nbytes,
+                                    None if second is None else second.ctypes.data,
+                                    0 if second is None else second.nbytes, 1 if verify else 0)
+        return positions, ids, digest if verify else None
     at = 0
     for arr in parts:
         dst = arr.reshape(-1).view(np.uint8)

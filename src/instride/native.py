@@ -71,6 +71,13 @@ def _load() -> ctypes.CDLL | None:
         lib.isl_spare_take.restype = c_int
         lib.isl_spare_drop.argtypes = [ptr]
         lib.isl_spare_drop.restype = None
+        lib.isl_append.argtypes = [ptr, c_int, i64, ptr, ptr, i64, ctypes.c_double, ptr, c_int,
+                                   c_char_p, c_char_p, c_int]
+        lib.isl_append.restype = c_int
+        lib.isl_lease.argtypes = [c_int, c_char_p, ptr]
+        lib.isl_lease.restype = c_int
+        lib.isl_split_copy.argtypes = [ptr, ptr, i64, ptr, i64, c_int]
+        lib.isl_split_copy.restype = u64
     except AttributeError:  # a library built from older sources: the Python paths instead
         return None
     return lib

@@ -272,14 +272,22 @@ class ConfinedOpener:
         except OSError:  # pragma: no cover - interpreter shutdown
             pass
 
+    def dirfd(self) -> int:
+        """The managed directory's descriptor keys are opened beneath with ``openat2``
+        (opened on first use in each process), or -1 where the kernel has no ``openat2``."""
+        if ConfinedOpener._syscall is None:
+            return -1
+        if self._pid != os.getpid() or self._dirfd < 0:
+            self._dirfd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            self._pid = os.getpid()
+        return self._dirfd
+
     def open(self, key: str) -> int:
         """Open the normalized ``key``; see :func:`open_confined` for the errors."""
         syscall = ConfinedOpener._syscall
         if syscall is None:
             return open_confined(self.root_real, key, f"{self.root}/{key}")
-        if self._pid != os.getpid() or self._dirfd < 0:
-            self._dirfd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-            self._pid = os.getpid()
+        self.dirfd()
         how = ConfinedOpener._how
         fd = syscall(_SYS_OPENAT2, self._dirfd, os.fsencode(key), ctypes.byref(how),
                      ctypes.sizeof(how))

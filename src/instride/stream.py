@@ -67,7 +67,7 @@ from .errors import (
     KeyValidationError,
     StreamFull,
 )
-from .frames import Frame, decode_frame, encode_into, frame_size
+from .frames import Frame, decode_frame, encode_into, frame_size, native_frame
 from .paths import check_confined
 from .record import Record, checksum_of
 from .store.inbox import Inbox
@@ -370,20 +370,28 @@ class Stream:
         self._make_room(nbytes)
         key = self.frame_key(index)
         final = f"{self._frame_dir}/{FRAME_FORMAT.format(index)}"
-        slot = self._pool.take(nbytes)
-        try:
-            encode_into(
-                slot.mm, pos, step=index if step is None else step, time=0.0 if time is None else time,
-                box=box, layout=self.layout, ids=ids,
-            )
-        except BaseException:
-            self._pool.discard(slot)
-            raise
+        step = index if step is None else step
+        time_ps = 0.0 if time is None else time
         engine = self.client.engine
-        # the record's checksum (cluster mode) from the producer's own mapping, while the frame
-        # is still in cache: the engine would otherwise open and map the file again
-        checksum = checksum_of(slot.mm) if engine.wants_checksum else None
-        self._pool.publish(slot, final, key, overwrite=self.overwrite, fsync=self.client.fsync)
+        # one native call encodes and publishes (local mode, no fsync): else the steps below
+        native = None if engine.wants_checksum or self.client.fsync else native_frame(
+            pos, step=step, time=time_ps, box=box, layout=self.layout, ids=ids)
+        slot = self._pool.take(nbytes)
+        checksum = None
+        if native is not None:
+            self._pool.write_and_publish(slot, native, final, key, overwrite=self.overwrite)
+        else:
+            try:
+                encode_into(slot.mm, pos, step=step, time=time_ps, box=box, layout=self.layout,
+                            ids=ids)
+            except BaseException:
+                self._pool.discard(slot)
+                raise
+            # the record's checksum (cluster mode) from the producer's own mapping, while the
+            # frame is still in cache: the engine would otherwise open and map the file again
+            checksum = checksum_of(slot.mm) if engine.wants_checksum else None
+            self._pool.publish(slot, final, key, overwrite=self.overwrite,
+                               fsync=self.client.fsync)
         self._retained.append((index, slot.ino, nbytes))
         self._retained_bytes += nbytes
         # The frames that can go now without waiting for a group; where the stream's state is
@@ -669,7 +677,7 @@ class Stream:
                 keep = (policy.retain or 16) + _MAP_SLACK if policy is not None and policy.bounded else 0
                 if self._leases is not None:
                     self._leases.close()
-                self._leases = Leases(keep)
+                self._leases = Leases(keep, self.client.confined)
                 self._reader_policy = policy
         return self._leases
 
@@ -729,8 +737,7 @@ class Stream:
         plan = None if self._cadence is None else self._cadence.window(index)
         while True:
             path = engine.frame_path(key)
-            got = None if path is None else leases.open(  # [confine] no link on the way
-                path, functools.partial(self.client.open_fd, key))
+            got = None if path is None else leases.open_key(key, path)  # [confine] no link
             looks += 1
             if got is not None:
                 if self._cadence is not None and not arrived:  # (a fetched frame: noted above)

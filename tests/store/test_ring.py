@@ -177,3 +177,71 @@ def test_recycling_pool_makes_no_spare(tmp_path: Path) -> None:
     pool.prepare(4096)
     assert os.listdir(tmp_path / "pool") == []
     pool.close()
+
+
+def test_a_lease_by_key_in_one_native_call_gives_what_open_gives(tmp_path: Path) -> None:
+    # Leases.open_key (isl_lease: openat2 beneath the managed directory, shared lock, the key
+    # checked to still name the file) against every case open() knows
+    import fcntl
+
+    from instride.paths import ConfinedOpener
+
+    root = tmp_path / "root"
+    (root / "s").mkdir(parents=True)
+    pool = SlotPool(root / ".pool", recycle=True)
+    opener = ConfinedOpener(root)
+    leases = Leases(4, opener)
+    ino = _write(pool, root / "s", "a", b"A" * 4096)
+    buf, release = leases.open_key("s/a", f"{root}/s/a")
+    assert bytes(buf) == b"A" * 4096
+    with pytest.raises(BlockingIOError):  # held: the producer cannot rewrite it
+        fcntl.flock(os.open(root / "s" / "a", os.O_RDONLY), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    del buf
+    release()
+    again, release = leases.open_key("s/a", f"{root}/s/a")  # the same mapping, kept by inode
+    del again
+    release()
+    assert leases.open_key("s/missing", f"{root}/s/missing") is None
+    slot = pool._slots[ino]
+    fcntl.flock(slot.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # being rewritten: not held, no error
+    assert leases.open_key("s/a", f"{root}/s/a") is None
+    fcntl.flock(slot.fd, fcntl.LOCK_UN)
+    pool.retire(ino)
+    assert leases.open_key("s/a", f"{root}/s/a") is None  # retired: the key is gone
+    os.symlink(root / "s", root / "linked")
+    with pytest.raises(UnsafePathError, match="symbolic link"):
+        leases.open_key("linked/b", f"{root}/linked/b")
+    (root / "s" / "d").mkdir()
+    with pytest.raises(FileTypeError, match="regular file"):
+        leases.open_key("s/d", f"{root}/s/d")
+    (root / "s" / "empty").write_bytes(b"")
+    got = leases.open_key("s/empty", f"{root}/s/empty")
+    assert got is not None and got[0] == b""
+    leases.close()
+    opener.close()
+    pool.close()
+
+
+def test_the_one_call_publish_refuses_an_existing_key_and_keeps_nothing(tmp_path: Path) -> None:
+    import numpy as np
+
+    from instride.errors import KeyExistsError
+    from instride.frames import decode_frame, frame_size, native_frame
+
+    pool = SlotPool(tmp_path / "pool", recycle=True)
+    pos = np.random.default_rng(1).random((100, 3))
+    frame = native_frame(pos, step=4, time=0.5, box=None, layout="paper-soa", ids=None)
+    assert frame is not None
+    slot = pool.take(frame_size(100, "paper-soa"))
+    pool.write_and_publish(slot, frame, str(tmp_path / "f0"), "f0", overwrite=False)
+    got = decode_frame((tmp_path / "f0").read_bytes(), "f0")
+    assert got.step == 4 and np.array_equal(got.positions, pos)
+    slot = pool.take(frame_size(100, "paper-soa"))
+    with pytest.raises(KeyExistsError):
+        pool.write_and_publish(slot, frame, str(tmp_path / "f0"), "f0", overwrite=False)
+    assert pool.files == 1  # the unpublished slot is gone, its file deleted
+    assert os.listdir(tmp_path / "pool") == []
+    slot = pool.take(frame_size(100, "paper-soa"))  # a missing directory is made again
+    pool.write_and_publish(slot, frame, str(tmp_path / "new" / "f1"), "new/f1", overwrite=False)
+    assert decode_frame((tmp_path / "new" / "f1").read_bytes(), "f1").step == 4
+    pool.close()

@@ -20,6 +20,7 @@ are safe for as long as the frame is retained, and the pool reuses a retired fil
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -31,11 +32,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FileTypeError, UnsafePathError
+from ..frames import NativeFrame
+from ..native import library
+from ..paths import ConfinedOpener
 from ..perthread import forks
 from .publish import publish_file
 from .spare import SpareMaker
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+#: isl_lease's results (csrc/local/frame.c)
+_LEASE_HELD, _LEASE_ABSENT, _LEASE_RETIRED = 0, 1, 2
 
 
 @dataclass
@@ -49,6 +55,7 @@ class Slot:
     pool_name: str
     path: str  # where the file is now: in the pool, or at its key once published
     pooled: bool = True  # in the pool (not published under a key)
+    addr: int = 0  # where ``mm`` is mapped (for the native encode)
 
     def close(self) -> None:
         """Unmap and close (the file itself stays where it is)."""
@@ -153,7 +160,8 @@ class SlotPool:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             raise
-        slot = Slot(fd, os.fstat(fd).st_ino, size, mm, os.path.basename(path), path)
+        slot = Slot(fd, os.fstat(fd).st_ino, size, mm, os.path.basename(path), path,
+                    addr=_address(mm))
         self._slots[slot.ino] = slot
         return slot
 
@@ -163,6 +171,7 @@ class SlotPool:
         os.ftruncate(slot.fd, size)
         slot.mm = mmap.mmap(slot.fd, size)
         slot.size = size
+        slot.addr = _address(slot.mm)
 
     def publish(self, slot: Slot, final: str, key: str, *, overwrite: bool, fsync: bool) -> None:
         """Give the written ``slot`` its key (atomically) and let readers hold it.
@@ -176,11 +185,37 @@ class SlotPool:
         if fsync:
             slot.mm.flush()
         fcntl.flock(slot.fd, fcntl.LOCK_UN)
+        self._publish(slot, final, key, overwrite=overwrite)
+
+    def write_and_publish(self, slot: Slot, frame: NativeFrame, final: str, key: str, *,
+                          overwrite: bool) -> None:
+        """Encode ``frame`` into ``slot`` and publish it as :meth:`publish` does, in one
+        native call (``isl_append``: no interpreter between the bytes and the rename).
+
+        Raises
+        ------
+        KeyExistsError
+            ``final`` exists and ``overwrite`` is false (the slot is discarded).
+        """
+        lib = library()
+        assert lib is not None  # (a NativeFrame is only made where the library is loaded)
+        # (str paths: os.fsencode in the call would cost a lookup per frame; keys are ASCII)
+        rc = lib.isl_append(slot.addr, *frame.args(), slot.fd, slot.path.encode(),
+                            final.encode(), 0 if overwrite else 1)
+        if rc == 0:
+            self._published_as(slot, final)
+        else:  # encoded and unlocked, not renamed: the slow path retries and names the error
+            self._publish(slot, final, key, overwrite=overwrite)
+
+    def _publish(self, slot: Slot, final: str, key: str, *, overwrite: bool) -> None:
         try:
             publish_file(slot.path, final, key, overwrite=overwrite)
         except BaseException:
             self.discard(slot)
             raise
+        self._published_as(slot, final)
+
+    def _published_as(self, slot: Slot, final: str) -> None:
         slot.path = final
         slot.pooled = False
         if not self.recycle:  # never rewritten nor retired by us: let go of it soon (an
@@ -268,6 +303,15 @@ class SlotPool:
         return len(self._slots)
 
 
+def _address(mm: mmap.mmap) -> int:
+    """Where ``mm`` is mapped (the temporary export is dropped at once: ``mm`` stays closable)."""
+    view = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view
+
+
 def _slot_pid(name: str) -> int | None:
     parts = name.split("-")
     if len(parts) == 3 and parts[0] == "slot" and parts[1].isdigit():
@@ -327,9 +371,36 @@ class Leases:
         meanwhile.
     """
 
-    def __init__(self, keep: int = 0) -> None:
+    def __init__(self, keep: int = 0, confined: ConfinedOpener | None = None) -> None:
         self.keep = keep
         self._maps: OrderedDict[tuple[int, int], mmap.mmap] = OrderedDict()
+        self._confined = confined
+        self._prefix = "" if confined is None else confined.root + "/"
+        self._out = (ctypes.c_int64 * 4)()
+
+    def open_key(self, key: str, path: str) -> tuple[memoryview | bytes, Callable[[], None]] | None:
+        """:meth:`open` for the key ``key`` of the managed directory of ``confined``, whose
+        file is ``path``: the open, the lock and the checks in one native call
+        (``isl_lease``) where it can; the same results and errors as :meth:`open`."""
+        confined = self._confined
+        assert confined is not None, "open_key needs the managed directory's opener"
+        lib = library()
+        dirfd = -1 if lib is None or path != self._prefix + key else confined.dirfd()
+        if dirfd < 0:  # (a frame kept elsewhere, or no openat2: the portable checks)
+            return self.open(path, lambda: confined.open(key))
+        out = self._out
+        rc = lib.isl_lease(dirfd, key.encode(), out)
+        if rc == _LEASE_HELD:
+            fd = out[0]
+            try:
+                mm = self._map(fd, out[1], out[2], out[3])
+            except BaseException:
+                os.close(fd)
+                raise
+            return memoryview(mm), self._releaser(fd, mm)
+        if rc in (_LEASE_ABSENT, _LEASE_RETIRED):
+            return None
+        return self.open(path, lambda: confined.open(key))  # the slow path names the problem
 
     def open(
         self, path: str | Path, opener: Callable[[], int] | None = None,
@@ -388,11 +459,15 @@ class Leases:
             if st.st_size == 0:
                 os.close(fd)
                 return b"", _noop
-            mm = self._map(fd, st)
+            mm = self._map(fd, st.st_dev, st.st_ino, st.st_size)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.close(fd)
             raise
+        return memoryview(mm), self._releaser(fd, mm)
+
+    def _releaser(self, fd: int, mm: mmap.mmap) -> Callable[[], None]:
+        """The function that ends the hold ``fd`` on the file mapped as ``mm`` (once)."""
         done = False
 
         def release() -> None:
@@ -406,19 +481,19 @@ class Leases:
                 with contextlib.suppress(BufferError):
                     mm.close()
 
-        return memoryview(mm), release
+        return release
 
-    def _map(self, fd: int, st: os.stat_result) -> mmap.mmap:
-        ident = (st.st_dev, st.st_ino)
+    def _map(self, fd: int, dev: int, ino: int, size: int) -> mmap.mmap:
+        ident = (dev, ino)
         mm = self._maps.get(ident)
-        if mm is not None and len(mm) == st.st_size:
+        if mm is not None and len(mm) == size:
             self._maps.move_to_end(ident)
             return mm
         # A mapping keeps its open file description alive, and with it any flock on it: map
         # through a second open of the same file, so closing ``fd`` really ends the hold.
         mfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            mm = mmap.mmap(mfd, st.st_size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+            mm = mmap.mmap(mfd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
         finally:
             os.close(mfd)
         if self.keep:

@@ -1,0 +1,191 @@
+/*
+ * frame.c -- libinstride_local: a bounded stream's per-frame path on one node, in C.
+ *
+ * A frame of a stream with retention is written into a recycled, already mapped file and
+ * published by a rename; a reader holds it with a shared flock and reads it from a mapping it
+ * keeps. Each of these steps is a handful of system calls and one pass over the bytes, and
+ * between frames (tens of ms apart in a real run) the CPU's caches and branch predictors go
+ * cold: a step written in Python then pays for every interpreter instruction on the way, 5-25x
+ * its warm time on the development VM. Here each side's step is one call:
+ *
+ *   isl_append      encode a frame into its mapping (each chunk of coordinates copied, then
+ *                   hashed while in the cache; the header with both checksums), drop the
+ *                   producer's exclusive lock, publish it (rename, RENAME_NOREPLACE unless
+ *                   overwriting). The layout of instride/frames.py, little-endian only.
+ *   isl_lease       open a key beneath the managed directory refusing every symbolic link
+ *                   (openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS), take the shared lock,
+ *                   and check that the file is still the one published under the key.
+ *   isl_split_copy  copy a contiguous payload into the reader's own arrays (coordinates,
+ *                   then ids), hashing each chunk of the copy while it is in the cache.
+ *
+ * Python keeps the policy, the consumer groups and every error: where these calls meet
+ * anything but the common case they say so and Python takes the slow, explaining path.
+ *
+ * Exported: isl_append, isl_lease, isl_split_copy.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/openat2.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include "../common/ins_xxh.h"
+
+#define ISL_EXPORT __attribute__((visibility("default")))
+
+#define HEADER_SIZE 128
+#define HEADER_FIELDS 120 /* bytes covered by the header checksum */
+#define CHUNK (1 << 18)   /* bytes copied, then hashed from the cache */
+
+enum { LAYOUT_XYZ32 = 1, LAYOUT_PAPER = 2, LAYOUT_SOA = 3 };
+
+uint64_t isl_paper_encode(unsigned char *dst, const double *pos, const int32_t *ids, int64_t n);
+
+/* Copy n bytes from src to dst in chunks, hashing each chunk of dst right after its copy. */
+static void copy_hashed(unsigned char *dst, const unsigned char *src, size_t n, XXH3_state_t *st)
+{
+    for (size_t lo = 0; lo < n; lo += CHUNK) {
+        size_t k = n - lo < CHUNK ? n - lo : CHUNK;
+        memcpy(dst + lo, src + lo, k);
+        if (st != NULL)
+            INS_XXH3_UPDATE(st, dst + lo, k);
+    }
+}
+
+/* The soa/xyz32 payload: coordinates, then (soa) ids; returns its digest. */
+static uint64_t encode_arrays(unsigned char *dst, const void *pos, size_t pos_bytes,
+                              const int32_t *ids, int64_t n_ids)
+{
+    XXH3_state_t st;
+    XXH3_64bits_reset(&st);
+    copy_hashed(dst, pos, pos_bytes, &st);
+    if (n_ids > 0) {
+        unsigned char *out = dst + pos_bytes;
+        if (ids != NULL)
+            memcpy(out, ids, (size_t)n_ids * 4);
+        else
+            for (int64_t i = 0; i < n_ids; i++) {
+                int32_t id = (int32_t)i;
+                memcpy(out + 4 * i, &id, 4);
+            }
+        INS_XXH3_UPDATE(&st, out, (size_t)n_ids * 4);
+    }
+    return XXH3_64bits_digest(&st);
+}
+
+/* Encode a frame at dst (HEADER_SIZE + payload bytes, checked by the caller) and publish it.
+ *
+ * pos: natoms x 3 contiguous float32 (xyz32) or float64 (paper, paper-soa); ids: natoms
+ * int32, or NULL for 0..natoms-1 (ignored for xyz32); box: 9 float64. Then, where fd >= 0:
+ * unlock fd (the producer's exclusive flock, so that a reader woken by the rename finds the
+ * frame lockable) and rename src to dst_path (RENAME_NOREPLACE when noreplace).
+ *
+ * Returns 0 when the frame is published (or only encoded, fd < 0), -errno of a failed
+ * rename (the frame is encoded and unlocked, not published: the caller's slow path names the
+ * problem), -EINVAL for an unknown layout (nothing written). */
+ISL_EXPORT int isl_append(unsigned char *dst, int layout, int64_t natoms, const void *pos,
+                          const int32_t *ids, int64_t step, double time, const double *box,
+                          int fd, const char *src, const char *dst_path, int noreplace)
+{
+    unsigned char *payload = dst + HEADER_SIZE;
+    uint64_t nbytes, digest;
+    switch (layout) {
+    case LAYOUT_XYZ32:
+        nbytes = (uint64_t)natoms * 12;
+        digest = encode_arrays(payload, pos, nbytes, NULL, 0);
+        break;
+    case LAYOUT_PAPER:
+        nbytes = (uint64_t)natoms * 28;
+        digest = isl_paper_encode(payload, pos, ids, natoms);
+        break;
+    case LAYOUT_SOA:
+        nbytes = (uint64_t)natoms * 28;
+        digest = encode_arrays(payload, pos, (size_t)natoms * 24, ids, natoms);
+        break;
+    default:
+        return -EINVAL;
+    }
+    /* "<4sHHQqd9dQQ" then the header checksum: little-endian, as stored in memory here */
+    uint16_t version = 1, code = (uint16_t)layout;
+    uint64_t n = (uint64_t)natoms;
+    memcpy(dst, "ISF1", 4);
+    memcpy(dst + 4, &version, 2);
+    memcpy(dst + 6, &code, 2);
+    memcpy(dst + 8, &n, 8);
+    memcpy(dst + 16, &step, 8);
+    memcpy(dst + 24, &time, 8);
+    memcpy(dst + 32, box, 72);
+    memcpy(dst + 104, &nbytes, 8);
+    memcpy(dst + 112, &digest, 8);
+    uint64_t hsum = XXH3_64bits(dst, HEADER_FIELDS);
+    memcpy(dst + HEADER_FIELDS, &hsum, 8);
+    if (fd < 0)
+        return 0;
+    flock(fd, LOCK_UN);
+    if (renameat2(AT_FDCWD, src, AT_FDCWD, dst_path, noreplace ? RENAME_NOREPLACE : 0) != 0)
+        return -errno;
+    return 0;
+}
+
+/* isl_lease's results */
+enum {
+    LEASE_HELD = 0,    /* out = {fd, st_dev, st_ino, st_size}: the caller closes fd */
+    LEASE_ABSENT = 1,  /* no file under the key (yet) */
+    LEASE_RETIRED = 2, /* the file is being rewritten, or no longer the key's: retired */
+    LEASE_ASK = 3,     /* anything else (a link, a special file, openat2 missing...): the
+                          caller's slow path finds out and names it */
+};
+
+/* Hold the file published under key (relative to dirfd, the managed directory): open it
+ * read-only refusing symbolic links anywhere and escapes, take a shared flock without
+ * waiting, and check that key still names it (a retired file may be renamed away between
+ * our open and our lock). */
+ISL_EXPORT int isl_lease(int dirfd, const char *key, int64_t *out)
+{
+    struct open_how how = {
+        .flags = O_RDONLY | O_NONBLOCK | O_CLOEXEC,
+        .resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS,
+    };
+    int fd = (int)syscall(SYS_openat2, dirfd, key, &how, sizeof how);
+    if (fd < 0)
+        return errno == ENOENT ? LEASE_ABSENT : LEASE_ASK;
+    struct stat st, now;
+    int rc = LEASE_ASK;
+    if (flock(fd, LOCK_SH | LOCK_NB) != 0)
+        rc = errno == EWOULDBLOCK ? LEASE_RETIRED : LEASE_ASK;
+    else if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size == 0)
+        rc = LEASE_ASK;
+    else if (fstatat(dirfd, key, &now, AT_SYMLINK_NOFOLLOW) != 0)
+        rc = errno == ENOENT ? LEASE_RETIRED : LEASE_ASK;
+    else if (now.st_ino != st.st_ino || now.st_dev != st.st_dev)
+        rc = LEASE_RETIRED;
+    else {
+        out[0] = fd;
+        out[1] = (int64_t)st.st_dev;
+        out[2] = (int64_t)st.st_ino;
+        out[3] = (int64_t)st.st_size;
+        return LEASE_HELD;
+    }
+    close(fd);
+    return rc;
+}
+
+/* Copy src (n1 + n2 bytes) into dst1 (n1 bytes) and dst2 (n2 bytes, may be 0), hashing each
+ * chunk of the copy while it is in the cache. Returns the xxh3-64 of the n1 + n2 bytes with
+ * hash, else 0. */
+ISL_EXPORT uint64_t isl_split_copy(const unsigned char *src, unsigned char *dst1, int64_t n1,
+                                   unsigned char *dst2, int64_t n2, int hash)
+{
+    XXH3_state_t st;
+    if (hash)
+        XXH3_64bits_reset(&st);
+    copy_hashed(dst1, src, (size_t)n1, hash ? &st : NULL);
+    if (n2 > 0)
+        copy_hashed(dst2, src + n1, (size_t)n2, hash ? &st : NULL);
+    return hash ? XXH3_64bits_digest(&st) : 0;
+}
