@@ -353,27 +353,24 @@ def encode_into(
     return HEADER_SIZE + nbytes
 
 
-@dataclass(frozen=True)
 class NativeFrame:
-    """A frame's arrays and header fields ready for the one-call C encode (``isl_append``,
-    see :meth:`~instride.store.ring.SlotPool.write_and_publish`); holds the arrays passed."""
+    """A frame's arguments of the one-call C encode (``isl_append``, see
+    :meth:`~instride.store.ring.SlotPool.write_and_publish`), after the destination address.
 
-    layout: int
-    natoms: int
-    positions: np.ndarray  # C-contiguous: float32 for xyz32, float64 for the paper layouts
-    ids: np.ndarray | None  # C-contiguous int32, or None for 0..natoms-1
-    step: int
-    time: float
-    box: ctypes.Array[ctypes.c_double]
+    Holds the arrays whose addresses it passes (``keep``) for as long as it lives.
+    """
 
-    def args(self) -> tuple[object, ...]:
-        """The frame's arguments of ``isl_append``, after the destination address."""
-        return (self.layout, self.natoms, self.positions.ctypes.data,
-                None if self.ids is None else self.ids.ctypes.data, self.step, self.time,
-                self.box)
+    __slots__ = ("args", "keep")
+
+    def __init__(self, args: tuple[object, ...], keep: tuple[object, ...]) -> None:
+        self.args = args
+        self.keep = keep
 
 
 _NO_BOX = (ctypes.c_double * 9)()
+#: layout -> (code, dtype of the positions) the C encode takes (little-endian machines only)
+_NATIVE_LAYOUTS = {"xyz32": (1, _XYZ32), "paper": (2, _F64), "paper-soa": (3, _F64)} \
+    if _NATIVE_LE else {}
 
 
 def native_frame(
@@ -389,21 +386,27 @@ def native_frame(
     positions, step, time, box, layout, ids
         As for :func:`encode_into`.
     """
-    if not _NATIVE_LE or layout not in LAYOUTS or library() is None:
+    # (a producer calls this once per frame, after tens of ms idle: every line costs)
+    native = _NATIVE_LAYOUTS.get(layout)
+    if native is None or library() is None:
         return None
-    pos = np.asarray(positions)
-    want = _XYZ32 if layout == "xyz32" else _F64
-    if pos.ndim != 2 or pos.shape[1] != 3 or pos.dtype != want or not pos.flags.c_contiguous:
+    pos = positions if type(positions) is np.ndarray else np.asarray(positions)
+    if pos.dtype != native[1] or pos.ndim != 2 or pos.shape[1] != 3 \
+            or not pos.flags.c_contiguous:
         return None
     natoms = pos.shape[0]
     id32 = None
-    if ids is not None and layout != "xyz32":
-        id32 = np.asarray(ids)
+    if ids is not None and native[0] != 1:
+        id32 = ids if type(ids) is np.ndarray else np.asarray(ids)
         if id32.shape != (natoms,):
             return None
         id32 = np.ascontiguousarray(id32, dtype=_I32)
     boxv = _NO_BOX if box is None else (ctypes.c_double * 9)(*_box_vector(box))
-    return NativeFrame(LAYOUTS[layout], natoms, pos, id32, int(step), float(time), boxv)
+    # (__array_interface__: a dict built in C; ``.ctypes.data`` runs several Python frames)
+    args = (native[0], natoms, pos.__array_interface__["data"][0],
+            None if id32 is None else id32.__array_interface__["data"][0], int(step),
+            float(time), boxv)
+    return NativeFrame(args, (pos, id32))
 
 
 def _copy_hashed(
@@ -570,7 +573,7 @@ def decode_header(buf: bytes | memoryview, what: str = "frame") -> FrameHeader:
 
 def decode_frame(
     buf: bytes | memoryview | mmap.mmap, what: str = "frame", *, verify: bool = True,
-    copy: bool = False,
+    copy: bool = False, releaser: Callable[[], None] | None = None,
 ) -> Frame:
     """Decode and verify a frame held in memory; coordinates are views of ``buf``.
 
@@ -586,6 +589,8 @@ def decode_frame(
         Return arrays of their own instead of views of ``buf``: the payload is copied and
         verified in one pass, chunk by chunk (each chunk is hashed while it is in the CPU
         cache), instead of a checksum pass over ``buf`` followed by the caller's copy.
+    releaser
+        The frame's :attr:`Frame.releaser` (what lets the storage behind its views go).
 
     Returns
     -------
@@ -613,13 +618,13 @@ def decode_frame(
         raise IntegrityError(what, "payload checksum mismatch")
     if header.layout == "xyz32":
         positions = np.frombuffer(payload, dtype=_XYZ32).reshape(header.natoms, 3)
-        return Frame(header, positions)
+        return Frame(header, positions, None, releaser)
     if header.layout == "paper":
         rec = np.frombuffer(payload, dtype=PAPER_DTYPE)
-        return Frame(header, rec["xyz"], rec["id"])
+        return Frame(header, rec["xyz"], rec["id"], releaser)
     n = header.natoms
     xyz = np.frombuffer(payload, dtype=_F64, count=3 * n).reshape(n, 3)
-    return Frame(header, xyz, np.frombuffer(payload, dtype=_I32, offset=24 * n))
+    return Frame(header, xyz, np.frombuffer(payload, dtype=_I32, offset=24 * n), releaser)
 
 
 def _copy_payload(

@@ -368,8 +368,9 @@ class Stream:
         index = self._written
         nbytes = frame_size(pos.shape[0], self.layout)
         self._make_room(nbytes)
-        key = self.frame_key(index)
-        final = f"{self._frame_dir}/{FRAME_FORMAT.format(index)}"
+        name = FRAME_FORMAT.format(index)
+        key = f"{self.name}/{name}"
+        final = f"{self._frame_dir}/{name}"
         step = index if step is None else step
         time_ps = 0.0 if time is None else time
         engine = self.client.engine
@@ -746,18 +747,18 @@ class Stream:
                 self._here = None if arrived or engine.is_copy(key) else path[: len(path) - len(key)]
                 self._here_waited = 0.0
                 buf, release = got
+                # a bounded stream: a fetched copy goes when the frame does (none in local mode)
+                done = self._dropping_copy(key, release) \
+                    if leases.keep and engine.name != "local" else release
                 try:
                     frame = decode_frame(buf, key, verify=self.verify and not arrived,
-                                         copy=self.copy)
+                                         copy=self.copy, releaser=None if self.copy else done)
                 except BaseException:
                     release()
                     raise
                 if self.copy:  # arrays of its own: the file is not needed any more
-                    (self._dropping_copy(key, release) if leases.keep else release)()
-                    return frame
-                if leases.keep:  # a bounded stream: a fetched copy goes when the frame does
-                    release = self._dropping_copy(key, release)
-                return Frame(frame.header, frame.positions, frame.ids, release)
+                    done()
+                return frame
             like = self._fetched_from
             if path is None and like is not None and not published_but_busy and index > 0 \
                     and like.key == self.frame_key(index - 1) and self._no_gaps():
@@ -927,6 +928,12 @@ class Stream:
             None of them was published within ``timeout``.
         """
         keys = [key, self.end_key] + ([nxt] if nxt else [])
+        if self.client.engine.name == "local":
+            # (straight to the wait: no record to build from the file, which the caller opens)
+            root = str(self.client.root)
+            i = wait_keys(root, keys, timeout, label=key, spin=0.0,
+                          refuse=functools.partial(check_confined, Path(root), for_write=False))
+            return keys[i]
         if not here or self._here is None:
             return self.client.wait_any(keys, timeout=timeout)
         root = self._here[:-1]

@@ -200,7 +200,7 @@ class SlotPool:
         lib = library()
         assert lib is not None  # (a NativeFrame is only made where the library is loaded)
         # (str paths: os.fsencode in the call would cost a lookup per frame; keys are ASCII)
-        rc = lib.isl_append(slot.addr, *frame.args(), slot.fd, slot.path.encode(),
+        rc = lib.isl_append(slot.addr, *frame.args, slot.fd, slot.path.encode(),
                             final.encode(), 0 if overwrite else 1)
         if rc == 0:
             self._published_as(slot, final)
