@@ -34,7 +34,7 @@ from common import header, save, summary
 
 HERE = Path(__file__).resolve().parent
 INTERVAL_MS = 20.0  # as bench_vs_adios2.py paces JAC frames
-PEERS = ("instride-soa", "instride-soa-copy-auto", "adios2-sst")
+PEERS = ("instride-soa", "instride-soa-copy", "instride-soa-copy-auto", "adios2-sst")
 
 
 def build(work: Path) -> Path:

@@ -15,13 +15,11 @@
  *   isl_lease       open a key beneath the managed directory refusing every symbolic link
  *                   (openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS), take the shared lock,
  *                   and check that the file is still the one published under the key.
- *   isl_split_copy  copy a contiguous payload into the reader's own arrays (coordinates,
- *                   then ids), hashing each chunk of the copy while it is in the cache.
  *
  * Python keeps the policy, the consumer groups and every error: where these calls meet
  * anything but the common case they say so and Python takes the slow, explaining path.
  *
- * Exported: isl_append, isl_lease, isl_split_copy.
+ * Exported: isl_append, isl_lease.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -173,19 +171,4 @@ ISL_EXPORT int isl_lease(int dirfd, const char *key, int64_t *out)
     }
     close(fd);
     return rc;
-}
-
-/* Copy src (n1 + n2 bytes) into dst1 (n1 bytes) and dst2 (n2 bytes, may be 0), hashing each
- * chunk of the copy while it is in the cache. Returns the xxh3-64 of the n1 + n2 bytes with
- * hash, else 0. */
-ISL_EXPORT uint64_t isl_split_copy(const unsigned char *src, unsigned char *dst1, int64_t n1,
-                                   unsigned char *dst2, int64_t n2, int hash)
-{
-    XXH3_state_t st;
-    if (hash)
-        XXH3_64bits_reset(&st);
-    copy_hashed(dst1, src, (size_t)n1, hash ? &st : NULL);
-    if (n2 > 0)
-        copy_hashed(dst2, src + n1, (size_t)n2, hash ? &st : NULL);
-    return hash ? XXH3_64bits_digest(&st) : 0;
 }

@@ -666,13 +666,6 @@ def _copy_payload(
         ids = np.empty(n, _I32)
         parts = [positions, ids]
     src = np.frombuffer(payload, np.uint8)
-    lib = library() if _NATIVE_LE else None
-    if lib is not None:  # one C pass: copy a chunk, hash it from the cache (csrc/local/frame.c)
-        second = parts[1] if len(parts) > 1 else None
-        digest = lib.isl_split_copy(src.ctypes.data, positions.ctypes.data, positions.nbytes,
-                                    None if second is None else second.ctypes.data,
-                                    0 if second is None else second.nbytes, 1 if verify else 0)
-        return positions, ids, digest if verify else None
     at = 0
     for arr in parts:
         dst = arr.reshape(-1).view(np.uint8)

@@ -8,7 +8,12 @@ Each is one call (ctypes releases the GIL):
   the ``paper`` layout's 28-byte records and hash them with xxh3-64 in the same pass
   (:mod:`instride.frames`);
 * ``isl_spare_*`` (``csrc/local/spare.c``) make the next frame file of a stream, or the next
-  fetched copy, in a native ``SCHED_IDLE`` thread (:mod:`instride.store.spare`).
+  fetched copy, in a native ``SCHED_IDLE`` thread (:mod:`instride.store.spare`);
+* ``isl_append`` (``csrc/local/frame.c``) encodes a frame into its mapped file, drops the
+  producer's lock and publishes it by a rename, and ``isl_lease`` opens a key confined
+  (``openat2``), takes the reader's shared lock and checks that the key still names the file
+  (:mod:`instride.store.ring`): a frame's step on each side is one call instead of the
+  interpreter between system calls, which a paced producer or reader runs cold.
 
 The package build always makes the library; where it is missing or cannot be loaded (or is a
 stale build without a function called here), :func:`library` returns ``None`` and the callers
@@ -16,8 +21,10 @@ run the same logic in Python (files are then made when they are needed).
 
 Tried and not kept: the array layouts copied and hashed in one C call like the paper codec
 (``memcpy`` + xxh3 per 256 KiB chunk: 30-90 µs slower per cold JAC frame than numpy's chunked
-copy and the Python xxhash package, in alternating runs); a confined ``openat2`` + ``fstat`` in
-C (0.6 µs of 9 per open saved over ctypes' ``syscall``).
+copy and the Python xxhash package, in alternating runs; tried again with xxh3 at the CPU's
+vector width: no faster); a copying reader's whole frame in one call (lease, ``pread`` of
+the payload into its arrays while hashing, release: no faster than the lease, the kept
+mapping and numpy's copy, ~250 µs per paced JAC frame either way).
 """
 
 from __future__ import annotations
@@ -76,8 +83,6 @@ def _load() -> ctypes.CDLL | None:
         lib.isl_append.restype = c_int
         lib.isl_lease.argtypes = [c_int, c_char_p, ptr]
         lib.isl_lease.restype = c_int
-        lib.isl_split_copy.argtypes = [ptr, ptr, i64, ptr, i64, c_int]
-        lib.isl_split_copy.restype = u64
     except AttributeError:  # a library built from older sources: the Python paths instead
         return None
     return lib
