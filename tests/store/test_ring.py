@@ -245,4 +245,3 @@ def test_the_one_call_publish_refuses_an_existing_key_and_keeps_nothing(tmp_path
     pool.write_and_publish(slot, frame, str(tmp_path / "new" / "f1"), "new/f1", overwrite=False)
     assert decode_frame((tmp_path / "new" / "f1").read_bytes(), "f1").step == 4
     pool.close()
-
