@@ -284,7 +284,7 @@ def test_the_one_call_encode_writes_the_bytes_of_encode_into(
     native = native_frame(pos, step=-3, time=2.5, box=box, layout=layout, ids=ids)
     assert native is not None
     dst = np.frombuffer(got, np.uint8)
-    assert lib.isl_append(dst.ctypes.data, *native.args, -1, None, None, 0) == 0
+    assert lib.isl_append(dst.ctypes.data, *native.args, -1, None, None, 0, 0) == 0
     assert got == expected
     back = decode_frame(memoryview(got), "k", copy=True)
     assert np.array_equal(back.positions, pos)

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -657,3 +658,29 @@ def test_cluster_group_reader_paused_past_its_lease_stops_reading_as_the_group(
     later = _steps(second_log)
     assert later == list(range(later[0], 150))
     assert before[-1] <= later[0] <= before[-1] + 1 and before == list(range(len(before)))
+
+
+def test_a_bounded_stream_under_a_name_beyond_ascii_reads_back_every_frame(
+    managed_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the one-call append (here with fsync: the managed directory is not on tmpfs) and the
+    # one-call lease take the paths as the file system's bytes
+    from instride.store.ring import SlotPool
+
+    native: list[bool] = []
+    one_call = SlotPool.write_and_publish
+
+    def counted(self: SlotPool, *args: Any, **kw: Any) -> None:
+        native.append(kw["fsync"])
+        one_call(self, *args, **kw)
+
+    monkeypatch.setattr(SlotPool, "write_and_publish", counted)
+    with instride.Stream("émulsion/répl☃", mode="w", retain=3, groups=["g"], timeout=5) as s:
+        reader = instride.Stream("émulsion/répl☃", group="g", timeout=5)
+        for i in range(6):
+            s.append(_positions(i), step=i)
+            frame = next(reader)
+            assert frame.step == i and np.all(frame.positions[:, 0] == i)
+    assert (managed_dir / "émulsion" / "répl☃" / "frame_000000005.isf").exists()
+    assert native == [True] * 6  # every frame took the one-call path, flushed
+    reader.close()

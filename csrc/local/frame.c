@@ -29,6 +29,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -79,7 +80,8 @@ static uint64_t encode_arrays(unsigned char *dst, const void *pos, size_t pos_by
 /* Encode a frame at dst (HEADER_SIZE + payload bytes, checked by the caller) and publish it.
  *
  * pos: natoms x 3 contiguous float32 (xyz32) or float64 (paper, paper-soa); ids: natoms
- * int32, or NULL for 0..natoms-1 (ignored for xyz32); box: 9 float64. Then, where fd >= 0:
+ * int32, or NULL for 0..natoms-1 (ignored for xyz32); box: 9 float64. With sync, the frame
+ * is flushed to its file (msync) before it is published. Then, where fd >= 0:
  * unlock fd (the producer's exclusive flock, so that a reader woken by the rename finds the
  * frame lockable) and rename src to dst_path (RENAME_NOREPLACE when noreplace).
  *
@@ -88,7 +90,8 @@ static uint64_t encode_arrays(unsigned char *dst, const void *pos, size_t pos_by
  * problem), -EINVAL for an unknown layout (nothing written). */
 ISL_EXPORT int isl_append(unsigned char *dst, int layout, int64_t natoms, const void *pos,
                           const int32_t *ids, int64_t step, double time, const double *box,
-                          int fd, const char *src, const char *dst_path, int noreplace)
+                          int fd, const char *src, const char *dst_path, int noreplace,
+                          int sync)
 {
     unsigned char *payload = dst + HEADER_SIZE;
     uint64_t nbytes, digest;
@@ -122,6 +125,8 @@ ISL_EXPORT int isl_append(unsigned char *dst, int layout, int64_t natoms, const 
     memcpy(dst + 112, &digest, 8);
     uint64_t hsum = XXH3_64bits(dst, HEADER_FIELDS);
     memcpy(dst + HEADER_FIELDS, &hsum, 8);
+    if (sync && msync(dst, HEADER_SIZE + nbytes, MS_SYNC) != 0)
+        return -errno; /* (still locked, not published: the slow path flushes and names it) */
     if (fd < 0)
         return 0;
     flock(fd, LOCK_UN);

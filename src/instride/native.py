@@ -79,7 +79,7 @@ def _load() -> ctypes.CDLL | None:
         lib.isl_spare_drop.argtypes = [ptr]
         lib.isl_spare_drop.restype = None
         lib.isl_append.argtypes = [ptr, c_int, i64, ptr, ptr, i64, ctypes.c_double, ptr, c_int,
-                                   c_char_p, c_char_p, c_int]
+                                   c_char_p, c_char_p, c_int, c_int]
         lib.isl_append.restype = c_int
         lib.isl_lease.argtypes = [c_int, c_char_p, ptr]
         lib.isl_lease.restype = c_int

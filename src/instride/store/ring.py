@@ -188,7 +188,7 @@ class SlotPool:
         self._publish(slot, final, key, overwrite=overwrite)
 
     def write_and_publish(self, slot: Slot, frame: NativeFrame, final: str, key: str, *,
-                          overwrite: bool) -> None:
+                          overwrite: bool, fsync: bool) -> None:
         """Encode ``frame`` into ``slot`` and publish it as :meth:`publish` does, in one
         native call (``isl_append``: no interpreter between the bytes and the rename).
 
@@ -199,13 +199,12 @@ class SlotPool:
         """
         lib = library()
         assert lib is not None  # (a NativeFrame is only made where the library is loaded)
-        # (str paths: os.fsencode in the call would cost a lookup per frame; keys are ASCII)
-        rc = lib.isl_append(slot.addr, *frame.args, slot.fd, slot.path.encode(),
-                            final.encode(), 0 if overwrite else 1)
+        rc = lib.isl_append(slot.addr, *frame.args, slot.fd, os.fsencode(slot.path),
+                            os.fsencode(final), 0 if overwrite else 1, 1 if fsync else 0)
         if rc == 0:
             self._published_as(slot, final)
-        else:  # encoded and unlocked, not renamed: the slow path retries and names the error
-            self._publish(slot, final, key, overwrite=overwrite)
+        else:  # encoded, not published: the slow path flushes, renames and names the error
+            self.publish(slot, final, key, overwrite=overwrite, fsync=fsync)
 
     def _publish(self, slot: Slot, final: str, key: str, *, overwrite: bool) -> None:
         try:
@@ -389,7 +388,7 @@ class Leases:
         if dirfd < 0:  # (a frame kept elsewhere, or no openat2: the portable checks)
             return self.open(path, lambda: confined.open(key))
         out = self._out
-        rc = lib.isl_lease(dirfd, key.encode(), out)
+        rc = lib.isl_lease(dirfd, os.fsencode(key), out)
         if rc == _LEASE_HELD:
             fd = out[0]
             try:
