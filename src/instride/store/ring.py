@@ -30,11 +30,11 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from ..errors import FileTypeError, UnsafePathError
 from ..frames import NativeFrame
 from ..native import library
-from ..paths import ConfinedOpener
 from ..perthread import forks
 from .publish import publish_file
 from .spare import SpareMaker
@@ -302,6 +302,19 @@ class SlotPool:
         return len(self._slots)
 
 
+class KeyOpener(Protocol):
+    """Opens keys read-only beneath one managed directory, refusing symbolic links (what
+    :class:`~instride.paths.ConfinedOpener` does)."""
+
+    root: str
+
+    def dirfd(self) -> int:
+        """The directory's descriptor for ``openat2`` beneath it, or -1 where there is none."""
+
+    def open(self, key: str) -> int:
+        """A descriptor of ``key``'s file (a regular file, reached without links)."""
+
+
 def _address(mm: mmap.mmap) -> int:
     """Where ``mm`` is mapped (the temporary export is dropped at once: ``mm`` stays closable)."""
     view = ctypes.c_char.from_buffer(mm)
@@ -368,9 +381,11 @@ class Leases:
         mapped once and its pages stay mapped, so reading it again costs no page faults;
         a kept mapping keeps its inode alive, so the inode number cannot name another file
         meanwhile.
+    confined
+        The opener of the managed directory's keys, for :meth:`open_key`.
     """
 
-    def __init__(self, keep: int = 0, confined: ConfinedOpener | None = None) -> None:
+    def __init__(self, keep: int = 0, confined: KeyOpener | None = None) -> None:
         self.keep = keep
         self._maps: OrderedDict[tuple[int, int], mmap.mmap] = OrderedDict()
         self._confined = confined
