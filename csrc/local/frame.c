@@ -1,5 +1,5 @@
 /*
- * frame.c -- libinstride_local: a bounded stream's per-frame path on one node, in C.
+ * frame.c -- libinstride_local: a local stream's per-frame path, in C.
  *
  * A frame of a stream with retention is written into a recycled, already mapped file and
  * published by a rename; a reader holds it with a shared flock and reads it from a mapping it
@@ -9,9 +9,10 @@
  * its warm time on the development VM. Here each side's step is one call:
  *
  *   isl_append      encode a frame into its mapping (each chunk of coordinates copied, then
- *                   hashed while in the cache; the header with both checksums), drop the
- *                   producer's exclusive lock, publish it (rename, RENAME_NOREPLACE unless
- *                   overwriting). The layout of instride/frames.py, little-endian only.
+ *                   hashed while in the cache; the header with both checksums), flush it
+ *                   where publications fsync (msync), drop the producer's exclusive lock,
+ *                   publish it (rename, RENAME_NOREPLACE unless overwriting). The layout of
+ *                   instride/frames.py, little-endian only.
  *   isl_lease       open a key beneath the managed directory refusing every symbolic link
  *                   (openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS), take the shared lock,
  *                   and check that the file is still the one published under the key.
@@ -51,8 +52,7 @@ static void copy_hashed(unsigned char *dst, const unsigned char *src, size_t n, 
     for (size_t lo = 0; lo < n; lo += CHUNK) {
         size_t k = n - lo < CHUNK ? n - lo : CHUNK;
         memcpy(dst + lo, src + lo, k);
-        if (st != NULL)
-            INS_XXH3_UPDATE(st, dst + lo, k);
+        INS_XXH3_UPDATE(st, dst + lo, k);
     }
 }
 
