@@ -1,48 +1,38 @@
 /*
- * frame.c -- libinstride_local: a local stream's per-frame path, in C.
+ * frame.c -- libinstride_local: a local stream's per-frame path, the producer's side, in C.
  *
  * A frame of a stream with retention is written into a recycled, already mapped file and
  * published by a rename; a reader holds it with a shared flock and reads it from a mapping it
  * keeps. Each of these steps is a handful of system calls and one pass over the bytes, and
  * between frames (tens of ms apart in a real run) the CPU's caches and branch predictors go
  * cold: a step written in Python then pays for every interpreter instruction on the way, 5-25x
- * its warm time on the development VM. Here each side's step is one call:
+ * its warm time on the development VM. Here each side's step is one call (the reader's:
+ * take.c):
  *
  *   isl_append      encode a frame into its mapping (each chunk of coordinates copied, then
  *                   hashed while in the cache; the header with both checksums), flush it
  *                   where publications fsync (msync), drop the producer's exclusive lock,
  *                   publish it (rename, RENAME_NOREPLACE unless overwriting). The layout of
  *                   instride/frames.py, little-endian only.
- *   isl_lease       open a key beneath the managed directory refusing every symbolic link
- *                   (openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS), take the shared lock,
- *                   and check that the file is still the one published under the key.
  *
  * Python keeps the policy, the consumer groups and every error: where these calls meet
  * anything but the common case they say so and Python takes the slow, explaining path.
  *
- * Exported: isl_append, isl_lease.
+ * Exported: isl_append.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
-#include <linux/openat2.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/file.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 #include "../common/ins_xxh.h"
+#include "isl_local.h"
 
-#define ISL_EXPORT __attribute__((visibility("default")))
-
-#define HEADER_SIZE 128
-#define HEADER_FIELDS 120 /* bytes covered by the header checksum */
-#define CHUNK (1 << 18)   /* bytes copied, then hashed from the cache */
-
-enum { LAYOUT_XYZ32 = 1, LAYOUT_PAPER = 2, LAYOUT_SOA = 3 };
+#define CHUNK (1 << 18) /* bytes copied, then hashed from the cache */
 
 uint64_t isl_paper_encode(unsigned char *dst, const double *pos, const int32_t *ids, int64_t n);
 
@@ -133,47 +123,4 @@ ISL_EXPORT int isl_append(unsigned char *dst, int layout, int64_t natoms, const 
     if (renameat2(AT_FDCWD, src, AT_FDCWD, dst_path, noreplace ? RENAME_NOREPLACE : 0) != 0)
         return -errno;
     return 0;
-}
-
-/* isl_lease's results */
-enum {
-    LEASE_HELD = 0,    /* out = {fd, st_dev, st_ino, st_size}: the caller closes fd */
-    LEASE_ABSENT = 1,  /* no file under the key (yet) */
-    LEASE_RETIRED = 2, /* the file is being rewritten, or no longer the key's: retired */
-    LEASE_ASK = 3,     /* anything else (a link, a special file, openat2 missing...): the
-                          caller's slow path finds out and names it */
-};
-
-/* Hold the file published under key (relative to dirfd, the managed directory): open it
- * read-only refusing symbolic links anywhere and escapes, take a shared flock without
- * waiting, and check that key still names it (a retired file may be renamed away between
- * our open and our lock). */
-ISL_EXPORT int isl_lease(int dirfd, const char *key, int64_t *out)
-{
-    struct open_how how = {
-        .flags = O_RDONLY | O_NONBLOCK | O_CLOEXEC,
-        .resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS,
-    };
-    int fd = (int)syscall(SYS_openat2, dirfd, key, &how, sizeof how);
-    if (fd < 0)
-        return errno == ENOENT ? LEASE_ABSENT : LEASE_ASK;
-    struct stat st, now;
-    int rc = LEASE_ASK;
-    if (flock(fd, LOCK_SH | LOCK_NB) != 0)
-        rc = errno == EWOULDBLOCK ? LEASE_RETIRED : LEASE_ASK;
-    else if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size == 0)
-        rc = LEASE_ASK;
-    else if (fstatat(dirfd, key, &now, AT_SYMLINK_NOFOLLOW) != 0)
-        rc = errno == ENOENT ? LEASE_RETIRED : LEASE_ASK;
-    else if (now.st_ino != st.st_ino || now.st_dev != st.st_dev)
-        rc = LEASE_RETIRED;
-    else {
-        out[0] = fd;
-        out[1] = (int64_t)st.st_dev;
-        out[2] = (int64_t)st.st_ino;
-        out[3] = (int64_t)st.st_size;
-        return LEASE_HELD;
-    }
-    close(fd);
-    return rc;
 }

@@ -19,8 +19,7 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
-
-#define ISL_EXPORT __attribute__((visibility("default")))
+#include "isl_local.h"
 
 /* isl_wait's results (>= 0); a negative result is -errno of a failed poll or read. */
 enum {
@@ -65,20 +64,6 @@ ISL_EXPORT int isl_state(const char *root, const char *key, int confined)
     return S_ISREG(st.st_mode) ? 1 : -1;
 }
 
-static long long isl_now_us(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (long long)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
-}
-
-/* The last component of a key (what inotify names in its events). */
-static const char *isl_base(const char *key)
-{
-    const char *slash = strrchr(key, '/');
-    return slash ? slash + 1 : key;
-}
-
 /* Sleep on the inotify descriptor ifd (its watches armed by the caller, the files checked
  * after arming) until an event names one of the n keys and that key is there (see
  * isl_state), at most timeout_us (>= 0) microseconds. Events of other files are skipped.
@@ -96,8 +81,7 @@ ISL_EXPORT int isl_wait(int ifd, const char *root, const char *const *keys, int 
     struct pollfd pfd = {.fd = ifd, .events = POLLIN};
     for (;;) {
         long long left = deadline - isl_now_us();
-        struct timespec ts = {.tv_sec = left > 0 ? left / 1000000 : 0,
-                              .tv_nsec = left > 0 ? (left % 1000000) * 1000 : 0};
+        struct timespec ts = isl_span(left);
         int rc = ppoll(&pfd, 1, &ts, NULL);
         if (rc == 0)
             return ISL_TIMEOUT;

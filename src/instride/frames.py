@@ -528,7 +528,7 @@ def write_frame(
     return len(header) + payload.nbytes
 
 
-def decode_header(buf: bytes | memoryview, what: str = "frame") -> FrameHeader:
+def decode_header(buf: bytes | memoryview, what: str = "frame", *, checked: bool = False) -> FrameHeader:
     """Parse and verify a frame header from the first 128 bytes of ``buf``.
 
     Parameters
@@ -537,6 +537,8 @@ def decode_header(buf: bytes | memoryview, what: str = "frame") -> FrameHeader:
         At least the header's bytes.
     what
         Name used in errors.
+    checked
+        The header's checksum was checked already (by ``isl_take``): not computed again.
 
     Returns
     -------
@@ -553,7 +555,7 @@ def decode_header(buf: bytes | memoryview, what: str = "frame") -> FrameHeader:
         raise IntegrityError(what, f"truncated header ({view.nbytes} < {HEADER_SIZE} bytes)")
     head = view[: _HEADER.size]
     (hsum,) = _HCHECK.unpack_from(view, _HEADER.size)
-    if _checksum(head) != hsum:
+    if not checked and _checksum(head) != hsum:
         raise IntegrityError(what, "header checksum mismatch")
     fields = _HEADER.unpack(head)
     magic, version, layout, natoms, step, time = fields[:6]
@@ -573,7 +575,7 @@ def decode_header(buf: bytes | memoryview, what: str = "frame") -> FrameHeader:
 
 def decode_frame(
     buf: bytes | memoryview | mmap.mmap, what: str = "frame", *, verify: bool = True,
-    copy: bool = False, releaser: Callable[[], None] | None = None,
+    copy: bool = False, releaser: Callable[[], None] | None = None, checked: bool = False,
 ) -> Frame:
     """Decode and verify a frame held in memory; coordinates are views of ``buf``.
 
@@ -591,6 +593,9 @@ def decode_frame(
         cache), instead of a checksum pass over ``buf`` followed by the caller's copy.
     releaser
         The frame's :attr:`Frame.releaser` (what lets the storage behind its views go).
+    checked
+        ``buf`` passed these checks already, both checksums included where ``verify`` (in
+        ``isl_take``, on the held file): only parsed.
 
     Returns
     -------
@@ -603,7 +608,8 @@ def decode_frame(
         checksum mismatch.
     """
     view = memoryview(buf)
-    header = decode_header(view, what)
+    header = decode_header(view, what, checked=checked)
+    verify = verify and not checked
     payload = view[HEADER_SIZE:]
     if payload.nbytes != header.payload_nbytes:
         raise IntegrityError(

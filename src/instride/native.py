@@ -10,10 +10,12 @@ Each is one call (ctypes releases the GIL):
 * ``isl_spare_*`` (``csrc/local/spare.c``) make the next frame file of a stream, or the next
   fetched copy, in a native ``SCHED_IDLE`` thread (:mod:`instride.store.spare`);
 * ``isl_append`` (``csrc/local/frame.c``) encodes a frame into its mapped file, drops the
-  producer's lock and publishes it by a rename, and ``isl_lease`` opens a key confined
-  (``openat2``), takes the reader's shared lock and checks that the key still names the file
-  (:mod:`instride.store.ring`): a frame's step on each side is one call instead of the
-  interpreter between system calls, which a paced producer or reader runs cold.
+  producer's lock and publishes it by a rename; ``isl_lease`` (``csrc/local/take.c``) opens a
+  key confined (``openat2``), takes the reader's shared lock and checks that the key still
+  names the file, and ``isl_take`` waits for a frame, holds it that way and checks it in the
+  reader's kept mapping (:mod:`instride.store.ring`): a frame's step on each side is one call
+  instead of the interpreter between system calls, which a paced producer or reader runs
+  cold.
 
 The package build always makes the library; where it is missing or cannot be loaded (or is a
 stale build without a function called here), :func:`library` returns ``None`` and the callers
@@ -83,6 +85,10 @@ def _load() -> ctypes.CDLL | None:
         lib.isl_append.restype = c_int
         lib.isl_lease.argtypes = [c_int, c_char_p, ptr]
         lib.isl_lease.restype = c_int
+        lib.isl_take.argtypes = [c_int, c_int, ctypes.POINTER(c_char_p), c_int, ctypes.c_longlong,
+                                 ctypes.c_longlong, ctypes.c_longlong, ptr, c_int, c_int, p_int,
+                                 c_int, p_int, ptr]
+        lib.isl_take.restype = c_int
     except AttributeError:  # a library built from older sources: the Python paths instead
         return None
     return lib

@@ -39,6 +39,7 @@ A frame a reader holds is never rewritten under it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import itertools
 import json
@@ -71,9 +72,9 @@ from .frames import Frame, decode_frame, encode_into, frame_size, native_frame
 from .paths import check_confined
 from .record import Record, checksum_of
 from .store.inbox import Inbox
-from .store.ring import Leases, SlotPool
+from .store.ring import Leases, SlotPool, Taken
 from .store.streamstate import Policy, check_group, state_dir
-from .store.wait import wait_keys
+from .store.wait import armed, lost_watches, wait_keys
 
 FRAME_FORMAT = "frame_{:09d}.isf"
 END_NAME = "end_of_stream.json"
@@ -737,6 +738,11 @@ class Stream:
         arrived = False  # fetched from another node in this call: verified on the way in
         looks = 0  # how often the frame was looked for (more than once: the reader waited)
         plan = None if self._cadence is None else self._cadence.window(index)
+        if engine.name == "local" and self._no_gaps():
+            frame = self._take_here(index, key, timeout, plan, leases)
+            if frame is not None:
+                return frame
+            plan = None if self._cadence is None else self._cadence.window(index)
         while True:
             path = engine.frame_path(key)
             got = None if path is None else leases.open_key(key, path)  # [confine] no link
@@ -901,6 +907,53 @@ class Stream:
                         return archived
                     raise
             published_but_busy = woke == key and path is not None
+
+    def _take_here(self, index: int, key: str, timeout: float | None,
+                   plan: tuple[float, float] | None, leases: Leases) -> Frame | None:
+        """Local mode's common case in one native call (``isl_take``): wait for frame
+        ``index`` (polling around when it is due, for ``spin``), hold it and check it in the
+        kept mapping of its file. ``None`` for anything else — the end marker or something
+        other than a frame under the key, a frame being replaced, a watch gone, no native
+        library, a slice (``_SLICE``) without it — and :meth:`read` looks again the general
+        way. Only where no frame is retired unread (:meth:`_no_gaps`), so the wait need not
+        watch for later frames."""
+        ifd = armed(self._here_dir)
+        if ifd is None:
+            return None
+        part = _SLICE if timeout is None else min(_SLICE, timeout)
+        now = time.monotonic()
+        window = (0.0, min(self.spin, part)) if self.spin > 0 else (0.0, 0.0) if plan is None \
+            else (plan[0] - now, plan[1] - now)
+        keys = self._take_keys
+        keys[0] = os.fsencode(key)
+        got = leases.take(ifd, keys, part, window, self.verify)
+        if isinstance(got, list):
+            lost_watches(got)
+        if not isinstance(got, Taken):
+            return None
+        if plan is not None and time.monotonic() >= plan[0]:
+            self.windows_polled += 1
+        if self._cadence is not None:
+            self._cadence.arrived(index, time.monotonic(), waited=got.waited)
+        try:
+            frame = decode_frame(got.buf, key, verify=self.verify, copy=self.copy,
+                                 releaser=None if self.copy else got.release, checked=got.checked)
+        except BaseException:
+            got.release()
+            raise
+        if self.copy:  # arrays of its own: the file is not needed any more
+            got.release()
+        return frame
+
+    @functools.cached_property
+    def _here_dir(self) -> Path:
+        """The directory of this stream's frames in local mode."""
+        return self.client.root / self.name
+
+    @functools.cached_property
+    def _take_keys(self) -> ctypes.Array[ctypes.c_char_p]:
+        """``isl_take``'s keys: the frame's (set per frame), then the end marker."""
+        return (ctypes.c_char_p * 2)(b"", os.fsencode(self.end_key))
 
     def _wait_for(self, key: str, timeout: float, *, here: bool = False,
                   until_due: bool = False, nxt: str | None = None) -> str:

@@ -30,7 +30,9 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
+
+import numpy as np
 
 from ..errors import FileTypeError, UnsafePathError
 from ..frames import NativeFrame
@@ -40,8 +42,11 @@ from .publish import publish_file
 from .spare import SpareMaker
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-#: isl_lease's results (csrc/local/frame.c)
+#: isl_lease's results (csrc/local/take.c)
 _LEASE_HELD, _LEASE_ABSENT, _LEASE_RETIRED = 0, 1, 2
+#: isl_take's results (csrc/local/take.c)
+TAKE_HELD, TAKE_OTHER, TAKE_TIMEOUT, TAKE_INTERRUPTED, TAKE_REARM = range(5)
+_GONE_CAP = 16
 
 
 @dataclass
@@ -316,10 +321,11 @@ class KeyOpener(Protocol):
 
 
 def _address(mm: mmap.mmap) -> int:
-    """Where ``mm`` is mapped (the temporary export is dropped at once: ``mm`` stays closable)."""
-    view = ctypes.c_char.from_buffer(mm)
+    """Where ``mm`` (writable or read-only) is mapped (the temporary export is dropped at
+    once: ``mm`` stays closable)."""
+    view = np.frombuffer(mm, np.uint8, count=1)
     try:
-        return ctypes.addressof(view)
+        return int(view.__array_interface__["data"][0])
     finally:
         del view
 
@@ -371,6 +377,20 @@ def collect_pools(root: Path) -> list[Path]:
     return removed
 
 
+class Taken(NamedTuple):
+    """A frame file held by :meth:`Leases.take`."""
+
+    buf: memoryview
+    """The file's bytes (its kept, read-only mapping)."""
+    release: Callable[[], None]
+    """Ends the hold (once)."""
+    checked: bool
+    """The frame passed every check of :func:`~instride.frames.decode_frame` in the native
+    call (the payload's checksum too, where asked): it needs parsing only."""
+    waited: bool
+    """It was not there at the first look."""
+
+
 class Leases:
     """A reader's holds on frame files, with its mappings kept for reuse.
 
@@ -390,7 +410,12 @@ class Leases:
         self._maps: OrderedDict[tuple[int, int], mmap.mmap] = OrderedDict()
         self._confined = confined
         self._prefix = "" if confined is None else confined.root + "/"
-        self._out = (ctypes.c_int64 * 4)()
+        self._out = (ctypes.c_int64 * 6)()
+        # the kept mappings as isl_take looks them up: {st_dev, st_ino, size, address} each
+        self._table = (ctypes.c_int64 * (4 * max(1, keep)))()
+        self._table_idents: list[tuple[int, int]] = []
+        self._gone = (ctypes.c_int * _GONE_CAP)()
+        self._gone_n = ctypes.c_int(0)
 
     def open_key(self, key: str, path: str) -> tuple[memoryview | bytes, Callable[[], None]] | None:
         """:meth:`open` for the key ``key`` of the managed directory of ``confined``, whose
@@ -415,6 +440,65 @@ class Leases:
         if rc in (_LEASE_ABSENT, _LEASE_RETIRED):
             return None
         return self.open(path, lambda: confined.open(key))  # the slow path names the problem
+
+    def take(self, ifd: int, keys: ctypes.Array[ctypes.c_char_p], timeout: float,
+             window: tuple[float, float], verify: bool) -> Taken | int | list[int] | None:
+        """Wait for ``keys[0]``, hold it and check the frame in the kept mapping of its file,
+        in one native call (``isl_take``, GIL released).
+
+        Parameters
+        ----------
+        ifd
+            The calling thread's inotify descriptor, with a watch on the keys' directory
+            (:func:`~instride.store.wait.armed`).
+        keys
+            The frame's key, then keys whose publication ends the wait too (the end marker).
+        timeout
+            Seconds to wait at most.
+        window
+            Seconds from now between which to poll instead of sleeping (``(0, 0)``: never).
+        verify
+            Check the payload's checksum too (the header's is always checked).
+
+        Returns
+        -------
+        Taken | int | list[int] | None
+            The frame held (:class:`Taken`); ``TAKE_OTHER``, ``TAKE_TIMEOUT`` or
+            ``TAKE_INTERRUPTED``: nothing held, the caller looks the usual way; the watch
+            descriptors that went away (an empty list: the event queue overflowed), to
+            forget before the next wait; ``None`` where there is no native library or
+            ``openat2``.
+        """
+        lib = library()
+        confined = self._confined
+        dirfd = -1 if lib is None or confined is None else confined.dirfd()
+        if dirfd < 0:
+            return None
+        out = self._out
+        rc = lib.isl_take(ifd, dirfd, keys, len(keys), int(timeout * 1e6),
+                          int(window[0] * 1e6), int(window[1] * 1e6), self._table,
+                          len(self._table_idents), 1 if verify else 0, self._gone, _GONE_CAP,
+                          ctypes.byref(self._gone_n), out)
+        if rc == TAKE_HELD:
+            fd, at = out[0], out[4]
+            try:
+                if at >= 0:  # checked in the mapping kept for it
+                    ident = self._table_idents[at]
+                    mm = self._maps[ident]
+                    self._maps.move_to_end(ident)
+                else:
+                    mm = self._map(fd, out[1], out[2], out[3])
+            except BaseException:
+                os.close(fd)
+                raise
+            return Taken(memoryview(mm), self._releaser(fd, mm), at >= 0, out[5] != 0)
+        if rc == TAKE_REARM:
+            n = self._gone_n.value
+            return list(self._gone[:n]) if n > 0 else []
+        if rc < 0:
+            raise OSError(-rc, f"waiting for {keys[0].decode(errors='replace')}: "
+                          f"{os.strerror(-rc)}")
+        return rc
 
     def open(
         self, path: str | Path, opener: Callable[[], int] | None = None,
@@ -517,13 +601,23 @@ class Leases:
                 _close_quietly(old)
             while len(self._maps) > self.keep:
                 _close_quietly(self._maps.popitem(last=False)[1])
+            self._tabulate()
         return mm
+
+    def _tabulate(self) -> None:
+        """Write the kept mappings into the table :meth:`take` hands to ``isl_take``."""
+        table, idents = self._table, []
+        for i, ((dev, ino), mm) in enumerate(self._maps.items()):
+            table[4 * i : 4 * i + 4] = [dev, ino, len(mm), _address(mm)]
+            idents.append((dev, ino))
+        self._table_idents = idents
 
     def close(self) -> None:
         """Drop every kept mapping (views still in use keep theirs alive)."""
         for mm in self._maps.values():
             _close_quietly(mm)
         self._maps.clear()
+        self._table_idents = []
 
 
 def _close_quietly(mm: mmap.mmap) -> None:

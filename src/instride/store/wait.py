@@ -105,6 +105,32 @@ class _Watcher(threading.local):
 _watcher = _Watcher()
 
 
+def armed(directory: Path) -> int | None:
+    """The calling thread's inotify descriptor with a watch on ``directory``, for a wait in
+    native code (:meth:`~instride.store.ring.Leases.take`); ``None`` where ``directory`` does
+    not exist (a wait through :func:`wait_keys` makes it, and removes it if the wait fails)
+    or the inotify limits are reached. Watch after the first look: see :func:`wait_keys`."""
+    if directory not in _watcher.wds and not os.path.isdir(directory):
+        return None
+    try:
+        ino = _watcher.get()
+        _watcher.watch(directory)
+    except OSError as exc:
+        if exc.errno not in _NO_INOTIFY:
+            raise
+        return None
+    return ino.fileno()
+
+
+def lost_watches(gone: Sequence[int]) -> None:
+    """After a native wait found watches gone (their descriptors; none: the event queue
+    overflowed, every watch is suspect): forget them, so that the next wait arms them again."""
+    if not gone:
+        _watcher.reset()
+    for wd in gone:
+        _watcher.forget(wd)
+
+
 def _missing_dirs(dirs: Iterable[Path]) -> list[Path]:
     """The directories (deepest first) that watching ``dirs`` would create."""
     missing: list[Path] = []
@@ -352,4 +378,4 @@ def _sleep(root: str, keys: list[str], full: list[str], confined: bool, timeout:
                 return there
 
 
-__all__ = ["wait_any", "wait_keys"]
+__all__ = ["armed", "lost_watches", "wait_any", "wait_keys"]

@@ -1,0 +1,228 @@
+/*
+ * take.c -- libinstride_local: a local stream's per-frame path, the reader's side, in C.
+ *
+ * A reader of a stream waits for the next frame's key, holds the file with a shared flock
+ * (the producer recycles a file only once it can lock it exclusively), checks that the key
+ * still names the file, and verifies the frame in the mapping it keeps of that file. Between
+ * frames the CPU's caches go cold (see frame.c): each of these steps in Python costs 5-25x
+ * its warm time, so the common case is one call from the sleep to the verified frame:
+ *
+ *   isl_lease   open a key beneath the managed directory refusing every symbolic link
+ *               (openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS), take the shared lock, and
+ *               check that the file is still the one published under the key.
+ *   isl_take    wait for a key as isl_wait does (wait.c: the caller's inotify descriptor,
+ *               watches armed by the caller), optionally polling in a window around when
+ *               it is due; hold it (isl_lease); find the caller's mapping of the file in a
+ *               table and check the frame there: magic, version, layout, header checksum,
+ *               sizes and (verify) the payload's xxh3.
+ *
+ * Python keeps the mapping table, the policy and every error: a frame that fails a check,
+ * an event of another key, a link on the way, a retired file -- anything but the common case
+ * -- goes back to Python's path, which looks again and names the problem.
+ *
+ * Exported: isl_lease, isl_take.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/openat2.h>
+#include <poll.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/inotify.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include "../common/ins_xxh.h"
+#include "isl_local.h"
+
+/* isl_lease's results */
+enum {
+    LEASE_HELD = 0,    /* out = {fd, st_dev, st_ino, st_size}: the caller closes fd */
+    LEASE_ABSENT = 1,  /* no file under the key (yet) */
+    LEASE_RETIRED = 2, /* the file is being rewritten, or no longer the key's: retired */
+    LEASE_ASK = 3,     /* anything else (a link, a special file, openat2 missing...): the
+                          caller's slow path finds out and names it */
+};
+
+/* Hold the file published under key (relative to dirfd, the managed directory): open it
+ * read-only refusing symbolic links anywhere and escapes, take a shared flock without
+ * waiting, and check that key still names it (a retired file may be renamed away between
+ * our open and our lock). */
+ISL_EXPORT int isl_lease(int dirfd, const char *key, int64_t *out)
+{
+    struct open_how how = {
+        .flags = O_RDONLY | O_NONBLOCK | O_CLOEXEC,
+        .resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS,
+    };
+    int fd = (int)syscall(SYS_openat2, dirfd, key, &how, sizeof how);
+    if (fd < 0)
+        return errno == ENOENT ? LEASE_ABSENT : LEASE_ASK;
+    struct stat st, now;
+    int rc = LEASE_ASK;
+    if (flock(fd, LOCK_SH | LOCK_NB) != 0)
+        rc = errno == EWOULDBLOCK ? LEASE_RETIRED : LEASE_ASK;
+    else if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size == 0)
+        rc = LEASE_ASK;
+    else if (fstatat(dirfd, key, &now, AT_SYMLINK_NOFOLLOW) != 0)
+        rc = errno == ENOENT ? LEASE_RETIRED : LEASE_ASK;
+    else if (now.st_ino != st.st_ino || now.st_dev != st.st_dev)
+        rc = LEASE_RETIRED;
+    else {
+        out[0] = fd;
+        out[1] = (int64_t)st.st_dev;
+        out[2] = (int64_t)st.st_ino;
+        out[3] = (int64_t)st.st_size;
+        return LEASE_HELD;
+    }
+    close(fd);
+    return rc;
+}
+
+/* isl_take's results (>= 0); a negative result is -errno of a failed poll or read. */
+enum {
+    TAKE_HELD = 0,        /* out = {fd, st_dev, st_ino, st_size, map, waited}: keys[0] held
+                             (the caller closes fd); map: the index of the table entry whose
+                             frame passed every check, or -1 (not in the table, or a check
+                             failed: the caller maps and decodes it, which names the problem);
+                             waited: 1 when it was not there at the first look */
+    TAKE_OTHER = 1,       /* anything else: another key's file, keys[0] retired, being
+                             rewritten or something to look at; the caller's path looks */
+    TAKE_TIMEOUT = 2,     /* nothing within timeout_us */
+    TAKE_INTERRUPTED = 3, /* a signal arrived */
+    TAKE_REARM = 4,       /* as isl_wait's ISL_REARM: *gone_n = the number of watch
+                             descriptors in gone, or -1 when the queue overflowed */
+};
+
+/* Whether the frame at p (size bytes, the whole file) passes decode_frame's checks. */
+static int frame_ok(const unsigned char *p, int64_t size, int verify)
+{
+    if (size < HEADER_SIZE || memcmp(p, "ISF1", 4) != 0)
+        return 0;
+    uint16_t version, layout;
+    uint64_t natoms, nbytes, psum, hsum;
+    memcpy(&version, p + 4, 2);
+    memcpy(&layout, p + 6, 2);
+    memcpy(&natoms, p + 8, 8);
+    memcpy(&nbytes, p + 104, 8);
+    memcpy(&psum, p + 112, 8);
+    memcpy(&hsum, p + HEADER_FIELDS, 8);
+    if (version != 1 || layout < LAYOUT_XYZ32 || layout > LAYOUT_SOA)
+        return 0;
+    if (XXH3_64bits(p, HEADER_FIELDS) != hsum)
+        return 0;
+    uint64_t per_atom = layout == LAYOUT_XYZ32 ? 12 : 28;
+    if (natoms > UINT64_MAX / per_atom || nbytes != natoms * per_atom
+        || (uint64_t)size - HEADER_SIZE != nbytes)
+        return 0;
+    if (!verify)
+        return 1;
+    XXH3_state_t st;
+    XXH3_64bits_reset(&st);
+    INS_XXH3_UPDATE(&st, p + HEADER_SIZE, nbytes);
+    return XXH3_64bits_digest(&st) == psum;
+}
+
+/* Try to hold keys[0] and check it in the caller's mapping: TAKE_HELD, TAKE_OTHER, or -1
+ * when there is no file under the key (yet). */
+static int try_take(int dirfd, const char *key, const int64_t *maps, int nmaps, int verify,
+                    int64_t *out)
+{
+    int rc = isl_lease(dirfd, key, out);
+    if (rc == LEASE_ABSENT)
+        return -1;
+    if (rc != LEASE_HELD)
+        return TAKE_OTHER;
+    out[4] = -1;
+    for (int i = 0; i < nmaps; i++) {
+        const int64_t *m = maps + 4 * i; /* {st_dev, st_ino, size, address} */
+        if (m[0] == out[1] && m[1] == out[2] && m[2] == out[3]) {
+            if (frame_ok((const unsigned char *)(intptr_t)m[3], out[3], verify))
+                out[4] = i;
+            break;
+        }
+    }
+    return TAKE_HELD;
+}
+
+/* Whether anything is under key (relative to dirfd): not "absent" is for the caller to see. */
+static int present(int dirfd, const char *key)
+{
+    struct stat st;
+    return fstatat(dirfd, key, &st, AT_SYMLINK_NOFOLLOW) == 0 || (errno != ENOENT
+                                                                 && errno != ENOTDIR);
+}
+
+/* Wait for keys[0] (a frame) or keys[1..n) (the end marker, a later frame) under dirfd, the
+ * managed directory, sleeping on the inotify descriptor ifd whose watches on the keys'
+ * directories the caller armed, at most timeout_us; between poll_from_us and poll_until_us
+ * (from now; poll_until_us <= poll_from_us: never) poll instead of sleeping. keys[0] there:
+ * held and checked (see TAKE_HELD); anything else: TAKE_OTHER. maps: nmaps entries {st_dev,
+ * st_ino, size, address} of the caller's read-only mappings of frame files. */
+ISL_EXPORT int isl_take(int ifd, int dirfd, const char *const *keys, int n,
+                        long long timeout_us, long long poll_from_us, long long poll_until_us,
+                        const int64_t *maps, int nmaps, int verify, int *gone, int gone_cap,
+                        int *gone_n, int64_t *out)
+{
+    out[5] = 0;
+    int rc = try_take(dirfd, keys[0], maps, nmaps, verify, out);
+    if (rc >= 0)
+        return rc;
+    for (int i = 1; i < n; i++)
+        if (present(dirfd, keys[i]))
+            return TAKE_OTHER;
+    out[5] = 1;
+    char buf[8192] __attribute__((aligned(__alignof__(struct inotify_event))));
+    long long now = isl_now_us();
+    long long deadline = now + timeout_us, from = now + poll_from_us, until = now + poll_until_us;
+    struct pollfd pfd = {.fd = ifd, .events = POLLIN};
+    for (;;) {
+        now = isl_now_us();
+        if (now >= deadline)
+            return TAKE_TIMEOUT;
+        /* asleep until the window opens (or the deadline), polling in it, asleep after it */
+        long long left = now >= from && now < until ? 0 : deadline - now;
+        if (now < from && from < until && from - now < left)
+            left = from - now;
+        struct timespec ts = isl_span(left);
+        rc = ppoll(&pfd, 1, &ts, NULL);
+        if (rc == 0)
+            continue;
+        if (rc < 0)
+            return errno == EINTR ? TAKE_INTERRUPTED : -errno;
+        ssize_t got = read(ifd, buf, sizeof buf);
+        if (got < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                continue;
+            return errno == EINTR ? TAKE_INTERRUPTED : -errno;
+        }
+        int named = -1, ngone = 0, overflow = 0;
+        for (char *q = buf; q < buf + got;) {
+            const struct inotify_event *ev = (const struct inotify_event *)q;
+            q += sizeof *ev + ev->len;
+            if (ev->mask & IN_Q_OVERFLOW)
+                overflow = 1;
+            else if (ev->mask & (IN_IGNORED | IN_DELETE_SELF | IN_MOVE_SELF)) {
+                if (ngone < gone_cap)
+                    gone[ngone++] = ev->wd;
+                else
+                    overflow = 1; /* more than we can report: re-arm everything */
+            }
+            for (int i = 0; ev->len && i < n; i++)
+                if (strcmp(ev->name, isl_base(keys[i])) == 0 && (named < 0 || i < named))
+                    named = i;
+        }
+        if (overflow || ngone) {
+            *gone_n = overflow ? -1 : ngone;
+            return TAKE_REARM;
+        }
+        if (named > 0)
+            return TAKE_OTHER;
+        if (named == 0) {
+            rc = try_take(dirfd, keys[0], maps, nmaps, verify, out);
+            if (rc >= 0)
+                return rc;
+        }
+    }
+}
