@@ -37,7 +37,7 @@
 uint64_t isl_paper_encode(unsigned char *dst, const double *pos, const int32_t *ids, int64_t n);
 
 /* Copy n bytes from src to dst in chunks, hashing each chunk of dst right after its copy. */
-static void copy_hashed(unsigned char *dst, const unsigned char *src, size_t n, XXH3_state_t *st)
+void isl_copy_hashed(unsigned char *dst, const unsigned char *src, size_t n, XXH3_state_t *st)
 {
     for (size_t lo = 0; lo < n; lo += CHUNK) {
         size_t k = n - lo < CHUNK ? n - lo : CHUNK;
@@ -52,7 +52,7 @@ static uint64_t encode_arrays(unsigned char *dst, const void *pos, size_t pos_by
 {
     XXH3_state_t st;
     XXH3_64bits_reset(&st);
-    copy_hashed(dst, pos, pos_bytes, &st);
+    isl_copy_hashed(dst, pos, pos_bytes, &st);
     if (n_ids > 0) {
         unsigned char *out = dst + pos_bytes;
         if (ids != NULL)

@@ -14,7 +14,9 @@
  *               watches armed by the caller), optionally polling in a window around when
  *               it is due; hold it (isl_lease); find the caller's mapping of the file in a
  *               table and check the frame there: magic, version, layout, header checksum,
- *               sizes and (verify) the payload's xxh3.
+ *               sizes and (verify) the payload's xxh3. A copying reader passes arrays of
+ *               its own: the payload is copied into them, each chunk hashed from the cache
+ *               right after its copy, and the hold ends in the same call.
  *
  * Python keeps the mapping table, the policy and every error: a frame that fails a check,
  * an event of another key, a link on the way, a retired file -- anything but the common case
@@ -80,6 +82,10 @@ ISL_EXPORT int isl_lease(int dirfd, const char *key, int64_t *out)
     return rc;
 }
 
+void isl_copy_hashed(unsigned char *dst, const unsigned char *src, size_t n, XXH3_state_t *st);
+uint64_t isl_paper_decode(const unsigned char *src, int64_t n, double *pos, int32_t *ids,
+                          int hash);
+
 /* isl_take's results (>= 0); a negative result is -errno of a failed poll or read. */
 enum {
     TAKE_HELD = 0,        /* out = {fd, st_dev, st_ino, st_size, map, waited}: keys[0] held
@@ -93,6 +99,9 @@ enum {
     TAKE_INTERRUPTED = 3, /* a signal arrived */
     TAKE_REARM = 4,       /* as isl_wait's ISL_REARM: *gone_n = the number of watch
                              descriptors in gone, or -1 when the queue overflowed */
+    TAKE_COPIED = 5,      /* keys[0]'s frame copied into the caller's arrays and checked, the
+                             hold ended: out = {-1, st_dev, st_ino, st_size, map, waited,
+                             then the frame's 128 header bytes} */
 };
 
 /* Whether the frame at p (size bytes, the whole file) passes decode_frame's checks. */
@@ -124,10 +133,46 @@ static int frame_ok(const unsigned char *p, int64_t size, int verify)
     return XXH3_64bits_digest(&st) == psum;
 }
 
-/* Try to hold keys[0] and check it in the caller's mapping: TAKE_HELD, TAKE_OTHER, or -1
- * when there is no file under the key (yet). */
+/* The caller's arrays for a copying read: the frame must have natoms atoms. */
+struct dest {
+    void *pos;       /* natoms x 3 coordinates of the layout's type; NULL: no copy */
+    int32_t *ids;    /* natoms ids (the paper layouts) */
+    int64_t natoms;
+    double *box;     /* 9: the box vectors of a frame that passed the checks, or NULL */
+};
+
+/* Copy the payload of the checked frame p (header read) into d's arrays; returns whether
+ * its xxh3 (over the copies, each chunk right after its copy) matches, or 1 without verify. */
+static int copy_frame(const unsigned char *p, const struct dest *d, int verify)
+{
+    uint16_t layout;
+    uint64_t psum;
+    memcpy(&layout, p + 6, 2);
+    memcpy(&psum, p + 112, 8);
+    const unsigned char *payload = p + HEADER_SIZE;
+    size_t n = (size_t)d->natoms;
+    if (layout == LAYOUT_PAPER)
+        return isl_paper_decode(payload, d->natoms, d->pos, d->ids, verify) == psum || !verify;
+    size_t pos_bytes = n * (layout == LAYOUT_XYZ32 ? 12 : 24);
+    if (!verify) {
+        memcpy(d->pos, payload, pos_bytes);
+        if (layout == LAYOUT_SOA)
+            memcpy(d->ids, payload + pos_bytes, n * 4);
+        return 1;
+    }
+    XXH3_state_t st;
+    XXH3_64bits_reset(&st);
+    isl_copy_hashed(d->pos, payload, pos_bytes, &st);
+    if (layout == LAYOUT_SOA)
+        isl_copy_hashed((unsigned char *)d->ids, payload + pos_bytes, n * 4, &st);
+    return XXH3_64bits_digest(&st) == psum;
+}
+
+/* Try to hold keys[0] and check it in the caller's mapping (copying it into d's arrays when
+ * given and the frame has their size): TAKE_HELD, TAKE_COPIED, TAKE_OTHER, or -1 when there
+ * is no file under the key (yet). */
 static int try_take(int dirfd, const char *key, const int64_t *maps, int nmaps, int verify,
-                    int64_t *out)
+                    const struct dest *d, int64_t *out)
 {
     int rc = isl_lease(dirfd, key, out);
     if (rc == LEASE_ABSENT)
@@ -137,11 +182,27 @@ static int try_take(int dirfd, const char *key, const int64_t *maps, int nmaps, 
     out[4] = -1;
     for (int i = 0; i < nmaps; i++) {
         const int64_t *m = maps + 4 * i; /* {st_dev, st_ino, size, address} */
-        if (m[0] == out[1] && m[1] == out[2] && m[2] == out[3]) {
-            if (frame_ok((const unsigned char *)(intptr_t)m[3], out[3], verify))
+        if (m[0] != out[1] || m[1] != out[2] || m[2] != out[3])
+            continue;
+        const unsigned char *p = (const unsigned char *)(intptr_t)m[3];
+        uint64_t natoms;
+        memcpy(&natoms, p + 8, 8);
+        if (d->pos != NULL && frame_ok(p, out[3], 0) && natoms == (uint64_t)d->natoms) {
+            if (copy_frame(p, d, verify)) {
+                memcpy(out + 6, p, HEADER_SIZE); /* (before the hold ends: then it may change) */
+                if (d->box != NULL)
+                    memcpy(d->box, p + 32, 72);
+                close((int)out[0]);
+                out[0] = -1;
                 out[4] = i;
-            break;
+                return TAKE_COPIED;
+            }
+        } else if (frame_ok(p, out[3], verify)) {
+            out[4] = i;
+            if (d->box != NULL)
+                memcpy(d->box, p + 32, 72);
         }
+        break;
     }
     return TAKE_HELD;
 }
@@ -158,15 +219,20 @@ static int present(int dirfd, const char *key)
  * managed directory, sleeping on the inotify descriptor ifd whose watches on the keys'
  * directories the caller armed, at most timeout_us; between poll_from_us and poll_until_us
  * (from now; poll_until_us <= poll_from_us: never) poll instead of sleeping. keys[0] there:
- * held and checked (see TAKE_HELD); anything else: TAKE_OTHER. maps: nmaps entries {st_dev,
- * st_ino, size, address} of the caller's read-only mappings of frame files. */
+ * held and checked (see TAKE_HELD), or copied into dst_pos / dst_ids (dst_natoms atoms; a
+ * frame of another size is held instead) and released (TAKE_COPIED), its box vectors written
+ * to dst_box (9 doubles, where not NULL) when it passed the checks; anything else:
+ * TAKE_OTHER. maps: nmaps entries {st_dev, st_ino, size, address} of the caller's
+ * read-only mappings of frame files; out: 22 entries. */
 ISL_EXPORT int isl_take(int ifd, int dirfd, const char *const *keys, int n,
                         long long timeout_us, long long poll_from_us, long long poll_until_us,
-                        const int64_t *maps, int nmaps, int verify, int *gone, int gone_cap,
-                        int *gone_n, int64_t *out)
+                        const int64_t *maps, int nmaps, int verify, void *dst_pos,
+                        int32_t *dst_ids, int64_t dst_natoms, double *dst_box, int *gone,
+                        int gone_cap, int *gone_n, int64_t *out)
 {
+    const struct dest d = {.pos = dst_pos, .ids = dst_ids, .natoms = dst_natoms, .box = dst_box};
     out[5] = 0;
-    int rc = try_take(dirfd, keys[0], maps, nmaps, verify, out);
+    int rc = try_take(dirfd, keys[0], maps, nmaps, verify, &d, out);
     if (rc >= 0)
         return rc;
     for (int i = 1; i < n; i++)
@@ -220,7 +286,7 @@ ISL_EXPORT int isl_take(int ifd, int dirfd, const char *const *keys, int n,
         if (named > 0)
             return TAKE_OTHER;
         if (named == 0) {
-            rc = try_take(dirfd, keys[0], maps, nmaps, verify, out);
+            rc = try_take(dirfd, keys[0], maps, nmaps, verify, &d, out);
             if (rc >= 0)
                 return rc;
         }

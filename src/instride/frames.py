@@ -51,7 +51,7 @@ import struct
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 import numpy as np
 import xxhash
@@ -115,9 +115,11 @@ def frame_size(natoms: int, layout: str = "xyz32") -> int:
     return HEADER_SIZE + natoms * bytes_per_atom(layout)
 
 
-@dataclass(frozen=True)
-class FrameHeader:
-    """The header fields of a frame, readable without touching the payload."""
+class FrameHeader(NamedTuple):
+    """The header fields of a frame, readable without touching the payload.
+
+    (A named tuple: a reader makes one per frame, in a single step.)
+    """
 
     natoms: int
     step: int
@@ -573,6 +575,13 @@ def decode_header(buf: bytes | memoryview, what: str = "frame", *, checked: bool
     return FrameHeader(natoms, step, time, box, name, nbytes, psum)
 
 
+def checked_header(buf: bytes | memoryview, box: np.ndarray) -> FrameHeader:
+    """The header of a frame that passed :func:`decode_header`'s checks already (in
+    ``isl_take``): only parsed. ``box``: its box vectors, filled in already."""
+    f = _HEADER.unpack_from(buf)
+    return FrameHeader(f[3], f[4], f[5], box, _LAYOUT_NAMES[f[2]], f[15], f[16])
+
+
 def decode_frame(
     buf: bytes | memoryview | mmap.mmap, what: str = "frame", *, verify: bool = True,
     copy: bool = False, releaser: Callable[[], None] | None = None, checked: bool = False,
@@ -622,15 +631,40 @@ def decode_frame(
         return Frame(header, positions, ids)
     if verify and _checksum(payload) != header.payload_checksum:
         raise IntegrityError(what, "payload checksum mismatch")
+    return frame_views(view, header, releaser)
+
+
+def frame_views(buf: memoryview, header: FrameHeader,
+                releaser: Callable[[], None] | None = None) -> Frame:
+    """The frame in ``buf`` (the whole frame file's bytes, checked against ``header``) as
+    views of ``buf``."""
+    n = header.natoms
     if header.layout == "xyz32":
-        positions = np.frombuffer(payload, dtype=_XYZ32).reshape(header.natoms, 3)
+        positions = np.frombuffer(buf, _XYZ32, 3 * n, HEADER_SIZE).reshape(n, 3)
         return Frame(header, positions, None, releaser)
     if header.layout == "paper":
-        rec = np.frombuffer(payload, dtype=PAPER_DTYPE)
+        rec = np.frombuffer(buf, PAPER_DTYPE, n, HEADER_SIZE)
         return Frame(header, rec["xyz"], rec["id"], releaser)
-    n = header.natoms
-    xyz = np.frombuffer(payload, dtype=_F64, count=3 * n).reshape(n, 3)
-    return Frame(header, xyz, np.frombuffer(payload, dtype=_I32, offset=24 * n), releaser)
+    xyz = np.frombuffer(buf, _F64, 3 * n, HEADER_SIZE).reshape(n, 3)
+    return Frame(header, xyz, np.frombuffer(buf, _I32, n, HEADER_SIZE + 24 * n), releaser)
+
+
+def frame_arrays(layout: str, natoms: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Empty positions and ids arrays (``None`` for ``xyz32``) for a copy of a frame, their
+    pages touched now: a reader makes them between frames, so that the copy into them takes
+    no page faults.
+
+    Parameters
+    ----------
+    layout, natoms
+        The frame's layout and atom count.
+    """
+    positions = np.empty((natoms, 3), _XYZ32 if layout == "xyz32" else _F64)
+    ids = None if layout == "xyz32" else np.empty(natoms, _I32)
+    for arr in (positions, ids):
+        if arr is not None and arr.nbytes:
+            arr.reshape(-1).view(np.uint8)[:: mmap.PAGESIZE] = 0
+    return positions, ids
 
 
 def _copy_payload(

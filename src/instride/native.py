@@ -86,8 +86,8 @@ def _load() -> ctypes.CDLL | None:
         lib.isl_lease.argtypes = [c_int, c_char_p, ptr]
         lib.isl_lease.restype = c_int
         lib.isl_take.argtypes = [c_int, c_int, ctypes.POINTER(c_char_p), c_int, ctypes.c_longlong,
-                                 ctypes.c_longlong, ctypes.c_longlong, ptr, c_int, c_int, p_int,
-                                 c_int, p_int, ptr]
+                                 ctypes.c_longlong, ctypes.c_longlong, ptr, c_int, c_int, ptr,
+                                 ptr, i64, ptr, p_int, c_int, p_int, ptr]
         lib.isl_take.restype = c_int
     except AttributeError:  # a library built from older sources: the Python paths instead
         return None

@@ -68,7 +68,16 @@ from .errors import (
     KeyValidationError,
     StreamFull,
 )
-from .frames import Frame, decode_frame, encode_into, frame_size, native_frame
+from .frames import (
+    Frame,
+    checked_header,
+    decode_frame,
+    encode_into,
+    frame_arrays,
+    frame_size,
+    frame_views,
+    native_frame,
+)
 from .paths import check_confined
 from .record import Record, checksum_of
 from .store.inbox import Inbox
@@ -285,6 +294,11 @@ class Stream:
         #: local mode, where it is not used)
         self._here: str | None = None
         self._here_waited = 0.0  # seconds waited there in vain since the last frame
+        #: ``copy=True`` in local mode: the layout and atom count of the last frame, and the
+        #: arrays made for the next one (see :meth:`_take_here`)
+        self._copy_shape: tuple[str, int] | None = None
+        self._into: tuple[np.ndarray, np.ndarray | None] | None = None
+        self._box: np.ndarray | None = None  # (the next frame's box vectors, local mode)
         #: waits that ended on this node's inotify that way (for tests and benchmarks)
         self.woken_here = 0
         if self.group is not None:
@@ -926,7 +940,12 @@ class Stream:
             else (plan[0] - now, plan[1] - now)
         keys = self._take_keys
         keys[0] = os.fsencode(key)
-        got = leases.take(ifd, keys, part, window, self.verify)
+        # (made between frames, before the wait: not after the wake-up)
+        if self.copy and self._into is None and self._copy_shape is not None:
+            self._into = frame_arrays(*self._copy_shape)
+        if self._box is None:
+            self._box = np.empty((3, 3))
+        got = leases.take(ifd, keys, part, window, self.verify, self._into, self._box)
         if isinstance(got, list):
             lost_watches(got)
         if not isinstance(got, Taken):
@@ -935,6 +954,15 @@ class Stream:
             self.windows_polled += 1
         if self._cadence is not None:
             self._cadence.arrived(index, time.monotonic(), waited=got.waited)
+        if got.checked:  # (the header's bytes: their box vectors written into self._box)
+            box, self._box = self._box, None
+            header = checked_header(got.buf, box)
+            if got.copied:  # into the arrays made for it, the file let go
+                assert self._into is not None
+                (positions, ids), self._into = self._into, None
+                return Frame(header, positions, ids)
+            if not self.copy:
+                return frame_views(got.buf, header, got.release)
         try:
             frame = decode_frame(got.buf, key, verify=self.verify, copy=self.copy,
                                  releaser=None if self.copy else got.release, checked=got.checked)
@@ -943,6 +971,7 @@ class Stream:
             raise
         if self.copy:  # arrays of its own: the file is not needed any more
             got.release()
+            self._copy_shape, self._into = (frame.header.layout, frame.natoms), None
         return frame
 
     @functools.cached_property

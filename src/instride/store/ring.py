@@ -45,7 +45,7 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 #: isl_lease's results (csrc/local/take.c)
 _LEASE_HELD, _LEASE_ABSENT, _LEASE_RETIRED = 0, 1, 2
 #: isl_take's results (csrc/local/take.c)
-TAKE_HELD, TAKE_OTHER, TAKE_TIMEOUT, TAKE_INTERRUPTED, TAKE_REARM = range(5)
+TAKE_HELD, TAKE_OTHER, TAKE_TIMEOUT, TAKE_INTERRUPTED, TAKE_REARM, TAKE_COPIED = range(6)
 _GONE_CAP = 16
 
 
@@ -389,6 +389,8 @@ class Taken(NamedTuple):
     call (the payload's checksum too, where asked): it needs parsing only."""
     waited: bool
     """It was not there at the first look."""
+    copied: bool
+    """Copied into the caller's arrays (``buf``: the frame's header) and released."""
 
 
 class Leases:
@@ -410,7 +412,7 @@ class Leases:
         self._maps: OrderedDict[tuple[int, int], mmap.mmap] = OrderedDict()
         self._confined = confined
         self._prefix = "" if confined is None else confined.root + "/"
-        self._out = (ctypes.c_int64 * 6)()
+        self._out = (ctypes.c_int64 * 22)()  # (isl_take: 6 values, then a frame's header)
         # the kept mappings as isl_take looks them up: {st_dev, st_ino, size, address} each
         self._table = (ctypes.c_int64 * (4 * max(1, keep)))()
         self._table_idents: list[tuple[int, int]] = []
@@ -442,9 +444,12 @@ class Leases:
         return self.open(path, lambda: confined.open(key))  # the slow path names the problem
 
     def take(self, ifd: int, keys: ctypes.Array[ctypes.c_char_p], timeout: float,
-             window: tuple[float, float], verify: bool) -> Taken | int | list[int] | None:
+             window: tuple[float, float], verify: bool,
+             into: tuple[np.ndarray, np.ndarray | None] | None = None,
+             box: np.ndarray | None = None) -> Taken | int | list[int] | None:
         """Wait for ``keys[0]``, hold it and check the frame in the kept mapping of its file,
-        in one native call (``isl_take``, GIL released).
+        in one native call (``isl_take``, GIL released); or copy it into arrays of the
+        caller's, checked on the way, and let it go in the same call.
 
         Parameters
         ----------
@@ -459,6 +464,12 @@ class Leases:
             Seconds from now between which to poll instead of sleeping (``(0, 0)``: never).
         verify
             Check the payload's checksum too (the header's is always checked).
+        into
+            The positions and ids arrays (C-contiguous, of the layout's types) to copy a
+            frame of their size into; a frame of another size is held instead.
+        box
+            A C-contiguous ``(3, 3)`` float64 array for the box vectors of a frame that
+            passed the checks (:attr:`Taken.checked`).
 
         Returns
         -------
@@ -475,10 +486,21 @@ class Leases:
         if dirfd < 0:
             return None
         out = self._out
+        if into is None:
+            pos = ids = None
+            natoms = 0
+        else:
+            pos = into[0].__array_interface__["data"][0]
+            ids = None if into[1] is None else into[1].__array_interface__["data"][0]
+            natoms = len(into[0])
+        at = None if box is None else box.__array_interface__["data"][0]
         rc = lib.isl_take(ifd, dirfd, keys, len(keys), int(timeout * 1e6),
                           int(window[0] * 1e6), int(window[1] * 1e6), self._table,
-                          len(self._table_idents), 1 if verify else 0, self._gone, _GONE_CAP,
-                          ctypes.byref(self._gone_n), out)
+                          len(self._table_idents), 1 if verify else 0, pos, ids, natoms, at,
+                          self._gone, _GONE_CAP, ctypes.byref(self._gone_n), out)
+        if rc == TAKE_COPIED:  # (a kept mapping's file: keep it the most recently used)
+            self._maps.move_to_end(self._table_idents[out[4]])
+            return Taken(memoryview(out)[6:].cast("B"), _noop, True, out[5] != 0, True)
         if rc == TAKE_HELD:
             fd, at = out[0], out[4]
             try:
@@ -491,7 +513,7 @@ class Leases:
             except BaseException:
                 os.close(fd)
                 raise
-            return Taken(memoryview(mm), self._releaser(fd, mm), at >= 0, out[5] != 0)
+            return Taken(memoryview(mm), self._releaser(fd, mm), at >= 0, out[5] != 0, False)
         if rc == TAKE_REARM:
             n = self._gone_n.value
             return list(self._gone[:n]) if n > 0 else []
