@@ -493,10 +493,10 @@ class Leases:
             pos = into[0].__array_interface__["data"][0]
             ids = None if into[1] is None else into[1].__array_interface__["data"][0]
             natoms = len(into[0])
-        at = None if box is None else box.__array_interface__["data"][0]
+        box_at = None if box is None else box.__array_interface__["data"][0]
         rc = lib.isl_take(ifd, dirfd, keys, len(keys), int(timeout * 1e6),
                           int(window[0] * 1e6), int(window[1] * 1e6), self._table,
-                          len(self._table_idents), 1 if verify else 0, pos, ids, natoms, at,
+                          len(self._table_idents), 1 if verify else 0, pos, ids, natoms, box_at,
                           self._gone, _GONE_CAP, ctypes.byref(self._gone_n), out)
         if rc == TAKE_COPIED:  # (a kept mapping's file: keep it the most recently used)
             self._maps.move_to_end(self._table_idents[out[4]])
