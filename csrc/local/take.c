@@ -92,7 +92,8 @@ enum {
                              (the caller closes fd); map: the index of the table entry whose
                              frame passed every check, or -1 (not in the table, or a check
                              failed: the caller maps and decodes it, which names the problem);
-                             waited: 1 when it was not there at the first look */
+                             waited: 0 when it was there at the first look, else when it
+                             was found (CLOCK_MONOTONIC, us) */
     TAKE_OTHER = 1,       /* anything else: another key's file, keys[0] retired, being
                              rewritten or something to look at; the caller's path looks */
     TAKE_TIMEOUT = 2,     /* nothing within timeout_us */
@@ -238,7 +239,6 @@ ISL_EXPORT int isl_take(int ifd, int dirfd, const char *const *keys, int n,
     for (int i = 1; i < n; i++)
         if (present(dirfd, keys[i]))
             return TAKE_OTHER;
-    out[5] = 1;
     char buf[8192] __attribute__((aligned(__alignof__(struct inotify_event))));
     long long now = isl_now_us();
     long long deadline = now + timeout_us, from = now + poll_from_us, until = now + poll_until_us;
@@ -287,8 +287,10 @@ ISL_EXPORT int isl_take(int ifd, int dirfd, const char *const *keys, int n,
             return TAKE_OTHER;
         if (named == 0) {
             rc = try_take(dirfd, keys[0], maps, nmaps, verify, &d, out);
-            if (rc >= 0)
+            if (rc >= 0) {
+                out[5] = isl_now_us(); /* (found at: a reader's cadence, without a clock read) */
                 return rc;
+            }
         }
     }
 }

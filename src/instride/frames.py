@@ -404,11 +404,23 @@ def native_frame(
             return None
         id32 = np.ascontiguousarray(id32, dtype=_I32)
     boxv = _NO_BOX if box is None else (ctypes.c_double * 9)(*_box_vector(box))
-    # (__array_interface__: a dict built in C; ``.ctypes.data`` runs several Python frames)
-    args = (native[0], natoms, pos.__array_interface__["data"][0],
-            None if id32 is None else id32.__array_interface__["data"][0], int(step),
-            float(time), boxv)
+    args = (native[0], natoms, _data_address(pos),
+            None if id32 is None else _data_address(id32), int(step), float(time), boxv)
     return NativeFrame(args, (pos, id32))
+
+
+_char_at = ctypes.c_char.from_buffer
+_addressof = ctypes.addressof
+
+
+def _data_address(arr: np.ndarray) -> int:
+    """Where the C-contiguous ``arr``'s data starts: through the buffer protocol where ``arr``
+    is writable and not empty (a quarter of the time of ``__array_interface__``, which builds
+    a dict; ``.ctypes.data`` runs several Python frames), else ``__array_interface__``."""
+    try:
+        return _addressof(_char_at(arr))  # (the export ends with the temporary)
+    except (TypeError, ValueError):  # read-only or empty
+        return int(arr.__array_interface__["data"][0])
 
 
 def _copy_hashed(

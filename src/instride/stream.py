@@ -946,14 +946,16 @@ class Stream:
         if self._box is None:
             self._box = np.empty((3, 3))
         got = leases.take(ifd, keys, part, window, self.verify, self._into, self._box)
-        if isinstance(got, list):
-            lost_watches(got)
         if not isinstance(got, Taken):
+            if isinstance(got, list):
+                lost_watches(got)
             return None
-        if plan is not None and time.monotonic() >= plan[0]:
-            self.windows_polled += 1
+        if plan is not None:  # (when it was found: the native call's clock, if it waited)
+            assert self._cadence is not None
+            if (got.waited or time.monotonic()) >= plan[0]:
+                self.windows_polled += 1
         if self._cadence is not None:
-            self._cadence.arrived(index, time.monotonic(), waited=got.waited)
+            self._cadence.arrived(index, got.waited, waited=got.waited > 0)
         if got.checked:  # (the header's bytes: their box vectors written into self._box)
             box, self._box = self._box, None
             header = checked_header(got.buf, box)

@@ -387,8 +387,8 @@ class Taken(NamedTuple):
     checked: bool
     """The frame passed every check of :func:`~instride.frames.decode_frame` in the native
     call (the payload's checksum too, where asked): it needs parsing only."""
-    waited: bool
-    """It was not there at the first look."""
+    waited: float
+    """0.0: there at the first look; else when it was found (``time.monotonic()``)."""
     copied: bool
     """Copied into the caller's arrays (``buf``: the frame's header) and released."""
 
@@ -500,7 +500,7 @@ class Leases:
                           self._gone, _GONE_CAP, ctypes.byref(self._gone_n), out)
         if rc == TAKE_COPIED:  # (a kept mapping's file: keep it the most recently used)
             self._maps.move_to_end(self._table_idents[out[4]])
-            return Taken(memoryview(out)[6:].cast("B"), _noop, True, out[5] != 0, True)
+            return Taken(memoryview(out)[6:].cast("B"), _noop, True, out[5] / 1e6, True)
         if rc == TAKE_HELD:
             fd, at = out[0], out[4]
             try:
@@ -513,7 +513,7 @@ class Leases:
             except BaseException:
                 os.close(fd)
                 raise
-            return Taken(memoryview(mm), self._releaser(fd, mm), at >= 0, out[5] != 0, False)
+            return Taken(memoryview(mm), self._releaser(fd, mm), at >= 0, out[5] / 1e6, False)
         if rc == TAKE_REARM:
             n = self._gone_n.value
             return list(self._gone[:n]) if n > 0 else []
