@@ -305,3 +305,26 @@ def test_arrays_the_one_call_encode_cannot_take_go_the_numpy_way() -> None:
     assert native_frame(pos, layout="nope", **kw) is None  # encode_into names the error
     with pytest.raises(ValueError, match="box"):
         native_frame(pos, layout="paper", **{**kw, "box": np.zeros(4)})
+
+
+@pytest.mark.parametrize("layout", ["xyz32", "paper", "paper-soa"])
+def test_a_checked_frame_parsed_alone_is_the_decoded_frame(layout: str) -> None:
+    # what a reader builds after isl_take checked the frame: the header parsed, the box taken
+    # from the array the native call filled, views of the file's bytes
+    from instride.frames import checked_header, decode_frame, encode_frame, frame_arrays, frame_views
+
+    pos = np.random.default_rng(5).random((50, 3)).astype(np.float32 if layout == "xyz32" else np.float64)
+    box = np.diag([1.0, 2.0, 3.0])
+    head, payload = encode_frame(pos, step=9, time=1.5, box=box, layout=layout)
+    buf = memoryview(head + bytes(payload))
+    full = decode_frame(buf)
+    header = checked_header(buf, box.copy())
+    assert header.natoms == 50 and header.step == 9 and header.layout == layout
+    assert header[:3] == full.header[:3] and header[4:] == full.header[4:]
+    assert np.array_equal(header.box, full.box)
+    views = frame_views(buf, header)
+    assert np.array_equal(views.positions, full.positions)
+    assert (views.ids is None) == (full.ids is None)
+    positions, ids = frame_arrays(layout, 50)
+    assert positions.shape == (50, 3) and positions.dtype == pos.dtype
+    assert (ids is None) == (layout == "xyz32") and (ids is None or ids.dtype == np.int32)

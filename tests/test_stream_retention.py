@@ -684,3 +684,40 @@ def test_a_bounded_stream_under_a_name_beyond_ascii_reads_back_every_frame(
     assert (managed_dir / "émulsion" / "répl☃" / "frame_000000005.isf").exists()
     assert native == [True] * 6  # every frame took the one-call path, flushed
     reader.close()
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_local_reader_takes_each_frame_in_one_native_call_and_refuses_a_corrupt_one(
+    managed_dir: Path, monkeypatch: pytest.MonkeyPatch, copy: bool
+) -> None:
+    # once a recycled file is mapped, the frame is waited for, held and checked (copied, for a
+    # copying reader) by isl_take; a frame corrupted in its file still raises IntegrityError
+    from instride.store.ring import Leases
+
+    taken: list[Any] = []
+    one_call = Leases.take
+
+    def counted(self: Leases, *args: Any, **kw: Any) -> Any:
+        got = one_call(self, *args, **kw)
+        taken.append(got)
+        return got
+
+    monkeypatch.setattr(Leases, "take", counted)
+    with instride.Stream("native", mode="w", retain=2, groups=["g"], timeout=5) as s:
+        reader = instride.Stream("native", group="g", timeout=5, copy=copy)
+        for i in range(12):
+            s.append(_positions(i), step=i)
+            frame = next(reader)
+            assert frame.step == i and np.all(frame.positions[:, 0] == i)
+            assert frame.positions.flags.writeable == copy
+        later = [t for t in taken[6:] if not isinstance(t, int)]
+        assert len(later) == 6 and all(t.checked for t in later)  # (files mapped by then)
+        assert all(t.copied == copy for t in later)
+        s.append(_positions(12), step=12)
+        path = managed_dir / "native" / "frame_000000012.isf"
+        with open(path, "r+b") as fh:  # (the producer's recycled file: mapped by the reader)
+            fh.seek(300)
+            fh.write(b"\x00\x01" * 8)
+        with pytest.raises(IntegrityError, match="checksum"):
+            next(reader)
+    reader.close()

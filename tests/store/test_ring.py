@@ -11,7 +11,9 @@ import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from instride.errors import FileTypeError, UnsafePathError
@@ -247,4 +249,90 @@ def test_the_one_call_publish_refuses_an_existing_key_and_keeps_nothing(tmp_path
     pool.write_and_publish(slot, frame, str(tmp_path / "new" / "f1"), "new/f1", overwrite=False,
                           fsync=True)  # (flushed first)
     assert decode_frame((tmp_path / "new" / "f1").read_bytes(), "f1").step == 4
+    pool.close()
+
+
+def _published_frame(pool: SlotPool, root: Path, key: str, pos: Any, step: int) -> int:
+    """Encode and publish a paper-soa frame of ``pos`` under ``root/key``; its inode."""
+    from instride.frames import frame_size, native_frame
+
+    frame = native_frame(pos, step=step, time=0.25, box=np.eye(3) * 7, layout="paper-soa",
+                         ids=None)
+    assert frame is not None
+    slot = pool.take(frame_size(len(pos), "paper-soa"))
+    pool.write_and_publish(slot, frame, str(root / key), key, overwrite=False, fsync=False)
+    return slot.ino
+
+
+def test_the_native_take_holds_checks_or_copies_a_frame_in_one_call(tmp_path: Path) -> None:
+    # Leases.take (isl_take): the wait, the lease, the frame's checks in the kept mapping,
+    # and for a copying reader the copy into its arrays; every other case goes back to Python
+    import ctypes
+    import threading
+
+    from instride.frames import checked_header, frame_arrays, frame_views
+    from instride.paths import ConfinedOpener
+    from instride.store.ring import TAKE_OTHER, TAKE_TIMEOUT, Taken
+    from instride.store.wait import armed
+
+    root = tmp_path / "root"
+    (root / "s").mkdir(parents=True)
+    pool = SlotPool(root / ".pool", recycle=True)
+    opener = ConfinedOpener(root)
+    leases = Leases(4, opener)
+    ifd = armed(root / "s")
+    assert ifd is not None
+    keys = (ctypes.c_char_p * 2)(b"s/f0", b"s/end")
+    pos = np.random.default_rng(2).random((300, 3))
+    # nothing there: a timeout; published meanwhile (another thread): woken, held
+    assert leases.take(ifd, keys, 0.05, (0.0, 0.0), True) == TAKE_TIMEOUT
+    inos: list[int] = []
+    later = threading.Timer(0.1, lambda: inos.append(_published_frame(pool, root, "s/f0", pos, 0)))
+    later.start()
+    got = leases.take(ifd, keys, 5.0, (0.0, 0.0), True)
+    later.join()
+    assert isinstance(got, Taken) and got.waited > 0 and not got.copied
+    assert not got.checked  # a file never mapped before: the caller maps and decodes it
+    got.release()
+    # mapped now (kept by inode): checked in the call, the box written where asked
+    box = np.zeros((3, 3))
+    got = leases.take(ifd, keys, 1.0, (0.0, 0.0), True, None, box)
+    assert isinstance(got, Taken) and got.checked and got.waited == 0.0
+    assert np.array_equal(box, np.eye(3) * 7)
+    frame = frame_views(got.buf, checked_header(got.buf, box), got.release)
+    assert frame.step == 0 and frame.time == 0.25 and np.array_equal(frame.positions, pos)
+    assert np.array_equal(frame.ids, np.arange(300))
+    del frame
+    got.release()
+    # a copying reader: copied into its arrays, checked, released in the call
+    into = frame_arrays("paper-soa", 300)
+    got = leases.take(ifd, keys, 1.0, (0.0, 0.0), True, into, np.zeros((3, 3)))
+    assert isinstance(got, Taken) and got.copied
+    assert checked_header(got.buf, box).step == 0
+    assert np.array_equal(into[0], pos) and np.array_equal(into[1], np.arange(300))
+    pool.retire(inos[0])  # not held any more: the producer recycles it at once
+    # arrays of another size: held instead (the caller decodes), nothing copied
+    _published_frame(pool, root, "s/f0", pos[:200], 1)
+    small = frame_arrays("paper-soa", 300)
+    got = leases.take(ifd, keys, 1.0, (0.0, 0.0), True, small)
+    assert isinstance(got, Taken) and not got.copied
+    got.release()
+    # a frame corrupted in its file: not checked (the caller's decode names it), not copied
+    with open(root / "s" / "f0", "r+b") as fh:
+        fh.seek(200)
+        fh.write(b"\xff" * 8)
+    for arrays in (None, frame_arrays("paper-soa", 200)):
+        got = leases.take(ifd, keys, 1.0, (0.0, 0.0), True, arrays)
+        assert isinstance(got, Taken) and not got.checked and not got.copied
+        got.release()
+    # without verification, only the header is checked
+    got = leases.take(ifd, keys, 1.0, (0.0, 0.0), False)
+    assert isinstance(got, Taken) and got.checked
+    got.release()
+    # the end marker there: nothing held, Python looks
+    (root / "s" / "end").write_text("{}")
+    assert leases.take(ifd, (ctypes.c_char_p * 2)(b"s/f9", b"s/end"), 1.0, (0.0, 0.0),
+                       True) == TAKE_OTHER
+    leases.close()
+    opener.close()
     pool.close()
