@@ -524,13 +524,18 @@ def test_block_with_a_live_consumer_in_threads(managed_dir: Path) -> None:
 CLUSTER_PRODUCER = textwrap.dedent(
     """
     import sys, numpy as np, instride
+    from instride.store.ring import SlotPool
     n, retain, policy = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    encoded = []  # frames encoded in one native call (the record's checksum taken after it)
+    one_call = SlotPool.write
+    SlotPool.write = lambda pool, slot, frame: (encoded.append(1), one_call(pool, slot, frame))
     pos = np.zeros((2000, 3), dtype=np.float32)
     with instride.Stream("cl", mode="w", retain=retain, on_full=policy, groups=["remote"],
                          timeout=60) as s:
         for i in range(n):
             pos[:, 0] = i
             s.append(pos, step=i)
+    print(len(encoded))
     """
 )
 CLUSTER_CONSUMER = textwrap.dedent(
@@ -555,8 +560,9 @@ def test_cluster_remote_group_holds_frames_on_the_owner(loopback_nodes: list) ->
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     producer = subprocess.Popen([sys.executable, "-c", CLUSTER_PRODUCER, "60", "4", "block"],
                                 env=owner.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    rc, _, err = finish(producer, 120)
+    rc, encoded, err = finish(producer, 120)
     assert rc == 0, err
+    assert int(encoded) == 60  # every frame encoded by the native call, in cluster mode too
     rc, out, err = finish(consumer, 120)
     assert rc == 0, err
     steps, rest = out.split("|")

@@ -389,18 +389,22 @@ class Stream:
         step = index if step is None else step
         time_ps = 0.0 if time is None else time
         engine = self.client.engine
-        # one native call encodes and publishes (local mode): else the steps below
-        native = None if engine.wants_checksum else native_frame(
-            pos, step=step, time=time_ps, box=box, layout=self.layout, ids=ids)
+        # one native call encodes and publishes (local mode: cluster mode's record needs the
+        # file's checksum between the two); else numpy's encode, the same bytes
+        native = native_frame(pos, step=step, time=time_ps, box=box, layout=self.layout,
+                              ids=ids)
         slot = self._pool.take(nbytes)
         checksum = None
-        if native is not None:
+        if native is not None and not engine.wants_checksum:
             self._pool.write_and_publish(slot, native, final, key, overwrite=self.overwrite,
                                          fsync=self.client.fsync)
         else:
             try:
-                encode_into(slot.mm, pos, step=step, time=time_ps, box=box, layout=self.layout,
-                            ids=ids)
+                if native is not None:
+                    self._pool.write(slot, native)
+                else:
+                    encode_into(slot.mm, pos, step=step, time=time_ps, box=box,
+                                layout=self.layout, ids=ids)
             except BaseException:
                 self._pool.discard(slot)
                 raise

@@ -211,6 +211,15 @@ class SlotPool:
         else:  # encoded, not published: the slow path flushes, renames and names the error
             self.publish(slot, final, key, overwrite=overwrite, fsync=fsync)
 
+    def write(self, slot: Slot, frame: NativeFrame) -> None:
+        """Encode ``frame`` into ``slot`` in one native call (``isl_append`` without the
+        publication), for :meth:`publish` after the caller's look at the bytes."""
+        lib = library()
+        assert lib is not None  # (a NativeFrame is only made where the library is loaded)
+        rc = lib.isl_append(slot.addr, *frame.args, -1, None, None, 0, 0)
+        if rc != 0:  # (-EINVAL: an unknown layout, which native_frame never gives)
+            raise OSError(-rc, f"encoding a frame into {slot.path}: {os.strerror(-rc)}")
+
     def _publish(self, slot: Slot, final: str, key: str, *, overwrite: bool) -> None:
         try:
             publish_file(slot.path, final, key, overwrite=overwrite)
