@@ -263,24 +263,9 @@ ISL_EXPORT int isl_take(int ifd, int dirfd, const char *const *keys, int n,
                 continue;
             return errno == EINTR ? TAKE_INTERRUPTED : -errno;
         }
-        int named = -1, ngone = 0, overflow = 0;
-        for (char *q = buf; q < buf + got;) {
-            const struct inotify_event *ev = (const struct inotify_event *)q;
-            q += sizeof *ev + ev->len;
-            if (ev->mask & IN_Q_OVERFLOW)
-                overflow = 1;
-            else if (ev->mask & (IN_IGNORED | IN_DELETE_SELF | IN_MOVE_SELF)) {
-                if (ngone < gone_cap)
-                    gone[ngone++] = ev->wd;
-                else
-                    overflow = 1; /* more than we can report: re-arm everything */
-            }
-            for (int i = 0; ev->len && i < n; i++)
-                if (strcmp(ev->name, isl_base(keys[i])) == 0 && (named < 0 || i < named))
-                    named = i;
-        }
-        if (overflow || ngone) {
-            *gone_n = overflow ? -1 : ngone;
+        int named, ngone = isl_events(buf, got, keys, n, gone, gone_cap, &named);
+        if (ngone != 0) {
+            *gone_n = ngone;
             return TAKE_REARM;
         }
         if (named > 0)

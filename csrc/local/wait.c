@@ -93,26 +93,12 @@ ISL_EXPORT int isl_wait(int ifd, const char *root, const char *const *keys, int 
                 continue;
             return errno == EINTR ? ISL_INTERRUPTED : -errno;
         }
-        int named = 0, ngone = 0, overflow = 0;
-        for (char *q = buf; q < buf + got;) {
-            const struct inotify_event *ev = (const struct inotify_event *)q;
-            q += sizeof *ev + ev->len;
-            if (ev->mask & IN_Q_OVERFLOW)
-                overflow = 1;
-            else if (ev->mask & (IN_IGNORED | IN_DELETE_SELF | IN_MOVE_SELF)) {
-                if (ngone < gone_cap)
-                    gone[ngone++] = ev->wd;
-                else
-                    overflow = 1; /* more than we can report: re-arm everything */
-            }
-            for (int i = 0; ev->len && !named && i < n; i++)
-                named = strcmp(ev->name, isl_base(keys[i])) == 0;
-        }
-        if (overflow || ngone) {
-            *found = overflow ? -1 : ngone;
+        int named, ngone = isl_events(buf, got, keys, n, gone, gone_cap, &named);
+        if (ngone != 0) {
+            *found = ngone; /* (-1: the queue overflowed) */
             return ISL_REARM;
         }
-        if (!named)
+        if (named < 0)
             continue;
         for (int i = 0; i < n; i++) {
             int state = isl_state(root, keys[i], confined);
