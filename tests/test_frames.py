@@ -307,6 +307,57 @@ def test_arrays_the_one_call_encode_cannot_take_go_the_numpy_way() -> None:
         native_frame(pos, layout="paper", **{**kw, "box": np.zeros(4)})
 
 
+def test_a_frame_of_the_last_frames_arrays_takes_their_checks_and_addresses_again() -> None:
+    # a producer that rewrites its arrays in place passes the same objects every frame:
+    # native_frame(last=) reuses their addresses, and sees every change that would move or
+    # retype the data (a resize, an in-place dtype change, a copy it had to make)
+    from instride import native
+    from instride.frames import NativeFrame, encode_into, native_frame
+
+    lib = native.library()
+    assert lib is not None, "libinstride_local.so is missing: reinstall instride"
+
+    def encoded(frame: NativeFrame, n: int) -> bytes:
+        got = bytearray(frame_size(n, "paper"))
+        dst = np.frombuffer(got, np.uint8)
+        assert lib.isl_append(dst.ctypes.data, *frame.args, -1, None, None, 0, 0) == 0
+        return bytes(got)
+
+    def expected(pos: np.ndarray, ids: np.ndarray, step: int) -> bytes:
+        out = bytearray(frame_size(len(pos), "paper"))
+        encode_into(out, pos, step=step, time=0.0, box=None, layout="paper", ids=ids)
+        return bytes(out)
+
+    pos, ids = np.zeros((10, 3)), np.arange(10, dtype=np.int32)
+    kw = {"time": 0.0, "box": None, "layout": "paper"}
+    first = native_frame(pos, step=0, ids=ids, **kw)
+    assert first is not None and first.reuse is not None
+    pos[:] = 5.0  # rewritten in place
+    ids[3] = 99
+    again = native_frame(pos, step=1, ids=ids, last=first, **kw)
+    assert again is not None and again.keep is first.keep  # reused
+    assert encoded(again, 10) == expected(pos, ids, 1)
+    # another array of the same values: not the same object, not reused
+    other = native_frame(pos.copy(), step=2, ids=ids, last=again, **kw)
+    assert other is not None and other.keep is not again.keep
+    # resized in place (its data moved): not reused, the new data encoded
+    pos.resize((20, 3), refcheck=False)
+    ids = np.arange(20, dtype=np.int32)
+    moved = native_frame(pos, step=3, ids=ids, last=first, **kw)
+    assert moved is not None and moved.keep is not first.keep
+    assert encoded(moved, 20) == expected(pos, ids, 3)
+    # ids of another dtype are converted (a copy): never reused, later changes seen
+    ids64 = np.arange(20, dtype=np.int64)
+    converted = native_frame(pos, step=4, ids=ids64, last=moved, **kw)
+    assert converted is not None and converted.reuse is None
+    ids64[0] = 7
+    after = native_frame(pos, step=5, ids=ids64, last=converted, **kw)
+    assert after is not None and encoded(after, 20) == expected(pos, ids64.astype(np.int32), 5)
+    # the dtype changed in place: no longer a frame the native encode takes
+    pos.dtype = np.int64
+    assert native_frame(pos, step=6, ids=ids, last=moved, **kw) is None
+
+
 @pytest.mark.parametrize("layout", ["xyz32", "paper", "paper-soa"])
 def test_a_checked_frame_parsed_alone_is_the_decoded_frame(layout: str) -> None:
     # what a reader builds after isl_take checked the frame: the header parsed, the box taken

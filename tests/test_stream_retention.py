@@ -87,6 +87,34 @@ def test_views_are_zero_copy_and_never_change_while_held(managed_dir: Path) -> N
         frame.release()
 
 
+@pytest.mark.parametrize("layout", ["xyz32", "paper", "paper-soa"])
+def test_a_producer_rewriting_one_array_in_place_publishes_each_frames_values(
+    managed_dir: Path, layout: str
+) -> None:
+    # the usual MD loop: one positions array (and one ids array) rewritten in place; every
+    # frame after the first takes the last frame's encode arguments again, and still carries
+    # its own values; a resized array is seen
+    dtype = np.float32 if layout == "xyz32" else np.float64
+    pos, ids = np.zeros((NATOMS, 3), dtype), np.arange(NATOMS, dtype=np.int32)
+    with instride.Stream(f"inplace-{layout}", mode="w", retain=3, groups=["g"], layout=layout,
+                         timeout=5) as s:
+        reader = instride.Stream(f"inplace-{layout}", group="g", timeout=5)
+        for i in range(8):
+            if i == 5:
+                pos.resize((NATOMS + 7, 3), refcheck=False)
+                ids = np.arange(NATOMS + 7, dtype=np.int32)
+            pos[:, 0] = i
+            ids[0] = 1000 + i
+            s.append(pos, step=i, ids=ids)
+            frame = next(reader)
+            assert frame.step == i and len(frame.positions) == len(pos)
+            assert np.all(frame.positions[:, 0] == i)
+            if layout != "xyz32":
+                assert frame.ids[0] == 1000 + i
+            frame.release()
+        reader.close()
+
+
 def test_copies_are_verified_arrays_of_their_own_and_hold_nothing(managed_dir: Path) -> None:
     """copy=True: each frame is the reader's own (writable) arrays, verified on the way; its file
     is released at once, so a reader keeping every frame never holds the producer back."""
@@ -676,9 +704,10 @@ def test_a_bounded_stream_under_a_name_beyond_ascii_reads_back_every_frame(
     native: list[bool] = []
     one_call = SlotPool.write_and_publish
 
-    def counted(self: SlotPool, *args: Any, **kw: Any) -> None:
-        native.append(kw["fsync"])
-        one_call(self, *args, **kw)
+    def counted(self: SlotPool, *args: Any, **kw: Any) -> bool:
+        published = one_call(self, *args, **kw)
+        native.append(kw["fsync"] and published)
+        return published
 
     monkeypatch.setattr(SlotPool, "write_and_publish", counted)
     with instride.Stream("émulsion/répl☃", mode="w", retain=3, groups=["g"], timeout=5) as s:
@@ -688,7 +717,7 @@ def test_a_bounded_stream_under_a_name_beyond_ascii_reads_back_every_frame(
             frame = next(reader)
             assert frame.step == i and np.all(frame.positions[:, 0] == i)
     assert (managed_dir / "émulsion" / "répl☃" / "frame_000000005.isf").exists()
-    assert native == [True] * 6  # every frame took the one-call path, flushed
+    assert native == [True] * 6  # every frame published by the one call, flushed
     reader.close()
 
 

@@ -362,11 +362,15 @@ class NativeFrame:
     Holds the arrays whose addresses it passes (``keep``) for as long as it lives.
     """
 
-    __slots__ = ("args", "keep")
+    __slots__ = ("args", "keep", "reuse")
 
-    def __init__(self, args: tuple[object, ...], keep: tuple[object, ...]) -> None:
+    def __init__(self, args: tuple[object, ...], keep: tuple[object, ...],
+                 reuse: tuple[object, ...] | None = None) -> None:
         self.args = args
         self.keep = keep
+        #: what the arrays passed were (the objects, shapes, strides, dtypes), where the
+        #: next frame may take the addresses again (see :func:`native_frame`'s ``last``)
+        self.reuse = reuse
 
 
 _NO_BOX = (ctypes.c_double * 9)()
@@ -377,7 +381,7 @@ _NATIVE_LAYOUTS = {"xyz32": (1, _XYZ32), "paper": (2, _F64), "paper-soa": (3, _F
 
 def native_frame(
     positions: np.ndarray, *, step: int, time: float, box: np.ndarray | None, layout: str,
-    ids: np.ndarray | None,
+    ids: np.ndarray | None, last: NativeFrame | None = None,
 ) -> NativeFrame | None:
     """The frame as :class:`NativeFrame`, or ``None`` where :func:`encode_into` must encode it
     (no native library, a big-endian machine, positions of another dtype or not contiguous,
@@ -387,8 +391,22 @@ def native_frame(
     ----------
     positions, step, time, box, layout, ids
         As for :func:`encode_into`.
+    last
+        The producer's previous frame of this layout: where ``positions`` and ``ids`` are the
+        very arrays it was made of (rewritten in place, the usual way of an MD code), with
+        the same shapes, strides and dtypes, their checks and addresses are taken from it.
+        (An array's data moves only through ``ndarray.resize``, which changes its shape, or
+        through an in-place change of dtype; both are compared.)
     """
-    # (a producer calls this once per frame, after tens of ms idle: every line costs)
+    # (a producer calls this once per frame, after tens of ms idle: every line costs; a
+    # frame of the same arrays as the last one costs a few comparisons)
+    if last is not None and (reuse := last.reuse) is not None and positions is reuse[0] \
+            and ids is reuse[1] and positions.shape == reuse[2] \
+            and positions.strides == reuse[3] and positions.dtype is reuse[4] \
+            and (ids is None or (ids.shape == reuse[5] and ids.strides == reuse[6]
+                                 and ids.dtype is reuse[7])):
+        boxv = _NO_BOX if box is None else (ctypes.c_double * 9)(*_box_vector(box))
+        return NativeFrame((*last.args[:4], int(step), float(time), boxv), last.keep, reuse)
     native = _NATIVE_LAYOUTS.get(layout)
     if native is None or library() is None:
         return None
@@ -406,7 +424,11 @@ def native_frame(
     boxv = _NO_BOX if box is None else (ctypes.c_double * 9)(*_box_vector(box))
     args = (native[0], natoms, _data_address(pos),
             None if id32 is None else _data_address(id32), int(step), float(time), boxv)
-    return NativeFrame(args, (pos, id32))
+    reuse = None
+    if pos is positions and id32 is ids:  # (not copies made here)
+        reuse = (pos, ids, pos.shape, pos.strides, pos.dtype,
+                 *((None,) * 3 if ids is None else (ids.shape, ids.strides, ids.dtype)))
+    return NativeFrame(args, (pos, id32), reuse)
 
 
 _char_at = ctypes.c_char.from_buffer

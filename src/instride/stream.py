@@ -70,6 +70,7 @@ from .errors import (
 )
 from .frames import (
     Frame,
+    NativeFrame,
     checked_header,
     decode_frame,
     encode_into,
@@ -272,6 +273,11 @@ class Stream:
         self._pool: SlotPool | None = None
         self._retained: deque[tuple[int, int, int]] = deque()  # (index, inode, bytes)
         self._retained_bytes = 0
+        # more than this many frames or bytes kept before a write: room to be made first
+        self._keep_frames = math.inf if retain is None else retain
+        self._keep_bytes = math.inf if retain_bytes is None else retain_bytes
+        self._native: NativeFrame | None = None  # the last frame's native encode arguments
+        self._nbytes = 0  # and its size
         self._oldest = 0
         self._head_shared: tuple[int, int] | None = None  # the head counters shared last
         # every group's cursor was past this frame when last read (at this monotonic time)
@@ -369,50 +375,60 @@ class Stream:
         KeyExistsError
             The frame is already published (a stream of this name exists; see ``overwrite``).
         """
+        # (after tens of ms idle, every line before the frame is out costs its latency)
         if self.mode == "r":
             raise ValueError(f"stream {self.name!r} was opened for reading")
         if self._closed:
             raise ValueError(f"stream {self.name!r} is closed")
-        pos = np.asarray(positions)
-        if pos.ndim != 2 or pos.shape[1] != 3:
-            raise ValueError(f"positions must have shape (natoms, 3), got {pos.shape}")
+        index = self._written
+        step = index if step is None else step
+        time_ps = 0.0 if time is None else time
+        # one native call encodes and publishes (local mode: cluster mode's record needs the
+        # file's checksum between the two); else numpy's encode, the same bytes
+        last = self._native
+        native = native_frame(positions, step=step, time=time_ps, box=box, layout=self.layout,
+                              ids=ids, last=last)
+        if native is None or last is None or native.keep is not last.keep:
+            # (not the very arrays of the last frame, which passed these checks)
+            pos = np.asarray(positions)
+            if pos.ndim != 2 or pos.shape[1] != 3:
+                raise ValueError(f"positions must have shape (natoms, 3), got {pos.shape}")
+            self._nbytes = frame_size(pos.shape[0], self.layout)
+        else:
+            pos = positions
+        self._native = native
+        nbytes = self._nbytes
         if self._pool is None:
             self._start_producing()
         assert self._pool is not None
         self.mode = "w"
-        index = self._written
-        nbytes = frame_size(pos.shape[0], self.layout)
-        self._make_room(nbytes)
-        name = FRAME_FORMAT.format(index)
-        key = f"{self.name}/{name}"
-        final = f"{self._frame_dir}/{name}"
-        step = index if step is None else step
-        time_ps = 0.0 if time is None else time
-        engine = self.client.engine
-        # one native call encodes and publishes (local mode: cluster mode's record needs the
-        # file's checksum between the two); else numpy's encode, the same bytes
-        native = native_frame(pos, step=step, time=time_ps, box=box, layout=self.layout,
-                              ids=ids)
+        if self._retained and (len(self._retained) > self._keep_frames
+                               or self._retained_bytes > self._keep_bytes):
+            self._make_room(nbytes)
         slot = self._pool.take(nbytes)
         checksum = None
-        if native is not None and not engine.wants_checksum:
-            self._pool.write_and_publish(slot, native, final, key, overwrite=self.overwrite,
-                                         fsync=self.client.fsync)
-        else:
-            try:
-                if native is not None:
-                    self._pool.write(slot, native)
-                else:
-                    encode_into(slot.mm, pos, step=step, time=time_ps, box=box,
-                                layout=self.layout, ids=ids)
-            except BaseException:
-                self._pool.discard(slot)
-                raise
-            # the record's checksum (cluster mode) from the producer's own mapping, while the
-            # frame is still in cache: the engine would otherwise open and map the file again
-            checksum = checksum_of(slot.mm) if engine.wants_checksum else None
-            self._pool.publish(slot, final, key, overwrite=self.overwrite,
-                               fsync=self.client.fsync)
+        engine = self.client.engine
+        direct = native if native is not None and not engine.wants_checksum else None
+        published = direct is not None and self._pool.write_and_publish(
+            slot, direct, self._final_b % index, overwrite=self.overwrite,
+            fsync=self.client.fsync)
+        key = f"{self.name}/{FRAME_FORMAT.format(index)}"
+        if not published:  # (direct: encoded, not published; the slow path names the error)
+            if direct is None:
+                try:
+                    if native is not None:
+                        self._pool.write(slot, native)
+                    else:
+                        encode_into(slot.mm, pos, step=step, time=time_ps, box=box,
+                                    layout=self.layout, ids=ids)
+                except BaseException:
+                    self._pool.discard(slot)
+                    raise
+                # the record's checksum (cluster mode) from the producer's own mapping, while
+                # the frame is still in cache: the engine would otherwise map the file again
+                checksum = checksum_of(slot.mm) if engine.wants_checksum else None
+            self._pool.publish(slot, f"{self._frame_dir}/{FRAME_FORMAT.format(index)}", key,
+                               overwrite=self.overwrite, fsync=self.client.fsync)
         self._retained.append((index, slot.ino, nbytes))
         self._retained_bytes += nbytes
         # The frames that can go now without waiting for a group; where the stream's state is
@@ -450,6 +466,8 @@ class Stream:
         frame_dir = self.client.root / self.name
         frame_dir.mkdir(parents=True, exist_ok=True)
         self._frame_dir = str(frame_dir)
+        #: the path of frame ``i``: ``self._final_b % i`` (the native publication's argument)
+        self._final_b = os.fsencode(f"{frame_dir}/{FRAME_FORMAT.replace('{:09d}', '%09d')}")
         self._pool = SlotPool(pool_dir, recycle=self.policy.bounded)
         if self.policy.archive is not None:
             from .archive import start_archiver
@@ -585,6 +603,7 @@ class Stream:
         return self._archive_reader.read(index)  # type: ignore[no-any-return]
 
     def _release_resources(self) -> None:
+        self._native = None  # (it holds the producer's last arrays)
         if self._pool is not None:
             self._pool.close()
         self._share.close()

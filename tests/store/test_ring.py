@@ -235,19 +235,24 @@ def test_the_one_call_publish_refuses_an_existing_key_and_keeps_nothing(tmp_path
     frame = native_frame(pos, step=4, time=0.5, box=None, layout="paper-soa", ids=None)
     assert frame is not None
     slot = pool.take(frame_size(100, "paper-soa"))
-    pool.write_and_publish(slot, frame, str(tmp_path / "f0"), "f0", overwrite=False,
-                              fsync=False)
+    assert pool.write_and_publish(slot, frame, os.fsencode(tmp_path / "f0"), overwrite=False,
+                                  fsync=False)
     got = decode_frame((tmp_path / "f0").read_bytes(), "f0")
     assert got.step == 4 and np.array_equal(got.positions, pos)
+    # an existing key: encoded, not published; publish() then names the error and discards
     slot = pool.take(frame_size(100, "paper-soa"))
+    assert not pool.write_and_publish(slot, frame, os.fsencode(tmp_path / "f0"),
+                                      overwrite=False, fsync=False)
+    assert slot.pooled and os.path.exists(slot.path)
     with pytest.raises(KeyExistsError):
-        pool.write_and_publish(slot, frame, str(tmp_path / "f0"), "f0", overwrite=False,
-                              fsync=False)
+        pool.publish(slot, str(tmp_path / "f0"), "f0", overwrite=False, fsync=False)
     assert pool.files == 1  # the unpublished slot is gone, its file deleted
     assert os.listdir(tmp_path / "pool") == []
-    slot = pool.take(frame_size(100, "paper-soa"))  # a missing directory is made again
-    pool.write_and_publish(slot, frame, str(tmp_path / "new" / "f1"), "new/f1", overwrite=False,
-                          fsync=True)  # (flushed first)
+    # a missing directory: not published by the one call; publish() makes it
+    slot = pool.take(frame_size(100, "paper-soa"))
+    final = tmp_path / "new" / "f1"
+    if not pool.write_and_publish(slot, frame, os.fsencode(final), overwrite=False, fsync=True):
+        pool.publish(slot, str(final), "new/f1", overwrite=False, fsync=True)
     assert decode_frame((tmp_path / "new" / "f1").read_bytes(), "f1").step == 4
     pool.close()
 
@@ -260,7 +265,8 @@ def _published_frame(pool: SlotPool, root: Path, key: str, pos: Any, step: int) 
                          ids=None)
     assert frame is not None
     slot = pool.take(frame_size(len(pos), "paper-soa"))
-    pool.write_and_publish(slot, frame, str(root / key), key, overwrite=False, fsync=False)
+    assert pool.write_and_publish(slot, frame, os.fsencode(root / key), overwrite=False,
+                                  fsync=False)
     return slot.ino
 
 

@@ -61,6 +61,7 @@ class Slot:
     path: str  # where the file is now: in the pool, or at its key once published
     pooled: bool = True  # in the pool (not published under a key)
     addr: int = 0  # where ``mm`` is mapped (for the native encode)
+    pooled_b: bytes = b""  # its path in the pool, encoded (for the native encode)
 
     def close(self) -> None:
         """Unmap and close (the file itself stays where it is)."""
@@ -68,6 +69,10 @@ class Slot:
             self.mm.close()
         with contextlib.suppress(OSError):
             os.close(self.fd)
+
+
+def _no_library(*_args: object) -> int:
+    raise RuntimeError("libinstride_local.so is not loaded")  # (never: see native_frame)
 
 
 class SlotPool:
@@ -93,25 +98,26 @@ class SlotPool:
         self._free: deque[int] = deque()  # retired, in the order they were retired
         self._spare = SpareMaker()  # the next files, made ahead while the CPU is idle
         self._mapped: Slot | None = None  # one of them, mapped, for the next take()
+        self._next: Slot | None = None  # a retired file locked ahead for the next take()
         self._published: list[Slot] = []  # published, not recycled: closed by prepare()
         self._made = 0
         self._forks = forks()  # (of the producer: a forked child owns none of these files)
+        lib = library()
+        #: the native encode (a NativeFrame is only made where the library is loaded)
+        self._append: Callable[..., int] = lib.isl_append if lib is not None else _no_library
 
     # ------------------------------------------------------------------ writing
     def take(self, size: int) -> Slot:
         """A file of ``size`` bytes, mapped writable, that no reader holds (exclusive lock).
 
-        Reuses the longest-retired file nobody holds, else the file :meth:`prepare` made and
-        mapped; makes a new file when there is none (it never waits for one being made).
+        Reuses the retired file :meth:`prepare` locked, else the longest-retired file nobody
+        holds, else the file :meth:`prepare` made and mapped; makes a new file when there is
+        none (it never waits for one being made).
         """
-        for _ in range(len(self._free)):
-            ino = self._free.popleft()
-            slot = self._slots[ino]
-            try:
-                fcntl.flock(slot.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # a reader still holds it: try it again later
-                self._free.append(ino)
-                continue
+        slot, self._next = self._next, None
+        if slot is None:
+            slot = self._lock_free()
+        if slot is not None:
             if slot.size != size:
                 self._resize(slot, size)
             return slot
@@ -122,9 +128,22 @@ class SlotPool:
             self.discard(mapped)
         return self._new(size)
 
+    def _lock_free(self) -> Slot | None:
+        """The longest-retired file no reader holds, locked exclusively; ``None``: none."""
+        for _ in range(len(self._free)):
+            ino = self._free.popleft()
+            slot = self._slots[ino]
+            try:
+                fcntl.flock(slot.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a reader still holds it: try it again later
+                self._free.append(ino)
+                continue
+            return slot
+        return None
+
     def prepare(self, size: int) -> None:
-        """Have the next frame's file made, its pages allocated (for a pool that does not
-        recycle: every frame is a new file).
+        """Have the next frame's file ready: a retired file locked (a pool that recycles), or
+        a new file made, its pages allocated (a pool that does not: every frame is a new file).
 
         A producer calls it after publishing a frame, so that allocating the next file's pages
         (about as long as writing the frame) happens between frames instead of between the
@@ -136,6 +155,10 @@ class SlotPool:
         """
         self.release_published()
         if self.recycle:
+            # a retired file locked now, between frames, for the next take (a pooled file no
+            # key names: no reader can reach it meanwhile)
+            if self._next is None:
+                self._next = self._lock_free()
             return
         if self._mapped is None:  # the file made since: mapped now, not in the next append
             self._made += 1
@@ -166,7 +189,7 @@ class SlotPool:
                 os.unlink(path)
             raise
         slot = Slot(fd, os.fstat(fd).st_ino, size, mm, os.path.basename(path), path,
-                    addr=_address(mm))
+                    addr=_address(mm), pooled_b=os.fsencode(path))
         self._slots[slot.ino] = slot
         return slot
 
@@ -192,31 +215,28 @@ class SlotPool:
         fcntl.flock(slot.fd, fcntl.LOCK_UN)
         self._publish(slot, final, key, overwrite=overwrite)
 
-    def write_and_publish(self, slot: Slot, frame: NativeFrame, final: str, key: str, *,
-                          overwrite: bool, fsync: bool) -> None:
-        """Encode ``frame`` into ``slot`` and publish it as :meth:`publish` does, in one
-        native call (``isl_append``: no interpreter between the bytes and the rename).
+    def write_and_publish(self, slot: Slot, frame: NativeFrame, final: bytes, *,
+                          overwrite: bool, fsync: bool) -> bool:
+        """Encode ``frame`` into the pooled ``slot`` and publish it as :meth:`publish` does,
+        in one native call (``isl_append``: no interpreter between the bytes and the rename).
 
-        Raises
-        ------
-        KeyExistsError
-            ``final`` exists and ``overwrite`` is false (the slot is discarded).
+        Returns
+        -------
+        bool
+            Whether it is published. ``False``: encoded, not published (the rename failed, or
+            the flush): the caller publishes it with :meth:`publish`, which names the error.
         """
-        lib = library()
-        assert lib is not None  # (a NativeFrame is only made where the library is loaded)
-        rc = lib.isl_append(slot.addr, *frame.args, slot.fd, os.fsencode(slot.path),
-                            os.fsencode(final), 0 if overwrite else 1, 1 if fsync else 0)
-        if rc == 0:
-            self._published_as(slot, final)
-        else:  # encoded, not published: the slow path flushes, renames and names the error
-            self.publish(slot, final, key, overwrite=overwrite, fsync=fsync)
+        rc = self._append(slot.addr, *frame.args, slot.fd, slot.pooled_b, final,
+                     0 if overwrite else 1, 1 if fsync else 0)
+        if rc != 0:
+            return False
+        self._published_as(slot, os.fsdecode(final))
+        return True
 
     def write(self, slot: Slot, frame: NativeFrame) -> None:
         """Encode ``frame`` into ``slot`` in one native call (``isl_append`` without the
         publication), for :meth:`publish` after the caller's look at the bytes."""
-        lib = library()
-        assert lib is not None  # (a NativeFrame is only made where the library is loaded)
-        rc = lib.isl_append(slot.addr, *frame.args, -1, None, None, 0, 0)
+        rc = self._append(slot.addr, *frame.args, -1, None, None, 0, 0)
         if rc != 0:  # (-EINVAL: an unknown layout, which native_frame never gives)
             raise OSError(-rc, f"encoding a frame into {slot.path}: {os.strerror(-rc)}")
 
@@ -302,7 +322,7 @@ class SlotPool:
             slot.close()
         self._slots.clear()
         self._free.clear()
-        self._mapped = None  # (a pooled slot: deleted above)
+        self._mapped = self._next = None  # (pooled slots: deleted above)
         self._spare.close()
 
     @property
