@@ -419,7 +419,8 @@ class Taken(NamedTuple):
     waited: float
     """0.0: there at the first look; else when it was found (``time.monotonic()``)."""
     copied: bool
-    """Copied into the caller's arrays (``buf``: the frame's header) and released."""
+    """Copied into the caller's arrays and released; ``buf``: the frame's header, valid
+    until the next :meth:`Leases.take`."""
 
 
 class Leases:
@@ -442,6 +443,7 @@ class Leases:
         self._confined = confined
         self._prefix = "" if confined is None else confined.root + "/"
         self._out = (ctypes.c_int64 * 22)()  # (isl_take: 6 values, then a frame's header)
+        self._out_header = memoryview(self._out).cast("B")[48:]  # (that header's bytes)
         # the kept mappings as isl_take looks them up: {st_dev, st_ino, size, address} each
         self._table = (ctypes.c_int64 * (4 * max(1, keep)))()
         self._table_idents: list[tuple[int, int]] = []
@@ -529,7 +531,7 @@ class Leases:
                           self._gone, _GONE_CAP, ctypes.byref(self._gone_n), out)
         if rc == TAKE_COPIED:  # (a kept mapping's file: keep it the most recently used)
             self._maps.move_to_end(self._table_idents[out[4]])
-            return Taken(memoryview(out)[6:].cast("B"), _noop, True, out[5] / 1e6, True)
+            return Taken(self._out_header, _noop, True, out[5] / 1e6, True)
         if rc == TAKE_HELD:
             fd, at = out[0], out[4]
             try:
