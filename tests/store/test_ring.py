@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import signal
 import subprocess
@@ -172,6 +173,42 @@ def test_a_frame_does_not_wait_for_its_file_to_be_made_and_a_dropped_one_is_dele
     pool.close()
     _until(lambda: os.listdir(tmp_path / "pool") == [])
     assert len(list(tmp_path.glob("f*"))) == 50
+
+
+def test_prepare_locks_a_retired_file_for_the_next_frame_unless_a_reader_holds_it(
+    tmp_path: Path,
+) -> None:
+    # between frames a recycling pool locks the file the next take will reuse (no flock then);
+    # a file a reader still holds is left alone, and the frame gets another file
+    pool = SlotPool(tmp_path / "pool", recycle=True)
+    leases = Leases()
+    first = _write(pool, tmp_path, "a", b"A" * 4096)
+    pool.retire(first)
+    pool.prepare(4096)
+    pooled = tmp_path / "pool" / os.listdir(tmp_path / "pool")[0]
+    fd = os.open(pooled, os.O_RDONLY)
+    try:  # locked ahead: a reader that opened it under its old key could not hold it now
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+    assert _write(pool, tmp_path, "b", b"B" * 4096) == first  # the locked file, reused
+    # a reader holds the frame when it is retired: prepare leaves its file alone
+    got = leases.open(tmp_path / "b")
+    assert got is not None
+    view, release = got
+    pool.retire(first)
+    pool.prepare(4096)
+    second = _write(pool, tmp_path, "c", b"C" * 4096)
+    assert second != first and bytes(view) == b"B" * 4096
+    del view
+    release()
+    pool.retire(second)
+    pool.prepare(4096)  # (the longest-retired file, released meanwhile, goes first)
+    assert _write(pool, tmp_path, "d", b"D" * 4096) == first
+    leases.close()
+    pool.close()
+    assert os.listdir(tmp_path / "pool") == []
 
 
 def test_recycling_pool_makes_no_spare(tmp_path: Path) -> None:
