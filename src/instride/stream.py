@@ -442,8 +442,11 @@ class Stream:
             engine.published(key, self.overwrite, checksum, slot.size if checksum else None,
                              then=then or ())
         except BaseException:
+            # not recorded (cluster mode: the metadata failed): the key goes again, and its
+            # file back to the pool, so that the next append publishes this index afresh
             self._retained.pop()
             self._retained_bytes -= nbytes
+            self._pool.withdraw(slot)
             raise
         self._written += 1
         for _ in range(going):

@@ -299,6 +299,18 @@ class SlotPool:
         slot.pooled = True
         self._free.append(ino)
 
+    def withdraw(self, slot: Slot) -> None:
+        """Take back a frame published a moment ago whose publication could not be recorded:
+        its key goes (where it is still there) and its file returns to the pool, or is
+        deleted by a pool that does not recycle."""
+        if slot.ino in self._slots:
+            self.retire(slot.ino)
+            return
+        with contextlib.suppress(FileNotFoundError):  # (not recycled: published files are
+            os.unlink(slot.path)  # only kept until prepare closes them)
+        self._published = [p for p in self._published if p is not slot]
+        slot.close()
+
     def forget_published(self) -> None:
         """Close the producer's hold on published files (they stay published)."""
         for ino in list(self._slots):
