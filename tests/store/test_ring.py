@@ -41,6 +41,24 @@ def test_retired_file_is_reused_and_its_key_is_gone(tmp_path: Path) -> None:
     assert os.listdir(tmp_path / "pool") == []
 
 
+def test_a_frame_is_retired_even_when_the_pool_directory_was_removed(tmp_path: Path) -> None:
+    # someone removed the pool directory (a clean-up of hidden files): retiring a frame must
+    # still take its key away (never a frame left published past its retention)
+    import shutil
+
+    pool = SlotPool(tmp_path / "pool", recycle=True)
+    ino = _write(pool, tmp_path, "a", b"A" * 4096)
+    shutil.rmtree(tmp_path / "pool")
+    pool.retire(ino)
+    assert not (tmp_path / "a").exists()
+    assert _write(pool, tmp_path, "b", b"B" * 4096) == ino  # and its file is reused
+    # a key deleted under us: the file is gone, forgotten
+    os.unlink(tmp_path / "b")
+    pool.retire(ino)
+    assert pool.files == 0
+    pool.close()
+
+
 def test_held_file_is_never_rewritten(tmp_path: Path) -> None:
     pool = SlotPool(tmp_path / "pool", recycle=True)
     leases = Leases()

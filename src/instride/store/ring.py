@@ -290,7 +290,15 @@ class SlotPool:
             return
         target = f"{self._pool_s}/{slot.pool_name}"
         try:
-            os.rename(slot.path, target)
+            try:
+                os.rename(slot.path, target)
+            except FileNotFoundError:
+                if not os.path.lexists(slot.path):
+                    raise
+                # the key is there, the pool directory is not (removed under us): made
+                # again, so that the frame does not stay published past its retention
+                self.pool_dir.mkdir(parents=True, exist_ok=True)
+                os.rename(slot.path, target)
         except FileNotFoundError:  # the key was deleted under us: the file is gone
             self._slots.pop(ino)
             slot.close()
