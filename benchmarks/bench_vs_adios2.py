@@ -13,6 +13,8 @@ in the same run:
   with ``Stream(copy=True)`` (copied and verified in one pass) instead of views + ``np.array``;
   ``instride-soa-copy-spin`` — the same reader with ``spin=1.0`` (it busy-polls for the next
   frame instead of sleeping in inotify: no wake-up of a sleeping thread, a core kept busy);
+  ``instride-soa-copy-auto``, ``instride-copy-auto`` — copying readers with ``spin="auto"``
+  (hybrid polling: asleep until shortly before the next frame is due, polling around then);
 * ``adios2-sst`` — the ADIOS2 SST staging engine (PyPI ``adios2``), the peer users would pick;
   ``QueueLimit`` and ``QueueFullPolicy=Block`` bound the writer like instride's retention;
 * ``rename`` — the naive baseline: write the frame bytes to a temporary file in /dev/shm and
@@ -185,7 +187,8 @@ RENAME = COMMON + textwrap.dedent(
 )
 
 WAYS = {way: INSTRIDE for way in ("instride", "instride-soa", "instride-copy", "instride-soa-copy",
-                                   "instride-soa-copy-spin", "instride-soa-copy-auto")}
+                                   "instride-soa-copy-spin", "instride-soa-copy-auto",
+                                   "instride-copy-auto")}
 WAYS.update({"adios2-sst": ADIOS2, "rename": RENAME})
 
 
