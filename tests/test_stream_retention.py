@@ -744,7 +744,7 @@ def test_a_bounded_stream_under_a_name_beyond_ascii_reads_back_every_frame(
     managed_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # the one-call append (here with fsync: the managed directory is not on tmpfs) and the
-    # one-call lease take the paths as the file system's bytes
+    # one-call lease take the paths as the file system's bytes (a "%" in them as it is)
     from instride.store.ring import SlotPool
 
     native: list[bool] = []
@@ -756,13 +756,13 @@ def test_a_bounded_stream_under_a_name_beyond_ascii_reads_back_every_frame(
         return published
 
     monkeypatch.setattr(SlotPool, "write_and_publish", counted)
-    with instride.Stream("émulsion/répl☃", mode="w", retain=3, groups=["g"], timeout=5) as s:
-        reader = instride.Stream("émulsion/répl☃", group="g", timeout=5)
+    with instride.Stream("émulsion/répl☃ 100%d", mode="w", retain=3, groups=["g"], timeout=5) as s:
+        reader = instride.Stream("émulsion/répl☃ 100%d", group="g", timeout=5)
         for i in range(6):
             s.append(_positions(i), step=i)
             frame = next(reader)
             assert frame.step == i and np.all(frame.positions[:, 0] == i)
-    assert (managed_dir / "émulsion" / "répl☃" / "frame_000000005.isf").exists()
+    assert (managed_dir / "émulsion" / "répl☃ 100%d" / "frame_000000005.isf").exists()
     assert native == [True] * 6  # every frame published by the one call, flushed
     reader.close()
 

@@ -469,8 +469,10 @@ class Stream:
         frame_dir = self.client.root / self.name
         frame_dir.mkdir(parents=True, exist_ok=True)
         self._frame_dir = str(frame_dir)
-        #: the path of frame ``i``: ``self._final_b % i`` (the native publication's argument)
-        self._final_b = os.fsencode(f"{frame_dir}/{FRAME_FORMAT.replace('{:09d}', '%09d')}")
+        #: the path of frame ``i``: ``self._final_b % i`` (the native publication's argument;
+        #: a "%" of the directory's own name escaped)
+        self._final_b = os.fsencode(str(frame_dir)).replace(b"%", b"%%") + os.fsencode(
+            "/" + FRAME_FORMAT.replace("{:09d}", "%09d"))
         self._pool = SlotPool(pool_dir, recycle=self.policy.bounded)
         if self.policy.archive is not None:
             from .archive import start_archiver

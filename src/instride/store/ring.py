@@ -227,7 +227,7 @@ class SlotPool:
             the flush): the caller publishes it with :meth:`publish`, which names the error.
         """
         rc = self._append(slot.addr, *frame.args, slot.fd, slot.pooled_b, final,
-                     0 if overwrite else 1, 1 if fsync else 0)
+                          0 if overwrite else 1, 1 if fsync else 0)
         if rc != 0:
             return False
         self._published_as(slot, os.fsdecode(final))
