@@ -236,18 +236,21 @@ def test_recycling_pool_makes_no_spare(tmp_path: Path) -> None:
     pool.close()
 
 
-def test_a_lease_by_key_in_one_native_call_gives_what_open_gives(tmp_path: Path) -> None:
-    # Leases.open_key (isl_lease: openat2 beneath the managed directory, shared lock, the key
-    # checked to still name the file) against every case open() knows
-    import fcntl
-
+def _managed(tmp_path: Path) -> tuple[Path, SlotPool, Any, Leases]:
+    """A managed directory with a stream directory ``s``, a recycling pool beneath it, its
+    confined opener and a reader's leases keeping 4 mappings."""
     from instride.paths import ConfinedOpener
 
     root = tmp_path / "root"
     (root / "s").mkdir(parents=True)
-    pool = SlotPool(root / ".pool", recycle=True)
     opener = ConfinedOpener(root)
-    leases = Leases(4, opener)
+    return root, SlotPool(root / ".pool", recycle=True), opener, Leases(4, opener)
+
+
+def test_a_lease_by_key_in_one_native_call_gives_what_open_gives(tmp_path: Path) -> None:
+    # Leases.open_key (isl_lease: openat2 beneath the managed directory, shared lock, the key
+    # checked to still name the file) against every case open() knows
+    root, pool, opener, leases = _managed(tmp_path)
     ino = _write(pool, root / "s", "a", b"A" * 4096)
     buf, release = leases.open_key("s/a", f"{root}/s/a")
     assert bytes(buf) == b"A" * 4096
@@ -332,15 +335,10 @@ def test_the_native_take_holds_checks_or_copies_a_frame_in_one_call(tmp_path: Pa
     import threading
 
     from instride.frames import checked_header, frame_arrays, frame_views
-    from instride.paths import ConfinedOpener
     from instride.store.ring import TAKE_OTHER, TAKE_TIMEOUT, Taken
     from instride.store.wait import armed
 
-    root = tmp_path / "root"
-    (root / "s").mkdir(parents=True)
-    pool = SlotPool(root / ".pool", recycle=True)
-    opener = ConfinedOpener(root)
-    leases = Leases(4, opener)
+    root, pool, opener, leases = _managed(tmp_path)
     ifd = armed(root / "s")
     assert ifd is not None
     keys = (ctypes.c_char_p * 2)(b"s/f0", b"s/end")
