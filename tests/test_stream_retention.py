@@ -613,13 +613,14 @@ def _deleted_files_held(under: Path) -> int:
 
 
 @pytest.mark.parametrize(("retain", "overwrite"), [(8, False), (None, False), (8, True)])
-def test_a_frame_whose_record_fails_is_withdrawn_and_published_again(
+def test_a_frame_whose_record_fails_is_recorded_again_and_nothing_is_lost(
     tmp_path: Path, redis_server: Any, retain: int | None, overwrite: bool
 ) -> None:
-    # cluster mode, Redis gone between two frames: the append raises MetadataUnavailable and
-    # leaves no key behind (nothing visible without a record; under overwrite too) and holds
-    # no deleted file; once Redis is back the same index is published afresh, and a reader
-    # gets every frame with its values
+    # cluster mode, Redis gone between two frames. A frame's record is confirmed by the next
+    # append: the error (MetadataUnavailable) surfaces at the latest one append later, and
+    # the append that raises publishes nothing (no key, no deleted file held). Once Redis is
+    # back, the next append sends the unconfirmed record again (as the same publication)
+    # before its own frame, and a reader gets every frame with its values.
     from instride.errors import MetadataUnavailable
     from tests.conftest import LoopbackNode
 
@@ -632,17 +633,59 @@ def test_a_frame_whose_record_fails_is_withdrawn_and_published_again(
             for i in range(3):
                 s.append(_positions(i), step=i)
             redis_server.stop()
+            written = 3
             with pytest.raises(MetadataUnavailable):
-                s.append(_positions(3), step=3)
-            assert not (frames / "frame_000000003.isf").exists()
+                for i in range(3, 5):
+                    s.append(_positions(i), step=i)
+                    written = i + 1
+            assert written in (3, 4)  # (4: frame 3's record was sent, its answer lost)
+            assert not (frames / f"frame_{written:09d}.isf").exists()
             assert _deleted_files_held(node.dir) == 0
             redis_server.start()
-            assert s.append(_positions(3), step=3) == 3
-            s.append(_positions(4), step=4)
+            for i in range(written, 5):
+                assert s.append(_positions(i), step=i) == i
         reader = instride.Stream("wd", client=client, timeout=5)
         got = [(f.step, float(f.positions[0, 0])) for f in itertools.islice(reader, 5)]
         assert got == [(i, float(i)) for i in range(5)]
         reader.close()
+    finally:
+        client.close()
+
+
+def test_close_confirms_the_last_frames_record(tmp_path: Path, redis_server: Any) -> None:
+    # cluster mode: the last frame's record is confirmed by close(), so after close every
+    # frame has its record (size and checksum of its file). With Redis gone, close raises
+    # and the stream stays open; once Redis is back, close() again ends the stream.
+    from instride.errors import MetadataUnavailable
+    from instride.record import checksum_of
+    from tests.conftest import LoopbackNode
+
+    node = LoopbackNode(tmp_path, 1, redis_server.url, "test-token")
+    client = node.client()
+
+    def recorded(key: str) -> bool:
+        rec = client.metadata.lookup(key)
+        data = (node.dir / key).read_bytes()
+        return rec is not None and rec.size == len(data) and rec.checksum == checksum_of(data)
+
+    try:
+        with instride.Stream("cc", mode="w", retain=4, client=client, timeout=5) as s:
+            for i in range(3):
+                s.append(_positions(i), step=i)
+        assert all(recorded(s.frame_key(i)) for i in range(3))
+        s = instride.Stream("cc2", mode="w", retain=4, client=client, timeout=5)
+        for i in range(3):
+            s.append(_positions(i), step=i)
+        redis_server.stop()
+        try:
+            with pytest.raises(MetadataUnavailable):
+                s.close()
+        finally:
+            redis_server.start()
+        assert not (node.dir / s.end_key).exists()
+        s.close()  # (the end marker, and the last frame's record if its answer was lost)
+        assert (node.dir / s.end_key).exists()
+        assert client.metadata.lookup(s.end_key) is not None
     finally:
         client.close()
 

@@ -48,7 +48,7 @@ import os
 import re
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -273,6 +273,9 @@ class Stream:
         self._pool: SlotPool | None = None
         self._retained: deque[tuple[int, int, int]] = deque()  # (index, inode, bytes)
         self._retained_bytes = 0
+        # cluster mode: the last frame's record, sent and not yet confirmed (see append)
+        self._unconfirmed: Callable[[], object] | None = None
+        self._recorded = False  # a frame's record was confirmed (the first is waited for)
         # more than this many frames or bytes kept before a write: room to be made first
         self._keep_frames = math.inf if retain is None else retain
         self._keep_bytes = math.inf if retain_bytes is None else retain_bytes
@@ -374,12 +377,21 @@ class Stream:
             within the stream's timeout.
         KeyExistsError
             The frame is already published (a stream of this name exists; see ``overwrite``).
+        MetadataUnavailable
+            Cluster mode: Redis could not record the frame, or the frame before it. Only the
+            first frame's record is waited for; each later frame's record is sent and
+            confirmed by the next ``append`` (or :meth:`close`), so an error in it surfaces
+            there. The frame whose record failed is not lost: the next ``append`` or
+            ``close`` sends its record again before anything else (as the same publication,
+            so it is stored once).
         """
         # (after tens of ms idle, every line before the frame is out costs its latency)
         if self.mode == "r":
             raise ValueError(f"stream {self.name!r} was opened for reading")
         if self._closed:
             raise ValueError(f"stream {self.name!r} is closed")
+        if self._unconfirmed is not None:
+            self._confirm_record()
         index = self._written
         step = index if step is None else step
         time_ps = 0.0 if time is None else time
@@ -438,9 +450,15 @@ class Stream:
         then = self._share.along_publication(
             self._retained[going - 1][0] + 1 if going else self._oldest, index + 1,
             [self.frame_key(i) for i, _, _ in itertools.islice(self._retained, going)])
+        soon = getattr(engine, "published_soon", None) if self._recorded and checksum else None
         try:
-            engine.published(key, self.overwrite, checksum, slot.size if checksum else None,
-                             then=then or ())
+            if soon is not None:
+                # sent, confirmed by the next append or close(): no round trip per frame
+                self._unconfirmed = soon(key, self.overwrite, checksum, slot.size, then=then or ())
+            else:
+                engine.published(key, self.overwrite, checksum, slot.size if checksum else None,
+                                 then=then or ())
+                self._recorded = True
         except BaseException:
             # not recorded (cluster mode: the metadata failed): the key goes again, and its
             # file back to the pool, so that the next append publishes this index afresh
@@ -456,6 +474,15 @@ class Stream:
         self._publish_head()
         self._pool.prepare(nbytes)  # the next frame's file, between frames (unbounded streams)
         return index
+
+    def _confirm_record(self) -> None:
+        """Wait for the answer to the last frame's record (cluster mode), sent without
+        waiting; raise what recording it raised (e.g. :class:`MetadataUnavailable`: it is
+        sent again by the next append or close, as the same publication)."""
+        confirm = self._unconfirmed
+        assert confirm is not None
+        confirm()
+        self._unconfirmed = None
 
     def _start_producing(self) -> None:
         if self.overwrite:
@@ -560,14 +587,21 @@ class Stream:
 
     def close(self) -> None:
         """End the stream (producer: publish the end-of-stream marker; consumer: release
-        the held frame and the consumer group)."""
+        the held frame and the consumer group).
+
+        A producer's close also confirms the last frame's record (cluster mode). If that or
+        the end marker fails (e.g. :class:`MetadataUnavailable`), the stream stays open and
+        ``close()`` may be called again.
+        """
         if self._closed:
             return
-        self._closed = True
-        if self.mode == "w":
+        if self.mode == "w":  # (either raises with the stream still open: close() again)
+            if self._unconfirmed is not None:
+                self._confirm_record()
             body = json.dumps({"frames": self._written}).encode()
             with self.client.open(self.end_key, "wb", overwrite=self.overwrite) as fh:
                 fh.write(body)
+        self._closed = True
         self._release_resources()
         if self._archiver is not None:
             self._finish_archiver()
@@ -636,7 +670,12 @@ class Stream:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
-            self.close()
+            try:
+                self.close()
+            except BaseException:
+                self._closed = True  # (the block is over: nothing can close it again)
+                self._release_resources()
+                raise
         else:  # a crashed producer does not claim a complete stream
             self._closed = True
             self._release_resources()

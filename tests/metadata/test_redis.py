@@ -160,12 +160,15 @@ class _ReplyDropper:
                 s.close()
 
 
+@pytest.mark.parametrize("soon", [False, True])
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_a_publication_whose_reply_is_lost_is_retried_as_itself(redis_server: RedisServer,
-                                                                  tmp_path, overwrite: bool) -> None:  # type: ignore[no-untyped-def]
+                                                                  tmp_path, overwrite: bool,
+                                                                  soon: bool) -> None:  # type: ignore[no-untyped-def]
     """The connection fails after Redis stored a record and before its reply arrived: the
     retry finds the publication done — one version, one announcement — and a write-once
-    key is not reported as existing (its own producer would otherwise fail)."""
+    key is not reported as existing (its own producer would otherwise fail). ``soon``: the
+    record sent without waiting (``publish_soon``), the lost reply found by its confirmation."""
     relay = _ReplyDropper((redis_server.host, redis_server.port))
     url = f"redis://127.0.0.1:{relay.port}/0"
     b = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=5))
@@ -175,8 +178,9 @@ def test_a_publication_whose_reply_is_lost_is_retried_as_itself(redis_server: Re
         watch.subscribe("instride:pub:lost/k")
         assert watch.get_message(timeout=5)["type"] == "subscribe"  # type: ignore[index]
         relay.armed = True
-        rec = b.publish(Record("lost/k", "127.0.0.1:1", 7, "xxh3:1", 0, time.time(), "n1"),
-                        overwrite=overwrite)
+        lost = Record("lost/k", "127.0.0.1:1", 7, "xxh3:1", 0, time.time(), "n1")
+        rec = b.publish_soon(lost, overwrite=overwrite)() if soon \
+            else b.publish(lost, overwrite=overwrite)
         assert relay.dropped == 1  # the reply was lost: the publication was retried
         assert rec.version == 1
         stored = b.lookup("lost/k")
@@ -196,6 +200,35 @@ def test_a_publication_whose_reply_is_lost_is_retried_as_itself(redis_server: Re
         watch.close()
         b.close()
         relay.close()
+
+
+def test_a_record_sent_soon_is_stored_before_it_is_confirmed(backend: RedisMetadata,
+                                                             redis_server: RedisServer) -> None:
+    # publish_soon: Redis stores the record as it reads it; the confirmation gives the stored
+    # version, and a refused write-once record raises when confirmed (again on a second call)
+    other = redis.Redis.from_url(redis_server.url)
+    try:
+        other.script_flush()  # (Redis restarted: the script is unknown; the confirmation
+        # publishes it the usual way, which loads it)
+        first = backend.publish_soon(Record("soon/a", "127.0.0.1:1", 2, "xxh3:1", 0, time.time()))
+        assert first().version == 1 and backend.lookup("soon/a") is not None
+        confirm = backend.publish_soon(Record("soon/k", "127.0.0.1:1", 3, "xxh3:2", 0, time.time(),
+                                              "n1"))
+        deadline = time.monotonic() + 5
+        while not other.exists("instride:rec:soon/k") and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert other.hget("instride:rec:soon/k", "size") == b"3"  # stored, not yet confirmed
+        assert confirm().version == 1
+        assert confirm().version == 1  # (the same answer: read once)
+        assert backend.lookup("soon/k").version == 1  # type: ignore[union-attr]
+        refused = backend.publish_soon(Record("soon/k", "x:1", 1, "xxh3:3", 0, time.time()),
+                                       overwrite=False)
+        for _ in range(2):
+            with pytest.raises(KeyExistsError):
+                refused()
+        assert backend.lookup("soon/k").size == 3  # type: ignore[union-attr]
+    finally:
+        other.close()
 
 
 def test_failed_record_retracts_write_once_file(tmp_path) -> None:  # type: ignore[no-untyped-def]

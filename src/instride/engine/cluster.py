@@ -687,6 +687,28 @@ class ClusterEngine:
         """
         self.register(key, overwrite=overwrite, checksum=checksum, size=size, then=then)
 
+    def published_soon(self, key: str, overwrite: bool, checksum: str, size: int, *,
+                       then: Sequence[tuple[Any, ...]] = ()) -> Callable[[], object]:
+        """:meth:`published` without waiting for the metadata's answer: the record is sent
+        now and stored as soon as Redis reads it; the function returned waits for the
+        answer and raises what :meth:`published` would (it may be called again after it
+        raised: a record not known to be stored is sent again, as the same publication).
+
+        For a stream's frames after its first (which finds an existing stream at once): a
+        later frame's key cannot be taken by anyone else, so the producer confirms each
+        frame's record with its next frame instead of waiting for it. Unlike
+        :meth:`register`, a refused record does not remove the file: the stream's producer
+        owns it.
+        """
+        record = Record(key=key, owner=self.settings.addr, size=size, checksum=checksum,
+                        version=1, time=time.time(), node=self.settings.node)
+        self.forget_fetched(key)  # our own original now, never evicted
+        soon = getattr(self.metadata, "publish_soon", None)
+        if soon is None:
+            stored = self.metadata.publish(record, overwrite=overwrite)
+            return lambda: stored
+        return soon(record, overwrite=overwrite, then=then)
+
     def register(self, key: str, *, overwrite: bool, checksum: str | None = None,
                  size: int | None = None, then: Sequence[tuple[Any, ...]] = ()) -> Record:
         """Record the file in place under ``key`` with this node as owner.

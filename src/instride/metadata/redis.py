@@ -243,6 +243,54 @@ class RedisMetadata:
         was stored. Retried after a connection failure, it stays one publication: a reply
         lost after Redis stored it gives the stored version on the retry (not a second
         version, nor :class:`KeyExistsError` for a write-once key)."""
+        return self._publish_now(record, self._publication(record, overwrite, then))
+
+    def publish_soon(self, record: Record, *, overwrite: bool = True,
+                     then: Sequence[tuple[Any, ...]] = ()) -> Callable[[], Record]:
+        """:meth:`publish` without waiting for Redis's reply; the function returned reads it.
+
+        The record is sent at once: Redis stores and announces it as soon as it reads it,
+        as for :meth:`publish`; only the caller does not wait for the answer (a stream's
+        producer confirms one frame's record with its next frame: no round trip, and no
+        sleep and wake-up of the producer, per frame). The function returns the stored
+        record or raises what :meth:`publish` would raise; a reply that cannot be read (the
+        connection failed, Redis restarted) is settled by publishing again as the same
+        publication, so it stays one version. It may be called again after it raised.
+        """
+        sent = self._publication(record, overwrite, then)
+        fast = self._fast()
+        if fast is None:  # (a URL that needs redis-py: the usual way, now)
+            stored = self._publish_now(record, sent)
+            return lambda: stored
+        try:
+            replies: Callable[[], list[Any]] | None = fast.call_soon([self._evalsha(sent)])
+        except _ERRORS:
+            replies = None  # (not sent: the confirmation publishes)
+        done: list[Record] = []
+
+        def confirm() -> Record:
+            if done:
+                return done[0]
+            nonlocal replies
+            reply: Any = None
+            if replies is not None:
+                try:
+                    (reply,) = replies()
+                except _ERRORS:
+                    reply = None
+                replies = None
+            # NOSCRIPT (Redis restarted), a lost reply: again, as the same publication
+            stored = self._stored(record, reply) if reply is not None \
+                and not isinstance(reply, Exception) else self._publish_now(record, sent)
+            done.append(stored)
+            return stored
+
+        return confirm
+
+    def _publication(self, record: Record, overwrite: bool,
+                     then: Sequence[tuple[Any, ...]]) -> tuple[list[str], list[Any]]:
+        """The keys and arguments of the publish script for ``record``, with a new
+        publication id (a retry with the same arguments is the same publication)."""
         keys = [_REC + record.key, _KEYS, _CHAN + record.key, _VER + record.key]
         # the publication's id: a retry after a lost reply finds it stored (see _PUBLISH)
         args: list[Any] = [record.owner, record.size, record.checksum or "", repr(record.time),
@@ -252,11 +300,20 @@ class RedisMetadata:
             args.append(len(then))
             for command in then:
                 args += (len(command), *command)
+        return keys, args
+
+    def _evalsha(self, sent: tuple[list[str], list[Any]]) -> tuple[Any, ...]:
+        keys, args = sent
+        return ("EVALSHA", self._publish.sha, len(keys), *keys, *args)
+
+    def _publish_now(self, record: Record, sent: tuple[list[str], list[Any]]) -> Record:
+        """Run the publication ``sent`` (:meth:`_publication`), retrying connection errors."""
+        keys, args = sent
 
         def run() -> Any:
             fast = self._fast()
             if fast is not None:
-                (reply,) = fast.call([("EVALSHA", self._publish.sha, len(keys), *keys, *args)])
+                (reply,) = fast.call([self._evalsha(sent)])
                 if not isinstance(reply, Exception):
                     return reply
                 if not str(reply).startswith("NOSCRIPT"):
@@ -264,7 +321,11 @@ class RedisMetadata:
             # redis-py loads the script when Redis does not know it (first use, restart)
             return self._publish(keys=keys, args=args)
 
-        version = self._call("publish", run)
+        return self._stored(record, self._call("publish", run))
+
+    @staticmethod
+    def _stored(record: Record, version: Any) -> Record:
+        """``record`` with the version the publish script answered (negative: it exists)."""
         if int(version) < 0:
             raise KeyExistsError(record.key)
         return Record(record.key, record.owner, record.size, record.checksum, int(version),
