@@ -48,7 +48,7 @@ import os
 import re
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,7 @@ from .frames import (
     frame_views,
     native_frame,
 )
+from .metadata.base import PendingRecord
 from .paths import check_confined
 from .record import Record, checksum_of
 from .store.inbox import Inbox
@@ -103,6 +104,10 @@ _GROUPS_FRESH = 0.05
 #: frames a group reader on another node asks its owner for ahead of the one it reads (the
 #: owner sends each as it is published: one request per 1 + _AHEAD frames)
 _AHEAD = 3
+#: a producer's frames whose records (cluster mode) may wait for Redis's answer at once: the
+#: producer confirms the oldest when this many are pending (an error surfaces this many
+#: frames later at most)
+_UNCONFIRMED_MAX = 4
 _GAP_POLICIES = ("raise", "count")
 
 
@@ -273,8 +278,8 @@ class Stream:
         self._pool: SlotPool | None = None
         self._retained: deque[tuple[int, int, int]] = deque()  # (index, inode, bytes)
         self._retained_bytes = 0
-        # cluster mode: the last frame's record, sent and not yet confirmed (see append)
-        self._unconfirmed: Callable[[], object] | None = None
+        # cluster mode: the frames' records sent and not yet confirmed, oldest first (append)
+        self._unconfirmed: deque[PendingRecord] = deque()
         self._recorded = False  # a frame's record was confirmed (the first is waited for)
         # more than this many frames or bytes kept before a write: room to be made first
         self._keep_frames = math.inf if retain is None else retain
@@ -378,20 +383,20 @@ class Stream:
         KeyExistsError
             The frame is already published (a stream of this name exists; see ``overwrite``).
         MetadataUnavailable
-            Cluster mode: Redis could not record the frame, or the frame before it. Only the
-            first frame's record is waited for; each later frame's record is sent and
-            confirmed by the next ``append`` (or :meth:`close`), so an error in it surfaces
-            there. The frame whose record failed is not lost: the next ``append`` or
-            ``close`` sends its record again before anything else (as the same publication,
-            so it is stored once).
+            Cluster mode: Redis could not record the frame, or one of the few before it.
+            Only the first frame's record is waited for; each later frame's record is sent
+            and its answer read by a later ``append`` (at most four frames later) or by
+            :meth:`close`, so an error in it surfaces there. The frame whose record failed
+            is not lost: the next ``append`` or ``close`` sends its record again before
+            anything else (as the same publication, so it is stored once).
         """
         # (after tens of ms idle, every line before the frame is out costs its latency)
         if self.mode == "r":
             raise ValueError(f"stream {self.name!r} was opened for reading")
         if self._closed:
             raise ValueError(f"stream {self.name!r} is closed")
-        if self._unconfirmed is not None:
-            self._confirm_record()
+        if self._unconfirmed:
+            self._confirm_records(all_=False)
         index = self._written
         step = index if step is None else step
         time_ps = 0.0 if time is None else time
@@ -453,8 +458,10 @@ class Stream:
         soon = getattr(engine, "published_soon", None) if self._recorded and checksum else None
         try:
             if soon is not None:
-                # sent, confirmed by the next append or close(): no round trip per frame
-                self._unconfirmed = soon(key, self.overwrite, checksum, slot.size, then=then or ())
+                # sent, confirmed once Redis answered (a later append) or by close(): no round
+                # trip per frame
+                self._unconfirmed.append(soon(key, self.overwrite, checksum, slot.size,
+                                              then=then or ()))
             else:
                 engine.published(key, self.overwrite, checksum, slot.size if checksum else None,
                                  then=then or ())
@@ -475,14 +482,18 @@ class Stream:
         self._pool.prepare(nbytes)  # the next frame's file, between frames (unbounded streams)
         return index
 
-    def _confirm_record(self) -> None:
-        """Wait for the answer to the last frame's record (cluster mode), sent without
-        waiting; raise what recording it raised (e.g. :class:`MetadataUnavailable`: it is
-        sent again by the next append or close, as the same publication)."""
-        confirm = self._unconfirmed
-        assert confirm is not None
-        confirm()
-        self._unconfirmed = None
+    def _confirm_records(self, *, all_: bool) -> None:
+        """Read Redis's answers to the frames' records sent without waiting (cluster mode),
+        oldest first: those answered already; all of them with ``all_`` or when
+        :data:`_UNCONFIRMED_MAX` are pending. Raise what recording one raised (e.g.
+        :class:`MetadataUnavailable`): it stays pending, and is sent again, as the same
+        publication, by the next call.
+        """
+        pending = self._unconfirmed
+        while pending and (all_ or len(pending) >= _UNCONFIRMED_MAX
+                           or pending[0].answered()):
+            pending[0]()
+            pending.popleft()
 
     def _start_producing(self) -> None:
         if self.overwrite:
@@ -589,15 +600,15 @@ class Stream:
         """End the stream (producer: publish the end-of-stream marker; consumer: release
         the held frame and the consumer group).
 
-        A producer's close also confirms the last frame's record (cluster mode). If that or
+        A producer's close also confirms the last frames' records (cluster mode). If that or
         the end marker fails (e.g. :class:`MetadataUnavailable`), the stream stays open and
         ``close()`` may be called again.
         """
         if self._closed:
             return
         if self.mode == "w":  # (either raises with the stream still open: close() again)
-            if self._unconfirmed is not None:
-                self._confirm_record()
+            if self._unconfirmed:
+                self._confirm_records(all_=True)
             body = json.dumps({"frames": self._written}).encode()
             with self.client.open(self.end_key, "wb", overwrite=self.overwrite) as fh:
                 fh.write(body)

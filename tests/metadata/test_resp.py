@@ -45,6 +45,30 @@ def test_replies_asked_for_soon_never_go_to_another_caller(redis_server: RedisSe
     assert conn.call([("GET", "k4")]) == [b"four"]  # reconnects, in step
 
 
+def test_several_replies_owed_at_once_go_to_their_callers(redis_server: RedisServer) -> None:
+    # call_soon does not read the replies owed before it: several may be owed at once,
+    # each goes to its own function whatever the order they are called in, and answered()
+    # says when the oldest is readable without waiting
+    conn = _conn(redis_server)
+    conn.call([("SET", "a", "1"), ("SET", "b", "2"), ("SET", "c", "3")])
+    assert conn.answered()  # (none owed)
+    owed = [conn.call_soon([("GET", k)]) for k in ("a", "b", "c")]
+    deadline = time.monotonic() + 5
+    while not conn.answered() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert conn.answered()
+    assert owed[1]() == [b"2"]  # (reads a's reply on the way, for a)
+    assert owed[0]() == [b"1"]
+    assert conn.call([("GET", "a")]) == [b"1"]  # c's reply read and kept first
+    assert owed[2]() == [b"3"]
+    lost = [conn.call_soon([("GET", k)]) for k in ("a", "b")]
+    conn.close()
+    for fn in lost:
+        with pytest.raises(ConnectionError):
+            fn()
+    conn.close()
+
+
 def test_a_failed_deferred_command_surfaces_at_the_next_call(redis_server: RedisServer) -> None:
     conn = _conn(redis_server)
     conn.call([("SET", "s", "x")])

@@ -34,6 +34,7 @@ from ..errors import (
 )
 from ..keys import TMP_PATTERN, key_path, tmp_name
 from ..metadata import get_backend
+from ..metadata.base import PendingRecord
 from ..paths import ConfinedOpener
 from ..record import Record
 from ..store.recvpool import KEEP_BYTES, ReceivePool
@@ -688,15 +689,15 @@ class ClusterEngine:
         self.register(key, overwrite=overwrite, checksum=checksum, size=size, then=then)
 
     def published_soon(self, key: str, overwrite: bool, checksum: str, size: int, *,
-                       then: Sequence[tuple[Any, ...]] = ()) -> Callable[[], object]:
+                       then: Sequence[tuple[Any, ...]] = ()) -> PendingRecord:
         """:meth:`published` without waiting for the metadata's answer: the record is sent
-        now and stored as soon as Redis reads it; the function returned waits for the
-        answer and raises what :meth:`published` would (it may be called again after it
-        raised: a record not known to be stored is sent again, as the same publication).
+        now and stored as soon as Redis reads it; calling the result waits for the answer
+        and raises what :meth:`published` would (it may be called again after it raised: a
+        record not known to be stored is sent again, as the same publication).
 
         For a stream's frames after its first (which finds an existing stream at once): a
-        later frame's key cannot be taken by anyone else, so the producer confirms each
-        frame's record with its next frame instead of waiting for it. Unlike
+        later frame's key cannot be taken by anyone else, so the producer confirms its
+        frames' records a few frames later instead of waiting for each. Unlike
         :meth:`register`, a refused record does not remove the file: the stream's producer
         owns it.
         """
@@ -706,8 +707,8 @@ class ClusterEngine:
         soon = getattr(self.metadata, "publish_soon", None)
         if soon is None:
             stored = self.metadata.publish(record, overwrite=overwrite)
-            return lambda: stored
-        return soon(record, overwrite=overwrite, then=then)
+            return PendingRecord(lambda: stored, lambda: True)
+        return soon(record, overwrite=overwrite, then=then)  # type: ignore[no-any-return]
 
     def register(self, key: str, *, overwrite: bool, checksum: str | None = None,
                  size: int | None = None, then: Sequence[tuple[Any, ...]] = ()) -> Record:

@@ -8,7 +8,7 @@ the file system itself (:mod:`instride.metadata.files`); cluster mode uses Redis
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from ..record import Record
@@ -44,4 +44,23 @@ class MetadataBackend(Protocol):
         """Release connections."""
 
 
-__all__ = ["MetadataBackend", "Record"]
+class PendingRecord:
+    """A record sent without waiting for Redis's answer (:meth:`RedisMetadata.publish_soon`).
+
+    Call it for the stored record (it waits for the answer, and raises what
+    :meth:`RedisMetadata.publish` would); :meth:`answered` says whether that would not wait.
+    """
+
+    def __init__(self, confirm: Callable[[], Record], answered: Callable[[], bool]) -> None:
+        self._confirm, self._answered = confirm, answered
+
+    def __call__(self) -> Record:
+        return self._confirm()
+
+    def answered(self) -> bool:
+        """Whether calling it returns without waiting for Redis (the answer is here, or
+        none will come: the record is then sent again, as the same publication)."""
+        return self._answered()
+
+
+__all__ = ["MetadataBackend", "PendingRecord", "Record"]

@@ -39,6 +39,7 @@ from ..config import Settings
 from ..errors import ConsumeTimeout, KeyExistsError, MetadataUnavailable
 from ..perthread import PerThread
 from ..record import Record
+from .base import PendingRecord
 from .resp import RespConnection, hash_fields
 
 PREFIX = "instride:"
@@ -246,22 +247,24 @@ class RedisMetadata:
         return self._publish_now(record, self._publication(record, overwrite, then))
 
     def publish_soon(self, record: Record, *, overwrite: bool = True,
-                     then: Sequence[tuple[Any, ...]] = ()) -> Callable[[], Record]:
-        """:meth:`publish` without waiting for Redis's reply; the function returned reads it.
+                     then: Sequence[tuple[Any, ...]] = ()) -> PendingRecord:
+        """:meth:`publish` without waiting for Redis's reply, which the result reads.
 
         The record is sent at once: Redis stores and announces it as soon as it reads it,
         as for :meth:`publish`; only the caller does not wait for the answer (a stream's
-        producer confirms one frame's record with its next frame: no round trip, and no
-        sleep and wake-up of the producer, per frame). The function returns the stored
+        producer confirms its frames' records a few frames later: no round trip, and no
+        sleep and wake-up of the producer, per frame). Calling the result returns the stored
         record or raises what :meth:`publish` would raise; a reply that cannot be read (the
         connection failed, Redis restarted) is settled by publishing again as the same
         publication, so it stays one version. It may be called again after it raised.
+        Several may be pending at once; confirm them in the order they were sent (a
+        publication sent again after a later one would set the stream's head back).
         """
         sent = self._publication(record, overwrite, then)
         fast = self._fast()
         if fast is None:  # (a URL that needs redis-py: the usual way, now)
             stored = self._publish_now(record, sent)
-            return lambda: stored
+            return PendingRecord(lambda: stored, lambda: True)
         try:
             replies: Callable[[], list[Any]] | None = fast.call_soon([self._evalsha(sent)])
         except _ERRORS:
@@ -285,7 +288,7 @@ class RedisMetadata:
             done.append(stored)
             return stored
 
-        return confirm
+        return PendingRecord(confirm, lambda: bool(done) or replies is None or fast.answered())
 
     def _publication(self, record: Record, overwrite: bool,
                      then: Sequence[tuple[Any, ...]]) -> tuple[list[str], list[Any]]:

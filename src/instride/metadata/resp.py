@@ -12,7 +12,9 @@ anything else (TLS, Unix sockets) keeps to redis-py. Errors are the builtin ``OS
 from __future__ import annotations
 
 import os
+import select
 import socket
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,8 +45,9 @@ class RespConnection:
         self.sock: socket.socket | None = None
         self.reader: Any = None
         self.deferred = 0  # replies of :meth:`defer`'d commands not read yet
-        # the replies a :meth:`call_soon` function will read (their count, where they go)
-        self._soon: tuple[int, list[list[Any]]] | None = None
+        # the replies :meth:`call_soon` functions will read (their count, where they go), in
+        # the order they were sent
+        self._soon: deque[tuple[int, list[list[Any]]]] = deque()
         #: patterns this connection is subscribed to, in order of use (gone with the socket)
         self.patterns: dict[str, None] = {}
 
@@ -79,29 +82,49 @@ class RespConnection:
     def call_soon(self, commands: Sequence[tuple[Any, ...]]) -> Callable[[], list[Any]]:
         """Send ``commands`` now; the function returned reads their replies (as :meth:`call`).
 
-        The round trip overlaps the caller's work until the function is called. Any other use
-        of the connection first reads those replies and keeps them for the function, so
-        replies never go to the wrong caller — also when the function is never called. The
-        function raises :class:`ConnectionError` if the connection was lost meanwhile.
+        The round trip overlaps the caller's work until the function is called. Several may
+        be owed at once (each ``call_soon`` sends without reading the replies owed before
+        it); any other use of the connection first reads all owed replies and keeps them for
+        their functions, so replies never go to the wrong caller — also when a function is
+        never called. The function raises :class:`ConnectionError` if the connection was
+        lost before its replies were read.
         """
-        self.send(commands)
+        self.send(commands, settle=False)
         box: list[list[Any]] = []
-        self._soon = (len(commands), box)
+        self._soon.append((len(commands), box))
 
         def replies() -> list[Any]:
-            if self._soon is not None and self._soon[1] is box:
-                self._settle()
+            while not box and any(b is box for _, b in self._soon):
+                self._settle_one()
             if not box:
                 raise ConnectionError("the connection to Redis was closed before the reply")
             return box[0]
 
         return replies
 
+    def answered(self) -> bool:
+        """Whether the oldest reply owed to a :meth:`call_soon` function (or none is owed)
+        can be read without waiting: received already, or waiting in the socket."""
+        if not self._soon:
+            return True
+        sock = self.sock
+        if sock is None or self.reader.has_data():
+            return True  # (a closed connection: its function answers at once, with an error)
+        return bool(select.select([sock], [], [], 0)[0])
+
+    def _settle_one(self) -> None:
+        """Read the replies the oldest :meth:`call_soon` function is owed, into its box."""
+        n, box = self._soon[0]
+        try:
+            box.append(self._replies(n))
+        finally:
+            if self._soon and self._soon[0][1] is box:
+                self._soon.popleft()
+
     def _settle(self) -> None:
-        """Read the replies a :meth:`call_soon` function is owed, into its box."""
-        soon, self._soon = self._soon, None
-        if soon is not None:
-            soon[1].append(self._replies(soon[0]))
+        """Read the replies every :meth:`call_soon` function is owed, into their boxes."""
+        while self._soon:
+            self._settle_one()
 
     def _replies(self, n: int) -> list[Any]:
         sock = self.sock
@@ -141,9 +164,11 @@ class RespConnection:
         self.send(commands)
         self.deferred += len(commands)
 
-    def send(self, commands: Sequence[tuple[Any, ...]]) -> None:
-        """Send ``commands`` in one write without reading replies (subscriptions)."""
-        self._settle()  # (replies still owed to a call_soon come first)
+    def send(self, commands: Sequence[tuple[Any, ...]], *, settle: bool = True) -> None:
+        """Send ``commands`` in one write without reading replies (subscriptions).
+        ``settle=False``: the replies owed to :meth:`call_soon` functions are left unread."""
+        if settle:
+            self._settle()  # (replies still owed to a call_soon come first)
         sock = self.sock or self._connect()
         try:
             sock.sendall(b"".join(hiredis.pack_command(tuple(c)) for c in commands))
@@ -219,7 +244,7 @@ class RespConnection:
         """Close the socket (a later :meth:`call` reconnects)."""
         sock, self.sock = self.sock, None
         self.deferred = 0  # (their replies go with the socket)
-        self._soon = None  # (a call_soon function then finds its box empty)
+        self._soon.clear()  # (a call_soon function then finds its box empty)
         self.patterns.clear()  # (and so do subscriptions)
         if sock is not None:
             sock.close()
