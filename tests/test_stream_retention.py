@@ -448,7 +448,8 @@ def test_producer_killed_mid_frame_publishes_nothing_and_gc_reclaims(managed_dir
             proc.wait()
     assert _frames_on_disk(managed_dir, "crash") == ["frame_000000000.isf"]
     pool = managed_dir / ".instride" / "streams" / "crash.stream" / "pool"
-    assert len(os.listdir(pool)) == 1  # the unfinished frame, never visible
+    # the unfinished frame, never visible, and the producer's alive file (its lock gone)
+    assert sorted(n.split("-")[0] for n in os.listdir(pool)) == ["alive", "slot"]
     removed = instride.get_client().gc()
     assert any(p.parent == pool for p in removed) and os.listdir(pool) == []
 

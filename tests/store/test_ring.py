@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +29,11 @@ def _write(pool: SlotPool, root: Path, name: str, data: bytes) -> int:
     return slot.ino
 
 
+def _slots(pool: Path) -> list[str]:
+    """The frame files in a pool directory (not the producer's alive file)."""
+    return sorted(n for n in os.listdir(pool) if n.startswith("slot-"))
+
+
 def test_retired_file_is_reused_and_its_key_is_gone(tmp_path: Path) -> None:
     pool = SlotPool(tmp_path / "pool", recycle=True)
     ino = _write(pool, tmp_path, "a", b"A" * 4096)
@@ -37,8 +43,9 @@ def test_retired_file_is_reused_and_its_key_is_gone(tmp_path: Path) -> None:
     again = _write(pool, tmp_path, "b", b"B" * 4096)
     assert again == ino  # the same file (its pages) now holds the new frame
     assert (tmp_path / "b").read_bytes() == b"B" * 4096
+    assert len(os.listdir(tmp_path / "pool")) == 1  # (its alive file, locked)
     pool.close()
-    assert os.listdir(tmp_path / "pool") == []
+    assert os.listdir(tmp_path / "pool") == []  # (the alive file too)
 
 
 def test_a_frame_is_retired_even_when_the_pool_directory_was_removed(tmp_path: Path) -> None:
@@ -131,11 +138,71 @@ def test_killed_producer_leaves_nothing_published_and_its_pool_is_reclaimed(tmp_
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    left = os.listdir(tmp_path / "pool")
-    assert len(left) == 1 and not (tmp_path / "a").exists()
+    left = sorted(os.listdir(tmp_path / "pool"))  # its unfinished frame and its alive file
+    assert len(left) == 2 and left[0].startswith("alive-") and not (tmp_path / "a").exists()
     removed = collect_pool(tmp_path / "pool")
-    assert [p.name for p in removed] == left
+    assert sorted(p.name for p in removed) == left
     assert os.listdir(tmp_path / "pool") == []
+
+
+LIVE_PRODUCER = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from instride.store.ring import SlotPool
+    pool = SlotPool(Path(sys.argv[1]), recycle=True)
+    slot = pool.take(1 << 16)
+    print(slot.path, flush=True)
+    sys.stdin.read()
+    pool.close()
+    """
+)
+COLLECT = "import sys; from pathlib import Path; from instride.store.ring import collect_pool; " \
+    "print(len(collect_pool(Path(sys.argv[1]))))"
+
+
+def test_a_collector_in_another_pid_namespace_leaves_a_running_producers_pool(
+    tmp_path: Path
+) -> None:
+    # a producer's pool judged by the lock of its alive file, not by its process id: a
+    # collector in a new PID namespace (where the producer's id names nothing, or another
+    # process) leaves the running producer's files; once the producer is killed, it
+    # collects them
+    unshare = shutil.which("unshare")
+    assert unshare is not None, "util-linux's unshare is needed (apt-get install util-linux)"
+    assert os.geteuid() == 0, "a new PID namespace needs root"
+    pool = tmp_path / "pool"
+    proc = subprocess.Popen([sys.executable, "-c", LIVE_PRODUCER, str(pool)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        slot = Path(proc.stdout.readline().strip())
+        assert slot.exists() and str(proc.pid) in slot.name
+        inside = [unshare, "--pid", "--fork", sys.executable, "-c", COLLECT, str(pool)]
+        assert subprocess.run(inside, capture_output=True, text=True, check=True).stdout.strip() == "0"
+        assert slot.exists()
+        # (and none outside it either: the lock, not the id, tells)
+        assert collect_pool(pool) == [] and slot.exists()
+        proc.kill()
+        proc.wait(timeout=30)
+        out = subprocess.run(inside, capture_output=True, text=True, check=True).stdout.strip()
+        assert out == "2" and os.listdir(pool) == []  # its frame file and its alive file
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_pool_files_of_an_older_version_are_judged_by_their_process_id(tmp_path: Path) -> None:
+    # files named by a bare process id (an older instride's producer): collected once no
+    # process has that id, kept while one has
+    pool = tmp_path / "pool"
+    pool.mkdir()
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # (no process has it)
+    (pool / f"slot-{dead}-1").write_bytes(b"x")
+    (pool / f"slot-{os.getpid()}-1").write_bytes(b"y")
+    assert [p.name for p in collect_pool(pool)] == [f"slot-{dead}-1"]
+    assert os.listdir(pool) == [f"slot-{os.getpid()}-1"]
 
 
 def _until(what: Callable[[], bool], seconds: float = 10.0) -> None:
@@ -152,29 +219,29 @@ def test_prepare_has_the_next_file_made_ahead_and_close_removes_it(tmp_path: Pat
     pool = SlotPool(tmp_path / "pool", recycle=False)
     pool.prepare(8192)
     _until(lambda: pool.spare_ready)
-    assert os.listdir(tmp_path / "pool") == []  # made, nameless
+    assert _slots(tmp_path / "pool") == []  # made, nameless
     pool.prepare(8192)  # mapped now, named; the next one asked for
-    [made] = os.listdir(tmp_path / "pool")
+    [made] = _slots(tmp_path / "pool")
     st = os.stat(tmp_path / "pool" / made)
     assert st.st_size == 8192 and st.st_blocks * 512 >= 8192  # allocated, not sparse
     ino = _write(pool, tmp_path, "a", b"A" * 8192)
     assert ino == st.st_ino == os.stat(tmp_path / "a").st_ino
-    assert os.listdir(tmp_path / "pool") == []  # it became frame "a"
+    assert _slots(tmp_path / "pool") == []  # it became frame "a"
     _until(lambda: pool.spare_ready)
     pool.prepare(8192)  # the next one mapped, a third asked for
-    [made] = os.listdir(tmp_path / "pool")
+    [made] = _slots(tmp_path / "pool")
     ino_b = _write(pool, tmp_path, "b", b"B" * 1000)  # another size: a new file instead
     assert (tmp_path / "b").read_bytes() == b"B" * 1000
     assert ino_b != ino
-    assert os.listdir(tmp_path / "pool") == []  # the mapped one of the wrong size deleted
+    assert _slots(tmp_path / "pool") == []  # the mapped one of the wrong size deleted
     _until(lambda: pool.spare_ready)
     pool.prepare(4096)  # the one made is of another size: dropped; a 4096 one asked for
-    assert os.listdir(tmp_path / "pool") == []
+    assert _slots(tmp_path / "pool") == []
     _until(lambda: pool.spare_ready)
     pool.prepare(4096)
-    assert len(os.listdir(tmp_path / "pool")) == 1  # one mapped (and one made, nameless)
+    assert len(_slots(tmp_path / "pool")) == 1  # one mapped (and one made, nameless)
     pool.close()  # unused ones are deleted; published frames stay
-    assert os.listdir(tmp_path / "pool") == []
+    assert _slots(tmp_path / "pool") == []
     assert (tmp_path / "a").read_bytes() == b"A" * 8192
 
 
@@ -189,7 +256,7 @@ def test_a_frame_does_not_wait_for_its_file_to_be_made_and_a_dropped_one_is_dele
         assert (tmp_path / f"f{i}").read_bytes() == bytes([i]) * (1 << 20)
     pool.prepare(1 << 20)
     pool.close()
-    _until(lambda: os.listdir(tmp_path / "pool") == [])
+    _until(lambda: _slots(tmp_path / "pool") == [])
     assert len(list(tmp_path.glob("f*"))) == 50
 
 
@@ -203,7 +270,7 @@ def test_prepare_locks_a_retired_file_for_the_next_frame_unless_a_reader_holds_i
     first = _write(pool, tmp_path, "a", b"A" * 4096)
     pool.retire(first)
     pool.prepare(4096)
-    pooled = tmp_path / "pool" / os.listdir(tmp_path / "pool")[0]
+    pooled = tmp_path / "pool" / _slots(tmp_path / "pool")[0]
     fd = os.open(pooled, os.O_RDONLY)
     try:  # locked ahead: a reader that opened it under its old key could not hold it now
         with pytest.raises(BlockingIOError):
@@ -226,13 +293,13 @@ def test_prepare_locks_a_retired_file_for_the_next_frame_unless_a_reader_holds_i
     assert _write(pool, tmp_path, "d", b"D" * 4096) == first
     leases.close()
     pool.close()
-    assert os.listdir(tmp_path / "pool") == []
+    assert _slots(tmp_path / "pool") == []
 
 
 def test_recycling_pool_makes_no_spare(tmp_path: Path) -> None:
     pool = SlotPool(tmp_path / "pool", recycle=True)
     pool.prepare(4096)
-    assert os.listdir(tmp_path / "pool") == []
+    assert _slots(tmp_path / "pool") == []
     pool.close()
 
 
@@ -305,7 +372,7 @@ def test_the_one_call_publish_refuses_an_existing_key_and_keeps_nothing(tmp_path
     with pytest.raises(KeyExistsError):
         pool.publish(slot, str(tmp_path / "f0"), "f0", overwrite=False, fsync=False)
     assert pool.files == 1  # the unpublished slot is gone, its file deleted
-    assert os.listdir(tmp_path / "pool") == []
+    assert _slots(tmp_path / "pool") == []
     # a missing directory: not published by the one call; publish() makes it
     slot = pool.take(frame_size(100, "paper-soa"))
     final = tmp_path / "new" / "f1"

@@ -25,6 +25,7 @@ import errno
 import fcntl
 import mmap
 import os
+import secrets
 import stat
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -94,6 +95,9 @@ class SlotPool:
         self.recycle = recycle
         pool_dir.mkdir(parents=True, exist_ok=True)
         collect_pool(pool_dir)  # files of an earlier producer of this stream that died
+        # this producer's name in its files, and the file whose lock says it runs
+        self._owner = f"{os.getpid()}.{secrets.token_hex(4)}"
+        self._alive = _hold_alive(pool_dir, self._owner)
         self._slots: dict[int, Slot] = {}  # ino -> slot, every file this producer owns
         self._free: deque[int] = deque()  # retired, in the order they were retired
         self._spare = SpareMaker()  # the next files, made ahead while the CPU is idle
@@ -162,7 +166,7 @@ class SlotPool:
             return
         if self._mapped is None:  # the file made since: mapped now, not in the next append
             self._made += 1
-            path = f"{self._pool_s}/slot-{os.getpid()}-{self._made}"
+            path = f"{self._pool_s}/slot-{self._owner}-{self._made}"
             fd = self._spare.take(size, path)
             if fd is not None:
                 self._mapped = self._adopt(path, fd, size)
@@ -171,7 +175,7 @@ class SlotPool:
 
     def _new(self, size: int) -> Slot:
         self._made += 1
-        path = f"{self._pool_s}/slot-{os.getpid()}-{self._made}"
+        path = f"{self._pool_s}/slot-{self._owner}-{self._made}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         return self._adopt(path, fd, size, made=False)
 
@@ -344,6 +348,12 @@ class SlotPool:
         self._free.clear()
         self._mapped = self._next = None  # (pooled slots: deleted above)
         self._spare.close()
+        if self._alive >= 0:
+            if mine:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"{self._pool_s}/{_ALIVE}{self._owner}")
+            os.close(self._alive)
+            self._alive = -1
 
     @property
     def spare_ready(self) -> bool:
@@ -379,11 +389,56 @@ def _address(mm: mmap.mmap) -> int:
         del view
 
 
-def _slot_pid(name: str) -> int | None:
+#: a producer's file in its pool directory, locked (``flock``) for as long as it runs
+_ALIVE = "alive-"
+
+
+def _hold_alive(pool_dir: Path, owner: str) -> int:
+    """Make ``pool_dir``'s file saying producer ``owner`` runs, locked by this process (its
+    lock goes when the process does, however it ends); return its descriptor. It appears
+    under its name already locked (made aside, then renamed), so no collector ever finds it
+    unlocked while the producer runs."""
+    aside = pool_dir / f".{_ALIVE}{owner}"
+    fd = os.open(aside, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(aside, pool_dir / f"{_ALIVE}{owner}")
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(aside)
+        raise
+    return fd
+
+
+def _slot_owner(name: str) -> str | None:
+    """The producer named in a pool file's name (``slot-<owner>-<n>``), or ``None``."""
     parts = name.split("-")
-    if len(parts) == 3 and parts[0] == "slot" and parts[1].isdigit():
-        return int(parts[1])
+    if len(parts) == 3 and parts[0] == "slot" and parts[2].isdigit():
+        return parts[1]
     return None
+
+
+def _running(pool_dir: Path, owner: str) -> bool:
+    """Whether producer ``owner`` of ``pool_dir`` still runs: its alive file is locked.
+
+    A lock, not a process id: process ids mean nothing across PID namespaces (a producer in
+    a container, a collector outside it, both on one file system) and are reused. Owners
+    named by a bare process id (files of an older instride) are judged by that id.
+    """
+    if owner.isdigit():
+        return _alive(int(owner))
+    try:
+        fd = os.open(pool_dir / f"{_ALIVE}{owner}", os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True  # (held: it runs)
+    finally:
+        os.close(fd)
+    return False
 
 
 def _alive(pid: int) -> bool:
@@ -400,16 +455,22 @@ def collect_pool(pool_dir: Path) -> list[Path]:
     """Delete the pooled files of producers that are no longer running; return them.
 
     A producer killed mid-frame leaves its unfinished frame (and its retired files) only in
-    the pool: nothing of it was ever visible under a key.
+    the pool: nothing of it was ever visible under a key. A producer runs while it holds the
+    lock of its alive file in the pool (see :func:`_running`).
     """
-    removed = []
+    removed: list[Path] = []
     try:
         names = os.listdir(pool_dir)
     except FileNotFoundError:
         return removed
+    running: dict[str, bool] = {}
     for name in names:
-        pid = _slot_pid(name)
-        if pid is not None and pid != os.getpid() and not _alive(pid):
+        owner = _slot_owner(name) or (name[len(_ALIVE):] if name.startswith(_ALIVE) else None)
+        if owner is None:
+            continue
+        if owner not in running:
+            running[owner] = _running(pool_dir, owner)
+        if not running[owner]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(pool_dir / name)
                 removed.append(pool_dir / name)
