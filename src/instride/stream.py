@@ -279,7 +279,7 @@ class Stream:
         self._retained: deque[tuple[int, int, int]] = deque()  # (index, inode, bytes)
         self._retained_bytes = 0
         # cluster mode: the frames' records sent and not yet confirmed, oldest first (append)
-        self._unconfirmed: deque[PendingRecord] = deque()
+        self._unconfirmed: deque[tuple[int, PendingRecord]] = deque()  # (frame, its record)
         self._recorded = False  # a frame's record was confirmed (the first is waited for)
         # more than this many frames or bytes kept before a write: room to be made first
         self._keep_frames = math.inf if retain is None else retain
@@ -458,10 +458,14 @@ class Stream:
         soon = getattr(engine, "published_soon", None) if self._recorded and checksum else None
         try:
             if soon is not None:
-                # sent, confirmed once Redis answered (a later append) or by close(): no round
-                # trip per frame
-                self._unconfirmed.append(soon(key, self.overwrite, checksum, slot.size,
-                                              then=then or ()))
+                # Sent, confirmed once Redis answered (a later append) or by close(): no round
+                # trip per frame. First the records answered meanwhile (one sent again on a new
+                # connection goes before this one) and those of the frames this one retires
+                # (a record sent again must never come back after its frame's retirement).
+                self._confirm_records(all_=False, before=self._retained[going - 1][0] + 1
+                                      if going else 0)
+                self._unconfirmed.append((index, soon(key, self.overwrite, checksum, slot.size,
+                                                      then=then or ())))
             else:
                 engine.published(key, self.overwrite, checksum, slot.size if checksum else None,
                                  then=then or ())
@@ -482,17 +486,17 @@ class Stream:
         self._pool.prepare(nbytes)  # the next frame's file, between frames (unbounded streams)
         return index
 
-    def _confirm_records(self, *, all_: bool) -> None:
+    def _confirm_records(self, *, all_: bool, before: int = 0) -> None:
         """Read Redis's answers to the frames' records sent without waiting (cluster mode),
-        oldest first: those answered already; all of them with ``all_`` or when
-        :data:`_UNCONFIRMED_MAX` are pending. Raise what recording one raised (e.g.
-        :class:`MetadataUnavailable`): it stays pending, and is sent again, as the same
-        publication, by the next call.
+        oldest first: those answered already and those of frames before ``before``; all of
+        them with ``all_`` or while :data:`_UNCONFIRMED_MAX` are pending. Raise what
+        recording one raised (e.g. :class:`MetadataUnavailable`): it stays pending, and is
+        sent again, as the same publication, by the next call.
         """
         pending = self._unconfirmed
-        while pending and (all_ or len(pending) >= _UNCONFIRMED_MAX
-                           or pending[0].answered()):
-            pending[0]()
+        while pending and (all_ or len(pending) >= _UNCONFIRMED_MAX or pending[0][0] < before
+                           or pending[0][1].answered()):
+            pending[0][1]()
             pending.popleft()
 
     def _start_producing(self) -> None:

@@ -227,6 +227,14 @@ def test_a_record_sent_soon_is_stored_before_it_is_confirmed(backend: RedisMetad
             with pytest.raises(KeyExistsError):
                 refused()
         assert backend.lookup("soon/k").size == 3  # type: ignore[union-attr]
+        # an error answer (a command run with the record fails: WRONGTYPE) is raised, every
+        # time, as publish raises it — not hidden by sending the publication again
+        other.set("soon:str", "x")
+        failing = backend.publish_soon(Record("soon/e", "127.0.0.1:1", 1, "xxh3:4", 0, time.time()),
+                                       then=[("HSET", "soon:str", "a", "1")])
+        for _ in range(2):
+            with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+                failing()
     finally:
         other.close()
 

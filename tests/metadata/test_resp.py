@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -67,6 +68,24 @@ def test_several_replies_owed_at_once_go_to_their_callers(redis_server: RedisSer
         with pytest.raises(ConnectionError):
             fn()
     conn.close()
+
+
+def test_answered_works_for_a_socket_past_descriptor_1023(redis_server: RedisServer) -> None:
+    # (select() refuses such descriptors; a producer holding many files gets them)
+    held = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+    conn = _conn(redis_server)
+    try:
+        conn.call([("SET", "hi", "1")])
+        assert conn.sock is not None and conn.sock.fileno() > 1023
+        owed = conn.call_soon([("GET", "hi")])
+        deadline = time.monotonic() + 5
+        while not conn.answered() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert conn.answered() and owed() == [b"1"]
+    finally:
+        conn.close()
+        for fd in held:
+            os.close(fd)
 
 
 def test_a_failed_deferred_command_surfaces_at_the_next_call(redis_server: RedisServer) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -58,6 +59,8 @@ def test_a_frame_is_retired_even_when_the_pool_directory_was_removed(tmp_path: P
     shutil.rmtree(tmp_path / "pool")
     pool.retire(ino)
     assert not (tmp_path / "a").exists()
+    # its alive file made again with the directory: a collector leaves the retired file
+    assert collect_pool(tmp_path / "pool") == [] and len(_slots(tmp_path / "pool")) == 1
     assert _write(pool, tmp_path, "b", b"B" * 4096) == ino  # and its file is reused
     # a key deleted under us: the file is gone, forgotten
     os.unlink(tmp_path / "b")
@@ -191,6 +194,42 @@ def test_a_collector_in_another_pid_namespace_leaves_a_running_producers_pool(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+FORKING_PRODUCER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    from instride.store.ring import SlotPool
+    pool = SlotPool(Path(sys.argv[1]), recycle=True)
+    pool.take(1 << 16)
+    if os.fork() == 0:  # a child that outlives its producer (no exec)
+        time.sleep(60)
+        os._exit(0)
+    print("ready", flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+def test_a_forked_child_does_not_keep_a_dead_producers_pool(tmp_path: Path) -> None:
+    # the alive file's lock belongs to the open file, which a forked child shares: the child
+    # lets go of it, so the producer's files are collected once the producer is gone, while
+    # the child still runs
+    pool = tmp_path / "pool"
+    proc = subprocess.Popen([sys.executable, "-c", FORKING_PRODUCER, str(pool)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        assert collect_pool(pool) == []  # (running)
+        proc.kill()
+        proc.wait(timeout=30)
+        assert len(collect_pool(pool)) == 2 and os.listdir(pool) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # (the child too)
+        proc.wait()
 
 
 def test_pool_files_of_an_older_version_are_judged_by_their_process_id(tmp_path: Path) -> None:

@@ -701,13 +701,14 @@ class ClusterEngine:
         :meth:`register`, a refused record does not remove the file: the stream's producer
         owns it.
         """
+        soon = getattr(self.metadata, "publish_soon", None)
+        if soon is None:  # (a backend that cannot: recorded now, ``then`` with it)
+            stored = self.register(key, overwrite=overwrite, checksum=checksum, size=size,
+                                   then=then)
+            return PendingRecord(lambda: stored, lambda: True)
         record = Record(key=key, owner=self.settings.addr, size=size, checksum=checksum,
                         version=1, time=time.time(), node=self.settings.node)
         self.forget_fetched(key)  # our own original now, never evicted
-        soon = getattr(self.metadata, "publish_soon", None)
-        if soon is None:
-            stored = self.metadata.publish(record, overwrite=overwrite)
-            return PendingRecord(lambda: stored, lambda: True)
         return soon(record, overwrite=overwrite, then=then)  # type: ignore[no-any-return]
 
     def register(self, key: str, *, overwrite: bool, checksum: str | None = None,

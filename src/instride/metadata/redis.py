@@ -37,7 +37,7 @@ from redis.retry import Retry
 
 from ..config import Settings
 from ..errors import ConsumeTimeout, KeyExistsError, MetadataUnavailable
-from ..perthread import PerThread
+from ..perthread import PerThread, forks
 from ..record import Record
 from .base import PendingRecord
 from .resp import RespConnection, hash_fields
@@ -259,6 +259,8 @@ class RedisMetadata:
         publication, so it stays one version. It may be called again after it raised.
         Several may be pending at once; confirm them in the order they were sent (a
         publication sent again after a later one would set the stream's head back).
+        Confirmed from another thread or a forked child, the answer (on the sender's
+        connection) is not read: the record is sent again, as the same publication.
         """
         sent = self._publication(record, overwrite, then)
         fast = self._fast()
@@ -270,21 +272,27 @@ class RedisMetadata:
         except _ERRORS:
             replies = None  # (not sent: the confirmation publishes)
         done: list[Record] = []
+        refused: list[redis.ResponseError] = []  # (an error answer: raised every time)
+        sender = (threading.get_ident(), forks())
 
         def confirm() -> Record:
             if done:
                 return done[0]
             nonlocal replies
             reply: Any = None
-            if replies is not None:
+            if replies is not None and sender == (threading.get_ident(), forks()):
                 try:
                     (reply,) = replies()
                 except _ERRORS:
                     reply = None
-                replies = None
+            replies = None
+            if isinstance(reply, Exception) and not str(reply).startswith("NOSCRIPT"):
+                refused.append(redis.ResponseError(str(reply)))  # (as publish raises it)
+            if refused:
+                raise refused[0]
             # NOSCRIPT (Redis restarted), a lost reply: again, as the same publication
-            stored = self._stored(record, reply) if reply is not None \
-                and not isinstance(reply, Exception) else self._publish_now(record, sent)
+            stored = self._publish_now(record, sent) if reply is None \
+                or isinstance(reply, Exception) else self._stored(record, reply)
             done.append(stored)
             return stored
 

@@ -89,9 +89,15 @@ class RespConnection:
         never called. The function raises :class:`ConnectionError` if the connection was
         lost before its replies were read.
         """
-        self.send(commands, settle=False)
         box: list[list[Any]] = []
-        self._soon.append((len(commands), box))
+        entry = (len(commands), box)
+        self._soon.append(entry)  # (first: a reply can never arrive for nobody)
+        try:
+            self.send(commands, settle=False)
+        except BaseException:
+            if entry in self._soon:  # (not sent: no reply will come for it)
+                self._soon.remove(entry)
+            raise
 
         def replies() -> list[Any]:
             while not box and any(b is box for _, b in self._soon):
@@ -110,7 +116,9 @@ class RespConnection:
         sock = self.sock
         if sock is None or self.reader.has_data():
             return True  # (a closed connection: its function answers at once, with an error)
-        return bool(select.select([sock], [], [], 0)[0])
+        poller = select.poll()  # (not select(): descriptors past 1023 are common here)
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
 
     def _settle_one(self) -> None:
         """Read the replies the oldest :meth:`call_soon` function is owed, into its box."""

@@ -27,6 +27,7 @@ import mmap
 import os
 import secrets
 import stat
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -98,6 +99,7 @@ class SlotPool:
         # this producer's name in its files, and the file whose lock says it runs
         self._owner = f"{os.getpid()}.{secrets.token_hex(4)}"
         self._alive = _hold_alive(pool_dir, self._owner)
+        _LIVE_POOLS.add(self)  # (a forked child lets go of the lock: see _forget_alive)
         self._slots: dict[int, Slot] = {}  # ino -> slot, every file this producer owns
         self._free: deque[int] = deque()  # retired, in the order they were retired
         self._spare = SpareMaker()  # the next files, made ahead while the CPU is idle
@@ -302,6 +304,7 @@ class SlotPool:
                 # the key is there, the pool directory is not (removed under us): made
                 # again, so that the frame does not stay published past its retention
                 self.pool_dir.mkdir(parents=True, exist_ok=True)
+                self._hold_alive_again()  # (its alive file went with it)
                 os.rename(slot.path, target)
         except FileNotFoundError:  # the key was deleted under us: the file is gone
             self._slots.pop(ino)
@@ -310,6 +313,12 @@ class SlotPool:
         slot.path = target
         slot.pooled = True
         self._free.append(ino)
+
+    def _hold_alive_again(self) -> None:
+        """Make the alive file again (the pool directory was removed and made again)."""
+        old, self._alive = self._alive, _hold_alive(self.pool_dir, self._owner)
+        if old >= 0:
+            os.close(old)
 
     def withdraw(self, slot: Slot) -> None:
         """Take back a frame published a moment ago whose publication could not be recorded:
@@ -391,6 +400,22 @@ def _address(mm: mmap.mmap) -> int:
 
 #: a producer's file in its pool directory, locked (``flock``) for as long as it runs
 _ALIVE = "alive-"
+#: the pools of this process, whose alive-file locks a forked child must not keep
+_LIVE_POOLS: weakref.WeakSet[SlotPool] = weakref.WeakSet()
+
+
+def _forget_alive() -> None:
+    """In a forked child: close the copies of the pools' alive files (the lock belongs to
+    the open file, which the child shares; kept, a child that outlives its producer would
+    keep the producer's files from being collected). The parent's lock stays."""
+    for pool in list(_LIVE_POOLS):
+        if pool._alive >= 0:
+            with contextlib.suppress(OSError):
+                os.close(pool._alive)
+            pool._alive = -1
+
+
+os.register_at_fork(after_in_child=_forget_alive)
 
 
 def _hold_alive(pool_dir: Path, owner: str) -> int:
@@ -432,8 +457,12 @@ def _running(pool_dir: Path, owner: str) -> bool:
         fd = os.open(pool_dir / f"{_ALIVE}{owner}", os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return False
+    except PermissionError:
+        return True  # (another user's: not ours to judge)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # (shared: conflicts with the producer's exclusive lock just the same, and takes a
+        # descriptor open for reading also where flock is emulated, NFS)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return True  # (held: it runs)
     finally:
