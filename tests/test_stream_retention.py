@@ -656,9 +656,10 @@ def test_a_frame_whose_record_fails_is_recorded_again_and_nothing_is_lost(
 
 
 def test_close_confirms_the_last_frames_record(tmp_path: Path, redis_server: Any) -> None:
-    # cluster mode: the last frame's record is confirmed by close(), so after close every
-    # frame has its record (size and checksum of its file). With Redis gone, close raises
-    # and the stream stays open; once Redis is back, close() again ends the stream.
+    # cluster mode: close() confirms the records still pending, so after close every frame
+    # has its record (size and checksum of its file). With Redis gone, close raises (the
+    # end marker cannot be recorded) and the stream stays open; once Redis is back, close()
+    # again ends the stream.
     from instride.errors import MetadataUnavailable
     from instride.record import checksum_of
     from tests.conftest import LoopbackNode
@@ -686,11 +687,47 @@ def test_close_confirms_the_last_frames_record(tmp_path: Path, redis_server: Any
         finally:
             redis_server.start()
         assert not (node.dir / s.end_key).exists()
-        s.close()  # (the end marker, and the last frame's record if its answer was lost)
+        s.close()
         assert (node.dir / s.end_key).exists()
         assert client.metadata.lookup(s.end_key) is not None
     finally:
         client.close()
+
+
+def test_a_lost_answer_is_sent_again_once_and_never_brings_a_retired_frame_back(
+    tmp_path: Path, redis_server: Any
+) -> None:
+    # cluster mode, retain=1: each frame's record retires the frame before it. The answer to
+    # frame 2's record is lost (the connection fails after Redis ran it): its confirmation
+    # sends it again as the same publication — before frame 3's record retires frame 2 — so
+    # frame 2's record is stored once and gone with its retirement, never brought back as a
+    # second version, and the head ends where the producer is.
+    from tests.conftest import LoopbackNode
+    from tests.metadata.test_redis import _ReplyDropper
+
+    relay = _ReplyDropper((redis_server.host, redis_server.port))
+    node = LoopbackNode(tmp_path, 1, f"redis://127.0.0.1:{relay.port}/0", "test-token")
+    client = node.client()
+    try:
+        with instride.Stream("lost", mode="w", retain=1, client=client, timeout=5) as s:
+            s.append(_positions(0), step=0)
+            s.append(_positions(1), step=1)
+            relay.armed = True
+            s.append(_positions(2), step=2)
+            for i in range(3, 6):
+                s.append(_positions(i), step=i)
+        assert relay.dropped == 1
+        meta = client.metadata
+        assert [meta.lookup(s.frame_key(i)) for i in range(5)] == [None] * 5  # all retired
+        last = meta.lookup(s.frame_key(5))
+        assert last is not None and last.version == 1
+        assert client.engine.stream_state("lost").head() == (5, 6)
+        reader = instride.Stream("lost", client=client, timeout=5)
+        assert reader.frame_count() == 6 and reader.read(5).step == 5
+        reader.close()
+    finally:
+        client.close()
+        relay.close()
 
 
 def test_cluster_remote_reader_learns_of_dropped_frames(loopback_nodes: list) -> None:
