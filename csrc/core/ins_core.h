@@ -196,6 +196,8 @@ INS_HIDDEN int ins_prepare_write(const struct ins_path *p, int flags, mode_t *mo
 /* Make a fresh temp name for p (does not create the file). */
 INS_HIDDEN int ins_temp_name(const struct ins_path *p, char tmp[PATH_MAX]);
 /* Create a fresh temp file for p (O_CREAT|O_EXCL with extra flags and mode). */
+/* Lock (shared) a temp file being written, so that `instride gc` leaves it. */
+INS_HIDDEN void ins_mark_writing(int fd);
 INS_HIDDEN int ins_create_temp(const struct ins_path *p, int flags, mode_t mode,
                                char tmp[PATH_MAX]);
 

@@ -7,6 +7,7 @@
 #include "ins_core.h"
 
 #include <string.h>
+#include <sys/file.h>
 #include <sys/sendfile.h>
 
 #ifndef RENAME_NOREPLACE
@@ -73,6 +74,16 @@ int ins_prepare_write(const struct ins_path *p, int flags, mode_t *mode, char tm
     return ins_temp_name(p, tmp);
 }
 
+void ins_mark_writing(int fd)
+{
+    /* A shared lock while the writer has its temp file open: `instride gc` leaves a locked
+     * temp file alone (its writer runs, whatever its process id says in another PID
+     * namespace). Shared, so a reader's lease on the published file never conflicts. */
+    int saved = errno;
+    flock(fd, LOCK_SH | LOCK_NB);
+    errno = saved;
+}
+
 int ins_create_temp(const struct ins_path *p, int flags, mode_t mode, char tmp[PATH_MAX])
 {
     int fd = -1;
@@ -84,6 +95,8 @@ int ins_create_temp(const struct ins_path *p, int flags, mode_t mode, char tmp[P
     if (fd < 0 && errno != ENAMETOOLONG)
         ins_fail(errno, "cannot create the temp file of key %.300s: %s", ins_key(p),
                  strerror(errno));
+    if (fd >= 0)
+        ins_mark_writing(fd);
     return fd;
 }
 

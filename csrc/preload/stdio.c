@@ -138,9 +138,11 @@ static FILE *ins_fopen_managed(const struct ins_path *p, const char *mode, ins_f
     }
     if (fp == NULL)
         goto done;
-    if (!writing)
+    if (writing)
+        ins_mark_writing(fileno(fp));
+    else
         ins_passed_fp(fp);
-    else if (ins_register_stream(fp, target, p, mode, ins_real_fclose) != 0)
+    if (writing && ins_register_stream(fp, target, p, mode, ins_real_fclose) != 0)
         fp = NULL; /* the stream was closed and its temp removed */
 done:
     ins_busy = 0;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import time
 from collections.abc import Iterable
@@ -31,11 +32,36 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def being_written(path: Path) -> bool:
+    """Whether a writer holds ``path`` open: it locks its temporary file (shared) for as
+    long as it writes (``mark_writing``), and the lock goes with its process however that
+    ends. Files of writers that take no lock (an older instride) never count as held."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except PermissionError:
+        return True  # (another user's: not ours to judge)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False  # (a file system without flock: the process id decides)
+    finally:
+        os.close(fd)
+    return False
+
+
 def collect_garbage(root: Path, *, min_age: float = 0.0) -> list[Path]:
     """Remove temporary files left by producers that died mid-write.
 
-    A temporary file is removed when its writer's PID is gone, or when it is older than
-    ``min_age`` seconds and ``min_age`` is positive (for PIDs reused since).
+    A temporary file a writer still holds (its lock, see :func:`being_written`) is never
+    removed. Any other is removed when its writer's PID is gone, or when it is older than
+    ``min_age`` seconds and ``min_age`` is positive (for PIDs reused since). The lock is
+    what keeps a running writer's file safe from a collector in another PID namespace (a
+    container sharing the file system), where its process id names nothing or another
+    process.
     """
     removed = []
     now = time.time()
@@ -44,11 +70,12 @@ def collect_garbage(root: Path, *, min_age: float = 0.0) -> list[Path]:
             age = now - path.stat().st_mtime
         except FileNotFoundError:
             continue
-        if (pid != os.getpid() and not pid_alive(pid)) or (min_age > 0 and age > min_age):
+        if ((pid != os.getpid() and not pid_alive(pid)) or (min_age > 0 and age > min_age)) \
+                and not being_written(path):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
                 removed.append(path)
     return removed
 
 
-__all__ = ["collect_garbage", "iter_tmp_files", "pid_alive"]
+__all__ = ["being_written", "collect_garbage", "iter_tmp_files", "pid_alive"]

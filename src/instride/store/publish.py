@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import io
 import os
 import warnings
@@ -80,6 +81,14 @@ def publish_file(tmp: str | Path, final: str | Path, key: str, *, overwrite: boo
             if attempt == 4 or not os.path.exists(tmp):  # the temporary file itself is gone
                 raise
             os.makedirs(os.path.dirname(final), exist_ok=True)
+
+
+def mark_writing(fd: int) -> None:
+    """Lock (shared) a temporary file being written: :func:`~instride.store.collect_garbage`
+    leaves a locked one alone — its writer runs, whatever its process id says in another PID
+    namespace. Shared, so that a reader's lease on the published file never conflicts."""
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
 
 
 def _publish_once(tmp: str | Path, final: str | Path, key: str, *, overwrite: bool) -> None:
@@ -154,6 +163,7 @@ class _PublishingFileIO(io.FileIO):
                 if attempt == 4:      # cleanup removed the empty directory meanwhile)
                     raise
                 os.makedirs(os.path.dirname(final), exist_ok=True)
+        mark_writing(self.fileno())
 
     @property
     def key(self) -> str:
