@@ -417,8 +417,9 @@ class ClusterEngine:
         try:
             self._parent_made(path.rpartition("/")[0])
             fd = self.recv_pool.take(staged, like.size)
-            if fd is None:
+            if fd is None:  # (a recycled file is held exclusively already: gc leaves it)
                 fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                store.mark_writing(fd)
             try:
                 got, record = receive(fd)
                 if got is not None and os.fstat(fd).st_size != got[0]:

@@ -18,13 +18,14 @@ Everything here works on one node's files; nothing knows about modes, metadata o
 from __future__ import annotations
 
 from .dirs import ensure_private_dir, file_checksum, file_system_type
-from .gc import collect_garbage, iter_tmp_files, pid_alive
+from .gc import being_written, collect_garbage, iter_tmp_files, pid_alive
 from .publish import (
     READ_MODES,
     WRITE_MODES,
     PublishHook,
     check_mode,
     fsync_dir,
+    mark_writing,
     open_for_write,
     publish_file,
     read_error,
@@ -35,6 +36,7 @@ __all__ = [
     "READ_MODES",
     "WRITE_MODES",
     "PublishHook",
+    "being_written",
     "check_mode",
     "collect_garbage",
     "ensure_private_dir",
@@ -42,6 +44,7 @@ __all__ = [
     "file_system_type",
     "fsync_dir",
     "iter_tmp_files",
+    "mark_writing",
     "open_for_write",
     "pid_alive",
     "publish_file",

@@ -39,6 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..errors import ConfigError
 from ..record import Record
+from ..store.publish import mark_writing
 
 
 @runtime_checkable
@@ -105,6 +106,7 @@ def fetch_to_new_file(transport: Transport, record: Record, dest: Path) -> None:
     """``transport.fetch`` in terms of ``transport.fetch_into``: create ``dest`` (it must not
     exist), receive into it, and remove it again on any failure."""
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    mark_writing(fd)  # (instride gc leaves it while it is received)
     try:
         transport.fetch_into(record, fd)
     except BaseException:
