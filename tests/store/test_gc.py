@@ -79,6 +79,7 @@ def test_gc_removes_a_killed_writers_file_from_another_pid_namespace(managed_dir
     # gc that cannot see its process id (the id then looks dead: a new PID namespace)
     unshare = shutil.which("unshare")
     assert unshare is not None, "util-linux's unshare is needed (apt-get install util-linux)"
+    assert os.geteuid() == 0, "a new PID namespace needs root"
     proc = subprocess.Popen([sys.executable, "-c", WRITER, "api", str(managed_dir)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

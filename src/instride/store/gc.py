@@ -32,25 +32,34 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def being_written(path: Path) -> bool:
-    """Whether a writer holds ``path`` open: it locks its temporary file (shared) for as
-    long as it writes (``mark_writing``), and the lock goes with its process however that
-    ends. Files of writers that take no lock (an older instride) never count as held."""
+def lock_held(path: Path, *, exclusive: bool) -> bool | None:
+    """Whether a process holds a ``flock`` on ``path`` that conflicts with a probe of the
+    given kind (``exclusive``: any lock conflicts; shared: only an exclusive one), taken
+    without waiting and let go at once. ``False`` also when the file is gone; ``None`` when
+    it cannot be told (another user's file, a file system without ``flock``)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except PermissionError:
-        return True  # (another user's: not ours to judge)
-    except OSError:
+    except FileNotFoundError:
         return False
+    except OSError:
+        return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
     except OSError:
-        return False  # (a file system without flock: the process id decides)
+        return None
     finally:
         os.close(fd)
     return False
+
+
+def being_written(path: Path) -> bool:
+    """Whether a writer holds ``path`` open: it locks its temporary file (shared) for as
+    long as it writes (``mark_writing``), and the lock goes with its process however that
+    ends. Files of writers that take no lock (an older instride), and files whose locks
+    cannot be told, never count as held (their writer's process id decides)."""
+    return lock_held(path, exclusive=True) is True
 
 
 def collect_garbage(root: Path, *, min_age: float = 0.0) -> list[Path]:
@@ -78,4 +87,4 @@ def collect_garbage(root: Path, *, min_age: float = 0.0) -> list[Path]:
     return removed
 
 
-__all__ = ["being_written", "collect_garbage", "iter_tmp_files", "pid_alive"]
+__all__ = ["being_written", "collect_garbage", "iter_tmp_files", "lock_held", "pid_alive"]

@@ -40,6 +40,7 @@ from ..errors import FileTypeError, UnsafePathError
 from ..frames import NativeFrame
 from ..native import library
 from ..perthread import forks
+from .gc import lock_held, pid_alive
 from .publish import publish_file
 from .spare import SpareMaker
 
@@ -449,35 +450,14 @@ def _running(pool_dir: Path, owner: str) -> bool:
 
     A lock, not a process id: process ids mean nothing across PID namespaces (a producer in
     a container, a collector outside it, both on one file system) and are reused. Owners
-    named by a bare process id (files of an older instride) are judged by that id.
+    named by a bare process id (files of an older instride) are judged by that id; a lock
+    that cannot be told (another user's file, no ``flock``) counts as running.
     """
     if owner.isdigit():
-        return _alive(int(owner))
-    try:
-        fd = os.open(pool_dir / f"{_ALIVE}{owner}", os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    except PermissionError:
-        return True  # (another user's: not ours to judge)
-    try:
-        # (shared: conflicts with the producer's exclusive lock just the same, and takes a
-        # descriptor open for reading also where flock is emulated, NFS)
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True  # (held: it runs)
-    finally:
-        os.close(fd)
-    return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        return int(owner) == os.getpid() or pid_alive(int(owner))
+    # (a shared probe conflicts with the producer's exclusive lock just the same, and takes
+    # a descriptor open for reading also where flock is emulated, NFS)
+    return lock_held(pool_dir / f"{_ALIVE}{owner}", exclusive=False) is not False
 
 
 def collect_pool(pool_dir: Path) -> list[Path]:
