@@ -144,13 +144,16 @@ INS_API int instride_commit(instride_writer *w)
     if (w == NULL)
         return ins_api_result(ins_fail(EINVAL, "no writer given"));
     ins_maybe_fsync(w->fd);
+    int held = ins_hold_writing(w->fd); /* the writer's lock, until the rename */
     if (ins_sys.close(w->fd) != 0 && errno != EINTR) {
         /* The data may not have reached the file: never publish it. */
         ins_fail(errno, "closing key %.300s failed: %s", ins_key(&w->key), strerror(errno));
         unlink(w->tmp);
+        ins_release_writing(held);
         goto cleanup;
     }
     rc = ins_publish(w->tmp, &w->key, w->noreplace);
+    ins_release_writing(held);
 cleanup:
     {
         int e = errno;

@@ -198,6 +198,11 @@ INS_HIDDEN int ins_temp_name(const struct ins_path *p, char tmp[PATH_MAX]);
 /* Create a fresh temp file for p (O_CREAT|O_EXCL with extra flags and mode). */
 /* Lock (shared) a temp file being written, so that `instride gc` leaves it. */
 INS_HIDDEN void ins_mark_writing(int fd);
+/* A second descriptor of fd's open file, held from just before the writer's close until
+ * its rename is done: the lock lives as long as one descriptor does (-1: none to be had).
+ * ins_release_writing closes it (nothing for -1). */
+INS_HIDDEN int ins_hold_writing(int fd);
+INS_HIDDEN void ins_release_writing(int held);
 INS_HIDDEN int ins_create_temp(const struct ins_path *p, int flags, mode_t mode,
                                char tmp[PATH_MAX]);
 

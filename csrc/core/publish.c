@@ -6,9 +6,12 @@
  */
 #include "ins_core.h"
 
+#include <fcntl.h>
 #include <string.h>
 #include <sys/file.h>
 #include <sys/sendfile.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #ifndef RENAME_NOREPLACE
 #define RENAME_NOREPLACE (1 << 0)
@@ -81,6 +84,24 @@ void ins_mark_writing(int fd)
      * namespace). Shared, so a reader's lease on the published file never conflicts. */
     int saved = errno;
     flock(fd, LOCK_SH | LOCK_NB);
+    errno = saved;
+}
+
+int ins_hold_writing(int fd)
+{
+    /* the raw system call: no wrapper of ours (fcntl's F_DUPFD) may count it as a file */
+    int saved = errno;
+    int held = (int)syscall(SYS_fcntl, fd, F_DUPFD_CLOEXEC, 0);
+    errno = saved;
+    return held;
+}
+
+void ins_release_writing(int held)
+{
+    if (held < 0)
+        return;
+    int saved = errno;
+    ins_sys.close(held);
     errno = saved;
 }
 

@@ -30,10 +30,13 @@ INS_WRAPPER(int, close, (int fd))
         return ins_real_close(fd);
     if (last && f->pid == getpid())
         ins_maybe_fsync(fd);
+    int held = last ? ins_hold_writing(fd) : -1; /* the writer's lock, until the rename */
     int rc = ins_real_close(fd);
     if (!last)
         return rc;
-    return ins_after_last_close(f, rc, errno, saved);
+    int prc = ins_after_last_close(f, rc, errno, saved);
+    ins_release_writing(held);
+    return prc;
 }
 
 INS_WRAPPER(int, dup, (int oldfd))

@@ -196,10 +196,13 @@ INS_WRAPPER(int, fclose, (FILE * fp))
         return ins_real_fclose(fp);
     int saved = errno, last = 0;
     struct ins_file *f = ins_detach_stream(fp, &last);
+    int held = f != NULL && last ? ins_hold_writing(fileno(fp)) : -1; /* lock: to the rename */
     int rc = ins_real_fclose(fp);
     if (f == NULL || !last)
         return rc;
-    if (ins_finish_stream(f, rc == 0 ? 0 : -1, errno) != 0)
+    int prc = ins_finish_stream(f, rc == 0 ? 0 : -1, errno);
+    ins_release_writing(held);
+    if (prc != 0)
         return EOF;
     errno = saved;
     return rc;

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from instride.interception.preload import preload_path
+from instride.interception.preload import c_library_path, preload_path
 from instride.keys import TMP_PATTERN
 
 #: a writer through instride's file API (argv[1] "api") or an unmodified Python program under
@@ -37,8 +37,8 @@ WRITER = textwrap.dedent(
 )
 
 
-def _temps(root: Path) -> list[Path]:
-    return [p for p in (root / "held").iterdir() if TMP_PATTERN.match(p.name)]
+def _temps(directory: Path) -> list[Path]:
+    return [p for p in directory.iterdir() if TMP_PATTERN.match(p.name)]
 
 
 @pytest.mark.parametrize("kind", ["api", "plain"])
@@ -58,7 +58,7 @@ def test_gc_in_another_pid_namespace_leaves_a_running_writers_file(managed_dir: 
     try:
         assert proc.stdout is not None and proc.stdin is not None
         assert proc.stdout.readline().strip() == "writing"
-        [temp] = _temps(managed_dir)
+        [temp] = _temps(managed_dir / "held")
         assert str(proc.pid) in temp.name
         gc = [unshare, "--pid", "--fork", sys.executable, "-m", "instride", "gc"]
         out = subprocess.run(gc, capture_output=True, text=True, check=True)
@@ -67,7 +67,7 @@ def test_gc_in_another_pid_namespace_leaves_a_running_writers_file(managed_dir: 
         proc.stdin.flush()
         assert proc.stdout.readline().strip() == "closed"
         assert (managed_dir / "held" / "k.bin").read_bytes() == b"x" * 100_000 + b"y"
-        assert _temps(managed_dir) == []
+        assert _temps(managed_dir / "held") == []
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -84,7 +84,7 @@ def test_gc_removes_a_killed_writers_file_from_another_pid_namespace(managed_dir
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
-        [temp] = _temps(managed_dir)
+        [temp] = _temps(managed_dir / "held")
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         gc = [unshare, "--pid", "--fork", sys.executable, "-m", "instride", "gc"]
@@ -95,3 +95,69 @@ def test_gc_removes_a_killed_writers_file_from_another_pid_namespace(managed_dir
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=30)
+
+
+#: a writer that publishes ``k/<kind>.bin`` and exits: instride's file API, an unmodified
+#: Python program under the preload library (open/close; fopen/fclose through ctypes) and a
+#: program of the C API (instride_create/instride_commit through ctypes)
+PUBLISHER = textwrap.dedent(
+    """
+    import ctypes, os, sys
+    kind, root, api = sys.argv[1], sys.argv[2], sys.argv[3]
+    path = os.path.join(root, "k", kind + ".bin")
+    if kind == "api":
+        import instride
+        with instride.open(f"k/{kind}.bin", "wb") as fh:
+            fh.write(b"x" * 1000)
+    elif kind == "plain":
+        with open(path, "wb") as fh:
+            fh.write(b"x" * 1000)
+    elif kind == "fopen":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fopen.restype = ctypes.c_void_p
+        libc.fwrite.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p]
+        libc.fclose.argtypes = [ctypes.c_void_p]
+        fp = libc.fopen(path.encode(), b"wb")
+        assert fp, os.strerror(ctypes.get_errno())
+        assert libc.fwrite(b"x" * 1000, 1, 1000, fp) == 1000
+        assert libc.fclose(fp) == 0, os.strerror(ctypes.get_errno())
+    else:
+        lib = ctypes.CDLL(api, use_errno=True)
+        w = ctypes.c_void_p()
+        assert lib.instride_create(path.encode(), 0, 0o644, ctypes.byref(w)) == 0
+        assert os.write(lib.instride_writer_fd(w), b"x" * 1000) == 1000
+        assert lib.instride_commit(w) == 0, os.strerror(ctypes.get_errno())
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def rename_probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``c/rename_probe.c`` built: records whether a temporary file is locked when renamed."""
+    gcc = shutil.which("gcc")
+    assert gcc is not None, "gcc is required (apt-get install build-essential)"
+    out = tmp_path_factory.mktemp("probe") / "rename_probe.so"
+    src = Path(__file__).resolve().parent / "c" / "rename_probe.c"
+    subprocess.run([gcc, "-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-shared", "-fPIC",
+                    "-o", str(out), str(src)], check=True, capture_output=True, text=True)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["api", "plain", "fopen", "capi"])
+def test_a_writers_lock_is_held_until_its_file_has_its_name(managed_dir: Path, tmp_path: Path,
+                                                            rename_probe: Path, kind: str) -> None:
+    # between a writer's close and the rename that publishes its file, gc must not see the
+    # file unlocked (a collector in another PID namespace would take it): the writer keeps a
+    # descriptor, so its lock, until the file has its name; the probe looks at the rename
+    (managed_dir / "k").mkdir()
+    record = tmp_path / "renames.txt"
+    preload = [str(preload_path())] if kind in ("plain", "fopen") else []
+    env = dict(os.environ, RENAME_PROBE_OUT=str(record),
+               LD_PRELOAD=":".join([*preload, str(rename_probe)]))
+    subprocess.run([sys.executable, "-c", PUBLISHER, kind, str(managed_dir), str(c_library_path())],
+                   env=env, check=True, timeout=60)
+    assert (managed_dir / "k" / f"{kind}.bin").read_bytes() == b"x" * 1000
+    seen = record.read_text().splitlines()
+    assert seen, "the probe saw no rename of a temporary file"
+    assert all(line.startswith("held ") for line in seen), seen
+    assert _temps(managed_dir / "k") == []

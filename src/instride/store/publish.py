@@ -91,6 +91,14 @@ def mark_writing(fd: int) -> None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
 
 
+def _held_open(fd: int) -> int:
+    """A second descriptor of ``fd``'s open file (its lock with it), or -1 if none can be had."""
+    try:
+        return os.dup(fd)
+    except OSError:
+        return -1
+
+
 def _publish_once(tmp: str | Path, final: str | Path, key: str, *, overwrite: bool) -> None:
     if overwrite:
         os.rename(tmp, final)
@@ -227,13 +235,19 @@ class _PublishingFileIO(io.FileIO):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._tmp)
             raise
-        super().close()
+        # The writer's lock (mark_writing) lives as long as a descriptor of the file does:
+        # one held across the rename keeps `instride gc` off the file until it has its name.
+        held = _held_open(self.fileno())
         try:
+            super().close()
             publish_file(self._tmp, self._final, self._key, overwrite=self._overwrite)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._tmp)
             raise
+        finally:
+            if held >= 0:
+                os.close(held)
         if self._fsync:
             fsync_dir(os.path.dirname(self._final))  # the new name survives a crash too
         if self._on_publish is not None:
