@@ -19,6 +19,7 @@ grace period, then exit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -111,6 +112,38 @@ class NodeServer:
         return out
 
 
+#: Scheduling policies ``instride serve --sched`` accepts, by name.
+POLICIES = ("batch", "normal")
+
+
+def set_policy(name: str) -> None:
+    """Put this process's threads, and every thread they start from now on, under the
+    scheduling policy ``name``.
+
+    ``"batch"`` (``SCHED_BATCH``, the data server's default): woken by a publication or a
+    peer's request, a server thread runs at once on an idle core, but never preempts a busy
+    one's thread (the simulation, an analysis) — it runs at that thread's next scheduling
+    point, within the kernel's scheduling granularity (a few ms). Where producers, readers
+    and servers share few cores, this removes a context switch per frame (``RESULTS.md``,
+    round 18). ``"normal"`` (``SCHED_OTHER``): woken threads may preempt at once, which
+    bounds a remote read's latency on a node whose cores are all busy.
+
+    Raises
+    ------
+    ValueError
+        ``name`` is not one of :data:`POLICIES`.
+    """
+    if name not in POLICIES:
+        raise ValueError(f"unknown scheduling policy {name!r}; choose one of {', '.join(POLICIES)}")
+    policy = os.SCHED_BATCH if name == "batch" else os.SCHED_OTHER
+    os.sched_setscheduler(0, policy, os.sched_param(0))
+    # and the threads already running (imports start some, e.g. a BLAS pool)
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+
+
 def serve(
     settings: Settings | None = None,
     *,
@@ -119,12 +152,15 @@ def serve(
     max_peers: int = MAX_PEERS,
     request_timeout: float = REQUEST_TIMEOUT,
     send_timeout: float = SEND_TIMEOUT,
+    sched: str = "batch",
 ) -> None:
     """Run a :class:`NodeServer` in the foreground until SIGTERM/SIGINT.
 
-    Parameters are those of :class:`NodeServer`; ``settings`` default to the environment.
+    Parameters are those of :class:`NodeServer`; ``settings`` default to the environment;
+    ``sched`` is the scheduling policy of the server's threads (see :func:`set_policy`).
     """
     settings = settings or Settings.from_env()
+    set_policy(sched)  # before any thread starts: they inherit it
     started = time.monotonic()
     server = NodeServer(settings, grace=grace, workers=workers, max_peers=max_peers,
                         request_timeout=request_timeout, send_timeout=send_timeout)

@@ -183,3 +183,29 @@ def test_sigterm_with_pending_waits_exits_cleanly(own_node: LoopbackNode) -> Non
     assert not (node.dir / ".instride" / "node.sock").exists()
     text = node.log.read_text()
     assert "shutting down" in text and "Traceback" not in text, text
+
+
+# ---------------------------------------------------------------------- scheduling policy
+def _policies(pid: int) -> set[int]:
+    """The scheduling policies of every thread of process ``pid``."""
+    return {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.parametrize(("args", "policy"), [((), os.SCHED_BATCH),
+                                              (("--sched", "normal"), os.SCHED_OTHER)])
+def test_the_servers_threads_run_under_the_chosen_policy(own_node: LoopbackNode,
+                                                         args: tuple[str, ...],
+                                                         policy: int) -> None:
+    # SCHED_BATCH by default: woken by a publication, a server thread does not preempt the
+    # simulation on a busy core; every thread started (transport, agent workers) inherits it
+    node = own_node.start(*args)
+    assert ask(node, "PING") == "OK pong"
+    assert node.proc is not None
+    assert _policies(node.proc.pid) == {policy}
+
+
+def test_an_unknown_policy_is_refused() -> None:
+    from instride.server import set_policy
+
+    with pytest.raises(ValueError, match="unknown scheduling policy 'fifo'"):
+        set_policy("fifo")

@@ -54,7 +54,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "every node left at this default believes it owns every key; set INSTRIDE_ADDR to "
             "this node's address", settings.addr)
     serve(settings, grace=args.grace, workers=args.workers, max_peers=args.max_peers,
-          request_timeout=args.request_timeout, send_timeout=args.send_timeout)
+          request_timeout=args.request_timeout, send_timeout=args.send_timeout, sched=args.sched)
     return 0
 
 
@@ -81,5 +81,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--send-timeout", type=_positive_float, default=60.0,
                    help="seconds a write to a peer may take; a file body gets this plus "
                         "size / 50 MB/s (default 60)")
+    p.add_argument("--sched", choices=["batch", "normal"], default="batch",
+                   help="scheduling policy of the server's threads: batch (SCHED_BATCH: run at "
+                        "once on an idle core, never preempt a busy one's thread) or normal "
+                        "(SCHED_OTHER: may preempt the simulation to serve at once) "
+                        "(default batch)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
