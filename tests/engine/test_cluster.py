@@ -7,6 +7,9 @@ Cross-node behaviour between network namespaces is tested in tests/emulate.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +21,7 @@ import instride
 from instride.engine import Engine
 from instride.engine.cluster import ClusterEngine
 from instride.errors import ConsumeTimeout, IntegrityError
+from instride.keys import TMP_PATTERN
 from tests.conftest import LoopbackNode, RedisServer
 
 
@@ -515,6 +519,43 @@ def test_bytes_asked_for_early_are_kept_only_if_they_are_the_recorded_ones(
     assert record is not None and record.key == "eb/fine" and record.owner == like.owner
     assert (c2.root / "eb" / "fine").read_bytes() == b"fine"
     assert c2.engine.cached_version("eb/fine") == 1 and c2.ready("eb/fine") == str(c2.root / "eb" / "fine")
+
+
+def test_gc_in_another_pid_namespace_leaves_a_copy_being_received(
+        clients: list[instride.Client]) -> None:
+    """The staged file of a copy being received (here: asked for before it is published) is
+    locked like a writer's temporary file: ``instride gc`` where the reader's process id names
+    nothing leaves it, and the copy arrives whole."""
+    unshare = shutil.which("unshare")
+    assert unshare is not None, "util-linux's unshare is needed (apt-get install util-linux)"
+    assert os.geteuid() == 0, "a new PID namespace needs root"
+    c1, c2, _ = clients
+    with c1.open("sg/first", "wb") as fh:
+        fh.write(b"first")
+    c2.consume("sg/first", timeout=10)
+    like = c2.engine.last_fetched
+    assert like is not None and like.key == "sg/first"
+    got: list[object] = []
+    asking = threading.Thread(
+        target=lambda: got.append(c2.engine.fetch_when_published("sg/next", like, 20.0)))
+    asking.start()
+    try:
+        until = time.monotonic() + 10
+        while not (staged := [p for p in (c2.root / "sg").iterdir() if TMP_PATTERN.match(p.name)]):
+            assert time.monotonic() < until, "no staged file while the copy is awaited"
+            time.sleep(0.01)
+        env = dict(os.environ, INSTRIDE_DIR=str(c2.root))
+        env.pop("INSTRIDE_REDIS_URL", None)
+        gc = subprocess.run([unshare, "--pid", "--fork", sys.executable, "-m", "instride", "gc"],
+                            env=env, capture_output=True, text=True, check=True)
+        assert staged[0].exists(), gc.stdout
+    finally:
+        with c1.open("sg/next", "wb") as fh:
+            fh.write(b"n" * 50_000)
+        asking.join(30)
+    [record] = got
+    assert record is not None and record.key == "sg/next"  # type: ignore[attr-defined]
+    assert (c2.root / "sg" / "next").read_bytes() == b"n" * 50_000
 
 
 def test_readers_that_may_meet_retired_frames_do_not_ask_early(clients: list[instride.Client]) -> None:
