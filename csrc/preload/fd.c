@@ -59,8 +59,12 @@ static int ins_dup23(int oldfd, int newfd, int flags, int use3)
     struct ins_file *victim = NULL;
     ins_table_lock();
     struct ins_file *v = ins_table_peek(newfd);
-    if (v != NULL && oldfd != newfd && atomic_load(&v->refs) == 1 && v->pid == getpid())
-        ins_maybe_fsync(newfd);
+    int held = -1; /* a produced file closed here: its writer's lock, until the rename */
+    if (v != NULL && oldfd != newfd && atomic_load(&v->refs) == 1) {
+        if (v->pid == getpid())
+            ins_maybe_fsync(newfd);
+        held = ins_hold_writing(newfd);
+    }
     int rc = use3 ? ins_real_dup3(oldfd, newfd, flags) : ins_real_dup2(oldfd, newfd);
     int e = errno;
     if (rc >= 0 && oldfd != newfd) {
@@ -70,6 +74,7 @@ static int ins_dup23(int oldfd, int newfd, int flags, int use3)
     ins_table_unlock();
     if (victim != NULL && last)
         (void)ins_after_last_close(victim, 0, 0, saved);
+    ins_release_writing(held);
     errno = rc >= 0 ? saved : e;
     return rc;
 }

@@ -98,8 +98,8 @@ def test_gc_removes_a_killed_writers_file_from_another_pid_namespace(managed_dir
 
 
 #: a writer that publishes ``k/<kind>.bin`` and exits: instride's file API, an unmodified
-#: Python program under the preload library (open/close; fopen/fclose through ctypes) and a
-#: program of the C API (instride_create/instride_commit through ctypes)
+#: Python program under the preload library (open/close, dup2 over it, fopen/fclose through
+#: ctypes) and a program of the C API (instride_create/instride_commit through ctypes)
 PUBLISHER = textwrap.dedent(
     """
     import ctypes, os, sys
@@ -112,6 +112,13 @@ PUBLISHER = textwrap.dedent(
     elif kind == "plain":
         with open(path, "wb") as fh:
             fh.write(b"x" * 1000)
+    elif kind == "dup2":  # a descriptor closed by dup2 over it: its last close publishes
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        assert os.write(fd, b"x" * 1000) == 1000
+        nul = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(nul, fd)
+        os.close(fd)
+        os.close(nul)
     elif kind == "fopen":
         libc = ctypes.CDLL(None, use_errno=True)
         libc.fopen.restype = ctypes.c_void_p
@@ -143,7 +150,7 @@ def rename_probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("kind", ["api", "plain", "fopen", "capi"])
+@pytest.mark.parametrize("kind", ["api", "plain", "dup2", "fopen", "capi"])
 def test_a_writers_lock_is_held_until_its_file_has_its_name(managed_dir: Path, tmp_path: Path,
                                                             rename_probe: Path, kind: str) -> None:
     # between a writer's close and the rename that publishes its file, gc must not see the
@@ -151,7 +158,7 @@ def test_a_writers_lock_is_held_until_its_file_has_its_name(managed_dir: Path, t
     # descriptor, so its lock, until the file has its name; the probe looks at the rename
     (managed_dir / "k").mkdir()
     record = tmp_path / "renames.txt"
-    preload = [str(preload_path())] if kind in ("plain", "fopen") else []
+    preload = [str(preload_path())] if kind in ("plain", "dup2", "fopen") else []
     env = dict(os.environ, RENAME_PROBE_OUT=str(record),
                LD_PRELOAD=":".join([*preload, str(rename_probe)]))
     subprocess.run([sys.executable, "-c", PUBLISHER, kind, str(managed_dir), str(c_library_path())],
