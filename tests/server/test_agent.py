@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -209,3 +212,19 @@ def test_an_unknown_policy_is_refused() -> None:
 
     with pytest.raises(ValueError, match="unknown scheduling policy 'fifo'"):
         set_policy("fifo")
+
+
+def test_a_taken_address_is_a_clear_error(tmp_path: Path) -> None:
+    # another process listens on the address: one line naming it, exit status 6, no traceback
+    taken = socket.create_server(("127.0.0.1", 0))
+    try:
+        addr = f"127.0.0.1:{taken.getsockname()[1]}"
+        env = dict(os.environ, INSTRIDE_DIR=str(tmp_path), INSTRIDE_ADDR=addr)
+        env.pop("INSTRIDE_REDIS_URL", None)
+        proc = subprocess.run([sys.executable, "-m", "instride", "serve"], env=env,
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        taken.close()
+    assert proc.returncode == 6, proc.stderr
+    assert f"cannot listen on {addr}: Address already in use" in proc.stderr
+    assert "Traceback" not in proc.stderr

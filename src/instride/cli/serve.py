@@ -29,6 +29,7 @@ def _positive_float(text: str) -> float:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..config import Settings, parse_addr
+    from . import EXIT_UNAVAILABLE
     from ..server import serve
 
     logging.basicConfig(
@@ -53,8 +54,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "INSTRIDE_ADDR is %s, a loopback address: peers on other nodes cannot reach it, and "
             "every node left at this default believes it owns every key; set INSTRIDE_ADDR to "
             "this node's address", settings.addr)
-    serve(settings, grace=args.grace, workers=args.workers, max_peers=args.max_peers,
-          request_timeout=args.request_timeout, send_timeout=args.send_timeout, sched=args.sched)
+    try:
+        serve(settings, grace=args.grace, workers=args.workers, max_peers=args.max_peers,
+              request_timeout=args.request_timeout, send_timeout=args.send_timeout,
+              sched=args.sched)
+    except OSError as exc:  # e.g. the address is taken: said in a line, not a traceback
+        reason = exc.strerror or str(exc)
+        print(f"instride serve: error: {reason}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     return 0
 
 
