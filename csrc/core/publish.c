@@ -257,14 +257,19 @@ static int ins_copy_publish(int olddirfd, const char *old, const struct ins_path
         tmp[0] = '\0'; /* not ours to remove */
         goto cleanup;
     }
+    ins_mark_writing(out); /* (instride gc leaves it, as any writer's) */
     if (ins_copy_fd(in, out) != 0)
         goto cleanup;
     ins_maybe_fsync(out);
     int fd = out;
     out = -1;
-    if (ins_sys.close(fd) != 0)
+    int held = ins_hold_writing(fd); /* the lock, until the rename */
+    if (ins_sys.close(fd) != 0) {
+        ins_release_writing(held);
         goto cleanup;
+    }
     rc = ins_publish(tmp, np, noreplace); /* removes the temp, sets the message on failure */
+    ins_release_writing(held);
     published = 1;
     tmp[0] = '\0';
     if (rc == 0)

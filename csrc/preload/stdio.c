@@ -223,9 +223,11 @@ static FILE *ins_freopen_common(const char *path, const char *mode, FILE *stream
     int saved = errno, writing = 0, last = 0;
     struct ins_file *old = ins_detach_stream(stream, &last);
     if (old != NULL) {
+        int held = last ? ins_hold_writing(fileno(stream)) : -1; /* the lock: to the rename */
         FILE *r0 = real("/dev/null", "r", stream);
         int e0 = errno;
         int prc = last ? ins_finish_stream(old, 0, 0) : 0;
+        ins_release_writing(held);
         if (r0 == NULL || prc != 0) { /* the old key could not be published: say so */
             int e = r0 == NULL ? e0 : errno;
             if (r0 != NULL)

@@ -125,6 +125,15 @@ class PeerUnavailable(InstrideError, ConnectionError):
         super().__init__(_errno.EHOSTUNREACH, f"peer {node} unavailable: {detail}")
 
 
+class ServeError(InstrideError, OSError):
+    """This node's data server could not start (its address taken, its Unix socket not
+    made, ...)."""
+
+    def __init__(self, detail: str, code: int = _errno.EIO) -> None:
+        self.detail = detail
+        super().__init__(code, f"the data server could not start: {detail}")
+
+
 class TransferError(InstrideError, OSError):
     """A transfer failed part-way (connection cut, short body, protocol violation)."""
 

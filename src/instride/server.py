@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -29,6 +30,7 @@ from typing import Any
 from .agent import LocalAgent
 from .client import Client
 from .config import Settings
+from .errors import InstrideError, ServeError
 from .transport import TransportServer, get_server
 from .transport.tcp.server import MAX_PEERS, REQUEST_TIMEOUT, SEND_TIMEOUT
 
@@ -75,9 +77,23 @@ class NodeServer:
         self._stopping = asyncio.Event()
 
     async def start(self) -> None:
-        """Start the transport server and the agent's socket."""
-        await self.transport.start()
-        await self.agent.start()
+        """Start the transport server and the agent's socket.
+
+        Raises
+        ------
+        ServeError
+            Either could not start (the address is taken, the socket cannot be made).
+        """
+        try:
+            await self.transport.start()
+            await self.agent.start()
+        except OSError as exc:
+            if isinstance(exc, InstrideError):
+                raise
+            detail = exc.strerror or str(exc)
+            if exc.filename is not None:
+                detail = f"{detail}: {exc.filename}"
+            raise ServeError(detail, exc.errno or errno.EIO) from exc
         log.info("serving %s on %s (%s) and %s (mode %s)", self.settings.dir, self.settings.addr,
                  self.settings.transport, self.settings.socket, self.settings.mode)
 
@@ -113,7 +129,7 @@ class NodeServer:
 
 
 #: Scheduling policies ``instride serve --sched`` accepts, by name.
-POLICIES = ("batch", "normal")
+POLICIES = ("batch", "normal", "inherit")
 
 
 def set_policy(name: str) -> None:
@@ -126,7 +142,11 @@ def set_policy(name: str) -> None:
     point, within the kernel's scheduling granularity (a few ms). Where producers, readers
     and servers share few cores, this removes a context switch per frame (``RESULTS.md``,
     round 18). ``"normal"`` (``SCHED_OTHER``): woken threads may preempt at once, which
-    bounds a remote read's latency on a node whose cores are all busy.
+    bounds a remote read's latency on a node whose cores are all busy. ``"inherit"``: leave
+    the policy the server was started with (e.g. by ``chrt``).
+
+    A policy the system refuses (a sandbox, a process started under ``SCHED_IDLE`` without
+    the right to leave it) is logged as a warning, and the server runs as it was started.
 
     Raises
     ------
@@ -135,8 +155,15 @@ def set_policy(name: str) -> None:
     """
     if name not in POLICIES:
         raise ValueError(f"unknown scheduling policy {name!r}; choose one of {', '.join(POLICIES)}")
+    if name == "inherit":
+        return
     policy = os.SCHED_BATCH if name == "batch" else os.SCHED_OTHER
-    os.sched_setscheduler(0, policy, os.sched_param(0))
+    try:
+        os.sched_setscheduler(0, policy, os.sched_param(0))
+    except OSError as exc:
+        log.warning("scheduling policy %s refused (%s): the server runs as it was started",
+                    name, exc.strerror or exc)
+        return
     # and the threads already running (imports start some, e.g. a BLAS pool)
     with contextlib.suppress(OSError):
         for tid in os.listdir("/proc/self/task"):

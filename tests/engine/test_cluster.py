@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -556,6 +557,34 @@ def test_gc_in_another_pid_namespace_leaves_a_copy_being_received(
     [record] = got
     assert record is not None and record.key == "sg/next"  # type: ignore[attr-defined]
     assert (c2.root / "sg" / "next").read_bytes() == b"n" * 50_000
+
+
+def test_a_fetched_copy_stays_locked_until_it_has_its_name(
+        clients: list[instride.Client], monkeypatch: pytest.MonkeyPatch) -> None:
+    """From its first byte to its rename, a copy's staged file is locked (gc leaves it): also
+    while the reader checks it against the key's record, which may wait for Redis."""
+    from instride import store
+
+    c1, c2, _ = clients
+    seen: list[tuple[str, bool]] = []
+    real = store.publish_file
+
+    def spying(tmp: str, final: str, key: str, *, overwrite: bool) -> None:
+        seen.append((key, store.being_written(Path(tmp))))
+        real(tmp, final, key, overwrite=overwrite)
+
+    monkeypatch.setattr(store, "publish_file", spying)
+    with c1.open("cl/a", "wb") as fh:
+        fh.write(b"a" * 70_000)
+    c2.consume("cl/a", timeout=10)  # fetched the usual way
+    like = c2.engine.last_fetched
+    assert like is not None
+    with c1.open("cl/b", "wb") as fh:
+        fh.write(b"b" * 70_000)
+    assert c2.engine.fetch_when_published("cl/b", like, 5.0) is not None  # asked for early
+    assert (c2.root / "cl" / "b").read_bytes() == b"b" * 70_000
+    assert [k for k, _ in seen] == ["cl/a", "cl/b"]
+    assert all(held for _, held in seen), seen
 
 
 def test_readers_that_may_meet_retired_frames_do_not_ask_early(clients: list[instride.Client]) -> None:

@@ -8,6 +8,7 @@ Redis); tests that stop a server start their own.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -191,20 +192,49 @@ def test_sigterm_with_pending_waits_exits_cleanly(own_node: LoopbackNode) -> Non
 # ---------------------------------------------------------------------- scheduling policy
 def _policies(pid: int) -> set[int]:
     """The scheduling policies of every thread of process ``pid``."""
-    return {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out.add(os.sched_getscheduler(int(tid)))
+        except ProcessLookupError:  # (a thread that ended meanwhile)
+            continue
+    return out
 
 
 @pytest.mark.parametrize(("args", "policy"), [((), os.SCHED_BATCH),
-                                              (("--sched", "normal"), os.SCHED_OTHER)])
+                                              (("--sched", "normal"), os.SCHED_OTHER),
+                                              (("--sched", "inherit"), os.SCHED_IDLE)])
 def test_the_servers_threads_run_under_the_chosen_policy(own_node: LoopbackNode,
                                                          args: tuple[str, ...],
                                                          policy: int) -> None:
     # SCHED_BATCH by default: woken by a publication, a server thread does not preempt the
-    # simulation on a busy core; every thread started (transport, agent workers) inherits it
-    node = own_node.start(*args)
+    # simulation on a busy core; every thread started (transport, agent workers) inherits it.
+    # Started under SCHED_IDLE (as by `chrt -i`): "normal" leaves it, "inherit" keeps it.
+    before = os.sched_getscheduler(0)
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    try:
+        node = own_node.start(*args)
+    finally:
+        os.sched_setscheduler(0, before, os.sched_param(0))
     assert ask(node, "PING") == "OK pong"
     assert node.proc is not None
     assert _policies(node.proc.pid) == {policy}
+
+
+def test_a_policy_the_system_refuses_is_a_warning(tmp_path: Path) -> None:
+    # a process under SCHED_IDLE without the right to leave it (no CAP_SYS_NICE: a user
+    # namespace's root; RLIMIT_NICE 0): the server says so and runs as it was started,
+    # rather than not starting at all
+    chrt, unshare = shutil.which("chrt"), shutil.which("unshare")
+    assert chrt and unshare, "util-linux's chrt and unshare are needed (apt-get install util-linux)"
+    code = ("import logging, os, resource; resource.setrlimit(resource.RLIMIT_NICE, (0, 0)); "
+            "logging.basicConfig(); from instride.server import set_policy; "
+            "set_policy('batch'); print(os.sched_getscheduler(0))")
+    proc = subprocess.run([chrt, "-i", "0", unshare, "--user", "--map-root-user", sys.executable,
+                           "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(os.SCHED_IDLE)
+    assert "scheduling policy batch refused (Operation not permitted)" in proc.stderr
 
 
 def test_an_unknown_policy_is_refused() -> None:

@@ -98,8 +98,8 @@ def test_gc_removes_a_killed_writers_file_from_another_pid_namespace(managed_dir
 
 
 #: a writer that publishes ``k/<kind>.bin`` and exits: instride's file API, an unmodified
-#: Python program under the preload library (open/close, dup2 over it, fopen/fclose through
-#: ctypes) and a program of the C API (instride_create/instride_commit through ctypes)
+#: Python program under the preload library (open/close, dup2 over it, fopen/fclose and freopen
+#: through ctypes) and a program of the C API (instride_create/instride_commit through ctypes)
 PUBLISHER = textwrap.dedent(
     """
     import ctypes, os, sys
@@ -119,7 +119,7 @@ PUBLISHER = textwrap.dedent(
         os.dup2(nul, fd)
         os.close(fd)
         os.close(nul)
-    elif kind == "fopen":
+    elif kind in ("fopen", "freopen"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.fopen.restype = ctypes.c_void_p
         libc.fwrite.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p]
@@ -127,6 +127,11 @@ PUBLISHER = textwrap.dedent(
         fp = libc.fopen(path.encode(), b"wb")
         assert fp, os.strerror(ctypes.get_errno())
         assert libc.fwrite(b"x" * 1000, 1, 1000, fp) == 1000
+        if kind == "freopen":  # the stream reopened on another file: its file is closed
+            libc.freopen.restype = ctypes.c_void_p
+            libc.freopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p]
+            fp = libc.freopen(os.devnull.encode(), b"r", fp)
+            assert fp, os.strerror(ctypes.get_errno())
         assert libc.fclose(fp) == 0, os.strerror(ctypes.get_errno())
     else:
         lib = ctypes.CDLL(api, use_errno=True)
@@ -150,7 +155,7 @@ def rename_probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("kind", ["api", "plain", "dup2", "fopen", "capi"])
+@pytest.mark.parametrize("kind", ["api", "plain", "dup2", "fopen", "freopen", "capi"])
 def test_a_writers_lock_is_held_until_its_file_has_its_name(managed_dir: Path, tmp_path: Path,
                                                             rename_probe: Path, kind: str) -> None:
     # between a writer's close and the rename that publishes its file, gc must not see the
@@ -158,7 +163,7 @@ def test_a_writers_lock_is_held_until_its_file_has_its_name(managed_dir: Path, t
     # descriptor, so its lock, until the file has its name; the probe looks at the rename
     (managed_dir / "k").mkdir()
     record = tmp_path / "renames.txt"
-    preload = [str(preload_path())] if kind in ("plain", "dup2", "fopen") else []
+    preload = [str(preload_path())] if kind in ("plain", "dup2", "fopen", "freopen") else []
     env = dict(os.environ, RENAME_PROBE_OUT=str(record),
                LD_PRELOAD=":".join([*preload, str(rename_probe)]))
     subprocess.run([sys.executable, "-c", PUBLISHER, kind, str(managed_dir), str(c_library_path())],

@@ -29,7 +29,6 @@ def _positive_float(text: str) -> float:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..config import Settings, parse_addr
-    from . import EXIT_UNAVAILABLE
     from ..server import serve
 
     logging.basicConfig(
@@ -54,14 +53,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "INSTRIDE_ADDR is %s, a loopback address: peers on other nodes cannot reach it, and "
             "every node left at this default believes it owns every key; set INSTRIDE_ADDR to "
             "this node's address", settings.addr)
-    try:
-        serve(settings, grace=args.grace, workers=args.workers, max_peers=args.max_peers,
-              request_timeout=args.request_timeout, send_timeout=args.send_timeout,
-              sched=args.sched)
-    except OSError as exc:  # e.g. the address is taken: said in a line, not a traceback
-        reason = exc.strerror or str(exc)
-        print(f"instride serve: error: {reason}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
+    serve(settings, grace=args.grace, workers=args.workers, max_peers=args.max_peers,
+          request_timeout=args.request_timeout, send_timeout=args.send_timeout, sched=args.sched)
     return 0
 
 
@@ -88,10 +81,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--send-timeout", type=_positive_float, default=60.0,
                    help="seconds a write to a peer may take; a file body gets this plus "
                         "size / 50 MB/s (default 60)")
-    p.add_argument("--sched", choices=["batch", "normal"], default="batch",
+    p.add_argument("--sched", choices=["batch", "normal", "inherit"], default="batch",
                    help="scheduling policy of the server's threads: batch (SCHED_BATCH: run at "
-                        "once on an idle core, never preempt a busy one's thread) or normal "
-                        "(SCHED_OTHER: may preempt the simulation to serve at once) "
-                        "(default batch)")
+                        "once on an idle core, never preempt a busy one's thread), normal "
+                        "(SCHED_OTHER: may preempt the simulation to serve at once) or inherit "
+                        "(as started, e.g. by chrt) (default batch)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)

@@ -313,51 +313,59 @@ class ClusterEngine:
         parent = str(path.parent)
         self._parent_made(parent)
         t0 = time.monotonic()
-        for attempt in range(3):
-            try:
-                try:
-                    self._receive(record, staged)
-                except FileNotFoundError as exc:
-                    if isinstance(exc, KeyNotFoundError) or os.path.isdir(parent):
-                        raise
-                    os.makedirs(parent, exist_ok=True)  # removed meanwhile (instride gc)
-                    self._receive(record, staged)
-                break
-            except (IntegrityError, KeyNotFoundError):
-                # The owner may have re-published meanwhile (or the record came from a
-                # moment-old notification): retry with the current record.
-                newer = self.metadata.lookup(record.key) if attempt < 2 else None
-                if newer is not None and newer.version != record.version:
-                    record = newer
-                    continue
-                raise
-        self.transfers += 1
-        self.last_fetched = record
-        t1 = time.monotonic()
+        fd = -1  # the staged file, open (so locked) until it has its name
         try:
-            self._store_copy(staged, str(path), record)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(staged)
-            raise
+            for attempt in range(3):
+                try:
+                    try:
+                        fd = self._receive(record, staged)
+                    except FileNotFoundError as exc:
+                        if isinstance(exc, KeyNotFoundError) or os.path.isdir(parent):
+                            raise
+                        os.makedirs(parent, exist_ok=True)  # removed meanwhile (instride gc)
+                        fd = self._receive(record, staged)
+                    break
+                except (IntegrityError, KeyNotFoundError):
+                    # The owner may have re-published meanwhile (or the record came from a
+                    # moment-old notification): retry with the current record.
+                    newer = self.metadata.lookup(record.key) if attempt < 2 else None
+                    if newer is not None and newer.version != record.version:
+                        record = newer
+                        continue
+                    raise
+            self.transfers += 1
+            self.last_fetched = record
+            t1 = time.monotonic()
+            try:
+                self._store_copy(staged, str(path), record)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(staged)
+                raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
         self.last_timing["fetch"] = t1 - t0
         self.last_timing["store"] = time.monotonic() - t1
 
-    def _receive(self, record: Record, staged: str) -> None:
+    def _receive(self, record: Record, staged: str) -> int:
         """Fetch ``record`` into ``staged``: a recycled file of the receive pool when there is
-        one (overwritten in place), else a new file; nothing is left there on failure."""
+        one (overwritten in place), else a new file; nothing is left there on failure.
+
+        Returns the file's descriptor, open and locked (shared, as a writer's temporary file:
+        ``instride gc`` leaves it) for the caller to close once the file has its name."""
         fd = self.recv_pool.take(staged, record.size)
         if fd is None:
-            self.transport.fetch(record, Path(staged))
-            return
+            fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
+            store.mark_writing(fd)  # (a recycled file's exclusive lock: made shared)
             self.transport.fetch_into(record, fd)
         except BaseException:
+            os.close(fd)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(staged)
             raise
-        finally:
-            os.close(fd)
+        return fd
 
     def fetch_when_published(self, key: str, like: Record, wait: float,
                              until: str | None = None,
@@ -414,18 +422,18 @@ class ClusterEngine:
         matches the key's record; ``None`` (nothing left behind) for anything else."""
         path = f"{self.root}/{key}"
         staged = tmp_name(path)
+        fd = -1
         try:
             self._parent_made(path.rpartition("/")[0])
             fd = self.recv_pool.take(staged, like.size)
-            if fd is None:  # (a recycled file is held exclusively already: gc leaves it)
+            if fd is None:
                 fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-                store.mark_writing(fd)
-            try:
-                got, record = receive(fd)
-                if got is not None and os.fstat(fd).st_size != got[0]:
-                    os.ftruncate(fd, got[0])  # (a recycled file sized for another frame)
-            finally:
-                os.close(fd)
+            # open, so locked (shared, as a writer's temporary file: instride gc leaves it;
+            # a recycled file's exclusive lock made shared), until the file has its name
+            store.mark_writing(fd)
+            got, record = receive(fd)
+            if got is not None and os.fstat(fd).st_size != got[0]:
+                os.ftruncate(fd, got[0])  # (a recycled file sized for another frame)
             if got is None:
                 return None
             record = self._early_record(key, got, record, asked, wait)
@@ -442,6 +450,8 @@ class ClusterEngine:
             self._dirs.discard(path.rpartition("/")[0])  # (in case gc removed it)
             return None
         finally:
+            if fd >= 0:
+                os.close(fd)
             if os.access(staged, os.F_OK, follow_symlinks=False):
                 self._drop_file(staged, locked=False)
         self.transfers += 1

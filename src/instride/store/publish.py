@@ -237,8 +237,9 @@ class _PublishingFileIO(io.FileIO):
             raise
         # The writer's lock (mark_writing) lives as long as a descriptor of the file does:
         # one held across the rename keeps `instride gc` off the file until it has its name.
-        held = _held_open(self.fileno())
+        held = -1
         try:
+            held = _held_open(self.fileno())
             super().close()
             publish_file(self._tmp, self._final, self._key, overwrite=self._overwrite)
         except BaseException:
@@ -247,7 +248,8 @@ class _PublishingFileIO(io.FileIO):
             raise
         finally:
             if held >= 0:
-                os.close(held)
+                with contextlib.suppress(OSError):
+                    os.close(held)
         if self._fsync:
             fsync_dir(os.path.dirname(self._final))  # the new name survives a crash too
         if self._on_publish is not None:
