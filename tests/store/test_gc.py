@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -99,7 +100,8 @@ def test_gc_removes_a_killed_writers_file_from_another_pid_namespace(managed_dir
 
 #: a writer that publishes ``k/<kind>.bin`` and exits: instride's file API, an unmodified
 #: Python program under the preload library (open/close, dup2 over it, fopen/fclose and freopen
-#: through ctypes) and a program of the C API (instride_create/instride_commit through ctypes)
+#: through ctypes, a file moved in from another file system) and a program of the C API
+#: (instride_create/instride_commit through ctypes)
 PUBLISHER = textwrap.dedent(
     """
     import ctypes, os, sys
@@ -119,6 +121,11 @@ PUBLISHER = textwrap.dedent(
         os.dup2(nul, fd)
         os.close(fd)
         os.close(nul)
+    elif kind == "copied":  # moved in from another file system: the library copies it in
+        src = os.path.join(sys.argv[4], "outside.bin")
+        with open(src, "wb") as fh:
+            fh.write(b"x" * 1000)
+        os.rename(src, path)
     elif kind in ("fopen", "freopen"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.fopen.restype = ctypes.c_void_p
@@ -155,7 +162,7 @@ def rename_probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("kind", ["api", "plain", "dup2", "fopen", "freopen", "capi"])
+@pytest.mark.parametrize("kind", ["api", "plain", "dup2", "fopen", "freopen", "copied", "capi"])
 def test_a_writers_lock_is_held_until_its_file_has_its_name(managed_dir: Path, tmp_path: Path,
                                                             rename_probe: Path, kind: str) -> None:
     # between a writer's close and the rename that publishes its file, gc must not see the
@@ -163,11 +170,17 @@ def test_a_writers_lock_is_held_until_its_file_has_its_name(managed_dir: Path, t
     # descriptor, so its lock, until the file has its name; the probe looks at the rename
     (managed_dir / "k").mkdir()
     record = tmp_path / "renames.txt"
-    preload = [str(preload_path())] if kind in ("plain", "dup2", "fopen", "freopen") else []
+    preload = [str(preload_path())] if kind not in ("api", "capi") else []
     env = dict(os.environ, RENAME_PROBE_OUT=str(record),
                LD_PRELOAD=":".join([*preload, str(rename_probe)]))
-    subprocess.run([sys.executable, "-c", PUBLISHER, kind, str(managed_dir), str(c_library_path())],
-                   env=env, check=True, timeout=60)
+    # (a directory on another file system than the managed one, for "copied": /dev/shm)
+    other = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        assert other.stat().st_dev != managed_dir.stat().st_dev, "need two file systems"
+        subprocess.run([sys.executable, "-c", PUBLISHER, kind, str(managed_dir),
+                        str(c_library_path()), str(other)], env=env, check=True, timeout=60)
+    finally:
+        shutil.rmtree(other)
     assert (managed_dir / "k" / f"{kind}.bin").read_bytes() == b"x" * 1000
     seen = record.read_text().splitlines()
     assert seen, "the probe saw no rename of a temporary file"
