@@ -140,10 +140,12 @@ def set_policy(name: str) -> None:
     peer's request, a server thread runs at once on an idle core, but never preempts a busy
     one's thread (the simulation, an analysis) — it runs at that thread's next scheduling
     point, within the kernel's scheduling granularity (a few ms). Where producers, readers
-    and servers share few cores, this removes a context switch per frame (``RESULTS.md``,
-    round 18). ``"normal"`` (``SCHED_OTHER``): woken threads may preempt at once, which
-    bounds a remote read's latency on a node whose cores are all busy. ``"inherit"``: leave
-    the policy the server was started with (e.g. by ``chrt``).
+    and servers share few cores, a third fewer context switches per frame and ~10 % more
+    throughput for 8 streams on 2 cores; a bounded stream's remote reader gets each frame
+    ~100 µs later (``benchmarks/RESULTS.md``, round 18). ``"normal"`` (``SCHED_OTHER``):
+    woken threads may preempt at once, which bounds a remote read's latency on a node whose
+    cores are all busy. ``"inherit"``: leave the policy the server was started with (e.g. by
+    ``chrt``).
 
     A policy the system refuses (a sandbox, a process started under ``SCHED_IDLE`` without
     the right to leave it) is logged as a warning, and the server runs as it was started.
