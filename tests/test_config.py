@@ -85,3 +85,11 @@ def test_flags_and_transport_are_parsed_in_settings() -> None:
         Settings.from_env({"INSTRIDE_OVERWRITE": "maybe"})
     with pytest.raises(ConfigError, match="INSTRIDE_TRANSPORT"):
         Settings.from_env({"INSTRIDE_TRANSPORT": "a b"})
+
+
+def test_the_data_servers_scheduling_policy() -> None:
+    assert Settings.from_env({}).serve_sched == "batch"
+    assert Settings.from_env({"INSTRIDE_SERVE_SCHED": " Normal "}).serve_sched == "normal"
+    assert Settings.from_env({"INSTRIDE_SERVE_SCHED": "inherit"}).serve_sched == "inherit"
+    with pytest.raises(ConfigError, match="INSTRIDE_SERVE_SCHED"):
+        Settings.from_env({"INSTRIDE_SERVE_SCHED": "fifo"})

@@ -175,6 +175,17 @@ def _spin(name: str, raw: str | None) -> float:
     return value
 
 
+#: Scheduling policies of the data server's threads (``instride serve --sched``).
+SERVE_POLICIES = ("batch", "normal", "inherit")
+
+
+def _serve_sched(name: str, raw: str | None) -> str:
+    value = (raw or "").strip().lower() or "batch"
+    if value not in SERVE_POLICIES:
+        raise ConfigError(name, raw, f"expected one of {', '.join(SERVE_POLICIES)}")
+    return value
+
+
 def _state_dir(name: str, raw: str | None) -> Path:
     raw = (raw or "").strip()
     return Path(raw) if raw else Path("/run/instride/clusters")
@@ -233,6 +244,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("INSTRIDE_SPIN", "spin", _spin, "0",
              "seconds a waiting consumer busy-polls before it sleeps (trades a core for "
              "wake-up latency; 0: sleep at once)"),
+    Variable("INSTRIDE_SERVE_SCHED", "serve_sched", _serve_sched, "batch",
+             "(instride serve) scheduling policy of the data server's threads: batch (never "
+             "preempt a busy core's thread), normal (may preempt, to serve at once) or inherit"),
     Variable("INSTRIDE_OVERWRITE", "overwrite", _flag, "0",
              "(preload library) let writes replace published keys"),
     Variable("INSTRIDE_PATCH_OPEN", "patch_open", _flag, "0",
@@ -294,6 +308,7 @@ class Settings:
     connect_timeout: float = 5.0
     transport: str = "tcp"
     spin: float = 0.0
+    serve_sched: str = "batch"
     overwrite: bool = False
     patch_open: bool = False
     mpiexec: str | None = None

@@ -29,7 +29,7 @@ from typing import Any
 
 from .agent import LocalAgent
 from .client import Client
-from .config import Settings
+from .config import SERVE_POLICIES, Settings
 from .errors import InstrideError, ServeError
 from .transport import TransportServer, get_server
 from .transport.tcp.server import MAX_PEERS, REQUEST_TIMEOUT, SEND_TIMEOUT
@@ -129,7 +129,7 @@ class NodeServer:
 
 
 #: Scheduling policies ``instride serve --sched`` accepts, by name.
-POLICIES = ("batch", "normal", "inherit")
+POLICIES = SERVE_POLICIES
 
 
 def set_policy(name: str) -> None:
@@ -181,15 +181,16 @@ def serve(
     max_peers: int = MAX_PEERS,
     request_timeout: float = REQUEST_TIMEOUT,
     send_timeout: float = SEND_TIMEOUT,
-    sched: str = "batch",
+    sched: str | None = None,
 ) -> None:
     """Run a :class:`NodeServer` in the foreground until SIGTERM/SIGINT.
 
     Parameters are those of :class:`NodeServer`; ``settings`` default to the environment;
-    ``sched`` is the scheduling policy of the server's threads (see :func:`set_policy`).
+    ``sched`` is the scheduling policy of the server's threads (see :func:`set_policy`;
+    default: ``settings.serve_sched``, ``INSTRIDE_SERVE_SCHED``).
     """
     settings = settings or Settings.from_env()
-    set_policy(sched)  # before any thread starts: they inherit it
+    set_policy(settings.serve_sched if sched is None else sched)  # (threads inherit it)
     started = time.monotonic()
     server = NodeServer(settings, grace=grace, workers=workers, max_peers=max_peers,
                         request_timeout=request_timeout, send_timeout=send_timeout)

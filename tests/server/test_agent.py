@@ -201,15 +201,21 @@ def _policies(pid: int) -> set[int]:
     return out
 
 
-@pytest.mark.parametrize(("args", "policy"), [((), os.SCHED_BATCH),
-                                              (("--sched", "normal"), os.SCHED_OTHER),
-                                              (("--sched", "inherit"), os.SCHED_IDLE)])
+@pytest.mark.parametrize(("args", "env", "policy"), [
+    ((), "", os.SCHED_BATCH),
+    (("--sched", "normal"), "", os.SCHED_OTHER),
+    ((), "normal", os.SCHED_OTHER),
+    (("--sched", "batch"), "normal", os.SCHED_BATCH),
+    (("--sched", "inherit"), "", os.SCHED_IDLE)])
 def test_the_servers_threads_run_under_the_chosen_policy(own_node: LoopbackNode,
-                                                         args: tuple[str, ...],
+                                                         args: tuple[str, ...], env: str,
                                                          policy: int) -> None:
     # SCHED_BATCH by default: woken by a publication, a server thread does not preempt the
     # simulation on a busy core; every thread started (transport, agent workers) inherits it.
     # Started under SCHED_IDLE (as by `chrt -i`): "normal" leaves it, "inherit" keeps it.
+    # INSTRIDE_SERVE_SCHED chooses where --sched does not.
+    if env:
+        own_node.env["INSTRIDE_SERVE_SCHED"] = env
     before = os.sched_getscheduler(0)
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     try:

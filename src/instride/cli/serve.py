@@ -81,10 +81,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--send-timeout", type=_positive_float, default=60.0,
                    help="seconds a write to a peer may take; a file body gets this plus "
                         "size / 50 MB/s (default 60)")
-    p.add_argument("--sched", choices=["batch", "normal", "inherit"], default="batch",
+    p.add_argument("--sched", choices=["batch", "normal", "inherit"], default=None,
                    help="scheduling policy of the server's threads: batch (SCHED_BATCH: run at "
                         "once on an idle core, never preempt a busy one's thread), normal "
                         "(SCHED_OTHER: may preempt the simulation to serve at once) or inherit "
-                        "(as started, e.g. by chrt) (default batch)")
+                        "(as started, e.g. by chrt) (default: INSTRIDE_SERVE_SCHED, else batch)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
