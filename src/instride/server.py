@@ -141,8 +141,8 @@ def set_policy(name: str) -> None:
     one's thread (the simulation, an analysis) — it runs at that thread's next scheduling
     point, within the kernel's scheduling granularity (a few ms). Where producers, readers
     and servers share few cores, a third fewer context switches per frame and ~10 % more
-    throughput for 8 streams on 2 cores; a bounded stream's remote reader gets each frame
-    ~100 µs later (``benchmarks/RESULTS.md``, round 18). ``"normal"`` (``SCHED_OTHER``):
+    throughput for 8 streams on 2 cores; a remote reader that busy-polls while every core is
+    busy gets each frame ~230 µs later (``benchmarks/RESULTS.md``, round 18). ``"normal"`` (``SCHED_OTHER``):
     woken threads may preempt at once, which bounds a remote read's latency on a node whose
     cores are all busy. ``"inherit"``: leave the policy the server was started with (e.g. by
     ``chrt``).
