@@ -202,6 +202,9 @@ INS_HIDDEN void ins_mark_writing(int fd);
  * its rename is done: the lock lives as long as one descriptor does (-1: none to be had).
  * ins_release_writing closes it (nothing for -1). */
 INS_HIDDEN int ins_hold_writing(int fd);
+/* ins_hold_writing with a descriptor number outside [first, last] (a range about to be
+ * closed): -1 when none can be had. */
+INS_HIDDEN int ins_hold_writing_outside(int fd, unsigned int first, unsigned int last);
 INS_HIDDEN void ins_release_writing(int held);
 INS_HIDDEN int ins_create_temp(const struct ins_path *p, int flags, mode_t mode,
                                char tmp[PATH_MAX]);

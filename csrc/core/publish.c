@@ -7,6 +7,7 @@
 #include "ins_core.h"
 
 #include <fcntl.h>
+#include <limits.h>
 #include <string.h>
 #include <sys/file.h>
 #include <sys/sendfile.h>
@@ -92,6 +93,20 @@ int ins_hold_writing(int fd)
     /* the raw system call: no wrapper of ours (fcntl's F_DUPFD) may count it as a file */
     int saved = errno;
     int held = (int)syscall(SYS_fcntl, fd, F_DUPFD_CLOEXEC, 0);
+    errno = saved;
+    return held;
+}
+
+int ins_hold_writing_outside(int fd, unsigned int first, unsigned int last)
+{
+    int held = ins_hold_writing(fd); /* the lowest free number: below the range, often */
+    if (held < 0 || (unsigned int)held < first || (unsigned int)held > last)
+        return held;
+    ins_release_writing(held);
+    if (last >= (unsigned int)INT_MAX)
+        return -1;
+    int saved = errno; /* above the range (EINVAL past the descriptor limit) */
+    held = (int)syscall(SYS_fcntl, fd, F_DUPFD_CLOEXEC, (int)last + 1);
     errno = saved;
     return held;
 }

@@ -143,6 +143,30 @@ static void ins_close_span(unsigned int first, unsigned int last)
     }
 }
 
+/* The writers' locks of the produced files tracked in [first, last], held (a second
+ * descriptor each, outside the range) until the range's files are published; at most cap. */
+static int ins_hold_span(unsigned int first, unsigned int last, int *held, int cap)
+{
+    size_t lo, hi;
+    int n = 0;
+    if (!ins_span(first, last, &lo, &hi))
+        return 0;
+    for (size_t fd = lo; fd <= hi && n < cap; fd++) {
+        if (ins_table_peek((int)fd) == NULL)
+            continue;
+        int h = ins_hold_writing_outside((int)fd, first, last);
+        if (h >= 0)
+            held[n++] = h;
+    }
+    return n;
+}
+
+static void ins_release_span(const int *held, int n)
+{
+    for (int i = 0; i < n; i++)
+        ins_release_writing(held[i]);
+}
+
 static void ins_fsync_span(unsigned int first, unsigned int last)
 {
     size_t lo, hi;
@@ -155,6 +179,10 @@ static void ins_fsync_span(unsigned int first, unsigned int last)
     }
 }
 
+/* Writers' locks held across one close_range/closefrom (more produced files in the range
+ * are published without: the moment before their rename stays uncovered). */
+#define INS_HOLD_SPAN_MAX 16
+
 #ifndef CLOSE_RANGE_CLOEXEC
 #define CLOSE_RANGE_CLOEXEC (1U << 2)
 #endif
@@ -166,10 +194,17 @@ INS_WRAPPER(int, close_range, (unsigned int first, unsigned int last, int flags)
         return ins_real_close_range(first, last, flags);
     int saved = errno;
     ins_fsync_span(first, last);
+    int held[INS_HOLD_SPAN_MAX];
+    int nheld = ins_hold_span(first, last, held, INS_HOLD_SPAN_MAX);
     int rc = ins_real_close_range(first, last, flags);
-    if (rc != 0)
+    if (rc != 0) {
+        int e = errno;
+        ins_release_span(held, nheld);
+        errno = e;
         return rc;
+    }
     ins_close_span(first, last);
+    ins_release_span(held, nheld);
     errno = saved;
     return rc;
 }
@@ -186,7 +221,10 @@ INS_WRAPPER(void, closefrom, (int lowfd))
     }
     int saved = errno;
     ins_fsync_span((unsigned int)lowfd, UINT_MAX);
+    int held[INS_HOLD_SPAN_MAX]; /* (below lowfd only: there is nothing above) */
+    int nheld = ins_hold_span((unsigned int)lowfd, UINT_MAX, held, INS_HOLD_SPAN_MAX);
     ins_real_closefrom(lowfd);
     ins_close_span((unsigned int)lowfd, UINT_MAX);
+    ins_release_span(held, nheld);
     errno = saved;
 }

@@ -99,8 +99,8 @@ def test_gc_removes_a_killed_writers_file_from_another_pid_namespace(managed_dir
 
 
 #: a writer that publishes ``k/<kind>.bin`` and exits: instride's file API, an unmodified
-#: Python program under the preload library (open/close, dup2 over it, fopen/fclose and freopen
-#: through ctypes, a file moved in from another file system) and a program of the C API
+#: Python program under the preload library (open/close, dup2 over it, close_range, fopen/fclose
+#: and freopen through ctypes, a file moved in from another file system) and a program of the C API
 #: (instride_create/instride_commit through ctypes)
 PUBLISHER = textwrap.dedent(
     """
@@ -121,6 +121,10 @@ PUBLISHER = textwrap.dedent(
         os.dup2(nul, fd)
         os.close(fd)
         os.close(nul)
+    elif kind == "closerange":  # closed with a range of descriptors (close_range)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        assert os.write(fd, b"x" * 1000) == 1000
+        os.closerange(fd, fd + 2)
     elif kind == "copied":  # moved in from another file system: the library copies it in
         src = os.path.join(sys.argv[4], "outside.bin")
         with open(src, "wb") as fh:
@@ -162,7 +166,8 @@ def rename_probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("kind", ["api", "plain", "dup2", "fopen", "freopen", "copied", "capi"])
+@pytest.mark.parametrize("kind", ["api", "plain", "dup2", "closerange", "fopen", "freopen",
+                                  "copied", "capi"])
 def test_a_writers_lock_is_held_until_its_file_has_its_name(managed_dir: Path, tmp_path: Path,
                                                             rename_probe: Path, kind: str) -> None:
     # between a writer's close and the rename that publishes its file, gc must not see the
