@@ -23,6 +23,7 @@ from instride.engine import Engine
 from instride.engine.cluster import ClusterEngine
 from instride.errors import ConsumeTimeout, IntegrityError
 from instride.keys import TMP_PATTERN
+from instride.record import Record
 from tests.conftest import LoopbackNode, RedisServer
 
 
@@ -492,16 +493,22 @@ def test_a_reader_behind_its_producer_takes_the_records_of_the_frames_ahead_as_h
     assert c2.engine.records_heard - heard >= frames - 2
 
 
+def _fetched_first(c1: instride.Client, c2: instride.Client, key: str) -> Record:
+    """Publish ``key`` on c1, consume it on c2 (fetched the usual way); its record there."""
+    with c1.open(key, "wb") as fh:
+        fh.write(b"first")
+    c2.consume(key, timeout=10)
+    like = c2.engine.last_fetched
+    assert like is not None and like.key == key
+    return like
+
+
 def test_bytes_asked_for_early_are_kept_only_if_they_are_the_recorded_ones(
         clients: list[instride.Client]) -> None:
     """A file at the owner without a record, or whose bytes differ from its record, is not
     taken: ``None``, and nothing is left on the reader's node (no copy, no staged file)."""
     c1, c2, _ = clients
-    with c1.open("eb/first", "wb") as fh:
-        fh.write(b"first")
-    c2.consume("eb/first", timeout=10)
-    like = c2.engine.last_fetched
-    assert like is not None and like.key == "eb/first"
+    like = _fetched_first(c1, c2, "eb/first")
     (c1.root / "eb" / "unrecorded").write_bytes(b"u" * 40_000)  # there, never published
     assert c2.engine.fetch_when_published("eb/unrecorded", like, 0.3) is None
     with c1.open("eb/changed", "wb") as fh:
@@ -531,11 +538,7 @@ def test_gc_in_another_pid_namespace_leaves_a_copy_being_received(
     assert unshare is not None, "util-linux's unshare is needed (apt-get install util-linux)"
     assert os.geteuid() == 0, "a new PID namespace needs root"
     c1, c2, _ = clients
-    with c1.open("sg/first", "wb") as fh:
-        fh.write(b"first")
-    c2.consume("sg/first", timeout=10)
-    like = c2.engine.last_fetched
-    assert like is not None and like.key == "sg/first"
+    like = _fetched_first(c1, c2, "sg/first")
     got: list[object] = []
     asking = threading.Thread(
         target=lambda: got.append(c2.engine.fetch_when_published("sg/next", like, 20.0)))

@@ -348,17 +348,25 @@ class ClusterEngine:
         self.last_timing["fetch"] = t1 - t0
         self.last_timing["store"] = time.monotonic() - t1
 
+    def _staged(self, staged: str, size: int) -> int:
+        """A file to receive ``size`` bytes into, named ``staged``: a recycled one of the
+        receive pool, else a new one. Open for writing and locked (shared, as a writer's
+        temporary file: ``instride gc`` leaves it; a recycled file's exclusive lock made
+        shared) until the caller closes it, once the file has its name."""
+        fd = self.recv_pool.take(staged, size)
+        if fd is None:
+            fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        store.mark_writing(fd)
+        return fd
+
     def _receive(self, record: Record, staged: str) -> int:
         """Fetch ``record`` into ``staged``: a recycled file of the receive pool when there is
         one (overwritten in place), else a new file; nothing is left there on failure.
 
         Returns the file's descriptor, open and locked (shared, as a writer's temporary file:
         ``instride gc`` leaves it) for the caller to close once the file has its name."""
-        fd = self.recv_pool.take(staged, record.size)
-        if fd is None:
-            fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = self._staged(staged, record.size)
         try:
-            store.mark_writing(fd)  # (a recycled file's exclusive lock: made shared)
             self.transport.fetch_into(record, fd)
         except BaseException:
             os.close(fd)
@@ -425,12 +433,7 @@ class ClusterEngine:
         fd = -1
         try:
             self._parent_made(path.rpartition("/")[0])
-            fd = self.recv_pool.take(staged, like.size)
-            if fd is None:
-                fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            # open, so locked (shared, as a writer's temporary file: instride gc leaves it;
-            # a recycled file's exclusive lock made shared), until the file has its name
-            store.mark_writing(fd)
+            fd = self._staged(staged, like.size)  # (open, so locked, until it has its name)
             got, record = receive(fd)
             if got is not None and os.fstat(fd).st_size != got[0]:
                 os.ftruncate(fd, got[0])  # (a recycled file sized for another frame)
