@@ -29,6 +29,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--frames", type=int, default=600, help="frames per pair (default 600)")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--unbounded", action="store_true",
+                    help="unbounded streams (every frame kept, consumers waiting for and consuming"
+                         " each key), as the bench's first 8-pairs row")
     args = ap.parse_args()
     header("8 bounded producer/consumer-group pairs vs 8 raw TCP pairs (bench_cluster section 4)")
     jac = frame_size(JAC_ATOMS, "paper")
@@ -41,7 +44,8 @@ def main() -> None:
                  for i, (p, _q) in enumerate(pairs)]
         for r in range(args.rounds):
             ours, raw = CpuMeter(), CpuMeter()
-            _, span = stream_span(c, f"probe{r}", n, JAC_ATOMS, pairs, bounded=True, meter=ours)
+            _, span = stream_span(c, f"probe{r}", n, JAC_ATOMS, pairs, bounded=not args.unbounded,
+                                  meter=ours)
             raw_mbps = raw_tcp_pairs(c, pairs, paths, jac, n, meter=raw)
             mbps = 8 * n * jac / span / 1e6
             u, v = ours.per(8 * n), raw.per(8 * n)

@@ -27,20 +27,22 @@
 
 enum { ISC_AT_RECV = 0, ISC_AT_WRITE = 1 };
 
-/* Receive size bytes from sock into dest (at its current offset), hashing them.
+/* Receive size bytes from sock into dest (at its current offset), hashing them from byte
+ * hash_from on (0: all of them; a frame file's header, which carries the checksum of what
+ * follows it, is left out with hash_from = its size).
  *
  * Returns 0 and the digest as 16 lowercase hex digits in hex (xxhash's canonical form, as
  * Python's xxhash.xxh3_64_hexdigest), or a negative errno: -ETIMEDOUT when nothing arrived
  * for stall_ms, -ECONNRESET when the peer closed the connection early, another -errno from
  * recv or write. *got says how many bytes were received, *where whether the failure was on
  * the socket (0) or the file (1). */
-static int recv_file(int sock, int dest, char *mem, uint64_t size, int stall_ms, char *hex,
-                     uint64_t *got, int *where, int *lowat_set);
+static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash_from,
+                     int stall_ms, char *hex, uint64_t *got, int *where, int *lowat_set);
 
-static int recv_restoring(int sock, int dest, char *mem, uint64_t size, int stall_ms, char *hex,
-                          uint64_t *got, int *where) {
+static int recv_restoring(int sock, int dest, char *mem, uint64_t size, uint64_t hash_from,
+                          int stall_ms, char *hex, uint64_t *got, int *where) {
     int lowat_set = 0;
-    int rc = recv_file(sock, dest, mem, size, stall_ms, hex, got, where, &lowat_set);
+    int rc = recv_file(sock, dest, mem, size, hash_from, stall_ms, hex, got, where, &lowat_set);
     if (lowat_set) { /* the connection is kept alive: leave it as it was */
         int one = 1;
         setsockopt(sock, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof one);
@@ -48,20 +50,21 @@ static int recv_restoring(int sock, int dest, char *mem, uint64_t size, int stal
     return rc;
 }
 
-ISC_API int isc_recv_file(int sock, int dest, uint64_t size, int stall_ms, char *hex, uint64_t *got,
-                          int *where) {
-    return recv_restoring(sock, dest, NULL, size, stall_ms, hex, got, where);
+ISC_API int isc_recv_file(int sock, int dest, uint64_t size, uint64_t hash_from, int stall_ms,
+                          char *hex, uint64_t *got, int *where) {
+    return recv_restoring(sock, dest, NULL, size, hash_from, stall_ms, hex, got, where);
 }
 
 /* The same into memory at mem (size bytes writable, e.g. a shared mapping of a memory file):
  * each piece lands where it belongs, no copy through a buffer and no write. */
-ISC_API int isc_recv_mem(int sock, char *mem, uint64_t size, int stall_ms, char *hex, uint64_t *got) {
+ISC_API int isc_recv_mem(int sock, char *mem, uint64_t size, uint64_t hash_from, int stall_ms,
+                         char *hex, uint64_t *got) {
     int where = ISC_AT_RECV;
-    return recv_restoring(sock, -1, mem, size, stall_ms, hex, got, &where);
+    return recv_restoring(sock, -1, mem, size, hash_from, stall_ms, hex, got, &where);
 }
 
-static int recv_file(int sock, int dest, char *mem, uint64_t size, int stall_ms, char *hex,
-                     uint64_t *got, int *where, int *lowat_set) {
+static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash_from,
+                     int stall_ms, char *hex, uint64_t *got, int *where, int *lowat_set) {
     static __thread char *chunk;
     *got = 0;
     *where = ISC_AT_RECV;
@@ -95,7 +98,10 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, int stall_ms,
                 return -errno;
             continue;
         }
-        INS_XXH3_UPDATE(&state, buf, (size_t)n);
+        if (*got + (uint64_t)n > hash_from) { /* (the part from hash_from on) */
+            uint64_t skip = *got < hash_from ? hash_from - *got : 0;
+            INS_XXH3_UPDATE(&state, buf + skip, (size_t)((uint64_t)n - skip));
+        }
         size_t done = mem != NULL ? (size_t)n : 0; /* (in memory: where it belongs already) */
         while (done < (size_t)n) {
             ssize_t w = write(dest, buf + done, (size_t)n - done);

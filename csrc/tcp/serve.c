@@ -510,11 +510,12 @@ out:
     return fd;
 }
 
-static int open_key(server *s, conn *c, const request *r, int64_t *size);
+static int open_key(server *s, conn *c, const request *r, int64_t *size, double *published);
 
-/* Try the fast path: returns an open regular file (and its size) to serve, -1 or -2 (delegate),
- * or ISS_AWAIT_ABANDON (close without a reply). */
-static int fast_path(server *s, conn *c, char *hdr, size_t len, request *r, int64_t *size) {
+/* Try the fast path: returns an open regular file (its size, when it got its name) to serve,
+ * -1 or -2 (delegate), or ISS_AWAIT_ABANDON (close without a reply). */
+static int fast_path(server *s, conn *c, char *hdr, size_t len, request *r, int64_t *size,
+                     double *published) {
     if (s->token_len == 0 || parse_plain(hdr, len, r) != 0)
         return -1;
     if (r->op_len != 5 || memcmp(r->op, "fetch", 5) != 0)
@@ -527,7 +528,7 @@ static int fast_path(server *s, conn *c, char *hdr, size_t len, request *r, int6
     double now = wall_now();
     if (fabs(now - r->ts) > ISS_MAX_SKEW)
         return -1;
-    int fd = open_key(s, c, r, size);
+    int fd = open_key(s, c, r, size, published);
     if (fd < 0)
         return fd;
     /* Last: a request delegated before this point has not spent its nonce. A replayed or
@@ -540,9 +541,10 @@ static int fast_path(server *s, conn *c, char *hdr, size_t len, request *r, int6
 }
 
 /* Open r->key, a regular file beneath the directory (waiting for it as the request asks):
- * the descriptor and its size, -2 (none: delegate or answer "not found") or
- * ISS_AWAIT_ABANDON. */
-static int open_key(server *s, conn *c, const request *r, int64_t *size) {
+ * the descriptor, its size and its status change time (*published: seconds since the epoch;
+ * a published file's is when it was renamed to its name), -2 (none: delegate or answer "not
+ * found") or ISS_AWAIT_ABANDON. */
+static int open_key(server *s, conn *c, const request *r, int64_t *size, double *published) {
     struct open_how how = {
         .flags = O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK,
         .resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS,
@@ -561,6 +563,7 @@ static int open_key(server *s, conn *c, const request *r, int64_t *size) {
         return -2;
     }
     *size = (int64_t)st.st_size;
+    *published = (double)st.st_ctim.tv_sec + (double)st.st_ctim.tv_nsec * 1e-9;
     return fd;
 }
 
@@ -634,9 +637,10 @@ static void set_busy(server *s, conn *c, int busy) {
 static int answer(server *s, conn *c, char *hdr, uint32_t len) {
     request r;
     int64_t size = 0;
+    double published = 0.0;
     char copy[ISS_MAX_HEADER];
     memcpy(copy, hdr, len); /* parse_plain writes NULs into hdr; the callback gets the original */
-    int fd = fast_path(s, c, hdr, len, &r, &size);
+    int fd = fast_path(s, c, hdr, len, &r, &size, &published);
     if (fd == ISS_AWAIT_ABANDON) {
         c->dead = 1;
         return 0;
@@ -650,8 +654,11 @@ static int answer(server *s, conn *c, char *hdr, uint32_t len) {
         int keep = 1;
         for (int j = 0; keep; j++) {
             char json[ISS_MAX_REPLY];
-            int n = snprintf(json, sizeof json, "{\"ok\":true,\"key\":\"%s\",\"size\":%lld}",
-                             key, (long long)size);
+            /* "published": when the file got its name (a stream's reader that checks frames
+             * by their own checksums learns its producer's cadence from it, not from Redis) */
+            int n = snprintf(json, sizeof json,
+                             "{\"ok\":true,\"key\":\"%s\",\"size\":%lld,\"published\":%.6f}",
+                             key, (long long)size, published);
             keep = send_reply(s, c->fd, json, (size_t)n) == 0 &&
                    (size == 0 || send_body(s, c->fd, fd, size, key, c->peer) == 0);
             if (keep && size == 0) {
@@ -660,7 +667,7 @@ static int answer(server *s, conn *c, char *hdr, uint32_t len) {
             close(fd);
             if (!keep || j + 1 >= r.count)
                 break;
-            fd = next_key(key) ? open_key(s, c, &r, &size) : -2;
+            fd = next_key(key) ? open_key(s, c, &r, &size, &published) : -2;
             if (fd == ISS_AWAIT_ABANDON)
                 keep = 0;
             else if (fd < 0) {

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -355,13 +356,23 @@ def test_a_streams_reader_gets_its_next_frame_as_it_is_published(clients: list[i
     """A reader on another node asks the owner for frame i + 1 once it has frame i; the owner's
     data server sends it as it is published (no wake-up through Redis): every frame exact,
     in order, nearly all of them fetched that way, also on a bounded stream as a group. The
-    frames' records come from the announcements the reader's first wait subscribed to."""
+    frames' records come from the announcements the reader's first wait subscribed to; the
+    bounded stream's reader, which receives into its inbox, checks its frames by their own
+    checksums and asks the metadata nothing per frame."""
     c1, c2, _ = clients
     pos = np.random.default_rng(9).random((4000, 3)).astype(np.float32)
     frames = 12
+    asked: list[str] = []
+    metadata = c2.engine.metadata
+    for method in ("lookup", "lookup_soon", "announced", "heard", "wait_any"):
+        def counted(*args: object, _f: Any = getattr(metadata, method), _m: str = method) -> object:
+            asked.append(_m)
+            return _f(*args)
+        setattr(metadata, method, counted)
     for name, kw, group in (("ep/run", {}, None), ("ep/bounded", {"retain": 4, "groups": ["g"]}, "g")):
         reader = instride.Stream(name, timeout=20, client=c2, group=group)
         before, heard = c2.engine.early_transfers, c2.engine.records_heard
+        asked.clear()
         thread, got, errors = _read_in_thread(reader, pos)
         with instride.Stream(name, mode="w", client=c1, **kw) as producer:
             for i in range(frames):
@@ -371,9 +382,42 @@ def test_a_streams_reader_gets_its_next_frame_as_it_is_published(clients: list[i
         assert not thread.is_alive() and errors == []
         assert got == list(range(frames))
         assert c2.engine.early_transfers - before >= frames - 2  # (the first one the usual way)
-        # their records heard from the directory's announcements (no lookup), unless one came
-        # later than the bytes by more than a moment
-        assert c2.engine.records_heard - heard >= (frames - 2) // 2
+        if group is None:
+            # their records heard from the directory's announcements (no lookup), unless one
+            # came later than the bytes by more than a moment
+            assert c2.engine.records_heard - heard >= (frames - 2) // 2
+        else:  # the first frame's wait and the end's, not one per frame
+            assert c2.engine.records_heard == heard and len(asked) <= 4, asked
+
+
+@pytest.mark.parametrize("offset", [200, 20], ids=["payload", "header"])
+def test_a_remote_group_reader_refuses_a_frame_whose_bytes_are_not_its_own(
+        clients: list[instride.Client], offset: int) -> None:
+    """A bounded stream's reader on another node checks each frame it receives into its inbox
+    by the frame's own checksums: a frame corrupted at its owner is not returned; the reader
+    then fetches it the usual way, against its record, and raises the typed error naming it."""
+    c1, c2, _ = clients
+    pos = np.random.default_rng(3).random((3000, 3)).astype(np.float32)
+    name = f"cr/{offset}"
+    with instride.Stream(name, mode="w", retain=8, groups=["g"], client=c1) as producer:
+        for i in range(6):
+            producer.append(pos + i, step=i)
+        with open(f"{c1.engine.root}/{name}/frame_000000003.isf", "r+b") as fh:
+            fh.seek(offset)
+            byte = fh.read(1)
+            fh.seek(offset)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+        reader = instride.Stream(name, timeout=10, client=c2, group="g")
+        try:
+            for i in range(3):
+                frame = reader.read(i)
+                assert np.array_equal(frame.positions, pos + i)
+                frame.release()
+            assert c2.engine.early_transfers >= 2  # (frames 1 and 2 into the inbox)
+            with pytest.raises(IntegrityError, match="frame_000000003"):
+                reader.read(3)
+        finally:
+            reader.close()
 
 
 def test_a_group_reader_on_another_node_records_its_position_every_few_frames(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import socket
 import struct
 import time
@@ -24,6 +25,7 @@ from tests.nodes import recv_all
 class _Running:
     def __init__(self, root: Path, token: str) -> None:
         self.port = free_port()
+        self.root = root
         self.token = token
         self.server = TcpServer(Settings(dir=root, token=token, addr=f"127.0.0.1:{self.port}"))
         self.loop = asyncio.new_event_loop()
@@ -36,6 +38,11 @@ class _Running:
             reply = json.loads(recv_all(s, n))
             body = recv_all(s, reply["size"]) if reply.get("ok") and "size" in reply else b""
         return reply, body
+
+    def ctime(self) -> object:
+        """The served file's status change time, as a reply's ``published`` (µs: the C engine
+        prints it so)."""
+        return pytest.approx(os.stat(self.root / "k" / "a.bin").st_ctime, abs=1e-5)
 
     def stop(self) -> None:
         self.loop.run_until_complete(self.server.stop(1.0))
@@ -57,7 +64,8 @@ def test_signed_fetch_is_served_by_the_engine_alone(running: _Running,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="instride.server")
     reply, body = running.ask(wire.pack(wire.sign(running.token, "fetch", "k/a.bin")))
-    assert reply == {"ok": True, "key": "k/a.bin", "size": 3000} and body == b"abc" * 1000
+    assert reply == {"ok": True, "key": "k/a.bin", "size": 3000, "published": running.ctime()} \
+        and body == b"abc" * 1000
     assert not [r for r in caplog.records if "sending" in r.getMessage()]  # not handed to Python
     # the engine counts a transfer after its last byte left, which can be just after the asker
     # has it all: give the counter a moment (bounded), then require exact values
@@ -102,7 +110,8 @@ def test_engine_declines_what_python_refuses(running: _Running, tmp_path: Path) 
     for key, (err, text) in cases.items():
         reply, body = running.ask(wire.pack(wire.sign(running.token, "fetch", key)))
         if not err:
-            assert reply == {"ok": True, "key": "k/a.bin", "size": 3000} and body == b"abc" * 1000
+            assert reply == {"ok": True, "key": "k/a.bin", "size": 3000,
+                             "published": running.ctime()} and body == b"abc" * 1000
             continue
         assert reply["error"] == err and text in reply["message"], (key, reply)
         assert not body

@@ -40,6 +40,7 @@ from ..record import Record
 from ..store.recvpool import KEEP_BYTES, ReceivePool
 from ..store.streamstate import RedisStreamState
 from ..transport import Transport, get_transport
+from ..transport.base import Received
 from .base import map_file
 
 _open = io.open  # the builtin, captured before instride.interception.pyopen may patch it
@@ -67,12 +68,12 @@ def _follows(key: str, prev: str) -> bool:
         and int(a[2]) == int(b[2]) + 1
 
 
-def _options(window: tuple[float, float] | None,
-             into: memoryview | None = None, ahead: int = 0) -> dict[str, object]:
+def _options(window: tuple[float, float] | None, into: memoryview | None = None,
+             ahead: int = 0, digest_from: int = 0) -> dict[str, object]:
     """The optional arguments of a transport's ``fetch_when_published`` that are set (a
     transport without them is called as before)."""
-    return {k: v for k, v in (("window", window), ("into", into), ("ahead", ahead or None))
-            if v is not None}
+    return {k: v for k, v in (("window", window), ("into", into), ("ahead", ahead or None),
+                              ("digest_from", digest_from or None)) if v is not None}
 
 
 class _Elsewhere(Exception):  # noqa: N818 (not an error: the other way won the race)
@@ -496,39 +497,45 @@ class ClusterEngine:
         return record
 
     def receive_when_published(self, key: str, like: Record, wait: float, fd: int,
+                               check: Callable[[Received], bool],
                                until: str | None = None,
                                window: tuple[float, float] | None = None,
                                into: memoryview | None = None,
-                               ahead: int = 0) -> Record | None:
+                               ahead: int = 0, digest_from: int = 0) -> Received | None:
         """:meth:`fetch_when_published` into the caller's memory ``into`` (when the frame fits;
-        else into ``fd``, from its offset) instead of a fetched copy: nothing is stored on this
-        node. For a bounded stream's reader, which drops each frame once it moves on
-        (:mod:`~instride.store.inbox`). ``ahead``: the owner may send that many next frames
-        too, each as it is published (the reader's next calls then send no request; see
-        the transport's ``fetch_when_published``).
+        else into ``fd``, from its offset) instead of a fetched copy, checked by the caller
+        instead of against the key's record: nothing is stored on this node, and nothing is
+        asked of the metadata. For a bounded stream's reader, which drops each frame once it
+        moves on (:mod:`~instride.store.inbox`) and checks each frame by the checksums the
+        frame file carries itself (``digest_from``: the digest leaves out the bytes before
+        that offset, the frame's header; ``check`` compares). Such a reader needs no
+        announcements of the stream's frames: this thread's kept subscription to the key's
+        directory, left by a wait there, is dropped (Redis stops sending them). ``ahead``: the
+        owner may send that many next frames too, each as it is published (the reader's next
+        calls then send no request; see the transport's ``fetch_when_published``).
 
         Returns
         -------
-        Record or None
-            The key's record, the bytes in ``fd`` checked against it; ``None`` when nothing was
-            published within ``wait``, the transport cannot, the transfer failed or the bytes
-            are not the recorded ones (the caller waits the usual way, which reports errors).
+        Received or None
+            What was received, the bytes in ``into`` (or ``fd``) passed ``check``; ``None``
+            when nothing was published within ``wait``, the transport cannot, the transfer
+            failed or ``check`` refused the bytes (the caller waits the usual way, which
+            reports errors).
         """
         fetch = getattr(self.transport, "fetch_when_published", None)
         if fetch is None:
             return None
-        asked, on_reply = self._asking(key)
+        self.metadata.unwatch(key.rpartition("/")[0] + "/")
         try:
-            got = fetch(like, key, fd, wait, until, on_reply, **_options(window, into, ahead))
-            record = None if got is None else self._early_record(key, got, None, asked, wait)
+            got = fetch(like, key, fd, wait, until, None,
+                        **_options(window, into, ahead, digest_from))
         except (InstrideError, OSError):
             return None  # (as for a fetched copy: the usual way sorts it out, or says what)
-        if record is None:
+        if got is None or not check(got):
             return None
         self.transfers += 1
         self.early_transfers += 1
-        self.last_fetched = record
-        return record
+        return got  # type: ignore[no-any-return]
 
     def drop_ahead(self) -> None:
         """Drop the frames this thread asked for ahead (a stream's reader closes)."""

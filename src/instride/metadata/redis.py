@@ -707,7 +707,9 @@ class RedisMetadata:
         """End this thread's kept subscription to the publications under ``prefix`` (a
         directory, ``"a/b/"``; see :meth:`wait_any`).
 
-        Called when a stream's reader closes; nothing to do if the thread never waited there.
+        Called when a stream's reader closes, and when it receives frames from their owner as
+        they are published (it checks them by their own checksums: it needs no announcements,
+        and Redis stops sending them); nothing to do if the thread never waited there.
         """
         local = self._per_thread.get()
         self._forget_heard(local, prefix)

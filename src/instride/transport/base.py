@@ -16,7 +16,8 @@ short transfer leaves nothing at the destination.
 A client half may also offer ``fetch_when_published(owner, key, fd, wait, until, on_reply)``
 (the TCP transport does): the owner holds the fetch until the key is published there, so a
 stream's reader can ask for its next frame before it exists (see
-:meth:`instride.engine.cluster.ClusterEngine.fetch_when_published`). It is optional; the
+:meth:`instride.engine.cluster.ClusterEngine.fetch_when_published`); it returns what it
+received as a :class:`Received`. It is optional; the
 cluster engine looks for it and waits the usual way without it. Its two halves,
 ``ask_when_published(owner, key, wait, until)`` (send; returns the socket the reply comes on)
 and ``receive_asked(sock, owner, key, fd, wait)``, let a waiter poll that socket beside another
@@ -35,11 +36,23 @@ import contextlib
 import ctypes
 import os
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from ..errors import ConfigError
 from ..record import Record
 from ..store.publish import mark_writing
+
+
+class Received(NamedTuple):
+    """What a transport's ``fetch_when_published`` received (not verified: the caller checks)."""
+
+    #: Bytes received.
+    size: int
+    #: xxh3-64 hex digest of the bytes from ``digest_from`` on (all of them by default).
+    digest: str
+    #: When the owner's file got its name (seconds since the epoch, the owner's clock), where
+    #: the owner said; a stream's reader learns its producer's cadence from it.
+    published: float | None = None
 
 
 @runtime_checkable

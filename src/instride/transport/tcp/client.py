@@ -34,7 +34,7 @@ from ...errors import (
 from ...perthread import PerThread
 from ...record import Record
 from .. import wire
-from ..base import fetch_to_new_file
+from ..base import Received, fetch_to_new_file
 from .engine import load_library
 
 if TYPE_CHECKING:
@@ -296,7 +296,7 @@ class TcpTransport:
                              on_reply: Callable[[], object] | None = None,
                              window: tuple[float, float] | None = None,
                              into: memoryview | None = None,
-                             ahead: int = 0) -> tuple[int, str] | None:
+                             ahead: int = 0, digest_from: int = 0) -> Received | None:
         """Receive ``key`` from ``owner``'s node into ``fd`` as soon as it is published there.
 
         The owner's data server holds the request up to ``wait`` seconds for a key that is not
@@ -332,13 +332,22 @@ class TcpTransport:
             for a reader that will take them in order): the owner sends each as it is
             published, on this connection, and the calls for them send no request — one
             request per ``1 + ahead`` frames. Asking for any other key next drops the rest.
+        digest_from
+            The digest leaves out the bytes before this offset (a frame file's header, which
+            carries the checksum of the rest, for a reader that checks frames against it).
 
         Returns
         -------
-        (int, str) or None
-            The size and xxh3 hex digest of the bytes received, or ``None`` when the key
-            was not published there within ``wait`` (or something else appeared beside it,
-            or ``until`` is there).
+        Received or None
+            The size, the xxh3 hex digest (from ``digest_from`` on) and the publication time
+            (the owner's file's status change time, as its server reports it) of the bytes
+            received, or ``None`` when the key was not published there within ``wait`` (or
+            something else appeared beside it, or ``until`` is there).
+
+        Raises
+        ------
+        TransferError
+            The owner's reply names another key, or the body broke off.
         """
         hint = _hint(owner, key)
         batches = self._batches()
@@ -355,10 +364,15 @@ class TcpTransport:
                                             count=1 + len(rest) if rest else None)
         except KeyNotFoundError:
             return None  # (the last the owner sends for a request: the connection is free)
-        got = self._body(sock, reply, hint, fd, on_reply, into, keep=not rest)
+        if reply.get("key", key) != key:  # (an ahead batch out of step: never trusted)
+            sock.close()
+            raise TransferError(key, f"{owner.node or owner.owner} sent {reply.get('key')!r}")
+        size, digest = self._body(sock, reply, hint, fd, on_reply, into, keep=not rest,
+                                  digest_from=digest_from)
         if rest:
             batches[owner.owner] = (sock, rest)
-        return got
+        published = reply.get("published")
+        return Received(size, digest, float(published) if isinstance(published, int | float) else None)
 
     def drop_ahead(self) -> None:
         """Drop what this thread asked for ahead (:meth:`fetch_when_published`'s ``ahead``):
@@ -433,20 +447,21 @@ class TcpTransport:
 
     def _body(self, sock: socket.socket, reply: dict[str, Any], hint: Record, fd: int,
               on_reply: Callable[[], object] | None,
-              into: memoryview | None = None, keep: bool = True) -> tuple[int, str]:
+              into: memoryview | None = None, keep: bool = True,
+              digest_from: int = 0) -> tuple[int, str]:
         """Receive the body announced by ``reply`` into ``fd`` — or into the writable memory
         ``into`` when it is large enough; the connection is kept after a whole body (for
         the next request; ``keep=False``: left to the caller, more replies are due on it),
-        else closed."""
+        else closed. Returns its size and digest (of the bytes from ``digest_from`` on)."""
         complete = False
         try:
             size = _size(reply, hint)
             if on_reply is not None:
                 on_reply()
             if into is not None and size <= len(into):
-                digest = self._stream_to_memory(sock, into, size, hint.key)
+                digest = self._stream_to_memory(sock, into, size, hint.key, digest_from)
             else:
-                digest = self._stream_to_file(sock, fd, size, hint.key)
+                digest = self._stream_to_file(sock, fd, size, hint.key, digest_from)
             complete = True
         finally:
             if not complete:
@@ -455,7 +470,8 @@ class TcpTransport:
                 self._release(hint.owner, sock)
         return size, digest
 
-    def _stream_to_memory(self, sock: socket.socket, into: memoryview, size: int, key: str) -> str:
+    def _stream_to_memory(self, sock: socket.socket, into: memoryview, size: int, key: str,
+                          digest_from: int = 0) -> str:
         """:meth:`_stream_to_file` into the writable memory ``into`` (``isc_recv_mem``)."""
         lib = load_library()
         timeout = sock.gettimeout()
@@ -464,16 +480,18 @@ class TcpTransport:
         got = ctypes.c_uint64(0)
         base = (ctypes.c_char * len(into)).from_buffer(into)  # (no copy: its address)
         try:
-            rc = lib.isc_recv_mem(sock.fileno(), ctypes.addressof(base), size, stall_ms, hexdigest,
-                                  ctypes.byref(got))
+            rc = lib.isc_recv_mem(sock.fileno(), ctypes.addressof(base), size, digest_from,
+                                  stall_ms, hexdigest, ctypes.byref(got))
         finally:
             del base
         if rc == 0:
             return hexdigest.value.decode()
         raise _receive_error(key, -rc, got.value, size)
 
-    def _stream_to_file(self, sock: socket.socket, fd: int, size: int, key: str) -> str:
-        """Receive ``size`` bytes into ``fd``, hashing on the way; return the xxh3 hex digest.
+    def _stream_to_file(self, sock: socket.socket, fd: int, size: int, key: str,
+                        digest_from: int = 0) -> str:
+        """Receive ``size`` bytes into ``fd``, hashing on the way (from byte ``digest_from``
+        on); return the xxh3 hex digest.
 
         The loop is C (``isc_recv_file`` in ``libinstride_tcp.so``, GIL released): each piece is
         hashed while it is in cache and written to the file (``write`` reports a full disk as
@@ -484,7 +502,8 @@ class TcpTransport:
         stall_ms = -1 if timeout is None else max(1, int(timeout * 1000))
         hexdigest = ctypes.create_string_buffer(17)
         got, where = ctypes.c_uint64(0), ctypes.c_int(0)
-        rc = lib.isc_recv_file(sock.fileno(), fd, size, stall_ms, hexdigest, ctypes.byref(got),
+        rc = lib.isc_recv_file(sock.fileno(), fd, size, digest_from, stall_ms, hexdigest,
+                               ctypes.byref(got),
                                ctypes.byref(where))
         if rc == 0:
             return hexdigest.value.decode()

@@ -69,10 +69,10 @@ def load_library() -> ctypes.CDLL:
         lib.iss_stop.restype = i
         lib.iss_stop.argtypes = [vp, i, ctypes.POINTER(EngineStats)]
         lib.isc_recv_file.restype = i
-        lib.isc_recv_file.argtypes = [i, i, ctypes.c_uint64, i, cp, ctypes.POINTER(ctypes.c_uint64),
-                                      ctypes.POINTER(i)]
+        u64 = ctypes.c_uint64
+        lib.isc_recv_file.argtypes = [i, i, u64, u64, i, cp, ctypes.POINTER(u64), ctypes.POINTER(i)]
         lib.isc_recv_mem.restype = i
-        lib.isc_recv_mem.argtypes = [i, vp, ctypes.c_uint64, i, cp, ctypes.POINTER(ctypes.c_uint64)]
+        lib.isc_recv_mem.argtypes = [i, vp, u64, u64, i, cp, ctypes.POINTER(u64)]
         _lib = lib
         return lib
 

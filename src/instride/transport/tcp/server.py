@@ -251,7 +251,9 @@ class TcpServer:
             os.close(fd)
             return _error("KeyNotFoundError", "not published in time"), None, 0, True
         log.debug("sending %s (%d bytes) to %s", key, st.st_size, peer)
-        return {"ok": True, "key": key, "size": st.st_size}, fd, st.st_size, True
+        # "published": when the file got its name (see fetch_when_published), as the C engine says
+        reply = {"ok": True, "key": key, "size": st.st_size, "published": st.st_ctime}
+        return reply, fd, st.st_size, True
 
     def _decide_c(self, _ctx: Any, hdr: int, length: int, peer: bytes, reply: int, cap: int,
                   reply_len: Any, fd: Any, size: Any) -> int:
