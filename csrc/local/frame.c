@@ -28,6 +28,8 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 #include "../common/ins_xxh.h"
 #include "isl_local.h"
@@ -71,9 +73,10 @@ static uint64_t encode_arrays(unsigned char *dst, const void *pos, size_t pos_by
  *
  * pos: natoms x 3 contiguous float32 (xyz32) or float64 (paper, paper-soa); ids: natoms
  * int32, or NULL for 0..natoms-1 (ignored for xyz32); box: 9 float64. With sync, the frame
- * is flushed to its file (msync) before it is published. Then, where fd >= 0:
- * unlock fd (the producer's exclusive flock, so that a reader woken by the rename finds the
- * frame lockable) and rename src to dst_path (RENAME_NOREPLACE when noreplace).
+ * is flushed to its file (msync) before it is published. Then, where fd >= 0: stamp fd's
+ * times with now (the publication time: see instride.store.ring.stamp), unlock it (the
+ * producer's exclusive flock, so that a reader woken by the rename finds the frame lockable)
+ * and rename src to dst_path (RENAME_NOREPLACE when noreplace).
  *
  * Returns 0 when the frame is published (or only encoded, fd < 0), -errno of a failed
  * rename (the frame is encoded and unlocked, not published: the caller's slow path names the
@@ -119,6 +122,13 @@ ISL_EXPORT int isl_append(unsigned char *dst, int layout, int64_t natoms, const 
         return -errno; /* (still locked, not published: the slow path flushes and names it) */
     if (fd < 0)
         return 0;
+    /* the publication time, to the nanosecond (the kernel's own stamps are a clock tick
+     * coarse): a data server reports it to a stream's readers on other nodes */
+    struct timespec now[2];
+    if (clock_gettime(CLOCK_REALTIME, &now[0]) == 0) {
+        now[1] = now[0];
+        futimens(fd, now);
+    }
     flock(fd, LOCK_UN);
     if (renameat2(AT_FDCWD, src, AT_FDCWD, dst_path, noreplace ? RENAME_NOREPLACE : 0) != 0)
         return -errno;

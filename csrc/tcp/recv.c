@@ -27,6 +27,14 @@
 
 enum { ISC_AT_RECV = 0, ISC_AT_WRITE = 1 };
 
+/* The calling convention of this file's functions, checked by the Python binding: a library
+ * left from an older build would take its arguments as others (2: hash_from added). */
+#define ISC_ABI 2
+
+ISC_API int isc_abi(void) {
+    return ISC_ABI;
+}
+
 /* Receive size bytes from sock into dest (at its current offset), hashing them from byte
  * hash_from on (0: all of them; a frame file's header, which carries the checksum of what
  * follows it, is left out with hash_from = its size).

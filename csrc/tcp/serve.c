@@ -42,6 +42,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/file.h>
 #include <sys/inotify.h>
 #include <sys/sendfile.h>
 #include <sys/socket.h>
@@ -540,10 +541,15 @@ static int fast_path(server *s, conn *c, char *hdr, size_t len, request *r, int6
     return fd;
 }
 
-/* Open r->key, a regular file beneath the directory (waiting for it as the request asks):
- * the descriptor, its size and its status change time (*published: seconds since the epoch;
- * a published file's is when it was renamed to its name), -2 (none: delegate or answer "not
- * found") or ISS_AWAIT_ABANDON. */
+/* Open r->key, a regular file beneath the directory (waiting for it as the request asks), and
+ * hold it: a shared flock, kept until the descriptor is closed after the body is sent, taken
+ * once the name is seen to still name the opened file. A stream's producer rewrites a
+ * retired frame's file only under an exclusive lock, and retires it by renaming it away first:
+ * so what is sent is the frame published under that key, never another frame written into
+ * the same file meanwhile (a reader that checks frames by their own checksums relies on it).
+ * Returns the descriptor, its size and its modification time (*published: seconds since the
+ * epoch; a stream's producer stamps it as it publishes the frame), -2 (none: delegate or
+ * answer "not found") or ISS_AWAIT_ABANDON. */
 static int open_key(server *s, conn *c, const request *r, int64_t *size, double *published) {
     struct open_how how = {
         .flags = O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK,
@@ -557,13 +563,15 @@ static int open_key(server *s, conn *c, const request *r, int64_t *size, double 
     }
     if (fd < 0)
         return -2;
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
+    struct stat st, named;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || flock(fd, LOCK_SH | LOCK_NB) != 0 ||
+        fstatat(s->rootfd, r->key, &named, AT_SYMLINK_NOFOLLOW) != 0 ||
+        named.st_ino != st.st_ino || named.st_dev != st.st_dev) {
+        close(fd); /* (being rewritten, or renamed away since the open: not that key's now) */
         return -2;
     }
     *size = (int64_t)st.st_size;
-    *published = (double)st.st_ctim.tv_sec + (double)st.st_ctim.tv_nsec * 1e-9;
+    *published = (double)st.st_mtim.tv_sec + (double)st.st_mtim.tv_nsec * 1e-9;
     return fd;
 }
 
@@ -654,8 +662,8 @@ static int answer(server *s, conn *c, char *hdr, uint32_t len) {
         int keep = 1;
         for (int j = 0; keep; j++) {
             char json[ISS_MAX_REPLY];
-            /* "published": when the file got its name (a stream's reader that checks frames
-             * by their own checksums learns its producer's cadence from it, not from Redis) */
+            /* "published": when its producer published it (a stream's reader that checks
+             * frames by their own checksums learns its producer's cadence from it) */
             int n = snprintf(json, sizeof json,
                              "{\"ok\":true,\"key\":\"%s\",\"size\":%lld,\"published\":%.6f}",
                              key, (long long)size, published);

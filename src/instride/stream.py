@@ -325,9 +325,14 @@ class Stream:
         self._held: Frame | None = None
         self._cursor_file: Any = None
         self._done: int | None = None  # the group finished every frame before this one
-        #: the record of the last frame fetched from another node: its owner is asked for the
-        #: next frame before that is published (cluster mode, see ``read``)
+        #: the record of the last frame fetched from another node (for a frame received into
+        #: the inbox: its owner, node, size and publication time; no checksum, no version):
+        #: its owner is asked for the next frame before that is published (cluster mode, see
+        #: ``read``)
         self._fetched_from: Record | None = None
+        #: the subscription to the stream's announcements dropped since the last wait through
+        #: the metadata (which leaves one): the inbox reader needs none
+        self._unwatched = False
         #: cluster mode: where this node keeps the frames, when the last frame read was an
         #: original of this node (a producer here): the reader watches there for the next
         #: one, as in local mode, instead of waiting only through the metadata (also set in
@@ -918,7 +923,9 @@ class Stream:
                             room = None  # (no memory to map: written through the descriptor)
                         own, got_early = _OwnChecksums(buf, key, self.copy), None
                         got_in = into(key, like, part, buf.rewound(), own, until=END_NAME,
-                                      into=room, ahead=_AHEAD, digest_from=HEADER_SIZE, **kw)
+                                      into=room, ahead=_AHEAD, digest_from=HEADER_SIZE,
+                                      unwatch=not self._unwatched, **kw)
+                        self._unwatched = True
                         frame = own.frame if got_in is not None else None
                         if frame is not None:
                             assert got_in is not None
@@ -941,7 +948,7 @@ class Stream:
                     self.windows_polled += 1
                     plan = None  # (a later frame is waited for asleep; before the window:
                     # a slow producer, the next slice still sleeps until it)
-                if frame is not None and got_early is not None:  # received into the inbox
+                if frame is not None:  # received into the inbox (got_early: its record)
                     self._fetched_from = got_early
                     if self.copy:  # arrays of its own: the buffer takes the next frame
                         free()
@@ -955,6 +962,7 @@ class Stream:
                         self._cadence.arrived(index, time.monotonic(), waited=True,
                                               published=got_early.time)
                     continue
+            self._unwatched = False  # (the usual way below may subscribe again)
             # (an unbounded stream retires nothing: no frame can be missing)
             policy = self._reader_policy
             archived = self._gap(index) if policy is None or policy.bounded else None

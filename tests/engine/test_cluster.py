@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -332,10 +333,12 @@ def test_an_evicted_copy_a_reader_still_has_is_never_rewritten(nodes: list[Loopb
 
 
 # ---------------------------------------------------------------------- asked before published
-def _read_in_thread(reader: instride.Stream, pos: np.ndarray
+def _read_in_thread(reader: instride.Stream, pos: np.ndarray,
+                    probe: Callable[[], object] | None = None, probed: list[object] | None = None,
                     ) -> tuple[threading.Thread, list[int], list[BaseException]]:
     """Iterate ``reader`` in a thread, checking each frame is ``pos + step``: the thread, the
-    steps got and the errors raised (for the test to assert on)."""
+    steps got and the errors raised (for the test to assert on). ``probe``: called in that
+    thread after each frame, its results appended to ``probed``."""
     got: list[int] = []
     errors: list[BaseException] = []
 
@@ -344,6 +347,8 @@ def _read_in_thread(reader: instride.Stream, pos: np.ndarray
             for frame in reader:
                 assert np.array_equal(frame.positions, pos + frame.header.step)
                 got.append(frame.header.step)
+                if probe is not None and probed is not None:
+                    probed.append(probe())
         except BaseException as exc:  # noqa: BLE001 (re-raised by the test)
             errors.append(exc)
 
@@ -373,7 +378,9 @@ def test_a_streams_reader_gets_its_next_frame_as_it_is_published(clients: list[i
         reader = instride.Stream(name, timeout=20, client=c2, group=group)
         before, heard = c2.engine.early_transfers, c2.engine.records_heard
         asked.clear()
-        thread, got, errors = _read_in_thread(reader, pos)
+        watched: list[object] = []  # (whether the reader's thread hears the announcements)
+        thread, got, errors = _read_in_thread(reader, pos, lambda n=name: metadata.watching(f"{n}/"),
+                                              watched)
         with instride.Stream(name, mode="w", client=c1, **kw) as producer:
             for i in range(frames):
                 time.sleep(0.03)  # the reader is waiting for each frame
@@ -388,6 +395,8 @@ def test_a_streams_reader_gets_its_next_frame_as_it_is_published(clients: list[i
             assert c2.engine.records_heard - heard >= (frames - 2) // 2
         else:  # the first frame's wait and the end's, not one per frame
             assert c2.engine.records_heard == heard and len(asked) <= 4, asked
+            # the first frame's wait left a subscription; dropped once frames came straight
+            assert watched[0] is True and not any(watched[2:-1]), watched
 
 
 @pytest.mark.parametrize("offset", [200, 20], ids=["payload", "header"])
@@ -442,14 +451,16 @@ def test_a_group_reader_on_another_node_records_its_position_every_few_frames(
 
 
 def _hybrid_read(name: str, producer: instride.Client, reader_client: instride.Client,
-                 frames: int = 14) -> instride.Stream:
+                 frames: int = 14, **kw: Any) -> instride.Stream:
     """A ``spin="auto"`` reader (on ``reader_client``'s node) of ``frames`` frames appended
     40 ms apart on ``producer``'s node: every frame exact, in order, windows polled. Returns
-    the reader, still open."""
+    the reader, still open. ``kw``: the producer's retention (with ``groups``: the reader reads
+    as the first group)."""
     pos = np.random.default_rng(5).random((3000, 3)).astype(np.float32)
-    reader = instride.Stream(name, timeout=20, client=reader_client, spin="auto")
+    group = kw["groups"][0] if "groups" in kw else None
+    reader = instride.Stream(name, timeout=20, client=reader_client, spin="auto", group=group)
     thread, got, errors = _read_in_thread(reader, pos)
-    with instride.Stream(name, mode="w", client=producer) as s:
+    with instride.Stream(name, mode="w", client=producer, **kw) as s:
         for i in range(frames):
             time.sleep(0.04)
             s.append(pos + i, step=i)
@@ -469,6 +480,59 @@ def test_a_hybrid_polling_reader_on_another_node_learns_the_cadence_from_publica
     reader = _hybrid_read("hyb/run", c1, c2)
     assert reader._cadence is not None and reader._cadence.window(14) is not None
     reader.close()
+
+
+def test_a_hybrid_polling_group_reader_on_another_node_learns_the_cadence_from_the_owners_stamps(
+        clients: list[instride.Client]) -> None:
+    """The same for a bounded stream's group reader, which receives into its inbox and asks
+    Redis nothing per frame: the publication times come with the frames, from the owner's data
+    server (the producer stamps each frame file as it publishes it)."""
+    c1, c2, _ = clients
+    reader = _hybrid_read("hybg/run", c1, c2, retain=4, groups=["g"])
+    cadence = reader._cadence
+    assert cadence is not None and cadence._published  # (publication times, not arrivals)
+    assert 0.03 < statistics.median(cadence._gaps) < 0.06  # (frames 40 ms apart)
+    assert c2.engine.early_transfers >= 10
+    reader.close()
+
+
+def test_a_group_reader_on_another_node_takes_frames_larger_than_its_inbox_buffer(
+        clients: list[instride.Client]) -> None:
+    """Frames that grow (more atoms each time) do not fit the memory the reader's inbox mapped
+    for the last one: they arrive through the inbox file instead, checked all the same."""
+    c1, c2, _ = clients
+    rng = np.random.default_rng(4)
+    frames = [rng.random((1000 * (i + 1), 3)).astype(np.float32) for i in range(8)]
+    reader = instride.Stream("grow/run", timeout=20, client=c2, group="g")
+    transport = c2.engine.transport
+    through_file: list[int] = []
+    to_file = transport._stream_to_file  # type: ignore[attr-defined]
+
+    def spied(*args: Any, **kw: Any) -> str:
+        through_file.append(args[2])
+        return to_file(*args, **kw)  # type: ignore[no-any-return]
+
+    transport._stream_to_file = spied  # type: ignore[attr-defined]
+    got: list[np.ndarray] = []
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            got.extend(np.array(frame.positions) for frame in reader)
+        except BaseException as exc:  # noqa: BLE001 (re-raised by the test)
+            errors.append(exc)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    with instride.Stream("grow/run", mode="w", retain=4, groups=["g"], client=c1) as producer:
+        for i, pos in enumerate(frames):
+            time.sleep(0.03)
+            producer.append(pos, step=i)
+    thread.join(60)
+    assert not thread.is_alive() and errors == []
+    assert len(got) == len(frames) and all(np.array_equal(a, b) for a, b in zip(got, frames, strict=True))
+    assert c2.engine.early_transfers >= 6
+    assert len(through_file) >= 4  # (the inbox's memory was too small for those)
 
 
 def test_a_hybrid_polling_reader_on_the_producers_node_polls_for_the_next_file(

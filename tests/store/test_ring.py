@@ -69,6 +69,32 @@ def test_a_frame_is_retired_even_when_the_pool_directory_was_removed(tmp_path: P
     pool.close()
 
 
+def test_a_published_frame_carries_its_publication_time_to_the_nanosecond(tmp_path: Path) -> None:
+    """Both ways of publishing (encoded and renamed in one native call, or renamed from Python)
+    stamp the file's modification time with the moment of publication: a data server reports
+    it to readers on other nodes, and the kernel's own stamps lag by up to a clock tick."""
+    from instride.frames import frame_size, native_frame
+
+    pool = SlotPool(tmp_path / "pool", recycle=True)
+    pos = np.zeros((100, 3), dtype=np.float32)
+    for i in range(6):
+        slot = pool.take(frame_size(100, "xyz32"))
+        os.write(slot.fd, b"x")  # (its times set now, by the kernel)
+        time.sleep(0.02)
+        before = time.time_ns()
+        if i % 2:
+            slot.mm[:] = b"x" * len(slot.mm)
+            pool.publish(slot, str(tmp_path / f"k{i}"), f"k{i}", overwrite=False, fsync=False)
+        else:
+            frame = native_frame(pos, step=i, time=0.0, box=None, layout="xyz32", ids=None)
+            assert frame is not None
+            assert pool.write_and_publish(slot, frame, os.fsencode(tmp_path / f"k{i}"),
+                                          overwrite=False, fsync=False)
+        after = time.time_ns()
+        assert before <= os.stat(tmp_path / f"k{i}").st_mtime_ns <= after, i
+    pool.close()
+
+
 def test_held_file_is_never_rewritten(tmp_path: Path) -> None:
     pool = SlotPool(tmp_path / "pool", recycle=True)
     leases = Leases()

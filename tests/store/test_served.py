@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,6 +33,45 @@ def test_only_regular_files_inside_the_directory_are_served(tmp_path: Path) -> N
     with pytest.raises(KeyNotFoundError) as info:
         open_served(root, real, "d/absent")
     assert not isinstance(info.value, KeyNotServed)
+
+
+def test_a_served_file_is_held_and_one_being_rewritten_or_renamed_away_is_not_served(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What is sent is held (a shared lock until the descriptor closes: a stream's producer
+    cannot rewrite it meanwhile); a file under an exclusive lock (a producer rewriting a retired
+    frame's file) is not found, nor one whose name names another file by the time it is locked
+    (retired and its key given to nothing, or to another file, since the open)."""
+    root = tmp_path / "m"
+    root.mkdir()
+    (root / "f").write_bytes(b"frame")
+    real = os.path.realpath(root)
+    fd, _ = open_served(root, real, "f")
+    try:
+        other = os.open(root / "f", os.O_RDONLY)
+        with pytest.raises(BlockingIOError):  # held: no exclusive lock while it is sent
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(other)
+    finally:
+        os.close(fd)
+    writer = os.open(root / "f", os.O_RDWR)
+    fcntl.flock(writer, fcntl.LOCK_EX)
+    with pytest.raises(KeyNotFoundError):
+        open_served(root, real, "f")
+    os.close(writer)
+    fd, _ = open_served(root, real, "f")  # (released: served again)
+    os.close(fd)
+    # renamed away between the open and the lock: the name now names another file
+    opened = os.open
+
+    def open_then_replace(path: Any, flags: int, *args: Any) -> int:
+        got = opened(path, flags, *args)
+        os.rename(root / "f", root / "retired")
+        (root / "f").write_bytes(b"other")
+        return got
+
+    monkeypatch.setattr(os, "open", open_then_replace)
+    with pytest.raises(KeyNotFoundError):
+        open_served(root, real, "f")
 
 
 def test_check_real_names_the_reason() -> None:

@@ -8,6 +8,7 @@ their own): authentication, key validation, malformed input, what is served, res
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -468,13 +469,14 @@ def test_a_fetch_into_memory_lands_there_or_in_the_file_when_it_does_not_fit(
 
 def test_a_fetch_when_published_says_when_the_file_got_its_name_and_digests_from_an_offset(
         nodes: list[LoopbackNode], tmp_path: Path) -> None:
-    """``published``: the owner's file's status change time (its rename into place), as its
-    server reports it; ``digest_from``: the digest leaves out the bytes before it (a frame's
-    header), received into memory or into the file alike."""
+    """``published``: the owner's file's modification time (a stream's producer stamps it as it
+    publishes), as its server reports it; ``digest_from``: the digest leaves out the bytes
+    before it (a frame's header), received into memory or into the file alike."""
     n1, n2 = nodes[0], nodes[1]
     data = os.urandom(300_000)
     like = put(n1, "pub/a", data)
-    ctime = os.stat(n1.dir / "pub" / "a").st_ctime
+    ctime = time.time() - 3.25  # (the file's stamp: to the µs in the reply)
+    os.utime(n1.dir / "pub" / "a", (ctime, ctime))
     transport = _transport(n2)
     fd = os.open(tmp_path / "a", os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -483,11 +485,35 @@ def test_a_fetch_when_published_says_when_the_file_got_its_name_and_digests_from
                                                  digest_from=128)
             assert got is not None
             assert got.size == len(data) and got.digest == xxhash.xxh3_64_hexdigest(data[128:])
-            assert got.published == pytest.approx(ctime, abs=1e-5)
+            assert got.published == pytest.approx(ctime, abs=2e-6)
         assert (tmp_path / "a").read_bytes() == data
     finally:
         os.close(fd)
         transport.close()
+
+
+def test_a_file_being_rewritten_is_not_served_until_its_writer_lets_go(
+        nodes: list[LoopbackNode], tmp_path: Path) -> None:
+    """The owner's server holds what it sends (shared lock) and serves nothing under an
+    exclusive lock — a stream's producer rewriting a retired frame's file: a held fetch gets
+    "not found" at the end of its wait (the name never named a whole file meanwhile), a plain
+    fetch at once; released, the file is served."""
+    n1, n2 = nodes[0], nodes[1]
+    like = put(n1, "rw/a", b"whole frame")
+    writer = os.open(n1.dir / "rw" / "a", os.O_RDWR)
+    transport = _transport(n2)
+    fd = os.open(tmp_path / "a", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(writer, fcntl.LOCK_EX)
+        assert transport.fetch_when_published(like, "rw/a", fd, 0.3) is None
+        fcntl.flock(writer, fcntl.LOCK_UN)
+        got = transport.fetch_when_published(like, "rw/a", fd, 5.0)
+        assert got is not None and got.size == len(b"whole frame")
+    finally:
+        os.close(fd)
+        os.close(writer)
+        transport.close()
+    no_traceback(n1)
 
 
 def test_a_reply_for_another_key_than_the_one_asked_ahead_is_refused(

@@ -40,9 +40,9 @@ class _Running:
         return reply, body
 
     def ctime(self) -> object:
-        """The served file's status change time, as a reply's ``published`` (µs: the C engine
+        """The served file's modification time, as a reply's ``published`` (µs: the C engine
         prints it so)."""
-        return pytest.approx(os.stat(self.root / "k" / "a.bin").st_ctime, abs=1e-5)
+        return pytest.approx(os.stat(self.root / "k" / "a.bin").st_mtime, abs=2e-6)
 
     def stop(self) -> None:
         self.loop.run_until_complete(self.server.stop(1.0))
@@ -58,6 +58,19 @@ def running(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[_Running
         yield node
     finally:
         node.stop()
+
+
+def test_a_library_of_another_calling_convention_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``libinstride_tcp.so`` left from an older build (its functions take other arguments) is
+    refused with a typed error saying what to do, never called."""
+    from instride.errors import ConfigError
+    from instride.transport.tcp import engine
+
+    other = engine.library_path().with_name("libinstride_local.so")  # (no isc_abi at all)
+    monkeypatch.setattr(engine, "_lib", None)
+    monkeypatch.setattr(engine, "library_path", lambda: other)
+    with pytest.raises(ConfigError, match="another version of instride.*reinstall"):
+        engine.load_library()
 
 
 def test_signed_fetch_is_served_by_the_engine_alone(running: _Running,

@@ -501,7 +501,8 @@ class ClusterEngine:
                                until: str | None = None,
                                window: tuple[float, float] | None = None,
                                into: memoryview | None = None,
-                               ahead: int = 0, digest_from: int = 0) -> Received | None:
+                               ahead: int = 0, digest_from: int = 0,
+                               unwatch: bool = False) -> Received | None:
         """:meth:`fetch_when_published` into the caller's memory ``into`` (when the frame fits;
         else into ``fd``, from its offset) instead of a fetched copy, checked by the caller
         instead of against the key's record: nothing is stored on this node, and nothing is
@@ -509,10 +510,11 @@ class ClusterEngine:
         moves on (:mod:`~instride.store.inbox`) and checks each frame by the checksums the
         frame file carries itself (``digest_from``: the digest leaves out the bytes before
         that offset, the frame's header; ``check`` compares). Such a reader needs no
-        announcements of the stream's frames: this thread's kept subscription to the key's
-        directory, left by a wait there, is dropped (Redis stops sending them). ``ahead``: the
-        owner may send that many next frames too, each as it is published (the reader's next
-        calls then send no request; see the transport's ``fetch_when_published``).
+        announcements of the stream's frames: with ``unwatch`` (the reader's first such call
+        after a wait through the metadata), this thread's kept subscription to the key's
+        directory, which that wait left, is dropped, and Redis stops sending them. ``ahead``:
+        the owner may send that many next frames too, each as it is published (the reader's
+        next calls then send no request; see the transport's ``fetch_when_published``).
 
         Returns
         -------
@@ -525,13 +527,17 @@ class ClusterEngine:
         fetch = getattr(self.transport, "fetch_when_published", None)
         if fetch is None:
             return None
-        self.metadata.unwatch(key.rpartition("/")[0] + "/")
+        if unwatch:
+            self.metadata.unwatch(key.rpartition("/")[0] + "/")
         try:
             got = fetch(like, key, fd, wait, until, None,
                         **_options(window, into, ahead, digest_from))
         except (InstrideError, OSError):
             return None  # (as for a fetched copy: the usual way sorts it out, or says what)
-        if got is None or not check(got):
+        if got is None:
+            return None
+        if not check(got):  # (the frames asked for ahead with it are not wanted either: the
+            self.drop_ahead()  # usual way fetches this one, and asks again after it)
             return None
         self.transfers += 1
         self.early_transfers += 1

@@ -8,6 +8,7 @@ a file whose resolved path is outside the managed directory. Hard links are not 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
 from pathlib import Path
@@ -39,6 +40,12 @@ def check_real(root_real: str, key: str, real: str) -> None:
 def open_served(root: Path, root_real: str, key: str) -> tuple[int, os.stat_result]:
     """Open ``key`` for sending: a regular file, no symlink, inside the managed directory.
 
+    The file is held (a shared ``flock``, until the descriptor is closed) once its name is seen
+    to still name it, as the C engine holds what it serves: a stream's producer rewrites a
+    retired frame's file only under an exclusive lock, after renaming it away from its key, so
+    what is sent is the frame published under ``key``. A file being rewritten, or renamed away
+    since the open, is not found.
+
     Returns
     -------
     (int, os.stat_result)
@@ -68,6 +75,13 @@ def open_served(root: Path, root_real: str, key: str) -> tuple[int, os.stat_resu
         except OSError:
             real = os.path.realpath(path)
         check_real(root_real, key, real)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            named = os.stat(path, follow_symlinks=False)
+        except OSError:
+            raise KeyNotFoundError(key) from None  # (being rewritten, or gone since the open)
+        if (named.st_ino, named.st_dev) != (st.st_ino, st.st_dev):
+            raise KeyNotFoundError(key)  # (another file has the name now)
     except BaseException:
         os.close(fd)
         raise

@@ -13,11 +13,11 @@ Every transfer is authenticated (an HMAC of the job token, ``INSTRIDE_TOKEN``) a
 <instride.record.Record.verify>`) before the file is published locally; a failed, refused or
 short transfer leaves nothing at the destination.
 
-A client half may also offer ``fetch_when_published(owner, key, fd, wait, until, on_reply)``
-(the TCP transport does): the owner holds the fetch until the key is published there, so a
-stream's reader can ask for its next frame before it exists (see
-:meth:`instride.engine.cluster.ClusterEngine.fetch_when_published`); it returns what it
-received as a :class:`Received`. It is optional; the
+A client half may also offer ``fetch_when_published(owner, key, fd, wait, until, on_reply,
+window=, into=, ahead=, digest_from=)`` (the TCP transport does): the owner holds the fetch
+until the key is published there, so a stream's reader can ask for its next frame before it
+exists (see :meth:`instride.engine.cluster.ClusterEngine.fetch_when_published`); it returns
+what it received as a :class:`Received`. It is optional; the
 cluster engine looks for it and waits the usual way without it. Its two halves,
 ``ask_when_published(owner, key, wait, until)`` (send; returns the socket the reply comes on)
 and ``receive_asked(sock, owner, key, fd, wait)``, let a waiter poll that socket beside another
@@ -50,8 +50,9 @@ class Received(NamedTuple):
     size: int
     #: xxh3-64 hex digest of the bytes from ``digest_from`` on (all of them by default).
     digest: str
-    #: When the owner's file got its name (seconds since the epoch, the owner's clock), where
-    #: the owner said; a stream's reader learns its producer's cadence from it.
+    #: When the key was published (seconds since the epoch, the owner's clock: the file's
+    #: modification time, which a stream's producer stamps as it publishes a frame), where the
+    #: owner said; a stream's reader learns its producer's cadence from it.
     published: float | None = None
 
 

@@ -302,7 +302,8 @@ class TcpTransport:
         The owner's data server holds the request up to ``wait`` seconds for a key that is not
         there yet (a stream's next frame), then sends it like any fetch: no metadata round
         trip and no separate request on the frame's path. The bytes are not verified here —
-        the key's record may not even exist yet; the caller looks it up and compares.
+        the key's record may not even exist yet: the caller compares them with the record, or
+        checks a frame by its own checksums (``digest_from``).
 
         Parameters
         ----------
@@ -340,14 +341,19 @@ class TcpTransport:
         -------
         Received or None
             The size, the xxh3 hex digest (from ``digest_from`` on) and the publication time
-            (the owner's file's status change time, as its server reports it) of the bytes
-            received, or ``None`` when the key was not published there within ``wait`` (or
-            something else appeared beside it, or ``until`` is there).
+            (the owner's file's modification time, which a stream's producer stamps as it
+            publishes a frame) of the bytes received, or ``None`` when the key was not
+            published there within ``wait`` (or something else appeared beside it, or
+            ``until`` is there).
 
         Raises
         ------
         TransferError
             The owner's reply names another key, or the body broke off.
+        PeerUnavailable
+            The owner cannot be reached, or sent no valid reply.
+        AuthenticationError
+            The owner refused the job token.
         """
         hint = _hint(owner, key)
         batches = self._batches()
@@ -364,7 +370,7 @@ class TcpTransport:
                                             count=1 + len(rest) if rest else None)
         except KeyNotFoundError:
             return None  # (the last the owner sends for a request: the connection is free)
-        if reply.get("key", key) != key:  # (an ahead batch out of step: never trusted)
+        if reply.get("key") != key:  # (an ahead batch out of step: never trusted)
             sock.close()
             raise TransferError(key, f"{owner.node or owner.owner} sent {reply.get('key')!r}")
         size, digest = self._body(sock, reply, hint, fd, on_reply, into, keep=not rest,

@@ -12,8 +12,11 @@ import ctypes
 import threading
 from pathlib import Path
 
+from ...errors import ConfigError
 from ..base import open_engine
 
+#: The calling convention of ``csrc/tcp/recv.c`` this binding speaks (its ``isc_abi()``).
+ABI = 2
 INSTALL_HINT = ("install OpenSSL's and xxhash's headers (Debian: apt-get install libssl-dev "
                 "libxxhash-dev) and reinstall "
                 "instride (pip install -e .) so that libinstride_tcp.so is built")
@@ -56,6 +59,12 @@ def load_library() -> ctypes.CDLL:
             return _lib
         lib = open_engine(library_path(), "tcp", "the tcp transport's C engine was not built",
                           INSTALL_HINT)
+        abi = getattr(lib, "isc_abi", None)
+        if abi is None or abi() != ABI:  # (a library left from an older build)
+            raise ConfigError("INSTRIDE_TRANSPORT", "tcp",
+                              f"{library_path()} is from another version of instride (calling "
+                              f"convention {abi() if abi else 1}, not {ABI}): reinstall "
+                              "instride (pip install -e .) so that it is built again")
         vp, cp, sz, i = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int
         lib.iss_start.restype = i
         lib.iss_start.argtypes = [cp, i, cp, cp, sz, i, i, i, i, ctypes.c_double, DECIDE, LOG, vp,

@@ -251,8 +251,8 @@ class TcpServer:
             os.close(fd)
             return _error("KeyNotFoundError", "not published in time"), None, 0, True
         log.debug("sending %s (%d bytes) to %s", key, st.st_size, peer)
-        # "published": when the file got its name (see fetch_when_published), as the C engine says
-        reply = {"ok": True, "key": key, "size": st.st_size, "published": st.st_ctime}
+        # "published": when its producer published it (its stamp), as the C engine says
+        reply = {"ok": True, "key": key, "size": st.st_size, "published": st.st_mtime}
         return reply, fd, st.st_size, True
 
     def _decide_c(self, _ctx: Any, hdr: int, length: int, peer: bytes, reply: int, cap: int,
