@@ -10,7 +10,10 @@ for both (``/proc/stat``). Alternate two trees (``PYTHONPATH=<other tree>/src``)
 this VM's speed drifts by tens of percent over minutes. Needs root, iproute2 and redis-server
 (``make test`` installs them).
 
-Usage: ``python benchmarks/probe_pairs.py [--frames N] [--rounds R]``
+``--unbounded``: the bench's first 8-pairs row instead (unbounded streams, consumers waiting
+for and consuming each key into a kept copy).
+
+Usage: ``python benchmarks/probe_pairs.py [--frames N] [--rounds R] [--unbounded]``
 """
 
 from __future__ import annotations
