@@ -564,7 +564,9 @@ static int open_key(server *s, conn *c, const request *r, int64_t *size, double 
     if (fd < 0)
         return -2;
     struct stat st, named;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || flock(fd, LOCK_SH | LOCK_NB) != 0 ||
+    /* (a file system without flock, ENOLCK or EOPNOTSUPP: served unheld, the name check stays) */
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
+        (flock(fd, LOCK_SH | LOCK_NB) != 0 && (errno == EWOULDBLOCK || errno == EINTR)) ||
         fstatat(s->rootfd, r->key, &named, AT_SYMLINK_NOFOLLOW) != 0 ||
         named.st_ino != st.st_ino || named.st_dev != st.st_dev) {
         close(fd); /* (being rewritten, or renamed away since the open: not that key's now) */

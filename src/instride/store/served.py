@@ -77,9 +77,14 @@ def open_served(root: Path, root_real: str, key: str) -> tuple[int, os.stat_resu
         check_real(root_real, key, real)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except (BlockingIOError, InterruptedError):
+            raise KeyNotFoundError(key) from None  # (being rewritten)
+        except OSError:
+            pass  # (a file system without flock: served unheld, the name check stays)
+        try:
             named = os.stat(path, follow_symlinks=False)
         except OSError:
-            raise KeyNotFoundError(key) from None  # (being rewritten, or gone since the open)
+            raise KeyNotFoundError(key) from None  # (gone since the open)
         if (named.st_ino, named.st_dev) != (st.st_ino, st.st_dev):
             raise KeyNotFoundError(key)  # (another file has the name now)
     except BaseException:
