@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "../common/ins_xxh.h"
+#include "tcp.h"
 
 #define ISC_API __attribute__((visibility("default")))
 /* Bytes taken from the socket per recv: each piece is hashed and written while it is still in
@@ -27,10 +28,7 @@
 
 enum { ISC_AT_RECV = 0, ISC_AT_WRITE = 1 };
 
-/* The calling convention of this file's functions, checked by the Python binding: a library
- * left from an older build would take its arguments as others (2: hash_from added). */
-#define ISC_ABI 2
-
+/* The library's calling convention (ISC_ABI, tcp.h), checked by the Python binding. */
 ISC_API int isc_abi(void) {
     return ISC_ABI;
 }

@@ -572,8 +572,9 @@ static int open_key(server *s, conn *c, const request *r, int64_t *size, double 
         close(fd); /* (being rewritten, or renamed away since the open: not that key's now) */
         return -2;
     }
-    *size = (int64_t)st.st_size;
-    *published = (double)st.st_mtim.tv_sec + (double)st.st_mtim.tv_nsec * 1e-9;
+    /* (from the look under the lock: the file cannot change from here on) */
+    *size = (int64_t)named.st_size;
+    *published = (double)named.st_mtim.tv_sec + (double)named.st_mtim.tv_nsec * 1e-9;
     return fd;
 }
 

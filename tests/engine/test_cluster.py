@@ -425,8 +425,46 @@ def test_a_remote_group_reader_refuses_a_frame_whose_bytes_are_not_its_own(
             assert c2.engine.early_transfers >= 2  # (frames 1 and 2 into the inbox)
             with pytest.raises(IntegrityError, match="frame_000000003"):
                 reader.read(3)
+            # the frames asked for ahead with the refused one were let go (none pending), and
+            # the reader goes on with the next frame
+            assert not c2.engine.transport._batches()  # type: ignore[attr-defined]
+            frame = reader.read(4)
+            assert np.array_equal(frame.positions, pos + 4)
+            frame.release()
         finally:
             reader.close()
+
+
+def test_a_remote_group_reader_drops_the_announcements_again_after_a_wait_through_redis(
+        clients: list[instride.Client]) -> None:
+    """A pause of the producer longer than the reader's held request: the reader waits through
+    Redis (which subscribes it to the stream's announcements again), then receives frames
+    straight from the owner again — and drops the subscription again. Once per wait, not per
+    frame."""
+    c1, c2, _ = clients
+    pos = np.random.default_rng(8).random((2000, 3)).astype(np.float32)
+    metadata = c2.engine.metadata
+    unwatched: list[str] = []
+    unwatch = metadata.unwatch
+
+    def counted(prefix: str) -> None:
+        unwatched.append(prefix)
+        unwatch(prefix)
+
+    metadata.unwatch = counted  # type: ignore[method-assign]
+    reader = instride.Stream("pause/run", timeout=20, client=c2, group="g")
+    watched: list[object] = []
+    thread, got, errors = _read_in_thread(reader, pos, lambda: metadata.watching("pause/run/"),
+                                          watched)
+    with instride.Stream("pause/run", mode="w", retain=4, groups=["g"], client=c1) as producer:
+        for i in range(12):
+            time.sleep(0.8 if i == 5 else 0.03)  # (longer than a held request's 0.5 s)
+            producer.append(pos + i, step=i)
+    thread.join(60)
+    assert not thread.is_alive() and errors == []
+    assert got == list(range(12))
+    assert watched[0] is True and not any(watched[2:5]) and not any(watched[7:-1]), watched
+    assert 2 <= unwatched.count("pause/run/") <= 4, unwatched
 
 
 def test_a_group_reader_on_another_node_records_its_position_every_few_frames(
@@ -486,7 +524,8 @@ def test_a_hybrid_polling_group_reader_on_another_node_learns_the_cadence_from_t
         clients: list[instride.Client]) -> None:
     """The same for a bounded stream's group reader, which receives into its inbox and asks
     Redis nothing per frame: the publication times come with the frames, from the owner's data
-    server (the producer stamps each frame file as it publishes it)."""
+    server (that they are the producer's exact stamps: tests/store/test_ring.py and
+    tests/transport/test_tcp.py)."""
     c1, c2, _ = clients
     reader = _hybrid_read("hybg/run", c1, c2, retain=4, groups=["g"])
     cadence = reader._cadence

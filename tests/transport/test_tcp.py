@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -467,7 +468,7 @@ def test_a_fetch_into_memory_lands_there_or_in_the_file_when_it_does_not_fit(
         transport.close()
 
 
-def test_a_fetch_when_published_says_when_the_file_got_its_name_and_digests_from_an_offset(
+def test_a_fetch_when_published_says_when_the_key_was_published_and_digests_from_an_offset(
         nodes: list[LoopbackNode], tmp_path: Path) -> None:
     """``published``: the owner's file's modification time (a stream's producer stamps it as it
     publishes), as its server reports it; ``digest_from``: the digest leaves out the bytes
@@ -475,8 +476,8 @@ def test_a_fetch_when_published_says_when_the_file_got_its_name_and_digests_from
     n1, n2 = nodes[0], nodes[1]
     data = os.urandom(300_000)
     like = put(n1, "pub/a", data)
-    ctime = time.time() - 3.25  # (the file's stamp: to the µs in the reply)
-    os.utime(n1.dir / "pub" / "a", (ctime, ctime))
+    stamp = time.time() - 3.25  # (the file's stamp: to the µs in the reply)
+    os.utime(n1.dir / "pub" / "a", (stamp, stamp))
     transport = _transport(n2)
     fd = os.open(tmp_path / "a", os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -485,7 +486,7 @@ def test_a_fetch_when_published_says_when_the_file_got_its_name_and_digests_from
                                                  digest_from=128)
             assert got is not None
             assert got.size == len(data) and got.digest == xxhash.xxh3_64_hexdigest(data[128:])
-            assert got.published == pytest.approx(ctime, abs=2e-6)
+            assert got.published == pytest.approx(stamp, abs=2e-6)
         assert (tmp_path / "a").read_bytes() == data
     finally:
         os.close(fd)
@@ -495,9 +496,8 @@ def test_a_fetch_when_published_says_when_the_file_got_its_name_and_digests_from
 def test_a_file_being_rewritten_is_not_served_until_its_writer_lets_go(
         nodes: list[LoopbackNode], tmp_path: Path) -> None:
     """The owner's server holds what it sends (shared lock) and serves nothing under an
-    exclusive lock — a stream's producer rewriting a retired frame's file: a held fetch gets
-    "not found" at the end of its wait (the name never named a whole file meanwhile), a plain
-    fetch at once; released, the file is served."""
+    exclusive lock — a stream's producer rewriting a retired frame's file: "not found" at once
+    (the C engine refuses it, the Python rules then answer so); released, the file is served."""
     n1, n2 = nodes[0], nodes[1]
     like = put(n1, "rw/a", b"whole frame")
     writer = os.open(n1.dir / "rw" / "a", os.O_RDWR)
@@ -514,6 +514,35 @@ def test_a_file_being_rewritten_is_not_served_until_its_writer_lets_go(
         os.close(writer)
         transport.close()
     no_traceback(n1)
+
+
+def test_a_file_renamed_away_between_the_servers_open_and_its_lock_is_not_sent(
+        own_node: LoopbackNode, nodes: list[LoopbackNode], tmp_path: Path) -> None:
+    """The C engine opens a key, then locks it, then checks the name still names that file: a
+    file renamed away in between (a stream's producer retiring the frame, another file put under
+    the key) is not sent under the key. ``c/swap_probe.c`` does the renaming inside the
+    server's ``flock``; what the key names then (``new``) is served, never what it named."""
+    gcc = shutil.which("gcc")
+    assert gcc is not None, "gcc is required (apt-get install build-essential)"
+    probe = tmp_path / "swap_probe.so"
+    subprocess.run([gcc, "-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-shared", "-fPIC",
+                    "-o", str(probe), str(Path(__file__).resolve().parent / "c" / "swap_probe.c"),
+                    "-ldl"], check=True, capture_output=True, text=True)
+    path = own_node.dir / "sw" / "a"
+    own_node.env.update(LD_PRELOAD=str(probe), SWAP_PROBE_PATH=str(path))
+    own_node.start()
+    like = put(own_node, "sw/a", b"old")
+    transport = _transport(nodes[1])
+    fd = os.open(tmp_path / "a", os.O_RDWR | os.O_CREAT, 0o644)
+    room = bytearray(16)
+    try:
+        got = transport.fetch_when_published(like, "sw/a", fd, 5.0, into=memoryview(room))
+    finally:
+        os.close(fd)
+        transport.close()
+    assert Path(f"{path}.swapped").exists()  # (the probe renamed it inside the server's lock)
+    assert got is not None and bytes(room[: got.size]) == b"new"
+    no_traceback(own_node)
 
 
 def test_a_reply_for_another_key_than_the_one_asked_ahead_is_refused(

@@ -39,7 +39,7 @@ class _Running:
             body = recv_all(s, reply["size"]) if reply.get("ok") and "size" in reply else b""
         return reply, body
 
-    def ctime(self) -> object:
+    def mtime(self) -> object:
         """The served file's modification time, as a reply's ``published`` (µs: the C engine
         prints it so)."""
         return pytest.approx(os.stat(self.root / "k" / "a.bin").st_mtime, abs=2e-6)
@@ -77,7 +77,7 @@ def test_signed_fetch_is_served_by_the_engine_alone(running: _Running,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="instride.server")
     reply, body = running.ask(wire.pack(wire.sign(running.token, "fetch", "k/a.bin")))
-    assert reply == {"ok": True, "key": "k/a.bin", "size": 3000, "published": running.ctime()} \
+    assert reply == {"ok": True, "key": "k/a.bin", "size": 3000, "published": running.mtime()} \
         and body == b"abc" * 1000
     assert not [r for r in caplog.records if "sending" in r.getMessage()]  # not handed to Python
     # the engine counts a transfer after its last byte left, which can be just after the asker
@@ -124,7 +124,7 @@ def test_engine_declines_what_python_refuses(running: _Running, tmp_path: Path) 
         reply, body = running.ask(wire.pack(wire.sign(running.token, "fetch", key)))
         if not err:
             assert reply == {"ok": True, "key": "k/a.bin", "size": 3000,
-                             "published": running.ctime()} and body == b"abc" * 1000
+                             "published": running.mtime()} and body == b"abc" * 1000
             continue
         assert reply["error"] == err and text in reply["message"], (key, reply)
         assert not body

@@ -49,7 +49,8 @@ def open_served(root: Path, root_real: str, key: str) -> tuple[int, os.stat_resu
     Returns
     -------
     (int, os.stat_result)
-        An open read-only descriptor (the caller closes it) and its ``fstat``.
+        An open read-only descriptor (the caller closes it, which lets go of the file) and
+        its status, looked at under the lock.
 
     Raises
     ------
@@ -90,7 +91,7 @@ def open_served(root: Path, root_real: str, key: str) -> tuple[int, os.stat_resu
     except BaseException:
         os.close(fd)
         raise
-    return fd, st
+    return fd, named  # (looked at under the lock: its size and times hold from here on)
 
 
 __all__ = ["check_real", "open_served"]

@@ -15,7 +15,8 @@ from pathlib import Path
 from ...errors import ConfigError
 from ..base import open_engine
 
-#: The calling convention of ``csrc/tcp/recv.c`` this binding speaks (its ``isc_abi()``).
+#: The calling convention of the library's exported functions this binding speaks (its
+#: ``isc_abi()``, ``ISC_ABI`` in ``csrc/tcp/tcp.h``: bumped with any exported signature change).
 ABI = 2
 INSTALL_HINT = ("install OpenSSL's and xxhash's headers (Debian: apt-get install libssl-dev "
                 "libxxhash-dev) and reinstall "
