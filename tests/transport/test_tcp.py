@@ -545,6 +545,33 @@ def test_a_file_renamed_away_between_the_servers_open_and_its_lock_is_not_sent(
     no_traceback(own_node)
 
 
+def test_what_was_asked_ahead_of_one_owner_is_dropped_alone(
+        nodes: list[LoopbackNode], tmp_path: Path) -> None:
+    """``drop_ahead(owner)`` (a reader refused a frame of that owner) closes that owner's batch
+    only; a batch asked of another owner on the same thread goes on."""
+    n1, n2, n3 = nodes
+    likes = [put(n, f"do{n.index}/frame_000000000.isf", b"zero") for n in (n1, n3)]
+    for n in (n1, n3):
+        put(n, f"do{n.index}/frame_000000001.isf", b"one")
+    transport = _transport(n2)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
+    before = stats(n3)["peers"]
+    try:
+        room = memoryview(bytearray(100))
+        for like, n in zip(likes, (n1, n3), strict=True):
+            got = transport.fetch_when_published(like, f"do{n.index}/frame_000000001.isf", fd,
+                                                 30.0, into=room, ahead=3)
+            assert got is not None and got.size == 3
+        assert set(transport._batches()) == {n1.addr, n3.addr}
+        transport.drop_ahead(n1.addr)
+        assert set(transport._batches()) == {n3.addr}
+        until(lambda: stats(n1)["peers"] == 0, 10, "the dropped batch's connection closed")
+        assert stats(n3)["peers"] == before + 1  # (the other one still held there)
+    finally:
+        os.close(fd)
+        transport.close()
+
+
 def test_a_reply_for_another_key_than_the_one_asked_ahead_is_refused(
         nodes: list[LoopbackNode], tmp_path: Path) -> None:
     """A batch asked for ahead whose replies are out of step with the keys the caller asks for

@@ -537,17 +537,20 @@ class ClusterEngine:
         if got is None:
             return None
         if not check(got):  # (the frames asked for ahead with it are not wanted either: the
-            self.drop_ahead()  # usual way fetches this one, and asks again after it)
+            self.drop_ahead(like.owner)  # usual way fetches this one, and asks again after it)
             return None
         self.transfers += 1
         self.early_transfers += 1
         return got  # type: ignore[no-any-return]
 
-    def drop_ahead(self) -> None:
-        """Drop the frames this thread asked for ahead (a stream's reader closes)."""
+    def drop_ahead(self, owner: str | None = None) -> None:
+        """Drop the frames this thread asked for ahead (a stream's reader closes), of
+        ``owner`` (its address) alone when given."""
         drop = getattr(self.transport, "drop_ahead", None)
-        if drop is not None:
+        if drop is not None and owner is None:
             drop()
+        elif drop is not None:
+            drop(owner)
 
     def _wait_early(self, keys: Sequence[str], timeout: float | None) -> Record | None:
         """:meth:`wait_any` for a consumer walking numbered keys (a stream's frames) that

@@ -380,13 +380,15 @@ class TcpTransport:
         published = reply.get("published")
         return Received(size, digest, float(published) if isinstance(published, int | float) else None)
 
-    def drop_ahead(self) -> None:
-        """Drop what this thread asked for ahead (:meth:`fetch_when_published`'s ``ahead``):
-        the connections are closed, so the owners stop sending (a stream's reader that stops)."""
+    def drop_ahead(self, owner: str | None = None) -> None:
+        """Drop what this thread asked for ahead (:meth:`fetch_when_published`'s ``ahead``) —
+        of ``owner`` (its address) alone, when given: the connections are closed, so the owners
+        stop sending (a stream's reader that stops, or that refused a frame)."""
         batches = self._batches()
-        for sock, _rest in batches.values():
-            sock.close()
-        batches.clear()
+        for name in [owner] if owner is not None else list(batches):
+            got = batches.pop(name, None)
+            if got is not None:
+                got[0].close()
 
     def _batches(self) -> dict[str, tuple[socket.socket, list[str]]]:
         """This thread's connections on which keys were asked for ahead: owner -> (socket,
