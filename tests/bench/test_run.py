@@ -130,15 +130,19 @@ def test_wait_beyond_timeout_fails_the_run(backend: str, tmp_path: Path) -> None
     # barrier (localfs) gives up, its rank fails, and the run fails with a typed error
     cfg = RunConfig(atoms=500, frames=2, pairs=1, backend=backend, time_scale=1.0, timeout=0.2,
                     workdir=str(tmp_path / "work"))
-    before = set(Path("/dev/shm").glob("mpich_shm_*"))
+    from instride.bench.workflow_run import segments_in_use
+
+    def leftovers() -> set[str]:  # (MPICH's segments, Hydra's topology files: always in /tmp)
+        return {str(p) for p in [*Path("/dev/shm").glob("mpich_shm_*"),
+                                 *Path("/tmp").glob("hydra_hwloc_xmlfile_*")]}
+
+    before = leftovers()
     with pytest.raises(BenchRunError, match="mpiexec exited") as info:
         run(cfg, tmp_path / "out", progress=False)
     assert "Timeout" in str(info.value)
-    # the aborted job's shared-memory segments are gone too (others' live jobs may add theirs)
-    from instride.bench.workflow_run import segments_in_use
-
-    new = {p.name for p in set(Path("/dev/shm").glob("mpich_shm_*")) - before}
-    assert new - segments_in_use(new) == set()
+    # what the aborted job left is gone too (others' live jobs may add theirs)
+    new = leftovers() - before
+    assert new - segments_in_use(new) == set(), new
 
 
 def test_cli_run_and_tiny_study(tmp_path: Path) -> None:

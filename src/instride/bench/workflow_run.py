@@ -312,23 +312,30 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.wait(5)
 
 
-_SHM = Path("/dev/shm")
+#: What an aborted MPICH job leaves behind (``MPI_Abort``, or a killed ``mpiexec``, skips the
+#: clean-up): its ranks' shared-memory segments, and the topology file Hydra (``mpiexec``)
+#: writes for its proxies — always under ``/tmp``, whatever ``TMPDIR`` says.
+_LEFTOVERS = ((Path("/dev/shm"), "mpich_shm_*"), (Path("/tmp"), "hydra_hwloc_xmlfile_*"))
 
 
 def mpich_segments() -> set[str]:
-    try:
-        return {p.name for p in _SHM.glob("mpich_shm_*")}
-    except OSError:
-        return set()
+    """The paths of MPICH's shared-memory segments and Hydra's topology files now there."""
+    found: set[str] = set()
+    for where, pattern in _LEFTOVERS:
+        with contextlib.suppress(OSError):
+            found.update(str(p) for p in where.glob(pattern))
+    return found
 
 
-def segments_in_use(names: set[str]) -> set[str]:
-    """The MPICH shared-memory segments among ``names`` that a live process has open or mapped.
+def segments_in_use(paths: set[str]) -> set[str]:
+    """The files among ``paths`` (see :func:`mpich_segments`) that a live process has open or
+    mapped.
 
     Parameters
     ----------
-    names
-        Segment names under ``/dev/shm`` (``mpich_shm_*``).
+    paths
+        Absolute paths of MPICH segments (``/dev/shm/mpich_shm_*``) or Hydra topology files
+        (``/tmp/hydra_hwloc_xmlfile_*``).
 
     Returns
     -------
@@ -343,28 +350,30 @@ def segments_in_use(names: set[str]) -> set[str]:
             for fd in (proc / "fd").iterdir():
                 with contextlib.suppress(OSError):
                     target = os.readlink(fd)
-                    if target.startswith("/dev/shm/mpich_shm_"):
-                        used.add(target.rsplit("/", 1)[1])
+                    if target in paths:
+                        used.add(target)
             maps = (proc / "maps").read_text()
-            used.update(n for n in names if n in maps)
-    return used & names
+            used.update(p for p in paths if p in maps)
+    return used & paths
 
 
 def remove_orphan_segments(before: set[str], settle: float = 5.0) -> None:
-    """Remove the MPICH shared-memory segments an aborted job left behind.
+    """Remove the MPICH shared-memory segments and Hydra topology files an aborted job left
+    behind.
 
-    ``MPI_Abort`` skips the unlink MPICH does at finalize. Only segments that appeared during
-    our run and that no live process has open or mapped are removed. Ranks of the aborted job
-    may still be exiting when ``mpiexec`` has returned: segments still in use are looked at
-    again for up to ``settle`` seconds (another job's live segments stay, however long).
+    ``MPI_Abort`` skips the unlink MPICH does at finalize. Only files that appeared during our
+    run (``before``: :func:`mpich_segments` then) and that no live process has open or mapped
+    are removed. Ranks of the aborted job may still be exiting when ``mpiexec`` has returned:
+    files still in use are looked at again for up to ``settle`` seconds (another job's live
+    files stay, however long).
     """
     new = mpich_segments() - before
     deadline = time.monotonic() + settle
     while True:
         used = segments_in_use(new)
-        for name in new - used:
+        for path in new - used:
             with contextlib.suppress(FileNotFoundError):
-                (_SHM / name).unlink()
+                os.unlink(path)
         new = used
         if not new or time.monotonic() >= deadline:
             return
