@@ -680,16 +680,16 @@ def main() -> None:
         from instride.interception.preload import preload_path
 
         n_keys = 200 if args.quick else 1000
-        work = Path(tempfile.mkdtemp(prefix="instride-bench-ex-"))
-        ex = compile_c(EXCHANGE_C, work / "exchange")
-        shim = {"LD_PRELOAD": str(preload_path())}
-        cons = c.popen(2, [str(ex), "consume", str(c.node(2).dir / "shimlat"), str(n_keys), "0"],
-                       env=shim, stdout=subprocess.PIPE, text=True)
-        time.sleep(0.3)
-        subprocess.run(c.command(1, [str(ex), "produce", str(c.node(1).dir / "shimlat"),
-                                     str(n_keys), "3000"]),
-                       env={**c.node(1).env, **shim}, check=True)
-        out, _ = cons.communicate(timeout=600)
+        with tempfile.TemporaryDirectory(prefix="instride-bench-ex-") as work:
+            ex = compile_c(EXCHANGE_C, Path(work) / "exchange")
+            shim = {"LD_PRELOAD": str(preload_path())}
+            cons = c.popen(2, [str(ex), "consume", str(c.node(2).dir / "shimlat"), str(n_keys),
+                               "0"], env=shim, stdout=subprocess.PIPE, text=True)
+            time.sleep(0.3)
+            subprocess.run(c.command(1, [str(ex), "produce", str(c.node(1).dir / "shimlat"),
+                                         str(n_keys), "3000"]),
+                           env={**c.node(1).env, **shim}, check=True)
+            out, _ = cons.communicate(timeout=600)
         s = summary([int(x) / 1e3 for x in out.split()])
         result["shim_cross_node_latency_us"] = s
         print("\n## preload library across nodes: close() on node1 -> read() returns on node2 (4 KiB)")
