@@ -564,9 +564,11 @@ static int open_key(server *s, conn *c, const request *r, int64_t *size, double 
     if (fd < 0)
         return -2;
     struct stat st, named;
-    /* (a file system without flock, ENOLCK or EOPNOTSUPP: served unheld, the name check stays) */
+    /* (a file system without flock -- ENOLCK, EOPNOTSUPP, EINVAL, ENOSYS: served unheld, the
+     * name check stays, as instride.store.served.NO_FLOCK; any other failure: not served) */
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
-        (flock(fd, LOCK_SH | LOCK_NB) != 0 && (errno == EWOULDBLOCK || errno == EINTR)) ||
+        (flock(fd, LOCK_SH | LOCK_NB) != 0 && errno != ENOLCK && errno != EOPNOTSUPP &&
+         errno != EINVAL && errno != ENOSYS) ||
         fstatat(s->rootfd, r->key, &named, AT_SYMLINK_NOFOLLOW) != 0 ||
         named.st_ino != st.st_ino || named.st_dev != st.st_dev) {
         close(fd); /* (being rewritten, or renamed away since the open: not that key's now) */

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 
 from instride.errors import KeyNotFoundError, KeyNotServed
-from instride.store.served import check_real, open_served
+from instride.store.served import NO_FLOCK, check_real, open_served
 
 
 def test_only_regular_files_inside_the_directory_are_served(tmp_path: Path) -> None:
@@ -72,6 +73,28 @@ def test_a_served_file_is_held_and_one_being_rewritten_or_renamed_away_is_not_se
     monkeypatch.setattr(os, "open", open_then_replace)
     with pytest.raises(KeyNotFoundError):
         open_served(root, real, "f")
+
+
+@pytest.mark.parametrize("err", [errno.ENOLCK, errno.EIO])
+def test_a_file_system_without_locks_serves_unheld_and_another_lock_failure_refuses(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int) -> None:
+    """``flock`` saying the file system has no locks (ENOLCK, EOPNOTSUPP, ...): the file is
+    served unheld, after the name check; any other failure of the lock: refused, with why."""
+    root = tmp_path / "m"
+    root.mkdir()
+    (root / "f").write_bytes(b"frame")
+
+    def no_lock(fd: int, op: int) -> None:
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(fcntl, "flock", no_lock)
+    if err in NO_FLOCK:
+        fd, st = open_served(root, os.path.realpath(root), "f")
+        assert st.st_size == 5 and os.read(fd, 10) == b"frame"
+        os.close(fd)
+    else:
+        with pytest.raises(KeyNotServed, match="cannot be locked"):
+            open_served(root, os.path.realpath(root), "f")
 
 
 def test_check_real_names_the_reason() -> None:

@@ -37,6 +37,10 @@ def check_real(root_real: str, key: str, real: str) -> None:
     raise KeyNotServed(key, "it is reached through a symbolic link")
 
 
+#: What ``flock`` says on a file system that has no such locks (the file is served unheld).
+NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS})
+
+
 def open_served(root: Path, root_real: str, key: str) -> tuple[int, os.stat_result]:
     """Open ``key`` for sending: a regular file, no symlink, inside the managed directory.
 
@@ -80,8 +84,11 @@ def open_served(root: Path, root_real: str, key: str) -> tuple[int, os.stat_resu
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except (BlockingIOError, InterruptedError):
             raise KeyNotFoundError(key) from None  # (being rewritten)
-        except OSError:
-            pass  # (a file system without flock: served unheld, the name check stays)
+        except OSError as exc:
+            if exc.errno not in NO_FLOCK:
+                raise KeyNotServed(key, f"it cannot be locked ({os.strerror(exc.errno or 0)})") \
+                    from None
+            # a file system without flock: served unheld, after the name check below
         try:
             named = os.stat(path, follow_symlinks=False)
         except OSError:
@@ -94,4 +101,4 @@ def open_served(root: Path, root_real: str, key: str) -> tuple[int, os.stat_resu
     return fd, named  # (looked at under the lock: its size and times hold from here on)
 
 
-__all__ = ["check_real", "open_served"]
+__all__ = ["NO_FLOCK", "check_real", "open_served"]
