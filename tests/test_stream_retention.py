@@ -555,9 +555,9 @@ CLUSTER_PRODUCER = textwrap.dedent(
     import sys, numpy as np, instride
     from instride.store.ring import SlotPool
     n, retain, policy = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    encoded = []  # frames encoded in one native call (the record's checksum taken after it)
-    one_call = SlotPool.write
-    SlotPool.write = lambda pool, slot, frame: (encoded.append(1), one_call(pool, slot, frame))
+    encoded = []  # frames encoded and published in one native call, with the record's checksum
+    one_call = SlotPool.write_and_publish_hashed
+    SlotPool.write_and_publish_hashed = lambda *a, **kw: (encoded.append(1), one_call(*a, **kw))[1]
     pos = np.zeros((2000, 3), dtype=np.float32)
     with instride.Stream("cl", mode="w", retain=retain, on_full=policy, groups=["remote"],
                          timeout=60) as s:
@@ -591,7 +591,7 @@ def test_cluster_remote_group_holds_frames_on_the_owner(loopback_nodes: list) ->
                                 env=owner.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     rc, encoded, err = finish(producer, 120)
     assert rc == 0, err
-    assert int(encoded) == 60  # every frame encoded by the native call, in cluster mode too
+    assert int(encoded) == 60  # every frame published by the native call, in cluster mode too
     rc, out, err = finish(consumer, 120)
     assert rc == 0, err
     steps, rest = out.split("|")

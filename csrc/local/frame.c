@@ -14,11 +14,15 @@
  *                   where publications fsync (msync), drop the producer's exclusive lock,
  *                   publish it (rename, RENAME_NOREPLACE unless overwriting). The layout of
  *                   instride/frames.py, little-endian only.
+ *   isl_append_hashed
+ *                   the same, and the whole file's xxh3-64 (a cluster's record checksum),
+ *                   computed before the rename: a producer in cluster mode publishes a frame
+ *                   in one call too, and only its record is left to Python.
  *
  * Python keeps the policy, the consumer groups and every error: where these calls meet
  * anything but the common case they say so and Python takes the slow, explaining path.
  *
- * Exported: isl_append.
+ * Exported: isl_append, isl_append_hashed.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -81,10 +85,10 @@ static uint64_t encode_arrays(unsigned char *dst, const void *pos, size_t pos_by
  * Returns 0 when the frame is published (or only encoded, fd < 0), -errno of a failed
  * rename (the frame is encoded and unlocked, not published: the caller's slow path names the
  * problem), -EINVAL for an unknown layout (nothing written). */
-ISL_EXPORT int isl_append(unsigned char *dst, int layout, int64_t natoms, const void *pos,
-                          const int32_t *ids, int64_t step, double time, const double *box,
-                          int fd, const char *src, const char *dst_path, int noreplace,
-                          int sync)
+static int append(unsigned char *dst, int layout, int64_t natoms, const void *pos,
+                  const int32_t *ids, int64_t step, double time, const double *box, int fd,
+                  const char *src, const char *dst_path, int noreplace, int sync,
+                  uint64_t *file_digest)
 {
     unsigned char *payload = dst + HEADER_SIZE;
     uint64_t nbytes, digest;
@@ -118,6 +122,12 @@ ISL_EXPORT int isl_append(unsigned char *dst, int layout, int64_t natoms, const 
     memcpy(dst + 112, &digest, 8);
     uint64_t hsum = XXH3_64bits(dst, HEADER_FIELDS);
     memcpy(dst + HEADER_FIELDS, &hsum, 8);
+    if (file_digest != NULL) { /* (streamed: the CPU's widest vector unit, see ins_xxh.h) */
+        XXH3_state_t st;
+        XXH3_64bits_reset(&st);
+        INS_XXH3_UPDATE(&st, dst, HEADER_SIZE + nbytes);
+        *file_digest = XXH3_64bits_digest(&st);
+    }
     if (sync && msync(dst, HEADER_SIZE + nbytes, MS_SYNC) != 0)
         return -errno; /* (still locked, not published: the slow path flushes and names it) */
     if (fd < 0)
@@ -133,4 +143,26 @@ ISL_EXPORT int isl_append(unsigned char *dst, int layout, int64_t natoms, const 
     if (renameat2(AT_FDCWD, src, AT_FDCWD, dst_path, noreplace ? RENAME_NOREPLACE : 0) != 0)
         return -errno;
     return 0;
+}
+
+ISL_EXPORT int isl_append(unsigned char *dst, int layout, int64_t natoms, const void *pos,
+                          const int32_t *ids, int64_t step, double time, const double *box,
+                          int fd, const char *src, const char *dst_path, int noreplace,
+                          int sync)
+{
+    return append(dst, layout, natoms, pos, ids, step, time, box, fd, src, dst_path,
+                  noreplace, sync, NULL);
+}
+
+/* isl_append, and the xxh3-64 of the whole frame file (header and payload) into
+ * *file_digest, computed once the frame is encoded (set whenever the return is not
+ * -EINVAL: also when the rename failed). */
+ISL_EXPORT int isl_append_hashed(unsigned char *dst, int layout, int64_t natoms,
+                                 const void *pos, const int32_t *ids, int64_t step,
+                                 double time, const double *box, int fd, const char *src,
+                                 const char *dst_path, int noreplace, int sync,
+                                 uint64_t *file_digest)
+{
+    return append(dst, layout, natoms, pos, ids, step, time, box, fd, src, dst_path,
+                  noreplace, sync, file_digest);
 }

@@ -431,8 +431,7 @@ class Stream:
         index = self._written
         step = index if step is None else step
         time_ps = 0.0 if time is None else time
-        # one native call encodes and publishes (local mode: cluster mode's record needs the
-        # file's checksum between the two); else numpy's encode, the same bytes
+        # one native call encodes and publishes (below); else numpy's encode, the same bytes
         last = self._native
         native = native_frame(positions, step=step, time=time_ps, box=box, layout=self.layout,
                               ids=ids, last=last)
@@ -454,27 +453,31 @@ class Stream:
                                or self._retained_bytes > self._keep_bytes):
             self._make_room(nbytes)
         slot = self._pool.take(nbytes)
-        checksum = None
         engine = self.client.engine
-        direct = native if native is not None and not engine.wants_checksum else None
-        published = direct is not None and self._pool.write_and_publish(
-            slot, direct, self._final_b % index, overwrite=self.overwrite,
-            fsync=self.client.fsync)
+        # one native call encodes and publishes; in cluster mode it also gives the record's
+        # checksum, computed from the producer's own mapping while the frame is in cache
+        checksum: str | None = None
+        if native is None:
+            published = False
+        elif engine.wants_checksum:
+            checksum = self._pool.write_and_publish_hashed(
+                slot, native, self._final_b % index, overwrite=self.overwrite,
+                fsync=self.client.fsync)
+            published = checksum is not None
+        else:
+            published = self._pool.write_and_publish(
+                slot, native, self._final_b % index, overwrite=self.overwrite,
+                fsync=self.client.fsync)
         key = f"{self.name}/{FRAME_FORMAT.format(index)}"
-        if not published:  # (direct: encoded, not published; the slow path names the error)
-            if direct is None:
+        if not published:  # (native: encoded, not published; the slow path names the error)
+            if native is None:
                 try:
-                    if native is not None:
-                        self._pool.write(slot, native)
-                    else:
-                        encode_into(slot.mm, pos, step=step, time=time_ps, box=box,
-                                    layout=self.layout, ids=ids)
+                    encode_into(slot.mm, pos, step=step, time=time_ps, box=box,
+                                layout=self.layout, ids=ids)
                 except BaseException:
                     self._pool.discard(slot)
                     raise
-                # the record's checksum (cluster mode) from the producer's own mapping, while
-                # the frame is still in cache: the engine would otherwise map the file again
-                checksum = checksum_of(slot.mm) if engine.wants_checksum else None
+            checksum = checksum_of(slot.mm) if engine.wants_checksum else None
             self._pool.publish(slot, f"{self._frame_dir}/{FRAME_FORMAT.format(index)}", key,
                                overwrite=self.overwrite, fsync=self.client.fsync)
         self._retained.append((index, slot.ino, nbytes))

@@ -447,6 +447,37 @@ def test_the_one_call_publish_refuses_an_existing_key_and_keeps_nothing(tmp_path
     pool.close()
 
 
+def test_the_one_call_publish_of_cluster_mode_gives_the_record_checksum(tmp_path: Path) -> None:
+    """write_and_publish_hashed (isl_append_hashed): the frame published in one call, and the
+    checksum a record of it carries — that of the whole file, as checksum_of computes it; an
+    existing key: nothing published, None (the caller's slow path names the error)."""
+    from instride.frames import frame_size, native_frame
+    from instride.record import checksum_of
+
+    pool = SlotPool(tmp_path / "pool", recycle=True)
+    rng = np.random.default_rng(7)
+    for i, (layout, n) in enumerate([("paper", 23_558), ("paper-soa", 1_000), ("xyz32", 3),
+                                     ("paper", 0)]):
+        pos = rng.random((n, 3)).astype(np.float32 if layout == "xyz32" else np.float64)
+        frame = native_frame(pos, step=i, time=0.5, box=None, layout=layout, ids=None)
+        assert frame is not None
+        slot = pool.take(frame_size(n, layout))
+        final = tmp_path / f"f{i}"
+        got = pool.write_and_publish_hashed(slot, frame, os.fsencode(final), overwrite=False,
+                                            fsync=False)
+        assert got == checksum_of(final.read_bytes()), layout
+        assert not slot.pooled and slot.path == str(final)
+    slot = pool.take(frame_size(3, "xyz32"))
+    frame = native_frame(np.ones((3, 3), np.float32), step=9, time=0.0, box=None,
+                         layout="xyz32", ids=None)
+    assert frame is not None
+    assert pool.write_and_publish_hashed(slot, frame, os.fsencode(tmp_path / "f2"),
+                                         overwrite=False, fsync=False) is None
+    assert slot.pooled and (tmp_path / "f2").read_bytes() != bytes(slot.mm)
+    pool.discard(slot)
+    pool.close()
+
+
 def _published_frame(pool: SlotPool, root: Path, key: str, pos: Any, step: int) -> int:
     """Encode and publish a paper-soa frame of ``pos`` under ``root/key``; its inode."""
     from instride.frames import frame_size, native_frame
