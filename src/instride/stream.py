@@ -51,6 +51,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from time import monotonic as _monotonic  # (append's argument `time` shadows the module)
 from typing import Any
 
 import numpy as np
@@ -86,7 +87,7 @@ from .paths import check_confined
 from .record import Record, checksum_of
 from .store.inbox import Inbox
 from .store.ring import Leases, SlotPool, Taken
-from .store.streamstate import Policy, check_group, state_dir
+from .store.streamstate import Policy, check_group, cursors_of, state_dir
 from .store.wait import armed, lost_watches, wait_keys
 from .transport.base import Received
 
@@ -305,7 +306,8 @@ class Stream:
         self._retained: deque[tuple[int, int, int]] = deque()  # (index, inode, bytes)
         self._retained_bytes = 0
         # cluster mode: the frames' records sent and not yet confirmed, oldest first (append)
-        self._unconfirmed: deque[tuple[int, PendingRecord]] = deque()  # (frame, its record)
+        # (frame, its record, when it was sent)
+        self._unconfirmed: deque[tuple[int, PendingRecord, float]] = deque()
         self._recorded = False  # a frame's record was confirmed (the first is waited for)
         # more than this many frames or bytes kept before a write: room to be made first
         self._keep_frames = math.inf if retain is None else retain
@@ -498,8 +500,12 @@ class Stream:
                 # (a record sent again must never come back after its frame's retirement).
                 self._confirm_records(all_=False, before=self._retained[going - 1][0] + 1
                                       if going else 0)
+                # (the groups' cursors come back with the answer: see _confirm_records)
+                report = self._share.cursors_key if self.policy.bounded \
+                    and not self.policy.drops else None
+                sent = _monotonic()
                 self._unconfirmed.append((index, soon(key, self.overwrite, checksum, slot.size,
-                                                      then=then or ())))
+                                                      then=then or (), report=report), sent))
             else:
                 engine.published(key, self.overwrite, checksum, slot.size if checksum else None,
                                  then=then or ())
@@ -530,8 +536,14 @@ class Stream:
         pending = self._unconfirmed
         while pending and (all_ or len(pending) >= _UNCONFIRMED_MAX or pending[0][0] < before
                            or pending[0][1].answered()):
-            pending[0][1]()
+            _, record, sent = pending[0]
+            record()
             pending.popleft()
+            # the groups' cursors as the record's publication read them (no round trip of
+            # our own at the bound): as fresh as the moment it was sent
+            if record.reported is not None and sent >= self._groups_past[1]:
+                self._groups_past = (min(cursors_of(record.reported).values(), default=math.inf),
+                                     sent)
 
     def _start_producing(self) -> None:
         if self.overwrite:

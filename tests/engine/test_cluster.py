@@ -467,6 +467,38 @@ def test_a_remote_group_reader_drops_the_announcements_again_after_a_wait_throug
     assert 2 <= unwatched.count("pause/run/") <= 4, unwatched
 
 
+def test_a_producer_at_its_bound_learns_the_groups_cursors_from_its_records_answers(
+        clients: list[instride.Client]) -> None:
+    """A bounded stream's producer reads the groups' cursors (may the oldest frame go?) from
+    the answers to its frames' records, which read them back in the same step: no round trip
+    of its own to Redis per few frames while its group keeps up. Every frame still arrives,
+    and the producer never retires a frame the group holds."""
+    c1, c2, _ = clients
+    pos = np.random.default_rng(10).random((2000, 3)).astype(np.float32)
+    metadata = c1.engine.metadata
+    asked: list[str] = []
+    hgetall = metadata.hgetall
+
+    def counted(name: str) -> dict[bytes, bytes]:
+        asked.append(name)
+        return hgetall(name)
+
+    metadata.hgetall = counted  # type: ignore[method-assign]
+    reader = instride.Stream("told/run", timeout=30, client=c2, group="g")
+    thread, got, errors = _read_in_thread(reader, pos)
+    with instride.Stream("told/run", mode="w", retain=8, groups=["g"], client=c1,
+                         timeout=30) as producer:
+        for i in range(60):
+            time.sleep(0.01)
+            producer.append(pos + i, step=i)
+    thread.join(60)
+    assert not thread.is_alive() and errors == []
+    assert got == list(range(60))
+    groups = [name for name in asked if name.endswith(":groups")]
+    # (the first frames, before an answer came back; a look when the reader fell behind)
+    assert len(groups) <= 6, f"{len(groups)} reads of the cursors in 60 frames"
+
+
 def test_a_group_reader_on_another_node_records_its_position_every_few_frames(
         clients: list[instride.Client]) -> None:
     """``commit_every`` in cluster mode (one message to Redis per few frames): a producer

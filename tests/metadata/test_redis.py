@@ -239,6 +239,34 @@ def test_a_record_sent_soon_is_stored_before_it_is_confirmed(backend: RedisMetad
         other.close()
 
 
+def test_a_record_sent_soon_reads_back_a_hash_in_the_same_step(backend: RedisMetadata,
+                                                                redis_server: RedisServer) -> None:
+    # publish_soon(report=): the publication reads a hash (a stream's group cursors) right
+    # after its own commands, in the same script: the answer carries the hash as it was then
+    other = redis.Redis.from_url(redis_server.url)
+    try:
+        other.hset("rep:groups", mapping={"g": 3, "h": 7})
+        sent = backend.publish_soon(Record("rep/k0", "127.0.0.1:1", 2, "xxh3:1", 0, time.time()),
+                                    then=[("HSET", "rep:groups", "g", "5")], report="rep:groups")
+        assert sent.reported is None  # (not before it is confirmed)
+        assert sent().version == 1
+        assert sent.reported == {b"g": b"5", b"h": b"7"}  # (after the publication's own HSET)
+        # a hash that does not exist: no fields; no report asked: None
+        empty = backend.publish_soon(Record("rep/k1", "127.0.0.1:1", 2, "xxh3:1", 0, time.time()),
+                                     report="rep:none")
+        assert empty().version == 1 and empty.reported == {}
+        plain = backend.publish_soon(Record("rep/k2", "127.0.0.1:1", 2, "xxh3:1", 0, time.time()))
+        assert plain().version == 1 and plain.reported is None
+        # the script unknown to Redis (a restart): the confirmation publishes it the usual way,
+        # which reports the hash too
+        other.script_flush()
+        again = backend.publish_soon(Record("rep/k3", "127.0.0.1:1", 2, "xxh3:1", 0, time.time()),
+                                     report="rep:groups")
+        assert again().version == 1 and again.reported == {b"g": b"5", b"h": b"7"}
+    finally:
+        other.close()
+
+
 def test_failed_record_retracts_write_once_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import instride
     from tests.conftest import free_port

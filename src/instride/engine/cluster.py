@@ -719,7 +719,8 @@ class ClusterEngine:
         self.register(key, overwrite=overwrite, checksum=checksum, size=size, then=then)
 
     def published_soon(self, key: str, overwrite: bool, checksum: str, size: int, *,
-                       then: Sequence[tuple[Any, ...]] = ()) -> PendingRecord:
+                       then: Sequence[tuple[Any, ...]] = (),
+                       report: str | None = None) -> PendingRecord:
         """:meth:`published` without waiting for the metadata's answer: the record is sent
         now and stored as soon as Redis reads it; calling the result waits for the answer
         and raises what :meth:`published` would (it may be called again after it raised: a
@@ -729,7 +730,8 @@ class ClusterEngine:
         later frame's key cannot be taken by anyone else, so the producer confirms its
         frames' records a few frames later instead of waiting for each. Unlike
         :meth:`register`, a refused record does not remove the file: the stream's producer
-        owns it.
+        owns it. ``report``: a metadata hash read back in the same step (the result's
+        ``reported``; where the metadata cannot, ``None``).
         """
         soon = getattr(self.metadata, "publish_soon", None)
         if soon is None:  # (a backend that cannot: recorded now, ``then`` with it)
@@ -739,7 +741,8 @@ class ClusterEngine:
         record = Record(key=key, owner=self.settings.addr, size=size, checksum=checksum,
                         version=1, time=time.time(), node=self.settings.node)
         self.forget_fetched(key)  # our own original now, never evicted
-        return soon(record, overwrite=overwrite, then=then)  # type: ignore[no-any-return]
+        return soon(record, overwrite=overwrite, then=then,  # type: ignore[no-any-return]
+                    report=report)
 
     def register(self, key: str, *, overwrite: bool, checksum: str | None = None,
                  size: int | None = None, then: Sequence[tuple[Any, ...]] = ()) -> Record:

@@ -53,6 +53,9 @@ class PendingRecord:
 
     def __init__(self, confirm: Callable[[], Record], answered: Callable[[], bool]) -> None:
         self._confirm, self._answered = confirm, answered
+        #: once called: the fields of the hash the publication was asked to read back in
+        #: the same step (``report``), or ``None``
+        self.reported: dict[bytes, bytes] | None = None
 
     def __call__(self) -> Record:
         return self._confirm()

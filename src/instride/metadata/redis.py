@@ -79,6 +79,11 @@ for _ = 1, tonumber(ARGV[9] or '0') do
   redis.call(unpack(ARGV, at + 1, at + n))
   at = at + n + 1
 end
+-- and, where the caller asks, a hash read in the same step (a stream's group cursors, which
+-- its producer then needs to read on its own no more)
+if ARGV[at] then
+  return {version, redis.call('HGETALL', ARGV[at])}
+end
 return version
 """
 
@@ -247,8 +252,14 @@ class RedisMetadata:
         return self._publish_now(record, self._publication(record, overwrite, then))
 
     def publish_soon(self, record: Record, *, overwrite: bool = True,
-                     then: Sequence[tuple[Any, ...]] = ()) -> PendingRecord:
+                     then: Sequence[tuple[Any, ...]] = (),
+                     report: str | None = None) -> PendingRecord:
         """:meth:`publish` without waiting for Redis's reply, which the result reads.
+
+        ``report``: the name of a hash that the publication reads in the same step; once the
+        result is called, its ``reported`` holds the hash's fields as they were then (a
+        stream's group cursors: the producer needs no round trip of its own for them). A
+        publication answered as a retry of one stored already reports nothing (``None``).
 
         The record is sent at once: Redis stores and announces it as soon as it reads it,
         as for :meth:`publish`; only the caller does not wait for the answer (a stream's
@@ -262,11 +273,12 @@ class RedisMetadata:
         Confirmed from another thread or a forked child, the answer (on the sender's
         connection) is not read: the record is sent again, as the same publication.
         """
-        sent = self._publication(record, overwrite, then)
+        sent = self._publication(record, overwrite, then, report)
         fast = self._fast()
         if fast is None:  # (a URL that needs redis-py: the usual way, now)
-            stored = self._publish_now(record, sent)
-            return PendingRecord(lambda: stored, lambda: True)
+            pending = PendingRecord(lambda: stored, lambda: True)
+            stored = self._publish_now(record, sent, pending)
+            return pending
         try:
             replies: Callable[[], list[Any]] | None = fast.call_soon([self._evalsha(sent)])
         except _ERRORS:
@@ -291,34 +303,40 @@ class RedisMetadata:
             if refused:
                 raise refused[0]
             # NOSCRIPT (Redis restarted), a lost reply: again, as the same publication
-            stored = self._publish_now(record, sent) if reply is None \
-                or isinstance(reply, Exception) else self._stored(record, reply)
+            stored = self._publish_now(record, sent, pending) if reply is None \
+                or isinstance(reply, Exception) else self._stored(record, reply, pending)
             done.append(stored)
             return stored
 
-        return PendingRecord(confirm, lambda: bool(done) or replies is None or fast.answered())
+        pending = PendingRecord(confirm, lambda: bool(done) or replies is None or fast.answered())
+        return pending
 
-    def _publication(self, record: Record, overwrite: bool,
-                     then: Sequence[tuple[Any, ...]]) -> tuple[list[str], list[Any]]:
+    def _publication(self, record: Record, overwrite: bool, then: Sequence[tuple[Any, ...]],
+                     report: str | None = None) -> tuple[list[str], list[Any]]:
         """The keys and arguments of the publish script for ``record``, with a new
-        publication id (a retry with the same arguments is the same publication)."""
+        publication id (a retry with the same arguments is the same publication); ``report``:
+        the hash the script reads back (see :meth:`publish_soon`)."""
         keys = [_REC + record.key, _KEYS, _CHAN + record.key, _VER + record.key]
         # the publication's id: a retry after a lost reply finds it stored (see _PUBLISH)
         args: list[Any] = [record.owner, record.size, record.checksum or "", repr(record.time),
                            record.node, record.key, "1" if overwrite else "0",
                            _publication_id()]
-        if then:
+        if then or report is not None:
             args.append(len(then))
             for command in then:
                 args += (len(command), *command)
+        if report is not None:
+            args.append(report)
         return keys, args
 
     def _evalsha(self, sent: tuple[list[str], list[Any]]) -> tuple[Any, ...]:
         keys, args = sent
         return ("EVALSHA", self._publish.sha, len(keys), *keys, *args)
 
-    def _publish_now(self, record: Record, sent: tuple[list[str], list[Any]]) -> Record:
-        """Run the publication ``sent`` (:meth:`_publication`), retrying connection errors."""
+    def _publish_now(self, record: Record, sent: tuple[list[str], list[Any]],
+                     pending: PendingRecord | None = None) -> Record:
+        """Run the publication ``sent`` (:meth:`_publication`), retrying connection errors
+        (what it reports goes to ``pending``)."""
         keys, args = sent
 
         def run() -> Any:
@@ -332,11 +350,16 @@ class RedisMetadata:
             # redis-py loads the script when Redis does not know it (first use, restart)
             return self._publish(keys=keys, args=args)
 
-        return self._stored(record, self._call("publish", run))
+        return self._stored(record, self._call("publish", run), pending)
 
     @staticmethod
-    def _stored(record: Record, version: Any) -> Record:
-        """``record`` with the version the publish script answered (negative: it exists)."""
+    def _stored(record: Record, version: Any, pending: PendingRecord | None = None) -> Record:
+        """``record`` with the version the publish script answered (negative: it exists); a
+        hash it was asked to read back (``[version, fields]``) goes to ``pending``."""
+        if isinstance(version, list):
+            version, fields = version
+            if pending is not None:
+                pending.reported = fields if isinstance(fields, dict) else hash_fields(fields)
         if int(version) < 0:
             raise KeyExistsError(record.key)
         return Record(record.key, record.owner, record.size, record.checksum, int(version),

@@ -285,6 +285,11 @@ class GroupCursor:
             self._fd = -1
 
 
+def cursors_of(fields: dict[bytes, bytes]) -> dict[str, int]:
+    """The groups' cursors from the fields of the state's :attr:`StreamState.cursors_key`."""
+    return {k.decode(): int(v) for k, v in fields.items()}
+
+
 class StreamState(Protocol):
     """What a stream needs to share between its producer and its readers."""
 
@@ -302,6 +307,10 @@ class StreamState(Protocol):
 
     def cursors(self) -> dict[str, int]:
         """Each consumer group's cursor."""
+
+    #: the metadata hash of the groups' cursors, which a publication can read back in the
+    #: same step (see :func:`cursors_of`); ``None`` where the state keeps them itself
+    cursors_key: str | None
 
     def wait_progress(self, seconds: float) -> None:
         """Producer: wait (at most ``seconds``) for a group to move."""
@@ -338,6 +347,8 @@ class LocalStreamState:
     stream
         The stream name.
     """
+
+    cursors_key = None  # (the cursors are files of this node)
 
     def __init__(self, root: Path, stream: str) -> None:
         self.stream = stream
@@ -465,7 +476,7 @@ class RedisStreamState:
         self.stream = stream
         self.lease_s = LEASE_S if lease_s is None else lease_s
         self._head = f"instride:stream:{stream}:head"
-        self._groups = f"instride:stream:{stream}:groups"
+        self._groups = self.cursors_key = f"instride:stream:{stream}:groups"
 
     # producer
     def start(self, policy: Policy, groups: tuple[str, ...], *, reset: bool) -> None:
@@ -495,7 +506,7 @@ class RedisStreamState:
 
     def cursors(self) -> dict[str, int]:
         """Each group's cursor."""
-        return {k.decode(): int(v) for k, v in self.metadata.hgetall(self._groups).items()}
+        return cursors_of(self.metadata.hgetall(self._groups))
 
     def wait_progress(self, seconds: float) -> None:
         """Sleep a little before the caller polls the cursors again."""
