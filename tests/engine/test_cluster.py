@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -397,6 +398,62 @@ def test_a_streams_reader_gets_its_next_frame_as_it_is_published(clients: list[i
             assert c2.engine.records_heard == heard and len(asked) <= 4, asked
             # the first frame's wait left a subscription; dropped once frames came straight
             assert watched[0] is True and not any(watched[2:-1]), watched
+
+
+def test_a_consumer_walking_keys_keeps_few_lock_files_and_reads_no_sidecar_it_just_wrote(
+        clients: list[instride.Client]) -> None:
+    """A consumer that waits for each next key and consumes it (the file API's stream
+    consumer): the node's fetch locks stay a fixed set of files, one per hash bucket of the keys
+    fetched (not one file per key, which would pile up with every frame of every stream); and
+    the consume that follows a wait which brought the copy returns it without reading back the
+    sidecar it just wrote."""
+    from instride.engine.cluster import LOCK_FILES
+
+    c1, c2, _ = clients
+    engine = c2.engine
+    assert isinstance(engine, ClusterEngine)
+    pos = np.random.default_rng(11).random((3000, 3)).astype(np.float32)
+    frames = 16
+    reads: list[str] = []
+    cached_version = engine.cached_version
+
+    def counted(key: str) -> int | None:
+        reads.append(key)
+        return cached_version(key)
+
+    engine.cached_version = counted  # type: ignore[method-assign]
+    locks_before = set(os.listdir(engine.lock_dir)) if engine.lock_dir.exists() else set()
+    keys, errors = [], []
+    reader = instride.Stream("walk/run", timeout=20, client=c2)
+
+    def produce() -> None:
+        try:
+            with instride.Stream("walk/run", mode="w", client=c1) as producer:
+                for i in range(frames):
+                    time.sleep(0.03)  # the consumer is waiting for each key
+                    producer.append(pos + i, step=i)
+        except BaseException as exc:  # (reported below)
+            errors.append(exc)
+
+    thread = threading.Thread(target=produce)
+    thread.start()
+    after_wait: list[int] = []
+    for i in range(frames):
+        key = reader.frame_key(i)
+        assert c2.wait_any([key], timeout=20) == key
+        before = len(reads)
+        path = c2.consume(key, timeout=20)
+        after_wait.append(len(reads) - before)
+        assert instride.frames.decode_frame(path.read_bytes(), key).step == i
+        keys.append(key)
+    thread.join(60)
+    assert not thread.is_alive() and errors == []
+    assert engine.early_transfers >= frames - 2
+    # (the first keys come the usual way; the others were brought by the wait)
+    assert sum(1 for n in after_wait[2:] if n == 0) >= frames - 4, after_wait
+    made = set(os.listdir(engine.lock_dir)) - locks_before
+    buckets = {f"k{zlib.crc32(k.encode()) % LOCK_FILES:03x}" for k in keys}
+    assert made <= buckets and len(made) <= len(buckets), (made, buckets)
 
 
 @pytest.mark.parametrize("offset", [200, 20], ids=["payload", "header"])

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import io
 import json
 import os
 import re
 import select
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,11 @@ _open = io.open  # the builtin, captured before instride.interception.pyopen may
 #: records remembered from wait_any: at most this many, for at most this many seconds
 _SEEN_MAX = 1024
 _SEEN_AGE = 5.0
+#: the per-key fetch locks of a node are this many files, each shared by the keys whose hash
+#: falls on it: a fixed set (one file per key fetched would pile up, one per frame of every
+#: stream), made once and then only opened. A fetch of another key that shares a lock (1 in
+#: LOCK_FILES) waits for this one.
+LOCK_FILES = 4096
 #: seconds an early fetch waits for its record to be announced (the owner records a frame
 #: right after renaming it) before looking it up
 _HEARD_WITHIN = 0.002
@@ -122,6 +127,9 @@ class ClusterEngine:
         # no second metadata round trip: key -> (monotonic time seen, record). Bounded in size
         # and age; a stale record costs nothing but a verified retry (see _fetch).
         self._seen: dict[str, tuple[float, Record]] = {}
+        # Copies this process stored moments ago (key -> (monotonic time, version)): the
+        # consume() that follows a wait needs not read the sidecar it just wrote, nor touch it.
+        self._kept: dict[str, tuple[float, int]] = {}
         self._dirs: set[str] = set()  # directories known to exist (for fetched copies)
         #: the record of the last key this process fetched (a stream's reader asks the same
         #: owner for its next frame: :meth:`fetch_when_published`)
@@ -194,8 +202,9 @@ class ClusterEngine:
 
     @contextlib.contextmanager
     def _lock(self, key: str, deadline: float | None) -> Iterator[None]:
-        """Exclusive per-key lock across the node's processes, bounded by ``deadline``."""
-        name = f"{self._lock_s}/{hashlib.sha1(key.encode()).hexdigest()}"
+        """Exclusive per-key lock across the node's processes, bounded by ``deadline`` (one of
+        :data:`LOCK_FILES` files, by the key's CRC-32)."""
+        name = f"{self._lock_s}/k{zlib.crc32(key.encode()) % LOCK_FILES:03x}"
         try:
             fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except FileNotFoundError:
@@ -258,10 +267,15 @@ class ClusterEngine:
         """Whether the local file of ``key`` may be served (original, or copy of the latest version)."""
         if not os.path.exists(path):
             return False
+        seen = self._seen.get(key)  # what wait_any returned moments ago: no second round trip
+        kept = self._kept.pop(key, None)
+        if kept is not None and seen is not None and kept[1] == seen[1].version \
+                and time.monotonic() - kept[0] <= _SEEN_AGE:
+            del self._seen[key]
+            return True  # the copy of that very version, stored by this process moments ago
         have = self.cached_version(key)
         if have is None:
             return True  # an original produced on this node: no round trip
-        seen = self._seen.get(key)  # what wait_any returned moments ago: no second round trip
         if seen is not None and seen[1].version == have and time.monotonic() - seen[0] <= _SEEN_AGE:
             del self._seen[key]
             rec: Record | None = seen[1]
@@ -448,6 +462,9 @@ class ClusterEngine:
                 have = self.cached_version(key) if os.access(path, os.F_OK) else None
                 if not (have is not None and have >= record.version):
                     self._store_copy(staged, path, record)
+                    if len(self._kept) >= _SEEN_MAX:
+                        self._kept.clear()
+                    self._kept[key] = (time.monotonic(), record.version)
         except (InstrideError, OSError):
             # nothing there in time, not recorded, not the recorded bytes, a failed transfer
             # or store, Redis away for a moment: the usual way sorts it out (or says what)
