@@ -877,3 +877,42 @@ def test_waiting_fetches_share_the_servers_watches_and_a_miss_keeps_the_connecti
         os.close(fd)
         transport.close()
     no_traceback(node)
+
+
+@pytest.mark.parametrize("pieces", [[4, 56], [2, 2, 56], [4, 7, 49], [1, 1, 1, 1, 10, 46]],
+                         ids=["whole", "split-prefix", "split-header", "byte-by-byte"])
+def test_a_reply_header_is_read_whole_however_it_arrives(pieces: list[int]) -> None:
+    """The reply header is taken without a poll when it has arrived whole (the usual case), and
+    assembled by the usual receive when it comes in pieces, also within its length prefix;
+    nothing of the body after it is taken."""
+    header = wire.pack({"ok": True, "key": "a/b", "size": 3, "pad": "x" * 15})
+    assert len(header) == sum(pieces)
+    body = b"xyz"
+    hint = Record("a/b", "127.0.0.1:1", 0, "", 0, 0.0)
+    a, b = socket.socketpair()
+    try:
+        a.settimeout(5)
+
+        def send() -> None:
+            at = 0
+            for n in pieces:
+                b.sendall(header[at:at + n])
+                at += n
+                time.sleep(0.02)
+            b.sendall(body)
+
+        if len(pieces) == 2 and pieces[0] == 4:
+            send()  # (all there before the read: no waiting at all)
+            sender = None
+        else:
+            sender = threading.Thread(target=send)
+            sender.start()
+        reply = TcpTransport._reply(a, hint, 1000)
+        assert reply == {"ok": True, "key": "a/b", "size": 3, "pad": "x" * 15}
+        assert a.gettimeout() == 5  # (as it was)
+        if sender is not None:
+            sender.join(5)
+        assert a.recv(16) == body
+    finally:
+        a.close()
+        b.close()
