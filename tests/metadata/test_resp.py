@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import pytest
@@ -123,4 +124,27 @@ def test_pending_drains_what_arrived_without_waiting(redis_server: RedisServer) 
             time.sleep(0.001)
     assert got == [[b"message", b"instride:test:chan", b"a"]]
     assert conn.sock is not None and conn.sock.gettimeout() == 5.0  # left as it was
+    conn.close()
+
+
+def test_commands_larger_than_the_socket_takes_at_once_go_whole(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    # what the descriptor takes at once goes directly, the rest the usual way (which waits for
+    # room): a command of 4 MiB through a 64 KiB send buffer, and its reply, arrive whole
+    from instride.metadata import resp
+
+    took: list[tuple[int, int]] = []
+    written = resp._written
+    monkeypatch.setattr(resp, "_written", lambda sock, data: took.append(
+        (written(sock, data), len(data))) or took[-1][0])
+    conn = _conn(redis_server)
+    assert conn.call([("PING",)]) == [b"PONG"]
+    assert conn.sock is not None
+    conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+    big = os.urandom(4 << 20)
+    assert conn.call([("SET", "resp:big", big), ("GET", "resp:big"), ("STRLEN", "resp:big")]) \
+        == [b"OK", big, len(big)]
+    assert took[0] == (14, 14)  # (the PING: at once, whole)
+    assert 0 <= took[1][0] < took[1][1]  # (the SET: only part of it at once)
+    assert conn.sock.gettimeout() == 5.0
     conn.close()

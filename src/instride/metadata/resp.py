@@ -23,6 +23,32 @@ import redis
 
 from ..busypoll import recv_polling
 
+# A socket with a timeout is non-blocking underneath (Python keeps it so in timeout mode), yet
+# polls before every send and recv: what can go or has come at once goes through its descriptor
+# directly — a poll() less per command and per reply (a stream's producer sends one per frame).
+
+
+def _written(sock: socket.socket, data: bytes) -> int:
+    """How much of ``data`` went out at once (0: none; the caller sends the rest the usual
+    way, which waits)."""
+    if not sock.gettimeout():
+        return 0  # (blocking, or non-blocking by choice: the usual way)
+    try:
+        return os.write(sock.fileno(), data)
+    except (BlockingIOError, InterruptedError):
+        return 0
+
+
+def _arrived(sock: socket.socket) -> bytes:
+    """What has arrived already (``b""``: nothing yet, or the peer closed; the caller's usual
+    receive, which waits, says which)."""
+    if not sock.gettimeout():
+        return b""
+    try:
+        return os.read(sock.fileno(), 1 << 16)
+    except (BlockingIOError, InterruptedError):
+        return b""
+
 
 class RespConnection:
     """One socket to Redis, connected on first use and re-connected after any failure.
@@ -144,7 +170,7 @@ class RespConnection:
             while len(out) < n:
                 reply = self.reader.gets()
                 if reply is False:
-                    chunk = sock.recv(1 << 16)
+                    chunk = _arrived(sock) or sock.recv(1 << 16)
                     if not chunk:
                         raise ConnectionError("Redis closed the connection")
                     self.reader.feed(chunk)
@@ -179,7 +205,10 @@ class RespConnection:
             self._settle()  # (replies still owed to a call_soon come first)
         sock = self.sock or self._connect()
         try:
-            sock.sendall(b"".join(hiredis.pack_command(tuple(c)) for c in commands))
+            data = b"".join(hiredis.pack_command(tuple(c)) for c in commands)
+            sent = _written(sock, data)
+            if sent < len(data):
+                sock.sendall(memoryview(data)[sent:])
         except BaseException:
             self.close()
             raise
