@@ -37,7 +37,9 @@ class Record:
     checksum
         ``"xxh3:<16 hex digits>"`` of the content, or ``None`` when not computed (local mode).
     version
-        1 for the first publication, bumped by every overwrite.
+        Increases with every publication of the key: in cluster mode, the number of the
+        publication among all of the cluster's (so a key deleted and published again never
+        gets a version it had before); in local mode, 1.
     time
         Publication time, seconds since the epoch.
     node

@@ -5,7 +5,9 @@ Layout (all names under the ``instride:`` prefix):
 * ``instride:rec:<key>`` — a hash per published key: owner, node, size, checksum, version, time;
 * ``instride:keys`` — a sorted set of all keys (score 0), listed by prefix with ZRANGEBYLEX;
 * ``instride:pub:<key>`` — the channel a publication is announced on;
-* ``instride:ver:<key>`` — the version counter, kept when the key is deleted.
+* ``instride:clock`` — the one counter every publication's version is drawn from: a key's
+  later publication always has a higher version, also after the key was deleted, and
+  nothing is kept of a key once it is forgotten (a bounded stream retires a frame per frame).
 
 A publication is one Lua script (one round trip, atomic): it bumps the version, writes the
 hash, indexes the key and publishes the notification, which carries the record itself (a
@@ -46,7 +48,8 @@ PREFIX = "instride:"
 _REC = PREFIX + "rec:"
 _KEYS = PREFIX + "keys"
 _CHAN = PREFIX + "pub:"
-_VER = PREFIX + "ver:"
+#: the counter of publications, every key's versions are drawn from
+_CLOCK = PREFIX + "clock"
 
 _PUBLISH = """
 local rec = KEYS[1]
@@ -60,8 +63,10 @@ end
 if ARGV[7] == '0' and redis.call('EXISTS', rec) == 1 then
   return -1
 end
--- the version counter outlives deletions, so a key deleted and re-published never reuses
--- a version that a node's cached copy may still carry
+-- the next of one counter for all keys: a key's later publication always has a higher
+-- version, also after the key was deleted (a node's cached copy of an earlier one is never
+-- mistaken for it), and no counter per key outlives its record (a bounded stream retires a
+-- frame per frame: counters kept per key would grow Redis by one key per frame, forever)
 local version = redis.call('INCR', KEYS[4])
 redis.call('HSET', rec, 'version', version, 'owner', ARGV[1], 'size', ARGV[2],
            'checksum', ARGV[3], 'time', ARGV[4], 'node', ARGV[5], 'key', ARGV[6],
@@ -316,7 +321,7 @@ class RedisMetadata:
         """The keys and arguments of the publish script for ``record``, with a new
         publication id (a retry with the same arguments is the same publication); ``report``:
         the hash the script reads back (see :meth:`publish_soon`)."""
-        keys = [_REC + record.key, _KEYS, _CHAN + record.key, _VER + record.key]
+        keys = [_REC + record.key, _KEYS, _CHAN + record.key, _CLOCK]
         # the publication's id: a retry after a lost reply finds it stored (see _PUBLISH)
         args: list[Any] = [record.owner, record.size, record.checksum or "", repr(record.time),
                            record.node, record.key, "1" if overwrite else "0",
