@@ -155,8 +155,8 @@ ISL_EXPORT int isl_append(unsigned char *dst, int layout, int64_t natoms, const 
 }
 
 /* isl_append, and the xxh3-64 of the whole frame file (header and payload) into
- * *file_digest, computed once the frame is encoded (set whenever the return is not
- * -EINVAL: also when the rename failed). */
+ * *file_digest, computed once the frame is encoded (so set also when the flush or the rename
+ * failed; not for an unknown layout, where nothing is written). */
 ISL_EXPORT int isl_append_hashed(unsigned char *dst, int layout, int64_t natoms,
                                  const void *pos, const int32_t *ids, int64_t step,
                                  double time, const double *box, int fd, const char *src,

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -402,15 +401,12 @@ def test_a_streams_reader_gets_its_next_frame_as_it_is_published(clients: list[i
             assert watched[0] is True and not any(watched[2:-1]), watched
 
 
-def test_a_consumer_walking_keys_keeps_few_lock_files_and_reads_no_sidecar_it_just_wrote(
+def test_a_consumer_walking_keys_leaves_no_lock_files_and_reads_no_sidecar_it_just_wrote(
         clients: list[instride.Client]) -> None:
     """A consumer that waits for each next key and consumes it (the file API's stream
-    consumer): the node's fetch locks stay a fixed set of files, one per hash bucket of the keys
-    fetched (not one file per key, which would pile up with every frame of every stream); and
-    the consume that follows a wait which brought the copy returns it without reading back the
-    sidecar it just wrote."""
-    from instride.engine.cluster import LOCK_FILES
-
+    consumer): each fetch's lock file is gone once the fetch is (not one file per key left
+    behind, which piled up with every frame of every stream); and the consume that follows a
+    wait which brought the copy returns it without reading back the sidecar it just wrote."""
     c1, c2, _ = clients
     engine = c2.engine
     assert isinstance(engine, ClusterEngine)
@@ -453,9 +449,47 @@ def test_a_consumer_walking_keys_keeps_few_lock_files_and_reads_no_sidecar_it_ju
     assert engine.early_transfers >= frames - 2
     # (the first keys come the usual way; the others were brought by the wait)
     assert sum(1 for n in after_wait[2:] if n == 0) >= frames - 4, after_wait
-    made = set(os.listdir(engine.lock_dir)) - locks_before
-    buckets = {f"k{zlib.crc32(k.encode()) % LOCK_FILES:03x}" for k in keys}
-    assert made <= buckets and len(made) <= len(buckets), (made, buckets)
+    assert set(os.listdir(engine.lock_dir)) - locks_before == set()
+
+
+def test_the_fetch_lock_of_a_key_is_held_by_one_at_a_time_and_leaves_no_file(
+        clients: list[instride.Client]) -> None:
+    """The per-key fetch lock excludes the other threads and processes of the node while each
+    holder removes its file before letting go (a waiter that got the removed file's lock tries
+    again on the new one); other keys are not held up by it; nothing is left behind."""
+    _, c2, c3 = clients
+    engines = [c2.engine, c3.engine]  # (two clients of one node share its lock directory)
+    assert all(isinstance(e, ClusterEngine) for e in engines)
+    if engines[0].lock_dir != engines[1].lock_dir:
+        engines = [c2.engine, c2.engine]
+    inside: list[int] = []
+    most, errors = [0], []
+
+    def hold(engine: Any, key: str, n: int) -> None:
+        try:
+            for _ in range(n):
+                with engine._lock(key, time.monotonic() + 20):
+                    inside.append(1)
+                    most[0] = max(most[0], len(inside))
+                    time.sleep(0.002)
+                    inside.pop()
+        except BaseException as exc:  # (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=hold, args=(engines[i % 2], "lk/same", 25)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and most[0] == 1  # one holder at a time
+    # held: the same key's lock is not to be had (a deadline already past), another key's is
+    with engines[0]._lock("lk/same", None):
+        with pytest.raises(ConsumeTimeout):
+            with engines[1]._lock("lk/same", time.monotonic()):
+                pass
+        with engines[1]._lock("lk/other", time.monotonic()):
+            pass
+    assert not any(n for n in os.listdir(engines[0].lock_dir) if not n.startswith("."))
 
 
 @pytest.mark.parametrize("offset", [200, 20], ids=["payload", "header"])

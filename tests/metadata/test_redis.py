@@ -94,6 +94,21 @@ def test_a_deleted_key_leaves_nothing_and_its_next_version_is_higher(backend: Re
     assert put("d/k", b"3").version > second
 
 
+def test_a_version_never_goes_back_below_what_the_key_had(backend: RedisMetadata, put: Put) -> None:
+    # keys left by an earlier instride (a version counter per key, kept past deletion) or with
+    # a record of a version above the clock: the next publication gets a higher version
+    # still, and the clock moves past it, so a copy cached before an upgrade is never taken
+    # for a later publication
+    r = backend.redis
+    clock = int(r.get("instride:clock") or 0)
+    r.set("instride:ver:up/gone", clock + 50)  # (deleted under the old scheme: its counter kept)
+    assert put("up/gone", b"x").version == clock + 51
+    r.hset("instride:rec:up/high", mapping={"version": clock + 90, "owner": "x:1", "size": 1,
+                                             "checksum": "", "time": 0, "node": "", "key": "up/high"})
+    assert put("up/high", b"y").version == clock + 91
+    assert put("up/next", b"z").version == clock + 92  # (the clock moved past both)
+
+
 def test_commands_run_with_a_publication_only_once_it_is_stored(backend: RedisMetadata,
                                                                 put: Put) -> None:
     """A stream's producer shares its head and forgets retired frames in the step that

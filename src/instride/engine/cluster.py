@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import io
 import json
 import os
 import re
 import select
 import time
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,11 +47,6 @@ _open = io.open  # the builtin, captured before instride.interception.pyopen may
 #: records remembered from wait_any: at most this many, for at most this many seconds
 _SEEN_MAX = 1024
 _SEEN_AGE = 5.0
-#: the per-key fetch locks of a node are this many files, each shared by the keys whose hash
-#: falls on it: a fixed set (one file per key fetched would pile up, one per frame of every
-#: stream), made once and then only opened. A fetch of another key that shares a lock (1 in
-#: LOCK_FILES) waits for this one.
-LOCK_FILES = 4096
 #: seconds an early fetch waits for its record to be announced (the owner records a frame
 #: right after renaming it) before looking it up
 _HEARD_WITHIN = 0.002
@@ -202,27 +197,46 @@ class ClusterEngine:
 
     @contextlib.contextmanager
     def _lock(self, key: str, deadline: float | None) -> Iterator[None]:
-        """Exclusive per-key lock across the node's processes, bounded by ``deadline`` (one of
-        :data:`LOCK_FILES` files, by the key's CRC-32)."""
-        name = f"{self._lock_s}/k{zlib.crc32(key.encode()) % LOCK_FILES:03x}"
-        try:
-            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except FileNotFoundError:
-            self.lock_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            delay = 0.001
-            while True:
+        """Exclusive per-key lock across the node's processes, bounded by ``deadline``.
+
+        The lock is a file named by the key's hash, made for the fetch and removed by its
+        holder before it lets go: a node keeps no file per key it ever fetched (one per frame
+        of every stream, for as long as it runs). A waiter that got the lock of a file removed
+        meanwhile (the key's name no longer names the file it holds) tries again on the new one.
+        """
+        name = f"{self._lock_s}/{hashlib.sha1(key.encode()).hexdigest()}"
+        delay = 0.001
+        while True:
+            try:
+                fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except FileNotFoundError:
+                self.lock_dir.mkdir(parents=True, exist_ok=True)
+                continue
+            try:
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if deadline is not None and time.monotonic() >= deadline:
+                            raise ConsumeTimeout(key, time.monotonic() - deadline) from None
+                        time.sleep(delay)  # another process of this node is fetching the key
+                        delay = min(delay * 2, 0.05)
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if deadline is not None and time.monotonic() >= deadline:
-                        raise ConsumeTimeout(key, time.monotonic() - deadline) from None
-                    time.sleep(delay)  # another process of this node is fetching the key
-                    delay = min(delay * 2, 0.05)
+                    live = os.stat(name).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    live = False
+            except BaseException:
+                os.close(fd)
+                raise
+            if live:
+                break
+            os.close(fd)  # (its holder removed it: the next holder makes a new one)
+        try:
             yield
         finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)  # (while held: nobody can hold it after us)
             os.close(fd)  # releases the lock
 
     def cached_entries(self) -> list[tuple[float, int, str]]:
@@ -271,13 +285,13 @@ class ClusterEngine:
         kept = self._kept.pop(key, None)
         if kept is not None and seen is not None and kept[1] == seen[1].version \
                 and time.monotonic() - kept[0] <= _SEEN_AGE:
-            del self._seen[key]
+            self._seen.pop(key, None)  # (another thread may have taken it: _take_seen)
             return True  # the copy of that very version, stored by this process moments ago
         have = self.cached_version(key)
         if have is None:
             return True  # an original produced on this node: no round trip
         if seen is not None and seen[1].version == have and time.monotonic() - seen[0] <= _SEEN_AGE:
-            del self._seen[key]
+            self._seen.pop(key, None)  # (another thread may have taken it: _take_seen)
             rec: Record | None = seen[1]
         else:
             rec = self.metadata.lookup(key)

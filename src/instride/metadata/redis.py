@@ -50,6 +50,8 @@ _KEYS = PREFIX + "keys"
 _CHAN = PREFIX + "pub:"
 #: the counter of publications, every key's versions are drawn from
 _CLOCK = PREFIX + "clock"
+#: the version counter per key of instride before the clock (read, so versions never go back)
+_LEGACY_VER = PREFIX + "ver:"
 
 _PUBLISH = """
 local rec = KEYS[1]
@@ -68,6 +70,14 @@ end
 -- mistaken for it), and no counter per key outlives its record (a bounded stream retires a
 -- frame per frame: counters kept per key would grow Redis by one key per frame, forever)
 local version = redis.call('INCR', KEYS[4])
+-- never at or below what the key had: its record's version, or the counter per key that an
+-- earlier instride kept (instride:ver:<key>, only read), so that a copy cached before an
+-- upgrade is never taken for a later publication
+local floor = math.max(tonumber(had[2]) or 0, tonumber(redis.call('GET', KEYS[5])) or 0)
+if version <= floor then
+  version = floor + 1
+  redis.call('SET', KEYS[4], version)
+end
 redis.call('HSET', rec, 'version', version, 'owner', ARGV[1], 'size', ARGV[2],
            'checksum', ARGV[3], 'time', ARGV[4], 'node', ARGV[5], 'key', ARGV[6],
            'pub', ARGV[8])
@@ -321,7 +331,7 @@ class RedisMetadata:
         """The keys and arguments of the publish script for ``record``, with a new
         publication id (a retry with the same arguments is the same publication); ``report``:
         the hash the script reads back (see :meth:`publish_soon`)."""
-        keys = [_REC + record.key, _KEYS, _CHAN + record.key, _CLOCK]
+        keys = [_REC + record.key, _KEYS, _CHAN + record.key, _CLOCK, _LEGACY_VER + record.key]
         # the publication's id: a retry after a lost reply finds it stored (see _PUBLISH)
         args: list[Any] = [record.owner, record.size, record.checksum or "", repr(record.time),
                            record.node, record.key, "1" if overwrite else "0",
@@ -818,11 +828,12 @@ class RedisMetadata:
 
     @staticmethod
     def forget_commands(key: str) -> list[tuple[Any, ...]]:
-        """The commands that forget ``key``'s record (its version counter is kept)."""
+        """The commands that forget ``key``'s record (nothing of the key is kept)."""
         return [("DEL", _REC + key), ("ZREM", _KEYS, key)]
 
     def delete(self, key: str) -> None:
-        """Forget ``key`` (its version counter is kept)."""
+        """Forget ``key`` (nothing of it is kept: its next publication still gets a higher
+        version, see ``instride:clock``)."""
         fast = self._fast()
         if fast is not None:  # one write, one round trip (a bounded stream retires per frame)
             def lean() -> None:
