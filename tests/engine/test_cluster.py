@@ -490,6 +490,15 @@ def test_the_fetch_lock_of_a_key_is_held_by_one_at_a_time_and_leaves_no_file(
         with engines[1]._lock("lk/other", time.monotonic()):
             pass
     assert not any(n for n in os.listdir(engines[0].lock_dir) if not n.startswith("."))
+    # the lock directory removed under a holder: a new holder's file (made after it) is not
+    # removed by the first one as it lets go
+    with engines[0]._lock("lk/gone", None):
+        shutil.rmtree(engines[0].lock_dir)
+        second = engines[1]._lock("lk/gone", time.monotonic() + 5)
+        second.__enter__()
+    assert len(os.listdir(engines[0].lock_dir)) == 1  # (the second holder's)
+    second.__exit__(None, None, None)
+    assert os.listdir(engines[0].lock_dir) == []
 
 
 @pytest.mark.parametrize("offset", [200, 20], ids=["payload", "header"])

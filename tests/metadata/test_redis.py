@@ -103,6 +103,7 @@ def test_a_version_never_goes_back_below_what_the_key_had(backend: RedisMetadata
     clock = int(r.get("instride:clock") or 0)
     r.set("instride:ver:up/gone", clock + 50)  # (deleted under the old scheme: its counter kept)
     assert put("up/gone", b"x").version == clock + 51
+    assert r.exists("instride:ver:up/gone") == 0  # (the leftover is gone with its use)
     r.hset("instride:rec:up/high", mapping={"version": clock + 90, "owner": "x:1", "size": 1,
                                              "checksum": "", "time": 0, "node": "", "key": "up/high"})
     assert put("up/high", b"y").version == clock + 91

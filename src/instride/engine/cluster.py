@@ -60,6 +60,17 @@ _EARLY_MARGIN = 1.0
 _NUMBERED = re.compile(r"^(.*?)(\d+)(\D*)$")
 
 
+def _names(name: str, fd: int) -> bool:
+    """Whether ``name`` still names the open file ``fd`` (a lock file not removed meanwhile: an
+    unlinked file has no links left, and its inode number may be given to a new one)."""
+    held = os.fstat(fd)
+    try:
+        now = os.stat(name)
+    except FileNotFoundError:
+        return False
+    return held.st_nlink > 0 and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
 def _follows(key: str, prev: str) -> bool:
     """Whether ``key`` is the next of numbered keys after ``prev`` in the same directory
     (``.../frame_000000007.isf`` after ``..._000000006.isf``, ``run/f12`` after ``run/f11``)."""
@@ -222,10 +233,7 @@ class ClusterEngine:
                             raise ConsumeTimeout(key, time.monotonic() - deadline) from None
                         time.sleep(delay)  # another process of this node is fetching the key
                         delay = min(delay * 2, 0.05)
-                try:
-                    live = os.stat(name).st_ino == os.fstat(fd).st_ino
-                except FileNotFoundError:
-                    live = False
+                live = _names(name, fd)
             except BaseException:
                 os.close(fd)
                 raise
@@ -235,9 +243,12 @@ class ClusterEngine:
         try:
             yield
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name)  # (while held: nobody can hold it after us)
-            os.close(fd)  # releases the lock
+            try:
+                if _names(name, fd):  # (only our own file: never one made after a removal)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name)  # (while held: nobody can hold it after us)
+            finally:
+                os.close(fd)  # releases the lock
 
     def cached_entries(self) -> list[tuple[float, int, str]]:
         """``(last use, size, key)`` of every fetched copy on this node."""

@@ -78,6 +78,7 @@ if version <= floor then
   version = floor + 1
   redis.call('SET', KEYS[4], version)
 end
+redis.call('DEL', KEYS[5])  -- (the clock is past it now: an older instride's leftover goes)
 redis.call('HSET', rec, 'version', version, 'owner', ARGV[1], 'size', ARGV[2],
            'checksum', ARGV[3], 'time', ARGV[4], 'node', ARGV[5], 'key', ARGV[6],
            'pub', ARGV[8])
