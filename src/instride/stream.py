@@ -484,15 +484,17 @@ class Stream:
                                overwrite=self.overwrite, fsync=self.client.fsync)
         self._retained.append((index, slot.ino, nbytes))
         self._retained_bytes += nbytes
-        # The frames that can go now without waiting for a group; where the stream's state is
-        # shared through the metadata (cluster mode), their records go and the head counters
-        # are shared in the same step as the new record: one message to Redis per frame.
-        going = self._retirable()
-        then = self._share.along_publication(
-            self._retained[going - 1][0] + 1 if going else self._oldest, index + 1,
-            [self.frame_key(i) for i, _, _ in itertools.islice(self._retained, going)])
         soon = getattr(engine, "published_soon", None) if self._recorded and checksum else None
         try:
+            # The frames that can go now without waiting for a group; where the stream's state
+            # is shared through the metadata (cluster mode), their records go and the head
+            # counters are shared in the same step as the new record: one message to Redis per
+            # frame. (Inside: a failed look at the groups' cursors withdraws this frame too, so
+            # that the next append publishes this index afresh, instead of finding it taken.)
+            going = self._retirable()
+            then = self._share.along_publication(
+                self._retained[going - 1][0] + 1 if going else self._oldest, index + 1,
+                [self.frame_key(i) for i, _, _ in itertools.islice(self._retained, going)])
             if soon is not None:
                 # Sent, confirmed once Redis answered (a later append) or by close(): no round
                 # trip per frame. First the records answered meanwhile (one sent again on a new

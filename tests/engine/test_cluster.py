@@ -625,6 +625,44 @@ def test_a_bounded_stream_keeps_redis_bounded_too(clients: list[instride.Client]
     assert len(known) >= 60 and known == sorted(known) and len(set(known)) == len(known)
 
 
+def test_a_failed_look_at_the_groups_withdraws_the_frame_and_the_stream_goes_on(
+        clients: list[instride.Client]) -> None:
+    """Redis fails as the producer looks at the groups' cursors, right after a frame was
+    renamed into place: ``append`` raises ``MetadataUnavailable`` and withdraws the frame, so
+    that the next ``append`` publishes that index afresh (it used to find the index taken and
+    raise ``KeyExistsError`` for every frame after)."""
+    import math
+
+    from instride.errors import MetadataUnavailable
+
+    c1, c2, _ = clients
+    pos = np.random.default_rng(13).random((300, 3)).astype(np.float32)
+    producer = instride.Stream("stuck/run", mode="w", retain=2, client=c1)
+    for i in range(3):
+        producer.append(pos + i, step=i)
+    share = producer._share
+    real = share.cursors
+
+    def failing() -> dict[str, int]:
+        raise MetadataUnavailable("redis://test", "down for the test")
+
+    share.cursors = failing  # type: ignore[method-assign]
+    producer._confirm_records(all_=True)  # (no answer left to bring the cursors meanwhile)
+    producer._groups_past = (0, -math.inf)  # (a look is due)
+    with pytest.raises(MetadataUnavailable):
+        producer.append(pos + 99, step=99)
+    share.cursors = real  # type: ignore[method-assign]
+    assert producer.append(pos + 3, step=3) == 3  # the same index, published afresh
+    assert producer.append(pos + 4, step=4) == 4
+    producer.close()
+    reader = instride.Stream("stuck/run", timeout=10, client=c2)
+    assert reader.frame_count() == 5
+    frame = reader.read(3)
+    assert frame.step == 3 and np.array_equal(frame.positions, pos + 3)
+    assert reader.read(4).step == 4
+    reader.close()
+
+
 def test_a_group_reader_on_another_node_records_its_position_every_few_frames(
         clients: list[instride.Client]) -> None:
     """``commit_every`` in cluster mode (one message to Redis per few frames): a producer
