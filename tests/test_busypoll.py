@@ -7,7 +7,15 @@ import threading
 import time
 from pathlib import Path
 
-from instride.busypoll import LEAD_MAX, LEAD_MIN, Cadence, poll_paths, poll_readable, recv_polling
+from instride.busypoll import (
+    LEAD_MAX,
+    LEAD_MIN,
+    Cadence,
+    arrived,
+    poll_paths,
+    poll_readable,
+    recv_polling,
+)
 
 
 def test_poll_paths_sees_a_file_renamed_into_place(tmp_path: Path) -> None:
@@ -106,3 +114,29 @@ def test_cadence_does_not_mix_arrival_and_publication_clocks() -> None:
         c.arrived(i, 100.09 + 0.02 * (i - 4), waited=True, published=1.7e9 + 0.02 * (i - 4))
     start, end = c.window(9)
     assert abs((start + end) / 2 - (100.09 + 0.02 * 5)) < 1e-6  # on the arrival clock
+
+
+def test_arrived_takes_what_is_there_and_never_waits() -> None:
+    a, b = socket.socketpair()
+    try:
+        a.settimeout(5)
+        t0 = time.monotonic()
+        assert arrived(a, 10) == b""  # nothing yet: at once, not after the timeout
+        assert time.monotonic() - t0 < 4
+        b.sendall(b"hello world")
+        deadline = time.monotonic() + 5
+        got = b""
+        while len(got) < 11 and time.monotonic() < deadline:
+            got += arrived(a, 4 if not got else 100)
+        assert got == b"hello world"
+        b.sendall(b"x")
+        a.settimeout(None)  # a blocking socket: left to the caller's usual receive
+        assert arrived(a, 10) == b""
+        assert a.recv(10) == b"x"
+        a.settimeout(5)
+        b.close()
+        assert arrived(a, 10) == b""  # (the peer closed: the usual receive says so)
+        assert a.recv(10) == b""
+    finally:
+        a.close()
+        b.close()

@@ -70,6 +70,23 @@ def recv_polling(sock: socket.socket, bufsize: int, seconds: float, flags: int =
         sock.settimeout(old)
 
 
+def arrived(sock: socket.socket, n: int) -> bytes:
+    """Up to ``n`` bytes that have arrived on ``sock`` already, without waiting (``b""``:
+    nothing yet, the peer closed, or a socket without a timeout; the caller's usual receive,
+    which waits, says which).
+
+    A socket with a timeout is non-blocking underneath (Python keeps it so in timeout mode),
+    yet its ``recv`` polls first, and changing its timeout costs an ``ioctl`` each way: this
+    reads its descriptor directly — a stream's reader and producer do it once per frame.
+    """
+    if not sock.gettimeout():
+        return b""
+    try:
+        return os.read(sock.fileno(), n)
+    except (BlockingIOError, InterruptedError):
+        return b""
+
+
 def poll_readable_in(sock: socket.socket, window: tuple[float, float]) -> bool:
     """Sleep until ``sock`` has data to read or ``window[0]`` comes (``time.monotonic()``),
     then poll it until ``window[1]``; whether it has data (nothing is consumed)."""

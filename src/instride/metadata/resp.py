@@ -21,11 +21,12 @@ from typing import Any
 import hiredis
 import redis
 
-from ..busypoll import recv_polling
+from ..busypoll import arrived, recv_polling
 
 # A socket with a timeout is non-blocking underneath (Python keeps it so in timeout mode), yet
-# polls before every send and recv: what can go or has come at once goes through its descriptor
-# directly — a poll() less per command and per reply (a stream's producer sends one per frame).
+# polls before every send and recv: what can go at once goes through its descriptor directly
+# (and what has come, :func:`~instride.busypoll.arrived`) — a poll() less per command and per
+# reply (a stream's producer sends one per frame).
 
 
 def _written(sock: socket.socket, data: bytes) -> int:
@@ -37,17 +38,6 @@ def _written(sock: socket.socket, data: bytes) -> int:
         return os.write(sock.fileno(), data)
     except (BlockingIOError, InterruptedError):
         return 0
-
-
-def _arrived(sock: socket.socket) -> bytes:
-    """What has arrived already (``b""``: nothing yet, or the peer closed; the caller's usual
-    receive, which waits, says which)."""
-    if not sock.gettimeout():
-        return b""
-    try:
-        return os.read(sock.fileno(), 1 << 16)
-    except (BlockingIOError, InterruptedError):
-        return b""
 
 
 class RespConnection:
@@ -170,7 +160,7 @@ class RespConnection:
             while len(out) < n:
                 reply = self.reader.gets()
                 if reply is False:
-                    chunk = _arrived(sock) or sock.recv(1 << 16)
+                    chunk = arrived(sock, 1 << 16) or sock.recv(1 << 16)
                     if not chunk:
                         raise ConnectionError("Redis closed the connection")
                     self.reader.feed(chunk)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from ...busypoll import poll_readable, poll_readable_in
+from ...busypoll import arrived, poll_readable, poll_readable_in
 from ...config import Settings, parse_addr
 from ...errors import (
     AuthenticationError,
@@ -54,17 +54,6 @@ def _recv_exact(sock: socket.socket, n: int, key: str, have: bytes = b"") -> byt
             raise TransferError(key, f"connection closed after {got} of {n} header bytes")
         got += k
     return bytes(buf)
-
-
-def _received(sock: socket.socket, n: int) -> bytes:
-    """Up to ``n`` bytes that have arrived already, without waiting (``b""``: none, or the
-    peer closed: the caller's usual receive says which). A socket with a timeout is
-    non-blocking underneath; its own ``recv`` would first poll, and a changed timeout costs
-    an ``ioctl`` each way — three system calls more per reply header, paid by every frame."""
-    try:
-        return os.read(sock.fileno(), n)
-    except (BlockingIOError, InterruptedError):
-        return b""
 
 
 def _recv_some(sock: socket.socket, view: memoryview, got: int, size: int, key: str) -> int:
@@ -248,7 +237,7 @@ class TcpTransport:
     def _reply(sock: socket.socket, record: Record, wait_ms: int | None) -> dict[str, Any]:
         """Read a reply header (a held fetch's may come ``wait_ms`` later than usual)."""
         # (usually there already: a caller polled for it, and a server sends it whole)
-        prefix = _received(sock, 4)
+        prefix = arrived(sock, 4)
         if len(prefix) == 4:
             pass
         elif wait_ms:
@@ -261,7 +250,7 @@ class TcpTransport:
         else:
             prefix = _recv_exact(sock, 4, record.key, prefix)
         n = wire.parse_length(prefix)
-        header = _received(sock, n)
+        header = arrived(sock, n)
         if len(header) < n:
             header = _recv_exact(sock, n, record.key, header)
         return wire.parse_header(header)
