@@ -124,3 +124,85 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash
     snprintf(hex, 17, "%016llx", (unsigned long long)XXH3_64bits_digest(&state));
     return 0;
 }
+
+/* Read exactly len bytes of a reply's head into buf; the first byte may take first_ms (a held
+ * fetch's reply comes when its key is published), each later one stall_ms. */
+static int recv_head(int sock, char *buf, size_t len, int first_ms, int stall_ms, size_t *have) {
+    while (*have < len) {
+        ssize_t n = recv(sock, buf + *have, len - *have, MSG_DONTWAIT);
+        if (n > 0) {
+            *have += (size_t)n;
+            continue;
+        }
+        if (n == 0)
+            return -ECONNRESET;
+        if (errno == EINTR)
+            continue;
+        if (errno != EAGAIN)
+            return -errno;
+        struct pollfd p = {sock, POLLIN, 0};
+        int r = poll(&p, 1, *have == 0 ? first_ms : stall_ms);
+        if (r == 0)
+            return -ETIMEDOUT;
+        if (r < 0 && errno != EINTR)
+            return -errno;
+    }
+    return 0;
+}
+
+/* The body size a successful reply announces ({"ok":true,...,"size":N,...}, as both servers
+ * write it), or -1 for any other reply (an error, another shape: the caller parses it). */
+static long long reply_size(const char *h, size_t len) {
+    static const char ok[] = "{\"ok\":true,", sz[] = "\"size\":";
+    if (len < sizeof ok - 1 || memcmp(h, ok, sizeof ok - 1) != 0)
+        return -1;
+    const char *at = memmem(h, len, sz, sizeof sz - 1);
+    if (at == NULL)
+        return -1;
+    const char *p = at + sizeof sz - 1, *end = h + len;
+    long long v = 0;
+    int digits = 0;
+    for (; p < end && *p >= '0' && *p <= '9' && digits < 18; p++, digits++)
+        v = v * 10 + (*p - '0');
+    return digits > 0 && p < end && (*p == ',' || *p == '}') ? v : -1;
+}
+
+/* One reply of a held fetch, its body into memory: the length prefix and the JSON header
+ * (copied into hdr, *hdrlen bytes), then, when the header says ok with a body of at most
+ * memcap bytes, the body into mem as isc_recv_mem receives it (*size: its size). One call
+ * instead of an interpreter loop around four reads, a poll and two changes of the socket's
+ * timeout per frame of a stream's remote reader.
+ *
+ * Returns 0: header and body received (hex: the body's digest from hash_from on); 1: the
+ * header alone (an error reply, or a body that does not fit: the caller goes on from there);
+ * -EBADMSG: a header length out of range (*hdrlen: that length); another negative errno as
+ * isc_recv_mem (*hdrlen < 0: it happened before the whole header was there). */
+ISC_API int isc_recv_reply(int sock, int first_ms, int stall_ms, char *hdr, uint32_t hdrcap,
+                           int32_t *hdrlen, char *mem, uint64_t memcap, uint64_t hash_from,
+                           char *hex, uint64_t *got, uint64_t *size) {
+    unsigned char prefix[4];
+    size_t have = 0;
+    *hdrlen = -1;
+    *got = 0;
+    *size = 0;
+    int rc = recv_head(sock, (char *)prefix, 4, first_ms, stall_ms, &have);
+    if (rc != 0)
+        return rc;
+    uint32_t n = (uint32_t)prefix[0] << 24 | (uint32_t)prefix[1] << 16 | (uint32_t)prefix[2] << 8 |
+                 prefix[3];
+    if (n == 0 || n > hdrcap) {
+        *hdrlen = (int32_t)(n > INT32_MAX ? INT32_MAX : n);
+        return -EBADMSG;
+    }
+    have = 0;
+    rc = recv_head(sock, hdr, n, stall_ms, stall_ms, &have);
+    if (rc != 0)
+        return rc;
+    *hdrlen = (int32_t)n;
+    long long body = reply_size(hdr, n);
+    if (body < 0 || mem == NULL || (uint64_t)body > memcap)
+        return 1;
+    *size = (uint64_t)body;
+    int where = ISC_AT_RECV;
+    return recv_restoring(sock, -1, mem, (uint64_t)body, hash_from, stall_ms, hex, got, &where);
+}

@@ -18,8 +18,9 @@
 /* The calling convention of the library's exported functions (iss_* and isc_*), returned by
  * isc_abi() and checked by the Python binding (instride.transport.tcp.engine.ABI): bump both
  * with any change to an exported signature, so a library left from an older build is refused,
- * never called with the wrong arguments. 2: isc_recv_file / isc_recv_mem take hash_from. */
-#define ISC_ABI 2
+ * never called with the wrong arguments. 2: isc_recv_file / isc_recv_mem take hash_from;
+ * 3: isc_recv_reply. */
+#define ISC_ABI 3
 
 /* ---- replay.c ---------------------------------------------------------------- */
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import functools
 import itertools
 import json
@@ -332,6 +331,9 @@ class Stream:
         #: its owner is asked for the next frame before that is published (cluster mode, see
         #: ``read``)
         self._fetched_from: Record | None = None
+        #: the frame its owner sends next on what this reader asked for ahead (the last one
+        #: came so into the inbox): read() takes it from there without looking for a file here
+        self._inbox_next = -1
         #: the subscription to the stream's announcements dropped since the last wait through
         #: the metadata (which leaves one): the inbox reader needs none
         self._unwatched = False
@@ -887,6 +889,7 @@ class Stream:
             if frame is not None:
                 return frame
             plan = None if self._cadence is None else self._cadence.window(index)
+        self._inbox_next = -1  # (read directly: what __next__ would take next is not known)
         while True:
             path = engine.frame_path(key)
             got = None if path is None else leases.open_key(key, path)  # [confine] no link
@@ -929,34 +932,11 @@ class Stream:
                     longer = plan[1] - time.monotonic() + _SLICE
                     part = max(part, longer if timeout is None else min(longer, timeout - waited))
                 into = getattr(engine, "receive_when_published", None) if leases.keep else None
+                got_early = None
                 if into is not None and part > 0:
                     # A bounded stream's frame goes once the reader moves on: into memory of
                     # the reader's own, not a copy in a file (see instride.store.inbox)
-                    buf, free = self._inbox_buffers().take()
-                    try:
-                        try:
-                            room: memoryview | None = buf.writable(like.size)
-                        except (OSError, ValueError):
-                            room = None  # (no memory to map: written through the descriptor)
-                        own, got_early = _OwnChecksums(buf, key, self.copy), None
-                        got_in = into(key, like, part, buf.rewound(), own, until=END_NAME,
-                                      into=room, ahead=_AHEAD, digest_from=HEADER_SIZE,
-                                      unwatch=not self._unwatched, **kw)
-                        self._unwatched = True
-                        frame = own.frame if got_in is not None else None
-                        if frame is not None:
-                            assert got_in is not None
-                            got_early = dataclasses.replace(
-                                like, key=key, size=got_in.size, checksum=None,
-                                time=like.time if got_in.published is None else got_in.published)
-                            if self._cadence is not None:
-                                self._cadence.arrived(index, time.monotonic(), waited=True,
-                                                      published=got_in.published)
-                    except BaseException:
-                        free()
-                        raise
-                    if frame is None:
-                        free()
+                    frame = self._into_inbox(index, key, like, part, kw)
                 else:
                     frame = None
                     got_early = None if early is None or part <= 0 \
@@ -965,12 +945,8 @@ class Stream:
                     self.windows_polled += 1
                     plan = None  # (a later frame is waited for asleep; before the window:
                     # a slow producer, the next slice still sleeps until it)
-                if frame is not None:  # received into the inbox (got_early: its record)
-                    self._fetched_from = got_early
-                    if self.copy:  # arrays of its own: the buffer takes the next frame
-                        free()
-                        return frame
-                    return Frame(frame.header, frame.positions, frame.ids, free)
+                if frame is not None:  # received into the inbox
+                    return frame
                 if got_early is not None:
                     self._fetched_from = got_early
                     arrived = True
@@ -1059,6 +1035,58 @@ class Stream:
                         return archived
                     raise
             published_but_busy = woke == key and path is not None
+
+    def _into_inbox(self, index: int, key: str, like: Record, part: float,
+                    kw: dict[str, Any]) -> Frame | None:
+        """Frame ``index`` from its owner (``like``: the record of the frame before it), into
+        a buffer of the reader's inbox, checked by its own checksums; ``None``: not there
+        within ``part`` seconds, or refused (the usual way then). ``kw``: the hybrid polling's
+        window (:meth:`read`)."""
+        engine = self.client.engine
+        buf, free = self._inbox_buffers().take()
+        try:
+            try:
+                room: memoryview | None = buf.writable(like.size)
+            except (OSError, ValueError):
+                room = None  # (no memory to map: written through the descriptor)
+            own = _OwnChecksums(buf, key, self.copy)
+            got = engine.receive_when_published(
+                key, like, part, buf.rewound(), own, until=END_NAME, into=room, ahead=_AHEAD,
+                digest_from=HEADER_SIZE, unwatch=not self._unwatched, **kw)
+            self._unwatched = True
+            frame = own.frame if got is not None else None
+        except BaseException:
+            free()
+            raise
+        if frame is None:
+            free()
+            return None
+        assert got is not None
+        # its record, as far as a reader needs one (the owner's, for the next frames)
+        self._fetched_from = Record(key, like.owner, got.size, None, like.version,
+                                    like.time if got.published is None else got.published,
+                                    like.node)
+        if self._cadence is not None:
+            self._cadence.arrived(index, time.monotonic(), waited=True,
+                                  published=got.published)
+        else:  # the owner sends the next one on what was asked for ahead: __next__ takes it
+            self._inbox_next = index + 1
+        if self.copy:  # arrays of its own: the buffer takes the next frame
+            free()
+            return frame
+        return Frame(frame.header, frame.positions, frame.ids, free)
+
+    def _next_streamed(self) -> Frame | None:
+        """The next frame of a stream read from another node, in the steady state: the one its
+        owner sends next on what this reader asked for ahead, into the inbox — :meth:`read`'s
+        way to it without the search before it (a file of it here, gaps, the head). ``None``:
+        not sent in time (:meth:`read` then takes the usual way)."""
+        index, like = self._cursor, self._fetched_from
+        self._inbox_next, self._fetched_from = -1, None  # (set again on success)
+        if like is None:
+            return None
+        part = _SLICE if self.timeout is None else min(_SLICE, self.timeout)
+        return self._into_inbox(index, self.frame_key(index), like, part, {})
 
     def _take_here(self, index: int, key: str, timeout: float | None,
                    plan: tuple[float, float] | None, leases: Leases) -> Frame | None:
@@ -1265,9 +1293,17 @@ class Stream:
         if self.mode is None:
             self.mode = "r"
         self._move_on()
+        timeout = None
         while True:
             try:
-                frame = self.read(self._cursor)
+                frame = None
+                if self._cursor == self._inbox_next:  # streaming from another node
+                    start = time.monotonic()
+                    frame = self._next_streamed()
+                    if frame is None and self.timeout is not None:  # (waited some of it)
+                        timeout = max(0.0, self.timeout - (time.monotonic() - start))
+                if frame is None:
+                    frame, timeout = self.read(self._cursor, timeout), None
             except EndOfStream:
                 self._move_on()
                 raise StopIteration from None

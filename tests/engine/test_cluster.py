@@ -210,6 +210,75 @@ def test_a_bounded_streams_group_reader_takes_frames_into_memory_not_files(
     assert reader._inbox is None
 
 
+def test_a_group_reader_streaming_from_another_node_takes_each_next_frame_straight(
+        clients: list[instride.Client]) -> None:
+    """In the steady state, iteration takes the frame the owner sends next on what the reader
+    asked for ahead straight into the inbox, without :meth:`Stream.read`'s search (a file
+    here, gaps, the head): read() runs for the first frame and the end only. A frame that
+    does not come within a slice (the producer pauses) is waited for the usual way, within
+    the rest of the stream's timeout: nothing lost, nothing out of order."""
+    c1, c2, _ = clients
+    pos = np.random.default_rng(11).random((3000, 3)).astype(np.float32)
+    frames = 14
+    reader = instride.Stream("st/run", timeout=20, client=c2, group="g", commit_every=4)
+    reads: list[int] = []
+    plain_read = reader.read
+
+    def counted(index: int, timeout: float | None = None) -> instride.Frame:
+        reads.append(index)
+        return plain_read(index, timeout)
+
+    reader.read = counted  # type: ignore[method-assign]
+    thread, got, errors = _read_in_thread(reader, pos)
+    with instride.Stream("st/run", mode="w", retain=4, groups=["g"], client=c1,
+                         timeout=15) as producer:
+        for i in range(frames):
+            if i == 9:
+                time.sleep(1.2)  # longer than a slice: frame 9 the usual way
+            producer.append(pos + i, step=i)
+    thread.join(60)
+    assert not thread.is_alive() and errors == []
+    assert got == list(range(frames))
+    assert reads[0] == 0 and 9 in reads and reads[-1] == frames
+    assert len(reads) <= 5, reads  # (0, 9, the end; a frame that raced the first request)
+    reader.close()
+
+
+def test_a_streaming_reader_keeps_to_its_timeout(clients: list[instride.Client]) -> None:
+    """The steady state's wait for the next frame counts against the stream's timeout: a
+    producer silent longer than it is a :class:`ConsumeTimeout`, not a frame after it."""
+    c1, c2, _ = clients
+    pos = np.random.default_rng(12).random((3000, 3)).astype(np.float32)
+    reader = instride.Stream("st/quiet", timeout=0.4, client=c2, group="g")
+    timeouts: list[float | None] = []
+    plain_read = reader.read
+
+    def counted(index: int, timeout: float | None = None) -> instride.Frame:
+        timeouts.append(timeout)
+        return plain_read(index, timeout)
+
+    reader.read = counted  # type: ignore[method-assign]
+    resume = threading.Event()
+    with instride.Stream("st/quiet", mode="w", retain=4, groups=["g"], client=c1) as producer:
+        for i in range(4):
+            producer.append(pos + i, step=i)
+        taken = [next(reader).header.step for _ in range(4)]
+        assert reader._inbox_next == 4  # (streaming: frame 4 is asked for ahead)
+        late = threading.Timer(3.0, lambda: (producer.append(pos + 4, step=4), resume.set()))
+        late.start()
+        try:
+            del timeouts[:]
+            with pytest.raises(ConsumeTimeout):
+                next(reader)
+            assert not resume.is_set()  # (raised before the producer spoke again)
+            # the usual way got what was left of the timeout after the steady state's wait
+            assert len(timeouts) == 1 and timeouts[0] is not None and timeouts[0] < 0.4
+        finally:
+            late.join()
+    assert taken == [0, 1, 2, 3]
+    reader.close()
+
+
 def test_a_node_that_keeps_its_copies_receives_the_next_into_a_file_made_ahead(
         clients: list[instride.Client]) -> None:
     """No cache bound, so nothing to recycle: after a fetch the receive pool has the next file

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -484,3 +485,27 @@ def test_waits_work_where_an_acl_refuses_pattern_subscriptions(redis_server: Red
     finally:
         md.close()
         pub.close()
+
+
+def test_a_forked_child_has_publication_ids_of_its_own() -> None:
+    """A publication's id names the process (a retry after a lost reply is recognised by it):
+    a child forked after the parent published must not repeat the parent's next ids."""
+    from instride.metadata.redis import _publication_id
+
+    parent = _publication_id()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next id, to the parent
+        try:
+            os.write(w, _publication_id().encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        child = os.read(r, 200).decode()
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    assert parent.split(".")[1] == str(os.getpid())
+    assert child.split(".")[1] == str(pid)
+    assert child.split(".")[0] == parent.split(".")[0]  # (the same run: told apart by the pid)

@@ -27,7 +27,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from instride.errors import AuthenticationError, TransferError
+from instride.errors import AuthenticationError, KeyNotFoundError, PeerUnavailable, TransferError
 from instride.record import Record
 from instride.transport import wire
 from instride.transport.tcp import TcpTransport
@@ -916,3 +916,109 @@ def test_a_reply_header_is_read_whole_however_it_arrives(pieces: list[int]) -> N
     finally:
         a.close()
         b.close()
+
+
+def _reply_bytes(header: dict, body: bytes = b"") -> bytes:
+    return wire.pack(header) + body
+
+
+@pytest.fixture
+def reply_pair(tmp_path: Path) -> Iterator[tuple[TcpTransport, socket.socket, socket.socket]]:
+    """A transport and both ends of a connection: the test writes an owner's replies on one."""
+    from instride.config import Settings
+
+    ours, theirs = socket.socketpair()
+    ours.settimeout(2.0)
+    try:
+        yield TcpTransport(Settings(dir=tmp_path, token="t")), ours, theirs
+    finally:
+        ours.close()
+        theirs.close()
+
+
+HINT = Record(key="rp/frame_000000001.isf", owner="127.0.0.1:1", size=0, checksum="", version=1,
+              time=0.0)
+
+
+def test_a_reply_asked_ahead_comes_whole_in_one_native_call(reply_pair: tuple) -> None:
+    """``_reply_into`` (``isc_recv_reply``): header and body, the body hashed from
+    ``digest_from`` on; a header arriving in pieces, the body later, makes no difference."""
+    transport, ours, theirs = reply_pair
+    body = os.urandom(300_000)
+    wire_bytes = _reply_bytes({"ok": True, "key": HINT.key, "size": len(body), "published": 7.5},
+                              body)
+    room = bytearray(400_000)
+
+    def send_slowly() -> None:
+        for part in (wire_bytes[:2], wire_bytes[2:9], wire_bytes[9:60], wire_bytes[60:]):
+            time.sleep(0.05)
+            theirs.sendall(part)
+
+    sender = threading.Thread(target=send_slowly)
+    sender.start()
+    reply, got = transport._reply_into(ours, HINT, 1.0, memoryview(room), 16)
+    sender.join()
+    assert reply == {"ok": True, "key": HINT.key, "size": len(body), "published": 7.5}
+    assert got == (len(body), xxhash.xxh3_64_hexdigest(body[16:]))
+    assert bytes(room[: len(body)]) == body
+
+
+def test_a_reply_whose_body_does_not_fit_leaves_the_body_to_the_caller(reply_pair: tuple) -> None:
+    transport, ours, theirs = reply_pair
+    theirs.sendall(_reply_bytes({"ok": True, "key": HINT.key, "size": 50}, b"b" * 50))
+    reply, got = transport._reply_into(ours, HINT, 1.0, memoryview(bytearray(10)), 0)
+    assert got is None and reply["size"] == 50
+    assert recv_all(ours, 50) == b"b" * 50  # (the body is still on the connection, whole)
+
+
+@pytest.mark.parametrize("header", [{"ok": True, "key": HINT.key, "size": "12"},
+                                    {"ok": True, "key": HINT.key}, {"key": HINT.key, "ok": True,
+                                                                    "size": 3}],
+                         ids=["size a string", "no size", "another order"])
+def test_a_reply_of_another_shape_is_left_to_the_caller(reply_pair: tuple, header: dict) -> None:
+    """The native call takes a body only where the header is the servers' own shape; any other
+    is the caller's to read (and to refuse: see ``_size``)."""
+    transport, ours, theirs = reply_pair
+    theirs.sendall(_reply_bytes(header, b"xyz"))
+    reply, got = transport._reply_into(ours, HINT, 1.0, memoryview(bytearray(100)), 0)
+    assert got is None and reply == header
+
+
+def test_refusals_asked_ahead_are_typed(reply_pair: tuple) -> None:
+    transport, ours, theirs = reply_pair
+    theirs.sendall(_reply_bytes({"ok": False, "error": "KeyNotFoundError", "message": "late"}))
+    with pytest.raises(KeyNotFoundError):
+        transport._reply_into(ours, HINT, 1.0, memoryview(bytearray(100)), 0)
+    theirs.sendall(_reply_bytes({"ok": False, "error": "AuthenticationError", "message": "bad"}))
+    with pytest.raises(AuthenticationError, match="bad"):
+        transport._reply_into(ours, HINT, 1.0, memoryview(bytearray(100)), 0)
+    assert ours.fileno() == -1  # (closed: the owner refused the token)
+
+
+BROKEN = {
+    "nothing within the wait": (b"", PeerUnavailable, "no valid reply: Connection timed out"),
+    "header length 0": (struct.pack(">I", 0), PeerUnavailable, r"header length 0 out of range"),
+    "header length too long": (struct.pack(">I", wire.MAX_HEADER + 1), PeerUnavailable,
+                               "out of range"),
+    "header not JSON": (struct.pack(">I", 5) + b"{nope", PeerUnavailable, "not valid JSON"),
+    "header cut short": (struct.pack(">I", 50) + b'{"ok":', PeerUnavailable, "no valid reply"),
+    "body cut short": (wire.pack({"ok": True, "key": HINT.key, "size": 10}) + b"abc",
+                       TransferError, "after 3 of 10 bytes"),
+}
+
+
+@pytest.mark.parametrize("sent", BROKEN.values(), ids=BROKEN.keys())
+def test_broken_replies_asked_ahead_are_typed_and_close_the_connection(
+        reply_pair: tuple, sent: tuple) -> None:
+    """A reply that never comes, a header of a bad length or not JSON, a header or body that
+    breaks off (the owner closes the connection) or stalls: a typed error, the socket closed
+    (its next bytes can never be taken for the next frame's)."""
+    transport, ours, theirs = reply_pair
+    data, error, message = sent
+    ours.settimeout(0.2)
+    theirs.sendall(data)
+    if data.startswith(struct.pack(">I", 50)) or b'"size":10' in data:
+        theirs.shutdown(socket.SHUT_WR)  # (the owner went away mid-reply)
+    with pytest.raises(error, match=message):
+        transport._reply_into(ours, HINT, 0.1, memoryview(bytearray(100)), 0)
+    assert ours.fileno() == -1

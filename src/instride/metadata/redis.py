@@ -103,14 +103,16 @@ end
 return version
 """
 
-#: what makes a publication's id unique: this run of the program, then a count
+#: what makes a publication's id unique: this run of the program, the process, then a count
 _RUN = secrets.token_hex(6)
 _COUNT = itertools.count()
+_PID = [os.getpid()]  # (a forked child's own, set as it starts: no system call per record)
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 
 
 def _publication_id() -> str:
     """An id no other publication has (the process id: a forked child counts on alone)."""
-    return f"{_RUN}.{os.getpid()}.{next(_COUNT)}"
+    return f"{_RUN}.{_PID[0]}.{next(_COUNT)}"
 
 
 _ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError)

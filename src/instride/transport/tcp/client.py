@@ -125,6 +125,18 @@ def _size(reply: dict[str, Any], record: Record) -> int:
         raise TransferError(record.key, f"malformed reply from {record.owner}: {reply!r}") from None
 
 
+class _ReplyScratch:
+    """Buffers a thread's native reply reads fill in (``isc_recv_reply``)."""
+
+    __slots__ = ("got", "header", "header_len", "hexdigest", "size")
+
+    def __init__(self) -> None:
+        self.header = ctypes.create_string_buffer(wire.MAX_HEADER)
+        self.header_len = ctypes.c_int32(-1)
+        self.hexdigest = ctypes.create_string_buffer(17)
+        self.got, self.size = ctypes.c_uint64(0), ctypes.c_uint64(0)
+
+
 class TcpTransport:
     """Fetch files from other nodes' data servers over TCP.
 
@@ -367,9 +379,13 @@ class TcpTransport:
         batches = self._batches()
         asked = batches.pop(owner.owner, None)
         try:
+            body = None
             if asked is not None and asked[1][0] == key:  # asked for with an earlier key
                 sock, rest = asked[0], asked[1][1:]
-                reply = self._reply_asked(sock, hint, wait, window)
+                if into is not None and window is None:  # (header and body: one native call)
+                    reply, body = self._reply_into(sock, hint, wait, into, digest_from)
+                else:
+                    reply = self._reply_asked(sock, hint, wait, window)
             else:
                 if asked is not None:
                     asked[0].close()  # (the owner stops sending what was asked for)
@@ -381,8 +397,13 @@ class TcpTransport:
         if reply.get("key") != key:  # (an ahead batch out of step: never trusted)
             sock.close()
             raise TransferError(key, f"{owner.node or owner.owner} sent {reply.get('key')!r}")
-        size, digest = self._body(sock, reply, hint, fd, on_reply, into, keep=not rest,
-                                  digest_from=digest_from)
+        if body is None:
+            size, digest = self._body(sock, reply, hint, fd, on_reply, into, keep=not rest,
+                                      digest_from=digest_from)
+        else:
+            size, digest = body
+            if not rest:
+                self._release(owner.owner, sock)
         if rest:
             batches[owner.owner] = (sock, rest)
         published = reply.get("published")
@@ -424,6 +445,60 @@ class TcpTransport:
                 raise PeerUnavailable(f"{node} ({hint.owner})", f"no valid reply: {exc}") from None
             raise
         return self._accepted(sock, reply, hint)
+
+    def _reply_into(self, sock: socket.socket, hint: Record, wait: float, into: memoryview,
+                    digest_from: int) -> tuple[dict[str, Any], tuple[int, str] | None]:
+        """:meth:`_reply_asked` and, when the reply says yes and its body fits ``into``, the
+        body into ``into`` in the same native call (``isc_recv_reply``); returns the reply and
+        the body's size and digest (from ``digest_from`` on), or ``None`` for a body still to
+        be received (it does not fit). A failure closes the socket."""
+        if self.settings.spin:
+            try:
+                poll_readable(sock, self.settings.spin)
+            except BaseException:
+                sock.close()
+                raise
+        lib, scratch = load_library(), self._scratch()
+        timeout = sock.gettimeout()
+        stall_ms = -1 if timeout is None else max(1, int(timeout * 1000))
+        first_ms = -1 if timeout is None else stall_ms + (_wait_ms(wait) or 0)
+        base = (ctypes.c_char * len(into)).from_buffer(into)  # (no copy: its address)
+        try:
+            rc = lib.isc_recv_reply(sock.fileno(), first_ms, stall_ms, scratch.header,
+                                    wire.MAX_HEADER, scratch.header_len, ctypes.addressof(base),
+                                    len(into), digest_from, scratch.hexdigest, scratch.got,
+                                    scratch.size)
+        finally:
+            del base
+        n = scratch.header_len.value
+        try:
+            if rc < 0 and n >= 0 and rc != -errno.EBADMSG:  # the body broke off
+                raise _receive_error(hint.key, -rc, scratch.got.value, scratch.size.value)
+            if rc < 0:
+                reason = f"header length {n} out of range (1..{wire.MAX_HEADER})" \
+                    if rc == -errno.EBADMSG else os.strerror(-rc)
+                node = hint.node or hint.owner
+                raise PeerUnavailable(f"{node} ({hint.owner})", f"no valid reply: {reason}")
+            try:
+                reply = wire.parse_header(scratch.header.raw[:n])
+            except wire.WireError as exc:
+                node = hint.node or hint.owner
+                raise PeerUnavailable(f"{node} ({hint.owner})", f"no valid reply: {exc}") from None
+        except BaseException:
+            sock.close()
+            raise
+        reply = self._accepted(sock, reply, hint)
+        if rc == 1:
+            return reply, None
+        return reply, (scratch.size.value, scratch.hexdigest.value.decode())
+
+    def _scratch(self) -> _ReplyScratch:
+        """This thread's buffers for :meth:`_reply_into` (made once)."""
+        local = self._per_thread.get()
+        scratch = getattr(local, "reply_scratch", None)
+        if scratch is None:
+            scratch = local.reply_scratch = _ReplyScratch()
+        return scratch
 
     def ask_when_published(self, owner: Record, key: str, wait: float,
                            until: str | None = None) -> socket.socket:

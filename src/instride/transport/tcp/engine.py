@@ -3,7 +3,8 @@
 Server half (``csrc/tcp/serve.c``): ``iss_start`` / ``iss_stop`` / ``iss_stats_get`` /
 ``iss_port`` / ``iss_replay_check``, with two callbacks into Python (:data:`DECIDE`,
 :data:`LOG`). Client half (``csrc/tcp/recv.c``): ``isc_recv_file``, the receive loop of a fetch
-(recv, xxh3, write), and ``isc_recv_mem``, the same into memory. Calls through :mod:`ctypes` release the GIL.
+(recv, xxh3, write), ``isc_recv_mem``, the same into memory, and ``isc_recv_reply``, a held
+fetch's whole reply (header, then the body into memory). Calls through :mod:`ctypes` release the GIL.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ..base import open_engine
 
 #: The calling convention of the library's exported functions this binding speaks (its
 #: ``isc_abi()``, ``ISC_ABI`` in ``csrc/tcp/tcp.h``: bumped with any exported signature change).
-ABI = 2
+ABI = 3
 INSTALL_HINT = ("install OpenSSL's and xxhash's headers (Debian: apt-get install libssl-dev "
                 "libxxhash-dev) and reinstall "
                 "instride (pip install -e .) so that libinstride_tcp.so is built")
@@ -83,6 +84,9 @@ def load_library() -> ctypes.CDLL:
         lib.isc_recv_file.argtypes = [i, i, u64, u64, i, cp, ctypes.POINTER(u64), ctypes.POINTER(i)]
         lib.isc_recv_mem.restype = i
         lib.isc_recv_mem.argtypes = [i, vp, u64, u64, i, cp, ctypes.POINTER(u64)]
+        lib.isc_recv_reply.restype = i
+        lib.isc_recv_reply.argtypes = [i, i, i, cp, ctypes.c_uint32, ctypes.POINTER(ctypes.c_int32),
+                                       vp, u64, u64, cp, ctypes.POINTER(u64), ctypes.POINTER(u64)]
         _lib = lib
         return lib
 
