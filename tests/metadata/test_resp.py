@@ -148,3 +148,31 @@ def test_commands_larger_than_the_socket_takes_at_once_go_whole(
     assert 0 <= took[1][0] < took[1][1]  # (the SET: only part of it at once)
     assert conn.sock.gettimeout() == 5.0
     conn.close()
+
+
+def test_answered_says_no_until_the_reply_is_there_and_keeps_what_it_read(
+        redis_server: RedisServer) -> None:
+    """answered() takes in what has arrived without waiting: a reply Redis holds (BLPOP) is
+    not there yet; once it is, the bytes read meanwhile go to their caller. A connection Redis
+    closed says no at once, and its caller gets the error."""
+    conn = _conn(redis_server)
+    try:
+        conn.call([("DEL", "q")])
+        owed = conn.call_soon([("BLPOP", "q", "0.5")])
+        assert not conn.answered()  # (held by Redis for up to half a second)
+        conn2 = _conn(redis_server)
+        conn2.call([("RPUSH", "q", "x")])
+        deadline = time.monotonic() + 5
+        while not conn.answered() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert conn.reader.has_data()  # (read in by answered())
+        assert owed() == [[b"q", b"x"]]
+        owed = conn.call_soon([("BLPOP", "q", "5")])
+        conn2.call([("CLIENT", "KILL", "SKIPME", "yes", "TYPE", "normal")])
+        conn2.close()
+        time.sleep(0.2)
+        assert not conn.answered()  # (closed: the read that waits says so)
+        with pytest.raises(ConnectionError):
+            owed()
+    finally:
+        conn.close()

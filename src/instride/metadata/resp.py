@@ -132,6 +132,11 @@ class RespConnection:
         sock = self.sock
         if sock is None or self.reader.has_data():
             return True  # (a closed connection: its function answers at once, with an error)
+        if sock.gettimeout():  # what has come, taken in without waiting (a producer asks
+            chunk = arrived(sock, 1 << 16)  # per frame: one read, no poll object)
+            if chunk:
+                self.reader.feed(chunk)
+            return bool(chunk)  # (b"" also when Redis closed it: the read that waits says so)
         poller = select.poll()  # (not select(): descriptors past 1023 are common here)
         poller.register(sock.fileno(), select.POLLIN)
         return bool(poller.poll(0))
