@@ -126,8 +126,11 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash
 }
 
 /* Read exactly len bytes of a reply's head into buf; the first byte may take first_ms (a held
- * fetch's reply comes when its key is published), each later one stall_ms. */
-static int recv_head(int sock, char *buf, size_t len, int first_ms, int stall_ms, size_t *have) {
+ * fetch's reply comes when its key is published), each later one stall_ms. A signal while
+ * waiting for the first byte returns -EINTR (nothing read: the caller runs its handlers, then
+ * calls again); later ones are waited through. */
+static int recv_head(int sock, char *buf, size_t len, int first_ms, int stall_ms, size_t *have,
+                     int interruptible) {
     while (*have < len) {
         ssize_t n = recv(sock, buf + *have, len - *have, MSG_DONTWAIT);
         if (n > 0) {
@@ -144,7 +147,7 @@ static int recv_head(int sock, char *buf, size_t len, int first_ms, int stall_ms
         int r = poll(&p, 1, *have == 0 ? first_ms : stall_ms);
         if (r == 0)
             return -ETIMEDOUT;
-        if (r < 0 && errno != EINTR)
+        if (r < 0 && (errno != EINTR || (interruptible && *have == 0)))
             return -errno;
     }
     return 0;
@@ -175,7 +178,8 @@ static long long reply_size(const char *h, size_t len) {
  *
  * Returns 0: header and body received (hex: the body's digest from hash_from on); 1: the
  * header alone (an error reply, or a body that does not fit: the caller goes on from there);
- * -EBADMSG: a header length out of range (*hdrlen: that length); another negative errno as
+ * -EBADMSG: a header length out of range (*hdrlen: that length); -EINTR: a signal came before
+ * any of the reply (nothing read: call again once its handler ran); another negative errno as
  * isc_recv_mem (*hdrlen < 0: it happened before the whole header was there). */
 ISC_API int isc_recv_reply(int sock, int first_ms, int stall_ms, char *hdr, uint32_t hdrcap,
                            int32_t *hdrlen, char *mem, uint64_t memcap, uint64_t hash_from,
@@ -185,7 +189,7 @@ ISC_API int isc_recv_reply(int sock, int first_ms, int stall_ms, char *hdr, uint
     *hdrlen = -1;
     *got = 0;
     *size = 0;
-    int rc = recv_head(sock, (char *)prefix, 4, first_ms, stall_ms, &have);
+    int rc = recv_head(sock, (char *)prefix, 4, first_ms, stall_ms, &have, 1);
     if (rc != 0)
         return rc;
     uint32_t n = (uint32_t)prefix[0] << 24 | (uint32_t)prefix[1] << 16 | (uint32_t)prefix[2] << 8 |
@@ -195,7 +199,7 @@ ISC_API int isc_recv_reply(int sock, int first_ms, int stall_ms, char *hdr, uint
         return -EBADMSG;
     }
     have = 0;
-    rc = recv_head(sock, hdr, n, stall_ms, stall_ms, &have);
+    rc = recv_head(sock, hdr, n, stall_ms, stall_ms, &have, 0);
     if (rc != 0)
         return rc;
     *hdrlen = (int32_t)n;

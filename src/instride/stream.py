@@ -1055,22 +1055,23 @@ class Stream:
                 digest_from=HEADER_SIZE, unwatch=not self._unwatched, **kw)
             self._unwatched = True
             frame = own.frame if got is not None else None
+            if frame is not None:
+                assert got is not None
+                # its record, as far as a reader needs one (the owner's, for the next frames)
+                self._fetched_from = Record(
+                    key, like.owner, got.size, None, like.version,
+                    like.time if got.published is None else got.published, like.node)
+                if self._cadence is not None:
+                    self._cadence.arrived(index, time.monotonic(), waited=True,
+                                          published=got.published)
+                else:  # the owner sends the next one on what was asked ahead: __next__ takes it
+                    self._inbox_next = index + 1
         except BaseException:
             free()
             raise
         if frame is None:
             free()
             return None
-        assert got is not None
-        # its record, as far as a reader needs one (the owner's, for the next frames)
-        self._fetched_from = Record(key, like.owner, got.size, None, like.version,
-                                    like.time if got.published is None else got.published,
-                                    like.node)
-        if self._cadence is not None:
-            self._cadence.arrived(index, time.monotonic(), waited=True,
-                                  published=got.published)
-        else:  # the owner sends the next one on what was asked for ahead: __next__ takes it
-            self._inbox_next = index + 1
         if self.copy:  # arrays of its own: the buffer takes the next frame
             free()
             return frame
@@ -1308,6 +1309,7 @@ class Stream:
                 self._move_on()
                 raise StopIteration from None
             except FramesMissed as exc:
+                timeout = None  # (the frame it resumes at is waited for afresh)
                 self._cursor = exc.resume
                 self._move_on()
                 if self.on_gap == "raise":

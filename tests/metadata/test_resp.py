@@ -154,7 +154,7 @@ def test_answered_says_no_until_the_reply_is_there_and_keeps_what_it_read(
         redis_server: RedisServer) -> None:
     """answered() takes in what has arrived without waiting: a reply Redis holds (BLPOP) is
     not there yet; once it is, the bytes read meanwhile go to their caller. A connection Redis
-    closed says no at once, and its caller gets the error."""
+    closed is "answered" at once: its caller gets the error now, not frames later."""
     conn = _conn(redis_server)
     try:
         conn.call([("DEL", "q")])
@@ -171,7 +171,7 @@ def test_answered_says_no_until_the_reply_is_there_and_keeps_what_it_read(
         conn2.call([("CLIENT", "KILL", "SKIPME", "yes", "TYPE", "normal")])
         conn2.close()
         time.sleep(0.2)
-        assert not conn.answered()  # (closed: the read that waits says so)
+        assert conn.answered()  # (closed: its caller learns so at once, from the read)
         with pytest.raises(ConnectionError):
             owed()
     finally:

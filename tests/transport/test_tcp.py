@@ -1022,3 +1022,58 @@ def test_broken_replies_asked_ahead_are_typed_and_close_the_connection(
     with pytest.raises(error, match=message):
         transport._reply_into(ours, HINT, 0.1, memoryview(bytearray(100)), 0)
     assert ours.fileno() == -1
+
+
+def test_a_signal_while_a_reply_asked_ahead_is_awaited_runs_its_handler(
+        reply_pair: tuple) -> None:
+    """A signal that comes while the native call waits for a reply: its Python handler runs
+    (as during any wait on a socket) and the wait goes on; a handler that raises (Ctrl-C)
+    ends it, the connection closed."""
+    transport, ours, theirs = reply_pair
+    main = threading.get_ident()
+    seen: list[int] = []
+
+    def note(signum: int, _frame: object) -> None:
+        seen.append(signum)
+
+    def fail(_signum: int, _frame: object) -> None:
+        raise RuntimeError("interrupted by the user")
+
+    old = signal.signal(signal.SIGUSR1, note)
+    try:
+        body = b"z" * 1000
+        threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGUSR1)).start()
+        threading.Timer(0.4, theirs.sendall, (_reply_bytes(
+            {"ok": True, "key": HINT.key, "size": len(body)}, body),)).start()
+        reply, got = transport._reply_into(ours, HINT, 2.0, memoryview(bytearray(2000)), 0)
+        assert seen == [signal.SIGUSR1] and got == (len(body), xxhash.xxh3_64_hexdigest(body))
+        signal.signal(signal.SIGUSR1, fail)
+        sent = threading.Event()
+
+        def reply_late() -> None:
+            sent.set()
+            theirs.sendall(_reply_bytes({"ok": True, "key": HINT.key, "size": 3}, b"abc"))
+
+        threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGUSR1)).start()
+        late = threading.Timer(1.5, reply_late)
+        late.start()
+        try:
+            with pytest.raises(RuntimeError, match="interrupted"):
+                transport._reply_into(ours, HINT, 2.0, memoryview(bytearray(2000)), 0)
+            assert not sent.is_set()  # (at once, not once the owner answered)
+            assert ours.fileno() == -1
+        finally:
+            late.cancel()
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_a_reply_naming_its_size_twice_is_refused(reply_pair: tuple) -> None:
+    """The native call takes the first "size" of a header, JSON the last: a header where they
+    differ is refused, never a body of the wrong length taken for a frame."""
+    transport, ours, theirs = reply_pair
+    header = b'{"ok":true,"key":"%s","size":3,"size":50}' % HINT.key.encode()
+    theirs.sendall(struct.pack(">I", len(header)) + header + b"abc")
+    with pytest.raises(TransferError, match="malformed reply"):
+        transport._reply_into(ours, HINT, 1.0, memoryview(bytearray(100)), 0)
+    assert ours.fileno() == -1

@@ -133,10 +133,16 @@ class RespConnection:
         if sock is None or self.reader.has_data():
             return True  # (a closed connection: its function answers at once, with an error)
         if sock.gettimeout():  # what has come, taken in without waiting (a producer asks
-            chunk = arrived(sock, 1 << 16)  # per frame: one read, no poll object)
-            if chunk:
-                self.reader.feed(chunk)
-            return bool(chunk)  # (b"" also when Redis closed it: the read that waits says so)
+            try:  # per frame: one read, no poll object)
+                chunk = os.read(sock.fileno(), 1 << 16)
+            except (BlockingIOError, InterruptedError):
+                return False  # nothing yet
+            except OSError:
+                return True  # (reset: the read that follows raises ConnectionError)
+            if not chunk:
+                return True  # (closed by Redis: the same)
+            self.reader.feed(chunk)
+            return True
         poller = select.poll()  # (not select(): descriptors past 1023 are common here)
         poller.register(sock.fileno(), select.POLLIN)
         return bool(poller.poll(0))

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from .server import TcpServer
 
 _CHUNK = 4 << 20
+#: the largest milliseconds a C int carries (a wait or stall given to the native calls)
+_INT_MAX = 2**31 - 1
 
 
 def _recv_exact(sock: socket.socket, n: int, key: str, have: bytes = b"") -> bytes:
@@ -382,7 +384,8 @@ class TcpTransport:
             body = None
             if asked is not None and asked[1][0] == key:  # asked for with an earlier key
                 sock, rest = asked[0], asked[1][1:]
-                if into is not None and window is None:  # (header and body: one native call)
+                if into is not None and window is None and on_reply is None:
+                    # (header and body: one native call)
                     reply, body = self._reply_into(sock, hint, wait, into, digest_from)
                 else:
                     reply = self._reply_asked(sock, hint, wait, window)
@@ -452,26 +455,28 @@ class TcpTransport:
         body into ``into`` in the same native call (``isc_recv_reply``); returns the reply and
         the body's size and digest (from ``digest_from`` on), or ``None`` for a body still to
         be received (it does not fit). A failure closes the socket."""
-        if self.settings.spin:
-            try:
+        try:
+            if self.settings.spin:
                 poll_readable(sock, self.settings.spin)
-            except BaseException:
-                sock.close()
-                raise
-        lib, scratch = load_library(), self._scratch()
-        timeout = sock.gettimeout()
-        stall_ms = -1 if timeout is None else max(1, int(timeout * 1000))
-        first_ms = -1 if timeout is None else stall_ms + (_wait_ms(wait) or 0)
-        base = (ctypes.c_char * len(into)).from_buffer(into)  # (no copy: its address)
-        try:
-            rc = lib.isc_recv_reply(sock.fileno(), first_ms, stall_ms, scratch.header,
-                                    wire.MAX_HEADER, scratch.header_len, ctypes.addressof(base),
-                                    len(into), digest_from, scratch.hexdigest, scratch.got,
-                                    scratch.size)
-        finally:
-            del base
-        n = scratch.header_len.value
-        try:
+            lib, scratch = load_library(), self._scratch()
+            timeout = sock.gettimeout()
+            stall_ms = -1 if timeout is None else max(1, int(timeout * 1000))
+            first_ms = -1 if timeout is None else stall_ms + (_wait_ms(wait) or 0)
+            stall_ms, first_ms = min(stall_ms, _INT_MAX), min(first_ms, _INT_MAX)
+            base = (ctypes.c_char * len(into)).from_buffer(into)  # (no copy: its address)
+            try:
+                while True:
+                    rc = lib.isc_recv_reply(sock.fileno(), first_ms, stall_ms, scratch.header,
+                                            wire.MAX_HEADER, scratch.header_len,
+                                            ctypes.addressof(base), len(into), digest_from,
+                                            scratch.hexdigest, scratch.got, scratch.size)
+                    if rc != -errno.EINTR:
+                        break
+                    # (a signal before any of the reply came: its handler runs now, as for
+                    # any wait on a socket — and may raise — then the wait goes on)
+            finally:
+                del base
+            n = scratch.header_len.value
             if rc < 0 and n >= 0 and rc != -errno.EBADMSG:  # the body broke off
                 raise _receive_error(hint.key, -rc, scratch.got.value, scratch.size.value)
             if rc < 0:
@@ -480,10 +485,12 @@ class TcpTransport:
                 node = hint.node or hint.owner
                 raise PeerUnavailable(f"{node} ({hint.owner})", f"no valid reply: {reason}")
             try:
-                reply = wire.parse_header(scratch.header.raw[:n])
+                reply = wire.parse_header(ctypes.string_at(scratch.header, n))
             except wire.WireError as exc:
                 node = hint.node or hint.owner
                 raise PeerUnavailable(f"{node} ({hint.owner})", f"no valid reply: {exc}") from None
+            if rc == 0 and _size(reply, hint) != scratch.size.value:  # (two "size" fields?)
+                raise TransferError(hint.key, f"malformed reply from {hint.owner}: {reply!r}")
         except BaseException:
             sock.close()
             raise
