@@ -9,7 +9,15 @@
  * CPU. A Python thread would not do -- it must hold the GIL to return from the system call,
  * and a starved idle thread holding the GIL stops the producer.
  *
- * Exported: isl_spare_start, isl_spare_ready, isl_spare_take, isl_spare_drop.
+ * It can also prefault a mapping of the process first (isl_spare_start_populating): the
+ * producer's mapping of the next frame's file, mapped without MAP_POPULATE, so that the ~70 µs
+ * of page-table work after a publication happen while the CPU is idle instead of while the
+ * frame's server and consumer need it. Only page tables change (MADV_POPULATE_WRITE: no byte
+ * is written), and the producer unmaps that mapping only after isl_spare_settle: a populate
+ * under way is waited for, one not started is called off.
+ *
+ * Exported: isl_spare_start, isl_spare_start_populating, isl_spare_ready, isl_spare_populated,
+ * isl_spare_settle, isl_spare_take, isl_spare_drop.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -21,14 +29,25 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
+#endif
 
 #define ISL_EXPORT __attribute__((visibility("default")))
 
 enum { MAKING, MADE, DROPPED };
+/* the prefault's phases: asked for, under way, over (done, failed or never asked), called off */
+enum { POP_ASKED, POP_RUNNING, POP_OVER, POP_OFF };
 
 typedef struct {
     atomic_int state;
+    atomic_int pop;   /* POP_* */
+    int populated;    /* 1: the mapping's page tables were filled */
+    void *pop_addr;   /* the mapping to prefault (or NULL) */
+    size_t pop_len;
     int fd;  /* the file, once MADE (-1: failed) */
     int err; /* errno of the failure */
     long long size;
@@ -63,6 +82,11 @@ static void *make(void *arg) {
     spare *s = arg;
     struct sched_param none = {0};
     pthread_setschedparam(pthread_self(), SCHED_IDLE, &none); /* (set already, or best effort) */
+    int asked = POP_ASKED;
+    if (atomic_compare_exchange_strong(&s->pop, &asked, POP_RUNNING)) {
+        s->populated = madvise(s->pop_addr, s->pop_len, MADV_POPULATE_WRITE) == 0;
+        atomic_store(&s->pop, POP_OVER);
+    }
     /* a file without a name in the directory: nothing is left behind if this process dies
      * or drops it; the taker gives it a name (linkat through /proc/self/fd) */
     int fd = open(s->path, O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
@@ -82,7 +106,21 @@ static void *make(void *arg) {
 
 /* Start making a file without a name in the directory dir, of size bytes, its pages allocated.
  * Returns a handle for isl_spare_ready / _take / _drop, or NULL (errno) if no thread started. */
+static void *start(const char *dir, long long size, void *pop_addr, size_t pop_len);
+
 ISL_EXPORT void *isl_spare_start(const char *dir, long long size) {
+    return start(dir, size, NULL, 0);
+}
+
+/* The same, and first prefault the process's mapping [addr, addr + len) (its page tables
+ * filled, writable: MADV_POPULATE_WRITE); isl_spare_populated says whether it was. The
+ * caller must call isl_spare_settle (or _take, or _drop) before it unmaps that range. */
+ISL_EXPORT void *isl_spare_start_populating(const char *dir, long long size, void *addr,
+                                            long long len) {
+    return start(dir, size, addr, (size_t)len);
+}
+
+static void *start(const char *dir, long long size, void *pop_addr, size_t pop_len) {
     size_t n = strlen(dir);
     if (n >= sizeof ((spare *)0)->path) {
         errno = ENAMETOOLONG;
@@ -92,6 +130,9 @@ ISL_EXPORT void *isl_spare_start(const char *dir, long long size) {
     if (s == NULL)
         return NULL;
     atomic_init(&s->state, MAKING);
+    atomic_init(&s->pop, pop_addr != NULL ? POP_ASKED : POP_OVER);
+    s->pop_addr = pop_addr;
+    s->pop_len = pop_len;
     s->fd = -1;
     s->size = size;
     memcpy(s->path, dir, n + 1);
@@ -126,6 +167,23 @@ ISL_EXPORT void *isl_spare_start(const char *dir, long long size) {
     return s;
 }
 
+/* No populate of the mapping after this returns: one not started is called off, one under
+ * way is waited for (~70 µs at most for a JAC frame). Then the mapping may be unmapped. */
+ISL_EXPORT void isl_spare_settle(void *h) {
+    spare *s = h;
+    int asked = POP_ASKED;
+    if (atomic_compare_exchange_strong(&s->pop, &asked, POP_OFF))
+        return;
+    while (atomic_load(&s->pop) == POP_RUNNING)
+        sched_yield();
+}
+
+/* Whether the mapping was prefaulted (its populate is over and succeeded). */
+ISL_EXPORT int isl_spare_populated(void *h) {
+    spare *s = h;
+    return atomic_load(&s->pop) == POP_OVER && s->populated;
+}
+
 /* Whether the file is made (or failed): isl_spare_take then returns at once. */
 ISL_EXPORT int isl_spare_ready(void *h) { return atomic_load(&((spare *)h)->state) == MADE; }
 
@@ -151,6 +209,7 @@ ISL_EXPORT int isl_spare_take(void *h, const char *name) {
  * is done. The handle is freed either way. */
 ISL_EXPORT void isl_spare_drop(void *h) {
     spare *s = h;
+    isl_spare_settle(s); /* (the mapping may go right after) */
     int expected = MAKING;
     if (!atomic_compare_exchange_strong(&s->state, &expected, DROPPED))
         forget(s); /* made already */

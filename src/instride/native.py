@@ -8,7 +8,8 @@ Each is one call (ctypes releases the GIL):
   the ``paper`` layout's 28-byte records and hash them with xxh3-64 in the same pass
   (:mod:`instride.frames`);
 * ``isl_spare_*`` (``csrc/local/spare.c``) make the next frame file of a stream, or the next
-  fetched copy, in a native ``SCHED_IDLE`` thread (:mod:`instride.store.spare`);
+  fetched copy, in a native ``SCHED_IDLE`` thread, which may first prefault the producer's
+  mapping of the file made before (:mod:`instride.store.spare`);
 * ``isl_append`` (``csrc/local/frame.c``) encodes a frame into its mapped file, drops the
   producer's lock and publishes it by a rename (``isl_append_hashed``: also the whole file's
   xxh3, a cluster's record checksum); ``isl_lease`` (``csrc/local/take.c``) opens a
@@ -75,6 +76,13 @@ def _load() -> ctypes.CDLL | None:
         lib.isl_paper_decode.restype = u64
         lib.isl_spare_start.argtypes = [c_char_p, ctypes.c_longlong]
         lib.isl_spare_start.restype = ptr
+        lib.isl_spare_start_populating.argtypes = [c_char_p, ctypes.c_longlong, ptr,
+                                                   ctypes.c_longlong]
+        lib.isl_spare_start_populating.restype = ptr
+        lib.isl_spare_settle.argtypes = [ptr]
+        lib.isl_spare_settle.restype = None
+        lib.isl_spare_populated.argtypes = [ptr]
+        lib.isl_spare_populated.restype = c_int
         lib.isl_spare_ready.argtypes = [ptr]
         lib.isl_spare_ready.restype = c_int
         lib.isl_spare_take.argtypes = [ptr, c_char_p]

@@ -67,13 +67,42 @@ class Slot:
     pooled: bool = True  # in the pool (not published under a key)
     addr: int = 0  # where ``mm`` is mapped (for the native encode)
     pooled_b: bytes = b""  # its path in the pool, encoded (for the native encode)
+    #: a helper may be prefaulting the mapping: call before unmapping (see SpareMaker.ask)
+    settle: Callable[[], None] | None = None
+
+    def unmap(self) -> None:
+        """Unmap, once no helper prefaults the mapping any more."""
+        settle, self.settle = self.settle, None
+        if settle is not None:
+            settle()
+        with contextlib.suppress(BufferError, ValueError):
+            self.mm.close()
 
     def close(self) -> None:
         """Unmap and close (the file itself stays where it is)."""
-        with contextlib.suppress(BufferError, ValueError):
-            self.mm.close()
+        self.unmap()
         with contextlib.suppress(OSError):
             os.close(self.fd)
+
+
+#: madvise(MADV_POPULATE_WRITE) (Linux 5.14; not among Python 3.11's mmap constants)
+_MADV_POPULATE_WRITE = 23
+_prefaults: list[bool] = []
+
+
+def _prefault_works() -> bool:
+    """Whether this kernel fills a mapping's page tables on request (MADV_POPULATE_WRITE):
+    only then is a new frame file mapped without them, for a helper to fill."""
+    if not _prefaults:
+        probe = mmap.mmap(-1, mmap.PAGESIZE)
+        try:
+            probe.madvise(_MADV_POPULATE_WRITE)
+            _prefaults.append(True)
+        except (OSError, ValueError):
+            _prefaults.append(False)
+        finally:
+            probe.close()
+    return _prefaults[0]
 
 
 def stamp(fd: int) -> None:
@@ -181,14 +210,26 @@ class SlotPool:
             if self._next is None:
                 self._next = self._lock_free()
             return
+        unfilled = None
         if self._mapped is None:  # the file made since: mapped now, not in the next append
             self._made += 1
             path = f"{self._pool_s}/slot-{self._owner}-{self._made}"
             fd = self._spare.take(size, path)
             if fd is not None:
-                self._mapped = self._adopt(path, fd, size)
+                # Made while the CPU was idle: its mapping's page tables (~70 µs for a JAC
+                # frame, now, while the frame just published is sent and read) are filled
+                # by the next helper first, also while the CPU is idle
+                ahead = _prefault_works()
+                self._mapped = self._adopt(path, fd, size, populate=not ahead)
+                unfilled = self._mapped if ahead else None
         if not self._spare.pending:
-            self._spare.ask(self._pool_s, size)
+            settle = self._spare.ask(self._pool_s, size, None if unfilled is None
+                                     else (unfilled.addr, unfilled.size))
+            if unfilled is not None:
+                unfilled.settle = settle
+        if unfilled is not None and unfilled.settle is None:  # (no helper: filled now)
+            with contextlib.suppress(OSError, ValueError):
+                unfilled.mm.madvise(_MADV_POPULATE_WRITE)
 
     def _new(self, size: int) -> Slot:
         self._made += 1
@@ -196,14 +237,17 @@ class SlotPool:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         return self._adopt(path, fd, size, made=False)
 
-    def _adopt(self, path: str, fd: int, size: int, *, made: bool = True) -> Slot:
+    def _adopt(self, path: str, fd: int, size: int, *, made: bool = True,
+               populate: bool = True) -> Slot:
         """Take the new file ``path`` (open as ``fd``) as a slot of ``size`` bytes; ``made``:
-        its pages were allocated ahead (:mod:`~instride.store.spare`), mapped at once."""
+        its pages were allocated ahead (:mod:`~instride.store.spare`), mapped at once (their
+        page tables filled now, unless not ``populate``)."""
         try:
             if not made:
                 os.ftruncate(fd, size)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (_POPULATE if made else 0))
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED
+                           | (_POPULATE if made and populate else 0))
         except BaseException:
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
@@ -216,7 +260,7 @@ class SlotPool:
 
     @staticmethod
     def _resize(slot: Slot, size: int) -> None:
-        slot.mm.close()
+        slot.unmap()
         os.ftruncate(slot.fd, size)
         slot.mm = mmap.mmap(slot.fd, size)
         slot.size = size

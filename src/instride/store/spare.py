@@ -23,8 +23,10 @@ way, and the helper's file goes to a later frame.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from ..native import library
@@ -71,14 +73,42 @@ class SpareMaker:
             handle = self._mine()
             return handle is not None and bool(self._lib.isl_spare_ready(handle))
 
-    def ask(self, directory: str, size: int) -> None:
+    def ask(self, directory: str, size: int,
+            populate: tuple[int, int] | None = None) -> Callable[[], None] | None:
         """Have the helper make a file of ``size`` bytes in ``directory`` (unless one is
-        pending)."""
+        pending).
+
+        ``populate``: ``(address, length)`` of a mapping of this process that the helper
+        prefaults first (its page tables filled, writable; no byte written). The function
+        returned must be called before that range is unmapped (it waits for a prefault under
+        way, or calls off one not started); ``None``: nothing will prefault it (no helper
+        started, or one was pending already).
+        """
         with self._lock:
             if self._mine() is not None or self._lib is None:
-                return
-            self._handle = self._lib.isl_spare_start(os.fsencode(directory), size) or None
+                return None
+            where = os.fsencode(directory)
+            handle = self._lib.isl_spare_start(where, size) if populate is None else \
+                self._lib.isl_spare_start_populating(where, size, *populate)
+            self._handle = handle or None
             self._size, self._forks = size, forks()
+            if populate is None or self._handle is None:
+                return None
+        return functools.partial(self._settle, handle)
+
+    def _settle(self, handle: Any) -> None:
+        """No prefault by ``handle``'s helper after this returns (a handle taken or dropped
+        since had its prefault over already)."""
+        with self._lock:
+            if self._handle is handle and self._mine() is not None:
+                self._lib.isl_spare_settle(handle)
+
+    @property
+    def populated(self) -> bool:
+        """Whether the pending helper prefaulted the mapping it was given (tests)."""
+        with self._lock:
+            handle = self._mine()
+            return handle is not None and bool(self._lib.isl_spare_populated(handle))
 
     def take(self, size: int, name: str) -> int | None:
         """The file made, named ``name`` now, as a descriptor open read-write — if it is ready
