@@ -14,7 +14,8 @@
  * of page-table work after a publication happen while the CPU is idle instead of while the
  * frame's server and consumer need it. Only page tables change (MADV_POPULATE_WRITE: no byte
  * is written), and the producer unmaps that mapping only after isl_spare_settle: a populate
- * under way is waited for, one not started is called off.
+ * under way is waited for (the helper raised to a normal thread meanwhile, so that a busy CPU
+ * does not keep it, and the caller, waiting), one not started is called off.
  *
  * Exported: isl_spare_start, isl_spare_start_populating, isl_spare_ready, isl_spare_populated,
  * isl_spare_settle, isl_spare_take, isl_spare_drop.
@@ -47,6 +48,7 @@ typedef struct {
     atomic_int pop;   /* POP_* */
     int populated;    /* 1: the mapping's page tables were filled */
     void *pop_addr;   /* the mapping to prefault (or NULL) */
+    atomic_int tid;   /* the helper's thread id, once it runs */
     size_t pop_len;
     int fd;  /* the file, once MADE (-1: failed) */
     int err; /* errno of the failure */
@@ -82,10 +84,13 @@ static void *make(void *arg) {
     spare *s = arg;
     struct sched_param none = {0};
     pthread_setschedparam(pthread_self(), SCHED_IDLE, &none); /* (set already, or best effort) */
+    atomic_store(&s->tid, (int)gettid());
     int asked = POP_ASKED;
     if (atomic_compare_exchange_strong(&s->pop, &asked, POP_RUNNING)) {
         s->populated = madvise(s->pop_addr, s->pop_len, MADV_POPULATE_WRITE) == 0;
         atomic_store(&s->pop, POP_OVER);
+        /* (isl_spare_settle may have raised it to finish the prefault: idle again) */
+        pthread_setschedparam(pthread_self(), SCHED_IDLE, &none);
     }
     /* a file without a name in the directory: nothing is left behind if this process dies
      * or drops it; the taker gives it a name (linkat through /proc/self/fd) */
@@ -131,6 +136,7 @@ static void *start(const char *dir, long long size, void *pop_addr, size_t pop_l
         return NULL;
     atomic_init(&s->state, MAKING);
     atomic_init(&s->pop, pop_addr != NULL ? POP_ASKED : POP_OVER);
+    atomic_init(&s->tid, 0);
     s->pop_addr = pop_addr;
     s->pop_len = pop_len;
     s->fd = -1;
@@ -174,8 +180,17 @@ ISL_EXPORT void isl_spare_settle(void *h) {
     int asked = POP_ASKED;
     if (atomic_compare_exchange_strong(&s->pop, &asked, POP_OFF))
         return;
-    while (atomic_load(&s->pop) == POP_RUNNING)
-        sched_yield();
+    if (atomic_load(&s->pop) == POP_RUNNING) {
+        /* A helper at SCHED_IDLE preempted in the middle would make the caller wait as long as
+         * the CPU is busy: it runs as a normal thread until its prefault is over (then lowers
+         * itself again). While the prefault runs, the thread is alive: its id is its own. */
+        struct sched_param none = {0};
+        int tid = atomic_load(&s->tid);
+        if (tid > 0)
+            sched_setscheduler(tid, SCHED_OTHER, &none);
+        while (atomic_load(&s->pop) == POP_RUNNING)
+            sched_yield();
+    }
 }
 
 /* Whether the mapping was prefaulted (its populate is over and succeeded). */
