@@ -243,17 +243,18 @@ def stream_run(c: EmulatedCluster, name: str, n: int, atoms: int, gap: float,
 RAW_PAIR_SERVER = textwrap.dedent(
     """
     import os, socket, sys
-    path, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    # the files are sent in turn (one: the same file every time)
+    host, port, paths = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
     srv = socket.create_server((host, port))
     print("ready", flush=True)
     conn, _ = srv.accept()
     n = int(conn.recv(16).decode())
-    with open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        for _ in range(n):
-            off = 0
-            while off < size:
-                off += os.sendfile(conn.fileno(), fh.fileno(), off, size - off)
+    fds = [os.open(p, os.O_RDONLY) for p in paths]
+    size = os.fstat(fds[0]).st_size
+    for i in range(n):
+        fd, off = fds[i % len(fds)], 0
+        while off < size:
+            off += os.sendfile(conn.fileno(), fd, off, size - off)
     conn.close()
     """
 )
@@ -393,12 +394,14 @@ def raw_tcp_store(c: EmulatedCluster, path: str, size: int, n: int) -> float:
     return n * size / float(took) / 1e6
 
 
-def raw_tcp_pairs(c: EmulatedCluster, pairs: list[tuple[int, int]], paths: list[str], size: int,
-                  n: int, meter: CpuMeter | None = None) -> float:
+def raw_tcp_pairs(c: EmulatedCluster, pairs: list[tuple[int, int]], paths: list[str] | list[list[str]],
+                  size: int, n: int, meter: CpuMeter | None = None) -> float:
     """Aggregate MB/s of raw TCP pairs (``sendfile`` -> ``recv_into``), one per ``(p, q)``
-    (node p serves ``paths[i]`` ``n`` times to node q), all started at once; first byte asked
-    -> last byte received. ``meter``: measures the machine's CPU from the start to the end."""
-    srvs = [_popen(c, p, RAW_PAIR_SERVER, paths[i], c.node(p).ip, 7610 + i)
+    (node p serves ``paths[i]`` ``n`` times to node q; a list of paths: its files in turn),
+    all started at once; first byte asked -> last byte received. ``meter``: measures the
+    machine's CPU from the start to the end."""
+    files = [[p] if isinstance(p, str) else p for p in paths]
+    srvs = [_popen(c, p, RAW_PAIR_SERVER, c.node(p).ip, 7610 + i, *files[i])
             for i, (p, _q) in enumerate(pairs)]
     for srv in srvs:
         _ready(srv)

@@ -5,7 +5,8 @@ send, then runs ``--rounds`` times: 8 producer/consumer-group pairs on bounded s
 (``retain=16``, positions recorded every 4 frames; producers on nodes 1-2, readers on nodes 3-4),
 ``--frames`` frames each, flat out; right after, 8 raw TCP pairs (``sendfile`` ->
 ``recv_into``) moving as many frames between the same nodes. Prints frames per second, the
-ratio to the raw pairs, and the whole machine's CPU per frame and context switches per frame
+ratio to the raw pairs (and to raw pairs whose servers send 16 files in turn, as many as
+the streams' rings hold: not the one file the caches keep), and the whole machine's CPU per frame and context switches per frame
 for both (``/proc/stat``). Alternate two trees (``PYTHONPATH=<other tree>/src``) run by run:
 this VM's speed drifts by tens of percent over minutes. Needs root, iproute2 and redis-server
 (``make test`` installs them).
@@ -26,6 +27,9 @@ from instride.emulate import EmulatedCluster
 from instride.frames import frame_size
 
 JAC_ATOMS = 23_558
+#: files each raw TCP pair's server sends in turn in the second raw run (a bounded stream's
+#: frames come from as many files: not one file the caches keep)
+ROTATE = 16
 
 
 def main() -> None:
@@ -41,19 +45,21 @@ def main() -> None:
     pairs = [(1 + i % 2, 3 + (i // 2) % 2) for i in range(8)]
     n = args.frames
     with EmulatedCluster(nodes=4) as c:
-        for i, (p, _q) in enumerate(pairs):  # one frame per pair for the raw TCP servers
-            _popen(c, p, PRODUCE, f"seed/p{i}", 1, JAC_ATOMS, 0.0).communicate(timeout=120)
-        paths = [str(c.node(p).dir / "seed" / f"p{i}" / "frame_000000000.isf")
+        for i, (p, _q) in enumerate(pairs):  # frames per pair for the raw TCP servers
+            _popen(c, p, PRODUCE, f"seed/p{i}", ROTATE, JAC_ATOMS, 0.0).communicate(timeout=120)
+        files = [[str(c.node(p).dir / "seed" / f"p{i}" / f"frame_{k:09d}.isf") for k in range(ROTATE)]
                  for i, (p, _q) in enumerate(pairs)]
         for r in range(args.rounds):
             ours, raw = CpuMeter(), CpuMeter()
             _, span = stream_span(c, f"probe{r}", n, JAC_ATOMS, pairs, bounded=not args.unbounded,
                                   meter=ours)
-            raw_mbps = raw_tcp_pairs(c, pairs, paths, jac, n, meter=raw)
+            raw_mbps = raw_tcp_pairs(c, pairs, [f[0] for f in files], jac, n, meter=raw)
+            rot_mbps = raw_tcp_pairs(c, pairs, files, jac, n)
             mbps = 8 * n * jac / span / 1e6
             u, v = ours.per(8 * n), raw.per(8 * n)
             print(f"round {r}: {8 * n / span:.0f} frames/s, ratio {mbps / raw_mbps:.2f} to raw TCP"
-                  f" ({raw_mbps:.0f} MB/s); per frame: {u['user_ms']:.2f} + {u['system_ms']:.2f} ms"
+                  f" ({raw_mbps:.0f} MB/s; {mbps / rot_mbps:.2f} to raw TCP sending {ROTATE} files in"
+                  f" turn, {rot_mbps:.0f} MB/s); per frame: {u['user_ms']:.2f} + {u['system_ms']:.2f} ms"
                   f" (user + kernel), {u['context_switches']:.1f} context switches, cores"
                   f" {u['busy']:.0%} busy; raw TCP pairs {v['user_ms']:.2f} + {v['system_ms']:.2f} ms,"
                   f" {v['context_switches']:.1f}", flush=True)

@@ -172,11 +172,14 @@ static void logf_(server *s, int level, const char *fmt, ...) {
     s->log(s->ctx, level, msg);
 }
 
-/* Send all of buf within timeout_ms; 0, or -1 on failure or timeout. */
-static int send_all(int fd, const char *buf, size_t len, int timeout_ms) {
+/* Send all of buf within timeout_ms; 0, or -1 on failure or timeout. more: a body follows at
+ * once (MSG_MORE: the kernel holds the bytes for the body's first segment, not a packet of
+ * their own, which would wake the reader for the header alone). */
+static int send_all(int fd, const char *buf, size_t len, int timeout_ms, int more) {
     int64_t deadline = now_ns() + (int64_t)timeout_ms * 1000000LL;
+    int flags = MSG_NOSIGNAL | MSG_DONTWAIT | (more ? MSG_MORE : 0);
     while (len > 0) {
-        ssize_t n = send(fd, buf, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+        ssize_t n = send(fd, buf, len, flags);
         if (n > 0) {
             buf += n;
             len -= (size_t)n;
@@ -196,15 +199,15 @@ static int send_all(int fd, const char *buf, size_t len, int timeout_ms) {
     return 0;
 }
 
-/* Reply with a 4-byte length and the JSON body. */
-static int send_reply(server *s, int fd, const char *json, size_t len) {
+/* Reply with a 4-byte length and the JSON body (more: as send_all's). */
+static int send_reply(server *s, int fd, const char *json, size_t len, int more) {
     char buf[4 + ISS_MAX_REPLY];
     if (len > ISS_MAX_REPLY)
         len = ISS_MAX_REPLY;
     uint32_t be = htonl((uint32_t)len);
     memcpy(buf, &be, 4);
     memcpy(buf + 4, json, len);
-    return send_all(fd, buf, 4 + len, s->send_timeout_ms);
+    return send_all(fd, buf, 4 + len, s->send_timeout_ms, more);
 }
 
 /* {"ok":false,"error":ERR,"message":MSG}; MSG is plain ASCII made here (no escaping needed). */
@@ -212,7 +215,7 @@ static void send_error(server *s, int fd, const char *err, const char *msg) {
     char json[ISS_MAX_REPLY];
     int n = snprintf(json, sizeof json, "{\"ok\":false,\"error\":\"%s\",\"message\":\"%s\"}", err, msg);
     if (n > 0)
-        send_reply(s, fd, json, (size_t)n < sizeof json ? (size_t)n : sizeof json - 1);
+        send_reply(s, fd, json, (size_t)n < sizeof json ? (size_t)n : sizeof json - 1, 0);
 }
 
 /* Read exactly len bytes before the deadline (ns; -1: none). Returns bytes read (< len on EOF),
@@ -672,7 +675,7 @@ static int answer(server *s, conn *c, char *hdr, uint32_t len) {
             int n = snprintf(json, sizeof json,
                              "{\"ok\":true,\"key\":\"%s\",\"size\":%lld,\"published\":%.6f}",
                              key, (long long)size, published);
-            keep = send_reply(s, c->fd, json, (size_t)n) == 0 &&
+            keep = send_reply(s, c->fd, json, (size_t)n, size > 0) == 0 &&
                    (size == 0 || send_body(s, c->fd, fd, size, key, c->peer) == 0);
             if (keep && size == 0) {
                 atomic_fetch_add(&s->fetches, 1);
@@ -702,7 +705,7 @@ static int answer(server *s, conn *c, char *hdr, uint32_t len) {
         atomic_fetch_add(&s->errors, 1);
         send_error(s, c->fd, "WireError", "internal error");
         keep = 0;
-    } else if (send_reply(s, c->fd, reply, reply_len) != 0) {
+    } else if (send_reply(s, c->fd, reply, reply_len, out_fd >= 0 && size > 0) != 0) {
         keep = 0;
         c->dead = 1;
     } else if (out_fd >= 0) {
