@@ -7,8 +7,9 @@ send, then runs ``--rounds`` times: 8 producer/consumer-group pairs on bounded s
 ``recv_into``) moving as many frames between the same nodes. Prints frames per second, the
 ratio to the raw pairs (and to raw pairs whose servers send 16 files in turn, as many as
 the streams' rings hold: not the one file the caches keep), and the whole machine's CPU per
-frame and context switches per frame for both (``/proc/stat``). Alternate two trees (``PYTHONPATH=<other tree>/src``) run by run:
-this VM's speed drifts by tens of percent over minutes. Needs root, iproute2 and redis-server
+frame and context switches per frame for both (``/proc/stat``). Alternate two trees
+(``PYTHONPATH=<other tree>/src``) run by run: this VM's speed drifts by tens of percent over
+minutes. Needs root, iproute2 and redis-server
 (``make test`` installs them).
 
 ``--unbounded``: the bench's first 8-pairs row instead (unbounded streams, consumers waiting
