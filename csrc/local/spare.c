@@ -15,10 +15,15 @@
  * frame's server and consumer need it. Only page tables change (MADV_POPULATE_WRITE: no byte
  * is written), and the producer unmaps that mapping only after isl_spare_settle: a populate
  * under way is waited for (the helper raised to a normal thread meanwhile, so that a busy CPU
- * does not keep it, and the caller, waiting), one not started is called off.
+ * does not keep it, and the caller, waiting), one not started is called off. Raising a thread
+ * out of SCHED_IDLE needs CAP_SYS_NICE or an RLIMIT_NICE that allows its nice value (Linux's
+ * can_nice; an unprivileged user on a cluster node usually has neither): where it is not
+ * allowed, isl_spare_prefault_safe says so and the caller fills its mappings itself -- a
+ * starved idle helper in the middle of a prefault (holding the process's mmap_lock, too)
+ * could keep the producer waiting as long as other threads keep the CPU busy.
  *
- * Exported: isl_spare_start, isl_spare_start_populating, isl_spare_ready, isl_spare_populated,
- * isl_spare_settle, isl_spare_take, isl_spare_drop.
+ * Exported: isl_spare_start, isl_spare_start_populating, isl_spare_prefault_safe,
+ * isl_spare_ready, isl_spare_populated, isl_spare_settle, isl_spare_take, isl_spare_drop.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -30,7 +35,10 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/capability.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #ifndef MADV_POPULATE_WRITE
@@ -173,6 +181,28 @@ static void *start(const char *dir, long long size, void *pop_addr, size_t pop_l
     return s;
 }
 
+/* set once raising a helper was refused in this process (isl_spare_prefault_safe: no more) */
+static atomic_int raise_refused;
+
+/* Whether this thread may raise a thread it makes at SCHED_IDLE back to a normal one: its nice
+ * value within RLIMIT_NICE, or CAP_SYS_NICE in its effective set (the kernel's can_nice), and
+ * no such raise refused so far. Only then may a helper prefault the caller's mappings. */
+ISL_EXPORT int isl_spare_prefault_safe(void) {
+    if (atomic_load(&raise_refused))
+        return 0;
+    errno = 0;
+    int nice = getpriority(PRIO_PROCESS, (id_t)gettid()); /* (this thread's: -1 is a value) */
+    struct rlimit lim;
+    if (errno == 0 && getrlimit(RLIMIT_NICE, &lim) == 0 &&
+        (lim.rlim_cur == RLIM_INFINITY || (rlim_t)(20 - nice) <= lim.rlim_cur))
+        return 1;
+    struct __user_cap_header_struct head = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct caps[_LINUX_CAPABILITY_U32S_3];
+    if (syscall(SYS_capget, &head, caps) != 0)
+        return 0;
+    return (caps[CAP_SYS_NICE / 32].effective >> (CAP_SYS_NICE % 32)) & 1;
+}
+
 /* No populate of the mapping after this returns: one not started is called off, one under
  * way is waited for (~70 µs at most for a JAC frame). Then the mapping may be unmapped. */
 ISL_EXPORT void isl_spare_settle(void *h) {
@@ -186,8 +216,8 @@ ISL_EXPORT void isl_spare_settle(void *h) {
          * itself again). While the prefault runs, the thread is alive: its id is its own. */
         struct sched_param none = {0};
         int tid = atomic_load(&s->tid);
-        if (tid > 0)
-            sched_setscheduler(tid, SCHED_OTHER, &none);
+        if (tid > 0 && sched_setscheduler(tid, SCHED_OTHER, &none) != 0 && errno == EPERM)
+            atomic_store(&raise_refused, 1); /* (not again: see isl_spare_prefault_safe) */
         while (atomic_load(&s->pop) == POP_RUNNING)
             sched_yield();
     }

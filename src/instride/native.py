@@ -81,6 +81,8 @@ def _load() -> ctypes.CDLL | None:
         lib.isl_spare_start_populating.restype = ptr
         lib.isl_spare_settle.argtypes = [ptr]
         lib.isl_spare_settle.restype = None
+        lib.isl_spare_prefault_safe.argtypes = []
+        lib.isl_spare_prefault_safe.restype = c_int
         lib.isl_spare_populated.argtypes = [ptr]
         lib.isl_spare_populated.restype = c_int
         lib.isl_spare_ready.argtypes = [ptr]

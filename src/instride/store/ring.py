@@ -219,7 +219,7 @@ class SlotPool:
                 # Made while the CPU was idle: its mapping's page tables (~70 µs for a JAC
                 # frame, now, while the frame just published is sent and read) are filled
                 # by the next helper first, also while the CPU is idle
-                ahead = _prefault_works()
+                ahead = _prefault_works() and self._spare.prefault_safe
                 self._mapped = self._adopt(path, fd, size, populate=not ahead)
                 unfilled = self._mapped if ahead else None
         if not self._spare.pending:

@@ -24,7 +24,11 @@ producer maps the file it takes without filling the page tables (``MAP_POPULATE`
 per JAC frame right after a publication) and the next helper fills them
 (``MADV_POPULATE_WRITE``) while the CPU is idle. Such a mapping is unmapped only after the
 function ``ask`` returned was called: it waits for a prefault under way, or calls off one not
-started, so the helper never touches the range once it may hold something else.
+started, so the helper never touches the range once it may hold something else. That wait
+raises the helper to a normal thread, which Linux allows only with ``CAP_SYS_NICE`` or an
+``RLIMIT_NICE`` that covers the thread's nice value; where neither holds (an unprivileged user
+on a cluster node, usually), no mapping is given to the helper (:attr:`SpareMaker.prefault_safe`)
+and the producer fills its page tables itself, as before.
 """
 
 from __future__ import annotations
@@ -109,6 +113,16 @@ class SpareMaker:
         with self._lock:
             if self._handle is handle and self._mine() is not None:
                 self._lib.isl_spare_settle(handle)
+
+    @property
+    def prefault_safe(self) -> bool:
+        """Whether a helper may prefault this thread's mappings (:meth:`ask`'s ``populate``):
+        only where the thread may raise the helper out of ``SCHED_IDLE`` to finish a prefault
+        it waits for (``CAP_SYS_NICE``, or an ``RLIMIT_NICE`` that allows the thread's nice
+        value; usually neither for an unprivileged user), and no such raise was refused. Else
+        a helper starved in the middle of a prefault — holding the process's ``mmap_lock`` —
+        could keep the producer waiting as long as other threads keep the CPU busy."""
+        return self._lib is not None and bool(self._lib.isl_spare_prefault_safe())
 
     @property
     def populated(self) -> bool:
