@@ -29,6 +29,8 @@ Measures, in one run, on an emulated cluster made for the purpose:
    producers start up first (imports, connections) and then begin together; the span is first
    publication -> last frame local. For the bounded pairs and their raw TCP pairs, the whole
    machine's CPU per frame (user and kernel ms, context switches, interrupts; ``/proc/stat``);
+   and, as a diagnostic beside the target's baseline, raw TCP pairs whose servers send 16
+   files in turn (as many as each bounded stream keeps) instead of one the caches keep;
 5. publish -> consume latency through the preload library across nodes: unmodified C
    programs (open/write/close on node 1, open/read on node 2) exchanging 4 KiB keys;
 6. the data server's start-up time (process start to listening);
@@ -657,10 +659,16 @@ def main() -> None:
         ours_cpu, raw_cpu = CpuMeter(), CpuMeter()
         _, span = stream_span(c, "aggb", nb, jac_atoms, pairs, bounded=True, meter=ours_cpu)
         raw8b = raw_tcp_pairs(c, pairs, paths, jac, nb, meter=raw_cpu)
+        # (a diagnostic beside the target's baseline: raw TCP pairs whose servers send as many
+        # files in turn as a bounded stream keeps, not one file the caches keep)
+        rotating = [[str(c.node(p).dir / "agg" / f"p{i}" / f"frame_{k:09d}.isf")
+                     for k in range(RETAIN)] for i, (p, _q) in enumerate(pairs)]
+        raw8r = raw_tcp_pairs(c, pairs, rotating, jac, nb)
         bmoving = 8 * nb * jac / span / 1e6
         result["aggregate_8_pairs_bounded_vs_raw_tcp"] = {
             "instride_MBps": bmoving, "instride_frames_per_s": 8 * nb / span,
             "raw_tcp_MBps": raw8b, "ratio": bmoving / raw8b, "retain": RETAIN,
+            "raw_tcp_rotating_files_MBps": raw8r, "ratio_rotating_files": bmoving / raw8r,
             "frames_per_pair": nb, "commit_every": 4,
             # the whole machine's CPU per frame moved (all processes: producers, readers, data
             # servers, Redis), against the raw TCP pairs'
@@ -670,6 +678,8 @@ def main() -> None:
               f" every 4 frames), {nb} frames each: {bmoving:.0f} MB/s ({8 * nb / span:.0f}"
               f" frames/s); 8 raw TCP pairs, {nb} frames each: {raw8b:.0f} MB/s;"
               f" ratio {bmoving / raw8b:.2f}  (target >= 0.5)")
+        print(f"  (raw TCP pairs sending {RETAIN} files in turn, as many as each stream keeps:"
+              f" {raw8r:.0f} MB/s; ratio to them {bmoving / raw8r:.2f})")
         for who, m in (("bounded streams", ours_cpu), ("raw TCP pairs", raw_cpu)):
             u = m.per(8 * nb)
             print(f"  whole machine per frame, {who}: {u['user_ms']:.2f} ms user +"
