@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -56,6 +57,22 @@ def test_info_ls_cat_wait(managed_dir: Path) -> None:
     assert len(_cli("ls").stdout.split()) == 3
     assert _cli("cat", "runs/b.txt").stdout == "beta"
     assert _cli("wait", "runs/a.txt").stdout.strip() == str(managed_dir / "runs" / "a.txt")
+
+
+def test_info_says_which_native_paths_run(managed_dir: Path) -> None:
+    """The compiled paths built by the install are loaded; the idle helper's prefault is on
+    where the process may raise the helper, and says why it is off where it may not (run
+    without CAP_SYS_NICE through setpriv, as an unprivileged user would be)."""
+    info = json.loads(_cli("info", "--json").stdout)
+    assert (info["native"], info["tcp_engine"], info["ucx_engine"]) == ("loaded",) * 3
+    assert info["prefault"].startswith("on")
+    setpriv = shutil.which("setpriv")
+    assert setpriv, "setpriv (util-linux) is needed to run a process without CAP_SYS_NICE"
+    res = subprocess.run([setpriv, "--bounding-set", "-sys_nice", "--inh-caps", "-sys_nice",
+                          sys.executable, "-m", "instride", "info", "--json"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    off = json.loads(res.stdout)["prefault"]
+    assert off.startswith("off") and "CAP_SYS_NICE" in off and "RLIMIT_NICE 0" in off
 
 
 def test_wait_blocks_until_published(managed_dir: Path) -> None:

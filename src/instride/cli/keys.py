@@ -31,6 +31,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "fsync": s.fsync,
         "cache_bytes": s.cache_bytes,
         "token": "set" if s.token else "unset",
+        **native_status(),
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -38,6 +39,39 @@ def cmd_info(args: argparse.Namespace) -> int:
         for k, v in info.items():
             print(f"{k:12} {v}")
     return 0
+
+
+def native_status() -> dict[str, str]:
+    """Which compiled paths this installation runs (an HPC engineer's first question when a
+    node is slower than another): the local library, the transports' engines, and whether the
+    idle helper may prefault a producer's next frame file (:mod:`instride.store.spare`)."""
+    from ..errors import ConfigError
+    from ..native import library
+    from ..store.ring import prefault_works
+    from ..store.spare import SpareMaker
+    from ..transport import ucx
+    from ..transport.tcp import engine
+
+    out = {"native": "loaded" if library() is not None else
+           "missing or stale: the Python paths run (reinstall: pip install -e .)"}
+    for name, load in (("tcp_engine", engine.load_library), ("ucx_engine", ucx.load_library)):
+        try:
+            load()
+            out[name] = "loaded"
+        except ConfigError as exc:
+            out[name] = f"unavailable: {exc}"
+    if not prefault_works():
+        out["prefault"] = "off: the kernel has no MADV_POPULATE_WRITE (the producer fills" \
+            " each mapping itself)"
+    elif not SpareMaker().prefault_safe:
+        import resource
+
+        out["prefault"] = "off: this process may not raise the idle helper (no CAP_SYS_NICE," \
+            f" RLIMIT_NICE {resource.getrlimit(resource.RLIMIT_NICE)[0]}); the producer fills" \
+            " each mapping itself"
+    else:
+        out["prefault"] = "on (the idle helper fills the next frame file's mapping)"
+    return out
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -76,7 +110,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add the key commands to the ``instride`` parser."""
-    p = sub.add_parser("info", help="show mode, managed directory, version and settings")
+    p = sub.add_parser("info", help="show mode, managed directory, version and settings, and"
+                       " which native paths run")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_info)
 

@@ -90,7 +90,7 @@ _MADV_POPULATE_WRITE = 23
 _prefaults: list[bool] = []
 
 
-def _prefault_works() -> bool:
+def prefault_works() -> bool:
     """Whether this kernel fills a mapping's page tables on request (MADV_POPULATE_WRITE):
     only then is a new frame file mapped without them, for a helper to fill."""
     if not _prefaults:
@@ -219,7 +219,7 @@ class SlotPool:
                 # Made while the CPU was idle: its mapping's page tables (~70 µs for a JAC
                 # frame, now, while the frame just published is sent and read) are filled
                 # by the next helper first, also while the CPU is idle
-                ahead = _prefault_works() and self._spare.prefault_safe
+                ahead = prefault_works() and self._spare.prefault_safe
                 self._mapped = self._adopt(path, fd, size, populate=not ahead)
                 unfilled = self._mapped if ahead else None
         if not self._spare.pending:
