@@ -31,7 +31,8 @@ def _env_pairs(pairs: list[str]) -> dict[str, str]:
 
 def _print_status(info: dict[str, Any]) -> None:
     print(f"cluster {info['name']} ({info['status']}), subnet {info['subnet']}, "
-          f"hub {info['hub']['netns']}")
+          f"hub {info['hub']['netns']}"
+          + (", node processes without capabilities" if info.get("unprivileged") else ""))
     redis = info["redis"]
     if redis:
         state = "listening" if redis["listening"] else ("alive" if redis["alive"] else "DOWN")
@@ -54,6 +55,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     cluster = EmulatedCluster(
         nodes=args.nodes, name=args.name, base_dir=args.base_dir, serve=not args.no_serve,
         redis=not args.no_redis, token=args.token, env=_env_pairs(args.env),
+        unprivileged=args.unprivileged,
     ).up()
     info = cluster.status()
     if args.json:
@@ -131,6 +133,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--token", default=None, help="job token (default: random)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment variable for every node (repeatable)")
+    p.add_argument("--unprivileged", action="store_true",
+                   help="run every node's processes (data servers, `cluster exec`) without"
+                        " root's capabilities, as a user's processes on a cluster node run")
     p.add_argument("--json", action="store_true", help="print the status as JSON")
     p.set_defaults(func=cmd_up)
 

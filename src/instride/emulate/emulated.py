@@ -11,8 +11,10 @@ An :class:`EmulatedCluster` of N nodes is
   shared-file-system baseline.
 
 The host's own network is untouched: every interface is created inside one of the cluster's
-namespaces. A JSON state file (``/run/instride/clusters/<name>.json``) lets another process
-(``instride cluster exec/status/down``) find the cluster.
+namespaces. With ``unprivileged=True`` every node's processes run without root's capabilities
+(``setpriv``), as a user's processes on a real cluster node do: what needs a privilege fails
+there as it would on the cluster. A JSON state file (``/run/instride/clusters/<name>.json``)
+lets another process (``instride cluster exec/status/down``) find the cluster.
 
 Examples
 --------
@@ -177,6 +179,12 @@ class EmulatedCluster:
     env
         Extra environment variables for every node's processes (node-specific ``INSTRIDE_*``
         variables always win).
+    unprivileged
+        Run every node's processes — the data servers and whatever :meth:`popen`, :meth:`run`,
+        :meth:`command` and ``instride cluster exec`` start — without any capability (an empty
+        bounding set, no new privileges: ``setpriv`` of util-linux), as an unprivileged user's
+        processes on a cluster node run. They keep the user id 0, so the files they make are
+        root's; Redis runs as usual.
 
     Examples
     --------
@@ -193,6 +201,7 @@ class EmulatedCluster:
         redis: bool = True,
         token: str | None = None,
         env: Mapping[str, str] | None = None,
+        unprivileged: bool = False,
     ) -> None:
         if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= MAX_NODES:
             raise ConfigError("nodes", nodes, f"expected an integer from 1 to {MAX_NODES}")
@@ -201,6 +210,7 @@ class EmulatedCluster:
         self.with_redis = bool(redis)
         self.token = token if token else secrets.token_hex(16)
         self.extra_env = {str(k): str(v) for k, v in (env or {}).items()}
+        self.unprivileged = bool(unprivileged)
         self._base_dir_arg = Path(base_dir).absolute() if base_dir is not None else None
         self.base_dir: Path = self._base_dir_arg or Path("/nonexistent")
         self._nodes_count = nodes
@@ -275,6 +285,7 @@ class EmulatedCluster:
             "base_dir": str(self.base_dir),
             "shared_dir": str(self.shared_dir),
             "env": self.extra_env,
+            "unprivileged": self.unprivileged,
             "created": self._created,
             "pids": self._pids,
             "owner_pid": os.getpid(),
@@ -325,6 +336,7 @@ class EmulatedCluster:
             nodes=int(state["nodes"]), name=state["name"], base_dir=state["base_dir"],
             serve=bool(state["serve"]), redis=state["redis_url"] is not None,
             token=state["token"], env=state.get("env") or {},
+            unprivileged=bool(state.get("unprivileged", False)),
         )
         self._created = list(state.get("created", []))
         self._pids = {k: list(v) for k, v in state.get("pids", {}).items()}
@@ -440,8 +452,8 @@ class EmulatedCluster:
     def _start_servers(self, indices: Sequence[int]) -> None:
         for i in indices:
             node = self.node(i)
-            self._spawn(node.name, node.netns, [sys.executable, "-m", "instride", "serve"],
-                        node.env)
+            self._spawn(node.name, node.netns,
+                        self._as_node([sys.executable, "-m", "instride", "serve"]), node.env)
         self._wait_ready(
             {self.node(i).name: (self.node(i).netns, self.node(i).ip, SERVER_PORT)
              for i in indices},
@@ -584,7 +596,18 @@ class EmulatedCluster:
         """The argv that runs ``argv`` inside node ``index``'s namespace."""
         if isinstance(argv, (str, bytes)) or not argv:
             raise ConfigError("argv", argv, "expected a non-empty list of arguments")
-        return nn.exec_argv(self.node(index).netns, [os.fspath(a) for a in argv])
+        return nn.exec_argv(self.node(index).netns, self._as_node([os.fspath(a) for a in argv]))
+
+    def _as_node(self, argv: list[str]) -> list[str]:
+        """``argv`` as a node runs it: without capabilities for an unprivileged cluster."""
+        if not self.unprivileged:
+            return argv
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            raise ClusterError("setpriv is not installed (an unprivileged cluster's nodes run"
+                               " their processes through it); apt-get install util-linux")
+        return [setpriv, "--bounding-set", "-all", "--inh-caps", "-all", "--no-new-privs",
+                "--", *argv]
 
     def popen(self, index: int | str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
         """Start ``argv`` on node ``index`` (inside its namespace, with its environment).
@@ -618,6 +641,7 @@ class EmulatedCluster:
             "status": self.status_text,
             "state_file": str(self.state_path),
             "subnet": self.subnet,
+            "unprivileged": self.unprivileged,
             "hub": {"netns": self.hub, "ip": self.hub_ip, "exists": self.hub in existing},
             "redis": None,
             "base_dir": str(self.base_dir),
