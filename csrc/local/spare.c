@@ -184,9 +184,27 @@ static void *start(const char *dir, long long size, void *pop_addr, size_t pop_l
 /* set once raising a helper was refused in this process (isl_spare_prefault_safe: no more) */
 static atomic_int raise_refused;
 
+/* Whether this process is in the initial user namespace (its uid_map the identity of every
+ * id): only there does a capability capget reports count for the kernel's capable(), which
+ * asks the initial namespace -- inside another (rootless containers, unshare -r) a process
+ * sees CAP_SYS_NICE it cannot use. Unreadable: taken as another namespace. */
+static int initial_userns(void) {
+    FILE *f = fopen("/proc/self/uid_map", "re");
+    if (f == NULL)
+        return 0;
+    unsigned long inside, outside, count;
+    int n = fscanf(f, "%lu %lu %lu", &inside, &outside, &count);
+    int extra = n == 3 ? fgetc(f) : EOF;
+    while (extra == ' ' || extra == '\n')
+        extra = fgetc(f);
+    fclose(f);
+    return n == 3 && inside == 0 && outside == 0 && count == 4294967295UL && extra == EOF;
+}
+
 /* Whether this thread may raise a thread it makes at SCHED_IDLE back to a normal one: its nice
- * value within RLIMIT_NICE, or CAP_SYS_NICE in its effective set (the kernel's can_nice), and
- * no such raise refused so far. Only then may a helper prefault the caller's mappings. */
+ * value within RLIMIT_NICE, or CAP_SYS_NICE in its effective set in the initial user namespace
+ * (the kernel's can_nice), and no such raise refused so far. Only then may a helper prefault
+ * the caller's mappings. */
 ISL_EXPORT int isl_spare_prefault_safe(void) {
     if (atomic_load(&raise_refused))
         return 0;
@@ -196,6 +214,8 @@ ISL_EXPORT int isl_spare_prefault_safe(void) {
     if (errno == 0 && getrlimit(RLIMIT_NICE, &lim) == 0 &&
         (lim.rlim_cur == RLIM_INFINITY || (rlim_t)(20 - nice) <= lim.rlim_cur))
         return 1;
+    if (!initial_userns())
+        return 0;
     struct __user_cap_header_struct head = {_LINUX_CAPABILITY_VERSION_3, 0};
     struct __user_cap_data_struct caps[_LINUX_CAPABILITY_U32S_3];
     if (syscall(SYS_capget, &head, caps) != 0)

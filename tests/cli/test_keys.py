@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -59,10 +61,15 @@ def test_info_ls_cat_wait(managed_dir: Path) -> None:
     assert _cli("wait", "runs/a.txt").stdout.strip() == str(managed_dir / "runs" / "a.txt")
 
 
+@pytest.mark.root
 def test_info_says_which_native_paths_run(managed_dir: Path) -> None:
-    """The compiled paths built by the install are loaded; the idle helper's prefault is on
-    where the process may raise the helper, and says why it is off where it may not (run
-    without CAP_SYS_NICE through setpriv, as an unprivileged user would be)."""
+    """The compiled paths built by the install are loaded (``make test`` builds the UCX engine
+    too); the idle helper's prefault is on where the process may raise the helper (root), and
+    says why it is off where it may not (run without CAP_SYS_NICE through setpriv, as an
+    unprivileged user would be)."""
+    if os.geteuid() != 0:
+        pytest.fail("this test needs root (to run a process with and without CAP_SYS_NICE)")
+    assert resource.getrlimit(resource.RLIMIT_NICE)[0] == 0  # (else the reason differs)
     info = json.loads(_cli("info", "--json").stdout)
     assert (info["native"], info["tcp_engine"], info["ucx_engine"]) == ("loaded",) * 3
     assert info["prefault"].startswith("on")

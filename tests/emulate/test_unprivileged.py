@@ -71,9 +71,14 @@ def test_nodes_without_capabilities_move_frames_between_them(tmp_path: Path) -> 
             assert int(caps, 16) == 0, f"{node['name']}'s data server has capabilities {caps}"
         reader = c.popen(2, [PY, "-c", CONSUME], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
-        producer = c.run(1, [PY, "-c", PRODUCE], capture_output=True, text=True, timeout=120)
-        assert producer.returncode == 0, producer.stderr
-        out, err = reader.communicate(timeout=120)
+        try:
+            producer = c.run(1, [PY, "-c", PRODUCE], capture_output=True, text=True, timeout=120)
+            assert producer.returncode == 0, producer.stderr
+            out, err = reader.communicate(timeout=120)
+        finally:
+            if reader.poll() is None:
+                reader.kill()
+                reader.communicate()
         assert reader.returncode == 0, err
         caps, got, kept, checks = out.splitlines()
         sent = producer.stdout.split()

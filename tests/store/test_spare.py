@@ -1,6 +1,7 @@
 """The spare-file helper's right to be raised: :attr:`SpareMaker.prefault_safe` against what the
-kernel allows, with and without ``CAP_SYS_NICE`` (processes run through
-``setpriv``, util-linux, which drops the capability for them)."""
+kernel allows, with and without ``CAP_SYS_NICE`` (processes run through ``setpriv`` of
+util-linux, which drops the capability for them) and inside a user namespace (``unshare``, where
+the capability shows but the kernel does not honour it). Needs root."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.root
 
 # Prints what SpareMaker predicts, then what the kernel does when this thread raises a thread
 # it put at SCHED_IDLE back to a normal one (the helper's settle does exactly that).
@@ -47,10 +50,18 @@ def _without_sys_nice(argv: list[str]) -> list[str]:
     return [path, "--bounding-set", "-sys_nice", "--inh-caps", "-sys_nice", *argv]
 
 
-def _probe(*, drop_nice: bool) -> tuple[int, int]:
+def _in_user_namespace(argv: list[str]) -> list[str]:
+    path = shutil.which("unshare")
+    assert path, "unshare (util-linux) is needed to run a process in a user namespace"
+    return [path, "--user", "--map-root-user", *argv]
+
+
+def _probe(how: str) -> tuple[int, int]:
     argv = [sys.executable, "-c", PROBE]
-    if drop_nice:
+    if how == "no CAP_SYS_NICE":
         argv = _without_sys_nice(argv)
+    elif how == "user namespace":
+        argv = _in_user_namespace(argv)
     out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60).stdout.split()
     return int(out[0]), int(out[1])
 
@@ -58,17 +69,18 @@ def _probe(*, drop_nice: bool) -> tuple[int, int]:
 # (RLIMIT_NICE cannot be raised above its hard limit, 0 by default, without CAP_SYS_RESOURCE,
 # which this project's machines do not give root: the rlimit branch of the prediction is not
 # exercised here, only the capability's)
-@pytest.mark.parametrize(("drop_nice", "allowed"), [
-    (False, 1),  # root with CAP_SYS_NICE
-    (True, 0),  # no capability, RLIMIT_NICE 0 (the usual): as an unprivileged user
+@pytest.mark.parametrize(("how", "allowed"), [
+    ("root", 1),  # root with CAP_SYS_NICE
+    ("no CAP_SYS_NICE", 0),  # RLIMIT_NICE 0 (the usual): as an unprivileged user
+    ("user namespace", 0),  # root of a user namespace: CAP_SYS_NICE shown, not honoured
 ])
-def test_prefault_safe_is_what_the_kernel_allows(drop_nice: bool, allowed: int) -> None:
+def test_prefault_safe_is_what_the_kernel_allows(how: str, allowed: int) -> None:
     """The prediction matches the kernel's answer in each case, and the case is the one meant
     (so that both answers are exercised)."""
     if os.geteuid() != 0:
         pytest.fail("this test needs root (to run processes with and without CAP_SYS_NICE)")
     assert resource.getrlimit(resource.RLIMIT_NICE)[0] == 0  # (else the cases mean otherwise)
-    predicted, kernel = _probe(drop_nice=drop_nice)
+    predicted, kernel = _probe(how)
     assert (predicted, kernel) == (allowed, allowed)
 
 
@@ -108,6 +120,8 @@ def test_without_the_right_to_raise_the_helper_the_producer_fills_its_mappings_i
     is given to it (a helper starved in the middle of a prefault could keep the producer
     waiting): prepare maps the next file with its page tables filled, and the frame written
     into it is exact. With the capability, the helper is given the mapping instead."""
+    if os.geteuid() != 0:
+        pytest.fail("this test needs root (to run processes with and without CAP_SYS_NICE)")
     argv = [sys.executable, "-c", POOL]
     without = subprocess.run([*_without_sys_nice(argv), str(tmp_path / "without")],
                              capture_output=True, text=True, check=True, timeout=120)

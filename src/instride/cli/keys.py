@@ -58,17 +58,20 @@ def native_status() -> dict[str, str]:
         try:
             load()
             out[name] = "loaded"
-        except ConfigError as exc:
+        except (ConfigError, AttributeError, OSError) as exc:  # (stale: a symbol missing)
             out[name] = f"unavailable: {exc}"
-    if not prefault_works():
+    if library() is None:
+        out["prefault"] = "off: the native library is missing (the producer fills each mapping" \
+            " itself)"
+    elif not prefault_works():
         out["prefault"] = "off: the kernel has no MADV_POPULATE_WRITE (the producer fills" \
             " each mapping itself)"
     elif not SpareMaker().prefault_safe:
         import resource
 
-        out["prefault"] = "off: this process may not raise the idle helper (no CAP_SYS_NICE," \
-            f" RLIMIT_NICE {resource.getrlimit(resource.RLIMIT_NICE)[0]}); the producer fills" \
-            " each mapping itself"
+        out["prefault"] = "off: this process may not raise the idle helper (no CAP_SYS_NICE in" \
+            f" the initial user namespace, RLIMIT_NICE {resource.getrlimit(resource.RLIMIT_NICE)[0]});" \
+            " the producer fills each mapping itself"
     else:
         out["prefault"] = "on (the idle helper fills the next frame file's mapping)"
     return out

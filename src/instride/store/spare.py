@@ -118,8 +118,10 @@ class SpareMaker:
     def prefault_safe(self) -> bool:
         """Whether a helper may prefault this thread's mappings (:meth:`ask`'s ``populate``):
         only where the thread may raise the helper out of ``SCHED_IDLE`` to finish a prefault
-        it waits for (``CAP_SYS_NICE``, or an ``RLIMIT_NICE`` that allows the thread's nice
-        value; usually neither for an unprivileged user), and no such raise was refused. Else
+        it waits for (``CAP_SYS_NICE`` in the initial user namespace — not in a rootless
+        container's, where it shows but does not count — or an ``RLIMIT_NICE`` that allows the
+        thread's nice value; usually neither for an unprivileged user), and no such raise was
+        refused. Else
         a helper starved in the middle of a prefault — holding the process's ``mmap_lock`` —
         could keep the producer waiting as long as other threads keep the CPU busy."""
         return self._lib is not None and bool(self._lib.isl_spare_prefault_safe())
