@@ -456,8 +456,24 @@ class Stream:
         if self._retained and (len(self._retained) > self._keep_frames
                                or self._retained_bytes > self._keep_bytes):
             self._make_room(nbytes)
-        slot = self._pool.take(nbytes)
         engine = self.client.engine
+        # What can fail on the metadata is done before the frame is published, so that a
+        # failure leaves nothing published: a reader on another node that asked for this
+        # frame ahead (its owner's server sends it as it appears) never gets a version the
+        # producer then withdraws. That is the look at the groups' cursors (which frames go
+        # right after this one; in cluster mode a round trip when one is due) and the answers
+        # to the records of the frames that go (a record sent again must never come back
+        # after its frame's retirement).
+        going = self._retirable(nbytes)
+        soon = getattr(engine, "published_soon", None) if self._recorded \
+            and engine.wants_checksum else None
+        if soon is not None:
+            self._confirm_records(all_=False, before=self._retained[going - 1][0] + 1
+                                  if going else 0)
+        then = self._share.along_publication(
+            self._retained[going - 1][0] + 1 if going else self._oldest, index + 1,
+            [self.frame_key(i) for i, _, _ in itertools.islice(self._retained, going)])
+        slot = self._pool.take(nbytes)
         # one native call encodes and publishes; in cluster mode it also gives the record's
         # checksum, computed from the producer's own mapping while the frame is in cache
         checksum: str | None = None
@@ -486,24 +502,15 @@ class Stream:
                                overwrite=self.overwrite, fsync=self.client.fsync)
         self._retained.append((index, slot.ino, nbytes))
         self._retained_bytes += nbytes
-        soon = getattr(engine, "published_soon", None) if self._recorded and checksum else None
         try:
-            # The frames that can go now without waiting for a group; where the stream's state
-            # is shared through the metadata (cluster mode), their records go and the head
-            # counters are shared in the same step as the new record: one message to Redis per
-            # frame. (Inside: a failed look at the groups' cursors withdraws this frame too, so
-            # that the next append publishes this index afresh, instead of finding it taken.)
-            going = self._retirable()
-            then = self._share.along_publication(
-                self._retained[going - 1][0] + 1 if going else self._oldest, index + 1,
-                [self.frame_key(i) for i, _, _ in itertools.islice(self._retained, going)])
-            if soon is not None:
+            # The frames that can go now without waiting for a group (``going``); where the
+            # stream's state is shared through the metadata (cluster mode), their records go
+            # and the head counters are shared in the same step as the new record (``then``):
+            # one message to Redis per frame.
+            if soon is not None and checksum:
                 # Sent, confirmed once Redis answered (a later append) or by close(): no round
-                # trip per frame. First the records answered meanwhile (one sent again on a new
-                # connection goes before this one) and those of the frames this one retires
-                # (a record sent again must never come back after its frame's retirement).
-                self._confirm_records(all_=False, before=self._retained[going - 1][0] + 1
-                                      if going else 0)
+                # trip per frame. (The records answered meanwhile, and those of the frames
+                # this one retires, were confirmed before the publication, above.)
                 # (the groups' cursors come back with the answer: see _confirm_records)
                 report = self._share.cursors_key if self.policy.bounded \
                     and not self.policy.drops else None
@@ -607,14 +614,14 @@ class Stream:
                 continue
             self._retire_oldest()
 
-    def _retirable(self) -> int:
-        """After a write: how many of the oldest frames go now, down to the bound, without
-        waiting (up to the first a group still holds)."""
+    def _retirable(self, nbytes: int) -> int:
+        """Before a write of ``nbytes``: how many of the oldest frames go right after it, down
+        to the bound, without waiting (up to the first a group still holds)."""
         if not self.policy.bounded:
             return 0
-        count, total, going = len(self._retained), self._retained_bytes, 0
-        # (never the frame just written: one frame larger than the byte bound stays readable)
-        for index, _ino, size in itertools.islice(self._retained, count - 1):
+        count, total, going = len(self._retained) + 1, self._retained_bytes + nbytes, 0
+        # (never the frame written: one frame larger than the byte bound stays readable)
+        for index, _ino, size in self._retained:
             if not self._over(count - going, total, 0) or self._holders(index):
                 break
             going += 1

@@ -694,13 +694,17 @@ def test_a_bounded_stream_keeps_redis_bounded_too(clients: list[instride.Client]
     assert len(known) >= 60 and known == sorted(known) and len(set(known)) == len(known)
 
 
-def test_a_failed_look_at_the_groups_withdraws_the_frame_and_the_stream_goes_on(
+def test_a_failed_look_at_the_groups_publishes_nothing_and_the_stream_goes_on(
         clients: list[instride.Client]) -> None:
-    """Redis fails as the producer looks at the groups' cursors, right after a frame was
-    renamed into place: ``append`` raises ``MetadataUnavailable`` and withdraws the frame, so
-    that the next ``append`` publishes that index afresh (it used to find the index taken and
-    raise ``KeyExistsError`` for every frame after)."""
+    """Redis fails as the producer looks at the groups' cursors: ``append`` raises
+    ``MetadataUnavailable`` before the frame is published — no file ever appears under its key
+    (a reader on another node asking for it ahead could have received a version the producer
+    withdraws) — and the next ``append`` publishes that index (it used to find the index
+    taken and raise ``KeyExistsError`` for every frame after)."""
     import math
+
+    from inotify_simple import INotify
+    from inotify_simple import flags as inflags
 
     from instride.errors import MetadataUnavailable
 
@@ -718,10 +722,16 @@ def test_a_failed_look_at_the_groups_withdraws_the_frame_and_the_stream_goes_on(
     share.cursors = failing  # type: ignore[method-assign]
     producer._confirm_records(all_=True)  # (no answer left to bring the cursors meanwhile)
     producer._groups_past = (0, -math.inf)  # (a look is due)
-    with pytest.raises(MetadataUnavailable):
-        producer.append(pos + 99, step=99)
+    watch = INotify()
+    try:
+        watch.add_watch(c1.settings.dir / "stuck" / "run", inflags.MOVED_TO | inflags.CREATE)
+        with pytest.raises(MetadataUnavailable):
+            producer.append(pos + 99, step=99)
+        assert [e.name for e in watch.read(timeout=0)] == []  # nothing appeared
+    finally:
+        watch.close()
     share.cursors = real  # type: ignore[method-assign]
-    assert producer.append(pos + 3, step=3) == 3  # the same index, published afresh
+    assert producer.append(pos + 3, step=3) == 3  # the same index, published now
     assert producer.append(pos + 4, step=4) == 4
     producer.close()
     reader = instride.Stream("stuck/run", timeout=10, client=c2)
