@@ -67,6 +67,7 @@ from .errors import (
     IntegrityError,
     KeyNotFoundError,
     KeyValidationError,
+    MetadataUnavailable,
     StreamFull,
 )
 from .frames import (
@@ -423,7 +424,11 @@ class Stream:
             and its answer read by a later ``append`` (at most four frames later) or by
             :meth:`close`, so an error in it surfaces there. The frame whose record failed
             is not lost: the next ``append`` or ``close`` sends its record again before
-            anything else (as the same publication, so it is stored once).
+            anything else (as the same publication, so it is stored once). Apart from a
+            stream's first frame, whose record is waited for, this is raised before the
+            frame is published, never after: a frame that was published stays so (a look at
+            the groups' cursors that fails right after a publication retires nothing then;
+            the next ``append`` looks again, before its publication).
         """
         # (after tens of ms idle, every line before the frame is out costs its latency)
         if self.mode == "r":
@@ -457,22 +462,20 @@ class Stream:
                                or self._retained_bytes > self._keep_bytes):
             self._make_room(nbytes)
         engine = self.client.engine
-        # What can fail on the metadata is done before the frame is published, so that a
-        # failure leaves nothing published: a reader on another node that asked for this
-        # frame ahead (its owner's server sends it as it appears) never gets a version the
-        # producer then withdraws. That is the look at the groups' cursors (which frames go
-        # right after this one; in cluster mode a round trip when one is due) and the answers
-        # to the records of the frames that go (a record sent again must never come back
-        # after its frame's retirement).
-        going = self._retirable(nbytes)
+        # Once a frame is published it stays so: a reader on another node may have it already
+        # (its owner's server sends a frame asked for ahead as it appears). So what can fail
+        # on the metadata comes before the publication, or cannot fail the append: the
+        # answers to the records of the frames that may go right after this one (a record
+        # sent again must never come back after its frame's retirement; usually answered
+        # long ago: few records are pending at once) are read first; the look at the
+        # groups' cursors (which frames do go) comes after, and where it fails nothing is
+        # retired then (the next append looks again, before its publication, and raises).
         soon = getattr(engine, "published_soon", None) if self._recorded \
             and engine.wants_checksum else None
         if soon is not None:
-            self._confirm_records(all_=False, before=self._retained[going - 1][0] + 1
-                                  if going else 0)
-        then = self._share.along_publication(
-            self._retained[going - 1][0] + 1 if going else self._oldest, index + 1,
-            [self.frame_key(i) for i, _, _ in itertools.islice(self._retained, going)])
+            most = self._retirable(nbytes, look=False)
+            self._confirm_records(all_=False, before=self._retained[most - 1][0] + 1
+                                  if most else 0)
         slot = self._pool.take(nbytes)
         # one native call encodes and publishes; in cluster mode it also gives the record's
         # checksum, computed from the producer's own mapping while the frame is in cache
@@ -500,13 +503,19 @@ class Stream:
             checksum = checksum_of(slot.mm) if engine.wants_checksum else None
             self._pool.publish(slot, f"{self._frame_dir}/{FRAME_FORMAT.format(index)}", key,
                                overwrite=self.overwrite, fsync=self.client.fsync)
+        # The frames that can go now without waiting for a group; where the stream's state is
+        # shared through the metadata (cluster mode), their records go and the head counters
+        # are shared in the same step as the new record: one message to Redis per frame.
+        try:
+            going = self._retirable(nbytes)
+        except MetadataUnavailable:
+            going = 0  # (the look failed: none now; see above)
+        then = self._share.along_publication(
+            self._retained[going - 1][0] + 1 if going else self._oldest, index + 1,
+            [self.frame_key(i) for i, _, _ in itertools.islice(self._retained, going)])
         self._retained.append((index, slot.ino, nbytes))
         self._retained_bytes += nbytes
         try:
-            # The frames that can go now without waiting for a group (``going``); where the
-            # stream's state is shared through the metadata (cluster mode), their records go
-            # and the head counters are shared in the same step as the new record (``then``):
-            # one message to Redis per frame.
             if soon is not None and checksum:
                 # Sent, confirmed once Redis answered (a later append) or by close(): no round
                 # trip per frame. (The records answered meanwhile, and those of the frames
@@ -614,15 +623,16 @@ class Stream:
                 continue
             self._retire_oldest()
 
-    def _retirable(self, nbytes: int) -> int:
-        """Before a write of ``nbytes``: how many of the oldest frames go right after it, down
-        to the bound, without waiting (up to the first a group still holds)."""
+    def _retirable(self, nbytes: int, *, look: bool = True) -> int:
+        """With a frame of ``nbytes`` about to join the retained ones: how many of the oldest
+        frames go right after it, down to the bound, without waiting (up to the first a group
+        still holds; ``look=False``: as if none held any, the most that may go)."""
         if not self.policy.bounded:
             return 0
         count, total, going = len(self._retained) + 1, self._retained_bytes + nbytes, 0
         # (never the frame written: one frame larger than the byte bound stays readable)
         for index, _ino, size in self._retained:
-            if not self._over(count - going, total, 0) or self._holders(index):
+            if not self._over(count - going, total, 0) or (look and self._holders(index)):
                 break
             going += 1
             total -= size

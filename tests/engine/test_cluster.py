@@ -694,13 +694,15 @@ def test_a_bounded_stream_keeps_redis_bounded_too(clients: list[instride.Client]
     assert len(known) >= 60 and known == sorted(known) and len(set(known)) == len(known)
 
 
-def test_a_failed_look_at_the_groups_publishes_nothing_and_the_stream_goes_on(
+def test_a_failed_look_at_the_groups_never_withdraws_a_published_frame(
         clients: list[instride.Client]) -> None:
-    """Redis fails as the producer looks at the groups' cursors: ``append`` raises
-    ``MetadataUnavailable`` before the frame is published — no file ever appears under its key
-    (a reader on another node asking for it ahead could have received a version the producer
-    withdraws) — and the next ``append`` publishes that index (it used to find the index
-    taken and raise ``KeyExistsError`` for every frame after)."""
+    """Redis fails as the producer looks at the groups' cursors. Right after a publication
+    (which frames go now) the look's failure does not fail ``append``: the frame stays
+    published — a reader on another node may have it already, asked for ahead — and nothing
+    is retired then. Before a publication (the next ``append`` making room) it raises
+    ``MetadataUnavailable`` and nothing appears under the key; the stream then goes on with
+    that index (it once found the index taken and raised ``KeyExistsError`` for every frame
+    after)."""
     import math
 
     from inotify_simple import INotify
@@ -722,23 +724,27 @@ def test_a_failed_look_at_the_groups_publishes_nothing_and_the_stream_goes_on(
     share.cursors = failing  # type: ignore[method-assign]
     producer._confirm_records(all_=True)  # (no answer left to bring the cursors meanwhile)
     producer._groups_past = (0, -math.inf)  # (a look is due)
+    assert producer.append(pos + 3, step=3) == 3  # published; the look after it failed
+    assert producer.oldest == 1  # nothing retired: one frame over the bound, for now
+    producer._confirm_records(all_=True)
+    producer._groups_past = (0, -math.inf)  # (a look is due again)
     watch = INotify()
     try:
         watch.add_watch(c1.settings.dir / "stuck" / "run", inflags.MOVED_TO | inflags.CREATE)
         with pytest.raises(MetadataUnavailable):
-            producer.append(pos + 99, step=99)
+            producer.append(pos + 99, step=99)  # (making room looks first: it fails)
         assert [e.name for e in watch.read(timeout=0)] == []  # nothing appeared
     finally:
         watch.close()
     share.cursors = real  # type: ignore[method-assign]
-    assert producer.append(pos + 3, step=3) == 3  # the same index, published now
-    assert producer.append(pos + 4, step=4) == 4
+    assert producer.append(pos + 4, step=4) == 4  # the index the failed append did not take
+    assert producer.oldest == 3  # back to the bound
     producer.close()
     reader = instride.Stream("stuck/run", timeout=10, client=c2)
     assert reader.frame_count() == 5
-    frame = reader.read(3)
-    assert frame.step == 3 and np.array_equal(frame.positions, pos + 3)
-    assert reader.read(4).step == 4
+    for i in (3, 4):
+        frame = reader.read(i)
+        assert frame.step == i and np.array_equal(frame.positions, pos + i)
     reader.close()
 
 
