@@ -510,6 +510,9 @@ class Stream:
             going = self._retirable(nbytes)
         except MetadataUnavailable:
             going = 0  # (the look failed: none now; see above)
+        except BaseException:  # (interrupted: taken back, as a record not sent is below)
+            self._pool.withdraw(slot)
+            raise
         then = self._share.along_publication(
             self._retained[going - 1][0] + 1 if going else self._oldest, index + 1,
             [self.frame_key(i) for i, _, _ in itertools.islice(self._retained, going)])
