@@ -748,6 +748,48 @@ def test_a_failed_look_at_the_groups_never_withdraws_a_published_frame(
     reader.close()
 
 
+def test_a_failed_record_of_a_frame_about_to_go_fails_the_append_before_its_publication(
+        clients: list[instride.Client]) -> None:
+    """The record of a frame the next ``append`` retires is still pending, and it fails: that
+    ``append`` raises ``MetadataUnavailable`` before its own frame is published (nothing
+    appears under its key) — a frame is never published and then withdrawn. Once the record
+    goes through, the stream goes on with that index."""
+    from inotify_simple import INotify
+    from inotify_simple import flags as inflags
+
+    from instride.errors import MetadataUnavailable
+    from instride.metadata.base import PendingRecord
+
+    c1, c2, _ = clients
+    pos = np.random.default_rng(17).random((300, 3)).astype(np.float32)
+    producer = instride.Stream("pending/run", mode="w", retain=2, client=c1)
+    for i in range(3):
+        producer.append(pos + i, step=i)
+    producer._confirm_records(all_=True)
+    oldest = producer._retained[0][0]  # (the frame the next append retires)
+    down = MetadataUnavailable("redis://test", "down for the test")
+
+    def failing() -> Any:
+        raise down
+
+    producer._unconfirmed.append((oldest, PendingRecord(failing, lambda: False), 0.0))
+    watch = INotify()
+    try:
+        watch.add_watch(c1.settings.dir / "pending" / "run", inflags.MOVED_TO | inflags.CREATE)
+        with pytest.raises(MetadataUnavailable):
+            producer.append(pos + 99, step=99)
+        assert [e.name for e in watch.read(timeout=0)] == []  # nothing appeared
+    finally:
+        watch.close()
+    producer._unconfirmed.clear()  # (the record went through after all)
+    assert producer.append(pos + 3, step=3) == 3
+    producer.close()
+    reader = instride.Stream("pending/run", timeout=10, client=c2)
+    frame = reader.read(3)
+    assert frame.step == 3 and np.array_equal(frame.positions, pos + 3)
+    reader.close()
+
+
 def test_a_group_reader_on_another_node_records_its_position_every_few_frames(
         clients: list[instride.Client]) -> None:
     """``commit_every`` in cluster mode (one message to Redis per few frames): a producer
