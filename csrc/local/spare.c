@@ -189,16 +189,25 @@ static atomic_int raise_refused;
  * asks the initial namespace -- inside another (rootless containers, unshare -r) a process
  * sees CAP_SYS_NICE it cannot use. Unreadable: taken as another namespace. */
 static int initial_userns(void) {
+    /* -1: not read yet (a process rarely leaves its user namespace: read once) */
+    static atomic_int known = -1;
+    int v = atomic_load(&known);
+    if (v >= 0)
+        return v;
     FILE *f = fopen("/proc/self/uid_map", "re");
-    if (f == NULL)
+    if (f == NULL) {
+        atomic_store(&known, 0);
         return 0;
+    }
     unsigned long inside, outside, count;
     int n = fscanf(f, "%lu %lu %lu", &inside, &outside, &count);
     int extra = n == 3 ? fgetc(f) : EOF;
     while (extra == ' ' || extra == '\n')
         extra = fgetc(f);
     fclose(f);
-    return n == 3 && inside == 0 && outside == 0 && count == 4294967295UL && extra == EOF;
+    v = n == 3 && inside == 0 && outside == 0 && count == 4294967295UL && extra == EOF;
+    atomic_store(&known, v);
+    return v;
 }
 
 /* Whether this thread may raise a thread it makes at SCHED_IDLE back to a normal one: its nice
