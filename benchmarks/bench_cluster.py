@@ -376,11 +376,14 @@ def stmv_rounds(c: EmulatedCluster, name: str, recycled: str, src: str, size: in
           capture_output=True, text=True, check=True,
           env={"INSTRIDE_CACHE_BYTES": str(CACHED_STMV * size)})
     for r in range(rounds):
-        stored = raw_tcp_store(c, src, size, per) if r % 2 else 0.0
+        store_first = r % 2 == 1  # (the order alternates: see above)
+        if store_first:
+            stored = raw_tcp_store(c, src, size, per)
         ours = consume(name, r)
         c.run(2, [PY, "-c", DROP_COPIES, name, str(r * (per + 1)), str((r + 1) * (per + 1))],
               capture_output=True, text=True, check=True, env={"INSTRIDE_CACHE_BYTES": "0"})
-        stored = stored or raw_tcp_store(c, src, size, per)
+        if not store_first:
+            stored = raw_tcp_store(c, src, size, per)
         raw = raw_tcp(c, src, size, per)
         rec = consume(recycled, r, {"INSTRIDE_CACHE_BYTES": str(CACHED_STMV * size)})
         out.append({"instride": ours, "raw_tcp_sendfile": raw, "ratio": ours / raw,
