@@ -192,6 +192,52 @@ class _PatternsRefused(Exception):
     """Redis refused a pattern subscription (an ACL that allows channels, not patterns)."""
 
 
+class _SoonRecord(PendingRecord):
+    """A publication sent by :meth:`RedisMetadata.publish_soon`, its answer read when called.
+
+    A class rather than closures: a closure that confirms would refer to its own pending
+    record, a reference cycle per frame that only the cyclic garbage collector frees (~20
+    objects per frame of a stream, and every few hundred frames a full collection of the
+    producer's whole heap, simulation included).
+    """
+
+    def __init__(self, metadata: RedisMetadata, record: Record,
+                 sent: tuple[list[str], list[Any]],
+                 replies: Callable[[], list[Any]] | None, fast: RespConnection) -> None:
+        # (not PendingRecord's callables: bound methods of this object would be the cycle)
+        self.reported: dict[bytes, bytes] | None = None
+        self._metadata, self._record, self._sent = metadata, record, sent
+        self._replies: Callable[[], list[Any]] | None = replies
+        self._fast = fast
+        self._sender = (threading.get_ident(), forks())
+        self._done: Record | None = None
+        self._refused: redis.ResponseError | None = None  # (an error answer: raised every time)
+
+    def answered(self) -> bool:
+        return self._done is not None or self._replies is None or self._fast.answered()
+
+    def __call__(self) -> Record:
+        if self._done is not None:
+            return self._done
+        reply: Any = None
+        if self._replies is not None and self._sender == (threading.get_ident(), forks()):
+            try:
+                (reply,) = self._replies()
+            except _ERRORS:
+                reply = None
+        self._replies = None
+        if isinstance(reply, Exception) and not str(reply).startswith("NOSCRIPT"):
+            self._refused = redis.ResponseError(str(reply))  # (as publish raises it)
+        if self._refused is not None:
+            raise self._refused
+        # NOSCRIPT (Redis restarted), a lost reply: again, as the same publication
+        metadata = self._metadata
+        stored = metadata._publish_now(self._record, self._sent, self) if reply is None \
+            or isinstance(reply, Exception) else metadata._stored(self._record, reply, self)
+        self._done = stored
+        return stored
+
+
 class RedisMetadata:
     """Metadata backend on a Redis server (``INSTRIDE_REDIS_URL``)."""
 
@@ -301,33 +347,7 @@ class RedisMetadata:
             replies: Callable[[], list[Any]] | None = fast.call_soon([self._evalsha(sent)])
         except _ERRORS:
             replies = None  # (not sent: the confirmation publishes)
-        done: list[Record] = []
-        refused: list[redis.ResponseError] = []  # (an error answer: raised every time)
-        sender = (threading.get_ident(), forks())
-
-        def confirm() -> Record:
-            if done:
-                return done[0]
-            nonlocal replies
-            reply: Any = None
-            if replies is not None and sender == (threading.get_ident(), forks()):
-                try:
-                    (reply,) = replies()
-                except _ERRORS:
-                    reply = None
-            replies = None
-            if isinstance(reply, Exception) and not str(reply).startswith("NOSCRIPT"):
-                refused.append(redis.ResponseError(str(reply)))  # (as publish raises it)
-            if refused:
-                raise refused[0]
-            # NOSCRIPT (Redis restarted), a lost reply: again, as the same publication
-            stored = self._publish_now(record, sent, pending) if reply is None \
-                or isinstance(reply, Exception) else self._stored(record, reply, pending)
-            done.append(stored)
-            return stored
-
-        pending = PendingRecord(confirm, lambda: bool(done) or replies is None or fast.answered())
-        return pending
+        return _SoonRecord(self, record, sent, replies, fast)
 
     def _publication(self, record: Record, overwrite: bool, then: Sequence[tuple[Any, ...]],
                      report: str | None = None) -> tuple[list[str], list[Any]]:
