@@ -289,30 +289,45 @@ def test_a_record_sent_soon_reads_back_a_hash_in_the_same_step(backend: RedisMet
         other.close()
 
 
-def test_a_record_sent_soon_is_freed_without_the_cycle_collector(backend: RedisMetadata) -> None:
+def test_a_record_sent_soon_is_freed_without_the_cycle_collector(
+        backend: RedisMetadata, redis_server: RedisServer) -> None:
     # A stream's producer sends one record per frame: a pending record that referred to
-    # itself (a closure confirming it) was freed only by the cyclic garbage collector, ~20
+    # itself (a closure confirming it) was freed only by the cyclic garbage collector, ~22
     # objects per frame and, every few hundred frames, a full collection of the producer's
-    # whole heap. Each must go as soon as its last reference does, answered or not.
+    # whole heap. Each must go as soon as its last reference does: answered, not confirmed,
+    # published again (the script unknown to Redis: a restart) or refused.
     import gc
     import weakref
 
+    other = redis.Redis.from_url(redis_server.url)
     enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
-        for i, confirmed in enumerate((True, False, True)):
-            sent = backend.publish_soon(Record(f"free/k{i}", "127.0.0.1:1", 2, "xxh3:1", 0,
-                                               time.time()), report="free:groups")
-            if confirmed:
+        other.set("free:str", "x")
+        for i, how in enumerate(("confirmed", "not confirmed", "again", "refused")):
+            if how == "again":
+                other.script_flush()
+            sent = backend.publish_soon(
+                Record(f"free/k{i}", "127.0.0.1:1", 2, "xxh3:1", 0, time.time()),
+                report="free:groups",
+                then=[("HSET", "free:str", "a", "1")] if how == "refused" else ())
+            assert type(sent).__name__ == "_SoonRecord"  # (the lean connection's way)
+            if how == "refused":
+                for _ in range(2):
+                    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+                        sent()
+            elif how != "not confirmed":
                 assert sent().version >= 1 and sent.reported == {}
             gone = weakref.ref(sent)
             del sent
-            assert gone() is None, "a pending record survived its last reference (a cycle)"
+            assert gone() is None, f"a pending record ({how}) survived its last reference"
         assert backend.lookup("free/k1") is not None  # (the unconfirmed one stored too)
     finally:
         if enabled:
             gc.enable()
+        other.close()
+
 
 def test_failed_record_retracts_write_once_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import instride

@@ -52,6 +52,8 @@ class PendingRecord:
     """
 
     def __init__(self, confirm: Callable[[], Record], answered: Callable[[], bool]) -> None:
+        # (the Redis backend's subclass overrides __call__ and answered and does not call
+        # this: an attribute added here must be set there too)
         self._confirm, self._answered = confirm, answered
         #: once called: the fields of the hash the publication was asked to read back in
         #: the same step (``report``), or ``None``

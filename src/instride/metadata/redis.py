@@ -196,7 +196,7 @@ class _SoonRecord(PendingRecord):
     """A publication sent by :meth:`RedisMetadata.publish_soon`, its answer read when called.
 
     A class rather than closures: a closure that confirms would refer to its own pending
-    record, a reference cycle per frame that only the cyclic garbage collector frees (~20
+    record, a reference cycle per frame that only the cyclic garbage collector frees (~22
     objects per frame of a stream, and every few hundred frames a full collection of the
     producer's whole heap, simulation included).
     """
@@ -211,7 +211,9 @@ class _SoonRecord(PendingRecord):
         self._fast = fast
         self._sender = (threading.get_ident(), forks())
         self._done: Record | None = None
-        self._refused: redis.ResponseError | None = None  # (an error answer: raised every time)
+        #: an error answer's text, raised every time (a new exception each time: one raised
+        #: again would keep each raise's traceback, and with it this object, in a cycle)
+        self._refused: str | None = None
 
     def answered(self) -> bool:
         return self._done is not None or self._replies is None or self._fast.answered()
@@ -227,9 +229,9 @@ class _SoonRecord(PendingRecord):
                 reply = None
         self._replies = None
         if isinstance(reply, Exception) and not str(reply).startswith("NOSCRIPT"):
-            self._refused = redis.ResponseError(str(reply))  # (as publish raises it)
+            self._refused = str(reply)
         if self._refused is not None:
-            raise self._refused
+            raise redis.ResponseError(self._refused)  # (as publish raises it)
         # NOSCRIPT (Redis restarted), a lost reply: again, as the same publication
         metadata = self._metadata
         stored = metadata._publish_now(self._record, self._sent, self) if reply is None \
