@@ -45,10 +45,24 @@ ISC_API int isc_abi(void) {
 static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash_from,
                      int stall_ms, char *hex, uint64_t *got, int *where, int *lowat_set);
 
+/* The count of receives under way in this process (isc_count_receives; NULL: not counted):
+ * a helper making a file ahead waits while it is above 0 (libinstride_local's
+ * isl_spare_yield_to), so that its zeros do not compete with the bytes for memory bandwidth. */
+static int *volatile receiving;
+
+ISC_API void isc_count_receives(int *count) {
+    receiving = count;
+}
+
 static int recv_restoring(int sock, int dest, char *mem, uint64_t size, uint64_t hash_from,
                           int stall_ms, char *hex, uint64_t *got, int *where) {
     int lowat_set = 0;
+    int *count = receiving;
+    if (count != NULL)
+        __atomic_fetch_add(count, 1, __ATOMIC_RELAXED);
     int rc = recv_file(sock, dest, mem, size, hash_from, stall_ms, hex, got, where, &lowat_set);
+    if (count != NULL)
+        __atomic_fetch_sub(count, 1, __ATOMIC_RELAXED);
     if (lowat_set) { /* the connection is kept alive: leave it as it was */
         int one = 1;
         setsockopt(sock, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof one);

@@ -39,6 +39,10 @@ from pathlib import Path
 
 __all__ = ["library"]
 
+#: this process's receives under way, counted by the TCP engine's receive loop; a helper
+#: making a file ahead (store/spare.py) waits while it is above 0 (isl_spare_yield_to)
+RECEIVING = ctypes.c_int(0)
+
 _lib: ctypes.CDLL | None = None
 _loaded = False
 _loading = threading.Lock()
@@ -91,6 +95,9 @@ def _load() -> ctypes.CDLL | None:
         lib.isl_spare_take.restype = c_int
         lib.isl_spare_drop.argtypes = [ptr]
         lib.isl_spare_drop.restype = None
+        lib.isl_spare_yield_to.argtypes = [ptr]
+        lib.isl_spare_yield_to.restype = None
+        lib.isl_spare_yield_to(ctypes.addressof(RECEIVING))
         lib.isl_append.argtypes = [ptr, c_int, i64, ptr, ptr, i64, ctypes.c_double, ptr, c_int,
                                    c_char_p, c_char_p, c_int, c_int]
         lib.isl_append.restype = c_int

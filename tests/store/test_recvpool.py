@@ -201,3 +201,49 @@ def test_threads_sharing_a_pool_never_get_the_same_file_made_ahead(tmp_path: Pat
     assert all(a == b for a, b in got)  # each named where its fetch staged it
     assert len({a for a, _ in got}) == len(got) == pool.spares_used  # never the same file twice
     assert pool.spares_used > 0  # (files made ahead were handed out: the race was exercised)
+
+
+def test_a_file_made_ahead_waits_while_a_receive_is_under_way(tmp_path: Path) -> None:
+    # A file made ahead is written twice (zeros, then the bytes): beside a transfer, its zeros
+    # would take the memory bandwidth the transfer needs. So the helper writes only while no
+    # receive of this process is under way; the TCP engine's receive loop counts them.
+    import ctypes
+    import socket
+    import threading
+    import time
+
+    from instride.native import RECEIVING
+    from instride.store.spare import SpareMaker
+    from instride.transport.tcp.engine import load_library
+
+    lib, size = load_library(), 1 << 20
+    a, b = socket.socketpair()
+    mem = ctypes.create_string_buffer(size)
+    digest, got = ctypes.create_string_buffer(17), ctypes.c_uint64()
+    rc: list[int] = []
+    receive = threading.Thread(target=lambda: rc.append(lib.isc_recv_mem(
+        a.fileno(), ctypes.addressof(mem), size, 0, 10_000, digest, ctypes.byref(got))))
+    spare = SpareMaker()
+    try:
+        assert RECEIVING.value == 0
+        receive.start()
+        b.sendall(b"x" * 1000)  # a receive under way, some of its bytes here
+        _until(lambda: RECEIVING.value == 1)
+        spare.ask(str(tmp_path), 256 << 10)
+        time.sleep(0.3)
+        assert spare.pending and not spare.ready  # the helper waits for the receive
+        b.sendall(b"x" * (size - 1000))
+        receive.join(10)
+        assert rc == [0] and got.value == size and mem.raw == b"x" * size
+        assert RECEIVING.value == 0
+        _until(lambda: spare.ready)  # made once the receive is over
+        fd = spare.take(256 << 10, str(tmp_path / "made"))
+        assert fd is not None
+        try:
+            assert os.fstat(fd).st_size == 256 << 10
+        finally:
+            os.close(fd)
+    finally:
+        spare.close()
+        a.close()
+        b.close()

@@ -34,6 +34,15 @@ that runs only when the CPU is otherwise idle (:mod:`~instride.store.spare`; the
 name until a fetch takes it): the next fetch of that size — a stream's next frame — receives
 into pages already allocated (between a stream's frames there is idle time) instead of taking
 a fault per page while the bytes arrive.
+
+A file made ahead has its pages written twice (zeros, then the bytes). Beside a transfer the
+helper's zeros take the memory bandwidth the transfer needs: STMV frames fetched one after the
+other into new files came to 0.58-0.81 of raw TCP that way on the development VM, 0.99-1.10
+with no file made ahead. So the helper writes only while no receive of this process is under
+way (the TCP engine's receive loop counts them: :data:`instride.native.RECEIVING`), in the
+pauses between transfers: 0.93-1.17 of raw TCP flat out, and a stream's frames 300 ms apart
+arrive without the page faults of a new file (p90 34-37 ms per STMV frame, against 35-114 ms
+with no file made ahead).
 """
 
 from __future__ import annotations
@@ -50,16 +59,9 @@ from .spare import SpareMaker
 KEEP_FILES = 16
 #: and at most this many bytes
 KEEP_BYTES = 1 << 30
-#: the largest fetch whose next file of the same size is made ahead. A file made ahead has
-#: its pages written twice (zeros by the helper, then the bytes) where a new file is written
-#: once: that pays for a frame whose fetch is short beside the pauses between fetches (a JAC
-#: frame, 644 KiB: the file API's cross-node latency 1.75-1.93 ms against 1.86-2.14 ms
-#: without), not for large ones, whose transfers take the memory bandwidth the helper's zeros
-#: compete for: STMV frames (28.5 MiB) fetched one after the other into new files came to
-#: 0.58-0.81 of raw TCP with files made ahead and 0.99-1.10 without (development VM, two
-#: alternating runs of three rounds each). (Also: a one-off large fetch does not make another
-#: of its size, in memory, for nothing.)
-AHEAD_BYTES = 4 << 20
+#: the largest fetch whose next file of the same size is made ahead (a one-off large fetch
+#: does not make another of its size, in memory, for nothing)
+AHEAD_BYTES = 64 << 20
 
 _names = itertools.count()
 

@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 from ...errors import ConfigError
+from ...native import RECEIVING
 from ..base import open_engine
 
 #: The calling convention of the library's exported functions this binding speaks (its
@@ -87,6 +88,10 @@ def load_library() -> ctypes.CDLL:
         lib.isc_recv_reply.restype = i
         lib.isc_recv_reply.argtypes = [i, i, i, cp, ctypes.c_uint32, ctypes.POINTER(ctypes.c_int32),
                                        vp, u64, u64, cp, ctypes.POINTER(u64), ctypes.POINTER(u64)]
+        # receives counted where a helper making a file ahead can see them (it waits for them)
+        lib.isc_count_receives.restype = None
+        lib.isc_count_receives.argtypes = [vp]
+        lib.isc_count_receives(ctypes.addressof(RECEIVING))
         _lib = lib
         return lib
 
