@@ -610,8 +610,29 @@ ok:
  * mid-transfer; -ETIMEDOUT past `timeout_ms` (the endpoint is dropped); -EBUSY when the
  * buffer may still be written by UCX (the caller must then never reuse or free it).
  */
+static int client_receive(isu_client *c, void *buf, uint64_t size, int64_t timeout_ms,
+                          char *err, size_t errlen);
+
+/* The count of receives under way in this process (isu_count_receives; NULL: not counted):
+ * a helper making a file ahead waits while it is above 0 (libinstride_local's
+ * isl_spare_yield_to), so that its zeros do not compete with the bytes for memory bandwidth. */
+static int *volatile receiving;
+
+ISU_API void isu_count_receives(int *count) { receiving = count; }
+
 ISU_API int isu_client_receive(isu_client *c, void *buf, uint64_t size, int64_t timeout_ms,
                                char *err, size_t errlen) {
+    int *count = receiving;
+    if (count != NULL)
+        __atomic_fetch_add(count, 1, __ATOMIC_RELAXED);
+    int rc = client_receive(c, buf, size, timeout_ms, err, errlen);
+    if (count != NULL)
+        __atomic_fetch_sub(count, 1, __ATOMIC_RELAXED);
+    return rc;
+}
+
+static int client_receive(isu_client *c, void *buf, uint64_t size, int64_t timeout_ms,
+                          char *err, size_t errlen) {
     if (!c->have_reply || size != c->data_len) {
         set_err(err, errlen, "no pending body of %llu bytes", (unsigned long long)size);
         return -EINVAL;

@@ -39,7 +39,7 @@ from pathlib import Path
 
 __all__ = ["library"]
 
-#: this process's receives under way, counted by the TCP engine's receive loop; a helper
+#: this process's receives under way, counted by the TCP and UCX engines' receive loops; a helper
 #: making a file ahead (store/spare.py) waits while it is above 0 (isl_spare_yield_to)
 RECEIVING = ctypes.c_int(0)
 

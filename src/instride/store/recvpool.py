@@ -39,7 +39,7 @@ A file made ahead has its pages written twice (zeros, then the bytes). Beside a 
 helper's zeros take the memory bandwidth the transfer needs: STMV frames fetched one after the
 other into new files came to 0.58-0.81 of raw TCP that way on the development VM, 0.99-1.10
 with no file made ahead. So the helper writes only while no receive of this process is under
-way (the TCP engine's receive loop counts them: :data:`instride.native.RECEIVING`), in the
+way (the TCP and UCX engines count them: :data:`instride.native.RECEIVING`), in the
 pauses between transfers: 0.88-1.17 of raw TCP flat out, and a stream's frames 300 ms apart
 arrive without the page faults of a new file (p90 34-37 ms per STMV frame, against 35-114 ms
 with no file made ahead).

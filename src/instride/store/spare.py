@@ -19,8 +19,8 @@ and a starved idle thread holding the GIL would stop the producer (tried: the ne
 waited ~0.5 ms for it). Nobody waits for the helper: a file not ready yet is made the usual
 way, and the helper's file goes to a later frame.
 
-The helper writes only while no receive of its process is under way (the TCP engine's receive
-loop counts them in :data:`instride.native.RECEIVING`; the helper looks before each 64 KiB and
+The helper writes only while no receive of its process is under way (the TCP and UCX engines
+count them in :data:`instride.native.RECEIVING`; the helper looks before each 64 KiB and
 sleeps 1 ms while one is): its zeros are a second write of the file's pages, and beside a
 transfer they would take the memory bandwidth the transfer needs
 (:mod:`~instride.store.recvpool`).

@@ -75,6 +75,7 @@ from ..errors import (
     TransferError,
 )
 from ..keys import normalize_key
+from ..native import RECEIVING
 from ..perthread import PerThread
 from ..record import Record
 from ..store.served import open_served
@@ -162,11 +163,14 @@ def load_library() -> ctypes.CDLL:
             "isu_server_reply": (ctypes.c_int, [vp, cp, sz, ctypes.c_int, u64, i64, cp, sz]),
             "isu_server_pending": (ctypes.c_int, [vp]),
             "isu_server_close": (None, [vp, i64]),
+            "isu_count_receives": (None, [vp]),
         }
         for name, (res, args) in sigs.items():
             fn = getattr(lib, name)
             fn.restype = res
             fn.argtypes = args
+        # receives counted where a helper making a file ahead can see them (it waits for them)
+        lib.isu_count_receives(ctypes.addressof(RECEIVING))
         _lib = lib
         return lib
 
