@@ -24,7 +24,9 @@ def test_all_variables() -> None:
         "INSTRIDE_DIR": "/x/y/../z", "INSTRIDE_REDIS_URL": "redis://h:1/0", "INSTRIDE_TOKEN": "t",
         "INSTRIDE_TIMEOUT": "2.5", "INSTRIDE_FSYNC": "0", "INSTRIDE_CACHE_BYTES": "1000",
         "INSTRIDE_NODE": "n7", "INSTRIDE_ADDR": "10.0.0.7:9000", "INSTRIDE_SOCKET": "/s.sock",
+        "INSTRIDE_AHEAD_BYTES": "67108864",
     })
+    assert s.ahead_bytes == 64 << 20 and Settings.from_env({}).ahead_bytes == 4 << 20
     assert s.dir == Path("/x/z") and s.mode == "cluster" and s.token == "t"
     assert (s.timeout, s.fsync, s.cache_bytes, s.node) == (2.5, False, 1000, "n7")
     assert s.addr == "10.0.0.7:9000" and s.socket == Path("/s.sock")
@@ -36,6 +38,7 @@ def test_all_variables() -> None:
 @pytest.mark.parametrize(
     ("name", "value"),
     [("INSTRIDE_TIMEOUT", "x"), ("INSTRIDE_FSYNC", "maybe"), ("INSTRIDE_CACHE_BYTES", "-1"),
+     ("INSTRIDE_AHEAD_BYTES", "-1"), ("INSTRIDE_AHEAD_BYTES", "4M"),
      ("INSTRIDE_ADDR", "nohost"), ("INSTRIDE_ADDR", "h:99999"), ("INSTRIDE_SPIN", "-0.1"),
      ("INSTRIDE_SPIN", "nan"), ("INSTRIDE_SPIN", "inf"), ("INSTRIDE_SPIN", "soon")],
 )

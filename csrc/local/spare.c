@@ -34,6 +34,7 @@
 #include <signal.h>
 #include <stdio.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -78,21 +79,37 @@ static void forget(spare *s) {
  * frames fetched one after the other into new files: 0.58-0.81 of raw TCP with files made
  * ahead beside the transfers, 0.99-1.10 without any). Between transfers -- the pauses of a
  * stream read as it is written -- it writes as before. */
-static int *volatile receiving;
+static int64_t *volatile receiving;
 
-/* Have helpers wait while *count (this process's receives under way, counted by the TCP
- * engine's receive loop) is above 0. */
-ISL_EXPORT void isl_spare_yield_to(int *count) { receiving = count; }
+/* A pause shorter than this after a receive is not one: the next transfer is on its way
+ * (fetches one after the other leave ~1 ms between them; a stream read as it is written,
+ * its frame period less a transfer). */
+#define QUIET_NS 2000000LL
+
+/* Have helpers wait while receiving[0] (this process's receives under way, counted by the
+ * TCP and UCX engines) is above 0, and until QUIET_NS after the last one ended (receiving[1],
+ * CLOCK_MONOTONIC ns). */
+ISL_EXPORT void isl_spare_yield_to(int64_t *count) { receiving = count; }
+
+static int receives_near(const int64_t *busy) {
+    if (__atomic_load_n(&busy[0], __ATOMIC_RELAXED) > 0)
+        return 1;
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    int64_t now = (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+    return now - __atomic_load_n(&busy[1], __ATOMIC_RELAXED) < QUIET_NS;
+}
 
 /* Write size zero bytes into fd: every page allocated *and touched* (a tmpfs page that is only
  * fallocate'd is cleared -- and, on a VM, faulted in the host -- at its first use, which would
  * be the producer's write). Only the new file's own lock is taken: nothing the producer needs.
- * Waits, before each piece, while a receive of this process is under way (see receiving). */
+ * Waits, before each piece, while a receive of this process is under way or ended moments
+ * ago (see receiving). */
 static int fill(int fd, long long size) {
     static const char zeros[64 * 1024];
     for (long long at = 0; at < size;) {
-        int *busy = receiving;
-        while (busy != NULL && __atomic_load_n(busy, __ATOMIC_RELAXED) > 0) {
+        int64_t *busy = receiving;
+        while (busy != NULL && receives_near(busy)) {
             struct timespec ms = {0, 1000000}; /* (at SCHED_IDLE: no core is kept from work) */
             nanosleep(&ms, NULL);
         }

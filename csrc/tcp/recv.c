@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -48,21 +49,29 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash
 /* The count of receives under way in this process (isc_count_receives; NULL: not counted):
  * a helper making a file ahead waits while it is above 0 (libinstride_local's
  * isl_spare_yield_to), so that its zeros do not compete with the bytes for memory bandwidth. */
-static int *volatile receiving;
+static int64_t *volatile receiving;
 
-ISC_API void isc_count_receives(int *count) {
+/* Count receives in count[0] and stamp count[1] with the end of the last (CLOCK_MONOTONIC, ns). */
+ISC_API void isc_count_receives(int64_t *count) {
     receiving = count;
+}
+
+static void receive_ended(int64_t *count) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    __atomic_store_n(&count[1], (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec, __ATOMIC_RELAXED);
+    __atomic_fetch_sub(&count[0], 1, __ATOMIC_RELAXED);
 }
 
 static int recv_restoring(int sock, int dest, char *mem, uint64_t size, uint64_t hash_from,
                           int stall_ms, char *hex, uint64_t *got, int *where) {
     int lowat_set = 0;
-    int *count = receiving;
+    int64_t *count = receiving;
     if (count != NULL)
-        __atomic_fetch_add(count, 1, __ATOMIC_RELAXED);
+        __atomic_fetch_add(&count[0], 1, __ATOMIC_RELAXED);
     int rc = recv_file(sock, dest, mem, size, hash_from, stall_ms, hex, got, where, &lowat_set);
     if (count != NULL)
-        __atomic_fetch_sub(count, 1, __ATOMIC_RELAXED);
+        receive_ended(count);
     if (lowat_set) { /* the connection is kept alive: leave it as it was */
         int one = 1;
         setsockopt(sock, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof one);

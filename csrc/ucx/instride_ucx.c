@@ -616,18 +616,23 @@ static int client_receive(isu_client *c, void *buf, uint64_t size, int64_t timeo
 /* The count of receives under way in this process (isu_count_receives; NULL: not counted):
  * a helper making a file ahead waits while it is above 0 (libinstride_local's
  * isl_spare_yield_to), so that its zeros do not compete with the bytes for memory bandwidth. */
-static int *volatile receiving;
+static int64_t *volatile receiving;
 
-ISU_API void isu_count_receives(int *count) { receiving = count; }
+/* Count receives in count[0] and stamp count[1] with the end of the last (CLOCK_MONOTONIC, ns). */
+ISU_API void isu_count_receives(int64_t *count) { receiving = count; }
 
 ISU_API int isu_client_receive(isu_client *c, void *buf, uint64_t size, int64_t timeout_ms,
                                char *err, size_t errlen) {
-    int *count = receiving;
+    int64_t *count = receiving;
     if (count != NULL)
-        __atomic_fetch_add(count, 1, __ATOMIC_RELAXED);
+        __atomic_fetch_add(&count[0], 1, __ATOMIC_RELAXED);
     int rc = client_receive(c, buf, size, timeout_ms, err, errlen);
-    if (count != NULL)
-        __atomic_fetch_sub(count, 1, __ATOMIC_RELAXED);
+    if (count != NULL) {
+        struct timespec t;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        __atomic_store_n(&count[1], (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec, __ATOMIC_RELAXED);
+        __atomic_fetch_sub(&count[0], 1, __ATOMIC_RELAXED);
+    }
     return rc;
 }
 

@@ -97,6 +97,11 @@ def _bool(name: str, raw: str | None, default: bool) -> bool:
     raise ConfigError(name, raw, "expected 0/1/true/false")
 
 
+#: INSTRIDE_AHEAD_BYTES's default: the largest fetch whose next file is made ahead (see
+#: instride.store.recvpool)
+AHEAD_BYTES = 4 << 20
+
+
 def _int_or_none(name: str, raw: str | None) -> int | None:
     if raw is None or raw.strip() == "":
         return None
@@ -107,6 +112,11 @@ def _int_or_none(name: str, raw: str | None) -> int | None:
     if value < 0:
         raise ConfigError(name, raw, "must be >= 0")
     return value
+
+
+def _ahead_bytes(name: str, raw: str | None) -> int:
+    value = _int_or_none(name, raw)
+    return AHEAD_BYTES if value is None else value
 
 
 def parse_addr(addr: str, name: str = "INSTRIDE_ADDR") -> tuple[str, int]:
@@ -232,6 +242,9 @@ VARIABLES: tuple[Variable, ...] = (
              "fsync a produced file (and its directory) when publishing it; skipped on tmpfs"),
     Variable("INSTRIDE_CACHE_BYTES", "cache_bytes", _int_or_none, "unbounded",
              "bound on fetched (not owned) copies kept on a node, LRU"),
+    Variable("INSTRIDE_AHEAD_BYTES", "ahead_bytes", _ahead_bytes, "4194304",
+             "largest fetch whose next file a node that keeps every copy makes ahead, in the "
+             "pauses between transfers (0: none)"),
     Variable("INSTRIDE_NODE", "node", _node, "host name", "name of this node in records and errors"),
     Variable("INSTRIDE_ADDR", "addr", _addr, f"127.0.0.1:{DEFAULT_PORT}",
              "host:port of this node's data server, as peers reach it"),
@@ -302,6 +315,7 @@ class Settings:
     timeout: float | None = None
     fsync: bool = True
     cache_bytes: int | None = None
+    ahead_bytes: int = AHEAD_BYTES
     node: str = "localhost"
     addr: str = f"127.0.0.1:{DEFAULT_PORT}"
     socket_path: Path | None = None

@@ -39,9 +39,10 @@ from pathlib import Path
 
 __all__ = ["library"]
 
-#: this process's receives under way, counted by the TCP and UCX engines' receive loops; a helper
-#: making a file ahead (store/spare.py) waits while it is above 0 (isl_spare_yield_to)
-RECEIVING = ctypes.c_int(0)
+#: this process's receives under way ([0], counted by the TCP and UCX engines) and the end of
+#: the last ([1], CLOCK_MONOTONIC ns); a helper making a file ahead (store/spare.py) waits while
+#: one is under way and for 2 ms after the last (isl_spare_yield_to)
+RECEIVING = (ctypes.c_int64 * 2)()
 
 _lib: ctypes.CDLL | None = None
 _loaded = False

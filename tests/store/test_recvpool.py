@@ -225,17 +225,17 @@ def test_a_file_made_ahead_waits_while_a_receive_is_under_way(tmp_path: Path) ->
         a.fileno(), ctypes.addressof(mem), size, 0, 10_000, digest, ctypes.byref(got))))
     spare = SpareMaker()
     try:
-        assert RECEIVING.value == 0
+        assert RECEIVING[0] == 0
         receive.start()
         b.sendall(b"x" * 1000)  # a receive under way, some of its bytes here
-        _until(lambda: RECEIVING.value == 1)
+        _until(lambda: RECEIVING[0] == 1)
         spare.ask(str(tmp_path), 256 << 10)
         time.sleep(0.3)
         assert spare.pending and not spare.ready  # the helper waits for the receive
         b.sendall(b"x" * (size - 1000))
         receive.join(10)
         assert rc == [0] and got.value == size and mem.raw == b"x" * size
-        assert RECEIVING.value == 0
+        assert RECEIVING[0] == 0 and RECEIVING[1] > 0  # (the end of the last stamped)
         _until(lambda: spare.ready)  # made once the receive is over
         fd = spare.take(256 << 10, str(tmp_path / "made"))
         assert fd is not None

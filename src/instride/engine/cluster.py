@@ -120,7 +120,7 @@ class ClusterEngine:
         # (a node that keeps every copy has nothing to recycle: its next file is made ahead)
         self.recv_pool = ReceivePool(settings.internal_dir / "recv", keep_bytes=min(
             KEEP_BYTES, KEEP_BYTES if settings.cache_bytes is None else settings.cache_bytes),
-            ahead=settings.cache_bytes is None)
+            ahead=settings.cache_bytes is None, ahead_bytes=settings.ahead_bytes)
         self.lock_dir = settings.internal_dir / "locks"
         #: number of transfers this process made (for tests and benchmarks), and how many of
         #: them were answered as their key was published (:meth:`fetch_when_published`)

@@ -38,11 +38,16 @@ a fault per page while the bytes arrive.
 A file made ahead has its pages written twice (zeros, then the bytes). Beside a transfer the
 helper's zeros take the memory bandwidth the transfer needs: STMV frames fetched one after the
 other into new files came to 0.58-0.81 of raw TCP that way on the development VM, 0.99-1.10
-with no file made ahead. So the helper writes only while no receive of this process is under
-way (the TCP and UCX engines count them: :data:`instride.native.RECEIVING`), in the
-pauses between transfers: 0.88-1.17 of raw TCP flat out, and a stream's frames 300 ms apart
-arrive without the page faults of a new file (p90 34-37 ms per STMV frame, against 35-114 ms
-with no file made ahead).
+with no file made ahead. So the helper writes only in the pauses between transfers: while no
+receive of this process is under way and from 2 ms after the last (the TCP and UCX engines
+count them: :data:`instride.native.RECEIVING`). Even so, large frames fetched one after the
+other came to about a tenth less with files made ahead (0.85-0.95 against 0.93-1.00 of raw
+TCP, alternating runs, before the 2 ms rule; with it, runs in a phase of expensive fresh
+memory could not tell the two apart), while a stream of STMV frames 300 ms apart gained from them on a VM
+that hands free memory back to its host (p90 34-39 ms per frame, against up to 114 ms without).
+Files are made ahead for fetches up to ``INSTRIDE_AHEAD_BYTES`` (default 4 MiB: a JAC frame's
+latency gains; flat-out throughput of large frames does not pay); raise it where large frames
+come paced and fresh memory is expensive.
 """
 
 from __future__ import annotations
@@ -53,15 +58,13 @@ import itertools
 import os
 from pathlib import Path
 
+from ..config import AHEAD_BYTES
 from .spare import SpareMaker
 
 #: at most this many files in a node's receive pool
 KEEP_FILES = 16
 #: and at most this many bytes
 KEEP_BYTES = 1 << 30
-#: the largest fetch whose next file of the same size is made ahead (a one-off large fetch
-#: does not make another of its size, in memory, for nothing)
-AHEAD_BYTES = 64 << 20
 
 _names = itertools.count()
 
@@ -80,12 +83,16 @@ class ReceivePool:
         Have the next file made ahead when a fetch finds nothing pooled (a node that keeps
         every copy; with a cache bound the evicted copies are the next files, and a file
         made ahead would be made for nothing).
+    ahead_bytes
+        Only for fetches of at most this many bytes (``INSTRIDE_AHEAD_BYTES``).
     """
 
     def __init__(self, pool_dir: Path, *, keep_files: int = KEEP_FILES,
-                 keep_bytes: int = KEEP_BYTES, ahead: bool = False) -> None:
+                 keep_bytes: int = KEEP_BYTES, ahead: bool = False,
+                 ahead_bytes: int = AHEAD_BYTES) -> None:
         self.pool_dir = pool_dir
         self.ahead = ahead
+        self.ahead_bytes = ahead_bytes
         self._pool_s = str(pool_dir)
         self.keep_files = keep_files
         self.keep_bytes = keep_bytes
@@ -184,7 +191,7 @@ class ReceivePool:
         fd = self._spare.take(size, staged)
         if fd is not None:
             self.spares_used += 1
-        if size == self._last_size and size <= AHEAD_BYTES and not self._spare.pending:
+        if size == self._last_size and size <= self.ahead_bytes and not self._spare.pending:
             with contextlib.suppress(OSError):
                 os.makedirs(self._pool_s, exist_ok=True)
                 self._spare.ask(self._pool_s, size)
