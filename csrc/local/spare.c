@@ -78,7 +78,7 @@ static void forget(spare *s) {
  * bytes), and beside a transfer the zeros take the memory bandwidth the transfer needs (STMV
  * frames fetched one after the other into new files: 0.58-0.81 of raw TCP with files made
  * ahead beside the transfers, 0.99-1.10 without any). Between transfers -- the pauses of a
- * stream read as it is written -- it writes as before. */
+ * stream read as it is written, from QUIET_NS after a receive -- it writes as before. */
 static int64_t *volatile receiving;
 
 /* A pause shorter than this after a receive is not one: the next transfer is on its way

@@ -47,8 +47,8 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash
                      int stall_ms, char *hex, uint64_t *got, int *where, int *lowat_set);
 
 /* The count of receives under way in this process (isc_count_receives; NULL: not counted):
- * a helper making a file ahead waits while it is above 0 (libinstride_local's
- * isl_spare_yield_to), so that its zeros do not compete with the bytes for memory bandwidth. */
+ * a helper making a file ahead waits while it is above 0 and for 2 ms after the last
+ * (libinstride_local's isl_spare_yield_to), so that its zeros do not compete with the bytes for memory bandwidth. */
 static int64_t *volatile receiving;
 
 /* Count receives in count[0] and stamp count[1] with the end of the last (CLOCK_MONOTONIC, ns). */

@@ -43,8 +43,9 @@ receive of this process is under way and from 2 ms after the last (the TCP and U
 count them: :data:`instride.native.RECEIVING`). Even so, large frames fetched one after the
 other came to about a tenth less with files made ahead (0.85-0.95 against 0.93-1.00 of raw
 TCP, alternating runs, before the 2 ms rule; with it, runs in a phase of expensive fresh
-memory could not tell the two apart), while a stream of STMV frames 300 ms apart gained from them on a VM
-that hands free memory back to its host (p90 34-39 ms per frame, against up to 114 ms without).
+memory could not tell the two apart), while a stream of STMV frames 300 ms apart gained from
+them on a VM that hands free memory back to its host (p90 34-39 ms per frame, against up to
+114 ms without).
 Files are made ahead for fetches up to ``INSTRIDE_AHEAD_BYTES`` (default 4 MiB: a JAC frame's
 latency gains; flat-out throughput of large frames does not pay); raise it where large frames
 come paced and fresh memory is expensive.

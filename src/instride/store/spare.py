@@ -21,8 +21,8 @@ way, and the helper's file goes to a later frame.
 
 The helper writes only while no receive of its process is under way (the TCP and UCX engines
 count them in :data:`instride.native.RECEIVING`; the helper looks before each 64 KiB and
-sleeps 1 ms while one is): its zeros are a second write of the file's pages, and beside a
-transfer they would take the memory bandwidth the transfer needs
+sleeps 1 ms while one is, and until 2 ms after the last): its zeros are a second write of the
+file's pages, and beside a transfer they would take the memory bandwidth the transfer needs
 (:mod:`~instride.store.recvpool`).
 
 The helper can also prefault a mapping first (:meth:`SpareMaker.ask`'s ``populate``): the
