@@ -274,3 +274,35 @@ def test_data_servers_listen_and_restart(tmp_path: Path) -> None:
         pids = [c._pids[n.name][0] for n in c.nodes]
     assert not any(em._alive(pid, None) for pid in pids)
     assert leftovers(c) == []
+
+
+def test_a_sigterm_inside_the_with_block_takes_the_cluster_down() -> None:
+    # `timeout`, a batch system or a stopped CI job ends a benchmark with SIGTERM: by default
+    # that ended the process at once and left the namespaces, Redis and the data servers up
+    import signal
+
+    code = textwrap.dedent(
+        """
+        import time
+        from instride.emulate import EmulatedCluster
+        with EmulatedCluster(nodes=2) as c:
+            print(c.name, c.prefix, flush=True)
+            time.sleep(120)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    name = ""
+    try:
+        assert proc.stdout is not None
+        name, prefix = proc.stdout.readline().split()
+        assert em.state_path(name).exists() and any(ns.startswith(prefix) for ns in nn.list_netns())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+        assert not em.state_path(name).exists()
+        assert not [ns for ns in nn.list_netns() if ns.startswith(prefix)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if name and em.state_path(name).exists():  # (failed: not left behind either)
+            EmulatedCluster.attach(name).down()

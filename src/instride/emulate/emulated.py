@@ -37,6 +37,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -154,6 +155,12 @@ def _tail(path: Path, lines: int = 20) -> str:
     except OSError:
         return "(no log)"
     return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
+
+
+def _unwind(signum: int, frame: Any) -> None:
+    """SIGTERM inside ``with EmulatedCluster(...)``: exit as a signal would (128 + signum), through
+    the with-block's exit, which takes the cluster down."""
+    raise SystemExit(128 + signum)
 
 
 class EmulatedCluster:
@@ -346,10 +353,32 @@ class EmulatedCluster:
 
     # ------------------------------------------------------------------ life cycle
     def __enter__(self) -> EmulatedCluster:
-        return self.up()
+        # A SIGTERM (``timeout``, a batch system, a stopped CI job) unwinds the with-block like
+        # Ctrl-C, so that the cluster is taken down: by default it would end the process at
+        # once, leaving namespaces, Redis and data servers behind. Only where nobody else
+        # handles SIGTERM, and only in the main thread (where Python runs handlers).
+        self._sigterm: Any = None
+        if threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._sigterm = signal.signal(signal.SIGTERM, _unwind)
+        try:
+            return self.up()
+        except BaseException:
+            self._restore_sigterm()
+            raise
 
     def __exit__(self, *exc: object) -> None:
-        self.down()
+        if self._sigterm is not None:  # (a second SIGTERM does not cut the clean-up short)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            self.down()
+        finally:
+            self._restore_sigterm()
+
+    def _restore_sigterm(self) -> None:
+        if self._sigterm is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)
+            self._sigterm = None
 
     def up(self) -> EmulatedCluster:
         """Create the namespaces, bridge, directories, Redis and data servers; return self.
