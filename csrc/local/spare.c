@@ -92,7 +92,7 @@ static int64_t *volatile receiving;
 ISL_EXPORT void isl_spare_yield_to(int64_t *count) { receiving = count; }
 
 static int receives_near(const int64_t *busy) {
-    if (__atomic_load_n(&busy[0], __ATOMIC_RELAXED) > 0)
+    if (__atomic_load_n(&busy[0], __ATOMIC_ACQUIRE) > 0)
         return 1;
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);

@@ -60,7 +60,7 @@ static void receive_ended(int64_t *count) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     __atomic_store_n(&count[1], (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec, __ATOMIC_RELAXED);
-    __atomic_fetch_sub(&count[0], 1, __ATOMIC_RELAXED);
+    __atomic_fetch_sub(&count[0], 1, __ATOMIC_RELEASE); /* (the stamp seen with the count) */
 }
 
 static int recv_restoring(int sock, int dest, char *mem, uint64_t size, uint64_t hash_from,

@@ -631,7 +631,7 @@ ISU_API int isu_client_receive(isu_client *c, void *buf, uint64_t size, int64_t 
         struct timespec t;
         clock_gettime(CLOCK_MONOTONIC, &t);
         __atomic_store_n(&count[1], (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec, __ATOMIC_RELAXED);
-        __atomic_fetch_sub(&count[0], 1, __ATOMIC_RELAXED);
+        __atomic_fetch_sub(&count[0], 1, __ATOMIC_RELEASE); /* (the stamp seen with the count) */
     }
     return rc;
 }

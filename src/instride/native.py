@@ -34,6 +34,7 @@ mapping and numpy's copy, ~250 µs per paced JAC frame either way).
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from pathlib import Path
 
@@ -42,7 +43,18 @@ __all__ = ["library"]
 #: this process's receives under way ([0], counted by the TCP and UCX engines) and the end of
 #: the last ([1], CLOCK_MONOTONIC ns); a helper making a file ahead (store/spare.py) waits while
 #: one is under way and for 2 ms after the last (isl_spare_yield_to)
-RECEIVING = (ctypes.c_int64 * 2)()
+#: (in memory that is never freed: a helper thread may still read it while the interpreter
+#: exits; zeroed in a forked child, which has none of its parent's receives)
+_libc = ctypes.CDLL(None)
+_libc.calloc.restype, _libc.calloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_size_t]
+RECEIVING = (ctypes.c_int64 * 2).from_address(_libc.calloc(2, 8))
+
+
+def _forget_receives() -> None:
+    RECEIVING[0] = RECEIVING[1] = 0
+
+
+os.register_at_fork(after_in_child=_forget_receives)
 
 _lib: ctypes.CDLL | None = None
 _loaded = False
@@ -96,9 +108,10 @@ def _load() -> ctypes.CDLL | None:
         lib.isl_spare_take.restype = c_int
         lib.isl_spare_drop.argtypes = [ptr]
         lib.isl_spare_drop.restype = None
-        lib.isl_spare_yield_to.argtypes = [ptr]
-        lib.isl_spare_yield_to.restype = None
-        lib.isl_spare_yield_to(ctypes.addressof(RECEIVING))
+        yield_to = getattr(lib, "isl_spare_yield_to", None)  # (optional: an older build lacks it)
+        if yield_to is not None:
+            yield_to.argtypes, yield_to.restype = [ptr], None
+            yield_to(ctypes.addressof(RECEIVING))
         lib.isl_append.argtypes = [ptr, c_int, i64, ptr, ptr, i64, ctypes.c_double, ptr, c_int,
                                    c_char_p, c_char_p, c_int, c_int]
         lib.isl_append.restype = c_int

@@ -278,31 +278,69 @@ def test_data_servers_listen_and_restart(tmp_path: Path) -> None:
 
 def test_a_sigterm_inside_the_with_block_takes_the_cluster_down() -> None:
     # `timeout`, a batch system or a stopped CI job ends a benchmark with SIGTERM: by default
-    # that ended the process at once and left the namespaces, Redis and the data servers up
+    # that ended the process at once and left the namespaces, Redis and the data servers up.
+    # Now every cluster inside a with-block (nested ones too) is taken down first, and the
+    # process still dies of the signal (a program that swallows exceptions cannot keep it).
     import signal
 
     code = textwrap.dedent(
         """
-        import time
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (whatever the parent had)
         from instride.emulate import EmulatedCluster
-        with EmulatedCluster(nodes=2) as c:
-            print(c.name, c.prefix, flush=True)
-            time.sleep(120)
+        with EmulatedCluster(nodes=2) as a, EmulatedCluster(nodes=1) as b:
+            print(a.name, a.prefix, b.name, b.prefix, flush=True)
+            while True:
+                try:
+                    time.sleep(120)
+                except BaseException:  # (swallowed: the signal must still end it)
+                    pass
         """
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    name = ""
+    names: list[str] = []
     try:
         assert proc.stdout is not None
-        name, prefix = proc.stdout.readline().split()
-        assert em.state_path(name).exists() and any(ns.startswith(prefix) for ns in nn.list_netns())
+        got = proc.stdout.readline().split()
+        names, prefixes = got[0::2], got[1::2]
+        assert len(names) == 2 and all(em.state_path(n).exists() for n in names)
+        assert all(any(ns.startswith(p) for ns in nn.list_netns()) for p in prefixes)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 128 + signal.SIGTERM
-        assert not em.state_path(name).exists()
-        assert not [ns for ns in nn.list_netns() if ns.startswith(prefix)]
+        assert proc.wait(60) == -signal.SIGTERM  # (died of it)
+        assert not any(em.state_path(n).exists() for n in names)
+        assert not [ns for ns in nn.list_netns() if ns.startswith(tuple(prefixes))]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-        if name and em.state_path(name).exists():  # (failed: not left behind either)
-            EmulatedCluster.attach(name).down()
+        for n in names:  # (failed: not left behind either)
+            if em.state_path(n).exists():
+                EmulatedCluster.attach(n).down()
+
+
+def test_a_with_block_leaves_sigterm_as_it_found_it() -> None:
+    # the handler is installed for the with-blocks only: the default comes back after the
+    # last, and a handler the program had set is never replaced (in a fresh interpreter: this
+    # module's fixtures hold clusters of their own)
+    code = textwrap.dedent(
+        """
+        import signal
+        from instride.emulate import EmulatedCluster
+        from instride.emulate import emulated as em
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        with EmulatedCluster(nodes=1, serve=False, redis=False):
+            assert signal.getsignal(signal.SIGTERM) is em._unwind
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and em._LIVE == []
+
+        def mine(signum, frame):
+            raise AssertionError("not expected")
+
+        signal.signal(signal.SIGTERM, mine)
+        with EmulatedCluster(nodes=1, serve=False, redis=False):
+            assert signal.getsignal(signal.SIGTERM) is mine
+        assert signal.getsignal(signal.SIGTERM) is mine
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -290,7 +290,7 @@ def test_a_node_that_keeps_its_copies_receives_the_next_into_a_file_made_ahead(
             fh.write(d)
     c2.gc()  # (copies other tests dropped would be reused first)
     pool = c2.engine.recv_pool
-    assert pool.ahead and pool.ahead_bytes == c2.settings.ahead_bytes == 4 << 20  # (the default)
+    assert pool.ahead and pool.ahead_bytes == c2.settings.ahead_bytes  # (INSTRIDE_AHEAD_BYTES)
     for i in range(2):  # (two fetches of one size: the next of that size is made ahead)
         assert c2.consume(f"ah/k{i}.bin", timeout=10).read_bytes() == data[i]
     deadline = time.monotonic() + 10

@@ -167,6 +167,15 @@ def test_a_node_that_keeps_its_copies_receives_into_a_file_made_ahead(tmp_path: 
     for i in range(2):
         assert big.take(str(tmp_path / f"g{i}.tmp"), AHEAD_BYTES + 1) is None
     assert not big._spare.pending  # noqa: SLF001
+    none = ReceivePool(tmp_path / "none", ahead=True, ahead_bytes=0)  # INSTRIDE_AHEAD_BYTES=0
+    for i in range(2):
+        assert none.take(str(tmp_path / f"n{i}.tmp"), 1000) is None
+    assert not none._spare.pending  # noqa: SLF001
+    more = ReceivePool(tmp_path / "more", ahead=True, ahead_bytes=AHEAD_BYTES * 2)
+    for i in range(2):
+        assert more.take(str(tmp_path / f"m{i}.tmp"), AHEAD_BYTES + 1) is None
+    assert more._spare.pending  # noqa: SLF001 (a larger bound: asked for)
+    more.close()
 
 
 def test_threads_sharing_a_pool_never_get_the_same_file_made_ahead(tmp_path: Path) -> None:
@@ -245,5 +254,23 @@ def test_a_file_made_ahead_waits_while_a_receive_is_under_way(tmp_path: Path) ->
             os.close(fd)
     finally:
         spare.close()
+        b.close()  # (first: a receive still under way ends, its descriptor still open)
+        receive.join(10)
         a.close()
-        b.close()
+
+
+def test_a_forked_child_has_none_of_its_parents_receives() -> None:
+    # a child forked while its parent receives has no such receive: its helpers must not wait
+    # for it forever
+    from instride.native import RECEIVING
+
+    RECEIVING[0] += 1
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: report by exit status only
+            os._exit(0 if RECEIVING[0] == 0 else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert RECEIVING[0] == 1  # (the parent's own count untouched)
+    finally:
+        RECEIVING[0] -= 1

@@ -157,10 +157,33 @@ def _tail(path: Path, lines: int = 20) -> str:
     return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
 
 
+#: clusters inside a ``with`` block of this process's main thread, innermost last
+_LIVE: list[EmulatedCluster] = []
+#: with-blocks of _LIVE taking their cluster down right now; a SIGTERM meanwhile waits for them
+_EXITING = [0]
+#: a SIGTERM that came while a with-block took its cluster down (re-delivered after it)
+_PENDING: list[int] = []
+
+
 def _unwind(signum: int, frame: Any) -> None:
-    """SIGTERM inside ``with EmulatedCluster(...)``: exit as a signal would (128 + signum), through
-    the with-block's exit, which takes the cluster down."""
-    raise SystemExit(128 + signum)
+    """SIGTERM inside ``with EmulatedCluster(...)``: take every such cluster down, then die of
+    the signal, as it would have ended the process (a handler that raised instead could be
+    swallowed by a program that catches every exception, and its cluster left up)."""
+    if _EXITING[0]:  # (one is being taken down: let it finish, then die)
+        _PENDING.append(signum)
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (a second SIGTERM does not cut it short)
+    for cluster in reversed(_LIVE):
+        with contextlib.suppress(Exception):
+            cluster.down()
+    _LIVE.clear()
+    _die(signum)
+
+
+def _die(signum: int) -> None:
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    raise SystemExit(128 + signum)  # (only if the signal is blocked in this thread)
 
 
 class EmulatedCluster:
@@ -353,32 +376,37 @@ class EmulatedCluster:
 
     # ------------------------------------------------------------------ life cycle
     def __enter__(self) -> EmulatedCluster:
-        # A SIGTERM (``timeout``, a batch system, a stopped CI job) unwinds the with-block like
-        # Ctrl-C, so that the cluster is taken down: by default it would end the process at
-        # once, leaving namespaces, Redis and data servers behind. Only where nobody else
-        # handles SIGTERM, and only in the main thread (where Python runs handlers).
-        self._sigterm: Any = None
+        # A SIGTERM (``timeout``, a batch system, a stopped CI job) would end the process at
+        # once, leaving namespaces, Redis and data servers behind: inside the with-block it
+        # takes the cluster down first (_unwind). Only where nobody else handles SIGTERM, and
+        # only in the main thread (where Python runs handlers).
         if threading.current_thread() is threading.main_thread() \
-                and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            self._sigterm = signal.signal(signal.SIGTERM, _unwind)
+                and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, _unwind):
+            signal.signal(signal.SIGTERM, _unwind)
+            _LIVE.append(self)  # (before up(): a SIGTERM during it removes what it made)
         try:
             return self.up()
         except BaseException:
-            self._restore_sigterm()
+            self._leave()
             raise
 
     def __exit__(self, *exc: object) -> None:
-        if self._sigterm is not None:  # (a second SIGTERM does not cut the clean-up short)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _EXITING[0] += 1
         try:
             self.down()
         finally:
-            self._restore_sigterm()
+            _EXITING[0] -= 1
+            self._leave()
+            if _PENDING and not _EXITING[0]:  # (a SIGTERM came meanwhile: as it would have)
+                _unwind(_PENDING.pop(), None)
 
-    def _restore_sigterm(self) -> None:
-        if self._sigterm is not None:
-            signal.signal(signal.SIGTERM, self._sigterm)
-            self._sigterm = None
+    def _leave(self) -> None:
+        """Out of the with-block: no longer taken down by a SIGTERM; the default handling of
+        SIGTERM back after the last such block (unless the program set its own meanwhile)."""
+        if self in _LIVE:
+            _LIVE.remove(self)
+            if not _LIVE and signal.getsignal(signal.SIGTERM) is _unwind:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def up(self) -> EmulatedCluster:
         """Create the namespaces, bridge, directories, Redis and data servers; return self.

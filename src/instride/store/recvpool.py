@@ -192,7 +192,7 @@ class ReceivePool:
         fd = self._spare.take(size, staged)
         if fd is not None:
             self.spares_used += 1
-        if size == self._last_size and size <= self.ahead_bytes and not self._spare.pending:
+        if size == self._last_size and 0 < size <= self.ahead_bytes and not self._spare.pending:
             with contextlib.suppress(OSError):
                 os.makedirs(self._pool_s, exist_ok=True)
                 self._spare.ask(self._pool_s, size)

@@ -163,14 +163,16 @@ def load_library() -> ctypes.CDLL:
             "isu_server_reply": (ctypes.c_int, [vp, cp, sz, ctypes.c_int, u64, i64, cp, sz]),
             "isu_server_pending": (ctypes.c_int, [vp]),
             "isu_server_close": (None, [vp, i64]),
-            "isu_count_receives": (None, [vp]),
         }
         for name, (res, args) in sigs.items():
             fn = getattr(lib, name)
             fn.restype = res
             fn.argtypes = args
         # receives counted where a helper making a file ahead can see them (it waits for them)
-        lib.isu_count_receives(ctypes.addressof(RECEIVING))
+        count = getattr(lib, "isu_count_receives", None)  # (optional: an older build lacks it)
+        if count is not None:
+            count.restype, count.argtypes = None, [vp]
+            count(ctypes.addressof(RECEIVING))
         _lib = lib
         return lib
 

@@ -89,9 +89,10 @@ def load_library() -> ctypes.CDLL:
         lib.isc_recv_reply.argtypes = [i, i, i, cp, ctypes.c_uint32, ctypes.POINTER(ctypes.c_int32),
                                        vp, u64, u64, cp, ctypes.POINTER(u64), ctypes.POINTER(u64)]
         # receives counted where a helper making a file ahead can see them (it waits for them)
-        lib.isc_count_receives.restype = None
-        lib.isc_count_receives.argtypes = [vp]
-        lib.isc_count_receives(ctypes.addressof(RECEIVING))
+        count = getattr(lib, "isc_count_receives", None)  # (optional: an older build lacks it)
+        if count is not None:
+            count.restype, count.argtypes = None, [vp]
+            count(ctypes.addressof(RECEIVING))
         _lib = lib
         return lib
 
