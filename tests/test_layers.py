@@ -24,7 +24,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "instride"
 LAYERS: list[set[str]] = [
     {"errors"},
     {"config", "native"},
-    {"keys", "record", "registry", "frames", "perthread", "busypoll"},
+    {"keys", "registry", "frames", "perthread", "busypoll"},
+    {"record"},
     {"store", "archive", "paths"},
     {"metadata", "transport"},
     {"engine"},

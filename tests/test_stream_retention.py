@@ -556,9 +556,9 @@ CLUSTER_PRODUCER = textwrap.dedent(
     import sys, numpy as np, instride
     from instride.store.ring import SlotPool
     n, retain, policy = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    encoded = []  # frames encoded and published in one native call, with the record's checksum
-    one_call = SlotPool.write_and_publish_hashed
-    SlotPool.write_and_publish_hashed = lambda *a, **kw: (encoded.append(1), one_call(*a, **kw))[1]
+    encoded = []  # frames encoded and published in one native call (the record's checksum: read)
+    one_call = SlotPool.write_and_publish
+    SlotPool.write_and_publish = lambda *a, **kw: (encoded.append(1), one_call(*a, **kw))[1]
     pos = np.zeros((2000, 3), dtype=np.float32)
     with instride.Stream("cl", mode="w", retain=retain, on_full=policy, groups=["remote"],
                          timeout=60) as s:
@@ -658,11 +658,14 @@ def test_a_frame_whose_record_fails_is_recorded_again_and_nothing_is_lost(
 
 def test_close_confirms_the_last_frames_record(tmp_path: Path, redis_server: Any) -> None:
     # cluster mode: close() confirms the records still pending, so after close every frame
-    # has its record (size and checksum of its file). With Redis gone, close raises (the
+    # has its record (size and checksum of its file: its own header checksum, which verifies
+    # the file, header and payload). With Redis gone, close raises (the
     # end marker cannot be recorded) and the stream stays open; once Redis is back, close()
     # again ends the stream.
+    import xxhash
+
     from instride.errors import MetadataUnavailable
-    from instride.record import checksum_of
+    from instride.frames import HEADER_SIZE
     from tests.conftest import LoopbackNode
 
     node = LoopbackNode(tmp_path, 1, redis_server.url, "test-token")
@@ -671,7 +674,10 @@ def test_close_confirms_the_last_frames_record(tmp_path: Path, redis_server: Any
     def recorded(key: str) -> bool:
         rec = client.metadata.lookup(key)
         data = (node.dir / key).read_bytes()
-        return rec is not None and rec.size == len(data) and rec.checksum == checksum_of(data)
+        if rec is None or rec.checksum is None or not rec.checksum.startswith("isf:"):
+            return False
+        rec.verify(xxhash.xxh3_64_hexdigest(data[HEADER_SIZE:]), len(data), data)  # (or raises)
+        return True
 
     try:
         with instride.Stream("cc", mode="w", retain=4, client=client, timeout=5) as s:

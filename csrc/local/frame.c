@@ -14,15 +14,14 @@
  *                   where publications fsync (msync), drop the producer's exclusive lock,
  *                   publish it (rename, RENAME_NOREPLACE unless overwriting). The layout of
  *                   instride/frames.py, little-endian only.
- *   isl_append_hashed
- *                   the same, and the whole file's xxh3-64 (a cluster's record checksum),
- *                   computed before the rename: a producer in cluster mode publishes a frame
- *                   in one call too, and only its record is left to Python.
+ *
+ * In cluster mode the frame's record carries its header checksum (instride/record.py,
+ * "isf:"): no second pass over the frame for the record, only the record is left to Python.
  *
  * Python keeps the policy, the consumer groups and every error: where these calls meet
  * anything but the common case they say so and Python takes the slow, explaining path.
  *
- * Exported: isl_append, isl_append_hashed.
+ * Exported: isl_append.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -87,8 +86,7 @@ static uint64_t encode_arrays(unsigned char *dst, const void *pos, size_t pos_by
  * problem), -EINVAL for an unknown layout (nothing written). */
 static int append(unsigned char *dst, int layout, int64_t natoms, const void *pos,
                   const int32_t *ids, int64_t step, double time, const double *box, int fd,
-                  const char *src, const char *dst_path, int noreplace, int sync,
-                  uint64_t *file_digest)
+                  const char *src, const char *dst_path, int noreplace, int sync)
 {
     unsigned char *payload = dst + HEADER_SIZE;
     uint64_t nbytes, digest;
@@ -122,12 +120,6 @@ static int append(unsigned char *dst, int layout, int64_t natoms, const void *po
     memcpy(dst + 112, &digest, 8);
     uint64_t hsum = XXH3_64bits(dst, HEADER_FIELDS);
     memcpy(dst + HEADER_FIELDS, &hsum, 8);
-    if (file_digest != NULL) { /* (streamed: the CPU's widest vector unit, see ins_xxh.h) */
-        XXH3_state_t st;
-        XXH3_64bits_reset(&st);
-        INS_XXH3_UPDATE(&st, dst, HEADER_SIZE + nbytes);
-        *file_digest = XXH3_64bits_digest(&st);
-    }
     if (sync && msync(dst, HEADER_SIZE + nbytes, MS_SYNC) != 0)
         return -errno; /* (still locked, not published: the slow path flushes and names it) */
     if (fd < 0)
@@ -151,18 +143,6 @@ ISL_EXPORT int isl_append(unsigned char *dst, int layout, int64_t natoms, const 
                           int sync)
 {
     return append(dst, layout, natoms, pos, ids, step, time, box, fd, src, dst_path,
-                  noreplace, sync, NULL);
+                  noreplace, sync);
 }
 
-/* isl_append, and the xxh3-64 of the whole frame file (header and payload) into
- * *file_digest, computed once the frame is encoded (so set also when the flush or the rename
- * failed; not for an unknown layout, where nothing is written). */
-ISL_EXPORT int isl_append_hashed(unsigned char *dst, int layout, int64_t natoms,
-                                 const void *pos, const int32_t *ids, int64_t step,
-                                 double time, const double *box, int fd, const char *src,
-                                 const char *dst_path, int noreplace, int sync,
-                                 uint64_t *file_digest)
-{
-    return append(dst, layout, natoms, pos, ids, step, time, box, fd, src, dst_path,
-                  noreplace, sync, file_digest);
-}

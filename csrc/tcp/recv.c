@@ -42,9 +42,12 @@ ISC_API int isc_abi(void) {
  * Python's xxhash.xxh3_64_hexdigest), or a negative errno: -ETIMEDOUT when nothing arrived
  * for stall_ms, -ECONNRESET when the peer closed the connection early, another -errno from
  * recv or write. *got says how many bytes were received, *where whether the failure was on
- * the socket (0) or the file (1). */
+ * the socket (0) or the file (1). head (NULL, or hash_from bytes): also receives a copy of
+ * the bytes before hash_from (a frame's header, which the caller checks: a file opened only
+ * for writing cannot be read back). */
 static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash_from,
-                     int stall_ms, char *hex, uint64_t *got, int *where, int *lowat_set);
+                     int stall_ms, char *hex, uint64_t *got, int *where, int *lowat_set,
+                     char *head);
 
 /* The count of receives under way in this process (isc_count_receives; NULL: not counted):
  * a helper making a file ahead waits while it is above 0 and for 2 ms after the last
@@ -64,12 +67,13 @@ static void receive_ended(int64_t *count) {
 }
 
 static int recv_restoring(int sock, int dest, char *mem, uint64_t size, uint64_t hash_from,
-                          int stall_ms, char *hex, uint64_t *got, int *where) {
+                          int stall_ms, char *hex, uint64_t *got, int *where, char *head) {
     int lowat_set = 0;
     int64_t *count = receiving;
     if (count != NULL)
         __atomic_fetch_add(&count[0], 1, __ATOMIC_RELAXED);
-    int rc = recv_file(sock, dest, mem, size, hash_from, stall_ms, hex, got, where, &lowat_set);
+    int rc = recv_file(sock, dest, mem, size, hash_from, stall_ms, hex, got, where, &lowat_set,
+                       head);
     if (count != NULL)
         receive_ended(count);
     if (lowat_set) { /* the connection is kept alive: leave it as it was */
@@ -80,8 +84,8 @@ static int recv_restoring(int sock, int dest, char *mem, uint64_t size, uint64_t
 }
 
 ISC_API int isc_recv_file(int sock, int dest, uint64_t size, uint64_t hash_from, int stall_ms,
-                          char *hex, uint64_t *got, int *where) {
-    return recv_restoring(sock, dest, NULL, size, hash_from, stall_ms, hex, got, where);
+                          char *hex, uint64_t *got, int *where, char *head) {
+    return recv_restoring(sock, dest, NULL, size, hash_from, stall_ms, hex, got, where, head);
 }
 
 /* The same into memory at mem (size bytes writable, e.g. a shared mapping of a memory file):
@@ -89,11 +93,12 @@ ISC_API int isc_recv_file(int sock, int dest, uint64_t size, uint64_t hash_from,
 ISC_API int isc_recv_mem(int sock, char *mem, uint64_t size, uint64_t hash_from, int stall_ms,
                          char *hex, uint64_t *got) {
     int where = ISC_AT_RECV;
-    return recv_restoring(sock, -1, mem, size, hash_from, stall_ms, hex, got, &where);
+    return recv_restoring(sock, -1, mem, size, hash_from, stall_ms, hex, got, &where, NULL);
 }
 
 static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash_from,
-                     int stall_ms, char *hex, uint64_t *got, int *where, int *lowat_set) {
+                     int stall_ms, char *hex, uint64_t *got, int *where, int *lowat_set,
+                     char *head) {
     static __thread char *chunk;
     *got = 0;
     *where = ISC_AT_RECV;
@@ -126,6 +131,10 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash
             if (r < 0 && errno != EINTR)
                 return -errno;
             continue;
+        }
+        if (head != NULL && *got < hash_from) { /* (the part before it, copied) */
+            uint64_t k = hash_from - *got < (uint64_t)n ? hash_from - *got : (uint64_t)n;
+            memcpy(head + *got, buf, (size_t)k);
         }
         if (*got + (uint64_t)n > hash_from) { /* (the part from hash_from on) */
             uint64_t skip = *got < hash_from ? hash_from - *got : 0;
@@ -231,5 +240,6 @@ ISC_API int isc_recv_reply(int sock, int first_ms, int stall_ms, char *hdr, uint
         return 1;
     *size = (uint64_t)body;
     int where = ISC_AT_RECV;
-    return recv_restoring(sock, -1, mem, (uint64_t)body, hash_from, stall_ms, hex, got, &where);
+    return recv_restoring(sock, -1, mem, (uint64_t)body, hash_from, stall_ms, hex, got, &where,
+                          NULL);
 }

@@ -609,6 +609,13 @@ def decode_header(buf: bytes | memoryview, what: str = "frame", *, checked: bool
     return FrameHeader(natoms, step, time, box, name, nbytes, psum)
 
 
+def header_checksum(buf: bytes | memoryview | mmap.mmap) -> int:
+    """The header checksum a frame file carries (the 8 bytes after its header fields), as
+    stored: not checked here (:func:`decode_header` checks it)."""
+    (hsum,) = _HCHECK.unpack_from(buf, _HEADER.size)
+    return int(hsum)
+
+
 def checked_header(buf: bytes | memoryview, box: np.ndarray) -> FrameHeader:
     """The header of a frame that passed :func:`decode_header`'s checks already (in
     ``isl_take``): only parsed. ``box``: its box vectors, filled in already."""

@@ -80,11 +80,12 @@ from .frames import (
     frame_arrays,
     frame_size,
     frame_views,
+    header_checksum,
     native_frame,
 )
 from .metadata.base import PendingRecord
 from .paths import check_confined
-from .record import Record, checksum_of
+from .record import Record, frame_checksum
 from .store.inbox import Inbox
 from .store.ring import Leases, SlotPool, Taken
 from .store.streamstate import Policy, check_group, cursors_of, state_dir
@@ -477,20 +478,11 @@ class Stream:
             self._confirm_records(all_=False, before=self._retained[most - 1][0] + 1
                                   if most else 0)
         slot = self._pool.take(nbytes)
-        # one native call encodes and publishes; in cluster mode it also gives the record's
-        # checksum, computed from the producer's own mapping while the frame is in cache
-        checksum: str | None = None
-        if native is None:
-            published = False
-        elif engine.wants_checksum:
-            checksum = self._pool.write_and_publish_hashed(
-                slot, native, self._final_b % index, overwrite=self.overwrite,
-                fsync=self.client.fsync)
-            published = checksum is not None
-        else:
-            published = self._pool.write_and_publish(
-                slot, native, self._final_b % index, overwrite=self.overwrite,
-                fsync=self.client.fsync)
+        # one native call encodes and publishes; in cluster mode the record's checksum is the
+        # frame's own header checksum ("isf:", see instride.record): no pass over the frame
+        published = native is not None and self._pool.write_and_publish(
+            slot, native, self._final_b % index, overwrite=self.overwrite,
+            fsync=self.client.fsync)
         key = f"{self.name}/{FRAME_FORMAT.format(index)}"
         if not published:  # (native: encoded, not published; the slow path names the error)
             if native is None:
@@ -500,9 +492,9 @@ class Stream:
                 except BaseException:
                     self._pool.discard(slot)
                     raise
-            checksum = checksum_of(slot.mm) if engine.wants_checksum else None
             self._pool.publish(slot, f"{self._frame_dir}/{FRAME_FORMAT.format(index)}", key,
                                overwrite=self.overwrite, fsync=self.client.fsync)
+        checksum = frame_checksum(header_checksum(slot.mm)) if engine.wants_checksum else None
         # The frames that can go now without waiting for a group; where the stream's state is
         # shared through the metadata (cluster mode), their records go and the head counters
         # are shared in the same step as the new record: one message to Redis per frame.

@@ -483,12 +483,17 @@ def test_the_one_call_publish_refuses_an_existing_key_and_keeps_nothing(tmp_path
     pool.close()
 
 
-def test_the_one_call_publish_of_cluster_mode_gives_the_record_checksum(tmp_path: Path) -> None:
-    """write_and_publish_hashed (isl_append_hashed): the frame published in one call, and the
-    checksum a record of it carries — that of the whole file, as checksum_of computes it; an
-    existing key: nothing published, None (the caller's slow path names the error)."""
-    from instride.frames import frame_size, native_frame
-    from instride.record import checksum_of
+def test_a_frame_published_in_one_call_carries_its_record_checksum(tmp_path: Path) -> None:
+    """write_and_publish (isl_append): the frame published in one call; the checksum a cluster
+    record of it carries is its own header checksum, read from the producer's mapping (no
+    pass over the frame): it verifies the published file, header and payload, as a consumer
+    on another node checks it. An existing key: nothing published, False (the caller's slow
+    path names the error)."""
+    import xxhash
+
+    from instride.errors import IntegrityError
+    from instride.frames import HEADER_SIZE, frame_size, header_checksum, native_frame
+    from instride.record import Record, frame_checksum
 
     pool = SlotPool(tmp_path / "pool", recycle=True)
     rng = np.random.default_rng(7)
@@ -499,16 +504,22 @@ def test_the_one_call_publish_of_cluster_mode_gives_the_record_checksum(tmp_path
         assert frame is not None
         slot = pool.take(frame_size(n, layout))
         final = tmp_path / f"f{i}"
-        got = pool.write_and_publish_hashed(slot, frame, os.fsencode(final), overwrite=False,
-                                            fsync=False)
-        assert got == checksum_of(final.read_bytes()), layout
+        assert pool.write_and_publish(slot, frame, os.fsencode(final), overwrite=False, fsync=False)
         assert not slot.pooled and slot.path == str(final)
+        data = final.read_bytes()
+        rec = Record(f"s/f{i}", "o:1", len(data), frame_checksum(header_checksum(slot.mm)), 1, 0.0)
+        rec.verify(xxhash.xxh3_64_hexdigest(data[HEADER_SIZE:]), len(data), data)
+        for where in [8] + ([len(data) - 1] if n else []):  # a header field, the last byte
+            bad = bytearray(data)
+            bad[where] ^= 1
+            with pytest.raises(IntegrityError):
+                rec.verify(xxhash.xxh3_64_hexdigest(bad[HEADER_SIZE:]), len(bad), bad)
     slot = pool.take(frame_size(3, "xyz32"))
     frame = native_frame(np.ones((3, 3), np.float32), step=9, time=0.0, box=None,
                          layout="xyz32", ids=None)
     assert frame is not None
-    assert pool.write_and_publish_hashed(slot, frame, os.fsencode(tmp_path / "f2"),
-                                         overwrite=False, fsync=False) is None
+    assert not pool.write_and_publish(slot, frame, os.fsencode(tmp_path / "f2"), overwrite=False,
+                                      fsync=False)
     assert slot.pooled and (tmp_path / "f2").read_bytes() != bytes(slot.mm)
     pool.discard(slot)
     pool.close()

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from instride.client import Client
@@ -32,7 +33,8 @@ from instride.errors import (
     PeerUnavailable,
     TransferError,
 )
-from instride.record import Record, checksum_of
+from instride.frames import encode_frame, header_checksum
+from instride.record import Record, checksum_of, frame_checksum
 from instride.transport import Transport, TransportServer, get_transport
 from tests.conftest import free_port, stop_process
 
@@ -71,6 +73,13 @@ def wait_ready(proc: subprocess.Popen, timeout: float = 30.0) -> bool:
                 return False
             out += chunk
     return b"ready" in out
+
+
+def _frame_bytes(seed: int) -> bytes:
+    """A frame file's bytes (paper layout, 5,000 atoms)."""
+    pos = np.random.default_rng(seed).random((5_000, 3))
+    header, payload = encode_frame(pos, step=seed, layout="paper")
+    return bytes(header) + bytes(payload)
 
 
 class Owner:
@@ -217,6 +226,34 @@ class TransportContract:
             consumer.fetch(record, dest)
         assert not dest.exists()
         assert list(tmp_path.glob("*flip*")) == []
+
+    def test_a_frame_is_verified_by_its_own_header_checksum(self, owner: Owner, consumer: Transport,
+                                                             tmp_path: Path) -> None:
+        """A stream's frame carries an ``isf:`` record (its header checksum): fetched into a
+        file and into memory it passes; a byte flipped at rest in its header or its payload,
+        or a record naming another frame, is an IntegrityError that leaves no file."""
+        frame = _frame_bytes(1)
+        record = owner.put("t/frame_000000001.isf", frame)
+        record = Record(**{**record.__dict__, "checksum": frame_checksum(header_checksum(frame))})
+        dest = tmp_path / "frame.isf"
+        consumer.fetch(record, dest)
+        assert dest.read_bytes() == frame
+        assert bytes(consumer.fetch_bytes(record)) == frame
+        other = Record(**{**record.__dict__,
+                          "checksum": frame_checksum(header_checksum(_frame_bytes(2)))})
+        with pytest.raises(IntegrityError, match="differs from the record"):
+            consumer.fetch(other, tmp_path / "other.isf")
+        assert not (tmp_path / "other.isf").exists()
+        for where, why in [(20, "header checksum mismatch"), (len(frame) - 3, "payload checksum")]:
+            bad = bytearray(frame)
+            bad[where] ^= 0x10
+            (owner.dir / "t" / "frame_000000001.isf").write_bytes(bad)  # at rest, same size
+            dest = tmp_path / f"bad-{where}.isf"
+            with pytest.raises(IntegrityError, match=why):
+                consumer.fetch(record, dest)
+            assert not dest.exists()
+            with pytest.raises(IntegrityError, match=why):
+                consumer.fetch_bytes(record)
 
     def test_size_differing_from_record_is_integrity_error(self, owner: Owner, consumer: Transport,
                                                            tmp_path: Path) -> None:

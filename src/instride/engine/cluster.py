@@ -446,8 +446,10 @@ class ClusterEngine:
             return None
         asked, on_reply = self._asking(key)
 
-        def receive(fd: int) -> tuple[tuple[int, str] | None, Record | None]:
-            return fetch(like, key, fd, wait, until, on_reply, **_options(window)), None
+        def receive(fd: int) -> tuple[Received | None, Record | None]:
+            # (a frame like the last one is checked by its record as a frame: its header apart)
+            return fetch(like, key, fd, wait, until, on_reply,
+                         **_options(window, digest_from=like.digest_from)), None
 
         return self._take_early(key, like, wait, receive, asked)
 
@@ -463,7 +465,7 @@ class ClusterEngine:
         return asked, lambda: asked.append(self.metadata.lookup_soon(key))
 
     def _take_early(self, key: str, like: Record, wait: float,
-                    receive: Callable[[int], tuple[tuple[int, str] | None, Record | None]],
+                    receive: Callable[[int], tuple[Received | None, Record | None]],
                     asked: list[Callable[[], Record | None]]) -> Record | None:
         """Receive ``key`` asked for early into a staged file (``receive(fd)`` gives its size
         and digest, and its record if known already) and keep it as a fetched copy once it
@@ -506,9 +508,9 @@ class ClusterEngine:
         self.evict(keep=key)
         return record
 
-    def _early_record(self, key: str, got: tuple[int, str], record: Record | None,
+    def _early_record(self, key: str, got: Received, record: Record | None,
                       asked: list[Callable[[], Record | None]], wait: float) -> Record | None:
-        """The record of ``key`` received early (``got``: its size and digest), checked against
+        """The record of ``key`` received early (``got``: its size, digest and header), checked against
         the bytes: the one known already, else asked for meanwhile, heard announced or looked
         up; ``None`` when what the owner sent is not that key's (a record of another key).
 
@@ -535,7 +537,7 @@ class ClusterEngine:
             record = self.metadata.wait_any([key], max(wait, 0.05))
         if record.key != key:
             return None
-        record.verify(got[1], got[0])
+        record.verify(got.digest, got.size, got.head)
         return record
 
     def receive_when_published(self, key: str, like: Record, wait: float, fd: int,
@@ -627,7 +629,7 @@ class ClusterEngine:
         until = keys[1].rpartition("/")[2] if len(keys) > 1 else None
         gone = select.POLLERR | select.POLLHUP | select.POLLNVAL
 
-        def receive(fd: int) -> tuple[tuple[int, str] | None, Record | None]:
+        def receive(fd: int) -> tuple[Received | None, Record | None]:
             # The same protocol as the usual wait: drop what was heard, look up, then trust
             # what is heard after the lookup. The request goes out first: the lookup's round
             # trip overlaps its wait.
@@ -659,7 +661,8 @@ class ClusterEngine:
                     heard = self.metadata.heard(keys)
                     rec = next((heard[k] for k in keys if k in heard), known)
                 handed = True
-                got = self.transport.receive_asked(sock, like, key, fd, wait)  # type: ignore[attr-defined]
+                got = self.transport.receive_asked(  # type: ignore[attr-defined]
+                    sock, like, key, fd, wait, like.digest_from)
                 return got, known
             finally:
                 if not handed:

@@ -41,7 +41,6 @@ from ..errors import FileTypeError, UnsafePathError
 from ..frames import NativeFrame
 from ..native import library
 from ..perthread import forks
-from ..record import CHECKSUM_ALGORITHM
 from .gc import lock_held, pid_alive
 from .publish import publish_file
 from .spare import SpareMaker
@@ -153,8 +152,6 @@ class SlotPool:
         lib = library()
         #: the native encode (a NativeFrame is only made where the library is loaded)
         self._append: Callable[..., int] = lib.isl_append if lib is not None else _no_library
-        self._append_hashed: Callable[..., int] = \
-            lib.isl_append_hashed if lib is not None else _no_library
 
     # ------------------------------------------------------------------ writing
     def take(self, size: int) -> Slot:
@@ -295,25 +292,6 @@ class SlotPool:
         rc = self._append(slot.addr, *frame.args, slot.fd, slot.pooled_b, final,
                           0 if overwrite else 1, 1 if fsync else 0)
         return self._published_if(rc == 0, slot, final)
-
-    def write_and_publish_hashed(self, slot: Slot, frame: NativeFrame, final: bytes, *,
-                                 overwrite: bool, fsync: bool) -> str | None:
-        """:meth:`write_and_publish`, and the whole file's record checksum (cluster mode)
-        computed in the same call before the rename (``isl_append_hashed``), while the frame
-        is in the cache.
-
-        Returns
-        -------
-        str or None
-            The frame's record checksum (``"xxh3:<hex>"``), once it is published; ``None``
-            as :meth:`write_and_publish`'s ``False``.
-        """
-        digest = ctypes.c_uint64()
-        rc = self._append_hashed(slot.addr, *frame.args, slot.fd, slot.pooled_b, final,
-                                 0 if overwrite else 1, 1 if fsync else 0, ctypes.byref(digest))
-        if not self._published_if(rc == 0, slot, final):
-            return None
-        return f"{CHECKSUM_ALGORITHM}:{digest.value:016x}"
 
     def _published_if(self, published: bool, slot: Slot, final: bytes) -> bool:
         if published:

@@ -54,6 +54,10 @@ class Received(NamedTuple):
     #: modification time, which a stream's producer stamps as it publishes a frame), where the
     #: owner said; a stream's reader learns its producer's cadence from it.
     published: float | None = None
+    #: The bytes before ``digest_from`` (a frame's header, which the check of a frame's
+    #: record needs: :meth:`Record.verify <instride.record.Record.verify>`); ``None`` when
+    #: the digest covers all of them.
+    head: bytes | None = None
 
 
 @runtime_checkable

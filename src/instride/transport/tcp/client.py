@@ -58,6 +58,12 @@ def _recv_exact(sock: socket.socket, n: int, key: str, have: bytes = b"") -> byt
     return bytes(buf)
 
 
+def _head_for(digest_from: int) -> ctypes.Array[ctypes.c_char] | None:
+    """Where a receive into a file copies the bytes before ``digest_from`` (a frame's header,
+    which its record's check needs: :meth:`Record.verify`); ``None`` when there are none."""
+    return ctypes.create_string_buffer(digest_from) if digest_from else None
+
+
 def _recv_some(sock: socket.socket, view: memoryview, got: int, size: int, key: str) -> int:
     """One ``recv_into`` of the body into ``view``; transfer errors name how far it got."""
     try:
@@ -302,9 +308,10 @@ class TcpTransport:
             size = _size(reply, record)
             if size != record.size:
                 raise IntegrityError(record.key, f"owner has {size} bytes, record says {record.size}")
-            digest = self._stream_to_file(sock, fd, size, record.key)
+            head = _head_for(record.digest_from)
+            digest = self._stream_to_file(sock, fd, size, record.key, record.digest_from, head)
             complete = True  # the whole body was read: the connection can be reused
-            record.verify(digest, size)
+            record.verify(digest, size, None if head is None else head.raw)
             if self.settings.fsync:
                 os.fsync(fd)
         finally:
@@ -401,16 +408,18 @@ class TcpTransport:
             sock.close()
             raise TransferError(key, f"{owner.node or owner.owner} sent {reply.get('key')!r}")
         if body is None:
-            size, digest = self._body(sock, reply, hint, fd, on_reply, into, keep=not rest,
-                                      digest_from=digest_from)
+            size, digest, head = self._body(sock, reply, hint, fd, on_reply, into, keep=not rest,
+                                            digest_from=digest_from)
         else:
-            size, digest = body
+            (size, digest), head = body, None if into is None or not digest_from \
+                else bytes(into[:digest_from])
             if not rest:
                 self._release(owner.owner, sock)
         if rest:
             batches[owner.owner] = (sock, rest)
         published = reply.get("published")
-        return Received(size, digest, float(published) if isinstance(published, int | float) else None)
+        return Received(size, digest, float(published) if isinstance(published, int | float) else None,
+                        head)
 
     def drop_ahead(self, owner: str | None = None) -> None:
         """Drop what this thread asked for ahead (:meth:`fetch_when_published`'s ``ahead``) —
@@ -523,10 +532,11 @@ class TcpTransport:
         return sock
 
     def receive_asked(self, sock: socket.socket, owner: Record, key: str, fd: int,
-                      wait: float) -> tuple[int, str] | None:
+                      wait: float, digest_from: int = 0) -> Received | None:
         """The second half of :meth:`fetch_when_published`: the owner's reply to
         :meth:`ask_when_published` and the bytes into ``fd``; ``None`` if the owner answered
-        that the key was not published in time. The socket is consumed (kept for the next
+        that the key was not published in time (``digest_from``: as for
+        :meth:`fetch_when_published`). The socket is consumed (kept for the next
         request, or closed). A kept-alive connection the owner had closed is not used for
         the request (:meth:`ask_when_published` checks first); one it closes in the moment
         between that check and the request is not retried here, unlike a fetch: the request
@@ -541,16 +551,19 @@ class TcpTransport:
             reply = self._accepted(sock, reply, hint)
         except KeyNotFoundError:
             return None
-        return self._body(sock, reply, hint, fd, None)
+        size, digest, head = self._body(sock, reply, hint, fd, None, digest_from=digest_from)
+        return Received(size, digest, None, head)
 
     def _body(self, sock: socket.socket, reply: dict[str, Any], hint: Record, fd: int,
               on_reply: Callable[[], object] | None,
               into: memoryview | None = None, keep: bool = True,
-              digest_from: int = 0) -> tuple[int, str]:
+              digest_from: int = 0) -> tuple[int, str, bytes | None]:
         """Receive the body announced by ``reply`` into ``fd`` — or into the writable memory
         ``into`` when it is large enough; the connection is kept after a whole body (for
         the next request; ``keep=False``: left to the caller, more replies are due on it),
-        else closed. Returns its size and digest (of the bytes from ``digest_from`` on)."""
+        else closed. Returns its size, digest (of the bytes from ``digest_from`` on) and the
+        bytes before ``digest_from`` (``None`` when there are none)."""
+        head = None
         complete = False
         try:
             size = _size(reply, hint)
@@ -558,15 +571,18 @@ class TcpTransport:
                 on_reply()
             if into is not None and size <= len(into):
                 digest = self._stream_to_memory(sock, into, size, hint.key, digest_from)
+                head = bytes(into[:digest_from]) if digest_from else None
             else:
-                digest = self._stream_to_file(sock, fd, size, hint.key, digest_from)
+                buf = _head_for(digest_from)
+                digest = self._stream_to_file(sock, fd, size, hint.key, digest_from, buf)
+                head = None if buf is None else buf.raw
             complete = True
         finally:
             if not complete:
                 sock.close()
             elif keep:
                 self._release(hint.owner, sock)
-        return size, digest
+        return size, digest, head
 
     def _stream_to_memory(self, sock: socket.socket, into: memoryview, size: int, key: str,
                           digest_from: int = 0) -> str:
@@ -587,9 +603,10 @@ class TcpTransport:
         raise _receive_error(key, -rc, got.value, size)
 
     def _stream_to_file(self, sock: socket.socket, fd: int, size: int, key: str,
-                        digest_from: int = 0) -> str:
+                        digest_from: int = 0, head: ctypes.Array[ctypes.c_char] | None = None) -> str:
         """Receive ``size`` bytes into ``fd``, hashing on the way (from byte ``digest_from``
-        on); return the xxh3 hex digest.
+        on); return the xxh3 hex digest. ``head`` (``digest_from`` bytes) receives a copy of
+        the bytes before ``digest_from`` (a frame's header, for its record's check).
 
         The loop is C (``isc_recv_file`` in ``libinstride_tcp.so``, GIL released): each piece is
         hashed while it is in cache and written to the file (``write`` reports a full disk as
@@ -601,8 +618,7 @@ class TcpTransport:
         hexdigest = ctypes.create_string_buffer(17)
         got, where = ctypes.c_uint64(0), ctypes.c_int(0)
         rc = lib.isc_recv_file(sock.fileno(), fd, size, digest_from, stall_ms, hexdigest,
-                               ctypes.byref(got),
-                               ctypes.byref(where))
+                               ctypes.byref(got), ctypes.byref(where), head)
         if rc == 0:
             return hexdigest.value.decode()
         err = -rc
@@ -623,7 +639,7 @@ class TcpTransport:
             sock.close()
             raise
         self._release(record.owner, sock)
-        record.verify(xxhash.xxh3_64_hexdigest(buf), size)
+        record.verify(xxhash.xxh3_64_hexdigest(memoryview(buf)[record.digest_from:]), size, buf)
         return buf
 
     @classmethod

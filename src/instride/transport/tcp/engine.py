@@ -19,7 +19,7 @@ from ..base import open_engine
 
 #: The calling convention of the library's exported functions this binding speaks (its
 #: ``isc_abi()``, ``ISC_ABI`` in ``csrc/tcp/tcp.h``: bumped with any exported signature change).
-ABI = 3
+ABI = 4
 INSTALL_HINT = ("install OpenSSL's and xxhash's headers (Debian: apt-get install libssl-dev "
                 "libxxhash-dev) and reinstall "
                 "instride (pip install -e .) so that libinstride_tcp.so is built")
@@ -82,7 +82,8 @@ def load_library() -> ctypes.CDLL:
         lib.iss_stop.argtypes = [vp, i, ctypes.POINTER(EngineStats)]
         lib.isc_recv_file.restype = i
         u64 = ctypes.c_uint64
-        lib.isc_recv_file.argtypes = [i, i, u64, u64, i, cp, ctypes.POINTER(u64), ctypes.POINTER(i)]
+        lib.isc_recv_file.argtypes = [i, i, u64, u64, i, cp, ctypes.POINTER(u64), ctypes.POINTER(i),
+                                      vp]
         lib.isc_recv_mem.restype = i
         lib.isc_recv_mem.argtypes = [i, vp, u64, u64, i, cp, ctypes.POINTER(u64)]
         lib.isc_recv_reply.restype = i
