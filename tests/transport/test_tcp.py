@@ -123,7 +123,7 @@ class TestTcpContract(TransportContract):
                 got = consumer.receive_asked(sock, first, "t/after.bin", fd, 5)
             finally:
                 os.close(fd)
-            assert got == (len(body), xxhash.xxh3_64_hexdigest(body))
+            assert got is not None and (got.size, got.digest) == (len(body), xxhash.xxh3_64_hexdigest(body))
             assert (tmp_path / "after.bin").read_bytes() == body
         finally:
             again.stop()
