@@ -255,6 +255,18 @@ class TransportContract:
             with pytest.raises(IntegrityError, match=why):
                 consumer.fetch_bytes(record)
 
+    def test_a_fetch_is_counted_as_a_receive(self, owner: Owner, consumer: Transport,
+                                             tmp_path: Path) -> None:
+        """A fetch's receive is counted while it is under way and stamps its end (the helper
+        making a file ahead waits for both: instride.store.spare)."""
+        from instride.native import RECEIVING
+
+        record = owner.put("t/counted.bin", os.urandom(300_000))
+        consumer.fetch(record, tmp_path / "first.bin")  # (the engine loaded: the count handed to it)
+        before = RECEIVING[1]
+        consumer.fetch(record, tmp_path / "counted.bin")
+        assert RECEIVING[0] == 0 and RECEIVING[1] > before
+
     def test_size_differing_from_record_is_integrity_error(self, owner: Owner, consumer: Transport,
                                                            tmp_path: Path) -> None:
         record = owner.put("t/size.bin", b"12345")
