@@ -266,6 +266,9 @@ class TransportContract:
         before = RECEIVING[1]
         consumer.fetch(record, tmp_path / "counted.bin")
         assert RECEIVING[0] == 0 and RECEIVING[1] > before
+        before = RECEIVING[1]
+        assert len(consumer.fetch_bytes(record)) == record.size  # (into memory: counted too)
+        assert RECEIVING[0] == 0 and RECEIVING[1] > before
 
     def test_size_differing_from_record_is_integrity_error(self, owner: Owner, consumer: Transport,
                                                            tmp_path: Path) -> None:

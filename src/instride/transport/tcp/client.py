@@ -19,8 +19,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import xxhash
-
 from ...busypoll import arrived, poll_readable, poll_readable_in
 from ...config import Settings, parse_addr
 from ...errors import (
@@ -40,7 +38,6 @@ from .engine import load_library
 if TYPE_CHECKING:
     from .server import TcpServer
 
-_CHUNK = 4 << 20
 #: the largest milliseconds a C int carries (a wait or stall given to the native calls)
 _INT_MAX = 2**31 - 1
 
@@ -62,26 +59,6 @@ def _head_for(digest_from: int) -> ctypes.Array[ctypes.c_char] | None:
     """Where a receive into a file copies the bytes before ``digest_from`` (a frame's header,
     which its record's check needs: :meth:`Record.verify`); ``None`` when there are none."""
     return ctypes.create_string_buffer(digest_from) if digest_from else None
-
-
-def _recv_some(sock: socket.socket, view: memoryview, got: int, size: int, key: str) -> int:
-    """One ``recv_into`` of the body into ``view``; transfer errors name how far it got."""
-    try:
-        k = sock.recv_into(view)
-    except TimeoutError:
-        raise TransferError(key, f"stalled after {got} of {size} bytes") from None
-    except OSError as exc:
-        raise TransferError(key, f"{exc} after {got} of {size} bytes") from None
-    if k == 0:
-        raise TransferError(key, f"connection closed after {got} of {size} bytes")
-    return k
-
-
-def _recv_into(sock: socket.socket, view: memoryview, key: str) -> None:
-    n = len(view)
-    got = 0
-    while got < n:
-        got += _recv_some(sock, view[got : got + _CHUNK], got, n, key)
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:
@@ -634,12 +611,14 @@ class TcpTransport:
             if size != record.size:
                 raise IntegrityError(record.key, f"owner has {size} bytes, record says {record.size}")
             buf = bytearray(size)
-            _recv_into(sock, memoryview(buf), record.key)
+            # (the native loop: hashed on the way, and counted as a receive of this process)
+            digest = self._stream_to_memory(sock, memoryview(buf), size, record.key,
+                                            record.digest_from)
         except BaseException:
             sock.close()
             raise
         self._release(record.owner, sock)
-        record.verify(xxhash.xxh3_64_hexdigest(memoryview(buf)[record.digest_from:]), size, buf)
+        record.verify(digest, size, buf)
         return buf
 
     @classmethod
