@@ -39,7 +39,7 @@ WRAP = [
     ("instride.stream", "Stream.append"),
     ("instride.stream", "Stream.read"),
     ("instride.stream", "encode_into"),
-    ("instride.stream", "checksum_of"),
+    ("instride.stream", "frame_checksum"),
     ("instride.client", "Client.wait_any"),
     ("instride.client", "Client.exists"),
     ("instride.client", "Client.consume"),

@@ -190,8 +190,8 @@ class Stream:
     verify
         Consumer: check each frame's payload checksum (default). ``False`` skips it (the
         header checksum is always checked). A frame this reader fetches from another node
-        is verified as it arrives (the whole file against the producer's checksum, hashed
-        while it is received) and not hashed a second time. A consumer group's reader of a
+        is verified as it arrives (against its record: the header's checksum, and the
+        payload hashed while it is received) and not hashed a second time. A consumer group's reader of a
         bounded stream receives such frames into memory of its own (reused buffers), not
         into files on its node.
     archive

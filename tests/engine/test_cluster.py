@@ -973,6 +973,38 @@ def _fetched_first(c1: instride.Client, c2: instride.Client, key: str) -> Record
     return like
 
 
+def test_a_frame_asked_for_early_is_checked_by_its_header_checksum(
+        clients: list[instride.Client]) -> None:
+    """A stream's frame received early (its record: the frame's own header checksum, the
+    digest from its header on) is kept when intact; one whose payload or header changed at
+    rest is not taken: ``None``, nothing left behind, and the usual way reports it."""
+    c1, c2, _ = clients
+    pos = np.random.default_rng(9).random((3000, 3))
+    with instride.Stream("ef/run", mode="w", client=c1) as producer:
+        for i in range(4):
+            producer.append(pos + i, step=i)
+    reader = instride.Stream("ef/run", client=c2, timeout=10)
+    key = [reader.frame_key(i) for i in range(4)]
+    c2.consume(key[0], timeout=10)  # (the usual way: the record of the frame before)
+    like = c2.engine.last_fetched
+    assert like is not None and like.key == key[0] and like.checksum.startswith("isf:")
+    for i, where in ((1, -5), (2, 40)):  # a payload byte, a header field
+        with open(c1.root / key[i], "r+b") as fh:
+            fh.seek(where, os.SEEK_END if where < 0 else os.SEEK_SET)
+            byte = fh.read(1)
+            fh.seek(-1, os.SEEK_CUR)
+            fh.write(bytes([byte[0] ^ 0x40]))
+        assert c2.engine.fetch_when_published(key[i], like, 0.5) is None
+        assert c2.engine.cached_version(key[i]) is None
+        assert sorted(os.listdir(c2.root / "ef" / "run")) == [key[0].rpartition("/")[2]]
+        with pytest.raises(IntegrityError):  # the usual way reports it
+            c2.consume(key[i], timeout=10)
+    record = c2.engine.fetch_when_published(key[3], like, 5.0)
+    assert record is not None and record.key == key[3]
+    assert (c2.root / key[3]).read_bytes() == (c1.root / key[3]).read_bytes()
+    reader.close()
+
+
 def test_bytes_asked_for_early_are_kept_only_if_they_are_the_recorded_ones(
         clients: list[instride.Client]) -> None:
     """A file at the owner without a record, or whose bytes differ from its record, is not

@@ -244,6 +244,8 @@ class TransportContract:
         with pytest.raises(IntegrityError, match="differs from the record"):
             consumer.fetch(other, tmp_path / "other.isf")
         assert not (tmp_path / "other.isf").exists()
+        with pytest.raises(IntegrityError, match="differs from the record"):
+            consumer.fetch_bytes(other)
         for where, why in [(20, "header checksum mismatch"), (len(frame) - 3, "payload checksum")]:
             bad = bytearray(frame)
             bad[where] ^= 0x10

@@ -8,6 +8,8 @@ their own): authentication, key validation, malformed input, what is served, res
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import fcntl
 import json
 import os
@@ -487,10 +489,60 @@ def test_a_fetch_when_published_says_when_the_key_was_published_and_digests_from
             assert got is not None
             assert got.size == len(data) and got.digest == xxhash.xxh3_64_hexdigest(data[128:])
             assert got.published == pytest.approx(stamp, abs=2e-6)
+            assert got.head == data[:128]  # (the bytes left out: a frame's header, for its record)
         assert (tmp_path / "a").read_bytes() == data
     finally:
         os.close(fd)
         transport.close()
+
+
+def test_the_native_receive_into_a_file_copies_the_bytes_before_the_digest_out(
+        tmp_path: Path) -> None:
+    """``isc_recv_file``'s ``head``: the bytes before ``hash_from`` (a frame's header, which a
+    file opened only for writing cannot give back), exact however the sender splits them; the
+    file and the digest (of the rest) as without it; a body shorter than the header leaves the
+    rest of ``head`` as it was, and a peer that closes early is reported with what came."""
+    from instride.transport.tcp.engine import load_library
+
+    lib = load_library()
+
+    def receive(data: bytes, parts: list[int], size: int) -> tuple[int, int, str, bytes, bytes]:
+        a, b = socket.socketpair()
+
+        def send() -> None:
+            at = 0
+            for n in parts:
+                b.sendall(data[at:at + n])
+                at += n
+                time.sleep(0.005)
+            b.sendall(data[at:])
+            b.close()
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        path = tmp_path / f"r{len(parts)}-{size}"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # (write-only)
+        hexdigest, got, where = ctypes.create_string_buffer(17), ctypes.c_uint64(), ctypes.c_int()
+        head = ctypes.create_string_buffer(128)
+        try:
+            rc = lib.isc_recv_file(a.fileno(), fd, size, 128, 5_000, hexdigest, ctypes.byref(got),
+                                   ctypes.byref(where), head)
+        finally:
+            sender.join(10)
+            os.close(fd)
+            a.close()
+        return rc, got.value, hexdigest.value.decode(), head.raw, path.read_bytes()
+
+    data = os.urandom(100_000)
+    for parts in ([1] * 200, [3, 5, 7, 100, 13], [127, 1, 1], [128], [129], []):
+        rc, got, digest, head, stored = receive(data, parts, len(data))
+        assert (rc, got) == (0, len(data)) and stored == data, parts
+        assert head == data[:128] and digest == xxhash.xxh3_64_hexdigest(data[128:]), parts
+    small = data[:50]
+    rc, got, digest, head, _ = receive(small, [10, 7], len(small))
+    assert rc == 0 and head == small + bytes(78) and digest == xxhash.xxh3_64_hexdigest(b"")
+    rc, got, _, head, _ = receive(data[:60], [20], 1000)  # (the peer closes after 60 bytes)
+    assert rc == -errno.ECONNRESET and got == 60 and head[:60] == data[:60]
 
 
 def test_a_file_being_rewritten_is_not_served_until_its_writer_lets_go(

@@ -82,7 +82,8 @@ class Engine(Protocol):
                   size: int | None = None, *, then: Sequence[tuple[Any, ...]] = ()) -> None:
         """Called after ``key`` was atomically published on this node (writer closed).
 
-        ``checksum`` (``"xxh3:<hex>"``) and ``size`` are the writer's, computed while writing,
+        ``checksum`` (``"xxh3:<hex>"``, or a stream frame's ``"isf:<hex>"``: see
+        :mod:`instride.record`) and ``size`` are the writer's, computed while writing,
         or ``None`` (the engine computes what it needs). ``then``: metadata commands to run in
         the same step as the record (from a stream state's ``along_publication``; only
         engines that keep records in a metadata service get any).

@@ -428,7 +428,10 @@ class ClusterEngine:
         :meth:`consume` keeps one. The record is taken from the announcements this thread
         hears when it waited in the key's directory before (a stream reader's first frame
         leaves such a subscription), else looked up — asked for as soon as the owner's reply
-        starts, and again a moment later if the owner has not recorded it yet. Anything
+        starts, and again a moment later if the owner has not recorded it yet. The bytes are
+        hashed as the record of ``like`` asks (a frame's record: from its header on, the header
+        kept for the check); a key whose record is of the other kind is refused so and
+        fetched again the usual way. Anything
         else — nothing published within ``wait``, a transport without the operation, a
         failed transfer, bytes that do not match the record — returns ``None`` and leaves
         nothing behind: the caller then waits the usual way, which reports errors.
@@ -662,7 +665,7 @@ class ClusterEngine:
                     rec = next((heard[k] for k in keys if k in heard), known)
                 handed = True
                 got = self.transport.receive_asked(  # type: ignore[attr-defined]
-                    sock, like, key, fd, wait, like.digest_from)
+                    sock, like, key, fd, wait, digest_from=like.digest_from)
                 return got, known
             finally:
                 if not handed:
@@ -793,13 +796,13 @@ class ClusterEngine:
                  size: int | None = None, then: Sequence[tuple[Any, ...]] = ()) -> Record:
         """Record the file in place under ``key`` with this node as owner.
 
-        ``checksum`` (``"xxh3:<hex>"``) and ``size`` may be given by a caller that computed
-        them while writing the file; otherwise the file is read once to compute them. ``then``
-        are metadata commands to run in the same step, once the record is stored. If
-        recording fails, a write-once file is removed again, so no key is left visible without
-        a record; except a second registration of the very file already recorded (same owner
-        and checksum: a thin client's repeated ``PUBLISH``), which must not remove the
-        published original.
+        ``checksum`` (``"xxh3:<hex>"``, or a stream frame's ``"isf:<hex>"``) and ``size`` may
+        be given by a caller that computed them while writing the file; otherwise the file
+        is read once to compute them. ``then`` are metadata commands to run in the same step,
+        once the record is stored. If recording fails, a write-once file is removed again, so
+        no key is left visible without a record; except a second registration of the very
+        file already recorded (same owner and checksum: a thin client's repeated
+        ``PUBLISH``), which must not remove the published original.
         """
         path = f"{self.root}/{key}"
         if checksum is None or size is None:

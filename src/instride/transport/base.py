@@ -20,9 +20,11 @@ exists (see :meth:`instride.engine.cluster.ClusterEngine.fetch_when_published`);
 what it received as a :class:`Received`. It is optional; the
 cluster engine looks for it and waits the usual way without it. Its two halves,
 ``ask_when_published(owner, key, wait, until)`` (send; returns the socket the reply comes on)
-and ``receive_asked(sock, owner, key, fd, wait)``, let a waiter poll that socket beside another
-(the cluster engine's ``wait_any`` races it against Redis announcements); closing the socket
-withdraws the request.
+and ``receive_asked(sock, owner, key, fd, wait, digest_from=0)``, let a waiter poll that socket
+beside another (the cluster engine's ``wait_any`` races it against Redis announcements); closing
+the socket withdraws the request. Both return a :class:`Received` whose ``head`` holds the bytes
+before ``digest_from``: the cluster engine asks for a stream frame's digest from its 128-byte
+header on and checks the frame's record (``"isf:"``) with that header.
 
 A new transport is one module (or package) with both classes, one line in
 :data:`instride.transport.REGISTRY`, and a subclass of the contract test suite
