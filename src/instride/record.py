@@ -36,10 +36,10 @@ def checksum_of(data: bytes | bytearray | memoryview) -> str:
     return f"{CHECKSUM_ALGORITHM}:{xxhash.xxh3_64_hexdigest(data)}"
 
 
-def frame_checksum(header_checksum: int) -> str:
+def frame_checksum(hsum: int) -> str:
     """Return the record checksum (``"isf:<hex>"``) of a frame file whose header checksum (the
-    8 bytes after its header fields) is ``header_checksum``."""
-    return f"{FRAME_CHECKSUM}:{header_checksum:016x}"
+    8 bytes after its header fields, :func:`instride.frames.header_checksum`) is ``hsum``."""
+    return f"{FRAME_CHECKSUM}:{hsum:016x}"
 
 
 @dataclass(frozen=True)

@@ -388,8 +388,8 @@ class TcpTransport:
             size, digest, head = self._body(sock, reply, hint, fd, on_reply, into, keep=not rest,
                                             digest_from=digest_from)
         else:
-            (size, digest), head = body, None if into is None or not digest_from \
-                else bytes(into[:digest_from])
+            size, digest = body
+            head = bytes(into[:digest_from]) if into is not None and digest_from else None
             if not rest:
                 self._release(owner.owner, sock)
         if rest:
