@@ -120,7 +120,9 @@ class Record:
             self._verify_frame(expected, digest, size, head)
             return
         if algo != CHECKSUM_ALGORITHM:
-            raise IntegrityError(self.key, f"unknown checksum algorithm {algo!r}")
+            raise IntegrityError(self.key, f"unknown checksum algorithm {algo!r} (recorded by"
+                                           " another version of instride? every node of a job"
+                                           " must run the same one)")
         if digest != expected:
             raise IntegrityError(self.key, f"checksum {digest} differs from the record's {expected}")
 
