@@ -510,12 +510,7 @@ def test_the_native_receive_into_a_file_copies_the_bytes_before_the_digest_out(
         a, b = socket.socketpair()
 
         def send() -> None:
-            at = 0
-            for n in parts:
-                b.sendall(data[at:at + n])
-                at += n
-                time.sleep(0.005)
-            b.sendall(data[at:])
+            _send_in_pieces(b, data, parts, 0.005)
             b.close()
 
         sender = threading.Thread(target=send)
@@ -946,11 +941,7 @@ def test_a_reply_header_is_read_whole_however_it_arrives(pieces: list[int]) -> N
         a.settimeout(5)
 
         def send() -> None:
-            at = 0
-            for n in pieces:
-                b.sendall(header[at:at + n])
-                at += n
-                time.sleep(0.02)
+            _send_in_pieces(b, header, pieces, 0.02)
             b.sendall(body)
 
         if len(pieces) == 2 and pieces[0] == 4:
@@ -968,6 +959,17 @@ def test_a_reply_header_is_read_whole_however_it_arrives(pieces: list[int]) -> N
     finally:
         a.close()
         b.close()
+
+
+def _send_in_pieces(sock: socket.socket, data: bytes, pieces: list[int], pause: float) -> None:
+    """Send ``data`` as the given pieces, a pause after each, then the rest (if any)."""
+    at = 0
+    for n in pieces:
+        sock.sendall(data[at:at + n])
+        at += n
+        time.sleep(pause)
+    if at < len(data):
+        sock.sendall(data[at:])
 
 
 def _reply_bytes(header: dict, body: bytes = b"") -> bytes:
