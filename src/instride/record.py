@@ -29,6 +29,7 @@ from .frames import HEADER_SIZE, decode_header, header_checksum
 CHECKSUM_ALGORITHM = "xxh3"
 #: The checksum of a frame file: ``"isf:<16 hex digits>"``, its own header checksum.
 FRAME_CHECKSUM = "isf"
+_FRAME_PREFIX = f"{FRAME_CHECKSUM}:"
 
 
 def checksum_of(data: bytes | bytearray | memoryview) -> str:
@@ -90,7 +91,7 @@ class Record:
         """Offset of the first byte the digest given to :meth:`verify` covers: 0 (all of
         them), or the header's size for a frame's record (``"isf:"``: its payload)."""
         checksum = self.checksum
-        return HEADER_SIZE if checksum is not None and checksum.startswith("isf:") else 0
+        return HEADER_SIZE if checksum is not None and checksum.startswith(_FRAME_PREFIX) else 0
 
     def verify(self, digest: str, size: int, head: bytes | memoryview | None = None) -> None:
         """Check received bytes against this record.
