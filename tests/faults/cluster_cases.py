@@ -22,6 +22,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
 from instride.client import Client
 from instride.errors import (
     AuthenticationError,
@@ -33,6 +35,8 @@ from instride.errors import (
     TransferError,
     UnsafePathError,
 )
+from instride.record import FRAME_CHECKSUM
+from instride.stream import Stream
 from instride.transport import wire
 from tests.conftest import LoopbackNode, RedisServer, free_port
 
@@ -285,9 +289,23 @@ class FlippingProxy:
         self.sock.close()
 
 
+def _stream_frame(client: Client, name: str, natoms: int, seed: int) -> tuple[str, bytes]:
+    """Publish one frame of a new stream ``name`` (its record: the frame's own header checksum,
+    ``isf:``); return its key and its file's bytes."""
+    positions = np.random.default_rng(seed).random((natoms, 3)) * 50.0
+    with Stream(name, mode="w", layout="paper", client=client) as s:
+        s.append(positions)
+        key = s.frame_key(0)
+    record = client.lookup(key)
+    assert record is not None and record.checksum.startswith(FRAME_CHECKSUM), record
+    return key, (client.root / key).read_bytes()
+
+
 def case_bitflip(work: Path, trials: int, seed: int = 9) -> CaseResult:
-    """A bit flips in a staged frame: in the owner's file at rest (even trials) or in transit
-    through a proxy (odd trials).
+    """A bit flips in a staged file or a stream's frame: in the owner's file at rest or in
+    transit through a proxy. Trials take turns: a file at rest, a file in transit, a frame at
+    rest, a frame in transit (a frame's record is its header's own checksum, ``isf:``; the
+    flip may hit the header or the coordinates).
 
     Checks: the consumer raises ``IntegrityError`` (or, for a flip in the reply header, a
     typed transfer error) and stores nothing; the consume after the owner re-publishes (at
@@ -296,6 +314,7 @@ def case_bitflip(work: Path, trials: int, seed: int = 9) -> CaseResult:
     res = CaseResult("bit flip in a staged frame")
     rng = random.Random(seed)
     size = 1 << 20
+    natoms = size // 28  # (a frame of about the files' size: 28 bytes per atom)
     with timed(res), nodes(work / "bitflip", 2) as (n1, n2):
         n3 = LoopbackNode(work / "bitflip", 3, n1.env["INSTRIDE_REDIS_URL"], TOKEN)
         real = free_port()
@@ -305,21 +324,24 @@ def case_bitflip(work: Path, trials: int, seed: int = 9) -> CaseResult:
         try:
             for t in range(trials):
                 res.trials += 1
-                data = payload(seed * 1000 + t, size)
-                key = f"flip/t{t}.bin"
-                at_rest = t % 2 == 0
+                at_rest, frame = t % 2 == 0, t % 4 >= 2
+                owner = c1 if at_rest else c3
+                if frame:
+                    key, data = _stream_frame(owner, f"flipf/t{t}", natoms, seed * 1000 + t)
+                else:
+                    data = payload(seed * 1000 + t, size)
+                    key = f"flip/t{t}.bin"
+                    _publish(owner, key, data)
                 if at_rest:
-                    _publish(c1, key, data)
                     with open(n1.dir / key, "r+b") as fh:
-                        off = rng.randrange(size)
+                        off = rng.randrange(len(data))
                         fh.seek(off)
                         byte = fh.read(1)[0]
                         fh.seek(off)
                         fh.write(bytes([byte ^ (1 << rng.randrange(8))]))
                 else:
-                    _publish(c3, key, data)
                     c2.close()  # a fresh connection, through the proxy's armed path
-                    proxy.armed_at = rng.randrange(100, size)
+                    proxy.armed_at = rng.randrange(100, len(data))
                 state, value = bounded(lambda k=key: c2.consume(k, timeout=20), 20 + HANG_MARGIN)
                 if state == "hang":
                     res.hangs += 1
@@ -327,7 +349,8 @@ def case_bitflip(work: Path, trials: int, seed: int = 9) -> CaseResult:
                     res.corrupted += 1  # a flipped file must never verify
                     res.notes.append(f"trial {t}: flipped bytes accepted")
                 elif isinstance(value, (IntegrityError, TransferError, PeerUnavailable)):
-                    res.saw(f"{type(value).__name__} ({'at rest' if at_rest else 'in transit'})")
+                    where = "at rest" if at_rest else "in transit"
+                    res.saw(f"{type(value).__name__} ({'frame ' if frame else ''}{where})")
                     _nothing_left(res, n2, key)
                 else:
                     res.corrupted += 1
