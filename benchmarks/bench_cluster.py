@@ -30,10 +30,12 @@ Measures, in one run, on an emulated cluster made for the purpose:
    same pairs on bounded streams (``retain=16``, consumer groups recording their position every
    4 frames, 600 frames per pair, against raw TCP pairs moving as many). Like the raw TCP pairs, all
    producers start up first (imports, connections) and then begin together; the span is first
-   publication -> last frame local. For the bounded pairs and their raw TCP pairs, the whole
-   machine's CPU per frame (user and kernel ms, context switches, interrupts; ``/proc/stat``);
-   and, as a diagnostic beside the target's baseline, raw TCP pairs whose servers send 16
-   files in turn (as many as each bounded stream keeps) instead of one the caches keep;
+   publication -> last frame local; a sender (producer, raw TCP server) that is done exits only
+   once every pair is (the teardown of a process is not data movement). For the bounded pairs
+   and their raw TCP pairs, the whole machine's CPU per frame (user and kernel ms, context
+   switches, interrupts; ``/proc/stat``); and, as a diagnostic beside the target's baseline,
+   raw TCP pairs whose servers send 16 files in turn (as many as each bounded stream keeps)
+   instead of one the caches keep;
 5. publish -> consume latency through the preload library across nodes: unmodified C
    programs (open/write/close on node 1, open/read on node 2) exchanging 4 KiB keys;
 6. the data server's start-up time (process start to listening);
@@ -104,7 +106,8 @@ PRODUCE = textwrap.dedent(
     kw = dict(retain=int(sys.argv[5]), groups=["g"]) if len(sys.argv) > 5 else {}
     pos = np.random.default_rng(0).random((atoms, 3))
     instride.get_client().exists("warm-up")
-    if gap < 0:  # started with others: report ready, then wait for the go (stdin)
+    together = gap < 0
+    if together:  # started with others: report ready, then wait for the go (stdin)
         print("ready", flush=True)
         sys.stdin.readline()
         gap = 0.0
@@ -115,7 +118,9 @@ PRODUCE = textwrap.dedent(
                 time.sleep(gap)
             out.append(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
             s.append(pos, step=i)
-    print(" ".join(map(str, out)))
+    print(" ".join(map(str, out)), flush=True)
+    if together:  # (exits once every pair is done: its teardown is not the pairs' data movement)
+        sys.stdin.readline()
     """
 )
 CONSUME = textwrap.dedent(
@@ -261,6 +266,7 @@ RAW_PAIR_SERVER = textwrap.dedent(
         while off < size:
             off += os.sendfile(conn.fileno(), fd, off, size - off)
     conn.close()
+    sys.stdin.readline()  # (exits once every pair is done, as the streams' producers do)
     """
 )
 RAW_PAIR_CLIENT = textwrap.dedent(
@@ -412,10 +418,12 @@ def raw_tcp_pairs(c: EmulatedCluster, pairs: list[tuple[int, int]], paths: list[
                   size: int, n: int, meter: CpuMeter | None = None) -> float:
     """Aggregate MB/s of raw TCP pairs (``sendfile`` -> ``recv_into``), one per ``(p, q)``
     (node p serves ``paths[i]`` ``n`` times to node q; a list of paths: its files in turn),
-    all started at once; first byte asked -> last byte received. ``meter``: measures the
-    machine's CPU from the start to the end."""
+    all started at once; first byte asked -> last byte received (the servers exit after the
+    last pair: :func:`_release`). ``meter``: measures the machine's CPU from the start to the
+    end."""
     files = [[p] if isinstance(p, str) else p for p in paths]
-    srvs = [_popen(c, p, RAW_PAIR_SERVER, c.node(p).ip, 7610 + i, *files[i])
+    srvs = [c.popen(p, [PY, "-c", RAW_PAIR_SERVER, c.node(p).ip, str(7610 + i), *files[i]],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             for i, (p, _q) in enumerate(pairs)]
     for srv in srvs:
         _ready(srv)
@@ -430,8 +438,7 @@ def raw_tcp_pairs(c: EmulatedCluster, pairs: list[tuple[int, int]], paths: list[
             cli.stdin.write("go\n")
             cli.stdin.flush()
         spans = [tuple(map(int, cli.communicate(timeout=300)[0].split())) for cli in clis]
-    for srv in srvs:
-        srv.wait(30)
+    _release(srvs)
     return len(pairs) * n * size / ((max(e for _, e in spans) - min(b for b, _ in spans)) / 1e9) / 1e6
 
 
@@ -440,7 +447,8 @@ def stream_span(c: EmulatedCluster, name: str, n: int, atoms: int,
                 meter: CpuMeter | None = None) -> tuple[float, float]:
     """Run producer/consumer ``pairs`` flat out; return (seconds from starting the producers to
     the end, seconds from the first frame's publication start to the last frame local).
-    ``meter``: measures the machine's CPU from the go to the last consumer's exit."""
+    ``meter``: measures the machine's CPU from the go to the last consumer's exit (the
+    producers exit after it: :func:`_release`)."""
     code, extra = _bounded(bounded)
     cons = [_popen(c, q, code, f"{name}/p{i}") for i, (_p, q) in enumerate(pairs)]
     for p in cons:
@@ -458,9 +466,30 @@ def stream_span(c: EmulatedCluster, name: str, n: int, atoms: int,
             assert p.stdin is not None
             p.stdin.write("go\n")
             p.stdin.flush()
-        first = min(int(p.communicate(timeout=600)[0].split()[0]) for p in prods)
+        first = min(int(_line(p).split()[0]) for p in prods)
         last = max(int(p.communicate(timeout=600)[0].splitlines()[1].split()[-1]) for p in cons)
-    return time.perf_counter() - t0, (last - first) / 1e9
+    elapsed = time.perf_counter() - t0
+    _release(prods)  # (they exit now: every pair is done)
+    return elapsed, (last - first) / 1e9
+
+
+def _line(proc: subprocess.Popen) -> str:
+    """The next line ``proc`` prints (it waits on its stdin afterwards: see :func:`_release`)."""
+    assert proc.stdout is not None
+    return proc.stdout.readline()
+
+
+def _release(procs: list[subprocess.Popen]) -> None:
+    """Let senders that wait for the end of a run of pairs exit, and wait for them: a sender
+    that finished first stays alive until every pair is done, so that the teardown of its
+    process (tens of ms of CPU for a Python interpreter with numpy and instride loaded) is not
+    inside the span the others are still measured in. Both kinds of pairs do it."""
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("done\n")
+        p.stdin.flush()
+    for p in procs:
+        p.communicate(timeout=60)
 
 
 def head_of_line(c: EmulatedCluster, n: int, jac_atoms: int, stmv_keys: list[str],
