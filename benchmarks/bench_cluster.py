@@ -30,8 +30,9 @@ Measures, in one run, on an emulated cluster made for the purpose:
    same pairs on bounded streams (``retain=16``, consumer groups recording their position every
    4 frames, 600 frames per pair, against raw TCP pairs moving as many). Like the raw TCP pairs, all
    producers start up first (imports, connections) and then begin together; the span is first
-   publication -> last frame local; a sender (producer, raw TCP server) that is done exits only
-   once every pair is (the teardown of a process is not data movement). For the bounded pairs
+   publication -> last frame local; a process of a pair that is done (producer, reader, raw TCP
+   server or client) exits only once every pair is (the teardown of a process is not data
+   movement). For the bounded pairs
    and their raw TCP pairs, the whole machine's CPU per frame (user and kernel ms, context
    switches, interrupts; ``/proc/stat``); and, as a diagnostic beside the target's baseline,
    raw TCP pairs whose servers send 16 files in turn (as many as each bounded stream keeps)
@@ -125,7 +126,7 @@ PRODUCE = textwrap.dedent(
 )
 CONSUME = textwrap.dedent(
     """
-    import sys, time, instride
+    import os, sys, time, instride
     s = instride.Stream(sys.argv[1], timeout=120)
     c = instride.get_client()
     c.exists("warm-up")  # connect to Redis before the clock starts
@@ -142,12 +143,14 @@ CONSUME = textwrap.dedent(
         out.append(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
         i += 1
     print(time.perf_counter() - t0)
-    print(" ".join(map(str, out)))
+    print(" ".join(map(str, out)), flush=True)
+    if os.environ.get("BENCH_HOLD"):  # (one of several pairs: exits once every pair is done)
+        sys.stdin.readline()
     """
 )
 CONSUME_GROUP = textwrap.dedent(
     """
-    import sys, time, instride
+    import os, sys, time, instride
     # the consumer of a bounded stream, as a user writes it: iterate, as group "g", the
     # group's position recorded every 4 frames (a second argument: spin="auto", hybrid polling)
     spin = sys.argv[2] if len(sys.argv) > 2 else None
@@ -159,7 +162,9 @@ CONSUME_GROUP = textwrap.dedent(
     for frame in s:  # the frame's arrays, verified, in numpy
         out.append(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
     print(time.perf_counter() - t0)
-    print(" ".join(map(str, out)))
+    print(" ".join(map(str, out)), flush=True)
+    if os.environ.get("BENCH_HOLD"):  # (one of several pairs: exits once every pair is done)
+        sys.stdin.readline()
     """
 )
 #: STMV copies node 2's cache keeps in the recycled-storage rounds (INSTRIDE_CACHE_BYTES)
@@ -283,7 +288,8 @@ RAW_PAIR_CLIENT = textwrap.dedent(
         got = 0
         while got < size:
             got += s.recv_into(view[got:], size - got)
-    print(t, time.clock_gettime_ns(time.CLOCK_MONOTONIC))
+    print(t, time.clock_gettime_ns(time.CLOCK_MONOTONIC), flush=True)
+    sys.stdin.readline()  # (exits once every pair is done, as the streams' readers do)
     """
 )
 RAW_STORE_CLIENT = textwrap.dedent(
@@ -418,8 +424,8 @@ def raw_tcp_pairs(c: EmulatedCluster, pairs: list[tuple[int, int]], paths: list[
                   size: int, n: int, meter: CpuMeter | None = None) -> float:
     """Aggregate MB/s of raw TCP pairs (``sendfile`` -> ``recv_into``), one per ``(p, q)``
     (node p serves ``paths[i]`` ``n`` times to node q; a list of paths: its files in turn),
-    all started at once; first byte asked -> last byte received (the servers exit after the
-    last pair: :func:`_release`). ``meter``: measures the machine's CPU from the start to the
+    all started at once; first byte asked -> last byte received (servers and clients exit
+    after the last pair: :func:`_release`). ``meter``: measures the machine's CPU from the start to the
     end."""
     files = [[p] if isinstance(p, str) else p for p in paths]
     srvs = [c.popen(p, [PY, "-c", RAW_PAIR_SERVER, c.node(p).ip, str(7610 + i), *files[i]],
@@ -437,8 +443,8 @@ def raw_tcp_pairs(c: EmulatedCluster, pairs: list[tuple[int, int]], paths: list[
             assert cli.stdin is not None
             cli.stdin.write("go\n")
             cli.stdin.flush()
-        spans = [tuple(map(int, cli.communicate(timeout=300)[0].split())) for cli in clis]
-    _release(srvs)
+        spans = [tuple(map(int, _line(cli).split())) for cli in clis]
+    _release(srvs + clis)
     return len(pairs) * n * size / ((max(e for _, e in spans) - min(b for b, _ in spans)) / 1e9) / 1e6
 
 
@@ -447,10 +453,12 @@ def stream_span(c: EmulatedCluster, name: str, n: int, atoms: int,
                 meter: CpuMeter | None = None) -> tuple[float, float]:
     """Run producer/consumer ``pairs`` flat out; return (seconds from starting the producers to
     the end, seconds from the first frame's publication start to the last frame local).
-    ``meter``: measures the machine's CPU from the go to the last consumer's exit (the
-    producers exit after it: :func:`_release`)."""
+    ``meter``: measures the machine's CPU from the go to the last consumer's last frame (the
+    processes exit after it: :func:`_release`)."""
     code, extra = _bounded(bounded)
-    cons = [_popen(c, q, code, f"{name}/p{i}") for i, (_p, q) in enumerate(pairs)]
+    cons = [c.popen(q, [PY, "-c", code, f"{name}/p{i}"], stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, text=True, env={"BENCH_HOLD": "1"})
+            for i, (_p, q) in enumerate(pairs)]
     for p in cons:
         _ready(p)
     # the producers start up (imports, connections) first, then all begin at once — as the raw
@@ -467,9 +475,9 @@ def stream_span(c: EmulatedCluster, name: str, n: int, atoms: int,
             p.stdin.write("go\n")
             p.stdin.flush()
         first = min(int(_line(p).split()[0]) for p in prods)
-        last = max(int(p.communicate(timeout=600)[0].splitlines()[1].split()[-1]) for p in cons)
+        last = max(int(_lines(p, 2)[1].split()[-1]) for p in cons)
     elapsed = time.perf_counter() - t0
-    _release(prods)  # (they exit now: every pair is done)
+    _release(prods + cons)  # (they exit now: every pair is done)
     return elapsed, (last - first) / 1e9
 
 
@@ -479,11 +487,16 @@ def _line(proc: subprocess.Popen) -> str:
     return proc.stdout.readline()
 
 
+def _lines(proc: subprocess.Popen, n: int) -> list[str]:
+    """The next ``n`` lines ``proc`` prints."""
+    return [_line(proc) for _ in range(n)]
+
+
 def _release(procs: list[subprocess.Popen]) -> None:
-    """Let senders that wait for the end of a run of pairs exit, and wait for them: a sender
-    that finished first stays alive until every pair is done, so that the teardown of its
-    process (tens of ms of CPU for a Python interpreter with numpy and instride loaded) is not
-    inside the span the others are still measured in. Both kinds of pairs do it."""
+    """Let the processes of a run of pairs exit, and wait for them: a producer, reader or raw
+    TCP end that is done stays alive until every pair is, so that the teardown of its process
+    (tens of ms of CPU for a Python interpreter with numpy and instride loaded) is not inside
+    the span the others are still measured in. Both kinds of pairs do it."""
     for p in procs:
         assert p.stdin is not None
         p.stdin.write("done\n")
