@@ -705,7 +705,7 @@ def main() -> None:
         print(f"\n## aggregate: 8 pairs (producers on nodes 1-2, consumers on nodes 3-4), {nf} JAC"
               f" frames each")
         print(f"{agg:.0f} MB/s in {elapsed:.2f} s ({8 * nf / elapsed:.0f} frames/s) on {m['cores']} cores,"
-              " from the go to the last consumer's exit")
+              " from the go to the last consumer's report")
         print(f"first publication -> last frame local: {moving:.0f} MB/s ({8 * nf / span:.0f} frames/s)")
         print(f"8 raw TCP pairs (sendfile -> recv_into), same nodes, same bytes: {raw8:.0f} MB/s")
         print(f"ratio: {moving / raw8:.2f}  (target >= 0.5)")
