@@ -59,7 +59,9 @@ import statistics
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from common import CpuMeter, header, save, summary
@@ -126,7 +128,8 @@ PRODUCE = textwrap.dedent(
 )
 CONSUME = textwrap.dedent(
     """
-    import os, sys, time, instride
+    import sys, time, instride
+    hold = sys.argv[-1] == "--hold"  # (one of several pairs: exits once every pair is done)
     s = instride.Stream(sys.argv[1], timeout=120)
     c = instride.get_client()
     c.exists("warm-up")  # connect to Redis before the clock starts
@@ -144,17 +147,20 @@ CONSUME = textwrap.dedent(
         i += 1
     print(time.perf_counter() - t0)
     print(" ".join(map(str, out)), flush=True)
-    if os.environ.get("BENCH_HOLD"):  # (one of several pairs: exits once every pair is done)
+    if hold:
         sys.stdin.readline()
     """
 )
 CONSUME_GROUP = textwrap.dedent(
     """
-    import os, sys, time, instride
+    import sys, time, instride
     # the consumer of a bounded stream, as a user writes it: iterate, as group "g", the
-    # group's position recorded every 4 frames (a second argument: spin="auto", hybrid polling)
-    spin = sys.argv[2] if len(sys.argv) > 2 else None
-    s = instride.Stream(sys.argv[1], timeout=120, group="g", spin=spin, commit_every=4)
+    # group's position recorded every 4 frames (a second argument: spin="auto", hybrid polling;
+    # a last one, --hold: one of several pairs, it exits once every pair is done)
+    hold = sys.argv[-1] == "--hold"
+    args = sys.argv[1:len(sys.argv) - hold]
+    spin = args[1] if len(args) > 1 else None
+    s = instride.Stream(args[0], timeout=120, group="g", spin=spin, commit_every=4)
     instride.get_client().exists("warm-up")
     out = []
     print("ready", flush=True)
@@ -163,7 +169,7 @@ CONSUME_GROUP = textwrap.dedent(
         out.append(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
     print(time.perf_counter() - t0)
     print(" ".join(map(str, out)), flush=True)
-    if os.environ.get("BENCH_HOLD"):  # (one of several pairs: exits once every pair is done)
+    if hold:
         sys.stdin.readline()
     """
 )
@@ -438,7 +444,7 @@ def raw_tcp_pairs(c: EmulatedCluster, pairs: list[tuple[int, int]], paths: list[
             for i, (p, q) in enumerate(pairs)]
     for cli in clis:
         _ready(cli)
-    with meter or contextlib.nullcontext():
+    with meter or contextlib.nullcontext(), _deadline(srvs + clis, 300):
         for cli in clis:
             assert cli.stdin is not None
             cli.stdin.write("go\n")
@@ -451,13 +457,13 @@ def raw_tcp_pairs(c: EmulatedCluster, pairs: list[tuple[int, int]], paths: list[
 def stream_span(c: EmulatedCluster, name: str, n: int, atoms: int,
                 pairs: list[tuple[int, int]], bounded: bool = False,
                 meter: CpuMeter | None = None) -> tuple[float, float]:
-    """Run producer/consumer ``pairs`` flat out; return (seconds from starting the producers to
-    the end, seconds from the first frame's publication start to the last frame local).
-    ``meter``: measures the machine's CPU from the go to the last consumer's last frame (the
+    """Run producer/consumer ``pairs`` flat out; return (seconds from the go to the last
+    consumer's report, seconds from the first frame's publication start to the last frame
+    local). ``meter``: measures the machine's CPU from the go to the last report read (the
     processes exit after it: :func:`_release`)."""
     code, extra = _bounded(bounded)
-    cons = [c.popen(q, [PY, "-c", code, f"{name}/p{i}"], stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE, text=True, env={"BENCH_HOLD": "1"})
+    cons = [c.popen(q, [PY, "-c", code, f"{name}/p{i}", "--hold"], stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, text=True)
             for i, (_p, q) in enumerate(pairs)]
     for p in cons:
         _ready(p)
@@ -469,7 +475,7 @@ def stream_span(c: EmulatedCluster, name: str, n: int, atoms: int,
     for p in prods:
         _ready(p)
     t0 = time.perf_counter()
-    with meter or contextlib.nullcontext():
+    with meter or contextlib.nullcontext(), _deadline(prods + cons, 600):
         for p in prods:
             assert p.stdin is not None
             p.stdin.write("go\n")
@@ -481,10 +487,27 @@ def stream_span(c: EmulatedCluster, name: str, n: int, atoms: int,
     return elapsed, (last - first) / 1e9
 
 
+@contextlib.contextmanager
+def _deadline(procs: list[subprocess.Popen], seconds: float) -> Iterator[None]:
+    """Kill ``procs`` if the block is not over within ``seconds`` (a pair that hangs: the
+    reads of their reports then end, and :func:`_line` says which process failed)."""
+    timer = threading.Timer(seconds, lambda: [p.kill() for p in procs if p.poll() is None])
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 def _line(proc: subprocess.Popen) -> str:
     """The next line ``proc`` prints (it waits on its stdin afterwards: see :func:`_release`)."""
     assert proc.stdout is not None
-    return proc.stdout.readline()
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"{proc.args!r} ended (or was killed) before its report,"
+                           f" exit status {proc.wait()}")
+    return line
 
 
 def _lines(proc: subprocess.Popen, n: int) -> list[str]:
@@ -499,8 +522,9 @@ def _release(procs: list[subprocess.Popen]) -> None:
     the span the others are still measured in. Both kinds of pairs do it."""
     for p in procs:
         assert p.stdin is not None
-        p.stdin.write("done\n")
-        p.stdin.flush()
+        with contextlib.suppress(BrokenPipeError):  # (one that exited already)
+            p.stdin.write("done\n")
+            p.stdin.flush()
     for p in procs:
         p.communicate(timeout=60)
 

@@ -35,6 +35,7 @@ from instride.errors import (
     TransferError,
     UnsafePathError,
 )
+from instride.frames import HEADER_SIZE
 from instride.record import FRAME_CHECKSUM
 from instride.stream import Stream
 from instride.transport import wire
@@ -242,6 +243,8 @@ class FlippingProxy:
         self.target = ("127.0.0.1", target_port)
         self.sock = socket.create_server(("127.0.0.1", listen_port))
         self.armed_at: int | None = None  # offset in the next connection's reply stream
+        #: (instead) offset in the body of the next connection's first reply, after its header
+        self.armed_in_body: int | None = None
         self.flipped = 0
         self._stop = False
         self._thread = threading.Thread(target=self._accept, daemon=True)
@@ -259,16 +262,22 @@ class FlippingProxy:
                 client.close()
                 continue
             at, self.armed_at = self.armed_at, None
+            body, self.armed_in_body = self.armed_in_body, None
             threading.Thread(target=self._pump, args=(client, upstream, None), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, at), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, at, body), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, flip_at: int | None) -> None:
-        seen = 0
+    def _pump(self, src: socket.socket, dst: socket.socket, flip_at: int | None,
+              in_body: int | None = None) -> None:
+        seen, prefix = 0, b""
         try:
             while True:
                 chunk = src.recv(1 << 16)
                 if not chunk:
                     break
+                if in_body is not None and len(prefix) < 4:  # (the reply header's length)
+                    prefix += chunk[: 4 - len(prefix)]
+                    if len(prefix) == 4:
+                        flip_at = 4 + wire.parse_length(prefix) + in_body
                 if flip_at is not None and seen <= flip_at < seen + len(chunk):
                     buf = bytearray(chunk)
                     buf[flip_at - seen] ^= 0x10
@@ -304,12 +313,14 @@ def _stream_frame(client: Client, name: str, natoms: int, seed: int) -> tuple[st
 def case_bitflip(work: Path, trials: int, seed: int = 9) -> CaseResult:
     """A bit flips in a staged file or a stream's frame: in the owner's file at rest or in
     transit through a proxy. Trials take turns: a file at rest, a file in transit, a frame at
-    rest, a frame in transit (a frame's record is its header's own checksum, ``isf:``; the
-    flip may hit the header or the coordinates).
+    rest, a frame in transit. A frame's record is its header's own checksum (``isf:``): its
+    trials flip the frame's header and its coordinates in turn (header at rest, coordinates in
+    transit, then the other way round). Consumed with ``Client.consume``.
 
     Checks: the consumer raises ``IntegrityError`` (or, for a flip in the reply header, a
-    typed transfer error) and stores nothing; the consume after the owner re-publishes (at
-    rest) or through a clean connection (in transit) verifies.
+    typed transfer error) and stores nothing; the consume after the owner repairs its copy
+    (a file re-published, a frame's byte put back: its ``isf:`` record stays) or through a
+    clean connection (in transit) verifies.
     """
     res = CaseResult("bit flip in a staged frame")
     rng = random.Random(seed)
@@ -325,6 +336,7 @@ def case_bitflip(work: Path, trials: int, seed: int = 9) -> CaseResult:
             for t in range(trials):
                 res.trials += 1
                 at_rest, frame = t % 2 == 0, t % 4 >= 2
+                in_header = frame and (t // 4 + t) % 2 == 0
                 owner = c1 if at_rest else c3
                 if frame:
                     key, data = _stream_frame(owner, f"flipf/t{t}", natoms, seed * 1000 + t)
@@ -332,16 +344,22 @@ def case_bitflip(work: Path, trials: int, seed: int = 9) -> CaseResult:
                     data = payload(seed * 1000 + t, size)
                     key = f"flip/t{t}.bin"
                     _publish(owner, key, data)
+                # (a frame's header, its coordinates, or anywhere in a file)
+                off = rng.randrange(HEADER_SIZE) if in_header else \
+                    rng.randrange(HEADER_SIZE if frame else 0, len(data))
+                flipped = proxy.flipped
                 if at_rest:
                     with open(n1.dir / key, "r+b") as fh:
-                        off = rng.randrange(len(data))
                         fh.seek(off)
                         byte = fh.read(1)[0]
                         fh.seek(off)
                         fh.write(bytes([byte ^ (1 << rng.randrange(8))]))
                 else:
                     c2.close()  # a fresh connection, through the proxy's armed path
-                    proxy.armed_at = rng.randrange(100, len(data))
+                    if frame:
+                        proxy.armed_in_body = off
+                    else:
+                        proxy.armed_at = rng.randrange(100, len(data))
                 state, value = bounded(lambda k=key: c2.consume(k, timeout=20), 20 + HANG_MARGIN)
                 if state == "hang":
                     res.hangs += 1
@@ -350,13 +368,21 @@ def case_bitflip(work: Path, trials: int, seed: int = 9) -> CaseResult:
                     res.notes.append(f"trial {t}: flipped bytes accepted")
                 elif isinstance(value, (IntegrityError, TransferError, PeerUnavailable)):
                     where = "at rest" if at_rest else "in transit"
-                    res.saw(f"{type(value).__name__} ({'frame ' if frame else ''}{where})")
+                    what = ("frame header " if in_header else "frame coordinates ") if frame else ""
+                    res.saw(f"{type(value).__name__} ({what}{where})")
                     _nothing_left(res, n2, key)
                 else:
                     res.corrupted += 1
                     res.notes.append(f"trial {t}: untyped {value!r}")
-                if at_rest:
-                    _publish(c1, key, data, overwrite=True)  # the owner repairs its copy
+                if not at_rest and proxy.flipped == flipped:
+                    res.corrupted += 1  # (not the trial it says it is)
+                    res.notes.append(f"trial {t}: the proxy flipped nothing")
+                if at_rest and frame:  # the owner repairs its copy (its isf: record stays)
+                    with open(n1.dir / key, "r+b") as fh:
+                        fh.seek(off)
+                        fh.write(data[off:off + 1])
+                elif at_rest:
+                    _publish(c1, key, data, overwrite=True)
                 state, value = bounded(lambda k=key: c2.consume(k, timeout=20), 20 + HANG_MARGIN)
                 if state == "ok" and _consumed_ok(res, value, digest(data)):  # type: ignore[arg-type]
                     res.saw("refetched and verified after the flip")

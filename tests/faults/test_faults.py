@@ -69,7 +69,7 @@ def test_redis_restarted_mid_run(tmp_path: Path) -> None:
 
 def test_bit_flip_in_a_staged_frame(tmp_path: Path) -> None:
     _check(C.case_bitflip(tmp_path, 4), "IntegrityError (at rest)", "IntegrityError (in transit)",
-           "IntegrityError (frame at rest)", "IntegrityError (frame in transit)",
+           "IntegrityError (frame header at rest)", "IntegrityError (frame coordinates in transit)",
            "refetched and verified")
 
 
