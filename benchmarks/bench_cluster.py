@@ -32,11 +32,10 @@ Measures, in one run, on an emulated cluster made for the purpose:
    producers start up first (imports, connections) and then begin together; the span is first
    publication -> last frame local; a process of a pair that is done (producer, reader, raw TCP
    server or client) exits only once every pair is (the teardown of a process is not data
-   movement). For the bounded pairs
-   and their raw TCP pairs, the whole machine's CPU per frame (user and kernel ms, context
-   switches, interrupts; ``/proc/stat``); and, as a diagnostic beside the target's baseline,
-   raw TCP pairs whose servers send 16 files in turn (as many as each bounded stream keeps)
-   instead of one the caches keep;
+   movement). For the bounded pairs and their raw TCP pairs, the whole machine's CPU per
+   frame (user and kernel ms, context switches, interrupts; ``/proc/stat``); and, as a
+   diagnostic beside the target's baseline, raw TCP pairs whose servers send 16 files in turn
+   (as many as each bounded stream keeps) instead of one the caches keep;
 5. publish -> consume latency through the preload library across nodes: unmodified C
    programs (open/write/close on node 1, open/read on node 2) exchanging 4 KiB keys;
 6. the data server's start-up time (process start to listening);
@@ -431,8 +430,8 @@ def raw_tcp_pairs(c: EmulatedCluster, pairs: list[tuple[int, int]], paths: list[
     """Aggregate MB/s of raw TCP pairs (``sendfile`` -> ``recv_into``), one per ``(p, q)``
     (node p serves ``paths[i]`` ``n`` times to node q; a list of paths: its files in turn),
     all started at once; first byte asked -> last byte received (servers and clients exit
-    after the last pair: :func:`_release`). ``meter``: measures the machine's CPU from the start to the
-    end."""
+    after the last pair: :func:`_release`). ``meter``: measures the machine's CPU from the
+    start to the last report read."""
     files = [[p] if isinstance(p, str) else p for p in paths]
     srvs = [c.popen(p, [PY, "-c", RAW_PAIR_SERVER, c.node(p).ip, str(7610 + i), *files[i]],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
