@@ -344,9 +344,10 @@ def case_bitflip(work: Path, trials: int, seed: int = 9) -> CaseResult:
                     data = payload(seed * 1000 + t, size)
                     key = f"flip/t{t}.bin"
                     _publish(owner, key, data)
-                # (a frame's header, its coordinates, or anywhere in a file)
+                # (a frame's header, its coordinates, or anywhere in a file at rest; a file in
+                # transit: the proxy's own count of the bytes it passes, below)
                 off = rng.randrange(HEADER_SIZE) if in_header else \
-                    rng.randrange(HEADER_SIZE if frame else 0, len(data))
+                    rng.randrange(HEADER_SIZE if frame else 0, len(data)) if at_rest or frame else 0
                 flipped = proxy.flipped
                 if at_rest:
                     with open(n1.dir / key, "r+b") as fh:

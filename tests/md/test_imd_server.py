@@ -3,7 +3,9 @@ checked frame by frame against a direct read of the source trajectory."""
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +21,7 @@ from MDAnalysisTests.datafiles import DCD, GRO, PSF, XTC
 
 import instride
 from instride.md.imd_bridge import bridge
+from instride.md.imd_protocol import MsgType, encode_header
 from instride.md.imd_server import IMDServer
 from tests.conftest import finish, free_port
 
@@ -60,7 +63,10 @@ def test_mdanalysis_readers_follow_a_live_stream(server_factory, tmp_path: Path)
     outs = [tmp_path / f"r{i}.npz" for i in range(2)]
     readers = [_reader(GRO, srv.port, out, "select=protein") for out in outs]
     try:
-        time.sleep(0.5)
+        deadline = time.monotonic() + 60  # (connected before the first frame, as documented)
+        while len(srv._sessions) < 2:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in readers)
+            time.sleep(0.05)
         _publish("adk", mda.Universe(GRO, XTC), pause=0.1)
         for p in readers:
             rc, out, err = finish(p, timeout=120)
@@ -232,7 +238,9 @@ def test_cli_imd_serve(managed_dir: Path) -> None:
     assert f"{len(u.trajectory)} frames" in out and "end of stream" in out and "served 1 clients" in out
 
 
-def test_cli_imd_serve_stops_cleanly_on_sigterm(managed_dir: Path) -> None:
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_cli_imd_serve_stops_cleanly_on_sigterm(managed_dir: Path, signum: int, status: int) -> None:
+    """SIGTERM stops the server (status 0), Ctrl-C interrupts it (130); sessions end either way."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "instride", "imd-serve", "nothing-yet", "--port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -243,7 +251,7 @@ def test_cli_imd_serve_stops_cleanly_on_sigterm(managed_dir: Path) -> None:
         port = int(line.split("imd://127.0.0.1:", 1)[1].split()[0])
         # a client waiting for a stream that has no frame yet is cut off by the shutdown
         client = IMDClient("127.0.0.1", port, 10, multithreaded=False, timeout=30)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         # a session still in its handshake has up to 30 s for the client's answer
         rc, out, err = finish(proc, timeout=90)
         with pytest.raises(EOFError):
@@ -252,5 +260,93 @@ def test_cli_imd_serve_stops_cleanly_on_sigterm(managed_dir: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert rc == 0, err
+    assert rc == status, err
     assert "imd-serve: stopped" in out
+
+
+def _frames(name: str, n: int, natoms: int, pause: float = 0.0, **kw: object) -> None:
+    """Publish ``n`` frames of ``natoms`` atoms (frame i: every coordinate i), then the end."""
+    with instride.Stream(name, mode="w", **kw) as s:  # type: ignore[arg-type]
+        for i in range(n):
+            s.append(np.full((natoms, 3), float(i)), step=i)
+            time.sleep(pause)
+
+
+def _all_steps(client: IMDClient) -> list[int]:
+    steps = []
+    while True:
+        try:
+            steps.append(client.get_imdframe().step)
+        except EOFError:
+            return steps
+
+
+def test_a_client_that_only_listens_outlasts_the_stall_limit(server_factory, monkeypatch) -> None:
+    """A client that sends nothing after IMD_GO (it keeps up, so never pauses) is served for
+    many times the limit on a stalled client, and gets every frame."""
+    from instride.md import imd_server
+
+    monkeypatch.setattr(imd_server, "_CLIENT_STALL_S", 0.5)
+    srv = server_factory("quiet")
+    client = IMDClient("127.0.0.1", srv.port, 10, multithreaded=False, timeout=30)
+    producer = threading.Thread(target=_frames, args=("quiet", 8, 10, 0.4))
+    producer.start()  # 8 frames over ~3.2 s: over 6 times the limit without a client message
+    try:
+        assert _all_steps(client) == list(range(8))
+    finally:
+        producer.join()
+        client.stop()
+    assert srv.wait_clients(1, timeout=30)
+    assert srv.reports[0].ended and srv.reports[0].error is None, srv.reports
+
+
+def test_a_client_that_stops_reading_is_disconnected(server_factory, monkeypatch) -> None:
+    """A client that answers the handshake, then takes no bytes: its session ends once the
+    socket's buffers are full and the limit has passed, with the reason; the server goes on."""
+    from instride.md import imd_server
+
+    monkeypatch.setattr(imd_server, "_CLIENT_STALL_S", 1.0)
+    _frames("big", 40, 100_000)  # 40 × 1.2 MB: more than the socket buffers hold
+    srv = server_factory("big")
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+        sock.sendall(encode_header(MsgType.GO, 0))
+        assert srv.wait_clients(1, timeout=60)
+    report = srv.reports[0]
+    assert not report.ended and report.error == "the client took no data for 1 s", report
+    assert 0 < report.frames < 40
+    client = IMDClient("127.0.0.1", srv.port, 100_000, multithreaded=False, timeout=30)
+    assert _all_steps(client) == list(range(40))  # (the next client is served in full)
+
+
+def test_ignored_bodies_are_skipped_without_holding_them(server_factory) -> None:
+    """MDCOMM's forces are read past exactly (the DISCONNECT after them is understood), and an
+    MDCOMM announcing 2^31 - 1 atoms (32 GiB) is not allocated: the session just ends."""
+    _frames("steer", 3, 10)
+    srv = server_factory("steer")
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+        sock.sendall(encode_header(MsgType.GO, 0) + encode_header(MsgType.MDCOMM, 1000)
+                     + bytes(16 * 1000) + encode_header(MsgType.DISCONNECT, 0))
+        assert srv.wait_clients(1, timeout=30)
+    assert srv.reports[0].error in (None, "the client disconnected"), srv.reports
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+        sock.sendall(encode_header(MsgType.GO, 0) + encode_header(MsgType.MDCOMM, 2**31 - 1))
+        sock.sendall(bytes(1 << 20))  # (part of the announced body: read past, dropped)
+    assert srv.wait_clients(2, timeout=30)
+    assert srv.reports[1].error is None or "Error" not in srv.reports[1].error, srv.reports
+
+
+def test_a_bounded_stream_is_served_from_its_oldest_frame(server_factory) -> None:
+    """On a stream that keeps 4 frames, a client starting at frame 0 after 6 were retired gets
+    the 4 kept ones and is told how many it missed; sessions leave no descriptor open."""
+    _frames("kept", 10, 10, retain=4, on_full="drop-oldest")
+    srv = server_factory("kept")
+    fds = None
+    for i in range(5):
+        client = IMDClient("127.0.0.1", srv.port, 10, multithreaded=False, timeout=30)
+        assert _all_steps(client) == [6, 7, 8, 9]
+        client.stop()
+        assert srv.wait_clients(i + 1, timeout=30)
+        now = len(os.listdir("/proc/self/fd"))
+        fds = fds or now  # (after the first session: what the process keeps, the managed dir)
+        assert now == fds  # (each session released its frames and closed its stream)
+    assert all(r.ended and r.frames == 4 and r.missed == 6 for r in srv.reports), srv.reports

@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-from . import EXIT_INVALID, timeout_arg
+from . import EXIT_INTERRUPTED, EXIT_INVALID, timeout_arg
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -57,12 +57,16 @@ def cmd_imd_serve(args: argparse.Namespace) -> int:
 
     def done(r: ClientReport) -> None:
         how = "end of stream" if r.ended else f"stopped: {r.error}"
-        print(f"client {r.peer}: {r.frames} frames in {r.seconds:.2f} s, {how}", flush=True)
+        missed = f" ({r.missed} retired before it was sent them)" if r.missed else ""
+        print(f"client {r.peer}: {r.frames} frames{missed} in {r.seconds:.2f} s, {how}", flush=True)
+
+    terminated = []
 
     def terminate(signum: int, frame: object) -> None:
         # A stop must never hang: should closing the sessions take longer than this, every
         # thread's stack goes to stderr and the process exits (status 1).
         faulthandler.dump_traceback_later(_STOP_WATCHDOG_S, exit=True)
+        terminated.append(signum)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, terminate)
@@ -77,7 +81,8 @@ def cmd_imd_serve(args: argparse.Namespace) -> int:
         sys.stderr.flush()
         # Every session is closed and its threads joined (or given up on after 5 s): leave
         # now rather than wait at interpreter shutdown on a session thread still blocked.
-        os._exit(0)
+        # SIGTERM is how a server is stopped (status 0); Ctrl-C is an interruption (130).
+        os._exit(0 if terminated else EXIT_INTERRUPTED)
     print(f"served {len(reports)} clients", flush=True)
     return 0
 
@@ -147,7 +152,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "positions), from the first frame or the newest one, at the client's own pace; "
             "when the producer ends the stream, each client's iteration ends after the last "
             "frame. MDAnalysis reads it with mda.Universe(TOPOLOGY, 'imd://HOST:PORT'). "
-            "Runs until interrupted (Ctrl-C, SIGTERM) or until --clients sessions have ended."
+            "Runs until stopped (SIGTERM: exit status 0; Ctrl-C: 130) or until --clients "
+            "sessions have ended. A client that takes no data of a frame for 60 s (or "
+            "--timeout, if longer) is disconnected."
         ),
     )
     p.add_argument("stream", metavar="STREAM", help="stream to serve (it may not exist yet)")

@@ -61,6 +61,13 @@ __all__ = ["ClientReport", "IMDServer", "serve"]
 log = logging.getLogger(__name__)
 
 _POLL = 0.25  # seconds between checks of the stop flag while waiting
+#: seconds a client may take no bytes of a frame being sent (and, once it has begun a message,
+#: send none of the rest) before its session ends; ``timeout`` raises it when longer
+_CLIENT_STALL_S = 60.0
+#: seconds a client has to answer the handshake with IMD_GO
+_GO_WAIT_S = 30.0
+#: bytes read at a time from a message body the server ignores (MDCOMM forces)
+_DISCARD_CHUNK = 1 << 16
 
 
 @dataclass
@@ -73,6 +80,8 @@ class ClientReport:
     error: str | None = None  #: why the session ended early (the client left, a protocol error)
     seconds: float = 0.0
     pauses: int = 0  #: PAUSE messages the client sent (its buffer was full)
+    #: frames of a bounded stream retired before this client was sent them (skipped)
+    missed: int = 0
 
 
 @dataclass
@@ -102,7 +111,9 @@ class IMDServer:
         published when it connects, or the first one when none is).
     timeout
         Seconds a client's session waits for the producer's next frame before it gives up and
-        closes that connection (``None``: wait as long as the server runs).
+        closes that connection (``None``: wait as long as the server runs). A client that
+        takes none of a frame's bytes for 60 s (or ``timeout``, if longer) is disconnected
+        too; one that only sends nothing is not (it need speak only to pause).
     dt
         Picoseconds per MD step for the TIME packet; by default estimated from consecutive
         frames (time difference over step difference; 0.0 until two frames were sent).
@@ -236,44 +247,57 @@ class IMDServer:
         ``None``; today's frames hold positions and box only).
         """
         box, vel, forces = True, False, False
-        published = stream.published()
-        if published:
-            first = stream.read(published[0])
-            box = first.header.has_box
-            vel = getattr(first, "velocities", None) is not None
-            forces = getattr(first, "forces", None) is not None
+        for index in stream.published()[:1]:
+            try:
+                with stream.read(index) as first:  # (released: a bounded stream reuses it)
+                    box = first.header.has_box
+                    vel = getattr(first, "velocities", None) is not None
+                    forces = getattr(first, "forces", None) is not None
+            except InstrideError:  # (retired meanwhile: the defaults, as for no frame yet)
+                pass
         return SessionInfo(time=True, energies=False, box=box, positions=True, velocities=vel,
                            forces=forces)
 
     def _serve_client(self, s: _Session) -> None:
         t0 = time.perf_counter()
-        stream = Stream(self.stream, mode="r", timeout=_POLL)
+        # (frames a bounded stream retired before this client got them are skipped, counted)
+        stream = Stream(self.stream, mode="r", timeout=_POLL, on_gap="count")
         receiver: threading.Thread | None = None
+        stall = _CLIENT_STALL_S if self.timeout is None else max(self.timeout, _CLIENT_STALL_S)
         try:
             info = self._session_info(stream)
-            s.conn.settimeout(30.0)
+            # One timeout for the whole session, set before the receiver's first read: a
+            # read under way keeps the timeout it began with, whatever is set later.
+            s.conn.settimeout(stall)
             s.conn.sendall(encode_handshake(self.version, "<", info))
             receiver = threading.Thread(target=self._receive, args=(s,), name=f"imd-rx-{s.peer}",
                                         daemon=True)
             receiver.start()
-            if not s.go.wait(30.0) or s.gone.is_set():
-                raise _SessionEnd("no IMD_GO from the client within 30 s")
-            s.conn.settimeout(None if self.timeout is None else max(self.timeout, 30.0))
+            if not s.go.wait(_GO_WAIT_S):
+                raise _SessionEnd(f"no IMD_GO from the client within {_GO_WAIT_S:g} s")
+            if s.gone.is_set():
+                raise _SessionEnd(s.report.error or "the client left before IMD_GO")
             self._send_frames(s, stream, info)
             s.report.ended = True
             # End of stream: shut our side down and wait until the client has read everything
             # and closed (closing at once can reset the connection while the client still has
-            # unread frames and unanswered PAUSE/RESUME messages in flight).
+            # unread frames and unanswered PAUSE/RESUME messages in flight) — not forever.
             s.conn.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + stall
             while not s.gone.wait(_POLL):
-                if self._stop.is_set():
+                if self._stop.is_set() or time.monotonic() > deadline:
                     break
         except _SessionEnd as exc:
             s.report.error = str(exc)
+        except InstrideError as exc:  # (before OSError: some are OSErrors too)
+            s.report.error = str(exc)
+        except TimeoutError:
+            s.report.error = f"the client took no data for {stall:g} s"
         except OSError as exc:  # reset, broken pipe: the client went away
             s.report.error = f"connection lost: {exc}"
-        except InstrideError as exc:
-            s.report.error = str(exc)
+        except Exception as exc:  # (a bug: reported and logged, the server serves on)
+            s.report.error = f"{type(exc).__name__}: {exc}"
+            log.exception("imd client %s", s.peer)
         finally:
             s.gone.set()
             try:
@@ -282,6 +306,11 @@ class IMDServer:
                 pass
             if receiver is not None:
                 receiver.join(timeout=5)
+            try:
+                stream.close()  # (the frame it held goes back to a bounded stream)
+            except InstrideError:
+                pass
+            s.report.missed = stream.missed
             s.report.seconds = time.perf_counter() - t0
             with self._done:
                 self._sessions.remove(s)
@@ -299,7 +328,7 @@ class IMDServer:
             if s.gone.is_set() or self._stop.is_set():
                 raise _SessionEnd(s.report.error or "the client left")
             try:
-                return next(stream)
+                return next(stream)  # (on_gap="count": retired frames skipped, counted)
             except StopIteration:
                 return None
             except ConsumeTimeout:
@@ -342,13 +371,16 @@ class IMDServer:
         """Read the client's messages until it closes (runs beside the sender)."""
         conn = s.conn
         try:
-            while True:
-                head = recv_exact(conn, HEADER_SIZE)
-                if head is None:
+            while not s.gone.is_set():
+                try:
+                    first = conn.recv(HEADER_SIZE)
+                except TimeoutError:
+                    continue  # no message meanwhile: usual for a client that keeps up
+                rest = recv_exact(conn, HEADER_SIZE - len(first)) if first else None
+                if rest is None:
                     break
-                kind, length = decode_header(head)
-                body = client_body_size(kind, length)
-                if body and recv_exact(conn, body) is None:
+                kind, length = decode_header(first + rest)
+                if not _discard(conn, client_body_size(kind, length)):
                     break
                 if kind == MsgType.GO:
                     s.go.set()
@@ -372,11 +404,26 @@ class IMDServer:
                 else:
                     s.report.error = f"unknown IMD message type {kind}"
                     break
+        except TimeoutError:
+            s.report.error = s.report.error or "a client message cut short"
         except (OSError, struct.error):
             pass
         finally:
             s.gone.set()
             s.resumed.set()
+            s.go.set()  # (a handshake waiting for IMD_GO learns at once that the client left)
+
+
+def _discard(conn: socket.socket, n: int) -> bool:
+    """Read and drop ``n`` bytes (a body the server ignores) without holding them all;
+    ``False`` when the peer closed first."""
+    buf = memoryview(bytearray(min(n, _DISCARD_CHUNK)))
+    while n > 0:
+        k = conn.recv_into(buf[:min(n, len(buf))])
+        if k == 0:
+            return False
+        n -= k
+    return True
 
 
 class _SessionEnd(Exception):
