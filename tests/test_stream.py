@@ -142,6 +142,10 @@ def test_overwritten_stream_drops_the_old_end_marker(client: instride.Client) ->
     again.close()
     frames = [int(f.positions[0, 0]) for f in instride.Stream("rerun", client=client)]
     assert frames == [10]
+    # a re-run that ends before its first frame replaces the old run all the same
+    instride.Stream("rerun", mode="w", overwrite=True, client=client).close()
+    empty = instride.Stream("rerun", client=client)
+    assert empty.ended and empty.frame_count() == 0 and list(empty) == []
 
 
 def test_unbounded_stream_holds_no_descriptor_per_frame(managed_dir: Path) -> None:

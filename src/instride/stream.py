@@ -673,6 +673,10 @@ class Stream:
         if self._closed:
             return
         if self.mode == "w":  # (either raises with the stream still open: close() again)
+            if self._pool is None and self.overwrite:
+                # (no frame appended: the run it replaces goes all the same — its frames,
+                # end marker and groups — or readers would take it for this run)
+                self._start_producing()
             if self._unconfirmed:
                 self._confirm_records(all_=True)
             body = json.dumps({"frames": self._written}).encode()

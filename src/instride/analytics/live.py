@@ -1,11 +1,11 @@
 """In situ analytics: analyse each frame of a stream as it arrives, stream results to a table.
 
-:class:`InSituAnalytics` runs the three analyses of the study on every frame it is handed —
-RMSD to the first frame after QCP superposition, radius of gyration, and the largest
-eigenvalue of the distance matrix of chosen substructures — and appends one flushed CSV row
-per frame. :func:`analyze_stream` is the whole consumer: open ``instride://NAME`` with
-MDAnalysis, iterate (blocking for each frame, ending at end-of-stream), write the table, and
-plot each quantity over time at the end.
+:class:`InSituAnalytics` runs the analyses of the study on every frame it is handed —
+RMSD to the first frame after QCP superposition, radius of gyration, and, for the
+substructures it is given (none by default), the largest eigenvalue of their distance
+matrices — and appends one flushed CSV row per frame. :func:`analyze_stream` is the whole
+consumer: open ``instride://NAME`` with MDAnalysis, iterate (blocking for each frame, ending
+at end-of-stream), write the table, and plot each quantity over time at the end.
 
 Examples
 --------

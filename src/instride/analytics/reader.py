@@ -283,6 +283,14 @@ class InstrideReader(ReaderBase):
     def _read_frame(self, frame: int) -> Any:
         return self._load(frame, self._fetch(frame, wait=False))
 
+    def __getitem__(self, frame: Any) -> Any:
+        """``u.trajectory[i]``, slices, fancy indexing: as every MDAnalysis reader; a frame
+        index past the published ones is refused with an ``IndexError`` that says the
+        stream is live (MDAnalysis would only say it exceeds the length)."""
+        if isinstance(frame, (int, np.integer)) and frame >= self._published_count():
+            self._fetch(int(frame), wait=False)  # (raises the live stream's IndexError)
+        return super().__getitem__(frame)
+
     def _reopen(self) -> None:
         self.ts.frame = -1
 

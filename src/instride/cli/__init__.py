@@ -88,7 +88,7 @@ EXIT_CODES: list[tuple[type[BaseException] | tuple[type[BaseException], ...], in
     ((ServerStartError, ServeError), EXIT_UNAVAILABLE),
     ((ConsumeTimeout, TimeoutError), EXIT_TIMEOUT),  # also a flow run's FlowTimeout
     ((IntegrityError, TransferError), EXIT_INTEGRITY),
-    ((PeerUnavailable, MetadataUnavailable), EXIT_UNAVAILABLE),
+    ((PeerUnavailable, MetadataUnavailable, ConnectionError), EXIT_UNAVAILABLE),  # (an engine too)
     (AuthenticationError, EXIT_REFUSED),
     ((KeyValidationError, UnsafePathError, FileTypeError, UnsupportedModeError, KeyExistsError,
       KeyNotFoundError), EXIT_INVALID),

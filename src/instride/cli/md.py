@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import math
 import os
 import signal
 import sys
@@ -34,7 +35,8 @@ def cmd_imd_bridge(args: argparse.Namespace) -> int:
         return EXIT_INVALID  # an unreadable or bad .gro file: invalid input
     report = bridge(
         args.address, args.stream, natoms, dt=args.dt, first_step=args.first_step, every=args.every,
-        connect_timeout=args.connect_timeout, timeout=args.timeout, layout=args.layout,
+        connect_timeout=args.connect_timeout,
+        timeout=math.inf if args.timeout is None else args.timeout, layout=args.layout,
         overwrite=args.overwrite,
     )
     print(
@@ -140,8 +142,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an earlier stream")
     p.add_argument("--connect-timeout", type=float, default=60.0,
                    help="seconds to retry connecting (%(default)s)")
-    p.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds without a frame before giving up (%(default)s)")
+    p.add_argument("--timeout", type=timeout_arg, default=600.0,
+                   help="seconds without a frame before giving up (%(default)s; inf: as long "
+                        "as the engine's connection is open; 0 is refused)")
     p.set_defaults(func=cmd_imd_bridge)
 
     p = subparsers.add_parser(

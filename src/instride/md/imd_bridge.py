@@ -34,16 +34,19 @@ instride side::
 
 Errors are typed: an engine that never accepts the connection raises
 :class:`EngineUnavailable`; an engine that stops sending for ``timeout`` seconds raises
-:class:`~instride.errors.ConsumeTimeout`; a protocol mismatch (wrong atom count...) raises
-:class:`IMDProtocolError`. In all three cases the stream is left without end-of-stream, so
-consumers do not mistake a broken run for a complete one. Limitation: IMD has no "run
-finished" message, so an engine that crashes also just closes its socket, and the bridge then
-ends the stream after the last frame it received; check the engine's exit status.
+:class:`~instride.errors.ConsumeTimeout`; a protocol mismatch (wrong atom count, no positions
+in a v3 session, a frame cut short, a connection reset) raises :class:`IMDProtocolError`. In
+all these cases the stream is left without end-of-stream, so consumers do not mistake a
+broken run for a complete one. Limitation: IMD has no "run finished" message, so an engine
+that crashes between two frames also just closes its socket, and the bridge then ends the
+stream after the last frame it received; check the engine's exit status.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -123,22 +126,53 @@ def _causes(exc: BaseException) -> list[BaseException]:
     return chain
 
 
-def _connect(host: str, port: int, natoms: int, connect_timeout: float, timeout: float) -> Any:
+def _client_class(within: float) -> type:
+    """imdclient's client, its connection attempt bounded by ``within`` seconds (imdclient
+    connects without a timeout: a host that drops packets would hold it for minutes)."""
     from imdclient.IMDClient import IMDClient
 
+    class _Client(IMDClient):  # type: ignore[misc]
+        def _connect_to_server(self, host: str, port: int, socket_bufsize: int | None) -> Any:
+            conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                if socket_bufsize is not None:
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, socket_bufsize)
+                conn.settimeout(within)
+                conn.connect((host, port))
+                conn.settimeout(None)  # (imdclient sets its own timeouts from here on)
+            except BaseException:
+                conn.close()
+                raise
+            return conn
+
+    return _Client
+
+
+def _connect(host: str, port: int, natoms: int, connect_timeout: float,
+             timeout: float | None) -> Any:
     address = f"{host}:{port}"
     deadline = time.monotonic() + connect_timeout
     while True:
         try:
             # single-threaded: no signal handlers, no background thread; frames are read
             # straight from the socket when asked for
-            return IMDClient(host, port, natoms, multithreaded=False, timeout=timeout)
+            client_class = _client_class(max(0.1, deadline - time.monotonic()))
+            return client_class(host, port, natoms, multithreaded=False, timeout=timeout)
         except OSError as exc:  # refused, reset, no handshake (ConnectionError), timeout
             if time.monotonic() >= deadline:
                 raise EngineUnavailable(address, f"{type(exc).__name__}: {exc}") from None
             time.sleep(0.1)
         except ValueError as exc:  # handshake of an unknown IMD version
             raise IMDProtocolError(address, str(exc)) from None
+
+
+def _next_frame_begins(conn: socket.socket, address: str) -> bool:
+    """Wait (within the socket's timeout) for the next frame's first byte without taking it;
+    ``False`` when the engine closed its connection instead."""
+    try:
+        return bool(conn.recv(1, socket.MSG_PEEK))
+    except ConnectionResetError:
+        raise IMDProtocolError(address, "the connection was reset") from None
 
 
 def bridge(
@@ -177,7 +211,8 @@ def bridge(
     connect_timeout
         Seconds to keep retrying the connection (the engine may still be starting).
     timeout
-        Seconds without a frame before giving up with :class:`ConsumeTimeout`.
+        Seconds without a frame before giving up with :class:`ConsumeTimeout` (more than 0;
+        ``math.inf``: wait as long as the engine keeps its connection open).
     layout, overwrite
         Frame layout and overwrite flag of a stream opened by name.
     on_frame
@@ -194,29 +229,47 @@ def bridge(
     ConsumeTimeout
         The engine sent no frame for ``timeout`` seconds.
     IMDProtocolError
-        The engine's frames do not match ``natoms`` or the protocol.
+        The engine's frames do not match ``natoms`` or the protocol, a v3 engine sends no
+        positions, a frame was cut short or the connection was reset.
     ConfigError
-        A malformed ``address``, ``natoms < 1`` or ``every < 1``.
+        A malformed ``address``, ``natoms < 1``, ``every < 1``, a ``timeout`` or
+        ``connect_timeout`` that is not a number of seconds above 0.
     """
     host, port = parse_addr(address, name="HOST:PORT")
     if natoms < 1:
         raise ConfigError("natoms", natoms, "must be >= 1")
     if every < 1:
         raise ConfigError("every", every, "must be >= 1")
+    for name, value in (("timeout", timeout), ("connect_timeout", connect_timeout)):
+        if not value > 0:  # (also NaN)
+            raise ConfigError(name, value, "must be a number of seconds above 0")
+    if not math.isfinite(connect_timeout):
+        raise ConfigError("connect_timeout", connect_timeout, "must be finite")
+    wait = None if math.isinf(timeout) else timeout
     out = stream if isinstance(stream, Stream) else Stream(
         stream, mode="w", layout=layout, overwrite=overwrite
     )
     t0 = time.perf_counter()
-    client = _connect(host, port, natoms, connect_timeout, timeout)
-    version = int(client.get_imdsessioninfo().version)
+    client = _connect(host, port, natoms, connect_timeout, wait)
+    info = client.get_imdsessioninfo()
+    version = int(info.version)
+    conn = getattr(client, "_conn", None)  # (to tell a frame's end from the middle of one)
     frames = 0
     publish = 0.0
     last = time.monotonic()
     try:
+        if getattr(info, "positions", True) is False:
+            raise IMDProtocolError(address, "the engine's IMD session sends no positions"
+                                            " (LAMMPS: fix imd ... coordinates on)")
         while True:
             try:
+                # The engine closes its connection after its last frame: that is the end of
+                # the run only where it falls between two frames (imdclient reports a frame
+                # cut short, or a reset, as the end too).
+                if conn is not None and not _next_frame_begins(conn, address):
+                    break
                 imdf = client.get_imdframe()
-            except (EOFError, RuntimeError) as exc:
+            except (EOFError, RuntimeError, OSError) as exc:
                 chain = _causes(exc)
                 if any(isinstance(c, TimeoutError) for c in chain):
                     raise ConsumeTimeout(f"imd://{address}", time.monotonic() - last) from None
@@ -225,6 +278,11 @@ def bridge(
                     raise IMDProtocolError(
                         address, f"{bad[-1]} (is natoms={natoms} the size of the IMD group?)"
                     ) from None
+                reset = [c for c in chain if isinstance(c, ConnectionResetError)]
+                if reset or conn is not None:
+                    raise IMDProtocolError(
+                        address, "the connection was reset" if reset else
+                        f"the connection ended in the middle of frame {frames}") from None
                 break  # the engine closed the connection: end of the run
             last = time.monotonic()
             p0 = time.perf_counter()

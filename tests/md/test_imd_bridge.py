@@ -1,0 +1,108 @@
+"""imd-bridge against a scripted IMD v3 engine: how its connection ends decides whether the
+stream is complete (end of stream written) or broken (a typed error, no end marker)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import instride
+from instride.md.imd_bridge import IMDProtocolError, bridge
+from instride.md.imd_protocol import HEADER_SIZE, SessionInfo, encode_frame_packets, encode_handshake
+from tests.conftest import finish
+
+NATOMS = 50
+
+
+def _frame(i: int, info: SessionInfo) -> bytes:
+    pos = np.full((NATOMS, 3), float(i))
+    return b"".join(encode_frame_packets(3, pos, step=i, time=0.5 * i, dt=0.5, box=np.eye(3) * 9,
+                                         session=info, order="<"))
+
+
+@pytest.fixture
+def engine() -> Iterator[Callable[..., int]]:
+    """``engine(script, info)``: a one-client IMD v3 engine on a free port; after the handshake
+    and the client's GO it calls ``script(conn)``, then closes."""
+    threads: list[threading.Thread] = []
+    listeners: list[socket.socket] = []
+
+    def start(script: Callable[[socket.socket], None], info: SessionInfo = SessionInfo()) -> int:
+        listener = socket.create_server(("127.0.0.1", 0))
+        listeners.append(listener)
+
+        def serve() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.sendall(encode_handshake(3, "<", info))
+                conn.recv(HEADER_SIZE)  # (GO)
+                script(conn)
+
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        threads.append(t)
+        return listener.getsockname()[1]
+
+    yield start
+    for listener in listeners:
+        listener.close()
+    for t in threads:
+        t.join(10)
+
+
+def test_a_run_that_ends_between_frames_is_complete(managed_dir: Path, engine) -> None:
+    port = engine(lambda c: c.sendall(_frame(0, SessionInfo()) + _frame(1, SessionInfo())))
+    report = bridge(f"127.0.0.1:{port}", "whole", NATOMS, connect_timeout=10, timeout=10)
+    assert report.frames == 2
+    s = instride.Stream("whole")
+    assert s.ended and [f.step for f in s] == [0, 1]
+
+
+def test_a_frame_cut_short_is_a_protocol_error_and_no_end(managed_dir: Path, engine) -> None:
+    port = engine(lambda c: c.sendall(_frame(0, SessionInfo()) + _frame(1, SessionInfo())[:-20]))
+    with pytest.raises(IMDProtocolError, match="middle of frame 1"):
+        bridge(f"127.0.0.1:{port}", "cut", NATOMS, connect_timeout=10, timeout=10)
+    s = instride.Stream("cut", timeout=0)
+    assert not s.ended and s.published() == [0]  # (the whole frame is kept, no end)
+
+
+def test_a_reset_connection_is_a_protocol_error_and_no_end(managed_dir: Path, engine) -> None:
+    def reset(c: socket.socket) -> None:
+        c.sendall(_frame(0, SessionInfo()))
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close: RST
+
+    port = engine(reset)
+    with pytest.raises(IMDProtocolError, match="reset"):
+        bridge(f"127.0.0.1:{port}", "reset", NATOMS, connect_timeout=10, timeout=10)
+    assert not instride.Stream("reset").ended
+
+
+def test_a_session_without_positions_is_refused(managed_dir: Path, engine) -> None:
+    info = SessionInfo(positions=False)
+    port = engine(lambda c: c.sendall(_frame(0, info)), info)
+    with pytest.raises(IMDProtocolError, match="no positions"):
+        bridge(f"127.0.0.1:{port}", "nopos", NATOMS, connect_timeout=10, timeout=10)
+    assert not instride.Stream("nopos").ended
+
+
+def test_timeouts_are_checked(managed_dir: Path) -> None:
+    for bad in (0, -1, float("nan")):
+        with pytest.raises(instride.ConfigError, match="timeout"):
+            bridge("127.0.0.1:1", "t", NATOMS, timeout=bad)
+    with pytest.raises(instride.ConfigError, match="connect_timeout"):
+        bridge("127.0.0.1:1", "t", NATOMS, connect_timeout=float("inf"))
+    # the command line: 0 is refused (usage, status 2); nothing listening is "unavailable" (6)
+    for args, status in ((["--timeout", "0"], 2), (["--connect-timeout", "0.3"], 6)):
+        proc = subprocess.Popen([sys.executable, "-m", "instride", "imd-bridge", "127.0.0.1:1", "t",
+                                 "--natoms", "5", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        rc, _out, err = finish(proc, timeout=60)
+        assert rc == status, err
+    assert not instride.Stream("t").ended
