@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
-from instride.cli import EXIT_INVALID
-from tests.flow.conftest import flow_env  # noqa: F401 - the fixture
+from instride.cli import EXIT_ERROR, EXIT_INVALID, EXIT_USAGE
+from instride.flow.runner import host
+from tests.flow.conftest import flow_env, pythonpath  # noqa: F401 - the fixture
 
 GRAPH = textwrap.dedent("""
     from instride.flow import Graph, patterns
@@ -37,7 +39,7 @@ BAD = textwrap.dedent("""
 
 def cli(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "instride", *args], capture_output=True,
-                          text=True, timeout=180, env={**os.environ, "PYTHONPATH": os.getcwd()},
+                          text=True, timeout=180, env={**os.environ, "PYTHONPATH": pythonpath()},
                           **kw)
 
 
@@ -50,7 +52,7 @@ def test_run_top_and_outputs(flow_env:  # noqa: F811
         [sys.executable, "-m", "instride", "flow", "run", str(graph), "--out", str(out),
          "-p", "n=40", "-p", "delay=0.05"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": os.getcwd()})
+        env={**os.environ, "PYTHONPATH": pythonpath()})
     try:
         top = None
         deadline = time.monotonic() + 60
@@ -93,3 +95,61 @@ def test_check_and_draw(flow_env:  # noqa: F811
     assert res.returncode == 0 and png.stat().st_size > 1000
     for sub in (["flow", "run"], ["flow", "check"], ["flow", "draw"], ["top"]):
         assert cli(*sub, "--help").returncode == 0
+
+
+def test_bad_graph_files_and_arguments_are_typed_errors(flow_env:  # noqa: F811
+                                                        dict[str, Path], tmp_path: Path) -> None:
+    files = {
+        "nofn.py": 'from instride.flow import Graph\ngraph = Graph("nofn")\n'
+                   'graph.module("m", "nosuchpkg.mod:func")\n',
+        "syntax.py": 'from instride.flow import Graph\ngraph = Graph(\n',
+        "empty.py": 'from instride.flow import Graph\ngraph = Graph("empty")\n',
+        "good.py": GRAPH,
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    res = cli("flow", "check", str(tmp_path / "nofn.py"))
+    assert res.returncode == EXIT_INVALID and "cannot import 'nosuchpkg.mod'" in res.stderr
+    res = cli("flow", "check", str(tmp_path / "syntax.py"))
+    assert res.returncode == EXIT_INVALID and "syntax.py', line 2: '(' was never closed" in res.stderr
+    res = cli("flow", "check", str(tmp_path / "good.py"), "-p", "m=2")
+    assert res.returncode == EXIT_INVALID and "build() does not take these parameters" in res.stderr
+    res = cli("flow", "draw", str(tmp_path / "empty.py"), "-o", str(tmp_path / "e.png"))
+    assert res.returncode == EXIT_INVALID and "has no modules" in res.stderr
+    assert not (tmp_path / "e.png").exists()
+    res = cli("flow", "run", str(tmp_path / "good.py"), "--timeout", "-1")
+    assert res.returncode == EXIT_USAGE and "--timeout" in res.stderr
+
+
+def test_draw_nodes_given_by_index(tmp_path: Path) -> None:
+    graph = tmp_path / "indexed.py"
+    graph.write_text(textwrap.dedent("""
+        from instride.flow import Graph
+        from tests.flow import modules
+        graph = Graph("indexed")
+        graph.module("src", modules.numbers, outputs={"out": "array"}, nodes=[0, 1])
+    """))
+    res = cli("flow", "draw", str(graph), "-o", str(tmp_path / "i.png"))
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "i.png").stat().st_size > 1000
+
+
+def test_top_unknown_and_killed_runs(flow_env:  # noqa: F811
+                                     dict[str, Path]) -> None:
+    res = cli("top", "nosuch")
+    assert res.returncode == EXIT_INVALID and "no run 'nosuch' is recorded" in res.stderr
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # reaped: its pid names no process
+    killed = flow_env["state"] / "g-killed"
+    (killed / "stats").mkdir(parents=True)
+    (killed / "run.json").write_text(json.dumps(
+        {"graph": "g", "prefix": "flow/g-killed", "pid": dead.pid, "host": host(),
+         "started": 0.0, "launcher": "local", "instances": []}))
+    try:
+        res = cli("top", "g-killed")
+        assert res.returncode == EXIT_ERROR
+        assert f"its runner (pid {dead.pid}) is gone" in res.stderr
+        # nor is it the newest running graph
+        assert cli("top", "--once").stdout.startswith("no graph is running")
+    finally:
+        shutil.rmtree(killed)

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+
+def pythonpath() -> str:
+    """``PYTHONPATH`` of a command a test starts: the repository (for ``tests.flow``), then the
+    test's own (so a checkout's ``src`` run with ``PYTHONPATH=src`` is what the command runs)."""
+    return os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p)
 
 
 @pytest.fixture

@@ -192,3 +192,16 @@ def stall(ports, port="in"):
     ports.wait()
     ports.get(port)
     time.sleep(600)
+
+
+def json_numbers(ports, n=3, every=10):
+    """Source of JSON objects ``{"k": k}`` at steps ``k * every``."""
+    for k in range(n):
+        ports.put("out", {"k": k}, step=k * every)
+
+
+def send_unsendable(ports, what="objects"):
+    """Sends one value its port's type cannot carry (the producer must fail, naming it)."""
+    value = {"objects": np.array([{"a": 1}, None], dtype=object), "float32": np.float32(1.5),
+             "set": {1, 2}}[what]
+    ports.put("out", value, step=0)

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from instride.errors import InstrideError
-from instride.flow import Graph, GraphError, ModuleFailed, PortBlocked, Ports, run
+from instride.flow import FlowError, Graph, GraphError, ModuleFailed, PortBlocked, Ports, run
 from instride.flow.launchers import LocalLauncher
-from instride.flow.ports import PortPolicy, port_policy
+from instride.flow.ports import PortPolicy, encode_message, port_policy
 
 from . import modules
 
@@ -148,3 +148,28 @@ def test_port_policies_follow_the_connections() -> None:
     assert port_policy(h, "p", 0, "out").retain == 100
     with pytest.raises(GraphError, match="retain"):
         Graph("bad", retain=0)
+
+
+def test_values_a_port_cannot_carry_are_refused_naming_the_port() -> None:
+    with pytest.raises(FlowError, match="array of Python objects"):
+        encode_message("array", np.array([{"a": 1}, None], dtype=object), 0, 0.0)
+    with pytest.raises(FlowError, match="float32 as JSON"):
+        encode_message("json", np.float32(1.5), 0, 0.0)
+    with pytest.raises(FlowError, match="set as JSON"):
+        encode_message("any", {1, 2}, 0, 0.0)
+    with pytest.raises(FlowError, match="str as bytes"):
+        encode_message("bytes", "text", 0, 0.0)
+
+
+@pytest.mark.parametrize(("kind", "what"), [("array", "objects"), ("json", "float32")])
+def test_unsendable_value_fails_its_producer(flow_env: dict[str, Path], kind: str,
+                                             what: str) -> None:
+    g = Graph(f"unsendable-{kind}")
+    g.module("src", modules.send_unsendable, outputs={"out": kind}, params={"what": what})
+    g.module("sink", modules.record, inputs={"in": kind})
+    g.connect("src.out", "sink.in")
+    with pytest.raises(ModuleFailed) as info:
+        run(g, timeout=120)
+    err = info.value
+    assert (err.module, err.instance) == ("src", 0)  # the producer, not its consumer
+    assert f"module 'src' instance 0 output 'out' ({kind})" in err.log

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from instride.errors import InstrideError
@@ -141,3 +142,42 @@ def test_mpi_module_on_one_node() -> None:
     g = Graph("g")
     with pytest.raises(GraphError, match="mpi module runs on one node"):
         g.module("m", modules.numbers, instances=2, nodes=["n1", "n2"], mpi=True)
+
+
+def test_port_names_and_node_lists_are_checked() -> None:
+    g = Graph("g")
+    with pytest.raises(GraphError, match=r"input port name '\.\./\.\./x'"):
+        g.module("a", modules.record, inputs={"../../x": "array"})
+    with pytest.raises(GraphError, match="'o' and 'O' differ only in case"):
+        g.module("b", modules.numbers, outputs={"o": "array", "O": "array"})
+    with pytest.raises(GraphError, match=r"nodes=\['node1'\]"):
+        g.module("c", modules.numbers, outputs={"out": "array"}, nodes="node1")
+    assert g.modules == {}  # nothing was added
+    # a graph from plain data is checked by validate()
+    ok = Graph("ok")
+    ok.module("src", modules.numbers, outputs={"out": "array"})
+    data = ok.to_dict()
+    data["modules"][0]["outputs"] = {"a/b": "array"}
+    with pytest.raises(GraphError, match="output port name 'a/b'"):
+        Graph.from_dict(data).validate()
+
+
+def test_params_must_be_json() -> None:
+    g = Graph("g")
+    with pytest.raises(GraphError, match="module 'a': params must be JSON.*float32"):
+        g.module("a", modules.numbers, outputs={"out": "array"}, params={"n": np.float32(1)})
+    m = g.module("b", modules.numbers, outputs={"out": "array"})
+    m.params["n"] = {1, 2}  # changed after the module was added
+    with pytest.raises(GraphError, match="module 'b': params must be JSON.*set"):
+        g.validate()
+
+
+def test_validate_imports_module_functions() -> None:
+    g = Graph("g")
+    g.module("a", "nosuchpkg.mod:func")
+    with pytest.raises(GraphError, match="cannot import 'nosuchpkg.mod'"):
+        g.validate()
+    h = Graph("h")
+    h.module("a", "tests.flow.modules:does_not_exist")
+    with pytest.raises(GraphError, match="no 'does_not_exist' there"):
+        h.validate()

@@ -50,6 +50,12 @@ def test_patterns_in_one_run(flow_env: dict[str, Path]) -> None:
     slow = g.module("slow", modules.slow_record, inputs={"in": "frame"},
                     params={"delay": 0.25})
     patterns.sample_newest(g, fast.output("frames"), slow.input("in"))
+    # synchronizer of JSON sources: by default its output is JSON too (a list per step)
+    j1 = g.module("j1", modules.json_numbers, outputs={"out": "json"}, params={"n": 3})
+    j2 = g.module("j2", modules.json_numbers, outputs={"out": "json"}, params={"n": 2})
+    sync_json = patterns.synchronize(g, "syncj", [j1.output("out"), j2.output("out")])
+    assert g.modules["syncj"].outputs == {"out": "json"}
+    g.connect(sync_json, _rec(g, "syncj", kind="json").input("in"))
 
     assert sum(m.startswith("tree_") for m in g.modules) == 6
     run(g, out=out, timeout=180)
@@ -64,9 +70,11 @@ def test_patterns_in_one_run(flow_env: dict[str, Path]) -> None:
     assert [s for s, _ in got("scatter", 0)] == [0, 20, 40, 60]
     assert [s for s, _ in got("scatter", 1)] == [10, 30, 50]
     assert got("sync") == [[0, [[0.0], [0.0]]], [20, [[2.0], [1.0]]], [40, [[4.0], [2.0]]]]
+    assert got("syncj") == [[0, [{"k": 0}, {"k": 0}]], [10, [{"k": 1}, {"k": 1}]]]
     steps = json.loads((out / "slow.json").read_text())
     assert steps == sorted(set(steps)) and len(steps) < 30  # skipped what it had no time for
-    assert steps[0] >= 0 and steps[-1] == 290  # ... but always ends on the newest
+    assert set(steps) <= set(range(0, 300, 10))  # only steps the source sent (no tokens)
+    assert steps[-1] == 290  # ... but always ends on the newest
 
 
 def test_pattern_errors() -> None:

@@ -14,10 +14,13 @@ from pathlib import Path
 import pytest
 
 from instride.cli import EXIT_ERROR
-from instride.errors import InstrideError
-from instride.flow import FlowTimeout, Graph, Input, ModuleFailed, run
+from instride.errors import ConfigError, InstrideError
+from instride.flow import FlowError, FlowTimeout, Graph, Input, ModuleFailed, run, runner
+from instride.flow.launchers import LocalLauncher
+from instride.flow.runner import gc_stale, host, launcher_kind
 
 from . import modules
+from .conftest import pythonpath
 
 
 def test_pipeline_end_of_stream_and_trace(flow_env: dict[str, Path]) -> None:
@@ -173,7 +176,7 @@ def test_runner_killed_leaves_no_instance(flow_env: dict[str, Path], tmp_path: P
         graph.connect(src.output("out"), rec.input("in"))
     """))
     out = flow_env["out"]
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for p in out.glob("sleeper-*.pid"):
             p.unlink()
@@ -199,6 +202,8 @@ def test_runner_killed_leaves_no_instance(flow_env: dict[str, Path], tmp_path: P
         assert not any(_alive(p) for p in pids), sig
     # a SIGKILLed runner could not clean up; the next run removes what it left
     assert any(flow_env["state"].iterdir()) and (flow_env["managed"] / "flow").exists()
+    (left,) = [json.loads(p.read_text()) for p in flow_env["state"].glob("*/run.json")]
+    assert (left["host"], left["launcher"]) == (host(), "local")
     g = Graph("next")
     g.module("src", modules.numbers, outputs={"out": "array"}, params={"n": 1})
     run(g, timeout=60)  # the fixture checks that nothing is left
@@ -223,3 +228,154 @@ def test_mpi_module_ranks_are_instances(flow_env: dict[str, Path]) -> None:
     for i in range(3):  # every rank found its instance (and its input) from PMI_RANK
         assert json.loads((out / f"record-{i}.json").read_text()) == [
             [10 * k, [float(k)]] for k in range(3)]
+
+
+def test_mpi_command_module_gets_its_ports_per_rank(flow_env: dict[str, Path]) -> None:
+    out = flow_env["out"]
+    code = textwrap.dedent("""
+        import os, json, instride
+        i = os.environ["INSTRIDE_FLOW_INSTANCE"]
+        frames = instride.Stream(os.environ["INSTRIDE_FLOW_IN_FRAMES"],
+                                 group=os.environ["INSTRIDE_FLOW_GROUP_FRAMES"], timeout=60)
+        steps = [f.step for f in frames]
+        seen = [os.environ["PMI_RANK"], os.environ["INSTRIDE_FLOW_IN_FRAMES"], steps]
+        open(os.path.join(os.environ["INSTRIDE_FLOW_OUT_DIR"], f"cmd-{i}.json"), "w").write(
+            json.dumps(seen))
+        print("rank", os.environ["PMI_RANK"], flush=True)
+    """)
+    g = Graph("mpicmd")
+    src = g.module("src", modules.count, outputs=["frames"], instances=2, params={"n": 3})
+    cmd = g.module("cmd", command=[sys.executable, "-c", code], inputs=["frames"], instances=2,
+                   mpi=True)
+    g.connect(src.output("frames"), cmd.input("frames"))
+    result = run(g, out=out, timeout=120)
+    for i in range(2):  # rank i is instance i, reading instance i of src
+        rank, stream, steps = json.loads((out / f"cmd-{i}.json").read_text())
+        assert (rank, steps) == (str(i), [0, 10, 20])
+        assert stream == f"{result.prefix}/src.{i}/frames"
+    log = (out / "logs" / "cmd.0.log").read_text()  # the ranks share one log
+    assert "rank 0" in log and "rank 1" in log
+    assert not (out / "logs" / "cmd.1.log").exists()
+
+
+def test_missing_program_stops_what_started(flow_env: dict[str, Path]) -> None:
+    g = Graph("noprog")
+    g.module("idle", modules.sleeper)
+    g.module("c", command=["/no/such/prog"])
+    events: list[str] = []
+    with pytest.raises(FlowError, match="module 'c' instance 0 could not be started.*"
+                                        "/no/such/prog"):
+        run(g, out=flow_env["out"], timeout=60, on_event=events.append)
+    (started,) = [e for e in events if e.startswith("started idle[0]")]
+    pid = int(started.rsplit("pid ", 1)[1].rstrip(")"))
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the instance that had started was stopped (and reaped)
+
+
+def test_failed_setup_leaves_no_state(flow_env: dict[str, Path], tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    state = flow_env["state"]
+    g = Graph("setup")
+    g.module("src", modules.numbers, outputs={"out": "array"}, params={"n": 1})
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ConfigError, match="cannot make the output directory"):
+        run(g, out=afile, timeout=60)
+    assert not state.exists() or list(state.iterdir()) == []
+    def boom(nodes: object) -> None:
+        raise OSError("disk full")
+    monkeypatch.setattr(g, "placement", boom)  # fails after the state directory was made
+    with pytest.raises(OSError, match="disk full"):
+        run(g, timeout=60)
+    assert state.is_dir() and list(state.iterdir()) == []
+
+
+class _Unnamed:
+    """A launcher with the four methods and no ``name``."""
+
+    def __init__(self) -> None:
+        self.local = LocalLauncher()
+
+    def nodes(self) -> list[str]:
+        return self.local.nodes()
+
+    def env(self, node: str) -> dict[str, str]:
+        return self.local.env(node)
+
+    def start(self, *args: object) -> subprocess.Popen[bytes]:
+        return self.local.start(*args)  # type: ignore[arg-type]
+
+    def cleanup(self, prefix: str) -> None:
+        self.local.cleanup(prefix)
+
+
+def test_launcher_without_a_name(flow_env: dict[str, Path]) -> None:
+    out = flow_env["out"]
+    g = Graph("unnamed")
+    src = g.module("src", modules.numbers, outputs={"out": "array"}, params={"n": 2})
+    rec = g.module("rec", modules.record, inputs={"in": "array"})
+    g.connect(src.output("out"), rec.input("in"))
+    assert launcher_kind(_Unnamed()) == "_Unnamed"
+    run(g, out=out, launcher=_Unnamed(), timeout=60)
+    assert json.loads((out / "record-0.json").read_text()) == [[0, [0.0]], [10, [1.0]]]
+
+
+class _Interrupting(LocalLauncher):
+    """Receives SIGTERM and Ctrl-C while it removes the run's streams."""
+
+    cleaned = False
+
+    def cleanup(self, prefix: str) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        super().cleanup(prefix)
+        self.cleaned = True
+
+
+def test_second_signal_does_not_cut_the_teardown_short(flow_env: dict[str, Path]) -> None:
+    g = Graph("again")
+    src = g.module("src", modules.numbers, outputs={"out": "array"}, params={"n": 2})
+    rec = g.module("rec", modules.record, inputs={"in": "array"})
+    g.connect(src.output("out"), rec.input("in"))
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    launcher = _Interrupting()
+    run(g, out=flow_env["out"], launcher=launcher, timeout=60)
+    assert launcher.cleaned  # the fixture checks that streams and state are gone
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def _record(root: Path, name: str, pid: int, **extra: object) -> Path:
+    (root / name).mkdir(parents=True)
+    (root / name / "run.json").write_text(json.dumps(
+        {"graph": "g", "prefix": f"flow/{name}", "pid": pid, "started": 0.0, **extra}))
+    return root / name
+
+
+class _Recording(LocalLauncher):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cleaned: list[str] = []
+
+    def cleanup(self, prefix: str) -> None:
+        self.cleaned.append(prefix)
+
+
+def test_gc_collects_only_dead_runs_of_this_host_and_kind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # reaped: its pid names no process
+    root = tmp_path / "shared"
+    here = {"host": host(), "launcher": "local"}
+    mine = _record(root, "mine", dead.pid, **here)
+    other_host = _record(root, "other-host", dead.pid, host="cn999", launcher="local")
+    other_kind = _record(root, "other-kind", dead.pid, host=host(), launcher="slurm")
+    alive = _record(root, "alive", os.getpid(), **here)
+    legacy = _record(root, "legacy", dead.pid, launcher="local")  # no host: an older version
+    launcher = _Recording()
+    assert gc_stale(launcher, root) == ["flow/mine"] == launcher.cleaned
+    assert not mine.exists()
+    assert other_host.is_dir() and other_kind.is_dir() and alive.is_dir() and legacy.is_dir()
+    # only this host writes the per-user temp dir: there a record without a host is ours
+    monkeypatch.setattr(runner, "default_state_root", lambda: root)
+    assert gc_stale(launcher, root) == ["flow/legacy"]
+    assert not legacy.exists() and other_host.is_dir()

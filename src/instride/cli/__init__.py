@@ -17,7 +17,8 @@ Exit status (the same for every command; :data:`EXIT_CODES`, mapped from the typ
       ``--timeout`` (``FlowTimeout``)
 4     invalid input: a bad or unsafe key, a directory or special file under a key, a
       write-once key already published, a missing key or input file, an unsupported mode,
-      a dataflow graph that does not validate (``GraphError``)
+      a dataflow graph that does not validate (``GraphError``), a run ``instride top`` does
+      not know (``UnknownRunError``)
 5     integrity or transfer failure: bytes that do not verify, a transfer cut short
 6     unavailable: a peer's data server or the metadata service (Redis) cannot be reached
       (also a wait that ran out while Redis could not be reached); a node's services did

@@ -16,6 +16,8 @@ import sys
 import time
 from typing import Any
 
+from . import timeout_arg
+
 
 def _param(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
@@ -82,20 +84,28 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_draw(args: argparse.Namespace) -> int:
     from ..flow.draw import draw
 
-    print(draw(_graph(args), args.output))
+    graph = _graph(args)
+    graph.validate()  # what cannot run is not drawn either
+    print(draw(graph, args.output))
     return 0
 
 
 def cmd_top(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ..flow.monitor import live_runs, render, rows, snapshot
-    from ..flow.runner import state_root
+    from ..flow import FlowError, UnknownRunError
+    from ..flow.monitor import live_runs, render, rows, runner_alive, snapshot
+    from ..flow.runner import state_roots
 
     if args.run:
-        run_dir = Path(args.run)
-        if not run_dir.is_absolute():
-            run_dir = state_root() / args.run
+        named = Path(args.run)
+        where = [named] if named.is_absolute() else [root / args.run for root in state_roots()]
+        found = [p for p in where if (p / "run.json").is_file()]
+        if not found:
+            raise UnknownRunError(
+                f"no run {args.run!r} is recorded (looked in {', '.join(map(str, where))}): it "
+                "never started or has ended; `instride top` without RUN shows the newest")
+        run_dir = found[0]
     else:
         runs = live_runs()
         if not runs:
@@ -109,6 +119,11 @@ def cmd_top(args: argparse.Namespace) -> int:
             snap = snapshot(run_dir)
         except (OSError, ValueError):
             break
+        if runner_alive(snap["run"]) is False and (run_dir / "run.json").exists():
+            raise FlowError(
+                f"run {run_dir.name}: its runner (pid {snap['run']['pid']}) is gone but the run "
+                "is still recorded: it was killed (SIGKILL); the next `instride flow run` here "
+                "removes what it left")
         text = render(rows(snap, previous),
                       title=f"{snap['run']['graph']} ({run_dir.name}) "
                             f"{time.strftime('%H:%M:%S')}")
@@ -140,7 +155,9 @@ def add_parser(sub: Any) -> None:
     r.add_argument("--launcher", choices=["local", "emulated", "slurm"],
                    help="where instances run (default: emulated with --cluster, slurm when "
                         "SLURM_JOB_ID is set, else local)")
-    r.add_argument("--timeout", type=float, help="stop the graph after this many seconds")
+    r.add_argument("--timeout", type=timeout_arg,
+                   help="stop the graph after this many seconds; 0: at once; inf: never "
+                        "(default: never)")
     r.add_argument("--keep-streams", action="store_true",
                    help="leave the run's streams in place after it ends")
     r.add_argument("--no-trace", action="store_true", help="record no trace regions")

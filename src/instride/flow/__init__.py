@@ -31,6 +31,7 @@ from .errors import (
     UnconnectedInputError,
     UnknownModuleError,
     UnknownNodeError,
+    UnknownRunError,
 )
 from .graph import Edge, Graph, Input, Module, PortRef, load_graph
 from .launchers import EmulatedLauncher, Launcher, LocalLauncher, SlurmLauncher
@@ -61,6 +62,7 @@ __all__ = [
     "UnconnectedInputError",
     "UnknownModuleError",
     "UnknownNodeError",
+    "UnknownRunError",
     "from_env",
     "load_graph",
     "run",

@@ -69,7 +69,14 @@ def stream_name(prefix: str, module: str, instance: int, port: str) -> str:
 
 # ---------------------------------------------------------------------- message codec
 def encode_message(kind: str, data: Any, step: int, time: float, token: bool = False) -> bytes:
-    """Encode a non-frame message: magic, header length, JSON header, payload."""
+    """Encode a non-frame message: magic, header length, JSON header, payload.
+
+    Raises
+    ------
+    FlowError
+        ``data`` cannot travel as ``kind``: an array of Python objects (its bytes would be
+        pointers), a ragged sequence, a value JSON cannot encode (a numpy scalar, a set).
+    """
     if kind == "any":
         kind = (
             "array" if isinstance(data, np.ndarray)
@@ -80,13 +87,26 @@ def encode_message(kind: str, data: Any, step: int, time: float, token: bool = F
         header["token"] = True
         payload = b""
     elif kind == "array":
-        arr = np.ascontiguousarray(data)
+        try:
+            arr = np.ascontiguousarray(data)
+        except (TypeError, ValueError) as exc:
+            raise FlowError(f"cannot send {type(data).__name__} as an array: {exc}") from None
+        if arr.dtype.hasobject:
+            raise FlowError(f"cannot send an array of Python objects (dtype {arr.dtype}) on an "
+                            "'array' port: send numbers, or use a 'json' port")
         header.update(dtype=arr.dtype.str, shape=list(arr.shape))
         payload = arr.tobytes()
     elif kind == "bytes":
-        payload = bytes(data)
+        try:
+            payload = bytes(data)
+        except TypeError as exc:
+            raise FlowError(f"cannot send {type(data).__name__} as bytes: {exc}") from None
     elif kind == "json":
-        payload = json.dumps(data).encode()
+        try:
+            payload = json.dumps(data).encode()
+        except (TypeError, ValueError) as exc:  # numpy scalars, sets, circular references
+            raise FlowError(f"cannot send {type(data).__name__} as JSON: {exc} (convert "
+                            "numpy values with .item() or .tolist())") from None
     else:
         raise FlowError(f"cannot send {type(data).__name__} on a {kind!r} port")
     head = json.dumps(header).encode()
@@ -279,6 +299,8 @@ class Writer:
         ------
         PortBlocked
             The consumers did not take the oldest message within the timeout.
+        FlowError
+            ``data`` cannot travel on this port's type (named in the error).
         """
         if self._stream is not None:
             if isinstance(data, Frame):
@@ -289,7 +311,13 @@ class Writer:
             self.count += 1
             self.bytes += frame_size(len(positions), self._stream.layout)
         else:
-            self._publish(encode_message(self.kind, data, step, time))
+            try:
+                body = encode_message(self.kind, data, step, time)
+            except FlowError as exc:
+                module, instance, port = self.owner
+                raise FlowError(f"module {module!r} instance {instance} output {port!r} "
+                                f"({self.kind}): {exc}") from None
+            self._publish(body)
 
     def head(self) -> tuple[int, int]:
         """``(oldest message retained, messages written)``."""

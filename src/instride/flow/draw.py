@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .errors import GraphError
 from .graph import Graph
 
 
@@ -44,7 +45,14 @@ def draw(g: Graph, path: str | Path, title: str | None = None) -> Path:
     Returns
     -------
     pathlib.Path
+
+    Raises
+    ------
+    GraphError
+        The graph has no modules.
     """
+    if not g.modules:
+        raise GraphError(f"graph {g.name!r} has no modules: nothing to draw")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -65,7 +73,7 @@ def draw(g: Graph, path: str | Path, title: str | None = None) -> Path:
     for name, (x, y) in pos.items():
         m = g.modules[name]
         label = name + (f" ×{m.instances}" if m.instances > 1 else "")
-        where = ",".join(sorted(set(m.nodes))) if m.nodes else ""
+        where = ",".join(sorted(set(map(str, m.nodes)))) if m.nodes else ""  # names or indices
         color = "#dbe8f6" if m.target else "#f6e3cf"
         ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h,
                                     boxstyle="round,pad=0.05", fc=color, ec="#333333"))

@@ -41,6 +41,10 @@ class UnknownNodeError(GraphError):
     """A module is placed on a node the launcher does not have."""
 
 
+class UnknownRunError(FlowError, LookupError):
+    """``instride top RUN`` names a run that is not recorded (never started, or ended)."""
+
+
 class ModuleFailed(FlowError, RuntimeError):
     """A module instance exited with an error; the graph was stopped.
 

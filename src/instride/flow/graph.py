@@ -14,13 +14,14 @@ Examples
 >>> rg = g.module("rg", "mypkg.modules:gyration", inputs={"frames": "frame"},
 ...               outputs={"rg": "array"})
 >>> g.connect(sim.output("frames"), rg.input("frames"))
->>> g.validate()
+>>> g.validate()                  # imports mypkg.modules: GraphError if it cannot
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import json
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -36,7 +37,7 @@ from .errors import (
     UnknownModuleError,
     UnknownNodeError,
 )
-from .resolve import GRAPH_MODULE
+from .resolve import GRAPH_MODULE, resolve
 
 #: Message types a port can carry: MD frames (positions + step, time, box; an instride stream),
 #: numpy arrays, raw bytes, JSON values; ``any`` accepts every type except frames.
@@ -178,6 +179,38 @@ def _target_of(fn: Callable[..., Any]) -> str:
     return f"{mod}:{qual}"
 
 
+def _name_ok(name: str) -> bool:
+    """The rule of module, port and graph names: letters, digits, ``-``, ``_``."""
+    return bool(name) and all(c.isalnum() or c in "-_" for c in name)
+
+
+def _check_ports(module: str, inputs: Iterable[str], outputs: Iterable[str]) -> None:
+    """Refuse port names that are not names, or that only differ in case among a module's
+    inputs (or outputs): they would share an ``INSTRIDE_FLOW_IN_<PORT>`` variable."""
+    for direction, ports in (("input", list(inputs)), ("output", list(outputs))):
+        seen: dict[str, str] = {}
+        for port in ports:
+            if not _name_ok(port):
+                raise GraphError(f"module {module!r}: {direction} port name {port!r}: use "
+                                 "letters, digits, '-', '_'")
+            if port.upper() in seen:
+                raise GraphError(
+                    f"module {module!r}: {direction} ports {seen[port.upper()]!r} and {port!r} "
+                    f"differ only in case (both would be INSTRIDE_FLOW_"
+                    f"{'IN' if direction == 'input' else 'OUT'}_{port.upper()})"
+                )
+            seen[port.upper()] = port
+
+
+def _check_params(module: str, params: Mapping[str, Any]) -> None:
+    """Refuse parameters that are not JSON: they travel to the instances in the run's spec."""
+    try:
+        json.dumps(params)
+    except (TypeError, ValueError) as exc:
+        raise GraphError(f"module {module!r}: params must be JSON-serializable (numbers, "
+                         f"strings, lists, dicts; not numpy scalars or sets): {exc}") from None
+
+
 def _inputs(spec: Mapping[str, str | Input] | Sequence[str] | None) -> dict[str, Input]:
     if spec is None:
         return {}
@@ -226,7 +259,7 @@ class Graph:
 
     def __init__(self, name: str = "graph", *, retain: int | None = DEFAULT_RETAIN,
                  put_timeout: float | None = None) -> None:
-        if not name or not all(c.isalnum() or c in "-_" for c in name):
+        if not _name_ok(name):
             raise GraphError(f"graph name {name!r}: use letters, digits, '-', '_'")
         _check_retain(retain)
         if put_timeout is not None and not put_timeout > 0:
@@ -286,8 +319,14 @@ class Graph:
         Returns
         -------
         Module
+
+        Raises
+        ------
+        GraphError
+            A bad name, port name (or two port names that differ only in case), placement,
+            instance count, or parameters that are not JSON.
         """
-        if not name or not all(c.isalnum() or c in "-_" for c in name):
+        if not _name_ok(name):
             raise GraphError(f"module name {name!r}: use letters, digits, '-', '_'")
         if name in self.modules:
             raise GraphError(f"module {name!r} is already in graph {self.name!r}")
@@ -296,6 +335,9 @@ class Graph:
         target = None
         if fn is not None:
             target = fn if isinstance(fn, str) else _target_of(fn)
+        if isinstance(nodes, str):
+            raise GraphError(f"module {name!r}: nodes must be a list of node names or "
+                             f"indices, got the string {nodes!r} (write nodes=[{nodes!r}])")
         placement = list(nodes) if nodes is not None else None
         if per_node is not None:
             if not placement or per_node < 1:
@@ -310,12 +352,15 @@ class Graph:
         instances = 1 if instances is None else int(instances)
         if instances < 1:
             raise GraphError(f"module {name!r}: instances must be >= 1, got {instances}")
+        ins, outs = _inputs(inputs), _outputs(outputs)
+        _check_ports(name, ins, outs)
+        _check_params(name, params or {})
         mod = Module(
             name=name,
             target=target,
             command=[str(a) for a in command] if command is not None else None,
-            inputs=_inputs(inputs),
-            outputs=_outputs(outputs),
+            inputs=ins,
+            outputs=outs,
             instances=instances,
             nodes=placement,
             params=dict(params or {}),
@@ -468,6 +513,9 @@ class Graph:
     def validate(self, nodes: Iterable[str] | None = None) -> None:
         """Check that the graph can run; raise before anything starts.
 
+        Besides the structure, every module function is imported (its ``"pkg.mod:func"``
+        target resolved), as the instances will.
+
         Parameters
         ----------
         nodes
@@ -487,10 +535,14 @@ class Graph:
             A module is placed on a node the launcher does not have.
         GraphError
             Anything else: an input with two connections, tokens on a frame port, an
-            empty graph.
+            empty graph, a module function that cannot be imported, a bad port name,
+            parameters that are not JSON.
         """
         if not self.modules:
             raise GraphError(f"graph {self.name!r} has no modules")
+        for m in self.modules.values():
+            _check_ports(m.name, m.inputs, m.outputs)
+            _check_params(m.name, m.params)
         seen: dict[tuple[str, int, str], Edge] = {}
         for e in self.edges:
             s, d = self._module(e.src), self._module(e.dst)
@@ -548,6 +600,9 @@ class Graph:
                             f"does not have (nodes: {known})"
                         )
         self._check_deadlock()
+        for m in self.modules.values():
+            if m.target is not None:
+                resolve(m.target)  # an unknown function fails here, before anything starts
 
     def _check_deadlock(self) -> None:
         # A cycle whose every connection is blocking and holds no token can never start.
@@ -622,12 +677,23 @@ def load_graph(path: str | Path, params: Mapping[str, Any] | None = None) -> Gra
     Returns
     -------
     Graph
+
+    Raises
+    ------
+    GraphError
+        The file does not exist, does not compile, defines no graph, or ``build`` does not
+        take ``params``.
     """
     from .resolve import load_file
 
     module = load_file(Path(path))
     build = getattr(module, "build", None)
     if callable(build):
+        try:
+            inspect.signature(build).bind(**dict(params or {}))
+        except TypeError as exc:  # an unknown or missing parameter
+            raise GraphError(f"{path}: build() does not take these parameters "
+                             f"({sorted(dict(params or {}))}): {exc}") from None
         graph = build(**dict(params or {}))
     elif params:
         raise GraphError(f"{path}: parameters given but the file defines no build() function")

@@ -3,7 +3,9 @@
 A launcher is a small protocol (:class:`Launcher`): the nodes it offers, the environment of a
 process on a node, starting an argv there, and removing a run's streams afterwards. The runner
 knows nothing else about the machines, so a batch-system launcher (Slurm ``srun``) plugs in by
-implementing these four methods.
+implementing these four methods. Two attributes are optional: ``name`` (the kind recorded with a
+run; default: the class name) and ``state_root`` (where the run's state goes, when every node
+must read it; default: :func:`instride.flow.runner.state_root`).
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from ..config import Settings
 
 @runtime_checkable
 class Launcher(Protocol):
-    """What the runner needs from a launcher."""
+    """What the runner needs from a launcher: four methods.
 
-    #: Short name shown in reports.
-    name: str
+    A ``name`` attribute (the kind recorded with a run, shown in reports; the class name when
+    absent) and a ``state_root`` path are optional.
+    """
 
     def nodes(self) -> list[str]:
         """Names of the nodes modules can be placed on (the first is the default)."""
@@ -165,6 +168,13 @@ class EmulatedLauncher:
             _remove_stream_state(root, prefix)
 
 
+def slurm_state_root(env: Mapping[str, str]) -> Path:
+    """Where the Slurm launcher records runs: ``$INSTRIDE_FLOW_STATE``, else
+    ``.instride-flow`` in the job's submission directory (shared by every node)."""
+    submit = env.get("SLURM_SUBMIT_DIR") or os.getcwd()
+    return Path(env.get("INSTRIDE_FLOW_STATE") or Path(submit) / ".instride-flow")
+
+
 #: Per-node settings the Slurm task prolog sets on each node (never taken from the runner's node).
 _NODE_VARS = ("INSTRIDE_DIR", "INSTRIDE_ADDR", "INSTRIDE_NODE")
 
@@ -218,10 +228,8 @@ class SlurmLauncher:
         if proc.returncode != 0 or not self._names:
             raise FlowError(f"cannot list the nodes of Slurm job {self.job_id} "
                             f"({nodelist!r}): {proc.stderr.strip()}")
-        submit = self.base.get("SLURM_SUBMIT_DIR") or os.getcwd()
         #: Run state (spec, counters, logs) every node reads and writes: on a shared file system.
-        self.state_root = Path(self.base.get("INSTRIDE_FLOW_STATE")
-                               or Path(submit) / ".instride-flow")
+        self.state_root = slurm_state_root(self.base)
 
     def nodes(self) -> list[str]:
         return list(self._names)

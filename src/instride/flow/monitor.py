@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .runner import state_root
+from .runner import host, state_roots
 
 COLUMNS = ("instance", "node", "port", "dir", "msgs", "rate/s", "queue", "idle%", "MiB")
 
@@ -31,15 +31,24 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def runner_alive(info: dict[str, Any]) -> bool | None:
+    """Whether the runner of a run (its ``run.json``) is alive; ``None``: recorded by another
+    host, where its pid cannot be checked."""
+    if info.get("host", host()) != host():
+        return None
+    return _alive(int(info["pid"]))
+
+
 def live_runs(root: Path | None = None) -> list[Path]:
-    """State directories of the runs in progress, oldest first."""
-    root = root or state_root()
+    """State directories of the runs in progress whose runner runs on this host, oldest first
+    (in ``root``, default every :func:`~instride.flow.runner.state_roots` directory)."""
     runs = []
-    for path in root.glob("*/run.json") if root.is_dir() else []:
-        with contextlib.suppress(OSError, ValueError):
-            info = json.loads(path.read_text())
-            if _alive(int(info["pid"])):
-                runs.append((info["started"], path.parent))
+    for base in [root] if root is not None else state_roots():
+        for path in base.glob("*/run.json") if base.is_dir() else []:
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+                info = json.loads(path.read_text())
+                if runner_alive(info):
+                    runs.append((info["started"], path.parent))
     return [p for _, p in sorted(runs)]
 
 

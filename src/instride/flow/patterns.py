@@ -296,10 +296,19 @@ def filter(g: Graph, name: str, src: PortRef, predicate: Fn) -> PortRef:  # noqa
 
 
 def synchronize(g: Graph, name: str, sources: PortRef | Sequence[PortRef],
-                combine: Fn = stack, type: str = "array") -> PortRef:  # noqa: A002
+                combine: Fn = stack, type: str | None = None) -> PortRef:  # noqa: A002
     """Merge N inputs by MD step: for every step present on all of them, one message
-    ``combine([value_0, ..., value_N-1])`` stamped with that step; return its output."""
+    ``combine([value_0, ..., value_N-1])`` stamped with that step; return its output.
+
+    The output's type (``type``) defaults to what :func:`stack` makes of the sources:
+    ``"array"`` for frame and array sources (a stacked array), ``"json"`` for JSON sources
+    (a list), else ``"any"``.
+    """
     refs = _expand(g, sources)
+    kinds = {_type(g, r) for r in refs}
+    if type is None:
+        type = ("array" if kinds <= {"frame", "array"}
+                else "json" if kinds == {"json"} else "any")
     m = g.module(name, sync_module,
                  inputs={f"in{k}": Input(_type(g, r)) for k, r in enumerate(refs)},
                  outputs={"out": type}, params={"n": len(refs), "combine": _fn(combine)})

@@ -193,6 +193,9 @@ class Ports:
         PortBlocked
             The stream stayed full longer than the graph's ``put_timeout`` (a consumer
             stalled or died); names the port and the consumer groups holding it.
+        FlowError
+            ``data`` cannot travel on the port's type (an array of Python objects on an
+            ``array`` port, a numpy scalar or a set on a ``json`` port); names the port.
         """
         if port not in self.writers:
             raise FlowError(f"module {self.module!r} has no output port {port!r}")

@@ -21,7 +21,7 @@ def load_file(path: Path) -> ModuleType:
     Raises
     ------
     GraphError
-        The file does not exist.
+        The file does not exist or does not compile (the error names the file and line).
     """
     path = Path(path).resolve()
     if not path.is_file():
@@ -37,6 +37,10 @@ def load_file(path: Path) -> ModuleType:
         sys.path.insert(0, str(path.parent))
     try:
         spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        sys.modules.pop(GRAPH_MODULE, None)
+        raise GraphError(f"graph file {exc.filename or str(path)!r}, line {exc.lineno}: "
+                         f"{exc.msg}") from None
     except BaseException:
         sys.modules.pop(GRAPH_MODULE, None)
         raise
@@ -60,7 +64,7 @@ def resolve(target: str) -> Callable[..., Any]:
             raise GraphError(f"module target {target!r}: expected 'package.module:function'")
         try:
             obj = importlib.import_module(modname)
-        except ImportError as exc:
+        except (ImportError, SyntaxError) as exc:
             raise GraphError(f"module target {target!r}: cannot import {modname!r}: {exc}") from exc
     for part in qual.split("."):
         try:

@@ -16,6 +16,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,11 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError
 from .errors import FlowError, FlowTimeout, ModuleFailed
 from .graph import Graph
-from .launchers import Launcher, LocalLauncher
+from .launchers import Launcher, LocalLauncher, slurm_state_root
 from .ports import group_name, stream_name
-from .resolve import resolve
 
 #: Seconds an instance gets between SIGTERM and SIGKILL when the graph is stopped.
 STOP_GRACE = 3.0
@@ -52,10 +53,36 @@ def mpiexec() -> str:
     return found
 
 
+def default_state_root() -> Path:
+    """The per-user temp dir runs are recorded in by default (this host's own)."""
+    return Path("/tmp") / f"instride-flow-{os.getuid()}"
+
+
 def state_root() -> Path:
     """Directory of the runs in progress (``INSTRIDE_FLOW_STATE``, else a per-user temp dir)."""
     raw = os.environ.get("INSTRIDE_FLOW_STATE")
-    return Path(raw) if raw else Path("/tmp") / f"instride-flow-{os.getuid()}"
+    return Path(raw) if raw else default_state_root()
+
+
+def state_roots() -> list[Path]:
+    """Every directory runs started from here are recorded in: :func:`state_root`, and inside
+    a Slurm allocation the Slurm launcher's (``$SLURM_SUBMIT_DIR/.instride-flow``)."""
+    roots = [state_root()]
+    if os.environ.get("SLURM_JOB_ID"):
+        slurm = slurm_state_root(os.environ)
+        if slurm != roots[0]:
+            roots.append(slurm)
+    return roots
+
+
+def host() -> str:
+    """This host's name, as recorded in a run's ``run.json``."""
+    return socket.gethostname()
+
+
+def launcher_kind(launcher: Launcher) -> str:
+    """A launcher's short name (its ``name``, else its class name)."""
+    return str(getattr(launcher, "name", type(launcher).__name__))
 
 
 @dataclass
@@ -160,36 +187,49 @@ def run(
         An instance failed; every other one was stopped and the streams removed.
     FlowTimeout
         ``timeout`` passed; the graph was stopped.
+    FlowError
+        An instance's program could not be started (not found); the ones started were stopped.
+    ConfigError
+        ``out`` cannot be made a directory (a file is there).
     """
     launcher = launcher or LocalLauncher()
     say = on_event or (lambda line: None)
     nodes = launcher.nodes()
-    graph.validate(nodes)
+    graph.validate(nodes)  # imports every module function too
     for m in graph.modules.values():
-        if m.target is not None:
-            resolve(m.target)  # an unknown function fails here, before anything starts
         if m.mpi:
             mpiexec()
+    out_dir = Path(out).resolve() if out is not None else None
+    if out_dir is not None:
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file there, no permission
+            raise ConfigError("out", str(out), f"cannot make the output directory: "
+                                               f"{exc.strerror or exc}") from None
     gc_stale(launcher)
     run_id = secrets.token_hex(4)
     prefix = f"flow/{graph.name}-{run_id}"
     root = getattr(launcher, "state_root", None) or state_root()  # shared for batch launchers
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     state = root / f"{graph.name}-{run_id}"
-    out_dir = Path(out).resolve() if out is not None else None
-    for sub in ("stats", "trace", "logs"):
-        (state / sub).mkdir(parents=True)
-    spec = {"graph": graph.to_dict(), "prefix": prefix, "state": str(state),
-            "out": str(out_dir) if out_dir else None, "trace": trace, "timeout": timeout}
-    (state / "spec.json").write_text(json.dumps(spec))
-    placement = graph.placement(nodes)
-    (state / "run.json").write_text(json.dumps({
-        "graph": graph.name, "prefix": prefix, "pid": os.getpid(), "started": time.time(),
-        "launcher": launcher.name,
-        "instances": [[m, i, placement[(m, i)]] for m, i in graph.instances()],
-    }))
-    if out_dir:
-        out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        for sub in ("stats", "trace", "logs"):
+            (state / sub).mkdir(parents=True)
+        spec = {"graph": graph.to_dict(), "prefix": prefix, "state": str(state),
+                "out": str(out_dir) if out_dir else None, "trace": trace, "timeout": timeout}
+        (state / "spec.json").write_text(json.dumps(spec))
+        placement = graph.placement(nodes)
+        # the host (and job) tell a runner on another node sharing this root that it cannot
+        # judge whether this run is alive by its pid
+        (state / "run.json").write_text(json.dumps({
+            "graph": graph.name, "prefix": prefix, "pid": os.getpid(), "host": host(),
+            "slurm_job": os.environ.get("SLURM_JOB_ID"), "started": time.time(),
+            "launcher": launcher_kind(launcher),
+            "instances": [[m, i, placement[(m, i)]] for m, i in graph.instances()],
+        }))
+    except BaseException:
+        shutil.rmtree(state, ignore_errors=True)  # no run.json yet: gc_stale would never see it
+        raise
     pythonpath = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p)
 
     # SIGTERM (a batch system cancelling the job) unwinds like Ctrl-C: instances are stopped
@@ -217,21 +257,30 @@ def run(
             if out_dir:
                 env["INSTRIDE_FLOW_OUT_DIR"] = str(out_dir)
             argv = m.command or [sys.executable, "-m", "instride.flow.worker"]
-            if m.mpi:  # the instance is each rank's PMI_RANK
+            if m.mpi and m.command:
+                # one mpiexec, one MPMD segment per rank (rank = instance): `env` gives each
+                # rank its own port variables, as a separate process would get them
+                segments: list[str] = []
+                for rank in range(m.instances):
+                    segments += [":"] if segments else []
+                    segments += ["-n", "1", "env", *(f"{k}={v}" for k, v in
+                                                     _port_env(graph, prefix, name, rank).items()),
+                                 *argv]
+                argv = [mpiexec(), *segments]
+                env.pop("INSTRIDE_FLOW_INSTANCE", None)
+            elif m.mpi:  # a Python module: each rank finds its instance in PMI_RANK
                 argv = [mpiexec(), "-n", str(m.instances), *argv]
                 env.pop("INSTRIDE_FLOW_INSTANCE", None)
             else:
-                env["INSTRIDE_FLOW_INSTANCE"] = str(i)
-                for e in graph.edges_into(name, i):
-                    env[f"INSTRIDE_FLOW_IN_{e.dst_port.upper()}"] = stream_name(
-                        prefix, e.src, e.src_instance, e.src_port)
-                    if e.sampling != "newest":  # the consumer group its producer waits for
-                        env[f"INSTRIDE_FLOW_GROUP_{e.dst_port.upper()}"] = group_name(e)
-                for port in m.outputs:
-                    env[f"INSTRIDE_FLOW_OUT_{port.upper()}"] = stream_name(prefix, name, i, port)
+                env.update(_port_env(graph, prefix, name, i))
             logs[(name, i)] = state / "logs" / f"{name}.{i}.log"
             with open(logs[(name, i)], "wb") as log:
-                procs[(name, i)] = launcher.start(node, argv, env, log)
+                try:
+                    procs[(name, i)] = launcher.start(node, argv, env, log)
+                except OSError as exc:  # no such program: stop what started (finally below)
+                    raise FlowError(f"module {name!r} instance {i} could not be started on "
+                                    f"{node}: {argv[0]}: {exc.strerror or exc}; the graph was "
+                                    "stopped") from None
             what = f"{name}[0..{m.instances - 1}] (mpiexec)" if m.mpi else f"{name}[{i}]"
             say(f"started {what} on {node} (pid {procs[(name, i)].pid})")
         pending = set(procs)
@@ -254,27 +303,54 @@ def run(
             time.sleep(0.05)
         seconds = time.monotonic() - t0
     finally:
-        _stop(procs)
+        # a second SIGTERM or Ctrl-C must not cut the teardown short (instances left running,
+        # streams and state left behind): ignored until it is done
+        held = {}
+        if threading.current_thread() is threading.main_thread():
+            held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            if not keep_streams:
-                launcher.cleanup(prefix)
-        finally:
+            _stop(procs)
             try:
-                stats = _collect(state)
-                if out_dir:
-                    _write_outputs(graph, state, out_dir, stats)
+                if not keep_streams:
+                    launcher.cleanup(prefix)
             finally:
-                shutil.rmtree(state, ignore_errors=True)
-                if previous is not None:
-                    signal.signal(signal.SIGTERM, previous)
+                try:
+                    stats = _collect(state)
+                    if out_dir:
+                        _write_outputs(graph, state, out_dir, stats)
+                finally:
+                    shutil.rmtree(state, ignore_errors=True)
+        finally:
+            if held:
+                signal.signal(signal.SIGINT, held[signal.SIGINT])
+                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     if failed:
         raise failed
     return RunResult(graph.name, prefix, seconds, stats, out_dir)
 
 
+def _port_env(graph: Graph, prefix: str, name: str, i: int) -> dict[str, str]:
+    """The environment of instance ``i`` of module ``name`` that names its ports."""
+    env = {"INSTRIDE_FLOW_INSTANCE": str(i)}
+    for e in graph.edges_into(name, i):
+        env[f"INSTRIDE_FLOW_IN_{e.dst_port.upper()}"] = stream_name(
+            prefix, e.src, e.src_instance, e.src_port)
+        if e.sampling != "newest":  # the consumer group its producer waits for
+            env[f"INSTRIDE_FLOW_GROUP_{e.dst_port.upper()}"] = group_name(e)
+    for port in graph.modules[name].outputs:
+        env[f"INSTRIDE_FLOW_OUT_{port.upper()}"] = stream_name(prefix, name, i, port)
+    return env
+
+
 def gc_stale(launcher: Launcher, root: Path | None = None) -> list[str]:
     """Remove what runs killed outright (SIGKILL: no chance to clean up) left behind: their
-    state directories and, for runs of the same launcher kind, their streams.
+    streams and state directories.
+
+    Only runs of the same launcher kind recorded by this host are collected: a pid says
+    nothing about a process of another host sharing ``root`` (a Slurm job's state on a
+    shared file system), and another launcher kind's streams are that kind's to remove (its
+    state is kept for it). A record of an older version (no host) is collected only from the
+    per-user temp dir, which no other host writes.
 
     Returns
     -------
@@ -282,20 +358,26 @@ def gc_stale(launcher: Launcher, root: Path | None = None) -> list[str]:
         The stream prefixes removed.
     """
     root = root or getattr(launcher, "state_root", None) or state_root()
+    local_only = root == default_state_root()
     removed = []
     for info_path in root.glob("*/run.json") if root.is_dir() else []:
         try:
             info = json.loads(info_path.read_text())
+            if info.get("host", host() if local_only else None) != host():
+                continue  # another host's run: its pid cannot be checked here
             os.kill(int(info["pid"]), 0)
             continue  # still running
         except ProcessLookupError:
             pass
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
-        if info.get("launcher") == launcher.name:
-            with contextlib.suppress(Exception):
-                launcher.cleanup(info["prefix"])
-                removed.append(info["prefix"])
+        if info.get("launcher") != launcher_kind(launcher):
+            continue  # left for a run of its kind, which can remove its streams
+        try:
+            launcher.cleanup(info["prefix"])
+        except Exception:  # keep the record: a later run tries again
+            continue
+        removed.append(info["prefix"])
         shutil.rmtree(info_path.parent, ignore_errors=True)
     return removed
 
