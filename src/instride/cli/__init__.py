@@ -23,7 +23,8 @@ Exit status (the same for every command; :data:`EXIT_CODES`, mapped from the typ
 6     unavailable: a peer's data server or the metadata service (Redis) cannot be reached
       (also a wait that ran out while Redis could not be reached); a node's services did
       not start under ``instride job`` (``ServerStartError``, ``StaleServiceError``), or
-      ``instride serve`` could not (``ServeError``: its address taken, ...)
+      ``instride serve`` could not (``ServeError``: its address taken, ...); an MD
+      engine's IMD port does not answer ``instride imd-bridge`` (``EngineUnavailable``)
 7     refused: authentication with the job token failed
 130   interrupted (Ctrl-C)
 ====  ======================================================================================
