@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .archive import open_writer
+from .archive import open_reader, open_writer
 from .client import Client, get_client
 from .errors import FramesMissed
 from .stream import Stream
@@ -55,6 +55,9 @@ def archive_stream(
     memory before it is in the archive, and a killed archiver loses no acknowledged frame.
     Restarted, it resumes after the last frame in the file.
 
+    The file is this archiver's alone while it runs, and it is refused if it holds anything
+    but this stream's archive, before anything is written to it.
+
     Parameters
     ----------
     stream
@@ -73,13 +76,30 @@ def archive_stream(
     Returns
     -------
     ArchiveReport
+
+    Raises
+    ------
+    GroupBusy
+        Another live process reads the stream as ``group`` (another archiver of it).
+    ArchiveError
+        Another archiver writes ``path``; ``path`` is not an archive of ``stream`` (not HDF5,
+        not an instride archive, another stream's, or one of an older instride that names
+        no stream); a frame does not fit the archive (another atom count or coordinate
+        type): the file keeps every frame before it.
     """
     client = client or get_client()
     dest = Path(path).resolve()
-    writer = open_writer(dest)
     start = time.monotonic()
-    done = writer.indices()
+    if dest.exists():  # not this stream's archive: refused before the group is registered
+        open_reader(dest, client.key(stream)).close()
+    # the group before the writer: a second archiver of the stream stops here, file untouched
     reader = Stream(stream, group=group, timeout=timeout, on_gap="count", client=client)
+    try:
+        writer = open_writer(dest, reader.name)
+    except BaseException:
+        reader.close()
+        raise
+    done = writer.indices()
     reader.set_archive(dest)
     if len(done) and reader.tell() <= int(done[-1]):
         reader.seek(int(done[-1]) + 1)  # flushed before the crash, not yet acknowledged

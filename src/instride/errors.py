@@ -242,12 +242,17 @@ class GroupLeaseLost(GroupBusy):
 
 
 class ArchiveError(InstrideError, OSError):
-    """A stream's archiver failed: frames may be missing from its archive file."""
+    """A stream's archiver failed: frames may be missing from its archive file. Also a file
+    that cannot be used as the archive (not one, another stream's, another archiver's).
 
-    def __init__(self, stream: str, path: object, detail: str) -> None:
+    ``stream`` is ``None`` when the stream is not known (an archive opened by its path alone).
+    """
+
+    def __init__(self, stream: str | None, path: object, detail: str) -> None:
         self.stream = stream
         self.path = path
-        super().__init__(_errno.EIO, f"archiver of stream {stream!r} ({path}) failed: {detail}")
+        what = f"archive {path}" if stream is None else f"archiver of stream {stream!r} ({path})"
+        super().__init__(_errno.EIO, f"{what} failed: {detail}")
 
 
 class UnsupportedModeError(InstrideError, ValueError):

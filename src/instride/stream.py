@@ -719,7 +719,7 @@ class Stream:
                 return None
             from .archive import open_reader
 
-            self._archive_reader = open_reader(where)
+            self._archive_reader = open_reader(where, self.name)
         return self._archive_reader.read(index)  # type: ignore[no-any-return]
 
     def _release_resources(self) -> None:

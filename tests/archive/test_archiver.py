@@ -14,7 +14,8 @@ import pytest
 
 import instride
 from instride.archive import open_reader
-from instride.errors import FramesMissed
+from instride.archiver import archive_stream
+from instride.errors import ArchiveError, FramesMissed, GroupBusy
 from tests.conftest import finish
 
 NATOMS = 500
@@ -69,8 +70,8 @@ ARCHIVER_VICTIM = textwrap.dedent(
     from instride import archiver
     from instride.archiver import archive_stream
     real = archiver.open_writer
-    def slow_writer(path):
-        w = real(path)
+    def slow_writer(*args):
+        w = real(*args)
         flush = w.flush
         def slow():
             flush()
@@ -78,26 +79,26 @@ ARCHIVER_VICTIM = textwrap.dedent(
         w.flush = slow
         return w
     archiver.open_writer = slow_writer
-    archive_stream("crashy", sys.argv[1], timeout=60)
+    archive_stream(sys.argv[2], sys.argv[1], timeout=60)
+    """
+)
+
+PRODUCER = textwrap.dedent(
+    """
+    import sys, numpy as np, instride
+    with instride.Stream(sys.argv[1], mode="w", retain=3, groups=["archive"], timeout=120) as s:
+        for i in range(40):
+            p = np.full((500, 3), float(i))
+            s.append(p, step=i)
     """
 )
 
 
 def test_killed_archiver_loses_no_acknowledged_frame(managed_dir: Path, tmp_path: Path) -> None:
     dest = tmp_path / "crash.h5"
-    producer = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(
-            """
-            import numpy as np, instride
-            with instride.Stream("crashy", mode="w", retain=3, groups=["archive"], timeout=120) as s:
-                for i in range(40):
-                    p = np.full((500, 3), float(i))
-                    s.append(p, step=i)
-            """
-        )],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )
-    victim = subprocess.Popen([sys.executable, "-c", ARCHIVER_VICTIM, str(dest)],
+    producer = subprocess.Popen([sys.executable, "-c", PRODUCER, "crashy"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    victim = subprocess.Popen([sys.executable, "-c", ARCHIVER_VICTIM, str(dest), "crashy"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert victim.stdout is not None
@@ -121,6 +122,133 @@ def test_killed_archiver_loses_no_acknowledged_frame(managed_dir: Path, tmp_path
     assert list(rd.indices()) == list(range(40))  # none lost, none twice
     assert rd.read(39).positions[0, 0] == 39.0
     rd.close()
+
+
+ARCHIVER_KILLED_MID_APPEND = textwrap.dedent(
+    """
+    import os, signal, sys, h5py
+    from instride import archiver
+    from instride.archiver import archive_stream
+    real = archiver.open_writer
+    def dying_writer(*args):
+        w = real(*args)
+        flush, append, flushed = w.flush, w.append, []
+        def counted():
+            flush()
+            flushed.append(1)
+        def dying(index, frame):
+            if len(flushed) < 12:
+                return append(index, frame)
+            put, calls = h5py.Dataset.__setitem__, []
+            def put_then_die(ds, key, value):
+                put(ds, key, value)
+                calls.append(1)
+                if len(calls) == 2:  # frame 12's positions and step written, its time, index not
+                    ds.file.flush()  # (as if HDF5 had written them out before the kill)
+                    os.kill(os.getpid(), signal.SIGKILL)
+            h5py.Dataset.__setitem__ = put_then_die
+            append(index, frame)
+        w.flush, w.append = counted, dying
+        return w
+    archiver.open_writer = dying_writer
+    archive_stream(sys.argv[2], sys.argv[1], timeout=60)
+    """
+)
+
+
+def test_archiver_killed_mid_append_loses_no_frame(managed_dir: Path, tmp_path: Path) -> None:
+    import h5py
+
+    dest = tmp_path / "midway.h5"
+    producer = subprocess.Popen([sys.executable, "-c", PRODUCER, "midway"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    victim = subprocess.Popen([sys.executable, "-c", ARCHIVER_KILLED_MID_APPEND, str(dest), "midway"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        rc, _, err = finish(victim, 120)
+        assert rc == -signal.SIGKILL, err
+        with h5py.File(dest, "r", libver="latest", swmr=True) as f:  # killed between two rows
+            assert f["instride/index"].shape[0] == 12
+            assert f["particles/trajectory/position/value"].shape[0] == 13
+        rc, _, err = finish(subprocess.Popen(
+            [sys.executable, "-m", "instride", "archive", "midway", "--to", str(dest), "-q"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE), 120)
+        assert rc == 0, err
+        rc, _, err = finish(producer, 60)
+        assert rc == 0, err
+    finally:
+        for p in (victim, producer):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    rd = open_reader(dest, "midway")
+    assert list(rd.indices()) == list(range(40))
+    for i in range(40):  # each row the frame of its index (frame 12 not the rows of the kill)
+        frame = rd.read(i)
+        assert frame is not None and frame.step == i and frame.positions[0, 0] == float(i)
+    rd.close()
+    assert sorted(os.listdir(tmp_path)) == ["managed", "midway.h5"]
+
+
+def test_a_second_archiver_leaves_a_live_archive_alone(managed_dir: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "live.h5"
+    with instride.Stream("live", mode="w", retain=100, groups=["archive"], timeout=60) as s:
+        for i in range(10):
+            s.append(_pos(i), step=i)
+        first = subprocess.Popen([sys.executable, "-c", ARCHIVER_VICTIM, str(dest), "live"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            assert first.stdout is not None
+            for _ in range(3):
+                assert first.stdout.readline().strip() == b"flushed"
+            inode = os.stat(dest).st_ino
+            with pytest.raises(GroupBusy):  # the same group: refused before the file is opened
+                archive_stream("live", dest, timeout=10)
+            with pytest.raises(ArchiveError, match="another archiver is writing it"):
+                archive_stream("live", dest, group="other", timeout=10)
+            assert os.stat(dest).st_ino == inode
+            for i in range(10, 20):
+                s.append(_pos(i), step=i)
+        except BaseException:
+            first.kill()
+            first.wait()
+            raise
+    rc, _, err = finish(first, 120)
+    assert rc == 0, err
+    assert os.stat(dest).st_ino == inode  # the first archiver's file all along
+    rd = open_reader(dest, "live")
+    assert list(rd.indices()) == list(range(20))
+    np.testing.assert_array_equal(rd.read(15).positions, _pos(15).astype(np.float32))
+    rd.close()
+
+
+def test_the_archive_of_another_stream_is_refused(managed_dir: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "one.h5"
+    for name, first in (("one", 10), ("two", 20)):
+        with instride.Stream(name, mode="w", groups=["archive"]) as s:
+            for i in range(3):
+                s.append(_pos(first + i), step=i)
+    assert archive_stream("one", dest, timeout=10).total == 3
+    with pytest.raises(ArchiveError, match="the archive of stream 'one'"):
+        archive_stream("two", dest, timeout=10)
+    rd = open_reader(dest, "one")
+    assert list(rd.indices()) == [0, 1, 2]
+    np.testing.assert_array_equal(rd.read(2).positions, _pos(12).astype(np.float32))
+    rd.close()
+    assert archive_stream("two", tmp_path / "two.h5", timeout=10).total == 3  # its group untouched
+
+
+def test_a_refused_file_leaves_the_stream_without_an_archive_group(managed_dir: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "notes.h5"
+    bad.write_text("my notes\n")
+    with instride.Stream("plain", mode="w", retain=2, timeout=0) as s:
+        s.append(_pos(0), step=0)
+        s.append(_pos(1), step=1)
+        with pytest.raises(ArchiveError, match="not an HDF5 file"):
+            archive_stream("plain", bad, timeout=0)
+        for i in range(2, 6):  # no consumer group registered that holds the producer back
+            s.append(_pos(i), step=i)
+    assert bad.read_text() == "my notes\n"
 
 
 def test_dropped_frames_without_archive_still_raise(managed_dir: Path) -> None:

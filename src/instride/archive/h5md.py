@@ -6,13 +6,19 @@ Layout (H5MD 1.1, as MDAnalysis's H5MD reader expects it)::
     /particles/trajectory/position     value (T, N, 3), step (T,), time (T,)
     /particles/trajectory/box          dimension 3, boundary; edges/{value, step, time}
                                        (only for frames with a box)
+    /instride                          stream: the name of the stream archived
     /instride/index                    (T,) int64: the stream index of each row
 
 Crash safety: the file is written in HDF5's single-writer/multiple-reader (SWMR) mode and
 flushed after each frame the archiver acknowledges, so a reader sees every flushed frame and
-a writer killed at any point leaves a readable file. HDF5 marks a file whose writer died as
-"still open"; reopening it to resume copies its content into a fresh file (renamed into
-place) first, since the library offers no call to clear that mark.
+a writer killed at any point leaves a readable file. A frame is in the file once its row of
+``/instride/index`` is: that row is written last, a failed append takes the frame's other
+rows back, and a writer resuming a file cuts every dataset to the length of the index (the
+rows of a frame its writer was killed in the middle of); readers read only the rows the index
+covers. HDF5 marks a file whose writer died as "still open"; reopening it to resume copies
+its content into a fresh file (renamed into place) first, since the library offers no call
+to clear that mark. One writer at a time (:func:`~instride.archive.base.lock_writer`), so
+that copy never replaces the file of a live writer.
 """
 
 from __future__ import annotations
@@ -24,10 +30,14 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ArchiveError, ConfigError
 from ..frames import Frame, FrameHeader
+from .base import lock_writer, unlock_writer
 
 _LIBVER = "latest"
+_INDEX = "instride/index"
+_POSITION = "particles/trajectory/position"
+_EDGES = "particles/trajectory/box/edges"
 
 
 def _h5py() -> Any:
@@ -39,8 +49,67 @@ def _h5py() -> Any:
     return h5py
 
 
+def _rows(f: Any) -> list[Any]:
+    """The datasets with a row per frame, ``/instride/index`` last."""
+    names = [f"{_POSITION}/value", f"{_POSITION}/step", f"{_POSITION}/time"]
+    if _EDGES in f:
+        names += [f"{_EDGES}/value", f"{_EDGES}/step", f"{_EDGES}/time"]
+    return [f[name] for name in [*names, _INDEX]]
+
+
+def _not_archive(f: Any, stream: str | None, *, unnamed_ok: bool) -> str | None:
+    """Why the open file ``f`` is not an archive of ``stream`` (any stream: ``None``);
+    ``None`` if it is. ``unnamed_ok``: accept an archive that names no stream."""
+    h5py = _h5py()
+    try:
+        rows = _rows(f)
+    except (KeyError, TypeError, ValueError):
+        rows = []
+    if not rows or not all(isinstance(ds, h5py.Dataset) for ds in rows):
+        return f"no {_INDEX} and {_POSITION} datasets: not an instride archive"
+    if rows[0].ndim != 3 or rows[0].shape[2] != 3 or any(ds.ndim < 1 for ds in rows):
+        return f"{_POSITION}/value is not (frames, atoms, 3): not an instride archive"
+    name = f["instride"].attrs.get("stream")
+    if isinstance(name, bytes):
+        name = name.decode(errors="replace")
+    if name is None:
+        if unnamed_ok:
+            return None
+        return ("it names no stream (an archive of an instride older than the stream check), so "
+                "it may be another stream's: archive to another file, or record the stream in it "
+                "(docs/streams.md)")
+    if stream is not None and name != stream:
+        return f"it is the archive of stream {name!r}"
+    return None
+
+
+def _open_checked(path: Path, stream: str | None, *, unnamed_ok: bool) -> Any:
+    """``path`` open for reading (SWMR), checked to be an archive of ``stream``."""
+    h5py = _h5py()
+    if not path.is_file():
+        raise ArchiveError(stream, path, "not a regular file" if path.exists() else "no such file")
+    if not h5py.is_hdf5(path):
+        raise ArchiveError(stream, path, "not an HDF5 file, so not an instride archive")
+    try:
+        f = h5py.File(path, "r", libver=_LIBVER, swmr=True)
+    except OSError as exc:
+        raise ArchiveError(stream, path, f"cannot be opened: {exc}") from exc
+    try:
+        why = _not_archive(f, stream, unnamed_ok=unnamed_ok)
+    except BaseException:
+        f.close()
+        raise
+    if why is not None:
+        f.close()
+        raise ArchiveError(stream, path, why)
+    return f
+
+
 def _resumable(path: Path) -> None:
-    """Make a file left open by a dead writer writable again (copy it into a fresh file)."""
+    """Make a file left open by a dead writer writable again (copy it into a fresh file).
+
+    Only with the file's writer lock held: the writer that left it open is then dead.
+    """
     h5py = _h5py()
     try:
         with h5py.File(path, "a", libver=_LIBVER):
@@ -49,80 +118,172 @@ def _resumable(path: Path) -> None:
         if "already open for write" not in str(exc):
             raise
     tmp = path.with_name(f".{path.name}.{os.getpid()}.recover")
-    with h5py.File(path, "r", libver=_LIBVER, swmr=True) as src, h5py.File(tmp, "w", libver=_LIBVER) as dst:
-        for name in src:
-            src.copy(src[name], dst, name=name)
-        for key, value in src.attrs.items():
-            dst.attrs[key] = value
-    os.rename(tmp, path)
+    try:
+        with h5py.File(path, "r", libver=_LIBVER, swmr=True) as src, \
+                h5py.File(tmp, "w", libver=_LIBVER) as dst:
+            for name in src:
+                src.copy(src[name], dst, name=name)
+            for key, value in src.attrs.items():
+                dst.attrs[key] = value
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 class H5mdWriter:
-    """Append frames to an H5MD file; reopening an existing file resumes after its last frame.
+    """Append frames of a stream to an H5MD file; reopening an existing file resumes after
+    its last frame.
 
     Parameters
     ----------
     path
         The ``.h5`` / ``.h5md`` file.
+    stream
+        The stream's name, recorded in the file; an existing file must be this stream's
+        archive.
+
+    Raises
+    ------
+    ArchiveError
+        Another writer holds the file, or the file is not an archive of ``stream`` (not HDF5,
+        not an instride archive, another stream's, or one that names no stream).
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, stream: str) -> None:
         self.path = Path(path)
+        self.stream = stream
         self._f: Any = None
-        if self.path.exists():
+        self._rows: list[Any] = []  # the datasets with a row per frame, the index last
+        self._last = -1  # the stream index of the file's last frame
+        self._lock: int | None = lock_writer(self.path, stream)
+        try:
+            if self.path.exists():
+                self._resume()
+        except BaseException:
+            self._unlock()
+            raise
+
+    def _error(self, detail: str) -> ArchiveError:
+        return ArchiveError(self.stream, self.path, detail)
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            unlock_writer(self.path, self._lock)
+            self._lock = None
+
+    def _resume(self) -> None:
+        _open_checked(self.path, self.stream, unnamed_ok=False).close()
+        try:
             _resumable(self.path)
-            self._f = _h5py().File(self.path, "a", libver=_LIBVER)
-            self._f.swmr_mode = True
+            f = _h5py().File(self.path, "a", libver=_LIBVER)
+        except OSError as exc:
+            raise self._error(f"cannot be opened to resume it: {exc}") from exc
+        try:
+            rows = _rows(f)
+            n = min(ds.shape[0] for ds in rows)
+            for ds in rows:  # the rows of a frame whose index row was not written
+                if ds.shape[0] > n:
+                    ds.resize(n, axis=0)
+            f.swmr_mode = True
+            self._last = int(rows[-1][n - 1]) if n else -1
+        except (OSError, RuntimeError) as exc:
+            f.close()
+            raise self._error(f"cannot be resumed: {exc}") from exc
+        except BaseException:
+            f.close()
+            raise
+        self._f, self._rows = f, rows
 
     def _create(self, frame: Frame) -> None:
         h5py = _h5py()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = h5py.File(self.path, "w", libver=_LIBVER)
-        h5 = f.create_group("h5md")
-        h5.attrs["version"] = np.array([1, 1], dtype=np.int32)
-        h5.create_group("author").attrs["name"] = "instride"
-        h5.create_group("creator").attrs["name"] = "instride archive"
-        traj = f.create_group("particles/trajectory")
-        natoms, dtype = frame.natoms, frame.positions.dtype
-        pos = traj.create_group("position")
-        value = pos.create_dataset("value", shape=(0, natoms, 3), maxshape=(None, natoms, 3), dtype=dtype,
-                                   chunks=(1, natoms, 3))
-        value.attrs["unit"] = "Angstrom"
-        pos.create_dataset("step", shape=(0,), maxshape=(None,), dtype=np.int64, chunks=(4096,))
-        t = pos.create_dataset("time", shape=(0,), maxshape=(None,), dtype=np.float64, chunks=(4096,))
-        t.attrs["unit"] = "ps"
-        box = traj.create_group("box")
-        box.attrs["dimension"] = np.int32(3)
-        periodic = frame.header.has_box
-        box.attrs["boundary"] = np.array(["periodic" if periodic else "none"] * 3, dtype=h5py.string_dtype())
-        if periodic:
-            edges = box.create_group("edges")
-            edges.create_dataset("value", shape=(0, 3, 3), maxshape=(None, 3, 3), dtype=np.float64,
-                                 chunks=(4096, 3, 3)).attrs["unit"] = "Angstrom"
-            edges.create_dataset("step", shape=(0,), maxshape=(None,), dtype=np.int64, chunks=(4096,))
-            edges.create_dataset("time", shape=(0,), maxshape=(None,), dtype=np.float64, chunks=(4096,))
-        f.create_group("instride").create_dataset("index", shape=(0,), maxshape=(None,), dtype=np.int64,
-                                                  chunks=(4096,))
-        f.swmr_mode = True
-        self._f = f
+        try:
+            f = h5py.File(self.path, "x", libver=_LIBVER)  # (never over a file that appeared)
+        except OSError as exc:
+            raise self._error(f"cannot be created: {exc}") from exc
+        try:
+            h5 = f.create_group("h5md")
+            h5.attrs["version"] = np.array([1, 1], dtype=np.int32)
+            h5.create_group("author").attrs["name"] = "instride"
+            h5.create_group("creator").attrs["name"] = "instride archive"
+            traj = f.create_group("particles/trajectory")
+            natoms, dtype = frame.positions.shape[0], frame.positions.dtype
+            pos = traj.create_group("position")
+            value = pos.create_dataset("value", shape=(0, natoms, 3), maxshape=(None, natoms, 3), dtype=dtype,
+                                       chunks=(1, natoms, 3))
+            value.attrs["unit"] = "Angstrom"
+            pos.create_dataset("step", shape=(0,), maxshape=(None,), dtype=np.int64, chunks=(4096,))
+            t = pos.create_dataset("time", shape=(0,), maxshape=(None,), dtype=np.float64, chunks=(4096,))
+            t.attrs["unit"] = "ps"
+            box = traj.create_group("box")
+            box.attrs["dimension"] = np.int32(3)
+            periodic = frame.header.has_box
+            boundary = ["periodic" if periodic else "none"] * 3
+            box.attrs["boundary"] = np.array(boundary, dtype=h5py.string_dtype())
+            if periodic:
+                edges = box.create_group("edges")
+                edges.create_dataset("value", shape=(0, 3, 3), maxshape=(None, 3, 3), dtype=np.float64,
+                                     chunks=(4096, 3, 3)).attrs["unit"] = "Angstrom"
+                edges.create_dataset("step", shape=(0,), maxshape=(None,), dtype=np.int64, chunks=(4096,))
+                edges.create_dataset("time", shape=(0,), maxshape=(None,), dtype=np.float64, chunks=(4096,))
+            own = f.create_group("instride")
+            own.attrs["stream"] = self.stream
+            own.create_dataset("index", shape=(0,), maxshape=(None,), dtype=np.int64, chunks=(4096,))
+            f.swmr_mode = True
+        except BaseException:
+            f.close()
+            self.path.unlink(missing_ok=True)  # (no file of no frame left behind)
+            raise
+        self._f, self._rows = f, _rows(f)
+
+    def _check(self, index: int, frame: Frame) -> None:
+        """Raise :class:`ArchiveError` if frame ``index`` cannot be appended as it is."""
+        if index <= self._last:
+            raise self._error(f"frame {index} is not after the archive's last frame ({self._last})")
+        if self._f is None:
+            return
+        value, positions = self._rows[0], frame.positions
+        if positions.shape != value.shape[1:]:
+            raise self._error(f"frame {index} has {positions.shape[0]} atoms (shape {positions.shape}); "
+                              f"the archive's frames have {value.shape[1]}")
+        if positions.dtype != value.dtype:
+            raise self._error(f"frame {index} has {positions.dtype} coordinates; "
+                              f"the archive's are {value.dtype}")
+        if frame.header.has_box and len(self._rows) == 4:
+            raise self._error(f"frame {index} has a box; the archive's first frame had none, so it "
+                              "keeps no box")
 
     def append(self, index: int, frame: Frame) -> None:
-        """Append stream frame ``index``."""
+        """Append stream frame ``index``: every row of it, or (raising) none.
+
+        Raises
+        ------
+        ArchiveError
+            The frame does not fit the archive: another atom count or coordinate type, a box
+            in an archive whose first frame had none, an index not after the last frame's.
+            Raised before the file is touched.
+        """
+        self._check(index, frame)
         if self._f is None:
             self._create(frame)
-        f = self._f
-        pos = f["particles/trajectory/position"]
-        n = pos["value"].shape[0]
-        rows: list[tuple[Any, Any]] = [
-            (pos["value"], frame.positions), (pos["step"], frame.step), (pos["time"], frame.time),
-            (f["instride/index"], index),
-        ]
-        if "edges" in f["particles/trajectory/box"]:
-            edges = f["particles/trajectory/box/edges"]
-            rows += [(edges["value"], frame.box), (edges["step"], frame.step), (edges["time"], frame.time)]
-        for ds, value in rows:
-            ds.resize(n + 1, axis=0)
-            ds[n] = value
+        rows = self._rows
+        values: list[Any] = [frame.positions, frame.step, frame.time]
+        if len(rows) > 4:
+            values += [frame.box, frame.step, frame.time]
+        n = rows[-1].shape[0]
+        try:
+            for ds, value in zip(rows, [*values, index], strict=True):  # the index row last
+                ds.resize(n + 1, axis=0)
+                ds[n] = value
+        except BaseException:
+            with contextlib.suppress(Exception):  # (rows left over are cut when the file is resumed)
+                for ds in rows:
+                    if ds.shape[0] > n:
+                        ds.resize(n, axis=0)
+            raise
+        self._last = index
 
     def flush(self) -> None:
         """Flush every appended frame to the file (readers and a restarted writer see them)."""
@@ -133,35 +294,50 @@ class H5mdWriter:
         """Stream indices of the frames in the file."""
         if self._f is None:
             return np.zeros(0, dtype=np.int64)
-        return np.asarray(self._f["instride/index"][:])
+        return np.asarray(self._rows[-1][:])
 
     def close(self) -> None:
-        """Flush and close."""
-        if self._f is not None:
-            with contextlib.suppress(Exception):
-                self._f.flush()
-            self._f.close()
-            self._f = None
+        """Flush and close (and let go of the file's writer lock)."""
+        try:
+            if self._f is not None:
+                with contextlib.suppress(Exception):
+                    self._f.flush()
+                self._f.close()
+                self._f = None
+        finally:
+            self._unlock()
 
 
 class H5mdReader:
-    """Random access to an H5MD archive, also while its writer appends (SWMR)."""
+    """Random access to an H5MD archive, also while its writer appends (SWMR).
 
-    def __init__(self, path: Path) -> None:
+    Parameters
+    ----------
+    path
+        The archive file.
+    stream
+        Refuse an archive of another stream (``None``: any). An archive that names no stream
+        (written by an older instride) is read.
+
+    Raises
+    ------
+    ArchiveError
+        The file is not an instride archive (of ``stream``).
+    """
+
+    def __init__(self, path: Path, stream: str | None = None) -> None:
         self.path = Path(path)
-        self._f = _h5py().File(self.path, "r", libver=_LIBVER, swmr=True)
+        self._f = _open_checked(self.path, stream, unnamed_ok=True)
+        self._rows = _rows(self._f)
 
     def _refresh(self) -> None:
-        for name in ("instride/index", "particles/trajectory/position/value",
-                     "particles/trajectory/position/step", "particles/trajectory/position/time"):
-            self._f[name].refresh()
-        if "edges" in self._f["particles/trajectory/box"]:
-            self._f["particles/trajectory/box/edges/value"].refresh()
+        for ds in [self._rows[-1], *self._rows[:-1]]:  # the index first: it never covers more
+            ds.refresh()                               # rows than the others then show
 
     def indices(self) -> np.ndarray:
         """Stream indices of the frames in the file (refreshed)."""
         self._refresh()
-        return np.asarray(self._f["instride/index"][:])
+        return np.asarray(self._rows[-1][:])
 
     def read(self, index: int) -> Frame | None:
         """Stream frame ``index`` (its arrays are owned copies); ``None`` if not archived."""
@@ -169,14 +345,14 @@ class H5mdReader:
         row = int(np.searchsorted(idx, index))
         if row >= len(idx) or idx[row] != index:
             return None
-        pos = self._f["particles/trajectory/position"]
-        positions = np.asarray(pos["value"][row])
+        value, step, time = self._rows[:3]
+        positions = np.asarray(value[row])
         box = np.zeros((3, 3))
-        if "edges" in self._f["particles/trajectory/box"]:
-            box = np.asarray(self._f["particles/trajectory/box/edges/value"][row])
+        if len(self._rows) > 4:
+            box = np.asarray(self._rows[3][row])
         layout = "xyz32" if positions.dtype == np.float32 else "paper-soa"
         header = FrameHeader(
-            natoms=positions.shape[0], step=int(pos["step"][row]), time=float(pos["time"][row]), box=box,
+            natoms=positions.shape[0], step=int(step[row]), time=float(time[row]), box=box,
             layout=layout, payload_nbytes=positions.nbytes, payload_checksum=0,
         )
         return Frame(header, positions)
