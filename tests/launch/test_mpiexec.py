@@ -42,7 +42,25 @@ def test_slurm_no_allocation_is_a_clear_error(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 2
     assert "no allocation" in proc.stderr
-    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_start_leaves_no_launcher_files(tmp_path: Path) -> None:
+    """A start that fails after the launcher made its temporary directory (Redis given but
+    unreachable) removes it."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "INSTRIDE_"))}
+    env.update(TMPDIR=str(temp), INSTRIDE_REDIS_URL="redis://127.0.0.1:1/0",
+               INSTRIDE_JOB_STATE_DIR=str(tmp_path / "states"))
+    proc = subprocess.run([PY, "-m", "instride", "job", "--hostfile", str(hosts),
+                           "--mpiexec", str(Path(PY).parent / "mpiexec"), "--", "true"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 6, proc.stderr
+    assert "metadata service redis://127.0.0.1:1/0 unavailable" in proc.stderr
+    assert list(temp.iterdir()) == []  # the launcher's instride-job<id>-* directory went
+    assert not (tmp_path / "states").exists()
 
 
 @pytest.mark.root
@@ -65,8 +83,10 @@ def test_mpiexec_hostfile_on_emulated_slurm_nodes(
         print("rank", comm.rank, os.environ["INSTRIDE_NODE"], data, flush=True)
     """))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "INSTRIDE_"))}
+    # SLURMD_NODENAME as inside a Slurm job: mpiexec forwards it to every rank (and agent),
+    # where it names the wrong node; neither the agents nor $INSTRIDE_NODE_ENV trust it.
     env.update(HYDRA_LAUNCHER="ssh", HYDRA_LAUNCHER_EXEC=str(slurm.ssh_script()),
-               HYDRA_IFACE="eth0", INSTRIDE_JOB_STATE_DIR=str(states))
+               HYDRA_IFACE="eth0", INSTRIDE_JOB_STATE_DIR=str(states), SLURMD_NODENAME="node1")
     mpiexec = Path(PY).parent / "mpiexec"
     cmd = [PY, "-m", "instride", "job", "--hostfile", str(hosts),
            "--dir", f"{scratch}/%n/job%j", "--", "sh", "-c",

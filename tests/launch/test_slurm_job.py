@@ -9,8 +9,10 @@ no service record.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import textwrap
@@ -131,21 +133,31 @@ def test_slurm_failing_command_keeps_its_status(
 ) -> None:
     states = tmp_path / "states"
     out = tmp_path / "out.txt"
-    # Placement meant for the job's steps (both tasks on the first node) must not move the
-    # services: still one agent per node.
+    # Placement and GPU settings meant for the job's steps (both tasks on the first node, a
+    # task per GPU) must not move or break the services: still one agent per node; nor may a
+    # site's SLURM_EXPORT_ENV=NONE keep the job's variables from the agents.
+    steps_env = "unset SLURM_NTASKS_PER_GPU SLURM_EXPORT_ENV"
     body = (f"{PY} -m instride job --dry-run --dir {scratch}/%n/job%j\n"
             f"printf 'node1\\nnode1\\n' > {tmp_path}/hosts\n"
             f"export SLURM_HOSTFILE={tmp_path}/hosts SLURM_DISTRIBUTION=arbitrary\n"
+            "export SLURM_NTASKS_PER_GPU=1 SLURM_EXPORT_ENV=NONE\n"
             f"{PY} -m instride job --dir {scratch}/%n/job%j -- "
-            "sh -c 'srun -n2 --overcommit sh -c \"echo step-on \\$INSTRIDE_NODE\"; exit 7'")
+            f"sh -c '{steps_env}; srun -n2 --overcommit sh -c \"echo step-on \\$INSTRIDE_NODE\"; "
+            # a step where no service runs for its job id: the task prolog unsets the batch
+            # host's (node1's) settings instead of leaving them
+            "INSTRIDE_JOB_ID=none srun -n1 sh -c "
+            "\"echo no-service \\${INSTRIDE_DIR-unset} \\${INSTRIDE_NODE-unset}\"; exit 7'")
     job = slurm.sbatch(job_script(slurm, body, states=states), "-N", "2", f"--output={out}",
                        "-w", "node1,node2")
     assert slurm.wait(job, timeout=120) == "FAILED", out.read_text()
     assert slurm.job(job)["ExitCode"] == "7:0"
     text = out.read_text()
     assert "launcher:  slurm" in text and "srun --overlap --nodes=2 --ntasks=2" in text
-    assert "services up on 2 node(s)" in text
+    assert "--export=ALL" in text
+    assert "services up on 2 node(s)" in text, text
     assert text.count("step-on node1") == 2
+    assert "instride: no instride service on node1 for job none" in text
+    assert "no-service unset unset" in text
     assert settle(slurm) == {}
     assert tree(scratch) == []
     assert tree(states) == []
@@ -158,7 +170,7 @@ def test_slurm_bad_input_gives_typed_errors_and_leaves_nothing(
     states = tmp_path / "states"
     (scratch / "node1").mkdir(parents=True)
     (scratch / "node2").write_text("a file where node2's directory should go\n")
-    states.mkdir()
+    states.mkdir(mode=0o700)  # a state directory open to others is refused
     (tmp_path / "other").mkdir()
     out = tmp_path / "out.txt"
     # node2's data server port is taken by another program.
@@ -228,3 +240,34 @@ echo '{record}' > {states}/node3.json
         busy.close()
         live.kill()
         live.wait()
+
+
+def test_slurm_service_lost_mid_run_stops_the_command(
+    slurm: EmulatedSlurm, tmp_path: Path, scratch: Path
+) -> None:
+    """A node's data server dies while the command runs: the command is stopped (not left
+    to go on without services), the error names the node, the exit status is 6.
+
+    (The step does not use instride: a client still polling node2's directory after its
+    service removed it would re-create part of it.)
+    """
+    states = tmp_path / "states"
+    out = tmp_path / "out.txt"
+    body = (f"{PY} -m instride job --dir {scratch}/%n/job%j -- "
+            "srun -N3 -n3 sh -c 'echo waiting; exec sleep 600'\necho \"job rc=$?\"")
+    job = slurm.sbatch(job_script(slurm, body, states=states), "-N", "3", f"--output={out}",
+                       "-w", "node1,node2,node3")
+    _wait_for(out, "waiting")
+    servers = [pid for pid in slurm.node_pids(2)
+               if b"instride\x00serve" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(servers) == 1
+    os.kill(servers[0], signal.SIGKILL)
+    assert slurm.wait(job, timeout=120) == "COMPLETED", out.read_text()
+    text = out.read_text()
+    assert "the services ended under the command (node node2); stopping it" in text
+    assert "job rc=6" in text, text
+    assert "the instride service of node node2 ended while the command ran" in text, text
+    assert "the data server ended on its own" in text
+    assert settle(slurm) == {}
+    assert tree(scratch) == []
+    assert tree(states) == []

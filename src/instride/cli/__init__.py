@@ -22,9 +22,10 @@ Exit status (the same for every command; :data:`EXIT_CODES`, mapped from the typ
 5     integrity or transfer failure: bytes that do not verify, a transfer cut short
 6     unavailable: a peer's data server or the metadata service (Redis) cannot be reached
       (also a wait that ran out while Redis could not be reached); a node's services did
-      not start under ``instride job`` (``ServerStartError``, ``StaleServiceError``), or
-      ``instride serve`` could not (``ServeError``: its address taken, ...); an MD
-      engine's IMD port does not answer ``instride imd-bridge`` (``EngineUnavailable``)
+      not start under ``instride job`` (``ServerStartError``, ``StaleServiceError``) or
+      ended while its command ran (``ServiceLostError``), or ``instride serve`` could not
+      (``ServeError``: its address taken, ...); an MD engine's IMD port does not answer
+      ``instride imd-bridge`` (``EngineUnavailable``)
 7     refused: authentication with the job token failed
 130   interrupted (Ctrl-C)
 ====  ======================================================================================
@@ -55,7 +56,7 @@ from ..errors import (
     UnsafePathError,
     UnsupportedModeError,
 )
-from ..launch.base import NoAllocationError, ServerStartError
+from ..launch.base import NoAllocationError, ServerStartError, ServiceLostError
 
 Handler = Callable[[argparse.Namespace], int]
 #: Extra command groups: module path of a function ``add_parser(subparsers)``.
@@ -87,7 +88,7 @@ EXIT_INTERRUPTED = 130
 #: input of a command: an unknown model, a missing trajectory) are invalid input too.
 EXIT_CODES: list[tuple[type[BaseException] | tuple[type[BaseException], ...], int]] = [
     ((ConfigError, NoAllocationError), EXIT_USAGE),
-    ((ServerStartError, ServeError), EXIT_UNAVAILABLE),
+    ((ServerStartError, ServiceLostError, ServeError), EXIT_UNAVAILABLE),
     ((ConsumeTimeout, TimeoutError), EXIT_TIMEOUT),  # also a flow run's FlowTimeout
     ((IntegrityError, TransferError), EXIT_INTEGRITY),
     ((PeerUnavailable, MetadataUnavailable, ConnectionError), EXIT_UNAVAILABLE),  # (an engine too)

@@ -12,9 +12,11 @@ def cmd_job(args: argparse.Namespace) -> int:
 
         from ..launch.agent import cleanup_node
 
-        record = cleanup_node(states=Path(args.state_dir) if args.state_dir else None)
+        record = cleanup_node(states=Path(args.state_dir) if args.state_dir else None,
+                              job=args.only_job)
         if record is None:
-            print("instride job: no instride service recorded on this node")
+            of = f" for job {args.only_job}" if args.only_job else ""
+            print(f"instride job: no instride service recorded on this node{of}")
         else:
             print(f"instride job: stopped the service of job {record.get('job', '?')} and "
                   f"removed {record.get('dir', 'nothing')}")
@@ -45,8 +47,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "`instride serve` per node and a fresh job token; run COMMAND with the "
                     "settings its job steps need (srun steps get their node's INSTRIDE_DIR/ADDR/"
                     "NODE from a task prolog; mpiexec ranks by prefixing $INSTRIDE_NODE_ENV); "
-                    "stop everything when COMMAND ends, fails or the job is cancelled. Exit "
-                    "status: COMMAND's (128+N after signal N), 2 when the services did not start.",
+                    "stop everything when COMMAND ends, fails or the job is cancelled; stop "
+                    "COMMAND when a node's service ends under it. Exit status: COMMAND's "
+                    "(128+N after signal N); 2 for a bad option or setting, or outside an "
+                    "allocation; 6 when Redis cannot be reached or a node's service did not "
+                    "start or ended; 1 for any other error.",
         epilog="example (in an sbatch script): instride job -- sh -c 'srun -N1 -w $(hostname) "
                "producer & srun -N1 consumer; wait'",
     )
@@ -54,7 +59,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="auto: slurm inside a Slurm job, mpiexec with --hostfile")
     p.add_argument("--hostfile", metavar="FILE",
                    help="mpiexec host file (one host per line; run on the first host)")
-    p.add_argument("--mpiexec", metavar="PATH", help="the mpiexec to use (default: on PATH)")
+    p.add_argument("--mpiexec", metavar="PATH",
+                   help="the mpiexec to use (default: the one next to Python, else on PATH)")
     p.add_argument("--dir", metavar="PATTERN", default=None,
                    help="managed directory on every node, %%n = node, %%j = job id (default: "
                         "$INSTRIDE_JOB_DIR or /dev/shm/instride-<uid>-job%%j)")
@@ -65,13 +71,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ready-timeout", type=float, default=60.0, metavar="S",
                    help="seconds the services have to start (default 60)")
     p.add_argument("--state-dir", metavar="DIR", default=None,
-                   help="node-local directory of service records (default "
-                        "$INSTRIDE_JOB_STATE_DIR or /tmp/instride-<uid>-services)")
+                   help="node-local directory of service records, mode 0700 (default "
+                        "$INSTRIDE_JOB_STATE_DIR or /tmp/instride-<uid>-services; in a Slurm "
+                        "Epilog, which runs as root: /tmp/instride-$SLURM_JOB_UID-services)")
     p.add_argument("--dry-run", action="store_true",
                    help="print what would be started, start nothing")
     p.add_argument("--cleanup", action="store_true",
                    help="stop this node's recorded service and remove its directory (for a "
                         "Slurm Epilog or after a crash), then exit")
+    p.add_argument("--only-job", metavar="ID", default=None,
+                   help="with --cleanup: only a service of job ID (in an Epilog: "
+                        "$SLURM_JOB_ID), never another job's")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                    help="the command to run on this node with the services up")
     p.set_defaults(func=cmd_job)

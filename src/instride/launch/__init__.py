@@ -21,6 +21,7 @@ from .base import (
     LaunchError,
     NoAllocationError,
     ServerStartError,
+    ServiceLostError,
     StaleServiceError,
     node_env_script,
 )
@@ -75,4 +76,4 @@ def services(launcher: str = "auto", *, hostfile: str | None = None,
 
 
 __all__ = ["LAUNCHERS", "JobServices", "LaunchError", "NoAllocationError", "ServerStartError",
-           "StaleServiceError", "node_env_script", "services"]
+           "ServiceLostError", "StaleServiceError", "node_env_script", "services"]

@@ -29,6 +29,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -63,6 +64,61 @@ def state_dir(env: dict[str, str] | None = None) -> Path:
     return Path(env.get("INSTRIDE_JOB_STATE_DIR") or f"/tmp/instride-{os.getuid()}-services")
 
 
+def check_state_dir(states: Path, *, create: bool) -> int | None:
+    """Check the node's directory of service records; return the uid of its owner.
+
+    Its records name processes that ``instride job`` (and ``--cleanup``) signal, so it must be
+    a real directory (not a symbolic link) with no permission for group or others, owned by
+    this user. Root may read (``create=False``: ``--cleanup`` in a Slurm ``Epilog``) another
+    user's: records are then trusted only where the file, the processes and the directories
+    they name belong to the directory's owner.
+
+    Parameters
+    ----------
+    states
+        The directory (:func:`state_dir`).
+    create
+        Create it (mode 0700) if missing; else a missing directory gives ``None``.
+
+    Returns
+    -------
+    int or None
+        The owner's uid; ``None`` when it does not exist and ``create`` is false.
+
+    Raises
+    ------
+    LaunchError
+        It cannot be created, is not a directory, belongs to another user, or is open to
+        other users; the message names it.
+    """
+    if create:
+        try:
+            states.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            raise LaunchError(f"cannot create the state directory {states}: {exc.strerror}; "
+                              "choose another (--state-dir, INSTRIDE_JOB_STATE_DIR)") from None
+    try:
+        st = os.lstat(states)
+    except FileNotFoundError:
+        if create:
+            raise LaunchError(f"the state directory {states} vanished") from None
+        return None
+    except OSError as exc:
+        raise LaunchError(f"cannot read the state directory {states}: {exc.strerror}") from None
+    hint = "remove it, or choose another (--state-dir, INSTRIDE_JOB_STATE_DIR)"
+    if not stat.S_ISDIR(st.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise LaunchError(f"the state directory {states} is {kind}; {hint}")
+    euid = os.geteuid()
+    if st.st_uid != euid and (create or euid != 0):
+        raise LaunchError(f"the state directory {states} belongs to uid {st.st_uid}, not to "
+                          f"this user (uid {euid}); {hint}")
+    if st.st_mode & 0o077:
+        raise LaunchError(f"the state directory {states} is open to other users (mode "
+                          f"{stat.S_IMODE(st.st_mode):o}); `chmod 700` it, or {hint}")
+    return st.st_uid
+
+
 def _start_time(pid: int) -> int | None:
     """Start time of a live, non-zombie process (clock ticks since boot), else None."""
     try:
@@ -73,56 +129,115 @@ def _start_time(pid: int) -> int | None:
     return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
-def _alive(pid: int | None, start: int | None) -> bool:
-    return pid is not None and start is not None and _start_time(pid) == start
+def _alive(pid: object, start: object) -> bool:
+    return (type(pid) is int and pid > 0 and type(start) is int
+            and _start_time(pid) == start)
 
 
-def read_record(node: str, states: Path) -> dict[str, Any] | None:
-    """The record of ``node``'s service in ``states``, or None."""
+def _owner(path: str | os.PathLike[str]) -> int | None:
+    """The uid that owns ``path`` (not followed if a link), or None."""
     try:
-        return json.loads((states / f"{node}.json").read_text())
+        return os.lstat(path).st_uid
+    except OSError:
+        return None
+
+
+def read_record(node: str, states: Path, owner: int | None = None) -> dict[str, Any] | None:
+    """The record of ``node``'s service in ``states``, or None.
+
+    Raises
+    ------
+    LaunchError
+        When ``owner`` is given and the record's file belongs to another uid.
+    """
+    path = states / f"{node}.json"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError):
-        return {}  # unreadable: treated as the leftover of a dead service
+    except OSError:
+        return {}  # unreadable (a link...): treated as the leftover of a dead service
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if owner is not None and st.st_uid != owner:
+            raise LaunchError(f"the service record {path} belongs to uid {st.st_uid}, not to "
+                              f"the owner of {states} (uid {owner}): refused; remove it")
+        if not stat.S_ISREG(st.st_mode):
+            return {}
+        try:
+            record = json.loads(fh.read())
+        except (OSError, ValueError):
+            return {}
+    return record if isinstance(record, dict) else {}
 
 
-def _remove_empty_parents(path: Path, top: Path) -> None:
-    """Remove the parents of ``path`` up to ``top`` (included) while they are empty."""
+def _remove_empty_parents(path: Path, top: Path, owner: int | None = None) -> None:
+    """Remove the parents of ``path`` up to ``top`` (included) while they are empty (and, with
+    ``owner``, belong to that uid)."""
     if path != top and top not in path.parents:
         return
     for parent in [p for p in path.parents if p == top or top in p.parents]:
+        if owner is not None and _owner(parent) != owner:
+            return
         try:
             parent.rmdir()
         except OSError:
             return
 
 
-def _remove_leftovers(record: dict[str, Any]) -> None:
+def _remove_leftovers(record: dict[str, Any], owner: int) -> None:
     raw = record.get("dir")
-    if raw:
+    if raw and isinstance(raw, str):
         path = Path(raw)
-        # Only what looks like an instride managed directory is removed.
-        if path.is_dir() and (path / ".instride").is_dir():
+        # Only what looks like an instride managed directory of the records' owner is removed.
+        if (not path.is_symlink() and path.is_dir() and _owner(path) == owner
+                and (path / ".instride").is_dir()):
             shutil.rmtree(path, ignore_errors=True)
-            if record.get("top"):
-                _remove_empty_parents(path, Path(record["top"]))
+            if record.get("top") and isinstance(record["top"], str):
+                _remove_empty_parents(path, Path(record["top"]), owner)
 
 
 def cleanup_node(node: str | None = None, states: Path | None = None,
-                 grace: float = 5.0) -> dict[str, Any] | None:
+                 grace: float = 5.0, job: str | None = None) -> dict[str, Any] | None:
     """Stop the service recorded for ``node`` (by PID) and remove what it left; return its record.
 
-    What ``instride job --cleanup`` runs (e.g. in a Slurm ``Epilog``). Processes are signalled
-    only when their PID still has the recorded start time.
+    What ``instride job --cleanup`` runs (e.g. in a Slurm ``Epilog``, as root). Processes are
+    signalled only when their PID still has the recorded start time and belongs to the owner
+    of the state directory (see :func:`check_state_dir`).
+
+    Parameters
+    ----------
+    node
+        The node (default: :func:`~instride.launch.base.node_name`).
+    states
+        The state directory (default: :func:`state_dir`).
+    grace
+        Seconds between SIGTERM and SIGKILL.
+    job
+        Only a service of this job (else ``None`` is returned and nothing is done).
+
+    Returns
+    -------
+    dict or None
+        The record, or ``None`` when none (of ``job``) is recorded.
+
+    Raises
+    ------
+    LaunchError
+        The state directory or the record is not trusted (:func:`check_state_dir`).
     """
     node = node or node_name()
     states = states or state_dir()
-    record = read_record(node, states)
-    if record is None:
+    owner = check_state_dir(states, create=False)
+    if owner is None:
         return None
-    procs = [(record.get("server_pid"), record.get("server_start")),
-             (record.get("pid"), record.get("start"))]
+    record = read_record(node, states, owner)
+    if record is None or (job is not None and str(record.get("job")) != job):
+        return None
+    procs = [(pid, start) for pid, start in (
+        (record.get("server_pid"), record.get("server_start")),
+        (record.get("pid"), record.get("start")))
+        if _alive(pid, start) and _owner(f"/proc/{pid}") == owner]
     for pid, start in procs:
         if _alive(pid, start):
             with contextlib.suppress(ProcessLookupError):
@@ -134,7 +249,7 @@ def cleanup_node(node: str | None = None, states: Path | None = None,
         if _alive(pid, start):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    _remove_leftovers(record)
+    _remove_leftovers(record, owner)
     with contextlib.suppress(FileNotFoundError):
         (states / f"{node}.json").unlink()
     return record
@@ -147,15 +262,19 @@ def check_stale(node: str, job: str, states: Path) -> str | None:
     ------
     StaleServiceError
         When the recorded agent or server of this node still runs.
+    LaunchError
+        The state directory or the record is not this user's (:func:`check_state_dir`).
     """
-    record = read_record(node, states)
+    owner = check_state_dir(states, create=True)
+    assert owner is not None
+    record = read_record(node, states, owner)
     if record is None:
         return None
     for pid, start in ((record.get("pid"), record.get("start")),
                        (record.get("server_pid"), record.get("server_start"))):
         if _alive(pid, start):
             raise StaleServiceError(node, str(record.get("job", "?")), int(pid))
-    _remove_leftovers(record)
+    _remove_leftovers(record, owner)
     with contextlib.suppress(FileNotFoundError):
         (states / f"{node}.json").unlink()
     return (f"removed the leftovers of job {record.get('job', '?')} on {node} "
@@ -260,8 +379,9 @@ class Agent:
             time.sleep(0.05)
         internal = self.dir / ".instride"
         internal.mkdir(mode=0o700, exist_ok=True)
-        lines = [f"export INSTRIDE_DIR={self.dir}", f"export INSTRIDE_ADDR={addr}",
-                 f"export INSTRIDE_NODE={self.node}"]
+        # The host line lets the script find this file without trusting SLURMD_NODENAME.
+        lines = [f"# host {os.uname().nodename}", f"export INSTRIDE_DIR={self.dir}",
+                 f"export INSTRIDE_ADDR={addr}", f"export INSTRIDE_NODE={self.node}"]
         tmp = internal / ".node.env.tmp"
         tmp.write_text("\n".join(lines) + "\n")
         os.replace(tmp, internal / "node.env")
@@ -350,8 +470,11 @@ class Agent:
                     continue
             self.stop()  # before anything else: Redis may be gone already
             if self.stop_signal is None:
-                print(f"instride agent on {self.node}: the data server ended on its own "
-                      f"(status {rc})", file=sys.stderr, flush=True)
+                message = f"the data server ended on its own (status {rc})"
+                with contextlib.suppress(Exception):  # the launcher names the node from it
+                    client.hdel(REGISTRY.format(job=self.job), self.node)
+                    client.hset(ERRORS.format(job=self.job), self.node, f"error|{message}")
+                print(f"instride agent on {self.node}: {message}", file=sys.stderr, flush=True)
                 return 4
             with contextlib.suppress(Exception):
                 client.hdel(REGISTRY.format(job=self.job), self.node)

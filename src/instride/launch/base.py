@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import ipaddress
+import math
 import os
 import secrets
 import shutil
@@ -69,6 +70,17 @@ class ServerStartError(LaunchError):
         self.node = node
         self.detail = detail
         super().__init__(f"the instride service of node {node} did not start: {detail}")
+
+
+class ServiceLostError(LaunchError):
+    """A node's service ended while the job's command ran (its data server died, its agent
+    was killed): the command is stopped, since it cannot go on without it."""
+
+    def __init__(self, node: str, detail: str) -> None:
+        self.node = node
+        self.detail = detail
+        super().__init__(f"the instride service of node {node} ended while the command ran: "
+                         f"{detail}")
 
 
 class StaleServiceError(ServerStartError):
@@ -174,6 +186,49 @@ def redact(url: str) -> str:
     return parts._replace(netloc=f"***@{netloc}").geturl()
 
 
+def check_redis_url(url: str, name: str = "INSTRIDE_REDIS_URL") -> str:
+    """Return ``url`` if it names a Redis server that every node can reach over TCP, else raise.
+
+    Parameters
+    ----------
+    url
+        ``redis://[[user]:password@]host[:port][/db]`` (``rediss://``: TLS).
+    name
+        The setting named in the error.
+
+    Returns
+    -------
+    str
+        ``url``, unchanged.
+
+    Raises
+    ------
+    ConfigError
+        Another scheme (``unix://`` included), no host, a port that is not a number from 1
+        to 65535, or a database that is not a number. The password is not shown.
+    """
+    expected = "expected redis://[:password@]host[:port][/db]"
+    try:
+        shown = redact(url)
+    except ValueError:  # not even split: hide whatever precedes the host
+        shown = ("***@" + url.rpartition("@")[2]) if "@" in url else url
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(name, shown, f"{exc}; {expected}") from None
+    if parts.scheme not in ("redis", "rediss"):
+        raise ConfigError(name, shown, f"{expected} (every node connects to it over TCP)")
+    if not parts.hostname:
+        raise ConfigError(name, shown, f"no host; {expected}")
+    if port == 0:
+        raise ConfigError(name, shown, "port 0; expected a TCP port (1-65535)")
+    db = parts.path[1:] if parts.path.startswith("/") else parts.path
+    if db and not db.isdigit():
+        raise ConfigError(name, shown, f"the database {db!r} is not a number; {expected}")
+    return url
+
+
 def redis_client(url: str, timeout: float = 5.0) -> Any:
     """A redis-py client for ``url`` with connect and socket timeouts."""
     import redis
@@ -218,6 +273,12 @@ def _stop(proc: subprocess.Popen[bytes] | None, grace: float) -> bool:
     return True
 
 
+#: Seconds between two checks of the services while the job's command runs.
+AGENT_POLL = 0.25
+#: Seconds the command has to end after SIGTERM when the services ended under it.
+STOP_GRACE = 30.0
+
+
 class _Interrupted(BaseException):
     """A signal arrived while the services were starting."""
 
@@ -244,14 +305,20 @@ class JobServices:
         Network interface whose address the data servers listen on (e.g. ``ib0``); default:
         the address on the route to Redis.
     redis_url
-        An existing Redis (``redis://[:password@]host:port/db``) instead of starting one.
+        An existing Redis (``redis://[:password@]host:port/db``) instead of starting one
+        (default: ``INSTRIDE_REDIS_URL``).
     ready_timeout
-        Seconds the services have to come up.
+        Seconds the services have to come up (finite, > 0).
     state_dir
         Node-local directory where each node records its running service (stale-service
         check); default ``/tmp/instride-<uid>-services``.
     env
         The environment to start from (default: this process's).
+
+    Raises
+    ------
+    ConfigError
+        A bad ``dir_pattern``, ``port``, ``ready_timeout`` or Redis URL.
     """
 
     #: Name of the launcher (``--launcher``).
@@ -279,7 +346,12 @@ class JobServices:
         self.port = port
         self.iface = iface
         given = redis_url if redis_url is not None else self.base_env.get("INSTRIDE_REDIS_URL")
-        self.external_redis = (given or "").strip() or None
+        given = (given or "").strip()
+        self.external_redis = check_redis_url(given) if given else None
+        if (isinstance(ready_timeout, bool) or not isinstance(ready_timeout, (int, float))
+                or not math.isfinite(ready_timeout) or ready_timeout <= 0):
+            raise ConfigError("--ready-timeout", ready_timeout,
+                              "expected a finite number of seconds > 0")
         self.ready_timeout = float(ready_timeout)
         self.state_dir = state_dir or self.base_env.get("INSTRIDE_JOB_STATE_DIR")
         # filled by detect()
@@ -295,6 +367,9 @@ class JobServices:
         self._redis: subprocess.Popen[bytes] | None = None
         self._agents: subprocess.Popen[bytes] | None = None
         self._child: subprocess.Popen[bytes] | None = None
+        #: the first of SIGTERM/SIGINT/SIGHUP received during :meth:`run`
+        self._signalled: int | None = None
+        self._forwarded = False
 
     # ------------------------------------------------------------------ subclass API
     def detect(self) -> None:
@@ -404,6 +479,7 @@ class JobServices:
                 raise LaunchError(f"{script} (the task prolog) is not executable and cannot be "
                                   f"made so: {exc.strerror}; reinstall instride") from None
         try:
+            self._check_signal()
             self.workdir = Path(tempfile.mkdtemp(prefix=f"instride-job{self.job_id}-"))
             self.token = secrets.token_hex(16)
             if self.external_redis:
@@ -412,6 +488,7 @@ class JobServices:
                 self._clear_registry()
             else:
                 self._start_redis()
+            self._check_signal()
             self._start_agents()
         except BaseException:
             self.down()
@@ -458,6 +535,7 @@ class JobServices:
                 if time.monotonic() > deadline:
                     raise LaunchError(
                         f"redis-server did not answer within 10 s:\n{tail(log)}") from None
+                self._check_signal()
                 time.sleep(0.05)
 
     def _clear_registry(self) -> None:
@@ -467,10 +545,20 @@ class JobServices:
         finally:
             client.close()
 
-    def _start_agents(self) -> None:
-        assert self.workdir is not None
+    def agent_env(self) -> dict[str, str]:
+        """The environment of the per-node command: the job's, without :attr:`agent_env_drop`."""
         env = {k: v for k, v in self._clean_env().items() if k not in self.agent_env_drop}
         env.update(self.job_env())
+        return env
+
+    def _check_signal(self) -> None:
+        """Give up starting when :meth:`run` received a signal (raises :class:`_Interrupted`)."""
+        if self._signalled is not None:
+            raise _Interrupted(self._signalled)
+
+    def _start_agents(self) -> None:
+        assert self.workdir is not None
+        env = self.agent_env()
         argv = self.per_node([sys.executable, "-m", "instride.launch.agent"])
         log = self.workdir / "services.log"
         with open(log, "ab") as out:
@@ -497,8 +585,9 @@ class JobServices:
                         f"{self._agents.returncode} before they started:\n{tail(log)}")
                 if time.monotonic() > deadline:
                     raise ServerStartError(
-                        ",".join(missing), f"not up within {self.ready_timeout:.0f} s:\n"
+                        ",".join(missing), f"not up within {self.ready_timeout:g} s:\n"
                         f"{tail(log)}")
+                self._check_signal()
                 time.sleep(0.05)
         except redis.RedisError as exc:
             raise MetadataUnavailable(redact(self.redis_url),
@@ -541,20 +630,31 @@ class JobServices:
         """Start the services, run ``argv`` on this node, stop the services; return its status.
 
         SIGTERM, SIGINT and SIGHUP (what ``scancel`` and a time limit send) are passed on to
-        the command; the services are stopped in every case. A command killed by signal N
-        gives 128 + N.
+        the command (a signal while the services start stops the start); the services are
+        stopped in every case. A command killed by signal N gives 128 + N.
+
+        Raises
+        ------
+        ServiceLostError
+            The services' per-node command ended while ``argv`` ran (a node's data server
+            died, an agent was killed): ``argv`` was sent SIGTERM (SIGKILL after
+            :data:`STOP_GRACE` s) and the services stopped.
         """
         if not argv:
             raise ConfigError("command", list(argv), "expected a command after --")
         handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        self._signalled, self._forwarded = None, False
 
+        # The handler never raises: an exception raised at an arbitrary point (in a `finally`
+        # before the teardown) could skip the teardown. The start polls for the signal instead.
         def on_signal(signum: int, _frame: object) -> None:
+            if self._signalled is None:
+                self._signalled = signum
             child = self._child
             if child is not None and child.poll() is None:
+                self._forwarded = True
                 with contextlib.suppress(ProcessLookupError):
                     child.send_signal(signum)
-            else:
-                raise _Interrupted(signum)
 
         previous = {s: signal.signal(s, on_signal) for s in handled}
         try:
@@ -563,21 +663,59 @@ class JobServices:
                 print(f"instride job {self.job_id}: services up on {len(self.nodes)} node(s) "
                       f"({', '.join(f'{n}={a}' for n, a in sorted(self.addrs.items()))}), "
                       f"Redis {redact(self.redis_url)}", file=sys.stderr, flush=True)
+                self._check_signal()
                 try:
                     self._child = subprocess.Popen(list(argv), env=env)
                 except OSError as exc:
                     raise LaunchError(f"cannot run {argv[0]!r}: {exc.strerror}") from None
-                rc = self._child.wait()
-                return 128 - rc if rc < 0 else rc
+                if self._signalled is not None and not self._forwarded:
+                    # arrived between the check and the start: the command gets it now
+                    with contextlib.suppress(ProcessLookupError):
+                        self._child.send_signal(self._signalled)
+                return self._wait_child(self._child)
             except _Interrupted as exc:
                 return 128 + exc.signum
             finally:
-                for s in handled:  # a second signal must not interrupt the teardown
-                    signal.signal(s, signal.SIG_IGN)
                 self.down()
         finally:
+            self._child = None
             for s, h in previous.items():
                 signal.signal(s, h)
+
+    def _wait_child(self, child: subprocess.Popen[bytes]) -> int:
+        """Wait for the command; stop it if the services end under it (see :meth:`run`)."""
+        while True:
+            try:
+                rc = child.wait(AGENT_POLL)
+                return 128 - rc if rc < 0 else rc
+            except subprocess.TimeoutExpired:
+                pass
+            if self._agents is None or self._agents.poll() is None:
+                continue
+            if self._signalled is not None:
+                continue  # the job is cancelled: the services end with it
+            lost = self._lost_service(self._agents.returncode)
+            print(f"instride job: the services ended under the command (node {lost.node}); "
+                  f"stopping it (SIGTERM to pid {child.pid})", file=sys.stderr, flush=True)
+            if not _stop(child, STOP_GRACE):
+                with contextlib.suppress(ProcessLookupError):
+                    child.kill()
+                child.wait()
+            raise lost
+
+    def _lost_service(self, status: int) -> ServiceLostError:
+        """The error of a per-node command that ended while the job's command ran."""
+        nodes: list[str] = []
+        with contextlib.suppress(Exception):  # Redis may be unreachable: the log says more
+            client = redis_client(self.redis_url, timeout=2.0)
+            try:
+                nodes = sorted(client.hgetall(ERRORS.format(job=self.job_id)))
+            finally:
+                client.close()
+        log = tail(self.workdir / "services.log") if self.workdir else "(no log)"
+        cmd = self.per_node(["..."])[0]
+        return ServiceLostError(",".join(nodes) or "?",
+                                f"`{cmd}` of the services exited with status {status}:\n{log}")
 
 
 def _node_error(node: str, message: str) -> ServerStartError:
@@ -591,7 +729,8 @@ def _node_error(node: str, message: str) -> ServerStartError:
 
 __all__ = [
     "ERRORS", "REGISTRY", "JobServices", "LaunchError", "NoAllocationError",
-    "ServerStartError", "StaleServiceError", "check_dir_pattern", "default_dir_pattern",
+    "ServerStartError", "ServiceLostError", "StaleServiceError", "check_dir_pattern",
+    "check_redis_url", "default_dir_pattern",
     "expand_dir", "iface_address", "node_env_script", "node_name", "ping_redis", "redact",
     "resolve_ipv4", "route_address",
 ]

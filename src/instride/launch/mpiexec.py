@@ -94,6 +94,9 @@ class MpiexecServices(JobServices):
     """
 
     name = "mpiexec"
+    # mpiexec forwards its environment to every rank: a SLURMD_NODENAME of this node (inside
+    # a Slurm job) would give every agent this node's name.
+    agent_env_drop = ("SLURMD_NODENAME",)
 
     def __init__(self, *, hostfile: str | os.PathLike[str] | None = None,
                  mpiexec: str | None = None, **kwargs: object) -> None:

@@ -1,0 +1,323 @@
+"""``instride job`` without a cluster: bad settings, the state directory's trust checks, the
+task prolog script, the teardown under signals and failing Slurm client commands.
+
+The life-cycle tests run the real node agent and data server on this machine through a
+launcher whose per-node command is the agent itself (one node: this one).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import signal
+import subprocess
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from instride.errors import ConfigError
+from instride.launch import LaunchError, services
+from instride.launch import slurm as slurm_launcher
+from instride.launch.agent import _start_time, check_stale, check_state_dir, cleanup_node
+from instride.launch.base import JobServices, node_env_script, node_name
+from instride.launch.slurm import SlurmServices
+
+from ..conftest import free_port
+from .conftest import PY, tree
+
+NOBODY = 65534
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "INSTRIDE_"))}
+    env.update(extra)
+    return env
+
+
+# ---------------------------------------------------------------------- bad settings
+@pytest.mark.parametrize("url", ["foo", "redis://h:notaport/0", "redis://h:99999/0",
+                                 "http://x/0", "redis://h:6379/abc", "unix:///tmp/r.sock",
+                                 "redis://:6379/0"])
+def test_malformed_redis_url_is_a_config_error(url: str) -> None:
+    with pytest.raises(ConfigError, match="bad setting INSTRIDE_REDIS_URL"):
+        services("slurm", env=_env(SLURM_JOB_ID="1", INSTRIDE_REDIS_URL=url))
+
+
+def test_malformed_redis_url_exits_2_without_showing_the_password() -> None:
+    env = _env(SLURM_JOB_ID="1", INSTRIDE_REDIS_URL="redis://:s3cret@h:notaport/0")
+    proc = subprocess.run([PY, "-m", "instride", "job", "--", "true"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "bad setting INSTRIDE_REDIS_URL='redis://***@h:notaport/0'" in proc.stderr
+    assert "s3cret" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -5.0, 0.0])
+def test_ready_timeout_must_be_finite_and_positive(value: float) -> None:
+    with pytest.raises(ConfigError, match="--ready-timeout"):
+        services("slurm", env=_env(SLURM_JOB_ID="1"), ready_timeout=value)
+
+
+def test_ready_timeout_nan_exits_2() -> None:
+    proc = subprocess.run([PY, "-m", "instride", "job", "--ready-timeout", "nan", "--", "true"],
+                          env=_env(SLURM_JOB_ID="1"), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "bad setting --ready-timeout=nan" in proc.stderr
+
+
+def test_heterogeneous_slurm_job_is_refused() -> None:
+    svc = services("slurm", env=_env(SLURM_JOB_ID="7", SLURM_HET_SIZE="2",
+                                     SLURM_JOB_NODELIST="node1", SLURMD_NODENAME="node1"))
+    with pytest.raises(LaunchError, match="heterogeneous job .2 components.: not supported"):
+        svc.detect()
+
+
+# ---------------------------------------------------------------------- the state directory
+def test_state_dir_open_to_others_or_a_link_is_refused(tmp_path: Path) -> None:
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o700)
+    open_dir.chmod(0o755)
+    with pytest.raises(LaunchError, match=f"state directory {open_dir} is open to other "
+                                          "users .mode 755."):
+        check_stale("n1", "1", open_dir)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "private")
+    (tmp_path / "private").mkdir(mode=0o700)
+    with pytest.raises(LaunchError, match=f"state directory {link} is a symbolic link"):
+        check_stale("n1", "1", link)
+    created = tmp_path / "a" / "states"
+    assert check_state_dir(created, create=True) == os.geteuid()
+    assert created.stat().st_mode & 0o777 == 0o700
+    proc = subprocess.run([PY, "-m", "instride", "job", "--cleanup", "--state-dir",
+                           str(open_dir)], env=_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1
+    assert f"the state directory {open_dir} is open to other users" in proc.stderr
+
+
+@pytest.mark.root
+def test_state_dir_of_another_user_is_refused_to_agents(tmp_path: Path) -> None:
+    states = tmp_path / "states"
+    states.mkdir(mode=0o700)
+    os.chown(states, NOBODY, NOBODY)
+    (states / "n1.json").write_text('{"job": "1", "pid": 1, "start": 1}')
+    with pytest.raises(LaunchError, match=f"state directory {states} belongs to uid {NOBODY}"):
+        check_stale("n1", "2", states)
+    assert (states / "n1.json").exists()  # nothing read or removed
+
+
+@pytest.fixture
+def foreign_service(tmp_path: Path) -> Iterator[dict[str, object]]:
+    """A state directory of user 65534 whose record names that user's live process (the agent)
+    and a live process of root (as the server): what an Epilog, as root, finds."""
+    states = tmp_path / "states"
+    states.mkdir(mode=0o700)
+    managed = tmp_path / "managed"
+    (managed / ".instride").mkdir(parents=True)
+    users = subprocess.Popen(["sleep", "300"], user=NOBODY)
+    roots = subprocess.Popen(["sleep", "300"])
+    try:
+        record = {"job": "42", "node": "n1", "dir": str(managed), "top": str(managed),
+                  "pid": users.pid, "start": _start_time(users.pid),
+                  "server_pid": roots.pid, "server_start": _start_time(roots.pid)}
+        (states / "n1.json").write_text(json.dumps(record))
+        for path in (states, states / "n1.json", managed, managed / ".instride"):
+            os.chown(path, NOBODY, NOBODY)
+        yield {"states": states, "managed": managed, "user": users, "root": roots}
+    finally:
+        for proc in (users, roots):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+@pytest.mark.root
+def test_root_cleanup_stops_only_what_the_directory_owner_owns(
+    foreign_service: dict[str, object]
+) -> None:
+    states, managed = foreign_service["states"], foreign_service["managed"]
+    user, root = foreign_service["user"], foreign_service["root"]
+    assert isinstance(states, Path) and isinstance(managed, Path)
+    assert isinstance(user, subprocess.Popen) and isinstance(root, subprocess.Popen)
+    # another job's service is not touched
+    assert cleanup_node("n1", states, grace=5.0, job="41") is None
+    assert user.poll() is None and (states / "n1.json").exists()
+    env = _env(SLURMD_NODENAME="n1")
+    proc = subprocess.run([PY, "-m", "instride", "job", "--cleanup", "--only-job", "42",
+                           "--state-dir", str(states)], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "stopped the service of job 42" in proc.stdout
+    assert user.wait(10) == -signal.SIGTERM
+    assert root.poll() is None  # recorded, alive, but not the directory owner's: untouched
+    assert not managed.exists() and tree(states) == []
+
+
+@pytest.mark.root
+def test_root_cleanup_refuses_a_record_of_another_owner(
+    foreign_service: dict[str, object]
+) -> None:
+    states, user = foreign_service["states"], foreign_service["user"]
+    assert isinstance(states, Path) and isinstance(user, subprocess.Popen)
+    os.chown(states / "n1.json", 0, 0)  # planted by someone else than the directory's owner
+    with pytest.raises(LaunchError, match=f"service record {states / 'n1.json'} belongs to "
+                                          f"uid 0, not to the owner of {states}"):
+        cleanup_node("n1", states)
+    assert user.poll() is None
+    os.chown(states / "n1.json", NOBODY, NOBODY)
+    os.chmod(states, 0o770)
+    with pytest.raises(LaunchError, match="open to other users"):
+        cleanup_node("n1", states)
+    assert user.poll() is None
+
+
+# ---------------------------------------------------------------------- the task prolog script
+def _node_env(args: Sequence[str], **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["sh", str(node_env_script()), *args], env=_env(**env),
+                          capture_output=True, text=True, timeout=60)
+
+
+def _write_node_env(root: Path, node: str, host: str) -> None:
+    d = root / node / "j1" / ".instride"
+    d.mkdir(parents=True)
+    (d / "node.env").write_text(f"# host {host}\nexport INSTRIDE_DIR={d.parent}\n"
+                                f"export INSTRIDE_ADDR=10.0.0.1:7437\nexport INSTRIDE_NODE={node}\n")
+
+
+def test_node_env_without_a_service_unsets_the_inherited_settings(tmp_path: Path) -> None:
+    job = {"INSTRIDE_JOB_DIR": f"{tmp_path}/%n/j%j", "INSTRIDE_JOB_ID": "1",
+           "INSTRIDE_DIR": "/batch/host", "INSTRIDE_ADDR": "10.0.0.9:7437",
+           "INSTRIDE_NODE": "batchhost"}
+    prolog = _node_env([], **job)
+    assert prolog.returncode == 0
+    lines = prolog.stdout.splitlines()
+    assert lines[0].startswith("print instride: no instride service on ")
+    assert lines[1:] == ["unset INSTRIDE_DIR", "unset INSTRIDE_ADDR", "unset INSTRIDE_NODE"]
+    wrapped = _node_env(["sh", "-c", "echo ${INSTRIDE_DIR-unset} ${INSTRIDE_NODE-unset}"],
+                        **job)
+    assert wrapped.stdout == "unset unset\n"
+    assert "no instride service on" in wrapped.stderr
+
+
+def test_node_env_finds_this_host_whatever_slurmd_nodename_says(tmp_path: Path) -> None:
+    host = os.uname().nodename
+    _write_node_env(tmp_path, host.split(".")[0], host)
+    _write_node_env(tmp_path, "node1", "node1-host")  # the node SLURMD_NODENAME names
+    job = {"INSTRIDE_JOB_DIR": f"{tmp_path}/%n/j%j", "INSTRIDE_JOB_ID": "1",
+           "SLURMD_NODENAME": "node1"}
+    wrapped = _node_env(["sh", "-c", "echo $INSTRIDE_NODE"], **job)
+    assert wrapped.stdout == f"{host.split('.')[0]}\n", wrapped.stderr
+    prolog = _node_env([], **job)
+    assert prolog.stdout.splitlines() == [
+        f"export INSTRIDE_DIR={tmp_path / host.split('.')[0] / 'j1'}",
+        "export INSTRIDE_ADDR=10.0.0.1:7437", f"export INSTRIDE_NODE={host.split('.')[0]}"]
+
+
+# ---------------------------------------------------------------------- signals, teardown
+class LocalServices(JobServices):
+    """This machine as the only node; the per-node command runs as is (no launcher)."""
+
+    name = "local"
+
+    def __init__(self, agent: Sequence[str] | None = None, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.agent = agent
+        self.seen: dict[str, object] = {}
+
+    def detect(self) -> None:
+        self.job_id = "t" + secrets.token_hex(3)
+        self.nodes = [node_name(self.base_env)]
+        self.this_node, self.this_addr = self.nodes[0], "127.0.0.1"
+
+    def per_node(self, argv: Sequence[str]) -> list[str]:
+        return list(self.agent or argv)
+
+    def registered(self) -> bool:
+        self.seen.update(agents=self._agents, redis=self._redis, workdir=self.workdir)
+        return super().registered()
+
+
+def _local(scratch: Path, tmp_path: Path, cls: type[LocalServices] = LocalServices,
+           **kwargs: object) -> LocalServices:
+    return cls(dir_pattern=f"{scratch}/%n/j%j", port=free_port(),
+               env=_env(INSTRIDE_JOB_STATE_DIR=str(tmp_path / "states")), **kwargs)
+
+
+def _assert_torn_down(svc: LocalServices, scratch: Path, tmp_path: Path) -> None:
+    agents, redis, workdir = svc.seen["agents"], svc.seen["redis"], svc.seen["workdir"]
+    assert isinstance(agents, subprocess.Popen) and isinstance(redis, subprocess.Popen)
+    assert agents.poll() is not None and redis.poll() is not None
+    assert isinstance(workdir, Path) and not workdir.exists()
+    assert tree(scratch) == [] and tree(tmp_path / "states") == []
+
+
+def test_signal_while_the_services_start_stops_the_start(scratch: Path, tmp_path: Path) -> None:
+    class Interrupted(LocalServices):
+        calls = 0
+
+        def registered(self) -> bool:
+            Interrupted.calls += 1
+            if Interrupted.calls == 3:  # in the wait for the agents: like scancel
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().registered()
+
+    svc = _local(scratch, tmp_path, Interrupted, agent=["sleep", "300"])
+    assert svc.run([PY, "-c", "raise SystemExit(9)"]) == 128 + signal.SIGTERM
+    _assert_torn_down(svc, scratch, tmp_path)
+    assert svc.seen["agents"].returncode == -signal.SIGTERM  # type: ignore[attr-defined]
+
+
+def test_signals_around_the_command_end_never_skip_the_teardown(
+    scratch: Path, tmp_path: Path
+) -> None:
+    """SIGTERM as the command exits and again during the teardown: everything still stops."""
+    class SignalledTeardown(LocalServices):
+        def signal_agents(self) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)
+            super().signal_agents()
+
+    svc = _local(scratch, tmp_path, SignalledTeardown)
+    before = signal.getsignal(signal.SIGTERM)
+    rc = svc.run(["sh", "-c", "kill -TERM $PPID"])
+    assert rc in (0, 128 + signal.SIGTERM)
+    _assert_torn_down(svc, scratch, tmp_path)
+    assert signal.getsignal(signal.SIGTERM) is before  # the caller's handler is back
+
+
+# ---------------------------------------------------------------------- Slurm client failures
+@pytest.mark.parametrize(("tool", "script", "why"), [
+    ("squeue", "exec sleep 300", "did not answer within 0.5 s"),
+    ("scancel", "exec sleep 300", "did not answer within 0.5 s"),
+    ("scancel", None, "cannot run"),
+])
+def test_slurm_teardown_survives_a_hanging_or_broken_client(
+    tool: str, script: str | None, why: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fakes = {"squeue": "echo '5.0 instride-services'", "scancel": "exit 0"}
+    fakes[tool] = script or ""
+    for name, body in fakes.items():
+        shebang = "#!/bin/sh" if script or name != tool else "#!/nonexistent/sh"
+        (bin_dir / name).write_text(f"{shebang}\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setattr(slurm_launcher, "CLIENT_TIMEOUT", 0.5)
+    svc = SlurmServices(env=_env(SLURM_JOB_ID="5"))
+    svc.job_id = "5"
+    agents = subprocess.Popen(["sleep", "300"])
+    redis = subprocess.Popen(["sleep", "300"])
+    svc._agents, svc._redis = agents, redis
+    workdir = svc.workdir = Path(tempfile.mkdtemp(dir=tmp_path))
+    svc.down()
+    assert agents.returncode == -signal.SIGTERM  # srun signalled directly instead
+    assert redis.returncode == -signal.SIGTERM
+    assert not workdir.exists()
+    err = capsys.readouterr().err
+    assert f"instride job: warning: `{bin_dir / tool}" in err and why in err
