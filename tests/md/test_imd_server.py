@@ -335,18 +335,25 @@ def test_ignored_bodies_are_skipped_without_holding_them(server_factory) -> None
     assert srv.reports[1].error is None or "Error" not in srv.reports[1].error, srv.reports
 
 
-def test_a_bounded_stream_is_served_from_its_oldest_frame(server_factory) -> None:
+def _files_open_under(root: Path) -> list[str]:
+    """The regular files under ``root`` (a stream's frames) this process holds open."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        target = os.path.realpath(f"/proc/self/fd/{fd}")
+        if target.startswith(f"{os.path.realpath(root)}/") and os.path.isfile(target):
+            held.append(target)
+    return held
+
+
+def test_a_bounded_stream_is_served_from_its_oldest_frame(server_factory, managed_dir: Path) -> None:
     """On a stream that keeps 4 frames, a client starting at frame 0 after 6 were retired gets
     the 4 kept ones and is told how many it missed; sessions leave no descriptor open."""
     _frames("kept", 10, 10, retain=4, on_full="drop-oldest")
     srv = server_factory("kept")
-    fds = None
     for i in range(5):
         client = IMDClient("127.0.0.1", srv.port, 10, multithreaded=False, timeout=30)
         assert _all_steps(client) == [6, 7, 8, 9]
         client.stop()
         assert srv.wait_clients(i + 1, timeout=30)
-        now = len(os.listdir("/proc/self/fd"))
-        fds = fds or now  # (after the first session: what the process keeps, the managed dir)
-        assert now == fds  # (each session released its frames and closed its stream)
+        assert _files_open_under(managed_dir / "kept") == []  # (each released its frames)
     assert all(r.ended and r.frames == 4 and r.missed == 6 for r in srv.reports), srv.reports
