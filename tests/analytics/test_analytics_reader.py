@@ -192,3 +192,30 @@ def test_consumer_started_before_producer(managed_dir: Path, adk) -> None:
     assert got["idle"] > 0.1  # it really waited for frames
     want = rms.RMSD(mda.Universe(PSF, DCD), select="backbone").run(stop=10).results.rmsd[:, 2]
     np.testing.assert_allclose(got["rmsd"], want, atol=1e-4)
+
+
+@pytest.mark.parametrize(("retain", "n"), [(None, 400), (100, 100)])
+def test_a_long_stream_is_read_under_a_low_limit_of_open_files(managed_dir: Path,
+                                                               retain: int | None, n: int) -> None:
+    """Each frame the reader copies into its timestep is released: 400 frames (iterated, then
+    read by index, with ``dt``) under a limit of 256 open files; a bounded stream's producer
+    holds two descriptors per frame it keeps (100 frames), the reader none once it moved on."""
+    proc = spawn_py(textwrap.dedent(f"""
+        import resource
+        import numpy as np, MDAnalysis as mda
+        import instride
+        import instride.analytics  # (registers the instride:// reader)
+        from MDAnalysisTests.datafiles import PSF
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+        u = mda.Universe(PSF)
+        with instride.Stream("long", mode="w", retain={retain}) as s:
+            for i in range({n}):
+                s.append(np.full((len(u.atoms), 3), float(i)), step=i, time=0.5 * i)
+        u = mda.Universe(PSF, "instride://long", timeout=10)
+        seen = [int(ts.positions[0, 0]) for ts in u.trajectory]
+        picked = [int(u.trajectory[i].positions[0, 0]) for i in ({n} - 1, 0, {n} // 2)]
+        print(len(seen), seen == list(range({n})), *picked, u.trajectory.dt)
+    """))
+    rc, out, err = finish(proc, timeout=120)
+    assert rc == 0, err
+    assert out.split() == [str(n), "True", str(n - 1), "0", str(n // 2), "0.5"]

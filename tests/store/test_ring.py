@@ -21,6 +21,7 @@ import pytest
 
 from instride.errors import FileTypeError, UnsafePathError
 from instride.store.ring import Leases, SlotPool, collect_pool
+from tests.conftest import finish, spawn_py
 
 
 def _write(pool: SlotPool, root: Path, name: str, data: bytes) -> int:
@@ -605,3 +606,34 @@ def test_the_native_take_holds_checks_or_copies_a_frame_in_one_call(tmp_path: Pa
     leases.close()
     opener.close()
     pool.close()
+
+
+@pytest.mark.parametrize(("hard", "ok"), [(4096, True), (256, False)])
+def test_a_long_ring_raises_the_soft_limit_of_open_files_or_says_why_it_cannot(
+        managed_dir: Path, hard: int, ok: bool) -> None:
+    """300 frames kept hold 600 descriptors: over a soft limit of 256 the producer raises it
+    (within the hard limit) and goes on; where the hard limit is 256 too, a typed error names
+    the limit and what to do."""
+    proc = spawn_py(textwrap.dedent(f"""
+        import resource
+        import numpy as np
+        import instride
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, {hard}))
+        try:
+            with instride.Stream("ring", mode="w", retain=300) as s:
+                for i in range(300):
+                    s.append(np.full((10, 3), float(i)), step=i)
+        except instride.ConfigError as exc:
+            print("refused:", exc)
+        else:
+            print("kept", len(instride.Stream("ring")), resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    """))
+    rc, out, err = finish(proc, timeout=120)
+    assert rc == 0, err
+    if ok:
+        kept, soft = out.split()[1:]
+        assert kept == "300" and 256 < int(soft) <= hard
+    else:
+        assert out.startswith("refused: bad setting RLIMIT_NOFILE=256: a stream's producer"
+                              " holds 2 open files")
+        assert "ulimit -Hn" in out

@@ -246,7 +246,7 @@ class InstrideReader(ReaderBase):
         frame = stream.read(index)
         t1 = time.perf_counter()
         if not ready:  # blocked until published: time one read of the frame on its own
-            stream.read(index)
+            stream.read(index).release()
             t2 = time.perf_counter()
             self.wait_seconds += max(0.0, (t1 - t0) - (t2 - t1))
             t0 = t1
@@ -276,19 +276,23 @@ class InstrideReader(ReaderBase):
         return ts
 
     # ------------------------------------------------------------------ ReaderBase contract
+    # (each frame is copied into the timestep, then released: a bounded stream's frame
+    # holds a descriptor and a lock on its file until then)
     def _read_next_timestep(self, ts: Any = None) -> Any:
         index = self.ts.frame + 1
-        return self._load(index, self._fetch(index, wait=True))
+        with self._fetch(index, wait=True) as frame:
+            return self._load(index, frame)
 
     def _read_frame(self, frame: int) -> Any:
-        return self._load(frame, self._fetch(frame, wait=False))
+        with self._fetch(frame, wait=False) as got:
+            return self._load(frame, got)
 
     def __getitem__(self, frame: Any) -> Any:
         """``u.trajectory[i]``, slices, fancy indexing: as every MDAnalysis reader; a frame
         index past the published ones is refused with an ``IndexError`` that says the
         stream is live (MDAnalysis would only say it exceeds the length)."""
         if isinstance(frame, (int, np.integer)) and frame >= self._published_count():
-            self._fetch(int(frame), wait=False)  # (raises the live stream's IndexError)
+            self._fetch(int(frame), wait=False).release()  # (raises the live one's IndexError)
         return super().__getitem__(frame)
 
     def _reopen(self) -> None:
@@ -313,7 +317,8 @@ class InstrideReader(ReaderBase):
     def _get_dt(self) -> float:
         if self._published_count() < 2:
             raise AttributeError("dt is unknown until two frames are published")
-        return self._stream.read(1).time - self._stream.read(0).time
+        with self._stream.read(1) as second, self._stream.read(0) as first:
+            return second.time - first.time
 
     def close(self) -> None:
         """Nothing to release: frames are opened per read."""

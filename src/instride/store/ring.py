@@ -25,6 +25,7 @@ import errno
 import fcntl
 import mmap
 import os
+import resource
 import secrets
 import stat
 import time
@@ -37,7 +38,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from ..errors import FileTypeError, UnsafePathError
+from ..errors import ConfigError, FileTypeError, UnsafePathError
 from ..frames import NativeFrame
 from ..native import library
 from ..perthread import forks
@@ -51,6 +52,30 @@ _LEASE_HELD, _LEASE_ABSENT, _LEASE_RETIRED = 0, 1, 2
 #: isl_take's results (csrc/local/take.c)
 TAKE_HELD, TAKE_OTHER, TAKE_TIMEOUT, TAKE_INTERRUPTED, TAKE_REARM, TAKE_COPIED = range(6)
 _GONE_CAP = 16
+
+
+def _more_open_files() -> bool:
+    """Raise this process's soft limit of open files (doubled, at most to the hard limit), as
+    Go's runtime does at start; whether it grew."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max(2 * soft, 1024)
+    if hard != resource.RLIM_INFINITY:
+        want = min(hard, want)
+    if want <= soft:
+        return False
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError):
+        return False
+    return True
+
+
+def _files_exhausted(slots: int) -> ConfigError:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return ConfigError("RLIMIT_NOFILE", soft,
+                       f"a stream's producer holds 2 open files per frame it keeps ({slots} now);"
+                       f" the process may open no more (hard limit {hard}: raise it with"
+                       " `ulimit -Hn`, or keep fewer frames: retain=)")
 
 
 @dataclass
@@ -229,10 +254,20 @@ class SlotPool:
                 unfilled.mm.madvise(_MADV_POPULATE_WRITE)
 
     def _new(self, size: int) -> Slot:
-        self._made += 1
-        path = f"{self._pool_s}/slot-{self._owner}-{self._made}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        return self._adopt(path, fd, size, made=False)
+        for _ in range(2):
+            self._made += 1
+            path = f"{self._pool_s}/slot-{self._owner}-{self._made}"
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                return self._adopt(path, fd, size, made=False)
+            except OSError as exc:
+                # Each frame kept holds two descriptors (its file, and the mapping's own
+                # copy): a ring of hundreds of frames can reach a soft limit of 1024.
+                if exc.errno != errno.EMFILE or not _more_open_files():
+                    if exc.errno == errno.EMFILE:
+                        raise _files_exhausted(len(self._slots)) from None
+                    raise
+        raise _files_exhausted(len(self._slots))
 
     def _adopt(self, path: str, fd: int, size: int, *, made: bool = True,
                populate: bool = True) -> Slot:
