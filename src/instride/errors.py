@@ -9,13 +9,28 @@ translated into these at the boundary where they occur.
 from __future__ import annotations
 
 import errno as _errno
+from typing import Any
 
 
 class InstrideError(Exception):
-    """Root of every error raised by instride."""
+    """Root of every error raised by instride.
+
+    Errors pickle and unpickle to the same type, message and attributes (an error raised in a
+    worker process or on another MPI rank reaches the caller as itself): a class whose
+    ``__init__`` takes its own arguments records them in ``_init_args``, and
+    :meth:`__reduce__` calls the class with them again.
+    """
 
     #: errno a C caller (the preload shim, the Unix-socket protocol) sees for this error.
     errno: int = _errno.EIO
+    #: The constructor's arguments, for :meth:`__reduce__` (``None``: those of ``Exception``).
+    _init_args: tuple[Any, ...] | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Rebuild from the constructor's arguments, then restore the instance's attributes."""
+        if self._init_args is None:
+            return super().__reduce__()
+        return type(self), self._init_args, self.__dict__
 
 
 class KeyValidationError(InstrideError, ValueError):
@@ -24,6 +39,7 @@ class KeyValidationError(InstrideError, ValueError):
     errno = _errno.EINVAL
 
     def __init__(self, key: object, reason: str) -> None:
+        self._init_args = (key, reason)
         self.key = key
         self.reason = reason
         super().__init__(f"invalid key {key!r}: {reason}")
@@ -35,6 +51,7 @@ class KeyExistsError(InstrideError, FileExistsError):
     errno = _errno.EEXIST
 
     def __init__(self, key: str) -> None:
+        self._init_args = (key,)
         self.key = key
         super().__init__(_errno.EEXIST, f"key {key!r} is already published (write-once)")
 
@@ -45,6 +62,7 @@ class KeyNotFoundError(InstrideError, FileNotFoundError):
     errno = _errno.ENOENT
 
     def __init__(self, key: str) -> None:
+        self._init_args = (key,)
         self.key = key
         super().__init__(_errno.ENOENT, f"key {key!r} is not published")
 
@@ -57,6 +75,7 @@ class KeyNotServed(KeyNotFoundError):
 
     def __init__(self, key: str, reason: str) -> None:
         super().__init__(key)
+        self._init_args = (key, reason)
         self.reason = reason
         self.strerror = f"key {key!r} is not served: {reason}"
 
@@ -71,6 +90,7 @@ class UnsafePathError(InstrideError, PermissionError):
     errno = _errno.ELOOP
 
     def __init__(self, key: str, reason: str) -> None:
+        self._init_args = (key, reason)
         self.key = key
         self.reason = reason
         super().__init__(_errno.ELOOP, f"key {key!r} refused: {reason}")
@@ -86,6 +106,7 @@ class FileTypeError(InstrideError, OSError):
     errno = _errno.EINVAL
 
     def __init__(self, key: str, reason: str, code: int = _errno.EINVAL) -> None:
+        self._init_args = (key, reason, code)
         self.key = key
         self.reason = reason
         super().__init__(code, f"key {key!r} refused: {reason}")
@@ -98,6 +119,7 @@ class ConsumeTimeout(InstrideError, TimeoutError):
     errno = _errno.ETIMEDOUT
 
     def __init__(self, key: str, waited: float) -> None:
+        self._init_args = (key, waited)
         self.key = key
         self.waited = waited
         super().__init__(f"timed out after {waited:.3f} s waiting for key {key!r}")
@@ -109,6 +131,7 @@ class IntegrityError(InstrideError, OSError):
     errno = _errno.EIO
 
     def __init__(self, what: str, detail: str) -> None:
+        self._init_args = (what, detail)
         self.what = what
         self.detail = detail
         super().__init__(_errno.EIO, f"integrity check failed for {what}: {detail}")
@@ -120,6 +143,7 @@ class PeerUnavailable(InstrideError, ConnectionError):
     errno = _errno.EHOSTUNREACH
 
     def __init__(self, node: str, detail: str) -> None:
+        self._init_args = (node, detail)
         self.node = node
         self.detail = detail
         super().__init__(_errno.EHOSTUNREACH, f"peer {node} unavailable: {detail}")
@@ -130,6 +154,7 @@ class ServeError(InstrideError, OSError):
     made, ...)."""
 
     def __init__(self, detail: str, code: int = _errno.EIO) -> None:
+        self._init_args = (detail, code)
         self.detail = detail
         super().__init__(code, f"the data server could not start: {detail}")
 
@@ -140,6 +165,7 @@ class TransferError(InstrideError, OSError):
     errno = _errno.EIO
 
     def __init__(self, key: str, detail: str) -> None:
+        self._init_args = (key, detail)
         self.key = key
         self.detail = detail
         super().__init__(_errno.EIO, f"transfer of {key!r} failed: {detail}")
@@ -151,6 +177,7 @@ class AuthenticationError(InstrideError, PermissionError):
     errno = _errno.EACCES
 
     def __init__(self, detail: str) -> None:
+        self._init_args = (detail,)
         self.detail = detail
         super().__init__(_errno.EACCES, f"authentication failed: {detail}")
 
@@ -161,6 +188,7 @@ class MetadataUnavailable(InstrideError, ConnectionError):
     errno = _errno.EIO
 
     def __init__(self, url: str, detail: str) -> None:
+        self._init_args = (url, detail)
         self.url = url
         self.detail = detail
         super().__init__(_errno.EIO, f"metadata service {url} unavailable: {detail}")
@@ -170,6 +198,7 @@ class EndOfStream(InstrideError, EOFError):
     """A stream has ended (its producer closed it) and holds no frame past this point."""
 
     def __init__(self, stream: str, index: int) -> None:
+        self._init_args = (stream, index)
         self.stream = stream
         self.index = index
         super().__init__(f"stream {stream!r} ended before frame {index}")
@@ -185,6 +214,7 @@ class FramesMissed(InstrideError, LookupError):
     """
 
     def __init__(self, stream: str, index: int, missed: int, resume: int) -> None:
+        self._init_args = (stream, index, missed, resume)
         self.stream = stream
         self.index = index
         self.missed = missed
@@ -201,6 +231,7 @@ class StreamFull(InstrideError, TimeoutError):
     errno = _errno.ETIMEDOUT
 
     def __init__(self, stream: str, waited: float, holders: list[str]) -> None:
+        self._init_args = (stream, waited, holders)
         self.stream = stream
         self.waited = waited
         self.holders = holders
@@ -217,6 +248,7 @@ class GroupBusy(InstrideError, BlockingIOError):
     errno = _errno.EBUSY
 
     def __init__(self, stream: str, group: str) -> None:
+        self._init_args = (stream, group)
         self.stream = stream
         self.group = group
         super().__init__(
@@ -233,6 +265,7 @@ class GroupLeaseLost(GroupBusy):
 
     def __init__(self, stream: str, group: str, lease_s: float) -> None:
         super().__init__(stream, group)
+        self._init_args = (stream, group, lease_s)
         self.lease_s = lease_s
         self.strerror = (
             f"lost the lease on consumer group {group!r} of stream {stream!r}: this reader was "
@@ -249,6 +282,7 @@ class ArchiveError(InstrideError, OSError):
     """
 
     def __init__(self, stream: str | None, path: object, detail: str) -> None:
+        self._init_args = (stream, path, detail)
         self.stream = stream
         self.path = path
         what = f"archive {path}" if stream is None else f"archiver of stream {stream!r} ({path})"
@@ -261,6 +295,7 @@ class UnsupportedModeError(InstrideError, ValueError):
     errno = _errno.EPERM
 
     def __init__(self, mode: str, reason: str) -> None:
+        self._init_args = (mode, reason)
         self.mode = mode
         super().__init__(f"mode {mode!r} is not supported: {reason}")
 
@@ -271,6 +306,7 @@ class ConfigError(InstrideError, ValueError):
     errno = _errno.EINVAL
 
     def __init__(self, name: str, value: object, reason: str) -> None:
+        self._init_args = (name, value, reason)
         self.name = name
         self.value = value
         super().__init__(f"bad setting {name}={value!r}: {reason}")
@@ -286,6 +322,7 @@ class AgentError(InstrideError, OSError):
     """A request to the node agent (Unix socket) that cannot be served; ``code`` is its errno."""
 
     def __init__(self, code: int, message: str) -> None:
+        self._init_args = (code, message)
         super().__init__(code, message)
         self.code = code
         self.message = message

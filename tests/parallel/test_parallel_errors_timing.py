@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import pickle
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
+from instride import errors
 from instride.errors import InstrideError
 from instride.parallel import (
     BackendError,
@@ -119,3 +121,44 @@ def test_errors_survive_pickling() -> None:
                 UnsupportedInputError("s", "r")):
         copy = pickle.loads(pickle.dumps(exc))
         assert type(copy) is type(exc) and str(copy) == str(exc)
+
+
+#: one instance of every class of instride.errors whose __init__ takes its own arguments
+_CORE_ERRORS = [
+    errors.KeyValidationError("a/../b", "'..' in a key"),
+    errors.KeyExistsError("run/frame_000001"),
+    errors.KeyNotFoundError("run/frame_000002"),
+    errors.KeyNotServed("run/x", "a FIFO"),
+    errors.UnsafePathError("run/x", "a symbolic link"),
+    errors.FileTypeError("run", "a directory", errno.EISDIR),
+    errors.ConsumeTimeout("run/end_of_stream.json", 1.25),
+    errors.IntegrityError("run/frame_000003", "checksum mismatch"),
+    errors.PeerUnavailable("node2", "connection refused"),
+    errors.ServeError("address in use", errno.EADDRINUSE),
+    errors.TransferError("run/frame_000004", "short body"),
+    errors.AuthenticationError("bad HMAC"),
+    errors.MetadataUnavailable("redis://h:6379", "timed out"),
+    errors.EndOfStream("run", 98),
+    errors.FramesMissed("run", 3, 5, 8),
+    errors.StreamFull("run", 2.0, ["g1", "g2"]),
+    errors.GroupBusy("run", "g1"),
+    errors.GroupLeaseLost("run", "g1", 30.0),
+    errors.ArchiveError("run", Path("/tmp/run.h5"), "disk full"),
+    errors.ArchiveError(None, "run.h5", "not an archive"),
+    errors.UnsupportedModeError("a", "published keys are immutable"),
+    errors.ConfigError("INSTRIDE_TIMEOUT", "-1", "must be >= 0"),
+    errors.AgentError(errno.ENOENT, "no such key"),
+]
+
+
+def test_core_errors_survive_pickling() -> None:
+    """Each error of instride.errors unpickles as itself: type, message, errno, attributes
+    (what lets an MPI rank or a worker process re-raise another's error)."""
+    own_init = {cls for cls in vars(errors).values() if isinstance(cls, type)
+                and issubclass(cls, errors.InstrideError) and "__init__" in vars(cls)}
+    assert own_init == {type(e) for e in _CORE_ERRORS}  # a new class needs a case here
+    for exc in _CORE_ERRORS:
+        copy = pickle.loads(pickle.dumps(exc))
+        assert type(copy) is type(exc), exc
+        assert str(copy) == str(exc) and copy.args == exc.args, exc
+        assert copy.errno == exc.errno and vars(copy) == vars(exc), exc

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from typing import Any
 
@@ -33,13 +34,30 @@ def _rank() -> int:
 
 
 def _straggle(text: str) -> tuple[int, float]:
+    """``RANK:SECONDS`` of ``--straggle``: a rank >= 0 and a finite delay >= 0."""
     rank, sep, sec = text.partition(":")
     try:
         if not sep:
             raise ValueError
-        return int(rank), float(sec)
+        r, s = int(rank), float(sec)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected RANK:SECONDS, got {text!r}") from None
+    if r < 0 or not math.isfinite(s) or s < 0:
+        raise argparse.ArgumentTypeError(
+            f"expected RANK:SECONDS with RANK >= 0 and SECONDS a finite number >= 0, got {text!r}")
+    return r, s
+
+
+def _kwargs(text: str) -> dict[str, Any]:
+    """``--kwargs``: a JSON object (the keyword arguments of the class)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"k\": 1}}', "
+                                         f"got {text!r}")
+    return value
 
 
 def _analysis(args: argparse.Namespace) -> Any:
@@ -50,8 +68,7 @@ def _analysis(args: argparse.Namespace) -> Any:
         return rmsd(select=args.select or ADK_CORE_CA, ref_frame=args.ref_frame)
     if args.analysis == "rg":
         return radius_of_gyration(select=args.select or "protein")
-    return AnalysisBaseAdapter(args.cls, select=args.select or "all",
-                               kwargs=json.loads(args.kwargs))
+    return AnalysisBaseAdapter(args.cls, select=args.select or "all", kwargs=args.kwargs)
 
 
 def _relaunch_argv(args: argparse.Namespace) -> list[str]:
@@ -76,7 +93,7 @@ def _relaunch_argv(args: argparse.Namespace) -> list[str]:
     if args.analysis == "rmsd":
         argv += ["--ref-frame", str(args.ref_frame)]
     if args.analysis == "mda":
-        argv += ["--class", args.cls, "--kwargs", args.kwargs]
+        argv += ["--class", args.cls, "--kwargs", json.dumps(args.kwargs)]
     return argv
 
 
@@ -148,7 +165,8 @@ def add_parser(subparsers: Any) -> None:
                         help="seconds a stream input waits for frames (0: do not wait)")
     common.add_argument("--mpiexec", default=None, help="mpiexec to launch with")
     common.add_argument("--no-plot", action="store_true", help="skip timing.png")
-    common.add_argument("--progress", action="store_true", help="progress bar for rank 0")
+    common.add_argument("--progress", action="store_true",
+                        help="progress bar for rank 0's block, on stderr")
 
     p = subparsers.add_parser("analyze", help="parallel trajectory analysis (split-apply-combine)")
     sub = p.add_subparsers(dest="analysis", metavar="ANALYSIS", required=True)
@@ -162,7 +180,8 @@ def add_parser(subparsers: Any) -> None:
                        help="a parallelizable MDAnalysis AnalysisBase class")
     q.add_argument("--class", dest="cls", required=True,
                    help="import path, e.g. MDAnalysis.analysis.rms:RMSD")
-    q.add_argument("--kwargs", default="{}", help="JSON keyword arguments of the class")
+    q.add_argument("--kwargs", type=_kwargs, default="{}",
+                   help="keyword arguments of the class, a JSON object")
     q.set_defaults(func=cmd_analyze)
 
     p = subparsers.add_parser("export", help="write a stream (or trajectory) as an H5MD file")

@@ -34,6 +34,7 @@ Examples
 from __future__ import annotations
 
 import csv
+import math
 import os
 import pickle
 import shutil
@@ -46,7 +47,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -58,7 +59,7 @@ from .analysis_errors import (
     UnsupportedInputError,
 )
 from .inputs import FrameSource, SourceSpec, source_spec
-from .timing import RankTiming, TimingReport
+from .timing import RankTiming, TimingReport, write_atomic
 
 BACKENDS = ("multiprocessing", "mpi", "serial")
 #: environment variables a launcher sets in every rank (MPICH/Hydra, Open MPI, PMIx, Slurm PMI2)
@@ -93,16 +94,20 @@ class AnalysisRun:
     result_object: Any = None
 
     def to_csv(self, path: str | os.PathLike[str]) -> Path:
-        """Write ``frame,time,<columns...>``, one row per frame."""
-        path = Path(path)
+        """Write ``frame,time,<columns...>``, one row per frame.
+
+        The file is written under a temporary name and renamed into place (never partial).
+        """
         cols = list(self.data)
-        with open(path, "w", newline="") as fh:
+
+        def rows(fh: IO[str]) -> None:
             w = csv.writer(fh)
             w.writerow(["frame", "time", *cols])
             for i in range(len(self.frames)):
                 w.writerow([int(self.frames[i]), repr(float(self.times[i])),
                             *(repr(float(self.data[c][i])) for c in cols)])
-        return path
+
+        return write_atomic(path, rows)
 
     def write(self, outdir: str | os.PathLike[str], plot: bool = True) -> dict[str, Path]:
         """Write ``<analysis>.csv`` and the timing report (json, txt, csv, png) to ``outdir``."""
@@ -167,13 +172,19 @@ def make_analysis(analysis: ParallelAnalysis | type | str,
 
 
 def _portable(exc: BaseException, rank: int) -> BaseException:
-    """``exc`` if it survives pickling as the same type, else a :class:`RankFailedError`."""
-    try:
-        copy = pickle.loads(pickle.dumps(exc))
-        if type(copy) is type(exc) and str(copy) == str(exc):
-            return exc
-    except Exception:
-        pass
+    """What another process gets of ``exc``: itself if it survives pickling as the same type,
+    else a :class:`RankFailedError` naming it.
+
+    An interruption (``KeyboardInterrupt``, ``SystemExit``: not an ``Exception``) is always
+    sent as a :class:`RankFailedError`, so it stops only the process it happened in.
+    """
+    if isinstance(exc, Exception):
+        try:
+            copy = pickle.loads(pickle.dumps(exc))
+            if type(copy) is type(exc) and str(copy) == str(exc):
+                return exc
+        except Exception:
+            pass
     return RankFailedError(rank, f"{type(exc).__name__}: {exc}")
 
 
@@ -258,11 +269,12 @@ def _serial_baseline(analysis: ParallelAnalysis, spec: SourceSpec, progress: boo
 
 
 def _mp_worker(
-    analysis: ParallelAnalysis, spec: SourceSpec, rank: int, size: int, delay: float
+    analysis: ParallelAnalysis, spec: SourceSpec, rank: int, size: int, delay: float,
+    progress: bool = False,
 ) -> tuple[Block | None, RankTiming | None, float, BaseException | None]:
     try:
         warm_imports()
-        block, timing, _ = _rank_work(analysis, spec, rank, size, delay)
+        block, timing, _ = _rank_work(analysis, spec, rank, size, delay, progress)
         return block, timing, time.time(), None
     except Exception as exc:
         return None, None, time.time(), _portable(exc, rank)
@@ -334,8 +346,8 @@ def analyze(
         serial ``t_total(1)`` in seconds; ``None``: no speed-up is reported.
     straggle
         Testing/diagnostic option: ``{rank: seconds}`` of sleep added to every frame's
-        computation on that rank, to make it a straggler on purpose. Not applied to the
-        serial baseline; recorded in the report.
+        computation on that rank, to make it a straggler on purpose (seconds: finite,
+        ``>= 0``). Not applied to the serial baseline; recorded in the report.
     straggler_factor
         A rank is a straggler when its ``t_work`` exceeds this factor times the median.
     timeout
@@ -343,7 +355,8 @@ def analyze(
     start_method
         Multiprocessing start method (default ``"fork"`` where available).
     progress
-        Show a tqdm progress bar for rank 0's block.
+        Show a progress bar for rank 0's block (on stderr, written by the process that runs
+        rank 0: a worker process with ``"multiprocessing"``).
 
     Returns
     -------
@@ -359,7 +372,12 @@ def analyze(
     DecompositionError
         More workers than frames.
     BackendError
-        Unknown backend, mpi4py missing, or ``workers`` different from the MPI size.
+        Unknown backend, mpi4py missing, ``workers`` different from the MPI size, a
+        ``baseline`` that is neither ``"serial"`` nor a number, or a negative or non-finite
+        ``straggle`` delay.
+    ConsumeTimeout
+        A stream input did not end within ``timeout`` (MPI: on every rank; other errors of
+        :mod:`instride.errors` that a rank meets reach every rank as themselves too).
     """
     if backend not in BACKENDS:
         raise BackendError(backend, f"unknown backend; choose one of {BACKENDS}")
@@ -367,9 +385,17 @@ def analyze(
         raise BackendError(backend, f"workers must be >= 1, got {workers}")
     ana = make_analysis(analysis, select)
     straggle = dict(straggle or {})
-    base_total = None if baseline in (None, "serial") else float(baseline)  # type: ignore[arg-type]
+    for r, delay in straggle.items():
+        try:
+            valid = math.isfinite(delay) and delay >= 0
+        except TypeError:  # not a number
+            valid = False
+        if not valid:
+            raise BackendError(backend, f"straggle delay of rank {r} must be a finite number "
+                               f"of seconds >= 0, got {delay!r}")
     if isinstance(baseline, str) and baseline != "serial":
         raise BackendError(backend, f"baseline must be 'serial', a number or None: {baseline!r}")
+    base_total = None if baseline in (None, "serial") else float(baseline)  # type: ignore[arg-type]
     if backend == "mpi":
         return _run_mpi(ana, trajectory, topology, workers, comm, baseline == "serial",
                         base_total, straggle, straggler_factor, timeout, progress)
@@ -390,7 +416,7 @@ def analyze(
         return _result(ana, combined, [timing], spec, "serial", time.perf_counter() - t0,
                        base, base_total, straggler_factor, straggle)
     return _run_multiprocessing(ana, spec, n, base, base_total, straggle, straggler_factor,
-                                start_method)
+                                start_method, progress)
 
 
 def _run_multiprocessing(
@@ -402,6 +428,7 @@ def _run_multiprocessing(
     straggle: dict[int, float],
     straggler_factor: float,
     start_method: str | None,
+    progress: bool = False,
 ) -> AnalysisRun:
     import multiprocessing as mp
 
@@ -418,8 +445,8 @@ def _run_multiprocessing(
         ranks: list[RankTiming] = []
         errors: list[BaseException] = []
         with ProcessPoolExecutor(max_workers=n, mp_context=ctx) as ex:
-            futs = [ex.submit(_mp_worker, ana, spec, r, n, straggle.get(r, 0.0))
-                    for r in range(n)]
+            futs = [ex.submit(_mp_worker, ana, spec, r, n, straggle.get(r, 0.0),
+                              progress and r == 0) for r in range(n)]
             for fut in as_completed(futs):
                 try:
                     block, timing, sent, err = fut.result()
@@ -473,8 +500,8 @@ def _run_mpi(
         warm_imports()
         if want_baseline and rank == 0:
             base = _serial_baseline(ana, spec, progress)
-    except Exception as exc:
-        err = _portable(exc, rank)
+    except BaseException as exc:  # (an interruption too: the others wait in the collectives)
+        err = exc
     quiet_barrier(comm)  # common start
     t0 = clock()
     block: Block | None = None
@@ -485,8 +512,8 @@ def _run_mpi(
             assert spec is not None
             block, timing, source = _rank_work(ana, spec, rank, size, straggle.get(rank, 0.0),
                                                progress and rank == 0, close=rank != 0)
-        except Exception as exc:
-            err = _portable(exc, rank)
+        except BaseException as exc:  # (an interruption too: the others wait in the collectives)
+            err = exc
     if err is not None:
         timing.t_work = clock() - t0
     t1 = clock()
@@ -496,15 +523,15 @@ def _run_mpi(
     t3 = clock()
     timing.t_wait, timing.t_comm = t2 - t1, t3 - t2
     wall = t3 - t0
-    errors = comm.allgather(err)
+    # Only the copy sent to the others is made portable; this rank raises its own error.
+    errors = comm.allgather(None if err is None else _portable(err, rank))
     timings = comm.gather(timing, root=0)
     try:
-        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if err is not None:
+            raise err
+        failed = [e for e in errors if e is not None]
         if failed:
-            if err is not None:
-                raise err
-            r, e = failed[0]
-            raise RankFailedError(r, f"{type(e).__name__}: {e}")
+            raise failed[0]  # the first failed rank's error, as itself where it can travel
         if rank != 0:
             return None
         assert spec is not None

@@ -94,9 +94,12 @@ def _stream_frames(name: str, timeout: float | None) -> tuple[int | None, Iterat
     stream = Stream(name, mode="r", timeout=timeout)
 
     def gen() -> Iterator[FrameTuple]:
-        for fr in stream:
-            box = np.array(fr.header.box) if fr.header.has_box else None
-            yield fr.header.step, fr.header.time, fr.positions, box
+        try:
+            for fr in stream:
+                box = np.array(fr.header.box) if fr.header.has_box else None
+                yield fr.header.step, fr.header.time, fr.positions, box
+        finally:
+            stream.close()
 
     total = len(stream) if stream.ended else None
     return total, gen()
@@ -107,9 +110,13 @@ def _mda_frames(trajectory: str, topology: str) -> tuple[int, Iterator[FrameTupl
 
     import MDAnalysis as mda
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        u = mda.Universe(topology, trajectory)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            u = mda.Universe(topology, trajectory)
+    except (ValueError, OSError, TypeError) as exc:  # (MDAnalysis: no reader -> TypeError)
+        raise UnsupportedInputError(
+            trajectory, f"MDAnalysis cannot read it: {str(exc).splitlines()[0]}") from None
 
     def gen() -> Iterator[FrameTuple]:
         for ts in u.trajectory:
@@ -160,7 +167,9 @@ def export_h5md(
     TrajectoryNotFoundError
         A trajectory or topology file does not exist.
     UnsupportedInputError
-        ``out`` exists and ``overwrite`` is false, or the stream has no frames.
+        ``out`` exists and ``overwrite`` is false, its directory does not exist, the source
+        cannot be read or has no frames, or frames differ in atom count or in having a box
+        (H5MD stores box edges for every frame or for none).
     """
     import h5py
 
@@ -173,6 +182,9 @@ def export_h5md(
     key = _managed_key(out)  # [confine] inside the managed directory: published, not written there
     if out.exists() and not overwrite:
         raise UnsupportedInputError(str(out), "output exists (pass overwrite=True / --force)")
+    if key is None and not out.parent.is_dir():
+        raise UnsupportedInputError(str(out), f"the output directory {str(out.parent)!r} "
+                                    "does not exist")
     if topology is not None:
         if not Path(topology).exists():
             raise TrajectoryNotFoundError(os.fspath(topology), "topology")
@@ -290,11 +302,17 @@ def _write(f: Any, frames: Iterator[FrameTuple], total: int | None, batch: int,
         if xyz.shape[0] != pos.shape[1]:
             raise UnsupportedInputError("frame", f"atom count changed from {pos.shape[1]} to "
                                         f"{xyz.shape[0]} (H5MD needs a fixed count)")
+        if (box is None) != (edges is None):  # (no silent zeros, no silently dropped boxes)
+            index = written + len(buf_pos)
+            raise UnsupportedInputError(
+                f"frame {index}", f"{'has no box' if box is None else 'has a box'} but frame 0 "
+                f"{'has one' if box is None else 'has none'} (H5MD box edges are stored for "
+                "every frame or for none)")
         buf_pos.append(np.asarray(xyz, dtype=np.float32).copy())
         buf_step.append(int(s))
         buf_time.append(float(t))
         if edges is not None:
-            buf_box.append(np.zeros((3, 3)) if box is None else np.asarray(box, np.float64))
+            buf_box.append(np.asarray(box, np.float64))
         if len(buf_pos) >= batch:
             flush()
     flush()

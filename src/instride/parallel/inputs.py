@@ -18,7 +18,14 @@ that rank's ``t_open``.
   ``particles/<group>/position/value``. Parallel HDF5 (the ``mpio`` driver) is not needed for
   independent reads of a file nobody writes; it matters for collective writes and for
   metadata-heavy access on a parallel file system, which this analysis does not do.
+  Positions and box edges are converted to Å and times to ps from their ``unit`` attributes
+  (a position or time dataset without one is refused, as MDAnalysis's H5MD reader does);
+  a scalar ``time`` dataset is H5MD 1.1's fixed interval (time of frame ``i`` =
+  ``offset + i * time``); without a ``time`` dataset, a frame's time is its index.
 * anything else: a trajectory MDAnalysis reads (DCD, XTC, TRR, ...) with ``topology``.
+
+Every source sets the universe's ``dimensions`` from each frame's box (``None`` for a frame
+without one), as MDAnalysis's readers do.
 
 Examples
 --------
@@ -42,9 +49,15 @@ import numpy as np
 
 from .. import Stream
 from ..analytics.reader import SCHEME, stream_name, wait_for_end
+from ..errors import InstrideError
 from .analysis_errors import SelectionError, TrajectoryNotFoundError, UnsupportedInputError
 
 H5MD_SUFFIXES = (".h5", ".h5md", ".hdf5", ".hdf")
+
+#: H5MD length units (https://nongnu.org/h5md/modules/units.html) -> Å per unit.
+LENGTH_UNITS = {"nm": 10.0, "Angstrom": 1.0, "angstrom": 1.0, "A": 1.0, "pm": 0.01}
+#: H5MD time units -> ps per unit.
+TIME_UNITS = {"fs": 1e-3, "ps": 1.0, "ns": 1e3, "s": 1e12, "second": 1e12, "sec": 1e12}
 
 #: Cα atoms of the adenylate kinase CORE domain (146 atoms): the RMSD selection of the paper.
 ADK_CORE_CA = "name CA and (resid 1-29 or resid 60-121 or resid 160-214)"
@@ -157,6 +170,20 @@ def frame_universe(spec: SourceSpec, n_atoms: int) -> Any:
     return u
 
 
+def box_dimensions(edges: np.ndarray) -> np.ndarray:
+    """MDAnalysis ``dimensions`` ``[a, b, c, alpha, beta, gamma]`` of H5MD box ``edges``.
+
+    ``edges`` is a 3-vector (the space diagonal of a cuboid) or a 3 × 3 matrix whose rows are
+    the box vectors (Å).
+    """
+    from MDAnalysis.lib.mdamath import triclinic_box
+
+    edges = np.asarray(edges, dtype=np.float64)
+    if edges.shape == (3,):
+        return np.array([*edges, 90.0, 90.0, 90.0], dtype=np.float32)
+    return triclinic_box(*edges)
+
+
 class FrameSource(abc.ABC):
     """Base class of trajectory sources: what an analysis rank reads.
 
@@ -227,10 +254,14 @@ class MDAnalysisSource(FrameSource):
                 elif spec.kind == "stream":
                     import instride.analytics  # noqa: F401 - registers the instride:// reader
 
-                    # post-hoc analysis splits the whole stream: wait for its end
-                    self._u = mda.Universe(spec.topology, spec.trajectory, length="final")
+                    # post-hoc analysis splits the whole stream: wait for its end (up to
+                    # the timeout: ConsumeTimeout)
+                    self._u = mda.Universe(spec.topology, spec.trajectory, length="final",
+                                           timeout=spec.timeout)
                 else:
                     self._u = mda.Universe(spec.topology, spec.trajectory)
+        except InstrideError:  # typed already (ConsumeTimeout, EndOfStream, ...)
+            raise
         except (ValueError, OSError, TypeError) as exc:
             hint = ""
             raise UnsupportedInputError(
@@ -268,20 +299,79 @@ class H5MDSource(FrameSource):
         except KeyError as exc:
             self._file.close()
             raise UnsupportedInputError(spec.trajectory, str(exc)) from None
-        self._value = group["value"]
-        self._time = group.get("time")
-        unit = self._value.attrs.get("unit", "Angstrom")
-        unit = unit.decode() if isinstance(unit, bytes) else str(unit)
-        self._scale = {"nm": 10.0, "Angstrom": 1.0, "angstrom": 1.0, "A": 1.0, "pm": 0.01}.get(unit)
-        if self._scale is None:
-            self._file.close()
-            raise UnsupportedInputError(spec.trajectory, f"unknown length unit {unit!r}")
-        self.n_frames, self.n_atoms = int(self._value.shape[0]), int(self._value.shape[1])
         try:
+            self._value = group["value"]
+            if self._value.ndim != 3 or self._value.shape[2] != 3:
+                raise UnsupportedInputError(spec.trajectory, f"{self._value.name} of shape "
+                                            f"{self._value.shape}: not (frames, atoms, 3)")
+            self.n_frames, self.n_atoms = int(self._value.shape[0]), int(self._value.shape[1])
+            self._scale = self._unit(self._value, LENGTH_UNITS, "length")
+            self._time = group.get("time")
+            self._time_scale = 1.0
+            if self._time is not None:
+                self._time_scale = self._unit(self._time, TIME_UNITS, "time")
+                if self._time.shape != () and self._time.shape[0] < self.n_frames:
+                    raise UnsupportedInputError(
+                        spec.trajectory, f"{self._time.name} holds {self._time.shape[0]} "
+                        f"times for {self.n_frames} frames")
+            self._box, self._edges = self._open_box(group.parent)
             self._u = frame_universe(spec, self.n_atoms)
         except BaseException:
             self._file.close()
             raise
+
+    def _unit(self, ds: Any, table: dict[str, float], what: str) -> float:
+        """The factor from the ``unit`` attribute of ``ds`` to Å or ps."""
+        unit = ds.attrs.get("unit")
+        if unit is None:
+            raise UnsupportedInputError(
+                self.spec.trajectory, f"{ds.name} has no 'unit' attribute: its {what} unit is "
+                "unknown (H5MD files without units are refused, as by MDAnalysis)")
+        unit = unit.decode() if isinstance(unit, bytes) else str(unit)
+        try:
+            return table[unit]
+        except KeyError:
+            raise UnsupportedInputError(
+                self.spec.trajectory, f"unknown {what} unit {unit!r} of {ds.name} "
+                f"(known: {', '.join(table)})") from None
+
+    def _open_box(self, particles: Any) -> tuple[np.ndarray | None, Any]:
+        """``(dimensions of a fixed box, None)``, ``(None, time-dependent edges dataset)``, or
+        ``(None, None)`` without box edges."""
+        import h5py
+
+        box = particles.get("box")
+        edges = None if box is None else box.get("edges")
+        if edges is None:
+            return None, None
+        value = edges.get("value") if isinstance(edges, h5py.Group) else edges
+        if not isinstance(value, h5py.Dataset):
+            raise UnsupportedInputError(self.spec.trajectory,
+                                        f"{edges.name} is a group without a 'value' dataset")
+        fixed = not isinstance(edges, h5py.Group)
+        shape = value.shape if fixed else value.shape[1:]
+        if shape not in ((3,), (3, 3)):
+            raise UnsupportedInputError(self.spec.trajectory, f"box edges {value.name} of "
+                                        f"shape {value.shape}: only 3-D boxes are supported")
+        scale = self._unit(value, LENGTH_UNITS, "length")
+        if fixed:
+            return box_dimensions(value[()] * scale), None
+        if value.shape[0] < self.n_frames:
+            raise UnsupportedInputError(self.spec.trajectory, f"{value.name} holds "
+                                        f"{value.shape[0]} boxes for {self.n_frames} frames")
+        self._edges_scale = scale
+        return None, value
+
+    def _times(self, start: int, stop: int) -> np.ndarray:
+        """Times (ps) of frames ``start <= frame < stop``."""
+        if self._time is None:
+            return np.arange(start, stop, dtype=np.float64)
+        if self._time.shape == ():  # H5MD 1.1 fixed interval: time = offset + i * interval
+            offset = float(self._time.attrs.get("offset", 0.0))
+            t = offset + np.arange(start, stop, dtype=np.float64) * float(self._time[()])
+        else:
+            t = np.asarray(self._time[start:stop], dtype=np.float64)
+        return t * self._time_scale
 
     def universe(self) -> Any:
         return self._u
@@ -298,10 +388,11 @@ class H5MDSource(FrameSource):
 
     def iter_block(self, start: int, stop: int) -> Iterator[tuple[int, float]]:
         ts = self._u.trajectory.ts
-        times = (self._time[start:stop] if self._time is not None
-                 else np.arange(start, stop, dtype=np.float64))
+        times = self._times(start, stop)
+        edges = None if self._edges is None else self._edges[start:stop] * self._edges_scale
         for i in range(start, stop):
             self._read_into(i, ts.positions)  # straight into the universe's frame
+            ts.dimensions = self._box if edges is None else box_dimensions(edges[i - start])
             ts.frame = i
             yield i, float(times[i - start])
 
@@ -316,26 +407,40 @@ class StreamSource(FrameSource):
     def __init__(self, spec: SourceSpec) -> None:
         self.spec = spec
         self._stream = Stream(spec.stream_name, mode="r", timeout=spec.timeout)
-        # Splitting needs the frame count: wait (up to timeout) for the producer to close.
-        self.n_frames = wait_for_end(self._stream, spec.timeout)
-        if self.n_frames == 0:
-            raise UnsupportedInputError(spec.trajectory, "the stream holds no frames")
-        self.n_atoms = self._stream.read(0).natoms
-        self._u = frame_universe(spec, self.n_atoms)
+        try:
+            # Splitting needs the frame count: wait (up to timeout) for the producer to close.
+            self.n_frames = wait_for_end(self._stream, spec.timeout)
+            if self.n_frames == 0:
+                raise UnsupportedInputError(spec.trajectory, "the stream holds no frames")
+            with self._stream.read(0) as frame:
+                self.n_atoms = frame.natoms
+            self._u = frame_universe(spec, self.n_atoms)
+        except BaseException:
+            self._stream.close()
+            raise
 
     def universe(self) -> Any:
         return self._u
 
     def read(self, index: int) -> np.ndarray:
-        return np.array(self._stream.read(self._check_index(index)).positions, dtype=np.float32)
+        # Each frame is released once copied out: a held frame keeps its file open.
+        with self._stream.read(self._check_index(index)) as frame:
+            return np.array(frame.positions, dtype=np.float32)
 
     def iter_block(self, start: int, stop: int) -> Iterator[tuple[int, float]]:
+        from MDAnalysis.lib.mdamath import triclinic_box
+
         ts = self._u.trajectory.ts
         for i in range(start, stop):  # in cluster mode Stream.read fetches from the owner node
-            frame = self._stream.read(i)
-            np.copyto(ts.positions, frame.positions, casting="same_kind")
+            with self._stream.read(i) as frame:
+                np.copyto(ts.positions, frame.positions, casting="same_kind")
+                ts.dimensions = triclinic_box(*frame.box) if frame.header.has_box else None
+                t = frame.time
             ts.frame = i
-            yield i, frame.time
+            yield i, t
+
+    def close(self) -> None:
+        self._stream.close()
 
 
 def _check_atoms(spec: SourceSpec, u: Any, n_atoms: int) -> None:

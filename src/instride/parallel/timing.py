@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -82,6 +84,47 @@ class RankTiming:
     def from_dict(cls, d: dict[str, Any]) -> RankTiming:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[str]], object]) -> Path:
+    """Write a text file under a temporary name in its directory, then rename it into place.
+
+    A reader sees the old file or the whole new one, never a part; on failure the temporary
+    file is removed and ``path`` is left as it was.
+
+    Parameters
+    ----------
+    path
+        The file to write.
+    write
+        Called with the open temporary file (text, ``newline=""``).
+
+    Returns
+    -------
+    Path
+        ``path``.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", newline="") as fh:
+            write(fh)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (``inf``, ``nan``) replaced by ``None``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def find_stragglers(t_work: list[float] | np.ndarray, factor: float = 1.5) -> list[int]:
@@ -195,8 +238,12 @@ class TimingReport:
 
     # ------------------------------------------------------------------ output
     def to_dict(self) -> dict[str, Any]:
-        """Everything, JSON-ready (derived quantities included)."""
-        return {
+        """Everything, JSON-ready (derived quantities included).
+
+        A ratio that is not finite (``r_comp_comm`` of a run without communication, such as
+        a serial one: ``t_comm = 0``) is ``None`` (JSON ``null``).
+        """
+        return _json_safe({
             "analysis": self.analysis,
             "source": self.source,
             "backend": self.backend,
@@ -217,7 +264,7 @@ class TimingReport:
                                               "t_total")},
             "ranks": [r.to_dict() for r in self.ranks],
             "baseline": None if self.baseline is None else self.baseline.to_dict(),
-        }
+        })
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TimingReport:
@@ -267,21 +314,26 @@ class TimingReport:
         return "\n".join(lines)
 
     def write(self, outdir: str | os.PathLike[str], plot: bool = True) -> dict[str, Path]:
-        """Write ``timing.json``, ``timing.txt``, ``timing_ranks.csv`` (and ``timing.png``)."""
+        """Write ``timing.json``, ``timing.txt``, ``timing_ranks.csv`` (and ``timing.png``).
+
+        Each file is written under a temporary name and renamed into place
+        (:func:`write_atomic`); ``timing.json`` is strict JSON (no ``Infinity``/``NaN``).
+        """
         out = Path(outdir)
         out.mkdir(parents=True, exist_ok=True)
-        paths = {
-            "json": out / "timing.json",
-            "txt": out / "timing.txt",
-            "ranks_csv": out / "timing_ranks.csv",
-        }
-        paths["json"].write_text(json.dumps(self.to_dict(), indent=2))
-        paths["txt"].write_text(self.format() + "\n")
-        with open(paths["ranks_csv"], "w", newline="") as fh:
-            rows = [r.to_dict() for r in self.ranks]
+        text = json.dumps(self.to_dict(), indent=2, allow_nan=False)
+        rows = [r.to_dict() for r in self.ranks]
+
+        def ranks_csv(fh: IO[str]) -> None:
             w = csv.DictWriter(fh, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
+
+        paths = {
+            "json": write_atomic(out / "timing.json", lambda fh: fh.write(text)),
+            "txt": write_atomic(out / "timing.txt", lambda fh: fh.write(self.format() + "\n")),
+            "ranks_csv": write_atomic(out / "timing_ranks.csv", ranks_csv),
+        }
         if plot:
             from .timing_plots import plot_ranks
 

@@ -89,6 +89,13 @@ def plot_ranks(report: Any, path: str | os.PathLike[str],
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     out = Path(path)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:  # under a temporary name, renamed into place: never a partial PNG
+        fig.savefig(tmp, dpi=100, format="png")
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
     return out
