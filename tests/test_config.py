@@ -96,3 +96,169 @@ def test_the_data_servers_scheduling_policy() -> None:
     assert Settings.from_env({"INSTRIDE_SERVE_SCHED": "inherit"}).serve_sched == "inherit"
     with pytest.raises(ConfigError, match="INSTRIDE_SERVE_SCHED"):
         Settings.from_env({"INSTRIDE_SERVE_SCHED": "fifo"})
+
+
+def test_connect_timeout_one_meaning() -> None:
+    """A finite number of seconds above 0 (at most 2147483); unset or empty: 5; else refused."""
+    assert Settings.from_env({}).connect_timeout == 5.0
+    assert Settings.from_env({"INSTRIDE_CONNECT_TIMEOUT": " "}).connect_timeout == 5.0
+    assert Settings.from_env({"INSTRIDE_CONNECT_TIMEOUT": "0.25"}).connect_timeout == 0.25
+    for raw in ("0", "-3", "inf", "nan", "soon", "1_0", "2147484"):
+        with pytest.raises(ConfigError, match="INSTRIDE_CONNECT_TIMEOUT"):
+            Settings.from_env({"INSTRIDE_CONNECT_TIMEOUT": raw})
+
+
+def test_numbers_are_ascii_decimal_without_separators() -> None:
+    for name in ("INSTRIDE_CACHE_BYTES", "INSTRIDE_AHEAD_BYTES", "INSTRIDE_SPIN"):
+        for raw in ("1_0", "\uff11", "\u0661", "0x10"):
+            with pytest.raises(ConfigError, match=name):
+                Settings.from_env({name: raw})
+    with pytest.raises(ConfigError, match="INSTRIDE_ADDR"):
+        Settings.from_env({"INSTRIDE_ADDR": "h:\uff17\uff10"})
+    assert Settings.from_env({"INSTRIDE_CACHE_BYTES": " 12\r\n"}).cache_bytes == 12
+
+
+def test_relative_cluster_state_dir_is_made_absolute(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    s = Settings.from_env({"INSTRIDE_CLUSTER_STATE_DIR": "states/../st"})
+    assert s.cluster_state_dir == tmp_path / "st"
+    assert Settings.from_env({}).cluster_state_dir == Path("/run/instride/clusters")
+
+
+# ---------------------------------------------------------------------- Python and C alike
+#: (variable, raw value, what it means: a Settings field value, or REFUSED)
+REFUSED = object()
+FOREVER = None
+SAME_MEANING = [
+    ("INSTRIDE_TIMEOUT", "2.5", 2.5),
+    ("INSTRIDE_TIMEOUT", " 2.5\r\n", 2.5),
+    ("INSTRIDE_TIMEOUT", "5\r", 5.0),
+    ("INSTRIDE_TIMEOUT", "\v.5\f", 0.5),
+    ("INSTRIDE_TIMEOUT", "+3e1", 30.0),
+    ("INSTRIDE_TIMEOUT", "0", 0.0),
+    ("INSTRIDE_TIMEOUT", " ", FOREVER),
+    ("INSTRIDE_TIMEOUT", "Infinity", FOREVER),
+    ("INSTRIDE_TIMEOUT", "1e10", FOREVER),
+    ("INSTRIDE_TIMEOUT", "1_0", REFUSED),
+    ("INSTRIDE_TIMEOUT", "\uff11", REFUSED),  # a full-width digit
+    ("INSTRIDE_TIMEOUT", "\u00a05", REFUSED),  # a no-break space is not stripped
+    ("INSTRIDE_TIMEOUT", "0x10", REFUSED),
+    ("INSTRIDE_TIMEOUT", "nan", REFUSED),
+    ("INSTRIDE_TIMEOUT", "-1", REFUSED),
+    ("INSTRIDE_TIMEOUT", "2,5", REFUSED),
+    ("INSTRIDE_TIMEOUT", "1e", REFUSED),
+    ("INSTRIDE_OVERWRITE", " 1", True),
+    ("INSTRIDE_OVERWRITE", "YES\n", True),
+    ("INSTRIDE_OVERWRITE", "off\t", False),
+    ("INSTRIDE_OVERWRITE", "", False),
+    ("INSTRIDE_OVERWRITE", "2", REFUSED),
+    ("INSTRIDE_OVERWRITE", "ja", REFUSED),
+    ("INSTRIDE_FSYNC", "On", True),
+    ("INSTRIDE_FSYNC", "maybe", REFUSED),
+    ("INSTRIDE_DEBUG", " true ", True),
+    ("INSTRIDE_DEBUG", "2", REFUSED),
+    ("INSTRIDE_REDIS_URL", "  ", "local"),
+    ("INSTRIDE_REDIS_URL", " redis://h:1/0 ", "cluster"),
+    ("INSTRIDE_DIR", " {tmp}/d/ \t", "{tmp}/d"),
+    ("INSTRIDE_SOCKET", " /s.sock\n", "/s.sock"),
+]
+
+_C_PROBE = r"""
+import ctypes, json, os, sys
+import instride
+libc = ctypes.CDLL(None)
+libc.setlocale.restype = ctypes.c_char_p
+if os.environ.get("PROBE_LOCALE"):
+    assert libc.setlocale(6, os.environ["PROBE_LOCALE"].encode()) is not None  # LC_ALL
+lib = ctypes.CDLL(os.path.join(os.path.dirname(instride.__file__), "libinstride.so"))
+lib.instride_last_error.restype = ctypes.c_char_p
+
+class S(ctypes.Structure):
+    _fields_ = [("dir", ctypes.c_char_p), ("socket_path", ctypes.c_char_p),
+                ("timeout", ctypes.c_double), ("fsync", ctypes.c_int),
+                ("overwrite", ctypes.c_int), ("cluster", ctypes.c_int), ("debug", ctypes.c_int)]
+
+s = S()
+assert lib.instride_settings(ctypes.byref(s)) == 0
+w = ctypes.c_void_p()
+key = os.path.join(os.environ["PROBE_KEYS"], "k")
+err = lib.instride_create(key.encode(), 0, 0o644, ctypes.byref(w))
+if err == 0:
+    lib.instride_abort(w)
+message = lib.instride_last_error().decode()
+consumed = None
+if err:  # refused: a consume fails at once, naming the setting
+    consumed = lib.instride_consume(key.encode(), ctypes.create_string_buffer(4096), 4096)
+print(json.dumps({"dir": s.dir.decode(), "socket": s.socket_path.decode(), "timeout": s.timeout,
+                  "fsync": s.fsync, "overwrite": s.overwrite, "cluster": s.cluster,
+                  "debug": s.debug, "create": err, "consume": consumed, "message": message}))
+"""
+
+
+def _c_reads(name: str, raw: str, tmp_path: Path, keys: Path | None = None,
+             **extra: str) -> dict[str, object]:
+    """What the C libraries make of ``name=raw`` (in a process of its own: read once)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    keys = keys or tmp_path / "managed"
+    keys.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INSTRIDE_")}
+    env.update(INSTRIDE_DIR=str(keys), INSTRIDE_TIMEOUT="0", PROBE_KEYS=str(keys), **extra)
+    env[name] = raw
+    proc = subprocess.run([sys.executable, "-c", _C_PROBE], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize(("name", "raw", "meaning"), SAME_MEANING)
+def test_python_and_c_read_every_setting_alike(name: str, raw: str, meaning: object,
+                                               tmp_path: Path) -> None:
+    import errno
+
+    raw = raw.replace("{tmp}", str(tmp_path))
+    if isinstance(meaning, str):
+        meaning = meaning.replace("{tmp}", str(tmp_path))
+    keys = Path(meaning) if name == "INSTRIDE_DIR" else None
+    c = _c_reads(name, raw, tmp_path, keys)
+    if meaning is REFUSED:
+        with pytest.raises(ConfigError, match=name):
+            Settings.from_env({name: raw})
+        assert c["create"] == errno.EINVAL and c["consume"] == errno.EINVAL
+        assert name in c["message"], c
+        return
+    s = Settings.from_env({name: raw})
+    assert c["create"] == 0, c
+    if name == "INSTRIDE_TIMEOUT":
+        assert s.timeout == meaning and c["timeout"] == (-1.0 if meaning is FOREVER else meaning)
+    elif name == "INSTRIDE_REDIS_URL":
+        assert s.mode == meaning and c["cluster"] == (meaning == "cluster")
+    elif name == "INSTRIDE_DIR":
+        assert str(s.dir) == meaning and c["dir"] == meaning
+    elif name == "INSTRIDE_SOCKET":
+        assert str(s.socket) == meaning and c["socket"] == meaning
+    else:
+        field = {"INSTRIDE_OVERWRITE": "overwrite", "INSTRIDE_FSYNC": "fsync",
+                 "INSTRIDE_DEBUG": "debug"}[name]
+        assert getattr(s, field) is meaning and c[field] == int(bool(meaning))
+
+
+def test_c_reads_numbers_in_any_locale(tmp_path: Path) -> None:
+    """A program in a decimal-comma locale still reads INSTRIDE_TIMEOUT=2.5 (and refuses 2,5)."""
+    import shutil
+    import subprocess
+
+    localedef = shutil.which("localedef")
+    assert localedef is not None, "localedef (libc-bin) is needed to make a de_DE locale"
+    locales = tmp_path / "locales"
+    locales.mkdir()
+    made = subprocess.run([localedef, "-i", "de_DE", "-f", "UTF-8", str(locales / "de_DE.UTF-8")],
+                          capture_output=True, text=True, timeout=120)
+    assert (locales / "de_DE.UTF-8").is_dir(), made.stderr
+    german = {"LOCPATH": str(locales), "PROBE_LOCALE": "de_DE.UTF-8"}
+    assert _c_reads("INSTRIDE_TIMEOUT", "2.5", tmp_path, **german)["timeout"] == 2.5
+    assert _c_reads("INSTRIDE_TIMEOUT", "2,5", tmp_path, **german)["create"] != 0

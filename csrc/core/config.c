@@ -16,9 +16,20 @@
  *   INSTRIDE_SOCKET     the node server's Unix socket
  *                       (default $INSTRIDE_DIR/.instride/node.sock)
  *   INSTRIDE_DEBUG      1/true/yes/on: print one line to stderr per failure
+ *
+ * One grammar with Python's: every value is read without the ASCII whitespace
+ * (space, \t, \n, \r, \v, \f) at either end, and an empty value is unset.
+ * On/off settings take 1/true/yes/on or 0/false/no/off (any case); numbers are
+ * ASCII decimal ([+-]digits[.digits][e[+-]digits], no '_', no hexadecimal),
+ * parsed in the "C" locale whatever the program's. A value Python refuses with
+ * a ConfigError is refused here too: a library cannot exit its host program, so
+ * every consume and publication then fails with EINVAL and a message naming the
+ * setting (printed with INSTRIDE_DEBUG=1; a refused INSTRIDE_DEBUG itself turns
+ * the diagnostics on, so that its refusal is seen).
  */
 #include "ins_core.h"
 
+#include <locale.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
@@ -27,49 +38,130 @@ INS_HIDDEN struct ins_config ins_cfg;
 
 static pthread_once_t ins_config_once = PTHREAD_ONCE_INIT;
 
-/* INSTRIDE_TIMEOUT: -1 (forever) when unset, empty or inf/infinity/forever/none;
- * 0 or more seconds otherwise; negative, NaN or not a number: timeout_bad. */
-static void ins_parse_timeout(const char *t, struct ins_config *c)
+/* The whitespace stripped from both ends of every value (config.WHITESPACE). */
+static int ins_space(char ch)
 {
+    return ch == ' ' || ch == '\t' || ch == '\n' || ch == '\r' || ch == '\v' || ch == '\f';
+}
+
+/* *s without the whitespace at either end; *n its length. NULL stays NULL. */
+static const char *ins_strip(const char *s, size_t *n)
+{
+    *n = 0;
+    if (s == NULL)
+        return NULL;
+    while (ins_space(*s))
+        s++;
+    size_t len = strlen(s);
+    while (len > 0 && ins_space(s[len - 1]))
+        len--;
+    *n = len;
+    return s;
+}
+
+/* Remember the first refused setting: consumes and publications fail naming it. */
+static void ins_refuse(struct ins_config *c, const char *fmt, const char *name, const char *raw)
+{
+    if (!c->timeout_bad)
+        snprintf(c->bad_msg, sizeof c->bad_msg, fmt, name, raw);
+    c->timeout_bad = 1;
+}
+
+/* Whether t[0, n) is a number of the one grammar: [+-]digits[.digits][e[+-]digits]
+ * (or [+-].digits...), ASCII only (config._NUMBER). */
+static int ins_number_syntax(const char *t, size_t n)
+{
+    size_t i = 0, digits = 0;
+    if (i < n && (t[i] == '+' || t[i] == '-'))
+        i++;
+    while (i < n && t[i] >= '0' && t[i] <= '9')
+        i++, digits++;
+    if (i < n && t[i] == '.') {
+        i++;
+        while (i < n && t[i] >= '0' && t[i] <= '9')
+            i++, digits++;
+    }
+    if (digits == 0)
+        return 0;
+    if (i < n && (t[i] == 'e' || t[i] == 'E')) {
+        i++;
+        if (i < n && (t[i] == '+' || t[i] == '-'))
+            i++;
+        size_t exp = 0;
+        while (i < n && t[i] >= '0' && t[i] <= '9')
+            i++, exp++;
+        if (exp == 0)
+            return 0;
+    }
+    return i == n;
+}
+
+/* strtod in the "C" locale (a program in a decimal-comma locale reads "2.5" too). */
+static double ins_strtod_c(const char *t, char **end)
+{
+    locale_t c = newlocale(LC_ALL_MASK, "C", (locale_t)0);
+    if (c == (locale_t)0) /* out of memory: the program's locale, "C" unless it chose one */
+        return strtod(t, end);
+    double v = strtod_l(t, end, c);
+    freelocale(c);
+    return v;
+}
+
+/* INSTRIDE_TIMEOUT: -1 (forever) when unset, empty or inf/infinity/forever/none;
+ * 0 or more seconds otherwise (1e9 and more: forever, like Python's parse_timeout);
+ * negative, NaN or not a number: refused. */
+static void ins_parse_timeout(const char *raw, struct ins_config *c)
+{
+    size_t n;
+    const char *t = ins_strip(raw, &n);
     c->timeout = -1.0;
-    c->timeout_bad = 0;
-    if (t == NULL)
-        return;
-    while (*t == ' ' || *t == '\t')
-        t++;
-    size_t n = strlen(t);
-    while (n > 0 && (t[n - 1] == ' ' || t[n - 1] == '\t' || t[n - 1] == '\n'))
-        n--;
     if (n == 0)
         return;
     static const char *const forever[] = {"inf", "infinity", "forever", "none"};
     for (size_t i = 0; i < sizeof forever / sizeof forever[0]; i++)
         if (strlen(forever[i]) == n && strncasecmp(t, forever[i], n) == 0)
             return;
-    char buf[64];
-    if (n >= sizeof buf || (n > 1 && t[0] == '0' && (t[1] == 'x' || t[1] == 'X'))) {
-        c->timeout_bad = 1;
-        return;
-    }
-    memcpy(buf, t, n);
-    buf[n] = '\0';
     char *end = NULL;
-    double v = strtod(buf, &end);
-    if (end == buf || *end != '\0' || v != v || v < 0.0) {
-        c->timeout_bad = 1; /* "-1", "nan", "soon": refused, like Python's ConfigError */
+    double v = ins_number_syntax(t, n) ? ins_strtod_c(t, &end) : -1.0;
+    if (end != t + n || v != v || v < 0.0) { /* "-1", "nan", "soon", "1_0": refused */
+        ins_refuse(c, "%s must be >= 0 seconds (0: do not wait; unset or inf: forever), "
+                      "not \"%.40s\"", "INSTRIDE_TIMEOUT", raw);
         return;
     }
     if (v < 1e9) /* longer than ~31 years (and inf): forever */
         c->timeout = v;
 }
 
-static int ins_env_true(const char *name)
+/* An on/off setting: 1/true/yes/on or 0/false/no/off (any case); unset or empty:
+ * dflt; anything else refused (and dflt). */
+static int ins_env_bool(struct ins_config *c, const char *name, int dflt)
 {
-    const char *v = getenv(name);
-    if (v == NULL)
+    const char *raw = getenv(name);
+    size_t n;
+    const char *v = ins_strip(raw, &n);
+    if (n == 0)
+        return dflt;
+    static const char *const on[] = {"1", "true", "yes", "on"};
+    static const char *const off[] = {"0", "false", "no", "off"};
+    for (size_t i = 0; i < 4; i++) {
+        if (strlen(on[i]) == n && strncasecmp(v, on[i], n) == 0)
+            return 1;
+        if (strlen(off[i]) == n && strncasecmp(v, off[i], n) == 0)
+            return 0;
+    }
+    ins_refuse(c, "%s must be 0/1/true/false (or yes/no, on/off), not \"%.40s\"", name, raw);
+    return dflt;
+}
+
+/* A text setting without its surrounding whitespace into buf; 0 when unset or empty. */
+static int ins_env_text(const char *name, char *buf, size_t cap)
+{
+    size_t n;
+    const char *v = ins_strip(getenv(name), &n);
+    if (n == 0)
         return 0;
-    return strcmp(v, "1") == 0 || strcasecmp(v, "true") == 0 || strcasecmp(v, "yes") == 0 ||
-           strcasecmp(v, "on") == 0;
+    snprintf(buf, cap, "%.*s", (int)(n < cap ? n : cap - 1), v);
+    return 1;
 }
 
 static void ins_default_dir(char *buf, size_t cap)
@@ -124,28 +216,26 @@ static void ins_read_config(void)
     char buf[PATH_MAX];
     memset(c, 0, sizeof *c);
 
-    const char *d = getenv("INSTRIDE_DIR");
-    if (d != NULL && d[0] != '\0')
-        snprintf(buf, sizeof buf, "%s", d);
-    else
+    if (!ins_env_text("INSTRIDE_DIR", buf, sizeof buf))
         ins_default_dir(buf, sizeof buf);
     if (ins_absolute(AT_FDCWD, buf, c->dir) == 0 && ins_normalize(c->dir) == 0)
         c->dir_len = strlen(c->dir);
     if (c->dir_len > 0)
         ins_real_dir(c);
 
-    const char *s = getenv("INSTRIDE_SOCKET");
-    if (s != NULL && s[0] != '\0')
-        snprintf(c->socket_path, sizeof c->socket_path, "%s", s);
-    else if (c->dir_len > 0 && c->dir_len + 20 < sizeof c->socket_path)
+    if (!ins_env_text("INSTRIDE_SOCKET", c->socket_path, sizeof c->socket_path) &&
+        c->dir_len > 0 && c->dir_len + 20 < sizeof c->socket_path)
         snprintf(c->socket_path, sizeof c->socket_path, "%s/.instride/node.sock", c->dir);
 
     ins_parse_timeout(getenv("INSTRIDE_TIMEOUT"), c);
-    c->fsync = ins_env_true("INSTRIDE_FSYNC");
-    c->overwrite = ins_env_true("INSTRIDE_OVERWRITE");
-    const char *r = getenv("INSTRIDE_REDIS_URL");
-    c->cluster = r != NULL && r[0] != '\0';
-    c->debug = ins_env_true("INSTRIDE_DEBUG");
+    c->fsync = ins_env_bool(c, "INSTRIDE_FSYNC", 0);
+    c->overwrite = ins_env_bool(c, "INSTRIDE_OVERWRITE", 0);
+    size_t n;
+    c->cluster = ins_strip(getenv("INSTRIDE_REDIS_URL"), &n) != NULL && n > 0;
+    int bad = c->timeout_bad;
+    c->debug = ins_env_bool(c, "INSTRIDE_DEBUG", 0);
+    if (c->timeout_bad && !bad) /* INSTRIDE_DEBUG itself refused: show the refusal */
+        c->debug = 1;
 }
 
 void ins_config_load(void)

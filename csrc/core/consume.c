@@ -9,9 +9,8 @@
 int ins_consume(const struct ins_path *p, char open_path[PATH_MAX])
 {
     const char *key = ins_key(p);
-    if (ins_cfg.timeout_bad)
-        return ins_fail(EINVAL, "cannot consume %.300s: INSTRIDE_TIMEOUT must be >= 0 seconds "
-                        "(0: do not wait; unset or inf: forever)", key);
+    if (ins_cfg.timeout_bad) /* a setting refused, like Python's ConfigError */
+        return ins_fail(EINVAL, "cannot consume %.300s: %s", key, ins_cfg.bad_msg);
     if (p->refuse)
         return ins_fail(p->refuse, "key %.300s: its path goes back (..) through a symbolic "
                         "link inside the managed directory (refused)", key);

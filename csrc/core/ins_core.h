@@ -70,7 +70,10 @@ struct ins_config {
     size_t dir_real_len;
     char socket_path[PATH_MAX];
     double timeout;          /* seconds; 0: do not wait; < 0: wait forever     */
-    int timeout_bad;         /* INSTRIDE_TIMEOUT negative or not a number      */
+    int timeout_bad;         /* a setting refused (INSTRIDE_TIMEOUT negative or
+                                not a number, an on/off setting neither): every
+                                consume and publication fails with EINVAL     */
+    char bad_msg[160];       /* the first refused setting, named               */
     int fsync;               /* INSTRIDE_FSYNC=1                               */
     int overwrite;           /* INSTRIDE_OVERWRITE=1                           */
     int cluster;             /* INSTRIDE_REDIS_URL non-empty                   */

@@ -54,6 +54,8 @@ enum ins_open_kind ins_open_kind(int flags)
 int ins_prepare_write(const struct ins_path *p, int flags, mode_t *mode, char tmp[PATH_MAX])
 {
     struct stat st;
+    if (ins_cfg.timeout_bad) /* a setting refused, like Python's ConfigError */
+        return ins_fail(EINVAL, "cannot publish %.300s: %s", ins_key(p), ins_cfg.bad_msg);
     if (p->refuse)
         return ins_fail(p->refuse, "key %.300s: its path goes back (..) through a symbolic "
                         "link inside the managed directory (refused)", ins_key(p));
@@ -324,6 +326,8 @@ static int ins_move_into_place(int olddirfd, const char *old, const char *abs, i
 int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, int noreplace)
 {
     struct stat st;
+    if (ins_cfg.timeout_bad) /* a setting refused, like Python's ConfigError */
+        return ins_fail(EINVAL, "cannot publish %.300s: %s", ins_key(np), ins_cfg.bad_msg);
     if (np->refuse)
         return ins_fail(np->refuse, "key %.300s: its path goes back (..) through a symbolic "
                         "link inside the managed directory (refused)", ins_key(np));

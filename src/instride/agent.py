@@ -34,6 +34,7 @@ import functools
 import json
 import logging
 import os
+import socket
 import stat
 import threading
 import time
@@ -44,7 +45,7 @@ from typing import Any, TypeVar
 
 from .client import Client
 from .config import Settings
-from .errors import AgentError, ConsumeTimeout, InstrideError, KeyNotServed
+from .errors import AgentError, ConsumeTimeout, InstrideError, KeyNotServed, ServeError
 from .keys import key_path
 from .store.served import check_real
 
@@ -80,6 +81,23 @@ def one_line(text: str, limit: int = MAX_MESSAGE) -> str:
     flat = " ".join(text.splitlines()) if text else ""
     flat = "".join(" " if ord(c) < 0x20 or c == "\x7f" else c for c in flat)
     return flat[:limit]
+
+
+def _answers(path: Path, timeout: float = 2.0) -> bool:
+    """Whether something accepts connections on the Unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(timeout)
+        try:
+            probe.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
+            return False  # nothing there, or a socket nobody listens on any more
+        except TimeoutError:
+            return True  # a listener with a full backlog: alive
+        except OSError as exc:
+            # EAGAIN: a full backlog, alive; anything else (not a socket, no permission):
+            # replaced, or refused when it is unlinked
+            return exc.errno == errno.EAGAIN
+        return True
 
 
 def _err(code: int | None, message: object) -> str:
@@ -124,6 +142,7 @@ class LocalAgent:
         self._idle: set[asyncio.Task[Any]] = set()  # connections waiting for a request
         self._cancels: set[threading.Event] = set()  # one per pending wait
         self._closing = False
+        self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket we made
         self._lock = threading.Lock()
         self._busy = 0  # jobs running in worker threads
         self._waiting = 0  # of which waits (CONSUME)
@@ -131,15 +150,28 @@ class LocalAgent:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Create the socket (mode 0600, in a 0700 directory) and listen on it."""
+        """Create the socket (mode 0600, in a 0700 directory) and listen on it.
+
+        A socket left at that path by a server that is gone is replaced; one that a running
+        server still answers on is left alone.
+
+        Raises
+        ------
+        ServeError
+            Another server answers on the socket (``EADDRINUSE``).
+        """
         internal = self.settings.internal_dir
         internal.mkdir(mode=0o700, parents=True, exist_ok=True)
         if os.stat(internal).st_uid == os.getuid():
             os.chmod(internal, 0o700)
         sock = self.settings.socket
         sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if await asyncio.to_thread(_answers, sock):
+            raise ServeError(f"{sock}: another data server answers on this socket (stop it "
+                             "first, or give this one its own INSTRIDE_DIR or --socket)",
+                             errno.EADDRINUSE)
         with contextlib.suppress(FileNotFoundError):
-            sock.unlink()
+            sock.unlink()  # left by a server that is gone
         old_umask = os.umask(0o177)  # the socket is 0600 from the moment it exists
         try:
             self._server = await asyncio.start_unix_server(self._track, str(sock),
@@ -147,6 +179,8 @@ class LocalAgent:
         finally:
             os.umask(old_umask)
         os.chmod(sock, 0o600)
+        st = os.stat(sock)
+        self._socket_id = (st.st_dev, st.st_ino)
 
     async def _track(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -189,8 +223,7 @@ class LocalAgent:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending, timeout=1.0)
-        with contextlib.suppress(FileNotFoundError):
-            self.settings.socket.unlink()
+        self._remove_socket()
         for pool in (self.waits, self.quick):
             pool.shutdown(wait=False, cancel_futures=True)
         deadline = time.monotonic() + WAIT_SLICE + 2.0
@@ -198,6 +231,20 @@ class LocalAgent:
             await asyncio.sleep(0.05)
         if self._busy:
             log.warning("%d worker job(s) still running at exit", self._busy)
+
+    def _remove_socket(self) -> None:
+        """Remove the socket, if the path still holds the one this agent made (never a
+        later server's)."""
+        made, self._socket_id = self._socket_id, None
+        if made is None:
+            return
+        sock = self.settings.socket
+        with contextlib.suppress(FileNotFoundError):
+            st = os.lstat(sock)
+            if (st.st_dev, st.st_ino) == made:
+                sock.unlink()
+            else:
+                log.info("%s is another server's socket now: left in place", sock)
 
     def snapshot(self) -> dict[str, Any]:
         """Counters plus the current numbers of waits and worker jobs."""

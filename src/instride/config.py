@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import socket
 import tempfile
 from collections.abc import Callable, Mapping
@@ -24,6 +25,41 @@ from .errors import ConfigError
 DEFAULT_PORT = 7437
 INTERNAL_DIRNAME = ".instride"
 
+#: The whitespace stripped from both ends of every setting, by Python and by the C libraries
+#: alike (csrc/core/config.c): ASCII space, tab, newline, carriage return, vertical tab and
+#: form feed, never other (Unicode) spaces.
+WHITESPACE = " \t\n\r\v\f"
+#: The one grammar of a number in a setting, the C libraries' too: ASCII digits, an optional
+#: sign, fraction and exponent; no ``_`` separators, no other digits, no hexadecimal.
+_NUMBER = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+#: Longest duration (seconds) a server or transport option takes: its milliseconds must fit
+#: the C engines' ``int``.
+MAX_SECONDS = 2147483
+#: INSTRIDE_CONNECT_TIMEOUT when unset or empty.
+CONNECT_TIMEOUT = 5.0
+#: Consume timeouts of at least this many seconds (~31 years) mean "forever", as in C.
+FOREVER_SECONDS = 1e9
+
+
+def strip(raw: str) -> str:
+    """``raw`` without the :data:`WHITESPACE` at either end (what every setting is read as)."""
+    return raw.strip(WHITESPACE)
+
+
+def parse_number(raw: str, name: str, what: str = "not a number") -> float:
+    """Parse a decimal number written as :data:`_NUMBER` allows (ASCII only, no ``_``).
+
+    Raises
+    ------
+    ConfigError
+        Anything else, ``what`` being the reason given.
+    """
+    text = strip(raw)
+    if not _NUMBER.fullmatch(text):
+        raise ConfigError(name, raw, what)
+    return float(text)
+
 
 def default_dir() -> Path:
     """Return the default managed directory: a per-user directory on tmpfs when possible."""
@@ -34,16 +70,38 @@ def default_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"instride-{uid}"
 
 
-def _float_or_none(name: str, raw: str | None) -> float | None:
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(name, raw, "not a number") from None
-    if math.isnan(value):
-        raise ConfigError(name, raw, "not a number")
-    return value if 0 < value < math.inf else None  # 0, negative or inf: no limit
+def parse_seconds(raw: str | float, name: str, *, zero: bool = False,
+                  limit: float = MAX_SECONDS) -> float:
+    """Parse a finite duration in seconds, above 0 (or at least 0 with ``zero``), at most
+    ``limit``.
+
+    Parameters
+    ----------
+    raw
+        Seconds as text (the grammar of every number in a setting) or a number.
+    name
+        The setting or option named in the error.
+    zero
+        Whether ``0`` is accepted.
+    limit
+        The largest value accepted (default :data:`MAX_SECONDS`, whose milliseconds fit a
+        C ``int``).
+
+    Returns
+    -------
+    float
+        The seconds.
+
+    Raises
+    ------
+    ConfigError
+        Not a number, NaN, infinite, out of range.
+    """
+    value = parse_number(raw, name, "not a number of seconds") if isinstance(raw, str) else float(raw)
+    low = ">= 0" if zero else "> 0"
+    if math.isnan(value) or not (value >= 0 if zero else value > 0) or value > limit:
+        raise ConfigError(name, raw, f"must be a number of seconds {low} and at most {limit}")
+    return value
 
 
 def parse_timeout(raw: str | float | None, name: str = "INSTRIDE_TIMEOUT") -> float | None:
@@ -53,7 +111,10 @@ def parse_timeout(raw: str | float | None, name: str = "INSTRIDE_TIMEOUT") -> fl
     ----------
     raw
         Seconds as text or a number. ``None``, empty, ``inf``, ``forever`` or ``none``: wait
-        forever (returns ``None``). ``0``: do not wait, fail at once unless published.
+        forever (returns ``None``), as does :data:`FOREVER_SECONDS` (~31 years) or more.
+        ``0``: do not wait, fail at once unless published. Text is a number of the grammar
+        every setting shares with the C libraries (ASCII digits, no ``_``), surrounded by
+        :data:`WHITESPACE` at most.
     name
         The setting or option named in the error.
 
@@ -70,31 +131,29 @@ def parse_timeout(raw: str | float | None, name: str = "INSTRIDE_TIMEOUT") -> fl
     if raw is None:
         return None
     if isinstance(raw, str):
-        text = raw.strip().lower()
-        if text in ("", "inf", "infinity", "forever", "none"):
+        text = strip(raw)
+        if text.isascii() and text.lower() in ("", "inf", "infinity", "forever", "none"):
             return None
-        try:
-            value = float(text)
-        except ValueError:
-            raise ConfigError(name, raw, "not a number of seconds") from None
+        value = parse_number(raw, name, "not a number of seconds")
     else:
         value = float(raw)
     if math.isnan(value):
         raise ConfigError(name, raw, "not a number of seconds")
     if value < 0:
         raise ConfigError(name, raw, "must be >= 0 (0: do not wait; unset or inf: forever)")
-    return None if value == math.inf else value
+    return None if value >= FOREVER_SECONDS else value
 
 
 def _bool(name: str, raw: str | None, default: bool) -> bool:
-    if raw is None or raw.strip() == "":
+    text = strip(raw or "")
+    if text == "":
         return default
-    low = raw.strip().lower()
+    low = text.lower() if text.isascii() else text
     if low in ("1", "true", "yes", "on"):
         return True
     if low in ("0", "false", "no", "off"):
         return False
-    raise ConfigError(name, raw, "expected 0/1/true/false")
+    raise ConfigError(name, raw, "expected 0/1/true/false (or yes/no, on/off)")
 
 
 #: INSTRIDE_AHEAD_BYTES's default: the largest fetch whose next file is made ahead (see
@@ -103,12 +162,12 @@ AHEAD_BYTES = 4 << 20
 
 
 def _int_or_none(name: str, raw: str | None) -> int | None:
-    if raw is None or raw.strip() == "":
+    text = strip(raw or "")
+    if text == "":
         return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(name, raw, "not an integer") from None
+    if not _INTEGER.fullmatch(text):
+        raise ConfigError(name, raw, "not an integer")
+    value = int(text)
     if value < 0:
         raise ConfigError(name, raw, "must be >= 0")
     return value
@@ -124,17 +183,16 @@ def parse_addr(addr: str, name: str = "INSTRIDE_ADDR") -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
     if not sep or not host:
         raise ConfigError(name, addr, "expected host:port")
-    try:
-        number = int(port)
-    except ValueError:
-        raise ConfigError(name, addr, "port is not an integer") from None
+    if not port.isascii() or not port.isdigit():
+        raise ConfigError(name, addr, "port is not an integer")
+    number = int(port)
     if not 0 < number < 65536:
         raise ConfigError(name, addr, "port out of range")
     return host.strip("[]"), number
 
 
 def _dir(name: str, raw: str | None) -> Path:
-    raw = (raw or "").strip()
+    raw = strip(raw or "")
     directory = Path(raw) if raw else default_dir()
     if not directory.is_absolute():
         directory = Path.cwd() / directory
@@ -142,7 +200,7 @@ def _dir(name: str, raw: str | None) -> Path:
 
 
 def _str_or_none(name: str, raw: str | None) -> str | None:
-    return (raw or "").strip() or None
+    return strip(raw or "") or None
 
 
 def _token(name: str, raw: str | None) -> str | None:
@@ -150,17 +208,17 @@ def _token(name: str, raw: str | None) -> str | None:
 
 
 def _node(name: str, raw: str | None) -> str:
-    return (raw or "").strip() or socket.gethostname()
+    return strip(raw or "") or socket.gethostname()
 
 
 def _addr(name: str, raw: str | None) -> str:
-    addr = (raw or "").strip() or f"127.0.0.1:{DEFAULT_PORT}"
+    addr = strip(raw or "") or f"127.0.0.1:{DEFAULT_PORT}"
     parse_addr(addr, name)
     return addr
 
 
 def _path_or_none(name: str, raw: str | None) -> Path | None:
-    raw = (raw or "").strip()
+    raw = strip(raw or "")
     return Path(raw) if raw else None
 
 
@@ -169,17 +227,17 @@ def _timeout(name: str, raw: str | None) -> float | None:
 
 
 def _connect_timeout(name: str, raw: str | None) -> float:
-    value = _float_or_none(name, raw)
-    return 5.0 if value is None else value
+    # One meaning: a finite number of seconds above 0 (no "no limit": an unreachable peer or
+    # Redis must fail, never hang); unset or empty: CONNECT_TIMEOUT.
+    if strip(raw or "") == "":
+        return CONNECT_TIMEOUT
+    return parse_seconds(raw or "", name)
 
 
 def _spin(name: str, raw: str | None) -> float:
-    if raw is None or raw.strip() == "":
+    if strip(raw or "") == "":
         return 0.0
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(name, raw, "not a number of seconds") from None
+    value = parse_number(raw or "", name, "not a number of seconds")
     if not math.isfinite(value) or value < 0:
         raise ConfigError(name, raw, "must be a finite number of seconds >= 0")
     return value
@@ -190,15 +248,17 @@ SERVE_POLICIES = ("batch", "normal", "inherit")
 
 
 def _serve_sched(name: str, raw: str | None) -> str:
-    value = (raw or "").strip().lower() or "batch"
+    value = strip(raw or "").lower() or "batch"
     if value not in SERVE_POLICIES:
         raise ConfigError(name, raw, f"expected one of {', '.join(SERVE_POLICIES)}")
     return value
 
 
 def _state_dir(name: str, raw: str | None) -> Path:
-    raw = (raw or "").strip()
-    return Path(raw) if raw else Path("/run/instride/clusters")
+    text = strip(raw or "")
+    directory = Path(text) if text else Path("/run/instride/clusters")
+    # absolute from the start: `cluster down` run from another directory finds the same files
+    return Path(os.path.normpath(Path.cwd() / directory))
 
 
 def _flag(name: str, raw: str | None) -> bool:
@@ -210,8 +270,8 @@ def _fsync(name: str, raw: str | None) -> bool:
 
 
 def _name(name: str, raw: str | None) -> str:
-    value = (raw or "").strip().lower() or "tcp"
-    if not value.replace("_", "").replace("-", "").isalnum():
+    value = strip(raw or "").lower() or "tcp"
+    if not value.isascii() or not value.replace("_", "").replace("-", "").isalnum():
         raise ConfigError(name, raw, "expected a registered name such as 'tcp'")
     return value
 
@@ -251,7 +311,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("INSTRIDE_SOCKET", "socket_path", _path_or_none, "$INSTRIDE_DIR/.instride/node.sock",
              "Unix socket of this node's data server"),
     Variable("INSTRIDE_CONNECT_TIMEOUT", "connect_timeout", _connect_timeout, "5",
-             "seconds to reach a peer or Redis"),
+             "seconds to reach a peer or Redis: a number above 0 and at most 2147483 (0, "
+             "negative, inf: refused)"),
     Variable("INSTRIDE_TRANSPORT", "transport", _name, "tcp",
              "transport the cluster engine fetches with and the data server serves: tcp or ucx"),
     Variable("INSTRIDE_SPIN", "spin", _spin, "0",

@@ -13,7 +13,8 @@ It composes two faces and owns nothing else:
   ``PUBLISH``, ``OVERWRITE``, ``PING`` and ``STATS`` lines (see :mod:`instride.agent`).
 
 SIGTERM and SIGINT stop accepting, cancel pending waits, let in-flight requests finish for a
-grace period, then exit.
+grace period, then exit: with status 0 after SIGTERM (how a server is stopped), 130 after
+SIGINT (Ctrl-C, an interruption, as for every ``instride`` command).
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ from typing import Any
 
 from .agent import LocalAgent
 from .client import Client
-from .config import SERVE_POLICIES, Settings
+from .config import SERVE_POLICIES, Settings, parse_seconds
 from .errors import InstrideError, ServeError
 from .transport import TransportServer, get_server
 from .transport.tcp.server import MAX_PEERS, REQUEST_TIMEOUT, SEND_TIMEOUT
 
 log = logging.getLogger("instride.server")
+
+#: Exit status of a server interrupted by SIGINT (Ctrl-C), as ``instride.cli.EXIT_INTERRUPTED``.
+EXIT_INTERRUPTED = 130
 
 
 class NodeServer:
@@ -54,6 +58,13 @@ class NodeServer:
         Seconds a new peer connection has to send its first request.
     send_timeout
         Seconds a write to a peer may take (a file body: plus size / 50 MB/s).
+
+    Raises
+    ------
+    ConfigError
+        A duration that is not a finite number of seconds (above 0; ``grace``: at least 0)
+        up to :data:`~instride.config.MAX_SECONDS`, whose milliseconds the C engine takes as
+        an ``int``.
     """
 
     def __init__(
@@ -66,8 +77,13 @@ class NodeServer:
         request_timeout: float = REQUEST_TIMEOUT,
         send_timeout: float = SEND_TIMEOUT,
     ) -> None:
+        grace = parse_seconds(grace, "grace", zero=True)
+        request_timeout = parse_seconds(request_timeout, "request_timeout")
+        send_timeout = parse_seconds(send_timeout, "send_timeout")
         self.settings = settings
         self.grace = grace
+        #: the signal that stopped the server (SIGTERM or SIGINT), once one did
+        self.stopped_by: int | None = None
         self.client = Client(settings)
         self.transport: TransportServer = get_server(
             settings.transport, settings, max_peers=max_peers, request_timeout=request_timeout,
@@ -86,7 +102,11 @@ class NodeServer:
         """
         try:
             await self.transport.start()
-            await self.agent.start()
+            try:
+                await self.agent.start()
+            except BaseException:
+                await self.transport.stop(0)
+                raise
         except OSError as exc:
             if isinstance(exc, InstrideError):
                 raise
@@ -114,11 +134,16 @@ class NodeServer:
         await self.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stopping.set)
+            loop.add_signal_handler(sig, self._stop_on, sig)
         print("instride serve: ready", flush=True)
         await self._stopping.wait()
         log.info("signal received, shutting down")
         await self.stop()
+
+    def _stop_on(self, sig: int) -> None:
+        if self.stopped_by is None:
+            self.stopped_by = sig
+        self._stopping.set()
 
     def snapshot(self) -> dict[str, Any]:
         """Counters of both faces (summed where both count), plus current gauges."""
@@ -182,12 +207,18 @@ def serve(
     request_timeout: float = REQUEST_TIMEOUT,
     send_timeout: float = SEND_TIMEOUT,
     sched: str | None = None,
-) -> None:
+) -> int:
     """Run a :class:`NodeServer` in the foreground until SIGTERM/SIGINT.
 
     Parameters are those of :class:`NodeServer`; ``settings`` default to the environment;
     ``sched`` is the scheduling policy of the server's threads (see :func:`set_policy`;
     default: ``settings.serve_sched``, ``INSTRIDE_SERVE_SCHED``).
+
+    Returns
+    -------
+    int
+        The exit status of ``instride serve``: 0 when stopped by SIGTERM (how a server is
+        stopped), 130 when interrupted by SIGINT (Ctrl-C), as every ``instride`` command.
     """
     settings = settings or Settings.from_env()
     set_policy(settings.serve_sched if sched is None else sched)  # (threads inherit it)
@@ -196,8 +227,10 @@ def serve(
                         request_timeout=request_timeout, send_timeout=send_timeout)
     asyncio.run(server.run())
     log.info("ran %.1f s", time.monotonic() - started)
+    status = EXIT_INTERRUPTED if server.stopped_by == signal.SIGINT else 0
     if server.busy:
         # A worker stuck in a blocking call would keep the interpreter from exiting (it joins
         # pool threads at exit); the server was asked to stop, so leave without them.
         logging.shutdown()
-        os._exit(0)
+        os._exit(status)
+    return status

@@ -12,7 +12,9 @@ import pytest
 
 from instride.cli import main
 from instride.emulate import EmulatedCluster
+from instride.emulate import emulated as em
 from instride.emulate import netns as nn
+from instride.errors import ConfigError
 
 PY = sys.executable
 
@@ -50,6 +52,8 @@ def test_cli_round_trip(tmp_path: Path) -> None:
         assert (node, directory, timeout) == ("node2", str(base / "node2"), "7")
         assert url.startswith("redis://10.213.")
         assert cli("exec", "1", "--name", name, "--", "sh", "-c", "exit 3").returncode == 3
+        # killed by a signal: 128 + N, as a shell (and `instride job`) reports it
+        assert cli("exec", "1", "--name", name, "--", "sh", "-c", "kill -9 $$").returncode == 137
 
         st = cli("status", "--name", name, "--json")
         assert st.returncode == 0, st.stderr
@@ -59,6 +63,18 @@ def test_cli_round_trip(tmp_path: Path) -> None:
             url.split("//")[1].rsplit(".", 1)[0] + f".{10 + i}" for i in (1, 2)
         ]
         assert name in cli("status").stdout
+        # a corrupt state file is reported, naming it; the other clusters are still shown
+        corrupt = em.state_path("x" + secrets.token_hex(5))
+        corrupt.write_text("{not json")
+        try:
+            every = cli("status")
+            assert every.returncode == 1 and name in every.stdout
+            assert f"corrupt state file {corrupt}" in every.stderr
+            gone = cli("down", "--name", corrupt.stem)
+            assert gone.returncode == 1 and f"corrupt state file {corrupt}" in gone.stderr
+            assert corrupt.exists(), "what it lists is unknown: left for a person"
+        finally:
+            corrupt.unlink()
 
         bad = cli("exec", "3", "--name", name, "--", "true")
         assert bad.returncode == 2 and "nodes 1..2" in bad.stderr
@@ -71,3 +87,15 @@ def test_cli_round_trip(tmp_path: Path) -> None:
     assert again.returncode == 0 and f"no cluster {name}" in again.stderr
     missing = cli("status", "--name", name)
     assert missing.returncode == 1 and "no cluster named" in missing.stderr
+
+
+@pytest.mark.parametrize("var", ["INSTRIDE_SOCKET", "INSTRIDE_REDIS_URL", "INSTRIDE_DIR",
+                                 "INSTRIDE_ADDR"])
+def test_node_variables_are_refused_in_env(var: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # they would make nodes share one socket, or a --no-redis cluster talk to a Redis
+    assert main(["cluster", "up", "--no-redis", "--no-serve", "--env", f"{var}=/x"]) == 2
+    assert f"bad setting env='{var}=/x': {var} is set by the cluster" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=var):
+        EmulatedCluster(nodes=1, env={var: "v"})
+    assert EmulatedCluster(nodes=1, env={"INSTRIDE_TIMEOUT": "7"}).nodes[0].env[
+        "INSTRIDE_TIMEOUT"] == "7"

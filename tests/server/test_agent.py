@@ -264,3 +264,119 @@ def test_a_taken_address_is_a_clear_error(tmp_path: Path) -> None:
     assert proc.returncode == 6, proc.stderr
     assert f"cannot listen on {addr}: Address already in use" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _serve(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "instride", "serve", *args], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_second_server_on_the_same_socket_is_refused_and_leaves_it(
+        own_node: LoopbackNode) -> None:
+    # a second `instride serve` on the same INSTRIDE_DIR (another port): exit 6, naming the
+    # socket; the first one's socket stays in place and answers
+    node = own_node.start()
+    sock = node.dir / ".instride" / "node.sock"
+    made = os.stat(sock).st_ino
+    from tests.conftest import free_port
+
+    env = dict(node.env, INSTRIDE_ADDR=f"127.0.0.1:{free_port()}")
+    proc = _serve(env)
+    assert proc.returncode == 6, proc.stderr
+    assert f"{sock}: another data server answers on this socket" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert os.stat(sock).st_ino == made
+    assert ask(node, "PING") == "OK pong"
+
+
+def test_a_stale_socket_is_replaced_and_a_later_servers_socket_kept(
+        own_node: LoopbackNode) -> None:
+    # a socket nobody listens on (a server killed with SIGKILL) is replaced at start; a server
+    # stopping removes its socket only if the path still holds the one it made
+    sock = own_node.dir / ".instride" / "node.sock"
+    sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(sock))
+    stale.close()
+    node = own_node.start()
+    assert ask(node, "PING") == "OK pong"
+    sock.unlink()  # replaced meanwhile by another server's socket
+    other = socket.socket(socket.AF_UNIX)
+    other.bind(str(sock))
+    try:
+        theirs = os.stat(sock).st_ino
+        assert node.proc is not None
+        node.proc.send_signal(signal.SIGTERM)
+        assert node.proc.wait(15) == 0
+        assert os.stat(sock).st_ino == theirs, "a later server's socket must stay"
+    finally:
+        other.close()
+
+
+def test_sigint_exits_130_sigterm_0(own_node: LoopbackNode) -> None:
+    node = own_node.start()
+    assert node.proc is not None
+    node.proc.send_signal(signal.SIGINT)
+    assert node.proc.wait(15) == 130
+    node = own_node.start()
+    assert node.proc is not None
+    node.proc.send_signal(signal.SIGTERM)
+    assert node.proc.wait(15) == 0
+    assert "Traceback" not in node.log.read_text()
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("--grace", "nan"), ("--grace", "inf"), ("--grace", "-1"), ("--grace", "2147484"),
+    ("--send-timeout", "3000000"), ("--send-timeout", "0"), ("--send-timeout", "inf"),
+    ("--request-timeout", "2147483.5"), ("--request-timeout", "nan"),
+    ("--request-timeout", "1_0")])
+def test_durations_are_finite_and_fit_the_engine(option: str, value: str,
+                                                 tmp_path: Path) -> None:
+    env = dict(os.environ, INSTRIDE_DIR=str(tmp_path))
+    env.pop("INSTRIDE_REDIS_URL", None)
+    proc = _serve(env, option, value)
+    assert proc.returncode == 2, proc.stderr
+    assert f"argument {option}: must be a finite number of seconds" in proc.stderr
+    assert "at most 2147483" in proc.stderr
+
+
+def test_the_library_refuses_durations_the_engine_cannot_take(tmp_path: Path) -> None:
+    from instride.config import Settings
+    from instride.errors import ConfigError
+    from instride.server import NodeServer
+
+    settings = Settings.from_env({"INSTRIDE_DIR": str(tmp_path)})
+    for kw in ({"grace": float("nan")}, {"grace": -1.0}, {"send_timeout": 3e6},
+               {"request_timeout": 0.0}, {"request_timeout": float("inf")}):
+        with pytest.raises(ConfigError, match="at most 2147483"):
+            NodeServer(settings, **kw)  # type: ignore[arg-type]
+
+
+def test_warnings_about_the_address_peers_are_told() -> None:
+    from instride.cli.serve import address_warnings
+
+    ok = address_warnings("10.0.0.11:7437", True, None)
+    assert ok == [] and address_warnings("10.0.0.11:7437", True, "0.0.0.0:7437") == []
+    assert address_warnings("10.0.0.11:7437", True, "10.0.0.11:7437") == []
+    [unset, loop] = address_warnings("127.0.0.1:7437", False, "10.0.0.11:7437")
+    assert "INSTRIDE_ADDR is unset" in unset and "10.0.0.11:7437" in unset
+    assert "loopback" in loop
+    [unset, loop] = address_warnings("127.0.0.1:7437", False, "0.0.0.0:7437")
+    assert "INSTRIDE_ADDR is unset" in unset
+    [differs] = address_warnings("10.0.0.11:7437", True, "10.0.0.12:7437")
+    assert "peers are told INSTRIDE_ADDR=10.0.0.11:7437" in differs
+    [differs] = address_warnings("10.0.0.11:7437", True, "0.0.0.0:9000")
+    assert "listens on 0.0.0.0:9000" in differs
+    [wild] = address_warnings("0.0.0.0:7437", True, None)
+    assert "a wildcard" in wild
+    assert "loopback" in address_warnings("127.0.0.1:7437", True, None)[0]
+
+
+def test_serve_warns_when_listen_differs_from_instride_addr(own_node: LoopbackNode) -> None:
+    from tests.conftest import free_port
+
+    del own_node.env["INSTRIDE_ADDR"]
+    node = own_node.start("--listen", f"127.0.0.1:{free_port()}")
+    assert ask(node, "PING") == "OK pong"
+    assert "INSTRIDE_ADDR is unset: producers of this node record 127.0.0.1:7437" in \
+        node.log.read_text()

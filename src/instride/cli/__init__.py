@@ -24,10 +24,11 @@ Exit status (the same for every command; :data:`EXIT_CODES`, mapped from the typ
       (also a wait that ran out while Redis could not be reached); a node's services did
       not start under ``instride job`` (``ServerStartError``, ``StaleServiceError``) or
       ended while its command ran (``ServiceLostError``), or ``instride serve`` could not
-      (``ServeError``: its address taken, ...); an MD engine's IMD port does not answer
-      ``instride imd-bridge`` (``EngineUnavailable``)
+      (``ServeError``: its address taken, its Unix socket answered by another server,
+      ...); an MD engine's IMD port does not answer ``instride imd-bridge``
+      (``EngineUnavailable``)
 7     refused: authentication with the job token failed
-130   interrupted (Ctrl-C)
+130   interrupted (Ctrl-C); ``instride serve`` and ``imd-serve`` stopped by SIGTERM exit 0
 ====  ======================================================================================
 """
 

@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from ..emulate.netns import ClusterError
 from ..errors import ConfigError
 
 DEFAULT_NAME = "default"
@@ -70,12 +71,19 @@ def cmd_down(args: argparse.Namespace) -> int:
     from ..emulate.emulated import EmulatedCluster, list_clusters
 
     names = list_clusters() if args.all else [args.name]
+    failed = 0
     for name in names:
-        if EmulatedCluster.destroy(name):
+        try:
+            removed = EmulatedCluster.destroy(name)
+        except ClusterError as exc:  # (a corrupt state file) report it, go on with the others
+            print(f"instride: error: cluster {name}: {exc}", file=sys.stderr)
+            failed += 1
+            continue
+        if removed:
             print(f"cluster {name} removed")
         else:
             print(f"no cluster {name}", file=sys.stderr)
-    return 0
+    return 1 if failed else 0
 
 
 def cmd_exec(args: argparse.Namespace) -> int:
@@ -92,14 +100,24 @@ def cmd_exec(args: argparse.Namespace) -> int:
     if not argv:
         raise ConfigError("command", "", "give the command after `--`")
     cluster = EmulatedCluster.attach(args.name)
-    return cluster.run(args.node, argv).returncode
+    code = cluster.run(args.node, argv).returncode
+    return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell does
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from ..emulate.emulated import EmulatedCluster, list_clusters
 
-    names = [args.name] if args.name else list_clusters()
-    infos = [EmulatedCluster.attach(name).status() for name in names]
+    failed = 0
+    if args.name:
+        infos = [EmulatedCluster.attach(args.name).status()]
+    else:  # every cluster: one whose state file is corrupt is reported, the others shown
+        infos = []
+        for name in list_clusters():
+            try:
+                infos.append(EmulatedCluster.attach(name).status())
+            except ClusterError as exc:
+                print(f"instride: error: cluster {name}: {exc}", file=sys.stderr)
+                failed += 1
     if args.json:
         print(json.dumps(infos if args.name is None else infos[0], indent=2))
     elif not infos:
@@ -107,7 +125,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         for info in infos:
             _print_status(info)
-    return 0
+    return 1 if failed else 0
 
 
 def add_parser(subparsers: Any) -> None:

@@ -207,8 +207,9 @@ class EmulatedCluster:
     token
         The job token (``INSTRIDE_TOKEN``); default: random.
     env
-        Extra environment variables for every node's processes (node-specific ``INSTRIDE_*``
-        variables always win).
+        Extra environment variables for every node's processes; the node-specific
+        ``INSTRIDE_*`` variables (``INSTRIDE_DIR``, ``_REDIS_URL``, ``_TOKEN``, ``_NODE``,
+        ``_ADDR``, ``_SOCKET``) are refused (:class:`ConfigError`): the cluster sets them.
     unprivileged
         Run every node's processes — the data servers and whatever :meth:`popen`, :meth:`run`,
         :meth:`command` and ``instride cluster exec`` start — without any capability (an empty
@@ -240,6 +241,11 @@ class EmulatedCluster:
         self.with_redis = bool(redis)
         self.token = token if token else secrets.token_hex(16)
         self.extra_env = {str(k): str(v) for k, v in (env or {}).items()}
+        for key in self.extra_env:
+            if key in _NODE_VARS:
+                raise ConfigError("env", f"{key}={self.extra_env[key]}",
+                                  f"{key} is set by the cluster for each node (node-specific "
+                                  f"variables: {', '.join(_NODE_VARS)})")
         self.unprivileged = bool(unprivileged)
         self._base_dir_arg = Path(base_dir).absolute() if base_dir is not None else None
         self.base_dir: Path = self._base_dir_arg or Path("/nonexistent")
@@ -630,13 +636,27 @@ class EmulatedCluster:
 
         Works from the state file when there is one, and otherwise still removes leftover
         namespaces of that name (e.g. after a crash of the process that ran ``up``).
+
+        Raises
+        ------
+        ClusterError
+            The state file cannot be read (corrupt): the namespaces of that name are removed,
+            but the processes, directories and state file it lists are left, and the error
+            names the file.
         """
         try:
             cluster = cls.attach(name)
-        except ClusterError:
+        except ClusterError as exc:
+            corrupt = state_path(name).exists()
             cluster = cls(nodes=1, name=name, redis=False, serve=False)
             cluster._active = True
             existed = any(ns.startswith(cluster.prefix) for ns in nn.list_netns())
+            if corrupt:  # what it lists (base_dir, PIDs) is unknown: keep it for a person
+                for ns in sorted(ns for ns in nn.list_netns() if ns.startswith(cluster.prefix)):
+                    nn.del_netns(ns)
+                raise ClusterError(f"{exc}; its namespaces are removed, but the processes, "
+                                   "directories and logs it lists are not: remove them and "
+                                   "the file by hand") from None
             cluster.down()
             return existed
         cluster.down()
