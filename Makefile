@@ -10,14 +10,15 @@ BIN    := $(VENV)/bin
 # for the preload library and its C/C++ tests, sshfs + sshd (the shared-file-system baseline
 # of the benchmark: a real network file system between emulated nodes), UCX (the ucx
 # transport's C engine is built against libucx-dev; ucx-utils has ucx_info/ucx_perftest),
-# slurm-wlm + munge (a real Slurm of emulated nodes for `instride job`).
+# slurm-wlm + munge (a real Slurm of emulated nodes for `instride job`), locales (the source
+# of a decimal-comma locale the C settings parser is tested under).
 # BUILD_PACKAGES: what creating .venv and `pip install -e .` need: python3-venv (Debian's
 # python3 has no ensurepip without it), a C compiler for the preload library (without
 # libc6-dev, which apt does not install with gcc under --no-install-recommends, gcc finds no
 # headers), OpenSSL's and xxhash's headers for the tcp transport's C engine (libinstride_tcp.so:
 # HMAC-SHA256 from libcrypto, xxh3 inlined); `make demo` installs only these.
 BUILD_PACKAGES := python3-venv gcc libc6-dev libssl-dev libxxhash-dev
-APT_PACKAGES := $(BUILD_PACKAGES) redis-server iproute2 gromacs lammps g++ make procps sshfs openssh-server util-linux libucx-dev ucx-utils slurm-wlm munge
+APT_PACKAGES := $(BUILD_PACKAGES) redis-server iproute2 gromacs lammps g++ make procps sshfs openssh-server util-linux libucx-dev ucx-utils slurm-wlm munge locales
 
 .PHONY: demo test lint bench clean system-deps build-deps
 
