@@ -175,6 +175,7 @@ INS_HIDDEN int ins_wait_local(const char *abs);
 struct ins_fd_hooks {
     int (*is_internal)(int fd);
     int (*mark_internal)(int fd, int on);
+    int (*foreign)(void); /* 1: a vfork child, whose thread-locals are its parent's: no cache */
 };
 INS_HIDDEN void ins_inotify_setup(const struct ins_fd_hooks *hooks); /* once, at init */
 INS_HIDDEN void ins_inotify_forget(void);                            /* in a forked child */

@@ -58,6 +58,11 @@ void ins_inotify_forget(void)
  * caller then closes it after use). */
 static int ins_inotify_get(int *cached)
 {
+    if (ins_hooks.foreign != NULL && ins_hooks.foreign()) {
+        /* a vfork child: the cache (thread-local, in its parent's memory) is not its own */
+        *cached = 0;
+        return inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+    }
     *cached = 1;
     if (ins_ifd_key_ok && ins_ifd >= 0 && ins_hooks.is_internal(ins_ifd))
         return ins_ifd;

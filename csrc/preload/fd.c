@@ -22,7 +22,7 @@ static int ins_after_last_close(struct ins_file *f, int rc, int e, int saved)
 INS_WRAPPER(int, close, (int fd))
 {
     INS_MAP_OR_FAIL(close, -1);
-    if (ins_busy || !ins_table_occupied(fd))
+    if (ins_busy || !ins_table_occupied(fd) || ins_table_foreign())
         return ins_real_close(fd);
     int saved = errno, last = 0;
     struct ins_file *f = ins_table_take(fd, &last);
@@ -42,7 +42,7 @@ INS_WRAPPER(int, close, (int fd))
 INS_WRAPPER(int, dup, (int oldfd))
 {
     INS_MAP_OR_FAIL(dup, -1);
-    if (ins_busy || !ins_table_any())
+    if (ins_busy || !ins_table_any() || ins_table_foreign())
         return ins_real_dup(oldfd);
     ins_table_lock();
     int nfd = ins_real_dup(oldfd);
@@ -82,7 +82,7 @@ static int ins_dup23(int oldfd, int newfd, int flags, int use3)
 INS_WRAPPER(int, dup2, (int oldfd, int newfd))
 {
     INS_MAP_OR_FAIL(dup2, -1);
-    if (ins_busy || !ins_table_any())
+    if (ins_busy || !ins_table_any() || ins_table_foreign())
         return ins_real_dup2(oldfd, newfd);
     return ins_dup23(oldfd, newfd, 0, 0);
 }
@@ -90,7 +90,7 @@ INS_WRAPPER(int, dup2, (int oldfd, int newfd))
 INS_WRAPPER(int, dup3, (int oldfd, int newfd, int flags))
 {
     INS_MAP_OR_FAIL(dup3, -1);
-    if (ins_busy || !ins_table_any())
+    if (ins_busy || !ins_table_any() || ins_table_foreign())
         return ins_real_dup3(oldfd, newfd, flags);
     return ins_dup23(oldfd, newfd, flags, 1);
 }
@@ -103,7 +103,8 @@ INS_WRAPPER(int, dup3, (int oldfd, int newfd, int flags))
         void *arg = va_arg(ap, void *);                                             \
         va_end(ap);                                                                 \
         INS_MAP_OR_FAIL(name, -1);                                                  \
-        if ((cmd != F_DUPFD && cmd != F_DUPFD_CLOEXEC) || ins_busy || !ins_table_any()) \
+        if ((cmd != F_DUPFD && cmd != F_DUPFD_CLOEXEC) || ins_busy || !ins_table_any() || \
+            ins_table_foreign())                                                    \
             return ins_real_##name(fd, cmd, arg);                                   \
         ins_table_lock();                                                           \
         int nfd = ins_real_##name(fd, cmd, arg);                                    \
@@ -190,7 +191,7 @@ static void ins_fsync_span(unsigned int first, unsigned int last)
 INS_WRAPPER(int, close_range, (unsigned int first, unsigned int last, int flags))
 {
     INS_MAP_OR_FAIL(close_range, -1);
-    if (ins_busy || !ins_table_any() || (flags & CLOSE_RANGE_CLOEXEC))
+    if (ins_busy || !ins_table_any() || (flags & CLOSE_RANGE_CLOEXEC) || ins_table_foreign())
         return ins_real_close_range(first, last, flags);
     int saved = errno;
     ins_fsync_span(first, last);
@@ -215,7 +216,7 @@ INS_WRAPPER(void, closefrom, (int lowfd))
         ins_init();
     if (ins_real_closefrom == NULL)
         return;
-    if (ins_busy || !ins_table_any() || lowfd < 0) {
+    if (ins_busy || !ins_table_any() || lowfd < 0 || ins_table_foreign()) {
         ins_real_closefrom(lowfd);
         return;
     }

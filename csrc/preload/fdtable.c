@@ -14,6 +14,17 @@ static _Atomic(struct ins_file *) *ins_table; /* ins_table_size slots, mmap'd on
 static size_t ins_table_size;
 static atomic_int ins_table_count; /* number of occupied slots */
 static pthread_mutex_t ins_table_mu = PTHREAD_MUTEX_INITIALIZER;
+/* The process whose memory the table is in: set at load and in fork's child. A vfork
+ * child (or any clone sharing the memory without fork's handlers) has another pid. */
+static pid_t ins_table_owner;
+
+int ins_table_foreign(void) { return getpid() != ins_table_owner; }
+
+int ins_fail_foreign(const struct ins_path *p)
+{
+    return ins_fail(EPERM, "key %.300s: a vfork child (sharing its parent's memory) cannot "
+                    "write a key", ins_key(p));
+}
 
 void ins_table_lock(void) { pthread_mutex_lock(&ins_table_mu); }
 void ins_table_unlock(void) { pthread_mutex_unlock(&ins_table_mu); }
@@ -129,7 +140,7 @@ void ins_table_dup_locked(int oldfd, int newfd)
  * removed, nothing is published: we cannot know it was complete). */
 void ins_fd_reused(int fd)
 {
-    if (fd < 0 || !ins_table_any() || !ins_table_occupied(fd))
+    if (fd < 0 || !ins_table_any() || !ins_table_occupied(fd) || ins_table_foreign())
         return;
     int saved = errno, last = 0;
     struct ins_file *f = ins_table_take(fd, &last);
@@ -209,6 +220,7 @@ static void ins_atfork_prepare(void) { pthread_mutex_lock(&ins_table_mu); }
 static void ins_atfork_parent(void) { pthread_mutex_unlock(&ins_table_mu); }
 static void ins_atfork_child(void)
 {
+    ins_table_owner = getpid();
     pthread_mutex_unlock(&ins_table_mu);
     ins_inotify_forget(); /* the inotify instance is shared with the parent now */
 }
@@ -221,6 +233,7 @@ static void ins_atfork_child(void)
 
 void ins_table_setup(void)
 {
+    ins_table_owner = getpid();
     ins_alloc_table();
     pthread_atfork(ins_atfork_prepare, ins_atfork_parent, ins_atfork_child);
 }

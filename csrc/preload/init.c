@@ -44,6 +44,7 @@ static void ins_init_once(void)
     static const struct ins_fd_hooks hooks = {
         .is_internal = ins_table_is_internal,
         .mark_internal = ins_table_mark_internal,
+        .foreign = ins_table_foreign,
     };
     ins_inotify_setup(&hooks);
     ins_busy = 0;

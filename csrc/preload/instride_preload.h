@@ -104,6 +104,12 @@ INS_HIDDEN void ins_table_lock(void);
 INS_HIDDEN void ins_table_unlock(void);
 INS_HIDDEN void ins_table_dup_locked(int oldfd, int newfd); /* newfd now shares oldfd's file */
 INS_HIDDEN int ins_table_any(void);
+/* 1 in a process that shares the table's memory without owning it: a vfork child
+ * (or a clone(CLONE_VM) child). Its closes and dups pass straight to libc (the table
+ * is its parent's), and it cannot write keys. */
+INS_HIDDEN int ins_table_foreign(void);
+/* A write open of a key there: EPERM, naming the key. Returns -1. */
+INS_HIDDEN int ins_fail_foreign(const struct ins_path *p);
 /* A pass-through open returned fd: drop a stale entry left for that number. */
 INS_HIDDEN void ins_fd_reused(int fd);
 

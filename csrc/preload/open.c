@@ -87,6 +87,8 @@ static int ins_open_managed(const struct ins_path *p, int flags, mode_t mode)
     enum ins_open_kind kind = ins_open_kind(flags);
     if (kind == INS_OPEN_REFUSE) /* published keys are immutable; no append / in-place update */
         return ins_fail(EPERM, "key %.300s: append and in-place update are refused", ins_key(p));
+    if (kind == INS_OPEN_WRITE && ins_table_foreign())
+        return ins_fail_foreign(p);
     ins_busy = 1;
     if (kind == INS_OPEN_READ && ins_cfg.timeout_bad) { /* refused, like Python's ConfigError */
         fd = ins_consume(p, NULL);                       /* fails with EINVAL, naming it */

@@ -47,6 +47,8 @@ static int ins_stdio_target(const struct ins_path *p, const char *mode, char tar
     enum ins_open_kind kind = ins_open_kind(flags);
     if (kind == INS_OPEN_REFUSE)
         return ins_fail(EPERM, "key %.300s: append and in-place update are refused", ins_key(p));
+    if (kind == INS_OPEN_WRITE && ins_table_foreign())
+        return ins_fail_foreign(p);
     size_t n = strcspn(mode, ",");
     if (strlen(mode) + 2 > 64) {
         errno = EINVAL;
@@ -171,7 +173,7 @@ static struct ins_file *ins_detach_stream(FILE *fp, int *last)
     if (fp == NULL || !ins_table_any())
         return NULL;
     int fd = fileno(fp);
-    if (ins_table_peek(fd) == NULL)
+    if (ins_table_peek(fd) == NULL || ins_table_foreign())
         return NULL;
     struct ins_file *f = ins_table_take(fd, last);
     if (f != NULL && *last && ins_cfg.fsync && f->pid == getpid()) {

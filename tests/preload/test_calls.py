@@ -13,7 +13,7 @@ from .conftest import Builder, Shim
 
 SCENARIOS = [
     "open", "open64", "openat", "openat64", "relative", "creat", "fopen", "freopen", "dup",
-    "rdwr", "rename", "fork", "eexist", "refuse", "timeout", "unmanaged", "ifd_closed",
+    "rdwr", "rename", "fork", "vfork", "eexist", "refuse", "timeout", "unmanaged", "ifd_closed",
 ]
 
 

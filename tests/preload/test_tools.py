@@ -194,6 +194,27 @@ def test_killed_producer_leaves_nothing_under_the_key(shim: Shim) -> None:
     assert [p.name.split(".instride-")[1].split("-")[0] for p in shim.temps()] == [str(proc.pid)]
 
 
+def test_python_producer_starting_a_subprocess_still_publishes(shim: Shim) -> None:
+    """Python's subprocess forks with vfork and closes every fd in the child (close_range):
+    the parent's open key must still be published, with its bytes, by its own close."""
+    key = shim.dir / "sub" / "k.bin"
+    code = (
+        "import subprocess, os\n"
+        f"f = open({str(key)!r}, 'wb')\n"
+        "f.write(b'before ')\n"
+        "subprocess.run(['true'], check=True)\n"
+        "subprocess.run(['true'], check=True, close_fds=False)\n"
+        f"assert not os.path.exists({str(key)!r})\n"
+        "f.write(b'after')\n"
+        "f.close()\n"
+        "print('closed')\n"
+    )
+    proc = shim.py(code, check=True)
+    assert proc.stdout.decode().strip() == "closed"
+    assert key.read_bytes() == b"before after"
+    assert shim.temps() == []
+
+
 def test_non_managed_paths_untouched(shim: Shim) -> None:
     plain = shim.outside / "plain.txt"
     code = (

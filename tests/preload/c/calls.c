@@ -372,6 +372,37 @@ static void t_fork(void)
     CHECK(file_is(f, "parent"));
 }
 
+/* A vfork child shares its parent's memory: what it closes and dups (Python's subprocess
+ * does close_range(3, ...) there before exec) must leave the parent's keys alone. */
+static void t_vfork(void)
+{
+    const char *f = mp("vfork/a.txt");
+    const char *g = mp("vfork/child.txt");
+    int fd = open(f, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    CHECK(fd >= 0 && wr(fd, "parent"));
+    int other = dup(fd);
+    CHECK(other >= 0);
+    pid_t pid = vfork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        int ok = dup2(fd, other) == other && close(fd) == 0 && close_range(3, ~0U, 0) == 0;
+        closefrom(3);
+        /* it cannot write a key: that would need the parent's table */
+        ok = ok && open(g, O_WRONLY | O_CREAT | O_TRUNC, 0644) == -1 && errno == EPERM;
+        _exit(ok ? 0 : 3);
+    }
+    int status = 0;
+    CHECK(waitpid(pid, &status, 0) == pid);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    CHECK(!exists(f) && !exists(g));
+    CHECK(wr(other, " and more"));
+    CHECK(close(other) == 0);
+    CHECK(!exists(f)); /* fd still holds it */
+    CHECK(close(fd) == 0);
+    CHECK(file_is(f, "parent and more"));
+    CHECK(temps_in(mp("vfork")) == 0);
+}
+
 static void t_eexist(void)
 {
     const char *f = mp("once/a.txt");
@@ -576,7 +607,7 @@ int main(int argc, char **argv)
         {"openat64", t_openat64}, {"relative", t_relative}, {"creat", t_creat},
         {"fopen", t_fopen},       {"freopen", t_freopen}, {"dup", t_dup},
         {"rdwr", t_rdwr},         {"rename", t_rename},   {"rename_xdev", t_rename_xdev},
-        {"fork", t_fork},         {"eexist", t_eexist},   {"refuse", t_refuse},
+        {"fork", t_fork},         {"vfork", t_vfork},     {"eexist", t_eexist},   {"refuse", t_refuse},
         {"timeout", t_timeout},   {"unmanaged", t_unmanaged}, {"fortified", t_fortified},
         {"atexit", t_atexit},     {"ifd_closed", t_ifd_closed},
     };
