@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import shutil
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import instride
-from instride.cli import build_parser, main
+from instride.cli import build_parser, main, timeout_arg
 
 
 def _commands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
@@ -92,6 +93,64 @@ def test_wait_blocks_until_published(managed_dir: Path) -> None:
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0
     assert out.strip().endswith("late/key")
+
+
+@pytest.mark.parametrize("command", ["wait", "cat"])
+def test_explicit_inf_overrides_instride_timeout(managed_dir: Path, command: str) -> None:
+    """``--timeout inf`` means no limit, whatever INSTRIDE_TIMEOUT says (not given: it decides)."""
+    env = dict(os.environ, INSTRIDE_TIMEOUT="0.5")
+    res = _cli(command, "never/set", env=env)  # (the setting applies without --timeout)
+    assert res.returncode == 3, res.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "instride", command, "late/inf", "--timeout",
+                             "inf"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        time.sleep(1.5)
+        assert proc.poll() is None, proc.communicate()
+        with instride.open("late/inf", "wb") as fh:
+            fh.write(b"here")
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert out.strip().endswith("late/inf") if command == "wait" else out == "here"
+
+
+def test_timeout_option_values() -> None:
+    """``timeout_arg``: seconds as given; an explicit no limit is ``inf``, never ``None``
+    (the default of every ``--timeout``, "not given")."""
+    assert timeout_arg("0") == 0.0 and timeout_arg("2.5") == 2.5
+    for text in ("inf", "forever", "none", "INF"):
+        assert timeout_arg(text) == math.inf
+    for text in ("-1", "nan", "soon"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            timeout_arg(text)
+
+
+def test_stream_reader_takes_an_explicit_inf(managed_dir: Path) -> None:
+    """The stream commands (analyze, export, archive) hand ``--timeout inf`` to a Stream as
+    ``math.inf``: it waits for a frame published later (no limit, no overflow)."""
+    import threading
+
+    import numpy as np
+
+    client = instride.Client(instride.Settings.from_env())
+
+    def produce() -> None:
+        time.sleep(1.0)
+        with instride.Stream("late-stream", mode="w", client=client) as s:
+            s.append(np.zeros((2, 3), dtype=np.float32))
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    try:
+        frames = list(instride.Stream("late-stream", client=client, timeout=timeout_arg("inf")))
+    finally:
+        producer.join(30)
+        client.close()
+    assert len(frames) == 1
 
 
 def test_errors_are_reported_not_tracebacks(managed_dir: Path) -> None:

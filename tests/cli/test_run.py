@@ -50,3 +50,26 @@ def test_run_timeout_becomes_etimedout(managed_dir: Path) -> None:
     assert res.returncode != 0
     assert "timed out" in res.stderr.lower()
     assert "LD_PRELOAD" not in os.environ
+
+
+def test_run_timeout_inf_overrides_instride_timeout(managed_dir: Path) -> None:
+    """``instride run --timeout inf`` gives the command no limit, whatever INSTRIDE_TIMEOUT says."""
+    env = dict(os.environ, INSTRIDE_TIMEOUT="0.5")
+    target = managed_dir / "late" / "k.txt"
+    res = _instride("run", "--", "cat", str(target), env=env)  # (the setting applies)
+    assert res.returncode == 1 and "timed out" in res.stderr.lower()
+    cat = subprocess.Popen([sys.executable, "-m", "instride", "run", "--timeout", "inf", "--",
+                            "cat", str(target)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, env=env)
+    try:
+        time.sleep(1.5)
+        assert cat.poll() is None, cat.communicate()
+        cp = _instride("run", "--", "sh", "-c", f"echo late > {target}", env=env)
+        assert cp.returncode == 0, cp.stderr
+        out, err = cat.communicate(timeout=60)
+    finally:
+        if cat.poll() is None:
+            cat.kill()
+            cat.wait()
+    assert cat.returncode == 0, err
+    assert out == "late\n"

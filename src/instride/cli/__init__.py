@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 from collections.abc import Callable, Sequence
 
@@ -123,14 +124,25 @@ def _unreachable(exc: BaseException) -> BaseException | None:
     return None
 
 
-def timeout_arg(text: str) -> float | None:
-    """``--timeout`` values: seconds; ``0`` does not wait; ``inf`` waits forever (argparse type)."""
+def timeout_arg(text: str) -> float:
+    """``--timeout`` values: seconds; ``0`` does not wait; ``inf`` waits forever (argparse type).
+
+    An explicit no limit (``inf``, ``forever``, ...) is ``math.inf``, never ``None``: an
+    option's default ``None`` means "not given" (``INSTRIDE_TIMEOUT`` then decides), which
+    ``inf`` must override.
+    """
     from ..config import parse_timeout
 
     try:
-        return parse_timeout(text, "--timeout")
+        value = parse_timeout(text, "--timeout")
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    return math.inf if value is None else value
+
+
+def no_limit_as_none(timeout: float | None) -> float | None:
+    """A ``--timeout`` for the APIs whose ``None`` means no limit (not a setting's default)."""
+    return None if timeout is None or math.isinf(timeout) else timeout
 
 
 #: Help text of every ``--timeout`` option that waits for keys.

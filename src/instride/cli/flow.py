@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from . import timeout_arg
+from . import no_limit_as_none, timeout_arg
 
 
 def _param(text: str) -> tuple[str, Any]:
@@ -58,7 +58,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     graph = _graph(args)
     launcher = _launcher(args)
     started = time.time()
-    result = run(graph, out=args.out, launcher=launcher, timeout=args.timeout,
+    result = run(graph, out=args.out, launcher=launcher, timeout=no_limit_as_none(args.timeout),
                  keep_streams=args.keep_streams, trace=not args.no_trace,
                  on_event=None if args.quiet else lambda line: print(line, flush=True))
     table = rows({"stats": result.stats, "run": {}, "taken": time.time()})

@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 
-from . import EXIT_INTERRUPTED, EXIT_INVALID, timeout_arg
+from . import EXIT_INTERRUPTED, EXIT_INVALID, no_limit_as_none, timeout_arg
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -75,7 +75,7 @@ def cmd_imd_serve(args: argparse.Namespace) -> int:
     try:
         reports = serve(
             args.stream, host=args.host, port=args.port, version=args.imd_version, start=args.start,
-            clients=args.clients, timeout=args.timeout, dt=args.dt, on_ready=ready,
+            clients=args.clients, timeout=no_limit_as_none(args.timeout), dt=args.dt, on_ready=ready,
             on_client_done=done,
         )
     except KeyboardInterrupt:

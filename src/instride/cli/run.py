@@ -7,7 +7,7 @@ import os
 import shutil
 import sys
 
-from . import timeout_arg
+from . import TIMEOUT_HELP, timeout_arg
 
 
 def cmd_preload_path(args: argparse.Namespace) -> int:
@@ -80,7 +80,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--dir", help="managed directory (default: INSTRIDE_DIR)")
     p.add_argument("--timeout", type=timeout_arg,
-                   help="consume timeout in seconds, as INSTRIDE_TIMEOUT (0: do not wait)")
+                   help="the command's consume timeout (INSTRIDE_TIMEOUT for it): " + TIMEOUT_HELP)
     p.add_argument("--overwrite", action="store_true",
                    help="let writes replace published keys (INSTRIDE_OVERWRITE=1)")
     p.add_argument("--patch-python-open", action="store_true",
