@@ -163,6 +163,29 @@ def test_errors_are_reported_not_tracebacks(managed_dir: Path) -> None:
     assert "invalid key" in res.stderr
 
 
+def test_output_errors_are_a_quiet_exit_or_a_message(managed_dir: Path) -> None:
+    """A reader that went away (`instride ls | head -1`): exit 1 quietly, as CPython recommends;
+    any other error writing the output (`instride cat K > /dev/full`): a message, exit 1."""
+    for i in range(3):
+        with instride.open(f"out/k{i}", "wb") as fh:
+            fh.write(b"x" * 1000)
+    r, w = os.pipe()
+    os.close(r)  # (the reader is gone before the first write: EPIPE for sure)
+    try:
+        for args in (("ls",), ("cat", "out/k0"), ("wait", "out/k1")):
+            res = subprocess.run([sys.executable, "-m", "instride", *args], stdout=w,
+                                 stderr=subprocess.PIPE, text=True, timeout=60)
+            assert (res.returncode, res.stderr) == (1, ""), args
+    finally:
+        os.close(w)
+    with open("/dev/full", "wb") as full:
+        for args in (("ls",), ("cat", "out/k0")):
+            res = subprocess.run([sys.executable, "-m", "instride", *args], stdout=full,
+                                 stderr=subprocess.PIPE, text=True, timeout=60)
+            assert res.returncode == 1, args
+            assert "No space left on device" in res.stderr and "Traceback" not in res.stderr
+
+
 def test_bad_setting_is_a_clear_error(managed_dir: Path) -> None:
     import os
 

@@ -73,3 +73,39 @@ def test_run_timeout_inf_overrides_instride_timeout(managed_dir: Path) -> None:
             cat.wait()
     assert cat.returncode == 0, err
     assert out == "late\n"
+
+
+def test_run_bad_managed_directory_is_a_usage_error(managed_dir: Path, tmp_path: Path) -> None:
+    """A managed directory that cannot be made (`--dir` or INSTRIDE_DIR) is a bad setting: 2."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for args, env, name in (
+        (["--dir", "/proc/nope"], None, "--dir"),
+        (["--dir", str(afile / "sub")], None, "--dir"),
+        ([], dict(os.environ, INSTRIDE_DIR="/proc/nope"), "INSTRIDE_DIR"),
+    ):
+        res = _instride("run", *args, "--", "true", env=env)
+        assert res.returncode == 2, res.stderr
+        assert name in res.stderr and "managed directory" in res.stderr
+        assert "Traceback" not in res.stderr
+
+
+def test_run_reports_commands_it_cannot_execute_as_a_shell(managed_dir: Path, tmp_path: Path) -> None:
+    """126: found but not executable (unknown format, no x bit, a directory); 127: not found
+    (also a script whose interpreter is missing)."""
+    binary = tmp_path / "garbage"
+    binary.write_bytes(b"\x00\x01garbage")
+    binary.chmod(0o755)
+    plain = tmp_path / "plain"
+    plain.write_text("echo hi\n")
+    plain.chmod(0o644)
+    script = tmp_path / "bad-interpreter"
+    script.write_text("#!/nonexistent/interpreter\necho hi\n")
+    script.chmod(0o755)
+    for path, status, why in ((binary, 126, "Exec format error"), (plain, 126, "Permission denied"),
+                              (tmp_path, 126, "Is a directory"),
+                              (script, 127, "No such file or directory"),
+                              (tmp_path / "missing", 127, "not found")):
+        res = _instride("run", "--", str(path))
+        assert res.returncode == status, (path, res.stderr)
+        assert why in res.stderr and "Traceback" not in res.stderr

@@ -37,6 +37,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import os
+import select
 import sys
 from collections.abc import Callable, Sequence
 
@@ -174,7 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)  # usage errors: argparse exits with 2
     handler: Handler = args.func
     try:
-        return handler(args)
+        code = handler(args)
+        sys.stdout.flush()  # (an output error here, not at exit)
+        return code
     except InstrideError as exc:
         cause = _unreachable(exc) if isinstance(exc, ConsumeTimeout) else None
         extra = f" (unreachable meanwhile: {cause})" if cause is not None else ""
@@ -182,6 +186,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_code(exc)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except BrokenPipeError as exc:
+        if not _stdout_broken():
+            print(f"instride: error: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        # The reader of our output went away (`instride ls | head -1`): stop quietly, as
+        # CPython recommends; what is still buffered goes to /dev/null, not to a traceback.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_ERROR
+    except OSError as exc:  # writing the output (`instride cat K > /dev/full`), ...
+        print(f"instride: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _stdout_broken() -> bool:
+    """Whether stdout is a pipe or socket whose reader has gone (poll reports an error)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (OSError, ValueError):
+        return False
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import shutil
 import sys
@@ -22,6 +23,7 @@ def cmd_preload_path(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from ..config import Settings
+    from ..errors import ConfigError
     from ..interception.preload import preload_env
 
     argv = list(args.cmd)
@@ -42,18 +44,29 @@ def cmd_run(args: argparse.Namespace) -> int:
     env = preload_env(extra)
     settings = Settings.from_env(env)  # validates the settings before the program starts
     env["INSTRIDE_DIR"] = str(settings.dir)
-    settings.dir.mkdir(parents=True, exist_ok=True)
+    try:
+        settings.dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # (/proc/x, a file on the way, no permission: a bad setting)
+        raise ConfigError("--dir" if args.dir else "INSTRIDE_DIR", str(settings.dir),
+                          f"cannot create the managed directory: {exc.strerror}") from None
     # A quoted '$INSTRIDE_DIR' reaches us unexpanded: fill in the managed directory, so the
     # command works in a shell where the variable is not set (or with --dir).
     argv = [a.replace("${INSTRIDE_DIR}", env["INSTRIDE_DIR"]).replace("$INSTRIDE_DIR", env["INSTRIDE_DIR"])
             for a in argv]
     exe = shutil.which(argv[0], path=env.get("PATH"))
+    if exe is None and "/" in argv[0] and os.path.lexists(argv[0]):
+        exe = argv[0]  # not executable: execve says why (as a shell does, status 126)
     if exe is None:
         print(f"instride run: error: command not found: {argv[0]}", file=sys.stderr)
         return 127
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(exe, argv, env)  # the program keeps our PID; signals reach it directly
+    try:
+        os.execve(exe, argv, env)  # the program keeps our PID; signals reach it directly
+    except OSError as exc:  # as a shell: 127 when a file is missing (an interpreter), else 126
+        why = "Is a directory" if os.path.isdir(exe) else exc.strerror
+        print(f"instride run: error: cannot execute {argv[0]}: {why}", file=sys.stderr)
+        return 127 if exc.errno == errno.ENOENT else 126
     return 0  # pragma: no cover
 
 
@@ -76,7 +89,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "set: its opens of files under the managed directory wait for publication (reads) or "
         "publish on close (writes). A quoted '$INSTRIDE_DIR' in CMD's arguments is replaced "
         "by the managed directory (the calling shell would expand an unquoted one, to nothing "
-        "if it is not set there): instride run -- cp a.dat '$INSTRIDE_DIR/run7/a.dat'.",
+        "if it is not set there): instride run -- cp a.dat '$INSTRIDE_DIR/run7/a.dat'. Exit "
+        "status: CMD's own; as a shell, 127 when CMD is not found and 126 when it cannot be "
+        "executed.",
     )
     p.add_argument("--dir", help="managed directory (default: INSTRIDE_DIR)")
     p.add_argument("--timeout", type=timeout_arg,
