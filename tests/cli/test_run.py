@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -109,3 +110,35 @@ def test_run_reports_commands_it_cannot_execute_as_a_shell(managed_dir: Path, tm
         res = _instride("run", "--", str(path))
         assert res.returncode == status, (path, res.stderr)
         assert why in res.stderr and "Traceback" not in res.stderr
+
+
+GRO = """water
+    3
+    1SOL     OW    1   0.126   1.624   1.679
+    1SOL    HW1    2   0.190   1.661   1.747
+    1SOL    HW2    3   0.177   1.568   1.613
+   3.00000   3.00000   3.00000
+"""
+
+
+def test_run_gromacs_writes_keys_without_waiting_for_them(managed_dir: Path, tmp_path: Path) -> None:
+    """GROMACS checks whether each output file exists (to back it up) with fopen(path, "r"),
+    which waits for the key: ``instride run`` sets GMX_MAXBACKUP=-1 (no backup, no check)."""
+    gmx = shutil.which("gmx")
+    assert gmx is not None, "GROMACS is needed (apt-get install gromacs)"
+    gro = tmp_path / "water.gro"
+    gro.write_text(GRO)
+    env = {k: v for k, v in os.environ.items() if k != "GMX_MAXBACKUP"}
+    env["INSTRIDE_TIMEOUT"] = "30"
+    target = managed_dir / "g" / "out.gro"
+    start = time.monotonic()
+    res = _instride("run", "--", gmx, "-quiet", "editconf", "-f", str(gro), "-o", str(target),
+                    env=env)
+    assert res.returncode == 0, res.stderr
+    assert time.monotonic() - start < 20  # (it waited 30 s for its own output before)
+    lines = target.read_text().splitlines()
+    assert lines[1].strip() == "3" and [ln.split()[1] for ln in lines[2:5]] == ["OW", "HW1", "HW2"]
+    # a value of the caller's own is kept
+    echo = ["--", "sh", "-c", "echo $GMX_MAXBACKUP"]
+    assert _instride("run", *echo, env=env).stdout == "-1\n"
+    assert _instride("run", *echo, env=dict(env, GMX_MAXBACKUP="5")).stdout == "5\n"

@@ -42,6 +42,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.patch_python_open:
         extra["INSTRIDE_PATCH_OPEN"] = "1"
     env = preload_env(extra)
+    # GROMACS backs up an existing output file first, and checks whether it exists with
+    # fopen(path, "r"): a read, which waits for the key. -1: no backup, no check.
+    env.setdefault("GMX_MAXBACKUP", "-1")
     settings = Settings.from_env(env)  # validates the settings before the program starts
     env["INSTRIDE_DIR"] = str(settings.dir)
     try:
@@ -89,7 +92,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "set: its opens of files under the managed directory wait for publication (reads) or "
         "publish on close (writes). A quoted '$INSTRIDE_DIR' in CMD's arguments is replaced "
         "by the managed directory (the calling shell would expand an unquoted one, to nothing "
-        "if it is not set there): instride run -- cp a.dat '$INSTRIDE_DIR/run7/a.dat'. Exit "
+        "if it is not set there): instride run -- cp a.dat '$INSTRIDE_DIR/run7/a.dat'. "
+        "GMX_MAXBACKUP=-1 is set unless it is set already (GROMACS would wait for each output "
+        "key: it checks whether the file exists with a read open). Exit "
         "status: CMD's own; as a shell, 127 when CMD is not found and 126 when it cannot be "
         "executed.",
     )
