@@ -149,6 +149,32 @@ void ins_fd_reused(int fd)
     errno = saved;
 }
 
+int ins_table_retarget(const struct ins_path *key, const struct ins_path *to, int noreplace)
+{
+    int n = 0;
+    if (!ins_table_any() || ins_table_foreign())
+        return 0;
+    pid_t self = getpid();
+    ins_table_lock();
+    int left = atomic_load(&ins_table_count);
+    for (size_t fd = 0; fd < ins_table_size && left > 0; fd++) {
+        struct ins_file *f = atomic_load_explicit(&ins_table[fd], memory_order_relaxed);
+        if (f == NULL)
+            continue;
+        left--;
+        /* (a record shared by dup'ed fds is met once per fd: counted, retargeted, again) */
+        if (f == INS_INTERNAL || f->pid != self || strcmp(f->final.abs, key->abs) != 0)
+            continue;
+        if (to != NULL) {
+            f->final = *to;
+            f->noreplace |= noreplace;
+        }
+        n++;
+    }
+    ins_table_unlock();
+    return n;
+}
+
 struct ins_file *ins_file_new(const char *tmp, const struct ins_path *final)
 {
     struct ins_file *f = malloc(sizeof *f);

@@ -110,6 +110,10 @@ INS_HIDDEN int ins_table_any(void);
 INS_HIDDEN int ins_table_foreign(void);
 /* A write open of a key there: EPERM, naming the key. Returns -1. */
 INS_HIDDEN int ins_fail_foreign(const struct ins_path *p);
+/* The files this process is writing as key (not yet published): how many fds hold one.
+ * With to, they are retargeted: their last close publishes to (noreplace: write-once). */
+INS_HIDDEN int ins_table_retarget(const struct ins_path *key, const struct ins_path *to,
+                                  int noreplace);
 /* A pass-through open returned fd: drop a stale entry left for that number. */
 INS_HIDDEN void ins_fd_reused(int fd);
 

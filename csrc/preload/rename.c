@@ -8,7 +8,9 @@
  * Everything else (directories, symlinks, renames out of or outside the
  * managed directory, RENAME_EXCHANGE/WHITEOUT) goes to libc unchanged, except
  * that a target under the managed directory reached through a symbolic link
- * there is refused (ELOOP).
+ * there is refused (ELOOP). A key this process is still writing (open, not yet
+ * closed: only its temp exists) renamed to a key is published there by its last
+ * close.
  */
 #include "instride_preload.h"
 
@@ -21,28 +23,34 @@
 enum ins_rename_kind {
     INS_RENAME_LIBC,    /* not about a key: libc unchanged */
     INS_RENAME_PUBLISH, /* a regular file renamed to a key: publish it */
+    INS_RENAME_OPEN,    /* a key this process still writes (only its temp exists) renamed
+                         * to a key: its last close publishes the new key */
     INS_RENAME_CHECKED, /* anything else renamed under the managed directory: libc, but
                          * only if the target does not leave it through a link */
 };
 
-/* What this rename is. Fills *np with the destination key. */
+/* What this rename is. Fills *np with the destination key (and *op with the source). */
 static enum ins_rename_kind ins_rename_kind(int olddirfd, const char *old, int newdirfd,
                                            const char *new, unsigned int flags,
-                                           struct ins_path *np)
+                                           struct ins_path *np, struct ins_path *op)
 {
     if (ins_busy || ins_classify(newdirfd, new, np) != INS_MANAGED)
         return INS_RENAME_LIBC;
     if ((flags & ~(unsigned int)RENAME_NOREPLACE) != 0)
         return INS_RENAME_CHECKED;
-    struct ins_path op;
-    if (ins_classify(olddirfd, old, &op) == INS_RESERVED) /* instride's own temp */
+    int okind = ins_classify(olddirfd, old, op);
+    if (okind == INS_RESERVED) /* instride's own temp */
         return INS_RENAME_CHECKED;
     struct stat st;
     int saved = errno;
-    int regular = old != NULL && fstatat(olddirfd, old, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
-                  S_ISREG(st.st_mode);
+    int found = old != NULL && fstatat(olddirfd, old, &st, AT_SYMLINK_NOFOLLOW) == 0;
+    int missing = !found && errno == ENOENT;
     errno = saved;
-    return regular ? INS_RENAME_PUBLISH : INS_RENAME_CHECKED;
+    if (found)
+        return S_ISREG(st.st_mode) ? INS_RENAME_PUBLISH : INS_RENAME_CHECKED;
+    if (missing && okind == INS_MANAGED && ins_table_retarget(op, NULL, 0) > 0)
+        return INS_RENAME_OPEN;
+    return INS_RENAME_CHECKED;
 }
 
 /* A rename left to libc whose target is under the managed directory: refused
@@ -79,12 +87,43 @@ static int ins_rename_managed(int olddirfd, const char *old, const struct ins_pa
     return rc;
 }
 
+/* rename(x.tmp, x) while x.tmp is open for writing (write, rename, then close): what libc
+ * would rename exists only as the writer's temp. The key it names is retargeted instead;
+ * the destination is checked now as a write open would check it (write-once: EEXIST). */
+static int ins_rename_open(int olddirfd, const char *old, const struct ins_path *op,
+                           const struct ins_path *np, unsigned int flags)
+{
+    int saved = errno, rc = 0;
+    int noreplace = (flags & RENAME_NOREPLACE) != 0;
+    struct stat st;
+    ins_busy = 1;
+    if (np->refuse) {
+        rc = ins_fail(np->refuse, "key %.300s: its path goes back (..) through a symbolic "
+                      "link inside the managed directory (refused)", ins_key(np));
+    } else if (ins_lstat_key(np, &st, 1) == 0) { /* confined mkdir -p; the target itself */
+        if (ins_check_type(np, &st) != 0)
+            rc = -1;
+        else if (noreplace || !ins_cfg.overwrite)
+            rc = ins_fail(EEXIST, "key %.300s is already published (write-once)", ins_key(np));
+    } else if (errno != ENOENT) {
+        rc = -1;
+    }
+    ins_busy = 0;
+    if (rc == 0 && ins_table_retarget(op, np, noreplace) == 0) /* closed (published) meanwhile */
+        return ins_rename_managed(olddirfd, old, np, flags);
+    if (rc == 0)
+        errno = saved;
+    return rc;
+}
+
 #define INS_RENAME_DISPATCH(real_call, olddirfd, old, newdirfd, new, flags)          \
     do {                                                                            \
-        struct ins_path np;                                                         \
-        switch (ins_rename_kind(olddirfd, old, newdirfd, new, flags, &np)) {        \
+        struct ins_path np, op;                                                     \
+        switch (ins_rename_kind(olddirfd, old, newdirfd, new, flags, &np, &op)) {   \
         case INS_RENAME_PUBLISH:                                                    \
             return ins_rename_managed(olddirfd, old, &np, flags);                   \
+        case INS_RENAME_OPEN:                                                       \
+            return ins_rename_open(olddirfd, old, &op, &np, flags);                 \
         case INS_RENAME_CHECKED:                                                    \
             if (ins_rename_confined(&np) != 0)                                      \
                 return -1;                                                          \

@@ -342,6 +342,49 @@ static void t_rename(void)
     CHECK(file_is(op("plain-b.txt"), "plain\n"));
 }
 
+/* write x.tmp, rename it to x while still open, then close: x is published by the close */
+static void t_rename_open(void)
+{
+    char tmp[4096], key[4096]; /* (mp's buffers are reused) */
+    snprintf(tmp, sizeof tmp, "%s", mp("reno/x.tmp"));
+    snprintf(key, sizeof key, "%s", mp("reno/x"));
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    CHECK(fd >= 0 && wr(fd, "part one, "));
+    int other = dup(fd);
+    CHECK(other >= 0);
+    errno = 777;
+    CHECK(rename(tmp, key) == 0 && errno == 777);
+    CHECK(!exists(tmp) && !exists(key)); /* published by the close, complete */
+    CHECK(wr(fd, "part two") && close(fd) == 0);
+    CHECK(!exists(key));
+    CHECK(close(other) == 0);
+    CHECK(file_is(key, "part one, part two"));
+    CHECK(!exists(tmp));
+    /* a stream, renamed into another directory */
+    FILE *fp = fopen(mp("reno/y.tmp"), "w");
+    CHECK(fp != NULL && fputs("streamed", fp) >= 0);
+    CHECK(rename(mp("reno/y.tmp"), mp("reno/sub/y")) == 0);
+    CHECK(fclose(fp) == 0);
+    CHECK(file_is(mp("reno/sub/y"), "streamed") && !exists(mp("reno/y.tmp")));
+    /* write-once: onto a published key it fails at once, the file keeps its own name;
+     * INSTRIDE_OVERWRITE=1: the close replaces the key */
+    int overwrite = getenv("INSTRIDE_OVERWRITE") != NULL;
+    fd = open(mp("reno/z.tmp"), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    CHECK(fd >= 0 && wr(fd, "zed"));
+    errno = 0;
+    CHECK(overwrite ? rename(mp("reno/z.tmp"), key) == 0
+                    : rename(mp("reno/z.tmp"), key) == -1 && errno == EEXIST);
+    CHECK(close(fd) == 0);
+    if (overwrite)
+        CHECK(file_is(key, "zed") && !exists(mp("reno/z.tmp")));
+    else
+        CHECK(file_is(mp("reno/z.tmp"), "zed") && file_is(key, "part one, part two"));
+    /* a key that is neither published nor open: ENOENT, as libc */
+    errno = 0;
+    CHECK(rename(mp("reno/none.tmp"), mp("reno/none")) == -1 && errno == ENOENT);
+    CHECK(temps_in(mp("reno")) == 0 && temps_in(mp("reno/sub")) == 0);
+}
+
 static void t_rename_xdev(void)
 {
     /* OUT and M are on different file systems (the test arranges it) */
@@ -607,6 +650,7 @@ int main(int argc, char **argv)
         {"openat64", t_openat64}, {"relative", t_relative}, {"creat", t_creat},
         {"fopen", t_fopen},       {"freopen", t_freopen}, {"dup", t_dup},
         {"rdwr", t_rdwr},         {"rename", t_rename},   {"rename_xdev", t_rename_xdev},
+        {"rename_open", t_rename_open},
         {"fork", t_fork},         {"vfork", t_vfork},     {"eexist", t_eexist},   {"refuse", t_refuse},
         {"timeout", t_timeout},   {"unmanaged", t_unmanaged}, {"fortified", t_fortified},
         {"atexit", t_atexit},     {"ifd_closed", t_ifd_closed},
