@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 # Debian packages the tests and benchmarks use: Redis (cluster metadata), iproute2 (emulated
 # nodes in network namespaces), GROMACS and LAMMPS (MD engines streaming over IMD v2), compilers
-# for the preload library and its C/C++ tests, sshfs + sshd (the shared-file-system baseline
+# for the preload library and its C/C++/Fortran tests, sshfs + sshd (the shared-file-system baseline
 # of the benchmark: a real network file system between emulated nodes), UCX (the ucx
 # transport's C engine is built against libucx-dev; ucx-utils has ucx_info/ucx_perftest),
 # slurm-wlm + munge (a real Slurm of emulated nodes for `instride job`), locales (the source
@@ -18,7 +18,7 @@ BIN    := $(VENV)/bin
 # headers), OpenSSL's and xxhash's headers for the tcp transport's C engine (libinstride_tcp.so:
 # HMAC-SHA256 from libcrypto, xxh3 inlined); `make demo` installs only these.
 BUILD_PACKAGES := python3-venv gcc libc6-dev libssl-dev libxxhash-dev
-APT_PACKAGES := $(BUILD_PACKAGES) redis-server iproute2 gromacs lammps g++ make procps sshfs openssh-server util-linux libucx-dev ucx-utils slurm-wlm munge locales
+APT_PACKAGES := $(BUILD_PACKAGES) redis-server iproute2 gromacs lammps g++ gfortran make procps sshfs openssh-server util-linux libucx-dev ucx-utils slurm-wlm munge locales
 
 .PHONY: demo test lint bench clean system-deps build-deps
 

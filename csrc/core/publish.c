@@ -64,6 +64,10 @@ int ins_prepare_write(const struct ins_path *p, int flags, mode_t *mode, char tm
     if (ins_lstat_key(p, &st, 1) == 0) {
         if (ins_check_type(p, &st) != 0)
             return -1;
+        /* O_RDWR|O_CREAT: "open for update, create if missing"; what exists is read-only
+         * (EROFS: libgfortran's OPEN without ACTION= then retries read-only) */
+        if ((flags & O_ACCMODE) == O_RDWR && !(flags & (O_TRUNC | O_EXCL)))
+            return ins_fail(EROFS, "key %.300s is published: it can only be read", ins_key(p));
         if ((flags & (O_CREAT | O_EXCL)) == (O_CREAT | O_EXCL) || !ins_cfg.overwrite)
             return ins_fail(EEXIST, "key %.300s is already published (write-once)", ins_key(p));
         if (!(flags & O_TRUNC))

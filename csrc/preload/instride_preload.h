@@ -79,6 +79,9 @@ extern INS_HIDDEN INS_TLS_IE int ins_busy;
         }                                                                           \
     } while (0)
 
+/* An open refused (INS_OPEN_REFUSE): EROFS for read-write, else EPERM. Returns -1. */
+INS_HIDDEN int ins_fail_refused(const struct ins_path *p, int flags);
+
 /* ---- fd table ------------------------------------------------------------ */
 
 /* One produced file: shared by every fd that refers to the same open file

@@ -39,6 +39,15 @@ static inline int ins_passed(int fd)
     return fd;
 }
 
+int ins_fail_refused(const struct ins_path *p, int flags)
+{
+    /* A read-write open gets EROFS: what runtimes that open read-write first retry
+     * read-only on (libgfortran's OPEN without ACTION=) */
+    if ((flags & O_ACCMODE) == O_RDWR && !(flags & O_APPEND))
+        return ins_fail(EROFS, "key %.300s: keys are read-only (no in-place update)", ins_key(p));
+    return ins_fail(EPERM, "key %.300s: append and in-place update are refused", ins_key(p));
+}
+
 /* Read open of a key after its fast path missed: consume, then open. */
 static int ins_open_consumed(const struct ins_path *p, int flags, mode_t mode)
 {
@@ -86,7 +95,7 @@ static int ins_open_managed(const struct ins_path *p, int flags, mode_t mode)
     int saved = errno, fd;
     enum ins_open_kind kind = ins_open_kind(flags);
     if (kind == INS_OPEN_REFUSE) /* published keys are immutable; no append / in-place update */
-        return ins_fail(EPERM, "key %.300s: append and in-place update are refused", ins_key(p));
+        return ins_fail_refused(p, flags);
     if (kind == INS_OPEN_WRITE && ins_table_foreign())
         return ins_fail_foreign(p);
     ins_busy = 1;

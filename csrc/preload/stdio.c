@@ -46,7 +46,7 @@ static int ins_stdio_target(const struct ins_path *p, const char *mode, char tar
     }
     enum ins_open_kind kind = ins_open_kind(flags);
     if (kind == INS_OPEN_REFUSE)
-        return ins_fail(EPERM, "key %.300s: append and in-place update are refused", ins_key(p));
+        return ins_fail_refused(p, flags);
     if (kind == INS_OPEN_WRITE && ins_table_foreign())
         return ins_fail_foreign(p);
     size_t n = strcspn(mode, ",");

@@ -2,7 +2,7 @@
 
 Every test runs real processes with ``LD_PRELOAD=libinstride_preload.so`` (never the
 pytest process itself) against a fresh managed directory under ``tmp_path``.
-The C/C++ test programs in ``tests/preload/c`` are compiled once per session;
+The C/C++/Fortran test programs in ``tests/preload/c`` are compiled once per session;
 a missing compiler is an error, not a skip. C++ programs and programs marked
 ``uses_api`` are linked with ``libinstride.so`` (the C API) through the flags
 ``instride preload-path --cflags --libs`` prints.
@@ -26,12 +26,11 @@ C_DIR = Path(__file__).resolve().parent / "c"
 
 
 def compiler(name: str) -> str:
-    """Path of ``gcc``/``g++``; raises (the test fails) when it is missing."""
+    """Path of ``gcc``/``g++``/``gfortran``; raises (the test fails) when it is missing."""
     exe = shutil.which(name)
     if exe is None:
-        raise RuntimeError(
-            f"{name} is required by the preload tests: apt-get install build-essential"
-        )
+        package = "gfortran" if name == "gfortran" else "build-essential"
+        raise RuntimeError(f"{name} is required by the preload tests: apt-get install {package}")
     return exe
 
 
@@ -48,14 +47,19 @@ class Builder:
         """Compile ``source``; ``api`` links libinstride.so (default: for C++ sources)."""
         src = C_DIR / source
         cxx = src.suffix == ".cpp"
+        fortran = src.suffix == ".f90"
         api = cxx if api is None else api
         key = (source, flags, api)
         if key in self.cache:
             return self.cache[key]
         exe = self.out / (name or src.stem)
-        cmd = [compiler("g++" if cxx else "gcc")]
-        cmd += ["-std=c++17"] if cxx else ["-std=c11"]
-        cmd += ["-Wall", "-Wextra", "-Werror", "-O1", *flags, "-o", str(exe), str(src), "-pthread"]
+        if fortran:
+            cmd = [compiler("gfortran"), "-Wall", "-Werror", "-O1", *flags, "-o", str(exe), str(src)]
+        else:
+            cmd = [compiler("g++" if cxx else "gcc")]
+            cmd += ["-std=c++17"] if cxx else ["-std=c11"]
+            cmd += ["-Wall", "-Wextra", "-Werror", "-O1", *flags, "-o", str(exe), str(src),
+                    "-pthread"]
         if api:
             cmd += build_flags()
         proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -13,7 +14,8 @@ from .conftest import Builder, Shim
 
 SCENARIOS = [
     "open", "open64", "openat", "openat64", "relative", "creat", "fopen", "freopen", "dup",
-    "rdwr", "rename", "rename_open", "fork", "vfork", "eexist", "refuse", "timeout", "unmanaged", "ifd_closed",
+    "rdwr", "rename", "rename_open", "fork", "vfork", "eexist", "refuse", "timeout", "unmanaged",
+    "ifd_closed", "fortran",
 ]
 
 
@@ -134,3 +136,26 @@ def test_threads(shim: Shim, build: Builder) -> None:
     # the plain-I/O threads wrote ordinary files outside
     assert len(list(shim.outside.glob("plain*.txt"))) == 16
     assert all(p.read_text() == "xy" for p in shim.outside.glob("plain*.txt"))
+
+
+def test_gfortran_open_without_action(shim: Shim, build: Builder) -> None:
+    """gfortran's OPEN without ACTION= opens read-write, then retries read-only on EROFS: a
+    reader with STATUS='OLD' or 'UNKNOWN' reads a published key (it was EPERM / EEXIST), and
+    with STATUS='OLD' waits for a key not yet published."""
+    exe = build("fortran_io.f90")
+    key = shim.dir / "f" / "in.dat"
+    shim.run([exe, "write", key, "written by fortran"], check=True)
+    assert key.read_text() == "written by fortran\n"
+    for status in ("old", "unknown"):
+        proc = shim.run([exe, "read", key, status], check=True)
+        assert proc.stdout.decode().strip() == "written by fortran"
+    assert key.read_text() == "written by fortran\n"
+    late = shim.dir / "f" / "late.dat"
+    reader = shim.popen([exe, "read", late, "old"])
+    time.sleep(0.5)
+    assert reader.poll() is None
+    shim.run([exe, "write", late, "later"], check=True)
+    out, err = reader.communicate(timeout=30)
+    assert reader.returncode == 0, err
+    assert out.decode().strip() == "later"
+    assert shim.temps() == []
