@@ -37,6 +37,9 @@ int ins_table_any(void)
 /* Internal fds (a thread's cached inotify fd) are marked with this sentinel,
  * so that the application closing or reusing their number is noticed. */
 #define INS_INTERNAL ((struct ins_file *)(uintptr_t)1)
+/* The fd a shared writable mapping of a produced file holds (mmap.c): the same. */
+#define INS_MAPHOLD ((struct ins_file *)(uintptr_t)2)
+#define INS_SENTINEL(f) ((uintptr_t)(f) <= 2)
 
 int ins_table_occupied(int fd)
 {
@@ -50,7 +53,7 @@ struct ins_file *ins_table_peek(int fd)
     if (fd < 0 || (size_t)fd >= ins_table_size || ins_table == NULL)
         return NULL;
     struct ins_file *f = atomic_load_explicit(&ins_table[fd], memory_order_acquire);
-    return f == INS_INTERNAL ? NULL : f;
+    return INS_SENTINEL(f) ? NULL : f;
 }
 
 int ins_table_is_internal(int fd)
@@ -89,7 +92,7 @@ struct ins_file *ins_table_take_locked(int fd, int *last)
         return NULL;
     atomic_store_explicit(&ins_table[fd], NULL, memory_order_release);
     atomic_fetch_sub(&ins_table_count, 1);
-    if (f == INS_INTERNAL) /* our internal fd is being closed / reused by the app */
+    if (INS_SENTINEL(f)) /* our internal fd is being closed / reused by the app */
         return NULL;
     *last = atomic_fetch_sub(&f->refs, 1) == 1;
     return f;
@@ -163,7 +166,7 @@ int ins_table_retarget(const struct ins_path *key, const struct ins_path *to, in
             continue;
         left--;
         /* (a record shared by dup'ed fds is met once per fd: counted, retargeted, again) */
-        if (f == INS_INTERNAL || f->pid != self || strcmp(f->final.abs, key->abs) != 0)
+        if (INS_SENTINEL(f) || f->pid != self || strcmp(f->final.abs, key->abs) != 0)
             continue;
         if (to != NULL) {
             f->final = *to;
@@ -173,6 +176,38 @@ int ins_table_retarget(const struct ins_path *key, const struct ins_path *to, in
     }
     ins_table_unlock();
     return n;
+}
+
+struct ins_file *ins_table_map_ref(int fd, int holdfd)
+{
+    ins_table_lock();
+    struct ins_file *f = ins_table_peek(fd);
+    if (f != NULL)
+        atomic_fetch_add(&f->refs, 1);
+    if (f != NULL && holdfd >= 0 && (size_t)holdfd < ins_table_size) {
+        int last = 0;
+        struct ins_file *stale = ins_table_take_locked(holdfd, &last);
+        if (stale != NULL && last)
+            ins_file_discard(stale);
+        atomic_store_explicit(&ins_table[holdfd], INS_MAPHOLD, memory_order_release);
+        atomic_fetch_add(&ins_table_count, 1);
+    }
+    ins_table_unlock();
+    return f;
+}
+
+int ins_table_map_unhold(int holdfd)
+{
+    int ours = 0;
+    ins_table_lock();
+    if (holdfd >= 0 && (size_t)holdfd < ins_table_size &&
+        atomic_load_explicit(&ins_table[holdfd], memory_order_relaxed) == INS_MAPHOLD) {
+        atomic_store_explicit(&ins_table[holdfd], NULL, memory_order_release);
+        atomic_fetch_sub(&ins_table_count, 1);
+        ours = 1;
+    }
+    ins_table_unlock();
+    return ours;
 }
 
 struct ins_file *ins_file_new(const char *tmp, const struct ins_path *final)

@@ -2,7 +2,7 @@
  * instride_preload.h -- internal declarations of libinstride_preload.so.
  *
  * The library is organised the Darshan way: one .c file per API family
- * (open.c, stdio.c, fd.c, rename.c), symbol resolution in init.c and the table
+ * (open.c, stdio.c, fd.c, rename.c, mmap.c), symbol resolution in init.c and the table
  * of produced files in fdtable.c. The protocol itself (settings, which paths
  * are keys, waiting, publishing, the node server's socket) is instride's one C
  * implementation in csrc/core/, shared with libinstride.so.
@@ -55,7 +55,10 @@
     X(renameat, int, (int, const char *, int, const char *))                        \
     X(renameat2, int, (int, const char *, int, const char *, unsigned int))           \
     X(close_range, int, (unsigned int, unsigned int, int))                          \
-    X(closefrom, void, (int))
+    X(closefrom, void, (int))                                                       \
+    X(mmap, void *, (void *, size_t, int, int, int, off_t))                         \
+    X(mmap64, void *, (void *, size_t, int, int, int, off64_t))                     \
+    X(munmap, int, (void *, size_t))
 
 INS_FOR_EACH_REAL(INS_REAL_DECL)
 
@@ -117,6 +120,13 @@ INS_HIDDEN int ins_fail_foreign(const struct ins_path *p);
  * With to, they are retargeted: their last close publishes to (noreplace: write-once). */
 INS_HIDDEN int ins_table_retarget(const struct ins_path *key, const struct ins_path *to,
                                   int noreplace);
+/* A shared writable mapping of the produced file on fd: one more reference to it, and
+ * holdfd (a dup of fd; -1: none) marked as the mapping's. NULL: fd holds no produced
+ * file (nothing done). */
+INS_HIDDEN struct ins_file *ins_table_map_ref(int fd, int holdfd);
+/* The mapping is gone: unmark holdfd; 1 if it was still the mapping's (else the
+ * application closed that number meanwhile, and it is not ours to close). */
+INS_HIDDEN int ins_table_map_unhold(int holdfd);
 /* A pass-through open returned fd: drop a stale entry left for that number. */
 INS_HIDDEN void ins_fd_reused(int fd);
 

@@ -15,7 +15,7 @@ from .conftest import Builder, Shim
 SCENARIOS = [
     "open", "open64", "openat", "openat64", "relative", "creat", "fopen", "freopen", "dup",
     "rdwr", "rename", "rename_open", "fork", "vfork", "eexist", "refuse", "timeout", "unmanaged",
-    "ifd_closed", "fortran",
+    "ifd_closed", "fortran", "mmap",
 ]
 
 
@@ -35,7 +35,7 @@ def test_scenario(shim: Shim, build: Builder, name: str) -> None:
 
 @pytest.mark.parametrize("setting", ["INSTRIDE_FSYNC", "INSTRIDE_OVERWRITE"])
 @pytest.mark.parametrize("name", ["open", "creat", "fopen", "dup", "rdwr", "fork", "rename_xdev",
-                                  "rename_open"])
+                                  "rename_open", "mmap"])
 def test_scenario_with_setting(shim: Shim, build: Builder, name: str, setting: str) -> None:
     """The publishing paths also work with fsync on, and in overwrite mode."""
     exe = build("calls.c")
@@ -86,6 +86,16 @@ def test_scenarios_leave_expected_files(shim: Shim, build: Builder) -> None:
     assert (d / "ren/a.txt").read_text() == "renamed in\n"
     assert (d / "fork/a.txt").read_text() == "parent"
     assert shim.temps() == []
+
+
+def test_mapping_left_at_exit_is_not_published(shim: Shim, build: Builder) -> None:
+    """A process that exits with a shared writable mapping of a key still there: the key is
+    not published (as for a producer killed before its close); its temp is left for gc."""
+    run_scenario(shim, build("calls.c"), "mmap_exit")
+    assert not (shim.dir / "mmap/exit.bin").exists()
+    temps = shim.temps()
+    assert [p.name.startswith(".exit.bin.instride-") for p in temps] == [True]
+    assert temps[0].read_bytes() == b"exit"
 
 
 def test_close_from_atexit_handler_publishes(shim: Shim, build: Builder) -> None:

@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -664,6 +665,73 @@ static void t_fortran(void)
     CHECK(temps_in(mp("fortran")) == 0);
 }
 
+/* A key written through a shared writable mapping is published when its fd is closed
+ * and the mapping unmapped, whichever comes last: never before its bytes are there. */
+static void t_mmap(void)
+{
+    long pg = sysconf(_SC_PAGESIZE);
+    char key[4096];
+    snprintf(key, sizeof key, "%s", mp("mmap/a.bin"));
+    int fd = open(key, O_RDWR | O_CREAT | O_TRUNC, 0644);
+    CHECK(fd >= 0 && ftruncate(fd, 3 * pg) == 0);
+    char *p = mmap(NULL, 3 * pg, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    CHECK(p != MAP_FAILED);
+    errno = 4242;
+    CHECK(close(fd) == 0 && errno == 4242);
+    CHECK(!exists(key)); /* the mapping still writes it */
+    memset(p, 'a', 3 * pg);
+    CHECK(munmap(p + pg, pg) == 0); /* a hole: two ranges left */
+    CHECK(!exists(key));
+    CHECK(munmap(p, pg) == 0 && !exists(key));
+    CHECK(munmap(p + 2 * pg, pg) == 0);
+    CHECK(exists(key));
+    struct stat st;
+    CHECK(stat(key, &st) == 0 && st.st_size == 3 * pg);
+    int rfd = open(key, O_RDONLY);
+    char c = 0;
+    CHECK(rfd >= 0 && pread(rfd, &c, 1, 3 * pg - 1) == 1 && c == 'a' && close(rfd) == 0);
+    /* unmapped first: the close publishes */
+    snprintf(key, sizeof key, "%s", mp("mmap/b.bin"));
+    fd = open(key, O_RDWR | O_CREAT | O_TRUNC, 0644);
+    CHECK(fd >= 0 && ftruncate(fd, 5) == 0);
+    p = mmap(NULL, 5, PROT_WRITE, MAP_SHARED, fd, 0);
+    CHECK(p != MAP_FAILED);
+    memcpy(p, "bytes", 5);
+    CHECK(munmap(p, 5) == 0 && !exists(key));
+    CHECK(close(fd) == 0 && file_is(key, "bytes"));
+    /* a MAP_FIXED mapping made over it unmaps it */
+    snprintf(key, sizeof key, "%s", mp("mmap/c.bin"));
+    fd = open(key, O_RDWR | O_CREAT | O_TRUNC, 0644);
+    CHECK(fd >= 0 && ftruncate(fd, 2 * pg) == 0);
+    p = mmap(NULL, 2 * pg, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    CHECK(p != MAP_FAILED && close(fd) == 0);
+    p[0] = 'c';
+    CHECK(mmap(p, 2 * pg, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == p);
+    CHECK(exists(key));
+    CHECK(munmap(p, 2 * pg) == 0);
+    /* read-only and private mappings do not write the key: the close publishes */
+    snprintf(key, sizeof key, "%s", mp("mmap/d.bin"));
+    fd = open(key, O_RDWR | O_CREAT | O_TRUNC, 0644);
+    CHECK(fd >= 0 && wr(fd, "plain"));
+    char *r = mmap(NULL, 5, PROT_READ, MAP_SHARED, fd, 0);
+    char *q = mmap(NULL, 5, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+    CHECK(r != MAP_FAILED && q != MAP_FAILED);
+    CHECK(close(fd) == 0 && file_is(key, "plain"));
+    CHECK(munmap(r, 5) == 0 && munmap(q, 5) == 0);
+    CHECK(temps_in(mp("mmap")) == 0);
+}
+
+/* Exit with the mapping still there: never published (its temp is left for gc). */
+static void t_mmap_exit(void)
+{
+    int fd = open(mp("mmap/exit.bin"), O_RDWR | O_CREAT | O_TRUNC, 0644);
+    CHECK(fd >= 0 && ftruncate(fd, 4) == 0);
+    char *p = mmap(NULL, 4, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    CHECK(p != MAP_FAILED && close(fd) == 0);
+    memcpy(p, "exit", 4);
+    CHECK(!exists(mp("mmap/exit.bin")));
+}
+
 static void t_unmanaged(void)
 {
     const char *f = op("plain/append.txt");
@@ -704,6 +772,7 @@ int main(int argc, char **argv)
         {"fork", t_fork},         {"vfork", t_vfork},     {"eexist", t_eexist},   {"refuse", t_refuse},
         {"timeout", t_timeout},   {"unmanaged", t_unmanaged}, {"fortified", t_fortified},
         {"atexit", t_atexit},     {"ifd_closed", t_ifd_closed}, {"fortran", t_fortran},
+        {"mmap", t_mmap},         {"mmap_exit", t_mmap_exit},
     };
     for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
         if (strcmp(tests[i].name, argv[1]) == 0) {
