@@ -56,6 +56,14 @@
     X(renameat2, int, (int, const char *, int, const char *, unsigned int))           \
     X(close_range, int, (unsigned int, unsigned int, int))                          \
     X(closefrom, void, (int))                                                       \
+    X(mkstemp, int, (char *))                                                       \
+    X(mkstemp64, int, (char *))                                                     \
+    X(mkostemp, int, (char *, int))                                                 \
+    X(mkostemp64, int, (char *, int))                                               \
+    X(mkstemps, int, (char *, int))                                                 \
+    X(mkstemps64, int, (char *, int))                                               \
+    X(mkostemps, int, (char *, int, int))                                           \
+    X(mkostemps64, int, (char *, int, int))                                         \
     X(mmap, void *, (void *, size_t, int, int, int, off_t))                         \
     X(mmap64, void *, (void *, size_t, int, int, int, off64_t))                     \
     X(munmap, int, (void *, size_t))

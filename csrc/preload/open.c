@@ -1,6 +1,7 @@
 /*
  * open.c -- open, open64, openat, openat64, their fortified variants
- * (__open_2 ...), creat and creat64.
+ * (__open_2 ...), creat, creat64 and mkstemp & co. (mkostemp, mkstemps,
+ * mkostemps and their 64 variants).
  *
  * For a key under the managed directory: a read consumes first, then opens the
  * final (or, in cluster mode, the server-given) path; a write opens a fresh
@@ -197,3 +198,55 @@ INS_OPENAT2_WRAPPER(__openat_2)
 INS_OPENAT2_WRAPPER(__openat64_2)
 INS_CREAT_WRAPPER(creat)
 INS_CREAT_WRAPPER(creat64)
+
+/* mkstemp & co. of a template under the managed directory: a key written like any other
+ * (O_RDWR|O_CREAT|O_EXCL, mode 0600: a temp file, published by its last close), named
+ * with six random characters that no published key has. */
+static int ins_mkstemp_managed(char *template, int suffixlen, int flags, struct ins_path *p)
+{
+    static const char letters[] =
+        "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+    size_t n = strlen(template), k = strlen(p->abs);
+    if (suffixlen < 0 || n < (size_t)suffixlen + 6 || k < (size_t)suffixlen + 6 ||
+        memcmp(template + n - suffixlen - 6, "XXXXXX", 6) != 0) {
+        errno = EINVAL;
+        return -1;
+    }
+    /* (the name ends both the template and the normalized path) */
+    char *x = template + n - suffixlen - 6, *y = p->abs + k - suffixlen - 6;
+    int saved = errno;
+    for (int tries = 0; tries < 100; tries++) {
+        uint64_t r = ins_random64();
+        for (int i = 0; i < 6; i++, r /= 62)
+            x[i] = y[i] = letters[r % 62];
+        int fd = ins_open_managed(p, O_RDWR | O_CREAT | O_EXCL | flags, 0600);
+        if (fd >= 0)
+            errno = saved;
+        if (fd >= 0 || errno != EEXIST)
+            return fd;
+    }
+    return -1; /* EEXIST, as libc after as many tries */
+}
+
+#define INS_MKSTEMP_WRAPPER(name, params, suffixlen, flags, real_args)             \
+    INS_WRAPPER(int, name, params)                                                  \
+    {                                                                               \
+        INS_MAP_OR_FAIL(name, -1);                                                  \
+        struct ins_path p;                                                          \
+        if (!ins_intercept(AT_FDCWD, template, 0, &p))                              \
+            return ins_passed(ins_real_##name real_args);                           \
+        return ins_mkstemp_managed(template, suffixlen, flags, &p);                 \
+    }
+
+INS_MKSTEMP_WRAPPER(mkstemp, (char *template), 0, 0, (template))
+INS_MKSTEMP_WRAPPER(mkstemp64, (char *template), 0, 0, (template))
+INS_MKSTEMP_WRAPPER(mkostemp, (char *template, int flags), 0, flags, (template, flags))
+INS_MKSTEMP_WRAPPER(mkostemp64, (char *template, int flags), 0, flags, (template, flags))
+INS_MKSTEMP_WRAPPER(mkstemps, (char *template, int suffixlen), suffixlen, 0,
+                    (template, suffixlen))
+INS_MKSTEMP_WRAPPER(mkstemps64, (char *template, int suffixlen), suffixlen, 0,
+                    (template, suffixlen))
+INS_MKSTEMP_WRAPPER(mkostemps, (char *template, int suffixlen, int flags), suffixlen, flags,
+                    (template, suffixlen, flags))
+INS_MKSTEMP_WRAPPER(mkostemps64, (char *template, int suffixlen, int flags), suffixlen, flags,
+                    (template, suffixlen, flags))

@@ -13,7 +13,8 @@ WRAPPED = [
     "open", "open64", "openat", "openat64", "__open_2", "__open64_2", "__openat_2",
     "__openat64_2", "creat", "creat64", "fopen", "fopen64", "freopen", "freopen64", "close",
     "fclose", "dup", "dup2", "dup3", "fcntl", "fcntl64", "rename", "renameat", "renameat2",
-    "close_range", "closefrom", "mmap", "mmap64", "munmap",
+    "close_range", "closefrom", "mmap", "mmap64", "munmap", "mkstemp", "mkstemp64", "mkostemp",
+    "mkostemp64", "mkstemps", "mkstemps64", "mkostemps", "mkostemps64",
 ]
 
 

@@ -15,7 +15,7 @@ from .conftest import Builder, Shim
 SCENARIOS = [
     "open", "open64", "openat", "openat64", "relative", "creat", "fopen", "freopen", "dup",
     "rdwr", "rename", "rename_open", "fork", "vfork", "eexist", "refuse", "timeout", "unmanaged",
-    "ifd_closed", "fortran", "mmap",
+    "ifd_closed", "fortran", "mmap", "mkstemp",
 ]
 
 
@@ -35,7 +35,7 @@ def test_scenario(shim: Shim, build: Builder, name: str) -> None:
 
 @pytest.mark.parametrize("setting", ["INSTRIDE_FSYNC", "INSTRIDE_OVERWRITE"])
 @pytest.mark.parametrize("name", ["open", "creat", "fopen", "dup", "rdwr", "fork", "rename_xdev",
-                                  "rename_open", "mmap"])
+                                  "rename_open", "mmap", "mkstemp"])
 def test_scenario_with_setting(shim: Shim, build: Builder, name: str, setting: str) -> None:
     """The publishing paths also work with fsync on, and in overwrite mode."""
     exe = build("calls.c")
