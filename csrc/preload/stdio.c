@@ -123,6 +123,10 @@ static FILE *ins_fopen_managed(const struct ins_path *p, const char *mode, ins_f
                      ins_open_kind(flags) == INS_OPEN_READ;
     FILE *fp = NULL;
     ins_busy = 1;
+    if (local_read && ins_cfg.timeout_bad) { /* refused, as open() refuses it */
+        (void)ins_consume(p, NULL);           /* fails with EINVAL, naming it */
+        goto done;
+    }
     if (local_read) {
         /* published keys are complete: try the open first, wait only if missing */
         fp = ins_passed_fp(ins_fopen_read_confined(p, mode, 1));

@@ -98,6 +98,18 @@ def test_mapping_left_at_exit_is_not_published(shim: Shim, build: Builder) -> No
     assert temps[0].read_bytes() == b"exit"
 
 
+def test_negative_timeout_refuses_every_read(shim: Shim, build: Builder) -> None:
+    """INSTRIDE_TIMEOUT=-1: open, fopen and freopen of a key, published or not, fail with
+    EINVAL (fopen of a published key used to succeed)."""
+    (shim.dir / "bad").mkdir()
+    (shim.dir / "bad" / "a.txt").write_text("published")
+    proc = shim.with_env(INSTRIDE_TIMEOUT="-1").run(
+        [build("calls.c"), "timeout_bad", shim.dir, shim.outside], timeout=30)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout.decode().strip() == "PASS timeout_bad"
+    assert (shim.dir / "bad" / "a.txt").read_text() == "published"
+
+
 def test_close_from_atexit_handler_publishes(shim: Shim, build: Builder) -> None:
     """Runtimes (libgfortran, ...) close their files while the process exits."""
     run_scenario(shim, build("calls.c"), "atexit")

@@ -124,6 +124,22 @@ def test_timeout_zero_does_not_wait_and_negative_is_refused(shim: Shim) -> None:
         assert b"INSTRIDE_TIMEOUT must be >= 0" in proc.stderr
 
 
+def test_failed_wait_removes_the_directories_it_made(shim: Shim) -> None:
+    """A read that waited in vain leaves nothing behind: the directories it made to watch
+    are removed again (deepest first, while empty), those that were there stay."""
+    (shim.dir / "p").mkdir()
+    (shim.dir / "p" / "other.txt").write_text("stays")
+    for timeout in ("0", "0.2"):
+        proc = shim.with_env(INSTRIDE_TIMEOUT=timeout).run(
+            ["cat", shim.dir / "p" / "q" / "r" / "k"], timeout=20)
+        assert proc.returncode != 0 and b"timed out" in proc.stderr
+        assert sorted(p.name for p in (shim.dir / "p").iterdir()) == ["other.txt"]
+        proc = shim.with_env(INSTRIDE_TIMEOUT=timeout).run(["cat", shim.dir / "s" / "t" / "k"],
+                                                          timeout=20)
+        assert proc.returncode != 0
+        assert sorted(p.name for p in shim.dir.iterdir()) == ["p"]
+
+
 def test_write_once_second_cp_fails_eexist(shim: Shim) -> None:
     a = shim.outside / "a.txt"
     b = shim.outside / "b.txt"

@@ -524,6 +524,24 @@ static void t_timeout(void)
     CHECK(fopen(mp("never/b.txt"), "r") == NULL && errno == ETIMEDOUT);
 }
 
+/* Run with INSTRIDE_TIMEOUT=-1 (refused), bad/a.txt published: every read of a key fails
+ * with EINVAL, also of a published one and through stdio. */
+static void t_timeout_bad(void)
+{
+    const char *f = mp("bad/a.txt");
+    CHECK(exists(f));
+    errno = 0;
+    CHECK(open(f, O_RDONLY) == -1 && errno == EINVAL);
+    errno = 0;
+    CHECK(fopen(f, "r") == NULL && errno == EINVAL);
+    errno = 0;
+    CHECK(fopen(f, "rb") == NULL && errno == EINVAL);
+    FILE *fp = fopen(op("bad-stream.txt"), "w");
+    CHECK(fp != NULL);
+    errno = 0;
+    CHECK(freopen(f, "r", fp) == NULL && errno == EINVAL);
+}
+
 /* Built with -O2 -D_FORTIFY_SOURCE=2 (and once more with _FILE_OFFSET_BITS=64),
  * open() with non-constant flags and no mode becomes __open_2 / __open64_2. */
 static void t_fortified(void)
@@ -817,6 +835,7 @@ int main(int argc, char **argv)
         {"timeout", t_timeout},   {"unmanaged", t_unmanaged}, {"fortified", t_fortified},
         {"atexit", t_atexit},     {"ifd_closed", t_ifd_closed}, {"fortran", t_fortran},
         {"mmap", t_mmap},         {"mmap_exit", t_mmap_exit}, {"mkstemp", t_mkstemp},
+        {"timeout_bad", t_timeout_bad},
     };
     for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
         if (strcmp(tests[i].name, argv[1]) == 0) {
