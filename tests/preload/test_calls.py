@@ -110,6 +110,17 @@ def test_negative_timeout_refuses_every_read(shim: Shim, build: Builder) -> None
     assert (shim.dir / "bad" / "a.txt").read_text() == "published"
 
 
+def test_dup2_over_a_losing_writer_logs_under_debug(shim: Shim, build: Builder) -> None:
+    """dup2 cannot return a publication failure (POSIX dup2 loses close errors too): it
+    returns newfd, nothing is replaced, and INSTRIDE_DEBUG=1 says why."""
+    exe = build("calls.c")
+    proc = shim.with_env(INSTRIDE_DEBUG="1").run([exe, "dup2_eexist", shim.dir, shim.outside])
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert b"key d2/a.txt was published by someone else first" in proc.stderr
+    assert (shim.dir / "d2" / "a.txt").read_text() == "first"
+    assert shim.temps() == []
+
+
 def test_close_from_atexit_handler_publishes(shim: Shim, build: Builder) -> None:
     """Runtimes (libgfortran, ...) close their files while the process exits."""
     run_scenario(shim, build("calls.c"), "atexit")

@@ -524,6 +524,23 @@ static void t_timeout(void)
     CHECK(fopen(mp("never/b.txt"), "r") == NULL && errno == ETIMEDOUT);
 }
 
+/* dup2 over the last fd of a written key publishes it, but cannot report a failure (as
+ * POSIX dup2 loses close errors): the loser's temp is removed, nothing is replaced. */
+static void t_dup2_eexist(void)
+{
+    const char *f = mp("d2/a.txt");
+    int a = open(f, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    int b = open(f, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    int null = open("/dev/null", O_RDONLY);
+    CHECK(a >= 0 && b >= 0 && null >= 0 && wr(a, "first") && wr(b, "second"));
+    CHECK(close(a) == 0 && file_is(f, "first"));
+    errno = 31;
+    CHECK(dup2(null, b) == b && errno == 31);
+    CHECK(file_is(f, "first") && temps_in(mp("d2")) == 0);
+    close(b);
+    close(null);
+}
+
 /* Run with INSTRIDE_TIMEOUT=-1 (refused), bad/a.txt published: every read of a key fails
  * with EINVAL, also of a published one and through stdio. */
 static void t_timeout_bad(void)
@@ -835,7 +852,7 @@ int main(int argc, char **argv)
         {"timeout", t_timeout},   {"unmanaged", t_unmanaged}, {"fortified", t_fortified},
         {"atexit", t_atexit},     {"ifd_closed", t_ifd_closed}, {"fortran", t_fortran},
         {"mmap", t_mmap},         {"mmap_exit", t_mmap_exit}, {"mkstemp", t_mkstemp},
-        {"timeout_bad", t_timeout_bad},
+        {"timeout_bad", t_timeout_bad}, {"dup2_eexist", t_dup2_eexist},
     };
     for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
         if (strcmp(tests[i].name, argv[1]) == 0) {
