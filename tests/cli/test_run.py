@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from instride.interception.preload import preload_path
+
 
 def _instride(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "instride", *args], capture_output=True, text=True,
@@ -21,6 +23,7 @@ def test_preload_path_points_at_the_built_library() -> None:
     path = Path(out.stdout.strip())
     assert path.name == "libinstride_preload.so" and path.is_file()
     assert path.read_bytes()[:4] == b"\x7fELF"
+    assert path == preload_path()  # (the command runs the code under test, and its library)
 
 
 def test_run_couples_cat_and_cp(managed_dir: Path, tmp_path: Path) -> None:
@@ -48,9 +51,22 @@ def test_run_passes_exit_status_and_reports_missing_commands(managed_dir: Path) 
 
 def test_run_timeout_becomes_etimedout(managed_dir: Path) -> None:
     res = _instride("run", "--timeout", "0.3", "--", "cat", str(managed_dir / "never"))
-    assert res.returncode != 0
+    assert res.returncode == 1  # cat's own status for a failed open
     assert "timed out" in res.stderr.lower()
-    assert "LD_PRELOAD" not in os.environ
+
+
+def test_run_sets_the_command_environment(managed_dir: Path, tmp_path: Path) -> None:
+    """The command gets the library first in LD_PRELOAD (entries already there kept after
+    it), the managed directory and the timeout."""
+    other = tmp_path / "other.so"
+    env = dict(os.environ, LD_PRELOAD=str(other))
+    res = _instride("run", "--timeout", "7", "--", "sh", "-c",
+                    'printf "%s\\n" "$LD_PRELOAD" "$INSTRIDE_DIR" "$INSTRIDE_TIMEOUT"', env={
+                        k: v for k, v in env.items() if k != "LD_PRELOAD"})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == [str(preload_path()), str(managed_dir), "7.0"]
+    res = _instride("run", "--", "sh", "-c", 'printf "%s\\n" "$LD_PRELOAD"', env=env)
+    assert res.stdout.splitlines() == [f"{preload_path()}:{other}"]
 
 
 def test_run_timeout_inf_overrides_instride_timeout(managed_dir: Path) -> None:
