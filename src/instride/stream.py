@@ -289,7 +289,8 @@ class Stream:
             self.register_groups += ("archive",)
         self.group = None if group is None else check_group(group)
         self.mode = mode
-        self.timeout = timeout
+        # (None: INSTRIDE_TIMEOUT's, as documented; it too may be None: no limit)
+        self.timeout = self.client.settings.timeout if timeout is None else timeout
         self.layout = layout
         self.overwrite = overwrite
         self.on_gap = on_gap
