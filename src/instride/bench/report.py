@@ -210,8 +210,8 @@ def _bound_line(rows: list[dict[str, Any]]) -> str:
                 "below the frame period)")
     items = "; ".join(
         f"{(r['group'] + ' ' + r['x']).strip()} {r['backend']} "
-        f"{max(r['producer_movement_ms'], r['consumer_movement_ms']):.1f} ms vs "
-        f"{r['frame_period_ms']:.1f} ms" for r in bound)
+        f"{_fmt(max(r['producer_movement_ms'], r['consumer_movement_ms']))} ms vs "
+        f"{_fmt(r['frame_period_ms'])} ms" for r in bound)
     return (f"- bound by data movement: {len(bound)} of {len(rows)} configurations move a frame "
             f"(producer write or consumer read) more slowly than the frame period, so frames "
             f"are not paced by the MD as Table II assumes (the time scale shortens the MD and "
@@ -224,8 +224,8 @@ def _bound_note(rows: list[dict[str, Any]]) -> str:
     if not bound:
         return ""
     return (f" {len(bound)} of {len(rows)} of its configurations are bound by data movement "
-            f"(a frame takes longer to move than the frame period), so their idle times do "
-            f"not show the synchronization the paper measured at its pace.")
+            f"(a frame takes longer to move than the frame period): those runs are paced by "
+            f"data movement, not by the MD as Table II assumes.")
 
 
 def _sync_of(rows: list[dict[str, Any]]) -> str:
@@ -394,20 +394,25 @@ def _finding2(one_rows: list[dict[str, Any]], two_rows: list[dict[str, Any]]) ->
     if not math.isfinite(g):
         return _not_evaluated(2, "single_node and two_node (with common ensemble sizes)")
     fetch = _mean([two[k]["consumer_fetch_ms"] for k in common])
+    parts = {name: (_mean([one[k][key] for k in common]), _mean([two[k][key] for k in common]))
+             for name, key in (("data movement", "consumer_movement_ms"),
+                               ("steady idle time", "consumer_idle_steady_ms"))}
     if g < WIN:
-        effect = ("so going cross-node leaves consumption about as on one node, as the paper "
+        effect = ("going cross-node leaves consumption about as on one node, as the paper "
                   "found with its RDMA transfers")
     elif g < SUBSTANTIAL:
-        effect = ("a visible but less than twofold cost; the paper found its RDMA transfers "
-                  "left consumption about as on one node")
+        effect = ("going cross-node costs visibly, but less than twofold; the paper found its "
+                  "RDMA transfers left consumption about as on one node")
     else:
-        effect = ("so going cross-node at least doubles consumption here, where the paper's "
-                  "RDMA transfers left it about as on one node")
+        effect = ("going cross-node at least doubles consumption here, where the paper's RDMA "
+                  "transfers left it about as on one node")
     text = (
         f"Going from one node to two, instride's steady-state consumption per frame changes by "
-        f"{_fmt(g)}× ({_rng(growth)}, at pairs {common}); the cross-node fetch (Redis lookup + "
-        f"TCP transfer from the producer's data server + local store, checksum verified) costs "
-        f"{_fmt(fetch)} ms/frame on average, {effect}." + _bound_note(two_rows)
+        f"{_fmt(g)}× ({_rng(growth)}, at pairs {common}): "
+        + ", ".join(f"its {name} from {a:.3f} to {b:.3f} ms/frame" for name, (a, b) in parts.items())
+        + f". The cross-node fetch (Redis lookup + TCP transfer from the producer's data server "
+        f"+ local store, checksum verified) costs {_fmt(fetch)} ms/frame on average; {effect}."
+        + _bound_note(two_rows)
     )
     return Finding(2, _CLAIMS[2], _outcome(g < WIN, g < SUBSTANTIAL), text)
 
@@ -593,7 +598,7 @@ def _table_md(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         x = f"{r['group']} {r['x']}".strip()
         backend = r["backend"] + (f" ({r['sync']})" if r["sync"] else "")
-        period = f"{r['frame_period_ms']:.1f}" + (" ⚠" if r["movement_bound"] else "")
+        period = _fmt(r["frame_period_ms"]) + (" ⚠" if r["movement_bound"] else "")
         lines.append(
             f"| {x} | {backend} | {r['producer_movement_ms']:.3f} | "
             f"{r['producer_idle_ms']:.3f} | {r['consumer_movement_ms']:.3f} | "

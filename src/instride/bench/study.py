@@ -12,7 +12,7 @@ experiment             what varies                                    compares
 
 The ``paper`` preset is the paper's scale (128 frames, a frame every 0.82 s, 10 repetitions,
 up to 64 nodes and 256 pairs): it is defined for completeness and for machines that can hold it,
-not for 2 cores. The ``small`` preset keeps every experiment's shape and fits in about 8 minutes
+not for 2 cores. The ``small`` preset keeps every experiment's shape and fits in about 7 minutes
 on 2 cores (docs/reproduction.md records a measured run): fewer frames, sleeps scaled by 0.05 (a
 frame every 41 ms), fewer pairs.
 

@@ -110,7 +110,7 @@ def add_parser(subparsers: Any) -> None:
 
     p = sub.add_parser("study", help="run the paper's five experiments and write a report")
     p.add_argument("--preset", choices=("small", "paper", "tiny"), default="small",
-                   help="small: about 8 min on 2 cores (docs/reproduction.md records a "
+                   help="small: about 7 min on 2 cores (docs/reproduction.md records a "
                         "measured run); paper: the paper's scale; tiny: smoke test")
     p.add_argument("--out", default="bench-study", help="report directory")
     p.add_argument("--experiments", default=None,
