@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from instride.bench.report import OUTCOMES
 from instride.bench.results import expected_regions, read_timings
 from instride.bench.workflow_run import RunConfig, run
 
@@ -37,7 +39,8 @@ def _require_multinode() -> None:
                            "(`make test` installs them; run as root)")
 
 
-def check_run(out: Path, summary: dict, backend: str, nodes: int, reps: int = 1) -> None:
+def check_run(out: Path, summary: dict, backend: str, nodes: int, reps: int = 1,
+              sync: str = "serialized") -> None:
     # every frame arrived intact
     assert summary["frames"] == {"expected": reps * PAIRS * FRAMES,
                                  "verified": reps * PAIRS * FRAMES}
@@ -49,7 +52,7 @@ def check_run(out: Path, summary: dict, backend: str, nodes: int, reps: int = 1)
     counts = Counter((r["rep"], r["rank"], r["frame"], r["region"]) for r in rows)
     expected = set()
     for rank in ranks:
-        regions = expected_regions(backend, rank["role"])
+        regions = expected_regions(backend, rank["role"], sync)
         for frame in range(FRAMES):
             for region in regions:
                 expected.add((int(rank["rep"]), int(rank["rank"]), frame, region))
@@ -93,6 +96,47 @@ def check_run(out: Path, summary: dict, backend: str, nodes: int, reps: int = 1)
         assert summary["producer"]["regions"]["produce.sync"]["count"] == reps * PAIRS * FRAMES
     on_disk = json.loads((out / "summary.json").read_text())
     assert on_disk["consumer"]["idle_s"] == summary["consumer"]["idle_s"]
+    # every mean has its spread over repetitions; steady idle leaves the first frame out
+    for role in ("producer", "consumer"):
+        s = summary[role]
+        for name in ("movement_s", "idle_s", "overall_s", "compute_s", "idle_first_s",
+                     "idle_steady_s", "overall_steady_s"):
+            assert s[f"{name}_std"] is not None and s[f"{name}_std"] >= 0, name
+        idle_rows = [r for r in rows if r["role"] == role and r["category"] == "idle"]
+        per_rank = reps * PAIRS
+        first = sum(r["duration_s"] for r in idle_rows if r["frame"] == 0) / per_rank
+        rest = sum(r["duration_s"] for r in idle_rows if r["frame"] > 0) / per_rank
+        assert s["idle_first_s"] == pytest.approx(first)
+        assert s["idle_steady_s"] == pytest.approx(rest / (FRAMES - 1))
+        assert s["overall_steady_s"] == pytest.approx(s["movement_s"] + s["idle_steady_s"])
+    # deserializing (and verifying) a frame is compute, not data movement
+    assert {r["category"] for r in rows if r["region"] == "consume.deserialize"} == {"compute"}
+    assert summary["config"]["sync"] == sync
+    if backend != "instride" and sync == "serialized":
+        check_serialized(rows, ranks)
+
+
+def check_serialized(rows: list[dict], ranks: list[dict]) -> None:
+    """No producer starts the MD of frame k before its consumer finished analysing frame k-1.
+
+    Rows hold times from each rank's own start; ``origin_s`` (a CLOCK_MONOTONIC reading, one
+    clock for every process) puts them on one time line.
+    """
+    origin = {(int(r["rep"]), int(r["rank"])): float(r["origin_s"]) for r in ranks}
+    md_start: dict[tuple[int, int, int], float] = {}
+    analysed: dict[tuple[int, int, int], float] = {}
+    for r in rows:
+        t0 = origin[(r["rep"], r["rank"])] + r["start_s"]
+        if r["region"] == "produce.md":
+            md_start[(r["rep"], r["pair"], r["frame"])] = t0
+        elif r["region"] == "consume.analytics":
+            analysed[(r["rep"], r["pair"], r["frame"])] = t0 + r["duration_s"]
+    checked = 0
+    for (rep, pair, frame), start in md_start.items():
+        if frame > 0:
+            assert start >= analysed[(rep, pair, frame - 1)] - 1e-6, (rep, pair, frame)
+            checked += 1
+    assert checked == len(md_start) - len({(rep, pair) for rep, pair, _ in md_start})
 
 
 def _config(backend: str, nodes: int, **kw) -> RunConfig:
@@ -109,6 +153,16 @@ def test_one_node(backend: str, tmp_path: Path) -> None:
     # consumed frames are deleted; the run leaves no data behind
     leftovers = [p for p in (tmp_path / "work").rglob("*.isf")]
     assert leftovers == []
+
+
+def test_pipelined_variant_has_one_barrier_per_frame(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    cfg = _config("localfs", 1, sync="pipelined", workdir=str(tmp_path / "work"))
+    assert cfg.name.startswith("localfs_pipelined-")
+    summary = run(cfg, out, progress=False)
+    check_run(out, summary, "localfs", 1, sync="pipelined")
+    regions = {r["region"] for r in read_timings(out / "timings.csv")}
+    assert "produce.sync_done" not in regions and "consume.sync_done" not in regions
 
 
 @pytest.mark.root
@@ -167,7 +221,159 @@ def test_cli_run_and_tiny_study(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     report = (rep / "report.md").read_text()
-    assert "paper 192.9×; here" in report and "**" in report
+    assert "paper 192.9×; here" in report
+    findings = re.findall(r"^(\d)\. \*[^*]+\* — \*\*([a-z ]+)\*\*", report, re.MULTILINE)
+    assert len(findings) == 1 and findings[0][0] == "1", findings  # single_node only
+    assert findings[0][1] in OUTCOMES
     assert (rep / "figures" / "single_node.png").stat().st_size > 1000
     with open(rep / "tables" / "single_node.csv", newline="") as fh:
         assert {r["backend"] for r in csv.DictReader(fh)} == {"instride", "localfs"}
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    # the caller's PYTHONPATH (a checkout's src) reaches the command and, through mpiexec, its
+    # ranks: the code under test is what runs
+    return subprocess.run([sys.executable, "-m", "instride", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_cli_run_defaults_to_jac(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = _cli("bench", "run", "--backend", "localfs", "--frames", "2", "--time-scale", "0.001",
+                "--out", str(out), "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("localfs-JAC-s880-p1-n1:")
+    config = json.loads((out / "summary.json").read_text())["config"]
+    assert (config["model"], config["atoms"]) == ("JAC", 23558)
+    # --atoms alone still means a custom model with JAC's timing
+    proc = _cli("bench", "run", "--backend", "localfs", "--atoms", "500", "--frames", "2",
+                "--time-scale", "0.001", "--out", str(tmp_path / "atoms"), "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("localfs-atoms500-s880-p1-n1:")
+
+
+@pytest.mark.parametrize(("setting", "value"), [
+    ("time_scale", float("inf")), ("time_scale", float("nan")), ("time_scale", -1.0),
+    ("steps_per_second", float("inf")), ("steps_per_second", float("nan")),
+    ("steps_per_second", 0.0), ("timeout", float("nan")), ("timeout", 0.0),
+    ("sync", "eventually"),
+])
+def test_non_finite_and_unknown_settings_are_config_errors(setting: str, value: object) -> None:
+    from instride.bench.molecules import BenchConfigError
+
+    with pytest.raises(BenchConfigError, match=setting):
+        RunConfig(**{setting: value}).validate()
+
+
+def test_cli_rejects_non_finite_numbers_without_a_traceback(tmp_path: Path) -> None:
+    for option, value in (("--time-scale", "inf"), ("--steps-per-second", "nan"),
+                          ("--timeout", "nan")):
+        proc = _cli("bench", "run", option, value, "--out", str(tmp_path / "never"), timeout=60)
+        assert proc.returncode == 4, proc.stderr  # invalid input
+        assert "bad benchmark setting" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "never").exists()
+
+
+def test_timeout_inf_means_no_limit(tmp_path: Path) -> None:
+    cfg = _config("localfs", 1, workdir=str(tmp_path / "work"))
+    cfg = RunConfig(**{**cfg.__dict__, "timeout": float("inf")})
+    assert cfg.validate().wait_limit is None and cfg.time_budget() is None
+    summary = run(cfg, tmp_path / "out", progress=False)
+    check_run(tmp_path / "out", summary, "localfs", 1)
+    spec = json.loads((tmp_path / "out" / "raw" / "rep0" / "spec.json").read_text())
+    assert spec["timeout"] is None  # the ranks wait without a limit
+
+
+def _leftovers() -> set[str]:
+    """MPICH's shared-memory segments and Hydra's topology files now there."""
+    return {str(p) for p in [*Path("/dev/shm").glob("mpich_shm_*"),
+                             *Path("/tmp").glob("hydra_hwloc_xmlfile_*")]}
+
+
+def test_interrupted_run_kills_its_job_and_removes_its_segments(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from instride.bench import workflow_run
+    from instride.bench.workflow_run import segments_in_use
+
+    before = _leftovers()
+
+    def interrupted(self: subprocess.Popen, timeout: float | None = None) -> tuple[bytes, bytes]:
+        # Ctrl-C once the ranks are up and hold their segments
+        deadline = time.monotonic() + 60
+        while not any("mpich_shm_" in p for p in _leftovers() - before):
+            assert time.monotonic() < deadline, "the job never created its shared memory"
+            time.sleep(0.05)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(workflow_run.subprocess.Popen, "communicate", interrupted)
+    cfg = RunConfig(atoms=500, frames=50, pairs=1, backend="localfs", time_scale=1.0,
+                    workdir=str(tmp_path / "work"))
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg, tmp_path / "out", progress=False)
+    new = _leftovers() - before
+    assert new - segments_in_use(new) == set(), new  # (others' live jobs may add theirs)
+    assert list((tmp_path / "out").iterdir()) == []  # nothing partial left visible
+
+
+def test_failed_run_leaves_the_previous_results_alone(tmp_path: Path) -> None:
+    from instride.bench.workflow_run import BenchRunError
+
+    out = tmp_path / "out"
+    (tmp_path / "out").mkdir()
+    (out / "notes.txt").write_text("mine")  # not the run's: never touched
+    first = run(_config("localfs", 1, repetitions=2, workdir=str(tmp_path / "work")), out,
+                progress=False)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    # frames every 0.82 s, waits limited to 0.2 s: the second run fails in its first repetition
+    failing = RunConfig(atoms=500, frames=2, pairs=1, backend="localfs", time_scale=1.0,
+                        timeout=0.2, workdir=str(tmp_path / "work"))
+    with pytest.raises(BenchRunError):
+        run(failing, out, progress=False)
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before  # no raw/rep0 of the failed run beside the first run's summary
+    assert json.loads((out / "summary.json").read_text())["config"]["repetitions"] == 2
+    # a successful run replaces every part of the earlier result (one repetition: no rep1)
+    run(_config("localfs", 1, workdir=str(tmp_path / "work")), out, progress=False)
+    assert sorted(p.name for p in (out / "raw").iterdir()) == ["rep0"]
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "ranks.csv", "raw",
+                                                     "summary.json", "timings.csv"]
+    assert first["config"]["repetitions"] == 2
+
+
+def test_failed_study_leaves_the_previous_report_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from instride.bench import study as study_mod
+    from instride.bench.workflow_run import BenchRunError
+
+    from .test_report import summary as fake_summary
+
+    out = tmp_path / "study"
+    (out / "runs" / "old").mkdir(parents=True)
+    (out / "report.md").write_text("old report")
+    (out / "study.json").write_text("{}")
+    calls: list[str] = []
+    fail_at = [2]  # the second configuration fails
+
+    def fake_run(cfg: RunConfig, run_dir: Path, **_: object) -> dict:
+        calls.append(cfg.name)
+        if len(calls) == fail_at[0]:
+            raise BenchRunError(cfg.name, "failed on purpose")
+        Path(run_dir).mkdir(parents=True)
+        (Path(run_dir) / "summary.json").write_text("{}")
+        return fake_summary(cfg.backend, cm=0.5, ci=1.0)
+
+    monkeypatch.setattr(study_mod, "run", fake_run)
+    with pytest.raises(BenchRunError):
+        study_mod.run_study("tiny", out, experiments=("single_node",), progress=False)
+    assert (out / "report.md").read_text() == "old report"
+    assert sorted(p.name for p in out.iterdir()) == ["report.md", "runs", "study.json"]
+    assert [p.name for p in (out / "runs").iterdir()] == ["old"]
+    # a complete study replaces the old one, runs included
+    calls.clear()
+    fail_at[0] = 0
+    study_mod.run_study("tiny", out, experiments=("single_node",), progress=False)
+    assert sorted(p.name for p in (out / "runs").iterdir()) == ["single_node"]
+    assert (out / "report.md").read_text().startswith("# instride reproduction")
+    assert json.loads((out / "study.json").read_text())["load_average"]["start"]

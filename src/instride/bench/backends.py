@@ -49,7 +49,12 @@ class Backend(Protocol):
         """Write one frame under ``key`` and make it visible (timed as ``produce.write``)."""
 
     def consume(self, key: str, frame: int, timer: RegionTimer) -> Frame:
-        """Read and verify frame ``key``, recording the consume regions on ``timer``."""
+        """Read and verify frame ``key``, recording the consume regions on ``timer``.
+
+        The read (``consume.read``, data movement) and the parsing with its checksum checks
+        (``consume.deserialize``, compute) are timed apart, as the producer's serialization
+        is timed apart from its write.
+        """
 
     def discard(self, key: str) -> None:
         """Remove a consumed frame (untimed, keeps the run's footprint bounded)."""
@@ -95,6 +100,7 @@ class FileSystemBackend:
         with timer.region("consume.read", frame):
             with open(self.root / key, "rb") as fh:
                 data = fh.read()
+        with timer.region("consume.deserialize", frame):
             return read_frame(data)
 
     def discard(self, key: str) -> None:
@@ -114,9 +120,16 @@ class InstrideBackend:
 
     The consumer's time splits into ``consume.wait`` (until the key is published: the
     synchronization), ``consume.fetch`` (cluster mode: the transfer from the producer's node,
-    stored under the key locally; ``consume.store`` is recorded as 0 because the transfer
-    writes straight into the local file), and ``consume.read`` (open + read + deserialize). In
-    local mode the frame is already on this node, so fetch and store are 0-duration regions.
+    stored under the key locally and verified against its checksum by instride;
+    ``consume.store`` is recorded as 0 because the transfer writes straight into the local
+    file), ``consume.read`` (open + read) and ``consume.deserialize`` (parsing the frame and
+    verifying its own checksums: compute). In local mode the frame is already on this node, so
+    fetch and store are 0-duration regions.
+
+    Parameters
+    ----------
+    timeout
+        Seconds any single wait may take; ``None``: no limit.
     """
 
     name = "instride"
@@ -127,7 +140,8 @@ class InstrideBackend:
 
         self._instride = instride
         self.client = instride.get_client()
-        self.timeout = timeout
+        # instride reads None as "INSTRIDE_TIMEOUT"; here None means no limit, which is inf
+        self.timeout = float("inf") if timeout is None else timeout
         self.cluster = self.client.mode == "cluster"
 
     def warmup(self) -> None:
@@ -154,6 +168,7 @@ class InstrideBackend:
         with timer.region("consume.read", frame):
             with self._instride.open(nkey, "rb", timeout=self.timeout) as fh:
                 data = fh.read()
+        with timer.region("consume.deserialize", frame):
             return read_frame(data)
 
     def discard(self, key: str) -> None:
@@ -168,6 +183,8 @@ def make_backend(
     timeout: float | None = None,
 ) -> FileSystemBackend | InstrideBackend:
     """Build backend ``name`` (``root`` is the directory of the file-system backends).
+
+    ``timeout`` bounds every single wait of the instride backend (``None``: no limit).
 
     ``{node}`` in ``root`` stands for this process's node (``INSTRIDE_NODE``): with a sshfs
     ``sharedfs`` every node reaches the storage server through its own mount point.

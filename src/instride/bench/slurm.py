@@ -22,18 +22,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import secrets
 import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import InstrideError
 from .molecules import BenchConfigError
-from .results import merge_repetition, summarize, write_tables
+from .results import RUN_OUTPUTS, merge_repetition, staged_output, summarize, write_tables
 from .workflow_run import (
     BenchRunError,
     RunConfig,
@@ -104,7 +105,6 @@ class SlurmBench:
 
     def run_once(self, cfg: RunConfig, out: Path, rep: int) -> None:
         """Submit repetition ``rep`` of ``cfg`` and wait for it; raw rows in ``out/raw/rep<rep>``."""
-        model = cfg.resolved_model()
         run_id = f"run{rep}-{secrets.token_hex(4)}"
         raw = (out / "raw" / f"rep{rep}").absolute()
         if raw.exists():
@@ -116,31 +116,23 @@ class SlurmBench:
             root = self.shared_dir / "sharedfs"
         elif cfg.backend == "localfs":
             root = Path(self.local_dir) / f"isb-localfs-{secrets.token_hex(3)}"
-        spec = {
-            "run_id": run_id, "backend": cfg.backend, "root": str(root) if root else None,
-            "sharedfs_kind": cfg.sharedfs_mount(),
-            "atoms": model.atoms, "stride": model.stride,
-            "steps_per_second": model.steps_per_second, "frames": cfg.frames,
-            "pairs": cfg.pairs, "time_scale": cfg.time_scale, "sleep": cfg.sleep,
-            "fsync": cfg.fsync, "keep_frames": cfg.keep_frames, "timeout": cfg.timeout,
-            "raw_dir": str(raw), "placement": [f"node{n}" for n in nodes_of],
-        }
+        spec = cfg.spec(run_id, raw, str(root) if root else None, nodes_of)
         spec_path = raw / "spec.json"
         spec_path.write_text(json.dumps(spec, indent=1))
         hosts = raw / "hosts"
         script = self.script(cfg, spec_path, rep, hosts, nodes_of)
         (raw / "job.sh").write_text(script)
         log = raw / "slurm.out"
-        period = model.stride / model.steps_per_second * cfg.time_scale
-        budget = 90.0 + 3 * cfg.frames * period + 3.0 * len(nodes_of) + cfg.timeout
+        budget = cfg.time_budget(slack=90.0)  # None: no limit (--timeout inf)
+        limit = "UNLIMITED" if budget is None else str(int(budget // 60) + 2)
         segments = mpich_segments()
         try:
             for attempt in range(2):
                 job = self.slurm.sbatch(script, "-N", str(cfg.nodes), f"--output={log}",
                                         f"--job-name={cfg.name}",
-                                        f"--time={int(budget // 60) + 2}")
+                                        f"--time={limit}")
                 try:
-                    state = self.slurm.wait(job, timeout=budget)
+                    state = self.slurm.wait(job, timeout=math.inf if budget is None else budget)
                 except InstrideError:  # still running after the budget: cancel, report
                     self.slurm.scancel(job)
                     self.slurm.wait(job, timeout=120)
@@ -176,26 +168,19 @@ class SlurmBench:
         if cfg.nodes > len(getattr(self.slurm, "nodes", [])) > 0:
             raise BenchConfigError("nodes", f"{cfg.nodes} nodes asked, the Slurm cluster has "
                                    f"{len(self.slurm.nodes)}")
-        outp = Path(out)
-        outp.mkdir(parents=True, exist_ok=True)
         timings: list[dict[str, Any]] = []
         ranks: list[dict[str, Any]] = []
         started = time.time()
-        for rep in range(cfg.repetitions):
-            self.run_once(cfg, outp, rep)
-            t, r = merge_repetition(outp / "raw" / f"rep{rep}")
-            timings += t
-            ranks += r
-        model = cfg.resolved_model()
-        config = asdict(cfg) | {
-            "name": cfg.name, "sharedfs_mount": cfg.sharedfs_mount(), "launcher": "slurm",
-            "model_name": model.name, "atoms": model.atoms, "stride": model.stride,
-            "steps_per_second": model.steps_per_second, "frame_bytes": model.frame_bytes("paper"),
-            "frame_period_s": model.stride / model.steps_per_second * cfg.time_scale,
-        }
-        summary = summarize(timings, ranks, config)
-        summary["elapsed_s"] = time.time() - started
-        write_tables(outp, timings, ranks, summary)
+        # built in out/.partial-*, moved into out only once every repetition succeeded
+        with staged_output(out, RUN_OUTPUTS) as stage:
+            for rep in range(cfg.repetitions):
+                self.run_once(cfg, stage, rep)
+                t, r = merge_repetition(stage / "raw" / f"rep{rep}")
+                timings += t
+                ranks += r
+            summary = summarize(timings, ranks, cfg.summary_config() | {"launcher": "slurm"})
+            summary["elapsed_s"] = time.time() - started
+            write_tables(stage, timings, ranks, summary)
         return summary
 
 

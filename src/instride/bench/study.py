@@ -12,19 +12,30 @@ experiment             what varies                                    compares
 
 The ``paper`` preset is the paper's scale (128 frames, a frame every 0.82 s, 10 repetitions,
 up to 64 nodes and 256 pairs): it is defined for completeness and for machines that can hold it,
-not for 2 cores. The ``small`` preset keeps every experiment's shape and fits in about 15 minutes
-on 2 cores: fewer frames, sleeps scaled by 0.05 (a frame every 41 ms), fewer pairs.
+not for 2 cores. The ``small`` preset keeps every experiment's shape and fits in about 7 minutes
+on 2 cores (docs/reproduction.md records a measured run): fewer frames, sleeps scaled by 0.05 (a
+frame every 41 ms), fewer pairs.
+
+The file-system baselines synchronize as the paper describes (``sync="serialized"``: producer
+and consumer never overlap); ``sync="pipelined"`` runs the one-barrier variant instead.
 
 Every preset runs ``sharedfs`` on emulated nodes as a real network file system: one sshfs
-storage server per emulated cluster (:mod:`instride.bench.sshfs`), mounted on every node once
-and kept for all the configurations of that node count. ``sharedfs_kind="dir"`` gives back the
-plain shared directory (synchronization only, no network data movement).
+storage server per emulated cluster (:mod:`instride.bench.sshfs`), mounted on every node. One
+emulated cluster (with its storage server) is up at a time: it is started for the first
+configuration of its node count and kept while the following configurations use the same node
+count, then torn down when the node count changes (a later configuration with that count starts
+a fresh one). ``sharedfs_kind="dir"`` gives back the plain shared directory (synchronization
+only, no network data movement).
+
+The study is built in a hidden staging directory inside ``out`` and moved into place when it is
+complete: a study that fails leaves ``out`` as it was.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
@@ -32,9 +43,14 @@ from pathlib import Path
 from typing import Any
 
 from .molecules import BenchConfigError, model_names, paper_data
+from .results import staged_output
+from .workflow import SYNC_MODES
 from .workflow_run import RunConfig, run
 
 EXPERIMENTS = ("single_node", "two_node", "multi_node", "model_scaling", "stride_scaling")
+
+#: What a study writes into its directory, the report (the mark of a complete study) last.
+STUDY_OUTPUTS = ("runs", "tables", "figures", "study.json", "report.md")
 
 
 @dataclass(frozen=True)
@@ -54,6 +70,7 @@ class Preset:
     strides: tuple[int, ...]
     stride_models: tuple[str, ...] = ("JAC", "STMV")
     sharedfs_kind: str = "sshfs"
+    sync: str = "serialized"
 
 
 def _paper_preset() -> Preset:
@@ -99,7 +116,8 @@ def plan(preset: Preset, experiments: tuple[str, ...] = EXPERIMENTS) -> list[Pla
         if name not in EXPERIMENTS:
             raise BenchConfigError("experiment", f"unknown {name!r}; expected one of {EXPERIMENTS}")
     base = RunConfig(frames=preset.frames, repetitions=preset.repetitions,
-                     time_scale=preset.time_scale, sharedfs_kind=preset.sharedfs_kind)
+                     time_scale=preset.time_scale, sharedfs_kind=preset.sharedfs_kind,
+                     sync=preset.sync)
     out: list[Planned] = []
     if "single_node" in experiments:
         for pairs in preset.single_node_pairs:
@@ -134,10 +152,11 @@ def plan(preset: Preset, experiments: tuple[str, ...] = EXPERIMENTS) -> list[Pla
 
 
 class _Clusters:
-    """One emulated cluster per node count, started on first use and kept for the study.
+    """Emulated clusters by node count, started on first use and kept until :meth:`release`.
 
-    Its sshfs storage server (for ``sharedfs``) is likewise set up on first use, mounted on
-    every node, and torn down before the cluster.
+    A cluster's sshfs storage server (for ``sharedfs``) is likewise set up on first use,
+    mounted on every node, and torn down before the cluster. :func:`run_study` releases
+    everything whenever the node count changes, so one cluster is up at a time.
     """
 
     def __init__(self) -> None:
@@ -192,6 +211,7 @@ def run_study(
     command: str = "",
     sharedfs_kind: str | None = None,
     launcher: str = "emulated",
+    sync: str | None = None,
 ) -> dict[str, Any]:
     """Run a study preset and write its report directory.
 
@@ -220,11 +240,22 @@ def run_study(
         (every repetition a batch job on an emulated Slurm cluster, ranks placed by ``srun``;
         ``sharedfs`` is then the cluster's shared directory); see
         :mod:`instride.bench.slurm`.
+    sync
+        Override the preset's synchronization of the file-system baselines
+        (``"serialized"``, the paper's, or ``"pipelined"``).
 
     Returns
     -------
     dict
-        The study results (also in ``study.json``).
+        The study results (also in ``study.json``), with the load averages of this machine
+        at the start and the end (``load_average``).
+
+    Raises
+    ------
+    BenchConfigError
+        An unknown preset, experiment, launcher or synchronization.
+    BenchRunError
+        A configuration failed; ``out`` is left as it was.
     """
     from ..progress import progress as tqdm
     from .report import write_report
@@ -241,50 +272,55 @@ def run_study(
         sharedfs_kind = "dir"  # the Slurm cluster's shared directory
     if sharedfs_kind is not None:
         preset = replace(preset, sharedfs_kind=sharedfs_kind)
+    if sync is not None:
+        if sync not in SYNC_MODES:
+            raise BenchConfigError("sync", f"unknown {sync!r}; expected one of {SYNC_MODES}")
+        preset = replace(preset, sync=sync)
     if preset.sharedfs_kind == "sshfs" and any(
         p.config.sharedfs_mount() == "sshfs" for p in plan(preset, tuple(experiments))
     ):
         from .sshfs import require
 
         require()  # fail before the first configuration, not half-way through the study
-    outp = Path(out)
-    outp.mkdir(parents=True, exist_ok=True)
     planned = plan(preset, tuple(experiments))
     results: list[dict[str, Any]] = []
     started = time.time()
+    load_start = os.getloadavg()
     on_slurm: Any = contextlib.nullcontext()
     if launcher == "slurm":
         from .slurm import emulated_slurm_runner
 
         on_slurm = emulated_slurm_runner(max(p.config.nodes for p in planned))
-    with _clusters() as clusters, on_slurm as slurm_run:
-        bar = tqdm(planned, desc="study", unit="config", disable=not progress)
-        current_nodes = 0
-        for item in bar:
-            cfg = item.config if workdir is None else replace(item.config, workdir=workdir)
-            bar.set_postfix_str(item.config.label, refresh=True)
-            if cfg.nodes != current_nodes:  # free the previous node count's cluster
-                clusters.release()
-                current_nodes = cfg.nodes
-            if slurm_run is not None:
-                summary = slurm_run(cfg, outp / "runs" / item.experiment / cfg.name)
-            else:
-                summary = run(cfg, outp / "runs" / item.experiment / cfg.name,
-                              cluster=clusters.get(cfg.nodes), storage=clusters.storage(cfg),
-                              progress=False)
-            results.append({"experiment": item.experiment, "x": item.x, "group": item.group,
-                            "summary": summary})
-    study = {
-        "preset": asdict(preset),
-        "experiments": list(experiments),
-        "elapsed_s": time.time() - started,
-        "command": command,
-        "launcher": launcher,
-        "results": results,
-    }
-    (outp / "study.json").write_text(json.dumps(study, indent=1))
-    write_report(study, outp)
+    with staged_output(out, STUDY_OUTPUTS) as stage:
+        with _clusters() as clusters, on_slurm as slurm_run:
+            bar = tqdm(planned, desc="study", unit="config", disable=not progress)
+            current_nodes = 0
+            for item in bar:
+                cfg = item.config if workdir is None else replace(item.config, workdir=workdir)
+                bar.set_postfix_str(item.config.label, refresh=True)
+                if cfg.nodes != current_nodes:  # free the previous node count's cluster
+                    clusters.release()
+                    current_nodes = cfg.nodes
+                run_dir = stage / "runs" / item.experiment / cfg.name
+                if slurm_run is not None:
+                    summary = slurm_run(cfg, run_dir)
+                else:
+                    summary = run(cfg, run_dir, cluster=clusters.get(cfg.nodes),
+                                  storage=clusters.storage(cfg), progress=False)
+                results.append({"experiment": item.experiment, "x": item.x, "group": item.group,
+                                "summary": summary})
+        study = {
+            "preset": asdict(preset),
+            "experiments": list(experiments),
+            "elapsed_s": time.time() - started,
+            "load_average": {"start": list(load_start), "end": list(os.getloadavg())},
+            "command": command,
+            "launcher": launcher,
+            "results": results,
+        }
+        (stage / "study.json").write_text(json.dumps(study, indent=1))
+        write_report(study, stage)
     return study
 
 
-__all__ = ["EXPERIMENTS", "PRESETS", "Planned", "Preset", "plan", "run_study"]
+__all__ = ["EXPERIMENTS", "PRESETS", "STUDY_OUTPUTS", "Planned", "Preset", "plan", "run_study"]

@@ -5,20 +5,29 @@ frame)``; every region entered produces one row (rank, frame, region, start, dur
 paper splits production and consumption time into *data movement* and *idle* (synchronization)
 time; :data:`CATEGORY` says which region is which:
 
-==================  ==========  =====================================================
-region              category    what it covers
-==================  ==========  =====================================================
-produce.md          compute     the MD sleep of one stride
-produce.serialize   compute     building the frame (coordinates, header, checksums)
-produce.write       movement    open + write + close (publication included)
-produce.sync        idle        the pairwise barrier after the write (file systems)
-consume.wait        idle        instride: until the key is published
-consume.sync        idle        file systems: the pairwise barrier before the read
-consume.fetch       movement    instride: bringing the file to this node (0 when local)
-consume.store       movement    instride: storing a fetched copy (folded into fetch)
-consume.read        movement    open + read + deserialize (checksums verified)
-consume.analytics   compute     the analytics sleep
-==================  ==========  =====================================================
+====================  ==========  =====================================================
+region                category    what it covers
+====================  ==========  =====================================================
+produce.md            compute     the MD sleep of one stride
+produce.serialize     compute     building the frame (coordinates, header, checksums)
+produce.write         movement    open + write + close (publication included)
+produce.sync          idle        the pairwise barrier after the write (file systems)
+produce.sync_done     idle        file systems, serialized: the barrier until the consumer
+                                  has read and analysed the frame
+consume.wait          idle        instride: until the key is published
+consume.sync          idle        file systems: the pairwise barrier before the read
+consume.fetch         movement    instride: bringing the file to this node (0 when local)
+consume.store         movement    instride: storing a fetched copy (folded into fetch)
+consume.read          movement    open + read + close
+consume.deserialize   compute     parsing the frame and verifying its checksums
+consume.analytics     compute     the analytics sleep
+consume.sync_done     idle        file systems, serialized: the barrier after the analytics
+                                  that lets the producer go on
+====================  ==========  =====================================================
+
+Data movement is the time in the storage calls, as the paper defines it (time spent in POSIX
+calls); building a frame (producer) and parsing and verifying it (consumer) are compute on
+both sides.
 """
 
 from __future__ import annotations
@@ -33,12 +42,15 @@ CATEGORY: dict[str, str] = {
     "produce.serialize": "compute",
     "produce.write": "movement",
     "produce.sync": "idle",
+    "produce.sync_done": "idle",
     "consume.wait": "idle",
     "consume.sync": "idle",
     "consume.fetch": "movement",
     "consume.store": "movement",
     "consume.read": "movement",
+    "consume.deserialize": "compute",
     "consume.analytics": "compute",
+    "consume.sync_done": "idle",
 }
 
 #: Columns of a row, in order.

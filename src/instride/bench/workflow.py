@@ -9,12 +9,24 @@ and rank ``r + P`` form pair ``r``.
 
 Producer, per frame: MD sleep for one stride (``produce.md``), serialize the frame in the paper
 layout (``produce.serialize``), write it (``produce.write``), and, for the file systems, enter
-the pair's barrier (``produce.sync``).
+the pair's barrier (``produce.sync``); with ``sync="serialized"`` (the default) it then waits in
+a second barrier until the consumer has read and analysed the frame (``produce.sync_done``).
 
 Consumer, per frame: for the file systems, enter the pair's barrier (``consume.sync``); read
-and deserialize the frame, verifying its checksums (``consume.read``; for instride preceded by
-``consume.wait`` / ``consume.fetch`` / ``consume.store``); check that it is the expected MD step;
-then sleep for the analytics time, equal to the frame period (``consume.analytics``).
+the frame (``consume.read``; for instride preceded by ``consume.wait`` / ``consume.fetch`` /
+``consume.store``), deserialize it, verifying its checksums (``consume.deserialize``); check
+that it is the expected MD step; sleep for the analytics time, equal to the frame period
+(``consume.analytics``); with ``sync="serialized"``, enter the second barrier
+(``consume.sync_done``), which lets the producer start its next MD stride.
+
+The two synchronizations of the file systems (see :data:`SYNC_MODES`):
+
+- ``serialized`` — the paper's coarse-grained synchronization, which "result[s] in serialized
+  execution of the producer and consumer" and does "not overlap producer and consumer
+  tasks": MD and analytics alternate, so each side idles about one frame period per frame;
+- ``pipelined`` — one barrier per frame (after the write, before the read): the consumer's
+  analytics of frame *k* overlaps the producer's MD of frame *k + 1*, so the consumer only
+  waits for about the producer's serialize + write.
 
 Each rank writes its timing rows to ``RAW/rank<r>.csv`` and a line of facts (wall time, frames
 verified) to ``RAW/rank<r>.json``; :mod:`instride.bench.results` merges them.
@@ -36,6 +48,9 @@ from .backends import InstrideBackend, make_backend
 from .sync import POLL_SECONDS, PairBarrier
 from .timers import FIELDS, RegionTimer
 
+#: How the file-system backends synchronize a pair (instride needs no user synchronization).
+SYNC_MODES = ("serialized", "pipelined")
+
 
 def frame_key(run_id: str, pair: int, index: int) -> str:
     """The key (path relative to the backend's directory) of frame ``index`` of ``pair``."""
@@ -50,7 +65,26 @@ def _start_line(comm: Any) -> None:
 
 
 def produce(spec: dict[str, Any], pair: int, backend: Any, barrier: Any, timer: RegionTimer) -> int:
-    """The producer loop; returns the bytes written."""
+    """The producer loop; returns the bytes written.
+
+    Parameters
+    ----------
+    spec
+        The run's spec (``atoms``, ``steps_per_second``, ``stride``, ``frames``, ``sync``...).
+    pair
+        This rank's pair number.
+    backend
+        Where frames go (:func:`~instride.bench.backends.make_backend`).
+    barrier
+        The pair's :class:`~instride.bench.sync.PairBarrier` (file systems), else ``None``.
+    timer
+        This rank's region timer.
+
+    Returns
+    -------
+    int
+        Bytes written.
+    """
     emu = MDEmulator(
         spec["atoms"], spec["steps_per_second"], spec["stride"],
         time_scale=spec["time_scale"], layout="paper", sleep=spec["sleep"], seed=pair,
@@ -68,11 +102,27 @@ def produce(spec: dict[str, Any], pair: int, backend: Any, barrier: Any, timer: 
         if barrier is not None:
             with timer.region("produce.sync", i):
                 barrier.wait()
+            if spec["sync"] == "serialized":
+                with timer.region("produce.sync_done", i):
+                    barrier.wait()
     return written
 
 
 def consume(spec: dict[str, Any], pair: int, backend: Any, barrier: Any, timer: RegionTimer) -> int:
-    """The consumer loop; returns the number of frames verified."""
+    """The consumer loop; returns the number of frames verified.
+
+    Parameters are those of :func:`produce`.
+
+    Returns
+    -------
+    int
+        Frames read, verified and analysed.
+
+    Raises
+    ------
+    IntegrityError
+        A frame with the wrong MD step or atom count (checksums: :func:`instride.read_frame`).
+    """
     period = spec["stride"] / spec["steps_per_second"] * spec["time_scale"]
     verified = 0
     for i in range(spec["frames"]):
@@ -91,6 +141,9 @@ def consume(spec: dict[str, Any], pair: int, backend: Any, barrier: Any, timer: 
         del frame
         with timer.region("consume.analytics", i):
             sleep_until(time.perf_counter() + period)
+        if barrier is not None and spec["sync"] == "serialized":
+            with timer.region("consume.sync_done", i):
+                barrier.wait()
         if not spec["keep_frames"]:
             backend.discard(key)
     return verified
@@ -137,6 +190,7 @@ def run_rank(spec: dict[str, Any], rep: int) -> None:
     facts = {
         "rep": rep, "rank": rank, "role": timer.role, "pair": pair, "node": node,
         "wall_s": wall, "frames_verified": verified, "bytes_written": nbytes,
+        "origin_s": start,  # perf_counter (CLOCK_MONOTONIC: one clock for all ranks) at 0
         "mode": backend.client.mode if isinstance(backend, InstrideBackend) else "files",
         "pid": os.getpid(),
         "netns": os.stat("/proc/self/ns/net").st_ino,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import secrets
 import shutil
@@ -38,7 +39,8 @@ from typing import Any
 from ..errors import InstrideError
 from .backends import BACKENDS
 from .molecules import BenchConfigError, Model, get_model
-from .results import merge_repetition, summarize, write_tables
+from .results import RUN_OUTPUTS, merge_repetition, staged_output, summarize, write_tables
+from .workflow import SYNC_MODES
 
 #: What the ``sharedfs`` backend can be (see :class:`RunConfig`).
 SHAREDFS_KINDS = ("auto", "sshfs", "dir")
@@ -77,6 +79,12 @@ class RunConfig:
         consumers).
     backend
         ``instride``, ``localfs`` (one node only) or ``sharedfs``.
+    sync
+        How the file-system backends synchronize a pair (:data:`~instride.bench.workflow.
+        SYNC_MODES`): ``"serialized"`` (the default, the paper's coarse-grained
+        synchronization: a barrier after the write and one after the consumer's analytics, so
+        MD and analytics never overlap) or ``"pipelined"`` (only the barrier after the write:
+        the consumer's analytics overlaps the producer's next MD stride). Ignored by instride.
     sharedfs_kind
         What ``sharedfs`` is: ``"sshfs"`` (a storage server on the emulated network, mounted
         with sshfs on every node: real network data movement; needs ``nodes >= 2``), ``"dir"``
@@ -86,7 +94,9 @@ class RunConfig:
     repetitions
         Runs of the configuration (the paper: 10).
     time_scale
-        Multiplies the MD and analytics sleeps (1.0 = a frame every 0.82 s, as in the paper).
+        Multiplies the MD and analytics sleeps (1.0 = a frame every 0.82 s, as in the paper);
+        finite, ``>= 0``. It does not shorten data movement: a small scale can make a run
+        bound by data movement rather than by the frame period (the study report flags it).
     sleep
         ``"stride"`` (one MD sleep per frame) or ``"step"`` (one per MD step).
     fsync
@@ -94,7 +104,8 @@ class RunConfig:
     keep_frames
         Keep consumed frames instead of deleting them after the analytics step.
     timeout
-        Seconds any single wait (publication, barrier) may take before the run fails.
+        Seconds any single wait (publication, barrier) may take before the run fails;
+        ``inf`` or ``None``: no limit (nor on the run as a whole).
     workdir
         Directory for the node-local data (default: a new directory on ``/dev/shm``).
     label
@@ -109,13 +120,14 @@ class RunConfig:
     pairs: int = 1
     nodes: int = 1
     backend: str = "instride"
+    sync: str = "serialized"
     sharedfs_kind: str = "auto"
     repetitions: int = 1
     time_scale: float = 1.0
     sleep: str = "stride"
     fsync: bool = False
     keep_frames: bool = False
-    timeout: float = 120.0
+    timeout: float | None = 120.0
     workdir: str | None = None
     label: str = field(default="", compare=False)
 
@@ -167,29 +179,114 @@ class RunConfig:
             )
         if self.stride is not None and (isinstance(self.stride, bool) or self.stride < 1):
             raise BenchConfigError("stride", f"expected a positive integer, got {self.stride!r}")
-        if self.steps_per_second is not None and self.steps_per_second <= 0:
-            raise BenchConfigError("steps_per_second", f"must be > 0, got {self.steps_per_second}")
-        if not self.time_scale >= 0:
-            raise BenchConfigError("time_scale", f"must be >= 0, got {self.time_scale}")
+        if self.steps_per_second is not None and not (
+            _is_number(self.steps_per_second) and math.isfinite(self.steps_per_second)
+            and self.steps_per_second > 0
+        ):
+            raise BenchConfigError(
+                "steps_per_second", f"must be a finite number > 0, got {self.steps_per_second!r}"
+            )
+        if not (_is_number(self.time_scale) and math.isfinite(self.time_scale)
+                and self.time_scale >= 0):
+            raise BenchConfigError(
+                "time_scale", f"must be a finite number >= 0, got {self.time_scale!r}"
+            )
         if self.sleep not in ("stride", "step"):
             raise BenchConfigError("sleep", f"expected 'stride' or 'step', got {self.sleep!r}")
-        if not self.timeout > 0:
-            raise BenchConfigError("timeout", f"must be > 0, got {self.timeout}")
+        if self.sync not in SYNC_MODES:
+            raise BenchConfigError("sync", f"unknown {self.sync!r}; expected one of {SYNC_MODES}")
+        if self.timeout is not None and not (_is_number(self.timeout) and self.timeout > 0):
+            # NaN fails "> 0"; inf passes: no limit
+            raise BenchConfigError(
+                "timeout", f"must be > 0 seconds (inf: no limit), got {self.timeout!r}"
+            )
         self.resolved_model()
         return self
+
+    @property
+    def wait_limit(self) -> float | None:
+        """Seconds a single wait may take, ``None`` for no limit (``timeout`` inf or None)."""
+        if self.timeout is None or math.isinf(self.timeout):
+            return None
+        return float(self.timeout)
+
+    @property
+    def frame_period(self) -> float:
+        """Seconds between two frames: stride / steps per second x time scale."""
+        model = self.resolved_model()
+        return model.stride / model.steps_per_second * self.time_scale
+
+    def time_budget(self, slack: float = 60.0) -> float | None:
+        """Seconds one repetition may run before it is stopped (``None``: no limit).
+
+        ``slack`` covers start-up; each frame may take three frame periods (a serialized
+        pair takes two), each rank three seconds to start, plus one wait's limit.
+        """
+        limit = self.wait_limit
+        if limit is None:
+            return None
+        return slack + 3 * self.frames * self.frame_period + 3.0 * 2 * self.pairs + limit
+
+    def spec(self, run_id: str, raw: Path, root: str | None, nodes_of: list[int]
+             ) -> dict[str, Any]:
+        """The spec the ranks of one repetition read (:mod:`instride.bench.workflow`).
+
+        Parameters
+        ----------
+        run_id
+            Unique name of the repetition (the frames' directory).
+        raw
+            Where the ranks write their timing rows.
+        root
+            The file-system backends' directory as the ranks see it, else ``None``.
+        nodes_of
+            The node (1-based) of every rank.
+
+        Returns
+        -------
+        dict
+            JSON-serializable; ``timeout`` is ``None`` when there is no limit.
+        """
+        model = self.resolved_model()
+        return {
+            "run_id": run_id, "backend": self.backend, "root": root,
+            "sharedfs_kind": self.sharedfs_mount(), "sync": self.sync,
+            "atoms": model.atoms, "stride": model.stride,
+            "steps_per_second": model.steps_per_second, "frames": self.frames,
+            "pairs": self.pairs, "time_scale": self.time_scale, "sleep": self.sleep,
+            "fsync": self.fsync, "keep_frames": self.keep_frames, "timeout": self.wait_limit,
+            "raw_dir": str(raw), "placement": [f"node{n}" for n in nodes_of],
+        }
+
+    def summary_config(self) -> dict[str, Any]:
+        """The ``config`` entry of ``summary.json``: the settings and what they resolve to."""
+        model = self.resolved_model()
+        return asdict(self) | {
+            "name": self.name, "sharedfs_mount": self.sharedfs_mount(),
+            "model_name": model.name, "atoms": model.atoms, "stride": model.stride,
+            "steps_per_second": model.steps_per_second,
+            "frame_bytes": model.frame_bytes("paper"), "frame_period_s": self.frame_period,
+        }
 
     @property
     def name(self) -> str:
         """A short unique-enough name: backend, model, stride, pairs, nodes.
 
         A plain-directory ``sharedfs`` across emulated nodes (not the default there) is
-        ``sharedfs_dir``.
+        ``sharedfs_dir``; a file system with ``sync="pipelined"`` (not the default) ends its
+        backend part with ``_pipelined``.
         """
         m = self.resolved_model()
         backend = self.backend
         if self.nodes > 1 and self.sharedfs_mount() == "dir":
             backend = "sharedfs_dir"
+        if self.backend != "instride" and self.sync != "serialized":
+            backend += f"_{self.sync}"
         return f"{backend}-{m.name}-s{m.stride}-p{self.pairs}-n{self.nodes}"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def mpiexec_path() -> str:
@@ -388,7 +485,6 @@ def run_once(cfg: RunConfig, out: Path, rep: int, cluster: Any, workdir: Path,
     the ranks then use their own node's mount (the spec's ``root`` holds ``{node}``), and the
     run's directory is created and removed on the storage server's side.
     """
-    model = cfg.resolved_model()
     run_id = f"run{rep}-{secrets.token_hex(4)}"
     raw = out / "raw" / f"rep{rep}"
     if raw.exists():
@@ -420,45 +516,36 @@ def run_once(cfg: RunConfig, out: Path, rep: int, cluster: Any, workdir: Path,
     if root is not None:
         root.mkdir(parents=True, exist_ok=True)
         cleanup.append(root / run_id)
-    spec = {
-        "run_id": run_id, "backend": cfg.backend,
-        "root": rank_root or (str(root) if root else None),
-        "sharedfs_kind": cfg.sharedfs_mount(),
-        "atoms": model.atoms, "stride": model.stride, "steps_per_second": model.steps_per_second,
-        "frames": cfg.frames, "pairs": cfg.pairs, "time_scale": cfg.time_scale,
-        "sleep": cfg.sleep, "fsync": cfg.fsync, "keep_frames": cfg.keep_frames,
-        "timeout": cfg.timeout, "raw_dir": str(raw),
-        "placement": [f"node{n}" for n in nodes_of],
-    }
+    spec = cfg.spec(run_id, raw, rank_root or (str(root) if root else None), nodes_of)
     spec_path = raw / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
     argv = _command(cfg, spec_path, rep, nodes_of, cluster, fsync_env)
     (raw / "command.txt").write_text(" ".join(argv) + "\n")
-    period = model.stride / model.steps_per_second * cfg.time_scale
-    budget = 60.0 + 3 * cfg.frames * period + 3.0 * len(nodes_of) + cfg.timeout
+    budget = cfg.time_budget()
     segments = mpich_segments()
-    proc = subprocess.Popen(
-        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-    )
+    ok = False
     try:
+        proc = subprocess.Popen(
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+        )
         try:
             stdout, stderr = proc.communicate(timeout=budget)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            remove_orphan_segments(segments)
             raise BenchRunError(cfg.name, f"repetition {rep} exceeded {budget:.0f} s") from None
-        except BaseException:
-            _kill_group(proc)
-            raise
+        finally:
+            if proc.returncode is None:  # timed out, interrupted, or the wait itself failed
+                _kill_group(proc)
         (raw / "mpiexec.log").write_bytes(stdout + b"\n--- stderr ---\n" + stderr)
         if proc.returncode != 0:
             _kill_group(proc)  # ranks of the aborted job that are still exiting
-            remove_orphan_segments(segments)
             tail = stderr.decode(errors="replace").strip().splitlines()[-15:]
             raise BenchRunError(
                 cfg.name, f"repetition {rep}: mpiexec exited {proc.returncode}:\n" + "\n".join(tail)
             )
+        ok = True
     finally:
+        if not ok:  # on every failure path: what an aborted MPICH job leaves in /dev/shm, /tmp
+            remove_orphan_segments(segments)
         for path in cleanup:
             shutil.rmtree(path, ignore_errors=True)
 
@@ -474,15 +561,17 @@ def run(
     """Run every repetition of ``cfg`` and write its results under ``out``.
 
     Writes ``out/timings.csv`` (one row per repetition x rank x frame x region),
-    ``out/ranks.csv`` (one row per repetition x rank: wall time, frames verified) and
-    ``out/summary.json`` (per role: mean data movement / idle time per frame, and more).
+    ``out/ranks.csv`` (one row per repetition x rank: wall time, frames verified),
+    ``out/summary.json`` (per role: mean data movement / idle time per frame, and more) and
+    ``out/raw/``. They are built in a hidden staging directory under ``out`` and replace an
+    earlier run's only when every repetition succeeded; a failed run leaves ``out`` as it was.
 
     Parameters
     ----------
     cfg
         The configuration.
     out
-        Output directory (created).
+        Output directory (created); other files in it are left alone.
     cluster
         A running :class:`~instride.emulate.EmulatedCluster` to reuse for ``nodes >= 2``;
         default: one is created for this run and torn down after it.
@@ -506,8 +595,6 @@ def run(
         A rank failed or the run timed out.
     """
     cfg.validate()
-    outp = Path(out)
-    outp.mkdir(parents=True, exist_ok=True)
     workdir = Path(cfg.workdir) if cfg.workdir else _default_workdir()
     own_workdir = cfg.workdir is None
     workdir.mkdir(parents=True, exist_ok=True)
@@ -515,28 +602,23 @@ def run(
     ranks: list[dict[str, Any]] = []
     started = time.time()
     try:
-        with _maybe_cluster(cfg, cluster) as clu, _maybe_storage(cfg, clu, storage) as sto:
+        # everything is built in out/.partial-*, and moved into out only once complete
+        with staged_output(out, RUN_OUTPUTS) as stage, _maybe_cluster(cfg, cluster) as clu, \
+                _maybe_storage(cfg, clu, storage) as sto:
             from ..progress import progress as tqdm
 
             for rep in tqdm(range(cfg.repetitions), desc=cfg.label or cfg.name, unit="rep",
                             disable=not progress, leave=False):
-                run_once(cfg, outp, rep, clu, workdir, sto)
-                t, r = merge_repetition(outp / "raw" / f"rep{rep}")
+                run_once(cfg, stage, rep, clu, workdir, sto)
+                t, r = merge_repetition(stage / "raw" / f"rep{rep}")
                 timings += t
                 ranks += r
+            summary = summarize(timings, ranks, cfg.summary_config())
+            summary["elapsed_s"] = time.time() - started
+            write_tables(stage, timings, ranks, summary)
     finally:
         if own_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-    model = cfg.resolved_model()
-    config = asdict(cfg) | {
-        "name": cfg.name, "sharedfs_mount": cfg.sharedfs_mount(),
-        "model_name": model.name, "atoms": model.atoms, "stride": model.stride,
-        "steps_per_second": model.steps_per_second, "frame_bytes": model.frame_bytes("paper"),
-        "frame_period_s": model.stride / model.steps_per_second * cfg.time_scale,
-    }
-    summary = summarize(timings, ranks, config)
-    summary["elapsed_s"] = time.time() - started
-    write_tables(outp, timings, ranks, summary)
     return summary
 
 

@@ -13,11 +13,14 @@ def _print_summary(summary: dict[str, Any]) -> None:
     print(f"{cfg['name']}: {cfg['frames']} frames x {cfg['pairs']} pair(s) x "
           f"{cfg['repetitions']} repetition(s), frame {cfg['frame_bytes']} B, "
           f"period {cfg['frame_period_s'] * 1e3:.1f} ms")
-    print(f"{'role':10} {'movement ms':>12} {'idle ms':>10} {'overall ms':>11} {'wall s':>8}")
+    print(f"{'role':10} {'movement ms':>12} {'idle ms':>10} {'idle after 1st':>15} "
+          f"{'overall ms':>11} {'wall s':>8}")
     for role in ("producer", "consumer"):
         s = summary[role]
+        steady = s.get("idle_steady_s")
+        steady_text = f"{steady * 1e3:15.3f}" if steady is not None else f"{'n/a':>15}"
         print(f"{role:10} {s['movement_s'] * 1e3:12.3f} {s['idle_s'] * 1e3:10.3f} "
-              f"{s['overall_s'] * 1e3:11.3f} {s['wall_s']:8.2f}")
+              f"{steady_text} {s['overall_s'] * 1e3:11.3f} {s['wall_s']:8.2f}")
     fr = summary["frames"]
     print(f"frames verified: {fr['verified']}/{fr['expected']}")
 
@@ -25,11 +28,13 @@ def _print_summary(summary: dict[str, Any]) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from ..bench.workflow_run import RunConfig, run
 
+    # --model and --atoms exclude each other; with neither, the model is JAC (the help says so)
+    model = args.model if args.model is not None or args.atoms is not None else "JAC"
     cfg = RunConfig(
-        model=args.model, atoms=args.atoms, stride=args.stride,
+        model=model, atoms=args.atoms, stride=args.stride,
         steps_per_second=args.steps_per_second, frames=args.frames, pairs=args.pairs,
-        nodes=args.nodes, backend=args.backend, sharedfs_kind=args.sharedfs_kind,
-        repetitions=args.repetitions,
+        nodes=args.nodes, backend=args.backend, sync=args.sync,
+        sharedfs_kind=args.sharedfs_kind, repetitions=args.repetitions,
         time_scale=args.time_scale, sleep=args.sleep, fsync=args.fsync,
         keep_frames=args.keep_frames, timeout=args.timeout, workdir=args.workdir,
     )
@@ -48,7 +53,7 @@ def cmd_study(args: argparse.Namespace) -> int:
     study = run_study(
         args.preset, args.out, experiments=experiments, repetitions=args.repetitions,
         workdir=args.workdir, progress=not args.quiet, command=command,
-        sharedfs_kind=args.sharedfs_kind, launcher=args.launcher,
+        sharedfs_kind=args.sharedfs_kind, launcher=args.launcher, sync=args.sync,
     )
     print(f"{len(study['results'])} configurations in {study['elapsed_s'] / 60:.1f} min; "
           f"report: {args.out}/report.md")
@@ -78,28 +83,35 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--nodes", type=int, default=1,
                    help="1, or an even number of emulated nodes (producers on half)")
     p.add_argument("--backend", choices=("instride", "localfs", "sharedfs"), default="instride")
+    p.add_argument("--sync", choices=("serialized", "pipelined"), default="serialized",
+                   help="file systems' pair synchronization: serialized (default, the paper's: "
+                        "a barrier after the write and one after the analytics, MD and "
+                        "analytics never overlap) or pipelined (one barrier per frame)")
     p.add_argument("--sharedfs-kind", choices=("auto", "sshfs", "dir"), default="auto",
                    help="sharedfs as a storage server mounted with sshfs over the emulated "
                         "network (sshfs; needs --nodes >= 2) or a plain shared directory (dir); "
                         "auto: sshfs on >= 2 nodes, dir on one")
     p.add_argument("--repetitions", type=int, default=1, help="runs (paper: 10)")
     p.add_argument("--time-scale", type=float, default=1.0,
-                   help="multiply MD/analytics sleeps (1 = a frame every 0.82 s; e.g. 0.01)")
+                   help="multiply MD/analytics sleeps (1 = a frame every 0.82 s; e.g. 0.01); "
+                        "data movement is not scaled")
     p.add_argument("--sleep", choices=("stride", "step"), default="stride",
                    help="one MD sleep per frame (default) or per step (absolute deadlines)")
     p.add_argument("--fsync", action="store_true", help="fsync every frame (all backends)")
     p.add_argument("--keep-frames", action="store_true", help="do not delete consumed frames")
     p.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds any wait may take before the run fails")
+                   help="seconds any wait may take before the run fails (inf: no limit)")
     p.add_argument("--workdir", default=None, help="node-local data directory (default /dev/shm)")
-    p.add_argument("--out", default=None, help="output directory (default bench-out/<name>)")
+    p.add_argument("--out", default=None,
+                   help="output directory (default bench-out/<name>); replaced only by a "
+                        "complete run")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("study", help="run the paper's five experiments and write a report")
     p.add_argument("--preset", choices=("small", "paper", "tiny"), default="small",
-                   help="small: about 7.5 min on 2 cores (measured: 7.4 min, docs/reproduction.md); "
-                        "paper: the paper's scale; tiny: smoke test")
+                   help="small: about 7 min on 2 cores (docs/reproduction.md records a "
+                        "measured run); paper: the paper's scale; tiny: smoke test")
     p.add_argument("--out", default="bench-study", help="report directory")
     p.add_argument("--experiments", default=None,
                    help="comma-separated subset of single_node,two_node,multi_node,"
@@ -108,6 +120,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--sharedfs-kind", choices=("sshfs", "dir"), default=None,
                    help="sharedfs on emulated nodes: sshfs (default: a storage server mounted "
                         "over the network) or dir (a plain shared directory, no data movement)")
+    p.add_argument("--sync", choices=("serialized", "pipelined"), default=None,
+                   help="file systems' pair synchronization (default serialized, the paper's; "
+                        "pipelined: one barrier per frame)")
     p.add_argument("--workdir", default=None, help="node-local data directory (default /dev/shm)")
     p.add_argument("--launcher", choices=("emulated", "slurm"), default="emulated",
                    help="emulated: mpiexec inside emulated nodes; slurm: every repetition a "
