@@ -13,7 +13,8 @@ minutes. Needs root, iproute2 and redis-server
 (``make test`` installs them).
 
 ``--unbounded``: the bench's first 8-pairs row instead (unbounded streams, consumers waiting
-for and consuming each key into a kept copy).
+for and consuming each key into a kept copy), also against raw TCP pairs that keep every frame
+in a new file on both nodes.
 
 Usage: ``python benchmarks/probe_pairs.py [--frames N] [--rounds R] [--unbounded]``
 """
@@ -57,6 +58,11 @@ def main() -> None:
             raw_mbps = raw_tcp_pairs(c, pairs, [f[0] for f in files], jac, n, meter=raw)
             rot_mbps = raw_tcp_pairs(c, pairs, files, jac, n)
             mbps = 8 * n * jac / span / 1e6
+            if args.unbounded:  # (every frame kept on both nodes: raw pairs that do the same)
+                kept = raw_tcp_pairs(c, pairs, [f[0] for f in files], jac, n, store=True)
+                print(f"round {r}: raw TCP pairs keeping every frame in a new file on both nodes"
+                      f" {kept:.0f} MB/s ({kept / raw_mbps:.2f} of raw TCP); ratio to them"
+                      f" {mbps / kept:.2f}", flush=True)
             u, v = ours.per(8 * n), raw.per(8 * n)
             print(f"round {r}: {8 * n / span:.0f} frames/s, ratio {mbps / raw_mbps:.2f} to raw TCP"
                   f" ({raw_mbps:.0f} MB/s; {mbps / rot_mbps:.2f} to raw TCP sending {ROTATE} files in"
