@@ -11,7 +11,8 @@ Each is one call (ctypes releases the GIL):
   fetched copy, in a native ``SCHED_IDLE`` thread, which may first prefault the producer's
   mapping of the file made before (:mod:`instride.store.spare`);
 * ``isl_append`` (``csrc/local/frame.c``) encodes a frame into its mapped file, drops the
-  producer's lock and publishes it by a rename; ``isl_lease`` (``csrc/local/take.c``) opens a
+  producer's lock and publishes it by a rename (``isl_append_fd``: the same into a new file,
+  not mapped, with ``write``: a stream without retention); ``isl_lease`` (``csrc/local/take.c``) opens a
   key confined (``openat2``), takes the reader's shared lock and checks that the key still
   names the file, and ``isl_take`` waits for a frame, holds it that way and checks it in the
   reader's kept mapping (:mod:`instride.store.ring`): a frame's step on each side is one call
@@ -114,6 +115,9 @@ def _load() -> ctypes.CDLL | None:
         lib.isl_append.argtypes = [ptr, c_int, i64, ptr, ptr, i64, ctypes.c_double, ptr, c_int,
                                    c_char_p, c_char_p, c_int, c_int]
         lib.isl_append.restype = c_int
+        lib.isl_append_fd.argtypes = [ptr, c_int, i64, ptr, ptr, i64, ctypes.c_double, ptr, c_int,
+                                      c_char_p, c_char_p, c_int, c_int]
+        lib.isl_append_fd.restype = c_int
         lib.isl_lease.argtypes = [c_int, c_char_p, ptr]
         lib.isl_lease.restype = c_int
         lib.isl_take.argtypes = [c_int, c_int, ctypes.POINTER(c_char_p), c_int, ctypes.c_longlong,

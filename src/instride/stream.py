@@ -488,14 +488,15 @@ class Stream:
         if not published:  # (native: encoded, not published; the slow path names the error)
             if native is None:
                 try:
-                    encode_into(slot.mm, pos, step=step, time=time_ps, box=box,
+                    encode_into(self._pool.mapping(slot), pos, step=step, time=time_ps, box=box,
                                 layout=self.layout, ids=ids)
                 except BaseException:
                     self._pool.discard(slot)
                     raise
             self._pool.publish(slot, f"{self._frame_dir}/{FRAME_FORMAT.format(index)}", key,
                                overwrite=self.overwrite, fsync=self.client.fsync)
-        checksum = frame_checksum(header_checksum(slot.mm)) if engine.wants_checksum else None
+        checksum = frame_checksum(header_checksum(slot.mm if slot.head is None else slot.head)) \
+            if engine.wants_checksum else None
         # The frames that can go now without waiting for a group; where the stream's state is
         # shared through the metadata (cluster mode), their records go and the head counters
         # are shared in the same step as the new record: one message to Redis per frame.

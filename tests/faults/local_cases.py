@@ -141,12 +141,69 @@ def small_tmpfs(path: Path, size: str = "2m"):  # type: ignore[no-untyped-def]
         subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
 
 
+_STREAM_FILLER = textwrap.dedent("""
+    import errno, sys, numpy as np, instride
+    name, atoms, retain = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    pos = np.random.default_rng(atoms).random((atoms, 3))
+    kw = dict(retain=retain) if retain else {}
+    with instride.Stream(name, mode="w", layout="paper", **kw) as s:
+        for i in range(1000):
+            try:
+                s.append(pos, step=i)
+            except OSError as exc:
+                print("ENOSPC" if exc.errno == errno.ENOSPC else repr(exc), i, flush=True)
+                break
+        else:
+            print("full never", flush=True)
+""")
+
+
+def _stream_until_full(root: Path, res: CaseResult, t: int, rng: random.Random) -> None:
+    """A stream's producer (in its own process: a store into a mapping of a file the full
+    disk has no page for would kill it with SIGBUS) appends frames until the disk is full,
+    without retention and with it in turn; the frames before must be intact, the one that
+    failed not published, no file of the producer's pool left, and the failure an
+    ``OSError(ENOSPC)``."""
+    # (16 frames of 5,000 atoms or more: over 2 MiB, so a ring that recycles fills it too)
+    atoms, retain = rng.randrange(5_000, 20_000), 0 if t % 2 == 0 else 16
+    name = f"s{t}"
+    out = subprocess.run([sys.executable, "-c", _STREAM_FILLER, name, str(atoms), str(retain)],
+                         env={**os.environ, "INSTRIDE_DIR": str(root)}, capture_output=True,
+                         text=True, timeout=120)
+    words = out.stdout.split()
+    if out.returncode != 0 or not words or words[0] != "ENOSPC":
+        res.lost += 1
+        res.notes.append(f"trial {t}: stream producer (retain={retain}) exit status "
+                         f"{out.returncode}, said {out.stdout.strip()!r} {out.stderr[-300:]!r}")
+        return
+    failed = int(words[1])
+    frames = sorted((root / name).glob("frame_*.isf"))
+    for path in frames:
+        try:
+            frame = decode_frame(path.read_bytes(), path.name, copy=True)
+        except IntegrityError:
+            res.corrupted += 1
+            continue
+        if frame.step >= failed:
+            res.corrupted += 1  # the frame that failed (or a later one) published
+    if not frames:
+        res.notes.append(f"trial {t}: no frame before the disk was full")
+    if any("slot-" in p for p in tree(root)):
+        res.notes.append(f"trial {t}: files of the stream's pool left: {tree(root)}")
+    res.saw(f"stream append (retain={retain or None}): OSError(ENOSPC), frames before intact")
+    with contextlib.suppress(FileNotFoundError):
+        for path in (root / name).iterdir():  # make room again
+            path.unlink()
+
+
 def case_enospc(work: Path, trials: int, seed: int = 2) -> CaseResult:
-    """Fill a 2 MiB tmpfs with frames until writes fail; free space; write again.
+    """Fill a 2 MiB tmpfs with frames until writes fail; free space; write again; then fill
+    it with a stream's frames, without retention and with it in turn.
 
     Checks: a failing write raises ``OSError(ENOSPC)`` and publishes nothing (no partial
     file, no temporary file left); every frame published before is intact; after deleting
-    frames, writing works again.
+    frames, writing works again. A stream's producer gets ``OSError(ENOSPC)`` too (not a
+    ``SIGBUS``), publishes nothing of the frame that failed and leaves no pool file.
     """
     res = CaseResult("ENOSPC on a small tmpfs")
     rng = random.Random(seed)
@@ -190,6 +247,7 @@ def case_enospc(work: Path, trials: int, seed: int = 2) -> CaseResult:
             except OSError as exc:
                 res.lost += 1
                 res.notes.append(f"trial {t}: write after freeing space failed: {exc!r}")
+            _stream_until_full(root, res, t, rng)
         client.close()
     return res
 

@@ -38,7 +38,8 @@ def test_producer_sigkilled_mid_write(tmp_path: Path) -> None:
 
 def test_enospc_on_a_small_tmpfs(tmp_path: Path) -> None:
     _root()
-    _check(L.case_enospc(tmp_path, 2), "ENOSPC", "writes succeed again")
+    _check(L.case_enospc(tmp_path, 2), "ENOSPC", "writes succeed again",
+           "stream append (retain=None)", "stream append (retain=16)")
 
 
 def test_thousand_waiters_on_one_key(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from tests.conftest import finish, spawn_py
 
 def _write(pool: SlotPool, root: Path, name: str, data: bytes) -> int:
     slot = pool.take(len(data))
-    slot.mm[:] = data
+    pool.mapping(slot)[:] = data  # (a new file of a pool that does not recycle: mapped now)
     pool.publish(slot, root / name, name, overwrite=False, fsync=False)
     return slot.ino
 
@@ -637,3 +637,56 @@ def test_a_long_ring_raises_the_soft_limit_of_open_files_or_says_why_it_cannot(
         assert out.startswith("refused: bad setting RLIMIT_NOFILE=256: a stream's producer"
                               " holds 2 open files")
         assert "ulimit -Hn" in out
+
+
+def test_a_new_file_of_a_pool_that_does_not_recycle_is_written_not_mapped(tmp_path: Path) -> None:
+    """A frame file that was not made ahead (a producer flat out: the helper had no idle time)
+    is written with write(2), never mapped (isl_append_fd): the frame published is exact in
+    every layout, its header (kept in ``slot.head``) carries the record's checksum, and no
+    mapping of it exists in the process. An existing key: written, not published (False);
+    the slow path names the error and deletes the file."""
+    import xxhash
+
+    from instride.errors import KeyExistsError
+    from instride.frames import HEADER_SIZE, decode_frame, frame_size, header_checksum, native_frame
+    from instride.record import Record, frame_checksum
+
+    pool = SlotPool(tmp_path / "pool", recycle=False)
+    rng = np.random.default_rng(11)
+    cases = [("paper", 23_558, None), ("paper-soa", 70_000, None), ("xyz32", 100_003, None),
+             ("paper-soa", 1_000, np.arange(1_000, dtype=np.int32)[::-1].copy()),
+             ("paper", 500, np.arange(7, 507, dtype=np.int32)), ("paper", 0, None)]
+    for i, (layout, n, ids) in enumerate(cases):
+        pos = rng.random((n, 3)).astype(np.float32 if layout == "xyz32" else np.float64)
+        frame = native_frame(pos, step=i, time=0.25 * i, box=np.eye(3) * 9, layout=layout,
+                             ids=ids)
+        assert frame is not None
+        slot = pool.take(frame_size(n, layout))
+        assert slot.mm is None  # (a new file: written, not mapped)
+        final = tmp_path / f"f{i}"
+        assert pool.write_and_publish(slot, frame, os.fsencode(final), overwrite=False,
+                                      fsync=i % 2 == 1)
+        data = final.read_bytes()
+        assert len(data) == frame_size(n, layout)
+        got = decode_frame(data, final.name, copy=True)
+        assert got.step == i and got.time == 0.25 * i and got.header.layout == layout
+        assert np.array_equal(got.header.box, np.eye(3) * 9)
+        assert np.array_equal(got.positions, pos)
+        if layout != "xyz32":
+            assert np.array_equal(got.ids, np.arange(n) if ids is None else ids)
+        assert slot.head == data[:HEADER_SIZE]
+        rec = Record(f"s/f{i}", "o:1", len(data), frame_checksum(header_checksum(slot.head)), 1,
+                     0.0)
+        rec.verify(xxhash.xxh3_64_hexdigest(data[HEADER_SIZE:]), len(data), data)
+        assert str(final) not in Path("/proc/self/maps").read_text()
+    pos = rng.random((10, 3))
+    frame = native_frame(pos, step=1, time=0.0, box=None, layout="paper", ids=None)
+    assert frame is not None
+    slot = pool.take(frame_size(10, "paper"))
+    assert not pool.write_and_publish(slot, frame, os.fsencode(tmp_path / "f0"), overwrite=False,
+                                      fsync=False)
+    with pytest.raises(KeyExistsError):
+        pool.publish(slot, str(tmp_path / "f0"), "f0", overwrite=False, fsync=True)
+    assert decode_frame((tmp_path / "f0").read_bytes(), "f0").step == 0  # (the first kept)
+    assert _slots(tmp_path / "pool") == []
+    pool.close()

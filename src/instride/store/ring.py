@@ -39,7 +39,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from ..errors import ConfigError, FileTypeError, UnsafePathError
-from ..frames import NativeFrame
+from ..frames import HEADER_SIZE, NativeFrame
 from ..native import library
 from ..perthread import forks
 from .gc import lock_held, pid_alive
@@ -80,12 +80,17 @@ def _files_exhausted(slots: int) -> ConfigError:
 
 @dataclass
 class Slot:
-    """One frame file owned by the producer: its descriptor, mapping and current name."""
+    """One frame file owned by the producer: its descriptor, mapping and current name.
+
+    A pool that does not recycle writes its new files with ``write`` and maps none of them
+    (``mm`` is ``None``, unless the slow path mapped it: see :meth:`SlotPool.mapping`); the
+    frame's header is then kept in ``head`` once written.
+    """
 
     fd: int
     ino: int
     size: int
-    mm: mmap.mmap
+    mm: mmap.mmap | None
     pool_name: str
     path: str  # where the file is now: in the pool, or at its key once published
     pooled: bool = True  # in the pool (not published under a key)
@@ -93,14 +98,17 @@ class Slot:
     pooled_b: bytes = b""  # its path in the pool, encoded (for the native encode)
     #: a helper may be prefaulting the mapping: call before unmapping (see SpareMaker.ask)
     settle: Callable[[], None] | None = None
+    #: the frame's header as written, where the file is not mapped (``isl_append_fd``)
+    head: bytes | None = None
 
     def unmap(self) -> None:
         """Unmap, once no helper prefaults the mapping any more."""
         settle, self.settle = self.settle, None
         if settle is not None:
             settle()
-        with contextlib.suppress(BufferError, ValueError):
-            self.mm.close()
+        if self.mm is not None:
+            with contextlib.suppress(BufferError, ValueError):
+                self.mm.close()
 
     def close(self) -> None:
         """Unmap and close (the file itself stays where it is)."""
@@ -112,6 +120,26 @@ class Slot:
 #: madvise(MADV_POPULATE_WRITE) (Linux 5.14; not among Python 3.11's mmap constants)
 _MADV_POPULATE_WRITE = 23
 _prefaults: list[bool] = []
+
+
+def _allocate(fd: int, size: int, path: str) -> None:
+    """Allocate the first ``size`` bytes of the file ``fd`` (``path``) before it is mapped: a
+    store into a mapping of a sparse file on a full file system is a ``SIGBUS``, which kills
+    the producer; allocating says ``ENOSPC`` first.
+
+    Raises
+    ------
+    OSError
+        The file system is full (``ENOSPC``), or another error of ``posix_fallocate``; its
+        message names the file.
+    """
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # (a file system without it)
+            os.ftruncate(fd, size)
+            return
+        raise OSError(exc.errno, f"{exc.strerror} (a frame file of {size} bytes)", path) from None
 
 
 def prefault_works() -> bool:
@@ -153,7 +181,13 @@ class SlotPool:
         pooled file can be renamed to its key).
     recycle
         Reuse retired files (streams with retention); otherwise every frame gets a new file
-        and retired files are deleted.
+        and retired files are deleted. A new file that was not made ahead (see
+        :meth:`prepare`: a producer flat out leaves the helper no idle time) is then written
+        with ``write``, not mapped (where the native library is loaded): on a VM, mapping a
+        new file, faulting in its pages and unmapping it cost about twice what writing it
+        does. A recycling pool allocates a new file's pages before mapping it. Either way a
+        full file system is an ``OSError`` (``ENOSPC``), never a ``SIGBUS`` on a store into
+        a mapping.
     """
 
     def __init__(self, pool_dir: Path, *, recycle: bool) -> None:
@@ -177,10 +211,15 @@ class SlotPool:
         lib = library()
         #: the native encode (a NativeFrame is only made where the library is loaded)
         self._append: Callable[..., int] = lib.isl_append if lib is not None else _no_library
+        #: the native encode into a file that is not mapped (a pool that does not recycle)
+        self._append_fd: Callable[..., int] | None = \
+            getattr(lib, "isl_append_fd", None) if lib is not None and not recycle else None
+        self._head = (ctypes.c_char * HEADER_SIZE)()  # (what it writes as the header)
 
     # ------------------------------------------------------------------ writing
     def take(self, size: int) -> Slot:
-        """A file of ``size`` bytes, mapped writable, that no reader holds (exclusive lock).
+        """A file of ``size`` bytes, mapped writable (or, a new file of a pool that does not
+        recycle, not mapped: see the class), that no reader holds (exclusive lock).
 
         Reuses the retired file :meth:`prepare` locked, else the longest-retired file nobody
         holds, else the file :meth:`prepare` made and mapped; makes a new file when there is
@@ -259,7 +298,7 @@ class SlotPool:
             path = f"{self._pool_s}/slot-{self._owner}-{self._made}"
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-                return self._adopt(path, fd, size, made=False)
+                return self._adopt(path, fd, size, made=False, map_=self._append_fd is None)
             except OSError as exc:
                 # Each frame kept holds two descriptors (its file, and the mapping's own
                 # copy): a ring of hundreds of frames can reach a soft limit of 1024.
@@ -270,30 +309,43 @@ class SlotPool:
         raise _files_exhausted(len(self._slots))
 
     def _adopt(self, path: str, fd: int, size: int, *, made: bool = True,
-               populate: bool = True) -> Slot:
+               populate: bool = True, map_: bool = True) -> Slot:
         """Take the new file ``path`` (open as ``fd``) as a slot of ``size`` bytes; ``made``:
         its pages were allocated ahead (:mod:`~instride.store.spare`), mapped at once (their
-        page tables filled now, unless not ``populate``)."""
+        page tables filled now, unless not ``populate``); else allocated now, before it is
+        mapped; not ``map_``: neither (it is written with ``write``: ``isl_append_fd``)."""
         try:
-            if not made:
-                os.ftruncate(fd, size)
+            if not made and map_:
+                _allocate(fd, size, path)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED
-                           | (_POPULATE if made and populate else 0))
+                           | (_POPULATE if made and populate else 0)) if map_ else None
         except BaseException:
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             raise
         slot = Slot(fd, os.fstat(fd).st_ino, size, mm, os.path.basename(path), path,
-                    addr=_address(mm), pooled_b=os.fsencode(path))
+                    addr=0 if mm is None else _address(mm), pooled_b=os.fsencode(path))
         self._slots[slot.ino] = slot
         return slot
+
+    @staticmethod
+    def mapping(slot: Slot) -> mmap.mmap:
+        """``slot``'s mapping, made now (its file sized first) where it has none: for the
+        encode of the slow path (no native library, or positions it does not take)."""
+        if slot.mm is None:
+            _allocate(slot.fd, slot.size, slot.path)
+            slot.mm = mmap.mmap(slot.fd, slot.size)
+            slot.addr = _address(slot.mm)
+        return slot.mm
 
     @staticmethod
     def _resize(slot: Slot, size: int) -> None:
         slot.unmap()
         os.ftruncate(slot.fd, size)
+        if size > slot.size:  # (the pages it grew by: allocated, as a new file's are)
+            _allocate(slot.fd, size, slot.path)
         slot.mm = mmap.mmap(slot.fd, size)
         slot.size = size
         slot.addr = _address(slot.mm)
@@ -308,7 +360,10 @@ class SlotPool:
         names it.
         """
         if fsync:
-            slot.mm.flush()
+            if slot.mm is not None:
+                slot.mm.flush()
+            else:
+                os.fsync(slot.fd)
         stamp(slot.fd)
         fcntl.flock(slot.fd, fcntl.LOCK_UN)
         self._publish(slot, final, key, overwrite=overwrite)
@@ -318,14 +373,33 @@ class SlotPool:
         """Encode ``frame`` into the pooled ``slot`` and publish it as :meth:`publish` does,
         in one native call (``isl_append``: no interpreter between the bytes and the rename).
 
+        A slot that is not mapped is written with ``write`` (``isl_append_fd``); its header
+        is kept in ``slot.head``.
+
         Returns
         -------
         bool
             Whether it is published. ``False``: encoded, not published (the rename failed, or
             the flush): the caller publishes it with :meth:`publish`, which names the error.
+
+        Raises
+        ------
+        OSError
+            A slot that is not mapped could not be written or flushed (``ENOSPC``, ``EIO``):
+            its file is deleted, nothing is published.
         """
-        rc = self._append(slot.addr, *frame.args, slot.fd, slot.pooled_b, final,
-                          0 if overwrite else 1, 1 if fsync else 0)
+        noreplace, sync = 0 if overwrite else 1, 1 if fsync else 0
+        if slot.mm is not None or self._append_fd is None:
+            rc = self._append(slot.addr, *frame.args, slot.fd, slot.pooled_b, final, noreplace,
+                              sync)
+            return self._published_if(rc == 0, slot, final)
+        rc = self._append_fd(self._head, *frame.args, slot.fd, slot.pooled_b, final, noreplace,
+                             sync)
+        if rc > 0:  # (not written: an incomplete file, which must not be published)
+            self.discard(slot)
+            raise OSError(rc, f"{os.strerror(rc)} (the frame was not published)",
+                          os.fsdecode(final))
+        slot.head = self._head.raw
         return self._published_if(rc == 0, slot, final)
 
     def _published_if(self, published: bool, slot: Slot, final: bytes) -> bool:
