@@ -681,6 +681,8 @@ class Stream:
                 self._start_producing()
             if self._unconfirmed:
                 self._confirm_records(all_=True)
+            if self._pool is not None:  # (the room of files made ahead, for the end marker)
+                self._pool.drop_made()
             body = json.dumps({"frames": self._written}).encode()
             with self.client.open(self.end_key, "wb", overwrite=self.overwrite) as fh:
                 fh.write(body)

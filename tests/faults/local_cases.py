@@ -146,51 +146,82 @@ _STREAM_FILLER = textwrap.dedent("""
     name, atoms, retain = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     pos = np.random.default_rng(atoms).random((atoms, 3))
     kw = dict(retain=retain) if retain else {}
+
+    def append(s, i):
+        try:
+            s.append(pos, step=i)
+            return "ok"
+        except OSError as exc:
+            return "ENOSPC" if exc.errno == errno.ENOSPC else repr(exc)
+
     with instride.Stream(name, mode="w", layout="paper", **kw) as s:
-        for i in range(1000):
-            try:
-                s.append(pos, step=i)
-            except OSError as exc:
-                print("ENOSPC" if exc.errno == errno.ENOSPC else repr(exc), i, flush=True)
-                break
-        else:
-            print("full never", flush=True)
+        i = 0
+        while i < 1000 and (said := append(s, i)) == "ok":
+            i += 1
+        print(said, i, flush=True)
+        sys.stdin.readline()  # (room made meanwhile: the same frame again)
+        print(append(s, i), i, flush=True)
 """)
+#: bytes the ENOSPC case's stream part keeps of the 2 MiB disk until its producer finds it
+#: full: room enough, once deleted, for the frame that failed (560 KB at most), the next
+#: frame's file made ahead (as large) and the end marker
+_BALLAST = 1_300_000
 
 
 def _stream_until_full(root: Path, res: CaseResult, t: int, rng: random.Random) -> None:
     """A stream's producer (in its own process: a store into a mapping of a file the full
     disk has no page for would kill it with SIGBUS) appends frames until the disk is full,
-    without retention and with it in turn; the frames before must be intact, the one that
-    failed not published, no file of the producer's pool left, and the failure an
-    ``OSError(ENOSPC)``."""
+    without retention and with it in turn: the failure must be an ``OSError(ENOSPC)``, the
+    frames before intact, the one that failed not published; once room is made (a ballast
+    file deleted) the same frame must go; no file of the producer's pool may be left."""
     # (16 frames of 5,000 atoms or more: over 2 MiB, so a ring that recycles fills it too)
     atoms, retain = rng.randrange(5_000, 20_000), 0 if t % 2 == 0 else 16
-    name = f"s{t}"
-    out = subprocess.run([sys.executable, "-c", _STREAM_FILLER, name, str(atoms), str(retain)],
-                         env={**os.environ, "INSTRIDE_DIR": str(root)}, capture_output=True,
-                         text=True, timeout=120)
-    words = out.stdout.split()
-    if out.returncode != 0 or not words or words[0] != "ENOSPC":
+    name, ballast = f"s{t}", root / f"ballast{t}.bin"
+    try:
+        ballast.write_bytes(b"\0" * _BALLAST)
+    except OSError as exc:
+        st = os.statvfs(root)
+        res.notes.append(f"trial {t}: no room for the ballast ({exc!r}; "
+                         f"{st.f_bavail * st.f_frsize} bytes free; {tree(root)})")
+        return
+    proc = subprocess.Popen([sys.executable, "-c", _STREAM_FILLER, name, str(atoms), str(retain)],
+                            env={**os.environ, "INSTRIDE_DIR": str(root)}, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    first = proc.stdout.readline().split()
+    ballast.unlink()
+    with contextlib.suppress(BrokenPipeError):
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    again = proc.stdout.readline().split()
+    try:
+        _out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _out, err = proc.communicate()
+        res.hangs += 1
+    if proc.returncode != 0 or first[:1] != ["ENOSPC"] or again[:1] != ["ok"]:
         res.lost += 1
         res.notes.append(f"trial {t}: stream producer (retain={retain}) exit status "
-                         f"{out.returncode}, said {out.stdout.strip()!r} {out.stderr[-300:]!r}")
+                         f"{proc.returncode}, said {first} then {again}, {err[-300:]!r}")
         return
-    failed = int(words[1])
-    frames = sorted((root / name).glob("frame_*.isf"))
-    for path in frames:
+    failed = int(first[1])
+    steps = []
+    for path in sorted((root / name).glob("frame_*.isf")):
         try:
-            frame = decode_frame(path.read_bytes(), path.name, copy=True)
+            steps.append(decode_frame(path.read_bytes(), path.name, copy=True).step)
         except IntegrityError:
             res.corrupted += 1
-            continue
-        if frame.step >= failed:
-            res.corrupted += 1  # the frame that failed (or a later one) published
-    if not frames:
-        res.notes.append(f"trial {t}: no frame before the disk was full")
+    # every frame before the one that failed (those a ring kept), then that one, made again
+    kept = list(range(0, failed)) if not retain else list(range(max(0, failed + 1 - retain),
+                                                                 failed))
+    if steps != kept + [failed]:
+        res.corrupted += 1
+        res.notes.append(f"trial {t}: frames {steps} published, expected {kept + [failed]}")
     if any("slot-" in p for p in tree(root)):
         res.notes.append(f"trial {t}: files of the stream's pool left: {tree(root)}")
-    res.saw(f"stream append (retain={retain or None}): OSError(ENOSPC), frames before intact")
+    res.saw(f"stream append (retain={retain or None}): OSError(ENOSPC), frames before intact,"
+            " the frame goes once room is made")
     with contextlib.suppress(FileNotFoundError):
         for path in (root / name).iterdir():  # make room again
             path.unlink()

@@ -237,7 +237,18 @@ class SlotPool:
             if mapped.size == size:
                 return mapped
             self.discard(mapped)
-        return self._new(size)
+        if self._append_fd is not None:  # (written, not mapped: a file made since serves)
+            self._made += 1
+            path = f"{self._pool_s}/slot-{self._owner}-{self._made}"
+            fd = self._spare.take(size, path)
+            if fd is not None:
+                return self._adopt(path, fd, size, map_=False)
+        try:
+            return self._new(size)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                self.drop_made()  # (a file being made ahead would take the room freed next)
+            raise
 
     def _lock_free(self) -> Slot | None:
         """The longest-retired file no reader holds, locked exclusively; ``None``: none."""
@@ -397,6 +408,8 @@ class SlotPool:
                              sync)
         if rc > 0:  # (not written: an incomplete file, which must not be published)
             self.discard(slot)
+            if rc == errno.ENOSPC:
+                self.drop_made()  # (a file being made ahead would take the room freed next)
             raise OSError(rc, f"{os.strerror(rc)} (the frame was not published)",
                           os.fsdecode(final))
         slot.head = self._head.raw
@@ -421,6 +434,15 @@ class SlotPool:
         if not self.recycle:  # never rewritten nor retired by us: let go of it soon (an
             self._slots.pop(slot.ino, None)  # unbounded stream would otherwise hold a
             self._published.append(slot)  # descriptor and a mapping per frame, until EMFILE)
+
+    def drop_made(self) -> None:
+        """Give up the files made ahead — the one mapped for the next frame, the one a helper
+        is making — so that the room they hold goes back to the file system (a producer whose
+        disk is full, or that writes its end marker last)."""
+        mapped, self._mapped = self._mapped, None
+        if mapped is not None:
+            self.discard(mapped)
+        self._spare.close()
 
     def release_published(self) -> None:
         """Close the files of a pool that does not recycle, once published.
