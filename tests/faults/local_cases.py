@@ -142,7 +142,7 @@ def small_tmpfs(path: Path, size: str = "2m"):  # type: ignore[no-untyped-def]
 
 
 _STREAM_FILLER = textwrap.dedent("""
-    import errno, sys, numpy as np, instride
+    import contextlib, errno, os, sys, numpy as np, instride
     name, atoms, retain = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     pos = np.random.default_rng(atoms).random((atoms, 3))
     kw = dict(retain=retain) if retain else {}
@@ -158,7 +158,21 @@ _STREAM_FILLER = textwrap.dedent("""
         i = 0
         while i < 1000 and (said := append(s, i)) == "ok":
             i += 1
-        print(said, i, flush=True)
+        # the disk full to its last page: a new stream (its state, its first frame) says
+        # ENOSPC too
+        filler = os.path.join(os.environ["INSTRIDE_DIR"], "filler.bin")
+        with open(filler, "wb", buffering=0) as fh:
+            with contextlib.suppress(OSError):
+                while True:
+                    fh.write(bytes(4096))
+        try:
+            with instride.Stream(name + "-new", mode="w", layout="paper") as new:
+                new.append(pos, step=0)
+            other = "ok"
+        except OSError as exc:
+            other = "ENOSPC" if exc.errno == errno.ENOSPC else repr(exc)
+        os.unlink(filler)
+        print(said, i, other, flush=True)
         sys.stdin.readline()  # (room made meanwhile: the same frame again)
         print(append(s, i), i, flush=True)
 """)
@@ -200,7 +214,8 @@ def _stream_until_full(root: Path, res: CaseResult, t: int, rng: random.Random) 
         proc.kill()
         _out, err = proc.communicate()
         res.hangs += 1
-    if proc.returncode != 0 or first[:1] != ["ENOSPC"] or again[:1] != ["ok"]:
+    if proc.returncode != 0 or first[:1] != ["ENOSPC"] or first[2:] != ["ENOSPC"] \
+            or again[:1] != ["ok"]:
         res.lost += 1
         res.notes.append(f"trial {t}: stream producer (retain={retain}) exit status "
                          f"{proc.returncode}, said {first} then {again}, {err[-300:]!r}")

@@ -124,7 +124,9 @@ class Head:
         fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
         try:
             if writable and os.fstat(fd).st_size < _HEAD.size:
-                os.ftruncate(fd, _HEAD.size)
+                # allocated, not sized sparse: a store into the mapping of a page a full file
+                # system cannot provide is a SIGBUS; this says ENOSPC first
+                os.posix_fallocate(fd, 0, _HEAD.size)
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             self._mm = mmap.mmap(fd, _HEAD.size, prot=prot)
         finally:
