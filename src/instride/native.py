@@ -12,12 +12,12 @@ Each is one call (ctypes releases the GIL):
   mapping of the file made before (:mod:`instride.store.spare`);
 * ``isl_append`` (``csrc/local/frame.c``) encodes a frame into its mapped file, drops the
   producer's lock and publishes it by a rename (``isl_append_fd``: the same into a new file,
-  not mapped, with ``write``: a stream without retention); ``isl_lease`` (``csrc/local/take.c``) opens a
-  key confined (``openat2``), takes the reader's shared lock and checks that the key still
-  names the file, and ``isl_take`` waits for a frame, holds it that way and checks it in the
-  reader's kept mapping (:mod:`instride.store.ring`): a frame's step on each side is one call
-  instead of the interpreter between system calls, which a paced producer or reader runs
-  cold.
+  not mapped, with ``write``: a stream without retention); ``isl_lease``
+  (``csrc/local/take.c``) opens a key confined (``openat2``), takes the reader's shared lock
+  and checks that the key still names the file, and ``isl_take`` waits for a frame, holds
+  it that way and checks it in the reader's kept mapping (:mod:`instride.store.ring`): a
+  frame's step on each side is one call instead of the interpreter between system calls,
+  which a paced producer or reader runs cold.
 
 The package build always makes the library; where it is missing or cannot be loaded (or is a
 stale build without a function called here), :func:`library` returns ``None`` and the callers
