@@ -167,3 +167,40 @@ def test_unbounded_stream_holds_no_descriptor_per_frame(managed_dir: Path) -> No
     assert int(out.split()[-1]) < 64  # open descriptors at the end
     got = instride.Stream("long")
     assert [f.step for f in got] == list(range(600))
+
+
+@pytest.mark.parametrize("retain", [None, 4])
+def test_a_frame_the_file_system_refuses_is_an_oserror_and_the_next_one_goes(
+        managed_dir: Path, retain: int | None) -> None:
+    """A frame file the file system refuses (here: over the process's file size limit,
+    EFBIG; a full disk is ENOSPC the same way) is an OSError naming the frame file, never a
+    SIGBUS: nothing of it is published, no file of the producer's pool is left, and the next
+    frame — smaller, under the limit — is published under the same index. In a process of its
+    own (the limit; a SIGBUS would kill it)."""
+    code = textwrap.dedent(
+        """
+        import errno, resource, sys, numpy as np, instride
+        retain = None if sys.argv[1] == "None" else int(sys.argv[1])
+        kw = {} if retain is None else dict(retain=retain)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # (Python ignores SIGXFSZ)
+        with instride.Stream("big", mode="w", layout="paper", **kw) as s:
+            try:
+                s.append(np.random.default_rng(0).random((23_558, 3)), step=1)
+                print("appended")
+            except OSError as exc:
+                print(errno.errorcode[exc.errno], exc.filename)
+            s.append(np.ones((100, 3)), step=2)
+        """
+    )
+    proc = spawn_py(code.replace("sys.argv[1]", repr(str(retain))))
+    rc, out, err = finish(proc)
+    assert rc == 0, err
+    said, where = out.split()
+    assert said == "EFBIG" and where.endswith("big/frame_000000000.isf")
+    frames = sorted((managed_dir / "big").glob("frame_*.isf"))
+    assert [f.name for f in frames] == ["frame_000000000.isf"]
+    got = instride.frames.decode_frame(frames[0].read_bytes(), frames[0].name)
+    assert got.step == 2 and got.positions.shape == (100, 3)
+    pools = list((managed_dir / ".instride").rglob("slot-*"))
+    assert pools == [], pools
+    assert [f.step for f in instride.Stream("big", timeout=5)] == [2]

@@ -32,6 +32,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -188,13 +189,41 @@ static int put(int fd, const unsigned char *buf, size_t n, off_t off, XXH3_state
     return 0;
 }
 
-/* The payload of a frame written to fd from HEADER_SIZE on: the arrays' own bytes where the
- * layout stores them as they are (xyz32, paper-soa coordinates), else encoded a chunk at a
- * time into buf (CHUNK bytes). Returns 0 or errno; *nbytes and *digest: the payload's. */
-static int write_payload(int fd, unsigned char *buf, int layout, int64_t natoms,
-                         const void *pos, const int32_t *ids, uint64_t *nbytes,
-                         uint64_t *digest)
+/* A thread's encode buffer (CHUNK bytes), kept while the thread lives (warm in the cache) and
+ * freed when it exits; NULL when it cannot be had. */
+static pthread_key_t buf_key;
+static pthread_once_t buf_once = PTHREAD_ONCE_INIT;
+static int buf_keyed;
+
+static void make_buf_key(void)
 {
+    buf_keyed = pthread_key_create(&buf_key, free) == 0;
+}
+
+static unsigned char *thread_buf(void)
+{
+    pthread_once(&buf_once, make_buf_key);
+    if (!buf_keyed)
+        return NULL;
+    unsigned char *buf = pthread_getspecific(buf_key);
+    if (buf == NULL && (buf = malloc(CHUNK)) != NULL && pthread_setspecific(buf_key, buf) != 0) {
+        free(buf);
+        buf = NULL;
+    }
+    return buf;
+}
+
+/* The payload of a frame written to fd from HEADER_SIZE on: the arrays' own bytes where the
+ * layout stores them as they are (xyz32, paper-soa coordinates and given ids), else encoded a
+ * chunk at a time into the thread's buffer (CHUNK bytes). Returns 0 or errno; *nbytes and
+ * *digest: the payload's. */
+static int write_payload(int fd, int layout, int64_t natoms, const void *pos,
+                         const int32_t *ids, uint64_t *nbytes, uint64_t *digest)
+{
+    unsigned char *buf = NULL;
+    if ((layout == LAYOUT_PAPER || (layout == LAYOUT_SOA && ids == NULL)) && natoms > 0
+        && (buf = thread_buf()) == NULL)
+        return ENOMEM;
     XXH3_state_t st;
     XXH3_64bits_reset(&st);
     off_t off = HEADER_SIZE;
@@ -249,13 +278,10 @@ ISL_EXPORT int isl_append_fd(unsigned char *head, int layout, int64_t natoms, co
                              int fd, const char *src, const char *dst_path, int noreplace,
                              int sync)
 {
-    static __thread unsigned char *buf; /* (one per thread, kept: warm in the cache) */
     if (layout != LAYOUT_XYZ32 && layout != LAYOUT_PAPER && layout != LAYOUT_SOA)
         return EINVAL;
-    if (buf == NULL && (buf = malloc(CHUNK)) == NULL)
-        return ENOMEM;
     uint64_t nbytes, digest;
-    int rc = write_payload(fd, buf, layout, natoms, pos, ids, &nbytes, &digest);
+    int rc = write_payload(fd, layout, natoms, pos, ids, &nbytes, &digest);
     if (rc != 0)
         return rc;
     header(head, layout, natoms, step, time, box, nbytes, digest);

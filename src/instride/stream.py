@@ -478,7 +478,13 @@ class Stream:
             most = self._retirable(nbytes, look=False)
             self._confirm_records(all_=False, before=self._retained[most - 1][0] + 1
                                   if most else 0)
-        slot = self._pool.take(nbytes)
+        try:
+            slot = self._pool.take(nbytes)
+        except OSError as exc:  # (no room for its file, in the pool: named by the frame's)
+            if type(exc) is not OSError or exc.errno is None:
+                raise
+            raise OSError(exc.errno, f"{exc.strerror} (the frame was not published)",
+                          os.fsdecode(self._final_b % index)) from None
         # one native call encodes and publishes; in cluster mode the record's checksum is the
         # frame's own header checksum ("isf:", see instride.record): no pass over the frame
         published = native is not None and self._pool.write_and_publish(

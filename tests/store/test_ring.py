@@ -694,3 +694,28 @@ def test_a_new_file_of_a_pool_that_does_not_recycle_is_written_not_mapped(tmp_pa
     assert decode_frame((tmp_path / "f0").read_bytes(), "f0").step == 0  # (the first kept)
     assert _slots(tmp_path / "pool") == []
     pool.close()
+
+
+def test_a_file_made_ahead_serves_a_written_frame_at_once(tmp_path: Path) -> None:
+    """A file the helper made (allocated) while nothing was mapped for the next frame is taken
+    by the next frame at once, not mapped, and written in place: no second file is made."""
+    from instride.frames import decode_frame, frame_size, native_frame
+
+    size = frame_size(5_000, "paper")
+    pool = SlotPool(tmp_path / "pool", recycle=False)
+    pool.prepare(size)  # (nothing made yet: the helper asked for one)
+    _until(lambda: pool.spare_ready)
+    slot = pool.take(size)
+    assert slot.mm is None and not pool.spare_ready  # the file made, taken unmapped
+    st = os.fstat(slot.fd)
+    assert st.st_size == size and st.st_blocks * 512 >= size  # (allocated ahead, in place)
+    pos = np.random.default_rng(3).random((5_000, 3))
+    frame = native_frame(pos, step=5, time=0.0, box=None, layout="paper", ids=None)
+    assert frame is not None
+    assert pool.write_and_publish(slot, frame, os.fsencode(tmp_path / "f"), overwrite=False,
+                                  fsync=False)
+    assert os.stat(tmp_path / "f").st_ino == st.st_ino
+    got = decode_frame((tmp_path / "f").read_bytes(), "f")
+    assert got.step == 5 and np.array_equal(got.positions, pos)
+    assert _slots(tmp_path / "pool") == []
+    pool.close()

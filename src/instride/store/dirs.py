@@ -3,6 +3,7 @@ the checksum of a file in it."""
 
 from __future__ import annotations
 
+import errno
 import io
 import mmap
 import os
@@ -71,3 +72,30 @@ def file_checksum(path: str | Path) -> str:
 
 
 __all__ = ["ensure_private_dir", "file_checksum", "file_system_type"]
+
+
+#: errors of a file system out of room: the disk is full, or the user's quota is
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+
+
+def allocate(fd: int, size: int, path: str | os.PathLike[str]) -> None:
+    """Allocate the first ``size`` bytes of the file ``fd`` (``path``) before it is mapped
+    writable: a store into a mapping of a sparse file on a full file system is a ``SIGBUS``,
+    which kills the process; allocating says ``ENOSPC`` (or ``EDQUOT``) first. Where the file
+    system cannot allocate ahead (``EOPNOTSUPP``, ``EINVAL``: musl passes them through), the
+    file is only sized, as before. (On a copy-on-write file system, btrfs or ZFS, an
+    allocated file can still run out of room when it is overwritten.)
+
+    Raises
+    ------
+    OSError
+        The file system is out of room, or another error of ``posix_fallocate``; its message
+        names the file.
+    """
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # (a file system without it)
+            os.ftruncate(fd, size)
+            return
+        raise OSError(exc.errno, f"{exc.strerror} (a file of {size} bytes)", str(path)) from None

@@ -42,6 +42,7 @@ from ..errors import ConfigError, FileTypeError, UnsafePathError
 from ..frames import HEADER_SIZE, NativeFrame
 from ..native import library
 from ..perthread import forks
+from .dirs import NO_ROOM, allocate
 from .gc import lock_held, pid_alive
 from .publish import publish_file
 from .spare import SpareMaker
@@ -122,26 +123,6 @@ _MADV_POPULATE_WRITE = 23
 _prefaults: list[bool] = []
 
 
-def _allocate(fd: int, size: int, path: str) -> None:
-    """Allocate the first ``size`` bytes of the file ``fd`` (``path``) before it is mapped: a
-    store into a mapping of a sparse file on a full file system is a ``SIGBUS``, which kills
-    the producer; allocating says ``ENOSPC`` first.
-
-    Raises
-    ------
-    OSError
-        The file system is full (``ENOSPC``), or another error of ``posix_fallocate``; its
-        message names the file.
-    """
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # (a file system without it)
-            os.ftruncate(fd, size)
-            return
-        raise OSError(exc.errno, f"{exc.strerror} (a frame file of {size} bytes)", path) from None
-
-
 def prefault_works() -> bool:
     """Whether this kernel fills a mapping's page tables on request (MADV_POPULATE_WRITE):
     only then is a new frame file mapped without them, for a helper to fill."""
@@ -186,8 +167,9 @@ class SlotPool:
         with ``write``, not mapped (where the native library is loaded): on a VM, mapping a
         new file, faulting in its pages and unmapping it cost about twice what writing it
         does. A recycling pool allocates a new file's pages before mapping it. Either way a
-        full file system is an ``OSError`` (``ENOSPC``), never a ``SIGBUS`` on a store into
-        a mapping.
+        full file system is an ``OSError`` (``ENOSPC``, ``EDQUOT``), not a ``SIGBUS`` on a
+        store into a mapping (on file systems that write in place: tmpfs, ext4, xfs; a
+        copy-on-write one, btrfs or ZFS, can still run out of room under a mapping).
     """
 
     def __init__(self, pool_dir: Path, *, recycle: bool) -> None:
@@ -230,7 +212,13 @@ class SlotPool:
             slot = self._lock_free()
         if slot is not None:
             if slot.size != size:
-                self._resize(slot, size)
+                try:
+                    self._resize(slot, size)
+                except OSError as exc:  # (no room to grow it: the file goes, its room back)
+                    self.discard(slot)
+                    if exc.errno in NO_ROOM:
+                        self.drop_made()
+                    raise
             return slot
         mapped, self._mapped = self._mapped, None
         if mapped is not None:
@@ -246,7 +234,7 @@ class SlotPool:
         try:
             return self._new(size)
         except OSError as exc:
-            if exc.errno == errno.ENOSPC:
+            if exc.errno in NO_ROOM:
                 self.drop_made()  # (a file being made ahead would take the room freed next)
             raise
 
@@ -327,7 +315,7 @@ class SlotPool:
         mapped; not ``map_``: neither (it is written with ``write``: ``isl_append_fd``)."""
         try:
             if not made and map_:
-                _allocate(fd, size, path)
+                allocate(fd, size, path)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED
                            | (_POPULATE if made and populate else 0)) if map_ else None
@@ -341,12 +329,16 @@ class SlotPool:
         self._slots[slot.ino] = slot
         return slot
 
-    @staticmethod
-    def mapping(slot: Slot) -> mmap.mmap:
-        """``slot``'s mapping, made now (its file sized first) where it has none: for the
+    def mapping(self, slot: Slot) -> mmap.mmap:
+        """``slot``'s mapping, made now (its file allocated first) where it has none: for the
         encode of the slow path (no native library, or positions it does not take)."""
         if slot.mm is None:
-            _allocate(slot.fd, slot.size, slot.path)
+            try:
+                allocate(slot.fd, slot.size, slot.path)
+            except OSError as exc:
+                if exc.errno in NO_ROOM:
+                    self.drop_made()
+                raise
             slot.mm = mmap.mmap(slot.fd, slot.size)
             slot.addr = _address(slot.mm)
         return slot.mm
@@ -356,7 +348,7 @@ class SlotPool:
         slot.unmap()
         os.ftruncate(slot.fd, size)
         if size > slot.size:  # (the pages it grew by: allocated, as a new file's are)
-            _allocate(slot.fd, size, slot.path)
+            allocate(slot.fd, size, slot.path)
         slot.mm = mmap.mmap(slot.fd, size)
         slot.size = size
         slot.addr = _address(slot.mm)
@@ -408,7 +400,7 @@ class SlotPool:
                              sync)
         if rc > 0:  # (not written: an incomplete file, which must not be published)
             self.discard(slot)
-            if rc == errno.ENOSPC:
+            if rc in NO_ROOM:
                 self.drop_made()  # (a file being made ahead would take the room freed next)
             raise OSError(rc, f"{os.strerror(rc)} (the frame was not published)",
                           os.fsdecode(final))

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import ConfigError, GroupBusy, GroupLeaseLost
+from .dirs import allocate
 
 POLICIES = ("block", "drop-oldest", "latest")
 _GROUP_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\Z")
@@ -124,9 +125,7 @@ class Head:
         fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
         try:
             if writable and os.fstat(fd).st_size < _HEAD.size:
-                # allocated, not sized sparse: a store into the mapping of a page a full file
-                # system cannot provide is a SIGBUS; this says ENOSPC first
-                os.posix_fallocate(fd, 0, _HEAD.size)
+                allocate(fd, _HEAD.size, path)  # (not sparse: a full disk is ENOSPC, not SIGBUS)
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             self._mm = mmap.mmap(fd, _HEAD.size, prot=prot)
         finally:
