@@ -202,6 +202,8 @@ def _stream_until_full(root: Path, res: CaseResult, t: int, rng: random.Random) 
                             env={**os.environ, "INSTRIDE_DIR": str(root)}, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
+    deadline = threading.Timer(120, proc.kill)  # (a producer that hangs: its lines end)
+    deadline.start()
     first = proc.stdout.readline().split()
     ballast.unlink()
     with contextlib.suppress(BrokenPipeError):
@@ -213,6 +215,8 @@ def _stream_until_full(root: Path, res: CaseResult, t: int, rng: random.Random) 
     except subprocess.TimeoutExpired:
         proc.kill()
         _out, err = proc.communicate()
+    deadline.cancel()
+    if proc.returncode == -signal.SIGKILL:
         res.hangs += 1
     if proc.returncode != 0 or first[:1] != ["ENOSPC"] or first[2:] != ["ENOSPC"] \
             or again[:1] != ["ok"]:
