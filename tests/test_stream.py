@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -26,9 +28,6 @@ PRODUCER = textwrap.dedent(
 
 
 def _producer(name: str, n: int, delay: float) -> object:
-    import subprocess
-    import sys
-
     return subprocess.Popen([sys.executable, "-c", PRODUCER, name, str(n), str(delay)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -192,7 +191,8 @@ def test_a_frame_the_file_system_refuses_is_an_oserror_and_the_next_one_goes(
             s.append(np.ones((100, 3)), step=2)
         """
     )
-    proc = spawn_py(code.replace("sys.argv[1]", repr(str(retain))))
+    proc = subprocess.Popen([sys.executable, "-c", code, str(retain)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
     rc, out, err = finish(proc)
     assert rc == 0, err
     said, where = out.split()
