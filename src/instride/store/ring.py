@@ -31,7 +31,7 @@ import stat
 import time
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Protocol
@@ -213,11 +213,10 @@ class SlotPool:
         if slot is not None:
             if slot.size != size:
                 try:
-                    self._resize(slot, size)
-                except OSError as exc:  # (no room to grow it: the file goes, its room back)
+                    with self._out_of_room():
+                        self._resize(slot, size)
+                except OSError:  # (not grown: the file goes, its room back)
                     self.discard(slot)
-                    if exc.errno in NO_ROOM:
-                        self.drop_made()
                     raise
             return slot
         mapped, self._mapped = self._mapped, None
@@ -231,12 +230,8 @@ class SlotPool:
             fd = self._spare.take(size, path)
             if fd is not None:
                 return self._adopt(path, fd, size, map_=False)
-        try:
+        with self._out_of_room():
             return self._new(size)
-        except OSError as exc:
-            if exc.errno in NO_ROOM:
-                self.drop_made()  # (a file being made ahead would take the room freed next)
-            raise
 
     def _lock_free(self) -> Slot | None:
         """The longest-retired file no reader holds, locked exclusively; ``None``: none."""
@@ -333,12 +328,8 @@ class SlotPool:
         """``slot``'s mapping, made now (its file allocated first) where it has none: for the
         encode of the slow path (no native library, or positions it does not take)."""
         if slot.mm is None:
-            try:
+            with self._out_of_room():
                 allocate(slot.fd, slot.size, slot.path)
-            except OSError as exc:
-                if exc.errno in NO_ROOM:
-                    self.drop_made()
-                raise
             slot.mm = mmap.mmap(slot.fd, slot.size)
             slot.addr = _address(slot.mm)
         return slot.mm
@@ -401,7 +392,7 @@ class SlotPool:
         if rc > 0:  # (not written: an incomplete file, which must not be published)
             self.discard(slot)
             if rc in NO_ROOM:
-                self.drop_made()  # (a file being made ahead would take the room freed next)
+                self.drop_made()  # (see _out_of_room)
             raise OSError(rc, f"{os.strerror(rc)} (the frame was not published)",
                           os.fsdecode(final))
         slot.head = self._head.raw
@@ -426,6 +417,17 @@ class SlotPool:
         if not self.recycle:  # never rewritten nor retired by us: let go of it soon (an
             self._slots.pop(slot.ino, None)  # unbounded stream would otherwise hold a
             self._published.append(slot)  # descriptor and a mapping per frame, until EMFILE)
+
+    @contextlib.contextmanager
+    def _out_of_room(self) -> Iterator[None]:
+        """Give up the files made ahead when the block finds the file system out of room: a
+        file being made ahead would take the room freed next (see :meth:`drop_made`)."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno in NO_ROOM:
+                self.drop_made()
+            raise
 
     def drop_made(self) -> None:
         """Give up the files made ahead — the one mapped for the next frame, the one a helper
