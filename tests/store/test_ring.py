@@ -300,12 +300,13 @@ def test_prepare_has_the_next_file_made_ahead_and_close_removes_it(tmp_path: Pat
     _until(lambda: pool.spare_ready)
     pool.prepare(8192)  # the next one mapped, a third asked for
     [made] = _slots(tmp_path / "pool")
+    _until(lambda: pool.spare_ready)  # (the third made: a frame written would take it)
     ino_b = _write(pool, tmp_path, "b", b"B" * 1000)  # another size: a new file instead
     assert (tmp_path / "b").read_bytes() == b"B" * 1000
     assert ino_b != ino
     assert _slots(tmp_path / "pool") == []  # the mapped one of the wrong size deleted
-    _until(lambda: pool.spare_ready)
-    pool.prepare(4096)  # the one made is of another size: dropped; a 4096 one asked for
+    assert not pool.spare_ready  # and the one made, of the wrong size, dropped
+    pool.prepare(4096)  # nothing made to map; a 4096 one asked for
     assert _slots(tmp_path / "pool") == []
     _until(lambda: pool.spare_ready)
     pool.prepare(4096)
