@@ -114,12 +114,13 @@ def figures(results: dict[str, CaseResult], out: Path) -> list[Path]:
 
     cols = 2
     rows = (len(rs) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(14, 2.6 * rows))
+    fig, axes = plt.subplots(rows, cols, figsize=(16, 3.2 * rows), layout="constrained")
     for ax, r in zip(axes.flat, rs, strict=False):
         items = r.outcomes.most_common(6)
-        labels = [textwrap.shorten(k, 58, placeholder="…") for k, _ in items]
+        # each outcome in full, wrapped (the table in docs/reliability.md has the same text)
+        labels = [textwrap.fill(k, 60) for k, _ in items]
         ax.barh(range(len(items)), [v for _, v in items], color="#55a868")
-        ax.set_yticks(range(len(items)), labels, fontsize=7)
+        ax.set_yticks(range(len(items)), labels, fontsize=6.5)
         ax.invert_yaxis()
         ax.set_title(f"{r.name}\n{r.trials:,} trials, {r.lost} lost, {r.corrupted} corrupted, "
                      f"{r.hangs} hangs", fontsize=8)
@@ -127,7 +128,6 @@ def figures(results: dict[str, CaseResult], out: Path) -> list[Path]:
     for ax in list(axes.flat)[len(rs):]:
         ax.axis("off")
     fig.suptitle("What each injected fault led to (counts of observed outcomes)", fontsize=10)
-    fig.tight_layout()
     outcomes = out / "faults_outcomes.png"
     fig.savefig(outcomes, dpi=110)
     plt.close(fig)
