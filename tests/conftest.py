@@ -89,6 +89,25 @@ def stop_process(pid: int, timeout: float = 10.0) -> None:
         time.sleep(0.001)
 
 
+def wait_ready(proc: subprocess.Popen, timeout: float = 30.0) -> bool:
+    """Whether ``proc`` printed its "ready" line within ``timeout`` seconds (never hangs)."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout
+    out = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while b"\n" not in out:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                return False
+            chunk = os.read(fd, 4096)
+            if not chunk:  # the child exited
+                return False
+            out += chunk
+    return b"ready" in out
+
+
 def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
     """Wait for ``proc`` (killing it by PID on timeout) and return (rc, stdout, stderr)."""
     try:

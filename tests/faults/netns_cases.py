@@ -78,6 +78,25 @@ def _finish(proc: subprocess.Popen[str], limit: float) -> tuple[str, str] | None
     return out.strip(), err
 
 
+def _subscribers(c: EmulatedCluster) -> int:
+    """Redis clients subscribed to something (``CLIENT LIST``'s ``sub``/``psub``), asked from
+    node 1."""
+    assert c.redis_url is not None
+    out = subprocess.run(c.command(1, ["redis-cli", "-u", c.redis_url, "CLIENT", "LIST"]),
+                         capture_output=True, text=True, check=True).stdout
+    return sum(1 for line in out.splitlines()
+               if " sub=0 " not in f" {line} " or " psub=0 " not in f" {line} ")
+
+
+def _until_subscribed(c: EmulatedCluster, base: int, seconds: float = 30.0) -> None:
+    """Return once more clients are subscribed than ``base`` (a consumer's wait began)."""
+    deadline = time.monotonic() + seconds
+    while _subscribers(c) <= base:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no new Redis subscriber within {seconds:.0f} s")
+        time.sleep(0.02)
+
+
 def case_partition(work: Path, trials: int, seed: int = 14, size: int = 96 << 20) -> CaseResult:
     """Even trials: node 2 waits for a key while its link is down and node 1 publishes it.
     Odd trials: the link goes down for 1-7 s in the middle of a 96 MiB transfer (node 2's
@@ -99,8 +118,9 @@ def case_partition(work: Path, trials: int, seed: int = 14, size: int = 96 << 20
             want = digest(payload(seed * 1000 + t, nbytes))
             down_for = rng.uniform(1.0, 3.0) if wait_case else rng.choice([1.0, 3.0, 7.0])
             if wait_case:
+                base = _subscribers(c)
                 consumer = _run(c, 2, _CONSUME, key, "60")
-                time.sleep(1.0)  # the consumer is subscribed
+                _until_subscribed(c, base)  # the consumer waits (its subscription crosses the link)
                 link(c, 2, up=False)
                 prod = _run(c, 1, _PRODUCE, key, str(seed * 1000 + t), str(nbytes))
                 if _finish(prod, 60) is None:

@@ -200,6 +200,9 @@ def test_threads_sharing_a_pool_never_get_the_same_file_made_ahead(tmp_path: Pat
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
+    for i in range(2):  # two fetches of that size in a row: one made ahead before the threads
+        assert pool.take(str(tmp_path / f"pre{i}.tmp"), 4096) is None
+    _until(lambda: pool.spare_ready)  # (so one is handed out even if the helper starves later)
     threads = [threading.Thread(target=fetch, args=(t,)) for t in range(6)]
     for t in threads:
         t.start()

@@ -562,7 +562,8 @@ def test_the_native_take_holds_checks_or_copies_a_frame_in_one_call(tmp_path: Pa
     # nothing there: a timeout; published meanwhile (another thread): woken, held
     assert leases.take(ifd, keys, 0.05, (0.0, 0.0), True) == TAKE_TIMEOUT
     inos: list[int] = []
-    later = threading.Timer(0.1, lambda: inos.append(_published_frame(pool, root, "s/f0", pos, 0)))
+    # (published 0.5 s later: the take waits for it even on a loaded machine)
+    later = threading.Timer(0.5, lambda: inos.append(_published_frame(pool, root, "s/f0", pos, 0)))
     later.start()
     got = leases.take(ifd, keys, 5.0, (0.0, 0.0), True)
     later.join()

@@ -12,7 +12,6 @@ announcing ``len(body)`` bytes, sends the first ``cut`` bytes of ``body`` and th
 from __future__ import annotations
 
 import os
-import selectors
 import signal
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from instride.errors import (
 from instride.frames import encode_frame, header_checksum
 from instride.record import Record, checksum_of, frame_checksum
 from instride.transport import Transport, TransportServer, get_transport
-from tests.conftest import free_port, stop_process
+from tests.conftest import free_port, stop_process, wait_ready
 
 TOKEN = "contract-token"
 DyingOwner = Callable[[bytes, int], str]
@@ -54,25 +53,6 @@ async def main():
 
 asyncio.run(main())
 """
-
-
-def wait_ready(proc: subprocess.Popen, timeout: float = 30.0) -> bool:
-    """Whether ``proc`` printed its "ready" line within ``timeout`` seconds (never hangs)."""
-    assert proc.stdout is not None
-    fd = proc.stdout.fileno()
-    deadline = time.monotonic() + timeout
-    out = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(fd, selectors.EVENT_READ)
-        while b"\n" not in out:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sel.select(left):
-                return False
-            chunk = os.read(fd, 4096)
-            if not chunk:  # the child exited
-                return False
-            out += chunk
-    return b"ready" in out
 
 
 def _frame_bytes(seed: int) -> bytes:
