@@ -547,3 +547,37 @@ def test_a_forked_child_has_publication_ids_of_its_own() -> None:
     assert parent.split(".")[1] == str(os.getpid())
     assert child.split(".")[1] == str(pid)
     assert child.split(".")[0] == parent.split(".")[0]  # (the same run: told apart by the pid)
+
+
+def test_an_announcement_carries_the_stored_record_exactly(backend: RedisMetadata,
+                                                           redis_server: RedisServer) -> None:
+    """The message a publication sends (fields joined by NUL, the key last) gives the very
+    record a lookup gives — the time to the last digit of its repr, a key with spaces, colons
+    and non-ASCII characters, no checksum — and a JSON message (an earlier instride's) is still
+    understood; anything else is no record."""
+    from instride.metadata.redis import _from_message
+
+    other = redis.Redis.from_url(redis_server.url)
+    sub = other.pubsub()
+    sub.psubscribe("instride:pub:ann/*")
+    assert sub.get_message(timeout=5)["type"] == "psubscribe"  # type: ignore[index]
+    sent = [Record("ann/a b:c/ü.dat", "10.0.0.7:7501", 644_156, "isf:0123456789abcdef", 0,
+                   1764373200.1234567, "node-7"),
+            Record("ann/plain", "h:1", 0, None, 0, 1.5, "")]
+    for rec in sent:
+        stored = backend.publish(rec)
+        msg = None
+        deadline = time.monotonic() + 5
+        while msg is None or msg["type"] != "pmessage":
+            assert time.monotonic() < deadline, "no announcement"
+            msg = sub.get_message(timeout=1)
+        heard = _from_message(msg["data"])
+        assert heard == stored == backend.lookup(rec.key)
+        assert heard is not None and heard.time == rec.time and heard.checksum == rec.checksum
+    sub.close()
+    other.close()
+    old = (b'{"checksum":"xxh3:00ff","key":"d/k","node":"n1","owner":"h:1","size":3,'
+           b'"time":12.5,"version":9}')
+    assert _from_message(old) == Record("d/k", "h:1", 3, "xxh3:00ff", 9, 12.5, "n1")
+    for junk in (b"", b"1\x002", b"x\x001\x001\x00h\x00n\x00c\x00k", b"{not json", None, 42):
+        assert _from_message(junk) is None
