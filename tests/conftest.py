@@ -230,21 +230,7 @@ class LoopbackNode:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "instride", "serve", *args],
                                          env=self.env, stdout=subprocess.PIPE, stderr=log)
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + timeout
-        out = b""
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while b"\n" not in out:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
-                    break
-                chunk = os.read(fd, 4096)
-                if not chunk:  # the server exited
-                    break
-                out += chunk
-        if b"ready" not in out:
+        if not wait_ready(self.proc, timeout):
             self.stop(9)
             raise RuntimeError(f"server node{self.index} did not start within {timeout} s: "
                                f"{self.log.read_text()}")

@@ -84,9 +84,10 @@ redis.call('HSET', rec, 'version', version, 'owner', ARGV[1], 'size', ARGV[2],
            'pub', ARGV[8])
 redis.call('ZADD', KEYS[2], 0, ARGV[6])
 -- the notification carries the record, so a woken waiter needs no second round trip: its
--- fields joined by NUL (no key, node or address holds one), the key last (see _from_message)
-redis.call('PUBLISH', KEYS[3], table.concat({version, ARGV[2], ARGV[4], ARGV[1], ARGV[5],
-           ARGV[3], ARGV[6]}, '\\0'))
+-- fields joined by NUL (no key, node or address holds one), the key last (see _from_message);
+-- the version as an integer (a number's default form turns to 1e+14 from there on)
+redis.call('PUBLISH', KEYS[3], table.concat({string.format('%d', version), ARGV[2], ARGV[4],
+           ARGV[1], ARGV[5], ARGV[3], ARGV[6]}, '\\0'))
 -- then the caller's follow-up commands, in the same step (a stream's head counters, its
 -- retired frames' records): ARGV[9] commands, each as its length and its words
 local at = 10
