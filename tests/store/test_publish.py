@@ -171,3 +171,34 @@ def test_publish_recreates_a_directory_removed_under_it(tmp_path: Path, overwrit
     with pytest.raises(FileNotFoundError):  # a missing source is still an error
         publish_file(tmp, tmp_path / "run" / "frame_1.isf", "run/frame_1.isf",
                      overwrite=overwrite)
+
+
+@pytest.mark.parametrize("links", [True, False])
+def test_write_once_by_link_or_by_renameat2_where_links_are_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, links: bool) -> None:
+    """Write-once publication: a hard link and the temporary name removed; on a file system
+    without hard links (``link`` refused with EPERM, as vfat does), ``renameat2`` with
+    ``RENAME_NOREPLACE`` from then on. Either way the file ends with one name, and a key that
+    exists is refused atomically: the temporary file removed, the published one untouched."""
+    import errno
+
+    from instride.store import publish as pub
+
+    monkeypatch.setattr(pub, "_LINKS", [True])
+    if not links:
+        def refused(*_args: object, **_kw: object) -> None:
+            raise OSError(errno.EPERM, "Operation not permitted")
+
+        monkeypatch.setattr(pub.os, "link", refused)
+    final = tmp_path / "k.bin"
+    for i in range(2):
+        tmp = tmp_path / f".k.bin.{i}.tmp"
+        tmp.write_bytes(b"first" if i == 0 else b"second")
+        if i == 0:
+            pub.publish_file(tmp, final, "k.bin", overwrite=False)
+        else:
+            with pytest.raises(KeyExistsError):
+                pub.publish_file(tmp, final, "k.bin", overwrite=False)
+        assert not tmp.exists()
+        assert final.read_bytes() == b"first" and os.stat(final).st_nlink == 1
+    assert pub._LINKS[0] is links  # (refused once: not tried again)

