@@ -428,19 +428,20 @@ def _read_in_thread(reader: instride.Stream, pos: np.ndarray,
     return thread, got, errors
 
 
-def _entering_waits(metadata: Any) -> threading.Event:
-    """An event set as a thread enters ``metadata.wait_any`` (a reader's wait through Redis,
-    which subscribes it to the directory's announcements): a test starts its producer once the
-    reader waits, not before (a frame already there when it looks is read without a wait)."""
-    entered = threading.Event()
-    wait_any = metadata.wait_any
+def _patterns(metadata: Any) -> int:
+    """Redis's count of the patterns subscribed to (``PUBSUB NUMPAT``)."""
+    return int(metadata.redis.execute_command("PUBSUB", "NUMPAT"))
 
-    def noted(*args: object, **kw: Any) -> object:
-        entered.set()
-        return wait_any(*args, **kw)
 
-    metadata.wait_any = noted
-    return entered
+def _until_subscribed(metadata: Any, base: int) -> None:
+    """Return once Redis counts more patterns than ``base``: a reader's first wait subscribed
+    to its directory's announcements (it looks the frame up right after). A test starts its
+    producer then, not before: a frame already there when the reader looks is read without a
+    wait, and then nothing subscribes."""
+    deadline = time.monotonic() + 10
+    while _patterns(metadata) <= base:
+        assert time.monotonic() < deadline, "the reader did not wait for frame 0"
+        time.sleep(0.005)
 
 
 def test_a_streams_reader_gets_its_next_frame_as_it_is_published(
@@ -464,16 +465,15 @@ def test_a_streams_reader_gets_its_next_frame_as_it_is_published(
             asked.append(_m)
             return _f(*args)
         setattr(metadata, method, counted)
-    entered = _entering_waits(metadata)
     for name, kw, group in (("ep/run", {}, None), ("ep/bounded", {"retain": 4, "groups": ["g"]}, "g")):
         reader = instride.Stream(name, timeout=20, client=c2, group=group)
         before, heard = c2.engine.early_transfers, c2.engine.records_heard
         asked.clear()
-        entered.clear()
         watched: list[object] = []  # (whether the reader's thread hears the announcements)
+        base = _patterns(metadata)
         thread, got, errors = _read_in_thread(reader, pos, lambda n=name: metadata.watching(f"{n}/"),
                                               watched)
-        assert entered.wait(10), "the reader did not wait for frame 0"
+        _until_subscribed(metadata, base)
         with instride.Stream(name, mode="w", client=c1, **kw) as producer:
             for i in range(frames):
                 time.sleep(0.03)  # the reader is waiting for each frame
@@ -645,12 +645,12 @@ def test_a_remote_group_reader_drops_the_announcements_again_after_a_wait_throug
         unwatch(prefix)
 
     metadata.unwatch = counted  # type: ignore[method-assign]
-    entered = _entering_waits(metadata)
     reader = instride.Stream("pause/run", timeout=20, client=c2, group="g")
     watched: list[object] = []
+    base = _patterns(metadata)
     thread, got, errors = _read_in_thread(reader, pos, lambda: metadata.watching("pause/run/"),
                                           watched)
-    assert entered.wait(10), "the reader did not wait for frame 0"
+    _until_subscribed(metadata, base)
     with instride.Stream("pause/run", mode="w", retain=4, groups=["g"], client=c1) as producer:
         for i in range(12):
             time.sleep(0.8 if i == 5 else 0.03)  # (longer than a held request's 0.5 s)

@@ -185,6 +185,7 @@ def test_write_once_by_link_or_by_renameat2_where_links_are_refused(
     from instride.store import publish as pub
 
     monkeypatch.setattr(pub, "_LINKS", [True])
+    monkeypatch.setattr(pub, "_RENAMEAT2", pub._RENAMEAT2)  # (restored, should it be dropped)
     if not links:
         def refused(*_args: object, **_kw: object) -> None:
             raise OSError(errno.EPERM, "Operation not permitted")

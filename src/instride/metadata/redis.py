@@ -366,6 +366,8 @@ class RedisMetadata:
         """The keys and arguments of the publish script for ``record``, with a new
         publication id (a retry with the same arguments is the same publication); ``report``:
         the hash the script reads back (see :meth:`publish_soon`)."""
+        if "\0" in f"{record.owner}{record.node}{record.checksum}":  # (the announcement's separator)
+            raise ValueError(f"a NUL byte in the record of {record.key!r}: {record!r}")
         keys = [_REC + record.key, _KEYS, _CHAN + record.key, _CLOCK, _LEGACY_VER + record.key]
         # the publication's id: a retry after a lost reply finds it stored (see _PUBLISH)
         args: list[Any] = [record.owner, record.size, record.checksum or "", repr(record.time),

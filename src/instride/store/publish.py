@@ -1,10 +1,11 @@
 """Atomic publication on node-local storage.
 
 Publishing a file is making it appear under its key in one step: it is written under a
-hidden temporary name in the key's directory, optionally fsynced, then moved to its final name
-with ``renameat2(RENAME_NOREPLACE)`` (write-once; ``link`` + ``unlink`` where unsupported) or
-``rename`` (overwrite). A reader therefore sees either nothing or the whole file. The writer
-file objects here publish themselves on ``close`` and discard themselves on any failure.
+hidden temporary name in the key's directory, optionally fsynced, then given its final name
+with ``link`` + ``unlink`` (write-once; ``renameat2(RENAME_NOREPLACE)`` where the file system
+has no hard links) or ``rename`` (overwrite). A reader therefore sees either nothing or the
+whole file. The writer file objects here publish themselves on ``close`` and discard themselves
+on any failure.
 """
 
 from __future__ import annotations
@@ -119,9 +120,10 @@ def _publish_once(tmp: str | Path, final: str | Path, key: str, *, overwrite: bo
             except OSError as exc:
                 if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
                     raise
-                _LINKS[0] = False
+                if exc.errno != errno.EMLINK:  # (EMLINK: that one file's links, not the system)
+                    _LINKS[0] = False
             else:
-                os.unlink(tmp)
+                _drop_name(tmp)
                 return
         if _rename_noreplace(tmp, final):
             return
@@ -130,7 +132,15 @@ def _publish_once(tmp: str | Path, final: str | Path, key: str, *, overwrite: bo
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise KeyExistsError(key) from None
-    os.unlink(tmp)
+    _drop_name(tmp)
+
+
+def _drop_name(tmp: str | Path) -> None:
+    """Remove the temporary name of a file now linked under its key. The publication is done
+    whatever happens here (the key names the whole file): a failure leaves a temporary name
+    behind, which ``instride gc`` removes once its writer is gone."""
+    with contextlib.suppress(OSError):
+        os.unlink(tmp)
 
 
 def fsync_dir(directory: str | Path) -> None:

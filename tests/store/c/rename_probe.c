@@ -72,3 +72,11 @@ int link(const char *old, const char *new)
     int (*real)(const char *, const char *) = (int (*)(const char *, const char *))dlsym(RTLD_NEXT, "link");
     return real(old, new);
 }
+
+int linkat(int olddirfd, const char *old, int newdirfd, const char *new, int flags)
+{
+    probe(olddirfd, old);
+    int (*real)(int, const char *, int, const char *, int) =
+        (int (*)(int, const char *, int, const char *, int))dlsym(RTLD_NEXT, "linkat");
+    return real(olddirfd, old, newdirfd, new, flags);
+}
