@@ -203,3 +203,21 @@ def test_write_once_by_link_or_by_renameat2_where_links_are_refused(
         assert not tmp.exists()
         assert final.read_bytes() == b"first" and os.stat(final).st_nlink == 1
     assert pub._LINKS[0] is links  # (refused once: not tried again)
+
+
+def test_a_link_reported_as_existing_that_names_the_file_itself_is_published(
+        tmp_path: Path) -> None:
+    """On NFS, a ``link`` the client retried after the server made it reports EEXIST: the key
+    then already names the producer's own file, which is a publication, not a conflict (here
+    the link is made beforehand). Another file under the key is still a conflict."""
+    from instride.store.publish import publish_file
+
+    tmp, final = tmp_path / ".k.tmp", tmp_path / "k"
+    tmp.write_bytes(b"mine")
+    os.link(tmp, final)
+    publish_file(tmp, final, "k", overwrite=False)
+    assert final.read_bytes() == b"mine" and not tmp.exists() and os.stat(final).st_nlink == 1
+    tmp.write_bytes(b"other")
+    with pytest.raises(KeyExistsError):
+        publish_file(tmp, final, "k", overwrite=False)
+    assert final.read_bytes() == b"mine" and not tmp.exists()

@@ -129,10 +129,22 @@ def _publish_once(tmp: str | Path, final: str | Path, key: str, *, overwrite: bo
             return
         os.link(tmp, final)
     except FileExistsError:
+        if _same_file(tmp, final):  # (NFS: a link retried by the client after it was made)
+            _drop_name(tmp)
+            return
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise KeyExistsError(key) from None
     _drop_name(tmp)
+
+
+def _same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether ``a`` and ``b`` name one file (``False`` if either is gone)."""
+    try:
+        sa, sb = os.stat(a, follow_symlinks=False), os.stat(b, follow_symlinks=False)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 def _drop_name(tmp: str | Path) -> None:
