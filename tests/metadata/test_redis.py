@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from instride.config import Settings
-from instride.errors import ConsumeTimeout, KeyExistsError, MetadataUnavailable
+from instride.errors import ConfigError, ConsumeTimeout, KeyExistsError, MetadataUnavailable
 from instride.metadata.base import Record
 from instride.metadata.redis import RedisMetadata
 from tests.conftest import RedisServer
@@ -584,6 +584,6 @@ def test_an_announcement_carries_the_stored_record_exactly(backend: RedisMetadat
     assert _from_message(old) == Record("d/k", "h:1", 3, "xxh3:00ff", 9, 12.5, "n1")
     for junk in (b"", b"1\x002", b"x\x001\x001\x00h\x00n\x00c\x00k", b"{not json", None, 42):
         assert _from_message(junk) is None
-    with pytest.raises(ValueError, match="NUL"):  # (the separator: refused, not misread)
+    with pytest.raises(ConfigError, match="INSTRIDE_NODE.*NUL"):  # (the separator: refused)
         backend.publish(Record("ann/nul", "h:1", 1, None, 0, 1.0, "no\0de"))
     assert backend.lookup("ann/nul") is None

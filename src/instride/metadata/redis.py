@@ -38,7 +38,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from ..config import Settings
-from ..errors import ConsumeTimeout, KeyExistsError, MetadataUnavailable
+from ..errors import ConfigError, ConsumeTimeout, KeyExistsError, MetadataUnavailable
 from ..perthread import PerThread, forks
 from ..record import Record
 from .base import PendingRecord
@@ -367,7 +367,11 @@ class RedisMetadata:
         publication id (a retry with the same arguments is the same publication); ``report``:
         the hash the script reads back (see :meth:`publish_soon`)."""
         if "\0" in f"{record.owner}{record.node}{record.checksum}":  # (the announcement's separator)
-            raise ValueError(f"a NUL byte in the record of {record.key!r}: {record!r}")
+            name, value = next((n, v) for n, v in (("INSTRIDE_ADDR", record.owner),
+                                                   ("INSTRIDE_NODE", record.node),
+                                                   ("checksum", record.checksum))
+                               if v and "\0" in v)
+            raise ConfigError(name, value, f"a NUL byte cannot be recorded (key {record.key!r})")
         keys = [_REC + record.key, _KEYS, _CHAN + record.key, _CLOCK, _LEGACY_VER + record.key]
         # the publication's id: a retry after a lost reply finds it stored (see _PUBLISH)
         args: list[Any] = [record.owner, record.size, record.checksum or "", repr(record.time),

@@ -143,10 +143,9 @@ def _publish_once(tmp: str | Path, final: str | Path, key: str, *, overwrite: bo
 def _same_file(a: str | Path, b: str | Path) -> bool:
     """Whether ``a`` and ``b`` name one file (``False`` if either is gone)."""
     try:
-        sa, sb = os.stat(a, follow_symlinks=False), os.stat(b, follow_symlinks=False)
+        return os.path.samestat(os.lstat(a), os.lstat(b))
     except OSError:
         return False
-    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 def _drop_name(tmp: str | Path) -> None:
