@@ -13,6 +13,11 @@ A buffer is reused only once its frame was released; a reader that holds several
 two are closed as those frames are released. A buffer grows for a larger frame but never
 shrinks, so a stale view of a released frame never faults. The frame's arrays are read-only
 views, as those of a frame read in place.
+
+A buffer's pages are allocated (``fallocate``) before it is mapped, as a frame file's are
+(:func:`~instride.store.dirs.allocate`): where the memory for them cannot be had, growing the
+buffer raises ``OSError`` (``ENOMEM``, ``ENOSPC``) naming it, instead of a ``SIGBUS`` at the
+first store into a page that has none, which kills the reader.
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ import os
 import weakref
 from collections.abc import Callable
 
+from .dirs import allocate
+
+#: what an error about a buffer calls it (a memory file has no path)
+NAME = "memfd:instride-frame (a stream reader's receive buffer)"
 #: free buffers an inbox keeps for the next frames (more are closed as frames are released)
 KEEP_FREE = 2
 
@@ -60,12 +69,18 @@ class InboxBuffer:
 
     def _fit(self, size: int) -> None:
         """Map at least ``size`` bytes (grown, never shrunk: a stale view of an earlier, smaller
-        frame stays within the file)."""
+        frame stays within the file), their pages allocated first.
+
+        Raises
+        ------
+        OSError
+            The memory for the pages cannot be allocated (``ENOMEM``, ``ENOSPC``).
+        """
         if size <= self._mapped and self._rw is not None:
             return
         size = max(size, 1)
         if os.fstat(self.fd).st_size < size:
-            os.ftruncate(self.fd, size)
+            allocate(self.fd, size, NAME)
         self._rw = mmap.mmap(self.fd, size)
         self._ro = mmap.mmap(self.fd, size, prot=mmap.PROT_READ)
         self._mapped = size
