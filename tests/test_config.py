@@ -91,7 +91,8 @@ def test_flags_and_transport_are_parsed_in_settings() -> None:
 
 
 def test_the_data_servers_scheduling_policy() -> None:
-    assert Settings.from_env({}).serve_sched == "batch"
+    assert Settings.from_env({}).serve_sched == "auto"
+    assert Settings.from_env({"INSTRIDE_SERVE_SCHED": "batch"}).serve_sched == "batch"
     assert Settings.from_env({"INSTRIDE_SERVE_SCHED": " Normal "}).serve_sched == "normal"
     assert Settings.from_env({"INSTRIDE_SERVE_SCHED": "inherit"}).serve_sched == "inherit"
     with pytest.raises(ConfigError, match="INSTRIDE_SERVE_SCHED"):

@@ -34,6 +34,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sched.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -132,6 +133,7 @@ typedef struct server {
     _Atomic uint64_t fetches, bytes_sent, errors, busy, stalled, refused;
     atomic_int peers;
     guard replay;
+    atomic_int preempt_after_ms; /* "auto" policy: a wait this long raises the thread (-1: never) */
     int ifd;                    /* the waiting fetches' inotify instance (-1: none yet) */
     waiter *waiters;            /* (under mu) */
     watch watches[ISS_WATCHES]; /* (under mu) */
@@ -430,6 +432,62 @@ static void waiter_remove(server *s, waiter *w) {
         }
 }
 
+/* The "auto" scheduling policy (instride serve --sched auto): the server's threads run under
+ * SCHED_BATCH, which never preempts a busy core's thread when woken -- throughput, when frames
+ * come close together. A fetch that has waited for its key longer than s->preempt_after_ms is
+ * a reader idle between rare frames: that thread waits on under SCHED_OTHER, so that the
+ * publication's wake-up may preempt (the producer, on a node whose cores are all busy) and the
+ * frame goes at once; it is back under SCHED_BATCH once the request is answered. Only a thread
+ * found under SCHED_BATCH is raised (a policy set from outside, e.g. by chrt, is left alone);
+ * moving between the two normal policies needs no privilege. */
+static __thread int raised; /* this thread was raised from SCHED_BATCH for a long wait */
+
+/* struct sched_attr of sched_setattr(2) (glibc before 2.41 has neither the type nor the call) */
+typedef struct {
+    uint32_t size, policy;
+    uint64_t flags;
+    int32_t nice;
+    uint32_t priority;
+    uint64_t runtime, deadline, period;
+} sched_attr_;
+
+/* The slice a raised thread asks for (Linux >= 6.12 takes a SCHED_OTHER thread's
+ * sched_runtime as its time slice, 0.1 ms at least): a woken thread with a shorter slice than
+ * the running one's may preempt it at once -- without it, the running thread keeps the core
+ * to the end of its own slice (EEVDF's "run to parity": up to a few ms). Older kernels ignore
+ * it; the thread is then raised to SCHED_OTHER alone. */
+#define ISS_RAISED_SLICE_NS 100000ULL
+
+/* Put the calling thread under `policy` with the time slice `slice_ns` (0: the default), its
+ * nice value kept; 0 or -1 (errno). */
+static int set_policy(int policy, uint64_t slice_ns) {
+    sched_attr_ a = {.size = sizeof a};
+    if (syscall(SYS_sched_getattr, 0, &a, sizeof a, 0) == 0) { /* (for the nice value) */
+        a.size = sizeof a;
+        a.policy = (uint32_t)policy;
+        a.flags = 0;
+        a.priority = 0;
+        a.runtime = slice_ns;
+        a.deadline = a.period = 0;
+        if (syscall(SYS_sched_setattr, 0, &a, 0) == 0)
+            return 0;
+    }
+    struct sched_param none = {0}; /* (no sched_setattr: the policy alone) */
+    return sched_setscheduler(0, policy, &none);
+}
+
+static void raise_for_wake(void) {
+    if (sched_getscheduler(0) == SCHED_BATCH && set_policy(SCHED_OTHER, ISS_RAISED_SLICE_NS) == 0)
+        raised = 1;
+}
+
+static void lower_after_answer(void) {
+    if (raised) {
+        set_policy(SCHED_BATCH, 0); /* (refused: it stays raised, harmlessly) */
+        raised = 0;
+    }
+}
+
 /* A fetch with "wait" of a key not there yet: sleep in inotify on the key's directory until the
  * key opens (a publication renames it into place), the wait runs out, or another entry appears
  * in the directory (say, a stream's end marker: the client then looks the usual way). A request
@@ -459,9 +517,11 @@ static int await_key(server *s, int sock, const request *r, struct open_how *how
     int fd = -1, saved = ENOENT;
     if (!added)
         goto out;
-    int64_t deadline = now_ns() + (int64_t)r->wait_ms * 1000000LL;
+    int64_t start = now_ns(), deadline = start + (int64_t)r->wait_ms * 1000000LL;
     if (r->until != NULL && faccessat(dfd, r->until, F_OK, AT_SYMLINK_NOFOLLOW) == 0)
         deadline = 0; /* (one look for the key below, no wait) */
+    int after = atomic_load(&s->preempt_after_ms);
+    int64_t raise_at = after >= 0 && !raised ? start + (int64_t)after * 1000000LL : INT64_MAX;
     for (;;) {
         fd = (int)syscall(SYS_openat2, s->rootfd, r->key, how, sizeof *how); /* after the watch */
         if (fd >= 0 || errno != ENOENT) {
@@ -475,8 +535,18 @@ static int await_key(server *s, int sock, const request *r, struct open_how *how
             fd = ISS_AWAIT_ABANDON;
             break;
         }
+        int64_t slice = left > 100 ? 100 : left; /* (100 ms: notice a stop) */
+        if (raise_at != INT64_MAX) {
+            int64_t until_raise = (raise_at - now_ns() + 999999LL) / 1000000LL;
+            if (until_raise <= 0) {
+                raise_for_wake();
+                raise_at = INT64_MAX;
+            } else if (until_raise < slice) {
+                slice = until_raise;
+            }
+        }
         struct pollfd p[3] = {{s->ifd, POLLIN, 0}, {w.efd, POLLIN, 0}, {sock, POLLIN | POLLRDHUP, 0}};
-        int k = poll(p, 3, (int)(left > 100 ? 100 : left)); /* (100 ms: notice a stop) */
+        int k = poll(p, 3, (int)slice);
         if (k < 0 && errno != EINTR)
             break;
         if (k <= 0)
@@ -791,6 +861,7 @@ static void *conn_main(void *arg) {
                 ssize_t h = recv_exact(c->fd, hdr, n, deadline);
                 if (h == (ssize_t)n) {
                     keep = answer(s, c, hdr, n);
+                    lower_after_answer();
                     first = first && !keep;
                 } else {
                     char msg[128];
@@ -917,6 +988,7 @@ ISS_API int iss_start(const char *host, int port, const char *root, const char *
     if (s == NULL)
         return -ENOMEM;
     s->lfd = s->rootfd = s->ifd = -1;
+    atomic_store(&s->preempt_after_ms, -1);
     s->rootfd = open(root, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (s->rootfd < 0) {
         int e = errno;
@@ -984,6 +1056,14 @@ ISS_API int iss_start(const char *host, int port, const char *root, const char *
     }
     *out = s;
     return 0;
+}
+
+/* The "auto" scheduling policy: a fetch that waited for its key `ms` milliseconds waits on
+ * under SCHED_OTHER, its thread back under SCHED_BATCH once it answered (see raise_for_wake);
+ * -1: never (the default). Takes effect for the waits that start after it. */
+ISS_API void iss_preempt_after(void *h, int ms) {
+    server *s = h;
+    atomic_store(&s->preempt_after_ms, ms < 0 ? -1 : ms);
 }
 
 /* The port the server listens on (useful with port 0). */

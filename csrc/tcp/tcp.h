@@ -19,8 +19,9 @@
  * isc_abi() and checked by the Python binding (instride.transport.tcp.engine.ABI): bump both
  * with any change to an exported signature, so a library left from an older build is refused,
  * never called with the wrong arguments. 2: isc_recv_file / isc_recv_mem take hash_from;
- * 3: isc_recv_reply; 4: isc_recv_file copies the bytes before hash_from to head. */
-#define ISC_ABI 4
+ * 3: isc_recv_reply; 4: isc_recv_file copies the bytes before hash_from to head;
+ * 5: iss_preempt_after. */
+#define ISC_ABI 5
 
 /* ---- replay.c ---------------------------------------------------------------- */
 

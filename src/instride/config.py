@@ -244,11 +244,14 @@ def _spin(name: str, raw: str | None) -> float:
 
 
 #: Scheduling policies of the data server's threads (``instride serve --sched``).
-SERVE_POLICIES = ("batch", "normal", "inherit")
+SERVE_POLICIES = ("auto", "batch", "normal", "inherit")
+#: Under the ``"auto"`` policy: milliseconds a fetch waits for its key before its thread waits
+#: on under ``SCHED_OTHER`` (see :func:`instride.server.set_policy`).
+SERVE_AUTO_PREEMPT_MS = 10
 
 
 def _serve_sched(name: str, raw: str | None) -> str:
-    value = strip(raw or "").lower() or "batch"
+    value = strip(raw or "").lower() or "auto"
     if value not in SERVE_POLICIES:
         raise ConfigError(name, raw, f"expected one of {', '.join(SERVE_POLICIES)}")
     return value
@@ -318,8 +321,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("INSTRIDE_SPIN", "spin", _spin, "0",
              "seconds a waiting consumer busy-polls before it sleeps (trades a core for "
              "wake-up latency; 0: sleep at once)"),
-    Variable("INSTRIDE_SERVE_SCHED", "serve_sched", _serve_sched, "batch",
-             "(instride serve) scheduling policy of the data server's threads: batch (never "
+    Variable("INSTRIDE_SERVE_SCHED", "serve_sched", _serve_sched, "auto",
+             "(instride serve) scheduling policy of the data server's threads: auto (batch, "
+             "but a fetch that waited over 10 ms for its frame may preempt), batch (never "
              "preempt a busy core's thread), normal (may preempt, to serve at once) or inherit"),
     Variable("INSTRIDE_OVERWRITE", "overwrite", _flag, "0",
              "(preload library) let writes replace published keys"),
@@ -383,7 +387,7 @@ class Settings:
     connect_timeout: float = 5.0
     transport: str = "tcp"
     spin: float = 0.0
-    serve_sched: str = "batch"
+    serve_sched: str = "auto"
     overwrite: bool = False
     patch_open: bool = False
     mpiexec: str | None = None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -161,16 +162,23 @@ def set_policy(name: str) -> None:
     """Put this process's threads, and every thread they start from now on, under the
     scheduling policy ``name``.
 
-    ``"batch"`` (``SCHED_BATCH``, the data server's default): woken by a publication or a
-    peer's request, a server thread runs at once on an idle core, but never preempts a busy
-    one's thread (the simulation, an analysis) — it runs at that thread's next scheduling
-    point, within the kernel's scheduling granularity (a few ms). Where producers, readers
-    and servers share few cores, a third fewer context switches per frame and ~10 % more
-    throughput for 8 streams on 2 cores; a remote reader that busy-polls while every core is
-    busy gets each frame ~230 µs later (``benchmarks/RESULTS.md``, round 18). ``"normal"`` (``SCHED_OTHER``):
-    woken threads may preempt at once, which bounds a remote read's latency on a node whose
-    cores are all busy. ``"inherit"``: leave the policy the server was started with (e.g. by
-    ``chrt``).
+    ``"batch"`` (``SCHED_BATCH``): woken by a publication or a peer's request, a server
+    thread never preempts a busy core's thread (the simulation, an analysis) — it runs at
+    that thread's next scheduling point, within the kernel's scheduling granularity (a few
+    ms), or on a core the kernel finds idle. Where producers, readers and servers share few
+    cores, a third fewer context switches per frame and 4–16 % more throughput for 8 streams
+    on 2 cores; but a frame published while its producer keeps the core busy waits for it: a
+    remote reader that busy-polls while every core is busy gets each frame ~230 µs later
+    (``benchmarks/RESULTS.md``, round 18), and the kernel does not always place the woken
+    thread on an idle core (round 28: 0.3 ms of a cross-node JAC frame's 2.0 ms).
+    ``"auto"`` (the default): ``"batch"``, except that a fetch that has waited
+    :data:`~instride.config.SERVE_AUTO_PREEMPT_MS` (10 ms) for its key — a reader idle
+    between frames that come rarely, as an MD run's do — waits on under ``SCHED_OTHER``, so
+    that the publication may preempt to send the frame at once; the thread is back under
+    ``SCHED_BATCH`` once it answered (the ``tcp`` transport's server; frames that come close
+    together are served under ``"batch"``). ``"normal"`` (``SCHED_OTHER``): woken threads
+    may preempt at once, which bounds a remote read's latency on a node whose cores are all
+    busy. ``"inherit"``: leave the policy the server was started with (e.g. by ``chrt``).
 
     A policy the system refuses (a sandbox, a process started under ``SCHED_IDLE`` without
     the right to leave it) is logged as a warning, and the server runs as it was started.
@@ -184,7 +192,7 @@ def set_policy(name: str) -> None:
         raise ValueError(f"unknown scheduling policy {name!r}; choose one of {', '.join(POLICIES)}")
     if name == "inherit":
         return
-    policy = os.SCHED_BATCH if name == "batch" else os.SCHED_OTHER
+    policy = os.SCHED_OTHER if name == "normal" else os.SCHED_BATCH
     try:
         os.sched_setscheduler(0, policy, os.sched_param(0))
     except OSError as exc:
@@ -221,7 +229,9 @@ def serve(
         stopped), 130 when interrupted by SIGINT (Ctrl-C), as every ``instride`` command.
     """
     settings = settings or Settings.from_env()
-    set_policy(settings.serve_sched if sched is None else sched)  # (threads inherit it)
+    if sched is not None:  # (the transport's server reads it: "auto")
+        settings = dataclasses.replace(settings, serve_sched=sched)
+    set_policy(settings.serve_sched)  # (threads inherit it)
     started = time.monotonic()
     server = NodeServer(settings, grace=grace, workers=workers, max_peers=max_peers,
                         request_timeout=request_timeout, send_timeout=send_timeout)

@@ -203,6 +203,7 @@ def _policies(pid: int) -> set[int]:
 
 @pytest.mark.parametrize(("args", "env", "policy"), [
     ((), "", os.SCHED_BATCH),
+    (("--sched", "auto"), "normal", os.SCHED_BATCH),
     (("--sched", "normal"), "", os.SCHED_OTHER),
     ((), "normal", os.SCHED_OTHER),
     (("--sched", "batch"), "normal", os.SCHED_BATCH),
@@ -210,8 +211,9 @@ def _policies(pid: int) -> set[int]:
 def test_the_servers_threads_run_under_the_chosen_policy(own_node: LoopbackNode,
                                                          args: tuple[str, ...], env: str,
                                                          policy: int) -> None:
-    # SCHED_BATCH by default: woken by a publication, a server thread does not preempt the
-    # simulation on a busy core; every thread started (transport, agent workers) inherits it.
+    # SCHED_BATCH by default ("auto"; a thread raised for a long wait is tested with the tcp
+    # transport): woken by a publication, a server thread does not preempt the simulation on
+    # a busy core; every thread started (transport, agent workers) inherits it.
     # Started under SCHED_IDLE (as by `chrt -i`): "normal" leaves it, "inherit" keeps it.
     # INSTRIDE_SERVE_SCHED chooses where --sched does not.
     if env:

@@ -757,6 +757,42 @@ def test_the_count_is_signed(nodes: list[LoopbackNode]) -> None:
     no_traceback(nodes[0])
 
 
+def _policies(pid: int) -> list[int]:
+    """The scheduling policy of each thread of process ``pid``."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # (a thread that ended meanwhile)
+            out.append(os.sched_getscheduler(int(tid)))
+    return out
+
+
+@pytest.mark.parametrize("sched", ["auto", "batch"])
+def test_a_long_wait_for_a_key_may_preempt_under_auto(own_node: LoopbackNode, sched: str) -> None:
+    """The server's threads run under SCHED_BATCH; under "auto" (the default) a fetch that
+    waited 10 ms for its key waits on under SCHED_OTHER, so that the publication's wake-up
+    may preempt a busy core's thread, and its thread is under SCHED_BATCH again once it
+    answered. Under "batch" it never leaves SCHED_BATCH."""
+    node = own_node.start("--sched", sched)
+    assert node.proc is not None
+    pid = node.proc.pid
+    assert set(_policies(pid)) == {os.SCHED_BATCH}
+    put(node, f"pr-{sched}/early", b"early")  # (a key is waited for in a directory that exists)
+    with socket.create_connection(("127.0.0.1", node.port), timeout=10) as s:
+        s.sendall(wire.pack(wire.sign(TOKEN, "fetch", f"pr-{sched}/late", wait=20_000)))
+        if sched == "auto":
+            until(lambda: os.SCHED_OTHER in _policies(pid), 5, "the waiting thread raised")
+            assert _policies(pid).count(os.SCHED_OTHER) == 1  # (that thread alone)
+        else:
+            time.sleep(0.3)  # (30 times the threshold of "auto")
+            assert set(_policies(pid)) == {os.SCHED_BATCH}
+        put(node, f"pr-{sched}/late", b"late")
+        (n,) = struct.unpack(">I", recv_all(s, 4))
+        reply = json.loads(recv_all(s, n))
+        assert reply["ok"] is True and recv_all(s, reply["size"]) == b"late"
+        until(lambda: set(_policies(pid)) == {os.SCHED_BATCH}, 5, "the thread lowered again")
+    no_traceback(node)
+
+
 def test_a_waiting_fetch_ends_when_its_wait_runs_out(nodes: list[LoopbackNode], tmp_path: Path) -> None:
     n1, n2 = nodes[0], nodes[1]
     like = put(n1, "wo/first", b"first")

@@ -122,6 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from ..config import SERVE_POLICIES
     p = sub.add_parser(
         "serve",
         help="run this node's data server (peers over INSTRIDE_TRANSPORT: TCP or UCX; "
@@ -152,10 +153,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--send-timeout", type=_positive_seconds, default=60.0,
                    help="seconds a write to a peer may take, above 0 and at most 2147483; a "
                         "file body gets this plus size / 50 MB/s (default 60)")
-    p.add_argument("--sched", choices=["batch", "normal", "inherit"], default=None,
-                   help="scheduling policy of the server's threads: batch (SCHED_BATCH: run at "
-                        "once on an idle core, never preempt a busy one's thread), normal "
+    p.add_argument("--sched", choices=list(SERVE_POLICIES), default=None,
+                   help="scheduling policy of the server's threads: auto (batch, but a fetch "
+                        "that waited over 10 ms for its frame may preempt to send it at once), "
+                        "batch (SCHED_BATCH: never preempt a busy core's thread), normal "
                         "(SCHED_OTHER: may preempt the simulation to serve at once) or inherit "
-                        "(as started, e.g. by chrt) (default: INSTRIDE_SERVE_SCHED, else batch)")
+                        "(as started, e.g. by chrt) (default: INSTRIDE_SERVE_SCHED, else auto)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)

@@ -19,7 +19,7 @@ from ..base import open_engine
 
 #: The calling convention of the library's exported functions this binding speaks (its
 #: ``isc_abi()``, ``ISC_ABI`` in ``csrc/tcp/tcp.h``: bumped with any exported signature change).
-ABI = 4
+ABI = 5
 INSTALL_HINT = ("install OpenSSL's and xxhash's headers (Debian: apt-get install libssl-dev "
                 "libxxhash-dev) and reinstall "
                 "instride (pip install -e .) so that libinstride_tcp.so is built")
@@ -74,6 +74,8 @@ def load_library() -> ctypes.CDLL:
                                   ctypes.POINTER(vp), cp, sz]
         lib.iss_port.restype = i
         lib.iss_port.argtypes = [vp]
+        lib.iss_preempt_after.restype = None
+        lib.iss_preempt_after.argtypes = [vp, i]
         lib.iss_stats_get.restype = None
         lib.iss_stats_get.argtypes = [vp, ctypes.POINTER(EngineStats)]
         lib.iss_replay_check.restype = i

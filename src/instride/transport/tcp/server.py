@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ...config import Settings, parse_addr
+from ...config import SERVE_AUTO_PREEMPT_MS, Settings, parse_addr
 from ...errors import InstrideError, KeyNotFoundError, KeyNotServed, WireError
 from ...keys import normalize_key
 from ...store.served import open_served
@@ -134,6 +134,8 @@ class TcpServer:
             ctypes.byref(handle), err, len(err))
         if rc != 0:
             raise OSError(-rc, err.value.decode(errors="replace") or "cannot start the data server")
+        if self.settings.serve_sched == "auto":  # (see instride.server.set_policy)
+            lib.iss_preempt_after(handle, SERVE_AUTO_PREEMPT_MS)
         self._handle = handle
 
     @property
