@@ -247,7 +247,7 @@ def _spin(name: str, raw: str | None) -> float:
 SERVE_POLICIES = ("auto", "batch", "normal", "inherit")
 #: Under the ``"auto"`` policy: milliseconds a fetch waits for its key before its thread waits
 #: on under ``SCHED_OTHER`` (see :func:`instride.server.set_policy`).
-SERVE_AUTO_PREEMPT_MS = 10
+SERVE_AUTO_PREEMPT_MS = 50
 
 
 def _serve_sched(name: str, raw: str | None) -> str:
@@ -323,7 +323,7 @@ VARIABLES: tuple[Variable, ...] = (
              "wake-up latency; 0: sleep at once)"),
     Variable("INSTRIDE_SERVE_SCHED", "serve_sched", _serve_sched, "auto",
              "(instride serve) scheduling policy of the data server's threads: auto (batch, "
-             "but a fetch that waited over 10 ms for its frame may preempt), batch (never "
+             "but a fetch that waited over 50 ms for its frame may preempt), batch (never "
              "preempt a busy core's thread), normal (may preempt, to serve at once) or inherit"),
     Variable("INSTRIDE_OVERWRITE", "overwrite", _flag, "0",
              "(preload library) let writes replace published keys"),

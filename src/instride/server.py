@@ -172,7 +172,7 @@ def set_policy(name: str) -> None:
     (``benchmarks/RESULTS.md``, round 18), and the kernel does not always place the woken
     thread on an idle core (round 28: 0.3 ms of a cross-node JAC frame's 2.0 ms).
     ``"auto"`` (the default): ``"batch"``, except that a fetch that has waited
-    :data:`~instride.config.SERVE_AUTO_PREEMPT_MS` (10 ms) for its key — a reader idle
+    :data:`~instride.config.SERVE_AUTO_PREEMPT_MS` (50 ms) for its key — a reader idle
     between frames that come rarely, as an MD run's do — waits on under ``SCHED_OTHER``, so
     that the publication may preempt to send the frame at once; the thread is back under
     ``SCHED_BATCH`` once it answered (the ``tcp`` transport's server; frames that come close

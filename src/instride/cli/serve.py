@@ -155,7 +155,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "file body gets this plus size / 50 MB/s (default 60)")
     p.add_argument("--sched", choices=list(SERVE_POLICIES), default=None,
                    help="scheduling policy of the server's threads: auto (batch, but a fetch "
-                        "that waited over 10 ms for its frame may preempt to send it at once), "
+                        "that waited over 50 ms for its frame may preempt to send it at once), "
                         "batch (SCHED_BATCH: never preempt a busy core's thread), normal "
                         "(SCHED_OTHER: may preempt the simulation to serve at once) or inherit "
                         "(as started, e.g. by chrt) (default: INSTRIDE_SERVE_SCHED, else auto)")
