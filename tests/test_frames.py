@@ -379,3 +379,19 @@ def test_a_checked_frame_parsed_alone_is_the_decoded_frame(layout: str) -> None:
     positions, ids = frame_arrays(layout, 50)
     assert positions.shape == (50, 3) and positions.dtype == pos.dtype
     assert (ids is None) == (layout == "xyz32") and (ids is None or ids.dtype == np.int32)
+
+
+def test_a_headers_payload_fields_are_those_decode_header_checks() -> None:
+    # what a fetched frame is checked against its record by (no array made): the same checks
+    from instride.frames import decode_header, encode_frame, header_payload
+
+    head, payload = encode_frame(np.random.default_rng(6).random((40, 3)), step=2, layout="paper")
+    header = decode_header(head)
+    assert header_payload(head) == (header.payload_nbytes, header.payload_checksum)
+    for i in range(HEADER_SIZE):  # every flipped byte of the header, as decode_header
+        bad = bytearray(head)
+        bad[i] ^= 0x01
+        with pytest.raises(IntegrityError):
+            header_payload(bytes(bad), "k/frame")
+    with pytest.raises(IntegrityError, match="truncated header"):
+        header_payload(head[:100])

@@ -51,7 +51,7 @@ import struct
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 import xxhash
@@ -586,6 +586,28 @@ def decode_header(buf: bytes | memoryview, what: str = "frame", *, checked: bool
         Truncated, bad magic or version, unknown layout, header checksum mismatch, or a payload
         size that does not match the atom count.
     """
+    fields = _checked_fields(buf, what, checked)
+    box = np.array(fields[6:15], dtype=np.float64).reshape(3, 3)
+    return FrameHeader(fields[3], fields[4], fields[5], box, _LAYOUT_NAMES[fields[2]],
+                       fields[15], fields[16])
+
+
+def header_payload(buf: bytes | memoryview, what: str = "frame") -> tuple[int, int]:
+    """The payload's size and checksum a frame header announces, the header verified as by
+    :func:`decode_header` (its other fields are not decoded: no array is made — a fetched
+    frame checked against its record, right after the bytes came, on a CPU that was idle).
+
+    Raises
+    ------
+    IntegrityError
+        As :func:`decode_header`.
+    """
+    fields = _checked_fields(buf, what, False)
+    return fields[15], fields[16]
+
+
+def _checked_fields(buf: bytes | memoryview, what: str, checked: bool) -> tuple[Any, ...]:
+    """A frame header's fields (``_HEADER``), verified (see :func:`decode_header`)."""
     view = memoryview(buf)
     if view.nbytes < HEADER_SIZE:
         raise IntegrityError(what, f"truncated header ({view.nbytes} < {HEADER_SIZE} bytes)")
@@ -594,19 +616,17 @@ def decode_header(buf: bytes | memoryview, what: str = "frame", *, checked: bool
     if not checked and _checksum(head) != hsum:
         raise IntegrityError(what, "header checksum mismatch")
     fields = _HEADER.unpack(head)
-    magic, version, layout, natoms, step, time = fields[:6]
-    box = np.array(fields[6:15], dtype=np.float64).reshape(3, 3)
-    nbytes, psum = fields[15:17]
+    magic, version, layout, natoms = fields[:4]
+    nbytes = fields[15]
     if magic != MAGIC:
         raise IntegrityError(what, f"bad magic {magic!r}")
     if version != VERSION:
         raise IntegrityError(what, f"unsupported format version {version}")
     if layout not in _LAYOUT_NAMES:
         raise IntegrityError(what, f"unknown layout code {layout}")
-    name = _LAYOUT_NAMES[layout]
-    if nbytes != natoms * bytes_per_atom(name):
+    if nbytes != natoms * bytes_per_atom(_LAYOUT_NAMES[layout]):
         raise IntegrityError(what, f"payload size {nbytes} does not match {natoms} atoms")
-    return FrameHeader(natoms, step, time, box, name, nbytes, psum)
+    return fields
 
 
 def header_checksum(buf: bytes | memoryview | mmap.mmap) -> int:

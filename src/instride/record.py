@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 import xxhash
 
 from .errors import IntegrityError
-from .frames import HEADER_SIZE, decode_header, header_checksum
+from .frames import HEADER_SIZE, header_checksum, header_payload
 
 #: The checksum of any content: ``"xxh3:<16 hex digits>"``, of all its bytes.
 CHECKSUM_ALGORITHM = "xxh3"
@@ -133,17 +133,17 @@ class Record:
             raise IntegrityError(self.key, "a frame's record needs the frame's header to verify it")
         if size < HEADER_SIZE or len(head) < HEADER_SIZE:
             raise IntegrityError(self.key, f"{size} bytes: too short for a frame ({HEADER_SIZE}-byte header)")
-        header = decode_header(head, self.key)  # (its own checksum checked: IntegrityError)
+        nbytes, psum = header_payload(head, self.key)  # (its own checksum checked: IntegrityError)
         hsum = f"{header_checksum(head):016x}"  # (just checked against the fields)
         if hsum != expected:
             raise IntegrityError(self.key, f"frame header checksum {hsum} differs from the"
                                            f" record's {expected}")
-        if HEADER_SIZE + header.payload_nbytes != size:
+        if HEADER_SIZE + nbytes != size:
             raise IntegrityError(self.key, f"{size} bytes, the frame's header says"
-                                           f" {HEADER_SIZE + header.payload_nbytes}")
-        if digest != f"{header.payload_checksum:016x}":
+                                           f" {HEADER_SIZE + nbytes}")
+        if digest != f"{psum:016x}":
             raise IntegrityError(self.key, f"payload checksum {digest} differs from the frame"
-                                           f" header's {header.payload_checksum:016x}")
+                                           f" header's {psum:016x}")
 
 
 __all__ = ["CHECKSUM_ALGORITHM", "FRAME_CHECKSUM", "Record", "checksum_of", "frame_checksum"]

@@ -543,6 +543,45 @@ def test_a_consumer_walking_keys_leaves_no_lock_files_and_reads_no_sidecar_it_ju
     assert set(os.listdir(engine.lock_dir)) - locks_before == set()
 
 
+def test_a_consumer_walking_keys_receives_frames_into_mappings_of_files_made_ahead(
+        clients: list[instride.Client]) -> None:
+    """A node that keeps its copies has each next receive file made ahead (its pages
+    allocated): an early fetch receives the frame straight into a mapping of that file.
+    Frames of another size than the one before arrive exact all the same (a bigger one does
+    not fit the mapping and is written the usual way; a smaller one is cut to its size), and
+    nothing staged is left behind."""
+    c1, c2, _ = clients
+    engine = c2.engine
+    assert isinstance(engine, ClusterEngine) and engine.recv_pool.ahead
+    c2.gc()  # (copies other tests dropped would be reused first)
+    atoms = [3000] * 6 + [3500, 3000, 2000, 2000, 3000, 3000, 3000, 3000]
+    pos = np.random.default_rng(12).random((max(atoms), 3)).astype(np.float32)
+    before, errors = engine.mapped_receives, []
+
+    def produce() -> None:
+        try:
+            with instride.Stream("mapped/run", mode="w", client=c1) as producer:
+                for i, n in enumerate(atoms):
+                    time.sleep(0.03)  # the consumer is waiting for each key (a file made ahead)
+                    producer.append(pos[:n] + i, step=i)
+        except BaseException as exc:  # (reported below)
+            errors.append(exc)
+
+    reader = instride.Stream("mapped/run", timeout=20, client=c2)
+    thread = threading.Thread(target=produce)
+    thread.start()
+    for i, n in enumerate(atoms):
+        key = reader.frame_key(i)
+        assert c2.wait_any([key], timeout=20) == key
+        frame = instride.frames.decode_frame(c2.consume(key, timeout=20).read_bytes(), key)
+        assert frame.step == i and frame.positions.shape == (n, 3)
+        assert np.array_equal(frame.positions, pos[:n] + i)
+    thread.join(60)
+    assert not thread.is_alive() and errors == []
+    assert engine.mapped_receives - before >= 6  # (the frames after two of one size, at least)
+    assert not [n for n in os.listdir(c2.root / "mapped" / "run") if n.startswith(".")]
+
+
 def test_the_fetch_lock_of_a_key_is_held_by_one_at_a_time_and_leaves_no_file(
         clients: list[instride.Client]) -> None:
     """The per-key fetch lock excludes the other threads and processes of the node while each

@@ -7,7 +7,7 @@ import mmap
 import os
 from pathlib import Path
 
-from instride.store.recvpool import ReceivePool
+from instride.store.recvpool import ReceivePool, map_to_receive
 
 
 def _pooled(pool_dir: Path) -> list[str]:
@@ -37,6 +37,32 @@ def test_a_dropped_copy_is_reused_in_place(tmp_path: Path) -> None:
         os.close(fd)
     assert Path(staged).read_bytes() == b"b" * 3000
     assert pool.take(str(tmp_path / "again.tmp"), 10) is None  # empty now: the caller makes a file
+
+
+def test_only_a_file_whose_pages_are_allocated_is_mapped_to_receive_into(tmp_path: Path) -> None:
+    """A fetch receives into a mapping of its file only where no store into it can find the
+    file system full (a SIGBUS): a file whose pages are all there (a pooled or made-ahead
+    file); a new, a sparse or a too short file is written the usual way (None)."""
+    path = tmp_path / "staged"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        assert map_to_receive(fd, 8192) is None  # (empty: nothing allocated)
+        os.ftruncate(fd, 8192)
+        assert map_to_receive(fd, 8192) is None  # (sized, sparse)
+        os.posix_fallocate(fd, 0, 8192)
+        assert map_to_receive(fd, 16384) is None  # (shorter than the body expected)
+        assert map_to_receive(fd, 0) is None
+        mm = map_to_receive(fd, 8192)
+        assert mm is not None and len(mm) == 8192
+        try:
+            mm[:5] = b"bytes"  # (a shared mapping: the file's own pages)
+            mm[8187:] = b"ended"
+        finally:
+            mm.close()
+    finally:
+        os.close(fd)
+    data = path.read_bytes()
+    assert data[:5] == b"bytes" and data[-5:] == b"ended" and len(data) == 8192
 
 
 def test_a_file_a_reader_holds_is_never_rewritten(tmp_path: Path) -> None:

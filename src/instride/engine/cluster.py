@@ -15,6 +15,7 @@ import fcntl
 import hashlib
 import io
 import json
+import mmap
 import os
 import re
 import select
@@ -37,7 +38,7 @@ from ..metadata import get_backend
 from ..metadata.base import PendingRecord
 from ..paths import ConfinedOpener
 from ..record import Record
-from ..store.recvpool import KEEP_BYTES, ReceivePool
+from ..store.recvpool import KEEP_BYTES, ReceivePool, map_to_receive
 from ..store.streamstate import RedisStreamState
 from ..transport import Transport, get_transport
 from ..transport.base import Received
@@ -122,6 +123,10 @@ class ClusterEngine:
             KEEP_BYTES, KEEP_BYTES if settings.cache_bytes is None else settings.cache_bytes),
             ahead=settings.cache_bytes is None, ahead_bytes=settings.ahead_bytes)
         self.lock_dir = settings.internal_dir / "locks"
+        #: early fetches received into a mapping of their file (for tests and benchmarks)
+        self.mapped_receives = 0
+        #: the mapping the last early fetch received into (see _unmap)
+        self._mapped: mmap.mmap | None = None
         #: number of transfers this process made (for tests and benchmarks), and how many of
         #: them were answered as their key was published (:meth:`fetch_when_published`)
         self.transfers = 0
@@ -395,7 +400,7 @@ class ClusterEngine:
         shared) until the caller closes it, once the file has its name."""
         fd = self.recv_pool.take(staged, size)
         if fd is None:
-            fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fd = os.open(staged, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         store.mark_writing(fd)
         return fd
 
@@ -449,10 +454,16 @@ class ClusterEngine:
             return None
         asked, on_reply = self._asking(key)
 
-        def receive(fd: int) -> tuple[Received | None, Record | None]:
+        def receive(fd: int, into: memoryview | None,
+                    replied: Callable[[], None]) -> tuple[Received | None, Record | None]:
             # (a frame like the last one is checked by its record as a frame: its header apart)
-            return fetch(like, key, fd, wait, until, on_reply,
-                         **_options(window, digest_from=like.digest_from)), None
+            def reply_started() -> None:
+                replied()
+                if on_reply is not None:
+                    on_reply()
+
+            return fetch(like, key, fd, wait, until, reply_started,
+                         **_options(window, into, digest_from=like.digest_from)), None
 
         return self._take_early(key, like, wait, receive, asked)
 
@@ -468,26 +479,50 @@ class ClusterEngine:
         return asked, lambda: asked.append(self.metadata.lookup_soon(key))
 
     def _take_early(self, key: str, like: Record, wait: float,
-                    receive: Callable[[int], tuple[Received | None, Record | None]],
+                    receive: Callable[[int, memoryview | None, Callable[[], None]],
+                                      tuple[Received | None, Record | None]],
                     asked: list[Callable[[], Record | None]]) -> Record | None:
-        """Receive ``key`` asked for early into a staged file (``receive(fd)`` gives its size
-        and digest, and its record if known already) and keep it as a fetched copy once it
-        matches the key's record; ``None`` (nothing left behind) for anything else."""
+        """Receive ``key`` asked for early into a staged file and keep it as a fetched copy
+        once it matches the key's record; ``None`` (nothing left behind) for anything else.
+
+        ``receive(fd, into, replied)`` gives the bytes' size and digest, and the record if
+        known already: into the staged file ``fd``, or into ``into``, a mapping of that file
+        (when its pages are allocated already: see
+        :func:`~instride.store.recvpool.map_to_receive`); it calls ``replied()`` once the
+        owner's reply has started, before the bytes are taken off the socket. That takes the
+        key's lock: while the owner's server is still sending, rather than on the frame's
+        path once the bytes are all in (a woken process's first pass through any code is slow
+        on a VM: ~0.1 ms for the lock)."""
         path = f"{self.root}/{key}"
         staged = tmp_name(path)
         fd = -1
+        mapped = view = None
+        held = contextlib.ExitStack()
+        locked: list[bool] = []
+
+        def replied() -> None:
+            if not locked:
+                held.enter_context(self._lock(key, time.monotonic() + max(wait, 1.0)))
+                locked.append(True)
+
+        self._unmap()
         try:
             self._parent_made(path.rpartition("/")[0])
             fd = self._staged(staged, like.size)  # (open, so locked, until it has its name)
-            got, record = receive(fd)
-            if got is not None and os.fstat(fd).st_size != got[0]:
-                os.ftruncate(fd, got[0])  # (a recycled file sized for another frame)
-            if got is None:
-                return None
-            record = self._early_record(key, got, record, asked, wait)
-            if record is None:
-                return None
-            with self._lock(key, time.monotonic() + max(wait, 1.0)):
+            if like.size <= self.recv_pool.ahead_bytes:
+                mapped = map_to_receive(fd, like.size)
+                view = None if mapped is None else memoryview(mapped)
+                self.mapped_receives += mapped is not None
+            with held:
+                got, record = receive(fd, view, replied)
+                if got is not None and os.fstat(fd).st_size != got[0]:
+                    os.ftruncate(fd, got[0])  # (a recycled file sized for another frame)
+                if got is None:
+                    return None
+                record = self._early_record(key, got, record, asked, wait)
+                if record is None:
+                    return None
+                replied()  # (taken already, unless the transport never said)
                 # (usually no copy is there: the sidecar is read only when one is)
                 have = self.cached_version(key) if os.access(path, os.F_OK) else None
                 if not (have is not None and have >= record.version):
@@ -501,6 +536,9 @@ class ClusterEngine:
             self._dirs.discard(path.rpartition("/")[0])  # (in case gc removed it)
             return None
         finally:
+            if mapped is not None:
+                view.release()  # type: ignore[union-attr]
+                self._unmap(later=mapped)
             if fd >= 0:
                 os.close(fd)
             if os.access(staged, os.F_OK, follow_symlinks=False):
@@ -510,6 +548,17 @@ class ClusterEngine:
         self.last_fetched = record
         self.evict(keep=key)
         return record
+
+    def _unmap(self, later: mmap.mmap | None = None) -> None:
+        """Unmap the receive file's mapping kept by the last early fetch; keep ``later``
+        instead (unmapped by the next early fetch, before it takes a file, or by
+        :meth:`close`): off the path of the frame just received (an unmapping may wait for
+        the other CPUs' TLBs), and never while the file could be claimed from the receive
+        pool (a mapping of it would keep it from being reused)."""
+        old, self._mapped = self._mapped, later
+        if old is not None:
+            with contextlib.suppress(BufferError, ValueError):
+                old.close()
 
     def _early_record(self, key: str, got: Received, record: Record | None,
                       asked: list[Callable[[], Record | None]], wait: float) -> Record | None:
@@ -632,7 +681,8 @@ class ClusterEngine:
         until = keys[1].rpartition("/")[2] if len(keys) > 1 else None
         gone = select.POLLERR | select.POLLHUP | select.POLLNVAL
 
-        def receive(fd: int) -> tuple[Received | None, Record | None]:
+        def receive(fd: int, into: memoryview | None,
+                    replied: Callable[[], None]) -> tuple[Received | None, Record | None]:
             # The same protocol as the usual wait: drop what was heard, look up, then trust
             # what is heard after the lookup. The request goes out first: the lookup's round
             # trip overlaps its wait.
@@ -663,9 +713,16 @@ class ClusterEngine:
                         return None, None
                     heard = self.metadata.heard(keys)
                     rec = next((heard[k] for k in keys if k in heard), known)
+                # The bytes are on their way: the record if it was announced meanwhile, and
+                # the key's lock, while they come (see _take_early).
+                if known is None:  # (the others' announcements are kept: a later wait's)
+                    rec = self.metadata.heard([key]).get(key)
+                    known = rec if rec is not None and rec.owner == like.owner else None
+                replied()
                 handed = True
                 got = self.transport.receive_asked(  # type: ignore[attr-defined]
-                    sock, like, key, fd, wait, digest_from=like.digest_from)
+                    sock, like, key, fd, wait, digest_from=like.digest_from,
+                    **({} if into is None else {"into": into}))
                 return got, known
             finally:
                 if not handed:
@@ -838,6 +895,7 @@ class ClusterEngine:
         self.transport.close()
         self.metadata.close()
         self.recv_pool.close()
+        self._unmap()
 
 
 __all__ = ["ClusterEngine"]

@@ -119,7 +119,7 @@ class Slot:
 
 
 #: madvise(MADV_POPULATE_WRITE) (Linux 5.14; not among Python 3.11's mmap constants)
-_MADV_POPULATE_WRITE = 23
+MADV_POPULATE_WRITE = 23
 _prefaults: list[bool] = []
 
 
@@ -129,7 +129,7 @@ def prefault_works() -> bool:
     if not _prefaults:
         probe = mmap.mmap(-1, mmap.PAGESIZE)
         try:
-            probe.madvise(_MADV_POPULATE_WRITE)
+            probe.madvise(MADV_POPULATE_WRITE)
             _prefaults.append(True)
         except (OSError, ValueError):
             _prefaults.append(False)
@@ -284,7 +284,7 @@ class SlotPool:
                 unfilled.settle = settle
         if unfilled is not None and unfilled.settle is None:  # (no helper: filled now)
             with contextlib.suppress(OSError, ValueError):
-                unfilled.mm.madvise(_MADV_POPULATE_WRITE)
+                unfilled.mm.madvise(MADV_POPULATE_WRITE)
 
     def _new(self, size: int) -> Slot:
         for _ in range(2):

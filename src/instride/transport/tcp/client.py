@@ -509,27 +509,37 @@ class TcpTransport:
         return sock
 
     def receive_asked(self, sock: socket.socket, owner: Record, key: str, fd: int,
-                      wait: float, digest_from: int = 0) -> Received | None:
+                      wait: float, digest_from: int = 0,
+                      into: memoryview | None = None) -> Received | None:
         """The second half of :meth:`fetch_when_published`: the owner's reply to
         :meth:`ask_when_published` and the bytes into ``fd``; ``None`` if the owner answered
-        that the key was not published in time (``digest_from``: as for
-        :meth:`fetch_when_published`). The socket is consumed (kept for the next
+        that the key was not published in time (``digest_from``, ``into``: as for
+        :meth:`fetch_when_published`; with ``into``, reply and body are received in one
+        native call). The socket is consumed (kept for the next
         request, or closed). A kept-alive connection the owner had closed is not used for
         the request (:meth:`ask_when_published` checks first); one it closes in the moment
         between that check and the request is not retried here, unlike a fetch: the request
         fails (:class:`TransferError`) and the caller waits the usual way."""
         hint = _hint(owner, key)
+        body = None
         try:
-            reply = self._reply(sock, hint, _wait_ms(wait))
-        except BaseException:
-            sock.close()
-            raise
-        try:
-            reply = self._accepted(sock, reply, hint)
+            if into is not None:
+                reply, body = self._reply_into(sock, hint, wait, into, digest_from)
+            else:
+                try:
+                    reply = self._reply(sock, hint, _wait_ms(wait))
+                except BaseException:
+                    sock.close()
+                    raise
+                reply = self._accepted(sock, reply, hint)
         except KeyNotFoundError:
             return None
-        size, digest, head = self._body(sock, reply, hint, fd, None, digest_from=digest_from)
-        return Received(size, digest, None, head)
+        if body is None:
+            size, digest, head = self._body(sock, reply, hint, fd, None, digest_from=digest_from)
+            return Received(size, digest, None, head)
+        self._release(owner.owner, sock)
+        head = bytes(into[:digest_from]) if into is not None and digest_from else None
+        return Received(body[0], body[1], None, head)
 
     def _body(self, sock: socket.socket, reply: dict[str, Any], hint: Record, fd: int,
               on_reply: Callable[[], object] | None,
