@@ -305,8 +305,9 @@ def test_prepare_has_the_next_file_made_ahead_and_close_removes_it(tmp_path: Pat
     assert (tmp_path / "b").read_bytes() == b"B" * 1000
     assert ino_b != ino
     assert _slots(tmp_path / "pool") == []  # the mapped one of the wrong size deleted
-    assert not pool.spare_ready  # and the one made, of the wrong size, dropped
+    assert pool.spare_ready  # the one made is left to prepare(), which drops it (wrong size)
     pool.prepare(4096)  # nothing made to map; a 4096 one asked for
+    assert not pool.spare_ready
     assert _slots(tmp_path / "pool") == []
     _until(lambda: pool.spare_ready)
     pool.prepare(4096)
@@ -699,14 +700,20 @@ def test_a_new_file_of_a_pool_that_does_not_recycle_is_written_not_mapped(tmp_pa
 
 
 def test_a_file_made_ahead_serves_a_written_frame_at_once(tmp_path: Path) -> None:
-    """A file the helper made (allocated) while nothing was mapped for the next frame is taken
-    by the next frame at once, not mapped, and written in place: no second file is made."""
+    """A file the helper made (allocated) while nothing was mapped for the next frame — a
+    frame has gone by since it was asked for, and the prepare() after that one found it not
+    made yet (a producer flat out) — is taken by the next frame at once, not mapped, and
+    written in place: no second file is made. The frame right after the ask does not take
+    it: that one is for prepare() to map (see the next test)."""
     from instride.frames import decode_frame, frame_size, native_frame
 
     size = frame_size(5_000, "paper")
     pool = SlotPool(tmp_path / "pool", recycle=False)
     pool.prepare(size)  # (nothing made yet: the helper asked for one)
     _until(lambda: pool.spare_ready)
+    first = pool.take(size)  # (the frame right after the ask: a new file, written)
+    assert first.mm is None and pool.spare_ready
+    pool.discard(first)
     slot = pool.take(size)
     assert slot.mm is None and not pool.spare_ready  # the file made, taken unmapped
     st = os.fstat(slot.fd)
@@ -720,4 +727,35 @@ def test_a_file_made_ahead_serves_a_written_frame_at_once(tmp_path: Path) -> Non
     got = decode_frame((tmp_path / "f").read_bytes(), "f")
     assert got.step == 5 and np.array_equal(got.positions, pos)
     assert _slots(tmp_path / "pool") == []
+    pool.close()
+
+
+def test_a_paced_producers_frames_go_into_mapped_prefaulted_files_made_ahead(
+        tmp_path: Path) -> None:
+    """Frames with idle time between them (a paced producer): after the first two, every
+    frame is encoded straight into a mapping of a file made ahead, its page tables filled by
+    the helper — none is written with ``write``. (A frame that took the file made right after
+    the frame before would leave prepare() nothing to map, and so would every frame after it:
+    all of a paced stream's frames went through ``write``.)"""
+    from instride.frames import decode_frame, frame_size, native_frame
+
+    size = frame_size(5_000, "paper")
+    pos = np.random.default_rng(4).random((5_000, 3))
+    pool = SlotPool(tmp_path / "pool", recycle=False)
+    mapped = []
+    for i in range(8):
+        slot = pool.take(size)
+        mapped.append(slot.mm is not None)
+        frame = native_frame(pos + i, step=i, time=0.0, box=None, layout="paper", ids=None)
+        assert frame is not None
+        assert pool.write_and_publish(slot, frame, os.fsencode(tmp_path / f"f{i}"),
+                                      overwrite=False, fsync=False)
+        pool.prepare(size)
+        _until(lambda: pool.spare_ready)  # (the pause between frames)
+        if pool._mapped is not None and pool._mapped.settle is not None:
+            _until(lambda: pool._spare.populated)
+    assert mapped[2:] == [True] * 6, mapped
+    for i in range(8):
+        got = decode_frame((tmp_path / f"f{i}").read_bytes(), f"f{i}")
+        assert got.step == i and np.array_equal(got.positions, pos + i)
     pool.close()
