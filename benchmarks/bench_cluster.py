@@ -12,6 +12,9 @@ Measures, in one run, on an emulated cluster made for the purpose:
    each round also measures raw TCP that writes each frame to a new file, before instride in
    one round and after it in the next (both take new pages: on a VM, whichever runs second
    gets the pages the other just freed, the cheap ones);
+   then the same on a second cluster whose nodes' files are on a tmpfs mounted with huge pages
+   (``huge=within_size``, ``EmulatedCluster(huge_pages=True)``: the configuration docs/cluster.md
+   recommends for nodes that keep many large new files);
 2. cross-node consume latency of JAC-sized frames: publish on node 1 -> bytes local on node 2
    (median, p99), also with a consumer that busy-polls (``INSTRIDE_SPIN=1``), and on a bounded
    stream (``retain=16``, a consumer group iterating the stream: publish start -> the frame's
@@ -611,6 +614,10 @@ def plot_targets(result: dict, path: Path) -> None:
                stmv["raw_tcp_stored"] / stmv["raw_tcp_sendfile"] if "raw_tcp_stored" in stmv else None)]
     if "ratio_recycled" in stmv:
         ratios.append(("STMV, copies\nrecycled", stmv["ratio_recycled"], 0.90, None))
+    if "stmv_throughput_huge_pages_MBps" in result:
+        huge = result["stmv_throughput_huge_pages_MBps"]
+        ratios.insert(1, ("STMV into\nnew files,\nhuge pages", huge["ratio"], 0.90,
+                          huge["raw_tcp_stored"] / huge["raw_tcp_sendfile"]))
     if "aggregate_8_pairs_vs_raw_tcp" in result:
         agg = result["aggregate_8_pairs_vs_raw_tcp"]
         kept = agg["raw_tcp_stored_MBps"] / agg["raw_tcp_MBps"] if "raw_tcp_stored_MBps" in agg else None
@@ -659,6 +666,39 @@ def plot_targets(result: dict, path: Path) -> None:
     print(f"saved {path}")
 
 
+def stmv_section(c: EmulatedCluster, stmv: int, stmv_atoms: int, n_stmv: int, where: str) -> dict:
+    """Section 1 on cluster ``c`` (its nodes' files on ``where``): STMV frames already
+    published on node 1, consumed on node 2, against raw TCP (:func:`stmv_rounds`); printed."""
+    for name, frames in (("stmv/p0", n_stmv + 3), ("stmv/p1", n_stmv + 3 + WARM_STMV)):
+        _popen(c, 1, PRODUCE, name, frames, stmv_atoms, 0.0).communicate(timeout=600)
+    src = c.node(1).dir / "stmv" / "p0" / "frame_000000000.isf"
+    rounds = stmv_rounds(c, "stmv/p0", "stmv/p1", str(src), stmv, n_stmv, 3)
+    ours = statistics.median(r["instride"] for r in rounds)
+    raw = statistics.median(r["raw_tcp_sendfile"] for r in rounds)
+    ratio = statistics.median(r["ratio"] for r in rounds)
+    rec = statistics.median(r["instride_recycled"] for r in rounds)
+    ratio_rec = statistics.median(r["ratio_recycled"] for r in rounds)
+    stored = statistics.median(r["raw_tcp_stored"] for r in rounds)
+    to_stored = statistics.median(r["ratio_to_stored"] for r in rounds)
+    print(f"\n## cross-node STMV frames ({stmv / 2**20:.2f} MiB x {n_stmv}), node1 -> node2, files"
+          f" on {where}, {len(rounds)} rounds alternating instride and raw TCP (medians)")
+    print(f"instride consume (wait+fetch+verify+store): {ours:8.0f} MB/s")
+    print(f"raw TCP sendfile -> recv_into:               {raw:8.0f} MB/s")
+    per_round = ", ".join(f"{r['ratio']:.2f}" for r in rounds)
+    print(f"ratio: {ratio:.2f} (per round: {per_round})"
+          "  (target >= 0.90, moonshot 0.95)")
+    per_round = ", ".join(f"{r['ratio_to_stored']:.2f}" for r in rounds)
+    print(f"raw TCP + each frame written to a new file:  {stored:8.0f} MB/s  (instride / this:"
+          f" {to_stored:.2f}, per round: {per_round}; the cost of storing the bytes at all)")
+    per_round = ", ".join(f"{r['ratio_recycled']:.2f}" for r in rounds)
+    print(f"instride, node 2 keeping {CACHED_STMV} copies (INSTRIDE_CACHE_BYTES; evicted copies'"
+          f" files reused, after a warm-up of {WARM_STMV} frames): {rec:8.0f} MB/s, ratio"
+          f" {ratio_rec:.2f} (per round: {per_round})  (target >= 0.90)")
+    return {"instride": ours, "raw_tcp_sendfile": raw, "ratio": ratio, "raw_tcp_stored": stored,
+            "ratio_to_stored": to_stored, "instride_recycled": rec, "ratio_recycled": ratio_rec,
+            "recycled_warm_up_frames": WARM_STMV, "file_system": where, "rounds": rounds}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
@@ -677,35 +717,12 @@ def main() -> None:
     with EmulatedCluster(nodes=4) as c:
         # 1. STMV throughput vs raw TCP: frames already published on node 1, node 2 consumes
         # (3 rounds, each with one frame consumed before its clock starts)
-        for name, frames in (("stmv/p0", n_stmv + 3), ("stmv/p1", n_stmv + 3 + WARM_STMV)):
-            _popen(c, 1, PRODUCE, name, frames, stmv_atoms, 0.0).communicate(timeout=600)
-        src = c.node(1).dir / "stmv" / "p0" / "frame_000000000.isf"
-        rounds = stmv_rounds(c, "stmv/p0", "stmv/p1", str(src), stmv, n_stmv, 3)
-        ours = statistics.median(r["instride"] for r in rounds)
-        raw = statistics.median(r["raw_tcp_sendfile"] for r in rounds)
-        ratio = statistics.median(r["ratio"] for r in rounds)
-        rec = statistics.median(r["instride_recycled"] for r in rounds)
-        ratio_rec = statistics.median(r["ratio_recycled"] for r in rounds)
-        stored = statistics.median(r["raw_tcp_stored"] for r in rounds)
-        to_stored = statistics.median(r["ratio_to_stored"] for r in rounds)
-        result["stmv_throughput_MBps"] = {"instride": ours, "raw_tcp_sendfile": raw, "ratio": ratio,
-                                          "raw_tcp_stored": stored, "ratio_to_stored": to_stored,
-                                          "instride_recycled": rec, "ratio_recycled": ratio_rec,
-                                          "recycled_warm_up_frames": WARM_STMV, "rounds": rounds}
-        print(f"\n## cross-node STMV frames ({stmv / 2**20:.2f} MiB x {n_stmv}), node1 -> node2,"
-              f" {len(rounds)} rounds alternating instride and raw TCP (medians)")
-        print(f"instride consume (wait+fetch+verify+store): {ours:8.0f} MB/s")
-        print(f"raw TCP sendfile -> recv_into:               {raw:8.0f} MB/s")
-        per_round = ", ".join(f"{r['ratio']:.2f}" for r in rounds)
-        print(f"ratio: {ratio:.2f} (per round: {per_round})"
-              "  (target >= 0.90, moonshot 0.95)")
-        per_round = ", ".join(f"{r['ratio_to_stored']:.2f}" for r in rounds)
-        print(f"raw TCP + each frame written to a new file:  {stored:8.0f} MB/s  (instride / this:"
-              f" {to_stored:.2f}, per round: {per_round}; the cost of storing the bytes at all)")
-        per_round = ", ".join(f"{r['ratio_recycled']:.2f}" for r in rounds)
-        print(f"instride, node 2 keeping {CACHED_STMV} copies (INSTRIDE_CACHE_BYTES; evicted copies'"
-              f" files reused, after a warm-up of {WARM_STMV} frames): {rec:8.0f} MB/s, ratio"
-              f" {ratio_rec:.2f} (per round: {per_round})  (target >= 0.90)")
+        result["stmv_throughput_MBps"] = stmv_section(c, stmv, stmv_atoms, n_stmv, "/dev/shm")
+        # ... and again with the nodes' files on a tmpfs with huge pages (huge=within_size):
+        # the configuration docs/cluster.md recommends where new files are many and large
+        with EmulatedCluster(nodes=2, huge_pages=True) as h:
+            result["stmv_throughput_huge_pages_MBps"] = stmv_section(
+                h, stmv, stmv_atoms, n_stmv, "a tmpfs mounted huge=within_size")
 
         # 2. JAC consume latency, frames paced so the consumer is waiting
         _, lat = stream_run(c, "jac", n_jac, jac_atoms, 0.02, [(1, 2)])
@@ -746,7 +763,7 @@ def main() -> None:
                            [f"stmv/p0/frame_{i:09d}.isf" for i in range(4)], unloaded)
         result["head_of_line"] = hol
         h = hol["jac_latency_us"]
-        one_stmv_ms = stmv / (raw * 1e6) * 1e3
+        one_stmv_ms = stmv / (result["stmv_throughput_MBps"]["raw_tcp_sendfile"] * 1e6) * 1e3
         print(f"\n## the same while node 3 fetches STMV frames from node 1 flat out"
               f" ({hol['stmv_load_MBps']:.0f} MB/s)")
         print(f"median {h['median']:.0f} µs   p99 {h['p99']:.0f} µs   added: median"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from instride.emulate import ClusterError, EmulatedCluster
+from instride.emulate import ClusterError, EmulatedCluster, mounts
 from instride.emulate import emulated as em
 from instride.emulate import netns as nn
 from instride.errors import ConfigError, InstrideError
@@ -114,6 +114,41 @@ def test_destroy_from_another_process_and_without_state(tmp_path: Path) -> None:
     assert EmulatedCluster.destroy(orphan.name) is True
     assert leftovers(orphan) == []
     assert EmulatedCluster.destroy(orphan.name) is False
+
+
+def test_a_cluster_on_huge_pages_has_its_own_tmpfs_until_down(tmp_path: Path) -> None:
+    """huge_pages: the base directory is a tmpfs of its own mounted with huge=within_size,
+    which the nodes' files are on; it is recorded in the state file, so that a down() from
+    another process unmounts it; a base directory that is not empty is refused, and nothing is
+    left behind."""
+    c = EmulatedCluster(nodes=1, name=unique(), serve=False, huge_pages=True).up()
+    base = c.base_dir
+    try:
+        assert "huge=within_size" in (mounts.mount_options(base) or "")
+        out = py(c, 1, """
+            import os
+            path = os.path.join(os.environ["INSTRIDE_DIR"], "big")
+            with open(path, "wb") as fh:
+                os.posix_fallocate(fh.fileno(), 0, 4 << 20)
+            print(os.stat(path).st_dev)
+        """)
+        assert int(out) == os.stat(base).st_dev != os.stat(base.parent).st_dev
+        state = json.loads(c.state_path.read_text())
+        assert state["huge_pages"] is True and state["mounted"] == [str(base)]
+        assert c.status()["huge_pages"] is True
+    finally:
+        proc = subprocess.run([PY, "-m", "instride", "cluster", "down", "--name", c.name],
+                              capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert not mounts.is_mount(base) and not base.exists() and leftovers(c) == []
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "mine").write_text("kept")
+    refused = EmulatedCluster(nodes=1, name=unique(), base_dir=full, serve=False, huge_pages=True)
+    with pytest.raises(ClusterError, match="not an empty directory"):
+        refused.up()
+    assert (full / "mine").read_text() == "kept" and not mounts.is_mount(full)
+    assert leftovers(refused) == [] and not refused.state_path.exists()
 
 
 def test_name_is_exclusive(cluster2: EmulatedCluster) -> None:
@@ -327,6 +362,7 @@ def test_a_with_block_leaves_sigterm_as_it_found_it() -> None:
         import signal
         from instride.emulate import EmulatedCluster
         from instride.emulate import emulated as em
+from instride.emulate import mounts
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
         with EmulatedCluster(nodes=1, serve=False, redis=False):
             assert signal.getsignal(signal.SIGTERM) is em._unwind
