@@ -362,7 +362,6 @@ def test_a_with_block_leaves_sigterm_as_it_found_it() -> None:
         import signal
         from instride.emulate import EmulatedCluster
         from instride.emulate import emulated as em
-from instride.emulate import mounts
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
         with EmulatedCluster(nodes=1, serve=False, redis=False):
             assert signal.getsignal(signal.SIGTERM) is em._unwind
