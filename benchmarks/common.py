@@ -51,6 +51,28 @@ def header(title: str) -> dict[str, Any]:
     return m
 
 
+def new_pages_GBps(directory: str | os.PathLike[str], mib: int = 128) -> float:
+    """GB/s of writing a new file of ``mib`` MiB (128 KiB per ``write``) in ``directory``, then
+    deleting it: how fast the machine hands out new pages there at this moment.
+
+    Every design that keeps each frame as a file pays this per byte. On a VM it depends on the
+    host as much as on the guest (pages the host must back anew cost far more than ones the
+    guest reuses), so benchmarks that store frames in new files print it beside their results.
+    """
+    piece = memoryview(bytearray(os.urandom(1 << 17)))
+    path = Path(directory) / f".new-pages-probe-{os.getpid()}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(mib * 8):
+            os.write(fd, piece)
+        took = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        path.unlink()
+    return mib * 2**20 / took / 1e9
+
+
 def pct(values: list[float], q: float) -> float:
     """The ``q``-th percentile (0-100) of ``values``."""
     data = sorted(values)
