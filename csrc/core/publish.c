@@ -179,9 +179,11 @@ int ins_notify_publish(const struct ins_path *p)
 }
 
 /* Move tmp to the key without replacing it: link + unlink, or on file systems
- * without hard links an atomic no-replace rename. */
-static int ins_link_noreplace(const char *tmp, const char *abs)
+ * without hard links an atomic no-replace rename. *neither: set when the file system has
+ * neither (link refused, renameat2 without RENAME_NOREPLACE: some FUSE file systems). */
+static int ins_link_noreplace(const char *tmp, const char *abs, int *neither)
 {
+    *neither = 0;
     if (link(tmp, abs) == 0) {
         unlink(tmp);
         return 0;
@@ -190,7 +192,9 @@ static int ins_link_noreplace(const char *tmp, const char *abs)
     if (e == EPERM || e == EOPNOTSUPP || e == EMLINK || e == ENOSYS) {
         if (ins_sys.renameat2(AT_FDCWD, tmp, AT_FDCWD, abs, RENAME_NOREPLACE) == 0)
             return 0;
-        e = errno;
+        int r = errno;
+        *neither = e != EMLINK && (r == EINVAL || r == ENOSYS || r == EOPNOTSUPP);
+        e = r;
     }
     errno = e;
     return -1;
@@ -199,13 +203,20 @@ static int ins_link_noreplace(const char *tmp, const char *abs)
 int ins_publish(const char *tmp, const struct ins_path *p, int noreplace)
 {
     int overwrite = ins_cfg.overwrite && !noreplace;
-    int rc = overwrite ? ins_sys.rename(tmp, p->abs) : ins_link_noreplace(tmp, p->abs);
+    int neither = 0;
+    int rc = overwrite ? ins_sys.rename(tmp, p->abs) : ins_link_noreplace(tmp, p->abs, &neither);
     if (rc != 0) {
         int e = errno;
         unlink(tmp);
         if (e == EEXIST)
             return ins_fail(EEXIST, "key %.300s was published by someone else first (write-once)",
                             ins_key(p));
+        if (neither)
+            return ins_fail(EOPNOTSUPP, "cannot publish key %.300s write-once: this file system "
+                            "makes no hard links and has no renameat2(RENAME_NOREPLACE), so a "
+                            "name cannot be made without the risk of replacing another writer's "
+                            "file (INSTRIDE_OVERWRITE=1 publishes by rename; or put the managed "
+                            "directory on a file system with either)", ins_key(p));
         return ins_fail(e, "cannot publish key %.300s: %s", ins_key(p), strerror(e));
     }
     if (ins_cfg.fsync)

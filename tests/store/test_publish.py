@@ -5,7 +5,9 @@ nothing, immutable keys, garbage collection of dead writers' temporary files."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -14,6 +16,7 @@ import pytest
 
 import instride
 from instride.errors import ConsumeTimeout, KeyExistsError, UnsupportedModeError
+from instride.interception.preload import c_library_path, preload_path
 from instride.keys import TMP_PATTERN
 from tests.conftest import finish, spawn_py
 
@@ -205,6 +208,40 @@ def test_write_once_by_link_or_by_renameat2_where_links_are_refused(
     assert pub._LINKS[0] is links  # (refused once: not tried again)
 
 
+def test_write_once_where_neither_links_nor_renameat2_exist_is_a_typed_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system without hard links whose ``rename`` takes no ``RENAME_NOREPLACE`` (some
+    FUSE file systems) cannot make a name without possibly replacing one: the publication
+    is refused with an error that says so and how to go on, the temporary file removed and
+    nothing published; ``overwrite=True`` (a plain ``rename``) still works there."""
+    import errno
+
+    from instride.store import publish as pub
+
+    def refused(*_args: object, **_kw: object) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(pub, "_LINKS", [True])
+    monkeypatch.setattr(pub, "_RENAMEAT2", None)  # (as after its EINVAL there)
+    monkeypatch.setattr(pub.os, "link", refused)
+    final = tmp_path / "run" / "k.bin"
+    final.parent.mkdir()
+    for _ in range(2):  # the first refusal of link, then with links known to be refused
+        tmp = tmp_path / "run" / ".k.bin.tmp"
+        tmp.write_bytes(b"frame")
+        with pytest.raises(UnsupportedModeError) as err:
+            pub.publish_file(tmp, final, "run/k.bin", overwrite=False)
+        message = str(err.value)
+        assert "'run/k.bin'" in message and "hard links" in message
+        assert "RENAME_NOREPLACE" in message and "overwrite=True" in message
+        assert str(final.parent) in message
+        assert not tmp.exists() and not final.exists()
+    assert pub._LINKS[0] is False
+    tmp.write_bytes(b"frame")
+    pub.publish_file(tmp, final, "run/k.bin", overwrite=True)
+    assert final.read_bytes() == b"frame" and not tmp.exists()
+
+
 def test_a_link_reported_as_existing_that_names_the_file_itself_is_published(
         tmp_path: Path) -> None:
     """On NFS, a ``link`` the client retried after the server made it reports EEXIST: the key
@@ -221,3 +258,65 @@ def test_a_link_reported_as_existing_that_names_the_file_itself_is_published(
     with pytest.raises(KeyExistsError):
         publish_file(tmp, final, "k", overwrite=False)
     assert final.read_bytes() == b"mine" and not tmp.exists()
+
+
+NO_LINKS_WRITER = textwrap.dedent(
+    """
+    import ctypes, os, sys
+    kind, path = sys.argv[1], sys.argv[2]
+    if kind == "preload":  # an unmodified program's write and close (the preload library)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        assert os.write(fd, b"x" * 1000) == 1000
+        try:
+            os.close(fd)
+        except OSError as exc:
+            print(exc.errno)
+        else:
+            print(0)
+    else:  # the C API
+        lib = ctypes.CDLL(sys.argv[3], use_errno=True)
+        w = ctypes.c_void_p()
+        assert lib.instride_create(path.encode(), 0, 0o644, ctypes.byref(w)) == 0
+        assert os.write(lib.instride_writer_fd(w), b"x" * 1000) == 1000
+        print(0 if lib.instride_commit(w) == 0 else ctypes.get_errno())
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def no_links(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``c/no_links.c`` built: a file system with neither hard links nor RENAME_NOREPLACE."""
+    gcc = shutil.which("gcc")
+    assert gcc is not None, "gcc is required (apt-get install build-essential)"
+    out = tmp_path_factory.mktemp("nolinks") / "no_links.so"
+    src = Path(__file__).resolve().parent / "c" / "no_links.c"
+    subprocess.run([gcc, "-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-shared", "-fPIC",
+                    "-o", str(out), str(src)], check=True, capture_output=True, text=True)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["preload", "capi"])
+def test_the_c_library_names_a_file_system_that_cannot_publish_write_once(
+        managed_dir: Path, no_links: Path, kind: str) -> None:
+    """The C library (preload and C API) on a file system with neither hard links nor
+    ``RENAME_NOREPLACE``: the write-once publication fails with EOPNOTSUPP and a message that
+    says why and what to do (not link's bare EPERM), nothing is published and no temporary
+    file is left; with ``INSTRIDE_OVERWRITE=1`` the file is published by ``rename``."""
+    import errno
+
+    (managed_dir / "k").mkdir()
+    preload = [str(preload_path())] if kind == "preload" else []
+    env = dict(os.environ, INSTRIDE_DEBUG="1", LD_PRELOAD=":".join([*preload, str(no_links)]))
+    path = managed_dir / "k" / "frame.bin"
+    args = [sys.executable, "-c", NO_LINKS_WRITER, kind, str(path), str(c_library_path())]
+    refused = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 0, refused.stderr
+    assert int(refused.stdout) == errno.EOPNOTSUPP, (refused.stdout, refused.stderr)
+    assert "cannot publish key k/frame.bin write-once" in refused.stderr
+    assert "no hard links" in refused.stderr and "INSTRIDE_OVERWRITE=1" in refused.stderr
+    assert list((managed_dir / "k").iterdir()) == []  # nothing published, no temporary file
+    env["INSTRIDE_OVERWRITE"] = "1"
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and int(done.stdout) == 0, (done.stdout, done.stderr)
+    assert path.read_bytes() == b"x" * 1000
+    assert [p.name for p in (managed_dir / "k").iterdir()] == ["frame.bin"]

@@ -81,6 +81,10 @@ def publish_file(tmp: str | Path, final: str | Path, key: str, *, overwrite: boo
     ------
     KeyExistsError
         If ``final`` exists and ``overwrite`` is false; ``tmp`` is removed.
+    UnsupportedModeError
+        If ``overwrite`` is false and the file system has neither hard links nor
+        ``renameat2(RENAME_NOREPLACE)`` (nothing else makes a name without replacing one in a
+        single step); ``tmp`` is removed.
     """
     for attempt in range(5):
         try:
@@ -129,7 +133,15 @@ def _publish_once(tmp: str | Path, final: str | Path, key: str, *, overwrite: bo
                 return
         if _rename_noreplace(tmp, final):
             return
-        os.link(tmp, final)
+        if not _LINKS[0]:  # neither way exists here: say so, rather than link's bare EPERM
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise UnsupportedModeError(
+                "write-once", f"key {key!r} cannot be published without the risk of replacing"
+                f" another writer's file: the file system of {os.path.dirname(final)!r} makes no"
+                " hard links and has no renameat2(RENAME_NOREPLACE); publish with"
+                " overwrite=True, or put the managed directory on a file system with either")
+        os.link(tmp, final)  # (EMLINK before: that file's links, so no renameat2 either)
     except FileExistsError:
         if _same_file(tmp, final):  # (NFS: a link retried by the client after it was made)
             _drop_name(tmp)
