@@ -414,11 +414,14 @@ def stmv_rounds(c: EmulatedCluster, name: str, recycled: str, src: str, size: in
     removed after it, outside every timing (each measured run starts from the state its own
     kind of run left, not with another run's copies to evict). Each round also measures raw TCP
     that stores each frame in a new file (``src`` sent ``n/rounds`` times), before instride in
-    odd rounds and after it in even ones: both take new pages, and on a VM the pages the other
-    run just freed are the cheap ones. The warm-up round is the same, and is not counted: its
-    new pages are the first this section takes after the ones before it (other sections, the
-    published frames), and on a VM such pages can cost what the host charges to back memory
-    anew (:func:`common.new_pages_GBps`, printed beside), several times a reused page."""
+    odd rounds and after it in even ones (give an even ``rounds``: each order as often): both
+    take new pages, and on a VM the pages the other run just freed are the cheap ones (with
+    gigabytes of new memory taken, the run that went first reached wire speed and the other a
+    fifth of it, whichever it was: RESULTS.md, round 30). The warm-up round is the same, and
+    is not counted: its new pages are the first this section takes after the ones before it
+    (other sections, the published frames), and on a VM such pages can cost what the host
+    charges to back memory anew (:func:`common.new_pages_GBps`, printed beside), several times
+    a reused page."""
     out = []
     per = n // rounds
 
@@ -673,8 +676,10 @@ def plot_targets(result: dict, path: Path) -> None:
 def stmv_section(c: EmulatedCluster, stmv: int, stmv_atoms: int, n_stmv: int, where: str) -> dict:
     """Section 1 on cluster ``c`` (its nodes' files on ``where``): STMV frames already
     published on node 1, consumed on node 2, against raw TCP (:func:`stmv_rounds`); printed."""
-    rounds = 3
-    per_stream = (rounds + 1) * (n_stmv // rounds + 1)  # a warm-up round, then 3 measured ones
+    # a warm-up round, then 4 measured ones: instride runs first in two of them, raw TCP that
+    # stores in the other two (on a VM whichever runs first may get the pages just freed)
+    rounds = 4
+    per_stream = (rounds + 1) * (n_stmv // rounds + 1)
     for name, frames in (("stmv/p0", per_stream), ("stmv/p1", per_stream + WARM_STMV)):
         _popen(c, 1, PRODUCE, name, frames, stmv_atoms, 0.0).communicate(timeout=600)
     src = c.node(1).dir / "stmv" / "p0" / "frame_000000000.isf"
@@ -728,7 +733,8 @@ def main() -> None:
     n_jac = 100 if args.quick else 500
     with EmulatedCluster(nodes=4) as c:
         # 1. STMV throughput vs raw TCP: frames already published on node 1, node 2 consumes
-        # (3 rounds, each with one frame consumed before its clock starts)
+        # (a warm-up round and 4 measured ones, each with one frame consumed before its clock
+        # starts)
         result["stmv_throughput_MBps"] = stmv_section(c, stmv, stmv_atoms, n_stmv, "/dev/shm")
         # ... and again with the nodes' files on a tmpfs with huge pages (huge=within_size):
         # the configuration docs/cluster.md recommends where new files are many and large
