@@ -403,6 +403,19 @@ DROP_COPIES = textwrap.dedent(
 )
 
 
+#: measured rounds of section 1, after its warm-up round: instride runs first in half of them,
+#: raw TCP that stores in the other half (on a VM whichever runs first may get the pages the
+#: round before just freed: RESULTS.md, round 30)
+STMV_ROUNDS = 4
+
+
+def stmv_frames(n: int, rounds: int) -> int:
+    """Frames a stream of section 1 needs for ``n`` measured frames in ``rounds`` rounds:
+    ``n // rounds`` per round and one more before each round's clock, for the warm-up round
+    and the measured ones."""
+    return (rounds + 1) * (n // rounds + 1)
+
+
 def stmv_rounds(c: EmulatedCluster, name: str, recycled: str, src: str, size: int, n: int,
                 rounds: int) -> list[dict]:
     """A warm-up round, then ``rounds`` measured ones (returned in that order). Each round
@@ -410,20 +423,20 @@ def stmv_rounds(c: EmulatedCluster, name: str, recycled: str, src: str, size: in
     same bytes) and instride with a bounded cache on node 2 (frames of ``recycled``; evicted
     copies' files are reused by the next fetches), so that all see the same load on a shared
     machine. Each instride round consumes one frame more, before its clock starts (the streams
-    have ``(rounds + 1) * (n/rounds + 1)`` frames); the copies of ``name`` a round made are
-    removed after it, outside every timing (each measured run starts from the state its own
-    kind of run left, not with another run's copies to evict). Each round also measures raw TCP
-    that stores each frame in a new file (``src`` sent ``n/rounds`` times), before instride in
-    odd rounds and after it in even ones (give an even ``rounds``: each order as often): both
-    take new pages, and on a VM the pages the other run just freed are the cheap ones (with
-    gigabytes of new memory taken, the run that went first reached wire speed and the other a
-    fifth of it, whichever it was: RESULTS.md, round 30). The warm-up round is the same, and
-    is not counted: its new pages are the first this section takes after the ones before it
-    (other sections, the published frames), and on a VM such pages can cost what the host
-    charges to back memory anew (:func:`common.new_pages_GBps`, printed beside), several times
-    a reused page."""
+    have :func:`stmv_frames` frames, ``recycled`` :data:`WARM_STMV` more); the copies of
+    ``name`` a round made are removed after it, outside every timing (each measured run starts
+    from the state its own kind of run left, not with another run's copies to evict). Each
+    round also measures raw TCP that stores each frame in a new file (``src`` sent ``n/rounds``
+    times), before instride in odd rounds and after it in even ones (give an even ``rounds``:
+    each order as often): both take new pages, and on a VM the pages the other run just freed
+    are the cheap ones (with gigabytes of new memory taken, the run that went first reached
+    wire speed and the other a fifth of it, whichever it was: RESULTS.md, round 30). The
+    warm-up round is the same, and is not counted: its new pages are the first this section
+    takes after the ones before it (other sections, the published frames, the new-pages probe),
+    and on a VM such pages can cost what the host charges to back memory anew
+    (:func:`common.new_pages_GBps`, printed beside), several times a reused page."""
     out = []
-    per = n // rounds
+    per = n // rounds  # (the streams have stmv_frames(n, rounds) frames: see there)
 
     def consume(stream: str, r: int, env: dict[str, str] | None = None) -> float:
         first = r * (per + 1)  # (not measured)
@@ -433,7 +446,7 @@ def stmv_rounds(c: EmulatedCluster, name: str, recycled: str, src: str, size: in
 
     # warm-up, not measured: node 2's cache fills and its evicted copies' files go to the
     # receive pool (the first frames of a node take fresh pages; later ones reuse them)
-    total = (rounds + 1) * (per + 1)
+    total = stmv_frames(n, rounds)
     c.run(2, [PY, "-c", CONSUME_RANGE, recycled, str(total), str(total + WARM_STMV)],
           capture_output=True, text=True, check=True,
           env={"INSTRIDE_CACHE_BYTES": str(CACHED_STMV * size)})
@@ -676,15 +689,12 @@ def plot_targets(result: dict, path: Path) -> None:
 def stmv_section(c: EmulatedCluster, stmv: int, stmv_atoms: int, n_stmv: int, where: str) -> dict:
     """Section 1 on cluster ``c`` (its nodes' files on ``where``): STMV frames already
     published on node 1, consumed on node 2, against raw TCP (:func:`stmv_rounds`); printed."""
-    # a warm-up round, then 4 measured ones: instride runs first in two of them, raw TCP that
-    # stores in the other two (on a VM whichever runs first may get the pages just freed)
-    rounds = 4
-    per_stream = (rounds + 1) * (n_stmv // rounds + 1)
+    per_stream = stmv_frames(n_stmv, STMV_ROUNDS)
     for name, frames in (("stmv/p0", per_stream), ("stmv/p1", per_stream + WARM_STMV)):
         _popen(c, 1, PRODUCE, name, frames, stmv_atoms, 0.0).communicate(timeout=600)
     src = c.node(1).dir / "stmv" / "p0" / "frame_000000000.isf"
     pages_before = new_pages_GBps(c.node(2).dir)
-    warm, *rounds = stmv_rounds(c, "stmv/p0", "stmv/p1", str(src), stmv, n_stmv, rounds)
+    warm, *rounds = stmv_rounds(c, "stmv/p0", "stmv/p1", str(src), stmv, n_stmv, STMV_ROUNDS)
     pages = {"before": pages_before, "after": new_pages_GBps(c.node(2).dir)}
     ours = statistics.median(r["instride"] for r in rounds)
     raw = statistics.median(r["raw_tcp_sendfile"] for r in rounds)

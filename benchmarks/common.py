@@ -65,7 +65,9 @@ def new_pages_GBps(directory: str | os.PathLike[str], mib: int = 128) -> float:
     try:
         t0 = time.perf_counter()
         for _ in range(mib * 8):
-            os.write(fd, piece)
+            done = 0
+            while done < len(piece):
+                done += os.write(fd, piece[done:])
         took = time.perf_counter() - t0
     finally:
         os.close(fd)

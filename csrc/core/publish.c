@@ -178,19 +178,20 @@ int ins_notify_publish(const struct ins_path *p)
     return ins_notify_publish_as(p, ins_cfg.overwrite);
 }
 
-/* Move tmp to the key without replacing it: link + unlink, or on file systems
- * without hard links an atomic no-replace rename. *neither: set when the file system has
- * neither (link refused, renameat2 without RENAME_NOREPLACE: some FUSE file systems). */
-static int ins_link_noreplace(const char *tmp, const char *abs, int *neither)
+/* Give old (relative to olddirfd) the name abs without replacing one: link + unlink, or on
+ * file systems without hard links an atomic no-replace rename. *neither: set when the file
+ * system has neither (link refused, renameat2 without RENAME_NOREPLACE: some FUSE file
+ * systems). */
+static int ins_link_noreplace(int olddirfd, const char *old, const char *abs, int *neither)
 {
     *neither = 0;
-    if (link(tmp, abs) == 0) {
-        unlink(tmp);
+    if (linkat(olddirfd, old, AT_FDCWD, abs, 0) == 0) {
+        unlinkat(olddirfd, old, 0);
         return 0;
     }
     int e = errno;
     if (e == EPERM || e == EOPNOTSUPP || e == EMLINK || e == ENOSYS) {
-        if (ins_sys.renameat2(AT_FDCWD, tmp, AT_FDCWD, abs, RENAME_NOREPLACE) == 0)
+        if (ins_sys.renameat2(olddirfd, old, AT_FDCWD, abs, RENAME_NOREPLACE) == 0)
             return 0;
         int r = errno;
         *neither = e != EMLINK && (r == EINVAL || r == ENOSYS || r == EOPNOTSUPP);
@@ -200,11 +201,22 @@ static int ins_link_noreplace(const char *tmp, const char *abs, int *neither)
     return -1;
 }
 
+/* The refusal of a write-once publication where the file system can do neither. */
+static int ins_fail_neither(const struct ins_path *p)
+{
+    return ins_fail(EOPNOTSUPP, "cannot publish key %.150s write-once: its file system has "
+                    "neither hard links nor renameat2(RENAME_NOREPLACE), so no name can be made "
+                    "there without the risk of replacing another writer's file (a publication "
+                    "that may replace, INSTRIDE_OVERWRITE=1 and no exclusive create, works there; "
+                    "or put the managed directory on a file system with either)", ins_key(p));
+}
+
 int ins_publish(const char *tmp, const struct ins_path *p, int noreplace)
 {
     int overwrite = ins_cfg.overwrite && !noreplace;
     int neither = 0;
-    int rc = overwrite ? ins_sys.rename(tmp, p->abs) : ins_link_noreplace(tmp, p->abs, &neither);
+    int rc = overwrite ? ins_sys.rename(tmp, p->abs)
+                       : ins_link_noreplace(AT_FDCWD, tmp, p->abs, &neither);
     if (rc != 0) {
         int e = errno;
         unlink(tmp);
@@ -212,11 +224,7 @@ int ins_publish(const char *tmp, const struct ins_path *p, int noreplace)
             return ins_fail(EEXIST, "key %.300s was published by someone else first (write-once)",
                             ins_key(p));
         if (neither)
-            return ins_fail(EOPNOTSUPP, "cannot publish key %.300s write-once: this file system "
-                            "makes no hard links and has no renameat2(RENAME_NOREPLACE), so a "
-                            "name cannot be made without the risk of replacing another writer's "
-                            "file (INSTRIDE_OVERWRITE=1 publishes by rename; or put the managed "
-                            "directory on a file system with either)", ins_key(p));
+            return ins_fail_neither(p);
         return ins_fail(e, "cannot publish key %.300s: %s", ins_key(p), strerror(e));
     }
     if (ins_cfg.fsync)
@@ -325,17 +333,13 @@ cleanup:
 /* Move (olddirfd, old) to the key: rename, or write-once link + unlink (an
  * atomic no-replace rename where hard links are not supported). EXDEV is left
  * to the caller. */
-static int ins_move_into_place(int olddirfd, const char *old, const char *abs, int noreplace)
+static int ins_move_into_place(int olddirfd, const char *old, const char *abs, int noreplace,
+                               int *neither)
 {
+    *neither = 0;
     if (!noreplace)
         return ins_sys.renameat(olddirfd, old, AT_FDCWD, abs);
-    if (linkat(olddirfd, old, AT_FDCWD, abs, 0) == 0) {
-        unlinkat(olddirfd, old, 0);
-        return 0;
-    }
-    if (errno != EPERM && errno != EOPNOTSUPP && errno != EMLINK)
-        return -1;
-    return ins_sys.renameat2(olddirfd, old, AT_FDCWD, abs, RENAME_NOREPLACE);
+    return ins_link_noreplace(olddirfd, old, abs, neither);
 }
 
 int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, int noreplace)
@@ -359,11 +363,14 @@ int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, i
             ins_sys.close(fd);
         }
     }
-    if (ins_move_into_place(olddirfd, old, np->abs, noreplace) != 0) {
+    int neither = 0;
+    if (ins_move_into_place(olddirfd, old, np->abs, noreplace, &neither) != 0) {
         if (errno == EXDEV) /* across file systems: ins_publish did the fsyncs and the notice */
             return ins_copy_publish(olddirfd, old, np, noreplace);
         if (errno == EEXIST)
             return ins_fail(EEXIST, "key %.300s is already published (write-once)", ins_key(np));
+        if (neither)
+            return ins_fail_neither(np);
         return ins_fail(errno, "cannot publish key %.300s: %s", ins_key(np), strerror(errno));
     }
     if (ins_cfg.fsync)

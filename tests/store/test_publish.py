@@ -212,8 +212,10 @@ def test_write_once_where_neither_links_nor_renameat2_exist_is_a_typed_error(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A file system without hard links whose ``rename`` takes no ``RENAME_NOREPLACE`` (some
     FUSE file systems) cannot make a name without possibly replacing one: the publication
-    is refused with an error that says so and how to go on, the temporary file removed and
-    nothing published; ``overwrite=True`` (a plain ``rename``) still works there."""
+    is refused with an error that says so and how to go on (errno EOPNOTSUPP, as the C
+    library's), the temporary file removed and nothing published; ``overwrite=True`` (a
+    plain ``rename``) still works there."""
+    import ctypes
     import errno
 
     from instride.store import publish as pub
@@ -221,12 +223,16 @@ def test_write_once_where_neither_links_nor_renameat2_exist_is_a_typed_error(
     def refused(*_args: object, **_kw: object) -> None:
         raise OSError(errno.EPERM, "Operation not permitted")
 
+    def no_flags(*_args: object) -> int:  # (renameat2 as such a file system answers it)
+        ctypes.set_errno(errno.EINVAL)
+        return -1
+
     monkeypatch.setattr(pub, "_LINKS", [True])
-    monkeypatch.setattr(pub, "_RENAMEAT2", None)  # (as after its EINVAL there)
+    monkeypatch.setattr(pub, "_RENAMEAT2", no_flags)
     monkeypatch.setattr(pub.os, "link", refused)
     final = tmp_path / "run" / "k.bin"
     final.parent.mkdir()
-    for _ in range(2):  # the first refusal of link, then with links known to be refused
+    for _ in range(2):  # the first refusals, then with both known to be refused
         tmp = tmp_path / "run" / ".k.bin.tmp"
         tmp.write_bytes(b"frame")
         with pytest.raises(UnsupportedModeError) as err:
@@ -235,10 +241,30 @@ def test_write_once_where_neither_links_nor_renameat2_exist_is_a_typed_error(
         assert "'run/k.bin'" in message and "hard links" in message
         assert "RENAME_NOREPLACE" in message and "overwrite=True" in message
         assert str(final.parent) in message
+        assert err.value.errno == errno.EOPNOTSUPP
         assert not tmp.exists() and not final.exists()
-    assert pub._LINKS[0] is False
+        assert pub._LINKS[0] is False and pub._RENAMEAT2 is None
     tmp.write_bytes(b"frame")
     pub.publish_file(tmp, final, "run/k.bin", overwrite=True)
+    assert final.read_bytes() == b"frame" and not tmp.exists()
+
+
+def test_links_refused_once_do_not_stop_publication_where_links_work(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether links and ``renameat2`` work is remembered per process, not per file system:
+    after a refusal on one file system (or with a C library without ``renameat2``), a
+    write-once publication on a file system that makes links still publishes, by ``link``."""
+    from instride.store import publish as pub
+
+    monkeypatch.setattr(pub, "_LINKS", [False])
+    monkeypatch.setattr(pub, "_RENAMEAT2", None)
+    tmp, final = tmp_path / ".k.tmp", tmp_path / "k"
+    tmp.write_bytes(b"frame")
+    pub.publish_file(tmp, final, "k", overwrite=False)
+    assert final.read_bytes() == b"frame" and not tmp.exists() and os.stat(final).st_nlink == 1
+    tmp.write_bytes(b"other")
+    with pytest.raises(KeyExistsError):  # and still write-once
+        pub.publish_file(tmp, final, "k", overwrite=False)
     assert final.read_bytes() == b"frame" and not tmp.exists()
 
 
@@ -263,7 +289,11 @@ def test_a_link_reported_as_existing_that_names_the_file_itself_is_published(
 NO_LINKS_WRITER = textwrap.dedent(
     """
     import ctypes, os, sys
-    kind, path = sys.argv[1], sys.argv[2]
+    kind, path, api, src = sys.argv[1:5]
+    lib = ctypes.CDLL(api, use_errno=True)
+    if kind in ("rename", "capi-move"):  # a finished file moved in under its key
+        with open(src, "wb") as fh:  # (outside the managed directory: not published itself)
+            fh.write(b"x" * 1000)
     if kind == "preload":  # an unmodified program's write and close (the preload library)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
         assert os.write(fd, b"x" * 1000) == 1000
@@ -273,12 +303,20 @@ NO_LINKS_WRITER = textwrap.dedent(
             print(exc.errno)
         else:
             print(0)
-    else:  # the C API
-        lib = ctypes.CDLL(sys.argv[3], use_errno=True)
+    elif kind == "rename":  # ... and its rename into the managed directory
+        try:
+            os.rename(src, path)
+        except OSError as exc:
+            print(exc.errno)
+        else:
+            print(0)
+    elif kind == "capi":  # the C API: a writer, then its commit
         w = ctypes.c_void_p()
         assert lib.instride_create(path.encode(), 0, 0o644, ctypes.byref(w)) == 0
         assert os.write(lib.instride_writer_fd(w), b"x" * 1000) == 1000
         print(0 if lib.instride_commit(w) == 0 else ctypes.get_errno())
+    else:  # the C API's publication of a finished file
+        print(0 if lib.instride_publish(src.encode(), path.encode(), 0) == 0 else ctypes.get_errno())
     """
 )
 
@@ -295,28 +333,33 @@ def no_links(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("kind", ["preload", "capi"])
+@pytest.mark.parametrize("kind", ["preload", "rename", "capi", "capi-move"])
 def test_the_c_library_names_a_file_system_that_cannot_publish_write_once(
-        managed_dir: Path, no_links: Path, kind: str) -> None:
-    """The C library (preload and C API) on a file system with neither hard links nor
-    ``RENAME_NOREPLACE``: the write-once publication fails with EOPNOTSUPP and a message that
-    says why and what to do (not link's bare EPERM), nothing is published and no temporary
-    file is left; with ``INSTRIDE_OVERWRITE=1`` the file is published by ``rename``."""
+        managed_dir: Path, tmp_path: Path, no_links: Path, kind: str) -> None:
+    """The C library on a file system with neither hard links nor ``RENAME_NOREPLACE``, both
+    ways a file is published (written under its key, or a finished file moved in; through the
+    preload library and through the C API): the write-once publication fails with EOPNOTSUPP
+    and a message that says why and what to do (not link's bare EPERM nor renameat2's
+    EINVAL), nothing is published, no temporary file is left and a moved-in file stays where
+    it was; with ``INSTRIDE_OVERWRITE=1`` the file is published by ``rename``."""
     import errno
 
     (managed_dir / "k").mkdir()
-    preload = [str(preload_path())] if kind == "preload" else []
+    preload = [str(preload_path())] if kind in ("preload", "rename") else []
     env = dict(os.environ, INSTRIDE_DEBUG="1", LD_PRELOAD=":".join([*preload, str(no_links)]))
-    path = managed_dir / "k" / "frame.bin"
-    args = [sys.executable, "-c", NO_LINKS_WRITER, kind, str(path), str(c_library_path())]
+    path, src = managed_dir / "k" / "frame.bin", tmp_path / "finished.bin"
+    args = [sys.executable, "-c", NO_LINKS_WRITER, kind, str(path), str(c_library_path()),
+            str(src)]
     refused = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 0, refused.stderr
     assert int(refused.stdout) == errno.EOPNOTSUPP, (refused.stdout, refused.stderr)
     assert "cannot publish key k/frame.bin write-once" in refused.stderr
-    assert "no hard links" in refused.stderr and "INSTRIDE_OVERWRITE=1" in refused.stderr
+    assert "hard links" in refused.stderr and "INSTRIDE_OVERWRITE=1" in refused.stderr
     assert list((managed_dir / "k").iterdir()) == []  # nothing published, no temporary file
+    moved = kind in ("rename", "capi-move")
+    assert src.exists() is moved  # (a file to move in is not lost)
     env["INSTRIDE_OVERWRITE"] = "1"
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and int(done.stdout) == 0, (done.stdout, done.stderr)
-    assert path.read_bytes() == b"x" * 1000
+    assert path.read_bytes() == b"x" * 1000 and not src.exists()
     assert [p.name for p in (managed_dir / "k").iterdir()] == ["frame.bin"]

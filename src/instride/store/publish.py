@@ -124,7 +124,7 @@ def _publish_once(tmp: str | Path, final: str | Path, key: str, *, overwrite: bo
             try:
                 os.link(tmp, final)
             except OSError as exc:
-                if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
+                if exc.errno not in _NO_LINKS + (errno.EMLINK,):
                     raise
                 if exc.errno != errno.EMLINK:  # (EMLINK: that one file's links, not the system)
                     _LINKS[0] = False
@@ -133,15 +133,12 @@ def _publish_once(tmp: str | Path, final: str | Path, key: str, *, overwrite: bo
                 return
         if _rename_noreplace(tmp, final):
             return
-        if not _LINKS[0]:  # neither way exists here: say so, rather than link's bare EPERM
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise UnsupportedModeError(
-                "write-once", f"key {key!r} cannot be published without the risk of replacing"
-                f" another writer's file: the file system of {os.path.dirname(final)!r} makes no"
-                " hard links and has no renameat2(RENAME_NOREPLACE); publish with"
-                " overwrite=True, or put the managed directory on a file system with either")
-        os.link(tmp, final)  # (EMLINK before: that file's links, so no renameat2 either)
+        try:  # (links refused before, maybe on another file system: this one may make them)
+            os.link(tmp, final)
+        except OSError as exc:
+            if exc.errno not in _NO_LINKS:
+                raise
+            raise _neither(tmp, final, key) from exc
     except FileExistsError:
         if _same_file(tmp, final):  # (NFS: a link retried by the client after it was made)
             _drop_name(tmp)
@@ -150,6 +147,26 @@ def _publish_once(tmp: str | Path, final: str | Path, key: str, *, overwrite: bo
             os.unlink(tmp)
         raise KeyExistsError(key) from None
     _drop_name(tmp)
+
+
+#: what ``link`` answers on a file system that makes no hard links
+_NO_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS)
+
+
+def _neither(tmp: str | Path, final: str | Path, key: str) -> UnsupportedModeError:
+    """The error of a write-once publication where the file system has neither hard links nor
+    ``renameat2(RENAME_NOREPLACE)`` (nothing else makes a name without possibly replacing one);
+    ``tmp`` is removed."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    where = os.path.dirname(os.path.abspath(final))
+    err = UnsupportedModeError(
+        "write-once", f"key {key!r} cannot be published without the risk of replacing another"
+        f" writer's file: the file system of {where!r} makes no hard links and has no"
+        " renameat2(RENAME_NOREPLACE); only a publication that may replace works there"
+        " (overwrite=True), or put the managed directory on a file system with either")
+    err.errno = errno.EOPNOTSUPP  # (what a C caller sees, as the C library's own refusal)
+    return err
 
 
 def _same_file(a: str | Path, b: str | Path) -> bool:
