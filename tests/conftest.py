@@ -65,6 +65,17 @@ def spawn_py(code: str, env: dict[str, str] | None = None, **kw: object) -> subp
     )
 
 
+def build_shim(src: Path, out_dir: Path, *libs: str) -> Path:
+    """Compile the test's C file ``src`` (an ``LD_PRELOAD`` library standing in for some
+    behaviour of the system) into ``out_dir``; return the shared library's path."""
+    gcc = shutil.which("gcc")
+    assert gcc is not None, "gcc is required (apt-get install build-essential)"
+    out = out_dir / (src.stem + ".so")
+    subprocess.run([gcc, "-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-shared", "-fPIC",
+                    "-o", str(out), str(src), *libs], check=True, capture_output=True, text=True)
+    return out
+
+
 def stop_process(pid: int, timeout: float = 10.0) -> None:
     """``SIGSTOP`` process ``pid`` and return once every thread of it has stopped.
 

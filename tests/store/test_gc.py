@@ -15,6 +15,7 @@ import pytest
 
 from instride.interception.preload import c_library_path, preload_path
 from instride.keys import TMP_PATTERN
+from tests.conftest import build_shim
 
 #: a writer through instride's file API (argv[1] "api") or an unmodified Python program under
 #: the preload library ("plain": the builtin open on the managed path), holding its file open
@@ -157,13 +158,8 @@ PUBLISHER = textwrap.dedent(
 @pytest.fixture(scope="module")
 def rename_probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``c/rename_probe.c`` built: records whether a temporary file is locked when renamed."""
-    gcc = shutil.which("gcc")
-    assert gcc is not None, "gcc is required (apt-get install build-essential)"
-    out = tmp_path_factory.mktemp("probe") / "rename_probe.so"
-    src = Path(__file__).resolve().parent / "c" / "rename_probe.c"
-    subprocess.run([gcc, "-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-shared", "-fPIC",
-                    "-o", str(out), str(src)], check=True, capture_output=True, text=True)
-    return out
+    return build_shim(Path(__file__).resolve().parent / "c" / "rename_probe.c",
+                      tmp_path_factory.mktemp("probe"))
 
 
 @pytest.mark.parametrize("kind", ["api", "plain", "dup2", "closerange", "fopen", "freopen",

@@ -5,7 +5,6 @@ nothing, immutable keys, garbage collection of dead writers' temporary files."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import instride
 from instride.errors import ConsumeTimeout, KeyExistsError, UnsupportedModeError
 from instride.interception.preload import c_library_path, preload_path
 from instride.keys import TMP_PATTERN
-from tests.conftest import finish, spawn_py
+from tests.conftest import build_shim, finish, spawn_py
 
 
 def test_reader_never_sees_a_partial_file(managed_dir: Path) -> None:
@@ -324,13 +323,8 @@ NO_LINKS_WRITER = textwrap.dedent(
 @pytest.fixture(scope="module")
 def no_links(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``c/no_links.c`` built: a file system with neither hard links nor RENAME_NOREPLACE."""
-    gcc = shutil.which("gcc")
-    assert gcc is not None, "gcc is required (apt-get install build-essential)"
-    out = tmp_path_factory.mktemp("nolinks") / "no_links.so"
-    src = Path(__file__).resolve().parent / "c" / "no_links.c"
-    subprocess.run([gcc, "-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-shared", "-fPIC",
-                    "-o", str(out), str(src)], check=True, capture_output=True, text=True)
-    return out
+    return build_shim(Path(__file__).resolve().parent / "c" / "no_links.c",
+                      tmp_path_factory.mktemp("nolinks"))
 
 
 @pytest.mark.parametrize("kind", ["preload", "rename", "capi", "capi-move"])

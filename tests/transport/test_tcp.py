@@ -14,7 +14,6 @@ import errno
 import fcntl
 import json
 import os
-import shutil
 import signal
 import socket
 import struct
@@ -34,7 +33,7 @@ from instride.errors import AuthenticationError, KeyNotFoundError, PeerUnavailab
 from instride.record import Record
 from instride.transport import wire
 from instride.transport.tcp import TcpTransport
-from tests.conftest import LoopbackNode, RedisServer, free_port
+from tests.conftest import LoopbackNode, RedisServer, build_shim, free_port
 from tests.nodes import TOKEN, ask, forged, no_traceback, put, raw, recv_all, signed, stats, until
 
 from .contract import TOKEN as CONTRACT_TOKEN
@@ -571,12 +570,7 @@ def test_a_file_renamed_away_between_the_servers_open_and_its_lock_is_not_sent(
     file renamed away in between (a stream's producer retiring the frame, another file put under
     the key) is not sent under the key. ``c/swap_probe.c`` does the renaming inside the
     server's ``flock``; what the key names then (``new``) is served, never what it named."""
-    gcc = shutil.which("gcc")
-    assert gcc is not None, "gcc is required (apt-get install build-essential)"
-    probe = tmp_path / "swap_probe.so"
-    subprocess.run([gcc, "-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-shared", "-fPIC",
-                    "-o", str(probe), str(Path(__file__).resolve().parent / "c" / "swap_probe.c"),
-                    "-ldl"], check=True, capture_output=True, text=True)
+    probe = build_shim(Path(__file__).resolve().parent / "c" / "swap_probe.c", tmp_path, "-ldl")
     path = own_node.dir / "sw" / "a"
     own_node.env.update(LD_PRELOAD=str(probe), SWAP_PROBE_PATH=str(path))
     own_node.start()
