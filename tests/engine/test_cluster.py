@@ -543,6 +543,65 @@ def test_a_consumer_walking_keys_leaves_no_lock_files_and_reads_no_sidecar_it_ju
     assert set(os.listdir(engine.lock_dir)) - locks_before == set()
 
 
+def test_an_early_fetch_holds_the_keys_lock_before_the_bytes_are_taken_off_the_socket(
+        clients: list[instride.Client], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An early fetch takes the key's fetch lock as soon as the owner's reply starts, before
+    the body is received (a woken process's first pass through the lock is slow; the owner's
+    ``sendfile`` is still under way then): when the transport starts taking the bytes off the
+    socket, another open file of the key's lock finds it held."""
+    import fcntl
+    import hashlib
+
+    c1, c2, _ = clients
+    engine = c2.engine
+    assert isinstance(engine, ClusterEngine)
+    transport = engine.transport
+    receive_asked = transport.receive_asked  # type: ignore[attr-defined]
+    seen: list[str] = []
+
+    def spied(sock: Any, like: Record, key: str, *args: Any, **kw: Any) -> Any:
+        name = engine.lock_dir / hashlib.sha1(key.encode()).hexdigest()
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            seen.append("missing")
+        else:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                seen.append("free")
+            except BlockingIOError:
+                seen.append("held")
+            finally:
+                os.close(fd)  # (a lock taken here goes with it)
+        return receive_asked(sock, like, key, *args, **kw)
+
+    monkeypatch.setattr(transport, "receive_asked", spied)
+    pos = np.random.default_rng(13).random((3000, 3)).astype(np.float32)
+    frames, errors = 10, []
+
+    def produce() -> None:
+        try:
+            with instride.Stream("order/run", mode="w", client=c1) as producer:
+                for i in range(frames):
+                    time.sleep(0.03)  # the consumer is waiting for each key
+                    producer.append(pos + i, step=i)
+        except BaseException as exc:  # (reported below)
+            errors.append(exc)
+
+    reader = instride.Stream("order/run", timeout=20, client=c2)
+    thread = threading.Thread(target=produce)
+    thread.start()
+    for i in range(frames):
+        key = reader.frame_key(i)
+        assert c2.wait_any([key], timeout=20) == key
+        frame = instride.frames.decode_frame(c2.consume(key, timeout=20).read_bytes(), key)
+        assert frame.step == i
+    thread.join(60)
+    assert not thread.is_alive() and errors == []
+    assert len(seen) >= frames - 2, seen  # (the first keys may come the usual way)
+    assert set(seen) == {"held"}, seen
+
+
 def test_a_consumer_walking_keys_receives_frames_into_mappings_of_files_made_ahead(
         clients: list[instride.Client]) -> None:
     """A node that keeps its copies has each next receive file made ahead (its pages
