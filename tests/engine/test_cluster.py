@@ -492,6 +492,26 @@ def test_a_streams_reader_gets_its_next_frame_as_it_is_published(
             assert watched[0] is True and not any(watched[2:-1]), watched
 
 
+def _producing(client: instride.Client, name: str,
+               frames: list[np.ndarray]) -> tuple[threading.Thread, list[BaseException]]:
+    """A started thread appending ``frames`` to the stream ``name`` 30 ms apart (a consumer
+    is waiting for each key), and the list of what it raised."""
+    errors: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            with instride.Stream(name, mode="w", client=client) as producer:
+                for i, positions in enumerate(frames):
+                    time.sleep(0.03)  # the consumer is waiting for each key
+                    producer.append(positions, step=i)
+        except BaseException as exc:  # (reported by the test)
+            errors.append(exc)
+
+    thread = threading.Thread(target=produce)
+    thread.start()
+    return thread, errors
+
+
 def test_a_consumer_walking_keys_leaves_no_lock_files_and_reads_no_sidecar_it_just_wrote(
         clients: list[instride.Client]) -> None:
     """A consumer that waits for each next key and consumes it (the file API's stream
@@ -512,20 +532,9 @@ def test_a_consumer_walking_keys_leaves_no_lock_files_and_reads_no_sidecar_it_ju
 
     engine.cached_version = counted  # type: ignore[method-assign]
     locks_before = set(os.listdir(engine.lock_dir)) if engine.lock_dir.exists() else set()
-    keys, errors = [], []
+    keys = []
     reader = instride.Stream("walk/run", timeout=20, client=c2)
-
-    def produce() -> None:
-        try:
-            with instride.Stream("walk/run", mode="w", client=c1) as producer:
-                for i in range(frames):
-                    time.sleep(0.03)  # the consumer is waiting for each key
-                    producer.append(pos + i, step=i)
-        except BaseException as exc:  # (reported below)
-            errors.append(exc)
-
-    thread = threading.Thread(target=produce)
-    thread.start()
+    thread, errors = _producing(c1, "walk/run", [pos + i for i in range(frames)])
     after_wait: list[int] = []
     for i in range(frames):
         key = reader.frame_key(i)
@@ -577,20 +586,9 @@ def test_an_early_fetch_holds_the_keys_lock_before_the_bytes_are_taken_off_the_s
 
     monkeypatch.setattr(transport, "receive_asked", spied)
     pos = np.random.default_rng(13).random((3000, 3)).astype(np.float32)
-    frames, errors = 10, []
-
-    def produce() -> None:
-        try:
-            with instride.Stream("order/run", mode="w", client=c1) as producer:
-                for i in range(frames):
-                    time.sleep(0.03)  # the consumer is waiting for each key
-                    producer.append(pos + i, step=i)
-        except BaseException as exc:  # (reported below)
-            errors.append(exc)
-
+    frames = 10
     reader = instride.Stream("order/run", timeout=20, client=c2)
-    thread = threading.Thread(target=produce)
-    thread.start()
+    thread, errors = _producing(c1, "order/run", [pos + i for i in range(frames)])
     for i in range(frames):
         key = reader.frame_key(i)
         assert c2.wait_any([key], timeout=20) == key
@@ -615,20 +613,10 @@ def test_a_consumer_walking_keys_receives_frames_into_mappings_of_files_made_ahe
     c2.gc()  # (copies other tests dropped would be reused first)
     atoms = [3000] * 6 + [3500, 3000, 2000, 2000, 3000, 3000, 3000, 3000]
     pos = np.random.default_rng(12).random((max(atoms), 3)).astype(np.float32)
-    before, errors = engine.mapped_receives, []
-
-    def produce() -> None:
-        try:
-            with instride.Stream("mapped/run", mode="w", client=c1) as producer:
-                for i, n in enumerate(atoms):
-                    time.sleep(0.03)  # the consumer is waiting for each key (a file made ahead)
-                    producer.append(pos[:n] + i, step=i)
-        except BaseException as exc:  # (reported below)
-            errors.append(exc)
-
+    before = engine.mapped_receives
     reader = instride.Stream("mapped/run", timeout=20, client=c2)
-    thread = threading.Thread(target=produce)
-    thread.start()
+    # (the consumer waits for each key: a file made ahead for it)
+    thread, errors = _producing(c1, "mapped/run", [pos[:n] + i for i, n in enumerate(atoms)])
     for i, n in enumerate(atoms):
         key = reader.frame_key(i)
         assert c2.wait_any([key], timeout=20) == key
