@@ -241,7 +241,8 @@ def test_mpi_command_module_gets_its_ports_per_rank(flow_env: dict[str, Path]) -
         seen = [os.environ["PMI_RANK"], os.environ["INSTRIDE_FLOW_IN_FRAMES"], steps]
         open(os.path.join(os.environ["INSTRIDE_FLOW_OUT_DIR"], f"cmd-{i}.json"), "w").write(
             json.dumps(seen))
-        print("rank", os.environ["PMI_RANK"], flush=True)
+        # (one write: the ranks share a log, and unbuffered print() writes piece by piece)
+        os.write(1, f"rank {os.environ['PMI_RANK']}\\n".encode())
     """)
     g = Graph("mpicmd")
     src = g.module("src", modules.count, outputs=["frames"], instances=2, params={"n": 3})
