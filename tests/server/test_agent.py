@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,6 +90,31 @@ def test_unix_socket_protocol(nodes: list[LoopbackNode]) -> None:
     # restrictive modes
     assert oct(os.stat(n2.dir / ".instride" / "node.sock").st_mode & 0o777) == "0o600"
     assert oct(os.stat(n2.dir / ".instride").st_mode & 0o777) == "0o700"
+
+
+def test_a_thin_clients_next_numbered_key_is_asked_of_its_owner_while_it_waits(
+        nodes: list[LoopbackNode]) -> None:
+    """``CONSUME`` of a key not on the node waits as a Python consumer walking a stream does:
+    once the node fetched ``k000001`` from node 1, the wait for ``k000002`` asks node 1 for it,
+    and node 1 sends it as it is published (``fetched_early`` in ``STATS``), not after a
+    request sent once the publication was heard."""
+    n1, n2, _ = nodes
+    for i, data in ((1, b"one"), (2, b"two")):
+        key = f"early/k{i:06d}"
+        before = stats(n2)
+        got: list[str] = []
+        waiter = threading.Thread(target=lambda k=key, out=got: out.append(
+            ask(n2, f"CONSUME 10000 {k}")))
+        waiter.start()
+        until(lambda: stats(n2)["waiting"] == 1, 5, "the CONSUME is waiting")
+        time.sleep(0.2)  # (its wait has started: the early ask is out, where there is one)
+        put(n1, key, data)
+        waiter.join(15)
+        assert got == [f"OK {n2.dir / key}"] and (n2.dir / key).read_bytes() == data
+        after = stats(n2)
+        assert after["fetched"] == before["fetched"] + 1
+        # the first key is fetched once heard; the next is asked for early
+        assert after["fetched_early"] == before["fetched_early"] + (i == 2), i
 
 
 def test_publish_is_write_once_across_nodes(nodes: list[LoopbackNode]) -> None:
