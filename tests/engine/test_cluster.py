@@ -7,6 +7,7 @@ Cross-node behaviour between network namespaces is tested in tests/emulate.
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import statistics
 import subprocess
@@ -550,6 +551,53 @@ def test_a_consumer_walking_keys_leaves_no_lock_files_and_reads_no_sidecar_it_ju
     # (the first keys come the usual way; the others were brought by the wait)
     assert sum(1 for n in after_wait[2:] if n == 0) >= frames - 4, after_wait
     assert set(os.listdir(engine.lock_dir)) - locks_before == set()
+
+
+def test_a_consumer_reading_two_streams_in_turn_asks_each_owner_early(
+        clients: list[instride.Client]) -> None:
+    """A process that reads two streams in turn (frame i of one, then of the other: threads,
+    or a node server's thin clients) asks each stream's owner for that stream's next frame,
+    not only the owner of the stream it fetched from last."""
+    c1, c2, c3 = clients
+    pos = np.random.default_rng(12).random((2000, 3)).astype(np.float32)
+    frames = 6
+    writers = [instride.Stream(f"turns/{n}", mode="w", client=c) for c, n in ((c1, "a"), (c3, "b"))]
+    readers = [instride.Stream(f"turns/{n}", timeout=20, client=c2) for n in ("a", "b")]
+    waiting: queue.Queue[str] = queue.Queue()
+    got: list[tuple[str, int, int]] = []  # (key, its step, early transfers so far)
+    errors: list[BaseException] = []
+
+    def consume() -> None:  # (one thread: a kept subscription is per thread)
+        try:
+            for i in range(frames):
+                for reader in readers:
+                    key = reader.frame_key(i)
+                    waiting.put(key)
+                    assert c2.wait_any([key], timeout=20) == key
+                    step = instride.frames.decode_frame(c2.consume(key, timeout=20).read_bytes(),
+                                                        key).step
+                    got.append((key, step, c2.engine.early_transfers))
+        except BaseException as exc:  # (reported by the test)
+            errors.append(exc)
+
+    before = c2.engine.early_transfers
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    try:
+        for i in range(frames):
+            for writer, reader in zip(writers, readers, strict=True):
+                assert waiting.get(timeout=20) == reader.frame_key(i)
+                time.sleep(0.1)  # (the consumer is waiting: its early ask is out, if any)
+                writer.append(pos + i, step=i)
+    finally:
+        consumer.join(60)
+        for writer in writers:
+            writer.close()
+    assert not consumer.is_alive() and errors == []
+    assert [step for _, step, _ in got] == [i for i in range(frames) for _ in readers]
+    # each stream's first frame comes the usual way; every later one was asked for early
+    early = [n - before for _, _, n in got]
+    assert early == [0, 0] + list(range(1, 2 * frames - 1)), early
 
 
 def test_an_early_fetch_holds_the_keys_lock_before_the_bytes_are_taken_off_the_socket(

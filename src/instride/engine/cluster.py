@@ -145,6 +145,10 @@ class ClusterEngine:
         #: the record of the last key this process fetched (a stream's reader asks the same
         #: owner for its next frame: :meth:`fetch_when_published`)
         self.last_fetched: Record | None = None
+        # ... and of the last one per directory: a process reading several streams in turn
+        # (threads, or a node server's thin clients) asks each stream's owner for its next
+        # frame, not only the stream it fetched from last
+        self._fetched_in: dict[str, Record] = {}
         #: early fetches whose record came from the announcements heard (no lookup)
         self.records_heard = 0
         #: waits whose early request was withdrawn: another owner published first
@@ -379,7 +383,7 @@ class ClusterEngine:
                         continue
                     raise
             self.transfers += 1
-            self.last_fetched = record
+            self._fetched(record)
             t1 = time.monotonic()
             try:
                 self._store_copy(staged, str(path), record)
@@ -545,9 +549,17 @@ class ClusterEngine:
                 self._drop_file(staged, locked=False)
         self.transfers += 1
         self.early_transfers += 1
-        self.last_fetched = record
+        self._fetched(record)
         self.evict(keep=key)
         return record
+
+    def _fetched(self, record: Record) -> None:
+        """Remember ``record`` as the last key fetched, of all and of its directory."""
+        self.last_fetched = record
+        parent = record.key.rpartition("/")[0]
+        if parent not in self._fetched_in and len(self._fetched_in) >= _SEEN_MAX:
+            self._fetched_in.clear()
+        self._fetched_in[parent] = record
 
     def _unmap(self, later: mmap.mmap | None = None) -> None:
         """Unmap the receive file's mapping kept by the last early fetch; keep ``later``
@@ -665,9 +677,9 @@ class ClusterEngine:
             One of ``keys`` was published by another owner (or another of them first): its
             record, as the usual wait would return it.
         """
-        like = self.last_fetched
-        ask = getattr(self.transport, "ask_when_published", None)
         key = keys[0] if keys else ""
+        like = self._fetched_in.get(key.rpartition("/")[0])
+        ask = getattr(self.transport, "ask_when_published", None)
         parent = like.key.rpartition("/")[0] if like is not None else ""
         if like is None or ask is None or not parent or not _follows(key, like.key) \
                 or any(k.rpartition("/")[0] != parent for k in keys):
