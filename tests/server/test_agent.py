@@ -117,6 +117,32 @@ def test_a_thin_clients_next_numbered_key_is_asked_of_its_owner_while_it_waits(
         assert after["fetched_early"] == before["fetched_early"] + (i == 2), i
 
 
+def test_a_consume_is_answered_by_its_worker_and_the_connection_goes_on(
+        nodes: list[LoopbackNode]) -> None:
+    """The worker thread that has a ``CONSUME``'s path writes ``OK <path>`` to the client
+    itself (no hop back to the event loop: ``answered_at_once`` in ``STATS``); the connection
+    then answers its next requests in order, also ones sent before the answer was read."""
+    n1, n2, _ = nodes
+    put(n1, "direct/a", b"a")
+    path = n2.dir / "direct" / "a"
+    before = stats(n2)["answered_at_once"]
+    with unix(n2) as s:
+        s.settimeout(10)
+        f = s.makefile("rw")
+        for line, want in (("CONSUME 5000 direct/a", f"OK {path}"), ("PING", "OK pong"),
+                           ("CONSUME 5000 direct/a", f"OK {path}")):
+            f.write(line + "\n")
+            f.flush()
+            assert f.readline() == want + "\n"
+        f.write("CONSUME 5000 direct/a\nPING\nCONSUME 200 direct/never\nPING\n")  # (at once)
+        f.flush()
+        got = [f.readline() for _ in range(4)]
+        assert got[:2] == [f"OK {path}\n", "OK pong\n"] and got[3] == "OK pong\n", got
+        assert got[2].startswith("ERR 110 "), got  # (an error: the event loop answers it)
+    assert stats(n2)["answered_at_once"] == before + 3
+    assert path.read_bytes() == b"a"
+
+
 def test_publish_is_write_once_across_nodes(nodes: list[LoopbackNode]) -> None:
     n1, n2, n3 = nodes
     first = put(n1, "wo/k.bin", b"first")
