@@ -79,12 +79,12 @@ class _ShuttingDown(InstrideError):
 class _Answer:
     """Who answers one ``CONSUME``: the worker thread that has the path, straight into the
     client's socket, or the event loop (an error, a shutdown, a client gone, a reply of the
-    connection still in the loop's buffer). Whoever :meth:`claim` s it first; the other side
-    writes nothing.
+    connection still in the loop's buffer). The side that claims the answer first writes it;
+    the other writes nothing.
 
     The worker's own answer spares the hop back to the event loop (its wake-up, a task
     switch, the write): through the preload library across two emulated nodes the median
-    went from 1.74 to 1.45 ms (RESULTS.md, round 31).
+    went from 1.99 to 1.74 ms in alternating runs (RESULTS.md, round 31).
     """
 
     def __init__(self, fd: int | None) -> None:
