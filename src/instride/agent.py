@@ -90,8 +90,9 @@ class _Answer:
     def __init__(self, fd: int | None) -> None:
         # a duplicate of the client's socket (non-blocking), closed once the worker's job
         # has ended or was called off: a connection the loop closes meanwhile keeps its
-        # socket until then, and its number, if reused, is not the worker's; None: the loop
-        # answers
+        # socket until then (its client sees the end of it only then, at most a wait slice
+        # later, after the loop's answer), and its number, if reused, is not the worker's;
+        # None: the loop answers
         self.fd = None if fd is None else os.dup(fd)
         self._claimed = threading.Lock()
 
@@ -345,6 +346,8 @@ class LocalAgent:
                 try:
                     if not os.path.exists(here):  # (one here: no round trip to wait for it)
                         self.client.wait_any([key], timeout=max(0.0, min(WAIT_SLICE, left)))
+                        if deadline is not None:
+                            left = deadline - time.monotonic()
                     return self.client.consume(key, timeout=max(0.0, min(WAIT_SLICE, left)))
                 except ConsumeTimeout:
                     if deadline is not None and time.monotonic() >= deadline:
@@ -384,15 +387,23 @@ class LocalAgent:
         local = os.path.exists(key_path(key, self.settings.dir))
         pool = self.quick if local else self.waits
         cancel = threading.Event()
-        self._cancels.add(cancel)
         sock = writer.get_extra_info("socket")
         # (the worker may answer only while no earlier reply of this connection waits in the
         # loop's buffer: it would overtake it)
-        direct = sock is not None and writer.transport.get_write_buffer_size() == 0
-        answer = _Answer(sock.fileno() if direct else None)
-        job = pool.submit(self._consume_answering, key, timeout, cancel, answer)
+        direct = sock is not None and not writer.transport.is_closing() \
+            and writer.transport.get_write_buffer_size() == 0
+        try:
+            answer = _Answer(sock.fileno() if direct else None)
+        except OSError:  # (no descriptor to spare: the loop answers)
+            answer = _Answer(None)
+        try:
+            job = pool.submit(self._consume_answering, key, timeout, cancel, answer)
+        except BaseException:
+            answer.close()
+            raise
         job.add_done_callback(answer.close)  # (run, or called off before it started)
         fut = asyncio.wrap_future(job)
+        self._cancels.add(cancel)
         try:
             while True:
                 done, _ = await asyncio.wait({fut}, timeout=WATCH_INTERVAL)

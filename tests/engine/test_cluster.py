@@ -600,6 +600,37 @@ def test_a_consumer_reading_two_streams_in_turn_asks_each_owner_early(
     assert early == [0, 0] + list(range(1, 2 * frames - 1)), early
 
 
+def test_a_thread_that_never_waited_in_the_directory_asks_early_too(
+        clients: list[instride.Client]) -> None:
+    """The early ask needs the waiting thread to hear the directory's announcements; a thread
+    that never waited there (a node server runs each wait on whichever thread of its pool is
+    free) subscribes to them first, and asks the owner for the next key as the thread that
+    fetched the one before would."""
+    c1, c2, _ = clients
+    put_later = threading.Timer(0.2, lambda: c1.open("fresh/k000001", "wb").close())
+    put_later.start()
+    assert c2.consume("fresh/k000001", timeout=10).exists()  # (fetched on this thread)
+    put_later.join()
+    got: list[object] = []
+
+    def wait_next() -> None:  # a thread of its own: no subscription of its own yet
+        try:
+            got.append(c2.wait_any(["fresh/k000002"], timeout=10))
+        except BaseException as exc:  # (reported by the test)
+            got.append(exc)
+
+    before = c2.engine.early_transfers
+    waiter = threading.Thread(target=wait_next)
+    waiter.start()
+    time.sleep(0.3)  # (it is waiting: its early ask is out)
+    with c1.open("fresh/k000002", "wb") as fh:
+        fh.write(b"two")
+    waiter.join(15)
+    assert got == ["fresh/k000002"]
+    assert c2.engine.early_transfers == before + 1
+    assert (c2.root / "fresh" / "k000002").read_bytes() == b"two"
+
+
 def test_an_early_fetch_holds_the_keys_lock_before_the_bytes_are_taken_off_the_socket(
         clients: list[instride.Client], monkeypatch: pytest.MonkeyPatch) -> None:
     """An early fetch takes the key's fetch lock as soon as the owner's reply starts, before

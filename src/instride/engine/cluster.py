@@ -668,8 +668,9 @@ class ClusterEngine:
         copy (see :meth:`fetch_when_published`). Only then: a wait for any other key does not
         move its bytes.
 
-        Returns the record of ``keys[0]``, now on this node; ``None`` when this does not
-        apply or nothing came in time (the caller waits the usual way).
+        Returns the record of ``keys[0]``, now on this node (or of one of ``keys`` found
+        published already by a thread that did not watch the directory yet); ``None`` when
+        this does not apply or nothing came in time (the caller waits the usual way).
 
         Raises
         ------
@@ -685,9 +686,22 @@ class ClusterEngine:
                 or any(k.rpartition("/")[0] != parent for k in keys):
             return None
         prefix = parent + "/"
-        sub = self.metadata.subscription(prefix)  # (a stream's first wait left one)
         wait = _EARLY_WAIT if timeout is None else min(_EARLY_WAIT, timeout / 2)
-        if sub is None or wait < 0.01 or os.access(f"{self.root}/{key}", os.F_OK):
+        if wait < 0.01 or os.access(f"{self.root}/{key}", os.F_OK):
+            return None
+        sub = self.metadata.subscription(prefix)  # (a stream's first wait left one)
+        watch = getattr(self.metadata, "watch", None)
+        if sub is None and watch is not None:
+            # A thread that never waited here (a node server runs each wait on whichever
+            # thread of its pool is free). Published already: nothing to ask for early (a
+            # reader that may meet retired frames would hold a request for a gone one);
+            # else it watches the directory from now on, as a wait there would leave it.
+            found = self.metadata.lookup_any(keys)
+            if found is not None:
+                return found
+            if watch(prefix, wait):
+                sub = self.metadata.subscription(prefix)
+        if sub is None:
             return None
         sub_fd = sub.fileno()
         until = keys[1].rpartition("/")[2] if len(keys) > 1 else None

@@ -685,6 +685,34 @@ class RedisMetadata:
                     raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
                 time.sleep(0.05)
 
+    def watch(self, prefix: str, timeout: float) -> bool:
+        """Have this thread's subscriber hear the publications under ``prefix`` (a directory,
+        ``"a/b/"``) from now on, as a wait there that found nothing leaves it: for a reader
+        about to wait in that directory on a thread that never waited there (a node server
+        runs each wait on whichever thread of its pool is free). ``False`` where it cannot
+        within ``timeout`` seconds (patterns refused, Redis away): the caller waits the usual
+        way."""
+        if self._fast_args is None or not self._patterns:
+            return False
+        if self._watching(prefix):
+            return True
+        deadline = time.monotonic() + timeout
+
+        def remaining() -> float:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ConsumeTimeout(prefix, timeout)
+            return left
+
+        try:
+            self._watch(self._subscriber(), _pattern(prefix), remaining)
+        except _PatternsRefused:
+            self._patterns = False
+            return False
+        except (ConsumeTimeout, *_ERRORS):
+            return False
+        return True
+
     def watching(self, prefix: str) -> bool:
         """Whether this thread keeps a subscription to the publications under ``prefix`` (a
         directory, ``"a/b/"``), as a wait there leaves one: see :meth:`announced`."""
