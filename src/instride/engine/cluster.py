@@ -696,7 +696,10 @@ class ClusterEngine:
             # thread of its pool is free). Published already: nothing to ask for early (a
             # reader that may meet retired frames would hold a request for a gone one);
             # else it watches the directory from now on, as a wait there would leave it.
-            found = self.metadata.lookup_any(keys)
+            try:
+                found = self.metadata.lookup_any(keys)
+            except (InstrideError, OSError):
+                return None  # (Redis away for a moment: the usual wait recovers, or says so)
             if found is not None:
                 return found
             if watch(prefix, wait):
