@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ucx_segments_dir() -> Iterator[Path]:
+    """The directory where UCX makes its shared-memory segment files (``UCX_POSIX_DIR``)
+    in every process the tests start: this session's own, removed at its end. UCX unlinks a
+    segment file right after creating it; a process killed in between leaves it behind, in
+    ``/dev/shm`` by default."""
+    parent = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    path = Path(tempfile.mkdtemp(prefix="instride-tests-ucx-", dir=parent))
+    old = os.environ.get("UCX_POSIX_DIR")
+    os.environ["UCX_POSIX_DIR"] = str(path)
+    try:
+        yield path
+    finally:
+        if old is None:
+            os.environ.pop("UCX_POSIX_DIR", None)
+        else:
+            os.environ["UCX_POSIX_DIR"] = old
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

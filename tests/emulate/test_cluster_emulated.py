@@ -252,6 +252,27 @@ def test_node_env(cluster2: EmulatedCluster) -> None:
         print(os.environ["INSTRIDE_NODE"], os.environ["INSTRIDE_DIR"], os.environ["INSTRIDE_ADDR"])
     """, env={"EXTRA": "1"})
     assert out.split() == ["node2", str(n2.dir), n2.env["INSTRIDE_ADDR"]]
+    assert n2.env["UCX_POSIX_DIR"] == str(cluster2.ucx_dir) and cluster2.ucx_dir.is_dir()
+
+
+def test_ucx_makes_its_segments_in_the_clusters_directory(cluster2: EmulatedCluster) -> None:
+    """A UCX process on a node makes its shared-memory segments in the cluster's own
+    directory (removed by ``down`` with anything a killed process left), not in ``/dev/shm``."""
+    proc = cluster2.popen(2, [PY, "-m", "instride.transport.ucx"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("ready "), (line, proc.stderr.read() if proc.poll() else "")
+        fds = Path(f"/proc/{proc.pid}/fd")
+        held = [os.readlink(fd) for fd in fds.iterdir()]
+        segments = [t for t in held if "ucx_shm_posix_" in t]
+        assert segments, held
+        assert all(t.startswith(f"{cluster2.ucx_dir}/") for t in segments), segments
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=15)
+    assert proc.returncode == 0
 
 
 #: The same producer and consumer programs run in local mode and in cluster mode.

@@ -88,7 +88,8 @@ class Node:
         Its managed directory (``INSTRIDE_DIR``).
     env
         The full environment of a process on this node: the caller's environment, the
-        cluster's extra variables, and this node's ``INSTRIDE_*`` variables.
+        cluster's ``UCX_POSIX_DIR`` (see :attr:`EmulatedCluster.ucx_dir`), its extra
+        variables, and this node's ``INSTRIDE_*`` variables.
     """
 
     index: int
@@ -199,8 +200,9 @@ class EmulatedCluster:
         namespaces. Default: a random name ``c<hex>``, so concurrent users never collide.
     base_dir
         Directory for the nodes' managed directories (``node<i>``), the shared directory
-        (``shared``) and the logs. Default: a new temporary directory on ``/dev/shm``.
-        Whatever the cluster creates is removed by :meth:`down`.
+        (``shared``), the logs and UCX's shared-memory segments (``ucx``: the nodes'
+        ``UCX_POSIX_DIR``, unless ``env`` sets it). Default: a new temporary directory on
+        ``/dev/shm``. Whatever the cluster creates is removed by :meth:`down`.
     serve
         Start ``python -m instride serve`` on every node.
     redis
@@ -280,7 +282,12 @@ class EmulatedCluster:
             f"redis://{self.hub_ip}:{REDIS_PORT}/0" if self.with_redis else None
         )
         self.shared_dir = self.base_dir / "shared"
+        #: Where UCX's shared-memory transport makes its segment files (``UCX_POSIX_DIR``),
+        #: unless ``env`` names another: removed by :meth:`down` with whatever a process
+        #: killed between their creation and their unlinking left there.
+        self.ucx_dir = self.base_dir / "ucx"
         base = {k: v for k, v in os.environ.items() if k not in _NODE_VARS}
+        base["UCX_POSIX_DIR"] = str(self.ucx_dir)
         base.update(self.extra_env)
         self.nodes: list[Node] = []
         for i in range(1, self._nodes_count + 1):
@@ -482,7 +489,7 @@ class EmulatedCluster:
             mounts.mount_huge_tmpfs(self.base_dir)
             self._mounted.append(str(self.base_dir))
             self._save()  # (recorded at once: a down() from another process unmounts it)
-        for path in [self.shared_dir, *(n.dir for n in self.nodes)]:
+        for path in [self.shared_dir, self.ucx_dir, *(n.dir for n in self.nodes)]:
             if not path.exists():
                 path.mkdir(parents=True)
                 self._created.append(str(path))
