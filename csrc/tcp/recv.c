@@ -9,11 +9,13 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -96,17 +98,40 @@ ISC_API int isc_recv_mem(int sock, char *mem, uint64_t size, uint64_t hash_from,
     return recv_restoring(sock, -1, mem, size, hash_from, stall_ms, hex, got, &where, NULL);
 }
 
+/* The thread's piece buffer, freed when the thread ends (a key's destructor). */
+static pthread_key_t chunk_key;
+static pthread_once_t chunk_once = PTHREAD_ONCE_INIT;
+
+static void chunk_key_make(void) {
+    pthread_key_create(&chunk_key, free);
+}
+
+static char *thread_chunk(void) {
+    static __thread char *chunk;
+    if (chunk == NULL) {
+        pthread_once(&chunk_once, chunk_key_make);
+        char *c = malloc(ISC_CHUNK);
+        if (c != NULL && pthread_setspecific(chunk_key, c) != 0) {
+            free(c);
+            c = NULL;
+        }
+        chunk = c;
+    }
+    return chunk;
+}
+
 static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash_from,
                      int stall_ms, char *hex, uint64_t *got, int *where, int *lowat_set,
                      char *head) {
-    static __thread char *chunk;
+    char *chunk = NULL;
     *got = 0;
     *where = ISC_AT_RECV;
-    if (mem == NULL && chunk == NULL && (chunk = malloc(ISC_CHUNK)) == NULL)
+    if (mem == NULL && (chunk = thread_chunk()) == NULL)
         return -ENOMEM;
     XXH3_state_t state;
     XXH3_64bits_reset(&state);
     int cur_lowat = 1;
+    int trickle = 0; /* 1: bytes come slower than ISC_LOWAT per stall_ms: wake for any */
     while (*got < size) {
         size_t want = size - *got < ISC_CHUNK ? (size_t)(size - *got) : ISC_CHUNK;
         char *buf = mem != NULL ? mem + *got : chunk;
@@ -121,13 +146,21 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash
             /* Sleep until a large piece is there, not the next packet: on a VM every wake-up
              * of a sleeping thread costs ~100-400 µs, and a drained socket wakes us per packet. */
             uint64_t left = size - *got;
-            int lowat = (int)(left < ISC_LOWAT ? left : ISC_LOWAT);
+            int lowat = trickle ? 1 : (int)(left < ISC_LOWAT ? left : ISC_LOWAT);
             if (lowat != cur_lowat && setsockopt(sock, SOL_SOCKET, SO_RCVLOWAT, &lowat, sizeof lowat) == 0)
                 cur_lowat = lowat, *lowat_set = 1;
             struct pollfd p = {sock, POLLIN, 0};
             int r = poll(&p, 1, stall_ms);
-            if (r == 0)
+            if (r == 0) {
+                /* Stalled only if nothing arrived: with a low-water mark above 1, bytes that
+                 * came, fewer than it, do not wake poll. */
+                int queued = 0;
+                if (cur_lowat > 1 && ioctl(sock, FIONREAD, &queued) == 0 && queued > 0) {
+                    trickle = 1;
+                    continue;
+                }
                 return -ETIMEDOUT;
+            }
             if (r < 0 && errno != EINTR)
                 return -errno;
             continue;

@@ -109,6 +109,13 @@ void guard_free(guard *g) {
     pthread_mutex_destroy(&g->mu);
 }
 
+size_t guard_held(guard *g) {
+    pthread_mutex_lock(&g->mu);
+    size_t n = g->count;
+    pthread_mutex_unlock(&g->mu);
+    return n;
+}
+
 int guard_check(guard *g, const char *nonce, size_t len, double ts, double now) {
     uint8_t h[16];
     nonce_hash(nonce, len, h);
@@ -126,13 +133,17 @@ int guard_check(guard *g, const char *nonce, size_t len, double ts, double now) 
             goto out;
         }
     entry *e = malloc(sizeof *e);
-    if (e == NULL || heap_push(g, e) != 0) {
-        free(e);
+    if (e == NULL) {
         rc = -ENOMEM;
         goto out;
     }
     memcpy(e->h, h, 16);
-    e->ts = ts;
+    e->ts = ts; /* (before heap_push, which places the entry by it) */
+    if (heap_push(g, e) != 0) {
+        free(e);
+        rc = -ENOMEM;
+        goto out;
+    }
     size_t b = bucket_of(g, h);
     e->next = g->table[b];
     g->table[b] = e;

@@ -917,11 +917,13 @@ static void *accept_main(void *arg) {
         if (fd < 0) {
             if (errno == EINTR || errno == ECONNABORTED || errno == EAGAIN)
                 continue;
-            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-                usleep(10000);
-                continue;
-            }
-            break;
+            if (errno == EBADF || errno == EINVAL || errno == ENOTSOCK)
+                break; /* (the listening socket itself is gone) */
+            /* Out of descriptors or memory, or an error of the connection being accepted
+             * (accept(2): EPROTO, ENETDOWN, EHOSTUNREACH, EPERM, ...): the next connection
+             * may be fine. Never stop accepting while the server runs. */
+            usleep(10000);
+            continue;
         }
         char host[INET6_ADDRSTRLEN] = "?", peer[64];
         int port = 0;
@@ -1093,6 +1095,13 @@ ISS_API void iss_stats_get(void *h, iss_stats *out) {
 ISS_API int iss_replay_check(void *h, const char *nonce, size_t len, double ts, double now) {
     server *s = h;
     return guard_check(&s->replay, nonce, len, ts, now);
+}
+
+/* The number of nonces the replay guard remembers (those of the last 300 s, at most its
+ * capacity). */
+ISS_API size_t iss_replay_held(void *h) {
+    server *s = h;
+    return guard_held(&s->replay);
 }
 
 /* Stop accepting, close idle connections, give requests in flight grace_ms, then cut them.

@@ -20,8 +20,8 @@
  * with any change to an exported signature, so a library left from an older build is refused,
  * never called with the wrong arguments. 2: isc_recv_file / isc_recv_mem take hash_from;
  * 3: isc_recv_reply; 4: isc_recv_file copies the bytes before hash_from to head;
- * 5: iss_preempt_after. */
-#define ISC_ABI 5
+ * 5: iss_preempt_after; 6: iss_replay_held. */
+#define ISC_ABI 6
 
 /* ---- replay.c ---------------------------------------------------------------- */
 
@@ -40,6 +40,8 @@ int guard_init(guard *g, size_t capacity, double window);
 void guard_free(guard *g);
 /* 0: fresh (remembered now); 1: replayed; 2: too old for the window; <0: out of memory. */
 int guard_check(guard *g, const char *nonce, size_t len, double ts, double now);
+/* The number of nonces remembered. */
+size_t guard_held(guard *g);
 
 /* ---- request.c ----------------------------------------------------------------- */
 

@@ -541,6 +541,53 @@ def test_the_native_receive_into_a_file_copies_the_bytes_before_the_digest_out(
     assert rc == -errno.ECONNRESET and got == 60 and head[:60] == data[:60]
 
 
+LEAK_PROBE = """
+import ctypes, os, socket, threading
+from instride.transport.tcp.engine import load_library
+
+lib, size = load_library(), 1 << 17
+sink = os.open("/dev/null", os.O_WRONLY)
+
+
+def receive():  # one body received into a file by the native receive, on this thread
+    a, b = socket.socketpair()
+    with a, b:
+        sender = threading.Thread(target=b.sendall, args=(b"x" * size,))
+        sender.start()
+        hexd, got, where = ctypes.create_string_buffer(17), ctypes.c_uint64(), ctypes.c_int()
+        rc = lib.isc_recv_file(a.fileno(), sink, size, 0, 5000, hexd, ctypes.byref(got),
+                               ctypes.byref(where), None)
+        sender.join()
+        assert rc == 0 and got.value == size, rc
+
+
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def threads(n):
+    for _ in range(n):
+        t = threading.Thread(target=receive)
+        t.start()
+        t.join()
+
+
+threads(20)  # (warm-up: the allocator's arenas, the library)
+before = rss()
+threads(300)
+print((rss() - before) / 2**20)
+"""
+
+
+def test_a_thread_that_received_leaves_no_buffer_behind() -> None:
+    """The native receive's buffer (128 KiB per thread) goes with its thread: 300 short-lived
+    threads that each received a body leave far less than their 37.5 MiB of buffers."""
+    out = subprocess.run([sys.executable, "-c", LEAK_PROBE], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout) < 8.0, out.stdout
+
+
 def test_a_file_being_rewritten_is_not_served_until_its_writer_lets_go(
         nodes: list[LoopbackNode], tmp_path: Path) -> None:
     """The owner's server holds what it sends (shared lock) and serves nothing under an
@@ -585,6 +632,25 @@ def test_a_file_renamed_away_between_the_servers_open_and_its_lock_is_not_sent(
         transport.close()
     assert Path(f"{path}.swapped").exists()  # (the probe renamed it inside the server's lock)
     assert got is not None and bytes(room[: got.size]) == b"new"
+    no_traceback(own_node)
+
+
+def test_an_error_of_one_connection_being_accepted_does_not_stop_the_server(
+        own_node: LoopbackNode, tmp_path: Path) -> None:
+    """``accept`` fails for a connection that had a network error before it was accepted
+    (``EPROTO``, ``ENETDOWN``, ``EHOSTUNREACH``, ...): the server goes on accepting the next
+    ones. ``c/accept_fault.c`` fails the server's first TCP accept so."""
+    shim = build_shim(Path(__file__).resolve().parent / "c" / "accept_fault.c", tmp_path, "-ldl")
+    own_node.env.update(LD_PRELOAD=str(shim))
+    own_node.start()
+    put(own_node, "af/a.bin", b"after the fault")
+    with socket.create_connection(("127.0.0.1", own_node.port), timeout=5) as s:
+        s.sendall(signed("af/a.bin"))
+        with contextlib.suppress(ConnectionResetError):
+            assert s.recv(1) == b""  # (the connection the fault took: closed)
+    for _ in range(3):
+        reply = raw(own_node, signed("af/a.bin"))
+        assert reply["ok"] is True and reply["size"] == len(b"after the fault")
     no_traceback(own_node)
 
 
@@ -1089,6 +1155,82 @@ def test_refusals_asked_ahead_are_typed(reply_pair: tuple) -> None:
     with pytest.raises(AuthenticationError, match="bad"):
         transport._reply_into(ours, HINT, 1.0, memoryview(bytearray(100)), 0)
     assert ours.fileno() == -1  # (closed: the owner refused the token)
+
+
+def test_a_stopping_owners_refusal_is_peer_unavailable(reply_pair: tuple) -> None:
+    """An owner that is stopping answers a request that came in its grace period so; the
+    asker gets :class:`PeerUnavailable` (the owner is going away), not an authentication
+    error."""
+    transport, ours, theirs = reply_pair
+    theirs.sendall(_reply_bytes({"ok": False, "error": "PeerUnavailable",
+                                 "message": "server is stopping"}))
+    with pytest.raises(PeerUnavailable, match="server is stopping"):
+        transport._reply_into(ours, HINT, 1.0, memoryview(bytearray(100)), 0)
+    assert ours.fileno() == -1
+
+
+@pytest.mark.parametrize("size", [-1, -4096, 2.5, True, "12", None])
+def test_a_reply_whose_size_is_not_a_byte_count_is_refused(nodes: list[LoopbackNode],
+                                                           size: object) -> None:
+    """A reply header whose size is negative or not a whole number is a typed error, and no
+    byte after it is received: a negative size handed to the native receive would be taken as
+    2**64 - 1 bytes and written past the end of the memory given."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    header = {"ok": True, "key": "neg/x.bin", "size": size}
+    if size is None:
+        del header["size"]
+
+    def fake_owner() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            n = struct.unpack(">I", recv_all(conn, 4))[0]
+            recv_all(conn, n)
+            conn.sendall(wire.pack(header))
+            with contextlib.suppress(OSError):
+                conn.sendall(b"\xab" * 65536)
+
+    owner = threading.Thread(target=fake_owner, daemon=True)
+    owner.start()
+    rec = Record(key="neg/x.bin", owner=f"127.0.0.1:{port}", size=4096, checksum="xxh3:0",
+                 version=1, time=time.time(), node="fake")
+    mem = bytearray(16 * 4096)  # the memory given is its first page
+    t = TcpTransport(nodes[1].settings())
+    try:
+        with pytest.raises(TransferError, match="not a byte count"):
+            t.fetch_when_published(rec, "neg/x.bin", -1, 1.0, into=memoryview(mem)[:4096])
+    finally:
+        t.close()
+        owner.join(5)
+        listener.close()
+    assert mem == bytes(len(mem))  # nothing received, in the memory given or after it
+
+
+def test_a_body_that_comes_slowly_but_steadily_is_not_stalled(reply_pair: tuple) -> None:
+    """The native receive sleeps until a large piece of the body is there; bytes that keep
+    coming, but fewer than that piece within the socket's timeout, are not a stall. A body
+    that stops coming is one, after the timeout."""
+    transport = reply_pair[0]
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # (TCP: a unix socket's poll
+        theirs = socket.create_connection(listener.getsockname())  # takes no low-water mark)
+        ours, _ = listener.accept()
+    with ours, theirs:
+        ours.settimeout(0.5)
+        body = os.urandom(200_000)
+        theirs.sendall(_reply_bytes({"ok": True, "key": HINT.key, "size": len(body)}))
+        sender = threading.Thread(target=_send_in_pieces,
+                                  args=(theirs, body, [10_000] * 20, 0.1), daemon=True)
+        sender.start()  # 2 s for the whole body, 50 KB within each timeout
+        into = memoryview(bytearray(len(body)))
+        try:
+            reply, got = transport._reply_into(ours, HINT, 1.0, into, 0)
+        finally:
+            sender.join(10)
+        assert got == (len(body), xxhash.xxh3_64_hexdigest(body)) and bytes(into) == body
+        theirs.sendall(_reply_bytes({"ok": True, "key": HINT.key, "size": len(body)},
+                                    body[:50_000]))
+        with pytest.raises(TransferError, match="stalled after 50000 of 200000"):
+            transport._reply_into(ours, HINT, 1.0, into, 0)
 
 
 BROKEN = {

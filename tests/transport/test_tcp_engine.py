@@ -110,6 +110,40 @@ def test_one_replay_guard_for_both_paths(running: _Running) -> None:
     assert "replayed" in running.ask(wire.pack(odd))[0]["message"]
 
 
+def test_the_replay_guard_forgets_each_nonce_as_it_leaves_the_window(running: _Running) -> None:
+    """The guard remembers a nonce while its timestamp is inside the 300 s window, and forgets
+    the oldest first, also when two clients' clocks differ: over twelve minutes of requests at
+    four a second it holds at most five minutes' worth, and refuses none of them."""
+    from instride.transport.tcp.engine import load_library
+
+    lib, handle = load_library(), running.server._handle
+    rate, t0 = 4, time.time() + 1e5  # (later than any request this test's server saw)
+    refused = []
+    for i in range(12 * 60 * rate):
+        now = t0 + i / rate
+        ts = now - (0.5 if i % 2 else 0.0)  # (the second client's clock is 0.5 s behind)
+        nonce = b"nonce-%08d" % i
+        rc = lib.iss_replay_check(handle, nonce, len(nonce), ts, now)
+        if rc != 0:
+            refused.append((i, rc))
+    assert refused == []
+    assert 300 * rate - 2 <= running.server.replay_held() <= 300 * rate + 2
+
+
+def test_a_request_that_comes_while_the_server_stops_is_told_so(running: _Running) -> None:
+    """A request Python answers after :meth:`stop` began (in the grace it gives transfers):
+    "server is stopping", as ``PeerUnavailable`` (the asker's error for an owner going away),
+    never as a refused token."""
+    header = json.dumps(dict(wire.sign(running.token, "fetch", "k/a.bin"), extra=1)).encode()
+    handle, running.server._handle = running.server._handle, None  # (as stop() leaves it)
+    try:
+        reply, fd, size, keep = running.server.decide(header, "127.0.0.1:1")
+    finally:
+        running.server._handle = handle
+    assert reply == {"ok": False, "error": "PeerUnavailable", "message": "server is stopping"}
+    assert fd is None and size == 0 and keep is False
+
+
 def test_engine_declines_what_python_refuses(running: _Running, tmp_path: Path) -> None:
     (tmp_path / "k" / "link").symlink_to(tmp_path / "k" / "a.bin")
     (tmp_path / "k" / "sub").mkdir()

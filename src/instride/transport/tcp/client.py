@@ -104,10 +104,13 @@ def _wait_ms(wait: float | None) -> int | None:
 
 
 def _size(reply: dict[str, Any], record: Record) -> int:
-    try:
-        return int(reply["size"])
-    except (KeyError, TypeError, ValueError):
-        raise TransferError(record.key, f"malformed reply from {record.owner}: {reply!r}") from None
+    """The body size ``reply`` announces: a whole number of bytes, never negative (a size
+    taken as given would be handed to the native receive as an unsigned count)."""
+    size = reply.get("size")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise TransferError(record.key, f"malformed reply from {record.owner}: body size "
+                            f"{size!r} is not a byte count ({str(reply)[:200]})")
+    return size
 
 
 class _ReplyScratch:
@@ -265,6 +268,8 @@ class TcpTransport:
         sock.close()
         if err == "AuthenticationError":
             raise AuthenticationError(f"{node}: {message}")
+        if err == "PeerUnavailable":  # (stopping: a request that came during its grace)
+            raise PeerUnavailable(f"{node} ({record.owner})", message)
         raise TransferError(record.key, f"{node} refused: {reply.get('error')}: {message}")
 
     def _release(self, owner: str, sock: socket.socket) -> None:

@@ -19,7 +19,7 @@ from ..base import open_engine
 
 #: The calling convention of the library's exported functions this binding speaks (its
 #: ``isc_abi()``, ``ISC_ABI`` in ``csrc/tcp/tcp.h``: bumped with any exported signature change).
-ABI = 5
+ABI = 6
 INSTALL_HINT = ("install OpenSSL's and xxhash's headers (Debian: apt-get install libssl-dev "
                 "libxxhash-dev) and reinstall "
                 "instride (pip install -e .) so that libinstride_tcp.so is built")
@@ -80,6 +80,8 @@ def load_library() -> ctypes.CDLL:
         lib.iss_stats_get.argtypes = [vp, ctypes.POINTER(EngineStats)]
         lib.iss_replay_check.restype = i
         lib.iss_replay_check.argtypes = [vp, cp, sz, ctypes.c_double, ctypes.c_double]
+        lib.iss_replay_held.restype = sz
+        lib.iss_replay_held.argtypes = [vp]
         lib.iss_stop.restype = i
         lib.iss_stop.argtypes = [vp, i, ctypes.POINTER(EngineStats)]
         lib.isc_recv_file.restype = i

@@ -145,6 +145,13 @@ class TcpServer:
             raise RuntimeError("the server is not started")
         return int(load_library().iss_port(self._handle))
 
+    def replay_held(self) -> int:
+        """How many nonces the replay guard remembers: those of the requests accepted in the
+        last 300 s (the window of a request's timestamp), at most a million."""
+        if self._handle is None:
+            raise RuntimeError("the server is not started")
+        return int(load_library().iss_replay_held(self._handle))
+
     async def stop(self, grace: float) -> None:
         """Stop accepting, drop idle connections, give transfers ``grace`` seconds."""
         handle, self._handle = self._handle, None
@@ -181,10 +188,7 @@ class TcpServer:
         with self._lock:
             self.stats[name] += 1
 
-    def _replay(self, nonce: str, ts: float) -> str | None:
-        handle = self._handle
-        if handle is None:
-            return "server is stopping"
+    def _replay(self, handle: ctypes.c_void_p, nonce: str, ts: float) -> str | None:
         raw = nonce.encode()
         rc = load_library().iss_replay_check(handle, raw, len(raw), ts, time.time())
         if rc == 0:
@@ -220,7 +224,10 @@ class TcpServer:
             return _error("WireError", str(exc)), None, 0, False
         reason = wire.verify(self.settings.token, req)
         if reason is None:  # [replay] a captured request sent again is refused
-            reason = self._replay(req["nonce"], float(req["ts"]))
+            handle = self._handle
+            if handle is None:  # (in flight while stop() lets transfers finish)
+                return _error("PeerUnavailable", "server is stopping"), None, 0, False
+            reason = self._replay(handle, req["nonce"], float(req["ts"]))
         if reason is not None:
             self._count("refused")
             log.warning("refused request from %s: %s", peer, reason)
