@@ -144,6 +144,25 @@ def test_a_request_that_comes_while_the_server_stops_is_told_so(running: _Runnin
     assert fd is None and size == 0 and keep is False
 
 
+def test_a_server_out_of_descriptors_says_so(running: _Running) -> None:
+    """A server that cannot open the file for want of descriptors answers PeerUnavailable
+    ("cannot open ... now"), never "not found": the key is there, the server is not able."""
+    import resource
+
+    header = json.dumps(dict(wire.sign(running.token, "fetch", "k/a.bin"), extra=1)).encode()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest = os.open("/dev/null", os.O_RDONLY)  # the lowest free descriptor number
+    os.close(lowest)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))  # (the next open: EMFILE)
+    try:
+        reply, fd, size, keep = running.server.decide(header, "127.0.0.1:1")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert reply["error"] == "PeerUnavailable", reply
+    assert reply["message"] == "cannot open k/a.bin now: Too many open files"
+    assert fd is None and keep is False
+
+
 def test_engine_declines_what_python_refuses(running: _Running, tmp_path: Path) -> None:
     (tmp_path / "k" / "link").symlink_to(tmp_path / "k" / "a.bin")
     (tmp_path / "k" / "sub").mkdir()

@@ -39,6 +39,9 @@ def check_real(root_real: str, key: str, real: str) -> None:
 
 #: What ``flock`` says on a file system that has no such locks (the file is served unheld).
 NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS})
+#: Errors of the serving process, not of the file: out of descriptors or memory. Raised as they
+#: are (``OSError``), for the server to answer "unavailable now", never "not found".
+RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 
 def open_served(root: Path, root_real: str, key: str) -> tuple[int, os.stat_result]:
@@ -61,6 +64,8 @@ def open_served(root: Path, root_real: str, key: str) -> tuple[int, os.stat_resu
     KeyNotFoundError
         No such key; :class:`~instride.errors.KeyNotServed` (with the reason) for a file that
         exists but may not be served.
+    OSError
+        The serving process is out of descriptors or memory (:data:`RESOURCE_ERRORS`).
     """
     path = key_path(key, root)
     try:
@@ -70,6 +75,8 @@ def open_served(root: Path, root_real: str, key: str) -> tuple[int, os.stat_resu
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise KeyNotServed(key, "it is a symbolic link") from None
+        if exc.errno in RESOURCE_ERRORS:
+            raise
         raise KeyNotServed(key, os.strerror(exc.errno or errno.EIO)) from None
     try:
         st = os.fstat(fd)

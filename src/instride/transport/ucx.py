@@ -275,6 +275,8 @@ class UcxTransport:
                 raise AuthenticationError(f"{node}: {message}")
             if err_name == "KeyNotFoundError":
                 raise KeyNotFoundError(record.key)
+            if err_name == "PeerUnavailable":  # (the owner cannot open files now)
+                raise PeerUnavailable(node, message)
             raise TransferError(record.key, f"{node} refused: {err_name}: {message}")
         if reply.get("size") != body.value:
             self.lib.isu_client_discard(w.handle)
@@ -565,6 +567,11 @@ class UcxServer:
             return
         except InstrideError as exc:
             self._refuse(handle, type(exc).__name__, str(exc))
+            return
+        except OSError as exc:  # (out of descriptors or memory: RESOURCE_ERRORS)
+            log.warning("cannot serve %s over UCX now: %s", key, exc.strerror)
+            self._reply(handle, {"ok": False, "error": "PeerUnavailable",
+                                 "message": f"cannot open {key} now: {exc.strerror}"})
             return
         if self.on_reply is not None:
             self.on_reply(key, st.st_size)

@@ -268,7 +268,7 @@ class TcpTransport:
         sock.close()
         if err == "AuthenticationError":
             raise AuthenticationError(f"{node}: {message}")
-        if err == "PeerUnavailable":  # (stopping: a request that came during its grace)
+        if err == "PeerUnavailable":  # (stopping, or out of descriptors: RESOURCE_ERRORS)
             raise PeerUnavailable(f"{node} ({record.owner})", message)
         raise TransferError(record.key, f"{node} refused: {reply.get('error')}: {message}")
 

@@ -254,6 +254,11 @@ class TcpServer:
             self._count("refused")
             log.warning("refused key from %s: %s", peer, exc)
             return _error(type(exc).__name__, str(exc)), None, 0, False
+        except OSError as exc:  # (out of descriptors or memory: RESOURCE_ERRORS)
+            self._count("errors")
+            log.warning("cannot serve %s to %s now: %s", key, peer, exc.strerror)
+            return _error("PeerUnavailable", f"cannot open {key} now: {exc.strerror}"), None, 0, \
+                False
         if req.get("count") is not None:
             # (several keys are sent by the C engine only: this key appeared after it looked,
             # or needed normalizing; the asker takes a miss as the end and fetches it again)
