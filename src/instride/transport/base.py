@@ -36,13 +36,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from ..errors import ConfigError
+from ..errors import ConfigError, KeyExistsError
+from ..keys import tmp_path
 from ..record import Record
-from ..store.publish import mark_writing
+from ..store.publish import mark_writing, publish_file
 
 
 class Received(NamedTuple):
@@ -123,18 +125,35 @@ class TransportServer(Protocol):
         """The counters plus current gauges (``peers``: connections being served)."""
 
 def fetch_to_new_file(transport: Transport, record: Record, dest: Path) -> None:
-    """``transport.fetch`` in terms of ``transport.fetch_into``: create ``dest`` (it must not
-    exist), receive into it, and remove it again on any failure."""
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    """``transport.fetch`` in terms of ``transport.fetch_into``: receive into a hidden
+    temporary file beside ``dest``, then give it the name ``dest`` in one step once the whole
+    body is there and verified. Nothing is ever visible at ``dest`` before that, and the
+    temporary file is removed on any failure.
+
+    Raises
+    ------
+    FileExistsError
+        ``dest`` exists (before the transfer, or made by another process during it: it is
+        never replaced).
+    """
+    if os.path.lexists(dest):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dest))
+    tmp = tmp_path(dest)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     mark_writing(fd)  # (instride gc leaves it while it is received)
     try:
         transport.fetch_into(record, fd)
-    except BaseException:
         os.close(fd)
+        fd = -1
+        publish_file(tmp, dest, record.key, overwrite=False)
+    except KeyExistsError:
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dest)) from None
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(dest)
+            os.unlink(tmp)
         raise
-    os.close(fd)
 
 
 def open_engine(path: Path, transport: str, missing: str, hint: str) -> ctypes.CDLL:
