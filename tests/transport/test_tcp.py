@@ -706,6 +706,25 @@ def test_a_reply_for_another_key_than_the_one_asked_ahead_is_refused(
         transport.close()
 
 
+@pytest.mark.parametrize("into", [True, False], ids=["into memory", "into the file"])
+def test_a_reply_to_a_request_asked_early_for_another_key_is_refused(reply_pair: tuple,
+                                                                     tmp_path: Path,
+                                                                     into: bool) -> None:
+    """``receive_asked`` takes only the reply for the key it asked for (as
+    ``fetch_when_published`` does): another key's reply is a typed error, its bytes unread."""
+    transport, ours, theirs = reply_pair
+    theirs.sendall(_reply_bytes({"ok": True, "key": "rp/frame_000000002.isf", "size": 3}, b"abc"))
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        with pytest.raises(TransferError, match="sent 'rp/frame_000000002.isf'"):
+            transport.receive_asked(ours, HINT, HINT.key, fd, 1.0,
+                                    into=memoryview(bytearray(100)) if into else None)
+        assert os.fstat(fd).st_size == 0
+    finally:
+        os.close(fd)
+    assert ours.fileno() == -1
+
+
 def test_frames_asked_for_ahead_come_as_published_on_one_request(
         nodes: list[LoopbackNode], tmp_path: Path) -> None:
     """``ahead``: one request asks for a numbered key and the next ones; the owner sends each

@@ -539,6 +539,9 @@ class TcpTransport:
                 reply = self._accepted(sock, reply, hint)
         except KeyNotFoundError:
             return None
+        if reply.get("key") != key:  # (as fetch_when_published: a reply for another key)
+            sock.close()
+            raise TransferError(key, f"{owner.node or owner.owner} sent {reply.get('key')!r}")
         if body is None:
             size, digest, head = self._body(sock, reply, hint, fd, None, digest_from=digest_from)
             return Received(size, digest, None, head)
