@@ -186,6 +186,21 @@ def test_redis_restart_waiting_consumer_wakes(cluster: EmulatedCluster) -> None:
     assert done(consumer).split() == ["50", "RRRRRRRR", "1"]
 
 
+def test_a_copy_from_before_a_redis_restart_is_not_the_key_republished_after(
+        cluster: EmulatedCluster) -> None:
+    """A restarted Redis without persistence (or a new job's) starts its version clock
+    again: a key published after it may get a lower version than a copy fetched before. A copy
+    stands for a record only when it is a copy of that record (version, size, checksum, owner)."""
+    for i in range(3):  # (the clock moves on: the copy's version is above 1)
+        run(cluster, 1, PUT, f"rr/other{i}", "o", "0", "1")
+    run(cluster, 1, PUT, "rr/k", "O", "0", "10")
+    assert run(cluster, 2, GET, "rr/k", "10").split() == ["10", "OOOOOOOO", "1"]
+    cluster.stop_redis()
+    cluster.start_redis()
+    run(cluster, 1, PUT, "rr/k", "N", "1", "10")  # (version 1: the first record since)
+    assert run(cluster, 2, GET, "rr/k", "10").split() == ["10", "NNNNNNNN", "1"]
+
+
 def test_checksum_mismatch_publishes_nothing(cluster: EmulatedCluster) -> None:
     run(cluster, 1, PUT, "bad/k", "G", "0", "4096")
     owner_file = cluster.node(1).dir / "bad" / "k"

@@ -88,6 +88,18 @@ def _options(window: tuple[float, float] | None, into: memoryview | None = None,
                               ("digest_from", digest_from or None)) if v is not None}
 
 
+def _identity(record: Record) -> tuple[int, int, str, str]:
+    """What makes a copy a copy of ``record``: its version alone is not enough (the version
+    clock starts again with a new Redis, or a restarted one without persistence)."""
+    return record.version, record.size, record.checksum, record.owner
+
+
+def _copy_of(side: dict[str, Any], record: Record) -> bool:
+    """Whether a copy whose sidecar says ``side`` holds the bytes of ``record``."""
+    return (side.get("version"), side.get("size"), side.get("checksum"),
+            side.get("owner")) == _identity(record)
+
+
 class _Elsewhere(Exception):  # noqa: N818 (not an error: the other way won the race)
     """A key waited for was published by another owner: its record."""
 
@@ -140,7 +152,7 @@ class ClusterEngine:
         self._seen: dict[str, tuple[float, Record]] = {}
         # Copies this process stored moments ago (key -> (monotonic time, version)): the
         # consume() that follows a wait needs not read the sidecar it just wrote, nor touch it.
-        self._kept: dict[str, tuple[float, int]] = {}
+        self._kept: dict[str, tuple[float, tuple[int, int, str, str]]] = {}
         self._dirs: set[str] = set()  # directories known to exist (for fetched copies)
         #: the record of the last key this process fetched (a stream's reader asks the same
         #: owner for its next frame: :meth:`fetch_when_published`)
@@ -160,13 +172,21 @@ class ClusterEngine:
     def _sidecar(self, key: str) -> str:
         return f"{self._cache_s}/{key}.json"  # a string: this is on every read's path
 
-    def cached_version(self, key: str) -> int | None:
-        """Version of the fetched copy of ``key`` on this node, or ``None`` (absent or original)."""
+    def cached_copy(self, key: str) -> dict[str, Any] | None:
+        """What the fetched copy of ``key`` on this node is a copy of (its record's
+        ``version``, ``size``, ``checksum`` and ``owner``), or ``None`` (absent or original)."""
         try:
             with _open(self._sidecar(key), "rb") as fh:
-                return int(json.loads(fh.read())["version"])
-        except (FileNotFoundError, NotADirectoryError, ValueError, KeyError):
+                side = json.loads(fh.read())
+            int(side["version"])
+        except (FileNotFoundError, NotADirectoryError, ValueError, KeyError, TypeError):
             return None
+        return side  # type: ignore[no-any-return]
+
+    def cached_version(self, key: str) -> int | None:
+        """Version of the fetched copy of ``key`` on this node, or ``None`` (absent or original)."""
+        side = self.cached_copy(key)
+        return None if side is None else int(side["version"])
 
     def forget_fetched(self, key: str) -> None:
         """Drop the cache entry of ``key`` (it became an original of this node)."""
@@ -303,19 +323,19 @@ class ClusterEngine:
             return False
         seen = self._seen.get(key)  # what wait_any returned moments ago: no second round trip
         kept = self._kept.pop(key, None)
-        if kept is not None and seen is not None and kept[1] == seen[1].version \
+        if kept is not None and seen is not None and kept[1] == _identity(seen[1]) \
                 and time.monotonic() - kept[0] <= _SEEN_AGE:
             self._seen.pop(key, None)  # (another thread may have taken it: _take_seen)
-            return True  # the copy of that very version, stored by this process moments ago
-        have = self.cached_version(key)
-        if have is None:
+            return True  # the copy of that very record, stored by this process moments ago
+        side = self.cached_copy(key)
+        if side is None:
             return True  # an original produced on this node: no round trip
-        if seen is not None and seen[1].version == have and time.monotonic() - seen[0] <= _SEEN_AGE:
+        if seen is not None and _copy_of(side, seen[1]) and time.monotonic() - seen[0] <= _SEEN_AGE:
             self._seen.pop(key, None)  # (another thread may have taken it: _take_seen)
             rec: Record | None = seen[1]
         else:
             rec = self.metadata.lookup(key)
-        if rec is None or rec.version == have:
+        if rec is None or _copy_of(side, rec):
             with contextlib.suppress(FileNotFoundError):
                 os.utime(self._sidecar(key))  # LRU touch
             return True
@@ -336,8 +356,8 @@ class ClusterEngine:
             # Published by a process of this node: the original is (about to be) here.
             return store.wait_any([path], remaining, label=key)
         with self._lock(key, deadline):
-            have = self.cached_version(key)
-            if os.path.exists(path) and have is not None and have >= record.version:
+            side = self.cached_copy(key)
+            if os.path.exists(path) and side is not None and _copy_of(side, record):
                 return path  # another consumer of this node fetched it meanwhile
             self._fetch(record, path)
         self.evict(keep=key)
@@ -528,12 +548,12 @@ class ClusterEngine:
                     return None
                 replied()  # (taken already, unless the transport never said)
                 # (usually no copy is there: the sidecar is read only when one is)
-                have = self.cached_version(key) if os.access(path, os.F_OK) else None
-                if not (have is not None and have >= record.version):
+                side = self.cached_copy(key) if os.access(path, os.F_OK) else None
+                if not (side is not None and _copy_of(side, record)):
                     self._store_copy(staged, path, record)
                     if len(self._kept) >= _SEEN_MAX:
                         self._kept.clear()
-                    self._kept[key] = (time.monotonic(), record.version)
+                    self._kept[key] = (time.monotonic(), _identity(record))
         except (InstrideError, OSError):
             # nothing there in time, not recorded, not the recorded bytes, a failed transfer
             # or store, Redis away for a moment: the usual way sorts it out (or says what)
