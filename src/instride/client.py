@@ -15,6 +15,7 @@ import io as _io
 import os
 import shutil
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -22,7 +23,7 @@ from typing import IO, Any
 from . import store
 from .config import Settings, env_snapshot
 from .engine import Engine, get_engine
-from .errors import ConfigError, KeyExistsError, UnsupportedModeError
+from .errors import ConfigError, KeyExistsError, KeyNotFoundError, UnsupportedModeError
 from .keys import key_path, normalize_key, tmp_path
 from .metadata import MetadataBackend, Record
 from .paths import ConfinedOpener, check_confined, confined_path
@@ -31,6 +32,9 @@ from .store.recvpool import ReceivePool
 from .store.ring import collect_pools
 
 _open = _io.open  # the builtin, captured before instride.interception.pyopen may patch it
+#: consumes of a key whose file is gone again before it could be opened (a fetched copy that
+#: another process of the node evicted), before :class:`KeyNotFoundError`
+_OPEN_ATTEMPTS = 3
 
 
 class Client:
@@ -207,8 +211,19 @@ class Client:
                 return self._open_read(key, ready, mode, buffering, encoding, errors, newline)
             except FileNotFoundError:
                 pass  # deleted or evicted meanwhile: wait for it like any missing key
-        path = self._consume_key(key, timeout)
-        return self._open_read(key, path, mode, buffering, encoding, errors, newline)
+        limit = self._timeout(timeout)
+        deadline = None if limit is None else time.monotonic() + limit
+        for attempt in range(_OPEN_ATTEMPTS):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            path = self._consume_key(key, left)
+            try:
+                return self._open_read(key, path, mode, buffering, encoding, errors, newline)
+            except FileNotFoundError:
+                # a fetched copy another process of this node evicted between its fetch and
+                # this open (INSTRIDE_CACHE_BYTES): made local again
+                if attempt == _OPEN_ATTEMPTS - 1:
+                    raise KeyNotFoundError(key) from None
+        raise AssertionError("unreachable")
 
     def open_fd(self, key: str) -> int:
         """A read-only descriptor of the local file of the normalized ``key``, confined.

@@ -404,6 +404,103 @@ def test_an_evicted_copy_a_reader_still_has_is_never_rewritten(nodes: list[Loopb
         c2.close()
 
 
+def test_bytes_of_a_key_seen_by_wait_any_then_overwritten_are_the_current_ones(
+        clients: list[instride.Client]) -> None:
+    """consume_bytes() after wait_any(): as consume(), a key re-published in between is
+    received with its current record, never refused as corrupt."""
+    c1, c2, _ = clients
+    with c1.open("seenb/k.bin", "wb") as fh:
+        fh.write(b"first version " * 1000)
+    assert c2.wait_any(["seenb/k.bin"], timeout=10) == "seenb/k.bin"
+    with c1.open("seenb/k.bin", "wb", overwrite=True) as fh:
+        fh.write(b"second version, longer " * 1000)
+    assert bytes(c2.consume_bytes("seenb/k.bin", timeout=10)) == b"second version, longer " * 1000
+
+
+def _cache_client(node: LoopbackNode, cache_bytes: int) -> instride.Client:
+    from instride.config import Settings
+
+    return instride.Client(Settings.from_env({**node.env, "INSTRIDE_CACHE_BYTES": str(cache_bytes)}))
+
+
+def test_an_eviction_drops_a_copy_under_its_keys_lock(nodes: list[LoopbackNode]) -> None:
+    """A copy is evicted under its key's lock, the lock a fetch of the key holds: a copy being
+    fetched by another process of the node is passed over, and no fetch stores a new copy
+    between the evicted file's removal and its sidecar's (which would leave a copy without a
+    sidecar, taken for an original of the node from then on)."""
+    c1 = nodes[0].client()
+    cx, cy = _cache_client(nodes[1], 150_000), _cache_client(nodes[1], 150_000)
+    try:
+        for name in "abc":
+            with c1.open(f"evl/{name}.bin", "wb") as fh:
+                fh.write(name.encode() * 100_000)
+        a = cx.root / "evl" / "a.bin"
+        cx.consume("evl/a.bin", timeout=10)
+        with cy.engine._lock("evl/a.bin", time.monotonic() + 5):  # (cy fetching a)
+            cx.consume("evl/b.bin", timeout=10)  # over the bound: a would go, but is held
+            assert a.exists() and cx.engine.is_copy("evl/a.bin")
+        held: list[bool] = []
+        forget = cx.engine.forget_fetched
+
+        def looking(key: str) -> None:  # (between the file's removal and the sidecar's)
+            if key == "evl/a.bin":
+                try:
+                    with cy.engine._lock(key, time.monotonic()):
+                        held.append(False)
+                except ConsumeTimeout:
+                    held.append(True)
+            forget(key)
+
+        cx.engine.forget_fetched = looking  # type: ignore[method-assign]
+        cx.consume("evl/c.bin", timeout=10)  # evicts a now
+        assert held == [True] and not a.exists() and not cx.engine.is_copy("evl/a.bin")
+    finally:
+        for c in (c1, cx, cy):
+            c.close()
+
+
+def test_readers_of_a_small_cache_in_several_processes_always_get_the_bytes(
+        nodes: list[LoopbackNode]) -> None:
+    """Readers that evict each other's copies (a cache bound below what they read): a copy
+    another reader evicted between its fetch and this reader's open or mapping is made local
+    again; every read gets the key's bytes, none a bare FileNotFoundError."""
+    c1 = nodes[0].client()
+    readers = [_cache_client(nodes[1], 250_000) for _ in range(3)]
+    try:
+        for i in range(4):
+            with c1.open(f"evs/k{i}.bin", "wb") as fh:
+                fh.write(bytes([65 + i]) * 100_000)
+        errors: list[BaseException] = []
+        reads = [0]
+
+        def read(client: instride.Client, seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            end = time.monotonic() + 3.0
+            while time.monotonic() < end:
+                i = int(rng.integers(4))
+                try:
+                    if rng.random() < 0.5:
+                        with client.open(f"evs/k{i}.bin", timeout=10) as fh:
+                            data = fh.read()
+                    else:
+                        data = bytes(client.consume_bytes(f"evs/k{i}.bin", timeout=10))
+                except Exception as exc:  # noqa: BLE001 (reported below)
+                    errors.append(exc)
+                    continue
+                assert data == bytes([65 + i]) * 100_000
+                reads[0] += 1
+
+        threads = [threading.Thread(target=read, args=(c, s)) for s, c in enumerate(readers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert errors == [] and reads[0] > 100
+    finally:
+        for c in (c1, *readers):
+            c.close()
+
+
 # ---------------------------------------------------------------------- asked before published
 def _read_in_thread(reader: instride.Stream, pos: np.ndarray,
                     probe: Callable[[], object] | None = None, probed: list[object] | None = None,

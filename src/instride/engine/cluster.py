@@ -47,6 +47,9 @@ from .base import map_file
 _open = io.open  # the builtin, captured before instride.interception.pyopen may patch it
 #: records remembered from wait_any: at most this many, for at most this many seconds
 _SEEN_MAX = 1024
+#: mappings of a key whose file is gone again before it could be mapped (a fetched copy
+#: another process of the node evicted), before :class:`KeyNotFoundError`
+_MAP_ATTEMPTS = 3
 _SEEN_AGE = 5.0
 #: seconds an early fetch waits for its record to be announced (the owner records a frame
 #: right after renaming it) before looking it up
@@ -309,9 +312,18 @@ class ClusterEngine:
                 break
             if key == keep:
                 continue
-            # the file first: a moment without sidecar would make the copy look like an original
-            self._drop_file(f"{self.root}/{key}", locked=False)
-            self.forget_fetched(key)
+            # Under the key's lock, never beside a fetch of it in another process (which
+            # would store its new copy between the file's removal and the sidecar's, leaving a
+            # copy that looks like an original); a key being fetched now is passed over.
+            try:
+                with self._lock(key, time.monotonic()):
+                    if self.cached_copy(key) is None:
+                        continue  # (evicted, or made an original, meanwhile)
+                    # the file first: without a sidecar the copy would look like an original
+                    self._drop_file(f"{self.root}/{key}", locked=False)
+                    self.forget_fetched(key)
+            except ConsumeTimeout:
+                continue
             total -= size
             evicted.append(key)
         return evicted
@@ -398,7 +410,7 @@ class ClusterEngine:
                     # The owner may have re-published meanwhile (or the record came from a
                     # moment-old notification): retry with the current record.
                     newer = self.metadata.lookup(record.key) if attempt < 2 else None
-                    if newer is not None and newer.version != record.version:
+                    if newer is not None and _identity(newer) != _identity(record):
                         record = newer
                         continue
                     raise
@@ -783,13 +795,38 @@ class ClusterEngine:
         """Content of ``key``: the local file memory-mapped, or a key owned elsewhere received
         into memory, verified and not stored."""
         path = key_path(key, self.root)
-        if not self._current(key, path):
-            record = self._take_seen(key, time.monotonic()) or self.metadata.wait_any([key], timeout)
-            if record.owner != self.settings.addr:
-                self.transfers += 1
-                return memoryview(self.transport.fetch_bytes(record))
-        path = self.consume(key, timeout)
-        return map_file(path, lambda _p, _f: self.confined.open(key))  # [confine]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for attempt in range(_MAP_ATTEMPTS):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._current(key, path):
+                record = self._take_seen(key, time.monotonic()) or self.metadata.wait_any([key], left)
+                if record.owner != self.settings.addr:
+                    return memoryview(self._fetch_bytes(record))
+            local = self.consume(key, left)
+            try:
+                return map_file(local, lambda _p, _f: self.confined.open(key))  # [confine]
+            except FileNotFoundError:
+                # a fetched copy another process of this node evicted between its fetch and
+                # this mapping (INSTRIDE_CACHE_BYTES): made local again
+                if attempt == _MAP_ATTEMPTS - 1:
+                    raise KeyNotFoundError(key) from None
+        raise AssertionError("unreachable")
+
+    def _fetch_bytes(self, record: Record) -> bytearray:
+        """``transport.fetch_bytes``, again with the current record when the owner
+        re-published the key since ``record`` was seen (as :meth:`_fetch`)."""
+        for attempt in range(3):
+            try:
+                data = self.transport.fetch_bytes(record)
+            except (IntegrityError, KeyNotFoundError):
+                newer = self.metadata.lookup(record.key) if attempt < 2 else None
+                if newer is not None and _identity(newer) != _identity(record):
+                    record = newer
+                    continue
+                raise
+            self.transfers += 1
+            return data
+        raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------ engine protocol
     def ready(self, key: str) -> str | None:
