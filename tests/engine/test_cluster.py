@@ -417,6 +417,27 @@ def test_bytes_of_a_key_seen_by_wait_any_then_overwritten_are_the_current_ones(
     assert bytes(c2.consume_bytes("seenb/k.bin", timeout=10)) == b"second version, longer " * 1000
 
 
+def test_a_consumer_beside_a_deleted_original_is_told_it_is_gone(
+        clients: list[instride.Client]) -> None:
+    """A key whose original was deleted on its owner node (its record left in Redis): a
+    consumer on that node gets KeyNotFoundError after a moment's grace, as one on another node
+    does at once — it never waits its whole timeout (or forever) for a file nobody makes."""
+    from instride.errors import KeyNotFoundError
+
+    c1, c2, _ = clients
+    with c1.open("gone/k.bin", "wb") as fh:
+        fh.write(b"x" * 1000)
+    os.unlink(c1.root / "gone" / "k.bin")
+    for client in (c2, c1):
+        start = time.monotonic()
+        with pytest.raises(KeyNotFoundError, match="gone/k.bin"):
+            client.consume("gone/k.bin", timeout=8)
+        assert time.monotonic() - start < 4
+    with c1.open("gone/k.bin", "wb", overwrite=True) as fh:  # published again: there it is
+        fh.write(b"y" * 10)
+    assert c1.consume("gone/k.bin", timeout=8).read_bytes() == b"y" * 10
+
+
 def _cache_client(node: LoopbackNode, cache_bytes: int) -> instride.Client:
     from instride.config import Settings
 

@@ -50,6 +50,9 @@ _SEEN_MAX = 1024
 #: mappings of a key whose file is gone again before it could be mapped (a fetched copy
 #: another process of the node evicted), before :class:`KeyNotFoundError`
 _MAP_ATTEMPTS = 3
+#: seconds a consumer on a key's owner node waits for the original's file its record names
+#: (it has its name before the record is stored) before taking it as deleted
+_OWN_GRACE = 1.0
 _SEEN_AGE = 5.0
 #: seconds an early fetch waits for its record to be announced (the owner records a frame
 #: right after renaming it) before looking it up
@@ -363,10 +366,10 @@ class ClusterEngine:
         deadline = None if timeout is None else start + timeout
         record = self._take_seen(key, start) or self.metadata.wait_any([key], timeout)
         timing["wait"] = time.monotonic() - start
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         if record.owner == self.settings.addr:
-            # Published by a process of this node: the original is (about to be) here.
-            return store.wait_any([path], remaining, label=key)
+            # Published by a process of this node: the original is here (a file has its name
+            # before its record is stored) unless it was deleted since; a moment's grace
+            return self._own(key, path, record, deadline)
         with self._lock(key, deadline):
             side = self.cached_copy(key)
             if os.path.exists(path) and side is not None and _copy_of(side, record):
@@ -374,6 +377,23 @@ class ClusterEngine:
             self._fetch(record, path)
         self.evict(keep=key)
         return path
+
+    def _own(self, key: str, path: Path, record: Record, deadline: float | None) -> Path:
+        """The original of ``key`` on this node (``record`` names this node as its owner): its
+        file, or :class:`KeyNotFoundError` when it was deleted (the record stays until the
+        key is published again) — never a wait for a file nobody will make."""
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        grace = _OWN_GRACE if left is None else min(_OWN_GRACE, left)
+        try:
+            return store.wait_any([path], grace, label=key)
+        except ConsumeTimeout:
+            if grace == left:
+                raise
+        current = self.metadata.lookup(key)
+        if current is not None and _identity(current) != _identity(record):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return self.consume(key, left)  # (published again meanwhile)
+        raise KeyNotFoundError(key)
 
     def _take_seen(self, key: str, now: float) -> Record | None:
         """The record :meth:`wait_any` returned for ``key`` moments ago, if any (used once)."""
@@ -538,7 +558,7 @@ class ClusterEngine:
 
         def replied() -> None:
             if not locked:
-                held.enter_context(self._lock(key, time.monotonic() + max(wait, 1.0)))
+                held.enter_context(self._lock(key, time.monotonic() + wait))
                 locked.append(True)
 
         self._unmap()
