@@ -12,15 +12,20 @@
  */
 #include "ins_core.h"
 
+#include <fcntl.h>
+#include <limits.h>
 #include <math.h>
 #include <poll.h>
+#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 
-/* Connect to the node server's socket. Returns the socket or -1 with errno. */
-static int ins_agent_connect(void)
+/* Connect to the node server's socket, within deadline (ins_now() seconds; < 0: no bound):
+ * a connect to a server that does not accept (stopped, hung: its backlog full) fails with
+ * ETIMEDOUT then, never blocks past it. Returns the socket (blocking) or -1 with errno. */
+static int ins_agent_connect(double deadline)
 {
     struct sockaddr_un sa;
     memset(&sa, 0, sizeof sa);
@@ -30,10 +35,27 @@ static int ins_agent_connect(void)
         return ins_fail(ENAMETOOLONG, "node server socket path is too long: %.200s",
                         ins_cfg.socket_path);
     memcpy(sa.sun_path, ins_cfg.socket_path, plen + 1);
-    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (s < 0)
         return ins_fail(EIO, "cannot make a socket: %s", strerror(errno));
-    if (connect(s, (struct sockaddr *)&sa, sizeof sa) != 0) {
+    int rc;
+    while ((rc = connect(s, (struct sockaddr *)&sa, sizeof sa)) != 0 &&
+           (errno == EAGAIN || errno == EINTR)) {
+        /* (a Unix socket whose backlog is full: no poll tells when it has room again) */
+        if (deadline >= 0 && ins_now() >= deadline) {
+            ins_sys.close(s);
+            return ins_fail(ETIMEDOUT, "the node server at %.200s did not accept a connection "
+                            "in time (stopped or overloaded?)", ins_cfg.socket_path);
+        }
+        struct timespec pause = {0, 2000000}; /* 2 ms */
+        nanosleep(&pause, NULL);
+    }
+    if (rc == 0) {
+        int fl = fcntl(s, F_GETFL);
+        if (fl < 0 || fcntl(s, F_SETFL, fl & ~O_NONBLOCK) != 0)
+            rc = -1;
+    }
+    if (rc != 0) {
         int e = errno;
         ins_sys.close(s);
         if (e == ENOENT || e == ECONNREFUSED)
@@ -49,7 +71,8 @@ static int ins_agent_connect(void)
 static int ins_agent_request(const char *req, char *reply, size_t cap, int wait_ms)
 {
     int rc = -1;
-    int s = ins_agent_connect();
+    double deadline = wait_ms < 0 ? -1.0 : ins_now() + wait_ms / 1000.0;
+    int s = ins_agent_connect(deadline);
     if (s < 0)
         return -1;
     size_t len = strlen(req), off = 0;
@@ -63,7 +86,6 @@ static int ins_agent_request(const char *req, char *reply, size_t cap, int wait_
         }
         off += (size_t)n;
     }
-    double deadline = wait_ms < 0 ? -1.0 : ins_now() + wait_ms / 1000.0;
     size_t got = 0;
     for (;;) {
         struct pollfd pfd = {.fd = s, .events = POLLIN};
@@ -139,8 +161,9 @@ static int ins_key_ok(const char *key)
  * we send; we allow it 5 s of grace on top. No INSTRIDE_TIMEOUT: no bound. */
 static int ins_reply_wait_ms(void)
 {
-    if (ins_cfg.timeout >= 0)
-        return (int)(ins_cfg.timeout * 1000.0) + 5000;
+    if (ins_cfg.timeout >= 0) /* (at most INT_MAX ms: ~24 days) */
+        return ins_cfg.timeout * 1000.0 < INT_MAX - 5000.0 ? (int)(ins_cfg.timeout * 1000.0) + 5000
+                                                           : INT_MAX;
     return -1;
 }
 

@@ -173,6 +173,16 @@ int ins_notify_publish_as(const struct ins_path *p, int overwrite)
     return ins_agent_publish(ins_key(p), overwrite);
 }
 
+/* Whether a failed PUBLISH was the node server's refusal of the key itself, answered before
+ * anything was recorded (a key its rules refuse, a name it does not find in place, a request
+ * too long): the file just given the key's name must not stay there without a record. A
+ * failure to record (ERR n of the metadata) the server undoes itself; where the server's
+ * state is unknown (no answer, a lost connection) nothing is undone. */
+static int ins_refused_before_record(int e)
+{
+    return e == EINVAL || e == ENOENT || e == E2BIG;
+}
+
 int ins_notify_publish(const struct ins_path *p)
 {
     return ins_notify_publish_as(p, ins_cfg.overwrite);
@@ -229,7 +239,13 @@ int ins_publish(const char *tmp, const struct ins_path *p, int noreplace)
     }
     if (ins_cfg.fsync)
         ins_fsync_dir_of(p->abs);
-    return ins_notify_publish_as(p, overwrite);
+    if (ins_notify_publish_as(p, overwrite) == 0)
+        return 0;
+    int e = errno;
+    if (!overwrite && ins_refused_before_record(e))
+        unlink(p->abs); /* (write-once: the file this call made) */
+    errno = e;
+    return -1;
 }
 
 /* ---- publishing an existing file (rename into the managed directory) ---- */
@@ -376,5 +392,13 @@ int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, i
     if (ins_cfg.fsync)
         ins_fsync_dir_of(np->abs);
     /* noreplace: write-once across the cluster too */
-    return ins_notify_publish_as(np, !noreplace && ins_cfg.overwrite);
+    int overwrite = !noreplace && ins_cfg.overwrite;
+    if (ins_notify_publish_as(np, overwrite) == 0)
+        return 0;
+    int e = errno;
+    if (!overwrite && ins_refused_before_record(e)) /* (back where it came from: its name
+                                                     * there is free, the file just left it) */
+        (void)ins_sys.renameat(AT_FDCWD, np->abs, olddirfd, old);
+    errno = e;
+    return -1;
 }

@@ -23,6 +23,10 @@ ends within about a second; waits still pending at shutdown are answered ``ERR 1
 Resource bounds: waits run in a pool of ``workers`` threads, in slices of at most a second, so
 an abandoned or cancelled wait frees its thread promptly; ``PUBLISH``/``OVERWRITE`` and
 ``CONSUME`` of a key already on this node use a separate small pool that waits can never starve.
+A ``CONSUME``'s timeout runs from its arrival (one still queued when it ends: ``ERR 110``). A
+connection must send a whole line within :data:`LINE_TIMEOUT` of connecting or of its last
+answer (``ERR 110``, closed), and at most half as many connections as the process may open
+files are served at once (``ERR 24``). A request that is not UTF-8 is refused (``ERR 22``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ import functools
 import json
 import logging
 import os
+import resource
+import select
 import socket
 import stat
 import threading
@@ -63,6 +69,11 @@ WAIT_SLICE = 1.0
 WATCH_INTERVAL = 0.2
 #: Threads for publications and for consumptions of keys already on this node.
 QUICK_WORKERS = 4
+#: Seconds a connection may take to send a whole request line, from its connection or its
+#: last answer on (a client that sends half a line, or nothing, is dropped, not held forever).
+LINE_TIMEOUT = 60.0
+#: Longest timeout a ``CONSUME`` may ask for, in milliseconds (~31 years).
+MAX_TIMEOUT_MS = 10**12
 
 T = TypeVar("T")
 
@@ -192,7 +203,10 @@ class LocalAgent:
         self._busy = 0  # jobs running in worker threads
         self._waiting = 0  # of which waits (CONSUME)
         self.stats = {"local": 0, "abandoned": 0, "errors": 0, "stalled": 0,
-                      "answered_at_once": 0}
+                      "answered_at_once": 0, "idle_closed": 0, "refused_connections": 0}
+        #: most connections served at once (half the process's descriptors: the rest is for
+        #: files, sockets to peers, Redis); one more is answered ``ERR 24`` and closed
+        self.max_connections = max(64, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -204,8 +218,13 @@ class LocalAgent:
         Raises
         ------
         ServeError
-            Another server answers on the socket (``EADDRINUSE``).
+            Another server answers on the socket (``EADDRINUSE``), or the managed directory's
+            path holds a control character (``EINVAL``).
         """
+        if any(ord(ch) < 0x20 or ch == "\x7f" for ch in str(self.settings.dir)):
+            raise ServeError(f"{str(self.settings.dir)!r}: the path of a managed directory served "
+                             "to local clients may not hold a line break or another control "
+                             "character (its files' paths are sent as lines)", errno.EINVAL)
         internal = self.settings.internal_dir
         internal.mkdir(mode=0o700, parents=True, exist_ok=True)
         if os.stat(internal).st_uid == os.getuid():
@@ -231,6 +250,12 @@ class LocalAgent:
     async def _track(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        if len(self._tasks) >= self.max_connections:
+            self.stats["refused_connections"] += 1
+            writer.write(f"ERR {errno.EMFILE} too many connections to this node server "
+                         f"({self.max_connections})\n".encode())
+            writer.close()
+            return
         self._tasks.add(task)
         try:
             await self._handle_local(reader, writer)
@@ -324,7 +349,8 @@ class LocalAgent:
             with self._lock:
                 self._busy -= 1
 
-    def _consume_sliced(self, key: str, timeout: float | None, cancel: threading.Event) -> Path:
+    def _consume_sliced(self, key: str, deadline: float | None, start: float,
+                        cancel: threading.Event) -> Path:
         """``client.consume`` in slices of at most :data:`WAIT_SLICE`, checking ``cancel``.
 
         A key not on this node is waited for first (``client.wait_any``), as a Python
@@ -336,8 +362,7 @@ class LocalAgent:
             self._busy += 1
             self._waiting += 1
         try:
-            start = time.monotonic()
-            deadline = None if timeout is None else start + timeout
+            # (deadline and start: from the request's arrival, not from when a worker took it)
             here = key_path(key, self.settings.dir)
             while True:
                 if cancel.is_set():
@@ -357,11 +382,11 @@ class LocalAgent:
                 self._busy -= 1
                 self._waiting -= 1
 
-    def _consume_answering(self, key: str, timeout: float | None, cancel: threading.Event,
-                           answer: _Answer) -> tuple[Path, bytes | None]:
+    def _consume_answering(self, key: str, deadline: float | None, start: float,
+                           cancel: threading.Event, answer: _Answer) -> tuple[Path, bytes | None]:
         """:meth:`_consume_sliced`, then the answer sent from this thread where it may be
         (:class:`_Answer`): the path, and what :meth:`_Answer.send` returned."""
-        path = self._consume_sliced(key, timeout, cancel)
+        path = self._consume_sliced(key, deadline, start, cancel)
         rest = answer.send(path)
         if rest == b"":
             with self._lock:
@@ -370,8 +395,17 @@ class LocalAgent:
 
     @staticmethod
     def _gone(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        """Whether the client closed its connection (without reading anything from it)."""
-        return reader.at_eof() or reader.exception() is not None or writer.transport.is_closing()
+        """Whether the client closed its connection: a hang-up of the socket, seen also while
+        requests it sent after this one wait unread (a client that only shut down its sending
+        side still waits for its answer: not gone)."""
+        if reader.exception() is not None or writer.transport.is_closing():
+            return True
+        sock = writer.get_extra_info("socket")
+        if sock is None:
+            return reader.at_eof()
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLHUP | select.POLLERR)
+        return any(ev & (select.POLLHUP | select.POLLERR) for _fd, ev in poller.poll(0))
 
     async def _wait(
         self, key: str, timeout: float | None, reader: asyncio.StreamReader,
@@ -384,6 +418,8 @@ class LocalAgent:
         nothing left)."""
         if self._closing:
             raise _ShuttingDown()
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
         local = os.path.exists(key_path(key, self.settings.dir))
         pool = self.quick if local else self.waits
         cancel = threading.Event()
@@ -397,7 +433,7 @@ class LocalAgent:
         except OSError:  # (no descriptor to spare: the loop answers)
             answer = _Answer(None)
         try:
-            job = pool.submit(self._consume_answering, key, timeout, cancel, answer)
+            job = pool.submit(self._consume_answering, key, deadline, start, cancel, answer)
         except BaseException:
             answer.close()
             raise
@@ -413,6 +449,9 @@ class LocalAgent:
                     except _WaitCancelled:
                         raise _ShuttingDown() from None
                     return path if rest is None else rest
+                if deadline is not None and time.monotonic() > deadline and job.cancel():
+                    # (still queued behind busy workers when its time ran out: never started)
+                    raise ConsumeTimeout(key, time.monotonic() - start)
                 if not (self._closing or self._gone(reader, writer)):
                     continue
                 if not answer.claim():  # the worker has the path and is answering
@@ -437,17 +476,36 @@ class LocalAgent:
         while True:
             self._idle.add(task)
             try:
-                line = await reader.readuntil(b"\n")
+                # (a whole request line within LINE_TIMEOUT of connecting or of the last
+                # answer: a timer, not a wait_for, which costs a task per request)
+                timer = asyncio.get_running_loop().call_later(LINE_TIMEOUT, task.cancel)
+                try:
+                    line = await reader.readuntil(b"\n")
+                finally:
+                    timer.cancel()
             except asyncio.LimitOverrunError:
                 writer.write(f"ERR {errno.E2BIG} request line too long\n".encode())
+                await self._drain(writer)
+                return
+            except asyncio.CancelledError:
+                if self._closing or timer.when() > asyncio.get_running_loop().time():
+                    raise  # (a shutdown's cancel, not the timer's)
+                self.stats["idle_closed"] += 1
+                writer.write(f"ERR {errno.ETIMEDOUT} no whole request line within "
+                             f"{LINE_TIMEOUT:g} s\n".encode())
                 await self._drain(writer)
                 return
             except asyncio.IncompleteReadError:
                 return
             finally:
                 self._idle.discard(task)
-            reply = await self._local_request(line[:-1].decode("utf-8", errors="replace"),
-                                              reader, writer)
+            try:
+                text = line[:-1].decode("utf-8")
+            except UnicodeDecodeError:  # (never a key replaced by another: answered, not mended)
+                reply: str | bytes | None = _err(errno.EINVAL, "request is not valid UTF-8 (a key "
+                                                 "must be)")
+            else:
+                reply = await self._local_request(text, reader, writer)
             if reply is None:  # the client went away: nobody to answer
                 return
             if isinstance(reply, str):
@@ -493,9 +551,9 @@ class LocalAgent:
                     ms = int(raw_timeout)
                 except ValueError:
                     return _err(errno.EINVAL, f"bad timeout {raw_timeout[:50]!r} (milliseconds or -1)")
-                if ms < -1:
+                if ms < -1 or ms > MAX_TIMEOUT_MS:
                     return _err(errno.EINVAL, f"bad timeout {raw_timeout[:50]!r} (milliseconds "
-                                "or -1)")
+                                f"up to {MAX_TIMEOUT_MS}, or -1)")
                 key = self.client.key(key)
                 # -1: the server's INSTRIDE_TIMEOUT (forever when unset); 0: do not wait
                 timeout = self.settings.timeout if ms == -1 else ms / 1000.0

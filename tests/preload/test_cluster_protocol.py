@@ -180,6 +180,76 @@ def test_publish_error_is_reported_by_close(cluster: tuple[Shim, FakeNodeServer]
     assert server.requests == ["PUBLISH dup.bin"]
 
 
+@pytest.mark.parametrize("refusal", [errno.EINVAL, errno.ENOENT])
+def test_a_key_the_server_refuses_is_not_left_published(cluster: tuple[Shim, FakeNodeServer],
+                                                        refusal: int) -> None:
+    """A PUBLISH the node server refuses before recording anything (a key its rules refuse,
+    ``ERR 22``; a name it does not find, ``ERR 2``): the written file does not stay under the
+    key without a record, and a file moved in goes back where it came from."""
+    shim, server = cluster
+    server.publish_error = refusal
+    key = shim.dir / "refused.bin"
+    code = (
+        f"f = open({str(key)!r}, 'wb'); f.write(b'x')\n"
+        "try:\n"
+        "    f.close()\n"
+        "except OSError as e:\n"
+        f"    raise SystemExit(0 if e.errno == {refusal} else 1)\n"
+        "raise SystemExit(2)\n"
+    )
+    assert shim.py(code).returncode == 0
+    assert not key.exists() and shim.temps() == []
+    src = shim.outside / "mine.bin"
+    src.write_bytes(b"my data")
+    code = (
+        "import os\n"
+        "try:\n"
+        f"    os.rename({str(src)!r}, {str(key)!r})\n"
+        "except OSError as e:\n"
+        f"    raise SystemExit(0 if e.errno == {refusal} else 1)\n"
+        "raise SystemExit(2)\n"
+    )
+    assert shim.py(code).returncode == 0
+    assert not key.exists() and src.read_bytes() == b"my data"
+    assert server.requests == ["PUBLISH refused.bin", "PUBLISH refused.bin"]
+
+
+def test_a_node_server_that_accepts_no_connection_is_a_timeout(shim: Shim, sockdir: Path) -> None:
+    """A node server that is stopped or hung (its socket's backlog full): the connection is
+    given up within INSTRIDE_TIMEOUT and its grace (ETIMEDOUT), never waited for forever."""
+    import socket
+
+    path = str(sockdir / "hung.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(0)
+    queued = []
+    try:
+        full = False
+        for _ in range(4):  # (until the backlog is full: the next connect would block)
+            c = socket.socket(socket.AF_UNIX)
+            c.setblocking(False)
+            try:
+                c.connect(path)
+            except BlockingIOError:
+                c.close()
+                full = True
+                break
+            queued.append(c)
+        assert full
+        env = shim.with_env(INSTRIDE_REDIS_URL="redis://127.0.0.1:1/0", INSTRIDE_SOCKET=path,
+                            INSTRIDE_TIMEOUT="0.5")
+        start = time.monotonic()
+        proc = env.run(["cat", shim.dir / "k.bin"], timeout=30)
+        assert proc.returncode != 0
+        assert os.strerror(errno.ETIMEDOUT).encode() in proc.stderr
+        assert time.monotonic() - start < 15
+    finally:
+        for c in queued:
+            c.close()
+        listener.close()
+
+
 def test_overwrite_mode_sends_overwrite(cluster: tuple[Shim, FakeNodeServer]) -> None:
     shim, server = cluster
     over = shim.with_env(INSTRIDE_OVERWRITE="1")

@@ -215,6 +215,115 @@ def test_waits_never_starve_publications_and_end_with_their_clients(nodes: list[
     no_traceback(n3)
 
 
+def test_a_client_gone_with_a_request_unread_ends_its_wait(own_node: LoopbackNode) -> None:
+    """A client that sent a second request after its CONSUME and closed the connection is gone
+    (its wait ends and frees the thread), although a request of it waits unread; one that only
+    shut down its sending side still gets its answer."""
+    node = own_node.start("--workers", "2")
+    base = stats(node)["abandoned"]
+    for _ in range(2):
+        with unix(node) as s:
+            s.sendall(b"CONSUME -1 never/k\nPING\n")
+    until(lambda: stats(node)["abandoned"] == base + 2 and stats(node)["waiting"] == 0, 8,
+          "waits of clients gone ended")
+    with unix(node) as s:  # both threads free again: served
+        s.sendall(b"CONSUME 5000 half/k\n")
+        s.shutdown(socket.SHUT_WR)
+        time.sleep(0.5)
+        put(node, "half/k", b"late")
+        assert s.makefile().readline() == f"OK {node.dir / 'half' / 'k'}\n"
+    no_traceback(node)
+
+
+def test_a_consume_queued_behind_busy_workers_keeps_to_its_timeout(own_node: LoopbackNode) -> None:
+    node = own_node.start("--workers", "1")
+    with unix(node) as busy:
+        busy.sendall(b"CONSUME -1 never/a\n")  # (holds the one wait thread)
+        until(lambda: stats(node)["waiting"] == 1, 5, "the wait running")
+        start = time.monotonic()
+        assert ask(node, "CONSUME 500 never/b", timeout=10).startswith("ERR 110 ")
+        assert time.monotonic() - start < 5
+    no_traceback(node)
+
+
+def test_requests_that_are_not_utf8_or_ask_for_an_endless_timeout_are_refused(
+        nodes: list[LoopbackNode]) -> None:
+    """A key that is not UTF-8 is refused, never mended into another key (whose file would be
+    served); a timeout too large to be one is refused, not an internal error."""
+    n1 = nodes[0]
+    (n1.dir / "c").mkdir(exist_ok=True)
+    (n1.dir / "c" / "b\ufffd.bin").write_bytes(b"someone else's")
+    with unix(n1) as s:
+        s.sendall(b"CONSUME 100 c/b\xfe.bin\n")
+        assert s.makefile().readline().startswith("ERR 22 request is not valid UTF-8")
+    assert ask(n1, "CONSUME 99999999999999999999999 c/x").startswith("ERR 22 bad timeout")
+    assert stats(n1)["errors"] == 0
+    no_traceback(n1)
+
+
+def test_a_half_sent_line_times_out_and_connections_are_capped(
+        managed_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection that does not send a whole line within LINE_TIMEOUT is answered ERR 110
+    and closed; connections beyond the cap are answered ERR 24 and closed."""
+    import asyncio
+
+    from instride import agent as agent_mod
+    from instride.client import Client
+    from instride.config import Settings
+
+    monkeypatch.setattr(agent_mod, "LINE_TIMEOUT", 0.5)
+    settings = Settings.from_env()
+    client = Client(settings)
+
+    async def scenario() -> list[bytes]:
+        agent = agent_mod.LocalAgent(settings, client)
+        agent.max_connections = 2
+        await agent.start()
+        try:
+            path = str(settings.socket)
+            r1, w1 = await asyncio.open_unix_connection(path)
+            w1.write(b"CONSUME 100 half")  # (no end of line)
+            r2, w2 = await asyncio.open_unix_connection(path)
+            await asyncio.sleep(0.1)
+            r3, w3 = await asyncio.open_unix_connection(path)  # one too many
+            third = await asyncio.wait_for(r3.read(), 5)
+            w2.write(b"PING\n")
+            second = await asyncio.wait_for(r2.readline(), 5)
+            first = await asyncio.wait_for(r1.read(), 5)  # (answered, then closed)
+            for w in (w1, w2, w3):
+                w.close()
+            return [first, second, third]
+        finally:
+            await agent.stop(1.0)
+
+    try:
+        first, second, third = asyncio.run(scenario())
+    finally:
+        client.close()
+    assert first.startswith(b"ERR 110 no whole request line within 0.5 s")
+    assert second == b"OK pong\n"
+    assert third.startswith(b"ERR 24 too many connections")
+
+
+def test_a_directory_whose_path_breaks_lines_is_not_served(tmp_path: Path) -> None:
+    import asyncio
+
+    from instride.agent import LocalAgent
+    from instride.client import Client
+    from instride.config import Settings
+    from instride.errors import ServeError
+
+    root = tmp_path / "a\nb"
+    root.mkdir()
+    settings = Settings(dir=root)
+    client = Client(settings)
+    try:
+        with pytest.raises(ServeError, match="line break"):
+            asyncio.run(LocalAgent(settings, client).start())
+    finally:
+        client.close()
+
+
 # ---------------------------------------------------------------------- lifecycle
 def test_sigterm_with_pending_waits_exits_cleanly(own_node: LoopbackNode) -> None:
     node = own_node.start("--grace", "2")
