@@ -407,6 +407,41 @@ class TestUcxSharedMemory(UcxScenarios):
         for t in self.transports.values():
             t.close()
 
+    def test_a_replayed_request_is_refused(self, peer: Peer,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+        """A request captured and sent again (its nonce, within the timestamp window) is
+        refused, as over TCP."""
+        rec = peer.record("run/mid.bin")
+        header = ucx_mod.wire.sign(TOKEN, "fetch", rec.key)
+        monkeypatch.setattr(ucx_mod.wire, "sign", lambda *_a, **_k: dict(header))
+        first, again = self.fetch_all([(rec, None, TOKEN), (rec, None, TOKEN)])
+        assert first.error is None and first.digest == rec.checksum
+        assert again.error == "AuthenticationError" and "replayed" in again.message, again
+
+    def test_a_threads_worker_goes_with_the_thread(self, peer: Peer) -> None:
+        """Each thread fetches with its own UCP worker; a thread that ended leaves no worker,
+        endpoint or descriptor behind."""
+        import gc
+        import threading
+
+        transport = self._transport(TOKEN)
+        rec = peer.record("run/mid.bin")
+        got: list[Outcome] = []
+
+        def in_a_thread() -> None:
+            th = threading.Thread(target=lambda: got.append(run_fetch(transport, rec, None)))
+            th.start()
+            th.join()
+            gc.collect()
+
+        in_a_thread()
+        base = len(os.listdir("/proc/self/fd"))
+        for _ in range(5):
+            in_a_thread()
+        assert all(o.error is None for o in got), got
+        assert len(os.listdir("/proc/self/fd")) <= base + 2
+        assert len(transport._workers) <= 1
+
     def start_peer(self, files: dict[str, bytes]) -> Peer:
         addr = f"127.0.0.1:{free_port()}"
         env = dict(os.environ, INSTRIDE_DIR=str(self.tmp / "owner"), INSTRIDE_TOKEN=TOKEN,
@@ -442,6 +477,32 @@ class TestUcxSharedMemory(UcxScenarios):
             return Outcome(type(exc).__name__, [c.__name__ for c in type(exc).__mro__], str(exc), None,
                            dest.exists(), time.monotonic() - t0)
         return Outcome(None, [], "received", None, dest.exists(), time.monotonic() - t0)
+
+
+def test_an_on_reply_that_fails_leaves_no_request_unanswered(tmp_path: Path) -> None:
+    """``on_reply`` (diagnostics) raising: the request is answered all the same, and the
+    served file is not left open."""
+    owner = tmp_path / "owner"
+    (owner / "k").mkdir(parents=True)
+    data = os.urandom(50_000)
+    (owner / "k" / "a.bin").write_bytes(data)
+
+    def broken(_key: str, _size: int) -> None:
+        raise BrokenPipeError("stdout closed")
+
+    addr = f"127.0.0.1:{free_port()}"
+    server = UcxServer(Settings(dir=owner, token=TOKEN, addr=addr), on_reply=broken)
+    client = UcxTransport(Settings(dir=tmp_path, token=TOKEN, connect_timeout=TIMEOUT))
+    with server:
+        try:
+            rec = Record("k/a.bin", addr, len(data), checksum(data), 1, 0.0)
+            for _ in range(3):
+                assert bytes(client.fetch_bytes(rec)) == data
+        finally:
+            client.close()
+        held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                if os.path.exists(f"/proc/self/fd/{fd}")]
+        assert str(owner / "k" / "a.bin") not in held
 
 
 # ---------------------------------------------------------------------- two emulated nodes

@@ -27,8 +27,9 @@ it, selecting the transport (building either half) raises
 :class:`~instride.errors.ConfigError` naming the package. ``import instride`` never loads it.
 
 Security is the TCP transport's: requests are authenticated (job token, timestamp within
-:data:`~instride.transport.wire.MAX_SKEW`), nonces are not remembered (a captured request can
-be replayed within that window) and nothing is encrypted: run the traffic on a trusted network.
+:data:`~instride.transport.wire.MAX_SKEW`), each nonce is accepted once within that window (a
+captured request sent again is refused: :class:`~instride.transport.replay.ReplayGuard`), and
+nothing is encrypted: run the traffic on a trusted network.
 
 Examples
 --------
@@ -58,6 +59,8 @@ import signal
 import socket
 import sys
 import threading
+import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +84,7 @@ from ..record import Record
 from ..store.served import open_served
 from . import wire
 from .base import fetch_to_new_file, open_engine
+from .replay import ReplayGuard
 
 log = logging.getLogger("instride.transport.ucx")
 
@@ -96,6 +100,9 @@ MAX_PEERS = 512
 #: Accepted for the server protocol; a UCX request arrives whole (one message), so there is
 #: no half-received request to time out.
 REQUEST_TIMEOUT = 10.0
+#: Seconds :meth:`UcxServer.close` waits for its serving thread beyond the grace it gives
+#: bodies in flight (closing every connection may take ~2 s each at most).
+STOP_MARGIN = 10.0
 _ERR = 512
 _REPLY_CAP = wire.MAX_HEADER + 1
 
@@ -194,10 +201,15 @@ class _Worker:
         self.handle: int | None = handle
         self.reply = ctypes.create_string_buffer(_REPLY_CAP)
         self.buffer: bytearray | None = None  # reused for bodies written to files
+        # closed once nothing refers to it: its thread ended (the thread's locals went), and
+        # the transport keeps only weak references (not at the interpreter's exit: the
+        # process's end releases it)
+        self._closer = weakref.finalize(self, lib.isu_client_close, handle)
+        self._closer.atexit = False
 
     def close(self) -> None:
         if self.handle:
-            self.lib.isu_client_close(self.handle)
+            self._closer()
             self.handle = None
 
 
@@ -225,7 +237,8 @@ class UcxTransport:
         self.settings = settings
         self.lib = load_library()
         self._per_thread = PerThread()  # a forked child makes its own worker
-        self._workers: list[_Worker] = []
+        # (weak: a thread's worker goes with the thread, its endpoints and descriptors too)
+        self._workers: weakref.WeakSet[_Worker] = weakref.WeakSet()
         self._lock = threading.Lock()
 
     def _worker(self) -> _Worker:
@@ -234,7 +247,7 @@ class UcxTransport:
         if w is None or w.handle is None:
             w = local.worker = _Worker(self.lib)
             with self._lock:
-                self._workers.append(w)
+                self._workers.add(w)
         return w
 
     # ------------------------------------------------------------------ requests
@@ -364,7 +377,8 @@ class UcxTransport:
     def close(self) -> None:
         """Close every thread's worker and endpoints (call when no fetch is running)."""
         with self._lock:
-            workers, self._workers = self._workers, []
+            workers = list(self._workers)
+            self._workers.clear()
         for w in workers:
             w.close()
 
@@ -422,6 +436,7 @@ class UcxServer:
                       "stalled": 0}
         self._peers = 0
         self._c_refused = 0  # requests the C library dropped (malformed at the UCX level)
+        self._replay = ReplayGuard()  # (the serving thread alone uses it)
         self._handle: int | None = None
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -477,7 +492,13 @@ class UcxServer:
         if handle:
             self.lib.isu_server_wake(handle)
         if self._thread is not None:
-            self._thread.join()
+            # bounded: a UCX worker wedged inside its progress (a local peer that died in the
+            # middle of a message can leave UCX's shared-memory transport so) must not keep
+            # the process from stopping; the thread is a daemon
+            self._thread.join(self.grace + STOP_MARGIN)
+            if self._thread.is_alive():
+                log.error("the UCX serving thread did not stop within %.0f s; left behind",
+                          self.grace + STOP_MARGIN)
 
     def __enter__(self) -> UcxServer:
         return self.open()
@@ -545,6 +566,8 @@ class UcxServer:
             self._refuse(handle, "WireError", str(exc))
             return
         reason = wire.verify(self.settings.token, req)
+        if reason is None:  # [replay] a captured request sent again is refused, as over TCP
+            reason = self._replay.check(req["nonce"], float(req["ts"]), now=time.time())
         if reason is not None:
             log.warning("refused UCX request: %s", reason)
             self._refuse(handle, "AuthenticationError", reason)
@@ -574,7 +597,10 @@ class UcxServer:
                                  "message": f"cannot open {key} now: {exc.strerror}"})
             return
         if self.on_reply is not None:
-            self.on_reply(key, st.st_size)
+            try:
+                self.on_reply(key, st.st_size)
+            except Exception:  # (diagnostics: never a request left unanswered, a file open)
+                log.warning("on_reply failed for %s", key, exc_info=True)
         self.stats["fetches"] += 1
         self._reply(handle, {"ok": True, "key": key, "size": st.st_size}, fd, st.st_size)
 
