@@ -776,7 +776,10 @@ ISU_API void isu_client_close(isu_client *c) {
 typedef struct isu_conn {
     ucp_ep_h ep;
     volatile int failed;
-    int sends; /* sends in flight on it */
+    int sends;     /* sends in flight on it */
+    int closing;   /* close once its sends are done (it sent a malformed request) */
+    int requests;  /* requests it sent */
+    int64_t last;  /* now_ns() of its connection, or of its last request */
     struct isu_conn *next;
 } isu_conn;
 
@@ -814,6 +817,9 @@ typedef struct {
     uint64_t busy; /* connections rejected: max_conns reached */
     uint64_t sent_bytes;
     uint64_t failed_sends;
+    int64_t first_ns; /* a connection's first request within this, or it is closed (< 0: no bound) */
+    int64_t idle_ns;  /* a connection idle this long is closed (< 0: no bound) */
+    uint64_t idle_closed;
 } isu_server;
 
 static isu_conn *server_conn(isu_server *s, ucp_ep_h ep) {
@@ -859,6 +865,7 @@ static void server_conn_cb(ucp_conn_request_h conn_request, void *arg) {
         free(k);
         return;
     }
+    k->last = now_ns();
     k->next = s->conns;
     s->conns = k;
     s->nconns++;
@@ -870,9 +877,17 @@ static ucs_status_t server_am_request(void *arg, const void *header, size_t head
     (void)data;
     (void)length;
     isu_server *s = arg;
-    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || param->reply_ep == NULL ||
-        header_length <= ISU_ID_BYTES || header_length > ISU_ID_BYTES + ISU_MAX_HEADER) {
+    isu_conn *k = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) && param->reply_ep != NULL
+                      ? server_conn(s, param->reply_ep)
+                      : NULL;
+    if (k != NULL) {
+        k->last = now_ns();
+        k->requests++;
+    }
+    if (k == NULL || header_length <= ISU_ID_BYTES || header_length > ISU_ID_BYTES + ISU_MAX_HEADER) {
         s->refused++;
+        if (k != NULL)
+            k->closing = 1; /* (no reply to a malformed request: the connection goes) */
         return UCS_OK;
     }
     isu_item *it = calloc(1, sizeof(*it));
@@ -912,6 +927,7 @@ ISU_API isu_server *isu_server_start(const char *host, int port, int max_conns, 
         return NULL;
     }
     s->max_conns = max_conns > 0 && max_conns < ISU_MAX_CONNS ? max_conns : ISU_MAX_CONNS;
+    s->first_ns = s->idle_ns = -1;
     if (base_init(&s->b, err, errlen) != 0) {
         free(s);
         return NULL;
@@ -965,6 +981,29 @@ ISU_API void isu_server_stats(isu_server *s, uint64_t *out5) {
     out5[4] = (uint64_t)s->nconns;
 }
 
+/* Connections closed for sending no request in time (first_ms) or for idling (idle_ms). */
+ISU_API uint64_t isu_server_idle_closed(isu_server *s) { return s->idle_closed; }
+
+/* A connection must send its first request within first_ms of its connection, and is closed
+ * after idle_ms without one (< 0: no bound): a connection nobody uses never holds one of the
+ * max_conns places for long. (A client's kept endpoint to a server that closed it is not told
+ * so on every transport of UCX 1.13: its next request would wait for a reply that never
+ * comes. So the node server bounds the first request alone.) */
+ISU_API void isu_server_limits(isu_server *s, int64_t first_ms, int64_t idle_ms) {
+    s->first_ns = first_ms < 0 ? -1 : first_ms * 1000000LL;
+    s->idle_ns = idle_ms < 0 ? -1 : idle_ms * 1000000LL;
+}
+
+/* Whether a request of ep waits to be answered (queued, or being answered). */
+static int server_has_request(isu_server *s, ucp_ep_h ep) {
+    if (s->current != NULL && s->current->ep == ep)
+        return 1;
+    for (isu_item *it = s->head; it != NULL; it = it->next)
+        if (it->ep == ep)
+            return 1;
+    return 0;
+}
+
 /* Another thread interrupts isu_server_next() (and only that). */
 ISU_API void isu_server_wake(isu_server *s) {
     uint64_t one = 1;
@@ -993,6 +1032,17 @@ static void server_housekeeping(isu_server *s) {
         if (!x->op.done && x->conn != NULL && !x->conn->failed && x->deadline >= 0 &&
             now > x->deadline)
             x->conn->failed = 1; /* the peer stopped reading: drop it */
+    }
+    for (isu_conn *k = s->conns; k != NULL; k = k->next) {
+        if (k->failed || k->sends > 0 || server_has_request(s, k->ep))
+            continue;
+        int64_t bound = k->requests == 0 ? s->first_ns : s->idle_ns;
+        if (k->closing) {
+            k->failed = 1;
+        } else if (bound >= 0 && now - k->last > bound) {
+            k->failed = 1;
+            s->idle_closed++;
+        }
     }
     isu_conn **kp = &s->conns;
     while (*kp != NULL) {

@@ -505,6 +505,39 @@ def test_an_on_reply_that_fails_leaves_no_request_unanswered(tmp_path: Path) -> 
         assert str(owner / "k" / "a.bin") not in held
 
 
+def test_connections_that_send_nothing_valid_give_their_place_back(tmp_path: Path) -> None:
+    """Connections that send a malformed request (dropped by the C library, with no reply) are
+    closed, so peers that never send a valid request cannot hold every one of the server's
+    places: a real client is served afterwards."""
+    import ctypes
+
+    owner = tmp_path / "owner"
+    (owner / "k").mkdir(parents=True)
+    data = b"after the junk"
+    (owner / "k" / "a.bin").write_bytes(data)
+    addr = f"127.0.0.1:{free_port()}"
+    port = int(addr.rsplit(":", 1)[1])
+    server = UcxServer(Settings(dir=owner, token=TOKEN, addr=addr), max_peers=4,
+                       request_timeout=1.0)
+    client = UcxTransport(Settings(dir=tmp_path, token=TOKEN, connect_timeout=TIMEOUT))
+    junk = [ucx_mod._Worker(client.lib) for _ in range(4)]
+    with server:
+        try:
+            body, reused = ctypes.c_uint64(0), ctypes.c_int(0)
+            err = ctypes.create_string_buffer(512)
+            for w in junk:  # (an empty request: no JSON header at all)
+                client.lib.isu_client_request(w.handle, b"127.0.0.1", port, b"", 0, w.reply,
+                                              ucx_mod._REPLY_CAP, ctypes.byref(body),
+                                              ctypes.byref(reused), 300, err, 512)
+            until(lambda: server.snapshot()["peers"] == 0, 10, "the junk connections closed")
+            rec = Record("k/a.bin", addr, len(data), checksum(data), 1, 0.0)
+            assert bytes(client.fetch_bytes(rec)) == data
+        finally:
+            client.close()
+            for w in junk:
+                w.close()
+
+
 # ---------------------------------------------------------------------- two emulated nodes
 #: namespaces do not isolate shared memory: without UCX_TLS=tcp, processes of two emulated
 #: nodes would silently talk through sysv/cma. Each node names its own veth (eth0).

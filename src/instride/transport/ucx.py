@@ -97,8 +97,9 @@ SEND_TIMEOUT = 60.0
 SEND_RATE = 50e6
 #: Peer connections served at once (also the C library's ceiling).
 MAX_PEERS = 512
-#: Accepted for the server protocol; a UCX request arrives whole (one message), so there is
-#: no half-received request to time out.
+#: Seconds a new connection has to send its first request (a UCX request arrives whole, as
+#: one message), as the TCP server's; a connection is never closed for idling between
+#: requests (UCX 1.13 does not tell every client's kept endpoint that the server closed it).
 REQUEST_TIMEOUT = 10.0
 #: Seconds :meth:`UcxServer.close` waits for its serving thread beyond the grace it gives
 #: bodies in flight (closing every connection may take ~2 s each at most).
@@ -170,9 +171,16 @@ def load_library() -> ctypes.CDLL:
             "isu_server_reply": (ctypes.c_int, [vp, cp, sz, ctypes.c_int, u64, i64, cp, sz]),
             "isu_server_pending": (ctypes.c_int, [vp]),
             "isu_server_close": (None, [vp, i64]),
+            "isu_server_limits": (None, [vp, i64, i64]),
+            "isu_server_idle_closed": (u64, [vp]),
         }
         for name, (res, args) in sigs.items():
-            fn = getattr(lib, name)
+            fn = getattr(lib, name, None)
+            if fn is None:  # (a library left from an older build)
+                raise ConfigError("INSTRIDE_TRANSPORT", "ucx",
+                                  f"{library_path()} is from another version of instride (it "
+                                  f"has no {name}): reinstall instride (pip install -e .) so "
+                                  "that it is built again")
             fn.restype = res
             fn.argtypes = args
         # receives counted where a helper making a file ahead can see them (it waits for them)
@@ -404,7 +412,8 @@ class UcxServer:
         Peer connections served at once (at most :data:`MAX_PEERS`); more are rejected by
         UCX and counted as ``busy``.
     request_timeout
-        Accepted for the protocol and unused: a UCX request arrives as one whole message.
+        Seconds a new connection has to send its first request, else it is closed (counted
+        as ``idle_closed``); one that sends a malformed request is closed too.
     send_timeout
         Seconds a reply may take to be taken by its peer, plus size / 50 MB/s for a body;
         a peer that does not take it in time is disconnected (counted as ``stalled``).
@@ -433,7 +442,7 @@ class UcxServer:
         self.on_reply = on_reply
         self.root_real = os.path.realpath(settings.dir)
         self.stats = {"fetches": 0, "bytes_sent": 0, "refused": 0, "errors": 0, "busy": 0,
-                      "stalled": 0}
+                      "stalled": 0, "idle_closed": 0}
         self._peers = 0
         self._c_refused = 0  # requests the C library dropped (malformed at the UCX level)
         self._replay = ReplayGuard()  # (the serving thread alone uses it)
@@ -513,6 +522,7 @@ class UcxServer:
         self.stats["bytes_sent"] = out[0]
         self.stats["stalled"] = out[1]
         self.stats["busy"] = out[3]
+        self.stats["idle_closed"] = self.lib.isu_server_idle_closed(handle)
         self._peers = out[4]
         self._c_refused = out[2]
 
@@ -525,6 +535,7 @@ class UcxServer:
             self._ready.set()
             return
         self._handle = handle
+        self.lib.isu_server_limits(handle, int(self.request_timeout * 1000), -1)
         self.port = self.lib.isu_server_port(handle)
         self._ready.set()
         log.info("serving %s over UCX on %s:%d", self.settings.dir, ip, self.port)
