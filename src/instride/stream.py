@@ -353,6 +353,9 @@ class Stream:
         self._box: np.ndarray | None = None  # (the next frame's box vectors, local mode)
         #: waits that ended on this node's inotify that way (for tests and benchmarks)
         self.woken_here = 0
+        #: cluster mode: the stream's current run was looked up, and this node's copies of
+        #: frames of another run dropped (see :meth:`_forget_other_runs`)
+        self._run_known = False
         if self.group is not None:
             if mode == "w":
                 raise ValueError("group= is for consumers; a producer registers groups with groups=")
@@ -917,6 +920,8 @@ class Stream:
             plan = None if self._cadence is None else self._cadence.window(index)
         self._inbox_next = -1  # (read directly: what __next__ would take next is not known)
         while True:
+            if not self._run_known:
+                self._forget_other_runs()
             path = engine.frame_path(key)
             got = None if path is None else leases.open_key(key, path)  # [confine] no link
             looks += 1
@@ -1246,6 +1251,20 @@ class Stream:
         left = min(end - time.monotonic(), most - (time.monotonic() - now))
         self.windows_polled += 1
         return poll_paths(_beside(path, key, nxt) + ([marker] if marker else []), left) is not None
+
+    def _forget_other_runs(self) -> None:
+        """Cluster mode, before this reader takes a frame file of this node: drop the node's
+        copies of another run's frames (a re-run of the stream under its name numbers its
+        frames from 0 again). Looked up until a producer has started."""
+        run_of = getattr(self._share, "run", None)
+        forget = getattr(self.client.engine, "forget_other_runs", None)
+        if run_of is None or forget is None:
+            self._run_known = True
+            return
+        run = run_of()
+        if run is not None:
+            forget(self.name, run)
+            self._run_known = True
 
     def _no_gaps(self) -> bool:
         """Whether this reader can never find a frame retired before it got there: an

@@ -201,6 +201,29 @@ def test_a_copy_from_before_a_redis_restart_is_not_the_key_republished_after(
     assert run(cluster, 2, GET, "rr/k", "10").split() == ["10", "NNNNNNNN", "1"]
 
 
+RERUN = """
+    import sys, numpy as np, instride
+    base, n = int(sys.argv[1]), int(sys.argv[2])
+    with instride.Stream("rerun/s", mode="w", overwrite=True) as s:
+        for i in range(n):
+            s.append(np.full((10, 3), base + i, np.float32), step=base + i)
+"""
+READ_STEPS = """
+    import instride
+    print(" ".join(str(f.header.step) for f in instride.Stream("rerun/s", timeout=20)))
+"""
+
+
+def test_a_stream_run_again_under_its_name_is_read_anew_on_other_nodes(
+        cluster: EmulatedCluster) -> None:
+    """A stream re-run under its name (``overwrite=True``) numbers its frames from 0 again: a
+    node that holds copies of the earlier run's frames reads the new run's, never those."""
+    run(cluster, 1, RERUN, "0", "3")
+    assert run(cluster, 2, READ_STEPS).split() == ["0", "1", "2"]
+    run(cluster, 1, RERUN, "100", "5")
+    assert run(cluster, 2, READ_STEPS).split() == ["100", "101", "102", "103", "104"]
+
+
 def test_checksum_mismatch_publishes_nothing(cluster: EmulatedCluster) -> None:
     run(cluster, 1, PUT, "bad/k", "G", "0", "4096")
     owner_file = cluster.node(1).dir / "bad" / "k"

@@ -899,6 +899,35 @@ class ClusterEngine:
             self._drop_file(f"{self.root}/{key}", locked=True)
             self.forget_fetched(key)
 
+    def forget_other_runs(self, stream: str, run: str) -> int:
+        """Drop this node's fetched copies of ``stream``'s frames (and end marker) unless they
+        are of its run ``run``: a stream re-run under its name (``overwrite=True``) numbers its
+        frames from 0 again, and a copy of the earlier run's frame would be taken for the new
+        one. The run whose copies the node holds is noted in a file of the node, so this costs
+        a directory scan once per run and node. Returns the number of copies dropped."""
+        mark = self.settings.internal_dir / "runs" / f"{stream}.run"
+        try:
+            if mark.read_text() == run:
+                return 0
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        dropped = 0
+        try:
+            entries = list(os.scandir(self.cache_dir / stream))
+        except (FileNotFoundError, NotADirectoryError):
+            entries = []
+        for entry in entries:
+            name = entry.name
+            if entry.is_file() and name.endswith(".json") and not TMP_PATTERN.match(name):
+                self.drop_copy(f"{stream}/{name[: -len('.json')]}")
+                dropped += 1
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tmp_name(str(mark))
+        with open(tmp, "w") as fh:
+            fh.write(run)
+        os.replace(tmp, mark)
+        return dropped
+
     def is_copy(self, key: str) -> bool:
         """Whether this node's file of ``key`` was fetched from another node (it has a cache
         entry; an original has none)."""

@@ -483,8 +483,10 @@ class RedisStreamState:
     def start(self, policy: Policy, groups: tuple[str, ...], *, reset: bool) -> None:
         """Record the policy, zero the head, register ``groups`` (and reset cursors)."""
         pipe = self.redis.pipeline()
+        # "run": new with every producer's start (a re-run under the name: overwrite=True), so
+        # that readers of other nodes can tell their copies of an earlier run's frames
         pipe.hset(self._head, mapping={"oldest": 0, "written": 0, "policy": json.dumps(asdict(policy)),
-                                       "producer": os.getpid()})
+                                       "producer": os.getpid(), "run": uuid.uuid4().hex})
         if reset:
             for name in self.redis.hkeys(self._groups):
                 pipe.hset(self._groups, name, 0)
@@ -542,6 +544,12 @@ class RedisStreamState:
         """The producer's policy."""
         raw = self.redis.hget(self._head, "policy")
         return None if raw is None else Policy(**json.loads(raw))
+
+    def run(self) -> str | None:
+        """The current run of the stream (made new by each producer's start); ``None`` before
+        a producer started (or one of an instride that did not record it)."""
+        raw = self.metadata.command("HGET", self._head, "run")
+        return None if raw is None else raw.decode() if isinstance(raw, bytes) else str(raw)
 
     def open_group(self, name: str, start: int) -> RedisGroupCursor:
         """Take the group's lease and return its cursor.
