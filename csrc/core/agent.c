@@ -12,11 +12,10 @@
  */
 #include "ins_core.h"
 
-#include <fcntl.h>
 #include <limits.h>
 #include <math.h>
 #include <poll.h>
-#include <time.h>
+#include <sys/time.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -35,25 +34,34 @@ static int ins_agent_connect(double deadline)
         return ins_fail(ENAMETOOLONG, "node server socket path is too long: %.200s",
                         ins_cfg.socket_path);
     memcpy(sa.sun_path, ins_cfg.socket_path, plen + 1);
-    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (s < 0)
         return ins_fail(EIO, "cannot make a socket: %s", strerror(errno));
+    /* A Unix socket's connect blocks while the server's queue of connections is full, woken
+     * as soon as there is room, for at most the socket's send timeout (then EAGAIN). */
     int rc;
-    while ((rc = connect(s, (struct sockaddr *)&sa, sizeof sa)) != 0 &&
-           (errno == EAGAIN || errno == EINTR)) {
-        /* (a Unix socket whose backlog is full: no poll tells when it has room again) */
-        if (deadline >= 0 && ins_now() >= deadline) {
-            ins_sys.close(s);
-            return ins_fail(ETIMEDOUT, "the node server at %.200s did not accept a connection "
-                            "in time (stopped or overloaded?)", ins_cfg.socket_path);
+    for (;;) {
+        if (deadline >= 0) {
+            int ms = ins_remaining_ms(deadline);
+            struct timeval tv = {ms / 1000, (ms % 1000) * 1000};
+            if (ms == 0 || setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) != 0) {
+                errno = EAGAIN;
+                rc = -1;
+                break;
+            }
         }
-        struct timespec pause = {0, 2000000}; /* 2 ms */
-        nanosleep(&pause, NULL);
+        rc = connect(s, (struct sockaddr *)&sa, sizeof sa);
+        if (rc == 0 || errno != EINTR)
+            break;
     }
-    if (rc == 0) {
-        int fl = fcntl(s, F_GETFL);
-        if (fl < 0 || fcntl(s, F_SETFL, fl & ~O_NONBLOCK) != 0)
-            rc = -1;
+    if (rc != 0 && errno == EAGAIN) {
+        ins_sys.close(s);
+        return ins_fail(ETIMEDOUT, "the node server at %.200s did not accept a connection in "
+                        "time (stopped or overloaded?)", ins_cfg.socket_path);
+    }
+    if (rc == 0 && deadline >= 0) { /* (the request's own sends: no timeout) */
+        struct timeval none = {0, 0};
+        (void)setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &none, sizeof none);
     }
     if (rc != 0) {
         int e = errno;

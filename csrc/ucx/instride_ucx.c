@@ -779,6 +779,7 @@ typedef struct isu_conn {
     int sends;     /* sends in flight on it */
     int closing;   /* close once its sends are done (it sent a malformed request) */
     int requests;  /* requests it sent */
+    int pending;   /* of which queued or being answered */
     int64_t last;  /* now_ns() of its connection, or of its last request */
     struct isu_conn *next;
 } isu_conn;
@@ -786,6 +787,7 @@ typedef struct isu_conn {
 typedef struct isu_item {
     uint64_t id;
     ucp_ep_h ep;
+    struct isu_conn *conn; /* (NULL once the connection is gone) */
     char *hdr;
     size_t len;
     struct isu_item *next;
@@ -819,6 +821,7 @@ typedef struct {
     uint64_t failed_sends;
     int64_t first_ns; /* a connection's first request within this, or it is closed (< 0: no bound) */
     int64_t idle_ns;  /* a connection idle this long is closed (< 0: no bound) */
+    int64_t scan_at;  /* now_ns() of the next look for such connections */
     uint64_t idle_closed;
 } isu_server;
 
@@ -903,6 +906,8 @@ static ucs_status_t server_am_request(void *arg, const void *header, size_t head
     memcpy(it->hdr, (const char *)header + ISU_ID_BYTES, it->len);
     it->hdr[it->len] = '\0';
     it->ep = param->reply_ep;
+    it->conn = k;
+    k->pending++;
     if (s->tail != NULL)
         s->tail->next = it;
     else
@@ -994,15 +999,7 @@ ISU_API void isu_server_limits(isu_server *s, int64_t first_ms, int64_t idle_ms)
     s->idle_ns = idle_ms < 0 ? -1 : idle_ms * 1000000LL;
 }
 
-/* Whether a request of ep waits to be answered (queued, or being answered). */
-static int server_has_request(isu_server *s, ucp_ep_h ep) {
-    if (s->current != NULL && s->current->ep == ep)
-        return 1;
-    for (isu_item *it = s->head; it != NULL; it = it->next)
-        if (it->ep == ep)
-            return 1;
-    return 0;
-}
+
 
 /* Another thread interrupts isu_server_next() (and only that). */
 ISU_API void isu_server_wake(isu_server *s) {
@@ -1033,8 +1030,8 @@ static void server_housekeeping(isu_server *s) {
             now > x->deadline)
             x->conn->failed = 1; /* the peer stopped reading: drop it */
     }
-    for (isu_conn *k = s->conns; k != NULL; k = k->next) {
-        if (k->failed || k->sends > 0 || server_has_request(s, k->ep))
+    for (isu_conn *k = now >= s->scan_at ? s->conns : NULL; k != NULL; k = k->next) {
+        if (k->failed || k->sends > 0 || k->pending > 0)
             continue;
         int64_t bound = k->requests == 0 ? s->first_ns : s->idle_ns;
         if (k->closing) {
@@ -1044,6 +1041,8 @@ static void server_housekeeping(isu_server *s) {
             s->idle_closed++;
         }
     }
+    if (now >= s->scan_at)
+        s->scan_at = now + 100000000LL; /* (bounds of seconds: a look every 100 ms) */
     isu_conn **kp = &s->conns;
     while (*kp != NULL) {
         isu_conn *k = *kp;
@@ -1053,9 +1052,9 @@ static void server_housekeeping(isu_server *s) {
             /* pending requests of this endpoint are answered by nobody */
             for (isu_item *it = s->head; it != NULL; it = it->next)
                 if (it->ep == k->ep)
-                    it->ep = NULL;
+                    it->ep = NULL, it->conn = NULL;
             if (s->current != NULL && s->current->ep == k->ep)
-                s->current->ep = NULL;
+                s->current->ep = NULL, s->current->conn = NULL;
             close_ep(&s->b, k->ep, 1); /* completes its sends with an error */
             for (isu_send *x = s->sends; x != NULL; x = x->next)
                 if (x->conn == k)
@@ -1085,6 +1084,8 @@ static void server_housekeeping(isu_server *s) {
 
 static void item_free(isu_item *it) {
     if (it != NULL) {
+        if (it->conn != NULL)
+            it->conn->pending--;
         free(it->hdr);
         free(it);
     }

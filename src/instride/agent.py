@@ -23,10 +23,11 @@ ends within about a second; waits still pending at shutdown are answered ``ERR 1
 Resource bounds: waits run in a pool of ``workers`` threads, in slices of at most a second, so
 an abandoned or cancelled wait frees its thread promptly; ``PUBLISH``/``OVERWRITE`` and
 ``CONSUME`` of a key already on this node use a separate small pool that waits can never starve.
-A ``CONSUME``'s timeout runs from its arrival (one still queued when it ends: ``ERR 110``). A
-connection must send a whole line within :data:`LINE_TIMEOUT` of connecting or of its last
-answer (``ERR 110``, closed), and at most half as many connections as the process may open
-files are served at once (``ERR 24``). A request that is not UTF-8 is refused (``ERR 22``).
+A ``CONSUME``'s timeout runs from its arrival (one of a key not on the node still queued when it
+ends: ``ERR 110``). A connection must send a whole line within :data:`LINE_TIMEOUT` of
+connecting or of its last answer (``ERR 110``, closed), and at most a quarter as many
+connections as the process may open files are served at once (``ERR 24``). A request that
+is not UTF-8 is refused (``ERR 22``).
 """
 
 from __future__ import annotations
@@ -204,9 +205,10 @@ class LocalAgent:
         self._waiting = 0  # of which waits (CONSUME)
         self.stats = {"local": 0, "abandoned": 0, "errors": 0, "stalled": 0,
                       "answered_at_once": 0, "idle_closed": 0, "refused_connections": 0}
-        #: most connections served at once (half the process's descriptors: the rest is for
-        #: files, sockets to peers, Redis); one more is answered ``ERR 24`` and closed
-        self.max_connections = max(64, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2)
+        #: most connections served at once (a quarter of the process's descriptors: a waiting
+        #: CONSUME holds a second one, a duplicate its worker may answer on, and the rest is
+        #: for files, sockets to peers, Redis); one more is answered ``ERR 24`` and closed
+        self.max_connections = max(64, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -449,8 +451,10 @@ class LocalAgent:
                     except _WaitCancelled:
                         raise _ShuttingDown() from None
                     return path if rest is None else rest
-                if deadline is not None and time.monotonic() > deadline and job.cancel():
-                    # (still queued behind busy workers when its time ran out: never started)
+                if deadline is not None and time.monotonic() > deadline and not local \
+                        and job.cancel():
+                    # (still queued behind busy workers when its time ran out: never started;
+                    # a key on this node is answered once a quick thread is free, as ever)
                     raise ConsumeTimeout(key, time.monotonic() - start)
                 if not (self._closing or self._gone(reader, writer)):
                     continue

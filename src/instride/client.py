@@ -214,7 +214,8 @@ class Client:
         limit = self._timeout(timeout)
         deadline = None if limit is None else time.monotonic() + limit
         for attempt in range(_OPEN_ATTEMPTS):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            # (forever stays forever: None would be INSTRIDE_TIMEOUT again)
+            left = float("inf") if deadline is None else max(0.0, deadline - time.monotonic())
             path = self._consume_key(key, left)
             try:
                 return self._open_read(key, path, mode, buffering, encoding, errors, newline)

@@ -94,6 +94,8 @@ from .transport.base import Received
 
 FRAME_FORMAT = "frame_{:09d}.isf"
 END_NAME = "end_of_stream.json"
+#: the names of a stream's files in its directory: its frames and its end marker
+_STREAM_FILES = re.compile(r"frame_\d{9,}\.isf|" + re.escape(END_NAME))
 _FRAME_RE = re.compile(r"frame_(\d{9})\.isf$")
 
 
@@ -1262,9 +1264,11 @@ class Stream:
             self._run_known = True
             return
         run = run_of()
-        if run is not None:
-            forget(self.name, run)
-            self._run_known = True
+        if run is None:
+            return  # (no producer started yet: looked up again before the next look)
+        if run:
+            forget(self.name, *run, _STREAM_FILES)
+        self._run_known = True
 
     def _no_gaps(self) -> bool:
         """Whether this reader can never find a frame retired before it got there: an

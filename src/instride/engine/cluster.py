@@ -53,6 +53,9 @@ _MAP_ATTEMPTS = 3
 #: seconds a consumer on a key's owner node waits for the original's file its record names
 #: (it has its name before the record is stored) before taking it as deleted
 _OWN_GRACE = 1.0
+#: seconds an original must predate its stream's current run to be taken for an earlier
+#: run's (file systems that keep coarse modification times)
+_RUN_MARGIN = 2.0
 _SEEN_AGE = 5.0
 #: seconds an early fetch waits for its record to be announced (the owner records a frame
 #: right after renaming it) before looking it up
@@ -381,19 +384,24 @@ class ClusterEngine:
     def _own(self, key: str, path: Path, record: Record, deadline: float | None) -> Path:
         """The original of ``key`` on this node (``record`` names this node as its owner): its
         file, or :class:`KeyNotFoundError` when it was deleted (the record stays until the
-        key is published again) — never a wait for a file nobody will make."""
+        key is published again) — never a wait for a file nobody will make. A file has its
+        name before its record is stored: one whose record is older than :data:`_OWN_GRACE`
+        and is not there is gone (also for a caller that waits in short slices, as the node
+        server does for its thin clients)."""
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         grace = _OWN_GRACE if left is None else min(_OWN_GRACE, left)
         try:
             return store.wait_any([path], grace, label=key)
         except ConsumeTimeout:
-            if grace == left:
-                raise
+            pass
         current = self.metadata.lookup(key)
-        if current is not None and _identity(current) != _identity(record):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            return self.consume(key, left)  # (published again meanwhile)
-        raise KeyNotFoundError(key)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if current is not None and _identity(current) != _identity(record) \
+                or current is None and (left is None or left > 0):
+            return self.consume(key, left)  # (published again, or unpublished: wait for it)
+        if current is not None and time.time() - current.time >= _OWN_GRACE:
+            raise KeyNotFoundError(key)
+        raise ConsumeTimeout(key, grace)  # (a record a moment old: its file may yet come)
 
     def _take_seen(self, key: str, now: float) -> Record | None:
         """The record :meth:`wait_any` returned for ``key`` moments ago, if any (used once)."""
@@ -427,13 +435,10 @@ class ClusterEngine:
                         fd = self._receive(record, staged)
                     break
                 except (IntegrityError, KeyNotFoundError):
-                    # The owner may have re-published meanwhile (or the record came from a
-                    # moment-old notification): retry with the current record.
-                    newer = self.metadata.lookup(record.key) if attempt < 2 else None
-                    if newer is not None and _identity(newer) != _identity(record):
-                        record = newer
-                        continue
-                    raise
+                    newer = self._republished(record, attempt)
+                    if newer is None:
+                        raise
+                    record = newer
             self.transfers += 1
             self._fetched(record)
             t1 = time.monotonic()
@@ -839,14 +844,21 @@ class ClusterEngine:
             try:
                 data = self.transport.fetch_bytes(record)
             except (IntegrityError, KeyNotFoundError):
-                newer = self.metadata.lookup(record.key) if attempt < 2 else None
-                if newer is not None and _identity(newer) != _identity(record):
-                    record = newer
-                    continue
-                raise
+                newer = self._republished(record, attempt)
+                if newer is None:
+                    raise
+                record = newer
+                continue
             self.transfers += 1
             return data
         raise AssertionError("unreachable")
+
+    def _republished(self, record: Record, attempt: int) -> Record | None:
+        """The key's current record, for attempt ``attempt + 1`` of at most 3 of a transfer
+        that did not match ``record``, when it is another one: the owner re-published the key
+        meanwhile, or ``record`` came from a moment-old notification. ``None``: give up."""
+        newer = self.metadata.lookup(record.key) if attempt < 2 else None
+        return newer if newer is not None and _identity(newer) != _identity(record) else None
 
     # ------------------------------------------------------------------ engine protocol
     def ready(self, key: str) -> str | None:
@@ -899,12 +911,17 @@ class ClusterEngine:
             self._drop_file(f"{self.root}/{key}", locked=True)
             self.forget_fetched(key)
 
-    def forget_other_runs(self, stream: str, run: str) -> int:
-        """Drop this node's fetched copies of ``stream``'s frames (and end marker) unless they
-        are of its run ``run``: a stream re-run under its name (``overwrite=True``) numbers its
-        frames from 0 again, and a copy of the earlier run's frame would be taken for the new
-        one. The run whose copies the node holds is noted in a file of the node, so this costs
-        a directory scan once per run and node. Returns the number of copies dropped."""
+    def forget_other_runs(self, stream: str, run: str, since: float,
+                          files: re.Pattern[str]) -> int:
+        """Drop this node's files of ``stream`` (names matching ``files``: its frames and end
+        marker) that are of another run than ``run``, begun at ``since`` (``time.time()``): a
+        stream re-run under its name (``overwrite=True``) numbers its frames from 0 again, and
+        an earlier run's frame would be taken for the new one. Fetched copies go (a copy of
+        the new run is fetched after this, by the reader that calls it); originals of an
+        earlier run made on this node, from before ``since`` (their records went with the
+        re-run's start), are deleted. The run whose files the node holds is noted in a file
+        of the node, so this costs a directory scan once per run and node. Returns the number
+        of files dropped."""
         mark = self.settings.internal_dir / "runs" / f"{stream}.run"
         try:
             if mark.read_text() == run:
@@ -913,14 +930,23 @@ class ClusterEngine:
             pass
         dropped = 0
         try:
-            entries = list(os.scandir(self.cache_dir / stream))
+            entries = list(os.scandir(self.root / stream))
         except (FileNotFoundError, NotADirectoryError):
             entries = []
         for entry in entries:
-            name = entry.name
-            if entry.is_file() and name.endswith(".json") and not TMP_PATTERN.match(name):
-                self.drop_copy(f"{stream}/{name[: -len('.json')]}")
-                dropped += 1
+            if not files.fullmatch(entry.name):
+                continue
+            key = f"{stream}/{entry.name}"
+            try:
+                if self.is_copy(key):
+                    self.drop_copy(key)
+                elif entry.stat(follow_symlinks=False).st_mtime < since - _RUN_MARGIN:
+                    os.unlink(entry.path)
+                else:
+                    continue
+            except FileNotFoundError:
+                continue
+            dropped += 1
         mark.parent.mkdir(parents=True, exist_ok=True)
         tmp = tmp_name(str(mark))
         with open(tmp, "w") as fh:

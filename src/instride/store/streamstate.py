@@ -486,7 +486,8 @@ class RedisStreamState:
         # "run": new with every producer's start (a re-run under the name: overwrite=True), so
         # that readers of other nodes can tell their copies of an earlier run's frames
         pipe.hset(self._head, mapping={"oldest": 0, "written": 0, "policy": json.dumps(asdict(policy)),
-                                       "producer": os.getpid(), "run": uuid.uuid4().hex})
+                                       "producer": os.getpid(), "run": uuid.uuid4().hex,
+                                       "since": repr(time.time())})
         if reset:
             for name in self.redis.hkeys(self._groups):
                 pipe.hset(self._groups, name, 0)
@@ -545,11 +546,17 @@ class RedisStreamState:
         raw = self.redis.hget(self._head, "policy")
         return None if raw is None else Policy(**json.loads(raw))
 
-    def run(self) -> str | None:
-        """The current run of the stream (made new by each producer's start); ``None`` before
-        a producer started (or one of an instride that did not record it)."""
-        raw = self.metadata.command("HGET", self._head, "run")
-        return None if raw is None else raw.decode() if isinstance(raw, bytes) else str(raw)
+    def run(self) -> tuple[str, float] | str | None:
+        """The current run of the stream (made new by each producer's start) and when it
+        started (``time.time()``); ``None`` before a producer started; ``""`` for a stream
+        whose producer recorded no run (an earlier instride's)."""
+        written, run, since = self.metadata.command("HMGET", self._head, "written", "run",
+                                                    "since")
+        if written is None:
+            return None
+        if run is None or since is None:
+            return ""
+        return (run.decode() if isinstance(run, bytes) else str(run)), float(since)
 
     def open_group(self, name: str, start: int) -> RedisGroupCursor:
         """Take the group's lease and return its cursor.

@@ -79,7 +79,7 @@ from ..errors import (
 )
 from ..keys import normalize_key
 from ..native import RECEIVING
-from ..perthread import PerThread
+from ..perthread import PerThread, forks
 from ..record import Record
 from ..store.served import open_served
 from . import wire
@@ -197,6 +197,12 @@ def _msg(buf: ctypes.Array[ctypes.c_char]) -> str:
 
 
 # ---------------------------------------------------------------------- client half
+def _close_worker(lib: ctypes.CDLL, handle: int, made_after: int) -> None:
+    """Close a worker, in the process that made it (a fork's child leaves its parent's)."""
+    if forks() == made_after:
+        lib.isu_client_close(handle)
+
+
 class _Worker:
     """One UCP worker and its endpoints, used by one thread only."""
 
@@ -211,8 +217,9 @@ class _Worker:
         self.buffer: bytearray | None = None  # reused for bodies written to files
         # closed once nothing refers to it: its thread ended (the thread's locals went), and
         # the transport keeps only weak references (not at the interpreter's exit: the
-        # process's end releases it)
-        self._closer = weakref.finalize(self, lib.isu_client_close, handle)
+        # process's end releases it; never in a forked child, which forgets its parent's
+        # workers without touching their connections)
+        self._closer = weakref.finalize(self, _close_worker, lib, handle, forks())
         self._closer.atexit = False
 
     def close(self) -> None:
@@ -263,16 +270,18 @@ class UcxTransport:
         """Send a signed request; return the reply header and the size of the body to come."""
         node = f"{record.node or record.owner} ({record.owner})"
         host, port = ucx_address(record.owner)
-        header = wire.sign(self.settings.token or "", op, record.key)
-        header["version"] = record.version
-        payload = json.dumps(header, separators=(",", ":")).encode()
-        if len(payload) > wire.MAX_HEADER:
-            raise TransferError(record.key, f"request header of {len(payload)} bytes is too long")
         err = ctypes.create_string_buffer(_ERR)
         body = ctypes.c_uint64(0)
         reused = ctypes.c_int(0)
         timeout_ms = int(self.settings.connect_timeout * 1000)
         for _attempt in range(2):
+            # (signed anew for each attempt: a server spends a request's nonce when it
+            # receives it, and refuses the same one again as a replay)
+            header = wire.sign(self.settings.token or "", op, record.key)
+            header["version"] = record.version
+            payload = json.dumps(header, separators=(",", ":")).encode()
+            if len(payload) > wire.MAX_HEADER:
+                raise TransferError(record.key, f"request header of {len(payload)} bytes is too long")
             rc = self.lib.isu_client_request(w.handle, host.encode(), port, payload, len(payload),
                                              w.reply, _REPLY_CAP, ctypes.byref(body),
                                              ctypes.byref(reused), timeout_ms, err, _ERR)
