@@ -436,6 +436,57 @@ def _cache_client(node: LoopbackNode, cache_bytes: int) -> instride.Client:
     return instride.Client(Settings.from_env({**node.env, "INSTRIDE_CACHE_BYTES": str(cache_bytes)}))
 
 
+WALKER = """
+import sys, threading, instride
+n = int(sys.argv[1]); client = instride.Client(); errors = []
+def walk():
+    for i in range(n):
+        key = f"once/k{i:04d}"
+        try:
+            client.wait_any([key], timeout=30)
+            with client.open(key, timeout=30) as fh:
+                if fh.read() != bytes([i]) * 50_000:
+                    errors.append("wrong bytes for " + key)
+        except Exception as exc:
+            errors.append(repr(exc))
+threads = [threading.Thread(target=walk) for _ in range(2)]
+print("ready", flush=True)
+for t in threads: t.start()
+for t in threads: t.join()
+print(client.engine.transfers, errors)
+"""
+
+
+def test_consumers_of_one_node_walking_the_same_keys_move_each_once(
+        nodes: list[LoopbackNode]) -> None:
+    """Several consumers of one node (three processes of two threads) walking the same
+    numbered keys as they are published: each key crosses the network once — a key another
+    consumer of the node is fetching already, early or not, is not asked for again."""
+    c1 = nodes[0].client()
+    n = 30
+    walkers = [subprocess.Popen([sys.executable, "-c", WALKER, str(n)], env=nodes[1].env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for _ in range(3)]
+    try:
+        for w in walkers:
+            assert w.stdout is not None and w.stdout.readline() == "ready\n"
+        for i in range(n):
+            with c1.open(f"once/k{i:04d}", "wb") as fh:
+                fh.write(bytes([i]) * 50_000)
+            time.sleep(0.02)
+        outs = [w.communicate(timeout=120) for w in walkers]
+    finally:
+        for w in walkers:
+            if w.poll() is None:
+                w.kill()
+                w.communicate()
+        c1.close()
+    for (out, err), w in zip(outs, walkers, strict=True):
+        assert w.returncode == 0, err[-2000:]
+        assert out.split(maxsplit=1)[1].strip() == "[]", out
+    assert sum(int(out.split()[0]) for out, _ in outs) == n
+
+
 def test_an_eviction_drops_a_copy_under_its_keys_lock(nodes: list[LoopbackNode]) -> None:
     """A copy is evicted under its key's lock, the lock a fetch of the key holds: a copy being
     fetched by another process of the node is passed over, and no fetch stores a new copy

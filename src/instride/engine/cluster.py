@@ -56,6 +56,8 @@ _OWN_GRACE = 1.0
 #: seconds an original must predate its stream's current run to be taken for an earlier
 #: run's (file systems that keep coarse modification times)
 _RUN_MARGIN = 2.0
+#: what the lock of a key's early request is named after, beside the key's own
+_ASKING = "\0asking:"
 _SEEN_AGE = 5.0
 #: seconds an early fetch waits for its record to be announced (the owner records a frame
 #: right after renaming it) before looking it up
@@ -553,7 +555,14 @@ class ClusterEngine:
         owner's reply has started, before the bytes are taken off the socket. That takes the
         key's lock: while the owner's server is still sending, rather than on the frame's
         path once the bytes are all in (a woken process's first pass through any code is slow
-        on a VM: ~0.1 ms for the lock)."""
+        on a VM: ~0.1 ms for the lock).
+
+        One consumer of the node asks early for a key at a time: a lock of its own (not the
+        key's, which a consumer stopped in its wait would then hold from everyone) is taken
+        without waiting before the request; a key another consumer of this node (a thread,
+        a process) asked for already is left to the usual way, which finds the copy that one
+        stores (one transfer per key and node, but for a consumer that fetches the usual way
+        first, before the owner's reply started)."""
         path = f"{self.root}/{key}"
         staged = tmp_name(path)
         fd = -1
@@ -568,6 +577,10 @@ class ClusterEngine:
 
         self._unmap()
         try:
+            try:
+                held.enter_context(self._lock(_ASKING + key, time.monotonic()))
+            except ConsumeTimeout:
+                return None  # (asked for by another consumer of this node)
             self._parent_made(path.rpartition("/")[0])
             fd = self._staged(staged, like.size)  # (open, so locked, until it has its name)
             if like.size <= self.recv_pool.ahead_bytes:
@@ -597,6 +610,7 @@ class ClusterEngine:
             self._dirs.discard(path.rpartition("/")[0])  # (in case gc removed it)
             return None
         finally:
+            held.close()  # (the locks, if no with-block let go of them)
             if mapped is not None:
                 view.release()  # type: ignore[union-attr]
                 self._unmap(later=mapped)
