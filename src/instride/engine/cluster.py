@@ -568,17 +568,20 @@ class ClusterEngine:
         fd = -1
         mapped = view = None
         held = contextlib.ExitStack()
+        asking = contextlib.ExitStack()  # (the early request's lock, until the reply starts)
         locked: list[bool] = []
 
         def replied() -> None:
             if not locked:
                 held.enter_context(self._lock(key, time.monotonic() + wait))
                 locked.append(True)
+                asking.close()  # (the key's lock holds the others off now; let go of it
+                # while the bytes come, not on the frame's path once they are in)
 
         self._unmap()
         try:
             try:
-                held.enter_context(self._lock(_ASKING + key, time.monotonic()))
+                asking.enter_context(self._lock(_ASKING + key, time.monotonic()))
             except ConsumeTimeout:
                 return None  # (asked for by another consumer of this node)
             self._parent_made(path.rpartition("/")[0])
@@ -611,6 +614,7 @@ class ClusterEngine:
             return None
         finally:
             held.close()  # (the locks, if no with-block let go of them)
+            asking.close()
             if mapped is not None:
                 view.release()  # type: ignore[union-attr]
                 self._unmap(later=mapped)
