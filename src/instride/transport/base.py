@@ -81,7 +81,8 @@ class Transport(Protocol):
     name: str
 
     def fetch(self, record: Record, dest: Path) -> None:
-        """Write the content of ``record.key`` to the new file ``dest`` and verify it."""
+        """Write the content of ``record.key`` to the new file ``dest`` and verify it; nothing
+        is at ``dest`` before the whole verified body is (:func:`fetch_to_new_file`)."""
 
     def fetch_into(self, record: Record, fd: int) -> None:
         """Write the verified content of ``record.key`` into the open file ``fd``.
