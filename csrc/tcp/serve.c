@@ -65,8 +65,9 @@
 /* What the callback returns (a bit set). */
 #define ISS_KEEP 1 /* the connection may serve another request */
 
-/* decide(ctx, header, len, peer, reply, cap, *reply_len, *fd, *size) -> ISS_KEEP or 0 */
-typedef int (*iss_decide_fn)(void *ctx, const char *hdr, uint32_t len, const char *peer,
+/* decide(ctx, header, len, peer, spent, reply, cap, *reply_len, *fd, *size) -> ISS_KEEP or 0;
+ * spent: the engine verified the request and its nonce was fresh (now spent): not checked again */
+typedef int (*iss_decide_fn)(void *ctx, const char *hdr, uint32_t len, const char *peer, int spent,
                              char *reply, uint32_t cap, uint32_t *reply_len, int *fd,
                              int64_t *size);
 /* log(ctx, level, message): level 30 warning, 10 debug (Python's logging levels) */
@@ -587,9 +588,11 @@ out:
 static int open_key(server *s, conn *c, const request *r, int64_t *size, double *published);
 
 /* Try the fast path: returns an open regular file (its size, when it got its name) to serve,
- * -1 or -2 (delegate), or ISS_AWAIT_ABANDON (close without a reply). */
+ * -1 or -2 (delegate), or ISS_AWAIT_ABANDON (close without a reply). *spent: set once the
+ * request is verified and its nonce accepted (spent) -- before any wait for its key, so that
+ * the same bytes sent again meanwhile are refused at once, not held for the wait beside it. */
 static int fast_path(server *s, conn *c, char *hdr, size_t len, request *r, int64_t *size,
-                     double *published) {
+                     double *published, int *spent) {
     if (s->token_len == 0 || parse_plain(hdr, len, r) != 0)
         return -1;
     if (r->op_len != 5 || memcmp(r->op, "fetch", 5) != 0)
@@ -602,16 +605,12 @@ static int fast_path(server *s, conn *c, char *hdr, size_t len, request *r, int6
     double now = wall_now();
     if (fabs(now - r->ts) > ISS_MAX_SKEW)
         return -1;
-    int fd = open_key(s, c, r, size, published);
-    if (fd < 0)
-        return fd;
-    /* Last: a request delegated before this point has not spent its nonce. A replayed or
-     * too old one is delegated too, and refused there (the guard answers the same again). */
-    if (guard_check(&s->replay, r->nonce, r->nonce_len, r->ts, wall_now()) != 0) {
-        close(fd);
-        return -2;
-    }
-    return fd;
+    /* A replayed or too old one is delegated, and refused there (the guard answers the same
+     * again); a request delegated before this point has not spent its nonce. */
+    if (guard_check(&s->replay, r->nonce, r->nonce_len, r->ts, now) != 0)
+        return -1;
+    *spent = 1;
+    return open_key(s, c, r, size, published);
 }
 
 /* Open r->key, a regular file beneath the directory (waiting for it as the request asks), and
@@ -726,7 +725,8 @@ static int answer(server *s, conn *c, char *hdr, uint32_t len) {
     double published = 0.0;
     char copy[ISS_MAX_HEADER];
     memcpy(copy, hdr, len); /* parse_plain writes NULs into hdr; the callback gets the original */
-    int fd = fast_path(s, c, hdr, len, &r, &size, &published);
+    int spent = 0;
+    int fd = fast_path(s, c, hdr, len, &r, &size, &published, &spent);
     if (fd == ISS_AWAIT_ABANDON) {
         c->dead = 1;
         return 0;
@@ -767,7 +767,7 @@ static int answer(server *s, conn *c, char *hdr, uint32_t len) {
     char reply[ISS_MAX_REPLY];
     uint32_t reply_len = 0;
     int out_fd = -1;
-    int flags = s->decide(s->ctx, copy, len, c->peer, reply, sizeof reply, &reply_len, &out_fd, &size);
+    int flags = s->decide(s->ctx, copy, len, c->peer, spent, reply, sizeof reply, &reply_len, &out_fd, &size);
     if (reply_len > sizeof reply)
         reply_len = 0;
     int keep = (flags & ISS_KEEP) != 0;

@@ -195,3 +195,33 @@ def test_engine_not_built_is_a_config_error_naming_the_packages(
     (tmp_path / "libinstride_tcp.so").write_bytes(b"not an ELF file")
     with pytest.raises(ConfigError, match="cannot load libinstride_tcp.so"):
         engine.load_library()
+
+
+def test_a_waiting_fetch_spends_its_nonce_before_it_waits(running: _Running) -> None:
+    """A signed fetch that waits for its key spends its nonce as it arrives: the same bytes
+    sent again while it waits are refused at once as a replay (they neither hold a server
+    thread for the wait nor race the request they copy), and the waiting request is still
+    served once its key is published."""
+    header = wire.sign(running.token, "fetch", "k/late.bin", wait=10_000)
+    first = socket.create_connection(("127.0.0.1", running.port), timeout=20)
+    try:
+        first.sendall(wire.pack(header))
+        time.sleep(0.3)  # (the first request is waiting inside the server now)
+        start = time.monotonic()
+        reply, body = running.ask(wire.pack(header))
+        assert reply["error"] == "AuthenticationError" and "replayed" in reply["message"]
+        assert not body and time.monotonic() - start < 5.0  # (answered, not held for the wait)
+        (running.root / "k" / ".late.tmp").write_bytes(b"late")  # (published whole)
+        os.rename(running.root / "k" / ".late.tmp", running.root / "k" / "late.bin")
+        (n,) = struct.unpack(">I", recv_all(first, 4))
+        reply = json.loads(recv_all(first, n))
+        assert reply["ok"] is True and recv_all(first, reply["size"]) == b"late"
+    finally:
+        first.close()
+
+
+def test_a_waiting_fetch_that_misses_is_told_not_found(running: _Running) -> None:
+    """A fetch whose wait ends before its key is published gets "not found" (the engine hands
+    it to Python, which answers), not a refusal of the nonce the engine already spent."""
+    reply, body = running.ask(wire.pack(wire.sign(running.token, "fetch", "k/never.bin", wait=200)))
+    assert reply["ok"] is False and reply["error"] == "KeyNotFoundError" and not body

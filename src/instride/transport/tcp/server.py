@@ -26,8 +26,10 @@ nonce and timestamp) and must be within :data:`~instride.transport.wire.MAX_SKEW
 the server's clock. Each nonce is accepted once (one replay guard, in the C engine, used by
 both paths; same rules as :class:`~instride.transport.replay.ReplayGuard`: remembered for that
 window, bounded in memory), so a captured request sent again is refused with an
-``AuthenticationError`` reply. Requests and replies are not encrypted: an observer on the
-network sees the file's bytes in the original reply. The token protects against fetching keys
+``AuthenticationError`` reply. A fetch that waits for its key spends its nonce before the
+wait, so a copy sent while it waits is refused at once rather than held beside it. Requests
+and replies are not encrypted: an observer on the network sees the file's bytes in the
+original reply. The token protects against fetching keys
 without it, not against eavesdropping: run the cluster traffic on a trusted network. Hard links
 are not detected: a hard link under the managed directory to a file readable by the server's
 user is served like any other regular file.
@@ -199,7 +201,8 @@ class TcpServer:
             return "request too old for the replay window (resend it)"
         return "server out of memory for its replay guard"
 
-    def decide(self, body: bytes, peer: str) -> tuple[dict[str, Any], int | None, int, bool]:
+    def decide(self, body: bytes, peer: str,
+               spent: bool = False) -> tuple[dict[str, Any], int | None, int, bool]:
         """Answer a request the C engine did not serve on its own.
 
         Parameters
@@ -208,6 +211,10 @@ class TcpServer:
             The request's JSON header (after the length prefix).
         peer
             The peer's address, for the log.
+        spent
+            The engine verified this request and accepted its nonce already (it spends a
+            fetch's nonce before waiting for the key, then hands a miss here): not checked
+            against the replay guard again.
 
         Returns
         -------
@@ -223,7 +230,7 @@ class TcpServer:
             log.warning("malformed request from %s: %s", peer, exc)
             return _error("WireError", str(exc)), None, 0, False
         reason = wire.verify(self.settings.token, req)
-        if reason is None:  # [replay] a captured request sent again is refused
+        if reason is None and not spent:  # [replay] a captured request sent again is refused
             handle = self._handle
             if handle is None:  # (in flight while stop() lets transfers finish)
                 return _error("PeerUnavailable", "server is stopping"), None, 0, False
@@ -269,13 +276,13 @@ class TcpServer:
         reply = {"ok": True, "key": key, "size": st.st_size, "published": st.st_mtime}
         return reply, fd, st.st_size, True
 
-    def _decide_c(self, _ctx: Any, hdr: int, length: int, peer: bytes, reply: int, cap: int,
-                  reply_len: Any, fd: Any, size: Any) -> int:
+    def _decide_c(self, _ctx: Any, hdr: int, length: int, peer: bytes, spent: int, reply: int,
+                  cap: int, reply_len: Any, fd: Any, size: Any) -> int:
         """The C engine's callback: :meth:`decide`, its reply copied into the engine's buffer."""
         out_fd = None
         try:
             answer, out_fd, nbytes, keep = self.decide(ctypes.string_at(hdr, length),
-                                                       peer.decode(errors="replace"))
+                                                       peer.decode(errors="replace"), bool(spent))
             data = json.dumps(answer, separators=(",", ":")).encode()
             if len(data) > cap:  # (messages are bounded; this is a last resort)
                 data = json.dumps(_error(answer.get("error", "WireError"), "reply too long")).encode()
