@@ -430,6 +430,32 @@ def test_a_consumer_beside_a_deleted_original_is_told_it_is_gone(
     assert c1.consume("gone/k.bin", timeout=8).read_bytes() == b"y" * 10
 
 
+def test_a_cached_copys_look_at_redis_keeps_to_the_callers_timeout(
+        clients: list[instride.Client], nodes: list[LoopbackNode]) -> None:
+    """A consumer that finds a fetched copy asks Redis whether it is still current; with
+    Redis away, it says so (``MetadataUnavailable``) within the caller's timeout, not after the
+    connect timeout's retries (set to 8 s here)."""
+    from instride.config import Settings
+    from instride.errors import MetadataUnavailable
+    from tests.conftest import free_port
+
+    c1, c2, _ = clients
+    with c1.open("down/k.bin", "wb") as fh:
+        fh.write(b"d" * 5000)
+    assert c2.consume("down/k.bin", timeout=10).read_bytes() == b"d" * 5000  # (a copy on node 2)
+    away = instride.Client(Settings.from_env(
+        {**nodes[1].env, "INSTRIDE_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
+         "INSTRIDE_CONNECT_TIMEOUT": "8"}))
+    try:
+        for consume in (away.consume, away.consume_bytes):
+            start = time.monotonic()
+            with pytest.raises(MetadataUnavailable):
+                consume("down/k.bin", timeout=0.3)
+            assert time.monotonic() - start < 4
+    finally:
+        away.close()
+
+
 def _cache_client(node: LoopbackNode, cache_bytes: int) -> instride.Client:
     from instride.config import Settings
 

@@ -337,8 +337,10 @@ class ClusterEngine:
         return evicted
 
     # ------------------------------------------------------------------ consuming
-    def _current(self, key: str, path: str | Path) -> bool:
-        """Whether the local file of ``key`` may be served (original, or copy of the latest version)."""
+    def _current(self, key: str, path: str | Path, deadline: float | None = None) -> bool:
+        """Whether the local file of ``key`` may be served (original, or copy of the latest
+        version). ``deadline``: the caller's, for the look at Redis a copy needs (with Redis
+        away, :class:`MetadataUnavailable` comes by then, not after the connect timeout)."""
         if not os.path.exists(path):
             return False
         seen = self._seen.get(key)  # what wait_any returned moments ago: no second round trip
@@ -354,7 +356,7 @@ class ClusterEngine:
             self._seen.pop(key, None)  # (another thread may have taken it: _take_seen)
             rec: Record | None = seen[1]
         else:
-            rec = self.metadata.lookup(key)
+            rec = self.metadata.lookup(key, deadline)
         if rec is None or _copy_of(side, rec):
             with contextlib.suppress(FileNotFoundError):
                 os.utime(self._sidecar(key))  # LRU touch
@@ -365,10 +367,12 @@ class ClusterEngine:
         """Make ``key`` local (waiting and fetching as needed) and return its path."""
         path = key_path(key, self.root)
         timing = self.last_timing = {"wait": 0.0, "fetch": 0.0, "store": 0.0}
-        if self._current(key, path):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._current(key, path, deadline):
             return path
         start = time.monotonic()
-        deadline = None if timeout is None else start + timeout
+        if deadline is not None:
+            timeout = max(0.0, deadline - start)
         record = self._take_seen(key, start) or self.metadata.wait_any([key], timeout)
         timing["wait"] = time.monotonic() - start
         if record.owner == self.settings.addr:
@@ -396,7 +400,7 @@ class ClusterEngine:
             return store.wait_any([path], grace, label=key)
         except ConsumeTimeout:
             pass
-        current = self.metadata.lookup(key)
+        current = self.metadata.lookup(key, deadline)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if current is not None and _identity(current) != _identity(record) \
                 or current is None and (left is None or left > 0):
@@ -841,7 +845,7 @@ class ClusterEngine:
         deadline = None if timeout is None else time.monotonic() + timeout
         for attempt in range(_MAP_ATTEMPTS):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self._current(key, path):
+            if not self._current(key, path, deadline):
                 record = self._take_seen(key, time.monotonic()) or self.metadata.wait_any([key], left)
                 if record.owner != self.settings.addr:
                     return memoryview(self._fetch_bytes(record))

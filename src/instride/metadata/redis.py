@@ -469,9 +469,13 @@ class RedisMetadata:
             pipe.hgetall(_REC + key)
         return pipe.execute()
 
-    def lookup(self, key: str) -> Record | None:
-        """The record of ``key``, or ``None``; :class:`MetadataUnavailable` if Redis is down."""
-        return _record(self._call("lookup", lambda: self._hgetall([key])[0]))
+    def lookup(self, key: str, deadline: float | None = None) -> Record | None:
+        """The record of ``key``, or ``None``; :class:`MetadataUnavailable` if Redis is down.
+
+        ``deadline`` (``time.monotonic()``): when to give up retrying a connection that
+        fails (a caller's own timeout); by default the connect timeout from now.
+        """
+        return _record(self._call("lookup", lambda: self._hgetall([key])[0], deadline))
 
     def lookup_soon(self, key: str) -> Callable[[], Record | None]:
         """Ask for the record of ``key`` now; the function returned gives it (or ``None``).
