@@ -39,6 +39,7 @@ from ..metadata.base import PendingRecord
 from ..paths import ConfinedOpener
 from ..record import Record
 from ..store.recvpool import KEEP_BYTES, ReceivePool, map_to_receive
+from ..store.slots import slot_locks
 from ..store.streamstate import RedisStreamState
 from ..transport import Transport, get_transport
 from ..transport.base import Received
@@ -56,8 +57,6 @@ _OWN_GRACE = 1.0
 #: seconds an original must predate its stream's current run to be taken for an earlier
 #: run's (file systems that keep coarse modification times)
 _RUN_MARGIN = 2.0
-#: what the lock of a key's early request is named after, beside the key's own
-_ASKING = "\0asking:"
 _SEEN_AGE = 5.0
 #: seconds an early fetch waits for its record to be announced (the owner records a frame
 #: right after renaming it) before looking it up
@@ -146,6 +145,8 @@ class ClusterEngine:
             KEEP_BYTES, KEEP_BYTES if settings.cache_bytes is None else settings.cache_bytes),
             ahead=settings.cache_bytes is None, ahead_bytes=settings.ahead_bytes)
         self.lock_dir = settings.internal_dir / "locks"
+        #: who of the node asks a key's owner early (one consumer per key at a time)
+        self._asking_locks = slot_locks(settings.internal_dir / "asking.lock")
         #: early fetches received into a mapping of their file (for tests and benchmarks)
         self.mapped_receives = 0
         #: the mapping the last early fetch received into (see _unmap)
@@ -562,10 +563,11 @@ class ClusterEngine:
         on a VM: ~0.1 ms for the lock).
 
         One consumer of the node asks early for a key at a time: a lock of its own (not the
-        key's, which a consumer stopped in its wait would then hold from everyone) is taken
-        without waiting before the request; a key another consumer of this node (a thread,
-        a process) asked for already is left to the usual way, which finds the copy that one
-        stores (one transfer per key and node, but for a consumer that fetches the usual way
+        key's, which a consumer stopped in its wait would then hold from everyone; a byte of
+        one file: :mod:`instride.store.slots`) is taken without waiting before the request;
+        a key another consumer of this node (a thread, a process) asked for already is left
+        to the usual way, which finds the copy that one stores (one transfer per key and
+        node, but for a consumer that fetches the usual way
         first, before the owner's reply started)."""
         path = f"{self.root}/{key}"
         staged = tmp_name(path)
@@ -584,9 +586,7 @@ class ClusterEngine:
 
         self._unmap()
         try:
-            try:
-                asking.enter_context(self._lock(_ASKING + key, time.monotonic()))
-            except ConsumeTimeout:
+            if not asking.enter_context(self._asking_locks.held(key)):
                 return None  # (asked for by another consumer of this node)
             self._parent_made(path.rpartition("/")[0])
             fd = self._staged(staged, like.size)  # (open, so locked, until it has its name)
