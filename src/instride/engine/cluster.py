@@ -567,8 +567,8 @@ class ClusterEngine:
         one file: :mod:`instride.store.slots`) is taken without waiting before the request;
         a key another consumer of this node (a thread, a process) asked for already is left
         to the usual way, which finds the copy that one stores (one transfer per key and
-        node, but for a consumer that fetches the usual way
-        first, before the owner's reply started)."""
+        node, but for a consumer that fetches the usual way first, before the owner's reply
+        started)."""
         path = f"{self.root}/{key}"
         staged = tmp_name(path)
         fd = -1
