@@ -15,6 +15,7 @@ import fcntl
 import hashlib
 import io
 import json
+import math
 import mmap
 import os
 import re
@@ -933,7 +934,7 @@ class ClusterEngine:
             self._drop_file(f"{self.root}/{key}", locked=True)
             self.forget_fetched(key)
 
-    def forget_other_runs(self, stream: str, run: str, since: float,
+    def forget_other_runs(self, stream: str, run: str, since: float, node: str | None,
                           files: re.Pattern[str]) -> int:
         """Drop this node's files of ``stream`` (names matching ``files``: its frames and end
         marker) that are of another run than ``run``, begun at ``since`` (``time.time()``): a
@@ -951,6 +952,8 @@ class ClusterEngine:
         except (FileNotFoundError, NotADirectoryError):
             pass
         dropped = 0
+        elsewhere = node is not None and node != self.settings.addr
+        before = math.inf if elsewhere else since - _RUN_MARGIN
         try:
             entries = list(os.scandir(self.root / stream))
         except (FileNotFoundError, NotADirectoryError):
@@ -962,7 +965,7 @@ class ClusterEngine:
             try:
                 if self.is_copy(key):
                     self.drop_copy(key)
-                elif entry.stat(follow_symlinks=False).st_mtime < since - _RUN_MARGIN:
+                elif entry.stat(follow_symlinks=False).st_mtime < before:
                     os.unlink(entry.path)
                 else:
                     continue

@@ -286,6 +286,10 @@ class GroupCursor:
             self._fd = -1
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def cursors_of(fields: dict[bytes, bytes]) -> dict[str, int]:
     """The groups' cursors from the fields of the state's :attr:`StreamState.cursors_key`."""
     return {k.decode(): int(v) for k, v in fields.items()}
@@ -484,10 +488,13 @@ class RedisStreamState:
         """Record the policy, zero the head, register ``groups`` (and reset cursors)."""
         pipe = self.redis.pipeline()
         # "run": new with every producer's start (a re-run under the name: overwrite=True), so
-        # that readers of other nodes can tell their copies of an earlier run's frames
+        # that readers of other nodes can tell their copies of an earlier run's frames; "node":
+        # where it produces (a node's originals of the stream are all of earlier runs if not
+        # there)
         pipe.hset(self._head, mapping={"oldest": 0, "written": 0, "policy": json.dumps(asdict(policy)),
                                        "producer": os.getpid(), "run": uuid.uuid4().hex,
-                                       "since": repr(time.time())})
+                                       "since": repr(time.time()),
+                                       "node": self.metadata.settings.addr or ""})
         if reset:
             for name in self.redis.hkeys(self._groups):
                 pipe.hset(self._groups, name, 0)
@@ -546,17 +553,18 @@ class RedisStreamState:
         raw = self.redis.hget(self._head, "policy")
         return None if raw is None else Policy(**json.loads(raw))
 
-    def run(self) -> tuple[str, float] | str | None:
-        """The current run of the stream (made new by each producer's start) and when it
-        started (``time.time()``); ``None`` before a producer started; ``""`` for a stream
-        whose producer recorded no run (an earlier instride's)."""
-        written, run, since = self.metadata.command("HMGET", self._head, "written", "run",
-                                                    "since")
+    def run(self) -> tuple[str, float, str | None] | str | None:
+        """The current run of the stream (made new by each producer's start), when it
+        started (``time.time()``) and the address of the node that produces it (``None``:
+        not recorded, by an earlier instride); ``None`` before a producer started; ``""``
+        for a stream whose producer recorded no run (an earlier instride's)."""
+        written, run, since, node = self.metadata.command("HMGET", self._head, "written", "run",
+                                                          "since", "node")
         if written is None:
             return None
         if run is None or since is None:
             return ""
-        return (run.decode() if isinstance(run, bytes) else str(run)), float(since)
+        return (_text(run), float(since), None if node is None else _text(node))
 
     def open_group(self, name: str, start: int) -> RedisGroupCursor:
         """Take the group's lease and return its cursor.
