@@ -497,10 +497,14 @@ class Client:
             The key; no error when it is not published.
         """
         key = self.key(key)
+        self._unlink(key)
+        self.metadata.delete(key)
+
+    def _unlink(self, key: str) -> None:
+        """Remove the file of ``key`` (normalized) on this node, if any; its record stays."""
         confined_path(self.root, key, for_write=True)  # [confine] never unlink through a link
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.root / key)
-        self.metadata.delete(key)
 
     def gc(self, min_age: float = 0.0) -> list[Path]:
         """Remove temporary files of dead producers, and the files kept for reuse by fetches

@@ -574,13 +574,18 @@ class Stream:
                                      sent)
 
     def _start_producing(self) -> None:
+        earlier: list[str] = []
         if self.overwrite:
             # A re-run under the same name: its consumers must see neither the old run's end
-            # marker nor its frames past the new run's length.
-            for key in self.client.list(f"{self.name}/"):
-                if key.rpartition("/")[0] == self.name:
-                    self.client.delete(key)
-        self._share.start(self.policy, self.register_groups, reset=self.overwrite)
+            # marker nor its frames past the new run's length. This node's files go first;
+            # their records go in the same step as the new run's start, so that a reader
+            # sees either the earlier run's records whole or the new run without them.
+            earlier = [key for key in self.client.list(f"{self.name}/")
+                       if key.rpartition("/")[0] == self.name]
+            for key in earlier:
+                self.client._unlink(key)
+        self._share.start(self.policy, self.register_groups, reset=self.overwrite,
+                          forget=earlier)
         pool_dir = state_dir(self.client.root, self.name) / "pool"
         frame_dir = self.client.root / self.name
         frame_dir.mkdir(parents=True, exist_ok=True)

@@ -1077,6 +1077,49 @@ def test_a_bounded_stream_keeps_redis_bounded_too(clients: list[instride.Client]
     assert len(known) >= 60 and known == sorted(known) and len(set(known)) == len(known)
 
 
+def test_a_re_run_switches_its_run_and_the_earlier_runs_records_in_one_step(
+        clients: list[instride.Client]) -> None:
+    """A stream re-run under its name (``overwrite=True``) forgets the earlier run's records in
+    the same transaction as it records its own start: a reader that looks at Redis at any
+    moment sees the earlier run with all its records, or the new run with none of them. (The
+    records once went one round trip each before the new run was recorded: a reader that
+    started meanwhile took the earlier run for the current one, from its node's copies.)"""
+    c1, _, _ = clients
+    redis_client = c1.engine.metadata.redis
+    name = "switch/run"
+    with instride.Stream(name, mode="w", client=c1) as producer:
+        for i in range(300):
+            producer.append(np.full((10, 3), i, np.float32), step=i)
+        head, first, last = (f"instride:stream:{name}:head", f"instride:rec:{producer.frame_key(0)}",
+                             f"instride:rec:{producer.frame_key(299)}")
+    earlier = redis_client.hget(head, "run")
+    seen: set[tuple[bool, int]] = set()
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            pipe = redis_client.pipeline(transaction=True)
+            pipe.hget(head, "run")
+            pipe.exists(first, last)
+            run, present = pipe.execute()
+            seen.add((run == earlier, present))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        time.sleep(0.05)
+        with instride.Stream(name, mode="w", overwrite=True, client=c1) as producer:
+            for i in range(2):
+                producer.append(np.full((10, 3), 1000 + i, np.float32), step=1000 + i)
+        time.sleep(0.05)
+    finally:
+        stop.set()
+        watcher.join(10)
+    # (earlier run, both records) before; (new run, neither, then its frame 0's) after
+    assert (True, 2) in seen and (False, 0) in seen
+    assert seen <= {(True, 2), (False, 0), (False, 1)}, seen
+
+
 def test_a_failed_look_at_the_groups_never_withdraws_a_published_frame(
         clients: list[instride.Client]) -> None:
     """Redis fails as the producer looks at the groups' cursors. Right after a publication

@@ -30,6 +30,7 @@ import struct
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -298,8 +299,10 @@ def cursors_of(fields: dict[bytes, bytes]) -> dict[str, int]:
 class StreamState(Protocol):
     """What a stream needs to share between its producer and its readers."""
 
-    def start(self, policy: Policy, groups: tuple[str, ...], *, reset: bool) -> None:
-        """Producer: record the policy, zero the head, register groups."""
+    def start(self, policy: Policy, groups: tuple[str, ...], *, reset: bool,
+              forget: Sequence[str] = ()) -> None:
+        """Producer: record the policy, zero the head, register groups; forget the records
+        of the keys ``forget`` (an earlier run's) in the same step."""
 
     def set_head(self, oldest: int, written: int) -> None:
         """Producer: the oldest frame retained and the frames written."""
@@ -363,8 +366,10 @@ class LocalStreamState:
         self._notify: Any = None
 
     # producer
-    def start(self, policy: Policy, groups: tuple[str, ...], *, reset: bool) -> None:
-        """Record the policy, zero the head, register ``groups`` (and reset cursors)."""
+    def start(self, policy: Policy, groups: tuple[str, ...], *, reset: bool,
+              forget: Sequence[str] = ()) -> None:
+        """Record the policy, zero the head, register ``groups`` (and reset cursors).
+        ``forget``: nothing to do (a key's file is its record; the producer removed them)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         self._head = Head(self.dir / "head", writable=True)
         self._head.oldest = 0
@@ -484,9 +489,15 @@ class RedisStreamState:
         self._groups = self.cursors_key = f"instride:stream:{stream}:groups"
 
     # producer
-    def start(self, policy: Policy, groups: tuple[str, ...], *, reset: bool) -> None:
-        """Record the policy, zero the head, register ``groups`` (and reset cursors)."""
-        pipe = self.redis.pipeline()
+    def start(self, policy: Policy, groups: tuple[str, ...], *, reset: bool,
+              forget: Sequence[str] = ()) -> None:
+        """Record the policy, zero the head, register ``groups`` (and reset cursors), and
+        forget the records of ``forget`` (an earlier run's keys), in one transaction: a reader
+        sees the earlier run with its records or the new run without them, never between."""
+        pipe = self.redis.pipeline(transaction=True)
+        for key in forget:
+            for command in self.metadata.forget_commands(key):
+                pipe.execute_command(*command)
         # "run": new with every producer's start (a re-run under the name: overwrite=True), so
         # that readers of other nodes can tell their copies of an earlier run's frames; "node":
         # where it produces (a node's originals of the stream are all of earlier runs if not
