@@ -591,21 +591,18 @@ class RedisMetadata:
             ps = self._pubsub()
             try:
                 ps.subscribe(*channels)
+                nonce = secrets.token_hex(8).encode()
+                ps.ping(nonce)
                 try:
                     # The subscription must be in force before the existence check: SUBSCRIBE
                     # travels on its own connection, and Redis may serve the check (sent on
-                    # another connection) first. Wait for Redis's confirmation of every channel.
-                    unconfirmed = set(wanted)
-                    while unconfirmed:
+                    # another connection) first. The PING's reply, with this wait's nonce,
+                    # comes once it is; what comes before it is an earlier wait's (its
+                    # confirmations, messages published before its UNSUBSCRIBE): skipped.
+                    while True:
                         msg = ps.get_message(timeout=remaining())
-                        if msg is None:
-                            continue
-                        if msg["type"] == "subscribe":
-                            unconfirmed.discard(msg["channel"])
-                        elif msg["type"] == "message" and msg["channel"] in wanted:
-                            rec = _from_message(msg["data"]) or self._lookup_many(keys)
-                            if rec is not None:
-                                return rec
+                        if msg is not None and msg["type"] == "pong" and msg["data"] == nonce:
+                            break
                     rec = self._lookup_many(keys)
                     if rec is not None:
                         return rec
@@ -865,28 +862,34 @@ class RedisMetadata:
                    remaining: Any, start: float, deadline: float | None) -> Record:
         """:meth:`wait_any`'s subscription on this thread's lean subscriber connection.
 
-        The same protocol as the redis-py path: subscribe, wait for Redis to confirm every
-        channel, check, then wait for a message; leftovers of earlier waits (unsubscribe
-        confirmations, messages of other channels) are skipped.
+        The same protocol as the redis-py path: subscribe, wait for Redis to say that the
+        subscription is in force (the reply of a PING sent after it), check, then wait for a
+        message; leftovers of earlier waits (confirmations, messages of other channels or
+        from before) are skipped.
         """
         spin = self.settings.spin  # busy-poll the subscription before sleeping on it
         while True:
             sub = self._subscriber()
             try:
-                sub.send([("SUBSCRIBE", *channels)])
+                # A PING after the SUBSCRIBE: its reply (with a nonce of this wait's own)
+                # comes once the subscription is in force, after everything an earlier wait
+                # left on the connection (confirmations it did not stay for, messages
+                # published before its UNSUBSCRIBE): all that is skipped, then the check.
+                nonce = secrets.token_hex(8).encode()
+                sub.send([("SUBSCRIBE", *channels), ("PING", nonce)])
                 try:
-                    unconfirmed = set(wanted)
+                    in_force = False
                     while True:
                         msg = sub.read(remaining(), spin)
-                        if not isinstance(msg, list) or len(msg) < 3:
+                        if not isinstance(msg, list) or len(msg) < 2:
                             continue
-                        if msg[0] == b"subscribe" and unconfirmed:
-                            unconfirmed.discard(msg[1])
-                            if not unconfirmed:  # the subscription is in force: check now
+                        if not in_force:
+                            if msg[0] == b"pong" and msg[1] == nonce:
+                                in_force = True  # the subscription is in force: check now
                                 rec = self._lookup_many(keys)
                                 if rec is not None:
                                     return rec
-                        elif msg[0] == b"message" and msg[1] in wanted:
+                        elif len(msg) >= 3 and msg[0] == b"message" and msg[1] in wanted:
                             rec = _from_message(msg[2]) or self._lookup_many(keys)
                             if rec is not None:
                                 return rec

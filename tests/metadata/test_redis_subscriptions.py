@@ -1,0 +1,185 @@
+"""A wait's subscription, over a thread's kept subscriber connection: what an earlier wait left
+on that connection (a confirmation it did not stay for, a message published before its
+UNSUBSCRIBE) is never taken for the current wait's."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from instride.config import Settings
+from instride.errors import ConsumeTimeout
+from instride.metadata.base import Record
+from instride.metadata.redis import RedisMetadata
+from tests.conftest import RedisServer, _redis_binary
+
+
+class _Delayer:
+    """A TCP relay in front of Redis that holds each client write containing ``marker`` for
+    ``delay`` seconds (writes keep their order): a slow network for subscriptions only."""
+
+    def __init__(self, upstream: tuple[str, int], delay: float, marker: bytes) -> None:
+        self.upstream, self.delay, self.marker = upstream, delay, marker
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            self.socks += [client, server]
+            held: queue.Queue[tuple[float, bytes]] = queue.Queue()
+            threading.Thread(target=self._read, args=(client, held), daemon=True).start()
+            threading.Thread(target=self._write, args=(held, server), daemon=True).start()
+            threading.Thread(target=self._down, args=(server, client), daemon=True).start()
+
+    def _read(self, src: socket.socket, held: queue.Queue[tuple[float, bytes]]) -> None:
+        data = b"x"
+        while data:
+            try:
+                data = src.recv(1 << 16)
+            except OSError:
+                data = b""
+            held.put((time.monotonic() + (self.delay if self.marker in data else 0.0), data))
+
+    @staticmethod
+    def _write(held: queue.Queue[tuple[float, bytes]], dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                due, data = held.get()
+                time.sleep(max(0.0, due - time.monotonic()))
+                if not data:
+                    dst.shutdown(socket.SHUT_WR)
+                    return
+                dst.sendall(data)
+
+    @staticmethod
+    def _down(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.listener.close()
+        for s in self.socks:
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+def _record(key: str) -> Record:
+    return Record(key, "127.0.0.1:1", 1, "xxh3:0", 0, time.time(), "n1")
+
+
+def test_a_wait_after_one_that_left_before_its_confirmation_hears_the_publication(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    """A wait that timed out before Redis confirmed its SUBSCRIBE leaves that confirmation on
+    the thread's subscriber connection. The next wait must not take it for its own (it would
+    check before its own subscription is in force, and miss a publication in between: it
+    waited out its timeout)."""
+    relay = _Delayer((redis_server.host, redis_server.port), 0.3, b"SUBSCRIBE")
+    direct = RedisMetadata(Settings(dir=tmp_path, redis_url=redis_server.url, connect_timeout=2))
+    waiter = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
+                                    connect_timeout=2))
+    try:
+        got: list[Record | Exception] = []
+        second = threading.Event()
+
+        def wait() -> None:  # (both waits in one thread: one subscriber connection)
+            with contextlib.suppress(ConsumeTimeout):
+                waiter.wait_any(["stale-confirm"], 0.2)  # (gone before its confirmation came)
+            time.sleep(0.6)  # (the confirmation is on the connection now, unread)
+            second.set()
+            try:
+                got.append(waiter.wait_any(["stale-confirm"], 5.0))
+            except ConsumeTimeout as exc:
+                got.append(exc)
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        assert second.wait(20)
+        time.sleep(0.1)
+        stored = direct.publish(_record("stale-confirm"))  # (while the wait subscribes)
+        thread.join(20)
+        assert len(got) == 1 and isinstance(got[0], Record) and got[0].version == stored.version
+    finally:
+        waiter.close()
+        direct.close()
+        relay.close()
+
+
+@pytest.fixture
+def unix_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A redis-server on a Unix socket only (a ``unix://`` URL: the waits go through redis-py)."""
+    where = tmp_path_factory.mktemp("redis-unix")
+    path = where / "redis.sock"
+    proc = subprocess.Popen([_redis_binary(), "--port", "0", "--unixsocket", str(path), "--save", "",
+                             "--appendonly", "no", "--loglevel", "warning"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not path.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.02)
+        yield f"unix://{path}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(where, ignore_errors=True)
+
+
+@pytest.mark.parametrize("way", ["lean", "redis-py"])
+def test_a_message_an_earlier_wait_left_unread_is_not_taken_for_a_publication(
+        way: str, redis_server: RedisServer, unix_redis: str, tmp_path: Path) -> None:
+    """A wait returns at the first of two publications in quick succession; the second one's
+    message stays on the subscriber connection (it came before the UNSUBSCRIBE took effect).
+    The key is then deleted: the next wait for it must time out, not return that message's
+    record of a key that is gone."""
+    url = redis_server.url if way == "lean" else unix_redis
+    wrong = 0
+    for _ in range(5):
+        publisher = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=2))
+        waiter = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=2))
+        try:
+            publisher.delete("stale-message")
+
+            def publish_twice(publisher: RedisMetadata = publisher) -> None:
+                time.sleep(0.1)  # (the waiter subscribed)
+                first, second = (publisher.publish_soon(_record("stale-message")),
+                                 publisher.publish_soon(_record("stale-message")))
+                first()
+                second()
+                publisher.delete("stale-message")
+
+            thread = threading.Thread(target=publish_twice)
+            thread.start()
+            waiter.wait_any(["stale-message"], 5.0)
+            thread.join(20)
+            assert publisher.lookup("stale-message") is None
+            try:
+                waiter.wait_any(["stale-message"], 0.3)
+                wrong += 1
+            except ConsumeTimeout:
+                pass
+        finally:
+            waiter.close()
+            publisher.close()
+    assert wrong == 0
