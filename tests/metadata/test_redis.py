@@ -367,6 +367,31 @@ def test_password_and_database_of_the_url_are_used(tmp_path) -> None:  # type: i
         server.stop()
 
 
+def test_a_first_request_sent_soon_on_a_connection_that_selects_a_database_is_not_held(
+        tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A thread's first ``publish_soon`` or ``lookup_soon`` (its lean connection made then)
+    with a URL that names a database: the connection's SELECT is answered first, and the
+    request is not held until the socket's timeout (5 s) for a reply to a command it sent
+    after the SELECT."""
+    server = RedisServer().start()
+    try:
+        url = f"redis://{server.host}:{server.port}/2"
+        for ask in ("publish_soon", "lookup_soon"):
+            meta = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=1.0))
+            try:
+                start = time.monotonic()
+                if ask == "publish_soon":
+                    got = meta.publish_soon(Record("db/a", "h:1", 3, "xxh3:00", 1, 1.0, "n"))()
+                    assert got.version >= 1
+                else:
+                    assert meta.lookup_soon("db/a")() is not None
+                assert time.monotonic() - start < 2.5, ask
+            finally:
+                meta.close()
+    finally:
+        server.stop()
+
+
 def test_a_consumer_waits_frame_after_frame_of_one_directory(backend: RedisMetadata, put: Put) -> None:
     # The per-directory subscription stays in force between waits: records published
     # while nobody waits are heard and found, records published during a wait wake it.

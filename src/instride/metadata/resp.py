@@ -78,8 +78,9 @@ class RespConnection:
                          else ("AUTH", self.password))
         if self.db:
             setup.append(("SELECT", self.db))
-        if setup:
-            for reply in self.call(setup):
+        if setup:  # (answered before the replies owed to call_soon: theirs are not sent yet)
+            self.send(setup, settle=False)
+            for reply in self._replies(len(setup)):
                 if isinstance(reply, Exception):
                     self.close()
                     raise redis.AuthenticationError(str(reply))
