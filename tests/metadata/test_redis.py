@@ -130,12 +130,13 @@ def test_commands_run_with_a_publication_only_once_it_is_stored(backend: RedisMe
 
 
 class _ReplyDropper:
-    """A TCP relay in front of Redis that, once armed, forwards the next ``EVALSHA`` and
-    then closes the connection instead of passing its reply on: Redis has run the script,
-    the client never hears so (a network failure at the worst moment)."""
+    """A TCP relay in front of Redis that, once armed, forwards the next ``EVALSHA`` (or the
+    next write that holds ``marker``) and then closes the connection instead of passing its
+    reply on: Redis has run the command, the client never hears so (a network failure at the
+    worst moment)."""
 
-    def __init__(self, upstream: tuple[str, int]) -> None:
-        self.upstream = upstream
+    def __init__(self, upstream: tuple[str, int], marker: bytes = b"EVALSHA") -> None:
+        self.upstream, self.marker = upstream, marker
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.armed = False
@@ -158,7 +159,7 @@ class _ReplyDropper:
     def _up(self, src: socket.socket, dst: socket.socket, doomed: threading.Event) -> None:
         with contextlib.suppress(OSError):
             while data := src.recv(1 << 16):
-                if self.armed and b"EVALSHA" in data:
+                if self.armed and self.marker in data:
                     self.armed = False
                     doomed.set()  # (before the request goes: its reply is the one dropped)
                 dst.sendall(data)

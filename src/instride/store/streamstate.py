@@ -612,8 +612,9 @@ class RedisGroupCursor:
         self._lock = f"instride:stream:{state.stream}:group:{name}:lease"
         self._token = f"{os.getpid()}-{uuid.uuid4().hex}"
         r = state.redis
-        if not r.set(self._lock, self._token, nx=True, px=int(state.lease_s * 1000)):
-            raise GroupBusy(state.stream, name)
+        if not r.set(self._lock, self._token, nx=True, px=int(state.lease_s * 1000)) \
+                and r.get(self._lock) != self._token.encode():  # (ours: a SET sent again
+            raise GroupBusy(state.stream, name)  # after its answer was lost)
         self._renewed = time.monotonic()  # (the lease is good until lease_s after this)
         self._lost = False
         self._script = r.register_script(_RENEW)
