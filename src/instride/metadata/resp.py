@@ -23,6 +23,12 @@ import redis
 
 from ..busypoll import arrived, recv_polling
 
+#: error replies of a server that cannot answer for now (loading its data back after a
+#: restart, busy with a script, a replica without its master, a cluster slot moving): raised
+#: as :class:`redis.BusyLoadingError` (a :class:`redis.ConnectionError`, as redis-py raises
+#: the first), which callers retry like a lost connection, never returned as an answer
+UNAVAILABLE = ("LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN")
+
 # A socket with a timeout is non-blocking underneath (Python keeps it so in timeout mode), yet
 # polls before every send and recv: what can go at once goes through its descriptor directly
 # (and what has come, :func:`~instride.busypoll.arrived`) — a poll() less per command and per
@@ -177,6 +183,8 @@ class RespConnection:
                         raise ConnectionError("Redis closed the connection")
                     self.reader.feed(chunk)
                     continue
+                if isinstance(reply, Exception) and str(reply).startswith(UNAVAILABLE):
+                    raise redis.BusyLoadingError(str(reply))  # (the connection is closed)
                 if self.deferred:  # replies come in order: the deferred commands' first
                     self.deferred -= 1
                     if isinstance(reply, Exception) and failed is None:

@@ -1,0 +1,96 @@
+"""A Redis restarted with persistence answers ``LOADING`` while it reads its data back: the
+metadata layer waits that out like a lost connection (within its connect timeout), on the
+lean connection as on redis-py's, and a publication sent soon before is stored once."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from instride.config import Settings
+from instride.metadata.base import Record
+from instride.metadata.redis import RedisMetadata
+from tests.conftest import _redis_binary, free_port
+
+
+class _SavedRedis:
+    """A redis-server that saves its data in ``where`` and loads it again when restarted,
+    slowly (``--key-load-delay``): its ``LOADING`` phase lasts about a second or two."""
+
+    def __init__(self, where: Path) -> None:
+        self.where, self.port = where, free_port()
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, *extra: str) -> None:
+        self.proc = subprocess.Popen(
+            [_redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir",
+             str(self.where), "--save", "", "--appendonly", "no", "--protected-mode", "no",
+             "--loglevel", "warning", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+@pytest.fixture
+def saved_redis(tmp_path: Path) -> Iterator[_SavedRedis]:
+    server = _SavedRedis(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _record(key: str) -> Record:
+    return Record(key, "127.0.0.1:1", 1, "xxh3:0", 0, time.time(), "n1")
+
+
+def test_requests_while_redis_loads_its_data_wait_until_it_is_ready(
+        saved_redis: _SavedRedis, tmp_path: Path) -> None:
+    direct = redis.Redis(port=saved_redis.port)
+    with direct.pipeline(transaction=False) as pipe:
+        for i in range(4000):
+            pipe.set(f"filler:{i}", "x")
+        pipe.execute()
+    meta = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{saved_redis.port}/0",
+                                  connect_timeout=10))
+    try:
+        old = meta.publish(_record("load/old"))
+        direct.save()
+        direct.close()
+        saved_redis.stop()
+        saved_redis.start("--key-load-delay", "400", "--loading-process-events-interval-bytes",
+                          "1024")  # (4,000 keys at 0.4 ms: ~1.6 s of LOADING)
+        probe = redis.Redis(port=saved_redis.port, retry=None)
+        with pytest.raises(redis.BusyLoadingError):  # (it is loading: what is tested is met)
+            probe.get("filler:0")
+        probe.close()
+        assert meta.lookup("load/old") == old
+        soon = meta.publish_soon(_record("load/soon"))
+        assert meta.publish(_record("load/new")).version > old.version
+        assert meta.wait_any(["load/old"], 10) == old
+        stored = soon()
+        assert meta.lookup("load/soon") == stored and stored.version > old.version
+    finally:
+        meta.close()
