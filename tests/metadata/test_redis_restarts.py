@@ -94,3 +94,28 @@ def test_requests_while_redis_loads_its_data_wait_until_it_is_ready(
         assert meta.lookup("load/soon") == stored and stored.version > old.version
     finally:
         meta.close()
+
+
+def test_values_set_without_waiting_survive_a_connection_redis_closed(
+        saved_redis: _SavedRedis, tmp_path: Path) -> None:
+    """``set_later`` (a group's cursor, a stream's head) sends an ``HSET`` and reads its reply
+    later. On a connection Redis has closed (an idle ``timeout``, ``CLIENT KILL``, a restart)
+    the write succeeds locally and the reply never comes: the command is sent again on the
+    next connection, and ``flush`` returns once it has run (it was lost)."""
+    meta = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{saved_redis.port}/0",
+                                  connect_timeout=5))
+    direct = redis.Redis(port=saved_redis.port)
+    try:
+        meta.set_later("later:groups", {"g": 1})
+        meta.flush()
+        direct.client_kill_filter(_type="normal", skipme=True)  # (as Redis's idle timeout)
+        time.sleep(0.1)
+        meta.set_later("later:groups", {"g": 2})
+        meta.flush()
+        assert direct.hgetall("later:groups") == {b"g": b"2"}
+        meta.set_later("later:groups", {"g": 3})
+        direct.client_kill_filter(_type="normal", skipme=True)  # (before its reply was read)
+        assert meta.hgetall("later:groups") == {b"g": b"3"}
+    finally:
+        direct.close()
+        meta.close()

@@ -66,7 +66,9 @@ class RespConnection:
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.sock: socket.socket | None = None
         self.reader: Any = None
-        self.deferred = 0  # replies of :meth:`defer`'d commands not read yet
+        # :meth:`defer`'d commands whose replies are not read yet (packed): sent again first
+        # on the next connection if this one fails before them
+        self._unanswered: deque[bytes] = deque()
         # the replies :meth:`call_soon` functions will read (their count, where they go), in
         # the order they were sent
         self._soon: deque[tuple[int, list[list[Any]]]] = deque()
@@ -86,11 +88,18 @@ class RespConnection:
             setup.append(("SELECT", self.db))
         if setup:  # (answered before the replies owed to call_soon: theirs are not sent yet)
             self.send(setup, settle=False)
-            for reply in self._replies(len(setup)):
+            for reply in self._replies(len(setup), deferred=False):
                 if isinstance(reply, Exception):
                     self.close()
                     raise redis.AuthenticationError(str(reply))
+        if self._unanswered:  # (deferred on a connection that failed before their replies:
+            self._send_packed(b"".join(self._unanswered))  # again, in order; HSETs of values)
         return sock
+
+    @property
+    def deferred(self) -> int:
+        """The number of :meth:`defer`'d commands whose replies are not read yet."""
+        return len(self._unanswered)
 
     def call(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Send ``commands`` in one write and return their replies, in order.
@@ -168,7 +177,7 @@ class RespConnection:
         while self._soon:
             self._settle_one()
 
-    def _replies(self, n: int) -> list[Any]:
+    def _replies(self, n: int, *, deferred: bool = True) -> list[Any]:
         sock = self.sock
         try:
             if sock is None:
@@ -185,8 +194,8 @@ class RespConnection:
                     continue
                 if isinstance(reply, Exception) and str(reply).startswith(UNAVAILABLE):
                     raise redis.BusyLoadingError(str(reply))  # (the connection is closed)
-                if self.deferred:  # replies come in order: the deferred commands' first
-                    self.deferred -= 1
+                if deferred and self._unanswered:  # replies come in order: the deferred
+                    self._unanswered.popleft()  # commands' first
                     if isinstance(reply, Exception) and failed is None:
                         failed = reply
                     continue
@@ -203,19 +212,26 @@ class RespConnection:
 
         For updates nobody waits on (a stream's head counters): the round trip overlaps the
         caller's next work. An error reply surfaces as :class:`redis.ResponseError` from that
-        next call; if the connection breaks first, the commands may or may not have run.
+        next call. If the connection breaks before their replies are read (Redis restarted,
+        or closed an idle connection), they may or may not have run: they are sent again
+        first on the next connection, so they must be commands that may run twice (an
+        ``HSET`` of values, not of increments).
         """
-        self.send(commands)
-        self.deferred += len(commands)
+        packed = [hiredis.pack_command(tuple(c)) for c in commands]
+        self._settle()  # (replies still owed to a call_soon come first)
+        self._send_packed(b"".join(packed))
+        self._unanswered.extend(packed)
 
     def send(self, commands: Sequence[tuple[Any, ...]], *, settle: bool = True) -> None:
         """Send ``commands`` in one write without reading replies (subscriptions).
         ``settle=False``: the replies owed to :meth:`call_soon` functions are left unread."""
         if settle:
             self._settle()  # (replies still owed to a call_soon come first)
+        self._send_packed(b"".join(hiredis.pack_command(tuple(c)) for c in commands))
+
+    def _send_packed(self, data: bytes) -> None:
         sock = self.sock or self._connect()
         try:
-            data = b"".join(hiredis.pack_command(tuple(c)) for c in commands)
             sent = _written(sock, data)
             if sent < len(data):
                 sock.sendall(memoryview(data)[sent:])
@@ -290,7 +306,7 @@ class RespConnection:
     def close(self) -> None:
         """Close the socket (a later :meth:`call` reconnects)."""
         sock, self.sock = self.sock, None
-        self.deferred = 0  # (their replies go with the socket)
+        # (the deferred commands not answered stay: sent again on the next connection)
         self._soon.clear()  # (a call_soon function then finds its box empty)
         self.patterns.clear()  # (and so do subscriptions)
         if sock is not None:
