@@ -183,3 +183,35 @@ def test_a_message_an_earlier_wait_left_unread_is_not_taken_for_a_publication(
             waiter.close()
             publisher.close()
     assert wrong == 0
+
+
+def test_a_forked_child_does_not_keep_its_parents_subscriptions(redis_server: RedisServer,
+                                                                tmp_path: Path) -> None:
+    """A process forks (a ``multiprocessing`` worker) while its thread keeps a subscription
+    (a directory watched between waits), then closes its backend: Redis drops the connection
+    and its subscription, though the child lives on (it held a copy of the descriptor)."""
+    import multiprocessing
+
+    import redis
+
+    meta = RedisMetadata(Settings(dir=tmp_path, redis_url=redis_server.url, connect_timeout=2))
+    admin = redis.Redis(host=redis_server.host, port=redis_server.port)
+    ctx = multiprocessing.get_context("fork")
+    child = None
+    try:
+        assert meta.watch("forked/", 5.0) and meta.watching("forked/")
+        assert [c for c in admin.client_list() if int(c["psub"]) > 0]
+        child = ctx.Process(target=time.sleep, args=(30,))
+        child.start()
+        meta.close()
+        deadline = time.monotonic() + 5
+        while [c for c in admin.client_list() if int(c["psub"]) > 0] \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [c for c in admin.client_list() if int(c["psub"]) > 0] == []
+    finally:
+        if child is not None:
+            child.kill()
+            child.join(10)
+        admin.close()
+        meta.close()

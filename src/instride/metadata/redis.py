@@ -250,6 +250,27 @@ class _SoonRecord(PendingRecord):
         return stored
 
 
+#: every backend of this process (a forked child closes its copies of their subscribers)
+_backends: weakref.WeakSet[RedisMetadata] = weakref.WeakSet()
+
+
+def _close_inherited_subscribers() -> None:
+    """In a child made by ``fork``: close this process's descriptors of the parent's redis-py
+    subscriber connections (redis-py's ``disconnect`` only closes them in a process other
+    than the one that connected: the parent's stay up). A descriptor kept open would hold
+    their subscriptions in Redis for as long as the child lives. (The lean connections:
+    :mod:`.resp`.)"""
+    for backend in list(_backends):
+        for ps in list(backend._pubsubs):
+            with contextlib.suppress(Exception):
+                if ps.connection is not None:
+                    ps.connection.disconnect()
+        backend._pubsubs.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_subscribers)
+
+
 class RedisMetadata:
     """Metadata backend on a Redis server (``INSTRIDE_REDIS_URL``)."""
 
@@ -285,6 +306,7 @@ class RedisMetadata:
                                max(settings.connect_timeout, 5.0), settings.connect_timeout)
         #: whether waits may keep pattern subscriptions (off once Redis refused one: an ACL)
         self._patterns = True
+        _backends.add(self)
 
     # ------------------------------------------------------------------ retries
     def _call(self, what: str, fn: Any, deadline: float | None = None) -> Any:

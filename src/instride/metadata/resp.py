@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import select
 import socket
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,6 +23,27 @@ import hiredis
 import redis
 
 from ..busypoll import arrived, recv_polling
+
+#: every connection of this process (a forked child closes its copies of their sockets)
+_live: weakref.WeakSet[RespConnection] = weakref.WeakSet()
+
+
+def _close_inherited() -> None:
+    """In a child made by ``fork``: close this process's descriptors of the parent's
+    connections (not shut down: the parent keeps using them). A descriptor kept open in a
+    child would hold a connection, and its subscriptions, in Redis for as long as the child
+    lives, even after the parent closed it; and a child never uses them (its threads get
+    connections of their own: :mod:`instride.perthread`)."""
+    for conn in list(_live):
+        sock, conn.sock = conn.sock, None
+        conn._soon.clear()
+        conn._unanswered.clear()  # (the parent's to send again, not the child's)
+        conn.patterns.clear()
+        if sock is not None:
+            sock.close()
+
+
+os.register_at_fork(after_in_child=_close_inherited)
 
 #: error replies of a server that cannot answer for now (loading its data back after a
 #: restart, busy with a script, a replica without its master, a cluster slot moving): raised
@@ -74,6 +96,7 @@ class RespConnection:
         self._soon: deque[tuple[int, list[list[Any]]]] = deque()
         #: patterns this connection is subscribed to, in order of use (gone with the socket)
         self.patterns: dict[str, None] = {}
+        _live.add(self)
 
     def _connect(self) -> socket.socket:
         sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
