@@ -25,14 +25,26 @@ from tests.conftest import RedisServer, _redis_binary
 
 class _Delayer:
     """A TCP relay in front of Redis that holds each client write containing ``marker`` for
-    ``delay`` seconds (writes keep their order): a slow network for subscriptions only."""
+    ``delay`` seconds (writes keep their order): a slow network for subscriptions only.
+    :meth:`freeze` cuts the connections made so far without a word to their clients (as a
+    Redis host that crashed, or a network cut): Redis sees them closed, the clients nothing."""
 
-    def __init__(self, upstream: tuple[str, int], delay: float, marker: bytes) -> None:
+    def __init__(self, upstream: tuple[str, int], delay: float = 0.0,
+                 marker: bytes = b"") -> None:
         self.upstream, self.delay, self.marker = upstream, delay, marker
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.socks: list[socket.socket] = []
+        self.servers: list[socket.socket] = []
+        self.frozen = False
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def freeze(self) -> None:
+        self.frozen = True
+        for server in self.servers:
+            with contextlib.suppress(OSError):
+                server.shutdown(socket.SHUT_RDWR)
+        self.servers = []
 
     def _accept(self) -> None:
         while True:
@@ -41,7 +53,9 @@ class _Delayer:
             except OSError:
                 return
             server = socket.create_connection(self.upstream)
+            self.frozen = False  # (new connections pass)
             self.socks += [client, server]
+            self.servers.append(server)
             held: queue.Queue[tuple[float, bytes]] = queue.Queue()
             threading.Thread(target=self._read, args=(client, held), daemon=True).start()
             threading.Thread(target=self._write, args=(held, server), daemon=True).start()
@@ -54,7 +68,8 @@ class _Delayer:
                 data = src.recv(1 << 16)
             except OSError:
                 data = b""
-            held.put((time.monotonic() + (self.delay if self.marker in data else 0.0), data))
+            late = self.marker and self.marker in data
+            held.put((time.monotonic() + (self.delay if late else 0.0), data))
 
     @staticmethod
     def _write(held: queue.Queue[tuple[float, bytes]], dst: socket.socket) -> None:
@@ -67,12 +82,12 @@ class _Delayer:
                     return
                 dst.sendall(data)
 
-    @staticmethod
-    def _down(src: socket.socket, dst: socket.socket) -> None:
+    def _down(self, src: socket.socket, dst: socket.socket) -> None:
         with contextlib.suppress(OSError):
             while data := src.recv(1 << 16):
                 dst.sendall(data)
-            dst.shutdown(socket.SHUT_WR)
+            if src in self.servers:  # (not cut by freeze: the client hears of it)
+                dst.shutdown(socket.SHUT_WR)
 
     def close(self) -> None:
         self.listener.close()
@@ -215,3 +230,42 @@ def test_a_forked_child_does_not_keep_its_parents_subscriptions(redis_server: Re
             child.join(10)
         admin.close()
         meta.close()
+
+
+def test_a_wait_on_a_connection_cut_without_a_word_subscribes_again(
+        redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connections of a waiting thread are cut without a FIN or RST reaching it (the Redis
+    host crashed, the network was cut): its subscriber, silent for a while, is asked a PING;
+    unanswered, it is taken for lost, and the wait subscribes again on a new connection and
+    finds the key published meanwhile — per key, and in a watched directory."""
+    from instride.metadata import resp
+
+    monkeypatch.setattr(resp, "PROBE_AFTER", 0.5, raising=False)
+    monkeypatch.setattr(resp, "PROBE_WAIT", 0.5, raising=False)
+    relay = _Delayer((redis_server.host, redis_server.port))
+    direct = RedisMetadata(Settings(dir=tmp_path, redis_url=redis_server.url, connect_timeout=2))
+    waiter = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
+                                    connect_timeout=2))
+    try:
+        for key in ("cut-key", "cut/dir/key"):
+            got: list[Record | Exception] = []
+
+            def wait(key: str = key, got: list[Record | Exception] = got) -> None:
+                try:
+                    got.append(waiter.wait_any([key], 20.0))
+                except ConsumeTimeout as exc:
+                    got.append(exc)
+
+            thread = threading.Thread(target=wait)
+            thread.start()
+            time.sleep(0.3)  # (subscribed)
+            relay.freeze()
+            time.sleep(0.1)
+            stored = direct.publish(_record(key))  # (nobody hears it: the subscription is gone)
+            thread.join(30)
+            assert len(got) == 1 and isinstance(got[0], Record), got
+            assert got[0].version == stored.version
+    finally:
+        waiter.close()
+        direct.close()
+        relay.close()

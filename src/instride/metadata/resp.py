@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import select
 import socket
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -23,6 +24,13 @@ import hiredis
 import redis
 
 from ..busypoll import arrived, recv_polling
+
+#: seconds of silence on a connection waited on (a subscriber) before it is asked a PING,
+#: and seconds the answer may take before the connection is taken for lost: a connection
+#: whose far end went without a word (the Redis host crashed or was cut off) would
+#: otherwise be waited on for ever, its subscriptions long gone
+PROBE_AFTER = 10.0
+PROBE_WAIT = 5.0
 
 #: every connection of this process (a forked child closes its copies of their sockets)
 _live: weakref.WeakSet[RespConnection] = weakref.WeakSet()
@@ -96,6 +104,8 @@ class RespConnection:
         self._soon: deque[tuple[int, list[list[Any]]]] = deque()
         #: patterns this connection is subscribed to, in order of use (gone with the socket)
         self.patterns: dict[str, None] = {}
+        self._heard = 0.0  # (time.monotonic() when it last received something)
+        self._probed: float | None = None  # (when a PING went out unanswered so far)
         _live.add(self)
 
     def _connect(self) -> socket.socket:
@@ -103,6 +113,7 @@ class RespConnection:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(self.timeout)
         self.sock, self.reader = sock, hiredis.Reader()
+        self._heard, self._probed = time.monotonic(), None
         setup: list[tuple[Any, ...]] = []
         if self.password:
             setup.append(("AUTH", self.username, self.password) if self.username
@@ -279,18 +290,37 @@ class RespConnection:
                 try:
                     chunk = sock.recv(1 << 16)
                 except TimeoutError:
-                    return None
+                    chunk = None
                 finally:
                     sock.settimeout(self.timeout)
         except BaseException:
             self.close()
             raise
+        if chunk is None:
+            self._probe()
+            return None
         if not chunk:
             self.close()
             raise ConnectionError("Redis closed the connection")
+        self._heard, self._probed = time.monotonic(), None
         self.reader.feed(chunk)
         reply = self.reader.gets()
         return None if reply is False else reply
+
+    def _probe(self) -> None:
+        """After a :meth:`read` that heard nothing: a PING once the connection has been
+        silent :data:`PROBE_AFTER` seconds (a subscriber answers ``["pong", ""]``, which its
+        readers skip); :class:`ConnectionError` (the connection closed) when that PING has
+        gone unanswered :data:`PROBE_WAIT` seconds."""
+        now = time.monotonic()
+        if self._probed is None:
+            if now - self._heard >= PROBE_AFTER:
+                self._send_packed(b"*1\r\n$4\r\nPING\r\n")
+                self._probed = now
+        elif now - self._probed >= PROBE_WAIT:
+            self.close()
+            raise ConnectionError(f"Redis did not answer a PING within {PROBE_WAIT:g} s: the "
+                                  "connection is lost")
 
     def pending(self) -> list[Any]:
         """The replies and pushed messages already received, without waiting for more."""
