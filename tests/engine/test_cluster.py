@@ -487,10 +487,11 @@ def test_consumers_of_one_node_walking_the_same_keys_move_each_once(
         nodes: list[LoopbackNode]) -> None:
     """Several consumers of one node (three processes of two threads) walking the same
     numbered keys as they are published: a key another consumer of the node asked its owner
-    for early is not asked for again, so each key crosses the network once — twice only
-    where a consumer that waited the usual way took the key's lock before the early reply
-    started (a few keys at most, on a loaded machine; every consumer asked for itself before:
-    59 transfers for 30 keys)."""
+    for early is not asked for again, and a consumer that fetches it the usual way waits for
+    that early reply to start, so each key crosses the network once — twice only where a
+    consumer fetched the usual way before the early request was made (rare, on a loaded
+    machine; every consumer asked for itself once: 59 transfers for 30 keys; and 30–38 before
+    the usual way waited for the early reply)."""
     c1 = nodes[0].client()
     n = 30
     walkers = [subprocess.Popen([sys.executable, "-c", WALKER, str(n)], env=nodes[1].env,

@@ -59,6 +59,9 @@ _OWN_GRACE = 1.0
 #: run's (file systems that keep coarse modification times)
 _RUN_MARGIN = 2.0
 _SEEN_AGE = 5.0
+#: seconds a consumer that fetches a key the usual way waits for another consumer of its node
+#: that asked for the key early to get its reply started (then it takes the copy made)
+_ASKED_WAIT = 0.5
 #: seconds an early fetch waits for its record to be announced (the owner records a frame
 #: right after renaming it) before looking it up
 _HEARD_WITHIN = 0.002
@@ -381,6 +384,11 @@ class ClusterEngine:
             # Published by a process of this node: the original is here (a file has its name
             # before its record is stored) unless it was deleted since; a moment's grace
             return self._own(key, path, record, deadline)
+        # Another consumer of this node asked the owner for the key early and its reply has
+        # not started (it then takes the key's lock, and lets go of this one): wait for that
+        # (a moment, for a published key) rather than move the key across a second time.
+        soon = time.monotonic() + _ASKED_WAIT
+        self._asking_locks.wait_free(key, soon if deadline is None else min(deadline, soon))
         with self._lock(key, deadline):
             side = self.cached_copy(key)
             if os.path.exists(path) and side is not None and _copy_of(side, record):

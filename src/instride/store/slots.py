@@ -26,6 +26,7 @@ import contextlib
 import fcntl
 import os
 import threading
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,6 +86,20 @@ class SlotLocks:
                     if slot in self._held:  # (not after a fork in between)
                         fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, slot)
                         self._held.discard(slot)
+
+
+    def wait_free(self, name: str, until: float) -> bool:
+        """Wait until nobody of the node holds the lock of ``name`` (taken and let go of at
+        once), at most until ``until`` (``time.monotonic()``); whether it was free by then."""
+        delay = 0.0002
+        while True:
+            with self.held(name) as taken:
+                if taken:
+                    return True
+            if time.monotonic() + delay > until:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 0.005)
 
 
 _made: dict[str, SlotLocks] = {}
