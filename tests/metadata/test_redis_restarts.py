@@ -119,3 +119,37 @@ def test_values_set_without_waiting_survive_a_connection_redis_closed(
     finally:
         direct.close()
         meta.close()
+
+
+def test_calls_keep_their_deadline_while_redis_does_not_answer(saved_redis: _SavedRedis,
+                                                               tmp_path: Path) -> None:
+    """A Redis that stops answering (stopped, swapping, a long fork): a wait and a lookup with a
+    short timeout end by it (``ConsumeTimeout``, ``MetadataUnavailable``), not after the
+    socket's timeout (5 s here) per attempt."""
+    import os
+    import signal
+
+    from instride.errors import ConsumeTimeout, MetadataUnavailable
+    from tests.conftest import stop_process
+
+    meta = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{saved_redis.port}/0",
+                                  connect_timeout=5))
+    assert saved_redis.proc is not None
+    try:
+        meta.publish(_record("quiet/warm"))  # (the connections made)
+        meta.wait_any(["quiet/warm"], 5)
+        stop_process(saved_redis.proc.pid)
+        try:
+            start = time.monotonic()
+            with pytest.raises(ConsumeTimeout):
+                meta.wait_any(["quiet/x"], 0.5)
+            assert time.monotonic() - start < 3
+            start = time.monotonic()
+            with pytest.raises(MetadataUnavailable):
+                meta.lookup("quiet/x", time.monotonic() + 0.5)
+            assert time.monotonic() - start < 3
+        finally:
+            os.kill(saved_redis.proc.pid, signal.SIGCONT)
+        assert meta.lookup("quiet/warm") is not None  # (answering again: nothing left broken)
+    finally:
+        meta.close()

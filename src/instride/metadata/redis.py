@@ -315,12 +315,21 @@ class RedisMetadata:
         ``deadline`` defaults to the connect timeout from now; a waiter passes its own (or
         ``math.inf`` to retry for as long as it waits).
         """
+        # (a caller's own deadline also bounds each attempt's wait for Redis's answer on the
+        # lean connection, not only the retries: a Redis that stops answering)
+        fast = self._fast() if deadline is not None and math.isfinite(deadline) else None
         if deadline is None:
             deadline = time.monotonic() + self.settings.connect_timeout
         delay = 0.02
         while True:
             try:
-                return fn()
+                if fast is None:
+                    return fn()
+                fast.until = deadline
+                try:
+                    return fn()
+                finally:
+                    fast.until = None
             except _ERRORS as exc:
                 if time.monotonic() + delay > deadline:
                     raise MetadataUnavailable(self.url, f"{what}: {exc}") from None
@@ -529,6 +538,14 @@ class RedisMetadata:
         """The record of the first of ``keys`` that is recorded (one round trip), or ``None``."""
         return self._lookup_many(keys)
 
+    def _check(self, keys: Sequence[str], start: float, deadline: float | None) -> Record | None:
+        """A waiter's look at ``keys``: retried for as long as it waits, and
+        :class:`ConsumeTimeout` at its deadline (``MetadataUnavailable`` never ends a wait)."""
+        try:
+            return self._lookup_many(keys, math.inf if deadline is None else deadline)
+        except MetadataUnavailable as exc:
+            raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
+
     def _lookup_many(self, keys: Sequence[str], deadline: float | None = None) -> Record | None:
         if self._fast_args is not None:
             for f in self._call("lookup", lambda: self._hgetall(keys), deadline):
@@ -625,13 +642,13 @@ class RedisMetadata:
                         msg = ps.get_message(timeout=remaining())
                         if msg is not None and msg["type"] == "pong" and msg["data"] == nonce:
                             break
-                    rec = self._lookup_many(keys)
+                    rec = self._check(keys, start, deadline)
                     if rec is not None:
                         return rec
                     while True:
                         msg = ps.get_message(timeout=remaining())
                         if msg is not None and msg["type"] == "message" and msg["channel"] in wanted:
-                            rec = _from_message(msg["data"]) or self._lookup_many(keys)
+                            rec = _from_message(msg["data"]) or self._check(keys, start, deadline)
                             if rec is not None:
                                 return rec
                 finally:
@@ -692,7 +709,7 @@ class RedisMetadata:
                 for msg in sub.pending():
                     self._keep_heard(local, _announced(msg))
                 self._take_heard(local, keys)
-                rec = self._lookup_many(keys)
+                rec = self._check(keys, start, deadline)
                 if rec is not None:
                     return rec
                 while True:
@@ -908,11 +925,11 @@ class RedisMetadata:
                         if not in_force:
                             if msg[0] == b"pong" and msg[1] == nonce:
                                 in_force = True  # the subscription is in force: check now
-                                rec = self._lookup_many(keys)
+                                rec = self._check(keys, start, deadline)
                                 if rec is not None:
                                     return rec
                         elif len(msg) >= 3 and msg[0] == b"message" and msg[1] in wanted:
-                            rec = _from_message(msg[2]) or self._lookup_many(keys)
+                            rec = _from_message(msg[2]) or self._check(keys, start, deadline)
                             if rec is not None:
                                 return rec
                 finally:

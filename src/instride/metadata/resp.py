@@ -104,12 +104,16 @@ class RespConnection:
         self._soon: deque[tuple[int, list[list[Any]]]] = deque()
         #: patterns this connection is subscribed to, in order of use (gone with the socket)
         self.patterns: dict[str, None] = {}
+        #: ``time.monotonic()`` by which a reply must have come (a caller's own deadline:
+        #: :class:`TimeoutError` then, the connection closed); ``None``: the socket timeout
+        self.until: float | None = None
         self._heard = 0.0  # (time.monotonic() when it last received something)
         self._probed: float | None = None  # (when a PING went out unanswered so far)
         _live.add(self)
 
     def _connect(self) -> socket.socket:
-        sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
+        sock = socket.create_connection((self.host, self.port), timeout=self._left(
+            self.connect_timeout))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(self.timeout)
         self.sock, self.reader = sock, hiredis.Reader()
@@ -221,7 +225,7 @@ class RespConnection:
             while len(out) < n:
                 reply = self.reader.gets()
                 if reply is False:
-                    chunk = arrived(sock, 1 << 16) or sock.recv(1 << 16)
+                    chunk = arrived(sock, 1 << 16) or self._recv(sock)
                     if not chunk:
                         raise ConnectionError("Redis closed the connection")
                     self.reader.feed(chunk)
@@ -240,6 +244,25 @@ class RespConnection:
         if failed is not None:
             raise redis.ResponseError(f"a deferred Redis command failed: {failed}")
         return out
+
+    def _left(self, limit: float) -> float:
+        """``limit`` seconds, or less if :attr:`until` comes sooner (:class:`TimeoutError`
+        if it has passed)."""
+        if self.until is None:
+            return limit
+        left = self.until - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("Redis did not answer before the caller's deadline")
+        return min(limit, left)
+
+    def _recv(self, sock: socket.socket) -> bytes:
+        if self.until is None:
+            return sock.recv(1 << 16)
+        sock.settimeout(self._left(self.timeout))
+        try:
+            return sock.recv(1 << 16)
+        finally:
+            sock.settimeout(self.timeout)
 
     def defer(self, commands: Sequence[tuple[Any, ...]]) -> None:
         """Send ``commands`` now and read their replies with the next :meth:`call`.
