@@ -172,10 +172,12 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://{self.host}:{self.port}/0"
 
-    def start(self) -> RedisServer:
+    def start(self, *extra: str) -> RedisServer:
+        """Start it (``extra``: more ``redis-server`` options, e.g. ``--dir`` for a server whose
+        saved data a restart loads); it answers connections when this returns."""
         self.proc = subprocess.Popen(
             [_redis_binary(), "--port", str(self.port), "--bind", self.host, "--save", "",
-             "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning"],
+             "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning", *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 10
@@ -192,7 +194,7 @@ class RedisServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(5)
+                self.proc.wait(10)  # (one with data to save takes a moment)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()

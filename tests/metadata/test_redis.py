@@ -18,6 +18,7 @@ from instride.errors import ConfigError, ConsumeTimeout, KeyExistsError, Metadat
 from instride.metadata.base import Record
 from instride.metadata.redis import RedisMetadata
 from tests.conftest import RedisServer
+from tests.relay import Relay
 
 from .contract import MetadataContract, Put
 
@@ -129,32 +130,22 @@ def test_commands_run_with_a_publication_only_once_it_is_stored(backend: RedisMe
     assert backend.redis.hget(head, "written") == b"2"
 
 
-class _ReplyDropper:
+class _ReplyDropper(Relay):
     """A TCP relay in front of Redis that, once armed, forwards the next ``EVALSHA`` (or the
     next write that holds ``marker``) and then closes the connection instead of passing its
     reply on: Redis has run the command, the client never hears so (a network failure at the
     worst moment)."""
 
     def __init__(self, upstream: tuple[str, int], marker: bytes = b"EVALSHA") -> None:
-        self.upstream, self.marker = upstream, marker
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
+        self.marker = marker
         self.armed = False
         self.dropped = 0
-        self.socks: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(upstream)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.upstream)
-            self.socks += [client, server]
-            doomed = threading.Event()
-            threading.Thread(target=self._up, args=(client, server, doomed), daemon=True).start()
-            threading.Thread(target=self._down, args=(server, client, doomed), daemon=True).start()
+    def serve(self, client: socket.socket, server: socket.socket) -> None:
+        doomed = threading.Event()
+        threading.Thread(target=self._up, args=(client, server, doomed), daemon=True).start()
+        threading.Thread(target=self._down, args=(server, client, doomed), daemon=True).start()
 
     def _up(self, src: socket.socket, dst: socket.socket, doomed: threading.Event) -> None:
         with contextlib.suppress(OSError):
@@ -174,12 +165,6 @@ class _ReplyDropper:
                         s.close()
                     return
                 dst.sendall(data)
-
-    def close(self) -> None:
-        self.listener.close()
-        for s in self.socks:
-            with contextlib.suppress(OSError):
-                s.close()
 
 
 @pytest.mark.parametrize("soon", [False, True])

@@ -1,11 +1,9 @@
-"""A Redis restarted with persistence answers ``LOADING`` while it reads its data back: the
-metadata layer waits that out like a lost connection (within its connect timeout), on the
-lean connection as on redis-py's, and a publication sent soon before is stored once."""
+"""A Redis that restarts with its data (answering ``LOADING`` while it reads it back), closes a
+connection, or stops answering: requests wait for it within their deadlines, and nothing sent
+is lost (a publication sent soon before, values set without waiting for the answer)."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,46 +14,24 @@ import redis
 from instride.config import Settings
 from instride.metadata.base import Record
 from instride.metadata.redis import RedisMetadata
-from tests.conftest import _redis_binary, free_port
+from tests.conftest import RedisServer
 
 
-class _SavedRedis:
-    """A redis-server that saves its data in ``where`` and loads it again when restarted,
-    slowly (``--key-load-delay``): its ``LOADING`` phase lasts about a second or two."""
+class _SavedRedis(RedisServer):
+    """A redis-server that saves its data in ``where`` and loads it again when restarted."""
 
     def __init__(self, where: Path) -> None:
-        self.where, self.port = where, free_port()
-        self.proc: subprocess.Popen | None = None
+        super().__init__()
+        self.where = where
 
-    def start(self, *extra: str) -> None:
-        self.proc = subprocess.Popen(
-            [_redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir",
-             str(self.where), "--save", "", "--appendonly", "no", "--protected-mode", "no",
-             "--loglevel", "warning", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.02)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
+    def start(self, *extra: str) -> _SavedRedis:
+        super().start("--dir", str(self.where), *extra)
+        return self
 
 
 @pytest.fixture
 def saved_redis(tmp_path: Path) -> Iterator[_SavedRedis]:
-    server = _SavedRedis(tmp_path)
-    server.start()
+    server = _SavedRedis(tmp_path).start()
     try:
         yield server
     finally:

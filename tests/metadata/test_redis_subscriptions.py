@@ -21,9 +21,10 @@ from instride.errors import ConsumeTimeout
 from instride.metadata.base import Record
 from instride.metadata.redis import RedisMetadata
 from tests.conftest import RedisServer, _redis_binary
+from tests.relay import Relay
 
 
-class _Delayer:
+class _Delayer(Relay):
     """A TCP relay in front of Redis that holds each client write containing ``marker`` for
     ``delay`` seconds (writes keep their order): a slow network for subscriptions only.
     :meth:`freeze` cuts the connections made so far without a word to their clients (as a
@@ -31,35 +32,22 @@ class _Delayer:
 
     def __init__(self, upstream: tuple[str, int], delay: float = 0.0,
                  marker: bytes = b"") -> None:
-        self.upstream, self.delay, self.marker = upstream, delay, marker
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.socks: list[socket.socket] = []
+        self.delay, self.marker = delay, marker
         self.servers: list[socket.socket] = []
-        self.frozen = False
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(upstream)
 
     def freeze(self) -> None:
-        self.frozen = True
         for server in self.servers:
             with contextlib.suppress(OSError):
                 server.shutdown(socket.SHUT_RDWR)
         self.servers = []
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.upstream)
-            self.frozen = False  # (new connections pass)
-            self.socks += [client, server]
-            self.servers.append(server)
-            held: queue.Queue[tuple[float, bytes]] = queue.Queue()
-            threading.Thread(target=self._read, args=(client, held), daemon=True).start()
-            threading.Thread(target=self._write, args=(held, server), daemon=True).start()
-            threading.Thread(target=self._down, args=(server, client), daemon=True).start()
+    def serve(self, client: socket.socket, server: socket.socket) -> None:
+        self.servers.append(server)
+        held: queue.Queue[tuple[float, bytes]] = queue.Queue()
+        threading.Thread(target=self._read, args=(client, held), daemon=True).start()
+        threading.Thread(target=self._write, args=(held, server), daemon=True).start()
+        threading.Thread(target=self._down, args=(server, client), daemon=True).start()
 
     def _read(self, src: socket.socket, held: queue.Queue[tuple[float, bytes]]) -> None:
         data = b"x"
@@ -88,12 +76,6 @@ class _Delayer:
                 dst.sendall(data)
             if src in self.servers:  # (not cut by freeze: the client hears of it)
                 dst.shutdown(socket.SHUT_WR)
-
-    def close(self) -> None:
-        self.listener.close()
-        for s in self.socks:
-            with contextlib.suppress(OSError):
-                s.close()
 
 
 def _record(key: str) -> Record:
