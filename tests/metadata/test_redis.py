@@ -378,6 +378,41 @@ def test_a_first_request_sent_soon_on_a_connection_that_selects_a_database_is_no
         server.stop()
 
 
+def test_a_timeout_of_zero_still_looks_once(backend: RedisMetadata, put: Put) -> None:
+    """A wait or lookup whose timeout is 0 (or has passed) finds a key that is recorded: the
+    caller's deadline bounds the wait for a publication, and each look at Redis gets a moment
+    at least. (It once failed at once when the answer was not in yet, and every time after.)"""
+    rec = put("zero/k", b"z")
+    for _ in range(100):
+        assert backend.wait_any(["zero/k"], 0) == rec
+        assert backend.lookup("zero/k", time.monotonic()) == rec
+
+
+def test_a_subscriber_that_hears_its_messages_by_draining_is_not_taken_for_lost(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A subscriber read by ``pending()`` (a stream's reader drains what it heard) as well as
+    by ``read()``: what it takes in either way counts as the connection being alive, so the
+    liveness ``PING`` is answered in time and a healthy connection is never closed."""
+    from instride.metadata import resp
+
+    monkeypatch.setattr(resp, "PROBE_AFTER", 0.2)
+    monkeypatch.setattr(resp, "PROBE_WAIT", 0.2)
+    sub = resp.RespConnection(redis_server.host, redis_server.port, 0, None, None, 5.0, 2.0)
+    pub = redis.Redis(host=redis_server.host, port=redis_server.port)
+    try:
+        sub.send([("SUBSCRIBE", "alive")])
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            pub.publish("alive", b"x")
+            time.sleep(0.02)
+            sub.pending()  # (drained: the messages and the PING's answer)
+            sub.read(0.001)  # (nothing more: the liveness check runs)
+        assert sub.sock is not None
+    finally:
+        pub.close()
+        sub.close()
+
+
 def test_a_consumer_waits_frame_after_frame_of_one_directory(backend: RedisMetadata, put: Put) -> None:
     # The per-directory subscription stays in force between waits: records published
     # while nobody waits are heard and found, records published during a wait wake it.

@@ -84,3 +84,22 @@ def test_a_forked_child_holds_none_of_its_parents_locks(tmp_path: Path) -> None:
     assert out.get(timeout=20) is True  # (let go of by the parent: the child takes it)
     child.join(20)
     assert child.exitcode == 0
+
+
+def test_a_child_forked_while_a_thread_held_the_objects_own_lock_does_not_hang(
+        tmp_path: Path) -> None:
+    """``fork`` while another thread is inside the object (its in-process lock held, as during
+    its system call): the child gets locks of its own and takes the name."""
+    locks = slot_locks(tmp_path / "asking.lock")
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    with locks._mu:  # (as another thread inside held() at the fork)
+        child = ctx.Process(target=_child, args=(str(tmp_path / "asking.lock"), out))
+        child.start()
+    try:
+        assert out.get(timeout=20) is True
+    finally:
+        child.join(20)
+        if child.is_alive():
+            child.kill()
+            child.join()

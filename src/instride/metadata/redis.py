@@ -117,6 +117,8 @@ def _publication_id() -> str:
 
 
 _ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError)
+#: seconds an attempt to reach Redis is given at least, whatever the caller's deadline
+_ATTEMPT_MIN = 0.1
 
 
 def _record(fields: dict[bytes, bytes]) -> Record | None:
@@ -325,7 +327,9 @@ class RedisMetadata:
             try:
                 if fast is None:
                     return fn()
-                fast.until = deadline
+                # (every attempt gets a moment at least: a deadline that has passed, or a
+                # timeout of 0, still looks once, as it always did)
+                fast.until = max(deadline, time.monotonic() + _ATTEMPT_MIN)
                 try:
                     return fn()
                 finally:

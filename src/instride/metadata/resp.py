@@ -195,7 +195,7 @@ class RespConnection:
                 return True  # (reset: the read that follows raises ConnectionError)
             if not chunk:
                 return True  # (closed by Redis: the same)
-            self.reader.feed(chunk)
+            self._feed(chunk)
             return True
         poller = select.poll()  # (not select(): descriptors past 1023 are common here)
         poller.register(sock.fileno(), select.POLLIN)
@@ -228,9 +228,9 @@ class RespConnection:
                     chunk = arrived(sock, 1 << 16) or self._recv(sock)
                     if not chunk:
                         raise ConnectionError("Redis closed the connection")
-                    self.reader.feed(chunk)
+                    self._feed(chunk)
                     continue
-                if isinstance(reply, Exception) and str(reply).startswith(UNAVAILABLE):
+                if isinstance(reply, Exception) and str(reply).split(" ", 1)[0] in UNAVAILABLE:
                     raise redis.BusyLoadingError(str(reply))  # (the connection is closed)
                 if deferred and self._unanswered:  # replies come in order: the deferred
                     self._unanswered.popleft()  # commands' first
@@ -325,10 +325,14 @@ class RespConnection:
         if not chunk:
             self.close()
             raise ConnectionError("Redis closed the connection")
-        self._heard, self._probed = time.monotonic(), None
-        self.reader.feed(chunk)
+        self._feed(chunk)
         reply = self.reader.gets()
         return None if reply is False else reply
+
+    def _feed(self, chunk: bytes) -> None:
+        """Take in what was received (and note that the connection is alive)."""
+        self.reader.feed(chunk)
+        self._heard, self._probed = time.monotonic(), None
 
     def _probe(self) -> None:
         """After a :meth:`read` that heard nothing: a PING once the connection has been
@@ -371,7 +375,7 @@ class RespConnection:
                     return out
                 if not chunk:
                     raise ConnectionError("Redis closed the connection")
-                self.reader.feed(chunk)
+                self._feed(chunk)
         except BaseException:
             self.close()
             raise

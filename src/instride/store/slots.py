@@ -106,6 +106,18 @@ _made: dict[str, SlotLocks] = {}
 _made_mu = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    """A child made by ``fork`` while another thread held a lock of this module would wait
+    for it for ever: it gets new ones, and holds none of its parent's names."""
+    global _made_mu
+    _made_mu = threading.Lock()
+    for locks in _made.values():
+        locks._mu, locks._held, locks._forks = threading.Lock(), set(), forks()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def slot_locks(path: Path) -> SlotLocks:
     """The process's one :class:`SlotLocks` for the file ``path`` (see the module's notes:
     a second descriptor of the file, once closed, would let go of the first one's locks)."""

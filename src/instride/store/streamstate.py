@@ -494,6 +494,9 @@ class RedisStreamState:
         """Record the policy, zero the head, register ``groups`` (and reset cursors), and
         forget the records of ``forget`` (an earlier run's keys), in one transaction: a reader
         sees the earlier run with its records or the new run without them, never between."""
+        # (head counters of an earlier run still owed an answer on this thread's connection
+        # are sent again on its next one: settled first, so that they never land after this)
+        self.metadata.flush()
         pipe = self.redis.pipeline(transaction=True)
         for key in forget:
             for command in self.metadata.forget_commands(key):
