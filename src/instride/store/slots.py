@@ -87,7 +87,6 @@ class SlotLocks:
                         fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, slot)
                         self._held.discard(slot)
 
-
     def wait_free(self, name: str, until: float) -> bool:
         """Wait until nobody of the node holds the lock of ``name`` (taken and let go of at
         once), at most until ``until`` (``time.monotonic()``); whether it was free by then."""
