@@ -578,7 +578,7 @@ class RedisStreamState:
             return None
         if run is None or since is None:
             return ""
-        return (_text(run), float(since), None if node is None else _text(node))
+        return (_text(run), float(since), _text(node) if node else None)  # ("": not known)
 
     def open_group(self, name: str, start: int) -> RedisGroupCursor:
         """Take the group's lease and return its cursor.
