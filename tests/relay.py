@@ -3,12 +3,13 @@ delay, drop or cut what passes, on real sockets."""
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import socket
 import threading
 
 
-class Relay:
+class Relay(abc.ABC):
     """Accept connections on a free port of 127.0.0.1 and connect each to ``upstream``; a
     subclass moves the bytes (:meth:`serve`, called with each pair of sockets)."""
 
@@ -29,9 +30,9 @@ class Relay:
             self.socks += [client, server]
             self.serve(client, server)
 
+    @abc.abstractmethod
     def serve(self, client: socket.socket, server: socket.socket) -> None:
         """Start moving bytes between ``client`` and ``server`` (in threads)."""
-        raise NotImplementedError
 
     def close(self) -> None:
         self.listener.close()
