@@ -78,6 +78,36 @@ def test_exception_in_with_block_publishes_nothing(client: instride.Client) -> N
     assert not any(TMP_PATTERN.match(p.name) for p in (client.root / "crash").iterdir())
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_hidden_name_goes_after_the_announcement(tmp_path: Path, fails: bool) -> None:
+    """A write-once publication announces the key (``on_publish``) while the hidden name it
+    was written under still exists, and removes that name after, also when the announcement
+    fails: its system calls no longer delay the announcement, and nothing is left behind."""
+    from instride.store.publish import open_for_write
+
+    final = tmp_path / "run" / "k.bin"
+    final.parent.mkdir()
+    seen: list[list[str]] = []
+
+    def announce(key: str, path: str) -> None:
+        seen.append(sorted(p.name for p in final.parent.iterdir()))
+        if fails:
+            raise RuntimeError("metadata refused")
+
+    fh = open_for_write(str(final), "run/k.bin", "wb", overwrite=False, fsync=False,
+                        on_publish=announce)
+    fh.write(b"frame")
+    if fails:
+        with pytest.raises(RuntimeError, match="metadata refused"):
+            fh.close()
+    else:
+        fh.close()
+    assert len(seen) == 1 and "k.bin" in seen[0]
+    assert any(TMP_PATTERN.match(name) for name in seen[0])  # (still there when announced)
+    assert [p.name for p in final.parent.iterdir()] == ["k.bin"]
+    assert final.read_bytes() == b"frame"
+
+
 def test_read_write_mode_then_publish(client: instride.Client) -> None:
     with client.open("rw/file", "w+b") as fh:
         fh.write(b"abcdef")
