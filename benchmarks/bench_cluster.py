@@ -26,7 +26,8 @@ Measures, in one run, on an emulated cluster made for the purpose:
    pause (head-of-line blocking: how much a large transfer delays small ones);
 3. publish -> remote wake-up latency through Redis (a tiny key; median, p99; the clock starts
    at the producer's ``close()``, as in ``bench_local.py``), with a sleeping consumer and with
-   one that busy-polls its subscription (``INSTRIDE_SPIN=1``);
+   one that busy-polls its subscription (``INSTRIDE_SPIN=1``); beside them, the floor in the
+   same run: a bare ``PUBLISH`` on node 1 -> a bare subscriber on node 2 (raw RESP, same pace);
 4. aggregate throughput of 8 producer/consumer pairs across 4 nodes (producers on nodes 1-2,
    consumers on nodes 3-4) moving JAC-sized frames as fast as they can, vs 8 raw TCP pairs
    (``sendfile`` -> ``recv_into``) moving the same bytes between the same nodes (and, as a
@@ -213,6 +214,62 @@ WAKE_PRODUCER = textwrap.dedent(
     print(" ".join(map(str, out)))
     """
 )
+
+
+# the floor of the wake-up: a bare PUBLISH (one RESP command from Python, no record, no
+# script) on node 1 -> a bare subscriber on node 2 (raw RESP, blocking recv), paced the same
+WAKE_FLOOR_SUBSCRIBER = textwrap.dedent(
+    """
+    import os, socket, sys, time
+    from urllib.parse import urlparse
+    u = urlparse(os.environ["INSTRIDE_REDIS_URL"]); n = int(sys.argv[1])
+    s = socket.create_connection((u.hostname, u.port))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.sendall(b"*2\\r\\n$9\\r\\nSUBSCRIBE\\r\\n$10\\r\\nwake-floor\\r\\n")
+    message = b"*3\\r\\n$7\\r\\nmessage\\r\\n$10\\r\\nwake-floor\\r\\n$1\\r\\nx\\r\\n"
+    buf = b""
+    while not buf.endswith(b":1\\r\\n"):  # (the confirmation: subscribed to 1 channel)
+        buf += s.recv(4096)
+    print("ready", flush=True)
+    out, buf = [], b""
+    while len(out) < n:
+        chunk = s.recv(65536)
+        t = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        buf += chunk
+        while buf.startswith(message):
+            out.append(t)
+            buf = buf[len(message):]
+    print(" ".join(map(str, out)))
+    """
+)
+WAKE_FLOOR_PUBLISHER = textwrap.dedent(
+    """
+    import os, socket, sys, time
+    from urllib.parse import urlparse
+    u = urlparse(os.environ["INSTRIDE_REDIS_URL"]); n = int(sys.argv[1]); out = []
+    s = socket.create_connection((u.hostname, u.port))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for i in range(n):
+        time.sleep(0.003)
+        t = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        s.sendall(b"*3\\r\\n$7\\r\\nPUBLISH\\r\\n$10\\r\\nwake-floor\\r\\n$1\\r\\nx\\r\\n")
+        s.recv(100)
+        out.append(t)
+    print(" ".join(map(str, out)))
+    """
+)
+
+
+def wake_floor(c: EmulatedCluster, n: int) -> dict:
+    """The wake-up's floor in this run: µs from a bare ``PUBLISH`` sent on node 1 to a bare
+    subscriber on node 2 receiving it (no file, no record, no script, no parsing), ``n``
+    messages 3 ms apart as in the wake-up rows; the host's phase moves it, and the rows with it."""
+    w = c.popen(2, [PY, "-c", WAKE_FLOOR_SUBSCRIBER, str(n)], stdout=subprocess.PIPE, text=True)
+    _ready(w)
+    p = _popen(c, 1, WAKE_FLOOR_PUBLISHER, n)
+    starts = [int(x) for x in p.communicate(timeout=300)[0].split()]
+    got = [int(x) for x in w.communicate(timeout=300)[0].split()]
+    return summary([(a - b) / 1e3 for a, b in zip(got, starts, strict=True)])
 
 
 def _ready(proc: subprocess.Popen) -> None:
@@ -665,6 +722,8 @@ def plot_targets(result: dict, path: Path) -> None:
     if "jac_consume_latency_bounded_spin_us" in result:
         b = result["jac_consume_latency_bounded_spin_us"]
         lats[4:4] = [("JAC median\nbounded,\nspinning", b["median"], 2000)]
+    if "remote_wakeup_floor_us" in result:  # (last: beside the wake-up)
+        lats.append(("wake-up\nfloor (bare\nPUBLISH)", result["remote_wakeup_floor_us"]["median"], None))
     if "head_of_line" in result:
         h = result["head_of_line"]["jac_latency_us"]
         lats[2:2] = [("JAC median\nSTMV load", h["median"], None), ("JAC p99\nSTMV load", h["p99"], None)]
@@ -816,6 +875,9 @@ def main() -> None:
             result[tag] = s
             print(f"INSTRIDE_SPIN={spin}: median {s['median']:.0f} µs   p99 {s['p99']:.0f} µs   (n={s['n']};"
                   " target: median <= 300 µs)")
+        result["remote_wakeup_floor_us"] = s = wake_floor(c, n)
+        print(f"the floor, a bare PUBLISH -> a bare subscriber (raw RESP, the same pace): median"
+              f" {s['median']:.0f} µs   p99 {s['p99']:.0f} µs")
 
         # 4. aggregate, 8 pairs across 4 nodes
         pairs = [(1 + i % 2, 3 + (i // 2) % 2) for i in range(8)]
