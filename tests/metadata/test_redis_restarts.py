@@ -97,6 +97,35 @@ def test_values_set_without_waiting_survive_a_connection_redis_closed(
         meta.close()
 
 
+def test_scripts_run_without_waiting_are_loaded_again_on_a_new_connection(
+        saved_redis: _SavedRedis, tmp_path: Path) -> None:
+    """``eval_later`` (a group's fenced cursor commit) sends an ``EVALSHA`` and reads its reply
+    later. A restarted Redis knows no script (``SCRIPT FLUSH`` and a closed connection here):
+    the script is loaded again on the new connection before the command is sent there, also
+    when it is the command sent again because its reply never came (not ``NOSCRIPT``)."""
+    meta = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{saved_redis.port}/0",
+                                  connect_timeout=5))
+    direct = redis.Redis(port=saved_redis.port)
+    script = "return redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])"
+    try:
+        meta.eval_later(script, ["later:script"], ["g", 1])
+        meta.flush()
+        assert direct.hgetall("later:script") == {b"g": b"1"}
+        direct.script_flush()
+        direct.client_kill_filter(_type="normal", skipme=True)  # (as a restart)
+        time.sleep(0.1)
+        meta.eval_later(script, ["later:script"], ["g", 2])
+        meta.flush()
+        assert direct.hgetall("later:script") == {b"g": b"2"}
+        meta.eval_later(script, ["later:script"], ["g", 3])
+        direct.script_flush()
+        direct.client_kill_filter(_type="normal", skipme=True)  # (before its reply was read)
+        assert meta.hgetall("later:script") == {b"g": b"3"}
+    finally:
+        direct.close()
+        meta.close()
+
+
 def test_calls_keep_their_deadline_while_redis_does_not_answer(saved_redis: _SavedRedis,
                                                                tmp_path: Path) -> None:
     """A Redis that stops answering (stopped, swapping, a long fork): a wait and a lookup with a

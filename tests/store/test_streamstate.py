@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -36,3 +38,89 @@ def test_a_group_lease_whose_answer_was_lost_is_the_readers_own(redis_server: Re
         direct.close()
         meta.close()
         relay.close()
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_a_commit_sent_again_after_the_lease_moved_does_not_set_the_cursor_back(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    """A reader commits its group's cursor without waiting for the answer, and its connection
+    fails after Redis ran the commit, before the answer came: the commit is sent again on its
+    next connection. Meanwhile its lease ran out (the reader was stopped), and another reader
+    took the group and committed further. The old reader's commit, sent again, must not set
+    the cursor back: the group would get those frames again."""
+    relay = _ReplyDropper((redis_server.host, redis_server.port),
+                          marker=b"instride:stream:fence:groups")
+    old_meta = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
+                                      connect_timeout=2))
+    new_meta = RedisMetadata(Settings(dir=tmp_path, redis_url=redis_server.url, connect_timeout=2))
+    direct = redis.Redis(host=redis_server.host, port=redis_server.port)
+    lease = "instride:stream:fence:group:g:lease"
+    old = new = None
+    try:
+        state = RedisStreamState(old_meta, "fence", lease_s=30)
+        state.start(Policy(), ("g",), reset=True)
+        old = state.open_group("g", 0)
+        old.commit(3)
+        old_meta.flush()
+        assert direct.hget("instride:stream:fence:groups", "g") == b"3"
+        relay.armed = True
+        old.commit(5)  # run by Redis; its answer lost with the connection
+        _wait_for(lambda: relay.dropped == 1)
+        assert direct.hget("instride:stream:fence:groups", "g") == b"5"
+        direct.delete(lease)  # (as if it ran out: the reader stopped longer than its lease)
+        new = RedisStreamState(new_meta, "fence", lease_s=30).open_group("g", 0)
+        assert new.value == 5
+        new.commit(9)
+        new_meta.flush()
+        old_meta.flush()  # the old reader's next command: its commit is sent again first
+        assert direct.hget("instride:stream:fence:groups", "g") == b"9"
+        assert direct.get(lease) == new._token.encode()
+    finally:
+        for cursor in (old, new):
+            if cursor is not None:
+                cursor.close()
+        direct.close()
+        new_meta.close()
+        old_meta.close()
+        relay.close()
+
+
+def test_a_group_cursor_is_written_only_while_the_lease_is_the_readers(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    """A reader's commits reach Redis (read with its next command), backwards too (a seek);
+    closing writes the last one before the lease goes; a commit of a reader whose lease is
+    another reader's now writes nothing."""
+    meta = RedisMetadata(Settings(dir=tmp_path, redis_url=redis_server.url, connect_timeout=2))
+    direct = redis.Redis(host=redis_server.host, port=redis_server.port)
+    lease = "instride:stream:commits:group:g:lease"
+    try:
+        state = RedisStreamState(meta, "commits", lease_s=30)
+        state.start(Policy(), ("g",), reset=True)
+        reader = state.open_group("g", 0)
+        reader.commit(7)
+        meta.flush()
+        assert direct.hget("instride:stream:commits:groups", "g") == b"7"
+        reader.commit(2)  # (a seek back)
+        meta.flush()
+        assert direct.hget("instride:stream:commits:groups", "g") == b"2"
+        reader.commit(4)
+        reader.close()
+        assert direct.hget("instride:stream:commits:groups", "g") == b"4"
+        assert direct.get(lease) is None
+        reader = state.open_group("g", 0)
+        assert reader.value == 4
+        direct.set(lease, "another-reader", px=30_000)  # (its lease ran out; taken over)
+        reader.commit(8)  # (its renewals not due yet: it does not know)
+        meta.flush()
+        assert direct.hget("instride:stream:commits:groups", "g") == b"4"
+        reader.close()
+        assert direct.get(lease) == b"another-reader"
+    finally:
+        direct.close()
+        meta.close()

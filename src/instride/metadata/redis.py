@@ -292,6 +292,7 @@ class RedisMetadata:
             health_check_interval=0,
         )
         self._publish = self.redis.register_script(_PUBLISH)
+        self._scripts: dict[str, Any] = {}  # (:meth:`eval_later`'s, by their text)
         self._per_thread = PerThread()
         self._lock = threading.Lock()
         # weak: a thread's subscriber goes (and its connection closes) when the thread ends
@@ -467,6 +468,37 @@ class RedisMetadata:
         args = [x for kv in mapping.items() for x in kv]
         self._call("hset", lambda: fast.defer([("HSET", name, *args)]))
 
+    def eval_later(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> None:
+        """Run the Lua ``script`` on ``keys`` and ``args`` without waiting for its reply.
+
+        An ``EVALSHA`` deferred as :meth:`set_later`'s ``HSET`` is (see
+        :meth:`RespConnection.defer`): it may run twice, sent again on a new connection after
+        the first failed before its reply, so the script must check what it may still do
+        then (a group's cursor written only while the reader still holds the group's lease).
+        Its reply is read and dropped; an error reply is raised by a later command. Run at
+        once (waiting) where the URL needs redis-py.
+
+        Parameters
+        ----------
+        script
+            The script's text (loaded on each connection that runs it).
+        keys, args
+            Its ``KEYS`` and ``ARGV``.
+        """
+        fast = self._fast()
+        if fast is None:
+            runner = self._scripts.get(script)
+            if runner is None:
+                runner = self._scripts.setdefault(script, self.redis.register_script(script))
+            self._call("evalsha", lambda: runner(keys=list(keys), args=list(args)))
+            return
+
+        def run() -> None:
+            sha = fast.script(script)
+            fast.defer([("EVALSHA", sha, len(keys), *keys, *args)])
+
+        self._call("evalsha", run)
+
     def command(self, *args: Any) -> Any:
         """One Redis command, on this thread's lean connection where the URL allows (the
         per-frame commands of streams), else through redis-py; connection errors retried."""
@@ -483,7 +515,8 @@ class RedisMetadata:
         return self._call(str(args[0]), run)
 
     def flush(self) -> None:
-        """Wait until this thread's deferred commands (:meth:`set_later`) have run."""
+        """Wait until this thread's deferred commands (:meth:`set_later`,
+        :meth:`eval_later`) have run."""
         fast = self._fast()
         if fast is not None and fast.deferred:
             self.command("PING")

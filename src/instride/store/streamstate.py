@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import ConfigError, GroupBusy, GroupLeaseLost
+from ..errors import ConfigError, GroupBusy, GroupLeaseLost, MetadataUnavailable
 from .dirs import allocate
 
 POLICIES = ("block", "drop-oldest", "latest")
@@ -471,9 +471,9 @@ class RedisStreamState:
     ----------
     metadata
         The engine's :class:`~instride.metadata.redis.RedisMetadata`: its ``redis`` client
-        for what happens once per stream, its lean ``command``, ``hgetall`` and
-        ``set_later`` (an ``HSET`` that does not wait for the reply) for what happens with
-        every frame (head counters, group cursors).
+        for what happens once per stream, its lean ``command``, ``hgetall``, ``set_later``
+        (an ``HSET`` that does not wait for the reply) and ``eval_later`` (a script that
+        does not) for what happens with every frame (head counters, group cursors).
     stream
         The stream name.
     lease_s
@@ -599,6 +599,17 @@ end
 return 0
 """
 
+#: write a group's cursor only while the group's lease is still this reader's (its token): a
+#: commit sent again on a new connection after the lease moved to another reader (which may
+#: have committed further since) writes nothing. KEYS: the lease, the groups' cursors; ARGV:
+#: the token, the group, the cursor. Not "never backwards": a reader's seek may set it back.
+_COMMIT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+end
+return -1
+"""
+
 
 class RedisGroupCursor:
     """A reader's lease on its group in Redis, renewed in the background.
@@ -607,7 +618,9 @@ class RedisGroupCursor:
     a reader stopped or paused for longer than the lease — whose group another reader then
     took over — finds it lost: :meth:`check` (before every frame) and :meth:`commit` raise
     :class:`~instride.errors.GroupLeaseLost` instead of taking frames as the group, and the
-    new reader's lease is never extended by the old one.
+    new reader's lease is never extended by the old one. Its commits are fenced the same way:
+    Redis writes the cursor only while the lease holds this reader's token, so a commit that
+    arrives late (sent again after its connection failed) never overwrites the new reader's.
     """
 
     def __init__(self, state: RedisStreamState, name: str, start: int) -> None:
@@ -667,22 +680,36 @@ class RedisGroupCursor:
     def commit(self, value: int) -> None:
         """Record that the group is done with every frame before ``value``.
 
+        Sent without waiting for the reply (read with the next command), and written by
+        Redis only while the lease is still this reader's (see :data:`_COMMIT`).
+
         Raises
         ------
         GroupLeaseLost
             The lease is another reader's now: nothing is recorded.
         """
         self.check()
-        if value != self.value:  # not waiting for the reply: read with the next command
-            self.state.metadata.set_later(self.state._groups, {self.name: value})
+        if value != self.value:
+            self.state.metadata.eval_later(_COMMIT, [self._lock, self.state._groups],
+                                           [self._token, self.name, value])
             self.value = value
 
     def close(self) -> None:
-        """Release the lease (the cursor stays)."""
+        """Release the lease (the cursor stays).
+
+        The last commit is answered first (this thread's deferred commands): a commit that
+        arrived after the lease went would be refused. Where Redis cannot be reached within
+        the connect timeout, the lease is kept until it runs out instead, so that the commit,
+        sent again on this thread's next connection meanwhile, may still be written.
+        """
         if not self._stop.is_set():
             self._stop.set()
-            with contextlib.suppress(Exception):
-                self.state.metadata.flush()  # the last commit is in Redis before the lease goes
+            try:
+                self.state.metadata.flush()
+            except MetadataUnavailable:
+                return
+            except Exception:  # (an error answer to a deferred command: answered, in step)
+                pass
             with contextlib.suppress(Exception):
                 if self.state.redis.get(self._lock) == self._token.encode():
                     self.state.redis.delete(self._lock)
