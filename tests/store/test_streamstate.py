@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +16,7 @@ from instride.metadata.redis import RedisMetadata
 from instride.store.streamstate import Policy, RedisStreamState
 from tests.conftest import RedisServer
 from tests.metadata.test_redis import _ReplyDropper
+from tests.relay import Relay
 
 
 def test_a_group_lease_whose_answer_was_lost_is_the_readers_own(redis_server: RedisServer,
@@ -124,3 +128,66 @@ def test_a_group_cursor_is_written_only_while_the_lease_is_the_readers(
     finally:
         direct.close()
         meta.close()
+
+
+class _Holder(Relay):
+    """A TCP relay in front of Redis that, once armed, holds the first client write for which
+    ``held_if`` is true until :attr:`go` is set (:attr:`held` is set meanwhile); everything
+    else passes at once."""
+
+    def __init__(self, upstream: tuple[str, int], held_if: Callable[[bytes], bool]) -> None:
+        self.held_if = held_if
+        self.armed = False
+        self.held = threading.Event()
+        self.go = threading.Event()
+        super().__init__(upstream)
+
+    def serve(self, client: socket.socket, server: socket.socket) -> None:
+        threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
+        threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                if up and self.armed and not self.held.is_set() and self.held_if(data):
+                    self.held.set()
+                    self.go.wait(20)
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+
+
+def test_closing_a_reader_never_releases_a_lease_another_reader_took(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    """A reader closes, and its lease runs out (the reader paused) after it found the lease its
+    own and before its release reached Redis; another reader takes the group meanwhile. The
+    release must not delete the new reader's lease: a third reader could take the group too
+    (two readers taking the same frames)."""
+    lease = b"instride:stream:release:group:g:lease"
+    # (held: the write that releases the lease, a DEL or a script; not the GET that reads it)
+    relay = _Holder((redis_server.host, redis_server.port),
+                    lambda data: lease in data and b"$3\r\nGET\r\n" not in data)
+    old_meta = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
+                                      connect_timeout=2))
+    new_meta = RedisMetadata(Settings(dir=tmp_path, redis_url=redis_server.url, connect_timeout=2))
+    direct = redis.Redis(host=redis_server.host, port=redis_server.port)
+    new = None
+    try:
+        old = RedisStreamState(old_meta, "release", lease_s=30).open_group("g", 0)
+        relay.armed = True
+        closing = threading.Thread(target=old.close)
+        closing.start()
+        _wait_for(relay.held.is_set)
+        direct.delete(lease)  # (as if it ran out)
+        new = RedisStreamState(new_meta, "release", lease_s=30).open_group("g", 0)
+        relay.go.set()
+        closing.join(20)
+        assert not closing.is_alive()
+        assert direct.get(lease) == new._token.encode()
+    finally:
+        relay.go.set()
+        if new is not None:
+            new.close()
+        direct.close()
+        new_meta.close()
+        old_meta.close()
+        relay.close()

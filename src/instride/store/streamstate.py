@@ -599,6 +599,15 @@ end
 return 0
 """
 
+#: release a lease only if it is still this reader's (its token): one that ran out meanwhile
+#: and that another reader took stays that reader's (one step: no other command in between)
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
 #: write a group's cursor only while the group's lease is still this reader's (its token): a
 #: commit sent again on a new connection after the lease moved to another reader (which may
 #: have committed further since) writes nothing. KEYS: the lease, the groups' cursors; ARGV:
@@ -634,6 +643,7 @@ class RedisGroupCursor:
         self._renewed = time.monotonic()  # (the lease is good until lease_s after this)
         self._lost = False
         self._script = r.register_script(_RENEW)
+        self._release = r.register_script(_RELEASE)
         r.hsetnx(state._groups, name, start)
         self.value = int(r.hget(state._groups, name))
         self._stop = threading.Event()
@@ -695,7 +705,8 @@ class RedisGroupCursor:
             self.value = value
 
     def close(self) -> None:
-        """Release the lease (the cursor stays).
+        """Release the lease (the cursor stays), if it is still this reader's (compared and
+        deleted in one step: see :data:`_RELEASE`).
 
         The last commit is answered first (this thread's deferred commands): a commit that
         arrived after the lease went would be refused. Where Redis cannot be reached within
@@ -711,5 +722,4 @@ class RedisGroupCursor:
             except Exception:  # (an error answer to a deferred command: answered, in step)
                 pass
             with contextlib.suppress(Exception):
-                if self.state.redis.get(self._lock) == self._token.encode():
-                    self.state.redis.delete(self._lock)
+                self._release(keys=[self._lock], args=[self._token])
