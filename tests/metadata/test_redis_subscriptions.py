@@ -5,8 +5,10 @@ UNSUBSCRIBE) is never taken for the current wait's."""
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -15,12 +17,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from instride.config import Settings
 from instride.errors import ConsumeTimeout
 from instride.metadata.base import Record
 from instride.metadata.redis import RedisMetadata
-from tests.conftest import RedisServer, _redis_binary
+from tests.conftest import RedisServer, _redis_binary, stop_process
 from tests.relay import Relay
 
 
@@ -251,3 +254,116 @@ def test_a_wait_on_a_connection_cut_without_a_word_subscribes_again(
         waiter.close()
         direct.close()
         relay.close()
+
+
+class _UnixRedis:
+    """A redis-server on a Unix socket only, at ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> _UnixRedis:
+        """Start it; it answers on ``path`` when this returns (a path that names the socket of
+        another server, stopped, is taken over: redis-server replaces the socket file)."""
+        self.proc = subprocess.Popen([_redis_binary(), "--port", "0", "--unixsocket", str(self.path),
+                                      "--save", "", "--appendonly", "no", "--loglevel", "warning"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            probe = redis.Redis(unix_socket_path=str(self.path), socket_timeout=0.2,
+                                socket_connect_timeout=0.2, retry=None)
+            try:
+                if probe.info("server")["process_id"] == self.proc.pid:
+                    return self
+            except (redis.RedisError, OSError):
+                pass
+            finally:
+                probe.close()
+            assert self.proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        """Stop it (resumed first, if a test stopped it with ``SIGSTOP``)."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+@pytest.fixture
+def unix_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[_UnixRedis]]]:
+    """A directory for Unix sockets, and the list of the redis-servers a test starts there: each
+    stopped at the end (resumed first if the test stopped it), and the directory removed."""
+    where = tmp_path_factory.mktemp("redis-unix")
+    servers: list[_UnixRedis] = []
+    try:
+        yield where, servers
+    finally:
+        for server in servers:
+            server.stop()
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def test_a_wait_through_redis_py_gives_up_a_subscriber_connection_nobody_answers(
+        unix_servers: tuple[Path, list[_UnixRedis]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over a ``unix://`` URL (redis-py's subscriber, not the lean one) the Redis server stops
+    answering (stopped: a hung server) and another one takes its socket's path. The waiting
+    subscriber, silent ``PROBE_AFTER`` seconds, is asked a PING; unanswered ``PROBE_WAIT``
+    seconds later, it is given up, and the wait subscribes again (with the new server) and
+    finds the key published there, rather than waiting out its timeout on a connection that
+    nobody will ever answer."""
+    from instride.metadata import resp
+
+    monkeypatch.setattr(resp, "PROBE_AFTER", 0.5, raising=False)
+    monkeypatch.setattr(resp, "PROBE_WAIT", 0.5, raising=False)
+    where, servers = unix_servers
+    path = where / "redis.sock"
+    servers.append(_UnixRedis(path))
+    old = servers[-1].start()
+    assert old.proc is not None
+    url = f"unix://{path}"
+    waiter = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=2))
+    publisher = None
+    try:
+        got: list[Record | Exception] = []
+
+        def wait() -> None:
+            try:
+                got.append(waiter.wait_any(["silent-key"], 20.0))
+            except ConsumeTimeout as exc:
+                got.append(exc)
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        watch = redis.Redis(unix_socket_path=str(path))
+        deadline = time.monotonic() + 10
+        while watch.pubsub_numsub("instride:pub:silent-key") != [(b"instride:pub:silent-key", 1)]:
+            assert time.monotonic() < deadline, "the wait did not subscribe"
+            time.sleep(0.01)
+        watch.close()
+        stop_process(old.proc.pid)
+        stopped = time.monotonic()
+        servers.append(_UnixRedis(path))
+        servers[-1].start()
+        publisher = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=2))
+        stored = publisher.publish(_record("silent-key"))
+        thread.join(40)
+        took = time.monotonic() - stopped
+        assert len(got) == 1 and isinstance(got[0], Record), got
+        assert got[0].version == stored.version
+        # (given up after PROBE_AFTER + PROBE_WAIT; the lookup that follows waits out redis-py's
+        # socket timeout, 5 s, on its pooled connection to the stopped server, then reconnects)
+        assert took < 12, took
+    finally:
+        if publisher is not None:
+            publisher.close()
+        waiter.close()

@@ -41,6 +41,7 @@ from ..config import Settings
 from ..errors import ConfigError, ConsumeTimeout, KeyExistsError, MetadataUnavailable
 from ..perthread import PerThread, forks
 from ..record import Record
+from . import resp
 from .base import PendingRecord
 from .resp import RespConnection, hash_fields
 
@@ -250,6 +251,54 @@ class _SoonRecord(PendingRecord):
             or isinstance(reply, Exception) else metadata._stored(self._record, reply, self)
         self._done = stored
         return stored
+
+
+class _Liveness:
+    """The liveness check of a waiting redis-py subscriber (``unix://`` and TLS URLs), as a
+    lean one's (:meth:`RespConnection._probe`).
+
+    After :data:`~instride.metadata.resp.PROBE_AFTER` seconds without a word on the
+    connection it is asked a ``PING``; when that goes unanswered
+    :data:`~instride.metadata.resp.PROBE_WAIT` seconds, it is taken for lost. A connection
+    whose far end went without a word (the Redis host crashed, was cut off, or hangs) would
+    otherwise be waited on until the caller's timeout, for ever without one, its
+    subscriptions long gone. (redis-py's own ``health_check_interval`` sends a ``PING`` but
+    never misses its answer.)
+
+    Parameters
+    ----------
+    ps
+        The subscriber (a :class:`redis.client.PubSub`, subscribed).
+    """
+
+    def __init__(self, ps: Any) -> None:
+        self.ps = ps
+        self.heard = time.monotonic()
+        self.probed: float | None = None  # (when a PING went out unanswered so far)
+
+    def message(self, timeout: float) -> dict[str, Any] | None:
+        """The next message of the subscriber, or ``None`` if none came within ``timeout``
+        seconds (or by the time a check was due).
+
+        Raises
+        ------
+        ConnectionError
+            The ``PING`` went unanswered: the connection is lost (the caller drops it).
+        """
+        due = self.heard + resp.PROBE_AFTER if self.probed is None \
+            else self.probed + resp.PROBE_WAIT
+        msg = self.ps.get_message(timeout=max(0.0, min(timeout, due - time.monotonic())))
+        now = time.monotonic()
+        if msg is not None:
+            self.heard, self.probed = now, None
+        elif self.probed is None:
+            if now - self.heard >= resp.PROBE_AFTER:
+                self.ps.ping()  # (its answer, a "pong" of no data, is skipped by the waits)
+                self.probed = now
+        elif now - self.probed >= resp.PROBE_WAIT:
+            raise ConnectionError(f"Redis did not answer a PING within {resp.PROBE_WAIT:g} s: "
+                                  "the connection is lost")
+        return msg
 
 
 #: every backend of this process (a forked child closes its copies of their subscribers)
@@ -669,6 +718,7 @@ class RedisMetadata:
                 ps.subscribe(*channels)
                 nonce = secrets.token_hex(8).encode()
                 ps.ping(nonce)
+                live = _Liveness(ps)  # (a silent connection is asked, then given up)
                 try:
                     # The subscription must be in force before the existence check: SUBSCRIBE
                     # travels on its own connection, and Redis may serve the check (sent on
@@ -676,14 +726,14 @@ class RedisMetadata:
                     # comes once it is; what comes before it is an earlier wait's (its
                     # confirmations, messages published before its UNSUBSCRIBE): skipped.
                     while True:
-                        msg = ps.get_message(timeout=remaining())
+                        msg = live.message(remaining())
                         if msg is not None and msg["type"] == "pong" and msg["data"] == nonce:
                             break
                     rec = self._check(keys, start, deadline)
                     if rec is not None:
                         return rec
                     while True:
-                        msg = ps.get_message(timeout=remaining())
+                        msg = live.message(remaining())
                         if msg is not None and msg["type"] == "message" and msg["channel"] in wanted:
                             rec = _from_message(msg["data"]) or self._check(keys, start, deadline)
                             if rec is not None:
@@ -691,7 +741,8 @@ class RedisMetadata:
                 finally:
                     ps.unsubscribe(*channels)
             except _ERRORS as exc:
-                # Redis went away: drop the connection, back off, re-subscribe, re-check.
+                # Redis went away (or stopped answering: see _Liveness): drop the connection,
+                # back off, re-subscribe, re-check.
                 self._drop_pubsub()
                 if deadline is not None and time.monotonic() >= deadline:
                     raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
