@@ -105,6 +105,13 @@ end
 return version
 """
 
+#: sent just ahead of a publication, in the same write: Redis writes what it owes its clients
+#: after it has run everything a read brought, the client that got something to send last
+#: first. Answered first, this makes the publisher's client the earlier one, so the
+#: announcement goes out to the waiters before the publisher's own answer (a bare PUBLISH ->
+#: subscriber between emulated nodes: 151 -> 116 µs, lower in 9 of 10 alternating rounds).
+_AHEAD = ("PING",)
+
 #: what makes a publication's id unique: this run of the program, the process, then a count
 _RUN = secrets.token_hex(6)
 _COUNT = itertools.count()
@@ -237,7 +244,7 @@ class _SoonRecord(PendingRecord):
         reply: Any = None
         if self._replies is not None and self._sender == (threading.get_ident(), forks()):
             try:
-                (reply,) = self._replies()
+                _pong, reply = self._replies()  # (see _AHEAD)
             except _ERRORS:
                 reply = None
         self._replies = None
@@ -441,7 +448,7 @@ class RedisMetadata:
             stored = self._publish_now(record, sent, pending)
             return pending
         try:
-            replies: Callable[[], list[Any]] | None = fast.call_soon([self._evalsha(sent)])
+            replies: Callable[[], list[Any]] | None = fast.call_soon([_AHEAD, self._evalsha(sent)])
         except _ERRORS:
             replies = None  # (not sent: the confirmation publishes)
         return _SoonRecord(self, record, sent, replies, fast)
@@ -483,7 +490,7 @@ class RedisMetadata:
         def run() -> Any:
             fast = self._fast()
             if fast is not None:
-                (reply,) = fast.call([self._evalsha(sent)])
+                _pong, reply = fast.call([_AHEAD, self._evalsha(sent)])
                 if not isinstance(reply, Exception):
                     return reply
                 if not str(reply).startswith("NOSCRIPT"):
