@@ -97,12 +97,13 @@ def test_values_set_without_waiting_survive_a_connection_redis_closed(
         meta.close()
 
 
-def test_scripts_run_without_waiting_are_loaded_again_on_a_new_connection(
+def test_scripts_run_without_waiting_need_no_script_cache(
         saved_redis: _SavedRedis, tmp_path: Path) -> None:
-    """``eval_later`` (a group's fenced cursor commit) sends an ``EVALSHA`` and reads its reply
-    later. A restarted Redis knows no script (``SCRIPT FLUSH`` and a closed connection here):
-    the script is loaded again on the new connection before the command is sent there, also
-    when it is the command sent again because its reply never came (not ``NOSCRIPT``)."""
+    """``eval_later`` (a group's fenced cursor commit) sends a script and reads its reply
+    later. A restarted Redis knows no script (``SCRIPT FLUSH`` and a closed connection here),
+    and an operator's ``SCRIPT FLUSH`` empties the cache under a live connection: the script
+    still runs, also when it is the command sent again because its reply never came (never
+    ``NOSCRIPT``)."""
     meta = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{saved_redis.port}/0",
                                   connect_timeout=5))
     direct = redis.Redis(port=saved_redis.port)
@@ -121,6 +122,11 @@ def test_scripts_run_without_waiting_are_loaded_again_on_a_new_connection(
         direct.script_flush()
         direct.client_kill_filter(_type="normal", skipme=True)  # (before its reply was read)
         assert meta.hgetall("later:script") == {b"g": b"3"}
+        direct.script_flush()  # (a live connection: nothing tells it)
+        for value in (4, 5):
+            meta.eval_later(script, ["later:script"], ["g", value])
+            assert meta.hgetall("later:script") == {b"g": str(value).encode()}
+        meta.flush()
     finally:
         direct.close()
         meta.close()

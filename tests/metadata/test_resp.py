@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -89,14 +90,48 @@ def test_answered_works_for_a_socket_past_descriptor_1023(redis_server: RedisSer
             os.close(fd)
 
 
-def test_a_failed_deferred_command_surfaces_at_the_next_call(redis_server: RedisServer) -> None:
+def test_a_failed_deferred_command_surfaces_at_the_next_defer_not_at_other_calls(
+        redis_server: RedisServer) -> None:
+    """A deferred command's error answer is read by whatever call comes next, but raised only
+    by the next ``defer`` (or ``raise_deferred``): the call that read it succeeded, and must
+    not report a failure of its own (a publication would be undone after Redis stored it)."""
     conn = _conn(redis_server)
     conn.call([("SET", "s", "x")])
     conn.defer([("HSET", "s", "a", 1)])  # WRONGTYPE: s is a string
+    assert conn.call([("GET", "s")]) == [b"x"]  # its own answer; the deferred one read
+    assert conn.deferred == 0
     with pytest.raises(redis.ResponseError, match="deferred.*WRONGTYPE"):
-        conn.call([("GET", "s")])
-    assert conn.call([("GET", "s")]) == [b"x"]  # the connection is still in step
+        conn.defer([("HSET", "h2", "a", 1)])
+    conn.defer([("HSET", "h2", "a", 1)])  # (reported once: this one goes)
+    assert conn.call([("HGET", "h2", "a")]) == [b"1"]  # the connection is still in step
+    conn.defer([("HSET", "s", "b", 2)])
+    conn.call([("PING",)])
+    with pytest.raises(redis.ResponseError, match="deferred.*WRONGTYPE"):
+        conn.raise_deferred()
+    conn.raise_deferred()  # (once)
     conn.close()
+
+
+def test_a_failed_deferred_command_does_not_fail_a_publication(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    """A cursor commit refused by Redis must not make the next publication of the thread
+    raise (a write-once file would be removed although its record is stored); ``flush``
+    reports it."""
+    from instride.config import Settings
+    from instride.record import Record
+
+    md = RedisMetadata(Settings(dir=tmp_path, redis_url=redis_server.url, connect_timeout=2))
+    try:
+        md.command("SET", "instride:test:str", "x")
+        md.set_later("instride:test:str", {"a": 1})  # WRONGTYPE
+        rec = md.publish(Record("out/r", "127.0.0.1:1", 1, "xxh3:00", 1, 0.0, "n"),
+                         overwrite=False)
+        assert rec.version > 0 and md.lookup("out/r") is not None
+        with pytest.raises(redis.ResponseError, match="deferred.*WRONGTYPE"):
+            md.flush()
+        md.flush()
+    finally:
+        md.close()
 
 
 def test_set_later_is_seen_by_other_clients(redis_server: RedisServer, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -527,17 +527,19 @@ class RedisMetadata:
     def eval_later(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> None:
         """Run the Lua ``script`` on ``keys`` and ``args`` without waiting for its reply.
 
-        An ``EVALSHA`` deferred as :meth:`set_later`'s ``HSET`` is (see
+        An ``EVAL`` deferred as :meth:`set_later`'s ``HSET`` is (see
         :meth:`RespConnection.defer`): it may run twice, sent again on a new connection after
         the first failed before its reply, so the script must check what it may still do
         then (a group's cursor written only while the reader still holds the group's lease).
-        Its reply is read and dropped; an error reply is raised by a later command. Run at
-        once (waiting) where the URL needs redis-py.
+        The script's text goes with every call (~150 bytes for a commit): nothing depends on
+        Redis's script cache, which a restart or ``SCRIPT FLUSH`` empties (an ``EVALSHA``
+        would fail with ``NOSCRIPT`` then). Its reply is read and dropped; an error reply is
+        raised by a later command. Run at once (waiting) where the URL needs redis-py.
 
         Parameters
         ----------
         script
-            The script's text (loaded on each connection that runs it).
+            The script's text.
         keys, args
             Its ``KEYS`` and ``ARGV``.
         """
@@ -549,11 +551,7 @@ class RedisMetadata:
             self._call("evalsha", lambda: runner(keys=list(keys), args=list(args)))
             return
 
-        def run() -> None:
-            sha = fast.script(script)
-            fast.defer([("EVALSHA", sha, len(keys), *keys, *args)])
-
-        self._call("evalsha", run)
+        self._call("eval", lambda: fast.defer([("EVAL", script, len(keys), *keys, *args)]))
 
     def command(self, *args: Any) -> Any:
         """One Redis command, on this thread's lean connection where the URL allows (the
@@ -572,10 +570,18 @@ class RedisMetadata:
 
     def flush(self) -> None:
         """Wait until this thread's deferred commands (:meth:`set_later`,
-        :meth:`eval_later`) have run."""
+        :meth:`eval_later`) have run.
+
+        Raises
+        ------
+        redis.ResponseError
+            One of them failed (its error answer, read here or by an earlier call).
+        """
         fast = self._fast()
-        if fast is not None and fast.deferred:
-            self.command("PING")
+        if fast is not None:
+            if fast.deferred:
+                self.command("PING")
+            fast.raise_deferred()
 
     def hgetall(self, name: str) -> dict[bytes, bytes]:
         """``HGETALL name`` (see :meth:`command`)."""

@@ -11,8 +11,6 @@ anything else (TLS, Unix sockets) keeps to redis-py. Errors are the builtin ``OS
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import os
 import select
 import socket
@@ -48,8 +46,7 @@ def _close_inherited() -> None:
         sock, conn.sock = conn.sock, None
         conn._soon.clear()
         conn._unanswered.clear()  # (the parent's to send again, not the child's)
-        conn._loading = 0
-        conn._loaded.clear()
+        conn._failed = None
         conn.patterns.clear()
         if sock is not None:
             sock.close()
@@ -67,13 +64,6 @@ UNAVAILABLE = ("LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN")
 # polls before every send and recv: what can go at once goes through its descriptor directly
 # (and what has come, :func:`~instride.busypoll.arrived`) — a poll() less per command and per
 # reply (a stream's producer sends one per frame).
-
-
-@functools.lru_cache(maxsize=64)
-def _sha1(body: str) -> str:
-    """The SHA1 of a Lua script, as ``EVALSHA`` names it (computed once per script: a group
-    reader's commits call one per frame)."""
-    return hashlib.sha1(body.encode()).hexdigest()
 
 
 def _written(sock: socket.socket, data: bytes) -> int:
@@ -110,14 +100,12 @@ class RespConnection:
         # :meth:`defer`'d commands whose replies are not read yet (packed): sent again first
         # on the next connection if this one fails before them
         self._unanswered: deque[bytes] = deque()
+        #: the first error answer to a deferred command not reported yet: raised by the next
+        #: :meth:`defer` or :meth:`raise_deferred`, never by an unrelated call
+        self._failed: Exception | None = None
         # the replies :meth:`call_soon` functions will read (their count, where they go), in
         # the order they were sent
         self._soon: deque[tuple[int, list[list[Any]]]] = deque()
-        #: the Lua scripts deferred commands may call with ``EVALSHA`` (their text by SHA1):
-        #: loaded on every new connection before anything else (see :meth:`script`)
-        self.scripts: dict[str, str] = {}
-        self._loaded: set[str] = set()  # (those this connection loaded)
-        self._loading = 0  # (replies to SCRIPT LOADs not read yet: they come first)
         #: patterns this connection is subscribed to, in order of use (gone with the socket)
         self.patterns: dict[str, None] = {}
         #: ``time.monotonic()`` by which a reply must have come (a caller's own deadline:
@@ -146,12 +134,8 @@ class RespConnection:
                 if isinstance(reply, Exception):
                     self.close()
                     raise redis.AuthenticationError(str(reply))
-        # the scripts the deferred commands call (a restarted Redis knows none), then the
-        # deferred commands of a connection that failed before their replies: again, in order
-        loads = [hiredis.pack_command(("SCRIPT", "LOAD", body)) for body in self.scripts.values()]
-        if loads or self._unanswered:
-            self._send_packed(b"".join([*loads, *self._unanswered]))
-            self._loading, self._loaded = len(loads), set(self.scripts)
+        if self._unanswered:  # (deferred on a connection that failed before their replies:
+            self._send_packed(b"".join(self._unanswered))  # again, in order)
         return sock
 
     @property
@@ -241,7 +225,6 @@ class RespConnection:
             if sock is None:
                 raise ConnectionError("the connection to Redis was closed")
             out: list[Any] = []
-            failed = None
             while len(out) < n:
                 reply = self.reader.gets()
                 if reply is False:
@@ -252,21 +235,32 @@ class RespConnection:
                     continue
                 if isinstance(reply, Exception) and str(reply).split(" ", 1)[0] in UNAVAILABLE:
                     raise redis.BusyLoadingError(str(reply))  # (the connection is closed)
-                if deferred and (self._loading or self._unanswered):  # replies come in
-                    if self._loading:  # order: the scripts loaded and the deferred commands'
-                        self._loading -= 1  # first
-                    else:
-                        self._unanswered.popleft()
-                    if isinstance(reply, Exception) and failed is None:
-                        failed = reply
+                if deferred and self._unanswered:  # replies come in order: the deferred
+                    self._unanswered.popleft()  # commands' first
+                    if isinstance(reply, Exception) and self._failed is None:
+                        self._failed = reply  # (theirs to hear: see raise_deferred)
                     continue
                 out.append(reply)
         except BaseException:
             self.close()
             raise
+        return out
+
+    def raise_deferred(self) -> None:
+        """Raise the first error answer to a :meth:`defer`'d command read so far (once).
+
+        Such an answer is kept until then, not raised by the call that happened to read it:
+        that call's own command succeeded (a publication raising for a failed cursor commit
+        would have its caller undo a publication Redis had stored).
+
+        Raises
+        ------
+        redis.ResponseError
+            A deferred command failed (e.g. ``WRONGTYPE``, ``OOM``).
+        """
+        failed, self._failed = self._failed, None
         if failed is not None:
             raise redis.ResponseError(f"a deferred Redis command failed: {failed}")
-        return out
 
     def _left(self, limit: float) -> float:
         """``limit`` seconds, or less if :attr:`until` comes sooner (:class:`TimeoutError`
@@ -291,34 +285,19 @@ class RespConnection:
         """Send ``commands`` now and read their replies with the next :meth:`call`.
 
         For updates nobody waits on (a stream's head counters): the round trip overlaps the
-        caller's next work. An error reply surfaces as :class:`redis.ResponseError` from that
-        next call. If the connection breaks before their replies are read (Redis restarted,
+        caller's next work. An error reply surfaces as :class:`redis.ResponseError` from the
+        next :meth:`defer` (before it sends anything) or :meth:`raise_deferred`, not from other
+        calls, which read it. If the connection breaks before their replies are read (Redis restarted,
         or closed an idle connection), they may or may not have run: they are sent again
         first on the next connection, so they must be commands that may run twice (an
-        ``HSET`` of values, not of increments; a script of :meth:`script` that checks what it
-        may still do).
+        ``HSET`` of values, not of increments; an ``EVAL`` of a script that checks what it may
+        still do).
         """
         packed = [hiredis.pack_command(tuple(c)) for c in commands]
+        self.raise_deferred()
         self._settle()  # (replies still owed to a call_soon come first)
         self._send_packed(b"".join(packed))
         self._unanswered.extend(packed)
-
-    def script(self, body: str) -> str:
-        """The SHA1 of the Lua script ``body``, for ``EVALSHA`` in :meth:`defer`'d commands.
-
-        Redis is sent the script (``SCRIPT LOAD``, its reply read with the deferred ones) on
-        this connection before the first such command, and on every new connection before
-        the deferred commands are sent again: a Redis restarted meanwhile knows no script,
-        and an ``EVALSHA`` sent again there would fail (``NOSCRIPT``).
-        """
-        sha = _sha1(body)
-        self.scripts.setdefault(sha, body)
-        if self.sock is not None and sha not in self._loaded:  # (else: at the connection)
-            self._settle()  # (replies still owed to a call_soon come first)
-            self._send_packed(hiredis.pack_command(("SCRIPT", "LOAD", body)))
-            self._loading += 1
-            self._loaded.add(sha)
-        return sha
 
     def send(self, commands: Sequence[tuple[Any, ...]], *, settle: bool = True) -> None:
         """Send ``commands`` in one write without reading replies (subscriptions).
@@ -429,8 +408,6 @@ class RespConnection:
         sock, self.sock = self.sock, None
         # (the deferred commands not answered stay: sent again on the next connection)
         self._soon.clear()  # (a call_soon function then finds its box empty)
-        self._loading = 0  # (their replies will not come; the next connection loads again)
-        self._loaded.clear()
         self.patterns.clear()  # (and so do subscriptions)
         if sock is not None:
             sock.close()
