@@ -47,6 +47,7 @@ def _close_inherited() -> None:
         conn._soon.clear()
         conn._unanswered.clear()  # (the parent's to send again, not the child's)
         conn._failed = None
+        conn._parsed.clear()
         conn.patterns.clear()
         if sock is not None:
             sock.close()
@@ -100,6 +101,7 @@ class RespConnection:
         # :meth:`defer`'d commands whose replies are not read yet (packed): sent again first
         # on the next connection if this one fails before them
         self._unanswered: deque[bytes] = deque()
+        self._parsed: deque[Any] = deque()  # (replies parsed by answered(), in order)
         #: the first error answer to a deferred command not reported yet: raised by the next
         #: :meth:`defer` or :meth:`raise_deferred`, never by an unrelated call
         self._failed: Exception | None = None
@@ -183,27 +185,34 @@ class RespConnection:
         return replies
 
     def answered(self) -> bool:
-        """Whether the oldest reply owed to a :meth:`call_soon` function (or none is owed)
-        can be read without waiting: received already, or waiting in the socket."""
+        """Whether every reply owed to the oldest :meth:`call_soon` function (or none is owed)
+        can be read without waiting: received already (also what comes ahead of them: the
+        deferred commands' replies). What has come is taken in and parsed, without waiting;
+        a reply that came alone of the function's several (a ``PING`` answered while Redis
+        holds writes back, ``CLIENT PAUSE WRITE``) is not enough."""
         if not self._soon:
             return True
         sock = self.sock
-        if sock is None or self.reader.has_data():
+        if sock is None:
             return True  # (a closed connection: its function answers at once, with an error)
-        if sock.gettimeout():  # what has come, taken in without waiting (a producer asks
-            try:  # per frame: one read, no poll object)
+        try:  # what has come, taken in without waiting (a producer asks per frame: one read,
+            if sock.gettimeout():  # no poll object)
                 chunk = os.read(sock.fileno(), 1 << 16)
-            except (BlockingIOError, InterruptedError):
-                return False  # nothing yet
-            except OSError:
-                return True  # (reset: the read that follows raises ConnectionError)
+            else:
+                poller = select.poll()  # (not select(): descriptors past 1023 are common here)
+                poller.register(sock.fileno(), select.POLLIN)
+                chunk = sock.recv(1 << 16) if poller.poll(0) else None
+        except (BlockingIOError, InterruptedError):
+            chunk = None  # nothing more yet
+        except OSError:
+            return True  # (reset: the read that follows raises ConnectionError)
+        if chunk is not None:
             if not chunk:
                 return True  # (closed by Redis: the same)
             self._feed(chunk)
-            return True
-        poller = select.poll()  # (not select(): descriptors past 1023 are common here)
-        poller.register(sock.fileno(), select.POLLIN)
-        return bool(poller.poll(0))
+        while (reply := self.reader.gets()) is not False:
+            self._parsed.append(reply)
+        return len(self._parsed) >= len(self._unanswered) + self._soon[0][0]
 
     def _settle_one(self) -> None:
         """Read the replies the oldest :meth:`call_soon` function is owed, into its box."""
@@ -226,7 +235,7 @@ class RespConnection:
                 raise ConnectionError("the connection to Redis was closed")
             out: list[Any] = []
             while len(out) < n:
-                reply = self.reader.gets()
+                reply = self._parsed.popleft() if self._parsed else self.reader.gets()
                 if reply is False:
                     chunk = arrived(sock, 1 << 16) or self._recv(sock)
                     if not chunk:
@@ -322,6 +331,8 @@ class RespConnection:
         With ``spin``, the socket is busy-polled that long (within ``timeout``) before the
         thread sleeps in ``recv`` (:mod:`instride.busypoll`).
         """
+        if self._parsed:  # (parsed already by answered())
+            return self._parsed.popleft()
         reply = self.reader.gets() if self.sock is not None else False
         if reply is not False:
             return reply
@@ -371,7 +382,8 @@ class RespConnection:
 
     def pending(self) -> list[Any]:
         """The replies and pushed messages already received, without waiting for more."""
-        out: list[Any] = []
+        out: list[Any] = list(self._parsed)  # (parsed already by answered())
+        self._parsed.clear()
         sock = self.sock
         if sock is None:
             return out
@@ -408,6 +420,7 @@ class RespConnection:
         sock, self.sock = self.sock, None
         # (the deferred commands not answered stay: sent again on the next connection)
         self._soon.clear()  # (a call_soon function then finds its box empty)
+        self._parsed.clear()
         self.patterns.clear()  # (and so do subscriptions)
         if sock is not None:
             sock.close()
