@@ -367,3 +367,49 @@ def test_a_wait_through_redis_py_gives_up_a_subscriber_connection_nobody_answers
         if publisher is not None:
             publisher.close()
         waiter.close()
+
+
+def test_a_wait_through_redis_py_whose_connection_redis_closed_sees_a_publication_made_meanwhile(
+        unix_servers: tuple[Path, list[_UnixRedis]], tmp_path: Path) -> None:
+    """Over a ``unix://`` URL (redis-py's subscriber), Redis closes the waiting subscriber's
+    connection (``client-output-buffer-limit pubsub``, a proxy's cut: ``CLIENT KILL`` here) and
+    the key is published right after. redis-py's retry used to reconnect and subscribe again
+    inside its read, silently: the publication made in between was missed and the key never
+    looked up again, so the wait ran out its timeout. The wait now hears of the closed
+    connection, subscribes again and looks the key up."""
+    where, servers = unix_servers
+    path = where / "redis.sock"
+    servers.append(_UnixRedis(path))
+    servers[-1].start()
+    url = f"unix://{path}"
+    waiter = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=2))
+    publisher = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=2))
+    admin = redis.Redis(unix_socket_path=str(path))
+    try:
+        for i in range(3):
+            key = f"cut/{i}"
+            got: list[Record | Exception] = []
+
+            def wait(key: str = key, got: list[Record | Exception] = got) -> None:
+                try:
+                    got.append(waiter.wait_any([key], 6.0))
+                except ConsumeTimeout as exc:
+                    got.append(exc)
+
+            thread = threading.Thread(target=wait)
+            thread.start()
+            channel = f"instride:pub:{key}"
+            deadline = time.monotonic() + 5
+            while admin.pubsub_numsub(channel) != [(channel.encode(), 1)]:
+                assert time.monotonic() < deadline, "the wait did not subscribe"
+                time.sleep(0.005)
+            time.sleep(0.05)  # (its subscription confirmed and its look at the key done)
+            admin.client_kill_filter(_type="pubsub")
+            stored = publisher.publish(_record(key))
+            thread.join(20)
+            assert len(got) == 1 and isinstance(got[0], Record), (key, got)
+            assert got[0].version == stored.version
+    finally:
+        admin.close()
+        publisher.close()
+        waiter.close()

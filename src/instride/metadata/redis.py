@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from ..config import Settings
@@ -345,6 +345,17 @@ class RedisMetadata:
             socket_timeout=max(settings.connect_timeout, 5.0),
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.01), 3),
             retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+            health_check_interval=0,
+        )
+        # The subscribers' client (URLs that need redis-py): no retry. redis-py's own retry
+        # reconnects a subscriber and subscribes again inside a read, silently: a publication
+        # made in between was missed, and the wait never looked the key up again. Without it
+        # the error reaches the wait, which subscribes again and looks again.
+        self._subscribers = redis.Redis.from_url(
+            self.url,
+            socket_connect_timeout=settings.connect_timeout,
+            socket_timeout=max(settings.connect_timeout, 5.0),
+            retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
         )
         self._publish = self.redis.register_script(_PUBLISH)
@@ -670,7 +681,7 @@ class RedisMetadata:
         local = self._per_thread.get()
         ps = getattr(local, "pubsub", None)
         if ps is None:
-            ps = self.redis.pubsub(ignore_subscribe_messages=False)
+            ps = self._subscribers.pubsub(ignore_subscribe_messages=False)
             local.pubsub = ps
             with self._lock:
                 self._pubsubs.add(ps)
@@ -1095,3 +1106,4 @@ class RedisMetadata:
         for conn in fasts:
             conn.close()  # reconnected on next use: the backend stays usable
         self.redis.close()
+        self._subscribers.close()
