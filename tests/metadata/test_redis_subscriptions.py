@@ -85,6 +85,23 @@ def _record(key: str) -> Record:
     return Record(key, "127.0.0.1:1", 1, "xxh3:0", 0, time.time(), "n1")
 
 
+def _waiting(meta: RedisMetadata, key: str, timeout: float
+             ) -> tuple[threading.Thread, list[Record | Exception]]:
+    """A thread (started) waiting for ``key``; the list gets what its wait returned, or its
+    :class:`ConsumeTimeout`."""
+    got: list[Record | Exception] = []
+
+    def wait() -> None:
+        try:
+            got.append(meta.wait_any([key], timeout))
+        except ConsumeTimeout as exc:
+            got.append(exc)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    return thread, got
+
+
 def test_a_wait_after_one_that_left_before_its_confirmation_hears_the_publication(
         redis_server: RedisServer, tmp_path: Path) -> None:
     """A wait that timed out before Redis confirmed its SUBSCRIBE leaves that confirmation on
@@ -233,16 +250,7 @@ def test_a_wait_on_a_connection_cut_without_a_word_subscribes_again(
                                     connect_timeout=2))
     try:
         for key in ("cut-key", "cut/dir/key"):
-            got: list[Record | Exception] = []
-
-            def wait(key: str = key, got: list[Record | Exception] = got) -> None:
-                try:
-                    got.append(waiter.wait_any([key], 20.0))
-                except ConsumeTimeout as exc:
-                    got.append(exc)
-
-            thread = threading.Thread(target=wait)
-            thread.start()
+            thread, got = _waiting(waiter, key, 20.0)
             time.sleep(0.3)  # (subscribed)
             relay.freeze()
             time.sleep(0.1)
@@ -334,16 +342,7 @@ def test_a_wait_through_redis_py_gives_up_a_subscriber_connection_nobody_answers
     waiter = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=2))
     publisher = None
     try:
-        got: list[Record | Exception] = []
-
-        def wait() -> None:
-            try:
-                got.append(waiter.wait_any(["silent-key"], 20.0))
-            except ConsumeTimeout as exc:
-                got.append(exc)
-
-        thread = threading.Thread(target=wait)
-        thread.start()
+        thread, got = _waiting(waiter, "silent-key", 20.0)
         watch = redis.Redis(unix_socket_path=str(path))
         deadline = time.monotonic() + 10
         while watch.pubsub_numsub("instride:pub:silent-key") != [(b"instride:pub:silent-key", 1)]:
@@ -388,16 +387,7 @@ def test_a_wait_through_redis_py_whose_connection_redis_closed_sees_a_publicatio
     try:
         for i in range(3):
             key = f"cut/{i}"
-            got: list[Record | Exception] = []
-
-            def wait(key: str = key, got: list[Record | Exception] = got) -> None:
-                try:
-                    got.append(waiter.wait_any([key], 6.0))
-                except ConsumeTimeout as exc:
-                    got.append(exc)
-
-            thread = threading.Thread(target=wait)
-            thread.start()
+            thread, got = _waiting(waiter, key, 6.0)
             channel = f"instride:pub:{key}"
             deadline = time.monotonic() + 5
             while admin.pubsub_numsub(channel) != [(channel.encode(), 1)]:
