@@ -545,7 +545,8 @@ class RedisMetadata:
         The script's text goes with every call (~150 bytes for a commit): nothing depends on
         Redis's script cache, which a restart or ``SCRIPT FLUSH`` empties (an ``EVALSHA``
         would fail with ``NOSCRIPT`` then). Its reply is read and dropped; an error reply is
-        raised by a later command. Run at once (waiting) where the URL needs redis-py.
+        raised by the thread's next deferred command or :meth:`flush`. Run at once (waiting)
+        where the URL needs redis-py.
 
         Parameters
         ----------
