@@ -767,8 +767,12 @@ class RedisMetadata:
                     ps.unsubscribe(*channels)
             except _ERRORS as exc:
                 # Redis went away (or stopped answering: see _Liveness): drop the connection,
-                # back off, re-subscribe, re-check.
+                # back off, re-subscribe, re-check. The pool's idle connections go too: they
+                # lead where this one did, and the check's look would otherwise wait out its
+                # socket timeout (5 s) on one of them before reconnecting.
                 self._drop_pubsub()
+                with contextlib.suppress(Exception):
+                    self.redis.connection_pool.disconnect(inuse_connections=False)
                 if deadline is not None and time.monotonic() >= deadline:
                     raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
                 time.sleep(0.05)
