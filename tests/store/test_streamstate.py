@@ -19,6 +19,13 @@ from tests.metadata.test_redis import _ReplyDropper
 from tests.relay import Relay
 
 
+def _started(meta: RedisMetadata, stream: str) -> RedisStreamState:
+    """``stream``'s state in Redis, started afresh with one consumer group, ``g``."""
+    state = RedisStreamState(meta, stream, lease_s=30)
+    state.start(Policy(), ("g",), reset=True)
+    return state
+
+
 def test_a_group_lease_whose_answer_was_lost_is_the_readers_own(redis_server: RedisServer,
                                                                 tmp_path: Path) -> None:
     """The answer to the ``SET NX`` that takes a group's lease is lost (the connection fails
@@ -29,8 +36,7 @@ def test_a_group_lease_whose_answer_was_lost_is_the_readers_own(redis_server: Re
                                   connect_timeout=2))
     direct = redis.Redis(host=redis_server.host, port=redis_server.port)
     try:
-        state = RedisStreamState(meta, "lease", lease_s=30)
-        state.start(Policy(), ("g",), reset=True)
+        state = _started(meta, "lease")
         relay.armed = True
         cursor = state.open_group("g", 0)
         assert relay.dropped == 1
@@ -67,8 +73,7 @@ def test_a_commit_sent_again_after_the_lease_moved_does_not_set_the_cursor_back(
     lease = "instride:stream:fence:group:g:lease"
     old = new = None
     try:
-        state = RedisStreamState(old_meta, "fence", lease_s=30)
-        state.start(Policy(), ("g",), reset=True)
+        state = _started(old_meta, "fence")
         old = state.open_group("g", 0)
         old.commit(3)
         old_meta.flush()
@@ -104,8 +109,7 @@ def test_a_group_cursor_is_written_only_while_the_lease_is_the_readers(
     direct = redis.Redis(host=redis_server.host, port=redis_server.port)
     lease = "instride:stream:commits:group:g:lease"
     try:
-        state = RedisStreamState(meta, "commits", lease_s=30)
-        state.start(Policy(), ("g",), reset=True)
+        state = _started(meta, "commits")
         reader = state.open_group("g", 0)
         reader.commit(7)
         meta.flush()
