@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import instride
 from instride.errors import KeyValidationError
-from instride.keys import MAX_COMPONENT_BYTES, MAX_KEY_BYTES, TMP_PATTERN, normalize_key, tmp_path
+from instride.keys import MAX_COMPONENT_BYTES, MAX_KEY_BYTES, TMP_PATTERN, normalize_key, tmp_name, tmp_path
 
 ROOT = Path("/managed/root")
 
@@ -106,3 +106,22 @@ def test_property_never_escapes(raw: str) -> None:
     except KeyValidationError:
         return
     assert os.path.normpath(ROOT / key).startswith(str(ROOT) + "/")
+
+
+def test_a_temporary_name_carries_the_process_id_also_in_a_forked_child() -> None:
+    """Temporary names carry the id of the process that writes them (``instride gc`` leaves
+    those of live writers): the id is kept, not asked for each time, and a child made by
+    ``fork`` gets its own."""
+    assert f".instride-{os.getpid()}-" in tmp_name("/a/b")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # (the child: its name and its id, to the parent)
+        os.close(r)
+        os.write(w, f"{tmp_name('/a/b')} {os.getpid()}".encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as fh:
+        name, child = fh.read().split()
+    assert os.waitpid(pid, 0)[1] == 0
+    assert f".instride-{child}-" in name and child != str(os.getpid())
+    assert TMP_PATTERN.match(os.path.basename(name))

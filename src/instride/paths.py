@@ -39,8 +39,8 @@ from pathlib import Path
 
 from .errors import FileTypeError, UnsafePathError
 
-__all__ = ["ConfinedOpener", "check_confined", "check_parents", "confined_path", "managed_key_of",
-           "open_confined"]
+__all__ = ["ConfinedOpener", "check_confined", "check_parents", "confined_file", "confined_path",
+           "managed_key_of", "open_confined"]
 
 
 def _kind(mode: int) -> str:
@@ -118,15 +118,23 @@ def check_confined(root: str | os.PathLike[str], key: str, *, for_write: bool) -
 
     Same checks, same errors; returns ``f"{root}/{key}"``.
     """
+    return confined_file(root, key, for_write=for_write)[0]
+
+
+def confined_file(root: str | os.PathLike[str], key: str, *, for_write: bool) -> tuple[str, bool]:
+    """:func:`check_confined`, and whether the key's file is there: ``(path, exists)``.
+
+    Same checks, same errors (a missing file is fine: ``exists`` is ``False``).
+    """
     check_parents(root, key)
     path = f"{os.fspath(root)}/{key}"
     try:
         st = os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):
-        return path
+        return path, False
     mode = st.st_mode
     if stat.S_ISREG(mode):
-        return path
+        return path, True
     if stat.S_ISLNK(mode):
         raise UnsafePathError(key, "it is a symbolic link; keys never follow links")
     what = "written" if for_write else "consumed"

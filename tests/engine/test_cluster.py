@@ -723,7 +723,6 @@ def test_a_consumer_walking_keys_leaves_no_lock_files_and_reads_no_sidecar_it_ju
         return cached_version(key)
 
     engine.cached_version = counted  # type: ignore[method-assign]
-    locks_before = set(os.listdir(engine.lock_dir)) if engine.lock_dir.exists() else set()
     keys = []
     reader = instride.Stream("walk/run", timeout=20, client=c2)
     thread, errors = _producing(c1, "walk/run", [pos + i for i in range(frames)])
@@ -741,7 +740,7 @@ def test_a_consumer_walking_keys_leaves_no_lock_files_and_reads_no_sidecar_it_ju
     assert engine.early_transfers >= frames - 2
     # (the first keys come the usual way; the others were brought by the wait)
     assert sum(1 for n in after_wait[2:] if n == 0) >= frames - 4, after_wait
-    assert set(os.listdir(engine.lock_dir)) - locks_before == set()
+    assert engine._key_locks._held == set()  # (no fetch lock left held)
 
 
 def test_a_consumer_reading_two_streams_in_turn_asks_each_owner_early(
@@ -827,9 +826,8 @@ def test_an_early_fetch_holds_the_keys_lock_before_the_bytes_are_taken_off_the_s
     """An early fetch takes the key's fetch lock as soon as the owner's reply starts, before
     the body is received (a woken process's first pass through the lock is slow; the owner's
     ``sendfile`` is still under way then): when the transport starts taking the bytes off the
-    socket, another open file of the key's lock finds it held."""
-    import fcntl
-    import hashlib
+    socket, the key's lock is held."""
+    import zlib
 
     c1, c2, _ = clients
     engine = c2.engine
@@ -839,19 +837,8 @@ def test_an_early_fetch_holds_the_keys_lock_before_the_bytes_are_taken_off_the_s
     seen: list[str] = []
 
     def spied(sock: Any, like: Record, key: str, *args: Any, **kw: Any) -> Any:
-        name = engine.lock_dir / hashlib.sha1(key.encode()).hexdigest()
-        try:
-            fd = os.open(name, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            seen.append("missing")
-        else:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                seen.append("free")
-            except BlockingIOError:
-                seen.append("held")
-            finally:
-                os.close(fd)  # (a lock taken here goes with it)
+        held = zlib.crc32(key.encode()) in engine._key_locks._held  # (taken with the kernel's)
+        seen.append("held" if held else "free")
         return receive_asked(sock, like, key, *args, **kw)
 
     monkeypatch.setattr(transport, "receive_asked", spied)
@@ -899,15 +886,23 @@ def test_a_consumer_walking_keys_receives_frames_into_mappings_of_files_made_ahe
     assert not [n for n in os.listdir(c2.root / "mapped" / "run") if n.startswith(".")]
 
 
+_OTHER_PROCESS_TRIES = """
+import sys
+from pathlib import Path
+from instride.store.slots import slot_locks
+with slot_locks(Path(sys.argv[1])).held(sys.argv[2]) as taken:
+    print(taken)
+"""
+
+
 def test_the_fetch_lock_of_a_key_is_held_by_one_at_a_time_and_leaves_no_file(
         clients: list[instride.Client]) -> None:
-    """The per-key fetch lock excludes the other threads and processes of the node while each
-    holder removes its file before letting go (a waiter that got the removed file's lock tries
-    again on the new one); other keys are not held up by it; nothing is left behind."""
+    """The per-key fetch lock excludes the other threads and processes of the node; other
+    keys are not held up by it; it is a byte of one file, so no file per key is left."""
     _, c2, c3 = clients
-    engines = [c2.engine, c3.engine]  # (two clients of one node share its lock directory)
+    engines = [c2.engine, c3.engine]  # (two clients of one node share its lock file)
     assert all(isinstance(e, ClusterEngine) for e in engines)
-    if engines[0].lock_dir != engines[1].lock_dir:
+    if engines[0]._key_locks.path != engines[1]._key_locks.path:
         engines = [c2.engine, c2.engine]
     inside: list[int] = []
     most, errors = [0], []
@@ -929,23 +924,29 @@ def test_the_fetch_lock_of_a_key_is_held_by_one_at_a_time_and_leaves_no_file(
     for t in threads:
         t.join(60)
     assert errors == [] and most[0] == 1  # one holder at a time
-    # held: the same key's lock is not to be had (a deadline already past), another key's is
+    path = str(engines[0]._key_locks.path)
+
+    def other_process_takes(key: str) -> bool:
+        out = subprocess.run([sys.executable, "-c", _OTHER_PROCESS_TRIES, path, key],
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+        return out.strip() == "True"
+
+    # held: the same key's lock is not to be had (a deadline already past; in another process
+    # neither), another key's is
     with engines[0]._lock("lk/same", None):
         with pytest.raises(ConsumeTimeout):
             with engines[1]._lock("lk/same", time.monotonic()):
                 pass
+        assert not other_process_takes("lk/same")
         with engines[1]._lock("lk/other", time.monotonic()):
             pass
-    assert not any(n for n in os.listdir(engines[0].lock_dir) if not n.startswith("."))
-    # the lock directory removed under a holder: a new holder's file (made after it) is not
-    # removed by the first one as it lets go
-    with engines[0]._lock("lk/gone", None):
-        shutil.rmtree(engines[0].lock_dir)
-        second = engines[1]._lock("lk/gone", time.monotonic() + 5)
-        second.__enter__()
-    assert len(os.listdir(engines[0].lock_dir)) == 1  # (the second holder's)
-    second.__exit__(None, None, None)
-    assert os.listdir(engines[0].lock_dir) == []
+        assert other_process_takes("lk/other")
+    assert other_process_takes("lk/same")  # (let go of)
+    with pytest.raises(KeyError), engines[0]._lock("lk/raised", None):
+        raise KeyError("lk/raised")  # (a failed fetch: the lock goes with the error)
+    assert other_process_takes("lk/raised") and engines[0]._key_locks._held == set()
+    internal = engines[0]._key_locks.path.parent
+    assert not (internal / "locks").exists() and engines[0]._key_locks.path.is_file()
 
 
 @pytest.mark.parametrize("offset", [200, 20], ids=["payload", "header"])
@@ -1573,6 +1574,54 @@ def test_a_consumer_waiting_key_by_key_gets_each_next_key_as_it_is_published(
     assert got == [bytes([i]) * 30_000 for i in range(n)]
     assert c2.engine.early_transfers - before >= n - 2  # (the first one the usual way)
     assert sorted(os.listdir(c2.root / "wk")) == sorted(f"f{i}" for i in range(n))  # nothing staged
+
+
+def test_consume_right_after_a_wait_that_fetched_the_key_asks_nothing_more(
+        clients: list[instride.Client], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``consume`` of the key a wait just fetched early (the file API's stream loop) serves
+    that copy with one check of its file (the engine is not asked again); a copy removed since
+    (evicted by another process of the node) is fetched again, and a symbolic link put in its
+    place is refused, as on the usual way."""
+    from instride.errors import UnsafePathError
+
+    c1, c2, _ = clients
+
+    def next_key(i: int) -> str:  # the wait that fetches key i early (key i-1 came first)
+        def publish() -> None:
+            time.sleep(0.1)  # (the consumer waits for it: it asked for it early)
+            with c1.open(f"fn/f{i}", "wb") as fh:
+                fh.write(bytes([i]) * 20_000)
+
+        producer = threading.Thread(target=publish)
+        producer.start()
+        try:
+            return c2.wait_any([f"fn/f{i}"], timeout=20)
+        finally:
+            producer.join(20)
+
+    with c1.open("fn/f0", "wb") as fh:
+        fh.write(b"\0" * 20_000)
+    c2.consume("fn/f0", timeout=20)  # (the usual way: the next ones are asked for early)
+    assert next_key(1) == "fn/f1" and c2.engine.fetched_now("fn/f1")  # (used once)
+    assert not c2.engine.fetched_now("fn/f1")
+    looks: list[str] = []  # (the engine's own consume: its look at the file, sidecar, Redis)
+    real_consume = c2.engine.consume
+    monkeypatch.setattr(c2.engine, "consume",
+                        lambda key, timeout: looks.append(key) or real_consume(key, timeout))
+    assert next_key(2) == "fn/f2"
+    assert c2.consume("fn/f2", timeout=20).read_bytes() == bytes([2]) * 20_000
+    assert looks == []
+
+    assert next_key(3) == "fn/f3"
+    os.unlink(c2.root / "fn" / "f3")  # (evicted meanwhile)
+    assert c2.consume("fn/f3", timeout=20).read_bytes() == bytes([3]) * 20_000
+    assert looks == ["fn/f3"]
+
+    assert next_key(4) == "fn/f4"
+    os.unlink(c2.root / "fn" / "f4")
+    os.symlink(c2.root / "fn" / "f3", c2.root / "fn" / "f4")
+    with pytest.raises(UnsafePathError):
+        c2.consume("fn/f4", timeout=20)
 
 
 def test_a_key_published_by_another_owner_wins_over_the_early_request(

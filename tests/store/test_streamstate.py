@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -195,3 +196,28 @@ def test_closing_a_reader_never_releases_a_lease_another_reader_took(
         new_meta.close()
         old_meta.close()
         relay.close()
+
+
+def test_a_forked_child_closing_its_copy_of_a_cursor_leaves_the_parents_lease(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    """A child made by ``fork`` inherits a reader's cursor, its token with it: its ``close``
+    (explicit, or at its exit) must not delete the lease the parent still holds and renews
+    (a second reader could then take the group: two readers taking the same frames)."""
+    lease = b"instride:stream:forked:group:g:lease"
+    meta = RedisMetadata(Settings(dir=tmp_path, redis_url=redis_server.url, connect_timeout=2))
+    direct = redis.Redis(host=redis_server.host, port=redis_server.port)
+    try:
+        cursor = _started(meta, "forked").open_group("g", 0)
+        pid = os.fork()
+        if pid == 0:  # (the child: closes its copy, reports nothing but its exit status)
+            try:
+                cursor.close()
+            finally:
+                os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert direct.get(lease) == cursor._token.encode()
+        cursor.close()  # (the parent's own close releases it)
+        assert direct.get(lease) is None
+    finally:
+        direct.close()
+        meta.close()

@@ -11,8 +11,6 @@ Concurrent consumers of one key on one node share a single transfer (an ``flock`
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
 import io
 import json
 import math
@@ -73,17 +71,6 @@ _EARLY_MARGIN = 1.0
 
 
 _NUMBERED = re.compile(r"^(.*?)(\d+)(\D*)$")
-
-
-def _names(name: str, fd: int) -> bool:
-    """Whether ``name`` still names the open file ``fd`` (a lock file not removed meanwhile: an
-    unlinked file has no links left, and its inode number may be given to a new one)."""
-    held = os.fstat(fd)
-    try:
-        now = os.stat(name)
-    except FileNotFoundError:
-        return False
-    return held.st_nlink > 0 and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _follows(key: str, prev: str) -> bool:
@@ -148,7 +135,8 @@ class ClusterEngine:
         self.recv_pool = ReceivePool(settings.internal_dir / "recv", keep_bytes=min(
             KEEP_BYTES, KEEP_BYTES if settings.cache_bytes is None else settings.cache_bytes),
             ahead=settings.cache_bytes is None, ahead_bytes=settings.ahead_bytes)
-        self.lock_dir = settings.internal_dir / "locks"
+        #: who of the node fetches a key (one transfer per key and node at a time)
+        self._key_locks = slot_locks(settings.internal_dir / "fetch.lock")
         #: who of the node asks a key's owner early (one consumer per key at a time)
         self._asking_locks = slot_locks(settings.internal_dir / "asking.lock")
         #: early fetches received into a mapping of their file (for tests and benchmarks)
@@ -182,7 +170,6 @@ class ClusterEngine:
         #: waits whose early request was withdrawn: another owner published first
         self.early_withdrawn = 0
         self._cache_s = str(self.cache_dir)
-        self._lock_s = str(self.lock_dir)
 
     # ------------------------------------------------------------------ cache index
     def _sidecar(self, key: str) -> str:
@@ -229,7 +216,8 @@ class ClusterEngine:
             os.close(fd)
         os.replace(tmp, side)
 
-    def _store_copy(self, staged: str, path: str, record: Record) -> None:
+    def _store_copy(self, staged: str, path: str, record: Record,
+                    there: bool | None = None) -> None:
         """Give the fetched bytes in ``staged`` the key's name, and their version a sidecar.
 
         Over a file already there (an earlier copy, or an original): the bytes first, then
@@ -238,9 +226,12 @@ class ClusterEngine:
         first — a moment with the file and no sidecar would make the copy look like an
         original of this node (:meth:`is_copy`), and a reader beside it would wait here for
         the stream's next frame, which is made elsewhere, for a whole wait slice; a sidecar
-        without its file yet only says nothing is cached.
+        without its file yet only says nothing is cached. ``there``: whether a file is at
+        ``path`` (when the caller just looked; else looked at here).
         """
-        if os.access(path, os.F_OK, follow_symlinks=False):
+        if there is None:
+            there = os.access(path, os.F_OK, follow_symlinks=False)
+        if there:
             store.publish_file(staged, path, record.key, overwrite=True)
             self._remember(record)
             return
@@ -253,47 +244,25 @@ class ClusterEngine:
 
     @contextlib.contextmanager
     def _lock(self, key: str, deadline: float | None) -> Iterator[None]:
-        """Exclusive per-key lock across the node's processes, bounded by ``deadline``.
+        """Exclusive per-key lock across the node's processes and threads, bounded by
+        ``deadline`` (:class:`ConsumeTimeout` once it has passed; ``time.monotonic()``: one try).
 
-        The lock is a file named by the key's hash, made for the fetch and removed by its
-        holder before it lets go: a node keeps no file per key it ever fetched (one per frame
-        of every stream, for as long as it runs). A waiter that got the lock of a file removed
-        meanwhile (the key's name no longer names the file it holds) tries again on the new one.
+        A byte of one file (:mod:`instride.store.slots`: a POSIX record lock at the key's
+        CRC-32), so one system call to take it and one to let go: a lock file made and
+        removed per fetch cost ~0.1 ms of each frame a woken consumer fetched (create, lock,
+        two checks that the name still names it, unlink, close), and a file kept per key
+        would pile up, one for every frame of every stream the node ever fetched.
         """
-        name = f"{self._lock_s}/{hashlib.sha1(key.encode()).hexdigest()}"
         delay = 0.001
         while True:
-            try:
-                fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            except FileNotFoundError:
-                self.lock_dir.mkdir(parents=True, exist_ok=True)
-                continue
-            try:
-                while True:
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        break
-                    except BlockingIOError:
-                        if deadline is not None and time.monotonic() >= deadline:
-                            raise ConsumeTimeout(key, time.monotonic() - deadline) from None
-                        time.sleep(delay)  # another process of this node is fetching the key
-                        delay = min(delay * 2, 0.05)
-                live = _names(name, fd)
-            except BaseException:
-                os.close(fd)
-                raise
-            if live:
-                break
-            os.close(fd)  # (its holder removed it: the next holder makes a new one)
-        try:
-            yield
-        finally:
-            try:
-                if _names(name, fd):  # (only our own file: never one made after a removal)
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(name)  # (while held: nobody can hold it after us)
-            finally:
-                os.close(fd)  # releases the lock
+            with self._key_locks.held(key) as taken:
+                if taken:
+                    yield
+                    return
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ConsumeTimeout(key, time.monotonic() - deadline)
+            time.sleep(delay)  # another consumer of this node is fetching the key
+            delay = min(delay * 2, 0.05)
 
     def cached_entries(self) -> list[tuple[float, int, str]]:
         """``(last use, size, key)`` of every fetched copy on this node."""
@@ -367,6 +336,19 @@ class ClusterEngine:
                 os.utime(self._sidecar(key))  # LRU touch
             return True
         return False
+
+    def fetched_now(self, key: str) -> bool:
+        """Whether this process stored the copy of ``key`` moments ago, of the very record
+        :meth:`wait_any` returned for it (an early fetch): the copy :meth:`consume` would
+        serve without a look at its sidecar or at Redis. Used once, as there; nothing is
+        asked of the file system (the caller looks at the file: it may be gone since)."""
+        kept = self._kept.pop(key, None)
+        seen = self._seen.get(key)
+        if kept is None or seen is None or kept[1] != _identity(seen[1]) \
+                or time.monotonic() - kept[0] > _SEEN_AGE:
+            return False
+        self._seen.pop(key, None)
+        return True
 
     def consume(self, key: str, timeout: float | None) -> Path:
         """Make ``key`` local (waiting and fetching as needed) and return its path."""
@@ -585,6 +567,7 @@ class ClusterEngine:
         held = contextlib.ExitStack()
         asking = contextlib.ExitStack()  # (the early request's lock, until the reply starts)
         locked: list[bool] = []
+        named = False  # (whether the staged file got the key's name: nothing to drop then)
 
         def replied() -> None:
             if not locked:
@@ -605,7 +588,9 @@ class ClusterEngine:
                 self.mapped_receives += mapped is not None
             with held:
                 got, record = receive(fd, view, replied)
-                if got is not None and os.fstat(fd).st_size != got[0]:
+                # (a file the pool sized for the last frame, or a new one the bytes made:
+                # of another size only where this frame's size differs from that one's)
+                if got is not None and got[0] != like.size and os.fstat(fd).st_size != got[0]:
                     os.ftruncate(fd, got[0])  # (a recycled file sized for another frame)
                 if got is None:
                     return None
@@ -614,9 +599,11 @@ class ClusterEngine:
                     return None
                 replied()  # (taken already, unless the transport never said)
                 # (usually no copy is there: the sidecar is read only when one is)
-                side = self.cached_copy(key) if os.access(path, os.F_OK) else None
+                there = os.access(path, os.F_OK, follow_symlinks=False)
+                side = self.cached_copy(key) if there else None
                 if not (side is not None and _copy_of(side, record)):
-                    self._store_copy(staged, path, record)
+                    self._store_copy(staged, path, record, there)
+                    named = True
                     if len(self._kept) >= _SEEN_MAX:
                         self._kept.clear()
                     self._kept[key] = (time.monotonic(), _identity(record))
@@ -633,7 +620,7 @@ class ClusterEngine:
                 self._unmap(later=mapped)
             if fd >= 0:
                 os.close(fd)
-            if os.access(staged, os.F_OK, follow_symlinks=False):
+            if not named and os.access(staged, os.F_OK, follow_symlinks=False):
                 self._drop_file(staged, locked=False)
         self.transfers += 1
         self.early_transfers += 1
@@ -830,11 +817,11 @@ class ClusterEngine:
                         return None, None
                     heard = self.metadata.heard(keys)
                     rec = next((heard[k] for k in keys if k in heard), known)
-                # The bytes are on their way: the record if it was announced meanwhile, and
-                # the key's lock, while they come (see _take_early).
-                if known is None:  # (the others' announcements are kept: a later wait's)
-                    rec = self.metadata.heard([key]).get(key)
-                    known = rec if rec is not None and rec.owner == like.owner else None
+                # The bytes are on their way: the key's lock, while they come (see
+                # _take_early). The record, if not known yet, is read from the announcements
+                # once the bytes are in (_early_record): a look now, before the bytes, usually
+                # finds nothing yet (the owner records a frame after its publication), and
+                # costs a woken process ~0.1 ms on the frame's path.
                 replied()
                 handed = True
                 got = self.transport.receive_asked(  # type: ignore[attr-defined]

@@ -1,7 +1,10 @@
 """Node-wide try-locks by name, all on one file: one byte of it per name.
 
 A consumer of a node that asks a key's owner early takes such a lock, without waiting, so that
-one consumer of the node (a thread or a process) asks for a key at a time. A lock file made and
+one consumer of the node (a thread or a process) asks for a key at a time; one that fetches a
+key takes the key's lock on another file, waiting for it (:meth:`ClusterEngine._lock
+<instride.engine.cluster.ClusterEngine._lock>` tries again until its deadline), so that one
+transfer of each key reaches the node. A lock file made and
 removed per request costs tens of µs on the frame's path (create, lock, check, unlink, close);
 here each name is a byte range of one file that is never removed — its offset the name's
 CRC-32 — locked with a POSIX record lock (``fcntl``'s ``F_SETLK``): one system call to take it,

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import ConfigError, GroupBusy, GroupLeaseLost, MetadataUnavailable
+from ..perthread import forks
 from .dirs import allocate
 
 POLICIES = ("block", "drop-oldest", "latest")
@@ -647,6 +648,7 @@ class RedisGroupCursor:
         r.hsetnx(state._groups, name, start)
         self.value = int(r.hget(state._groups, name))
         self._stop = threading.Event()
+        self._forks = forks()  # (of the process that took the lease: see close)
         self._renewer = threading.Thread(target=self._renew, daemon=True, name=f"instride-lease-{name}")
         self._renewer.start()
 
@@ -712,7 +714,13 @@ class RedisGroupCursor:
         arrived after the lease went would be refused. Where Redis cannot be reached within
         the connect timeout, the lease is kept until it runs out instead, so that the commit,
         sent again on this thread's next connection meanwhile, may still be written.
+
+        In a child made by ``fork`` (which inherits the cursor, its token with it) nothing is
+        released: the lease is the parent's, which renews it and reads on.
         """
+        if self._forks != forks():
+            self._stop.set()
+            return
         if not self._stop.is_set():
             self._stop.set()
             try:
