@@ -1218,6 +1218,92 @@ def test_a_failed_record_of_a_frame_about_to_go_fails_the_append_before_its_publ
     reader.close()
 
 
+def test_an_unbounded_stream_reads_its_records_answers_after_publishing_and_raises_before(
+        clients: list[instride.Client]) -> None:
+    """A stream without retention reads the answers to its frames' records that are in after
+    its publication, not before (off the frame's path); an answer read then that is an error
+    is raised by the next ``append`` before it publishes (nothing appears under its key), and
+    the frame whose record failed is sent again as the same publication."""
+    from inotify_simple import INotify
+    from inotify_simple import flags as inflags
+
+    from instride.errors import MetadataUnavailable
+    from instride.metadata.base import PendingRecord
+
+    c1, c2, _ = clients
+    pos = np.random.default_rng(19).random((300, 3)).astype(np.float32)
+    producer = instride.Stream("later/run", mode="w", client=c1)
+    producer.append(pos, step=0)
+    producer._confirm_records(all_=True)
+    assert producer._pool is not None
+    take, order = producer._pool.take, []
+
+    def taking(nbytes: int) -> Any:  # (the frame's file taken: the publication is near)
+        order.append("take")
+        return take(nbytes)
+
+    def answer(step: int, fails: int) -> tuple[list[int], PendingRecord]:
+        """A record already answered, whose answer is an error the first ``fails`` times."""
+        calls: list[int] = []
+
+        def confirm() -> Any:
+            order.append("answer")
+            calls.append(step)
+            if len(calls) <= fails:
+                raise MetadataUnavailable("redis://test", "down for the test")
+        return calls, PendingRecord(confirm, lambda: True)
+
+    producer._pool.take = taking  # type: ignore[method-assign]
+    _, fine = answer(1, 0)
+    producer._unconfirmed.append((0, fine, 0.0))
+    producer.append(pos + 1, step=1)
+    assert order[:2] == ["take", "answer"]  # (read after the frame was published)
+    producer._confirm_records(all_=True)
+    calls, failing = answer(2, 2)
+    producer._unconfirmed.append((1, failing, 0.0))
+    assert producer.append(pos + 2, step=2) == 2  # (read after its publication: it raised)
+    assert producer._answers_failed and len(calls) == 1
+    watch = INotify()
+    try:
+        watch.add_watch(c1.settings.dir / "later" / "run", inflags.MOVED_TO | inflags.CREATE)
+        with pytest.raises(MetadataUnavailable):
+            producer.append(pos + 3, step=3)
+        assert [e.name for e in watch.read(timeout=0)] == []  # nothing appeared
+    finally:
+        watch.close()
+    assert len(calls) == 2  # (read again before the next publication: failed again)
+    order.clear()
+    assert producer.append(pos + 3, step=3) == 3  # (it went through: the stream goes on)
+    assert order[:2] == ["answer", "take"] and len(calls) == 3 and not producer._answers_failed
+    producer.close()
+    reader = instride.Stream("later/run", timeout=10, client=c2)
+    assert [f.header.step for f in reader] == [0, 1, 2, 3]
+    reader.close()
+
+
+def test_a_paced_producer_gives_its_cpu_up_once_a_frame_is_out_and_a_flat_out_one_keeps_it(
+        clients: list[instride.Client], monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a frame is published and its record sent, a producer that was idle before the
+    ``append`` (paced: its frame is awaited) yields its CPU, so that the data server the
+    publication woke may send the frame at once; one appending back to back does not."""
+    c1, c2, _ = clients
+    yields: list[int] = []
+    monkeypatch.setattr(os, "sched_yield", lambda: yields.append(1))
+    monkeypatch.setattr("instride.stream._PACED_AFTER", 0.05)  # (a busy test machine's pauses)
+    pos = np.zeros((100, 3), np.float32)
+    with instride.Stream("paced/run", mode="w", client=c1) as producer:
+        for i in range(4):  # (the first frame's record is waited for: nothing to yield to)
+            producer.append(pos + i, step=i)
+        assert yields == []
+        for i in range(4, 7):
+            time.sleep(0.1)  # (idle between frames: paced)
+            producer.append(pos + i, step=i)
+        assert yields == [1, 1, 1]
+    reader = instride.Stream("paced/run", timeout=10, client=c2)
+    assert [f.header.step for f in reader] == list(range(7))
+    reader.close()
+
+
 def test_a_group_reader_on_another_node_records_its_position_every_few_frames(
         clients: list[instride.Client]) -> None:
     """``commit_every`` in cluster mode (one message to Redis per few frames): a producer
