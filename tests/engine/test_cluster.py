@@ -1176,14 +1176,31 @@ def test_a_failed_look_at_the_groups_never_withdraws_a_published_frame(
     reader.close()
 
 
+def _raises_before_publishing(producer: instride.Stream, directory: Path, positions: Any,
+                              step: int) -> None:
+    """``producer.append`` raises ``MetadataUnavailable``, and nothing appears in the stream's
+    ``directory`` meanwhile (no frame published, then withdrawn)."""
+    from inotify_simple import INotify
+    from inotify_simple import flags as inflags
+
+    from instride.errors import MetadataUnavailable
+
+    watch = INotify()
+    try:
+        watch.add_watch(directory, inflags.MOVED_TO | inflags.CREATE)
+        with pytest.raises(MetadataUnavailable):
+            producer.append(positions, step=step)
+        assert [e.name for e in watch.read(timeout=0)] == []  # nothing appeared
+    finally:
+        watch.close()
+
+
 def test_a_failed_record_of_a_frame_about_to_go_fails_the_append_before_its_publication(
         clients: list[instride.Client]) -> None:
     """The record of a frame the next ``append`` retires is still pending, and it fails: that
     ``append`` raises ``MetadataUnavailable`` before its own frame is published (nothing
     appears under its key) — a frame is never published and then withdrawn. Once the record
     goes through, the stream goes on with that index."""
-    from inotify_simple import INotify
-    from inotify_simple import flags as inflags
 
     from instride.errors import MetadataUnavailable
     from instride.metadata.base import PendingRecord
@@ -1201,14 +1218,7 @@ def test_a_failed_record_of_a_frame_about_to_go_fails_the_append_before_its_publ
         raise down
 
     producer._unconfirmed.append((oldest, PendingRecord(failing, lambda: False), 0.0))
-    watch = INotify()
-    try:
-        watch.add_watch(c1.settings.dir / "pending" / "run", inflags.MOVED_TO | inflags.CREATE)
-        with pytest.raises(MetadataUnavailable):
-            producer.append(pos + 99, step=99)
-        assert [e.name for e in watch.read(timeout=0)] == []  # nothing appeared
-    finally:
-        watch.close()
+    _raises_before_publishing(producer, c1.settings.dir / "pending" / "run", pos + 99, 99)
     producer._unconfirmed.clear()  # (the record went through after all)
     assert producer.append(pos + 3, step=3) == 3
     producer.close()
@@ -1224,8 +1234,6 @@ def test_an_unbounded_stream_reads_its_records_answers_after_publishing_and_rais
     its publication, not before (off the frame's path); an answer read then that is an error
     is raised by the next ``append`` before it publishes (nothing appears under its key), and
     the frame whose record failed is sent again as the same publication."""
-    from inotify_simple import INotify
-    from inotify_simple import flags as inflags
 
     from instride.errors import MetadataUnavailable
     from instride.metadata.base import PendingRecord
@@ -1263,14 +1271,7 @@ def test_an_unbounded_stream_reads_its_records_answers_after_publishing_and_rais
     producer._unconfirmed.append((1, failing, 0.0))
     assert producer.append(pos + 2, step=2) == 2  # (read after its publication: it raised)
     assert producer._answers_failed and len(calls) == 1
-    watch = INotify()
-    try:
-        watch.add_watch(c1.settings.dir / "later" / "run", inflags.MOVED_TO | inflags.CREATE)
-        with pytest.raises(MetadataUnavailable):
-            producer.append(pos + 3, step=3)
-        assert [e.name for e in watch.read(timeout=0)] == []  # nothing appeared
-    finally:
-        watch.close()
+    _raises_before_publishing(producer, c1.settings.dir / "later" / "run", pos + 3, 3)
     assert len(calls) == 2  # (read again before the next publication: failed again)
     order.clear()
     assert producer.append(pos + 3, step=3) == 3  # (it went through: the stream goes on)
