@@ -23,8 +23,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "instride"
 #: Core parts, bottom to top; a part may import parts of lower layers only (and itself).
 LAYERS: list[set[str]] = [
     {"errors"},
-    {"config", "native"},
-    {"keys", "registry", "frames", "perthread", "busypoll"},
+    {"config", "native", "perthread"},
+    {"keys", "registry", "frames", "busypoll"},
     {"record"},
     {"store", "archive", "paths"},
     {"metadata", "transport"},

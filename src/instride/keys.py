@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .config import INTERNAL_DIRNAME
 from .errors import KeyValidationError
+from .perthread import pid
 
 #: Longest accepted key, in bytes of its UTF-8 encoding.
 MAX_KEY_BYTES = 1024
@@ -36,10 +37,6 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _SIMPLE = re.compile(r"[^./\x00-\x1f\x7f][^/\x00-\x1f\x7f]*(?:/[^./\x00-\x1f\x7f][^/\x00-\x1f\x7f]*)*")
 _COUNTER = itertools.count()
 _SALT = secrets.token_hex(3)  # distinguishes PID reuse across boots / namespaces
-#: this process's id, as temporary names carry it (os.getpid is a system call each time: two
-#: per fetched copy, on a woken consumer's path); a forked child's own, from the fork on
-_PID = [os.getpid()]
-os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 
 
 def normalize_key(key_or_path: str | os.PathLike[str] | bytes, root: Path) -> str:
@@ -133,4 +130,6 @@ def tmp_path(path: Path) -> Path:
 def tmp_name(path: str) -> str:
     """:func:`tmp_path` on strings (the hot path of every publication avoids pathlib)."""
     head, _, name = path.rpartition("/")
-    return f"{head}/.{name}.instride-{_PID[0]}-{_SALT}{next(_COUNTER):x}.tmp"
+    # (the kept id: os.getpid is a system call each time, two per fetched copy on a woken
+    # consumer's path)
+    return f"{head}/.{name}.instride-{pid()}-{_SALT}{next(_COUNTER):x}.tmp"

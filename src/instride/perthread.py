@@ -19,11 +19,14 @@ import threading
 
 #: forks between the interpreter's start and this process (0 in the original process)
 _forks = 0
+#: this process's id (os.getpid is a system call each time), a forked child's own
+_pid = os.getpid()
 
 
 def _forked() -> None:
-    global _forks
+    global _forks, _pid
     _forks += 1
+    _pid = os.getpid()
 
 
 os.register_at_fork(after_in_child=_forked)
@@ -32,6 +35,11 @@ os.register_at_fork(after_in_child=_forked)
 def forks() -> int:
     """How many forks this process descends from (changes in a forked child)."""
     return _forks
+
+
+def pid() -> int:
+    """:func:`os.getpid` without its system call (kept, and set again in a forked child)."""
+    return _pid
 
 
 class PerThread:

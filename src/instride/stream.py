@@ -463,7 +463,6 @@ class Stream:
             # recording a frame raised comes before a publication, never after)
             self._confirm_records(all_=False, answered=self.policy.bounded or self._answers_failed)
             self._answers_failed = False
-        self._appended_at = -math.inf  # when the last append returned (monotonic seconds)
         index = self._written
         step = index if step is None else step
         time_ps = 0.0 if time is None else time

@@ -5,7 +5,8 @@ A key whose file is on this node and was produced here (an *original*) is return
 sidecar file under ``.instride/cache/`` remembers its version, so a re-published key
 (``overwrite=True`` bumps the version) is fetched anew instead of served stale, and copies are
 evicted least-recently-used beyond ``INSTRIDE_CACHE_BYTES``. Originals are never evicted.
-Concurrent consumers of one key on one node share a single transfer (an ``flock`` per key).
+Concurrent consumers of one key on one node share a single transfer (a lock per key: a byte of
+one lock file, :mod:`instride.store.slots`).
 """
 
 from __future__ import annotations

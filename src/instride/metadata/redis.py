@@ -39,7 +39,7 @@ from redis.retry import Retry
 
 from ..config import Settings
 from ..errors import ConfigError, ConsumeTimeout, KeyExistsError, MetadataUnavailable
-from ..perthread import PerThread, forks
+from ..perthread import PerThread, forks, pid
 from ..record import Record
 from . import resp
 from .base import PendingRecord
@@ -115,13 +115,11 @@ _AHEAD = ("PING",)
 #: what makes a publication's id unique: this run of the program, the process, then a count
 _RUN = secrets.token_hex(6)
 _COUNT = itertools.count()
-_PID = [os.getpid()]  # (a forked child's own, set as it starts: no system call per record)
-os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 
 
 def _publication_id() -> str:
     """An id no other publication has (the process id: a forked child counts on alone)."""
-    return f"{_RUN}.{_PID[0]}.{next(_COUNT)}"
+    return f"{_RUN}.{pid()}.{next(_COUNT)}"  # (the kept id: no system call per record)
 
 
 _ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError)
