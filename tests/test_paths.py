@@ -183,3 +183,42 @@ def test_reads_are_confined_with_and_without_openat2(
     with pytest.raises(FileNotFoundError):
         client._open_read("ok/none.bin", managed_dir / "ok" / "none.bin", "rb", -1, None, None,
                           None)
+
+
+@pytest.mark.parametrize("kernel_checks", [True, False], ids=["openat2", "portable"])
+def test_a_held_open_refuses_a_file_retired_or_being_rewritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel_checks: bool,
+) -> None:
+    """``hold=True`` takes the shared lock a stream's reader takes, and only on the file still
+    published under the key: a file locked for rewriting (a bounded stream's producer reusing
+    it) or renamed away between the open and the lock is refused, its descriptor closed."""
+    import fcntl
+
+    from instride.paths import ConfinedOpener, _hold
+
+    if not kernel_checks:
+        monkeypatch.setattr(ConfinedOpener, "_syscall", None)
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "frame_000000001.isf").write_bytes(b"frame")
+    opener = ConfinedOpener(tmp_path)
+    fd = opener.open("s/frame_000000001.isf", hold=True)
+    try:  # held: an exclusive lock (the producer's) is refused now
+        probe = os.open(tmp_path / "s" / "frame_000000001.isf", os.O_RDONLY)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(probe)
+    finally:
+        os.close(fd)
+    rewriting = os.open(tmp_path / "s" / "frame_000000001.isf", os.O_RDONLY)
+    fcntl.flock(rewriting, fcntl.LOCK_EX)
+    with pytest.raises(FileNotFoundError, match="being reused"):
+        opener.open("s/frame_000000001.isf", hold=True)
+    os.close(rewriting)
+    fd = os.open(tmp_path / "s" / "frame_000000001.isf", os.O_RDONLY)
+    os.rename(tmp_path / "s" / "frame_000000001.isf", tmp_path / "pooled")  # retired
+    with pytest.raises(FileNotFoundError, match="retired"):
+        _hold(fd, "s/frame_000000001.isf", f"{tmp_path}/s/frame_000000001.isf", None)
+    with pytest.raises(OSError) as info:  # (closed by the refusal)
+        os.fstat(fd)
+    assert info.value.errno == errno.EBADF
+    opener.close()

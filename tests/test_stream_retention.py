@@ -88,6 +88,61 @@ def test_views_are_zero_copy_and_never_change_while_held(managed_dir: Path) -> N
         frame.release()
 
 
+@pytest.mark.parametrize("how", ["open", "open_fd", "consume_bytes"])
+def test_a_frame_read_through_its_key_is_held_like_a_stream_readers(managed_dir: Path,
+                                                                    how: str) -> None:
+    """A bounded stream's frame opened by key (``instride.open``, ``Client.open_fd``,
+    ``consume_bytes``), not through ``Stream``, is held too: retired meanwhile, its file is
+    not rewritten for a later frame while it is open (or mapped); released, it is reused."""
+    client = instride.get_client()
+    with instride.Stream(f"bykey-{how}", mode="w", retain=2, on_full="drop-oldest") as s:
+        s.append(_positions(0), step=0)
+        key = s.frame_key(0)
+        ino = os.stat(managed_dir / key).st_ino
+        if how == "open":
+            fh = instride.open(key)
+            before = fh.read()
+            fh.seek(0)
+        elif how == "open_fd":
+            fd = client.open_fd(key)
+            before = os.pread(fd, 1 << 20, 0)
+        else:
+            view = instride.consume_bytes(key)
+            before = bytes(view)
+        for i in range(1, 40):  # frame 0 retired: its file is not reused while held
+            s.append(_positions(i), step=i)
+        assert not (managed_dir / key).exists()
+        inodes = {os.stat(managed_dir / s.frame_key(i)).st_ino for i in (38, 39)}
+        assert ino not in inodes
+        if how == "open":
+            assert fh.read() == before
+            fh.close()
+        elif how == "open_fd":
+            assert os.pread(fd, 1 << 20, 0) == before
+            os.close(fd)
+        else:
+            assert bytes(view) == before
+            view.release()
+            del view
+            import gc
+            gc.collect()  # (the mapping, and with it the hold, goes with its last view)
+        reused = set()
+        for i in range(40, 60):  # released: its storage comes back into use
+            s.append(_positions(i), step=i)
+            reused.add(os.stat(managed_dir / s.frame_key(i)).st_ino)
+        assert ino in reused
+
+
+def test_a_retired_frame_is_not_opened_by_its_key(managed_dir: Path) -> None:
+    """A frame retired before it was opened: its key waits like any missing key (it names no
+    file), never the storage a later frame reuses."""
+    with instride.Stream("gone", mode="w", retain=2, on_full="drop-oldest") as s:
+        for i in range(10):
+            s.append(_positions(i), step=i)
+        with pytest.raises(instride.errors.ConsumeTimeout):
+            instride.open(s.frame_key(0), timeout=0.2)
+
+
 @pytest.mark.parametrize("layout", ["xyz32", "paper", "paper-soa"])
 def test_a_producer_rewriting_one_array_in_place_publishes_each_frames_values(
     managed_dir: Path, layout: str

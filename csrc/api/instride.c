@@ -98,6 +98,10 @@ INS_API int instride_open_read(const char *path, int *fd)
     /* local mode: opened confined (beneath the managed directory, no link followed) */
     int f = ins_cfg.cluster ? ins_sys.open(where, O_RDONLY | O_CLOEXEC)
                             : ins_open_read_confined(&p, O_RDONLY | O_CLOEXEC, 0, 0);
+    if (f >= 0 && ins_cfg.cluster && ins_hold_frame(f, NULL, where, ins_key(&p)) != 0) {
+        ins_sys.close(f); /* a frame retired since it was consumed */
+        return ins_api_result(ins_fail(ENOENT, "key %.300s: its frame was retired", ins_key(&p)));
+    }
     if (f < 0)
         return ins_api_result(errno == ELOOP || errno == EISDIR || errno == EINVAL
                                   ? -1

@@ -11,6 +11,7 @@
 
 #include <linux/openat2.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/syscall.h>
 
 #ifndef SYS_openat2
@@ -191,7 +192,45 @@ int ins_open_read_confined(const struct ins_path *p, int flags, mode_t mode, int
         errno = e;
         return -1;
     }
+    if (S_ISREG(st.st_mode) && ins_hold_frame(fd, &st, p->abs, ins_key(p)) != 0) {
+        ins_sys.close(fd);
+        errno = ENOENT;
+        return -1;
+    }
     return fd;
+}
+
+/* Whether a key names a stream's frame: frame_<9 digits>.isf (stream.FRAME_FORMAT). */
+static int ins_is_frame(const char *key)
+{
+    const char *name = strrchr(key, '/');
+    name = name != NULL ? name + 1 : key;
+    if (strlen(name) != 19 || strncmp(name, "frame_", 6) != 0 || strcmp(name + 15, ".isf") != 0)
+        return 0;
+    for (int i = 6; i < 15; i++)
+        if (name[i] < '0' || name[i] > '9')
+            return 0;
+    return 1;
+}
+
+int ins_hold_frame(int fd, const struct stat *st, const char *path, const char *key)
+{
+    if (!ins_is_frame(key))
+        return 0;
+    struct stat own, now;
+    if (flock(fd, LOCK_SH | LOCK_NB) != 0) {
+        if (errno == EWOULDBLOCK) /* its producer rewrites it for a later frame: retired */
+            return ins_fail(ENOENT, "key %.300s: its frame was retired", key);
+        return 0; /* no flock here (as for a stream's reader): nothing to hold */
+    }
+    if (st == NULL) {
+        if (fstat(fd, &own) != 0)
+            return 0;
+        st = &own;
+    }
+    if (lstat(path, &now) != 0 || now.st_ino != st->st_ino || now.st_dev != st->st_dev)
+        return ins_fail(ENOENT, "key %.300s: its frame was retired", key);
+    return 0;
 }
 
 int ins_dotdot_through_link(const char *raw)

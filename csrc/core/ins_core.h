@@ -134,6 +134,13 @@ INS_HIDDEN int ins_check_type(const struct ins_path *p, const struct stat *st);
  * (EISDIR) unless allow_dir. -1 with errno (ENOENT without a message). */
 INS_HIDDEN int ins_open_read_confined(const struct ins_path *p, int flags, mode_t mode,
                                       int allow_dir);
+/* A stream's frame (its key's last component frame_<9 digits>.isf) opened as fd
+ * from path: hold it as a stream's reader does (a shared flock, for as long as
+ * the open file lives) and check it is still the file at path. A bounded stream
+ * rewrites a retired frame's file only when it can lock it exclusively, so a
+ * held file never changes under its reader. 0: held, or not a frame (st: fd's
+ * fstat, or NULL); -1 with ENOENT: retired (the caller closes fd). */
+INS_HIDDEN int ins_hold_frame(int fd, const struct stat *st, const char *path, const char *key);
 /* 1 when a ".." in the raw absolute path goes back through a symbolic link
  * inside the managed directory (the kernel would leave the directory there). */
 INS_HIDDEN int ins_dotdot_through_link(const char *raw);

@@ -57,6 +57,11 @@ static int ins_open_consumed(const struct ins_path *p, int flags, mode_t mode)
         return -1;
     int fd = ins_cfg.cluster ? ins_real_open(open_path, flags, mode)
                              : ins_open_read_confined(p, flags, mode, 0);
+    if (fd >= 0 && ins_cfg.cluster && ins_hold_frame(fd, NULL, open_path, ins_key(p)) != 0) {
+        ins_real_close(fd); /* a frame retired since it was consumed */
+        errno = ENOENT;
+        return -1;
+    }
     return ins_passed(fd);
 }
 

@@ -137,6 +137,12 @@ static FILE *ins_fopen_managed(const struct ins_path *p, const char *mode, ins_f
     if (ins_stdio_target(p, mode, target, tmode, &writing) != 0)
         goto done;
     fp = local_read ? ins_fopen_read_confined(p, mode, 0) : real(target, tmode);
+    if (fp != NULL && !writing && !local_read &&
+        ins_hold_frame(fileno(fp), NULL, target, ins_key(p)) != 0) {
+        ins_real_fclose(fp); /* a frame retired since it was consumed */
+        fp = NULL;
+        errno = ENOENT;
+    }
     for (int tries = 0; fp == NULL && writing && errno == EEXIST && tries < 8; tries++) {
         if (ins_temp_name(p, target) != 0)
             break;

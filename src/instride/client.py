@@ -24,7 +24,7 @@ from . import store
 from .config import Settings, env_snapshot
 from .engine import Engine, get_engine
 from .errors import ConfigError, KeyExistsError, KeyNotFoundError, UnsupportedModeError
-from .keys import key_path, normalize_key, tmp_path
+from .keys import key_path, normalize_key, recyclable, tmp_path
 from .metadata import MetadataBackend, Record
 from .paths import ConfinedOpener, check_confined, confined_file, confined_path
 from .store import ensure_private_dir, file_checksum, file_system_type
@@ -231,16 +231,17 @@ class Client:
 
         No symbolic link is followed on the way (the kernel's ``openat2`` beneath the managed
         directory where it has one, see :class:`~instride.paths.ConfinedOpener`), and only a
-        regular file is opened. The caller closes it.
+        regular file is opened. The caller closes it. A stream's frame is held while the
+        descriptor is open (a bounded stream never rewrites it for a later frame meanwhile).
 
         Raises
         ------
         FileNotFoundError
-            No file under ``key`` on this node (yet).
+            No file under ``key`` on this node (yet), or a frame's file was retired.
         UnsafePathError, FileTypeError
             A symbolic link on the way or as the key; a directory or special file.
         """
-        return self._confined.open(key)
+        return self._confined.open(key, hold=recyclable(key))
 
     @property
     def confined(self) -> ConfinedOpener:
@@ -249,7 +250,8 @@ class Client:
 
     def _opener(self, key: str) -> Any:
         """An ``opener`` for :func:`open` that refuses links, directories and special files."""
-        return lambda _path, _flags: self._confined.open(key)  # [confine]
+        hold = recyclable(key)  # (a stream's frame: held while open, never rewritten under it)
+        return lambda _path, _flags: self._confined.open(key, hold=hold)  # [confine]
 
     def _open_read(
         self, key: str, path: str | Path, mode: str, buffering: int, encoding: str | None,

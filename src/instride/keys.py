@@ -31,12 +31,27 @@ MAX_COMPONENT_BYTES = 200
 #: Hidden temporary files: ``.<name>.instride-<pid>-<hex>.tmp`` next to their key.
 TMP_PATTERN = re.compile(r"^\.(?P<name>.+)\.instride-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)\.tmp$")
 
+#: A stream's frame file name (``stream.FRAME_FORMAT``): the one kind of published file whose
+#: storage is rewritten in place (a bounded stream reuses a retired frame's file).
+_FRAME_NAME = re.compile(r"frame_\d{9}\.isf")
+
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # Fast path: short ASCII keys whose components do not start with a dot (so no ".", "..",
 # reserved or temporary names) and contain no control characters or empty components.
 _SIMPLE = re.compile(r"[^./\x00-\x1f\x7f][^/\x00-\x1f\x7f]*(?:/[^./\x00-\x1f\x7f][^/\x00-\x1f\x7f]*)*")
 _COUNTER = itertools.count()
 _SALT = secrets.token_hex(3)  # distinguishes PID reuse across boots / namespaces
+
+
+def recyclable(key: str) -> bool:
+    """Whether ``key`` names a stream's frame: a file a bounded stream may rewrite for a later
+    frame once it is retired, so a reader holds it while open (see
+    :meth:`~instride.paths.ConfinedOpener.open`).
+
+    >>> recyclable("run7/frame_000000042.isf"), recyclable("run7/frame_42.isf")
+    (True, False)
+    """
+    return key.endswith(".isf") and _FRAME_NAME.fullmatch(key, key.rfind("/") + 1) is not None
 
 
 def normalize_key(key_or_path: str | os.PathLike[str] | bytes, root: Path) -> str:

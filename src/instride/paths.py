@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import stat
 from pathlib import Path
@@ -191,6 +192,28 @@ def open_confined(root_real: str, key: str, path: str | os.PathLike[str]) -> int
     return fd
 
 
+def _hold(fd: int, key: str, path: str, dirfd: int | None) -> None:
+    """Hold the file open as ``fd`` (shared ``flock``) and check it is still the one published
+    under ``key`` (its ``path``, or ``key`` beneath ``dirfd``); else close ``fd`` and raise
+    :class:`FileNotFoundError` (retired, or being rewritten for a later frame)."""
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:  # a bounded stream's producer rewrites it: retired
+            raise FileNotFoundError(errno.ENOENT, "retired (its storage is being reused)",
+                                    path) from None
+        st = os.fstat(fd)
+        try:
+            now = os.stat(key if dirfd is not None else path, dir_fd=dirfd, follow_symlinks=False)
+        except FileNotFoundError:
+            now = None
+        if now is None or (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
+            raise FileNotFoundError(errno.ENOENT, "retired before it was held", path)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def managed_key_of(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> str | None:
     """The key a file written at ``path`` would land under, or ``None`` outside ``root``.
 
@@ -290,8 +313,22 @@ class ConfinedOpener:
             self._pid = os.getpid()
         return self._dirfd
 
-    def open(self, key: str) -> int:
-        """Open the normalized ``key``; see :func:`open_confined` for the errors."""
+    def open(self, key: str, *, hold: bool = False) -> int:
+        """Open the normalized ``key``; see :func:`open_confined` for the errors.
+
+        ``hold``: also hold the file as a stream's reader does (a shared ``flock`` on the
+        descriptor, for as long as it or a mapping made through it lives), checked to be
+        still the file published under ``key`` once held. A bounded stream rewrites a
+        retired frame's file only when it can lock it exclusively (see
+        :mod:`instride.store.ring`), so a held file never changes under its reader.
+        :class:`FileNotFoundError` when the key's file was retired before it was held.
+        """
+        fd = self._open(key)
+        if hold:
+            _hold(fd, key, f"{self.root}/{key}", self._dirfd if self._dirfd >= 0 else None)
+        return fd
+
+    def _open(self, key: str) -> int:
         syscall = ConfinedOpener._syscall
         if syscall is None:
             return open_confined(self.root_real, key, f"{self.root}/{key}")

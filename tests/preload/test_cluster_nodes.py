@@ -150,3 +150,69 @@ def test_exclusive_create_stays_write_once_across_nodes(nodes: EmulatedCluster) 
     assert out.decode().strip() == "EEXIST"
     assert not (nodes.node(2).dir / "excl" / "k").exists()
     assert run(nodes, 2, ["cat", nodes.node(2).dir / "excl" / "k"]) == b"first\n"
+
+
+_BOUNDED_PRODUCER = textwrap.dedent("""
+    import os, sys, numpy as np, instride
+    pos = np.zeros((500, 3), np.float32)
+    with instride.Stream("cheld", mode="w", retain=2, on_full="drop-oldest") as s:
+        s.append(pos, step=0)
+        root = instride.get_client().root
+        print(os.stat(root / s.frame_key(0)).st_ino, flush=True)
+        sys.stdin.readline()
+        for i in range(1, 40):
+            s.append(pos, step=i)
+        print(int((root / s.frame_key(0)).exists()),
+              *(os.stat(root / s.frame_key(i)).st_ino for i in (38, 39)), flush=True)
+        sys.stdin.readline()
+        inodes = []
+        for i in range(40, 60):
+            s.append(pos, step=i)
+            inodes.append(os.stat(root / s.frame_key(i)).st_ino)
+        print(*inodes, flush=True)
+""")
+_HOLDING_READER = textwrap.dedent("""
+    import sys
+    fh = open(sys.argv[1], "rb")
+    first = fh.read()
+    print("read", flush=True)
+    sys.stdin.readline()
+    fh.seek(0)
+    print("same" if fh.read() == first else "changed", flush=True)
+""")
+
+
+def test_a_bounded_streams_frame_opened_by_path_is_held_in_cluster_mode(
+    nodes: EmulatedCluster,
+) -> None:
+    """Cluster mode (the path comes from the node's server): an unmodified program on the
+    producer's node that opens a bounded stream's frame holds it while open, so the retired
+    frame's file is not rewritten under it; closed, the file is reused."""
+    prod = nodes.popen(1, [sys.executable, "-c", _BOUNDED_PRODUCER], stdin=subprocess.PIPE,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    reader = None
+    try:
+        assert prod.stdin is not None and prod.stdout is not None
+        ino = int(prod.stdout.readline())
+        reader = nodes.popen(1, [sys.executable, "-I", "-c", _HOLDING_READER,
+                                 str(nodes.node(1).dir / "cheld" / "frame_000000000.isf")],
+                             env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        assert reader.stdin is not None and reader.stdout is not None
+        assert reader.stdout.readline() == "read\n"
+        prod.stdin.write("more\n")
+        prod.stdin.flush()
+        there, *latest = map(int, prod.stdout.readline().split())
+        assert there == 0 and ino not in latest  # retired, and its file not reused
+        reader.stdin.write("go\n")
+        reader.stdin.flush()
+        assert finish(reader).split() == ["same"]
+        prod.stdin.write("more\n")
+        prod.stdin.flush()
+        assert ino in map(int, prod.stdout.readline().split())  # closed: reused
+        finish(prod)
+    finally:
+        for p in (prod, reader):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()

@@ -187,3 +187,73 @@ def test_symlink_made_above_the_managed_directory_after_start(shim: Shim, build:
     proc = subprocess.run([str(build("api.c", api=True)), "late_link", str(managed),
                            str(shim.outside)], env=env, capture_output=True, timeout=30)
     assert proc.returncode == 0, proc.stderr.decode()
+
+
+_HOLDING_READER = """
+import os, sys
+path = sys.argv[1]
+fh = open(path, "rb")  # the preloaded open: held, as a stream's reader holds a frame
+first = fh.read()
+print("read", flush=True)
+sys.stdin.readline()
+fh.seek(0)
+print("same" if fh.read() == first else "changed", len(first), flush=True)
+fh.close()
+"""
+
+
+def test_a_bounded_streams_frame_opened_by_path_is_held(
+    shim: Shim, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An unmodified program that opens a bounded stream's frame by its path holds it as a
+    stream's reader does: the frame retired meanwhile, its file is not rewritten for a later
+    frame while the program has it open; closed, the file is reused. A frame file locked for
+    rewriting is never opened."""
+    import fcntl
+
+    import numpy as np
+
+    from instride import Client, Stream
+    from instride.config import Settings
+
+    monkeypatch.setenv("INSTRIDE_DIR", str(shim.dir))
+    monkeypatch.delenv("INSTRIDE_REDIS_URL", raising=False)
+    client = Client(Settings.from_env())
+    pos = np.zeros((500, 3), np.float32)
+    with Stream("held", mode="w", retain=2, on_full="drop-oldest", client=client) as s:
+        s.append(pos, step=0)
+        path = shim.dir / s.frame_key(0)
+        ino = os.stat(path).st_ino
+        reader = shim.popen([sys.executable, "-I", "-c", _HOLDING_READER, path],
+                            stdin=subprocess.PIPE)
+        try:
+            assert reader.stdout is not None and reader.stdin is not None
+            assert reader.stdout.readline() == b"read\n"
+            for i in range(1, 40):  # frame 0 retired: its file is not reused while open
+                pos[:, 0] = i
+                s.append(pos, step=i)
+            assert not path.exists()
+            assert ino not in {os.stat(shim.dir / s.frame_key(i)).st_ino for i in (38, 39)}
+            reader.stdin.write(b"go\n")
+            reader.stdin.flush()
+            out, err = reader.communicate(timeout=30)
+        finally:
+            if reader.poll() is None:
+                reader.kill()
+                reader.wait()
+        assert reader.returncode == 0, err
+        assert out.split()[0] == b"same", out
+        reused = set()
+        for i in range(40, 60):  # closed: its storage comes back into use
+            s.append(pos, step=i)
+            reused.add(os.stat(shim.dir / s.frame_key(i)).st_ino)
+        assert ino in reused
+    (shim.dir / "held" / "frame_000000099.isf").write_bytes(b"being rewritten")
+    rewriting = os.open(shim.dir / "held" / "frame_000000099.isf", os.O_RDONLY)
+    try:
+        fcntl.flock(rewriting, fcntl.LOCK_EX)
+        proc = shim.py(f"open({str(shim.dir / 'held' / 'frame_000000099.isf')!r}, 'rb')")
+    finally:
+        os.close(rewriting)
+    assert proc.returncode != 0 and b"FileNotFoundError" in proc.stderr, proc.stderr
+    client.close()

@@ -33,7 +33,7 @@ from ..errors import (
     KeyExistsError,
     KeyNotFoundError,
 )
-from ..keys import TMP_PATTERN, key_path, tmp_name
+from ..keys import TMP_PATTERN, key_path, recyclable, tmp_name
 from ..metadata import get_backend
 from ..metadata.base import PendingRecord
 from ..paths import ConfinedOpener
@@ -840,6 +840,11 @@ class ClusterEngine:
         into memory, verified and not stored."""
         path = key_path(key, self.root)
         deadline = None if timeout is None else time.monotonic() + timeout
+        hold = recyclable(key)  # (a stream's frame: held while mapped)
+
+        def opener(_path: object, _flags: int) -> int:
+            return self.confined.open(key, hold=hold)
+
         for attempt in range(_MAP_ATTEMPTS):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not self._current(key, path, deadline):
@@ -848,7 +853,7 @@ class ClusterEngine:
                     return memoryview(self._fetch_bytes(record))
             local = self.consume(key, left)
             try:
-                return map_file(local, lambda _p, _f: self.confined.open(key))  # [confine]
+                return map_file(local, opener)  # [confine]
             except FileNotFoundError:
                 # a fetched copy another process of this node evicted between its fetch and
                 # this mapping (INSTRIDE_CACHE_BYTES): made local again

@@ -14,7 +14,7 @@ from typing import Any
 
 from .. import store
 from ..config import Settings
-from ..keys import key_path
+from ..keys import key_path, recyclable
 from ..metadata import get_backend
 from ..paths import ConfinedOpener, check_confined
 from ..record import Record
@@ -61,7 +61,7 @@ class LocalEngine:
     def consume_bytes(self, key: str, timeout: float | None) -> memoryview:
         """A read-only memory map of the file of ``key`` (zero copy)."""
         path = self.consume(key, timeout)
-        return map_file(path, lambda _p, _f: self.confined.open(key))  # [confine]
+        return map_file(path, lambda _p, _f: self.confined.open(key, hold=recyclable(key)))  # [confine]
 
     def wait_any(self, keys: Sequence[str], timeout: float | None) -> str:
         """The first of ``keys`` whose file exists (checked confined), waiting for one if none does."""

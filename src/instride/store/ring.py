@@ -12,9 +12,12 @@ the key and checked against the key (the file must still be the one published un
 the producer rewrites a pooled file only when it can take the exclusive lock. A view handed
 to a reader is therefore never changed under it while the reader holds the frame, and a
 reader that dies releases its hold with its file descriptors, so nothing waits for a
-timeout. Programs that read frames without instride (plain ``open``) take no lease: they
-are safe for as long as the frame is retained, and the pool reuses a retired file last
-(first in, first out), but a file held longer than that can be rewritten under them.
+timeout. A frame opened by its key (``instride.open``, ``consume_bytes``; the preload
+library's ``open`` of its path) is held the same way (the ``hold`` of
+:meth:`~instride.paths.ConfinedOpener.open`). Programs that read frames without instride
+(plain ``open``, no preload library) take no lease: they are safe for as long as the frame
+is retained, and the pool reuses a retired file last (first in, first out), but a file held
+longer than that can be rewritten under them.
 """
 
 from __future__ import annotations
