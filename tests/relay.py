@@ -39,3 +39,47 @@ class Relay(abc.ABC):
         for s in self.socks:
             with contextlib.suppress(OSError):
                 s.close()
+
+
+class ReplyDropper(Relay):
+    """A TCP relay in front of Redis that, once armed, forwards the next ``EVALSHA`` (or the
+    next write that holds ``marker``) and then closes the connection instead of passing its
+    reply on: Redis has run the command, the client never hears so (a network failure at the
+    worst moment). ``refuse``: from then on, no connection is accepted either (Redis out of
+    reach until :meth:`close`)."""
+
+    def __init__(self, upstream: tuple[str, int], marker: bytes = b"EVALSHA",
+                 refuse: bool = False) -> None:
+        self.marker = marker
+        self.armed = False
+        self.refuse = refuse
+        self.dropped = 0
+        super().__init__(upstream)
+
+    def serve(self, client: socket.socket, server: socket.socket) -> None:
+        doomed = threading.Event()
+        threading.Thread(target=self._up, args=(client, server, doomed), daemon=True).start()
+        threading.Thread(target=self._down, args=(server, client, doomed), daemon=True).start()
+
+    def _up(self, src: socket.socket, dst: socket.socket, doomed: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                if self.armed and self.marker in data:
+                    self.armed = False
+                    doomed.set()  # (before the request goes: its reply is the one dropped)
+                dst.sendall(data)
+
+    def _down(self, src: socket.socket, dst: socket.socket, doomed: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                if doomed.is_set():
+                    self.dropped += 1
+                    if self.refuse:  # (shut down first: a blocked accept() returns)
+                        with contextlib.suppress(OSError):
+                            self.listener.shutdown(socket.SHUT_RDWR)
+                        self.listener.close()
+                    for s in (src, dst):
+                        s.shutdown(socket.SHUT_RDWR)
+                        s.close()
+                    return
+                dst.sendall(data)

@@ -105,7 +105,12 @@ class Client:
 
         Local mode needs no record (the file is the record). In cluster mode the record holds
         this node as owner, the size, the checksum and a new version. If recording fails, a
-        write-once file is removed again, so no key is left visible without a record.
+        write-once file is removed again, so no key is left visible without a record; except
+        where Redis went out of reach after the record was sent
+        (:class:`~instride.errors.PublicationUnsettled`):
+        then the file stays, since a record may name it. A key recorded already with this very
+        file (this node, the same checksum) is confirmed: its record is returned. That is how
+        an unsettled publication is settled.
 
         Parameters
         ----------
@@ -122,9 +127,12 @@ class Client:
         Raises
         ------
         KeyExistsError
-            Write-once and another node already published ``key``.
+            Write-once and another node already published ``key`` (or other bytes).
         MetadataUnavailable
             Redis could not be reached.
+        PublicationUnsettled
+            Redis went out of reach after the record was sent, before its answer: it may be
+            recorded; the file stays (register it again once Redis answers).
         """
         key = self.key(key)
         confined_path(self.root, key, for_write=False)  # [confine] a regular file, no link

@@ -194,6 +194,26 @@ class MetadataUnavailable(InstrideError, ConnectionError):
         super().__init__(_errno.EIO, f"metadata service {url} unavailable: {detail}")
 
 
+class PublicationUnsettled(MetadataUnavailable):
+    """A publication reached Redis, which then could not be reached for its answer within the
+    timeout: the key may or may not be recorded.
+
+    The published file stays under its key (removed, a record stored after all would name a
+    file that is gone, and the write-once key could never be published again). Register it
+    again once Redis answers (:meth:`~instride.Client.register`, or :func:`instride.publish`
+    of its path): that confirms a record of this very file (this node, the same checksum), or
+    records it.
+    """
+
+    def __init__(self, url: str, key: str, detail: str) -> None:
+        MetadataUnavailable.__init__(self, url, f"key {key!r} may or may not be recorded (Redis "
+                                     "could not be reached for the publication's answer: "
+                                     f"{detail}); its file stays under the key: register it "
+                                     "again once Redis answers, which confirms or records it")
+        self._init_args = (url, key, detail)
+        self.key = key
+
+
 class EndOfStream(InstrideError, EOFError):
     """A stream has ended (its producer closed it) and holds no frame past this point."""
 
@@ -346,6 +366,7 @@ BY_NAME: dict[str, type[InstrideError]] = {
         TransferError,
         AuthenticationError,
         MetadataUnavailable,
+        PublicationUnsettled,
         EndOfStream,
         FramesMissed,
         StreamFull,

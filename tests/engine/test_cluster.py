@@ -108,6 +108,54 @@ def test_a_copys_name_never_appears_before_its_sidecar(
     assert c2.engine.cached_version("rf/side.bin") == c1.lookup("rf/side.bin").version  # type: ignore[union-attr]
 
 
+def test_a_publication_redis_never_answered_keeps_its_file_and_is_settled_by_registering(
+    nodes: list[LoopbackNode],
+) -> None:
+    """Redis stored a write-once file's record and went out of reach before its answer: the
+    writer's ``close()`` raises :class:`PublicationUnsettled` and leaves the file under its key
+    (removed, the record would name a file that is gone, and the key could never be published
+    again); registering it once Redis answers confirms the record. A file whose publication
+    never reached Redis is removed, as before, and may be written again."""
+    from urllib.parse import urlparse
+
+    from instride.config import Settings
+    from instride.errors import MetadataUnavailable, PublicationUnsettled
+    from tests.relay import ReplyDropper
+
+    redis = urlparse(nodes[0].env["INSTRIDE_REDIS_URL"])
+    relay = ReplyDropper((redis.hostname or "", redis.port or 6379), refuse=True)
+    env = {**nodes[0].env, "INSTRIDE_REDIS_URL": f"redis://127.0.0.1:{relay.port}/0",
+           "INSTRIDE_CONNECT_TIMEOUT": "0.5"}
+    cut = instride.Client(Settings.from_env(env))
+    direct = nodes[0].client()
+    try:
+        with cut.open("unsettled/warm-up", "wb") as fh:  # (connected, the script loaded)
+            fh.write(b"w")
+        relay.armed = True
+        with pytest.raises(PublicationUnsettled):
+            with cut.open("unsettled/k.bin", "wb") as fh:
+                fh.write(b"kept" * 1000)
+        path = nodes[0].dir / "unsettled" / "k.bin"
+        assert path.read_bytes() == b"kept" * 1000  # the file stays under its key
+        stored = direct.lookup("unsettled/k.bin")
+        assert stored is not None and stored.size == 4000  # (Redis had recorded it)
+        assert direct.register("unsettled/k.bin") == stored  # settled: confirmed, not refused
+        assert nodes[1].client().consume("unsettled/k.bin", timeout=10).read_bytes() == \
+            b"kept" * 1000
+        with pytest.raises(MetadataUnavailable) as info:  # never sent: nothing kept
+            with cut.open("unsettled/never.bin", "wb") as fh:
+                fh.write(b"x")
+        assert not isinstance(info.value, PublicationUnsettled)
+        assert not (nodes[0].dir / "unsettled" / "never.bin").exists()
+        with direct.open("unsettled/never.bin", "wb") as fh:  # written again, published
+            fh.write(b"y")
+        assert direct.lookup("unsettled/never.bin") is not None
+    finally:
+        cut.close()
+        direct.close()
+        relay.close()
+
+
 def test_a_re_published_key_is_fetched_anew(clients: list[instride.Client]) -> None:
     c1, c2, _ = clients
     with c1.open("rf/v.bin", "wb") as fh:

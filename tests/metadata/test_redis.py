@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
 import threading
 import time
 import uuid
@@ -18,7 +16,7 @@ from instride.errors import ConfigError, ConsumeTimeout, KeyExistsError, Metadat
 from instride.metadata.base import Record
 from instride.metadata.redis import RedisMetadata
 from tests.conftest import RedisServer
-from tests.relay import Relay
+from tests.relay import ReplyDropper
 
 from .contract import MetadataContract, Put
 
@@ -130,43 +128,6 @@ def test_commands_run_with_a_publication_only_once_it_is_stored(backend: RedisMe
     assert backend.redis.hget(head, "written") == b"2"
 
 
-class _ReplyDropper(Relay):
-    """A TCP relay in front of Redis that, once armed, forwards the next ``EVALSHA`` (or the
-    next write that holds ``marker``) and then closes the connection instead of passing its
-    reply on: Redis has run the command, the client never hears so (a network failure at the
-    worst moment)."""
-
-    def __init__(self, upstream: tuple[str, int], marker: bytes = b"EVALSHA") -> None:
-        self.marker = marker
-        self.armed = False
-        self.dropped = 0
-        super().__init__(upstream)
-
-    def serve(self, client: socket.socket, server: socket.socket) -> None:
-        doomed = threading.Event()
-        threading.Thread(target=self._up, args=(client, server, doomed), daemon=True).start()
-        threading.Thread(target=self._down, args=(server, client, doomed), daemon=True).start()
-
-    def _up(self, src: socket.socket, dst: socket.socket, doomed: threading.Event) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(1 << 16):
-                if self.armed and self.marker in data:
-                    self.armed = False
-                    doomed.set()  # (before the request goes: its reply is the one dropped)
-                dst.sendall(data)
-
-    def _down(self, src: socket.socket, dst: socket.socket, doomed: threading.Event) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(1 << 16):
-                if doomed.is_set():
-                    self.dropped += 1
-                    for s in (src, dst):
-                        s.shutdown(socket.SHUT_RDWR)
-                        s.close()
-                    return
-                dst.sendall(data)
-
-
 @pytest.mark.parametrize("soon", [False, True])
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_a_publication_whose_reply_is_lost_is_retried_as_itself(redis_server: RedisServer,
@@ -176,7 +137,7 @@ def test_a_publication_whose_reply_is_lost_is_retried_as_itself(redis_server: Re
     retry finds the publication done — one version, one announcement — and a write-once
     key is not reported as existing (its own producer would otherwise fail). ``soon``: the
     record sent without waiting (``publish_soon``), the lost reply found by its confirmation."""
-    relay = _ReplyDropper((redis_server.host, redis_server.port))
+    relay = ReplyDropper((redis_server.host, redis_server.port))
     url = f"redis://127.0.0.1:{relay.port}/0"
     b = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=5))
     watch = redis.Redis.from_url(redis_server.url).pubsub()
@@ -205,6 +166,38 @@ def test_a_publication_whose_reply_is_lost_is_retried_as_itself(redis_server: Re
                           overwrite=False)
     finally:
         watch.close()
+        b.close()
+        relay.close()
+
+
+def test_a_publication_redis_never_answered_is_unsettled_not_failed(redis_server: RedisServer,
+                                                                    tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Redis stored a record and then went out of reach before its answer, for longer than
+    the connect timeout: the publication raises :class:`PublicationUnsettled` (it may be
+    recorded: here it is), not the plain :class:`MetadataUnavailable` of a Redis that never
+    got it."""
+    from instride.errors import PublicationUnsettled
+
+    relay = ReplyDropper((redis_server.host, redis_server.port), refuse=True)
+    b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
+                               connect_timeout=0.5))
+    direct = redis.Redis.from_url(redis_server.url)
+    try:
+        b.publish(Record("unsettled/warm", "127.0.0.1:1", 1, "xxh3:0", 0, time.time(), "n1"))
+        relay.armed = True
+        with pytest.raises(PublicationUnsettled, match="'unsettled/k' may or may not be recorded") \
+                as info:
+            b.publish(Record("unsettled/k", "127.0.0.1:1", 7, "xxh3:1", 0, time.time(), "n1"),
+                      overwrite=False)
+        assert isinstance(info.value, MetadataUnavailable) and info.value.key == "unsettled/k"
+        assert direct.hget("instride:rec:unsettled/k", "size") == b"7"  # stored after all
+        # Redis out of reach before anything was sent: plainly unavailable (nothing stored)
+        with pytest.raises(MetadataUnavailable) as info:
+            b.publish(Record("unsettled/never", "127.0.0.1:1", 1, "xxh3:2", 0, time.time(), "n1"))
+        assert not isinstance(info.value, PublicationUnsettled)
+        assert not direct.exists("instride:rec:unsettled/never")
+    finally:
+        direct.close()
         b.close()
         relay.close()
 

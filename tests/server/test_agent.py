@@ -71,9 +71,13 @@ def test_unix_socket_protocol(nodes: list[LoopbackNode]) -> None:
     assert ask(n2, "x" * 9000).startswith("ERR 7 ")
     (n2.dir / "u" / "shim.out").write_bytes(b"from the shim")
     assert ask(n2, "PUBLISH u/shim.out") == f"OK {n2.dir / 'u' / 'shim.out'}"
-    # a second PUBLISH of the same file is refused (write-once) but keeps the original
-    assert ask(n2, "PUBLISH u/shim.out").startswith("ERR 17 ")
+    # a second PUBLISH of the very file recorded (this node, the same bytes) is confirmed, as
+    # one that settles an unsettled publication is; it keeps the original
+    assert ask(n2, "PUBLISH u/shim.out") == f"OK {n2.dir / 'u' / 'shim.out'}"
     assert (n2.dir / "u" / "shim.out").read_bytes() == b"from the shim"
+    (n1.dir / "u" / "shim.out").write_bytes(b"another file")  # another node's: refused
+    assert ask(n1, "PUBLISH u/shim.out").startswith("ERR 17 ")
+    assert not (n1.dir / "u" / "shim.out").exists()
     assert ask(n2, "PUBLISH u/absent").startswith("ERR 2 ")
     c3 = n3.client()
     try:

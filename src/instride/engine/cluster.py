@@ -32,6 +32,7 @@ from ..errors import (
     IntegrityError,
     KeyExistsError,
     KeyNotFoundError,
+    PublicationUnsettled,
 )
 from ..keys import TMP_PATTERN, key_path, recyclable, tmp_name
 from ..metadata import get_backend
@@ -1061,15 +1062,20 @@ class ClusterEngine:
                 return self.metadata.publish(record, overwrite=overwrite, then=then)
             return self.metadata.publish(record, overwrite=overwrite)
         except KeyExistsError:
-            # [keep] a second PUBLISH of the very bytes already recorded (the same file) must
-            # not remove the published original; a conflicting file is removed.
+            # [keep] a second registration of the very file already recorded (this node, the
+            # same bytes: a thin client's repeated PUBLISH, or the one that settles an
+            # unsettled publication) is confirmed, and never removes the published original;
+            # a conflicting file is removed.
             existing = None if overwrite else self.metadata.lookup(key)
-            same = existing is not None and existing.checksum == record.checksum and (
-                existing.owner == record.owner)
-            if not overwrite and not same:
+            if existing is not None and existing.checksum == record.checksum and (
+                    existing.owner == record.owner):
+                return existing
+            if not overwrite:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             raise
+        except PublicationUnsettled:
+            raise  # [keep] the file stays: a record stored after all names it
         except BaseException:
             if not overwrite:
                 with contextlib.suppress(FileNotFoundError):

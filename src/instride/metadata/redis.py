@@ -39,7 +39,13 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from ..config import Settings
-from ..errors import ConfigError, ConsumeTimeout, KeyExistsError, MetadataUnavailable
+from ..errors import (
+    ConfigError,
+    ConsumeTimeout,
+    KeyExistsError,
+    MetadataUnavailable,
+    PublicationUnsettled,
+)
 from ..perthread import PerThread, forks, pid
 from ..record import Record
 from . import resp
@@ -503,19 +509,36 @@ class RedisMetadata:
         """Run the publication ``sent`` (:meth:`_publication`), retrying connection errors
         (what it reports goes to ``pending``)."""
         keys, args = sent
+        went = False  # (an attempt sent it whole: a failure after that leaves it unknown)
 
         def run() -> Any:
+            nonlocal went
             fast = self._fast()
             if fast is not None:
-                _pong, reply = fast.call([_AHEAD, self._evalsha(sent)])
+                before = fast.sent
+                try:
+                    _pong, reply = fast.call([_AHEAD, self._evalsha(sent)])
+                except _ERRORS:
+                    went = went or fast.sent != before
+                    raise
                 if not isinstance(reply, Exception):
                     return reply
                 if not str(reply).startswith("NOSCRIPT"):
                     raise redis.ResponseError(str(reply))
             # redis-py loads the script when Redis does not know it (first use, restart)
-            return self._publish(keys=keys, args=args)
+            try:
+                return self._publish(keys=keys, args=args)
+            except _ERRORS:
+                went = True  # (redis-py does not say whether it went out)
+                raise
 
-        return self._stored(record, self._call("publish", run), pending)
+        try:
+            version = self._call("publish", run)
+        except MetadataUnavailable as exc:
+            if went:  # stored or not: Redis never answered (see PublicationUnsettled)
+                raise PublicationUnsettled(self.url, record.key, exc.detail) from None
+            raise
+        return self._stored(record, version, pending)
 
     @staticmethod
     def _stored(record: Record, version: Any, pending: PendingRecord | None = None) -> Record:

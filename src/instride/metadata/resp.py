@@ -108,6 +108,8 @@ class RespConnection:
         # the replies :meth:`call_soon` functions will read (their count, where they go), in
         # the order they were sent
         self._soon: deque[tuple[int, list[list[Any]]]] = deque()
+        #: writes sent whole, ever (a caller's command went out when this moved on)
+        self.sent = 0
         #: patterns this connection is subscribed to, in order of use (gone with the socket)
         self.patterns: dict[str, None] = {}
         #: ``time.monotonic()`` by which a reply must have come (a caller's own deadline:
@@ -327,6 +329,7 @@ class RespConnection:
         except BaseException:
             self.close()
             raise
+        self.sent += 1
 
     def read(self, timeout: float, spin: float = 0.0) -> Any | None:
         """The next reply or pushed message, or ``None`` if none came within ``timeout`` s.
