@@ -80,6 +80,19 @@ def lib() -> Path:
     return preload_path()
 
 
+#: An unmodified program (never imports instride) that opens the file at ``argv[1]``, reads
+#: it, says "read", waits for a line, then reads it again: "same" or "changed".
+HOLDING_READER = """
+import sys
+fh = open(sys.argv[1], "rb")
+first = fh.read()
+print("read", flush=True)
+sys.stdin.readline()
+fh.seek(0)
+print("same" if fh.read() == first else "changed", flush=True)
+"""
+
+
 @dataclass
 class Shim:
     """A managed directory, a plain directory beside it, and an env that preloads the shim."""

@@ -19,7 +19,7 @@ import pytest
 from instride.emulate import EmulatedCluster
 from instride.interception.preload import preload_path
 
-from .conftest import Builder
+from .conftest import HOLDING_READER, Builder
 
 
 @pytest.fixture(scope="module")
@@ -171,15 +171,6 @@ _BOUNDED_PRODUCER = textwrap.dedent("""
             inodes.append(os.stat(root / s.frame_key(i)).st_ino)
         print(*inodes, flush=True)
 """)
-_HOLDING_READER = textwrap.dedent("""
-    import sys
-    fh = open(sys.argv[1], "rb")
-    first = fh.read()
-    print("read", flush=True)
-    sys.stdin.readline()
-    fh.seek(0)
-    print("same" if fh.read() == first else "changed", flush=True)
-""")
 
 
 def test_a_bounded_streams_frame_opened_by_path_is_held_in_cluster_mode(
@@ -194,7 +185,7 @@ def test_a_bounded_streams_frame_opened_by_path_is_held_in_cluster_mode(
     try:
         assert prod.stdin is not None and prod.stdout is not None
         ino = int(prod.stdout.readline())
-        reader = nodes.popen(1, [sys.executable, "-I", "-c", _HOLDING_READER,
+        reader = nodes.popen(1, [sys.executable, "-I", "-c", HOLDING_READER,
                                  str(nodes.node(1).dir / "cheld" / "frame_000000000.isf")],
                              env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)

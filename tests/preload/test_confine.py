@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import Builder, Shim
+from .conftest import HOLDING_READER, Builder, Shim
 
 ELOOP_TEXT = os.strerror(errno.ELOOP).encode()
 
@@ -189,17 +189,6 @@ def test_symlink_made_above_the_managed_directory_after_start(shim: Shim, build:
     assert proc.returncode == 0, proc.stderr.decode()
 
 
-_HOLDING_READER = """
-import os, sys
-path = sys.argv[1]
-fh = open(path, "rb")  # the preloaded open: held, as a stream's reader holds a frame
-first = fh.read()
-print("read", flush=True)
-sys.stdin.readline()
-fh.seek(0)
-print("same" if fh.read() == first else "changed", len(first), flush=True)
-fh.close()
-"""
 
 
 def test_a_bounded_streams_frame_opened_by_path_is_held(
@@ -224,7 +213,7 @@ def test_a_bounded_streams_frame_opened_by_path_is_held(
         s.append(pos, step=0)
         path = shim.dir / s.frame_key(0)
         ino = os.stat(path).st_ino
-        reader = shim.popen([sys.executable, "-I", "-c", _HOLDING_READER, path],
+        reader = shim.popen([sys.executable, "-I", "-c", HOLDING_READER, path],
                             stdin=subprocess.PIPE)
         try:
             assert reader.stdout is not None and reader.stdin is not None
@@ -242,7 +231,7 @@ def test_a_bounded_streams_frame_opened_by_path_is_held(
                 reader.kill()
                 reader.wait()
         assert reader.returncode == 0, err
-        assert out.split()[0] == b"same", out
+        assert out.split() == [b"same"], out
         reused = set()
         for i in range(40, 60):  # closed: its storage comes back into use
             s.append(pos, step=i)
