@@ -202,6 +202,8 @@ def _hold(fd: int, key: str, path: str, dirfd: int | None) -> None:
         except BlockingIOError:  # a bounded stream's producer rewrites it: retired
             raise FileNotFoundError(errno.ENOENT, "retired (its storage is being reused)",
                                     path) from None
+        except OSError:  # no flock on this file system: nothing to hold (nor to recycle by it)
+            return
         st = os.fstat(fd)
         try:
             now = os.stat(key if dirfd is not None else path, dir_fd=dirfd, follow_symlinks=False)
