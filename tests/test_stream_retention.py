@@ -770,9 +770,9 @@ def test_a_lost_answer_is_sent_again_once_and_never_brings_a_retired_frame_back(
     # frame 2's record is stored once and gone with its retirement, never brought back as a
     # second version, and the head ends where the producer is.
     from tests.conftest import LoopbackNode
-    from tests.metadata.test_redis import _ReplyDropper
+    from tests.relay import ReplyDropper
 
-    relay = _ReplyDropper((redis_server.host, redis_server.port))
+    relay = ReplyDropper((redis_server.host, redis_server.port))
     node = LoopbackNode(tmp_path, 1, f"redis://127.0.0.1:{relay.port}/0", "test-token")
     client = node.client()
     clock = redis.Redis(host=redis_server.host, port=redis_server.port)

@@ -13,8 +13,10 @@ The C preload library and other local processes connect to ``$INSTRIDE_DIR/.inst
 :class:`~instride.client.Client`, so exactly as a Python consumer would) and answers once the
 file is local (``-1``: the server's ``INSTRIDE_TIMEOUT``, forever when unset). ``PUBLISH``
 records a regular file the client already placed under its key atomically, **write-once**: if
-another node already published the key, the local file is removed and the answer is ``ERR 17``
-(EEXIST). ``OVERWRITE`` records it as a new version replacing any earlier one (what a shim run
+another node already published the key (or this node, other bytes), the local file is removed
+and the answer is ``ERR 17`` (EEXIST); the very file recorded already (this node, the same
+bytes: a repeated ``PUBLISH``, or one that settles an unsettled publication) is confirmed.
+``OVERWRITE`` records it as a new version replacing any earlier one (what a shim run
 with ``INSTRIDE_OVERWRITE=1`` sends). Replies are always one line: newlines in error messages
 are flattened. A client that disconnects while its ``CONSUME`` waits gets no reply and its wait
 ends within about a second; waits still pending at shutdown are answered ``ERR 103``

@@ -57,7 +57,11 @@ class Client:
         self._confined = ConfinedOpener(self.root)  # [confine] opens keys, never through links
         #: whether publications fsync: asked for, and the managed directory is not on tmpfs
         #: (where fsync cannot make anything durable and only costs time)
-        self.fsync = self.settings.fsync and file_system_type(self._root_s) != "tmpfs"
+        tmpfs = file_system_type(self._root_s) == "tmpfs"
+        self.fsync = self.settings.fsync and not tmpfs
+        #: whether a written file's close() can report nothing (tmpfs: no deferred write
+        #: errors), so a writer may close it after its publication (store.open_for_write)
+        self._close_after = tmpfs
         #: the engine of this client's mode, chosen once (:mod:`instride.engine`)
         self.engine: Engine = get_engine(self.settings.mode, self.settings)
 
@@ -205,6 +209,7 @@ class Client:
                 mode,
                 overwrite=overwrite,
                 fsync=self.fsync,
+                close_after=self._close_after,
                 on_publish=lambda k, _p, digest=None, size=None: self.engine.published(
                     k, overwrite, digest, size),
                 checksum=self.engine.wants_checksum,

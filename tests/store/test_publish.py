@@ -108,6 +108,40 @@ def test_the_hidden_name_goes_after_the_announcement(tmp_path: Path, fails: bool
     assert final.read_bytes() == b"frame"
 
 
+@pytest.mark.parametrize("close_after", [False, True])
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_files_descriptor_is_closed_before_or_after_the_announcement(
+    tmp_path: Path, close_after: bool, fails: bool,
+) -> None:
+    """Where a close may report a failed write (NFS), the writer closes the file before it is
+    announced (and holds a copy of its descriptor, with its lock, across the rename); where it
+    cannot (``close_after``: tmpfs), the file's own descriptor is the one held, closed after
+    the announcement. Either way, announced or refused, no descriptor is left open."""
+    from instride.errors import KeyExistsError
+    from instride.store.publish import open_for_write
+
+    def fds() -> set[str]:
+        return set(os.listdir("/proc/self/fd"))
+
+    final = tmp_path / "k.bin"
+    open_at_announce: list[bool] = []
+    before = fds()
+    fh = open_for_write(str(final), "k.bin", "wb", overwrite=False, fsync=False,
+                        close_after=close_after,
+                        on_publish=lambda _k, _p: open_at_announce.append(not fh.raw.closed))
+    fh.write(b"frame")
+    if fails:
+        final.write_bytes(b"another writer's")  # (taken meanwhile: the link is refused)
+        with pytest.raises(KeyExistsError):
+            fh.close()
+        assert open_at_announce == [] and final.read_bytes() == b"another writer's"
+    else:
+        fh.close()
+        assert open_at_announce == [close_after] and final.read_bytes() == b"frame"
+    assert fh.closed and fds() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["k.bin"]
+
+
 def test_read_write_mode_then_publish(client: instride.Client) -> None:
     with client.open("rw/file", "w+b") as fh:
         fh.write(b"abcdef")

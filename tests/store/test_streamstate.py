@@ -16,8 +16,7 @@ from instride.config import Settings
 from instride.metadata.redis import RedisMetadata
 from instride.store.streamstate import Policy, RedisStreamState
 from tests.conftest import RedisServer
-from tests.metadata.test_redis import _ReplyDropper
-from tests.relay import Relay
+from tests.relay import Relay, ReplyDropper
 
 
 def _started(meta: RedisMetadata, stream: str) -> RedisStreamState:
@@ -32,7 +31,7 @@ def test_a_group_lease_whose_answer_was_lost_is_the_readers_own(redis_server: Re
     """The answer to the ``SET NX`` that takes a group's lease is lost (the connection fails
     after Redis ran it) and the client sends it again: the lease found taken is the reader's
     own, not another reader's (``GroupBusy``, the group locked until the lease ran out)."""
-    relay = _ReplyDropper((redis_server.host, redis_server.port), marker=b"$3\r\nSET\r\n")
+    relay = ReplyDropper((redis_server.host, redis_server.port), marker=b"$3\r\nSET\r\n")
     meta = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
                                   connect_timeout=2))
     direct = redis.Redis(host=redis_server.host, port=redis_server.port)
@@ -65,7 +64,7 @@ def test_a_commit_sent_again_after_the_lease_moved_does_not_set_the_cursor_back(
     next connection. Meanwhile its lease ran out (the reader was stopped), and another reader
     took the group and committed further. The old reader's commit, sent again, must not set
     the cursor back: the group would get those frames again."""
-    relay = _ReplyDropper((redis_server.host, redis_server.port),
+    relay = ReplyDropper((redis_server.host, redis_server.port),
                           marker=b"instride:stream:fence:groups")
     old_meta = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
                                       connect_timeout=2))
