@@ -56,6 +56,11 @@ class ReplyDropper(Relay):
         self.dropped = 0
         super().__init__(upstream)
 
+    def resume(self) -> None:
+        """Accept connections again, on the same port (Redis back within reach)."""
+        self.listener = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
     def serve(self, client: socket.socket, server: socket.socket) -> None:
         doomed = threading.Event()
         threading.Thread(target=self._up, args=(client, server, doomed), daemon=True).start()

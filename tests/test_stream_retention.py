@@ -724,7 +724,7 @@ def test_close_confirms_the_last_frames_record(tmp_path: Path, redis_server: Any
     # again ends the stream.
     import xxhash
 
-    from instride.errors import MetadataUnavailable
+    from instride.errors import MetadataUnavailable, PublicationUnsettled
     from instride.frames import HEADER_SIZE
     from tests.conftest import LoopbackNode
 
@@ -748,17 +748,58 @@ def test_close_confirms_the_last_frames_record(tmp_path: Path, redis_server: Any
         for i in range(3):
             s.append(_positions(i), step=i)
         redis_server.stop()
+        time.sleep(0.1)  # (Redis's close seen before the end marker is sent: not sent)
         try:
-            with pytest.raises(MetadataUnavailable):
+            with pytest.raises(MetadataUnavailable) as info:
                 s.close()
         finally:
             redis_server.start()
+        assert not isinstance(info.value, PublicationUnsettled)
         assert not (node.dir / s.end_key).exists()
         s.close()
         assert (node.dir / s.end_key).exists()
         assert client.metadata.lookup(s.end_key) is not None
     finally:
         client.close()
+
+
+def test_an_end_marker_redis_never_answered_stays_and_the_next_close_settles_it(
+    tmp_path: Path, redis_server: Any
+) -> None:
+    """Cluster mode: Redis stores the end marker's record and goes out of reach before its
+    answer. close() raises PublicationUnsettled and leaves the marker's file in place (a record
+    names it); no frame may follow it; once Redis is back, close() again confirms its record
+    (it would be refused as existing if written again) and the stream ends, readable."""
+    from instride.config import Settings
+    from instride.errors import PublicationUnsettled
+    from tests.conftest import LoopbackNode
+    from tests.relay import ReplyDropper
+
+    node = LoopbackNode(tmp_path, 1, redis_server.url, "test-token")
+    relay = ReplyDropper((redis_server.host, redis_server.port), refuse=True)
+    client = instride.Client(Settings.from_env(
+        {**node.env, "INSTRIDE_REDIS_URL": f"redis://127.0.0.1:{relay.port}/0",
+         "INSTRIDE_CONNECT_TIMEOUT": "0.5"}))
+    try:
+        s = instride.Stream("unsettled", mode="w", retain=4, client=client, timeout=5)
+        for i in range(3):
+            s.append(_positions(i), step=i)
+        s._confirm_records(all_=True)  # (the frames' answers in: the next EVALSHA is the marker's)
+        relay.armed = True
+        with pytest.raises(PublicationUnsettled):
+            s.close()
+        assert (node.dir / s.end_key).exists()  # (kept: its record is stored)
+        with pytest.raises(ValueError, match="is ending"):
+            s.append(_positions(3), step=3)
+        relay.resume()
+        s.close()
+        stored = node.client().lookup(s.end_key)
+        assert stored is not None
+        frames = [f.step for f in instride.Stream("unsettled", client=node.client(), timeout=5)]
+        assert frames == [0, 1, 2]
+    finally:
+        client.close()
+        relay.close()
 
 
 def test_a_lost_answer_is_sent_again_once_and_never_brings_a_retired_frame_back(

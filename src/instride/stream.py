@@ -68,6 +68,7 @@ from .errors import (
     KeyNotFoundError,
     KeyValidationError,
     MetadataUnavailable,
+    PublicationUnsettled,
     StreamFull,
 )
 from .frames import (
@@ -311,6 +312,9 @@ class Stream:
         self._cursor = 0  # next frame a consumer reads
         self._written = 0  # frames a producer appended
         self._closed = False
+        #: a close() whose end marker Redis may or may not have recorded (PublicationUnsettled):
+        #: the marker's file stays, the next close() settles it, and no frame may follow it
+        self._end_unsettled = False
         #: the stream's head, policy and consumer groups, as the mode shares them
         self._share = self.client.engine.stream_state(self.name)
         # producer
@@ -456,6 +460,9 @@ class Stream:
             raise ValueError(f"stream {self.name!r} was opened for reading")
         if self._closed:
             raise ValueError(f"stream {self.name!r} is closed")
+        if self._end_unsettled:
+            raise ValueError(f"stream {self.name!r} is ending: its end marker may be recorded "
+                             "(PublicationUnsettled); call close() again to settle it")
         paced = _monotonic() - self._appended_at > _PACED_AFTER
         if self._unconfirmed:
             # (an unbounded stream: only the answers it must have now, unless reading the
@@ -716,7 +723,9 @@ class Stream:
 
         A producer's close also confirms the last frames' records (cluster mode). If that or
         the end marker fails (e.g. :class:`MetadataUnavailable`), the stream stays open and
-        ``close()`` may be called again.
+        ``close()`` may be called again. An end marker Redis may or may not have recorded
+        (:class:`PublicationUnsettled`) stays in place: the next ``close()`` settles it
+        (confirms its record, or records it), and no frame may be appended meanwhile.
         """
         if self._closed:
             return
@@ -729,9 +738,16 @@ class Stream:
                 self._confirm_records(all_=True)
             if self._pool is not None:  # (the room of files made ahead, for the end marker)
                 self._pool.drop_made()
-            body = json.dumps({"frames": self._written}).encode()
-            with self.client.open(self.end_key, "wb", overwrite=self.overwrite) as fh:
-                fh.write(body)
+            if self._end_unsettled:  # (its file is in place: confirmed or recorded now)
+                self.client.register(self.end_key, overwrite=self.overwrite)
+            else:
+                body = json.dumps({"frames": self._written}).encode()
+                try:
+                    with self.client.open(self.end_key, "wb", overwrite=self.overwrite) as fh:
+                        fh.write(body)
+                except PublicationUnsettled:
+                    self._end_unsettled = True
+                    raise
         self._closed = True
         self._release_resources()
         if self._archiver is not None:

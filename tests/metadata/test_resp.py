@@ -239,3 +239,39 @@ def test_answered_waits_for_every_reply_a_function_is_owed(redis_server: RedisSe
     finally:
         admin.close()
         md.close()
+
+
+def test_a_connection_redis_closed_is_dropped_before_the_next_command(
+    redis_server: RedisServer,
+) -> None:
+    """``fresh()``: a connection whose end Redis closed (here ``CLIENT KILL``; a restart or
+    Redis's idle ``timeout`` alike) is dropped before the next command is written to it, so
+    the command goes out on a new connection, or fails to connect: never written where it
+    could not be answered. A live connection, or one still owed replies, is left alone."""
+    conn = _conn(redis_server)
+    other = redis.Redis.from_url(redis_server.url)
+    try:
+        from instride.metadata.resp import FRESH_AFTER
+
+        (me,) = conn.call([("CLIENT", "ID")])
+        time.sleep(2 * FRESH_AFTER)  # (quiet long enough to be looked at)
+        conn.fresh()
+        assert conn.sock is not None  # (alive: kept)
+        other.client_kill_filter(_id=me)
+        deadline = time.monotonic() + 5
+        while conn.sock is not None and time.monotonic() < deadline:
+            conn.fresh()
+            time.sleep(0.01)
+        assert conn.sock is None  # dropped as soon as Redis's end was seen
+        sent = conn.sent
+        assert conn.call([("PING",)]) == [b"PONG"] and conn.sent == sent + 1  # (one write)
+        pending = conn.call_soon([("PING",)])
+        time.sleep(2 * FRESH_AFTER)
+        conn.fresh()  # (a reply is owed: read first, kept for its function)
+        assert conn.sock is not None and pending() == [b"PONG"]
+        conn.defer([("SET", "fresh:k", "v")])
+        conn.fresh()  # (a deferred command's answer is read first)
+        assert conn.deferred == 0 and conn.sock is not None
+    finally:
+        conn.close()
+        other.close()

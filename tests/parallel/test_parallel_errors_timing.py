@@ -138,6 +138,7 @@ _CORE_ERRORS = [
     errors.TransferError("run/frame_000004", "short body"),
     errors.AuthenticationError("bad HMAC"),
     errors.MetadataUnavailable("redis://h:6379", "timed out"),
+    errors.PublicationUnsettled("redis://h:6379", "run/k.bin", "publish: timed out"),
     errors.EndOfStream("run", 98),
     errors.FramesMissed("run", 3, 5, 8),
     errors.StreamFull("run", 2.0, ["g1", "g2"]),

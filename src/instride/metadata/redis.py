@@ -515,6 +515,7 @@ class RedisMetadata:
             nonlocal went
             fast = self._fast()
             if fast is not None:
+                fast.fresh()  # (a connection Redis closed goes first: not sent, not unsettled)
                 before = fast.sent
                 try:
                     _pong, reply = fast.call([_AHEAD, self._evalsha(sent)])

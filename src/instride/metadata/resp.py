@@ -67,6 +67,12 @@ UNAVAILABLE = ("LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN")
 # reply (a stream's producer sends one per frame).
 
 
+#: seconds without a write after which :meth:`RespConnection.fresh` looks for Redis's close
+FRESH_AFTER = 0.025
+#: the peer shut its side down (Linux's ``POLLRDHUP``: its FIN is in)
+_RDHUP = getattr(select, "POLLRDHUP", 0x2000)
+
+
 def _written(sock: socket.socket, data: bytes) -> int:
     """How much of ``data`` went out at once (0: none; the caller sends the rest the usual
     way, which waits)."""
@@ -116,6 +122,8 @@ class RespConnection:
         #: :class:`TimeoutError` then, the connection closed); ``None``: the socket timeout
         self.until: float | None = None
         self._heard = 0.0  # (time.monotonic() when it last received something)
+        self._wrote = 0.0  # (... when it last sent something)
+        self._poller: Any = None
         self._probed: float | None = None  # (when a PING went out unanswered so far)
         _live.add(self)
 
@@ -125,6 +133,7 @@ class RespConnection:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(self.timeout)
         self.sock, self.reader = sock, hiredis.Reader()
+        self._poller: Any = None  # (fresh()'s, made on first use)
         self._heard, self._probed = time.monotonic(), None
         setup: list[tuple[Any, ...]] = []
         if self.password:
@@ -230,13 +239,15 @@ class RespConnection:
         while self._soon:
             self._settle_one()
 
-    def _replies(self, n: int, *, deferred: bool = True) -> list[Any]:
+    def _replies(self, n: int, *, deferred: bool = True, drain: bool = False) -> list[Any]:
+        """The next ``n`` replies (after the deferred commands' owed before them, taken in);
+        ``drain``: also until no deferred command's reply is owed."""
         sock = self.sock
         try:
             if sock is None:
                 raise ConnectionError("the connection to Redis was closed")
             out: list[Any] = []
-            while len(out) < n:
+            while len(out) < n or (drain and self._unanswered):
                 reply = self._parsed.popleft() if self._parsed else self.reader.gets()
                 if reply is False:
                     chunk = arrived(sock, 1 << 16) or self._recv(sock)
@@ -330,6 +341,7 @@ class RespConnection:
             self.close()
             raise
         self.sent += 1
+        self._wrote = time.monotonic()
 
     def read(self, timeout: float, spin: float = 0.0) -> Any | None:
         """The next reply or pushed message, or ``None`` if none came within ``timeout`` s.
@@ -420,6 +432,40 @@ class RespConnection:
         finally:
             if self.sock is not None and not direct:
                 sock.settimeout(self.timeout)
+
+    def fresh(self) -> None:
+        """Drop the connection now if Redis closed it (restarted, stopped, or closed it while
+        it was idle: its FIN is in), so that the next command goes out on a new one, or fails
+        to connect. Written to the closed one, it would go nowhere, and its failure could not
+        tell a command Redis never got from one it ran before the connection broke (see
+        ``RedisMetadata.publish``). One ``poll``, without waiting (~9 µs of a process woken
+        from idle); nothing is read. Only once nothing was written to it for
+        :data:`FRESH_AFTER` seconds (Redis rarely closes a connection just written to: one
+        closed within that time is found when the command's answer fails, as before; the time
+        of the last answer read would not do: answers are read late, those of a stream's
+        frames at its close). The answers owed on it
+        (to :meth:`call_soon` functions, to deferred commands) are read first, as a call would
+        before writing (:class:`ConnectionError` here if they cannot be).
+
+        Raises
+        ------
+        ConnectionError
+            The deferred commands' answers could not be read (the connection is closed).
+        """
+        if self.sock is not None and (self._soon or self._unanswered):
+            # (the answers owed before anything written now are read first: a connection that
+            # cannot give them fails here, before the command)
+            self._settle()
+            self._replies(0, drain=True)
+        sock = self.sock
+        if sock is None or time.monotonic() - self._wrote < FRESH_AFTER or self._parsed:
+            return
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(sock.fileno(), select.POLLIN | _RDHUP)
+        events = self._poller.poll(0)
+        if events and events[0][1] & (_RDHUP | select.POLLHUP | select.POLLERR):
+            self.close()
 
     def close(self) -> None:
         """Close the socket (a later :meth:`call` reconnects)."""
