@@ -263,3 +263,22 @@ def test_c_reads_numbers_in_any_locale(tmp_path: Path) -> None:
     german = {"LOCPATH": str(locales), "PROBE_LOCALE": "de_DE.UTF-8"}
     assert _c_reads("INSTRIDE_TIMEOUT", "2.5", tmp_path, **german)["timeout"] == 2.5
     assert _c_reads("INSTRIDE_TIMEOUT", "2,5", tmp_path, **german)["create"] != 0
+
+
+@pytest.mark.parametrize(("a", "b", "same"), [
+    ("127.0.0.1:7000", "127.0.0.1:7000", True),
+    ("127.0.0.1:7000", "127.0.0.1:07000", True),  # (the port's spelling)
+    ("localhost:7000", "127.0.0.1:7000", True),  # (a name and its address)
+    ("LocalHost:7000", "localhost:7000", True),
+    ("127.0.0.1:7000", "127.0.0.1:7001", False),
+    ("127.0.0.1:7000", "127.0.0.2:7000", False),
+    ("no-such-host.invalid:7000", "no-such-host.invalid:7000", True),
+    ("no-such-host.invalid:7000", "127.0.0.1:7000", False),
+    ("not an address", "127.0.0.1:7000", False),
+])
+def test_same_addr_tells_spellings_of_one_address_from_other_addresses(
+    a: str, b: str, same: bool,
+) -> None:
+    from instride.config import same_addr
+
+    assert same_addr(a, b) is same and same_addr(b, a) is same

@@ -10,6 +10,7 @@ C library reads the same names with the same meanings.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -189,6 +190,36 @@ def parse_addr(addr: str, name: str = "INSTRIDE_ADDR") -> tuple[str, int]:
     if not 0 < number < 65536:
         raise ConfigError(name, addr, "port out of range")
     return host.strip("[]"), number
+
+
+def same_addr(a: str, b: str) -> bool:
+    """Whether two ``host:port`` spellings name the same address: the same port, and hosts
+    that are spelled alike (case aside) or resolve to a common IP address (``localhost`` and
+    ``127.0.0.1``, a node's name and its address). A malformed one, or a host that does not
+    resolve, is only its spelling.
+
+    For decisions that must not take this node for another one because two of its processes
+    spell ``INSTRIDE_ADDR`` differently (see ``ClusterEngine.forget_other_runs``).
+    """
+    if a == b:
+        return True
+    try:
+        (ha, pa), (hb, pb) = parse_addr(a), parse_addr(b)
+    except ConfigError:
+        return False
+    if pa != pb:
+        return False
+    return ha.lower() == hb.lower() or bool(_resolved(ha) & _resolved(hb))
+
+
+@functools.lru_cache(maxsize=64)
+def _resolved(host: str) -> frozenset[str]:
+    """The IP addresses ``host`` resolves to (none when it does not)."""
+    try:
+        return frozenset(str(info[4][0]) for info in socket.getaddrinfo(host, None,
+                                                                         type=socket.SOCK_STREAM))
+    except (OSError, UnicodeError):
+        return frozenset()
 
 
 def _dir(name: str, raw: str | None) -> Path:

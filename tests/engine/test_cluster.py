@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import shutil
 import statistics
 import subprocess
@@ -1837,3 +1838,25 @@ def test_only_the_next_numbered_key_is_asked_for_early() -> None:
     assert not _follows("run/f13", "run/f11") and not _follows("run/f11", "run/f11")
     assert not _follows("run/g12", "run/f11") and not _follows("run/f12.h5", "run/f11.xtc")
     assert not _follows("run/end", "run/f11") and not _follows("run/f1", "run/end")
+
+
+def test_a_runs_node_spelled_otherwise_is_this_node(clients: list[instride.Client]) -> None:
+    """A stream's run names the node that produces it by that process's ``INSTRIDE_ADDR``.
+    Spelled otherwise by a process of this very node (``localhost`` for ``127.0.0.1``, a port
+    with a leading zero), it is still this node: the node's originals of the run, newer than
+    its start, are kept, never deleted as another run's. A run produced at another address
+    leaves this node's originals as an earlier run's: deleted."""
+    engine = clients[0].engine
+    assert isinstance(engine, ClusterEngine)
+    frames = re.compile(r"frame_\d{9}\.isf")
+    since = time.time() - 1.0
+    d = engine.root / "spelled"
+    d.mkdir()
+    frame = d / "frame_000000000.isf"
+    frame.write_bytes(b"an original of this run")
+    port = engine.settings.addr.rpartition(":")[2]
+    for i, spelled in enumerate((f"localhost:{port}", f"127.0.0.1:0{port}")):
+        assert engine.forget_other_runs("spelled", f"run{i}", since, spelled, frames) == 0
+        assert frame.exists()
+    assert engine.forget_other_runs("spelled", "run9", since, "127.0.0.2:1", frames) == 1
+    assert not frame.exists()

@@ -275,3 +275,51 @@ def test_a_connection_redis_closed_is_dropped_before_the_next_command(
     finally:
         conn.close()
         other.close()
+
+
+def test_a_close_from_another_thread_wakes_a_blocked_read_and_frees_nothing_under_it(
+    redis_server: RedisServer,
+) -> None:
+    """``close()`` from a thread other than the connection's (``RedisMetadata.close`` closes
+    every thread's): the socket is shut down, not closed, while its thread lives. Its read
+    blocked in ``recv`` wakes at once with :class:`ConnectionError` (a plain close would
+    leave it blocked until its 30 s timeout) and its descriptor stays its own until then; its
+    next call reconnects. Its own thread closes it for good."""
+    import threading
+
+    got: list[BaseException | object] = []
+    ready = threading.Event()
+    box: list[RespConnection] = []
+
+    def owner() -> None:
+        conn = _conn(redis_server)
+        box.append(conn)
+        conn.send([("SUBSCRIBE", "nobody-publishes-here")])
+        assert conn.read(5.0) is not None  # (the confirmation)
+        ready.set()
+        try:
+            got.append(conn.read(30.0))  # (nothing comes: blocked in recv)
+        except BaseException as exc:  # noqa: BLE001 (what it raised is the result)
+            got.append(exc)
+        got.append(conn.call([("PING",)]))  # (a new connection)
+        conn.close()
+        got.append(conn.sock)
+
+    t = threading.Thread(target=owner)
+    t.start()
+    try:
+        assert ready.wait(10)
+        time.sleep(0.1)  # (into its recv)
+        conn = box[0]
+        sock = conn.sock
+        assert sock is not None
+        fd = sock.fileno()
+        conn.close()  # from this thread: shut down only
+        assert sock.fileno() == fd  # (the descriptor stays the owner's)
+        t.join(10)
+        assert not t.is_alive(), "the blocked read did not wake"
+        assert isinstance(got[0], ConnectionError)
+        assert got[1] == [b"PONG"] and got[2] is None  # reconnected; then closed by its thread
+        assert sock.fileno() == -1  # (the old socket closed by its own thread)
+    finally:
+        t.join(40)

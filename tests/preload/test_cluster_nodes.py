@@ -155,7 +155,7 @@ def test_exclusive_create_stays_write_once_across_nodes(nodes: EmulatedCluster) 
 _BOUNDED_PRODUCER = textwrap.dedent("""
     import os, sys, numpy as np, instride
     pos = np.zeros((500, 3), np.float32)
-    with instride.Stream("cheld", mode="w", retain=2, on_full="drop-oldest") as s:
+    with instride.Stream(sys.argv[1], mode="w", retain=2, on_full="drop-oldest") as s:
         s.append(pos, step=0)
         root = instride.get_client().root
         print(os.stat(root / s.frame_key(0)).st_ino, flush=True)
@@ -173,21 +173,27 @@ _BOUNDED_PRODUCER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parametrize("opener", ["preload", "c-api"])
 def test_a_bounded_streams_frame_opened_by_path_is_held_in_cluster_mode(
-    nodes: EmulatedCluster,
+    nodes: EmulatedCluster, build: Builder, opener: str,
 ) -> None:
-    """Cluster mode (the path comes from the node's server): an unmodified program on the
-    producer's node that opens a bounded stream's frame holds it while open, so the retired
-    frame's file is not rewritten under it; closed, the file is reused."""
-    prod = nodes.popen(1, [sys.executable, "-c", _BOUNDED_PRODUCER], stdin=subprocess.PIPE,
+    """Cluster mode (the path comes from the node's server): a program on the producer's
+    node that opens a bounded stream's frame holds it while open, so the retired frame's file
+    is not rewritten under it; closed, the file is reused. Opened by an unmodified program
+    under the preload library, or by ``instride_open_read`` of the C API."""
+    stream = f"cheld-{opener}"  # (one stream per test: the cluster is the module's)
+    prod = nodes.popen(1, [sys.executable, "-c", _BOUNDED_PRODUCER, stream], stdin=subprocess.PIPE,
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     reader = None
     try:
         assert prod.stdin is not None and prod.stdout is not None
         ino = int(prod.stdout.readline())
-        reader = nodes.popen(1, [sys.executable, "-I", "-c", HOLDING_READER,
-                                 str(nodes.node(1).dir / "cheld" / "frame_000000000.isf")],
-                             env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        frame = str(nodes.node(1).dir / stream / "frame_000000000.isf")
+        if opener == "preload":
+            argv, env = [sys.executable, "-I", "-c", HOLDING_READER, frame], _env()
+        else:
+            argv, env = [str(build("api_hold.c", api=True)), frame], {}
+        reader = nodes.popen(1, argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
         assert reader.stdin is not None and reader.stdout is not None
         assert reader.stdout.readline() == "read\n"
@@ -200,7 +206,9 @@ def test_a_bounded_streams_frame_opened_by_path_is_held_in_cluster_mode(
         assert finish(reader).split() == ["same"]
         prod.stdin.write("more\n")
         prod.stdin.flush()
-        assert ino in map(int, prod.stdout.readline().split())  # closed: reused
+        line = prod.stdout.readline()
+        assert line, prod.communicate(timeout=60)[1]  # (the producer's error)
+        assert ino in map(int, line.split())  # closed: reused
         finish(prod)
     finally:
         for p in (prod, reader):

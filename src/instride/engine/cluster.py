@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import store
-from ..config import Settings
+from ..config import Settings, same_addr
 from ..errors import (
     ConsumeTimeout,
     InstrideError,
@@ -956,7 +956,8 @@ class ClusterEngine:
         except (FileNotFoundError, NotADirectoryError):
             pass
         dropped = 0
-        elsewhere = node is not None and node != self.settings.addr
+        # (the same address spelled otherwise is this node: its originals are the run's own)
+        elsewhere = node is not None and not same_addr(node, self.settings.addr)
         before = math.inf if elsewhere else since - _RUN_MARGIN
         try:
             entries = list(os.scandir(self.root / stream))

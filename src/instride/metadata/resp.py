@@ -11,9 +11,11 @@ anything else (TLS, Unix sockets) keeps to redis-py. Errors are the builtin ``OS
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
+import threading
 import time
 import weakref
 from collections import deque
@@ -125,6 +127,8 @@ class RespConnection:
         self._wrote = 0.0  # (... when it last sent something)
         self._poller: Any = None
         self._probed: float | None = None  # (when a PING went out unanswered so far)
+        #: the thread that uses it (a connection is a thread's own: see :meth:`close`)
+        self._owner = threading.current_thread()
         _live.add(self)
 
     def _connect(self) -> socket.socket:
@@ -468,7 +472,21 @@ class RespConnection:
             self.close()
 
     def close(self) -> None:
-        """Close the socket (a later :meth:`call` reconnects)."""
+        """Close the socket (a later :meth:`call` reconnects).
+
+        From another thread while the one that uses it lives, the socket is only shut down:
+        that thread may be in a call on it at this moment (in a ``recv`` that closing would
+        not wake, or about to use its descriptor number, which another file could have taken
+        by then). The shutdown wakes a blocked read at once; the thread finds the connection
+        closed at its next read or write, closes it then and reconnects.
+        """
+        owner = self._owner
+        if owner is not threading.current_thread() and owner.is_alive():
+            sock = self.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            return
         sock, self.sock = self.sock, None
         # (the deferred commands not answered stay: sent again on the next connection)
         self._soon.clear()  # (a call_soon function then finds its box empty)
