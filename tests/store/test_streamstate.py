@@ -197,6 +197,40 @@ def test_closing_a_reader_never_releases_a_lease_another_reader_took(
         relay.close()
 
 
+def test_a_cursor_closed_on_another_thread_keeps_the_last_commit_of_its_reader_thread(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    """A group reader commits on its own thread (a worker iterating the stream), and the cursor
+    is closed from another thread (the main one, shutting down) while that commit is still on
+    its way to Redis (held here by a relay). The closing thread cannot read that thread's
+    answers: it writes the last value again with the release, in one step. Before, the lease
+    went first and the commit, arriving after it, was refused: the cursor stayed at the value
+    before, and the group would get those frames again."""
+    groups = b"instride:stream:away:groups"
+    relay = _Holder((redis_server.host, redis_server.port), lambda data: groups in data)
+    meta = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
+                                  connect_timeout=2))
+    direct = redis.Redis(host=redis_server.host, port=redis_server.port)
+    try:
+        reader = _started(meta, "away").open_group("g", 0)
+        relay.armed = True
+
+        def worker() -> None:
+            reader.commit(5)  # (held by the relay)
+
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join(10)
+        _wait_for(relay.held.is_set)
+        reader.close()  # on this thread, the commit still held
+        assert direct.hget(groups, "g") == b"5"
+        assert direct.get("instride:stream:away:group:g:lease") is None  # released
+    finally:
+        relay.go.set()
+        direct.close()
+        meta.close()
+        relay.close()
+
+
 def test_a_forked_child_closing_its_copy_of_a_cursor_leaves_the_parents_lease(
         redis_server: RedisServer, tmp_path: Path) -> None:
     """A child made by ``fork`` inherits a reader's cursor, its token with it: its ``close``

@@ -620,6 +620,18 @@ end
 return -1
 """
 
+#: :data:`_COMMIT` and :data:`_RELEASE` in one step (KEYS and ARGV as :data:`_COMMIT`'s): a
+#: cursor closed on another thread than one its commits went from (see
+#: ``RedisGroupCursor.close``); a commit of that thread still on its way lands before this
+#: (overwritten) or after it (refused: the lease is gone)
+_COMMIT_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
 
 class RedisGroupCursor:
     """A reader's lease on its group in Redis, renewed in the background.
@@ -645,6 +657,10 @@ class RedisGroupCursor:
         self._lost = False
         self._script = r.register_script(_RENEW)
         self._release = r.register_script(_RELEASE)
+        self._commit_release = r.register_script(_COMMIT_RELEASE)
+        #: the threads its commits went from (each on that thread's own connection, its
+        #: answer read there: see :meth:`close`)
+        self._senders: set[int] = set()
         r.hsetnx(state._groups, name, start)
         self.value = int(r.hget(state._groups, name))
         self._stop = threading.Event()
@@ -705,15 +721,20 @@ class RedisGroupCursor:
             self.state.metadata.eval_later(_COMMIT, [self._lock, self.state._groups],
                                            [self._token, self.name, value])
             self.value = value
+            self._senders.add(threading.get_ident())
 
     def close(self) -> None:
         """Release the lease (the cursor stays), if it is still this reader's (compared and
         deleted in one step: see :data:`_RELEASE`).
 
         The last commit is answered first (this thread's deferred commands): a commit that
-        arrived after the lease went would be refused. Where Redis cannot be reached within
-        the connect timeout, the lease is kept until it runs out instead, so that the commit,
-        sent again on this thread's next connection meanwhile, may still be written.
+        arrived after the lease went would be refused. Closed on another thread than one its
+        commits went from (a reader iterating on a worker thread, closed from the main
+        thread), the last value is written again with the release, in one step: that
+        thread's commits, whose answers only it reads, may still be on their way. Where
+        Redis cannot be reached within the connect timeout, the lease is kept until it runs
+        out instead, so that the commit, sent again on this thread's next connection
+        meanwhile, may still be written.
 
         In a child made by ``fork`` (which inherits the cursor, its token with it) nothing is
         released: the lease is the parent's, which renews it and reads on.
@@ -730,4 +751,12 @@ class RedisGroupCursor:
             except Exception:  # (an error answer to a deferred command: answered, in step)
                 pass
             with contextlib.suppress(Exception):
-                self._release(keys=[self._lock], args=[self._token])
+                if self._senders - {threading.get_ident()}:
+                    # Commits went from another thread too, on that thread's connection:
+                    # their answers are not this thread's to read, and one may still be on
+                    # its way (or wait there to be sent again). The last value is written
+                    # again here, with the release in the same step.
+                    self._commit_release(keys=[self._lock, self.state._groups],
+                                         args=[self._token, self.name, self.value])
+                else:
+                    self._release(keys=[self._lock], args=[self._token])
