@@ -10,7 +10,8 @@ C library reads the same names with the same meanings.
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import ipaddress
 import math
 import os
 import re
@@ -192,14 +193,16 @@ def parse_addr(addr: str, name: str = "INSTRIDE_ADDR") -> tuple[str, int]:
     return host.strip("[]"), number
 
 
-def same_addr(a: str, b: str) -> bool:
+def same_addr(a: str, b: str) -> bool | None:
     """Whether two ``host:port`` spellings name the same address: the same port, and hosts
-    that are spelled alike (case aside) or resolve to a common IP address (``localhost`` and
-    ``127.0.0.1``, a node's name and its address). A malformed one, or a host that does not
-    resolve, is only its spelling.
+    spelled alike (case aside) or resolving to a common IP address (``localhost`` and
+    ``127.0.0.1``, a node's name and its address). ``None`` when that cannot be told: a host
+    name that does not resolve (now; a failed lookup is tried again next time). A malformed
+    one is another address.
 
     For decisions that must not take this node for another one because two of its processes
-    spell ``INSTRIDE_ADDR`` differently (see ``ClusterEngine.forget_other_runs``).
+    spell ``INSTRIDE_ADDR`` differently (see ``ClusterEngine.forget_other_runs``). Two IP
+    addresses are compared without a lookup; a host name is looked up once per process.
     """
     if a == b:
         return True
@@ -209,17 +212,32 @@ def same_addr(a: str, b: str) -> bool:
         return False
     if pa != pb:
         return False
-    return ha.lower() == hb.lower() or bool(_resolved(ha) & _resolved(hb))
+    if ha.lower() == hb.lower():
+        return True
+    ips_a, ips_b = _resolved(ha), _resolved(hb)
+    if not ips_a or not ips_b:
+        return None
+    return bool(ips_a & ips_b)
 
 
-@functools.lru_cache(maxsize=64)
+#: host names looked up (the IP addresses each resolves to; failures are not kept)
+_RESOLVED: dict[str, frozenset[str]] = {}
+
+
 def _resolved(host: str) -> frozenset[str]:
-    """The IP addresses ``host`` resolves to (none when it does not)."""
-    try:
-        return frozenset(str(info[4][0]) for info in socket.getaddrinfo(host, None,
-                                                                         type=socket.SOCK_STREAM))
-    except (OSError, UnicodeError):
-        return frozenset()
+    """The IP addresses ``host`` names (none when it does not resolve)."""
+    with contextlib.suppress(ValueError):
+        return frozenset((str(ipaddress.ip_address(host)),))
+    found = _RESOLVED.get(host)
+    if found is None:
+        try:
+            found = frozenset(str(info[4][0]) for info in socket.getaddrinfo(
+                host, None, type=socket.SOCK_STREAM))
+        except (OSError, UnicodeError):
+            return frozenset()
+        if len(_RESOLVED) < 256:
+            _RESOLVED[host] = found
+    return found
 
 
 def _dir(name: str, raw: str | None) -> Path:

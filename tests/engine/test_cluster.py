@@ -1844,8 +1844,9 @@ def test_a_runs_node_spelled_otherwise_is_this_node(clients: list[instride.Clien
     """A stream's run names the node that produces it by that process's ``INSTRIDE_ADDR``.
     Spelled otherwise by a process of this very node (``localhost`` for ``127.0.0.1``, a port
     with a leading zero), it is still this node: the node's originals of the run, newer than
-    its start, are kept, never deleted as another run's. A run produced at another address
-    leaves this node's originals as an earlier run's: deleted."""
+    its start, are kept, never deleted as another run's; so are they when the run's host
+    name does not resolve. A run produced at another address leaves this node's originals as
+    an earlier run's: deleted."""
     engine = clients[0].engine
     assert isinstance(engine, ClusterEngine)
     frames = re.compile(r"frame_\d{9}\.isf")
@@ -1858,5 +1859,9 @@ def test_a_runs_node_spelled_otherwise_is_this_node(clients: list[instride.Clien
     for i, spelled in enumerate((f"localhost:{port}", f"127.0.0.1:0{port}")):
         assert engine.forget_other_runs("spelled", f"run{i}", since, spelled, frames) == 0
         assert frame.exists()
-    assert engine.forget_other_runs("spelled", "run9", since, "127.0.0.2:1", frames) == 1
+    # (a host name that does not resolve cannot be told from this node's: taken for it)
+    assert engine.forget_other_runs("spelled", "run8", since, f"no-such-host.invalid:{port}",
+                                    frames) == 0
+    assert frame.exists()
+    assert engine.forget_other_runs("spelled", "run9", since, f"127.0.0.2:{port}", frames) == 1
     assert not frame.exists()

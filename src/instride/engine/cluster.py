@@ -956,8 +956,9 @@ class ClusterEngine:
         except (FileNotFoundError, NotADirectoryError):
             pass
         dropped = 0
-        # (the same address spelled otherwise is this node: its originals are the run's own)
-        elsewhere = node is not None and not same_addr(node, self.settings.addr)
+        # (the same address spelled otherwise is this node: its originals are the run's own;
+        # one that cannot be told apart, a host name that does not resolve, may be too)
+        elsewhere = node is not None and same_addr(node, self.settings.addr) is False
         before = math.inf if elsewhere else since - _RUN_MARGIN
         try:
             entries = list(os.scandir(self.root / stream))

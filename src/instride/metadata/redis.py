@@ -1127,7 +1127,9 @@ class RedisMetadata:
         return bool(self._call("ping", self.redis.ping))
 
     def close(self) -> None:
-        """Close the subscriber connections and the connection pool."""
+        """Close the subscriber connections and the connection pool (another thread's lean
+        connections are shut down, and closed by that thread: see
+        :meth:`RespConnection.close`)."""
         with self._lock:
             subs = list(self._pubsubs)
             self._pubsubs.clear()

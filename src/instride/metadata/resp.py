@@ -477,8 +477,11 @@ class RespConnection:
         From another thread while the one that uses it lives, the socket is only shut down:
         that thread may be in a call on it at this moment (in a ``recv`` that closing would
         not wake, or about to use its descriptor number, which another file could have taken
-        by then). The shutdown wakes a blocked read at once; the thread finds the connection
-        closed at its next read or write, closes it then and reconnects.
+        by then). The shutdown wakes a blocked read at once, and Redis sees the connection
+        closed (its subscriptions end); the thread finds it closed at its next read or write,
+        closes it then and reconnects. Until then, or until that thread ends and the
+        connection is collected, the descriptor stays open. (A connection made on a thread
+        that Python did not start counts as its thread's while the process lives.)
         """
         owner = self._owner
         if owner is not threading.current_thread() and owner.is_alive():

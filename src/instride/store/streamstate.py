@@ -620,10 +620,10 @@ end
 return -1
 """
 
-#: :data:`_COMMIT` and :data:`_RELEASE` in one step (KEYS and ARGV as :data:`_COMMIT`'s): a
-#: cursor closed on another thread than one its commits went from (see
-#: ``RedisGroupCursor.close``); a commit of that thread still on its way lands before this
-#: (overwritten) or after it (refused: the lease is gone)
+#: :data:`_COMMIT` and :data:`_RELEASE` in one step (KEYS and ARGV as :data:`_COMMIT`'s): the
+#: release of a cursor that committed, perhaps on another thread than the one closing it (see
+#: ``RedisGroupCursor.close``); a commit still on its way lands before this (overwritten) or
+#: after it (refused: the lease is gone)
 _COMMIT_RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
@@ -658,9 +658,9 @@ class RedisGroupCursor:
         self._script = r.register_script(_RENEW)
         self._release = r.register_script(_RELEASE)
         self._commit_release = r.register_script(_COMMIT_RELEASE)
-        #: the threads its commits went from (each on that thread's own connection, its
-        #: answer read there: see :meth:`close`)
-        self._senders: set[int] = set()
+        #: whether a commit was sent (on its thread's own connection, its answer read there;
+        #: see :meth:`close`)
+        self._committed = False
         r.hsetnx(state._groups, name, start)
         self.value = int(r.hget(state._groups, name))
         self._stop = threading.Event()
@@ -718,20 +718,26 @@ class RedisGroupCursor:
         """
         self.check()
         if value != self.value:
-            self.state.metadata.eval_later(_COMMIT, [self._lock, self.state._groups],
-                                           [self._token, self.name, value])
-            self.value = value
-            self._senders.add(threading.get_ident())
+            # (the value first: a close() on another thread meanwhile writes this one)
+            before, self.value, self._committed = self.value, value, True
+            try:
+                self.state.metadata.eval_later(_COMMIT, [self._lock, self.state._groups],
+                                               [self._token, self.name, value])
+            except BaseException:
+                self.value = before
+                raise
 
     def close(self) -> None:
         """Release the lease (the cursor stays), if it is still this reader's (compared and
         deleted in one step: see :data:`_RELEASE`).
 
         The last commit is answered first (this thread's deferred commands): a commit that
-        arrived after the lease went would be refused. Closed on another thread than one its
-        commits went from (a reader iterating on a worker thread, closed from the main
-        thread), the last value is written again with the release, in one step: that
-        thread's commits, whose answers only it reads, may still be on their way. Where
+        arrived after the lease went would be refused. Once anything was committed, the last
+        value is written again with the release, in one step: a cursor closed on another
+        thread than the one that committed (a reader iterating on a worker thread, closed
+        from the main thread) cannot read that thread's answers, and its last commit may
+        still be on its way (which thread did is not told by its id: Linux gives an ended
+        thread's id to the next). Where
         Redis cannot be reached within the connect timeout, the lease is kept until it runs
         out instead, so that the commit, sent again on this thread's next connection
         meanwhile, may still be written.
@@ -751,11 +757,11 @@ class RedisGroupCursor:
             except Exception:  # (an error answer to a deferred command: answered, in step)
                 pass
             with contextlib.suppress(Exception):
-                if self._senders - {threading.get_ident()}:
-                    # Commits went from another thread too, on that thread's connection:
-                    # their answers are not this thread's to read, and one may still be on
-                    # its way (or wait there to be sent again). The last value is written
-                    # again here, with the release in the same step.
+                if self._committed:
+                    # A commit may have gone from another thread, on that thread's own
+                    # connection: its answer is not this thread's to read, and it may still
+                    # be on its way (or wait there to be sent again). The last value is
+                    # written again, with the release in the same step.
                     self._commit_release(keys=[self._lock, self.state._groups],
                                          args=[self._token, self.name, self.value])
                 else:
