@@ -66,6 +66,25 @@ def test_a_run_that_ends_between_frames_is_complete(managed_dir: Path, engine) -
     assert s.ended and [f.step for f in s] == [0, 1]
 
 
+def test_no_timeout_waits_for_a_slow_engine(managed_dir: Path, engine) -> None:
+    """``timeout=inf`` (``--timeout inf``: wait for the engine as long as it runs) bridges a
+    run whose frames come with pauses; it used to fail before connecting (imdclient compared
+    the missing limit with a number: ``TypeError``)."""
+    import math
+    import time
+
+    def slow(c: socket.socket) -> None:
+        c.sendall(_frame(0, SessionInfo()))
+        time.sleep(1.5)  # (a pause between frames)
+        c.sendall(_frame(1, SessionInfo()))
+
+    port = engine(slow)
+    report = bridge(f"127.0.0.1:{port}", "endless", NATOMS, connect_timeout=10, timeout=math.inf)
+    assert report.frames == 2
+    s = instride.Stream("endless")
+    assert s.ended and [f.step for f in s] == [0, 1]
+
+
 def test_a_frame_cut_short_is_a_protocol_error_and_no_end(managed_dir: Path, engine) -> None:
     port = engine(lambda c: c.sendall(_frame(0, SessionInfo()) + _frame(1, SessionInfo())[:-20]))
     with pytest.raises(IMDProtocolError, match="middle of frame 1"):

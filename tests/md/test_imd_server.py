@@ -3,6 +3,8 @@ checked frame by frame against a direct read of the source trajectory."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import signal
 import socket
@@ -357,3 +359,104 @@ def test_a_bounded_stream_is_served_from_its_oldest_frame(server_factory, manage
         assert srv.wait_clients(i + 1, timeout=30)
         assert _files_open_under(managed_dir / "kept") == []  # (each released its frames)
     assert all(r.ended and r.frames == 4 and r.missed == 6 for r in srv.reports), srv.reports
+
+
+def test_a_slow_but_steady_client_is_not_taken_for_a_stalled_one(server_factory,
+                                                                  monkeypatch) -> None:
+    """The stall limit is on a client taking none of a frame's bytes, not on the time a whole
+    frame takes: a client that reads steadily, but needs several times the limit for one large
+    frame (a slow link), is served to the end. (``sendall`` bounded the whole frame by the
+    limit: it was cut off after the limit with "took no data".)"""
+    from instride.md import imd_server
+
+    monkeypatch.setattr(imd_server, "_CLIENT_STALL_S", 1.0)
+    _frames("steady", 1, 1_000_000)  # one frame of 12 MB of positions
+    srv = server_factory("steady")
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+        sock.sendall(encode_header(MsgType.GO, 0))
+        got = 0
+        while chunk := sock.recv(1 << 16):  # ~3 MB/s: 12 MB take ~4 s
+            got += len(chunk)
+            time.sleep(0.02)
+    assert got > 12_000_000
+    assert srv.wait_clients(1, timeout=30)
+    report = srv.reports[0]
+    assert report.ended and report.error is None and report.frames == 1, report
+
+
+def test_a_session_that_ends_closes_the_clients_connection_at_once(server_factory) -> None:
+    """A session that ends on the server's side (here: no frame from the producer within the
+    server's ``timeout``) shuts the client's connection down at once: the client reads the end
+    of the connection, not silence until the server's blocked read gives up (60 s). While it
+    lasts, the connection has TCP keep-alive on (a client that vanished without a word is
+    found)."""
+    srv = server_factory("nothing-comes", timeout=1.0)
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=20) as sock:
+        sock.sendall(encode_header(MsgType.GO, 0))
+        deadline = time.monotonic() + 10
+        while not srv._sessions and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with srv._lock:
+            conns = [s.conn for s in srv._sessions]
+        if conns:  # (the session may have ended already: checked on the report below)
+            with contextlib.suppress(OSError):
+                assert conns[0].getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        while sock.recv(1 << 16):  # the handshake, then the end (a timeout: silence)
+            pass
+    assert srv.wait_clients(1, timeout=30)
+    assert srv.reports[0].error == "no frame from the producer for 1.0 s", srv.reports
+
+
+class _AcceptFailsOnce:
+    """A listener whose first ``accept`` fails as one does when the process is out of
+    descriptors (``EMFILE``); then the real listener's."""
+
+    def __init__(self, listener: socket.socket) -> None:
+        self.listener, self.failed = listener, False
+
+    def accept(self) -> tuple[socket.socket, object]:
+        if not self.failed:
+            self.failed = True
+            raise OSError(errno.EMFILE, "Too many open files")
+        return self.listener.accept()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_failed_accept_loses_a_connection_not_the_server(managed_dir: Path) -> None:
+    """An ``accept`` that fails for a reason other than the server closing (out of
+    descriptors, a connection aborted first) is logged and accepting goes on: the next client
+    is served. (The accepting thread used to end, the listener staying open: clients connected
+    and waited for a handshake that never came.)"""
+    _frames("acc", 2, 10)
+    srv = IMDServer("acc")
+    srv._listener = _AcceptFailsOnce(srv._listener)  # type: ignore[assignment]
+    with srv.start():
+        client = IMDClient("127.0.0.1", srv.port, 10, multithreaded=False, timeout=30)
+        try:
+            assert _all_steps(client) == [0, 1]
+        finally:
+            client.stop()
+        assert srv._listener.failed  # type: ignore[attr-defined]
+
+
+def test_a_session_whose_stream_cannot_be_opened_ends_with_the_reason(server_factory,
+                                                                      monkeypatch) -> None:
+    """The stream cannot be opened for a client (Redis out of reach in cluster mode, no
+    descriptors left): that session ends with the reason in its report and the client's
+    connection closed, instead of a thread dying with it open and the report never made."""
+    from instride.errors import MetadataUnavailable
+    from instride.md import imd_server
+
+    class Unreachable(imd_server.Stream):  # type: ignore[name-defined,misc]
+        def __init__(self, *args: object, **kw: object) -> None:
+            raise MetadataUnavailable("redis://10.0.0.1:6379/0", "connection refused")
+
+    srv = server_factory("away")
+    monkeypatch.setattr(imd_server, "Stream", Unreachable)  # (for the sessions from now on)
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=20) as sock:
+        assert sock.recv(1 << 16) == b""  # closed, no handshake
+    assert srv.wait_clients(1, timeout=30)
+    assert "connection refused" in (srv.reports[0].error or ""), srv.reports

@@ -157,7 +157,15 @@ def _connect(host: str, port: int, natoms: int, connect_timeout: float,
             # single-threaded: no signal handlers, no background thread; frames are read
             # straight from the socket when asked for
             client_class = _client_class(max(0.1, deadline - time.monotonic()))
-            return client_class(host, port, natoms, multithreaded=False, timeout=timeout)
+            if timeout is not None:
+                return client_class(host, port, natoms, multithreaded=False, timeout=timeout)
+            # no limit: imdclient compares its timeout with a number (None would raise), so
+            # its default goes in, and the socket waits without a limit from here on
+            client = client_class(host, port, natoms, multithreaded=False)
+            conn = getattr(client, "_conn", None)
+            if conn is not None:
+                conn.settimeout(None)
+            return client
         except OSError as exc:  # refused, reset, no handshake (ConnectionError), timeout
             if time.monotonic() >= deadline:
                 raise EngineUnavailable(address, f"{type(exc).__name__}: {exc}") from None

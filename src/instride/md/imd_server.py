@@ -31,6 +31,7 @@ producer. IMD has no authentication: the server listens on 127.0.0.1 unless told
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import struct
@@ -68,6 +69,10 @@ _CLIENT_STALL_S = 60.0
 _GO_WAIT_S = 30.0
 #: bytes read at a time from a message body the server ignores (MDCOMM forces)
 _DISCARD_CHUNK = 1 << 16
+#: bytes per send of a frame (each may wait the stall time: see _send_all)
+_SEND_CHUNK = 1 << 20
+#: seconds before accepting again after accept() failed (out of descriptors)
+_ACCEPT_RETRY_S = 0.1
 
 
 @dataclass
@@ -226,8 +231,16 @@ class IMDServer:
                 conn, addr = self._listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                break  # closed
+            except OSError as exc:
+                if self._stop.is_set() or exc.errno in (errno.EBADF, errno.EINVAL):
+                    break  # closed
+                # out of descriptors or buffers, a connection aborted before it was taken:
+                # this one is lost, the server is not (the listener stays open, and a client
+                # that connects meanwhile waits in its backlog)
+                log.warning("imd server: cannot accept a connection: %s", exc)
+                self._stop.wait(_ACCEPT_RETRY_S)
+                continue
+            _keepalive(conn)  # (a peer that vanished without a word is found in minutes)
             peer = f"{addr[0]}:{addr[1]}"
             session = _Session(conn, peer, ClientReport(peer))
             session.resumed.set()
@@ -260,11 +273,13 @@ class IMDServer:
 
     def _serve_client(self, s: _Session) -> None:
         t0 = time.perf_counter()
-        # (frames a bounded stream retired before this client got them are skipped, counted)
-        stream = Stream(self.stream, mode="r", timeout=_POLL, on_gap="count")
+        stream: Stream | None = None
         receiver: threading.Thread | None = None
         stall = _CLIENT_STALL_S if self.timeout is None else max(self.timeout, _CLIENT_STALL_S)
         try:
+            # (frames a bounded stream retired before this client got them are skipped,
+            # counted)
+            stream = Stream(self.stream, mode="r", timeout=_POLL, on_gap="count")
             info = self._session_info(stream)
             # One timeout for the whole session, set before the receiver's first read: a
             # read under way keeps the timeout it began with, whatever is set later.
@@ -300,17 +315,22 @@ class IMDServer:
             log.exception("imd client %s", s.peer)
         finally:
             s.gone.set()
+            try:  # (shut down first: a close alone would not wake the receiver's recv, and
+                s.conn.shutdown(socket.SHUT_RDWR)  # the client would see no end until it
+            except OSError:  # timed out)
+                pass
             try:
                 s.conn.close()
             except OSError:
                 pass
             if receiver is not None:
                 receiver.join(timeout=5)
-            try:
-                stream.close()  # (the frame it held goes back to a bounded stream)
-            except InstrideError:
-                pass
-            s.report.missed = stream.missed
+            if stream is not None:
+                try:
+                    stream.close()  # (the frame it held goes back to a bounded stream)
+                except InstrideError:
+                    pass
+                s.report.missed = stream.missed
             s.report.seconds = time.perf_counter() - t0
             with self._done:
                 self._sessions.remove(s)
@@ -364,7 +384,7 @@ class IMDServer:
                 box=box, velocities=getattr(frame, "velocities", None),
                 forces=getattr(frame, "forces", None), session=info, order="<",
             )
-            s.conn.sendall(b"".join(parts))
+            _send_all(s.conn, b"".join(parts))
             s.report.frames += 1
 
     def _receive(self, s: _Session) -> None:
@@ -412,6 +432,28 @@ class IMDServer:
             s.gone.set()
             s.resumed.set()
             s.go.set()  # (a handshake waiting for IMD_GO learns at once that the client left)
+
+
+def _send_all(conn: socket.socket, data: bytes) -> None:
+    """Send ``data`` whole; :class:`TimeoutError` only when the client takes none of it for
+    the socket's timeout (the session's stall time). ``sendall`` bounds the whole call by
+    that timeout: a large frame to a slow but steady client would count as a stall."""
+    view = memoryview(data)
+    while view:
+        view = view[conn.send(view[:_SEND_CHUNK]):]  # (each send waits at most the timeout)
+
+
+def _keepalive(conn: socket.socket) -> None:
+    """TCP keep-alive on a client's connection: a peer that vanished without closing it (its
+    host crashed, the network cut) is found after ~2 minutes of silence, also by a session
+    that is paused or waits for a quiet producer without a timeout."""
+    try:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
+            if hasattr(socket, name):
+                conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    except OSError:
+        pass
 
 
 def _discard(conn: socket.socket, n: int) -> bool:
