@@ -205,3 +205,11 @@ def send_unsendable(ports, what="objects"):
     value = {"objects": np.array([{"a": 1}, None], dtype=object), "float32": np.float32(1.5),
              "set": {1, 2}}[what]
     ports.put("out", value, step=0)
+
+
+def count_then_exit(ports, n=3):
+    """Source: ``n`` frames, then ``sys.exit(0)`` (its outputs are ended all the same)."""
+    import sys
+
+    count(ports, n=n)
+    sys.exit(0)

@@ -380,3 +380,51 @@ def test_gc_collects_only_dead_runs_of_this_host_and_kind(
     monkeypatch.setattr(runner, "default_state_root", lambda: root)
     assert gc_stale(launcher, root) == ["flow/legacy"]
     assert not legacy.exists() and other_host.is_dir()
+
+
+def test_a_module_that_exits_with_status_0_ends_its_outputs(flow_env: dict[str, Path]) -> None:
+    """A module function that finishes with ``sys.exit(0)`` instead of returning has finished
+    all the same: its outputs are ended, and its consumer gets every message and its end
+    (it used to wait for that end for ever)."""
+    out = flow_env["out"]
+    g = Graph("exits")
+    src = g.module("src", modules.count_then_exit, outputs=["frames"], params={"n": 3})
+    tot = g.module("tot", modules.total, inputs=["frames"], outputs={"sums": "array"})
+    rec = g.module("rec", modules.record, inputs={"in": "array"}, params={"name": "sums"})
+    g.connect(src.output("frames"), tot.input("frames"))
+    g.connect(tot.output("sums"), rec.input("in"))
+    run(g, out=out, timeout=60)
+    assert json.loads((out / "sums-0.json").read_text()) == [[10 * k, [12.0 * k]]
+                                                             for k in range(3)]
+
+
+def test_a_stride_longer_than_the_retention_does_not_deadlock(flow_env: dict[str, Path]) -> None:
+    """``stride=k`` above the stream's retention: the reader waits for a message k ahead of
+    the last it took, whose place it gives back only at its next take. The stream keeps at
+    least k + 1 (it kept ``retain``: producer and reader then waited for each other until
+    ``PortBlocked``)."""
+    out = flow_env["out"]
+    g = Graph("strided", retain=4)
+    src = g.module("src", modules.numbers, outputs={"out": "array"}, params={"n": 21})
+    rec = g.module("rec", modules.record, inputs={"in": "array"})
+    g.connect(src.output("out"), rec.input("in"), stride=5)
+    run(g, out=out, timeout=60)
+    got = json.loads((out / "record-0.json").read_text())
+    assert [step for step, _ in got] == [0, 50, 100, 150, 200]
+
+
+def test_connection_fields_of_a_graph_from_data_are_checked() -> None:
+    """A graph rebuilt from data (``from_dict``, as instances and ``flow run`` files may)
+    skips ``connect``'s checks: ``validate`` checks each connection's fields itself."""
+    from instride.flow import GraphError
+
+    g = Graph("data")
+    src = g.module("src", modules.numbers, outputs={"out": "array"})
+    rec = g.module("rec", modules.record, inputs={"in": "array"})
+    g.connect(src.output("out"), rec.input("in"))
+    for field, bad in (("stride", 0), ("stride", "2"), ("initial", -3), ("sampling", "bogus"),
+                       ("retain", 0)):
+        data = g.to_dict()
+        data["edges"][0][field] = bad
+        with pytest.raises(GraphError, match=field):
+            Graph.from_dict(data).validate()

@@ -179,6 +179,23 @@ def _target_of(fn: Callable[..., Any]) -> str:
     return f"{mod}:{qual}"
 
 
+def _check_edge(e: Edge) -> None:
+    """A connection's own fields (a graph rebuilt from data skips :meth:`Graph.connect`)."""
+    what = f"connection {e.src}.{e.src_port} -> {e.dst}.{e.dst_port}"
+    for name in ("stride", "initial", "src_instance", "dst_instance"):
+        value = getattr(e, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise GraphError(f"{what}: {name} must be a whole number, got {value!r}")
+    if e.stride < 1 or e.initial < 0:
+        raise GraphError(f"{what}: stride must be >= 1 and initial >= 0, got stride "
+                         f"{e.stride} and initial {e.initial}")
+    if e.sampling not in SAMPLINGS:
+        raise GraphError(f"{what}: sampling must be one of {SAMPLINGS}, got {e.sampling!r}")
+    if e.retain is not None and (isinstance(e.retain, bool) or not isinstance(e.retain, int)
+                                 or e.retain < 1):
+        raise GraphError(f"{what}: retain must be a whole number >= 1, got {e.retain!r}")
+
+
 def _name_ok(name: str) -> bool:
     """The rule of module, port and graph names: letters, digits, ``-``, ``_``."""
     return bool(name) and all(c.isalnum() or c in "-_" for c in name)
@@ -488,7 +505,8 @@ class Graph:
         """Messages the stream of ``module[instance].port`` keeps at most (``None``: all).
 
         The largest ``retain`` its connections ask for, else the graph's; never less than its
-        initial tokens plus one (the tokens are messages too). A port feeding a program
+        initial tokens plus one (the tokens are messages too), nor than the largest
+        ``stride`` of its connections plus one. A port feeding a program
         (``command=``) without an explicit ``retain`` on that connection keeps every message:
         the program may read the stream without its consumer group (e.g. through MDAnalysis),
         and the producer would wait for it forever.
@@ -500,7 +518,11 @@ class Graph:
         retain = max(asked) if asked else self.retain
         if retain is None:
             return None
-        return max(retain, self.tokens(module, instance, port) + 1)
+        # a reader that takes every k-th message waits for one k ahead of the last it took,
+        # whose place is given back only at its next take: the stream keeps k + 1, or the
+        # producer and that reader wait for each other for ever
+        strides = [e.stride for e in edges if e.stride > 1]
+        return max(retain, self.tokens(module, instance, port) + 1, *(k + 1 for k in strides))
 
     def tokens(self, module: str, instance: int, port: str) -> int:
         """Initial tokens the output stream of ``module[instance].port`` starts with."""
@@ -545,6 +567,7 @@ class Graph:
             _check_params(m.name, m.params)
         seen: dict[tuple[str, int, str], Edge] = {}
         for e in self.edges:
+            _check_edge(e)
             s, d = self._module(e.src), self._module(e.dst)
             s.output(e.src_port)
             d.input(e.dst_port)
