@@ -428,3 +428,81 @@ def test_connection_fields_of_a_graph_from_data_are_checked() -> None:
         data["edges"][0][field] = bad
         with pytest.raises(GraphError, match=field):
             Graph.from_dict(data).validate()
+
+
+def test_a_graph_files_sibling_modules_import_in_its_instances(
+        flow_env: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph file that imports a module beside it (``from helpers import f``) validates (the
+    file's directory is on the path where it is loaded), and its instances import it too, run
+    from another directory (they got only the current directory on their ``PYTHONPATH``:
+    ``ModuleNotFoundError``, the graph stopped)."""
+    from instride.flow import load_graph
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "helpers_beside_graph.py").write_text(textwrap.dedent("""
+        import json, os
+        import numpy as np
+
+        def nums(ports, n=3):
+            for k in range(n):
+                ports.put("out", np.array([float(k)]), step=k)
+
+        def keep(ports):
+            got = []
+            while ports.wait():
+                msg = ports.get("in")
+                got.append([msg.step, msg.data.tolist()])
+            with open(os.path.join(os.environ["INSTRIDE_FLOW_OUT_DIR"], "got.json"), "w") as fh:
+                json.dump(got, fh)
+    """))
+    (proj / "graph.py").write_text(textwrap.dedent("""
+        from helpers_beside_graph import keep, nums
+        from instride.flow import Graph
+
+        graph = Graph("siblings")
+        src = graph.module("src", nums, outputs={"out": "array"})
+        rec = graph.module("rec", keep, inputs={"in": "array"})
+        graph.connect(src.output("out"), rec.input("in"))
+    """))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    out = flow_env["out"]
+    run(load_graph(proj / "graph.py"), out=out, timeout=60)
+    assert json.loads((out / "got.json").read_text()) == [[k, [float(k)]] for k in range(3)]
+
+
+@pytest.mark.parametrize("name", ["-rec", "réc", "a b", ""])
+def test_names_a_consumer_group_could_not_carry_are_refused_at_once(name: str) -> None:
+    """Module and port names make the consumer groups' names, which must begin with an ASCII
+    letter, digit or ``_``: such a name is refused where it is given (a module named ``-rec``
+    used to pass ``validate`` and fail at run time, its group refused)."""
+    from instride.flow import GraphError
+
+    g = Graph("names")
+    with pytest.raises(GraphError, match="ASCII"):
+        g.module(name, modules.record, inputs={"in": "array"})
+    with pytest.raises(GraphError, match="ASCII"):
+        g.module("ok", modules.record, inputs={name: "array"})
+
+
+def test_a_long_chain_validates_and_a_cycle_in_it_is_named() -> None:
+    """The search for a cycle without a token walks a chain of 3,000 modules (deeper than
+    Python's recursion: it raised ``RecursionError``), and still names a cycle's modules."""
+    from instride.flow import DeadlockError
+
+    g = Graph("chain")
+    prev = g.module("m0", modules.numbers, outputs={"out": "array"})
+    for k in range(1, 3000):
+        m = g.module(f"m{k}", modules.total, inputs={"in": "array"}, outputs={"out": "array"})
+        g.connect(prev.output("out"), m.input("in"))
+        prev = m
+    g.validate()
+    h = Graph("loop")
+    a = h.module("a", modules.total, inputs={"in": "array"}, outputs={"out": "array"})
+    b = h.module("b", modules.total, inputs={"in": "array"}, outputs={"out": "array"})
+    h.connect(a.output("out"), b.input("in"))
+    h.connect(b.output("out"), a.input("in"))
+    with pytest.raises(DeadlockError, match=r"a\[0\] -> b\[0\] -> a\[0\]|b\[0\] -> a\[0\] -> b\[0\]"):
+        h.validate()

@@ -196,9 +196,14 @@ def _check_edge(e: Edge) -> None:
         raise GraphError(f"{what}: retain must be a whole number >= 1, got {e.retain!r}")
 
 
+#: module, port and graph names: ASCII letters, digits, ``-``, ``_``, not first ``-`` (a
+#: consumer group's name is made of them, and follows the same rule)
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*\Z")
+
+
 def _name_ok(name: str) -> bool:
-    """The rule of module, port and graph names: letters, digits, ``-``, ``_``."""
-    return bool(name) and all(c.isalnum() or c in "-_" for c in name)
+    """The rule of module, port and graph names (see :data:`_NAME_RE`)."""
+    return isinstance(name, str) and _NAME_RE.match(name) is not None
 
 
 def _check_ports(module: str, inputs: Iterable[str], outputs: Iterable[str]) -> None:
@@ -209,7 +214,7 @@ def _check_ports(module: str, inputs: Iterable[str], outputs: Iterable[str]) -> 
         for port in ports:
             if not _name_ok(port):
                 raise GraphError(f"module {module!r}: {direction} port name {port!r}: use "
-                                 "letters, digits, '-', '_'")
+                                 "ASCII letters, digits, '-', '_' (not first '-')")
             if port.upper() in seen:
                 raise GraphError(
                     f"module {module!r}: {direction} ports {seen[port.upper()]!r} and {port!r} "
@@ -277,7 +282,8 @@ class Graph:
     def __init__(self, name: str = "graph", *, retain: int | None = DEFAULT_RETAIN,
                  put_timeout: float | None = None) -> None:
         if not _name_ok(name):
-            raise GraphError(f"graph name {name!r}: use letters, digits, '-', '_'")
+            raise GraphError(f"graph name {name!r}: use ASCII letters, digits, '-', '_' "
+                             "(not first '-')")
         _check_retain(retain)
         if put_timeout is not None and not put_timeout > 0:
             raise GraphError(f"put_timeout must be > 0 seconds, got {put_timeout!r}")
@@ -307,7 +313,7 @@ class Graph:
         Parameters
         ----------
         name
-            Unique module name (letters, digits, ``-``, ``_``).
+            Unique module name (ASCII letters, digits, ``-``, ``_``; not first ``-``).
         fn
             The module's function ``fn(ports, **params)`` (or its ``"pkg.mod:func"`` name);
             it loops on ``ports.wait()`` / ``ports.get()`` / ``ports.put()``.
@@ -344,7 +350,8 @@ class Graph:
             instance count, or parameters that are not JSON.
         """
         if not _name_ok(name):
-            raise GraphError(f"module name {name!r}: use letters, digits, '-', '_'")
+            raise GraphError(f"module name {name!r}: use ASCII letters, digits, '-', '_' "
+                             "(not first '-')")
         if name in self.modules:
             raise GraphError(f"module {name!r} is already in graph {self.name!r}")
         if (fn is None) == (command is None):
@@ -633,29 +640,32 @@ class Graph:
         for e in self.edges:
             if e.initial == 0 and self.modules[e.dst].inputs[e.dst_port].blocking:
                 succ.setdefault((e.src, e.src_instance), []).append((e.dst, e.dst_instance))
+        # depth first, with a stack of its own (a chain of thousands of modules is deeper
+        # than Python's recursion): 1 = on the current path, 2 = done
         state: dict[tuple[str, int], int] = {}
-        stack: list[tuple[str, int]] = []
-
-        def visit(node: tuple[str, int]) -> None:
-            state[node] = 1
-            stack.append(node)
-            for nxt in succ.get(node, []):
-                if state.get(nxt) == 1:
-                    cycle = stack[stack.index(nxt):] + [nxt]
-                    path = " -> ".join(f"{m}[{i}]" for m, i in cycle)
+        for root in self.instances():
+            if root in state:
+                continue
+            path: list[tuple[str, int]] = [root]
+            todo = [iter(succ.get(root, []))]
+            state[root] = 1
+            while todo:
+                nxt = next(todo[-1], None)
+                if nxt is None:
+                    state[path.pop()] = 2
+                    todo.pop()
+                elif state.get(nxt) == 1:
+                    cycle = path[path.index(nxt):] + [nxt]
+                    where = " -> ".join(f"{m}[{i}]" for m, i in cycle)
                     raise DeadlockError(
-                        f"cycle {path} has no initial token: every module in it waits for "
+                        f"cycle {where} has no initial token: every module in it waits for "
                         "another (add initial=1 to one connection, or make an input "
                         "non-blocking)"
                     )
-                if nxt not in state:
-                    visit(nxt)
-            stack.pop()
-            state[node] = 2
-
-        for node in self.instances():
-            if node not in state:
-                visit(node)
+                elif nxt not in state:
+                    state[nxt] = 1
+                    path.append(nxt)
+                    todo.append(iter(succ.get(nxt, [])))
 
     # ------------------------------------------------------------------ plain data
     def to_dict(self) -> dict[str, Any]:

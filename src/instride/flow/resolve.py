@@ -14,6 +14,11 @@ from .errors import GraphError
 
 GRAPH_MODULE = "__flowgraph__"
 
+#: the directories of the graph files loaded in this process (in order): their siblings import
+#: here (:func:`load_file` puts each on ``sys.path``), so the instances get them on their
+#: ``PYTHONPATH`` too (see ``runner.run``)
+graph_dirs: list[str] = []
+
 
 def load_file(path: Path) -> ModuleType:
     """Import a graph file as the module ``__flowgraph__`` (its ``__main__`` block does not run).
@@ -35,6 +40,8 @@ def load_file(path: Path) -> ModuleType:
     sys.modules[GRAPH_MODULE] = module
     if str(path.parent) not in sys.path:
         sys.path.insert(0, str(path.parent))
+    if str(path.parent) not in graph_dirs:
+        graph_dirs.append(str(path.parent))
     try:
         spec.loader.exec_module(module)
     except SyntaxError as exc:

@@ -31,6 +31,7 @@ from .errors import FlowError, FlowTimeout, ModuleFailed
 from .graph import Graph
 from .launchers import Launcher, LocalLauncher, slurm_state_root
 from .ports import group_name, stream_name
+from .resolve import graph_dirs
 
 #: Seconds an instance gets between SIGTERM and SIGKILL when the graph is stopped.
 STOP_GRACE = 3.0
@@ -230,7 +231,10 @@ def run(
     except BaseException:
         shutil.rmtree(state, ignore_errors=True)  # no run.json yet: gc_stale would never see it
         raise
-    pythonpath = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p)
+    # (the instances import what validate() imported: from here, and beside the graph files
+    # loaded, whose sibling modules a graph file may import)
+    pythonpath = os.pathsep.join(p for p in [os.getcwd(), *graph_dirs,
+                                             os.environ.get("PYTHONPATH", "")] if p)
 
     # SIGTERM (a batch system cancelling the job) unwinds like Ctrl-C: instances are stopped
     # and streams removed by the finally block below.
