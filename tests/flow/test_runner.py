@@ -487,22 +487,13 @@ def test_names_a_consumer_group_could_not_carry_are_refused_at_once(name: str) -
         g.module("ok", modules.record, inputs={name: "array"})
 
 
-def test_a_long_chain_validates_and_a_cycle_in_it_is_named() -> None:
+def test_a_long_chain_validates() -> None:
     """The search for a cycle without a token walks a chain of 3,000 modules (deeper than
-    Python's recursion: it raised ``RecursionError``), and still names a cycle's modules."""
-    from instride.flow import DeadlockError
-
+    Python's recursion: it raised ``RecursionError``)."""
     g = Graph("chain")
     prev = g.module("m0", modules.numbers, outputs={"out": "array"})
     for k in range(1, 3000):
         m = g.module(f"m{k}", modules.total, inputs={"in": "array"}, outputs={"out": "array"})
         g.connect(prev.output("out"), m.input("in"))
         prev = m
-    g.validate()
-    h = Graph("loop")
-    a = h.module("a", modules.total, inputs={"in": "array"}, outputs={"out": "array"})
-    b = h.module("b", modules.total, inputs={"in": "array"}, outputs={"out": "array"})
-    h.connect(a.output("out"), b.input("in"))
-    h.connect(b.output("out"), a.input("in"))
-    with pytest.raises(DeadlockError, match=r"a\[0\] -> b\[0\] -> a\[0\]|b\[0\] -> a\[0\] -> b\[0\]"):
-        h.validate()
+    g.validate()  # (a cycle's naming: test_graph.py's test_cycle_without_token_is_a_deadlock)
