@@ -737,10 +737,9 @@ class RedisGroupCursor:
         thread than the one that committed (a reader iterating on a worker thread, closed
         from the main thread) cannot read that thread's answers, and its last commit may
         still be on its way (which thread did is not told by its id: Linux gives an ended
-        thread's id to the next). Where
-        Redis cannot be reached within the connect timeout, the lease is kept until it runs
-        out instead, so that the commit, sent again on this thread's next connection
-        meanwhile, may still be written.
+        thread's id to the next). Where Redis cannot be reached within the connect timeout,
+        the lease is kept until it runs out instead, so that the commit, sent again on this
+        thread's next connection meanwhile, may still be written.
 
         In a child made by ``fork`` (which inherits the cursor, its token with it) nothing is
         released: the lease is the parent's, which renews it and reads on.
