@@ -460,3 +460,23 @@ def test_a_session_whose_stream_cannot_be_opened_ends_with_the_reason(server_fac
         assert sock.recv(1 << 16) == b""  # closed, no handshake
     assert srv.wait_clients(1, timeout=30)
     assert "connection refused" in (srv.reports[0].error or ""), srv.reports
+
+
+def test_clients_beyond_max_clients_are_refused_and_served_later(server_factory) -> None:
+    """Each session holds two threads and a socket: past ``max_clients`` sessions at once, a
+    client's connection is closed before the handshake (it used to get a session of its own,
+    without bound); once a session ends, the next client is served."""
+    _frames("few", 3, 10)
+    srv = server_factory("few", max_clients=1)
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=20) as first:
+        assert first.recv(1 << 16)  # (its handshake: its session holds the one place)
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=20) as second:
+            assert second.recv(1 << 16) == b""  # refused: closed, no handshake
+    assert srv.wait_clients(1, timeout=30)  # (the first left without IMD_GO)
+    client = IMDClient("127.0.0.1", srv.port, 10, multithreaded=False, timeout=30)
+    try:
+        assert _all_steps(client) == [0, 1, 2]
+    finally:
+        client.stop()
+    with pytest.raises(instride.ConfigError, match="max_clients"):
+        IMDServer("few", max_clients=0)

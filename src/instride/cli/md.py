@@ -76,7 +76,7 @@ def cmd_imd_serve(args: argparse.Namespace) -> int:
         reports = serve(
             args.stream, host=args.host, port=args.port, version=args.imd_version, start=args.start,
             clients=args.clients, timeout=no_limit_as_none(args.timeout), dt=args.dt, on_ready=ready,
-            on_client_done=done,
+            on_client_done=done, max_clients=args.max_clients,
         )
     except KeyboardInterrupt:
         print("imd-serve: stopped", flush=True)
@@ -176,4 +176,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "inf: forever (default: no limit)")
     p.add_argument("--dt", type=float, default=None,
                    help="ps per MD step sent in the TIME packet (default: from consecutive frames)")
+    p.add_argument("--max-clients", type=int, default=64,
+                   help="client sessions at once; one more is refused (its connection closed) "
+                   "and may connect again later (default %(default)s)")
     p.set_defaults(func=cmd_imd_serve)

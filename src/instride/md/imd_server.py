@@ -31,6 +31,7 @@ producer. IMD has no authentication: the server listens on 127.0.0.1 unless told
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import socket
@@ -69,6 +70,8 @@ _CLIENT_STALL_S = 60.0
 _GO_WAIT_S = 30.0
 #: bytes read at a time from a message body the server ignores (MDCOMM forces)
 _DISCARD_CHUNK = 1 << 16
+#: sessions an IMD server holds at once by default (each: two threads and a socket)
+DEFAULT_MAX_CLIENTS = 64
 #: bytes per send of a frame (each may wait the stall time: see _send_all)
 _SEND_CHUNK = 1 << 20
 #: seconds before accepting again after accept() failed (out of descriptors)
@@ -124,6 +127,9 @@ class IMDServer:
         frames (time difference over step difference; 0.0 until two frames were sent).
     on_client_done
         Called with each :class:`ClientReport` when a session ends.
+    max_clients
+        Sessions at once; a client that connects beyond them is refused (its connection
+        closed at once, before the handshake) and may connect again later.
 
     Examples
     --------
@@ -142,6 +148,7 @@ class IMDServer:
         timeout: float | None = None,
         dt: float | None = None,
         on_client_done: Callable[[ClientReport], None] | None = None,
+        max_clients: int = DEFAULT_MAX_CLIENTS,
     ) -> None:
         if version not in VERSIONS:
             raise ConfigError("version", version, f"IMD version must be one of {VERSIONS}")
@@ -149,6 +156,9 @@ class IMDServer:
             raise ConfigError("start", start, "must be 'first' or 'newest'")
         if not 0 <= port < 65536:
             raise ConfigError("port", port, "must be in 0..65535")
+        if isinstance(max_clients, bool) or not isinstance(max_clients, int) or max_clients < 1:
+            raise ConfigError("max_clients", max_clients, "must be a whole number >= 1")
+        self.max_clients = max_clients
         self.stream = Stream(stream, mode="r").name  # validates the name
         self.host = host
         self.version = version
@@ -240,8 +250,16 @@ class IMDServer:
                 log.warning("imd server: cannot accept a connection: %s", exc)
                 self._stop.wait(_ACCEPT_RETRY_S)
                 continue
-            _keepalive(conn)  # (a peer that vanished without a word is found in minutes)
             peer = f"{addr[0]}:{addr[1]}"
+            with self._lock:
+                full = len(self._sessions) >= self.max_clients
+            if full:  # (each session holds two threads and a socket: not without bound)
+                log.warning("imd server: %s refused: %d clients are connected (max_clients)",
+                            peer, self.max_clients)
+                with contextlib.suppress(OSError):
+                    conn.close()
+                continue
+            _keepalive(conn)  # (a peer that vanished without a word is found in minutes)
             session = _Session(conn, peer, ClientReport(peer))
             session.resumed.set()
             with self._lock:
@@ -484,12 +502,13 @@ def serve(
     dt: float | None = None,
     on_ready: Callable[[IMDServer], None] | None = None,
     on_client_done: Callable[[ClientReport], None] | None = None,
+    max_clients: int = DEFAULT_MAX_CLIENTS,
 ) -> list[ClientReport]:
     """Serve ``stream`` over IMD until ``clients`` sessions have ended (or forever).
 
     Parameters
     ----------
-    stream, host, port, version, start, timeout, dt, on_client_done
+    stream, host, port, version, start, timeout, dt, on_client_done, max_clients
         As for :class:`IMDServer`.
     clients
         Return after this many client sessions have ended (``None``: serve until interrupted).
@@ -504,12 +523,12 @@ def serve(
     Raises
     ------
     ConfigError
-        A bad version, start or port.
+        A bad version, start, port or max_clients.
     InstrideError
         The address cannot be bound.
     """
     server = IMDServer(stream, host=host, port=port, version=version, start=start, timeout=timeout,
-                       dt=dt, on_client_done=on_client_done)
+                       dt=dt, on_client_done=on_client_done, max_clients=max_clients)
     with server:
         if on_ready is not None:
             on_ready(server)
