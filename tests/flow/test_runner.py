@@ -23,15 +23,20 @@ from . import modules
 from .conftest import pythonpath
 
 
-def test_pipeline_end_of_stream_and_trace(flow_env: dict[str, Path]) -> None:
-    out = flow_env["out"]
-    g = Graph("pipe")
-    src = g.module("src", modules.count, outputs=["frames"], params={"n": 6})
+def _sums_pipeline(name: str, source: object, n: int) -> Graph:
+    """``source`` (``n`` frames) -> ``total`` (their sums) -> ``record`` (``sums-0.json``)."""
+    g = Graph(name)
+    src = g.module("src", source, outputs=["frames"], params={"n": n})
     tot = g.module("tot", modules.total, inputs=["frames"], outputs={"sums": "array"})
     rec = g.module("rec", modules.record, inputs={"in": "array"}, params={"name": "sums"})
     g.connect(src.output("frames"), tot.input("frames"))
     g.connect(tot.output("sums"), rec.input("in"))
-    result = run(g, out=out, timeout=120)
+    return g
+
+
+def test_pipeline_end_of_stream_and_trace(flow_env: dict[str, Path]) -> None:
+    out = flow_env["out"]
+    result = run(_sums_pipeline("pipe", modules.count, 6), out=out, timeout=120)
     got = json.loads((out / "sums-0.json").read_text())
     # 4 atoms x 3 coordinates filled with k: sum 12 k, stamped with the producer's step
     assert got == [[10 * k, [12.0 * k]] for k in range(6)]
@@ -387,13 +392,7 @@ def test_a_module_that_exits_with_status_0_ends_its_outputs(flow_env: dict[str, 
     all the same: its outputs are ended, and its consumer gets every message and its end
     (it used to wait for that end for ever)."""
     out = flow_env["out"]
-    g = Graph("exits")
-    src = g.module("src", modules.count_then_exit, outputs=["frames"], params={"n": 3})
-    tot = g.module("tot", modules.total, inputs=["frames"], outputs={"sums": "array"})
-    rec = g.module("rec", modules.record, inputs={"in": "array"}, params={"name": "sums"})
-    g.connect(src.output("frames"), tot.input("frames"))
-    g.connect(tot.output("sums"), rec.input("in"))
-    run(g, out=out, timeout=60)
+    run(_sums_pipeline("exits", modules.count_then_exit, 3), out=out, timeout=60)
     assert json.loads((out / "sums-0.json").read_text()) == [[10 * k, [12.0 * k]]
                                                              for k in range(3)]
 
