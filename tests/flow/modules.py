@@ -140,6 +140,11 @@ def every_twenty(msg):
     return msg.step % 20 == 0
 
 
+def every_hundred(msg):
+    """Filter predicate: steps that are multiples of 100."""
+    return msg.step % 100 == 0
+
+
 class ScaleModule(ModuleBase):
     """A class-based module: multiplies ``in`` by ``factor`` onto ``out``."""
 

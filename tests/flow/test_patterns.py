@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from instride.flow import Graph, GraphError, patterns, run
+from instride.flow import Graph, GraphError, ModuleFailed, patterns, run
 
 from . import modules
 
@@ -77,6 +78,50 @@ def test_patterns_in_one_run(flow_env: dict[str, Path]) -> None:
     assert steps[-1] == 290  # ... but always ends on the newest
 
 
+def test_synchronize_a_sparse_branch_beside_its_own_source(flow_env: dict[str, Path]) -> None:
+    # the source's frames and a filtered branch of them (1 in 10) meet in a synchronizer; the
+    # source's stream keeps 3 messages, fewer than the branch skips: held back message by
+    # message, the synchronizer's input ahead stalled the source and the branch never came
+    out = flow_env["out"]
+    g = Graph("reconverge", retain=3)
+    src = g.module("src", modules.count, outputs=["frames"], params={"n": 41, "natoms": 3000})
+    sparse = patterns.filter(g, "sparse", src.output("frames"), modules.every_hundred)
+    sync = patterns.synchronize(g, "sync", [src.output("frames"), sparse])
+    g.connect(sync, _rec(g, "sync").input("in"))
+    run(g, out=out, timeout=120)
+    got = json.loads((out / "sync-0.json").read_text())
+    assert [s for s, _ in got] == [0, 100, 200, 300, 400]
+    # each step's frames, both inputs' (the kept copies of the source's, not its storage,
+    # which holds later frames by then)
+    assert [np.shape(data) for _, data in got] == [(2, 3000, 3)] * 5
+    assert [np.unique(data).tolist() for _, data in got] == [[s / 10] for s, _ in got]
+
+
+def test_synchronize_past_max_pending_names_the_inputs(flow_env: dict[str, Path]) -> None:
+    g = Graph("reconverge", retain=3)
+    src = g.module("src", modules.numbers, outputs={"out": "array"}, params={"n": 41})
+    sparse = patterns.filter(g, "sparse", src.output("out"), modules.every_hundred)
+    sync = patterns.synchronize(g, "sync", [src.output("out"), sparse], max_pending=4)
+    g.connect(sync, _rec(g, "sync").input("in"))
+    with pytest.raises(ModuleFailed, match=r"sync.*in0 is 4 messages .*ahead of in1.*max_pending"):
+        run(g, out=flow_env["out"], timeout=120)
+
+
+def test_synchronize_holds_back_an_independent_input(flow_env: dict[str, Path]) -> None:
+    # independent sources: the one ahead waits (back-pressure), whatever max_pending says
+    out = flow_env["out"]
+    g = Graph("independent", retain=2)
+    fast = g.module("fast", modules.numbers, outputs={"out": "array"}, params={"n": 40})
+    slow = g.module("slow", modules.numbers, outputs={"out": "array"},
+                    params={"n": 4, "every": 100, "delay": 0.2})
+    sync = patterns.synchronize(g, "sync", [fast.output("out"), slow.output("out")],
+                                max_pending=1)
+    g.connect(sync, _rec(g, "sync").input("in"))
+    run(g, out=out, timeout=120)
+    got = json.loads((out / "sync-0.json").read_text())
+    assert got == [[100 * k, [[10.0 * k], [float(k)]]] for k in range(4)]
+
+
 def test_pattern_errors() -> None:
     g = Graph("bad")
     src = g.module("src", modules.ranked, outputs={"out": "array"}, instances=2)
@@ -87,3 +132,11 @@ def test_pattern_errors() -> None:
         patterns.n_to_n(g, src.output("out"), rec.input("in"))
     with pytest.raises(GraphError, match="not an output"):
         patterns.gather(g, "x", [rec.input("in")])
+    # a broadcast of several instances would give each input several connections
+    with pytest.raises(GraphError, match=r"broadcast: src.out has 2 instances.*gather"):
+        patterns.broadcast(g, src.output("out"), [rec.input("in")])
+    assert len(patterns.broadcast(g, src.output("out")[1], [rec.input("in")])) == 3
+    g.validate()
+    for bad in (0, 1.5, True):
+        with pytest.raises(GraphError, match="max_pending"):
+            patterns.synchronize(g, "s", [src.output("out")], max_pending=bad)

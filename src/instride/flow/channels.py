@@ -334,6 +334,31 @@ class Writer:
             self._queue.close()
 
 
+def wait_any(readers: list[Reader]) -> list[int]:
+    """Block until at least one of ``readers`` is :meth:`~Reader.ready`; return the positions
+    of those that are (a ``wait`` or ``take`` on them does not block for a message).
+
+    Raises
+    ------
+    ConsumeTimeout
+        Nothing came within ``INSTRIDE_TIMEOUT`` (when set); names the first reader's next key.
+    """
+    client = readers[0].client
+    timeout = client.settings.timeout
+    start = time.monotonic()
+    while True:
+        ready = [i for i, r in enumerate(readers) if r.ready()]
+        if ready:
+            return ready
+        keys = [k for r in readers for k in r.next_keys()]
+        waited = time.monotonic() - start
+        if timeout is not None and waited >= timeout:
+            raise ConsumeTimeout(keys[0], waited)
+        part = _SLICE if timeout is None else min(_SLICE, timeout - waited)
+        with contextlib.suppress(ConsumeTimeout):
+            client.wait_any(keys, timeout=part)
+
+
 class Reader:
     """The receiving end of one connection: reads the source's stream as its consumer group
     (or, sampling the newest message, without one: a sampler never holds the producer back).
@@ -399,20 +424,18 @@ class Reader:
         ConsumeTimeout
             Nothing came within ``INSTRIDE_TIMEOUT`` (when set).
         """
-        timeout = self.client.settings.timeout
-        start = time.monotonic()
-        while True:
-            if self.available():
-                return True
-            if self.client.exists(self.end_key):
-                return self.available()
-            key = self.key(max(self.cursor, self.written()))  # the next one to come
-            waited = time.monotonic() - start
-            if timeout is not None and waited >= timeout:
-                raise ConsumeTimeout(key, waited)
-            part = _SLICE if timeout is None else min(_SLICE, timeout - waited)
-            with contextlib.suppress(ConsumeTimeout):
-                self.client.wait_any([key, self.end_key], timeout=part)
+        wait_any([self])
+        return self.available()
+
+    def ready(self) -> bool:
+        """Whether a message is available or the stream ended (a :meth:`wait` would not
+        block)."""
+        return self.available() or self.client.exists(self.end_key)
+
+    def next_keys(self) -> tuple[str, str]:
+        """The keys whose publication makes this reader :meth:`ready`: the next message's
+        and the end marker's."""
+        return self.key(max(self.cursor, self.written())), self.end_key
 
     def take(self) -> Message:
         """Take the message at the cursor (the newest one when sampling) and move past it.

@@ -31,15 +31,17 @@ Examples
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from .errors import FlowError, GraphError
 from .graph import Edge, Graph, Input, PortRef, _target_of
-from .ports import Ports
+from .ports import Message, Ports
 from .resolve import resolve
 
 Fn = Callable[..., Any] | str
@@ -118,27 +120,90 @@ def merge_module(ports: Ports, n: int, merge: str) -> None:
                   time=msgs[0].time)
 
 
-def sync_module(ports: Ports, n: int, combine: str) -> None:
-    """Synchronizer: waits for a message of the same MD step on every input, drops the steps
-    that some input never has, and sends ``combine([...])`` stamped with that step."""
+def sync_module(ports: Ports, n: int, combine: str, max_pending: int = 1024) -> None:
+    """Synchronizer: sends ``combine([...])``, stamped with the step, for every MD step a
+    message of which comes on every input; drops the steps some input never has.
+
+    The steps of each input only grow, so a message is dropped as soon as another input is
+    past its step. Inputs fed by disjoint parts of the graph are read one message at a time,
+    so the one ahead holds its producer back (back-pressure). Inputs that share a module
+    upstream (one of them a filtered or strided branch of the other's source) cannot be held
+    back so: the one ahead would fill the common source's stream, and the branch behind,
+    which needs that source to go on, would never send the step waited for. Their messages
+    are read as they come and kept (frames copied) until their step is settled, up to
+    ``max_pending`` per input; one more is a :class:`FlowError` rather than a deadlock.
+    """
     fn = resolve(combine)
-    current: list[Any] = [None] * n
+    names = [f"in{k}" for k in range(n)]
+    shared = _reconverging(ports, names)
+    limits = [max_pending if k in shared else 1 for k in range(n)]
+    pending: list[deque[Message]] = [deque() for _ in range(n)]
+    ended = [False] * n
     while True:
-        for k in range(n):
-            if current[k] is None:
-                current[k] = ports.get(f"in{k}")
-                if current[k] is None:
-                    return
-        target = max(m.step for m in current)
-        if all(m.step == target for m in current):
-            ports.put("out", fn([m.data for m in current]), step=target, time=current[0].time)
-            current = [None] * n
-            continue
-        for k in range(n):
-            while current[k] is not None and current[k].step < target:
-                current[k] = ports.get(f"in{k}")
-            if current[k] is None:
-                return
+        for msgs in _settle(pending):
+            ports.put("out", fn([m.data for m in msgs]), step=msgs[0].step, time=msgs[0].time)
+        if any(ended[k] and not pending[k] for k in range(n)):
+            return  # (a step that input never sent cannot be matched any more)
+        room = [k for k in range(n) if not ended[k] and len(pending[k]) < limits[k]]
+        for name in ports.wait_any([names[k] for k in room]):
+            k = int(name[2:])
+            msg = ports.get(name)
+            if msg is None:
+                ended[k] = True
+                continue
+            pending[k].append(msg if limits[k] == 1 else _kept(msg))
+            if len(pending[k]) >= limits[k] > 1 and any(not pending[j] and not ended[j]
+                                                        for j in range(n)):
+                behind = [names[j] for j in range(n) if not pending[j] and not ended[j]]
+                raise FlowError(
+                    f"{ports.module}: input {name} is {len(pending[k])} messages (at step "
+                    f"{msg.step}) ahead of {', '.join(behind)}, which share{'s' * (len(behind) == 1)}"
+                    f" a source upstream with it: holding {name} back would stall that source; "
+                    "raise max_pending (patterns.synchronize(..., max_pending=N)) or filter less")
+
+
+def _settle(pending: list[deque[Message]]) -> Iterator[list[Message]]:
+    """Take from the heads of ``pending`` (one queue per input, steps growing) what is
+    settled: a step every queue's head has is yielded (one message per input) and taken;
+    a head whose step another head is past is dropped. Stops when a queue is empty."""
+    while all(pending):
+        target = max(q[0].step for q in pending)
+        for q in pending:
+            while q and q[0].step < target:
+                q.popleft()
+        if all(pending):  # (every head is at the target now)
+            yield [q.popleft() for q in pending]
+
+
+def _kept(msg: Message) -> Message:
+    """``msg`` owning its data: a frame's arrays are views of storage its producer reuses
+    once the next message of the port is taken."""
+    if msg.frame is None:
+        return msg  # (arrays, bytes and JSON values own the buffer they were received in)
+    frame = dataclasses.replace(
+        msg.frame, header=msg.frame.header._replace(box=msg.frame.header.box.copy()),
+        positions=msg.frame.positions.copy(),
+        ids=None if msg.frame.ids is None else msg.frame.ids.copy(), releaser=None)
+    return dataclasses.replace(msg, data=frame.positions, frame=frame)
+
+
+def _reconverging(ports: Ports, names: list[str]) -> set[int]:
+    """The positions of the input ``names`` of this instance that share a module instance
+    upstream with another of them (every connection followed back, feedback included)."""
+    g = ports.graph
+    ups: list[set[tuple[str, int]]] = []
+    for name in names:
+        seen: set[tuple[str, int]] = set()
+        todo = [(e.src, e.src_instance) for e in g.edges_into(ports.module, ports.instance)
+                if e.dst_port == name]
+        while todo:
+            node = todo.pop()
+            if node not in seen:
+                seen.add(node)
+                todo += [(e.src, e.src_instance) for e in g.edges_into(*node)]
+        ups.append(seen)
+    return {k for k, up in enumerate(ups)
+            if any(up & other for j, other in enumerate(ups) if j != k)}
 
 
 def scatter_module(ports: Ports, n: int) -> None:
@@ -175,14 +240,21 @@ def broadcast(g: Graph, src: PortRef, dsts: Sequence[PortRef], **connect: Any) -
         Input ports (module-level references reach every instance).
     **connect
         ``initial``, ``sampling``, ``stride`` for :meth:`Graph.connect`.
+
+    Raises
+    ------
+    GraphError
+        ``src`` stands for several instances (an input takes one connection: name one
+        instance, ``src[i]``, or merge them first with :func:`gather` or :func:`reduce_tree`).
     """
+    if src.instance is None and (n := g._module(src.module).instances) != 1:
+        raise GraphError(
+            f"broadcast: {src.module}.{src.port} has {n} instances and an input takes one "
+            f"connection: broadcast one instance ({src.module}.output({src.port!r}, i)), or "
+            "merge them first (patterns.gather, patterns.reduce_tree)")
     edges: list[Edge] = []
     for d in dsts:
-        if src.instance is None and g._module(src.module).instances != 1:
-            for i in range(g.modules[src.module].instances):
-                edges += g.connect(src[i], d, **connect)
-        else:
-            edges += g.connect(src, d, **connect)
+        edges += g.connect(src, d, **connect)
     return edges
 
 
@@ -296,14 +368,24 @@ def filter(g: Graph, name: str, src: PortRef, predicate: Fn) -> PortRef:  # noqa
 
 
 def synchronize(g: Graph, name: str, sources: PortRef | Sequence[PortRef],
-                combine: Fn = stack, type: str | None = None) -> PortRef:  # noqa: A002
+                combine: Fn = stack, type: str | None = None,  # noqa: A002
+                max_pending: int = 1024) -> PortRef:
     """Merge N inputs by MD step: for every step present on all of them, one message
     ``combine([value_0, ..., value_N-1])`` stamped with that step; return its output.
 
     The output's type (``type``) defaults to what :func:`stack` makes of the sources:
     ``"array"`` for frame and array sources (a stacked array), ``"json"`` for JSON sources
     (a list), else ``"any"``.
+
+    Inputs from disjoint parts of the graph are read in step: the one ahead is held back.
+    Inputs that share a module upstream (a filtered or strided branch of a source beside the
+    source itself) cannot be held back without stalling that source, so the synchronizer
+    keeps the messages of the one ahead (frames copied) until their step is settled:
+    ``max_pending`` per input at most, one more fails the module with a :class:`FlowError`
+    naming the inputs (memory: ``max_pending`` messages per such input).
     """
+    if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+        raise GraphError(f"synchronize: max_pending must be a whole number >= 1, got {max_pending!r}")
     refs = _expand(g, sources)
     kinds = {_type(g, r) for r in refs}
     if type is None:
@@ -311,7 +393,8 @@ def synchronize(g: Graph, name: str, sources: PortRef | Sequence[PortRef],
                 else "json" if kinds == {"json"} else "any")
     m = g.module(name, sync_module,
                  inputs={f"in{k}": Input(_type(g, r)) for k, r in enumerate(refs)},
-                 outputs={"out": type}, params={"n": len(refs), "combine": _fn(combine)})
+                 outputs={"out": type}, params={"n": len(refs), "combine": _fn(combine),
+                                                "max_pending": max_pending})
     for k, r in enumerate(refs):
         g.connect(r, m.input(f"in{k}"))
     return m.output("out", 0)

@@ -8,6 +8,8 @@ Inside a module, :class:`Ports` is the whole API:
 * ``get(port)`` returns the oldest message of an input port (:class:`Message`, stamped with the
   MD step); on a **non-blocking** port it returns ``None`` when nothing arrived (control
   messages), and an unconnected non-blocking port always returns ``None``.
+* ``wait_any(ports)`` blocks until at least one of the input ``ports`` has a message or has
+  ended, and returns those (for a module reading its inputs as they come, not in step).
 * ``put(port, data, step=...)`` sends a message on an output port; every input connected to it
   receives it (broadcast). An unconnected output drops it.
 
@@ -41,6 +43,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +58,7 @@ from .channels import (
     group_name,
     port_policy,
     stream_name,
+    wait_any,
 )
 from .errors import FlowError
 from .graph import Graph, Input
@@ -142,6 +146,37 @@ class Ports:
             )
         self._maybe_flush()
         return ok
+
+    def wait_any(self, ports: Sequence[str]) -> list[str]:
+        """Block until at least one of the input ``ports`` has a message or has ended.
+
+        For a module that reads its inputs as they come rather than in step (a synchronizer
+        buffering the inputs that run ahead): ``get`` on a port returned does not block.
+
+        Returns
+        -------
+        list of str
+            The ports of ``ports`` ready: a message is there (``get`` returns it), or the
+            stream ended (``get`` returns ``None``). An unconnected port is always ready.
+
+        Raises
+        ------
+        FlowError
+            A port is not an input of this module.
+        ConsumeTimeout
+            Nothing came within ``INSTRIDE_TIMEOUT`` (when set).
+        """
+        for port in ports:
+            if port not in self.readers:
+                raise FlowError(f"module {self.module!r} has no input port {port!r}")
+        unconnected = [p for p in ports if self.readers[p] is None]
+        if unconnected or not ports:
+            return unconnected
+        readers = [self.readers[p] for p in ports]
+        with self.recorder.region("wait"):
+            ready = wait_any(readers)  # type: ignore[arg-type]
+        self._maybe_flush()
+        return [ports[i] for i in ready]
 
     def get(self, port: str) -> Message | None:
         """The oldest message of input ``port`` (the newest with ``sampling="newest"``).
