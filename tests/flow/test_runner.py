@@ -168,22 +168,25 @@ def test_timeout_stops_the_graph(flow_env: dict[str, Path]) -> None:
 
 def test_runner_killed_leaves_no_instance(flow_env: dict[str, Path], tmp_path: Path) -> None:
     """SIGTERM to `instride flow run` stops the graph; SIGKILL still takes the instances along
-    (parent-death signal)."""
+    (parent-death signal), and what they started (the run's watchdog)."""
     graph = tmp_path / "g.py"
+    out = flow_env["out"]
+    out.mkdir(parents=True)
     graph.write_text(textwrap.dedent("""
         from instride.flow import Graph
         from tests.flow import modules
         graph = Graph("killed")
         graph.module("idle", modules.sleeper, instances=2)
+        # a command whose program is a grandchild of the runner
+        graph.module("shell", command=["sh", "-c", "sleep 600 & echo $! > OUT/grandchild.pid; wait"])
         src = graph.module("src", modules.numbers, outputs={"out": "array"},
                            params={"n": 10000, "delay": 0.01})
         rec = graph.module("rec", modules.record, inputs={"in": "array"})
         graph.connect(src.output("out"), rec.input("in"))
-    """))
-    out = flow_env["out"]
+    """).replace("OUT", str(out)))
     env = {**os.environ, "PYTHONPATH": pythonpath()}
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for p in out.glob("sleeper-*.pid"):
+        for p in [*out.glob("sleeper-*.pid"), *out.glob("grandchild.pid")]:
             p.unlink()
         proc = subprocess.Popen([sys.executable, "-m", "instride", "flow", "run", str(graph),
                                  "--out", str(out), "-q"], env=env, stderr=subprocess.PIPE)
@@ -192,11 +195,13 @@ def test_runner_killed_leaves_no_instance(flow_env: dict[str, Path], tmp_path: P
         # wait for the instances and a first published message (a wait that fails removes
         # the directories it created, so only a message makes a stream outlive the runner)
         while ((len(list(out.glob("sleeper-*.pid"))) < 2
-                or not any(p.is_file() for p in streams.rglob("*")))
+                or not any(p.is_file() for p in streams.rglob("*"))
+                or _pid_in(out / "grandchild.pid") is None)
                and time.monotonic() < deadline):
             time.sleep(0.1)
         pids = [int(p.name.split("-")[1].split(".")[0]) for p in out.glob("sleeper-*.pid")]
         assert len(pids) == 2
+        pids.append(_pid_in(out / "grandchild.pid"))
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
         if sig == signal.SIGTERM:
@@ -212,6 +217,14 @@ def test_runner_killed_leaves_no_instance(flow_env: dict[str, Path], tmp_path: P
     g = Graph("next")
     g.module("src", modules.numbers, outputs={"out": "array"}, params={"n": 1})
     run(g, timeout=60)  # the fixture checks that nothing is left
+
+
+def _pid_in(path: Path) -> int | None:
+    """The PID written in ``path``, or ``None`` while there is none (yet)."""
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _alive(pid: int) -> bool:

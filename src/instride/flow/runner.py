@@ -32,6 +32,7 @@ from .graph import Graph
 from .launchers import Launcher, LocalLauncher, slurm_state_root
 from .ports import group_name, stream_name
 from .resolve import graph_dirs
+from .watchdog import Watchdog
 
 #: Seconds an instance gets between SIGTERM and SIGKILL when the graph is stopped.
 STOP_GRACE = 3.0
@@ -245,6 +246,8 @@ def run(
     logs: dict[tuple[str, int], Path] = {}
     t0 = time.monotonic()
     failed: ModuleFailed | None = None
+    # stops the instances' process groups (not only their first processes) if we are killed
+    watchdog = Watchdog(STOP_GRACE)
     try:
         for name, i in graph.instances():
             m = graph.modules[name]
@@ -281,6 +284,7 @@ def run(
             with open(logs[(name, i)], "wb") as log:
                 try:
                     procs[(name, i)] = launcher.start(node, argv, env, log)
+                    watchdog.watch(procs[(name, i)].pid)  # (its session: pgid = its PID)
                 except OSError as exc:  # no such program: stop what started (finally below)
                     raise FlowError(f"module {name!r} instance {i} could not be started on "
                                     f"{node}: {argv[0]}: {exc.strerror or exc}; the graph was "
@@ -294,6 +298,7 @@ def run(
                 if rc is None:
                     continue
                 pending.discard(key)
+                watchdog.forget(procs[key].pid)
                 if rc != 0:
                     failed = ModuleFailed(key[0], key[1], rc, _tail(logs[key]))
                     say(f"FAILED {key[0]}[{key[1]}] (exit status {rc})")
@@ -314,6 +319,7 @@ def run(
             held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             _stop(procs)
+            watchdog.done()
             try:
                 if not keep_streams:
                     launcher.cleanup(prefix)
