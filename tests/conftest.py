@@ -71,6 +71,22 @@ def client(managed_dir: Path) -> Iterator[Client]:
     c.close()
 
 
+def files_held(under: Path, *, maps: bool = True) -> list[str]:
+    """The files beneath ``under`` this process holds: by its descriptors and (``maps``) its
+    mappings (as ``/proc`` names them: a deleted file ends with `` (deleted)``)."""
+    root = f"{os.path.realpath(under)}/"
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            held.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # (closed meanwhile)
+            continue
+    if maps:
+        held += [line.split(None, 5)[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                 if len(line.split(None, 5)) == 6]
+    return [h for h in held if h.startswith(root)]
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """The current environment plus ``extra``, for child processes."""
     env = dict(os.environ)

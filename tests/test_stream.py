@@ -13,7 +13,7 @@ import pytest
 
 import instride
 from instride.errors import ConsumeTimeout, EndOfStream
-from tests.conftest import finish, spawn_py
+from tests.conftest import files_held, finish, spawn_py
 
 PRODUCER = textwrap.dedent(
     """
@@ -120,6 +120,25 @@ def test_crashed_producer_does_not_end_stream(client: instride.Client) -> None:
             w.append(np.zeros((2, 3)))
             raise RuntimeError("boom")
     assert not instride.Stream("crashy", client=client).ended
+
+
+def test_abandon_lets_go_of_the_producer_and_ends_nothing(client: instride.Client) -> None:
+    w = instride.Stream("gave-up", mode="w", retain=4, client=client)
+    for i in range(6):
+        w.append(np.full((1000, 3), float(i)), step=i)
+    assert files_held(Path(client.root))  # (its frames, mapped; its head)
+    w.abandon()
+    w.abandon()  # (again: nothing)
+    assert files_held(Path(client.root)) == []  # no descriptor nor mapping left
+    with pytest.raises(ValueError, match="closed"):
+        w.append(np.zeros((1000, 3)))
+    w.close()  # (closed already: no end marker now either)
+    r = instride.Stream("gave-up", client=client, timeout=0.3, on_gap="count")
+    assert not r.ended
+    assert [next(r).step for _ in range(4)] == [2, 3, 4, 5]  # what it kept stays readable
+    with pytest.raises(ConsumeTimeout):
+        next(r)
+    r.close()
 
 
 def test_paper_layout_stream(client: instride.Client) -> None:

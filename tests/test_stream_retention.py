@@ -20,7 +20,7 @@ import redis
 
 import instride
 from instride.errors import ConfigError, FramesMissed, GroupBusy, IntegrityError, StreamFull
-from tests.conftest import finish, spawn_py, stop_process, wait_ready
+from tests.conftest import files_held, finish, spawn_py, stop_process, wait_ready
 
 NATOMS = 2000
 
@@ -665,12 +665,8 @@ def test_cluster_remote_group_holds_frames_on_the_owner(loopback_nodes: list) ->
 
 def _deleted_files_held(under: Path) -> int:
     """Descriptors and mappings of this process on deleted frame files beneath ``under``."""
-    held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
-            if os.path.exists(f"/proc/self/fd/{fd}")]
-    held += [line.split(None, 5)[-1] for line in Path("/proc/self/maps").read_text().splitlines()
-             if len(line.split(None, 5)) == 6]
     # (an unnamed file made ahead for the next frame, O_TMPFILE, shows as "#<inode>")
-    return sum(1 for h in held if h.startswith(str(under)) and h.endswith("(deleted)")
+    return sum(1 for h in files_held(under) if h.endswith("(deleted)")
                and not os.path.basename(h).startswith("#"))
 
 

@@ -46,6 +46,8 @@ import json
 import math
 import os
 import re
+import signal
+import subprocess
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -753,6 +755,37 @@ class Stream:
         if self._archiver is not None:
             self._finish_archiver()
 
+    def abandon(self) -> None:
+        """Stop producing without ending the stream: the run broke off (its source failed).
+
+        The frames published stay readable. No end-of-stream marker is written, so readers
+        do not take the run for complete: they wait for a next frame, up to their timeout.
+        Nothing is waited for (cluster mode: the records sent stand, as Redis stores each as
+        it reads it; their answers are not waited for). What the producer holds is released —
+        the files made ahead, mappings, descriptors, its share of the stream's state — and an
+        archiver started with ``archive=`` is interrupted (it closes its file; ``instride
+        archive`` resumes it). A producer's ``with`` block left by an exception does this.
+
+        For a reader, the same as :meth:`close`. Nothing happens on a closed stream.
+        """
+        if self._closed:
+            return
+        if self.mode != "w":
+            self.close()
+            return
+        if self._pool is not None:
+            self._pool.drop_made()
+        self._closed = True
+        self._release_resources()
+        proc, self._archiver = self._archiver, None
+        if proc is not None:
+            proc.send_signal(signal.SIGINT)  # (as Ctrl-C: it closes its archive file)
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+
     def _finish_archiver(self) -> None:
         proc, self._archiver = self._archiver, None
         timeout = self.client.settings.timeout if self.timeout is None else self.timeout
@@ -820,12 +853,10 @@ class Stream:
             try:
                 self.close()
             except BaseException:
-                self._closed = True  # (the block is over: nothing can close it again)
-                self._release_resources()
+                self.abandon()  # (the block is over: nothing can close it again)
                 raise
         else:  # a crashed producer does not claim a complete stream
-            self._closed = True
-            self._release_resources()
+            self.abandon()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

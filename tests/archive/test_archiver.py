@@ -49,6 +49,24 @@ def test_stream_archive_option_keeps_every_frame(managed_dir: Path, tmp_path: Pa
     rd.close()
 
 
+def test_a_producer_that_fails_interrupts_its_archiver(managed_dir: Path, tmp_path: Path) -> None:
+    # the archiver follows the stream to its end marker, which a failed producer never
+    # writes: it used to be left running, waiting for frames that would never come
+    dest = tmp_path / "broken.h5"
+    with pytest.raises(RuntimeError, match="engine died"):
+        with instride.Stream("broken", mode="w", retain=3, archive=dest, timeout=60) as s:
+            for i in range(8):
+                s.append(_pos(i), step=i)
+            archiver = s._archiver
+            raise RuntimeError("engine died")
+    assert archiver is not None and archiver.poll() is not None  # interrupted, reaped
+    assert not instride.Stream("broken", timeout=1).ended
+    rd = open_reader(dest)  # what it archived before: a readable file, in order
+    got = list(rd.indices())
+    rd.close()
+    assert got == list(range(len(got)))
+
+
 def test_mdanalysis_reads_the_archive_file(managed_dir: Path, tmp_path: Path) -> None:
     import MDAnalysis as mda
 

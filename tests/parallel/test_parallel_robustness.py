@@ -31,6 +31,7 @@ from instride.parallel import (
 )
 from instride.parallel.execute import AnalysisRun
 from instride.parallel.timing import RankTiming, TimingReport, write_atomic
+from tests.conftest import files_held
 
 from .conftest import instride_cmd, mpiexec, run
 
@@ -131,19 +132,6 @@ def test_stream_analysis_releases_every_frame(managed_dir: Path, top: str,
     assert [int(r.split(",")[0]) for r in rows[1:]] == list(range(450))  # each frame once
 
 
-def _held_under(root: Path) -> list[str]:
-    """The files under ``root`` this process holds open (by their descriptors)."""
-    held = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # (closed meanwhile)
-            continue
-        if target.startswith(f"{os.path.realpath(root)}/"):
-            held.append(target)
-    return held
-
-
 def test_stream_source_closes_its_stream(managed_dir: Path, top: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     from instride.parallel import inputs, open_source, source_spec
@@ -158,12 +146,12 @@ def test_stream_source_closes_its_stream(managed_dir: Path, top: str,
     monkeypatch.setattr(inputs, "Stream", Recording)
     _write_stream("few", 60)
     src = open_source(source_spec("instride://few", top, timeout=10))
-    before = _held_under(managed_dir)
+    before = files_held(managed_dir, maps=False)
     for i in range(60):
         np.testing.assert_array_equal(src.read(i), _positions(i))
     # no file held per frame read (counted under the managed directory: a socket another
     # test's thread opens meanwhile is not this source's)
-    assert len(_held_under(managed_dir)) <= len(before)
+    assert len(files_held(managed_dir, maps=False)) <= len(before)
     assert closed == []
     src.close()
     assert closed == ["few"]

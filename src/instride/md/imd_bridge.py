@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 import os
+import select
 import socket
 import time
 from collections.abc import Callable
@@ -126,10 +127,15 @@ def _causes(exc: BaseException) -> list[BaseException]:
     return chain
 
 
-def _client_class(within: float) -> type:
-    """imdclient's client, its connection attempt bounded by ``within`` seconds (imdclient
-    connects without a timeout: a host that drops packets would hold it for minutes)."""
+def _client_class(deadline: float) -> type:
+    """imdclient's client, its connection attempt and the handshake's wait bounded by
+    ``deadline`` (``time.monotonic()``): imdclient connects without a timeout (a host that
+    drops packets would hold it for minutes) and waits a fixed 5 s for the handshake, however
+    long ``connect_timeout`` is."""
     from imdclient.IMDClient import IMDClient
+
+    def left() -> float:
+        return max(0.1, deadline - time.monotonic())
 
     class _Client(IMDClient):  # type: ignore[misc]
         def _connect_to_server(self, host: str, port: int, socket_bufsize: int | None) -> Any:
@@ -137,13 +143,22 @@ def _client_class(within: float) -> type:
             try:
                 if socket_bufsize is not None:
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, socket_bufsize)
-                conn.settimeout(within)
+                conn.settimeout(left())
                 conn.connect((host, port))
                 conn.settimeout(None)  # (imdclient sets its own timeouts from here on)
             except BaseException:
                 conn.close()
                 raise
             return conn
+
+        def _await_IMD_handshake(self) -> Any:  # noqa: N802 - imdclient's name
+            # the handshake's first bytes waited for within what is left of the budget, then
+            # read by imdclient (its 5 s bound the rest of them)
+            ready, _, _ = select.select([self._conn], [], [], left())
+            if not ready:
+                self._conn.close()
+                raise ConnectionError("connected, but the engine sent no IMD handshake")
+            return super()._await_IMD_handshake()
 
     return _Client
 
@@ -156,7 +171,7 @@ def _connect(host: str, port: int, natoms: int, connect_timeout: float,
         try:
             # single-threaded: no signal handlers, no background thread; frames are read
             # straight from the socket when asked for
-            client_class = _client_class(max(0.1, deadline - time.monotonic()))
+            client_class = _client_class(deadline)
             if timeout is not None:
                 return client_class(host, port, natoms, multithreaded=False, timeout=timeout)
             # no limit: imdclient compares its timeout with a number (None would raise), so
@@ -254,11 +269,15 @@ def bridge(
     if not math.isfinite(connect_timeout):
         raise ConfigError("connect_timeout", connect_timeout, "must be finite")
     wait = None if math.isinf(timeout) else timeout
-    out = stream if isinstance(stream, Stream) else Stream(
-        stream, mode="w", layout=layout, overwrite=overwrite
-    )
+    owned = not isinstance(stream, Stream)
+    out = Stream(stream, mode="w", layout=layout, overwrite=overwrite) if owned else stream
     t0 = time.perf_counter()
-    client = _connect(host, port, natoms, connect_timeout, wait)
+    try:
+        client = _connect(host, port, natoms, connect_timeout, wait)
+    except BaseException:
+        if owned:  # (a stream opened here is let go of: no end marker, nothing held)
+            out.abandon()
+        raise
     info = client.get_imdsessioninfo()
     version = int(info.version)
     conn = getattr(client, "_conn", None)  # (to tell a frame's end from the middle of one)
@@ -306,6 +325,8 @@ def bridge(
                 on_frame(frames)
     except BaseException:
         client.stop()
+        if owned:  # (the frames published stay; no end marker: a broken run)
+            out.abandon()
         raise
     p0 = time.perf_counter()
     out.close()

@@ -448,11 +448,14 @@ class LocalStreamState:
         return str(node), str(path)
 
     def close(self) -> None:
-        """Release descriptors and watches."""
+        """Release descriptors, watches and the head's mapping (mapped again if asked for)."""
         if self._notify is not None:
             self._notify.close()
             self._notify = None
         self._groups.close()
+        head, self._head = self._head, None
+        if head is not None:
+            head.close()
 
 
 #: seconds a cluster group reader's lease lasts unless renewed (renewed every third of it)
