@@ -3,11 +3,13 @@ stream is complete (end of stream written) or broken (a typed error, no end mark
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,9 +17,9 @@ import numpy as np
 import pytest
 
 import instride
-from instride.md.imd_bridge import IMDProtocolError, bridge
+from instride.md.imd_bridge import EngineUnavailable, IMDProtocolError, bridge
 from instride.md.imd_protocol import HEADER_SIZE, SessionInfo, encode_frame_packets, encode_handshake
-from tests.conftest import finish
+from tests.conftest import files_held, finish
 
 NATOMS = 50
 
@@ -35,13 +37,15 @@ def engine() -> Iterator[Callable[..., int]]:
     threads: list[threading.Thread] = []
     listeners: list[socket.socket] = []
 
-    def start(script: Callable[[socket.socket], None], info: SessionInfo = SessionInfo()) -> int:
+    def start(script: Callable[[socket.socket], None], info: SessionInfo = SessionInfo(),
+              handshake_after: float = 0.0) -> int:
         listener = socket.create_server(("127.0.0.1", 0))
         listeners.append(listener)
 
         def serve() -> None:
             conn, _ = listener.accept()
-            with conn:
+            with conn, contextlib.suppress(OSError):  # (a client that gave up: gone)
+                time.sleep(handshake_after)
                 conn.sendall(encode_handshake(3, "<", info))
                 conn.recv(HEADER_SIZE)  # (GO)
                 script(conn)
@@ -85,10 +89,29 @@ def test_no_timeout_waits_for_a_slow_engine(managed_dir: Path, engine) -> None:
     assert s.ended and [f.step for f in s] == [0, 1]
 
 
+def test_a_handshake_waits_as_long_as_connect_timeout(managed_dir: Path, engine) -> None:
+    """An engine slow to send its handshake is waited for within ``connect_timeout``, not
+    imdclient's own 5 s (after which the bridge used to drop the connection and retry)."""
+    port = engine(lambda c: c.sendall(_frame(0, SessionInfo())), handshake_after=6.0)
+    report = bridge(f"127.0.0.1:{port}", "slowhs", NATOMS, connect_timeout=30, timeout=10)
+    assert report.frames == 1 and instride.Stream("slowhs").ended
+    # ... and no longer than it: an engine that never sends one is given up on in time
+    port = engine(lambda c: None, handshake_after=3.0)
+    t0 = time.monotonic()
+    with pytest.raises(EngineUnavailable, match="no IMD handshake") as info:
+        bridge(f"127.0.0.1:{port}", "nohs", NATOMS, connect_timeout=1.0, timeout=10)
+    assert time.monotonic() - t0 < 4.5  # (imdclient's 5 s would have been waited out)
+    # the stream it opened is let go of (with the error's traceback still alive)
+    assert info.value is not None and files_held(managed_dir) == []
+
+
 def test_a_frame_cut_short_is_a_protocol_error_and_no_end(managed_dir: Path, engine) -> None:
     port = engine(lambda c: c.sendall(_frame(0, SessionInfo()) + _frame(1, SessionInfo())[:-20]))
-    with pytest.raises(IMDProtocolError, match="middle of frame 1"):
+    with pytest.raises(IMDProtocolError, match="middle of frame 1") as info:
         bridge(f"127.0.0.1:{port}", "cut", NATOMS, connect_timeout=10, timeout=10)
+    # the stream it opened is let go of: nothing held, while the traceback (which holds the
+    # stream object) is alive
+    assert info.value is not None and files_held(managed_dir) == []
     s = instride.Stream("cut", timeout=0)
     assert not s.ended and s.published() == [0]  # (the whole frame is kept, no end)
 

@@ -220,7 +220,9 @@ def bridge(
         ``HOST:PORT`` of the engine's IMD socket (``gmx mdrun -imdport PORT``).
     stream
         Stream (name or :class:`instride.Stream`) to publish into; it is ended when the
-        engine terminates.
+        engine terminates. When the bridge fails, a stream it opened by name is abandoned
+        (:meth:`instride.Stream.abandon`: no end marker, nothing held); a stream given is
+        left to the caller.
     natoms
         Atoms per frame (the IMD group; for ``IMD-group = System``, the ``.gro`` atom count).
     dt
@@ -232,7 +234,8 @@ def bridge(
         Steps between two frames when the protocol (v2) carries no step (the engine's
         transmission rate: LAMMPS ``trate``).
     connect_timeout
-        Seconds to keep retrying the connection (the engine may still be starting).
+        Seconds to keep retrying the connection (the engine may still be starting), the wait
+        for its handshake included.
     timeout
         Seconds without a frame before giving up with :class:`ConsumeTimeout` (more than 0;
         ``math.inf``: wait as long as the engine keeps its connection open).
