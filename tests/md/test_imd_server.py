@@ -8,6 +8,7 @@ import errno
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -406,6 +407,22 @@ def test_a_session_that_ends_closes_the_clients_connection_at_once(server_factor
             pass
     assert srv.wait_clients(1, timeout=30)
     assert srv.reports[0].error == "no frame from the producer for 1.0 s", srv.reports
+
+
+def test_an_error_after_the_end_is_not_reported_as_a_clean_end(server_factory) -> None:
+    """A client that read every frame and the end, then sent a message of an unknown type:
+    the report says what went wrong and does not also claim a clean end (it said both)."""
+    _frames("done", 3, 10)
+    srv = server_factory("done")
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+        sock.sendall(encode_header(MsgType.GO, 0))
+        while sock.recv(1 << 16):  # the handshake, 3 frames, then the end
+            pass
+        sock.sendall(struct.pack("!ii", 99, 0))  # (type 99: no IMD message)
+    assert srv.wait_clients(1, timeout=30)
+    report = srv.reports[0]
+    assert report.frames == 3 and not report.ended, report
+    assert report.error == "unknown IMD message type 99 (after the end of the stream was sent)"
 
 
 class _AcceptFailsOnce:

@@ -17,7 +17,7 @@ from openmm.app import DCDReporter
 import instride
 from instride.analytics import VILLIN_SUBSTRUCTURES, largest_eigenvalue, read_table
 from instride.md.openmm import FrameReporter, make_simulation, villin_pdb
-from tests.conftest import finish
+from tests.conftest import files_held, finish
 
 STEPS, INTERVAL = 150, 10
 
@@ -100,6 +100,12 @@ def test_openmm_stream_analysed_concurrently_matches_dcd(
 
 
 def test_reporter_end_of_stream_rules(managed_dir: Path) -> None:
+    aborted = FrameReporter("aborted", 10)
+    aborted.stream.append(np.zeros((1000, 3)))  # (a frame, as report() appends one)
+    aborted.abort()
+    aborted.abort()  # idempotent
+    assert files_held(managed_dir) == []  # the stream let go of, not held till the end
+    assert not instride.Stream("aborted").ended
     with pytest.raises(ValueError, match="interval"):
         FrameReporter("x", 0)
     with pytest.raises(ValueError, match="opened for reading"):

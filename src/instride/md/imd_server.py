@@ -84,8 +84,11 @@ class ClientReport:
 
     peer: str
     frames: int = 0
-    ended: bool = False  #: the client received every frame up to end-of-stream
-    error: str | None = None  #: why the session ended early (the client left, a protocol error)
+    #: every frame up to end-of-stream was sent and the session closed cleanly
+    ended: bool = False
+    #: why the session ended early (the client left, a protocol error) or went wrong after
+    #: the end was sent; ``None`` exactly when ``ended``
+    error: str | None = None
     seconds: float = 0.0
     pauses: int = 0  #: PAUSE messages the client sent (its buffer was full)
     #: frames of a bounded stream retired before this client was sent them (skipped)
@@ -343,6 +346,11 @@ class IMDServer:
                 pass
             if receiver is not None:
                 receiver.join(timeout=5)
+            if s.report.ended and s.report.error is not None:
+                # (something went wrong after the end was sent — the client reset the
+                # connection, sent garbage: it may not have read the last frames)
+                s.report.ended = False
+                s.report.error += " (after the end of the stream was sent)"
             if stream is not None:
                 try:
                     stream.close()  # (the frame it held goes back to a bounded stream)

@@ -158,8 +158,13 @@ class FrameReporter:
         self.publish_seconds += time.perf_counter() - t0
 
     def abort(self) -> None:
-        """Stop reporting without publishing end-of-stream (the run did not complete)."""
+        """Stop reporting without publishing end-of-stream (the run did not complete): the
+        stream is abandoned (:meth:`instride.Stream.abandon`: its frames stay, what the
+        producer holds is released). Idempotent; nothing happens after :meth:`close`."""
+        if self._closed:
+            return
         self._closed = True
+        self.stream.abandon()
 
     def __enter__(self) -> FrameReporter:
         return self
