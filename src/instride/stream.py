@@ -46,7 +46,6 @@ import json
 import math
 import os
 import re
-import signal
 import subprocess
 import time
 from collections import deque
@@ -760,10 +759,10 @@ class Stream:
 
         The frames published stay readable. No end-of-stream marker is written, so readers
         do not take the run for complete: they wait for a next frame, up to their timeout.
-        Nothing is waited for (cluster mode: the records sent stand, as Redis stores each as
-        it reads it; their answers are not waited for). What the producer holds is released —
+        No answer is waited for (cluster mode: the records sent stand, as Redis stores each
+        as it reads it). What the producer holds is released —
         the files made ahead, mappings, descriptors, its share of the stream's state — and an
-        archiver started with ``archive=`` is interrupted (it closes its file; ``instride
+        archiver started with ``archive=`` is stopped (SIGTERM: it closes its file; ``instride
         archive`` resumes it). A producer's ``with`` block left by an exception does this.
 
         For a reader, the same as :meth:`close`. Nothing happens on a closed stream.
@@ -779,8 +778,8 @@ class Stream:
         self._release_resources()
         proc, self._archiver = self._archiver, None
         if proc is not None:
-            proc.send_signal(signal.SIGINT)  # (as Ctrl-C: it closes its archive file)
-            try:
+            proc.terminate()  # (SIGTERM: it closes its archive file; not SIGINT, which a
+            try:  # process started in the background of a shell script ignores)
                 proc.communicate(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()

@@ -145,6 +145,11 @@ def every_hundred(msg):
     return msg.step % 100 == 0
 
 
+def every_thirty(msg):
+    """Filter predicate: steps that are multiples of 30."""
+    return msg.step % 30 == 0
+
+
 class ScaleModule(ModuleBase):
     """A class-based module: multiplies ``in`` by ``factor`` onto ``out``."""
 

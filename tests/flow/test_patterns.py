@@ -6,12 +6,14 @@ One graph holds every pattern side by side, so a single run (one set of processe
 from __future__ import annotations
 
 import json
+from collections import deque
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from instride.flow import Graph, GraphError, ModuleFailed, patterns, run
+from instride.flow.channels import Message
 
 from . import modules
 
@@ -103,23 +105,54 @@ def test_synchronize_past_max_pending_names_the_inputs(flow_env: dict[str, Path]
     sparse = patterns.filter(g, "sparse", src.output("out"), modules.every_hundred)
     sync = patterns.synchronize(g, "sync", [src.output("out"), sparse], max_pending=4)
     g.connect(sync, _rec(g, "sync").input("in"))
-    with pytest.raises(ModuleFailed, match=r"sync.*in0 is 4 messages .*ahead of in1.*max_pending"):
+    with pytest.raises(ModuleFailed, match=r"sync: input in0 has 5 messages .*waiting for in1"
+                                           r".*max_pending.*now 4"):
         run(g, out=flow_env["out"], timeout=120)
 
 
-def test_synchronize_holds_back_an_independent_input(flow_env: dict[str, Path]) -> None:
-    # independent sources: the one ahead waits (back-pressure), whatever max_pending says
+def test_synchronize_branches_and_an_independent_source(flow_env: dict[str, Path]) -> None:
+    # two branches of one source, whose steps skip each other's (multiples of 30 and of 100:
+    # a branch's next step is often past the other's), and an independent slow source
     out = flow_env["out"]
-    g = Graph("independent", retain=2)
-    fast = g.module("fast", modules.numbers, outputs={"out": "array"}, params={"n": 40})
+    g = Graph("branches", retain=3)
+    src = g.module("src", modules.numbers, outputs={"out": "array"}, params={"n": 61})
+    thirty = patterns.filter(g, "thirty", src.output("out"), modules.every_thirty)
+    hundred = patterns.filter(g, "hundred", src.output("out"), modules.every_hundred)
     slow = g.module("slow", modules.numbers, outputs={"out": "array"},
-                    params={"n": 4, "every": 100, "delay": 0.2})
-    sync = patterns.synchronize(g, "sync", [fast.output("out"), slow.output("out")],
-                                max_pending=1)
+                    params={"n": 7, "every": 100, "delay": 0.1})
+    sync = patterns.synchronize(g, "sync", [thirty, hundred, slow.output("out")])
     g.connect(sync, _rec(g, "sync").input("in"))
     run(g, out=out, timeout=120)
     got = json.loads((out / "sync-0.json").read_text())
-    assert got == [[100 * k, [[10.0 * k], [float(k)]]] for k in range(4)]
+    assert got == [[s, [[s / 10], [s / 10], [s / 100]]] for s in (0, 300, 600)]
+
+
+def _msgs(*steps: int) -> deque:
+    return deque(Message(s, 0.0, s) for s in steps)
+
+
+def test_settle_matches_only_equal_steps() -> None:
+    from instride.flow.patterns import _settle
+
+    # a head past the target after the others dropped to it: the target goes up
+    pending = [_msgs(30, 60, 90, 120), _msgs(100)]
+    assert list(_settle(pending)) == [] and [list(q) for q in pending] == [[Message(120, 0.0, 120)], []]
+    pending = [_msgs(0, 10, 20, 30), _msgs(0, 30), _msgs(30)]
+    assert [[m.step for m in ms] for ms in _settle(pending)] == [[30, 30, 30]]
+    assert all(not q for q in pending)
+
+
+def test_sharing_follows_every_connection_back() -> None:
+    from instride.flow.patterns import _sharing
+
+    g = Graph("sharing")
+    src = g.module("src", modules.numbers, outputs={"out": "array"})
+    other = g.module("other", modules.numbers, outputs={"out": "array"})
+    f1 = patterns.filter(g, "f1", src.output("out"), modules.every_thirty)
+    f2 = patterns.filter(g, "f2", f1, modules.every_hundred)  # (two hops from src)
+    sync = patterns.synchronize(g, "sync", [src.output("out"), other.output("out"), f2])
+    assert _sharing(g, "sync", 0, ["in0", "in1", "in2"]) == [{2}, set(), {0}]
+    assert sync.module == "sync"
 
 
 def test_pattern_errors() -> None:

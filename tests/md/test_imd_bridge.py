@@ -98,11 +98,9 @@ def test_a_handshake_waits_as_long_as_connect_timeout(managed_dir: Path, engine)
     # ... and no longer than it: an engine that never sends one is given up on in time
     port = engine(lambda c: None, handshake_after=3.0)
     t0 = time.monotonic()
-    with pytest.raises(EngineUnavailable, match="no IMD handshake") as info:
+    with pytest.raises(EngineUnavailable, match="no IMD handshake"):
         bridge(f"127.0.0.1:{port}", "nohs", NATOMS, connect_timeout=1.0, timeout=10)
     assert time.monotonic() - t0 < 4.5  # (imdclient's 5 s would have been waited out)
-    # the stream it opened is let go of (with the error's traceback still alive)
-    assert info.value is not None and files_held(managed_dir) == []
 
 
 def test_a_frame_cut_short_is_a_protocol_error_and_no_end(managed_dir: Path, engine) -> None:

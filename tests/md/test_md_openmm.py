@@ -106,6 +106,15 @@ def test_reporter_end_of_stream_rules(managed_dir: Path) -> None:
     aborted.abort()  # idempotent
     assert files_held(managed_dir) == []  # the stream let go of, not held till the end
     assert not instride.Stream("aborted").ended
+    # a with block whose close fails (Redis out of reach): abandoned on the way out, the
+    # error raised
+    def refuse() -> None:
+        raise instride.MetadataUnavailable("redis://gone", "out of reach")
+
+    with pytest.raises(instride.MetadataUnavailable), FrameReporter("unended", 10) as failing:
+        failing.stream.append(np.zeros((1000, 3)))
+        failing.stream.close = refuse  # type: ignore[method-assign]
+    assert files_held(managed_dir) == []
     with pytest.raises(ValueError, match="interval"):
         FrameReporter("x", 0)
     with pytest.raises(ValueError, match="opened for reading"):

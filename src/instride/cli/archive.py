@@ -3,16 +3,33 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from . import timeout_arg
 
 
+def _stop(signum: int, frame: object) -> None:
+    raise _Stopped
+
+
+class _Stopped(Exception):
+    """SIGTERM: stop as Ctrl-C does (the archive file closed on the way out)."""
+
+
 def cmd_archive(args: argparse.Namespace) -> int:
     from ..archiver import archive_stream
 
-    report = archive_stream(args.stream, args.to, group=args.group, timeout=args.timeout,
-                            progress=not args.quiet)
+    # SIGTERM (a producer that abandoned its stream, a batch system) stops it cleanly: the
+    # frames flushed stay, a restart resumes after them
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        report = archive_stream(args.stream, args.to, group=args.group, timeout=args.timeout,
+                                progress=not args.quiet)
+    except _Stopped:
+        print(f"archive of {args.stream}: stopped (SIGTERM); a restart resumes it",
+              file=sys.stderr)
+        return 0
     print(f"{report.frames} frames appended to {report.path} ({report.total} in the file, "
           f"{report.missed} dropped before archiving) in {report.seconds:.1f} s", file=sys.stderr)
     return 0
@@ -25,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         description="Read STREAM as consumer group 'archive' and append each frame to FILE (H5MD), "
         "acknowledging a frame only once it is flushed; ends with the stream. Restarted after a "
         "crash, it resumes after the last frame in the file. Readers of the stream get frames "
-        "retired from memory from this file.",
+        "retired from memory from this file. SIGTERM stops it cleanly (exit status 0).",
     )
     p.add_argument("stream", help="stream name, e.g. run7")
     p.add_argument("--to", required=True, metavar="FILE", help="archive file (.h5 or .h5md: H5MD)")

@@ -125,18 +125,20 @@ def sync_module(ports: Ports, n: int, combine: str, max_pending: int = 1024) -> 
     message of which comes on every input; drops the steps some input never has.
 
     The steps of each input only grow, so a message is dropped as soon as another input is
-    past its step. Inputs fed by disjoint parts of the graph are read one message at a time,
-    so the one ahead holds its producer back (back-pressure). Inputs that share a module
-    upstream (one of them a filtered or strided branch of the other's source) cannot be held
-    back so: the one ahead would fill the common source's stream, and the branch behind,
-    which needs that source to go on, would never send the step waited for. Their messages
-    are read as they come and kept (frames copied) until their step is settled, up to
-    ``max_pending`` per input; one more is a :class:`FlowError` rather than a deadlock.
+    past its step. An input that shares no module upstream with another is read one message
+    at a time, so when it runs ahead its producer is held back (back-pressure). Inputs that
+    share a module upstream (one a filtered or strided branch of the other's source) cannot
+    be held back so: the one ahead would fill the common source's stream, and the branch
+    behind, which needs that source to go on, would never send the step waited for. Their
+    messages are read as they come and kept (frames copied) until their step is settled, up
+    to ``max_pending`` per input. One more, while an input it shares a source with has none,
+    is a :class:`FlowError` rather than a deadlock; while only inputs from elsewhere in the
+    graph are awaited, it is held back like them.
     """
     fn = resolve(combine)
     names = [f"in{k}" for k in range(n)]
-    shared = _reconverging(ports, names)
-    limits = [max_pending if k in shared else 1 for k in range(n)]
+    shares = _sharing(ports.graph, ports.module, ports.instance, names)
+    limits = [max_pending if shares[k] else 1 for k in range(n)]
     pending: list[deque[Message]] = [deque() for _ in range(n)]
     ended = [False] * n
     while True:
@@ -144,22 +146,27 @@ def sync_module(ports: Ports, n: int, combine: str, max_pending: int = 1024) -> 
             ports.put("out", fn([m.data for m in msgs]), step=msgs[0].step, time=msgs[0].time)
         if any(ended[k] and not pending[k] for k in range(n)):
             return  # (a step that input never sent cannot be matched any more)
-        room = [k for k in range(n) if not ended[k] and len(pending[k]) < limits[k]]
-        for name in ports.wait_any([names[k] for k in room]):
+        awaited = {j for j in range(n) if not pending[j] and not ended[j]}
+        # read: what has room; and a full input one of whose sharers is awaited — holding it
+        # back could stall them, so one more message of it is an error, not a wait
+        read = [k for k in range(n) if not ended[k]
+                and (len(pending[k]) < limits[k] or shares[k] & awaited)]
+        for name in ports.wait_any([names[k] for k in read]):
             k = int(name[2:])
             msg = ports.get(name)
             if msg is None:
                 ended[k] = True
-                continue
-            pending[k].append(msg if limits[k] == 1 else _kept(msg))
-            if len(pending[k]) >= limits[k] > 1 and any(not pending[j] and not ended[j]
-                                                        for j in range(n)):
-                behind = [names[j] for j in range(n) if not pending[j] and not ended[j]]
+            elif len(pending[k]) < limits[k]:
+                pending[k].append(msg if limits[k] == 1 else _kept(msg))
+            else:
+                behind = [names[j] for j in sorted(shares[k] & awaited)]
                 raise FlowError(
-                    f"{ports.module}: input {name} is {len(pending[k])} messages (at step "
-                    f"{msg.step}) ahead of {', '.join(behind)}, which share{'s' * (len(behind) == 1)}"
-                    f" a source upstream with it: holding {name} back would stall that source; "
-                    "raise max_pending (patterns.synchronize(..., max_pending=N)) or filter less")
+                    f"{ports.module}: input {name} has {len(pending[k]) + 1} messages (up to "
+                    f"step {msg.step}) waiting for {', '.join(behind)}, which "
+                    f"share{'s' * (len(behind) == 1)} a source upstream with it: holding "
+                    f"{name} back would stall that source; raise max_pending "
+                    f"(patterns.synchronize(..., max_pending=N), now {max_pending}) or "
+                    "filter less")
 
 
 def _settle(pending: list[deque[Message]]) -> Iterator[list[Message]]:
@@ -171,7 +178,8 @@ def _settle(pending: list[deque[Message]]) -> Iterator[list[Message]]:
         for q in pending:
             while q and q[0].step < target:
                 q.popleft()
-        if all(pending):  # (every head is at the target now)
+        # (a queue's next head may be past the target: then the target goes up, round again)
+        if all(q and q[0].step == target for q in pending):
             yield [q.popleft() for q in pending]
 
 
@@ -187,14 +195,14 @@ def _kept(msg: Message) -> Message:
     return dataclasses.replace(msg, data=frame.positions, frame=frame)
 
 
-def _reconverging(ports: Ports, names: list[str]) -> set[int]:
-    """The positions of the input ``names`` of this instance that share a module instance
-    upstream with another of them (every connection followed back, feedback included)."""
-    g = ports.graph
+def _sharing(g: Graph, module: str, instance: int, names: list[str]) -> list[set[int]]:
+    """For each input of ``names`` of ``module[instance]``, the positions of the others that
+    share a module instance upstream with it (every connection followed back, feedback
+    included)."""
     ups: list[set[tuple[str, int]]] = []
     for name in names:
         seen: set[tuple[str, int]] = set()
-        todo = [(e.src, e.src_instance) for e in g.edges_into(ports.module, ports.instance)
+        todo = [(e.src, e.src_instance) for e in g.edges_into(module, instance)
                 if e.dst_port == name]
         while todo:
             node = todo.pop()
@@ -202,8 +210,8 @@ def _reconverging(ports: Ports, names: list[str]) -> set[int]:
                 seen.add(node)
                 todo += [(e.src, e.src_instance) for e in g.edges_into(*node)]
         ups.append(seen)
-    return {k for k, up in enumerate(ups)
-            if any(up & other for j, other in enumerate(ups) if j != k)}
+    return [{j for j, other in enumerate(ups) if j != k and up & other}
+            for k, up in enumerate(ups)]
 
 
 def scatter_module(ports: Ports, n: int) -> None:
@@ -381,8 +389,9 @@ def synchronize(g: Graph, name: str, sources: PortRef | Sequence[PortRef],
     Inputs that share a module upstream (a filtered or strided branch of a source beside the
     source itself) cannot be held back without stalling that source, so the synchronizer
     keeps the messages of the one ahead (frames copied) until their step is settled:
-    ``max_pending`` per input at most, one more fails the module with a :class:`FlowError`
-    naming the inputs (memory: ``max_pending`` messages per such input).
+    ``max_pending`` per input at most (memory: that many messages per such input). One more,
+    while an input sharing its source has none, fails the module with a :class:`FlowError`
+    naming the inputs; while only inputs from elsewhere are awaited, it is held back.
     """
     if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
         raise GraphError(f"synchronize: max_pending must be a whole number >= 1, got {max_pending!r}")

@@ -246,9 +246,11 @@ def run(
     logs: dict[tuple[str, int], Path] = {}
     t0 = time.monotonic()
     failed: ModuleFailed | None = None
-    # stops the instances' process groups (not only their first processes) if we are killed
-    watchdog = Watchdog(STOP_GRACE)
+    watchdog: Watchdog | None = None
     try:
+        # stops the instances' process groups (not only their first processes) if we are
+        # killed outright
+        watchdog = Watchdog(STOP_GRACE)
         for name, i in graph.instances():
             m = graph.modules[name]
             if m.mpi and i > 0:
@@ -319,7 +321,8 @@ def run(
             held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             _stop(procs)
-            watchdog.done()
+            if watchdog is not None:
+                watchdog.done()
             try:
                 if not keep_streams:
                     launcher.cleanup(prefix)

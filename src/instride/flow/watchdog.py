@@ -5,8 +5,8 @@ when the runner is killed (``SIGKILL``: no teardown of its own), the kernel kill
 instance's first process only. Whatever that process started — the programs of a
 ``command=`` module run by a shell script, an ``mpiexec``'s ranks, a module's subprocesses —
 would run on. So the runner starts one small watchdog process and tells it, on a pipe, each
-instance's process group as it starts (``+PGID``) and as its leader is reaped (``-PGID``,
-where the number may be reused by another process). When the pipe ends without ``done``,
+instance's process group as it starts (``+PGID``) and as its leader is reaped (``-PGID``:
+once the group is empty, its number may be reused by another process). When the pipe ends without ``done``,
 the runner died: the watchdog sends ``SIGTERM`` to every group it holds, waits up to the
 grace, then sends ``SIGKILL`` to those still there. A runner that tears down itself sends
 ``done`` after stopping the instances, and the watchdog exits without a signal.
@@ -78,7 +78,8 @@ class Watchdog:
         self._say(f"+{pgid}")
 
     def forget(self, pgid: int) -> None:
-        """Group ``pgid``'s leader was reaped: its number may be reused; leave it."""
+        """Group ``pgid``'s leader was reaped: leave the group (once it is empty its number
+        may be reused; what the instance left running is left, as on a normal end)."""
         self._say(f"-{pgid}")
 
     def done(self) -> None:

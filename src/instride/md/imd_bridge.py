@@ -153,9 +153,10 @@ def _client_class(deadline: float) -> type:
 
         def _await_IMD_handshake(self) -> Any:  # noqa: N802 - imdclient's name
             # the handshake's first bytes waited for within what is left of the budget, then
-            # read by imdclient (its 5 s bound the rest of them)
-            ready, _, _ = select.select([self._conn], [], [], left())
-            if not ready:
+            # read by imdclient (its 5 s bound the rest of them, which come along)
+            poller = select.poll()  # (not select(): descriptors past 1023 happen)
+            poller.register(self._conn.fileno(), select.POLLIN)
+            if not poller.poll(int(left() * 1000)):
                 self._conn.close()
                 raise ConnectionError("connected, but the engine sent no IMD handshake")
             return super()._await_IMD_handshake()

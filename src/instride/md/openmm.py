@@ -149,12 +149,14 @@ class FrameReporter:
 
     # ------------------------------------------------------------------ end of stream
     def close(self) -> None:
-        """End the stream: publish end-of-stream so consumers' iterations finish. Idempotent."""
+        """End the stream: publish end-of-stream so consumers' iterations finish. Idempotent.
+        If that fails (e.g. :class:`~instride.MetadataUnavailable`) the reporter stays open:
+        ``close()`` again, or :meth:`abort`."""
         if self._closed:
             return
-        self._closed = True
         t0 = time.perf_counter()
         self.stream.close()
+        self._closed = True
         self.publish_seconds += time.perf_counter() - t0
 
     def abort(self) -> None:
@@ -171,7 +173,11 @@ class FrameReporter:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
-            self.close()
+            try:
+                self.close()
+            except BaseException:
+                self.abort()  # (the block is over: nothing can close it again)
+                raise
         else:
             self.abort()
 
