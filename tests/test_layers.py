@@ -23,7 +23,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "instride"
 #: Core parts, bottom to top; a part may import parts of lower layers only (and itself).
 LAYERS: list[set[str]] = [
     {"errors"},
-    {"config", "native", "perthread"},
+    {"config", "native", "perthread", "orphans"},
     {"keys", "registry", "frames", "busypoll"},
     {"record"},
     {"store", "archive", "paths"},

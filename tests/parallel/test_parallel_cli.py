@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import csv
 import json
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from .conftest import AdkData, instride_cmd, mpiexec, run
 
@@ -93,4 +97,58 @@ def test_cli_bad_input_exit_code(adk: AdkData, tmp_path: Path) -> None:
                             str(tmp_path / "missing.dcd"), "--out", str(tmp_path / "o")))
     assert proc.returncode == 4  # invalid input
     assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def _children(pid: int) -> list[int]:
+    """The PIDs of ``pid``'s children (``/proc``)."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(x) for x in text.split()]
+
+
+def _gone(pids: list[int], within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if Path(f"/proc/{p}").exists()
+                 and Path(f"/proc/{p}/stat").read_text().split(") ")[1][0] != "Z"]
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("backend", [["--workers", "2"], ["--backend", "mpi", "--workers", "2"]])
+def test_sigterm_stops_what_analyze_started(adk: AdkData, tmp_path: Path,
+                                            backend: list[str]) -> None:
+    """SIGTERM to `instride analyze` (a batch system cancelling it) stops the processes it
+    started — the pool's workers, a self-launched mpiexec and its ranks — and exits 143; they
+    used to run on (workers blocked for ever on a pipe nobody read, ranks writing the output
+    for nobody)."""
+    # (0.2 s of extra work per frame on each rank: ~10 s per block of 49 frames)
+    proc = subprocess.Popen(instride_cmd(
+        "analyze", "rmsd", "--topology", adk.psf, "--trajectory", adk.dcd, "--straggle", "0:0.2",
+        "--straggle", "1:0.2", "--out", str(tmp_path / "o"), "--no-plot", *backend),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        family: list[int] = []
+        while time.monotonic() < deadline:  # (the workers, or mpiexec and its ranks, started)
+            family = _children(proc.pid)
+            family += [g for c in family for g in _children(c)]
+            if len(family) >= 2:
+                break
+            time.sleep(0.1)
+        assert len(family) >= 2, family
+        time.sleep(1.0)  # (at work)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, err
+    assert _gone(family, within=20), family
     assert not (tmp_path / "o").exists()

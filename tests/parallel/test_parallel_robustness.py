@@ -283,11 +283,11 @@ def _h5md(path: Path, *, pos_unit: str | None = "nm", time: Any = "explicit",
 
 def test_h5md_units_fixed_time_and_box(top: str, tmp_path: Path) -> None:
     positions = np.stack([_positions(i) for i in range(5)])
-    for time, box in (("explicit", "time"), ("fixed", "fixed")):
-        path = _h5md(tmp_path / f"{time}.h5", time=time, box=box)
+    for kind, box in (("explicit", "time"), ("fixed", "fixed")):
+        path = _h5md(tmp_path / f"{kind}.h5", time=kind, box=box)
         result = analyze(FrameAnalysisAdapter(BoxDimensions, select="all"), path, top)
         assert result is not None
-        expected_t = (np.arange(5) * 100.0 if time == "explicit"
+        expected_t = (np.arange(5) * 100.0 if kind == "explicit"
                       else 1000.0 + np.arange(5) * 100.0) * 1e-3  # fs -> ps
         np.testing.assert_allclose(result.times, expected_t, rtol=1e-12)
         edges = [30.0 + 10 * i if box == "time" else 30.0 for i in range(5)]  # nm -> Å

@@ -28,7 +28,10 @@ Exit status (the same for every command; :data:`EXIT_CODES`, mapped from the typ
       ...); an MD engine's IMD port does not answer ``instride imd-bridge``
       (``EngineUnavailable``)
 7     refused: authentication with the job token failed
-130   interrupted (Ctrl-C); ``instride serve`` and ``imd-serve`` stopped by SIGTERM exit 0
+130   interrupted (Ctrl-C); ``instride serve``, ``imd-serve`` and ``archive`` stopped by
+      SIGTERM exit 0
+143   terminated (SIGTERM) — any other command: its cleanup runs first, as for Ctrl-C (the
+      files it was writing removed, the processes it started stopped)
 ====  ======================================================================================
 """
 
@@ -39,7 +42,9 @@ import importlib
 import math
 import os
 import select
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 
 from .. import __version__
@@ -86,6 +91,16 @@ EXIT_INTEGRITY = 5
 EXIT_UNAVAILABLE = 6
 EXIT_REFUSED = 7
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread where the command is, so that its cleanup runs as
+    for Ctrl-C (a command with its own SIGTERM handling installs it over this one)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
 
 #: Typed error -> exit status, first match wins (so the more specific classes come first).
 #: Other errors of instride that refine ValueError, LookupError or FileNotFoundError (bad
@@ -106,7 +121,7 @@ EXIT_CODES: list[tuple[type[BaseException] | tuple[type[BaseException], ...], in
 def exit_code(exc: BaseException) -> int:
     """The exit status of the ``instride`` command for an error (see :data:`EXIT_CODES`)."""
     if isinstance(exc, KeyboardInterrupt):
-        return EXIT_INTERRUPTED
+        return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
     if isinstance(exc, ConsumeTimeout) and _unreachable(exc):
         return EXIT_UNAVAILABLE  # the wait ran out while Redis could not be reached
     if isinstance(exc, InstrideError):
@@ -160,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Settings come from INSTRIDE_* environment variables; see `instride info`. "
         "Exit status: 0 ok, 1 other error, 2 usage or bad setting, 3 timeout, 4 invalid "
         "input (key, path, file), 5 integrity/transfer failure, 6 peer or Redis unavailable, "
-        "7 authentication refused, 130 interrupted.",
+        "7 authentication refused, 130 interrupted, 143 terminated (SIGTERM, after cleanup).",
     )
     parser.add_argument("--version", action="version", version=f"instride {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -175,6 +190,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors: argparse exits with 2
     handler: Handler = args.func
+    if threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminate)  # (else the process just dies: no cleanup)
     try:
         code = handler(args)
         sys.stdout.flush()  # (an output error here, not at exit)
@@ -184,8 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = f" (unreachable meanwhile: {cause})" if cause is not None else ""
         print(f"instride: error: {exc}{extra}", file=sys.stderr)
         return exit_code(exc)
-    except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as exc:
+        return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
     except BrokenPipeError as exc:
         if not _stdout_broken():
             print(f"instride: error: {exc}", file=sys.stderr)

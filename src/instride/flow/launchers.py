@@ -20,6 +20,7 @@ from typing import IO, Any, Protocol, runtime_checkable
 
 from ..client import Client
 from ..config import Settings
+from ..orphans import die_with_parent
 
 
 @runtime_checkable
@@ -42,17 +43,6 @@ class Launcher(Protocol):
 
     def cleanup(self, prefix: str) -> None:
         """Remove every key under ``prefix`` on every node (and its metadata)."""
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGKILL when the runner dies (Linux ``PR_SET_PDEATHSIG``),
-    so a killed runner leaves no orphan instance."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
 
 
 def _remove_tree(root: Path, prefix: str) -> None:
@@ -111,7 +101,7 @@ class LocalLauncher:
               log: IO[bytes]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(list(argv), env=dict(env), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=die_with_parent)
 
     def cleanup(self, prefix: str) -> None:
         client = Client(Settings.from_env(dict(self.env(self.node_name))))
@@ -151,7 +141,7 @@ class EmulatedLauncher:
               log: IO[bytes]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(self.cluster.command(node, argv), env=dict(env), stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+                                start_new_session=True, preexec_fn=die_with_parent)
 
     def cleanup(self, prefix: str) -> None:
         # Records live in Redis, files on every node: delete through node 1's client (it sees
@@ -249,7 +239,7 @@ class SlurmLauncher:
         # by cleanup() (by its name), so no instance outlives the run.
         return subprocess.Popen(cmd, env=dict(env), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=die_with_parent)
 
     def steps(self, prefix: str) -> list[str]:
         """The ids (``job.step``) of the run's steps Slurm still lists."""

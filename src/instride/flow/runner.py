@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..orphans import Watchdog
 from .errors import FlowError, FlowTimeout, ModuleFailed
 from .graph import Graph
 from .launchers import Launcher, LocalLauncher, slurm_state_root
 from .ports import group_name, stream_name
 from .resolve import graph_dirs
-from .watchdog import Watchdog
 
 #: Seconds an instance gets between SIGTERM and SIGKILL when the graph is stopped.
 STOP_GRACE = 3.0

@@ -33,11 +33,13 @@ Examples
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import math
 import os
 import pickle
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -51,6 +53,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from ..orphans import die_with_parent
 from .adapters import BUILTIN, Block, Combined, FrameAnalysisAdapter, ParallelAnalysis
 from .analysis_errors import (
     BackendError,
@@ -444,23 +447,30 @@ def _run_multiprocessing(
         blocks: list[Block] = []
         ranks: list[RankTiming] = []
         errors: list[BaseException] = []
-        with ProcessPoolExecutor(max_workers=n, mp_context=ctx) as ex:
-            futs = [ex.submit(_mp_worker, ana, spec, r, n, straggle.get(r, 0.0),
-                              progress and r == 0) for r in range(n)]
-            for fut in as_completed(futs):
-                try:
-                    block, timing, sent, err = fut.result()
-                except BrokenProcessPool as exc:  # a worker died (signal, out of memory)
-                    raise BackendError("multiprocessing", f"a worker process died: {exc}") \
-                        from None
-                received = time.time()
-                if err is not None:
-                    errors.append(err)
-                    continue
-                assert block is not None and timing is not None
-                timing.t_comm = max(0.0, received - sent)
-                blocks.append(block)
-                ranks.append(timing)
+        # (the workers get SIGTERM if this process dies outright; stopped below if it is
+        # interrupted: not left to finish their blocks for nobody, or to wait on a pipe)
+        with ProcessPoolExecutor(max_workers=n, mp_context=ctx,
+                                 initializer=die_with_parent, initargs=(signal.SIGTERM,)) as ex:
+            try:
+                futs = [ex.submit(_mp_worker, ana, spec, r, n, straggle.get(r, 0.0),
+                                  progress and r == 0) for r in range(n)]
+                for fut in as_completed(futs):
+                    try:
+                        block, timing, sent, err = fut.result()
+                    except BrokenProcessPool as exc:  # a worker died (signal, out of memory)
+                        raise BackendError("multiprocessing", f"a worker process died: {exc}") \
+                            from None
+                    received = time.time()
+                    if err is not None:
+                        errors.append(err)
+                        continue
+                    assert block is not None and timing is not None
+                    timing.t_comm = max(0.0, received - sent)
+                    blocks.append(block)
+                    ranks.append(timing)
+            except BaseException:
+                _stop_workers(ex)
+                raise
         wall = time.perf_counter() - t0
         if errors:
             raise errors[0]
@@ -469,6 +479,21 @@ def _run_multiprocessing(
         source.close()
     return _result(ana, combined, ranks, spec, "multiprocessing", wall, base, base_total,
                    straggler_factor, straggle)
+
+
+def _stop_workers(ex: ProcessPoolExecutor) -> None:
+    """Cancel what has not started and stop the workers at once (SIGTERM, SIGKILL after 5 s),
+    so that leaving the executor's block does not wait for their blocks."""
+    ex.shutdown(wait=False, cancel_futures=True)
+    procs = list((getattr(ex, "_processes", None) or {}).values())  # (no public handle)
+    for proc in procs:
+        with contextlib.suppress(OSError):
+            proc.terminate()
+    for proc in procs:
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
 
 def _run_mpi(
@@ -566,4 +591,17 @@ def launch_mpi(argv: Sequence[str], n: int, mpiexec: str | None = None) -> int:
     a launcher.
     """
     cmd = [find_mpiexec(mpiexec), "-n", str(n), sys.executable, "-m", "instride", *argv]
-    return subprocess.run(cmd, check=False).returncode
+    # (mpiexec passes SIGTERM on to the ranks: it gets one if this process dies outright, and
+    # one when this process is interrupted, then SIGKILL 10 s later)
+    proc = subprocess.Popen(cmd, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+    try:
+        return proc.wait()
+    except BaseException:
+        with contextlib.suppress(OSError):
+            proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise

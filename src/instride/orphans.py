@@ -1,15 +1,17 @@
-"""The run's watchdog: stops every instance's process group when the runner dies.
+"""Keeping child processes from outliving the process that started them.
 
-Each instance starts in its own session with a parent-death signal (``PR_SET_PDEATHSIG``):
-when the runner is killed (``SIGKILL``: no teardown of its own), the kernel kills the
-instance's first process only. Whatever that process started — the programs of a
-``command=`` module run by a shell script, an ``mpiexec``'s ranks, a module's subprocesses —
-would run on. So the runner starts one small watchdog process and tells it, on a pipe, each
-instance's process group as it starts (``+PGID``) and as its leader is reaped (``-PGID``:
-once the group is empty, its number may be reused by another process). When the pipe ends without ``done``,
-the runner died: the watchdog sends ``SIGTERM`` to every group it holds, waits up to the
-grace, then sends ``SIGKILL`` to those still there. A runner that tears down itself sends
-``done`` after stopping the instances, and the watchdog exits without a signal.
+:func:`die_with_parent` (in a child, before ``exec``: Linux's parent-death signal) covers a
+child's first process only. What that process starts in turn — the programs a shell script
+runs, an ``mpiexec``'s ranks, a module's subprocesses — would run on when the parent is
+killed outright (``SIGKILL``: no teardown of its own). So the parent starts one small
+:class:`Watchdog` process and tells it, on a pipe, each child's process group (the child
+starts a session of its own: group id = its PID) as it starts (``+PGID``) and as its leader
+is reaped (``-PGID``: once the group is empty, its number may be reused by another process).
+When the pipe ends without ``done``, the parent died: the watchdog sends ``SIGTERM`` to every
+group it holds, waits up to the grace, then sends ``SIGKILL`` to those still there. A parent
+that tears down itself sends ``done`` after stopping its children, and the watchdog exits
+without a signal. Used by ``instride flow run`` (every module instance) and ``instride job``
+(Redis, the services' launcher, the command).
 
 The watchdog imports nothing from instride (``python -I``: it starts in ~20 ms).
 """
@@ -17,6 +19,7 @@ The watchdog imports nothing from instride (``python -I``: it starts in ~20 ms).
 from __future__ import annotations
 
 import contextlib
+import signal
 import subprocess
 import sys
 
@@ -53,8 +56,19 @@ if not done and signal_all(signal.SIGTERM):
 """
 
 
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """In a child before ``exec`` (``preexec_fn``): get ``sig`` when the parent dies (Linux
+    ``PR_SET_PDEATHSIG``; kept across ``exec``). Nothing elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+
+
 class Watchdog:
-    """The runner's end of the watchdog (see the module docstring).
+    """The parent's end of the watchdog (see the module docstring).
 
     Parameters
     ----------
@@ -74,7 +88,7 @@ class Watchdog:
             self._proc.stdin.flush()
 
     def watch(self, pgid: int) -> None:
-        """Stop process group ``pgid`` if the runner dies."""
+        """Stop process group ``pgid`` if the parent dies."""
         self._say(f"+{pgid}")
 
     def forget(self, pgid: int) -> None:
@@ -83,7 +97,7 @@ class Watchdog:
         self._say(f"-{pgid}")
 
     def done(self) -> None:
-        """The runner stopped the instances itself: the watchdog exits, signalling nothing."""
+        """The parent stopped its children itself: the watchdog exits, signalling nothing."""
         self._say("done")
         assert self._proc.stdin is not None
         with contextlib.suppress(BrokenPipeError):
