@@ -19,9 +19,11 @@ The watchdog imports nothing from instride (``python -I``: it starts in ~20 ms).
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
+import time
 
 #: The watchdog's code (``python -I -c CODE GRACE``).
 CODE = r"""
@@ -107,3 +109,68 @@ class Watchdog:
         except subprocess.TimeoutExpired:  # pragma: no cover - it reads a line and exits
             self._proc.kill()
             self._proc.wait()
+
+
+def become_subreaper(on: bool = True) -> bool:
+    """Make this process adopt its descendants' orphans (Linux ``PR_SET_CHILD_SUBREAPER``),
+    or stop; return whether the kernel agreed. The orphans of a command it started — what a
+    shell script left running — become its children, which :func:`stop_adopted` stops."""
+    try:
+        import ctypes
+
+        return int(ctypes.CDLL(None, use_errno=True).prctl(36, int(on))) == 0
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return False
+
+
+def children() -> set[int]:
+    """The PIDs of this process's children (every thread's, from ``/proc``)."""
+    out: set[int] = set()
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:  # pragma: no cover - no /proc
+        return out
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/children") as fh:
+                out.update(int(x) for x in fh.read().split())
+        except OSError:
+            continue
+    return out
+
+
+def stop_adopted(exclude: set[int], grace: float) -> list[int]:
+    """Stop this process's children that are not in ``exclude`` — the orphans a subreaper
+    adopted (:func:`become_subreaper`) — SIGTERM first, SIGKILL after ``grace`` s, and reap
+    them; again for the orphans that stopping them makes. A child is this process's until it
+    reaps it, so its PID cannot name another process meanwhile. Returns the PIDs stopped."""
+    stopped: list[int] = []
+    for _ in range(16):  # (each round: one more level of descendants, orphaned by the last)
+        found = sorted(children() - exclude - set(stopped))
+        if not found:
+            break
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        left = set(found)
+        while left and time.monotonic() < deadline:
+            left = {pid for pid in left if not _reaped(pid)}
+            if left:
+                time.sleep(0.05)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        stopped += found
+    return stopped
+
+
+def _reaped(pid: int) -> bool:
+    """Reap child ``pid`` if it has ended; whether it is gone."""
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return done == pid

@@ -289,11 +289,50 @@ def test_signals_around_the_command_end_never_skip_the_teardown(
     assert signal.getsignal(signal.SIGTERM) is before  # the caller's handler is back
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def test_what_the_command_left_running_is_stopped(scratch: Path, tmp_path: Path) -> None:
+    """A script that ends with programs still running in its background (two levels deep):
+    they are stopped before the services they use (they used to run on, orphaned)."""
+    pids = tmp_path / "pids"
+    script = (f"sleep 311 & echo $! > {pids}; sh -c 'sleep 312 & echo $! >> {pids}; wait' & "
+              f"while [ $(wc -l < {pids}) -lt 2 ]; do sleep 0.05; done; exit 3")
+    svc = _local(scratch, tmp_path)
+    assert svc.run(["sh", "-c", script]) == 3
+    _assert_torn_down(svc, scratch, tmp_path)
+    left = [int(x) for x in pids.read_text().split()]
+    assert len(left) == 2 and not any(_alive(p) for p in left), left
+
+
+def test_a_command_that_ignores_the_signal_is_killed(scratch: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM passed on to a command that ignores it: SIGKILL after the grace (the job and its
+    services used to wait for it for ever); what it started, ignoring SIGTERM too, as well."""
+    from instride.launch import base
+
+    monkeypatch.setattr(base, "STOP_GRACE", 1.0)
+    pids = tmp_path / "pids"
+    svc = _local(scratch, tmp_path)
+    rc = svc.run(["sh", "-c", f"trap '' TERM; sleep 600 & echo $! > {pids}; kill -TERM $PPID; "
+                  "wait"])
+    assert rc == 128 + signal.SIGKILL
+    _assert_torn_down(svc, scratch, tmp_path)
+    assert not _alive(int(pids.read_text()))
+
+
 # ---------------------------------------------------------------------- Slurm client failures
 @pytest.mark.parametrize(("tool", "script", "why"), [
     ("squeue", "exec sleep 300", "did not answer within 0.5 s"),
     ("scancel", "exec sleep 300", "did not answer within 0.5 s"),
     ("scancel", None, "cannot run"),
+    ("scancel", "echo 'scancel: error: Access/permission denied' >&2; exit 1",
+     "exited with status 1 scancel: error: Access/permission denied"),
 ])
 def test_slurm_teardown_survives_a_hanging_or_broken_client(
     tool: str, script: str | None, why: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

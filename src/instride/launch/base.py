@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 
 from ..config import DEFAULT_PORT
 from ..errors import ConfigError, InstrideError, MetadataUnavailable
+from ..orphans import become_subreaper, children, die_with_parent, stop_adopted
 
 #: Redis hash of the nodes whose service is up: node name -> ``host:port``.
 REGISTRY = "instride:job:{job}:nodes"
@@ -275,7 +276,8 @@ def _stop(proc: subprocess.Popen[bytes] | None, grace: float) -> bool:
 
 #: Seconds between two checks of the services while the job's command runs.
 AGENT_POLL = 0.25
-#: Seconds the command has to end after SIGTERM when the services ended under it.
+#: Seconds the command has to end after a signal passed on to it, or after SIGTERM when the
+#: services ended under it (then SIGKILL); and what it left running, after SIGTERM.
 STOP_GRACE = 30.0
 
 
@@ -370,6 +372,7 @@ class JobServices:
         #: the first of SIGTERM/SIGINT/SIGHUP received during :meth:`run`
         self._signalled: int | None = None
         self._forwarded = False
+        self._forwarded_at = 0.0
 
     # ------------------------------------------------------------------ subclass API
     def detect(self) -> None:
@@ -512,9 +515,10 @@ class JobServices:
         password = secrets.token_hex(16)
         log = self.workdir / "redis.log"
         with open(log, "ab") as out:
-            self._redis = subprocess.Popen(
+            self._redis = subprocess.Popen(  # (SIGTERM if this process dies outright)
                 [exe, "-"], stdin=subprocess.PIPE, stdout=out, stderr=out,
-                env=self._clean_env(), cwd=self.workdir)
+                env=self._clean_env(), cwd=self.workdir,
+                preexec_fn=lambda: die_with_parent(signal.SIGTERM))
         # The configuration goes through stdin: the password never shows in `ps`.
         conf = (f"bind {self.this_addr}\nport {port}\nrequirepass {password}\nsave \"\"\n"
                 f"appendonly no\nprotected-mode no\ndaemonize no\nloglevel warning\n"
@@ -562,8 +566,9 @@ class JobServices:
         argv = self.per_node([sys.executable, "-m", "instride.launch.agent"])
         log = self.workdir / "services.log"
         with open(log, "ab") as out:
-            self._agents = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
-                                            stderr=out, env=env)
+            self._agents = subprocess.Popen(  # (mpiexec, srun: they pass SIGTERM on)
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
+                preexec_fn=lambda: die_with_parent(signal.SIGTERM))
         import redis
 
         client = redis_client(self.redis_url)
@@ -643,7 +648,7 @@ class JobServices:
         if not argv:
             raise ConfigError("command", list(argv), "expected a command after --")
         handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-        self._signalled, self._forwarded = None, False
+        self._signalled, self._forwarded, self._forwarded_at = None, False, 0.0
 
         # The handler never raises: an exception raised at an arbitrary point (in a `finally`
         # before the teardown) could skip the teardown. The start polls for the signal instead.
@@ -652,11 +657,17 @@ class JobServices:
                 self._signalled = signum
             child = self._child
             if child is not None and child.poll() is None:
+                if not self._forwarded:
+                    self._forwarded_at = time.monotonic()
                 self._forwarded = True
                 with contextlib.suppress(ProcessLookupError):
                     child.send_signal(signum)
 
         previous = {s: signal.signal(s, on_signal) for s in handled}
+        # What the command leaves running when it ends (a script's background programs) is
+        # adopted here and stopped before the services it uses go
+        adopting = become_subreaper(True)
+        ours: set[int] = set()
         try:
             try:
                 env = self.up()
@@ -664,32 +675,54 @@ class JobServices:
                       f"({', '.join(f'{n}={a}' for n, a in sorted(self.addrs.items()))}), "
                       f"Redis {redact(self.redis_url)}", file=sys.stderr, flush=True)
                 self._check_signal()
-                try:
-                    self._child = subprocess.Popen(list(argv), env=env)
+                ours = children()  # (Redis, the services' launcher, and whatever else is ours)
+                try:  # (SIGTERM to it if this process dies outright)
+                    self._child = subprocess.Popen(
+                        list(argv), env=env, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
                 except OSError as exc:
                     raise LaunchError(f"cannot run {argv[0]!r}: {exc.strerror}") from None
                 if self._signalled is not None and not self._forwarded:
                     # arrived between the check and the start: the command gets it now
+                    self._forwarded, self._forwarded_at = True, time.monotonic()
                     with contextlib.suppress(ProcessLookupError):
                         self._child.send_signal(self._signalled)
                 return self._wait_child(self._child)
             except _Interrupted as exc:
                 return 128 + exc.signum
             finally:
-                self.down()
+                try:
+                    if adopting and self._child is not None:
+                        left = stop_adopted(ours, STOP_GRACE)
+                        if left:
+                            print(f"instride job: stopped {len(left)} process(es) the command "
+                                  f"left running (pids {', '.join(map(str, left))})",
+                                  file=sys.stderr, flush=True)
+                finally:
+                    self.down()
         finally:
             self._child = None
+            if adopting:
+                become_subreaper(False)
             for s, h in previous.items():
                 signal.signal(s, h)
 
     def _wait_child(self, child: subprocess.Popen[bytes]) -> int:
-        """Wait for the command; stop it if the services end under it (see :meth:`run`)."""
+        """Wait for the command; stop it if the services end under it, SIGKILL it if it is
+        still there :data:`STOP_GRACE` s after a signal was passed on (see :meth:`run`)."""
+        killed = False
         while True:
             try:
                 rc = child.wait(AGENT_POLL)
                 return 128 - rc if rc < 0 else rc
             except subprocess.TimeoutExpired:
                 pass
+            if (self._forwarded and not killed
+                    and time.monotonic() - self._forwarded_at > STOP_GRACE):
+                print(f"instride job: the command did not end within {STOP_GRACE:g} s of the "
+                      f"signal; SIGKILL to pid {child.pid}", file=sys.stderr, flush=True)
+                with contextlib.suppress(ProcessLookupError):
+                    child.kill()
+                killed = True
             if self._agents is None or self._agents.poll() is None:
                 continue
             if self._signalled is not None:

@@ -127,14 +127,20 @@ class SlurmServices(JobServices):
 
     def _client(self, argv: list[str]) -> subprocess.CompletedProcess[str] | None:
         """Run a Slurm client command while the services stop; None (and a warning on
-        stderr) when it cannot run or does not answer within :data:`CLIENT_TIMEOUT` s."""
+        stderr) when it cannot run, does not answer within :data:`CLIENT_TIMEOUT` s, or
+        fails (a status other than 0: permission denied, no such step)."""
         try:
-            return subprocess.run(argv, capture_output=True, text=True,
+            proc = subprocess.run(argv, capture_output=True, text=True,
                                   timeout=CLIENT_TIMEOUT, check=False)
         except subprocess.TimeoutExpired:
             why = f"did not answer within {CLIENT_TIMEOUT:g} s"
         except OSError as exc:
             why = f"cannot run: {exc.strerror}"
+        else:
+            if proc.returncode == 0:
+                return proc
+            said = proc.stderr.strip().splitlines()[-1:] or [""]
+            why = f"exited with status {proc.returncode} {said[0]}".rstrip()
         print(f"instride job: warning: `{' '.join(argv)}` {why}; signalling the services "
               "step's srun instead", file=sys.stderr, flush=True)
         return None
