@@ -29,7 +29,8 @@ from instride.parallel import (
     analyze,
     export_h5md,
 )
-from instride.parallel.execute import AnalysisRun
+from instride.parallel.analysis_errors import DecompositionError
+from instride.parallel.execute import AnalysisRun, block_bounds
 from instride.parallel.timing import RankTiming, TimingReport, write_atomic
 from tests.conftest import files_held
 
@@ -371,6 +372,12 @@ def test_bad_arguments_are_typed(managed_dir: Path, top: str, tmp_path: Path) ->
     for delay in (-1.0, float("nan"), float("inf")):
         with pytest.raises(BackendError, match="straggle delay of rank 0"):
             analyze("rg", "instride://args", top, straggle={0: delay})
+        with pytest.raises(BackendError, match="straggler_factor must be a finite number"):
+            analyze("rg", "instride://args", top, straggler_factor=delay)
+        with pytest.raises(BackendError, match="baseline must be a finite number"):
+            analyze("rg", "instride://args", top, baseline=delay)
+    with pytest.raises(DecompositionError, match="the input has no frames"):
+        block_bounds(0, 1, 0)
     common = ["--topology", top, "--trajectory", "instride://args", "--out", str(tmp_path / "o")]
     for args in (["mda", "--class", "MDAnalysis.analysis.rms:RMSD", "--kwargs", "{", *common],
                  ["mda", "--class", "MDAnalysis.analysis.rms:RMSD", "--kwargs", "[1]", *common],
@@ -380,6 +387,16 @@ def test_bad_arguments_are_typed(managed_dir: Path, top: str, tmp_path: Path) ->
         assert proc.returncode == 2, (args, proc.stderr)  # usage
         assert "Traceback" not in proc.stderr and ("--kwargs" in proc.stderr
                                                    or "--straggle" in proc.stderr)
+    assert not (tmp_path / "o").exists()
+    # refused before the analysis runs: an empty selection (it used to be the default's); an
+    # --out that cannot be a directory (it used to fail once the work was done, untyped)
+    (tmp_path / "file").write_text("")
+    for args, why in ((["rg", *common, "--select", ""], "selection ''"),
+                      (["rg", *common[:-1], str(tmp_path / "file")], "not a directory"),
+                      (["rg", *common[:-1], str(tmp_path / "file" / "o")], "not a directory")):
+        proc = run(instride_cmd("analyze", *args), env=_env())
+        assert proc.returncode in (2, 4) and why in proc.stderr, (args, proc.stderr)
+        assert "Traceback" not in proc.stderr
     assert not (tmp_path / "o").exists()
     proc = run(instride_cmd("analyze", "mda", "--class", "MDAnalysis.analysis.rms:RMSD",
                             "--kwargs", '{"select": "all"}', "--timeout", "10", *common),

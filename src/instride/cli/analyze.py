@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 from . import exit_code, timeout_arg
@@ -64,11 +65,29 @@ def _analysis(args: argparse.Namespace) -> Any:
     from ..parallel.adapters import AnalysisBaseAdapter, radius_of_gyration, rmsd
     from ..parallel.inputs import ADK_CORE_CA
 
+    given = args.select is not None  # (an empty selection is refused, not the default's)
     if args.analysis == "rmsd":
-        return rmsd(select=args.select or ADK_CORE_CA, ref_frame=args.ref_frame)
+        return rmsd(select=args.select if given else ADK_CORE_CA, ref_frame=args.ref_frame)
     if args.analysis == "rg":
-        return radius_of_gyration(select=args.select or "protein")
-    return AnalysisBaseAdapter(args.cls, select=args.select or "all", kwargs=args.kwargs)
+        return radius_of_gyration(select=args.select if given else "protein")
+    return AnalysisBaseAdapter(args.cls, select=args.select if given else "all",
+                               kwargs=args.kwargs)
+
+
+def _check_out(out: str) -> None:
+    """Refuse an ``--out`` the results could not be written to, before the analysis runs
+    (not after it: hours of work lost). Nothing is created here."""
+    from ..errors import ConfigError
+
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ConfigError("--out", out, "exists and is not a directory")
+    parent = path if path.exists() else next(
+        (p for p in path.absolute().parents if p.exists()), Path("/"))
+    if not parent.is_dir():
+        raise ConfigError("--out", out, f"{parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError("--out", out, f"{parent} is not writable")
 
 
 def _relaunch_argv(args: argparse.Namespace) -> list[str]:
@@ -101,6 +120,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     from ..errors import InstrideError
     from ..parallel.execute import analyze, launch_mpi, under_mpi_launcher
 
+    _check_out(args.out)
     if args.backend == "mpi" and not under_mpi_launcher() and (args.workers or 1) > 1:
         return launch_mpi(_relaunch_argv(args), args.workers, args.mpiexec)
     baseline: str | float | None = None

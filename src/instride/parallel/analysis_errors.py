@@ -72,6 +72,7 @@ class DecompositionError(_Picklable, InstrideError, ValueError):
         self.n_frames = n_frames
         self.n_ranks = n_ranks
         super().__init__(
+            "the input has no frames: there is nothing to analyze" if n_frames == 0 else
             f"cannot split {n_frames} frame(s) into {n_ranks} blocks: every rank needs at least "
             f"one frame; use at most {n_frames} worker(s)"
         )

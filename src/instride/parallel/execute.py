@@ -399,6 +399,9 @@ def analyze(
     if isinstance(baseline, str) and baseline != "serial":
         raise BackendError(backend, f"baseline must be 'serial', a number or None: {baseline!r}")
     base_total = None if baseline in (None, "serial") else float(baseline)  # type: ignore[arg-type]
+    for what, value in (("straggler_factor", straggler_factor), ("baseline", base_total)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise BackendError(backend, f"{what} must be a finite number above 0, got {value!r}")
     if backend == "mpi":
         return _run_mpi(ana, trajectory, topology, workers, comm, baseline == "serial",
                         base_total, straggle, straggler_factor, timeout, progress)
