@@ -11,6 +11,7 @@ import json
 import math
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -117,7 +118,11 @@ def foreign_service(tmp_path: Path) -> Iterator[dict[str, object]]:
     and a live process of root (as the server): what an Epilog, as root, finds."""
     states = tmp_path / "states"
     states.mkdir(mode=0o700)
-    managed = tmp_path / "managed"
+    # (where the user can reach it, as a user's own managed directory is: root removes it
+    # with the user's rights only)
+    reachable = Path(tempfile.mkdtemp(prefix="isl-", dir="/tmp"))
+    reachable.chmod(0o1777)  # (as /tmp: the user removes what it made there)
+    managed = reachable / "managed"
     (managed / ".instride").mkdir(parents=True)
     users = subprocess.Popen(["sleep", "300"], user=NOBODY)
     roots = subprocess.Popen(["sleep", "300"])
@@ -134,6 +139,7 @@ def foreign_service(tmp_path: Path) -> Iterator[dict[str, object]]:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+        shutil.rmtree(reachable, ignore_errors=True)
 
 
 @pytest.mark.root
@@ -156,6 +162,23 @@ def test_root_cleanup_stops_only_what_the_directory_owner_owns(
     assert user.wait(10) == -signal.SIGTERM
     assert root.poll() is None  # recorded, alive, but not the directory owner's: untouched
     assert not managed.exists() and tree(states) == []
+
+
+@pytest.mark.root
+def test_root_cleanup_removes_with_the_owners_rights_only(
+    foreign_service: dict[str, object]
+) -> None:
+    """Root removes a user's managed directory with that user's rights: what the user could
+    not remove (root's files inside it; with a path component swapped for a link between the
+    checks and the removal, someone else's directory) stays."""
+    states, managed = foreign_service["states"], foreign_service["managed"]
+    assert isinstance(states, Path) and isinstance(managed, Path)
+    roots = managed / "root-only"
+    roots.mkdir()
+    (roots / "kept").write_text("root's")  # (a root-owned directory: the user cannot empty it)
+    assert cleanup_node("n1", states, grace=5.0, job="42") is not None
+    assert (roots / "kept").read_text() == "root's"
+    assert tree(states) == []
 
 
 @pytest.mark.root

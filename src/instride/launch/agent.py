@@ -26,6 +26,7 @@ import collections
 import contextlib
 import json
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -187,14 +189,46 @@ def _remove_empty_parents(path: Path, top: Path, owner: int | None = None) -> No
 
 def _remove_leftovers(record: dict[str, Any], owner: int) -> None:
     raw = record.get("dir")
-    if raw and isinstance(raw, str):
-        path = Path(raw)
-        # Only what looks like an instride managed directory of the records' owner is removed.
-        if (not path.is_symlink() and path.is_dir() and _owner(path) == owner
-                and (path / ".instride").is_dir()):
-            shutil.rmtree(path, ignore_errors=True)
-            if record.get("top") and isinstance(record["top"], str):
-                _remove_empty_parents(path, Path(record["top"]), owner)
+    if not (raw and isinstance(raw, str)):
+        return
+    top = record.get("top") if isinstance(record.get("top"), str) else None
+    if os.geteuid() == 0 and owner != 0:
+        # Root removing a user's directory does it with that user's rights only: the path
+        # comes from the user's record, and a component the user swaps for a link between
+        # the checks and the removal must not lead root's rmtree into someone else's files.
+        _as_user(owner, lambda: _remove_managed(Path(raw), top, owner))
+    else:
+        _remove_managed(Path(raw), top, owner)
+
+
+def _remove_managed(path: Path, top: str | None, owner: int) -> None:
+    # Only what looks like an instride managed directory of the records' owner is removed.
+    if (not path.is_symlink() and path.is_dir() and _owner(path) == owner
+            and (path / ".instride").is_dir()):
+        shutil.rmtree(path, ignore_errors=True)
+        if top:
+            _remove_empty_parents(path, Path(top), owner)
+
+
+def _as_user(uid: int, fn: Callable[[], None]) -> None:
+    """Run ``fn`` in a child process that has only ``uid``'s rights (its primary group, no
+    supplementary groups); wait for it."""
+    try:
+        gid = pwd.getpwuid(uid).pw_gid
+    except KeyError:  # (a uid without a passwd entry: its own number as the group)
+        gid = uid
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child (its effect is tested)
+        code = 1
+        try:
+            os.setgroups([])
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+            fn()
+            code = 0
+        finally:
+            os._exit(code)
+    os.waitpid(pid, 0)
 
 
 def cleanup_node(node: str | None = None, states: Path | None = None,
