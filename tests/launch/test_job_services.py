@@ -312,6 +312,20 @@ def test_signals_around_the_command_end_never_skip_the_teardown(
     assert signal.getsignal(signal.SIGTERM) is before  # the caller's handler is back
 
 
+def test_agents_give_their_server_the_jobs_ready_timeout(scratch: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--ready-timeout`` bounds each node's data server start too (it was a fixed 30 s)."""
+    from instride.launch.agent import SERVER_READY_TIMEOUT, _server_ready_timeout
+
+    svc = _local(scratch, tmp_path, ready_timeout=300.0)
+    assert svc.agent_env()["INSTRIDE_JOB_READY_TIMEOUT"] == "300.0"
+    monkeypatch.setenv("INSTRIDE_JOB_READY_TIMEOUT", "300.0")
+    assert _server_ready_timeout() == 300.0
+    for bad in ("nan", "-1", "soon"):
+        monkeypatch.setenv("INSTRIDE_JOB_READY_TIMEOUT", bad)
+        assert _server_ready_timeout() == SERVER_READY_TIMEOUT
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fh:

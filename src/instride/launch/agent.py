@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import math
 import os
 import pwd
 import shutil
@@ -171,6 +172,17 @@ def read_record(node: str, states: Path, owner: int | None = None) -> dict[str, 
         except (OSError, ValueError):
             return {}
     return record if isinstance(record, dict) else {}
+
+
+def _server_ready_timeout() -> float:
+    """Seconds the data server has to listen: the job's ``--ready-timeout``
+    (``INSTRIDE_JOB_READY_TIMEOUT``, set by ``instride job``), else
+    :data:`SERVER_READY_TIMEOUT`."""
+    try:
+        value = float(os.environ.get("INSTRIDE_JOB_READY_TIMEOUT", SERVER_READY_TIMEOUT))
+    except ValueError:
+        return SERVER_READY_TIMEOUT
+    return value if math.isfinite(value) and value > 0 else SERVER_READY_TIMEOUT
 
 
 def _remove_empty_parents(path: Path, top: Path, owner: int | None = None) -> None:
@@ -398,7 +410,8 @@ class Agent:
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
         threading.Thread(target=self._relay, args=(self.server.stderr,), daemon=True).start()
         self._write_record()
-        deadline = time.monotonic() + SERVER_READY_TIMEOUT
+        ready = _server_ready_timeout()
+        deadline = time.monotonic() + ready
         while True:
             if self.server.poll() is not None:
                 time.sleep(0.2)  # let the relay read the server's last words
@@ -409,7 +422,7 @@ class Agent:
                 break
             if time.monotonic() > deadline:
                 raise ServerStartError(self.node, f"`instride serve` did not listen on {addr} "
-                                       f"within {SERVER_READY_TIMEOUT:.0f} s")
+                                       f"within {ready:g} s")
             time.sleep(0.05)
         internal = self.dir / ".instride"
         internal.mkdir(mode=0o700, exist_ok=True)

@@ -553,6 +553,7 @@ class JobServices:
         """The environment of the per-node command: the job's, without :attr:`agent_env_drop`."""
         env = {k: v for k, v in self._clean_env().items() if k not in self.agent_env_drop}
         env.update(self.job_env())
+        env["INSTRIDE_JOB_READY_TIMEOUT"] = repr(self.ready_timeout)  # (its server's start too)
         return env
 
     def _check_signal(self) -> None:
