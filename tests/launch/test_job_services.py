@@ -312,6 +312,17 @@ def test_signals_around_the_command_end_never_skip_the_teardown(
     assert signal.getsignal(signal.SIGTERM) is before  # the caller's handler is back
 
 
+def test_a_services_launcher_that_cannot_run_is_a_launch_error(scratch: Path,
+                                                                 tmp_path: Path) -> None:
+    """No ``srun`` (or ``mpiexec``) to start the services with: a typed error naming it (it
+    was an untyped ``OSError``), and what had started (Redis, the work directory) is gone."""
+    svc = _local(scratch, tmp_path, agent=[str(tmp_path / "no-srun")])
+    with pytest.raises(LaunchError, match="cannot start the services: .*no-srun"):
+        svc.run(["true"])
+    assert svc._redis is None and svc.workdir is None
+    assert tree(scratch) == [] and tree(tmp_path / "states") == []
+
+
 def test_agents_give_their_server_the_jobs_ready_timeout(scratch: Path, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """``--ready-timeout`` bounds each node's data server start too (it was a fixed 30 s)."""

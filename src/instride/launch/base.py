@@ -567,9 +567,13 @@ class JobServices:
         argv = self.per_node([sys.executable, "-m", "instride.launch.agent"])
         log = self.workdir / "services.log"
         with open(log, "ab") as out:
-            self._agents = subprocess.Popen(  # (mpiexec, srun: they pass SIGTERM on)
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
-                preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+            try:
+                self._agents = subprocess.Popen(  # (mpiexec, srun: they pass SIGTERM on)
+                    argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
+                    preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+            except OSError as exc:  # (no srun on PATH, ...)
+                raise LaunchError(f"cannot start the services: {argv[0]}: {exc.strerror}") \
+                    from None
         import redis
 
         client = redis_client(self.redis_url)

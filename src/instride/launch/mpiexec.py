@@ -61,6 +61,8 @@ def mpiexec_flavor(mpiexec: str) -> str:
         proc = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
     except OSError as exc:
         raise LaunchError(f"cannot run {mpiexec}: {exc.strerror}") from None
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"{mpiexec} --version did not answer within 30 s") from None
     text = proc.stdout + proc.stderr
     if "Open MPI" in text or "OpenRTE" in text:
         return "openmpi"
