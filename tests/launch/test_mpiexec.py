@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from instride.emulate.slurm import EmulatedSlurm
-from instride.launch import NoAllocationError, services
+from instride.launch import LaunchError, NoAllocationError, services
 from instride.launch.mpiexec import read_hostfile
 
 from .conftest import PY, settle, tree
@@ -30,6 +30,16 @@ def test_read_hostfile_mpich_and_openmpi_forms(tmp_path: Path) -> None:
         read_hostfile(path)
     with pytest.raises(NoAllocationError, match="cannot read host file"):
         read_hostfile(tmp_path / "missing")
+
+
+def test_two_names_of_one_machine_are_refused(tmp_path: Path) -> None:
+    """``localhost`` and ``127.0.0.1`` in one host file: refused before anything starts (two
+    services on one machine collided on its managed directory, with a misleading error)."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost\n127.0.0.1\n")
+    svc = services("mpiexec", hostfile=hosts, mpiexec=str(Path(PY).parent / "mpiexec"))
+    with pytest.raises(LaunchError, match="hosts 'localhost' and '127.0.0.1' .* are one machine"):
+        svc.detect()
 
 
 def test_slurm_no_allocation_is_a_clear_error(tmp_path: Path) -> None:

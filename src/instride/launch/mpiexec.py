@@ -82,6 +82,28 @@ def default_mpiexec() -> str:
     return found
 
 
+def _one_name_per_machine(hosts: list[str], hostfile: str) -> None:
+    """Refuse two names of one machine (``localhost`` and ``127.0.0.1``): it would get two
+    services, which collide on its managed directory. Names that do not resolve here are
+    left to ``mpiexec``.
+
+    Raises
+    ------
+    LaunchError
+        Two hosts resolve to the same address; names both.
+    """
+    seen: dict[str, str] = {}
+    for host in hosts:
+        try:
+            addr = resolve_ipv4(host)
+        except LaunchError:
+            continue
+        if addr in seen:
+            raise LaunchError(f"hosts {seen[addr]!r} and {host!r} of {hostfile} are one machine "
+                              f"({addr}): list each node once")
+        seen[addr] = host
+
+
 class MpiexecServices(JobServices):
     """The services of a job on the hosts of a host file (see the module docstring).
 
@@ -112,6 +134,7 @@ class MpiexecServices(JobServices):
         if not self.hostfile:
             raise NoAllocationError("mpiexec needs a host file (--hostfile FILE)")
         self.hosts = read_hostfile(self.hostfile)
+        _one_name_per_machine(self.hosts, str(self.hostfile))
         self.hostfile = str(Path(self.hostfile).absolute())
         self.mpiexec = self.mpiexec or default_mpiexec()
         self.flavor = mpiexec_flavor(self.mpiexec)
