@@ -127,6 +127,32 @@ def test_corrupt_frame_raises_integrity_error(managed_dir: Path, adk) -> None:
             pass
 
 
+def test_a_bounded_stream_is_read_from_its_oldest_frame_to_its_end(managed_dir: Path,
+                                                                   adk) -> None:
+    """A stream that keeps 3 frames: a universe opened after frame 0 was dropped starts at the
+    oldest frame kept; a loop that kept up with the producer ends at the end of the stream
+    (its rewind to a dropped frame made it raise FramesMissed after all the work)."""
+    w = instride.Stream("kept", mode="w", retain=3)
+    for i in range(10):
+        w.append(adk.atoms.positions + i, step=i)
+    w.close()
+    u = mda.Universe(PSF, "instride://kept")
+    assert [ts.data["step"] for ts in u.trajectory] == [7, 8, 9]
+    assert [ts.frame for ts in u.trajectory] == [7, 8, 9]
+    # read while it is written: frame 0 is gone by the end
+    w = instride.Stream("live3", mode="w", retain=3)
+    w.append(adk.atoms.positions, step=0)
+    traj = mda.Universe(PSF, "instride://live3", timeout=10).trajectory
+    steps = [traj.ts.data["step"]]
+    for i in range(1, 10):
+        w.append(adk.atoms.positions + i, step=i)
+        steps.append(traj.next().data["step"])
+    w.close()
+    with pytest.raises(StopIteration):
+        traj.next()
+    assert steps == list(range(10))
+
+
 def test_refusals(managed_dir: Path, adk) -> None:
     instride.Stream("empty", mode="w").close()
     with pytest.raises(EndOfStream):

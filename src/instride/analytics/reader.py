@@ -29,6 +29,11 @@ Semantics on a live stream
   A corrupt frame raises :class:`~instride.errors.IntegrityError`. (MDAnalysis's own
   ``ReaderBase.next`` turns every ``OSError`` into the end of the trajectory; this reader does
   not.)
+* **Bounded streams** (``retain=N``) keep only their newest frames: a universe opened after
+  frame 0 was dropped starts at the oldest frame kept (``ts.frame`` is the stream's index),
+  and the end of a loop does not fail for want of the frame it would rewind to. A frame
+  dropped before this reader got to it raises :class:`~instride.errors.FramesMissed` (the
+  reader is not one of the stream's consumer groups, which the producer waits for).
 * Velocities and forces are not carried by streams; ``ts.has_velocities`` is ``False``.
 
 Examples
@@ -42,6 +47,7 @@ Examples
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -51,6 +57,7 @@ from MDAnalysis.lib.mdamath import triclinic_box
 from MDAnalysis.lib.util import store_init_arguments
 
 from .. import EndOfStream, Stream
+from ..errors import FramesMissed
 from ..frames import HEADER_SIZE, Frame
 
 SCHEME = "instride://"
@@ -166,7 +173,11 @@ class InstrideReader(ReaderBase):
         self._count = 0  # frames known to be published (a prefix: a stream is written in order)
         self._final: int | None = None  # frame count once the stream has ended
         self._open_stream()
-        first = self._fetch(0, wait=True)
+        try:
+            first, self._start = self._fetch(0, wait=True), 0
+        except FramesMissed as exc:  # a bounded stream that no longer holds its first frames:
+            self._start = exc.resume  # the trajectory starts at the oldest one it holds
+            first = self._fetch(self._start, wait=True)
         if n_atoms is not None and int(n_atoms) != first.natoms:
             raise ValueError(
                 f"InstrideReader: stream {self._name!r} has {first.natoms} atoms per frame but "
@@ -174,7 +185,7 @@ class InstrideReader(ReaderBase):
             )
         self.n_atoms = first.natoms
         self.ts = self._Timestep(self.n_atoms, reader=self, **self._ts_kwargs)
-        self._load(0, first)
+        self._load(self._start, first)
 
     # ------------------------------------------------------------------ plumbing
     def _open_stream(self) -> None:
@@ -246,7 +257,8 @@ class InstrideReader(ReaderBase):
         frame = stream.read(index)
         t1 = time.perf_counter()
         if not ready:  # blocked until published: time one read of the frame on its own
-            stream.read(index).release()
+            with contextlib.suppress(FramesMissed):  # (a bounded stream may drop it meanwhile)
+                stream.read(index).release()
             t2 = time.perf_counter()
             self.wait_seconds += max(0.0, (t1 - t0) - (t2 - t1))
             t0 = t1
@@ -296,7 +308,7 @@ class InstrideReader(ReaderBase):
         return super().__getitem__(frame)
 
     def _reopen(self) -> None:
-        self.ts.frame = -1
+        self.ts.frame = self._start - 1
 
     def next(self) -> Any:
         """Advance to the next frame, blocking until it is published.
@@ -308,7 +320,10 @@ class InstrideReader(ReaderBase):
         try:
             ts = self._read_next_timestep()
         except EndOfStream:
-            self.rewind()
+            try:
+                self.rewind()
+            except FramesMissed:  # (a bounded stream dropped the frame it would rewind to:
+                self._reopen()  # the loop ends all the same, and a new one raises then)
             raise StopIteration from None
         for auxname in self.aux_list:
             ts = self._auxs[auxname].update_ts(ts)
