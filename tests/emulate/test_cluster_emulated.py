@@ -374,6 +374,38 @@ def test_a_sigterm_inside_the_with_block_takes_the_cluster_down() -> None:
                 EmulatedCluster.attach(n).down()
 
 
+def test_two_sigterms_during_cluster_up_still_remove_everything() -> None:
+    """`instride cluster up` stopped by SIGTERM while it starts, and again while it takes down
+    what it made: the second one waits for the teardown (it used to interrupt it, leaving
+    namespaces, the state file and directories behind)."""
+    import signal
+    import time
+
+    name = f"t2s{secrets.token_hex(2)}"
+    proc = subprocess.Popen([sys.executable, "-m", "instride", "cluster", "up", "-n", "8",
+                             "--name", name], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not em.state_path(name).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        prefix = json.loads(em.state_path(name).read_text())["prefix"]
+        time.sleep(0.3)  # (namespaces being made)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)  # (during the teardown)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 143, err  # (stopped before it was up, after its teardown)
+        assert not em.state_path(name).exists()
+        assert not [ns for ns in nn.list_netns() if ns.startswith(prefix)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if em.state_path(name).exists():
+            EmulatedCluster.attach(name).down()
+
+
 def test_a_with_block_leaves_sigterm_as_it_found_it() -> None:
     # the handler is installed for the with-blocks only: the default comes back after the
     # last, and a handler the program had set is never replaced (in a fresh interpreter: this
@@ -382,7 +414,7 @@ def test_a_with_block_leaves_sigterm_as_it_found_it() -> None:
         """
         import signal
         from instride.emulate import EmulatedCluster
-        from instride.emulate import emulated as em
+        from instride.emulate import teardown as em
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
         with EmulatedCluster(nodes=1, serve=False, redis=False):
             assert signal.getsignal(signal.SIGTERM) is em._unwind

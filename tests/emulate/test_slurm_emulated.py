@@ -36,3 +36,40 @@ def test_emulated_slurm_runs_a_job_on_distinct_hosts_and_leaves_nothing(tmp_path
     assert not base.exists()
     assert not set(namespaces) & set(nn.list_netns())
     assert not [pid for pid in daemons if os.path.exists(f"/proc/{pid}")]
+
+
+def test_a_sigterm_inside_the_with_block_takes_the_slurm_down() -> None:
+    """A process stopped by SIGTERM inside ``with EmulatedSlurm(...)``: its daemons (started
+    in sessions of their own), namespaces and directory go first (they used to stay)."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        from instride.emulate.slurm import EmulatedSlurm
+        with EmulatedSlurm(nodes=1) as s:
+            daemons = [p.pid for p in s._procs.values()]
+            print(s.base_dir, *[s.hub, *(n.netns for n in s.nodes)], flush=True)
+            print(*daemons, flush=True)
+            time.sleep(300)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        base, *namespaces = proc.stdout.readline().split()
+        daemons = [int(x) for x in proc.stdout.readline().split()]
+        assert daemons and os.path.isdir(base)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == -signal.SIGTERM  # (died of it, after the teardown)
+        assert not os.path.exists(base)
+        assert not set(namespaces) & set(nn.list_netns())
+        assert not [pid for pid in daemons if os.path.exists(f"/proc/{pid}")]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

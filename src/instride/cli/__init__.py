@@ -100,7 +100,14 @@ class Terminated(KeyboardInterrupt):
 
 
 def _terminate(signum: int, frame: object) -> None:
+    # (the cleanup that follows is not cut short by another SIGTERM: later ones are taken in
+    # and dropped — not ignored, which the programs the cleanup starts would inherit)
+    signal.signal(signal.SIGTERM, _dropped)
     raise Terminated
+
+
+def _dropped(signum: int, frame: object) -> None:
+    """A SIGTERM after the first: the command is stopping already."""
 
 #: Typed error -> exit status, first match wins (so the more specific classes come first).
 #: Other errors of instride that refine ValueError, LookupError or FileNotFoundError (bad

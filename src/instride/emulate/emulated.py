@@ -37,7 +37,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ from ..errors import ConfigError
 from . import mounts
 from . import netns as nn
 from .netns import ClusterError
+from .teardown import TornDownOnSigterm, signals_held
 
 #: Directory of the state files (override with ``INSTRIDE_CLUSTER_STATE_DIR``).
 STATE_DIR: Path = read_variable("INSTRIDE_CLUSTER_STATE_DIR")
@@ -159,36 +159,7 @@ def _tail(path: Path, lines: int = 20) -> str:
     return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
 
 
-#: clusters inside a ``with`` block of this process's main thread, innermost last
-_LIVE: list[EmulatedCluster] = []
-#: with-blocks of _LIVE taking their cluster down right now; a SIGTERM meanwhile waits for them
-_EXITING = [0]
-#: a SIGTERM that came while a with-block took its cluster down (re-delivered after it)
-_PENDING: list[int] = []
-
-
-def _unwind(signum: int, frame: Any) -> None:
-    """SIGTERM inside ``with EmulatedCluster(...)``: take every such cluster down, then die of
-    the signal, as it would have ended the process (a handler that raised instead could be
-    swallowed by a program that catches every exception, and its cluster left up)."""
-    if _EXITING[0]:  # (one is being taken down: let it finish, then die)
-        _PENDING.append(signum)
-        return
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (a second SIGTERM does not cut it short)
-    for cluster in reversed(_LIVE):
-        with contextlib.suppress(Exception):
-            cluster.down()
-    _LIVE.clear()
-    _die(signum)
-
-
-def _die(signum: int) -> None:
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-    raise SystemExit(128 + signum)  # (only if the signal is blocked in this thread)
-
-
-class EmulatedCluster:
+class EmulatedCluster(TornDownOnSigterm):
     """N emulated nodes (network namespaces), their data servers and one Redis server.
 
     Parameters
@@ -401,39 +372,6 @@ class EmulatedCluster:
         return self
 
     # ------------------------------------------------------------------ life cycle
-    def __enter__(self) -> EmulatedCluster:
-        # A SIGTERM (``timeout``, a batch system, a stopped CI job) would end the process at
-        # once, leaving namespaces, Redis and data servers behind: inside the with-block it
-        # takes the cluster down first (_unwind). Only where nobody else handles SIGTERM, and
-        # only in the main thread (where Python runs handlers).
-        if threading.current_thread() is threading.main_thread() \
-                and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, _unwind):
-            signal.signal(signal.SIGTERM, _unwind)
-            _LIVE.append(self)  # (before up(): a SIGTERM during it removes what it made)
-        try:
-            return self.up()
-        except BaseException:
-            self._leave()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        _EXITING[0] += 1
-        try:
-            self.down()
-        finally:
-            _EXITING[0] -= 1
-            self._leave()
-            if _PENDING and not _EXITING[0]:  # (a SIGTERM came meanwhile: as it would have)
-                _unwind(_PENDING.pop(), None)
-
-    def _leave(self) -> None:
-        """Out of the with-block: no longer taken down by a SIGTERM; the default handling of
-        SIGTERM back after the last such block (unless the program set its own meanwhile)."""
-        if self in _LIVE:
-            _LIVE.remove(self)
-            if not _LIVE and signal.getsignal(signal.SIGTERM) is _unwind:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
     def up(self) -> EmulatedCluster:
         """Create the namespaces, bridge, directories, Redis and data servers; return self.
 
@@ -630,6 +568,10 @@ class EmulatedCluster:
         """
         if not self._active:
             return
+        with signals_held():  # (a second signal must not leave it half-way)
+            self._down()
+
+    def _down(self) -> None:
         self._stop(list(self._pids))
         try:
             namespaces = [ns for ns in nn.list_netns() if ns.startswith(self.prefix)]

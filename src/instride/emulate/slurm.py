@@ -47,6 +47,7 @@ from typing import Any
 
 from . import netns as nn
 from .netns import ClusterError
+from .teardown import TornDownOnSigterm, signals_held
 
 #: Daemons and commands this module needs, and where they come from.
 _REQUIRED = {
@@ -89,7 +90,7 @@ class SlurmNode:
     ip: str
 
 
-class EmulatedSlurm:
+class EmulatedSlurm(TornDownOnSigterm):
     """A Slurm cluster of ``nodes`` emulated nodes on this machine.
 
     Parameters
@@ -169,12 +170,6 @@ class EmulatedSlurm:
         return self.nodes[index - 1]
 
     # ------------------------------------------------------------------ life cycle
-    def __enter__(self) -> EmulatedSlurm:
-        return self.up()
-
-    def __exit__(self, *exc: object) -> None:
-        self.down()
-
     def up(self) -> EmulatedSlurm:
         """Start munged, the network, slurmctld and every slurmd; wait until all nodes are idle.
 
@@ -377,6 +372,10 @@ exec {_which("nsenter")} --net=/run/netns/$ns {_which("unshare")} --uts \\
         """
         if not self.up_done:
             return
+        with signals_held():  # (a second signal must not leave it half-way)
+            self._down()
+
+    def _down(self) -> None:
         self._cancel_jobs()
         order = [r for r in self._procs if r.startswith("slurmd-")] + ["slurmctld", "munged"]
         for role in order:
