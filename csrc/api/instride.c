@@ -147,9 +147,14 @@ INS_API int instride_commit(instride_writer *w)
     ins_api_enter();
     if (w == NULL)
         return ins_api_result(ins_fail(EINVAL, "no writer given"));
-    ins_maybe_fsync(w->fd);
+    int synced = ins_maybe_fsync(w->fd), sync_errno = errno;
     int held = ins_hold_writing(w->fd); /* the writer's lock, until the rename */
-    if (ins_sys.close(w->fd) != 0 && errno != EINTR) {
+    int closed = ins_sys.close(w->fd);
+    if (synced != 0 && closed == 0) { /* (the data may not be on disk: not published) */
+        closed = -1;
+        errno = sync_errno;
+    }
+    if (closed != 0 && errno != EINTR) {
         /* The data may not have reached the file: never publish it. */
         ins_fail(errno, "closing key %.300s failed: %s", ins_key(&w->key), strerror(errno));
         unlink(w->tmp);

@@ -238,6 +238,8 @@ INS_HIDDEN int ins_publish_move(int olddirfd, const char *old, const struct ins_
 /* fsync the directory holding abs (for INSTRIDE_FSYNC=1). */
 INS_HIDDEN void ins_fsync_dir_of(const char *abs);
 /* fsync an fd if INSTRIDE_FSYNC=1 (errors ignored). */
-INS_HIDDEN void ins_maybe_fsync(int fd);
+/* fsync(fd) under INSTRIDE_FSYNC=1 (else 0); -1 with errno when it fails: the data may not be
+ * on disk, and the file must not be published (a later close no longer reports it). */
+INS_HIDDEN int ins_maybe_fsync(int fd);
 
 #endif /* INSTRIDE_CORE_H */

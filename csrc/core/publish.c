@@ -160,10 +160,9 @@ void ins_fsync_dir_of(const char *abs)
     }
 }
 
-void ins_maybe_fsync(int fd)
+int ins_maybe_fsync(int fd)
 {
-    if (ins_cfg.fsync)
-        (void)fsync(fd);
+    return ins_cfg.fsync ? fsync(fd) : 0;
 }
 
 int ins_notify_publish_as(const struct ins_path *p, int overwrite)
@@ -316,7 +315,8 @@ static int ins_copy_publish(int olddirfd, const char *old, const struct ins_path
     ins_mark_writing(out); /* (instride gc leaves it, as any writer's) */
     if (ins_copy_fd(in, out) != 0)
         goto cleanup;
-    ins_maybe_fsync(out);
+    if (ins_maybe_fsync(out) != 0)
+        goto cleanup; /* (not on disk: not published; errno says why) */
     int fd = out;
     out = -1;
     int held = ins_hold_writing(fd); /* the lock, until the rename */

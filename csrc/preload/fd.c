@@ -29,7 +29,7 @@ INS_WRAPPER(int, close, (int fd))
     if (f == NULL)
         return ins_real_close(fd);
     if (last && f->pid == getpid())
-        ins_maybe_fsync(fd);
+        ins_file_sync(f, fd);
     int held = last ? ins_hold_writing(fd) : -1; /* the writer's lock, until the rename */
     int rc = ins_real_close(fd);
     if (!last)
@@ -62,7 +62,7 @@ static int ins_dup23(int oldfd, int newfd, int flags, int use3)
     int held = -1; /* a produced file closed here: its writer's lock, until the rename */
     if (v != NULL && oldfd != newfd && atomic_load(&v->refs) == 1) {
         if (v->pid == getpid())
-            ins_maybe_fsync(newfd);
+            ins_file_sync(v, newfd);
         held = ins_hold_writing(newfd);
     }
     int rc = use3 ? ins_real_dup3(oldfd, newfd, flags) : ins_real_dup2(oldfd, newfd);
@@ -176,7 +176,7 @@ static void ins_fsync_span(unsigned int first, unsigned int last)
     for (size_t fd = lo; fd <= hi; fd++) {
         struct ins_file *f = ins_table_peek((int)fd);
         if (f != NULL && atomic_load(&f->refs) == 1 && f->pid == getpid())
-            ins_maybe_fsync((int)fd);
+            ins_file_sync(f, (int)fd);
     }
 }
 

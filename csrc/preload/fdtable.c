@@ -218,6 +218,7 @@ struct ins_file *ins_file_new(const char *tmp, const struct ins_path *final)
     atomic_init(&f->refs, 1);
     f->pid = getpid();
     f->noreplace = 0;
+    f->sync_errno = 0;
     memcpy(f->tmp, tmp, strlen(tmp) + 1);
     f->final = *final;
     return f;
@@ -230,9 +231,21 @@ void ins_file_discard(struct ins_file *f)
     free(f);
 }
 
+void ins_file_sync(struct ins_file *f, int fd)
+{
+    int saved = errno;
+    if (ins_maybe_fsync(fd) != 0 && f->sync_errno == 0)
+        f->sync_errno = errno ? errno : EIO;
+    errno = saved;
+}
+
 int ins_file_finish(struct ins_file *f, int close_rc, int close_errno)
 {
     int rc = 0;
+    if (close_rc == 0 && f->sync_errno != 0 && f->pid == getpid()) {
+        close_rc = -1; /* (fsync failed: the data may not be on disk, as a failed close) */
+        close_errno = f->sync_errno;
+    }
     if (f->pid != getpid()) {
         /* A forked child closing an inherited fd: it does not own the file. */
         free(f);

@@ -101,11 +101,15 @@ struct ins_file {
     atomic_int refs;
     pid_t pid; /* process that opened it; only this process publishes */
     int noreplace; /* opened with O_EXCL ("x"): write-once even with INSTRIDE_OVERWRITE=1 */
+    int sync_errno; /* a failed fsync (INSTRIDE_FSYNC=1) before the last close: not published */
     char tmp[PATH_MAX];
     struct ins_path final;
 };
 
 INS_HIDDEN struct ins_file *ins_file_new(const char *tmp, const struct ins_path *final);
+/* fsync a produced file before its last close (INSTRIDE_FSYNC=1); a failure is kept in the
+ * file, and ins_file_finish then fails (errno) instead of publishing. */
+INS_HIDDEN void ins_file_sync(struct ins_file *f, int fd);
 INS_HIDDEN int ins_table_put(int fd, struct ins_file *f);     /* -1/EMFILE if fd too big */
 INS_HIDDEN struct ins_file *ins_table_peek(int fd);           /* lock-free, no ref */
 INS_HIDDEN int ins_table_occupied(int fd);   /* a produced file or an internal fd */

@@ -59,7 +59,7 @@ static void ins_hold_release(struct ins_hold *h)
     int ours = h->fd >= 0 && ins_table_map_unhold(h->fd);
     if (atomic_fetch_sub(&h->f->refs, 1) == 1) {
         if (ours && h->f->pid == getpid())
-            ins_maybe_fsync(h->fd);
+            ins_file_sync(h->f, h->fd);
         ins_busy = 1;
         (void)ins_file_finish(h->f, 0, 0);
         ins_busy = 0;

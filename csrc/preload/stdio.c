@@ -188,7 +188,7 @@ static struct ins_file *ins_detach_stream(FILE *fp, int *last)
     struct ins_file *f = ins_table_take(fd, last);
     if (f != NULL && *last && ins_cfg.fsync && f->pid == getpid()) {
         fflush(fp);
-        ins_maybe_fsync(fd);
+        ins_file_sync(f, fd);
     }
     return f;
 }

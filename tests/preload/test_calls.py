@@ -192,3 +192,30 @@ def test_gfortran_open_without_action(shim: Shim, build: Builder) -> None:
     assert reader.returncode == 0, err
     assert out.decode().strip() == "later"
     assert shim.temps() == []
+
+
+def test_a_failed_fsync_is_not_published(shim: Shim, build: Builder) -> None:
+    """INSTRIDE_FSYNC=1 and a disk whose write-back fails (fsync: EIO): the close fails with
+    EIO and the key is not published, by close() and by fclose() (the failure was ignored and
+    the file published: Linux reports a write-back error once, to that fsync)."""
+    eio = build("fsync_eio.c", "-shared", "-fPIC", name="fsync_eio.so")
+    writer = build("stdio_write.c")
+    env = shim.with_env(INSTRIDE_FSYNC="1")
+    env.env["LD_PRELOAD"] = f"{eio}:{env.env['LD_PRELOAD']}"
+    proc = env.py(f"""
+import errno
+fh = open({str(shim.dir / "k.bin")!r}, "wb")
+fh.write(b"data")
+try:
+    fh.close()
+except OSError as exc:
+    print("close", errno.errorcode[exc.errno])
+""")
+    assert proc.stdout.decode().split() == ["close", "EIO"], proc.stderr.decode()
+    proc = env.run([writer, shim.dir / "s.txt", "data"])
+    assert proc.returncode == 1 and proc.stdout.decode().strip() == "fclose Input/output error"
+    assert sorted(p.name for p in shim.dir.iterdir() if not p.name.startswith(".")) == []
+    # (and without the failing fsync, both publish)
+    ok = shim.with_env(INSTRIDE_FSYNC="1")
+    ok.run([writer, shim.dir / "s.txt", "data"], check=True)
+    assert (shim.dir / "s.txt").read_text() == "data"
