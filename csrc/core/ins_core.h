@@ -217,6 +217,9 @@ INS_HIDDEN int ins_hold_writing(int fd);
  * closed): -1 when none can be had. */
 INS_HIDDEN int ins_hold_writing_outside(int fd, unsigned int first, unsigned int last);
 INS_HIDDEN void ins_release_writing(int held);
+/* Make the key's directory again (confined), after an ENOENT of a file made in it: 0 (errno
+ * ENOENT, to retry), or -1 with the error. */
+INS_HIDDEN int ins_remake_parent(const struct ins_path *p);
 INS_HIDDEN int ins_create_temp(const struct ins_path *p, int flags, mode_t mode,
                                char tmp[PATH_MAX]);
 

@@ -126,12 +126,27 @@ void ins_release_writing(int held)
     errno = saved;
 }
 
+int ins_remake_parent(const struct ins_path *p)
+{
+    int pfd = ins_parent_fd(p, 1); /* (confined: no symbolic link followed) */
+    if (pfd < 0)
+        return -1;
+    ins_sys.close(pfd);
+    errno = ENOENT;
+    return 0;
+}
+
 int ins_create_temp(const struct ins_path *p, int flags, mode_t mode, char tmp[PATH_MAX])
 {
     int fd = -1;
     for (int tries = 0; tries < 8; tries++) {
         fd = ins_sys.open(tmp, flags | O_CREAT | O_EXCL, mode);
-        if (fd >= 0 || errno != EEXIST || ins_temp_name(p, tmp) != 0)
+        if (fd >= 0)
+            break;
+        /* ENOENT: the key's directory, empty, was removed since it was made (a reader's
+         * failed wait takes away the directories it made): made again, tried again */
+        if (errno == ENOENT ? ins_remake_parent(p) != 0
+                            : errno != EEXIST || ins_temp_name(p, tmp) != 0)
             break;
     }
     if (fd < 0 && errno != ENAMETOOLONG)
@@ -375,12 +390,24 @@ int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, i
     if (ins_cfg.fsync) {
         int fd = ins_sys.openat(olddirfd, old, O_RDONLY | O_CLOEXEC);
         if (fd >= 0) {
-            (void)fsync(fd);
+            int synced = fsync(fd), e = errno;
             ins_sys.close(fd);
+            if (synced != 0) /* (the data may not be on disk: not published) */
+                return ins_fail(e, "cannot publish key %.300s: fsync: %s", ins_key(np),
+                                strerror(e));
         }
     }
-    int neither = 0;
-    if (ins_move_into_place(olddirfd, old, np->abs, noreplace, &neither) != 0) {
+    int neither = 0, moved;
+    for (int tries = 0;; tries++) {
+        moved = ins_move_into_place(olddirfd, old, np->abs, noreplace, &neither);
+        /* ENOENT with the file still there: the key's directory, empty, was removed since
+         * it was made (a reader's failed wait): made again, tried again */
+        if (moved == 0 || errno != ENOENT || tries == 7 ||
+            faccessat(olddirfd, old, F_OK, AT_SYMLINK_NOFOLLOW) != 0 ||
+            ins_remake_parent(np) != 0)
+            break;
+    }
+    if (moved != 0) {
         if (errno == EXDEV) /* across file systems: ins_publish did the fsyncs and the notice */
             return ins_copy_publish(olddirfd, old, np, noreplace);
         if (errno == EEXIST)

@@ -143,8 +143,10 @@ static FILE *ins_fopen_managed(const struct ins_path *p, const char *mode, ins_f
         fp = NULL;
         errno = ENOENT;
     }
-    for (int tries = 0; fp == NULL && writing && errno == EEXIST && tries < 8; tries++) {
-        if (ins_temp_name(p, target) != 0)
+    for (int tries = 0; fp == NULL && writing && (errno == EEXIST || errno == ENOENT)
+                        && tries < 8; tries++) {
+        /* (ENOENT: its directory, empty, was removed meanwhile: made again, as for open) */
+        if (errno == ENOENT ? ins_remake_parent(p) != 0 : ins_temp_name(p, target) != 0)
             break;
         fp = real(target, tmode);
     }

@@ -219,3 +219,16 @@ except OSError as exc:
     ok = shim.with_env(INSTRIDE_FSYNC="1")
     ok.run([writer, shim.dir / "s.txt", "data"], check=True)
     assert (shim.dir / "s.txt").read_text() == "data"
+
+
+def test_a_readers_failed_wait_never_fails_a_writer(shim: Shim, build: Builder) -> None:
+    """A reader that gives up on a key removes the directories its wait made; a writer that
+    made (or found) that directory just before used to fail with ENOENT creating its file
+    there (1 in 10 writes here). The writer makes the directory again."""
+    race = build("dir_race.c")
+    n = "4000"
+    reader = shim.with_env(INSTRIDE_TIMEOUT="0").popen([race, "consume", shim.dir, n])
+    writer = shim.run([race, "produce", shim.dir, n], timeout=120)
+    reader.communicate(timeout=120)
+    assert writer.returncode == 0 and writer.stdout.decode().strip() == "0", writer.stderr[-400:]
+    assert len([p for p in shim.dir.glob("d*/k")]) == int(n) and shim.temps() == []
