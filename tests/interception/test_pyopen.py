@@ -93,3 +93,48 @@ def test_internal_files_pass_through(managed_dir: Path) -> None:
         with open(internal, "w") as fh:  # noqa: PTH123
             fh.write("{}")
         assert open(internal).read() == "{}"  # noqa: PTH123,SIM115
+
+
+def test_an_opener_on_a_managed_path_is_refused(managed_dir: Path, tmp_path: Path) -> None:
+    """``open(key, "wb", opener=...)`` went to the original open: the file was visible before
+    its close, and a second one truncated the published key. It is refused, naming it; an
+    opener on any other path works as before."""
+    with instride.intercept():
+        with pytest.raises(UnsupportedModeError, match="opener"):
+            open(managed_dir / "o.bin", "wb", opener=os.open)  # noqa: PTH123, SIM115
+        with open(tmp_path / "plain", "w", opener=os.open) as fh:  # noqa: PTH123
+            fh.write("plain")
+    assert not (managed_dir / "o.bin").exists() and (tmp_path / "plain").read_text() == "plain"
+
+
+def test_the_managed_directory_through_a_link_above_it(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """INSTRIDE_DIR names the directory through a symbolic link above it, and the script works
+    in it (``getcwd()`` gives the physical path): its relative opens are managed too (the
+    written file used to be visible before its close, unpublished)."""
+    (tmp_path / "real" / "m").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    monkeypatch.setenv("INSTRIDE_DIR", str(tmp_path / "link" / "m"))
+    for var in ("INSTRIDE_REDIS_URL", "INSTRIDE_TIMEOUT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path / "link" / "m")
+    assert os.getcwd() == str(tmp_path / "real" / "m")
+    with instride.intercept():
+        with open("k.bin", "wb") as fh:  # noqa: PTH123
+            fh.write(b"data")
+            assert not (tmp_path / "real" / "m" / "k.bin").exists()  # (not before its close)
+    assert (tmp_path / "real" / "m" / "k.bin").read_bytes() == b"data"
+
+
+def test_bad_settings_fail_managed_opens_only(managed_dir: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad INSTRIDE_* setting made every open of the process fail (the client was built for
+    any path); now only the managed ones, which need it."""
+    (tmp_path / "plain").write_text("plain")
+    (managed_dir / "k.txt").write_text("key")
+    monkeypatch.setenv("INSTRIDE_TIMEOUT", "-1")
+    with instride.intercept():
+        with open(tmp_path / "plain") as fh:  # noqa: PTH123
+            assert fh.read() == "plain"
+        with pytest.raises(instride.ConfigError, match="INSTRIDE_TIMEOUT"):
+            open(managed_dir / "k.txt")  # noqa: PTH123, SIM115

@@ -25,28 +25,53 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..client import get_client
-from ..errors import KeyValidationError
+from ..config import read_variable
+from ..errors import KeyValidationError, UnsupportedModeError
 
 _original_open = builtins.open
 _lock = threading.Lock()
 _depth = 0
 
 
+#: (INSTRIDE_DIR as given, the managed directory, its physical path) of the last lookup
+_roots: tuple[str | None, str, str] | None = None
+
+
+def _managed_roots() -> tuple[str, str]:
+    """The managed directory and its physical path (links above it resolved), from
+    ``INSTRIDE_DIR`` alone: no client is made for a path that is not managed, so that bad
+    settings fail the managed opens only, never every other one."""
+    global _roots
+    raw = os.environ.get("INSTRIDE_DIR")
+    cached = _roots
+    if cached is None or cached[0] != raw:
+        root = str(read_variable("INSTRIDE_DIR"))
+        cached = _roots = (raw, root, os.path.realpath(root))
+    return cached[1], cached[2]
+
+
+def _under(full: str, root: str) -> bool:
+    return full != root and full.startswith(root + os.sep)
+
+
 def _managed_key(file: Any) -> str | None:
-    """The key of ``file`` when it is a path under the managed directory, else ``None``."""
+    """The path (under the managed directory as configured) of ``file`` when it is under the
+    managed directory, else ``None``. A path through the directory's physical location (a
+    relative path, after a ``chdir`` into it through a link above it) counts as well."""
     if isinstance(file, int) or not isinstance(file, (str, bytes, os.PathLike)):
         return None
     try:
         raw = os.fsdecode(os.fspath(file))
     except (TypeError, ValueError):
         return None
-    client = get_client()
-    root = str(client.root)
+    root, real = _managed_roots()
     full = os.path.normpath(raw if os.path.isabs(raw) else os.path.join(os.getcwd(), raw))
-    if full == root or not full.startswith(root + os.sep):
-        return None
+    if not _under(full, root):
+        if real == root or not _under(full, real):
+            return None
+        full = root + full[len(real):]  # (the same file, named under the configured root)
     try:
-        client.key(full)
+        get_client().key(full)
     except KeyValidationError:
         return None  # instride's own files (.instride/, temporary names) are not keys
     return full
@@ -55,10 +80,21 @@ def _managed_key(file: Any) -> str | None:
 def instride_open(file: Any, mode: str = "r", buffering: int = -1, encoding: str | None = None,
                   errors: str | None = None, newline: str | None = None, closefd: bool = True,
                   opener: Any = None) -> Any:
-    """Drop-in replacement of :func:`open` that couples managed paths through instride."""
+    """Drop-in replacement of :func:`open` that couples managed paths through instride.
+
+    Raises
+    ------
+    UnsupportedModeError
+        A managed path opened with ``opener=``: the opener would make the file itself, out
+        of instride's publication (a writer's file visible before its close).
+    """
     key = _managed_key(file)
-    if key is None or opener is not None or not closefd:
+    if key is None or not closefd:
         return _original_open(file, mode, buffering, encoding, errors, newline, closefd, opener)
+    if opener is not None:
+        raise UnsupportedModeError(
+            mode, f"open({key!r}, opener=...): a managed path is opened by instride (it "
+            "publishes a written file on close); call open() without an opener")
     return get_client().open(key, mode, buffering=buffering, encoding=encoding, errors=errors,
                              newline=newline)
 
