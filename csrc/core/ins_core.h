@@ -213,6 +213,11 @@ INS_HIDDEN void ins_mark_writing(int fd);
  * its rename is done: the lock lives as long as one descriptor does (-1: none to be had).
  * ins_release_writing closes it (nothing for -1). */
 INS_HIDDEN int ins_hold_writing(int fd);
+/* A close-on-exec duplicate of fd numbered high (out of the application's way: see util.c);
+ * -1 with errno unchanged if none. ins_move_high: fd itself moved there (the original closed),
+ * or fd unchanged when it cannot be. */
+INS_HIDDEN int ins_dup_high(int fd);
+INS_HIDDEN int ins_move_high(int fd);
 /* ins_hold_writing with a descriptor number outside [first, last] (a range about to be
  * closed): -1 when none can be had. */
 INS_HIDDEN int ins_hold_writing_outside(int fd, unsigned int first, unsigned int last);

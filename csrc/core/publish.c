@@ -96,16 +96,12 @@ void ins_mark_writing(int fd)
 
 int ins_hold_writing(int fd)
 {
-    /* the raw system call: no wrapper of ours (fcntl's F_DUPFD) may count it as a file */
-    int saved = errno;
-    int held = (int)syscall(SYS_fcntl, fd, F_DUPFD_CLOEXEC, 0);
-    errno = saved;
-    return held;
+    return ins_dup_high(fd); /* (a mapping keeps it as long as it lives) */
 }
 
 int ins_hold_writing_outside(int fd, unsigned int first, unsigned int last)
 {
-    int held = ins_hold_writing(fd); /* the lowest free number: below the range, often */
+    int held = ins_hold_writing(fd); /* a high number: outside the range, often */
     if (held < 0 || (unsigned int)held < first || (unsigned int)held > last)
         return held;
     ins_release_writing(held);

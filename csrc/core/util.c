@@ -1,12 +1,50 @@
 /*
- * util.c -- monotonic clock and deadlines, random temp-name suffixes, mkdir -p.
+ * util.c -- monotonic clock and deadlines, random temp-name suffixes, mkdir -p, descriptors
+ * of our own out of the application's way.
  */
 #include "ins_core.h"
 
+#include <fcntl.h>
 #include <math.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
+
+/* The lowest number for a descriptor the library keeps: half the soft limit, at most 1024
+ * (an application that closes 0 and opens expects to get 0 back, not to find ours there). */
+static int ins_high_fd(void)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY)
+        return 1024;
+    rlim_t half = rl.rlim_cur / 2;
+    return half > 1024 ? 1024 : (int)half;
+}
+
+int ins_dup_high(int fd)
+{
+    /* the raw system call: no wrapper of ours (fcntl's F_DUPFD) may count it as a file */
+    int saved = errno;
+    int high = (int)syscall(SYS_fcntl, fd, F_DUPFD_CLOEXEC, ins_high_fd());
+    if (high < 0) /* (no room up there: the lowest free number, as before) */
+        high = (int)syscall(SYS_fcntl, fd, F_DUPFD_CLOEXEC, 0);
+    errno = saved;
+    return high;
+}
+
+int ins_move_high(int fd)
+{
+    int high = ins_dup_high(fd);
+    if (high < 0)
+        return fd;
+    int saved = errno;
+    ins_sys.close(fd);
+    errno = saved;
+    return high;
+}
 
 double ins_now(void)
 {

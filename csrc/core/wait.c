@@ -71,6 +71,7 @@ static int ins_inotify_get(int *cached)
     int fd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
     if (fd < 0)
         return -1;
+    fd = ins_move_high(fd); /* (kept for the thread's life: not on a number the app reuses) */
     if (!ins_ifd_key_ok || ins_hooks.mark_internal(fd, 1) != 0) {
         *cached = 0;
         return fd;

@@ -217,8 +217,14 @@ static int ins_mkstemp_managed(char *template, int suffixlen, int flags, struct 
         errno = EINVAL;
         return -1;
     }
-    /* (the name ends both the template and the normalized path) */
+    /* The random part and the suffix must end both the template and the normalized path, in
+     * its last component: a suffix with "/" or "..", or one the normalization changed, would
+     * create another file than the template names (glibc: ENOENT or EINVAL; here EINVAL) */
     char *x = template + n - suffixlen - 6, *y = p->abs + k - suffixlen - 6;
+    if (memchr(x, '/', (size_t)suffixlen + 6) != NULL || memcmp(x, y, (size_t)suffixlen + 6) != 0) {
+        errno = EINVAL;
+        return -1;
+    }
     int saved = errno;
     for (int tries = 0; tries < 100; tries++) {
         uint64_t r = ins_random64();

@@ -272,6 +272,7 @@ static FILE *ins_freopen_common(const char *path, const char *mode, FILE *stream
         return NULL;
     }
     if (writing) {
+        ins_mark_writing(fileno(r)); /* (instride gc leaves it, as fopen's) */
         if (ins_register_stream(r, target, &p, mode, ins_real_fclose) != 0)
             return NULL;
     } else {

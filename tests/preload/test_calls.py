@@ -232,3 +232,23 @@ def test_a_readers_failed_wait_never_fails_a_writer(shim: Shim, build: Builder) 
     reader.communicate(timeout=120)
     assert writer.returncode == 0 and writer.stdout.decode().strip() == "0", writer.stderr[-400:]
     assert len([p for p in shim.dir.glob("d*/k")]) == int(n) and shim.temps() == []
+
+
+def test_a_wait_takes_no_low_descriptor_number(shim: Shim) -> None:
+    """``close(0)`` then ``open(key)`` of a key published a moment later: the open gets 0, as
+    without instride. The wait's inotify descriptor (kept for the thread) took 0 itself, and
+    the program's stdin became that descriptor."""
+    proc = shim.py(f"""
+import os, threading, time
+key = {str(shim.dir / "late.txt")!r}
+def publish():
+    time.sleep(0.5)
+    fd = os.open(key, os.O_WRONLY | os.O_CREAT, 0o644)
+    os.write(fd, b"late")
+    os.close(fd)
+threading.Thread(target=publish).start()
+os.close(0)
+fd = os.open(key, os.O_RDONLY)
+print(fd, os.read(fd, 10).decode())
+""")
+    assert proc.stdout.decode().split() == ["0", "late"], proc.stderr.decode()

@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -67,6 +68,30 @@ static int temps_in(const char *dir)
     while ((e = readdir(d)) != NULL)
         if (strstr(e->d_name, ".instride-") != NULL)
             n++;
+    closedir(d);
+    return n;
+}
+
+/* The temp files in dir that a writer holds locked (what `instride gc` leaves alone). */
+static int temps_locked(const char *dir)
+{
+    DIR *d = opendir(dir);
+    int n = 0;
+    if (d == NULL)
+        return 0;
+    struct dirent *e;
+    char path[4096];
+    while ((e = readdir(d)) != NULL) {
+        if (strstr(e->d_name, ".instride-") == NULL)
+            continue;
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0)
+            continue;
+        if (flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK)
+            n++;
+        close(fd);
+    }
     closedir(d);
     return n;
 }
@@ -241,6 +266,7 @@ static void t_freopen(void)
     fp = freopen64(mp("freopen/b.txt"), "w", fp);
     CHECK(fp != NULL);
     CHECK(fputs("via freopen64\n", fp) >= 0);
+    CHECK(temps_locked(mp("freopen")) == 1); /* (gc leaves it: it used to be unlocked) */
     CHECK(fclose(fp) == 0);
     CHECK(file_is(mp("freopen/b.txt"), "via freopen64\n"));
 }
@@ -780,6 +806,12 @@ static void t_mkstemp(void)
     snprintf(t, sizeof t, "%s", mp("mks/badXXXX"));
     errno = 0;
     CHECK(mkstemp(t) == -1 && errno == EINVAL);
+    /* a suffix that leaves the random part's component ("/", ".."): EINVAL, not another file
+     * than the template names (it made directory mks/<random>aaa/ and a key in it) */
+    snprintf(t, sizeof t, "%s", mp("mks/aaaaaaaaaa/XXXXXX/../k"));
+    errno = 0;
+    CHECK(mkstemps(t, 5) == -1 && errno == EINVAL);
+    CHECK(strstr(t, "/XXXXXX/") != NULL); /* (left as it was) */
     /* GROMACS's gmx_tmpnam: mkstemp, close, then the name reopened for writing: write-once
      * refuses that (the empty file was published by the close); INSTRIDE_OVERWRITE=1
      * replaces it */
