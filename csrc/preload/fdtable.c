@@ -26,8 +26,25 @@ int ins_fail_foreign(const struct ins_path *p)
                     "write a key", ins_key(p));
 }
 
-void ins_table_lock(void) { pthread_mutex_lock(&ins_table_mu); }
-void ins_table_unlock(void) { pthread_mutex_unlock(&ins_table_mu); }
+/* ins_busy while the table's lock is held (set before taking it): a signal handler that
+ * calls close, dup2, ... meanwhile (async-signal-safe calls) goes straight to libc instead
+ * of taking the lock its own thread holds (a deadlock). What ins_busy was, restored after. */
+static INS_TLS_IE int ins_busy_before_lock;
+
+void ins_table_lock(void)
+{
+    int before = ins_busy;
+    ins_busy = 1;
+    pthread_mutex_lock(&ins_table_mu);
+    ins_busy_before_lock = before;
+}
+
+void ins_table_unlock(void)
+{
+    int before = ins_busy_before_lock;
+    pthread_mutex_unlock(&ins_table_mu);
+    ins_busy = before;
+}
 
 int ins_table_any(void)
 {

@@ -252,3 +252,13 @@ fd = os.open(key, os.O_RDONLY)
 print(fd, os.read(fd, 10).decode())
 """)
     assert proc.stdout.decode().split() == ["0", "late"], proc.stderr.decode()
+
+
+def test_a_signal_handler_calling_dup2_never_deadlocks(shim: Shim, build: Builder) -> None:
+    """``dup``/``close`` of a produced file take the library's table lock; a signal handler
+    calling ``dup2`` meanwhile (async-signal-safe) waited for that lock, held by its own
+    thread: the program hung. Now it goes straight to libc."""
+    exe = build("signal_dup.c")
+    proc = shim.run([exe, shim.dir / "sig.txt"], timeout=60)
+    assert proc.returncode == 0 and proc.stdout.decode().strip() == "done", proc.stderr
+    assert (shim.dir / "sig.txt").read_text() == "x"
