@@ -7,6 +7,8 @@
  */
 #include "instride_preload.h"
 
+#include <stdlib.h>
+
 
 /* The last reference to f went away with fd (closed, rc/e from the close). */
 static int ins_after_last_close(struct ins_file *f, int rc, int e, int saved)
@@ -129,19 +131,58 @@ static int ins_span(unsigned int first, unsigned int last, size_t *lo, size_t *h
 }
 
 /* Take every tracked fd in [first, last]; finish the ones that were last. */
-static void ins_close_span(unsigned int first, unsigned int last)
+/* The real close_range/closefrom (close_fn) of [first, last] with the table's lock held
+ * across it, the range's entries taken under the same lock: another thread's open cannot get
+ * one of the freed numbers while its entry is still there (it would take it for a file closed
+ * behind our back and discard it, unpublished). Then the files whose last descriptor went
+ * are published. Returns close_fn's result (errno: its error). */
+static int ins_close_span(unsigned int first, unsigned int last, int (*close_fn)(void *),
+                          void *arg)
 {
-    size_t lo, hi;
-    if (!ins_span(first, last, &lo, &hi))
-        return;
-    for (size_t fd = lo; fd <= hi && ins_table_any(); fd++) {
-        if (!ins_table_occupied((int)fd))
-            continue;
-        int l = 0;
-        struct ins_file *f = ins_table_take((int)fd, &l);
-        if (f != NULL && l)
-            (void)ins_after_last_close(f, 0, 0, errno);
+    size_t lo, hi, n = 0, cap = 0;
+    struct ins_file **done = NULL;
+    int spans = ins_span(first, last, &lo, &hi);
+    ins_table_lock();
+    int rc = close_fn(arg), e = errno;
+    if (rc == 0 && spans) {
+        cap = ins_table_entries(); /* (no more entries than the table holds now) */
+        done = cap ? malloc(cap * sizeof *done) : NULL;
+        for (size_t fd = lo; fd <= hi && ins_table_any(); fd++) {
+            if (!ins_table_occupied((int)fd))
+                continue;
+            int l = 0;
+            struct ins_file *f = ins_table_take_locked((int)fd, &l);
+            if (f == NULL || !l)
+                continue;
+            if (done != NULL && n < cap)
+                done[n++] = f;
+            else /* (no memory for the list: dropped, unpublished, rather than a leak) */
+                ins_file_discard(f);
+        }
     }
+    ins_table_unlock();
+    for (size_t i = 0; i < n; i++)
+        (void)ins_after_last_close(done[i], 0, 0, errno);
+    free(done);
+    errno = e;
+    return rc;
+}
+
+struct ins_close_range_args {
+    unsigned int first, last;
+    int flags;
+};
+
+static int ins_call_close_range(void *arg)
+{
+    struct ins_close_range_args *a = arg;
+    return ins_real_close_range(a->first, a->last, a->flags);
+}
+
+static int ins_call_closefrom(void *arg)
+{
+    ins_real_closefrom(*(int *)arg);
+    return 0;
 }
 
 /* The writers' locks of the produced files tracked in [first, last], held (a second
@@ -197,16 +238,11 @@ INS_WRAPPER(int, close_range, (unsigned int first, unsigned int last, int flags)
     ins_fsync_span(first, last);
     int held[INS_HOLD_SPAN_MAX];
     int nheld = ins_hold_span(first, last, held, INS_HOLD_SPAN_MAX);
-    int rc = ins_real_close_range(first, last, flags);
-    if (rc != 0) {
-        int e = errno;
-        ins_release_span(held, nheld);
-        errno = e;
-        return rc;
-    }
-    ins_close_span(first, last);
+    struct ins_close_range_args args = {first, last, flags};
+    int rc = ins_close_span(first, last, ins_call_close_range, &args);
+    int e = errno;
     ins_release_span(held, nheld);
-    errno = saved;
+    errno = rc != 0 ? e : saved;
     return rc;
 }
 
@@ -224,8 +260,7 @@ INS_WRAPPER(void, closefrom, (int lowfd))
     ins_fsync_span((unsigned int)lowfd, UINT_MAX);
     int held[INS_HOLD_SPAN_MAX]; /* (below lowfd only: there is nothing above) */
     int nheld = ins_hold_span((unsigned int)lowfd, UINT_MAX, held, INS_HOLD_SPAN_MAX);
-    ins_real_closefrom(lowfd);
-    ins_close_span((unsigned int)lowfd, UINT_MAX);
+    (void)ins_close_span((unsigned int)lowfd, UINT_MAX, ins_call_closefrom, &lowfd);
     ins_release_span(held, nheld);
     errno = saved;
 }

@@ -46,6 +46,12 @@ void ins_table_unlock(void)
     ins_busy = before;
 }
 
+size_t ins_table_entries(void)
+{
+    int n = atomic_load_explicit(&ins_table_count, memory_order_acquire);
+    return n > 0 ? (size_t)n : 0;
+}
+
 int ins_table_any(void)
 {
     return atomic_load_explicit(&ins_table_count, memory_order_acquire) > 0;

@@ -122,6 +122,7 @@ INS_HIDDEN void ins_table_lock(void);
 INS_HIDDEN void ins_table_unlock(void);
 INS_HIDDEN void ins_table_dup_locked(int oldfd, int newfd); /* newfd now shares oldfd's file */
 INS_HIDDEN int ins_table_any(void);
+INS_HIDDEN size_t ins_table_entries(void); /* occupied slots now */
 /* 1 in a process that shares the table's memory without owning it: a vfork child
  * (or a clone(CLONE_VM) child). Its closes and dups pass straight to libc (the table
  * is its parent's), and it cannot write keys. */

@@ -262,3 +262,14 @@ def test_a_signal_handler_calling_dup2_never_deadlocks(shim: Shim, build: Builde
     proc = shim.run([exe, shim.dir / "sig.txt"], timeout=60)
     assert proc.returncode == 0 and proc.stdout.decode().strip() == "done", proc.stderr
     assert (shim.dir / "sig.txt").read_text() == "x"
+
+
+def test_close_range_beside_another_threads_opens_loses_no_key(shim: Shim,
+                                                                build: Builder) -> None:
+    """Keys closed with ``close_range`` while another thread opens files: that thread's open
+    could get a number just freed before its entry was taken, take the entry for a file closed
+    behind the library's back, and discard it (the key never published)."""
+    exe = build("close_range_race.c")
+    proc = shim.run([exe, shim.dir, "10000"], timeout=120)
+    assert proc.returncode == 0 and proc.stdout.decode().strip() == "0", proc.stderr[-400:]
+    assert shim.temps() == []
