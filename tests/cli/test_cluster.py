@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,19 @@ def test_cli_round_trip(tmp_path: Path) -> None:
         assert cli("exec", "1", "--name", name, "--", "sh", "-c", "exit 3").returncode == 3
         # killed by a signal: 128 + N, as a shell (and `instride job`) reports it
         assert cli("exec", "1", "--name", name, "--", "sh", "-c", "kill -9 $$").returncode == 137
+        # SIGTERM to `instride cluster exec` reaches the command, which ends as it chooses (it
+        # used to be SIGKILLed from here: no trap ran, its children ran on)
+        script = "trap 'kill $!; echo trapped; exit 5' TERM; sleep 300 & echo ready; wait"
+        ex = subprocess.Popen([PY, "-m", "instride", "cluster", "exec", "1", "--name", name,
+                               "--", "sh", "-c", script], stdout=subprocess.PIPE, text=True)
+        try:
+            assert ex.stdout is not None and ex.stdout.readline().strip() == "ready"
+            ex.send_signal(signal.SIGTERM)
+            assert ex.communicate(timeout=60)[0].strip() == "trapped" and ex.returncode == 5
+        finally:
+            if ex.poll() is None:
+                ex.kill()
+                ex.wait()
 
         st = cli("status", "--name", name, "--json")
         assert st.returncode == 0, st.stderr

@@ -432,3 +432,22 @@ def test_a_with_block_leaves_sigterm_as_it_found_it() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_an_incomplete_state_file_is_reported_not_a_traceback() -> None:
+    """A state file cut short or not written by instride (valid JSON, fields missing): `status`
+    and `down` report it and go on (they died with a KeyError)."""
+    name = f"cut{secrets.token_hex(2)}"
+    path = em.state_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"name": name}))
+    try:
+        with pytest.raises(ClusterError, match="corrupt state file"):
+            EmulatedCluster.attach(name)
+        for args in (["status"], ["down", "--name", name]):
+            proc = subprocess.run([sys.executable, "-m", "instride", "cluster", *args],
+                                  capture_output=True, text=True, timeout=60)
+            assert "corrupt state file" in proc.stdout + proc.stderr, proc
+            assert "Traceback" not in proc.stderr
+    finally:
+        path.unlink(missing_ok=True)

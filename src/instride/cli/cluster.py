@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
+import subprocess
 import sys
 from typing import Any
 
@@ -101,7 +104,31 @@ def cmd_exec(args: argparse.Namespace) -> int:
     if not argv:
         raise ConfigError("command", "", "give the command after `--`")
     cluster = EmulatedCluster.attach(args.name)
-    code = cluster.run(args.node, argv).returncode
+    cmd = cluster.command(args.node, argv)
+    started: list[subprocess.Popen[bytes]] = []
+    came: list[int] = []
+
+    # SIGTERM and SIGHUP (a batch system, a closed terminal) go on to the command, which can
+    # end its streams, and this waits for it (it used to be killed from here, its children
+    # left running); Ctrl-C reaches it from the terminal: this one just goes on waiting
+    def forward(signum: int, frame: object) -> None:
+        if not started:
+            came.append(signum)  # (before it started: given to it once it has)
+            return
+        with contextlib.suppress(ProcessLookupError):
+            started[0].send_signal(signum)
+
+    handled = {signal.SIGTERM: forward, signal.SIGHUP: forward,
+               signal.SIGINT: lambda signum, frame: None}
+    previous = {s: signal.signal(s, h) for s, h in handled.items()}
+    try:
+        started.append(subprocess.Popen(cmd, env=dict(cluster.node(args.node).env)))
+        for signum in came:
+            forward(signum, None)
+        code = started[0].wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
     return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell does
 
 

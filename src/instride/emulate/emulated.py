@@ -357,16 +357,20 @@ class EmulatedCluster(TornDownOnSigterm):
             ) from None
         except json.JSONDecodeError as exc:
             raise ClusterError(f"corrupt state file {path}: {exc}") from None
-        self = cls(
-            nodes=int(state["nodes"]), name=state["name"], base_dir=state["base_dir"],
-            serve=bool(state["serve"]), redis=state["redis_url"] is not None,
-            token=state["token"], env=state.get("env") or {},
-            unprivileged=bool(state.get("unprivileged", False)),
-            huge_pages=bool(state.get("huge_pages", False)),
-        )
-        self._created = list(state.get("created", []))
-        self._mounted = list(state.get("mounted", []))
-        self._pids = {k: list(v) for k, v in state.get("pids", {}).items()}
+        try:
+            self = cls(
+                nodes=int(state["nodes"]), name=state["name"], base_dir=state["base_dir"],
+                serve=bool(state["serve"]), redis=state["redis_url"] is not None,
+                token=state["token"], env=state.get("env") or {},
+                unprivileged=bool(state.get("unprivileged", False)),
+                huge_pages=bool(state.get("huge_pages", False)),
+            )
+            self._created = list(state.get("created", []))
+            self._mounted = list(state.get("mounted", []))
+            self._pids = {k: list(v) for k, v in state.get("pids", {}).items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # (not ours, or cut)
+            raise ClusterError(f"corrupt state file {path}: {type(exc).__name__}: {exc}") \
+                from None
         self.status_text = state.get("status", "unknown")
         self._active = True
         return self
