@@ -66,6 +66,9 @@ def test_distance_matrix_eigenvalue_matches_numpy(adk) -> None:
     assert largest_eigenvalue(np.array([[0, 0, 0], [1, 0, 0]])) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="selects 0 atom"):
         DistanceMatrixEigenvalue(adk, {"none": "resname XYZ"})
+    # two names that make one column: refused (the first one's values were lost)
+    with pytest.raises(instride.ConfigError, match="one column"):
+        DistanceMatrixEigenvalue(adk, {"A-B": "name CA", "A B": "name CB"})
 
 
 def test_streaming_table_flushes_each_row(tmp_path: Path) -> None:

@@ -153,6 +153,15 @@ def test_a_bounded_stream_is_read_from_its_oldest_frame_to_its_end(managed_dir: 
     assert steps == list(range(10))
 
 
+def test_a_timeout_that_is_no_number_of_seconds_is_refused(managed_dir: Path, adk) -> None:
+    """``timeout=nan`` waited for ever, ``-1`` gave up at once: refused, as everywhere."""
+    publish_dcd("tm", adk, n=2)
+    for bad in (float("nan"), -1.0):
+        with pytest.raises(instride.ConfigError, match="timeout"):
+            mda.Universe(PSF, "instride://tm", timeout=bad)
+    assert len(mda.Universe(PSF, "instride://tm", timeout=float("inf")).trajectory) == 2
+
+
 def test_refusals(managed_dir: Path, adk) -> None:
     instride.Stream("empty", mode="w").close()
     with pytest.raises(EndOfStream):

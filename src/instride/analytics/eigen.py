@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 from MDAnalysis.lib.distances import distance_array
 
+from ..errors import ConfigError
 from .base import FrameAnalysis
 
 __all__ = [
@@ -95,6 +96,9 @@ class DistanceMatrixEigenvalue(FrameAnalysis):
                 raise ValueError(f"substructure {name!r} ({sel!r}) selects {len(group)} atom(s)")
             self.groups[name] = group
         self.columns = tuple("lambda_" + re.sub(r"\W", "_", name) for name in self.groups)
+        if len(set(self.columns)) != len(self.columns):  # ("A-B" and "A B": one column)
+            raise ConfigError("substructures", list(self.groups),
+                              f"two names make one column {self.columns}: rename one")
 
     def compute(self) -> tuple[float, ...]:
         return tuple(largest_eigenvalue(g.positions) for g in self.groups.values())

@@ -57,6 +57,7 @@ from MDAnalysis.lib.mdamath import triclinic_box
 from MDAnalysis.lib.util import store_init_arguments
 
 from .. import EndOfStream, Stream
+from ..config import parse_timeout
 from ..errors import FramesMissed
 from ..frames import HEADER_SIZE, Frame
 
@@ -164,7 +165,8 @@ class InstrideReader(ReaderBase):
         if length not in ("published", "final"):
             raise ValueError(f"length must be 'published' or 'final', got {length!r}")
         self._name = stream_name(filename)
-        self._timeout = timeout
+        # (NaN waited for ever, a negative number failed at once: refused, as everywhere)
+        self._timeout = None if timeout is None else parse_timeout(timeout, "timeout")
         self._length = length
         self.wait_seconds = 0.0
         self.read_seconds = 0.0

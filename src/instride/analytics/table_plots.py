@@ -95,8 +95,13 @@ def plot_overlay(
         ax.grid(alpha=0.3)
         fig.tight_layout()
         path = out / f"{prefix}{col}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # (whole or not at all)
+        try:
+            fig.savefig(tmp, dpi=110, format="png")
+            os.replace(tmp, path)
+        finally:
+            plt.close(fig)
+            tmp.unlink(missing_ok=True)
         written.append(path)
     return written
 
