@@ -451,3 +451,25 @@ def test_an_incomplete_state_file_is_reported_not_a_traceback() -> None:
             assert "Traceback" not in proc.stderr
     finally:
         path.unlink(missing_ok=True)
+
+
+def test_down_leaves_a_newer_cluster_of_the_same_name_alone() -> None:
+    """A cluster destroyed from another process, its name then taken by a new cluster: the
+    first one's down() (its with-block ending) used to delete the new one's namespaces and
+    state file. Only what is still its own goes."""
+    name = f"own{secrets.token_hex(2)}"
+    first = EmulatedCluster(nodes=1, name=name, serve=False, redis=False).up()
+    second = None
+    try:
+        assert EmulatedCluster.destroy(name)
+        second = EmulatedCluster(nodes=1, name=name, serve=False, redis=False).up()
+        first.down()
+        assert em.state_path(name).exists()
+        assert second.hub in nn.list_netns()
+        assert EmulatedCluster.attach(name).status()["status"] == "up"
+    finally:
+        first.down()
+        if second is not None:
+            second.down()
+    assert not em.state_path(name).exists()
+    assert not [ns for ns in nn.list_netns() if ns.startswith(first.prefix)]

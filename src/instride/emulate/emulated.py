@@ -238,6 +238,8 @@ class EmulatedCluster(TornDownOnSigterm):
         #: "down", "starting" or "up" (as recorded in the state file).
         self.status_text = "down"
         self._active = False  # True once this object owns the name (claimed or attached)
+        #: this cluster's mark in its state file: the name's next cluster has another
+        self._nonce: str | None = None
         self._layout()
 
     # ------------------------------------------------------------------ layout
@@ -315,9 +317,24 @@ class EmulatedCluster(TornDownOnSigterm):
             "pids": self._pids,
             "owner_pid": os.getpid(),
             "updated": time.time(),
+            "nonce": self._nonce,
         }
 
+    def _owns_name(self) -> bool:
+        """Whether the name is still this cluster's: its state file gone (nobody else claimed
+        it) or holding this cluster's nonce — not that of a cluster made under the same name
+        after this one was destroyed from another process (which ``down()`` must not touch)."""
+        try:
+            state = json.loads(self.state_path.read_text())
+        except FileNotFoundError:
+            return True
+        except (OSError, ValueError):
+            return False
+        return isinstance(state, dict) and state.get("nonce") == self._nonce
+
     def _save(self) -> None:
+        if not self._owns_name():  # (another cluster's file now: never overwritten)
+            return
         path = self.state_path
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self._state(), indent=2))
@@ -335,6 +352,7 @@ class EmulatedCluster(TornDownOnSigterm):
                 f"run `instride cluster down --name {self.name}` first"
             ) from None
         self._active = True
+        self._nonce = secrets.token_hex(8)
         with os.fdopen(fd, "w") as fh:
             fh.write(json.dumps(self._state(), indent=2))
 
@@ -372,6 +390,7 @@ class EmulatedCluster(TornDownOnSigterm):
             raise ClusterError(f"corrupt state file {path}: {type(exc).__name__}: {exc}") \
                 from None
         self.status_text = state.get("status", "unknown")
+        self._nonce = state.get("nonce")
         self._active = True
         return self
 
@@ -577,6 +596,12 @@ class EmulatedCluster(TornDownOnSigterm):
 
     def _down(self) -> None:
         self._stop(list(self._pids))
+        if not self._owns_name():
+            # destroyed from another process, and its name taken by a new cluster since: the
+            # namespaces, directories and state file under that name are the new one's
+            self.status_text = "down"
+            self._active = False
+            return
         try:
             namespaces = [ns for ns in nn.list_netns() if ns.startswith(self.prefix)]
         except ClusterError:
