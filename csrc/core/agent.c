@@ -175,13 +175,24 @@ static int ins_reply_wait_ms(void)
     return -1;
 }
 
+/* How long to wait for a publication's answer: bounded even without INSTRIDE_TIMEOUT (a node
+ * server that accepted the connection and hangs must not hold close() for ever): at most 12
+ * times INSTRIDE_CONNECT_TIMEOUT (60 s by default), which bounds each of the server's own
+ * round trips to Redis. */
+static int ins_publish_wait_ms(void)
+{
+    double cap = 12.0 * ins_cfg.connect_timeout * 1000.0;
+    int bound = cap < INT_MAX ? (int)cap : INT_MAX, ms = ins_reply_wait_ms();
+    return ms >= 0 && ms < bound ? ms : bound;
+}
+
 int ins_agent_publish(const char *key, int overwrite)
 {
     if (!ins_key_ok(key))
         return -1;
     char req[PATH_MAX + 32], reply[PATH_MAX + 128];
     snprintf(req, sizeof req, "%s %s\n", overwrite ? "OVERWRITE" : "PUBLISH", key);
-    if (ins_agent_request(req, reply, sizeof reply, ins_reply_wait_ms()) != 0)
+    if (ins_agent_request(req, reply, sizeof reply, ins_publish_wait_ms()) != 0)
         return -1;
     return ins_agent_reply(key, reply, NULL);
 }

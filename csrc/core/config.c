@@ -12,6 +12,8 @@
  *                       refused (every consume fails with EINVAL)
  *   INSTRIDE_FSYNC      1/true/yes/on: fsync before publishing (default 0 here)
  *   INSTRIDE_OVERWRITE  1/true/yes/on: publishing replaces an existing key
+ *   INSTRIDE_CONNECT_TIMEOUT  seconds (> 0, default 5); a publication's answer from the
+ *                       node server is awaited at most 12 times as long
  *   INSTRIDE_REDIS_URL  non-empty: cluster mode (talk to the node server)
  *   INSTRIDE_SOCKET     the node server's Unix socket
  *                       (default $INSTRIDE_DIR/.instride/node.sock)
@@ -132,6 +134,25 @@ static void ins_parse_timeout(const char *raw, struct ins_config *c)
         c->timeout = v;
 }
 
+/* INSTRIDE_CONNECT_TIMEOUT: seconds above 0, at most 2147483 (Python's parse_seconds);
+ * unset or empty: 5; anything else refused (and 5). */
+static void ins_parse_connect_timeout(const char *raw, struct ins_config *c)
+{
+    size_t n;
+    const char *t = ins_strip(raw, &n);
+    c->connect_timeout = 5.0;
+    if (n == 0)
+        return;
+    char *end = NULL;
+    double v = ins_number_syntax(t, n) ? ins_strtod_c(t, &end) : -1.0;
+    if (end != t + n || v != v || v <= 0.0 || v > 2147483.0) {
+        ins_refuse(c, "%s must be a number of seconds above 0 and at most 2147483, "
+                      "not \"%.40s\"", "INSTRIDE_CONNECT_TIMEOUT", raw);
+        return;
+    }
+    c->connect_timeout = v;
+}
+
 /* An on/off setting: 1/true/yes/on or 0/false/no/off (any case); unset or empty:
  * dflt; anything else refused (and dflt). */
 static int ins_env_bool(struct ins_config *c, const char *name, int dflt)
@@ -228,6 +249,7 @@ static void ins_read_config(void)
         snprintf(c->socket_path, sizeof c->socket_path, "%s/.instride/node.sock", c->dir);
 
     ins_parse_timeout(getenv("INSTRIDE_TIMEOUT"), c);
+    ins_parse_connect_timeout(getenv("INSTRIDE_CONNECT_TIMEOUT"), c);
     c->fsync = ins_env_bool(c, "INSTRIDE_FSYNC", 0);
     c->overwrite = ins_env_bool(c, "INSTRIDE_OVERWRITE", 0);
     size_t n;

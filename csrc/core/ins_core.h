@@ -70,6 +70,7 @@ struct ins_config {
     size_t dir_real_len;
     char socket_path[PATH_MAX];
     double timeout;          /* seconds; 0: do not wait; < 0: wait forever     */
+    double connect_timeout;  /* INSTRIDE_CONNECT_TIMEOUT: seconds, > 0 (5)      */
     int timeout_bad;         /* a setting refused (INSTRIDE_TIMEOUT negative or
                                 not a number, an on/off setting neither): every
                                 consume and publication fails with EINVAL     */

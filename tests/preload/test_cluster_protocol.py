@@ -16,6 +16,7 @@ with the real server, Redis and several nodes live elsewhere in the suite.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -347,3 +348,55 @@ def test_directory_opens_without_a_request(cluster: tuple[Shim, FakeNodeServer])
     )
     shim.py(code, check=True)
     assert server.requests == []
+
+
+def test_a_hung_node_server_does_not_hold_a_close_for_ever(shim: Shim, sockdir: Path) -> None:
+    """A node server that accepts the publication and never answers, INSTRIDE_TIMEOUT unset
+    (no limit on reads): the close of the written key still ends, with ETIMEDOUT, after 12
+    times INSTRIDE_CONNECT_TIMEOUT (it waited for ever)."""
+    import socket
+
+    path = str(sockdir / "mute.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(8)
+    taken: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                taken.append(listener.accept()[0])  # (read nothing, answer nothing)
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        env = shim.with_env(INSTRIDE_REDIS_URL="redis://127.0.0.1:1/0", INSTRIDE_SOCKET=path,
+                            INSTRIDE_CONNECT_TIMEOUT="0.25")
+        env.env.pop("INSTRIDE_TIMEOUT", None)
+        code = (
+            "import errno\n"
+            f"f = open({str(shim.dir / 'mute.bin')!r}, 'wb'); f.write(b'x')\n"
+            "try:\n"
+            "    f.close()\n"
+            "except OSError as e:\n"
+            "    raise SystemExit(0 if e.errno == errno.ETIMEDOUT else 1)\n"
+            "raise SystemExit(2)\n"
+        )
+        start = time.monotonic()
+        assert env.py(code, timeout=60).returncode == 0
+        assert 2.5 < time.monotonic() - start < 30  # (12 x 0.25 s, not for ever)
+        # a value Python refuses is refused here too: every publication fails with EINVAL
+        bad = shim.with_env(INSTRIDE_CONNECT_TIMEOUT="0")
+        code = (
+            "import errno\n"
+            "try:\n"
+            f"    open({str(shim.dir / 'bad.bin')!r}, 'wb').close()\n"
+            "except OSError as e:\n"
+            "    raise SystemExit(0 if e.errno == errno.EINVAL else 1)\n"
+            "raise SystemExit(2)\n"
+        )
+        assert bad.py(code).returncode == 0
+    finally:
+        listener.close()
+        for c in taken:
+            c.close()
