@@ -19,7 +19,14 @@ import pytest
 import redis
 
 import instride
-from instride.errors import ConfigError, FramesMissed, GroupBusy, IntegrityError, StreamFull
+from instride.errors import (
+    ConfigError,
+    FramesMissed,
+    GroupBusy,
+    IntegrityError,
+    KeyExistsError,
+    StreamFull,
+)
 from tests.conftest import files_held, finish, spawn_py, stop_process, wait_ready
 
 NATOMS = 2000
@@ -992,3 +999,22 @@ def test_a_local_reader_takes_each_frame_in_one_native_call_and_refuses_a_corrup
         with pytest.raises(IntegrityError, match="checksum"):
             next(reader)
     reader.close()
+
+
+def test_a_bounded_stream_is_not_rerun_without_overwrite(client: instride.Client) -> None:
+    """Run 1 keeps its last 2 frames and ends. A second run of the name without ``overwrite``
+    is refused at its first append, before anything is touched (its first frames, retired by
+    run 1, used to publish over a zeroed head, beside run 1's last frames and end marker,
+    until frame 3 met run 1's)."""
+    with instride.Stream("again", mode="w", retain=2, client=client) as s:
+        for i in range(5):
+            s.append(_positions(i), step=i)
+    rerun = instride.Stream("again", mode="w", retain=2, client=client)
+    with pytest.raises(KeyExistsError, match="again/"):
+        rerun.append(_positions(9), step=9)
+    rerun.abandon()
+    r = instride.Stream("again", client=client, timeout=1, on_gap="count")
+    assert r.ended and [f.step for f in r] == [3, 4]  # run 1, untouched
+    with instride.Stream("again", mode="w", retain=2, overwrite=True, client=client) as s:
+        s.append(_positions(7), step=7)
+    assert [f.step for f in instride.Stream("again", client=client, timeout=1)] == [7]

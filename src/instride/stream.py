@@ -66,6 +66,7 @@ from .errors import (
     FramesMissed,
     GroupLeaseLost,
     IntegrityError,
+    KeyExistsError,
     KeyNotFoundError,
     KeyValidationError,
     MetadataUnavailable,
@@ -622,6 +623,8 @@ class Stream:
                        if key.rpartition("/")[0] == self.name]
             for key in earlier:
                 self.client._unlink(key)
+        else:
+            self._refuse_an_earlier_run()
         self._share.start(self.policy, self.register_groups, reset=self.overwrite,
                           forget=earlier)
         pool_dir = state_dir(self.client.root, self.name) / "pool"
@@ -637,6 +640,22 @@ class Stream:
             from .archive import start_archiver
 
             self._archiver = start_archiver(self.name, self.policy.archive, self.client)
+
+    def _refuse_an_earlier_run(self) -> None:
+        """A write-once stream whose name holds an earlier run (its end marker, or its last
+        frame) is refused before anything is touched: a bounded one's first frames, retired,
+        would publish again over a zeroed head, beside the earlier run's last frames and end.
+
+        Raises
+        ------
+        KeyExistsError
+            Names the earlier run's end marker or last frame (``overwrite=True`` replaces it).
+        """
+        if self.client.exists(self.end_key):
+            raise KeyExistsError(self.end_key)
+        head = self._share.head()
+        if head is not None and head[1] > 0 and self.client.exists(self.frame_key(head[1] - 1)):
+            raise KeyExistsError(self.frame_key(head[1] - 1))
 
     def _over(self, count: int, total: int, allowance: int) -> bool:
         """Whether ``count`` frames of ``total`` bytes exceed the bound by more than one frame

@@ -372,6 +372,8 @@ class LocalStreamState:
         """Record the policy, zero the head, register ``groups`` (and reset cursors).
         ``forget``: nothing to do (a key's file is its record; the producer removed them)."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        if self._head is not None:  # (mapped read-only by a look at it first)
+            self._head.close()
         self._head = Head(self.dir / "head", writable=True)
         self._head.oldest = 0
         self._head.written = 0
