@@ -150,7 +150,7 @@ INS_API int instride_commit(instride_writer *w)
     int synced = ins_maybe_fsync(w->fd), sync_errno = errno;
     int held = ins_hold_writing(w->fd); /* the writer's lock, until the rename */
     int closed = ins_sys.close(w->fd);
-    if (synced != 0 && closed == 0) { /* (the data may not be on disk: not published) */
+    if (synced != 0) { /* (the data may not be on disk: not published, whatever close said) */
         closed = -1;
         errno = sync_errno;
     }

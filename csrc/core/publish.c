@@ -101,13 +101,21 @@ int ins_hold_writing(int fd)
 
 int ins_hold_writing_outside(int fd, unsigned int first, unsigned int last)
 {
-    int held = ins_hold_writing(fd); /* a high number: outside the range, often */
+    /* the lowest free number first (below the range, often: closefrom(3) and the like reach
+     * every high one), then a high one, then one above the range */
+    int saved = errno;
+    int held = (int)syscall(SYS_fcntl, fd, F_DUPFD_CLOEXEC, 0);
+    errno = saved;
+    if (held < 0 || (unsigned int)held < first || (unsigned int)held > last)
+        return held;
+    ins_release_writing(held);
+    held = ins_hold_writing(fd);
     if (held < 0 || (unsigned int)held < first || (unsigned int)held > last)
         return held;
     ins_release_writing(held);
     if (last >= (unsigned int)INT_MAX)
         return -1;
-    int saved = errno; /* above the range (EINVAL past the descriptor limit) */
+    saved = errno; /* above the range (EINVAL past the descriptor limit) */
     held = (int)syscall(SYS_fcntl, fd, F_DUPFD_CLOEXEC, (int)last + 1);
     errno = saved;
     return held;

@@ -30,11 +30,15 @@ int ins_fail_foreign(const struct ins_path *p)
  * calls close, dup2, ... meanwhile (async-signal-safe calls) goes straight to libc instead
  * of taking the lock its own thread holds (a deadlock). What ins_busy was, restored after. */
 static INS_TLS_IE int ins_busy_before_lock;
+/* 1 while this thread holds the table's lock (a signal handler's pass-through open must not
+ * take it: see ins_fd_reused) */
+static INS_TLS_IE int ins_table_held;
 
 void ins_table_lock(void)
 {
     int before = ins_busy;
     ins_busy = 1;
+    ins_table_held = 1;
     pthread_mutex_lock(&ins_table_mu);
     ins_busy_before_lock = before;
 }
@@ -43,6 +47,7 @@ void ins_table_unlock(void)
 {
     int before = ins_busy_before_lock;
     pthread_mutex_unlock(&ins_table_mu);
+    ins_table_held = 0;
     ins_busy = before;
 }
 
@@ -166,7 +171,10 @@ void ins_table_dup_locked(int oldfd, int newfd)
  * removed, nothing is published: we cannot know it was complete). */
 void ins_fd_reused(int fd)
 {
-    if (fd < 0 || !ins_table_any() || !ins_table_occupied(fd) || ins_table_foreign())
+    /* (in a signal handler that interrupted this thread's locked section: left to the next
+     * ins_table_put of that number, which drops a stale entry too) */
+    if (fd < 0 || ins_table_held || !ins_table_any() || !ins_table_occupied(fd) ||
+        ins_table_foreign())
         return;
     int saved = errno, last = 0;
     struct ins_file *f = ins_table_take(fd, &last);
@@ -265,7 +273,7 @@ void ins_file_sync(struct ins_file *f, int fd)
 int ins_file_finish(struct ins_file *f, int close_rc, int close_errno)
 {
     int rc = 0;
-    if (close_rc == 0 && f->sync_errno != 0 && f->pid == getpid()) {
+    if (f->sync_errno != 0 && f->pid == getpid()) { /* (whatever the close said: EINTR too) */
         close_rc = -1; /* (fsync failed: the data may not be on disk, as a failed close) */
         close_errno = f->sync_errno;
     }

@@ -10,8 +10,9 @@ is reaped (``-PGID``: once the group is empty, its number may be reused by anoth
 When the pipe ends without ``done``, the parent died: the watchdog sends ``SIGTERM`` to every
 group it holds, waits up to the grace, then sends ``SIGKILL`` to those still there. A parent
 that tears down itself sends ``done`` after stopping its children, and the watchdog exits
-without a signal. Used by ``instride flow run`` (every module instance) and ``instride job``
-(Redis, the services' launcher, the command).
+without a signal. Used by ``instride flow run`` (every module instance).
+:func:`become_subreaper` and :func:`stop_adopted`: ``instride job`` adopts what its command
+leaves running and stops it before the services it uses.
 
 The watchdog imports nothing from instride (``python -I``: it starts in ~20 ms).
 """
@@ -141,30 +142,40 @@ def children() -> set[int]:
 
 def stop_adopted(exclude: set[int], grace: float) -> list[int]:
     """Stop this process's children that are not in ``exclude`` — the orphans a subreaper
-    adopted (:func:`become_subreaper`) — SIGTERM first, SIGKILL after ``grace`` s, and reap
-    them; again for the orphans that stopping them makes. A child is this process's until it
-    reaps it, so its PID cannot name another process meanwhile. Returns the PIDs stopped."""
+    adopted (:func:`become_subreaper`) — SIGTERM first, SIGKILL once ``grace`` s have passed
+    (one grace for all of them), and reap them; again for the orphans that stopping them makes.
+    A child is this process's until it reaps it, so its PID cannot name another process
+    meanwhile. One that SIGKILL does not end within 5 s (asleep in a hung file system) is left.
+    Every child not in ``exclude`` counts: the caller is the process's only spawner meanwhile.
+    Returns the PIDs stopped."""
     stopped: list[int] = []
+    deadline = time.monotonic() + grace
     for _ in range(16):  # (each round: one more level of descendants, orphaned by the last)
         found = sorted(children() - exclude - set(stopped))
         if not found:
             break
+        late = time.monotonic() >= deadline
         for pid in found:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        left = set(found)
-        while left and time.monotonic() < deadline:
-            left = {pid for pid in left if not _reaped(pid)}
-            if left:
-                time.sleep(0.05)
+                os.kill(pid, signal.SIGKILL if late else signal.SIGTERM)
+        left = _reap_until(set(found), deadline)
         for pid in left:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
+        _reap_until(left, time.monotonic() + 5.0)
         stopped += found
     return stopped
+
+
+def _reap_until(pids: set[int], deadline: float) -> set[int]:
+    """Reap the children of ``pids`` that end before ``deadline``; return those left."""
+    left = set(pids)
+    while left:
+        left = {pid for pid in left if not _reaped(pid)}
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    return left
 
 
 def _reaped(pid: int) -> bool:

@@ -193,3 +193,15 @@ def test_bad_setting_is_a_clear_error(managed_dir: Path) -> None:
     res = _cli("info", env=env)
     assert res.returncode == 2  # usage: a bad setting (README's exit statuses)
     assert "INSTRIDE_TIMEOUT" in res.stderr
+
+
+def test_main_leaves_sigterm_as_it_found_it(managed_dir: Path) -> None:
+    """The command turns SIGTERM into its cleanup while it runs; a caller in the same process
+    gets the default back afterwards (it kept the command's handler)."""
+    import signal
+
+    from instride.cli import main
+
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert main(["info"]) == 0
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

@@ -120,17 +120,21 @@ def _gone(pids: list[int], within: float) -> bool:
     return False
 
 
-@pytest.mark.parametrize("backend", [["--workers", "2"], ["--backend", "mpi", "--workers", "2"]])
-def test_sigterm_stops_what_analyze_started(adk: AdkData, tmp_path: Path,
-                                            backend: list[str]) -> None:
+@pytest.mark.parametrize(("backend", "sig"), [
+    (["--workers", "2"], signal.SIGTERM),
+    (["--workers", "2"], signal.SIGKILL),
+    (["--backend", "mpi", "--workers", "2"], signal.SIGTERM),
+])
+def test_a_stopped_analyze_stops_what_it_started(adk: AdkData, tmp_path: Path,
+                                                 backend: list[str], sig: int) -> None:
     """SIGTERM to `instride analyze` (a batch system cancelling it) stops the processes it
-    started — the pool's workers, a self-launched mpiexec and its ranks — and exits 143; they
-    used to run on (workers blocked for ever on a pipe nobody read, ranks writing the output
-    for nobody)."""
-    # (0.2 s of extra work per frame on each rank: ~10 s per block of 49 frames)
+    started — the pool's workers, a self-launched mpiexec and its ranks — and exits 143, at
+    once, not after their blocks; SIGKILL takes the workers along too. They used to run on
+    (workers blocked for ever on a pipe nobody read, ranks writing the output for nobody)."""
+    # (1 s of extra work per frame on each rank: ~50 s per block of 49 frames)
     proc = subprocess.Popen(instride_cmd(
-        "analyze", "rmsd", "--topology", adk.psf, "--trajectory", adk.dcd, "--straggle", "0:0.2",
-        "--straggle", "1:0.2", "--out", str(tmp_path / "o"), "--no-plot", *backend),
+        "analyze", "rmsd", "--topology", adk.psf, "--trajectory", adk.dcd, "--straggle", "0:1",
+        "--straggle", "1:1", "--out", str(tmp_path / "o"), "--no-plot", *backend),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -143,12 +147,12 @@ def test_sigterm_stops_what_analyze_started(adk: AdkData, tmp_path: Path,
             time.sleep(0.1)
         assert len(family) >= 2, family
         time.sleep(1.0)  # (at work)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=20)  # (well before the blocks' ~50 s)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 143, err
-    assert _gone(family, within=20), family
+    assert proc.returncode == (143 if sig == signal.SIGTERM else -sig), err
+    assert _gone(family, within=15), family
     assert not (tmp_path / "o").exists()

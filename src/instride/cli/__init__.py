@@ -197,9 +197,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors: argparse exits with 2
     handler: Handler = args.func
-    if threading.current_thread() is threading.main_thread() \
-            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+    ours = threading.current_thread() is threading.main_thread() \
+        and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    if ours:
         signal.signal(signal.SIGTERM, _terminate)  # (else the process just dies: no cleanup)
+    try:
+        return _run(handler, args)
+    finally:
+        if ours:  # (a caller in the same process gets the default back)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _run(handler: Handler, args: argparse.Namespace) -> int:
     try:
         code = handler(args)
         sys.stdout.flush()  # (an output error here, not at exit)

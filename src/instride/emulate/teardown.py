@@ -7,7 +7,7 @@
   runs handlers).
 * :func:`signals_held`: SIGTERM and SIGINT held back while a teardown runs (a second signal,
   or one raised as an exception by the ``instride`` command, would otherwise interrupt it
-  half-way); delivered once it is done.
+  half-way); the first one delivered again once it is done.
 """
 
 from __future__ import annotations
@@ -34,16 +34,31 @@ _PENDING: list[int] = []
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """Hold SIGTERM and SIGINT back in the block (main thread); those that came meanwhile are
-    delivered after it."""
+    """Hold SIGTERM and SIGINT back in the block: taken in by a handler that notes them (not
+    masked: a mask is the calling thread's only, and the programs started meanwhile would
+    inherit it); the first one that came goes, after the block, to the handler the program
+    had. Only in the main thread (where Python runs handlers)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    came: list[int] = []
+
+    def note(signum: int, frame: Any) -> None:
+        came.append(signum)
+
+    previous = {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if came:  # (the program's handler called here: a signal sent again to this process
+            handler = previous[came[0]]  # could reach another thread after a later reset)
+            if callable(handler):
+                handler(came[0], None)
+            elif handler == signal.SIG_DFL:
+                signal.signal(came[0], signal.SIG_DFL)
+                os.kill(os.getpid(), came[0])
 
 
 def _unwind(signum: int, frame: Any) -> None:

@@ -208,7 +208,9 @@ def _remove_leftovers(record: dict[str, Any], owner: int) -> None:
         # Root removing a user's directory does it with that user's rights only: the path
         # comes from the user's record, and a component the user swaps for a link between
         # the checks and the removal must not lead root's rmtree into someone else's files.
-        _as_user(owner, lambda: _remove_managed(Path(raw), top, owner))
+        if not _as_user(owner, lambda: _remove_managed(Path(raw), top, owner)):
+            print(f"instride job --cleanup: removing {raw} as uid {owner} failed",
+                  file=sys.stderr, flush=True)
     else:
         _remove_managed(Path(raw), top, owner)
 
@@ -222,13 +224,13 @@ def _remove_managed(path: Path, top: str | None, owner: int) -> None:
             _remove_empty_parents(path, Path(top), owner)
 
 
-def _as_user(uid: int, fn: Callable[[], None]) -> None:
+def _as_user(uid: int, fn: Callable[[], None]) -> bool:
     """Run ``fn`` in a child process that has only ``uid``'s rights (its primary group, no
-    supplementary groups); wait for it."""
+    supplementary groups); wait for it; return whether it succeeded."""
     try:
         gid = pwd.getpwuid(uid).pw_gid
-    except KeyError:  # (a uid without a passwd entry: its own number as the group)
-        gid = uid
+    except KeyError:  # (no passwd entry, e.g. its directory service down: the nobody group,
+        gid = 65534  # never another user's)
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child (its effect is tested)
         code = 1
@@ -240,7 +242,8 @@ def _as_user(uid: int, fn: Callable[[], None]) -> None:
             code = 0
         finally:
             os._exit(code)
-    os.waitpid(pid, 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
 
 
 def cleanup_node(node: str | None = None, states: Path | None = None,

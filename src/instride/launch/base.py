@@ -697,7 +697,9 @@ class JobServices:
             finally:
                 try:
                     if adopting and self._child is not None:
-                        left = stop_adopted(ours, STOP_GRACE)
+                        # (a job being cancelled has Slurm's KillWait, 30 s by default, for
+                        # all of its teardown: what the command left gets 5 s then)
+                        left = stop_adopted(ours, 5.0 if self._signalled else STOP_GRACE)
                         if left:
                             print(f"instride job: stopped {len(left)} process(es) the command "
                                   f"left running (pids {', '.join(map(str, left))})",

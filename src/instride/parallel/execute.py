@@ -453,7 +453,7 @@ def _run_multiprocessing(
         # (the workers get SIGTERM if this process dies outright; stopped below if it is
         # interrupted: not left to finish their blocks for nobody, or to wait on a pipe)
         with ProcessPoolExecutor(max_workers=n, mp_context=ctx,
-                                 initializer=die_with_parent, initargs=(signal.SIGTERM,)) as ex:
+                                 initializer=_worker_init) as ex:
             try:
                 futs = [ex.submit(_mp_worker, ana, spec, r, n, straggle.get(r, 0.0),
                                   progress and r == 0) for r in range(n)]
@@ -484,11 +484,19 @@ def _run_multiprocessing(
                    straggler_factor, straggle)
 
 
+def _worker_init() -> None:
+    """A pool worker: SIGTERM ends it (a forked worker inherits the command's handler, which
+    turns SIGTERM into an exception its task loop catches: it would wait for tasks for ever),
+    and it gets SIGTERM when its parent dies."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    die_with_parent(signal.SIGTERM)
+
+
 def _stop_workers(ex: ProcessPoolExecutor) -> None:
     """Cancel what has not started and stop the workers at once (SIGTERM, SIGKILL after 5 s),
     so that leaving the executor's block does not wait for their blocks."""
-    ex.shutdown(wait=False, cancel_futures=True)
-    procs = list((getattr(ex, "_processes", None) or {}).values())  # (no public handle)
+    procs = list((getattr(ex, "_processes", None) or {}).values())  # (no public handle;
+    ex.shutdown(wait=False, cancel_futures=True)  # taken first: shutdown() drops it)
     for proc in procs:
         with contextlib.suppress(OSError):
             proc.terminate()
