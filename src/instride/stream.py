@@ -639,6 +639,9 @@ class Stream:
         if self.policy.archive is not None:
             from .archive import start_archiver
 
+            if self.overwrite:  # (an earlier run's archive: resumed, it would keep that run's
+                with contextlib.suppress(FileNotFoundError):  # frames, and skip this one's
+                    os.unlink(self.policy.archive)  # as far as that run went)
             self._archiver = start_archiver(self.name, self.policy.archive, self.client)
 
     def _refuse_an_earlier_run(self) -> None:
@@ -709,6 +712,13 @@ class Stream:
         return going
 
     def _wait_for_groups(self, start: float, holders: list[str]) -> None:
+        proc = self._archiver
+        if proc is not None and "archive" in holders and proc.poll() is not None:
+            # (the archiver this stream started is gone: its group would hold it for ever)
+            self._archiver = None
+            err = proc.communicate()[1].decode(errors="replace").strip()
+            raise ArchiveError(self.name, self.policy.archive,
+                               f"its archiver exited with status {proc.returncode}: {err}")
         timeout = self.client.settings.timeout if self.timeout is None else self.timeout
         waited = time.monotonic() - start
         if timeout is not None and waited >= timeout:

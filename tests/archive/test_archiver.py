@@ -302,3 +302,30 @@ def test_instride_url_reads_the_whole_run_memory_and_archive(managed_dir: Path, 
     for i in (2, 19, 0, 17, 5):  # random access across the archive (0-16) and memory (17-19)
         u.trajectory[i]
         assert u.atoms.positions[0, 0] == i and u.trajectory.ts.time == i
+
+
+def test_an_overwritten_run_starts_a_new_archive(managed_dir: Path, tmp_path: Path) -> None:
+    """A re-run with ``overwrite=True`` onto the same archive file: its archiver used to resume
+    the earlier run's file, skip the new run's frames as far as that run went, and readers got
+    the earlier run's frames from it."""
+    dest = tmp_path / "rerun.h5"
+    for first, overwrite in ((1.0, False), (2.0, True)):
+        with instride.Stream("rerun", mode="w", retain=2, archive=dest, overwrite=overwrite,
+                             timeout=60) as s:
+            for i in range(5):
+                s.append(np.full((NATOMS, 3), first + i), step=i)
+    reader = instride.Stream("rerun", timeout=10)
+    assert [reader.read(i).positions[0, 0] for i in range(5)] == [2.0, 3.0, 4.0, 5.0, 6.0]
+
+
+def test_a_dead_archiver_fails_its_producer(managed_dir: Path, tmp_path: Path) -> None:
+    """The archiver a stream started exits at once (its file is no archive): the producer,
+    whose retention waits for the archive group, fails with ArchiveError and the archiver's
+    words (it waited its whole timeout, or for ever, for a group nobody would move)."""
+    junk = tmp_path / "junk.h5"
+    junk.write_text("not an HDF5 file\n")
+    s = instride.Stream("deadarch", mode="w", retain=2, archive=junk, timeout=30)
+    with pytest.raises(ArchiveError, match="exited with status"):
+        for i in range(10):
+            s.append(_pos(i), step=i)
+    s.abandon()
