@@ -99,10 +99,15 @@ def archive_stream(
     except BaseException:
         reader.close()
         raise
-    done = writer.indices()
-    reader.set_archive(dest)
-    if len(done) and reader.tell() <= int(done[-1]):
-        reader.seek(int(done[-1]) + 1)  # flushed before the crash, not yet acknowledged
+    try:  # (a failure here lets go of the writer's lock and file, and of the group)
+        done = writer.indices()
+        reader.set_archive(dest)
+        if len(done) and reader.tell() <= int(done[-1]):
+            reader.seek(int(done[-1]) + 1)  # flushed before the crash, not yet acknowledged
+    except BaseException:
+        reader.close()
+        writer.close()
+        raise
     appended = 0
     bar = None
     if progress:

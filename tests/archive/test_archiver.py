@@ -329,3 +329,21 @@ def test_a_dead_archiver_fails_its_producer(managed_dir: Path, tmp_path: Path) -
         for i in range(10):
             s.append(_pos(i), step=i)
     s.abandon()
+
+
+def test_an_archiver_that_fails_to_start_lets_go_of_the_file(managed_dir: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure between opening the archive and the first frame (recording where the archive
+    is: Redis out of reach) kept the file's writer lock: the next archiver of that file in the
+    process was refused ("another archiver is writing it")."""
+    with instride.Stream("startfail", mode="w") as s:
+        s.append(_pos(0), step=0)
+    dest = tmp_path / "sf.h5"
+
+    def unreachable(self: instride.Stream, path: object) -> None:
+        raise instride.MetadataUnavailable("redis://x", "out of reach")
+
+    monkeypatch.setattr(instride.Stream, "set_archive", unreachable)
+    for _ in range(2):  # (the second is refused for the same reason, not for a held lock)
+        with pytest.raises(instride.MetadataUnavailable):
+            archive_stream("startfail", dest, timeout=5)

@@ -86,7 +86,18 @@ def open_served(root: Path, root_real: str, key: str) -> tuple[int, os.stat_resu
             real = os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)")
         except OSError:
             real = os.path.realpath(path)
-        check_real(root_real, key, real)
+        try:
+            check_real(root_real, key, real)
+        except KeyNotServed:
+            # (a frame retired since the open: its file went back to its stream's pool, which
+            # is no key. Not a link: the name no longer names this file, so not found)
+            try:
+                renamed = os.stat(path, follow_symlinks=False).st_ino != st.st_ino
+            except FileNotFoundError:
+                renamed = True
+            if renamed:
+                raise KeyNotFoundError(key) from None
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except (BlockingIOError, InterruptedError):
