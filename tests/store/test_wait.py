@@ -271,3 +271,24 @@ def test_a_signal_handler_runs_during_a_wait(client: instride.Client, wait_impl:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
     assert not (client.root / "sig").exists()  # the failed wait removed what it made
+
+
+def test_a_wait_on_more_directories_than_the_watch_cap_sleeps(client: instride.Client) -> None:
+    """``wait_any`` over 65 keys in 65 directories (one more than the watches kept): arming
+    the last evicted the first, whose removal woke the wait to arm it again, without end —
+    a core spun for the whole wait. It sleeps now."""
+    import resource
+
+    keys = [f"many{i}/k" for i in range(65)]
+    timer = threading.Timer(1.5, lambda: client.open(keys[0], "wb").close())
+    before = resource.getrusage(resource.RUSAGE_THREAD)
+    t0 = time.monotonic()
+    timer.start()
+    try:
+        assert client.wait_any(keys, timeout=30) == keys[0]
+    finally:
+        timer.cancel()
+    after = resource.getrusage(resource.RUSAGE_THREAD)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    wall = time.monotonic() - t0
+    assert wall >= 1.4 and cpu < 0.5 * wall, (cpu, wall)  # (it spun: cpu ~ wall)

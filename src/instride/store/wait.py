@@ -67,14 +67,17 @@ class _Watcher(threading.local):
             self.wds.clear()
         return self.ino
 
-    def watch(self, directory: Path) -> None:
+    def watch(self, directory: Path, keep: int = 0) -> None:
+        """Watch ``directory`` (the most recently used); the oldest watches beyond
+        :attr:`MAX_WATCHES`, or beyond ``keep`` (the directories one wait needs: none of
+        them is evicted by another, which would re-arm it without end), are dropped."""
         ino = self.get()
         if directory in self.wds:
             self.wds.move_to_end(directory)
             return
         directory.mkdir(parents=True, exist_ok=True)
         self.wds[directory] = ino.add_watch(directory, _WATCH)
-        while len(self.wds) > self.MAX_WATCHES:
+        while len(self.wds) > max(self.MAX_WATCHES, keep):
             _old, wd = self.wds.popitem(last=False)
             with contextlib.suppress(OSError):
                 ino.rm_watch(wd)
@@ -312,7 +315,7 @@ def _sleep(root: str, keys: list[str], full: list[str], confined: bool, timeout:
     try:
         ino = _watcher.get()
         for directory in dirs:
-            _watcher.watch(directory)
+            _watcher.watch(directory, keep=len(dirs))
     except OSError as exc:  # [limits] out of inotify instances or watches: poll instead
         if exc.errno not in _NO_INOTIFY:
             raise
@@ -371,7 +374,7 @@ def _sleep(root: str, keys: list[str], full: list[str], confined: bool, timeout:
                     rearm = True
         if rearm:
             for directory in dirs:
-                _watcher.watch(directory)
+                _watcher.watch(directory, keep=len(dirs))
         if wake or rearm:
             there = _first_there(root, keys, confined, refuse)
             if there is not None:
