@@ -109,12 +109,12 @@ def test_publication_between_check_and_watch_is_not_missed(
     original = local._watcher.watch
     published = []
 
-    def publish_then_arm(directory: Path) -> None:
+    def publish_then_arm(directory: Path, keep: int = 0) -> None:
         if not published:
             with client.open("race/exact", "wb") as fh:
                 fh.write(b"1")
             published.append(True)
-        original(directory)
+        original(directory, keep)
 
     monkeypatch.setattr(local._watcher, "watch", publish_then_arm)
     start = time.monotonic()
