@@ -57,7 +57,9 @@ def test_cli_round_trip(tmp_path: Path) -> None:
         assert cli("exec", "1", "--name", name, "--", "sh", "-c", "kill -9 $$").returncode == 137
         # SIGTERM to `instride cluster exec` reaches the command, which ends as it chooses (it
         # used to be SIGKILLed from here: no trap ran, its children ran on)
-        script = "trap 'kill $!; echo trapped; exit 5' TERM; sleep 300 & echo ready; wait"
+        # (the background program's output away from our pipe: its end is what we read to)
+        script = ("trap 'kill $!; echo trapped; exit 5' TERM; sleep 300 >/dev/null 2>&1 & "
+                  "echo ready; wait")
         ex = subprocess.Popen([PY, "-m", "instride", "cluster", "exec", "1", "--name", name,
                                "--", "sh", "-c", script], stdout=subprocess.PIPE, text=True)
         try:
