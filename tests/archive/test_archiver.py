@@ -59,7 +59,8 @@ def test_a_producer_that_fails_interrupts_its_archiver(managed_dir: Path, tmp_pa
                 s.append(_pos(i), step=i)
             archiver = s._archiver
             raise RuntimeError("engine died")
-    assert archiver is not None and archiver.returncode == 0  # stopped cleanly, reaped
+    # stopped cleanly (0), or by the signal while still starting (-15); not waited out (-9)
+    assert archiver is not None and archiver.returncode in (0, -signal.SIGTERM)
     assert not instride.Stream("broken", timeout=1).ended
     rd = open_reader(dest)  # what it archived before: a readable file, in order
     got = list(rd.indices())
