@@ -13,8 +13,9 @@ def _stop(signum: int, frame: object) -> None:
     raise _Stopped
 
 
-class _Stopped(Exception):
-    """SIGTERM: stop as Ctrl-C does (the archive file closed on the way out)."""
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM: stop as Ctrl-C does (the archive file closed on the way out). Not an
+    ``Exception``: a wait that retries on errors must not take it for one."""
 
 
 def cmd_archive(args: argparse.Namespace) -> int:
