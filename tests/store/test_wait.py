@@ -300,3 +300,45 @@ def test_a_wait_on_more_directories_than_the_watch_cap_sleeps(client: instride.C
     cpu, wall = got[1], got[2]
     assert isinstance(cpu, float) and isinstance(wall, float)
     assert wall >= 1.4 and cpu < 0.5 * wall, (cpu, wall)  # (it spun: cpu ~ wall)
+
+
+def test_a_wide_wait_in_a_thread_holding_watches_of_removed_directories_sleeps(
+        client: instride.Client) -> None:
+    """A thread that watched 80 directories (64 watches kept), half of them removed since,
+    then waits on 65 keys in new directories: the removed ones' ``IN_IGNORED`` (more than a
+    native wait lists at once) made it drop every watch and arm them again, and each removal
+    queued another ``IN_IGNORED``: a core spun for the whole wait (the round 38 note). Its
+    own evictions' ``IN_IGNORED`` are no news either."""
+    import resource
+
+    old = [client.root / f"old{i}" for i in range(80)]
+    for d in old:
+        d.mkdir()
+    keys = [f"wide{i}/k" for i in range(65)]
+    got: list[object] = []
+
+    def wait() -> None:
+        for i in range(80):  # (each wait arms a watch on its directory, which stays held)
+            with pytest.raises(ConsumeTimeout):
+                client.wait_any([f"old{i}/nothing"], timeout=0.002)
+        for d in old[:40]:
+            d.rmdir()
+        before = resource.getrusage(resource.RUSAGE_THREAD)
+        t0 = time.monotonic()
+        got.append(client.wait_any(keys, timeout=30))
+        after = resource.getrusage(resource.RUSAGE_THREAD)
+        got.append((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime))
+        got.append(time.monotonic() - t0)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    while waiter.is_alive() and not (client.root / "wide64").is_dir():
+        time.sleep(0.01)  # (the wide wait is armed once its last directory is there)
+    time.sleep(1.5)
+    client.open(keys[-1], "wb").close()
+    waiter.join(60)
+    assert not waiter.is_alive()
+    assert got[0] == keys[-1]
+    cpu, wall = got[1], got[2]
+    assert isinstance(cpu, float) and isinstance(wall, float)
+    assert wall >= 1.4 and cpu < 0.5 * wall, (cpu, wall)  # (it spun: cpu ~ wall)

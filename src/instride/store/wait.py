@@ -89,20 +89,43 @@ class _Watcher(threading.local):
             with contextlib.suppress(OSError):
                 self.get().rm_watch(wd)
 
-    def forget(self, wd: int) -> None:
+    def forget(self, wd: int) -> bool:
+        """Forget the watch ``wd`` (its directory went away); whether this thread held it.
+
+        An ``IN_IGNORED`` of a watch no longer held is one this thread removed itself
+        (evicted, or dropped): nothing to arm again. Re-arming for it would evict or
+        remove another watch, whose own ``IN_IGNORED`` woke the wait again, without end."""
+        held = False
         for directory, w in list(self.wds.items()):
             if w == wd:
                 del self.wds[directory]
+                held = True
                 with contextlib.suppress(OSError):
                     self.get().rm_watch(w)
+        return held
 
     def reset(self) -> None:
-        """Drop every watch (after a queue overflow); waits re-arm what they need."""
+        """After events were lost (a queue overflow, or more watches gone at once than a
+        native wait reports): find out which watches are gone and forget them.
+
+        Each held directory is watched again: ``inotify_add_watch`` answers the descriptor of
+        the watch already on the directory now at that path, so a live watch is kept as it
+        is — removing and re-adding it would queue an ``IN_IGNORED`` for each, which woke
+        the wait to do the same again, a core spinning. A directory gone, or replaced (a
+        new descriptor), is forgotten; waits arm what they need."""
         ino = self.get()
-        for wd in self.wds.values():
+        for directory, wd in list(self.wds.items()):
+            try:
+                now = ino.add_watch(directory, _WATCH) if os.path.isdir(directory) else None
+            except OSError:
+                now = None
+            if now == wd:
+                continue
+            del self.wds[directory]
             with contextlib.suppress(OSError):
-                ino.rm_watch(wd)
-        self.wds.clear()
+                ino.rm_watch(wd)  # (one that moved away with its directory)
+            if now is not None:  # (a new directory at the path: its watch is new too)
+                self.wds[directory] = now
 
 
 _watcher = _Watcher()
@@ -131,7 +154,7 @@ def lost_watches(gone: Sequence[int]) -> None:
     if not gone:
         _watcher.reset()
     for wd in gone:
-        _watcher.forget(wd)
+        _watcher.forget(wd)  # (the wait looks again the general way: it arms what it needs)
 
 
 def _missing_dirs(dirs: Iterable[Path]) -> list[Path]:
@@ -354,11 +377,13 @@ def _sleep(root: str, keys: list[str], full: list[str], confined: bool, timeout:
                     refuse(keys[found.value])
                 wake, rearm = True, False
             elif rc == _REARM:
-                if found.value < 0:  # the queue overflowed
+                if found.value < 0:  # the queue overflowed (or too many went to list them)
                     _watcher.reset()
-                for wd in gone[: max(0, found.value)]:  # watched directories that went away
-                    _watcher.forget(wd)
-                wake = rearm = True
+                    rearm = True
+                else:  # watched directories that went away; those this thread still held
+                    # (not those whose watches it removed itself: their IN_IGNORED is no news)
+                    rearm = any([_watcher.forget(wd) for wd in gone[: found.value]])
+                wake = True  # (the batch may have named a key too: look)
             else:  # timed out (the loop's clock says whether for good) or a signal
                 continue
         else:
@@ -369,9 +394,8 @@ def _sleep(root: str, keys: list[str], full: list[str], confined: bool, timeout:
                 elif ev.mask & _LOST:  # events (maybe IN_IGNORED) were lost
                     _watcher.reset()
                     rearm = True
-                elif ev.mask & _GONE:  # a watched directory went away or moved
-                    _watcher.forget(ev.wd)
-                    rearm = True
+                elif ev.mask & _GONE:  # a watched directory went away or moved (see forget)
+                    rearm = _watcher.forget(ev.wd) or rearm
         if rearm:
             for directory in dirs:
                 _watcher.watch(directory, keep=len(dirs))
