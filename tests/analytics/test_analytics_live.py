@@ -64,7 +64,7 @@ def test_distance_matrix_eigenvalue_matches_numpy(adk) -> None:
             assert ana.results[col][i] == pytest.approx(np.linalg.eigvalsh(d).max(), rel=1e-6)
     # a straight line of n points spaced 1 apart: known Perron root for n = 2 is 1
     assert largest_eigenvalue(np.array([[0, 0, 0], [1, 0, 0]])) == pytest.approx(1.0)
-    with pytest.raises(ValueError, match="selects 0 atom"):
+    with pytest.raises(instride.ConfigError, match="selects 0 atom"):
         DistanceMatrixEigenvalue(adk, {"none": "resname XYZ"})
     # two names that make one column: refused (the first one's values were lost)
     with pytest.raises(instride.ConfigError, match="one column"):
@@ -100,7 +100,7 @@ def test_analyze_stream_writes_table_and_plots(managed_dir: Path, tmp_path: Path
 
 
 def test_in_situ_analytics_refuses_empty_selection(adk) -> None:
-    with pytest.raises(ValueError, match="matches no atom"):
+    with pytest.raises(instride.ConfigError, match="matches no atom"):
         InSituAnalytics(adk, selection="resname XYZ")
 
 
@@ -120,8 +120,10 @@ def test_rmsd_with_a_fixed_reference_is_mdanalysis_bit_for_bit(adk) -> None:
     got = RMSDToFirst(ca, reference=reference).run(stop=8).results.rmsd
     want = rms.RMSD(mda.Universe(PSF, DCD), select="name CA", ref_frame=3).run(stop=8)
     assert np.array_equal(got, want.results.rmsd[:, 2])
-    with pytest.raises(ValueError, match="reference has shape"):
+    with pytest.raises(instride.ConfigError, match="reference.*shape"):
         RMSDToFirst(ca, reference=reference[:5])
+    with pytest.raises(instride.ConfigError, match="weights"):
+        RMSDToFirst(ca, weights="charge")
     mass = RMSDToFirst(ca, weights="mass", reference=reference).run(stop=4).results.rmsd
     want = [rms.rmsd(reference, ca.positions, weights=ca.masses, superposition=True)
             for _ in adk.trajectory[:4]]

@@ -18,7 +18,7 @@ from MDAnalysisTests.datafiles import DCD, PSF
 
 import instride
 from instride.analytics import InstrideReader
-from instride.errors import ConsumeTimeout, EndOfStream, IntegrityError
+from instride.errors import ConsumeTimeout, EndOfStream, FramesMissed, IntegrityError
 from tests.conftest import finish, spawn_py
 
 NFRAMES = 20
@@ -254,3 +254,76 @@ def test_a_long_stream_is_read_under_a_low_limit_of_open_files(managed_dir: Path
     rc, out, err = finish(proc, timeout=120)
     assert rc == 0, err
     assert out.split() == [str(n), "True", str(n - 1), "0", str(n // 2), "0.5"]
+
+
+def test_a_universe_reads_as_a_consumer_group_and_resumes_where_it_stopped(
+        managed_dir: Path, adk) -> None:
+    """``group=``: a producer that keeps 3 frames and blocks for group "ana" drops none of
+    them before the universe took it; a second universe of the group starts where the first
+    closed (at the frame it held, as a restarted Stream reader of a group does)."""
+    import threading
+
+    w = instride.Stream("grp", mode="w", retain=3, groups=["ana"], timeout=30)
+
+    def produce() -> None:
+        for i in range(12):
+            w.append(adk.atoms.positions + i, step=i)
+        w.close()
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    try:
+        u = mda.Universe(PSF, "instride://grp", group="ana", timeout=30)
+        traj = u.trajectory
+        steps = []
+        for ts in traj:
+            steps.append(ts.data["step"])
+            np.testing.assert_allclose(u.atoms.positions, adk.atoms.positions + ts.frame,
+                                       atol=1e-4)
+            if ts.frame == 4:
+                break
+        traj.close()  # the group's position recorded: frames 0..3 are done
+        assert steps == [0, 1, 2, 3, 4]
+        again = mda.Universe(PSF, "instride://grp", group="ana", timeout=30).trajectory
+        # (where the group was, not frame 0: the frame it held when it stopped comes again)
+        assert again.ts.frame == 4
+        rest = [ts.data["step"] for ts in again]
+        again.close()
+    finally:
+        producer.join(60)
+    assert not producer.is_alive()
+    assert rest == list(range(4, 12))
+    assert again.missed == 0
+
+
+def test_a_universe_that_falls_behind_counts_the_frames_it_missed(managed_dir: Path,
+                                                                  adk) -> None:
+    """``on_gap="count"``: frames dropped before the loop got to them are skipped and counted
+    (without it, FramesMissed)."""
+    w = instride.Stream("gap", mode="w", retain=3, on_full="drop-oldest")
+    w.append(adk.atoms.positions, step=0)
+    counted = mda.Universe(PSF, "instride://gap", on_gap="count", timeout=10).trajectory
+    raising = mda.Universe(PSF, "instride://gap", timeout=10).trajectory
+    for i in range(1, 8):
+        w.append(adk.atoms.positions + i, step=i)
+    w.close()
+    # (the loop starts at frame 0, which the universe read at its opening: gone since)
+    assert [ts.data["step"] for ts in counted] == [5, 6, 7]
+    assert counted.missed == 5
+    with pytest.raises(FramesMissed):
+        for _ts in raising:
+            pass
+
+
+def test_a_pickled_group_reader_reads_without_the_group(managed_dir: Path, adk) -> None:
+    """A copy in a parallel analysis's worker would be a second live reader of the group
+    (GroupBusy): it reads without it."""
+    w = instride.Stream("pgrp", mode="w", retain=4, groups=["ana"])
+    for i in range(3):
+        w.append(adk.atoms.positions + i, step=i)
+    w.close()
+    u = mda.Universe(PSF, "instride://pgrp", group="ana", timeout=10)
+    copy = pickle.loads(pickle.dumps(u))
+    assert [ts.data["step"] for ts in copy.trajectory] == [0, 1, 2]
+    assert [ts.data["step"] for ts in u.trajectory] == [0, 1, 2]
+    u.trajectory.close()

@@ -77,8 +77,8 @@ class DistanceMatrixEigenvalue(FrameAnalysis):
 
     Raises
     ------
-    ValueError
-        A selection matches fewer than two atoms.
+    ConfigError
+        A selection matches fewer than two atoms, or two names make one column.
     """
 
     def __init__(
@@ -93,7 +93,8 @@ class DistanceMatrixEigenvalue(FrameAnalysis):
         for name, sel in spec.items():
             group = universe.select_atoms(sel) if isinstance(sel, str) else sel
             if len(group) < 2:
-                raise ValueError(f"substructure {name!r} ({sel!r}) selects {len(group)} atom(s)")
+                raise ConfigError("substructures", {name: sel},
+                                  f"it selects {len(group)} atom(s); a distance matrix needs 2")
             self.groups[name] = group
         self.columns = tuple("lambda_" + re.sub(r"\W", "_", name) for name in self.groups)
         if len(set(self.columns)) != len(self.columns):  # ("A-B" and "A B": one column)

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ConfigError
 from .base import FrameAnalysis
 from .eigen import DistanceMatrixEigenvalue
 from .gyration import RadiusOfGyration
@@ -40,7 +41,7 @@ INDEX_COLUMNS = ("frame", "step", "time_ps")
 def _select(universe: Any, selection: str, what: str) -> Any:
     group = universe.select_atoms(selection)
     if len(group) == 0:
-        raise ValueError(f"{what} selection {selection!r} matches no atom")
+        raise ConfigError(f"{what} selection", selection, "it matches no atom")
     return group
 
 
@@ -61,6 +62,11 @@ class InSituAnalytics:
     table
         CSV file to stream rows to (``frame, step, time_ps`` then one column per quantity);
         ``None``: keep results in memory only.
+
+    Raises
+    ------
+    ConfigError
+        A selection that matches no atom (or a substructure fewer than two).
     """
 
     def __init__(

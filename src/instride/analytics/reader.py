@@ -32,8 +32,19 @@ Semantics on a live stream
 * **Bounded streams** (``retain=N``) keep only their newest frames: a universe opened after
   frame 0 was dropped starts at the oldest frame kept (``ts.frame`` is the stream's index),
   and the end of a loop does not fail for want of the frame it would rewind to. A frame
-  dropped before this reader got to it raises :class:`~instride.errors.FramesMissed` (the
-  reader is not one of the stream's consumer groups, which the producer waits for).
+  dropped before this reader got to it raises :class:`~instride.errors.FramesMissed`
+  (``on_gap="count"``: the iteration skips them and counts them in
+  :attr:`InstrideReader.missed`).
+* **Consumer groups** (``group="name"``): the universe reads as one of the stream's consumer
+  groups, which a producer under ``on_full="block"`` waits for, so no frame is dropped
+  before the analysis took it. The trajectory starts at the group's position (a restarted
+  analysis resumes where the group was: the frame it held when it stopped comes again), and
+  iterating moves the group's position on
+  (recorded every ``commit_every`` frames, and when the reader closes). Random access
+  (``u.trajectory[i]``, the rewind at the end of a loop) does not move it; a group's frames
+  are taken once, so a second loop over them finds them gone. ``u.trajectory.close()``
+  records the position and lets the group go; a pickled copy (a parallel analysis's worker)
+  reads without the group.
 * Velocities and forces are not carried by streams; ``ts.has_velocities`` is ``False``.
 
 Examples
@@ -121,6 +132,15 @@ class InstrideReader(ReaderBase):
     length
         ``"published"`` (default): ``len()`` is the number of frames published when asked.
         ``"final"``: ``len()`` waits for end-of-stream and returns the final count.
+    group
+        Read as this consumer group of the stream (see :class:`instride.Stream`): start at
+        its position and move it on while iterating.
+    commit_every
+        With ``group``: record its position every this many frames (default 1).
+    on_gap
+        Frames of a bounded stream dropped before the iteration got to them: ``"raise"``
+        (default) raises :class:`~instride.errors.FramesMissed`, ``"count"`` skips them
+        and adds their number to :attr:`missed`.
     **kwargs
         Passed to :class:`MDAnalysis.coordinates.base.ReaderBase` (``dt``, ``time_offset``).
 
@@ -137,6 +157,8 @@ class InstrideReader(ReaderBase):
         Size of one frame file of this stream.
     frames_read : int
         Frames read (random access included).
+    missed : int
+        Frames the iteration skipped because they were dropped first (``on_gap="count"``).
 
     Raises
     ------
@@ -146,6 +168,8 @@ class InstrideReader(ReaderBase):
         No frame 0 within ``timeout``.
     ValueError
         ``n_atoms`` does not match the stream, or a bad URL / ``length``.
+    ConfigError
+        An invalid ``group`` name, ``commit_every`` or ``on_gap``.
     """
 
     format = "INSTRIDE"
@@ -159,6 +183,9 @@ class InstrideReader(ReaderBase):
         *,
         timeout: float | None = None,
         length: str = "published",
+        group: str | None = None,
+        commit_every: int = 1,
+        on_gap: str = "raise",
         **kwargs: Any,
     ) -> None:
         super().__init__(filename, **kwargs)
@@ -168,6 +195,9 @@ class InstrideReader(ReaderBase):
         # (NaN waited for ever, a negative number failed at once: refused, as everywhere)
         self._timeout = None if timeout is None else parse_timeout(timeout, "timeout")
         self._length = length
+        self._group, self._commit_every, self._on_gap = group, commit_every, on_gap
+        self.missed = 0
+        self._rewinding = False
         self.wait_seconds = 0.0
         self.read_seconds = 0.0
         self.bytes_read = 0
@@ -175,8 +205,9 @@ class InstrideReader(ReaderBase):
         self._count = 0  # frames known to be published (a prefix: a stream is written in order)
         self._final: int | None = None  # frame count once the stream has ended
         self._open_stream()
+        self._start = self._stream.tell()  # (a group's position; else 0)
         try:
-            first, self._start = self._fetch(0, wait=True), 0
+            first = self._fetch(self._start, wait=True)
         except FramesMissed as exc:  # a bounded stream that no longer holds its first frames:
             self._start = exc.resume  # the trajectory starts at the oldest one it holds
             first = self._fetch(self._start, wait=True)
@@ -191,7 +222,8 @@ class InstrideReader(ReaderBase):
 
     # ------------------------------------------------------------------ plumbing
     def _open_stream(self) -> None:
-        self._stream = Stream(self._name, mode="r", timeout=self._timeout)
+        self._stream = Stream(self._name, mode="r", timeout=self._timeout, group=self._group,
+                              commit_every=self._commit_every, on_gap=self._on_gap)
 
     @staticmethod
     def _format_hint(thing: Any) -> bool:
@@ -294,7 +326,44 @@ class InstrideReader(ReaderBase):
     # holds a descriptor and a lock on its file until then)
     def _read_next_timestep(self, ts: Any = None) -> Any:
         index = self.ts.frame + 1
-        with self._fetch(index, wait=True) as frame:
+        stream = self._stream
+        if self._group is not None and index == stream.tell():  # the group's next frame:
+            return self._next_of_group()  # taken through the stream, which moves it on
+        try:
+            frame = self._fetch(index, wait=True)
+        except FramesMissed as exc:
+            if self._on_gap != "count" or self._rewinding:  # (a rewind skips nothing)
+                raise
+            self.missed += exc.missed
+            index = exc.resume
+            frame = self._fetch(index, wait=True)
+        with frame:
+            return self._load(index, frame)
+
+    def _next_of_group(self) -> Any:
+        """The group's next frame, through the stream's iteration (which records the group's
+        position, and skips dropped frames under ``on_gap="count"``)."""
+        stream = self._stream
+        key = stream.frame_key(stream.tell())
+        ready = stream.client.exists(key)
+        missed = stream.missed
+        t0 = time.perf_counter()
+        try:
+            frame = next(stream)
+        except StopIteration:
+            raise EndOfStream(self._name, stream.tell()) from None
+        elapsed = time.perf_counter() - t0
+        if ready:
+            self.read_seconds += elapsed
+        else:  # (waited for, then read: the wait is not told apart from the read here)
+            self.wait_seconds += elapsed
+        self.missed += stream.missed - missed
+        index = stream.tell() - 1
+        self._count = max(self._count, index + 1)
+        self.frame_nbytes = frame_bytes(frame)
+        self.bytes_read += self.frame_nbytes
+        self.frames_read += 1
+        with frame:
             return self._load(index, frame)
 
     def _read_frame(self, frame: int) -> Any:
@@ -311,6 +380,15 @@ class InstrideReader(ReaderBase):
 
     def _reopen(self) -> None:
         self.ts.frame = self._start - 1
+
+    def rewind(self) -> Any:
+        """Go back to the first frame (a bounded stream's: :class:`FramesMissed` where it
+        was dropped; the frames after it are not skipped to, nor counted as missed)."""
+        self._rewinding = True
+        try:
+            return super().rewind()
+        finally:
+            self._rewinding = False
 
     def next(self) -> Any:
         """Advance to the next frame, blocking until it is published.
@@ -338,7 +416,10 @@ class InstrideReader(ReaderBase):
             return second.time - first.time
 
     def close(self) -> None:
-        """Nothing to release: frames are opened per read."""
+        """Record a consumer group's position and let the group go (``group=``); else
+        nothing to release: frames are opened per read."""
+        if self._group is not None:
+            self._stream.close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -347,6 +428,9 @@ class InstrideReader(ReaderBase):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        # (a copy, e.g. in a parallel analysis's worker, reads without the group: one live
+        # reader per group, and the frames it reads are the original's to take)
+        self._group = None
         frame = self.ts.frame
         self._open_stream()
         if frame >= 0:

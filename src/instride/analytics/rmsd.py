@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from MDAnalysis.lib import qcprot
 
+from ..errors import ConfigError
 from .base import FrameAnalysis
 
 __all__ = ["RMSDToFirst"]
@@ -49,7 +50,7 @@ class RMSDToFirst(FrameAnalysis):
 
     Raises
     ------
-    ValueError
+    ConfigError
         Unknown ``weights``, or a ``reference`` whose shape does not match the atom group.
     """
 
@@ -66,7 +67,7 @@ class RMSDToFirst(FrameAnalysis):
         self.atomgroup = atomgroup
         if isinstance(weights, str):
             if weights != "mass":
-                raise ValueError(f"weights must be None, 'mass' or an array, got {weights!r}")
+                raise ConfigError("weights", weights, "expected None, 'mass' or an array")
             weights = atomgroup.masses
         self.weights = None if weights is None else np.asarray(weights, dtype=np.float64)
         # QCP takes weights relative to their mean, as MDAnalysis.analysis.rms.rmsd passes them
@@ -76,8 +77,8 @@ class RMSDToFirst(FrameAnalysis):
         if reference is not None:
             fixed = np.asarray(reference, dtype=np.float64)
             if fixed.shape != (len(atomgroup), 3):
-                raise ValueError(f"reference has shape {fixed.shape}, the atom group "
-                                 f"{(len(atomgroup), 3)}")
+                raise ConfigError("reference", f"an array of shape {fixed.shape}",
+                                  f"the atom group's positions have shape {(len(atomgroup), 3)}")
             self._fixed = self._centred(fixed)
         self._reference = self._fixed
 
