@@ -1018,3 +1018,45 @@ def test_a_bounded_stream_is_not_rerun_without_overwrite(client: instride.Client
     with instride.Stream("again", mode="w", retain=2, overwrite=True, client=client) as s:
         s.append(_positions(7), step=7)
     assert [f.step for f in instride.Stream("again", client=client, timeout=1)] == [7]
+
+
+@pytest.mark.parametrize("mode", ["local", "cluster"])
+def test_a_rerun_stops_a_group_reader_of_the_earlier_run(
+        mode: str, client: instride.Client, tmp_path: Path, redis_server: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group reader of run 1 (it holds frame 1) while the stream is re-run
+    (``overwrite=True``): it raises ``GroupReset`` at its next frame, and a reader of the new
+    run takes the group from frame 0. Its position used to stay, and a re-run's reset was
+    overwritten by its next commit: it waited for its run's frame 2 in the new run (skipping
+    the new run's frames before it), and on one node it kept the group from the new run's
+    reader (``GroupBusy``)."""
+    import instride.store.streamstate as state
+    from instride.errors import GroupReset
+    from tests.conftest import LoopbackNode
+
+    node = None
+    if mode == "cluster":
+        monkeypatch.setattr(state, "LEASE_S", 1.0)  # (renewed every ~0.33 s: it learns soon)
+        node = LoopbackNode(tmp_path, 1, redis_server.url, "test-token")
+        client = node.client()
+    try:
+        with instride.Stream("rr", mode="w", retain=4, groups=["g"], client=client) as w:
+            for i in range(4):
+                w.append(_positions(i), step=i)
+        r = instride.Stream("rr", group="g", client=client, timeout=5)
+        assert [next(r).step for _ in range(2)] == [0, 1]
+        w2 = instride.Stream("rr", mode="w", retain=4, groups=["g"], overwrite=True,
+                             client=client)
+        w2.append(_positions(10), step=10)
+        time.sleep(1.0 if mode == "cluster" else 0.0)
+        with pytest.raises(GroupReset, match="re-run"):
+            next(r)
+        r.close()
+        r2 = instride.Stream("rr", group="g", client=client, timeout=5)
+        w2.append(_positions(11), step=11)
+        w2.close()
+        assert [f.step for f in r2] == [10, 11]
+        r2.close()
+    finally:
+        if node is not None:
+            client.close()

@@ -294,6 +294,22 @@ class GroupLeaseLost(GroupBusy):
         self.args = (_errno.EBUSY, self.strerror)
 
 
+class GroupReset(GroupLeaseLost):
+    """A reader's consumer group was reset by a re-run of its stream (a producer that started
+    over under the name, ``overwrite=True``): the reader's position belongs to the earlier
+    run, whose frames are gone. It must not go on as the group: it would skip the new run's
+    frames before its position (or wait for one that never comes)."""
+
+    def __init__(self, stream: str, group: str) -> None:
+        super().__init__(stream, group, 0.0)
+        self._init_args = (stream, group)
+        self.strerror = (
+            f"consumer group {group!r} of stream {stream!r} was reset by a re-run of the stream "
+            "(a producer started it over, overwrite=True): this reader's position is the "
+            "earlier run's; open the stream again to read the new run as the group")
+        self.args = (_errno.EBUSY, self.strerror)
+
+
 class ArchiveError(InstrideError, OSError):
     """A stream's archiver failed: frames may be missing from its archive file. Also a file
     that cannot be used as the archive (not one, another stream's, another archiver's).
@@ -372,6 +388,7 @@ BY_NAME: dict[str, type[InstrideError]] = {
         StreamFull,
         GroupBusy,
         GroupLeaseLost,
+        GroupReset,
         ArchiveError,
         ConfigError,
         UnsupportedModeError,

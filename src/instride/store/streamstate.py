@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import ConfigError, GroupBusy, GroupLeaseLost, MetadataUnavailable
+from ..errors import ConfigError, GroupBusy, GroupLeaseLost, GroupReset, MetadataUnavailable
 from ..perthread import forks
 from .dirs import allocate
 
@@ -234,14 +234,17 @@ class Groups:
         return out
 
     def reset(self) -> None:
-        """Set every cursor back to 0 (a stream re-written from its start)."""
+        """Set every cursor back to 0 (a stream re-written from its start).
+
+        Each cursor file is replaced by a new one, not written over: a reader of the earlier
+        run that still holds its group holds the old file (unlinked now, which its
+        :meth:`GroupCursor.check` sees), so it can neither write its position of the earlier
+        run into the new cursor nor keep the group from a reader of the new run."""
+        self.close()  # (the cached descriptors are the old files')
         for name in self.names():
-            with contextlib.suppress(FileNotFoundError):
-                fd = os.open(self.dir / name, os.O_WRONLY | os.O_CLOEXEC)
-                try:
-                    os.pwrite(fd, _CURSOR.pack(0), 0)
-                finally:
-                    os.close(fd)
+            tmp = self.dir / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
+            tmp.write_bytes(_CURSOR.pack(0))
+            os.replace(tmp, self.dir / name)
 
     def close(self) -> None:
         """Close cached descriptors."""
@@ -262,7 +265,7 @@ class GroupCursor:
 
     def __init__(self, groups: Groups, stream: str, name: str, start: int) -> None:
         groups.register(name, start)
-        self.name = name
+        self.name, self.stream = name, stream
         self._fd = os.open(groups.dir / name, os.O_RDWR | os.O_CLOEXEC)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -272,8 +275,17 @@ class GroupCursor:
         self.value = int(_CURSOR.unpack(os.pread(self._fd, _CURSOR.size, 0))[0])
 
     def check(self) -> None:
-        """Whether the group is still this reader's: on one node always (its lock is held
-        until the reader closes or dies)."""
+        """Whether the group is still this reader's: its lock is held until the reader closes
+        or dies, but a re-run of the stream replaces the group's cursor file (the old one
+        has no name left).
+
+        Raises
+        ------
+        GroupReset
+            The stream was re-run: this reader's position is the earlier run's.
+        """
+        if os.fstat(self._fd).st_nlink == 0:
+            raise GroupReset(self.stream, self.name)
 
     def commit(self, value: int) -> None:
         """Record that the group is done with every frame before ``value``."""
@@ -515,9 +527,11 @@ class RedisStreamState:
                                        "producer": os.getpid(), "run": uuid.uuid4().hex,
                                        "since": repr(time.time()),
                                        "node": self.metadata.settings.addr or ""})
-        if reset:
+        if reset:  # (a reader of the earlier run loses its lease: see RedisGroupCursor)
+            pipe.hincrby(self._head, "resets", 1)
             for name in self.redis.hkeys(self._groups):
                 pipe.hset(self._groups, name, 0)
+                pipe.delete(self.lease_key(_text(name)))
         for name in groups:
             pipe.hsetnx(self._groups, name, 0)
         pipe.execute()
@@ -586,6 +600,14 @@ class RedisStreamState:
             return ""
         return (_text(run), float(since), _text(node) if node else None)  # ("": not known)
 
+    def resets(self) -> int:
+        """How many times the stream's groups were reset (by re-runs, ``overwrite=True``)."""
+        return int(self.redis.hget(self._head, "resets") or 0)
+
+    def lease_key(self, group: str) -> str:
+        """The Redis key of ``group``'s lease."""
+        return f"instride:stream:{self.stream}:group:{group}:lease"
+
     def open_group(self, name: str, start: int) -> RedisGroupCursor:
         """Take the group's lease and return its cursor.
 
@@ -648,11 +670,15 @@ class RedisGroupCursor:
     new reader's lease is never extended by the old one. Its commits are fenced the same way:
     Redis writes the cursor only while the lease holds this reader's token, so a commit that
     arrives late (sent again after its connection failed) never overwrites the new reader's.
+    A re-run of the stream (``overwrite=True``) deletes every group's lease with the reset of
+    the cursors: the reader of the earlier run finds its lease gone at its next renewal and
+    raises :class:`~instride.errors.GroupReset` (told apart by the stream's count of resets).
     """
 
     def __init__(self, state: RedisStreamState, name: str, start: int) -> None:
         self.state, self.name = state, name
-        self._lock = f"instride:stream:{state.stream}:group:{name}:lease"
+        self._lock = state.lease_key(name)
+        self._resets = state.resets()  # (a lease lost to a re-run of the stream: GroupReset)
         self._token = f"{os.getpid()}-{uuid.uuid4().hex}"
         r = state.redis
         if not r.set(self._lock, self._token, nx=True, px=int(state.lease_s * 1000)) \
@@ -708,6 +734,11 @@ class RedisGroupCursor:
         except Exception:  # (Redis unreachable: the lease may still be ours; the commit says)
             return
         if not ours:
+            rerun = False
+            with contextlib.suppress(Exception):  # (the run's look is only for the message)
+                rerun = self.state.resets() != self._resets
+            if rerun:
+                raise GroupReset(self.state.stream, self.name)
             raise GroupLeaseLost(self.state.stream, self.name, self.state.lease_s)
 
     def commit(self, value: int) -> None:
