@@ -11,6 +11,12 @@ When the pipe ends without ``done``, the parent died: the watchdog sends ``SIGTE
 group it holds, waits up to the grace, then sends ``SIGKILL`` to those still there. A parent
 that tears down itself sends ``done`` after stopping its children, and the watchdog exits
 without a signal. Used by ``instride flow run`` (every module instance).
+
+A program's descendants may also leave its process group (``setsid``, a daemon). Those are
+found by an entry of their environment (``=NAME=VALUE``: a cookie the parent gave the
+program, which its descendants inherit — as Jenkins finds a build's leftovers) and signalled
+with the groups. Directories told with ``@PATH`` are removed once the processes are gone
+(``instride job``'s working directory).
 :func:`become_subreaper` and :func:`stop_adopted`: ``instride job`` adopts what its command
 leaves running and stops it before the services it uses.
 
@@ -30,9 +36,9 @@ import time
 CODE = r"""
 import os, signal, sys, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)
-grace, groups, done = float(sys.argv[1]), set(), False
+grace, groups, cookies, dirs, done = float(sys.argv[1]), set(), set(), [], False
 for line in sys.stdin:
-    line = line.strip()
+    line = line.rstrip("\n")
     if line == "done":
         done = True
         break
@@ -40,6 +46,26 @@ for line in sys.stdin:
         groups.add(int(line[1:]))
     elif line[:1] == "-":
         groups.discard(int(line[1:]))
+    elif line[:1] == "=":
+        cookies.add(os.fsencode(line[1:]))
+    elif line[:1] == "@":
+        dirs.append(line[1:])
+
+def marked():
+    found, me = [], os.getpid()
+    if not cookies:
+        return found
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as fh:
+                env = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if cookies.intersection(env):
+            found.append(int(name))
+    return found
 
 def signal_all(sig):
     alive = []
@@ -49,13 +75,27 @@ def signal_all(sig):
             alive.append(g)
         except (ProcessLookupError, PermissionError):
             pass
+    for pid in marked():
+        try:
+            os.kill(pid, sig)
+            alive.append(pid)
+        except (ProcessLookupError, PermissionError):
+            pass
     return alive
 
-if not done and signal_all(signal.SIGTERM):
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and signal_all(0):
-        time.sleep(0.05)
-    signal_all(signal.SIGKILL)
+if not done:
+    if signal_all(signal.SIGTERM):
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and signal_all(0):
+            time.sleep(0.05)
+        for _ in range(20):  # (what forks meanwhile is found again)
+            if not signal_all(signal.SIGKILL):
+                break
+            time.sleep(0.05)
+    if dirs:
+        import shutil
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
 """
 
 
@@ -93,6 +133,20 @@ class Watchdog:
     def watch(self, pgid: int) -> None:
         """Stop process group ``pgid`` if the parent dies."""
         self._say(f"+{pgid}")
+
+    def watch_env(self, entry: str) -> None:
+        """Stop also the processes whose environment holds ``entry`` (``"NAME=VALUE"``, a
+        cookie given to a program, inherited by its descendants) if the parent dies."""
+        if "\n" in entry or "\0" in entry:
+            raise ValueError(f"an environment entry on one line, without NUL: {entry!r}")
+        self._say(f"={entry}")
+
+    def remove_after(self, path: str | os.PathLike[str]) -> None:
+        """Remove directory ``path`` if the parent dies (once its processes are stopped)."""
+        text = os.fspath(path)
+        if "\n" in text:
+            raise ValueError(f"a directory named on one line: {text!r}")
+        self._say(f"@{text}")
 
     def forget(self, pgid: int) -> None:
         """Group ``pgid``'s leader was reaped: leave the group (once it is empty its number

@@ -7,6 +7,7 @@ launcher whose per-node command is the agent itself (one node: this one).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -15,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -356,6 +358,52 @@ def test_what_the_command_left_running_is_stopped(scratch: Path, tmp_path: Path)
     _assert_torn_down(svc, scratch, tmp_path)
     left = [int(x) for x in pids.read_text().split()]
     assert len(left) == 2 and not any(_alive(p) for p in left), left
+
+
+KILLED_JOB = """
+import sys, tempfile
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+tempfile.tempdir = sys.argv[4]  # (the job's working directory is made in it)
+from tests.launch.test_job_services import _local
+_local(Path(sys.argv[2]), Path(sys.argv[3])).run(["sh", "-c", sys.argv[5]])
+"""
+
+
+def test_a_job_killed_outright_leaves_no_process_and_no_directory(scratch: Path,
+                                                                 tmp_path: Path) -> None:
+    """``instride job`` SIGKILLed (no teardown of its own) while its command runs a program in
+    the background and another in a session of its own: both are stopped (found by the job's
+    cookie in their environment) and the job's working directory is removed. Only the command
+    itself got a signal (its parent-death signal); the rest ran on, the directory stayed."""
+    pids, tmp = tmp_path / "pids", tmp_path / "tmp"
+    tmp.mkdir()
+    script = (f"sleep 314 & echo $! >> {pids}; setsid sh -c 'echo $$ >> {pids}; exec sleep 313' &"
+              " wait")
+    root = str(Path(__file__).resolve().parents[2])
+    job = subprocess.Popen([PY, "-c", KILLED_JOB, root, str(scratch), str(tmp_path), str(tmp),
+                            script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids.exists() and len(pids.read_text().split()) == 2):
+            assert job.poll() is None and time.monotonic() < deadline, job.stderr.read()
+            time.sleep(0.05)
+        assert os.listdir(tmp), "the job made no working directory"
+    finally:
+        job.kill()
+        job.wait()
+    left = [int(x) for x in pids.read_text().split()]
+    deadline = time.monotonic() + 20
+    while (any(_alive(p) for p in left) or os.listdir(tmp)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        assert not any(_alive(p) for p in left), left
+        assert os.listdir(tmp) == []
+    finally:
+        for p in left:  # (only what is still there: a number gone may be another's soon)
+            if _alive(p):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGKILL)
 
 
 def test_a_command_that_ignores_the_signal_is_killed(scratch: Path, tmp_path: Path,

@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 
 from ..config import DEFAULT_PORT
 from ..errors import ConfigError, InstrideError, MetadataUnavailable
-from ..orphans import become_subreaper, children, die_with_parent, stop_adopted
+from ..orphans import Watchdog, become_subreaper, children, die_with_parent, stop_adopted
 
 #: Redis hash of the nodes whose service is up: node name -> ``host:port``.
 REGISTRY = "instride:job:{job}:nodes"
@@ -279,6 +279,12 @@ AGENT_POLL = 0.25
 #: Seconds the command has to end after a signal passed on to it, or after SIGTERM when the
 #: services ended under it (then SIGKILL); and what it left running, after SIGTERM.
 STOP_GRACE = 30.0
+#: The environment variable that marks the processes of the job's command on this node (a
+#: cookie, new for each job): what the command started is found by it if ``instride job`` is
+#: killed outright (see :class:`~instride.orphans.Watchdog`).
+JOB_COOKIE = "INSTRIDE_JOB_COOKIE"
+#: Seconds those processes get between SIGTERM and SIGKILL then.
+ORPHAN_GRACE = 5.0
 
 
 class _Interrupted(BaseException):
@@ -673,9 +679,19 @@ class JobServices:
         # adopted here and stopped before the services it uses go
         adopting = become_subreaper(True)
         ours: set[int] = set()
+        # If this process is killed outright (no teardown of its own), a watchdog stops what
+        # the command started — found by a cookie in its environment, also what left its
+        # process group — and removes the job's working directory
+        watchdog: Watchdog | None = None
         try:
             try:
+                watchdog = Watchdog(ORPHAN_GRACE)
                 env = self.up()
+                cookie = f"{JOB_COOKIE}={self.job_id}-{secrets.token_hex(8)}"
+                env[JOB_COOKIE] = cookie.split("=", 1)[1]
+                watchdog.watch_env(cookie)
+                if self.workdir is not None:
+                    watchdog.remove_after(self.workdir)
                 print(f"instride job {self.job_id}: services up on {len(self.nodes)} node(s) "
                       f"({', '.join(f'{n}={a}' for n, a in sorted(self.addrs.items()))}), "
                       f"Redis {redact(self.redis_url)}", file=sys.stderr, flush=True)
@@ -706,6 +722,8 @@ class JobServices:
                                   file=sys.stderr, flush=True)
                 finally:
                     self.down()
+                    if watchdog is not None:
+                        watchdog.done()
         finally:
             self._child = None
             if adopting:
