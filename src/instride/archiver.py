@@ -84,8 +84,9 @@ def archive_stream(
     ArchiveError
         Another archiver writes ``path``; ``path`` is not an archive of ``stream`` (not HDF5,
         not an instride archive, another stream's, or one of an older instride that names
-        no stream); a frame does not fit the archive (another atom count or coordinate
-        type): the file keeps every frame before it.
+        no stream); a reader holds ``path`` open as it resumes it (HDF5's file lock: the
+        readers must close it first); a frame does not fit the archive (another atom count or
+        coordinate type): the file keeps every frame before it.
     """
     client = client or get_client()
     dest = Path(path).resolve()

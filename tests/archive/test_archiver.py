@@ -348,3 +348,87 @@ def test_an_archiver_that_fails_to_start_lets_go_of_the_file(managed_dir: Path, 
     for _ in range(2):  # (the second is refused for the same reason, not for a held lock)
         with pytest.raises(instride.MetadataUnavailable):
             archive_stream("startfail", dest, timeout=5)
+
+
+ARCHIVER_KILLED_CREATING = textwrap.dedent(
+    """
+    import os, signal, sys, h5py
+    from instride.archiver import archive_stream
+    create, calls = h5py.Group.create_dataset, []
+    def create_then_die(group, *args, **kwargs):
+        ds = create(group, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:  # the positions' value, step and time made; no box, no index
+            group.file.flush()  # (as if HDF5 had written them out before the kill)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return ds
+    h5py.Group.create_dataset = create_then_die
+    archive_stream(sys.argv[2], sys.argv[1], timeout=60)
+    """
+)
+
+
+def test_an_archiver_killed_creating_its_file_is_restarted(managed_dir: Path, tmp_path: Path) -> None:
+    """An archiver killed while it laid out a new archive file left a file of some of its
+    groups and datasets, which every later archiver of the path refused ("cannot be opened",
+    or "not an instride archive"): the stream could not be archived there again."""
+    dest = tmp_path / "new.h5"
+    with instride.Stream("fresh", mode="w", groups=["archive"]) as s:
+        for i in range(5):
+            s.append(_pos(i), step=i)
+    rc, _, err = finish(subprocess.Popen([sys.executable, "-c", ARCHIVER_KILLED_CREATING, str(dest), "fresh"],
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE), 120)
+    assert rc == -signal.SIGKILL, err
+    report = archive_stream("fresh", dest, timeout=10)
+    assert (report.frames, report.total) == (5, 5)
+    rd = open_reader(dest, "fresh")
+    assert list(rd.indices()) == list(range(5))
+    for i in range(5):
+        frame = rd.read(i)
+        assert frame is not None and frame.step == i
+        np.testing.assert_array_equal(frame.positions, _pos(i).astype(np.float32))
+    rd.close()
+    assert sorted(os.listdir(tmp_path)) == ["managed", "new.h5"]
+
+
+HOLDING_READER = textwrap.dedent(
+    """
+    import sys
+    from instride.archive import open_reader
+    rd = open_reader(sys.argv[1])
+    print(len(rd.indices()), flush=True)
+    sys.stdin.readline()
+    rd.close()
+    """
+)
+
+
+def test_an_archive_held_by_a_reader_stops_the_resuming_archiver_typed(
+        managed_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader holding the archive open (HDF5's file lock) when the archiver restarted: the
+    archiver failed with HDF5's words ("unable to lock file, errno = 11")."""
+    monkeypatch.setenv("HDF5_USE_FILE_LOCKING", "TRUE")  # (the default; a site may turn it off)
+    dest = tmp_path / "held.h5"
+    with instride.Stream("held", mode="w", groups=["archive"]) as s:
+        for i in range(3):
+            s.append(_pos(i), step=i)
+    assert archive_stream("held", dest, group="first", timeout=10).total == 3
+    reader = subprocess.Popen([sys.executable, "-c", HOLDING_READER, str(dest)], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert reader.stdout is not None and reader.stdin is not None
+        assert reader.stdout.readline().strip() == "3"
+        rc, _, err = finish(subprocess.Popen(
+            [sys.executable, "-m", "instride", "archive", "held", "--to", str(dest), "-q"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE), 60)
+        assert rc != 0 and "Traceback" not in err, err
+        assert f"({dest}) failed: another process holds it open" in err and "close it" in err, err
+        reader.stdin.write("\n")
+        reader.stdin.flush()
+        assert reader.wait(timeout=60) == 0
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait()
+    report = archive_stream("held", dest, timeout=10)  # its reader gone, the archiver resumes
+    assert (report.frames, report.total) == (0, 3)

@@ -250,3 +250,225 @@ def test_an_archive_path_that_cannot_be_written_is_refused(tmp_path: Path) -> No
     with pytest.raises(ArchiveError, match="not a regular file"):
         open_writer(tmp_path / "dir.h5", "s")
     assert sorted(os.listdir(tmp_path)) == ["dir.h5", "plain"]
+
+
+KILLED_AFTER_INDEX_RESIZE = textwrap.dedent(
+    """
+    import os, signal, sys
+    import h5py, numpy as np
+    from instride.archive import open_writer
+    from instride.frames import Frame, FrameHeader
+
+    def frame(i):
+        pos = np.full((4, 3), float(i), np.float32)
+        box = np.diag([30.0, 31.0, 32.0])
+        return Frame(FrameHeader(4, 10 * i, 0.5 * i, box, "xyz32", pos.nbytes, 0), pos)
+
+    w = open_writer(sys.argv[1], "s")
+    w.append(0, frame(0))
+    w.append(1, frame(1))
+    w.flush()
+    resize = h5py.Dataset.resize
+    def resize_then_die(ds, size, axis=None):
+        resize(ds, size, axis)
+        if ds.name == "/instride/index":  # every row of frame 2 written, its index row reserved
+            ds.file.flush()  # (as if HDF5 had written the new extent out before the kill)
+            os.kill(os.getpid(), signal.SIGKILL)
+    h5py.Dataset.resize = resize_then_die
+    w.append(2, frame(2))
+    """
+)
+
+
+def test_an_index_row_reserved_but_never_written_is_no_frame(tmp_path: Path) -> None:
+    """A writer killed between the resize of ``/instride/index`` and the write of its row left
+    a row that read back as 0 (no fill value): readers and a resuming writer took it for
+    frame 0, after frame 1 (the index no longer ascending), and the writer went on after it."""
+    dest = tmp_path / "torn.h5"
+    proc = subprocess.run([sys.executable, "-c", KILLED_AFTER_INDEX_RESIZE, str(dest)],
+                          capture_output=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert set(_lengths(dest).values()) == {3}  # the index's row of frame 2 too, not written
+    _assert_frames(dest, 2)  # a reader sees frames 0 and 1 only
+    w = open_writer(dest, "s")  # resuming: the unwritten row is no frame, and is cut
+    assert list(w.indices()) == [0, 1]
+    w.flush()
+    assert set(_lengths(dest).values()) == {2}
+    w.append(2, _frame(2))
+    w.append(3, _frame(3))
+    w.close()
+    _assert_frames(dest, 4)
+    with h5py.File(dest, "r") as f:  # rows never written read as no real value
+        for name in ("instride/index", "particles/trajectory/position/step"):
+            assert f[name].fillvalue == -1
+        assert np.isnan(f["particles/trajectory/position/time"].fillvalue)
+    assert sorted(os.listdir(tmp_path)) == ["torn.h5"]
+
+
+def test_an_unwritten_index_row_of_an_older_archive_is_no_frame(tmp_path: Path) -> None:
+    """The same row in a file of an instride before the fill value: it reads as 0, so not
+    ascending after frame 1."""
+    dest = tmp_path / "old.h5"
+    _written(dest, 2)
+    with h5py.File(dest, "r+", libver="latest") as f:  # as an older writer killed after the index's resize
+        del f["instride/index"]
+        index = f["instride"].create_dataset("index", shape=(3,), maxshape=(None,), dtype=np.int64,
+                                             chunks=(4096,))
+        index[:2] = [0, 1]
+        for name in ("position/value", "position/step", "position/time", "box/edges/value",
+                     "box/edges/step", "box/edges/time"):
+            f[f"particles/trajectory/{name}"].resize(3, axis=0)
+    _assert_frames(dest, 2)
+    w = open_writer(dest, "s")
+    assert list(w.indices()) == [0, 1]
+    w.append(2, _frame(2))
+    w.close()
+    _assert_frames(dest, 3)
+
+
+KILLED_CREATING = textwrap.dedent(
+    """
+    import os, signal, sys
+    import h5py, numpy as np
+    from instride.archive import open_writer
+    from instride.frames import Frame, FrameHeader
+
+    pos = np.zeros((4, 3), np.float32)
+    first = Frame(FrameHeader(4, 0, 0.0, np.diag([30.0, 31.0, 32.0]), "xyz32", pos.nbytes, 0), pos)
+    create, calls = h5py.Group.create_dataset, []
+    def create_then_die(group, *args, **kwargs):
+        ds = create(group, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:  # the positions' value, step and time made; no box, no index
+            group.file.flush()  # (as if HDF5 had written them out before the kill)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return ds
+    h5py.Group.create_dataset = create_then_die
+    open_writer(sys.argv[1], "s").append(0, first)
+    """
+)
+
+
+def test_a_writer_killed_creating_the_file_leaves_none(tmp_path: Path) -> None:
+    """A writer killed while it laid the new file out left a file of some of the groups and
+    datasets: the next writer refused it (not an instride archive), for good."""
+    dest = tmp_path / "new.h5"
+    proc = subprocess.run([sys.executable, "-c", KILLED_CREATING, str(dest)],
+                          capture_output=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    _written(dest, 3)  # (the file is made under another name, given its own when complete)
+    _assert_frames(dest, 3)
+    assert sorted(os.listdir(tmp_path)) == ["new.h5"]  # the one left half made is gone
+
+
+def test_a_created_file_left_under_both_names_is_resumed_whole(tmp_path: Path) -> None:
+    """Killed between giving the new file its name and taking the temporary one away: the
+    next writer resumes the file, and takes the other name away without touching it."""
+    dest = tmp_path / "both.h5"
+    _written(dest, 2)
+    os.link(dest, tmp_path / ".both.h5.create")
+    w = open_writer(dest, "s")
+    assert sorted(os.listdir(tmp_path)) == [".both.h5.lock", "both.h5"]
+    w.append(2, _frame(2))
+    w.close()
+    _assert_frames(dest, 3)
+
+
+HOLDING_READER = textwrap.dedent(
+    """
+    import sys
+    from instride.archive import open_reader
+    rd = open_reader(sys.argv[1], "s")
+    print(len(rd.indices()), flush=True)
+    sys.stdin.readline()
+    print(len(rd.indices()), flush=True)
+    rd.close()
+    """
+)
+
+
+def test_a_reader_holding_the_archive_stops_its_resume_typed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HDF5's file lock: a reader in another process holding the archive made the resuming
+    writer fail with HDF5's words ("unable to lock file, errno = 11"); a reader of this
+    process, with "file is already open for read-only"."""
+    monkeypatch.setenv("HDF5_USE_FILE_LOCKING", "TRUE")  # (the default; a site may turn it off)
+    dest = tmp_path / "held.h5"
+    _written(dest, 2)
+    before = dest.read_bytes()
+    reader = subprocess.Popen([sys.executable, "-c", HOLDING_READER, str(dest)], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert reader.stdout is not None and reader.stdin is not None
+        assert reader.stdout.readline().strip() == "2"
+        with pytest.raises(ArchiveError, match=r"held\.h5.*another process holds it open.*close it"):
+            open_writer(dest, "s")
+        assert dest.read_bytes() == before
+        reader.stdin.write("\n")
+        reader.stdin.flush()
+        out, err = reader.communicate(timeout=60)
+        assert reader.returncode == 0 and out.strip() == "2", err
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait()
+    rd = open_reader(dest, "s")
+    with pytest.raises(ArchiveError, match=r"held\.h5.*this process holds it open.*close it"):
+        open_writer(dest, "s")
+    rd.close()
+    assert dest.read_bytes() == before
+    w = open_writer(dest, "s")  # its readers gone, it resumes
+    w.append(2, _frame(2))
+    w.close()
+    _assert_frames(dest, 3)
+    assert sorted(os.listdir(tmp_path)) == ["held.h5"]
+
+
+KILLED_AFTER_FLUSH = textwrap.dedent(
+    """
+    import os, signal, sys
+    import numpy as np
+    from instride.archive import open_writer
+    from instride.frames import Frame, FrameHeader
+
+    w = open_writer(sys.argv[1], "s")
+    for i in range(2):
+        pos = np.full((4, 3), float(i), np.float32)
+        box = np.diag([30.0, 31.0, 32.0])
+        w.append(i, Frame(FrameHeader(4, 10 * i, 0.5 * i, box, "xyz32", pos.nbytes, 0), pos))
+    w.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_a_reader_of_a_file_replaced_by_its_resume_reads_the_new_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without HDF5's file lock, a writer resuming a file its killed writer left "open" (which
+    it copies into a fresh file, renamed into place) goes on beside a reader holding the file:
+    that reader kept reading the old file, and never saw another frame."""
+    monkeypatch.setenv("HDF5_USE_FILE_LOCKING", "FALSE")
+    dest = tmp_path / "moved.h5"
+    proc = subprocess.run([sys.executable, "-c", KILLED_AFTER_FLUSH, str(dest)], capture_output=True,
+                          timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    inode = os.stat(dest).st_ino
+    reader = subprocess.Popen([sys.executable, "-c", HOLDING_READER, str(dest)], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert reader.stdout is not None and reader.stdin is not None
+        assert reader.stdout.readline().strip() == "2"
+        w = open_writer(dest, "s")
+        assert os.stat(dest).st_ino != inode  # (copied, the copy renamed into place)
+        w.append(2, _frame(2))
+        w.flush()
+        reader.stdin.write("\n")
+        reader.stdin.flush()
+        out, err = reader.communicate(timeout=60)
+        assert reader.returncode == 0 and out.strip() == "3", err
+        w.close()
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait()
+    _assert_frames(dest, 3)

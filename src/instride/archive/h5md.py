@@ -15,15 +15,27 @@ a writer killed at any point leaves a readable file. A frame is in the file once
 ``/instride/index`` is: that row is written last, a failed append takes the frame's other
 rows back, and a writer resuming a file cuts every dataset to the length of the index (the
 rows of a frame its writer was killed in the middle of); readers read only the rows the index
-covers. HDF5 marks a file whose writer died as "still open"; reopening it to resume copies
+covers. A row a resize reserved but the writer never wrote (killed between the two) reads
+as the dataset's fill value: -1 for the index and steps, NaN for times and coordinates
+(files of an older instride fill with 0: there such an index row does not ascend), and so is
+no frame. HDF5 marks a file whose writer died as "still open"; reopening it to resume copies
 its content into a fresh file (renamed into place) first, since the library offers no call
 to clear that mark. One writer at a time (:func:`~instride.archive.base.lock_writer`), so
 that copy never replaces the file of a live writer.
+
+A new file is laid out under a hidden name beside it (``.NAME.create``) and given its name
+only when complete, so a writer killed meanwhile leaves no file a later one would refuse.
+
+Readers: HDF5's file lock (on unless ``HDF5_USE_FILE_LOCKING=FALSE``) keeps a writer from
+opening a file a reader holds open, so an archive is resumed only once its readers have
+closed it (:class:`~instride.errors.ArchiveError` until then); a reader of a file replaced
+by that copy opens the new file at its next call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from pathlib import Path
 from typing import Any
@@ -38,6 +50,10 @@ _LIBVER = "latest"
 _INDEX = "instride/index"
 _POSITION = "particles/trajectory/position"
 _EDGES = "particles/trajectory/box/edges"
+_UNWRITTEN = -1  # the fill value of the index and steps: what a row never written reads as
+_HELD = ("holds it open (a reader: a stream that read archived frames, MDAnalysis, h5py...), and "
+         "HDF5 lets no writer open a file a reader holds (its file lock; in one process, its own "
+         "check): close it to resume the archive")
 
 
 def _h5py() -> Any:
@@ -55,6 +71,52 @@ def _rows(f: Any) -> list[Any]:
     if _EDGES in f:
         names += [f"{_EDGES}/value", f"{_EDGES}/step", f"{_EDGES}/time"]
     return [f[name] for name in [*names, _INDEX]]
+
+
+def _written(index: np.ndarray) -> int:
+    """How many rows of ``index`` (a file's ``/instride/index``) hold frames: its rows but the
+    last ones a resize reserved and the writer never wrote (killed between the two), which read
+    as the fill value -1 (0 in a file of an older instride: a row that does not ascend)."""
+    n = len(index)
+    while n and (index[n - 1] < 0 or (n > 1 and index[n - 1] <= index[n - 2])):
+        n -= 1
+    return n
+
+
+def _locked_out(exc: OSError) -> bool:
+    """Whether HDF5 refused to open a file because another process holds its file lock."""
+    return "unable to lock file" in str(exc) or exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK)
+
+
+def _open_here(path: Path) -> bool:
+    """Whether this process holds ``path`` open through HDF5 (a reader not closed)."""
+    h5py = _h5py()
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    for fid in h5py.h5f.get_obj_ids(types=h5py.h5f.OBJ_FILE):
+        try:
+            held = os.fstat(fid.get_vfd_handle())  # (the file itself, whatever name it has now)
+        except Exception:  # (not a file of the default driver: no descriptor)
+            continue
+        if (held.st_dev, held.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
+
+
+def _file_id(f: Any) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of the open file ``f`` (``None``: not known)."""
+    try:
+        st = os.fstat(f.id.get_vfd_handle())
+    except Exception:  # (not a file of the default driver: no descriptor)
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _creating(path: Path) -> Path:
+    """The name a new archive ``path`` is laid out under, beside it."""
+    return path.with_name(f".{path.name}.create")
 
 
 def _not_archive(f: Any, stream: str | None, *, unnamed_ok: bool) -> str | None:
@@ -93,6 +155,9 @@ def _open_checked(path: Path, stream: str | None, *, unnamed_ok: bool) -> Any:
     try:
         f = h5py.File(path, "r", libver=_LIBVER, swmr=True)
     except OSError as exc:
+        if _locked_out(exc):  # (an archiver resuming it holds it so until it is in SWMR mode)
+            raise ArchiveError(stream, path, "another process holds it open for writing (an archiver "
+                                             f"resuming it, for a moment; or h5py): {exc}") from exc
         raise ArchiveError(stream, path, f"cannot be opened: {exc}") from exc
     try:
         why = _not_archive(f, stream, unnamed_ok=unnamed_ok)
@@ -147,8 +212,10 @@ class H5mdWriter:
     Raises
     ------
     ArchiveError
-        Another writer holds the file, or the file is not an archive of ``stream`` (not HDF5,
-        not an instride archive, another stream's, or one that names no stream).
+        Another writer holds the file; the file is not an archive of ``stream`` (not HDF5, not
+        an instride archive, another stream's, or one that names no stream); a reader (of
+        another process, or of this one) holds the file open, which HDF5's file lock keeps a
+        writer out of: its readers must close it before it is resumed.
     """
 
     def __init__(self, path: Path, stream: str) -> None:
@@ -159,6 +226,9 @@ class H5mdWriter:
         self._last = -1  # the stream index of the file's last frame
         self._lock: int | None = lock_writer(self.path, stream)
         try:
+            # a file a writer was killed laying out (or giving its name: then a second name of
+            # the archive, which this takes away without touching the file)
+            _creating(self.path).unlink(missing_ok=True)
             if self.path.exists():
                 self._resume()
         except BaseException:
@@ -175,14 +245,19 @@ class H5mdWriter:
 
     def _resume(self) -> None:
         _open_checked(self.path, self.stream, unnamed_ok=False).close()
+        if _open_here(self.path):  # (HDF5 would refuse it, or share the reader's view of it)
+            raise self._error(f"this process {_HELD}")
         try:
             _resumable(self.path)
             f = _h5py().File(self.path, "a", libver=_LIBVER)
         except OSError as exc:
+            if _locked_out(exc):  # (no other archiver: it holds the writer's lock)
+                raise self._error(f"another process {_HELD} ({exc})") from exc
             raise self._error(f"cannot be opened to resume it: {exc}") from exc
         try:
             rows = _rows(f)
             n = min(ds.shape[0] for ds in rows)
+            n = _written(rows[-1][:n])
             for ds in rows:  # the rows of a frame whose index row was not written
                 if ds.shape[0] > n:
                     ds.resize(n, axis=0)
@@ -197,10 +272,13 @@ class H5mdWriter:
         self._f, self._rows = f, rows
 
     def _create(self, frame: Frame) -> None:
+        """Lay the file out for ``frame``'s kind under a hidden name, then give it its own."""
         h5py = _h5py()
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _creating(self.path)
         try:
-            f = h5py.File(self.path, "x", libver=_LIBVER)  # (never over a file that appeared)
+            tmp.unlink(missing_ok=True)  # (never truncated: it may be a name of an archive)
+            f = h5py.File(tmp, "x", libver=_LIBVER)
         except OSError as exc:
             raise self._error(f"cannot be created: {exc}") from exc
         try:
@@ -211,11 +289,14 @@ class H5mdWriter:
             traj = f.create_group("particles/trajectory")
             natoms, dtype = frame.positions.shape[0], frame.positions.dtype
             pos = traj.create_group("position")
+            # (fill values: what a row reserved by a resize and never written reads as)
             value = pos.create_dataset("value", shape=(0, natoms, 3), maxshape=(None, natoms, 3), dtype=dtype,
-                                       chunks=(1, natoms, 3))
+                                       chunks=(1, natoms, 3), fillvalue=np.nan)
             value.attrs["unit"] = "Angstrom"
-            pos.create_dataset("step", shape=(0,), maxshape=(None,), dtype=np.int64, chunks=(4096,))
-            t = pos.create_dataset("time", shape=(0,), maxshape=(None,), dtype=np.float64, chunks=(4096,))
+            pos.create_dataset("step", shape=(0,), maxshape=(None,), dtype=np.int64, chunks=(4096,),
+                               fillvalue=_UNWRITTEN)
+            t = pos.create_dataset("time", shape=(0,), maxshape=(None,), dtype=np.float64, chunks=(4096,),
+                                   fillvalue=np.nan)
             t.attrs["unit"] = "ps"
             box = traj.create_group("box")
             box.attrs["dimension"] = np.int32(3)
@@ -225,18 +306,38 @@ class H5mdWriter:
             if periodic:
                 edges = box.create_group("edges")
                 edges.create_dataset("value", shape=(0, 3, 3), maxshape=(None, 3, 3), dtype=np.float64,
-                                     chunks=(4096, 3, 3)).attrs["unit"] = "Angstrom"
-                edges.create_dataset("step", shape=(0,), maxshape=(None,), dtype=np.int64, chunks=(4096,))
-                edges.create_dataset("time", shape=(0,), maxshape=(None,), dtype=np.float64, chunks=(4096,))
+                                     chunks=(4096, 3, 3), fillvalue=np.nan).attrs["unit"] = "Angstrom"
+                edges.create_dataset("step", shape=(0,), maxshape=(None,), dtype=np.int64, chunks=(4096,),
+                                     fillvalue=_UNWRITTEN)
+                edges.create_dataset("time", shape=(0,), maxshape=(None,), dtype=np.float64, chunks=(4096,),
+                                     fillvalue=np.nan)
             own = f.create_group("instride")
             own.attrs["stream"] = self.stream
-            own.create_dataset("index", shape=(0,), maxshape=(None,), dtype=np.int64, chunks=(4096,))
-            f.swmr_mode = True
+            own.create_dataset("index", shape=(0,), maxshape=(None,), dtype=np.int64, chunks=(4096,),
+                               fillvalue=_UNWRITTEN)
+            f.swmr_mode = True  # (which writes the whole layout out)
+            f.flush()
+            self._place(tmp)
         except BaseException:
             f.close()
-            self.path.unlink(missing_ok=True)  # (no file of no frame left behind)
+            tmp.unlink(missing_ok=True)  # (no file of no frame left behind)
             raise
         self._f, self._rows = f, _rows(f)
+
+    def _place(self, tmp: Path) -> None:
+        """Give the complete new file ``tmp`` its name (never over a file that appeared there)."""
+        try:
+            os.link(tmp, self.path)
+        except FileExistsError:
+            raise self._error("cannot be created: a file appeared there meanwhile") from None
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS):
+                raise self._error(f"cannot be created: {exc}") from exc
+            if self.path.exists():  # (no hard links here: a rename, checked first)
+                raise self._error("cannot be created: a file appeared there meanwhile") from None
+            os.rename(tmp, self.path)
+            return
+        tmp.unlink()
 
     def _check(self, index: int, frame: Frame) -> None:
         """Raise :class:`ArchiveError` if frame ``index`` cannot be appended as it is."""
@@ -327,17 +428,39 @@ class H5mdReader:
 
     def __init__(self, path: Path, stream: str | None = None) -> None:
         self.path = Path(path)
+        self._stream = stream
         self._f = _open_checked(self.path, stream, unnamed_ok=True)
         self._rows = _rows(self._f)
+        self._id = _file_id(self._f)
+
+    def _follow(self) -> None:
+        """Open the file now under the path if it replaced the one open (a resuming writer's
+        copy of a file its killed writer left open); until it opens, read the one open."""
+        if self._id is None:
+            return
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return
+        if (st.st_dev, st.st_ino) == self._id:
+            return
+        try:  # (its frames: those of the file open, and those appended since)
+            f = _open_checked(self.path, self._stream, unnamed_ok=True)
+        except ArchiveError:  # (its writer holds it for a moment as it resumes it)
+            return
+        old, self._f, self._rows, self._id = self._f, f, _rows(f), _file_id(f)
+        old.close()
 
     def _refresh(self) -> None:
+        self._follow()
         for ds in [self._rows[-1], *self._rows[:-1]]:  # the index first: it never covers more
             ds.refresh()                               # rows than the others then show
 
     def indices(self) -> np.ndarray:
         """Stream indices of the frames in the file (refreshed)."""
         self._refresh()
-        return np.asarray(self._rows[-1][:])
+        index = np.asarray(self._rows[-1][:])
+        return index[:_written(index)]  # (a row reserved but not yet written is no frame)
 
     def read(self, index: int) -> Frame | None:
         """Stream frame ``index`` (its arrays are owned copies); ``None`` if not archived."""
