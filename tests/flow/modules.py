@@ -223,3 +223,14 @@ def count_then_exit(ports, n=3):
 
     count(ports, n=n)
     sys.exit(0)
+
+
+def record_ports(ports, name="got"):
+    """Write every message of every input (``{port: [[step, data], ...]}``, in step) to
+    ``out_dir/<name>-<instance>.json``; ends with the first input that ends."""
+    got = {port: [] for port in ports.readers}
+    while ports.wait():
+        for port, seen in got.items():
+            msg = ports.get(port)
+            seen.append([msg.step, np.asarray(msg.data).tolist()])
+    (ports.out_dir / f"{name}-{ports.instance}.json").write_text(json.dumps(got))

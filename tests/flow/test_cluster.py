@@ -15,6 +15,7 @@ from instride.emulate import EmulatedCluster
 from instride.flow import EmulatedLauncher, Graph, UnknownNodeError, patterns, run
 
 from . import modules
+from .test_runner import SENT, programs_and_sinks
 
 pytestmark = pytest.mark.root
 
@@ -58,6 +59,27 @@ def test_graph_across_emulated_nodes(cluster: EmulatedCluster, tmp_path: Path,
     assert left.returncode == 0 and left.stdout.strip() == "0", left.stderr
     for node in cluster.nodes:
         assert not (Path(node.dir) / "flow").exists()
+
+
+def test_programs_that_exit_without_closing_their_ports(
+        cluster: EmulatedCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cluster mode: what a program (``command=``) that exited with status 0 without
+    ``ports.close()`` left open is closed on its node, its streams' heads and groups in Redis:
+    its outputs end (read on another node), and a program that stopped reading early gives its
+    consumer group back once its lease runs out, so its producer goes on to its end."""
+    monkeypatch.setenv("INSTRIDE_FLOW_STATE", str(tmp_path / "state"))
+    out = tmp_path / "out"
+    g = programs_and_sinks("xnoclose", 3, nodes=(["node1"], ["node2"]))
+    src = g.module("src", modules.numbers, outputs={"out": "array"}, nodes=["node1"],
+                   params={"n": 20})
+    code = "from instride.flow import from_env; p = from_env(); p.wait(); p.get('in')"
+    early = g.module("early", command=[sys.executable, "-c", code], inputs={"in": "array"},
+                     nodes=["node2"])
+    g.connect(src.output("out"), early.input("in"), retain=2)
+    result = run(g, out=out, launcher=EmulatedLauncher(cluster), timeout=180)
+    for i, want in enumerate([SENT, SENT, {"frames": [], "in": []}]):
+        assert json.loads((out / f"got-{i}.json").read_text()) == want, i
+    assert result.instance("src")["outputs"]["out"]["msgs"] == 20
 
 
 def test_placement_on_unknown_node_is_refused(cluster: EmulatedCluster) -> None:

@@ -509,3 +509,111 @@ def test_a_long_chain_validates() -> None:
         g.connect(prev.output("out"), m.input("in"))
         prev = m
     g.validate()  # (a cycle's naming: test_graph.py's test_cycle_without_token_is_a_deadlock)
+
+
+#: A program (``command=``) that sends three frames and three arrays through its ports; by
+#: its instance: 0 exits with status 0 leaving its outputs open (no ``ports.close()``), 1 ends
+#: them itself, 2 exits before it reaches its ports (sends nothing).
+_LEAVES_ITS_OUTPUTS_OPEN = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    i = int(os.environ["INSTRIDE_FLOW_INSTANCE"])
+    if i == 2:
+        sys.exit(0)
+    from instride.flow import from_env
+    ports = from_env()
+    for k in range(3):
+        ports.put("frames", np.full((2, 3), float(k), dtype=np.float32), step=10 * k)
+        ports.put("out", np.array([float(k)]), step=10 * k)
+    if i == 1:
+        ports.close()
+""")
+
+
+def programs_and_sinks(name: str, instances: int, *, mpi: bool = False,
+                       nodes: tuple[list[str], list[str]] | None = None) -> Graph:
+    """``instances`` of :data:`_LEAVES_ITS_OUTPUTS_OPEN`, each read by its own sink
+    (``got-<i>.json``); ``nodes``: where the programs and where the sinks run."""
+    g = Graph(name)
+    cmd = g.module("cmd", command=[sys.executable, "-c", _LEAVES_ITS_OUTPUTS_OPEN],
+                   outputs={"frames": "frame", "out": "array"}, instances=instances, mpi=mpi,
+                   nodes=nodes[0] if nodes else None)
+    rec = g.module("rec", modules.record_ports, inputs={"frames": "frame", "in": "array"},
+                   instances=instances, nodes=nodes[1] if nodes else None)
+    g.connect(cmd.output("frames"), rec.input("frames"))
+    g.connect(cmd.output("out"), rec.input("in"))
+    return g
+
+
+#: What each sink of :func:`programs_and_sinks` gets from an instance that sent something.
+SENT = {"frames": [[10 * k, [[float(k)] * 3] * 2] for k in range(3)],
+         "in": [[10 * k, [float(k)]] for k in range(3)]}
+
+
+def test_a_program_that_exits_without_closing_its_ports_ends_its_outputs(
+        flow_env: dict[str, Path]) -> None:
+    """A ``command=`` program that exits with status 0 without ``ports.close()`` has finished:
+    the runner ends the output streams it left open, so its consumers take every message and
+    then the end (they waited for ever; the run hung). The streams of an instance that ended
+    them itself are left as they are, and one that sent nothing ends its consumers at once."""
+    out = flow_env["out"]
+    events: list[str] = []
+    run(programs_and_sinks("noclose", 3), out=out, timeout=60, on_event=events.append)
+    for i, want in enumerate([SENT, SENT, {"frames": [], "in": []}]):
+        assert json.loads((out / f"got-{i}.json").read_text()) == want, i
+    assert {f"finished cmd[{i}]" for i in range(3)} <= set(events)
+    logs = [(out / "logs" / f"cmd.{i}.log").read_text() for i in range(3)]
+    assert "'frames' (3 messages) and 'out' (3 messages)" in logs[0]
+    assert "ended by the runner" not in logs[1]  # (it had ended them)
+    assert "'frames' (0 messages) and 'out' (0 messages)" in logs[2]
+
+
+def test_an_mpi_program_that_exits_without_closing_its_ports_ends_its_outputs(
+        flow_env: dict[str, Path]) -> None:
+    """The same for the ranks of an ``mpi=True`` program: one ``mpiexec``, whose exit ends
+    the outputs each rank (instance) left open."""
+    out = flow_env["out"]
+    run(programs_and_sinks("mpinoclose", 2, mpi=True), out=out, timeout=60)
+    for i in range(2):
+        assert json.loads((out / f"got-{i}.json").read_text()) == SENT, i
+
+
+def test_a_program_that_stops_reading_early_releases_its_producer(
+        flow_env: dict[str, Path]) -> None:
+    """A program that takes one message and exits with status 0 without ``ports.close()``:
+    the runner releases its consumer group, as ``close()`` does, so its producer, held back by
+    the retention, goes on to its end (it waited for ever)."""
+    code = "from instride.flow import from_env; p = from_env(); p.wait(); p.get('in')"
+    g = Graph("early")
+    src = g.module("src", modules.numbers, outputs={"out": "array"}, params={"n": 20})
+    cmd = g.module("cmd", command=[sys.executable, "-c", code], inputs={"in": "array"})
+    g.connect(src.output("out"), cmd.input("in"), retain=2)
+    result = run(g, timeout=60)
+    assert result.instance("src")["outputs"]["out"]["msgs"] == 20
+
+
+def test_a_failing_program_leaves_its_outputs_open_and_stops_the_graph(
+        flow_env: dict[str, Path]) -> None:
+    """A program that exits with an error stops the graph as any failing instance: its
+    outputs are not ended (its consumers must not take what it sent for the whole), and
+    its consumers are stopped, not left waiting."""
+    out = flow_env["out"]
+    code = textwrap.dedent("""
+        import sys
+        import numpy as np
+        from instride.flow import from_env
+        ports = from_env()
+        for k in range(2):
+            ports.put("out", np.array([float(k)]), step=k)
+        sys.exit(3)
+    """)
+    g = Graph("badprog")
+    cmd = g.module("cmd", command=[sys.executable, "-c", code], outputs={"out": "array"})
+    rec = g.module("rec", modules.record, inputs={"in": "array"})
+    g.connect(cmd.output("out"), rec.input("in"))
+    events: list[str] = []
+    with pytest.raises(ModuleFailed) as info:
+        run(g, out=out, timeout=60, on_event=events.append)
+    assert (info.value.module, info.value.instance, info.value.returncode) == ("cmd", 0, 3)
+    assert not (out / "record-0.json").exists()  # stopped before any end reached it
+    assert "finished rec[0]" not in events

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..client import Client
-from ..errors import ConsumeTimeout, GroupBusy, StreamFull
+from ..errors import ConsumeTimeout, GroupBusy, KeyExistsError, StreamFull
 from ..frames import Frame, frame_size
 from ..store.streamstate import Policy
 from ..stream import END_NAME, Stream
@@ -332,6 +332,72 @@ class Writer:
             self._stream.close()
         elif self._queue is not None:
             self._queue.close()
+
+
+def end_stream(client: Client, name: str) -> int | None:
+    """End the stream ``name`` for its producer, gone without ending it (a program run with
+    ``command=`` that exited with status 0 without ``ports.close()``).
+
+    Publishes the end-of-stream marker :meth:`Writer.close` would have, counting the messages
+    the stream's head says were published (none if the producer never started it): its
+    readers take every message, then the end. Call it only once the producer is gone (else a
+    message could follow the end).
+
+    Returns
+    -------
+    int or None
+        The messages the stream ended with; ``None`` when it had ended already (the marker
+        is left as it is).
+    """
+    end_key = f"{name}/{END_NAME}"
+    if client.exists(end_key):
+        return None
+    share = client.engine.stream_state(client.key(name))
+    try:
+        head = share.head()
+    finally:
+        share.close()
+    written = 0 if head is None else head[1]
+    try:
+        with client.open(end_key, "wb") as fh:
+            fh.write(json.dumps({"frames": written}).encode())
+    except KeyExistsError:  # (ended meanwhile: write-once, the marker there stands)
+        return None
+    return written
+
+
+def release_group(client: Client, name: str, group: str) -> bool:
+    """Release consumer group ``group`` of stream ``name`` as :meth:`Reader.close` does, for a
+    reader gone without closing: the group takes nothing more, so the producer no longer
+    waits for it.
+
+    A lease the gone reader still holds (cluster mode) is waited for until it runs out.
+
+    Returns
+    -------
+    bool
+        Whether it was released; ``False`` when a live reader holds the group (its lease
+        renewed past its lifetime, or its lock held on this node: a child the reader left
+        running).
+    """
+    share = client.engine.stream_state(client.key(name))
+    try:
+        deadline = time.monotonic() + float(getattr(share, "lease_s", 0.0)) + 1.0
+        while True:
+            try:
+                cursor = share.open_group(group, 0)
+                break
+            except GroupBusy:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.1)
+        try:
+            cursor.commit(DONE)
+        finally:
+            cursor.close()
+        return True
+    finally:
+        share.close()
 
 
 def wait_any(readers: list[Reader]) -> list[int]:

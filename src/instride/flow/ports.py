@@ -40,6 +40,7 @@ A module function::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from ..client import Client, get_client
+from ..stream import END_NAME
 from .channels import (
     Message,
     PortPolicy,
@@ -55,8 +57,10 @@ from .channels import (
     Writer,
     decode_message,
     encode_message,
+    end_stream,
     group_name,
     port_policy,
+    release_group,
     stream_name,
     wait_any,
 )
@@ -68,7 +72,7 @@ STATS_INTERVAL = 0.5  # seconds between two stats files of one instance
 
 __all__ = [
     "Message", "PortPolicy", "Ports", "Reader", "Writer", "decode_message", "encode_message",
-    "from_env", "group_name", "port_policy", "stream_name",
+    "end_instance", "from_env", "group_name", "port_policy", "stream_name",
 ]
 
 
@@ -324,3 +328,57 @@ def from_env(client: Client | None = None) -> Ports:
         raise FlowError("not started by a flow runner (INSTRIDE_FLOW_SPEC/MODULE unset)")
     spec = json.loads(Path(spec_path).read_text())
     return Ports(spec, module, _instance_from_env(), client)
+
+
+def end_instance(spec: dict[str, Any], module: str, instance: int,
+                 client: Client | None = None) -> dict[str, int]:
+    """What :meth:`Ports.close` does, for an instance gone without it: a program run with
+    ``command=`` that exited with status 0 without ``ports.close()``.
+
+    Ends every connected output stream the instance left open
+    (:func:`~instride.flow.channels.end_stream`, with the messages it published), releases its
+    inputs' consumer groups (:func:`~instride.flow.channels.release_group`; those of streams
+    not ended yet, whose producers may wait for it) and marks its counters done. The runner
+    calls it (``python -m instride.flow.worker --end``, on the instance's node) once the
+    instance has exited, so that no message can follow the end. A stream the instance ended
+    itself is left as it is.
+
+    Parameters
+    ----------
+    spec
+        The run's spec (``INSTRIDE_FLOW_SPEC``'s content).
+    module, instance
+        The instance.
+    client
+        The instride client (default: the environment's).
+
+    Returns
+    -------
+    dict of str to int
+        The output ports ended here, each with the messages its stream ended with.
+    """
+    graph = Graph.from_dict(spec["graph"])
+    prefix = spec["prefix"]
+    client = client or get_client()
+    ended: dict[str, int] = {}
+    # outputs first: the consumers end as soon as they can
+    for port in sorted({e.src_port for e in graph.edges_from(module, instance)}):
+        count = end_stream(client, stream_name(prefix, module, instance, port))
+        if count is not None:
+            ended[port] = count
+    for e in graph.edges_into(module, instance):
+        name = stream_name(prefix, e.src, e.src_instance, e.src_port)
+        # (a sampler reads without a group; a producer that ended its stream waits for none)
+        if e.sampling != "newest" and not client.exists(f"{name}/{END_NAME}"):
+            release_group(client, name, group_name(e))
+    state = spec.get("state")
+    path = Path(state) / "stats" / f"{module}.{instance}.json" if state else None
+    if path is not None and path.is_file():  # (none: the program never built its ports)
+        stats: Any = None
+        with contextlib.suppress(OSError, ValueError):
+            stats = json.loads(path.read_text())
+        if isinstance(stats, dict) and not stats.get("done"):
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(json.dumps({**stats, "done": True}))
+            os.replace(tmp, path)
+    return ended

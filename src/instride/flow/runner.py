@@ -6,6 +6,10 @@ instance with its ports in the environment, and waits. When every instance has r
 run's streams are removed and its counters, ``trace.json`` and ``timeline.png`` are written to
 the output directory. When one instance fails, every other one is stopped (its process group:
 SIGTERM, then SIGKILL), the streams are removed and :class:`ModuleFailed` names the module.
+A program (``command=``) that exits with status 0 has finished, whether or not it called
+``ports.close()``: what it left open (output streams, its inputs' consumer groups) is closed
+for it by ``python -m instride.flow.worker --end``, started on its node, so that its consumers
+end (they waited for ever) and its producers no longer wait for it.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,10 +134,10 @@ def _terminated(signum: int, frame: Any) -> None:
     raise FlowError(f"the flow runner received signal {signum}; the graph was stopped")
 
 
-def _stop(procs: Mapping[tuple[str, int], subprocess.Popen[bytes]]) -> None:
+def _stop(procs: Iterable[subprocess.Popen[bytes]]) -> None:
     # Signals go to an instance's process group (its session, pgid = its PID) only while the
     # leader is not yet reaped, so the group id cannot belong to anyone else.
-    live = [p for p in procs.values() if p.poll() is None]
+    live = [p for p in procs if p.poll() is None]
     for p in live:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(p.pid, signal.SIGTERM)  # the instance's own session
@@ -190,7 +194,8 @@ def run(
     FlowTimeout
         ``timeout`` passed; the graph was stopped.
     FlowError
-        An instance's program could not be started (not found); the ones started were stopped.
+        An instance's program could not be started (not found), or what a program that
+        exited with status 0 left open could not be ended; the ones started were stopped.
     ConfigError
         ``out`` cannot be made a directory (a file is there).
     """
@@ -244,8 +249,13 @@ def run(
         previous = signal.signal(signal.SIGTERM, _terminated)
     procs: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
     logs: dict[tuple[str, int], Path] = {}
+    #: where and in which environment each process was started (what it left open is ended
+    #: there: the streams' heads and groups live on its node in local mode)
+    started: dict[tuple[str, int], tuple[str, dict[str, str]]] = {}
+    #: ``python -m instride.flow.worker --end`` of the programs that exited with status 0
+    enders: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
     t0 = time.monotonic()
-    failed: ModuleFailed | None = None
+    failed: FlowError | None = None
     watchdog: Watchdog | None = None
     try:
         # stops the instances' process groups (not only their first processes) if we are
@@ -287,6 +297,7 @@ def run(
                 try:
                     procs[(name, i)] = launcher.start(node, argv, env, log)
                     watchdog.watch(procs[(name, i)].pid)  # (its session: pgid = its PID)
+                    started[(name, i)] = (node, env)
                 except OSError as exc:  # no such program: stop what started (finally below)
                     raise FlowError(f"module {name!r} instance {i} could not be started on "
                                     f"{node}: {argv[0]}: {exc.strerror or exc}; the graph was "
@@ -294,23 +305,57 @@ def run(
             what = f"{name}[0..{m.instances - 1}] (mpiexec)" if m.mpi else f"{name}[{i}]"
             say(f"started {what} on {node} (pid {procs[(name, i)].pid})")
         pending = set(procs)
-        while pending:
+        while pending or enders:
             for key in sorted(pending):
                 rc = procs[key].poll()
                 if rc is None:
                     continue
                 pending.discard(key)
                 watchdog.forget(procs[key].pid)
-                if rc != 0:
+                if rc != 0:  # (its outputs stay open: its consumers are stopped, below)
                     failed = ModuleFailed(key[0], key[1], rc, _tail(logs[key]))
                     say(f"FAILED {key[0]}[{key[1]}] (exit status {rc})")
+                    break
+                m = graph.modules[key[0]]
+                ranks = list(range(m.instances)) if m.mpi else [key[1]]
+                if m.command and _has_ports(graph, key[0], ranks):
+                    # A program may exit without ports.close(): what it left open is closed
+                    # for it now that no message can follow (its consumers waited for ever).
+                    node, env = started[key]
+                    argv = [sys.executable, "-m", "instride.flow.worker", "--end",
+                            *map(str, ranks)]
+                    with open(logs[key], "ab") as log:
+                        try:
+                            enders[key] = launcher.start(node, argv, env, log)
+                        except OSError as exc:
+                            raise FlowError(f"module {key[0]!r} instance {key[1]} exited; its "
+                                            f"output streams could not be ended on {node}: "
+                                            f"{exc.strerror or exc}; the graph was "
+                                            "stopped") from None
+                    watchdog.watch(enders[key].pid)
+                    continue
+                say(f"finished {key[0]}[{key[1]}]")
+            if failed:
+                break
+            for key in sorted(enders):
+                rc = enders[key].poll()
+                if rc is None:
+                    continue
+                watchdog.forget(enders.pop(key).pid)
+                if rc != 0:
+                    failed = FlowError(
+                        f"module {key[0]!r} instance {key[1]} exited with status 0, but the "
+                        f"output streams it left open could not be ended (exit status {rc}); "
+                        f"the graph was stopped\n{_tail(logs[key])}".rstrip())
+                    say(f"FAILED {key[0]}[{key[1]}] (its outputs could not be ended)")
                     break
                 say(f"finished {key[0]}[{key[1]}]")
             if failed:
                 break
             if timeout is not None and time.monotonic() - t0 > timeout:
+                running = sorted(f"{m}[{i}]" for m, i in pending | set(enders))
                 raise FlowTimeout(f"graph {graph.name!r} ran past its {timeout} s timeout; "
-                                  f"still running: {sorted(f'{m}[{i}]' for m, i in pending)}")
+                                  f"still running: {running}")
             time.sleep(0.05)
         seconds = time.monotonic() - t0
     finally:
@@ -320,7 +365,7 @@ def run(
         if threading.current_thread() is threading.main_thread():
             held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            _stop(procs)
+            _stop([*procs.values(), *enders.values()])
             if watchdog is not None:
                 watchdog.done()
             try:
@@ -353,6 +398,14 @@ def _port_env(graph: Graph, prefix: str, name: str, i: int) -> dict[str, str]:
     for port in graph.modules[name].outputs:
         env[f"INSTRIDE_FLOW_OUT_{port.upper()}"] = stream_name(prefix, name, i, port)
     return env
+
+
+def _has_ports(graph: Graph, name: str, instances: Sequence[int]) -> bool:
+    """Whether one of ``instances`` of module ``name`` has what ``ports.close()`` closes: a
+    connected output, or an input read as a consumer group."""
+    return any(graph.edges_from(name, i)
+               or any(e.sampling != "newest" for e in graph.edges_into(name, i))
+               for i in instances)
 
 
 def gc_stale(launcher: Launcher, root: Path | None = None) -> list[str]:
