@@ -223,3 +223,30 @@ def test_a_frame_the_file_system_refuses_is_an_oserror_and_the_next_one_goes(
     pools = list((managed_dir / ".instride").rglob("slot-*"))
     assert pools == [], pools
     assert [f.step for f in instride.Stream("big", timeout=5)] == [2]
+
+
+def test_an_archiver_that_missed_its_sigterm_is_sent_another() -> None:
+    """Python drops the exception of a signal handler that runs inside a finalizer: an
+    archiver whose SIGTERM came then ran on, and was killed 30 s later (a CI run saw it).
+    SIGTERM is sent again every 2 s; here to a process that lets its first one pass."""
+    import subprocess
+    import sys
+
+    from instride.stream import _stop_archiver
+
+    code = ("import signal, sys, time\n"
+            "seen = []\n"
+            "def on_term(*_):\n"
+            "    seen.append(1)\n"
+            "    if len(seen) > 1:\n"
+            "        sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, on_term)\n"
+            "print('ready', flush=True)\n"
+            "while True:\n"
+            "    time.sleep(0.1)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+    t0 = time.monotonic()
+    _stop_archiver(proc)
+    assert proc.returncode == 0 and time.monotonic() - t0 < 15

@@ -48,6 +48,7 @@ import os
 import re
 import subprocess
 import time
+import warnings
 from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -156,6 +157,37 @@ def _beside(path: str, key: str, nxt: str | None) -> list[str]:
     """``path`` (``key``'s file), and the file of ``nxt`` beside it when given."""
     return [path, path[: len(path) - len(key)] + nxt] if nxt else [path]
 
+
+
+#: Seconds an archiver has to stop after SIGTERM before it is killed, and between two
+#: SIGTERMs meanwhile (see :func:`_stop_archiver`).
+_ARCHIVER_STOP_S, _ARCHIVER_RESIGNAL_S = 30.0, 2.0
+
+
+def _stop_archiver(proc: subprocess.Popen) -> None:
+    """Stop an ``archive=`` archiver: SIGTERM (it closes its archive file; not SIGINT, which
+    a process started in the background of a shell script ignores), sent again every
+    :data:`_ARCHIVER_STOP_S` s — Python drops the exception of a signal handler that runs
+    inside a finalizer (``__del__``), and the archiver then waited on for ever — and SIGKILL
+    once :data:`_ARCHIVER_STOP_S` s have passed (a warning then shows what it wrote)."""
+    deadline = time.monotonic() + _ARCHIVER_STOP_S
+    while True:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            proc.communicate(timeout=max(0.0, min(_ARCHIVER_RESIGNAL_S,
+                                                  deadline - time.monotonic())))
+            return
+        except subprocess.TimeoutExpired:
+            if time.monotonic() < deadline:
+                continue
+        proc.kill()
+        _, err = proc.communicate()
+        warnings.warn(f"the archiver (pid {proc.pid}) did not stop within {_ARCHIVER_STOP_S:g} s"
+                      f" of SIGTERM and was killed; it wrote: "
+                      f"{(err or b'').decode(errors='replace')[-2000:]}", RuntimeWarning,
+                      stacklevel=3)
+        return
 
 class Stream:
     """An ordered series of frames under one name.
@@ -807,12 +839,7 @@ class Stream:
         self._release_resources()
         proc, self._archiver = self._archiver, None
         if proc is not None:
-            proc.terminate()  # (SIGTERM: it closes its archive file; not SIGINT, which a
-            try:  # process started in the background of a shell script ignores)
-                proc.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
+            _stop_archiver(proc)
 
     def _finish_archiver(self) -> None:
         proc, self._archiver = self._archiver, None
