@@ -1060,3 +1060,38 @@ def test_a_rerun_stops_a_group_reader_of_the_earlier_run(
     finally:
         if node is not None:
             client.close()
+
+
+def test_a_group_reader_waiting_when_its_stream_is_rerun_stops_at_once(
+        client: instride.Client) -> None:
+    """A group reader of run 1 waits for frame 2, which the re-run never writes: it raises
+    ``GroupReset`` within a slice of its wait (it used to wait until its timeout, for ever
+    without one)."""
+    from instride.errors import GroupReset
+
+    w1 = instride.Stream("rw", mode="w", retain=4, groups=["g"], client=client)
+    for i in range(2):
+        w1.append(_positions(i), step=i)
+    r = instride.Stream("rw", group="g", client=client, timeout=20)
+    assert [next(r).step for _ in range(2)] == [0, 1]
+    got: list[object] = []
+
+    def wait() -> None:
+        t0 = time.monotonic()
+        try:
+            got.append(next(r))
+        except Exception as exc:  # noqa: BLE001 (what it raised is the result)
+            got.append(exc)
+        got.append(time.monotonic() - t0)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.3)  # (waiting for frame 2)
+    w1.abandon()
+    w2 = instride.Stream("rw", mode="w", retain=4, groups=["g"], overwrite=True, client=client)
+    w2.append(_positions(10), step=10)
+    waiter.join(30)
+    w2.close()
+    r.close()
+    assert isinstance(got[0], GroupReset), got
+    assert got[1] < 5, got

@@ -1059,6 +1059,11 @@ class Stream:
             plan = None if self._cadence is None else self._cadence.window(index)
         self._inbox_next = -1  # (read directly: what __next__ would take next is not known)
         while True:
+            if looks and self._cursor_file is not None:
+                # (between slices of a wait: a group taken from this reader — by a re-run of
+                # the stream, which may never reach this frame, or after a lost lease — says
+                # so now, not once the frame comes)
+                self._cursor_file.check()
             if not self._run_known:
                 self._forget_other_runs()
             path = engine.frame_path(key)

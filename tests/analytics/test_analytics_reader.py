@@ -327,3 +327,50 @@ def test_a_pickled_group_reader_reads_without_the_group(managed_dir: Path, adk) 
     assert [ts.data["step"] for ts in copy.trajectory] == [0, 1, 2]
     assert [ts.data["step"] for ts in u.trajectory] == [0, 1, 2]
     u.trajectory.close()
+
+
+def test_a_group_reader_moved_by_next_and_random_access_keeps_the_group_going(
+        managed_dir: Path, adk) -> None:
+    """``next()`` right after opening, and a jump by random access in the middle of a loop,
+    move the group on (frames jumped over count as taken): it used to stay behind while the
+    reader read past it without the group, and the producer waited for it (StreamFull)."""
+    import threading
+
+    w = instride.Stream("grpn", mode="w", retain=3, groups=["ana"], timeout=30)
+
+    def produce() -> None:
+        for i in range(12):
+            w.append(adk.atoms.positions + i, step=i)
+        w.close()
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    try:
+        traj = mda.Universe(PSF, "instride://grpn", group="ana", timeout=30).trajectory
+        steps = [traj.ts.data["step"]] + [traj.next().data["step"] for _ in range(3)]
+        assert steps == [0, 1, 2, 3] and traj.stream.tell() == 4
+        assert traj[3].data["step"] == 3  # (random access to the frame the group holds)
+        rest = [ts.data["step"] for ts in traj]  # (from the group's position on)
+        assert [ts.frame for ts in traj] == []  # (every frame taken: nothing left to loop)
+        copied = traj.copy()  # (reads without the group: it would be GroupBusy)
+        assert copied.ts.frame == traj.ts.frame
+        traj.close()
+    finally:
+        producer.join(60)
+    assert not producer.is_alive()
+    assert rest == list(range(4, 12))
+
+
+def test_a_reader_that_fails_to_open_lets_its_group_go(managed_dir: Path, adk) -> None:
+    """A wrong atom count refused at the opening: the group is free again at once (it stayed
+    held until the reader was collected: GroupBusy to a retry of the same process)."""
+    publish_dcd("grpf", adk, n=2)
+    failed = []
+    try:
+        InstrideReader("instride://grpf", n_atoms=5, group="ana", timeout=5)
+    except ValueError as exc:
+        failed.append(exc)  # (kept, as IPython keeps the last traceback)
+    assert failed
+    traj = mda.Universe(PSF, "instride://grpf", group="ana", timeout=5).trajectory
+    assert [ts.frame for ts in traj] == [0, 1]
+    traj.close()

@@ -39,12 +39,14 @@ Semantics on a live stream
   groups, which a producer under ``on_full="block"`` waits for, so no frame is dropped
   before the analysis took it. The trajectory starts at the group's position (a restarted
   analysis resumes where the group was: the frame it held when it stopped comes again), and
-  iterating moves the group's position on
-  (recorded every ``commit_every`` frames, and when the reader closes). Random access
-  (``u.trajectory[i]``, the rewind at the end of a loop) does not move it; a group's frames
-  are taken once, so a second loop over them finds them gone. ``u.trajectory.close()``
-  records the position and lets the group go; a pickled copy (a parallel analysis's worker)
-  reads without the group.
+  iterating moves the position on (recorded every ``commit_every`` frames, and when the
+  reader closes). Random access (``u.trajectory[i]``, the rewind at the end of a loop) does
+  not move it, but the next frame iterated after it does: ``next()`` after
+  ``u.trajectory[7]`` takes frame 8 as the group, frames before it counting as taken. A
+  group's frames are taken once: a loop starts at the group's position (a loop after one
+  that took an ended stream's every frame is empty, and a group that took them all opens
+  with ``EndOfStream``). ``u.trajectory.close()`` records the position and lets the group
+  go; a pickled copy (a parallel analysis's worker) and ``copy()`` read without the group.
 * Velocities and forces are not carried by streams; ``ts.has_velocities`` is ``False``.
 
 Examples
@@ -205,17 +207,23 @@ class InstrideReader(ReaderBase):
         self._count = 0  # frames known to be published (a prefix: a stream is written in order)
         self._final: int | None = None  # frame count once the stream has ended
         self._open_stream()
-        self._start = self._stream.tell()  # (a group's position; else 0)
+        # (a copy of this reader, ``copy()``, reads without the group: one reader per group)
+        self._kwargs.pop("group", None)
         try:
-            first = self._fetch(self._start, wait=True)
-        except FramesMissed as exc:  # a bounded stream that no longer holds its first frames:
-            self._start = exc.resume  # the trajectory starts at the oldest one it holds
-            first = self._fetch(self._start, wait=True)
-        if n_atoms is not None and int(n_atoms) != first.natoms:
-            raise ValueError(
-                f"InstrideReader: stream {self._name!r} has {first.natoms} atoms per frame but "
-                f"the topology has {n_atoms}"
-            )
+            self._start = self._stream.tell()  # (a group's position; else 0)
+            try:
+                first = self._fetch(self._start, wait=True)
+            except FramesMissed as exc:  # a bounded stream that no longer holds its first
+                self._start = exc.resume  # frames: the trajectory starts at the oldest one
+                first = self._fetch(self._start, wait=True)
+            if n_atoms is not None and int(n_atoms) != first.natoms:
+                raise ValueError(
+                    f"InstrideReader: stream {self._name!r} has {first.natoms} atoms per frame "
+                    f"but the topology has {n_atoms}"
+                )
+        except BaseException:
+            self._stream.close()  # (a group let go at once, not when this is collected)
+            raise
         self.n_atoms = first.natoms
         self.ts = self._Timestep(self.n_atoms, reader=self, **self._ts_kwargs)
         self._load(self._start, first)
@@ -245,7 +253,8 @@ class InstrideReader(ReaderBase):
         if self._final is not None:
             return self._final
         ended = self._stream.ended  # check first: once ended, every frame is published
-        self._count = len(self._stream)
+        # (never fewer than this reader got: the head may be counted just before a frame's)
+        self._count = max(self._count, len(self._stream))
         if ended:
             self._final = self._count
         return self._count
@@ -327,16 +336,22 @@ class InstrideReader(ReaderBase):
     def _read_next_timestep(self, ts: Any = None) -> Any:
         index = self.ts.frame + 1
         stream = self._stream
-        if self._group is not None and index == stream.tell():  # the group's next frame:
-            return self._next_of_group()  # taken through the stream, which moves it on
-        try:
-            frame = self._fetch(index, wait=True)
-        except FramesMissed as exc:
-            if self._on_gap != "count" or self._rewinding:  # (a rewind skips nothing)
-                raise
-            self.missed += exc.missed
-            index = exc.resume
-            frame = self._fetch(index, wait=True)
+        if self._group is not None and not self._rewinding and index >= stream.tell():
+            # the group's next frame (past frames looked at by random access: they count as
+            # taken), through the stream, which moves the group's position on
+            if index > stream.tell():
+                stream.seek(index)
+            return self._next_of_group()
+        while True:
+            try:
+                frame = self._fetch(index, wait=True)
+                break
+            except FramesMissed as exc:
+                if self._on_gap != "count" or self._rewinding:  # (a rewind skips nothing)
+                    raise
+                if self._group is None:  # (a group's frames taken before, then dropped: no
+                    self.missed += exc.missed  # frames missed by this reader)
+                index = exc.resume
         with frame:
             return self._load(index, frame)
 
@@ -379,7 +394,10 @@ class InstrideReader(ReaderBase):
         return super().__getitem__(frame)
 
     def _reopen(self) -> None:
-        self.ts.frame = self._start - 1
+        # (a group's trajectory goes on from the group's position: its frames before it are
+        # taken, and may be gone)
+        start = self._stream.tell() if self._group is not None else self._start
+        self.ts.frame = start - 1
 
     def rewind(self) -> Any:
         """Go back to the first frame (a bounded stream's: :class:`FramesMissed` where it
@@ -400,10 +418,13 @@ class InstrideReader(ReaderBase):
         try:
             ts = self._read_next_timestep()
         except EndOfStream:
+            if self._rewinding:  # (the rewind's own next(): nothing to rewind to)
+                raise
             try:
                 self.rewind()
-            except FramesMissed:  # (a bounded stream dropped the frame it would rewind to:
-                self._reopen()  # the loop ends all the same, and a new one raises then)
+            except (FramesMissed, EndOfStream):  # (a bounded stream dropped the frame it
+                # would rewind to, or a group took every frame: the loop ends all the same)
+                self._reopen()
             raise StopIteration from None
         for auxname in self.aux_list:
             ts = self._auxs[auxname].update_ts(ts)
@@ -418,8 +439,9 @@ class InstrideReader(ReaderBase):
     def close(self) -> None:
         """Record a consumer group's position and let the group go (``group=``); else
         nothing to release: frames are opened per read."""
-        if self._group is not None:
-            self._stream.close()
+        stream = getattr(self, "_stream", None)  # (none: the stream did not open)
+        if self._group is not None and stream is not None:
+            stream.close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

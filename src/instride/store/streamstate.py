@@ -288,7 +288,14 @@ class GroupCursor:
             raise GroupReset(self.stream, self.name)
 
     def commit(self, value: int) -> None:
-        """Record that the group is done with every frame before ``value``."""
+        """Record that the group is done with every frame before ``value``.
+
+        Raises
+        ------
+        GroupReset
+            The stream was re-run: nothing is recorded.
+        """
+        self.check()
         if value != self.value:
             os.pwrite(self._fd, _CURSOR.pack(value), 0)
             self.value = value
