@@ -53,7 +53,7 @@ ERRORS = "instride:job:{job}:errors"
 NODE_VARS = ("INSTRIDE_DIR", "INSTRIDE_ADDR", "INSTRIDE_NODE", "INSTRIDE_SOCKET")
 #: Variables of a job that `instride job` sets (and so never inherits from an earlier job).
 JOB_VARS = ("INSTRIDE_REDIS_URL", "INSTRIDE_TOKEN", "INSTRIDE_JOB_ID", "INSTRIDE_JOB_DIR",
-            "INSTRIDE_JOB_PORT", "INSTRIDE_JOB_IFACE", "INSTRIDE_NODE_ENV")
+            "INSTRIDE_JOB_PORT", "INSTRIDE_JOB_IFACE", "INSTRIDE_NODE_ENV", "INSTRIDE_JOB_COOKIE")
 
 
 class LaunchError(InstrideError, RuntimeError):
@@ -287,6 +287,17 @@ JOB_COOKIE = "INSTRIDE_JOB_COOKIE"
 ORPHAN_GRACE = 5.0
 
 
+def _start_watchdog() -> Watchdog | None:
+    """The watchdog of a job's command (see :meth:`JobServices.run`); ``None``, said on
+    stderr, where it cannot start: the job runs without it."""
+    try:
+        return Watchdog(ORPHAN_GRACE)
+    except OSError as exc:
+        print(f"instride job: no watchdog ({exc}): if this process is killed outright, what "
+              "its command started runs on", file=sys.stderr, flush=True)
+        return None
+
+
 class _Interrupted(BaseException):
     """A signal arrived while the services were starting."""
 
@@ -375,6 +386,7 @@ class JobServices:
         self._redis: subprocess.Popen[bytes] | None = None
         self._agents: subprocess.Popen[bytes] | None = None
         self._child: subprocess.Popen[bytes] | None = None
+        self._watchdog: Watchdog | None = None  # (while run() runs: see _start_watchdog)
         #: the first of SIGTERM/SIGINT/SIGHUP received during :meth:`run`
         self._signalled: int | None = None
         self._forwarded = False
@@ -490,6 +502,8 @@ class JobServices:
         try:
             self._check_signal()
             self.workdir = Path(tempfile.mkdtemp(prefix=f"instride-job{self.job_id}-"))
+            if self._watchdog is not None:  # (removed if this process is killed outright)
+                self._watchdog.remove_after(self.workdir)
             self.token = secrets.token_hex(16)
             if self.external_redis:
                 ping_redis(self.external_redis)
@@ -682,16 +696,14 @@ class JobServices:
         # If this process is killed outright (no teardown of its own), a watchdog stops what
         # the command started — found by a cookie in its environment, also what left its
         # process group — and removes the job's working directory
-        watchdog: Watchdog | None = None
         try:
             try:
-                watchdog = Watchdog(ORPHAN_GRACE)
+                self._watchdog = _start_watchdog()
                 env = self.up()
-                cookie = f"{JOB_COOKIE}={self.job_id}-{secrets.token_hex(8)}"
-                env[JOB_COOKIE] = cookie.split("=", 1)[1]
-                watchdog.watch_env(cookie)
-                if self.workdir is not None:
-                    watchdog.remove_after(self.workdir)
+                if self._watchdog is not None:
+                    cookie = f"{self.job_id}-{secrets.token_hex(8)}"
+                    env[JOB_COOKIE] = cookie
+                    self._watchdog.watch_env(f"{JOB_COOKIE}={cookie}")
                 print(f"instride job {self.job_id}: services up on {len(self.nodes)} node(s) "
                       f"({', '.join(f'{n}={a}' for n, a in sorted(self.addrs.items()))}), "
                       f"Redis {redact(self.redis_url)}", file=sys.stderr, flush=True)
@@ -721,9 +733,12 @@ class JobServices:
                                   f"left running (pids {', '.join(map(str, left))})",
                                   file=sys.stderr, flush=True)
                 finally:
-                    self.down()
-                    if watchdog is not None:
-                        watchdog.done()
+                    try:
+                        self.down()
+                    finally:
+                        if self._watchdog is not None:  # (torn down: it exits, signalling
+                            self._watchdog.done()  # nothing)
+                            self._watchdog = None
         finally:
             self._child = None
             if adopting:
