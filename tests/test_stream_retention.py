@@ -1095,3 +1095,42 @@ def test_a_group_reader_waiting_when_its_stream_is_rerun_stops_at_once(
     r.close()
     assert isinstance(got[0], GroupReset), got
     assert got[1] < 5, got
+
+
+@pytest.mark.parametrize("taken_meanwhile", [False, True])
+def test_a_group_reader_whose_lease_ran_out_takes_it_back_unless_taken_meanwhile(
+        taken_meanwhile: bool, tmp_path: Path, redis_server: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster group reader's lease runs out (it was paused) while nobody waits for the
+    group: it takes the lease back at its next renewal and reads on (it used to raise
+    ``GroupLeaseLost`` though no other reader had the group). If another reader took the
+    group and let it go meanwhile, it must not: ``GroupLeaseLost``."""
+    import instride.store.streamstate as state
+    from instride.errors import GroupLeaseLost
+    from tests.conftest import LoopbackNode
+
+    monkeypatch.setattr(state, "LEASE_S", 1.0)  # (renewed every ~0.33 s)
+    node = LoopbackNode(tmp_path, 1, redis_server.url, "test-token")
+    client = node.client()
+    try:
+        w = instride.Stream("rt", mode="w", retain=8, groups=["g"], client=client)
+        for i in range(4):
+            w.append(_positions(i), step=i)
+        r = instride.Stream("rt", group="g", client=client, timeout=5)
+        assert [next(r).step for _ in range(2)] == [0, 1]
+        lease = client.metadata.redis
+        lease.delete(f"instride:stream:{client.key('rt')}:group:g:lease")  # (as if run out)
+        if taken_meanwhile:
+            other = instride.Stream("rt", group="g", client=client, timeout=5)
+            assert next(other).step == 1  # (the frame the first one held: again)
+            other.close()
+        time.sleep(0.6)  # (a renewal or two)
+        if taken_meanwhile:
+            with pytest.raises(GroupLeaseLost):
+                next(r)
+        else:
+            assert [next(r).step for _ in range(2)] == [2, 3]
+        r.close()
+        w.close()
+    finally:
+        client.close()

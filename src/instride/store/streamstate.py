@@ -512,6 +512,10 @@ class RedisStreamState:
         self.lease_s = LEASE_S if lease_s is None else lease_s
         self._head = f"instride:stream:{stream}:head"
         self._groups = self.cursors_key = f"instride:stream:{stream}:groups"
+        #: each group's lease generation: counted up by every reader that takes the lease, and
+        #: by a re-run (see RedisGroupCursor: a reader whose lease ran out takes it again only
+        #: if nobody took it meanwhile)
+        self._generations = f"instride:stream:{stream}:generations"
 
     # producer
     def start(self, policy: Policy, groups: tuple[str, ...], *, reset: bool,
@@ -539,6 +543,7 @@ class RedisStreamState:
             for name in self.redis.hkeys(self._groups):
                 pipe.hset(self._groups, name, 0)
                 pipe.delete(self.lease_key(_text(name)))
+                pipe.hincrby(self._generations, name, 1)
         for name in groups:
             pipe.hsetnx(self._groups, name, 0)
         pipe.execute()
@@ -634,6 +639,31 @@ end
 return 0
 """
 
+#: take a group's lease (KEYS: the lease, the generations; ARGV: the token, its lifetime in ms,
+#: the group): the lease's new generation, or 0 where another reader holds it. One already this
+#: token's (a script sent again after its answer was lost) answers its generation.
+_ACQUIRE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
+end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return tonumber(redis.call('HGET', KEYS[2], ARGV[3]) or 0)
+end
+return 0
+"""
+
+#: take a lease that ran out back (KEYS and ARGV as :data:`_ACQUIRE`'s, then the generation
+#: it had): only while nobody holds it and nobody took it since (the generation is unchanged:
+#: no other reader, no re-run), so that the group's frames are still this reader's to take
+_RETAKE = """
+if redis.call('EXISTS', KEYS[1]) == 0
+    and tonumber(redis.call('HGET', KEYS[2], ARGV[3]) or -1) == tonumber(ARGV[4]) then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
+
 #: release a lease only if it is still this reader's (its token): one that ran out meanwhile
 #: and that another reader took stays that reader's (one step: no other command in between)
 _RELEASE = """
@@ -677,7 +707,11 @@ class RedisGroupCursor:
     new reader's lease is never extended by the old one. Its commits are fenced the same way:
     Redis writes the cursor only while the lease holds this reader's token, so a commit that
     arrives late (sent again after its connection failed) never overwrites the new reader's.
-    A re-run of the stream (``overwrite=True``) deletes every group's lease with the reset of
+    A lease that ran out while nobody took the group (the reader paused, no other waiting for
+    the group) is taken back at the next renewal or check: each taking of a lease counts the
+    group's generation up, and the lease is taken back only while the generation is still
+    the reader's (a reader that took the group and let it go meanwhile, or a re-run, counted
+    it up). A re-run of the stream (``overwrite=True``) deletes every group's lease with the reset of
     the cursors: the reader of the earlier run finds its lease gone at its next renewal and
     raises :class:`~instride.errors.GroupReset` (told apart by the stream's count of resets).
     """
@@ -688,9 +722,12 @@ class RedisGroupCursor:
         self._resets = state.resets()  # (a lease lost to a re-run of the stream: GroupReset)
         self._token = f"{os.getpid()}-{uuid.uuid4().hex}"
         r = state.redis
-        if not r.set(self._lock, self._token, nx=True, px=int(state.lease_s * 1000)) \
-                and r.get(self._lock) != self._token.encode():  # (ours: a SET sent again
-            raise GroupBusy(state.stream, name)  # after its answer was lost)
+        self._retake = r.register_script(_RETAKE)
+        self._generation = int(r.register_script(_ACQUIRE)(
+            keys=[self._lock, state._generations],
+            args=[self._token, int(state.lease_s * 1000), name]))
+        if not self._generation:
+            raise GroupBusy(state.stream, name)
         self._renewed = time.monotonic()  # (the lease is good until lease_s after this)
         self._lost = False
         self._script = r.register_script(_RENEW)
@@ -713,11 +750,15 @@ class RedisGroupCursor:
                 self._extend()
 
     def _extend(self) -> bool:
-        """Extend the lease if it is still ours; whether it was (else it is lost for good)."""
+        """Extend the lease if it is still ours, or take it back if it ran out and nobody
+        took it since; whether it is ours (else it is lost for good)."""
         started = time.monotonic()
         if self._lost:
             return False
-        if self._script(keys=[self._lock], args=[self._token, int(self.state.lease_s * 1000)]):
+        ms = int(self.state.lease_s * 1000)
+        if self._script(keys=[self._lock], args=[self._token, ms]) or self._retake(
+                keys=[self._lock, self.state._generations],
+                args=[self._token, ms, self.name, self._generation]):
             self._renewed = max(self._renewed, started)
             return True
         self._lost = True
