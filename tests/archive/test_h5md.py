@@ -123,7 +123,8 @@ def test_an_append_failing_midway_takes_its_rows_back(
     _assert_frames(dest, 3)
 
 
-KILLED_MID_APPEND = textwrap.dedent(
+#: a writer's subprocess with frames 0 and 1 flushed (what the test's script kills it in follows)
+WRITER_OF_TWO = textwrap.dedent(
     """
     import os, signal, sys
     import h5py, numpy as np
@@ -139,6 +140,10 @@ KILLED_MID_APPEND = textwrap.dedent(
     w.append(0, frame(0))
     w.append(1, frame(1))
     w.flush()
+    """
+)
+KILLED_MID_APPEND = WRITER_OF_TWO + textwrap.dedent(
+    """
     put, calls = h5py.Dataset.__setitem__, []
     def put_then_die(ds, key, value):
         put(ds, key, value)
@@ -252,22 +257,8 @@ def test_an_archive_path_that_cannot_be_written_is_refused(tmp_path: Path) -> No
     assert sorted(os.listdir(tmp_path)) == ["dir.h5", "plain"]
 
 
-KILLED_AFTER_INDEX_RESIZE = textwrap.dedent(
+KILLED_AFTER_INDEX_RESIZE = WRITER_OF_TWO + textwrap.dedent(
     """
-    import os, signal, sys
-    import h5py, numpy as np
-    from instride.archive import open_writer
-    from instride.frames import Frame, FrameHeader
-
-    def frame(i):
-        pos = np.full((4, 3), float(i), np.float32)
-        box = np.diag([30.0, 31.0, 32.0])
-        return Frame(FrameHeader(4, 10 * i, 0.5 * i, box, "xyz32", pos.nbytes, 0), pos)
-
-    w = open_writer(sys.argv[1], "s")
-    w.append(0, frame(0))
-    w.append(1, frame(1))
-    w.flush()
     resize = h5py.Dataset.resize
     def resize_then_die(ds, size, axis=None):
         resize(ds, size, axis)
