@@ -365,6 +365,18 @@ def test_a_created_file_left_under_both_names_is_resumed_whole(tmp_path: Path) -
     _assert_frames(dest, 3)
 
 
+def test_a_copy_a_killed_writer_left_while_resuming_is_removed(tmp_path: Path) -> None:
+    """A writer killed while copying a file left open (to resume it) left its copy,
+    ``.NAME.PID.recover``, for good: the next writer of the file removes it."""
+    dest = tmp_path / "rec.h5"
+    _written(dest, 2)
+    (tmp_path / ".rec.h5.4242.recover").write_bytes(b"half a copy")
+    (tmp_path / ".other.h5.4242.recover").write_bytes(b"another file's")
+    w = open_writer(dest, "s")
+    w.close()
+    assert sorted(os.listdir(tmp_path)) == [".other.h5.4242.recover", "rec.h5"]
+
+
 HOLDING_READER = textwrap.dedent(
     """
     import sys

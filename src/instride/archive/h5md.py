@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import os
 from pathlib import Path
 from typing import Any
@@ -229,6 +230,10 @@ class H5mdWriter:
             # a file a writer was killed laying out (or giving its name: then a second name of
             # the archive, which this takes away without touching the file)
             _creating(self.path).unlink(missing_ok=True)
+            # copies of a file left open that their writers were killed making (this one
+            # holds the file's writer lock: theirs are dead)
+            for leftover in self.path.parent.glob(f".{glob.escape(self.path.name)}.*.recover"):
+                leftover.unlink(missing_ok=True)
             if self.path.exists():
                 self._resume()
         except BaseException:
