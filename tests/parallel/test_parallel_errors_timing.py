@@ -144,6 +144,7 @@ _CORE_ERRORS = [
     errors.StreamFull("run", 2.0, ["g1", "g2"]),
     errors.GroupBusy("run", "g1"),
     errors.GroupLeaseLost("run", "g1", 30.0),
+    errors.GroupReset("run", "g1"),
     errors.ArchiveError("run", Path("/tmp/run.h5"), "disk full"),
     errors.ArchiveError(None, "run.h5", "not an archive"),
     errors.UnsupportedModeError("a", "published keys are immutable"),

@@ -28,20 +28,23 @@ def _started(meta: RedisMetadata, stream: str) -> RedisStreamState:
 
 def test_a_group_lease_whose_answer_was_lost_is_the_readers_own(redis_server: RedisServer,
                                                                 tmp_path: Path) -> None:
-    """The answer to the ``SET NX`` that takes a group's lease is lost (the connection fails
-    after Redis ran it) and the client sends it again: the lease found taken is the reader's
-    own, not another reader's (``GroupBusy``, the group locked until the lease ran out)."""
-    relay = ReplyDropper((redis_server.host, redis_server.port), marker=b"$3\r\nSET\r\n")
+    """The answer to the script that takes a group's lease (``SET NX``, the generation
+    counted up) is lost (the connection fails after Redis ran it) and the client sends it
+    again: the lease found taken is the reader's own, not another reader's (``GroupBusy``,
+    the group locked until the lease ran out), and its generation is the one counted."""
+    relay = ReplyDropper((redis_server.host, redis_server.port), marker=b"group:g:lease")
     meta = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
                                   connect_timeout=2))
     direct = redis.Redis(host=redis_server.host, port=redis_server.port)
     try:
         state = _started(meta, "lease")
+        state.open_group("warm", 0).close()  # (the script loaded: its run's answer is lost)
         relay.armed = True
         cursor = state.open_group("g", 0)
         assert relay.dropped == 1
         lease = direct.get("instride:stream:lease:group:g:lease")
         assert lease is not None and lease.decode() == cursor._token
+        assert cursor._generation == int(direct.hget("instride:stream:lease:generations", "g"))
         cursor.close()
         assert direct.get("instride:stream:lease:group:g:lease") is None
     finally:
