@@ -315,12 +315,15 @@ class ArchiveError(InstrideError, OSError):
     that cannot be used as the archive (not one, another stream's, another archiver's).
 
     ``stream`` is ``None`` when the stream is not known (an archive opened by its path alone).
+    ``busy``: the file is held by another process for the moment (an archiver resuming it):
+    worth trying again.
     """
 
-    def __init__(self, stream: str | None, path: object, detail: str) -> None:
-        self._init_args = (stream, path, detail)
+    def __init__(self, stream: str | None, path: object, detail: str, busy: bool = False) -> None:
+        self._init_args = (stream, path, detail, busy)
         self.stream = stream
         self.path = path
+        self.busy = busy
         what = f"archive {path}" if stream is None else f"archiver of stream {stream!r} ({path})"
         super().__init__(_errno.EIO, f"{what} failed: {detail}")
 

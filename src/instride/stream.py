@@ -159,6 +159,9 @@ def _beside(path: str, key: str, nxt: str | None) -> list[str]:
 
 
 
+#: Seconds a reader of a retired frame tries again to open an archive held by its resuming
+#: archiver (see :meth:`Stream._from_archive`).
+_ARCHIVE_BUSY_S = 5.0
 #: Seconds an archiver has to stop after SIGTERM before it is killed, and between two
 #: SIGTERMs meanwhile (see :func:`_stop_archiver`).
 _ARCHIVER_STOP_S, _ARCHIVER_RESIGNAL_S = 30.0, 2.0
@@ -873,7 +876,18 @@ class Stream:
                 return None
             from .archive import open_reader
 
-            self._archive_reader = open_reader(where, self.name)
+            # An archiver resuming the file holds it for writing a moment (until it is in
+            # SWMR mode): tried again then, within the stream's timeout (5 s at most)
+            limit = _ARCHIVE_BUSY_S if self.timeout is None else min(self.timeout, _ARCHIVE_BUSY_S)
+            deadline = time.monotonic() + limit
+            while True:
+                try:
+                    self._archive_reader = open_reader(where, self.name)
+                    break
+                except ArchiveError as exc:
+                    if not exc.busy or time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.02)
         return self._archive_reader.read(index)  # type: ignore[no-any-return]
 
     def _release_resources(self) -> None:

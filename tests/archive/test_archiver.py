@@ -432,3 +432,34 @@ def test_an_archive_held_by_a_reader_stops_the_resuming_archiver_typed(
             reader.wait()
     report = archive_stream("held", dest, timeout=10)  # its reader gone, the archiver resumes
     assert (report.frames, report.total) == (0, 3)
+
+
+HOLDS_FOR_WRITING = textwrap.dedent(
+    """
+    import sys, time, h5py
+    with h5py.File(sys.argv[1], "a"):  # (as an archiver resuming it does, for a moment)
+        print("held", flush=True)
+        time.sleep(float(sys.argv[2]))
+    """
+)
+
+
+def test_a_retired_frame_read_while_the_archive_is_held_for_writing_waits(
+        managed_dir: Path, tmp_path: Path) -> None:
+    """A reader of a retired frame opens the archive while another process holds it for
+    writing (an archiver resuming it, until it is in SWMR mode): it tries again for a few
+    seconds (it raised ArchiveError at once)."""
+    dest = tmp_path / "held.h5"
+    with instride.Stream("held", mode="w", retain=2, archive=dest, timeout=60) as s:
+        for i in range(6):
+            s.append(_pos(i), step=i)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDS_FOR_WRITING, str(dest), "1.0"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        frame = instride.Stream("held", timeout=10).read(0)  # (retired: from the archive)
+        assert frame.step == 0
+        np.testing.assert_allclose(frame.positions, _pos(0), rtol=1e-6)  # (xyz32)
+    finally:
+        rc, _, err = finish(holder, 30)
+    assert rc == 0, err

@@ -147,6 +147,7 @@ _CORE_ERRORS = [
     errors.GroupReset("run", "g1"),
     errors.ArchiveError("run", Path("/tmp/run.h5"), "disk full"),
     errors.ArchiveError(None, "run.h5", "not an archive"),
+    errors.ArchiveError("run", "run.h5", "held for writing", busy=True),
     errors.UnsupportedModeError("a", "published keys are immutable"),
     errors.ConfigError("INSTRIDE_TIMEOUT", "-1", "must be >= 0"),
     errors.AgentError(errno.ENOENT, "no such key"),

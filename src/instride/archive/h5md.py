@@ -158,7 +158,8 @@ def _open_checked(path: Path, stream: str | None, *, unnamed_ok: bool) -> Any:
     except OSError as exc:
         if _locked_out(exc):  # (an archiver resuming it holds it so until it is in SWMR mode)
             raise ArchiveError(stream, path, "another process holds it open for writing (an archiver "
-                                             f"resuming it, for a moment; or h5py): {exc}") from exc
+                                             f"resuming it, for a moment; or h5py): {exc}",
+                               busy=True) from exc
         raise ArchiveError(stream, path, f"cannot be opened: {exc}") from exc
     try:
         why = _not_archive(f, stream, unnamed_ok=unnamed_ok)
