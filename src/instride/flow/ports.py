@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -369,8 +370,11 @@ def end_instance(spec: dict[str, Any], module: str, instance: int,
     for e in graph.edges_into(module, instance):
         name = stream_name(prefix, e.src, e.src_instance, e.src_port)
         # (a sampler reads without a group; a producer that ended its stream waits for none)
-        if e.sampling != "newest" and not client.exists(f"{name}/{END_NAME}"):
-            release_group(client, name, group_name(e))
+        if e.sampling != "newest" and not client.exists(f"{name}/{END_NAME}") \
+                and not release_group(client, name, group_name(e)):
+            print(f"instride flow: {module}[{instance}]'s consumer group {group_name(e)!r} of "
+                  f"{name!r} is still held by a live process (one the program left running?): "
+                  "not released; its producer waits for that process", file=sys.stderr)
     state = spec.get("state")
     path = Path(state) / "stats" / f"{module}.{instance}.json" if state else None
     if path is not None and path.is_file():  # (none: the program never built its ports)
