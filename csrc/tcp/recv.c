@@ -120,6 +120,21 @@ static char *thread_chunk(void) {
     return chunk;
 }
 
+/* Milliseconds left of a wait of ms (-1: no limit) that began at *start (CLOCK_MONOTONIC ms;
+ * 0: it begins now, and *start is set): a wait a signal interrupted goes on for what is left,
+ * not for ms again (signals coming more often than ms would make it endless). */
+static int ms_left(int ms, long long *start) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    long long now = (long long)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+    if (*start == 0)
+        *start = now;
+    if (ms < 0)
+        return -1;
+    long long left = *start + ms - now;
+    return left > 0 ? (int)left : 0;
+}
+
 static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash_from,
                      int stall_ms, char *hex, uint64_t *got, int *where, int *lowat_set,
                      char *head) {
@@ -132,6 +147,7 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash
     XXH3_64bits_reset(&state);
     int cur_lowat = 1;
     int trickle = 0; /* 1: bytes come slower than ISC_LOWAT per stall_ms: wake for any */
+    long long waiting = 0; /* when the wait for the next bytes began (0: not waiting) */
     while (*got < size) {
         size_t want = size - *got < ISC_CHUNK ? (size_t)(size - *got) : ISC_CHUNK;
         char *buf = mem != NULL ? mem + *got : chunk;
@@ -150,13 +166,14 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash
             if (lowat != cur_lowat && setsockopt(sock, SOL_SOCKET, SO_RCVLOWAT, &lowat, sizeof lowat) == 0)
                 cur_lowat = lowat, *lowat_set = 1;
             struct pollfd p = {sock, POLLIN, 0};
-            int r = poll(&p, 1, stall_ms);
+            int r = poll(&p, 1, ms_left(stall_ms, &waiting));
             if (r == 0) {
                 /* Stalled only if nothing arrived: with a low-water mark above 1, bytes that
                  * came, fewer than it, do not wake poll. */
                 int queued = 0;
                 if (cur_lowat > 1 && ioctl(sock, FIONREAD, &queued) == 0 && queued > 0) {
                     trickle = 1;
+                    waiting = 0;
                     continue;
                 }
                 return -ETIMEDOUT;
@@ -185,6 +202,7 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash
             done += (size_t)w;
         }
         *got += (uint64_t)n;
+        waiting = 0;
     }
     snprintf(hex, 17, "%016llx", (unsigned long long)XXH3_64bits_digest(&state));
     return 0;
@@ -196,10 +214,12 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash
  * calls again); later ones are waited through. */
 static int recv_head(int sock, char *buf, size_t len, int first_ms, int stall_ms, size_t *have,
                      int interruptible) {
+    long long waiting = 0; /* when the wait for the next bytes began (0: not waiting) */
     while (*have < len) {
         ssize_t n = recv(sock, buf + *have, len - *have, MSG_DONTWAIT);
         if (n > 0) {
             *have += (size_t)n;
+            waiting = 0;
             continue;
         }
         if (n == 0)
@@ -209,7 +229,7 @@ static int recv_head(int sock, char *buf, size_t len, int first_ms, int stall_ms
         if (errno != EAGAIN)
             return -errno;
         struct pollfd p = {sock, POLLIN, 0};
-        int r = poll(&p, 1, *have == 0 ? first_ms : stall_ms);
+        int r = poll(&p, 1, ms_left(*have == 0 ? first_ms : stall_ms, &waiting));
         if (r == 0)
             return -ETIMEDOUT;
         if (r < 0 && (errno != EINTR || (interruptible && *have == 0)))

@@ -1334,3 +1334,33 @@ def test_a_reply_naming_its_size_twice_is_refused(reply_pair: tuple) -> None:
     with pytest.raises(TransferError, match="malformed reply"):
         transport._reply_into(ours, HINT, 1.0, memoryview(bytearray(100)), 0)
     assert ours.fileno() == -1
+
+
+@pytest.mark.parametrize("sent", ["nothing", "half a body"])
+def test_signals_more_often_than_the_timeout_do_not_make_the_wait_endless(
+        reply_pair: tuple, sent: str) -> None:
+    """A signal (its handler runs, then the wait goes on) every 50 ms, against a timeout of
+    0.5 s: the wait for the reply's first byte, and the wait for the rest of a body that
+    stopped coming, started their whole timeout again after each, and never ended (here:
+    not until the signals stop, after 4 s)."""
+    import signal
+
+    transport, ours, theirs = reply_pair
+    ours.settimeout(0.5)
+    if sent != "nothing":
+        theirs.sendall(_reply_bytes({"ok": True, "key": HINT.key, "size": 1000}, b"x" * 500))
+    ticks: list[int] = []
+    old = signal.signal(signal.SIGALRM, lambda *_: ticks.append(1))
+    stop = threading.Timer(4.0, signal.setitimer, (signal.ITIMER_REAL, 0))
+    signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
+    stop.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises((PeerUnavailable, TransferError)):
+            transport._reply_into(ours, HINT, 0.5, memoryview(bytearray(2000)), 0)
+        elapsed = time.monotonic() - t0
+    finally:
+        stop.cancel()
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert ticks and elapsed < 3, elapsed

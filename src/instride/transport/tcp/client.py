@@ -15,6 +15,7 @@ import os
 import re
 import select
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -455,6 +456,7 @@ class TcpTransport:
             first_ms = -1 if timeout is None else stall_ms + (_wait_ms(wait) or 0)
             stall_ms, first_ms = min(stall_ms, _INT_MAX), min(first_ms, _INT_MAX)
             base = (ctypes.c_char * len(into)).from_buffer(into)  # (no copy: its address)
+            began = time.monotonic()
             try:
                 while True:
                     rc = lib.isc_recv_reply(sock.fileno(), first_ms, stall_ms, scratch.header,
@@ -464,7 +466,12 @@ class TcpTransport:
                     if rc != -errno.EINTR:
                         break
                     # (a signal before any of the reply came: its handler runs now, as for
-                    # any wait on a socket — and may raise — then the wait goes on)
+                    # any wait on a socket — and may raise — then the wait goes on, for what
+                    # is left of it: signals more often than the wait made it endless)
+                    if first_ms >= 0:
+                        spent = int((time.monotonic() - began) * 1000)
+                        first_ms = max(0, first_ms - spent)
+                        began += spent / 1000
             finally:
                 del base
             n = scratch.header_len.value
