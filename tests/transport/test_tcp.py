@@ -1364,3 +1364,26 @@ def test_signals_more_often_than_the_timeout_do_not_make_the_wait_endless(
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
     assert ticks and elapsed < 3, elapsed
+
+
+def test_a_peers_numbers_past_what_they_can_mean_are_refused_typed() -> None:
+    """A reply announcing a body of 2**64 + 5 bytes (the native receive took it as 5, and a
+    file truncated to 2**64 raised OverflowError), or a 400-digit publication time
+    (OverflowError out of the receive): a TransferError, and no time."""
+    from instride.transport.tcp.client import _seconds, _size
+
+    for size in (1 << 64 | 5, 1 << 63, -1, 2.5, True):
+        with pytest.raises(TransferError, match="body size"):
+            _size({"ok": True, "size": size}, HINT)
+    assert _size({"ok": True, "size": (1 << 63) - 1}, HINT) == (1 << 63) - 1
+    assert _seconds(10**400) is None and _seconds(float("nan")) is None and _seconds(7.5) == 7.5
+
+
+def test_no_reply_to_a_key_asked_for_is_a_typed_error(reply_pair: tuple,
+                                                             tmp_path: Path) -> None:
+    """``receive_asked`` without ``into``: no reply within the wait was a raw
+    ``TimeoutError``, where ``_reply_asked`` gives ``PeerUnavailable``."""
+    transport, ours, _theirs = reply_pair
+    ours.settimeout(0.3)
+    with open(tmp_path / "dest", "wb") as fh, pytest.raises(PeerUnavailable, match="no valid"):
+        transport.receive_asked(ours, HINT, HINT.key, fh.fileno(), 0.2)

@@ -932,11 +932,20 @@ class ClusterEngine:
     def drop_copy(self, key: str) -> None:
         """Remove this node's fetched copy of ``key`` (never an original of this node): a
         bounded stream's frame its reader released. Its storage goes to the receive pool for
-        the next fetch, reused once no reader holds the frame's lock."""
-        if self.cached_version(key) is not None:
-            # the file first: a moment without sidecar would make the copy look like an original
-            self._drop_file(f"{self.root}/{key}", locked=True)
-            self.forget_fetched(key)
+        the next fetch, reused once no reader holds the frame's lock.
+
+        Under the key's lock, as :meth:`evict`: never beside a fetch of the key in another
+        process of this node (a new run's frame), whose new copy and sidecar would go with
+        the old ones (a file gone under its consumer, or a copy left looking like an
+        original); a key being fetched now is left to that fetch."""
+        try:
+            with self._lock(key, time.monotonic()):
+                if self.cached_version(key) is not None:
+                    # the file first: without a sidecar the copy would look like an original
+                    self._drop_file(f"{self.root}/{key}", locked=True)
+                    self.forget_fetched(key)
+        except ConsumeTimeout:
+            pass
 
     def forget_other_runs(self, stream: str, run: str, since: float, node: str | None,
                           files: re.Pattern[str]) -> int:

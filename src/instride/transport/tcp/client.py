@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import math
 import os
 import re
 import select
@@ -105,13 +106,26 @@ def _wait_ms(wait: float | None) -> int | None:
 
 
 def _size(reply: dict[str, Any], record: Record) -> int:
-    """The body size ``reply`` announces: a whole number of bytes, never negative (a size
-    taken as given would be handed to the native receive as an unsigned count)."""
+    """The body size ``reply`` announces: a whole number of bytes, never negative nor past
+    what a file can hold (a size taken as given would be handed to the native receive as an
+    unsigned count, 2**64 + 5 as 5)."""
     size = reply.get("size")
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size < 1 << 63:
         raise TransferError(record.key, f"malformed reply from {record.owner}: body size "
                             f"{size!r} is not a byte count ({str(reply)[:200]})")
     return size
+
+
+def _seconds(value: object) -> float | None:
+    """A reply's publication time as seconds, ``None`` where it is none (or no finite number:
+    a peer's 400-digit integer would raise ``OverflowError`` out of the receive)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        seconds = float(value)
+    except OverflowError:
+        return None
+    return seconds if math.isfinite(seconds) else None
 
 
 class _ReplyScratch:
@@ -401,8 +415,7 @@ class TcpTransport:
         if rest:
             batches[owner.owner] = (sock, rest)
         published = reply.get("published")
-        return Received(size, digest, float(published) if isinstance(published, int | float) else None,
-                        head)
+        return Received(size, digest, _seconds(published), head)
 
     def drop_ahead(self, owner: str | None = None) -> None:
         """Drop what this thread asked for ahead (:meth:`fetch_when_published`'s ``ahead``) —
@@ -540,8 +553,13 @@ class TcpTransport:
             else:
                 try:
                     reply = self._reply(sock, hint, _wait_ms(wait))
-                except BaseException:
+                except BaseException as exc:
                     sock.close()
+                    if isinstance(exc, OSError | wire.WireError) \
+                            and not isinstance(exc, InstrideError):  # (typed, as _reply_asked)
+                        node = hint.node or hint.owner
+                        raise PeerUnavailable(f"{node} ({hint.owner})",
+                                              f"no valid reply: {exc}") from None
                     raise
                 reply = self._accepted(sock, reply, hint)
         except KeyNotFoundError:
