@@ -150,13 +150,13 @@ class PeerUnavailable(InstrideError, ConnectionError):
 
 
 class ServeError(InstrideError, OSError):
-    """This node's data server could not start (its address taken, its Unix socket not
-    made, ...)."""
+    """This node's data server (or ``what``: another server instride runs, the IMD server)
+    could not start (its address taken, its Unix socket not made, ...)."""
 
-    def __init__(self, detail: str, code: int = _errno.EIO) -> None:
-        self._init_args = (detail, code)
+    def __init__(self, detail: str, code: int = _errno.EIO, what: str = "the data server") -> None:
+        self._init_args = (detail, code, what)
         self.detail = detail
-        super().__init__(code, f"the data server could not start: {detail}")
+        super().__init__(code, f"{what} could not start: {detail}")
 
 
 class TransferError(InstrideError, OSError):

@@ -23,6 +23,7 @@ from MDAnalysis.analysis import rms
 from MDAnalysisTests.datafiles import DCD, GRO, PSF, XTC
 
 import instride
+from instride.errors import ServeError
 from instride.md.imd_bridge import bridge
 from instride.md.imd_protocol import MsgType, encode_header
 from instride.md.imd_server import IMDServer
@@ -199,9 +200,31 @@ def test_bad_settings_are_typed_errors(managed_dir: Path) -> None:
         IMDServer("s", start="middle")
     with pytest.raises(instride.KeyValidationError):
         IMDServer("../outside")
-    with IMDServer("s") as busy:
-        with pytest.raises(instride.InstrideError, match="cannot listen"):
+    with IMDServer("s") as busy:  # (a ServeError: exit status 6, as for `instride serve`)
+        with pytest.raises(ServeError, match="the IMD server could not start: cannot listen"):
             IMDServer("s", port=busy.port)
+
+
+@pytest.mark.parametrize(("args", "what"), [
+    (["imd-serve", "s", "--port", "0", "--clients", "0"], "--clients"),
+    (["imd-serve", "s", "--port", "0", "--dt", "nan"], "--dt"),
+    (["imd-serve", "s", "--port", "0", "--dt", "-1"], "--dt"),
+    (["imd-serve", "s", "--port", "0", "--host", ""], "every interface"),
+    (["imd-bridge", "localhost:1", "s", "--dt", "nan"], "--dt"),
+    (["demo", "--timeout", "nan"], "--timeout"),
+    (["demo", "--timeout", "0"], "--timeout"),
+    (["top", "--interval", "-1"], "--interval"),
+])
+def test_numbers_and_addresses_that_mean_nothing_are_usage_errors(
+        managed_dir: Path, args: list[str], what: str) -> None:
+    """Exit status 2 with the option named, before anything runs (``--clients 0`` served
+    nothing and exited 0, ``--dt nan`` went out as the TIME packet's dt, ``--host ""``
+    listened on every interface, the demo's ``--timeout nan`` made a barrier wait for ever,
+    ``top --interval -1`` crashed once a graph ran)."""
+    proc = subprocess.run([sys.executable, "-m", "instride", *args], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert what in proc.stderr
 
 
 def test_cli_imd_serve(managed_dir: Path) -> None:

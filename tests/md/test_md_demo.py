@@ -115,3 +115,35 @@ def test_demo_rejects_bad_arguments(tmp_path: Path) -> None:
         run_demo(tmp_path / "o", steps=5, interval=10)
     with pytest.raises(ConfigError, match="--replicas"):
         run_demo(tmp_path / "o", replicas=0)
+
+
+def test_a_managed_directory_that_cannot_be_made_is_a_usage_error_and_leaves_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``INSTRIDE_DIR`` naming a file: a ``ConfigError`` (exit status 2), and the demo's
+    temporary directory goes (it was made before the cleanup began: left, and exit 1)."""
+    from instride import ConfigError
+    from instride.md import demo
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(demo, "_node_local_tmp", lambda: str(scratch))
+    monkeypatch.setenv("INSTRIDE_DIR", str(tmp_path / "a-file"))
+    (tmp_path / "a-file").write_text("not a directory")
+    with pytest.raises(ConfigError, match="INSTRIDE_DIR"):
+        demo.run_demo(tmp_path / "o", steps=15, interval=15)
+    assert os.listdir(scratch) == []
+    with pytest.raises(ConfigError, match="--timeout"):
+        demo.run_demo(tmp_path / "o", timeout=float("nan"))
+
+
+def test_stopping_children_passes_over_those_not_started() -> None:
+    """Ctrl-C while the demo started its processes: the cleanup joined one never started
+    (``AssertionError``, exit 1, instead of 130)."""
+    import multiprocessing as mp
+
+    from instride.md.demo import _stop
+
+    started = mp.get_context("spawn").Process(target=time.sleep, args=(60,))
+    started.start()
+    _stop([started, mp.get_context("spawn").Process(target=time.sleep, args=(60,))])
+    assert not started.is_alive()

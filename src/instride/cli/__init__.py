@@ -164,6 +164,40 @@ def timeout_arg(text: str) -> float:
     return math.inf if value is None else value
 
 
+def positive_seconds(text: str) -> float:
+    """Seconds that must be a finite number above 0 (an interval, a wait that must end)
+    (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number of seconds above 0")
+    return value
+
+
+def non_negative_number(text: str) -> float:
+    """A finite number, 0 or more (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number, 0 or more")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """A whole number, 1 or more (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 1 or more")
+    return value
+
+
 def no_limit_as_none(timeout: float | None) -> float | None:
     """A ``--timeout`` for the APIs whose ``None`` means no limit (not a setting's default)."""
     return None if timeout is None or math.isinf(timeout) else timeout

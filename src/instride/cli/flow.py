@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from . import no_limit_as_none, timeout_arg
+from . import no_limit_as_none, positive_seconds, timeout_arg
 
 
 def _param(text: str) -> tuple[str, Any]:
@@ -180,6 +180,7 @@ def add_parser(sub: Any) -> None:
                        description="Per module instance and port: messages, rate, queue "
                                    "depth, idle %%, MiB; refreshed until the run ends.")
     t.add_argument("run", nargs="?", help="run directory name (default: the newest running)")
-    t.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    t.add_argument("--interval", type=positive_seconds, default=1.0,
+                   help="seconds between refreshes (default %(default)s)")
     t.add_argument("--once", action="store_true", help="print one table and exit")
     t.set_defaults(func=cmd_top)

@@ -9,7 +9,15 @@ import os
 import signal
 import sys
 
-from . import EXIT_INTERRUPTED, EXIT_INVALID, no_limit_as_none, timeout_arg
+from . import (
+    EXIT_INTERRUPTED,
+    EXIT_INVALID,
+    no_limit_as_none,
+    non_negative_number,
+    positive_int,
+    positive_seconds,
+    timeout_arg,
+)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -89,6 +97,15 @@ def cmd_imd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _listen_host(text: str) -> str:
+    """``--host`` of ``imd-serve``: an address written out (an empty one would listen on
+    every interface, unannounced: write ``0.0.0.0`` for that) (argparse type)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty address listens on every interface; "
+                                         "write 0.0.0.0 to mean that")
+    return text.strip()
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add ``demo``, ``imd-bridge`` and ``imd-serve`` to the ``instride`` command."""
     p = subparsers.add_parser(
@@ -110,7 +127,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--interval", type=int, default=15, help="steps between frames (%(default)s)")
     p.add_argument("--replicas", type=int, default=2, help="replicas (%(default)s)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per replica (%(default)s)")
-    p.add_argument("--timeout", type=float, default=300.0,
+    p.add_argument("--timeout", type=positive_seconds, default=300.0,
                    help="seconds a consumer waits for one frame (%(default)s)")
     p.add_argument("--no-baseline", action="store_true", help="skip the files+barrier run")
     p.set_defaults(func=cmd_demo)
@@ -130,7 +147,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("stream", metavar="STREAM", help="stream name to publish into")
     p.add_argument("--natoms", type=int, help="atoms per frame (size of the IMD group)")
     p.add_argument("--gro", help="take the atom count from this .gro file (IMD-group = System)")
-    p.add_argument("--dt", type=float, default=None,
+    p.add_argument("--dt", type=non_negative_number, default=None,
                    help="ps per MD step, for frame times (IMD v2 sends none)")
     p.add_argument("--first-step", type=int, default=0,
                    help="step of the first frame (IMD v2 sends no step; GROMACS: 0, LAMMPS: 1; "
@@ -162,19 +179,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("stream", metavar="STREAM", help="stream to serve (it may not exist yet)")
     p.add_argument("--port", type=int, required=True, help="TCP port to listen on (0: any free port)")
-    p.add_argument("--host", default="127.0.0.1",
+    p.add_argument("--host", type=_listen_host, default="127.0.0.1",
                    help="address to listen on (default %(default)s; 0.0.0.0 for other nodes: "
                         "IMD has no authentication)")
     p.add_argument("--start", choices=["first", "newest"], default="first",
                    help="where a new client starts (default %(default)s)")
     p.add_argument("--imd-version", type=int, choices=[2, 3], default=3,
                    help="IMD version to speak (default %(default)s; MDAnalysis needs 3)")
-    p.add_argument("--clients", type=int, default=None,
+    p.add_argument("--clients", type=positive_int, default=None,
                    help="exit after this many client sessions have ended (default: run until stopped)")
     p.add_argument("--timeout", type=timeout_arg, default=None,
                    help="seconds a session waits for the producer's next frame; 0: do not wait; "
                    "inf: forever (default: no limit)")
-    p.add_argument("--dt", type=float, default=None,
+    p.add_argument("--dt", type=non_negative_number, default=None,
                    help="ps per MD step sent in the TIME packet (default: from consecutive frames)")
     p.add_argument("--max-clients", type=int, default=64,
                    help="client sessions at once; one more is refused (its connection closed) "

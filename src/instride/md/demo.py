@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import math
 import multiprocessing as mp
 import os
 import shutil
@@ -259,7 +260,9 @@ def _environment(**values: str | None) -> Iterator[None]:
 
 
 def _stop(procs: list[Any]) -> None:
-    """Terminate (then kill) every child still running, by its own PID."""
+    """Terminate (then kill) every child still running, by its own PID (those not started,
+    a start interrupted, are passed over)."""
+    procs = [p for p in procs if p.pid is not None]
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -359,7 +362,7 @@ def run_demo(
     Raises
     ------
     ConfigError
-        A bad step count, interval, replica or thread count.
+        A bad step count, interval, replica or thread count, timeout, or INSTRIDE_DIR.
     DemoError
         A producer or consumer failed.
     """
@@ -370,20 +373,26 @@ def run_demo(
         if not ok:
             raise ConfigError(f"--{name}", value, "need steps >= interval >= 1, replicas >= 1 "
                               "and threads >= 1")
+    if not (math.isfinite(timeout) and timeout > 0):  # (NaN: no barrier's wait would end)
+        raise ConfigError("--timeout", timeout, "expected a finite number of seconds above 0")
     out_dir = Path(out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     nframes = steps // interval
     run_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     user_dir = os.environ.get("INSTRIDE_DIR", "").strip()
     temp_root = tempfile.mkdtemp(prefix="instride-demo-", dir=_node_local_tmp())
-    managed = user_dir or os.path.join(temp_root, "managed")
-    os.makedirs(managed, exist_ok=True)
-    ctx = mp.get_context("spawn")
-    rows: list[DemoRow] = []
-    print(f"instride demo: {replicas} OpenMM replicas x {steps} steps of 2 fs = {steps * 0.002:g} ps "
-          f"simulated each (a frame every {interval} steps = {nframes} frames of villin, 8,867 "
-          f"atoms); managed directory {managed}")
-    try:
+    try:  # (from here on, the temporary directory goes whatever happens)
+        managed = user_dir or os.path.join(temp_root, "managed")
+        try:
+            os.makedirs(managed, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError("INSTRIDE_DIR", managed,
+                              f"cannot be made a directory: {exc.strerror or exc}") from None
+        ctx = mp.get_context("spawn")
+        rows: list[DemoRow] = []
+        print(f"instride demo: {replicas} OpenMM replicas x {steps} steps of 2 fs = "
+              f"{steps * 0.002:g} ps simulated each (a frame every {interval} steps = {nframes} "
+              f"frames of villin, 8,867 atoms); managed directory {managed}")
         with _environment(INSTRIDE_DIR=managed, INSTRIDE_REDIS_URL=None):
             # -- instride
             pairs, progress, results = [], [], []

@@ -282,13 +282,13 @@ def bridge(
         if owned:  # (a stream opened here is let go of: no end marker, nothing held)
             out.abandon()
         raise
-    info = client.get_imdsessioninfo()
-    version = int(info.version)
-    conn = getattr(client, "_conn", None)  # (to tell a frame's end from the middle of one)
     frames = 0
     publish = 0.0
     last = time.monotonic()
     try:
+        info = client.get_imdsessioninfo()
+        version = int(info.version)
+        conn = getattr(client, "_conn", None)  # (to tell a frame's end from the middle of one)
         if getattr(info, "positions", True) is False:
             raise IMDProtocolError(address, "the engine's IMD session sends no positions"
                                             " (LAMMPS: fix imd ... coordinates on)")
@@ -327,14 +327,14 @@ def bridge(
             publish += time.perf_counter() - p0
             if on_frame is not None:
                 on_frame(frames)
+        p0 = time.perf_counter()
+        out.close()  # (a close that fails, or is interrupted, abandons it below)
+        publish += time.perf_counter() - p0
     except BaseException:
         client.stop()
         if owned:  # (the frames published stay; no end marker: a broken run)
             out.abandon()
         raise
-    p0 = time.perf_counter()
-    out.close()
-    publish += time.perf_counter() - p0
     client.stop()
     return BridgeReport(
         stream=out.name, frames=frames, bytes=frames * frame_size(natoms, out.layout),

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import ConfigError, ConsumeTimeout, InstrideError
+from ..errors import ConfigError, ConsumeTimeout, InstrideError, ServeError
 from ..frames import Frame
 from ..stream import Stream
 from .imd_protocol import (
@@ -181,7 +181,8 @@ class IMDServer:
             self._listener.bind((host, port))
         except OSError as exc:
             self._listener.close()
-            raise InstrideError(f"imd-serve: cannot listen on {host}:{port}: {exc}") from None
+            raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                             exc.errno or errno.EIO, what="the IMD server") from None
         self._listener.listen(64)
         self._listener.settimeout(_POLL)
         self.port: int = self._listener.getsockname()[1]
@@ -532,7 +533,7 @@ def serve(
     ------
     ConfigError
         A bad version, start, port or max_clients.
-    InstrideError
+    ServeError
         The address cannot be bound.
     """
     server = IMDServer(stream, host=host, port=port, version=version, start=start, timeout=timeout,

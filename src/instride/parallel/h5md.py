@@ -197,10 +197,9 @@ def export_h5md(
 
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp") if key is None else key[1]
     try:
-        with h5py.File(tmp, "w") as f:
-            n = _write(f, frames, total, batch, __version__,
-                       tqdm(total=total, unit="frame", desc=f"export {out.name}",
-                            disable=not progress))
+        with h5py.File(tmp, "w") as f, tqdm(total=total, unit="frame", desc=f"export {out.name}",
+                                            disable=not progress) as bar:
+            n = _write(f, frames, total, batch, __version__, bar)
         if n == 0:
             raise UnsupportedInputError(src, "no frames to export")
         if key is None:
@@ -316,7 +315,6 @@ def _write(f: Any, frames: Iterator[FrameTuple], total: int | None, batch: int,
         if len(buf_pos) >= batch:
             flush()
     flush()
-    bar.close()
     return written
 
 
