@@ -128,3 +128,19 @@ def test_reporter_end_of_stream_rules(managed_dir: Path) -> None:
     assert instride.Stream("fine").ended and len(instride.Stream("fine")) == 0
     with pytest.raises(ValueError, match="closed"):
         reporter.report(None, None)
+
+
+def test_atom_indices_that_name_no_atom_are_refused(managed_dir: Path) -> None:
+    """A negative atom index wrapped round to another atom without a word; one past the
+    system's atoms raised an ``IndexError`` in the middle of ``simulation.step``. Both are a
+    ``ConfigError`` naming ``atom_indices`` now, before anything is published."""
+    with pytest.raises(instride.ConfigError, match="atom_indices"):
+        FrameReporter("neg", 10, atom_indices=[0, -1])
+    with pytest.raises(instride.ConfigError, match="atom_indices"):
+        FrameReporter("flat", 10, atom_indices=[[0, 1]])
+    simulation = make_simulation(seed=3, threads=1)
+    with pytest.raises(instride.ConfigError, match="has 8867 atoms"), \
+            FrameReporter("past", 5, atom_indices=[0, 8867]) as past:
+        simulation.reporters.append(past)
+        simulation.step(5)
+    assert len(instride.Stream("past")) == 0

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from .. import Stream
+from ..errors import ConfigError
 from ..frames import frame_size
 
 __all__ = ["FrameReporter", "make_simulation", "villin_pdb"]
@@ -58,7 +59,9 @@ class FrameReporter:
         ``DCDReporter``) wraps molecules into the box when the system is periodic; ``False``
         reports unwrapped positions.
     atom_indices
-        Publish only these atoms (default: all). The consumer's topology must match.
+        Publish only these atoms (default: all), atom numbers from 0: a negative one, or one
+        past the system's atoms (found at the first report, before it publishes), is a
+        :class:`~instride.errors.ConfigError`. The consumer's topology must match.
     overwrite
         Replace the frames of an earlier stream of the same name (stream opened by name only).
 
@@ -92,6 +95,13 @@ class FrameReporter:
         if int(interval) != interval or interval < 1:
             raise ValueError(f"interval must be a positive integer, got {interval!r}")
         self.interval = int(interval)
+        # (checked first: a negative index wrapped round to another atom without a word)
+        indices = None if atom_indices is None else np.asarray(atom_indices)
+        if indices is not None and (indices.ndim != 1 or not np.issubdtype(indices.dtype, np.integer)
+                                    or (indices < 0).any()):
+            shown = atom_indices if indices.size < 8 else f"{indices.size} values"
+            raise ConfigError("atom_indices", shown,
+                              "expected atom numbers, 0 or more, in one dimension")
         if isinstance(stream, Stream):
             self.stream = stream
         else:
@@ -99,9 +109,7 @@ class FrameReporter:
         if self.stream.mode == "r":
             raise ValueError(f"stream {self.stream.name!r} was opened for reading")
         self.enforce_periodic_box = enforce_periodic_box
-        self.atom_indices = (
-            None if atom_indices is None else np.asarray(atom_indices, dtype=np.intp)
-        )
+        self.atom_indices = None if indices is None else indices.astype(np.intp)
         self.frames = 0
         self.bytes = 0
         self.publish_seconds = 0.0
@@ -129,6 +137,10 @@ class FrameReporter:
         t0 = time.perf_counter()
         positions = state.getPositions(asNumpy=True).value_in_unit(unit.angstrom)
         if self.atom_indices is not None:
+            if self.frames == 0 and self.atom_indices.size \
+                    and int(self.atom_indices.max()) >= len(positions):
+                raise ConfigError("atom_indices", int(self.atom_indices.max()),
+                                  f"the system has {len(positions)} atoms (nothing published)")
             positions = positions[self.atom_indices]
         if self._periodic is None:
             self._periodic = bool(simulation.system.usesPeriodicBoundaryConditions())
