@@ -6,15 +6,7 @@ import argparse
 import logging
 import sys
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {value}")
-    return value
+from . import positive_int
 
 
 def _seconds(text: str, *, zero: bool = False) -> float:
@@ -142,9 +134,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grace", type=_grace_seconds, default=10.0,
                    help="seconds in-flight transfers may take after SIGTERM, 0 to 2147483 "
                         "(default 10)")
-    p.add_argument("--workers", type=_positive_int, default=64,
+    p.add_argument("--workers", type=positive_int, default=64,
                    help="threads for waiting CONSUME requests, one per pending wait (default 64)")
-    p.add_argument("--max-peers", type=_positive_int, default=512,
+    p.add_argument("--max-peers", type=positive_int, default=512,
                    help="peer connections served at once; more get a 'busy' error (default 512)")
     p.add_argument("--request-timeout", type=_positive_seconds, default=10.0,
                    help="seconds a new TCP connection has to send its first request, above 0 "
