@@ -164,27 +164,33 @@ def timeout_arg(text: str) -> float:
     return math.inf if value is None else value
 
 
+def _seconds_arg(text: str, *, zero: bool, unit: str = "seconds") -> float:
+    """:func:`~instride.config.parse_seconds` as an argparse type (``unit``: what the error
+    calls the number)."""
+    from ..config import MAX_SECONDS, parse_seconds
+
+    try:
+        return parse_seconds(text, unit, zero=zero)
+    except ConfigError:
+        low = "at least 0" if zero else "above 0"
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number of {unit} {low} and at most {MAX_SECONDS}: {text!r}"
+        ) from None
+
+
 def positive_seconds(text: str) -> float:
-    """Seconds that must be a finite number above 0 (an interval, a wait that must end)
-    (argparse type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number of seconds above 0")
-    return value
+    """Seconds, a finite number above 0 (an interval, a wait that must end) (argparse type)."""
+    return _seconds_arg(text, zero=False)
 
 
-def non_negative_number(text: str) -> float:
-    """A finite number, 0 or more (argparse type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number, 0 or more")
-    return value
+def non_negative_seconds(text: str) -> float:
+    """Seconds, a finite number, 0 or more (a grace) (argparse type)."""
+    return _seconds_arg(text, zero=True)
+
+
+def md_step_ps(text: str) -> float:
+    """An MD step's length in ps, a finite number, 0 or more (argparse type)."""
+    return _seconds_arg(text, zero=True, unit="ps")
 
 
 def positive_int(text: str) -> int:

@@ -12,8 +12,8 @@ import sys
 from . import (
     EXIT_INTERRUPTED,
     EXIT_INVALID,
+    md_step_ps,
     no_limit_as_none,
-    non_negative_number,
     positive_int,
     positive_seconds,
     timeout_arg,
@@ -147,7 +147,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("stream", metavar="STREAM", help="stream name to publish into")
     p.add_argument("--natoms", type=int, help="atoms per frame (size of the IMD group)")
     p.add_argument("--gro", help="take the atom count from this .gro file (IMD-group = System)")
-    p.add_argument("--dt", type=non_negative_number, default=None,
+    p.add_argument("--dt", type=md_step_ps, default=None,
                    help="ps per MD step, for frame times (IMD v2 sends none)")
     p.add_argument("--first-step", type=int, default=0,
                    help="step of the first frame (IMD v2 sends no step; GROMACS: 0, LAMMPS: 1; "
@@ -191,7 +191,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=timeout_arg, default=None,
                    help="seconds a session waits for the producer's next frame; 0: do not wait; "
                    "inf: forever (default: no limit)")
-    p.add_argument("--dt", type=non_negative_number, default=None,
+    p.add_argument("--dt", type=md_step_ps, default=None,
                    help="ps per MD step sent in the TIME packet (default: from consecutive frames)")
     p.add_argument("--max-clients", type=int, default=64,
                    help="client sessions at once; one more is refused (its connection closed) "

@@ -6,29 +6,7 @@ import argparse
 import logging
 import sys
 
-from . import positive_int
-
-
-def _seconds(text: str, *, zero: bool = False) -> float:
-    from ..config import MAX_SECONDS, parse_seconds
-    from ..errors import ConfigError
-
-    try:
-        return parse_seconds(text, "seconds", zero=zero)
-    except ConfigError:
-        low = "at least 0" if zero else "above 0"
-        raise argparse.ArgumentTypeError(
-            f"must be a finite number of seconds {low} and at most {MAX_SECONDS}: {text!r}"
-        ) from None
-
-
-def _positive_seconds(text: str) -> float:
-    return _seconds(text)
-
-
-def _grace_seconds(text: str) -> float:
-    return _seconds(text, zero=True)
-
+from . import non_negative_seconds, positive_int, positive_seconds
 
 #: Hosts that listen on every interface: never an address peers can be told.
 WILDCARDS = ("0.0.0.0", "::", "*", "")
@@ -131,18 +109,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "of their keys, so --listen must lead there (e.g. 0.0.0.0 on "
                         "INSTRIDE_ADDR's port)")
     p.add_argument("--socket", metavar="PATH", help="Unix socket (default: INSTRIDE_SOCKET)")
-    p.add_argument("--grace", type=_grace_seconds, default=10.0,
+    p.add_argument("--grace", type=non_negative_seconds, default=10.0,
                    help="seconds in-flight transfers may take after SIGTERM, 0 to 2147483 "
                         "(default 10)")
     p.add_argument("--workers", type=positive_int, default=64,
                    help="threads for waiting CONSUME requests, one per pending wait (default 64)")
     p.add_argument("--max-peers", type=positive_int, default=512,
                    help="peer connections served at once; more get a 'busy' error (default 512)")
-    p.add_argument("--request-timeout", type=_positive_seconds, default=10.0,
+    p.add_argument("--request-timeout", type=positive_seconds, default=10.0,
                    help="seconds a new TCP connection has to send its first request, above 0 "
                         "and at most 2147483 (default 10; "
                         "unused by ucx, whose requests arrive whole)")
-    p.add_argument("--send-timeout", type=_positive_seconds, default=60.0,
+    p.add_argument("--send-timeout", type=positive_seconds, default=60.0,
                    help="seconds a write to a peer may take, above 0 and at most 2147483; a "
                         "file body gets this plus size / 50 MB/s (default 60)")
     p.add_argument("--sched", choices=list(SERVE_POLICIES), default=None,
