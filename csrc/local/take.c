@@ -36,6 +36,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include "../common/ins_frame.h"
 #include "../common/ins_xxh.h"
 #include "isl_local.h"
 
@@ -108,29 +109,14 @@ enum {
 /* Whether the frame at p (size bytes, the whole file) passes decode_frame's checks. */
 static int frame_ok(const unsigned char *p, int64_t size, int verify)
 {
-    if (size < HEADER_SIZE || memcmp(p, "ISF1", 4) != 0)
-        return 0;
-    uint16_t version, layout;
-    uint64_t natoms, nbytes, psum, hsum;
-    memcpy(&version, p + 4, 2);
-    memcpy(&layout, p + 6, 2);
-    memcpy(&natoms, p + 8, 8);
-    memcpy(&nbytes, p + 104, 8);
-    memcpy(&psum, p + 112, 8);
-    memcpy(&hsum, p + HEADER_FIELDS, 8);
-    if (version != 1 || layout < LAYOUT_XYZ32 || layout > LAYOUT_SOA)
-        return 0;
-    if (XXH3_64bits(p, HEADER_FIELDS) != hsum)
-        return 0;
-    uint64_t per_atom = layout == LAYOUT_XYZ32 ? 12 : 28;
-    if (natoms > UINT64_MAX / per_atom || nbytes != natoms * per_atom
-        || (uint64_t)size - HEADER_SIZE != nbytes)
+    uint64_t psum;
+    if (!ins_frame_header_ok(p, size, &psum))
         return 0;
     if (!verify)
         return 1;
     XXH3_state_t st;
     XXH3_64bits_reset(&st);
-    INS_XXH3_UPDATE(&st, p + HEADER_SIZE, nbytes);
+    INS_XXH3_UPDATE(&st, p + HEADER_SIZE, (size_t)size - HEADER_SIZE);
     return XXH3_64bits_digest(&st) == psum;
 }
 

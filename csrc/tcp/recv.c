@@ -19,6 +19,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "../common/ins_frame.h"
 #include "../common/ins_xxh.h"
 #include "tcp.h"
 
@@ -295,4 +296,49 @@ ISC_API int isc_recv_reply(int sock, int first_ms, int stall_ms, char *hdr, uint
     int where = ISC_AT_RECV;
     return recv_restoring(sock, -1, mem, (uint64_t)body, hash_from, stall_ms, hex, got, &where,
                           NULL);
+}
+
+/* A stream reader's next frame, asked for ahead (the request went with an earlier key's,
+ * "count"): isc_recv_reply into mem, hashed from the frame's header on, then -- when the reply
+ * is the ok-reply for key exactly as the servers write it ({"ok":true,"key":KEY,"size":N,
+ * "published":T}) and its body came whole -- the body checked as a frame file: its header as
+ * decode_header checks it, and its payload's xxh3 (computed on the way in) against the one the
+ * header carries. One call for what the reader's interpreter did in some hundred steps per
+ * frame (parse the reply's JSON, compare it, decode and check the header, compare digests).
+ *
+ * Returns isc_recv_reply's codes, but for its 0: 0 -- a frame that passed (*published: T,
+ * hex: the payload's digest); 2 -- reply and body received, the reply not that exact shape
+ * (the caller parses the header, as after isc_recv_reply's 0); 3 -- the exact reply and the
+ * whole body, which is not a frame that passes (the caller refuses it). */
+ISC_API int isc_recv_frame(int sock, int first_ms, int stall_ms, const char *key, char *hdr,
+                           uint32_t hdrcap, int32_t *hdrlen, char *mem, uint64_t memcap,
+                           char *hex, uint64_t *got, uint64_t *size, double *published) {
+    *published = 0.0;
+    int rc = isc_recv_reply(sock, first_ms, stall_ms, hdr, hdrcap, hdrlen, mem, memcap,
+                            INS_HEADER_SIZE, hex, got, size);
+    if (rc != 0)
+        return rc;
+    size_t n = (size_t)*hdrlen;
+    char want[64 + 4096];
+    int w = snprintf(want, sizeof want, "{\"ok\":true,\"key\":\"%s\",\"size\":%llu,\"published\":",
+                     key, (unsigned long long)*size);
+    if (w <= 0 || (size_t)w >= sizeof want || n <= (size_t)w || n >= hdrcap ||
+        memcmp(hdr, want, (size_t)w) != 0 || hdr[n - 1] != '}')
+        return 2;
+    char saved = hdr[n - 1], *end = NULL;
+    hdr[n - 1] = '\0'; /* (strtod stops at the closing brace, which must end the number) */
+    errno = 0;
+    double t = strtod(hdr + w, &end);
+    int number = errno == 0 && end == hdr + n - 1 && end > hdr + w;
+    hdr[n - 1] = saved;
+    if (!number)
+        return 2;
+    *published = t;
+    uint64_t psum;
+    char *tail = NULL;
+    unsigned long long digest = strtoull(hex, &tail, 16);
+    if (!ins_frame_header_ok((const unsigned char *)mem, (int64_t)*size, &psum) || tail == hex ||
+        digest != psum)
+        return 3;
+    return 0;
 }

@@ -145,12 +145,15 @@ class _OwnChecksums:
         self.buf, self.key, self.copy = buf, key, copy
         self.frame: Frame | None = None
 
-    def __call__(self, got: Received) -> bool:
+    def __call__(self, got: Received, checked: bool = False) -> bool:
+        """Decode the frame received (``got``) and check it; ``checked``: its header and
+        payload passed their checksums already (``isc_recv_frame``): decoded only."""
         try:
-            frame = decode_frame(self.buf.view(got.size), self.key, verify=False, copy=self.copy)
+            frame = decode_frame(self.buf.view(got.size), self.key, verify=False, copy=self.copy,
+                                 checked=checked)
         except IntegrityError:  # (not a frame file: the usual way reports it)
             return False
-        if frame.header.payload_checksum != int(got.digest, 16):
+        if not checked and frame.header.payload_checksum != int(got.digest, 16):
             return False
         self.frame = frame
         return True
@@ -1242,13 +1245,19 @@ class Stream:
             except (OSError, ValueError):
                 room = None  # (no memory to map: written through the descriptor)
             own = _OwnChecksums(buf, key, self.copy)
-            got = engine.receive_when_published(
-                key, like, part, buf.rewound(), own, until=END_NAME, into=room, ahead=_AHEAD,
-                digest_from=HEADER_SIZE, unwatch=not self._unwatched, **kw)
+            got: Received | bool | None = False
+            nxt = getattr(engine, "receive_next_asked", None)
+            if room is not None and nxt is not None and not kw:
+                # (the frame asked for ahead: received and checked in one native call)
+                got = nxt(key, like, part, room, buf.address, buf.rewound, own)
+            if got is False:
+                got = engine.receive_when_published(
+                    key, like, part, buf.rewound(), own, until=END_NAME, into=room,
+                    ahead=_AHEAD, digest_from=HEADER_SIZE, unwatch=not self._unwatched, **kw)
             self._unwatched = True
             frame = own.frame if got is not None else None
             if frame is not None:
-                assert got is not None
+                assert isinstance(got, Received)
                 # its record, as far as a reader needs one (the owner's, for the next frames)
                 self._fetched_from = Record(
                     key, like.owner, got.size, None, like.version,

@@ -1165,6 +1165,112 @@ def test_a_reply_of_another_shape_is_left_to_the_caller(reply_pair: tuple, heade
     assert got is None and reply == header
 
 
+def _frame_file(natoms: int = 200, step: int = 3) -> bytes:
+    """A frame file's bytes, as a stream's producer writes them."""
+    import numpy as np
+
+    from instride.frames import encode_into, frame_size
+
+    buf = bytearray(frame_size(natoms, "paper"))
+    pos = np.random.default_rng(step).random((natoms, 3))
+    encode_into(memoryview(buf), pos, step=step, time=0.5, box=None, layout="paper", ids=None)
+    return bytes(buf)
+
+
+NEXT = Record(key="rp/frame_000000002.isf", owner="127.0.0.1:1", size=0, checksum="", version=1,
+              time=0.0)
+
+
+def _asked(transport: TcpTransport, ours: socket.socket, keys: list[str]) -> None:
+    """As if ``keys`` had been asked for ahead on ``ours`` (their request sent)."""
+    transport._batches()[NEXT.owner] = (ours, list(keys))
+
+
+def _room(n: int) -> tuple[bytearray, int, ctypes.Array]:
+    room = bytearray(n)
+    pin = (ctypes.c_char * n).from_buffer(room)
+    return room, ctypes.addressof(pin), pin
+
+
+def test_a_frame_asked_ahead_comes_checked_in_one_native_call(reply_pair: tuple) -> None:
+    """``next_asked`` (``isc_recv_frame``): the reply the servers write for the key asked
+    next, its body a frame file that passes its checksums: received and checked in the native
+    call, the publication time parsed, the rest of what was asked kept for the next call."""
+    transport, ours, theirs = reply_pair
+    frame = _frame_file()
+    theirs.sendall(b"".join(
+        wire.LENGTH.pack(len(h)) + h + frame for h in [
+            b'{"ok":true,"key":"%s","size":%d,"published":1764480000.250000}'
+            % (NEXT.key.encode(), len(frame))]))
+    _asked(transport, ours, [NEXT.key, "rp/frame_000000003.isf"])
+    room, address, _pin = _room(len(frame) + 100)
+    got = transport.next_asked(NEXT, NEXT.key, memoryview(room), address, lambda: -1, 1.0)
+    assert isinstance(got, tuple)
+    received, checked = got
+    assert checked and received.size == len(frame) and received.published == 1764480000.25
+    assert received.digest == xxhash.xxh3_64_hexdigest(frame[128:])
+    assert bytes(room[: len(frame)]) == frame
+    assert transport._batches()[NEXT.owner] == (ours, ["rp/frame_000000003.isf"])
+
+
+def test_a_key_not_asked_ahead_is_left_to_the_usual_way(reply_pair: tuple) -> None:
+    """Nothing is read where the key is not the next one asked for: ``False``."""
+    transport, ours, theirs = reply_pair
+    room, address, _pin = _room(1000)
+    assert transport.next_asked(NEXT, NEXT.key, memoryview(room), address, lambda: -1, 1.0) \
+        is False
+    _asked(transport, ours, ["rp/frame_000000005.isf"])
+    theirs.sendall(b"left alone")
+    assert transport.next_asked(NEXT, NEXT.key, memoryview(room), address, lambda: -1, 1.0) \
+        is False
+    assert recv_all(ours, 10) == b"left alone"
+
+
+@pytest.mark.parametrize("at", [3, 50, 500], ids=["magic", "header field", "payload"])
+def test_a_frame_asked_ahead_that_fails_its_checksums_is_refused(reply_pair: tuple,
+                                                                  at: int) -> None:
+    """A body that is not the frame its header describes (a flipped byte in the header or the
+    payload): ``None``, the connection closed (what was asked ahead with it is dropped)."""
+    transport, ours, theirs = reply_pair
+    frame = bytearray(_frame_file())
+    frame[at] ^= 0xFF
+    theirs.sendall(_reply_bytes({"ok": True, "key": NEXT.key, "size": len(frame),
+                                 "published": 2.0}, bytes(frame)))
+    _asked(transport, ours, [NEXT.key, "rp/frame_000000003.isf"])
+    room, address, _pin = _room(len(frame))
+    assert transport.next_asked(NEXT, NEXT.key, memoryview(room), address, lambda: -1, 1.0) \
+        is None
+    assert ours.fileno() == -1 and not transport._batches()
+
+
+def test_a_frame_asked_ahead_in_a_reply_of_another_shape_is_left_to_the_callers_check(
+        reply_pair: tuple) -> None:
+    """A reply that is not the servers' exact shape (fields in another order, one more): read
+    the usual way, its frame not checked (``checked`` false: the caller checks it)."""
+    transport, ours, theirs = reply_pair
+    frame = _frame_file()
+    theirs.sendall(_reply_bytes({"key": NEXT.key, "ok": True, "size": len(frame),
+                                 "published": 2.5, "more": 1}, frame))
+    _asked(transport, ours, [NEXT.key])
+    room, address, _pin = _room(len(frame))
+    got = transport.next_asked(NEXT, NEXT.key, memoryview(room), address, lambda: -1, 1.0)
+    assert isinstance(got, tuple)
+    received, checked = got
+    assert not checked and received.size == len(frame) and received.published == 2.5
+    assert bytes(room) == frame
+    assert not transport._batches()  # (nothing more was asked: the connection is kept)
+
+
+def test_a_frame_asked_ahead_not_published_in_time_is_none(reply_pair: tuple) -> None:
+    transport, ours, theirs = reply_pair
+    theirs.sendall(_reply_bytes({"ok": False, "error": "KeyNotFoundError",
+                                 "message": "not published in time"}))
+    _asked(transport, ours, [NEXT.key, "rp/frame_000000003.isf"])
+    room, address, _pin = _room(100)
+    assert transport.next_asked(NEXT, NEXT.key, memoryview(room), address, lambda: -1, 1.0) \
+        is None
+
+
 def test_refusals_asked_ahead_are_typed(reply_pair: tuple) -> None:
     transport, ours, theirs = reply_pair
     theirs.sendall(_reply_bytes({"ok": False, "error": "KeyNotFoundError", "message": "late"}))

@@ -730,6 +730,40 @@ class ClusterEngine:
         self.early_transfers += 1
         return got  # type: ignore[no-any-return]
 
+    def receive_next_asked(self, key: str, like: Record, wait: float, into: memoryview,
+                           address: int, fd: Callable[[], int],
+                           check: Callable[[Received, bool], bool]) -> Received | bool | None:
+        """:meth:`receive_when_published` for a stream reader's common case, in one native
+        call where the transport has one (``next_asked``): ``key`` is the next of the frames
+        this thread asked ``like``'s owner for ahead, received into ``into`` (the memory at
+        ``address``; ``fd`` gives the file for a frame that does not fit) and checked there
+        as a frame file. ``check(received, checked)`` decodes it (``checked``: its
+        checksums passed already) and says whether it passes.
+
+        Returns
+        -------
+        Received, False or None
+            As :meth:`receive_when_published`; ``False`` where this does not apply (the
+            frame was not asked for ahead, or the transport cannot): nothing was read, and
+            the caller goes on with :meth:`receive_when_published`.
+        """
+        nxt = getattr(self.transport, "next_asked", None)
+        if nxt is None:
+            return False
+        try:
+            got = nxt(like, key, into, address, fd, wait)
+        except (InstrideError, OSError):
+            return None  # (as receive_when_published: the usual way sorts it out, or says what)
+        if got is None or got is False:
+            return got  # type: ignore[no-any-return]
+        received, checked = got
+        if not check(received, checked):  # (as receive_when_published)
+            self.drop_ahead(like.owner)
+            return None
+        self.transfers += 1
+        self.early_transfers += 1
+        return received  # type: ignore[no-any-return]
+
     def drop_ahead(self, owner: str | None = None) -> None:
         """Drop the frames this thread asked for ahead (a stream's reader closes), of
         ``owner`` (its address) alone when given."""

@@ -22,6 +22,7 @@ first store into a page that has none, which kills the reader.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import weakref
@@ -46,6 +47,9 @@ class InboxBuffer:
         self._ro: mmap.mmap | None = None
         self._mapped = 0
         self.held = False
+        #: the address of the writable mapping (for a native receive into it), 0 unmapped
+        self.address = 0
+        self._pin: ctypes.c_char | None = None  # (what holds that address valid)
 
     def rewound(self) -> int:
         """The descriptor, at offset 0 (a fetch that does not fit :meth:`writable` writes the
@@ -84,11 +88,14 @@ class InboxBuffer:
         self._rw = mmap.mmap(self.fd, size)
         self._ro = mmap.mmap(self.fd, size, prot=mmap.PROT_READ)
         self._mapped = size
+        self._pin = ctypes.c_char.from_buffer(self._rw)
+        self.address = ctypes.addressof(self._pin)
 
     def close(self) -> None:
         """Close the descriptor (a mapping still viewed stays valid until its views go)."""
         self._closer()
-        self._rw = self._ro = None
+        self._rw = self._ro = self._pin = None
+        self.address = 0
 
 
 class Inbox:

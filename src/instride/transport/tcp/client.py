@@ -31,6 +31,7 @@ from ...errors import (
     PeerUnavailable,
     TransferError,
 )
+from ...frames import HEADER_SIZE
 from ...perthread import PerThread
 from ...record import Record
 from .. import wire
@@ -131,13 +132,14 @@ def _seconds(value: object) -> float | None:
 class _ReplyScratch:
     """Buffers a thread's native reply reads fill in (``isc_recv_reply``)."""
 
-    __slots__ = ("got", "header", "header_len", "hexdigest", "size")
+    __slots__ = ("got", "header", "header_len", "hexdigest", "published", "size")
 
     def __init__(self) -> None:
         self.header = ctypes.create_string_buffer(wire.MAX_HEADER)
         self.header_len = ctypes.c_int32(-1)
         self.hexdigest = ctypes.create_string_buffer(17)
         self.got, self.size = ctypes.c_uint64(0), ctypes.c_uint64(0)
+        self.published = ctypes.c_double(0.0)  # (isc_recv_frame)
 
 
 class TcpTransport:
@@ -401,12 +403,23 @@ class TcpTransport:
                                             count=1 + len(rest) if rest else None)
         except KeyNotFoundError:
             return None  # (the last the owner sends for a request: the connection is free)
+        return self._received(owner, key, sock, rest, reply, body, fd, on_reply, into,
+                              digest_from, batches)
+
+    def _received(self, owner: Record, key: str, sock: socket.socket, rest: list[str],
+                  reply: dict[str, Any], body: tuple[int, str] | None, fd: int,
+                  on_reply: Callable[[], object] | None, into: memoryview | None,
+                  digest_from: int,
+                  batches: dict[str, tuple[socket.socket, list[str]]]) -> Received:
+        """The end of :meth:`fetch_when_published`, from the owner's reply (``ok``) on: the
+        body received (``body``: already, its size and digest), the connection kept for
+        what was asked ahead (``rest``) or for the next request."""
         if reply.get("key") != key:  # (an ahead batch out of step: never trusted)
             sock.close()
             raise TransferError(key, f"{owner.node or owner.owner} sent {reply.get('key')!r}")
         if body is None:
-            size, digest, head = self._body(sock, reply, hint, fd, on_reply, into, keep=not rest,
-                                            digest_from=digest_from)
+            size, digest, head = self._body(sock, reply, _hint(owner, key), fd, on_reply, into,
+                                            keep=not rest, digest_from=digest_from)
         else:
             size, digest = body
             head = bytes(into[:digest_from]) if into is not None and digest_from else None
@@ -416,6 +429,53 @@ class TcpTransport:
             batches[owner.owner] = (sock, rest)
         published = reply.get("published")
         return Received(size, digest, _seconds(published), head)
+
+    def next_asked(self, owner: Record, key: str, into: memoryview, address: int,
+                   fd: Callable[[], int], wait: float) -> tuple[Received, bool] | bool | None:
+        """A stream reader's common case of :meth:`fetch_when_published`, in one native call:
+        ``key`` is the next of the frames this thread asked ``owner`` for ahead, received into
+        ``into`` (the memory at ``address``), and checked as a frame there when it is one.
+
+        Returns
+        -------
+        tuple, bool or None
+            ``(received, checked)`` -- the frame, checked by its own checksums when
+            ``checked`` (else as :meth:`fetch_when_published` returns it: the caller checks);
+            ``False`` when ``key`` was not asked for ahead (nothing was read: the caller goes
+            the usual way); ``None`` when it was not published in time, or came and is not a
+            frame that passes (the rest asked ahead is dropped).
+
+        Raises
+        ------
+        TransferError, PeerUnavailable, AuthenticationError
+            As :meth:`fetch_when_published`. ``fd``: gives the file to receive into, for a
+            body that does not fit ``into``.
+        """
+        batches = self._batches()
+        asked = batches.get(owner.owner)
+        if asked is None or asked[1][0] != key or self.settings.spin:
+            return False
+        del batches[owner.owner]
+        sock, rest = asked[0], asked[1][1:]
+        scratch = self._scratch()
+        try:
+            rc = self._native_reply(sock, owner, key, wait, address, len(into), HEADER_SIZE,
+                                    frame=True)
+            if rc == 0:  # a frame that passed
+                if rest:
+                    batches[owner.owner] = (sock, rest)
+                else:
+                    self._release(owner.owner, sock)
+                return Received(scratch.size.value, scratch.hexdigest.value.decode(),
+                                scratch.published.value, None), True
+            if rc == 3:  # came whole, not a frame that passes: refused, as a failed check
+                sock.close()
+                return None
+            reply, body = self._reply_parsed(sock, _hint(owner, key), 0 if rc == 2 else 1)
+        except KeyNotFoundError:
+            return None
+        return self._received(owner, key, sock, rest, reply, body, fd(), None, into, HEADER_SIZE,
+                              batches), False
 
     def drop_ahead(self, owner: str | None = None) -> None:
         """Drop what this thread asked for ahead (:meth:`fetch_when_published`'s ``ahead``) —
@@ -460,6 +520,21 @@ class TcpTransport:
         body into ``into`` in the same native call (``isc_recv_reply``); returns the reply and
         the body's size and digest (from ``digest_from`` on), or ``None`` for a body still to
         be received (it does not fit). A failure closes the socket."""
+        base = (ctypes.c_char * len(into)).from_buffer(into)  # (no copy: its address)
+        try:
+            rc = self._native_reply(sock, hint, hint.key, wait, ctypes.addressof(base),
+                                    len(into), digest_from)
+        finally:
+            del base
+        return self._reply_parsed(sock, hint, rc)
+
+    def _native_reply(self, sock: socket.socket, owner: Record, key: str, wait: float,
+                      address: int, cap: int, digest_from: int, *, frame: bool = False) -> int:
+        """The native half of :meth:`_reply_into`: ``isc_recv_reply`` (``frame``:
+        ``isc_recv_frame``, which also checks a frame) into this thread's scratch buffers and
+        the ``cap`` bytes at ``address``; returns its code, 0 or more (a failure raises, the
+        socket closed: :class:`TransferError` for a body that broke off,
+        :class:`PeerUnavailable` for no valid reply)."""
         try:
             if self.settings.spin:
                 poll_readable(sock, self.settings.spin)
@@ -468,35 +543,48 @@ class TcpTransport:
             stall_ms = -1 if timeout is None else max(1, int(timeout * 1000))
             first_ms = -1 if timeout is None else stall_ms + (_wait_ms(wait) or 0)
             stall_ms, first_ms = min(stall_ms, _INT_MAX), min(first_ms, _INT_MAX)
-            base = (ctypes.c_char * len(into)).from_buffer(into)  # (no copy: its address)
             began = time.monotonic()
-            try:
-                while True:
+            while True:
+                if frame:
+                    rc = lib.isc_recv_frame(sock.fileno(), first_ms, stall_ms, key.encode(),
+                                            scratch.header, wire.MAX_HEADER, scratch.header_len,
+                                            address, cap, scratch.hexdigest, scratch.got,
+                                            scratch.size, scratch.published)
+                else:
                     rc = lib.isc_recv_reply(sock.fileno(), first_ms, stall_ms, scratch.header,
-                                            wire.MAX_HEADER, scratch.header_len,
-                                            ctypes.addressof(base), len(into), digest_from,
-                                            scratch.hexdigest, scratch.got, scratch.size)
-                    if rc != -errno.EINTR:
-                        break
-                    # (a signal before any of the reply came: its handler runs now, as for
-                    # any wait on a socket — and may raise — then the wait goes on, for what
-                    # is left of it: signals more often than the wait made it endless)
-                    if first_ms >= 0:
-                        spent = int((time.monotonic() - began) * 1000)
-                        first_ms = max(0, first_ms - spent)
-                        began += spent / 1000
-            finally:
-                del base
+                                            wire.MAX_HEADER, scratch.header_len, address, cap,
+                                            digest_from, scratch.hexdigest, scratch.got,
+                                            scratch.size)
+                if rc != -errno.EINTR:
+                    break
+                # (a signal before any of the reply came: its handler runs now, as for
+                # any wait on a socket — and may raise — then the wait goes on, for what
+                # is left of it: signals more often than the wait made it endless)
+                if first_ms >= 0:
+                    spent = int((time.monotonic() - began) * 1000)
+                    first_ms = max(0, first_ms - spent)
+                    began += spent / 1000
             n = scratch.header_len.value
             if rc < 0 and n >= 0 and rc != -errno.EBADMSG:  # the body broke off
-                raise _receive_error(hint.key, -rc, scratch.got.value, scratch.size.value)
+                raise _receive_error(key, -rc, scratch.got.value, scratch.size.value)
             if rc < 0:
                 reason = f"header length {n} out of range (1..{wire.MAX_HEADER})" \
                     if rc == -errno.EBADMSG else os.strerror(-rc)
-                node = hint.node or hint.owner
-                raise PeerUnavailable(f"{node} ({hint.owner})", f"no valid reply: {reason}")
+                node = owner.node or owner.owner
+                raise PeerUnavailable(f"{node} ({owner.owner})", f"no valid reply: {reason}")
+        except BaseException:
+            sock.close()
+            raise
+        return rc  # type: ignore[no-any-return]
+
+    def _reply_parsed(self, sock: socket.socket, hint: Record,
+                      rc: int) -> tuple[dict[str, Any], tuple[int, str] | None]:
+        """The rest of :meth:`_reply_into` once ``isc_recv_reply`` returned ``rc`` (0 or 1):
+        the reply header parsed and accepted (a refusal raises its typed error)."""
+        scratch = self._scratch()
+        try:
             try:
-                reply = wire.parse_header(ctypes.string_at(scratch.header, n))
+                reply = wire.parse_header(ctypes.string_at(scratch.header, scratch.header_len.value))
             except wire.WireError as exc:
                 node = hint.node or hint.owner
                 raise PeerUnavailable(f"{node} ({hint.owner})", f"no valid reply: {exc}") from None

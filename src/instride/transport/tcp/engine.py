@@ -19,7 +19,7 @@ from ..base import open_engine
 
 #: The calling convention of the library's exported functions this binding speaks (its
 #: ``isc_abi()``, ``ISC_ABI`` in ``csrc/tcp/tcp.h``: bumped with any exported signature change).
-ABI = 7
+ABI = 8
 INSTALL_HINT = ("install OpenSSL's and xxhash's headers (Debian: apt-get install libssl-dev "
                 "libxxhash-dev) and reinstall "
                 "instride (pip install -e .) so that libinstride_tcp.so is built")
@@ -93,6 +93,10 @@ def load_library() -> ctypes.CDLL:
         lib.isc_recv_reply.restype = i
         lib.isc_recv_reply.argtypes = [i, i, i, cp, ctypes.c_uint32, ctypes.POINTER(ctypes.c_int32),
                                        vp, u64, u64, cp, ctypes.POINTER(u64), ctypes.POINTER(u64)]
+        lib.isc_recv_frame.restype = i
+        lib.isc_recv_frame.argtypes = [i, i, i, cp, cp, ctypes.c_uint32, ctypes.POINTER(ctypes.c_int32),
+                                       vp, u64, cp, ctypes.POINTER(u64), ctypes.POINTER(u64),
+                                       ctypes.POINTER(ctypes.c_double)]
         # receives counted where a helper making a file ahead can see them (it waits for them)
         count = getattr(lib, "isc_count_receives", None)  # (optional: an older build lacks it)
         if count is not None:
