@@ -113,11 +113,12 @@ _GAP_SLICE = 0.02
 #: seconds a reading of the groups' cursors may be used to retire frames they are past
 _GROUPS_FRESH = 0.05
 #: frames a group reader on another node asks its owner for ahead of the one it reads (the
-#: owner sends each as it is published: one request per 1 + _AHEAD frames). 15 since round 40
-#: (3 before): a request costs the reader ~250 µs of CPU, the owner's server nothing more per
-#: frame; 8 bounded pairs moved ~5 % more frames per second with reader CPU per frame ~50 µs
-#: lower (4 alternating runs each); TCP's buffers, not this, bound what is sent unread
-_AHEAD = 15
+#: owner sends each as it is published: one request per 1 + _AHEAD frames; at most
+#: wire.MAX_COUNT - 1). 63 since round 40 (3 before): a request costs the reader a signed
+#: header, its reply parsed and a wake-up, while a frame asked ahead comes in one native call;
+#: with 8 bounded pairs the reader's CPU per frame went ~125 -> ~85 µs user with this and
+#: isc_recv_frame. TCP's buffers, not this, bound what the owner sends unread.
+_AHEAD = 63
 #: a producer's frames whose records (cluster mode) may wait for Redis's answer at once: the
 #: producer confirms the oldest when this many are pending (an error surfaces this many
 #: frames later at most)
