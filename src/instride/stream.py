@@ -551,8 +551,10 @@ class Stream:
             and engine.wants_checksum else None
         if soon is not None:
             most = self._retirable(nbytes, look=False)
+            # (not the answers come since the look above: it was moments ago, and a second
+            # look is a read of the connection per frame that finds nothing)
             self._confirm_records(all_=False, before=self._retained[most - 1][0] + 1
-                                  if most else 0, answered=self.policy.bounded)
+                                  if most else 0, answered=False)
         try:
             slot = self._pool.take(nbytes)
         except OSError as exc:  # (no room for its file, in the pool: named by the frame's)

@@ -207,6 +207,9 @@ class RespConnection:
         holds writes back, ``CLIENT PAUSE WRITE``) is not enough."""
         if not self._soon:
             return True
+        if len(self._parsed) >= len(self._unanswered) + self._soon[0][0]:
+            return True  # (taken in by an earlier look: no read; a producer confirming several
+            # frames' records in a row looks once)
         sock = self.sock
         if sock is None:
             return True  # (a closed connection: its function answers at once, with an error)
