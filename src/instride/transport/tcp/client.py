@@ -456,7 +456,8 @@ class TcpTransport:
         if asked is None or asked[1][0] != key or self.settings.spin:
             return False
         del batches[owner.owner]
-        sock, rest = asked[0], asked[1][1:]
+        sock, rest = asked
+        del rest[0]  # (the list is this call's now: no copy of what is still to come)
         scratch = self._scratch()
         try:
             rc = self._native_reply(sock, owner, key, wait, address, len(into), HEADER_SIZE,

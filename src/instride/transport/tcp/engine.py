@@ -57,6 +57,8 @@ def load_library() -> ctypes.CDLL:
         When it was not built (OpenSSL headers missing at install time) or cannot be loaded.
     """
     global _lib
+    if _lib is not None:  # (loaded: no lock; every native receive asks for it)
+        return _lib
     with _lib_lock:
         if _lib is not None:
             return _lib
