@@ -8,6 +8,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <math.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -298,6 +299,37 @@ ISC_API int isc_recv_reply(int sock, int first_ms, int stall_ms, char *hdr, uint
                           NULL);
 }
 
+static int digit(char c) {
+    return c >= '0' && c <= '9';
+}
+
+/* Whether [p, end) is exactly a number of JSON's grammar: -?(0|[1-9][0-9]*)(.[0-9]+)?
+ * ([eE][+-]?[0-9]+)? */
+static int json_number(const char *p, const char *end) {
+    if (p < end && *p == '-')
+        p++;
+    if (p >= end || !digit(*p))
+        return 0;
+    if (*p++ != '0')
+        while (p < end && digit(*p))
+            p++;
+    if (p < end && *p == '.') {
+        if (++p >= end || !digit(*p))
+            return 0;
+        while (p < end && digit(*p))
+            p++;
+    }
+    if (p < end && (*p == 'e' || *p == 'E')) {
+        if (++p < end && (*p == '+' || *p == '-'))
+            p++;
+        if (p >= end || !digit(*p))
+            return 0;
+        while (p < end && digit(*p))
+            p++;
+    }
+    return p == end;
+}
+
 /* A stream reader's next frame, asked for ahead (the request went with an earlier key's,
  * "count"): isc_recv_reply into mem, hashed from the frame's header on, then -- when the reply
  * is the ok-reply for key exactly as the servers write it ({"ok":true,"key":KEY,"size":N,
@@ -325,11 +357,17 @@ ISC_API int isc_recv_frame(int sock, int first_ms, int stall_ms, const char *key
     if (w <= 0 || (size_t)w >= sizeof want || n <= (size_t)w || n >= hdrcap ||
         memcmp(hdr, want, (size_t)w) != 0 || hdr[n - 1] != '}')
         return 2;
+    /* a JSON number (the servers write "%.6f"), finite: strtod alone would also take spaces,
+     * '+', "nan", "inf", hex and leading zeros, which JSON does not. strtod reads it in the C
+     * locale's form unless the program changed LC_NUMERIC (a comma locale: every reply then
+     * goes to the caller's parse, rc 2 -- slower, not wrong). */
+    if (!json_number(hdr + w, hdr + n - 1))
+        return 2;
     char saved = hdr[n - 1], *end = NULL;
     hdr[n - 1] = '\0'; /* (strtod stops at the closing brace, which must end the number) */
     errno = 0;
     double t = strtod(hdr + w, &end);
-    int number = errno == 0 && end == hdr + n - 1 && end > hdr + w;
+    int number = errno == 0 && end == hdr + n - 1 && end > hdr + w && isfinite(t);
     hdr[n - 1] = saved;
     if (!number)
         return 2;

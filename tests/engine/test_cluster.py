@@ -309,21 +309,22 @@ def test_a_group_reader_streaming_from_another_node_takes_each_next_frame_straig
 def test_a_group_readers_frames_asked_ahead_come_checked_in_one_native_call(
         clients: list[instride.Client]) -> None:
     """The frames a remote group reader asked its owner for ahead are received and checked by
-    their own checksums in one native call (the engine's ``receive_next_asked``, the
-    transport's ``isc_recv_frame``): all but the frames that start a request go that way, and
-    each comes whole and in order."""
+    their own checksums in one native call (the transport's ``next_asked``,
+    ``isc_recv_frame``): all but the frames that start a request go that way, checked there
+    (not left to Python's check), and each comes whole and in order."""
     c1, c2, _ = clients
     pos = np.random.default_rng(13).random((3000, 3)).astype(np.float32)
     frames = 40
     outcomes: list[str] = []
-    plain = c2.engine.receive_next_asked  # type: ignore[attr-defined]
+    transport = c2.engine.transport  # type: ignore[attr-defined]
+    plain = transport.next_asked
 
     def counted(*args: object) -> object:
         got = plain(*args)
-        outcomes.append("checked" if got not in (False, None) else repr(got))
+        outcomes.append("checked" if isinstance(got, tuple) and got[1] is True else repr(got))
         return got
 
-    c2.engine.receive_next_asked = counted  # type: ignore[attr-defined]
+    transport.next_asked = counted
     reader = instride.Stream("st/native", timeout=20, client=c2, group="g", commit_every=4)
     thread, got, errors = _read_in_thread(reader, pos)
     with instride.Stream("st/native", mode="w", retain=8, groups=["g"], client=c1,
@@ -333,8 +334,9 @@ def test_a_group_readers_frames_asked_ahead_come_checked_in_one_native_call(
     thread.join(60)
     assert not thread.is_alive() and errors == []
     assert got == list(range(frames))
-    # one request per 16 frames (the first frame and the end go the usual way)
-    assert outcomes.count("checked") >= frames - 2 - frames // 16 - 2, outcomes
+    # a request per 1 + 63 frames at most (these are small): the first frame, the one that
+    # starts the request and the end go the usual way; one more may be late on busy cores
+    assert outcomes.count("checked") >= frames - 4, outcomes
     reader.close()
 
 

@@ -1261,6 +1261,84 @@ def test_a_frame_asked_ahead_in_a_reply_of_another_shape_is_left_to_the_callers_
     assert not transport._batches()  # (nothing more was asked: the connection is kept)
 
 
+def test_a_frame_asked_ahead_larger_than_the_memory_goes_to_the_file(reply_pair: tuple,
+                                                                     tmp_path: Path) -> None:
+    """A frame that does not fit the memory given is received into the caller's file, as
+    :meth:`fetch_when_published` does (not checked: the caller checks it)."""
+    transport, ours, theirs = reply_pair
+    frame = _frame_file()
+    theirs.sendall(_reply_bytes({"ok": True, "key": NEXT.key, "size": len(frame),
+                                 "published": 3.0}, frame))
+    _asked(transport, ours, [NEXT.key])
+    room, address, _pin = _room(100)
+    fd = os.open(tmp_path / "into", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        got = transport.next_asked(NEXT, NEXT.key, memoryview(room), address, lambda: fd, 1.0)
+        assert isinstance(got, tuple) and got[1] is False and got[0].size == len(frame)
+        assert got[0].published == 3.0
+        assert (tmp_path / "into").read_bytes() == frame
+    finally:
+        os.close(fd)
+
+
+def test_a_reply_asked_ahead_for_another_key_is_refused_and_drops_the_rest(
+        reply_pair: tuple) -> None:
+    transport, ours, theirs = reply_pair
+    frame = _frame_file()
+    theirs.sendall(_reply_bytes({"ok": True, "key": "rp/frame_000000009.isf", "size": len(frame),
+                                 "published": 3.0}, frame))
+    _asked(transport, ours, [NEXT.key, "rp/frame_000000003.isf"])
+    room, address, _pin = _room(len(frame))
+    with pytest.raises(TransferError, match="frame_000000009"):
+        transport.next_asked(NEXT, NEXT.key, memoryview(room), address, lambda: -1, 1.0)
+    assert ours.fileno() == -1 and not transport._batches()
+
+
+@pytest.mark.parametrize("body", [b"", b"ISF1" + bytes(60)], ids=["empty", "shorter than a header"])
+def test_a_body_asked_ahead_that_cannot_be_a_frame_is_refused(reply_pair: tuple,
+                                                                body: bytes) -> None:
+    transport, ours, theirs = reply_pair
+    theirs.sendall(_reply_bytes({"ok": True, "key": NEXT.key, "size": len(body),
+                                 "published": 1.0}, body))
+    _asked(transport, ours, [NEXT.key])
+    room, address, _pin = _room(200)
+    assert transport.next_asked(NEXT, NEXT.key, memoryview(room), address, lambda: -1, 1.0) \
+        is None
+
+
+@pytest.mark.parametrize("published", [b"1e400", b"-1e400"])
+def test_a_publication_time_past_a_float_is_no_time(reply_pair: tuple, published: bytes) -> None:
+    """A time the native parse cannot take as a finite number is left to the usual parse,
+    which reads it as no time (as :func:`_seconds` does for any reply)."""
+    transport, ours, theirs = reply_pair
+    frame = _frame_file()
+    header = b'{"ok":true,"key":"%s","size":%d,"published":%s}' % (NEXT.key.encode(), len(frame),
+                                                                     published)
+    theirs.sendall(wire.LENGTH.pack(len(header)) + header + frame)
+    _asked(transport, ours, [NEXT.key])
+    room, address, _pin = _room(len(frame))
+    got = transport.next_asked(NEXT, NEXT.key, memoryview(room), address, lambda: -1, 1.0)
+    assert isinstance(got, tuple) and got[1] is False and got[0].published is None
+
+
+@pytest.mark.parametrize("published", [b"nan", b"inf", b"+1.5", b"0x10", b"01.5", b"1.", b"1e"])
+def test_a_publication_time_that_is_no_json_number_is_no_valid_reply(reply_pair: tuple,
+                                                                     published: bytes) -> None:
+    """The native parse takes only what JSON takes (C's strtod also reads "nan", "inf", a
+    "+", hex, leading zeros, a bare "1."): anything else is the usual parse's, which refuses
+    the reply."""
+    transport, ours, theirs = reply_pair
+    frame = _frame_file()
+    header = b'{"ok":true,"key":"%s","size":%d,"published":%s}' % (NEXT.key.encode(), len(frame),
+                                                                     published)
+    theirs.sendall(wire.LENGTH.pack(len(header)) + header + frame)
+    _asked(transport, ours, [NEXT.key])
+    room, address, _pin = _room(len(frame))
+    with pytest.raises(PeerUnavailable, match="no valid reply"):
+        transport.next_asked(NEXT, NEXT.key, memoryview(room), address, lambda: -1, 1.0)
+    assert ours.fileno() == -1
+
+
 def test_a_frame_asked_ahead_not_published_in_time_is_none(reply_pair: tuple) -> None:
     transport, ours, theirs = reply_pair
     theirs.sendall(_reply_bytes({"ok": False, "error": "KeyNotFoundError",
@@ -1269,6 +1347,9 @@ def test_a_frame_asked_ahead_not_published_in_time_is_none(reply_pair: tuple) ->
     room, address, _pin = _room(100)
     assert transport.next_asked(NEXT, NEXT.key, memoryview(room), address, lambda: -1, 1.0) \
         is None
+    # (the owner's last reply for the request: the connection goes back to the pool, the
+    # rest of what was asked is not waited for)
+    assert not transport._batches() and transport._pool()[NEXT.owner] is ours
 
 
 def test_refusals_asked_ahead_are_typed(reply_pair: tuple) -> None:

@@ -732,13 +732,15 @@ class ClusterEngine:
 
     def receive_next_asked(self, key: str, like: Record, wait: float, into: memoryview,
                            address: int, fd: Callable[[], int],
-                           check: Callable[[Received, bool], bool]) -> Received | bool | None:
+                           check: Callable[[Received, bool], bool],
+                           unwatch: bool = False) -> Received | bool | None:
         """:meth:`receive_when_published` for a stream reader's common case, in one native
         call where the transport has one (``next_asked``): ``key`` is the next of the frames
         this thread asked ``like``'s owner for ahead, received into ``into`` (the memory at
         ``address``; ``fd`` gives the file for a frame that does not fit) and checked there
         as a frame file. ``check(received, checked)`` decodes it (``checked``: its
-        checksums passed already) and says whether it passes.
+        checksums passed already) and says whether it passes. ``unwatch``: as for
+        :meth:`receive_when_published`, where this applies.
 
         Returns
         -------
@@ -754,8 +756,12 @@ class ClusterEngine:
             got = nxt(like, key, into, address, fd, wait)
         except (InstrideError, OSError):
             return None  # (as receive_when_published: the usual way sorts it out, or says what)
-        if got is None or got is False:
-            return got  # type: ignore[no-any-return]
+        if got is False:
+            return False
+        if unwatch:  # (a wait through the metadata since the last frame subscribed again)
+            self.metadata.unwatch(key.rpartition("/")[0] + "/")
+        if got is None:
+            return None
         received, checked = got
         if not check(received, checked):  # (as receive_when_published)
             self.drop_ahead(like.owner)

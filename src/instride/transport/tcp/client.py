@@ -521,7 +521,11 @@ class TcpTransport:
         body into ``into`` in the same native call (``isc_recv_reply``); returns the reply and
         the body's size and digest (from ``digest_from`` on), or ``None`` for a body still to
         be received (it does not fit). A failure closes the socket."""
-        base = (ctypes.c_char * len(into)).from_buffer(into)  # (no copy: its address)
+        try:
+            base = (ctypes.c_char * len(into)).from_buffer(into)  # (no copy: its address)
+        except BaseException:
+            sock.close()  # (a read-only ``into``: the connection is neither kept nor pooled)
+            raise
         try:
             rc = self._native_reply(sock, hint, hint.key, wait, ctypes.addressof(base),
                                     len(into), digest_from)
