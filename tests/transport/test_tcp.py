@@ -1306,17 +1306,24 @@ def test_a_body_asked_ahead_that_cannot_be_a_frame_is_refused(reply_pair: tuple,
         is None
 
 
-@pytest.mark.parametrize("published", [b"1e400", b"-1e400"])
-def test_a_publication_time_past_a_float_is_no_time(reply_pair: tuple, published: bytes) -> None:
-    """A time the native parse cannot take as a finite number is left to the usual parse,
-    which reads it as no time (as :func:`_seconds` does for any reply)."""
+def _sent_with_time(reply_pair: tuple, published: bytes) -> tuple[bytearray, int, ctypes.Array]:
+    """A frame asked for ahead, its reply the servers' shape with ``published`` as its time
+    (written as given); the memory to receive it into."""
     transport, ours, theirs = reply_pair
     frame = _frame_file()
     header = b'{"ok":true,"key":"%s","size":%d,"published":%s}' % (NEXT.key.encode(), len(frame),
                                                                      published)
     theirs.sendall(wire.LENGTH.pack(len(header)) + header + frame)
     _asked(transport, ours, [NEXT.key])
-    room, address, _pin = _room(len(frame))
+    return _room(len(frame))
+
+
+@pytest.mark.parametrize("published", [b"1e400", b"-1e400"])
+def test_a_publication_time_past_a_float_is_no_time(reply_pair: tuple, published: bytes) -> None:
+    """A time the native parse cannot take as a finite number is left to the usual parse,
+    which reads it as no time (as :func:`_seconds` does for any reply)."""
+    transport, ours, _ = reply_pair
+    room, address, _pin = _sent_with_time(reply_pair, published)
     got = transport.next_asked(NEXT, NEXT.key, memoryview(room), address, lambda: -1, 1.0)
     assert isinstance(got, tuple) and got[1] is False and got[0].published is None
 
@@ -1327,13 +1334,8 @@ def test_a_publication_time_that_is_no_json_number_is_no_valid_reply(reply_pair:
     """The native parse takes only what JSON takes (C's strtod also reads "nan", "inf", a
     "+", hex, leading zeros, a bare "1."): anything else is the usual parse's, which refuses
     the reply."""
-    transport, ours, theirs = reply_pair
-    frame = _frame_file()
-    header = b'{"ok":true,"key":"%s","size":%d,"published":%s}' % (NEXT.key.encode(), len(frame),
-                                                                     published)
-    theirs.sendall(wire.LENGTH.pack(len(header)) + header + frame)
-    _asked(transport, ours, [NEXT.key])
-    room, address, _pin = _room(len(frame))
+    transport, ours, _ = reply_pair
+    room, address, _pin = _sent_with_time(reply_pair, published)
     with pytest.raises(PeerUnavailable, match="no valid reply"):
         transport.next_asked(NEXT, NEXT.key, memoryview(room), address, lambda: -1, 1.0)
     assert ours.fileno() == -1
