@@ -119,6 +119,11 @@ def test_bad_graph_files_and_arguments_are_typed_errors(flow_env:  # noqa: F811
     assert not (tmp_path / "e.png").exists()
     res = cli("flow", "run", str(tmp_path / "good.py"), "--timeout", "-1")
     assert res.returncode == EXIT_USAGE and "--timeout" in res.stderr
+    # a directory, or nothing at all, named as the graph file: said as it is
+    res = cli("flow", "check", str(tmp_path))
+    assert res.returncode == EXIT_INVALID and "is a directory, not a graph file" in res.stderr
+    res = cli("flow", "check", str(tmp_path / "none.py"))
+    assert res.returncode == EXIT_INVALID and "none.py' does not exist" in res.stderr
 
 
 def test_draw_nodes_given_by_index(tmp_path: Path) -> None:

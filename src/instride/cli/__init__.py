@@ -193,6 +193,17 @@ def md_step_ps(text: str) -> float:
     return _seconds_arg(text, zero=True, unit="ps")
 
 
+def positive_number(text: str) -> float:
+    """A finite number above 0 (a factor) (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number above 0")
+    return value
+
+
 def positive_int(text: str) -> int:
     """A whole number, 1 or more (argparse type)."""
     try:

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from . import exit_code, timeout_arg
+from . import exit_code, positive_int, positive_number, positive_seconds, timeout_arg
 
 _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
@@ -164,7 +164,7 @@ def add_parser(subparsers: Any) -> None:
     common.add_argument("--trajectory", required=True,
                         help="trajectory file, H5MD .h5 file, or instride://STREAM")
     common.add_argument("--select", default=None, help="MDAnalysis atom selection")
-    common.add_argument("--workers", type=int, default=None,
+    common.add_argument("--workers", type=positive_int, default=None,
                         help="number of ranks (mpi under a launcher: the launcher's count)")
     common.add_argument("--backend", choices=("multiprocessing", "mpi", "serial"),
                         default="multiprocessing",
@@ -174,12 +174,12 @@ def add_parser(subparsers: Any) -> None:
     base = common.add_mutually_exclusive_group()
     base.add_argument("--baseline-serial", action="store_true",
                       help="run on one rank first, to report S(N), E(N) and serial R_comp/IO")
-    base.add_argument("--baseline-time", type=float, default=None, metavar="SECONDS",
+    base.add_argument("--baseline-time", type=positive_seconds, default=None, metavar="SECONDS",
                       help="a known serial t_total(1), for S(N) and E(N)")
     common.add_argument("--straggle", type=_straggle, action="append", default=[],
                         metavar="RANK:SECONDS",
                         help="testing/diagnostics: make RANK sleep SECONDS per frame")
-    common.add_argument("--straggler-factor", type=float, default=1.5,
+    common.add_argument("--straggler-factor", type=positive_number, default=1.5,
                         help="flag ranks whose work time exceeds this x the median (1.5)")
     common.add_argument("--timeout", type=timeout_arg, default=None,
                         help="seconds a stream input waits for frames (0: do not wait)")

@@ -26,11 +26,14 @@ def load_file(path: Path) -> ModuleType:
     Raises
     ------
     GraphError
-        The file does not exist or does not compile (the error names the file and line).
+        The file does not exist, is a directory or another non-file, or does not compile
+        (the error names the file and line).
     """
     path = Path(path).resolve()
     if not path.is_file():
-        raise GraphError(f"graph file {str(path)!r} does not exist")
+        what = "is a directory, not a graph file" if path.is_dir() else "does not exist" \
+            if not path.exists() else "is not a regular file"
+        raise GraphError(f"graph file {str(path)!r} {what}")
     loaded = sys.modules.get(GRAPH_MODULE)
     if loaded is not None and getattr(loaded, "__file__", None) == str(path):
         return loaded
