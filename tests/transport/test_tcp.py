@@ -1354,6 +1354,21 @@ def test_a_frame_asked_ahead_not_published_in_time_is_none(reply_pair: tuple) ->
     assert not transport._batches() and transport._pool()[NEXT.owner] is ours
 
 
+def test_a_full_disk_under_a_fetch_names_the_key(reply_pair: tuple) -> None:
+    """A write of the fetched bytes that fails (``ENOSPC``: ``/dev/full``) is an ``OSError``
+    with its errno, naming the key and how far the transfer came."""
+    transport, ours, theirs = reply_pair
+    theirs.sendall(b"z" * 60_000)
+    fd = os.open("/dev/full", os.O_WRONLY)
+    try:
+        with pytest.raises(OSError, match=r"No space left on device: writing the copy of "
+                                          r"'rp/full\.bin' fetched here \(after \d+ of 60000 bytes\)") as exc:
+            transport._stream_to_file(ours, fd, 60_000, "rp/full.bin")
+        assert exc.value.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
 def test_refusals_asked_ahead_are_typed(reply_pair: tuple) -> None:
     transport, ours, theirs = reply_pair
     theirs.sendall(_reply_bytes({"ok": False, "error": "KeyNotFoundError", "message": "late"}))

@@ -735,8 +735,9 @@ class TcpTransport:
         if rc == 0:
             return hexdigest.value.decode()
         err = -rc
-        if where.value:  # the file: a full disk, a quota, ...
-            raise OSError(err, os.strerror(err))
+        if where.value:  # the file: a full disk, a quota, ... (named: the key and how far)
+            raise OSError(err, f"{os.strerror(err)}: writing the copy of {key!r} fetched here "
+                               f"(after {got.value} of {size} bytes)")
         raise _receive_error(key, err, got.value, size)
 
     def fetch_bytes(self, record: Record) -> bytearray:
