@@ -753,6 +753,13 @@ static int answer(server *s, conn *c, char *hdr, uint32_t len) {
             close(fd);
             if (!keep || j + 1 >= r.count)
                 break;
+            if (atomic_load(&s->closing)) { /* stopping: no more of what was asked ahead (the
+                                             * grace is for requests in flight, not for every
+                                             * frame published; the reader's next call finds
+                                             * the connection closed and goes the usual way) */
+                keep = 0;
+                break;
+            }
             fd = next_key(key) ? open_key(s, c, &r, &size, &published) : -2;
             if (fd == ISS_AWAIT_ABANDON)
                 keep = 0;
