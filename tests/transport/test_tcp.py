@@ -37,7 +37,7 @@ from tests.conftest import LoopbackNode, RedisServer, build_shim, free_port
 from tests.nodes import TOKEN, ask, forged, no_traceback, put, raw, recv_all, signed, stats, until
 
 from .contract import TOKEN as CONTRACT_TOKEN
-from .contract import Owner, TransportContract, wait_ready
+from .contract import Owner, TransportContract, _frame_bytes, wait_ready
 
 _DYING = """
 import os, signal, socket, struct, sys
@@ -1203,18 +1203,6 @@ def test_a_reply_of_another_shape_is_left_to_the_caller(reply_pair: tuple, heade
     assert got is None and reply == header
 
 
-def _frame_file(natoms: int = 200, step: int = 3) -> bytes:
-    """A frame file's bytes, as a stream's producer writes them."""
-    import numpy as np
-
-    from instride.frames import encode_into, frame_size
-
-    buf = bytearray(frame_size(natoms, "paper"))
-    pos = np.random.default_rng(step).random((natoms, 3))
-    encode_into(memoryview(buf), pos, step=step, time=0.5, box=None, layout="paper", ids=None)
-    return bytes(buf)
-
-
 NEXT = Record(key="rp/frame_000000002.isf", owner="127.0.0.1:1", size=0, checksum="", version=1,
               time=0.0)
 
@@ -1235,7 +1223,7 @@ def test_a_frame_asked_ahead_comes_checked_in_one_native_call(reply_pair: tuple)
     next, its body a frame file that passes its checksums: received and checked in the native
     call, the publication time parsed, the rest of what was asked kept for the next call."""
     transport, ours, theirs = reply_pair
-    frame = _frame_file()
+    frame = _frame_bytes(3)
     theirs.sendall(b"".join(
         wire.LENGTH.pack(len(h)) + h + frame for h in [
             b'{"ok":true,"key":"%s","size":%d,"published":1764480000.250000}'
@@ -1270,7 +1258,7 @@ def test_a_frame_asked_ahead_that_fails_its_checksums_is_refused(reply_pair: tup
     """A body that is not the frame its header describes (a flipped byte in the header or the
     payload): ``None``, the connection closed (what was asked ahead with it is dropped)."""
     transport, ours, theirs = reply_pair
-    frame = bytearray(_frame_file())
+    frame = bytearray(_frame_bytes(3))
     frame[at] ^= 0xFF
     theirs.sendall(_reply_bytes({"ok": True, "key": NEXT.key, "size": len(frame),
                                  "published": 2.0}, bytes(frame)))
@@ -1286,7 +1274,7 @@ def test_a_frame_asked_ahead_in_a_reply_of_another_shape_is_left_to_the_callers_
     """A reply that is not the servers' exact shape (fields in another order, one more): read
     the usual way, its frame not checked (``checked`` false: the caller checks it)."""
     transport, ours, theirs = reply_pair
-    frame = _frame_file()
+    frame = _frame_bytes(3)
     theirs.sendall(_reply_bytes({"key": NEXT.key, "ok": True, "size": len(frame),
                                  "published": 2.5, "more": 1}, frame))
     _asked(transport, ours, [NEXT.key])
@@ -1304,7 +1292,7 @@ def test_a_frame_asked_ahead_larger_than_the_memory_goes_to_the_file(reply_pair:
     """A frame that does not fit the memory given is received into the caller's file, as
     :meth:`fetch_when_published` does (not checked: the caller checks it)."""
     transport, ours, theirs = reply_pair
-    frame = _frame_file()
+    frame = _frame_bytes(3)
     theirs.sendall(_reply_bytes({"ok": True, "key": NEXT.key, "size": len(frame),
                                  "published": 3.0}, frame))
     _asked(transport, ours, [NEXT.key])
@@ -1322,7 +1310,7 @@ def test_a_frame_asked_ahead_larger_than_the_memory_goes_to_the_file(reply_pair:
 def test_a_reply_asked_ahead_for_another_key_is_refused_and_drops_the_rest(
         reply_pair: tuple) -> None:
     transport, ours, theirs = reply_pair
-    frame = _frame_file()
+    frame = _frame_bytes(3)
     theirs.sendall(_reply_bytes({"ok": True, "key": "rp/frame_000000009.isf", "size": len(frame),
                                  "published": 3.0}, frame))
     _asked(transport, ours, [NEXT.key, "rp/frame_000000003.isf"])
@@ -1348,7 +1336,7 @@ def _sent_with_time(reply_pair: tuple, published: bytes) -> tuple[bytearray, int
     """A frame asked for ahead, its reply the servers' shape with ``published`` as its time
     (written as given); the memory to receive it into."""
     transport, ours, theirs = reply_pair
-    frame = _frame_file()
+    frame = _frame_bytes(3)
     header = b'{"ok":true,"key":"%s","size":%d,"published":%s}' % (NEXT.key.encode(), len(frame),
                                                                      published)
     theirs.sendall(wire.LENGTH.pack(len(header)) + header + frame)

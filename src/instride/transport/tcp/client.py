@@ -473,9 +473,13 @@ class TcpTransport:
                 sock.close()
                 return None
             reply, body = self._reply_parsed(sock, _hint(owner, key), 0 if rc == 2 else 1)
+            dest = -1 if body is not None else fd()  # (the file: only for a body still to come)
         except KeyNotFoundError:
-            return None
-        return self._received(owner, key, sock, rest, reply, body, fd(), None, into, HEADER_SIZE,
+            return None  # (the owner's last reply for the request: the connection is pooled)
+        except BaseException:
+            sock.close()  # (closed already where the receive failed; not where fd() did)
+            raise
+        return self._received(owner, key, sock, rest, reply, body, dest, None, into, HEADER_SIZE,
                               batches), False
 
     def drop_ahead(self, owner: str | None = None) -> None:
