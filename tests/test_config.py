@@ -33,6 +33,9 @@ def test_all_variables() -> None:
     assert Settings.from_env({"INSTRIDE_TIMEOUT": "0"}).timeout == 0.0  # do not wait
     assert Settings.from_env({}).spin == 0.0 and Settings.from_env({"INSTRIDE_SPIN": ""}).spin == 0.0
     assert Settings.from_env({"INSTRIDE_SPIN": "0.002"}).spin == 0.002
+    assert Settings.from_env({}).record_batch == 8
+    assert Settings.from_env({"INSTRIDE_RECORD_BATCH": " 1 "}).record_batch == 1
+    assert Settings.from_env({"INSTRIDE_RECORD_BATCH": "64"}).record_batch == 64
 
 
 @pytest.mark.parametrize(
@@ -40,7 +43,10 @@ def test_all_variables() -> None:
     [("INSTRIDE_TIMEOUT", "x"), ("INSTRIDE_FSYNC", "maybe"), ("INSTRIDE_CACHE_BYTES", "-1"),
      ("INSTRIDE_AHEAD_BYTES", "-1"), ("INSTRIDE_AHEAD_BYTES", "4M"),
      ("INSTRIDE_ADDR", "nohost"), ("INSTRIDE_ADDR", "h:99999"), ("INSTRIDE_SPIN", "-0.1"),
-     ("INSTRIDE_SPIN", "nan"), ("INSTRIDE_SPIN", "inf"), ("INSTRIDE_SPIN", "soon")],
+     ("INSTRIDE_SPIN", "nan"), ("INSTRIDE_SPIN", "inf"), ("INSTRIDE_SPIN", "soon"),
+     ("INSTRIDE_RECORD_BATCH", "0"), ("INSTRIDE_RECORD_BATCH", "65"),
+     ("INSTRIDE_RECORD_BATCH", "2.5"), ("INSTRIDE_RECORD_BATCH", "1e400"),
+     ("INSTRIDE_RECORD_BATCH", "eight")],
 )
 def test_bad_values(name: str, value: str) -> None:
     with pytest.raises(ConfigError, match=name):
@@ -110,7 +116,8 @@ def test_connect_timeout_one_meaning() -> None:
 
 
 def test_numbers_are_ascii_decimal_without_separators() -> None:
-    for name in ("INSTRIDE_CACHE_BYTES", "INSTRIDE_AHEAD_BYTES", "INSTRIDE_SPIN"):
+    for name in ("INSTRIDE_CACHE_BYTES", "INSTRIDE_AHEAD_BYTES", "INSTRIDE_SPIN",
+                 "INSTRIDE_RECORD_BATCH"):
         for raw in ("1_0", "\uff11", "\u0661", "0x10"):
             with pytest.raises(ConfigError, match=name):
                 Settings.from_env({name: raw})

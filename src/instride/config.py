@@ -292,6 +292,19 @@ def _spin(name: str, raw: str | None) -> float:
     return value
 
 
+def _record_batch(name: str, raw: str | None) -> int:
+    if strip(raw or "") == "":
+        return RECORD_BATCH
+    value = parse_number(raw or "", name, "not a number of records")
+    if not value.is_integer() or not 1 <= value <= 64:
+        raise ConfigError(name, raw, "must be a whole number of records from 1 to 64")
+    return int(value)
+
+
+#: Records a stream's producer appending small frames flat out sends to Redis in one write, at
+#: most (``INSTRIDE_RECORD_BATCH``; 1: each at once).
+RECORD_BATCH = 8
+
 #: Scheduling policies of the data server's threads (``instride serve --sched``).
 SERVE_POLICIES = ("auto", "batch", "normal", "inherit")
 #: Under the ``"auto"`` policy: milliseconds a fetch waits for its key before its thread waits
@@ -370,6 +383,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("INSTRIDE_SPIN", "spin", _spin, "0",
              "seconds a waiting consumer busy-polls before it sleeps (trades a core for "
              "wake-up latency; 0: sleep at once)"),
+    Variable("INSTRIDE_RECORD_BATCH", "record_batch", _record_batch, str(RECORD_BATCH),
+             "records of frames a stream's producer appending small frames flat out sends to "
+             "Redis in one write, at most (1: each at once; at most 64)"),
     Variable("INSTRIDE_SERVE_SCHED", "serve_sched", _serve_sched, "auto",
              "(instride serve) scheduling policy of the data server's threads: auto (batch, "
              "but a fetch that waited over 50 ms for its frame may preempt), batch (never "
@@ -436,6 +452,7 @@ class Settings:
     connect_timeout: float = 5.0
     transport: str = "tcp"
     spin: float = 0.0
+    record_batch: int = RECORD_BATCH
     serve_sched: str = "auto"
     overwrite: bool = False
     patch_open: bool = False

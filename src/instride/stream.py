@@ -133,8 +133,8 @@ def _ahead(frame_bytes: int) -> int:
     """How many frames after the next a group reader asks for ahead (see _AHEAD_BYTES)."""
     return max(_AHEAD_MIN, min(_AHEAD_MAX, _AHEAD_BYTES // max(frame_bytes, 1)))
 #: a producer's frames whose records (cluster mode) may wait for Redis's answer at once: the
-#: producer confirms the oldest when this many are pending (an error surfaces this many
-#: frames later at most)
+#: producer confirms the oldest when this many are pending besides those held back (an error
+#: surfaces this many frames later at most, plus INSTRIDE_RECORD_BATCH - 1 while holding)
 _UNCONFIRMED_MAX = 4
 #: seconds since its last ``append`` returned after which a producer (cluster mode) gives its
 #: CPU up once its frame is out and recorded (:func:`os.sched_yield`): a paced producer's
@@ -144,6 +144,13 @@ _UNCONFIRMED_MAX = 4
 #: publish -> bytes on another node 1.98 -> 1.80 ms, 7 of 8 alternating rounds, a bounded
 #: stream's 1.80 -> 1.58 ms; 8 pairs flat out, yielding after every frame: -8 % frames/s)
 _PACED_AFTER = 0.002
+#: a producer appending flat out (its last append returned less than _PACED_AFTER ago) holds
+#: the records of frames up to this size back and sends INSTRIDE_RECORD_BATCH in one write:
+#: one wake-up of Redis for several frames (larger frames cost far more than their record; a
+#: paced producer's frames are awaited); the first for _HOLD_AGE seconds at most, while it
+#: goes on appending (when it stops, Linux sends them within 0.2 s: RespConnection.call_soon)
+_HOLD_BYTES = 4 << 20
+_HOLD_AGE = 0.02
 _GAP_POLICIES = ("raise", "count")
 
 
@@ -382,6 +389,9 @@ class Stream:
         # (frame, its record, when it was sent)
         self._unconfirmed: deque[tuple[int, PendingRecord, float]] = deque()
         self._recorded = False  # a frame's record was confirmed (the first is waited for)
+        #: the newest records held back (sent with the next ones: see _hold_for), since when
+        self._holding = 0
+        self._held_since = 0.0
         #: an unbounded stream reads the answers already in after a publication (off the
         #: frame's path); one of them raised: the next append reads them before its own
         self._answers_failed = False
@@ -501,8 +511,9 @@ class Stream:
         MetadataUnavailable
             Cluster mode: Redis could not record the frame, or one of the few before it.
             Only the first frame's record is waited for; each later frame's record is sent
-            and its answer read by a later ``append`` (at most four frames later) or by
-            :meth:`close`, so an error in it surfaces there (a stream without retention reads
+            and its answer read by a later ``append`` (at most four frames later, eleven
+            while records are held back: ``INSTRIDE_RECORD_BATCH``) or by :meth:`close`,
+            so an error in it surfaces there (a stream without retention reads
             the answers already in after its publication: an error read then is raised by
             the next ``append``, before it publishes). The frame whose record failed
             is not lost: the next ``append`` or ``close`` sends its record again before
@@ -618,7 +629,8 @@ class Stream:
                     and not self.policy.drops else None
                 sent = _monotonic()
                 self._unconfirmed.append((index, soon(key, self.overwrite, checksum, slot.size,
-                                                      then=then or (), report=report), sent))
+                                                      then=then or (), report=report,
+                                                      hold=self._hold_for(nbytes, paced, going)), sent))
                 if paced:  # (the frame is out and recorded: its server first, see _PACED_AFTER)
                     os.sched_yield()
             else:
@@ -658,8 +670,9 @@ class Stream:
         stays pending, and is sent again, as the same publication, by the next call.
         """
         pending = self._unconfirmed
-        while pending and (all_ or len(pending) >= _UNCONFIRMED_MAX or pending[0][0] < before
-                           or answered and pending[0][1].answered()):
+        # (the records held back are not counted: they go several at a time)
+        while pending and (all_ or len(pending) - self._holding >= _UNCONFIRMED_MAX
+                           or pending[0][0] < before or answered and pending[0][1].answered()):
             _, record, sent = pending[0]
             record()
             pending.popleft()
@@ -668,6 +681,30 @@ class Stream:
             if record.reported is not None and sent >= self._groups_past[1]:
                 self._groups_past = (min(cursors_of(record.reported).values(), default=math.inf),
                                      sent)
+        self._holding = min(self._holding, len(pending))
+
+    def _hold_for(self, nbytes: int, paced: bool, going: int) -> bool:
+        """Whether the record of the frame being appended is held back, to go to Redis with
+        the next ones (else it goes now, with those held before it).
+
+        Held while the producer appends frames of up to :data:`_HOLD_BYTES` flat out: up to
+        ``INSTRIDE_RECORD_BATCH`` records in one write, the first held :data:`_HOLD_AGE` s at
+        most. In a bounded stream with consumer groups, only while their cursors, as last
+        reported, are past the frames this append and the next two retire (``going``: this
+        one's): a record's answer brings the cursors, so held records bring them later, and
+        a producer that does not know a group past a frame must look (a round trip)."""
+        p = self.policy
+        now = _monotonic()
+        if (paced or nbytes > _HOLD_BYTES
+                or self._holding >= self.client.settings.record_batch - 1
+                or self._holding and now - self._held_since > _HOLD_AGE
+                or p.bounded and not p.drops and self._groups_past[0] < self._oldest + going + 3):
+            self._holding = 0
+            return False
+        if not self._holding:
+            self._held_since = now
+        self._holding += 1
+        return True
 
     def _start_producing(self) -> None:
         earlier: list[str] = []
@@ -846,7 +883,7 @@ class Stream:
         The frames published stay readable. No end-of-stream marker is written, so readers
         do not take the run for complete: they wait for a next frame, up to their timeout.
         No answer is waited for (cluster mode: the records sent stand, as Redis stores each
-        as it reads it). What the producer holds is released —
+        as it reads it; those held back are sent now). What the producer holds is released —
         the files made ahead, mappings, descriptors, its share of the stream's state — and an
         archiver started with ``archive=`` is stopped (SIGTERM: it closes its file; ``instride
         archive`` resumes it). A producer's ``with`` block left by an exception does this.
@@ -860,6 +897,10 @@ class Stream:
             return
         if self._pool is not None:
             self._pool.drop_made()
+        if self._holding:  # (the records held back go now: the frames stay readable)
+            send_held = getattr(self.client.engine, "send_held", None)
+            if send_held is not None:
+                send_held()
         self._closed = True
         self._release_resources()
         proc, self._archiver = self._archiver, None

@@ -1911,3 +1911,72 @@ def test_a_runs_node_spelled_otherwise_is_this_node(clients: list[instride.Clien
     assert frame.exists()
     assert engine.forget_other_runs("spelled", "run9", since, f"127.0.0.2:{port}", frames) == 1
     assert not frame.exists()
+
+
+def test_a_producer_appending_flat_out_sends_its_frames_records_several_at_a_time(
+        clients: list[instride.Client], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer appending small frames back to back holds their records back and sends up
+    to ``INSTRIDE_RECORD_BATCH`` in one write: right after a run of appends, the last records
+    are not in Redis yet; they come without another append (Linux sends what a socket holds
+    back within 0.2 s), the batch's last append sends them all, and ``close()`` sends and
+    confirms what is held (``abandon()`` sends it). A reader on another node waiting through
+    Redis gets every frame. ``INSTRIDE_RECORD_BATCH=1``: each record at once."""
+    import redis as redis_py
+
+    import instride.stream as stream_module
+
+    # (every append counts as flat out and no held record as too old, whatever this
+    # machine's load does to the time between the test's appends)
+    monkeypatch.setattr(stream_module, "_PACED_AFTER", 60.0)
+    monkeypatch.setattr(stream_module, "_HOLD_AGE", 60.0)
+    c1, c2, _ = clients
+    assert c1.settings.redis_url is not None and c1.settings.record_batch == 8
+    other = redis_py.Redis.from_url(c1.settings.redis_url)
+    pos = np.random.default_rng(41).random((200, 3)).astype(np.float32)
+    producer = instride.Stream("held/run", mode="w", client=c1)
+
+    def recorded(*indices: int) -> list[bool]:
+        return [bool(other.exists(f"instride:rec:{producer.frame_key(i)}")) for i in indices]
+
+    def soon_recorded(*indices: int) -> float:
+        start = time.monotonic()
+        while not all(recorded(*indices)) and time.monotonic() - start < 5:
+            time.sleep(0.005)
+        assert all(recorded(*indices))
+        return time.monotonic() - start
+
+    try:
+        for i in range(5):
+            producer.append(pos + i, step=i)
+        # (the first frame's record is waited for; the next ones are held back)
+        assert recorded(0, 1, 2, 3, 4) == [True, False, False, False, False]
+        assert soon_recorded(1, 2, 3, 4) < 2.0  # no further append: Linux sends them
+        for i in range(5, 12):  # 5, 6, 7 held; 8 is the batch's eighth: all go with it
+            producer.append(pos + i, step=i)
+            if i == 7:
+                assert recorded(5, 6, 7) == [False, False, False]
+            if i == 8:
+                assert all(recorded(*range(9)))
+        assert recorded(9, 10, 11) == [False, False, False]
+        producer.close()  # (sends and confirms the held records, then the end marker)
+        assert all(recorded(*range(12))) and not producer._unconfirmed
+        reader = instride.Stream("held/run", timeout=10, client=c2)
+        assert [f.header.step for f in reader] == list(range(12))
+        broken = instride.Stream("held/broken", mode="w", client=c1)
+        producer = broken
+        for i in range(3):
+            broken.append(pos + i, step=i)
+        fast = c1.metadata._fast()  # type: ignore[attr-defined]
+        assert recorded(1, 2) == [False, False] and fast._held == 2
+        broken.abandon()  # (the run broke off: its frames stay readable, recorded now)
+        assert fast._held == 0
+        soon_recorded(0, 1, 2)
+        monkeypatch.setattr(c1, "settings", c1.settings.with_(record_batch=1))
+        with instride.Stream("held/each", mode="w", client=c1) as each:
+            producer = each
+            for i in range(4):
+                each.append(pos + i, step=i)
+                assert all(recorded(*range(i + 1)))  # each at once
+    finally:
+        producer.abandon()
+        other.close()

@@ -128,15 +128,16 @@ def test_commands_run_with_a_publication_only_once_it_is_stored(backend: RedisMe
     assert backend.redis.hget(head, "written") == b"2"
 
 
-@pytest.mark.parametrize("soon", [False, True])
+@pytest.mark.parametrize("soon", ["now", "soon", "held"])
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_a_publication_whose_reply_is_lost_is_retried_as_itself(redis_server: RedisServer,
                                                                   tmp_path, overwrite: bool,
-                                                                  soon: bool) -> None:  # type: ignore[no-untyped-def]
+                                                                  soon: str) -> None:  # type: ignore[no-untyped-def]
     """The connection fails after Redis stored a record and before its reply arrived: the
     retry finds the publication done — one version, one announcement — and a write-once
     key is not reported as existing (its own producer would otherwise fail). ``soon``: the
-    record sent without waiting (``publish_soon``), the lost reply found by its confirmation."""
+    record sent without waiting (``publish_soon``), the lost reply found by its confirmation;
+    ``held``: held back first (``hold=True``), pushed out by the confirmation."""
     relay = ReplyDropper((redis_server.host, redis_server.port))
     url = f"redis://127.0.0.1:{relay.port}/0"
     b = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=5))
@@ -147,8 +148,8 @@ def test_a_publication_whose_reply_is_lost_is_retried_as_itself(redis_server: Re
         assert watch.get_message(timeout=5)["type"] == "subscribe"  # type: ignore[index]
         relay.armed = True
         lost = Record("lost/k", "127.0.0.1:1", 7, "xxh3:1", 0, time.time(), "n1")
-        rec = b.publish_soon(lost, overwrite=overwrite)() if soon \
-            else b.publish(lost, overwrite=overwrite)
+        rec = b.publish(lost, overwrite=overwrite) if soon == "now" \
+            else b.publish_soon(lost, overwrite=overwrite, hold=soon == "held")()
         assert relay.dropped == 1  # the reply was lost: the publication was retried
         assert rec.version == warm.version + 1  # (one publication, not two)
         stored = b.lookup("lost/k")

@@ -323,3 +323,78 @@ def test_a_close_from_another_thread_wakes_a_blocked_read_and_frees_nothing_unde
         assert sock.fileno() == -1  # (the old socket closed by its own thread)
     finally:
         t.join(40)
+
+
+def _list_soon(other: redis.Redis, key: str, want: list[bytes], within: float) -> list[bytes]:
+    """``key``'s list as another client sees it once it is ``want`` (or ``within`` s passed)."""
+    deadline = time.monotonic() + within
+    while (got := other.lrange(key, 0, -1)) != want and time.monotonic() < deadline:
+        time.sleep(0.002)
+    return got  # type: ignore[no-any-return]
+
+
+def test_commands_held_back_go_with_the_next_write_in_order(redis_server: RedisServer) -> None:
+    """``call_soon(hold=True)``: the kernel holds the commands back (``MSG_MORE``) until the
+    connection's next write, which takes them out in one segment, in the order written; the
+    functions get their own replies. ``answered()`` says no for a held function (perhaps not
+    sent), and reading its replies pushes it out instead of waiting for ever."""
+    conn = _conn(redis_server)
+    other = redis.Redis.from_url(redis_server.url)
+    try:
+        conn.call([("DEL", "held")])
+        first = conn.call_soon([("RPUSH", "held", "a")], hold=True)
+        second = conn.call_soon([("RPUSH", "held", "b")], hold=True)
+        time.sleep(0.02)
+        assert other.lrange("held", 0, -1) == []  # held back: not sent
+        assert not conn.answered()
+        assert conn.call([("RPUSH", "held", "c")]) == [3]  # the next write: all three, in order
+        assert other.lrange("held", 0, -1) == [b"a", b"b", b"c"]
+        assert first() == [1] and second() == [2]
+        owed = conn.call_soon([("RPUSH", "held", "d")], hold=True)
+        assert owed() == [4]  # (read: pushed out first, not waited for for ever)
+        conn.call_soon([("RPUSH", "held", "e")], hold=True)
+        conn.flush_held()
+        assert _list_soon(other, "held", [b"a", b"b", b"c", b"d", b"e"], 5)[-1] == b"e"
+    finally:
+        conn.close()
+        other.close()
+
+
+def test_commands_held_back_go_out_by_themselves_when_nothing_follows(
+    redis_server: RedisServer, tmp_path: Path,
+) -> None:
+    """Nothing written after held commands: Linux sends them within its 0.2 s cork ceiling;
+    a connection closed, or a process that exits, sends them before its socket's close — also
+    with replies it never read in (a TCP socket closed so is reset, dropping what it held)."""
+    conn = _conn(redis_server)
+    other = redis.Redis.from_url(redis_server.url)
+    try:
+        conn.call([("DEL", "alone", "closed", "exited")])
+        conn.call_soon([("RPUSH", "alone", "x")], hold=True)
+        start = time.monotonic()
+        assert _list_soon(other, "alone", [b"x"], 5) == [b"x"]
+        assert time.monotonic() - start < 2.0
+        conn.call_soon([("PING",)])  # (its reply comes in, never read)
+        time.sleep(0.1)
+        lost = conn.call_soon([("RPUSH", "closed", "y")], hold=True)
+        conn.close()
+        assert _list_soon(other, "closed", [b"y"], 5) == [b"y"]
+        with pytest.raises(ConnectionError):
+            lost()  # (its reply went with the connection: a caller sends it again)
+        script = tmp_path / "held.py"
+        script.write_text(
+            "import os, sys\n"
+            "from instride.metadata.resp import RespConnection\n"
+            f"c = RespConnection({redis_server.host!r}, {redis_server.port}, 0, None, None, 5, 5)\n"
+            "c.call_soon([('PING',)])\n"  # (its reply comes in, never read)
+            "import time; time.sleep(0.1)\n"
+            "c.call_soon([('RPUSH', 'exited', 'z')], hold=True)\n"
+            "sys.exit(0)\n")
+        import subprocess
+        import sys
+
+        subprocess.run([sys.executable, str(script)], check=True, timeout=60)
+        assert _list_soon(other, "exited", [b"z"], 5) == [b"z"]
+    finally:
+        conn.close()
+        other.close()

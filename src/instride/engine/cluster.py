@@ -1066,7 +1066,7 @@ class ClusterEngine:
 
     def published_soon(self, key: str, overwrite: bool, checksum: str, size: int, *,
                        then: Sequence[tuple[Any, ...]] = (),
-                       report: str | None = None) -> PendingRecord:
+                       report: str | None = None, hold: bool = False) -> PendingRecord:
         """:meth:`published` without waiting for the metadata's answer: the record is sent
         now and stored as soon as Redis reads it; calling the result waits for the answer
         and raises what :meth:`published` would (it may be called again after it raised: a
@@ -1077,7 +1077,8 @@ class ClusterEngine:
         frames' records a few frames later instead of waiting for each. Unlike
         :meth:`register`, a refused record does not remove the file: the stream's producer
         owns it. ``report``: a metadata hash read back in the same step (the result's
-        ``reported``; where the metadata cannot, ``None``).
+        ``reported``; where the metadata cannot, ``None``). ``hold``: the record may be held
+        back, to go with the next ones (see :meth:`RedisMetadata.publish_soon`).
         """
         soon = getattr(self.metadata, "publish_soon", None)
         if soon is None:  # (a backend that cannot: recorded now, ``then`` with it)
@@ -1088,7 +1089,14 @@ class ClusterEngine:
                         version=1, time=time.time(), node=self.settings.node)
         self.forget_fetched(key)  # our own original now, never evicted
         return soon(record, overwrite=overwrite, then=then,  # type: ignore[no-any-return]
-                    report=report)
+                    report=report, hold=hold)
+
+    def send_held(self) -> None:
+        """Push out the records this thread's producers hold back (see
+        :meth:`published_soon`)."""
+        send = getattr(self.metadata, "send_held", None)
+        if send is not None:
+            send()
 
     def register(self, key: str, *, overwrite: bool, checksum: str | None = None,
                  size: int | None = None, then: Sequence[tuple[Any, ...]] = ()) -> Record:

@@ -441,7 +441,7 @@ class RedisMetadata:
 
     def publish_soon(self, record: Record, *, overwrite: bool = True,
                      then: Sequence[tuple[Any, ...]] = (),
-                     report: str | None = None) -> PendingRecord:
+                     report: str | None = None, hold: bool = False) -> PendingRecord:
         """:meth:`publish` without waiting for Redis's reply, which the result reads.
 
         ``report``: the name of a hash that the publication reads in the same step; once the
@@ -460,6 +460,11 @@ class RedisMetadata:
         publication sent again after a later one would set the stream's head back).
         Confirmed from another thread or a forked child, the answer (on the sender's
         connection) is not read: the record is sent again, as the same publication.
+
+        ``hold``: the record is held back, to go out with this thread's next command to
+        Redis (:meth:`RespConnection.call_soon`'s ``hold``: within 0.2 s if none comes, and
+        before the connection closes): several records in one segment, one wake-up of Redis
+        for them. Readers that wait for the key through Redis see it that much later.
         """
         sent = self._publication(record, overwrite, then, report)
         fast = self._fast()
@@ -468,7 +473,8 @@ class RedisMetadata:
             stored = self._publish_now(record, sent, pending)
             return pending
         try:
-            replies: Callable[[], list[Any]] | None = fast.call_soon([_AHEAD, self._evalsha(sent)])
+            replies: Callable[[], list[Any]] | None = fast.call_soon(
+                [_AHEAD, self._evalsha(sent)], hold=hold)
         except _ERRORS:
             replies = None  # (not sent: the confirmation publishes)
         return _SoonRecord(self, record, sent, replies, fast)
@@ -624,6 +630,15 @@ class RedisMetadata:
             if fast.deferred:
                 self.command("PING")
             fast.raise_deferred()
+
+    def send_held(self) -> None:
+        """Push out the records this thread holds back (:meth:`publish_soon`'s ``hold``) now,
+        without waiting for an answer (a connection that fails then: their pending records
+        send them again when confirmed)."""
+        fast = self._fast()
+        if fast is not None:
+            with contextlib.suppress(*_ERRORS):
+                fast.flush_held()
 
     def hgetall(self, name: str) -> dict[bytes, bytes]:
         """``HGETALL name`` (see :meth:`command`)."""

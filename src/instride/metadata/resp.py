@@ -11,6 +11,7 @@ anything else (TLS, Unix sockets) keeps to redis-py. Errors are the builtin ``OS
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import select
@@ -46,6 +47,7 @@ def _close_inherited() -> None:
     connections of their own: :mod:`instride.perthread`)."""
     for conn in list(_live):
         sock, conn.sock = conn.sock, None
+        conn._held = 0  # (the parent's socket holds them: its own)
         conn._soon.clear()
         conn._unanswered.clear()  # (the parent's to send again, not the child's)
         conn._failed = None
@@ -129,6 +131,9 @@ class RespConnection:
         self._probed: float | None = None  # (when a PING went out unanswered so far)
         #: the thread that uses it (a connection is a thread's own: see :meth:`close`)
         self._owner = threading.current_thread()
+        #: the newest :meth:`call_soon` functions whose commands are held back in the socket
+        #: (``hold``): not pushed out yet
+        self._held = 0
         _live.add(self)
 
     def _connect(self) -> socket.socket:
@@ -170,7 +175,8 @@ class RespConnection:
         self.send(commands)
         return self._replies(len(commands))
 
-    def call_soon(self, commands: Sequence[tuple[Any, ...] | bytes]) -> Callable[[], list[Any]]:
+    def call_soon(self, commands: Sequence[tuple[Any, ...] | bytes], *,
+                  hold: bool = False) -> Callable[[], list[Any]]:
         """Send ``commands`` now; the function returned reads their replies (as :meth:`call`).
 
         The round trip overlaps the caller's work until the function is called. Several may
@@ -179,12 +185,24 @@ class RespConnection:
         their functions, so replies never go to the wrong caller — also when a function is
         never called. The function raises :class:`ConnectionError` if the connection was
         lost before its replies were read.
+
+        ``hold``: the commands are written to the socket with ``MSG_MORE``, so the kernel
+        holds them back, to go out in one segment with what is written next: several
+        commands, one wake-up of Redis. Any later write on this connection (without
+        ``hold``), a read that waits for a reply, and :meth:`flush_held` push them out; if
+        none comes, Linux sends them within 0.2 s (TCP's cork ceiling), and at the latest
+        when the socket is closed (also by the process's exit). Held or not, everything
+        goes out in the order it was written.
         """
         box: list[list[Any]] = []
         entry = (len(commands), box)
         self._soon.append(entry)  # (first: a reply can never arrive for nobody)
         try:
-            self.send(commands, settle=False)
+            if hold and self.sock is not None:
+                self._send_packed(self._packed(commands), more=True)
+                self._held += 1
+            else:
+                self.send(commands, settle=False)
         except BaseException:
             if entry in self._soon:  # (not sent: no reply will come for it)
                 self._soon.remove(entry)
@@ -199,14 +217,36 @@ class RespConnection:
 
         return replies
 
+    def flush_held(self) -> None:
+        """Push out the commands :meth:`call_soon` holds back (nothing when none is held):
+        setting ``TCP_NODELAY`` sends what the socket holds (Linux).
+
+        Raises
+        ------
+        OSError
+            The socket failed (the connection is closed).
+        """
+        if self._held:
+            self._held = 0
+            sock = self.sock
+            if sock is not None:
+                try:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                except BaseException:
+                    self.close()
+                    raise
+
     def answered(self) -> bool:
         """Whether every reply owed to the oldest :meth:`call_soon` function (or none is owed)
         can be read without waiting: received already (also what comes ahead of them: the
         deferred commands' replies). What has come is taken in and parsed, without waiting;
         a reply that came alone of the function's several (a ``PING`` answered while Redis
-        holds writes back, ``CLIENT PAUSE WRITE``) is not enough."""
+        holds writes back, ``CLIENT PAUSE WRITE``) is not enough; nor is a function whose
+        commands are held back (``hold``: perhaps not sent yet)."""
         if not self._soon:
             return True
+        if self._held >= len(self._soon):
+            return False
         if len(self._parsed) >= len(self._unanswered) + self._soon[0][0]:
             return True  # (taken in by an earlier look: no read; a producer confirming several
             # frames' records in a row looks once)
@@ -257,6 +297,7 @@ class RespConnection:
             while len(out) < n or (drain and self._unanswered):
                 reply = self._parsed.popleft() if self._parsed else self.reader.gets()
                 if reply is False:
+                    self.flush_held()  # (what is awaited may be held back: out first)
                     chunk = arrived(sock, 1 << 16) or self._recv(sock)
                     if not chunk:
                         raise ConnectionError("Redis closed the connection")
@@ -335,15 +376,25 @@ class RespConnection:
         process woken from idle ~5–10 µs per command)."""
         if settle:
             self._settle()  # (replies still owed to a call_soon come first)
-        self._send_packed(b"".join(c if c.__class__ is bytes else hiredis.pack_command(tuple(c))
-                                   for c in commands))
+        self._send_packed(self._packed(commands))
 
-    def _send_packed(self, data: bytes) -> None:
+    @staticmethod
+    def _packed(commands: Sequence[tuple[Any, ...] | bytes]) -> bytes:
+        return b"".join(c if c.__class__ is bytes else hiredis.pack_command(tuple(c))
+                        for c in commands)
+
+    def _send_packed(self, data: bytes, *, more: bool = False) -> None:
+        """Write ``data`` whole; ``more``: with ``MSG_MORE`` (see :meth:`call_soon`), else
+        pushing out whatever is held back with it."""
         sock = self.sock or self._connect()
         try:
-            sent = _written(sock, data)
-            if sent < len(data):
-                sock.sendall(memoryview(data)[sent:])
+            if more:
+                sock.sendall(data, socket.MSG_MORE)
+            else:
+                sent = _written(sock, data)
+                if sent < len(data):
+                    sock.sendall(memoryview(data)[sent:])
+                self._held = 0
         except BaseException:
             self.close()
             raise
@@ -361,6 +412,7 @@ class RespConnection:
         reply = self.reader.gets() if self.sock is not None else False
         if reply is not False:
             return reply
+        self.flush_held()
         sock = self.sock or self._connect()
         try:
             chunk = recv_polling(sock, 1 << 16, min(spin, timeout))
@@ -494,12 +546,41 @@ class RespConnection:
                     sock.shutdown(socket.SHUT_RDWR)
             return
         sock, self.sock = self.sock, None
+        if sock is not None and self._held:
+            _let_go(sock)
         # (the deferred commands not answered stay: sent again on the next connection)
+        self._held = 0
         self._soon.clear()  # (a call_soon function then finds its box empty)
         self._parsed.clear()
         self.patterns.clear()  # (and so do subscriptions)
         if sock is not None:
             sock.close()
+
+
+def _let_go(sock: socket.socket) -> None:
+    """Before a socket with commands held back (``MSG_MORE``) is closed: push them out, and
+    drop what was received unread. Closed with unread data, a TCP socket is reset, not
+    closed, and what it still held to send is thrown away (RFC 2525): held commands would be
+    lost, where a close otherwise sends them (ahead of a command torn by a failure, if any:
+    Redis drops that one at the end of the connection)."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # (not recv: a socket with a timeout waits that long first, even under MSG_DONTWAIT;
+        # its descriptor is non-blocking underneath, see pending)
+        fd, direct = sock.fileno(), bool(sock.gettimeout())
+        while (os.read(fd, 1 << 16) if direct else sock.recv(1 << 16, socket.MSG_DONTWAIT)):
+            pass
+
+
+@atexit.register
+def _let_go_at_exit() -> None:
+    """At the interpreter's exit: the commands connections hold back go out (see
+    :func:`_let_go`; a process killed, or ended by ``os._exit``, leaves them to the kernel:
+    reset, its socket drops them when replies it had not read are in)."""
+    for conn in list(_live):
+        sock = conn.sock
+        if sock is not None and conn._held:
+            _let_go(sock)
 
 
 def hash_fields(reply: Any) -> dict[bytes, bytes]:
