@@ -47,6 +47,7 @@ import math
 import os
 import re
 import subprocess
+import threading
 import time
 import warnings
 from collections import deque
@@ -148,7 +149,7 @@ _PACED_AFTER = 0.002
 #: the records of frames up to this size back and sends INSTRIDE_RECORD_BATCH in one write:
 #: one wake-up of Redis for several frames (larger frames cost far more than their record; a
 #: paced producer's frames are awaited); the first for _HOLD_AGE seconds at most, while it
-#: goes on appending (when it stops, Linux sends them within 0.2 s: RespConnection.call_soon)
+#: goes on appending (when it stops, Linux sends them after ~0.2 s: RespConnection.call_soon)
 _HOLD_BYTES = 4 << 20
 _HOLD_AGE = 0.02
 _GAP_POLICIES = ("raise", "count")
@@ -392,6 +393,7 @@ class Stream:
         #: the newest records held back (sent with the next ones: see _hold_for), since when
         self._holding = 0
         self._held_since = 0.0
+        self._hold_thread = 0
         #: an unbounded stream reads the answers already in after a publication (off the
         #: frame's path); one of them raised: the next append reads them before its own
         self._answers_failed = False
@@ -511,8 +513,8 @@ class Stream:
         MetadataUnavailable
             Cluster mode: Redis could not record the frame, or one of the few before it.
             Only the first frame's record is waited for; each later frame's record is sent
-            and its answer read by a later ``append`` (at most four frames later, eleven
-            while records are held back: ``INSTRIDE_RECORD_BATCH``) or by :meth:`close`,
+            and its answer read by a later ``append`` (at most four frames later, 3 +
+            ``INSTRIDE_RECORD_BATCH`` while records are held back) or by :meth:`close`,
             so an error in it surfaces there (a stream without retention reads
             the answers already in after its publication: an error read then is raised by
             the next ``append``, before it publishes). The frame whose record failed
@@ -695,6 +697,11 @@ class Stream:
         a producer that does not know a group past a frame must look (a round trip)."""
         p = self.policy
         now = _monotonic()
+        if self._holding and self._hold_thread != threading.get_ident():
+            # (appended from another thread than the batch held: that one's connection holds
+            # it, and this thread's records must not overtake it)
+            self._push_held()
+            self._holding = 0
         if (paced or nbytes > _HOLD_BYTES
                 or self._holding >= self.client.settings.record_batch - 1
                 or self._holding and now - self._held_since > _HOLD_AGE
@@ -702,9 +709,16 @@ class Stream:
             self._holding = 0
             return False
         if not self._holding:
-            self._held_since = now
+            self._held_since, self._hold_thread = now, threading.get_ident()
         self._holding += 1
         return True
+
+    def _push_held(self) -> None:
+        """Push out the records held back, from whichever thread's connection holds them."""
+        for _, record, _ in self._unconfirmed:
+            push = getattr(record, "push", None)
+            if push is not None:
+                push()
 
     def _start_producing(self) -> None:
         earlier: list[str] = []
@@ -897,10 +911,7 @@ class Stream:
             return
         if self._pool is not None:
             self._pool.drop_made()
-        if self._holding:  # (the records held back go now: the frames stay readable)
-            send_held = getattr(self.client.engine, "send_held", None)
-            if send_held is not None:
-                send_held()
+        self._push_held()  # (the records held back go now: the frames stay readable)
         self._closed = True
         self._release_resources()
         proc, self._archiver = self._archiver, None

@@ -335,21 +335,25 @@ def _list_soon(other: redis.Redis, key: str, want: list[bytes], within: float) -
 
 def test_commands_held_back_go_with_the_next_write_in_order(redis_server: RedisServer) -> None:
     """``call_soon(hold=True)``: the kernel holds the commands back (``MSG_MORE``) until the
-    connection's next write, which takes them out in one segment, in the order written; the
+    connection's next write, which takes them out with it, in the order written; the
     functions get their own replies. ``answered()`` says no for a held function (perhaps not
     sent), and reading its replies pushes it out instead of waiting for ever."""
     conn = _conn(redis_server)
     other = redis.Redis.from_url(redis_server.url)
     try:
         conn.call([("DEL", "held")])
+        other.ping()
+        start = time.monotonic()
         first = conn.call_soon([("RPUSH", "held", "a")], hold=True)
         second = conn.call_soon([("RPUSH", "held", "b")], hold=True)
-        time.sleep(0.02)
-        assert other.lrange("held", 0, -1) == []  # held back: not sent
-        assert not conn.answered()
-        assert conn.call([("RPUSH", "held", "c")]) == [3]  # the next write: all three, in order
-        assert other.lrange("held", 0, -1) == [b"a", b"b", b"c"]
-        assert first() == [1] and second() == [2]
+        assert conn._held == 2 and not conn.answered()
+        seen = other.lrange("held", 0, -1)
+        if time.monotonic() - start < 0.15:  # (Linux sends them by itself after ~0.2 s)
+            assert seen == []  # held back: not sent
+        third = conn.call_soon([("RPUSH", "held", "c")])  # the next write: all three, in order
+        assert conn._held == 0
+        assert _list_soon(other, "held", [b"a", b"b", b"c"], 5) == [b"a", b"b", b"c"]
+        assert first() == [1] and second() == [2] and third() == [3]
         owed = conn.call_soon([("RPUSH", "held", "d")], hold=True)
         assert owed() == [4]  # (read: pushed out first, not waited for for ever)
         conn.call_soon([("RPUSH", "held", "e")], hold=True)
@@ -398,3 +402,49 @@ def test_commands_held_back_go_out_by_themselves_when_nothing_follows(
     finally:
         conn.close()
         other.close()
+
+
+def test_held_commands_go_out_when_a_connection_is_dropped_unclosed_or_a_child_ends(
+    redis_server: RedisServer,
+) -> None:
+    """A connection collected without ``close()`` (its thread ended, the stream never closed)
+    and a ``multiprocessing`` child (which ends by ``os._exit``: no ``atexit``) let go of
+    what they hold like ``close()`` does, with replies unread in: never a reset that drops it."""
+    import gc
+    import multiprocessing
+    import threading
+
+    other = redis.Redis.from_url(redis_server.url)
+    try:
+        other.delete("dropped", "child")
+
+        def dropped() -> None:
+            conn = _conn(redis_server)
+            conn.call_soon([("PING",)])  # (its reply comes in, never read)
+            time.sleep(0.1)
+            conn.call_soon([("RPUSH", "dropped", "x")], hold=True)
+
+        t = threading.Thread(target=dropped)
+        t.start()
+        t.join(10)
+        gc.collect()
+        assert _list_soon(other, "dropped", [b"x"], 5) == [b"x"]
+        child = multiprocessing.get_context("fork").Process(
+            target=_hold_in_a_child, args=(redis_server.host, redis_server.port))
+        child.start()
+        child.join(30)
+        assert child.exitcode == 0
+        assert _list_soon(other, "child", [b"y"], 5) == [b"y"]
+    finally:
+        other.close()
+
+
+def _hold_in_a_child(host: str, port: int) -> None:
+    conn = RespConnection(host, port, 0, None, None, 5.0, 5.0)
+    conn.call_soon([("PING",)])  # (its reply comes in, never read)
+    time.sleep(0.1)
+    conn.call_soon([("RPUSH", "child", "y")], hold=True)
+    _keep.append(conn)  # (alive until the child's end: not collected before)
+
+
+_keep: list[RespConnection] = []

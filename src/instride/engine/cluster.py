@@ -1091,13 +1091,6 @@ class ClusterEngine:
         return soon(record, overwrite=overwrite, then=then,  # type: ignore[no-any-return]
                     report=report, hold=hold)
 
-    def send_held(self) -> None:
-        """Push out the records this thread's producers hold back (see
-        :meth:`published_soon`)."""
-        send = getattr(self.metadata, "send_held", None)
-        if send is not None:
-            send()
-
     def register(self, key: str, *, overwrite: bool, checksum: str | None = None,
                  size: int | None = None, then: Sequence[tuple[Any, ...]] = ()) -> Record:
         """Record the file in place under ``key`` with this node as owner.

@@ -247,6 +247,11 @@ class _SoonRecord(PendingRecord):
     def answered(self) -> bool:
         return self._done is not None or self._replies is None or self._fast.answered()
 
+    def push(self) -> None:
+        """Push the record out if its connection holds it back (from any thread)."""
+        if self._replies is not None and self._sender[1] == forks():
+            self._fast.push()
+
     def __call__(self) -> Record:
         if self._done is not None:
             return self._done
@@ -256,6 +261,8 @@ class _SoonRecord(PendingRecord):
                 _pong, reply = self._replies()  # (see _AHEAD)
             except _ERRORS:
                 reply = None
+        elif self._replies is not None:  # (the sender's answer is not read here: the record
+            self.push()  # goes again, after the original, which must not come after it)
         self._replies = None
         if isinstance(reply, Exception) and not str(reply).startswith("NOSCRIPT"):
             self._refused = str(reply)
@@ -402,6 +409,11 @@ class RedisMetadata:
         delay = 0.02
         while True:
             try:
+                # (what this thread holds back runs first: also before a command that goes
+                # through redis-py's connections, which must see it done)
+                held = getattr(self._per_thread.get(), "fast", None)
+                if held is not None and held._held:
+                    held._settle()
                 if fast is None:
                     return fn()
                 # (every attempt gets a moment at least: a deadline that has passed, or a
@@ -462,7 +474,7 @@ class RedisMetadata:
         connection) is not read: the record is sent again, as the same publication.
 
         ``hold``: the record is held back, to go out with this thread's next command to
-        Redis (:meth:`RespConnection.call_soon`'s ``hold``: within 0.2 s if none comes, and
+        Redis (:meth:`RespConnection.call_soon`'s ``hold``: after ~0.2 s if none comes, and
         before the connection closes): several records in one segment, one wake-up of Redis
         for them. Readers that wait for the key through Redis see it that much later.
         """
@@ -627,18 +639,9 @@ class RedisMetadata:
         """
         fast = self._fast()
         if fast is not None:
-            if fast.deferred:
+            if fast.deferred or fast._held:  # (held records: run too, see publish_soon)
                 self.command("PING")
             fast.raise_deferred()
-
-    def send_held(self) -> None:
-        """Push out the records this thread holds back (:meth:`publish_soon`'s ``hold``) now,
-        without waiting for an answer (a connection that fails then: their pending records
-        send them again when confirmed)."""
-        fast = self._fast()
-        if fast is not None:
-            with contextlib.suppress(*_ERRORS):
-                fast.flush_held()
 
     def hgetall(self, name: str) -> dict[bytes, bytes]:
         """``HGETALL name`` (see :meth:`command`)."""

@@ -190,7 +190,7 @@ class RespConnection:
         holds them back, to go out in one segment with what is written next: several
         commands, one wake-up of Redis. Any later write on this connection (without
         ``hold``), a read that waits for a reply, and :meth:`flush_held` push them out; if
-        none comes, Linux sends them within 0.2 s (TCP's cork ceiling), and at the latest
+        none comes, Linux sends them ~0.2 s after the first (TCP's cork ceiling), and at the latest
         when the socket is closed (also by the process's exit). Held or not, everything
         goes out in the order it was written.
         """
@@ -201,6 +201,8 @@ class RespConnection:
             if hold and self.sock is not None:
                 self._send_packed(self._packed(commands), more=True)
                 self._held += 1
+                if _let_go_registered != os.getpid():
+                    _register_let_go()
             else:
                 self.send(commands, settle=False)
         except BaseException:
@@ -216,6 +218,20 @@ class RespConnection:
             return box[0]
 
         return replies
+
+    def push(self) -> None:
+        """:meth:`flush_held` from any thread: from another than the connection's own, the
+        socket is pushed (a ``setsockopt``, which the kernel serializes with the owner's
+        writes) and the owner's count of held commands is left as it is (a confirmation
+        from another thread sends its record again on a connection of its own: the original
+        must not come after it)."""
+        if self._owner is threading.current_thread():
+            self.flush_held()
+            return
+        sock = self.sock
+        if sock is not None and self._held:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def flush_held(self) -> None:
         """Push out the commands :meth:`call_soon` holds back (nothing when none is held):
@@ -280,6 +296,7 @@ class RespConnection:
         finally:
             if self._soon and self._soon[0][1] is box:
                 self._soon.popleft()
+            self._held = min(self._held, len(self._soon))  # (held ones are the newest)
 
     def _settle(self) -> None:
         """Read the replies every :meth:`call_soon` function is owed, into their boxes."""
@@ -526,6 +543,13 @@ class RespConnection:
         if events and events[0][1] & (_RDHUP | select.POLLHUP | select.POLLERR):
             self.close()
 
+    def __del__(self) -> None:
+        # (collected unclosed, e.g. with the thread whose connection it was: the socket's own
+        # finalizer would close it with replies unread, a reset that drops what it holds)
+        sock = self.__dict__.get("sock")
+        if sock is not None and self.__dict__.get("_held"):
+            _let_go(sock)
+
     def close(self) -> None:
         """Close the socket (a later :meth:`call` reconnects).
 
@@ -581,6 +605,21 @@ def _let_go_at_exit() -> None:
         sock = conn.sock
         if sock is not None and conn._held:
             _let_go(sock)
+            conn._held = 0
+
+
+#: the process that registered :func:`_let_go_at_exit` with :mod:`multiprocessing` (0: none)
+_let_go_registered = 0
+
+
+def _register_let_go() -> None:
+    """On a process's first held command: :mod:`multiprocessing`'s children end with
+    ``os._exit`` (no ``atexit``), after running its finalizers: one lets go of what is held."""
+    global _let_go_registered
+    import multiprocessing.util
+
+    _let_go_registered = os.getpid()
+    multiprocessing.util.Finalize(None, _let_go_at_exit, exitpriority=0)
 
 
 def hash_fields(reply: Any) -> dict[bytes, bytes]:
