@@ -692,8 +692,8 @@ class Stream:
         Held while the producer appends frames of up to :data:`_HOLD_BYTES` flat out: up to
         ``INSTRIDE_RECORD_BATCH`` records in one write, the first held :data:`_HOLD_AGE` s at
         most. In a bounded stream with consumer groups, only while their cursors, as last
-        reported, are past the frames this append and the next two retire (``going``: this
-        one's): a record's answer brings the cursors, so held records bring them later, and
+        reported, are past the frames this append and the next two retire, and one more
+        (``going``: this one's): a record's answer brings the cursors, so held records bring them later, and
         a producer that does not know a group past a frame must look (a round trip)."""
         p = self.policy
         now = _monotonic()
@@ -714,11 +714,13 @@ class Stream:
         return True
 
     def _push_held(self) -> None:
-        """Push out the records held back, from whichever thread's connection holds them."""
+        """Push out the records held back, from whichever thread's connection holds them (a
+        connection that fails now is closed: its records go again when confirmed)."""
         for _, record, _ in self._unconfirmed:
             push = getattr(record, "push", None)
             if push is not None:
-                push()
+                with contextlib.suppress(OSError):
+                    push()
 
     def _start_producing(self) -> None:
         earlier: list[str] = []

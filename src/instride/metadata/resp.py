@@ -199,10 +199,10 @@ class RespConnection:
         self._soon.append(entry)  # (first: a reply can never arrive for nobody)
         try:
             if hold and self.sock is not None:
-                self._send_packed(self._packed(commands), more=True)
-                self._held += 1
                 if _let_go_registered != os.getpid():
                     _register_let_go()
+                self._send_packed(self._packed(commands), more=True)
+                self._held += 1
             else:
                 self.send(commands, settle=False)
         except BaseException:
