@@ -66,7 +66,8 @@ def test_programs_that_exit_without_closing_their_ports(
     """Cluster mode: what a program (``command=``) that exited with status 0 without
     ``ports.close()`` left open is closed on its node, its streams' heads and groups in Redis:
     its outputs end (read on another node), and a program that stopped reading early gives its
-    consumer group back once its lease runs out, so its producer goes on to its end."""
+    consumer group back (its lease freed at once: its holder, of this node, has exited), so its
+    producer goes on to its end."""
     monkeypatch.setenv("INSTRIDE_FLOW_STATE", str(tmp_path / "state"))
     out = tmp_path / "out"
     g = programs_and_sinks("xnoclose", 3, nodes=(["node1"], ["node2"]))

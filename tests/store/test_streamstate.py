@@ -262,3 +262,68 @@ def test_a_forked_child_closing_its_copy_of_a_cursor_leaves_the_parents_lease(
     finally:
         direct.close()
         meta.close()
+
+
+def test_a_lease_whose_holder_exited_is_freed_at_once_and_no_other(redis_server: RedisServer,
+                                                                   tmp_path: Path) -> None:
+    """``release_gone``: a group's lease held by a process of this node that exited (killed:
+    no release of its own) is freed at once, not after the lease's 30 s, and ``open_group``
+    (a reader restarted after the crash) takes it so; one held by a live process, one seen
+    from another node (``INSTRIDE_NODE``), and a token that does not name its holder (an older
+    instride's reader) are left to run out (``GroupBusy``)."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    from instride.errors import GroupBusy
+
+    settings = Settings(dir=tmp_path, redis_url=redis_server.url, connect_timeout=2, node="n1")
+    meta = RedisMetadata(settings)
+    elsewhere = RedisMetadata(settings.with_(node="n2"))
+    direct = redis.Redis(host=redis_server.host, port=redis_server.port)
+    lease = "instride:stream:gone:group:g:lease"
+    code = (
+        "import time\n"
+        "from pathlib import Path\n"
+        "from instride.config import Settings\n"
+        "from instride.metadata.redis import RedisMetadata\n"
+        "from instride.store.streamstate import RedisStreamState\n"
+        f"meta = RedisMetadata(Settings(dir=Path({str(tmp_path)!r}), redis_url={redis_server.url!r},"
+        " node='n1'))\n"
+        "cursor = RedisStreamState(meta, 'gone', lease_s=30).open_group('g', 0)\n"
+        "print('held', flush=True)\n"
+        "time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        state = _started(meta, "gone")
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        direct_token = direct.get(lease)
+        assert direct_token is not None
+        assert not state.release_gone("g")  # its holder lives: kept
+        with pytest.raises(GroupBusy):
+            state.open_group("g", 0)
+        proc.kill()
+        proc.wait(30)
+        seen_elsewhere = RedisStreamState(elsewhere, "gone")
+        assert not seen_elsewhere.release_gone("g")  # (cannot tell)
+        with pytest.raises(GroupBusy):
+            seen_elsewhere.open_group("g", 0)
+        assert direct.get(lease) is not None
+        assert state.release_gone("g")  # its holder is gone: freed now
+        assert direct.get(lease) is None
+        state.open_group("g", 0).close()
+        direct.set(lease, f"{proc.pid}-0123abcd", px=30_000)  # (an older instride's token)
+        assert not state.release_gone("g")
+        with pytest.raises(GroupBusy):
+            state.open_group("g", 0)
+        # a reader restarted after a crash (its holder gone): takes the group at once
+        direct.set(lease, direct_token, px=30_000)
+        state.open_group("g", 0).close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        direct.close()
+        elsewhere.close()
+        meta.close()

@@ -371,7 +371,8 @@ def release_group(client: Client, name: str, group: str) -> bool:
     reader gone without closing: the group takes nothing more, so the producer no longer
     waits for it.
 
-    A lease the gone reader still holds (cluster mode) is waited for until it runs out.
+    A lease the gone reader still holds (cluster mode) is freed at once where that reader
+    was a process of this node (``open_group``), else waited for until it runs out.
 
     Returns
     -------

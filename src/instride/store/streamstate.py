@@ -483,6 +483,48 @@ class LocalStreamState:
 LEASE_S = 10.0
 
 
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (``/proc/PID/stat``'s 22nd field, clock ticks since boot:
+    a number reused by a later process starts later), or ``None`` when there is no such
+    process, or it has exited (a zombie: its threads are gone, its lease renews no more)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in (b"Z", b"X") else fields[19].decode()
+
+
+def _pid_namespace() -> str:
+    """This process's PID namespace (its inode): PIDs name the same processes only within it."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "?"
+
+
+def _lease_holder(node: str) -> str:
+    """What a lease's token says of the process that holds it, after its ``@``: the PID
+    namespace, the PID, the process's start time and the node, so that a process of the same
+    node and namespace can tell the holder gone (:meth:`RedisStreamState.release_gone`)."""
+    pid = os.getpid()
+    return f"{_pid_namespace()}:{pid}:{_start_time(pid)}:{node}"
+
+
+def _holder_gone(token: str, node: str) -> bool:
+    """Whether the process a lease's ``token`` names is known gone: of this node and PID
+    namespace, and no process of that PID and start time runs. ``False`` where it cannot be
+    told (another node or namespace, a token without its holder: an instride before it)."""
+    _, at, holder = token.partition("@")
+    parts = holder.split(":", 3)
+    if not at or len(parts) != 4 or not parts[1].isdigit():
+        return False
+    pidns, pid, start, where = parts
+    if where != node or pidns != _pid_namespace() or pidns == "?":
+        return False
+    return _start_time(int(pid)) != start
+
+
 class RedisStreamState:
     """A stream's head, policy and consumer groups in Redis (cluster mode).
 
@@ -620,15 +662,36 @@ class RedisStreamState:
         """The Redis key of ``group``'s lease."""
         return f"instride:stream:{self.stream}:group:{group}:lease"
 
+    def release_gone(self, group: str) -> bool:
+        """Free ``group``'s lease where the process holding it is gone — a process of this node
+        (``INSTRIDE_NODE``) and PID namespace that exited, or whose PID another process took
+        since — instead of waiting until the lease runs out (:data:`LEASE_S`): that process
+        renews it no more. Whether it was freed (``False``: held by a live process, or by
+        one this process cannot look at — of another node or namespace, or a reader of an
+        instride before this check — or free already)."""
+        key = self.lease_key(check_group(group))
+        token = self.redis.get(key)
+        if token is None or not _holder_gone(_text(token), self.metadata.settings.node):
+            return False
+        return bool(self.redis.register_script(_RELEASE)(keys=[key], args=[token]))
+
     def open_group(self, name: str, start: int) -> RedisGroupCursor:
-        """Take the group's lease and return its cursor.
+        """Take the group's lease and return its cursor. A lease whose holder is a process of
+        this node that is gone is freed and taken (:meth:`release_gone`): a reader restarted
+        after a crash resumes at once, not once the lease has run out.
 
         Raises
         ------
         GroupBusy
-            Another live reader holds the group.
+            Another reader holds the group: a live one, or one of another node (or of an
+            instride before this check) whose lease has not run out yet.
         """
-        return RedisGroupCursor(self, check_group(name), start)
+        try:
+            return RedisGroupCursor(self, check_group(name), start)
+        except GroupBusy:
+            if not self.release_gone(name):
+                raise
+        return RedisGroupCursor(self, name, start)
 
 
 #: renew a lease only if it is still this reader's (its token): never one another reader took
@@ -720,7 +783,9 @@ class RedisGroupCursor:
         self.state, self.name = state, name
         self._lock = state.lease_key(name)
         self._resets = state.resets()  # (a lease lost to a re-run of the stream: GroupReset)
-        self._token = f"{os.getpid()}-{uuid.uuid4().hex}"
+        # (after its "@", the process holding it: see RedisStreamState.release_gone)
+        self._token = f"{os.getpid()}-{uuid.uuid4().hex}@" \
+            f"{_lease_holder(state.metadata.settings.node)}"
         r = state.redis
         self._retake = r.register_script(_RETAKE)
         self._generation = int(r.register_script(_ACQUIRE)(
