@@ -372,7 +372,7 @@ def release_group(client: Client, name: str, group: str) -> bool:
     waits for it.
 
     A lease the gone reader still holds (cluster mode) is freed at once where that reader
-    was a process of this node (``open_group``), else waited for until it runs out.
+    was a process of this machine (``open_group``), else waited for until it runs out.
 
     Returns
     -------

@@ -495,32 +495,37 @@ def _start_time(pid: int) -> str | None:
     return None if fields[0] in (b"Z", b"X") else fields[19].decode()
 
 
-def _pid_namespace() -> str:
-    """This process's PID namespace (its inode): PIDs name the same processes only within it."""
+def _pid_space() -> str | None:
+    """The space this process's PIDs are numbers of: the running kernel (its boot's id) and
+    the PID namespace (its inode) — the same for the emulated nodes of one machine, another
+    for each machine, boot and container with a namespace of its own. ``None`` where it
+    cannot be read."""
     try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
     except OSError:
-        return "?"
+        return None
 
 
-def _lease_holder(node: str) -> str:
-    """What a lease's token says of the process that holds it, after its ``@``: the PID
-    namespace, the PID, the process's start time and the node, so that a process of the same
-    node and namespace can tell the holder gone (:meth:`RedisStreamState.release_gone`)."""
-    pid = os.getpid()
-    return f"{_pid_namespace()}:{pid}:{_start_time(pid)}:{node}"
+def _lease_holder() -> str:
+    """What a lease's token says of the process that holds it, after its ``@``: its PID
+    space, PID and start time, so that a process of the same space can tell the holder gone
+    (:meth:`RedisStreamState.release_gone`); empty where the space cannot be read."""
+    space, pid = _pid_space(), os.getpid()
+    return f"{space}:{pid}:{_start_time(pid)}" if space is not None else ""
 
 
-def _holder_gone(token: str, node: str) -> bool:
-    """Whether the process a lease's ``token`` names is known gone: of this node and PID
-    namespace, and no process of that PID and start time runs. ``False`` where it cannot be
-    told (another node or namespace, a token without its holder: an instride before it)."""
+def _holder_gone(token: str) -> bool:
+    """Whether the process a lease's ``token`` names is known gone: of this PID space, and
+    no process of that PID and start time runs. ``False`` where it cannot be told (another
+    machine or namespace, a token without its holder: an instride before it)."""
     _, at, holder = token.partition("@")
-    parts = holder.split(":", 3)
-    if not at or len(parts) != 4 or not parts[1].isdigit():
+    parts = holder.split(":")
+    if not at or len(parts) != 3 or not parts[1].isdigit():
         return False
-    pidns, pid, start, where = parts
-    if where != node or pidns != _pid_namespace() or pidns == "?":
+    space, pid, start = parts
+    if space != _pid_space():
         return False
     return _start_time(int(pid)) != start
 
@@ -663,27 +668,27 @@ class RedisStreamState:
         return f"instride:stream:{self.stream}:group:{group}:lease"
 
     def release_gone(self, group: str) -> bool:
-        """Free ``group``'s lease where the process holding it is gone — a process of this node
-        (``INSTRIDE_NODE``) and PID namespace that exited, or whose PID another process took
+        """Free ``group``'s lease where the process holding it is gone — a process of this
+        machine's kernel and PID namespace that exited, or whose PID another process took
         since — instead of waiting until the lease runs out (:data:`LEASE_S`): that process
         renews it no more. Whether it was freed (``False``: held by a live process, or by
-        one this process cannot look at — of another node or namespace, or a reader of an
+        one this process cannot look at — of another machine or namespace, or a reader of an
         instride before this check — or free already)."""
         key = self.lease_key(check_group(group))
         token = self.redis.get(key)
-        if token is None or not _holder_gone(_text(token), self.metadata.settings.node):
+        if token is None or not _holder_gone(_text(token)):
             return False
         return bool(self.redis.register_script(_RELEASE)(keys=[key], args=[token]))
 
     def open_group(self, name: str, start: int) -> RedisGroupCursor:
         """Take the group's lease and return its cursor. A lease whose holder is a process of
-        this node that is gone is freed and taken (:meth:`release_gone`): a reader restarted
-        after a crash resumes at once, not once the lease has run out.
+        this machine that is gone is freed and taken (:meth:`release_gone`): a reader
+        restarted after a crash resumes at once, not once the lease has run out.
 
         Raises
         ------
         GroupBusy
-            Another reader holds the group: a live one, or one of another node (or of an
+            Another reader holds the group: a live one, or one of another machine (or of an
             instride before this check) whose lease has not run out yet.
         """
         try:
@@ -784,8 +789,7 @@ class RedisGroupCursor:
         self._lock = state.lease_key(name)
         self._resets = state.resets()  # (a lease lost to a re-run of the stream: GroupReset)
         # (after its "@", the process holding it: see RedisStreamState.release_gone)
-        self._token = f"{os.getpid()}-{uuid.uuid4().hex}@" \
-            f"{_lease_holder(state.metadata.settings.node)}"
+        self._token = f"{os.getpid()}-{uuid.uuid4().hex}@{_lease_holder()}"
         r = state.redis
         self._retake = r.register_script(_RETAKE)
         self._generation = int(r.register_script(_ACQUIRE)(
