@@ -555,10 +555,19 @@ def test_a_program_that_exits_without_closing_its_ports_ends_its_outputs(
     """A ``command=`` program that exits with status 0 without ``ports.close()`` has finished:
     the runner ends the output streams it left open, so its consumers take every message and
     then the end (they waited for ever; the run hung). The streams of an instance that ended
-    them itself are left as they are, and one that sent nothing ends its consumers at once."""
+    them itself are left as they are, and one that sent nothing ends its consumers at once.
+    The regions of the one that left them open are in the run's trace all the same."""
     out = flow_env["out"]
     events: list[str] = []
     run(programs_and_sinks("noclose", 3), out=out, timeout=60, on_event=events.append)
+    trace = json.loads((out / "trace.json").read_text())
+    threads = {e["pid"]: {} for e in trace["traceEvents"]}
+    for e in trace["traceEvents"]:
+        if e["name"] == "thread_name":
+            threads[e["pid"]][e["tid"]] = e["args"]["name"]
+    puts = {threads[e["pid"]][e["tid"]] for e in trace["traceEvents"]
+            if e["ph"] == "X" and e["name"] == "put"}
+    assert {"cmd[0] on local", "cmd[1] on local"} <= puts  # (0: no close(), its part at exit)
     for i, want in enumerate([SENT, SENT, {"frames": [], "in": []}]):
         assert json.loads((out / f"got-{i}.json").read_text()) == want, i
     assert {f"finished cmd[{i}]" for i in range(3)} <= set(events)

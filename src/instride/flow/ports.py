@@ -40,6 +40,7 @@ A module function::
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -299,9 +300,13 @@ class Ports:
         tmp.write_text(json.dumps({**self.stats(), "done": done}))
         os.replace(tmp, path)
         if done:
-            self.recorder.dump(self._state / "trace" / f"{name}.json",
-                               {"module": self.module, "instance": self.instance,
-                                "node": self.node})
+            self.recorder.dump(*self._trace_part())
+
+    def _trace_part(self) -> tuple[Path, dict[str, Any]]:
+        """Where this instance's regions go in the run's state, and what names them."""
+        assert self._state is not None
+        return (self._state / "trace" / f"{self.module}.{self.instance}.json",
+                {"module": self.module, "instance": self.instance, "node": self.node})
 
 
 def _instance_from_env() -> int:
@@ -328,7 +333,20 @@ def from_env(client: Client | None = None) -> Ports:
     if not spec_path or not module:
         raise FlowError("not started by a flow runner (INSTRIDE_FLOW_SPEC/MODULE unset)")
     spec = json.loads(Path(spec_path).read_text())
-    return Ports(spec, module, _instance_from_env(), client)
+    ports = Ports(spec, module, _instance_from_env(), client)
+    if ports._state is not None:  # (a program that exits without close(): see _trace_at_exit)
+        atexit.register(_trace_at_exit, ports.recorder, *ports._trace_part())
+    return ports
+
+
+def _trace_at_exit(recorder: Recorder, path: Path, meta: dict[str, Any]) -> None:
+    """At a program's exit, its regions into the run's trace unless its ports' ``close()``
+    wrote them: the runner ends what it left open once it has exited (:func:`end_instance`),
+    and its part of ``trace.json`` comes from here (the recorder alone is kept for it, not the
+    ports and their streams)."""
+    if not recorder.dumped:
+        with contextlib.suppress(OSError):
+            recorder.dump(path, meta)
 
 
 def end_instance(spec: dict[str, Any], module: str, instance: int,

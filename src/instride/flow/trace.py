@@ -75,6 +75,10 @@ class Recorder:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({**meta, "events": self.events, "dropped": self.dropped}))
         os.replace(tmp, path)
+        self.dumped = True
+
+    #: whether :meth:`dump` wrote the regions (a program's ports closed)
+    dumped = False
 
 
 def merge(parts: Sequence[Mapping[str, Any]], modules: Sequence[str]) -> dict[str, Any]:
