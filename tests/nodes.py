@@ -1,22 +1,57 @@
 """Helpers for tests that talk to real ``instride serve`` processes on loopback.
 
 Raw peer requests (length-prefixed JSON, signed with the job token), Unix-socket lines to the
-node agent, and the module-scoped fixtures' building blocks.
+node agent, and the fixtures of the modules that use them (imported there: ``redis_mod``,
+``nodes``, ``own_node``).
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
 
 from instride.record import Record
 from instride.transport import wire
-from tests.conftest import LoopbackNode
+from tests.conftest import LoopbackNode, RedisServer
 
 TOKEN = "test-token"
+
+
+@pytest.fixture(scope="module")
+def redis_mod() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory, redis_mod: RedisServer) -> Iterator[list[LoopbackNode]]:
+    """Three running nodes shared by the tests that do not stop them."""
+    root = tmp_path_factory.mktemp("srv")
+    made = [LoopbackNode(root, i, redis_mod.url, TOKEN) for i in (1, 2, 3)]
+    try:
+        for n in made:
+            n.start()
+        yield made
+    finally:
+        for n in made:
+            n.stop()
+
+
+@pytest.fixture
+def own_node(tmp_path: Path, redis_mod: RedisServer) -> Iterator[LoopbackNode]:
+    """A node of this test alone (not started: the test passes its options)."""
+    node = LoopbackNode(tmp_path, 7, redis_mod.url, TOKEN)
+    yield node
+    node.stop(signal.SIGKILL)
+
 
 def raw(node: LoopbackNode, payload: bytes, *, shut: bool = False) -> dict:
     with socket.create_connection(("127.0.0.1", node.port), timeout=5) as s:

@@ -15,44 +15,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from instride.agent import one_line
-from tests.conftest import LoopbackNode, RedisServer
-from tests.nodes import TOKEN, ask, no_traceback, put, stats, unix, until
+from tests import nodes as loopback
+from tests.conftest import LoopbackNode
+from tests.nodes import ask, no_traceback, put, stats, unix, until
 
-
-# ---------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def redis_mod() -> Iterator[RedisServer]:
-    server = RedisServer().start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def nodes(tmp_path_factory: pytest.TempPathFactory, redis_mod: RedisServer) -> Iterator[list[LoopbackNode]]:
-    """Three running nodes shared by the tests that do not stop them."""
-    root = tmp_path_factory.mktemp("srv")
-    made = [LoopbackNode(root, i, redis_mod.url, TOKEN) for i in (1, 2, 3)]
-    try:
-        for n in made:
-            n.start()
-        yield made
-    finally:
-        for n in made:
-            n.stop()
-
-
-@pytest.fixture
-def own_node(tmp_path: Path, redis_mod: RedisServer) -> Iterator[LoopbackNode]:
-    """A node of this test alone (not started: the test passes its options)."""
-    node = LoopbackNode(tmp_path, 7, redis_mod.url, TOKEN)
-    yield node
-    node.stop(signal.SIGKILL)
+# the fixtures (tests/nodes.py): three running nodes, one of a test alone, their Redis
+redis_mod, nodes, own_node = loopback.redis_mod, loopback.nodes, loopback.own_node
 
 
 # ---------------------------------------------------------------------- thin clients

@@ -33,11 +33,15 @@ from instride.errors import AuthenticationError, KeyNotFoundError, PeerUnavailab
 from instride.record import Record
 from instride.transport import wire
 from instride.transport.tcp import TcpTransport
-from tests.conftest import LoopbackNode, RedisServer, build_shim, free_port
+from tests import nodes as loopback
+from tests.conftest import LoopbackNode, build_shim, free_port
 from tests.nodes import TOKEN, ask, forged, no_traceback, put, raw, recv_all, signed, stats, until
 
 from .contract import TOKEN as CONTRACT_TOKEN
 from .contract import Owner, TransportContract, _frame_bytes, wait_ready
+
+# the fixtures (tests/nodes.py): three running nodes, one of a test alone, their Redis
+redis_mod, nodes, own_node = loopback.redis_mod, loopback.nodes, loopback.own_node
 
 _DYING = """
 import os, signal, socket, struct, sys
@@ -129,36 +133,6 @@ class TestTcpContract(TransportContract):
             assert (tmp_path / "after.bin").read_bytes() == body
         finally:
             again.stop()
-
-
-# ---------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def redis_mod() -> Iterator[RedisServer]:
-    server = RedisServer().start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def nodes(tmp_path_factory: pytest.TempPathFactory, redis_mod: RedisServer) -> Iterator[list[LoopbackNode]]:
-    """Three running nodes shared by the tests that do not stop them."""
-    root = tmp_path_factory.mktemp("srv")
-    made = [LoopbackNode(root, i, redis_mod.url, TOKEN) for i in (1, 2, 3)]
-    try:
-        for n in made:
-            n.start()
-        yield made
-    finally:
-        for n in made:
-            n.stop()
-
-
-@pytest.fixture
-def own_node(tmp_path: Path, redis_mod: RedisServer) -> Iterator[LoopbackNode]:
-    """A node of this test alone (not started: the test passes its options)."""
-    node = LoopbackNode(tmp_path, 7, redis_mod.url, TOKEN)
-    yield node
-    node.stop(signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------- peers: authentication
