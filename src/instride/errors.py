@@ -275,8 +275,7 @@ class GroupBusy(InstrideError, BlockingIOError):
             _errno.EBUSY,
             f"consumer group {group!r} of stream {stream!r} is held by another live process "
             "(one reader per group; the group is free again when that process exits — in "
-            "cluster mode, a holder on another machine: once its lease has run out, 10 s "
-            "later)",
+            "cluster mode, a holder on another machine: once its lease has run out)",
         )
 
 

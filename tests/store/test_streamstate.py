@@ -329,3 +329,33 @@ def test_a_lease_whose_holder_exited_is_freed_at_once_and_no_other(redis_server:
             proc.wait(30)
         direct.close()
         meta.close()
+
+
+def test_a_lease_holder_is_judged_gone_only_when_it_surely_is() -> None:
+    """The holder a lease's token names: gone when no process has its PID, when its PID names
+    a process that started at another time (reused), or when it is a zombie (exited, not yet
+    reaped); not gone — "cannot tell" — when it lives, when its start time was not known
+    (written ``None``), or when it is of another PID space."""
+    import subprocess
+    import sys
+
+    from instride.store.streamstate import _holder_gone, _lease_holder, _stat
+
+    mine = _lease_holder()
+    space, pid, start = mine.split(":")
+    assert int(pid) == os.getpid() and start.isdigit()
+    assert not _holder_gone(f"1-ab@{mine}")  # alive
+    assert not _holder_gone(f"1-ab@{space}:{pid}:None")  # (its start time unknown)
+    assert not _holder_gone(f"1-ab@other/1/2:{pid}:{start}")  # (another PID space)
+    assert _holder_gone(f"1-ab@{space}:{pid}:{int(start) + 1}")  # its PID reused since
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while (stat := _stat(child.pid)) is not None and stat[0] != "Z":
+            assert time.monotonic() < deadline, "the child did not exit"
+            time.sleep(0.01)
+        assert stat is not None  # a zombie: exited, not reaped yet
+        assert _holder_gone(f"1-ab@{space}:{child.pid}:{stat[1]}")
+    finally:
+        child.wait()
+    assert _holder_gone(f"1-ab@{space}:{child.pid}:{stat[1]}")  # reaped: no such process

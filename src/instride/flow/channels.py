@@ -372,7 +372,10 @@ def release_group(client: Client, name: str, group: str) -> bool:
     waits for it.
 
     A lease the gone reader still holds (cluster mode) is freed at once where that reader
-    was a process of this machine (``open_group``), else waited for until it runs out.
+    was a process of this machine (``open_group``), else waited for until it runs out. (A
+    child the reader forked, reading on after it on the cursor it inherited, does not hold the
+    lease in cluster mode: it names the reader, and the child raises ``GroupLeaseLost`` once
+    it is taken.)
 
     Returns
     -------

@@ -335,18 +335,31 @@ def from_env(client: Client | None = None) -> Ports:
     spec = json.loads(Path(spec_path).read_text())
     ports = Ports(spec, module, _instance_from_env(), client)
     if ports._state is not None:  # (a program that exits without close(): see _trace_at_exit)
-        atexit.register(_trace_at_exit, ports.recorder, *ports._trace_part())
+        if _unclosed[0] != os.getpid():  # (one hook per process, not in a forked child)
+            _unclosed[:] = [os.getpid()]
+            atexit.register(_trace_at_exit)
+        _unclosed.append((ports.recorder, *ports._trace_part()))
     return ports
 
 
-def _trace_at_exit(recorder: Recorder, path: Path, meta: dict[str, Any]) -> None:
-    """At a program's exit, its regions into the run's trace unless its ports' ``close()``
+#: the process whose exit :func:`_trace_at_exit` serves, then the recorders of its ports made
+#: by :func:`from_env` with where their regions go (the recorder alone is kept, not the ports
+#: and their streams)
+_unclosed: list[Any] = [0]
+
+
+def _trace_at_exit() -> None:
+    """At a program's exit, its ports' regions into the run's trace unless their ``close()``
     wrote them: the runner ends what it left open once it has exited (:func:`end_instance`),
-    and its part of ``trace.json`` comes from here (the recorder alone is kept for it, not the
-    ports and their streams)."""
-    if not recorder.dumped:
-        with contextlib.suppress(OSError):
-            recorder.dump(path, meta)
+    and its part of ``trace.json`` comes from here (the latest ports' last, where several
+    write the same part). Nothing in a child forked from it (its copy of the recorder is
+    not the program's, nor is its exit the program's)."""
+    if _unclosed[0] != os.getpid():
+        return
+    for recorder, path, meta in _unclosed[1:]:
+        if not recorder.dumped:
+            with contextlib.suppress(OSError):
+                recorder.dump(path, meta)
 
 
 def end_instance(spec: dict[str, Any], module: str, instance: int,

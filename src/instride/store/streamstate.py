@@ -483,27 +483,34 @@ class LocalStreamState:
 LEASE_S = 10.0
 
 
-def _start_time(pid: int) -> str | None:
-    """When process ``pid`` started (``/proc/PID/stat``'s 22nd field, clock ticks since boot:
-    a number reused by a later process starts later), or ``None`` when there is no such
-    process, or it has exited (a zombie: its threads are gone, its lease renews no more)."""
+def _stat(pid: int) -> tuple[str, str] | None:
+    """Process ``pid``'s state letter and start time (``/proc/PID/stat``'s 3rd and 22nd
+    fields; the start time in clock ticks since boot: a number reused by a later process
+    starts later), or ``None`` where it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             fields = fh.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
+        return fields[0].decode(), fields[19].decode()
+    except (OSError, IndexError, UnicodeDecodeError):
         return None
-    return None if fields[0] in (b"Z", b"X") else fields[19].decode()
 
 
 def _pid_space() -> str | None:
-    """The space this process's PIDs are numbers of: the running kernel (its boot's id) and
-    the PID namespace (its inode) — the same for the emulated nodes of one machine, another
-    for each machine, boot and container with a namespace of its own. ``None`` where it
-    cannot be read."""
+    """The space this process's PIDs and start times are numbers of: the running kernel (its
+    boot's id), the PID namespace and the time namespace (their inodes; start times are
+    counted from the reader's time namespace's boot) — the same for the emulated nodes of
+    one machine, another for each machine, boot and container with namespaces of its own.
+    ``None`` where it cannot be read, or where ``/proc`` is not this PID namespace's (mounted
+    from another: its PIDs name other processes)."""
     try:
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return None
         with open("/proc/sys/kernel/random/boot_id") as fh:
             boot = fh.read().strip()
-        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+        space = f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+        with contextlib.suppress(FileNotFoundError):  # (Linux before 5.6: no time namespaces)
+            space += f"/{os.stat('/proc/self/ns/time').st_ino}"
+        return space
     except OSError:
         return None
 
@@ -511,23 +518,44 @@ def _pid_space() -> str | None:
 def _lease_holder() -> str:
     """What a lease's token says of the process that holds it, after its ``@``: its PID
     space, PID and start time, so that a process of the same space can tell the holder gone
-    (:meth:`RedisStreamState.release_gone`); empty where the space cannot be read."""
+    (:meth:`RedisStreamState.release_gone`); empty where any of it cannot be read."""
     space, pid = _pid_space(), os.getpid()
-    return f"{space}:{pid}:{_start_time(pid)}" if space is not None else ""
+    stat = _stat(pid)
+    return f"{space}:{pid}:{stat[1]}" if space is not None and stat is not None else ""
 
 
 def _holder_gone(token: str) -> bool:
     """Whether the process a lease's ``token`` names is known gone: of this PID space, and
-    no process of that PID and start time runs. ``False`` where it cannot be told (another
-    machine or namespace, a token without its holder: an instride before it)."""
+    no such process (``kill(pid, 0)``: no process of that number), or the number now names a
+    process that started at another time (reused), or its exited leader with no thread
+    left (a zombie). ``False`` wherever it cannot be told: another machine or namespace, a
+    token without its holder (an instride before it), a process this one may not look at
+    (another user's under ``hidepid``)."""
     _, at, holder = token.partition("@")
     parts = holder.split(":")
-    if not at or len(parts) != 3 or not parts[1].isdigit():
+    if not at or len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
         return False
-    space, pid, start = parts
+    space, pid, start = parts[0], int(parts[1]), parts[2]
     if space != _pid_space():
         return False
-    return _start_time(int(pid)) != start
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # (EPERM: it exists, another user's)
+        pass
+    stat = _stat(pid)
+    if stat is None:
+        return False
+    state, started = stat
+    if started != start:
+        return True
+    if state in ("Z", "X"):  # (its leader exited: gone unless a thread of it still runs)
+        try:
+            return len(os.listdir(f"/proc/{pid}/task")) <= 1
+        except OSError:
+            return False
+    return False
 
 
 class RedisStreamState:
