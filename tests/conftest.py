@@ -6,6 +6,7 @@ Processes are stopped by their own PID.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import shutil
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -300,14 +301,23 @@ class LoopbackNode:
         self.proc = None
 
 
+@contextlib.contextmanager
+def running_nodes(root: Path, redis_url: str, token: str, ids: Iterable[int] = (1, 2, 3), *,
+                  sig: int = signal.SIGTERM) -> Iterator[list[LoopbackNode]]:
+    """Loopback nodes ``ids`` under ``root`` sharing the Redis at ``redis_url``, their data
+    servers running; all stopped after (with ``sig``), also when one failed to start."""
+    made = [LoopbackNode(root, i, redis_url, token) for i in ids]
+    try:
+        for n in made:
+            n.start()
+        yield made
+    finally:
+        for n in made:
+            n.stop(sig)
+
+
 @pytest.fixture
 def loopback_nodes(tmp_path: Path, redis_server: RedisServer) -> Iterator[list[LoopbackNode]]:
     """Three nodes on loopback sharing one Redis, with their data servers running."""
-    nodes = [LoopbackNode(tmp_path, i, redis_server.url, "test-token") for i in (1, 2, 3)]
-    try:
-        for n in nodes:
-            n.start()
-        yield nodes
-    finally:
-        for n in nodes:
-            n.stop()
+    with running_nodes(tmp_path, redis_server.url, "test-token") as made:
+        yield made

@@ -19,7 +19,7 @@ import pytest
 
 from instride.record import Record
 from instride.transport import wire
-from tests.conftest import LoopbackNode, RedisServer
+from tests.conftest import LoopbackNode, RedisServer, running_nodes
 
 TOKEN = "test-token"
 
@@ -34,15 +34,8 @@ def redis_mod() -> Iterator[RedisServer]:
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory: pytest.TempPathFactory, redis_mod: RedisServer) -> Iterator[list[LoopbackNode]]:
     """Three running nodes shared by the tests that do not stop them."""
-    root = tmp_path_factory.mktemp("srv")
-    made = [LoopbackNode(root, i, redis_mod.url, TOKEN) for i in (1, 2, 3)]
-    try:
-        for n in made:
-            n.start()
+    with running_nodes(tmp_path_factory.mktemp("srv"), redis_mod.url, TOKEN) as made:
         yield made
-    finally:
-        for n in made:
-            n.stop()
 
 
 @pytest.fixture

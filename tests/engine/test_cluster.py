@@ -28,21 +28,16 @@ from instride.engine.cluster import ClusterEngine
 from instride.errors import ConsumeTimeout, IntegrityError
 from instride.keys import TMP_PATTERN
 from instride.record import Record
-from tests.conftest import LoopbackNode, RedisServer
+from tests.conftest import LoopbackNode, RedisServer, running_nodes
 
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LoopbackNode]]:
     redis = RedisServer().start()
-    root = tmp_path_factory.mktemp("engine")
-    made = [LoopbackNode(root, i, redis.url, "engine-token") for i in (1, 2, 3)]
     try:
-        for n in made:
-            n.start()
-        yield made
+        with running_nodes(tmp_path_factory.mktemp("engine"), redis.url, "engine-token") as made:
+            yield made
     finally:
-        for n in made:
-            n.stop()
         redis.stop()
 
 

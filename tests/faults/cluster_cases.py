@@ -39,7 +39,7 @@ from instride.frames import HEADER_SIZE
 from instride.record import FRAME_CHECKSUM
 from instride.stream import Stream
 from instride.transport import wire
-from tests.conftest import LoopbackNode, RedisServer, free_port
+from tests.conftest import LoopbackNode, RedisServer, free_port, running_nodes
 
 from .harness import HANG_MARGIN, CaseResult, bounded, digest, file_digest, leftovers, payload, timed
 
@@ -53,14 +53,10 @@ def nodes(work: Path, count: int, redis_url: str | None = None) -> Iterator[list
     """``count`` loopback nodes (and a Redis unless ``redis_url`` is given); all stopped after."""
     redis = None if redis_url else RedisServer().start()
     url = redis_url or redis.url  # type: ignore[union-attr]
-    made = [LoopbackNode(work, i, url, TOKEN) for i in range(1, count + 1)]
     try:
-        for n in made:
-            n.start()
-        yield made
+        with running_nodes(work, url, TOKEN, range(1, count + 1), sig=signal.SIGKILL) as made:
+            yield made
     finally:
-        for n in made:
-            n.stop(signal.SIGKILL)
         if redis is not None:
             redis.stop()
 
