@@ -1990,3 +1990,57 @@ def test_a_producer_appending_flat_out_sends_its_frames_records_several_at_a_tim
     finally:
         producer.abandon()
         other.close()
+
+
+def test_a_stream_appended_from_two_threads_pushes_one_threads_held_records_first(
+        clients: list[instride.Client], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records held back by one thread's connection are pushed out when another thread
+    appends to the stream: that thread's records must not overtake them (nor wait for
+    Linux's ~0.2 s), and the stream stays whole for a reader that waits through Redis."""
+    import redis as redis_py
+
+    import instride.stream as stream_module
+
+    monkeypatch.setattr(stream_module, "_PACED_AFTER", 60.0)  # (every append flat out)
+    monkeypatch.setattr(stream_module, "_HOLD_AGE", 60.0)
+    c1, c2, _ = clients
+    assert c1.settings.redis_url is not None
+    other = redis_py.Redis.from_url(c1.settings.redis_url)
+    pos = np.random.default_rng(43).random((100, 3)).astype(np.float32)
+    producer = instride.Stream("held/threads", mode="w", client=c1)
+    appended, done = threading.Event(), threading.Event()
+
+    held_from: list[float] = []
+
+    def first_thread() -> None:  # (alive until the end: its connection is not collected)
+        c1.metadata.command("PING")  # type: ignore[attr-defined]  (its connection made)
+        for i in range(4):
+            if i == 1:
+                held_from.append(time.monotonic())  # (the first record held: Linux's ~0.2 s)
+            producer.append(pos + i, step=i)
+        appended.set()
+        done.wait(30)
+
+    def recorded(*indices: int) -> list[bool]:
+        return [bool(other.exists(f"instride:rec:{producer.frame_key(i)}")) for i in indices]
+
+    t = threading.Thread(target=first_thread)
+    t.start()
+    try:
+        assert appended.wait(30)
+        assert producer._holding == 3 and producer._hold_thread == t.ident  # 1-3 held there
+        early = time.monotonic() - held_from[0] < 0.05
+        producer.append(pos + 4, step=4)  # (this thread: theirs are pushed out first)
+        while not all(recorded(0, 1, 2, 3)) and time.monotonic() - held_from[0] < 5:
+            time.sleep(0.002)
+        assert all(recorded(0, 1, 2, 3))
+        if early:  # (then Linux alone would send them ~0.2 s after the first was held)
+            assert time.monotonic() - held_from[0] < 0.18
+        producer.close()
+        reader = instride.Stream("held/threads", timeout=10, client=c2)
+        assert [f.header.step for f in reader] == [0, 1, 2, 3, 4]
+    finally:
+        done.set()
+        t.join(30)
+        producer.abandon()
+        other.close()
