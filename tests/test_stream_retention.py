@@ -920,8 +920,14 @@ def test_cluster_group_reader_paused_past_its_lease_stops_reading_as_the_group(
         before = _steps(first_log)
         second = subprocess.Popen([sys.executable, "-c", LEASED_READER, str(second_log)],
                                   env=remote.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60  # (its own minute: the first may have been slow)
         while len(_steps(second_log)) < 3:  # (it takes the group once the lease ran out)
-            assert time.monotonic() < deadline and second.poll() is None, "second reader stalled"
+            if time.monotonic() >= deadline or second.poll() is not None:
+                second.kill()
+                _, err = second.communicate(timeout=30)
+                raise AssertionError(f"second reader stalled (exit {second.returncode}, "
+                                     f"{_steps(second_log)} taken after {before}): "
+                                     f"{err.decode(errors='replace')[-2000:]}")
             time.sleep(0.02)
     finally:
         os.kill(first.pid, signal.SIGCONT)

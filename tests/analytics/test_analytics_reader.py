@@ -153,6 +153,8 @@ def test_a_bounded_stream_is_read_from_its_oldest_frame_to_its_end(managed_dir: 
     assert steps == list(range(10))
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # (a refused
+# reader's clean-up, run by MDAnalysis's __del__, raised AttributeError)
 def test_a_timeout_that_is_no_number_of_seconds_is_refused(managed_dir: Path, adk) -> None:
     """``timeout=nan`` waited for ever, ``-1`` gave up at once: refused, as everywhere."""
     publish_dcd("tm", adk, n=2)
@@ -162,6 +164,8 @@ def test_a_timeout_that_is_no_number_of_seconds_is_refused(managed_dir: Path, ad
     assert len(mda.Universe(PSF, "instride://tm", timeout=float("inf")).trajectory) == 2
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # (a refused
+# reader's clean-up, run by MDAnalysis's __del__, raised AttributeError)
 def test_refusals(managed_dir: Path, adk) -> None:
     instride.Stream("empty", mode="w").close()
     with pytest.raises(EndOfStream):

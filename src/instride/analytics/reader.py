@@ -440,7 +440,8 @@ class InstrideReader(ReaderBase):
         """Record a consumer group's position and let the group go (``group=``); else
         nothing to release: frames are opened per read."""
         stream = getattr(self, "_stream", None)  # (none: the stream did not open)
-        if self._group is not None and stream is not None:
+        # (nor the group: a reader whose set-up failed is closed by MDAnalysis's __del__)
+        if getattr(self, "_group", None) is not None and stream is not None:
             stream.close()
 
     def __getstate__(self) -> dict[str, Any]:
