@@ -10,6 +10,7 @@ import os
 import queue
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -1037,6 +1038,107 @@ def test_the_fetch_lock_of_a_key_is_held_by_one_at_a_time_and_leaves_no_file(
     assert other_process_takes("lk/raised") and engines[0]._key_locks._held == set()
     internal = engines[0]._key_locks.path.parent
     assert not (internal / "locks").exists() and engines[0]._key_locks.path.is_file()
+
+
+_HOLD_LOCK = """
+import os, signal, sys
+from pathlib import Path
+from instride.store.slots import slot_locks
+with slot_locks(Path(sys.argv[1])).held(sys.argv[2]) as taken:
+    print(taken, flush=True)
+    if sys.argv[3] == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)  # (as Ctrl-Z or a debugger would)
+    sys.stdin.readline()  # (held until told)
+"""
+
+
+def _holding(lock: Path, key: str, how: str) -> subprocess.Popen:
+    """Another process of the node, holding ``key``'s lock of the file ``lock``: running
+    (``how="run"``) or stopped once it holds it (``"stop"``)."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(lock), key, how],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "True"
+    for _ in range(1000):
+        with open(f"/proc/{proc.pid}/stat") as fh:
+            if (fh.read().rsplit(")", 1)[1].split()[0] == "T") == (how == "stop"):
+                return proc
+        time.sleep(0.01)
+    raise AssertionError(f"the holder never reached the state {how!r}")
+
+
+def _let_go(proc: subprocess.Popen) -> None:
+    os.kill(proc.pid, signal.SIGCONT)
+    proc.communicate("\n", timeout=30)
+
+
+def test_a_fetch_goes_past_a_stopped_holder_of_its_keys_lock_not_a_running_one(
+        clients: list[instride.Client]) -> None:
+    """A consumer stopped (``SIGSTOP``, ``Ctrl-Z``, a debugger) while it holds a key's fetch
+    lock keeps it; another consumer of the node then fetches the key itself, instead of waiting
+    for it up to its timeout. A holder that runs is waited for (its transfer is the node's)."""
+    c1, c2, _ = clients
+    data = np.random.default_rng(5).bytes(300_000)
+    with c1.open("stl/a.bin", "wb") as fh:
+        fh.write(data)
+    engine = c2.engine
+    assert isinstance(engine, ClusterEngine)
+    running = _holding(engine._key_locks.path, "stl/a.bin", "run")
+    try:
+        assert engine._key_locks.holder("stl/a.bin") == running.pid
+        with pytest.raises(ConsumeTimeout):
+            c2.consume("stl/a.bin", timeout=1)
+        assert not (c2.root / "stl" / "a.bin").exists()
+    finally:
+        _let_go(running)
+    paused = _holding(engine._key_locks.path, "stl/a.bin", "stop")
+    try:
+        before = engine.transfers
+        path = c2.consume("stl/a.bin", timeout=10)
+        assert path.read_bytes() == data and engine.transfers == before + 1
+        assert engine.cached_version("stl/a.bin") == c1.lookup("stl/a.bin").version  # type: ignore[union-attr]
+        with c2.open("stl/a.bin") as fh:  # (the copy serves from now on)
+            assert fh.read() == data
+        assert engine.transfers == before + 1
+    finally:
+        _let_go(paused)
+
+
+def test_copies_are_stored_and_dropped_under_the_keys_store_lock(
+        clients: list[instride.Client]) -> None:
+    """A copy and its sidecar are written under the key's store lock, which a drop of the copy
+    takes too (a fetch past a stopped holder of the fetch lock is then never beside another
+    store or drop of the key): a store waits for it, a drop passes the copy over."""
+    c1, c2, _ = clients
+    data = np.random.default_rng(6).bytes(200_000)
+    with c1.open("stl/b.bin", "wb") as fh:
+        fh.write(data)
+    engine = c2.engine
+    assert isinstance(engine, ClusterEngine)
+    path = c2.root / "stl" / "b.bin"
+    storing = _holding(engine._store_locks.path, "stl/b.bin", "run")
+    got: list[Any] = []
+    try:
+        before = engine.transfers
+        thread = threading.Thread(target=lambda: got.append(c2.consume("stl/b.bin", timeout=20)))
+        thread.start()
+        for _ in range(2000):  # (the bytes are in: the store waits for the lock)
+            if engine.transfers > before:
+                break
+            time.sleep(0.005)
+        time.sleep(0.2)
+        assert engine.transfers == before + 1 and thread.is_alive() and not path.exists()
+    finally:
+        _let_go(storing)
+    thread.join(30)
+    assert got == [path] and path.read_bytes() == data and engine.is_copy("stl/b.bin")
+    storing = _holding(engine._store_locks.path, "stl/b.bin", "run")
+    try:
+        engine.drop_copy("stl/b.bin")
+        assert path.read_bytes() == data and engine.is_copy("stl/b.bin")  # (passed over)
+    finally:
+        _let_go(storing)
+    engine.drop_copy("stl/b.bin")
+    assert not path.exists() and not engine.is_copy("stl/b.bin")
 
 
 @pytest.mark.parametrize("offset", [200, 20], ids=["payload", "header"])

@@ -41,6 +41,25 @@ def test_a_name_held_by_another_process_is_refused_until_it_lets_go(tmp_path: Pa
     assert os.listdir(tmp_path) == ["asking.lock"]  # (one file for every name)
 
 
+def test_the_holder_of_a_name_is_the_other_process_that_holds_it(tmp_path: Path) -> None:
+    """``holder`` names the other process holding a name (the kernel's ``F_GETLK``), nobody
+    for a free name, another name, or a name this process holds itself."""
+    path = tmp_path / "fetch.lock"
+    locks = slot_locks(path)
+    assert locks.holder("k/0001") is None
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(path), "k/0001"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "True"
+        assert locks.holder("k/0001") == holder.pid
+        assert locks.holder("k/0002") is None
+        with locks.held("k/0002") as taken:
+            assert taken is True and locks.holder("k/0002") is None  # (its own)
+    finally:
+        holder.communicate("\n", timeout=20)
+    assert locks.holder("k/0001") is None  # (let go of with the process's exit)
+
+
 def test_threads_of_one_process_are_kept_apart(tmp_path: Path) -> None:
     locks = slot_locks(tmp_path / "asking.lock")
     seen: list[bool] = []

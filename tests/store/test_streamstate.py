@@ -339,7 +339,8 @@ def test_a_lease_holder_is_judged_gone_only_when_it_surely_is() -> None:
     import subprocess
     import sys
 
-    from instride.store.streamstate import _holder_gone, _lease_holder, _stat
+    from instride.store.procs import proc_stat as _stat
+    from instride.store.streamstate import _holder_gone, _lease_holder
 
     mine = _lease_holder()
     space, pid, start = mine.split(":")

@@ -39,6 +39,7 @@ from ..metadata import get_backend
 from ..metadata.base import PendingRecord
 from ..paths import ConfinedOpener
 from ..record import Record
+from ..store.procs import stopped
 from ..store.recvpool import KEEP_BYTES, ReceivePool, map_to_receive
 from ..store.slots import slot_locks
 from ..store.streamstate import RedisStreamState
@@ -64,6 +65,11 @@ _SEEN_AGE = 5.0
 #: seconds a consumer that fetches a key the usual way waits for another consumer of its node
 #: that asked for the key early to get its reply started (then it takes the copy made)
 _ASKED_WAIT = 0.5
+#: seconds a fetch waits for a key's fetch lock before it looks whether its holder is
+#: stopped, and goes on without it if so (see ``ClusterEngine._lock``)
+_STOPPED_AFTER = 0.02
+#: seconds a copy's store waits for the key's store lock (held for microseconds)
+_STORE_WAIT = 10.0
 #: seconds an early fetch waits for its record to be announced (the owner records a frame
 #: right after renaming it) before looking it up
 _HEARD_WITHIN = 0.002
@@ -141,6 +147,8 @@ class ClusterEngine:
             ahead=settings.cache_bytes is None, ahead_bytes=settings.ahead_bytes)
         #: who of the node fetches a key (one transfer per key and node at a time)
         self._key_locks = slot_locks(settings.internal_dir / "fetch.lock")
+        #: node-wide store locks by key (writing or removing a copy and its sidecar)
+        self._store_locks = slot_locks(settings.internal_dir / "store.lock")
         #: who of the node asks a key's owner early (one consumer per key at a time)
         self._asking_locks = slot_locks(settings.internal_dir / "asking.lock")
         #: early fetches received into a mapping of their file (for tests and benchmarks)
@@ -233,21 +241,23 @@ class ClusterEngine:
         without its file yet only says nothing is cached. ``there``: whether a file is at
         ``path`` (when the caller just looked; else looked at here).
         """
-        if there is None:
-            there = os.access(path, os.F_OK, follow_symlinks=False)
-        if there:
-            store.publish_file(staged, path, record.key, overwrite=True)
+        with self._storing(record.key):
+            if there is None:
+                there = os.access(path, os.F_OK, follow_symlinks=False)
+            if there:
+                store.publish_file(staged, path, record.key, overwrite=True)
+                self._remember(record)
+                return
             self._remember(record)
-            return
-        self._remember(record)
-        try:
-            store.publish_file(staged, path, record.key, overwrite=True)
-        except BaseException:
-            self.forget_fetched(record.key)
-            raise
+            try:
+                store.publish_file(staged, path, record.key, overwrite=True)
+            except BaseException:
+                self.forget_fetched(record.key)
+                raise
 
     @contextlib.contextmanager
-    def _lock(self, key: str, deadline: float | None) -> Iterator[None]:
+    def _lock(self, key: str, deadline: float | None, *,
+              past_stopped: bool = False) -> Iterator[bool]:
         """Exclusive per-key lock across the node's processes and threads, bounded by
         ``deadline`` (:class:`ConsumeTimeout` once it has passed; ``time.monotonic()``: one try).
 
@@ -256,17 +266,53 @@ class ClusterEngine:
         removed per fetch cost ~0.1 ms of each frame a woken consumer fetched (create, lock,
         two checks that the name still names it, unlink, close), and a file kept per key
         would pile up, one for every frame of every stream the node ever fetched.
+
+        ``past_stopped`` (a fetch): a holder that is stopped — ``SIGSTOP``, ``Ctrl-Z``, a
+        debugger's breakpoint; it keeps its locks while it is — is not waited for once the
+        wait has lasted :data:`_STOPPED_AFTER`: the block runs without the lock (yields
+        ``False``; else ``True``), a transfer of its own, whose copy is stored under the
+        node's store lock as every copy is (:meth:`_store_copy`). A holder that runs, however
+        slowly, is waited for.
         """
-        delay = 0.001
+        delay, start = 0.001, time.monotonic()
         while True:
             with self._key_locks.held(key) as taken:
                 if taken:
-                    yield
+                    yield True
                     return
-            if deadline is not None and time.monotonic() >= deadline:
-                raise ConsumeTimeout(key, time.monotonic() - deadline)
+            now = time.monotonic()
+            if past_stopped and now - start >= _STOPPED_AFTER and self._holder_stopped(key):
+                yield False
+                return
+            if deadline is not None and now >= deadline:
+                raise ConsumeTimeout(key, now - deadline)
             time.sleep(delay)  # another consumer of this node is fetching the key
             delay = min(delay * 2, 0.05)
+
+    def _holder_stopped(self, key: str) -> bool:
+        """Whether the process holding ``key``'s fetch lock is stopped (see :meth:`_lock`)."""
+        pid = self._key_locks.holder(key)
+        return pid is not None and stopped(pid)
+
+    @contextlib.contextmanager
+    def _storing(self, key: str) -> Iterator[None]:
+        """The node's store lock of ``key`` (a byte of ``.instride/store.lock``, as the fetch
+        lock): held while a copy and its sidecar are written or removed, so that two stores
+        of different publications never interleave (a file of one with the sidecar of the
+        other) — also where a fetch went past a stopped holder of the fetch lock. Held for
+        microseconds; a holder stopped inside it is waited for up to :data:`_STORE_WAIT`
+        (:class:`ConsumeTimeout`)."""
+        delay, until = 0.0002, time.monotonic() + _STORE_WAIT
+        while True:
+            with self._store_locks.held(key) as taken:
+                if taken:
+                    yield
+                    return
+            now = time.monotonic()
+            if now >= until:
+                raise ConsumeTimeout(key, now - until + _STORE_WAIT)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
 
     def cached_entries(self) -> list[tuple[float, int, str]]:
         """``(last use, size, key)`` of every fetched copy on this node."""
@@ -302,9 +348,9 @@ class ClusterEngine:
             # would store its new copy between the file's removal and the sidecar's, leaving a
             # copy that looks like an original); a key being fetched now is passed over.
             try:
-                with self._lock(key, time.monotonic()):
-                    if self.cached_copy(key) is None:
-                        continue  # (evicted, or made an original, meanwhile)
+                with self._lock(key, time.monotonic()), self._store_locks.held(key) as free:
+                    if not free or self.cached_copy(key) is None:
+                        continue  # (being stored, evicted, or made an original, meanwhile)
                     # the file first: without a sidecar the copy would look like an original
                     self._drop_file(f"{self.root}/{key}", locked=False)
                     self.forget_fetched(key)
@@ -375,7 +421,7 @@ class ClusterEngine:
         # (a moment, for a published key) rather than move the key across a second time.
         soon = time.monotonic() + _ASKED_WAIT
         self._asking_locks.wait_free(key, soon if deadline is None else min(deadline, soon))
-        with self._lock(key, deadline):
+        with self._lock(key, deadline, past_stopped=True):
             side = self.cached_copy(key)
             if os.path.exists(path) and side is not None and _copy_of(side, record):
                 return path  # another consumer of this node fetched it meanwhile
@@ -575,7 +621,7 @@ class ClusterEngine:
 
         def replied() -> None:
             if not locked:
-                held.enter_context(self._lock(key, time.monotonic() + wait))
+                held.enter_context(self._lock(key, time.monotonic() + wait, past_stopped=True))
                 locked.append(True)
                 asking.close()  # (the key's lock holds the others off now; let go of it
                 # while the bytes come, not on the frame's path once they are in)
@@ -979,8 +1025,8 @@ class ClusterEngine:
         the old ones (a file gone under its consumer, or a copy left looking like an
         original); a key being fetched now is left to that fetch."""
         try:
-            with self._lock(key, time.monotonic()):
-                if self.cached_version(key) is not None:
+            with self._lock(key, time.monotonic()), self._store_locks.held(key) as free:
+                if free and self.cached_version(key) is not None:
                     # the file first: without a sidecar the copy would look like an original
                     self._drop_file(f"{self.root}/{key}", locked=True)
                     self.forget_fetched(key)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import struct
 import threading
 import time
 import zlib
@@ -90,6 +91,20 @@ class SlotLocks:
                         fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, slot)
                         self._held.discard(slot)
 
+    def holder(self, name: str) -> int | None:
+        """The PID of the other process of the node that holds the lock of ``name``, or
+        ``None``: nobody else holds it, or this process does (a thread of it), or the holder is
+        a process this one cannot name (another PID namespace: the kernel says 0)."""
+        slot = zlib.crc32(name.encode())
+        # (struct flock: l_type, l_whence, l_start, l_len, l_pid, as C lays it out)
+        asked = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, slot, 1, 0)
+        try:
+            got = fcntl.fcntl(self._open(), fcntl.F_GETLK, asked)
+        except OSError:
+            return None
+        kind, _, _, _, pid = struct.unpack(_FLOCK, got)
+        return pid if kind != fcntl.F_UNLCK and pid > 0 else None
+
     def wait_free(self, name: str, until: float) -> bool:
         """Wait until nobody of the node holds the lock of ``name`` (taken and let go of at
         once), at most until ``until`` (``time.monotonic()``); whether it was free by then."""
@@ -103,6 +118,9 @@ class SlotLocks:
             time.sleep(delay)
             delay = min(delay * 2, 0.005)
 
+
+#: ``struct flock`` (``fcntl(F_GETLK)``'s argument), with the padding C gives it
+_FLOCK = "hhqqi4x"
 
 _made: dict[str, SlotLocks] = {}
 _made_mu = threading.Lock()

@@ -38,6 +38,8 @@ from typing import Any, Protocol
 from ..errors import ConfigError, GroupBusy, GroupLeaseLost, GroupReset, MetadataUnavailable
 from ..perthread import forks
 from .dirs import allocate
+from .procs import pid_space as _pid_space
+from .procs import proc_stat as _stat
 
 POLICIES = ("block", "drop-oldest", "latest")
 _GROUP_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\Z")
@@ -481,38 +483,6 @@ class LocalStreamState:
 
 #: seconds a cluster group reader's lease lasts unless renewed (renewed every third of it)
 LEASE_S = 10.0
-
-
-def _stat(pid: int) -> tuple[str, str] | None:
-    """Process ``pid``'s state letter and start time (``/proc/PID/stat``'s 3rd and 22nd
-    fields; the start time in clock ticks since boot: a number reused by a later process
-    starts later), or ``None`` where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            fields = fh.read().rsplit(b")", 1)[1].split()
-        return fields[0].decode(), fields[19].decode()
-    except (OSError, IndexError, UnicodeDecodeError):
-        return None
-
-
-def _pid_space() -> str | None:
-    """The space this process's PIDs and start times are numbers of: the running kernel (its
-    boot's id), the PID namespace and the time namespace (their inodes; start times are
-    counted from the reader's time namespace's boot) — the same for the emulated nodes of
-    one machine, another for each machine, boot and container with namespaces of its own.
-    ``None`` where it cannot be read, or where ``/proc`` is not this PID namespace's (mounted
-    from another: its PIDs name other processes)."""
-    try:
-        if os.readlink("/proc/self") != str(os.getpid()):
-            return None
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            boot = fh.read().strip()
-        space = f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
-        with contextlib.suppress(FileNotFoundError):  # (Linux before 5.6: no time namespaces)
-            space += f"/{os.stat('/proc/self/ns/time').st_ino}"
-        return space
-    except OSError:
-        return None
 
 
 def _lease_holder() -> str:
