@@ -630,9 +630,11 @@ class Stream:
                 report = self._share.cursors_key if self.policy.bounded \
                     and not self.policy.drops else None
                 sent = _monotonic()
-                self._unconfirmed.append((index, soon(key, self.overwrite, checksum, slot.size,
-                                                      then=then or (), report=report,
-                                                      hold=self._hold_for(nbytes, paced, going)), sent))
+                pending = soon(key, self.overwrite, checksum, slot.size, then=then or (),
+                               report=report, hold=self._hold_for(nbytes, paced, going))
+                if not pending.held:  # (sent now, with any held before it)
+                    self._holding = 0
+                self._unconfirmed.append((index, pending, sent))
                 if paced:  # (the frame is out and recorded: its server first, see _PACED_AFTER)
                     os.sched_yield()
             else:

@@ -439,6 +439,47 @@ def test_held_commands_go_out_when_a_connection_is_dropped_unclosed_or_a_child_e
         other.close()
 
 
+_KILLED_HOLDER = """
+import os, signal, sys, time
+from instride.metadata.resp import RespConnection
+conn = RespConnection(sys.argv[1], int(sys.argv[2]), 0, None, None, 5.0, 5.0)
+conn.call_soon([("PING",)])  # (its reply comes in after, never read)
+conn.call_soon([("RPUSH", "killed", "z")], hold=True)
+print(getattr(conn, "held_last", None), flush=True)
+time.sleep(0.1)
+os.kill(os.getpid(), signal.SIGKILL)  # (no close, no exit hook: the kernel closes the socket)
+"""
+
+
+def test_commands_are_held_back_only_while_no_reply_is_owed(redis_server: RedisServer) -> None:
+    """A process killed outright (``SIGKILL``) with a reply come in and unread has its socket
+    reset by TCP, which drops what the socket holds back: so a command is held only while
+    every reply owed to the connection is in, and goes at once otherwise."""
+    import signal
+    import subprocess
+    import sys
+
+    other = redis.Redis.from_url(redis_server.url)
+    try:
+        other.delete("killed", "quiet")
+        run = subprocess.run([sys.executable, "-c", _KILLED_HOLDER, redis_server.host,
+                              str(redis_server.port)], capture_output=True, text=True, timeout=60)
+        assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
+        assert run.stdout.strip() == "False"  # (a PING's reply owed: sent at once)
+        assert _list_soon(other, "killed", [b"z"], 5) == [b"z"]
+        conn = _conn(redis_server)
+        conn.call_soon([("PING",)])
+        deadline = time.monotonic() + 5
+        while not conn.answered() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        held = conn.call_soon([("RPUSH", "quiet", "q")], hold=True)  # (its reply is in)
+        assert conn.held_last and conn._held == 1
+        assert held() == [1] and other.lrange("quiet", 0, -1) == [b"q"]
+        conn.close()
+    finally:
+        other.close()
+
+
 def _hold_in_a_child(host: str, port: int) -> None:
     conn = RespConnection(host, port, 0, None, None, 5.0, 5.0)
     conn.call_soon([("PING",)])  # (its reply comes in, never read)

@@ -58,6 +58,8 @@ class PendingRecord:
         #: once called: the fields of the hash the publication was asked to read back in
         #: the same step (``report``), or ``None``
         self.reported: dict[bytes, bytes] | None = None
+        #: whether the record is held back, to go with the next ones (``hold``)
+        self.held = False
 
     def __call__(self) -> Record:
         return self._confirm()

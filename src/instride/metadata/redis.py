@@ -235,6 +235,7 @@ class _SoonRecord(PendingRecord):
                  replies: Callable[[], list[Any]] | None, fast: RespConnection) -> None:
         # (not PendingRecord's callables: bound methods of this object would be the cycle)
         self.reported: dict[bytes, bytes] | None = None
+        self.held = replies is not None and fast.held_last
         self._metadata, self._record, self._sent = metadata, record, sent
         self._replies: Callable[[], list[Any]] | None = replies
         self._fast = fast
@@ -476,7 +477,9 @@ class RedisMetadata:
         ``hold``: the record is held back, to go out with this thread's next command to
         Redis (:meth:`RespConnection.call_soon`'s ``hold``: after ~0.2 s if none comes, and
         before the connection closes): several records in one segment, one wake-up of Redis
-        for them. Readers that wait for the key through Redis see it that much later.
+        for them. Readers that wait for the key through Redis see it that much later. Only
+        while Redis owes the connection no reply (else it goes now): the result's ``held``
+        says which.
         """
         sent = self._publication(record, overwrite, then, report)
         fast = self._fast()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import os
 import select
 import socket
@@ -134,6 +135,9 @@ class RespConnection:
         #: the newest :meth:`call_soon` functions whose commands are held back in the socket
         #: (``hold``): not pushed out yet
         self._held = 0
+        #: whether the last :meth:`call_soon` held its commands back (it was asked to, and
+        #: the connection was :meth:`_quiet`)
+        self.held_last = False
         _live.add(self)
 
     def _connect(self) -> socket.socket:
@@ -192,13 +196,19 @@ class RespConnection:
         ``hold``), a read that waits for a reply, and :meth:`flush_held` push them out; if
         none comes, Linux sends them ~0.2 s after the first (TCP's cork ceiling), and at the latest
         when the socket is closed (also by the process's exit). Held or not, everything
-        goes out in the order it was written.
+        goes out in the order it was written. They are held only while every command sent
+        out before them is answered, its reply taken in (:meth:`_quiet`; else they go at
+        once: :attr:`held_last` says which): a process that ends without a word (``SIGKILL``,
+        ``os._exit``) then leaves nothing unread on the socket, and the kernel's close sends
+        what it holds — TCP resets a socket closed with bytes unread, dropping what it holds.
         """
         box: list[list[Any]] = []
         entry = (len(commands), box)
+        hold = hold and self.sock is not None and self._quiet()
+        self.held_last = hold
         self._soon.append(entry)  # (first: a reply can never arrive for nobody)
         try:
-            if hold and self.sock is not None:
+            if hold:
                 if _let_go_registered != os.getpid():
                     _register_let_go()
                 self._send_packed(self._packed(commands), more=True)
@@ -266,11 +276,29 @@ class RespConnection:
         if len(self._parsed) >= len(self._unanswered) + self._soon[0][0]:
             return True  # (taken in by an earlier look: no read; a producer confirming several
             # frames' records in a row looks once)
-        sock = self.sock
-        if sock is None:
+        if self.sock is None or not self._take_in():
             return True  # (a closed connection: its function answers at once, with an error)
-        try:  # what has come, taken in without waiting (a producer asks per frame: one read,
-            if sock.gettimeout():  # no poll object)
+        return len(self._parsed) >= len(self._unanswered) + self._soon[0][0]
+
+    def _quiet(self) -> bool:
+        """Whether Redis owes this connection no reply to what went out: every command
+        written without ``hold`` is answered and its reply taken in (what has come is taken
+        in now, without waiting). Nothing can then arrive on the socket until the commands
+        held back go out."""
+        owed = len(self._unanswered) + sum(n for n, _ in self._soon) \
+            - sum(n for n, _ in itertools.islice(reversed(self._soon), self._held))
+        if len(self._parsed) >= owed:
+            return True
+        return self._take_in() and len(self._parsed) >= owed
+
+    def _take_in(self) -> bool:
+        """Take in and parse what has come on the socket, without waiting; ``False`` where
+        the socket failed or Redis closed it (the read that follows raises
+        :class:`ConnectionError`)."""
+        sock = self.sock
+        assert sock is not None
+        try:  # (a producer asks per frame: one read, no poll object)
+            if sock.gettimeout():
                 chunk = os.read(sock.fileno(), 1 << 16)
             else:
                 poller = select.poll()  # (not select(): descriptors past 1023 are common here)
@@ -279,14 +307,14 @@ class RespConnection:
         except (BlockingIOError, InterruptedError):
             chunk = None  # nothing more yet
         except OSError:
-            return True  # (reset: the read that follows raises ConnectionError)
+            return False  # (reset)
         if chunk is not None:
             if not chunk:
-                return True  # (closed by Redis: the same)
+                return False
             self._feed(chunk)
         while (reply := self.reader.gets()) is not False:
             self._parsed.append(reply)
-        return len(self._parsed) >= len(self._unanswered) + self._soon[0][0]
+        return True
 
     def _settle_one(self) -> None:
         """Read the replies the oldest :meth:`call_soon` function is owed, into its box."""
