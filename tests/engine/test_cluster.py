@@ -6,6 +6,7 @@ Cross-node behaviour between network namespaces is tested in tests/emulate.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -1139,6 +1140,42 @@ def test_copies_are_stored_and_dropped_under_the_keys_store_lock(
         _let_go(storing)
     engine.drop_copy("stl/b.bin")
     assert not path.exists() and not engine.is_copy("stl/b.bin")
+
+
+def test_a_fetch_resumed_late_never_sets_a_copy_back_to_an_earlier_publication(
+        clients: list[instride.Client]) -> None:
+    """A fetch that held the key's fetch lock and was gone past (stopped) stores its copy
+    when it goes on: where another fetch stored a copy of a later publication of the key since
+    it took the lock, that copy stays (file and sidecar); a copy from before that time is
+    replaced as ever."""
+    c1, c2, _ = clients
+    engine = c2.engine
+    assert isinstance(engine, ClusterEngine)
+    with c1.open("stl/c.bin", "wb") as fh:
+        fh.write(b"1" * 50_000)
+    first = c1.lookup("stl/c.bin")
+    path = c2.consume("stl/c.bin", timeout=10)
+    took_lock = time.time_ns()  # (the late fetch of the first publication took the lock here)
+    time.sleep(0.05)  # (a file system's coarse clock: the copy below is stamped after it)
+    with c1.open("stl/c.bin", "wb", overwrite=True) as fh:
+        fh.write(b"2" * 50_000)
+    second = c1.lookup("stl/c.bin")
+    assert first is not None and second is not None and second.version > first.version
+    assert c2.consume("stl/c.bin", timeout=10).read_bytes() == b"2" * 50_000
+
+    def late_store(since_ns: int) -> bool:
+        staged = f"{path.parent}/.late-{since_ns}"
+        Path(staged).write_bytes(b"1" * 50_000)
+        try:
+            return engine._store_copy(staged, str(path), first, since_ns=since_ns)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staged)
+
+    assert late_store(took_lock) is False  # the later publication's copy stays
+    assert path.read_bytes() == b"2" * 50_000 and engine.cached_version("stl/c.bin") == second.version
+    assert late_store(time.time_ns()) is True  # (a copy from before the lock: replaced)
+    assert path.read_bytes() == b"1" * 50_000 and engine.cached_version("stl/c.bin") == first.version
 
 
 @pytest.mark.parametrize("offset", [200, 20], ids=["payload", "header"])

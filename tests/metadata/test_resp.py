@@ -443,30 +443,43 @@ _KILLED_HOLDER = """
 import os, signal, sys, time
 from instride.metadata.resp import RespConnection
 conn = RespConnection(sys.argv[1], int(sys.argv[2]), 0, None, None, 5.0, 5.0)
-conn.call_soon([("PING",)])  # (its reply comes in after, never read)
-conn.call_soon([("RPUSH", "killed", "z")], hold=True)
+key = sys.argv[3]
+if key == "owed":  # a reply owed (it comes in, never read)
+    conn.call_soon([("PING",)])
+else:  # commands held back, the second over a full segment (loopback's: ~64 KiB), which
+    # the kernel sends at once: the first's reply comes in, never read
+    conn.call_soon([("RPUSH", key, "a")], hold=True)
+    conn.call_soon([("RPUSH", key, "b" * 100_000)], hold=True)
+conn.call_soon([("RPUSH", key, "z")], hold=True)
 print(getattr(conn, "held_last", None), flush=True)
-time.sleep(0.1)
+time.sleep(0.05)  # (the replies come in; Linux would send what is held after ~0.2 s)
 os.kill(os.getpid(), signal.SIGKILL)  # (no close, no exit hook: the kernel closes the socket)
 """
 
 
-def test_commands_are_held_back_only_while_no_reply_is_owed(redis_server: RedisServer) -> None:
+@pytest.mark.parametrize("key", ["owed", "segment"])
+def test_commands_are_held_back_only_while_no_reply_is_owed(redis_server: RedisServer,
+                                                             key: str) -> None:
     """A process killed outright (``SIGKILL``) with a reply come in and unread has its socket
-    reset by TCP, which drops what the socket holds back: so a command is held only while
-    every reply owed to the connection is in, and goes at once otherwise."""
+    reset by TCP, which drops what the socket holds back: so a command is held only while no
+    reply is owed to the connection — none to a command sent (``owed``), none to a held one
+    the kernel sent already (a full segment goes at once: ``segment``) — and goes at once
+    otherwise."""
     import signal
     import subprocess
     import sys
 
     other = redis.Redis.from_url(redis_server.url)
     try:
-        other.delete("killed", "quiet")
+        other.delete(key, "quiet")
         run = subprocess.run([sys.executable, "-c", _KILLED_HOLDER, redis_server.host,
-                              str(redis_server.port)], capture_output=True, text=True, timeout=60)
+                              str(redis_server.port), key],
+                             capture_output=True, text=True, timeout=60)
         assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
-        assert run.stdout.strip() == "False"  # (a PING's reply owed: sent at once)
-        assert _list_soon(other, "killed", [b"z"], 5) == [b"z"]
+        want = [b"z"] if key == "owed" else [b"a", b"b" * 100_000, b"z"]
+        assert _list_soon(other, key, want, 5) == want
+        if key == "segment":  # (the first went out with the kernel's full segment)
+            assert run.stdout.strip() == "False"  # (sent at once)
         conn = _conn(redis_server)
         conn.call_soon([("PING",)])
         deadline = time.monotonic() + 5

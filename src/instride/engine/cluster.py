@@ -228,9 +228,11 @@ class ClusterEngine:
             os.close(fd)
         os.replace(tmp, side)
 
-    def _store_copy(self, staged: str, path: str, record: Record,
-                    there: bool | None = None) -> None:
-        """Give the fetched bytes in ``staged`` the key's name, and their version a sidecar.
+    def _store_copy(self, staged: str, path: str, record: Record, *,
+                    since_ns: int | None = None, deadline: float | None = None) -> bool:
+        """Give the fetched bytes in ``staged`` the key's name, and their version a sidecar,
+        under the key's store lock (:meth:`_storing`, bounded by ``deadline``); whether it
+        did.
 
         Over a file already there (an earlier copy, or an original): the bytes first, then
         the version — in between, a reader sees new bytes with an older sidecar and merely
@@ -238,22 +240,44 @@ class ClusterEngine:
         first — a moment with the file and no sidecar would make the copy look like an
         original of this node (:meth:`is_copy`), and a reader beside it would wait here for
         the stream's next frame, which is made elsewhere, for a whole wait slice; a sidecar
-        without its file yet only says nothing is cached. ``there``: whether a file is at
-        ``path`` (when the caller just looked; else looked at here).
+        without its file yet only says nothing is cached.
+
+        ``since_ns`` (``time.time_ns()``): when the caller's fetch took the key's fetch lock.
+        A copy stored since then by another fetch — one that went past this one, stopped
+        meanwhile (see :meth:`_lock`) — of a later publication of the key stays: nothing is
+        stored (``False``; the caller drops ``staged``), so that a fetch resumed late never
+        sets the node's copy back to an earlier publication.
         """
-        with self._storing(record.key):
-            if there is None:
-                there = os.access(path, os.F_OK, follow_symlinks=False)
+        key = record.key
+        with self._storing(key, deadline):
+            there = os.access(path, os.F_OK, follow_symlinks=False)
+            if there and since_ns is not None and self._stored_later(record, since_ns):
+                return False
             if there:
-                store.publish_file(staged, path, record.key, overwrite=True)
+                store.publish_file(staged, path, key, overwrite=True)
                 self._remember(record)
-                return
+                return True
             self._remember(record)
             try:
-                store.publish_file(staged, path, record.key, overwrite=True)
+                store.publish_file(staged, path, key, overwrite=True)
             except BaseException:
-                self.forget_fetched(record.key)
+                self.forget_fetched(key)
                 raise
+            return True
+
+    def _stored_later(self, record: Record, since_ns: int) -> bool:
+        """Whether the copy of ``record``'s key was stored since ``since_ns`` by another
+        fetch, of a later publication (a higher version: the clock a Redis draws versions
+        from only goes up; compared only for a copy stored meanwhile, never for an older
+        one, which may come from a Redis restarted since without its data)."""
+        try:
+            if os.stat(self._sidecar(record.key)).st_mtime_ns < since_ns:
+                return False
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        side = self.cached_copy(record.key)
+        return side is not None and not _copy_of(side, record) \
+            and int(side["version"]) > record.version
 
     @contextlib.contextmanager
     def _lock(self, key: str, deadline: float | None, *,
@@ -295,14 +319,17 @@ class ClusterEngine:
         return pid is not None and stopped(pid)
 
     @contextlib.contextmanager
-    def _storing(self, key: str) -> Iterator[None]:
+    def _storing(self, key: str, deadline: float | None = None) -> Iterator[None]:
         """The node's store lock of ``key`` (a byte of ``.instride/store.lock``, as the fetch
         lock): held while a copy and its sidecar are written or removed, so that two stores
         of different publications never interleave (a file of one with the sidecar of the
         other) — also where a fetch went past a stopped holder of the fetch lock. Held for
-        microseconds; a holder stopped inside it is waited for up to :data:`_STORE_WAIT`
-        (:class:`ConsumeTimeout`)."""
-        delay, until = 0.0002, time.monotonic() + _STORE_WAIT
+        microseconds; a holder stopped inside it is waited for until ``deadline``, at most
+        :data:`_STORE_WAIT` s (:class:`ConsumeTimeout`)."""
+        start = time.monotonic()
+        delay, until = 0.0002, start + _STORE_WAIT
+        if deadline is not None:
+            until = min(until, deadline)
         while True:
             with self._store_locks.held(key) as taken:
                 if taken:
@@ -310,7 +337,7 @@ class ClusterEngine:
                     return
             now = time.monotonic()
             if now >= until:
-                raise ConsumeTimeout(key, now - until + _STORE_WAIT)
+                raise ConsumeTimeout(key, now - start)
             time.sleep(delay)
             delay = min(delay * 2, 0.01)
 
@@ -425,7 +452,7 @@ class ClusterEngine:
             side = self.cached_copy(key)
             if os.path.exists(path) and side is not None and _copy_of(side, record):
                 return path  # another consumer of this node fetched it meanwhile
-            self._fetch(record, path)
+            self._fetch(record, path, deadline)
         self.evict(keep=key)
         return path
 
@@ -465,10 +492,11 @@ class ClusterEngine:
                 self._dirs.clear()
             self._dirs.add(parent)
 
-    def _fetch(self, record: Record, path: Path) -> None:
+    def _fetch(self, record: Record, path: Path, deadline: float | None = None) -> None:
         staged = tmp_name(str(path))
         parent = str(path.parent)
         self._parent_made(parent)
+        since_ns = time.time_ns()  # (the key's fetch lock is this fetch's from here on)
         t0 = time.monotonic()
         fd = -1  # the staged file, open (so locked) until it has its name
         try:
@@ -491,11 +519,15 @@ class ClusterEngine:
             self._fetched(record)
             t1 = time.monotonic()
             try:
-                self._store_copy(staged, str(path), record)
+                stored = self._store_copy(staged, str(path), record, since_ns=since_ns,
+                                          deadline=deadline)
             except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(staged)
+                stored = False
                 raise
+            finally:
+                if not stored:  # (failed, or a later publication's copy stored meanwhile)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(staged)
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -616,13 +648,13 @@ class ClusterEngine:
         mapped = view = None
         held = contextlib.ExitStack()
         asking = contextlib.ExitStack()  # (the early request's lock, until the reply starts)
-        locked: list[bool] = []
+        locked: list[int] = []  # (when the key's fetch lock was taken, once it was)
         named = False  # (whether the staged file got the key's name: nothing to drop then)
 
         def replied() -> None:
             if not locked:
                 held.enter_context(self._lock(key, time.monotonic() + wait, past_stopped=True))
-                locked.append(True)
+                locked.append(time.time_ns())
                 asking.close()  # (the key's lock holds the others off now; let go of it
                 # while the bytes come, not on the frame's path once they are in)
 
@@ -652,7 +684,9 @@ class ClusterEngine:
                 there = os.access(path, os.F_OK, follow_symlinks=False)
                 side = self.cached_copy(key) if there else None
                 if not (side is not None and _copy_of(side, record)):
-                    self._store_copy(staged, path, record, there)
+                    if not self._store_copy(staged, path, record, since_ns=locked[0],
+                                            deadline=time.monotonic() + wait):
+                        return None  # (a later publication's copy, stored meanwhile)
                     named = True
                     if len(self._kept) >= _SEEN_MAX:
                         self._kept.clear()

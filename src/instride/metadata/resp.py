@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import itertools
 import os
 import select
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -38,6 +40,8 @@ PROBE_WAIT = 5.0
 
 #: every connection of this process (a forked child closes its copies of their sockets)
 _live: weakref.WeakSet[RespConnection] = weakref.WeakSet()
+#: Linux's ioctl for the bytes a TCP socket has not sent yet (``linux/sockios.h``), its argument
+_SIOCOUTQNSD, _INT0 = 0x894B, b"\0\0\0\0"
 
 
 def _close_inherited() -> None:
@@ -48,7 +52,7 @@ def _close_inherited() -> None:
     connections of their own: :mod:`instride.perthread`)."""
     for conn in list(_live):
         sock, conn.sock = conn.sock, None
-        conn._held = 0  # (the parent's socket holds them: its own)
+        conn._held = conn._held_bytes = 0  # (the parent's socket holds them: its own)
         conn._soon.clear()
         conn._unanswered.clear()  # (the parent's to send again, not the child's)
         conn._failed = None
@@ -135,6 +139,8 @@ class RespConnection:
         #: the newest :meth:`call_soon` functions whose commands are held back in the socket
         #: (``hold``): not pushed out yet
         self._held = 0
+        #: the bytes of the commands held back (see :meth:`_quiet`)
+        self._held_bytes = 0
         #: whether the last :meth:`call_soon` held its commands back (it was asked to, and
         #: the connection was :meth:`_quiet`)
         self.held_last = False
@@ -204,15 +210,17 @@ class RespConnection:
         """
         box: list[list[Any]] = []
         entry = (len(commands), box)
-        hold = hold and self.sock is not None and self._quiet()
+        hold = hold and self._quiet()
         self.held_last = hold
         self._soon.append(entry)  # (first: a reply can never arrive for nobody)
         try:
             if hold:
                 if _let_go_registered != os.getpid():
                     _register_let_go()
-                self._send_packed(self._packed(commands), more=True)
+                packed = self._packed(commands)
+                self._send_packed(packed, more=True)
                 self._held += 1
+                self._held_bytes += len(packed)
             else:
                 self.send(commands, settle=False)
         except BaseException:
@@ -253,7 +261,7 @@ class RespConnection:
             The socket failed (the connection is closed).
         """
         if self._held:
-            self._held = 0
+            self._held = self._held_bytes = 0
             sock = self.sock
             if sock is not None:
                 try:
@@ -283,8 +291,21 @@ class RespConnection:
     def _quiet(self) -> bool:
         """Whether Redis owes this connection no reply to what went out: every command
         written without ``hold`` is answered and its reply taken in (what has come is taken
-        in now, without waiting). Nothing can then arrive on the socket until the commands
-        held back go out."""
+        in now, without waiting), and none of those held back has left the socket — the
+        kernel sends each full segment of them at once (a 1,500-byte MTU carries under two
+        frame records), Linux the rest after ~0.2 s, and another thread's :meth:`push`
+        all of them (``SIOCOUTQNSD``: the bytes not sent yet). Nothing can then arrive on the
+        socket until the commands held back go out."""
+        sock = self.sock
+        if sock is None:
+            return False
+        if self._held:
+            try:
+                unsent = struct.unpack("i", fcntl.ioctl(sock.fileno(), _SIOCOUTQNSD, _INT0))[0]
+            except OSError:
+                return False
+            if unsent < self._held_bytes:
+                return False
         owed = len(self._unanswered) + sum(n for n, _ in self._soon) \
             - sum(n for n, _ in itertools.islice(reversed(self._soon), self._held))
         if len(self._parsed) >= owed:
@@ -439,7 +460,7 @@ class RespConnection:
                 sent = _written(sock, data)
                 if sent < len(data):
                     sock.sendall(memoryview(data)[sent:])
-                self._held = 0
+                self._held = self._held_bytes = 0
         except BaseException:
             self.close()
             raise
@@ -601,7 +622,7 @@ class RespConnection:
         if sock is not None and self._held:
             _let_go(sock)
         # (the deferred commands not answered stay: sent again on the next connection)
-        self._held = 0
+        self._held = self._held_bytes = 0
         self._soon.clear()  # (a call_soon function then finds its box empty)
         self._parsed.clear()
         self.patterns.clear()  # (and so do subscriptions)
@@ -633,7 +654,7 @@ def _let_go_at_exit() -> None:
         sock = conn.sock
         if sock is not None and conn._held:
             _let_go(sock)
-            conn._held = 0
+            conn._held = conn._held_bytes = 0
 
 
 #: the process that registered :func:`_let_go_at_exit` with :mod:`multiprocessing` (0: none)

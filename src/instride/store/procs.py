@@ -44,12 +44,23 @@ def pid_space() -> str | None:
         return None
 
 
+_space: tuple[int, str | None] = (0, None)
+
+
+def _space_of_pid() -> tuple[int, str | None]:
+    """:func:`pid_space`, read once per process (a waiter asks at every poll)."""
+    global _space
+    if _space[0] != os.getpid():
+        _space = (os.getpid(), pid_space())
+    return _space
+
+
 def stopped(pid: int) -> bool:
     """Whether process ``pid`` (a number of this process's PID namespace, as the kernel gives
     it for a lock's holder) is stopped: by ``SIGSTOP`` or ``SIGTSTP`` (``Ctrl-Z``), or at a
     debugger's breakpoint. ``False`` for a running, sleeping or gone process, and wherever it
     cannot be told (``/proc`` of another PID namespace, a process this one may not look at)."""
-    if pid_space() is None:
+    if _space_of_pid()[1] is None:
         return False
     stat = proc_stat(pid)
     return stat is not None and stat[0] in ("T", "t")
