@@ -229,6 +229,49 @@ def test_a_stream_run_again_under_its_name_is_read_anew_on_other_nodes(
     assert run(cluster, 1, READ_STEPS).split() == ["200", "201", "202"]
 
 
+KILLED_PRODUCER = """
+    import os, signal, sys, time
+    import numpy as np
+    import instride
+    import instride.stream as stream_module
+    stream_module._PACED_AFTER = stream_module._HOLD_AGE = 60.0  # (every append flat out)
+    pos = np.zeros((100, 3), np.float32)
+    s = instride.Stream(sys.argv[1], mode="w")
+    for i in range(int(sys.argv[2])):
+        s.append(pos + i, step=i)
+    print(s._holding, flush=True)
+    time.sleep(0.05)  # (the answers to the records sent come in, unread)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_producer_killed_outright_leaves_every_appended_frame_recorded(
+        cluster: EmulatedCluster) -> None:
+    """Between emulated nodes (a 1,500-byte MTU: a segment carries under two frame records,
+    and the kernel sends each full one at once): a producer appending flat out, killed with
+    ``SIGKILL`` right after its last ``append``, leaves every frame it appended recorded in
+    Redis, for readers on other nodes — its held-back records are never dropped by a reset.
+    (The reset itself, which timing here rarely brings about, is shown in
+    tests/metadata/test_resp.py.)"""
+    name, n = "killed/run", 45
+    proc = start(cluster, 1, KILLED_PRODUCER, name, str(n))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, err
+    seen = run(cluster, 2, """
+        import sys, time, instride
+        c, name, n = instride.get_client(), sys.argv[1], int(sys.argv[2])
+        keys = [f"{name}/frame_{i:09d}.isf" for i in range(n)]
+        start = time.monotonic()
+        while time.monotonic() - start < 5:
+            missing = [i for i, k in enumerate(keys) if c.lookup(k) is None]
+            if not missing:
+                break
+            time.sleep(0.05)
+        print(missing)
+    """, name, str(n))
+    assert seen.strip() == "[]", (out, seen)
+
+
 def test_checksum_mismatch_publishes_nothing(cluster: EmulatedCluster) -> None:
     run(cluster, 1, PUT, "bad/k", "G", "0", "4096")
     owner_file = cluster.node(1).dir / "bad" / "k"

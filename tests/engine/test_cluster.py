@@ -2131,51 +2131,6 @@ def test_a_producer_appending_flat_out_sends_its_frames_records_several_at_a_tim
         other.close()
 
 
-_KILLED_PRODUCER = """
-import os, signal, sys, time
-import numpy as np
-import instride
-import instride.stream as stream_module
-stream_module._PACED_AFTER = stream_module._HOLD_AGE = 60.0  # (every append flat out)
-client = instride.get_client()
-pos = np.zeros((100, 3), np.float32)
-producer = instride.Stream(sys.argv[1], mode="w", client=client)
-for i in range(int(sys.argv[2])):
-    producer.append(pos + i, step=i)
-print(producer._holding, flush=True)
-time.sleep(0.05)  # (the answers to the records sent last come in meanwhile, unread)
-os.kill(os.getpid(), signal.SIGKILL)  # (no close, no exit hook: the kernel closes the socket)
-"""
-
-
-def test_a_producer_killed_outright_loses_no_record_of_a_frame_it_appended(
-        nodes: list[LoopbackNode]) -> None:
-    """A producer appending flat out holds records back only while Redis owes its
-    connection no answer: killed outright (``SIGKILL``), with the answers to its last records
-    sent come in since and unread, it leaves nothing unread on the socket — TCP would reset it
-    and drop what it holds — so the kernel's close sends the held records, and every frame
-    whose ``append`` returned is recorded."""
-    import redis as redis_py
-
-    env = {**nodes[0].env, "INSTRIDE_RECORD_BATCH": "64"}  # (Redis takes a while over 64)
-    name, n = "held/killed", 68
-    run = subprocess.run([sys.executable, "-c", _KILLED_PRODUCER, name, str(n)], env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
-    assert run.stdout.strip().isdigit()
-    url = nodes[0].settings().redis_url
-    assert url is not None
-    other = redis_py.Redis.from_url(url)
-    try:
-        keys = [f"instride:rec:{name}/{instride.stream.FRAME_FORMAT.format(i)}" for i in range(n)]
-        start = time.monotonic()
-        while not all(other.exists(k) for k in keys) and time.monotonic() - start < 5:
-            time.sleep(0.01)
-        assert [i for i, k in enumerate(keys) if not other.exists(k)] == []
-    finally:
-        other.close()
-
-
 def test_a_stream_appended_from_two_threads_pushes_one_threads_held_records_first(
         clients: list[instride.Client], monkeypatch: pytest.MonkeyPatch) -> None:
     """Records held back by one thread's connection are pushed out when another thread

@@ -52,7 +52,8 @@ def _close_inherited() -> None:
     connections of their own: :mod:`instride.perthread`)."""
     for conn in list(_live):
         sock, conn.sock = conn.sock, None
-        conn._held = conn._held_bytes = 0  # (the parent's socket holds them: its own)
+        conn._held = 0  # (the parent's socket holds them: its own)
+        conn._held_sizes.clear()
         conn._soon.clear()
         conn._unanswered.clear()  # (the parent's to send again, not the child's)
         conn._failed = None
@@ -139,8 +140,8 @@ class RespConnection:
         #: the newest :meth:`call_soon` functions whose commands are held back in the socket
         #: (``hold``): not pushed out yet
         self._held = 0
-        #: the bytes of the commands held back (see :meth:`_quiet`)
-        self._held_bytes = 0
+        #: the sizes of the held-back commands' writes, oldest first (see :meth:`_quiet`)
+        self._held_sizes: deque[int] = deque()
         #: whether the last :meth:`call_soon` held its commands back (it was asked to, and
         #: the connection was :meth:`_quiet`)
         self.held_last = False
@@ -220,7 +221,7 @@ class RespConnection:
                 packed = self._packed(commands)
                 self._send_packed(packed, more=True)
                 self._held += 1
-                self._held_bytes += len(packed)
+                self._held_sizes.append(len(packed))
             else:
                 self.send(commands, settle=False)
         except BaseException:
@@ -261,7 +262,8 @@ class RespConnection:
             The socket failed (the connection is closed).
         """
         if self._held:
-            self._held = self._held_bytes = 0
+            self._held = 0
+            self._held_sizes.clear()
             sock = self.sock
             if sock is not None:
                 try:
@@ -289,25 +291,30 @@ class RespConnection:
         return len(self._parsed) >= len(self._unanswered) + self._soon[0][0]
 
     def _quiet(self) -> bool:
-        """Whether Redis owes this connection no reply to what went out: every command
-        written without ``hold`` is answered and its reply taken in (what has come is taken
-        in now, without waiting), and none of those held back has left the socket — the
-        kernel sends each full segment of them at once (a 1,500-byte MTU carries under two
-        frame records), Linux the rest after ~0.2 s, and another thread's :meth:`push`
-        all of them (``SIOCOUTQNSD``: the bytes not sent yet). Nothing can then arrive on the
-        socket until the commands held back go out."""
+        """Whether Redis owes this connection no reply it has not taken in: to none of the
+        commands written without ``hold``, nor to any held one that left the socket whole —
+        the kernel sends each full segment of held bytes at once (a 1,500-byte MTU carries
+        under two frame records), Linux the rest after ~0.2 s, another thread's :meth:`push`
+        all of them (``SIOCOUTQNSD``: the bytes not sent yet). What has come is taken in
+        now, without waiting. Nothing can then arrive on the socket until more of the held
+        commands go out."""
         sock = self.sock
         if sock is None:
             return False
-        if self._held:
+        held = self._held
+        if held:
             try:
                 unsent = struct.unpack("i", fcntl.ioctl(sock.fileno(), _SIOCOUTQNSD, _INT0))[0]
             except OSError:
                 return False
-            if unsent < self._held_bytes:
-                return False
+            sent = sum(self._held_sizes) - unsent
+            for size in self._held_sizes:  # (the held ones sent whole are owed replies)
+                if sent < size:
+                    break
+                sent -= size
+                held -= 1
         owed = len(self._unanswered) + sum(n for n, _ in self._soon) \
-            - sum(n for n, _ in itertools.islice(reversed(self._soon), self._held))
+            - sum(n for n, _ in itertools.islice(reversed(self._soon), held))
         if len(self._parsed) >= owed:
             return True
         return self._take_in() and len(self._parsed) >= owed
@@ -346,6 +353,8 @@ class RespConnection:
             if self._soon and self._soon[0][1] is box:
                 self._soon.popleft()
             self._held = min(self._held, len(self._soon))  # (held ones are the newest)
+            while len(self._held_sizes) > self._held:
+                self._held_sizes.popleft()
 
     def _settle(self) -> None:
         """Read the replies every :meth:`call_soon` function is owed, into their boxes."""
@@ -460,7 +469,8 @@ class RespConnection:
                 sent = _written(sock, data)
                 if sent < len(data):
                     sock.sendall(memoryview(data)[sent:])
-                self._held = self._held_bytes = 0
+                self._held = 0
+                self._held_sizes.clear()
         except BaseException:
             self.close()
             raise
@@ -622,7 +632,8 @@ class RespConnection:
         if sock is not None and self._held:
             _let_go(sock)
         # (the deferred commands not answered stay: sent again on the next connection)
-        self._held = self._held_bytes = 0
+        self._held = 0
+        self._held_sizes.clear()
         self._soon.clear()  # (a call_soon function then finds its box empty)
         self._parsed.clear()
         self.patterns.clear()  # (and so do subscriptions)
@@ -654,7 +665,8 @@ def _let_go_at_exit() -> None:
         sock = conn.sock
         if sock is not None and conn._held:
             _let_go(sock)
-            conn._held = conn._held_bytes = 0
+            conn._held = 0
+            conn._held_sizes.clear()
 
 
 #: the process that registered :func:`_let_go_at_exit` with :mod:`multiprocessing` (0: none)
