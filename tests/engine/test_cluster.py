@@ -26,7 +26,7 @@ import pytest
 
 import instride
 from instride.engine import Engine
-from instride.engine.cluster import ClusterEngine
+from instride.engine.cluster import ClusterEngine, _file_clock_ns
 from instride.errors import ConsumeTimeout, IntegrityError
 from instride.keys import TMP_PATTERN
 from instride.record import Record
@@ -1146,8 +1146,8 @@ def test_a_fetch_resumed_late_never_sets_a_copy_back_to_an_earlier_publication(
         clients: list[instride.Client]) -> None:
     """A fetch that held the key's fetch lock and was gone past (stopped) stores its copy
     when it goes on: where another fetch stored a copy of a later publication of the key since
-    it took the lock, that copy stays (file and sidecar); a copy from before that time is
-    replaced as ever."""
+    it took the lock, that copy stays (file and sidecar), as does an original the node
+    published since; a copy from before that time is replaced as ever."""
     c1, c2, _ = clients
     engine = c2.engine
     assert isinstance(engine, ClusterEngine)
@@ -1155,7 +1155,7 @@ def test_a_fetch_resumed_late_never_sets_a_copy_back_to_an_earlier_publication(
         fh.write(b"1" * 50_000)
     first = c1.lookup("stl/c.bin")
     path = c2.consume("stl/c.bin", timeout=10)
-    took_lock = time.time_ns()  # (the late fetch of the first publication took the lock here)
+    took_lock = _file_clock_ns()  # (the late fetch of the first publication took the lock)
     time.sleep(0.05)  # (a file system's coarse clock: the copy below is stamped after it)
     with c1.open("stl/c.bin", "wb", overwrite=True) as fh:
         fh.write(b"2" * 50_000)
@@ -1174,8 +1174,14 @@ def test_a_fetch_resumed_late_never_sets_a_copy_back_to_an_earlier_publication(
 
     assert late_store(took_lock) is False  # the later publication's copy stays
     assert path.read_bytes() == b"2" * 50_000 and engine.cached_version("stl/c.bin") == second.version
-    assert late_store(time.time_ns()) is True  # (a copy from before the lock: replaced)
+    assert late_store(_file_clock_ns() + 10**9) is True  # (a copy from before: replaced)
     assert path.read_bytes() == b"1" * 50_000 and engine.cached_version("stl/c.bin") == first.version
+    took_lock = _file_clock_ns()
+    time.sleep(0.05)
+    engine.forget_fetched("stl/c.bin")  # an original of this node since (as a publication
+    path.write_bytes(b"3" * 50_000)  # here leaves it): it stays
+    assert late_store(took_lock) is False and path.read_bytes() == b"3" * 50_000
+    assert not engine.is_copy("stl/c.bin")
 
 
 @pytest.mark.parametrize("offset", [200, 20], ids=["payload", "header"])

@@ -464,8 +464,9 @@ def test_held_commands_survive_a_process_killed_outright(redis_server: RedisServ
     """A process killed outright (``SIGKILL``: no close, no exit hook) with a reply come in
     and unread has its socket reset by TCP, which drops what the socket holds back: a reply
     owed to a command sent before (``owed``), or to a held one the kernel sent already with a
-    full segment (``segment``). So what came in is taken in right after each held write (and
-    what comes in later pushes the held bytes out): the kernel's close sends them."""
+    full segment (``segment``). So a command is held only once every such reply is taken in
+    (and what came in meanwhile is taken in right after the held write; what comes in later
+    pushes the held bytes out): the kernel's close sends them."""
     import signal
     import subprocess
     import sys

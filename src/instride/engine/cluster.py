@@ -99,6 +99,16 @@ def _options(window: tuple[float, float] | None, into: memoryview | None = None,
                               ("digest_from", digest_from or None)) if v is not None}
 
 
+#: Linux's ``CLOCK_REALTIME_COARSE`` (Python names it from 3.13 on)
+_REALTIME_COARSE = getattr(time, "CLOCK_REALTIME_COARSE", 5)
+
+
+def _file_clock_ns() -> int:
+    """Now, as the kernel stamps files (``CLOCK_REALTIME_COARSE``: a file's modification time
+    lags ``time.time()`` by up to a clock tick), in ns."""
+    return time.clock_gettime_ns(_REALTIME_COARSE)
+
+
 def _identity(record: Record) -> tuple[int, int, str, str]:
     """What makes a copy a copy of ``record``: its version alone is not enough (the version
     clock starts again with a new Redis, or a restarted one without persistence)."""
@@ -242,16 +252,18 @@ class ClusterEngine:
         the stream's next frame, which is made elsewhere, for a whole wait slice; a sidecar
         without its file yet only says nothing is cached.
 
-        ``since_ns`` (``time.time_ns()``): when the caller's fetch took the key's fetch lock.
+        ``since_ns`` (:func:`_file_clock_ns`): when the caller's fetch took the key's fetch
+        lock.
         A copy stored since then by another fetch — one that went past this one, stopped
         meanwhile (see :meth:`_lock`) — of a later publication of the key stays: nothing is
         stored (``False``; the caller drops ``staged``), so that a fetch resumed late never
-        sets the node's copy back to an earlier publication.
+        sets the node's copy back to an earlier publication; nor does an original this node
+        published since then give way to it.
         """
         key = record.key
         with self._storing(key, deadline):
             there = os.access(path, os.F_OK, follow_symlinks=False)
-            if there and since_ns is not None and self._stored_later(record, since_ns):
+            if there and since_ns is not None and self._stored_later(record, path, since_ns):
                 return False
             if there:
                 store.publish_file(staged, path, key, overwrite=True)
@@ -265,16 +277,20 @@ class ClusterEngine:
                 raise
             return True
 
-    def _stored_later(self, record: Record, since_ns: int) -> bool:
-        """Whether the copy of ``record``'s key was stored since ``since_ns`` by another
-        fetch, of a later publication (a higher version: the clock a Redis draws versions
-        from only goes up; compared only for a copy stored meanwhile, never for an older
-        one, which may come from a Redis restarted since without its data)."""
+    def _stored_later(self, record: Record, path: str, since_ns: int) -> bool:
+        """Whether the file at ``path`` (there) came since ``since_ns``: an original this node
+        published (no sidecar), or a copy another fetch stored, of a later publication (a
+        higher version: the clock a Redis draws versions from only goes up; compared only for
+        a copy stored meanwhile — or touched, as a copy in use is — never for one from
+        before, which may come from a Redis restarted since without its data)."""
         try:
             if os.stat(self._sidecar(record.key)).st_mtime_ns < since_ns:
                 return False
         except (FileNotFoundError, NotADirectoryError):
-            return False
+            try:  # (no sidecar under the store lock: an original of this node)
+                return os.stat(path, follow_symlinks=False).st_mtime_ns >= since_ns
+            except (FileNotFoundError, NotADirectoryError):
+                return False
         side = self.cached_copy(record.key)
         return side is not None and not _copy_of(side, record) \
             and int(side["version"]) > record.version
@@ -328,8 +344,8 @@ class ClusterEngine:
         :data:`_STORE_WAIT` s (:class:`ConsumeTimeout`)."""
         start = time.monotonic()
         delay, until = 0.0002, start + _STORE_WAIT
-        if deadline is not None:
-            until = min(until, deadline)
+        if deadline is not None:  # (a few tries at least: its holders hold it for µs)
+            until = max(min(until, deadline), start + 0.05)
         while True:
             with self._store_locks.held(key) as taken:
                 if taken:
@@ -449,10 +465,11 @@ class ClusterEngine:
         soon = time.monotonic() + _ASKED_WAIT
         self._asking_locks.wait_free(key, soon if deadline is None else min(deadline, soon))
         with self._lock(key, deadline, past_stopped=True):
+            since_ns = _file_clock_ns()  # (see _store_copy)
             side = self.cached_copy(key)
             if os.path.exists(path) and side is not None and _copy_of(side, record):
                 return path  # another consumer of this node fetched it meanwhile
-            self._fetch(record, path, deadline)
+            self._fetch(record, path, since_ns, deadline)
         self.evict(keep=key)
         return path
 
@@ -492,11 +509,11 @@ class ClusterEngine:
                 self._dirs.clear()
             self._dirs.add(parent)
 
-    def _fetch(self, record: Record, path: Path, deadline: float | None = None) -> None:
+    def _fetch(self, record: Record, path: Path, since_ns: int,
+               deadline: float | None = None) -> None:
         staged = tmp_name(str(path))
         parent = str(path.parent)
         self._parent_made(parent)
-        since_ns = time.time_ns()  # (the key's fetch lock is this fetch's from here on)
         t0 = time.monotonic()
         fd = -1  # the staged file, open (so locked) until it has its name
         try:
@@ -654,7 +671,7 @@ class ClusterEngine:
         def replied() -> None:
             if not locked:
                 held.enter_context(self._lock(key, time.monotonic() + wait, past_stopped=True))
-                locked.append(time.time_ns())
+                locked.append(_file_clock_ns())
                 asking.close()  # (the key's lock holds the others off now; let go of it
                 # while the bytes come, not on the frame's path once they are in)
 

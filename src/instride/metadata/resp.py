@@ -140,8 +140,9 @@ class RespConnection:
         #: the newest :meth:`call_soon` functions whose commands are held back in the socket
         #: (``hold``): not pushed out yet
         self._held = 0
-        #: the sizes of the held-back commands' writes, oldest first (see :meth:`_quiet`)
-        self._held_sizes: deque[int] = deque()
+        #: the sizes of the held-back commands, per :meth:`call_soon` call (each command's:
+        #: Redis answers each one as soon as it has it whole), oldest first (see :meth:`_quiet`)
+        self._held_sizes: deque[list[int]] = deque()
         #: whether the last :meth:`call_soon` held its commands back (it was asked to, and
         #: the connection was :meth:`_quiet`)
         self.held_last = False
@@ -218,10 +219,16 @@ class RespConnection:
             if hold:
                 if _let_go_registered != os.getpid():
                     _register_let_go()
-                packed = self._packed(commands)
+                parts = [c if c.__class__ is bytes else hiredis.pack_command(tuple(c))
+                         for c in commands]
+                packed = b"".join(parts)
                 self._send_packed(packed, more=True)
                 self._held += 1
-                self._held_sizes.append(len(packed))
+                self._held_sizes.append([len(part) for part in parts])
+                # (an answer come in since _quiet looked — to held bytes an ACK or Linux's
+                # timer pushed out meanwhile — must not stay unread beside these: taken in
+                # now; one that comes later pushes them out, TCP_NODELAY)
+                self._take_in()
             else:
                 self.send(commands, settle=False)
         except BaseException:
@@ -296,24 +303,29 @@ class RespConnection:
         the kernel sends each full segment of held bytes at once (a 1,500-byte MTU carries
         under two frame records), Linux the rest after ~0.2 s, another thread's :meth:`push`
         all of them (``SIOCOUTQNSD``: the bytes not sent yet). What has come is taken in
-        now, without waiting. Nothing can then arrive on the socket until more of the held
-        commands go out."""
+        now, without waiting (and again right after the held write, for an answer come in
+        meanwhile). What comes in after that pushes the held bytes out (any segment that
+        acknowledges sent data sets off a send; the socket has ``TCP_NODELAY``)."""
         sock = self.sock
         if sock is None:
             return False
-        held = self._held
+        held, gone = self._held, 0
         if held:
             try:
                 unsent = struct.unpack("i", fcntl.ioctl(sock.fileno(), _SIOCOUTQNSD, _INT0))[0]
             except OSError:
                 return False
-            sent = sum(self._held_sizes) - unsent
-            for size in self._held_sizes:  # (the held ones sent whole are owed replies)
-                if sent < size:
-                    break
-                sent -= size
-                held -= 1
-        owed = len(self._unanswered) + sum(n for n, _ in self._soon) \
+            sent = sum(map(sum, self._held_sizes)) - unsent
+            for sizes in self._held_sizes:  # (each held command sent whole is owed its reply)
+                for size in sizes:
+                    if sent < size:
+                        break
+                    sent -= size
+                    gone += 1
+                else:
+                    continue
+                break
+        owed = len(self._unanswered) + sum(n for n, _ in self._soon) + gone \
             - sum(n for n, _ in itertools.islice(reversed(self._soon), held))
         if len(self._parsed) >= owed:
             return True

@@ -50,7 +50,7 @@ _space: tuple[int, str | None] = (0, None)
 def _space_of_pid() -> tuple[int, str | None]:
     """:func:`pid_space`, read once per process (a waiter asks at every poll)."""
     global _space
-    if _space[0] != os.getpid():
+    if _space[0] != os.getpid() or _space[1] is None:  # (a failed read is tried again)
         _space = (os.getpid(), pid_space())
     return _space
 
