@@ -1072,17 +1072,25 @@ def _let_go(proc: subprocess.Popen) -> None:
     proc.communicate("\n", timeout=30)
 
 
+def _published_on_one(clients: list[instride.Client], key: str, size: int
+                      ) -> tuple[instride.Client, instride.Client, ClusterEngine, bytes]:
+    """``key`` published on the first node with ``size`` random bytes: the first two clients,
+    the second's engine and the bytes."""
+    c1, c2, _ = clients
+    data = np.random.default_rng(size).bytes(size)
+    with c1.open(key, "wb") as fh:
+        fh.write(data)
+    engine = c2.engine
+    assert isinstance(engine, ClusterEngine)
+    return c1, c2, engine, data
+
+
 def test_a_fetch_goes_past_a_stopped_holder_of_its_keys_lock_not_a_running_one(
         clients: list[instride.Client]) -> None:
     """A consumer stopped (``SIGSTOP``, ``Ctrl-Z``, a debugger) while it holds a key's fetch
     lock keeps it; another consumer of the node then fetches the key itself, instead of waiting
     for it up to its timeout. A holder that runs is waited for (its transfer is the node's)."""
-    c1, c2, _ = clients
-    data = np.random.default_rng(5).bytes(300_000)
-    with c1.open("stl/a.bin", "wb") as fh:
-        fh.write(data)
-    engine = c2.engine
-    assert isinstance(engine, ClusterEngine)
+    c1, c2, engine, data = _published_on_one(clients, "stl/a.bin", 300_000)
     running = _holding(engine._key_locks.path, "stl/a.bin", "run")
     try:
         assert engine._key_locks.holder("stl/a.bin") == running.pid
@@ -1109,12 +1117,7 @@ def test_copies_are_stored_and_dropped_under_the_keys_store_lock(
     """A copy and its sidecar are written under the key's store lock, which a drop of the copy
     takes too (a fetch past a stopped holder of the fetch lock is then never beside another
     store or drop of the key): a store waits for it, a drop passes the copy over."""
-    c1, c2, _ = clients
-    data = np.random.default_rng(6).bytes(200_000)
-    with c1.open("stl/b.bin", "wb") as fh:
-        fh.write(data)
-    engine = c2.engine
-    assert isinstance(engine, ClusterEngine)
+    _, c2, engine, data = _published_on_one(clients, "stl/b.bin", 200_000)
     path = c2.root / "stl" / "b.bin"
     storing = _holding(engine._store_locks.path, "stl/b.bin", "run")
     got: list[Any] = []
