@@ -253,12 +253,11 @@ class ClusterEngine:
         without its file yet only says nothing is cached.
 
         ``since_ns`` (:func:`_file_clock_ns`): when the caller's fetch took the key's fetch
-        lock.
-        A copy stored since then by another fetch — one that went past this one, stopped
-        meanwhile (see :meth:`_lock`) — of a later publication of the key stays: nothing is
-        stored (``False``; the caller drops ``staged``), so that a fetch resumed late never
-        sets the node's copy back to an earlier publication; nor does an original this node
-        published since then give way to it.
+        lock. A copy stored since then by another fetch — one that went past this one,
+        stopped meanwhile (see :meth:`_lock`) — of a later publication of the key stays:
+        nothing is stored (``False``; the caller drops ``staged``), so that a fetch resumed
+        late never sets the node's copy back to an earlier publication; nor does an original
+        this node published since then give way to it.
         """
         key = record.key
         with self._storing(key, deadline):
