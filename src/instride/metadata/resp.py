@@ -225,16 +225,17 @@ class RespConnection:
                 self._send_packed(packed, more=True)
                 self._held += 1
                 self._held_sizes.append([len(part) for part in parts])
-                # (an answer come in since _quiet looked — to held bytes an ACK or Linux's
-                # timer pushed out meanwhile — must not stay unread beside these: taken in
-                # now; one that comes later pushes them out, TCP_NODELAY)
-                self._take_in()
             else:
                 self.send(commands, settle=False)
         except BaseException:
             if entry in self._soon:  # (not sent: no reply will come for it)
                 self._soon.remove(entry)
             raise
+        if hold:
+            # (an answer come in since _quiet looked — to held bytes an ACK or Linux's timer
+            # pushed out meanwhile — must not stay unread beside these: taken in now; one
+            # that comes later pushes them out, TCP_NODELAY)
+            self._take_in()
 
         def replies() -> list[Any]:
             while not box and any(b is box for _, b in self._soon):
