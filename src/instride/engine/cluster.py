@@ -339,8 +339,9 @@ class ClusterEngine:
         lock): held while a copy and its sidecar are written or removed, so that two stores
         of different publications never interleave (a file of one with the sidecar of the
         other) — also where a fetch went past a stopped holder of the fetch lock. Held for
-        microseconds; a holder stopped inside it is waited for until ``deadline``, at most
-        :data:`_STORE_WAIT` s (:class:`ConsumeTimeout`)."""
+        microseconds; a holder stopped inside it is waited for until ``deadline`` (50 ms at
+        least: a transfer that ran past it is not thrown away for a moment's contention), at
+        most :data:`_STORE_WAIT` s (:class:`ConsumeTimeout`)."""
         start = time.monotonic()
         delay, until = 0.0002, start + _STORE_WAIT
         if deadline is not None:  # (a few tries at least: its holders hold it for µs)
