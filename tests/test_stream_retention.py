@@ -1077,6 +1077,50 @@ def test_a_rerun_stops_a_group_reader_of_the_earlier_run(
             client.close()
 
 
+@pytest.mark.parametrize("where", ["same node", "other node"])
+def test_a_cluster_reader_learns_of_a_rerun_from_its_first_refused_commit(
+        where: str, tmp_path: Path, redis_server: Any) -> None:
+    """A cluster group reader of run 1 reads on while the stream is re-run and the new run's
+    frames come: it raises ``GroupReset`` at once, having taken at most the one frame it was
+    fetching when its first commit after the re-run was refused (Redis's answer read back;
+    two where that answer was slow).
+    It used to learn of the re-run only at its lease's next renewal, up to a third of the lease
+    later (3.3 s), and took the new run's frames meanwhile as the earlier run's (here: all
+    four). The other node's reader takes the frames its owner streams to it."""
+    from instride.errors import GroupReset
+    from tests.conftest import running_nodes
+
+    ids = (1,) if where == "same node" else (1, 2)
+    with running_nodes(tmp_path, redis_server.url, "test-token", ids) as nodes:
+        writer, reader = nodes[0].client(), nodes[-1].client()
+        try:
+            with instride.Stream("rc", mode="w", retain=8, groups=["g"], client=writer) as w:
+                for i in range(2):
+                    w.append(_positions(i), step=i)
+            r = instride.Stream("rc", group="g", client=reader, timeout=20)
+            assert [next(r).step for _ in range(2)] == [0, 1]
+            w2 = instride.Stream("rc", mode="w", retain=8, groups=["g"], overwrite=True,
+                                 client=writer)
+            for i in range(6):  # (the new run's frames 2-5: what the old reader would take)
+                w2.append(_positions(10 + i), step=10 + i)
+            taken: list[int] = []
+            t0 = time.monotonic()
+            with pytest.raises(GroupReset, match="re-run"):
+                for _ in range(4):
+                    taken.append(next(r).step)
+            assert len(taken) <= 2, taken  # (fetched while the refusal was on its way: one,
+            # a second where Redis was slow to answer)
+            assert time.monotonic() - t0 < 2.0  # (not the lease's renewal, 3.3 s on)
+            r.close()
+            w2.close()
+            again = instride.Stream("rc", group="g", client=reader, timeout=5)
+            assert [f.step for f in again] == list(range(10, 16))
+            again.close()
+        finally:
+            writer.close()
+            reader.close()
+
+
 def test_a_group_reader_waiting_when_its_stream_is_rerun_stops_at_once(
         client: instride.Client) -> None:
     """A group reader of run 1 waits for frame 2, which the re-run never writes: it raises

@@ -112,6 +112,31 @@ def test_a_failed_deferred_command_surfaces_at_the_next_defer_not_at_other_calls
     conn.close()
 
 
+def test_deferred_answers_go_to_their_callbacks_when_taken_in(redis_server: RedisServer) -> None:
+    """A deferred command's answer goes to its ``on_reply`` when read: by ``take_deferred``
+    (without waiting: nothing while it has not come, the command's answer once it has; a
+    ``call_soon`` function's answer, coming after it, stays for that function) or by the next
+    call. An error answer goes to no callback, and is raised by the next ``defer``."""
+    conn = _conn(redis_server)
+    got: list[object] = []
+    conn.take_deferred()  # (none owed: nothing read)
+    conn.defer([("INCRBY", "n", 5)], on_reply=got.append)
+    soon = conn.call_soon([("GET", "n")])
+    deadline = time.monotonic() + 5
+    while not got and time.monotonic() < deadline:
+        conn.take_deferred()
+        time.sleep(0.001)
+    assert got == [5] and conn.deferred == 0
+    assert soon() == [b"5"]  # (its answer kept for it)
+    conn.defer([("INCRBY", "n", 2)], on_reply=got.append)
+    conn.defer([("HSET", "n", "a", 1)], on_reply=got.append)  # WRONGTYPE
+    assert conn.call([("GET", "n")]) == [b"7"]  # (reads both on the way)
+    assert got == [5, 7]
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        conn.defer([("PING",)])
+    conn.close()
+
+
 def test_a_failed_deferred_command_does_not_fail_a_publication(
         redis_server: RedisServer, tmp_path: Path) -> None:
     """A cursor commit refused by Redis must not make the next publication of the thread

@@ -586,7 +586,8 @@ class RedisMetadata:
         args = [x for kv in mapping.items() for x in kv]
         self._call("hset", lambda: fast.defer([("HSET", name, *args)]))
 
-    def eval_later(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> None:
+    def eval_later(self, script: str, keys: Sequence[str], args: Sequence[Any], *,
+                   on_reply: Callable[[Any], None] | None = None) -> None:
         """Run the Lua ``script`` on ``keys`` and ``args`` without waiting for its reply.
 
         An ``EVAL`` deferred as :meth:`set_later`'s ``HSET`` is (see
@@ -595,9 +596,10 @@ class RedisMetadata:
         then (a group's cursor written only while the reader still holds the group's lease).
         The script's text goes with every call (~150 bytes for a commit): nothing depends on
         Redis's script cache, which a restart or ``SCRIPT FLUSH`` empties (an ``EVALSHA``
-        would fail with ``NOSCRIPT`` then). Its reply is read and dropped; an error reply is
-        raised by the thread's next deferred command or :meth:`flush`. Run at once (waiting)
-        where the URL needs redis-py.
+        would fail with ``NOSCRIPT`` then). Its reply goes to ``on_reply`` when it is read
+        (by the thread's next call that reads, or :meth:`take_deferred`), else it is dropped;
+        an error reply is raised by the thread's next deferred command or :meth:`flush`. Run
+        at once (waiting) where the URL needs redis-py.
 
         Parameters
         ----------
@@ -605,16 +607,29 @@ class RedisMetadata:
             The script's text.
         keys, args
             Its ``KEYS`` and ``ARGV``.
+        on_reply
+            Given the script's reply (not an error's); it must not raise.
         """
         fast = self._fast()
         if fast is None:
             runner = self._scripts.get(script)
             if runner is None:
                 runner = self._scripts.setdefault(script, self.redis.register_script(script))
-            self._call("evalsha", lambda: runner(keys=list(keys), args=list(args)))
+            reply = self._call("evalsha", lambda: runner(keys=list(keys), args=list(args)))
+            if on_reply is not None:
+                on_reply(reply)
             return
 
-        self._call("eval", lambda: fast.defer([("EVAL", script, len(keys), *keys, *args)]))
+        self._call("eval", lambda: fast.defer([("EVAL", script, len(keys), *keys, *args)],
+                                              on_reply=on_reply))
+
+    def take_deferred(self) -> None:
+        """Take in the replies come to this thread's deferred commands, without waiting (see
+        :meth:`eval_later`'s ``on_reply``): one read of its connection, none where no reply
+        is owed or it has none."""
+        conn = getattr(self._per_thread.get(), "fast", None)
+        if conn is not None:
+            conn.take_deferred()
 
     def command(self, *args: Any) -> Any:
         """One Redis command, on this thread's lean connection where the URL allows (the

@@ -56,6 +56,7 @@ def _close_inherited() -> None:
         conn._held_sizes.clear()
         conn._soon.clear()
         conn._unanswered.clear()  # (the parent's to send again, not the child's)
+        conn._on_reply.clear()
         conn._failed = None
         conn._parsed.clear()
         conn.patterns.clear()
@@ -115,8 +116,10 @@ class RespConnection:
         self.sock: socket.socket | None = None
         self.reader: Any = None
         # :meth:`defer`'d commands whose replies are not read yet (packed): sent again first
-        # on the next connection if this one fails before them
+        # on the next connection if this one fails before them; beside each, what its answer
+        # is given to (``on_reply``), if anything
         self._unanswered: deque[bytes] = deque()
+        self._on_reply: deque[Callable[[Any], None] | None] = deque()
         self._parsed: deque[Any] = deque()  # (replies parsed by answered(), in order)
         #: the first error answer to a deferred command not reported yet: raised by the next
         #: :meth:`defer` or :meth:`raise_deferred`, never by an unrelated call
@@ -394,9 +397,7 @@ class RespConnection:
                 if isinstance(reply, Exception) and str(reply).split(" ", 1)[0] in UNAVAILABLE:
                     raise redis.BusyLoadingError(str(reply))  # (the connection is closed)
                 if deferred and self._unanswered:  # replies come in order: the deferred
-                    self._unanswered.popleft()  # commands' first
-                    if isinstance(reply, Exception) and self._failed is None:
-                        self._failed = reply  # (theirs to hear: see raise_deferred)
+                    self._deferred_answered(reply)  # commands' first
                     continue
                 out.append(reply)
         except BaseException:
@@ -439,7 +440,36 @@ class RespConnection:
         finally:
             sock.settimeout(self.timeout)
 
-    def defer(self, commands: Sequence[tuple[Any, ...]]) -> None:
+    def _deferred_answered(self, reply: Any) -> None:
+        """The answer to the oldest deferred command, read: an error is kept (theirs to hear:
+        see :meth:`raise_deferred`), anything else goes to its ``on_reply``."""
+        self._unanswered.popleft()
+        on_reply = self._on_reply.popleft()
+        if isinstance(reply, Exception):
+            if self._failed is None:
+                self._failed = reply
+        elif on_reply is not None:
+            on_reply(reply)
+
+    def take_deferred(self) -> None:
+        """Take in the answers to :meth:`defer`'d commands that have come, without waiting:
+        each goes to its ``on_reply`` (an error is kept for :meth:`raise_deferred`). One read
+        of the socket, none where no answer is owed. (Their answers come before those of any
+        :meth:`call_soon` function: :meth:`defer` reads those first.)"""
+        if not self._unanswered or self.sock is None:
+            return
+        if len(self._parsed) < len(self._unanswered) and not self._take_in():
+            return  # (the socket failed: the next call finds it, and sends them again)
+        while self._parsed and self._unanswered:
+            reply = self._parsed[0]
+            if isinstance(reply, Exception) and str(reply).split(" ", 1)[0] in UNAVAILABLE:
+                self.close()  # (as a call would: they go again on the next connection)
+                return
+            self._parsed.popleft()
+            self._deferred_answered(reply)
+
+    def defer(self, commands: Sequence[tuple[Any, ...]], *,
+              on_reply: Callable[[Any], None] | None = None) -> None:
         """Send ``commands`` now and read their replies with the next :meth:`call`.
 
         For updates nobody waits on (a stream's head counters): the round trip overlaps the
@@ -449,13 +479,15 @@ class RespConnection:
         or closed an idle connection), they may or may not have run: they are sent again
         first on the next connection, so they must be commands that may run twice (an
         ``HSET`` of values, not of increments; an ``EVAL`` of a script that checks what it may
-        still do).
+        still do). ``on_reply``: given each command's answer when it is read (by a call, or
+        :meth:`take_deferred`), unless an error; it must not raise.
         """
         packed = [hiredis.pack_command(tuple(c)) for c in commands]
         self.raise_deferred()
         self._settle()  # (replies still owed to a call_soon come first)
         self._send_packed(b"".join(packed))
         self._unanswered.extend(packed)
+        self._on_reply.extend([on_reply] * len(packed))
 
     def send(self, commands: Sequence[tuple[Any, ...] | bytes], *, settle: bool = True) -> None:
         """Send ``commands`` in one write without reading replies (subscriptions).

@@ -777,9 +777,11 @@ class RedisGroupCursor:
     the group) is taken back at the next renewal or check: each taking of a lease counts the
     group's generation up, and the lease is taken back only while the generation is still
     the reader's (a reader that took the group and let it go meanwhile, or a re-run, counted
-    it up). A re-run of the stream (``overwrite=True``) deletes every group's lease with the reset of
-    the cursors: the reader of the earlier run finds its lease gone at its next renewal and
-    raises :class:`~instride.errors.GroupReset` (told apart by the stream's count of resets).
+    it up). A re-run of the stream (``overwrite=True``) deletes every group's lease with the
+    reset of the cursors: the reader of the earlier run finds its lease gone when Redis's
+    answer to its next commit says it refused it (see :meth:`check`), or at its next renewal,
+    and raises :class:`~instride.errors.GroupReset` (told apart by the stream's count of
+    resets).
     """
 
     def __init__(self, state: RedisStreamState, name: str, start: int) -> None:
@@ -803,6 +805,8 @@ class RedisGroupCursor:
         #: whether a commit was sent (on its thread's own connection, its answer read there;
         #: see :meth:`close`)
         self._committed = False
+        #: commits sent whose answers were not read yet; whether one read was a refusal
+        self._owed, self._refused = 0, False
         r.hsetnx(state._groups, name, start)
         self.value = int(r.hget(state._groups, name))
         self._stop = threading.Event()
@@ -834,15 +838,26 @@ class RedisGroupCursor:
     def check(self) -> None:
         """Before the reader takes another frame as the group: the lease is still its own.
 
-        Free while the background renewals keep up; after a pause of more than two renewal
-        periods (the process was stopped, the machine paused) one round trip to Redis says.
+        Free while the background renewals keep up and no commit was refused; after a pause
+        of more than two renewal periods (the process was stopped, the machine paused), or
+        once the answer to a commit says Redis refused it (the lease is not the reader's: a
+        re-run of the stream deleted it, or another reader took it), one round trip to Redis
+        says. The answers to the commits sent are taken in here, without waiting (a read of
+        the connection, until each is in): a reader of a re-run stream learns of it from the
+        first commit after the re-run, not from its next renewal, up to a third of the lease
+        later.
 
         Raises
         ------
         GroupLeaseLost
             The lease expired and is (or was) another reader's.
         """
-        if not self._lost and time.monotonic() - self._renewed < self.state.lease_s * 2 / 3:
+        if self._owed:
+            with contextlib.suppress(Exception):  # (unreachable: the next call says)
+                self.state.metadata.take_deferred()
+        if self._refused:
+            self._refused = False  # (a lease that ran out and that nobody took: taken back)
+        elif not self._lost and time.monotonic() - self._renewed < self.state.lease_s * 2 / 3:
             return
         try:
             ours = self._extend()
@@ -871,12 +886,21 @@ class RedisGroupCursor:
         if value != self.value:
             # (the value first: a close() on another thread meanwhile writes this one)
             before, self.value, self._committed = self.value, value, True
+            self._owed += 1
             try:
                 self.state.metadata.eval_later(_COMMIT, [self._lock, self.state._groups],
-                                               [self._token, self.name, value])
+                                               [self._token, self.name, value],
+                                               on_reply=self._answered)
             except BaseException:
                 self.value = before
+                self._owed -= 1
                 raise
+
+    def _answered(self, reply: Any) -> None:
+        """A commit's answer, read: ``-1``, refused (see :data:`_COMMIT`)."""
+        self._owed = max(0, self._owed - 1)
+        if reply == -1:
+            self._refused = True
 
     def close(self) -> None:
         """Release the lease (the cursor stays), if it is still this reader's (compared and
