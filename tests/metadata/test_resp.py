@@ -116,7 +116,8 @@ def test_deferred_answers_go_to_their_callbacks_when_taken_in(redis_server: Redi
     """A deferred command's answer goes to its ``on_reply`` when read: by ``take_deferred``
     (without waiting: nothing while it has not come, the command's answer once it has; a
     ``call_soon`` function's answer, coming after it, stays for that function) or by the next
-    call. An error answer goes to no callback, and is raised by the next ``defer``."""
+    call, or ``drain_deferred`` (waiting; on a new connection where the old one was lost).
+    An error answer goes to no callback, and is raised by the next ``defer``."""
     conn = _conn(redis_server)
     got: list[object] = []
     conn.take_deferred()  # (none owed: nothing read)
@@ -134,6 +135,10 @@ def test_deferred_answers_go_to_their_callbacks_when_taken_in(redis_server: Redi
     assert got == [5, 7]
     with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
         conn.defer([("PING",)])
+    conn.defer([("GET", "n")], on_reply=got.append)
+    conn.close()  # (lost before its answer: drain_deferred connects, sends it again, waits)
+    conn.drain_deferred()
+    assert got == [5, 7, b"7"] and conn.deferred == 0
     conn.close()
 
 

@@ -623,12 +623,23 @@ class RedisMetadata:
         self._call("eval", lambda: fast.defer([("EVAL", script, len(keys), *keys, *args)],
                                               on_reply=on_reply))
 
-    def take_deferred(self) -> None:
+    def take_deferred(self, *, wait: bool = False) -> None:
         """Take in the replies come to this thread's deferred commands, without waiting (see
-        :meth:`eval_later`'s ``on_reply``): one read of its connection, none where no reply
-        is owed or it has none."""
+        :meth:`eval_later`'s ``on_reply``): a look at its connection, a read where one came.
+        ``wait``: all of them, waiting for those still on their way (connection errors
+        retried as for any command).
+
+        Raises
+        ------
+        MetadataUnavailable
+            ``wait``: Redis could not be reached within the connect timeout.
+        """
         conn = getattr(self._per_thread.get(), "fast", None)
-        if conn is not None:
+        if conn is None:
+            return
+        if wait:
+            self._call("deferred answers", conn.drain_deferred)
+        else:
             conn.take_deferred()
 
     def command(self, *args: Any) -> Any:

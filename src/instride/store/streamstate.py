@@ -842,10 +842,11 @@ class RedisGroupCursor:
         of more than two renewal periods (the process was stopped, the machine paused), or
         once the answer to a commit says Redis refused it (the lease is not the reader's: a
         re-run of the stream deleted it, or another reader took it), one round trip to Redis
-        says. The answers to the commits sent are taken in here, without waiting (a read of
-        the connection, until each is in): a reader of a re-run stream learns of it from the
-        first commit after the re-run, not from its next renewal, up to a third of the lease
-        later.
+        says. The answers to the commits sent are taken in here, without waiting (a look at
+        the connection, until each is in; :meth:`commit` waits for the one before it): a
+        reader of a re-run stream learns of it from the first commit after the re-run, having
+        taken at most ``commit_every`` of the new run's frames, usually none or one — not
+        from its next renewal, up to a third of the lease later.
 
         Raises
         ------
@@ -874,8 +875,9 @@ class RedisGroupCursor:
     def commit(self, value: int) -> None:
         """Record that the group is done with every frame before ``value``.
 
-        Sent without waiting for the reply (read with the next command), and written by
-        Redis only while the lease is still this reader's (see :data:`_COMMIT`).
+        Sent without waiting for the reply (read before each frame, and at the latest before
+        the next commit), and written by Redis only while the lease is still this reader's
+        (see :data:`_COMMIT`).
 
         Raises
         ------
@@ -884,6 +886,12 @@ class RedisGroupCursor:
         """
         self.check()
         if value != self.value:
+            if self._owed:
+                # One commit's answer on its way at most: the one before is read first
+                # (there long since, but for a Redis slower than the reader's frames), so
+                # that a reader of a re-run stream takes at most commit_every of its frames.
+                self.state.metadata.take_deferred(wait=True)
+                self.check()
             # (the value first: a close() on another thread meanwhile writes this one)
             before, self.value, self._committed = self.value, value, True
             self._owed += 1
