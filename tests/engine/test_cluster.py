@@ -1112,6 +1112,34 @@ def test_a_fetch_goes_past_a_stopped_holder_of_its_keys_lock_not_a_running_one(
         _let_go(paused)
 
 
+def test_the_consumers_that_go_past_a_stopped_holder_take_turns(
+        clients: list[instride.Client]) -> None:
+    """Two consumers of a node wait for a key whose fetch lock a stopped process holds: both go
+    past it, one at a time, so that one transfer of the key reaches the node (the second
+    finds the first one's copy). Each used to make a transfer of its own."""
+    _, c2, engine, data = _published_on_one(clients, "stl/t.bin", 2_000_000)
+    paused = _holding(engine._key_locks.path, "stl/t.bin", "stop")
+    try:
+        before = engine.transfers
+        got: list[object] = []
+
+        def take() -> None:
+            try:
+                got.append(c2.consume("stl/t.bin", timeout=20).read_bytes())
+            except Exception as exc:  # noqa: BLE001 (what it raised is the result)
+                got.append(exc)
+
+        threads = [threading.Thread(target=take) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert got == [data, data]
+        assert engine.transfers == before + 1
+    finally:
+        _let_go(paused)
+
+
 def test_copies_are_stored_and_dropped_under_the_keys_store_lock(
         clients: list[instride.Client]) -> None:
     """A copy and its sidecar are written under the key's store lock, which a drop of the copy

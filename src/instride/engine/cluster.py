@@ -41,7 +41,7 @@ from ..paths import ConfinedOpener
 from ..record import Record
 from ..store.procs import stopped
 from ..store.recvpool import KEEP_BYTES, ReceivePool, map_to_receive
-from ..store.slots import slot_locks
+from ..store.slots import SlotLocks, slot_locks
 from ..store.streamstate import RedisStreamState
 from ..transport import Transport, get_transport
 from ..transport.base import Received
@@ -159,6 +159,8 @@ class ClusterEngine:
         self._key_locks = slot_locks(settings.internal_dir / "fetch.lock")
         #: node-wide store locks by key (writing or removing a copy and its sidecar)
         self._store_locks = slot_locks(settings.internal_dir / "store.lock")
+        #: who of the node fetches a key past a stopped holder of its fetch lock (see _lock)
+        self._past_locks = slot_locks(settings.internal_dir / "fetch-past.lock")
         #: who of the node asks a key's owner early (one consumer per key at a time)
         self._asking_locks = slot_locks(settings.internal_dir / "asking.lock")
         #: early fetches received into a mapping of their file (for tests and benchmarks)
@@ -295,8 +297,8 @@ class ClusterEngine:
             and int(side["version"]) > record.version
 
     @contextlib.contextmanager
-    def _lock(self, key: str, deadline: float | None, *,
-              past_stopped: bool = False) -> Iterator[bool]:
+    def _lock(self, key: str, deadline: float | None, *, past_stopped: bool = False,
+              locks: SlotLocks | None = None) -> Iterator[bool]:
         """Exclusive per-key lock across the node's processes and threads, bounded by
         ``deadline`` (:class:`ConsumeTimeout` once it has passed; ``time.monotonic()``: one try).
 
@@ -311,26 +313,36 @@ class ClusterEngine:
         wait has lasted :data:`_STOPPED_AFTER`: the block runs without the lock (yields
         ``False``; else ``True``), a transfer of its own, whose copy is stored under the
         node's store lock as every copy is (:meth:`_store_copy`). A holder that runs, however
-        slowly, is waited for.
+        slowly, is waited for. The consumers that go past it take turns, under a second lock
+        of the key (``.instride/fetch-past.lock``, taken the same way: ``locks``), so that
+        one transfer of the key reaches the node, not one per consumer that waited; past a
+        holder of that one stopped too, the block runs under neither.
         """
+        locks = self._key_locks if locks is None else locks
         delay, start = 0.001, time.monotonic()
         while True:
-            with self._key_locks.held(key) as taken:
+            with locks.held(key) as taken:
                 if taken:
                     yield True
                     return
             now = time.monotonic()
-            if past_stopped and now - start >= _STOPPED_AFTER and self._holder_stopped(key):
-                yield False
+            if past_stopped and now - start >= _STOPPED_AFTER \
+                    and self._holder_stopped(key, locks):
+                if locks is self._key_locks:
+                    with self._lock(key, deadline, past_stopped=True, locks=self._past_locks):
+                        yield False
+                else:
+                    yield False
                 return
             if deadline is not None and now >= deadline:
                 raise ConsumeTimeout(key, now - deadline)
             time.sleep(delay)  # another consumer of this node is fetching the key
             delay = min(delay * 2, 0.05)
 
-    def _holder_stopped(self, key: str) -> bool:
-        """Whether the process holding ``key``'s fetch lock is stopped (see :meth:`_lock`)."""
-        pid = self._key_locks.holder(key)
+    def _holder_stopped(self, key: str, locks: SlotLocks) -> bool:
+        """Whether the process holding ``key``'s lock of ``locks`` is stopped (see
+        :meth:`_lock`)."""
+        pid = locks.holder(key)
         return pid is not None and stopped(pid)
 
     @contextlib.contextmanager
