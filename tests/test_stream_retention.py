@@ -1120,6 +1120,39 @@ def test_a_cluster_reader_learns_of_a_rerun_from_its_first_refused_commit(
             reader.close()
 
 
+def test_a_commit_refused_while_the_lease_ran_out_is_sent_again_once_it_is_taken_back(
+        tmp_path: Path, redis_server: Any) -> None:
+    """A cluster group reader whose lease ran out (nobody took the group) commits: Redis
+    refuses it; the reader reads the refusal, takes the lease back and sends that commit again
+    (the group's position used to lag until its next commit). Once closed, it never takes the
+    lease back (a commit's refusal read after its release could have)."""
+    from tests.conftest import LoopbackNode
+
+    node = LoopbackNode(tmp_path, 1, redis_server.url, "test-token")
+    client = node.client()
+    try:
+        w = instride.Stream("rs", mode="w", retain=8, groups=["g"], client=client)
+        for i in range(4):
+            w.append(_positions(i), step=i)
+        r = instride.Stream("rs", group="g", client=client, timeout=5)
+        assert [next(r).step for _ in range(2)] == [0, 1]
+        redis_ = client.metadata.redis
+        redis_.delete(f"instride:stream:{client.key('rs')}:group:g:lease")  # (as if run out)
+        assert next(r).step == 2  # (its commit of frame 1 done: refused)
+        cursor = r._cursor_file
+        assert cursor is not None
+        cursor.state.metadata.flush()  # (the refusal read)
+        cursor.check()  # (the lease taken back, the commit sent again)
+        cursor.state.metadata.flush()
+        assert redis_.hget(f"instride:stream:{client.key('rs')}:groups", "g") == b"2"
+        assert next(r).step == 3
+        r.close()
+        assert not cursor._extend()
+        w.close()
+    finally:
+        client.close()
+
+
 def test_a_group_reader_waiting_when_its_stream_is_rerun_stops_at_once(
         client: instride.Client) -> None:
     """A group reader of run 1 waits for frame 2, which the re-run never writes: it raises

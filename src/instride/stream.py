@@ -974,12 +974,18 @@ class Stream:
             self._pool.close()
         self._share.close()
         self._release_held()
-        if self._cursor_file is not None:
-            if self._done is not None:  # (positions recorded every commit_every frames)
-                with contextlib.suppress(GroupLeaseLost):  # (the group's new reader's now)
-                    self._cursor_file.commit(self._done)
-            self._cursor_file.close()
-            self._cursor_file = None
+        cursor, self._cursor_file = self._cursor_file, None
+        try:
+            if cursor is not None and self._done is not None:  # (recorded every commit_every
+                with contextlib.suppress(GroupLeaseLost):  # frames; the group's new reader's)
+                    cursor.commit(self._done)
+        finally:  # (a last commit that failed — Redis unreachable — still lets go of the rest)
+            if cursor is not None:
+                cursor.close()
+            self._release_readers()
+
+    def _release_readers(self) -> None:
+        """The rest of :meth:`_release_resources`: a reader's leases, inbox and archive."""
         if self._leases is not None:
             self._leases.close()
         if self._inbox is not None:
@@ -1642,7 +1648,7 @@ class Stream:
         if self._cursor_file is not None:
             try:
                 self._cursor_file.commit(index)
-            except GroupLeaseLost:
+            except BaseException:  # (lost the group, or Redis: the frame is not this reader's)
                 frame.release()
                 raise
             self._done = index  # (what close() records: never behind the frames skipped)

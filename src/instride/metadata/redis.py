@@ -598,8 +598,9 @@ class RedisMetadata:
         Redis's script cache, which a restart or ``SCRIPT FLUSH`` empties (an ``EVALSHA``
         would fail with ``NOSCRIPT`` then). Its reply goes to ``on_reply`` when it is read
         (by the thread's next call that reads, or :meth:`take_deferred`), else it is dropped;
-        an error reply is raised by the thread's next deferred command or :meth:`flush`. Run
-        at once (waiting) where the URL needs redis-py.
+        an error reply also goes there (an exception), and is raised by the thread's next
+        deferred command or :meth:`flush`. Run at once (waiting) where the URL needs
+        redis-py.
 
         Parameters
         ----------
@@ -608,7 +609,8 @@ class RedisMetadata:
         keys, args
             Its ``KEYS`` and ``ARGV``.
         on_reply
-            Given the script's reply (not an error's); it must not raise.
+            Given the script's reply (an error's as its exception); it must not raise, nor
+            use Redis (it runs while the connection reads).
         """
         fast = self._fast()
         if fast is None:
@@ -623,24 +625,19 @@ class RedisMetadata:
         self._call("eval", lambda: fast.defer([("EVAL", script, len(keys), *keys, *args)],
                                               on_reply=on_reply))
 
-    def take_deferred(self, *, wait: bool = False) -> None:
-        """Take in the replies come to this thread's deferred commands, without waiting (see
-        :meth:`eval_later`'s ``on_reply``): a look at its connection, a read where one came.
-        ``wait``: all of them, waiting for those still on their way (connection errors
-        retried as for any command).
+    def take_deferred(self, wait: float = 0.0) -> bool:
+        """Take in the replies come to this thread's deferred commands (see
+        :meth:`eval_later`'s ``on_reply``): a look at its connection, a read where one came;
+        ``wait``: for at most that many seconds, those still on their way too. Never raises
+        (see :meth:`RespConnection.take_deferred`).
 
-        Raises
-        ------
-        MetadataUnavailable
-            ``wait``: Redis could not be reached within the connect timeout.
+        Returns
+        -------
+        bool
+            Whether no reply to a deferred command of this thread is owed now.
         """
         conn = getattr(self._per_thread.get(), "fast", None)
-        if conn is None:
-            return
-        if wait:
-            self._call("deferred answers", conn.drain_deferred)
-        else:
-            conn.take_deferred()
+        return conn is None or conn.take_deferred(wait)
 
     def command(self, *args: Any) -> Any:
         """One Redis command, on this thread's lean connection where the URL allows (the

@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import fcntl
 import itertools
+import math
 import os
 import select
 import socket
@@ -441,52 +442,52 @@ class RespConnection:
             sock.settimeout(self.timeout)
 
     def _deferred_answered(self, reply: Any) -> None:
-        """The answer to the oldest deferred command, read: an error is kept (theirs to hear:
-        see :meth:`raise_deferred`), anything else goes to its ``on_reply``."""
+        """The answer to the oldest deferred command, read: it goes to its ``on_reply``; an
+        error is also kept (theirs to hear: see :meth:`raise_deferred`)."""
         self._unanswered.popleft()
         on_reply = self._on_reply.popleft()
-        if isinstance(reply, Exception):
-            if self._failed is None:
-                self._failed = reply
-        elif on_reply is not None:
+        if isinstance(reply, Exception) and self._failed is None:
+            self._failed = reply
+        if on_reply is not None:
             on_reply(reply)
 
-    def take_deferred(self) -> None:
-        """Take in the answers to :meth:`defer`'d commands that have come, without waiting:
-        each goes to its ``on_reply`` (an error is kept for :meth:`raise_deferred`). One read
-        of the socket, none where no answer is owed. (Their answers come before those of any
-        :meth:`call_soon` function: :meth:`defer` reads those first.)"""
-        sock = self.sock
-        if not self._unanswered or sock is None:
-            return
-        if len(self._parsed) < len(self._unanswered):
-            if self._poller is None:  # (a look first: a read that finds nothing costs 3x)
-                self._poller = select.poll()
-                self._poller.register(sock.fileno(), select.POLLIN | _RDHUP)
-            if self._poller.poll(0) and not self._take_in():
-                return  # (the socket failed: the next call finds it, and sends them again)
-        while self._parsed and self._unanswered:
-            reply = self._parsed[0]
-            if isinstance(reply, Exception) and str(reply).split(" ", 1)[0] in UNAVAILABLE:
-                self.close()  # (as a call would: they go again on the next connection)
-                return
-            self._parsed.popleft()
-            self._deferred_answered(reply)
+    def take_deferred(self, wait: float = 0.0) -> bool:
+        """Take in the answers to :meth:`defer`'d commands that have come: each goes to its
+        ``on_reply`` (an error is also kept for :meth:`raise_deferred`). A look at the socket
+        (``poll``), and a read where something came; nothing where no answer is owed.
+        ``wait``: for at most that many seconds, those still on their way too. Nothing is
+        raised and the connection is left as it is (a failed one is found by the next call,
+        which sends them again). (Their answers come before those of any :meth:`call_soon`
+        function: :meth:`defer` reads those first.)
 
-    def drain_deferred(self) -> None:
-        """Read the answers to every :meth:`defer`'d command, waiting for them (each goes to
-        its ``on_reply``, as :meth:`take_deferred`'s). A connection that failed meanwhile is
-        made again, and they are sent again first.
-
-        Raises
-        ------
-        ConnectionError, OSError
-            As :meth:`call` (the connection is closed).
+        Returns
+        -------
+        bool
+            Whether no answer to a deferred command is owed now.
         """
-        if self._unanswered:
-            if self.sock is None:
-                self._connect()
-            self._replies(0, drain=True)
+        until = time.monotonic() + wait
+        while self._unanswered:
+            sock = self.sock
+            if sock is None:
+                return False
+            if len(self._parsed) < len(self._unanswered):
+                if self._poller is None:  # (a look first: a read that finds nothing costs 3x)
+                    self._poller = select.poll()
+                    self._poller.register(sock.fileno(), select.POLLIN | _RDHUP)
+                left = until - time.monotonic()
+                if not self._poller.poll(max(0, math.ceil(left * 1000)) if wait else 0) \
+                        or not self._take_in():
+                    return False  # (none came in time, or the socket failed)
+            while self._parsed and self._unanswered:
+                reply = self._parsed[0]
+                if isinstance(reply, Exception) and str(reply).split(" ", 1)[0] in UNAVAILABLE:
+                    self.close()  # (as a call would: they go again on the next connection)
+                    return False
+                self._parsed.popleft()
+                self._deferred_answered(reply)
+            if not wait:
+                break
+        return not self._unanswered
 
     def defer(self, commands: Sequence[tuple[Any, ...]], *,
               on_reply: Callable[[Any], None] | None = None) -> None:
@@ -500,7 +501,8 @@ class RespConnection:
         first on the next connection, so they must be commands that may run twice (an
         ``HSET`` of values, not of increments; an ``EVAL`` of a script that checks what it may
         still do). ``on_reply``: given each command's answer when it is read (by a call, or
-        :meth:`take_deferred`), unless an error; it must not raise.
+        :meth:`take_deferred`), an error's as its exception; it must not raise, nor use the
+        connection (it runs while the connection reads).
         """
         packed = [hiredis.pack_command(tuple(c)) for c in commands]
         self.raise_deferred()

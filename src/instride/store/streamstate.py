@@ -739,6 +739,10 @@ end
 return 0
 """
 
+#: seconds a group reader's commit waits at most for the answer to the one before (see
+#: RedisGroupCursor.commit): a Redis paused that long slows its readers down, not more
+_ANSWER_WAIT = 0.1
+
 #: write a group's cursor only while the group's lease is still this reader's (its token): a
 #: commit sent again on a new connection after the lease moved to another reader (which may
 #: have committed further since) writes nothing. KEYS: the lease, the groups' cursors; ARGV:
@@ -824,7 +828,7 @@ class RedisGroupCursor:
         """Extend the lease if it is still ours, or take it back if it ran out and nobody
         took it since; whether it is ours (else it is lost for good)."""
         started = time.monotonic()
-        if self._lost:
+        if self._lost or self._stop.is_set():  # (closed: never taken back after its release)
             return False
         ms = int(self.state.lease_s * 1000)
         if self._script(keys=[self._lock], args=[self._token, ms]) or self._retake(
@@ -843,10 +847,12 @@ class RedisGroupCursor:
         once the answer to a commit says Redis refused it (the lease is not the reader's: a
         re-run of the stream deleted it, or another reader took it), one round trip to Redis
         says. The answers to the commits sent are taken in here, without waiting (a look at
-        the connection, until each is in; :meth:`commit` waits for the one before it): a
-        reader of a re-run stream learns of it from the first commit after the re-run, having
-        taken at most ``commit_every`` of the new run's frames, usually none or one — not
-        from its next renewal, up to a third of the lease later.
+        the connection, until each is in; :meth:`commit` waits up to :data:`_ANSWER_WAIT` s
+        for the one before it): a reader of a re-run stream learns of it from its first commit
+        after the re-run, having taken the new run's frames only while that answer was on
+        its way (none or one usually, twice ``commit_every`` at most) — not from its next
+        renewal, up to a third of the lease later. A commit it refused because the lease ran
+        out, with nobody taking it meanwhile, is sent again once the lease is taken back.
 
         Raises
         ------
@@ -854,15 +860,20 @@ class RedisGroupCursor:
             The lease expired and is (or was) another reader's.
         """
         if self._owed:
-            with contextlib.suppress(Exception):  # (unreachable: the next call says)
+            with contextlib.suppress(Exception):  # (a connection that failed: the next call's)
                 self.state.metadata.take_deferred()
-        if self._refused:
-            self._refused = False  # (a lease that ran out and that nobody took: taken back)
-        elif not self._lost and time.monotonic() - self._renewed < self.state.lease_s * 2 / 3:
+        refused = self._refused
+        if not refused and not self._lost \
+                and time.monotonic() - self._renewed < self.state.lease_s * 2 / 3:
             return
         try:
             ours = self._extend()
         except Exception:  # (Redis unreachable: the lease may still be ours; the commit says)
+            return
+        self._refused = False
+        if ours and refused:  # (a lease that ran out and that nobody took: taken back, and
+            with contextlib.suppress(Exception):  # the commit it refused sent again; else
+                self._send(self.value)  # the next one writes a later position)
             return
         if not ours:
             rerun = False
@@ -875,34 +886,47 @@ class RedisGroupCursor:
     def commit(self, value: int) -> None:
         """Record that the group is done with every frame before ``value``.
 
-        Sent without waiting for the reply (read before each frame, and at the latest before
-        the next commit), and written by Redis only while the lease is still this reader's
-        (see :data:`_COMMIT`).
+        Sent without waiting for the reply (read before each frame, and before the next
+        commit, which waits up to :data:`_ANSWER_WAIT` s for it), and written by Redis only
+        while the lease is still this reader's (see :data:`_COMMIT`).
 
         Raises
         ------
         GroupLeaseLost
-            The lease is another reader's now: nothing is recorded.
+            The lease is another reader's now (:class:`~instride.errors.GroupReset`: the
+            stream was re-run): nothing is recorded.
+        MetadataUnavailable
+            Redis could not be reached to send it.
         """
         self.check()
         if value != self.value:
             if self._owed:
-                # One commit's answer on its way at most: the one before is read first
-                # (there long since, but for a Redis slower than the reader's frames), so
-                # that a reader of a re-run stream takes at most commit_every of its frames.
-                self.state.metadata.take_deferred(wait=True)
+                # One commit's answer on its way at most: the one before is read first (there
+                # long since, but for a Redis slower than the reader's frames; waited for
+                # _ANSWER_WAIT s at most), so that a reader of a re-run stream learns of it
+                # from its first commit after the re-run, or the one after.
+                if self.state.metadata.take_deferred(_ANSWER_WAIT):
+                    self._owed = 0  # (none owed on this thread's connection)
                 self.check()
             # (the value first: a close() on another thread meanwhile writes this one)
-            before, self.value, self._committed = self.value, value, True
-            self._owed += 1
+            before, self.value = self.value, value
             try:
-                self.state.metadata.eval_later(_COMMIT, [self._lock, self.state._groups],
-                                               [self._token, self.name, value],
-                                               on_reply=self._answered)
+                self._send(value)
             except BaseException:
                 self.value = before
-                self._owed -= 1
                 raise
+
+    def _send(self, value: int) -> None:
+        """Send the commit of ``value``, its answer read later (:meth:`_answered`)."""
+        self._committed = True
+        self._owed += 1
+        try:
+            self.state.metadata.eval_later(_COMMIT, [self._lock, self.state._groups],
+                                           [self._token, self.name, value],
+                                           on_reply=self._answered)
+        except BaseException:
+            self._owed -= 1
+            raise
 
     def _answered(self, reply: Any) -> None:
         """A commit's answer, read: ``-1``, refused (see :data:`_COMMIT`)."""
