@@ -1,6 +1,7 @@
 """``instride job -- instride flow run GRAPH.py`` in a real Slurm batch job on emulated nodes:
 the slurm launcher is chosen from ``SLURM_JOB_ID``, places instances by node index as
-``srun --overlap`` steps, and leaves nothing behind, whether the graph ends or fails."""
+``srun --overlap`` steps (also the end of the outputs a ``command=`` program left open, on its
+node), and leaves nothing behind, whether the graph ends or fails."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from instride.flow import FlowError, SlurmLauncher
 from tests.launch.conftest import PY, settle, tree
 
 GRAPH = '''
-import json, time
+import json, sys, time
 import numpy as np
 from instride.flow import Graph
 
@@ -45,8 +46,25 @@ def boom(ports):
     time.sleep(1)
     raise SystemExit(3)
 
-def build(fail=False):
+#: a program (command=) that sends three arrays and exits with status 0 without ports.close()
+NOCLOSE = """
+from instride.flow import from_env
+import numpy as np
+ports = from_env()
+for step in range(3):
+    ports.put("out", np.array([step, 10.0 * step]), step=step)
+ports.put("where", {"node": ports.node}, step=0)
+"""
+
+def build(fail=False, noclose=False):
     g = Graph("slurmflow")
+    if noclose:  # (the runner ends its outputs on its node: an srun step of its own)
+        src = g.module("src", command=[sys.executable, "-c", NOCLOSE],
+                       outputs={"out": "array", "where": "json"}, nodes=[0])
+        dst = g.module("dst", consume, inputs={"out": "array", "where": "json"}, nodes=[1])
+        g.connect(src.output("out"), dst.input("out"))
+        g.connect(src.output("where"), dst.input("where"))
+        return g
     if fail:
         g.module("hang", hang, nodes=[0])
         g.module("boom", boom, nodes=[1])
@@ -78,6 +96,9 @@ def test_slurm_flow_run_across_two_nodes(slurm: EmulatedSlurm, tmp_path: Path) -
         export INSTRIDE_JOB_STATE_DIR={states} INSTRIDE_FLOW_STATE={flow_state}
         cd {tmp_path}
         {job_cmd} sh {tmp_path}/ok.sh
+        {job_cmd} {PY} -m instride flow run graph.py -p noclose=true --out {tmp_path}/nc \\
+            --timeout 60
+        echo "== noclose rc=$?"
         {job_cmd} {PY} -m instride flow run graph.py -p fail=true --out {tmp_path}/bad \\
             --timeout 60
         echo "== fail rc=$?"
@@ -104,6 +125,14 @@ def test_slurm_flow_run_across_two_nodes(slurm: EmulatedSlurm, tmp_path: Path) -
     assert result == {"rows": [[s, [float(s), 10.0 * s]] for s in range(5)],
                       "producer": nodes[0], "consumer": nodes[1]}
     assert (tmp_path / "ok" / "trace.json").exists()
+    # a program that exited 0 without ports.close(): its outputs ended on its node (an srun
+    # step of `python -m instride.flow.worker --end`), its consumer took all and finished
+    assert "== noclose rc=0" in text, text
+    assert "finished src[0]" in text and "finished dst[0]" in text, text
+    result = json.loads((tmp_path / "nc" / "result.json").read_text())
+    assert result == {"rows": [[s, [float(s), 10.0 * s]] for s in range(3)],
+                      "producer": nodes[0], "consumer": nodes[1]}
+    assert "ended by the runner" in (tmp_path / "nc" / "logs" / "src.0.log").read_text()
     # the failing graph: boom fails on node 1, the hanging step on node 0 is stopped
     assert "== fail rc=1" in text, text
     assert "FAILED boom[0] (exit status 3)" in text
