@@ -120,6 +120,7 @@ class Watchdog:
     """
 
     def __init__(self, grace: float) -> None:
+        self._grace = grace
         self._proc = subprocess.Popen(
             [sys.executable, "-I", "-c", CODE, str(grace)], stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL, start_new_session=True, text=True)
@@ -156,11 +157,21 @@ class Watchdog:
     def done(self) -> None:
         """The parent stopped its children itself: the watchdog exits, signalling nothing."""
         self._say("done")
+        self._end(10.0)
+
+    def stop_now(self) -> None:
+        """Have the watchdog stop what it watches now, as if the parent had died (the groups
+        not forgotten, the processes marked by a cookie), and wait until it has: for a
+        parent whose children exited but may have left processes running (a program's
+        background child)."""
+        self._end(self._grace + 10.0)  # (SIGTERM, the grace, SIGKILL)
+
+    def _end(self, wait: float) -> None:
         assert self._proc.stdin is not None
         with contextlib.suppress(BrokenPipeError):
             self._proc.stdin.close()
         try:
-            self._proc.wait(10)
+            self._proc.wait(wait)
         except subprocess.TimeoutExpired:  # pragma: no cover - it reads a line and exits
             self._proc.kill()
             self._proc.wait()

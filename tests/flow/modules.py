@@ -28,6 +28,13 @@ def numbers(ports, n=5, every=10, delay=0.0, port="out"):
             time.sleep(delay)
 
 
+def quits(ports, n=3):
+    """Source of arrays ``[k]`` at steps ``k``, then out by ``os._exit(0)``: no ``close()``."""
+    for k in range(n):
+        ports.put("out", np.array([float(k)]), step=k)
+    os._exit(0)
+
+
 def total(ports):
     """frames -> array: the sum of the positions, same step."""
     while ports.wait():

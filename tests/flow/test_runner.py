@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -599,6 +600,77 @@ def test_a_program_that_stops_reading_early_releases_its_producer(
     g.connect(src.output("out"), cmd.input("in"), retain=2)
     result = run(g, timeout=60)
     assert result.instance("src")["outputs"]["out"]["msgs"] == 20
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def test_a_python_module_gone_without_closing_its_ports_has_its_outputs_ended(
+        flow_env: dict[str, Path]) -> None:
+    """A Python module that leaves by ``os._exit(0)`` (no ``ports.close()``: its worker never
+    returns) has finished: the runner ends its outputs, as a program's, and its consumer takes
+    every message and ends. Only programs (``command=``) had them ended: the consumer waited
+    for ever (here: until the timeout)."""
+    out = flow_env["out"]
+    g = Graph("quits")
+    src = g.module("src", modules.quits, outputs={"out": "array"})
+    rec = g.module("rec", modules.record_ports, inputs={"in": "array"})
+    g.connect(src.output("out"), rec.input("in"))
+    run(g, out=out, timeout=30)
+    assert json.loads((out / "got-0.json").read_text()) == {"in": [[k, [float(k)]]
+                                                                   for k in range(3)]}
+
+
+def test_what_an_instance_left_running_is_stopped_with_the_graph(
+        flow_env: dict[str, Path]) -> None:
+    """A program that exits with status 0 leaving a child running (in its process group, and
+    one in a session of its own): the runner stops both once the graph ends, as it stops the
+    instances (they ran on, past the run, writing as they pleased)."""
+    out = flow_env["out"]
+    out.mkdir(parents=True)
+    code = textwrap.dedent("""
+        import os, subprocess, sys
+        sleep = [sys.executable, "-c", "import time; time.sleep(300)"]
+        kids = [subprocess.Popen(sleep), subprocess.Popen(sleep, start_new_session=True)]
+        with open(os.path.join(os.environ["INSTRIDE_FLOW_OUT_DIR"], "kids"), "w") as f:
+            f.write(" ".join(str(k.pid) for k in kids))
+    """)
+    g = Graph("leaves")
+    g.module("cmd", command=[sys.executable, "-c", code])
+    pids: list[int] = []
+    try:
+        run(g, out=out, timeout=60)
+        pids = [int(p) for p in (out / "kids").read_text().split()]
+        assert len(pids) == 2 and not [pid for pid in pids if _running(pid)]
+    finally:
+        for pid in pids:  # (the test's own cleanup, where the runner did not)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_teardown_that_fails_does_not_hide_why_the_graph_stopped(
+        flow_env: dict[str, Path]) -> None:
+    """An instance fails, then the teardown fails too (the launcher's cleanup): the run still
+    raises ``ModuleFailed`` (its exit status, the log tail), the teardown's error a note on it.
+    The teardown's error used to replace it."""
+
+    class Failing(LocalLauncher):
+        def cleanup(self, prefix: str) -> None:
+            super().cleanup(prefix)
+            raise RuntimeError("the cleanup broke")
+
+    g = Graph("tears")
+    g.module("bad", command=[sys.executable, "-c", "raise SystemExit(7)"])
+    with pytest.raises(ModuleFailed) as info:
+        run(g, launcher=Failing(), timeout=60)
+    assert info.value.returncode == 7
+    assert any("the cleanup broke" in n for n in getattr(info.value, "__notes__", []))
 
 
 def test_a_failing_program_leaves_its_outputs_open_and_stops_the_graph(

@@ -200,6 +200,12 @@ def test_bad_settings_are_typed_errors(managed_dir: Path) -> None:
         IMDServer("s", start="middle")
     with pytest.raises(instride.KeyValidationError):
         IMDServer("../outside")
+    for bad in (float("nan"), -1.0, 0, float("inf"), "5", True):  # (a session's stall limit:
+        with pytest.raises(instride.ConfigError, match="timeout"):  # every session failed)
+            IMDServer("s", timeout=bad)  # type: ignore[arg-type]
+    for bad in (float("nan"), -0.5, float("inf")):  # (it goes out in every frame's TIME)
+        with pytest.raises(instride.ConfigError, match="dt"):
+            IMDServer("s", dt=bad)
     with IMDServer("s") as busy:  # (a ServeError: exit status 6, as for `instride serve`)
         with pytest.raises(ServeError, match="the IMD server could not start: cannot listen"):
             IMDServer("s", port=busy.port)
@@ -520,3 +526,66 @@ def test_clients_beyond_max_clients_are_refused_and_served_later(server_factory)
         client.stop()
     with pytest.raises(instride.ConfigError, match="max_clients"):
         IMDServer("few", max_clients=0)
+
+
+def _handshake_and_leave(port: int) -> None:
+    """A client that takes the handshake and leaves before IMD_GO."""
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        assert sock.recv(1 << 16)
+
+
+def test_reports_are_bounded_and_close_may_come_from_a_callback(server_factory,
+                                                                monkeypatch) -> None:
+    """A server that serves for ever keeps the reports of its last sessions, not of every
+    session (it grew by one per client, without bound), while ``wait_clients`` counts them
+    all; and ``on_client_done`` may close the server (it raised: a thread cannot join
+    itself, and the other threads were left unjoined)."""
+    from instride.md import imd_server
+
+    monkeypatch.setattr(imd_server, "_REPORTS_KEPT", 2)
+    _frames("kept", 2, 10)
+    raised: list[BaseException] = []
+    srv: IMDServer | None = None
+
+    def done(report: object) -> None:
+        assert srv is not None
+        if srv._ended >= 3:  # (the third session: stop the server from its own thread)
+            try:
+                srv.close()
+            except BaseException as exc:  # noqa: BLE001 (what it raised is the result)
+                raised.append(exc)
+
+    srv = server_factory("kept", on_client_done=done)
+    for k in range(1, 4):
+        _handshake_and_leave(srv.port)
+        assert srv.wait_clients(k, timeout=30)
+    assert srv._ended == 3 and len(srv.reports) == 2
+    deadline = time.monotonic() + 10
+    while not srv._stop.is_set() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert srv._stop.is_set() and raised == []
+
+
+def test_a_session_thread_not_to_be_had_refuses_that_client_only(server_factory,
+                                                                 monkeypatch) -> None:
+    """No thread can be started for a client's session (the process is out of threads):
+    that client's connection is closed, and the next one is served; ``close()`` works. The
+    accepting thread died of it, its session kept a place for ever, and ``close()`` raised."""
+    _frames("nothread", 2, 10)
+    srv = server_factory("nothread", max_clients=1)
+    real_start = threading.Thread.start
+    refused = []
+
+    def start(self: threading.Thread) -> None:
+        if self.name.startswith("imd-127.") and not refused:
+            refused.append(self.name)
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=20) as sock:
+        assert sock.recv(1 << 16) == b""  # closed, no handshake
+    assert refused
+    _handshake_and_leave(srv.port)  # (served: its handshake came)
+    assert srv.wait_clients(1, timeout=30)
+    srv.close()

@@ -134,6 +134,10 @@ def _terminated(signum: int, frame: Any) -> None:
     raise FlowError(f"the flow runner received signal {signum}; the graph was stopped")
 
 
+def _held_off(signum: int, frame: Any) -> None:
+    """A signal during the teardown: dropped (see :func:`run`)."""
+
+
 def _stop(procs: Iterable[subprocess.Popen[bytes]]) -> None:
     # Signals go to an instance's process group (its session, pgid = its PID) only while the
     # leader is not yet reaped, so the group id cannot belong to anyone else.
@@ -256,11 +260,15 @@ def run(
     enders: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
     t0 = time.monotonic()
     failed: FlowError | None = None
+    primary: BaseException | None = None  # (what the run raised: a teardown error does not hide it)
     watchdog: Watchdog | None = None
     try:
         # stops the instances' process groups (not only their first processes) if we are
         # killed outright
         watchdog = Watchdog(STOP_GRACE)
+        # ... and what they started that left their groups, or outlived them: every process
+        # of this machine whose environment names this run (its instances' descendants)
+        watchdog.watch_env(f"INSTRIDE_FLOW_PREFIX={prefix}")
         for name, i in graph.instances():
             m = graph.modules[name]
             if m.mpi and i > 0:
@@ -318,9 +326,11 @@ def run(
                     break
                 m = graph.modules[key[0]]
                 ranks = list(range(m.instances)) if m.mpi else [key[1]]
-                if m.command and _has_ports(graph, key[0], ranks):
-                    # A program may exit without ports.close(): what it left open is closed
-                    # for it now that no message can follow (its consumers waited for ever).
+                if _has_ports(graph, key[0], ranks) \
+                        and (m.command or not _closed(state, key[0], ranks)):
+                    # A program may exit without ports.close() (a Python module too, by
+                    # os._exit): what it left open is closed for it now that no message can
+                    # follow (its consumers waited for ever).
                     node, env = started[key]
                     argv = [sys.executable, "-m", "instride.flow.worker", "--end",
                             *map(str, ranks)]
@@ -358,16 +368,25 @@ def run(
                                   f"still running: {running}")
             time.sleep(0.05)
         seconds = time.monotonic() - t0
+    except BaseException as exc:
+        primary = exc
+        raise
     finally:
         # a second SIGTERM or Ctrl-C must not cut the teardown short (instances left running,
         # streams and state left behind): ignored until it is done
         held = {}
         if threading.current_thread() is threading.main_thread():
-            held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)}
+            # (held off by a handler that drops them, not ignored: the programs the teardown
+            # starts — scancel, srun, the cleanup — would inherit SIG_IGN, and not stop)
+            held = {s: signal.signal(s, _held_off) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             _stop([*procs.values(), *enders.values()])
             if watchdog is not None:
-                watchdog.done()
+                for p in [*procs.values(), *enders.values()]:
+                    watchdog.forget(p.pid)  # (reaped: their group numbers may be reused)
+                # what they left running on this machine (a program's background child, a
+                # daemon it started): stopped as the instances were
+                watchdog.stop_now()
             try:
                 if not keep_streams:
                     launcher.cleanup(prefix)
@@ -378,6 +397,11 @@ def run(
                         _write_outputs(graph, state, out_dir, stats)
                 finally:
                     shutil.rmtree(state, ignore_errors=True)
+        except Exception as exc:
+            main = primary if primary is not None else failed
+            if main is None:
+                raise
+            main.add_note(f"(then the teardown failed too: {type(exc).__name__}: {exc})")
         finally:
             if held:
                 signal.signal(signal.SIGINT, held[signal.SIGINT])
@@ -398,6 +422,19 @@ def _port_env(graph: Graph, prefix: str, name: str, i: int) -> dict[str, str]:
     for port in graph.modules[name].outputs:
         env[f"INSTRIDE_FLOW_OUT_{port.upper()}"] = stream_name(prefix, name, i, port)
     return env
+
+
+def _closed(state: Path, name: str, instances: Sequence[int]) -> bool:
+    """Whether each of ``instances`` of Python module ``name`` closed its ports (its counters
+    say done: written by ``ports.close()``, which its worker calls when it returns)."""
+    for i in instances:
+        try:
+            done = json.loads((state / "stats" / f"{name}.{i}.json").read_text()).get("done")
+        except (OSError, ValueError, AttributeError):
+            return False
+        if done is not True:
+            return False
+    return True
 
 
 def _has_ports(graph: Graph, name: str, instances: Sequence[int]) -> bool:

@@ -34,10 +34,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import socket
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -68,6 +70,8 @@ _POLL = 0.25  # seconds between checks of the stop flag while waiting
 _CLIENT_STALL_S = 60.0
 #: seconds a client has to answer the handshake with IMD_GO
 _GO_WAIT_S = 30.0
+#: the reports of ended sessions an :class:`IMDServer` keeps (:attr:`IMDServer.reports`)
+_REPORTS_KEPT = 1000
 #: bytes read at a time from a message body the server ignores (MDCOMM forces)
 _DISCARD_CHUNK = 1 << 16
 #: sessions an IMD server holds at once by default (each: two threads and a socket)
@@ -76,6 +80,11 @@ DEFAULT_MAX_CLIENTS = 64
 _SEND_CHUNK = 1 << 20
 #: seconds before accepting again after accept() failed (out of descriptors)
 _ACCEPT_RETRY_S = 0.1
+
+
+def _real(value: object) -> bool:
+    """Whether ``value`` is a real number (not a bool, not a string)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass
@@ -161,6 +170,10 @@ class IMDServer:
             raise ConfigError("port", port, "must be in 0..65535")
         if isinstance(max_clients, bool) or not isinstance(max_clients, int) or max_clients < 1:
             raise ConfigError("max_clients", max_clients, "must be a whole number >= 1")
+        if timeout is not None and not (_real(timeout) and math.isfinite(timeout) and timeout > 0):
+            raise ConfigError("timeout", timeout, "must be a number of seconds > 0, or None")
+        if dt is not None and not (_real(dt) and math.isfinite(dt) and dt >= 0):
+            raise ConfigError("dt", dt, "must be a number of ps >= 0, or None")
         self.max_clients = max_clients
         self.stream = Stream(stream, mode="r").name  # validates the name
         self.host = host
@@ -169,7 +182,10 @@ class IMDServer:
         self.timeout = timeout
         self.dt = dt
         self.on_client_done = on_client_done
-        self.reports: list[ClientReport] = []
+        #: the reports of the sessions that ended, the last :data:`_REPORTS_KEPT` (a server
+        #: that serves for ever, clients coming and going, does not grow without bound)
+        self.reports: deque[ClientReport] = deque(maxlen=_REPORTS_KEPT)
+        self._ended = 0  # (sessions ended in all: what wait_clients counts)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
@@ -210,20 +226,24 @@ class IMDServer:
         """Block until ``n`` client sessions have ended; return whether they did in time."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._done:
-            while len(self.reports) < n and not self._stop.is_set():
+            while self._ended < n and not self._stop.is_set():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
                 self._done.wait(_POLL if left is None else min(left, _POLL))
-            return len(self.reports) >= n
+            return self._ended >= n
 
     def close(self) -> None:
-        """Stop accepting, end every session (closing its connection) and join the threads."""
+        """Stop accepting, end every session (closing its connection) and join the threads
+        (but the calling one: ``on_client_done`` may close the server)."""
         self._stop.set()
         try:
             self._listener.close()
         except OSError:
             pass
+        me = threading.current_thread()
+        if self._acceptor.is_alive() and self._acceptor is not me:
+            self._acceptor.join()  # (first: a session it took just before the stop is listed)
         with self._lock:
             sessions = list(self._sessions)
         for s in sessions:
@@ -233,10 +253,9 @@ class IMDServer:
                 s.conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        if self._acceptor.is_alive():
-            self._acceptor.join()
         for t in list(self._threads):
-            t.join(timeout=5)
+            if t is not me:
+                t.join(timeout=5)
 
     # ------------------------------------------------------------------ accepting
     def _accept_loop(self) -> None:
@@ -267,11 +286,24 @@ class IMDServer:
             session = _Session(conn, peer, ClientReport(peer))
             session.resumed.set()
             with self._lock:
-                self._sessions.append(session)
+                stopped = self._stop.is_set()  # (close() lists the sessions after this)
+                if not stopped:
+                    self._sessions.append(session)
             t = threading.Thread(target=self._serve_client, args=(session,), name=f"imd-{peer}",
                                  daemon=True)
+            try:
+                if stopped:
+                    raise RuntimeError("the server is closing")
+                t.start()
+            except RuntimeError as exc:  # (closing; or no thread to be had: this client only)
+                if not stopped:
+                    log.warning("imd server: %s refused: %s", peer, exc)
+                    with self._lock:
+                        self._sessions.remove(session)
+                with contextlib.suppress(OSError):
+                    conn.close()
+                continue
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
-            t.start()
 
     # ------------------------------------------------------------------ one client
     def _session_info(self, stream: Stream) -> SessionInfo:
@@ -307,11 +339,14 @@ class IMDServer:
             # read under way keeps the timeout it began with, whatever is set later.
             s.conn.settimeout(stall)
             s.conn.sendall(encode_handshake(self.version, "<", info))
-            receiver = threading.Thread(target=self._receive, args=(s,), name=f"imd-rx-{s.peer}",
-                                        daemon=True)
-            receiver.start()
-            if not s.go.wait(_GO_WAIT_S):
-                raise _SessionEnd(f"no IMD_GO from the client within {_GO_WAIT_S:g} s")
+            rx = threading.Thread(target=self._receive, args=(s,), name=f"imd-rx-{s.peer}",
+                                  daemon=True)
+            rx.start()  # (a thread not to be had: RuntimeError, a bug's report below)
+            receiver = rx
+            go_by = time.monotonic() + _GO_WAIT_S
+            while not s.go.wait(_POLL) and not s.gone.is_set():  # (close() sets gone)
+                if time.monotonic() > go_by:
+                    raise _SessionEnd(f"no IMD_GO from the client within {_GO_WAIT_S:g} s")
             if s.gone.is_set():
                 raise _SessionEnd(s.report.error or "the client left before IMD_GO")
             self._send_frames(s, stream, info)
@@ -362,6 +397,7 @@ class IMDServer:
             with self._done:
                 self._sessions.remove(s)
                 self.reports.append(s.report)
+                self._ended += 1
                 self._done.notify_all()
             log.info("imd client %s: %d frames, %s", s.peer, s.report.frames,
                      "end of stream" if s.report.ended else s.report.error)
@@ -527,7 +563,7 @@ def serve(
     Returns
     -------
     list of ClientReport
-        One per finished session.
+        One per finished session (the last 1,000).
 
     Raises
     ------
