@@ -152,3 +152,37 @@ def test_frame_analysis_adapter_refusals(adk: AdkData) -> None:
     with pytest.raises(UnsupportedInputError, match="2 column names for 1 columns"):
         analyze(FrameAnalysisAdapter(RadiusOfGyration, select="protein", columns=("a", "b")),
                 adk.dcd, adk.psf, backend="serial")
+
+
+def test_rmsd_to_first_gives_the_same_with_any_number_of_workers(adk: AdkData) -> None:
+    """``analyze(RMSDToFirst, ...)`` compares every frame with the input's first frame,
+    however many workers split it (each used its own block's first frame: frames 49 on read
+    0 Å at 2 workers, up to 4.7 Å off)."""
+    from instride.analytics.rmsd import RMSDToFirst
+
+    one = analyze(RMSDToFirst, adk.dcd, adk.psf, select="name CA", workers=1)
+    two = analyze(RMSDToFirst, adk.dcd, adk.psf, select="name CA", workers=2)
+    assert np.array_equal(one.frames, two.frames)
+    np.testing.assert_allclose(two.data["rmsd"], one.data["rmsd"], atol=1e-4)
+    assert two.data["rmsd"][0] < 1e-4 and (two.data["rmsd"][1:] > 0.1).all()
+
+
+def test_an_atomgroup_argument_follows_the_frames(adk: AdkData) -> None:
+    """An AtomGroup given as an argument (a substructure of the distance-matrix eigenvalue) is
+    read at each frame the run loads, as its selection string is (it was the caller's
+    universe's: one value for every frame)."""
+    import MDAnalysis as mda
+
+    from instride.analytics.eigen import DistanceMatrixEigenvalue
+    from instride.parallel import FrameAnalysisAdapter
+
+    sel = "name CA and resid 1:40"
+    u = mda.Universe(adk.psf, adk.dcd)
+    by_name = analyze(FrameAnalysisAdapter(DistanceMatrixEigenvalue, kwargs={
+        "substructures": {"A": sel}}, name="eig"), adk.dcd, adk.psf, workers=1)
+    by_group = analyze(FrameAnalysisAdapter(DistanceMatrixEigenvalue, kwargs={
+        "substructures": {"A": u.select_atoms(sel)}}, name="eig"), adk.dcd, adk.psf,
+        workers=1)
+    column = next(c for c in by_name.data if c.startswith("lambda"))
+    np.testing.assert_allclose(by_group.data[column], by_name.data[column])
+    assert len(np.unique(by_group.data[column])) > 1

@@ -202,6 +202,31 @@ def test_multiprocessing_worker_error_keeps_its_type(managed_dir: Path, top: str
     assert exc.value.key == "run/frame_000007" and exc.value.waited == 2.5
 
 
+class ExitsInWorkers(FrameAnalysis):
+    """Leaves by ``sys.exit(0)`` in a worker process (user code), at its first frame."""
+
+    columns = ("x",)
+
+    def __init__(self, atomgroup: Any, **kwargs: Any) -> None:
+        super().__init__(atomgroup.universe.trajectory, **kwargs)
+
+    def compute(self) -> tuple[float, ...]:
+        if multiprocessing.parent_process() is not None:
+            sys.exit(0)
+        return (0.0,)
+
+
+def test_a_worker_that_exits_is_a_failed_rank_not_the_parents_exit(
+        managed_dir: Path, top: str) -> None:
+    """User code calling ``sys.exit(0)`` in a worker: the run fails with ``RankFailedError``
+    (the worker's interruption reached the parent as its own: ``SystemExit(0)``, a silent
+    exit 0 of ``instride analyze`` that wrote nothing)."""
+    _write_stream("exits", 4)
+    with pytest.raises(RankFailedError, match="SystemExit"):
+        analyze(FrameAnalysisAdapter(ExitsInWorkers, select="all"), "instride://exits", top,
+                workers=2, timeout=10)
+
+
 def test_mpi_rank_errors_reach_every_rank(tmp_path: Path, top: str) -> None:
     """One rank fails: it raises its own error, the other the same type (or RankFailedError
     for an error that cannot travel); an interrupted rank still takes part in the collectives

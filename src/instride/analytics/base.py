@@ -42,6 +42,10 @@ class FrameAnalysis(AnalysisBase, metaclass=abc.ABCMeta):
 
     #: names of the values :meth:`compute` returns, in order
     columns: tuple[str, ...] = ()
+    #: whether it compares each frame with the first one it analyses unless given a
+    #: ``reference=`` (a parallel run then passes the input's first frame: each rank's own
+    #: first frame differs; see :class:`~instride.parallel.adapters.FrameAnalysisAdapter`)
+    reference_first: bool = False
 
     def __init__(self, trajectory: Any, **kwargs: Any) -> None:
         super().__init__(trajectory, **kwargs)

@@ -55,6 +55,7 @@ class RMSDToFirst(FrameAnalysis):
     """
 
     columns = ("rmsd",)
+    reference_first = True
 
     def __init__(
         self,

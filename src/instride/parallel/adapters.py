@@ -135,6 +135,32 @@ def load_class(path: str) -> type:
         raise UnsupportedInputError(path, f"cannot import analysis class: {exc}") from None
 
 
+def _on_universe(value: Any, universe: Any, name: str, arg: str) -> Any:
+    """``value`` with every AtomGroup in it (itself, or in a dict, list or tuple) taken again
+    on ``universe`` by its atoms' indices.
+
+    Raises
+    ------
+    UnsupportedInputError
+        An AtomGroup of a universe with another number of atoms.
+    """
+    from MDAnalysis.core.groups import AtomGroup
+
+    if isinstance(value, AtomGroup):
+        if value.universe is universe:
+            return value
+        if value.universe.atoms.n_atoms != universe.atoms.n_atoms:
+            raise UnsupportedInputError(
+                name, f"{arg}: an AtomGroup of a system of {value.universe.atoms.n_atoms} atoms, "
+                      f"the input has {universe.atoms.n_atoms}")
+        return universe.atoms[value.indices]
+    if isinstance(value, dict):
+        return {k: _on_universe(v, universe, name, arg) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_on_universe(v, universe, name, arg) for v in value)
+    return value
+
+
 @dataclass
 class FrameAnalysisAdapter(ParallelAnalysis):
     """Run an :mod:`instride.analytics` :class:`~instride.analytics.base.FrameAnalysis` by
@@ -159,6 +185,9 @@ class FrameAnalysisAdapter(ParallelAnalysis):
         during setup, in ``t_open``). Needed by analyses that otherwise compare with the
         first frame *they* see, such as
         :class:`~instride.analytics.rmsd.RMSDToFirst`: each rank sees a different first frame.
+        For those (:attr:`~instride.analytics.base.FrameAnalysis.reference_first`) it is 0,
+        the input's first frame, unless given (or ``kwargs`` has a ``reference``), so that
+        any number of ranks gives what one gives.
     name
         Name of the run and of its CSV file (default: the class name, lower case).
     columns
@@ -189,6 +218,9 @@ class FrameAnalysisAdapter(ParallelAnalysis):
             )
         if not self.name:
             self.name = cls.__name__.lower()
+        if self.reference_frame is None and "reference" not in self.kwargs \
+                and getattr(cls, "reference_first", False):
+            self.reference_frame = 0
 
     @property
     def cls(self) -> type:
@@ -197,7 +229,10 @@ class FrameAnalysisAdapter(ParallelAnalysis):
         return self.analysis_class
 
     def setup(self, source: FrameSource) -> None:
-        kwargs = dict(self.kwargs)
+        # (an AtomGroup given as an argument belongs to the caller's universe, or to a copy of
+        # it: taken again on the universe the frames are loaded into, by its atoms' indices)
+        kwargs = {k: _on_universe(v, source.universe(), self.name, k)
+                  for k, v in self.kwargs.items()}
         target = source.universe() if self.select is None else source.select(self.select)
         if self.reference_frame is not None:
             indices = target.indices if self.select is not None else slice(None)

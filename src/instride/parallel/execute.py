@@ -279,7 +279,7 @@ def _mp_worker(
         warm_imports()
         block, timing, _ = _rank_work(analysis, spec, rank, size, delay, progress)
         return block, timing, time.time(), None
-    except Exception as exc:
+    except BaseException as exc:  # (an interruption too: a RankFailedError, not the parent's)
         return None, None, time.time(), _portable(exc, rank)
 
 
@@ -449,7 +449,6 @@ def _run_multiprocessing(
         t0 = time.perf_counter()
         blocks: list[Block] = []
         ranks: list[RankTiming] = []
-        errors: list[BaseException] = []
         # (the workers get SIGTERM if this process dies outright; stopped below if it is
         # interrupted: not left to finish their blocks for nobody, or to wait on a pipe)
         with ProcessPoolExecutor(max_workers=n, mp_context=ctx,
@@ -464,9 +463,8 @@ def _run_multiprocessing(
                         raise BackendError("multiprocessing", f"a worker process died: {exc}") \
                             from None
                     received = time.time()
-                    if err is not None:
-                        errors.append(err)
-                        continue
+                    if err is not None:  # (the first: the others' blocks are not waited for)
+                        raise err
                     assert block is not None and timing is not None
                     timing.t_comm = max(0.0, received - sent)
                     blocks.append(block)
@@ -475,8 +473,6 @@ def _run_multiprocessing(
                 _stop_workers(ex)
                 raise
         wall = time.perf_counter() - t0
-        if errors:
-            raise errors[0]
         combined = ana.combine(blocks)
     finally:
         source.close()
