@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno as _errno
 from typing import Any
+from urllib.parse import urlsplit
 
 
 class InstrideError(Exception):
@@ -182,12 +183,28 @@ class AuthenticationError(InstrideError, PermissionError):
         super().__init__(_errno.EACCES, f"authentication failed: {detail}")
 
 
+def redact_url(url: str) -> str:
+    """``url`` without its password (``redis://:pw@host`` -> ``redis://***@host``): what
+    errors and logs show of a URL."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:  # (not a URL: a bad setting, shown as it is)
+        return url
+    if password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    return parts._replace(netloc=f"***@{netloc}").geturl()
+
+
 class MetadataUnavailable(InstrideError, ConnectionError):
-    """The metadata service (Redis) cannot be reached within the timeout."""
+    """The metadata service (Redis) cannot be reached within the timeout. Its URL is shown
+    without its password (:func:`redact_url`)."""
 
     errno = _errno.EIO
 
     def __init__(self, url: str, detail: str) -> None:
+        url = redact_url(url)
         self._init_args = (url, detail)
         self.url = url
         self.detail = detail

@@ -360,6 +360,36 @@ def test_what_the_command_left_running_is_stopped(scratch: Path, tmp_path: Path)
     assert len(left) == 2 and not any(_alive(p) for p in left), left
 
 
+def test_a_redis_that_ends_under_the_command_stops_it(scratch: Path, tmp_path: Path) -> None:
+    """The job's Redis killed while the command runs (the OOM killer): the command is stopped
+    and the job fails with ``ServiceLostError`` naming it (exit status 6), the services torn
+    down. The command ran on to its end, its consumers retrying for ever, the job's status its
+    own. The managed directory is the user's alone (0700; it had the umask's 0755)."""
+    import threading
+
+    from instride.launch.base import ServiceLostError
+
+    mode = tmp_path / "mode"
+    svc = _local(scratch, tmp_path)
+
+    def kill_redis() -> None:
+        while svc._child is None or not mode.exists():
+            time.sleep(0.02)
+        assert svc._redis is not None
+        os.kill(svc._redis.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_redis, daemon=True)
+    killer.start()
+    started = time.monotonic()
+    with pytest.raises(ServiceLostError, match="Redis") as info:
+        svc.run(["sh", "-c", f"stat -c %a $INSTRIDE_DIR > {mode}; sleep 120"])
+    assert time.monotonic() - started < 60  # (not the command's 120 s)
+    assert "exited with status -9" in str(info.value)  # (exit status 6: see the CLI's table)
+    killer.join(5)
+    assert mode.read_text().strip() == "700"
+    _assert_torn_down(svc, scratch, tmp_path)
+
+
 KILLED_JOB = """
 import sys, tempfile
 from pathlib import Path

@@ -82,6 +82,21 @@ def test_unreachable_redis_is_a_typed_error(tmp_path) -> None:  # type: ignore[n
     assert "127.0.0.1" in str(info.value)
 
 
+def test_an_unreachable_redis_error_does_not_show_its_password(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The job's Redis password is not in the error (printed to a job's output file, often
+    readable by others, while that Redis listens on the node's address)."""
+    import pickle
+
+    from tests.conftest import free_port
+
+    url = f"redis://:s3cretpw@127.0.0.1:{free_port()}/0"
+    b = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=0.5))
+    with pytest.raises(MetadataUnavailable) as info:
+        b.lookup("x")
+    for shown in (str(info.value), info.value.url, repr(pickle.loads(pickle.dumps(info.value)))):
+        assert "s3cretpw" not in shown and "***@127.0.0.1" in shown, shown
+
+
 def test_a_deleted_key_leaves_nothing_and_its_next_version_is_higher(backend: RedisMetadata,
                                                                      put: Put) -> None:
     put("d/k", b"1")

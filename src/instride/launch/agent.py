@@ -395,6 +395,9 @@ class Agent:
         try:
             self.dir.mkdir(parents=True)
             self.created_top = top
+            # the user's alone (the umask's 0755 let others list its keys, and read the files
+            # unmodified programs write there through the preload library)
+            self.dir.chmod(0o700)
         except FileExistsError:
             raise ServerStartError(self.node, f"its managed directory {self.dir} exists already"
                                    " (choose a fresh --dir; it must contain %j)") from None

@@ -42,7 +42,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..config import DEFAULT_PORT
-from ..errors import ConfigError, InstrideError, MetadataUnavailable
+from ..errors import ConfigError, InstrideError, MetadataUnavailable, redact_url
 from ..orphans import Watchdog, become_subreaper, children, die_with_parent, stop_adopted
 
 #: Redis hash of the nodes whose service is up: node name -> ``host:port``.
@@ -75,7 +75,8 @@ class ServerStartError(LaunchError):
 
 class ServiceLostError(LaunchError):
     """A node's service ended while the job's command ran (its data server died, its agent
-    was killed): the command is stopped, since it cannot go on without it."""
+    was killed, the job's Redis ended): the command is stopped, since it cannot go on
+    without it."""
 
     def __init__(self, node: str, detail: str) -> None:
         self.node = node
@@ -178,13 +179,8 @@ def route_address(host: str, port: int) -> str:
         return str(s.getsockname()[0])
 
 
-def redact(url: str) -> str:
-    """``url`` without its password."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    return parts._replace(netloc=f"***@{netloc}").geturl()
+#: ``url`` without its password (:func:`instride.errors.redact_url`)
+redact = redact_url
 
 
 def check_redis_url(url: str, name: str = "INSTRIDE_REDIS_URL") -> str:
@@ -763,11 +759,20 @@ class JobServices:
                 with contextlib.suppress(ProcessLookupError):
                     child.kill()
                 killed = True
-            if self._agents is None or self._agents.poll() is None:
+            agents_gone = self._agents is not None and self._agents.poll() is not None
+            redis_gone = self._redis is not None and self._redis.poll() is not None
+            if not (agents_gone or redis_gone):
                 continue
             if self._signalled is not None:
                 continue  # the job is cancelled: the services end with it
-            lost = self._lost_service(self._agents.returncode)
+            if agents_gone:
+                assert self._agents is not None
+                lost = self._lost_service(self._agents.returncode)
+            else:  # (the OOM killer, an operator: no record of any frame can be read or made)
+                assert self._redis is not None and self.workdir is not None
+                lost = ServiceLostError(
+                    self.this_node, f"the job's Redis (redis-server) exited with status "
+                    f"{self._redis.returncode}:\n{tail(self.workdir / 'redis.log')}".rstrip())
             print(f"instride job: the services ended under the command (node {lost.node}); "
                   f"stopping it (SIGTERM to pid {child.pid})", file=sys.stderr, flush=True)
             if not _stop(child, STOP_GRACE):
