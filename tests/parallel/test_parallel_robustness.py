@@ -389,6 +389,31 @@ def test_export_bad_source_or_directory_exit_4(managed_dir: Path, top: str,
     assert not (tmp_path / "nodir").exists() and not (tmp_path / "y.h5").exists()
 
 
+def test_an_export_whose_file_cannot_be_made_closes_its_stream(
+        managed_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The output file cannot be made (a full disk, no permission): the error is raised and
+    the source stream is closed (it stayed open: the generator that would close it never
+    started)."""
+    import h5py
+
+    _write_stream("unmade", 2)
+    closed: list[str] = []
+    real_close = Stream.close
+
+    def close(self: Stream) -> None:
+        closed.append(self.name)
+        real_close(self)
+
+    def no_room(*args: Any, **kw: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Stream, "close", close)
+    monkeypatch.setattr(h5py, "File", no_room)
+    with pytest.raises(OSError, match="No space"):
+        export_h5md("unmade", tmp_path / "x.h5", timeout=10)
+    assert "unmade" in closed
+
+
 # ------------------------------------------------------------------ bad arguments
 def test_bad_arguments_are_typed(managed_dir: Path, top: str, tmp_path: Path) -> None:
     _write_stream("args", 3)

@@ -101,8 +101,31 @@ def _stream_frames(name: str, timeout: float | None) -> tuple[int | None, Iterat
         finally:
             stream.close()
 
-    total = len(stream) if stream.ended else None
-    return total, gen()
+    try:
+        total = len(stream) if stream.ended else None
+    except BaseException:
+        stream.close()
+        raise
+    return total, _Closing(gen(), stream)
+
+
+class _Closing:
+    """A generator of frames that also closes its stream when closed before it started (a
+    generator's ``finally`` runs only once it has started)."""
+
+    def __init__(self, frames: Iterator[FrameTuple], stream: Any) -> None:
+        self._frames, self._stream = frames, stream
+
+    def __iter__(self) -> Iterator[FrameTuple]:
+        return self
+
+    def __next__(self) -> FrameTuple:
+        return next(self._frames)
+
+    def close(self) -> None:
+        """Close the generator and the stream (once is enough; twice does nothing)."""
+        self._frames.close()  # type: ignore[attr-defined]
+        self._stream.close()
 
 
 def _mda_frames(trajectory: str, topology: str) -> tuple[int, Iterator[FrameTuple]]:
@@ -207,6 +230,11 @@ def export_h5md(
         else:
             key[0].publish(tmp, key[2], overwrite=overwrite)  # atomic, recorded, confined
     finally:
+        # (the source let go of now, also where writing never began or broke off: a frames
+        # generator never started would not close the stream it holds)
+        close = getattr(frames, "close", None)
+        if close is not None:
+            close()
         if tmp.exists():
             tmp.unlink()
     return out
