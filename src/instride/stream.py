@@ -193,6 +193,9 @@ _ARCHIVE_BUSY_S = 5.0
 #: Seconds an archiver has to stop after SIGTERM before it is killed, and between two
 #: SIGTERMs meanwhile (see :func:`_stop_archiver`).
 _ARCHIVER_STOP_S, _ARCHIVER_RESIGNAL_S = 30.0, 2.0
+#: Seconds a producer's ``close()`` waits at least for its archiver to take the last frames
+#: (the stream's ``timeout`` bounds one frame's wait, and may be 0: not the archiver's drain)
+_ARCHIVE_DRAIN_S = 60.0
 
 
 def _stop_archiver(proc: subprocess.Popen) -> None:
@@ -725,6 +728,15 @@ class Stream:
                     push()
 
     def _start_producing(self) -> None:
+        archive = self.policy.archive
+        if archive is not None and not self.overwrite and os.path.lexists(archive):
+            # A stream is never continued by a new producer, so a file there holds another
+            # run (a managed directory made afresh, the file kept): resumed, its frames would
+            # be served as this run's, and this run's skipped as far as it went. Refused
+            # before anything is touched.
+            raise ArchiveError(self.name, archive,
+                               "the file exists: it holds an earlier run of the stream (or "
+                               "another file); remove it, or pass overwrite=True to replace it")
         earlier: list[str] = []
         if self.overwrite:
             # A re-run under the same name: its consumers must see neither the old run's end
@@ -923,16 +935,44 @@ class Stream:
             _stop_archiver(proc)
 
     def _finish_archiver(self) -> None:
+        """Wait for the archiver to take the last frames (at least :data:`_ARCHIVE_DRAIN_S`
+        s, or the stream's timeout where longer; an interruption stops it, SIGTERM first),
+        then check that the archive holds the stream's last frame (an archiver stopped by a
+        signal exits 0 too, its file short of the end).
+
+        Raises
+        ------
+        ArchiveError
+            The archiver failed, did not end in time, or left the archive short of the end.
+        """
         proc, self._archiver = self._archiver, None
         timeout = self.client.settings.timeout if self.timeout is None else self.timeout
+        wait = None if timeout is None else max(timeout, _ARCHIVE_DRAIN_S)
         try:
-            _, err = proc.communicate(timeout=timeout)
-        except Exception:
-            proc.kill()
-            proc.wait()
+            _, err = proc.communicate(timeout=wait)
+        except subprocess.TimeoutExpired:
+            _stop_archiver(proc)
+            raise ArchiveError(self.name, self.policy.archive,
+                               f"its archiver did not take the last frames within {wait:g} s "
+                               "of the end; it was stopped") from None
+        except BaseException:
+            _stop_archiver(proc)
             raise
         if proc.returncode != 0:
             raise ArchiveError(self.name, self.policy.archive, err.decode(errors="replace").strip())
+        if self._written:
+            from .archive import open_reader
+
+            archive = open_reader(self.policy.archive, self.name)
+            try:
+                done = archive.indices()
+            finally:
+                archive.close()
+            if not len(done) or int(done[-1]) < self._written - 1:
+                last = int(done[-1]) if len(done) else None
+                raise ArchiveError(self.name, self.policy.archive,
+                                   f"its archiver ended with frames up to {last} archived of "
+                                   f"0..{self._written - 1} (stopped by a signal?)")
 
     # ------------------------------------------------------------------ archive
     def set_archive(self, path: str | os.PathLike[str]) -> None:

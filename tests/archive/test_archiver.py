@@ -319,12 +319,92 @@ def test_an_overwritten_run_starts_a_new_archive(managed_dir: Path, tmp_path: Pa
     assert [reader.read(i).positions[0, 0] for i in range(5)] == [2.0, 3.0, 4.0, 5.0, 6.0]
 
 
+def test_an_archive_file_of_an_earlier_run_is_refused_not_resumed(
+        managed_dir: Path, tmp_path: Path) -> None:
+    """A new run of a stream whose archive file is there already (a managed directory made
+    afresh for each job, the archive kept): refused before anything is touched. Its archiver
+    resumed the earlier run's file: this run's first frames were never archived, and readers
+    got the earlier run's from it."""
+    dest = tmp_path / "kept.h5"
+    with instride.Stream("kept", mode="w", retain=2, archive=dest, timeout=60) as s:
+        for i in range(5):
+            s.append(np.full((NATOMS, 3), 100.0 + i), step=i)
+    import shutil
+
+    shutil.rmtree(managed_dir / "kept")  # (the next job's managed directory: nothing of it)
+    shutil.rmtree(managed_dir / ".instride" / "streams" / "kept.stream")
+    again = instride.Stream("kept", mode="w", retain=2, archive=dest, timeout=60)
+    with pytest.raises(ArchiveError, match="earlier run"):
+        again.append(np.full((NATOMS, 3), 200.0), step=0)
+    again.abandon()
+    rd = open_reader(dest)
+    assert list(rd.indices()) == list(range(5))  # (left as it was)
+    rd.close()
+
+
+def test_a_rerun_without_an_archive_does_not_serve_the_earlier_runs(
+        managed_dir: Path, tmp_path: Path) -> None:
+    """Run 1 archives its frames; run 2 (``overwrite=True``) has no archive: a retired frame
+    of run 2 is missed, not read from run 1's archive (its location stayed recorded)."""
+    with instride.Stream("stale", mode="w", retain=2, archive=tmp_path / "r1.h5",
+                         timeout=60) as s:
+        for i in range(5):
+            s.append(np.full((NATOMS, 3), 100.0 + i), step=i)
+    with instride.Stream("stale", mode="w", retain=2, on_full="drop-oldest",
+                         overwrite=True) as s:
+        for i in range(5):
+            s.append(np.full((NATOMS, 3), 200.0 + i), step=i)
+    reader = instride.Stream("stale", timeout=5)
+    with pytest.raises(FramesMissed):
+        reader.read(0)
+    assert reader.read(4).positions[0, 0] == 204.0
+    reader.close()
+
+
+def test_close_waits_for_the_archiver_and_finds_it_stopped_short(
+        managed_dir: Path, tmp_path: Path) -> None:
+    """A producer with ``timeout=0``: its ``close()`` waits for the archiver to take the last
+    frames (it was killed at once, no archive left, a bare TimeoutExpired raised). An archiver
+    stopped by SIGTERM meanwhile (it exits 0): ``close()`` raises ArchiveError saying the
+    archive is short of the end (it returned as if every frame were archived)."""
+    dest = tmp_path / "zero.h5"
+    with instride.Stream("zero", mode="w", retain=4, archive=dest, timeout=0) as s:
+        for i in range(3):
+            s.append(np.full((NATOMS, 3), float(i)), step=i)
+    rd = open_reader(dest)
+    assert list(rd.indices()) == [0, 1, 2]
+    rd.close()
+    s = instride.Stream("short", mode="w", retain=100, archive=tmp_path / "short.h5",
+                        timeout=60)
+    for i in range(3):
+        s.append(np.full((NATOMS, 3), float(i)), step=i)
+    proc = s._archiver
+    assert proc is not None
+    import time
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # (its three frames archived: then stopped)
+        if (tmp_path / "short.h5").exists():
+            probe = open_reader(tmp_path / "short.h5")
+            n = len(probe.indices())
+            probe.close()
+            if n == 3:
+                break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+    for i in range(3, 6):
+        s.append(np.full((NATOMS, 3), float(i)), step=i)
+    with pytest.raises(ArchiveError, match="up to 2 archived of 0..5"):
+        s.close()
+
+
 def test_a_dead_archiver_fails_its_producer(managed_dir: Path, tmp_path: Path) -> None:
     """The archiver a stream started exits at once (its file is no archive): the producer,
     whose retention waits for the archive group, fails with ArchiveError and the archiver's
     words (it waited its whole timeout, or for ever, for a group nobody would move)."""
-    junk = tmp_path / "junk.h5"
-    junk.write_text("not an HDF5 file\n")
+    (tmp_path / "afile").write_text("not a directory\n")
+    junk = tmp_path / "afile" / "x.h5"  # (its file cannot be made: ENOTDIR)
     s = instride.Stream("deadarch", mode="w", retain=2, archive=junk, timeout=30)
     with pytest.raises(ArchiveError, match="exited with status"):
         for i in range(10):

@@ -402,6 +402,9 @@ class LocalStreamState:
         policy.save(self.dir)
         if reset:
             self._groups.reset()
+            # (the earlier run's archive is not this run's: readers must not take its frames)
+            with contextlib.suppress(FileNotFoundError):
+                (self.dir / "archive.json").unlink()
         for name in groups:
             self._groups.register(name, 0)
 
@@ -585,6 +588,7 @@ class RedisStreamState:
                                        "node": self.metadata.settings.addr or ""})
         if reset:  # (a reader of the earlier run loses its lease: see RedisGroupCursor)
             pipe.hincrby(self._head, "resets", 1)
+            pipe.hdel(self._head, "archive")  # (the earlier run's: not this run's frames)
             for name in self.redis.hkeys(self._groups):
                 pipe.hset(self._groups, name, 0)
                 pipe.delete(self.lease_key(_text(name)))
