@@ -214,8 +214,15 @@ INS_WRAPPER(int, fclose, (FILE * fp))
     int rc = ins_real_fclose(fp);
     if (f == NULL || !last)
         return rc;
-    int prc = ins_finish_stream(f, rc == 0 ? 0 : -1, errno);
+    int e = errno;
+    /* fclose's EINTR is its flush's (the buffered bytes did not reach the file), not close(2)'s
+     * (after which the file is whole): a stream that failed to close is never published */
+    int prc = ins_finish_stream(f, rc == 0 ? 0 : -1, rc != 0 && e == EINTR ? EIO : e);
     ins_release_writing(held);
+    if (rc != 0) {
+        errno = e;
+        return EOF;
+    }
     if (prc != 0)
         return EOF;
     errno = saved;
@@ -238,12 +245,16 @@ static FILE *ins_freopen_common(const char *path, const char *mode, FILE *stream
     struct ins_file *old = ins_detach_stream(stream, &last);
     if (old != NULL) {
         int held = last ? ins_hold_writing(fileno(stream)) : -1; /* the lock: to the rename */
+        /* What the stream still buffers goes first, checked: the reopen below flushes it too,
+         * but drops a failure (a full disk, a file size limit), and a part of the file would
+         * then be published under the key */
+        int fl = fflush(stream) == 0 && !ferror(stream) ? 0 : (errno != 0 ? errno : EIO);
         FILE *r0 = real("/dev/null", "r", stream);
         int e0 = errno;
-        int prc = last ? ins_finish_stream(old, 0, 0) : 0;
+        int prc = last ? ins_finish_stream(old, fl ? -1 : 0, fl == EINTR ? EIO : fl) : 0;
         ins_release_writing(held);
-        if (r0 == NULL || prc != 0) { /* the old key could not be published: say so */
-            int e = r0 == NULL ? e0 : errno;
+        if (r0 == NULL || prc != 0 || fl != 0) { /* the old key not published: say so */
+            int e = fl != 0 ? fl : r0 == NULL ? e0 : errno;
             if (r0 != NULL)
                 ins_real_fclose(r0);
             errno = e;

@@ -221,6 +221,24 @@ except OSError as exc:
     assert (shim.dir / "s.txt").read_text() == "data"
 
 
+@pytest.mark.parametrize(("case", "said"), [
+    ("fclose-eintr", "fclose -1 Interrupted system call"),
+    ("freopen-efbig", "freopen NULL File too large"),
+])
+def test_a_stream_whose_last_bytes_fail_is_not_published(shim: Shim, build: Builder,
+                                                         case: str, said: str) -> None:
+    """A written stream whose buffered bytes cannot reach its file as it is closed: an
+    ``fclose`` whose flush is interrupted (EINTR, an NFS or FUSE write), a ``freopen`` onto
+    another file past the file size limit. The call fails with that error and nothing is
+    published under the key (the first 0 or 1,000 of 3,000 bytes were, as the whole file;
+    ``fclose``'s EINTR was taken for ``close(2)``'s, and ``freopen``'s flush went unchecked)."""
+    exe = build("short_stream.c")
+    proc = shim.run([exe, shim.dir / "short.bin", case])
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout.decode().splitlines() == [said, "absent"], proc.stdout.decode()
+    assert shim.temps() == []
+
+
 def test_a_readers_failed_wait_never_fails_a_writer(shim: Shim, build: Builder) -> None:
     """A reader that gives up on a key removes the directories its wait made; a writer that
     made (or found) that directory just before used to fail with ENOENT creating its file
