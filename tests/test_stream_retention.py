@@ -1035,6 +1035,21 @@ def test_a_bounded_stream_is_not_rerun_without_overwrite(client: instride.Client
     assert [f.step for f in instride.Stream("again", client=client, timeout=1)] == [7]
 
 
+def _read_two_then_rerun(name: str, retain: int, n: int, writer: instride.Client,
+                         reader: instride.Client, *, timeout: float
+                         ) -> tuple[instride.Stream, instride.Stream]:
+    """Run 1 of stream ``name`` (``n`` frames, group "g"), a group reader of it that took
+    frames 0 and 1 (``reader``'s), then run 2's producer (``overwrite=True``, ``writer``'s),
+    nothing appended yet: the reader and run 2's producer."""
+    with instride.Stream(name, mode="w", retain=retain, groups=["g"], client=writer) as w:
+        for i in range(n):
+            w.append(_positions(i), step=i)
+    r = instride.Stream(name, group="g", client=reader, timeout=timeout)
+    assert [next(r).step for _ in range(2)] == [0, 1]
+    return r, instride.Stream(name, mode="w", retain=retain, groups=["g"], overwrite=True,
+                              client=writer)
+
+
 @pytest.mark.parametrize("mode", ["local", "cluster"])
 def test_a_rerun_stops_a_group_reader_of_the_earlier_run(
         mode: str, client: instride.Client, tmp_path: Path, redis_server: Any,
@@ -1055,13 +1070,7 @@ def test_a_rerun_stops_a_group_reader_of_the_earlier_run(
         node = LoopbackNode(tmp_path, 1, redis_server.url, "test-token")
         client = node.client()
     try:
-        with instride.Stream("rr", mode="w", retain=4, groups=["g"], client=client) as w:
-            for i in range(4):
-                w.append(_positions(i), step=i)
-        r = instride.Stream("rr", group="g", client=client, timeout=5)
-        assert [next(r).step for _ in range(2)] == [0, 1]
-        w2 = instride.Stream("rr", mode="w", retain=4, groups=["g"], overwrite=True,
-                             client=client)
+        r, w2 = _read_two_then_rerun("rr", 4, 4, client, client, timeout=5)
         w2.append(_positions(10), step=10)
         time.sleep(1.0 if mode == "cluster" else 0.0)
         with pytest.raises(GroupReset, match="re-run"):
@@ -1094,13 +1103,7 @@ def test_a_cluster_reader_learns_of_a_rerun_from_its_first_refused_commit(
     with running_nodes(tmp_path, redis_server.url, "test-token", ids) as nodes:
         writer, reader = nodes[0].client(), nodes[-1].client()
         try:
-            with instride.Stream("rc", mode="w", retain=8, groups=["g"], client=writer) as w:
-                for i in range(2):
-                    w.append(_positions(i), step=i)
-            r = instride.Stream("rc", group="g", client=reader, timeout=20)
-            assert [next(r).step for _ in range(2)] == [0, 1]
-            w2 = instride.Stream("rc", mode="w", retain=8, groups=["g"], overwrite=True,
-                                 client=writer)
+            r, w2 = _read_two_then_rerun("rc", 8, 2, writer, reader, timeout=20)
             for i in range(6):  # (the new run's frames 2-5: what the old reader would take)
                 w2.append(_positions(10 + i), step=10 + i)
             taken: list[int] = []
@@ -1120,24 +1123,32 @@ def test_a_cluster_reader_learns_of_a_rerun_from_its_first_refused_commit(
             reader.close()
 
 
+def _a_lease_run_out(tmp_path: Path, redis_url: str, name: str
+                     ) -> tuple[instride.Client, instride.Stream, instride.Stream]:
+    """A cluster node's client, a producer of stream ``name`` (4 frames, group "g") and a
+    group reader that took frames 0 and 1, whose lease then ran out (deleted, as if it had;
+    nobody took the group)."""
+    from tests.conftest import LoopbackNode
+
+    client = LoopbackNode(tmp_path, 1, redis_url, "test-token").client()
+    w = instride.Stream(name, mode="w", retain=8, groups=["g"], client=client)
+    for i in range(4):
+        w.append(_positions(i), step=i)
+    r = instride.Stream(name, group="g", client=client, timeout=5)
+    assert [next(r).step for _ in range(2)] == [0, 1]
+    client.metadata.redis.delete(f"instride:stream:{client.key(name)}:group:g:lease")
+    return client, w, r
+
+
 def test_a_commit_refused_while_the_lease_ran_out_is_sent_again_once_it_is_taken_back(
         tmp_path: Path, redis_server: Any) -> None:
     """A cluster group reader whose lease ran out (nobody took the group) commits: Redis
     refuses it; the reader reads the refusal, takes the lease back and sends that commit again
     (the group's position used to lag until its next commit). Once closed, it never takes the
     lease back (a commit's refusal read after its release could have)."""
-    from tests.conftest import LoopbackNode
-
-    node = LoopbackNode(tmp_path, 1, redis_server.url, "test-token")
-    client = node.client()
+    client, w, r = _a_lease_run_out(tmp_path, redis_server.url, "rs")
     try:
-        w = instride.Stream("rs", mode="w", retain=8, groups=["g"], client=client)
-        for i in range(4):
-            w.append(_positions(i), step=i)
-        r = instride.Stream("rs", group="g", client=client, timeout=5)
-        assert [next(r).step for _ in range(2)] == [0, 1]
         redis_ = client.metadata.redis
-        redis_.delete(f"instride:stream:{client.key('rs')}:group:g:lease")  # (as if run out)
         assert next(r).step == 2  # (its commit of frame 1 done: refused)
         cursor = r._cursor_file
         assert cursor is not None
@@ -1198,19 +1209,10 @@ def test_a_group_reader_whose_lease_ran_out_takes_it_back_unless_taken_meanwhile
     group and let it go meanwhile, it must not: ``GroupLeaseLost``."""
     import instride.store.streamstate as state
     from instride.errors import GroupLeaseLost
-    from tests.conftest import LoopbackNode
 
     monkeypatch.setattr(state, "LEASE_S", 1.0)  # (renewed every ~0.33 s)
-    node = LoopbackNode(tmp_path, 1, redis_server.url, "test-token")
-    client = node.client()
+    client, w, r = _a_lease_run_out(tmp_path, redis_server.url, "rt")
     try:
-        w = instride.Stream("rt", mode="w", retain=8, groups=["g"], client=client)
-        for i in range(4):
-            w.append(_positions(i), step=i)
-        r = instride.Stream("rt", group="g", client=client, timeout=5)
-        assert [next(r).step for _ in range(2)] == [0, 1]
-        lease = client.metadata.redis
-        lease.delete(f"instride:stream:{client.key('rt')}:group:g:lease")  # (as if run out)
         if taken_meanwhile:
             other = instride.Stream("rt", group="g", client=client, timeout=5)
             assert next(other).step == 1  # (the frame the first one held: again)
