@@ -46,8 +46,18 @@ static enum ins_rename_kind ins_rename_kind(int olddirfd, const char *old, int n
     int found = old != NULL && fstatat(olddirfd, old, &st, AT_SYMLINK_NOFOLLOW) == 0;
     int missing = !found && errno == ENOENT;
     errno = saved;
-    if (found)
+    if (found) {
+        /* old and new the same file (rename(key, key), or a hard link of it): a rename that
+         * does nothing and succeeds (POSIX), not a publication over a published key */
+        struct stat nst;
+        if (fstatat(newdirfd, new, &nst, AT_SYMLINK_NOFOLLOW) == 0 && nst.st_dev == st.st_dev &&
+            nst.st_ino == st.st_ino) {
+            errno = saved;
+            return INS_RENAME_LIBC;
+        }
+        errno = saved;
         return S_ISREG(st.st_mode) ? INS_RENAME_PUBLISH : INS_RENAME_CHECKED;
+    }
     if (missing && okind == INS_MANAGED && ins_table_retarget(op, NULL, 0) > 0)
         return INS_RENAME_OPEN;
     return INS_RENAME_CHECKED;

@@ -399,6 +399,29 @@ def test_close_waits_for_the_archiver_and_finds_it_stopped_short(
         s.close()
 
 
+def test_an_index_row_without_its_frame_is_no_frame(managed_dir: Path, tmp_path: Path) -> None:
+    """An append's rollback cut short after it trimmed the coordinates but not the index: the
+    index's last row has no frame behind it. Readers take the rows every dataset has (they
+    raised a bare IndexError reading that frame)."""
+    import h5py
+
+    dest = tmp_path / "cut.h5"
+    with instride.Stream("cut", mode="w", retain=8, archive=dest, timeout=60) as s:
+        for i in range(3):
+            s.append(_pos(i), step=i)
+    with h5py.File(dest, "r+") as f:
+        value = next(f[f"particles/{g}/position/value"] for g in f["particles"])
+        value.resize(2, axis=0)  # (as a rollback interrupted before the index's trim)
+    rd = open_reader(dest)
+    try:
+        assert list(rd.indices()) == [0, 1]
+        assert rd.read(2) is None
+        frame = rd.read(1)
+        assert frame is not None and frame.step == 1
+    finally:
+        rd.close()
+
+
 def test_a_dead_archiver_fails_its_producer(managed_dir: Path, tmp_path: Path) -> None:
     """The archiver a stream started exits at once (its file is no archive): the producer,
     whose retention waits for the archive group, fails with ArchiveError and the archiver's

@@ -390,6 +390,41 @@ def test_a_redis_that_ends_under_the_command_stops_it(scratch: Path, tmp_path: P
     _assert_torn_down(svc, scratch, tmp_path)
 
 
+def test_a_services_step_that_never_ends_still_lets_redis_and_the_directory_go(
+        scratch: Path, tmp_path: Path) -> None:
+    """The services step does not end even after SIGKILL (a ``srun`` stuck on a hung file
+    system): the teardown still stops Redis and removes its working directory, then raises
+    (Redis ran on, and the directory stayed, until ``instride job`` itself exited)."""
+    svc = _local(scratch, tmp_path)
+    svc.up()
+    agents, redis_proc, workdir = svc._agents, svc._redis, svc.workdir
+    assert agents is not None and redis_proc is not None and workdir is not None
+
+    class Stuck:  # (the services step as seen through a hung srun: no wait ever ends)
+        pid, returncode = agents.pid, None
+
+        def wait(self, timeout: float | None = None) -> int:
+            raise subprocess.TimeoutExpired("srun", timeout or 0)
+
+        def poll(self) -> None:
+            return None
+
+        def send_signal(self, sig: int) -> None:
+            pass
+
+        terminate = kill = lambda self: None  # noqa: E731
+
+    svc._agents = Stuck()  # type: ignore[assignment]
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            svc.down()
+        assert redis_proc.poll() is not None and not workdir.exists()
+    finally:
+        svc._agents = agents  # (the real one, stopped now)
+        svc.down()
+    _assert_torn_down(svc, scratch, tmp_path)
+
+
 KILLED_JOB = """
 import sys, tempfile
 from pathlib import Path

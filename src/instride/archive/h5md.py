@@ -386,8 +386,8 @@ class H5mdWriter:
                 ds[n] = value
         except BaseException:
             with contextlib.suppress(Exception):  # (rows left over are cut when the file is resumed)
-                for ds in rows:
-                    if ds.shape[0] > n:
+                for ds in [rows[-1], *rows[:-1]]:  # (the index first: cut short between two,
+                    if ds.shape[0] > n:  # it never covers a row the others lost)
                         ds.resize(n, axis=0)
             raise
         self._last = index
@@ -463,9 +463,11 @@ class H5mdReader:
             ds.refresh()                               # rows than the others then show
 
     def indices(self) -> np.ndarray:
-        """Stream indices of the frames in the file (refreshed)."""
+        """Stream indices of the frames in the file (refreshed): the rows every dataset has
+        (an append's rollback cut short can leave the index a row longer than the others)."""
         self._refresh()
         index = np.asarray(self._rows[-1][:])
+        index = index[:min(ds.shape[0] for ds in self._rows)]
         return index[:_written(index)]  # (a row reserved but not yet written is no frame)
 
     def read(self, index: int) -> Frame | None:

@@ -624,33 +624,39 @@ class JobServices:
     def down(self) -> None:
         """Stop every node's service, then Redis; remove the launcher's files.
 
-        Safe to call more than once and after a failed :meth:`up`.
+        Safe to call more than once and after a failed :meth:`up`. Each step runs also when
+        one before it failed (a services step that does not end even after SIGKILL: a
+        ``srun`` stuck on a hung file system); the first failure is raised after them.
         """
-        if self._agents is not None:
-            self.signal_agents()
+        try:
+            if self._agents is not None:
+                self.signal_agents()
+                try:
+                    self._agents.wait(20.0)
+                except subprocess.TimeoutExpired:
+                    self.force_stop_agents()
+                    if not _stop(self._agents, 10.0):
+                        with contextlib.suppress(ProcessLookupError):
+                            self._agents.kill()
+                        self._agents.wait(5)
+                self._agents = None
+        finally:
             try:
-                self._agents.wait(20.0)
-            except subprocess.TimeoutExpired:
-                self.force_stop_agents()
-                if not _stop(self._agents, 10.0):
-                    with contextlib.suppress(ProcessLookupError):
-                        self._agents.kill()
-                    self._agents.wait(5)
-            self._agents = None
-        if self._redis is not None:
-            if not _stop(self._redis, 5.0):
-                self._redis.kill()
-                self._redis.wait(5)
-            self._redis = None
-        elif self.external_redis and self.redis_url:
-            with contextlib.suppress(Exception):
-                self._clear_registry()
-        if self.workdir is not None:
-            if self.base_env.get("INSTRIDE_JOB_DEBUG"):
-                for log in sorted(self.workdir.glob("*.log")):
-                    print(f"--- {log.name}\n{tail(log, 50)}", file=sys.stderr)
-            shutil.rmtree(self.workdir, ignore_errors=True)
-            self.workdir = None
+                if self._redis is not None:
+                    if not _stop(self._redis, 5.0):
+                        self._redis.kill()
+                        self._redis.wait(5)
+                    self._redis = None
+                elif self.external_redis and self.redis_url:
+                    with contextlib.suppress(Exception):
+                        self._clear_registry()
+            finally:
+                if self.workdir is not None:
+                    if self.base_env.get("INSTRIDE_JOB_DEBUG"):
+                        for log in sorted(self.workdir.glob("*.log")):
+                            print(f"--- {log.name}\n{tail(log, 50)}", file=sys.stderr)
+                    shutil.rmtree(self.workdir, ignore_errors=True)
+                    self.workdir = None
 
     def run(self, argv: Sequence[str]) -> int:
         """Start the services, run ``argv`` on this node, stop the services; return its status.

@@ -351,6 +351,9 @@ static void t_rename(void)
     CHECK(rename(op("ren-src2.txt"), mp("ren/a.txt")) == -1 && errno == EEXIST);
     CHECK(exists(op("ren-src2.txt")));
     CHECK(file_is(mp("ren/a.txt"), "renamed in\n"));
+    /* a published key renamed onto itself: nothing happens, and that succeeds (POSIX) */
+    CHECK(rename(mp("ren/a.txt"), mp("ren/a.txt")) == 0);
+    CHECK(file_is(mp("ren/a.txt"), "renamed in\n"));
     /* renameat with dir fds */
     int od = open(OUT, O_RDONLY | O_DIRECTORY);
     CHECK(mkdir(mp("ren"), 0777) == 0 || errno == EEXIST);
