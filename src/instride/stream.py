@@ -276,8 +276,11 @@ class Stream:
     archive
         Producer: also write every frame to this file (``.h5``: H5MD) while the run goes on,
         through an archiver process reading as consumer group ``"archive"``
-        (:mod:`instride.archive`); :meth:`close` waits for it to finish. Frames retired from
-        memory stay readable: :meth:`read` serves them from the archive.
+        (:mod:`instride.archive`); :meth:`close` waits for it to finish (and raises
+        :class:`~instride.errors.ArchiveError` if the archive ends short of the last frame).
+        Frames retired from memory stay readable: :meth:`read` serves them from the archive.
+        A file already there is refused at the first ``append`` (``ArchiveError``: a stream
+        is never continued, so it holds an earlier run) unless ``overwrite=True`` replaces it.
     spin
         Consumer: seconds to busy-poll for the next frame on this node before sleeping in
         the kernel (default: ``INSTRIDE_SPIN``, else 0). A reader that polls sees a frame
@@ -511,6 +514,9 @@ class Stream:
         StreamFull
             ``on_full="block"`` and the consumer groups did not take the oldest frame
             within the stream's timeout.
+        ArchiveError
+            ``archive=`` names a file that exists (first frame, without ``overwrite``), or
+            the archiver this stream started exited while the stream waited for it.
         KeyExistsError
             The frame is already published (a stream of this name exists; see ``overwrite``).
         MetadataUnavailable
