@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .archive import open_reader, open_writer
+from .archive.base import check_format, lock_writer, unlock_writer
 from .client import Client, get_client
 from .errors import FramesMissed
 from .stream import Stream
@@ -80,9 +81,11 @@ def archive_stream(
     Raises
     ------
     GroupBusy
-        Another live process reads the stream as ``group`` (another archiver of it).
+        Another live process reads the stream as ``group`` (another archiver of it, to
+        another file).
     ArchiveError
-        Another archiver writes ``path``; ``path`` is not an archive of ``stream`` (not HDF5,
+        Another archiver writes ``path`` (of any stream or group: refused before this one
+        registers its group); ``path`` is not an archive of ``stream`` (not HDF5,
         not an instride archive, another stream's, or one of an older instride that names
         no stream); a reader holds ``path`` open as it resumes it (HDF5's file lock: the
         readers must close it first); a frame does not fit the archive (another atom count or
@@ -91,12 +94,20 @@ def archive_stream(
     client = client or get_client()
     dest = Path(path).resolve()
     start = time.monotonic()
+    check_format(dest)
     if dest.exists():  # not this stream's archive: refused before the group is registered
         open_reader(dest, client.key(stream)).close()
-    # the group before the writer: a second archiver of the stream stops here, file untouched
-    reader = Stream(stream, group=group, timeout=timeout, on_gap="count", client=client)
+    # The file's writer lock (an flock beside it: the file untouched), then the group, then
+    # the file: an archiver refused at the lock registers no group, which would hold the
+    # stream's frames for ever (a producer under "block" would wait for it)
+    lock = lock_writer(dest, client.key(stream))
     try:
-        writer = open_writer(dest, reader.name)
+        reader = Stream(stream, group=group, timeout=timeout, on_gap="count", client=client)
+    except BaseException:
+        unlock_writer(dest, lock)
+        raise
+    try:
+        writer = open_writer(dest, reader.name, lock=lock)
     except BaseException:
         reader.close()
         raise
@@ -129,9 +140,13 @@ def archive_stream(
             if bar is not None:
                 bar.update(1)
     finally:
-        if bar is not None:
-            bar.close()
-        reader.close()
-        total = len(writer.indices())
-        writer.close()
+        try:
+            if bar is not None:
+                bar.close()
+            reader.close()
+        finally:  # (the file closed, its lock let go of, whatever the reader's close raised)
+            try:
+                total = len(writer.indices())
+            finally:
+                writer.close()
     return ArchiveReport(stream, dest, appended, total, reader.missed, time.monotonic() - start)

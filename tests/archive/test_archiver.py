@@ -89,8 +89,8 @@ ARCHIVER_VICTIM = textwrap.dedent(
     from instride import archiver
     from instride.archiver import archive_stream
     real = archiver.open_writer
-    def slow_writer(*args):
-        w = real(*args)
+    def slow_writer(*args, **kwargs):
+        w = real(*args, **kwargs)
         flush = w.flush
         def slow():
             flush()
@@ -149,8 +149,8 @@ ARCHIVER_KILLED_MID_APPEND = textwrap.dedent(
     from instride import archiver
     from instride.archiver import archive_stream
     real = archiver.open_writer
-    def dying_writer(*args):
-        w = real(*args)
+    def dying_writer(*args, **kwargs):
+        w = real(*args, **kwargs)
         flush, append, flushed = w.flush, w.append, []
         def counted():
             flush()
@@ -221,10 +221,12 @@ def test_a_second_archiver_leaves_a_live_archive_alone(managed_dir: Path, tmp_pa
             for _ in range(3):
                 assert first.stdout.readline().strip() == b"flushed"
             inode = os.stat(dest).st_ino
-            with pytest.raises(GroupBusy):  # the same group: refused before the file is opened
-                archive_stream("live", dest, timeout=10)
-            with pytest.raises(ArchiveError, match="another archiver is writing it"):
-                archive_stream("live", dest, group="other", timeout=10)
+            for group in ("archive", "other"):  # refused at the file's lock, before its group
+                with pytest.raises(ArchiveError, match="another archiver is writing it"):
+                    archive_stream("live", dest, group=group, timeout=10)
+            with pytest.raises(GroupBusy):  # the same group, to another file: refused before
+                archive_stream("live", tmp_path / "elsewhere.h5", timeout=10)  # it is made
+            assert not (tmp_path / "elsewhere.h5").exists()
             assert os.stat(dest).st_ino == inode
             for i in range(10, 20):
                 s.append(_pos(i), step=i)
@@ -433,6 +435,27 @@ def test_a_dead_archiver_fails_its_producer(managed_dir: Path, tmp_path: Path) -
         for i in range(10):
             s.append(_pos(i), step=i)
     s.abandon()
+
+
+def test_an_archiver_refused_at_the_file_registers_no_group(managed_dir: Path,
+                                                           tmp_path: Path) -> None:
+    """An archiver refused because another one writes the file (of another stream) had
+    registered its consumer group first: a group nobody would ever move, which held the
+    stream's frames, so its producer stopped at the bound (StreamFull after its timeout)."""
+    from instride.archive.base import lock_writer, unlock_writer
+
+    dest = tmp_path / "taken.h5"
+    lock = lock_writer(dest, "another stream")  # (as another archiver writing the file)
+    try:
+        with instride.Stream("held", mode="w", retain=2, timeout=3) as s:
+            s.append(_pos(0), step=0)
+            with pytest.raises(ArchiveError, match="another archiver is writing it"):
+                archive_stream("held", dest, group="late", timeout=5)
+            for i in range(1, 8):  # past the bound: no group holds the frames
+                s.append(_pos(i), step=i)
+    finally:
+        unlock_writer(dest, lock)
+    assert not dest.exists()
 
 
 def test_an_archiver_that_fails_to_start_lets_go_of_the_file(managed_dir: Path, tmp_path: Path,

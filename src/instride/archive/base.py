@@ -65,10 +65,24 @@ def _classes(path: str | os.PathLike[str]) -> tuple[type, type]:
     return getattr(mod, writer), getattr(mod, reader)
 
 
-def open_writer(path: str | os.PathLike[str], stream: str) -> ArchiveWriter:
+def open_writer(path: str | os.PathLike[str], stream: str, *,
+                lock: int | None = None) -> ArchiveWriter:
     """The writer of the format named by ``path``'s suffix (creating or resuming the file)
-    of stream ``stream``'s frames."""
-    return _classes(path)[0](Path(path), stream)  # type: ignore[no-any-return]
+    of stream ``stream``'s frames; ``lock``: the file's writer lock, taken already
+    (:func:`lock_writer`), which the writer holds from then on (let go of with it, also when
+    it fails to open)."""
+    try:
+        writer = _classes(path)[0]
+    except BaseException:
+        if lock is not None:
+            unlock_writer(Path(path), lock)
+        raise
+    return writer(Path(path), stream, lock=lock)  # type: ignore[no-any-return]
+
+
+def check_format(path: str | os.PathLike[str]) -> None:
+    """Raise :class:`~instride.errors.ConfigError` where ``path``'s suffix names no format."""
+    _classes(path)
 
 
 def open_reader(path: str | os.PathLike[str], stream: str | None = None) -> ArchiveReader:

@@ -210,6 +210,10 @@ class H5mdWriter:
     stream
         The stream's name, recorded in the file; an existing file must be this stream's
         archive.
+    lock
+        The file's writer lock, taken already (:func:`~instride.archive.base.lock_writer`'s
+        descriptor): the writer holds it from then on, and lets go of it when it closes or
+        fails to open. ``None``: the writer takes it.
 
     Raises
     ------
@@ -220,13 +224,13 @@ class H5mdWriter:
         writer out of: its readers must close it before it is resumed.
     """
 
-    def __init__(self, path: Path, stream: str) -> None:
+    def __init__(self, path: Path, stream: str, *, lock: int | None = None) -> None:
         self.path = Path(path)
         self.stream = stream
         self._f: Any = None
         self._rows: list[Any] = []  # the datasets with a row per frame, the index last
         self._last = -1  # the stream index of the file's last frame
-        self._lock: int | None = lock_writer(self.path, stream)
+        self._lock: int | None = lock_writer(self.path, stream) if lock is None else lock
         try:
             # a file a writer was killed laying out (or giving its name: then a second name of
             # the archive, which this takes away without touching the file)
