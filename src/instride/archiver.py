@@ -22,7 +22,7 @@ from pathlib import Path
 from .archive import open_reader, open_writer
 from .archive.base import check_format, lock_writer, unlock_writer
 from .client import Client, get_client
-from .errors import FramesMissed
+from .errors import ConsumeTimeout, FramesMissed
 from .stream import Stream
 
 GROUP = "archive"
@@ -38,6 +38,7 @@ class ArchiveReport:
     total: int  # frames in the file
     missed: int  # frames dropped by the stream before the archiver got them
     seconds: float
+    ended: bool = True  # False: stopped before the stream's end (its lifeline closed)
 
 
 def archive_stream(
@@ -48,6 +49,7 @@ def archive_stream(
     timeout: float | None = None,
     client: Client | None = None,
     progress: bool = False,
+    lifeline: int | None = None,
 ) -> ArchiveReport:
     """Append every frame of ``stream`` to ``path`` until the stream ends.
 
@@ -73,6 +75,11 @@ def archive_stream(
         Client to use.
     progress
         Show a progress line on stderr.
+    lifeline
+        The read end of a pipe whose write end the process that started this archiver
+        holds (a producer's ``archive=``). Once no process holds the write end — that
+        process died, however — the archiver takes the frames published by then and
+        stops (``ended`` false in the report): the stream would never end.
 
     Returns
     -------
@@ -126,6 +133,9 @@ def archive_stream(
         from tqdm import tqdm
 
         bar = tqdm(desc=f"archive {stream}", unit=" frames", disable=None)
+    ended = True
+    waits = _Waits(reader, timeout if timeout is not None else client.settings.timeout,
+                   lifeline)
     try:
         while True:
             try:
@@ -134,6 +144,14 @@ def archive_stream(
                 break
             except FramesMissed:  # counted in reader.missed
                 continue
+            except ConsumeTimeout:
+                if waits.go_on():
+                    continue
+                if waits.orphaned:
+                    ended = False
+                    break
+                raise
+            waits.took()
             writer.append(reader.tell() - 1, frame)
             writer.flush()  # durable before the next call acknowledges it
             appended += 1
@@ -149,4 +167,58 @@ def archive_stream(
                 total = len(writer.indices())
             finally:
                 writer.close()
-    return ArchiveReport(stream, dest, appended, total, reader.missed, time.monotonic() - start)
+    return ArchiveReport(stream, dest, appended, total, reader.missed, time.monotonic() - start,
+                         ended)
+
+
+class _Waits:
+    """An archiver's waits for frames, with a lifeline: in slices of :data:`_SLICE` s (the
+    reader's timeout), between which it looks whether the lifeline's writers are gone; then
+    once more without waiting (a frame published as they went), and it stops."""
+
+    def __init__(self, reader: Stream, timeout: float | None, lifeline: int | None) -> None:
+        self.reader, self.timeout, self.lifeline = reader, timeout, lifeline
+        self.orphaned = False
+        self._since = time.monotonic()
+        if lifeline is not None:
+            os.set_blocking(lifeline, False)
+            self._slice()
+
+    def _slice(self) -> None:
+        left = None if self.timeout is None else self.timeout - (time.monotonic() - self._since)
+        self.reader.timeout = _SLICE if left is None else max(0.0, min(_SLICE, left))
+
+    def took(self) -> None:
+        """A frame came: the next one's wait starts now."""
+        if self.lifeline is not None:
+            self._since = time.monotonic()
+            if not self.orphaned:
+                self._slice()
+
+    def go_on(self) -> bool:
+        """After a slice's timeout: whether to wait again (else the caller stops, when
+        :attr:`orphaned`, or raises the timeout)."""
+        if self.lifeline is None or self.orphaned:
+            return False
+        if _closed(self.lifeline):
+            self.orphaned = True
+            self.reader.timeout = 0.0  # (the frames published by then: taken without a wait)
+            return True
+        if self.timeout is not None and time.monotonic() - self._since >= self.timeout:
+            return False
+        self._slice()
+        return True
+
+
+#: Seconds of one wait of an archiver with a lifeline, between its looks at it
+_SLICE = 1.0
+
+
+def _closed(fd: int) -> bool:
+    """Whether every writer of pipe ``fd`` (non-blocking) is gone."""
+    try:
+        return os.read(fd, 1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True

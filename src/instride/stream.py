@@ -58,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from .archive.process import let_go
 from .busypoll import Cadence, poll_paths
 from .client import Client, get_client
 from .errors import (
@@ -211,12 +212,14 @@ def _stop_archiver(proc: subprocess.Popen) -> None:
         try:
             proc.communicate(timeout=max(0.0, min(_ARCHIVER_RESIGNAL_S,
                                                   deadline - time.monotonic())))
+            let_go(proc)
             return
         except subprocess.TimeoutExpired:
             if time.monotonic() < deadline:
                 continue
         proc.kill()
         _, err = proc.communicate()
+        let_go(proc)
         warnings.warn(f"the archiver (pid {proc.pid}) did not stop within {_ARCHIVER_STOP_S:g} s"
                       f" of SIGTERM and was killed; it wrote: "
                       f"{(err or b'').decode(errors='replace')[-2000:]}", RuntimeWarning,
@@ -847,6 +850,7 @@ class Stream:
             # (the archiver this stream started is gone: its group would hold it for ever)
             self._archiver = None
             err = proc.communicate()[1].decode(errors="replace").strip()
+            let_go(proc)
             raise ArchiveError(self.name, self.policy.archive,
                                f"its archiver exited with status {proc.returncode}: {err}")
         timeout = self.client.settings.timeout if self.timeout is None else self.timeout
@@ -964,6 +968,7 @@ class Stream:
         except BaseException:
             _stop_archiver(proc)
             raise
+        let_go(proc)
         if proc.returncode != 0:
             raise ArchiveError(self.name, self.policy.archive, err.decode(errors="replace").strip())
         if self._written:

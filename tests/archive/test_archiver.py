@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -589,3 +590,56 @@ def test_a_retired_frame_read_while_the_archive_is_held_for_writing_waits(
     finally:
         rc, _, err = finish(holder, 30)
     assert rc == 0, err
+
+
+PRODUCER_KILLED = textwrap.dedent(
+    """
+    import sys, time, numpy as np, instride
+    s = instride.Stream(sys.argv[1], mode="w", retain=3, archive=sys.argv[2], timeout=60)
+    for i in range(6):
+        s.append(np.full((500, 3), float(i)), step=i)
+    print(s._archiver.pid, flush=True)
+    time.sleep(600)  # (killed here, its stream open)
+    """
+)
+
+
+def _exited(pid: int) -> bool:
+    """Whether process ``pid`` (not a child of this one) has exited: gone, or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_an_archiver_stops_once_its_producer_is_killed(managed_dir: Path, tmp_path: Path) -> None:
+    """A producer with ``archive=`` killed outright (SIGKILL: no teardown) left its archiver
+    waiting for ever for frames and an end that would never come. It now takes the frames
+    published by then, closes the file and stops."""
+    dest = tmp_path / "orphan.h5"
+    producer = subprocess.Popen([sys.executable, "-c", PRODUCER_KILLED, "orphaned", str(dest)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    archiver = None
+    try:
+        assert producer.stdout is not None
+        archiver = int(producer.stdout.readline())
+        producer.kill()
+        producer.communicate(timeout=30)
+        deadline = time.monotonic() + 30
+        while not _exited(archiver) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _exited(archiver), "the archiver still runs 30 s after its producer was killed"
+    finally:
+        if producer.poll() is None:
+            producer.kill()
+            producer.wait()
+        if archiver is not None and not _exited(archiver):
+            os.kill(archiver, signal.SIGKILL)
+    rd = open_reader(dest)  # closed whole, every frame published in it
+    try:
+        assert list(rd.indices()) == list(range(6))
+        assert rd.read(5).positions[0, 0] == 5.0
+    finally:
+        rd.close()
+    assert not (tmp_path / ".orphan.h5.lock").exists()

@@ -6,24 +6,61 @@ import os
 import signal
 import subprocess
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..client import Client
 
 
-def start_archiver(stream: str, path: str | os.PathLike[str], client: Client) -> subprocess.Popen:
-    """Start ``instride archive STREAM --to PATH`` as a process with the client's settings."""
+class ArchiverProcess(subprocess.Popen):  # type: ignore[type-arg]
+    """An archiver's process, and the write end of its lifeline: a pipe whose read end the
+    archiver watches (``instride archive --lifeline FD``). Once no process holds the write end
+    — the producer that started it died, however — the archiver takes the frames published
+    by then and stops (exit status 0): it would otherwise wait for ever for frames and an end
+    that never come."""
+
+    lifeline: int | None = None
+
+    def let_go(self) -> None:
+        """Close this process's end of the lifeline (once the archiver has exited)."""
+        fd, self.lifeline = self.lifeline, None
+        if fd is not None:
+            os.close(fd)
+
+
+def start_archiver(stream: str, path: str | os.PathLike[str], client: Client) -> ArchiverProcess:
+    """Start ``instride archive STREAM --to PATH`` as a process with the client's settings,
+    tied to this process by a lifeline (see :class:`ArchiverProcess`)."""
     s = client.settings
     env = dict(os.environ, INSTRIDE_DIR=str(s.dir), INSTRIDE_NODE=s.node, INSTRIDE_ADDR=s.addr)
     for name, value in (("INSTRIDE_REDIS_URL", s.redis_url), ("INSTRIDE_TOKEN", s.token)):
         if value:
             env[name] = value
-    return subprocess.Popen(  # (SIGTERM stops it, even before its handler is in: not ignored
-        [sys.executable, "-m", "instride", "archive", stream, "--to", os.fspath(path)],
-        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        preexec_fn=_sigterm_default,  # as it may be where the producer was started)
-    )
+    # (both ends close on exec: the programs this process starts later do not hold it; a
+    # child it forks without exec does, and the archiver then stops once that one is gone too)
+    read_end, write_end = os.pipe()
+    try:
+        proc = ArchiverProcess(  # (SIGTERM stops it, even before its handler is in: not ignored
+            [sys.executable, "-m", "instride", "archive", stream, "--to", os.fspath(path),
+             "--lifeline", str(read_end)],
+            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            preexec_fn=_sigterm_default,  # as it may be where the producer was started)
+            pass_fds=(read_end,),
+        )
+    except BaseException:
+        os.close(write_end)
+        raise
+    finally:
+        os.close(read_end)
+    proc.lifeline = write_end
+    return proc
+
+
+def let_go(proc: Any) -> None:
+    """:meth:`ArchiverProcess.let_go` of ``proc`` (nothing for another process)."""
+    release = getattr(proc, "let_go", None)
+    if release is not None:
+        release()
 
 
 def _sigterm_default() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import signal
 import sys
 
@@ -26,14 +28,33 @@ def cmd_archive(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stop)
     try:
         report = archive_stream(args.stream, args.to, group=args.group, timeout=args.timeout,
-                                progress=not args.quiet)
+                                progress=not args.quiet, lifeline=args.lifeline)
     except _Stopped:
-        print(f"archive of {args.stream}: stopped (SIGTERM); a restart resumes it",
-              file=sys.stderr)
+        _say(f"archive of {args.stream}: stopped (SIGTERM); a restart resumes it")
         return 0
-    print(f"{report.frames} frames appended to {report.path} ({report.total} in the file, "
-          f"{report.missed} dropped before archiving) in {report.seconds:.1f} s", file=sys.stderr)
+    _say(f"{report.frames} frames appended to {report.path} ({report.total} in the file, "
+         f"{report.missed} dropped before archiving) in {report.seconds:.1f} s")
+    if not report.ended:
+        _say(f"archive of {args.stream}: stopped before the stream's end, its lifeline closed "
+             "(the producer that started this archiver is gone); a restart resumes it")
     return 0
+
+
+def _say(text: str) -> None:
+    """A line on stderr, unless nobody reads it any more (a producer that started this
+    archiver and died held the pipe: the archive is closed already, the status stays 0)."""
+    with contextlib.suppress(BrokenPipeError):
+        print(text, file=sys.stderr, flush=True)
+
+
+def _lifeline(text: str) -> int:
+    """``--lifeline``: an open file descriptor."""
+    try:
+        fd = int(text)
+        os.fstat(fd)
+    except (ValueError, OSError) as exc:
+        raise argparse.ArgumentTypeError(f"not an open file descriptor: {text!r} ({exc})") from None
+    return fd
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -52,4 +73,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="seconds to wait for each frame; 0: do not wait; inf: forever "
                    "(default: INSTRIDE_TIMEOUT, else forever)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p.add_argument("--lifeline", type=_lifeline, default=None, metavar="FD",
+                   help="the read end of a pipe (an inherited descriptor): once no process "
+                   "holds its write end, take the frames published by then and stop, exit "
+                   "status 0 (a producer's archive= passes it: the archiver stops when the "
+                   "producer dies, however)")
     p.set_defaults(func=cmd_archive)
