@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .archive import open_reader, open_writer
-from .archive.base import check_format, lock_writer, unlock_writer
+from .archive.base import check_format, check_run, lock_writer, unlock_writer
 from .client import Client, get_client
 from .errors import ConsumeTimeout, FramesMissed
 from .stream import Stream
@@ -94,7 +94,8 @@ def archive_stream(
         Another archiver writes ``path`` (of any stream or group: refused before this one
         registers its group); ``path`` is not an archive of ``stream`` (not HDF5,
         not an instride archive, another stream's, or one of an older instride that names
-        no stream); a reader holds ``path`` open as it resumes it (HDF5's file lock: the
+        no stream), or holds frames of another run of it (an earlier run's file: see
+        :meth:`~instride.Stream.run_id`); a reader holds ``path`` open as it resumes it (HDF5's file lock: the
         readers must close it first); a frame does not fit the archive (another atom count or
         coordinate type): the file keeps every frame before it.
     """
@@ -102,19 +103,31 @@ def archive_stream(
     dest = Path(path).resolve()
     start = time.monotonic()
     check_format(dest)
-    if dest.exists():  # not this stream's archive: refused before the group is registered
-        open_reader(dest, client.key(stream)).close()
+    key = client.key(stream)
+    # the run whose frames are archived: a file of another run is refused (and a new file
+    # records it; not known before a producer started, then taken with the first frame)
+    probe = Stream(stream, client=client)
+    try:
+        run = probe.run_id()
+    finally:
+        probe.close()
+    if dest.exists():  # not this stream's archive (or run): refused before the group is registered
+        held = open_reader(dest, key)
+        try:
+            check_run(key, dest, held.run(), len(held.indices()), run)
+        finally:
+            held.close()
     # The file's writer lock (an flock beside it: the file untouched), then the group, then
     # the file: an archiver refused at the lock registers no group, which would hold the
     # stream's frames for ever (a producer under "block" would wait for it)
-    lock = lock_writer(dest, client.key(stream))
+    lock = lock_writer(dest, key)
     try:
         reader = Stream(stream, group=group, timeout=timeout, on_gap="count", client=client)
     except BaseException:
         unlock_writer(dest, lock)
         raise
-    try:
-        writer = open_writer(dest, reader.name, lock=lock)
+    try:  # (the run checked again: the file may have changed since the look above)
+        writer = open_writer(dest, reader.name, lock=lock, run=run)
     except BaseException:
         reader.close()
         raise
@@ -152,6 +165,8 @@ def archive_stream(
                     break
                 raise
             waits.took()
+            if writer.run is None:
+                writer.run = reader.run_id()
             writer.append(reader.tell() - 1, frame)
             writer.flush()  # durable before the next call acknowledges it
             appended += 1

@@ -985,6 +985,18 @@ class Stream:
                                    f"its archiver ended with frames up to {last} archived of "
                                    f"0..{self._written - 1} (stopped by a signal?)")
 
+    def run_id(self) -> str | None:
+        """The id of the stream's current run: new with every producer's start, so a re-run
+        under the same name (``overwrite=True``) has another.
+
+        Returns
+        -------
+        str or None
+            ``None`` before a producer started; ``""`` where the producer recorded none (an
+            earlier instride's).
+        """
+        return self._share.run_id()
+
     # ------------------------------------------------------------------ archive
     def set_archive(self, path: str | os.PathLike[str]) -> None:
         """Record where this stream's archive is, so readers find retired frames there."""

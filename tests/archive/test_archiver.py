@@ -643,3 +643,50 @@ def test_an_archiver_stops_once_its_producer_is_killed(managed_dir: Path, tmp_pa
     finally:
         rd.close()
     assert not (tmp_path / ".orphan.h5.lock").exists()
+
+
+def _archive_two_runs(dest: Path, client: object) -> None:
+    """Run 1 of stream "twice" (6 frames) archived to ``dest`` by hand, then run 2 (10
+    frames, ``overwrite=True``) and the same command onto the same file (as a batch script
+    that is run again does)."""
+    for run, n in ((1, 6), (2, 10)):
+        with instride.Stream("twice", mode="w", overwrite=run > 1, client=client) as s:
+            for i in range(n):
+                s.append(np.full((NATOMS, 3), 100.0 * run + i), step=i)
+        if run == 1:
+            report = archive_stream("twice", dest, timeout=10, client=client)
+            assert (report.frames, report.total) == (6, 6)
+
+
+@pytest.mark.parametrize("mode", ["local", "cluster"])
+def test_an_archive_of_an_earlier_run_is_not_resumed(mode: str, managed_dir: Path, tmp_path: Path,
+                                                     request: pytest.FixtureRequest) -> None:
+    """``instride archive`` run by hand onto the file of an earlier run of the stream (a
+    re-run with ``overwrite=True``) resumed it: it kept that run's frames 0-5 as this run's
+    and skipped this run's frames 0-5, never archived. The file records its run; another
+    run's file is refused, untouched."""
+    if mode == "cluster":
+        from tests.conftest import LoopbackNode
+
+        redis_server = request.getfixturevalue("redis_server")
+        client = LoopbackNode(tmp_path, 1, redis_server.url, "test-token").client()
+    else:
+        client = instride.get_client()
+    dest = tmp_path / "twice.h5"
+    try:
+        _archive_two_runs(dest, client)
+        with pytest.raises(ArchiveError, match="another run of the stream"):
+            archive_stream("twice", dest, timeout=10, client=client)
+        rd = open_reader(dest)
+        try:  # untouched: run 1's frames
+            assert list(rd.indices()) == list(range(6))
+            assert rd.read(5).positions[0, 0] == 105.0
+        finally:
+            rd.close()
+        dest.unlink()  # this run's own file: every frame of it
+        report = archive_stream("twice", dest, timeout=10, client=client)
+        assert (report.frames, report.total) == (10, 10)
+        again = archive_stream("twice", dest, timeout=10, client=client)  # the same run: resumed
+        assert (again.frames, again.total) == (0, 10)
+    finally:
+        client.close()

@@ -25,8 +25,13 @@ class ArchiveWriter(Protocol):
     """Appends frames of one stream to an archive file; reopening an existing file resumes it.
 
     One writer per file at a time (:func:`lock_writer`); a file that is not an archive of
-    the stream is refused (:class:`~instride.errors.ArchiveError`).
+    the stream, or that holds frames of another run of it, is refused
+    (:class:`~instride.errors.ArchiveError`).
     """
+
+    #: the id of the stream's run whose frames are appended (:meth:`instride.Stream.run_id`),
+    #: recorded in a new file; ``None`` until known (set before the first append)
+    run: str | None
 
     def append(self, index: int, frame: Frame) -> None:
         """Append stream frame ``index``: all of it, or (raising) nothing."""
@@ -43,6 +48,9 @@ class ArchiveWriter(Protocol):
 
 class ArchiveReader(Protocol):
     """Random access to the frames of an archive (also while it is being written)."""
+
+    def run(self) -> str | None:
+        """The id of the stream's run whose frames the file holds (``None``: not recorded)."""
 
     def indices(self) -> np.ndarray:
         """Stream indices of the frames in the file, ascending (refreshed on each call)."""
@@ -66,18 +74,18 @@ def _classes(path: str | os.PathLike[str]) -> tuple[type, type]:
 
 
 def open_writer(path: str | os.PathLike[str], stream: str, *,
-                lock: int | None = None) -> ArchiveWriter:
+                lock: int | None = None, run: str | None = None) -> ArchiveWriter:
     """The writer of the format named by ``path``'s suffix (creating or resuming the file)
     of stream ``stream``'s frames; ``lock``: the file's writer lock, taken already
     (:func:`lock_writer`), which the writer holds from then on (let go of with it, also when
-    it fails to open)."""
+    it fails to open); ``run``: the stream's run (see :class:`ArchiveWriter`)."""
     try:
         writer = _classes(path)[0]
     except BaseException:
         if lock is not None:
             unlock_writer(Path(path), lock)
         raise
-    return writer(Path(path), stream, lock=lock)  # type: ignore[no-any-return]
+    return writer(Path(path), stream, lock=lock, run=run)  # type: ignore[no-any-return]
 
 
 def check_format(path: str | os.PathLike[str]) -> None:
@@ -89,6 +97,28 @@ def open_reader(path: str | os.PathLike[str], stream: str | None = None) -> Arch
     """The reader of the format named by ``path``'s suffix; ``stream``: refuse an archive of
     another stream."""
     return _classes(path)[1](Path(path), stream)  # type: ignore[no-any-return]
+
+
+def check_run(stream: str, path: str | os.PathLike[str], held: str | None, frames: int,
+              run: str | None) -> None:
+    """Refuse an archive that holds ``frames`` frames of run ``held`` to be continued with
+    frames of the stream's run ``run`` (``None``: no producer started yet, so ``held`` is an
+    earlier one; ``""``: a producer that records no run, and ``held`` ``None``: a file that
+    records none — no check then).
+
+    Raises
+    ------
+    ArchiveError
+        The file holds frames of another run of the stream.
+    """
+    if held and frames and run != "" and held != run:
+        now = ("the stream has no producer now, so an earlier run's" if run is None
+               else f"the stream's run now is {run}")
+        raise ArchiveError(stream, path,
+                           f"it holds {frames} frame(s) of another run of the stream (run {held};"
+                           f" {now}): resumed, it would keep that run's frames and skip this "
+                           "run's as far as that one went. Give each run its own file, or "
+                           "remove this one")
 
 
 def _lock_path(path: Path) -> Path:

@@ -45,7 +45,7 @@ import numpy as np
 
 from ..errors import ArchiveError, ConfigError
 from ..frames import Frame, FrameHeader
-from .base import lock_writer, unlock_writer
+from .base import check_run, lock_writer, unlock_writer
 
 _LIBVER = "latest"
 _INDEX = "instride/index"
@@ -82,6 +82,11 @@ def _written(index: np.ndarray) -> int:
     while n and (index[n - 1] < 0 or (n > 1 and index[n - 1] <= index[n - 2])):
         n -= 1
     return n
+
+
+def _text(value: Any) -> Any:
+    """An HDF5 string attribute's value as ``str`` (h5py gives ``bytes`` for some)."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 def _locked_out(exc: OSError) -> bool:
@@ -214,19 +219,30 @@ class H5mdWriter:
         The file's writer lock, taken already (:func:`~instride.archive.base.lock_writer`'s
         descriptor): the writer holds it from then on, and lets go of it when it closes or
         fails to open. ``None``: the writer takes it.
+    run
+        The id of the stream's run whose frames are appended (:meth:`instride.Stream.run_id`),
+        recorded in a new file (attribute ``run`` of ``/instride``; set :attr:`run` before the
+        first append where it is not known yet). An existing file that holds frames of another
+        run is refused, and so is one that holds frames of a recorded run while the stream
+        has none (``None``: no producer started: the file's run is an earlier one). ``""``
+        (a producer that records no run): no check.
 
     Raises
     ------
     ArchiveError
         Another writer holds the file; the file is not an archive of ``stream`` (not HDF5, not
-        an instride archive, another stream's, or one that names no stream); a reader (of
+        an instride archive, another stream's, or one that names no stream), or holds frames
+        of another run of it (see ``run``); a reader (of
         another process, or of this one) holds the file open, which HDF5's file lock keeps a
         writer out of: its readers must close it before it is resumed.
     """
 
-    def __init__(self, path: Path, stream: str, *, lock: int | None = None) -> None:
+    def __init__(self, path: Path, stream: str, *, lock: int | None = None,
+                 run: str | None = None) -> None:
         self.path = Path(path)
         self.stream = stream
+        #: the stream's run whose frames this writer appends (recorded in a new file)
+        self.run = run
         self._f: Any = None
         self._rows: list[Any] = []  # the datasets with a row per frame, the index last
         self._last = -1  # the stream index of the file's last frame
@@ -254,7 +270,13 @@ class H5mdWriter:
             self._lock = None
 
     def _resume(self) -> None:
-        _open_checked(self.path, self.stream, unnamed_ok=False).close()
+        f = _open_checked(self.path, self.stream, unnamed_ok=False)
+        try:
+            held = f["instride"].attrs.get("run")
+            frames = _written(_rows(f)[-1][:])
+        finally:
+            f.close()
+        check_run(self.stream, self.path, _text(held), frames, self.run)
         if _open_here(self.path):  # (HDF5 would refuse it, or share the reader's view of it)
             raise self._error(f"this process {_HELD}")
         try:
@@ -271,6 +293,12 @@ class H5mdWriter:
             for ds in rows:  # the rows of a frame whose index row was not written
                 if ds.shape[0] > n:
                     ds.resize(n, axis=0)
+            own = f["instride"].attrs
+            if not n and own.get("run") != self.run:  # (no frame yet: of this run, from now;
+                if self.run:  # not known yet: of none, since SWMR mode adds no attribute)
+                    own["run"] = self.run
+                elif "run" in own:
+                    del own["run"]
             f.swmr_mode = True
             self._last = int(rows[-1][n - 1]) if n else -1
         except (OSError, RuntimeError) as exc:
@@ -323,6 +351,8 @@ class H5mdWriter:
                                      fillvalue=np.nan)
             own = f.create_group("instride")
             own.attrs["stream"] = self.stream
+            if self.run:
+                own.attrs["run"] = self.run
             own.create_dataset("index", shape=(0,), maxshape=(None,), dtype=np.int64, chunks=(4096,),
                                fillvalue=_UNWRITTEN)
             f.swmr_mode = True  # (which writes the whole layout out)
@@ -442,6 +472,11 @@ class H5mdReader:
         self._f = _open_checked(self.path, stream, unnamed_ok=True)
         self._rows = _rows(self._f)
         self._id = _file_id(self._f)
+
+    def run(self) -> str | None:
+        """The id of the stream's run whose frames the file holds (``None``: not recorded,
+        by an instride before the run check)."""
+        return _text(self._f["instride"].attrs.get("run"))
 
     def _follow(self) -> None:
         """Open the file now under the path if it replaced the one open (a resuming writer's

@@ -360,6 +360,11 @@ class StreamState(Protocol):
     def archive(self) -> tuple[str, str] | None:
         """``(node, path)`` of the archive."""
 
+    def run_id(self) -> str | None:
+        """The id of the stream's current run (new with every producer's start); ``None``
+        before a producer started; ``""`` where its producer recorded none (an earlier
+        instride's)."""
+
     def close(self) -> None:
         """Release what the state holds."""
 
@@ -400,6 +405,10 @@ class LocalStreamState:
         self._head.written = 0
         self._head.producer = os.getpid()
         policy.save(self.dir)
+        # the run's id: new with every producer's start (an archive records the run it holds)
+        tmp = self.dir / f".run.{os.getpid()}.tmp"
+        tmp.write_text(uuid.uuid4().hex)
+        os.rename(tmp, self.dir / "run")
         if reset:
             self._groups.reset()
             # (the earlier run's archive is not this run's: readers must not take its frames)
@@ -457,6 +466,14 @@ class LocalStreamState:
             Another live reader holds the group.
         """
         return GroupCursor(self._groups, self.stream, check_group(name), start)
+
+    def run_id(self) -> str | None:
+        """The id of the stream's current run; ``None`` before a producer started, ``""``
+        where its producer recorded none (an earlier instride's)."""
+        try:
+            return (self.dir / "run").read_text()
+        except FileNotFoundError:
+            return "" if (self.dir / "head").exists() else None
 
     def set_archive(self, node: str, path: str) -> None:
         """Record the stream's archive file."""
@@ -660,6 +677,11 @@ class RedisStreamState:
         if run is None or since is None:
             return ""
         return (_text(run), float(since), _text(node) if node else None)  # ("": not known)
+
+    def run_id(self) -> str | None:
+        """The id of the stream's current run (see :meth:`run`)."""
+        run = self.run()
+        return run[0] if isinstance(run, tuple) else run
 
     def resets(self) -> int:
         """How many times the stream's groups were reset (by re-runs, ``overwrite=True``)."""
