@@ -222,3 +222,21 @@ def test_a_held_open_refuses_a_file_retired_or_being_rewritten(
         os.fstat(fd)
     assert info.value.errno == errno.EBADF
     opener.close()
+
+
+def test_reads_go_on_after_the_managed_directory_is_made_again(managed_dir: Path) -> None:
+    """A process that had read a key kept a descriptor of the managed directory, beneath which
+    its reads look: the directory removed and made again (between two runs, by hand), every
+    read of that process failed with KeyNotFoundError — the key's file there all the same."""
+    import shutil
+
+    with instride.open("a.txt", "w") as fh:
+        fh.write("first")
+    with instride.open("a.txt") as fh:  # (the directory's descriptor kept from here)
+        assert fh.read() == b"first"
+    shutil.rmtree(managed_dir)
+    managed_dir.mkdir()
+    with instride.open("b.txt", "w") as fh:
+        fh.write("second")
+    with instride.open("b.txt") as fh:
+        assert fh.read() == b"second"

@@ -97,6 +97,10 @@ def normalize_key(key_or_path: str | os.PathLike[str] | bytes, root: Path) -> st
         raise KeyValidationError(key_or_path, f"expected str or path, got {type(key_or_path).__name__}")
     if "\x00" in raw:
         raise KeyValidationError(key_or_path, "contains a NUL byte")
+    try:
+        raw.encode("utf-8")
+    except UnicodeEncodeError:  # (a name of bytes that are no UTF-8, as os.fsdecode gives them)
+        raise KeyValidationError(key_or_path, "not valid UTF-8") from None
     if _CONTROL.search(raw):
         raise KeyValidationError(key_or_path, "contains a control character")
     if raw.strip() == "":

@@ -330,6 +330,19 @@ class ConfinedOpener:
             _hold(fd, key, f"{self.root}/{key}", self._dirfd if self._dirfd >= 0 else None)
         return fd
 
+    def _stale(self) -> bool:
+        """Whether the directory descriptor kept names another directory than :attr:`root`
+        now (the managed directory removed and made again by the user: a read beneath the
+        removed one finds nothing); it is closed then, to be opened afresh."""
+        try:
+            held, now = os.fstat(self._dirfd), os.stat(self.root)
+        except OSError:
+            return False
+        if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino) and held.st_nlink:
+            return False
+        self.close()
+        return True
+
     def _open(self, key: str) -> int:
         syscall = ConfinedOpener._syscall
         if syscall is None:
@@ -338,6 +351,10 @@ class ConfinedOpener:
         how = ConfinedOpener._how
         fd = syscall(_SYS_OPENAT2, self._dirfd, os.fsencode(key), ctypes.byref(how),
                      ctypes.sizeof(how))
+        if fd < 0 and ctypes.get_errno() in (errno.ENOENT, errno.ENOTDIR) and self._stale():
+            self.dirfd()  # (once more, beneath the directory there now)
+            fd = syscall(_SYS_OPENAT2, self._dirfd, os.fsencode(key), ctypes.byref(how),
+                         ctypes.sizeof(how))
         if fd < 0:
             err = ctypes.get_errno()
             if err in (errno.ENOSYS, errno.EPERM, errno.E2BIG, errno.EINVAL):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import instride
-from instride.errors import ConsumeTimeout, UnsupportedModeError
+from instride.errors import ConsumeTimeout, KeyValidationError, UnsafePathError, UnsupportedModeError
 
 
 def test_intercept_routes_managed_paths_only(managed_dir: Path, tmp_path: Path) -> None:
@@ -138,3 +138,52 @@ def test_bad_settings_fail_managed_opens_only(managed_dir: Path, tmp_path: Path,
             assert fh.read() == "plain"
         with pytest.raises(instride.ConfigError, match="INSTRIDE_TIMEOUT"):
             open(managed_dir / "k.txt")  # noqa: PTH123, SIM115
+
+
+def test_a_managed_name_that_is_no_key_is_refused(managed_dir: Path) -> None:
+    """A name under the managed directory that is no valid key (a component over 200 bytes,
+    a control character, bytes that are no UTF-8) went to the builtin open: the file was
+    written in place, seen half-written by its readers (the preload library takes it for a
+    key and waits for it), and never recorded. It is a KeyValidationError now, as from
+    instride.open; instride's own names still pass through."""
+    (managed_dir / "run").mkdir()
+    with instride.intercept():
+        for name in ("x" * 210 + ".dat", "bad\x01name.dat", "latin\udcff.dat"):
+            with pytest.raises(KeyValidationError), open(managed_dir / "run" / name, "w"):
+                pass
+        assert os.listdir(managed_dir / "run") == []
+        with open(managed_dir / ".instride-notes", "w") as fh:  # (instride's own: in place)
+            fh.write("kept")
+    assert (managed_dir / ".instride-notes").read_text() == "kept"
+
+
+def test_a_path_the_kernel_resolves_elsewhere_publishes_nothing(managed_dir: Path,
+                                                                tmp_path: Path) -> None:
+    """Paths normalized as text published under a key the kernel would not reach: a trailing
+    '/' (the builtin open refuses a directory's name) and '..' after a symbolic link (the
+    kernel goes up from the link's target, outside the directory)."""
+    (managed_dir / "s").mkdir()
+    outside = tmp_path / "outside"
+    (outside / "sub").mkdir(parents=True)
+    (managed_dir / "s" / "link").symlink_to(outside / "sub")
+    with instride.intercept():
+        # (IsADirectoryError or FileNotFoundError: the builtin's)
+        with pytest.raises(OSError), open(f"{managed_dir}/s/x.dat/", "w"):
+            pass
+        with pytest.raises(UnsafePathError, match="symbolic link before"), \
+                open(f"{managed_dir}/s/link/../k.dat", "w"):
+            pass
+        with open(f"{managed_dir}/s/../s/plain.dat", "w") as fh:  # ('..' after a directory)
+            fh.write("ok")
+    assert sorted(os.listdir(managed_dir / "s")) == ["link", "plain.dat"]
+    assert os.listdir(outside) == ["sub"]
+
+
+def test_open_mode_spellings_of_the_builtin(managed_dir: Path) -> None:
+    """The builtin open's other spellings of a mode ("bw", "br", "+wb") were refused with
+    UnsupportedModeError on managed paths."""
+    with instride.intercept():
+        with open(managed_dir / "m.dat", "bw") as fh:
+            fh.write(b"bytes")
+        with open(managed_dir / "m.dat", "br") as fh:
+            assert fh.read() == b"bytes"

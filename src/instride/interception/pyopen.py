@@ -26,7 +26,8 @@ from typing import Any
 
 from ..client import get_client
 from ..config import read_variable
-from ..errors import KeyValidationError, UnsupportedModeError
+from ..errors import KeyValidationError, UnsafePathError, UnsupportedModeError
+from ..keys import INTERNAL_DIRNAME, TMP_PATTERN
 
 _original_open = builtins.open
 _lock = threading.Lock()
@@ -65,16 +66,45 @@ def _managed_key(file: Any) -> str | None:
     except (TypeError, ValueError):
         return None
     root, real = _managed_roots()
-    full = os.path.normpath(raw if os.path.isabs(raw) else os.path.join(os.getcwd(), raw))
+    joined = raw if os.path.isabs(raw) else os.path.join(os.getcwd(), raw)
+    full = os.path.normpath(joined)
     if not _under(full, root):
         if real == root or not _under(full, real):
             return None
         full = root + full[len(real):]  # (the same file, named under the configured root)
+    if raw.endswith(("/", "/.")):
+        return None  # (a directory's name: the builtin open says what it says of one)
+    if "/../" in joined + "/":
+        _refuse_links_before_dotdot(joined, full)
     try:
         get_client().key(full)
     except KeyValidationError:
-        return None  # instride's own files (.instride/, temporary names) are not keys
+        if _reserved(full[len(root) + 1:]):
+            return None  # instride's own files (.instride/, temporary names) are not keys
+        # (a name under the managed directory that is no key: opened in place, its file
+        # would be seen half-written; refused, as the preload library refuses it)
+        raise
     return full
+
+
+def _reserved(rel: str) -> bool:
+    """Whether ``rel`` (a path under the managed directory) names one of instride's own
+    files: a component starting with ``.instride``, or a temporary name (as the preload
+    library's ``ins_reserved``)."""
+    parts = rel.split("/")
+    return any(p.startswith(INTERNAL_DIRNAME) for p in parts) or bool(TMP_PATTERN.match(parts[-1]))
+
+
+def _refuse_links_before_dotdot(joined: str, full: str) -> None:
+    """Raise :class:`UnsafePathError` where a ``..`` of ``joined`` follows a symbolic link:
+    the kernel goes up from the link's target, not from where the text says (the key would
+    name another file than the path)."""
+    parts, walked = joined.split("/"), ""
+    for i, part in enumerate(parts):
+        if part == ".." and walked and os.path.islink(walked):
+            raise UnsafePathError(full, f"{walked!r} is a symbolic link before '..'; keys never "
+                                  "follow links")
+        walked = os.path.normpath(os.path.join(walked, part)) if i else part or "/"
 
 
 def instride_open(file: Any, mode: str = "r", buffering: int = -1, encoding: str | None = None,

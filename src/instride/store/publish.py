@@ -435,9 +435,15 @@ def check_mode(mode: str) -> bool:
         return True
     if mode in READ_MODES:
         return False
-    if "a" in mode or "r+" in mode or "+r" in mode:
+    chars = set(mode) if isinstance(mode, str) else set()
+    kinds = chars & {"r", "w", "x", "a"}
+    if "a" in chars or "r" in chars and "+" in chars:
         raise UnsupportedModeError(mode, "published keys are immutable (no append or update)")
-    raise UnsupportedModeError(mode, "expected one of r, rb, w, wb, x, xb, w+, w+b")
+    if len(chars) == len(mode) and chars <= {"r", "w", "x", "b", "t", "+"} \
+            and len(kinds) == 1 and not {"b", "t"} <= chars:
+        return "r" not in kinds  # (the builtin open's other spellings: "br", "bw", "+wb"...)
+    raise UnsupportedModeError(mode, "expected one of r, rb, w, wb, x, xb, w+, w+b (in any "
+                               "order, as for open())")
 
 
 def open_for_write(
