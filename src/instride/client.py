@@ -23,7 +23,13 @@ from typing import IO, Any
 from . import store
 from .config import Settings, env_snapshot
 from .engine import Engine, get_engine
-from .errors import ConfigError, KeyExistsError, KeyNotFoundError, UnsupportedModeError
+from .errors import (
+    ConfigError,
+    KeyExistsError,
+    KeyNotFoundError,
+    PublicationUnsettled,
+    UnsupportedModeError,
+)
 from .keys import key_path, normalize_key, recyclable, tmp_path
 from .metadata import MetadataBackend, Record
 from .paths import ConfinedOpener, check_confined, confined_file, confined_path
@@ -289,8 +295,9 @@ class Client:
 
         With ``key``, ``src`` (anywhere) is moved atomically under ``key``: linked when on the
         same file system, else copied to a hidden temporary name, then renamed into place; the
-        source name is removed. Without ``key``, ``src`` must already be at its final path
-        under the managed directory (written in place by a legacy tool); it is recorded.
+        source name is removed once the key is recorded. Without ``key``, ``src`` must already
+        be at its final path under the managed directory (written in place by a legacy tool);
+        it is recorded — as is a ``src`` that is another name of the key's very file.
 
         Parameters
         ----------
@@ -314,6 +321,10 @@ class Client:
             ``key`` is published and ``overwrite`` is false (``src`` is left untouched).
         KeyValidationError
             Bad key, or ``src`` outside the managed directory when ``key`` is omitted.
+        MetadataUnavailable
+            Cluster mode: the record could not be stored; ``src`` is left untouched (the
+            key's file is removed again, write-once), or, for
+            :class:`~instride.errors.PublicationUnsettled` (it may be recorded), moved.
         UnsupportedModeError
             ``src`` is a symbolic link.
         """
@@ -325,13 +336,17 @@ class Client:
         if key is None:
             key = self.key(srcp)
             final = confined_path(self.root, key, for_write=True)  # [confine]
-            if srcp == final:  # already in place (written non-atomically by a legacy tool)
-                self.engine.published(key, overwrite)
-                return key
         else:
             key = self.key(key)
             final = key_path(key, self.root)
         confined_path(self.root, key, for_write=True)  # [confine] no link or directory on the way
+        try:
+            in_place = os.path.samestat(os.lstat(srcp), os.lstat(final))
+        except FileNotFoundError:
+            in_place = False
+        if in_place:  # (written in place by a legacy tool, or another name of the key's file)
+            self._record_in_place(key, final, overwrite)
+            return key
         final.parent.mkdir(parents=True, exist_ok=True)
         if not overwrite and final.exists():
             raise KeyExistsError(key)
@@ -352,9 +367,37 @@ class Client:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(staged)
             raise
+        # Recorded before the source name goes: a record refused (write-once: another node
+        # published the key; Redis out of reach) removes the key's file, and the source
+        # must then still be there, untouched
+        try:
+            self.engine.published(key, overwrite)
+        except PublicationUnsettled:
+            os.unlink(srcp)  # (the key's file stays, a record may name it: moved after all)
+            raise
         os.unlink(srcp)  # moved, not copied: the source name goes away
-        self.engine.published(key, overwrite)
         return key
+
+    def _record_in_place(self, key: str, final: Path, overwrite: bool) -> None:
+        """Record the file in place under ``key``. A record refused removes a write-once
+        key's file (no key visible without a record), here the caller's own file: a second
+        name of it, hidden, brings it back then (where the file system makes hard links)."""
+        spare = tmp_path(final)
+        try:
+            os.link(final, spare)
+        except OSError:
+            spare = None
+        try:
+            self.engine.published(key, overwrite)
+        except BaseException:
+            if spare is not None:
+                with contextlib.suppress(OSError):  # (as it was before the call, unrecorded;
+                    os.link(spare, final)  # never over a file that appeared there)
+            raise
+        finally:
+            if spare is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(spare)
 
     # ------------------------------------------------------------------ consuming
     def _consume_key(self, key: str, timeout: float | None) -> Path:

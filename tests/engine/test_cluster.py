@@ -27,7 +27,7 @@ import pytest
 import instride
 from instride.engine import Engine
 from instride.engine.cluster import ClusterEngine, _file_clock_ns
-from instride.errors import ConsumeTimeout, IntegrityError
+from instride.errors import ConsumeTimeout, IntegrityError, KeyExistsError
 from instride.keys import TMP_PATTERN
 from instride.record import Record
 from tests.conftest import LoopbackNode, RedisServer, running_nodes
@@ -2220,3 +2220,56 @@ def test_a_stream_appended_from_two_threads_pushes_one_threads_held_records_firs
         t.join(30)
         producer.abandon()
         other.close()
+
+
+def test_a_refused_publication_leaves_its_source(clients: list[instride.Client],
+                                                 tmp_path: Path) -> None:
+    """``publish(src, key)`` of a key another node published (write-once): the source's name
+    was removed before the record was refused, and the refusal removed the key's file — the
+    user's data gone. And a file written in place (``publish(src)``) was removed by the
+    refusal itself. Either way the source now stays as it was."""
+    c1, c2 = clients[0], clients[1]
+    for key in ("refused/moved", "refused/inplace"):
+        with c2.open(key, "wb") as fh:
+            fh.write(b"node 2's")
+    src = tmp_path / "mine.dat"
+    src.write_bytes(b"node 1's")
+    with pytest.raises(KeyExistsError):
+        c1.publish(src, "refused/moved")
+    assert src.read_bytes() == b"node 1's"
+    inplace = c1.root / "refused" / "inplace"
+    inplace.parent.mkdir(parents=True, exist_ok=True)
+    inplace.write_bytes(b"node 1's legacy output")
+    with pytest.raises(KeyExistsError):
+        c1.publish(inplace)
+    assert inplace.read_bytes() == b"node 1's legacy output"
+    assert sorted(os.listdir(inplace.parent)) == ["inplace"]  # (no hidden name left)
+    assert c2.consume("refused/moved").read_bytes() == b"node 2's"
+
+
+def test_one_node_spelled_two_ways_keeps_its_original(nodes: list[LoopbackNode]) -> None:
+    """A producer of a node whose ``INSTRIDE_ADDR`` reads ``localhost:PORT`` and a consumer of
+    the same node with ``127.0.0.1:PORT``: the consumer took the record's owner for another
+    node, fetched the key from its own server over the original, stored it as a copy (a
+    sidecar), and a later eviction or drop removed the only original."""
+    from instride.client import Client
+    from instride.config import Settings
+
+    node = nodes[0]
+    producer = Client(Settings.from_env(dict(node.env, INSTRIDE_ADDR=f"localhost:{node.port}")))
+    consumer = node.client()
+    try:
+        got: list[bytes] = []
+        waiter = threading.Thread(target=lambda: got.append(
+            consumer.consume("spelled/k", timeout=30).read_bytes()))
+        waiter.start()  # (waiting before the publication: the record's owner decides)
+        time.sleep(0.3)
+        with producer.open("spelled/k", "wb") as fh:
+            fh.write(b"the original")
+        waiter.join(60)
+        assert got == [b"the original"]
+        assert not consumer.engine.is_copy("spelled/k")  # (an original: never evicted)
+        assert consumer.engine.cached_copy("spelled/k") is None
+    finally:
+        producer.close()
+        consumer.close()

@@ -178,3 +178,18 @@ def test_the_engine_is_chosen_once_from_the_settings(client: instride.Client) ->
     assert client.engine.wait_any(["ready/none", "ready/k"], 1) == "ready/k"
     client.close()  # releases connections; the client stays usable
     assert client.consume("ready/k", timeout=1).read_bytes() == b"here"
+
+
+def test_publishing_the_keys_own_file_keeps_it(client: instride.Client, tmp_path: Path) -> None:
+    """``publish(src, key, overwrite=True)`` with ``src`` the key's file itself (or another
+    name of it): the rename of one name of a file onto another is no-op, so the hidden name
+    stayed and the key's only visible name was removed — the file lost, the call successful."""
+    with client.open("own/a.dat", "wb") as fh:
+        fh.write(b"published")
+    path = client.root / "own" / "a.dat"
+    assert client.publish(path, "own/a.dat", overwrite=True) == "own/a.dat"
+    alias = tmp_path / "alias.dat"
+    os.link(path, alias)  # (another name of the key's file, outside the managed directory)
+    assert client.publish(alias, "own/a.dat", overwrite=True) == "own/a.dat"
+    assert client.consume("own/a.dat").read_bytes() == b"published"
+    assert os.listdir(client.root / "own") == ["a.dat"]  # (no hidden name left)

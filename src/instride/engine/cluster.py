@@ -144,6 +144,8 @@ class ClusterEngine:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.root = settings.dir
+        #: owners' spellings of an address met, and whether each names this node
+        self._spellings: dict[str, bool] = {}
         self.metadata = get_backend("redis", settings)
         self.confined = ConfinedOpener(self.root)  # [confine] maps keys, never through links
         self.transport: Transport = get_transport(settings.transport, settings)
@@ -214,6 +216,20 @@ class ClusterEngine:
         """Version of the fetched copy of ``key`` on this node, or ``None`` (absent or original)."""
         side = self.cached_copy(key)
         return None if side is None else int(side["version"])
+
+    def _mine(self, owner: str) -> bool:
+        """Whether a record's ``owner`` is this node: its ``INSTRIDE_ADDR``, however spelled
+        (``localhost:7000`` and ``127.0.0.1:7000``: processes of one node may spell it
+        differently; an original taken for another node's would be fetched over itself,
+        stored as a copy, and evicted)."""
+        if owner == self.settings.addr:
+            return True
+        known = self._spellings.get(owner)
+        if known is None:
+            known = same_addr(owner, self.settings.addr) is True
+            if len(self._spellings) < 1024:  # (a bounded memo: few owners per job)
+                self._spellings[owner] = known
+        return known
 
     def forget_fetched(self, key: str) -> None:
         """Drop the cache entry of ``key`` (it became an original of this node)."""
@@ -467,7 +483,7 @@ class ClusterEngine:
             timeout = max(0.0, deadline - start)
         record = self._take_seen(key, start) or self.metadata.wait_any([key], timeout)
         timing["wait"] = time.monotonic() - start
-        if record.owner == self.settings.addr:
+        if self._mine(record.owner):
             # Published by a process of this node: the original is here (a file has its name
             # before its record is stored) unless it was deleted since; a moment's grace
             return self._own(key, path, record, deadline)
@@ -1001,7 +1017,7 @@ class ClusterEngine:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not self._current(key, path, deadline):
                 record = self._take_seen(key, time.monotonic()) or self.metadata.wait_any([key], left)
-                if record.owner != self.settings.addr:
+                if not self._mine(record.owner):
                     return memoryview(self._fetch_bytes(record))
             local = self.consume(key, left)
             try:
@@ -1231,7 +1247,7 @@ class ClusterEngine:
             # a conflicting file is removed.
             existing = None if overwrite else self.metadata.lookup(key)
             if existing is not None and existing.checksum == record.checksum and (
-                    existing.owner == record.owner):
+                    self._mine(existing.owner)):
                 return existing
             if not overwrite:
                 with contextlib.suppress(FileNotFoundError):
