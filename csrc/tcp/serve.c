@@ -970,7 +970,8 @@ static void *accept_main(void *arg) {
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        pthread_attr_setstacksize(&attr, 256 * 1024);
+        /* (Python runs on it: a request the C path hands over is decided there) */
+        pthread_attr_setstacksize(&attr, 2 * 1024 * 1024);
         pthread_t t;
         if (pthread_create(&t, &attr, conn_main, c) != 0) {
             if (!refuse)

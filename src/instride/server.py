@@ -25,6 +25,7 @@ import dataclasses
 import errno
 import logging
 import os
+import resource
 import signal
 import time
 from typing import Any
@@ -37,6 +38,31 @@ from .transport import TransportServer, get_server
 from .transport.tcp.server import MAX_PEERS, REQUEST_TIMEOUT, SEND_TIMEOUT
 
 log = logging.getLogger("instride.server")
+
+#: Open files a peer's connection may take at once (its socket; a fetch held open: a
+#: directory handle and an eventfd; the file it sends), and those kept for everything else
+#: (the agent's clients, Redis, the managed files it opens)
+FILES_PER_PEER, FILES_KEPT = 4, 256
+
+
+def fit_peers(max_peers: int) -> int:
+    """Raise this process's soft limit of open files to its hard limit (often 1,024 against
+    hundreds of thousands), and return ``max_peers`` cut to what that limit serves (said in
+    a warning): past it, new connections would wait unaccepted, held fetches miss, and the
+    agent's own requests fail."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if want > soft:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    most = max(16, (soft - FILES_KEPT) // FILES_PER_PEER)
+    if max_peers > most:
+        log.warning("serving at most %d peers at once, not %d: the process may open %d files "
+                    "(RLIMIT_NOFILE; raise its hard limit, ulimit -Hn, for more)",
+                    most, max_peers, soft)
+        return most
+    return max_peers
 
 #: Exit status of a server interrupted by SIGINT (Ctrl-C), as ``instride.cli.EXIT_INTERRUPTED``.
 EXIT_INTERRUPTED = 130
@@ -83,6 +109,7 @@ class NodeServer:
         send_timeout = parse_seconds(send_timeout, "send_timeout")
         self.settings = settings
         self.grace = grace
+        max_peers = fit_peers(max_peers)
         #: the signal that stopped the server (SIGTERM or SIGINT), once one did
         self.stopped_by: int | None = None
         self.client = Client(settings)

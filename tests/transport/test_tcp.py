@@ -19,6 +19,7 @@ import socket
 import struct
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -238,6 +239,25 @@ def test_oversized_truncated_and_unknown_requests(nodes: list[LoopbackNode]) -> 
     put(n1, "s/after", b"still here")
     assert raw(n1, signed("s/after"))["ok"] is True
     no_traceback(n1)
+
+
+def test_a_deeply_nested_header_does_not_kill_the_server(own_node: LoopbackNode) -> None:
+    """One request of 16 KB of '[' (no token needed): the JSON parser recursed once per level
+    on a connection thread of 256 KiB of stack, which Python 3.12's deeper C recursion limit
+    lets overflow: the data server died (SIGSEGV). The server here runs with a recursion
+    limit that deep, as 3.12 has. The header is refused before the parser now."""
+    serve = ("import runpy, sys; sys.setrecursionlimit(100_000); sys.argv = ['instride', 'serve'];"
+             " runpy.run_module('instride', run_name='__main__', alter_sys=True)")
+    with open(own_node.log, "ab") as log:
+        own_node.proc = subprocess.Popen([sys.executable, "-c", serve], env=own_node.env,
+                                         stdout=subprocess.PIPE, stderr=log)
+    assert wait_ready(own_node.proc, 30), own_node.log.read_text()
+    deep = b"[" * 16_000
+    reply = raw(own_node, struct.pack(">I", len(deep)) + deep)
+    assert reply["error"] == "WireError" and "nested" in reply["message"]
+    assert own_node.proc.poll() is None
+    put(own_node, "deep/after", b"still here")
+    assert raw(own_node, signed("deep/after"))["ok"] is True
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -1591,3 +1611,22 @@ def test_no_reply_to_a_key_asked_for_is_a_typed_error(reply_pair: tuple,
     ours.settimeout(0.3)
     with open(tmp_path / "dest", "wb") as fh, pytest.raises(PeerUnavailable, match="no valid"):
         transport.receive_asked(ours, HINT, HINT.key, fh.fileno(), 0.2)
+
+
+def test_the_server_takes_the_open_files_it_may(tmp_path: Path) -> None:
+    """The data server kept the soft limit of open files (often 1,024) while it served up to
+    512 peers at ~3 descriptors each: past ~300, new connections waited unaccepted, held
+    fetches missed and the agent's requests failed. It raises the soft limit to the hard
+    one, and serves only as many peers at once as that limit allows, with a warning."""
+    code = textwrap.dedent("""
+        import logging, resource, sys
+        logging.basicConfig()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, int(sys.argv[1])))
+        from instride.server import fit_peers
+        print(fit_peers(512), resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    """)
+    for hard, peers in ((8192, 512), (1024, 192)):
+        run = subprocess.run([sys.executable, "-c", code, str(hard)], capture_output=True,
+                             text=True, timeout=60, check=True)
+        assert run.stdout.split() == [str(peers), str(hard)]
+        assert ("serving at most 192 peers" in run.stderr) == (peers < 512)

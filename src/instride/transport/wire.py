@@ -135,12 +135,46 @@ def parse_length(prefix: bytes) -> int:
     return n
 
 
+#: The deepest nesting of arrays and objects a header may have (headers are flat objects)
+MAX_DEPTH = 16
+#: Headers with up to this many brackets are not scanned for their depth (it cannot pass it)
+_BRACKETS_LOOKED_AT = MAX_DEPTH
+
+
+def _depth(body: bytes) -> int:
+    """The deepest nesting of JSON arrays and objects in ``body`` (brackets within strings
+    not counted; ill-formed JSON is left to the parser)."""
+    depth = most = 0
+    quoted = escaped = False
+    for c in body:
+        if quoted:
+            if escaped:
+                escaped = False
+            elif c == 0x5C:  # backslash
+                escaped = True
+            elif c == 0x22:  # '"'
+                quoted = False
+        elif c == 0x22:
+            quoted = True
+        elif c in (0x5B, 0x7B):  # '[', '{'
+            depth += 1
+            most = max(most, depth)
+        elif c in (0x5D, 0x7D):  # ']', '}'
+            depth -= 1
+    return most
+
+
 def parse_header(body: bytes) -> dict[str, Any]:
     """Parse a JSON header, refusing anything but an object.
 
     Every way the bytes can be wrong (not UTF-8, not JSON, nested too deeply, an integer of
     too many digits...) is a :class:`WireError`.
     """
+    if body.count(b"[") + body.count(b"{") > _BRACKETS_LOOKED_AT and _depth(body) > MAX_DEPTH:
+        # (refused before the parser: it recurses once per level, and a server's connection
+        # thread, with a small stack, would overflow it long before Python's recursion
+        # limit: one request of an unauthenticated peer would kill the data server)
+        raise WireError(f"header is nested more than {MAX_DEPTH} levels deep")
     try:
         obj = json.loads(body)
     except (ValueError, TypeError, RecursionError) as exc:  # JSONDecodeError is a ValueError
