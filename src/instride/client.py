@@ -108,7 +108,8 @@ class Client:
     def _timeout(self, timeout: float | None) -> float | None:
         if timeout is None:
             return self.settings.timeout
-        if timeout < 0:  # 0 means "do not wait", like INSTRIDE_TIMEOUT=0 and --timeout 0
+        if not timeout >= 0:  # 0 means "do not wait", like INSTRIDE_TIMEOUT=0 and --timeout 0
+            # (NaN too: no deadline would ever pass, a wait for a lock would not end)
             raise ConfigError("timeout", timeout, "must be >= 0 (0: do not wait; None: forever)")
         return None if timeout == float("inf") else timeout
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import errno as _errno
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 
 class InstrideError(Exception):
@@ -184,17 +184,22 @@ class AuthenticationError(InstrideError, PermissionError):
 
 
 def redact_url(url: str) -> str:
-    """``url`` without its password (``redis://:pw@host`` -> ``redis://***@host``): what
-    errors and logs show of a URL."""
+    """``url`` without its password (``redis://:pw@host`` -> ``redis://***@host``; a
+    ``password=`` or ``username=`` of its query -> ``password=***``, as redis-py reads those
+    too): what errors and logs show of a URL."""
     try:
         parts = urlsplit(url)
         password = parts.password
     except ValueError:  # (not a URL: a bad setting, shown as it is)
         return url
-    if password is None:
+    secret = ("password", "username")
+    fields = parse_qsl(parts.query, keep_blank_values=True)
+    if password is None and not any(name.lower() in secret for name, _ in fields):
         return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    return parts._replace(netloc=f"***@{netloc}").geturl()
+    if password is not None:
+        parts = parts._replace(netloc=f"***@{parts.netloc.rsplit('@', 1)[1]}")
+    fields = [(name, "***" if name.lower() in secret else value) for name, value in fields]
+    return parts._replace(query=urlencode(fields, safe="*")).geturl()
 
 
 class MetadataUnavailable(InstrideError, ConnectionError):

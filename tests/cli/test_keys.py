@@ -210,3 +210,14 @@ def test_main_leaves_sigterm_as_it_found_it(managed_dir: Path) -> None:
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, found)
+
+
+def test_info_does_not_show_the_redis_password(managed_dir: Path) -> None:
+    """``instride info`` masked the token but printed the Redis URL with its password."""
+    from tests.conftest import free_port
+
+    url = f"redis://:s3cretpw@127.0.0.1:{free_port()}/0"
+    run = _cli("info", "--json", env=dict(os.environ, INSTRIDE_REDIS_URL=url))
+    assert run.returncode == 0, run.stderr
+    assert "s3cretpw" not in run.stdout + run.stderr
+    assert json.loads(run.stdout)["redis_url"].startswith("redis://***@127.0.0.1")

@@ -193,3 +193,10 @@ def test_publishing_the_keys_own_file_keeps_it(client: instride.Client, tmp_path
     assert client.publish(alias, "own/a.dat", overwrite=True) == "own/a.dat"
     assert client.consume("own/a.dat").read_bytes() == b"published"
     assert os.listdir(client.root / "own") == ["a.dat"]  # (no hidden name left)
+
+
+def test_a_timeout_of_nan_is_a_config_error(client: instride.Client) -> None:
+    """NaN passed every check of a timeout (no comparison is true): local waits raised an
+    untyped ValueError, and a cluster wait for a node's fetch lock would never end."""
+    with pytest.raises(instride.ConfigError, match="timeout"):
+        client.consume("nan/key", timeout=float("nan"))

@@ -139,6 +139,9 @@ def test_timeouts_are_checked(managed_dir: Path) -> None:
             bridge("127.0.0.1:1", "t", NATOMS, timeout=bad)
     with pytest.raises(instride.ConfigError, match="connect_timeout"):
         bridge("127.0.0.1:1", "t", NATOMS, connect_timeout=float("inf"))
+    for bad in (float("nan"), float("inf"), -0.002):  # (went out as every frame's time)
+        with pytest.raises(instride.ConfigError, match="dt"):
+            bridge("127.0.0.1:1", "t", NATOMS, dt=bad, connect_timeout=0.3)
     # the command line: 0 is refused (usage, status 2); nothing listening is "unavailable" (6)
     for args, status in ((["--timeout", "0"], 2), (["--connect-timeout", "0.3"], 6)):
         proc = subprocess.Popen([sys.executable, "-m", "instride", "imd-bridge", "127.0.0.1:1", "t",

@@ -759,3 +759,32 @@ def test_a_paced_producers_frames_go_into_mapped_prefaulted_files_made_ahead(
         got = decode_frame((tmp_path / f"f{i}").read_bytes(), f"f{i}")
         assert got.step == i and np.array_equal(got.positions, pos + i)
     pool.close()
+
+
+def test_a_failed_flush_lets_go_of_its_slot(tmp_path: Path) -> None:
+    """``publish(..., fsync=True)`` whose flush fails (EIO, ENOSPC) left the slot taken and
+    exclusively locked, with its descriptor and mapping, until the pool closed: one more per
+    failed append. Its file goes now, as a failed write's."""
+    pool = SlotPool(tmp_path / "pool", recycle=True)
+    slot = pool.take(64)
+    pool.mapping(slot)[:] = b"x" * 64
+
+    class Failing:
+        def flush(self) -> None:
+            raise OSError(errno.EIO, "Input/output error")
+
+        def close(self) -> None:
+            pass
+
+    real, slot.mm = slot.mm, Failing()  # type: ignore[assignment]
+    try:
+        with pytest.raises(OSError, match="Input/output"):
+            pool.publish(slot, str(tmp_path / "k"), "k", overwrite=False, fsync=True)
+        assert slot.ino not in pool._slots
+        with pytest.raises(OSError):
+            os.fstat(slot.fd)  # (closed)
+        assert _slots(tmp_path / "pool") == [] and not (tmp_path / "k").exists()
+    finally:
+        assert real is not None
+        real.close()
+        pool.close()

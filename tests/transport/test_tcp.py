@@ -241,6 +241,22 @@ def test_oversized_truncated_and_unknown_requests(nodes: list[LoopbackNode]) -> 
     no_traceback(n1)
 
 
+def test_a_held_fetch_that_misses_late_is_a_miss(nodes: list[LoopbackNode],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fetch signed near the end of the clock window and held waiting for its key: the
+    engine verified it as it arrived, then handed the miss to Python, which checked the
+    window again — at the end of the wait — and answered AuthenticationError ("timestamp
+    outside the accepted window"), logged as a refused request, for a plain miss."""
+    n1 = nodes[0]
+    put(n1, "late/there", b"(the directory waited in)")
+    now = time.time()
+    monkeypatch.setattr(wire.time, "time", lambda: now - wire.MAX_SKEW + 1.0)
+    late = wire.pack(wire.sign(TOKEN, "fetch", "late/never", wait=1500))
+    monkeypatch.undo()
+    reply = raw(n1, late)
+    assert reply["ok"] is False and reply["error"] == "KeyNotFoundError", reply
+
+
 def test_a_deeply_nested_header_does_not_kill_the_server(own_node: LoopbackNode) -> None:
     """One request of 16 KB of '[' (no token needed): the JSON parser recursed once per level
     on a connection thread of 256 KiB of stack, which Python 3.12's deeper C recursion limit

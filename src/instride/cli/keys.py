@@ -7,6 +7,7 @@ import json
 import sys
 
 from .. import __version__
+from ..errors import redact_url
 from . import TIMEOUT_HELP, timeout_arg
 
 
@@ -25,7 +26,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "dir": str(s.dir),
         "node": s.node,
         "addr": s.addr,
-        "redis_url": s.redis_url,
+        "redis_url": redact_url(s.redis_url) if s.redis_url else s.redis_url,
         "socket": str(s.socket),
         "timeout": s.timeout,
         "fsync": s.fsync,

@@ -260,7 +260,8 @@ def bridge(
         positions, a frame was cut short or the connection was reset.
     ConfigError
         A malformed ``address``, ``natoms < 1``, ``every < 1``, a ``timeout`` or
-        ``connect_timeout`` that is not a number of seconds above 0.
+        ``connect_timeout`` that is not a number of seconds above 0, a ``dt`` that is not a
+        finite number of ps >= 0.
     """
     host, port = parse_addr(address, name="HOST:PORT")
     if natoms < 1:
@@ -272,6 +273,9 @@ def bridge(
             raise ConfigError(name, value, "must be a number of seconds above 0")
     if not math.isfinite(connect_timeout):
         raise ConfigError("connect_timeout", connect_timeout, "must be finite")
+    if dt is not None and not (isinstance(dt, int | float) and not isinstance(dt, bool)
+                               and math.isfinite(dt) and dt >= 0):
+        raise ConfigError("dt", dt, "must be a number of ps >= 0, or None")  # (as on the CLI)
     wait = None if math.isinf(timeout) else timeout
     owned = not isinstance(stream, Stream)
     out = Stream(stream, mode="w", layout=layout, overwrite=overwrite) if owned else stream

@@ -368,10 +368,14 @@ class SlotPool:
         names it.
         """
         if fsync:
-            if slot.mm is not None:
-                slot.mm.flush()
-            else:
-                os.fsync(slot.fd)
+            try:
+                if slot.mm is not None:
+                    slot.mm.flush()
+                else:
+                    os.fsync(slot.fd)
+            except BaseException:  # (EIO, ENOSPC: its file goes, as a failed write's; it
+                self.discard(slot)  # stayed taken and locked, with its descriptors, for good)
+                raise
         stamp(slot.fd)
         fcntl.flock(slot.fd, fcntl.LOCK_UN)
         self._publish(slot, final, key, overwrite=overwrite)

@@ -229,7 +229,9 @@ class TcpServer:
             self._count("refused")
             log.warning("malformed request from %s: %s", peer, exc)
             return _error("WireError", str(exc)), None, 0, False
-        reason = wire.verify(self.settings.token, req)
+        # (a request the engine verified and held while it waited: its window was checked
+        # as it arrived; a miss after a long wait is a miss, not a stale request)
+        reason = wire.verify(self.settings.token, req, window=not spent)
         if reason is None and not spent:  # [replay] a captured request sent again is refused
             handle = self._handle
             if handle is None:  # (in flight while stop() lets transfers finish)
