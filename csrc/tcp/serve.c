@@ -85,6 +85,8 @@ typedef struct conn {
     int busy; /* a request is being answered (under srv->mu) */
     int dead; /* a send to the peer failed or stalled: no lingering */
     int refuse; /* over max_peers: answer "busy" and close */
+    int64_t idle_since; /* waiting for its next request since (ns), once one was answered;
+                         * 0: answering one, or none answered yet (under srv->mu) */
     char peer[64];
     struct conn *next;
 } conn;
@@ -710,6 +712,23 @@ static int send_body(server *s, int sock, int fd, int64_t size, const char *key,
 
 /* ------------------------------------------------------------------ one connection */
 
+/* At max_peers, the connection idle the longest between two requests (kept alive by its
+ * client for a next one) is shut down to make room: its thread sees the end and closes it, and
+ * its client, finding it closed, sends its next request on a new connection. Whether there was
+ * one (under srv->mu). */
+static int evict_idle(server *s) {
+    conn *oldest = NULL;
+    for (conn *c = s->conns; c != NULL; c = c->next)
+        if (!c->busy && !c->refuse && c->idle_since > 0 &&
+            (oldest == NULL || c->idle_since < oldest->idle_since))
+            oldest = c;
+    if (oldest == NULL)
+        return 0;
+    oldest->idle_since = 0; /* (once) */
+    shutdown(oldest->fd, SHUT_RDWR);
+    return 1;
+}
+
 static void set_busy(server *s, conn *c, int busy) {
     pthread_mutex_lock(&s->mu);
     c->busy = busy;
@@ -838,7 +857,7 @@ static void *conn_main(void *arg) {
     int first = 1, linger = 0;
     char *hdr = c->refuse ? NULL : malloc(ISS_MAX_HEADER + 1);
     if (c->refuse) { /* (in this thread, so that the acceptor never waits on a lingering close) */
-        send_error(s, c->fd, "WireError", "busy: too many connections, retry later");
+        send_error(s, c->fd, "PeerUnavailable", "busy: too many connections, retry later");
         linger = 1;
     }
     while (hdr != NULL && !atomic_load(&s->closing)) {
@@ -887,6 +906,9 @@ static void *conn_main(void *arg) {
             linger = !c->dead; /* an error reply was sent: let the peer read it */
             break;
         }
+        pthread_mutex_lock(&s->mu);
+        c->idle_since = now_ns();
+        pthread_mutex_unlock(&s->mu);
     }
     free(hdr);
     pthread_mutex_lock(&s->mu);
@@ -945,6 +967,11 @@ static void *accept_main(void *arg) {
         }
         snprintf(peer, sizeof peer, "('%s', %d)", host, port);
         int refuse = atomic_load(&s->peers) >= s->max_peers;
+        if (refuse) { /* (an idle kept-alive connection gives its place: not refused then) */
+            pthread_mutex_lock(&s->mu);
+            refuse = !evict_idle(s);
+            pthread_mutex_unlock(&s->mu);
+        }
         if (refuse) {
             atomic_fetch_add(&s->busy, 1);
             logf_(s, 30, "refused connection from %s: %d connections already", peer,

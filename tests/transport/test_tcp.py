@@ -241,6 +241,52 @@ def test_oversized_truncated_and_unknown_requests(nodes: list[LoopbackNode]) -> 
     no_traceback(n1)
 
 
+def test_at_the_peer_bound_an_idle_connection_gives_its_place(own_node: LoopbackNode,
+                                                              tmp_path: Path) -> None:
+    """At ``--max-peers``, a new connection was told "busy" (a TransferError for its fetch,
+    which nothing retried) also when the connections held were idle ones that their clients
+    kept alive for a next request. The one idle the longest now makes room; only when every
+    connection is answering is a new one told "busy" (PeerUnavailable), and the transport
+    tries again within its connect timeout."""
+    node = own_node.start("--max-peers", "2")
+    rec = put(node, "bound/k", b"served")
+    idle = [socket.create_connection(("127.0.0.1", node.port), timeout=10) for _ in range(2)]
+    try:
+        for s in idle:  # (a request answered: kept alive, idle)
+            s.sendall(signed("", op="ping"))
+            n = struct.unpack(">I", recv_all(s, 4))[0]
+            assert json.loads(recv_all(s, n))["ok"] is True
+        until(lambda: stats(node)["peers"] == 2, 5, "2 idle peers")
+        assert raw(node, signed("bound/k"))["ok"] is True
+        for s in idle:
+            s.settimeout(0.5)
+        closed = []
+        for s in idle:
+            with contextlib.suppress(TimeoutError):
+                closed.append(s.recv(1) == b"")
+        assert closed == [True]  # (the older one; the other stays kept alive)
+    finally:
+        for s in idle:
+            s.close()
+    until(lambda: stats(node)["peers"] == 0, 5, "peers gone")
+    # both connections answering (fetches held for a key not published yet): "busy"
+    held = [socket.create_connection(("127.0.0.1", node.port), timeout=10) for _ in range(2)]
+    try:
+        for s in held:
+            s.sendall(wire.pack(wire.sign(TOKEN, "fetch", "bound/later", wait=1500)))
+        until(lambda: stats(node)["peers"] == 2, 5, "2 held fetches")
+        reply = raw(node, signed("bound/k"))
+        assert reply["error"] == "PeerUnavailable" and reply["message"].startswith("busy")
+        t = TcpTransport(node.settings().with_(connect_timeout=10))
+        try:  # (tried again until a held fetch ends)
+            assert t.fetch_bytes(rec) == b"served"
+        finally:
+            t.close()
+    finally:
+        for s in held:
+            s.close()
+
+
 def test_a_held_fetch_that_misses_late_is_a_miss(nodes: list[LoopbackNode],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A fetch signed near the end of the clock window and held waiting for its key: the

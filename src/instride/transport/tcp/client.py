@@ -142,6 +142,22 @@ class _ReplyScratch:
         self.published = ctypes.c_double(0.0)  # (isc_recv_frame)
 
 
+class _Backoff:
+    """Tries again after "busy" replies: 10 ms, doubling to 0.2 s, within ``limit`` s."""
+
+    def __init__(self, limit: float | None) -> None:
+        self.deadline = None if limit is None else time.monotonic() + limit
+        self.pause = 0.01
+
+    def again(self) -> bool:
+        """Sleep before the next try; whether there is time for one."""
+        if self.deadline is not None and time.monotonic() + self.pause > self.deadline:
+            return False
+        time.sleep(self.pause)
+        self.pause = min(0.2, 2 * self.pause)
+        return True
+
+
 class TcpTransport:
     """Fetch files from other nodes' data servers over TCP.
 
@@ -188,6 +204,7 @@ class TcpTransport:
         """
         wait_ms = _wait_ms(wait)
         sock, reused = self._send(record, op, wait_ms, until, count)
+        busy: _Backoff | None = None
         while True:
             try:
                 if window is not None:  # hybrid polling: only around when the reply is due
@@ -196,7 +213,6 @@ class TcpTransport:
                 else:
                     poll_readable(sock, self.settings.spin)  # INSTRIDE_SPIN: poll, then sleep
                 reply = self._reply(sock, record, wait_ms)
-                break
             except (OSError, wire.WireError, PeerUnavailable) as exc:
                 sock.close()
                 if reused:  # the owner closed an idle connection: retry once on a new one
@@ -210,6 +226,16 @@ class TcpTransport:
             except BaseException:
                 sock.close()
                 raise
+            if not reply.get("ok") and reply.get("error") == "PeerUnavailable" and str(
+                    reply.get("message", "")).startswith("busy"):
+                # (every connection the owner serves at once is answering: a moment later)
+                busy = busy or _Backoff(self.settings.connect_timeout)
+                if not busy.again():
+                    break
+                sock.close()
+                sock, reused = self._send_new(record, op, wait_ms, until, count), False
+                continue
+            break
         return sock, self._accepted(sock, reply, record)
 
     def _send(self, record: Record, op: str, wait_ms: int | None,

@@ -14,8 +14,10 @@ so does a file whose resolved path is outside the managed directory), and where 
 malformed and replayed requests are refused, logged and counted. (Cold Python costs ~0.5 ms per
 request on an idle VM; the C path answers a fetch in tens of µs.)
 
-Resource bounds: at most ``max_peers`` connections are served at once (others get a
-``WireError`` "busy" reply); a new connection must send its first request within
+Resource bounds: at most ``max_peers`` connections are served at once: at that bound the one
+idle the longest between two requests (kept alive by its client) is closed to make room, and
+only when none is idle does a new one get a ``PeerUnavailable`` "busy" reply (its client tries
+again, within its connect timeout); a new connection must send its first request within
 ``request_timeout`` seconds, only then does it get the long keep-alive (:data:`IDLE_TIMEOUT`);
 every write to a peer has a deadline (``send_timeout``, plus size / 50 MB/s for a file body),
 so a peer that stops reading cannot pin a transfer, and other connections are served meanwhile
