@@ -287,6 +287,27 @@ def test_at_the_peer_bound_an_idle_connection_gives_its_place(own_node: Loopback
             s.close()
 
 
+def test_a_stalled_owner_costs_one_timeout_not_two(own_node: LoopbackNode) -> None:
+    """A fetch on a kept-alive connection to an owner that stopped answering (SIGSTOP, a hung
+    node: the kernel still accepts connections) was tried again on a new connection after
+    its reply timed out: twice the connect timeout before PeerUnavailable."""
+    node = own_node.start()
+    rec = put(node, "stall/k", b"data")
+    t = TcpTransport(node.settings().with_(connect_timeout=2))
+    assert node.proc is not None
+    try:
+        assert t.fetch_bytes(rec) == b"data"  # (the connection kept alive)
+        os.kill(node.proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(PeerUnavailable):
+            t.fetch_bytes(rec)
+        took = time.monotonic() - start
+    finally:
+        os.kill(node.proc.pid, signal.SIGCONT)
+        t.close()
+    assert took < 3.5, f"{took:.1f} s: the timeout of 2 s was waited twice"
+
+
 def test_a_held_fetch_that_misses_late_is_a_miss(nodes: list[LoopbackNode],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A fetch signed near the end of the clock window and held waiting for its key: the

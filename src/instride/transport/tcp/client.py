@@ -215,7 +215,9 @@ class TcpTransport:
                 reply = self._reply(sock, record, wait_ms)
             except (OSError, wire.WireError, PeerUnavailable) as exc:
                 sock.close()
-                if reused:  # the owner closed an idle connection: retry once on a new one
+                if reused and not isinstance(exc, TimeoutError):
+                    # the owner closed an idle connection: retry once on a new one (not after
+                    # a reply that never came: a stalled owner, whose wait would double)
                     reused = False
                     sock = self._send_new(record, op, wait_ms, until, count)
                     continue
