@@ -107,7 +107,8 @@ static int ins_watch(int ifd, int cached, char *dir)
 {
     const uint32_t mask = IN_CREATE | IN_MOVED_TO | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR;
     int wd = inotify_add_watch(ifd, dir, mask);
-    if (wd < 0 && errno == ENOENT && ins_mkdir_p(dir) == 0)
+    /* (made again if another waiter's failed wait removed it, empty, in between: a few times) */
+    for (int tries = 0; wd < 0 && errno == ENOENT && tries < 5 && ins_mkdir_p(dir) == 0; tries++)
         wd = inotify_add_watch(ifd, dir, mask);
     if (wd < 0)
         return -1;

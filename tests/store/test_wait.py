@@ -342,3 +342,29 @@ def test_a_wide_wait_in_a_thread_holding_watches_of_removed_directories_sleeps(
     cpu, wall = got[1], got[2]
     assert isinstance(cpu, float) and isinstance(wall, float)
     assert wall >= 1.4 and cpu < 0.5 * wall, (cpu, wall)  # (it spun: cpu ~ wall)
+
+
+def test_a_watched_directory_removed_before_its_watch_is_made_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A waiter makes the key's directory, then watches it; another waiter's failed wait
+    removes that directory, empty, in between: the watch failed with a bare
+    FileNotFoundError and the wait with it, where it must wait (publishers make the
+    directory again in that race; waiters now do too)."""
+    import shutil
+
+    from inotify_simple import INotify
+
+    from instride.store.wait import _Watcher
+
+    real, calls = INotify.add_watch, []
+
+    def removed_first(self: INotify, path: object, mask: int) -> int:
+        calls.append(path)
+        if len(calls) == 1:  # (as the other waiter's rmdir, between mkdir and add_watch)
+            shutil.rmtree(path)
+        return real(self, path, mask)
+
+    monkeypatch.setattr(INotify, "add_watch", removed_first)
+    watcher = _Watcher()
+    watcher.watch(tmp_path / "racy")
+    assert len(calls) == 2 and (tmp_path / "racy") in watcher.wds

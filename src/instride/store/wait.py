@@ -75,8 +75,16 @@ class _Watcher(threading.local):
         if directory in self.wds:
             self.wds.move_to_end(directory)
             return
-        directory.mkdir(parents=True, exist_ok=True)
-        self.wds[directory] = ino.add_watch(directory, _WATCH)
+        for attempt in range(5):
+            directory.mkdir(parents=True, exist_ok=True)
+            try:
+                self.wds[directory] = ino.add_watch(directory, _WATCH)
+                break
+            except FileNotFoundError:
+                # (another waiter's failed wait removed the empty directory it made, between
+                # the mkdir and the watch: made again, as publishers do)
+                if attempt == 4:
+                    raise
         while len(self.wds) > max(self.MAX_WATCHES, keep):
             _old, wd = self.wds.popitem(last=False)
             with contextlib.suppress(OSError):
