@@ -788,3 +788,23 @@ def test_a_failed_flush_lets_go_of_its_slot(tmp_path: Path) -> None:
         assert real is not None
         real.close()
         pool.close()
+
+
+def test_retiring_a_key_another_producer_published_since_leaves_its_file(tmp_path: Path) -> None:
+    """A second producer (a re-run with overwrite=True while the first still ran) published its
+    own file under a key of the first one's. The first one's retirement renamed that file into
+    its pool — the second one's frame gone while its head said it was kept — and rewrote it
+    later as one of its own frames, published under another key with wrong bytes."""
+    pool = SlotPool(tmp_path / "pool", recycle=True)
+    ino = _write(pool, tmp_path, "k", b"A" * 4096)
+    theirs = tmp_path / ".theirs"
+    theirs.write_bytes(b"B" * 4096)
+    os.replace(theirs, tmp_path / "k")  # (the other producer's publication)
+    pool.retire(ino)
+    assert (tmp_path / "k").read_bytes() == b"B" * 4096  # theirs, where it was
+    assert _slots(tmp_path / "pool") == [] and pool.files == 0  # ours let go of
+    again = _write(pool, tmp_path, "m", b"C" * 4096)  # a new file of ours, not theirs
+    assert again != os.stat(tmp_path / "k").st_ino
+    assert (tmp_path / "k").read_bytes() == b"B" * 4096
+    assert (tmp_path / "m").read_bytes() == b"C" * 4096
+    pool.close()

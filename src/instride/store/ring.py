@@ -505,6 +505,18 @@ class SlotPool:
             self._slots.pop(ino)
             slot.close()
             return
+        if os.lstat(target).st_ino != ino:
+            # Not our file: another producer's, published under the key since (a re-run with
+            # overwrite=True while this one still ran). Given back (never over a file that
+            # appeared there), and this slot let go of: its own file was unlinked by that
+            # publication, and the file here must never be rewritten as one of our frames.
+            with contextlib.suppress(OSError):
+                os.link(target, slot.path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(target)
+            self._slots.pop(ino)
+            slot.close()
+            return
         slot.path = target
         slot.pooled = True
         self._free.append(ino)
