@@ -808,3 +808,34 @@ def test_retiring_a_key_another_producer_published_since_leaves_its_file(tmp_pat
     assert (tmp_path / "k").read_bytes() == b"B" * 4096
     assert (tmp_path / "m").read_bytes() == b"C" * 4096
     pool.close()
+
+
+STALE_VIEW = """
+import mmap, os, sys
+from pathlib import Path
+from instride.store.ring import SlotPool
+root = Path(sys.argv[1])
+pool = SlotPool(root / "pool", recycle=True)
+slot = pool.take(8192)
+pool.mapping(slot)[:] = b"A" * 8192
+pool.publish(slot, str(root / "a"), "a", overwrite=False, fsync=False)
+fd = os.open(root / "a", os.O_RDONLY)
+view = mmap.mmap(fd, 8192, prot=mmap.PROT_READ)  # (a reader's arrays, kept past release)
+os.close(fd)
+pool.retire(slot.ino)
+smaller = pool.take(4096)  # (the next frames are smaller)
+pool.mapping(smaller)[:] = b"B" * 4096
+pool.publish(smaller, str(root / "b"), "b", overwrite=False, fsync=False)
+print(view[8000:8001].decode(), flush=True)  # (past the smaller frame's end)
+"""
+
+
+def test_a_file_is_never_shrunk_under_a_stale_view(tmp_path: Path) -> None:
+    """A recycled frame file was cut (ftruncate) to the next, smaller frame: a reader that
+    kept the arrays of a frame it had released from it still mapped the old length, and
+    touching a page past the new end killed it with SIGBUS. The file goes instead."""
+    proc = subprocess.Popen([sys.executable, "-c", STALE_VIEW, str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    rc, out, err = finish(proc, 60)
+    assert rc == 0, f"status {rc}: {err}"
+    assert out.strip() == "A"

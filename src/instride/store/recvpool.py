@@ -169,7 +169,16 @@ class ReceivePool:
             try:
                 kind = entry.name.split("-", 2)[1]
                 reusable = _unlocked(fd) if kind == "lock" else unshared(fd)
-                if reusable and os.fstat(fd).st_size != size:
+                now = os.fstat(fd).st_size if reusable else size
+                if now > size and kind == "lock":
+                    # (never shrunk: unlocked is not unmapped — a reader that kept the arrays
+                    # of a frame it released still maps its length, and a page past the new
+                    # end would kill it, SIGBUS: the file goes, its mappings stay whole)
+                    os.close(fd)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(staged)
+                    continue
+                if now != size:
                     os.ftruncate(fd, size)
             except BaseException:
                 os.close(fd)

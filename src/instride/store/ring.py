@@ -215,6 +215,12 @@ class SlotPool:
         slot, self._next = self._next, None
         if slot is None:
             slot = self._lock_free()
+        if slot is not None and slot.size > size:
+            # (never shrunk: a reader that kept the arrays of a frame it released from this
+            # file still maps its length, and a page past the new end would kill it, SIGBUS;
+            # a file whose frames shrank goes, its mappings stay whole, and one is made)
+            self.discard(slot)
+            slot = None
         if slot is not None:
             if slot.size != size:
                 try:
