@@ -2273,3 +2273,35 @@ def test_one_node_spelled_two_ways_keeps_its_original(nodes: list[LoopbackNode])
     finally:
         producer.close()
         consumer.close()
+
+
+def test_an_original_published_over_a_copy_is_never_taken_for_it(
+        clients: list[instride.Client]) -> None:
+    """Node 1 holds a fetched copy of a key; a process of node 1 publishes the key itself
+    (overwrite=True): its rename lands first, the copy's sidecar goes a moment later. In
+    between, an eviction (or a release's drop) took the new original for the copy and moved
+    it into the receive pool — the key lost on its owner — and a fetch of the earlier version
+    resumed late stored those bytes over it: its readers got them under the new record."""
+    c1, c2, _ = clients
+    with c2.open("over/k", "wb") as fh:
+        fh.write(b"node 2's version")
+    assert c1.consume("over/k", timeout=10).read_bytes() == b"node 2's version"
+    old = c1.lookup("over/k")
+    assert old is not None and c1.engine.is_copy("over/k")
+    path = c1.root / "over" / "k"
+    mine = c1.root / "over" / ".mine"
+    since = _file_clock_ns()
+    mine.write_bytes(b"node 1's own")
+    os.replace(mine, path)  # (the publication's rename; its sidecar not removed yet)
+    engine = c1.engine
+    assert isinstance(engine, ClusterEngine)
+    engine.drop_copy("over/k")
+    assert path.read_bytes() == b"node 1's own"
+    staged = c1.root / "over" / ".late"
+    staged.write_bytes(b"node 2's version")
+    assert not engine._store_copy(str(staged), str(path), old, since_ns=since)
+    staged.unlink()  # (as its caller drops it)
+    assert path.read_bytes() == b"node 1's own"
+    engine.settings = engine.settings.with_(cache_bytes=0)  # (every copy over the bound)
+    engine.evict()
+    assert path.read_bytes() == b"node 1's own"

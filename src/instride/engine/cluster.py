@@ -240,11 +240,25 @@ class ClusterEngine:
             with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                 os.unlink(side)
 
-    def _remember(self, record: Record) -> None:
+    def _copy_here(self, key: str) -> dict[str, Any] | None:
+        """:meth:`cached_copy`, where the key's file is that very copy: the inode its sidecar
+        names (an original this node published over the copy since, its sidecar not removed
+        yet, is no copy: never evicted, dropped, or stored over as one)."""
+        side = self.cached_copy(key)
+        if side is None or "ino" not in side:  # (a sidecar of an earlier instride: as before)
+            return side
+        try:
+            ino = os.stat(f"{self.root}/{key}", follow_symlinks=False).st_ino
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return side if ino == side["ino"] else None
+
+    def _remember(self, record: Record, ino: int) -> None:
         side = self._sidecar(record.key)
         tmp = tmp_name(side)
         body = json.dumps({"version": record.version, "size": record.size,
-                           "checksum": record.checksum, "owner": record.owner}).encode()
+                           "checksum": record.checksum, "owner": record.owner,
+                           "ino": ino}).encode()
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         except FileNotFoundError:  # first copy under this directory
@@ -278,15 +292,16 @@ class ClusterEngine:
         this node published since then give way to it.
         """
         key = record.key
+        ino = os.stat(staged).st_ino  # (the copy's, named in its sidecar)
         with self._storing(key, deadline):
             there = os.access(path, os.F_OK, follow_symlinks=False)
             if there and since_ns is not None and self._stored_later(record, path, since_ns):
                 return False
             if there:
                 store.publish_file(staged, path, key, overwrite=True)
-                self._remember(record)
+                self._remember(record, ino)
                 return True
-            self._remember(record)
+            self._remember(record, ino)
             try:
                 store.publish_file(staged, path, key, overwrite=True)
             except BaseException:
@@ -301,13 +316,18 @@ class ClusterEngine:
         a copy stored meanwhile — or touched, as a copy in use is — never for one from
         before, which may come from a Redis restarted since without its data)."""
         try:
-            if os.stat(self._sidecar(record.key)).st_mtime_ns < since_ns:
-                return False
+            stored = os.stat(self._sidecar(record.key)).st_mtime_ns
         except (FileNotFoundError, NotADirectoryError):
-            try:  # (no sidecar under the store lock: an original of this node)
-                return os.stat(path, follow_symlinks=False).st_mtime_ns >= since_ns
+            try:  # (no sidecar under the store lock: an original of this node; its rename or
+                # link into place set its change time — not its modification time, which a
+                # file written earlier and published now keeps)
+                return os.stat(path, follow_symlinks=False).st_ctime_ns >= since_ns
             except (FileNotFoundError, NotADirectoryError):
                 return False
+        if self._copy_here(record.key) is None:
+            return True  # (not the copy its sidecar names: an original published over it)
+        if stored < since_ns:
+            return False
         side = self.cached_copy(record.key)
         return side is not None and not _copy_of(side, record) \
             and int(side["version"]) > record.version
@@ -420,7 +440,7 @@ class ClusterEngine:
             # copy that looks like an original); a key being fetched now is passed over.
             try:
                 with self._lock(key, time.monotonic()), self._store_locks.held(key) as free:
-                    if not free or self.cached_copy(key) is None:
+                    if not free or self._copy_here(key) is None:
                         continue  # (being stored, evicted, or made an original, meanwhile)
                     # the file first: without a sidecar the copy would look like an original
                     self._drop_file(f"{self.root}/{key}", locked=False)
@@ -1105,7 +1125,7 @@ class ClusterEngine:
         original); a key being fetched now is left to that fetch."""
         try:
             with self._lock(key, time.monotonic()), self._store_locks.held(key) as free:
-                if free and self.cached_version(key) is not None:
+                if free and self._copy_here(key) is not None:
                     # the file first: without a sidecar the copy would look like an original
                     self._drop_file(f"{self.root}/{key}", locked=True)
                     self.forget_fetched(key)
