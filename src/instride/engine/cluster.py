@@ -371,7 +371,8 @@ class ClusterEngine:
                     yield False
                 return
             if deadline is not None and now >= deadline:
-                raise ConsumeTimeout(key, now - deadline)
+                # (how long it waited: the lock's wait, not the moment past the deadline)
+                raise ConsumeTimeout(key, now - start)
             time.sleep(delay)  # another consumer of this node is fetching the key
             delay = min(delay * 2, 0.05)
 
