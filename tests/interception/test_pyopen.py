@@ -187,3 +187,25 @@ def test_open_mode_spellings_of_the_builtin(managed_dir: Path) -> None:
             fh.write(b"bytes")
         with open(managed_dir / "m.dat", "br") as fh:
             assert fh.read() == b"bytes"
+
+
+def test_a_bad_patch_open_setting_fails_managed_opens(managed_dir: Path, tmp_path: Path) -> None:
+    """``INSTRIDE_PATCH_OPEN=ture`` printed one traceback at start-up and ran the script
+    unpatched: its writes of managed paths landed in place, seen half-written by readers.
+    Every open of a managed path now raises that ConfigError; other paths are untouched."""
+    script = textwrap.dedent(
+        """
+        import sys
+        with open(sys.argv[2], "w") as fh:
+            fh.write("unmanaged")
+        with open(sys.argv[1], "w") as fh:
+            fh.write("managed")
+        """
+    )
+    target, other = managed_dir / "bad" / "out.txt", tmp_path / "other.txt"
+    env = dict(os.environ, INSTRIDE_PATCH_OPEN="ture")
+    res = subprocess.run([sys.executable, "-c", script, str(target), str(other)], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and "INSTRIDE_PATCH_OPEN" in res.stderr, res.stderr
+    assert "ConfigError" in res.stderr.splitlines()[-1]
+    assert other.read_text() == "unmanaged" and not target.exists()

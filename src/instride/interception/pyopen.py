@@ -26,7 +26,7 @@ from typing import Any
 
 from ..client import get_client
 from ..config import read_variable
-from ..errors import KeyValidationError, UnsafePathError, UnsupportedModeError
+from ..errors import ConfigError, KeyValidationError, UnsafePathError, UnsupportedModeError
 from ..keys import INTERNAL_DIRNAME, TMP_PATTERN
 
 _original_open = builtins.open
@@ -121,6 +121,8 @@ def instride_open(file: Any, mode: str = "r", buffering: int = -1, encoding: str
     key = _managed_key(file)
     if key is None or not closefd:
         return _original_open(file, mode, buffering, encoding, errors, newline, closefd, opener)
+    if _setting_error is not None:
+        raise _setting_error
     if opener is not None:
         raise UnsupportedModeError(
             mode, f"open({key!r}, opener=...): a managed path is opened by instride (it "
@@ -159,8 +161,24 @@ def intercept() -> Iterator[None]:
 
 
 def install_from_env() -> bool:
-    """Install the patch when ``INSTRIDE_PATCH_OPEN=1``; return whether it did."""
-    if __import__("instride.config", fromlist=["read_variable"]).read_variable("INSTRIDE_PATCH_OPEN"):
+    """Install the patch when ``INSTRIDE_PATCH_OPEN=1``; return whether it did.
+
+    A value that is not a flag (``INSTRIDE_PATCH_OPEN=ture``) installs a patch whose opens of
+    managed paths raise that :class:`~instride.errors.ConfigError`: the program was meant to
+    be patched, and unpatched its writes would land in place, seen half-written by readers
+    (the error would otherwise be one traceback at start-up, then ignored)."""
+    global _setting_error
+    try:
+        wanted = read_variable("INSTRIDE_PATCH_OPEN")
+    except ConfigError as exc:
+        _setting_error = exc
+        install()
+        return True
+    if wanted:
         install()
         return True
     return False
+
+
+#: the error of a bad ``INSTRIDE_PATCH_OPEN``, raised by every open of a managed path
+_setting_error: ConfigError | None = None
