@@ -149,3 +149,17 @@ def test_timeouts_are_checked(managed_dir: Path) -> None:
         rc, _out, err = finish(proc, timeout=60)
         assert rc == status, err
     assert not instride.Stream("t").ended
+
+
+def test_a_bridge_without_a_limit_has_the_kernel_probe_its_engine() -> None:
+    """``timeout=inf`` waited on a socket with no keepalive: an engine whose host crashed or
+    was cut off sends no FIN, and the bridge waited for ever. The connection is probed."""
+    import socket
+
+    from instride.md.imd_bridge import KEEPALIVE_COUNT, KEEPALIVE_IDLE, _keepalive
+
+    with socket.socket() as s:
+        _keepalive(s)
+        assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_IDLE
+        assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == KEEPALIVE_COUNT

@@ -164,6 +164,24 @@ def _client_class(deadline: float) -> type:
     return _Client
 
 
+#: TCP keepalive of a bridge that waits without a limit (``timeout=inf``): probes after this
+#: many seconds of silence, this many seconds apart, this many unanswered end it
+KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_COUNT = 60, 10, 6
+
+
+def _keepalive(conn: socket.socket) -> None:
+    """Have the kernel probe a connection that may be silent for ever: an engine whose host
+    crashed or was cut off sends no FIN, and a wait without a limit would never end; with
+    probes it ends in :data:`KEEPALIVE_IDLE` + :data:`KEEPALIVE_INTERVAL` ×
+    :data:`KEEPALIVE_COUNT` s (a reset: :class:`IMDProtocolError`)."""
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
+                        ("TCP_KEEPCNT", KEEPALIVE_COUNT)):
+        option = getattr(socket, name, None)
+        if option is not None:
+            conn.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
 def _connect(host: str, port: int, natoms: int, connect_timeout: float,
              timeout: float | None) -> Any:
     address = f"{host}:{port}"
@@ -181,6 +199,7 @@ def _connect(host: str, port: int, natoms: int, connect_timeout: float,
             conn = getattr(client, "_conn", None)
             if conn is not None:
                 conn.settimeout(None)
+                _keepalive(conn)
             return client
         except OSError as exc:  # refused, reset, no handshake (ConnectionError), timeout
             if time.monotonic() >= deadline:
@@ -307,6 +326,9 @@ def bridge(
             except (EOFError, RuntimeError, OSError) as exc:
                 chain = _causes(exc)
                 if any(isinstance(c, TimeoutError) for c in chain):
+                    if wait is None:  # (no limit of ours: the kernel's keepalive gave up)
+                        raise IMDProtocolError(address, "the engine's host stopped answering "
+                                               "(TCP keepalive probes unanswered)") from None
                     raise ConsumeTimeout(f"imd://{address}", time.monotonic() - last) from None
                 bad = [c for c in chain if isinstance(c, RuntimeError)]
                 if bad:
