@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import signal
@@ -1227,3 +1228,31 @@ def test_a_group_reader_whose_lease_ran_out_takes_it_back_unless_taken_meanwhile
         w.close()
     finally:
         client.close()
+
+
+def test_closing_a_reader_ends_the_holds_of_frames_it_never_released(managed_dir: Path) -> None:
+    """Frames taken with ``read()`` or ``stream[i]`` and never released kept their descriptor
+    and shared lock after the reader's ``close()`` — for the life of the process: the
+    producer could never reuse their files (its pool growing past its bound)."""
+    with instride.Stream("unreleased", mode="w", retain=4) as s:
+        for i in range(3):
+            s.append(np.full((10, 3), float(i)), step=i)
+    r = instride.Stream("unreleased")
+    kept = [r.read(0), r[2]]
+    assert kept[1].step == 2
+    files = [managed_dir / "unreleased" / f"frame_00000000{i}.isf" for i in (0, 2)]
+
+    def lockable(path: Path) -> bool:  # (as the producer must lock a file to reuse it)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)
+
+    assert not any(map(lockable, files))  # (held while the reader is open)
+    r.close()
+    assert all(map(lockable, files))  # (the arrays kept stay mapped: their bytes may change)
+    assert kept[0].step == 0

@@ -1050,6 +1050,7 @@ class Stream:
     def _release_readers(self) -> None:
         """The rest of :meth:`_release_resources`: a reader's leases, inbox and archive."""
         if self._leases is not None:
+            self._leases.release_all()  # (frames taken and never released: closed now)
             self._leases.close()
         if self._inbox is not None:
             drop = getattr(self.client.engine, "drop_ahead", None)

@@ -751,6 +751,9 @@ class Leases:
         self._table_idents: list[tuple[int, int]] = []
         self._gone = (ctypes.c_int * _GONE_CAP)()
         self._gone_n = ctypes.c_int(0)
+        #: the holds handed out and not released yet (see :meth:`release_all`)
+        self._held: dict[int, Callable[[], None]] = {}
+        self._serial = 0
 
     def open_key(self, key: str, path: str) -> tuple[memoryview | bytes, Callable[[], None]] | None:
         """:meth:`open` for the key ``key`` of the managed directory of ``confined``, whose
@@ -922,19 +925,31 @@ class Leases:
     def _releaser(self, fd: int, mm: mmap.mmap) -> Callable[[], None]:
         """The function that ends the hold ``fd`` on the file mapped as ``mm`` (once)."""
         done = False
+        self._serial = serial = self._serial + 1
+        held = self._held
 
         def release() -> None:
             nonlocal done
             if done:
                 return
             done = True
+            held.pop(serial, None)
             with contextlib.suppress(OSError):
                 os.close(fd)  # drops the shared lock
             if not self.keep:
                 with contextlib.suppress(BufferError):
                     mm.close()
 
+        held[serial] = release
         return release
+
+    def release_all(self) -> None:
+        """End every hold handed out and not released (the frames a reader took with
+        ``read()`` or ``stream[i]`` and never released, when it closes): each would keep its
+        descriptor and lock for the life of the process, and its producer could never reuse
+        the file (its pool growing past its bound)."""
+        for release in list(self._held.values()):
+            release()
 
     def _map(self, fd: int, dev: int, ino: int, size: int) -> mmap.mmap:
         ident = (dev, ino)
