@@ -486,6 +486,48 @@ def test_a_graph_files_sibling_modules_import_in_its_instances(
     assert json.loads((out / "got.json").read_text()) == [[k, [float(k)]] for k in range(3)]
 
 
+def test_a_module_a_graph_file_puts_on_its_path_imports_in_its_instances(
+        flow_env: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph file that puts a library directory on ``sys.path`` itself: its functions
+    passed ``validate()`` (imported with the runner's path) and failed in every instance
+    (``ModuleNotFoundError``: not on their ``PYTHONPATH``)."""
+    from instride.flow import load_graph
+
+    lib, proj = tmp_path / "lib", tmp_path / "proj"
+    lib.mkdir()
+    proj.mkdir()
+    (lib / "steps_on_a_path_of_its_own.py").write_text(textwrap.dedent("""
+        import json, os
+        import numpy as np
+
+        def nums(ports, n=2):
+            for k in range(n):
+                ports.put("out", np.array([float(k)]), step=k)
+
+        def keep(ports):
+            got = []
+            while ports.wait():
+                got.append(ports.get("in").step)
+            with open(os.path.join(os.environ["INSTRIDE_FLOW_OUT_DIR"], "got.json"), "w") as fh:
+                json.dump(got, fh)
+    """))
+    (proj / "graph.py").write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(lib)!r})
+        from instride.flow import Graph
+
+        graph = Graph("onpath")
+        src = graph.module("src", "steps_on_a_path_of_its_own:nums", outputs={{"out": "array"}})
+        rec = graph.module("rec", "steps_on_a_path_of_its_own:keep", inputs={{"in": "array"}})
+        graph.connect(src.output("out"), rec.input("in"))
+    """))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (the graph file's insert undone after)
+    out = flow_env["out"]
+    run(load_graph(proj / "graph.py"), out=out, timeout=60)
+    assert json.loads((out / "got.json").read_text()) == [0, 1]
+
+
 @pytest.mark.parametrize("name", ["-rec", "réc", "a b", ""])
 def test_names_a_consumer_group_could_not_carry_are_refused_at_once(name: str) -> None:
     """Module and port names make the consumer groups' names, which must begin with an ASCII

@@ -241,10 +241,13 @@ def run(
     except BaseException:
         shutil.rmtree(state, ignore_errors=True)  # no run.json yet: gc_stale would never see it
         raise
-    # (the instances import what validate() imported: from here, and beside the graph files
-    # loaded, whose sibling modules a graph file may import)
-    pythonpath = os.pathsep.join(p for p in [os.getcwd(), *graph_dirs,
-                                             os.environ.get("PYTHONPATH", "")] if p)
+    # (the instances import what validate() imported: from here, beside the graph files
+    # loaded, whose sibling modules a graph file may import, and from wherever this process
+    # imports — a graph file's own sys.path.insert too: a function found only there passed
+    # validate() and failed in every instance)
+    pythonpath = os.pathsep.join(dict.fromkeys(
+        p for p in [os.getcwd(), *graph_dirs, os.environ.get("PYTHONPATH", ""),
+                    *(e for e in sys.path if e and os.path.isdir(e))] if p))
 
     # SIGTERM (a batch system cancelling the job) unwinds like Ctrl-C: instances are stopped
     # and streams removed by the finally block below.
