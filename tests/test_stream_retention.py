@@ -1256,3 +1256,44 @@ def test_closing_a_reader_ends_the_holds_of_frames_it_never_released(managed_dir
     r.close()
     assert all(map(lockable, files))  # (the arrays kept stay mapped: their bytes may change)
     assert kept[0].step == 0
+
+
+CLOSED_WHILE_TAKING = textwrap.dedent(
+    """
+    import threading, time, numpy as np, instride
+    pos = np.zeros((2000, 3), dtype=np.float32)
+    w = instride.Stream("s", mode="w", retain=2, groups=["g"], timeout=10)
+    r = instride.Stream("s", group="g", timeout=10)
+    it = iter(r)
+    for i in range(6):  # (the reader's kept mappings of the recycled files)
+        pos[:, 0] = i
+        w.append(pos, step=i)
+        f = next(it)
+        f.release()
+    got = {}
+    def worker():
+        try:
+            got["frame"] = next(it).step
+        except BaseException as exc:  # noqa: BLE001
+            got["error"] = type(exc).__name__
+    t = threading.Thread(target=worker)
+    t.start()
+    time.sleep(0.2)  # (the worker waits in the native take)
+    r.close()
+    pos[:, 0] = 6
+    w.append(pos, step=6)  # (into a recycled file the take's table names)
+    t.join(10)
+    w.close()
+    print(got, flush=True)
+    """
+)
+
+
+def test_closing_a_reader_while_another_thread_takes_does_not_crash(managed_dir: Path) -> None:
+    """A group reader iterating on a worker thread, closed from the main one while the worker
+    waited in the native take (GIL released): the close unmapped the kept mappings the take's
+    table named, and the producer's next frame, in one of those recycled files, made the take
+    read the unmapped memory — SIGSEGV. The mappings go once the take is done."""
+    rc, out, err = finish(spawn_py(CLOSED_WHILE_TAKING), 60)
+    assert rc == 0, f"status {rc}: {err[-2000:]}"
+    assert out.strip().startswith("{") and "frame" in out or "error" in out, out

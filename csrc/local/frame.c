@@ -139,7 +139,8 @@ static int publish(int fd, const char *src, const char *dst_path, int noreplace)
  *
  * Returns 0 when the frame is published (or only encoded, fd < 0), -errno of a failed
  * rename (the frame is encoded and unlocked, not published: the caller's slow path names the
- * problem), -EINVAL for an unknown layout (nothing written). */
+ * problem), -EINVAL for an unknown layout (nothing written), errno (positive) of a failed
+ * flush (not published: the caller drops the file and raises). */
 static int append(unsigned char *dst, int layout, int64_t natoms, const void *pos,
                   const int32_t *ids, int64_t step, double time, const double *box, int fd,
                   const char *src, const char *dst_path, int noreplace, int sync)
@@ -164,7 +165,8 @@ static int append(unsigned char *dst, int layout, int64_t natoms, const void *po
     }
     header(dst, layout, natoms, step, time, box, nbytes, digest);
     if (sync && msync(dst, HEADER_SIZE + nbytes, MS_SYNC) != 0)
-        return -errno; /* (still locked, not published: the slow path flushes and names it) */
+        return errno; /* (still locked, not published, and never to be: a flush tried again
+                       * reports success, Linux reporting a write-back error once per file) */
     if (fd < 0)
         return 0;
     return publish(fd, src, dst_path, noreplace);

@@ -173,8 +173,14 @@ static int try_take(int dirfd, const char *key, const int64_t *maps, int nmaps, 
             continue;
         const unsigned char *p = (const unsigned char *)(intptr_t)m[3];
         uint64_t natoms;
+        uint16_t layout;
         memcpy(&natoms, p + 8, 8);
-        if (d->pos != NULL && frame_ok(p, out[3], 0) && natoms == (uint64_t)d->natoms) {
+        memcpy(&layout, p + 6, 2);
+        /* (the arrays' types are the layout's: xyz32's float32 coordinates and no ids, the
+         * paper layouts' float64 and int32 ids -- a frame of the other kind is held instead,
+         * never copied into arrays of another type or size) */
+        if (d->pos != NULL && frame_ok(p, out[3], 0) && natoms == (uint64_t)d->natoms &&
+            (layout == LAYOUT_XYZ32) == (d->ids == NULL)) {
             if (copy_frame(p, d, verify)) {
                 memcpy(out + 6, p, HEADER_SIZE); /* (before the hold ends: then it may change) */
                 if (d->box != NULL)

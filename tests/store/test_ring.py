@@ -839,3 +839,43 @@ def test_a_file_is_never_shrunk_under_a_stale_view(tmp_path: Path) -> None:
     rc, out, err = finish(proc, 60)
     assert rc == 0, f"status {rc}: {err}"
     assert out.strip() == "A"
+
+
+LAYOUT_MIX = """
+import ctypes, mmap, os, sys
+import numpy as np
+from instride.frames import frame_arrays, write_frame
+from instride.native import library
+from instride.store.ring import TAKE_COPIED, TAKE_HELD
+lib, n, d = library(), 1000, sys.argv[3]
+write_frame(os.path.join(d, "f.isf"), np.ones((n, 3)), layout=sys.argv[1])
+fd = os.open(os.path.join(d, "f.isf"), os.O_RDONLY)
+st = os.fstat(fd)
+mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)  # (the reader's kept mapping of the file)
+table = (ctypes.c_int64 * 4)(st.st_dev, st.st_ino, st.st_size,
+                             np.frombuffer(mm, np.uint8).__array_interface__["data"][0])
+pos, ids = frame_arrays(sys.argv[2], n)  # (the reader's arrays: of the last frame's layout)
+out, gone, gone_n = (ctypes.c_int64 * 22)(), (ctypes.c_int * 4)(), ctypes.c_int()
+dirfd = os.open(d, os.O_RDONLY)
+rc = lib.isl_take(-1, dirfd, (ctypes.c_char_p * 1)(b"f.isf"), 1, 0, 0, 0, table, 1, 1,
+                  pos.__array_interface__["data"][0],
+                  None if ids is None else ids.__array_interface__["data"][0], n, None,
+                  gone, 4, ctypes.byref(gone_n), out)
+print({TAKE_COPIED: "copied", TAKE_HELD: "held"}.get(rc, rc))
+"""
+
+
+@pytest.mark.parametrize(("frame", "arrays", "taken"), [
+    ("paper", "xyz32", "held"), ("xyz32", "paper", "held"), ("paper-soa", "paper", "copied")])
+def test_a_frame_is_copied_only_into_arrays_of_its_types(tmp_path: Path, frame: str, arrays: str,
+                                                         taken: str) -> None:
+    """The native take copied a kept file's frame into the reader's arrays when its atom
+    count matched, whatever its layout: a paper frame into xyz32 arrays wrote ids through a
+    NULL pointer and 24 bytes per atom into a 12-byte-per-atom array (SIGSEGV), an xyz32
+    frame into paper arrays gave float64 positions of float32 bytes, checked. A frame of
+    the other kind is held now (decoded by the caller); the paper layouts share their types."""
+    proc = subprocess.Popen([sys.executable, "-c", LAYOUT_MIX, frame, arrays, str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    rc, out, err = finish(proc, 60)
+    assert rc == 0, f"status {rc}: {err[-2000:]}"
+    assert out.strip() == taken

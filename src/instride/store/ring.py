@@ -31,6 +31,7 @@ import os
 import resource
 import secrets
 import stat
+import threading
 import time
 import weakref
 from collections import OrderedDict, deque
@@ -403,23 +404,26 @@ class SlotPool:
         Raises
         ------
         OSError
-            A slot that is not mapped could not be written or flushed (``ENOSPC``, ``EIO``):
-            its file is deleted, nothing is published.
+            A slot that is not mapped could not be written, or a slot could not be flushed
+            (``fsync``: ``ENOSPC``, ``EIO``): its file is deleted, nothing is published (a
+            flush tried again would report success: Linux reports a write-back error once).
         """
         noreplace, sync = 0 if overwrite else 1, 1 if fsync else 0
-        if slot.mm is not None or self._append_fd is None:
+        by_fd = slot.mm is None and self._append_fd is not None
+        if not by_fd:
             rc = self._append(slot.addr, *frame.args, slot.fd, slot.pooled_b, final, noreplace,
                               sync)
-            return self._published_if(rc == 0, slot, final)
-        rc = self._append_fd(self._head, *frame.args, slot.fd, slot.pooled_b, final, noreplace,
-                             sync)
-        if rc > 0:  # (not written: an incomplete file, which must not be published)
+        else:
+            rc = self._append_fd(self._head, *frame.args, slot.fd, slot.pooled_b, final,
+                                 noreplace, sync)
+        if rc > 0:  # (not written or not flushed: a file that must not be published)
             self.discard(slot)
             if rc in NO_ROOM:
                 self.drop_made()  # (see _out_of_room)
             raise OSError(rc, f"{os.strerror(rc)} (the frame was not published)",
                           os.fsdecode(final))
-        slot.head = self._head.raw
+        if by_fd:
+            slot.head = self._head.raw
         return self._published_if(rc == 0, slot, final)
 
     def _published_if(self, published: bool, slot: Slot, final: bytes) -> bool:
@@ -754,6 +758,12 @@ class Leases:
         #: the holds handed out and not released yet (see :meth:`release_all`)
         self._held: dict[int, Callable[[], None]] = {}
         self._serial = 0
+        #: native takes under way (their table names kept mappings: none is unmapped then),
+        #: the mappings to unmap once they are done, and whether close() waits for them
+        self._mu = threading.Lock()
+        self._taking = 0
+        self._unmap_later: list[mmap.mmap] = []
+        self._close_later = False
 
     def open_key(self, key: str, path: str) -> tuple[memoryview | bytes, Callable[[], None]] | None:
         """:meth:`open` for the key ``key`` of the managed directory of ``confined``, whose
@@ -830,10 +840,30 @@ class Leases:
             ids = None if into[1] is None else into[1].__array_interface__["data"][0]
             natoms = len(into[0])
         box_at = None if box is None else box.__array_interface__["data"][0]
-        rc = lib.isl_take(ifd, dirfd, keys, len(keys), int(timeout * 1e6),
-                          int(window[0] * 1e6), int(window[1] * 1e6), self._table,
-                          len(self._table_idents), 1 if verify else 0, pos, ids, natoms, box_at,
-                          self._gone, _GONE_CAP, ctypes.byref(self._gone_n), out)
+        # (the call reads the kept mappings its table names, without the GIL: another thread
+        # that closes the reader meanwhile must not unmap them under it — SIGSEGV)
+        with self._mu:
+            self._taking += 1
+        try:
+            rc = lib.isl_take(ifd, dirfd, keys, len(keys), int(timeout * 1e6),
+                              int(window[0] * 1e6), int(window[1] * 1e6), self._table,
+                              len(self._table_idents), 1 if verify else 0, pos, ids, natoms,
+                              box_at, self._gone, _GONE_CAP, ctypes.byref(self._gone_n), out)
+            return self._taken(rc, keys)
+        finally:
+            with self._mu:
+                self._taking -= 1
+                if not self._taking:
+                    later, self._unmap_later = self._unmap_later, []
+                    for mm in later:
+                        _close_quietly(mm)
+                    if self._close_later:
+                        self._close_later = False
+                        self._close_maps()
+
+    def _taken(self, rc: int, keys: ctypes.Array[ctypes.c_char_p]) -> Taken | int | list[int]:
+        """What :meth:`take` returns for ``isl_take``'s result ``rc`` (in :attr:`_out`)."""
+        out = self._out
         if rc == TAKE_COPIED:  # (a kept mapping's file: keep it the most recently used)
             self._maps.move_to_end(self._table_idents[out[4]])
             return Taken(self._out_header, _noop, True, out[5] / 1e6, True)
@@ -968,11 +998,19 @@ class Leases:
             old = self._maps.pop(ident, None)
             self._maps[ident] = mm
             if old is not None:
-                _close_quietly(old)
+                self._unmap(old)
             while len(self._maps) > self.keep:
-                _close_quietly(self._maps.popitem(last=False)[1])
+                self._unmap(self._maps.popitem(last=False)[1])
             self._tabulate()
         return mm
+
+    def _unmap(self, mm: mmap.mmap) -> None:
+        """Unmap a kept mapping, once no native take that may read it is under way."""
+        with self._mu:
+            if self._taking:
+                self._unmap_later.append(mm)
+                return
+        _close_quietly(mm)
 
     def _tabulate(self) -> None:
         """Write the kept mappings into the table :meth:`take` hands to ``isl_take``."""
@@ -983,7 +1021,15 @@ class Leases:
         self._table_idents = idents
 
     def close(self) -> None:
-        """Drop every kept mapping (views still in use keep theirs alive)."""
+        """Drop every kept mapping (views still in use keep theirs alive) — once the native
+        takes under way (another thread's) are done."""
+        with self._mu:
+            if self._taking:
+                self._close_later = True
+                return
+            self._close_maps()
+
+    def _close_maps(self) -> None:
         for mm in self._maps.values():
             _close_quietly(mm)
         self._maps.clear()
