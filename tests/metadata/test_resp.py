@@ -527,3 +527,31 @@ def _hold_in_a_child(host: str, port: int) -> None:
 
 
 _keep: list[RespConnection] = []
+
+
+@pytest.mark.parametrize("way", ["call_soon", "held", "defer"])
+def test_an_interrupt_right_after_a_write_sends_no_reply_astray(redis_server: RedisServer,
+                                                              way: str) -> None:
+    """Ctrl-C (or a signal handler's exception) landing right after a command went out, before
+    the connection noted it: ``call_soon`` took it for not sent and forgot its reply, and
+    ``defer`` counted its commands as owed only after the write. The next call got that
+    reply instead of its own (a lookup could return another key's record). The connection now
+    goes, and the next call gets its own reply."""
+    c = _conn(redis_server)
+    c.call([("SET", "astray/b", "mine")])
+    real = c._send_packed
+
+    def sent_then_interrupted(data: bytes, *, more: bool = False) -> None:
+        real(data, more=more)
+        raise KeyboardInterrupt
+
+    c._send_packed = sent_then_interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        if way == "defer":
+            c.defer([("SET", "astray/a", "x")])
+        else:
+            c.call_soon([("SET", "astray/a", "x")], hold=way == "held")
+    c._send_packed = real  # type: ignore[method-assign]
+    assert c.call([("GET", "astray/b")]) == [b"mine"]
+    assert c.call([("GET", "astray/b")]) == [b"mine"]
+    c.close()

@@ -231,15 +231,18 @@ class RespConnection:
                 self._held_sizes.append([len(part) for part in parts])
             else:
                 self.send(commands, settle=False)
+            if hold:
+                # (an answer come in since _quiet looked — to held bytes an ACK or Linux's
+                # timer pushed out meanwhile — must not stay unread beside these: taken in
+                # now; one that comes later pushes them out, TCP_NODELAY)
+                self._take_in()
         except BaseException:
-            if entry in self._soon:  # (not sent: no reply will come for it)
-                self._soon.remove(entry)
+            # Sent or not (an interrupt — Ctrl-C, a signal handler's exception — may land
+            # right after the write): the connection goes, so that no reply can go to
+            # another caller; the functions owed replies find it closed, their commands are
+            # sent again (a record, as the same publication)
+            self.close()
             raise
-        if hold:
-            # (an answer come in since _quiet looked — to held bytes an ACK or Linux's timer
-            # pushed out meanwhile — must not stay unread beside these: taken in now; one
-            # that comes later pushes them out, TCP_NODELAY)
-            self._take_in()
 
         def replies() -> list[Any]:
             while not box and any(b is box for _, b in self._soon):
@@ -353,12 +356,16 @@ class RespConnection:
             chunk = None  # nothing more yet
         except OSError:
             return False  # (reset)
-        if chunk is not None:
-            if not chunk:
-                return False
-            self._feed(chunk)
-        while (reply := self.reader.gets()) is not False:
-            self._parsed.append(reply)
+        try:  # (bytes read and not taken in, an interrupt: the next replies would go astray)
+            if chunk is not None:
+                if not chunk:
+                    return False
+                self._feed(chunk)
+            while (reply := self.reader.gets()) is not False:
+                self._parsed.append(reply)
+        except BaseException:
+            self.close()
+            raise
         return True
 
     def _settle_one(self) -> None:
@@ -483,8 +490,12 @@ class RespConnection:
                 if isinstance(reply, Exception) and str(reply).split(" ", 1)[0] in UNAVAILABLE:
                     self.close()  # (as a call would: they go again on the next connection)
                     return False
-                self._parsed.popleft()
-                self._deferred_answered(reply)
+                try:  # (a reply taken and its command not: interrupted, the connection goes)
+                    self._parsed.popleft()
+                    self._deferred_answered(reply)
+                except BaseException:
+                    self.close()
+                    raise
             if not wait:
                 break
         return not self._unanswered
@@ -507,9 +518,17 @@ class RespConnection:
         packed = [hiredis.pack_command(tuple(c)) for c in commands]
         self.raise_deferred()
         self._settle()  # (replies still owed to a call_soon come first)
-        self._send_packed(b"".join(packed))
+        if self.sock is None:
+            self._connect()  # (which sends the deferred commands still owed first)
+        # (counted as owed before the write: an interrupt right after it must not leave
+        # their replies to other callers; not sent, they go with the next connection's)
         self._unanswered.extend(packed)
         self._on_reply.extend([on_reply] * len(packed))
+        try:
+            self._send_packed(b"".join(packed))
+        except BaseException:
+            self.close()
+            raise
 
     def send(self, commands: Sequence[tuple[Any, ...] | bytes], *, settle: bool = True) -> None:
         """Send ``commands`` in one write without reading replies (subscriptions).
@@ -576,8 +595,12 @@ class RespConnection:
         if not chunk:
             self.close()
             raise ConnectionError("Redis closed the connection")
-        self._feed(chunk)
-        reply = self.reader.gets()
+        try:  # (bytes read and not taken in, an interrupt: the next replies would go astray)
+            self._feed(chunk)
+            reply = self.reader.gets()
+        except BaseException:
+            self.close()
+            raise
         return None if reply is False else reply
 
     def _feed(self, chunk: bytes) -> None:
