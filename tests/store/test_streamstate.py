@@ -360,3 +360,30 @@ def test_a_lease_holder_is_judged_gone_only_when_it_surely_is() -> None:
     finally:
         child.wait()
     assert _holder_gone(f"1-ab@{space}:{child.pid}:{stat[1]}")  # reaped: no such process
+
+
+def test_a_renewal_under_way_as_the_reader_closes_does_not_take_the_lease_back(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    """The renewer thread passed its "closed?" check, then the reader closed (its release
+    deleted the lease), then the renewal found the lease gone and the generation unchanged,
+    and took it back: a closed reader held the group for a whole lease, nobody renewing it,
+    and every other reader got GroupBusy (this very process reopening the group too). The
+    release counts the generation up."""
+    meta = RedisMetadata(Settings(dir=tmp_path, redis_url=redis_server.url, connect_timeout=2))
+    direct = redis.Redis(host=redis_server.host, port=redis_server.port)
+    lease = "instride:stream:late:group:g:lease"
+    try:
+        state = _started(meta, "late")
+        for committed in (False, True):  # (a release alone, and one with the last commit)
+            cursor = state.open_group("g", 0)
+            if committed:
+                cursor.commit(3)
+            cursor.close()
+            assert direct.get(lease) is None
+            cursor._stop.clear()  # (as the renewer, past its check before the close)
+            assert cursor._extend() is False
+            assert direct.get(lease) is None
+            state.open_group("g", 0).close()  # (free at once, not GroupBusy)
+    finally:
+        direct.close()
+        meta.close()

@@ -702,7 +702,8 @@ class RedisStreamState:
         token = self.redis.get(key)
         if token is None or not _holder_gone(_text(token)):
             return False
-        return bool(self.redis.register_script(_RELEASE)(keys=[key], args=[token]))
+        return bool(self.redis.register_script(_RELEASE)(keys=[key, self._generations],
+                                                          args=[token, group]))
 
     def open_group(self, name: str, start: int) -> RedisGroupCursor:
         """Take the group's lease and return its cursor. A lease whose holder is a process of
@@ -757,9 +758,12 @@ return 0
 """
 
 #: release a lease only if it is still this reader's (its token): one that ran out meanwhile
-#: and that another reader took stays that reader's (one step: no other command in between)
+#: and that another reader took stays that reader's (one step: no other command in between).
+#: KEYS: the lease, the generations; ARGV: the token, the group. The generation is counted up:
+#: a renewal of the reader's under way as it closed must not take the lease back (:data:`_RETAKE`)
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
   return redis.call('DEL', KEYS[1])
 end
 return 0
@@ -780,13 +784,15 @@ end
 return -1
 """
 
-#: :data:`_COMMIT` and :data:`_RELEASE` in one step (KEYS and ARGV as :data:`_COMMIT`'s): the
+#: :data:`_COMMIT` and :data:`_RELEASE` in one step (KEYS and ARGV as :data:`_COMMIT`'s, then the
+#: generations: counted up as by :data:`_RELEASE`): the
 #: release of a cursor that committed, perhaps on another thread than the one closing it (see
 #: ``RedisGroupCursor.close``); a commit still on its way lands before this (overwritten) or
 #: after it (refused: the lease is gone)
 _COMMIT_RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+  redis.call('HINCRBY', KEYS[3], ARGV[2], 1)
   return redis.call('DEL', KEYS[1])
 end
 return 0
@@ -994,7 +1000,9 @@ class RedisGroupCursor:
                     # connection: its answer is not this thread's to read, and it may still
                     # be on its way (or wait there to be sent again). The last value is
                     # written again, with the release in the same step.
-                    self._commit_release(keys=[self._lock, self.state._groups],
+                    self._commit_release(keys=[self._lock, self.state._groups,
+                                               self.state._generations],
                                          args=[self._token, self.name, self.value])
                 else:
-                    self._release(keys=[self._lock], args=[self._token])
+                    self._release(keys=[self._lock, self.state._generations],
+                                  args=[self._token, self.name])
