@@ -387,3 +387,26 @@ def test_a_renewal_under_way_as_the_reader_closes_does_not_take_the_lease_back(
     finally:
         direct.close()
         meta.close()
+
+
+def test_a_stream_state_out_of_reach_is_metadata_unavailable(tmp_path: Path) -> None:
+    """A stream's shared state with Redis out of reach raised redis-py's own ConnectionError
+    (untyped for instride's callers: not exit status 6), after redis-py's three quick tries
+    instead of the connect timeout's."""
+    from instride.errors import MetadataUnavailable
+    from tests.conftest import free_port
+
+    meta = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{free_port()}/0",
+                                  connect_timeout=0.5))
+    state = RedisStreamState(meta, "away", lease_s=30)
+    try:
+        for call in (state.policy, state.archive, state.resets,
+                     lambda: state.start(Policy(), ("g",), reset=True),
+                     lambda: state.open_group("g", 0)):
+            try:
+                call()
+            except MetadataUnavailable:
+                continue
+            raise AssertionError(f"{call} did not raise MetadataUnavailable")
+    finally:
+        meta.close()

@@ -30,7 +30,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -591,28 +591,39 @@ class RedisStreamState:
         # (head counters of an earlier run still owed an answer on this thread's connection
         # are sent again on its next one: settled first, so that they never land after this)
         self.metadata.flush()
-        pipe = self.redis.pipeline(transaction=True)
-        for key in forget:
-            for command in self.metadata.forget_commands(key):
-                pipe.execute_command(*command)
-        # "run": new with every producer's start (a re-run under the name: overwrite=True), so
-        # that readers of other nodes can tell their copies of an earlier run's frames; "node":
-        # where it produces (a node's originals of the stream are all of earlier runs if not
-        # there)
-        pipe.hset(self._head, mapping={"oldest": 0, "written": 0, "policy": json.dumps(asdict(policy)),
-                                       "producer": os.getpid(), "run": uuid.uuid4().hex,
-                                       "since": repr(time.time()),
-                                       "node": self.metadata.settings.addr or ""})
-        if reset:  # (a reader of the earlier run loses its lease: see RedisGroupCursor)
-            pipe.hincrby(self._head, "resets", 1)
-            pipe.hdel(self._head, "archive")  # (the earlier run's: not this run's frames)
-            for name in self.redis.hkeys(self._groups):
-                pipe.hset(self._groups, name, 0)
-                pipe.delete(self.lease_key(_text(name)))
-                pipe.hincrby(self._generations, name, 1)
-        for name in groups:
-            pipe.hsetnx(self._groups, name, 0)
-        pipe.execute()
+        run = uuid.uuid4().hex
+
+        def transaction() -> None:
+            pipe = self.redis.pipeline(transaction=True)
+            for key in forget:
+                for command in self.metadata.forget_commands(key):
+                    pipe.execute_command(*command)
+            # "run": new with every producer's start (a re-run under the name: overwrite=True),
+            # so that readers of other nodes can tell their copies of an earlier run's frames;
+            # "node": where it produces (a node's originals of the stream are all of earlier
+            # runs if not there)
+            pipe.hset(self._head, mapping={"oldest": 0, "written": 0,
+                                           "policy": json.dumps(asdict(policy)),
+                                           "producer": os.getpid(), "run": run,
+                                           "since": repr(time.time()),
+                                           "node": self.metadata.settings.addr or ""})
+            if reset:  # (a reader of the earlier run loses its lease: see RedisGroupCursor)
+                pipe.hincrby(self._head, "resets", 1)
+                pipe.hdel(self._head, "archive")  # (the earlier run's: not this run's frames)
+                for name in self.redis.hkeys(self._groups):
+                    pipe.hset(self._groups, name, 0)
+                    pipe.delete(self.lease_key(_text(name)))
+                    pipe.hincrby(self._generations, name, 1)
+            for name in groups:
+                pipe.hsetnx(self._groups, name, 0)
+            pipe.execute()
+
+        self._r(f"start stream {self.stream}", transaction)
+
+    def _r(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn`` (redis-py commands) as every metadata call runs: connection errors tried
+        again within the connect timeout, then :class:`MetadataUnavailable` (exit status 6)."""
+        return self.metadata._call(what, fn)
 
     def set_head(self, oldest: int, written: int) -> None:
         """Publish the head counters (without waiting for Redis's reply, where it can)."""
@@ -642,11 +653,12 @@ class RedisStreamState:
 
     def set_archive(self, node: str, path: str) -> None:
         """Record the node and path of the stream's archive file."""
-        self.redis.hset(self._head, "archive", json.dumps([node, path]))
+        self._r("record the archive", lambda: self.redis.hset(self._head, "archive",
+                                                              json.dumps([node, path])))
 
     def archive(self) -> tuple[str, str] | None:
         """``(node, path)`` of the stream's archive, if it has one."""
-        raw = self.redis.hget(self._head, "archive")
+        raw = self._r("look up the archive", lambda: self.redis.hget(self._head, "archive"))
         if raw is None:
             return None
         node, path = json.loads(raw)
@@ -662,7 +674,7 @@ class RedisStreamState:
 
     def policy(self) -> Policy | None:
         """The producer's policy."""
-        raw = self.redis.hget(self._head, "policy")
+        raw = self._r("look up the policy", lambda: self.redis.hget(self._head, "policy"))
         return None if raw is None else Policy(**json.loads(raw))
 
     def run(self) -> tuple[str, float, str | None] | str | None:
@@ -685,7 +697,8 @@ class RedisStreamState:
 
     def resets(self) -> int:
         """How many times the stream's groups were reset (by re-runs, ``overwrite=True``)."""
-        return int(self.redis.hget(self._head, "resets") or 0)
+        return int(self._r("count the resets", lambda: self.redis.hget(self._head, "resets"))
+                   or 0)
 
     def lease_key(self, group: str) -> str:
         """The Redis key of ``group``'s lease."""
@@ -699,11 +712,12 @@ class RedisStreamState:
         one this process cannot look at — of another machine or namespace, or a reader of an
         instride before this check — or free already)."""
         key = self.lease_key(check_group(group))
-        token = self.redis.get(key)
+        token = self._r("look up a lease", lambda: self.redis.get(key))
         if token is None or not _holder_gone(_text(token)):
             return False
-        return bool(self.redis.register_script(_RELEASE)(keys=[key, self._generations],
-                                                          args=[token, group]))
+        release = self.redis.register_script(_RELEASE)
+        return bool(self._r("free a lease", lambda: release(keys=[key, self._generations],
+                                                           args=[token, group])))
 
     def open_group(self, name: str, start: int) -> RedisGroupCursor:
         """Take the group's lease and return its cursor. A lease whose holder is a process of
@@ -828,9 +842,10 @@ class RedisGroupCursor:
         self._token = f"{os.getpid()}-{uuid.uuid4().hex}@{_lease_holder()}"
         r = state.redis
         self._retake = r.register_script(_RETAKE)
-        self._generation = int(r.register_script(_ACQUIRE)(
+        acquire = r.register_script(_ACQUIRE)  # (sent again, it answers the lease taken)
+        self._generation = int(state._r(f"take group {name}'s lease", lambda: acquire(
             keys=[self._lock, state._generations],
-            args=[self._token, int(state.lease_s * 1000), name]))
+            args=[self._token, int(state.lease_s * 1000), name])))
         if not self._generation:
             raise GroupBusy(state.stream, name)
         self._renewed = time.monotonic()  # (the lease is good until lease_s after this)
@@ -843,8 +858,17 @@ class RedisGroupCursor:
         self._committed = False
         #: commits sent whose answers were not read yet; whether one read was a refusal
         self._owed, self._refused = 0, False
-        r.hsetnx(state._groups, name, start)
-        self.value = int(r.hget(state._groups, name))
+
+        def cursor() -> int:
+            r.hsetnx(state._groups, name, start)
+            return int(r.hget(state._groups, name))
+
+        try:
+            self.value = state._r(f"read group {name}'s cursor", cursor)
+        except BaseException:  # (the lease taken, nobody to renew or release it: let go of)
+            with contextlib.suppress(Exception):
+                self._release(keys=[self._lock, state._generations], args=[self._token, name])
+            raise
         self._stop = threading.Event()
         self._forks = forks()  # (of the process that took the lease: see close)
         self._renewer = threading.Thread(target=self._renew, daemon=True, name=f"instride-lease-{name}")
