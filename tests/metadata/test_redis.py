@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -696,3 +698,30 @@ def test_an_announcement_carries_the_stored_record_exactly(backend: RedisMetadat
     with pytest.raises(ConfigError, match="INSTRIDE_NODE.*NUL"):  # (the separator: refused)
         backend.publish(Record("ann/nul", "h:1", 1, None, 0, 1.0, "no\0de"))
     assert backend.lookup("ann/nul") is None
+
+
+FORKED = """
+import os, sys, tempfile
+import instride.metadata.redis as r
+from instride.config import Settings
+m = r.RedisMetadata(Settings(dir=tempfile.mkdtemp(), redis_url="redis://127.0.0.1:1/0"))
+run = r._RUN
+m._lock.acquire()  # (another thread's, at the fork)
+child = os.fork()
+if child == 0:
+    fresh = r._RUN != run and m._lock.acquire(timeout=2)
+    os._exit(0 if fresh else 1)
+m._lock.release()
+print(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
+"""
+
+
+def test_a_forked_child_draws_its_own_ids_and_lock() -> None:
+    """A forked child kept its parent's run of publication ids (its count going on from the
+    parent's: a later child given the same process id drew the same ids, and its publication
+    was taken for a retry of another's — nothing stored) and the metadata object's lock, which
+    another thread could hold at the fork: held for ever in the child."""
+    res = subprocess.run([sys.executable, "-c", FORKED], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "0"

@@ -128,6 +128,17 @@ _RUN = secrets.token_hex(6)
 _COUNT = itertools.count()
 
 
+def _new_run() -> None:
+    """In a forked child: a run of its own (its count goes on from the parent's, and a later
+    child given the same process id would draw the same ids: a publication of its would be
+    taken for a retry of another's, and nothing stored)."""
+    global _RUN
+    _RUN = secrets.token_hex(6)
+
+
+os.register_at_fork(after_in_child=_new_run)
+
+
 def _publication_id() -> str:
     """An id no other publication has (the process id: a forked child counts on alone)."""
     return f"{_RUN}.{pid()}.{next(_COUNT)}"  # (the kept id: no system call per record)
@@ -378,7 +389,7 @@ class RedisMetadata:
         self._publish = self.redis.register_script(_PUBLISH)
         self._scripts: dict[str, Any] = {}  # (:meth:`eval_later`'s, by their text)
         self._per_thread = PerThread()
-        self._lock = threading.Lock()
+        self._lock_of: tuple[int, threading.Lock] = (forks(), threading.Lock())
         # weak: a thread's subscriber goes (and its connection closes) when the thread ends
         self._pubsubs: weakref.WeakSet[Any] = weakref.WeakSet()
         self._fasts: weakref.WeakSet[RespConnection] = weakref.WeakSet()
@@ -839,6 +850,8 @@ class RedisMetadata:
                                 return rec
                 finally:
                     ps.unsubscribe(*channels)
+            except ConsumeTimeout:
+                raise  # (the wait's own end, not a lost connection: nothing dropped)
             except _ERRORS as exc:
                 # Redis went away (or stopped answering: see _Liveness): drop the connection,
                 # back off, re-subscribe, re-check. The pool's idle connections go too: they
@@ -850,6 +863,16 @@ class RedisMetadata:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
                 time.sleep(0.05)
+
+    @property
+    def _lock(self) -> threading.Lock:
+        """This object's lock, made again in a forked child (one that another thread held at
+        the fork would stay held there for ever: the child's first subscriber, deadlocked)."""
+        made, lock = self._lock_of
+        if made != forks():
+            self._lock_of = (forks(), threading.Lock())
+            lock = self._lock_of[1]
+        return lock
 
     def _subscriber(self) -> RespConnection:
         local = self._per_thread.get()
@@ -908,6 +931,8 @@ class RedisMetadata:
                     if rec is not None and rec.key in wanted:
                         return rec
                     self._keep_heard(local, rec)
+            except ConsumeTimeout:
+                raise  # (the wait's own end: what was heard is kept)
             except _ERRORS as exc:
                 # Redis went away: the connection (and its subscriptions) closed; back off,
                 # subscribe again, check again.
@@ -1126,6 +1151,8 @@ class RedisMetadata:
                 finally:
                     if sub.sock is not None:  # (a broken connection is gone already)
                         sub.send([("UNSUBSCRIBE", *channels)])
+            except ConsumeTimeout:
+                raise  # (the wait's own end)
             except _ERRORS as exc:
                 # Redis went away: the connection is closed; back off, re-subscribe, re-check.
                 if deadline is not None and time.monotonic() >= deadline:
