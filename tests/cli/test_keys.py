@@ -221,3 +221,27 @@ def test_info_does_not_show_the_redis_password(managed_dir: Path) -> None:
     assert run.returncode == 0, run.stderr
     assert "s3cretpw" not in run.stdout + run.stderr
     assert json.loads(run.stdout)["redis_url"].startswith("redis://***@127.0.0.1")
+
+
+def test_sighup_stops_a_command_with_its_cleanup(managed_dir: Path) -> None:
+    """An ssh session or terminal that closes sends SIGHUP: its default action killed the
+    command at once, with no cleanup (a `bench study` or `cluster up` left its servers,
+    namespaces and mounts). It now stops as for SIGTERM, with status 129; nohup's ignored
+    SIGHUP stays ignored."""
+    import signal
+
+    waiter = subprocess.Popen([sys.executable, "-m", "instride", "wait", "hup/never",
+                               "--timeout", "60"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)  # (waiting)
+    waiter.send_signal(signal.SIGHUP)
+    _, err = waiter.communicate(timeout=30)
+    assert waiter.returncode == 129, err
+    ignored = subprocess.Popen(
+        [sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGHUP, signal.SIG_IGN);"
+         " from instride.cli import main; sys.exit(main(['wait', 'hup/never', '--timeout', '3']))"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    ignored.send_signal(signal.SIGHUP)
+    _, err = ignored.communicate(timeout=30)
+    assert ignored.returncode == 3, err  # (its timeout, not the signal)

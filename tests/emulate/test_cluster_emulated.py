@@ -116,6 +116,24 @@ def test_destroy_from_another_process_and_without_state(tmp_path: Path) -> None:
     assert EmulatedCluster.destroy(orphan.name) is False
 
 
+def test_a_huge_page_tmpfs_under_a_path_through_a_link_is_unmounted(tmp_path: Path) -> None:
+    """``--base-dir`` through a symbolic link (a scratch directory linked elsewhere, common on
+    clusters) or with a '..': the kernel lists the mount under its real path, down() compared
+    the path as given, and the tmpfs stayed mounted (its frames holding memory) while the
+    command said the cluster was removed."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "linked").symlink_to(tmp_path / "real")
+    for base in (tmp_path / "linked" / "hp", tmp_path / "real" / ".." / "real" / "hp2"):
+        c = EmulatedCluster(nodes=1, name=unique(), base_dir=base, serve=False,
+                            huge_pages=True).up()
+        real = base.resolve()
+        try:
+            assert mounts.is_mount(real)
+        finally:
+            c.down()
+        assert not mounts.is_mount(real) and not real.exists()
+
+
 def test_a_cluster_on_huge_pages_has_its_own_tmpfs_until_down(tmp_path: Path) -> None:
     """huge_pages: the base directory is a tmpfs of its own mounted with huge=within_size,
     which the nodes' files are on; it is recorded in the state file, so that a down() from

@@ -92,6 +92,7 @@ EXIT_UNAVAILABLE = 6
 EXIT_REFUSED = 7
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
+EXIT_HUNG_UP = 129
 
 
 class Terminated(KeyboardInterrupt):
@@ -99,15 +100,28 @@ class Terminated(KeyboardInterrupt):
     for Ctrl-C (a command with its own SIGTERM handling installs it over this one)."""
 
 
+class HungUp(Terminated):
+    """SIGHUP (the terminal or the ssh session closed under the command): as SIGTERM, its
+    cleanup runs (the default action killed it at once, leaving its servers, namespaces and
+    mounts)."""
+
+
 def _terminate(signum: int, frame: object) -> None:
-    # (the cleanup that follows is not cut short by another SIGTERM: later ones are taken in
-    # and dropped — not ignored, which the programs the cleanup starts would inherit)
-    signal.signal(signal.SIGTERM, _dropped)
-    raise Terminated
+    # (the cleanup that follows is not cut short by another SIGTERM or SIGHUP: later ones are
+    # taken in and dropped — not ignored, which the programs the cleanup starts would inherit)
+    for sig in _HANDLED:
+        if signal.getsignal(sig) is _terminate:
+            signal.signal(sig, _dropped)
+    raise HungUp if signum == signal.SIGHUP else Terminated
 
 
 def _dropped(signum: int, frame: object) -> None:
     """A SIGTERM after the first: the command is stopping already."""
+
+
+#: the signals that stop a command with its cleanup (where their action is the default one:
+#: a SIGHUP that nohup ignores stays ignored)
+_HANDLED = (signal.SIGTERM, signal.SIGHUP)
 
 #: Typed error -> exit status, first match wins (so the more specific classes come first).
 #: Other errors of instride that refine ValueError, LookupError or FileNotFoundError (bad
@@ -128,7 +142,7 @@ EXIT_CODES: list[tuple[type[BaseException] | tuple[type[BaseException], ...], in
 def exit_code(exc: BaseException) -> int:
     """The exit status of the ``instride`` command for an error (see :data:`EXIT_CODES`)."""
     if isinstance(exc, KeyboardInterrupt):
-        return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
+        return _interrupted(exc)
     if isinstance(exc, ConsumeTimeout) and _unreachable(exc):
         return EXIT_UNAVAILABLE  # the wait ran out while Redis could not be reached
     if isinstance(exc, InstrideError):
@@ -243,20 +257,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupted(exc: KeyboardInterrupt) -> int:
+    """The exit status of Ctrl-C, SIGTERM or SIGHUP."""
+    if isinstance(exc, HungUp):
+        return EXIT_HUNG_UP
+    return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``instride`` command; return its exit status (see :data:`EXIT_CODES`)."""
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors: argparse exits with 2
     handler: Handler = args.func
-    ours = threading.current_thread() is threading.main_thread() \
-        and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    if ours:
-        signal.signal(signal.SIGTERM, _terminate)  # (else the process just dies: no cleanup)
+    main_thread = threading.current_thread() is threading.main_thread()
+    ours = [sig for sig in _HANDLED
+            if main_thread and signal.getsignal(sig) is signal.SIG_DFL]
+    for sig in ours:
+        signal.signal(sig, _terminate)  # (else the process just dies: no cleanup)
     try:
         return _run(handler, args)
     finally:
-        if ours:  # (a caller in the same process gets the default back)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for sig in ours:  # (a caller in the same process gets the default back)
+            signal.signal(sig, signal.SIG_DFL)
 
 
 def _run(handler: Handler, args: argparse.Namespace) -> int:
@@ -270,7 +292,7 @@ def _run(handler: Handler, args: argparse.Namespace) -> int:
         print(f"instride: error: {exc}{extra}", file=sys.stderr)
         return exit_code(exc)
     except KeyboardInterrupt as exc:
-        return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
+        return _interrupted(exc)
     except BrokenPipeError as exc:
         if not _stdout_broken():
             print(f"instride: error: {exc}", file=sys.stderr)

@@ -229,7 +229,8 @@ class EmulatedCluster(TornDownOnSigterm):
         self.unprivileged = bool(unprivileged)
         self.huge_pages = bool(huge_pages)
         self._mounted: list[str] = []  # mount points we made, unmounted by down()
-        self._base_dir_arg = Path(base_dir).absolute() if base_dir is not None else None
+        # (resolved: the kernel lists a mount under its real path, and down() compares it)
+        self._base_dir_arg = Path(base_dir).resolve() if base_dir is not None else None
         self.base_dir: Path = self._base_dir_arg or Path("/nonexistent")
         self._nodes_count = nodes
         self._created: list[str] = []  # paths we created, removed by down()
@@ -447,9 +448,17 @@ class EmulatedCluster(TornDownOnSigterm):
             self.base_dir.mkdir(parents=True)
             self._created.append(str(self.base_dir))
         if self.huge_pages:
+            # (recorded before the mount: an interrupt during it leaves one that down() finds;
+            # unmounting what is not mounted does nothing — unless a mount of the user's is
+            # there already, which is recorded only once ours is on it)
+            early = not mounts.is_mount(self.base_dir)
+            if early:
+                self._mounted.append(str(self.base_dir))
+                self._save()
             mounts.mount_huge_tmpfs(self.base_dir)
-            self._mounted.append(str(self.base_dir))
-            self._save()  # (recorded at once: a down() from another process unmounts it)
+            if not early:
+                self._mounted.append(str(self.base_dir))
+            self._save()  # (a down() from another process unmounts it)
         for path in [self.shared_dir, self.ucx_dir, *(n.dir for n in self.nodes)]:
             if not path.exists():
                 path.mkdir(parents=True)
