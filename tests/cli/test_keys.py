@@ -245,3 +245,10 @@ def test_sighup_stops_a_command_with_its_cleanup(managed_dir: Path) -> None:
     ignored.send_signal(signal.SIGHUP)
     _, err = ignored.communicate(timeout=30)
     assert ignored.returncode == 3, err  # (its timeout, not the signal)
+
+
+def test_gc_refuses_a_negative_or_nan_min_age(managed_dir: Path) -> None:
+    """``gc --min-age -1`` and ``nan`` ran as if the option were 0."""
+    for bad in ("-1", "nan"):
+        res = _cli("gc", "--min-age", bad)
+        assert res.returncode == 2 and "--min-age" in res.stderr, res.stderr

@@ -473,6 +473,24 @@ def test_an_incomplete_state_file_is_reported_not_a_traceback() -> None:
         path.unlink(missing_ok=True)
 
 
+def test_a_stray_file_of_the_state_directory_is_reported_the_others_listed() -> None:
+    """A file of the state directory whose name is no cluster's (`bad name.json`): its
+    name's check raised ConfigError, which `status` and `down --all` did not take for a
+    corrupt state file: the command stopped (status 2) and skipped every other cluster."""
+    path = em.state_path("x").parent / f"bad name {secrets.token_hex(2)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{}")
+    c = EmulatedCluster(nodes=1, name=unique(), serve=False, redis=False).up()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "instride", "cluster", "status"],
+                              capture_output=True, text=True, timeout=60)
+        assert c.name in proc.stdout and "bad name" in proc.stderr, proc
+        assert "Traceback" not in proc.stderr
+    finally:
+        c.down()
+        path.unlink(missing_ok=True)
+
+
 def test_down_leaves_a_newer_cluster_of_the_same_name_alone() -> None:
     """A cluster destroyed from another process, its name then taken by a new cluster: the
     first one's down() (its with-block ending) used to delete the new one's namespaces and

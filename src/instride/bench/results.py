@@ -192,15 +192,21 @@ def staged_output(out: str | Path, names: Sequence[str]) -> Iterator[Path]:
     staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=outp))
     try:
         yield staging
-        for name in reversed(names):
-            stale = outp / name
-            if stale.is_dir() and not stale.is_symlink():
-                shutil.rmtree(stale)
-            elif stale.exists() or stale.is_symlink():
-                stale.unlink()
-        for name in names:
-            if (staging / name).exists():
-                (staging / name).rename(outp / name)
+        # The swap: renames only, under held signals (Ctrl-C or SIGTERM during an rmtree of the
+        # old result removed the new one with the staging directory, both results lost); the
+        # old result's entries go aside first, the new ones in, the old ones are deleted last.
+        from ..emulate.teardown import signals_held
+
+        with signals_held():
+            aside = Path(tempfile.mkdtemp(prefix=".old-", dir=outp))
+            for name in reversed(names):
+                stale = outp / name
+                if stale.exists() or stale.is_symlink():
+                    stale.rename(aside / name)
+            for name in names:
+                if (staging / name).exists():
+                    (staging / name).rename(outp / name)
+        shutil.rmtree(aside, ignore_errors=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

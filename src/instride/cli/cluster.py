@@ -79,7 +79,8 @@ def cmd_down(args: argparse.Namespace) -> int:
     for name in names:
         try:
             removed = EmulatedCluster.destroy(name)
-        except ClusterError as exc:  # (a corrupt state file) report it, go on with the others
+        except (ClusterError, ConfigError) as exc:  # (a corrupt state file, a stray file of
+            # another name) reported, the others gone on with
             print(f"instride: error: cluster {name}: {exc}", file=sys.stderr)
             failed += 1
             continue
@@ -143,7 +144,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         for name in list_clusters():
             try:
                 infos.append(EmulatedCluster.attach(name).status())
-            except ClusterError as exc:
+            except (ClusterError, ConfigError) as exc:  # (or a stray file's name)
                 print(f"instride: error: cluster {name}: {exc}", file=sys.stderr)
                 failed += 1
     if args.json:

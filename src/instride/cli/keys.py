@@ -8,7 +8,7 @@ import sys
 
 from .. import __version__
 from ..errors import redact_url
-from . import TIMEOUT_HELP, timeout_arg
+from . import TIMEOUT_HELP, non_negative_seconds, timeout_arg
 
 
 def _client():  # type: ignore[no-untyped-def]
@@ -138,7 +138,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "gc", help="remove temporary files left by dead producers and the receive pool's recycled copies",
     )
     p.add_argument(
-        "--min-age", type=float, default=0.0,
+        "--min-age", type=non_negative_seconds, default=0.0,
         help="also remove temporary files older than this many seconds (PID reuse)",
     )
     p.set_defaults(func=cmd_gc)

@@ -189,7 +189,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--clients", type=positive_int, default=None,
                    help="exit after this many client sessions have ended (default: run until stopped)")
     p.add_argument("--timeout", type=timeout_arg, default=None,
-                   help="seconds a session waits for the producer's next frame; 0: do not wait; "
+                   help="seconds (above 0) a session waits for the producer's next frame; "
                    "inf: forever (default: no limit)")
     p.add_argument("--dt", type=md_step_ps, default=None,
                    help="ps per MD step sent in the TIME packet (default: from consecutive frames)")
