@@ -395,3 +395,17 @@ def test_a_headers_payload_fields_are_those_decode_header_checks() -> None:
             header_payload(bytes(bad), "k/frame")
     with pytest.raises(IntegrityError, match="truncated header"):
         header_payload(head[:100])
+
+
+def test_a_step_outside_int64_is_refused(managed_dir: Path) -> None:
+    """A step past a signed 64-bit integer: the native path stored it wrapped (2**63 as
+    -2**63, 2**64 + 5 as 5), and verified; the numpy path raised a bare struct.error."""
+    import instride
+
+    pos = np.zeros((10, 3), dtype=np.float32)
+    with instride.Stream("big", mode="w") as s:
+        for bad in (1 << 63, (1 << 64) + 5, -(1 << 63) - 1):
+            with pytest.raises(ValueError, match="64-bit"):
+                s.append(pos, step=bad)
+        s.append(pos, step=(1 << 63) - 1)
+    assert instride.Stream("big").read(0).step == (1 << 63) - 1

@@ -207,13 +207,23 @@ def _box_vector(box: np.ndarray | None) -> list[float]:
     return boxv.tolist()  # type: ignore[no-any-return]
 
 
+def _step(step: int) -> int:
+    """``step`` as the int64 a frame's header holds; :class:`ValueError` outside it (ctypes
+    wrapped such a step silently on the native path: ``2**63`` stored as ``-2**63``)."""
+    value = int(step)
+    if not -(1 << 63) <= value < (1 << 63):
+        raise ValueError(f"step {value} does not fit a frame's header (a signed 64-bit integer)")
+    return value
+
+
 def _pack_header(
     natoms: int, step: int, time: float, box: np.ndarray | None, layout: str, nbytes: int, psum: int
 ) -> bytes:
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; expected one of {sorted(LAYOUTS)}")
     head = _HEADER.pack(
-        MAGIC, VERSION, LAYOUTS[layout], natoms, int(step), float(time), *_box_vector(box), nbytes, psum
+        MAGIC, VERSION, LAYOUTS[layout], natoms, _step(step), float(time), *_box_vector(box), nbytes,
+        psum
     )
     return head + _HCHECK.pack(_checksum(head))
 
@@ -406,7 +416,7 @@ def native_frame(
             and (ids is None or (ids.shape == reuse[5] and ids.strides == reuse[6]
                                  and ids.dtype is reuse[7])):
         boxv = _NO_BOX if box is None else (ctypes.c_double * 9)(*_box_vector(box))
-        return NativeFrame((*last.args[:4], int(step), float(time), boxv), last.keep, reuse)
+        return NativeFrame((*last.args[:4], _step(step), float(time), boxv), last.keep, reuse)
     native = _NATIVE_LAYOUTS.get(layout)
     if native is None or library() is None:
         return None
@@ -423,7 +433,7 @@ def native_frame(
         id32 = np.ascontiguousarray(id32, dtype=_I32)
     boxv = _NO_BOX if box is None else (ctypes.c_double * 9)(*_box_vector(box))
     args = (native[0], natoms, _data_address(pos),
-            None if id32 is None else _data_address(id32), int(step), float(time), boxv)
+            None if id32 is None else _data_address(id32), _step(step), float(time), boxv)
     reuse = None
     if pos is positions and id32 is ids:  # (not copies made here)
         reuse = (pos, ids, pos.shape, pos.strides, pos.dtype,

@@ -406,10 +406,18 @@ class SshfsStorage:
     def down(self) -> None:
         """Unmount every mount, stop sshfs and sshd, remove the namespace and the run dir.
 
-        Safe to call any number of times, and after a failed :meth:`up`.
+        Safe to call any number of times, and after a failed :meth:`up`. SIGTERM and SIGINT
+        are held back until it is done (a second Ctrl-C while it waited for an unmount left
+        dead FUSE mounts and the keys' directory that nothing records).
         """
         if not self._active:
             return
+        from ..emulate.teardown import signals_held
+
+        with signals_held():
+            self._down()
+
+    def _down(self) -> None:
         exe = tools()
         for node in sorted(self._mounts):
             self._unmount(node, exe)
