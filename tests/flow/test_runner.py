@@ -443,6 +443,25 @@ def test_connection_fields_of_a_graph_from_data_are_checked() -> None:
             Graph.from_dict(data).validate()
 
 
+#: a module of two flow functions: three numbers out, what came in written to got.json
+_NUMS_AND_KEEP = textwrap.dedent("""
+    import json, os
+    import numpy as np
+
+    def nums(ports, n=3):
+        for k in range(n):
+            ports.put("out", np.array([float(k)]), step=k)
+
+    def keep(ports):
+        got = []
+        while ports.wait():
+            msg = ports.get("in")
+            got.append([msg.step, msg.data.tolist()])
+        with open(os.path.join(os.environ["INSTRIDE_FLOW_OUT_DIR"], "got.json"), "w") as fh:
+            json.dump(got, fh)
+""")
+
+
 def test_a_graph_files_sibling_modules_import_in_its_instances(
         flow_env: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A graph file that imports a module beside it (``from helpers import f``) validates (the
@@ -453,22 +472,7 @@ def test_a_graph_files_sibling_modules_import_in_its_instances(
 
     proj = tmp_path / "proj"
     proj.mkdir()
-    (proj / "helpers_beside_graph.py").write_text(textwrap.dedent("""
-        import json, os
-        import numpy as np
-
-        def nums(ports, n=3):
-            for k in range(n):
-                ports.put("out", np.array([float(k)]), step=k)
-
-        def keep(ports):
-            got = []
-            while ports.wait():
-                msg = ports.get("in")
-                got.append([msg.step, msg.data.tolist()])
-            with open(os.path.join(os.environ["INSTRIDE_FLOW_OUT_DIR"], "got.json"), "w") as fh:
-                json.dump(got, fh)
-    """))
+    (proj / "helpers_beside_graph.py").write_text(_NUMS_AND_KEEP)
     (proj / "graph.py").write_text(textwrap.dedent("""
         from helpers_beside_graph import keep, nums
         from instride.flow import Graph
@@ -496,21 +500,7 @@ def test_a_module_a_graph_file_puts_on_its_path_imports_in_its_instances(
     lib, proj = tmp_path / "lib", tmp_path / "proj"
     lib.mkdir()
     proj.mkdir()
-    (lib / "steps_on_a_path_of_its_own.py").write_text(textwrap.dedent("""
-        import json, os
-        import numpy as np
-
-        def nums(ports, n=2):
-            for k in range(n):
-                ports.put("out", np.array([float(k)]), step=k)
-
-        def keep(ports):
-            got = []
-            while ports.wait():
-                got.append(ports.get("in").step)
-            with open(os.path.join(os.environ["INSTRIDE_FLOW_OUT_DIR"], "got.json"), "w") as fh:
-                json.dump(got, fh)
-    """))
+    (lib / "steps_on_a_path_of_its_own.py").write_text(_NUMS_AND_KEEP)
     (proj / "graph.py").write_text(textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(lib)!r})
@@ -525,7 +515,7 @@ def test_a_module_a_graph_file_puts_on_its_path_imports_in_its_instances(
     monkeypatch.setattr(sys, "path", list(sys.path))  # (the graph file's insert undone after)
     out = flow_env["out"]
     run(load_graph(proj / "graph.py"), out=out, timeout=60)
-    assert json.loads((out / "got.json").read_text()) == [0, 1]
+    assert json.loads((out / "got.json").read_text()) == [[k, [float(k)]] for k in range(3)]
 
 
 @pytest.mark.parametrize("name", ["-rec", "réc", "a b", ""])
