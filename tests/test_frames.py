@@ -409,3 +409,15 @@ def test_a_step_outside_int64_is_refused(managed_dir: Path) -> None:
                 s.append(pos, step=bad)
         s.append(pos, step=(1 << 63) - 1)
     assert instride.Stream("big").read(0).step == (1 << 63) - 1
+
+
+@pytest.mark.parametrize("layout", ["paper", "paper-soa"])
+def test_ids_of_another_shape_are_refused_by_every_encoder(layout: str) -> None:
+    """``encode_payload`` (and ``encode_frame`` and ``write_frame``, through it) broadcast
+    ids of shape ``(1,)`` or a scalar: every atom given the same id, silently, where
+    ``encode_into`` and ``Stream.append`` refuse them."""
+    from instride.frames import encode_payload
+
+    for ids in (np.array([1], dtype=np.int32), 5):
+        with pytest.raises(ValueError, match="ids must have shape"):
+            encode_payload(np.zeros((4, 3)), layout=layout, ids=ids)

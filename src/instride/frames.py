@@ -207,6 +207,14 @@ def _box_vector(box: np.ndarray | None) -> list[float]:
     return boxv.tolist()  # type: ignore[no-any-return]
 
 
+def _checked_ids(ids: np.ndarray, natoms: int) -> np.ndarray:
+    """``ids`` as an array of ``natoms`` ids; :class:`ValueError` for another shape."""
+    ids = np.asarray(ids)
+    if ids.shape != (natoms,):
+        raise ValueError(f"ids must have shape ({natoms},), got {ids.shape}")
+    return ids
+
+
 def _step(step: int) -> int:
     """``step`` as the int64 a frame's header holds; :class:`ValueError` outside it (ctypes
     wrapped such a step silently on the native path: ``2**63`` stored as ``-2**63``)."""
@@ -327,9 +335,7 @@ def encode_into(
     if view.nbytes < HEADER_SIZE + nbytes:
         raise ValueError(f"buffer of {view.nbytes} bytes is too small for {HEADER_SIZE + nbytes}")
     if ids is not None and layout != "xyz32":
-        ids = np.asarray(ids)
-        if ids.shape != (natoms,):
-            raise ValueError(f"ids must have shape ({natoms},), got {ids.shape}")
+        ids = _checked_ids(ids, natoms)
     payload = view[HEADER_SIZE : HEADER_SIZE + nbytes]
     hasher = xxhash.xxh3_64()
     if layout == "xyz32":
@@ -486,6 +492,8 @@ def encode_payload(positions: np.ndarray, layout: str, ids: np.ndarray | None = 
         raise ValueError(f"positions must have shape (natoms, 3), got {pos.shape}")
     if layout == "xyz32":
         return np.ascontiguousarray(pos, dtype=_XYZ32)
+    if ids is not None:  # (a scalar or a short array was broadcast: every atom one id)
+        ids = _checked_ids(ids, pos.shape[0])
     if layout == "paper":
         out = np.empty(pos.shape[0], dtype=PAPER_DTYPE)
         out["id"] = np.arange(pos.shape[0], dtype=np.int32) if ids is None else ids
