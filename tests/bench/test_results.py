@@ -33,3 +33,18 @@ def test_an_interrupted_swap_never_loses_both_results(tmp_path: Path,
             (staging / "runs" / "new.json").write_text("new")
             (staging / "done").write_text("")
     assert (out / "runs" / "new.json").read_text() == "new" and (out / "done").exists()
+
+
+def test_a_failed_run_leaves_no_empty_result_directory(tmp_path: Path) -> None:
+    """A run that failed left the ``--out`` directory it made, empty."""
+    from instride.bench import results
+
+    out = tmp_path / "never"
+    with pytest.raises(RuntimeError), results.staged_output(out, ["runs", "done"]):
+        raise RuntimeError("the run failed")
+    assert not out.exists()
+    kept = tmp_path / "mine"
+    kept.mkdir()
+    with pytest.raises(RuntimeError), results.staged_output(kept, ["runs", "done"]):
+        raise RuntimeError("the run failed")
+    assert kept.is_dir()  # (the user's own directory stays)

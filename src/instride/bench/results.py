@@ -188,8 +188,10 @@ def staged_output(out: str | Path, names: Sequence[str]) -> Iterator[Path]:
         The staging directory.
     """
     outp = Path(out)
+    made = not outp.exists()
     outp.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=outp))
+    done = False
     try:
         yield staging
         # The swap: renames only, under held signals (Ctrl-C or SIGTERM during an rmtree of the
@@ -207,8 +209,12 @@ def staged_output(out: str | Path, names: Sequence[str]) -> Iterator[Path]:
                 if (staging / name).exists():
                     (staging / name).rename(outp / name)
         shutil.rmtree(aside, ignore_errors=True)
+        done = True
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        if made and not done:  # (a run that failed leaves no empty result directory behind)
+            with contextlib.suppress(OSError):
+                outp.rmdir()
 
 
 def write_tables(out: Path, timings: list[dict[str, Any]], ranks: list[dict[str, Any]],

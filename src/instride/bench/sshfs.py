@@ -425,10 +425,7 @@ class SshfsStorage:
         self._sshd = None
         if self._made_netns:
             # sshd's per-connection children (gone with their connections, normally)
-            for pid in nn.netns_pids(self.netns):
-                if pid != os.getpid():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+            nn.kill_all(self.netns)
             # the veth pair first, explicitly: a namespace's devices go away asynchronously
             # after `ip netns del`, and the next up() of this cluster would find "st0" taken
             if nn.netns_exists(self.cluster.hub):

@@ -616,10 +616,7 @@ class EmulatedCluster(TornDownOnSigterm):
         except ClusterError:
             namespaces = []
         for ns in sorted(namespaces, key=lambda s: s == self.hub):  # nodes first, hub last
-            for pid in nn.netns_pids(ns):
-                if pid != os.getpid():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+            nn.kill_all(ns)
             nn.del_netns(ns)
         for raw in reversed(self._mounted):  # (its files go with it)
             mounts.unmount(Path(raw))

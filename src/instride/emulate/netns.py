@@ -10,13 +10,16 @@ clusters.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -113,6 +116,22 @@ def netns_pids(name: str) -> list[int]:
         return []
     out = ip("netns", "pids", name, check=False).stdout
     return [int(tok) for tok in out.split() if tok.isdigit()]
+
+
+def kill_all(name: str, passes: int = 10) -> None:
+    """SIGKILL every process in network namespace ``name`` (by PID; never this process), list
+    after list until none is left (``passes`` at most): a process forked after a listing, or
+    an ``ip netns exec`` that had opened the namespace, would otherwise outlive the namespace's
+    name in a namespace nobody can name."""
+    me = os.getpid()
+    for _ in range(passes):
+        pids = [pid for pid in netns_pids(name) if pid != me]
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
 
 
 def exec_argv(netns: str, argv: Sequence[str]) -> list[str]:

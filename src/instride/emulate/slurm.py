@@ -394,10 +394,7 @@ exec {_which("nsenter")} --net=/run/netns/$ns {_which("unshare")} --uts \\
                     proc.kill()
                 proc.wait(5)
         for ns in reversed(self._namespaces):  # nodes first, hub last
-            for pid in nn.netns_pids(ns):
-                if pid != os.getpid():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+            nn.kill_all(ns)
             nn.del_netns(ns)
         self._namespaces = []
         if self._own_base:
