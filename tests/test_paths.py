@@ -240,3 +240,26 @@ def test_reads_go_on_after_the_managed_directory_is_made_again(managed_dir: Path
         fh.write("second")
     with instride.open("b.txt") as fh:
         assert fh.read() == b"second"
+
+
+def test_closing_an_opener_never_frees_a_descriptor_under_another_thread(
+        managed_dir: Path) -> None:
+    """``Client.close()`` closed the managed directory's descriptor that other threads' opens
+    were using: an untyped EBADF, or, its number taken by another file meanwhile, a key
+    resolved beneath another directory. It is let go of now, closed with the opener."""
+    import gc
+
+    from instride.paths import ConfinedOpener
+
+    with instride.open("held/a.txt", "w") as fh:
+        fh.write("a")
+    opener = ConfinedOpener(managed_dir)
+    first = opener.dirfd()
+    opener.close()
+    os.fstat(first)  # (still open: a thread in an openat2 beneath it goes on)
+    os.close(opener.open("held/a.txt"))  # (opened again beneath a new one)
+    assert opener.dirfd() != first
+    del opener
+    gc.collect()
+    with pytest.raises(OSError):
+        os.fstat(first)  # (closed with the opener)

@@ -31,6 +31,7 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -268,6 +269,10 @@ def _load_syscall():  # type: ignore[no-untyped-def]
     return fn
 
 
+#: directory descriptors an opener keeps after it let go of them (see ConfinedOpener.close)
+_RETIRED_KEPT = 4
+
+
 class ConfinedOpener:
     """Open keys for reading beneath one managed directory, refusing every symbolic link.
 
@@ -292,16 +297,31 @@ class ConfinedOpener:
         self.root_real = os.path.realpath(self.root)
         self._dirfd = -1
         self._pid = 0
+        #: descriptors let go of by close(), closed later (see there)
+        self._retired: list[int] = []
 
     def close(self) -> None:
-        """Close the directory descriptor (reopened on the next :meth:`open`)."""
+        """Let go of the directory descriptor (reopened on the next :meth:`open`).
+
+        It is closed later — with the opener, or once more than a few are let go of — not
+        now: another thread may be in an ``openat2`` beneath it at this moment, which would
+        fail with an untyped ``EBADF``, or, its number taken by another file meanwhile,
+        resolve the key beneath another directory."""
         if self._dirfd >= 0 and self._pid == os.getpid():
-            os.close(self._dirfd)
+            self._retired.append(self._dirfd)
+            while len(self._retired) > _RETIRED_KEPT:
+                with contextlib.suppress(OSError):
+                    os.close(self._retired.pop(0))
         self._dirfd = -1
 
     def __del__(self) -> None:
         try:
             self.close()
+            if self._pid == os.getpid():
+                for fd in self._retired:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            self._retired = []
         except OSError:  # pragma: no cover - interpreter shutdown
             pass
 
