@@ -345,17 +345,27 @@ class EmulatedCluster(TornDownOnSigterm):
     def _claim(self) -> None:
         """Create the state file exclusively, so two clusters can never share a name."""
         STATE_DIR.mkdir(parents=True, exist_ok=True, mode=0o700)
-        try:
-            fd = os.open(self.state_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            raise ClusterError(
-                f"cluster {self.name!r} already exists ({self.state_path}); "
-                f"run `instride cluster down --name {self.name}` first"
-            ) from None
-        self._active = True
+        # Written whole under a hidden name, then given its own by a hard link, which fails
+        # where the name is taken: never an empty or half-written state file under the name
+        # (another process's status, down or attach read one while it was being written)
         self._nonce = secrets.token_hex(8)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(json.dumps(self._state(), indent=2))
+        path = self.state_path
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{self._nonce}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "w") as fh:
+                fh.write(json.dumps(self._state(), indent=2))
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise ClusterError(
+                    f"cluster {self.name!r} already exists ({path}); "
+                    f"run `instride cluster down --name {self.name}` first"
+                ) from None
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        self._active = True
 
     @classmethod
     def attach(cls, name: str = "default") -> EmulatedCluster:
