@@ -378,3 +378,54 @@ def test_a_reader_that_fails_to_open_lets_its_group_go(managed_dir: Path, adk) -
     traj = mda.Universe(PSF, "instride://grpf", group="ana", timeout=5).trajectory
     assert [ts.frame for ts in traj] == [0, 1]
     traj.close()
+
+
+def test_a_run_on_a_bounded_stream_that_dropped_its_first_frame_keeps_its_results(
+        managed_dir: Path, adk) -> None:
+    """``run()`` (and slices) rewind at the end through MDAnalysis's own ``rewind()``, which
+    read the reader's first frame: a bounded stream had dropped it by then, and ``run()``
+    raised FramesMissed after all the work, its results empty."""
+    from MDAnalysis.analysis.base import AnalysisFromFunction
+
+    w = instride.Stream("dropped", mode="w", retain=3, on_full="drop-oldest")
+    for i in range(3):
+        w.append(adk.atoms.positions + i, step=i)
+    u = mda.Universe(PSF, "instride://dropped", timeout=10)
+    for i in range(3, 6):  # (frame 0, the reader's first, dropped meanwhile)
+        w.append(adk.atoms.positions + i, step=i)
+    w.close()
+    steps = AnalysisFromFunction(lambda ag: ag.universe.trajectory.ts.data["step"],
+                                 u.atoms).run(start=3, stop=6).results.timeseries
+    assert list(steps) == [3, 4, 5]
+    assert [ts.data["step"] for ts in u.trajectory[3:6]] == [3, 4, 5]
+    u.trajectory.close()
+
+
+def test_a_slice_over_every_frame_of_a_live_stream_stops_at_its_length(managed_dir: Path,
+                                                                        adk) -> None:
+    """``u.trajectory[:]`` was MDAnalysis's iteration of every frame — the live, blocking one
+    — while ``timeseries()`` and ``transfer_to_memory()`` size their arrays by the length
+    just read: a frame published meanwhile, IndexError; none, a wait for ever."""
+    w = instride.Stream("sliced", mode="w")
+    for i in range(3):
+        w.append(adk.atoms.positions + i, step=i)
+    u = mda.Universe(PSF, "instride://sliced", timeout=2)
+    assert [ts.data["step"] for ts in u.trajectory[:]] == [0, 1, 2]  # (no wait for a 4th)
+    assert u.trajectory.timeseries(u.atoms[:2]).shape == (3, 2, 3)  # (frames, atoms, xyz)
+    w.close()
+    u.trajectory.close()
+
+
+def test_closing_a_reader_lets_go_of_its_frames_files(managed_dir: Path, adk) -> None:
+    """The reader's first frame was never released, and ``close()`` let go of nothing on a
+    plain reader: its kept mappings and the first frame's hold stayed, and the producer
+    could never reuse that file (its pool growing past its bound)."""
+    w = instride.Stream("held", mode="w", retain=2)
+    w.append(adk.atoms.positions, step=0)
+    u = mda.Universe(PSF, "instride://held", timeout=10)
+    leases = u.trajectory.stream._leases
+    assert leases is not None and not leases._held  # (the first frame let go of)
+    u.trajectory.close()
+    assert not leases._maps
+    w.close()
+    assert [ts.data["step"] for ts in u.trajectory] == [0]  # (opened again: usable)

@@ -65,7 +65,7 @@ import time
 from typing import Any
 
 import numpy as np
-from MDAnalysis.coordinates.base import ReaderBase
+from MDAnalysis.coordinates.base import FrameIteratorSliced, ReaderBase
 from MDAnalysis.lib.mdamath import triclinic_box
 from MDAnalysis.lib.util import store_init_arguments
 
@@ -226,7 +226,8 @@ class InstrideReader(ReaderBase):
             raise
         self.n_atoms = first.natoms
         self.ts = self._Timestep(self.n_atoms, reader=self, **self._ts_kwargs)
-        self._load(self._start, first)
+        with first:  # (copied into the timestep, then let go of: held, the producer could
+            self._load(self._start, first)  # never reuse its file)
 
     # ------------------------------------------------------------------ plumbing
     def _open_stream(self) -> None:
@@ -252,9 +253,10 @@ class InstrideReader(ReaderBase):
         """Frames published so far, as the stream counts them; final once it has ended."""
         if self._final is not None:
             return self._final
-        ended = self._stream.ended  # check first: once ended, every frame is published
+        stream = self._reopened()
+        ended = stream.ended  # check first: once ended, every frame is published
         # (never fewer than this reader got: the head may be counted just before a frame's)
-        self._count = max(self._count, len(self._stream))
+        self._count = max(self._count, len(stream))
         if ended:
             self._final = self._count
         return self._count
@@ -269,7 +271,7 @@ class InstrideReader(ReaderBase):
         """
         if self._final is None:
             t0 = time.perf_counter()
-            wait_for_end(self._stream, self._timeout if timeout is None else timeout)
+            wait_for_end(self._reopened(), self._timeout if timeout is None else timeout)
             self.wait_seconds += time.perf_counter() - t0
         return self._published_count()
 
@@ -287,7 +289,7 @@ class InstrideReader(ReaderBase):
         raises :class:`~instride.errors.EndOfStream` past the end. A frame that had to be
         waited for is read a second time, only to time its read apart from the wait.
         """
-        stream = self._stream
+        stream = self._reopened()
         if not wait and index >= self._published_count():
             raise IndexError(
                 f"InstrideReader: frame {index} of stream {self._name!r} is not published "
@@ -391,6 +393,13 @@ class InstrideReader(ReaderBase):
         stream is live (MDAnalysis would only say it exceeds the length)."""
         if isinstance(frame, (int, np.integer)) and frame >= self._published_count():
             self._fetch(int(frame), wait=False).release()  # (raises the live one's IndexError)
+        if isinstance(frame, slice):
+            # (a slice over every frame was MDAnalysis's FrameIteratorAll: the live, blocking
+            # iteration, past the length it had just been given — ``timeseries()`` and
+            # ``transfer_to_memory()`` size their arrays by that length: IndexError, or a
+            # wait without end on a dead producer. Every slice stops where it was asked)
+            return FrameIteratorSliced(self, slice(*self.check_slice_indices(
+                frame.start, frame.stop, frame.step)))
         return super().__getitem__(frame)
 
     def _reopen(self) -> None:
@@ -400,13 +409,27 @@ class InstrideReader(ReaderBase):
         self.ts.frame = start - 1
 
     def rewind(self) -> Any:
-        """Go back to the first frame (a bounded stream's: :class:`FramesMissed` where it
-        was dropped; the frames after it are not skipped to, nor counted as missed)."""
+        """Go back to the first frame (a group's: its position), never waiting: MDAnalysis
+        rewinds after every loop, slice and ``run()``. Where that frame is not there to load
+        — a bounded stream dropped it, a group took every frame of an ended stream, or a
+        group's next frame is not published yet — nothing is loaded, and the next frame
+        read is that one (it raised :class:`FramesMissed`, ``EndOfStream``, or waited, after
+        the whole analysis had run)."""
+        start = self._stream.tell() if self._group is not None else self._start
         self._rewinding = True
         try:
-            return super().rewind()
+            try:
+                frame = self._fetch(start, wait=False)
+            except (FramesMissed, EndOfStream, IndexError):
+                self._reopen()
+                return self.ts
+            with frame:
+                ts = self._load(start, frame)
         finally:
             self._rewinding = False
+        for auxname in self.aux_list:
+            ts = self._auxs[auxname].update_ts(ts)
+        return self._apply_transformations(ts)
 
     def next(self) -> Any:
         """Advance to the next frame, blocking until it is published.
@@ -433,16 +456,23 @@ class InstrideReader(ReaderBase):
     def _get_dt(self) -> float:
         if self._published_count() < 2:
             raise AttributeError("dt is unknown until two frames are published")
-        with self._stream.read(1) as second, self._stream.read(0) as first:
+        stream = self._reopened()
+        with stream.read(1) as second, stream.read(0) as first:
             return second.time - first.time
 
     def close(self) -> None:
-        """Record a consumer group's position and let the group go (``group=``); else
-        nothing to release: frames are opened per read."""
+        """Record a consumer group's position and let the group go (``group=``), and let go of
+        what the stream holds (its kept mappings, an archive file open, frames asked for
+        ahead). A plain reader used again opens its stream again."""
         stream = getattr(self, "_stream", None)  # (none: the stream did not open)
-        # (nor the group: a reader whose set-up failed is closed by MDAnalysis's __del__)
-        if getattr(self, "_group", None) is not None and stream is not None:
+        if stream is not None:
             stream.close()
+
+    def _reopened(self) -> Stream:
+        """The stream, opened again where :meth:`close` closed it (a plain reader)."""
+        if getattr(self._stream, "_closed", False) and self._group is None:
+            self._open_stream()
+        return self._stream
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
