@@ -711,3 +711,36 @@ def test_two_nodes_serve_over_ucx() -> None:
         assert stats(c.node(1))["bytes_sent"] >= 5_000_000
         log = (c.base_dir / "node1.log").read_text()
         assert "over UCX on 10." in log and "(ucx)" in log, log[-3000:]
+
+
+UCX_AFTER_FORK = textwrap.dedent(
+    """
+    import os, sys, tempfile
+    from instride.config import Settings
+    from instride.errors import ConfigError
+    from instride.transport.ucx import UcxTransport, started_here
+    t = UcxTransport(Settings(dir=tempfile.mkdtemp(), token="t"))
+    t._worker()  # (as a first fetch starts it)
+    assert started_here()
+    child = os.fork()
+    if child == 0:
+        try:
+            t._worker()
+        except ConfigError as exc:
+            os._exit(0 if "fork" in str(exc) and not started_here() else 2)
+        os._exit(1)
+    print(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
+    t.close()
+    """
+)
+
+
+def test_a_forked_child_is_told_at_once_that_ucx_does_not_survive_a_fork() -> None:
+    """UCX started in a process, which then forks (a parallel analysis's workers, by
+    default): every fetch of the child waited out its timeout and raised PeerUnavailable,
+    blaming a healthy owner. The child's first fetch now raises a ConfigError that says why
+    (and parallel analysis starts its workers from a fork server then)."""
+    res = subprocess.run([sys.executable, "-c", UCX_AFTER_FORK], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "0"

@@ -444,7 +444,12 @@ def _run_multiprocessing(
     try:
         ana.setup(source)
         block_bounds(source.n_frames, n, 0)
-        method = start_method or ("fork" if "fork" in mp.get_all_start_methods() else None)
+        # (fork, unless this process started UCX to read the input: UCX does not survive a
+        # fork, and forked workers could fetch nothing; a fork server's children can)
+        from ..transport.ucx import started_here
+
+        method = start_method or ("forkserver" if started_here() else
+                                  "fork" if "fork" in mp.get_all_start_methods() else None)
         ctx = mp.get_context(method)
         t0 = time.perf_counter()
         blocks: list[Block] = []

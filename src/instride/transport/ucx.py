@@ -203,15 +203,36 @@ def _close_worker(lib: ctypes.CDLL, handle: int, made_after: int) -> None:
         lib.isu_client_close(handle)
 
 
+#: the fork count (:func:`~instride.perthread.forks`) of the process that started UCX's client
+#: side first; ``None``: not started in this process or an ancestor
+_started: int | None = None
+
+
+def started_here() -> bool:
+    """Whether this process started UCX (a child it forks from now on cannot use it)."""
+    return _started is not None and _started == forks()
+
+
 class _Worker:
     """One UCP worker and its endpoints, used by one thread only."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        global _started
+        if _started is not None and _started != forks():
+            # (UCX does not survive a fork: every fetch of the child waited out its timeout
+            # and blamed a healthy owner, PeerUnavailable)
+            raise ConfigError(
+                "INSTRIDE_TRANSPORT", "ucx",
+                "UCX was started in this process's parent before it forked, and UCX cannot "
+                "be used after a fork: start worker processes with the 'spawn' or "
+                "'forkserver' method, or fork before the first fetch")
         self.lib = lib
         err = ctypes.create_string_buffer(_ERR)
         handle = lib.isu_client_new(err, _ERR)
         if not handle:
             raise ConfigError("INSTRIDE_TRANSPORT", "ucx", f"cannot start UCX: {_msg(err)}")
+        if _started is None:
+            _started = forks()
         self.handle: int | None = handle
         self.reply = ctypes.create_string_buffer(_REPLY_CAP)
         self.buffer: bytearray | None = None  # reused for bodies written to files
