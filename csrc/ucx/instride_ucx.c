@@ -1196,6 +1196,14 @@ ISU_API int isu_server_reply(isu_server *s, const char *reply, size_t len, int f
     return 0;
 }
 
+/* Close the connection of the request returned by the last isu_server_next() once its reply
+ * is sent (a refused request: wrong token, malformed header). Kept open, a refused peer held
+ * its place among max_peers for good -- one that never sent a valid request, too. */
+ISU_API void isu_server_close_after(isu_server *s) {
+    if (s->current != NULL && s->current->conn != NULL)
+        s->current->conn->closing = 1;
+}
+
 /* Sends in flight. */
 ISU_API int isu_server_pending(isu_server *s) {
     int n = 0;

@@ -538,6 +538,45 @@ def test_connections_that_send_nothing_valid_give_their_place_back(tmp_path: Pat
                 w.close()
 
 
+def test_connections_refused_for_their_token_give_their_place_back(tmp_path: Path) -> None:
+    """Connections that send a well-formed request with a wrong token (or bad JSON) got an
+    error reply and stayed open: past their first request no time bound applied, so peers
+    without the token held every place of the server for good, and every real client was
+    rejected. A refused request's connection is closed once its answer is sent."""
+    import ctypes
+
+    from instride.transport import wire
+
+    owner = tmp_path / "owner"
+    (owner / "k").mkdir(parents=True)
+    data = b"served after the refusals"
+    (owner / "k" / "a.bin").write_bytes(data)
+    addr = f"127.0.0.1:{free_port()}"
+    port = int(addr.rsplit(":", 1)[1])
+    server = UcxServer(Settings(dir=owner, token=TOKEN, addr=addr), max_peers=2,
+                       request_timeout=1.0)
+    client = UcxTransport(Settings(dir=tmp_path, token=TOKEN, connect_timeout=TIMEOUT))
+    intruders = [ucx_mod._Worker(client.lib) for _ in range(2)]
+    with server:
+        try:
+            body, reused = ctypes.c_uint64(0), ctypes.c_int(0)
+            err = ctypes.create_string_buffer(512)
+            for i, w in enumerate(intruders):  # (a wrong token; bad JSON)
+                req = json.dumps(wire.sign("not the token", "fetch", "k/a.bin")).encode() \
+                    if i == 0 else b"{not json"
+                client.lib.isu_client_request(w.handle, b"127.0.0.1", port, req, len(req),
+                                              w.reply, ucx_mod._REPLY_CAP, ctypes.byref(body),
+                                              ctypes.byref(reused), 2000, err, 512)
+                assert b"ok" in w.reply.value  # (answered: a refusal)
+            until(lambda: server.snapshot()["peers"] == 0, 10, "the refused connections closed")
+            rec = Record("k/a.bin", addr, len(data), checksum(data), 1, 0.0)
+            assert bytes(client.fetch_bytes(rec)) == data
+        finally:
+            client.close()
+            for w in intruders:
+                w.close()
+
+
 # ---------------------------------------------------------------------- two emulated nodes
 #: namespaces do not isolate shared memory: without UCX_TLS=tcp, processes of two emulated
 #: nodes would silently talk through sysv/cma. Each node names its own veth (eth0).

@@ -169,6 +169,7 @@ def load_library() -> ctypes.CDLL:
             "isu_server_wake": (None, [vp]),
             "isu_server_next": (ctypes.c_int, [vp, cp, sz, i64]),
             "isu_server_reply": (ctypes.c_int, [vp, cp, sz, ctypes.c_int, u64, i64, cp, sz]),
+            "isu_server_close_after": (None, [vp]),
             "isu_server_pending": (ctypes.c_int, [vp]),
             "isu_server_close": (None, [vp, i64]),
             "isu_server_limits": (None, [vp, i64, i64]),
@@ -597,8 +598,12 @@ class UcxServer:
             log.debug("reply not sent: %s", _msg(err))
 
     def _refuse(self, handle: int, error: str, message: str) -> None:
+        """Answer a refused request, then close its connection once the answer is sent (as
+        the TCP server does): kept open, refused peers held their places among
+        ``max_peers`` for good, and every valid client was rejected."""
         self.stats["refused"] += 1
         self._reply(handle, {"ok": False, "error": error, "message": message[:1000]})
+        self.lib.isu_server_close_after(handle)
 
     def _answer(self, handle: int, raw: bytes) -> None:
         try:
