@@ -505,37 +505,45 @@ def test_an_on_reply_that_fails_leaves_no_request_unanswered(tmp_path: Path) -> 
         assert str(owner / "k" / "a.bin") not in held
 
 
-def test_connections_that_send_nothing_valid_give_their_place_back(tmp_path: Path) -> None:
-    """Connections that send a malformed request (dropped by the C library, with no reply) are
-    closed, so peers that never send a valid request cannot hold every one of the server's
-    places: a real client is served afterwards."""
+def _places_given_back(tmp_path: Path, requests: list[bytes], wait_ms: int,
+                       answered: bool) -> None:
+    """Peers send ``requests`` (one connection each) to a server of as many places; each
+    connection is closed, its place given back, and a real client is served afterwards."""
     import ctypes
 
     owner = tmp_path / "owner"
     (owner / "k").mkdir(parents=True)
-    data = b"after the junk"
+    data = b"served after the others"
     (owner / "k" / "a.bin").write_bytes(data)
     addr = f"127.0.0.1:{free_port()}"
     port = int(addr.rsplit(":", 1)[1])
-    server = UcxServer(Settings(dir=owner, token=TOKEN, addr=addr), max_peers=4,
+    server = UcxServer(Settings(dir=owner, token=TOKEN, addr=addr), max_peers=len(requests),
                        request_timeout=1.0)
     client = UcxTransport(Settings(dir=tmp_path, token=TOKEN, connect_timeout=TIMEOUT))
-    junk = [ucx_mod._Worker(client.lib) for _ in range(4)]
+    peers = [ucx_mod._Worker(client.lib) for _ in requests]
     with server:
         try:
             body, reused = ctypes.c_uint64(0), ctypes.c_int(0)
             err = ctypes.create_string_buffer(512)
-            for w in junk:  # (an empty request: no JSON header at all)
-                client.lib.isu_client_request(w.handle, b"127.0.0.1", port, b"", 0, w.reply,
-                                              ucx_mod._REPLY_CAP, ctypes.byref(body),
-                                              ctypes.byref(reused), 300, err, 512)
-            until(lambda: server.snapshot()["peers"] == 0, 10, "the junk connections closed")
+            for w, req in zip(peers, requests, strict=True):
+                client.lib.isu_client_request(w.handle, b"127.0.0.1", port, req, len(req),
+                                              w.reply, ucx_mod._REPLY_CAP, ctypes.byref(body),
+                                              ctypes.byref(reused), wait_ms, err, 512)
+                assert (b"ok" in w.reply.value) == answered
+            until(lambda: server.snapshot()["peers"] == 0, 10, "their connections closed")
             rec = Record("k/a.bin", addr, len(data), checksum(data), 1, 0.0)
             assert bytes(client.fetch_bytes(rec)) == data
         finally:
             client.close()
-            for w in junk:
+            for w in peers:
                 w.close()
+
+
+def test_connections_that_send_nothing_valid_give_their_place_back(tmp_path: Path) -> None:
+    """Connections that send a malformed request (dropped by the C library, with no reply) are
+    closed, so peers that never send a valid request cannot hold every one of the server's
+    places: a real client is served afterwards."""
+    _places_given_back(tmp_path, [b""] * 4, 300, answered=False)  # (no JSON header at all)
 
 
 def test_connections_refused_for_their_token_give_their_place_back(tmp_path: Path) -> None:
@@ -543,38 +551,10 @@ def test_connections_refused_for_their_token_give_their_place_back(tmp_path: Pat
     error reply and stayed open: past their first request no time bound applied, so peers
     without the token held every place of the server for good, and every real client was
     rejected. A refused request's connection is closed once its answer is sent."""
-    import ctypes
-
     from instride.transport import wire
 
-    owner = tmp_path / "owner"
-    (owner / "k").mkdir(parents=True)
-    data = b"served after the refusals"
-    (owner / "k" / "a.bin").write_bytes(data)
-    addr = f"127.0.0.1:{free_port()}"
-    port = int(addr.rsplit(":", 1)[1])
-    server = UcxServer(Settings(dir=owner, token=TOKEN, addr=addr), max_peers=2,
-                       request_timeout=1.0)
-    client = UcxTransport(Settings(dir=tmp_path, token=TOKEN, connect_timeout=TIMEOUT))
-    intruders = [ucx_mod._Worker(client.lib) for _ in range(2)]
-    with server:
-        try:
-            body, reused = ctypes.c_uint64(0), ctypes.c_int(0)
-            err = ctypes.create_string_buffer(512)
-            for i, w in enumerate(intruders):  # (a wrong token; bad JSON)
-                req = json.dumps(wire.sign("not the token", "fetch", "k/a.bin")).encode() \
-                    if i == 0 else b"{not json"
-                client.lib.isu_client_request(w.handle, b"127.0.0.1", port, req, len(req),
-                                              w.reply, ucx_mod._REPLY_CAP, ctypes.byref(body),
-                                              ctypes.byref(reused), 2000, err, 512)
-                assert b"ok" in w.reply.value  # (answered: a refusal)
-            until(lambda: server.snapshot()["peers"] == 0, 10, "the refused connections closed")
-            rec = Record("k/a.bin", addr, len(data), checksum(data), 1, 0.0)
-            assert bytes(client.fetch_bytes(rec)) == data
-        finally:
-            client.close()
-            for w in intruders:
-                w.close()
+    wrong = json.dumps(wire.sign("not the token", "fetch", "k/a.bin")).encode()
+    _places_given_back(tmp_path, [wrong, b"{not json"], 2000, answered=True)
 
 
 # ---------------------------------------------------------------------- two emulated nodes
