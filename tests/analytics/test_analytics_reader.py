@@ -429,3 +429,21 @@ def test_closing_a_reader_lets_go_of_its_frames_files(managed_dir: Path, adk) ->
     assert not leases._maps
     w.close()
     assert [ts.data["step"] for ts in u.trajectory] == [0]  # (opened again: usable)
+
+
+def test_dt_and_a_raised_gap_on_a_bounded_stream(managed_dir: Path, adk) -> None:
+    """``dt`` read frames 0 and 1, which a bounded stream had dropped: FramesMissed from a
+    property MDAnalysis reads anywhere. And a reader with ``on_gap="raise"`` raised again for
+    the same dropped frame at every ``next()``: it never went on to the oldest frame kept."""
+    w = instride.Stream("gaps", mode="w", retain=2, on_full="drop-oldest")
+    for i in range(2):
+        w.append(adk.atoms.positions, step=i, time=0.5 * i)
+    traj = mda.Universe(PSF, "instride://gaps", timeout=5, on_gap="raise").trajectory
+    for i in range(2, 6):  # (frames 1-3 dropped before the reader's next)
+        w.append(adk.atoms.positions, step=i, time=0.5 * i)
+    w.close()
+    assert traj.dt == pytest.approx(0.5)  # (from the frames kept)
+    with pytest.raises(FramesMissed):
+        traj.next()
+    assert traj.next().data["step"] == 4  # (then the oldest frame kept)
+    assert traj.next().data["step"] == 5

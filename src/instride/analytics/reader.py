@@ -350,6 +350,8 @@ class InstrideReader(ReaderBase):
                 break
             except FramesMissed as exc:
                 if self._on_gap != "count" or self._rewinding:  # (a rewind skips nothing)
+                    if not self._rewinding:  # (raised once: the next frame read is the
+                        self.ts.frame = exc.resume - 1  # oldest kept, as a stream's is)
                     raise
                 if self._group is None:  # (a group's frames taken before, then dropped: no
                     self.missed += exc.missed  # frames missed by this reader)
@@ -454,11 +456,18 @@ class InstrideReader(ReaderBase):
         return self._apply_transformations(ts)
 
     def _get_dt(self) -> float:
-        if self._published_count() < 2:
-            raise AttributeError("dt is unknown until two frames are published")
-        stream = self._reopened()
-        with stream.read(1) as second, stream.read(0) as first:
-            return second.time - first.time
+        # (the trajectory's first two frames, or a bounded stream's two oldest kept: frames 0
+        # and 1 may be gone, and MDAnalysis reads dt anywhere)
+        stream, index = self._reopened(), self._start
+        for _ in range(3):
+            if self._published_count() < index + 2:
+                break
+            try:
+                with stream.read(index + 1) as second, stream.read(index) as first:
+                    return second.time - first.time
+            except FramesMissed as exc:
+                index = exc.resume
+        raise AttributeError("dt is unknown until two frames are published (and kept)")
 
     def close(self) -> None:
         """Record a consumer group's position and let the group go (``group=``), and let go of
