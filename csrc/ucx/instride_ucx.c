@@ -49,6 +49,9 @@
 #define ISU_ID_BYTES 8
 #define ISU_MAX_HEADER (16 * 1024)
 #define ISU_MAX_CONNS 512
+/* requests a connection may have queued or being answered: a client waits for each reply,
+ * so more is a peer flooding the server (its connection goes) */
+#define ISU_MAX_PENDING 8
 #define ISU_CLOSE_WAIT_NS (2LL * 1000000000LL)
 /* keep polling this long after the last activity before sleeping on the event fd */
 #define ISU_SPIN_NS (100LL * 1000LL)
@@ -316,6 +319,7 @@ typedef struct isu_ep {
     ucp_ep_h ep;
     volatile int failed;
     int stale; /* abandoned after a timeout: never reused, closed with the client */
+    int peer_errors; /* UCP_ERR_HANDLING_MODE_PEER: a force-close is defined, the server told */
     ucs_status_t status;
     struct isu_ep *next;
 } isu_ep;
@@ -445,11 +449,18 @@ static int client_forget_ep(isu_client *c, isu_ep *e, int force) {
 }
 
 /*
- * Abandon an endpoint after a timeout. It is not closed now: force-closing an endpoint whose
- * peer is alive but silent, on the same host, crashed UCX 1.13 later, when that peer died
- * (in ucp_worker_destroy). It stays in the list, unused, and is closed with the client.
+ * Abandon an endpoint after a timeout. One with peer failure handling (another host's) is
+ * force-closed now: kept, it held one of the owner's max_peers places until the thread ended,
+ * and an overloaded owner got more connections with every timeout. One without (the same
+ * host's, over shared memory) is not: force-closing such an endpoint is undefined in UCX's
+ * API, and crashed UCX 1.13 later, when its peer died (in ucp_worker_destroy). It stays in
+ * the list, unused, and is closed with the client.
  */
 static void client_retire_ep(isu_client *c, isu_ep *e) {
+    if (e->peer_errors) {
+        client_forget_ep(c, e, 1);
+        return;
+    }
     e->stale = 1;
     if (c->cur == e)
         c->cur = NULL;
@@ -486,6 +497,7 @@ static isu_ep *client_ep(isu_client *c, const char *host, int port, int *reused,
     ep.sockaddr.addr = (const struct sockaddr *)&sa;
     ep.sockaddr.addrlen = sizeof(sa);
     ep.err_mode = err_mode_for(&sa);
+    e->peer_errors = ep.err_mode == UCP_ERR_HANDLING_MODE_PEER;
     ep.err_handler.cb = client_ep_error;
     ep.err_handler.arg = e;
     ucs_status_t st = ucp_ep_create(c->b.worker, &ep, &e->ep);
@@ -504,6 +516,7 @@ static isu_ep *client_ep(isu_client *c, const char *host, int port, int *reused,
  * On success returns 0, copies the JSON reply into `out` (NUL-terminated, truncated to
  * `cap` - 1) and the body size into `*body`. Errors: -ECONNRESET (peer failed or
  * unreachable; `*reused` tells whether a kept-alive endpoint failed, worth one retry),
+ * -EAGAIN (the server rejected the connection: at its max_peers, every connection answering),
  * -ETIMEDOUT (no reply within `timeout_ms`; the endpoint is dropped), -EINVAL.
  */
 ISU_API int isu_client_request(isu_client *c, const char *host, int port, const char *req,
@@ -562,32 +575,47 @@ ISU_API int isu_client_request(isu_client *c, const char *host, int port, const 
             break;
         rc = 0;
     }
+    int held = 1; /* the send's request, record and header are still ours to free */
     if (op->done) {
         if (sreq != NULL)
             ucp_request_free(sreq);
         free(op);
         free(hdr);
+        held = 0;
     } else if (e->failed) {
+        ucs_status_t why = e->status;
         client_forget_ep(c, e, 1); /* completes the send (with an error) */
         e = NULL;
         if (op->done) {
             ucp_request_free(sreq);
             free(op);
             free(hdr);
+            held = 0;
         } /* else: leaked with its request, which UCX may still complete */
+        if (!c->have_reply) {
+            set_err(err, errlen, "connection to %s:%d failed: %s", host, port,
+                    ucs_status_string(why));
+            return why == UCS_ERR_REJECTED ? -EAGAIN : -ECONNRESET;
+        }
     }
-    /* else: a send still in flight on a silent peer: its endpoint is retired below and the
-       send, its header and its record stay with UCX (leaked) */
     if (c->have_reply)
         goto ok;
-    if (e == NULL || e->failed) {
+    if (e->failed) {
+        ucs_status_t why = e->status;
         set_err(err, errlen, "connection to %s:%d failed: %s", host, port,
-                e != NULL ? ucs_status_string(e->status) : "endpoint closed");
-        if (e != NULL)
-            client_forget_ep(c, e, 1);
-        return -ECONNRESET;
+                ucs_status_string(why));
+        client_forget_ep(c, e, 1);
+        /* (a server at its max_peers rejects the connection: it may have room soon) */
+        return why == UCS_ERR_REJECTED ? -EAGAIN : -ECONNRESET;
     }
+    /* timed out: a send still in flight on a silent peer stays with UCX (leaked) unless the
+       endpoint's close completes it */
     client_retire_ep(c, e);
+    if (held && op->done) {
+        ucp_request_free(sreq);
+        free(op);
+        free(hdr);
+    }
     if (rc == -EINTR) {
         set_err(err, errlen, "interrupted");
         return -EINTR;
@@ -780,6 +808,7 @@ typedef struct isu_conn {
     int closing;   /* close once its sends are done (it sent a malformed request) */
     int requests;  /* requests it sent */
     int pending;   /* of which queued or being answered */
+    int peer_errors; /* UCP_ERR_HANDLING_MODE_PEER: its client learns that it was closed */
     int64_t last;  /* now_ns() of its connection, or of its last request */
     struct isu_conn *next;
 } isu_conn;
@@ -823,6 +852,7 @@ typedef struct {
     int64_t idle_ns;  /* a connection idle this long is closed (< 0: no bound) */
     int64_t scan_at;  /* now_ns() of the next look for such connections */
     uint64_t idle_closed;
+    uint64_t evicted; /* idle connections closed to make room for a new one */
 } isu_server;
 
 static isu_conn *server_conn(isu_server *s, ucp_ep_h ep) {
@@ -839,12 +869,41 @@ static void server_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
     k->failed = 1;
 }
 
+/*
+ * At max_conns, the connection to close for a new one: the one idle the longest among those
+ * that sent a request, have none queued, no reply in flight, and whose client learns of the
+ * close (peer failure handling: its next request fails at once and goes again on a new
+ * connection; without it, as over shared memory, the client would wait out its timeout).
+ * Clients keep their connections for their next request, so without this a server whose
+ * places were all taken by idle kept-alive connections rejected every new client. NULL when
+ * every connection is answering.
+ */
+static isu_conn *server_victim(isu_server *s) {
+    isu_conn *best = NULL;
+    for (isu_conn *k = s->conns; k != NULL; k = k->next) {
+        if (k->failed || k->closing || k->sends > 0 || k->pending > 0 || k->requests == 0 ||
+            !k->peer_errors)
+            continue;
+        if (best == NULL || k->last < best->last)
+            best = k;
+    }
+    return best;
+}
+
 static void server_conn_cb(ucp_conn_request_h conn_request, void *arg) {
     isu_server *s = arg;
-    if (s->nconns >= s->max_conns) {
-        s->busy++;
-        ucp_listener_reject(s->listener, conn_request);
-        return;
+    int live = 0;
+    for (isu_conn *k = s->conns; k != NULL; k = k->next)
+        live += !k->failed; /* (failed ones go at the next housekeeping) */
+    if (live >= s->max_conns) {
+        isu_conn *victim = server_victim(s);
+        if (victim == NULL) {
+            s->busy++;
+            ucp_listener_reject(s->listener, conn_request);
+            return;
+        }
+        victim->failed = 1; /* closed by the next housekeeping, right after this progress */
+        s->evicted++;
     }
     isu_conn *k = calloc(1, sizeof(*k));
     if (k == NULL) {
@@ -862,6 +921,7 @@ static void server_conn_cb(ucp_conn_request_h conn_request, void *arg) {
     ca.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
     if (ucp_conn_request_query(conn_request, &ca) == UCS_OK && ca.client_address.ss_family == AF_INET)
         ep.err_mode = err_mode_for((const struct sockaddr_in *)&ca.client_address);
+    k->peer_errors = ep.err_mode == UCP_ERR_HANDLING_MODE_PEER;
     ep.err_handler.cb = server_ep_error;
     ep.err_handler.arg = k;
     if (ucp_ep_create(s->b.worker, &ep, &k->ep) != UCS_OK) {
@@ -891,6 +951,15 @@ static ucs_status_t server_am_request(void *arg, const void *header, size_t head
         s->refused++;
         if (k != NULL)
             k->closing = 1; /* (no reply to a malformed request: the connection goes) */
+        return UCS_OK;
+    }
+    if (k->failed)
+        return UCS_OK; /* (closed at the next housekeeping: its requests are answered by nobody) */
+    if (k->pending >= ISU_MAX_PENDING) {
+        /* a client waits for each reply: a peer sending more is flooding the server, whose
+           queue would grow without bound; it goes, its queued requests unanswered */
+        s->refused++;
+        k->failed = 1;
         return UCS_OK;
     }
     isu_item *it = calloc(1, sizeof(*it));
@@ -988,6 +1057,9 @@ ISU_API void isu_server_stats(isu_server *s, uint64_t *out5) {
 
 /* Connections closed for sending no request in time (first_ms) or for idling (idle_ms). */
 ISU_API uint64_t isu_server_idle_closed(isu_server *s) { return s->idle_closed; }
+
+/* Idle connections closed at max_conns to make room for a new one. */
+ISU_API uint64_t isu_server_evicted(isu_server *s) { return s->evicted; }
 
 /* A connection must send its first request within first_ms of its connection, and is closed
  * after idle_ms without one (< 0: no bound): a connection nobody uses never holds one of the

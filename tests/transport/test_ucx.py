@@ -557,6 +557,197 @@ def test_connections_refused_for_their_token_give_their_place_back(tmp_path: Pat
     _places_given_back(tmp_path, [wrong, b"{not json"], 2000, answered=True)
 
 
+def _one_key_server(tmp_path: Path, **kw: Any) -> tuple[UcxServer, Record, bytes]:
+    """A UCX server (not started) of one key, and that key's record."""
+    owner = tmp_path / "owner"
+    (owner / "k").mkdir(parents=True)
+    data = os.urandom(200_000)
+    (owner / "k" / "a.bin").write_bytes(data)
+    addr = f"127.0.0.1:{free_port()}"
+    server = UcxServer(Settings(dir=owner, token=TOKEN, addr=addr), **kw)
+    return server, Record("k/a.bin", addr, len(data), checksum(data), 1, 0.0), data
+
+
+def _client(tmp_path: Path, timeout: float = TIMEOUT) -> UcxTransport:
+    return UcxTransport(Settings(dir=tmp_path, token=TOKEN, connect_timeout=timeout))
+
+
+@pytest.fixture
+def peer_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Endpoints with peer failure handling on this one host (as between nodes): a closed
+    connection is told to its other side."""
+    for var in ("UCX_TLS", "UCX_NET_DEVICES"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("INSTRIDE_UCX_PEER_ERRORS", "1")
+
+
+def test_at_max_peers_an_idle_kept_connection_makes_room(tmp_path: Path, peer_errors: None) -> None:
+    """Clients keep their connection for their next request. A server whose places were all
+    held by such idle connections rejected every new client (PeerUnavailable at once). At
+    max_peers the one idle the longest is closed now; its client's next request goes again
+    on a new connection."""
+    server, rec, data = _one_key_server(tmp_path, max_peers=1)
+    first, second = _client(tmp_path), _client(tmp_path)
+    with server:
+        try:
+            assert bytes(first.fetch_bytes(rec)) == data
+            assert bytes(second.fetch_bytes(rec)) == data  # (first's connection made room)
+            assert bytes(first.fetch_bytes(rec)) == data  # (and now second's)
+            until(lambda: server.snapshot()["evicted"] >= 2, 5, "two connections evicted")
+            assert server.snapshot()["busy"] == 0
+        finally:
+            first.close()
+            second.close()
+
+
+def test_a_client_rejected_while_every_place_answers_tries_again(tmp_path: Path,
+                                                                 peer_errors: None) -> None:
+    """At max_peers with every connection answering, UCX rejects a new one: the client tries
+    again for up to its connect timeout (as over TCP), not PeerUnavailable at once."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(_key: str, _size: int) -> None:
+        if not entered.is_set():
+            entered.set()
+            release.wait(10)
+
+    server, rec, data = _one_key_server(tmp_path, max_peers=1, on_reply=slow)
+    first, second = _client(tmp_path, timeout=5.0), _client(tmp_path, timeout=5.0)
+    got: list[bytes] = []
+    with server:
+        th = threading.Thread(target=lambda: got.append(bytes(first.fetch_bytes(rec))))
+        try:
+            th.start()
+            assert entered.wait(10)
+            threading.Timer(0.5, release.set).start()
+            t0 = time.monotonic()
+            assert bytes(second.fetch_bytes(rec)) == data  # rejected, then served
+            assert 0.3 < time.monotonic() - t0 < 5.0
+            th.join(10)
+            assert got == [data]
+            assert server.snapshot()["busy"] >= 1
+        finally:
+            release.set()
+            th.join(10)
+            first.close()
+            second.close()
+
+
+def test_a_timed_out_endpoint_gives_its_place_back(tmp_path: Path, peer_errors: None) -> None:
+    """A fetch that timed out kept its endpoint until its thread ended: a connection place on
+    the owner for each timeout (an overloaded owner got more connections with each). With
+    peer failure handling (between nodes) it is closed at once now."""
+    import threading
+
+    release = threading.Event()
+
+    def slow(_key: str, _size: int) -> None:
+        release.wait(10)
+
+    server, rec, _data = _one_key_server(tmp_path, on_reply=slow)
+    client = _client(tmp_path, timeout=0.5)
+    with server:
+        try:
+            with pytest.raises(PeerUnavailable, match="no reply"):
+                client.fetch_bytes(rec)
+            release.set()
+            until(lambda: server.snapshot()["peers"] == 0, 10, "the connection closed")
+        finally:
+            release.set()
+            client.close()
+
+
+class _FailingReply:
+    """The C library, but the first reply with a body fails as a refused memory map would."""
+
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
+        self.failed = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lib, name)
+
+    def isu_server_reply(self, handle: int, body: bytes, n: int, fd: int, size: int,
+                         deadline: int, err: Any, errlen: int) -> int:
+        if fd >= 0 and not self.failed:
+            self.failed += 1
+            os.close(fd)  # (taken over, as by the C)
+            err.value = b"mmap: Cannot allocate memory"
+            return -12
+        return self._lib.isu_server_reply(handle, body, n, fd, size, deadline, err, errlen)
+
+
+def test_a_reply_whose_body_cannot_be_sent_is_answered(tmp_path: Path) -> None:
+    """A reply whose body UCX could not be handed (its memory map refused) was never
+    answered: the client waited out its whole timeout and blamed the owner. It gets an
+    answer at once now (PeerUnavailable, saying why), and the next fetch is served."""
+    server, rec, data = _one_key_server(tmp_path)
+    server.lib = _FailingReply(server.lib)  # type: ignore[assignment]
+    client = _client(tmp_path, timeout=5.0)
+    with server:
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(PeerUnavailable, match="cannot send k/a.bin now"):
+                client.fetch_bytes(rec)
+            assert time.monotonic() - t0 < 2.5
+            assert bytes(client.fetch_bytes(rec)) == data
+        finally:
+            client.close()
+
+
+CLOSE_UNDER_A_FETCH = textwrap.dedent(
+    """
+    import os, sys, threading, time
+    from pathlib import Path
+    from instride.config import Settings
+    from instride.record import Record
+    from instride.transport.ucx import UcxServer, UcxTransport
+    import xxhash
+    tmp = Path(sys.argv[1])
+    (tmp / "owner" / "k").mkdir(parents=True)
+    data = os.urandom(3_000_000)
+    (tmp / "owner" / "k" / "a.bin").write_bytes(data)
+    entered = threading.Event()
+    def slow(key, size):
+        entered.set()
+        time.sleep(1.0)
+    addr = "127.0.0.1:" + sys.argv[2]
+    server = UcxServer(Settings(dir=tmp / "owner", token="t", addr=addr), on_reply=slow)
+    client = UcxTransport(Settings(dir=tmp, token="t", connect_timeout=10))
+    rec = Record("k/a.bin", addr, len(data), "xxh3:" + xxhash.xxh3_64_hexdigest(data), 1, 0.0)
+    got = []
+    with server:
+        def fetch():
+            client.fetch_bytes(rec)  # (the thread's worker, connected)
+            got.append(bytes(client.fetch_bytes(rec)))
+            got.append(threading.current_thread()._ucx_worker.handle)
+        def run():
+            threading.current_thread()._ucx_worker = client._worker()
+            fetch()
+        th = threading.Thread(target=run)
+        th.start()
+        assert entered.wait(20)
+        entered.clear()
+        assert entered.wait(20)  # the second fetch waits for its reply
+        client.close()  # from another thread, under that fetch
+        th.join(30)
+    print("ok" if got == [data, None] else f"bad {got[1:]!r}")
+    """
+)
+
+
+def test_close_from_another_thread_waits_for_its_fetch(tmp_path: Path) -> None:
+    """``UcxTransport.close()`` closed every thread's worker from the caller's thread, also
+    one under a fetch (UCX then used freed memory). A worker under a fetch is closed by its
+    own thread once the fetch ends; the fetch completes."""
+    res = subprocess.run([PY, "-c", CLOSE_UNDER_A_FETCH, str(tmp_path), str(free_port())],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, (res.returncode, res.stderr[-3000:])
+    assert res.stdout.strip() == "ok", res.stderr[-3000:]
+
+
 # ---------------------------------------------------------------------- two emulated nodes
 #: namespaces do not isolate shared memory: without UCX_TLS=tcp, processes of two emulated
 #: nodes would silently talk through sysv/cma. Each node names its own veth (eth0).

@@ -38,6 +38,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import time
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -186,3 +187,19 @@ def open_engine(path: Path, transport: str, missing: str, hint: str) -> ctypes.C
 
 
 __all__ = ["Transport", "TransportServer", "fetch_to_new_file", "open_engine"]
+
+
+class Backoff:
+    """Tries again after an owner said it was busy: 10 ms, doubling to 0.2 s, within ``limit`` s."""
+
+    def __init__(self, limit: float | None) -> None:
+        self.deadline = None if limit is None else time.monotonic() + limit
+        self.pause = 0.01
+
+    def again(self) -> bool:
+        """Sleep before the next try; whether there is time for one."""
+        if self.deadline is not None and time.monotonic() + self.pause > self.deadline:
+            return False
+        time.sleep(self.pause)
+        self.pause = min(0.2, 2 * self.pause)
+        return True

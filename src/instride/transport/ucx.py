@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import errno
 import json
@@ -61,6 +62,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +85,7 @@ from ..perthread import PerThread, forks
 from ..record import Record
 from ..store.served import open_served
 from . import wire
-from .base import fetch_to_new_file, open_engine
+from .base import Backoff, fetch_to_new_file, open_engine
 from .replay import ReplayGuard
 
 log = logging.getLogger("instride.transport.ucx")
@@ -174,6 +176,7 @@ def load_library() -> ctypes.CDLL:
             "isu_server_close": (None, [vp, i64]),
             "isu_server_limits": (None, [vp, i64, i64]),
             "isu_server_idle_closed": (u64, [vp]),
+            "isu_server_evicted": (u64, [vp]),
         }
         for name, (res, args) in sigs.items():
             fn = getattr(lib, name, None)
@@ -215,7 +218,12 @@ def started_here() -> bool:
 
 
 class _Worker:
-    """One UCP worker and its endpoints, used by one thread only."""
+    """One UCP worker and its endpoints, used by one thread only.
+
+    ``busy`` is held while a fetch uses it: :meth:`UcxTransport.close`, called from another
+    thread, closes a worker only between fetches (closed under a fetch, UCX would use freed
+    memory); one in use is marked :attr:`retire` and closed by its thread once its fetch ends.
+    """
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         global _started
@@ -237,6 +245,8 @@ class _Worker:
         self.handle: int | None = handle
         self.reply = ctypes.create_string_buffer(_REPLY_CAP)
         self.buffer: bytearray | None = None  # reused for bodies written to files
+        self.busy = threading.Lock()
+        self.retire = False
         # closed once nothing refers to it: its thread ended (the thread's locals went), and
         # the transport keeps only weak references (not at the interpreter's exit: the
         # process's end releases it; never in a forked child, which forgets its parent's
@@ -287,6 +297,21 @@ class UcxTransport:
                 self._workers.add(w)
         return w
 
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[_Worker]:
+        """This thread's worker, held for one fetch (see :class:`_Worker`)."""
+        while True:
+            w = self._worker()
+            with w.busy:
+                if w.handle is None:  # closed by another thread's close() meanwhile
+                    continue
+                try:
+                    yield w
+                finally:
+                    if w.retire:
+                        w.close()
+                return
+
     # ------------------------------------------------------------------ requests
     def _request(self, w: _Worker, record: Record, op: str = "fetch") -> tuple[dict[str, Any], int]:
         """Send a signed request; return the reply header and the size of the body to come."""
@@ -296,7 +321,9 @@ class UcxTransport:
         body = ctypes.c_uint64(0)
         reused = ctypes.c_int(0)
         timeout_ms = int(self.settings.connect_timeout * 1000)
-        for _attempt in range(2):
+        busy: Backoff | None = None
+        retried = False
+        while True:
             # (signed anew for each attempt: a server spends a request's nonce when it
             # receives it, and refuses the same one again as a replay)
             header = wire.sign(self.settings.token or "", op, record.key)
@@ -309,8 +336,16 @@ class UcxTransport:
                                              ctypes.byref(reused), timeout_ms, err, _ERR)
             if rc == 0:
                 break
-            if rc == -errno.ECONNRESET and reused.value:
+            if rc == -errno.ECONNRESET and reused.value and not retried:
+                retried = True
                 continue  # a kept-alive endpoint to a restarted owner: retry once on a new one
+            if rc == -errno.EAGAIN:
+                # (the owner rejected the connection: at its max_peers, every connection
+                # answering; a moment later, within the connect timeout, as over TCP)
+                busy = busy or Backoff(self.settings.connect_timeout)
+                if busy.again():
+                    continue
+                raise PeerUnavailable(node, f"busy: {_msg(err)}")
             if rc == -errno.ETIMEDOUT:
                 raise PeerUnavailable(node, f"no reply within {self.settings.connect_timeout:g} s")
             raise PeerUnavailable(node, _msg(err))
@@ -378,11 +413,11 @@ class UcxTransport:
 
     def fetch_into(self, record: Record, fd: int) -> None:
         """Receive ``record.key`` into the reused buffer, verify it, write it to ``fd``."""
-        w = self._worker()
-        _reply, size = self._request(w, record)
-        buf = self._scratch(w, size)
-        self._receive(w, record, buf, size)
-        view = memoryview(buf)[:size]
+        with self._using() as w:
+            _reply, size = self._request(w, record)
+            buf = self._scratch(w, size)
+            self._receive(w, record, buf, size)
+        view = memoryview(buf)[:size]  # (the buffer stays the thread's: only it fetches into it)
         record.verify(xxhash.xxh3_64_hexdigest(view[record.digest_from:]), size, view)
         done = 0
         while done < size:
@@ -392,20 +427,20 @@ class UcxTransport:
 
     def fetch_bytes(self, record: Record) -> bytearray:
         """Receive ``record.key`` into a new ``bytearray`` and verify it."""
-        w = self._worker()
-        _reply, size = self._request(w, record)
-        buf = bytearray(size)
-        self._receive(w, record, buf, size)
+        with self._using() as w:
+            _reply, size = self._request(w, record)
+            buf = bytearray(size)
+            self._receive(w, record, buf, size)
         record.verify(xxhash.xxh3_64_hexdigest(memoryview(buf)[record.digest_from:]), size, buf)
         return buf
 
     def endpoint_info(self, record: Record) -> str:
         """UCX's description of this thread's endpoint to ``record``'s owner (which transports
         carry the traffic); empty when there is none. For diagnostics and tests."""
-        w = self._worker()
         host, port = ucx_address(record.owner)
         out = ctypes.create_string_buffer(1 << 16)
-        rc = self.lib.isu_client_ep_info(w.handle, host.encode(), port, out, len(out))
+        with self._using() as w:
+            rc = self.lib.isu_client_ep_info(w.handle, host.encode(), port, out, len(out))
         return _msg(out) if rc == 0 else ""
 
     @classmethod
@@ -414,12 +449,22 @@ class UcxTransport:
         return UcxServer
 
     def close(self) -> None:
-        """Close every thread's worker and endpoints (call when no fetch is running)."""
+        """Close every thread's worker and endpoints.
+
+        A worker whose thread is fetching now is closed by that thread once its fetch ends
+        (the fetch goes on undisturbed); a thread that fetches after this gets a new worker.
+        """
         with self._lock:
             workers = list(self._workers)
             self._workers.clear()
         for w in workers:
-            w.close()
+            if w.busy.acquire(blocking=False):
+                try:
+                    w.close()
+                finally:
+                    w.busy.release()
+            else:
+                w.retire = True
 
 
 # ---------------------------------------------------------------------- server half
@@ -473,7 +518,7 @@ class UcxServer:
         self.on_reply = on_reply
         self.root_real = os.path.realpath(settings.dir)
         self.stats = {"fetches": 0, "bytes_sent": 0, "refused": 0, "errors": 0, "busy": 0,
-                      "stalled": 0, "idle_closed": 0}
+                      "stalled": 0, "idle_closed": 0, "evicted": 0}
         self._peers = 0
         self._c_refused = 0  # requests the C library dropped (malformed at the UCX level)
         self._replay = ReplayGuard()  # (the serving thread alone uses it)
@@ -554,6 +599,7 @@ class UcxServer:
         self.stats["stalled"] = out[1]
         self.stats["busy"] = out[3]
         self.stats["idle_closed"] = self.lib.isu_server_idle_closed(handle)
+        self.stats["evicted"] = self.lib.isu_server_evicted(handle)
         self._peers = out[4]
         self._c_refused = out[2]
 
@@ -594,6 +640,18 @@ class UcxServer:
         err = ctypes.create_string_buffer(_ERR)
         deadline_ms = int((self.send_timeout + size / SEND_RATE) * 1000)
         rc = self.lib.isu_server_reply(handle, body, len(body), fd, size, deadline_ms, err, _ERR)
+        if rc == 0 or rc in (-errno.ENOTCONN, -errno.ECONNRESET):
+            if rc:
+                log.debug("reply not sent: %s", _msg(err))
+            return
+        # (the body could not be handed to UCX: its memory map refused, out of memory) an
+        # answer all the same, without a body, or the client waited out its timeout
+        log.warning("cannot send %s over UCX now: %s", header.get("key"), _msg(err))
+        self.stats["errors"] += 1
+        failed = json.dumps({"ok": False, "error": "PeerUnavailable",
+                             "message": f"cannot send {header.get('key')} now: {_msg(err)}"},
+                            separators=(",", ":")).encode()
+        rc = self.lib.isu_server_reply(handle, failed, len(failed), -1, 0, deadline_ms, err, _ERR)
         if rc != 0:
             log.debug("reply not sent: %s", _msg(err))
 

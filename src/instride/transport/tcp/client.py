@@ -35,7 +35,7 @@ from ...frames import HEADER_SIZE
 from ...perthread import PerThread
 from ...record import Record
 from .. import wire
-from ..base import Received, fetch_to_new_file
+from ..base import Backoff, Received, fetch_to_new_file
 from .engine import load_library
 
 if TYPE_CHECKING:
@@ -142,22 +142,6 @@ class _ReplyScratch:
         self.published = ctypes.c_double(0.0)  # (isc_recv_frame)
 
 
-class _Backoff:
-    """Tries again after "busy" replies: 10 ms, doubling to 0.2 s, within ``limit`` s."""
-
-    def __init__(self, limit: float | None) -> None:
-        self.deadline = None if limit is None else time.monotonic() + limit
-        self.pause = 0.01
-
-    def again(self) -> bool:
-        """Sleep before the next try; whether there is time for one."""
-        if self.deadline is not None and time.monotonic() + self.pause > self.deadline:
-            return False
-        time.sleep(self.pause)
-        self.pause = min(0.2, 2 * self.pause)
-        return True
-
-
 class TcpTransport:
     """Fetch files from other nodes' data servers over TCP.
 
@@ -204,7 +188,7 @@ class TcpTransport:
         """
         wait_ms = _wait_ms(wait)
         sock, reused = self._send(record, op, wait_ms, until, count)
-        busy: _Backoff | None = None
+        busy: Backoff | None = None
         while True:
             try:
                 if window is not None:  # hybrid polling: only around when the reply is due
@@ -231,7 +215,7 @@ class TcpTransport:
             if not reply.get("ok") and reply.get("error") == "PeerUnavailable" and str(
                     reply.get("message", "")).startswith("busy"):
                 # (every connection the owner serves at once is answering: a moment later)
-                busy = busy or _Backoff(self.settings.connect_timeout)
+                busy = busy or Backoff(self.settings.connect_timeout)
                 if not busy.again():
                     break
                 sock.close()
