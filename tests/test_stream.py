@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 import instride
-from instride.errors import ConsumeTimeout, EndOfStream
+from instride.errors import ConsumeTimeout, EndOfStream, FramesMissed
 from tests.conftest import files_held, finish, spawn_py
 
 PRODUCER = textwrap.dedent(
@@ -250,3 +251,138 @@ def test_an_archiver_that_missed_its_sigterm_is_sent_another() -> None:
     t0 = time.monotonic()
     _stop_archiver(proc)
     assert proc.returncode == 0 and time.monotonic() - t0 < 15
+
+
+# ---------------------------------------------------------------------- round 45's review
+def _ended(client: instride.Client, name: str, n: int, **kw: object) -> None:
+    with instride.Stream(name, mode="w", client=client, **kw) as w:  # type: ignore[arg-type]
+        for i in range(n):
+            w.append(np.full((10, 3), float(i), np.float32), step=i)
+
+
+@pytest.mark.parametrize("retain", [None, 2])
+def test_a_timeout_of_0_still_sees_the_end(client: instride.Client, retain: int | None) -> None:
+    """``timeout=0`` (do not wait) over a stream that has ended: iteration gave every frame,
+    then ConsumeTimeout instead of ending (the end marker is looked at only by a wait, which
+    a timeout of 0 never made); read() past the end likewise."""
+    _ended(client, "t0", 3, retain=retain, on_full="drop-oldest")
+    r = instride.Stream("t0", client=client, timeout=0, on_gap="count")
+    assert [f.step for f in r] == ([0, 1, 2] if retain is None else [1, 2])
+    with pytest.raises(EndOfStream):
+        r.read(3)
+    r.close()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0])
+def test_a_timeout_that_no_wait_reaches_is_refused(client: instride.Client, bad: float) -> None:
+    """A timeout of NaN (``waited >= nan`` is never true) waited for ever; a negative one was
+    taken as 0. Both are a ConfigError, as ``consume`` says; inf is no limit."""
+    _ended(client, "nan", 1)
+    with pytest.raises(instride.ConfigError, match="timeout"):
+        instride.Stream("nan", client=client, timeout=bad)
+    r = instride.Stream("nan", client=client, timeout=math.inf)
+    assert r.timeout is None
+    with pytest.raises(instride.ConfigError, match="timeout"):
+        r.read(0, timeout=bad)
+    assert r.read(0, timeout=math.inf).step == 0
+    r.close()
+
+
+def test_an_unknown_layout_is_refused_at_once(client: instride.Client) -> None:
+    """An unknown ``layout`` was a bare KeyError at the first append."""
+    with pytest.raises(instride.ConfigError, match="layout"):
+        instride.Stream("lay", mode="w", layout="bogus", client=client)
+
+
+def test_a_reader_of_an_unbounded_run_sees_a_bounded_rerun_drop_frames(
+        client: instride.Client) -> None:
+    """A reader that knew the stream as unbounded (its first run) looked past the retention
+    of a re-run that bounds it (``overwrite=True, retain=2``): a dropped frame was never
+    FramesMissed, and once the end was there the reader spun at full CPU until its timeout
+    (for ever without one)."""
+    _ended(client, "p", 3)
+    r = instride.Stream("p", client=client, timeout=5)
+    r.read(0).release()
+    _ended(client, "p", 10, overwrite=True, retain=2, on_full="drop-oldest")
+    t0, c0 = time.monotonic(), time.process_time()
+    with pytest.raises(FramesMissed):
+        r.read(0)
+    assert time.monotonic() - t0 < 2 and time.process_time() - c0 < 1
+    r.close()
+
+
+def test_a_group_reader_dropped_without_close_lets_go_of_its_group(
+        client: instride.Client) -> None:
+    """``for f in Stream(name, group=g): ... break`` without close(): the group's lock stayed
+    with the process, and the next reader of the group in it (a notebook's cell run again)
+    got GroupBusy. The reader's group goes with it; the next one resumes where it was."""
+    import gc
+
+    _ended(client, "g", 5, groups=("a",))
+
+    def analyse(stop: int) -> list[int]:
+        steps = []
+        for f in instride.Stream("g", group="a", client=client):
+            steps.append(f.step)
+            if f.step == stop:
+                break
+        return steps
+
+    assert analyse(1) == [0, 1]
+    gc.collect()
+    assert analyse(99) == [1, 2, 3, 4]  # (frame 1 was held, not done: again)
+    gc.collect()
+    assert analyse(99) == []
+
+
+def test_a_closed_reader_takes_no_frame(client: instride.Client) -> None:
+    """After close(), read()/next()/latest() gave frames: held for good (a second close did
+    nothing), and a group's frames outside its group (another reader took the group, both
+    got its frames)."""
+    _ended(client, "c", 3, groups=("a",))
+    for group in (None, "a"):
+        r = instride.Stream("c", group=group, client=client)
+        assert next(r).step == 0
+        r.close()
+        with pytest.raises(ValueError, match="closed"):
+            next(r)
+        with pytest.raises(ValueError, match="closed"):
+            r.read(1)
+        with pytest.raises(ValueError, match="closed"):
+            r.latest()
+        assert [f for f in files_held(Path(client.root), maps=False) if "frame_" in f] == []
+
+
+def test_frames_read_before_the_producer_started_are_released_at_close(
+        managed_dir: Path) -> None:
+    """A reader opened before its producer reads a frame, then another: the second read
+    replaced the reader's table of holds (the producer's policy now known) and the first
+    frame's hold was forgotten — kept for the life of the process (close() releases every
+    frame taken, as docs/streams.md says)."""
+    import threading
+
+    client = instride.Client(instride.Settings.from_env())
+    r = instride.Stream("w", client=client, timeout=30)
+    got: dict[str, object] = {}
+    th = threading.Thread(target=lambda: got.setdefault("f0", r.read(0)))
+    th.start()
+    time.sleep(0.3)  # (waiting: no policy known yet)
+    producer = spawn_py(textwrap.dedent("""
+        import time, numpy as np, instride
+        s = instride.Stream("w", mode="w", retain=2, on_full="drop-oldest")
+        for i in range(3):
+            s.append(np.full((10, 3), i, np.float32)); time.sleep(0.2)
+        time.sleep(1.0)
+        s.close()
+        """))
+    try:
+        th.join(30)
+        assert got["f0"].step == 0  # type: ignore[attr-defined]
+        r.read(-1)
+        r.close()
+        got.clear()
+        assert [f for f in files_held(managed_dir, maps=False) if "frame_" in f] == []
+    finally:
+        rc, _out, err = finish(producer)
+        client.close()
+    assert rc == 0, err

@@ -61,6 +61,7 @@ import numpy as np
 from .archive.process import let_go
 from .busypoll import Cadence, poll_paths
 from .client import Client, get_client
+from .config import parse_timeout
 from .errors import (
     ArchiveError,
     ConfigError,
@@ -78,6 +79,7 @@ from .errors import (
 )
 from .frames import (
     HEADER_SIZE,
+    LAYOUTS,
     Frame,
     NativeFrame,
     checked_header,
@@ -320,8 +322,8 @@ class Stream:
     Raises
     ------
     ConfigError
-        A retention below 1, an unknown ``on_full`` or ``on_gap``, an invalid group name, a
-        ``commit_every`` below 1.
+        A retention below 1, an unknown ``on_full``, ``on_gap`` or ``layout``, an invalid
+        group name, a ``commit_every`` below 1, a ``timeout`` that is NaN or negative.
     """
 
     def __init__(
@@ -374,8 +376,12 @@ class Stream:
             self.register_groups += ("archive",)
         self.group = None if group is None else check_group(group)
         self.mode = mode
-        # (None: INSTRIDE_TIMEOUT's, as documented; it too may be None: no limit)
-        self.timeout = self.client.settings.timeout if timeout is None else timeout
+        # (None: INSTRIDE_TIMEOUT's, as documented; it too may be None: no limit. NaN, which
+        # no wait ever reaches, and negative seconds are refused; inf is no limit)
+        self.timeout = self.client.settings.timeout if timeout is None \
+            else parse_timeout(timeout, "timeout")
+        if layout not in LAYOUTS:
+            raise ConfigError("layout", layout, f"expected one of {', '.join(sorted(LAYOUTS))}")
         self.layout = layout
         self.overwrite = overwrite
         self.on_gap = on_gap
@@ -420,6 +426,7 @@ class Stream:
         self._archive_reader: Any = None
         # consumer
         self._leases: Leases | None = None
+        self._old_leases: list[Leases] = []  # (tables replaced while frames of theirs were held)
         self._inbox: Inbox | None = None  # (a bounded stream's frames fetched from another node)
         self._reader_policy: Policy | None = None  # the producer's, once it is known
         self._held: Frame | None = None
@@ -1049,9 +1056,10 @@ class Stream:
 
     def _release_readers(self) -> None:
         """The rest of :meth:`_release_resources`: a reader's leases, inbox and archive."""
-        if self._leases is not None:
-            self._leases.release_all()  # (frames taken and never released: closed now)
-            self._leases.close()
+        old, self._old_leases = self._old_leases, []
+        for leases in [*old, *([self._leases] if self._leases is not None else [])]:
+            leases.release_all()  # (frames taken and never released: closed now)
+            leases.close()
         if self._inbox is not None:
             drop = getattr(self.client.engine, "drop_ahead", None)
             if drop is not None:  # (its owner stops sending the frames asked for ahead)
@@ -1079,6 +1087,26 @@ class Stream:
         with contextlib.suppress(Exception):
             if self._pool is not None:
                 self._pool.close()
+        cursor = getattr(self, "_cursor_file", None)
+        if cursor is None or getattr(self, "_closed", True):
+            return
+        # A group reader dropped without close() (`for f in Stream(..., group=g): ... break`,
+        # or iterated to its end): its group's lock and lease go with it, not with the process
+        # (a next reader of the group in this process got GroupBusy), its position recorded
+        # as close() records it. (Frames it handed out stay held: their arrays may be in use.)
+        with contextlib.suppress(Exception):
+            self._cursor_file = None
+            try:
+                if self._done is not None:
+                    cursor.commit(self._done)
+            finally:
+                cursor.close()
+
+    def _check_open(self) -> None:
+        """Raise ``ValueError`` on a closed stream (a closed reader holds nothing: a frame
+        it took now would be held for good, and a group's frames taken outside its group)."""
+        if self._closed:
+            raise ValueError(f"stream {self.name!r} is closed")
 
     # ------------------------------------------------------------------ consumer
     def frame_count(self, *, wait: bool = False, timeout: float | None = None) -> int | None:
@@ -1155,7 +1183,12 @@ class Stream:
             if self._leases is None or policy is not None:
                 keep = (policy.retain or 16) + _MAP_SLACK if policy is not None and policy.bounded else 0
                 if self._leases is not None:
-                    self._leases.close()
+                    if self._leases.holding():
+                        # (frames taken before the policy was known: released at close, as
+                        # every frame taken is)
+                        self._old_leases.append(self._leases)
+                    else:
+                        self._leases.close()
                 self._leases = Leases(keep, self.client.confined)
                 self._reader_policy = policy
         return self._leases
@@ -1200,12 +1233,15 @@ class Stream:
             The producer fell silent longer than the timeout.
         IntegrityError
             The frame is corrupt.
+        ValueError
+            The stream was closed.
         """
+        self._check_open()
         if index < 0:
             index += len(self)
             if index < 0:
                 raise IndexError(f"frame index out of range for stream {self.name!r}")
-        timeout = self.timeout if timeout is None else timeout
+        timeout = self.timeout if timeout is None else parse_timeout(timeout, "timeout")
         key = self.frame_key(index)
         leases = self._lease_table()
         engine = self.client.engine
@@ -1304,6 +1340,11 @@ class Stream:
                 time.sleep(0.0002)  # published, yet not ours to hold: being replaced
             waited = time.monotonic() - start
             if timeout is not None and waited >= timeout:
+                # (a stream that ended before this frame: its end, also with a timeout of 0,
+                # where no wait — the one place that looks at the end marker — was made)
+                count = self.frame_count(timeout=0)
+                if count is not None and index >= count:
+                    raise EndOfStream(self.name, index)
                 raise ConsumeTimeout(key, waited)
             part = _SLICE if timeout is None else min(_SLICE, timeout - waited)
             # where the frame's file will appear: its path here (local mode; cluster mode when
@@ -1351,6 +1392,16 @@ class Stream:
                 count = self.frame_count(timeout=timeout)
                 if count is not None and index >= count:
                     raise EndOfStream(self.name, index)
+                if count is not None:
+                    # The stream ended after this frame, which is not here: retired (the head
+                    # says so — whatever policy this reader saw first: a re-run may bound what
+                    # an earlier run did not), else fetched below, or looked for again a
+                    # moment later (every wait returns at once now: the end marker is there)
+                    archived = self._gap(index)
+                    if archived is not None:
+                        return archived
+                    if path is not None:
+                        time.sleep(min(part, 0.002))
             elif here:
                 continue  # its file is here now: the loop opens it
             if path is None:  # on another node: fetch it here
@@ -1652,6 +1703,7 @@ class Stream:
         return self
 
     def __next__(self) -> Frame:
+        self._check_open()
         if self.mode is None:
             self.mode = "r"
         self._move_on()
@@ -1698,6 +1750,7 @@ class Stream:
         EndOfStream
             The stream ended and no frame at or past the cursor exists.
         """
+        self._check_open()
         if self.mode is None:
             self.mode = "r"
         self._move_on()

@@ -973,6 +973,10 @@ class Leases:
         held[serial] = release
         return release
 
+    def holding(self) -> bool:
+        """Whether a hold handed out is not released yet."""
+        return bool(self._held)
+
     def release_all(self) -> None:
         """End every hold handed out and not released (the frames a reader took with
         ``read()`` or ``stream[i]`` and never released, when it closes): each would keep its
