@@ -96,7 +96,7 @@ from .paths import check_confined
 from .record import Record, frame_checksum
 from .store.inbox import Inbox
 from .store.ring import Leases, SlotPool, Taken
-from .store.streamstate import Policy, check_group, cursors_of, state_dir
+from .store.streamstate import GROUP_DONE, Policy, check_group, cursors_of, state_dir
 from .store.wait import armed, lost_watches, wait_keys
 from .transport.base import Received
 
@@ -923,6 +923,14 @@ class Stream:
         self._release_resources()
         if self._archiver is not None:
             self._finish_archiver()
+
+    def leave_group(self) -> None:
+        """Close a consumer group's reader and finish the group: it takes no more frames, and
+        a producer that waits for its groups no longer waits for it (what a reader that stops
+        early, for good, does). For other readers, the same as :meth:`close`."""
+        if self._cursor_file is not None and not self._closed:
+            self._done = GROUP_DONE  # (what close() records as the group's position)
+        self.close()
 
     def abandon(self) -> None:
         """Stop producing without ending the stream: the run broke off (its source failed).

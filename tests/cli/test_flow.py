@@ -117,6 +117,10 @@ def test_bad_graph_files_and_arguments_are_typed_errors(flow_env:  # noqa: F811
     res = cli("flow", "draw", str(tmp_path / "empty.py"), "-o", str(tmp_path / "e.png"))
     assert res.returncode == EXIT_INVALID and "has no modules" in res.stderr
     assert not (tmp_path / "e.png").exists()
+    # a format matplotlib does not write: said so, no traceback (a ValueError before)
+    res = cli("flow", "draw", str(tmp_path / "good.py"), "-o", str(tmp_path / "g.xyz"))
+    assert res.returncode == EXIT_USAGE and "no drawing format 'xyz'" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "g.xyz").exists()
     res = cli("flow", "run", str(tmp_path / "good.py"), "--timeout", "-1")
     assert res.returncode == EXIT_USAGE and "--timeout" in res.stderr
     # a directory, or nothing at all, named as the graph file: said as it is

@@ -241,3 +241,16 @@ def record_ports(ports, name="got"):
             msg = ports.get(port)
             seen.append([msg.step, np.asarray(msg.data).tolist()])
     (ports.out_dir / f"{name}-{ports.instance}.json").write_text(json.dumps(got))
+
+
+def fork_then_return(ports, n=2, port="in"):
+    """Fork a child that outlives this module by a while (a fork-started pool not yet shut
+    down), take ``n`` messages, then return early."""
+    child = os.fork()
+    if child == 0:
+        time.sleep(8)
+        os._exit(0)
+    for _ in range(n):
+        if not ports.wait():
+            break
+        ports.get(port)

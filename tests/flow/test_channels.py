@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import instride
 from instride.errors import InstrideError
 from instride.flow import FlowError, Graph, GraphError, ModuleFailed, PortBlocked, Ports, run
 from instride.flow.launchers import LocalLauncher
@@ -173,3 +175,34 @@ def test_unsendable_value_fails_its_producer(flow_env: dict[str, Path], kind: st
     err = info.value
     assert (err.module, err.instance) == ("src", 0)  # the producer, not its consumer
     assert f"module 'src' instance 0 output 'out' ({kind})" in err.log
+
+
+def test_a_frame_consumer_that_forked_and_returned_early_releases_its_producer(
+        flow_env: dict[str, Path]) -> None:
+    """A frame consumer that returns early with a child it forked still alive: its port's
+    close took the group again to finish it, the child held the group's lock (inherited),
+    the group stayed where it was, and the producer waited for it until PortBlocked. The
+    group is finished through the reader's own cursor now."""
+    g = Graph("forked", retain=4, put_timeout=20)
+    g.module("src", modules.count, outputs=["frames"], params={"n": 40})
+    g.module("early", modules.fork_then_return, inputs={"in": "frame"})
+    g.connect("src.frames", "early.in")
+    result = run(g, timeout=60)
+    assert result.instance("src")["outputs"]["frames"]["msgs"] == 40
+
+
+@pytest.mark.parametrize("value", ["text", np.zeros(5), np.zeros((4, 2))])
+def test_a_frame_port_refuses_what_is_no_frame_naming_the_port(
+        flow_env: dict[str, Path], value: object) -> None:
+    """A frame port passed the stream's bare ValueError (or appended a string's bytes)."""
+    from instride.flow.channels import Writer, stream_name
+
+    w = Writer(instride.get_client(), stream_name("flow/x", "m", 0, "out"), "frame",
+               owner=("m", 0, "out"))
+    try:
+        with pytest.raises(FlowError, match=r"module 'm' instance 0 output 'out' \(frame\)"):
+            w.put(value, 0)
+    finally:
+        w.close()
+        shutil.rmtree(flow_env["managed"] / "flow", ignore_errors=True)
+        shutil.rmtree(flow_env["managed"] / ".instride" / "streams" / "flow", ignore_errors=True)

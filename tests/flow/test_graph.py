@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -181,3 +182,44 @@ def test_validate_imports_module_functions() -> None:
     h.module("a", "tests.flow.modules:does_not_exist")
     with pytest.raises(GraphError, match="no 'does_not_exist' there"):
         h.validate()
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (lambda m: m.update(name="../evil"), "module name"),
+    (lambda m: m.update(params=[1]), "params"),
+    (lambda m: m.update(instances="1"), "instances"),
+    (lambda m: m.update(nodes="local"), "nodes"),
+    (lambda m: m.update(unknown=1), "not the data of a graph"),
+    (lambda m: m.pop("inputs"), "not the data of a graph"),
+])
+def test_a_graph_from_data_is_checked_module_by_module(change: Any, match: str) -> None:
+    """A graph rebuilt from data skips Graph.module(): a module named ``../evil`` passed
+    validate() (every instance failed, its log written outside the run's logs), other fields
+    raised bare TypeError/KeyError or failed at run time."""
+    g = Graph("data")
+    g.module("src", modules.numbers, outputs={"out": "array"})
+    data = g.to_dict()
+    change(data["modules"][0])
+    with pytest.raises(GraphError, match=match):
+        Graph.from_dict(data).validate(["local"])
+
+
+def test_a_method_bound_to_an_instance_is_refused() -> None:
+    """``graph.module("x", Analyzer(2.0).run)`` was recorded as ``Analyzer.run``, the instance
+    dropped: each instance called it with its ports as ``self``."""
+    g = Graph("bound")
+    with pytest.raises(GraphError, match="bound to an instance"):
+        g.module("x", modules.ScaleModule(2.0).process, inputs={"in": "array"})
+
+
+def test_flow_errors_pickle_to_themselves() -> None:
+    """ModuleFailed and PortBlocked did not unpickle (a flow run in a process pool or an MPI
+    rank raised TypeError instead)."""
+    import pickle
+
+    from instride.flow import ModuleFailed, PortBlocked
+
+    for err in (ModuleFailed("m", 1, -9, "log tail"), PortBlocked("m", 0, "out", ["a.0.in"], 2.5)):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err)
+        assert back.__dict__ == err.__dict__

@@ -173,3 +173,44 @@ def test_pattern_errors() -> None:
     for bad in (0, 1.5, True):
         with pytest.raises(GraphError, match="max_pending"):
             patterns.synchronize(g, "s", [src.output("out")], max_pending=bad)
+
+
+class _ScriptedPorts:
+    """The ports of a synchronizer whose inputs deliver what a script says, batch by batch
+    (which inputs are ready at each ``wait_any``): the order of a batch's reads, alone."""
+
+    def __init__(self, graph: Graph, batches: list[dict[str, list[int]]]) -> None:
+        self.graph, self.module, self.instance = graph, "sync", 0
+        self.queued: dict[str, deque] = {"in0": deque(), "in1": deque()}
+        self.batches = batches
+        self.sent: list[int] = []
+
+    def wait_any(self, names: list[str]) -> list[str]:
+        if self.batches:
+            for name, steps in self.batches.pop(0).items():
+                self.queued[name].extend(Message(s, 0.0, s) for s in steps)
+        else:  # the script is over: every input ends
+            for q in self.queued.values():
+                q.append(None)
+        return [n for n in names if self.queued[n]]
+
+    def get(self, name: str) -> Message | None:
+        return self.queued[name].popleft()
+
+    def put(self, port: str, data: object, step: int, time: float) -> None:
+        self.sent.append(step)
+
+
+def test_synchronize_reads_what_settles_a_step_before_judging_a_full_input() -> None:
+    """One batch holding both the full input's next message and the message the other input
+    was awaited for: the full input was read first and the module failed (FlowError), though
+    the other message settled a step and made room."""
+    from instride.flow.patterns import sync_module
+
+    g = Graph("batch")
+    src = g.module("src", modules.numbers, outputs={"out": "array"})
+    sparse = patterns.filter(g, "sparse", src.output("out"), modules.every_hundred)
+    patterns.synchronize(g, "sync", [src.output("out"), sparse], max_pending=2)
+    ports = _ScriptedPorts(g, [{"in0": [0]}, {"in0": [10]}, {"in0": [20], "in1": [0]}])
+    sync_module(ports, 2, "instride.flow.patterns:stack", max_pending=2)  # type: ignore[arg-type]
+    assert ports.sent == [0]

@@ -730,3 +730,71 @@ def test_a_failing_program_leaves_its_outputs_open_and_stops_the_graph(
     assert (info.value.module, info.value.instance, info.value.returncode) == ("cmd", 0, 3)
     assert not (out / "record-0.json").exists()  # stopped before any end reached it
     assert "finished rec[0]" not in events
+
+
+# ---------------------------------------------------------------------- round 45's review
+@pytest.mark.parametrize("how", ["writable", "link"])
+def test_a_state_directory_others_could_write_is_refused(
+        flow_env: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        how: str) -> None:
+    """The runs' state directory (by default the predictable /tmp/instride-flow-UID) was
+    used as found: a directory another user made first, writable by them or a link to one of
+    theirs, let them rewrite a run's spec.json — whose targets every instance imports."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o777)
+    theirs.chmod(0o777)
+    root = theirs if how == "writable" else tmp_path / "link"
+    if how == "link":
+        root.symlink_to(theirs)
+    monkeypatch.setenv("INSTRIDE_FLOW_STATE", str(root))
+    g = Graph("unsafe")
+    g.module("src", modules.numbers, outputs={"out": "array"}, params={"n": 1})
+    with pytest.raises(ConfigError, match="INSTRIDE_FLOW_STATE"):
+        run(g, timeout=30)
+    assert list(theirs.iterdir()) == []
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -5.0])
+def test_a_run_timeout_no_clock_reaches_is_refused(flow_env: dict[str, Path], bad: float) -> None:
+    """``run(timeout=nan)`` never timed out (and became every writer's put timeout, which no
+    wait reaches either); ``-5`` timed out at once."""
+    g = Graph("nan")
+    g.module("src", modules.numbers, outputs={"out": "array"}, params={"n": 1})
+    with pytest.raises(ConfigError, match="timeout"):
+        run(g, timeout=bad)
+
+
+HUP_IN_TEARDOWN = textwrap.dedent(
+    """
+    import os, signal, sys
+    from instride.flow import FlowError, Graph, run
+    from instride.flow.launchers import LocalLauncher
+    from tests.flow import modules
+
+    class Hup(LocalLauncher):
+        cleaned = False
+        def cleanup(self, prefix):
+            os.kill(os.getpid(), signal.SIGHUP)  # (the terminal closes during the teardown)
+            super().cleanup(prefix)
+            Hup.cleaned = True
+
+    g = Graph("hup")
+    g.module("idle", modules.sleeper)
+    signal.signal(signal.SIGALRM, lambda *a: os.kill(os.getpid(), signal.SIGHUP))
+    signal.setitimer(signal.ITIMER_REAL, 2.0)
+    try:
+        run(g, out=sys.argv[1], launcher=Hup(), timeout=60)
+    except FlowError as exc:
+        print("stopped:", exc, "cleaned:", Hup.cleaned, flush=True)
+    """
+)
+
+
+def test_sighup_stops_a_run_with_its_teardown(flow_env: dict[str, Path]) -> None:
+    """SIGHUP (the terminal or ssh session closing) killed the runner at once, and one during
+    the teardown of a run stopped by SIGTERM cut it short: streams and state left behind."""
+    res = subprocess.run([sys.executable, "-c", HUP_IN_TEARDOWN, str(flow_env["out"])],
+                         capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": pythonpath()})
+    assert res.returncode == 0, (res.returncode, res.stderr[-3000:])
+    assert "received signal 1" in res.stdout and "cleaned: True" in res.stdout, res.stdout

@@ -23,7 +23,7 @@ import numpy as np
 from ..client import Client
 from ..errors import ConsumeTimeout, GroupBusy, KeyExistsError, StreamFull
 from ..frames import Frame, frame_size
-from ..store.streamstate import Policy
+from ..store.streamstate import GROUP_DONE, Policy
 from ..stream import END_NAME, Stream
 from .errors import FlowError, PortBlocked
 from .graph import Edge, Graph
@@ -138,7 +138,7 @@ def decode_message(buf: memoryview | bytes, index: int) -> Message:
 # ---------------------------------------------------------------------- bounded streams
 #: A group cursor past every message: a consumer that returned takes nothing more, so its
 #: producer no longer waits for it.
-DONE = 2**62
+DONE = GROUP_DONE
 #: Longest single wait of a reader before it looks at the stream's head again.
 _SLICE = 0.25
 
@@ -307,6 +307,11 @@ class Writer:
                 step, time, box = data.step, data.time, data.box if box is None else box
                 data = data.positions
             positions = np.asarray(data)
+            if positions.ndim != 2 or positions.shape[1] != 3 or positions.dtype.kind not in "fiu":
+                module, instance, port = self.owner
+                raise FlowError(f"module {module!r} instance {instance} output {port!r} (frame): "
+                                "positions must be a numeric array of shape (natoms, 3), got "
+                                f"{positions.dtype} of shape {positions.shape}")
             self._blocked(self._stream.append, positions, step=step, time=time, box=box)
             self.count += 1
             self.bytes += frame_size(len(positions), self._stream.layout)
@@ -557,10 +562,10 @@ class Reader:
         """Release the message held and the group; the group takes nothing more (its producer
         no longer waits for it)."""
         if self._stream is not None:
-            self._stream.close()
-            if self.group is not None:
-                with contextlib.suppress(GroupBusy):
-                    self._cursor_file = self.share.open_group(self.group, 0)
+            # (through the stream's own cursor: taken again after its close, the group's lock
+            # may be held by a child this process forked — the group was left where it was,
+            # and its producer waited for it until PortBlocked)
+            self._stream.leave_group()
         if self._cursor_file is not None:
             self._cursor_file.commit(DONE)
             self._cursor_file.close()

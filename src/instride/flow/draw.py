@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError
 from .errors import GraphError
 from .graph import Graph
 
@@ -50,6 +51,8 @@ def draw(g: Graph, path: str | Path, title: str | None = None) -> Path:
     ------
     GraphError
         The graph has no modules.
+    ConfigError
+        ``path``'s suffix names no format matplotlib writes.
     """
     if not g.modules:
         raise GraphError(f"graph {g.name!r} has no modules: nothing to draw")
@@ -57,6 +60,13 @@ def draw(g: Graph, path: str | Path, title: str | None = None) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    fmt = Path(path).suffix.lstrip(".").lower() or "png"
+    known = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    if fmt not in known:
+        raise ConfigError("output", str(path), f"no drawing format {fmt!r}; use one of "
+                                               f"{', '.join(sorted(known))}")
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
     level = _levels(g)

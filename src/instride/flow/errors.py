@@ -59,6 +59,7 @@ class ModuleFailed(FlowError, RuntimeError):
     """
 
     def __init__(self, module: str, instance: int, returncode: int | None, log: str) -> None:
+        self._init_args = (module, instance, returncode, log)
         self.module = module
         self.instance = instance
         self.returncode = returncode
@@ -91,6 +92,7 @@ class PortBlocked(FlowError, TimeoutError):
 
     def __init__(self, module: str, instance: int, port: str, groups: list[str],
                  waited: float) -> None:
+        self._init_args = (module, instance, port, list(groups), waited)
         self.module, self.instance, self.port = module, instance, port
         self.groups, self.waited = list(groups), waited
         super().__init__(

@@ -165,6 +165,12 @@ def _ref(ref: PortRef | str, direction: str) -> PortRef:
 
 
 def _target_of(fn: Callable[..., Any]) -> str:
+    if inspect.ismethod(fn) and not inspect.isclass(fn.__self__):
+        # (recorded as Class.method, the instance dropped: each instance called it with its
+        # ports as `self`, a TypeError at run time)
+        raise GraphError(f"module function {fn!r} is a method bound to an instance, which "
+                         "cannot travel to the module's processes: use a top-level function "
+                         "(with params=) or a classmethod")
     mod = getattr(fn, "__module__", None)
     qual = getattr(fn, "__qualname__", None)
     if not mod or not qual or "<locals>" in qual or "<lambda>" in qual:
@@ -222,6 +228,30 @@ def _check_ports(module: str, inputs: Iterable[str], outputs: Iterable[str]) -> 
                     f"{'IN' if direction == 'input' else 'OUT'}_{port.upper()})"
                 )
             seen[port.upper()] = port
+
+
+def _check_module(key: str, m: Module) -> None:
+    """A module's own fields (a graph rebuilt from data skips :meth:`Graph.module`)."""
+    if not _name_ok(m.name) or key != m.name:
+        raise GraphError(f"module name {m.name!r}: use ASCII letters, digits, '-', '_' (not "
+                         "first '-')" if key == m.name else
+                         f"module {key!r} is recorded under the name {m.name!r}")
+    if isinstance(m.instances, bool) or not isinstance(m.instances, int) or m.instances < 1:
+        raise GraphError(f"module {m.name!r}: instances must be a whole number >= 1, "
+                         f"not {m.instances!r}")
+    if m.nodes is not None and (not isinstance(m.nodes, list) or not all(
+            isinstance(n, str | int) and not isinstance(n, bool) for n in m.nodes)):
+        raise GraphError(f"module {m.name!r}: nodes must be a list of node names or indices, "
+                         f"not {m.nodes!r}")
+    if not isinstance(m.params, dict):
+        raise GraphError(f"module {m.name!r}: params must be a mapping of names to values, "
+                         f"not {m.params!r}")
+    if (m.target is None) == (m.command is None) or (
+            m.target is not None and not isinstance(m.target, str)) or (
+            m.command is not None and (not isinstance(m.command, list) or not m.command
+                                       or not all(isinstance(a, str) for a in m.command))):
+        raise GraphError(f"module {m.name!r}: needs a function target or a command (a "
+                         "non-empty list of strings), one of the two")
 
 
 def _check_params(module: str, params: Mapping[str, Any]) -> None:
@@ -569,7 +599,8 @@ class Graph:
         """
         if not self.modules:
             raise GraphError(f"graph {self.name!r} has no modules")
-        for m in self.modules.values():
+        for key, m in self.modules.items():
+            _check_module(key, m)
             _check_ports(m.name, m.inputs, m.outputs)
             _check_params(m.name, m.params)
         seen: dict[tuple[str, int, str], Edge] = {}
@@ -683,14 +714,25 @@ class Graph:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Graph:
-        """Rebuild a graph from :meth:`to_dict` data."""
-        g = cls(data["name"], retain=data.get("retain", DEFAULT_RETAIN),
-                put_timeout=data.get("put_timeout"))
-        for m in data["modules"]:
-            m = copy.deepcopy(dict(m))
-            m["inputs"] = {k: Input(**v) for k, v in m["inputs"].items()}
-            g.modules[m["name"]] = Module(**m)
-        g.edges = [Edge(**e) for e in data["edges"]]
+        """Rebuild a graph from :meth:`to_dict` data.
+
+        Raises
+        ------
+        GraphError
+            The data is not a graph's (a field missing, unknown or of the wrong type).
+        """
+        try:
+            g = cls(data["name"], retain=data.get("retain", DEFAULT_RETAIN),
+                    put_timeout=data.get("put_timeout"))
+            for m in data["modules"]:
+                m = copy.deepcopy(dict(m))
+                m["inputs"] = {k: Input(**v) for k, v in m["inputs"].items()}
+                g.modules[m["name"]] = Module(**m)
+            g.edges = [Edge(**e) for e in data["edges"]]
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            if isinstance(exc, GraphError):
+                raise
+            raise GraphError(f"not the data of a graph: {type(exc).__name__}: {exc}") from None
         return g
 
     def __repr__(self) -> str:

@@ -151,13 +151,25 @@ def sync_module(ports: Ports, n: int, combine: str, max_pending: int = 1024) -> 
         # back could stall them, so one more message of it is an error, not a wait
         read = [k for k in range(n) if not ended[k]
                 and (len(pending[k]) < limits[k] or shares[k] & awaited)]
+        full = []
         for name in ports.wait_any([names[k] for k in read]):
             k = int(name[2:])
+            if len(pending[k]) >= limits[k]:
+                full.append(k)  # (after the others: one of them may be the step awaited)
+                continue
             msg = ports.get(name)
             if msg is None:
                 ended[k] = True
-            elif len(pending[k]) < limits[k]:
+            else:
                 pending[k].append(msg if limits[k] == 1 else _kept(msg))
+        awaited = {j for j in range(n) if not pending[j] and not ended[j]}
+        for k in full:
+            if not shares[k] & awaited:
+                continue  # (what it waited for came in the same batch: read once settled)
+            name = names[k]
+            msg = ports.get(name)
+            if msg is None:
+                ended[k] = True
             else:
                 behind = [names[j] for j in sorted(shares[k] & awaited)]
                 raise FlowError(

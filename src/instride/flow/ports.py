@@ -243,9 +243,14 @@ class Ports:
         writer = self.writers[port]
         if writer is None:
             return
+        try:
+            step, time = int(step), float(time)
+        except (TypeError, ValueError, OverflowError):
+            raise FlowError(f"module {self.module!r} output {port!r}: step must be a whole "
+                            f"number and time a number, got step={step!r}, time={time!r}") from None
         with self.recorder.region("put") as info:
             info["message"] = f"{writer.name}#{writer.count}"
-            writer.put(data, int(step), float(time), box)
+            writer.put(data, step, time, box)
         self._maybe_flush()
 
     def connected(self, port: str) -> bool:

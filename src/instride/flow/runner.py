@@ -21,6 +21,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import parse_timeout
 from ..errors import ConfigError
 from ..orphans import Watchdog
 from .errors import FlowError, FlowTimeout, ModuleFailed
@@ -62,6 +64,35 @@ def mpiexec() -> str:
 def default_state_root() -> Path:
     """The per-user temp dir runs are recorded in by default (this host's own)."""
     return Path("/tmp") / f"instride-flow-{os.getuid()}"
+
+
+def private_state_root(root: Path) -> None:
+    """Make the runs' state directory ``root`` (mode 0700) and check that it is this user's:
+    not a symbolic link, not writable by others. The instances import what its runs'
+    ``spec.json`` names: another user who made it first (the default is a predictable name
+    in ``/tmp``) would have their code run in every module.
+
+    Raises
+    ------
+    ConfigError
+        A symbolic link, not a directory, another user's, or writable by group or others.
+    """
+    try:
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = os.lstat(root)
+    except OSError as exc:
+        raise ConfigError("INSTRIDE_FLOW_STATE", str(root),
+                          f"cannot make it: {exc.strerror or exc}") from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise ConfigError("INSTRIDE_FLOW_STATE", str(root), "not a directory (or a symbolic link)")
+    if st.st_uid != os.getuid():
+        raise ConfigError("INSTRIDE_FLOW_STATE", str(root),
+                          f"owned by uid {st.st_uid}, not {os.getuid()}: its runs' programs "
+                          "would be theirs to choose")
+    if st.st_mode & 0o022:
+        raise ConfigError("INSTRIDE_FLOW_STATE", str(root),
+                          f"writable by others (mode {stat.S_IMODE(st.st_mode):o}): its runs' "
+                          "programs would be theirs to choose; chmod go-w it")
 
 
 def state_root() -> Path:
@@ -203,6 +234,8 @@ def run(
     ConfigError
         ``out`` cannot be made a directory (a file is there).
     """
+    if timeout is not None:
+        timeout = parse_timeout(timeout, "timeout")  # (NaN never timed out; -5 at once)
     launcher = launcher or LocalLauncher()
     say = on_event or (lambda line: None)
     nodes = launcher.nodes()
@@ -221,9 +254,10 @@ def run(
     run_id = secrets.token_hex(4)
     prefix = f"flow/{graph.name}-{run_id}"
     root = getattr(launcher, "state_root", None) or state_root()  # shared for batch launchers
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_state_root(root)
     state = root / f"{graph.name}-{run_id}"
     try:
+        state.mkdir(mode=0o700)
         for sub in ("stats", "trace", "logs"):
             (state / sub).mkdir(parents=True)
         spec = {"graph": graph.to_dict(), "prefix": prefix, "state": str(state),
@@ -249,11 +283,14 @@ def run(
         p for p in [os.getcwd(), *graph_dirs, os.environ.get("PYTHONPATH", ""),
                     *(e for e in sys.path if e and os.path.isdir(e))] if p))
 
-    # SIGTERM (a batch system cancelling the job) unwinds like Ctrl-C: instances are stopped
-    # and streams removed by the finally block below.
-    previous = None
+    # SIGTERM (a batch system cancelling the job) and SIGHUP (the terminal or ssh session
+    # closed) unwind like Ctrl-C: instances are stopped and streams removed by the finally
+    # block below (a SIGHUP that nohup ignores stays ignored).
+    previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _terminated)
+        previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, _terminated)
+        if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+            previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, _terminated)
     procs: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
     logs: dict[tuple[str, int], Path] = {}
     #: where and in which environment each process was started (what it left open is ended
@@ -381,7 +418,8 @@ def run(
         if threading.current_thread() is threading.main_thread():
             # (held off by a handler that drops them, not ignored: the programs the teardown
             # starts — scancel, srun, the cleanup — would inherit SIG_IGN, and not stop)
-            held = {s: signal.signal(s, _held_off) for s in (signal.SIGTERM, signal.SIGINT)}
+            held = {s: signal.signal(s, _held_off) for s in (signal.SIGTERM, signal.SIGINT,
+                                                             *previous)}
         try:
             _stop([*procs.values(), *enders.values()])
             if watchdog is not None:
@@ -408,7 +446,8 @@ def run(
         finally:
             if held:
                 signal.signal(signal.SIGINT, held[signal.SIGINT])
-                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+                for sig, before in previous.items():
+                    signal.signal(sig, signal.SIG_DFL if before is None else before)
     if failed:
         raise failed
     return RunResult(graph.name, prefix, seconds, stats, out_dir)

@@ -42,6 +42,9 @@ from .procs import pid_space as _pid_space
 from .procs import proc_stat as _stat
 
 POLICIES = ("block", "drop-oldest", "latest")
+#: A group's position past every frame: a reader that stopped for good (``leave_group``)
+#: takes nothing more, so its producer no longer waits for it.
+GROUP_DONE = 2**62
 _GROUP_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\Z")
 _HEAD = struct.Struct("<qqqq")  # oldest retained, frames written, producer pid, reserved
 _CURSOR = struct.Struct("<q")
