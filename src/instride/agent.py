@@ -240,6 +240,11 @@ class LocalAgent:
                              "first, or give this one its own INSTRIDE_DIR or --socket)",
                              errno.EADDRINUSE)
         with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISSOCK(os.lstat(sock).st_mode):
+                # (a path mistyped, INSTRIDE_SOCKET naming a user's file: never removed)
+                raise ServeError(f"{sock}: exists and is not a socket (name a path for the "
+                                 "server's socket with --socket or INSTRIDE_SOCKET)",
+                                 errno.EEXIST)
             sock.unlink()  # left by a server that is gone
         old_umask = os.umask(0o177)  # the socket is 0600 from the moment it exists
         try:

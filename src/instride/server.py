@@ -158,11 +158,15 @@ class NodeServer:
         log.info("stopped; stats %s", self.snapshot())
 
     async def run(self) -> None:
-        """Serve until SIGTERM or SIGINT."""
-        await self.start()
+        """Serve until SIGTERM, SIGINT or SIGHUP (the terminal or ssh session closed; one that
+        ``nohup`` ignores stays ignored): each stops the server in order — waiting clients
+        told, the socket removed, transfers given their grace."""
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stop_on, sig)
+        # (before the start: a signal during it stops the server once it has started)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                loop.add_signal_handler(sig, self._stop_on, sig)
+        await self.start()
         print("instride serve: ready", flush=True)
         await self._stopping.wait()
         log.info("signal received, shutting down")
@@ -253,7 +257,8 @@ def serve(
     -------
     int
         The exit status of ``instride serve``: 0 when stopped by SIGTERM (how a server is
-        stopped), 130 when interrupted by SIGINT (Ctrl-C), as every ``instride`` command.
+        stopped), 130 when interrupted by SIGINT (Ctrl-C), 129 after SIGHUP, as every
+        ``instride`` command.
     """
     settings = settings or Settings.from_env()
     if sched is not None:  # (the transport's server reads it: "auto")
@@ -264,7 +269,8 @@ def serve(
                         request_timeout=request_timeout, send_timeout=send_timeout)
     asyncio.run(server.run())
     log.info("ran %.1f s", time.monotonic() - started)
-    status = EXIT_INTERRUPTED if server.stopped_by == signal.SIGINT else 0
+    status = EXIT_INTERRUPTED if server.stopped_by == signal.SIGINT \
+        else 128 + signal.SIGHUP if server.stopped_by == signal.SIGHUP else 0
     if server.busy:
         # A worker stuck in a blocking call would keep the interpreter from exiting (it joins
         # pool threads at exit); the server was asked to stop, so leave without them.

@@ -466,6 +466,39 @@ def test_a_stale_socket_is_replaced_and_a_later_servers_socket_kept(
         other.close()
 
 
+def test_sighup_stops_the_server_in_order(own_node: LoopbackNode) -> None:
+    """SIGHUP (the terminal or ssh session closed) went to the CLI's handler, which raised
+    inside the event loop: the server never stopped in order — waiting clients got a bare
+    EOF, the socket stayed. It stops as for SIGTERM now (status 129)."""
+    node = own_node.start()
+    assert ask(node, "PING") == "OK pong"
+    s = unix(node)
+    try:
+        s.sendall(b"CONSUME -1 never/there\n")
+        until(lambda: stats(node)["waiting"] == 1, 10, "the wait pending")
+        assert node.proc is not None
+        node.proc.send_signal(signal.SIGHUP)
+        assert node.proc.wait(15) == 129
+        assert s.makefile().readline().startswith("ERR 103 ")
+    finally:
+        s.close()
+    assert not (node.dir / ".instride" / "node.sock").exists()
+    assert "Traceback" not in node.log.read_text()
+
+
+def test_a_socket_path_naming_a_users_file_is_refused_not_removed(tmp_path: Path) -> None:
+    """``--socket ~/notes.txt`` (a typo, or INSTRIDE_SOCKET naming a file): connecting to it is
+    refused as to a dead server's socket, and the file was removed to make room."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("precious data")
+    env = dict(os.environ, INSTRIDE_DIR=str(tmp_path / "managed"))
+    env.pop("INSTRIDE_REDIS_URL", None)
+    proc = _serve(env, "--socket", str(notes))
+    assert proc.returncode == 6, proc.stderr
+    assert "exists and is not a socket" in proc.stderr
+    assert notes.read_text() == "precious data"
+
+
 def test_sigint_exits_130_sigterm_0(own_node: LoopbackNode) -> None:
     node = own_node.start()
     assert node.proc is not None
