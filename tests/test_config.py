@@ -55,6 +55,29 @@ def test_bad_values(name: str, value: str) -> None:
 
 def test_parse_addr() -> None:
     assert parse_addr("[::1]:80") == ("::1", 80)
+    assert parse_addr("node-3:7437") == ("node-3", 7437)
+    # a bare IPv6 address was misread (`::1`: host ":" port 1) and unbalanced brackets passed
+    for bad in ("::1", "fe80::1", "[::1", "::1]:80", "[]:80", "[a]b]:80"):
+        with pytest.raises(ConfigError, match=r"\[addr\]:port"):
+            parse_addr(bad)
+
+
+def test_spin_is_bounded() -> None:
+    """An INSTRIDE_SPIN meant in milliseconds (`50`) made every wait on a stalled peer a
+    full core's loop of that many seconds."""
+    assert Settings.from_env({"INSTRIDE_SPIN": "1"}).spin == 1.0
+    with pytest.raises(ConfigError, match="INSTRIDE_SPIN"):
+        Settings.from_env({"INSTRIDE_SPIN": "50"})
+
+
+def test_settings_repr_shows_no_secret() -> None:
+    """The dataclass's repr showed the job token and the Redis password (a traceback's locals,
+    a debugger, a logged object)."""
+    s = Settings.from_env({"INSTRIDE_DIR": "/tmp/x", "INSTRIDE_TOKEN": "s3cret",
+                           "INSTRIDE_REDIS_URL": "redis://:pw@h:1/0"})
+    text = repr(s)
+    assert "s3cret" not in text and ":pw@" not in text
+    assert "redis://***@h:1/0" in text and "token='***'" in text and "dir=" in text
 
 
 def test_timeout_meaning_zero_no_wait_inf_forever_negative_refused() -> None:
@@ -289,3 +312,19 @@ def test_same_addr_tells_spellings_of_one_address_from_other_addresses(
     from instride.config import same_addr
 
     assert same_addr(a, b) is same and same_addr(b, a) is same
+
+
+def test_a_child_whose_parent_died_before_it_asked_signals_itself() -> None:
+    """The parent dying between the fork and the child's PR_SET_PDEATHSIG: no signal ever
+    came, and the child (an mpiexec, a worker) ran on as an orphan."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import os, signal; from instride.orphans import die_with_parent; "
+            "die_with_parent(signal.SIGTERM, os.getppid() + 1_000_000); print('ran on')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == -signal.SIGTERM and "ran on" not in res.stdout
+    code = code.replace(" + 1_000_000", "")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "ran on" in res.stdout

@@ -18,11 +18,11 @@ import re
 import socket
 import tempfile
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, redact_url
 
 DEFAULT_PORT = 7437
 INTERNAL_DIRNAME = ".instride"
@@ -40,6 +40,8 @@ _INTEGER = re.compile(r"[+-]?[0-9]+")
 MAX_SECONDS = 2147483
 #: INSTRIDE_CONNECT_TIMEOUT when unset or empty.
 CONNECT_TIMEOUT = 5.0
+#: Most seconds INSTRIDE_SPIN takes (each wait busy-polls that long before it sleeps).
+MAX_SPIN = 1.0
 #: Consume timeouts of at least this many seconds (~31 years) mean "forever", as in C.
 FOREVER_SECONDS = 1e9
 
@@ -181,16 +183,22 @@ def _ahead_bytes(name: str, raw: str | None) -> int:
 
 
 def parse_addr(addr: str, name: str = "INSTRIDE_ADDR") -> tuple[str, int]:
-    """Split ``host:port`` into ``(host, port)``, raising :class:`ConfigError` when malformed."""
+    """Split ``host:port`` (an IPv6 address as ``[addr]:port``) into ``(host, port)``,
+    raising :class:`ConfigError` when malformed."""
     host, sep, port = addr.rpartition(":")
     if not sep or not host:
         raise ConfigError(name, addr, "expected host:port")
+    bracketed = host.startswith("[") and host.endswith("]")
+    inner = host[1:-1] if bracketed else host
+    if "[" in inner or "]" in inner or not inner or (":" in inner and not bracketed):
+        # (a bare IPv6 address: `::1` was host ":" port 1, silently)
+        raise ConfigError(name, addr, "expected host:port (an IPv6 address as [addr]:port)")
     if not port.isascii() or not port.isdigit():
         raise ConfigError(name, addr, "port is not an integer")
     number = int(port)
     if not 0 < number < 65536:
         raise ConfigError(name, addr, "port out of range")
-    return host.strip("[]"), number
+    return inner, number
 
 
 def same_addr(a: str, b: str) -> bool | None:
@@ -287,8 +295,10 @@ def _spin(name: str, raw: str | None) -> float:
     if strip(raw or "") == "":
         return 0.0
     value = parse_number(raw or "", name, "not a number of seconds")
-    if not math.isfinite(value) or value < 0:
-        raise ConfigError(name, raw, "must be a finite number of seconds >= 0")
+    if not math.isfinite(value) or value < 0 or value > MAX_SPIN:
+        # (every wait busy-polls this long first, whatever its own deadline: a value meant
+        # in milliseconds made each wait on a stalled peer a full core's loop)
+        raise ConfigError(name, raw, f"must be a number of seconds from 0 to {MAX_SPIN:g}")
     return value
 
 
@@ -440,8 +450,9 @@ class Settings:
     """
 
     dir: Path
-    redis_url: str | None = None
-    token: str | None = None
+    # (neither shown by repr: a traceback's locals, a debugger, a logged object)
+    redis_url: str | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)
     timeout: float | None = None
     fsync: bool = True
     cache_bytes: int | None = None
@@ -471,6 +482,13 @@ class Settings:
         """
         env = os.environ if env is None else env
         return cls(**{v.field: v.parse(v.name, env.get(v.name)) for v in VARIABLES})
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__dataclass_fields__
+                          if self.__dataclass_fields__[f].repr)
+        redis = "None" if self.redis_url is None else repr(redact_url(self.redis_url))
+        token = "None" if self.token is None else "'***'"
+        return f"Settings({shown}, redis_url={redis}, token={token})"
 
     def with_(self, **changes: object) -> Settings:
         """Return a copy with some fields changed."""

@@ -26,11 +26,13 @@ The watchdog imports nothing from instride (``python -I``: it starts in ~20 ms).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 #: The watchdog's code (``python -I -c CODE GRACE``).
 CODE = r"""
@@ -99,15 +101,29 @@ if not done:
 """
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
+def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
     """In a child before ``exec`` (``preexec_fn``): get ``sig`` when the parent dies (Linux
-    ``PR_SET_PDEATHSIG``; kept across ``exec``). Nothing elsewhere."""
+    ``PR_SET_PDEATHSIG``; kept across ``exec``). Nothing elsewhere.
+
+    ``parent``: the parent's process id, taken before the fork (see :func:`dies_with_me`): a
+    parent that died between the fork and this call sends no signal any more, so the child
+    then signals itself (else it ran on, an orphan).
+    """
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
+        return
+    if parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+
+
+def dies_with_me(sig: int = signal.SIGKILL) -> Callable[[], None]:
+    """A ``preexec_fn`` for a child that gets ``sig`` when this process dies, also where it
+    dies before the child has asked for that (:func:`die_with_parent`)."""
+    parent = os.getpid()
+    return functools.partial(die_with_parent, sig, parent)
 
 
 class Watchdog:

@@ -516,3 +516,28 @@ def test_rank_failed_error_is_what_cannot_travel() -> None:
     assert isinstance(_portable(KeyboardInterrupt(), 3), RankFailedError)
     err = ConsumeTimeout("k", 1.0)
     assert _portable(err, 0) is err
+
+
+# ------------------------------------------------------------------ round 45's review
+def test_a_stream_whose_atom_count_changes_is_a_typed_error(managed_dir: Path, top: str) -> None:
+    """A later frame with another atom count than frame 0's: numpy's bare ValueError (could
+    not broadcast) reached the caller; it is an UnsupportedInputError naming the frame."""
+    with Stream("grows", mode="w", layout="xyz32") as s:
+        s.append(_positions(0), step=0)
+        s.append(np.zeros((N_ATOMS + 2, 3), np.float32), step=10)
+    with pytest.raises(UnsupportedInputError, match=f"frame 1 has {N_ATOMS + 2} atoms"):
+        analyze("rg", "instride://grows", top, select="all", backend="serial", timeout=10)
+
+
+def test_mpiexec_settings_that_name_no_program(monkeypatch: pytest.MonkeyPatch) -> None:
+    """INSTRIDE_MPIEXEC of blanks (unset, as every setting reads it) was used as the program's
+    name; one that names no program raised Popen's bare FileNotFoundError."""
+    from instride.parallel.execute import find_mpiexec
+
+    monkeypatch.setenv("INSTRIDE_MPIEXEC", "  ")
+    assert os.path.isabs(find_mpiexec())  # (the venv's or the one on PATH)
+    monkeypatch.setenv("INSTRIDE_MPIEXEC", "/no/such/mpiexec")
+    with pytest.raises(BackendError, match="INSTRIDE_MPIEXEC"):
+        find_mpiexec()
+    with pytest.raises(BackendError, match="--mpiexec"):
+        find_mpiexec("/no/such/mpirun")

@@ -20,7 +20,7 @@ from typing import IO, Any, Protocol, runtime_checkable
 
 from ..client import Client
 from ..config import Settings
-from ..orphans import die_with_parent
+from ..orphans import dies_with_me
 
 
 @runtime_checkable
@@ -101,7 +101,7 @@ class LocalLauncher:
               log: IO[bytes]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(list(argv), env=dict(env), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=die_with_parent)
+                                preexec_fn=dies_with_me())
 
     def cleanup(self, prefix: str) -> None:
         client = Client(Settings.from_env(dict(self.env(self.node_name))))
@@ -141,7 +141,7 @@ class EmulatedLauncher:
               log: IO[bytes]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(self.cluster.command(node, argv), env=dict(env), stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=die_with_parent)
+                                start_new_session=True, preexec_fn=dies_with_me())
 
     def cleanup(self, prefix: str) -> None:
         # Records live in Redis, files on every node: delete through node 1's client (it sees
@@ -239,7 +239,7 @@ class SlurmLauncher:
         # by cleanup() (by its name), so no instance outlives the run.
         return subprocess.Popen(cmd, env=dict(env), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=die_with_parent)
+                                preexec_fn=dies_with_me())
 
     def steps(self, prefix: str) -> list[str]:
         """The ids (``job.step``) of the run's steps Slurm still lists."""

@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 
 from ..config import DEFAULT_PORT
 from ..errors import ConfigError, InstrideError, MetadataUnavailable, redact_url
-from ..orphans import Watchdog, become_subreaper, children, die_with_parent, stop_adopted
+from ..orphans import Watchdog, become_subreaper, children, dies_with_me, stop_adopted
 
 #: Redis hash of the nodes whose service is up: node name -> ``host:port``.
 REGISTRY = "instride:job:{job}:nodes"
@@ -534,7 +534,7 @@ class JobServices:
             self._redis = subprocess.Popen(  # (SIGTERM if this process dies outright)
                 [exe, "-"], stdin=subprocess.PIPE, stdout=out, stderr=out,
                 env=self._clean_env(), cwd=self.workdir,
-                preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+                preexec_fn=dies_with_me(signal.SIGTERM))
         # The configuration goes through stdin: the password never shows in `ps`.
         conf = (f"bind {self.this_addr}\nport {port}\nrequirepass {password}\nsave \"\"\n"
                 f"appendonly no\nprotected-mode no\ndaemonize no\nloglevel warning\n"
@@ -586,7 +586,7 @@ class JobServices:
             try:
                 self._agents = subprocess.Popen(  # (mpiexec, srun: they pass SIGTERM on)
                     argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
-                    preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+                    preexec_fn=dies_with_me(signal.SIGTERM))
             except OSError as exc:  # (no srun on PATH, ...)
                 raise LaunchError(f"cannot start the services: {argv[0]}: {exc.strerror}") \
                     from None
@@ -713,7 +713,7 @@ class JobServices:
                 ours = children()  # (Redis, the services' launcher, and whatever else is ours)
                 try:  # (SIGTERM to it if this process dies outright)
                     self._child = subprocess.Popen(
-                        list(argv), env=env, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+                        list(argv), env=env, preexec_fn=dies_with_me(signal.SIGTERM))
                 except OSError as exc:
                     raise LaunchError(f"cannot run {argv[0]!r}: {exc.strerror}") from None
                 if self._signalled is not None and not self._forwarded:

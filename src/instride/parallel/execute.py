@@ -53,7 +53,8 @@ from typing import IO, Any
 
 import numpy as np
 
-from ..orphans import die_with_parent
+from ..config import read_variable
+from ..orphans import die_with_parent, dies_with_me
 from .adapters import BUILTIN, Block, Combined, FrameAnalysisAdapter, ParallelAnalysis
 from .analysis_errors import (
     BackendError,
@@ -583,9 +584,13 @@ def _run_mpi(
 def find_mpiexec(explicit: str | None = None) -> str:
     """The ``mpiexec`` to launch: ``explicit``, ``$INSTRIDE_MPIEXEC``, the one next to this
     Python (a venv with the ``mpich`` wheel), else the first on ``PATH``."""
-    for cand in (explicit, os.environ.get("INSTRIDE_MPIEXEC")):
-        if cand:
-            return cand
+    for cand, what in ((explicit, "--mpiexec"), (read_variable("INSTRIDE_MPIEXEC"),
+                                                 "INSTRIDE_MPIEXEC")):
+        if cand and cand.strip():
+            found = shutil.which(cand.strip())
+            if found is None:  # (else a bare FileNotFoundError from Popen)
+                raise BackendError("mpi", f"{what}={cand!r} is no program that can be run")
+            return found
     local = Path(sys.executable).parent / "mpiexec"
     if local.exists():
         return str(local)
@@ -605,7 +610,10 @@ def launch_mpi(argv: Sequence[str], n: int, mpiexec: str | None = None) -> int:
     cmd = [find_mpiexec(mpiexec), "-n", str(n), sys.executable, "-m", "instride", *argv]
     # (mpiexec passes SIGTERM on to the ranks: it gets one if this process dies outright, and
     # one when this process is interrupted, then SIGKILL 10 s later)
-    proc = subprocess.Popen(cmd, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+    try:
+        proc = subprocess.Popen(cmd, preexec_fn=dies_with_me(signal.SIGTERM))
+    except OSError as exc:  # (removed, or not executable, since it was found)
+        raise BackendError("mpi", f"cannot start {cmd[0]}: {exc.strerror or exc}") from None
     try:
         return proc.wait()
     except BaseException:

@@ -32,6 +32,7 @@ Python::
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -218,10 +219,14 @@ def export_h5md(
         name = stream_name(src) if src.startswith(SCHEME) else src
         total, frames = _stream_frames(name, timeout)
 
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp") if key is None else key[1]
+    # (a name nobody can guess, made exclusively — "x", O_EXCL: never through a link planted
+    # there in a shared directory, never another thread's)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp") if key is None \
+        else key[1]
     try:
-        with h5py.File(tmp, "w") as f, tqdm(total=total, unit="frame", desc=f"export {out.name}",
-                                            disable=not progress) as bar:
+        with h5py.File(tmp, "x" if key is None else "w") as f, \
+                tqdm(total=total, unit="frame", desc=f"export {out.name}",
+                     disable=not progress) as bar:
             n = _write(f, frames, total, batch, __version__, bar)
         if n == 0:
             raise UnsupportedInputError(src, "no frames to export")

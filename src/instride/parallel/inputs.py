@@ -425,7 +425,16 @@ class StreamSource(FrameSource):
     def read(self, index: int) -> np.ndarray:
         # Each frame is released once copied out: a held frame keeps its file open.
         with self._stream.read(self._check_index(index)) as frame:
+            self._check_atoms(index, frame.natoms)
             return np.array(frame.positions, dtype=np.float32)
+
+    def _check_atoms(self, index: int, natoms: int) -> None:
+        """A frame of another atom count than frame 0's (the universe's) is unusable."""
+        if natoms != self.n_atoms:
+            raise UnsupportedInputError(
+                self.spec.trajectory, f"frame {index} has {natoms} atoms, frame 0 has "
+                                      f"{self.n_atoms}: a stream analysed as one trajectory "
+                                      "keeps its atom count")
 
     def iter_block(self, start: int, stop: int) -> Iterator[tuple[int, float]]:
         from MDAnalysis.lib.mdamath import triclinic_box
@@ -433,6 +442,7 @@ class StreamSource(FrameSource):
         ts = self._u.trajectory.ts
         for i in range(start, stop):  # in cluster mode Stream.read fetches from the owner node
             with self._stream.read(i) as frame:
+                self._check_atoms(i, frame.natoms)
                 np.copyto(ts.positions, frame.positions, casting="same_kind")
                 ts.dimensions = triclinic_box(*frame.box) if frame.header.has_box else None
                 t = frame.time

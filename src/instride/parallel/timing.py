@@ -36,6 +36,7 @@ import csv
 import json
 import math
 import os
+import secrets
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -105,9 +106,11 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[str]], object
         ``path``.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # (a name nobody can guess, made exclusively: never through a link planted there in a
+    # shared directory, never another thread's)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        with open(tmp, "w", newline="") as fh:
+        with open(tmp, "x", newline="") as fh:
             write(fh)
         os.replace(tmp, path)
     except BaseException:
