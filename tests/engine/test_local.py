@@ -162,6 +162,12 @@ def test_managed_dir_must_be_private(tmp_path: Path) -> None:
     fresh = tmp_path / "fresh" / "dir"
     instride.Client(Settings(dir=fresh))
     assert fresh.stat().st_mode & 0o777 == 0o700
+    # one its group may write (a shared project directory): refused too, as every user's
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o770)
+    with pytest.raises(ConfigError, match="writable by its group"):
+        instride.Client(Settings(dir=shared))
 
 
 def test_the_engine_is_chosen_once_from_the_settings(client: instride.Client) -> None:

@@ -46,7 +46,9 @@ def ensure_private_dir(root: Path) -> None:
     Raises
     ------
     ConfigError
-        The directory is a symbolic link, belongs to another user, or is writable by others.
+        The directory is a symbolic link, belongs to another user, or is writable by others
+        (its group, or every user) without the sticky bit of a shared directory like
+        ``/dev/shm``: they could put files under its keys' names, or take ones away.
     """
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -57,8 +59,11 @@ def ensure_private_dir(root: Path) -> None:
         raise ConfigError("INSTRIDE_DIR", str(root), "not a directory (or a symbolic link)")
     if st.st_uid != os.getuid():
         raise ConfigError("INSTRIDE_DIR", str(root), f"owned by uid {st.st_uid}, not {os.getuid()}")
-    if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
-        raise ConfigError("INSTRIDE_DIR", str(root), "writable by every user")
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise ConfigError("INSTRIDE_DIR", str(root),
+                          "writable by every user" if st.st_mode & 0o002 else
+                          "writable by its group (chmod g-w it: others could put files under "
+                          "its keys' names)")
 
 
 def file_checksum(path: str | Path) -> str:
