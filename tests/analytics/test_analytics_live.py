@@ -128,3 +128,21 @@ def test_rmsd_with_a_fixed_reference_is_mdanalysis_bit_for_bit(adk) -> None:
     want = [rms.rmsd(reference, ca.positions, weights=ca.masses, superposition=True)
             for _ in adk.trajectory[:4]]
     assert np.array_equal(mass, want)  # rms.rmsd's weighted arithmetic, exactly
+
+
+def test_a_frame_one_analysis_fails_on_is_taken_by_none(adk) -> None:
+    """The radius of gyration failing on a frame after the RMSD took it: finish() returned
+    columns of different lengths (the RMSD one frame longer)."""
+    live = InSituAnalytics(adk)
+    live.process()
+    adk.trajectory.next()
+    failing = live.analyses[1]
+
+    def broken() -> tuple[float, ...]:
+        raise FloatingPointError("no mass")
+
+    failing.compute = broken  # type: ignore[method-assign]
+    with pytest.raises(FloatingPointError):
+        live.process()
+    got = live.finish()
+    assert {len(v) for v in got.values()} == {1}, {k: len(v) for k, v in got.items()}

@@ -61,6 +61,12 @@ class FrameAnalysis(AnalysisBase, metaclass=abc.ABCMeta):
         """Forget every frame seen (the next frame becomes the first)."""
         self._rows = []
 
+    def forget_last(self) -> None:
+        """Forget the last frame :meth:`update` remembered (one that, with the other analyses
+        of the same frame, did not complete)."""
+        if self._rows:
+            self._rows.pop()
+
     def update(self) -> dict[str, float]:
         """Analyse the current frame, remember it, and return its values by column."""
         row = tuple(float(v) for v in self.compute())

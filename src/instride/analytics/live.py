@@ -101,8 +101,17 @@ class InSituAnalytics:
             "step": int(ts.data.get("step", ts.frame)),
             "time_ps": float(ts.time),
         }
-        for analysis in self.analyses:
-            row.update(analysis.update())
+        done: list[FrameAnalysis] = []
+        try:
+            for analysis in self.analyses:
+                row.update(analysis.update())
+                done.append(analysis)
+        except BaseException:
+            # (the frame is analysed by all or by none: the analyses that took it forget it,
+            # or their columns came out longer than the others')
+            for analysis in done:
+                analysis.forget_last()
+            raise
         if self.table is not None:
             self.table.append(row)
         self.frames += 1
