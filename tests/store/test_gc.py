@@ -187,3 +187,23 @@ def test_a_writers_lock_is_held_until_its_file_has_its_name(managed_dir: Path, t
     assert seen, "the probe saw no rename of a temporary file"
     assert all(line.startswith("held ") for line in seen), seen
     assert _temps(managed_dir / "k") == []
+
+
+def test_a_file_claimed_a_moment_ago_is_not_old(managed_dir: Path) -> None:
+    """``gc --min-age``: a receive file claimed from the pool (an old file renamed to a fetch's
+    temporary name, not locked yet: a few microseconds) was judged by its last write, and
+    removed under the fetch. Its rename counts as recent now."""
+    import time
+
+    from instride.keys import tmp_path
+    from instride.store.gc import collect_garbage
+
+    (managed_dir / "k").mkdir()
+    pooled = managed_dir / "k" / "pooled.bin"
+    pooled.write_bytes(b"an old copy")
+    os.utime(pooled, (time.time() - 3600, time.time() - 3600))
+    claimed = tmp_path(managed_dir / "k" / "new.bin")
+    os.rename(pooled, claimed)  # the claim
+    assert collect_garbage(managed_dir, min_age=60) == []
+    assert claimed.exists()
+    claimed.unlink()

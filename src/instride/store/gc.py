@@ -66,8 +66,9 @@ def collect_garbage(root: Path, *, min_age: float = 0.0) -> list[Path]:
     """Remove temporary files left by producers that died mid-write.
 
     A temporary file a writer still holds (its lock, see :func:`being_written`) is never
-    removed. Any other is removed when its writer's PID is gone, or when it is older than
-    ``min_age`` seconds and ``min_age`` is positive (for PIDs reused since). The lock is
+    removed. Any other is removed when its writer's PID is gone, or when it was last written
+    or renamed more than ``min_age`` seconds ago and ``min_age`` is positive (for PIDs reused
+    since). The lock is
     what keeps a running writer's file safe from a collector in another PID namespace (a
     container sharing the file system), where its process id names nothing or another
     process.
@@ -76,9 +77,12 @@ def collect_garbage(root: Path, *, min_age: float = 0.0) -> list[Path]:
     now = time.time()
     for path, pid in iter_tmp_files(root):
         try:
-            age = now - path.stat().st_mtime
+            st = path.stat()
         except FileNotFoundError:
             continue
+        # (its last write, or its last rename: a receive file claimed from the pool a moment
+        # ago is an old file under a new temporary name, not locked yet)
+        age = now - max(st.st_mtime, st.st_ctime)
         if ((pid != os.getpid() and not pid_alive(pid)) or (min_age > 0 and age > min_age)) \
                 and not being_written(path):
             with contextlib.suppress(FileNotFoundError):
