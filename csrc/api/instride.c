@@ -154,7 +154,9 @@ INS_API int instride_commit(instride_writer *w)
         closed = -1;
         errno = sync_errno;
     }
-    if (closed != 0 && errno != EINTR) {
+    /* (an interrupted close leaves the file whole: published; an interrupted fsync does not
+     * say the data is on disk: not published) */
+    if (closed != 0 && (synced != 0 || errno != EINTR)) {
         /* The data may not have reached the file: never publish it. */
         ins_fail(errno, "closing key %.300s failed: %s", ins_key(&w->key), strerror(errno));
         unlink(w->tmp);
@@ -195,6 +197,10 @@ INS_API int instride_publish(const char *src, const char *path, int flags)
                                        src ? src : "(null)", strerror(src == NULL ? EINVAL : errno)));
     if (!S_ISREG(st.st_mode))
         return ins_api_result(ins_fail(EINVAL, "cannot publish %.300s: not a regular file", src));
+    struct stat kst;
+    if (lstat(p.abs, &kst) == 0 && kst.st_dev == st.st_dev && kst.st_ino == st.st_ino)
+        return ins_api_result(0); /* (the key's own file, or a hard link of it: as rename(2)
+                                     does under the preload library, nothing to do) */
     int noreplace = (flags & INSTRIDE_NOREPLACE) || !ins_cfg.overwrite;
     return ins_api_result(ins_publish_move(AT_FDCWD, src, &p, noreplace));
 }

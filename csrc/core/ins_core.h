@@ -181,8 +181,8 @@ INS_HIDDEN int ins_wait_local(const char *abs);
  * thread and registers these hooks to be told when the application closes it.
  * Without hooks (libinstride.so), each wait makes and closes its own fd. */
 struct ins_fd_hooks {
-    int (*is_internal)(int fd);
-    int (*mark_internal)(int fd, int on);
+    int (*is_internal)(int fd, const void *token);  /* fd is the internal fd of token's thread */
+    int (*mark_internal)(int fd, const void *token); /* mark it so (NULL: unmark) */
     int (*foreign)(void); /* 1: a vfork child, whose thread-locals are its parent's: no cache */
 };
 INS_HIDDEN void ins_inotify_setup(const struct ins_fd_hooks *hooks); /* once, at init */

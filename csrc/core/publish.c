@@ -326,12 +326,13 @@ static int ins_copy_publish(int olddirfd, const char *old, const struct ins_path
     in = ins_sys.openat(olddirfd, old, O_RDONLY | O_CLOEXEC);
     if (in < 0 || fstat(in, &st) != 0 || ins_temp_name(np, tmp) != 0)
         goto cleanup;
-    out = ins_sys.open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, st.st_mode & 07777);
+    /* (made again where a reader's failed wait removed the key's new, empty directory, as
+     * the other paths do; marked as being written: instride gc leaves it) */
+    out = ins_create_temp(np, O_WRONLY | O_CLOEXEC, st.st_mode & 07777, tmp);
     if (out < 0) {
         tmp[0] = '\0'; /* not ours to remove */
         goto cleanup;
     }
-    ins_mark_writing(out); /* (instride gc leaves it, as any writer's) */
     if (ins_copy_fd(in, out) != 0)
         goto cleanup;
     if (ins_maybe_fsync(out) != 0)

@@ -19,14 +19,20 @@
 static struct ins_fd_hooks ins_hooks; /* all NULL: no caching */
 static INS_TLS int ins_ifd = -1;
 static INS_TLS int ins_wd = -1; /* watch left on the directory of the last wait */
+/* The thread's token (its address: one per thread) its cached fd is marked with: the
+ * number alone named any thread's fd -- after the application closed a thread's fd, another
+ * thread's new one could get that number, and the first took it for its own (removing the
+ * other's watch, eating its events: a wait that never woke). */
+static INS_TLS int ins_token;
+#define INS_TOKEN ((const void *)&ins_token)
 static pthread_key_t ins_ifd_key;
 static int ins_ifd_key_ok;
 
 static void ins_ifd_release(void *arg)
 {
     int fd = (int)(intptr_t)arg - 1;
-    if (fd >= 0 && ins_hooks.is_internal(fd)) {
-        ins_hooks.mark_internal(fd, 0);
+    if (fd >= 0 && ins_hooks.is_internal(fd, INS_TOKEN)) {
+        ins_hooks.mark_internal(fd, NULL);
         ins_sys.close(fd);
     }
     ins_ifd = -1;
@@ -46,8 +52,8 @@ void ins_inotify_forget(void)
     int fd = ins_ifd;
     ins_ifd = -1;
     ins_wd = -1;
-    if (fd >= 0 && ins_hooks.is_internal(fd)) {
-        ins_hooks.mark_internal(fd, 0);
+    if (fd >= 0 && ins_hooks.is_internal(fd, INS_TOKEN)) {
+        ins_hooks.mark_internal(fd, NULL);
         ins_sys.close(fd); /* drops only the child's reference: no grace period */
     }
     if (ins_ifd_key_ok)
@@ -64,7 +70,7 @@ static int ins_inotify_get(int *cached)
         return inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
     }
     *cached = 1;
-    if (ins_ifd_key_ok && ins_ifd >= 0 && ins_hooks.is_internal(ins_ifd))
+    if (ins_ifd_key_ok && ins_ifd >= 0 && ins_hooks.is_internal(ins_ifd, INS_TOKEN))
         return ins_ifd;
     ins_ifd = -1; /* none yet, or the application closed it */
     ins_wd = -1;
@@ -72,7 +78,7 @@ static int ins_inotify_get(int *cached)
     if (fd < 0)
         return -1;
     fd = ins_move_high(fd); /* (kept for the thread's life: not on a number the app reuses) */
-    if (!ins_ifd_key_ok || ins_hooks.mark_internal(fd, 1) != 0) {
+    if (!ins_ifd_key_ok || ins_hooks.mark_internal(fd, INS_TOKEN) != 0) {
         *cached = 0;
         return fd;
     }
@@ -96,9 +102,16 @@ static void ins_inotify_put(int ifd, int cached)
     int e = errno;
     if (!cached)
         ins_sys.close(ifd);
-    else
+    else if (ins_hooks.is_internal(ifd, INS_TOKEN)) /* (not a number the app reused since) */
         ins_inotify_drain(ifd);
     errno = e;
+}
+
+/* Whether the cached fd `ifd` is no longer this thread's: the application closed its number
+ * (close, closefrom, dup2 over it) during the wait, perhaps reused it since. */
+static int ins_inotify_lost(int ifd, int cached)
+{
+    return cached && !ins_hooks.is_internal(ifd, INS_TOKEN);
 }
 
 /* Watch dir (creating it if needed) on this thread's inotify fd; a watch
@@ -182,6 +195,22 @@ int ins_wait_local(const char *abs)
             break;
         if (prc <= 0)
             continue;
+        int lost = ins_inotify_lost(ifd, cached);
+        if (lost || (pfd.revents & (POLLNVAL | POLLERR))) {
+            /* closed under the wait (POLLNVAL: spun until the deadline), or its number now
+             * another file's (its data would have been read as events): a new fd, watched
+             * again; the loop looks at the key again before it sleeps */
+            if (!lost && cached)
+                ins_hooks.mark_internal(ifd, NULL);
+            if (!lost && !(pfd.revents & POLLNVAL))
+                ins_sys.close(ifd); /* (ours still, in error) */
+            ifd = ins_inotify_get(&cached);
+            if (ifd < 0)
+                return -1;
+            if ((wd = ins_watch(ifd, cached, dir)) < 0)
+                break;
+            continue;
+        }
         /* the directory went away: recreate it and watch again */
         if (ins_dir_gone(ifd, wd) && (wd = ins_watch(ifd, cached, dir)) < 0)
             break;

@@ -62,12 +62,15 @@ int ins_table_any(void)
     return atomic_load_explicit(&ins_table_count, memory_order_acquire) > 0;
 }
 
-/* Internal fds (a thread's cached inotify fd) are marked with this sentinel,
- * so that the application closing or reusing their number is noticed. */
-#define INS_INTERNAL ((struct ins_file *)(uintptr_t)1)
-/* The fd a shared writable mapping of a produced file holds (mmap.c): the same. */
+/* Internal fds (a thread's cached inotify fd) are marked with their owner's token (the
+ * address of a thread-local variable, an even number) with its low bit set, so that the
+ * application closing or reusing their number is noticed -- and a thread never takes another
+ * thread's fd, made on the same number after the application closed its own, for its own. */
+#define INS_OWNED(token) ((struct ins_file *)((uintptr_t)(token) | 1))
+/* The fd a shared writable mapping of a produced file holds (mmap.c): a sentinel too. */
 #define INS_MAPHOLD ((struct ins_file *)(uintptr_t)2)
-#define INS_SENTINEL(f) ((uintptr_t)(f) <= 2)
+#define INS_SENTINEL(f) ((uintptr_t)(f) <= 2 || ((uintptr_t)(f) & 1))
+#define INS_IS_OWNED(f) ((uintptr_t)(f) & 1)
 
 int ins_table_occupied(int fd)
 {
@@ -84,22 +87,22 @@ struct ins_file *ins_table_peek(int fd)
     return INS_SENTINEL(f) ? NULL : f;
 }
 
-int ins_table_is_internal(int fd)
+int ins_table_is_internal(int fd, const void *token)
 {
-    if (fd < 0 || (size_t)fd >= ins_table_size || ins_table == NULL)
+    if (fd < 0 || (size_t)fd >= ins_table_size || ins_table == NULL || token == NULL)
         return 0;
-    return atomic_load_explicit(&ins_table[fd], memory_order_acquire) == INS_INTERNAL;
+    return atomic_load_explicit(&ins_table[fd], memory_order_acquire) == INS_OWNED(token);
 }
 
-int ins_table_mark_internal(int fd, int on)
+int ins_table_mark_internal(int fd, const void *token)
 {
     if (fd < 0 || (size_t)fd >= ins_table_size || ins_table == NULL)
         return -1;
     int last = 0;
     ins_table_lock();
     struct ins_file *stale = ins_table_take_locked(fd, &last);
-    if (on) {
-        atomic_store_explicit(&ins_table[fd], INS_INTERNAL, memory_order_release);
+    if (token != NULL) {
+        atomic_store_explicit(&ins_table[fd], INS_OWNED(token), memory_order_release);
         atomic_fetch_add(&ins_table_count, 1);
     }
     ins_table_unlock();
@@ -273,7 +276,8 @@ void ins_file_sync(struct ins_file *f, int fd)
 int ins_file_finish(struct ins_file *f, int close_rc, int close_errno)
 {
     int rc = 0;
-    if (f->sync_errno != 0 && f->pid == getpid()) { /* (whatever the close said: EINTR too) */
+    int sync_failed = f->sync_errno != 0 && f->pid == getpid();
+    if (sync_failed) { /* (whatever the close said: EINTR too) */
         close_rc = -1; /* (fsync failed: the data may not be on disk, as a failed close) */
         close_errno = f->sync_errno;
     }
@@ -286,8 +290,9 @@ int ins_file_finish(struct ins_file *f, int close_rc, int close_errno)
         }
         return 0;
     }
-    if (close_rc != 0 && close_errno != EINTR) {
-        /* The data may not have reached the file: never publish it. */
+    if (close_rc != 0 && (sync_failed || close_errno != EINTR)) {
+        /* The data may not have reached the file (an interrupted fsync included): never
+         * publish it. */
         unlink(f->tmp);
         errno = close_errno;
         rc = -1;
@@ -328,6 +333,17 @@ static void ins_atfork_child(void)
     ins_table_owner = getpid();
     pthread_mutex_unlock(&ins_table_mu);
     ins_inotify_forget(); /* the inotify instance is shared with the parent now */
+    /* every other thread's cached inotify fd too (those threads are not in the child: their
+     * instances would stay open until exec, counted against the user's inotify limit) */
+    for (size_t fd = 0; atomic_load_explicit(&ins_table_count, memory_order_relaxed) > 0 &&
+                        fd < ins_table_size; fd++) {
+        struct ins_file *f = atomic_load_explicit(&ins_table[fd], memory_order_relaxed);
+        if (f != NULL && INS_IS_OWNED(f)) {
+            atomic_store_explicit(&ins_table[fd], NULL, memory_order_relaxed);
+            atomic_fetch_sub(&ins_table_count, 1);
+            ins_sys.close((int)fd);
+        }
+    }
 }
 
 /* No destructor removes the temps of files still open at exit: language

@@ -113,8 +113,8 @@ INS_HIDDEN void ins_file_sync(struct ins_file *f, int fd);
 INS_HIDDEN int ins_table_put(int fd, struct ins_file *f);     /* -1/EMFILE if fd too big */
 INS_HIDDEN struct ins_file *ins_table_peek(int fd);           /* lock-free, no ref */
 INS_HIDDEN int ins_table_occupied(int fd);   /* a produced file or an internal fd */
-INS_HIDDEN int ins_table_is_internal(int fd);
-INS_HIDDEN int ins_table_mark_internal(int fd, int on);
+INS_HIDDEN int ins_table_is_internal(int fd, const void *token);  /* token's own fd */
+INS_HIDDEN int ins_table_mark_internal(int fd, const void *token); /* NULL: no longer */
 INS_HIDDEN struct ins_file *ins_table_take(int fd, int *last); /* detach fd */
 INS_HIDDEN struct ins_file *ins_table_take_locked(int fd, int *last);
 INS_HIDDEN size_t ins_table_capacity(void);

@@ -291,3 +291,23 @@ def test_close_range_beside_another_threads_opens_loses_no_key(shim: Shim,
     proc = shim.run([exe, shim.dir, "10000"], timeout=120)
     assert proc.returncode == 0 and proc.stdout.decode().strip() == "0", proc.stderr[-400:]
     assert shim.temps() == []
+
+
+@pytest.mark.parametrize("case", ["share", "spin"])
+def test_a_threads_inotify_fd_closed_by_the_program(shim: Shim, build: Builder,
+                                                    case: str) -> None:
+    """The program closes its descriptors (closefrom) under the library's per-thread inotify
+    fds. "share": a thread took another thread's new fd, made on the number its own had, for
+    its own — removing that thread's watch, eating its events: the other's wait never woke
+    (hung for ever without INSTRIDE_TIMEOUT). "spin": a wait whose fd was closed under it
+    spun on POLLNVAL until its deadline."""
+    exe = build("inotify_closed.c")
+    src = shim.outside / "src.bin"
+    src.write_bytes(b"data")
+    proc = shim.with_env(INSTRIDE_TIMEOUT="3").run([exe, shim.dir, src, case], timeout=60)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    value = float(proc.stdout.decode().strip())
+    if case == "share":
+        assert 0 <= value < 2000, f"T2 woke after {value} ms (its key came at 300 ms)"
+    else:
+        assert value < 500, f"{value} ms of CPU in a 2.7 s wait"

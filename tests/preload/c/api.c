@@ -205,6 +205,10 @@ static void t_publish(void)
     CHECK(file_is(mp("pub/made.bin"), "made elsewhere\n"));
     CHECK(instride_publish(op("missing.bin"), mp("pub/m.bin"), 0) == ENOENT);
     CHECK(instride_publish(OUT, mp("pub/dir.bin"), 0) == EINVAL); /* not a regular file */
+    /* a key published onto itself: nothing to do, as rename(2) of it under the preload
+     * library (it was EEXIST) */
+    CHECK(instride_publish(mp("pub/made.bin"), mp("pub/made.bin"), 0) == 0);
+    CHECK(file_is(mp("pub/made.bin"), "made elsewhere\n"));
 }
 
 static void t_overwrite(void) /* run with INSTRIDE_OVERWRITE=1 */
