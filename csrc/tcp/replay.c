@@ -121,8 +121,14 @@ int guard_check(guard *g, const char *nonce, size_t len, double ts, double now) 
     nonce_hash(nonce, len, h);
     pthread_mutex_lock(&g->mu);
     int rc = 0;
-    while (g->count > 0 && g->heap[0]->ts < now - g->window)
-        heap_pop(g);
+    while (g->count > 0 && g->heap[0]->ts < now - g->window) {
+        /* forgotten: anything not newer is refused from now on (another thread's later
+         * clock expired a nonce that this request's window check, an instant earlier, still
+         * let through: its replay was served again) */
+        double gone = heap_pop(g);
+        if (gone > g->floor)
+            g->floor = gone;
+    }
     if (ts <= g->floor) {
         rc = 2;
         goto out;

@@ -1713,3 +1713,41 @@ def test_the_server_takes_the_open_files_it_may(tmp_path: Path) -> None:
                              text=True, timeout=60, check=True)
         assert run.stdout.split() == [str(peers), str(hard)]
         assert ("serving at most 192 peers" in run.stderr) == (peers < 512)
+
+
+def test_an_owner_that_closes_before_replying_is_unavailable(tmp_path: Path) -> None:
+    """An owner that accepts and closes without a reply byte (a server shedding a flood) was a
+    TransferError ("connection closed after 0 of 4 header bytes") on the Python path, and
+    PeerUnavailable on the native one: no reply at all is PeerUnavailable on both."""
+    from instride.config import Settings
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.1)  # (the thread looks at `stop` between accepts)
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def shed() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                conn, _ = listener.accept()
+                conn.recv(65536)
+                conn.close()
+
+    th = threading.Thread(target=shed, daemon=True)
+    th.start()
+    client = TcpTransport(Settings(dir=tmp_path, token=TOKEN, connect_timeout=2.0))
+    rec = Record("k/a.bin", f"127.0.0.1:{port}", 10, "xxh3:" + xxhash.xxh3_64_hexdigest(b"x" * 10),
+                 1, 0.0)
+    try:
+        with pytest.raises(PeerUnavailable):
+            client.fetch_bytes(rec)
+        with pytest.raises(PeerUnavailable):
+            client.fetch(rec, tmp_path / "a.bin")
+        assert not (tmp_path / "a.bin").exists()
+    finally:
+        stop.set()
+        client.close()
+        listener.close()
+        th.join(5)

@@ -130,6 +130,27 @@ def test_the_replay_guard_forgets_each_nonce_as_it_leaves_the_window(running: _R
     assert 300 * rate - 2 <= running.server.replay_held() <= 300 * rate + 2
 
 
+def test_a_nonce_forgotten_at_the_windows_edge_is_not_fresh_again(running: _Running) -> None:
+    """Two clock readings decide a request: its window check, then the guard (also another
+    thread's later one, which forgets the nonces past the window). A replay whose timestamp
+    reached the window's edge passed the first on its reading while another request's reading
+    had just made the guard forget its nonce: served again. What the guard forgets, it
+    refuses from then on (its floor), in the engine and in Python's guard (UCX)."""
+    from instride.transport.replay import ReplayGuard
+    from instride.transport.tcp.engine import load_library
+
+    lib, handle = load_library(), running.server._handle
+    t = time.time() + 2e5  # (later than any request this test's server saw)
+    assert lib.iss_replay_check(handle, b"captured", 8, t, t) == 0
+    assert lib.iss_replay_check(handle, b"captured", 8, t, t + 299.9) == 1  # a replay: refused
+    assert lib.iss_replay_check(handle, b"another", 7, t + 1, t + 300.0001) == 0  # forgets it
+    assert lib.iss_replay_check(handle, b"captured", 8, t, t + 299.9999) != 0  # still refused
+    guard = ReplayGuard()
+    assert guard.check("captured", t, now=t) is None
+    assert guard.check("another", t + 1, now=t + 300.0001) is None
+    assert guard.check("captured", t, now=t + 299.9999) is not None
+
+
 def test_a_request_that_comes_while_the_server_stops_is_told_so(running: _Running) -> None:
     """A request Python answers after :meth:`stop` began (in the grace it gives transfers):
     "server is stopping", as ``PeerUnavailable`` (the asker's error for an owner going away),

@@ -36,3 +36,13 @@ def test_framing_round_trip_and_bounds() -> None:
 def test_wire_errors_are_instride_errors() -> None:
     assert issubclass(WireError, InstrideError) and issubclass(WireError, ValueError)
     assert wire.WireError is WireError
+
+
+def test_a_header_in_utf16_is_refused_before_its_depth_can_hide() -> None:
+    """``json.loads(bytes)`` also decodes UTF-16 and UTF-32, whose bytes the depth scan
+    misread (a quote byte inside a character: every bracket after it looked quoted): a deeply
+    nested header of an unauthenticated peer reached the recursive parser. Headers are UTF-8."""
+    body = ('["\u0122",' + "[" * 3000 + "]" * 3000 + "]").encode("utf-16-be")
+    with pytest.raises(wire.WireError, match="not valid JSON"):
+        wire.parse_header(body)
+    assert wire.parse_header('{"k": "\u0122"}'.encode()) == {"k": "\u0122"}

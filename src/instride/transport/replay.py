@@ -52,7 +52,12 @@ class ReplayGuard:
         """
         order = self._order
         while order and order[0][0] < now - self.window:  # outside the window: cannot replay
-            self._seen.discard(heapq.heappop(order)[1])
+            old_ts, old = heapq.heappop(order)
+            self._seen.discard(old)
+            # (and anything not newer is refused from now on: a request whose window check
+            # read the clock an instant before this one would otherwise pass with a nonce
+            # just forgotten — its replay served again)
+            self.floor = max(self.floor, old_ts)
         if ts <= self.floor:
             return "request too old for the replay window (resend it)"
         if nonce in self._seen:

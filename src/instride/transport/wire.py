@@ -178,7 +178,10 @@ def parse_header(body: bytes) -> dict[str, Any]:
         # limit: one request of an unauthenticated peer would kill the data server)
         raise WireError(f"header is nested more than {MAX_DEPTH} levels deep")
     try:
-        obj = json.loads(body)
+        # (decoded as UTF-8 first: json.loads(bytes) also takes UTF-16 and UTF-32, whose
+        # bytes the depth scan above misreads — a quote byte inside a character, and every
+        # bracket after it looked quoted while the parser recursed on them)
+        obj = json.loads(body.decode("utf-8"))
     except (ValueError, TypeError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         raise WireError(f"header is not valid JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
     if not isinstance(obj, dict):

@@ -53,6 +53,11 @@ def _recv_exact(sock: socket.socket, n: int, key: str, have: bytes = b"") -> byt
     while got < n:
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
+            if got == 0 and n == 4:
+                # (closed before a byte of the reply: no reply at all — PeerUnavailable, as on
+                # the native path, not a transfer cut short)
+                raise ConnectionAbortedError(errno.ECONNABORTED,
+                                             "connection closed before the reply")
             raise TransferError(key, f"connection closed after {got} of {n} header bytes")
         got += k
     return bytes(buf)
