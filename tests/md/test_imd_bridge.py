@@ -137,8 +137,13 @@ def test_timeouts_are_checked(managed_dir: Path) -> None:
     for bad in (0, -1, float("nan")):
         with pytest.raises(instride.ConfigError, match="timeout"):
             bridge("127.0.0.1:1", "t", NATOMS, timeout=bad)
-    with pytest.raises(instride.ConfigError, match="connect_timeout"):
-        bridge("127.0.0.1:1", "t", NATOMS, connect_timeout=float("inf"))
+    for bad in (float("inf"), 1e7):  # (1e7 s: poll()'s milliseconds overflowed, a traceback)
+        with pytest.raises(instride.ConfigError, match="connect_timeout"):
+            bridge("127.0.0.1:1", "t", NATOMS, connect_timeout=bad)
+    # whole numbers: every=1.5 truncated the steps silently, natoms=4.0 was a TypeError
+    for name, bad in (("every", 1.5), ("natoms", 4.0), ("first_step", -5), ("every", True)):
+        with pytest.raises(instride.ConfigError, match=name):
+            bridge("127.0.0.1:1", "t", **{"natoms": NATOMS, name: bad})  # type: ignore[arg-type]
     for bad in (float("nan"), float("inf"), -0.002):  # (went out as every frame's time)
         with pytest.raises(instride.ConfigError, match="dt"):
             bridge("127.0.0.1:1", "t", NATOMS, dt=bad, connect_timeout=0.3)

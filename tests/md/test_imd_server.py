@@ -200,9 +200,20 @@ def test_bad_settings_are_typed_errors(managed_dir: Path) -> None:
         IMDServer("s", start="middle")
     with pytest.raises(instride.KeyValidationError):
         IMDServer("../outside")
-    for bad in (float("nan"), -1.0, 0, float("inf"), "5", True):  # (a session's stall limit:
+    for bad in (float("nan"), -1.0, 0, "5", True):  # (a session's stall limit:
         with pytest.raises(instride.ConfigError, match="timeout"):  # every session failed)
             IMDServer("s", timeout=bad)  # type: ignore[arg-type]
+    # inf: no limit, as everywhere else (it was refused); whole numbers for version and port
+    # (3.0 passed, then every session failed packing its handshake; 8889.0 a bare TypeError)
+    with IMDServer("s", timeout=float("inf")) as server:
+        assert server.timeout is None
+        for bad in (float("nan"), -1.0):  # (NaN spun a core until close())
+            with pytest.raises(instride.ConfigError, match="timeout"):
+                server.wait_clients(1, timeout=bad)
+        assert server.wait_clients(1, timeout=0.05) is False
+    for name, bad in (("version", 3.0), ("port", 8889.0), ("port", "0"), ("version", True)):
+        with pytest.raises(instride.ConfigError, match=name):
+            IMDServer("s", **{name: bad})  # type: ignore[arg-type]
     for bad in (float("nan"), -0.5, float("inf")):  # (it goes out in every frame's TIME)
         with pytest.raises(instride.ConfigError, match="dt"):
             IMDServer("s", dt=bad)
@@ -270,9 +281,11 @@ def test_cli_imd_serve(managed_dir: Path) -> None:
     assert f"{len(u.trajectory)} frames" in out and "end of stream" in out and "served 1 clients" in out
 
 
-@pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+@pytest.mark.parametrize(("signum", "status"),
+                         [(signal.SIGTERM, 0), (signal.SIGINT, 130), (signal.SIGHUP, 129)])
 def test_cli_imd_serve_stops_cleanly_on_sigterm(managed_dir: Path, signum: int, status: int) -> None:
-    """SIGTERM stops the server (status 0), Ctrl-C interrupts it (130); sessions end either way."""
+    """SIGTERM stops the server (status 0), Ctrl-C interrupts it (130), SIGHUP (its terminal
+    closed) 129 -- it was 130; sessions end every way."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "instride", "imd-serve", "nothing-yet", "--port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -10,8 +10,10 @@ import signal
 import sys
 
 from . import (
+    EXIT_HUNG_UP,
     EXIT_INTERRUPTED,
     EXIT_INVALID,
+    HungUp,
     md_step_ps,
     no_limit_as_none,
     positive_int,
@@ -70,16 +72,19 @@ def cmd_imd_serve(args: argparse.Namespace) -> int:
         missed = f" ({r.missed} retired before it was sent them)" if r.missed else ""
         print(f"client {r.peer}: {r.frames} frames{missed} in {r.seconds:.2f} s, {how}", flush=True)
 
-    terminated = []
+    stopped_by: list[int] = []
 
-    def terminate(signum: int, frame: object) -> None:
+    def stop(signum: int, frame: object) -> None:
         # A stop must never hang: should closing the sessions take longer than this, every
-        # thread's stack goes to stderr and the process exits (status 1).
+        # thread's stack goes to stderr and the process exits (status 1) -- for SIGTERM,
+        # Ctrl-C and SIGHUP alike.
         faulthandler.dump_traceback_later(_STOP_WATCHDOG_S, exit=True)
-        terminated.append(signum)
-        raise KeyboardInterrupt
+        stopped_by.append(signum)
+        raise HungUp if signum == signal.SIGHUP else KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, terminate)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # (nohup's SIGHUP stays ignored)
+            signal.signal(sig, stop)
     try:
         reports = serve(
             args.stream, host=args.host, port=args.port, version=args.imd_version, start=args.start,
@@ -91,8 +96,11 @@ def cmd_imd_serve(args: argparse.Namespace) -> int:
         sys.stderr.flush()
         # Every session is closed and its threads joined (or given up on after 5 s): leave
         # now rather than wait at interpreter shutdown on a session thread still blocked.
-        # SIGTERM is how a server is stopped (status 0); Ctrl-C is an interruption (130).
-        os._exit(0 if terminated else EXIT_INTERRUPTED)
+        # SIGTERM is how a server is stopped (status 0); Ctrl-C is an interruption (130);
+        # SIGHUP (its terminal closed) 129, as for every command.
+        first = stopped_by[0] if stopped_by else signal.SIGINT
+        os._exit(0 if first == signal.SIGTERM else EXIT_HUNG_UP if first == signal.SIGHUP
+                 else EXIT_INTERRUPTED)
     print(f"served {len(reports)} clients", flush=True)
     return 0
 
@@ -152,12 +160,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--first-step", type=int, default=0,
                    help="step of the first frame (IMD v2 sends no step; GROMACS: 0, LAMMPS: 1; "
                         "default %(default)s)")
-    p.add_argument("--every", type=int, default=1,
+    p.add_argument("--every", type=positive_int, default=1,
                    help="MD steps between two IMD v2 frames (the engine's transmission rate; "
                         "default %(default)s)")
     p.add_argument("--layout", choices=["xyz32", "paper"], default="xyz32")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier stream")
-    p.add_argument("--connect-timeout", type=float, default=60.0,
+    p.add_argument("--connect-timeout", type=positive_seconds, default=60.0,
                    help="seconds to retry connecting (%(default)s)")
     p.add_argument("--timeout", type=timeout_arg, default=600.0,
                    help="seconds without a frame before giving up (%(default)s; inf: as long "

@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from .. import Stream
-from ..config import parse_addr
+from ..config import MAX_SECONDS, parse_addr
 from ..errors import ConfigError, ConsumeTimeout, InstrideError
 from ..frames import frame_size
 
@@ -278,15 +278,22 @@ def bridge(
         The engine's frames do not match ``natoms`` or the protocol, a v3 engine sends no
         positions, a frame was cut short or the connection was reset.
     ConfigError
-        A malformed ``address``, ``natoms < 1``, ``every < 1``, a ``timeout`` or
-        ``connect_timeout`` that is not a number of seconds above 0, a ``dt`` that is not a
-        finite number of ps >= 0.
+        A malformed ``address``; ``natoms``, ``every`` (>= 1) or ``first_step`` (>= 0) that is
+        not a whole number; a ``timeout`` or ``connect_timeout`` that is not a number of
+        seconds above 0 (``connect_timeout`` at most 2,147,483); a ``dt`` that is not a finite
+        number of ps >= 0.
     """
     host, port = parse_addr(address, name="HOST:PORT")
-    if natoms < 1:
-        raise ConfigError("natoms", natoms, "must be >= 1")
-    if every < 1:
-        raise ConfigError("every", every, "must be >= 1")
+    # (whole numbers: every=1.5 truncated the steps silently, natoms=4.0 was a TypeError
+    # inside imdclient)
+    for name, value, least in (("natoms", natoms, 1), ("every", every, 1),
+                               ("first_step", first_step, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(name, value, f"must be a whole number >= {least}")
+    if not connect_timeout <= MAX_SECONDS:
+        # (its milliseconds must fit poll()'s int: 1e7 s was an OverflowError's traceback)
+        raise ConfigError("connect_timeout", connect_timeout,
+                          f"must be a number of seconds above 0, at most {MAX_SECONDS}")
     for name, value in (("timeout", timeout), ("connect_timeout", connect_timeout)):
         if not value > 0:  # (also NaN)
             raise ConfigError(name, value, "must be a number of seconds above 0")

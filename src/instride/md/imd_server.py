@@ -87,6 +87,11 @@ def _real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _whole(value: object) -> bool:
+    """Whether ``value`` is a whole number of type ``int`` (not a bool, not a float)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass
 class ClientReport:
     """What one client got."""
@@ -162,16 +167,20 @@ class IMDServer:
         on_client_done: Callable[[ClientReport], None] | None = None,
         max_clients: int = DEFAULT_MAX_CLIENTS,
     ) -> None:
-        if version not in VERSIONS:
+        # (whole numbers, not only equal ones: version 3.0 passed, then every session failed
+        # packing its handshake; port 8889.0 or "0" was a bare TypeError from bind)
+        if not _whole(version) or version not in VERSIONS:
             raise ConfigError("version", version, f"IMD version must be one of {VERSIONS}")
         if start not in ("first", "newest"):
             raise ConfigError("start", start, "must be 'first' or 'newest'")
-        if not 0 <= port < 65536:
-            raise ConfigError("port", port, "must be in 0..65535")
+        if not _whole(port) or not 0 <= port < 65536:
+            raise ConfigError("port", port, "must be a whole number in 0..65535")
         if isinstance(max_clients, bool) or not isinstance(max_clients, int) or max_clients < 1:
             raise ConfigError("max_clients", max_clients, "must be a whole number >= 1")
-        if timeout is not None and not (_real(timeout) and math.isfinite(timeout) and timeout > 0):
+        if timeout is not None and not (_real(timeout) and timeout > 0):
             raise ConfigError("timeout", timeout, "must be a number of seconds > 0, or None")
+        if timeout is not None and math.isinf(timeout):
+            timeout = None  # (no limit, as elsewhere)
         if dt is not None and not (_real(dt) and math.isfinite(dt) and dt >= 0):
             raise ConfigError("dt", dt, "must be a number of ps >= 0, or None")
         self.max_clients = max_clients
@@ -199,6 +208,9 @@ class IMDServer:
             self._listener.close()
             raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
                              exc.errno or errno.EIO, what="the IMD server") from None
+        except BaseException:
+            self._listener.close()
+            raise
         self._listener.listen(64)
         self._listener.settimeout(_POLL)
         self.port: int = self._listener.getsockname()[1]
@@ -223,7 +235,18 @@ class IMDServer:
         self.close()
 
     def wait_clients(self, n: int, timeout: float | None = None) -> bool:
-        """Block until ``n`` client sessions have ended; return whether they did in time."""
+        """Block until ``n`` client sessions have ended; return whether they did in time.
+
+        Raises
+        ------
+        ConfigError
+            ``timeout`` is NaN or negative (``inf``: no limit, as ``None``).
+        """
+        if timeout is not None:
+            if not (_real(timeout) and timeout >= 0):  # (NaN spun a core until close())
+                raise ConfigError("timeout", timeout, "must be a number of seconds >= 0, or None")
+            if math.isinf(timeout):
+                timeout = None
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._done:
             while self._ended < n and not self._stop.is_set():
