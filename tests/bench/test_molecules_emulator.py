@@ -98,3 +98,15 @@ def test_filesystem_backend_detects_corruption(tmp_path) -> None:
     (tmp_path / "f.isf").write_bytes(bytes(raw))
     with pytest.raises(IntegrityError):
         backend.consume("f.isf", 1, timer)
+
+
+@pytest.mark.parametrize("bad", [
+    {"steps_per_second": float("nan")}, {"time_scale": float("nan")},
+    {"time_scale": float("inf")}, {"stride": 1.5}, {"atoms": 10.0},
+])
+def test_emulator_refuses_numbers_it_cannot_run(bad: dict) -> None:
+    """NaN rates passed the checks and failed in advance(); inf overflowed there; a float
+    stride gave float steps."""
+    args = {"atoms": 10, "steps_per_second": 1000.0, "stride": 10, **bad}
+    with pytest.raises(ValueError, match="whole numbers"):
+        MDEmulator(**args)

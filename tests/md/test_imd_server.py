@@ -467,6 +467,25 @@ def test_an_error_after_the_end_is_not_reported_as_a_clean_end(server_factory) -
     assert report.error == "unknown IMD message type 99 (after the end of the stream was sent)"
 
 
+def test_a_client_that_never_closes_after_the_end_is_no_clean_end(
+        server_factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that read every frame and the end but never closed its side: the server gave up
+    waiting for it and reported a clean end (``ended``, no error), as for one that closed."""
+    from instride.md import imd_server
+
+    monkeypatch.setattr(imd_server, "_CLIENT_STALL_S", 1.0)
+    _frames("open", 2, 10)
+    srv = server_factory("open")
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+        sock.sendall(encode_header(MsgType.GO, 0))
+        while sock.recv(1 << 16):  # the handshake, 2 frames, then the end
+            pass
+        assert srv.wait_clients(1, timeout=30)  # (while this side stays open)
+    report = srv.reports[0]
+    assert report.frames == 2 and not report.ended, report
+    assert "did not close within 1 s after the end" in (report.error or ""), report
+
+
 class _AcceptFailsOnce:
     """A listener whose first ``accept`` fails as one does when the process is out of
     descriptors (``EMFILE``); then the real listener's."""

@@ -75,6 +75,9 @@ def test_demo_runs_both_workflows_and_writes_outputs(managed_dir: Path, tmp_path
     assert (out / "performance.png").stat().st_size > 1000
     assert "0.06 ps simulated" in stdout
     assert [p.name for p in managed_dir.iterdir() if not p.name.startswith(".")] == []
+    # nor the streams' state (heads, policies, run ids: every run left its own)
+    streams = managed_dir / ".instride" / "streams"
+    assert not streams.exists() or list(streams.iterdir()) == []
 
 
 @pytest.mark.slow
@@ -113,6 +116,8 @@ def test_demo_rejects_bad_arguments(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="--steps"):
         run_demo(tmp_path / "o", steps=5, interval=10)
+    with pytest.raises(ConfigError, match="multiple"):  # (990 of 1000 steps were simulated)
+        run_demo(tmp_path / "o", steps=1000, interval=15)
     with pytest.raises(ConfigError, match="--replicas"):
         run_demo(tmp_path / "o", replicas=0)
 

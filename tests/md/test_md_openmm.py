@@ -138,6 +138,11 @@ def test_atom_indices_that_name_no_atom_are_refused(managed_dir: Path) -> None:
         FrameReporter("neg", 10, atom_indices=[0, -1])
     with pytest.raises(instride.ConfigError, match="atom_indices"):
         FrameReporter("flat", 10, atom_indices=[[0, 1]])
+    with pytest.raises(instride.ConfigError, match="atom_indices"):  # (frames of no atom)
+        FrameReporter("none", 10, atom_indices=np.array([], dtype=int))
+    for bad in (float("inf"), True, 2.5, "10"):  # (inf: a bare OverflowError; True: 1)
+        with pytest.raises(ValueError, match="interval"):
+            FrameReporter("iv", bad)  # type: ignore[arg-type]
     simulation = make_simulation(seed=3, threads=1)
     with pytest.raises(instride.ConfigError, match="has 8867 atoms"), \
             FrameReporter("past", 5, atom_indices=[0, 8867]) as past:

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, InstrideError
+from ..store.streamstate import state_dir
 
 __all__ = ["BarrierFileReporter", "DemoError", "DemoRow", "run_demo"]
 
@@ -124,12 +125,14 @@ class BarrierFileReporter:
 
 
 def _simulate(reporter: Any, seed: int, steps: int, interval: int, threads: int,
-              progress: Any) -> tuple[float, int]:
+              progress: Any, ready: Any = None) -> tuple[float, int]:
     from .openmm import make_simulation
 
     # deterministic forces: both workflows then simulate the same trajectory for the same seed
     simulation = make_simulation(seed=seed, threads=threads, deterministic=True)
     simulation.reporters.append(reporter)
+    if ready is not None:  # (the system built: what is waited for from here is the frames)
+        ready()
     t0 = time.perf_counter()
     for _ in range(steps // interval):
         simulation.step(interval)
@@ -153,8 +156,10 @@ def _producer_instride(stream: str, seed: int, steps: int, interval: int, thread
 def _producer_localfs(directory: str, barrier: Any, seed: int, steps: int, interval: int,
                       threads: int, timeout: float, progress: Any, results: Any) -> None:
     reporter = BarrierFileReporter(directory, interval, barrier, timeout)
-    barrier.wait(timeout)  # both sides ready (consumer start-up is not charged to frames)
-    wall, done = _simulate(reporter, seed, steps, interval, threads, progress)
+    # both sides ready before the first step (neither the consumer's start-up nor the
+    # producer's building of the system is charged to the frames)
+    wall, done = _simulate(reporter, seed, steps, interval, threads, progress,
+                           ready=lambda: barrier.wait(timeout))
     results.put(("producer", {
         "frames": reporter.frames, "bytes": reporter.bytes, "steps": done, "wall": wall,
         "overhead": reporter.publish_seconds,
@@ -367,12 +372,14 @@ def run_demo(
         A producer or consumer failed.
     """
     for name, value, ok in (("interval", interval, interval >= 1),
-                            ("steps", steps, steps >= interval),
+                            # (a multiple: the rest was never simulated, while the banner
+                            # said it was)
+                            ("steps", steps, steps >= interval and steps % max(1, interval) == 0),
                             ("replicas", replicas, replicas >= 1),
                             ("threads", threads, threads >= 1)):
         if not ok:
-            raise ConfigError(f"--{name}", value, "need steps >= interval >= 1, replicas >= 1 "
-                              "and threads >= 1")
+            raise ConfigError(f"--{name}", value, "need steps >= interval >= 1 (steps a "
+                              "multiple of interval), replicas >= 1 and threads >= 1")
     if not (math.isfinite(timeout) and timeout > 0):  # (NaN: no barrier's wait would end)
         raise ConfigError("--timeout", timeout, "expected a finite number of seconds above 0")
     out_dir = Path(out).resolve()
@@ -443,6 +450,10 @@ def run_demo(
         shutil.rmtree(temp_root, ignore_errors=True)
         if user_dir:
             shutil.rmtree(os.path.join(user_dir, run_id), ignore_errors=True)
+            # (and the streams' state beside them: heads, policies, run ids — left behind by
+            # every run before)
+            shutil.rmtree(state_dir(Path(user_dir), f"{run_id}/replica0").parent,
+                          ignore_errors=True)
     text = format_summary(rows)
     if baseline:
         text += "\n\n" + format_comparison(compare_workflows(out_dir, replicas))

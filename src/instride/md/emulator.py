@@ -26,6 +26,7 @@ Examples
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 
@@ -78,9 +79,14 @@ class MDEmulator:
         sleep: str = "stride",
         seed: int = 0,
     ) -> None:
-        if atoms < 1 or stride < 1 or steps_per_second <= 0 or time_scale < 0:
+        whole = all(isinstance(v, int) and not isinstance(v, bool) for v in (atoms, stride))
+        # (NaN passed these and failed later in advance(); inf overflowed there; a float
+        # stride gave float steps)
+        if not whole or atoms < 1 or stride < 1 or not 0 < steps_per_second < math.inf \
+                or not 0 <= time_scale < math.inf:
             raise ValueError(
-                "atoms and stride must be >= 1, steps_per_second > 0, time_scale >= 0"
+                "atoms and stride must be whole numbers >= 1, steps_per_second finite and > 0, "
+                "time_scale finite and >= 0"
             )
         if sleep not in ("stride", "step"):
             raise ValueError(f"sleep must be 'stride' or 'step', got {sleep!r}")

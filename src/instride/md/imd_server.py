@@ -380,7 +380,12 @@ class IMDServer:
             s.conn.shutdown(socket.SHUT_WR)
             deadline = time.monotonic() + stall
             while not s.gone.wait(_POLL):
-                if self._stop.is_set() or time.monotonic() > deadline:
+                if self._stop.is_set():
+                    break
+                if time.monotonic() > deadline:  # (every frame sent, the close not clean)
+                    s.report.ended = False
+                    s.report.error = (f"the client did not close within {stall:g} s after the "
+                                      "end of the stream")
                     break
         except _SessionEnd as exc:
             s.report.error = str(exc)

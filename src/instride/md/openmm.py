@@ -92,16 +92,19 @@ class FrameReporter:
         atom_indices: np.ndarray | list[int] | None = None,
         overwrite: bool = False,
     ) -> None:
-        if int(interval) != interval or interval < 1:
+        # (a whole number: inf was a bare OverflowError, True an interval of 1)
+        if isinstance(interval, bool) or not isinstance(interval, int | np.integer) \
+                or interval < 1:
             raise ValueError(f"interval must be a positive integer, got {interval!r}")
         self.interval = int(interval)
-        # (checked first: a negative index wrapped round to another atom without a word)
+        # (checked first: a negative index wrapped round to another atom without a word; none
+        # at all published frames of no atom)
         indices = None if atom_indices is None else np.asarray(atom_indices)
         if indices is not None and (indices.ndim != 1 or not np.issubdtype(indices.dtype, np.integer)
-                                    or (indices < 0).any()):
+                                    or (indices < 0).any() or indices.size == 0):
             shown = atom_indices if indices.size < 8 else f"{indices.size} values"
             raise ConfigError("atom_indices", shown,
-                              "expected atom numbers, 0 or more, in one dimension")
+                              "expected atom numbers, 0 or more, in one dimension, at least one")
         if isinstance(stream, Stream):
             self.stream = stream
         else:
