@@ -798,3 +798,19 @@ def test_sighup_stops_a_run_with_its_teardown(flow_env: dict[str, Path]) -> None
                          timeout=120, env={**os.environ, "PYTHONPATH": pythonpath()})
     assert res.returncode == 0, (res.returncode, res.stderr[-3000:])
     assert "received signal 1" in res.stdout and "cleaned: True" in res.stdout, res.stdout
+
+
+def test_an_explicit_no_limit_reaches_the_writers(flow_env: dict[str, Path],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run(timeout=inf)`` (``flow run --timeout inf``) became "not given", and the writers'
+    puts fell back to INSTRIDE_TIMEOUT: a consumer slower than that failed the run
+    (PortBlocked), though no limit was asked for."""
+    import math
+
+    monkeypatch.setenv("INSTRIDE_TIMEOUT", "0.5")
+    g = Graph("unlimited", retain=1)
+    src = g.module("src", modules.numbers, outputs={"out": "array"}, params={"n": 3})
+    rec = g.module("rec", modules.slow_record, inputs={"in": "array"}, params={"delay": 1.2})
+    g.connect(src.output("out"), rec.input("in"))
+    result = run(g, out=flow_env["out"], timeout=math.inf)
+    assert result.instance("src")["outputs"]["out"]["msgs"] == 3

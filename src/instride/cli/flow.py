@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from . import no_limit_as_none, positive_seconds, timeout_arg
+from . import positive_seconds, timeout_arg
 
 
 def _param(text: str) -> tuple[str, Any]:
@@ -58,7 +58,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     graph = _graph(args)
     launcher = _launcher(args)
     started = time.time()
-    result = run(graph, out=args.out, launcher=launcher, timeout=no_limit_as_none(args.timeout),
+    # (inf as given: the run has no limit, and neither do the writers' puts, whatever
+    # INSTRIDE_TIMEOUT says)
+    result = run(graph, out=args.out, launcher=launcher, timeout=args.timeout,
                  keep_streams=args.keep_streams, trace=not args.no_trace,
                  on_event=None if args.quiet else lambda line: print(line, flush=True))
     table = rows({"stats": result.stats, "run": {}, "taken": time.time()})

@@ -234,6 +234,8 @@ def run(
     ConfigError
         ``out`` cannot be made a directory (a file is there).
     """
+    # the writers' default put timeout: the run's, as given (inf: none, not INSTRIDE_TIMEOUT's)
+    put_default = timeout
     if timeout is not None:
         timeout = parse_timeout(timeout, "timeout")  # (NaN never timed out; -5 at once)
     launcher = launcher or LocalLauncher()
@@ -261,7 +263,7 @@ def run(
         for sub in ("stats", "trace", "logs"):
             (state / sub).mkdir(parents=True)
         spec = {"graph": graph.to_dict(), "prefix": prefix, "state": str(state),
-                "out": str(out_dir) if out_dir else None, "trace": trace, "timeout": timeout}
+                "out": str(out_dir) if out_dir else None, "trace": trace, "timeout": put_default}
         (state / "spec.json").write_text(json.dumps(spec))
         placement = graph.placement(nodes)
         # the host (and job) tell a runner on another node sharing this root that it cannot
