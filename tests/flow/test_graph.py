@@ -151,6 +151,8 @@ def test_port_names_and_node_lists_are_checked() -> None:
         g.module("a", modules.record, inputs={"../../x": "array"})
     with pytest.raises(GraphError, match="'o' and 'O' differ only in case"):
         g.module("b", modules.numbers, outputs={"o": "array", "O": "array"})
+    with pytest.raises(GraphError, match="'my-out' and 'my_out' differ only in case or in '-'"):
+        g.module("b", modules.numbers, outputs={"my-out": "array", "my_out": "array"})
     with pytest.raises(GraphError, match=r"nodes=\['node1'\]"):
         g.module("c", modules.numbers, outputs={"out": "array"}, nodes="node1")
     assert g.modules == {}  # nothing was added

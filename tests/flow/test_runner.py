@@ -814,3 +814,18 @@ def test_an_explicit_no_limit_reaches_the_writers(flow_env: dict[str, Path],
     g.connect(src.output("out"), rec.input("in"))
     result = run(g, out=flow_env["out"], timeout=math.inf)
     assert result.instance("src")["outputs"]["out"]["msgs"] == 3
+
+
+def test_a_shell_program_reads_a_port_named_with_a_dash(flow_env: dict[str, Path]) -> None:
+    """A port ``my-in`` was only ``INSTRIDE_FLOW_IN_MY-IN``, which a shell cannot read
+    (``${INSTRIDE_FLOW_IN_MY-IN}`` is a default value): given as ``..._MY_IN`` too."""
+    out = flow_env["out"]
+    g = Graph("dash")
+    src = g.module("src", modules.numbers, outputs={"my-out": "array"},
+                   params={"n": 1, "port": "my-out"})
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = g.module("cmd", command=["sh", "-c", f'echo "$INSTRIDE_FLOW_IN_MY_IN" > {out}/name'],
+                   inputs={"my-in": "array"})
+    g.connect(src.output("my-out"), cmd.input("my-in"))
+    run(g, out=out, timeout=120)
+    assert (out / "name").read_text().strip().endswith("/src.0/my-out")

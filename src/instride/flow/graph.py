@@ -221,13 +221,15 @@ def _check_ports(module: str, inputs: Iterable[str], outputs: Iterable[str]) -> 
             if not _name_ok(port):
                 raise GraphError(f"module {module!r}: {direction} port name {port!r}: use "
                                  "ASCII letters, digits, '-', '_' (not first '-')")
-            if port.upper() in seen:
+            # (`-` is also given as `_`, as a shell reads it: my-port and my_port would share it)
+            var = port.upper().replace("-", "_")
+            if var in seen:
                 raise GraphError(
-                    f"module {module!r}: {direction} ports {seen[port.upper()]!r} and {port!r} "
-                    f"differ only in case (both would be INSTRIDE_FLOW_"
-                    f"{'IN' if direction == 'input' else 'OUT'}_{port.upper()})"
+                    f"module {module!r}: {direction} ports {seen[var]!r} and {port!r} "
+                    f"differ only in case or in '-' for '_' (both would be INSTRIDE_FLOW_"
+                    f"{'IN' if direction == 'input' else 'OUT'}_{var})"
                 )
-            seen[port.upper()] = port
+            seen[var] = port
 
 
 def _check_module(key: str, m: Module) -> None:

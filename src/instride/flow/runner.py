@@ -458,13 +458,19 @@ def run(
 def _port_env(graph: Graph, prefix: str, name: str, i: int) -> dict[str, str]:
     """The environment of instance ``i`` of module ``name`` that names its ports."""
     env = {"INSTRIDE_FLOW_INSTANCE": str(i)}
+
+    def put(kind: str, port: str, value: str) -> None:
+        env[f"INSTRIDE_FLOW_{kind}_{port.upper()}"] = value
+        if "-" in port:  # (and as a shell can read it: `${INSTRIDE_FLOW_IN_MY-PORT}` is not
+            # that variable but a default value)
+            env[f"INSTRIDE_FLOW_{kind}_{port.upper().replace('-', '_')}"] = value
+
     for e in graph.edges_into(name, i):
-        env[f"INSTRIDE_FLOW_IN_{e.dst_port.upper()}"] = stream_name(
-            prefix, e.src, e.src_instance, e.src_port)
+        put("IN", e.dst_port, stream_name(prefix, e.src, e.src_instance, e.src_port))
         if e.sampling != "newest":  # the consumer group its producer waits for
-            env[f"INSTRIDE_FLOW_GROUP_{e.dst_port.upper()}"] = group_name(e)
+            put("GROUP", e.dst_port, group_name(e))
     for port in graph.modules[name].outputs:
-        env[f"INSTRIDE_FLOW_OUT_{port.upper()}"] = stream_name(prefix, name, i, port)
+        put("OUT", port, stream_name(prefix, name, i, port))
     return env
 
 
