@@ -748,6 +748,33 @@ def test_close_from_another_thread_waits_for_its_fetch(tmp_path: Path) -> None:
     assert res.stdout.strip() == "ok", res.stderr[-3000:]
 
 
+def test_a_peer_flooding_requests_loses_its_connection(tmp_path: Path, peer_errors: None) -> None:
+    """A client waits for each reply; a peer that sends request after request without waiting
+    had every one queued (no bound: the server's memory). Past 8 queued on one connection, the
+    connection goes, its requests unanswered; the server serves on."""
+    import shutil
+
+    gcc = shutil.which("gcc")
+    assert gcc is not None, "gcc is required (apt-get install build-essential)"
+    exe = tmp_path / "ucx_flood"
+    src = Path(__file__).parent / "c" / "ucx_flood.c"
+    subprocess.run([gcc, "-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-o", str(exe),
+                    str(src), "-lucp", "-lucs"], check=True, capture_output=True, text=True)
+    server, rec, data = _one_key_server(tmp_path)
+    port = int(rec.owner.rsplit(":", 1)[1])
+    client = _client(tmp_path)
+    with server:
+        try:
+            out = subprocess.run([str(exe), "127.0.0.1", str(port), "200"], capture_output=True,
+                                 text=True, timeout=60).stdout.split()
+            assert out[:2] == ["replies", out[1]] and out[2:] == ["closed", "1"], out
+            assert int(out[1]) <= 8, out  # (all 200 were answered)
+            until(lambda: server.snapshot()["peers"] == 0, 10, "the flooding peer's connection closed")
+            assert bytes(client.fetch_bytes(rec)) == data
+        finally:
+            client.close()
+
+
 # ---------------------------------------------------------------------- two emulated nodes
 #: namespaces do not isolate shared memory: without UCX_TLS=tcp, processes of two emulated
 #: nodes would silently talk through sysv/cma. Each node names its own veth (eth0).
