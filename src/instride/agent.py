@@ -429,7 +429,12 @@ class LocalAgent:
             raise _ShuttingDown()
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
-        local = os.path.exists(key_path(key, self.settings.dir))
+        # (an original of this node: answered at once. A copy fetched from another node may
+        # be outdated — the key overwritten since — and its consume then waits on a fetch
+        # from a peer, which must not hold one of the few quick threads PUBLISH needs)
+        is_copy = getattr(self.client.engine, "is_copy", None)
+        local = os.path.exists(key_path(key, self.settings.dir)) and not (
+            is_copy is not None and is_copy(key))
         pool = self.quick if local else self.waits
         cancel = threading.Event()
         sock = writer.get_extra_info("socket")

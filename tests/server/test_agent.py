@@ -192,6 +192,44 @@ def test_waits_never_starve_publications_and_end_with_their_clients(nodes: list[
     no_traceback(n3)
 
 
+def test_waits_on_an_outdated_copy_do_not_hold_up_publications(nodes: list[LoopbackNode]) -> None:
+    """A key this node holds a copy of, overwritten since on its owner: a CONSUME found a file
+    there and ran in the few quick threads, where it waited on a fetch from the owner (here
+    stopped) — five such waits held PUBLISH back until the fetches gave up."""
+    from tests.conftest import stop_process
+
+    n1, _, n3 = nodes
+    put(n1, "outdated/k", b"first")
+    assert ask(n3, "CONSUME 5000 outdated/k") == f"OK {n3.dir / 'outdated' / 'k'}"  # (a copy)
+    c1 = n1.client()
+    try:
+        with c1.open("outdated/k", "wb", overwrite=True) as fh:
+            fh.write(b"second")
+    finally:
+        c1.close()
+    assert n1.proc is not None
+    stop_process(n1.proc.pid)
+    conns = []
+    try:
+        for _ in range(5):
+            s = unix(n3)
+            s.sendall(b"CONSUME -1 outdated/k\n")
+            conns.append(s)
+        time.sleep(0.3)  # (the five waits under way, fetching from the stopped owner)
+        mine = n3.dir / "outdated" / "mine.bin"
+        mine.write_bytes(b"m")
+        assert ask(n3, "PUBLISH outdated/mine.bin", timeout=10) == f"OK {mine}"
+        for s in conns:  # (still waiting: PUBLISH was not queued behind them)
+            s.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                s.recv(1)
+    finally:
+        os.kill(n1.proc.pid, signal.SIGCONT)
+        for s in conns:
+            s.close()
+    no_traceback(n3)
+
+
 def test_a_client_gone_with_a_request_unread_ends_its_wait(own_node: LoopbackNode) -> None:
     """A client that sent a second request after its CONSUME and closed the connection is gone
     (its wait ends and frees the thread), although a request of it waits unread; one that only
