@@ -8,7 +8,20 @@
 
 #include <string.h>
 
+static int ins_classify_errno(int dirfd, const char *path, struct ins_path *out);
+
+/* errno is kept: a lookup that failed here (getcwd of a removed working directory, a
+ * readlink) says nothing of the call being classified, which may well succeed -- and errno
+ * must stay as it was on every call that succeeds. */
 int ins_classify(int dirfd, const char *path, struct ins_path *out)
+{
+    int saved = errno;
+    int kind = ins_classify_errno(dirfd, path, out);
+    errno = saved;
+    return kind;
+}
+
+static int ins_classify_errno(int dirfd, const char *path, struct ins_path *out)
 {
     if (path == NULL || path[0] == '\0' || ins_cfg.dir_len == 0)
         return INS_UNMANAGED;

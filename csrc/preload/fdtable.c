@@ -186,6 +186,30 @@ void ins_fd_reused(int fd)
     errno = saved;
 }
 
+struct ins_retarget {
+    const struct ins_path *to;
+    int noreplace;
+    int n;
+};
+
+static void ins_retarget_one(struct ins_file *f, void *arg)
+{
+    struct ins_retarget *r = arg;
+    if (f->discard)
+        return;
+    if (r->to != NULL) {
+        f->final = *r->to;
+        f->noreplace |= r->noreplace;
+    }
+    r->n++;
+}
+
+static void ins_discard_one(struct ins_file *f, void *arg)
+{
+    (void)arg;
+    f->discard = 1;
+}
+
 int ins_table_retarget(const struct ins_path *key, const struct ins_path *to, int noreplace)
 {
     int n = 0;
@@ -200,7 +224,7 @@ int ins_table_retarget(const struct ins_path *key, const struct ins_path *to, in
             continue;
         left--;
         /* (a record shared by dup'ed fds is met once per fd: counted, retargeted, again) */
-        if (INS_SENTINEL(f) || f->pid != self || strcmp(f->final.abs, key->abs) != 0)
+        if (INS_SENTINEL(f) || f->pid != self || f->discard || strcmp(f->final.abs, key->abs) != 0)
             continue;
         if (to != NULL) {
             f->final = *to;
@@ -208,6 +232,32 @@ int ins_table_retarget(const struct ins_path *key, const struct ins_path *to, in
         }
         n++;
     }
+    /* (and a file whose fds are all closed, that only a shared mapping still writes) */
+    struct ins_retarget r = {to, noreplace, 0};
+    ins_maps_visit_locked(key->abs, ins_retarget_one, &r);
+    ins_table_unlock();
+    return n + r.n;
+}
+
+int ins_table_discard(const struct ins_path *key)
+{
+    int n = 0;
+    if (!ins_table_any() || ins_table_foreign())
+        return 0;
+    pid_t self = getpid();
+    ins_table_lock();
+    int left = atomic_load(&ins_table_count);
+    for (size_t fd = 0; fd < ins_table_size && left > 0; fd++) {
+        struct ins_file *f = atomic_load_explicit(&ins_table[fd], memory_order_relaxed);
+        if (f == NULL)
+            continue;
+        left--;
+        if (INS_SENTINEL(f) || f->pid != self || strcmp(f->final.abs, key->abs) != 0)
+            continue;
+        f->discard = 1;
+        n++;
+    }
+    n += ins_maps_visit_locked(key->abs, ins_discard_one, NULL);
     ins_table_unlock();
     return n;
 }
@@ -253,6 +303,7 @@ struct ins_file *ins_file_new(const char *tmp, const struct ins_path *final)
     f->pid = getpid();
     f->noreplace = 0;
     f->sync_errno = 0;
+    f->discard = 0;
     memcpy(f->tmp, tmp, strlen(tmp) + 1);
     f->final = *final;
     return f;
@@ -296,6 +347,9 @@ int ins_file_finish(struct ins_file *f, int close_rc, int close_errno)
         unlink(f->tmp);
         errno = close_errno;
         rc = -1;
+    } else if (f->discard) {
+        unlink(f->tmp); /* (its key was unlinked while it was written: nothing to publish) */
+        rc = 0;
     } else {
         rc = ins_publish(f->tmp, &f->final, f->noreplace);
     }

@@ -66,7 +66,10 @@
     X(mkostemps64, int, (char *, int, int))                                         \
     X(mmap, void *, (void *, size_t, int, int, int, off_t))                         \
     X(mmap64, void *, (void *, size_t, int, int, int, off64_t))                     \
-    X(munmap, int, (void *, size_t))
+    X(munmap, int, (void *, size_t))                                                \
+    X(unlink, int, (const char *))                                                  \
+    X(unlinkat, int, (int, const char *, int))                                      \
+    X(remove, int, (const char *))
 
 INS_FOR_EACH_REAL(INS_REAL_DECL)
 
@@ -102,6 +105,7 @@ struct ins_file {
     pid_t pid; /* process that opened it; only this process publishes */
     int noreplace; /* opened with O_EXCL ("x"): write-once even with INSTRIDE_OVERWRITE=1 */
     int sync_errno; /* a failed fsync (INSTRIDE_FSYNC=1) before the last close: not published */
+    int discard;    /* the key unlinked while being written: its last close drops the temp */
     char tmp[PATH_MAX];
     struct ins_path final;
 };
@@ -122,6 +126,13 @@ INS_HIDDEN void ins_table_lock(void);
 INS_HIDDEN void ins_table_unlock(void);
 INS_HIDDEN void ins_table_dup_locked(int oldfd, int newfd); /* newfd now shares oldfd's file */
 INS_HIDDEN int ins_table_any(void);
+/* Mark this process's files being written under `key` to be dropped by their last close
+ * (the key unlinked meanwhile); how many. */
+INS_HIDDEN int ins_table_discard(const struct ins_path *key);
+/* The files this process writes as `abs` that a shared writable mapping holds (their fds
+ * closed, perhaps): `visit` each (under the table's lock); how many mappings. */
+INS_HIDDEN int ins_maps_visit_locked(const char *abs, void (*visit)(struct ins_file *, void *),
+                                     void *arg);
 INS_HIDDEN size_t ins_table_entries(void); /* occupied slots now */
 /* 1 in a process that shares the table's memory without owning it: a vfork child
  * (or a clone(CLONE_VM) child). Its closes and dups pass straight to libc (the table

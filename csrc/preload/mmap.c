@@ -70,13 +70,12 @@ static void ins_hold_release(struct ins_hold *h)
     errno = saved;
 }
 
-/* [addr, addr + len) is no longer mapped: cut it out of the ranges; release the
- * mappings that have no range left. */
-static void ins_unmapped(void *addr, size_t len)
+/* [addr, addr + len) is no longer mapped: cut it out of the ranges (under the lock); the
+ * mappings that have no range left are put on *done, to release once the lock is let go. */
+static void ins_unmapped_locked(void *addr, size_t len, struct ins_hold **donep)
 {
     uintptr_t a = (uintptr_t)addr, b = a + ins_page_up(len);
-    struct ins_hold *done = NULL;
-    ins_table_lock();
+    struct ins_hold *done = *donep;
     for (size_t i = 0; i < ins_npieces;) {
         struct ins_piece *p = &ins_pieces[i];
         if (p->end <= a || b <= p->start) {
@@ -108,12 +107,41 @@ static void ins_unmapped(void *addr, size_t len)
         i++;
     }
     atomic_store(&ins_mapped, ins_npieces);
-    ins_table_unlock();
+    *donep = done;
+}
+
+int ins_maps_visit_locked(const char *abs, void (*visit)(struct ins_file *, void *), void *arg)
+{
+    int n = 0;
+    pid_t self = getpid();
+    for (size_t i = 0; i < ins_npieces; i++) {
+        struct ins_file *f = ins_pieces[i].hold->f;
+        if (f->pid != self || strcmp(f->final.abs, abs) != 0)
+            continue;
+        visit(f, arg);
+        n++;
+    }
+    return n;
+}
+
+static void ins_release_all(struct ins_hold *done)
+{
     while (done != NULL) {
         struct ins_hold *h = done;
         done = h->next;
         ins_hold_release(h);
     }
+}
+
+/* [addr, addr + len) is no longer mapped: cut it out of the ranges; release the
+ * mappings that have no range left. */
+static void ins_unmapped(void *addr, size_t len)
+{
+    struct ins_hold *done = NULL;
+    ins_table_lock();
+    ins_unmapped_locked(addr, len, &done);
+    ins_table_unlock();
+    ins_release_all(done);
 }
 
 /* p = mmap(..., fd, ...) shared and writable, fd a produced file: track it. -1 (ENOMEM)
@@ -190,9 +218,20 @@ INS_WRAPPER(void *, mmap64, (void *addr, size_t len, int prot, int flags, int fd
 INS_WRAPPER(int, munmap, (void *addr, size_t len))
 {
     INS_MAP_OR_FAIL(munmap, -1);
+    if (ins_busy || atomic_load(&ins_mapped) == 0 || ins_table_foreign())
+        return ins_real_munmap(addr, len);
+    /* The unmap and the cut of its ranges under one hold of the lock: between the two, the
+     * kernel could give the range to another thread's new mapping of another written key,
+     * tracked meanwhile, and this cut took that one's range too (its key published while it
+     * was still being stored into). Tracking takes the lock: it comes after the cut. */
+    struct ins_hold *done = NULL;
+    ins_table_lock();
     int rc = ins_real_munmap(addr, len);
-    if (rc != 0 || ins_busy || atomic_load(&ins_mapped) == 0 || ins_table_foreign())
-        return rc;
-    ins_unmapped(addr, len);
+    int e = errno;
+    if (rc == 0)
+        ins_unmapped_locked(addr, len, &done);
+    ins_table_unlock();
+    ins_release_all(done);
+    errno = e;
     return rc;
 }

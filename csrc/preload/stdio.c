@@ -211,10 +211,18 @@ INS_WRAPPER(int, fclose, (FILE * fp))
     int saved = errno, last = 0;
     struct ins_file *f = ins_detach_stream(fp, &last);
     int held = f != NULL && last ? ins_hold_writing(fileno(fp)) : -1; /* lock: to the rename */
+    /* An earlier flush that failed (EFBIG, ENOSPC, EIO): glibc dropped the bytes it held and
+     * set the stream's error flag, and a later flush that succeeds does not bring them back --
+     * the file has a hole: never published (as freopen checks) */
+    int failed_before = f != NULL && last && ferror(fp);
     int rc = ins_real_fclose(fp);
     if (f == NULL || !last)
         return rc;
     int e = errno;
+    if (failed_before && rc == 0) {
+        rc = EOF;
+        e = EIO;
+    }
     /* fclose's EINTR is its flush's (the buffered bytes did not reach the file), not close(2)'s
      * (after which the file is whole): a stream that failed to close is never published */
     int prc = ins_finish_stream(f, rc == 0 ? 0 : -1, rc != 0 && e == EINTR ? EIO : e);

@@ -311,3 +311,28 @@ def test_a_threads_inotify_fd_closed_by_the_program(shim: Shim, build: Builder,
         assert 0 <= value < 2000, f"T2 woke after {value} ms (its key came at 300 ms)"
     else:
         assert value < 500, f"{value} ms of CPU in a 2.7 s wait"
+
+
+@pytest.mark.parametrize("case", ["unlink", "remove", "fsize", "maprename", "maprace", "errno"])
+def test_round_45_wrapper_cases(shim: Shim, build: Builder, case: str) -> None:
+    """unlink/remove of a key being written (it was published by its close); a stream whose
+    earlier flush failed (published with a hole); a key held only by a mapping, renamed
+    (ENOENT, published under the old name); two threads' munmap and mmap (a key published
+    while still mapped and stored into); errno changed by a call that succeeded. See
+    tests/preload/c/wrappers45.c."""
+    exe = build("wrappers45.c")
+    proc = shim.run([exe, shim.dir, case], timeout=60)
+    assert proc.stdout.decode().strip() == "ok", (proc.stdout, proc.stderr[-2000:])
+    assert proc.returncode == 0
+    assert shim.temps() == []
+
+
+def test_gfortran_close_with_status_delete(shim: Shim, build: Builder) -> None:
+    """``CLOSE(u, STATUS='DELETE')`` unlinks the file before closing it: the unlink failed
+    (only the temp existed), gfortran stopped with "File cannot be deleted", and its exit's
+    close published the file. The file goes, and the program goes on."""
+    exe = build("fortran_io.f90")
+    key = shim.dir / "f" / "scratch.dat"
+    proc = shim.run([exe, "scratch", key, "thrown away"])
+    assert proc.returncode == 0, proc.stderr
+    assert not key.exists() and shim.temps() == []

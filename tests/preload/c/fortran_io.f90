@@ -2,6 +2,8 @@
 !   fortran_io write <path> <text>     OPEN(STATUS='REPLACE'), WRITE, CLOSE
 !   fortran_io read <path> <status>    OPEN(STATUS=<status>) without ACTION=, READ a line,
 !                                      print it (exit 3: OPEN failed, 4: READ failed)
+!   fortran_io scratch <path> <text>   OPEN(STATUS='REPLACE'), WRITE, CLOSE(STATUS='DELETE')
+!                                      (exit 6: the CLOSE failed)
 program fortran_io
   implicit none
   character(len=16) :: what
@@ -18,6 +20,12 @@ program fortran_io
     write(11, '(a)') trim(arg)
     close(11, iostat=ios)
     if (ios /= 0) stop 5
+  else if (trim(what) == 'scratch') then
+    open(unit=12, file=trim(path), status='replace', action='write', iostat=ios)
+    if (ios /= 0) stop 3
+    write(12, '(a)') trim(arg)
+    close(12, status='delete', iostat=ios)
+    if (ios /= 0) stop 6
   else
     open(unit=10, file=trim(path), status=trim(arg), iostat=ios)
     if (ios /= 0) stop 3
