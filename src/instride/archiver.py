@@ -121,16 +121,28 @@ def archive_stream(
     # the file: an archiver refused at the lock registers no group, which would hold the
     # stream's frames for ever (a producer under "block" would wait for it)
     lock = lock_writer(dest, key)
+    writer = None
+    if dest.exists():
+        # An existing file is resumed, with every check, before the group is registered: a
+        # refusal there (an archive that names no stream, a reader holding it, one that
+        # cannot be opened) left a group nobody moves, and a producer under "block" waited
+        # for it until StreamFull. (Resuming our own file, locked, harms nothing if the group
+        # is then busy.) A new file is made after the group: a busy group makes none.
+        writer = open_writer(dest, key, lock=lock, run=run)  # (it holds the lock from here)
     try:
         reader = Stream(stream, group=group, timeout=timeout, on_gap="count", client=client)
     except BaseException:
-        unlock_writer(dest, lock)
+        if writer is not None:
+            writer.close()
+        else:
+            unlock_writer(dest, lock)
         raise
-    try:  # (the run checked again: the file may have changed since the look above)
-        writer = open_writer(dest, reader.name, lock=lock, run=run)
-    except BaseException:
-        reader.close()
-        raise
+    if writer is None:
+        try:  # (the run checked again: the file may have changed since the look above)
+            writer = open_writer(dest, reader.name, lock=lock, run=run)
+        except BaseException:
+            reader.close()
+            raise
     try:  # (a failure here lets go of the writer's lock and file, and of the group)
         done = writer.indices()
         reader.set_archive(dest)

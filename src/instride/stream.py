@@ -372,6 +372,12 @@ class Stream:
             archive=None if archive is None else os.path.abspath(archive),
         )
         self.register_groups = tuple(check_group(g) for g in groups)
+        if archive is not None and mode == "w":
+            from .archive.base import check_format
+
+            # (at once: known only once the archiver ran, a wrong suffix was told at close(),
+            # under a dropping policy after every frame had gone unarchived)
+            check_format(archive)
         if archive is not None and "archive" not in self.register_groups:
             self.register_groups += ("archive",)
         self.group = None if group is None else check_group(group)
@@ -424,6 +430,7 @@ class Stream:
         self._groups_past = (0, -math.inf)
         self._archiver: Any = None
         self._archive_reader: Any = None
+        self._archive_where: str | None = None  # (the file _archive_reader has open)
         # consumer
         self._leases: Leases | None = None
         self._old_leases: list[Leases] = []  # (tables replaced while frames of theirs were held)
@@ -985,7 +992,9 @@ class Stream:
             raise
         let_go(proc)
         if proc.returncode != 0:
-            raise ArchiveError(self.name, self.policy.archive, err.decode(errors="replace").strip())
+            raise ArchiveError(self.name, self.policy.archive,
+                               f"its archiver exited with status {proc.returncode}: "
+                               f"{err.decode(errors='replace').strip()}")
         if self._written:
             from .archive import open_reader
 
@@ -1026,8 +1035,15 @@ class Stream:
         return where if node == self.client.settings.node or os.path.exists(where) else None
 
     def _from_archive(self, index: int) -> Frame | None:
+        # (looked up each time: a re-run of the stream, overwrite=True, forgets the earlier
+        # run's archive or records another — a reader kept from before served the earlier
+        # run's frames as this run's)
+        where = self.archive_path()
+        if self._archive_reader is not None and where != self._archive_where:
+            self._archive_reader.close()
+            self._archive_reader = None
+        self._archive_where = where
         if self._archive_reader is None:
-            where = self.archive_path()
             if where is None or not os.path.exists(where):
                 return None
             from .archive import open_reader
@@ -1044,6 +1060,9 @@ class Stream:
                     if not exc.busy or time.monotonic() >= deadline:
                         raise
                     time.sleep(0.02)
+        held, run = self._archive_reader.run(), self.run_id()
+        if held and run and held != run:
+            return None  # (the file is another run's: not this run's frames)
         return self._archive_reader.read(index)  # type: ignore[no-any-return]
 
     def _release_resources(self) -> None:

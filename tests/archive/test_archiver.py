@@ -690,3 +690,134 @@ def test_an_archive_of_an_earlier_run_is_not_resumed(mode: str, managed_dir: Pat
         assert (again.frames, again.total) == (0, 10)
     finally:
         client.close()
+
+
+# ---------------------------------------------------------------------- round 45's review
+def test_a_reader_kept_from_an_earlier_run_does_not_serve_its_archive(
+        managed_dir: Path, tmp_path: Path) -> None:
+    """A reader that read a retired frame of run 1 (from its archive) kept that archive open:
+    after a re-run without an archive it served run 1's frames as run 2's."""
+    with instride.Stream("rr", mode="w", retain=2, archive=tmp_path / "r1.h5", timeout=30) as s:
+        for i in range(6):
+            s.append(np.full((10, 3), 100.0 + i, np.float32), step=i)
+    r = instride.Stream("rr", timeout=5)
+    assert r.read(0).positions[0, 0] == 100.0  # (from the archive)
+    with instride.Stream("rr", mode="w", overwrite=True, retain=2, on_full="drop-oldest",
+                         timeout=30) as s:
+        for i in range(6):
+            s.append(np.full((10, 3), 200.0 + i, np.float32), step=i)
+    with pytest.raises(FramesMissed):
+        r.read(0)
+    r.close()
+
+
+def test_an_archive_group_of_an_earlier_run_does_not_hold_a_rerun(
+        managed_dir: Path, tmp_path: Path) -> None:
+    """A re-run (overwrite=True) without archive=, bounded, under "block": it waited for the
+    earlier run's "archive" group, which nobody reads any more (StreamFull)."""
+    with instride.Stream("ag", mode="w", retain=2, archive=tmp_path / "a.h5", timeout=30) as s:
+        for i in range(4):
+            s.append(_pos(i), step=i)
+    with instride.Stream("ag", mode="w", retain=2, overwrite=True, timeout=3) as s:
+        for i in range(6):
+            s.append(_pos(i), step=i)
+        assert "archive" not in s._share.cursors()
+
+
+def test_an_archiver_refused_at_an_existing_file_registers_no_group(
+        managed_dir: Path, tmp_path: Path) -> None:
+    """An archive of an older instride (it names no stream) was refused only once the archiver
+    had registered its group, which then held the producer's frames (StreamFull)."""
+    import shutil
+
+    import h5py
+
+    dest = tmp_path / "old.h5"
+    with instride.Stream("un", mode="w", retain=2, archive=dest, timeout=30) as s:
+        for i in range(3):
+            s.append(_pos(i), step=i)
+    with h5py.File(dest, "r+") as f:
+        del f["instride"].attrs["stream"]
+        del f["instride"].attrs["run"]
+    shutil.rmtree(managed_dir / "un")  # (a fresh managed directory: a new job)
+    shutil.rmtree(managed_dir / ".instride" / "streams" / "un.stream")
+    s = instride.Stream("un", mode="w", retain=2, timeout=3)
+    try:
+        s.append(_pos(0), step=0)
+        with pytest.raises(ArchiveError):
+            archive_stream("un", dest, timeout=1)
+        assert "archive" not in s._share.cursors()
+        for i in range(1, 6):
+            s.append(_pos(i), step=i)  # (no group holds the frames back)
+    finally:
+        s.close()
+
+
+def test_the_producers_archiver_outlives_a_pause_longer_than_instride_timeout(
+        tmp_path: Path) -> None:
+    """The archiver took the producer's INSTRIDE_TIMEOUT as its own: frames coming slower than
+    that ended it with an error, and the producer's close() raised ArchiveError."""
+    code = textwrap.dedent("""
+        import sys, time, numpy as np, instride
+        with instride.Stream("slow", mode="w", retain=2, archive=sys.argv[1]) as s:
+            for i in range(3):
+                s.append(np.full((10, 3), float(i), np.float32), step=i)
+                time.sleep(1.5)
+        print("closed")
+        """)
+    env = dict(os.environ, INSTRIDE_DIR=str(tmp_path / "m"), INSTRIDE_TIMEOUT="0.5")
+    env.pop("INSTRIDE_REDIS_URL", None)
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "slow.h5")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "closed" in res.stdout, res.stderr[-2000:]
+    archive = open_reader(tmp_path / "slow.h5")
+    try:
+        assert list(archive.indices()) == [0, 1, 2]
+    finally:
+        archive.close()
+
+
+def test_ctrl_c_to_the_producers_process_group_spares_its_archiver(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C goes to the whole foreground process group: the archiver, in the
+    producer's, died of it — a producer that caught it and ended its run cleanly got an
+    ArchiveError (with an empty message) and a short archive."""
+    code = textwrap.dedent("""
+        import sys, time, numpy as np, instride
+        s = instride.Stream("cc", mode="w", retain=2, archive=sys.argv[1], timeout=60)
+        try:
+            for i in range(10_000):
+                s.append(np.full((10, 3), float(i), np.float32), step=i)
+                if i == 3:
+                    print("running", flush=True)
+                time.sleep(0.05)
+        except KeyboardInterrupt:
+            pass
+        s.close()
+        print("closed", len(s), flush=True)
+        """)
+    env = dict(os.environ, INSTRIDE_DIR=str(tmp_path / "m"))
+    env.pop("INSTRIDE_REDIS_URL", None)
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "cc.h5")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().decode().strip() == "running"
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGINT)  # (as a terminal does)
+    rc, out, err = finish(proc, timeout=120)
+    assert rc == 0, err[-2000:]
+    written = int(out.split()[-1])
+    archive = open_reader(tmp_path / "cc.h5")
+    try:
+        assert list(archive.indices()) == list(range(written))
+    finally:
+        archive.close()
+
+
+def test_an_archive_of_an_unknown_format_is_refused_at_once(managed_dir: Path,
+                                                             tmp_path: Path) -> None:
+    """A wrong suffix was told only when the producer first waited for the archive group: under
+    a dropping policy at close(), after every frame had gone unarchived."""
+    with pytest.raises(instride.ConfigError, match="unknown archive format"):
+        instride.Stream("bad", mode="w", retain=2, on_full="drop-oldest",
+                        archive=tmp_path / "run.xtc")

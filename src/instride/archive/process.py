@@ -36,16 +36,24 @@ def start_archiver(stream: str, path: str | os.PathLike[str], client: Client) ->
     for name, value in (("INSTRIDE_REDIS_URL", s.redis_url), ("INSTRIDE_TOKEN", s.token)):
         if value:
             env[name] = value
+        else:  # (a local-mode client in an environment that names a Redis: local mode too)
+            env.pop(name, None)
     # (both ends close on exec: the programs this process starts later do not hold it; a
     # child it forks without exec does, and the archiver then stops once that one is gone too)
     read_end, write_end = os.pipe()
     try:
         proc = ArchiverProcess(  # (SIGTERM stops it, even before its handler is in: not ignored
+            # (no timeout of its own: INSTRIDE_TIMEOUT, inherited, ended it where frames came
+            # slower than that; the lifeline tells it that its producer is gone)
             [sys.executable, "-m", "instride", "archive", stream, "--to", os.fspath(path),
-             "--lifeline", str(read_end)],
+             "--lifeline", str(read_end), "--timeout", "inf"],
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             preexec_fn=_sigterm_default,  # as it may be where the producer was started)
             pass_fds=(read_end,),
+            # (a session of its own: a terminal's Ctrl-C, sent to the producer's process group,
+            # killed it too — a producer that catches it and ends its run cleanly then had an
+            # archive short of the end)
+            start_new_session=True,
         )
     except BaseException:
         os.close(write_end)

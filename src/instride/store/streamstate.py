@@ -42,6 +42,8 @@ from .procs import pid_space as _pid_space
 from .procs import proc_stat as _stat
 
 POLICIES = ("block", "drop-oldest", "latest")
+#: The consumer group of a stream's archiver (``archive=``).
+ARCHIVE_GROUP = "archive"
 #: A group's position past every frame: a reader that stopped for good (``leave_group``)
 #: takes nothing more, so its producer no longer waits for it.
 GROUP_DONE = 2**62
@@ -417,6 +419,11 @@ class LocalStreamState:
             # (the earlier run's archive is not this run's: readers must not take its frames)
             with contextlib.suppress(FileNotFoundError):
                 (self.dir / "archive.json").unlink()
+            if ARCHIVE_GROUP not in groups:
+                # (the earlier run's archiver's group, which no archiver of this run reads: a
+                # producer under "block" waited for it until StreamFull)
+                with contextlib.suppress(FileNotFoundError):
+                    (self._groups.dir / ARCHIVE_GROUP).unlink()
         for name in groups:
             self._groups.register(name, 0)
 
@@ -614,7 +621,10 @@ class RedisStreamState:
                 pipe.hincrby(self._head, "resets", 1)
                 pipe.hdel(self._head, "archive")  # (the earlier run's: not this run's frames)
                 for name in self.redis.hkeys(self._groups):
-                    pipe.hset(self._groups, name, 0)
+                    if _text(name) == ARCHIVE_GROUP and ARCHIVE_GROUP not in groups:
+                        pipe.hdel(self._groups, name)  # (no archiver of this run reads it)
+                    else:
+                        pipe.hset(self._groups, name, 0)
                     pipe.delete(self.lease_key(_text(name)))
                     pipe.hincrby(self._generations, name, 1)
             for name in groups:
