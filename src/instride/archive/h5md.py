@@ -290,16 +290,22 @@ class H5mdWriter:
             rows = _rows(f)
             n = min(ds.shape[0] for ds in rows)
             n = _written(rows[-1][:n])
-            for ds in rows:  # the rows of a frame whose index row was not written
-                if ds.shape[0] > n:
-                    ds.resize(n, axis=0)
             own = f["instride"].attrs
             if not n and own.get("run") != self.run:  # (no frame yet: of this run, from now;
                 if self.run:  # not known yet: of none, since SWMR mode adds no attribute)
                     own["run"] = self.run
                 elif "run" in own:
                     del own["run"]
+            # SWMR mode at once, the cuts after it (shrinking works in SWMR mode): a writer
+            # killed while the file is open for writing without it leaves a file that no
+            # reader and no later writer can open (HDF5's "open for write" flag, which only
+            # h5clear clears) -- so that window is kept to the open itself
             f.swmr_mode = True
+            cut = [ds for ds in rows if ds.shape[0] > n]
+            for ds in cut:  # the rows of a frame whose index row was not written
+                ds.resize(n, axis=0)
+            if cut:
+                f.flush()
             self._last = int(rows[-1][n - 1]) if n else -1
         except (OSError, RuntimeError) as exc:
             f.close()
