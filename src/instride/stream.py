@@ -1089,8 +1089,8 @@ class Stream:
             leases.close()
         if self._inbox is not None:
             drop = getattr(self.client.engine, "drop_ahead", None)
-            if drop is not None:  # (its owner stops sending the frames asked for ahead)
-                drop()
+            if drop is not None:  # (its owner stops sending the frames asked for ahead: of
+                drop(None, self.frame_key(0))  # this stream alone, other readers' stay)
             self._inbox.close()
             self._inbox = None
         if self._archive_reader is not None:

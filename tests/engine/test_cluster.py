@@ -337,6 +337,43 @@ def test_a_group_readers_frames_asked_ahead_come_checked_in_one_native_call(
     reader.close()
 
 
+def test_two_streams_of_one_owner_read_in_turn_keep_their_frames_asked_ahead(
+        clients: list[instride.Client]) -> None:
+    """A thread kept one set of frames asked ahead per owner: two streams of one producer's
+    node read in turn (two replicas, two groups) closed each other's every frame — a new
+    connection per frame, and what the owner had sent already thrown away. Per stream now."""
+    c1, c2, _ = clients
+    pos = np.random.default_rng(21).random((3000, 3)).astype(np.float32)
+    frames = 40
+    transport = c2.engine.transport  # type: ignore[attr-defined]
+    made = [0]
+    plain = transport._connect
+
+    def counted(rec: object) -> object:
+        made[0] += 1
+        return plain(rec)
+
+    transport._connect = counted
+    readers = [instride.Stream(f"two/{n}", timeout=20, client=c2, group="g") for n in "ab"]
+    producers = [instride.Stream(f"two/{n}", mode="w", retain=64, groups=["g"], client=c1,
+                                 timeout=20) for n in "ab"]
+    try:
+        for i in range(frames):
+            for k, p in enumerate(producers):
+                p.append(pos + 1000 * k + i, step=i)
+        for p in producers:
+            p.close()
+        for i in range(frames):
+            for k, r in enumerate(readers):
+                f = next(r)
+                assert f.step == i and np.array_equal(f.positions, pos + 1000 * k + i)
+        assert made[0] <= 8, f"{made[0]} connections for {2 * frames} frames"
+    finally:
+        transport._connect = plain
+        for r in readers:
+            r.close()
+
+
 def test_a_streaming_reader_keeps_to_its_timeout(clients: list[instride.Client]) -> None:
     """The steady state's wait for the next frame counts against the stream's timeout: a
     producer silent longer than it is a :class:`ConsumeTimeout`, not a frame after it."""

@@ -34,6 +34,7 @@ from instride.errors import AuthenticationError, KeyNotFoundError, PeerUnavailab
 from instride.record import Record
 from instride.transport import wire
 from instride.transport.tcp import TcpTransport
+from instride.transport.tcp.client import _batch
 from tests import nodes as loopback
 from tests.conftest import LoopbackNode, build_shim, free_port
 from tests.nodes import TOKEN, ask, forged, no_traceback, put, raw, recv_all, signed, stats, until
@@ -748,9 +749,10 @@ def test_what_was_asked_ahead_of_one_owner_is_dropped_alone(
             got = transport.fetch_when_published(like, f"do{n.index}/frame_000000001.isf", fd,
                                                  30.0, into=room, ahead=3)
             assert got is not None and got.size == 3
-        assert set(transport._batches()) == {n1.addr, n3.addr}
+        # (one per owner and stream)
+        assert set(transport._batches()) == {f"{n1.addr}|do1", f"{n3.addr}|do3"}
         transport.drop_ahead(n1.addr)
-        assert set(transport._batches()) == {n3.addr}
+        assert set(transport._batches()) == {f"{n3.addr}|do3"}
         until(lambda: stats(n1)["peers"] == 0, 10, "the dropped batch's connection closed")
         assert stats(n3)["peers"] == before + 1  # (the other one still held there)
     finally:
@@ -772,12 +774,12 @@ def test_a_reply_for_another_key_than_the_one_asked_ahead_is_refused(
         room = memoryview(bytearray(100))
         assert transport.fetch_when_published(like, "os/frame_000000001.isf", fd, 5.0, into=room,
                                               ahead=1) is not None
-        sock, _rest = transport._batches()[like.owner]
-        transport._batches()[like.owner] = (sock, ["os/frame_000000009.isf"])  # out of step
+        sock, _rest = transport._batches()[_batch(like.owner, like.key)]
+        transport._batches()[_batch(like.owner, like.key)] = (sock, ["os/frame_000000009.isf"])
         with pytest.raises(TransferError, match="frame_000000002"):
             transport.fetch_when_published(like, "os/frame_000000009.isf", fd, 5.0, into=room,
                                            ahead=1)
-        assert like.owner not in transport._batches()
+        assert _batch(like.owner, like.key) not in transport._batches()
     finally:
         os.close(fd)
         transport.close()
@@ -1286,7 +1288,7 @@ NEXT = Record(key="rp/frame_000000002.isf", owner="127.0.0.1:1", size=0, checksu
 
 def _asked(transport: TcpTransport, ours: socket.socket, keys: list[str]) -> None:
     """As if ``keys`` had been asked for ahead on ``ours`` (their request sent)."""
-    transport._batches()[NEXT.owner] = (ours, list(keys))
+    transport._batches()[_batch(NEXT.owner, NEXT.key)] = (ours, list(keys))
 
 
 def _room(n: int) -> tuple[bytearray, int, ctypes.Array]:
@@ -1313,7 +1315,7 @@ def test_a_frame_asked_ahead_comes_checked_in_one_native_call(reply_pair: tuple)
     assert checked and received.size == len(frame) and received.published == 1764480000.25
     assert received.digest == xxhash.xxh3_64_hexdigest(frame[128:])
     assert bytes(room[: len(frame)]) == frame
-    assert transport._batches()[NEXT.owner] == (ours, ["rp/frame_000000003.isf"])
+    assert transport._batches()[_batch(NEXT.owner, NEXT.key)] == (ours, ["rp/frame_000000003.isf"])
 
 
 def test_a_key_not_asked_ahead_is_left_to_the_usual_way(reply_pair: tuple) -> None:

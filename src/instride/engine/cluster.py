@@ -870,7 +870,7 @@ class ClusterEngine:
         if got is None:
             return None
         if not check(got):  # (the frames asked for ahead with it are not wanted either: the
-            self.drop_ahead(like.owner)  # usual way fetches this one, and asks again after it)
+            self.drop_ahead(like.owner, key)  # usual way fetches this one, asks again after it)
             return None
         self.transfers += 1
         self.early_transfers += 1
@@ -910,20 +910,19 @@ class ClusterEngine:
             return None
         received, checked = got
         if not check(received, checked):  # (as receive_when_published)
-            self.drop_ahead(like.owner)
+            self.drop_ahead(like.owner, key)
             return None
         self.transfers += 1
         self.early_transfers += 1
         return received  # type: ignore[no-any-return]
 
-    def drop_ahead(self, owner: str | None = None) -> None:
+    def drop_ahead(self, owner: str | None = None, key: str | None = None) -> None:
         """Drop the frames this thread asked for ahead (a stream's reader closes), of
-        ``owner`` (its address) alone when given."""
+        ``owner`` (its address) alone when given, and of the stream of ``key`` alone when
+        given (other readers' batches stay)."""
         drop = getattr(self.transport, "drop_ahead", None)
-        if drop is not None and owner is None:
-            drop()
-        elif drop is not None:
-            drop(owner)
+        if drop is not None:
+            drop(owner, key)
 
     def _wait_early(self, keys: Sequence[str], timeout: float | None) -> Record | None:
         """:meth:`wait_any` for a consumer walking numbered keys (a stream's frames) that

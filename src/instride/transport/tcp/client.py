@@ -45,6 +45,18 @@ if TYPE_CHECKING:
 _INT_MAX = 2**31 - 1
 
 
+def _prefix(key: str) -> str:
+    """The directory of ``key`` (a stream's frames share it)."""
+    return key.rpartition("/")[0]
+
+
+def _batch(owner: str, key: str) -> str:
+    """The name of what a thread asked ``owner`` for ahead with ``key``: per owner *and*
+    stream — one per owner made two streams read in turn by a thread (two replicas, two
+    groups) close each other's, every frame a new connection and its batch thrown away."""
+    return f"{owner}|{_prefix(key)}"
+
+
 def _recv_exact(sock: socket.socket, n: int, key: str, have: bytes = b"") -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
@@ -402,7 +414,7 @@ class TcpTransport:
         """
         hint = _hint(owner, key)
         batches = self._batches()
-        asked = batches.pop(owner.owner, None)
+        asked = batches.pop(_batch(owner.owner, key), None)
         try:
             body = None
             if asked is not None and asked[1][0] == key:  # asked for with an earlier key
@@ -443,7 +455,7 @@ class TcpTransport:
             if not rest:
                 self._release(owner.owner, sock)
         if rest:
-            batches[owner.owner] = (sock, rest)
+            batches[_batch(owner.owner, key)] = (sock, rest)
         published = reply.get("published")
         return Received(size, digest, _seconds(published), head)
 
@@ -469,10 +481,11 @@ class TcpTransport:
             body that does not fit ``into``.
         """
         batches = self._batches()
-        asked = batches.get(owner.owner)
+        batch = _batch(owner.owner, key)
+        asked = batches.get(batch)
         if asked is None or asked[1][0] != key or self.settings.spin:
             return False
-        del batches[owner.owner]
+        del batches[batch]
         sock, rest = asked
         del rest[0]  # (the list is this call's now: no copy of what is still to come)
         scratch = self._scratch()
@@ -481,7 +494,7 @@ class TcpTransport:
                                     frame=True)
             if rc == 0:  # a frame that passed
                 if rest:
-                    batches[owner.owner] = (sock, rest)
+                    batches[batch] = (sock, rest)
                 else:
                     self._release(owner.owner, sock)
                 return Received(scratch.size.value, scratch.hexdigest.value.decode(),
@@ -499,19 +512,29 @@ class TcpTransport:
         return self._received(owner, key, sock, rest, reply, body, dest, None, into, HEADER_SIZE,
                               batches), False
 
-    def drop_ahead(self, owner: str | None = None) -> None:
+    def drop_ahead(self, owner: str | None = None, key: str | None = None) -> None:
         """Drop what this thread asked for ahead (:meth:`fetch_when_published`'s ``ahead``) —
-        of ``owner`` (its address) alone, when given: the connections are closed, so the owners
+        of ``owner`` (its address) alone, when given, and of the keys beside ``key`` (a
+        stream's frames) alone, when given too: the connections are closed, so the owners
         stop sending (a stream's reader that stops, or that refused a frame)."""
         batches = self._batches()
-        for name in [owner] if owner is not None else list(batches):
+        if owner is not None and key is not None:
+            names = [_batch(owner, key)]
+        elif owner is not None:
+            names = [name for name in batches if name.partition("|")[0] == owner]
+        elif key is not None:
+            names = [name for name in batches if name.partition("|")[2] == _prefix(key)]
+        else:
+            names = list(batches)
+        for name in names:
             got = batches.pop(name, None)
             if got is not None:
                 got[0].close()
 
     def _batches(self) -> dict[str, tuple[socket.socket, list[str]]]:
-        """This thread's connections on which keys were asked for ahead: owner -> (socket,
-        the keys whose replies are still to come, in order)."""
+        """This thread's connections on which keys were asked for ahead: owner and the keys'
+        directory (one stream's frames; see :func:`_batch`) -> (socket, the keys whose replies
+        are still to come, in order)."""
         local = self._per_thread.get()
         batches = getattr(local, "batches", None)
         if batches is None:
