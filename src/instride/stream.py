@@ -1735,16 +1735,25 @@ class Stream:
             self.mode = "r"
         self._move_on()
         timeout = None
+        began: float | None = None  # (when a streamed wait began: read() goes on from there)
         while True:
             try:
                 frame = None
                 if self._cursor == self._inbox_next:  # streaming from another node
-                    start = time.monotonic()
+                    began = time.monotonic()
                     frame = self._next_streamed()
                     if frame is None and self.timeout is not None:  # (waited some of it)
-                        timeout = max(0.0, self.timeout - (time.monotonic() - start))
+                        timeout = max(0.0, self.timeout - (time.monotonic() - began))
                 if frame is None:
-                    frame, timeout = self.read(self._cursor, timeout), None
+                    try:
+                        frame, timeout = self.read(self._cursor, timeout), None
+                    except ConsumeTimeout as exc:
+                        if began is None:
+                            raise
+                        # (the whole wait, not read()'s part of it: "after 0.000 s" after
+                        # seconds of waiting for a streamed frame)
+                        raise ConsumeTimeout(exc.key, time.monotonic() - began) \
+                            from exc.__cause__
             except EndOfStream:
                 self._move_on()
                 raise StopIteration from None

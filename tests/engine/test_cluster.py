@@ -374,6 +374,37 @@ def test_two_streams_of_one_owner_read_in_turn_keep_their_frames_asked_ahead(
             r.close()
 
 
+def test_a_streaming_readers_timeout_says_how_long_it_waited(
+        nodes: list[LoopbackNode], clients: list[instride.Client]) -> None:
+    """The owner's server stopped (a frozen node) under a reader streaming from it: the
+    timeout's error said "after 0.000 s" (the part read() waited after the streamed wait),
+    after seconds of waiting. It says the whole wait."""
+    from tests.conftest import stop_process
+
+    c1, c2, _ = clients
+    pos = np.random.default_rng(22).random((3000, 3)).astype(np.float32)
+    producer = instride.Stream("hung/s", mode="w", retain=8, groups=["g"], client=c1, timeout=20)
+    reader = instride.Stream("hung/s", timeout=1.0, client=c2, group="g")
+    assert nodes[0].proc is not None
+    try:
+        for i in range(4):
+            producer.append(pos + i, step=i)
+        for i in range(4):
+            assert next(reader).step == i  # (steady state: streamed, asked ahead)
+        stop_process(nodes[0].proc.pid)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(ConsumeTimeout) as info:
+                next(reader)
+            assert info.value.waited >= 1.0 and info.value.waited == pytest.approx(
+                time.monotonic() - t0, abs=0.3), info.value
+        finally:
+            os.kill(nodes[0].proc.pid, signal.SIGCONT)
+    finally:
+        reader.close()
+        producer.close()
+
+
 def test_a_streaming_reader_keeps_to_its_timeout(clients: list[instride.Client]) -> None:
     """The steady state's wait for the next frame counts against the stream's timeout: a
     producer silent longer than it is a :class:`ConsumeTimeout`, not a frame after it."""
