@@ -189,57 +189,32 @@ void ins_fd_reused(int fd)
 struct ins_retarget {
     const struct ins_path *to;
     int noreplace;
-    int n;
 };
 
-static void ins_retarget_one(struct ins_file *f, void *arg)
+static int ins_retarget_one(struct ins_file *f, void *arg)
 {
     struct ins_retarget *r = arg;
     if (f->discard)
-        return;
+        return 0;
     if (r->to != NULL) {
         f->final = *r->to;
         f->noreplace |= r->noreplace;
     }
-    r->n++;
+    return 1;
 }
 
-static void ins_discard_one(struct ins_file *f, void *arg)
+static int ins_discard_one(struct ins_file *f, void *arg)
 {
     (void)arg;
     f->discard = 1;
+    return 1;
 }
 
-int ins_table_retarget(const struct ins_path *key, const struct ins_path *to, int noreplace)
-{
-    int n = 0;
-    if (!ins_table_any() || ins_table_foreign())
-        return 0;
-    pid_t self = getpid();
-    ins_table_lock();
-    int left = atomic_load(&ins_table_count);
-    for (size_t fd = 0; fd < ins_table_size && left > 0; fd++) {
-        struct ins_file *f = atomic_load_explicit(&ins_table[fd], memory_order_relaxed);
-        if (f == NULL)
-            continue;
-        left--;
-        /* (a record shared by dup'ed fds is met once per fd: counted, retargeted, again) */
-        if (INS_SENTINEL(f) || f->pid != self || f->discard || strcmp(f->final.abs, key->abs) != 0)
-            continue;
-        if (to != NULL) {
-            f->final = *to;
-            f->noreplace |= noreplace;
-        }
-        n++;
-    }
-    /* (and a file whose fds are all closed, that only a shared mapping still writes) */
-    struct ins_retarget r = {to, noreplace, 0};
-    ins_maps_visit_locked(key->abs, ins_retarget_one, &r);
-    ins_table_unlock();
-    return n + r.n;
-}
-
-int ins_table_discard(const struct ins_path *key)
+/* visit(f, arg) for each file this process writes as `key`: each fd's (a record shared by
+ * dup'ed fds is met once per fd), then each one only a shared mapping still writes (its fds
+ * all closed). The sum of what the visits return. */
+static int ins_table_visit(const struct ins_path *key, int (*visit)(struct ins_file *, void *),
+                           void *arg)
 {
     int n = 0;
     if (!ins_table_any() || ins_table_foreign())
@@ -254,12 +229,22 @@ int ins_table_discard(const struct ins_path *key)
         left--;
         if (INS_SENTINEL(f) || f->pid != self || strcmp(f->final.abs, key->abs) != 0)
             continue;
-        f->discard = 1;
-        n++;
+        n += visit(f, arg);
     }
-    n += ins_maps_visit_locked(key->abs, ins_discard_one, NULL);
+    n += ins_maps_visit_locked(key->abs, visit, arg);
     ins_table_unlock();
     return n;
+}
+
+int ins_table_retarget(const struct ins_path *key, const struct ins_path *to, int noreplace)
+{
+    struct ins_retarget r = {to, noreplace};
+    return ins_table_visit(key, ins_retarget_one, &r);
+}
+
+int ins_table_discard(const struct ins_path *key)
+{
+    return ins_table_visit(key, ins_discard_one, NULL);
 }
 
 struct ins_file *ins_table_map_ref(int fd, int holdfd)

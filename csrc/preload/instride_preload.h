@@ -130,8 +130,8 @@ INS_HIDDEN int ins_table_any(void);
  * (the key unlinked meanwhile); how many. */
 INS_HIDDEN int ins_table_discard(const struct ins_path *key);
 /* The files this process writes as `abs` that a shared writable mapping holds (their fds
- * closed, perhaps): `visit` each (under the table's lock); how many mappings. */
-INS_HIDDEN int ins_maps_visit_locked(const char *abs, void (*visit)(struct ins_file *, void *),
+ * closed, perhaps): `visit` each (under the table's lock); the sum of what the visits return. */
+INS_HIDDEN int ins_maps_visit_locked(const char *abs, int (*visit)(struct ins_file *, void *),
                                      void *arg);
 INS_HIDDEN size_t ins_table_entries(void); /* occupied slots now */
 /* 1 in a process that shares the table's memory without owning it: a vfork child

@@ -110,7 +110,7 @@ static void ins_unmapped_locked(void *addr, size_t len, struct ins_hold **donep)
     *donep = done;
 }
 
-int ins_maps_visit_locked(const char *abs, void (*visit)(struct ins_file *, void *), void *arg)
+int ins_maps_visit_locked(const char *abs, int (*visit)(struct ins_file *, void *), void *arg)
 {
     int n = 0;
     pid_t self = getpid();
@@ -118,8 +118,7 @@ int ins_maps_visit_locked(const char *abs, void (*visit)(struct ins_file *, void
         struct ins_file *f = ins_pieces[i].hold->f;
         if (f->pid != self || strcmp(f->final.abs, abs) != 0)
             continue;
-        visit(f, arg);
-        n++;
+        n += visit(f, arg);
     }
     return n;
 }
