@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -747,11 +748,21 @@ def test_a_state_directory_others_could_write_is_refused(
     if how == "link":
         root.symlink_to(theirs)
     monkeypatch.setenv("INSTRIDE_FLOW_STATE", str(root))
+    # a planted record of a "dead run" naming a prefix of the user's: removed before the check
+    precious = flow_env["managed"] / "precious"
+    precious.mkdir()
+    (precious / "data").write_bytes(b"keep")
+    (theirs / "planted").mkdir()
+    (theirs / "planted" / "run.json").write_text(json.dumps(
+        {"graph": "g", "prefix": "precious", "pid": 2**22 + 17, "host": host(),
+         "launcher": "local", "started": 0.0}))
     g = Graph("unsafe")
     g.module("src", modules.numbers, outputs={"out": "array"}, params={"n": 1})
     with pytest.raises(ConfigError, match="INSTRIDE_FLOW_STATE"):
         run(g, timeout=30)
-    assert list(theirs.iterdir()) == []
+    assert [p.name for p in theirs.iterdir()] == ["planted"]
+    assert (precious / "data").read_bytes() == b"keep"
+    shutil.rmtree(precious)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), -5.0])

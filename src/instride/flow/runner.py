@@ -252,11 +252,11 @@ def run(
         except OSError as exc:  # a file there, no permission
             raise ConfigError("out", str(out), f"cannot make the output directory: "
                                                f"{exc.strerror or exc}") from None
+    root = getattr(launcher, "state_root", None) or state_root()  # shared for batch launchers
+    private_state_root(root)  # (before anything in it is read: gc_stale acts on its records)
     gc_stale(launcher)
     run_id = secrets.token_hex(4)
     prefix = f"flow/{graph.name}-{run_id}"
-    root = getattr(launcher, "state_root", None) or state_root()  # shared for batch launchers
-    private_state_root(root)
     state = root / f"{graph.name}-{run_id}"
     try:
         state.mkdir(mode=0o700)
@@ -513,6 +513,10 @@ def gc_stale(launcher: Launcher, root: Path | None = None) -> list[str]:
     root = root or getattr(launcher, "state_root", None) or state_root()
     local_only = root == default_state_root()
     removed = []
+    try:  # (a directory others could write: its records name what to remove — not trusted)
+        private_state_root(root)
+    except ConfigError:
+        return removed
     for info_path in root.glob("*/run.json") if root.is_dir() else []:
         try:
             info = json.loads(info_path.read_text())
@@ -526,6 +530,8 @@ def gc_stale(launcher: Launcher, root: Path | None = None) -> list[str]:
             continue
         if info.get("launcher") != launcher_kind(launcher):
             continue  # left for a run of its kind, which can remove its streams
+        if not str(info.get("prefix", "")).startswith("flow/"):
+            continue  # (a run's streams are under flow/: nothing else is a run's to remove)
         try:
             launcher.cleanup(info["prefix"])
         except Exception:  # keep the record: a later run tries again
