@@ -386,3 +386,34 @@ def test_frames_read_before_the_producer_started_are_released_at_close(
         rc, _out, err = finish(producer)
         client.close()
     assert rc == 0, err
+
+
+def test_a_forked_childs_copy_of_a_group_reader_records_nothing(client: instride.Client) -> None:
+    """A group reader dropped without close() records its position as it goes (round 45); a
+    forked child's copy of one, dropped in the child, wrote the child's stale position into
+    the group's cursor: the parent's group was set back, its frames delivered again."""
+    import gc
+    import os
+
+    _ended(client, "fk", 12, groups=("a",))
+    r = instride.Stream("fk", group="a", client=client, commit_every=4)
+    for _ in range(3):
+        next(r)
+    go_r, go_w = os.pipe()
+    child = os.fork()
+    if child == 0:  # (the child drops its copy once the parent read on, then leaves)
+        os.close(go_w)
+        os.read(go_r, 1)
+        del r
+        gc.collect()
+        os._exit(0)
+    os.close(go_r)
+    for _ in range(6):
+        next(r)  # (its position recorded at 4 and 8)
+    os.write(go_w, b"x")
+    os.close(go_w)
+    assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
+    r.close()
+    again = instride.Stream("fk", group="a", client=client)
+    assert next(again).step == 8  # (the frame the parent held, again; not the child's 2)
+    again.close()

@@ -189,6 +189,16 @@ int ins_wait_local(const char *abs)
             errno = ETIMEDOUT;
             break;
         }
+        if (ins_inotify_lost(ifd, cached)) {
+            /* closed (and its number perhaps reused by a file that is never readable) since
+             * the last look: a new fd, before the poll, which would sleep on that file */
+            ifd = ins_inotify_get(&cached);
+            if (ifd < 0)
+                return -1;
+            if ((wd = ins_watch(ifd, cached, dir)) < 0)
+                break;
+            continue;
+        }
         struct pollfd pfd = {.fd = ifd, .events = POLLIN};
         int prc = poll(&pfd, 1, ms);
         if (prc < 0 && errno != EINTR)

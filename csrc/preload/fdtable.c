@@ -247,6 +247,18 @@ int ins_table_discard(const struct ins_path *key)
     return ins_table_visit(key, ins_discard_one, NULL);
 }
 
+static int ins_undiscard_one(struct ins_file *f, void *arg)
+{
+    (void)arg;
+    f->discard = 0;
+    return 1;
+}
+
+void ins_table_undiscard(const struct ins_path *key)
+{
+    (void)ins_table_visit(key, ins_undiscard_one, NULL);
+}
+
 struct ins_file *ins_table_map_ref(int fd, int holdfd)
 {
     ins_table_lock();

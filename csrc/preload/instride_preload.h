@@ -129,6 +129,7 @@ INS_HIDDEN int ins_table_any(void);
 /* Mark this process's files being written under `key` to be dropped by their last close
  * (the key unlinked meanwhile); how many. */
 INS_HIDDEN int ins_table_discard(const struct ins_path *key);
+INS_HIDDEN void ins_table_undiscard(const struct ins_path *key); /* (the unlink failed) */
 /* The files this process writes as `abs` that a shared writable mapping holds (their fds
  * closed, perhaps): `visit` each (under the table's lock); the sum of what the visits return. */
 INS_HIDDEN int ins_maps_visit_locked(const char *abs, int (*visit)(struct ins_file *, void *),

@@ -25,14 +25,22 @@ static int ins_unlink_marks(int dirfd, const char *path, int flags)
     return n;
 }
 
-/* The result of the real call `rc`, where `marked` writers of the key were marked: only the
- * temp existed (ENOENT) is a success -- it goes at the last close. */
-static int ins_unlinked(int rc, int marked, int saved)
+/* The result of the real call `rc` on `path`, where `marked` writers of the key were marked:
+ * only the temp existed (ENOENT) is a success -- it goes at the last close; another failure
+ * (EACCES, EROFS, EBUSY...) unlinked nothing, and the writers are marked no more. */
+static int ins_unlinked(int rc, int marked, int saved, int dirfd, const char *path)
 {
-    if (rc != 0 && errno == ENOENT && marked > 0) {
+    if (rc == 0 || marked == 0)
+        return rc;
+    if (errno == ENOENT) {
         errno = saved;
         return 0;
     }
+    int e = errno;
+    struct ins_path p;
+    if (ins_classify(dirfd, path, &p) == INS_MANAGED)
+        ins_table_undiscard(&p);
+    errno = e;
     return rc;
 }
 
@@ -40,14 +48,14 @@ INS_WRAPPER(int, unlink, (const char *path))
 {
     INS_MAP_OR_FAIL(unlink, -1);
     int saved = errno, n = ins_unlink_marks(AT_FDCWD, path, 0);
-    return ins_unlinked(ins_real_unlink(path), n, saved);
+    return ins_unlinked(ins_real_unlink(path), n, saved, AT_FDCWD, path);
 }
 
 INS_WRAPPER(int, unlinkat, (int dirfd, const char *path, int flags))
 {
     INS_MAP_OR_FAIL(unlinkat, -1);
     int saved = errno, n = ins_unlink_marks(dirfd, path, flags);
-    return ins_unlinked(ins_real_unlinkat(dirfd, path, flags), n, saved);
+    return ins_unlinked(ins_real_unlinkat(dirfd, path, flags), n, saved, dirfd, path);
 }
 
 /* (glibc's remove calls its own unlink, not through the symbol: wrapped too) */
@@ -55,5 +63,5 @@ INS_WRAPPER(int, remove, (const char *path))
 {
     INS_MAP_OR_FAIL(remove, -1);
     int saved = errno, n = ins_unlink_marks(AT_FDCWD, path, 0);
-    return ins_unlinked(ins_real_remove(path), n, saved);
+    return ins_unlinked(ins_real_remove(path), n, saved, AT_FDCWD, path);
 }

@@ -69,6 +69,7 @@ from .errors import (
     EndOfStream,
     FramesMissed,
     GroupLeaseLost,
+    InstrideError,
     IntegrityError,
     KeyExistsError,
     KeyNotFoundError,
@@ -93,6 +94,7 @@ from .frames import (
 )
 from .metadata.base import PendingRecord
 from .paths import check_confined
+from .perthread import forks
 from .record import Record, frame_checksum
 from .store.inbox import Inbox
 from .store.ring import Leases, SlotPool, Taken
@@ -398,6 +400,7 @@ class Stream:
         self._cursor = 0  # next frame a consumer reads
         self._written = 0  # frames a producer appended
         self._closed = False
+        self._made_in = forks()  # (the process this object was made in, as forks() counts)
         #: a close() whose end marker Redis may or may not have recorded (PublicationUnsettled):
         #: the marker's file stays, the next close() settles it, and no frame may follow it
         self._end_unsettled = False
@@ -1115,8 +1118,8 @@ class Stream:
             if self._pool is not None:
                 self._pool.close()
         cursor = getattr(self, "_cursor_file", None)
-        if cursor is None or getattr(self, "_closed", True):
-            return
+        if cursor is None or getattr(self, "_closed", True) or self._made_in != forks():
+            return  # (a forked child's copy: the group's position is the parent's to record)
         # A group reader dropped without close() (`for f in Stream(..., group=g): ... break`,
         # or iterated to its end): its group's lock and lease go with it, not with the process
         # (a next reader of the group in this process got GroupBusy), its position recorded
@@ -1369,7 +1372,10 @@ class Stream:
             if timeout is not None and waited >= timeout:
                 # (a stream that ended before this frame: its end, also with a timeout of 0,
                 # where no wait — the one place that looks at the end marker — was made)
-                count = self.frame_count(timeout=0)
+                try:
+                    count = self.frame_count(timeout=0)
+                except InstrideError:  # (the end marker's fetch failed: still the timeout)
+                    count = None
                 if count is not None and index >= count:
                     raise EndOfStream(self.name, index)
                 raise ConsumeTimeout(key, waited)

@@ -146,3 +146,22 @@ def test_a_frame_one_analysis_fails_on_is_taken_by_none(adk) -> None:
         live.process()
     got = live.finish()
     assert {len(v) for v in got.values()} == {1}, {k: len(v) for k, v in got.items()}
+
+
+def test_a_first_frame_taken_by_none_is_no_rmsd_reference(adk) -> None:
+    """The first frame failed in a later analysis: the RMSD forgot its row but kept that frame
+    as its reference, so every RMSD after was measured against a frame no analysis took."""
+    live = InSituAnalytics(adk)
+    failing = live.analyses[1]
+    plain = failing.compute
+
+    def broken() -> tuple[float, ...]:
+        raise FloatingPointError("no mass")
+
+    failing.compute = broken  # type: ignore[method-assign]
+    with pytest.raises(FloatingPointError):
+        live.process()
+    failing.compute = plain  # type: ignore[method-assign]
+    adk.trajectory.next()
+    row = live.process()
+    assert row["rmsd"] == 0.0  # (the first frame taken is the reference)

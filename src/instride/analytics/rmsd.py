@@ -90,6 +90,12 @@ class RMSDToFirst(FrameAnalysis):
         super().reset()
         self._reference = self._fixed
 
+    def forget_last(self) -> None:
+        """:meth:`FrameAnalysis.forget_last`; the first frame forgotten is no reference."""
+        super().forget_last()
+        if not self._rows:
+            self._reference = self._fixed
+
     def compute(self) -> tuple[float]:
         # The arithmetic of MDAnalysis.analysis.rms.rmsd(reference, positions, weights,
         # superposition=True), with the centred reference kept and the buffer reused.

@@ -469,9 +469,12 @@ class EmulatedCluster(TornDownOnSigterm):
             if not early:
                 self._mounted.append(str(self.base_dir))
             self._save()  # (a down() from another process unmounts it)
+        managed = {n.dir for n in self.nodes}
         for path in [self.shared_dir, self.ucx_dir, *(n.dir for n in self.nodes)]:
             if not path.exists():
-                path.mkdir(parents=True)
+                # (a node's managed directory 0700 whatever the umask: one its group may
+                # write — umask 002, common on HPC systems — is refused by every client)
+                path.mkdir(parents=True, mode=0o700 if path in managed else 0o777)
                 self._created.append(str(path))
 
     def _log(self, role: str) -> Path:

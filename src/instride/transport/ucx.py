@@ -291,7 +291,7 @@ class UcxTransport:
     def _worker(self) -> _Worker:
         local = self._per_thread.get()
         w = getattr(local, "worker", None)
-        if w is None or w.handle is None:
+        if w is None or w.handle is None or w.retire:  # (one close() let go of: a new one)
             w = local.worker = _Worker(self.lib)
             with self._lock:
                 self._workers.add(w)
@@ -305,12 +305,15 @@ class UcxTransport:
             with w.busy:
                 if w.handle is None:  # closed by another thread's close() meanwhile
                     continue
+                yield w
+            # (looked at once the fetch let go of it: a close() that found it busy marked it
+            # before it tried, so one of the two closes it)
+            if w.retire and w.busy.acquire(blocking=False):
                 try:
-                    yield w
+                    w.close()
                 finally:
-                    if w.retire:
-                        w.close()
-                return
+                    w.busy.release()
+            return
 
     # ------------------------------------------------------------------ requests
     def _request(self, w: _Worker, record: Record, op: str = "fetch") -> tuple[dict[str, Any], int]:
@@ -458,13 +461,12 @@ class UcxTransport:
             workers = list(self._workers)
             self._workers.clear()
         for w in workers:
+            w.retire = True  # (first: a fetch ending now sees it, and closes it itself)
             if w.busy.acquire(blocking=False):
                 try:
                     w.close()
                 finally:
                     w.busy.release()
-            else:
-                w.retire = True
 
 
 # ---------------------------------------------------------------------- server half
