@@ -14,7 +14,8 @@ WRAPPED = [
     "__openat64_2", "creat", "creat64", "fopen", "fopen64", "freopen", "freopen64", "close",
     "fclose", "dup", "dup2", "dup3", "fcntl", "fcntl64", "rename", "renameat", "renameat2",
     "close_range", "closefrom", "mmap", "mmap64", "munmap", "mkstemp", "mkstemp64", "mkostemp",
-    "mkostemp64", "mkstemps", "mkstemps64", "mkostemps", "mkostemps64",
+    "mkostemp64", "mkstemps", "mkstemps64", "mkostemps", "mkostemps64", "unlink", "unlinkat",
+    "remove",
 ]
 
 

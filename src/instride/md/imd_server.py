@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import math
 import socket
 import struct
+import termios
 import threading
 import time
 from collections import deque
@@ -85,6 +87,15 @@ _ACCEPT_RETRY_S = 0.1
 def _real(value: object) -> bool:
     """Whether ``value`` is a real number (not a bool, not a string)."""
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _unsent(conn: socket.socket) -> int:
+    """Bytes this end wrote to ``conn`` that its peer has not acknowledged yet (``SIOCOUTQ``;
+    0 where it cannot be told)."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+    except OSError:
+        return 0
 
 
 def _whole(value: object) -> bool:
@@ -379,9 +390,13 @@ class IMDServer:
             # unread frames and unanswered PAUSE/RESUME messages in flight) — not forever.
             s.conn.shutdown(socket.SHUT_WR)
             deadline = time.monotonic() + stall
+            unsent = _unsent(s.conn)
             while not s.gone.wait(_POLL):
                 if self._stop.is_set():
                     break
+                left = _unsent(s.conn)
+                if left < unsent:  # (still taking the last frames in: a slow, steady reader
+                    unsent, deadline = left, time.monotonic() + stall  # is given its time)
                 if time.monotonic() > deadline:  # (every frame sent, the close not clean)
                     s.report.ended = False
                     s.report.error = (f"the client did not close within {stall:g} s after the "
