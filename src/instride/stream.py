@@ -157,6 +157,8 @@ _PACED_AFTER = 0.002
 #: goes on appending (when it stops, Linux sends them after ~0.2 s: RespConnection.call_soon)
 _HOLD_BYTES = 4 << 20
 _HOLD_AGE = 0.02
+#: numbers the readers of this process (the names of their frames asked ahead)
+_READERS = itertools.count()
 _GAP_POLICIES = ("raise", "count")
 
 
@@ -401,6 +403,9 @@ class Stream:
         self._written = 0  # frames a producer appended
         self._closed = False
         self._made_in = forks()  # (the process this object was made in, as forks() counts)
+        #: the name the frames this reader asks for ahead are kept under (its own: two readers
+        #: of one thread, of one stream too, never take each other's)
+        self._batch = f"reader-{next(_READERS)}"
         #: a close() whose end marker Redis may or may not have recorded (PublicationUnsettled):
         #: the marker's file stays, the next close() settles it, and no frame may follow it
         self._end_unsettled = False
@@ -1092,8 +1097,8 @@ class Stream:
             leases.close()
         if self._inbox is not None:
             drop = getattr(self.client.engine, "drop_ahead", None)
-            if drop is not None:  # (its owner stops sending the frames asked for ahead: of
-                drop(None, self.frame_key(0))  # this stream alone, other readers' stay)
+            if drop is not None:  # (its owner stops sending the frames asked for ahead: this
+                drop(None, None, self._batch)  # reader's alone, from whichever thread it read)
             self._inbox.close()
             self._inbox = None
         if self._archive_reader is not None:
@@ -1117,6 +1122,12 @@ class Stream:
         with contextlib.suppress(Exception):
             if self._pool is not None:
                 self._pool.close()
+        if getattr(self, "_inbox", None) is not None and not self._closed \
+                and self._made_in == forks():
+            # (a reader dropped without close(): the owner stops sending what it asked for
+            # ahead, into a connection nobody reads — up to 8 MiB, a thread of its server)
+            with contextlib.suppress(Exception):
+                self.client.engine.drop_ahead(None, None, self._batch)  # type: ignore[attr-defined]
         cursor = getattr(self, "_cursor_file", None)
         if cursor is None or getattr(self, "_closed", True) or self._made_in != forks():
             return  # (a forked child's copy: the group's position is the parent's to record)
@@ -1476,12 +1487,12 @@ class Stream:
             if room is not None and nxt is not None and not kw:
                 # (the frame asked for ahead: received and checked in one native call)
                 got = nxt(key, like, part, room, buf.address, buf.rewound, own,
-                          unwatch=not self._unwatched)
+                          unwatch=not self._unwatched, batch=self._batch)
             if got is False:
                 got = engine.receive_when_published(
                     key, like, part, buf.rewound(), own, until=END_NAME, into=room,
                     ahead=_ahead(like.size), digest_from=HEADER_SIZE,
-                    unwatch=not self._unwatched, **kw)
+                    unwatch=not self._unwatched, batch=self._batch, **kw)
             self._unwatched = True
             frame = own.frame if got is not None else None
             if frame is not None:

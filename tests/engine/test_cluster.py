@@ -316,8 +316,8 @@ def test_a_group_readers_frames_asked_ahead_come_checked_in_one_native_call(
     transport = c2.engine.transport  # type: ignore[attr-defined]
     plain = transport.next_asked
 
-    def counted(*args: object) -> object:
-        got = plain(*args)
+    def counted(*args: object, **kw: object) -> object:
+        got = plain(*args, **kw)
         outcomes.append("checked" if isinstance(got, tuple) and got[1] is True else repr(got))
         return got
 
@@ -370,6 +370,48 @@ def test_two_streams_of_one_owner_read_in_turn_keep_their_frames_asked_ahead(
         assert made[0] <= 8, f"{made[0]} connections for {2 * frames} frames"
     finally:
         transport._connect = plain
+        for r in readers:
+            r.close()
+
+
+def test_two_readers_of_one_stream_in_one_thread_and_a_close_from_another(
+        nodes: list[LoopbackNode], clients: list[instride.Client]) -> None:
+    """Two groups of one stream read in turn by one thread shared their frames asked ahead
+    (each closed the other's: a connection per frame); a reader closed from another thread
+    (or dropped) left what it asked ahead in its reading thread, the owner sending on into a
+    connection nobody read. Each reader has its own now, dropped by its close, from any
+    thread."""
+    c1, c2, _ = clients
+    pos = np.random.default_rng(23).random((3000, 3)).astype(np.float32)
+    frames = 30
+    transport = c2.engine.transport  # type: ignore[attr-defined]
+    made = [0]
+    plain = transport._connect
+
+    def counted(rec: object) -> object:
+        made[0] += 1
+        return plain(rec)
+
+    transport._connect = counted
+    readers = [instride.Stream("same/s", timeout=20, client=c2, group=g) for g in "ab"]
+    producer = instride.Stream("same/s", mode="w", retain=64, groups=["a", "b"], client=c1,
+                               timeout=20)
+    try:
+        for i in range(frames):
+            producer.append(pos + i, step=i)
+        for i in range(frames):
+            for r in readers:
+                assert next(r).step == i
+        assert made[0] <= 8, f"{made[0]} connections for {2 * frames} frames"
+        assert readers[0]._batch in transport._homes  # (it asked for frames ahead)
+        # closed from another thread: its batch goes (the owner stops sending)
+        closer = threading.Thread(target=readers[0].close)
+        closer.start()
+        closer.join(10)
+        assert readers[0]._batch not in transport._homes
+    finally:
+        transport._connect = plain
+        producer.close()
         for r in readers:
             r.close()
 

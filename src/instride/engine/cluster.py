@@ -92,11 +92,12 @@ def _follows(key: str, prev: str) -> bool:
 
 
 def _options(window: tuple[float, float] | None, into: memoryview | None = None,
-             ahead: int = 0, digest_from: int = 0) -> dict[str, object]:
+             ahead: int = 0, digest_from: int = 0, batch: str | None = None) -> dict[str, object]:
     """The optional arguments of a transport's ``fetch_when_published`` that are set (a
     transport without them is called as before)."""
     return {k: v for k, v in (("window", window), ("into", into), ("ahead", ahead or None),
-                              ("digest_from", digest_from or None)) if v is not None}
+                              ("digest_from", digest_from or None), ("batch", batch))
+            if v is not None}
 
 
 #: Linux's ``CLOCK_REALTIME_COARSE`` (Python names it from 3.13 on)
@@ -835,7 +836,8 @@ class ClusterEngine:
                                window: tuple[float, float] | None = None,
                                into: memoryview | None = None,
                                ahead: int = 0, digest_from: int = 0,
-                               unwatch: bool = False) -> Received | None:
+                               unwatch: bool = False, batch: str | None = None,
+                               ) -> Received | None:
         """:meth:`fetch_when_published` into the caller's memory ``into`` (when the frame fits;
         else into ``fd``, from its offset) instead of a fetched copy, checked by the caller
         instead of against the key's record: nothing is stored on this node, and nothing is
@@ -847,7 +849,9 @@ class ClusterEngine:
         after a wait through the metadata), this thread's kept subscription to the key's
         directory, which that wait left, is dropped, and Redis stops sending them. ``ahead``:
         the owner may send that many next frames too, each as it is published (the reader's
-        next calls then send no request; see the transport's ``fetch_when_published``).
+        next calls then send no request; see the transport's ``fetch_when_published``), kept
+        under ``batch`` (a reader's own name: two readers of a thread keep their own; see
+        :meth:`drop_ahead`).
 
         Returns
         -------
@@ -864,13 +868,13 @@ class ClusterEngine:
             self.metadata.unwatch(key.rpartition("/")[0] + "/")
         try:
             got = fetch(like, key, fd, wait, until, None,
-                        **_options(window, into, ahead, digest_from))
+                        **_options(window, into, ahead, digest_from, batch))
         except (InstrideError, OSError):
             return None  # (as for a fetched copy: the usual way sorts it out, or says what)
         if got is None:
             return None
         if not check(got):  # (the frames asked for ahead with it are not wanted either: the
-            self.drop_ahead(like.owner, key)  # usual way fetches this one, asks again after it)
+            self.drop_ahead(like.owner, key, batch)  # usual way fetches this one, and asks again)
             return None
         self.transfers += 1
         self.early_transfers += 1
@@ -879,7 +883,8 @@ class ClusterEngine:
     def receive_next_asked(self, key: str, like: Record, wait: float, into: memoryview,
                            address: int, fd: Callable[[], int],
                            check: Callable[[Received, bool], bool],
-                           unwatch: bool = False) -> Received | bool | None:
+                           unwatch: bool = False, batch: str | None = None,
+                           ) -> Received | bool | None:
         """:meth:`receive_when_published` for a stream reader's common case, in one native
         call where the transport has one (``next_asked``): ``key`` is the next of the frames
         this thread asked ``like``'s owner for ahead, received into ``into`` (the memory at
@@ -899,7 +904,8 @@ class ClusterEngine:
         if nxt is None:
             return False
         try:
-            got = nxt(like, key, into, address, fd, wait)
+            got = nxt(like, key, into, address, fd, wait, **({} if batch is None
+                                                               else {"batch": batch}))
         except (InstrideError, OSError):
             return None  # (as receive_when_published: the usual way sorts it out, or says what)
         if got is False:
@@ -910,19 +916,21 @@ class ClusterEngine:
             return None
         received, checked = got
         if not check(received, checked):  # (as receive_when_published)
-            self.drop_ahead(like.owner, key)
+            self.drop_ahead(like.owner, key, batch)
             return None
         self.transfers += 1
         self.early_transfers += 1
         return received  # type: ignore[no-any-return]
 
-    def drop_ahead(self, owner: str | None = None, key: str | None = None) -> None:
+    def drop_ahead(self, owner: str | None = None, key: str | None = None,
+                   batch: str | None = None) -> None:
         """Drop the frames this thread asked for ahead (a stream's reader closes), of
         ``owner`` (its address) alone when given, and of the stream of ``key`` alone when
-        given (other readers' batches stay)."""
+        given (other readers' batches stay); of the reader named ``batch`` alone when given,
+        whichever thread it read in."""
         drop = getattr(self.transport, "drop_ahead", None)
         if drop is not None:
-            drop(owner, key)
+            drop(owner, key, batch)
 
     def _wait_early(self, keys: Sequence[str], timeout: float | None) -> Record | None:
         """:meth:`wait_any` for a consumer walking numbered keys (a stream's frames) that

@@ -32,7 +32,7 @@ from ...errors import (
     TransferError,
 )
 from ...frames import HEADER_SIZE
-from ...perthread import PerThread
+from ...perthread import PerThread, forks
 from ...record import Record
 from .. import wire
 from ..base import Backoff, Received, fetch_to_new_file
@@ -174,6 +174,17 @@ class TcpTransport:
         self.settings = settings
         # per thread (and process): owner address -> kept-alive socket
         self._per_thread = PerThread()
+        # a batch's name -> the thread's dict of batches it is in (a reader's named batch is
+        # dropped from any thread: see drop_ahead); this process's alone
+        self._homes_of: tuple[int, dict[str, dict[str, Any]]] = (forks(), {})
+
+    @property
+    def _homes(self) -> dict[str, dict[str, Any]]:
+        made_in, homes = self._homes_of
+        if made_in != forks():  # (a forked child's: its parent's threads are not its own)
+            homes = {}
+            self._homes_of = (forks(), homes)
+        return homes
 
     def _connect(self, record: Record) -> socket.socket:
         host, port = parse_addr(record.owner, "owner")
@@ -353,7 +364,8 @@ class TcpTransport:
                              on_reply: Callable[[], object] | None = None,
                              window: tuple[float, float] | None = None,
                              into: memoryview | None = None,
-                             ahead: int = 0, digest_from: int = 0) -> Received | None:
+                             ahead: int = 0, digest_from: int = 0,
+                             batch: str | None = None) -> Received | None:
         """Receive ``key`` from ``owner``'s node into ``fd`` as soon as it is published there.
 
         The owner's data server holds the request up to ``wait`` seconds for a key that is not
@@ -414,7 +426,8 @@ class TcpTransport:
         """
         hint = _hint(owner, key)
         batches = self._batches()
-        asked = batches.pop(_batch(owner.owner, key), None)
+        name = batch or _batch(owner.owner, key)
+        asked = batches.pop(name, None)
         try:
             body = None
             if asked is not None and asked[1][0] == key:  # asked for with an earlier key
@@ -433,13 +446,13 @@ class TcpTransport:
         except KeyNotFoundError:
             return None  # (the last the owner sends for a request: the connection is free)
         return self._received(owner, key, sock, rest, reply, body, fd, on_reply, into,
-                              digest_from, batches)
+                              digest_from, batches, name)
 
     def _received(self, owner: Record, key: str, sock: socket.socket, rest: list[str],
                   reply: dict[str, Any], body: tuple[int, str] | None, fd: int,
                   on_reply: Callable[[], object] | None, into: memoryview | None,
                   digest_from: int,
-                  batches: dict[str, tuple[socket.socket, list[str]]]) -> Received:
+                  batches: dict[str, tuple[socket.socket, list[str]]], name: str) -> Received:
         """The end of :meth:`fetch_when_published`, from the owner's reply (``ok``) on: the
         body received (``body``: already, its size and digest), the connection kept for
         what was asked ahead (``rest``) or for the next request."""
@@ -455,12 +468,14 @@ class TcpTransport:
             if not rest:
                 self._release(owner.owner, sock)
         if rest:
-            batches[_batch(owner.owner, key)] = (sock, rest)
+            batches[name] = (sock, rest)
+            self._homes[name] = batches
         published = reply.get("published")
         return Received(size, digest, _seconds(published), head)
 
     def next_asked(self, owner: Record, key: str, into: memoryview, address: int,
-                   fd: Callable[[], int], wait: float) -> tuple[Received, bool] | bool | None:
+                   fd: Callable[[], int], wait: float,
+                   batch: str | None = None) -> tuple[Received, bool] | bool | None:
         """A stream reader's common case of :meth:`fetch_when_published`, in one native call:
         ``key`` is the next of the frames this thread asked ``owner`` for ahead, received into
         ``into`` (the memory at ``address``), and checked as a frame there when it is one.
@@ -481,11 +496,11 @@ class TcpTransport:
             body that does not fit ``into``.
         """
         batches = self._batches()
-        batch = _batch(owner.owner, key)
-        asked = batches.get(batch)
+        name = batch or _batch(owner.owner, key)
+        asked = batches.get(name)
         if asked is None or asked[1][0] != key or self.settings.spin:
             return False
-        del batches[batch]
+        del batches[name]
         sock, rest = asked
         del rest[0]  # (the list is this call's now: no copy of what is still to come)
         scratch = self._scratch()
@@ -494,7 +509,7 @@ class TcpTransport:
                                     frame=True)
             if rc == 0:  # a frame that passed
                 if rest:
-                    batches[batch] = (sock, rest)
+                    batches[name] = (sock, rest)
                 else:
                     self._release(owner.owner, sock)
                 return Received(scratch.size.value, scratch.hexdigest.value.decode(),
@@ -510,13 +525,22 @@ class TcpTransport:
             sock.close()  # (closed already where the receive failed; not where fd() did)
             raise
         return self._received(owner, key, sock, rest, reply, body, dest, None, into, HEADER_SIZE,
-                              batches), False
+                              batches, name), False
 
-    def drop_ahead(self, owner: str | None = None, key: str | None = None) -> None:
+    def drop_ahead(self, owner: str | None = None, key: str | None = None,
+                   batch: str | None = None) -> None:
         """Drop what this thread asked for ahead (:meth:`fetch_when_published`'s ``ahead``) —
         of ``owner`` (its address) alone, when given, and of the keys beside ``key`` (a
         stream's frames) alone, when given too: the connections are closed, so the owners
-        stop sending (a stream's reader that stops, or that refused a frame)."""
+        stop sending (a stream's reader that stops, or that refused a frame). ``batch``: the
+        batch of that name alone, whichever thread asked for it (a reader closed from
+        another thread, or collected)."""
+        if batch is not None:
+            home = self._homes.pop(batch, None)
+            got = None if home is None else home.pop(batch, None)
+            if got is not None:
+                got[0].close()
+            return
         batches = self._batches()
         if owner is not None and key is not None:
             names = [_batch(owner, key)]
