@@ -153,6 +153,16 @@ static int ins_dir_gone(int ifd, int wd)
     return gone;
 }
 
+/* A new fd for this thread, watching dir: 0, or -1 (*ifd < 0: none could be made). */
+static int ins_rewatch(int *ifd, int *cached, char *dir, int *wd)
+{
+    *ifd = ins_inotify_get(cached);
+    if (*ifd < 0)
+        return -1;
+    *wd = ins_watch(*ifd, *cached, dir);
+    return *wd < 0 ? -1 : 0;
+}
+
 int ins_wait_local(const char *abs)
 {
     struct stat st; /* lstat: a symbolic link under the key ends the wait (and is refused) */
@@ -192,11 +202,8 @@ int ins_wait_local(const char *abs)
         if (ins_inotify_lost(ifd, cached)) {
             /* closed (and its number perhaps reused by a file that is never readable) since
              * the last look: a new fd, before the poll, which would sleep on that file */
-            ifd = ins_inotify_get(&cached);
-            if (ifd < 0)
-                return -1;
-            if ((wd = ins_watch(ifd, cached, dir)) < 0)
-                break;
+            if (ins_rewatch(&ifd, &cached, dir, &wd) != 0)
+                goto lost;
             continue;
         }
         struct pollfd pfd = {.fd = ifd, .events = POLLIN};
@@ -214,11 +221,8 @@ int ins_wait_local(const char *abs)
                 ins_hooks.mark_internal(ifd, NULL);
             if (!lost && !(pfd.revents & POLLNVAL))
                 ins_sys.close(ifd); /* (ours still, in error) */
-            ifd = ins_inotify_get(&cached);
-            if (ifd < 0)
-                return -1;
-            if ((wd = ins_watch(ifd, cached, dir)) < 0)
-                break;
+            if (ins_rewatch(&ifd, &cached, dir, &wd) != 0)
+                goto lost;
             continue;
         }
         /* the directory went away: recreate it and watch again */
@@ -228,4 +232,8 @@ int ins_wait_local(const char *abs)
 cleanup:
     ins_inotify_put(ifd, cached);
     return rc;
+lost: /* (no fd to put back where a new one could not be made) */
+    if (ifd < 0)
+        return -1;
+    goto cleanup;
 }

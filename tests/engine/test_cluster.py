@@ -337,6 +337,20 @@ def test_a_group_readers_frames_asked_ahead_come_checked_in_one_native_call(
     reader.close()
 
 
+def _counting_connects(transport: Any) -> list[int]:
+    """Count the connections ``transport`` makes from now on (``del transport._connect``
+    stops it): the list's one item."""
+    made = [0]
+    plain = transport._connect
+
+    def counted(rec: object) -> object:
+        made[0] += 1
+        return plain(rec)
+
+    transport._connect = counted
+    return made
+
+
 def test_two_streams_of_one_owner_read_in_turn_keep_their_frames_asked_ahead(
         clients: list[instride.Client]) -> None:
     """A thread kept one set of frames asked ahead per owner: two streams of one producer's
@@ -346,14 +360,7 @@ def test_two_streams_of_one_owner_read_in_turn_keep_their_frames_asked_ahead(
     pos = np.random.default_rng(21).random((3000, 3)).astype(np.float32)
     frames = 40
     transport = c2.engine.transport  # type: ignore[attr-defined]
-    made = [0]
-    plain = transport._connect
-
-    def counted(rec: object) -> object:
-        made[0] += 1
-        return plain(rec)
-
-    transport._connect = counted
+    made = _counting_connects(transport)
     readers = [instride.Stream(f"two/{n}", timeout=20, client=c2, group="g") for n in "ab"]
     producers = [instride.Stream(f"two/{n}", mode="w", retain=64, groups=["g"], client=c1,
                                  timeout=20) for n in "ab"]
@@ -369,7 +376,7 @@ def test_two_streams_of_one_owner_read_in_turn_keep_their_frames_asked_ahead(
                 assert f.step == i and np.array_equal(f.positions, pos + 1000 * k + i)
         assert made[0] <= 8, f"{made[0]} connections for {2 * frames} frames"
     finally:
-        transport._connect = plain
+        del transport._connect  # (the class's again)
         for r in readers:
             r.close()
 
@@ -385,14 +392,7 @@ def test_two_readers_of_one_stream_in_one_thread_and_a_close_from_another(
     pos = np.random.default_rng(23).random((3000, 3)).astype(np.float32)
     frames = 30
     transport = c2.engine.transport  # type: ignore[attr-defined]
-    made = [0]
-    plain = transport._connect
-
-    def counted(rec: object) -> object:
-        made[0] += 1
-        return plain(rec)
-
-    transport._connect = counted
+    made = _counting_connects(transport)
     readers = [instride.Stream("same/s", timeout=20, client=c2, group=g) for g in "ab"]
     producer = instride.Stream("same/s", mode="w", retain=64, groups=["a", "b"], client=c1,
                                timeout=20)
@@ -410,7 +410,7 @@ def test_two_readers_of_one_stream_in_one_thread_and_a_close_from_another(
         closer.join(10)
         assert readers[0]._batch not in transport._homes
     finally:
-        transport._connect = plain
+        del transport._connect  # (the class's again)
         producer.close()
         for r in readers:
             r.close()
