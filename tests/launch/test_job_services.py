@@ -229,6 +229,35 @@ def test_node_env_without_a_service_unsets_the_inherited_settings(tmp_path: Path
     assert "no instride service on" in wrapped.stderr
 
 
+def test_node_env_takes_no_file_of_another_user(tmp_path: Path) -> None:
+    """A node.env naming this host in a directory of another user (a shared /dev/shm: made
+    first by them, with settings of theirs) was taken; only the user's own is."""
+    host = os.uname().nodename
+    node = host.split(".")[0]
+    _write_node_env(tmp_path, node, host)
+    job = {"INSTRIDE_JOB_DIR": f"{tmp_path}/%n/j%j", "INSTRIDE_JOB_ID": "1"}
+    assert _node_env(["sh", "-c", "echo $INSTRIDE_NODE"], **job).stdout == f"{node}\n"
+    for path in (tmp_path / node / "j1", tmp_path / node / "j1" / ".instride" / "node.env"):
+        os.chown(path, 4242, 4242)
+        wrapped = _node_env(["sh", "-c", "echo ${INSTRIDE_NODE-unset}"], **job)
+        assert wrapped.stdout == "unset\n", (path, wrapped.stdout)
+        os.chown(path, os.getuid(), os.getgid())
+
+
+def test_a_working_directory_with_a_space_is_no_trouble(scratch: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job's working directory went into Redis's configuration unquoted: a TMPDIR with a
+    space made Redis refuse to start (LaunchError)."""
+    import tempfile
+
+    spaced = tmp_path / "with space"
+    spaced.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spaced))
+    svc = _local(scratch, tmp_path)
+    assert svc.run(["true"]) == 0
+    _assert_torn_down(svc, scratch, tmp_path)
+
+
 def test_node_env_finds_this_host_whatever_slurmd_nodename_says(tmp_path: Path) -> None:
     host = os.uname().nodename
     _write_node_env(tmp_path, host.split(".")[0], host)
@@ -390,6 +419,39 @@ def test_a_redis_that_ends_under_the_command_stops_it(scratch: Path, tmp_path: P
     _assert_torn_down(svc, scratch, tmp_path)
 
 
+def test_a_node_that_reports_its_service_lost_stops_the_command(scratch: Path,
+                                                                 tmp_path: Path) -> None:
+    """A node's data server that dies ends its agent, which reports it (the job's ERRORS hash)
+    — but MPICH's mpiexec lets the other agents run on, so the services step never ended and
+    the loss went unnoticed: the command ran on without that node. The report is looked at
+    (here written as an agent writes it, while the agents run on, as under MPICH)."""
+    import threading
+
+    from instride.launch.base import ERRORS, ServiceLostError, redis_client
+
+    svc = _local(scratch, tmp_path)
+    started = tmp_path / "started"
+
+    def report() -> None:
+        while svc._child is None or not started.exists():
+            time.sleep(0.02)
+        client = redis_client(svc.redis_url or "")
+        try:
+            client.hset(ERRORS.format(job=svc.job_id), "nodeX",
+                        "error|the data server ended on its own (status -9)")
+        finally:
+            client.close()
+
+    reporter = threading.Thread(target=report, daemon=True)
+    reporter.start()
+    t0 = time.monotonic()
+    with pytest.raises(ServiceLostError, match="nodeX.*ended on its own"):
+        svc.run(["sh", "-c", f"touch {started}; sleep 120"])
+    assert time.monotonic() - t0 < 60
+    reporter.join(5)
+    _assert_torn_down(svc, scratch, tmp_path)
+
+
 def test_a_services_step_that_never_ends_still_lets_redis_and_the_directory_go(
         scratch: Path, tmp_path: Path) -> None:
     """The services step does not end even after SIGKILL (a ``srun`` stuck on a hung file
@@ -416,8 +478,8 @@ def test_a_services_step_that_never_ends_still_lets_redis_and_the_directory_go(
 
     svc._agents = Stuck()  # type: ignore[assignment]
     try:
-        with pytest.raises(subprocess.TimeoutExpired):
-            svc.down()
+        with pytest.raises(LaunchError, match="did not end even after SIGKILL"):  # (typed:
+            svc.down()  # a bare TimeoutExpired's traceback before)
         assert redis_proc.poll() is not None and not workdir.exists()
     finally:
         svc._agents = agents  # (the real one, stopped now)

@@ -534,11 +534,15 @@ class JobServices:
             self._redis = subprocess.Popen(  # (SIGTERM if this process dies outright)
                 [exe, "-"], stdin=subprocess.PIPE, stdout=out, stderr=out,
                 env=self._clean_env(), cwd=self.workdir,
-                preexec_fn=dies_with_me(signal.SIGTERM))
+                preexec_fn=dies_with_me(signal.SIGTERM),
+                # (a terminal's Ctrl-C goes to its whole foreground group: Redis stopped at
+                # once, while the command still handled its interrupt and needed it)
+                start_new_session=True)
         # The configuration goes through stdin: the password never shows in `ps`.
+        quoted = str(self.workdir).replace("\\", "\\\\").replace('"', '\\"')
         conf = (f"bind {self.this_addr}\nport {port}\nrequirepass {password}\nsave \"\"\n"
                 f"appendonly no\nprotected-mode no\ndaemonize no\nloglevel warning\n"
-                f"dir {self.workdir}\n")
+                f'dir "{quoted}"\n')  # (quoted: a TMPDIR with a space made Redis refuse it)
         assert self._redis.stdin is not None
         self._redis.stdin.write(conf.encode())
         self._redis.stdin.close()
@@ -586,7 +590,8 @@ class JobServices:
             try:
                 self._agents = subprocess.Popen(  # (mpiexec, srun: they pass SIGTERM on)
                     argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
-                    preexec_fn=dies_with_me(signal.SIGTERM))
+                    preexec_fn=dies_with_me(signal.SIGTERM),
+                    start_new_session=True)  # (as Redis: stopped by this process, in order)
             except OSError as exc:  # (no srun on PATH, ...)
                 raise LaunchError(f"cannot start the services: {argv[0]}: {exc.strerror}") \
                     from None
@@ -638,14 +643,24 @@ class JobServices:
                     if not _stop(self._agents, 10.0):
                         with contextlib.suppress(ProcessLookupError):
                             self._agents.kill()
-                        self._agents.wait(5)
+                        try:
+                            self._agents.wait(5)
+                        except subprocess.TimeoutExpired:
+                            raise LaunchError(
+                                f"the services step (pid {self._agents.pid}) did not end even "
+                                "after SIGKILL (a launcher stuck on a hung file system?)") from None
                 self._agents = None
         finally:
             try:
                 if self._redis is not None:
                     if not _stop(self._redis, 5.0):
                         self._redis.kill()
-                        self._redis.wait(5)
+                        try:
+                            self._redis.wait(5)
+                        except subprocess.TimeoutExpired:
+                            raise LaunchError(
+                                f"the job's Redis (pid {self._redis.pid}) did not end even "
+                                "after SIGKILL") from None
                     self._redis = None
                 elif self.external_redis and self.redis_url:
                     with contextlib.suppress(Exception):
@@ -752,6 +767,17 @@ class JobServices:
         """Wait for the command; stop it if the services end under it, SIGKILL it if it is
         still there :data:`STOP_GRACE` s after a signal was passed on (see :meth:`run`)."""
         killed = False
+        reported = _Reports(self.redis_url, self.job_id)
+        try:
+            return self._wait_child_reported(child, reported, killed)
+        finally:
+            reported.close()
+
+    def _wait_child_reported(self, child: subprocess.Popen[bytes], reported: _Reports,
+                             killed: bool) -> int:
+        """:meth:`_wait_child`; ``reported``: the nodes' reports of a service lost, looked at
+        once a second (a node's data server that died under ``mpiexec`` ends its agent, and
+        MPICH's ``mpiexec`` lets the other agents run on: the services step does not end)."""
         while True:
             try:
                 rc = child.wait(AGENT_POLL)
@@ -767,11 +793,17 @@ class JobServices:
                 killed = True
             agents_gone = self._agents is not None and self._agents.poll() is not None
             redis_gone = self._redis is not None and self._redis.poll() is not None
-            if not (agents_gone or redis_gone):
+            failed = {} if agents_gone or redis_gone or self._signalled is not None \
+                else reported.failed()
+            if not (agents_gone or redis_gone or failed):
                 continue
             if self._signalled is not None:
                 continue  # the job is cancelled: the services end with it
-            if agents_gone:
+            if failed:
+                node = sorted(failed)[0]
+                lost = ServiceLostError(",".join(sorted(failed)), failed[node].partition("|")[2]
+                                        or failed[node])
+            elif agents_gone:
                 assert self._agents is not None
                 lost = self._lost_service(self._agents.returncode)
             else:  # (the OOM killer, an operator: no record of any frame can be read or made)
@@ -800,6 +832,35 @@ class JobServices:
         cmd = self.per_node(["..."])[0]
         return ServiceLostError(",".join(nodes) or "?",
                                 f"`{cmd}` of the services exited with status {status}:\n{log}")
+
+
+class _Reports:
+    """The nodes' reports of a service that ended (the job's ``ERRORS`` hash), looked at once
+    a second at most; nothing where Redis cannot be reached (its own loss is seen apart)."""
+
+    def __init__(self, redis_url: str | None, job: str) -> None:
+        self.url, self.key = redis_url, ERRORS.format(job=job)
+        self.client: Any = None
+        self.next = 0.0
+
+    def failed(self) -> dict[str, str]:
+        now = time.monotonic()
+        if self.url is None or now < self.next:
+            return {}
+        self.next = now + 1.0
+        try:
+            if self.client is None:
+                self.client = redis_client(self.url, timeout=2.0)
+            return {str(k): str(v) for k, v in self.client.hgetall(self.key).items()}
+        except Exception:  # noqa: BLE001 - (looked at again a second later)
+            self.close()
+            return {}
+
+    def close(self) -> None:
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                self.client.close()
+            self.client = None
 
 
 def _node_error(node: str, message: str) -> ServerStartError:

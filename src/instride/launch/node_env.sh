@@ -16,7 +16,10 @@ envfile=
 for node in "$SLURMD_NODENAME" "${host%%.*}" "$host"; do
     [ -n "$node" ] || continue
     dir=$(printf '%s' "$INSTRIDE_JOB_DIR" | sed -e "s|%n|$node|g" -e "s|%j|$INSTRIDE_JOB_ID|g")
-    if [ -r "$dir/.instride/node.env" ] && grep -qxF "# host $host" "$dir/.instride/node.env"
+    # (the user's own file in the user's own directory: in a shared one like /dev/shm, another
+    # user could have made one naming this host, with settings of theirs)
+    if [ -r "$dir/.instride/node.env" ] && [ -O "$dir/.instride/node.env" ] && [ -O "$dir" ] \
+        && grep -qxF "# host $host" "$dir/.instride/node.env"
     then
         envfile="$dir/.instride/node.env"
         break
