@@ -326,6 +326,32 @@ def test_signal_while_the_services_start_stops_the_start(scratch: Path, tmp_path
     assert svc.seen["agents"].returncode == -signal.SIGTERM  # type: ignore[attr-defined]
 
 
+def test_a_job_cancelled_while_its_services_start_says_so(scratch: Path, tmp_path: Path) -> None:
+    """scancel signals every process of the step: an agent that ended of it before the start
+    looked at the signal made the job fail with ServerStartError (status 6) instead of ending
+    as cancelled (128 + 15)."""
+    class Cancelled(LocalServices):
+        calls = 0
+
+        def registered(self) -> bool:
+            super().registered()  # (what the test's teardown check looks at)
+            Cancelled.calls += 1
+            if Cancelled.calls == 3:  # the signal, and the agents gone of it at once
+                os.kill(os.getpid(), signal.SIGTERM)
+                assert self._agents is not None
+                self._agents.kill()
+                self._agents.wait()
+            return False
+
+        def _check_signal(self) -> None:  # (the start looks at the agents first: the race)
+            if self._agents is None or self._agents.poll() is None:
+                super()._check_signal()
+
+    svc = _local(scratch, tmp_path, Cancelled, agent=["sleep", "300"])
+    assert svc.run([PY, "-c", "raise SystemExit(9)"]) == 128 + signal.SIGTERM
+    _assert_torn_down(svc, scratch, tmp_path)
+
+
 def test_signals_around_the_command_end_never_skip_the_teardown(
     scratch: Path, tmp_path: Path
 ) -> None:

@@ -509,8 +509,12 @@ class JobServices:
                 self._start_redis()
             self._check_signal()
             self._start_agents()
-        except BaseException:
+        except BaseException as exc:
             self.down()
+            if self._signalled is not None and not isinstance(exc, _Interrupted):
+                # (a cancelled job's signal reached Redis or an agent too, which ended before
+                # the start looked at it: the job was cancelled — 128 + N — not unavailable)
+                raise _Interrupted(self._signalled) from exc
             raise
         return self.command_env()
 
