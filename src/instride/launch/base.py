@@ -645,26 +645,14 @@ class JobServices:
                 except subprocess.TimeoutExpired:
                     self.force_stop_agents()
                     if not _stop(self._agents, 10.0):
-                        with contextlib.suppress(ProcessLookupError):
-                            self._agents.kill()
-                        try:
-                            self._agents.wait(5)
-                        except subprocess.TimeoutExpired:
-                            raise LaunchError(
-                                f"the services step (pid {self._agents.pid}) did not end even "
-                                "after SIGKILL (a launcher stuck on a hung file system?)") from None
+                        _killed(self._agents, "the services step (a launcher stuck on a hung "
+                                              "file system?)")
                 self._agents = None
         finally:
             try:
                 if self._redis is not None:
                     if not _stop(self._redis, 5.0):
-                        self._redis.kill()
-                        try:
-                            self._redis.wait(5)
-                        except subprocess.TimeoutExpired:
-                            raise LaunchError(
-                                f"the job's Redis (pid {self._redis.pid}) did not end even "
-                                "after SIGKILL") from None
+                        _killed(self._redis, "the job's Redis")
                     self._redis = None
                 elif self.external_redis and self.redis_url:
                     with contextlib.suppress(Exception):
@@ -836,6 +824,17 @@ class JobServices:
         cmd = self.per_node(["..."])[0]
         return ServiceLostError(",".join(nodes) or "?",
                                 f"`{cmd}` of the services exited with status {status}:\n{log}")
+
+
+def _killed(proc: Any, what: str) -> None:
+    """SIGKILL ``proc`` and wait 5 s for it; :class:`LaunchError` naming ``what`` where even
+    that does not end it (a bare ``TimeoutExpired`` before: a traceback)."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"{what} (pid {proc.pid}) did not end even after SIGKILL") from None
 
 
 class _Reports:
