@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import itertools
 import os
@@ -11,7 +13,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ import pytest
 import redis
 
 import instride
+import instride.stream as stream_mod
 from instride.errors import (
     ConfigError,
     FramesMissed,
@@ -1122,6 +1125,117 @@ def test_a_cluster_reader_learns_of_a_rerun_from_its_first_refused_commit(
         finally:
             writer.close()
             reader.close()
+
+
+@contextlib.contextmanager
+def _two_clients(where: str, client: instride.Client, tmp_path: Path, redis_url: str
+                 ) -> Iterator[tuple[instride.Client, instride.Client]]:
+    """A writer's and a reader's client: ``client`` for both (``"local"``), one loopback
+    node's (``"same node"``) or two nodes' (``"other node"``)."""
+    if where == "local":
+        yield client, client
+        return
+    from tests.conftest import running_nodes
+
+    with running_nodes(tmp_path, redis_url, "test-token",
+                       (1,) if where == "same node" else (1, 2)) as nodes:
+        writer, reader = nodes[0].client(), nodes[-1].client()
+        try:
+            yield writer, reader
+        finally:
+            writer.close()
+            reader.close()
+
+
+@pytest.mark.parametrize("retain", [None, 4])
+@pytest.mark.parametrize("where", ["local", "same node", "other node"])
+def test_a_plain_reader_waiting_when_its_stream_is_rerun_raises_stream_rerun(
+        where: str, retain: int | None, client: instride.Client, tmp_path: Path,
+        redis_server: Any) -> None:
+    """A plain reader of run 1, whose producer died after 3 frames, waits for frame 3 when
+    the stream is re-run (``overwrite=True``): it raises ``StreamRerun``. It used to read on
+    at frame 3 **of the new run**, the new run's frames 0-2 skipped, as if the runs were
+    one. A reader opened afterwards reads the new run whole."""
+    from instride.errors import StreamRerun
+
+    with _two_clients(where, client, tmp_path, redis_server.url) as (writer, reader):
+        w1 = instride.Stream("pr", mode="w", retain=retain, client=writer)
+        for i in range(3):
+            w1.append(_positions(i), step=i)
+        r = instride.Stream("pr", client=reader, timeout=20)
+        assert [next(r).step for _ in range(3)] == [0, 1, 2]
+        got: list[object] = []
+
+        def wait() -> None:
+            try:
+                got.append(next(r).step)
+            except Exception as exc:  # noqa: BLE001 (what it raised is the result)
+                got.append(exc)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.3)  # (waiting for frame 3)
+        w1.abandon()  # (the producer died)
+        with instride.Stream("pr", mode="w", retain=retain, overwrite=True,
+                             client=writer) as w2:
+            for i in range(4):  # (retain=4: all kept for the reader after)
+                w2.append(_positions(10 + i), step=10 + i)
+        waiter.join(30)
+        assert not waiter.is_alive()
+        assert len(got) == 1 and isinstance(got[0], StreamRerun), got
+        assert "re-run" in str(got[0]) and got[0].errno == errno.ESTALE
+        with pytest.raises(StreamRerun):  # (and it stays so)
+            next(r)
+        r.close()
+        again = instride.Stream("pr", client=reader, timeout=5)
+        assert [f.step for f in again] == list(range(10, 14))
+        again.close()
+
+
+@pytest.mark.parametrize("where", ["local", "same node", "other node"])
+def test_a_plain_reader_reading_on_through_a_rerun_raises_stream_rerun(
+        where: str, client: instride.Client, tmp_path: Path, redis_server: Any) -> None:
+    """A plain reader of run 1 (it read frames 0 and 1 of 5) reads on after the stream was
+    re-run and the new run's frames came: its next frame is ``StreamRerun``, not the new
+    run's frame 2 — at once on one node (the run's count is in the stream's mapped head),
+    and in cluster mode once Redis is asked again (a quarter of a second after it last was:
+    here, after that). A reader that ended with run 1 gets ``StreamRerun`` too, not the end
+    of the new, shorter run."""
+    from instride.errors import StreamRerun
+
+    with _two_clients(where, client, tmp_path, redis_server.url) as (writer, reader):
+        with instride.Stream("pn", mode="w", client=writer) as w1:
+            for i in range(5):
+                w1.append(_positions(i), step=i)
+        r = instride.Stream("pn", client=reader, timeout=20)
+        done = instride.Stream("pn", client=reader, timeout=20)
+        assert [next(r).step for _ in range(2)] == [0, 1]
+        assert [f.step for f in done] == list(range(5))
+        with instride.Stream("pn", mode="w", overwrite=True, client=writer) as w2:
+            for i in range(4):
+                w2.append(_positions(10 + i), step=10 + i)
+        if where != "local":
+            time.sleep(stream_mod._RUN_LOOK + 0.05)
+        with pytest.raises(StreamRerun, match="frame 2 "):
+            next(r)
+        with pytest.raises(StreamRerun):
+            next(done)
+        r.close()
+        done.close()
+
+
+def test_a_plain_reader_that_read_nothing_reads_the_rerun(client: instride.Client) -> None:
+    """A reader opened on run 1 that took no frame before the stream was re-run reads the new
+    run, from its first frame (the run it reads is the one it finds at its first frame)."""
+    with instride.Stream("pz", mode="w", client=client) as w1:
+        for i in range(3):
+            w1.append(_positions(i), step=i)
+    r = instride.Stream("pz", client=client, timeout=5)
+    with instride.Stream("pz", mode="w", overwrite=True, client=client) as w2:
+        for i in range(2):
+            w2.append(_positions(10 + i), step=10 + i)
+    assert [f.step for f in r] == [10, 11]
+    r.close()
 
 
 def _a_lease_run_out(tmp_path: Path, redis_url: str, name: str

@@ -267,6 +267,25 @@ class FramesMissed(InstrideError, LookupError):
         )
 
 
+class StreamRerun(InstrideError, OSError):
+    """The stream a plain reader was reading was started over under its name (a producer with
+    ``overwrite=True``): its frames are numbered from 0 again, and the reader's next frame
+    would be the new run's, with the new run's frames before it skipped. Open the stream
+    again to read the new run. (A consumer group's reader raises :class:`GroupReset`.)"""
+
+    errno = _errno.ESTALE
+
+    def __init__(self, stream: str, index: int) -> None:
+        self._init_args = (stream, index)
+        self.stream = stream
+        self.index = index
+        super().__init__(
+            _errno.ESTALE,
+            f"stream {stream!r} was re-run (a producer started it over, overwrite=True) after "
+            f"this reader had read frames of the earlier run: frame {index} would be the new "
+            "run's; open the stream again to read the new run from its first frame")
+
+
 class StreamFull(InstrideError, TimeoutError):
     """A producer waited longer than its timeout for consumer groups to take old frames."""
 
@@ -411,6 +430,7 @@ BY_NAME: dict[str, type[InstrideError]] = {
         PublicationUnsettled,
         EndOfStream,
         FramesMissed,
+        StreamRerun,
         StreamFull,
         GroupBusy,
         GroupLeaseLost,

@@ -77,6 +77,7 @@ from .errors import (
     MetadataUnavailable,
     PublicationUnsettled,
     StreamFull,
+    StreamRerun,
 )
 from .frames import (
     HEADER_SIZE,
@@ -116,6 +117,12 @@ _SLICE = 0.5
 #: ... where the stream may retire frames the reader has not read (its frame may be gone
 #: before the reader's wake-up looks)
 _GAP_SLICE = 0.02
+#: seconds between two looks of a plain cluster reader at its stream's run (a round trip to
+#: Redis; see ``Stream._same_run``)
+_RUN_LOOK = 0.25
+#: ... and after a read that took this long (it waited: a re-run's first frames come after a
+#: wait, the earlier run's producer gone)
+_RUN_WAITED = 0.02
 #: seconds a reading of the groups' cursors may be used to retire frames they are past
 _GROUPS_FRESH = 0.05
 #: frames a group reader on another node asks its owner for ahead of the one it reads (the
@@ -474,6 +481,13 @@ class Stream:
         #: cluster mode: the stream's current run was looked up, and this node's copies of
         #: frames of another run dropped (see :meth:`_forget_other_runs`)
         self._run_known = False
+        #: a plain reader: the mark of the stream's run it reads (see :meth:`_same_run`), when
+        #: it was last looked at (monotonic seconds), whether a frame was returned
+        self._run_mark: object = None
+        self._run_looked = -math.inf
+        self._handed = False
+        self._rerun_seen = False  # (StreamRerun raised: every read raises it at once)
+        self._read_began = 0.0  # (when the last read began: one that waited looks again)
         if self.group is not None:
             if mode == "w":
                 raise ValueError("group= is for consumers; a producer registers groups with groups=")
@@ -1274,10 +1288,102 @@ class Stream:
             The producer fell silent longer than the timeout.
         IntegrityError
             The frame is corrupt.
+        StreamRerun
+            A reader that has read frames (not a consumer group's): the stream was started
+            over under its name since (``overwrite=True``), and frame ``index`` is the new
+            run's (see :meth:`_same_run`).
         ValueError
             The stream was closed.
         """
+        while True:
+            try:
+                frame = self._read(index, timeout)
+            except (EndOfStream, ConsumeTimeout, FramesMissed):
+                # (the new run's end, a frame it never made or already dropped)
+                if self._rerun(always=True):
+                    raise self._stale(index) from None
+                raise
+            if self._same_run(frame, index):
+                return frame
+
+    def _stale(self, index: int) -> StreamRerun:
+        """The error of a plain reader whose stream was re-run (raised from now on at once)."""
+        self._rerun_seen = True
+        return StreamRerun(self.name, index)
+
+    def _rerun(self, *, always: bool = False) -> bool:
+        """Whether a plain reader that has returned frames finds its stream re-run since (a
+        round trip to Redis in cluster mode: looked at only ``_RUN_LOOK`` after the last look,
+        unless ``always``)."""
+        if self.group is not None or not self._handed:
+            return False
+        if self._rerun_seen:
+            return True
+        now = time.monotonic()
+        if not (always or self._share.run_mark_cheap or now - self._run_looked >= _RUN_LOOK):
+            return False
+        mark, self._run_looked = self._share.run_mark(), now
+        return mark is not None and mark != self._run_mark
+
+    def _same_run(self, frame: Frame, index: int) -> bool:
+        """Whether a plain reader may return ``frame``, of the stream's run it has read so far.
+
+        A re-run of the stream under its name (``overwrite=True``) numbers its frames from 0
+        again: a reader of the earlier run would read on at its own frame number in the new
+        run, the new run's frames before it skipped. The stream's run mark is looked at after
+        the frame was taken (a re-run counts it up before its first frame): in local mode for
+        every frame (a mapped counter); in cluster mode, a round trip to Redis, after a read
+        that waited (``_RUN_WAITED``: a re-run's first frames come after a wait) and at most
+        every ``_RUN_LOOK`` seconds otherwise. A consumer group's
+        reader is told by its group (``GroupReset``).
+
+        Returns
+        -------
+        bool
+            ``False``: the reader had returned no frame yet, and a re-run began since it first
+            looked: ``frame`` is released, and the caller reads ``index`` again, of the new run.
+
+        Raises
+        ------
+        StreamRerun
+            The reader has returned frames of an earlier run (``frame`` is released).
+        """
+        if self.group is not None:
+            return True
+        if self._rerun_seen:
+            frame.release()
+            raise StreamRerun(self.name, index)
+        share, now = self._share, time.monotonic()
+        if share.run_mark_cheap or now - self._run_looked >= _RUN_LOOK or self._run_mark is None \
+                or now - self._read_began >= _RUN_WAITED:
+            try:
+                mark = share.run_mark()
+            except BaseException:
+                frame.release()
+                raise
+            self._run_looked = now
+            if mark is not None and mark != self._run_mark:
+                if self._handed:
+                    frame.release()
+                    raise self._stale(index)
+                # (no frame returned yet: the run this reader reads is the one it finds now)
+                first, self._run_mark = self._run_mark is None, mark
+                if not first:  # (a re-run since the look before the take: take it again)
+                    frame.release()
+                    return False
+        self._handed = True
+        return True
+
+    def _read(self, index: int, timeout: float | None) -> Frame:
+        """:meth:`read`, without the check of the frame's run."""
         self._check_open()
+        self._read_began = time.monotonic()
+        if self._rerun_seen:
+            raise StreamRerun(self.name, index)
+        if self._run_mark is None and self.group is None and not self._handed:
+            # (before the first frame is taken: a re-run that starts after this look is seen
+            # once the frame is in; see _same_run)
+            self._run_mark, self._run_looked = self._share.run_mark(), time.monotonic()
         if index < 0:
             index += len(self)
             if index < 0:
@@ -1303,6 +1409,8 @@ class Stream:
                 # the stream, which may never reach this frame, or after a lost lease — says
                 # so now, not once the frame comes)
                 self._cursor_file.check()
+            elif looks and self._rerun():  # (a plain reader's wait, likewise)
+                raise self._stale(index)
             if not self._run_known:
                 self._forget_other_runs()
             path = engine.frame_path(key)
@@ -1757,8 +1865,10 @@ class Stream:
             try:
                 frame = None
                 if self._cursor == self._inbox_next:  # streaming from another node
-                    began = time.monotonic()
+                    began = self._read_began = time.monotonic()
                     frame = self._next_streamed()
+                    if frame is not None and not self._same_run(frame, self._cursor):
+                        frame = None  # (a re-run before its first frame: read() takes it)
                     if frame is None and self.timeout is not None:  # (waited some of it)
                         timeout = max(0.0, self.timeout - (time.monotonic() - began))
                 if frame is None:

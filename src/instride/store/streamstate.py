@@ -48,7 +48,7 @@ ARCHIVE_GROUP = "archive"
 #: takes nothing more, so its producer no longer waits for it.
 GROUP_DONE = 2**62
 _GROUP_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\Z")
-_HEAD = struct.Struct("<qqqq")  # oldest retained, frames written, producer pid, reserved
+_HEAD = struct.Struct("<qqqq")  # oldest retained, frames written, producer pid, run count
 _CURSOR = struct.Struct("<q")
 
 
@@ -174,6 +174,16 @@ class Head:
     @producer.setter
     def producer(self, value: int) -> None:
         _CURSOR.pack_into(self._mm, 16, value)
+
+    @property
+    def runs(self) -> int:
+        """How many producers started the stream in this file (0: none, or an earlier
+        instride's, which kept no count)."""
+        return int(_CURSOR.unpack_from(self._mm, 24)[0])
+
+    @runs.setter
+    def runs(self, value: int) -> None:
+        _CURSOR.pack_into(self._mm, 24, value)
 
     def close(self) -> None:
         """Unmap."""
@@ -370,6 +380,14 @@ class StreamState(Protocol):
         before a producer started; ``""`` where its producer recorded none (an earlier
         instride's)."""
 
+    #: whether :meth:`run_mark` is cheap enough to look at for every frame (a mapped
+    #: counter), or costs a round trip to the metadata (looked at now and then)
+    run_mark_cheap: bool
+
+    def run_mark(self) -> object:
+        """A mark of the stream's current run that changes with every producer's start
+        (``None`` before one started): what a plain reader compares to tell a re-run."""
+
     def close(self) -> None:
         """Release what the state holds."""
 
@@ -406,6 +424,8 @@ class LocalStreamState:
         if self._head is not None:  # (mapped read-only by a look at it first)
             self._head.close()
         self._head = Head(self.dir / "head", writable=True)
+        # (first: a reader that takes a frame of this run sees the count up once it has it)
+        self._head.runs += 1
         self._head.oldest = 0
         self._head.written = 0
         self._head.producer = os.getpid()
@@ -484,6 +504,15 @@ class LocalStreamState:
             return (self.dir / "run").read_text()
         except FileNotFoundError:
             return "" if (self.dir / "head").exists() else None
+
+    run_mark_cheap = True
+
+    def run_mark(self) -> int | None:
+        """How many producers started the stream (its head's count, mapped: ~0.3 µs)."""
+        if self.head() is None:
+            return None
+        assert self._head is not None
+        return self._head.runs
 
     def set_archive(self, node: str, path: str) -> None:
         """Record the stream's archive file."""
@@ -707,6 +736,12 @@ class RedisStreamState:
         """The id of the stream's current run (see :meth:`run`)."""
         run = self.run()
         return run[0] if isinstance(run, tuple) else run
+
+    run_mark_cheap = False
+
+    def run_mark(self) -> str | None:
+        """The stream's current run id (a round trip to Redis)."""
+        return self.run_id()
 
     def resets(self) -> int:
         """How many times the stream's groups were reset (by re-runs, ``overwrite=True``)."""
