@@ -879,3 +879,58 @@ def test_a_frame_is_copied_only_into_arrays_of_its_types(tmp_path: Path, frame: 
     rc, out, err = finish(proc, 60)
     assert rc == 0, f"status {rc}: {err[-2000:]}"
     assert out.strip() == taken
+
+
+_MANY_FRAMES = textwrap.dedent(
+    """
+    import os, resource, sys, numpy as np, instride
+    soft, hard = int(sys.argv[1]), int(sys.argv[2])
+    with instride.Stream("many", mode="w", retain=150, on_full="drop-oldest") as w:
+        for i in range(150):
+            w.append(np.full((4, 3), i, np.float32), step=i)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    r = instride.Stream("many", timeout=2)
+    try:
+        print(sum(1 for _ in r))
+    except instride.InstrideError as exc:
+        print(type(exc).__name__, exc)
+    """
+)
+
+
+@pytest.mark.parametrize("hard", [4096, 64])
+def test_a_reader_keeping_many_frames_raises_its_limit_of_open_files(
+        managed_dir: Path, hard: int) -> None:
+    """A reader of a stream with a large ``retain`` keeps a mapping, an open file, per frame
+    file (up to retain + 8): under a soft limit below that it **failed with a bare
+    ``OSError(EMFILE)``** partway through. It raises its soft limit, as the producer does, and
+    where the hard limit allows no more it is a ``ConfigError`` naming ``RLIMIT_NOFILE``."""
+    rc, out, err = finish(subprocess.Popen(
+        [sys.executable, "-c", _MANY_FRAMES, "64", str(hard)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    assert rc == 0, err
+    if hard > 64:
+        assert out.strip() == "150"
+    else:
+        assert out.startswith("ConfigError") and "RLIMIT_NOFILE" in out, out
+
+
+def test_an_alive_file_left_aside_by_a_killed_producer_is_collected(tmp_path: Path) -> None:
+    """A producer killed between making its alive file aside (``.alive-<owner>``) and renaming
+    it left that file in the pool **for good**: neither gc nor a later producer removed it.
+    Removed once unlocked and a minute old; a fresh one (a producer making it now) and a
+    locked one stay."""
+    pool = tmp_path / "pool"
+    pool.mkdir()
+    old, fresh, locked = (pool / f".alive-{n}" for n in ("dead", "new", "held"))
+    for path in (old, fresh, locked):
+        path.touch()
+    for path in (old, locked):
+        os.utime(path, (time.time() - 120, time.time() - 120))
+    fd = os.open(locked, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert collect_pool(pool) == [old]
+    finally:
+        os.close(fd)
+    assert sorted(p.name for p in pool.iterdir()) == [".alive-held", ".alive-new"]

@@ -38,11 +38,11 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
-from ..errors import ConfigError, FileTypeError, UnsafePathError
+from ..errors import ConfigError, FileTypeError, InstrideError, UnsafePathError
 from ..frames import HEADER_SIZE, NativeFrame
 from ..native import library
 from ..perthread import forks
@@ -57,6 +57,7 @@ _LEASE_HELD, _LEASE_ABSENT, _LEASE_RETIRED = 0, 1, 2
 #: isl_take's results (csrc/local/take.c)
 TAKE_HELD, TAKE_OTHER, TAKE_TIMEOUT, TAKE_INTERRUPTED, TAKE_REARM, TAKE_COPIED = range(6)
 _GONE_CAP = 16
+_T = TypeVar("_T")
 
 
 def _more_open_files() -> bool:
@@ -73,6 +74,26 @@ def _more_open_files() -> bool:
     except (ValueError, OSError):
         return False
     return True
+
+
+def _with_more_files(make: Callable[[], _T], kept: int) -> _T:
+    """``make()`` (which opens descriptors), again after raising the soft limit of open files
+    (:func:`_more_open_files`) each time it ran out; a reader's :class:`ConfigError` once the
+    limit can grow no more."""
+    while True:
+        try:
+            return make()
+        except OSError as exc:
+            if exc.errno != errno.EMFILE or isinstance(exc, InstrideError):
+                raise
+            if not _more_open_files():
+                soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+                raise ConfigError(
+                    "RLIMIT_NOFILE", soft,
+                    f"a stream's reader keeps a mapping (an open file) per frame file it has "
+                    f"seen, up to the producer's retain= and a few more ({kept} now); the "
+                    f"process may open no more (hard limit {hard}: raise it with `ulimit -Hn`, "
+                    "or keep fewer frames: retain=)") from None
 
 
 def _files_exhausted(slots: int) -> ConfigError:
@@ -617,6 +638,8 @@ def _address(mm: mmap.mmap) -> int:
 
 #: a producer's file in its pool directory, locked (``flock``) for as long as it runs
 _ALIVE = "alive-"
+#: seconds after which an alive file made aside and left unlocked is a killed producer's
+_ASIDE_AGE = 60.0
 #: the pools of this process, whose alive-file locks a forked child must not keep
 _LIVE_POOLS: weakref.WeakSet[SlotPool] = weakref.WeakSet()
 
@@ -690,6 +713,17 @@ def collect_pool(pool_dir: Path) -> list[Path]:
         return removed
     running: dict[str, bool] = {}
     for name in names:
+        if name.startswith(f".{_ALIVE}"):
+            # An alive file made aside and never renamed (its producer killed in between):
+            # no later run of that owner, nor a collector judging by it, would remove it.
+            # Gone once unlocked and a minute old (made, it is locked within microseconds).
+            aside = pool_dir / name
+            with contextlib.suppress(FileNotFoundError):
+                if lock_held(aside, exclusive=True) is False \
+                        and time.time() - aside.lstat().st_mtime > _ASIDE_AGE:
+                    aside.unlink()
+                    removed.append(aside)
+            continue
         owner = _slot_owner(name) or (name[len(_ALIVE):] if name.startswith(_ALIVE) else None)
         if owner is None:
             continue
@@ -913,10 +947,10 @@ class Leases:
             ``path`` is a directory or a special file.
         """
         try:
-            if opener is not None:
-                fd = opener()
-            else:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = _with_more_files(
+                opener if opener is not None else lambda: os.open(
+                    path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC),
+                len(self._maps))
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -993,11 +1027,15 @@ class Leases:
             return mm
         # A mapping keeps its open file description alive, and with it any flock on it: map
         # through a second open of the same file, so closing ``fd`` really ends the hold.
-        mfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            mm = mmap.mmap(mfd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
-        finally:
-            os.close(mfd)
+        def mapped() -> mmap.mmap:
+            mfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+            try:  # (mmap keeps a copy of the descriptor: one open file per kept mapping)
+                return mmap.mmap(mfd, size, flags=mmap.MAP_SHARED | _POPULATE,
+                                 prot=mmap.PROT_READ)
+            finally:
+                os.close(mfd)
+
+        mm = _with_more_files(mapped, len(self._maps))
         if self.keep:
             old = self._maps.pop(ident, None)
             self._maps[ident] = mm
