@@ -447,3 +447,39 @@ def test_dt_and_a_raised_gap_on_a_bounded_stream(managed_dir: Path, adk) -> None
         traj.next()
     assert traj.next().data["step"] == 4  # (then the oldest frame kept)
     assert traj.next().data["step"] == 5
+
+
+def test_a_frame_waited_for_is_read_once(managed_dir: Path, adk) -> None:
+    """A frame the reader had to wait for was read twice — the second read only to time a
+    read apart from the wait — and in cluster mode the first read was the transfer from the
+    producer's node, charged as idle time (the second read a local copy). The wait is now a
+    wait for the frame's publication, and the frame is read once, as read time."""
+    import threading
+
+    producer = instride.Stream("once", mode="w")
+    producer.append(adk.atoms.positions, step=0)
+
+    def later() -> None:
+        for i in range(1, 6):
+            time.sleep(0.2)  # (the reader waits for each)
+            producer.append(adk.atoms.positions, step=i)
+        producer.close()
+
+    reader = InstrideReader("instride://once", n_atoms=adk.atoms.n_atoms, timeout=30)
+    reads = []
+    read = reader.stream.read
+
+    def counted(index: int, timeout: float | None = None) -> instride.Frame:
+        reads.append(index)
+        return read(index, timeout)
+
+    reader.stream.read = counted  # type: ignore[method-assign]
+    thread = threading.Thread(target=later)
+    thread.start()
+    steps = [ts.data["step"] for ts in reader]
+    thread.join()
+    assert steps == list(range(6))
+    # (frame 0: read at the opening, again after the rewind; each later one waited for)
+    assert [reads.count(i) for i in range(1, 6)] == [1] * 5, reads
+    assert reader.wait_seconds > 0.5  # (five waits of ~0.2 s)
+    reader.close()

@@ -71,10 +71,12 @@ from MDAnalysis.lib.util import store_init_arguments
 
 from .. import EndOfStream, Stream
 from ..config import parse_timeout
-from ..errors import FramesMissed
+from ..errors import ConsumeTimeout, FramesMissed
 from ..frames import HEADER_SIZE, Frame
 
 SCHEME = "instride://"
+#: seconds of a wait for a frame before the reader looks at the stream's count again
+_SLICE = 0.5
 
 __all__ = ["SCHEME", "InstrideReader", "stream_name", "wait_for_end"]
 
@@ -117,6 +119,21 @@ def wait_for_end(stream: Stream, timeout: float | None = None) -> int:
         # Stream has no public "wait for the end" yet: wait for its end key to be published.
         stream.client.consume(stream.end_key, timeout=timeout)
     return len(stream)
+
+
+def _wait_published(stream: Stream, index: int) -> None:
+    """Block until frame ``index`` of ``stream`` is published (or was, and is retired since),
+    the stream ended, or the stream's timeout passed — the read after it tells which — waiting
+    in slices of ``_SLICE`` for the frame's key or the end marker (a frame published and
+    retired while the wait looked away shows in the stream's count of frames)."""
+    key, end = stream.frame_key(index), stream.end_key
+    deadline = None if stream.timeout is None else time.monotonic() + stream.timeout
+    while not stream.has(index) and len(stream) <= index and not stream.ended:
+        left = _SLICE if deadline is None else min(_SLICE, deadline - time.monotonic())
+        if left <= 0:
+            return
+        with contextlib.suppress(ConsumeTimeout):
+            stream.client.wait_any([key, end], timeout=left)
 
 
 class InstrideReader(ReaderBase):
@@ -285,9 +302,11 @@ class InstrideReader(ReaderBase):
     def _fetch(self, index: int, *, wait: bool) -> Frame:
         """Return frame ``index``, waiting for it when ``wait`` (else refusing if unpublished).
 
-        Frames are read with :meth:`instride.Stream.read`, which waits for the frame and
-        raises :class:`~instride.errors.EndOfStream` past the end. A frame that had to be
-        waited for is read a second time, only to time its read apart from the wait.
+        Frames are read with :meth:`instride.Stream.read`, which raises
+        :class:`~instride.errors.EndOfStream` past the end. A frame not published yet is
+        waited for first (its key or the stream's end, :meth:`instride.Client.wait_any`): the
+        wait is idle time, the read after it — in cluster mode the transfer from the
+        producer's node — is read time.
         """
         stream = self._reopened()
         if not wait and index >= self._published_count():
@@ -298,17 +317,13 @@ class InstrideReader(ReaderBase):
                 "length='final'."
             )
         ready = index < self._count or stream.client.exists(stream.frame_key(index))
+        if not ready:  # blocked until published (or the end): idle time
+            t0 = time.perf_counter()
+            _wait_published(stream, index)
+            self.wait_seconds += time.perf_counter() - t0
         t0 = time.perf_counter()
         frame = stream.read(index)
-        t1 = time.perf_counter()
-        if not ready:  # blocked until published: time one read of the frame on its own
-            with contextlib.suppress(FramesMissed):  # (a bounded stream may drop it meanwhile)
-                stream.read(index).release()
-            t2 = time.perf_counter()
-            self.wait_seconds += max(0.0, (t1 - t0) - (t2 - t1))
-            t0 = t1
-            t1 = t2
-        self.read_seconds += t1 - t0
+        self.read_seconds += time.perf_counter() - t0
         self._count = max(self._count, index + 1)  # a stream is published in order
         self.frame_nbytes = frame_bytes(frame)
         self.bytes_read += self.frame_nbytes
