@@ -125,3 +125,13 @@ def test_a_temporary_name_carries_the_process_id_also_in_a_forked_child() -> Non
     assert os.waitpid(pid, 0)[1] == 0
     assert f".instride-{child}-" in name and child != str(os.getpid())
     assert TMP_PATTERN.match(os.path.basename(name))
+
+
+def test_an_absolute_path_with_a_leading_double_slash_is_its_key(managed_dir: Path) -> None:
+    """``//dir/k`` names ``/dir/k`` on Linux (code such as ``"/" + path`` makes it):
+    ``os.path.normpath`` keeps the two slashes, and the key was refused as "outside the
+    managed directory" (the preload library takes it for the key)."""
+    assert normalize_key("/" + str(managed_dir / "a" / "b.dat"), managed_dir) == "a/b.dat"
+    assert normalize_key("//" + str(managed_dir / "a"), managed_dir) == "a"  # (three: too)
+    with pytest.raises(KeyValidationError, match="outside"):
+        normalize_key("/" + str(managed_dir) + "-sibling/x", managed_dir)

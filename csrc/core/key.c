@@ -10,6 +10,16 @@
 
 static int ins_classify_errno(int dirfd, const char *path, struct ins_path *out);
 
+/* Whether the last component of path (of length len > 0) is "." or "..". */
+static int ins_ends_in_dot(const char *path, size_t len)
+{
+    size_t n = 0;
+    while (n < len && path[len - 1 - n] != '/')
+        n++;
+    const char *last = path + len - n;
+    return (n == 1 && last[0] == '.') || (n == 2 && last[0] == '.' && last[1] == '.');
+}
+
 /* errno is kept: a lookup that failed here (getcwd of a removed working directory, a
  * readlink) says nothing of the call being classified, which may well succeed -- and errno
  * must stay as it was on every call that succeeds. */
@@ -27,6 +37,10 @@ static int ins_classify_errno(int dirfd, const char *path, struct ins_path *out)
         return INS_UNMANAGED;
     size_t len = strlen(path);
     if (path[len - 1] == '/') /* "key/" names a directory, never a key */
+        return INS_UNMANAGED;
+    /* "key/." and "dir/missing/.." name a directory too (libc fails them: ENOENT, ENOTDIR),
+     * whatever their lexical normalization names: the call goes to libc as it is. */
+    if (ins_ends_in_dot(path, len))
         return INS_UNMANAGED;
     /* Fast path: most paths are absolute, clean and elsewhere: no copy. */
     if (path[0] == '/' && !ins_prefix(path, ins_cfg.dir, ins_cfg.dir_len) &&

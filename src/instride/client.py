@@ -227,13 +227,13 @@ class Client:
                 errors=errors,
                 newline=newline,
             )
+        limit = self._timeout(timeout)  # (a bad one is refused whether or not the key is here)
         ready = self.engine.ready(key)
         if ready is not None:  # adaptive: a key already here costs a stat and the open
             try:
                 return self._open_read(key, ready, mode, buffering, encoding, errors, newline)
             except FileNotFoundError:
                 pass  # deleted or evicted meanwhile: wait for it like any missing key
-        limit = self._timeout(timeout)
         deadline = None if limit is None else time.monotonic() + limit
         for attempt in range(_OPEN_ATTEMPTS):
             # (forever stays forever: None would be INSTRIDE_TIMEOUT again)
@@ -364,6 +364,8 @@ class Client:
                 finally:
                     os.close(fd)
             store.publish_file(staged, final, key, overwrite=overwrite)
+            if self.fsync:  # the new name survives a crash too, as a writer's does
+                store.fsync_dir(final.parent)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(staged)
@@ -547,15 +549,17 @@ class Client:
         Parameters
         ----------
         prefix
-            A key prefix such as ``"run7/"``; empty lists everything.
+            A key prefix such as ``"run7/"`` (or an absolute path under the managed
+            directory); empty lists everything.
 
         Returns
         -------
         list of str
             Sorted keys.
         """
-        if prefix:
-            normalize_key(prefix.rstrip("/") or "x", self.root)
+        if prefix.rstrip("/"):  # (validated, and an absolute path's made its key prefix)
+            norm = normalize_key(prefix.rstrip("/"), self.root)
+            prefix = f"{norm}/" if prefix.endswith("/") else norm
         return self.metadata.list(prefix)
 
     def delete(self, key: str | os.PathLike[str]) -> None:

@@ -111,6 +111,8 @@ def normalize_key(key_or_path: str | os.PathLike[str] | bytes, root: Path) -> st
     if raw.startswith("/"):
         rootstr = str(root).rstrip("/")
         norm = os.path.normpath(raw)
+        if norm.startswith("//"):  # (normpath keeps exactly two leading slashes: Linux reads
+            norm = "/" + norm.lstrip("/")  # them as one, as the kernel and the C library do)
         if norm != rootstr and not norm.startswith(rootstr + "/"):
             raise KeyValidationError(key_or_path, f"path is outside the managed directory {rootstr}")
         parts = norm[len(rootstr) :].split("/")

@@ -4,6 +4,7 @@ consume_bytes / wait_any, settings from the environment, the managed directory's
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import textwrap
 import time
@@ -206,3 +207,68 @@ def test_a_timeout_of_nan_is_a_config_error(client: instride.Client) -> None:
     untyped ValueError, and a cluster wait for a node's fetch lock would never end."""
     with pytest.raises(instride.ConfigError, match="timeout"):
         client.consume("nan/key", timeout=float("nan"))
+
+
+def test_a_negative_timeout_is_a_config_error_also_for_a_published_key(
+        client: instride.Client) -> None:
+    """``open(key, timeout=-1)`` was accepted when the key was already there (the timeout
+    was checked only before a wait), and refused only when the open had to wait."""
+    with client.open("neg/k.dat", "wb") as fh:
+        fh.write(b"here")
+    for call in (lambda: client.open("neg/k.dat", "rb", timeout=-1),
+                 lambda: client.open("neg/missing.dat", "rb", timeout=-1),
+                 lambda: client.consume("neg/k.dat", timeout=-1)):
+        with pytest.raises(instride.ConfigError, match="timeout"):
+            call()
+
+
+def test_links_directories_and_special_files_are_no_keys(client: instride.Client,
+                                                         tmp_path: Path) -> None:
+    """``exists``, ``lookup`` and ``list`` followed symbolic links and counted directories:
+    they reported keys that ``open`` refuses (UnsafePathError, FileTypeError), and the
+    existence, size and time of files outside the managed directory. An absolute path as
+    the prefix of ``list`` (accepted) listed nothing."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"s" * 1234)
+    with client.open("run7/frame.dat", "wb") as fh:
+        fh.write(b"x")
+    root = client.root
+    (root / "s").symlink_to(outside)
+    (root / "lnk").symlink_to(outside / "secret")
+    (root / "run7" / "lnk").symlink_to(outside / "secret")
+    (root / "run7" / "sub").symlink_to(outside)
+    os.mkfifo(root / "run7" / "fifo")
+    for key in ("run7", "s/secret", "lnk", "run7/lnk", "run7/fifo", "run7/sub/secret"):
+        assert client.exists(key) is False, key
+        assert client.lookup(key) is None, key
+    assert client.exists("run7/frame.dat")
+    record = client.lookup("run7/frame.dat")
+    assert record is not None and record.size == 1
+    assert client.list() == ["run7/frame.dat"]
+    assert client.list("run7/") == ["run7/frame.dat"]
+    assert client.list("s/") == [] and client.list("run7/sub/") == []
+    assert client.list(f"{root}/run7/") == ["run7/frame.dat"]
+    assert client.list(f"{root}/run7/fr") == ["run7/frame.dat"]
+    assert sorted(os.listdir(outside)) == ["secret"]
+
+
+def test_publish_fsyncs_the_directory_of_the_key(managed_dir: Path, tmp_path: Path) -> None:
+    """With ``INSTRIDE_FSYNC=1``, ``publish(src, key)`` fsynced the staged file but not the
+    directory its new name is in (a crash could lose the name), as writers do. A preloaded
+    observer reports each fsync of a directory (the C library's fsync still does it)."""
+    from tests.conftest import build_shim
+
+    shim = build_shim(Path(__file__).parent / "c" / "fsync_dirs.c", tmp_path, "-ldl")
+    src = tmp_path / "done.dat"
+    src.write_bytes(b"finished")
+    code = ("import sys, instride\n"
+            "instride.Client().publish(sys.argv[1], 'pub/k.dat')\n")
+    env = dict(os.environ, INSTRIDE_FSYNC="1", LD_PRELOAD=str(shim))
+    proc = subprocess.run([sys.executable, "-c", code, str(src)], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert (managed_dir / "pub" / "k.dat").read_bytes() == b"finished"
+    synced = [line.split(" ", 1)[1] for line in proc.stderr.splitlines()
+              if line.startswith("fsync-dir ")]
+    assert os.path.realpath(managed_dir / "pub") in synced, proc.stderr

@@ -179,6 +179,41 @@ def test_a_path_the_kernel_resolves_elsewhere_publishes_nothing(managed_dir: Pat
     assert os.listdir(outside) == ["sub"]
 
 
+def test_a_managed_path_with_a_leading_double_slash_is_managed(
+        managed_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``//dir/k`` (as ``"/" + path`` makes it) names the same file as ``/dir/k`` on Linux, and
+    the preload library takes it for the key; the patched open took it for an unmanaged path:
+    a writer wrote in place (seen half-written), a read of a missing key did not wait."""
+    (managed_dir / "run").mkdir()
+    with instride.intercept():
+        with open("/" + str(managed_dir / "run" / "frame.dat"), "wb") as fh:  # noqa: PTH123
+            fh.write(b"first half")
+            fh.flush()
+            assert not (managed_dir / "run" / "frame.dat").exists()
+        assert (managed_dir / "run" / "frame.dat").read_bytes() == b"first half"
+        monkeypatch.setenv("INSTRIDE_TIMEOUT", "0.2")
+        with pytest.raises(ConsumeTimeout):
+            open("/" + str(managed_dir / "run" / "missing.dat"), "rb")  # noqa: PTH123,SIM115
+    assert os.listdir(managed_dir / "run") == ["frame.dat"]
+
+
+def test_a_path_ending_in_dotdot_is_the_builtins(managed_dir: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dir/missing/..`` names no file (the builtin open fails it), but its text normalizes
+    to ``dir``: the patched open wrote a file ``x`` for ``x/missing/..``. Such a path, and a
+    bare ``.`` or ``..``, goes to the builtin open, as ``key/.`` already did (and as the
+    preload library does)."""
+    (managed_dir / "a" / "b").mkdir(parents=True)
+    monkeypatch.chdir(managed_dir / "a" / "b")
+    with instride.intercept():
+        for path in (f"{managed_dir}/x/missing/..", f"{managed_dir}/a/missing/..", "..", "."):
+            with pytest.raises(OSError) as info, open(path, "w"):  # noqa: PTH123
+                pass
+            assert type(info.value) in (FileNotFoundError, IsADirectoryError), info.value
+    assert sorted(os.listdir(managed_dir)) == ["a"]
+    assert os.listdir(managed_dir / "a") == ["b"]
+
+
 def test_open_mode_spellings_of_the_builtin(managed_dir: Path) -> None:
     """The builtin open's other spellings of a mode ("bw", "br", "+wb") were refused with
     UnsupportedModeError on managed paths."""

@@ -106,6 +106,36 @@ def test_directory_key_and_fifo(shim: Shim, trap: Path) -> None:
     assert proc.returncode != 0 and os.strerror(errno.EINVAL).encode() in proc.stderr
 
 
+def test_a_path_ending_in_dot_or_dotdot_fails_as_in_libc(shim: Shim) -> None:
+    """``key/.`` and ``dir/missing/..`` name no file: libc fails them (ENOENT, ENOTDIR). The
+    library normalized them as text and took them for a key: ``newkey/.`` opened for writing
+    published a file ``newkey``, and a read of ``missing/.`` waited for a key."""
+    (shim.dir / "run").mkdir()
+    (shim.dir / "run" / "f.dat").write_bytes(b"published")
+    d = str(shim.dir)
+    code = (
+        "import os\n"
+        "w = os.O_WRONLY | os.O_CREAT | os.O_TRUNC\n"
+        f"for p, flags in [({d!r} + '/newkey/.', w), ({d!r} + '/run/missing/..', w),\n"
+        f"                 ({d!r} + '/run/f.dat/.', os.O_RDONLY),\n"
+        f"                 ({d!r} + '/run/f.dat/..', os.O_RDONLY),\n"
+        f"                 ({d!r} + '/run/missing/.', os.O_RDONLY)]:\n"
+        "    try:\n"
+        "        os.close(os.open(p, flags, 0o644))\n"
+        "        print('opened', p)\n"
+        "    except OSError as e:\n"
+        "        print(os.strerror(e.errno), p)\n"
+        f"print(sorted(os.listdir({d!r})), sorted(os.listdir({d!r} + '/run')))\n"
+    )
+    plain = {k: v for k, v in shim.env.items() if k != "LD_PRELOAD"}
+    expected = subprocess.run([sys.executable, "-I", "-c", code], env=plain,
+                              capture_output=True, timeout=60, check=True)
+    assert b"opened" not in expected.stdout, expected.stdout  # (libc fails every one)
+    seen = shim.with_env(INSTRIDE_TIMEOUT="2").py(code, check=True, timeout=60)
+    assert seen.stdout.decode() == expected.stdout.decode()
+    assert shim.temps() == []
+
+
 def test_consume_timeout_is_etimedout_with_a_message(shim: Shim) -> None:
     proc = shim.with_env(INSTRIDE_TIMEOUT="0.3", INSTRIDE_DEBUG="1").run(
         ["cat", shim.dir / "run" / "never.bin"])

@@ -78,6 +78,106 @@ def test_exception_in_with_block_publishes_nothing(client: instride.Client) -> N
     assert not any(TMP_PATTERN.match(p.name) for p in (client.root / "crash").iterdir())
 
 
+@pytest.mark.parametrize("via", ["client", "builtin open"])
+def test_an_unbuffered_writer_left_by_an_exception_publishes_nothing(
+        client: instride.Client, via: str) -> None:
+    """``buffering=0`` hands out the raw writer itself: an exception leaving its ``with`` block
+    discards the file, as it does for a buffered or text writer (not publish half of it)."""
+    path = client.root / "crash" / "raw.bin"
+    with instride.intercept(), pytest.raises(RuntimeError):
+        fh = client.open("crash/raw.bin", "wb", buffering=0) if via == "client" \
+            else open(path, "wb", 0)  # noqa: SIM115 (the patched builtin)
+        with fh:
+            fh.write(b"half of the data")
+            raise RuntimeError("producer crashed mid-write")
+    assert fh.closed
+    assert not path.exists()
+    assert list((client.root / "crash").iterdir()) == []
+
+
+FORKED_WRITER = """
+import gc, os, sys
+import instride
+action, mode, buffering = sys.argv[1], sys.argv[2], int(sys.argv[3])
+root = instride.Client().root
+piece = (lambda s: s.encode()) if "b" in mode else str
+
+def parent(f, pid):
+    os.waitpid(pid, 0)
+    names = sorted(os.listdir(root / "run"))
+    print("after the child:", names)  # (the key is not there yet, its temporary file is)
+    f.write(piece("+part 2"))
+
+if action in ("finalize", "collect"):  # the child drops the writer, or exits holding it
+    f = instride.open("run/out.dat", mode, buffering=buffering)
+    f.write(piece("part 1"))
+    pid = os.fork()
+    if pid == 0:
+        if action == "collect":
+            del f
+            gc.collect()
+            os._exit(0)
+        sys.exit(0)
+    parent(f, pid)
+    f.close()
+else:
+    with instride.open("run/out.dat", mode, buffering=buffering) as f:
+        f.write(piece("part 1"))
+        pid = os.fork()
+        if pid == 0:
+            if action == "raise":
+                sys.exit(0)  # (SystemExit leaves the with block)
+            if action == "close":
+                f.close()
+                os._exit(0)
+        else:
+            parent(f, pid)
+    if pid == 0:  # ("leave": the child left the with block normally)
+        os._exit(0)
+print("published:", (root / "run" / "out.dat").read_bytes())
+print("left:", sorted(os.listdir(root / "run")))
+"""
+
+
+@pytest.mark.parametrize("action", ["leave", "raise", "close", "collect", "finalize"])
+@pytest.mark.parametrize(("mode", "buffering"), [("wb", -1), ("wb", 0), ("w", -1)])
+def test_a_forked_child_leaves_the_parents_writer_alone(
+        managed_dir: Path, action: str, mode: str, buffering: int) -> None:
+    """A child forked while a writer is open holds a copy of it: however the child lets go of
+    it (leaves the ``with`` block, raises out of it, closes it, drops it, exits), the copy
+    neither publishes the parent's unfinished file nor removes it, nor writes the child's copy
+    of the buffer into it; the parent publishes its whole file once, on its own close."""
+    proc = subprocess.run([sys.executable, "-c", FORKED_WRITER, action, mode, str(buffering)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 3, (proc.stdout, proc.stderr)
+    assert lines[0].startswith("after the child: ['.out.dat.instride-"), lines
+    assert lines[1:] == ["published: b'part 1+part 2'", "left: ['out.dat']"], lines
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+
+
+def test_a_writer_with_a_bad_encoding_fails_cleanly(managed_dir: Path) -> None:
+    """A text writer refused for its ``encoding=`` or ``newline=`` raises the refusal, leaves
+    no temporary file and prints nothing at garbage collection (no "Exception ignored")."""
+    proc = spawn_py(textwrap.dedent(
+        """
+        import gc, instride
+        for kw in ({"encoding": "no-such-codec"}, {"newline": "zz"}):
+            try:
+                instride.open("enc/k.txt", "w", **kw)
+            except (LookupError, ValueError) as e:
+                print(type(e).__name__)
+            gc.collect()
+        """
+    ))
+    rc, out, err = finish(proc)
+    assert rc == 0, err
+    assert out.split() == ["LookupError", "ValueError"]
+    assert err == ""
+    assert list((managed_dir / "enc").iterdir()) == []
+
+
 @pytest.mark.parametrize("fails", [False, True])
 def test_the_hidden_name_goes_after_the_announcement(tmp_path: Path, fails: bool) -> None:
     """A write-once publication announces the key (``on_publish``) while the hidden name it

@@ -68,8 +68,12 @@ class LocalEngine:
         return self.metadata.wait_any(list(keys), timeout).key
 
     def exists(self, key: str) -> bool:
-        """Whether the file of ``key`` exists."""
-        return os.path.exists(self.root / key)
+        """Whether ``key`` is published: a regular file reached through directories only.
+
+        A symbolic link, a directory or a special file is no key (``open`` refuses it), and
+        nothing beyond a link is looked at: it may be outside the managed directory.
+        """
+        return self.metadata.lookup(key) is not None
 
     #: local mode records no checksum: writers need not compute one
     wants_checksum = False

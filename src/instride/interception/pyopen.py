@@ -68,12 +68,15 @@ def _managed_key(file: Any) -> str | None:
     root, real = _managed_roots()
     joined = raw if os.path.isabs(raw) else os.path.join(os.getcwd(), raw)
     full = os.path.normpath(joined)
+    if full.startswith("//"):  # (normpath keeps exactly two; Linux reads them as one, as the
+        full = "/" + full.lstrip("/")  # preload library does: "/" + path names the key)
     if not _under(full, root):
         if real == root or not _under(full, real):
             return None
         full = root + full[len(real):]  # (the same file, named under the configured root)
-    if raw.endswith(("/", "/.")):
-        return None  # (a directory's name: the builtin open says what it says of one)
+    if raw.endswith(("/", "/.", "/..")) or raw in (".", ".."):
+        return None  # (a directory's name: the builtin open says what it says of one; the
+        # text of "x/missing/.." normalizes to "x", a name the kernel never reaches)
     if "/../" in joined + "/":
         _refuse_links_before_dotdot(joined, full)
     try:

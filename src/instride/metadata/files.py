@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from .. import store
 from ..config import INTERNAL_DIRNAME, Settings
+from ..errors import FileTypeError, UnsafePathError
 from ..keys import TMP_PATTERN
-from ..paths import check_confined
+from ..paths import check_confined, check_parents
 from ..record import Record
 
 
@@ -38,12 +40,19 @@ class FileMetadata:
         return record
 
     def lookup(self, key: str) -> Record | None:
-        """A record built from ``stat``, or ``None`` when the file does not exist."""
+        """A record built from ``lstat``, or ``None`` when no key's file is there.
+
+        Only a regular file reached through directories only is a key (as ``open`` has it):
+        for a symbolic link, a directory or a special file on the way or under the key this is
+        ``None``, and nothing beyond a link is looked at (it may be outside the managed
+        directory).
+        """
         try:
-            st = os.stat(self.root / key)
-        except (FileNotFoundError, NotADirectoryError):
+            check_parents(self.root, key)
+            st = os.lstat(f"{self.root}/{key}")
+        except (FileNotFoundError, NotADirectoryError, UnsafePathError, FileTypeError):
             return None
-        return self._record(key, st)
+        return self._record(key, st) if stat.S_ISREG(st.st_mode) else None
 
     def wait_any(self, keys: Sequence[str], timeout: float | None) -> Record:
         """Block until one of ``keys`` exists (inotify); :class:`ConsumeTimeout` after ``timeout``.
@@ -72,18 +81,34 @@ class FileMetadata:
             os.unlink(self.root / key)
 
     def list(self, prefix: str = "") -> list[str]:
-        """Keys (files, minus instride's internals and temporary files) starting with ``prefix``."""
+        """Keys (regular files, minus instride's internals and temporary files) starting with
+        ``prefix`` (a normalized key prefix).
+
+        No symbolic link is followed, nor listed (``open`` refuses one): a directory reached
+        through one holds no keys, whatever is beyond it.
+        """
         base, _, _ = prefix.rpartition("/")
-        top = self.root / base if base else self.root
-        out = []
-        for dirpath, dirnames, filenames in os.walk(top):
-            dirnames[:] = [d for d in dirnames if not d.startswith(INTERNAL_DIRNAME)]
-            rel = os.path.relpath(dirpath, self.root)
-            for name in filenames:
-                if TMP_PATTERN.match(name):
-                    continue
-                key = name if rel == "." else f"{rel}/{name}"
-                if key.startswith(prefix):
+        if base:
+            try:
+                check_parents(self.root, f"{base}/x")  # (the directories on the way, and base)
+            except (UnsafePathError, FileTypeError):
+                return []
+        out: list[str] = []
+        todo = [base]
+        while todo:
+            rel = todo.pop()
+            try:
+                entries = list(os.scandir(f"{self.root}/{rel}" if rel else self.root))
+            except OSError:  # (gone meanwhile, or unreadable: skipped, as os.walk did)
+                continue
+            for entry in entries:
+                key = f"{rel}/{entry.name}" if rel else entry.name
+                if entry.is_dir(follow_symlinks=False):
+                    if not entry.name.startswith(INTERNAL_DIRNAME) and \
+                            (key.startswith(prefix) or prefix.startswith(f"{key}/")):
+                        todo.append(key)
+                elif entry.is_file(follow_symlinks=False) and not TMP_PATTERN.match(entry.name) \
+                        and key.startswith(prefix):
                     out.append(key)
         return sorted(out)
 

@@ -220,7 +220,12 @@ PublishHook = Callable[..., None]
 
 
 class _PublishingFileIO(io.FileIO):
-    """A raw file on a temporary name that publishes itself under its key when closed."""
+    """A raw file on a temporary name that publishes itself under its key when closed.
+
+    Only the process that opened it publishes or discards it: a child forked meanwhile holds
+    a copy of this object, and its close (or its exit) only closes its inherited descriptor,
+    never the parent's unfinished file.
+    """
 
     def __init__(
         self,
@@ -245,6 +250,7 @@ class _PublishingFileIO(io.FileIO):
         self._close_after = close_after and not fsync
         self._aborted = False
         self._failed: BaseException | None = None
+        self._pid = os.getpid()  # (the owner: see foreign())
         # The content is hashed as it is written (while still in the CPU cache), so that
         # recording it needs no second pass over the file; any seek or truncate drops it.
         self._hasher: Any = xxhash.xxh3_64() if checksum else None
@@ -296,6 +302,16 @@ class _PublishingFileIO(io.FileIO):
             return None, None
         return f"{CHECKSUM_ALGORITHM}:{self._hasher.hexdigest()}", self._size
 
+    def foreign(self) -> bool:
+        """Whether this is a forked child's copy of the writer (its file is the parent's)."""
+        return os.getpid() != getattr(self, "_pid", None)
+
+    def __exit__(self, exc_type, exc, tb):  # type: ignore[no-untyped-def]
+        # (io.FileIO's would close, so publish, the half-written file of a failed block)
+        if exc_type is not None:
+            self._aborted = True
+        self.close()
+
     def abort(self) -> None:
         """Close without publishing and remove the temporary file."""
         self._aborted = True
@@ -303,6 +319,9 @@ class _PublishingFileIO(io.FileIO):
 
     def close(self) -> None:
         if self.closed:
+            return
+        if self.foreign():  # the parent still writes the file: publish nothing, remove nothing
+            super().close()
             return
         if self._failed is not None and not self._aborted:
             self._aborted = True
@@ -365,6 +384,10 @@ class _PublishingFileIO(io.FileIO):
     def __del__(self) -> None:
         # Never publish a file nobody closed: its content may be incomplete.
         if not self.closed:
+            if self.foreign():  # (a forked child's copy: the parent's file is not its own)
+                with contextlib.suppress(OSError):
+                    super().close()
+                return
             warnings.warn(
                 f"instride file for key {self._key!r} was never closed; not published",
                 ResourceWarning,
@@ -375,7 +398,9 @@ class _PublishingFileIO(io.FileIO):
 
 class _AbortOnError:
     """Buffered/text layers over a :class:`_PublishingFileIO`: an exception leaving a ``with``
-    block, a failed flush, or garbage collection without ``close()`` discards the file."""
+    block, a failed flush, or garbage collection without ``close()`` discards the file. In a
+    forked child, closing its copy only closes the inherited descriptor: its copy of the buffer
+    is dropped, not written into the parent's file."""
 
     def _publishing_raw(self) -> _PublishingFileIO:
         layer: Any = self
@@ -391,6 +416,10 @@ class _AbortOnError:
     def close(self) -> None:
         if self.closed:  # type: ignore[attr-defined]
             return
+        raw = self._publishing_raw()
+        if raw.foreign():  # (the layers above report closed once their raw file is)
+            raw.close()
+            return
         try:
             self.flush()  # type: ignore[attr-defined]
         except BaseException:
@@ -401,7 +430,11 @@ class _AbortOnError:
         super().close()  # type: ignore[misc]
 
     def __del__(self) -> None:
-        if not self.closed:  # type: ignore[attr-defined]
+        try:
+            closed = self.closed  # type: ignore[attr-defined]
+        except ValueError:  # (a text layer whose __init__ failed, e.g. a bad encoding: the
+            return          # open_for_write that made it has discarded the file already)
+        if not closed:
             self._publishing_raw()._aborted = True
             with contextlib.suppress(Exception):
                 self.close()
