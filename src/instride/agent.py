@@ -60,7 +60,9 @@ from .store.served import check_real
 
 log = logging.getLogger("instride.server")
 
-#: Longest line accepted on the Unix socket.
+#: Longest request line accepted on the Unix socket, its newline aside (a longer one is
+#: answered ``E2BIG`` and its connection closed; the reader's buffer limit is twice this, so
+#: that pipelined lines fit: the bound is checked on each line read).
 MAX_LINE = 4096
 #: Longest error message put in a reply (the shim's reply buffer is PATH_MAX + 128).
 MAX_MESSAGE = 1000
@@ -499,6 +501,8 @@ class LocalAgent:
                     line = await reader.readuntil(b"\n")
                 finally:
                     timer.cancel()
+                if len(line) > MAX_LINE + 1:  # (within the buffer's limit, over the line's)
+                    raise asyncio.LimitOverrunError("request line too long", len(line))
             except asyncio.LimitOverrunError:
                 writer.write(f"ERR {errno.E2BIG} request line too long\n".encode())
                 await self._drain(writer)

@@ -611,6 +611,91 @@ def test_an_evicted_copy_a_reader_still_has_is_never_rewritten(nodes: list[Loopb
         c2.close()
 
 
+def test_a_cache_under_its_bound_is_not_walked_per_fetch(nodes: list[LoopbackNode]) -> None:
+    """With ``INSTRIDE_CACHE_BYTES`` set, a fetch does not list and stat every copy of the
+    node (O(copies) per frame): the copies' bytes are kept as a running total, seeded by one
+    walk, and the cache is walked again only when the total goes over the bound (or a while
+    after the last walk, for other processes' copies); over the bound it is evicted a tenth
+    below it, so the next fetches do not walk again at once. Copies over it still go."""
+    c1 = nodes[0].client()
+    c2 = _cache_client(nodes[1], 1_000_000)
+    walks = [0]
+    walk = c2.engine.cached_entries
+
+    def counted() -> list[tuple[float, int, str]]:
+        walks[0] += 1
+        return walk()
+
+    c2.engine.cached_entries = counted  # type: ignore[method-assign]
+    try:
+        for i in range(30):
+            with c1.open(f"walks/k{i:02d}", "wb") as fh:
+                fh.write(bytes([i]) * 10_000)
+        for i in range(30):  # 300 KB: far under the bound
+            assert c2.consume(f"walks/k{i:02d}", timeout=10).read_bytes() == bytes([i]) * 10_000
+        assert walks[0] <= 5, walks  # (one, and one a while later on a slow machine)
+        for i in range(12):
+            with c1.open(f"walks/big{i:02d}", "wb") as fh:
+                fh.write(bytes([i]) * 100_000)
+        walks[0] = 0
+        for i in range(12):  # 1.5 MB in all: over the bound
+            c2.consume(f"walks/big{i:02d}", timeout=10)
+        assert 1 <= walks[0] <= 8, walks
+        kept = sum(size for _used, size, _key in walk())
+        assert kept <= 1_000_000, kept
+    finally:
+        c1.close()
+        c2.close()
+
+
+def test_a_deleted_keys_copy_is_not_served_and_does_not_block_a_publication(
+        clients: list[instride.Client]) -> None:
+    """A key its owner deleted (record gone): a node that fetched a copy earlier no longer
+    serves it (``consume`` waits for a new publication, ``ready`` and ``exists`` say it is
+    not there); the copy is dropped, and the node can then publish the key write-once."""
+    c1, c2, _ = clients
+    with c1.open("del/k.bin", "wb") as fh:
+        fh.write(b"version-one")
+    assert c2.consume("del/k.bin", timeout=5).read_bytes() == b"version-one"
+    c1.delete("del/k.bin")
+    assert c1.lookup("del/k.bin") is None
+    assert c2.engine.ready("del/k.bin") is None
+    assert not c2.exists("del/k.bin")
+    with pytest.raises(ConsumeTimeout):
+        c2.consume("del/k.bin", timeout=0.5)
+    assert not (c2.root / "del" / "k.bin").exists() and not c2.engine.is_copy("del/k.bin")
+    with c2.open("del/k.bin", "wb") as fh:  # (write-once: nothing of the key is left here)
+        fh.write(b"version-two")
+    assert c1.consume("del/k.bin", timeout=5).read_bytes() == b"version-two"
+    c2.delete("del/k.bin")
+
+
+def test_a_copy_of_a_deleted_key_gives_way_to_a_publication_of_it(
+        clients: list[instride.Client]) -> None:
+    """``drop_unrecorded_copy`` (what a write-once publication that finds a file under its
+    key asks): a copy of a key deleted since its fetch is dropped, so the key can be
+    published here; a copy of a recorded key and an original of the node stay."""
+    c1, c2, _ = clients
+    for name in ("a", "b"):
+        with c1.open(f"delpub/{name}", "wb") as fh:
+            fh.write(name.encode() * 10)
+        c2.consume(f"delpub/{name}", timeout=5)
+    c1.delete("delpub/a")
+    engine = c2.engine
+    assert isinstance(engine, ClusterEngine)
+    assert not engine.drop_unrecorded_copy("delpub/b")  # (recorded: the copy stays)
+    assert (c2.root / "delpub" / "b").exists()
+    assert not engine.drop_unrecorded_copy("delpub/none")
+    assert engine.drop_unrecorded_copy("delpub/a")
+    assert not (c2.root / "delpub" / "a").exists() and not engine.is_copy("delpub/a")
+    with c2.open("delpub/a", "wb") as fh:
+        fh.write(b"node 2's")
+    assert not engine.drop_unrecorded_copy("delpub/a")  # (an original of this node)
+    assert c1.consume("delpub/a", timeout=5).read_bytes() == b"node 2's"
+    for c, key in ((c2, "delpub/a"), (c1, "delpub/b")):
+        c.delete(key)
+
+
 def test_a_consumer_beside_a_deleted_original_is_told_it_is_gone(
         clients: list[instride.Client]) -> None:
     """A key whose original was deleted on its owner node (its record left in Redis): a

@@ -14,7 +14,13 @@ import pytest
 import redis
 
 from instride.config import Settings
-from instride.errors import ConfigError, ConsumeTimeout, KeyExistsError, MetadataUnavailable
+from instride.errors import (
+    AuthenticationError,
+    ConfigError,
+    ConsumeTimeout,
+    KeyExistsError,
+    MetadataUnavailable,
+)
 from instride.metadata.base import Record
 from instride.metadata.redis import RedisMetadata
 from tests.conftest import RedisServer
@@ -256,7 +262,7 @@ def test_a_record_sent_soon_is_stored_before_it_is_confirmed(backend: RedisMetad
         failing = backend.publish_soon(Record("soon/e", "127.0.0.1:1", 1, "xxh3:4", 0, time.time()),
                                        then=[("HSET", "soon:str", "a", "1")])
         for _ in range(2):
-            with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            with pytest.raises(MetadataUnavailable, match="WRONGTYPE"):
                 failing()
     finally:
         other.close()
@@ -366,7 +372,7 @@ def test_a_record_sent_soon_is_freed_without_the_cycle_collector(
             assert type(sent).__name__ == "_SoonRecord"  # (the lean connection's way)
             if how == "refused":
                 for _ in range(2):
-                    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+                    with pytest.raises(MetadataUnavailable, match="WRONGTYPE"):
                         sent()
             elif how != "not confirmed":
                 assert sent().version >= 1 and sent.reported == {}
@@ -409,7 +415,7 @@ def test_password_and_database_of_the_url_are_used(tmp_path) -> None:  # type: i
             assert authed.exists("instride:rec:k/a") == 1  # in database 3, not 0
             bad = RedisMetadata(Settings(dir=tmp_path, redis_url=url.replace("s3cret", "wrong"),
                                          connect_timeout=0.5))
-            with pytest.raises(MetadataUnavailable):
+            with pytest.raises(AuthenticationError):
                 bad.lookup("k/a")
             bad.close()
         finally:
@@ -726,3 +732,51 @@ def test_a_forked_child_draws_its_own_ids_and_lock() -> None:
                          timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "0"
+
+
+def test_error_replies_of_redis_are_typed_errors(redis_server: RedisServer, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Redis *answering* with an error (maxmemory reached, no or a wrong password, an ACL
+    that refuses a command) is a typed error naming the reply, never a raw redis-py one: a
+    refusal for want of credentials or rights an :class:`AuthenticationError` naming the URL
+    without its password (at once, also for a wait without a timeout), any other a
+    :class:`MetadataUnavailable` that carries Redis's message (``ENOSPC`` for ``OOM``)."""
+    import errno
+
+    admin = redis.Redis.from_url(redis_server.url)
+    host, port = redis_server.host, redis_server.port
+    rec = Record("e/k", "127.0.0.1:1", 1, None, 0, time.time(), "n1")
+    lean = RedisMetadata(Settings(dir=tmp_path, redis_url=redis_server.url, connect_timeout=1))
+    plain = RedisMetadata(Settings(dir=tmp_path, redis_url=redis_server.url, connect_timeout=1))
+    plain._fast_args = None  # (the redis-py path, as a unix:// or TLS URL takes)
+    try:
+        admin.config_set("maxmemory", "1")  # (noeviction: every write refused with OOM)
+        for md in (lean, plain):
+            for attempt in (lambda m=md: m.publish(rec), lambda m=md: m.publish_soon(rec)(),
+                            lambda m=md: m.command("SET", "e/x", "1")):
+                with pytest.raises(MetadataUnavailable) as got:
+                    attempt()
+                assert "OOM" in str(got.value) and got.value.errno == errno.ENOSPC
+        admin.config_set("maxmemory", "0")
+        admin.execute_command("ACL", "SETUSER", "weak", "on", ">pw", "~*", "+ping")
+        admin.config_set("requirepass", "s3cret")
+        weak = f"redis://weak:pw@{host}:{port}/0"
+        for url in (redis_server.url, f"redis://:wrong@{host}:{port}/0", weak):
+            md = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=1))
+            try:
+                for attempt in (lambda m=md: m.lookup("e/k"), lambda m=md: m.publish(rec),
+                                lambda m=md: m.delete("e/k"),
+                                lambda m=md: m.wait_any(["e/k"], None)):
+                    start = time.monotonic()
+                    with pytest.raises(AuthenticationError) as auth:
+                        attempt()
+                    assert time.monotonic() - start < 5
+                    shown = str(auth.value)
+                    assert f"{host}:{port}" in shown, shown
+                    assert "wrong" not in shown and "pw@" not in shown, shown
+            finally:
+                md.close()
+    finally:
+        admin = redis.Redis(host=host, port=port, password="s3cret")
+        admin.config_set("requirepass", "")
+        lean.close()
+        plain.close()

@@ -152,6 +152,7 @@ def test_a_failed_deferred_command_does_not_fail_a_publication(
     raise (a write-once file would be removed although its record is stored); ``flush``
     reports it."""
     from instride.config import Settings
+    from instride.errors import MetadataUnavailable
     from instride.record import Record
 
     md = RedisMetadata(Settings(dir=tmp_path, redis_url=redis_server.url, connect_timeout=2))
@@ -161,7 +162,7 @@ def test_a_failed_deferred_command_does_not_fail_a_publication(
         rec = md.publish(Record("out/r", "127.0.0.1:1", 1, "xxh3:00", 1, 0.0, "n"),
                          overwrite=False)
         assert rec.version > 0 and md.lookup("out/r") is not None
-        with pytest.raises(redis.ResponseError, match="deferred.*WRONGTYPE"):
+        with pytest.raises(MetadataUnavailable, match="deferred.*WRONGTYPE"):
             md.flush()
         md.flush()
     finally:
@@ -349,8 +350,11 @@ def test_a_close_from_another_thread_wakes_a_blocked_read_and_frees_nothing_unde
         assert sock is not None
         fd = sock.fileno()
         conn.close()  # from this thread: shut down only
-        assert sock.fileno() == fd  # (the descriptor stays the owner's)
+        # (the descriptor stays the owner's: still open, unless the owner's read already woke
+        # and its thread closed it — which may come before this look)
+        open_still = sock.fileno() == fd
         t.join(10)
+        assert open_still or got, "closed from another thread than its own"
         assert not t.is_alive(), "the blocked read did not wake"
         assert isinstance(got[0], ConnectionError)
         assert got[1] == [b"PONG"] and got[2] is None  # reconnected; then closed by its thread

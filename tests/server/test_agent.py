@@ -21,7 +21,7 @@ import pytest
 
 from instride.agent import one_line
 from tests import nodes as loopback
-from tests.conftest import LoopbackNode
+from tests.conftest import LoopbackNode, RedisServer
 from tests.nodes import ask, no_traceback, put, stats, unix, until
 
 # the fixtures (tests/nodes.py): three running nodes, one of a test alone, their Redis
@@ -262,6 +262,41 @@ def test_a_thin_client_beside_a_deleted_original_is_told_it_is_gone(
     assert ask(n1, "CONSUME 20000 gone/thin.bin", timeout=30).startswith("ERR 2 ")
     assert time.monotonic() - start < 10
     no_traceback(n1)
+
+
+def test_redis_refusing_a_publication_is_a_typed_answer_not_an_internal_error(
+        tmp_path: Path, redis_server: RedisServer) -> None:
+    """A thin client's ``PUBLISH`` while Redis refuses writes (``maxmemory`` reached) is
+    answered with the refusal's errno (``ENOSPC``) and Redis's message, not as an internal
+    error: nothing counted in ``errors``, no traceback in the server's log."""
+    import errno
+
+    import redis
+
+    node = LoopbackNode(tmp_path, 8, redis_server.url, loopback.TOKEN)
+    try:
+        node.start()
+        (node.dir / "oom").mkdir(parents=True, exist_ok=True)
+        (node.dir / "oom" / "a.out").write_bytes(b"shim output")
+        redis.Redis.from_url(redis_server.url).config_set("maxmemory", "1")
+        reply = ask(node, "PUBLISH oom/a.out")
+        assert reply.startswith(f"ERR {errno.ENOSPC} ") and "OOM" in reply, reply
+        assert "internal error" not in reply, reply
+        assert stats(node)["errors"] == 0
+        no_traceback(node)
+    finally:
+        node.stop(signal.SIGKILL)
+
+
+def test_a_request_line_longer_than_max_line_is_refused(nodes: list[LoopbackNode]) -> None:
+    """``MAX_LINE`` is the longest request line the agent takes (its newline aside): one
+    byte more is refused with ``E2BIG``, also below the read buffer's larger limit."""
+    from instride.agent import MAX_LINE
+
+    n1 = nodes[0]
+    assert ask(n1, "x" * MAX_LINE).startswith("ERR 22 ")  # (taken: an unknown request)
+    assert ask(n1, "x" * (MAX_LINE + 1)).startswith("ERR 7 ")
+    assert ask(n1, "CONSUME 0 " + "k" * (MAX_LINE + 100)).startswith("ERR 7 ")
 
 
 def test_a_consume_queued_behind_busy_workers_keeps_to_its_timeout(own_node: LoopbackNode) -> None:

@@ -70,6 +70,15 @@ _ASKED_WAIT = 0.5
 _STOPPED_AFTER = 0.02
 #: seconds a copy's store waits for the key's store lock (held for microseconds)
 _STORE_WAIT = 10.0
+#: what an eviction leaves the cache at, as a share of ``INSTRIDE_CACHE_BYTES``: a tenth
+#: below the bound, so that the next fetches do not take it over the bound (and walk every
+#: copy of the node) again at once
+_EVICT_TO = 0.9
+#: seconds after which a cache under its bound is walked again all the same (copies other
+#: processes of the node stored count then), at least; and at least this many times the last
+#: walk took (a walk's share of the node's time stays small however many copies it keeps)
+_REWALK_AFTER = 1.0
+_REWALK_SHARE = 50
 #: seconds an early fetch waits for its record to be announced (the owner records a frame
 #: right after renaming it) before looking it up
 _HEARD_WITHIN = 0.002
@@ -185,6 +194,10 @@ class ClusterEngine:
         # consume() that follows a wait needs not read the sidecar it just wrote, nor touch it.
         self._kept: dict[str, tuple[float, tuple[int, int, str, str]]] = {}
         self._dirs: set[str] = set()  # directories known to exist (for fetched copies)
+        #: the bytes of the node's copies as last walked plus what this process fetched since
+        #: (``None``: not walked yet), and when the next walk is due all the same (see evict)
+        self._cached_bytes: int | None = None
+        self._rewalk_at = 0.0
         #: the record of the last key this process fetched (a stream's reader asks the same
         #: owner for its next frame: :meth:`fetch_when_published`)
         self.last_fetched: Record | None = None
@@ -425,15 +438,32 @@ class ClusterEngine:
         return out
 
     def evict(self, keep: str | None = None) -> list[str]:
-        """Evict least-recently-used fetched copies until they fit in ``INSTRIDE_CACHE_BYTES``."""
+        """Evict least-recently-used fetched copies until they fit in ``INSTRIDE_CACHE_BYTES``.
+
+        Called after each fetch (``keep``: the key just fetched, never evicted; without
+        it, the cache is walked in any case). Walking the
+        cache lists and stats every copy of the node, O(copies): it is walked only when the
+        bytes of the last walk plus those this process fetched since exceed the bound, or
+        once the last walk is a while ago (:data:`_REWALK_AFTER`: copies other processes of
+        the node fetched count then). Over the bound, copies go until the cache is a tenth
+        below it (:data:`_EVICT_TO`), so that the next fetches do not walk at once again.
+        """
         limit = self.settings.cache_bytes
         if limit is None:
             return []
+        if keep is not None and self._cached_bytes is not None:
+            with contextlib.suppress(OSError):
+                self._cached_bytes += os.stat(f"{self.root}/{keep}", follow_symlinks=False).st_size
+        if keep is not None and self._cached_bytes is not None \
+                and self._cached_bytes <= limit and time.monotonic() < self._rewalk_at:
+            return []  # (under the bound as far as this process knows, and walked lately)
+        began = time.monotonic()
         entries = sorted(self.cached_entries())
         total = sum(size for _, size, _ in entries)
+        target = limit if total <= limit else int(limit * _EVICT_TO)
         evicted = []
         for _used, size, key in entries:
-            if total <= limit:
+            if total <= target:
                 break
             if key == keep:
                 continue
@@ -451,6 +481,9 @@ class ClusterEngine:
                 continue
             total -= size
             evicted.append(key)
+        now = time.monotonic()
+        self._cached_bytes = total
+        self._rewalk_at = now + max(_REWALK_AFTER, _REWALK_SHARE * (now - began))
         return evicted
 
     # ------------------------------------------------------------------ consuming
@@ -474,7 +507,13 @@ class ClusterEngine:
             rec: Record | None = seen[1]
         else:
             rec = self.metadata.lookup(key, deadline)
-        if rec is None or _copy_of(side, rec):
+        if rec is None:
+            # the key was deleted (its record is gone): the copy is of nothing now, never
+            # served as the key; dropped, so that the key is not taken for one published
+            # here either (a write-once publication of it on this node would be refused)
+            self.drop_copy(key)
+            return False
+        if _copy_of(side, rec):
             with contextlib.suppress(FileNotFoundError):
                 os.utime(self._sidecar(key))  # LRU touch
             return True
@@ -1111,8 +1150,25 @@ class ClusterEngine:
         return record.key
 
     def exists(self, key: str) -> bool:
-        """Whether ``key`` is on this node or recorded in the metadata."""
-        return os.path.exists(self.root / key) or self.metadata.lookup(key) is not None
+        """Whether ``key`` is on this node (an original) or recorded in the metadata; a
+        fetched copy of a key deleted since (no record) is not the key: dropped, ``False``."""
+        if os.path.exists(self.root / key) and not self.is_copy(key):
+            return True
+        if self.metadata.lookup(key) is not None:
+            return True
+        if self.is_copy(key):
+            self.drop_copy(key)
+        return False
+
+    def drop_unrecorded_copy(self, key: str) -> bool:
+        """Drop this node's fetched copy of ``key`` if the key has no record (deleted by its
+        owner since the fetch); whether the key's name is free of it now. For a write-once
+        publication of ``key`` on this node that found a file under the key: a copy of a
+        deleted key is no publication, and must not refuse it."""
+        if self._copy_here(key) is None or self.metadata.lookup(key) is not None:
+            return False
+        self.drop_copy(key)
+        return not os.path.lexists(self.root / key)
 
     #: a writer should hash what it writes and pass it to :meth:`published` (saves a pass)
     wants_checksum = True

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import functools
 import itertools
 import json
@@ -40,11 +41,14 @@ from redis.retry import Retry
 
 from ..config import Settings
 from ..errors import (
+    AuthenticationError,
     ConfigError,
     ConsumeTimeout,
+    InstrideError,
     KeyExistsError,
     MetadataUnavailable,
     PublicationUnsettled,
+    redact_url,
 )
 from ..perthread import PerThread, forks, pid
 from ..record import Record
@@ -145,6 +149,44 @@ def _publication_id() -> str:
 
 
 _ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError)
+#: Redis's error replies, as redis-py raises them and as the lean connections return or raise
+#: them (:mod:`.resp`): an answer, not a lost connection, so never retried. (redis-py's
+#: ``AuthenticationError`` is one of its ``ConnectionError``: caught before ``_ERRORS``.)
+_REPLIES = (redis.ResponseError, redis.AuthenticationError, redis.exceptions.AuthorizationError,
+            hiredis.ReplyError)
+#: how Redis's replies that refuse a client for want of credentials or rights begin (as the
+#: lean connections see them: redis-py takes the first word off, and raises its own classes)
+_AUTH_REPLIES = ("NOAUTH", "WRONGPASS", "NOPERM", "ERR Protocol error: unauthenticated",
+                 "ERR AUTH", "ERR Client sent AUTH")
+
+
+def _refusal(url: str, what: str, exc: BaseException) -> InstrideError:
+    """The typed error for Redis's error reply ``exc`` to ``what``: refused credentials or
+    rights (no password, a wrong one, an ACL) are an :class:`AuthenticationError` naming the
+    URL without its password; any other reply (``OOM`` when ``maxmemory`` is reached, a
+    read-only replica, a script error) a :class:`MetadataUnavailable` carrying Redis's message
+    (``refused``: the reply's text; ``errno`` ``ENOSPC`` for ``OOM``)."""
+    reply = str(exc)
+    if isinstance(exc, (redis.AuthenticationError, redis.exceptions.AuthorizationError,
+                        redis.exceptions.NoPermissionError)) or reply.startswith(_AUTH_REPLIES):
+        return AuthenticationError(
+            f"Redis at {redact_url(url)} refused {what}: {reply} (the user and password in "
+            "INSTRIDE_REDIS_URL, or the rights Redis's ACL gives that user)")
+    full = isinstance(exc, redis.exceptions.OutOfMemoryError) or reply.startswith("OOM")
+    if full and not reply.startswith("OOM"):
+        reply = f"OOM {reply}"  # (the word redis-py took off: what Redis's docs call it)
+    err = MetadataUnavailable(url, f"{what}: Redis refused it: {reply}")
+    err.refused = reply  # (see _is_refusal)
+    if full:  # (Redis is full: maxmemory reached, with noeviction)
+        err.errno = errno.ENOSPC  # (what the agent answers a thin client)
+        OSError.__dict__["errno"].__set__(err, errno.ENOSPC)  # (and what str() shows)
+    return err
+
+
+def _is_refusal(exc: MetadataUnavailable) -> bool:
+    """Whether ``exc`` is Redis's answer (:func:`_refusal`), not Redis out of reach: a wait
+    ends with it, as waiting on would only be refused again."""
+    return getattr(exc, "refused", None) is not None
 #: seconds an attempt to reach Redis is given at least, whatever the caller's deadline
 _ATTEMPT_MIN = 0.1
 
@@ -278,8 +320,8 @@ class _SoonRecord(PendingRecord):
         self._replies = None
         if isinstance(reply, Exception) and not str(reply).startswith("NOSCRIPT"):
             self._refused = str(reply)
-        if self._refused is not None:
-            raise redis.ResponseError(self._refused)  # (as publish raises it)
+        if self._refused is not None:  # (as publish raises it)
+            raise _refusal(self._metadata.url, "publish", redis.ResponseError(self._refused))
         # NOSCRIPT (Redis restarted), a lost reply: again, as the same publication
         metadata = self._metadata
         stored = metadata._publish_now(self._record, self._sent, self) if reply is None \
@@ -435,6 +477,8 @@ class RedisMetadata:
                     return fn()
                 finally:
                     fast.until = None
+            except _REPLIES as exc:  # (an answer: asking again would be refused again)
+                raise _refusal(self.url, what, exc) from None
             except _ERRORS as exc:
                 if time.monotonic() + delay > deadline:
                     raise MetadataUnavailable(self.url, f"{what}: {exc}") from None
@@ -671,14 +715,18 @@ class RedisMetadata:
 
         Raises
         ------
-        redis.ResponseError
-            One of them failed (its error answer, read here or by an earlier call).
+        MetadataUnavailable, AuthenticationError
+            One of them failed (its error answer, read here or by an earlier call: see
+            :func:`_refusal`).
         """
         fast = self._fast()
         if fast is not None:
             if fast.deferred or fast._held:  # (held records: run too, see publish_soon)
                 self.command("PING")
-            fast.raise_deferred()
+            try:
+                fast.raise_deferred()
+            except _REPLIES as exc:
+                raise _refusal(self.url, "a deferred command", exc) from None
 
     def hgetall(self, name: str) -> dict[bytes, bytes]:
         """``HGETALL name`` (see :meth:`command`)."""
@@ -740,6 +788,8 @@ class RedisMetadata:
         try:
             return self._lookup_many(keys, math.inf if deadline is None else deadline)
         except MetadataUnavailable as exc:
+            if _is_refusal(exc):
+                raise
             raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
 
     def _lookup_many(self, keys: Sequence[str], deadline: float | None = None) -> Record | None:
@@ -809,6 +859,8 @@ class RedisMetadata:
         try:  # fast path: already published, no subscription needed
             rec = self._lookup_many(keys, math.inf if deadline is None else deadline)
         except MetadataUnavailable as exc:
+            if _is_refusal(exc):
+                raise
             raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
         if rec is not None:
             return rec
@@ -1153,6 +1205,9 @@ class RedisMetadata:
                         sub.send([("UNSUBSCRIBE", *channels)])
             except ConsumeTimeout:
                 raise  # (the wait's own end)
+            except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
+                # (the subscriber's login refused: again would be refused again, for ever)
+                raise _refusal(self.url, "wait", exc) from None
             except _ERRORS as exc:
                 # Redis went away: the connection is closed; back off, re-subscribe, re-check.
                 if deadline is not None and time.monotonic() >= deadline:

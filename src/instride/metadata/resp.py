@@ -168,10 +168,14 @@ class RespConnection:
             setup.append(("SELECT", self.db))
         if setup:  # (answered before the replies owed to call_soon: theirs are not sent yet)
             self.send(setup, settle=False)
-            for reply in self._replies(len(setup), deferred=False):
+            for command, reply in zip(setup, self._replies(len(setup), deferred=False),
+                                      strict=True):
                 if isinstance(reply, Exception):
                     self.close()
-                    raise redis.AuthenticationError(str(reply))
+                    # a refused AUTH is the URL's credentials; a refused SELECT (a database
+                    # Redis does not have) an error reply like any other, not a login failure
+                    raise (redis.AuthenticationError if command[0] == "AUTH"
+                           else redis.ResponseError)(str(reply))
         if self._unanswered:  # (deferred on a connection that failed before their replies:
             self._send_packed(b"".join(self._unanswered))  # again, in order)
         return sock

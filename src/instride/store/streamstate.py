@@ -1062,9 +1062,11 @@ class RedisGroupCursor:
             self._stop.set()
             try:
                 self.state.metadata.flush()
-            except MetadataUnavailable:
-                return
-            except Exception:  # (an error answer to a deferred command: answered, in step)
+            except MetadataUnavailable as exc:
+                if getattr(exc, "refused", None) is None:
+                    return  # (out of reach: whether the lease went cannot be known)
+                # (else an error answer to a deferred command: answered, in step)
+            except Exception:  # (likewise: AuthenticationError, an older client's errors)
                 pass
             with contextlib.suppress(Exception):
                 if self._committed:
