@@ -212,6 +212,8 @@ class Client:
         key = self.key(key_or_path)
         if writing:
             check_confined(self._root_s, key, for_write=True)  # [confine] no link, dir, device
+            if not overwrite:
+                self._free_of_stale_copy(key, f"{self._root_s}/{key}")
             return store.open_for_write(
                 f"{self._root_s}/{key}",  # strings, not pathlib, on this hot path
                 key,
@@ -349,6 +351,8 @@ class Client:
             self._record_in_place(key, final, overwrite)
             return key
         final.parent.mkdir(parents=True, exist_ok=True)
+        if not overwrite:
+            self._free_of_stale_copy(key, str(final))
         if not overwrite and final.exists():
             raise KeyExistsError(key)
         staged = tmp_path(final)
@@ -572,7 +576,18 @@ class Client:
         """
         key = self.key(key)
         self._unlink(key)
+        forget = getattr(self.engine, "forget_fetched", None)
+        if forget is not None:  # (a fetched copy's sidecar: it named a file gone now)
+            forget(key)
         self.metadata.delete(key)
+
+    def _free_of_stale_copy(self, key: str, path: str) -> None:
+        """Before a write-once publication of ``key`` (file ``path``) on this node: a copy of
+        the key fetched here before its owner deleted it (no record now) is no publication,
+        and must not refuse this one (cluster mode; a ``lexists`` where nothing is there)."""
+        drop = getattr(self.engine, "drop_unrecorded_copy", None)
+        if drop is not None and os.path.lexists(path):
+            drop(key)
 
     def _unlink(self, key: str) -> None:
         """Remove the file of ``key`` (normalized) on this node, if any; its record stays."""

@@ -2500,3 +2500,32 @@ def test_an_original_published_over_a_copy_is_never_taken_for_it(
     engine.settings = engine.settings.with_(cache_bytes=0)  # (every copy over the bound)
     engine.evict()
     assert path.read_bytes() == b"node 1's own"
+
+
+def test_a_node_holding_a_copy_publishes_a_deleted_key_write_once_straight_away(
+        clients: list[instride.Client], tmp_path: Path) -> None:
+    """A node that fetched a copy of a key its owner then deleted, and has not looked at the
+    key since: its write-once publication of the key was refused (``KeyExistsError``, the
+    copy taken for a publication) — with ``open`` and with ``publish`` alike. A delete on the
+    node holding a copy leaves no sidecar behind."""
+    c1, c2, _ = clients
+    for name in ("w", "p"):
+        with c1.open(f"again/{name}", "wb") as fh:
+            fh.write(b"first")
+        c2.consume(f"again/{name}", timeout=5)
+        c1.delete(f"again/{name}")
+    with c2.open("again/w", "wb") as fh:
+        fh.write(b"second")
+    src = tmp_path / "again-src.bin"
+    src.write_bytes(b"second")
+    c2.publish(src, "again/p")
+    assert [c1.consume(f"again/{n}", timeout=5).read_bytes() for n in "wp"] == [b"second"] * 2
+    with c1.open("again/s", "wb") as fh:
+        fh.write(b"x")
+    c2.consume("again/s", timeout=5)
+    side = c2.engine._sidecar("again/s")
+    assert os.path.exists(side)
+    c2.delete("again/s")
+    assert not os.path.exists(side)
+    for c, key in ((c2, "again/w"), (c2, "again/p"), (c1, "again/s")):
+        c.delete(key)
