@@ -224,6 +224,13 @@ def send_unsendable(ports, what="objects"):
     ports.put("out", value, step=0)
 
 
+def send_steps(ports, steps=(0,)):
+    """Sends one array message per step of ``steps`` (a step that is no whole number must
+    fail the producer, naming it)."""
+    for step in steps:
+        ports.put("out", np.array([1.0]), step=step)
+
+
 def count_then_exit(ports, n=3):
     """Source: ``n`` frames, then ``sys.exit(0)`` (its outputs are ended all the same)."""
     import sys

@@ -177,6 +177,21 @@ def test_unsendable_value_fails_its_producer(flow_env: dict[str, Path], kind: st
     assert f"module 'src' instance 0 output 'out' ({kind})" in err.log
 
 
+def test_a_step_that_is_no_whole_number_fails_its_producer(flow_env: dict[str, Path]) -> None:
+    """``put(..., step=7.9)`` was truncated to step 7 (merged with step 7 downstream, as in
+    ``synchronize``) where the docs promise a FlowError; a whole float (``7.0``) and numpy's
+    integers are steps."""
+    g = Graph("steps")
+    g.module("src", modules.send_steps, outputs={"out": "array"},
+             params={"steps": [1, 7.0, 8, 7.9]})
+    g.module("sink", modules.record, inputs={"in": "array"})
+    g.connect("src.out", "sink.in")
+    with pytest.raises(ModuleFailed) as info:
+        run(g, timeout=120)
+    assert info.value.module == "src"
+    assert "step must be a whole number" in info.value.log and "7.9" in info.value.log
+
+
 def test_a_frame_consumer_that_forked_and_returned_early_releases_its_producer(
         flow_env: dict[str, Path]) -> None:
     """A frame consumer that returns early with a child it forked still alive: its port's

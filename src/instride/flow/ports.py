@@ -43,6 +43,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import numbers
 import os
 import sys
 import time
@@ -244,10 +245,16 @@ class Ports:
         if writer is None:
             return
         try:
-            step, time = int(step), float(time)
+            # (7.9 is no step: truncated, it would be merged with step 7 downstream)
+            whole = int(step) if isinstance(step, numbers.Integral) \
+                or float(step).is_integer() else None
+            when = float(time)
         except (TypeError, ValueError, OverflowError):
+            whole = None
+        if whole is None:
             raise FlowError(f"module {self.module!r} output {port!r}: step must be a whole "
-                            f"number and time a number, got step={step!r}, time={time!r}") from None
+                            f"number and time a number, got step={step!r}, time={time!r}")
+        step, time = whole, when
         with self.recorder.region("put") as info:
             info["message"] = f"{writer.name}#{writer.count}"
             writer.put(data, step, time, box)
