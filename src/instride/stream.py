@@ -389,6 +389,9 @@ class Stream:
             # (at once: known only once the archiver ran, a wrong suffix was told at close(),
             # under a dropping policy after every frame had gone unarchived)
             check_format(archive)
+            where = os.path.dirname(os.path.abspath(archive))
+            if not os.path.isdir(where):  # (likewise: the archiver makes no directory)
+                raise ArchiveError(self.name, archive, f"its directory {where} does not exist")
         if archive is not None and "archive" not in self.register_groups:
             self.register_groups += ("archive",)
         self.group = None if group is None else check_group(group)
@@ -809,8 +812,13 @@ class Stream:
             from .archive import start_archiver
 
             if self.overwrite:  # (an earlier run's archive: resumed, it would keep that run's
-                with contextlib.suppress(FileNotFoundError):  # frames, and skip this one's
-                    os.unlink(self.policy.archive)  # as far as that run went)
+                try:  # frames, and skip this one's as far as that run went)
+                    os.unlink(self.policy.archive)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:  # (a directory, say: no archive to replace)
+                    raise ArchiveError(self.name, self.policy.archive,
+                                       f"cannot replace it: {exc.strerror}") from None
             self._archiver = start_archiver(self.name, self.policy.archive, self.client)
 
     def _refuse_an_earlier_run(self) -> None:

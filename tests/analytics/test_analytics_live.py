@@ -165,3 +165,61 @@ def test_a_first_frame_taken_by_none_is_no_rmsd_reference(adk) -> None:
     adk.trajectory.next()
     row = live.process()
     assert row["rmsd"] == 0.0  # (the first frame taken is the reference)
+
+
+def test_analyze_stream_closes_its_reader(managed_dir: Path, adk) -> None:
+    """The universe's reader was never closed: the stream's head file stayed open and mapped
+    (one more descriptor per call) until the cyclic garbage collector happened to run — also
+    after a call that failed."""
+    import gc
+
+    from instride.errors import ConfigError
+    from tests.conftest import files_held
+
+    def held() -> list[str]:  # (descriptors, and mappings of files still there: a retired
+        # frame's segment, unlinked already, may still be let go of by a prefetch meanwhile)
+        return [f for f in files_held(managed_dir) if not f.endswith(" (deleted)")]
+
+    gc.disable()  # (the collector would hide the leak)
+    try:
+        for i in range(3):
+            with instride.Stream(f"s{i}", mode="w") as stream:
+                for ts in adk.trajectory[:3]:
+                    stream.append(adk.atoms.positions, step=ts.frame, time=ts.time)
+            assert analyze_stream(PSF, f"s{i}", None, timeout=10).frames == 3
+            assert held() == []
+        with pytest.raises(ConfigError):  # (a selection that selects nothing)
+            analyze_stream(PSF, "s0", None, selection="resname XYZ", timeout=10)
+        assert held() == []
+    finally:
+        gc.enable()
+
+
+def test_rmsd_refuses_groups_and_weights_it_cannot_use(adk) -> None:
+    """An empty group gave [0, nan], one atom [0, nan, nan]; weights of the wrong length or
+    summing to zero failed only at the first frame, with numpy's errors."""
+    from instride.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="atomgroup"):
+        RMSDToFirst(adk.select_atoms("resname XYZ"))
+    with pytest.raises(ConfigError, match="atomgroup"):
+        RMSDToFirst(adk.atoms[:1])
+    ca = adk.select_atoms("name CA")
+    for weights in (np.ones(len(ca) - 1), np.zeros(len(ca)), np.full(len(ca), np.nan),
+                    -np.ones(len(ca)), np.ones((len(ca), 2))):
+        with pytest.raises(ConfigError, match="weights"):
+            RMSDToFirst(ca, weights=weights)
+    got = RMSDToFirst(ca, weights=np.ones(len(ca))).run(stop=3).results.rmsd
+    assert got.shape == (3,) and np.all(np.isfinite(got))
+
+
+def test_distance_matrix_eigenvalue_refuses_a_group_of_another_universe(adk) -> None:
+    """A group of another universe never moves: every frame got the first frame's value."""
+    from instride.errors import ConfigError
+
+    other = mda.Universe(PSF, DCD).select_atoms("resid 1:10 and name CA")
+    with pytest.raises(ConfigError, match="another universe"):
+        DistanceMatrixEigenvalue(adk, {"A": other})
+    own = adk.select_atoms("resid 1:10 and name CA")
+    values = DistanceMatrixEigenvalue(adk, {"A": own}).run(stop=3).results.lambda_A
+    assert len(set(values.tolist())) == 3

@@ -429,8 +429,8 @@ def test_a_dead_archiver_fails_its_producer(managed_dir: Path, tmp_path: Path) -
     """The archiver a stream started exits at once (its file is no archive): the producer,
     whose retention waits for the archive group, fails with ArchiveError and the archiver's
     words (it waited its whole timeout, or for ever, for a group nobody would move)."""
-    (tmp_path / "afile").write_text("not a directory\n")
-    junk = tmp_path / "afile" / "x.h5"  # (its file cannot be made: ENOTDIR)
+    (tmp_path / ".x.h5.lock").mkdir()  # (its writer's lock file cannot be made: EISDIR)
+    junk = tmp_path / "x.h5"
     s = instride.Stream("deadarch", mode="w", retain=2, archive=junk, timeout=30)
     with pytest.raises(ArchiveError, match="exited with status"):
         for i in range(10):
@@ -822,3 +822,25 @@ def test_an_archive_of_an_unknown_format_is_refused_at_once(managed_dir: Path,
     with pytest.raises(instride.ConfigError, match="unknown archive format"):
         instride.Stream("bad", mode="w", retain=2, on_full="drop-oldest",
                         archive=tmp_path / "run.xtc")
+
+
+def test_an_archive_in_a_missing_directory_is_refused_by_the_producer_at_once(
+        managed_dir: Path, tmp_path: Path) -> None:
+    """The archiver makes no directory (a mistyped path would leave a tree behind): a
+    producer's ``archive=`` in a directory that does not exist is an ``ArchiveError`` at
+    ``Stream(...)``, before anything starts, not the archiver's failure after frames went."""
+    with pytest.raises(ArchiveError, match="does not exist"):
+        instride.Stream("md", mode="w", archive=tmp_path / "no" / "such" / "a.h5")
+    assert not (tmp_path / "no").exists()
+    assert not (managed_dir / "md").exists()
+
+
+def test_an_archive_path_that_is_a_directory_is_an_archive_error_on_a_rerun(
+        managed_dir: Path, tmp_path: Path) -> None:
+    """``overwrite=True`` removes an earlier run's archive; where the path was a directory the
+    producer's first append raised a bare ``IsADirectoryError``."""
+    (tmp_path / "d.h5").mkdir()
+    s = instride.Stream("dirarch", mode="w", overwrite=True, archive=tmp_path / "d.h5")
+    with pytest.raises(ArchiveError, match="cannot replace it"):
+        s.append(_pos(0), step=0)
+    s.abandon()

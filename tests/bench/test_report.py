@@ -240,3 +240,18 @@ def test_report_flags_data_movement_bound_runs_and_states_the_load(tmp_path: Pat
     # nothing is bound where every frame moves within its period
     report = write_report(study(*models((1.0, 30.0), (2.0, 35.0))), tmp_path).read_text()
     assert "bound by data movement: none" in report
+
+
+def test_what_is_emulated_names_no_sharedfs_when_none_ran_on_several_nodes(
+        tmp_path: Path) -> None:
+    """A study without a multi-node sharedfs run (single_node only) was described as if its
+    sharedfs had been a plain tmpfs directory modelling Lustre."""
+    report = write_report(study(*single(0.5, 0.1, 1.0, 40.0)), tmp_path).read_text()
+    emulated = next(line for line in report.splitlines() if "What is emulated" in line)
+    assert "Lustre" not in emulated and "sshfs" not in emulated
+    assert "no multi-node `sharedfs`" in emulated
+    for kind, says in (("sshfs", "sshfs"), ("dir", "models Lustre's synchronization")):
+        st = study(*single(0.5, 0.1, 1.0, 40.0), (
+            "two_node", "1", "", summary("sharedfs", cm=2.0, ci=0.1, nodes=2, kind=kind)))
+        report = write_report(st, tmp_path).read_text()
+        assert says in next(line for line in report.splitlines() if "What is emulated" in line)

@@ -115,3 +115,48 @@ def test_node_variables_are_refused_in_env(var: str, capsys: pytest.CaptureFixtu
         EmulatedCluster(nodes=1, env={var: "v"})
     assert EmulatedCluster(nodes=1, env={"INSTRIDE_TIMEOUT": "7"}).nodes[0].env[
         "INSTRIDE_TIMEOUT"] == "7"
+
+
+@pytest.mark.root
+def test_exec_runs_a_command_that_has_its_own_double_dash(tmp_path: Path) -> None:
+    """With --name before NODE, argparse drops the `--` after NODE: the first `--` of the
+    command itself was then taken for exec's own, and the command refused (exit 2)."""
+    name = "t" + secrets.token_hex(5)
+    prefix = EmulatedCluster(nodes=1, name=name).prefix
+    try:
+        up = cli("up", "--nodes", "1", "--name", name, "--no-serve", "--no-redis",
+                 "--base-dir", str(tmp_path / "base"))
+        assert up.returncode == 0, up.stderr
+        for before in (["--name", name, "1"], ["1", "--name", name]):
+            ex = cli("exec", *before, "--", "echo", "a", "--", "b")
+            assert (ex.returncode, ex.stdout) == (0, "a -- b\n"), ex.stderr
+            ex = cli("exec", *before, "--", "sh", "-c", 'echo "$0" "$@"', "--", "x")
+            assert (ex.returncode, ex.stdout) == (0, "-- x\n"), ex.stderr
+        ex = cli("exec", "--name", name, "1", "--", PY, "-m", "instride", "run", "--", "true")
+        assert ex.returncode == 0, ex.stderr
+    finally:
+        down = cli("down", "--name", name)
+    assert down.returncode == 0, down.stderr
+    assert [ns for ns in nn.list_netns() if ns.startswith(prefix)] == []
+
+
+def test_down_with_a_bad_name_is_a_usage_error() -> None:
+    """A bad --name given to `down` exited 1 (as a failed teardown), not 2 as for status."""
+    down = cli("down", "--name", "bad/name")
+    assert down.returncode == 2 and "bad/name" in down.stderr, down.stderr
+
+
+@pytest.mark.root
+def test_up_with_a_file_as_base_dir_is_a_usage_error(tmp_path: Path) -> None:
+    """`up --base-dir FILE` exited 1 with a bare "[Errno 20] Not a directory"."""
+    name = "t" + secrets.token_hex(5)
+    prefix = EmulatedCluster(nodes=1, name=name).prefix
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for base in (afile, afile / "below"):
+        up = cli("up", "--nodes", "1", "--name", name, "--no-serve", "--no-redis",
+                 "--base-dir", str(base))
+        assert up.returncode == 2, (up.stdout, up.stderr)
+        assert "base_dir" in up.stderr and "not a directory" in up.stderr
+        assert [ns for ns in nn.list_netns() if ns.startswith(prefix)] == []
+        assert not em.state_path(name).exists()

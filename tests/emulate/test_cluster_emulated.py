@@ -532,3 +532,25 @@ def test_signals_held_notes_them_without_masking() -> None:
         assert got == [signal.SIGTERM]  # (delivered after it, to the program's handler)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_signals_held_holds_sighup_too() -> None:
+    """The `instride` command raises SIGHUP (a closed terminal) as an exception too: it cut a
+    cluster's teardown short (servers or namespaces left, exit 129) as it was not held."""
+    import signal
+
+    from instride.emulate.teardown import signals_held
+
+    got: list[int] = []
+    previous = signal.signal(signal.SIGHUP, lambda signum, frame: got.append(signum))
+    try:
+        with signals_held():
+            os.kill(os.getpid(), signal.SIGHUP)
+            assert got == []  # (held)
+        assert got == [signal.SIGHUP]  # (delivered after it, to the program's handler)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        with signals_held():  # (an ignored one stays ignored: the programs started inherit it)
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)

@@ -73,3 +73,74 @@ def test_a_sigterm_inside_the_with_block_takes_the_slurm_down() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def _ctrl_c() -> None:
+    """A Ctrl-C landing right here (Python raises it at its next check, in this thread)."""
+    import signal
+
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.parametrize("where", ["hub", "node"])
+def test_a_ctrl_c_as_a_namespace_is_made_leaves_no_namespace(
+        monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """A Ctrl-C between `ip netns add` and the record of the name left a namespace that
+    down() never deleted (it deletes the names recorded only)."""
+    import re
+
+    real_ip = nn.ip
+    pattern = re.compile(r"isl\d+h" if where == "hub" else r"isl\d+n1")
+    made: list[str] = []
+
+    def ip(*args: str, check: bool = True):  # type: ignore[no-untyped-def]
+        proc = real_ip(*args, check=check)
+        if args[:2] == ("netns", "add") and pattern.fullmatch(args[2]) and not made:
+            made.append(args[2])
+            _ctrl_c()
+        return proc
+
+    monkeypatch.setattr(nn, "ip", ip)
+    slurm = EmulatedSlurm(nodes=1)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            slurm.up()
+    finally:
+        monkeypatch.undo()
+        leaked = [ns for ns in made if ns in nn.list_netns()]
+        for ns in leaked:  # (before the fix: removed here, by its name)
+            nn.del_netns(ns)
+    assert made and not leaked
+    assert not slurm.base_dir.exists()
+
+
+def test_a_ctrl_c_as_munged_starts_leaves_no_munged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C while Popen started munged left it running: never recorded, so never stopped
+    (it runs in the host's namespace, where no kill_all finds it), its directory removed."""
+    import signal
+    import subprocess
+
+    real_popen = subprocess.Popen
+    started: list[subprocess.Popen[bytes]] = []
+
+    def popen(argv, *args, **kwargs):  # type: ignore[no-untyped-def]
+        proc = real_popen(argv, *args, **kwargs)
+        if not started and isinstance(argv, list) and argv[0].endswith("munged"):
+            started.append(proc)
+            _ctrl_c()
+        return proc
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    slurm = EmulatedSlurm(nodes=1)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            slurm.up()
+    finally:
+        monkeypatch.undo()
+        alive = [p for p in started if p.poll() is None]
+        for p in alive:  # (before the fix: stopped here, by its PID)
+            p.send_signal(signal.SIGTERM)
+            p.wait(10)
+    assert started and not alive
+    assert not slurm.base_dir.exists()
+    assert not [ns for ns in nn.list_netns() if slurm.k and ns.startswith(f"isl{slurm.k}")]

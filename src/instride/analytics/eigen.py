@@ -78,7 +78,8 @@ class DistanceMatrixEigenvalue(FrameAnalysis):
     Raises
     ------
     ConfigError
-        A selection matches fewer than two atoms, or two names make one column.
+        A selection matches fewer than two atoms, an AtomGroup belongs to another universe,
+        or two names make one column.
     """
 
     def __init__(
@@ -92,6 +93,11 @@ class DistanceMatrixEigenvalue(FrameAnalysis):
         self.groups: dict[str, Any] = {}
         for name, sel in spec.items():
             group = universe.select_atoms(sel) if isinstance(sel, str) else sel
+            if getattr(group, "universe", None) is not universe:  # (it would never move:
+                # every frame would get the first frame's value)
+                raise ConfigError("substructures", {name: sel},
+                                  "an AtomGroup of another universe: select it in the one "
+                                  "analysed")
             if len(group) < 2:
                 raise ConfigError("substructures", {name: sel},
                                   f"it selects {len(group)} atom(s); a distance matrix needs 2")

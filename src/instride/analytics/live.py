@@ -200,14 +200,19 @@ def analyze_stream(
     reader = universe.trajectory
     out = None if out_dir is None else Path(out_dir)
     table = None if out is None else out / "analytics.csv"
-    analytics = InSituAnalytics(
-        universe, selection=selection, rgyr_selection=rgyr_selection,
-        substructures=substructures, table=table,
-    )
+    # (the reader closed however the run ends: its stream's head file stayed open and mapped
+    # until the cyclic garbage collector happened to run, one more per call)
     try:
-        analytics.run(on_frame)
+        analytics = InSituAnalytics(
+            universe, selection=selection, rgyr_selection=rgyr_selection,
+            substructures=substructures, table=table,
+        )
+        try:
+            analytics.run(on_frame)
+        finally:
+            results = analytics.finish()
     finally:
-        results = analytics.finish()
+        reader.close()
     plots = plot_table(table, out, title=url) if (plot and table is not None and out) else []
     return AnalyticsReport(
         stream=url, frames=analytics.frames, bytes=analytics.frames * reader.frame_nbytes,

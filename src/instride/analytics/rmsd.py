@@ -51,7 +51,9 @@ class RMSDToFirst(FrameAnalysis):
     Raises
     ------
     ConfigError
-        Unknown ``weights``, or a ``reference`` whose shape does not match the atom group.
+        An atom group of fewer than 2 atoms; unknown ``weights``, or weights that are not
+        one finite number >= 0 per atom with a positive sum; a ``reference`` whose shape does
+        not match the atom group.
     """
 
     columns = ("rmsd",)
@@ -66,11 +68,14 @@ class RMSDToFirst(FrameAnalysis):
     ) -> None:
         super().__init__(atomgroup.universe.trajectory, **kwargs)
         self.atomgroup = atomgroup
+        if len(atomgroup) < 2:  # (gave NaN after the first frame: no superposition of 0 or 1)
+            raise ConfigError("atomgroup", f"{len(atomgroup)} atom(s)",
+                              "an RMSD after superposition needs at least 2 atoms")
         if isinstance(weights, str):
             if weights != "mass":
                 raise ConfigError("weights", weights, "expected None, 'mass' or an array")
             weights = atomgroup.masses
-        self.weights = None if weights is None else np.asarray(weights, dtype=np.float64)
+        self.weights = None if weights is None else _checked_weights(weights, len(atomgroup))
         # QCP takes weights relative to their mean, as MDAnalysis.analysis.rms.rmsd passes them
         self._qcp_weights = None if self.weights is None else self.weights / self.weights.mean()
         self._mobile = np.empty((len(atomgroup), 3), dtype=np.float64)
@@ -107,3 +112,20 @@ class RMSDToFirst(FrameAnalysis):
             return (0.0,)
         return (float(qcprot.CalcRMSDRotationalMatrix(
             self._reference, mobile, len(mobile), None, self._qcp_weights)),)
+
+
+def _checked_weights(weights: Any, n_atoms: int) -> np.ndarray:
+    """``weights`` as float64, refused here (not with numpy's errors at the first frame)
+    unless one finite number >= 0 per atom, with a positive sum."""
+    try:
+        w = np.asarray(weights, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ConfigError("weights", weights, "expected None, 'mass' or an array of numbers") \
+            from None
+    if w.shape != (n_atoms,):
+        raise ConfigError("weights", f"an array of shape {w.shape}",
+                          f"expected one weight per atom, shape {(n_atoms,)}")
+    if not np.all(np.isfinite(w)) or np.any(w < 0) or not w.sum() > 0:
+        raise ConfigError("weights", f"an array of sum {w.sum()}",
+                          "expected finite weights >= 0 with a positive sum")
+    return w

@@ -137,13 +137,16 @@ def lock_writer(path: Path, stream: str) -> int:
     Raises
     ------
     ArchiveError
-        Another writer (an archiver of any stream or group) holds ``path``, or the lock
-        file cannot be made.
+        Another writer (an archiver of any stream or group) holds ``path``, its directory
+        does not exist (it is not made), or the lock file cannot be made.
     """
     lock = _lock_path(path)
+    # (missing directories are not made: a failed or mistyped archive would leave them behind)
+    # (one that is not a directory: refused by the open below)
+    if not lock.parent.exists():
+        raise ArchiveError(stream, path, f"its directory {lock.parent} does not exist")
     while True:
         try:
-            lock.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as exc:
             raise ArchiveError(stream, path, f"cannot make its writer's lock file {lock}: {exc}") from exc

@@ -731,6 +731,15 @@ def write_report(study: dict[str, Any], out: str | Path) -> Path:
             "between emulated nodes still go through shared memory. All ranks, servers and "
             f"FUSE daemons share the machine's {info['cores']} cores."
         )
+    elif not kind:  # (no multi-node sharedfs ran: nothing to say of what it would have been)
+        emulated = (
+            "What is emulated here: nodes are network namespaces on one machine "
+            "(instride cluster mode moves frames over veth/TCP between per-node data servers, "
+            "with Redis metadata); `localfs` (XFS in the paper) is a plain directory on tmpfs. "
+            "This study ran no multi-node `sharedfs` configuration. MPI barriers between "
+            f"emulated nodes go through shared memory. All ranks share the machine's "
+            f"{info['cores']} cores."
+        )
     else:
         emulated = (
             "What is emulated here: nodes are network namespaces on one machine "

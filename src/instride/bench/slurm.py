@@ -138,6 +138,12 @@ class SlurmBench:
                     self.slurm.wait(job, timeout=120)
                     raise BenchRunError(cfg.name, f"repetition {rep}: Slurm job {job} exceeded "
                                         f"{budget:.0f} s and was cancelled") from None
+                except BaseException:  # Ctrl-C, SIGTERM raised, any other failure of the wait:
+                    # the job must not run on (on a real Slurm nothing else stops it) while
+                    # its files are removed under it
+                    with contextlib.suppress(Exception):
+                        self.slurm.scancel(job)
+                    raise
                 text = log.read_text(errors="replace") if log.exists() else ""
                 if state == "COMPLETED" or attempt or PMI_FLAKE not in text:
                     break

@@ -227,7 +227,8 @@ def run_study(
     repetitions
         Override the preset's repetitions.
     workdir
-        Directory for node-local data of one-node runs (default: ``/dev/shm``).
+        Directory for node-local data of one-node runs (default: ``/dev/shm``; emulated nodes
+        have their own). Not with the slurm launcher.
     progress
         Show a progress bar over configurations.
     command
@@ -253,7 +254,8 @@ def run_study(
     Raises
     ------
     BenchConfigError
-        An unknown preset, experiment, launcher or synchronization.
+        An unknown preset, experiment, launcher or synchronization; ``sharedfs_kind="sshfs"``
+        or a ``workdir`` with the slurm launcher.
     BenchRunError
         A configuration failed; ``out`` is left as it was.
     """
@@ -269,6 +271,12 @@ def run_study(
     if launcher not in ("emulated", "slurm"):
         raise BenchConfigError("launcher", f"unknown {launcher!r}; expected emulated or slurm")
     if launcher == "slurm":
+        if sharedfs_kind == "sshfs":  # (it used to be switched to "dir" without a word)
+            raise BenchConfigError("sharedfs_kind", "sshfs does not run under the slurm "
+                                   "launcher: sharedfs is the Slurm cluster's shared directory")
+        if workdir is not None:  # (and this one ignored)
+            raise BenchConfigError("workdir", "the slurm launcher keeps node-local data in "
+                                   "each node's /dev/shm")
         sharedfs_kind = "dir"  # the Slurm cluster's shared directory
     if sharedfs_kind is not None:
         preset = replace(preset, sharedfs_kind=sharedfs_kind)

@@ -116,11 +116,33 @@ def _relaunch_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+_MPI_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
+
+
+def _check_straggle(args: argparse.Namespace) -> None:
+    """Refuse a ``--straggle`` of a rank that will not exist (it was accepted, never applied)."""
+    from ..errors import ConfigError
+
+    if args.backend != "mpi":
+        ranks: int | None = 1 if args.backend == "serial" else (args.workers or 1)
+    elif args.workers is not None:
+        ranks = args.workers
+    else:  # (under a launcher: its count; else unknown here, checked by the ranks)
+        ranks = next((int(os.environ[v]) for v in _MPI_SIZE_VARS
+                      if os.environ.get(v, "").isdigit()), None)
+    for rank, seconds in args.straggle:
+        if ranks is not None and rank >= ranks:
+            raise ConfigError("--straggle", f"{rank}:{seconds}",
+                              f"there is no rank {rank}: the analysis runs {ranks} rank(s), "
+                              f"0..{ranks - 1}")
+
+
 def cmd_analyze(args: argparse.Namespace) -> int:
     from ..errors import InstrideError
     from ..parallel.execute import analyze, launch_mpi, under_mpi_launcher
 
     _check_out(args.out)
+    _check_straggle(args)
     if args.backend == "mpi" and not under_mpi_launcher() and (args.workers or 1) > 1:
         return launch_mpi(_relaunch_argv(args), args.workers, args.mpiexec)
     baseline: str | float | None = None

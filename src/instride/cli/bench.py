@@ -27,6 +27,12 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from ..bench.workflow_run import RunConfig, run
+    from ..errors import ConfigError
+
+    if args.workdir is not None and args.nodes > 1:  # (emulated nodes use their own: ignored)
+        raise ConfigError("--workdir", args.workdir,
+                          "only one-node runs use it; on emulated nodes each node's managed "
+                          "directory (and the cluster's shared one) hold the data")
 
     # --model and --atoms exclude each other; with neither, the model is JAC (the help says so)
     model = args.model if args.model is not None or args.atoms is not None else "JAC"
@@ -47,7 +53,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_study(args: argparse.Namespace) -> int:
     from ..bench.study import EXPERIMENTS, run_study
+    from ..errors import ConfigError
 
+    if args.launcher == "slurm":  # (both were switched or left out silently)
+        if args.sharedfs_kind == "sshfs":
+            raise ConfigError("--sharedfs-kind", args.sharedfs_kind,
+                              "--launcher slurm runs sharedfs in the Slurm cluster's shared "
+                              "directory: leave it out, or give dir")
+        if args.workdir is not None:
+            raise ConfigError("--workdir", args.workdir,
+                              "--launcher slurm keeps node-local data in each node's /dev/shm")
     experiments = tuple(args.experiments.split(",")) if args.experiments else EXPERIMENTS
     command = "instride " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     study = run_study(
@@ -101,7 +116,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--keep-frames", action="store_true", help="do not delete consumed frames")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds any wait may take before the run fails (inf: no limit)")
-    p.add_argument("--workdir", default=None, help="node-local data directory (default /dev/shm)")
+    p.add_argument("--workdir", default=None,
+                   help="node-local data directory of a one-node run (default /dev/shm); "
+                        "refused with --nodes >= 2, whose nodes have their own")
     p.add_argument("--out", default=None,
                    help="output directory (default bench-out/<name>); replaced only by a "
                         "complete run")
@@ -119,11 +136,14 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--repetitions", type=int, default=None, help="override the preset's")
     p.add_argument("--sharedfs-kind", choices=("sshfs", "dir"), default=None,
                    help="sharedfs on emulated nodes: sshfs (default: a storage server mounted "
-                        "over the network) or dir (a plain shared directory, no data movement)")
+                        "over the network) or dir (a plain shared directory, no data movement);"
+                        " --launcher slurm: always the Slurm cluster's shared directory")
     p.add_argument("--sync", choices=("serialized", "pipelined"), default=None,
                    help="file systems' pair synchronization (default serialized, the paper's; "
                         "pipelined: one barrier per frame)")
-    p.add_argument("--workdir", default=None, help="node-local data directory (default /dev/shm)")
+    p.add_argument("--workdir", default=None,
+                   help="node-local data directory of the one-node runs (default /dev/shm; "
+                        "emulated nodes have their own); refused with --launcher slurm")
     p.add_argument("--launcher", choices=("emulated", "slurm"), default="emulated",
                    help="emulated: mpiexec inside emulated nodes; slurm: every repetition a "
                         "batch job on a real Slurm of emulated nodes (needs slurm-wlm, munge)")

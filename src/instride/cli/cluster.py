@@ -81,6 +81,8 @@ def cmd_down(args: argparse.Namespace) -> int:
             removed = EmulatedCluster.destroy(name)
         except (ClusterError, ConfigError) as exc:  # (a corrupt state file, a stray file of
             # another name) reported, the others gone on with
+            if isinstance(exc, ConfigError) and not args.all:
+                raise  # a bad --name: a usage error (exit 2), as for status and exec
             print(f"instride: error: cluster {name}: {exc}", file=sys.stderr)
             failed += 1
             continue
@@ -95,13 +97,18 @@ def cmd_exec(args: argparse.Namespace) -> int:
     from ..emulate.emulated import EmulatedCluster
 
     argv = list(args.argv)
-    if "--" in argv:  # options given after NODE land in the remainder: parse them here
-        cut = argv.index("--")
+    # Options given after NODE land in the remainder (`exec 1 --name X -- CMD`): parse them
+    # here, up to the first `--`. Otherwise argparse has dropped the `--` after NODE already
+    # and the remainder is CMD itself, verbatim: a `--` of its own (`sh -c '...' -- x`,
+    # `instride run -- prog`) is CMD's, not a separator.
+    if argv and (argv[0] == "--name" or argv[0].startswith("--name=")):
+        cut = argv.index("--") if "--" in argv else len(argv)
         before, argv = argv[:cut], argv[cut + 1:]
-        if before:
-            opts = argparse.ArgumentParser(prog="instride cluster exec NODE", add_help=False)
-            opts.add_argument("--name", default=args.name)
-            args.name = opts.parse_args(before).name
+        opts = argparse.ArgumentParser(prog="instride cluster exec NODE", add_help=False)
+        opts.add_argument("--name", default=args.name)
+        args.name = opts.parse_args(before).name
+    elif argv and argv[0] == "--":  # (`exec 1 -- -- CMD`: the one argparse left)
+        argv = argv[1:]
     if not argv:
         raise ConfigError("command", "", "give the command after `--`")
     cluster = EmulatedCluster.attach(args.name)

@@ -4,16 +4,67 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+#: options of starting services (name -> default): ``--cleanup`` uses none of them
+_START_OPTIONS = {"launcher": "auto", "hostfile": None, "mpiexec": None, "dir": None,
+                  "port": 7437, "iface": None, "ready_timeout": 60.0, "dry_run": False}
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_options(args: argparse.Namespace, command: list[str]) -> None:
+    """Refuse options that the chosen mode would ignore (a ``--dry-run`` that ``--cleanup``
+    ignored killed the live service it was meant to show)."""
+    from ..errors import ConfigError
+
+    if args.cleanup:
+        given = [_option(k) for k, default in _START_OPTIONS.items()
+                 if getattr(args, k) != default]
+        if given:
+            raise ConfigError(given[0], getattr(args, given[0][2:].replace("-", "_")),
+                              "--cleanup stops this node's recorded service and takes no "
+                              f"option of starting one ({', '.join(given)}); --cleanup has "
+                              "no dry run")
+        if command:
+            raise ConfigError("command", " ".join(command),
+                              "--cleanup runs no command: give one without --cleanup")
+    elif args.only_job is not None:
+        raise ConfigError("--only-job", args.only_job, "only goes with --cleanup")
+    if args.launcher == "slurm":
+        for name in ("hostfile", "mpiexec"):
+            if getattr(args, name) is not None:
+                raise ConfigError(_option(name), getattr(args, name),
+                                  "is an option of --launcher mpiexec, not slurm")
+
+
+def _state_dir(args: argparse.Namespace) -> Path:
+    """The state directory, checked: an unusable one is a bad option or setting (exit 2)."""
+    from ..errors import ConfigError
+    from ..launch.agent import check_state_dir, state_dir
+    from ..launch.base import LaunchError
+
+    states = Path(args.state_dir) if args.state_dir else state_dir()
+    try:
+        check_state_dir(states, create=False)  # (a missing one is fine: made when needed)
+    except LaunchError as exc:
+        name = "--state-dir" if args.state_dir else "INSTRIDE_JOB_STATE_DIR"
+        raise ConfigError(name, str(states), str(exc)) from None
+    return states
 
 
 def cmd_job(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    _check_options(args, command)
+    states = _state_dir(args)
     if args.cleanup:
-        from pathlib import Path
-
         from ..launch.agent import cleanup_node
 
-        record = cleanup_node(states=Path(args.state_dir) if args.state_dir else None,
-                              job=args.only_job)
+        record = cleanup_node(states=states, job=args.only_job)
         if record is None:
             of = f" for job {args.only_job}" if args.only_job else ""
             print(f"instride job: no instride service recorded on this node{of}")
@@ -23,9 +74,6 @@ def cmd_job(args: argparse.Namespace) -> int:
         return 0
     from ..launch import services
 
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
     svc = services(args.launcher, hostfile=args.hostfile, dir_pattern=args.dir, port=args.port,
                    iface=args.iface, ready_timeout=args.ready_timeout, state_dir=args.state_dir,
                    mpiexec=args.mpiexec)

@@ -151,6 +151,15 @@ def _alive(pid: int, start: int | None) -> bool:
     return now is not None and (start is None or now == start)
 
 
+def _check_base_dir(path: Path) -> None:
+    """Refuse a ``base_dir`` that is, or lies under, something other than a directory, before
+    anything is made (it used to fail half-way with a bare "Not a directory")."""
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+    if not existing.is_dir():
+        what = "is" if existing == path else f"lies under {existing}, which is"
+        raise ConfigError("base_dir", str(path), f"it {what} not a directory")
+
+
 def _tail(path: Path, lines: int = 20) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -417,10 +426,14 @@ class EmulatedCluster(TornDownOnSigterm):
         ClusterError
             Not root, ``ip`` or ``redis-server`` missing, the name is taken, or Redis or a
             data server did not start (the message holds the tail of its log).
+        ConfigError
+            ``base_dir`` is, or lies under, something other than a directory.
         """
         nn.require_ip()
         if self.with_redis:
             _require_redis()
+        if self._base_dir_arg is not None:
+            _check_base_dir(self._base_dir_arg)
         leftovers = [ns for ns in nn.list_netns() if ns.startswith(self.prefix)]
         if leftovers and not self.state_path.exists():
             raise ClusterError(

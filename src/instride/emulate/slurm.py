@@ -204,12 +204,15 @@ class EmulatedSlurm(TornDownOnSigterm):
             k = (start + step) % 250 + 1
             if f"isl{k}h" in existing:
                 continue
-            self.k = k
-            try:
-                nn.add_netns(self.hub)
-            except ClusterError:
-                continue  # taken between the listing and now
-            self._namespaces.append(self.hub)
+            # The claim (`ip netns add`, exclusive) and its record as one step: a signal
+            # between them left a namespace down() never deleted. Only the claim may fail
+            # because another instance took k: a namespace made is ours (recorded) from then.
+            with signals_held():
+                if nn.ip("netns", "add", f"isl{k}h", check=False).returncode != 0:
+                    continue  # taken between the listing and now
+                self.k = k
+                self._namespaces.append(self.hub)
+            nn.ip("-n", self.hub, "link", "set", "lo", "up")
             nn.add_bridge(self.hub, "br0", f"{self.hub_ip}/24")
             break
         else:
@@ -217,8 +220,10 @@ class EmulatedSlurm(TornDownOnSigterm):
         self.nodes = [SlurmNode(i, f"node{i}", f"isl{self.k}n{i}", f"10.77.{self.k}.{10 + i}")
                       for i in range(1, self.n_nodes + 1)]
         for node in self.nodes:
-            nn.add_netns(node.netns)
+            # (recorded before it is made: an interrupt meanwhile leaves a name down() deletes;
+            # deleting one that was never made does nothing. Ours: k is claimed.)
             self._namespaces.append(node.netns)
+            nn.add_netns(node.netns)
             nn.add_veth(self.hub, f"v{node.index}", "br0", node.netns, "eth0", f"{node.ip}/24")
 
     def _make_dirs(self) -> None:
@@ -234,12 +239,15 @@ class EmulatedSlurm(TornDownOnSigterm):
 
     def _spawn(self, role: str, argv: Sequence[str]) -> subprocess.Popen[bytes]:
         log = open(self.base_dir / "log" / f"{role}.out", "ab")  # noqa: SIM115 - child owns it
+        # (a Ctrl-C while Popen waits for the exec left the child running, never recorded:
+        # munged runs in the host's namespace, where no kill_all of down() finds it)
         try:
-            proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                    env=self.env, start_new_session=True)
+            with signals_held():
+                proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=log,
+                                        stderr=log, env=self.env, start_new_session=True)
+                self._procs[role] = proc
         finally:
             log.close()
-        self._procs[role] = proc
         return proc
 
     def _start_munge(self, progs: dict[str, str]) -> None:

@@ -5,9 +5,9 @@
   would have: without it, the process would die at once and leave its namespaces and daemons
   behind. Only where nobody else handles SIGTERM, and only in the main thread (where Python
   runs handlers).
-* :func:`signals_held`: SIGTERM and SIGINT held back while a teardown runs (a second signal,
-  or one raised as an exception by the ``instride`` command, would otherwise interrupt it
-  half-way); the first one delivered again once it is done.
+* :func:`signals_held`: SIGTERM, SIGINT and SIGHUP held back while a teardown runs (a second
+  signal, or one raised as an exception by the ``instride`` command, would otherwise interrupt
+  it half-way); the first one delivered again once it is done.
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ _PENDING: list[int] = []
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """Hold SIGTERM and SIGINT back in the block: taken in by a handler that notes them (not
-    masked: a mask is the calling thread's only, and the programs started meanwhile would
-    inherit it); the first one that came goes, after the block, to the handler the program
-    had. Only in the main thread (where Python runs handlers)."""
+    """Hold SIGTERM, SIGINT and SIGHUP back in the block: taken in by a handler that notes
+    them (not masked: a mask is the calling thread's only, and the programs started meanwhile
+    would inherit it); the first one that came goes, after the block, to the handler the
+    program had. Only in the main thread (where Python runs handlers). A signal the program
+    ignores stays ignored (SIGHUP under ``nohup``: the programs started inherit that)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -46,7 +47,10 @@ def signals_held() -> Iterator[None]:
     def note(signum: int, frame: Any) -> None:
         came.append(signum)
 
-    previous = {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGINT)}
+    # (SIGHUP too: the `instride` command raises it as an exception, as it does SIGTERM)
+    previous = {s: signal.signal(s, note)
+                for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+                if signal.getsignal(s) != signal.SIG_IGN}
     try:
         yield
     finally:
