@@ -58,6 +58,7 @@ def test_slurm_docs_example_runs_as_written(
     assert f"analytics 0 on {nodes[1]}: 2 frames" in text
     rows = (tmp_path / "results" / "replica0" / "analytics.csv").read_text().splitlines()
     assert len(rows) == 3  # header + one row per frame
+    assert "rmsd" in rows[0] and "H1" in rows[0], rows[0]  # (the eigenvalues the text promises)
     assert settle(slurm) == {}
     assert tree(scratch) == []
     assert tree(states) == []

@@ -11,7 +11,7 @@ then runs CMD with the job's settings. ``mpiexec`` forwards the environment of C
 including this host's ``INSTRIDE_DIR``/``INSTRIDE_ADDR``: prefix the ranks' command with
 ``$INSTRIDE_NODE_ENV`` (a script that sets the variables of the node the rank runs on)::
 
-    instride job --hostfile hosts -- mpiexec -f hosts -n 8 "$INSTRIDE_NODE_ENV" python analysis.py
+    instride job --hostfile hosts -- sh -c 'mpiexec -f hosts -n 8 "$INSTRIDE_NODE_ENV" python analysis.py'
 
 The host file is MPICH's (``host`` or ``host:slots`` per line) or Open MPI's (``host slots=N``);
 ``#`` starts a comment. Its hosts are names or addresses; the first is where Redis runs.
