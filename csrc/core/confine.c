@@ -41,6 +41,35 @@ static int ins_openat2(int dirfd, const char *path, int flags, mode_t mode)
     return (int)fd;
 }
 
+static atomic_int ins_root_ok; /* the managed directory passed ins_root_safe once */
+
+/* Whether the managed directory is safe to use (as instride/store/dirs.py's
+ * ensure_private_dir has it): this user's own, and writable by no one else unless sticky
+ * (/dev/shm). Another user who made it first (its default name is predictable) could
+ * put files under its keys' names, read what is written there, or take keys away.
+ * Checked until it passes once per process; a directory not there yet passes (it is made
+ * 0700 when needed, ins_mkdir_p). 0, or -1 with EINVAL (a refused setting) and a message. */
+static int ins_root_safe(void)
+{
+    if (atomic_load_explicit(&ins_root_ok, memory_order_acquire))
+        return 0;
+    size_t len;
+    const char *root = ins_root(&len);
+    struct stat st;
+    if (stat(root, &st) != 0 || !S_ISDIR(st.st_mode))
+        return 0; /* (not there yet; or not a directory: the open says ENOTDIR) */
+    if (st.st_uid != getuid())
+        return ins_fail(EINVAL, "the managed directory %.300s belongs to uid %u, not %u "
+                        "(refused: its owner could plant or take keys; set INSTRIDE_DIR)",
+                        root, (unsigned)st.st_uid, (unsigned)getuid());
+    if ((st.st_mode & 022) && !(st.st_mode & S_ISVTX))
+        return ins_fail(EINVAL, "the managed directory %.300s is writable by %s (refused: "
+                        "others could plant or take keys; chmod go-w it)", root,
+                        (st.st_mode & 02) ? "every user" : "its group");
+    atomic_store_explicit(&ins_root_ok, 1, memory_order_release);
+    return 0;
+}
+
 /* Open the directory abs[0, len) (under the root) by an O_NOFOLLOW walk from the
  * root, creating missing components when create. */
 static int ins_walk_dir(const char *abs, size_t len, int create)
@@ -101,6 +130,8 @@ static int ins_walk_dir(const char *abs, size_t len, int create)
 
 int ins_parent_fd(const struct ins_path *p, int create)
 {
+    if (ins_root_safe() != 0)
+        return -1;
     const char *slash = strrchr(p->abs, '/');
     size_t len = (size_t)(slash - p->abs);
     char dir[PATH_MAX];
@@ -154,6 +185,8 @@ int ins_open_read_confined(const struct ins_path *p, int flags, mode_t mode, int
     if (p->refuse)
         return ins_fail(p->refuse, "key %.300s: its path goes back (..) through a symbolic "
                         "link inside the managed directory (refused)", ins_key(p));
+    if (ins_root_safe() != 0)
+        return -1;
     /* O_NONBLOCK: a FIFO must not block the open before it can be refused. */
     int extra = (flags & O_NONBLOCK) ? 0 : O_NONBLOCK;
     int fd = ins_openat2(AT_FDCWD, p->abs, flags | extra, mode);

@@ -80,9 +80,20 @@ uint64_t ins_random64(void)
     return x;
 }
 
+/* The mode of a directory made at path: the managed directory itself is private (0700,
+ * as instride/store/dirs.py makes it), the others the usual 0777 less the umask. */
+static mode_t ins_dir_mode(const char *path)
+{
+    size_t len;
+    const char *root = ins_root(&len);
+    if (strcmp(path, root) == 0 || (ins_cfg.dir_len > 0 && strcmp(path, ins_cfg.dir) == 0))
+        return 0700;
+    return 0777;
+}
+
 int ins_mkdir_p(char *buf)
 {
-    if (mkdir(buf, 0777) == 0 || errno == EEXIST)
+    if (mkdir(buf, ins_dir_mode(buf)) == 0 || errno == EEXIST)
         return 0;
     if (errno != ENOENT)
         return -1;
@@ -90,12 +101,12 @@ int ins_mkdir_p(char *buf)
         if (*s != '/')
             continue;
         *s = '\0';
-        int rc = mkdir(buf, 0777);
+        int rc = mkdir(buf, ins_dir_mode(buf));
         *s = '/';
         if (rc != 0 && errno != EEXIST)
             return -1;
     }
-    if (mkdir(buf, 0777) != 0 && errno != EEXIST)
+    if (mkdir(buf, ins_dir_mode(buf)) != 0 && errno != EEXIST)
         return -1;
     return 0;
 }

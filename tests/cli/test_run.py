@@ -158,3 +158,19 @@ def test_run_gromacs_writes_keys_without_waiting_for_them(managed_dir: Path, tmp
     echo = ["--", "sh", "-c", "echo $GMX_MAXBACKUP"]
     assert _instride("run", *echo, env=env).stdout == "-1\n"
     assert _instride("run", *echo, env=dict(env, GMX_MAXBACKUP="5")).stdout == "5\n"
+
+
+def test_run_refuses_a_managed_directory_others_may_write(tmp_path: Path) -> None:
+    """``instride run --dir D`` made D with the usual 0777 less the umask (readable by every
+    user) and used one another user could write (plant or take keys); the Python client
+    refuses such a directory. It is made 0700 now, and one others may write is a bad
+    setting (exit status 2) before the command runs."""
+    fresh = tmp_path / "fresh"
+    assert _instride("run", "--dir", str(fresh), "--", "true").returncode == 0
+    assert fresh.stat().st_mode & 0o777 == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    proc = _instride("run", "--dir", str(shared), "--", "touch", str(tmp_path / "ran"))
+    assert proc.returncode == 2 and "writable by every user" in proc.stderr, proc.stderr
+    assert not (tmp_path / "ran").exists()

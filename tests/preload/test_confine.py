@@ -276,3 +276,31 @@ def test_a_bounded_streams_frame_opened_by_path_is_held(
         os.close(rewriting)
     assert proc.returncode != 0 and b"FileNotFoundError" in proc.stderr, proc.stderr
     client.close()
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775])
+def test_a_managed_directory_others_may_write_is_refused(shim: Shim, mode: int) -> None:
+    """The Python client refuses a managed directory its group or every user may write (they
+    could plant or take keys: its default name is predictable); the preload library used it
+    anyway, and a ``cat`` read the file another user had planted. Refused now with EINVAL (a
+    refused setting), naming the directory."""
+    planted = shim.dir / "planted"
+    planted.write_text("not yours\n")
+    os.chmod(shim.dir, mode)
+    try:
+        proc = shim.with_env(INSTRIDE_DEBUG="1").run(["cat", planted])
+    finally:
+        os.chmod(shim.dir, 0o700)
+    assert proc.returncode != 0 and b"not yours" not in proc.stdout
+    assert os.strerror(errno.EINVAL).encode() in proc.stderr, proc.stderr
+    assert b"writable by" in proc.stderr and str(shim.dir).encode() in proc.stderr
+
+
+def test_a_managed_directory_the_library_makes_is_private(shim: Shim) -> None:
+    """The managed directory, made by the preload library (a first write), was 0777 less
+    the umask — readable by every user (the Python client makes it 0700)."""
+    root = shim.outside / "fresh"
+    proc = shim.with_env(INSTRIDE_DIR=str(root)).run(["cp", "/etc/hostname", root / "a" / "k"])
+    assert proc.returncode == 0, proc.stderr
+    assert (root / "a" / "k").exists()
+    assert root.stat().st_mode & 0o777 == 0o700

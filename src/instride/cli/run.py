@@ -23,6 +23,7 @@ def cmd_preload_path(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from ..config import Settings
+    from ..store import ensure_private_dir
     from ..errors import ConfigError
     from ..interception.preload import preload_env
 
@@ -47,11 +48,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     env.setdefault("GMX_MAXBACKUP", "-1")
     settings = Settings.from_env(env)  # validates the settings before the program starts
     env["INSTRIDE_DIR"] = str(settings.dir)
-    try:
-        settings.dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:  # (/proc/x, a file on the way, no permission: a bad setting)
+    try:  # (made 0700, and refused where another user could plant or take keys: a link,
+        # another user's directory, one its group or every user may write; as any client's)
+        ensure_private_dir(settings.dir)
+    except ConfigError as exc:  # (/proc/x, a file on the way, no permission: a bad setting)
         raise ConfigError("--dir" if args.dir else "INSTRIDE_DIR", str(settings.dir),
-                          f"cannot create the managed directory: {exc.strerror}") from None
+                          f"the managed directory: {exc.args[0].partition(': ')[2]}") from None
     # A quoted '$INSTRIDE_DIR' reaches us unexpanded: fill in the managed directory, so the
     # command works in a shell where the variable is not set (or with --dir).
     argv = [a.replace("${INSTRIDE_DIR}", env["INSTRIDE_DIR"]).replace("$INSTRIDE_DIR", env["INSTRIDE_DIR"])
