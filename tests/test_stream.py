@@ -288,6 +288,21 @@ def test_a_timeout_that_no_wait_reaches_is_refused(client: instride.Client, bad:
     r.close()
 
 
+def test_an_archive_suffix_and_a_mode_are_checked_whatever_the_mode(
+        client: instride.Client, tmp_path: Path) -> None:
+    """A bad ``archive=`` suffix was refused by ``Stream(...)`` only with ``mode="w"``: with
+    the default mode (a producer once it appends) frames went unarchived until ``close()``
+    raised; an unknown ``mode`` was a bare ValueError (every error is an InstrideError). The
+    stream's errors are importable from ``instride``."""
+    with pytest.raises(instride.ConfigError, match="archive"):
+        instride.Stream("sfx", archive=tmp_path / "a.xyz", client=client)
+    with pytest.raises(instride.ArchiveError, match="does not exist"):
+        instride.Stream("sfx", archive=tmp_path / "no" / "a.h5", client=client)
+    with pytest.raises(instride.ConfigError, match="mode"):
+        instride.Stream("sfx", mode="x", client=client)
+    assert instride.FramesMissed is FramesMissed and issubclass(instride.StreamRerun, OSError)
+
+
 def test_an_unknown_layout_is_refused_at_once(client: instride.Client) -> None:
     """An unknown ``layout`` was a bare KeyError at the first append."""
     with pytest.raises(instride.ConfigError, match="layout"):

@@ -24,11 +24,16 @@ from typing import IO, Any
 from .client import Client, get_client
 from .config import Settings
 from .errors import (
+    ArchiveError,
     AuthenticationError,
     ConfigError,
     ConsumeTimeout,
     EndOfStream,
     FileTypeError,
+    FramesMissed,
+    GroupBusy,
+    GroupLeaseLost,
+    GroupReset,
     InstrideError,
     IntegrityError,
     KeyExistsError,
@@ -37,6 +42,8 @@ from .errors import (
     MetadataUnavailable,
     PeerUnavailable,
     PublicationUnsettled,
+    StreamFull,
+    StreamRerun,
     TransferError,
     UnsafePathError,
     UnsupportedModeError,
@@ -203,6 +210,7 @@ def intercept() -> Any:
 
 
 __all__ = [
+    "ArchiveError",
     "AuthenticationError",
     "Client",
     "ConfigError",
@@ -211,6 +219,10 @@ __all__ = [
     "FileTypeError",
     "Frame",
     "FrameHeader",
+    "FramesMissed",
+    "GroupBusy",
+    "GroupLeaseLost",
+    "GroupReset",
     "InstrideError",
     "IntegrityError",
     "KeyExistsError",
@@ -221,6 +233,8 @@ __all__ = [
     "PeerUnavailable",
     "Settings",
     "Stream",
+    "StreamFull",
+    "StreamRerun",
     "TransferError",
     "UnsafePathError",
     "UnsupportedModeError",

@@ -375,7 +375,7 @@ class Stream:
             raise ConfigError("spin", spin, 'must be a finite number of seconds >= 0, or "auto"')
         self.name = self.client.key(name)
         if mode not in (None, "r", "w"):
-            raise ValueError(f"mode must be 'r', 'w' or None, got {mode!r}")
+            raise ConfigError("mode", mode, "expected 'r', 'w' or None")
         if on_gap not in _GAP_POLICIES:
             raise ConfigError("on_gap", on_gap, f"expected one of {', '.join(_GAP_POLICIES)}")
         self.policy = Policy(
@@ -383,7 +383,7 @@ class Stream:
             archive=None if archive is None else os.path.abspath(archive),
         )
         self.register_groups = tuple(check_group(g) for g in groups)
-        if archive is not None and mode == "w":
+        if archive is not None and mode != "r":  # (None: a producer once it appends)
             from .archive.base import check_format
 
             # (at once: known only once the archiver ran, a wrong suffix was told at close(),

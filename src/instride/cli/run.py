@@ -23,9 +23,9 @@ def cmd_preload_path(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from ..config import Settings
-    from ..store import ensure_private_dir
     from ..errors import ConfigError
     from ..interception.preload import preload_env
+    from ..store import ensure_private_dir
 
     argv = list(args.cmd)
     if argv and argv[0] == "--":
