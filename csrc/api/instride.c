@@ -15,6 +15,7 @@
 struct instride_writer {
     int fd;
     int noreplace;
+    pid_t owner; /* the process that created it: the only one that publishes or removes it */
     char tmp[PATH_MAX];
     struct ins_path key;
 };
@@ -44,7 +45,12 @@ static int ins_api_key(const char *path, struct ins_path *p)
         return 0;
     case INS_RESERVED:
         return ins_fail(EINVAL, "%.300s is one of instride's own names, not a key", path);
+    case INS_TOOLONG:
+        return ins_fail(ENAMETOOLONG, "%.300s: the key's path under the managed directory %.300s "
+                        "is too long (PATH_MAX)", path, ins_cfg.dir);
     default:
+        if (strlen(path) >= PATH_MAX) /* (whatever it names: the kernel refuses it too) */
+            return ins_fail(ENAMETOOLONG, "path too long (PATH_MAX): %.300s...", path);
         return ins_fail(EINVAL, "%.300s is not a key: not a file path under the managed "
                         "directory %.300s", path, ins_cfg.dir);
     }
@@ -68,7 +74,10 @@ INS_API int instride_is_key(const char *path)
     struct ins_path p;
     int saved = errno;
     ins_config_load();
-    int r = path != NULL && ins_classify(AT_FDCWD, path, &p) == INS_MANAGED;
+    int kind = path != NULL ? ins_classify(AT_FDCWD, path, &p) : INS_UNMANAGED;
+    /* (a path under the managed directory too long to handle is a key all the same: its
+     * callers refuse it with ENAMETOOLONG rather than write it in place as a plain file) */
+    int r = kind == INS_MANAGED || kind == INS_TOOLONG;
     errno = saved;
     return r;
 }
@@ -118,6 +127,7 @@ INS_API int instride_create(const char *path, int flags, mode_t mode, instride_w
     if (w == NULL)
         return ins_api_result(ins_fail(ENOMEM, "out of memory"));
     w->fd = -1;
+    w->owner = getpid();
     w->noreplace = (flags & INSTRIDE_NOREPLACE) != 0;
     int oflags = O_WRONLY | O_CREAT | O_TRUNC | (w->noreplace ? O_EXCL : 0);
     if (ins_api_key(path, &w->key) != 0 ||
@@ -147,6 +157,13 @@ INS_API int instride_commit(instride_writer *w)
     ins_api_enter();
     if (w == NULL)
         return ins_api_result(ins_fail(EINVAL, "no writer given"));
+    if (w->owner != getpid()) { /* a forked child's copy: the parent still writes the key */
+        ins_fail(EPERM, "key %.300s was opened by process %ld: only it publishes the key (this "
+                 "process, %ld, only closes its copy)", ins_key(&w->key), (long)w->owner,
+                 (long)getpid());
+        ins_sys.close(w->fd);
+        goto cleanup;
+    }
     int synced = ins_maybe_fsync(w->fd), sync_errno = errno;
     int held = ins_hold_writing(w->fd); /* the writer's lock, until the rename */
     int closed = ins_sys.close(w->fd);
@@ -180,7 +197,8 @@ INS_API void instride_abort(instride_writer *w)
         return;
     int saved = errno;
     ins_sys.close(w->fd);
-    unlink(w->tmp);
+    if (w->owner == getpid()) /* (a forked child's copy: the parent's temp is left to it) */
+        unlink(w->tmp);
     free(w);
     errno = saved;
 }
@@ -192,15 +210,27 @@ INS_API int instride_publish(const char *src, const char *path, int flags)
     ins_api_enter();
     if (ins_api_key(path, &p) != 0)
         return ins_api_result(-1);
+    /* (refused settings and a ".." back through a link fail every publication, also the
+     * "nothing to do" one below) */
+    if (ins_cfg.timeout_bad)
+        return ins_api_result(ins_fail(EINVAL, "cannot publish %.300s: %s", ins_key(&p),
+                                       ins_cfg.bad_msg));
+    if (p.refuse)
+        return ins_api_result(ins_fail(p.refuse, "key %.300s: its path goes back (..) through a "
+                                       "symbolic link inside the managed directory (refused)",
+                                       ins_key(&p)));
     if (src == NULL || lstat(src, &st) != 0)
         return ins_api_result(ins_fail(src == NULL ? EINVAL : errno, "cannot publish %.300s: %s",
                                        src ? src : "(null)", strerror(src == NULL ? EINVAL : errno)));
     if (!S_ISREG(st.st_mode))
         return ins_api_result(ins_fail(EINVAL, "cannot publish %.300s: not a regular file", src));
+    /* The key looked at confined (no link followed): a key reached only through a link
+     * inside the managed directory is no "same file", and ins_publish_move refuses it. */
     struct stat kst;
-    if (lstat(p.abs, &kst) == 0 && kst.st_dev == st.st_dev && kst.st_ino == st.st_ino)
+    if (ins_lstat_key(&p, &kst, 0) == 0 && kst.st_dev == st.st_dev && kst.st_ino == st.st_ino)
         return ins_api_result(0); /* (the key's own file, or a hard link of it: as rename(2)
                                      does under the preload library, nothing to do) */
+    ins_clear_message(); /* (a failed look above decides nothing: the move tells) */
     int noreplace = (flags & INSTRIDE_NOREPLACE) || !ins_cfg.overwrite;
     return ins_api_result(ins_publish_move(AT_FDCWD, src, &p, noreplace));
 }
@@ -217,7 +247,8 @@ INS_API const char *instride_strerror(int err)
     case EEXIST:
         return "the key is already published (keys are write-once)";
     case EPERM:
-        return "published keys are immutable: no append or in-place update";
+        return "published keys are immutable: no append or in-place update (or: a writer "
+               "is published only by the process that created it)";
     case EINVAL:
         return "not a key: outside the managed directory, an instride name, or not a regular file";
     case ELOOP:
@@ -230,6 +261,8 @@ INS_API const char *instride_strerror(int err)
         return "the instride node server shut down while waiting (cluster mode)";
     case ERANGE:
         return "the buffer for the path is too small";
+    case ENAMETOOLONG:
+        return "a name over NAME_MAX, or the key's path does not fit PATH_MAX";
     default:
         return strerror(err);
     }

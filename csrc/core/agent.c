@@ -6,6 +6,11 @@
  *     PUBLISH <key>\n                  ->  OK <path>\n | ERR <errno> <msg>\n
  *     OVERWRITE <key>\n                ->  OK <path>\n | ERR <errno> <msg>\n
  *
+ * CONSUME -1 means "no timeout was set": the server applies its own INSTRIDE_TIMEOUT. An
+ * explicit INSTRIDE_TIMEOUT=inf (or 1e9 s and more) is sent as INS_FOREVER_MS, the longest
+ * timeout the server accepts (src/instride/agent.py MAX_TIMEOUT_MS, ~31 years): forever,
+ * whatever the server's own setting.
+ *
  * PUBLISH records the key write-once (ERR 17 and the local file removed when
  * another node published it first); OVERWRITE (INSTRIDE_OVERWRITE=1) records a
  * new version replacing any earlier one.
@@ -20,6 +25,9 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+
+/* The longest CONSUME timeout the node server accepts (agent.py MAX_TIMEOUT_MS). */
+#define INS_FOREVER_MS 1000000000000LL
 
 /* Connect to the node server's socket, within deadline (ins_now() seconds; < 0: no bound):
  * a connect to a server that does not accept (stopped, hung: its backlog full) fails with
@@ -197,13 +205,21 @@ int ins_agent_publish(const char *key, int overwrite)
     return ins_agent_reply(key, reply, NULL);
 }
 
+/* The timeout a CONSUME carries: 0 or more ms; INS_FOREVER_MS for an explicit forever; -1 when
+ * none was set (the server's own). */
+static long long ins_consume_timeout_ms(void)
+{
+    if (ins_cfg.timeout >= 0) /* (below 1e9 s: at most 1e12 ms) */
+        return (long long)ceil(ins_cfg.timeout * 1000.0);
+    return ins_cfg.timeout_forever ? INS_FOREVER_MS : -1; /* (config.c tells which forever) */
+}
+
 int ins_agent_consume(const char *key, char open_path[PATH_MAX])
 {
     if (!ins_key_ok(key))
         return -1;
     char req[PATH_MAX + 64], reply[PATH_MAX + 128];
-    /* 0: the server does not wait either; -1: forever (the server's own default) */
-    long long tms = ins_cfg.timeout >= 0 ? (long long)ceil(ins_cfg.timeout * 1000.0) : -1;
+    long long tms = ins_consume_timeout_ms();
     snprintf(req, sizeof req, "CONSUME %lld %s\n", tms, key);
     if (ins_agent_request(req, reply, sizeof reply, ins_reply_wait_ms()) != 0)
         return -1;

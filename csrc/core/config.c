@@ -117,12 +117,15 @@ static void ins_parse_timeout(const char *raw, struct ins_config *c)
     size_t n;
     const char *t = ins_strip(raw, &n);
     c->timeout = -1.0;
+    c->timeout_forever = 0;
     if (n == 0)
         return;
     static const char *const forever[] = {"inf", "infinity", "forever", "none"};
     for (size_t i = 0; i < sizeof forever / sizeof forever[0]; i++)
-        if (strlen(forever[i]) == n && strncasecmp(t, forever[i], n) == 0)
+        if (strlen(forever[i]) == n && strncasecmp(t, forever[i], n) == 0) {
+            c->timeout_forever = 1;
             return;
+        }
     char *end = NULL;
     double v = ins_number_syntax(t, n) ? ins_strtod_c(t, &end) : -1.0;
     if (end != t + n || v != v || v < 0.0) { /* "-1", "nan", "soon", "1_0": refused */
@@ -132,6 +135,8 @@ static void ins_parse_timeout(const char *raw, struct ins_config *c)
     }
     if (v < 1e9) /* longer than ~31 years (and inf): forever */
         c->timeout = v;
+    else
+        c->timeout_forever = 1;
 }
 
 /* INSTRIDE_CONNECT_TIMEOUT: seconds above 0, at most 2147483 (Python's parse_seconds);

@@ -70,6 +70,7 @@ struct ins_config {
     size_t dir_real_len;
     char socket_path[PATH_MAX];
     double timeout;          /* seconds; 0: do not wait; < 0: wait forever     */
+    int timeout_forever;     /* forever said outright (inf, >= 1e9 s), not unset */
     double connect_timeout;  /* INSTRIDE_CONNECT_TIMEOUT: seconds, > 0 (5)      */
     int timeout_bad;         /* a setting refused (INSTRIDE_TIMEOUT negative or
                                 not a number, an on/off setting neither): every
@@ -93,6 +94,8 @@ INS_HIDDEN const char *ins_root(size_t *len);
 INS_HIDDEN int ins_normalize(char *path);
 /* Make path absolute (against dirfd or the cwd) into out[PATH_MAX]. */
 INS_HIDDEN int ins_absolute(int dirfd, const char *path, char *out);
+/* ins_absolute into out[cap] (-1 with ENAMETOOLONG when it does not fit). */
+INS_HIDDEN int ins_absolute_cap(int dirfd, const char *path, char *out, size_t cap);
 /* An absolute path with no "//", "/./" or "/../" is its own normal form. */
 INS_HIDDEN int ins_clean_abs(const char *p);
 /* Does p start with the directory dir (followed by '/' or the end)? */
@@ -111,11 +114,14 @@ struct ins_path {
     int refuse;         /* ELOOP: the path went back (..) through a symbolic link */
 };
 
-enum { INS_UNMANAGED = 0, INS_MANAGED = 1, INS_RESERVED = 2 };
+enum { INS_UNMANAGED = 0, INS_MANAGED = 1, INS_RESERVED = 2, INS_TOOLONG = 3 };
 
 /* Classify (dirfd, path). Returns INS_MANAGED and fills *out when the path is a
  * key under the managed directory; INS_RESERVED for instride's own names under
- * it; INS_UNMANAGED otherwise, including on any error. Never allocates. */
+ * it; INS_TOOLONG (*out not filled) for a path under it whose absolute form does
+ * not fit PATH_MAX (a relative path from a deep directory: the kernel may open
+ * it, instride cannot confine it; the C API refuses it with ENAMETOOLONG);
+ * INS_UNMANAGED otherwise, including on any error. Never allocates. */
 INS_HIDDEN int ins_classify(int dirfd, const char *path, struct ins_path *out);
 
 static inline const char *ins_key(const struct ins_path *p) { return p->abs + p->key_off; }

@@ -10,6 +10,23 @@
 
 static int ins_classify_errno(int dirfd, const char *path, struct ins_path *out);
 
+/* A path whose absolute form does not fit PATH_MAX (a relative one from a deep directory, that
+ * the kernel may well open): INS_TOOLONG when, lexically, it lies under the managed directory,
+ * so that it is refused (ENAMETOOLONG) and never taken for a plain file outside it. Out of
+ * line: the larger buffer is only on the stack on this rare path. */
+static __attribute__((noinline)) int ins_classify_long(int dirfd, const char *path)
+{
+    char abs[2 * PATH_MAX + 2];
+    size_t off;
+    if (strlen(path) >= PATH_MAX || ins_absolute_cap(dirfd, path, abs, sizeof abs) != 0 ||
+        ins_normalize(abs) != 0)
+        return INS_UNMANAGED; /* (a path the kernel refuses too, or no directory to join) */
+    if (!ins_under(abs, ins_cfg.dir, ins_cfg.dir_len, &off) &&
+        !ins_under(abs, ins_cfg.dir_real, ins_cfg.dir_real_len, &off))
+        return INS_UNMANAGED;
+    return INS_TOOLONG;
+}
+
 /* Whether the last component of path (of length len > 0) is "." or "..". */
 static int ins_ends_in_dot(const char *path, size_t len)
 {
@@ -47,7 +64,7 @@ static int ins_classify_errno(int dirfd, const char *path, struct ins_path *out)
         !ins_prefix(path, ins_cfg.dir_real, ins_cfg.dir_real_len) && ins_clean_abs(path))
         return INS_UNMANAGED;
     if (ins_absolute(dirfd, path, out->abs) != 0)
-        return INS_UNMANAGED;
+        return errno == ENAMETOOLONG ? ins_classify_long(dirfd, path) : INS_UNMANAGED;
     out->refuse = 0;
     int dotdot = strstr(out->abs, "/..") != NULL;
     if (dotdot && ins_dotdot_through_link(out->abs))
@@ -64,8 +81,8 @@ static int ins_classify_errno(int dirfd, const char *path, struct ins_path *out)
     size_t base = rlen == 1 ? 0 : rlen; /* the managed directory "/" */
     if (out->key_off != base + 1 || strncmp(out->abs, root, base) != 0) {
         size_t klen = strlen(out->abs + out->key_off);
-        if (base + 1 + klen >= PATH_MAX)
-            return INS_UNMANAGED;
+        if (base + 1 + klen >= PATH_MAX) /* (re-rooted under the real path: too long) */
+            return INS_TOOLONG;
         memmove(out->abs + base + 1, out->abs + out->key_off, klen + 1);
         memcpy(out->abs, root, base);
         out->abs[base] = '/';

@@ -41,29 +41,42 @@ int ins_normalize(char *p)
 
 int ins_absolute(int dirfd, const char *path, char *out)
 {
+    return ins_absolute_cap(dirfd, path, out, PATH_MAX);
+}
+
+int ins_absolute_cap(int dirfd, const char *path, char *out, size_t cap)
+{
     size_t len = strlen(path);
     if (path[0] == '/') {
-        if (len >= PATH_MAX)
+        if (len >= cap) {
+            errno = ENAMETOOLONG;
             return -1;
+        }
         memcpy(out, path, len + 1);
         return 0;
     }
     size_t base;
+    /* (the directory itself is at most PATH_MAX long, as the kernel names it) */
+    size_t dcap = cap < PATH_MAX ? cap : PATH_MAX;
     if (dirfd == AT_FDCWD) {
-        if (getcwd(out, PATH_MAX) == NULL)
+        if (getcwd(out, dcap) == NULL)
             return -1;
         base = strlen(out);
     } else {
         char link[32];
         snprintf(link, sizeof link, "/proc/self/fd/%d", dirfd);
-        ssize_t n = readlink(link, out, PATH_MAX - 1);
+        ssize_t n = readlink(link, out, dcap - 1);
         if (n <= 0)
             return -1;
         out[n] = '\0';
         base = (size_t)n;
     }
-    if (out[0] != '/' || base + 1 + len >= PATH_MAX)
+    if (out[0] != '/')
         return -1;
+    if (base + 1 + len >= cap) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
     out[base] = '/';
     memcpy(out + base + 1, path, len + 1);
     return 0;

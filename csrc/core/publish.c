@@ -36,6 +36,17 @@ int ins_temp_name(const struct ins_path *p, char tmp[PATH_MAX])
     return 0;
 }
 
+/* ins_lstat_key failed (not ENOENT): its own message when it gave one (a link, the key's
+ * directory), else one naming the key (ENAMETOOLONG: a name over NAME_MAX, EACCES, ...). The
+ * message was cleared before the look. */
+static int ins_fail_look(const struct ins_path *p)
+{
+    if (ins_last_message()[0] != '\0')
+        return -1;
+    int e = errno;
+    return ins_fail(e, "key %.300s: %s", ins_key(p), strerror(e));
+}
+
 enum ins_open_kind ins_open_kind(int flags)
 {
     int acc = flags & O_ACCMODE;
@@ -61,6 +72,7 @@ int ins_prepare_write(const struct ins_path *p, int flags, mode_t *mode, char tm
                         "link inside the managed directory (refused)", ins_key(p));
     /* The key's directory is made (confined: no symbolic link followed) and the key
      * itself looked at without following it. */
+    ins_clear_message();
     if (ins_lstat_key(p, &st, 1) == 0) {
         if (ins_check_type(p, &st) != 0)
             return -1;
@@ -79,7 +91,7 @@ int ins_prepare_write(const struct ins_path *p, int flags, mode_t *mode, char tm
             return ins_fail(ENOENT, "key %.300s does not exist (O_TRUNC without O_CREAT)",
                             ins_key(p));
     } else {
-        return -1;
+        return ins_fail_look(p);
     }
     return ins_temp_name(p, tmp);
 }
@@ -386,11 +398,12 @@ int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, i
     if (np->refuse)
         return ins_fail(np->refuse, "key %.300s: its path goes back (..) through a symbolic "
                         "link inside the managed directory (refused)", ins_key(np));
+    ins_clear_message();
     if (ins_lstat_key(np, &st, 1) == 0) { /* confined mkdir -p; the target itself */
         if (ins_check_type(np, &st) != 0)
             return -1;
     } else if (errno != ENOENT) {
-        return -1;
+        return ins_fail_look(np);
     }
     if (ins_cfg.fsync) {
         int fd = ins_sys.openat(olddirfd, old, O_RDONLY | O_CLOEXEC);

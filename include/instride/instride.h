@@ -11,7 +11,9 @@
  * INSTRIDE_TIMEOUT has the meaning of the `instride` command's --timeout: unset,
  * empty or inf waits forever; 0 does not wait (a key not yet published fails at once
  * with ETIMEDOUT); a negative value or not a number is refused (every consume fails
- * with EINVAL).
+ * with EINVAL). In cluster mode an unset (or blank) INSTRIDE_TIMEOUT leaves the
+ * timeout to the node server (its own INSTRIDE_TIMEOUT, forever when it has none);
+ * an explicit inf waits forever whatever the server's setting.
  *
  *     #include <instride/instride.h>
  *
@@ -46,6 +48,8 @@
  *                   instride-reserved name, a name ending in "/"), or the key is
  *                   not a regular file (a FIFO, socket or device)
  *     ELOOP         resolving the key would follow a symbolic link
+ *     ENAMETOOLONG  a name over NAME_MAX, or a key whose absolute path does not
+ *                   fit PATH_MAX (e.g. a relative path from a deep directory)
  *     EISDIR        the key names a directory
  *     ECONNREFUSED  cluster mode: no node server listens on INSTRIDE_SOCKET
  * - All functions are thread-safe.
@@ -69,7 +73,8 @@ extern "C" {
 struct instride_settings {
     const char *dir;         /* managed directory, absolute and normalized (INSTRIDE_DIR) */
     const char *socket_path; /* node server's Unix socket (INSTRIDE_SOCKET)              */
-    double timeout;          /* seconds a consume waits (INSTRIDE_TIMEOUT): -1 forever,   */
+    double timeout;          /* seconds a consume waits (INSTRIDE_TIMEOUT): -1 forever    */
+                             /* (cluster mode, unset: the node server's own timeout),    */
                              /* 0 do not wait (fail at once unless published)            */
     int fsync;               /* 1: fsync before publishing (INSTRIDE_FSYNC)                */
     int overwrite;           /* 1: publishing replaces a key (INSTRIDE_OVERWRITE)          */
@@ -80,7 +85,9 @@ struct instride_settings {
 /* Fill *out (its strings live as long as the process). Returns 0. */
 int instride_settings(struct instride_settings *out);
 
-/* 1 if path is a key (under the managed directory and not instride's own name), else 0. */
+/* 1 if path is a key (under the managed directory and not instride's own name), else 0.
+ * A path under the managed directory too long to handle is a key too (the functions
+ * below refuse it with ENAMETOOLONG): never write it as a plain file. */
 int instride_is_key(const char *path);
 
 /* ---- consume --------------------------------------------------------------- */
@@ -94,13 +101,18 @@ int instride_is_key(const char *path);
  * call. */
 int instride_consume(const char *path, char *open_path, size_t cap);
 
-/* instride_consume, then open the key read-only (O_CLOEXEC); *fd receives the fd. */
+/* instride_consume, then open the key read-only (O_CLOEXEC), confined; *fd receives
+ * the fd. A stream's frame (frame_<9 digits>.isf) is held while the fd is open: a
+ * bounded stream's producer does not recycle its file under the reader (a path from
+ * instride_consume, opened later, holds nothing). */
 int instride_open_read(const char *path, int *fd);
 
 /* ---- produce --------------------------------------------------------------- */
 
 /* A key being written: a hidden temporary file beside it
- * (.<name>.instride-<pid>-<hex>.tmp), published by instride_commit. */
+ * (.<name>.instride-<pid>-<hex>.tmp), published by instride_commit. Only the process
+ * that created it publishes or removes it: a forked child that inherits it gets EPERM
+ * from instride_commit, and its instride_abort only closes its copy of the fd. */
 typedef struct instride_writer instride_writer;
 
 /* instride_create flags. */
@@ -110,7 +122,8 @@ typedef struct instride_writer instride_writer;
  * parent directories are created) and return a writer in *out.
  * Errors: EEXIST (write-once: the key is published; with INSTRIDE_OVERWRITE=1 the
  * key is replaced on commit unless INSTRIDE_NOREPLACE), EINVAL, ELOOP, EISDIR,
- * ENAMETOOLONG, ENOMEM, or the errno of the underlying call. */
+ * ENAMETOOLONG (a name over NAME_MAX, a path over PATH_MAX), ENOMEM, or the errno
+ * of the underlying call. */
 int instride_create(const char *path, int flags, mode_t mode, instride_writer **out);
 
 /* The writer's fd (open for writing, O_CLOEXEC); owned by the writer. */
@@ -127,19 +140,23 @@ const char *instride_writer_key(const instride_writer *w);
  * registration with the node server. w is freed whatever the result; on failure
  * nothing is published and the temp file is removed.
  * Errors: EEXIST (published by someone else meanwhile), ECONNREFUSED/EIO
- * (cluster mode: the file stays published locally, see docs/preload.md), or the
+ * (cluster mode: the file stays published locally, see docs/preload.md), EPERM
+ * (w was created by another process, e.g. this is a forked child: the fd is closed
+ * and w freed, nothing is published and the temp file is left to its owner), or the
  * errno of close/link/rename. */
 int instride_commit(instride_writer *w);
 
-/* Close the writer's fd, remove its temp file and free w. Nothing is published. */
+/* Close the writer's fd, remove its temp file and free w. Nothing is published.
+ * In another process than w's creator (a forked child): close and free only. */
 void instride_abort(instride_writer *w);
 
 /* Publish an existing complete file src as the key at path by moving it there
  * (write-once link + unlink, or rename with INSTRIDE_OVERWRITE=1; across file
  * systems, a copy then removal of src), as rename(2) into the managed directory
- * does under the preload library. flags: 0 or INSTRIDE_NOREPLACE.
- * Errors: EEXIST, EINVAL (src is not a regular file, or path is not a key),
- * ELOOP, EISDIR, or the errno of the underlying call. */
+ * does under the preload library. flags: 0 or INSTRIDE_NOREPLACE. src already
+ * being the key's own file (looked at confined) is success, nothing to do.
+ * Errors: EEXIST, EINVAL (src is not a regular file, path is not a key, or a
+ * setting is refused), ELOOP, EISDIR, or the errno of the underlying call. */
 int instride_publish(const char *src, const char *path, int flags);
 
 /* ---- errors ---------------------------------------------------------------- */

@@ -11,16 +11,28 @@
 //
 // Build: c++ -std=c++17 prog.cpp $(instride preload-path --cflags --libs)
 //
-// * A path under the managed directory (INSTRIDE_DIR) is a key (instride_is_key).
+// * A path under the managed directory (INSTRIDE_DIR) is a key (instride_is_key),
+//   also one too long to handle (refused: ENAMETOOLONG, never written as a plain file).
 //   Any other path behaves exactly like std::*fstream.
 // * ofstream writes to a hidden temp file next to the key (instride_create) and
 //   close() publishes it (instride_commit): write-once (EEXIST if the key exists)
-//   unless INSTRIDE_OVERWRITE=1. The destructor closes (and publishes).
+//   unless INSTRIDE_OVERWRITE=1. An explicit close() or a normal scope exit
+//   publishes; a destructor run by an exception unwinding through the stream's
+//   scope aborts (the temp is removed, nothing is published: the retry is free).
+//   In a forked child the stream is the parent's: its close() or destructor
+//   publishes nothing (EPERM) and leaves the parent's temp alone (flush before
+//   fork(), as with any stdio stream: what is still buffered is written twice).
 //   Appending (std::ios::app) or updating (in without trunc) a key: EPERM.
-// * ifstream waits for the key up to INSTRIDE_TIMEOUT seconds (instride_consume),
-//   then opens it; in cluster mode the node server makes it local first.
+// * ifstream waits for the key up to INSTRIDE_TIMEOUT seconds and opens it
+//   (instride_open_read: confined, no symbolic link followed); in cluster mode the
+//   node server makes it local first. While open it holds the file as the C API
+//   does: a stream's frame (frame_<9 digits>.isf) is not recycled by a bounded
+//   stream's producer under it. The stream reads the key through
+//   /proc/self/fd/<fd> (the same open file, no second path lookup).
 //   INSTRIDE_TIMEOUT unset, empty or inf: forever; 0: do not wait (a key not yet
 //   published fails at once with ETIMEDOUT); negative: refused (EINVAL).
+// * open() on a stream that is open fails (failbit, error() EBUSY), as std:: does,
+//   leaving the open key alone.
 // * Failures set failbit (which throws if you enabled exceptions()); error() returns
 //   the errno (ETIMEDOUT, EEXIST, EPERM, ELOOP, EINVAL, ECONNREFUSED, ...; the list is
 //   in docs/preload.md) and message() instride's message naming the key.
@@ -36,8 +48,10 @@
 #include <climits>
 #include <cstring>
 #include <fstream>
+#include <exception>
 #include <memory>
 #include <string>
+#include <unistd.h>
 
 namespace instride {
 namespace detail {
@@ -72,6 +86,12 @@ class status {
         err_ = errno ? errno : EIO;
         msg_ = std::string(what) + ": " + std::strerror(err_);
     }
+    // open() on a stream that is open: refused as std:: refuses it, the open file untouched.
+    void set_status_busy()
+    {
+        err_ = EBUSY;
+        msg_ = "instride: the stream is already open (close it first)";
+    }
 
   private:
     int err_ = 0;
@@ -88,11 +108,27 @@ class ifstream : public std::ifstream, public detail::status {
     {
         open(path, mode);
     }
+    ifstream(const ifstream &) = delete; // (owns fd_; no implicit move either)
+    ifstream &operator=(const ifstream &) = delete;
+    ~ifstream() override
+    {
+        try {
+            if (is_open())
+                std::ifstream::close();
+        } catch (...) { // exceptions() may make close() throw; never from a destructor
+        }
+        release();
+    }
 
-    /// Wait for the key (bounded by INSTRIDE_TIMEOUT; 0: no wait), then open it. On failure
-    /// failbit is set and error()/message() tell why.
+    /// Wait for the key (bounded by INSTRIDE_TIMEOUT; 0: no wait), then open it and hold it
+    /// until close(). On failure failbit is set and error()/message() tell why.
     void open(const std::string &path, std::ios_base::openmode mode = std::ios_base::in)
     {
+        if (is_open() || fd_ >= 0) {
+            set_status_busy();
+            setstate(std::ios_base::failbit);
+            return;
+        }
         clear_status();
         std::string target = path;
         if (instride_is_key(path.c_str())) {
@@ -102,19 +138,51 @@ class ifstream : public std::ifstream, public detail::status {
                 setstate(std::ios_base::failbit);
                 return;
             }
-            char where[PATH_MAX];
-            if (int e = instride_consume(path.c_str(), where, sizeof where)) {
+            // The C API opens the key confined and, for a stream's frame, holds it (a shared
+            // flock that lives as long as this fd): kept until close(). The stream reads the
+            // same open file through /proc, never the key's path again.
+            int fd = -1;
+            if (int e = instride_open_read(path.c_str(), &fd)) {
                 set_status(e);
                 setstate(std::ios_base::failbit);
                 return;
             }
-            target = where;
+            fd_ = fd;
+            target = "/proc/self/fd/" + std::to_string(fd);
         }
         errno = 0;
         std::ifstream::open(target, mode);
-        if (!is_open())
-            set_status_errno(target.c_str());
+        if (!is_open()) {
+            set_status_errno(fd_ >= 0 ? (path + " (through " + target + ")").c_str()
+                                      : target.c_str());
+            release();
+        }
     }
+
+    /// Close, and let go of the key (a stream's frame may then be recycled).
+    void close()
+    {
+        try {
+            std::ifstream::close();
+        } catch (...) { // (exceptions() enabled: the key is let go of all the same)
+            release();
+            throw;
+        }
+        release();
+    }
+
+  private:
+    void release() noexcept
+    {
+        if (fd_ >= 0) {
+            int saved = errno;
+            ::close(fd_);
+            errno = saved;
+            fd_ = -1;
+        }
+    }
+
+    int fd_ = -1; // the key's fd from instride_open_read, held while open (-1: none)
 };
 
 /// std::ofstream that writes a key under a temp name and publishes it on close().
@@ -127,19 +195,32 @@ class ofstream : public std::ofstream, public detail::status {
     }
     ofstream(const ofstream &) = delete;
     ofstream &operator=(const ofstream &) = delete;
+    /// Publishes (as close()) on a normal scope exit; while an exception that was not in
+    /// flight at open() unwinds through the scope, aborts: nothing partial is published.
     ~ofstream() override
     {
         try {
-            if (is_open() || writer_)
+            if (writer_ && std::uncaught_exceptions() > exceptions_at_open_) {
+                std::ofstream::close(); // (its last bytes go to the temp file, then removed)
+                writer_.reset();        // aborts: the temp file is removed
+            } else if (is_open() || writer_) {
                 close();
+            }
         } catch (...) { // exceptions() may make close() throw; never from a destructor
         }
     }
 
     /// Open a key for writing (a fresh temp file next to it), or any other path.
+    /// On a stream that is open: failbit (error() EBUSY), the open key left alone.
     void open(const std::string &path, std::ios_base::openmode mode = std::ios_base::out)
     {
+        if (is_open() || writer_) {
+            set_status_busy();
+            setstate(std::ios_base::failbit);
+            return;
+        }
         clear_status();
+        exceptions_at_open_ = std::uncaught_exceptions();
         if (!instride_is_key(path.c_str())) {
             errno = 0;
             std::ofstream::open(path, mode);
@@ -195,6 +276,8 @@ class ofstream : public std::ofstream, public detail::status {
 
   private:
     detail::writer_ptr writer_;
+    int exceptions_at_open_ = 0; // std::uncaught_exceptions() at open(): more at destruction
+                                 // means an exception unwinds through the stream's scope
 };
 
 } // namespace instride

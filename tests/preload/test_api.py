@@ -102,3 +102,37 @@ def test_library_can_be_dlopened(shim: Shim) -> None:
     dynamic = subprocess.run(["readelf", "-d", str(c_library_path())], capture_output=True,
                              text=True, check=True).stdout
     assert "STATIC_TLS" not in dynamic  # initial-exec TLS could fail to dlopen late
+
+
+def run_guard(shim: Shim, build: Builder, name: str, **extra: str) -> None:
+    """One scenario of api_guards.c (it checks itself and prints PASS)."""
+    proc = subprocess.run([str(build("api_guards.c", api=True)), name, str(shim.dir),
+                           str(shim.outside)], env=plain(shim, **extra), capture_output=True,
+                          timeout=30)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout.decode().strip() == f"PASS {name}"
+
+
+def test_forked_child_neither_publishes_nor_removes(shim: Shim, build: Builder) -> None:
+    """In a forked child, commit of an inherited writer is EPERM and abort leaves the temp:
+    only the process that created a writer publishes or removes it."""
+    run_guard(shim, build, "fork")
+    assert shim.temps() == []
+
+
+def test_publish_onto_its_own_inode_is_still_confined(shim: Shim, build: Builder) -> None:
+    """instride_publish's "same file" shortcut looks at the key confined: reaching the source
+    through a symbolic link inside the managed directory is ELOOP, not success."""
+    run_guard(shim, build, "publish_same")
+    assert (shim.outside / "f").read_text() == "x"
+
+
+def test_publish_with_a_refused_setting_fails_even_onto_itself(shim: Shim,
+                                                               build: Builder) -> None:
+    (shim.dir / "k").write_text("k")
+    run_guard(shim, build, "publish_refused", INSTRIDE_TIMEOUT="-1")
+
+
+def test_create_of_a_name_too_long_has_a_message(shim: Shim, build: Builder) -> None:
+    run_guard(shim, build, "long_name")
+    assert list(shim.dir.iterdir()) == []

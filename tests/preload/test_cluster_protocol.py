@@ -400,3 +400,26 @@ def test_a_hung_node_server_does_not_hold_a_close_for_ever(shim: Shim, sockdir: 
         listener.close()
         for c in taken:
             c.close()
+
+
+@pytest.mark.parametrize("raw", ["inf", "forever", "2e9"])
+def test_explicit_forever_is_sent_as_the_servers_longest_timeout(
+        cluster: tuple[Shim, FakeNodeServer], raw: str) -> None:
+    """INSTRIDE_TIMEOUT=inf waits forever whatever the node server's own INSTRIDE_TIMEOUT: it is
+    sent as the longest timeout the server accepts (agent.MAX_TIMEOUT_MS), not as -1 ("unset:
+    the server's")."""
+    from instride.agent import MAX_TIMEOUT_MS
+
+    shim, server = cluster
+    (shim.dir / "here.txt").write_text("here")
+    out = shim.with_env(INSTRIDE_TIMEOUT=raw).run(["cat", shim.dir / "here.txt"], check=True)
+    assert out.stdout == b"here"
+    assert server.requests == [f"CONSUME {MAX_TIMEOUT_MS} here.txt"]
+
+
+def test_empty_timeout_is_unset(cluster: tuple[Shim, FakeNodeServer]) -> None:
+    shim, server = cluster
+    (shim.dir / "here.txt").write_text("here")
+    out = shim.with_env(INSTRIDE_TIMEOUT=" ").run(["cat", shim.dir / "here.txt"], check=True)
+    assert out.stdout == b"here"
+    assert server.requests == ["CONSUME -1 here.txt"]
