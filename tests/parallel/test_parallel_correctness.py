@@ -186,3 +186,75 @@ def test_an_atomgroup_argument_follows_the_frames(adk: AdkData) -> None:
     column = next(c for c in by_name.data if c.startswith("lambda"))
     np.testing.assert_allclose(by_group.data[column], by_name.data[column])
     assert len(np.unique(by_group.data[column])) > 1
+
+
+def test_an_atomgroup_kwarg_of_an_mdanalysis_class_follows_the_frames(adk: AdkData) -> None:
+    """An AtomGroup among an MDAnalysis class's ``kwargs`` (AtomicDistances' ``ag2``) is read
+    at each frame the rank loads, as serial MDAnalysis reads it (was: it stayed on the
+    caller's unpickled universe, frozen at one frame: distances off by up to ~10 Å, no
+    error); a reference structure of another universe stays where it is; an AtomGroup of
+    another trajectory is refused, pointing to ``factory=``."""
+    import warnings
+
+    import MDAnalysis as mda
+    from MDAnalysis.analysis.atomicdistances import AtomicDistances
+    from MDAnalysis.analysis.rms import RMSD
+    from MDAnalysisTests.datafiles import CRD
+
+    sel1, sel2 = "name CA and resid 1:20", "name CA and resid 101:120"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        u = mda.Universe(adk.psf, adk.dcd)
+        ref = mda.Universe(adk.psf, CRD)  # a one-frame structure: a reference
+    serial = AtomicDistances(u.select_atoms(sel1), u.select_atoms(sel2), pbc=False).run()
+    for workers in (1, 2):
+        ana = AnalysisBaseAdapter(AtomicDistances, select=sel1,
+                                  kwargs={"ag2": u.select_atoms(sel2), "pbc": False})
+        run = analyze(ana, adk.dcd, adk.psf, workers=workers)
+        assert run is not None
+        np.testing.assert_allclose(run.result_object.results.distances,
+                                   serial.results.distances, rtol=1e-6, atol=1e-5)
+
+    serial_rmsd = RMSD(u, reference=ref, select=ADK_CORE_CA).run().results.rmsd
+    run = analyze(AnalysisBaseAdapter(RMSD, kwargs={"reference": ref.atoms,
+                                                    "select": ADK_CORE_CA}),
+                  adk.dcd, adk.psf, workers=2)
+    assert run is not None
+    np.testing.assert_allclose(run.result_object.results.rmsd, serial_rmsd, rtol=0,
+                               atol=1e-5)
+    assert run.result_object.reference.universe is not run.result_object.atomgroup.universe
+
+    # (the caller's DCD universe, the run reading the H5MD export: which frames it should
+    # follow is not known)
+    with pytest.raises(UnsupportedInputError, match="factory="):
+        analyze(AnalysisBaseAdapter(AtomicDistances, select=sel1,
+                                    kwargs={"ag2": u.select_atoms(sel2), "pbc": False}),
+                adk.h5, adk.psf, workers=1)
+
+
+def test_a_text_result_per_frame_is_written_and_the_timing_kept(adk: AdkData,
+                                                                  tmp_path: Path) -> None:
+    """DSSP's per-frame ``results.dssp`` is text: it is written as text (was: the CSV
+    writer's ``float()`` raised ValueError after the whole run, and no timing file was
+    written); a CSV that cannot be written leaves the timing files written."""
+    import csv
+
+    run = analyze(AnalysisBaseAdapter("MDAnalysis.analysis.dssp:DSSP", select="protein"),
+                  adk.dcd, adk.psf, workers=2)
+    assert run is not None
+    paths = run.write(tmp_path / "out", plot=False)
+    with open(paths["csv"], newline="") as fh:
+        rows = list(csv.reader(fh))
+    header, first = rows[0], rows[1]
+    assert len(rows) == 1 + adk.n_frames and "dssp_0" in header and "resids" not in header
+    dssp = run.result_object.results.dssp
+    assert first[header.index("dssp_0"):header.index("dssp_0") + dssp.shape[1]] == \
+        [str(x) for x in dssp[0]]
+    assert {"json", "txt", "ranks_csv"} <= set(paths)
+
+    blocked = tmp_path / "blocked"
+    (blocked / "mda.csv").mkdir(parents=True)  # (a directory where the CSV should go)
+    with pytest.raises(IsADirectoryError):
+        run.write(blocked, plot=False)
+    assert sorted(p.name for p in blocked.iterdir()) == ["mda.csv", "timing.json",
+                                                         "timing.txt", "timing_ranks.csv"]

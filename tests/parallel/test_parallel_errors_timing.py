@@ -141,6 +141,7 @@ _CORE_ERRORS = [
     errors.PublicationUnsettled("redis://h:6379", "run/k.bin", "publish: timed out"),
     errors.EndOfStream("run", 98),
     errors.FramesMissed("run", 3, 5, 8),
+    errors.StreamRerun("run", 7),
     errors.StreamFull("run", 2.0, ["g1", "g2"]),
     errors.GroupBusy("run", "g1"),
     errors.GroupLeaseLost("run", "g1", 30.0),

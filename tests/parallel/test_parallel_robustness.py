@@ -17,6 +17,7 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
+from MDAnalysis.analysis.base import AnalysisBase
 
 from instride import ConsumeTimeout, Stream
 from instride.analytics.base import FrameAnalysis
@@ -541,3 +542,134 @@ def test_mpiexec_settings_that_name_no_program(monkeypatch: pytest.MonkeyPatch) 
         find_mpiexec()
     with pytest.raises(BackendError, match="--mpiexec"):
         find_mpiexec("/no/such/mpirun")
+
+
+# ------------------------------------------------------------------ blocks that cannot travel
+def test_mpi_block_that_cannot_be_sent_fails_every_rank_typed(tmp_path: Path) -> None:
+    """Rank 1's results hold a lambda (cannot be pickled), or an object rank 0 cannot
+    unpickle: every rank raises a RankFailedError, and the next run still works (was: rank 1
+    raised a raw AttributeError and left; rank 0 waited in the gather for ever)."""
+    import signal
+    import subprocess
+
+    from MDAnalysisTests.datafiles import DCD, PSF
+
+    cmd = [mpiexec(), "-n", "2", sys.executable, str(HERE / "mpi_unpicklable.py"), PSF, DCD,
+           str(tmp_path)]
+    # (its own process group: mpiexec and its ranks are killed together, by that id)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(), start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"mpiexec hung (killed)\nstdout: {out}\nstderr: {err}") from None
+    assert proc.returncode == 0, err
+    ranks = [json.loads((tmp_path / f"unpicklable{r}.json").read_text()) for r in range(2)]
+    for r, res in enumerate(ranks):
+        for case in ("pickle", "unpickle"):
+            assert res[case] is not None, (r, case)
+            kind, message = res[case]
+            assert kind == "RankFailedError", (r, case, res[case])
+            assert message.startswith("rank 1 failed:") and "pickl" in message, (r, case)
+    assert "lambda" in ranks[0]["pickle"][1] and "rebuilt here" in ranks[1]["unpickle"][1]
+    assert ranks[0]["after"] == 98 and ranks[1]["after"] is None
+
+
+class KeepsALambda(AnalysisBase):
+    """Results that cannot be pickled (a callback kept in them)."""
+
+    _analysis_algorithm_is_parallelizable = True
+
+    def __init__(self, ag: Any, **kw: Any) -> None:
+        super().__init__(ag.universe.trajectory, **kw)
+        self.ag = ag
+
+    def _prepare(self) -> None:
+        self.results.x = np.zeros(self.n_frames)
+        self.results.callback = lambda: None
+
+    def _single_frame(self) -> None:
+        self.results.x[self._frame_index] = self.ag.positions[0, 0]
+
+
+def test_multiprocessing_block_that_cannot_be_sent_is_typed(tmp_path: Path) -> None:
+    """A worker whose block cannot be pickled: RankFailedError naming it (was: a raw
+    AttributeError from the pool)."""
+    from MDAnalysisTests.datafiles import DCD, PSF
+
+    with pytest.raises(RankFailedError, match=r"rank \d failed: .*pickl.*lambda"):
+        analyze(AnalysisBaseAdapter(KeepsALambda, select="name CA"), DCD, PSF, workers=2)
+
+
+# ------------------------------------------------------------------ what an analysis sees
+class TimeProbe(FrameAnalysis):
+    """The current timestep's ``time`` and ``data["step"]`` (NaN without one)."""
+
+    columns = ("ts_time", "ts_step")
+
+    def __init__(self, universe: Any, **kwargs: Any) -> None:
+        super().__init__(universe.trajectory, **kwargs)
+        self._universe = universe
+
+    def compute(self) -> tuple[float, ...]:
+        ts = self._universe.trajectory.ts
+        return (float(ts.time), float(ts.data.get("step", float("nan"))))
+
+
+def test_time_and_step_of_each_frame_on_h5md_and_stream(managed_dir: Path, top: str,
+                                                        tmp_path: Path) -> None:
+    """An analysis reading ``ts.time`` / ``ts.data["step"]`` sees each frame's, on H5MD and
+    stream inputs as on MDAnalysis's (was: time 0.0 for every frame, no step)."""
+    _write_stream("timed", 6)
+    h5 = _h5md(tmp_path / "timed.h5", n=6)  # times 0, 100, ... fs; steps 0, 10, ...
+    for traj, times in (("instride://timed", 0.5 * np.arange(6)),
+                        (str(h5), 0.1 * np.arange(6))):
+        for workers in (1, 2):
+            result = analyze(FrameAnalysisAdapter(TimeProbe), traj, top, workers=workers,
+                             timeout=10)
+            assert result is not None
+            np.testing.assert_allclose(result.data["ts_time"], times, rtol=1e-12)
+            np.testing.assert_allclose(result.times, times, rtol=1e-12)
+            assert result.data["ts_step"].tolist() == [10.0 * i for i in range(6)], traj
+    with h5py.File(h5, "a") as f:  # H5MD 1.1's fixed interval: step = offset + i * step
+        del f["particles/trajectory/position/step"]
+        f["particles/trajectory/position/step"] = 5
+        f["particles/trajectory/position/step"].attrs["offset"] = 100
+    result = analyze(FrameAnalysisAdapter(TimeProbe), h5, top, workers=2)
+    assert result is not None
+    assert result.data["ts_step"].tolist() == [100.0 + 5 * i for i in range(6)]
+    with h5py.File(h5, "a") as f:
+        del f["particles/trajectory/position/step"]
+    result = analyze(FrameAnalysisAdapter(TimeProbe), h5, top, workers=2)
+    assert result is not None and np.isnan(result.data["ts_step"]).all()
+
+
+def test_mda_on_h5md_without_time_is_typed(top: str, tmp_path: Path) -> None:
+    """MDAnalysis's H5MD reader cannot read a file without ``position/time``: an
+    UnsupportedInputError (was: h5py's bare KeyError); instride's own reader takes it."""
+    h5 = _h5md(tmp_path / "notime.h5", time=None)
+    with pytest.raises(UnsupportedInputError, match="MDAnalysis cannot read it"):
+        analyze(AnalysisBaseAdapter("MDAnalysis.analysis.rms:RMSD", select="all"), h5, top)
+    result = analyze("rg", h5, top, select="all")
+    assert result is not None and len(result.frames) == 5
+
+
+def test_timing_png_is_not_written_through_a_planted_link(tmp_path: Path) -> None:
+    """The PNG's temporary file has a name nobody can guess, made exclusively (was:
+    ``.timing.png.<pid>.tmp``: a link planted there had its target overwritten, and the link
+    renamed into place as timing.png)."""
+    from instride.parallel.timing_plots import plot_ranks
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    planted = tmp_path / f".timing.png.{os.getpid()}.tmp"
+    planted.symlink_to(victim)
+    report = TimingReport("x", "stream", "serial", 2, [RankTiming(rank=0, stop=2)])
+    out = plot_ranks(report, tmp_path / "timing.png")
+    assert victim.read_bytes() == b"precious"
+    assert not out.is_symlink() and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert planted.is_symlink()  # (left alone)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [planted.name, "timing.png", "victim"])

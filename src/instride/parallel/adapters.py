@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -158,6 +159,57 @@ def _on_universe(value: Any, universe: Any, name: str, arg: str) -> Any:
         return {k: _on_universe(v, universe, name, arg) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return type(value)(_on_universe(v, universe, name, arg) for v in value)
+    return value
+
+
+def _trajectory_id(universe: Any) -> str | None:
+    """What names the trajectory ``universe`` reads: its file's real path, or its
+    ``instride://`` name; ``None`` for one read from memory."""
+    from ..analytics.reader import SCHEME, stream_name
+
+    name = getattr(universe.trajectory, "filename", None)
+    if not isinstance(name, str) or not name:
+        return None
+    if name.startswith(SCHEME):  # (instride://adk and instride:///adk/ are one stream)
+        try:
+            return SCHEME + stream_name(name)
+        except ValueError:
+            return None
+    return os.path.realpath(name)
+
+
+def _follow_frames(value: Any, universe: Any, name: str, arg: str) -> Any:
+    """``value`` (an AtomGroup, or a dict, list or tuple holding some) for an MDAnalysis
+    class's keyword argument on this rank's ``universe``.
+
+    An AtomGroup of a universe reading the same trajectory is taken again on ``universe`` (by
+    its atoms' indices), so that it follows the frames as in a serial run; one of a
+    single-frame universe (a reference structure, such as ``RMSD(reference=...)``) stays
+    where it is, as in a serial run.
+
+    Raises
+    ------
+    UnsupportedInputError
+        An AtomGroup of another trajectory: which frames it should follow is not known.
+    """
+    from MDAnalysis.core.groups import AtomGroup
+
+    if isinstance(value, AtomGroup):
+        own = value.universe
+        if own is universe or own.trajectory.n_frames == 1:
+            return value
+        mine = _trajectory_id(universe)
+        if mine is not None and _trajectory_id(own) == mine:
+            return _on_universe(value, universe, name, arg)
+        raise UnsupportedInputError(
+            name, f"{arg}: an AtomGroup of a universe reading another trajectory "
+                  f"({getattr(own.trajectory, 'filename', None)!r}, {own.trajectory.n_frames} "
+                  "frames) than the input: it would not follow the input's frames; build the "
+                  "object on the rank's universe with factory=")
+    if isinstance(value, dict):
+        return {k: _follow_frames(v, universe, name, arg) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_follow_frames(v, universe, name, arg) for v in value)
     return value
 
 
@@ -347,10 +399,21 @@ class AnalysisBaseAdapter(ParallelAnalysis):
     select
         Selection passed as the first argument (ignored when ``factory`` is given).
     kwargs
-        Keyword arguments of the class.
+        Keyword arguments of the class. An AtomGroup among them (in a dict, list or tuple
+        too) of a universe reading the input's trajectory is taken again, by its atoms'
+        indices, on the universe each rank loads its frames into; one of a single-frame
+        universe (a reference structure) is passed as it is.
     factory
         A picklable callable ``factory(universe) -> AnalysisBase`` for classes whose
-        constructor does not take an AtomGroup first.
+        constructor does not take an AtomGroup first, or that need AtomGroups of the
+        rank's universe that ``kwargs`` cannot give.
+
+    Raises
+    ------
+    UnsupportedInputError
+        The class is not parallelizable (or cannot be imported); in :meth:`setup`, an
+        AtomGroup in ``kwargs`` of a universe reading another multi-frame trajectory than
+        the input (its frames would not be the input's).
 
     Notes
     -----
@@ -387,7 +450,11 @@ class AnalysisBaseAdapter(ParallelAnalysis):
         if self.factory is not None:
             self._obj = self.factory(u)
         else:
-            self._obj = self.cls(source.select(self.select), **self.kwargs)
+            # (an AtomGroup among the kwargs was unpickled with a copy of the caller's
+            # universe: it would never see the rank's frames)
+            cls_name = getattr(self.cls, "__name__", "analysis")
+            kwargs = {k: _follow_frames(v, u, cls_name, k) for k, v in self.kwargs.items()}
+            self._obj = self.cls(source.select(self.select), **kwargs)
         self._obj._setup_frames(self._obj._trajectory)
 
     def run_block(
@@ -445,17 +512,25 @@ class AnalysisBaseAdapter(ParallelAnalysis):
                 "kwargs": self.kwargs, "factory": self.factory}
 
 
+#: dtype kinds :func:`per_frame_columns` keeps: booleans, integers, floats, text.
+CSV_KINDS = "biufUS"
+
+
 def per_frame_columns(results: Any, n_frames: int) -> dict[str, np.ndarray]:
-    """Columns for a CSV from an MDAnalysis ``Results``: every array with one row per frame.
+    """Columns for a CSV from an MDAnalysis ``Results``: every array of numbers, booleans or
+    text with one row per frame.
 
     A 1-D array becomes column ``name``; an ``(n_frames, k)`` array columns ``name_0`` ...
     ``name_{k-1}``, except :class:`MDAnalysis.analysis.rms.RMSD`'s ``(frame, time, rmsd)``
-    layout, whose last column becomes ``rmsd``.
+    layout, whose last column becomes ``rmsd``. Arrays of other types (objects, complex
+    numbers) and of more dimensions are left out.
     """
     out: dict[str, np.ndarray] = {}
     for key, value in dict(results).items():
         arr = np.asarray(value) if isinstance(value, np.ndarray) else None
         if arr is None or arr.ndim == 0 or arr.shape[0] != n_frames:
+            continue
+        if arr.dtype.kind not in CSV_KINDS:  # (a CSV cell holds a number or a text)
             continue
         if arr.ndim == 1:
             out[key] = arr

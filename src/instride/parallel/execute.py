@@ -100,25 +100,48 @@ class AnalysisRun:
     def to_csv(self, path: str | os.PathLike[str]) -> Path:
         """Write ``frame,time,<columns...>``, one row per frame.
 
-        The file is written under a temporary name and renamed into place (never partial).
+        Numbers are written as floats (``repr``), a column of text (DSSP's secondary
+        structure codes) as its text. The file is written under a temporary name and renamed
+        into place (never partial).
         """
         cols = list(self.data)
+        text = {c for c in cols if np.asarray(self.data[c]).dtype.kind in "US"}
+
+        def cell(c: str, i: int) -> str:
+            v = self.data[c][i]
+            if c in text:
+                return v.decode() if isinstance(v, bytes) else str(v)
+            return repr(float(v))
 
         def rows(fh: IO[str]) -> None:
             w = csv.writer(fh)
             w.writerow(["frame", "time", *cols])
             for i in range(len(self.frames)):
                 w.writerow([int(self.frames[i]), repr(float(self.times[i])),
-                            *(repr(float(self.data[c][i])) for c in cols)])
+                            *(cell(c, i) for c in cols)])
 
         return write_atomic(path, rows)
 
     def write(self, outdir: str | os.PathLike[str], plot: bool = True) -> dict[str, Path]:
-        """Write ``<analysis>.csv`` and the timing report (json, txt, csv, png) to ``outdir``."""
+        """Write ``<analysis>.csv`` and the timing report (json, txt, csv, png) to ``outdir``.
+
+        The CSV and the timing report are written independently: one that cannot be written
+        does not lose the other (the first error is raised once both were tried).
+        """
         out = Path(outdir)
         out.mkdir(parents=True, exist_ok=True)
-        paths = {"csv": self.to_csv(out / f"{self.analysis}.csv")}
-        paths.update(self.timing.write(out, plot=plot))
+        paths: dict[str, Path] = {}
+        failed: Exception | None = None
+        for part in ("csv", "timing"):
+            try:
+                if part == "csv":
+                    paths["csv"] = self.to_csv(out / f"{self.analysis}.csv")
+                else:
+                    paths.update(self.timing.write(out, plot=plot))
+            except Exception as exc:  # (an interruption is not held back)
+                failed = failed or exc
+        if failed is not None:
+            raise failed
         return paths
 
 
@@ -190,6 +213,37 @@ def _portable(exc: BaseException, rank: int) -> BaseException:
         except Exception:
             pass
     return RankFailedError(rank, f"{type(exc).__name__}: {exc}")
+
+
+def pack_block(block: Block, rank: int) -> bytes:
+    """``block`` pickled to be sent to rank 0.
+
+    Raises
+    ------
+    RankFailedError
+        It cannot be pickled (results holding a lambda, a callback, an open handle; a block
+        too large for memory).
+    """
+    try:
+        return pickle.dumps(block, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise RankFailedError(rank, f"its block of results cannot be pickled to be sent to "
+                                    f"rank 0: {type(exc).__name__}: {exc}") from None
+
+
+def unpack_block(payload: bytes, rank: int) -> Block:
+    """The block ``rank`` sent, unpickled.
+
+    Raises
+    ------
+    RankFailedError
+        It cannot be unpickled here.
+    """
+    try:
+        return pickle.loads(payload)
+    except Exception as exc:
+        raise RankFailedError(rank, f"its block of results cannot be unpickled on rank 0: "
+                                    f"{type(exc).__name__}: {exc}") from None
 
 
 def warm_imports() -> None:
@@ -275,11 +329,13 @@ def _serial_baseline(analysis: ParallelAnalysis, spec: SourceSpec, progress: boo
 def _mp_worker(
     analysis: ParallelAnalysis, spec: SourceSpec, rank: int, size: int, delay: float,
     progress: bool = False,
-) -> tuple[Block | None, RankTiming | None, float, BaseException | None]:
+) -> tuple[bytes | None, RankTiming | None, float, BaseException | None]:
     try:
         warm_imports()
         block, timing, _ = _rank_work(analysis, spec, rank, size, delay, progress)
-        return block, timing, time.time(), None
+        sent = time.time()  # (pickling is communication, in t_comm, as the pool's was)
+        # (pickled here, where a failure is this rank's typed error, not the pool's raw one)
+        return pack_block(block, rank), timing, sent, None
     except BaseException as exc:  # (an interruption too: a RankFailedError, not the parent's)
         return None, None, time.time(), _portable(exc, rank)
 
@@ -464,16 +520,15 @@ def _run_multiprocessing(
                                   progress and r == 0) for r in range(n)]
                 for fut in as_completed(futs):
                     try:
-                        block, timing, sent, err = fut.result()
+                        payload, timing, sent, err = fut.result()
                     except BrokenProcessPool as exc:  # a worker died (signal, out of memory)
                         raise BackendError("multiprocessing", f"a worker process died: {exc}") \
                             from None
-                    received = time.time()
                     if err is not None:  # (the first: the others' blocks are not waited for)
                         raise err
-                    assert block is not None and timing is not None
-                    timing.t_comm = max(0.0, received - sent)
-                    blocks.append(block)
+                    assert payload is not None and timing is not None
+                    blocks.append(unpack_block(payload, timing.rank))
+                    timing.t_comm = max(0.0, time.time() - sent)
                     ranks.append(timing)
             except BaseException:
                 _stop_workers(ex)
@@ -542,7 +597,8 @@ def _run_mpi(
         err = exc
     quiet_barrier(comm)  # common start
     t0 = clock()
-    block: Block | None = None
+    payload: bytes | None = None
+    t_pack = 0.0
     timing = RankTiming(rank=rank, host=socket.gethostname())
     source: FrameSource | None = None
     if err is None:
@@ -550,6 +606,12 @@ def _run_mpi(
             assert spec is not None
             block, timing, source = _rank_work(ana, spec, rank, size, straggle.get(rank, 0.0),
                                                progress and rank == 0, close=rank != 0)
+            # (pickled here, not by the gather: a block that cannot be pickled is this rank's
+            # error, sent to the others below, not a rank leaving rank 0 in the gather;
+            # counted in t_comm, as the gather's own pickling was)
+            t4 = clock()
+            payload = pack_block(block, rank)
+            t_pack = clock() - t4
         except BaseException as exc:  # (an interruption too: the others wait in the collectives)
             err = exc
     if err is not None:
@@ -557,9 +619,15 @@ def _run_mpi(
     t1 = clock()
     quiet_barrier(comm)
     t2 = clock()
-    blocks = comm.gather(block, root=0)
+    payloads = comm.gather(payload, root=0)  # (bytes, or None from a rank that failed)
+    blocks: list[Block] = []
+    if rank == 0 and err is None and all(p is not None for p in payloads):
+        try:  # (a failure here is rank 0's error, exchanged below like any other)
+            blocks = [unpack_block(p, r) for r, p in enumerate(payloads)]
+        except BaseException as exc:
+            err = exc
     t3 = clock()
-    timing.t_wait, timing.t_comm = t2 - t1, t3 - t2
+    timing.t_wait, timing.t_comm = t2 - t1, t3 - t2 + t_pack
     wall = t3 - t0
     # Only the copy sent to the others is made portable; this rank raises its own error.
     errors = comm.allgather(None if err is None else _portable(err, rank))

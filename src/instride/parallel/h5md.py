@@ -349,12 +349,3 @@ def _write(f: Any, frames: Iterator[FrameTuple], total: int | None, batch: int,
             flush()
     flush()
     return written
-
-
-def read_h5md_positions(path: str | os.PathLike[str], start: int = 0,
-                        stop: int | None = None) -> np.ndarray:
-    """Positions ``[start:stop]`` of an H5MD file, ``(frames, atoms, 3)`` float32 in Å."""
-    import h5py
-
-    with h5py.File(path, "r") as f:
-        return np.asarray(position_group(f)["value"][start:stop])

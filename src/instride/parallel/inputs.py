@@ -262,7 +262,9 @@ class MDAnalysisSource(FrameSource):
                     self._u = mda.Universe(spec.topology, spec.trajectory)
         except InstrideError:  # typed already (ConsumeTimeout, EndOfStream, ...)
             raise
-        except (ValueError, OSError, TypeError) as exc:
+        except (ValueError, OSError, TypeError, KeyError, IndexError) as exc:
+            # (KeyError: h5py's, for an H5MD dataset MDAnalysis's reader needs, such as
+            # position/time, that the file lacks)
             hint = ""
             raise UnsupportedInputError(
                 spec.trajectory, f"MDAnalysis cannot read it: {str(exc).splitlines()[0]}{hint}"
@@ -314,6 +316,12 @@ class H5MDSource(FrameSource):
                     raise UnsupportedInputError(
                         spec.trajectory, f"{self._time.name} holds {self._time.shape[0]} "
                         f"times for {self.n_frames} frames")
+            self._step = group.get("step")
+            if self._step is not None and self._step.shape != () \
+                    and self._step.shape[0] < self.n_frames:
+                raise UnsupportedInputError(
+                    spec.trajectory, f"{self._step.name} holds {self._step.shape[0]} steps "
+                    f"for {self.n_frames} frames")
             self._box, self._edges = self._open_box(group.parent)
             self._u = frame_universe(spec, self.n_atoms)
         except BaseException:
@@ -373,6 +381,16 @@ class H5MDSource(FrameSource):
             t = np.asarray(self._time[start:stop], dtype=np.float64)
         return t * self._time_scale
 
+    def _steps(self, start: int, stop: int) -> np.ndarray | None:
+        """MD steps of frames ``start <= frame < stop``; ``None`` without a ``step``
+        dataset."""
+        if self._step is None:
+            return None
+        if self._step.shape == ():  # H5MD 1.1 fixed interval: step = offset + i * interval
+            offset = int(self._step.attrs.get("offset", 0))
+            return offset + np.arange(start, stop, dtype=np.int64) * int(self._step[()])
+        return np.asarray(self._step[start:stop], dtype=np.int64)
+
     def universe(self) -> Any:
         return self._u
 
@@ -389,12 +407,21 @@ class H5MDSource(FrameSource):
     def iter_block(self, start: int, stop: int) -> Iterator[tuple[int, float]]:
         ts = self._u.trajectory.ts
         times = self._times(start, stop)
+        steps = self._steps(start, stop)
+        if steps is None:
+            ts.data.pop("step", None)
         edges = None if self._edges is None else self._edges[start:stop] * self._edges_scale
         for i in range(start, stop):
             self._read_into(i, ts.positions)  # straight into the universe's frame
             ts.dimensions = self._box if edges is None else box_dimensions(edges[i - start])
             ts.frame = i
-            yield i, float(times[i - start])
+            # (the time and step an analysis reads from the timestep, as MDAnalysis's
+            # readers set them)
+            t = float(times[i - start])
+            ts.time = t
+            if steps is not None:
+                ts.data["step"] = int(steps[i - start])
+            yield i, t
 
     def close(self) -> None:
         if self._file.id.valid:
@@ -445,8 +472,10 @@ class StreamSource(FrameSource):
                 self._check_atoms(i, frame.natoms)
                 np.copyto(ts.positions, frame.positions, casting="same_kind")
                 ts.dimensions = triclinic_box(*frame.box) if frame.header.has_box else None
-                t = frame.time
+                t, step = frame.time, frame.step
             ts.frame = i
+            ts.time = t  # (as instride's MDAnalysis reader sets them)
+            ts.data["step"] = step
             yield i, t
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ Examples
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -89,12 +90,18 @@ def plot_ranks(report: Any, path: str | os.PathLike[str],
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     out = Path(path)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:  # under a temporary name, renamed into place: never a partial PNG
-        fig.savefig(tmp, dpi=100, format="png")
+    # (under a temporary name, renamed into place: never a partial PNG; a name nobody can
+    # guess, made exclusively: never through a link planted there, never another thread's)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    made = False  # (a file that was already there is not ours to remove)
+    try:
+        with open(tmp, "xb") as fh:
+            made = True
+            fig.savefig(fh, dpi=100, format="png")
         os.replace(tmp, out)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if made:
+            tmp.unlink(missing_ok=True)
         raise
     finally:
         plt.close(fig)
