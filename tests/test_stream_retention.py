@@ -1411,3 +1411,209 @@ def test_closing_a_reader_while_another_thread_takes_does_not_crash(managed_dir:
     rc, out, err = finish(spawn_py(CLOSED_WHILE_TAKING), 60)
     assert rc == 0, f"status {rc}: {err[-2000:]}"
     assert out.strip().startswith("{") and "frame" in out or "error" in out, out
+
+
+@pytest.mark.parametrize("where", ["local", "same node"])
+def test_a_stream_made_again_after_its_keys_were_deleted_starts_its_groups_over(
+        where: str, client: instride.Client, tmp_path: Path, redis_server: Any) -> None:
+    """A stream whose keys were all deleted is produced again without ``overwrite=True``
+    (nothing refuses it: no end marker, no last frame): the earlier run's group positions
+    stayed — **the new run's group reader started at the earlier run's position and took
+    nothing** of the new run, whose frames its "block" producer retired unread. A new
+    producer never continues a stream: the groups start over wherever an earlier run left
+    state."""
+    with _two_clients(where, client, tmp_path, redis_server.url) as (writer, reader):
+        with instride.Stream("del", mode="w", retain=16, groups=["g"], client=writer) as w:
+            for i in range(6):
+                w.append(_positions(i), step=i)
+        r = instride.Stream("del", group="g", client=reader, timeout=5)
+        assert [f.step for f in r] == list(range(6))
+        r.close()
+        for key in writer.list("del/"):
+            writer.delete(key)
+        with instride.Stream("del", mode="w", retain=4, groups=["g"], client=writer,
+                             timeout=5) as w:
+            for i in range(4):
+                w.append(_positions(100 + i), step=100 + i)
+        r = instride.Stream("del", group="g", client=reader, timeout=5)
+        assert r.tell() == 0
+        assert [f.step for f in r] == [100, 101, 102, 103]
+        r.close()
+
+
+@pytest.mark.parametrize("earlier", [False, True])
+@pytest.mark.parametrize("where", ["local", "same node", "other node"])
+def test_a_group_reader_started_before_a_rerunning_producer_reads_the_new_run(
+        where: str, earlier: bool, client: instride.Client, tmp_path: Path,
+        redis_server: Any) -> None:
+    """A job script starts a group reader and its producer, with ``overwrite=True`` (so that
+    the job can be run again), at once: the reader, which had read nothing, **raised
+    GroupReset** (its position "the earlier run's") — at once on one node, after taking
+    frame 0 in cluster mode. It takes its group again, at the new run's start. (``earlier``:
+    a run broke off before, its 3 frames read by the group: the reader waits at frame 3.)"""
+    with _two_clients(where, client, tmp_path, redis_server.url) as (writer, reader):
+        if earlier:
+            w1 = instride.Stream("early", mode="w", retain=8, groups=["g"], client=writer)
+            for i in range(3):
+                w1.append(_positions(i), step=i)
+            w1.abandon()
+            r1 = instride.Stream("early", group="g", client=reader, timeout=20)
+            assert [next(r1).step for _ in range(3)] == [0, 1, 2]
+            r1._move_on()  # (its position, 3, recorded)
+            r1.close()
+        r = instride.Stream("early", group="g", client=reader, timeout=20)
+        assert r.tell() == (3 if earlier else 0)
+        got: list[object] = []
+
+        def read() -> None:
+            try:
+                got.extend(f.step for f in r)
+            except Exception as exc:  # noqa: BLE001 (what it raised is the result)
+                got.append(exc)
+
+        t = threading.Thread(target=read)
+        t.start()
+        time.sleep(0.3)  # (the reader waits for frame 0)
+        with instride.Stream("early", mode="w", retain=8, groups=["g"], overwrite=True,
+                             client=writer) as w:
+            for i in range(5):
+                w.append(_positions(10 + i), step=10 + i)
+        t.join(30)
+        r.close()
+        assert got == [10, 11, 12, 13, 14], got
+
+
+
+
+def test_a_forked_child_does_not_keep_the_group_of_its_parents_reader(
+        client: instride.Client) -> None:
+    """One node: a child forked while a group reader was open (a ``multiprocessing`` pool)
+    inherited the locked cursor file: after the parent closed its reader, **every new reader
+    of the group got GroupBusy** until the child ended."""
+    with instride.Stream("fk", mode="w", retain=4, on_full="drop-oldest", groups=["g"],
+                         client=client) as w:
+        for i in range(3):
+            w.append(_positions(i), step=i)
+    r = instride.Stream("fk", group="g", client=client, timeout=5)
+    assert [next(r).step for _ in range(2)] == [0, 1]  # (frame 0 done; 1 held)
+    up, down = os.pipe()
+    child = os.fork()
+    if child == 0:  # (alive while the parent reopens the group)
+        os.write(down, b"1")  # (started: its fork handlers have run)
+        time.sleep(3)
+        os._exit(0)
+    try:
+        assert os.read(up, 1) == b"1"
+        r.close()
+        again = instride.Stream("fk", group="g", client=client, timeout=5)
+        assert again.tell() == 1
+        again.close()
+    finally:
+        os.close(up)
+        os.close(down)
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+
+
+@pytest.mark.parametrize("where", ["local", "same node"])
+def test_a_rerun_drops_a_group_its_reader_finished_for_good(
+        where: str, client: instride.Client, tmp_path: Path, redis_server: Any) -> None:
+    """A group a reader finished for good (``leave_group``) was set back to 0 by a re-run:
+    its "block" producer **waited for a reader that never comes** (for ever, or StreamFull
+    with a timeout). A re-run drops such a group (and the earlier archiver's); the groups the
+    producer names, and the others, start over at 0."""
+    with _two_clients(where, client, tmp_path, redis_server.url) as (writer, reader):
+        with instride.Stream("fin", mode="w", retain=4, groups=["kept"], client=writer) as w:
+            for i in range(3):
+                w.append(_positions(i), step=i)
+        for group in ("oneoff", "other", "kept"):
+            r = instride.Stream("fin", group=group, client=reader, timeout=5)
+            next(r)
+            if group == "oneoff":
+                r.leave_group()
+            else:
+                r.close()
+        w = instride.Stream("fin", mode="w", retain=4, overwrite=True, groups=["kept"],
+                            client=writer, timeout=5)
+        w.append(_positions(10), step=10)  # (the run starts with its first frame)
+        cursors = w._share.cursors()
+        w.abandon()
+        assert cursors == {"kept": 0, "other": 0}, cursors
+
+
+@pytest.mark.parametrize("where", ["local", "same node"])
+def test_a_reader_closed_from_another_thread_takes_no_frame(
+        where: str, client: instride.Client, tmp_path: Path, redis_server: Any) -> None:
+    """A group reader waiting for frame 2 in a thread, closed from another: when frame 2
+    came, **the closed reader's thread returned it**, while a second reader took the group
+    at 2 — both took frame 2 as the group. It raises ``ValueError`` (closed) instead."""
+    with _two_clients(where, client, tmp_path, redis_server.url) as (writer, reader):
+        w = instride.Stream("cl", mode="w", retain=4, groups=["g"], client=writer, timeout=30)
+        for i in range(2):
+            w.append(_positions(i), step=i)
+        r = instride.Stream("cl", group="g", client=reader, timeout=8)
+        got: list[object] = []
+
+        def work() -> None:
+            try:
+                got.extend(f.step for f in r)
+            except Exception as exc:  # noqa: BLE001 (what it raised is the result)
+                got.append(exc)
+
+        t = threading.Thread(target=work)
+        t.start()
+        time.sleep(0.5)  # (frames 0 and 1 taken; waiting for 2)
+        r.close()
+        second = instride.Stream("cl", group="g", client=reader, timeout=8)
+        w.append(_positions(2), step=2)
+        w.append(_positions(3), step=3)
+        t.join(15)
+        assert got[:2] == [0, 1] and isinstance(got[2], ValueError), got
+        assert [next(second).step, next(second).step] == [2, 3]
+        second.close()
+        w.close()
+
+
+def test_a_forked_child_closing_its_copy_of_a_group_reader_records_nothing(
+        client: instride.Client) -> None:
+    """A forked child that closed its copy of a group reader (or left its ``with`` block)
+    **recorded the parent's position as of the fork**: the group's cursor went back."""
+    with instride.Stream("fc", mode="w", groups=["g"], client=client) as w:
+        for i in range(20):
+            w.append(_positions(i), step=i)
+    r = instride.Stream("fc", group="g", client=client, timeout=5, commit_every=4)
+    for _ in range(7):
+        next(r)
+    child = os.fork()
+    if child == 0:
+        try:
+            time.sleep(1.0)  # (the parent reads on meanwhile)
+            r.close()
+        finally:
+            os._exit(0)
+    for _ in range(10):
+        next(r)
+    r._move_on()  # (frame 16 released: its position recorded, every 4 frames)
+    before = r._share.cursors()["g"]
+    assert before >= 14
+    os.waitpid(child, 0)
+    assert r._share.cursors()["g"] == before  # (not 7, the child's copy's)
+    r.close()
+
+
+def test_a_cursor_file_cut_short_counts_as_the_start(client: instride.Client) -> None:
+    """A group's cursor file cut short (a crash before it reached the disk, or by hand) made
+    every open of the group raise a bare ``struct.error``, and its producer ignored the
+    group. It counts as 0: the group reads the stream again — frames twice, none skipped."""
+    from instride.store.streamstate import state_dir
+
+    with instride.Stream("cut", mode="w", retain=8, groups=["g"], client=client) as w:
+        for i in range(3):
+            w.append(_positions(i), step=i)
+    cursor = state_dir(client.root, "cut") / "groups" / "g"
+    cursor.write_bytes(b"\\x01")
+    r = instride.Stream("cut", group="g", client=client, timeout=5)
+    assert [f.step for f in r] == [0, 1, 2]
+    r.close()
+    cursor.write_bytes(b"")
+    assert instride.Stream("cut", mode="r", client=client)._share.cursors() == {"g": 0}

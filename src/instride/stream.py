@@ -69,6 +69,7 @@ from .errors import (
     EndOfStream,
     FramesMissed,
     GroupLeaseLost,
+    GroupReset,
     InstrideError,
     IntegrityError,
     KeyExistsError,
@@ -495,6 +496,7 @@ class Stream:
             if mode == "w":
                 raise ValueError("group= is for consumers; a producer registers groups with groups=")
             self.mode = "r"
+            self._run_mark = self._share.run_mark()  # (before: see _rejoin_group)
             self._cursor_file = self._share.open_group(self.group, start=0)
             self._cursor = self._cursor_file.value
 
@@ -797,8 +799,13 @@ class Stream:
                 self.client._unlink(key)
         else:
             self._refuse_an_earlier_run()
-        self._share.start(self.policy, self.register_groups, reset=self.overwrite,
-                          forget=earlier)
+        # A new producer never continues a stream: where an earlier run left its state (its
+        # frames and end marker deleted, say: no overwrite= needed then), the groups start
+        # over — their positions were that run's (a reader of the new run would skip its
+        # frames up to them, and a producer under "block" retire them unread). Where none
+        # ran, overwrite=True or not, the groups readers opened already are this run's.
+        reset = self._share.run_id() is not None
+        self._share.start(self.policy, self.register_groups, reset=reset, forget=earlier)
         pool_dir = state_dir(self.client.root, self.name) / "pool"
         frame_dir = self.client.root / self.name
         frame_dir.mkdir(parents=True, exist_ok=True)
@@ -1103,8 +1110,10 @@ class Stream:
         self._release_held()
         cursor, self._cursor_file = self._cursor_file, None
         try:
-            if cursor is not None and self._done is not None:  # (recorded every commit_every
-                with contextlib.suppress(GroupLeaseLost):  # frames; the group's new reader's)
+            # (recorded every commit_every frames; the group's new reader's; a forked child's
+            # copy records nothing: the group's position is the parent's, which reads on)
+            if cursor is not None and self._done is not None and self._made_in == forks():
+                with contextlib.suppress(GroupLeaseLost):
                     cursor.commit(self._done)
         finally:  # (a last commit that failed — Redis unreachable — still lets go of the rest)
             if cursor is not None:
@@ -1311,6 +1320,9 @@ class Stream:
                 if self._rerun(always=True):
                     raise self._stale(index) from None
                 raise
+            if self._closed:  # (closed from another thread while it waited: takes nothing)
+                frame.release()
+                self._check_open()
             if self._same_run(frame, index):
                 return frame
 
@@ -1357,6 +1369,22 @@ class Stream:
             The reader has returned frames of an earlier run (``frame`` is released).
         """
         if self.group is not None:
+            if not self._handed:
+                # (a group reset by a re-run since this reader opened it, looked at before its
+                # first frame is returned — see _rejoin_group: on one node its cursor file
+                # says so; in cluster mode Redis's answers to its commits would, only after
+                # that frame, so the stream's run is asked)
+                try:
+                    if self._cursor_file is not None:
+                        self._cursor_file.check()
+                    mark = None if self._share.run_mark_cheap else self._share.run_mark()
+                except BaseException:
+                    frame.release()
+                    raise
+                if mark is not None and self._run_mark is not None and mark != self._run_mark:
+                    frame.release()
+                    raise GroupReset(self.name, self.group)
+            self._handed = True
             return True
         if self._rerun_seen:
             frame.release()
@@ -1863,6 +1891,31 @@ class Stream:
         return self
 
     def __next__(self) -> Frame:
+        while True:
+            try:
+                return self._next()
+            except GroupReset:
+                if self._handed or self._closed:
+                    raise
+                self._rejoin_group()
+
+    def _rejoin_group(self) -> None:
+        """A group reader that has returned no frame yet found its group reset by a re-run
+        that began after it opened the group (a reader started before a producer with
+        ``overwrite=True``, as a job script starts both): it has read nothing of the earlier
+        run, so it takes the group again, at the new run's position, instead of raising
+        :class:`GroupReset` — as a plain reader reads the run it finds at its first frame."""
+        old, self._cursor_file = self._cursor_file, None
+        if old is not None:
+            with contextlib.suppress(Exception):  # (its lease went with the reset)
+                old.close()
+        self._inbox_next, self._fetched_from, self._done = -1, None, None
+        self._run_known = False  # (this node's copies of the earlier run's frames: dropped)
+        self._run_mark = self._share.run_mark()
+        self._cursor_file = self._share.open_group(self.group, start=0)
+        self._cursor = self._cursor_file.value
+
+    def _next(self) -> Frame:
         self._check_open()
         if self.mode is None:
             self.mode = "r"
@@ -1900,6 +1953,9 @@ class Stream:
                     raise
                 self.missed += exc.missed
                 continue
+            if self._closed:  # (closed from another thread while it waited: takes nothing)
+                frame.release()
+                self._check_open()
             if self._cursor_file is not None:
                 try:  # (a reader paused in its wait, its group taken over meanwhile)
                     self._cursor_file.check()

@@ -30,10 +30,13 @@ import struct
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+import redis
 
 from ..errors import ConfigError, GroupBusy, GroupLeaseLost, GroupReset, MetadataUnavailable
 from ..perthread import forks
@@ -245,20 +248,28 @@ class Groups:
                 except FileNotFoundError:
                     continue
                 self._fds[name] = fd
-            data = os.pread(fd, _CURSOR.size, 0)
-            if len(data) == _CURSOR.size:
-                out[name] = _CURSOR.unpack(data)[0]
+            out[name] = _cursor_value(os.pread(fd, _CURSOR.size, 0))
         return out
 
-    def reset(self) -> None:
-        """Set every cursor back to 0 (a stream re-written from its start).
+    def reset(self, keep: Sequence[str] = ()) -> None:
+        """Set the cursors back to 0 (a stream re-written from its start); drop the groups
+        that have no place in the new run (:func:`_dropped_on_reset`).
 
-        Each cursor file is replaced by a new one, not written over: a reader of the earlier
-        run that still holds its group holds the old file (unlinked now, which its
-        :meth:`GroupCursor.check` sees), so it can neither write its position of the earlier
-        run into the new cursor nor keep the group from a reader of the new run."""
+        Each cursor file is replaced by a new one (or removed), not written over: a reader of
+        the earlier run that still holds its group holds the old file (unlinked now, which
+        its :meth:`GroupCursor.check` sees), so it can neither write its position of the
+        earlier run into the new cursor nor keep the group from a reader of the new run."""
         self.close()  # (the cached descriptors are the old files')
         for name in self.names():
+            try:
+                with open(self.dir / name, "rb") as fh:
+                    value = _cursor_value(fh.read(_CURSOR.size))
+            except FileNotFoundError:
+                continue
+            if _dropped_on_reset(name, value, keep):
+                with contextlib.suppress(FileNotFoundError):
+                    (self.dir / name).unlink()
+                continue
             tmp = self.dir / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
             tmp.write_bytes(_CURSOR.pack(0))
             os.replace(tmp, self.dir / name)
@@ -289,7 +300,8 @@ class GroupCursor:
         except BlockingIOError:
             os.close(self._fd)
             raise GroupBusy(stream, name) from None
-        self.value = int(_CURSOR.unpack(os.pread(self._fd, _CURSOR.size, 0))[0])
+        self.value = _cursor_value(os.pread(self._fd, _CURSOR.size, 0))
+        _HELD_CURSORS.add(self)
 
     def check(self) -> None:
         """Whether the group is still this reader's: its lock is held until the reader closes
@@ -301,6 +313,8 @@ class GroupCursor:
         GroupReset
             The stream was re-run: this reader's position is the earlier run's.
         """
+        if self._fd < 0:  # (a forked child's copy: the group stayed with the parent)
+            raise GroupBusy(self.stream, self.name)
         if os.fstat(self._fd).st_nlink == 0:
             raise GroupReset(self.stream, self.name)
 
@@ -319,9 +333,51 @@ class GroupCursor:
 
     def close(self) -> None:
         """Release the group (the cursor stays)."""
+        _HELD_CURSORS.discard(self)
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    def _forked(self) -> None:
+        """In a child made by ``fork``: close the inherited descriptor. Its lock is the open
+        file's, shared with the parent's descriptor: kept open here, it held the group after
+        the parent closed its reader (``GroupBusy`` for every next reader while the child
+        lived — a ``multiprocessing`` pool's workers, say); closed, the parent's stays."""
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
+
+
+#: the group cursors this process holds (one node's: their files are locked)
+_HELD_CURSORS: weakref.WeakSet[GroupCursor] = weakref.WeakSet()
+
+
+def _close_inherited_cursors() -> None:
+    for cursor in list(_HELD_CURSORS):
+        cursor._forked()
+    _HELD_CURSORS.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_cursors)
+
+
+def _cursor_value(data: bytes) -> int:
+    """A cursor file's value; a short one (a file cut by a crash before it reached the disk,
+    or by hand) counts as 0: its group reads the stream again from its start — frames
+    delivered twice, none skipped — and the producer waits for it."""
+    return int(_CURSOR.unpack(data)[0]) if len(data) == _CURSOR.size else 0
+
+
+def _dropped_on_reset(name: str, value: int, keep: Sequence[str]) -> bool:
+    """Whether a re-run drops group ``name`` (its cursor ``value`` in the earlier run) rather
+    than setting it back to 0: not one the new run's producer names (``keep``), and either
+    the earlier run's archiver's (no archiver of this run reads it) or a group its reader
+    finished for good (``leave_group``: set back to 0, a producer under "block" would wait
+    for a reader that never comes). Other groups stay, at 0, for the new run's readers."""
+    if name in keep:
+        return False
+    return name == ARCHIVE_GROUP or value >= GROUP_DONE
 
 
 def _text(value: bytes | str) -> str:
@@ -435,15 +491,10 @@ class LocalStreamState:
         tmp.write_text(uuid.uuid4().hex)
         os.rename(tmp, self.dir / "run")
         if reset:
-            self._groups.reset()
+            self._groups.reset(keep=groups)
             # (the earlier run's archive is not this run's: readers must not take its frames)
             with contextlib.suppress(FileNotFoundError):
                 (self.dir / "archive.json").unlink()
-            if ARCHIVE_GROUP not in groups:
-                # (the earlier run's archiver's group, which no archiver of this run reads: a
-                # producer under "block" waited for it until StreamFull)
-                with contextlib.suppress(FileNotFoundError):
-                    (self._groups.dir / ARCHIVE_GROUP).unlink()
         for name in groups:
             self._groups.register(name, 0)
 
@@ -633,7 +684,23 @@ class RedisStreamState:
         run = uuid.uuid4().hex
 
         def transaction() -> None:
-            pipe = self.redis.pipeline(transaction=True)
+            while True:
+                try:
+                    return attempt()
+                except redis.WatchError:  # (a group registered or moved meanwhile: again)
+                    continue
+
+        def attempt() -> None:
+            with self.redis.pipeline(transaction=True) as pipe:  # (reset on the way out)
+                steps(pipe)
+
+        def steps(pipe: Any) -> None:
+            if reset:
+                # (watched: a group registered, or committed to, between this read and the
+                # transaction — a reader of the earlier run — would keep its earlier position)
+                pipe.watch(self._groups)
+                cursors = cursors_of(pipe.hgetall(self._groups))
+                pipe.multi()
             for key in forget:
                 for command in self.metadata.forget_commands(key):
                     pipe.execute_command(*command)
@@ -649,12 +716,12 @@ class RedisStreamState:
             if reset:  # (a reader of the earlier run loses its lease: see RedisGroupCursor)
                 pipe.hincrby(self._head, "resets", 1)
                 pipe.hdel(self._head, "archive")  # (the earlier run's: not this run's frames)
-                for name in self.redis.hkeys(self._groups):
-                    if _text(name) == ARCHIVE_GROUP and ARCHIVE_GROUP not in groups:
-                        pipe.hdel(self._groups, name)  # (no archiver of this run reads it)
+                for name, value in cursors.items():
+                    if _dropped_on_reset(name, value, groups):
+                        pipe.hdel(self._groups, name)
                     else:
                         pipe.hset(self._groups, name, 0)
-                    pipe.delete(self.lease_key(_text(name)))
+                    pipe.delete(self.lease_key(name))
                     pipe.hincrby(self._generations, name, 1)
             for name in groups:
                 pipe.hsetnx(self._groups, name, 0)
