@@ -934,3 +934,37 @@ def test_an_alive_file_left_aside_by_a_killed_producer_is_collected(tmp_path: Pa
     finally:
         os.close(fd)
     assert sorted(p.name for p in pool.iterdir()) == [".alive-held", ".alive-new"]
+
+
+def test_a_forked_child_does_not_keep_a_frame_its_parent_released(managed_dir: Path) -> None:
+    """A reader holding a frame forks a child (a ``multiprocessing`` worker), then releases
+    the frame: the child's inherited descriptor **kept the file's lock**, so its producer
+    could not reuse the file while the child lived (a new file made for every pinned one).
+    The child closes its copies at the fork: the parent's release lets the file go."""
+    import instride
+    from instride.store.gc import lock_held
+
+    with instride.Stream("pin", mode="w", retain=4, on_full="drop-oldest") as w:
+        for i in range(3):
+            w.append(np.full((10, 3), i, np.float32), step=i)
+    r = instride.Stream("pin", timeout=5)
+    frame = r.read(2)
+    path = managed_dir / "pin" / "frame_000000002.isf"
+    assert lock_held(path, exclusive=True) is True
+    up, down = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.write(down, b"1")  # (started: its fork handlers have run)
+        time.sleep(5)
+        os._exit(0)
+    try:
+        assert os.read(up, 1) == b"1"
+        assert lock_held(path, exclusive=True) is True  # (the parent's hold)
+        frame.release()
+        assert lock_held(path, exclusive=True) is False
+    finally:
+        os.close(up)
+        os.close(down)
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        r.close()

@@ -76,6 +76,18 @@ def _more_open_files() -> bool:
     return True
 
 
+#: every reader's holds in this process (see Leases._forget_holds)
+_LEASES: weakref.WeakSet[Leases] = weakref.WeakSet()
+
+
+def _forget_inherited_holds() -> None:
+    for leases in list(_LEASES):
+        leases._forget_holds()
+
+
+os.register_at_fork(after_in_child=_forget_inherited_holds)
+
+
 def _with_more_files(make: Callable[[], _T], kept: int) -> _T:
     """``make()`` (which opens descriptors), again after raising the soft limit of open files
     (:func:`_more_open_files`) each time it ran out; a reader's :class:`ConfigError` once the
@@ -789,9 +801,12 @@ class Leases:
         self._table_idents: list[tuple[int, int]] = []
         self._gone = (ctypes.c_int * _GONE_CAP)()
         self._gone_n = ctypes.c_int(0)
-        #: the holds handed out and not released yet (see :meth:`release_all`)
+        #: the holds handed out and not released yet (see :meth:`release_all`), and their
+        #: descriptors (a forked child closes its copies: see _forget_holds)
         self._held: dict[int, Callable[[], None]] = {}
+        self._hold_fds: dict[int, int] = {}
         self._serial = 0
+        _LEASES.add(self)
         #: native takes under way (their table names kept mappings: none is unmapped then),
         #: the mappings to unmap once they are done, and whether close() waits for them
         self._mu = threading.Lock()
@@ -990,7 +1005,7 @@ class Leases:
         """The function that ends the hold ``fd`` on the file mapped as ``mm`` (once)."""
         done = False
         self._serial = serial = self._serial + 1
-        held = self._held
+        held, fds = self._held, self._hold_fds
 
         def release() -> None:
             nonlocal done
@@ -998,14 +1013,27 @@ class Leases:
                 return
             done = True
             held.pop(serial, None)
-            with contextlib.suppress(OSError):
-                os.close(fd)  # drops the shared lock
+            if fds.pop(serial, None) is not None:  # (not a forked child's closed copy)
+                with contextlib.suppress(OSError):
+                    os.close(fd)  # drops the shared lock
             if not self.keep:
                 with contextlib.suppress(BufferError):
                     mm.close()
 
         held[serial] = release
+        fds[serial] = fd
         return release
+
+    def _forget_holds(self) -> None:
+        """In a child made by ``fork``: close the copies of the holds' descriptors. A hold's
+        lock is its open file's, shared with the parent's descriptor: kept open in the child
+        (a ``multiprocessing`` worker), the parent's release no longer let the file go, and
+        its producer could not reuse it while the child lived. The hold stays the parent's;
+        the child's releases close nothing (the numbers may name its own files by then)."""
+        for fd in self._hold_fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._hold_fds.clear()
 
     def holding(self) -> bool:
         """Whether a hold handed out is not released yet."""
