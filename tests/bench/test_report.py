@@ -106,6 +106,17 @@ def test_finding2_outcomes(two_cm: float, expected: str) -> None:
     assert ("as the paper found" in f2.text) == (expected == "reproduces")
 
 
+def test_finding2_counts_the_fetch_as_data_movement() -> None:
+    # the transfer is timed in consume.fetch (movement), after the wait for publication (idle):
+    # the text says so and gives the fetch's share of the data movement
+    st = study(*single(0.5, 0.5, 0.5, 40.0),
+               ("two_node", "1", "", summary("instride", cm=1.2, ci=0.5, nodes=2, fetch=0.3)),
+               ("two_node", "1", "", summary("sharedfs", cm=3.0, ci=40.0, nodes=2)))
+    text = assess(st)[1].text
+    assert "counted in its data movement, not in its idle time" in text, text
+    assert "0.30 ms/frame on average (25.0 % of its data movement on two nodes)" in text, text
+
+
 # ------------------------------------------------------------------ finding 3 (multi node)
 
 def multi(ins: tuple[float, float], shf: list[tuple[float, float, float]]

@@ -8,13 +8,17 @@ consistent.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -377,3 +381,108 @@ def test_failed_study_leaves_the_previous_report_alone(
     assert sorted(p.name for p in (out / "runs").iterdir()) == ["single_node"]
     assert (out / "report.md").read_text().startswith("# instride reproduction")
     assert json.loads((out / "study.json").read_text())["load_average"]["start"]
+
+
+def _stop_consumer_rank(out: Path, work: Path, stopped: list[int], done: threading.Event
+                        ) -> None:
+    """SIGSTOP the consumer rank (PMI_RANK 1) of the run writing to ``out`` once frames
+    appear in ``work`` (every rank is past MPI's start-up and the start line then)."""
+    while not done.is_set() and not stopped:
+        if not any(work.rglob("frame_*.isf")):
+            time.sleep(0.02)
+            continue
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                cmd = (proc / "cmdline").read_bytes()
+                env = (proc / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"instride.bench.workflow" in cmd and str(out).encode() in cmd \
+                    and b"PMI_RANK=1" in env and b"python" in cmd.split(b"\0")[0]:
+                os.kill(int(proc.name), signal.SIGSTOP)
+                stopped.append(int(proc.name))
+                return
+        time.sleep(0.02)
+
+
+def test_hung_consumer_fails_the_run_within_the_wait_limit(tmp_path: Path) -> None:
+    from instride.bench.workflow_run import BenchRunError
+
+    # instride: the producer waits for nobody while it writes, only at the start and end
+    # lines; a consumer that hangs (SIGSTOP) must fail the run after about --timeout there,
+    # not after the repetition's whole time budget
+    cfg = RunConfig(atoms=500, frames=40, pairs=1, backend="instride", time_scale=0.05,
+                    timeout=3.0, workdir=str(tmp_path / "work"))
+    out = tmp_path / "out"
+    stopped: list[int] = []
+    done = threading.Event()
+    watcher = threading.Thread(target=_stop_consumer_rank,
+                               args=(out, tmp_path / "work", stopped, done))
+    watcher.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(BenchRunError) as info:
+            run(cfg, out, progress=False)
+    finally:
+        done.set()
+        watcher.join()
+        for pid in stopped:  # (killed with the job's process group; in case it was not)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    assert stopped, "the consumer rank was never found"
+    assert "SyncTimeout" in str(info.value), str(info.value)
+    assert time.monotonic() - start < 0.5 * cfg.time_budget(), str(info.value)
+
+
+class _ShortBudget(RunConfig):
+    """A configuration whose repetition may run 3 s, far less than its frames take."""
+
+    def time_budget(self, slack: float = 60.0) -> float | None:
+        return 3.0
+
+
+def test_repetition_over_its_budget_reports_the_ranks_output(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from instride.bench.workflow_run import BenchRunError
+
+    # every rank writes its import times to stderr as it starts: output to report
+    monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")
+    cfg = _ShortBudget(atoms=500, frames=200, pairs=1, backend="localfs", time_scale=0.05,
+                       timeout=60.0, workdir=str(tmp_path / "work"))
+    before = _leftovers()
+    with pytest.raises(BenchRunError, match="exceeded 3 s") as info:
+        run(cfg, tmp_path / "out", progress=False)
+    assert "import time:" in str(info.value), str(info.value)
+    new = _leftovers() - before
+    from instride.bench.workflow_run import segments_in_use
+    assert new - segments_in_use(new) == set(), new
+
+
+@pytest.mark.parametrize("backend", ["instride", "localfs"])
+def test_keep_frames_keeps_the_frames_in_the_workdir(backend: str, tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    summary = run(_config(backend, 1, repetitions=2, keep_frames=True, workdir=str(work)),
+                  tmp_path / "out", progress=False)
+    assert len(list(work.rglob("*.isf"))) == 2 * PAIRS * FRAMES  # every frame of both reps
+    kept = [Path(p) for p in summary["frames_kept"]]
+    assert len(kept) == 2 and all(p.is_relative_to(work) for p in kept)  # one per repetition
+    for where in kept:
+        frames = sorted(where.rglob("*.isf"))
+        assert len(frames) == PAIRS * FRAMES, frames
+    # without --keep-frames nothing stays
+    summary = run(_config(backend, 1, workdir=str(tmp_path / "work2")), tmp_path / "out2",
+                  progress=False)
+    assert summary["frames_kept"] == []
+    assert list((tmp_path / "work2").rglob("*.isf")) == []
+
+
+def test_time_budget_allows_for_moving_the_frames() -> None:
+    # the paper preset's largest scaling run: 16 STMV pairs through one sshfs server. Moving
+    # its frames (write + read, one server at an optimistic 200 MB/s) alone takes longer
+    # than three frame periods per frame
+    cfg = RunConfig(model="STMV", frames=128, pairs=16, nodes=2, backend="sharedfs")
+    frame_bytes = cfg.resolved_model().frame_bytes("paper")
+    moving = cfg.frames * cfg.pairs * 2 * frame_bytes / 200e6
+    assert cfg.time_budget() >= cfg.frames * cfg.frame_period + moving

@@ -25,6 +25,7 @@ builtin ``open`` would hide in one call; the bytes go through the same file obje
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from pathlib import Path
 from typing import Protocol
@@ -126,6 +127,12 @@ class InstrideBackend:
     verifying its own checksums: compute). In local mode the frame is already on this node, so
     fetch and store are 0-duration regions.
 
+    In cluster mode the wait is a wait for the key's metadata record alone
+    (``client.metadata.wait_any``), the wait inside ``instride.open(key, "rb")``. The
+    client's :meth:`~instride.client.Client.wait_any` is not used there: after a frame
+    fetched from a node, it asks that node for the next frame while it waits, so the transfer
+    would end inside the wait and be counted as idle time, not data movement.
+
     Parameters
     ----------
     timeout
@@ -142,6 +149,8 @@ class InstrideBackend:
         self.client = instride.get_client()
         # instride reads None as "INSTRIDE_TIMEOUT"; here None means no limit, which is inf
         self.timeout = float("inf") if timeout is None else timeout
+        # the metadata's own wait reads None as "forever"
+        self._wait_limit = None if math.isinf(self.timeout) else self.timeout
         self.cluster = self.client.mode == "cluster"
 
     def warmup(self) -> None:
@@ -157,12 +166,14 @@ class InstrideBackend:
 
     def consume(self, key: str, frame: int, timer: RegionTimer) -> Frame:
         nkey = self.client.key(key)
-        with timer.region("consume.wait", frame):
-            self.client.wait_any([nkey], timeout=self.timeout)
         if self.cluster:
-            with timer.region("consume.fetch", frame):
+            with timer.region("consume.wait", frame):  # publication only: nothing moves
+                self.client.metadata.wait_any([nkey], self._wait_limit)
+            with timer.region("consume.fetch", frame):  # the record's lookup + the transfer
                 self._instride.consume(nkey, timeout=self.timeout)
         else:
+            with timer.region("consume.wait", frame):
+                self.client.wait_any([nkey], timeout=self.timeout)
             timer.mark("consume.fetch", frame)
         timer.mark("consume.store", frame)
         with timer.region("consume.read", frame):

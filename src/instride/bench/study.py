@@ -44,7 +44,7 @@ from typing import Any
 
 from .molecules import BenchConfigError, model_names, paper_data
 from .results import staged_output
-from .workflow import SYNC_MODES
+from .sync import SYNC_MODES
 from .workflow_run import RunConfig, run
 
 EXPERIMENTS = ("single_node", "two_node", "multi_node", "model_scaling", "stride_scaling")

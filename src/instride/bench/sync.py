@@ -21,14 +21,54 @@ from ..errors import InstrideError
 #: Seconds between two tests of a pending barrier.
 POLL_SECONDS = 5e-5
 
+#: How the file-system backends synchronize a pair (instride needs no user synchronization):
+#: see :mod:`instride.bench.workflow`. Here, not there: the package imports it, and the ranks
+#: run ``python -m instride.bench.workflow``, which must not be imported before it runs.
+SYNC_MODES = ("serialized", "pipelined")
+
 
 class SyncTimeout(InstrideError, TimeoutError):
-    """A pairwise barrier did not complete in time (the partner died or hung)."""
+    """A barrier did not complete in time (a partner died or hung).
 
-    def __init__(self, pair: int, waited: float) -> None:
+    Parameters
+    ----------
+    pair
+        The pair of the rank that gave up.
+    waited
+        Seconds it waited.
+    what
+        Which barrier (``"barrier"``: the pair's; ``"start line"``, ``"end line"``: every
+        rank's, see :func:`start_line`).
+    """
+
+    def __init__(self, pair: int, waited: float, what: str = "barrier") -> None:
         self.pair = pair
         self.waited = waited
-        super().__init__(f"pair {pair}: barrier not completed after {waited:.1f} s")
+        self.what = what
+        super().__init__(f"pair {pair}: {what} not completed after {waited:.1f} s")
+
+
+def start_line(comm: Any, pair: int, timeout: float | None, what: str = "start line") -> None:
+    """A barrier of every rank of ``comm`` that sleeps instead of spinning while others come.
+
+    Parameters
+    ----------
+    comm
+        ``MPI.COMM_WORLD``; collective.
+    pair
+        This rank's pair (for the error).
+    timeout
+        Seconds to wait before :class:`SyncTimeout` (``None``: forever).
+    what
+        The barrier's name in the error.
+    """
+    req = comm.Ibarrier()
+    start = time.perf_counter()
+    while not req.Test():
+        if timeout is not None and time.perf_counter() - start > timeout:
+            # (the pending request is left to MPI_Abort, which the failed rank calls)
+            raise SyncTimeout(pair, time.perf_counter() - start, what)
+        time.sleep(POLL_SECONDS * 20)
 
 
 class PairBarrier:
@@ -72,4 +112,4 @@ class PairBarrier:
         self.comm.Free()
 
 
-__all__ = ["POLL_SECONDS", "PairBarrier", "SyncTimeout"]
+__all__ = ["POLL_SECONDS", "SYNC_MODES", "PairBarrier", "SyncTimeout", "start_line"]

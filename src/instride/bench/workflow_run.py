@@ -40,10 +40,18 @@ from ..errors import InstrideError
 from .backends import BACKENDS
 from .molecules import BenchConfigError, Model, get_model
 from .results import RUN_OUTPUTS, merge_repetition, staged_output, summarize, write_tables
-from .workflow import SYNC_MODES
+from .sync import SYNC_MODES
 
 #: What the ``sharedfs`` backend can be (see :class:`RunConfig`).
 SHAREDFS_KINDS = ("auto", "sshfs", "dir")
+
+#: Bytes per second the repetition's time budget assumes for all of a run's data movement
+#: together: conservative for what every pair shares (one sshfs storage server over the
+#: emulated network measured ~200 MB/s; the machine's cores and memory bus).
+BUDGET_BYTES_PER_SECOND = 50e6
+
+#: Lines of the ranks' output a failed repetition's error carries.
+_TAIL_LINES = 15
 
 
 class BenchRunError(InstrideError, RuntimeError):
@@ -80,7 +88,7 @@ class RunConfig:
     backend
         ``instride``, ``localfs`` (one node only) or ``sharedfs``.
     sync
-        How the file-system backends synchronize a pair (:data:`~instride.bench.workflow.
+        How the file-system backends synchronize a pair (:data:`~instride.bench.sync.
         SYNC_MODES`): ``"serialized"`` (the default, the paper's coarse-grained
         synchronization: a barrier after the write and one after the consumer's analytics, so
         MD and analytics never overlap) or ``"pipelined"`` (only the barrier after the write:
@@ -102,7 +110,11 @@ class RunConfig:
     fsync
         fsync every frame before it becomes visible (all backends alike).
     keep_frames
-        Keep consumed frames instead of deleting them after the analytics step.
+        Do not delete each frame after its analytics step. On one node with ``workdir``
+        given, every repetition's frames stay there after the run (the summary's
+        ``frames_kept`` lists their directories); otherwise (a temporary work directory,
+        emulated nodes whose directories go with the cluster) they stay until the repetition
+        ends.
     timeout
         Seconds any single wait (publication, barrier) may take before the run fails;
         ``inf`` or ``None``: no limit (nor on the run as a whole).
@@ -220,12 +232,19 @@ class RunConfig:
         """Seconds one repetition may run before it is stopped (``None``: no limit).
 
         ``slack`` covers start-up; each frame may take three frame periods (a serialized
-        pair takes two), each rank three seconds to start, plus one wait's limit.
+        pair takes two), each rank three seconds to start, plus one wait's limit. Data
+        movement is not paced by the frame period (the time scale does not shorten it): each
+        frame of every pair is moved up to three times (write; transfer or network file
+        system; read), and the budget allows for all of it, one pair after another, at
+        :data:`BUDGET_BYTES_PER_SECOND` (a run of STMV frames over one sshfs server is
+        bound by data movement, not by the frame period).
         """
         limit = self.wait_limit
         if limit is None:
             return None
-        return slack + 3 * self.frames * self.frame_period + 3.0 * 2 * self.pairs + limit
+        moved = 3 * self.frames * self.pairs * self.resolved_model().frame_bytes("paper")
+        return (slack + 3 * self.frames * self.frame_period + moved / BUDGET_BYTES_PER_SECOND
+                + 3.0 * 2 * self.pairs + limit)
 
     def spec(self, run_id: str, raw: Path, root: str | None, nodes_of: list[int]
              ) -> dict[str, Any]:
@@ -477,13 +496,24 @@ def remove_orphan_segments(before: set[str], settle: float = 5.0) -> None:
         time.sleep(0.05)
 
 
+def _tail(stdout: bytes, stderr: bytes) -> str:
+    """The last lines of the ranks' output (stderr, else stdout), for an error message."""
+    lines = stderr.decode(errors="replace").strip().splitlines()
+    if not lines:
+        lines = stdout.decode(errors="replace").strip().splitlines()
+    return "\n".join(lines[-_TAIL_LINES:])
+
+
 def run_once(cfg: RunConfig, out: Path, rep: int, cluster: Any, workdir: Path,
-             storage: Any = None) -> None:
+             storage: Any = None) -> Path | None:
     """Run repetition ``rep`` of ``cfg``; its raw rows land in ``out/raw/rep<rep>``.
 
     ``storage`` is the :class:`~instride.bench.sshfs.SshfsStorage` of a sshfs ``sharedfs`` run:
     the ranks then use their own node's mount (the spec's ``root`` holds ``{node}``), and the
     run's directory is created and removed on the storage server's side.
+
+    With ``cfg.keep_frames`` and ``cfg.workdir`` given, a one-node run leaves its frames
+    there and returns their directory; else every frame is removed and ``None`` returned.
     """
     run_id = f"run{rep}-{secrets.token_hex(4)}"
     raw = out / "raw" / f"rep{rep}"
@@ -521,6 +551,12 @@ def run_once(cfg: RunConfig, out: Path, rep: int, cluster: Any, workdir: Path,
     spec_path.write_text(json.dumps(spec, indent=1))
     argv = _command(cfg, spec_path, rep, nodes_of, cluster, fsync_env)
     (raw / "command.txt").write_text(" ".join(argv) + "\n")
+    # With --keep-frames, the frames' directory of a one-node run in the user's --workdir
+    # stays (nothing else of the run is in it). A temporary workdir is removed after the run,
+    # and emulated nodes' directories go with the cluster: no frame could be found there.
+    kept: Path | None = None
+    if cfg.keep_frames and cfg.workdir is not None and cluster is None:
+        kept = root / run_id if root is not None else workdir / "instride" / run_id
     budget = cfg.time_budget()
     segments = mpich_segments()
     ok = False
@@ -531,23 +567,36 @@ def run_once(cfg: RunConfig, out: Path, rep: int, cluster: Any, workdir: Path,
         try:
             stdout, stderr = proc.communicate(timeout=budget)
         except subprocess.TimeoutExpired:
-            raise BenchRunError(cfg.name, f"repetition {rep} exceeded {budget:.0f} s") from None
+            _kill_group(proc)
+            # what the ranks wrote until now (the pipes close with the killed group)
+            try:
+                stdout, stderr = proc.communicate(timeout=5)
+            except subprocess.TimeoutExpired:  # (a process outside the group holds a pipe)
+                stdout, stderr = b"", b""
+            tail = _tail(stdout, stderr)
+            raise BenchRunError(
+                cfg.name, f"repetition {rep} exceeded {budget:.0f} s"
+                + (f"; the ranks' output ended with:\n{tail}" if tail else "")
+            ) from None
         finally:
             if proc.returncode is None:  # timed out, interrupted, or the wait itself failed
                 _kill_group(proc)
         (raw / "mpiexec.log").write_bytes(stdout + b"\n--- stderr ---\n" + stderr)
         if proc.returncode != 0:
             _kill_group(proc)  # ranks of the aborted job that are still exiting
-            tail = stderr.decode(errors="replace").strip().splitlines()[-15:]
             raise BenchRunError(
-                cfg.name, f"repetition {rep}: mpiexec exited {proc.returncode}:\n" + "\n".join(tail)
+                cfg.name, f"repetition {rep}: mpiexec exited {proc.returncode}:\n"
+                + _tail(b"", stderr)
             )
         ok = True
     finally:
         if not ok:  # on every failure path: what an aborted MPICH job leaves in /dev/shm, /tmp
             remove_orphan_segments(segments)
         for path in cleanup:
+            if ok and path == kept:
+                continue  # (a failed repetition's frames are not results: removed)
             shutil.rmtree(path, ignore_errors=True)
+    return kept
 
 
 def run(
@@ -585,7 +634,8 @@ def run(
     Returns
     -------
     dict
-        The summary (also written to ``summary.json``).
+        The summary (also written to ``summary.json``); its ``frames_kept`` lists the
+        directories of the frames kept (``cfg.keep_frames`` with ``cfg.workdir`` on one node).
 
     Raises
     ------
@@ -600,6 +650,7 @@ def run(
     workdir.mkdir(parents=True, exist_ok=True)
     timings: list[dict[str, Any]] = []
     ranks: list[dict[str, Any]] = []
+    kept: list[str] = []
     started = time.time()
     try:
         # everything is built in out/.partial-*, and moved into out only once complete
@@ -609,13 +660,20 @@ def run(
 
             for rep in tqdm(range(cfg.repetitions), desc=cfg.label or cfg.name, unit="rep",
                             disable=not progress, leave=False):
-                run_once(cfg, stage, rep, clu, workdir, sto)
+                frames = run_once(cfg, stage, rep, clu, workdir, sto)
+                if frames is not None:
+                    kept.append(str(frames))
                 t, r = merge_repetition(stage / "raw" / f"rep{rep}")
                 timings += t
                 ranks += r
             summary = summarize(timings, ranks, cfg.summary_config())
             summary["elapsed_s"] = time.time() - started
+            summary["frames_kept"] = kept  # (--keep-frames: directories of frames left)
             write_tables(stage, timings, ranks, summary)
+    except BaseException:
+        for path in kept:  # a failed run leaves nothing of its own behind, frames included
+            shutil.rmtree(path, ignore_errors=True)
+        raise
     finally:
         if own_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
