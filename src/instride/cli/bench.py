@@ -23,6 +23,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
               f"{steady_text} {s['overall_s'] * 1e3:11.3f} {s['wall_s']:8.2f}")
     fr = summary["frames"]
     print(f"frames verified: {fr['verified']}/{fr['expected']}")
+    for where in summary.get("frames_kept") or ():
+        print(f"frames kept in {where}")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -113,7 +115,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--sleep", choices=("stride", "step"), default="stride",
                    help="one MD sleep per frame (default) or per step (absolute deadlines)")
     p.add_argument("--fsync", action="store_true", help="fsync every frame (all backends)")
-    p.add_argument("--keep-frames", action="store_true", help="do not delete consumed frames")
+    p.add_argument("--keep-frames", action="store_true",
+                   help="keep the frames after the run (one node with --workdir; elsewhere "
+                        "until their repetition ends)")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds any wait may take before the run fails (inf: no limit)")
     p.add_argument("--workdir", default=None,
