@@ -135,3 +135,22 @@ def test_an_absolute_path_with_a_leading_double_slash_is_its_key(managed_dir: Pa
     assert normalize_key("//" + str(managed_dir / "a"), managed_dir) == "a"  # (three: too)
     with pytest.raises(KeyValidationError, match="outside"):
         normalize_key("/" + str(managed_dir) + "-sibling/x", managed_dir)
+
+
+def test_a_managed_directory_named_with_two_leading_slashes_takes_its_keys(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``INSTRIDE_DIR=//tmp/.../m`` (two slashes: Linux reads one): the managed directory kept
+    them (``normpath`` does), and once paths were folded to one slash every key's path was
+    refused as "outside the managed directory"."""
+    from instride.client import Client
+    from instride.config import Settings
+
+    monkeypatch.setenv("INSTRIDE_DIR", "/" + str(tmp_path / "m"))
+    client = Client(Settings.from_env())
+    try:
+        assert str(client.root) == str(tmp_path / "m")
+        with client.open("/" + str(tmp_path / "m" / "a.txt"), "wb") as fh:
+            fh.write(b"x")
+        assert client.key(str(tmp_path / "m" / "a.txt")) == "a.txt"
+    finally:
+        client.close()

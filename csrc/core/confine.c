@@ -56,6 +56,10 @@ static int ins_root_safe(void)
     size_t len;
     const char *root = ins_root(&len);
     struct stat st;
+    if (ins_cfg.dir_len > 0 && lstat(ins_cfg.dir, &st) == 0 && S_ISLNK(st.st_mode))
+        return ins_fail(EINVAL, "the managed directory %.300s is a symbolic link (refused, as "
+                        "by the Python client: set INSTRIDE_DIR to the directory itself)",
+                        ins_cfg.dir);
     if (stat(root, &st) != 0 || !S_ISDIR(st.st_mode))
         return 0; /* (not there yet; or not a directory: the open says ENOTDIR) */
     if (st.st_uid != getuid())

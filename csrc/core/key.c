@@ -14,13 +14,54 @@ static int ins_classify_errno(int dirfd, const char *path, struct ins_path *out)
  * the kernel may well open): INS_TOOLONG when, lexically, it lies under the managed directory,
  * so that it is refused (ENAMETOOLONG) and never taken for a plain file outside it. Out of
  * line: the larger buffer is only on the stack on this rare path. */
+/* Whether the directory dirfd (AT_FDCWD: the working directory) lies beneath the managed
+ * directory, told by walking up with ".." and comparing device and inode (for a directory
+ * whose path is too long to be named: getcwd fails). At most 512 levels. */
+static int ins_dir_beneath_root(int dirfd)
+{
+    struct stat root, st;
+    size_t rlen;
+    if (stat(ins_root(&rlen), &root) != 0)
+        return 0;
+    int fd = ins_sys.openat(dirfd, ".", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    for (int level = 0; fd >= 0 && level < 512; level++) {
+        if (fstat(fd, &st) != 0)
+            break;
+        if (st.st_dev == root.st_dev && st.st_ino == root.st_ino) {
+            ins_sys.close(fd);
+            return 1;
+        }
+        int up = ins_sys.openat(fd, "..", O_PATH | O_DIRECTORY | O_CLOEXEC);
+        struct stat ust;
+        int top = up >= 0 && fstat(up, &ust) == 0 && ust.st_dev == st.st_dev &&
+                  ust.st_ino == st.st_ino; /* ("/": its own parent) */
+        ins_sys.close(fd);
+        fd = top ? -1 : up;
+        if (top)
+            ins_sys.close(up);
+    }
+    if (fd >= 0)
+        ins_sys.close(fd);
+    return 0;
+}
+
 static __attribute__((noinline)) int ins_classify_long(int dirfd, const char *path)
 {
     char abs[2 * PATH_MAX + 2];
     size_t off;
-    if (strlen(path) >= PATH_MAX || ins_absolute_cap(dirfd, path, abs, sizeof abs) != 0 ||
-        ins_normalize(abs) != 0)
-        return INS_UNMANAGED; /* (a path the kernel refuses too, or no directory to join) */
+    if (strlen(path) >= PATH_MAX)
+        return INS_UNMANAGED; /* (a path the kernel refuses too) */
+    if (ins_absolute_cap(dirfd, path, abs, sizeof abs) != 0) {
+        /* the directory's own path is too long to be named (getcwd: ERANGE): beneath the
+         * managed directory, a relative path is under it (".." aside: as the kernel would
+         * resolve it, not known here: refused all the same) */
+        if (path[0] != '/' && (errno == ERANGE || errno == ENAMETOOLONG) &&
+            ins_dir_beneath_root(dirfd))
+            return INS_TOOLONG;
+        return INS_UNMANAGED;
+    }
+    if (ins_normalize(abs) != 0)
+        return INS_UNMANAGED; /* (no directory to join) */
     if (!ins_under(abs, ins_cfg.dir, ins_cfg.dir_len, &off) &&
         !ins_under(abs, ins_cfg.dir_real, ins_cfg.dir_real_len, &off))
         return INS_UNMANAGED;
@@ -64,7 +105,8 @@ static int ins_classify_errno(int dirfd, const char *path, struct ins_path *out)
         !ins_prefix(path, ins_cfg.dir_real, ins_cfg.dir_real_len) && ins_clean_abs(path))
         return INS_UNMANAGED;
     if (ins_absolute(dirfd, path, out->abs) != 0)
-        return errno == ENAMETOOLONG ? ins_classify_long(dirfd, path) : INS_UNMANAGED;
+        return errno == ENAMETOOLONG || errno == ERANGE ? ins_classify_long(dirfd, path)
+                                                       : INS_UNMANAGED;
     out->refuse = 0;
     int dotdot = strstr(out->abs, "/..") != NULL;
     if (dotdot && ins_dotdot_through_link(out->abs))

@@ -11,6 +11,7 @@
 #include "instride_preload.h"
 
 #include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
 
 /* One shared writable mapping of a produced file. */

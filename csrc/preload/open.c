@@ -25,12 +25,18 @@
         }                                                                           \
     } while (0)
 
-/* Is this open ours? O_DIRECTORY / O_PATH opens never are. */
+/* Is this open ours? O_DIRECTORY / O_PATH opens never are. 1: a key (*p filled); 0: not
+ * ours (libc's); -1 with errno: refused — a path under the managed directory too long to
+ * confine (ENAMETOOLONG), never opened in place as a plain file (visible while written). */
 static inline int ins_intercept(int dirfd, const char *path, int flags, struct ins_path *p)
 {
     if (ins_busy || (flags & (O_DIRECTORY | O_PATH)))
         return 0;
-    return ins_classify(dirfd, path, p) == INS_MANAGED;
+    int kind = ins_classify(dirfd, path, p);
+    if (kind == INS_TOOLONG)
+        return ins_fail(ENAMETOOLONG, "%.300s: its path under the managed directory is too "
+                        "long (PATH_MAX) to be a key", path);
+    return kind == INS_MANAGED;
 }
 
 static inline int ins_passed(int fd)
@@ -144,8 +150,9 @@ done:
         INS_GET_MODE(flags, flags, mode);                                           \
         INS_MAP_OR_FAIL(name, -1);                                                  \
         struct ins_path p;                                                          \
-        if (!ins_intercept(AT_FDCWD, path, flags, &p))                              \
-            return ins_passed(ins_real_##name(path, flags, mode));                  \
+        int k_ = ins_intercept(AT_FDCWD, path, flags, &p);                          \
+        if (k_ <= 0)                                                                \
+            return k_ < 0 ? -1 : ins_passed(ins_real_##name(path, flags, mode));    \
         return ins_open_managed(&p, flags, mode);                                   \
     }
 
@@ -156,8 +163,10 @@ done:
         INS_GET_MODE(flags, flags, mode);                                           \
         INS_MAP_OR_FAIL(name, -1);                                                  \
         struct ins_path p;                                                          \
-        if (!ins_intercept(dirfd, path, flags, &p))                                 \
-            return ins_passed(ins_real_##name(dirfd, path, flags, mode));           \
+        int k_ = ins_intercept(dirfd, path, flags, &p);                             \
+        if (k_ <= 0)                                                                \
+            return k_ < 0 ? -1                                                      \
+                    : ins_passed(ins_real_##name(dirfd, path, flags, mode));        \
         return ins_open_managed(&p, flags, mode);                                   \
     }
 
@@ -168,8 +177,9 @@ done:
     {                                                                               \
         INS_MAP_OR_FAIL(name, -1);                                                  \
         struct ins_path p;                                                          \
-        if (INS_NEEDS_MODE(flags) || !ins_intercept(AT_FDCWD, path, flags, &p))     \
-            return ins_passed(ins_real_##name(path, flags));                        \
+        int k_ = INS_NEEDS_MODE(flags) ? 0 : ins_intercept(AT_FDCWD, path, flags, &p); \
+        if (k_ <= 0)                                                                \
+            return k_ < 0 ? -1 : ins_passed(ins_real_##name(path, flags));          \
         return ins_open_managed(&p, flags, 0);                                      \
     }
 
@@ -178,8 +188,9 @@ done:
     {                                                                               \
         INS_MAP_OR_FAIL(name, -1);                                                  \
         struct ins_path p;                                                          \
-        if (INS_NEEDS_MODE(flags) || !ins_intercept(dirfd, path, flags, &p))        \
-            return ins_passed(ins_real_##name(dirfd, path, flags));                 \
+        int k_ = INS_NEEDS_MODE(flags) ? 0 : ins_intercept(dirfd, path, flags, &p); \
+        if (k_ <= 0)                                                                \
+            return k_ < 0 ? -1 : ins_passed(ins_real_##name(dirfd, path, flags));   \
         return ins_open_managed(&p, flags, 0);                                      \
     }
 
@@ -188,8 +199,9 @@ done:
     {                                                                               \
         INS_MAP_OR_FAIL(name, -1);                                                  \
         struct ins_path p;                                                          \
-        if (!ins_intercept(AT_FDCWD, path, O_CREAT | O_WRONLY | O_TRUNC, &p))       \
-            return ins_passed(ins_real_##name(path, mode));                         \
+        int k_ = ins_intercept(AT_FDCWD, path, O_CREAT | O_WRONLY | O_TRUNC, &p);   \
+        if (k_ <= 0)                                                                \
+            return k_ < 0 ? -1 : ins_passed(ins_real_##name(path, mode));           \
         return ins_open_managed(&p, O_CREAT | O_WRONLY | O_TRUNC, mode);            \
     }
 
@@ -244,8 +256,9 @@ static int ins_mkstemp_managed(char *template, int suffixlen, int flags, struct 
     {                                                                               \
         INS_MAP_OR_FAIL(name, -1);                                                  \
         struct ins_path p;                                                          \
-        if (!ins_intercept(AT_FDCWD, template, 0, &p))                              \
-            return ins_passed(ins_real_##name real_args);                           \
+        int k_ = ins_intercept(AT_FDCWD, template, 0, &p);                          \
+        if (k_ <= 0)                                                                \
+            return k_ < 0 ? -1 : ins_passed(ins_real_##name real_args);             \
         return ins_mkstemp_managed(template, suffixlen, flags, &p);                 \
     }
 

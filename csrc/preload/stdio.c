@@ -170,7 +170,14 @@ done:
     {                                                                               \
         INS_MAP_OR_FAIL(name, NULL);                                                \
         struct ins_path p;                                                          \
-        if (ins_busy || mode == NULL || ins_classify(AT_FDCWD, path, &p) != INS_MANAGED) \
+        int k_ = ins_busy || mode == NULL ? INS_UNMANAGED                           \
+                                          : ins_classify(AT_FDCWD, path, &p);       \
+        if (k_ == INS_TOOLONG) { /* (never opened in place: see open.c) */          \
+            ins_fail(ENAMETOOLONG, "%.300s: its path under the managed directory is " \
+                     "too long (PATH_MAX) to be a key", path);                      \
+            return NULL;                                                            \
+        }                                                                           \
+        if (k_ != INS_MANAGED)                                                      \
             return ins_passed_fp(ins_real_##name(path, mode));                      \
         return ins_fopen_managed(&p, mode, ins_real_##name);                        \
     }

@@ -32,7 +32,8 @@
 //   INSTRIDE_TIMEOUT unset, empty or inf: forever; 0: do not wait (a key not yet
 //   published fails at once with ETIMEDOUT); negative: refused (EINVAL).
 // * open() on a stream that is open fails (failbit, error() EBUSY), as std:: does,
-//   leaving the open key alone.
+//   leaving the open key alone; as after any failure, an ofstream's close() with failbit
+//   set discards the key: clear() first to publish it.
 // * Failures set failbit (which throws if you enabled exceptions()); error() returns
 //   the errno (ETIMEDOUT, EEXIST, EPERM, ELOOP, EINVAL, ECONNREFUSED, ...; the list is
 //   in docs/preload.md) and message() instride's message naming the key.
@@ -151,7 +152,14 @@ class ifstream : public std::ifstream, public detail::status {
             target = "/proc/self/fd/" + std::to_string(fd);
         }
         errno = 0;
-        std::ifstream::open(target, mode);
+        try { // (exceptions() may make a failed open throw: the held key goes all the same)
+            std::ifstream::open(target, mode);
+        } catch (...) {
+            set_status_errno(fd_ >= 0 ? (path + " (through " + target + ")").c_str()
+                                      : target.c_str());
+            release();
+            throw;
+        }
         if (!is_open()) {
             set_status_errno(fd_ >= 0 ? (path + " (through " + target + ")").c_str()
                                       : target.c_str());
@@ -243,7 +251,13 @@ class ofstream : public std::ofstream, public detail::status {
         }
         writer_.reset(w);
         errno = 0;
-        std::ofstream::open(instride_writer_path(w), mode | std::ios_base::trunc);
+        try { // (exceptions() may make a failed open throw: the key's temp goes all the same)
+            std::ofstream::open(instride_writer_path(w), mode | std::ios_base::trunc);
+        } catch (...) {
+            set_status_errno(instride_writer_path(w));
+            writer_.reset(); // aborts: the temp file is removed
+            throw;
+        }
         if (!is_open()) {
             set_status_errno(instride_writer_path(w));
             writer_.reset(); // aborts: the temp file is removed

@@ -253,7 +253,10 @@ def _dir(name: str, raw: str | None) -> Path:
     directory = Path(raw) if raw else default_dir()
     if not directory.is_absolute():
         directory = Path.cwd() / directory
-    return Path(os.path.normpath(directory))
+    text = os.path.normpath(directory)
+    if text.startswith("//"):  # (normpath keeps exactly two; Linux reads them as one, and a
+        text = "/" + text.lstrip("/")  # key's path is compared with this one as "/...")
+    return Path(text)
 
 
 def _str_or_none(name: str, raw: str | None) -> str | None:

@@ -390,6 +390,7 @@ class ConfigError(InstrideError, ValueError):
         self._init_args = (name, value, reason)
         self.name = name
         self.value = value
+        self.reason = reason
         super().__init__(f"bad setting {name}={value!r}: {reason}")
 
 

@@ -11,6 +11,7 @@ import errno
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -304,3 +305,38 @@ def test_a_managed_directory_the_library_makes_is_private(shim: Shim) -> None:
     assert proc.returncode == 0, proc.stderr
     assert (root / "a" / "k").exists()
     assert root.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_key_path_too_long_to_confine_is_refused_not_written_in_place(shim: Shim) -> None:
+    """A relative path from a deep working directory under the managed directory, whose
+    absolute form is PATH_MAX or longer: the preload library cannot confine it, and **wrote
+    it in place as a plain file** (visible under its name half-written, not write-once). It
+    is refused with ENAMETOOLONG; a short key from there still works as a key."""
+    code = textwrap.dedent(f"""
+        import errno, os
+        os.chdir({str(shim.dir)!r})
+        name = "d" * 200
+        for _ in range(21):
+            os.mkdir(name)
+            os.chdir(name)
+        try:
+            os.open("k.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            print("opened")
+        except OSError as exc:
+            print(errno.errorcode[exc.errno])
+        print(os.path.exists("k.txt"))
+        """)
+    proc = shim.py(code)
+    assert proc.stdout.split() == [b"ENAMETOOLONG", b"False"], (proc.stdout, proc.stderr)
+
+
+def test_a_managed_directory_that_is_a_link_is_refused(shim: Shim) -> None:
+    """The Python client refuses a managed directory that is itself a symbolic link; the
+    preload library followed it (the two disagreed: ``instride run --dir LINK`` refused,
+    plain ``LD_PRELOAD`` with the same directory worked). Refused with EINVAL, named."""
+    (shim.dir / "k").write_text("in the real directory\\n")
+    link = shim.outside / "link"
+    link.symlink_to(shim.dir)
+    proc = shim.with_env(INSTRIDE_DIR=str(link), INSTRIDE_DEBUG="1").run(["cat", link / "k"])
+    assert proc.returncode != 0 and b"in the real" not in proc.stdout
+    assert os.strerror(errno.EINVAL).encode() in proc.stderr and b"symbolic link" in proc.stderr

@@ -156,3 +156,12 @@ def test_relative_path_too_long_is_refused(shim: Shim, build: Builder, plain_env
     in-place write."""
     guard(build, "longrel", shim.dir, plain_env)  # (it checks that no temp was left)
     shutil.rmtree(shim.dir / ("d" * 200))  # (fd-relative: no path over PATH_MAX)
+
+
+def test_a_failing_open_with_exceptions_lets_the_key_go(shim: Shim, build: Builder,
+                                                        plain_env: dict) -> None:
+    """With ``exceptions(failbit)``, an ``open()`` whose std open failed after the key was
+    taken (out of descriptors) threw before letting the key go: ``error()`` 0, the key's
+    descriptor (or temp file) held, and every later ``open()`` refused with EBUSY. It lets
+    the key go and says why, then the stream opens again."""
+    guard(build, "throwing", shim.dir, plain_env)

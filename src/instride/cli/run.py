@@ -53,7 +53,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         ensure_private_dir(settings.dir)
     except ConfigError as exc:  # (/proc/x, a file on the way, no permission: a bad setting)
         raise ConfigError("--dir" if args.dir else "INSTRIDE_DIR", str(settings.dir),
-                          f"the managed directory: {exc.args[0].partition(': ')[2]}") from None
+                          f"the managed directory: {exc.reason}") from None
     # A quoted '$INSTRIDE_DIR' reaches us unexpanded: fill in the managed directory, so the
     # command works in a shell where the variable is not set (or with --dir).
     argv = [a.replace("${INSTRIDE_DIR}", env["INSTRIDE_DIR"]).replace("$INSTRIDE_DIR", env["INSTRIDE_DIR"])

@@ -50,7 +50,7 @@ class FileMetadata:
         try:
             check_parents(self.root, key)
             st = os.lstat(f"{self.root}/{key}")
-        except (FileNotFoundError, NotADirectoryError, UnsafePathError, FileTypeError):
+        except (OSError, UnsafePathError, FileTypeError):  # (EACCES too: no key to see)
             return None
         return self._record(key, st) if stat.S_ISREG(st.st_mode) else None
 

@@ -7,6 +7,8 @@
 //   stream_guards fork <key>           a forked child leaving the ofstream's scope publishes nothing
 //   stream_guards reopen <dir>         a second open() of an open stream fails and leaves it alone
 //   stream_guards longrel <dir>        a key by a relative path too long to handle: refused
+//   stream_guards throwing <dir>       with exceptions(failbit), an open that fails after the key
+//                                      was taken (EMFILE) lets it go and says why; opens again
 // Prints "PASS <scenario>" and exits 0, or the failed check and exits 1.
 #include <instride/stream.hpp>
 
@@ -19,6 +21,7 @@
 #include <stdexcept>
 #include <string>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -242,6 +245,66 @@ static int longrel(const std::string &dir)
     return 0;
 }
 
+// Take every free descriptor but one (the key's own open takes it: the std open then fails).
+static void starve(rlimit &old)
+{
+    getrlimit(RLIMIT_NOFILE, &old);
+    rlimit low = old;
+    low.rlim_cur = 64;
+    setrlimit(RLIMIT_NOFILE, &low);
+    int top = -1, fd;
+    while ((fd = dup(0)) >= 0)
+        top = fd;
+    ::close(top);
+}
+
+static int throwing(const std::string &dir)
+{
+    std::string in_key = dir + "/thrown-in.txt", out_key = dir + "/thrown-out.txt";
+    {
+        instride::ofstream o(in_key);
+        o << "data\n";
+    }
+    rlimit old;
+    instride::ifstream in;
+    in.exceptions(std::ios::failbit);
+    starve(old);
+    bool threw = false;
+    try {
+        in.open(in_key);
+    } catch (const std::ios_base::failure &) {
+        threw = true;
+    }
+    setrlimit(RLIMIT_NOFILE, &old);
+    CHECK(threw && !in.is_open() && in.error() != 0 && !in.message().empty());
+    in.clear();
+    in.open(in_key); // (the key was let go: not EBUSY)
+    CHECK(in.is_open());
+    std::string line;
+    CHECK(std::getline(in, line) && line == "data");
+    in.close();
+
+    instride::ofstream out;
+    out.exceptions(std::ios::failbit);
+    starve(old);
+    threw = false;
+    try {
+        out.open(out_key);
+    } catch (const std::ios_base::failure &) {
+        threw = true;
+    }
+    setrlimit(RLIMIT_NOFILE, &old);
+    CHECK(threw && out.error() != 0);
+    out.clear();
+    out.open(out_key); // (the first temp was removed: the key opens afresh)
+    CHECK(out.is_open());
+    out << "x\n";
+    out.close();
+    struct stat st;
+    CHECK(stat(out_key.c_str(), &st) == 0 && st.st_size == 2);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 3)
@@ -253,6 +316,7 @@ int main(int argc, char **argv)
              : cmd == "fork"    ? forked(arg)
              : cmd == "reopen"  ? reopen(arg)
              : cmd == "longrel" ? longrel(arg)
+             : cmd == "throwing" ? throwing(arg)
                                 : 2;
     if (rc == 0 && cmd != "reader")
         std::cout << "PASS " << cmd << std::endl;
