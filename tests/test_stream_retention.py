@@ -25,6 +25,7 @@ import instride
 import instride.stream as stream_mod
 from instride.errors import (
     ConfigError,
+    ConsumeTimeout,
     FramesMissed,
     GroupBusy,
     IntegrityError,
@@ -1174,7 +1175,9 @@ def test_a_plain_reader_waiting_when_its_stream_is_rerun_raises_stream_rerun(
 
         waiter = threading.Thread(target=wait)
         waiter.start()
-        time.sleep(0.3)  # (waiting for frame 3)
+        # (waiting for frame 3; in cluster mode the run is asked after a wait of half a second
+        # or more: a producer started again takes longer than that)
+        time.sleep(0.3 if where == "local" else stream_mod._RUN_WAITED + 0.3)
         w1.abandon()  # (the producer died)
         with instride.Stream("pr", mode="w", retain=retain, overwrite=True,
                              client=writer) as w2:
@@ -1617,3 +1620,63 @@ def test_a_cursor_file_cut_short_counts_as_the_start(client: instride.Client) ->
     r.close()
     cursor.write_bytes(b"")
     assert instride.Stream("cut", mode="r", client=client)._share.cursors() == {"g": 0}
+
+
+def test_a_plain_cluster_reader_waits_through_a_redis_restart(tmp_path: Path) -> None:
+    """A plain reader on another node that had read frames waits for the next one while
+    Redis (persisted) is down a few seconds: its look at the stream's run (a re-run?) **ended
+    the wait with ``MetadataUnavailable``** once the connect timeout passed, where waiters
+    survive a Redis restart (they re-subscribe and re-check). The look is advisory now. And
+    ``read(i, timeout=0)`` with Redis away is a ``ConsumeTimeout`` again."""
+    from tests.conftest import RedisServer, running_nodes
+
+    data = tmp_path / "redis"
+    data.mkdir()
+    server = RedisServer()
+
+    def start() -> None:
+        server.start("--dir", str(data), "--appendonly", "yes", "--appendfsync", "always")
+
+    start()
+    try:
+        with running_nodes(tmp_path, server.url, "test-token", (1, 2)) as nodes:
+            writer, reader = nodes[0].client(), nodes[1].client()
+            try:
+                w = instride.Stream("rr", mode="w", client=writer)
+                for i in range(3):
+                    w.append(_positions(i), step=i)
+                r = instride.Stream("rr", client=reader)  # (no timeout: for ever)
+                other = instride.Stream("rr", client=reader)
+                for i in range(3):
+                    r.read(i).release()
+                other.read(0).release()
+                got: list[object] = []
+
+                def wait() -> None:
+                    try:
+                        got.append(r.read(3).step)
+                    except Exception as exc:  # noqa: BLE001 (what it raised is the result)
+                        got.append(exc)
+
+                t = threading.Thread(target=wait)
+                t.start()
+                time.sleep(0.5)
+                server.stop()
+                try:
+                    with pytest.raises(ConsumeTimeout):
+                        other.read(5, timeout=0)
+                    time.sleep(3.0)  # (past the connect timeout)
+                finally:
+                    start()
+                time.sleep(0.3)
+                w.append(_positions(3), step=3)
+                t.join(30)
+                assert got == [3], got
+                w.close()
+                r.close()
+                other.close()
+            finally:
+                writer.close()
+                reader.close()
+    finally:
+        server.stop()

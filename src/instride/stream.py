@@ -68,6 +68,7 @@ from .errors import (
     ConsumeTimeout,
     EndOfStream,
     FramesMissed,
+    GroupBusy,
     GroupLeaseLost,
     GroupReset,
     InstrideError,
@@ -120,10 +121,14 @@ _SLICE = 0.5
 _GAP_SLICE = 0.02
 #: seconds between two looks of a plain cluster reader at its stream's run (a round trip to
 #: Redis; see ``Stream._same_run``)
-_RUN_LOOK = 0.25
+_RUN_LOOK = 1.0
 #: ... and after a read that took this long (it waited: a re-run's first frames come after a
-#: wait, the earlier run's producer gone)
-_RUN_WAITED = 0.02
+#: wait, its producer started again — a process start, seconds; a producer paced faster than
+#: every half second is not asked about per frame)
+_RUN_WAITED = 0.5
+#: seconds a look at the stream's run waits for Redis: advisory (Redis away: looked at again
+#: at the next look; the reader's own wait goes on as it would have)
+_RUN_ASK = 0.2
 #: seconds a reading of the groups' cursors may be used to retire frames they are past
 _GROUPS_FRESH = 0.05
 #: frames a group reader on another node asks its owner for ahead of the one it reads (the
@@ -496,7 +501,7 @@ class Stream:
             if mode == "w":
                 raise ValueError("group= is for consumers; a producer registers groups with groups=")
             self.mode = "r"
-            self._run_mark = self._share.run_mark()  # (before: see _rejoin_group)
+            self._run_mark = self._run_now()  # (before: see _rejoin_group)
             self._cursor_file = self._share.open_group(self.group, start=0)
             self._cursor = self._cursor_file.value
 
@@ -1331,10 +1336,21 @@ class Stream:
         self._rerun_seen = True
         return StreamRerun(self.name, index)
 
+    def _run_now(self) -> object:
+        """The stream's run mark (``StreamState.run_mark``), Redis given ``_RUN_ASK`` seconds
+        at most: ``None`` where it does not answer in time — the look is advisory, made again
+        at the next one (a Redis outage must not end a reader that waits through it)."""
+        try:
+            return self._share.run_mark(time.monotonic() + _RUN_ASK)
+        except MetadataUnavailable as exc:
+            if getattr(exc, "refused", None) is not None:  # (Redis's answer: a refusal)
+                raise
+            return None
+
     def _rerun(self, *, always: bool = False) -> bool:
         """Whether a plain reader that has returned frames finds its stream re-run since (a
         round trip to Redis in cluster mode: looked at only ``_RUN_LOOK`` after the last look,
-        unless ``always``)."""
+        unless ``always``; not known — Redis away — is no)."""
         if self.group is not None or not self._handed:
             return False
         if self._rerun_seen:
@@ -1342,8 +1358,11 @@ class Stream:
         now = time.monotonic()
         if not (always or self._share.run_mark_cheap or now - self._run_looked >= _RUN_LOOK):
             return False
-        mark, self._run_looked = self._share.run_mark(), now
-        return mark is not None and mark != self._run_mark
+        mark = self._run_now()
+        if mark is None:
+            return False
+        self._run_looked = now
+        return mark != self._run_mark
 
     def _same_run(self, frame: Frame, index: int) -> bool:
         """Whether a plain reader may return ``frame``, of the stream's run it has read so far.
@@ -1377,7 +1396,7 @@ class Stream:
                 try:
                     if self._cursor_file is not None:
                         self._cursor_file.check()
-                    mark = None if self._share.run_mark_cheap else self._share.run_mark()
+                    mark = None if self._share.run_mark_cheap else self._run_now()
                 except BaseException:
                     frame.release()
                     raise
@@ -1391,13 +1410,14 @@ class Stream:
             raise StreamRerun(self.name, index)
         share, now = self._share, time.monotonic()
         if share.run_mark_cheap or now - self._run_looked >= _RUN_LOOK or self._run_mark is None \
-                or now - self._read_began >= _RUN_WAITED:
+                or now - self._read_began >= _RUN_WAITED or not self._handed:
             try:
-                mark = share.run_mark()
+                mark = self._run_now()
             except BaseException:
                 frame.release()
                 raise
-            self._run_looked = now
+            if mark is not None:
+                self._run_looked = now
             if mark is not None and mark != self._run_mark:
                 if self._handed:
                     frame.release()
@@ -1418,8 +1438,8 @@ class Stream:
             raise StreamRerun(self.name, index)
         if self._run_mark is None and self.group is None and not self._handed:
             # (before the first frame is taken: a re-run that starts after this look is seen
-            # once the frame is in; see _same_run)
-            self._run_mark, self._run_looked = self._share.run_mark(), time.monotonic()
+            # once the frame is in — looked at again then, see _same_run)
+            self._run_mark = self._run_now()
         if index < 0:
             index += len(self)
             if index < 0:
@@ -1911,9 +1931,13 @@ class Stream:
                 old.close()
         self._inbox_next, self._fetched_from, self._done = -1, None, None
         self._run_known = False  # (this node's copies of the earlier run's frames: dropped)
-        self._run_mark = self._share.run_mark()
-        self._cursor_file = self._share.open_group(self.group, start=0)
-        self._cursor = self._cursor_file.value
+        self._run_mark = self._run_now()
+        cursor = self._share.open_group(self.group, start=0)
+        if self._closed:  # (closed from another thread meanwhile: the group is not kept)
+            cursor.close()
+            self._check_open()
+        self._cursor_file = cursor
+        self._cursor = cursor.value
 
     def _next(self) -> Frame:
         self._check_open()
@@ -1957,9 +1981,9 @@ class Stream:
                 frame.release()
                 self._check_open()
             if self._cursor_file is not None:
-                try:  # (a reader paused in its wait, its group taken over meanwhile)
-                    self._cursor_file.check()
-                except GroupLeaseLost:
+                try:  # (a reader paused in its wait, its group taken over meanwhile; or a
+                    self._cursor_file.check()  # forked child's copy: GroupBusy)
+                except GroupBusy:
                     frame.release()
                     raise
             self._cursor += 1

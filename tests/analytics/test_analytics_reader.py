@@ -483,3 +483,20 @@ def test_a_frame_waited_for_is_read_once(managed_dir: Path, adk) -> None:
     assert [reads.count(i) for i in range(1, 6)] == [1] * 5, reads
     assert reader.wait_seconds > 0.5  # (five waits of ~0.2 s)
     reader.close()
+
+
+def test_a_frame_that_never_comes_times_out_once(managed_dir: Path, adk) -> None:
+    """The wait for a frame's publication took the reader's whole timeout, then the read
+    after it waited the whole timeout again: ``ConsumeTimeout`` after twice the timeout. The
+    read gets what is left."""
+    producer = instride.Stream("late", mode="w")
+    producer.append(adk.atoms.positions, step=0)
+    reader = InstrideReader("instride://late", n_atoms=adk.atoms.n_atoms, timeout=1.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ConsumeTimeout):
+            reader._fetch(1, wait=True)
+        assert time.monotonic() - t0 < 1.8
+    finally:
+        reader.close()
+        producer.close()

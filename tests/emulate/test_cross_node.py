@@ -294,15 +294,16 @@ def test_bounded_cache_evicts_lru_copies_never_originals(cluster: EmulatedCluste
     run(cluster, 4, PUT, "cache/own", "O", "0", "4000000")  # an original of node 4
     for i in range(5):
         run(cluster, 1, PUT, f"cache/f{i}", str(i), "0", "1000000")
-    for i in range(5):
-        run(cluster, 4, GET, f"cache/f{i}", "10", INSTRIDE_CACHE_BYTES="3000000")
+    for i in range(5):  # (over the bound, the least recently used copies go until the
+        # copies are a tenth below it, 3.15 MB: three copies of 1 MB stay)
+        run(cluster, 4, GET, f"cache/f{i}", "10", INSTRIDE_CACHE_BYTES="3500000")
         time.sleep(0.05)
     d = cluster.node(4).dir / "cache"
     assert (d / "own").exists()
     present = sorted(p.name for p in d.iterdir() if p.name.startswith("f"))
     assert present == ["f2", "f3", "f4"]
     # an evicted key is simply fetched again
-    assert run(cluster, 4, GET, "cache/f0", "10", INSTRIDE_CACHE_BYTES="3000000").split()[2] == "1"
+    assert run(cluster, 4, GET, "cache/f0", "10", INSTRIDE_CACHE_BYTES="3500000").split()[2] == "1"
 
 
 def test_consume_bytes_from_another_node_stores_nothing(cluster: EmulatedCluster) -> None:

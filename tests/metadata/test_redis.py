@@ -780,3 +780,37 @@ def test_error_replies_of_redis_are_typed_errors(redis_server: RedisServer, tmp_
         admin.config_set("requirepass", "")
         lean.close()
         plain.close()
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_a_wait_refused_its_subscription_is_a_typed_error_at_once(
+        redis_server: RedisServer, tmp_path, lean: bool) -> None:  # type: ignore[no-untyped-def]
+    """A Redis user with key rights but no channel rights (Redis 7's ``resetchannels``, the
+    default for new ACL users): lookups worked, and a wait without a timeout **waited for
+    ever** (the lean subscriber skipped SUBSCRIBE's error reply), or raised redis-py's raw
+    ``NoPermissionError``. It is an ``AuthenticationError`` at once."""
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.execute_command("ACL", "SETUSER", "nochan", "on", ">pw", "~*", "resetchannels",
+                          "+@all")
+    url = f"redis://nochan:pw@{redis_server.host}:{redis_server.port}/0"
+    md = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=1))
+    if not lean:
+        md._fast_args = None  # (the redis-py path, as a unix:// or TLS URL takes)
+    got: list[object] = []
+
+    def wait() -> None:
+        try:
+            got.append(md.wait_any(["y/k"], None))
+        except Exception as exc:  # noqa: BLE001 (what it raised is the result)
+            got.append(exc)
+
+    try:
+        assert md.lookup("y/k") is None
+        t = threading.Thread(target=wait, daemon=True)  # (a hang must not hang the suite)
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "the wait went on"
+        assert isinstance(got[0], AuthenticationError) and "SUBSCRIBE" in str(got[0]), got
+    finally:
+        md.close()
+        admin.execute_command("ACL", "DELUSER", "nochan")

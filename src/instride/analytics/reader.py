@@ -121,19 +121,21 @@ def wait_for_end(stream: Stream, timeout: float | None = None) -> int:
     return len(stream)
 
 
-def _wait_published(stream: Stream, index: int) -> None:
+def _wait_published(stream: Stream, index: int) -> float | None:
     """Block until frame ``index`` of ``stream`` is published (or was, and is retired since),
     the stream ended, or the stream's timeout passed — the read after it tells which — waiting
     in slices of ``_SLICE`` for the frame's key or the end marker (a frame published and
-    retired while the wait looked away shows in the stream's count of frames)."""
+    retired while the wait looked away shows in the stream's count of frames). Returns what
+    is left of the timeout, for that read (``None``: no limit)."""
     key, end = stream.frame_key(index), stream.end_key
     deadline = None if stream.timeout is None else time.monotonic() + stream.timeout
     while not stream.has(index) and len(stream) <= index and not stream.ended:
         left = _SLICE if deadline is None else min(_SLICE, deadline - time.monotonic())
         if left <= 0:
-            return
+            break
         with contextlib.suppress(ConsumeTimeout):
             stream.client.wait_any([key, end], timeout=left)
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 class InstrideReader(ReaderBase):
@@ -317,12 +319,14 @@ class InstrideReader(ReaderBase):
                 "length='final'."
             )
         ready = index < self._count or stream.client.exists(stream.frame_key(index))
+        left = None
         if not ready:  # blocked until published (or the end): idle time
             t0 = time.perf_counter()
-            _wait_published(stream, index)
+            left = _wait_published(stream, index)
             self.wait_seconds += time.perf_counter() - t0
         t0 = time.perf_counter()
-        frame = stream.read(index)
+        # (what is left of the timeout: the wait above had its share, not a second one)
+        frame = stream.read(index) if left is None else stream.read(index, timeout=left)
         self.read_seconds += time.perf_counter() - t0
         self._count = max(self._count, index + 1)  # a stream is published in order
         self.frame_nbytes = frame_bytes(frame)

@@ -79,6 +79,9 @@ _EVICT_TO = 0.9
 #: walk took (a walk's share of the node's time stays small however many copies it keeps)
 _REWALK_AFTER = 1.0
 _REWALK_SHARE = 50
+#: the share of the room below the bound, as the last walk found it, that this process may
+#: fetch into before it walks again
+_REWALK_ROOM = 0.25
 #: seconds an early fetch waits for its record to be announced (the owner records a frame
 #: right after renaming it) before looking it up
 _HEARD_WITHIN = 0.002
@@ -197,6 +200,7 @@ class ClusterEngine:
         #: the bytes of the node's copies as last walked plus what this process fetched since
         #: (``None``: not walked yet), and when the next walk is due all the same (see evict)
         self._cached_bytes: int | None = None
+        self._fetched_since = 0  # (bytes this process fetched since that walk)
         self._rewalk_at = 0.0
         #: the record of the last key this process fetched (a stream's reader asks the same
         #: owner for its next frame: :meth:`fetch_when_published`)
@@ -443,20 +447,23 @@ class ClusterEngine:
         Called after each fetch (``keep``: the key just fetched, never evicted; without
         it, the cache is walked in any case). Walking the
         cache lists and stats every copy of the node, O(copies): it is walked only when the
-        bytes of the last walk plus those this process fetched since exceed the bound, or
-        once the last walk is a while ago (:data:`_REWALK_AFTER`: copies other processes of
-        the node fetched count then). Over the bound, copies go until the cache is a tenth
-        below it (:data:`_EVICT_TO`), so that the next fetches do not walk at once again.
+        bytes this process fetched since the last walk exceed a quarter of the room that walk
+        left below the bound (:data:`_REWALK_ROOM`: other processes of the node fetch into
+        the same room — with N of them the cache goes over the bound by about N/4 of that
+        room at most, until one walks), or once the last walk is a while ago
+        (:data:`_REWALK_AFTER`). Over the bound, copies go until the cache is a tenth below
+        it (:data:`_EVICT_TO`), so that the next fetches do not walk at once again.
         """
         limit = self.settings.cache_bytes
         if limit is None:
             return []
         if keep is not None and self._cached_bytes is not None:
             with contextlib.suppress(OSError):
-                self._cached_bytes += os.stat(f"{self.root}/{keep}", follow_symlinks=False).st_size
-        if keep is not None and self._cached_bytes is not None \
-                and self._cached_bytes <= limit and time.monotonic() < self._rewalk_at:
-            return []  # (under the bound as far as this process knows, and walked lately)
+                self._fetched_since += os.stat(f"{self.root}/{keep}",
+                                               follow_symlinks=False).st_size
+            room = max(0, limit - self._cached_bytes)
+            if self._fetched_since <= room * _REWALK_ROOM and time.monotonic() < self._rewalk_at:
+                return []  # (room left as far as this process knows, and walked lately)
         began = time.monotonic()
         entries = sorted(self.cached_entries())
         total = sum(size for _, size, _ in entries)
@@ -482,7 +489,7 @@ class ClusterEngine:
             total -= size
             evicted.append(key)
         now = time.monotonic()
-        self._cached_bytes = total
+        self._cached_bytes, self._fetched_since = total, 0
         self._rewalk_at = now + max(_REWALK_AFTER, _REWALK_SHARE * (now - began))
         return evicted
 

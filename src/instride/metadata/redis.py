@@ -54,7 +54,7 @@ from ..perthread import PerThread, forks, pid
 from ..record import Record
 from . import resp
 from .base import PendingRecord
-from .resp import RespConnection, hash_fields
+from .resp import UNAVAILABLE, RespConnection, hash_fields
 
 PREFIX = "instride:"
 _REC = PREFIX + "rec:"
@@ -156,6 +156,9 @@ _REPLIES = (redis.ResponseError, redis.AuthenticationError, redis.exceptions.Aut
             hiredis.ReplyError)
 #: how Redis's replies that refuse a client for want of credentials or rights begin (as the
 #: lean connections see them: redis-py takes the first word off, and raises its own classes)
+#: Redis's answers that mean "not now" (loading its data, a script running, no master, a
+#: slot moving; READONLY: a replica after a failover's switch): tried again, as unavailability
+_NOT_NOW = (*UNAVAILABLE, "READONLY")
 _AUTH_REPLIES = ("NOAUTH", "WRONGPASS", "NOPERM", "ERR Protocol error: unauthenticated",
                  "ERR AUTH", "ERR Client sent AUTH")
 
@@ -477,8 +480,15 @@ class RedisMetadata:
                     return fn()
                 finally:
                     fast.until = None
-            except _REPLIES as exc:  # (an answer: asking again would be refused again)
-                raise _refusal(self.url, what, exc) from None
+            except _REPLIES as exc:  # (an answer: asking again would be refused again —
+                # except Redis's "not now" answers, a restart or failover under way, which the
+                # lean connections take for unavailability and try again, as here)
+                if not str(exc).startswith(_NOT_NOW):
+                    raise _refusal(self.url, what, exc) from None
+                if time.monotonic() + delay > deadline:
+                    raise MetadataUnavailable(self.url, f"{what}: {exc}") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
             except _ERRORS as exc:
                 if time.monotonic() + delay > deadline:
                     raise MetadataUnavailable(self.url, f"{what}: {exc}") from None
@@ -694,12 +704,14 @@ class RedisMetadata:
         conn = getattr(self._per_thread.get(), "fast", None)
         return conn is None or conn.take_deferred(wait)
 
-    def command(self, *args: Any) -> Any:
+    def command(self, *args: Any, deadline: float | None = None) -> Any:
         """One Redis command, on this thread's lean connection where the URL allows (the
-        per-frame commands of streams), else through redis-py; connection errors retried."""
+        per-frame commands of streams), else through redis-py; connection errors retried
+        until ``deadline`` (``time.monotonic()``; default: the connect timeout from now)."""
         fast = self._fast()
         if fast is None:
-            return self._call(str(args[0]), lambda: self.redis.execute_command(*args))
+            return self._call(str(args[0]), lambda: self.redis.execute_command(*args),
+                              deadline)
 
         def run() -> Any:
             (reply,) = fast.call([args])
@@ -707,7 +719,7 @@ class RedisMetadata:
                 raise redis.ResponseError(str(reply))
             return reply
 
-        return self._call(str(args[0]), run)
+        return self._call(str(args[0]), run, deadline)
 
     def flush(self) -> None:
         """Wait until this thread's deferred commands (:meth:`set_later`,
@@ -901,9 +913,12 @@ class RedisMetadata:
                             if rec is not None:
                                 return rec
                 finally:
-                    ps.unsubscribe(*channels)
+                    with contextlib.suppress(*_REPLIES):  # (refused too, if the SUBSCRIBE was)
+                        ps.unsubscribe(*channels)
             except ConsumeTimeout:
                 raise  # (the wait's own end, not a lost connection: nothing dropped)
+            except _REPLIES as exc:  # (Redis's answer, a NOPERM say: again would be refused
+                raise _refusal(self.url, "wait (SUBSCRIBE)", exc) from None  # again, for ever)
             except _ERRORS as exc:
                 # Redis went away (or stopped answering: see _Liveness): drop the connection,
                 # back off, re-subscribe, re-check. The pool's idle connections go too: they
@@ -1188,6 +1203,9 @@ class RedisMetadata:
                     in_force = False
                     while True:
                         msg = sub.read(remaining(), spin)
+                        if isinstance(msg, Exception):  # (Redis refused the SUBSCRIBE: an
+                            # ACL user without channel rights; waiting on would be for ever)
+                            raise _refusal(self.url, "wait (SUBSCRIBE)", msg)
                         if not isinstance(msg, list) or len(msg) < 2:
                             continue
                         if not in_force:
@@ -1203,8 +1221,8 @@ class RedisMetadata:
                 finally:
                     if sub.sock is not None:  # (a broken connection is gone already)
                         sub.send([("UNSUBSCRIBE", *channels)])
-            except ConsumeTimeout:
-                raise  # (the wait's own end)
+            except (ConsumeTimeout, InstrideError):
+                raise  # (the wait's own end; a refusal, typed above: not a lost connection)
             except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
                 # (the subscriber's login refused: again would be refused again, for ever)
                 raise _refusal(self.url, "wait", exc) from None

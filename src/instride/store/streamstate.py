@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import json
 import mmap
 import os
@@ -50,6 +51,8 @@ ARCHIVE_GROUP = "archive"
 #: A group's position past every frame: a reader that stopped for good (``leave_group``)
 #: takes nothing more, so its producer no longer waits for it.
 GROUP_DONE = 2**62
+#: tries of a re-run's reset of the groups (Redis) that a commit can spoil (WATCH)
+_RESET_TRIES = 100
 _GROUP_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\Z")
 _HEAD = struct.Struct("<qqqq")  # oldest retained, frames written, producer pid, run count
 _CURSOR = struct.Struct("<q")
@@ -440,9 +443,10 @@ class StreamState(Protocol):
     #: counter), or costs a round trip to the metadata (looked at now and then)
     run_mark_cheap: bool
 
-    def run_mark(self) -> object:
+    def run_mark(self, deadline: float | None = None) -> object:
         """A mark of the stream's current run that changes with every producer's start
-        (``None`` before one started): what a plain reader compares to tell a re-run."""
+        (``None`` before one started): what a plain reader compares to tell a re-run.
+        ``deadline``: when to give up asking the metadata (``MetadataUnavailable``)."""
 
     def close(self) -> None:
         """Release what the state holds."""
@@ -558,7 +562,7 @@ class LocalStreamState:
 
     run_mark_cheap = True
 
-    def run_mark(self) -> int | None:
+    def run_mark(self, deadline: float | None = None) -> int | None:
         """How many producers started the stream (its head's count, mapped: ~0.3 µs)."""
         if self.head() is None:
             return None
@@ -684,11 +688,15 @@ class RedisStreamState:
         run = uuid.uuid4().hex
 
         def transaction() -> None:
-            while True:
+            for tries in itertools.count(1):
                 try:
                     return attempt()
                 except redis.WatchError:  # (a group registered or moved meanwhile: again)
-                    continue
+                    if tries >= _RESET_TRIES:
+                        raise MetadataUnavailable(
+                            self.metadata.url, f"start stream {self.stream}: its groups moved "
+                            f"under each of {tries} tries to reset them") from None
+                    time.sleep(min(0.001 * tries, 0.05))
 
         def attempt() -> None:
             with self.redis.pipeline(transaction=True) as pipe:  # (reset on the way out)
@@ -786,13 +794,14 @@ class RedisStreamState:
         raw = self._r("look up the policy", lambda: self.redis.hget(self._head, "policy"))
         return None if raw is None else Policy(**json.loads(raw))
 
-    def run(self) -> tuple[str, float, str | None] | str | None:
+    def run(self, deadline: float | None = None) -> tuple[str, float, str | None] | str | None:
         """The current run of the stream (made new by each producer's start), when it
         started (``time.time()``) and the address of the node that produces it (``None``:
         not recorded, by an earlier instride); ``None`` before a producer started; ``""``
-        for a stream whose producer recorded no run (an earlier instride's)."""
-        written, run, since, node = self.metadata.command("HMGET", self._head, "written", "run",
-                                                          "since", "node")
+        for a stream whose producer recorded no run (an earlier instride's). ``deadline``:
+        when to give up reaching Redis (default: the connect timeout from now)."""
+        written, run, since, node = self.metadata.command(
+            "HMGET", self._head, "written", "run", "since", "node", deadline=deadline)
         if written is None:
             return None
         if run is None or since is None:
@@ -806,9 +815,10 @@ class RedisStreamState:
 
     run_mark_cheap = False
 
-    def run_mark(self) -> str | None:
+    def run_mark(self, deadline: float | None = None) -> str | None:
         """The stream's current run id (a round trip to Redis)."""
-        return self.run_id()
+        run = self.run(deadline)
+        return run[0] if isinstance(run, tuple) else run
 
     def resets(self) -> int:
         """How many times the stream's groups were reset (by re-runs, ``overwrite=True``)."""
