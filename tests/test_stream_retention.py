@@ -1128,6 +1128,22 @@ def test_a_cluster_reader_learns_of_a_rerun_from_its_first_refused_commit(
             reader.close()
 
 
+def _iterating(stream: instride.Stream) -> tuple[threading.Thread, list[object]]:
+    """A thread iterating ``stream``, started; the list gets the steps it took, then what
+    it raised (if it raised)."""
+    got: list[object] = []
+
+    def run() -> None:
+        try:
+            got.extend(f.step for f in stream)
+        except Exception as exc:  # noqa: BLE001 (what it raised is the result)
+            got.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, got
+
+
 @contextlib.contextmanager
 def _two_clients(where: str, client: instride.Client, tmp_path: Path, redis_url: str
                  ) -> Iterator[tuple[instride.Client, instride.Client]]:
@@ -1466,16 +1482,7 @@ def test_a_group_reader_started_before_a_rerunning_producer_reads_the_new_run(
             r1.close()
         r = instride.Stream("early", group="g", client=reader, timeout=20)
         assert r.tell() == (3 if earlier else 0)
-        got: list[object] = []
-
-        def read() -> None:
-            try:
-                got.extend(f.step for f in r)
-            except Exception as exc:  # noqa: BLE001 (what it raised is the result)
-                got.append(exc)
-
-        t = threading.Thread(target=read)
-        t.start()
+        t, got = _iterating(r)
         time.sleep(0.3)  # (the reader waits for frame 0)
         with instride.Stream("early", mode="w", retain=8, groups=["g"], overwrite=True,
                              client=writer) as w:
@@ -1555,16 +1562,7 @@ def test_a_reader_closed_from_another_thread_takes_no_frame(
         for i in range(2):
             w.append(_positions(i), step=i)
         r = instride.Stream("cl", group="g", client=reader, timeout=8)
-        got: list[object] = []
-
-        def work() -> None:
-            try:
-                got.extend(f.step for f in r)
-            except Exception as exc:  # noqa: BLE001 (what it raised is the result)
-                got.append(exc)
-
-        t = threading.Thread(target=work)
-        t.start()
+        t, got = _iterating(r)
         time.sleep(0.5)  # (frames 0 and 1 taken; waiting for 2)
         r.close()
         second = instride.Stream("cl", group="g", client=reader, timeout=8)
