@@ -82,6 +82,18 @@ def _ctrl_c() -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
+def _up_interrupted(monkeypatch: pytest.MonkeyPatch) -> EmulatedSlurm:
+    """A one-node ``EmulatedSlurm`` whose ``up()`` the patches in place interrupt (Ctrl-C):
+    it must raise ``KeyboardInterrupt``; the patches are undone either way."""
+    slurm = EmulatedSlurm(nodes=1)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            slurm.up()
+    finally:
+        monkeypatch.undo()
+    return slurm
+
+
 @pytest.mark.parametrize("where", ["hub", "node"])
 def test_a_ctrl_c_as_a_namespace_is_made_leaves_no_namespace(
         monkeypatch: pytest.MonkeyPatch, where: str) -> None:
@@ -101,12 +113,9 @@ def test_a_ctrl_c_as_a_namespace_is_made_leaves_no_namespace(
         return proc
 
     monkeypatch.setattr(nn, "ip", ip)
-    slurm = EmulatedSlurm(nodes=1)
     try:
-        with pytest.raises(KeyboardInterrupt):
-            slurm.up()
+        slurm = _up_interrupted(monkeypatch)
     finally:
-        monkeypatch.undo()
         leaked = [ns for ns in made if ns in nn.list_netns()]
         for ns in leaked:  # (before the fix: removed here, by its name)
             nn.del_netns(ns)
@@ -131,12 +140,9 @@ def test_a_ctrl_c_as_munged_starts_leaves_no_munged(monkeypatch: pytest.MonkeyPa
         return proc
 
     monkeypatch.setattr(subprocess, "Popen", popen)
-    slurm = EmulatedSlurm(nodes=1)
     try:
-        with pytest.raises(KeyboardInterrupt):
-            slurm.up()
+        slurm = _up_interrupted(monkeypatch)
     finally:
-        monkeypatch.undo()
         alive = [p for p in started if p.poll() is None]
         for p in alive:  # (before the fix: stopped here, by its PID)
             p.send_signal(signal.SIGTERM)
