@@ -1493,6 +1493,41 @@ def test_a_group_reader_started_before_a_rerunning_producer_reads_the_new_run(
         assert got == [10, 11, 12, 13, 14], got
 
 
+@pytest.mark.parametrize("how", ["read", "latest"])
+@pytest.mark.parametrize("where", ["local", "same node", "other node"])
+def test_a_group_readers_first_random_read_of_a_rerun_reads_the_new_run(
+        where: str, how: str, client: instride.Client, tmp_path: Path,
+        redis_server: Any) -> None:
+    """As above, but the group reader's first read is random access (``read(i)``, or
+    ``latest()``), not iteration: it **raised GroupReset** having returned nothing (only
+    iteration took the group again). It takes the group again too, and returns the new
+    run's frame."""
+    with _two_clients(where, client, tmp_path, redis_server.url) as (writer, reader):
+        w1 = instride.Stream("rr", mode="w", retain=8, groups=["g"], client=writer)
+        for i in range(3):
+            w1.append(_positions(i), step=i)
+        w1.abandon()
+        r1 = instride.Stream("rr", group="g", client=reader, timeout=20)
+        assert [next(r1).step for _ in range(3)] == [0, 1, 2]
+        r1._move_on()  # (its position, 3, recorded)
+        r1.close()
+        r = instride.Stream("rr", group="g", client=reader, timeout=20)
+        with instride.Stream("rr", mode="w", retain=8, groups=["g"], overwrite=True,
+                             client=writer) as w:
+            for i in range(5):
+                w.append(_positions(10 + i), step=10 + i)
+        try:
+            if how == "read":
+                assert r.read(1).step == 11
+                assert r.tell() == 0  # (the new run's position: random access moves nothing)
+                assert next(r).step == 10
+            else:
+                assert r.latest().step == 14
+                assert r.tell() == 5
+        finally:
+            r.close()
+
+
 
 
 def test_a_forked_child_does_not_keep_the_group_of_its_parents_reader(

@@ -51,7 +51,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from time import monotonic as _monotonic  # (append's argument `time` shadows the module)
 from typing import Any
@@ -1317,6 +1317,23 @@ class Stream:
         ValueError
             The stream was closed.
         """
+        return self._rejoining(lambda: self._read_of_run(index, timeout))
+
+    def _rejoining(self, take: Callable[[], Frame]) -> Frame:
+        """``take()``; where it raised ``GroupReset`` and this group reader has returned no
+        frame yet, the group taken again (see :meth:`_rejoin_group`) and ``take()`` again,
+        at the new run's position. (``__next__`` does the same inline: its path is hot.)"""
+        while True:
+            try:
+                return take()
+            except GroupReset:
+                if self._handed or self._closed:
+                    raise
+                self._rejoin_group()
+
+    def _read_of_run(self, index: int, timeout: float | None) -> Frame:
+        """:meth:`read`, a group reset by a re-run raised (``GroupReset``): iteration takes
+        the group again at its new position, not at the frame number it asked for."""
         while True:
             try:
                 frame = self._read(index, timeout)
@@ -1958,7 +1975,7 @@ class Stream:
                         timeout = max(0.0, self.timeout - (time.monotonic() - began))
                 if frame is None:
                     try:
-                        frame, timeout = self.read(self._cursor, timeout), None
+                        frame, timeout = self._read_of_run(self._cursor, timeout), None
                     except ConsumeTimeout as exc:
                         if began is None:
                             raise
@@ -2001,6 +2018,10 @@ class Stream:
         EndOfStream
             The stream ended and no frame at or past the cursor exists.
         """
+        return self._rejoining(self._latest)
+
+    def _latest(self) -> Frame:
+        """:meth:`latest`, a group reset by a re-run raised (``GroupReset``)."""
         self._check_open()
         if self.mode is None:
             self.mode = "r"
@@ -2008,8 +2029,8 @@ class Stream:
         while True:
             newest = len(self) - 1
             index = max(newest, self._cursor)
-            try:
-                frame = self.read(index)  # waits when nothing at or past the cursor exists yet
+            try:  # (waits when nothing at or past the cursor exists yet)
+                frame = self._read_of_run(index, None)
             except FramesMissed:
                 continue  # retired between our look and our read: a newer frame exists
             break
