@@ -154,3 +154,70 @@ def test_a_managed_directory_named_with_two_leading_slashes_takes_its_keys(
         assert client.key(str(tmp_path / "m" / "a.txt")) == "a.txt"
     finally:
         client.close()
+
+
+#: Names at the edge of instride's own (``INTERNAL_DIRNAME`` components, ``TMP_PATTERN``
+#: temporary files), each with whether Python takes it for a key.
+_EDGE_NAMES = {
+    "run/.frame.instride-12-abcdef.tmp": False,  # a temporary file's name
+    "run/.a.b.instride-3-0f.tmp": False,
+    "run/.a.instride-1-2.instride-3-f.tmp": False,  # (".instride-" in the name itself)
+    ".instride/node.sock": False,
+    "a/.instride-1-a.tmp": False,  # (a component starting ".instride")
+    "a/.instridex/k": False,
+    "run/.notes.instride-draft.tmp": True,  # looks like one, but no <pid>-<hex>
+    "run/.a.instride-x-1.tmp": True,  # the pid not digits
+    "run/.a.instride-1-ABC.tmp": True,  # the hex not lowercase
+    "run/.a.instride-1-az.tmp": True,  # not hex
+    "run/.a.instride-1-a-b.tmp": True,
+    "run/.a.instride-1-.tmp": True,  # no hex
+    "run/.a.instride--a.tmp": True,  # no pid
+    "run/.a.instride-1234.tmp": True,
+    "run/.a.instride-\u0663-a.tmp": True,  # (a non-ASCII digit: Python's \d took it)
+    "run/..instride-1-a.tmp": True,  # no name before ".instride-"
+    "run/.x.instride-.tmp": True,
+    "run/a.instride-1-a.tmp": True,  # not hidden
+    "run/.a.instride-1-a.tmpx": True,
+    "run/.a.instride-1-a.tmp/k": True,  # (only the last component can be a temp)
+    "run/x.instride": True,
+    "instride/k": True,
+}
+
+_C_IS_KEY = r"""
+import ctypes, json, os, sys
+import instride
+lib = ctypes.CDLL(os.path.join(os.path.dirname(instride.__file__), "libinstride.so"))
+root = os.environ["INSTRIDE_DIR"]
+names = json.loads(sys.argv[1])
+print(json.dumps([bool(lib.instride_is_key(os.path.join(root, n).encode())) for n in names]))
+"""
+
+
+def test_the_c_library_reserves_exactly_the_names_python_does(tmp_path: Path) -> None:
+    """The C side (``instride_is_key``; the preload library classifies paths the same way)
+    reserved every hidden name with ``.instride-`` in it that ends in ``.tmp``: a key such as
+    ``run/.notes.instride-draft.tmp``, which Python publishes, was no key for a C program --
+    written in place as a plain file under the preload library (not write-once, never waited
+    for), refused by the C API."""
+    import json
+    import subprocess
+    import sys
+
+    root = tmp_path / "managed"
+    root.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INSTRIDE_")}
+    env["INSTRIDE_DIR"] = str(root)
+    names = list(_EDGE_NAMES)
+    proc = subprocess.run([sys.executable, "-c", _C_IS_KEY, json.dumps(names)], env=env,
+                          capture_output=True, text=True, timeout=60, check=True)
+    c_says = dict(zip(names, json.loads(proc.stdout), strict=True))
+
+    def python_says(name: str) -> bool:
+        try:
+            normalize_key(name, root)
+        except KeyValidationError:
+            return False
+        return True
+
+    assert {n: python_says(n) for n in names} == _EDGE_NAMES  # (the table is right)
+    assert c_says == _EDGE_NAMES

@@ -102,8 +102,6 @@ INS_HIDDEN int ins_clean_abs(const char *p);
 INS_HIDDEN int ins_prefix(const char *p, const char *dir, size_t dir_len);
 /* Is abs strictly under dir? Sets *key_off to where the key starts. */
 INS_HIDDEN int ins_under(const char *abs, const char *dir, size_t dir_len, size_t *key_off);
-/* instride's own names: a component ".instride*" or a temp ".<n>.instride-<pid>-<hex>.tmp". */
-INS_HIDDEN int ins_reserved(const char *key);
 
 /* ---- key.c: which paths are keys --------------------------------------------- */
 

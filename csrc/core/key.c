@@ -78,6 +78,47 @@ static int ins_ends_in_dot(const char *path, size_t len)
     return (n == 1 && last[0] == '.') || (n == 2 && last[0] == '.' && last[1] == '.');
 }
 
+/* Whether the last component name (of length n) is a temporary file's name, exactly as
+ * Python's keys.TMP_PATTERN reads it: ".<name>.instride-<pid>-<hex>.tmp", a name of one
+ * character or more, <pid> of digits, <hex> of lowercase hex digits (the names publish.c and
+ * keys.tmp_name make). A hidden name with ".instride-" in it is a key otherwise: Python
+ * publishes it, so the C side must not take it for instride's own. Read from the end: the
+ * hex, then the pid, run back to a "-" each (neither has one), so there is one split. */
+static int ins_is_temp_name(const char *name, size_t n)
+{
+    static const char mark[] = ".instride-";
+    const size_t m = sizeof mark - 1;
+    if (n < 4 || name[0] != '.' || memcmp(name + n - 4, ".tmp", 4) != 0)
+        return 0;
+    size_t hex_end = n - 4, hex = hex_end;
+    while (hex > 0 && ((name[hex - 1] >= '0' && name[hex - 1] <= '9') ||
+                       (name[hex - 1] >= 'a' && name[hex - 1] <= 'f')))
+        hex--;
+    if (hex == hex_end || hex == 0 || name[hex - 1] != '-')
+        return 0;
+    size_t pid_end = hex - 1, pid = pid_end;
+    while (pid > 0 && name[pid - 1] >= '0' && name[pid - 1] <= '9')
+        pid--;
+    /* ".instride-" right before the pid, and the dot and a name of one character before it */
+    return pid < pid_end && pid >= m + 2 && memcmp(name + pid - m, mark, m) == 0;
+}
+
+/* Whether key (normalized: no empty, "." or ".." component) is one of instride's own names,
+ * as Python's keys.normalize_key refuses them: a component starting with ".instride"
+ * (config.INTERNAL_DIRNAME: the node socket, markers...), or a last component that is a
+ * temporary file's name. (An earlier version took every hidden "*.instride-*.tmp" name.) */
+static int ins_reserved_key(const char *key)
+{
+    for (const char *c = key;;) {
+        const char *end = strchr(c, '/');
+        if (strncmp(c, ".instride", 9) == 0) /* (stops at the "/" ending a shorter one) */
+            return 1;
+        if (end == NULL)
+            return ins_is_temp_name(c, strlen(c));
+        c = end + 1;
+    }
+}
+
 /* errno is kept: a lookup that failed here (getcwd of a removed working directory, a
  * readlink) says nothing of the call being classified, which may well succeed -- and errno
  * must stay as it was on every call that succeeds. */
@@ -115,7 +156,7 @@ static int ins_classify_errno(int dirfd, const char *path, struct ins_path *out)
     if (!ins_under(out->abs, ins_cfg.dir, ins_cfg.dir_len, &out->key_off) &&
         !ins_under(out->abs, ins_cfg.dir_real, ins_cfg.dir_real_len, &out->key_off))
         return INS_UNMANAGED;
-    if (ins_reserved(out->abs + out->key_off))
+    if (ins_reserved_key(out->abs + out->key_off))
         return INS_RESERVED;
     /* Work under the directory's real path: resolution there follows no link. */
     size_t rlen;

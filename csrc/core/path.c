@@ -98,24 +98,6 @@ int ins_under(const char *abs, const char *dir, size_t dir_len, size_t *key_off)
     return 1;
 }
 
-int ins_reserved(const char *key)
-{
-    const char *c = key;
-    for (;;) {
-        const char *end = strchr(c, '/');
-        size_t n = end ? (size_t)(end - c) : strlen(c);
-        if (n >= 9 && strncmp(c, ".instride", 9) == 0)
-            return 1;
-        if (end == NULL) {
-            if (n > 4 && c[0] == '.' && strcmp(c + n - 4, ".tmp") == 0 &&
-                strstr(c, ".instride-") != NULL)
-                return 1;
-            return 0;
-        }
-        c = end + 1;
-    }
-}
-
 int ins_clean_abs(const char *p)
 {
     for (const char *s = p; (s = strchr(s, '/')) != NULL; s++) {

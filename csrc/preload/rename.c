@@ -8,9 +8,10 @@
  * Everything else (directories, symlinks, renames out of or outside the
  * managed directory, RENAME_EXCHANGE/WHITEOUT) goes to libc unchanged, except
  * that a target under the managed directory reached through a symbolic link
- * there is refused (ELOOP). A key this process is still writing (open, not yet
- * closed: only its temp exists) renamed to a key is published there by its last
- * close.
+ * there is refused (ELOOP), and that a file renamed to a path under it too long
+ * to confine (PATH_MAX) is refused (ENAMETOOLONG), as an open there. A key this
+ * process is still writing (open, not yet closed: only its temp exists) renamed
+ * to a key is published there by its last close.
  */
 #include "instride_preload.h"
 
@@ -27,6 +28,9 @@ enum ins_rename_kind {
                          * to a key: its last close publishes the new key */
     INS_RENAME_CHECKED, /* anything else renamed under the managed directory: libc, but
                          * only if the target does not leave it through a link */
+    INS_RENAME_TOOLONG, /* a file (no directory) renamed to a path under the managed
+                         * directory too long to confine: refused (ENAMETOOLONG), as an
+                         * open there is -- libc would put it there unpublished */
 };
 
 /* What this rename is. Fills *np with the destination key (and *op with the source). */
@@ -34,7 +38,18 @@ static enum ins_rename_kind ins_rename_kind(int olddirfd, const char *old, int n
                                            const char *new, unsigned int flags,
                                            struct ins_path *np, struct ins_path *op)
 {
-    if (ins_busy || ins_classify(newdirfd, new, np) != INS_MANAGED)
+    if (ins_busy)
+        return INS_RENAME_LIBC;
+    int nkind = ins_classify(newdirfd, new, np);
+    if (nkind == INS_TOOLONG) { /* (a directory is no key: moved by libc as anywhere) */
+        struct stat st;
+        int saved = errno;
+        int file = old != NULL && fstatat(olddirfd, old, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+                   !S_ISDIR(st.st_mode);
+        errno = saved;
+        return file ? INS_RENAME_TOOLONG : INS_RENAME_LIBC;
+    }
+    if (nkind != INS_MANAGED)
         return INS_RENAME_LIBC;
     if ((flags & ~(unsigned int)RENAME_NOREPLACE) != 0)
         return INS_RENAME_CHECKED;
@@ -134,6 +149,9 @@ static int ins_rename_open(int olddirfd, const char *old, const struct ins_path 
             return ins_rename_managed(olddirfd, old, &np, flags);                   \
         case INS_RENAME_OPEN:                                                       \
             return ins_rename_open(olddirfd, old, &op, &np, flags);                 \
+        case INS_RENAME_TOOLONG:                                                    \
+            return ins_fail(ENAMETOOLONG, "%.300s: its path under the managed directory " \
+                            "is too long (PATH_MAX) to be a key", new);             \
         case INS_RENAME_CHECKED:                                                    \
             if (ins_rename_confined(&np) != 0)                                      \
                 return -1;                                                          \

@@ -276,7 +276,13 @@ static FILE *ins_freopen_common(const char *path, const char *mode, FILE *stream
             return NULL;
         }
     }
-    int managed = ins_classify(AT_FDCWD, path, &p) == INS_MANAGED;
+    int kind = ins_classify(AT_FDCWD, path, &p), managed = kind == INS_MANAGED;
+    if (kind == INS_TOOLONG) { /* (never opened in place, as fopen's: see open.c) */
+        ins_real_fclose(stream); /* freopen's contract: on failure the stream is closed */
+        ins_fail(ENAMETOOLONG, "%.300s: its path under the managed directory is too long "
+                 "(PATH_MAX) to be a key", path);
+        return NULL;
+    }
     char target[PATH_MAX], tmode[64];
     if (managed) {
         ins_busy = 1;

@@ -29,7 +29,7 @@ MAX_KEY_BYTES = 1024
 MAX_COMPONENT_BYTES = 200
 
 #: Hidden temporary files: ``.<name>.instride-<pid>-<hex>.tmp`` next to their key.
-TMP_PATTERN = re.compile(r"^\.(?P<name>.+)\.instride-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)\.tmp$")
+TMP_PATTERN = re.compile(r"^\.(?P<name>.+)\.instride-(?P<pid>[0-9]+)-(?P<rand>[0-9a-f]+)\.tmp$")
 
 #: A stream's frame file name (``stream.FRAME_FORMAT``): the one kind of published file whose
 #: storage is rewritten in place (a bounded stream reuses a retired frame's file).

@@ -336,3 +336,90 @@ def test_gfortran_close_with_status_delete(shim: Shim, build: Builder) -> None:
     proc = shim.run([exe, "scratch", key, "thrown away"])
     assert proc.returncode == 0, proc.stderr
     assert not key.exists() and shim.temps() == []
+
+
+def test_a_key_that_only_looks_like_a_temp_is_a_key(shim: Shim) -> None:
+    """``run/.notes.instride-draft.tmp`` is a key to Python (no ``<pid>-<hex>``: no temp of
+    instride's), but the preload library took it for one of instride's own names and left the
+    write to libc: ``cp`` failed (ENOENT: no directory is made for it, as for a key), and
+    where the directory was there, the file was written in place (seen half-written) and a
+    second write replaced it (not write-once)."""
+    key = shim.dir / "run" / ".notes.instride-draft.tmp"
+    (shim.outside / "a").write_bytes(b"first")
+    (shim.outside / "b").write_bytes(b"second")
+    first = shim.run(["cp", shim.outside / "a", key])
+    assert first.returncode == 0, first.stderr
+    second = shim.run(["cp", shim.outside / "b", key])
+    assert second.returncode != 0 and b"exists" in second.stderr, second
+    assert key.read_bytes() == b"first"
+    assert [p.name for p in key.parent.iterdir()] == [key.name]  # (no temp left)
+
+
+_DEEP_MKSTEMP = """
+import ctypes, errno, os
+os.chdir({root!r})
+name = "d" * 200
+for _ in range({depth}):  # (a working directory whose path is PATH_MAX or longer)
+    os.mkdir(name)
+    os.chdir(name)
+libc = ctypes.CDLL(None, use_errno=True)
+for call, args, suffix in [("mkstemp", (), ""), ("mkstemp64", (), ""),
+                           ("mkostemp", (0,), ""), ("mkostemp64", (0,), ""),
+                           ("mkstemps", (2,), ".s"), ("mkstemps64", (2,), ".s"),
+                           ("mkostemps", (2, 0), ".s"), ("mkostemps64", (2, 0), ".s")]:
+    template = ctypes.create_string_buffer(("k" + call + "XXXXXX" + suffix).encode())
+    fd = getattr(libc, call)(template, *args)
+    print(call, "opened" if fd >= 0 else errno.errorcode[ctypes.get_errno()])
+print(sorted(os.listdir(".")))
+"""
+
+
+def test_mkstemp_from_a_working_directory_too_deep_to_confine(shim: Shim) -> None:
+    """mkstemp & co. of a relative template from a working directory under the managed
+    directory whose path is PATH_MAX or longer: the library cannot confine it. Like open and
+    creat there (ENAMETOOLONG), the call is refused; it went to libc, which made the file in
+    place: a plain file under the managed directory, never published (seen while written)."""
+    proc = shim.py(_DEEP_MKSTEMP.format(root=str(shim.dir), depth=21))
+    lines = proc.stdout.decode().splitlines()
+    assert proc.returncode == 0, proc.stderr
+    assert [line.split()[1] for line in lines[:-1]] == ["ENAMETOOLONG"] * 8, lines
+    assert lines[-1] == "[]"
+
+
+_DEEP_FREOPEN_RENAME = """
+import ctypes, errno, os
+os.chdir({root!r})
+name = "d" * 200
+for _ in range(21):
+    os.mkdir(name)
+    os.chdir(name)
+os.mkdir("sub")  # (a directory is no key: moved by libc as anywhere)
+libc = ctypes.CDLL(None, use_errno=True)
+libc.fopen.restype = ctypes.c_void_p
+libc.freopen.restype = ctypes.c_void_p
+libc.freopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p]
+stream = libc.fopen(b"/dev/null", b"r")
+print("freopen", "opened" if libc.freopen(b"f.txt", b"w", stream)
+      else errno.errorcode[ctypes.get_errno()])
+for old, new in [({src!r}, "r.txt"), ("sub", "moved")]:
+    try:
+        os.rename(old, new)
+        print("rename", "done")
+    except OSError as exc:
+        print("rename", errno.errorcode[exc.errno])
+print(sorted(os.listdir(".")))
+"""
+
+
+def test_freopen_and_rename_from_a_working_directory_too_deep_to_confine(shim: Shim) -> None:
+    """As open, creat, fopen and mkstemp there: freopen of a relative path from a working
+    directory under the managed directory whose path is PATH_MAX or longer wrote the file in
+    place (a plain file, seen while written), and rename moved a file there unpublished (not
+    write-once). Both are refused (ENAMETOOLONG); a directory is still moved."""
+    src = shim.outside / "src.txt"
+    src.write_bytes(b"data")
+    proc = shim.py(_DEEP_FREOPEN_RENAME.format(root=str(shim.dir), src=str(src)))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.decode().splitlines() == [
+        "freopen ENAMETOOLONG", "rename ENAMETOOLONG", "rename done", "['moved']"]
+    assert src.read_bytes() == b"data"
