@@ -162,3 +162,40 @@ def test_top_unknown_and_killed_runs(flow_env:  # noqa: F811
         assert cli("top", "--once").stdout.startswith("no graph is running")
     finally:
         shutil.rmtree(killed)
+
+
+def test_top_of_a_run_recorded_by_another_host_says_what_it_knows(flow_env:  # noqa: F811
+                                                                    dict[str, Path]) -> None:
+    """A run started on host A and killed there, seen from host B sharing its records (a
+    Slurm submission directory): B cannot check A's pid, and `instride top RUN` showed its
+    last counters as a live run, refreshed for ever; `instride top` said no graph was running
+    at all. It says whose runner it is, that it cannot be checked from here, and how long
+    nothing of the run has changed — stale past a minute."""
+    runs = {}
+    for name, age in (("g-stale", 600.0), ("g-fresh", 0.0)):
+        run = flow_env["state"] / name
+        (run / "stats").mkdir(parents=True)
+        then = time.time() - age
+        (run / "run.json").write_text(json.dumps(
+            {"graph": "g", "prefix": f"flow/{name}", "pid": 4242, "host": "node-a",
+             "started": then - 5, "launcher": "slurm", "instances": [["src", 0, "node-a"]]}))
+        (run / "stats" / "src.0.json").write_text(json.dumps(
+            {"module": "src", "instance": 0, "node": "node-a", "pid": 4343,
+             "started": then - 4, "updated": then, "seconds": {}, "inputs": {}, "outputs": {},
+             "done": False}))
+        runs[name] = run
+    try:
+        stale = cli("top", "g-stale", "--once")
+        assert stale.returncode == 0, stale.stderr
+        assert ("runner pid 4242 on host node-a cannot be checked from this host" in stale.stdout
+                and "STALE" in stale.stdout), stale.stdout
+        assert "nothing of the run has changed for 60" in stale.stdout  # (600 s, give or take)
+        fresh = cli("top", "g-fresh", "--once")
+        assert fresh.returncode == 0 and "STALE" not in fresh.stdout, fresh.stdout
+        assert "cannot be checked from this host; last sign of life" in fresh.stdout
+        newest = cli("top", "--once")  # (none runs here; those of node-a are named)
+        assert newest.returncode == 1 and "no graph is running on this host" in newest.stdout
+        assert "g-fresh (node-a" in newest.stdout and "g-stale (node-a" in newest.stdout
+    finally:
+        for run in runs.values():
+            shutil.rmtree(run)

@@ -559,6 +559,93 @@ def test_a_job_killed_outright_leaves_no_process_and_no_directory(scratch: Path,
                     os.kill(p, signal.SIGKILL)
 
 
+COUNTING = """
+import os, signal, sys, time
+log = sys.argv[1]
+def count(signum, frame):
+    with open(log, "a") as fh:
+        fh.write(f"{signum}\\n")
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, count)
+open(log + ".ready", "w").close()
+while not os.path.exists(log):
+    time.sleep(0.02)
+time.sleep(3.0)  # (a second copy of the signal, if any, comes well within this)
+sys.exit(3)
+"""
+
+TERMINAL_JOB = """
+import os, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from tests.launch.test_job_services import _local
+svc = _local(Path(sys.argv[2]), Path(sys.argv[3]))
+os._exit(svc.run([sys.executable, "-c", sys.argv[4], sys.argv[5]]))
+"""
+
+
+def _in_a_terminal(scratch: Path, tmp_path: Path, send: str) -> tuple[int, list[int]]:
+    """Run a job whose command counts the signals it gets in a terminal of its own (a pty,
+    the job in its foreground process group, as typed at a shell); once the command runs,
+    ``send``: ``"ctrl-c"`` types Ctrl-C, ``"int"``/``"term"`` signal ``instride job``'s
+    process alone (``kill PID`` from elsewhere, a batch system). Return the job's exit status
+    and the signals the command got."""
+    import pty
+    import select
+
+    log = tmp_path / "signals"
+    ready = Path(f"{log}.ready")
+    root = str(Path(__file__).resolve().parents[2])
+    pid, terminal = pty.fork()
+    if pid == 0:  # (in the terminal: session leader, its foreground process group)
+        try:
+            os.execv(PY, [PY, "-c", TERMINAL_JOB, root, str(scratch), str(tmp_path), COUNTING,
+                          str(log)])
+        finally:
+            os._exit(127)
+    output = b""
+    try:
+        deadline = time.monotonic() + 60
+        sent = False
+        while True:
+            if select.select([terminal], [], [], 0.05)[0]:
+                with contextlib.suppress(OSError):  # (EIO: the terminal's last process ended)
+                    output += os.read(terminal, 4096)
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            assert time.monotonic() < deadline, output.decode(errors="replace")
+            if ready.exists() and not sent:
+                sent = True
+                if send == "ctrl-c":
+                    os.write(terminal, b"\x03")  # (the terminal signals its foreground group)
+                else:
+                    os.kill(pid, signal.SIGINT if send == "int" else signal.SIGTERM)
+    finally:
+        if not sent or not done:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(terminal)
+    got = [int(x) for x in log.read_text().split()] if log.exists() else []
+    return os.waitstatus_to_exitcode(status), got
+
+
+@pytest.mark.parametrize(("send", "expected"), [("ctrl-c", signal.SIGINT),
+                                                ("int", signal.SIGINT),
+                                                ("term", signal.SIGTERM)])
+def test_the_command_gets_a_signal_once(scratch: Path, tmp_path: Path, send: str,
+                                         expected: int) -> None:
+    """Ctrl-C in a terminal signals its whole foreground process group: the command had it
+    from the terminal and again from ``instride job`` — and ``mpiexec``/``srun`` take a second
+    Ctrl-C within a second as "abort now", without their cleanup. It gets it once; a signal
+    sent to ``instride job`` alone (``kill``, a batch system's SIGTERM) is still passed on."""
+    rc, got = _in_a_terminal(scratch, tmp_path, send)
+    assert got == [expected], got
+    assert rc == 3  # (the command's own status: it ended of its own accord)
+    assert tree(scratch) == [] and tree(tmp_path / "states") == []
+
+
 def test_a_command_that_ignores_the_signal_is_killed(scratch: Path, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGTERM passed on to a command that ignores it: SIGKILL after the grace (the job and its

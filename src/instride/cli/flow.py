@@ -96,7 +96,7 @@ def cmd_top(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..flow import FlowError, UnknownRunError
-    from ..flow.monitor import live_runs, render, rows, runner_alive, snapshot
+    from ..flow.monitor import live_runs, other_hosts_runs, remote_state, render, rows, runner_alive, snapshot
     from ..flow.runner import state_roots
 
     if args.run:
@@ -111,7 +111,12 @@ def cmd_top(args: argparse.Namespace) -> int:
     else:
         runs = live_runs()
         if not runs:
-            print("no graph is running (start one with `instride flow run GRAPH.py`)")
+            print("no graph is running on this host (start one with `instride flow run "
+                  "GRAPH.py`)")
+            elsewhere = other_hosts_runs()
+            if elsewhere:  # (their runners cannot be checked from here: named, not guessed)
+                print("recorded by other hosts, alive or not (`instride top RUN` shows one): "
+                      + ", ".join(f"{p.name} ({h})" for p, h in elsewhere))
             return 1
         run_dir = runs[-1]
     tty = sys.stdout.isatty()
@@ -126,9 +131,11 @@ def cmd_top(args: argparse.Namespace) -> int:
                 f"run {run_dir.name}: its runner (pid {snap['run']['pid']}) is gone but the run "
                 "is still recorded: it was killed (SIGKILL); the next `instride flow run` here "
                 "removes what it left")
+        # (a run of another host: its runner is not known alive — said, not shown as live)
+        remote = remote_state(snap)
         text = render(rows(snap, previous),
                       title=f"{snap['run']['graph']} ({run_dir.name}) "
-                            f"{time.strftime('%H:%M:%S')}")
+                            f"{time.strftime('%H:%M:%S')}" + (f"\n{remote}" if remote else ""))
         print(("\x1b[H\x1b[2J" if tty else "") + text + ("" if tty else "\n"), flush=True)
         if args.once:
             return 0

@@ -19,6 +19,11 @@ from typing import Any
 from .runner import host, state_roots
 
 COLUMNS = ("instance", "node", "port", "dir", "msgs", "rate/s", "queue", "idle%", "MiB")
+#: Seconds without a sign of life (the run's start, an instance's counters) after which a run
+#: recorded by another host — whose runner's pid cannot be checked here — is called stale.
+#: (An instance writes its counters only as it gets and puts messages: a run whose instances
+#: all compute for longer, or all wait, is quiet that long too.)
+STALE_AFTER = 60.0
 
 
 def _alive(pid: int) -> bool:
@@ -39,16 +44,63 @@ def runner_alive(info: dict[str, Any]) -> bool | None:
     return _alive(int(info["pid"]))
 
 
+def _records(root: Path | None) -> list[tuple[dict[str, Any], Path]]:
+    """The readable ``run.json`` of every run (in ``root``, else every state root)."""
+    found = []
+    for base in [root] if root is not None else state_roots():
+        for path in base.glob("*/run.json") if base.is_dir() else []:
+            with contextlib.suppress(OSError, ValueError):
+                info = json.loads(path.read_text())
+                if isinstance(info, dict):
+                    found.append((info, path.parent))
+    return found
+
+
+def other_hosts_runs(root: Path | None = None) -> list[tuple[Path, str]]:
+    """The runs recorded by other hosts (alive or not: that cannot be checked from here), and
+    their hosts, oldest first."""
+    runs = []
+    for info, path in _records(root):
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            if runner_alive(info) is None:
+                runs.append((float(info["started"]), path, str(info["host"])))
+    return [(p, h) for _, p, h in sorted(runs)]
+
+
+def last_sign_of_life(snap: dict[str, Any]) -> float:
+    """The latest time (epoch s) a :func:`snapshot` shows its run alive: its start, or an
+    instance's counters written."""
+    times = [0.0]
+    for when in [snap["run"].get("started")] + [s.get("updated") for s in snap["stats"]]:
+        if isinstance(when, (int, float)) and not isinstance(when, bool):
+            times.append(float(when))
+    return max(times)
+
+
+def remote_state(snap: dict[str, Any], now: float | None = None) -> str | None:
+    """What can be said of a run recorded by another host, whose runner's pid cannot be
+    checked here (``None`` for a run of this host): that, and how long nothing of the run has
+    changed; ``STALE`` past :data:`STALE_AFTER` s (killed there, most likely)."""
+    info = snap["run"]
+    if runner_alive(info) is not None:
+        return None
+    age = max(0.0, (time.time() if now is None else now) - last_sign_of_life(snap))
+    who = f"runner pid {info.get('pid')} on host {info.get('host')}"
+    if age > STALE_AFTER:
+        return (f"STALE: {who} cannot be checked from this host, and nothing of the run has "
+                f"changed for {age:.0f} s: it was killed there, or all its instances are "
+                f"quiet (run `instride top` on {info.get('host')} to know)")
+    return f"{who} cannot be checked from this host; last sign of life {age:.0f} s ago"
+
+
 def live_runs(root: Path | None = None) -> list[Path]:
     """State directories of the runs in progress whose runner runs on this host, oldest first
     (in ``root``, default every :func:`~instride.flow.runner.state_roots` directory)."""
     runs = []
-    for base in [root] if root is not None else state_roots():
-        for path in base.glob("*/run.json") if base.is_dir() else []:
-            with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
-                info = json.loads(path.read_text())
-                if runner_alive(info):
-                    runs.append((info["started"], path.parent))
+    for info, path in _records(root):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+            if runner_alive(info):
+                runs.append((info["started"], path))
     return [p for _, p in sorted(runs)]
 
 

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -281,6 +281,26 @@ STOP_GRACE = 30.0
 JOB_COOKIE = "INSTRIDE_JOB_COOKIE"
 #: Seconds those processes get between SIGTERM and SIGKILL then.
 ORPHAN_GRACE = 5.0
+#: ``si_code`` of a signal sent by the kernel, not by a process (Linux): a SIGINT so sent is
+#: a terminal's Ctrl-C, sent to the terminal's whole foreground process group.
+_SI_KERNEL = 0x80
+#: What a SIGINT is taken in with while the command runs (see :meth:`JobServices.run`).
+_INTERRUPT = {signal.SIGINT}
+
+
+def _command_setup(mask: set[signal.Signals]) -> Callable[[], None]:
+    """The ``preexec_fn`` of the job's command: the signal mask ``mask`` back (SIGINT is held
+    in this process while the command runs), SIGTERM when this process dies."""
+    parent_death = dies_with_me(signal.SIGTERM)
+
+    def setup() -> None:
+        # (SIGINT as after the exec — default — before it is let in: a Ctrl-C typed now is
+        # the command's, and is not lost in a copy of this process's handler)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        parent_death()
+
+    return setup
 
 
 def _start_watchdog() -> Watchdog | None:
@@ -669,8 +689,11 @@ class JobServices:
         """Start the services, run ``argv`` on this node, stop the services; return its status.
 
         SIGTERM, SIGINT and SIGHUP (what ``scancel`` and a time limit send) are passed on to
-        the command (a signal while the services start stops the start); the services are
-        stopped in every case. A command killed by signal N gives 128 + N.
+        the command (a signal while the services start stops the start) — but not a
+        terminal's Ctrl-C, which the terminal sends to its whole foreground process group:
+        the command has it already (and decides what follows), and ``mpiexec`` or ``srun``
+        take a second one within a second as "abort now", skipping their cleanup. The
+        services are stopped in every case. A command killed by signal N gives 128 + N.
 
         Raises
         ------
@@ -687,15 +710,7 @@ class JobServices:
         # The handler never raises: an exception raised at an arbitrary point (in a `finally`
         # before the teardown) could skip the teardown. The start polls for the signal instead.
         def on_signal(signum: int, _frame: object) -> None:
-            if self._signalled is None:
-                self._signalled = signum
-            child = self._child
-            if child is not None and child.poll() is None:
-                if not self._forwarded:
-                    self._forwarded_at = time.monotonic()
-                self._forwarded = True
-                with contextlib.suppress(ProcessLookupError):
-                    child.send_signal(signum)
+            self._on_signal(signum)
 
         previous = {s: signal.signal(s, on_signal) for s in handled}
         # What the command leaves running when it ends (a script's background programs) is
@@ -718,17 +733,24 @@ class JobServices:
                       f"Redis {redact(self.redis_url)}", file=sys.stderr, flush=True)
                 self._check_signal()
                 ours = children()  # (Redis, the services' launcher, and whatever else is ours)
-                try:  # (SIGTERM to it if this process dies outright)
-                    self._child = subprocess.Popen(
-                        list(argv), env=env, preexec_fn=dies_with_me(signal.SIGTERM))
-                except OSError as exc:
-                    raise LaunchError(f"cannot run {argv[0]!r}: {exc.strerror}") from None
-                if self._signalled is not None and not self._forwarded:
-                    # arrived between the check and the start: the command gets it now
-                    self._forwarded, self._forwarded_at = True, time.monotonic()
-                    with contextlib.suppress(ProcessLookupError):
-                        self._child.send_signal(self._signalled)
-                return self._wait_child(self._child)
+                # While the command runs, SIGINT is held and taken in with its sender
+                # (sigtimedwait): a terminal's is not passed on to a command that had it too
+                mask = signal.pthread_sigmask(signal.SIG_BLOCK, _INTERRUPT)
+                try:
+                    try:  # (SIGTERM to it if this process dies outright)
+                        self._child = subprocess.Popen(list(argv), env=env,
+                                                       preexec_fn=_command_setup(mask))
+                    except OSError as exc:
+                        raise LaunchError(f"cannot run {argv[0]!r}: {exc.strerror}") from None
+                    if self._signalled is not None and not self._forwarded:
+                        # arrived between the check and the start: the command gets it now
+                        self._forwarded, self._forwarded_at = True, time.monotonic()
+                        with contextlib.suppress(ProcessLookupError):
+                            self._child.send_signal(self._signalled)
+                    return self._wait_child(self._child)
+                finally:
+                    self._take_interrupts()  # (those that came as it ended)
+                    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             except _Interrupted as exc:
                 return 128 + exc.signum
             finally:
@@ -755,6 +777,38 @@ class JobServices:
             for s, h in previous.items():
                 signal.signal(s, h)
 
+    def _on_signal(self, signum: int) -> None:
+        """A signal that stops the job (see :meth:`run`): remembered; passed on to the command
+        if it runs."""
+        if self._signalled is None:
+            self._signalled = signum
+        child = self._child
+        if child is not None and child.poll() is None:
+            if not self._forwarded:
+                self._forwarded_at = time.monotonic()
+            self._forwarded = True
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signum)
+
+    def _take_interrupts(self) -> None:
+        """Take in the SIGINTs held while the command runs (see :meth:`run`).
+
+        One the kernel sent is a terminal's Ctrl-C: the terminal sent it to its foreground
+        process group, this process's — so the command, in that group too, had it already
+        (what ``sudo`` does: it passes on only the signals a process sent). What follows is
+        the command's to decide, as under a shell: one Ctrl-C makes ``srun`` print its
+        tasks' status and go on, two within a second abort it; the job ends when the command
+        does. One a process sent (``kill``) stops the job as SIGTERM does (:meth:`_on_signal`):
+        it cannot be told apart from one sent to this process alone.
+        """
+        child = self._child
+        while (info := signal.sigtimedwait(_INTERRUPT, 0)) is not None:
+            if info.si_code == _SI_KERNEL and child is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    if os.getpgid(child.pid) == os.getpgrp():
+                        continue  # (the command had it from the terminal)
+            self._on_signal(info.si_signo)
+
     def _wait_child(self, child: subprocess.Popen[bytes]) -> int:
         """Wait for the command; stop it if the services end under it, SIGKILL it if it is
         still there :data:`STOP_GRACE` s after a signal was passed on (see :meth:`run`)."""
@@ -776,6 +830,7 @@ class JobServices:
                 return 128 - rc if rc < 0 else rc
             except subprocess.TimeoutExpired:
                 pass
+            self._take_interrupts()
             if (self._forwarded and not killed
                     and time.monotonic() - self._forwarded_at > STOP_GRACE):
                 print(f"instride job: the command did not end within {STOP_GRACE:g} s of the "
