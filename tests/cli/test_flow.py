@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from instride.cli import EXIT_ERROR, EXIT_INVALID, EXIT_USAGE
-from instride.flow.runner import host
+from instride.flow.runner import HEARTBEAT_FILE, host
 from tests.flow.conftest import flow_env, pythonpath  # noqa: F401 - the fixture
 
 GRAPH = textwrap.dedent("""
@@ -193,6 +193,16 @@ def test_top_of_a_run_recorded_by_another_host_says_what_it_knows(flow_env:  # n
         fresh = cli("top", "g-fresh", "--once")
         assert fresh.returncode == 0 and "STALE" not in fresh.stdout, fresh.stdout
         assert "cannot be checked from this host; last sign of life" in fresh.stdout
+        # a runner that beats (runner.HEARTBEAT): its heartbeat says, not the counters' age
+        (runs["g-stale"] / HEARTBEAT_FILE).touch()
+        beating = cli("top", "g-stale", "--once")
+        assert "node-a: alive (its last sign of life" in beating.stdout, beating.stdout
+        beat = runs["g-fresh"] / HEARTBEAT_FILE  # (its last beat 2 minutes ago)
+        beat.touch()
+        os.utime(beat, (time.time() - 120, time.time() - 120))
+        dead = cli("top", "g-fresh", "--once")
+        assert "DEAD: runner pid 4242 on host node-a last showed a sign of life 1" in dead.stdout, \
+            dead.stdout
         newest = cli("top", "--once")  # (none runs here; those of node-a are named)
         assert newest.returncode == 1 and "no graph is running on this host" in newest.stdout
         assert "g-fresh (node-a" in newest.stdout and "g-stale (node-a" in newest.stdout

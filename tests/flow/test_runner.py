@@ -168,6 +168,37 @@ def test_timeout_stops_the_graph(flow_env: dict[str, Path]) -> None:
         os.kill(int(pidfile.name.split("-")[1].split(".")[0]), 0)
 
 
+def test_the_runner_shows_a_sign_of_life_while_the_graph_runs(
+        flow_env: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`instride top` on another host cannot check the runner's pid: the runner touches its
+    run's ``alive`` file every ``HEARTBEAT`` s while the graph runs (it had no sign of life
+    of its own: a run killed there and a quiet live one looked the same)."""
+    import threading
+
+    monkeypatch.setattr(runner, "HEARTBEAT", 0.2)
+    seen: set[int] = set()
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            for alive in flow_env["state"].glob(f"beat-*/{runner.HEARTBEAT_FILE}"):
+                with contextlib.suppress(OSError):
+                    seen.add(alive.stat().st_mtime_ns)
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    g = Graph("beat")
+    g.module("idle", modules.sleeper)
+    try:
+        with pytest.raises(FlowTimeout):
+            run(g, out=flow_env["out"], timeout=2)
+    finally:
+        stop.set()
+        watcher.join()
+    assert len(seen) >= 4, seen  # (~2 s of beats every 0.2 s)
+
+
 def test_runner_killed_leaves_no_instance(flow_env: dict[str, Path], tmp_path: Path) -> None:
     """SIGTERM to `instride flow run` stops the graph; SIGKILL still takes the instances along
     (parent-death signal), and what they started (the run's watchdog)."""

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .runner import host, state_roots
+from .runner import HEARTBEAT, HEARTBEAT_FILE, host, state_roots
 
 COLUMNS = ("instance", "node", "port", "dir", "msgs", "rate/s", "queue", "idle%", "MiB")
 #: Seconds without a sign of life (the run's start, an instance's counters) after which a run
@@ -24,6 +24,10 @@ COLUMNS = ("instance", "node", "port", "dir", "msgs", "rate/s", "queue", "idle%"
 #: (An instance writes its counters only as it gets and puts messages: a run whose instances
 #: all compute for longer, or all wait, is quiet that long too.)
 STALE_AFTER = 60.0
+#: Seconds without the runner's heartbeat (:data:`~instride.flow.runner.HEARTBEAT`) after
+#: which a run of another host is called dead (six beats missed: a loaded file server or a
+#: clock a little apart is not death).
+HEARTBEAT_LOST = 6 * HEARTBEAT
 
 
 def _alive(pid: int) -> bool:
@@ -68,10 +72,11 @@ def other_hosts_runs(root: Path | None = None) -> list[tuple[Path, str]]:
 
 
 def last_sign_of_life(snap: dict[str, Any]) -> float:
-    """The latest time (epoch s) a :func:`snapshot` shows its run alive: its start, or an
-    instance's counters written."""
+    """The latest time (epoch s) a :func:`snapshot` shows its run alive: its start, its
+    runner's heartbeat, or an instance's counters written."""
     times = [0.0]
-    for when in [snap["run"].get("started")] + [s.get("updated") for s in snap["stats"]]:
+    for when in [snap["run"].get("started"), snap.get("heartbeat")] \
+            + [s.get("updated") for s in snap["stats"]]:
         if isinstance(when, (int, float)) and not isinstance(when, bool):
             times.append(float(when))
     return max(times)
@@ -84,8 +89,16 @@ def remote_state(snap: dict[str, Any], now: float | None = None) -> str | None:
     info = snap["run"]
     if runner_alive(info) is not None:
         return None
-    age = max(0.0, (time.time() if now is None else now) - last_sign_of_life(snap))
+    now = time.time() if now is None else now
+    age = max(0.0, now - last_sign_of_life(snap))
     who = f"runner pid {info.get('pid')} on host {info.get('host')}"
+    beat = snap.get("heartbeat")
+    if isinstance(beat, float):  # (a runner that beats: alive or dead, not a guess)
+        since = max(0.0, now - beat)
+        if since > HEARTBEAT_LOST:
+            return (f"DEAD: {who} last showed a sign of life {since:.0f} s ago (it does every "
+                    f"{HEARTBEAT:g} s while the graph runs): it was killed there")
+        return f"{who}: alive (its last sign of life {since:.0f} s ago)"
     if age > STALE_AFTER:
         return (f"STALE: {who} cannot be checked from this host, and nothing of the run has "
                 f"changed for {age:.0f} s: it was killed there, or all its instances are "
@@ -111,7 +124,11 @@ def snapshot(run: Path) -> dict[str, Any]:
     for path in sorted((run / "stats").glob("*.json")):
         with contextlib.suppress(OSError, ValueError):
             stats.append(json.loads(path.read_text()))
-    return {"run": info, "stats": stats, "taken": time.time()}
+    try:  # (the runner's last sign of life, where it keeps one: see runner.HEARTBEAT)
+        beat: float | None = (run / HEARTBEAT_FILE).stat().st_mtime
+    except OSError:
+        beat = None
+    return {"run": info, "stats": stats, "taken": time.time(), "heartbeat": beat}
 
 
 def rows(snap: dict[str, Any], previous: dict[str, Any] | None = None) -> list[dict[str, Any]]:

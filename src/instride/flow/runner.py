@@ -42,6 +42,11 @@ from .resolve import graph_dirs
 
 #: Seconds an instance gets between SIGTERM and SIGKILL when the graph is stopped.
 STOP_GRACE = 3.0
+#: Seconds between the runner's signs of life: it touches its run's ``alive`` file (its
+#: modification time) while the graph runs, so that ``instride top`` on another host, which
+#: cannot check the runner's pid, can tell a live run from one killed there.
+HEARTBEAT = 5.0
+HEARTBEAT_FILE = "alive"
 
 
 def mpiexec() -> str:
@@ -265,6 +270,7 @@ def run(
         spec = {"graph": graph.to_dict(), "prefix": prefix, "state": str(state),
                 "out": str(out_dir) if out_dir else None, "trace": trace, "timeout": put_default}
         (state / "spec.json").write_text(json.dumps(spec))
+        (state / HEARTBEAT_FILE).touch()
         placement = graph.placement(nodes)
         # the host (and job) tell a runner on another node sharing this root that it cannot
         # judge whether this run is alive by its pid
@@ -354,8 +360,13 @@ def run(
                                     "stopped") from None
             what = f"{name}[0..{m.instances - 1}] (mpiexec)" if m.mpi else f"{name}[{i}]"
             say(f"started {what} on {node} (pid {procs[(name, i)].pid})")
+            _beat(state)  # (starts through a batch system can take a while)
         pending = set(procs)
+        beat = 0.0
         while pending or enders:
+            if time.monotonic() - beat >= HEARTBEAT:  # (a sign of life for `top` elsewhere)
+                beat = time.monotonic()
+                _beat(state)
             for key in sorted(pending):
                 rc = procs[key].poll()
                 if rc is None:
@@ -453,6 +464,12 @@ def run(
     if failed:
         raise failed
     return RunResult(graph.name, prefix, seconds, stats, out_dir)
+
+
+def _beat(state: Path) -> None:
+    """The runner's sign of life (see :data:`HEARTBEAT`)."""
+    with contextlib.suppress(OSError):
+        os.utime(state / HEARTBEAT_FILE)
 
 
 def _port_env(graph: Graph, prefix: str, name: str, i: int) -> dict[str, str]:
