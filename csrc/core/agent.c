@@ -1,10 +1,19 @@
 /*
  * agent.c -- cluster mode: the Unix-socket client of the node server
- * (`instride serve`). One connection per request, one line each way:
+ * (`instride serve`). One connection per request, one line each way (a CONSUME's answer may
+ * come after progress lines, see below):
  *
- *     CONSUME <timeout_ms|-1> <key>\n  ->  OK <path>\n | ERR <errno> <msg>\n
+ *     CONSUME <timeout_ms|-1> <key>\n  ->  [WAIT <ms>\n ...] OK <path>\n | ERR <errno> <msg>\n
  *     PUBLISH <key>\n                  ->  OK <path>\n | ERR <errno> <msg>\n
  *     OVERWRITE <key>\n                ->  OK <path>\n | ERR <errno> <msg>\n
+ *
+ * A CONSUME's timeout bounds the wait for the key's publication, not the fetch of its bytes
+ * from its owner node that follows (a large file on a slow link may take longer). While such a
+ * fetch runs past the timeout (and a second after the request at the earliest: never on the
+ * fast path), the server sends a progress line "WAIT <ms since the request>" about every
+ * second; the answer line follows them. We wait for the answer INSTRIDE_TIMEOUT + INS_GRACE_MS,
+ * and each progress line re-arms INS_GRACE_MS: a transfer that goes on is waited for, a server
+ * that stops reporting (hung mid-fetch) still ends the wait, ETIMEDOUT.
  *
  * CONSUME -1 means "no timeout was set": the server applies its own INSTRIDE_TIMEOUT. An
  * explicit INSTRIDE_TIMEOUT=inf (or 1e9 s and more) is sent as INS_FOREVER_MS, the longest
@@ -28,6 +37,10 @@
 
 /* The longest CONSUME timeout the node server accepts (agent.py MAX_TIMEOUT_MS). */
 #define INS_FOREVER_MS 1000000000000LL
+
+/* What we allow the node server on top of a CONSUME's timeout for its answer, and after each of
+ * its progress lines (it sends one about every second while a fetch runs past the timeout). */
+#define INS_GRACE_MS 5000
 
 /* Connect to the node server's socket, within deadline (ins_now() seconds; < 0: no bound):
  * a connect to a server that does not accept (stopped, hung: its backlog full) fails with
@@ -83,10 +96,18 @@ static int ins_agent_connect(double deadline)
     return s;
 }
 
-/* One request, one reply line (without its newline) in reply. wait_ms < 0: no bound. */
-static int ins_agent_request(const char *req, char *reply, size_t cap, int wait_ms)
+/* Whether the line (its newline cut) is a CONSUME's progress line: "WAIT" and what follows. */
+static int ins_progress_line(const char *line)
 {
-    int rc = -1;
+    return strncmp(line, "WAIT", 4) == 0 && (line[4] == ' ' || line[4] == '\0');
+}
+
+/* One request, one reply line (without its newline) in reply. wait_ms < 0: no bound.
+ * progress: progress lines may come before the answer (CONSUME): each is dropped, and the
+ * deadline pushed to INS_GRACE_MS from its arrival where that is later. */
+static int ins_agent_request(const char *req, char *reply, size_t cap, int wait_ms, int progress)
+{
+    int rc = -1, rearmed = 0;
     double deadline = wait_ms < 0 ? -1.0 : ins_now() + wait_ms / 1000.0;
     int s = ins_agent_connect(deadline);
     if (s < 0)
@@ -102,14 +123,18 @@ static int ins_agent_request(const char *req, char *reply, size_t cap, int wait_
         }
         off += (size_t)n;
     }
-    size_t got = 0;
+    size_t got = 0; /* bytes in reply: never a whole line */
     for (;;) {
         struct pollfd pfd = {.fd = s, .events = POLLIN};
         int prc = poll(&pfd, 1, ins_remaining_ms(deadline));
         if (prc < 0 && errno == EINTR)
             continue;
         if (prc == 0) {
-            ins_fail(ETIMEDOUT, "the node server did not answer within %d ms", wait_ms);
+            if (rearmed)
+                ins_fail(ETIMEDOUT, "the node server reported progress fetching the key, then "
+                         "fell silent (%d ms and more: hung?)", INS_GRACE_MS);
+            else
+                ins_fail(ETIMEDOUT, "the node server did not answer within %d ms", wait_ms);
             goto cleanup;
         }
         if (prc < 0 || got + 1 >= cap) {
@@ -125,12 +150,22 @@ static int ins_agent_request(const char *req, char *reply, size_t cap, int wait_
         }
         got += (size_t)n;
         reply[got] = '\0';
-        char *nl = memchr(reply, '\n', got);
-        if (nl != NULL) {
+        char *nl;
+        while ((nl = memchr(reply, '\n', got)) != NULL) {
             *nl = '\0';
-            break;
+            if (!progress || !ins_progress_line(reply))
+                goto answered;
+            /* a progress line: dropped (what came after it moves up), the deadline re-armed */
+            size_t line = (size_t)(nl + 1 - reply);
+            memmove(reply, nl + 1, got - line + 1);
+            got -= line;
+            double later = ins_now() + INS_GRACE_MS / 1000.0;
+            if (deadline >= 0 && later > deadline)
+                deadline = later;
+            rearmed = 1;
         }
     }
+answered:
     rc = 0;
 cleanup:
     {
@@ -173,13 +208,15 @@ static int ins_key_ok(const char *key)
     return 0;
 }
 
-/* How long to wait for the server's reply: it bounds a CONSUME by the timeout
- * we send; we allow it 5 s of grace on top. No INSTRIDE_TIMEOUT: no bound. */
+/* How long to wait for the server's reply: it bounds a CONSUME's wait for the publication by
+ * the timeout we send; we allow it INS_GRACE_MS on top (re-armed by its progress lines while it
+ * fetches the key). No INSTRIDE_TIMEOUT: no bound. */
 static int ins_reply_wait_ms(void)
 {
     if (ins_cfg.timeout >= 0) /* (at most INT_MAX ms: ~24 days) */
-        return ins_cfg.timeout * 1000.0 < INT_MAX - 5000.0 ? (int)(ins_cfg.timeout * 1000.0) + 5000
-                                                           : INT_MAX;
+        return ins_cfg.timeout * 1000.0 < INT_MAX - (double)INS_GRACE_MS
+                   ? (int)(ins_cfg.timeout * 1000.0) + INS_GRACE_MS
+                   : INT_MAX;
     return -1;
 }
 
@@ -200,7 +237,7 @@ int ins_agent_publish(const char *key, int overwrite)
         return -1;
     char req[PATH_MAX + 32], reply[PATH_MAX + 128];
     snprintf(req, sizeof req, "%s %s\n", overwrite ? "OVERWRITE" : "PUBLISH", key);
-    if (ins_agent_request(req, reply, sizeof reply, ins_publish_wait_ms()) != 0)
+    if (ins_agent_request(req, reply, sizeof reply, ins_publish_wait_ms(), 0) != 0)
         return -1;
     return ins_agent_reply(key, reply, NULL);
 }
@@ -221,7 +258,7 @@ int ins_agent_consume(const char *key, char open_path[PATH_MAX])
     char req[PATH_MAX + 64], reply[PATH_MAX + 128];
     long long tms = ins_consume_timeout_ms();
     snprintf(req, sizeof req, "CONSUME %lld %s\n", tms, key);
-    if (ins_agent_request(req, reply, sizeof reply, ins_reply_wait_ms()) != 0)
+    if (ins_agent_request(req, reply, sizeof reply, ins_reply_wait_ms(), 1) != 0)
         return -1;
     return ins_agent_reply(key, reply, open_path);
 }

@@ -3,24 +3,32 @@
 The C preload library and other local processes connect to ``$INSTRIDE_DIR/.instride/node.sock``
 (mode 0600 from its creation on, in a 0700 ``.instride/``) and send one text line per request::
 
-    CONSUME <timeout_ms or -1> <key>   ->  OK <absolute path>   |  ERR <errno> <message>
-    PUBLISH <key>                      ->  OK <absolute path>   |  ERR <errno> <message>
-    OVERWRITE <key>                    ->  OK <absolute path>   |  ERR <errno> <message>
+    CONSUME <timeout_ms or -1> <key>   ->  [WAIT <ms> ...] OK <absolute path> | ERR <errno> <message>
+    PUBLISH <key>                      ->  OK <absolute path>  |  ERR <errno> <message>
+    OVERWRITE <key>                    ->  OK <absolute path>  |  ERR <errno> <message>
     PING                               ->  OK pong
     STATS                              ->  OK <one-line JSON object of counters>
 
 ``CONSUME`` waits for the key, fetches it from its owner if needed (through the node's
 :class:`~instride.client.Client`, so exactly as a Python consumer would) and answers once the
-file is local (``-1``: the server's ``INSTRIDE_TIMEOUT``, forever when unset). ``PUBLISH``
+file is local (``-1``: the server's ``INSTRIDE_TIMEOUT``, forever when unset). The timeout bounds
+the wait for the key's publication, not the fetch of its bytes from its owner node that follows
+(a large file on a slow link may take longer): while the request runs past its timeout — a
+fetch under way — and :data:`PROGRESS_INTERVAL` after its arrival at the earliest, the server
+sends a progress line ``WAIT <milliseconds since the request>`` about every
+:data:`PROGRESS_INTERVAL`, then the answer. A thin client waits for the answer its timeout and
+a grace, re-armed by each progress line (``csrc/core/agent.c``): a transfer that goes on is
+waited for, a server that stops reporting still ends the wait. A request answered sooner (any
+key fetched in less than its timeout) gets its one line and nothing more. ``PUBLISH``
 records a regular file the client already placed under its key atomically, **write-once**: if
 another node already published the key (or this node, other bytes), the local file is removed
 and the answer is ``ERR 17`` (EEXIST); the very file recorded already (this node, the same
 bytes: a repeated ``PUBLISH``, or one that settles an unsettled publication) is confirmed.
 ``OVERWRITE`` records it as a new version replacing any earlier one (what a shim run
-with ``INSTRIDE_OVERWRITE=1`` sends). Replies are always one line: newlines in error messages
-are flattened. A client that disconnects while its ``CONSUME`` waits gets no reply and its wait
-ends within about a second; waits still pending at shutdown are answered ``ERR 103``
-(ECONNABORTED).
+with ``INSTRIDE_OVERWRITE=1`` sends). Every answer is one line (``CONSUME``'s after its
+progress lines, if any): newlines in error messages are flattened. A client that disconnects
+while its ``CONSUME`` waits gets no reply and its wait ends within about a second; waits still
+pending at shutdown are answered ``ERR 103`` (ECONNABORTED).
 
 Resource bounds: waits run in a pool of ``workers`` threads, in slices of at most a second, so
 an abandoned or cancelled wait frees its thread promptly; ``PUBLISH``/``OVERWRITE`` and
@@ -79,6 +87,10 @@ QUICK_WORKERS = 4
 LINE_TIMEOUT = 60.0
 #: Longest timeout a ``CONSUME`` may ask for, in milliseconds (~31 years).
 MAX_TIMEOUT_MS = 10**12
+#: Seconds between the progress lines (``WAIT <ms>``) of a ``CONSUME`` whose fetch runs past
+#: its timeout; the first comes this long after the request at the earliest (none on the fast
+#: path). A thin client re-arms its wait for the answer on each (5 s in ``csrc/core/agent.c``).
+PROGRESS_INTERVAL = 1.0
 
 T = TypeVar("T")
 
@@ -208,7 +220,8 @@ class LocalAgent:
         self._busy = 0  # jobs running in worker threads
         self._waiting = 0  # of which waits (CONSUME)
         self.stats = {"local": 0, "abandoned": 0, "errors": 0, "stalled": 0,
-                      "answered_at_once": 0, "idle_closed": 0, "refused_connections": 0}
+                      "answered_at_once": 0, "idle_closed": 0, "refused_connections": 0,
+                      "progress_lines": 0}
         #: most connections served at once (a quarter of the process's descriptors: a waiting
         #: CONSUME holds a second one, a duplicate its worker may answer on, and the rest is
         #: for files, sockets to peers, Redis); one more is answered ``ERR 24`` and closed
@@ -426,7 +439,10 @@ class LocalAgent:
 
         The path, for the loop to answer; or, where the worker answered the client itself,
         the bytes of that answer its socket did not take (for the loop to write; ``b""``:
-        nothing left)."""
+        nothing left). Past the request's timeout, while its job still runs (a fetch of the
+        published key), progress lines are written to the client (see the module's
+        docstring): the loop then takes the answer from the worker, so that no progress line
+        can follow it."""
         if self._closing:
             raise _ShuttingDown()
         start = time.monotonic()
@@ -456,6 +472,10 @@ class LocalAgent:
         job.add_done_callback(answer.close)  # (run, or called off before it started)
         fut = asyncio.wrap_future(job)
         self._cancels.add(cancel)
+        # when the next progress line is due (past the timeout, a PROGRESS_INTERVAL after the
+        # request at the earliest); whether the loop took the answer from the worker to send one
+        due = None if deadline is None else max(deadline, start + PROGRESS_INTERVAL)
+        mine = False
         try:
             while True:
                 done, _ = await asyncio.wait({fut}, timeout=WATCH_INTERVAL)
@@ -465,21 +485,28 @@ class LocalAgent:
                     except _WaitCancelled:
                         raise _ShuttingDown() from None
                     return path if rest is None else rest
-                if deadline is not None and time.monotonic() > deadline and not local \
-                        and job.cancel():
+                now = time.monotonic()
+                if deadline is not None and now > deadline and not local and job.cancel():
                     # (still queued behind busy workers when its time ran out: never started;
                     # a key on this node is answered once a quick thread is free, as ever)
-                    raise ConsumeTimeout(key, time.monotonic() - start)
-                if not (self._closing or self._gone(reader, writer)):
-                    continue
-                if not answer.claim():  # the worker has the path and is answering
-                    path, rest = await fut
-                    return path if rest is None else rest
-                if self._closing:
-                    raise _ShuttingDown()
-                self.stats["abandoned"] += 1
-                log.debug("client gone; wait for %s cancelled", key)
-                return None
+                    raise ConsumeTimeout(key, now - start)
+                if self._closing or self._gone(reader, writer):
+                    if not (mine or answer.claim()):  # the worker has the path and is answering
+                        path, rest = await fut
+                        return path if rest is None else rest
+                    if self._closing:
+                        raise _ShuttingDown()
+                    self.stats["abandoned"] += 1
+                    log.debug("client gone; wait for %s cancelled", key)
+                    return None
+                # Past its timeout and still running: fetching the published key (a wait for
+                # the publication ends at the timeout), which may take longer on a slow link.
+                # Told so, the thin client waits on (a worker answering now: no line).
+                if due is not None and now >= due and job.running() and (mine or answer.claim()):
+                    mine = True
+                    writer.write(f"WAIT {int((now - start) * 1000)}\n".encode())
+                    self.stats["progress_lines"] += 1
+                    due = now + PROGRESS_INTERVAL
         finally:
             if not fut.done():
                 answer.claim()  # (the worker answers no more: the connection may end now)
@@ -604,4 +631,4 @@ class LocalAgent:
             return _err(errno.EIO, f"internal error: {type(exc).__name__}: {exc}")
 
 
-__all__ = ["LocalAgent", "MAX_LINE", "MAX_MESSAGE", "one_line"]
+__all__ = ["LocalAgent", "MAX_LINE", "MAX_MESSAGE", "PROGRESS_INTERVAL", "one_line"]

@@ -152,6 +152,29 @@ def test_exclusive_create_stays_write_once_across_nodes(nodes: EmulatedCluster) 
     assert run(nodes, 2, ["cat", nodes.node(2).dir / "excl" / "k"]) == b"first\n"
 
 
+def test_a_transfer_longer_than_the_timeout_and_its_grace_is_read_whole(
+        nodes: EmulatedCluster) -> None:
+    """INSTRIDE_TIMEOUT bounds the wait for a key's publication, not the transfer of its bytes:
+    a program on node 2 reading a 24 MiB file published on node 1, over a link of 20 Mbit/s
+    (~10 s), with INSTRIDE_TIMEOUT=1, reads it whole. The shim waits for its node server's
+    answer INSTRIDE_TIMEOUT + 5 s, re-armed by each progress line the server sends while the
+    fetch goes on (it gave up after 6 s, ETIMEDOUT, on a transfer going well)."""
+    key1 = nodes.node(1).dir / "slowlink" / "big.bin"
+    run(nodes, 1, ["dd", "if=/dev/urandom", f"of={key1}", "bs=1M", "count=24", "status=none"])
+    # (what node 2 receives, at the hub's end of its link; removed after, for the module's
+    # other tests)
+    tc = ["tc", "-n", nodes.hub, "qdisc"]
+    subprocess.run([*tc, "replace", "dev", "n2", "root", "tbf", "rate", "20mbit", "burst",
+                    "64kb", "latency", "100ms"], check=True)
+    try:
+        start = time.monotonic()
+        run(nodes, 2, ["cmp", key1, nodes.node(2).dir / "slowlink" / "big.bin"],
+            INSTRIDE_TIMEOUT="1")
+        assert time.monotonic() - start > 7, "the transfer was not slow: the test shows nothing"
+    finally:
+        subprocess.run([*tc, "del", "dev", "n2", "root"], check=False)
+
+
 _BOUNDED_PRODUCER = textwrap.dedent("""
     import os, sys, numpy as np, instride
     pos = np.zeros((500, 3), np.float32)

@@ -3,11 +3,14 @@
 These tests check that libinstride_preload.so (and include/instride/stream.hpp) speak the
 node server's Unix-socket protocol correctly:
 
-    CONSUME <timeout_ms|-1> <key>\\n   ->  OK <absolute local path>\\n | ERR <errno> <message>\\n
+    CONSUME <timeout_ms|-1> <key>\\n   ->  [WAIT <ms>\\n ...] OK <absolute local path>\\n
+                                                                 | ERR <errno> <message>\\n
     PUBLISH <key>\\n                   ->  OK <path>\\n               | ERR <errno> <message>\\n
     OVERWRITE <key>\\n                 ->  OK <path>\\n               | ERR <errno> <message>\\n
 
 (``PUBLISH`` registers write-once, ``OVERWRITE`` as a replacing version: INSTRIDE_OVERWRITE=1.)
+(``WAIT`` lines: a fetch still going on, past the request's timeout; each re-arms the shim's
+deadline for the answer.)
 
 The server here is a stand-in written for these tests (it answers from the local file
 system and records requests); it is NOT instride's data server. End-to-end cluster tests
@@ -48,6 +51,16 @@ class FakeNodeServer:
             def handle(self) -> None:
                 line = self.rfile.readline().decode().rstrip("\n")
                 outer.requests.append(line)
+                key = line.rpartition(" ")[2]
+                # a fetch that goes on past the timeout: a progress line a second for 7 s
+                # (slow/), or for 2 s and then silence until the client hangs up (stalled/)
+                if key.startswith(("slow/", "stalled/")):
+                    for i in range(7 if key.startswith("slow/") else 2):
+                        time.sleep(1)
+                        self.wfile.write(f"WAIT {1000 * (i + 1)}\n".encode())
+                    if key.startswith("stalled/"):
+                        self.rfile.read()
+                        return
                 self.wfile.write((outer.answer(line) + "\n").encode())
 
         self.server = socketserver.ThreadingUnixStreamServer(str(sock), Handler)
@@ -59,7 +72,7 @@ class FakeNodeServer:
         if verb == "CONSUME":
             ms_text, _, key = rest.partition(" ")
             ms = int(ms_text)
-            if key.startswith("remote/"):  # pretend to fetch it from its owner node
+            if key.startswith(("remote/", "slow/")):  # pretend to fetch it from its owner node
                 dest = self.fetched / key
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 dest.write_text(f"fetched {key}\n")
@@ -144,6 +157,31 @@ def test_server_timeout_is_etimedout(cluster: tuple[Shim, FakeNodeServer]) -> No
     assert os.strerror(errno.ETIMEDOUT).encode() in proc.stderr
     assert time.monotonic() - t0 < 4
     assert server.requests == ["CONSUME 500 never.bin"]
+
+
+def test_progress_lines_rearm_the_wait_for_the_answer(cluster: tuple[Shim, FakeNodeServer]) -> None:
+    """A node server fetching a published key for longer than INSTRIDE_TIMEOUT + 5 s sends a
+    ``WAIT`` line about every second meanwhile: each re-arms the shim's 5 s for the answer,
+    which comes 7 s after the request (INSTRIDE_TIMEOUT=0), and the file is read."""
+    shim, server = cluster
+    proc = shim.with_env(INSTRIDE_TIMEOUT="0").run(["cat", shim.dir / "slow" / "x.bin"],
+                                                   timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == b"fetched slow/x.bin\n"
+    assert server.requests == ["CONSUME 0 slow/x.bin"]
+
+
+def test_progress_that_stops_is_a_timeout(cluster: tuple[Shim, FakeNodeServer]) -> None:
+    """Progress lines that stop (a node server hung in the middle of a fetch) end the wait 5 s
+    after the last one, with ETIMEDOUT: never a wait for ever."""
+    shim, _server = cluster
+    start = time.monotonic()
+    proc = shim.with_env(INSTRIDE_TIMEOUT="0", INSTRIDE_DEBUG="1").run(
+        ["cat", shim.dir / "stalled" / "x.bin"], timeout=30)
+    assert proc.returncode != 0
+    assert os.strerror(errno.ETIMEDOUT).encode() in proc.stderr, proc.stderr
+    assert b"reported progress" in proc.stderr, proc.stderr  # (the wait that ended: said)
+    assert 6 < time.monotonic() - start < 20  # (2 s of progress, then 5 s: not for ever)
 
 
 def test_timeout_zero_sends_zero(cluster: tuple[Shim, FakeNodeServer]) -> None:

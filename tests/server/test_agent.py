@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from instride.agent import one_line
+from instride.emulate import EmulatedCluster
 from tests import nodes as loopback
 from tests.conftest import LoopbackNode, RedisServer
 from tests.nodes import ask, no_traceback, put, stats, unix, until
@@ -118,6 +119,52 @@ def test_a_consume_is_answered_by_its_worker_and_the_connection_goes_on(
         assert got[2].startswith("ERR 110 "), got  # (an error: the event loop answers it)
     assert stats(n2)["answered_at_once"] == before + 3
     assert path.read_bytes() == b"a"
+
+
+_PRODUCE = ("import os, sys, instride\n"
+            "with instride.open(sys.argv[1], 'wb') as fh:\n"
+            "    fh.write(os.urandom(int(sys.argv[2])))\n")
+
+
+def test_a_fetch_outlasting_the_consumes_timeout_sends_progress_lines() -> None:
+    """``CONSUME``'s timeout bounds the wait for the key's publication, not the transfer: a key
+    published on another node whose bytes take longer to come than the request's timeout (12
+    MiB over a 20 Mbit/s link: ~5 s, for ``CONSUME 0``) is answered with ``WAIT <ms>`` lines
+    while the fetch goes on (the first a second after the request, then about each second:
+    the thin client re-arms its deadline on each), then ``OK <path>``; a request sent after
+    it on the same connection is answered after that, in order. A small key fetched at once
+    gets its one line, as ever."""
+    with EmulatedCluster(nodes=2) as c:
+        for key, size in (("slow/big.bin", 12 << 20), ("slow/small.bin", 1000)):
+            made = c.run(1, [sys.executable, "-c", _PRODUCE, key, str(size)], capture_output=True,
+                         text=True, timeout=60)
+            assert made.returncode == 0, made.stderr
+        # (what node 2 receives, at the hub's end of its link)
+        subprocess.run(["tc", "-n", c.hub, "qdisc", "replace", "dev", "n2", "root", "tbf", "rate",
+                        "20mbit", "burst", "64kb", "latency", "100ms"], check=True)
+        sock = c.node(2).dir / ".instride" / "node.sock"
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(30)
+            s.connect(str(sock))
+            f = s.makefile("rw")
+            f.write("CONSUME 0 slow/small.bin\n")
+            f.flush()
+            assert f.readline() == f"OK {c.node(2).dir / 'slow' / 'small.bin'}\n"
+            start = time.monotonic()
+            f.write("CONSUME 0 slow/big.bin\nPING\n")
+            f.flush()
+            lines = []
+            while not lines or lines[-1].startswith("WAIT "):
+                lines.append(f.readline())
+            took = time.monotonic() - start
+            assert f.readline() == "OK pong\n"
+        big = c.node(2).dir / "slow" / "big.bin"
+        assert lines[-1] == f"OK {big}\n", lines
+        assert took > 3, "the transfer was not slow: the test shows nothing"
+        progress = [int(line.split()[1]) for line in lines[:-1]]
+        # (a second apart, the first after a second: generous bounds)
+        assert len(progress) >= 2 and 900 <= progress[0] < progress[-1], lines
+        assert big.read_bytes() == (c.node(1).dir / "slow" / "big.bin").read_bytes()
 
 
 def test_publish_is_write_once_across_nodes(nodes: list[LoopbackNode]) -> None:
