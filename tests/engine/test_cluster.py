@@ -81,29 +81,32 @@ def test_remote_fetch_then_local_reads(clients: list[instride.Client]) -> None:
 def test_a_copys_name_never_appears_before_its_sidecar(
         clients: list[instride.Client], monkeypatch: pytest.MonkeyPatch) -> None:
     """The moment a fetched copy takes its key's name, the node already knows it is a copy
-    (``is_copy``): a first copy's sidecar is written before its bytes are renamed into place
+    (``is_copy``) of that very version: its sidecar is written before its bytes take the name
     (else a stream's reader beside it would take it for an original and wait on this node for
-    the next frame, which is made elsewhere); a newer version's bytes come before its sidecar
-    (the older one is there meanwhile)."""
-    from instride import store
+    the next frame, which is made elsewhere); a newer version's copy takes a name the earlier
+    copy was set aside from first (a free name: never one a publication of the node took)."""
+    from instride.engine import cluster
 
     c1, c2, _ = clients
-    seen: list[tuple[bool, bool]] = []
-    real = store.publish_file
+    seen: list[tuple[bool, int | None]] = []
+    real = cluster.name_if_free
 
-    def spy(staged, path, key, *, overwrite):  # type: ignore[no-untyped-def]
-        seen.append((os.path.exists(path), c2.engine.is_copy(key)))
-        real(staged, path, key, overwrite=overwrite)
+    def spy(staged: str, path: str) -> bool:
+        seen.append((os.path.exists(path), c2.engine.cached_version("rf/side.bin")))
+        return real(staged, path)
 
     with c1.open("rf/side.bin", "wb") as fh:
         fh.write(b"first")
-    monkeypatch.setattr(store, "publish_file", spy)
+    first = c1.lookup("rf/side.bin")
+    monkeypatch.setattr(cluster, "name_if_free", spy)
     assert c2.consume("rf/side.bin", timeout=10).read_bytes() == b"first"
     with c1.open("rf/side.bin", "wb", overwrite=True) as fh:
         fh.write(b"second")
+    second = c1.lookup("rf/side.bin")
     assert c2.consume("rf/side.bin", timeout=10).read_bytes() == b"second"
-    assert seen == [(False, True), (True, True)]
-    assert c2.engine.cached_version("rf/side.bin") == c1.lookup("rf/side.bin").version  # type: ignore[union-attr]
+    assert first is not None and second is not None
+    assert seen == [(False, first.version), (False, second.version)]
+    assert c2.engine.cached_version("rf/side.bin") == second.version
 
 
 def test_a_publication_redis_never_answered_keeps_its_file_and_is_settled_by_registering(
@@ -272,7 +275,8 @@ def test_a_group_reader_streaming_from_another_node_takes_each_next_frame_straig
     reader = instride.Stream("st/run", timeout=20, client=c2, group="g", commit_every=4)
     reads: list[int] = []
     streamed: list[bool] = []  # per frame waited for straight: whether it came in the slice
-    plain_read, plain_streamed = reader.read, reader._next_streamed
+    # (iteration's read: Stream.read's, a group reset raised)
+    plain_read, plain_streamed = reader._read_of_run, reader._next_streamed
 
     def counted(index: int, timeout: float | None = None) -> instride.Frame:
         reads.append(index)
@@ -283,7 +287,7 @@ def test_a_group_reader_streaming_from_another_node_takes_each_next_frame_straig
         streamed.append(frame is not None)
         return frame
 
-    reader.read = counted  # type: ignore[method-assign]
+    reader._read_of_run = counted  # type: ignore[method-assign]
     reader._next_streamed = counted_streamed  # type: ignore[method-assign]
     thread, got, errors = _read_in_thread(reader, pos)
     with instride.Stream("st/run", mode="w", retain=4, groups=["g"], client=c1,
@@ -454,13 +458,13 @@ def test_a_streaming_reader_keeps_to_its_timeout(clients: list[instride.Client])
     pos = np.random.default_rng(12).random((3000, 3)).astype(np.float32)
     reader = instride.Stream("st/quiet", timeout=0.4, client=c2, group="g")
     timeouts: list[float | None] = []
-    plain_read = reader.read
+    plain_read = reader._read_of_run  # (iteration's read: Stream.read's, a reset raised)
 
     def counted(index: int, timeout: float | None = None) -> instride.Frame:
         timeouts.append(timeout)
         return plain_read(index, timeout)
 
-    reader.read = counted  # type: ignore[method-assign]
+    reader._read_of_run = counted  # type: ignore[method-assign]
     resume = threading.Event()
     with instride.Stream("st/quiet", mode="w", retain=4, groups=["g"], client=c1) as producer:
         for i in range(4):
@@ -2046,16 +2050,17 @@ def test_a_fetched_copy_stays_locked_until_it_has_its_name(
     """From its first byte to its rename, a copy's staged file is locked (gc leaves it): also
     while the reader checks it against the key's record, which may wait for Redis."""
     from instride import store
+    from instride.engine import cluster
 
     c1, c2, _ = clients
     seen: list[tuple[str, bool]] = []
-    real = store.publish_file
+    real = cluster.name_if_free
 
-    def spying(tmp: str, final: str, key: str, *, overwrite: bool) -> None:
-        seen.append((key, store.being_written(Path(tmp))))
-        real(tmp, final, key, overwrite=overwrite)
+    def spying(tmp: str, final: str) -> bool:
+        seen.append((os.path.relpath(final, c2.root), store.being_written(Path(tmp))))
+        return real(tmp, final)
 
-    monkeypatch.setattr(store, "publish_file", spying)
+    monkeypatch.setattr(cluster, "name_if_free", spying)
     with c1.open("cl/a", "wb") as fh:
         fh.write(b"a" * 70_000)
     c2.consume("cl/a", timeout=10)  # fetched the usual way
@@ -2500,6 +2505,106 @@ def test_an_original_published_over_a_copy_is_never_taken_for_it(
     engine.settings = engine.settings.with_(cache_bytes=0)  # (every copy over the bound)
     engine.evict()
     assert path.read_bytes() == b"node 1's own"
+
+
+_PUBLISH_OVER = """
+import sys, instride
+with instride.open(sys.argv[1], "wb", overwrite=True) as fh:
+    fh.write(sys.argv[2].encode())
+"""
+
+
+def _published_by_another_process(node: LoopbackNode, key: str, text: str) -> None:
+    """``key`` published (``overwrite=True``) with ``text`` by another process of ``node``,
+    which has exited when this returns."""
+    proc = subprocess.run([sys.executable, "-c", _PUBLISH_OVER, key, text], env=node.env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def _the_original_stands(nodes: list[LoopbackNode], clients: list[instride.Client], key: str,
+                         text: str) -> None:
+    """Node 2's original of ``key`` (``text``) is its file there, recorded, and fetched as
+    such by node 3."""
+    _, c2, c3 = clients
+    assert (c2.root / key).read_bytes() == text.encode()  # (not node 1's bytes over it)
+    assert not c2.engine.is_copy(key)  # (no sidecar: never evicted nor dropped as a copy)
+    record = c2.lookup(key)
+    assert record is not None and record.owner == nodes[1].addr
+    with c2.open(key, "rb") as fh:
+        assert fh.read() == text.encode()
+    assert c3.consume(key, timeout=10).read_bytes() == text.encode()  # (no IntegrityError)
+
+
+def test_a_fetch_that_waited_for_its_keys_lock_never_stores_over_an_original_published_meanwhile(
+        nodes: list[LoopbackNode], clients: list[instride.Client]) -> None:
+    """A consumer of node 2 read the key's record (node 1's publication), then waited for the
+    key's fetch lock (another consumer of the node held it); meanwhile a process of node 2
+    published the key itself (``overwrite=True``). Once it had the lock, the consumer fetched
+    node 1's bytes and stored them over node 2's new original — which was lost: node 2's
+    readers got node 1's bytes under node 2's record, node 3's fetches an IntegrityError."""
+    c1, c2, _ = clients
+    engine = c2.engine
+    assert isinstance(engine, ClusterEngine)
+    with c1.open("race/waited", "wb") as fh:
+        fh.write(b"node 1's version")
+    holder = _holding(engine._key_locks.path, "race/waited", "run")
+    got: list[Path] = []
+    try:
+        timing = engine.last_timing
+        thread = threading.Thread(target=lambda: got.append(c2.consume("race/waited", 30)))
+        thread.start()
+        for _ in range(2000):  # (it has the record: then it waits for the lock)
+            if engine.last_timing is not timing and engine.last_timing["wait"] > 0:
+                break
+            time.sleep(0.005)
+        time.sleep(0.2)
+        assert thread.is_alive() and not (c2.root / "race" / "waited").exists()
+        _published_by_another_process(nodes[1], "race/waited", "node 2's own")
+    finally:
+        _let_go(holder)
+    thread.join(30)
+    assert got == [c2.root / "race" / "waited"]
+    _the_original_stands(nodes, clients, "race/waited", "node 2's own")
+
+
+@pytest.mark.parametrize("copy_there", [False, True], ids=["first-copy", "newer-copy"])
+def test_an_original_published_while_a_copy_is_stored_is_never_replaced_by_it(
+        nodes: list[LoopbackNode], clients: list[instride.Client],
+        monkeypatch: pytest.MonkeyPatch, copy_there: bool) -> None:
+    """A process of node 2 publishes a key (``overwrite=True``) in the moment a fetch of node
+    2 stores its copy of node 1's publication: after the store looked at the key's name (no
+    file there, its sidecar written; or the earlier copy there), before the copy took the
+    name. The publication does not take the node's store lock (the C library's neither), so
+    the copy's rename replaced the new original: lost, node 1's bytes served under node 2's
+    record. The moment is made to happen here: the publication runs in the store's step just
+    before the name is taken."""
+    c1, c2, _ = clients
+    engine = c2.engine
+    assert isinstance(engine, ClusterEngine)
+    key = f"race/{'newer' if copy_there else 'first'}"
+    with c1.open(key, "wb") as fh:
+        fh.write(b"node 1's version")
+    if copy_there:  # (node 2 holds a copy; node 1 publishes again: node 2 fetches anew)
+        assert c2.consume(key, timeout=10).read_bytes() == b"node 1's version"
+        with c1.open(key, "wb", overwrite=True) as fh:
+            fh.write(b"node 1's second")
+    step = "_stored_later" if copy_there else "_remember"
+    real = getattr(engine, step)
+    done: list[bool] = []
+
+    def then_published(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        if not done:
+            done.append(True)
+            _published_by_another_process(nodes[1], key, "node 2's own")
+        return out
+
+    monkeypatch.setattr(engine, step, then_published)
+    assert c2.consume(key, timeout=30) == c2.root / key
+    assert done == [True]
+    monkeypatch.undo()
+    _the_original_stands(nodes, clients, key, "node 2's own")
 
 
 def test_a_node_holding_a_copy_publishes_a_deleted_key_write_once_straight_away(

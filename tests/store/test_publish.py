@@ -4,6 +4,7 @@ nothing, immutable keys, garbage collection of dead writers' temporary files."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -159,10 +160,12 @@ def test_a_forked_child_leaves_the_parents_writer_alone(
 
 def test_a_writer_with_a_bad_encoding_fails_cleanly(managed_dir: Path) -> None:
     """A text writer refused for its ``encoding=`` or ``newline=`` raises the refusal, leaves
-    no temporary file and prints nothing at garbage collection (no "Exception ignored")."""
+    no temporary file and prints nothing at garbage collection (no "Exception ignored", no
+    warning of a writer never closed: the caller never had one)."""
     proc = spawn_py(textwrap.dedent(
         """
-        import gc, instride
+        import gc, instride, warnings
+        warnings.simplefilter("always")
         for kw in ({"encoding": "no-such-codec"}, {"newline": "zz"}):
             try:
                 instride.open("enc/k.txt", "w", **kw)
@@ -176,6 +179,25 @@ def test_a_writer_with_a_bad_encoding_fails_cleanly(managed_dir: Path) -> None:
     assert out.split() == ["LookupError", "ValueError"]
     assert err == ""
     assert list((managed_dir / "enc").iterdir()) == []
+
+
+@pytest.mark.parametrize(("mode", "buffering"),
+                         [("wb", 0), ("wb", -1), ("w+b", -1), ("w", -1), ("w", 1)],
+                         ids=["raw", "buffered", "read-write", "text", "line-buffered"])
+def test_a_writer_dropped_without_close_warns_once_and_publishes_nothing(
+        client: instride.Client, mode: str, buffering: int) -> None:
+    """A writer garbage-collected without ``close()`` publishes nothing (its content may be
+    incomplete) and says so with one ``ResourceWarning`` naming its key, whatever layers
+    ``open`` put over the raw file (a buffered or text writer said nothing: a lost file
+    without a trace)."""
+    fh = client.open("drop/k.bin", mode, buffering=buffering)
+    fh.write(b"half" if "b" in mode else "half")
+    with pytest.warns(ResourceWarning) as caught:
+        del fh
+        gc.collect()
+    ours = [str(w.message) for w in caught if "drop/k.bin" in str(w.message)]
+    assert ours == ["instride file for key 'drop/k.bin' was never closed; not published"]
+    assert list((client.root / "drop").iterdir()) == []
 
 
 @pytest.mark.parametrize("fails", [False, True])

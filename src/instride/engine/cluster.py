@@ -40,6 +40,7 @@ from ..metadata.base import PendingRecord
 from ..paths import ConfinedOpener
 from ..record import Record
 from ..store.procs import stopped
+from ..store.publish import name_if_free
 from ..store.recvpool import KEEP_BYTES, ReceivePool, map_to_receive
 from ..store.slots import SlotLocks, slot_locks
 from ..store.streamstate import RedisStreamState
@@ -294,38 +295,71 @@ class ClusterEngine:
         under the key's store lock (:meth:`_storing`, bounded by ``deadline``); whether it
         did.
 
-        Over a file already there (an earlier copy, or an original): the bytes first, then
-        the version — in between, a reader sees new bytes with an older sidecar and merely
-        re-checks (never old bytes with a newer version). Where there is none: the sidecar
-        first — a moment with the file and no sidecar would make the copy look like an
-        original of this node (:meth:`is_copy`), and a reader beside it would wait here for
-        the stream's next frame, which is made elsewhere, for a whole wait slice; a sidecar
-        without its file yet only says nothing is cached.
+        The sidecar comes first, the name after: a moment with the file and no sidecar would
+        make the copy look like an original of this node (:meth:`is_copy`), and a reader
+        beside it would wait here for the stream's next frame, which is made elsewhere, for a
+        whole wait slice; a sidecar without its file only says nothing is cached. A file
+        already there (an earlier copy, or an original a later publication elsewhere
+        superseded) is first set aside (:meth:`_set_aside`): a reader then sees the earlier
+        copy with its sidecar, no file, or the new copy with its own — never old bytes with a
+        newer version.
+
+        A publication of this node takes the key's name without the store lock (nor does the
+        C library's): a rename of its original may come at any moment, also between a look
+        at the name and the copy's rename, which replaced the new original (lost; the other
+        node's bytes served under this node's record). So no step here replaces a file it has not
+        seen: the copy takes a free name only (:func:`~instride.store.publish.name_if_free`),
+        and a file set aside that is not the one looked at is put back. An original there
+        stays; nothing is stored (``False``; the caller drops ``staged``).
 
         ``since_ns`` (:func:`_file_clock_ns`): when the caller's fetch took the key's fetch
         lock. A copy stored since then by another fetch — one that went past this one,
         stopped meanwhile (see :meth:`_lock`) — of a later publication of the key stays:
-        nothing is stored (``False``; the caller drops ``staged``), so that a fetch resumed
-        late never sets the node's copy back to an earlier publication; nor does an original
-        this node published since then give way to it.
+        nothing is stored, so that a fetch resumed late never sets the node's copy back to an
+        earlier publication; nor does an original this node published since then give way.
         """
         key = record.key
         ino = os.stat(staged).st_ino  # (the copy's, named in its sidecar)
         with self._storing(key, deadline):
-            there = os.access(path, os.F_OK, follow_symlinks=False)
-            if there and since_ns is not None and self._stored_later(record, path, since_ns):
-                return False
-            if there:
-                store.publish_file(staged, path, key, overwrite=True)
-                self._remember(record, ino)
-                return True
+            try:
+                seen = os.lstat(path)
+            except (FileNotFoundError, NotADirectoryError):
+                seen = None
+            if seen is not None:
+                if since_ns is not None and self._stored_later(record, path, since_ns):
+                    return False
+                if not self._set_aside(key, path, seen):
+                    return False
             self._remember(record, ino)
             try:
-                store.publish_file(staged, path, key, overwrite=True)
+                if name_if_free(staged, path):
+                    return True
             except BaseException:
                 self.forget_fetched(key)
                 raise
-            return True
+            self.forget_fetched(key)  # (an original of this node took the name meanwhile)
+            return False
+
+    def _set_aside(self, key: str, path: str, seen: os.stat_result) -> bool:
+        """Take the file ``seen`` at ``path`` (an earlier copy, or a superseded original)
+        away from the key's name, under the key's store lock, before a copy takes it; whether
+        the name is free of it now. A rename moves whatever has the name: an original this
+        node published since ``seen`` was looked at is put back (unless a still later one has
+        the name by now) and the sidecar goes (``False``: the original stays)."""
+        aside = tmp_name(path)
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return True  # (deleted meanwhile: the name is free)
+        try:
+            if os.path.samestat(os.lstat(aside), seen):
+                return True
+            name_if_free(aside, path)
+            self.forget_fetched(key)
+            return False
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(aside)  # (the earlier copy; or an original a later one replaced)
 
     def _stored_later(self, record: Record, path: str, since_ns: int) -> bool:
         """Whether the file at ``path`` (there) came since ``since_ns``: an original this node
@@ -563,8 +597,11 @@ class ClusterEngine:
         with self._lock(key, deadline, past_stopped=True):
             since_ns = _file_clock_ns()  # (see _store_copy)
             side = self.cached_copy(key)
-            if os.path.exists(path) and side is not None and _copy_of(side, record):
-                return path  # another consumer of this node fetched it meanwhile
+            if os.path.exists(path) and (side is None or _copy_of(side, record)):
+                # another consumer of this node fetched it meanwhile; or a process of this
+                # node published the key itself since the look above (an original, served as
+                # _current serves one): the record read before is no reason to fetch over it
+                return path
             self._fetch(record, path, since_ns, deadline)
         self.evict(keep=key)
         return path

@@ -167,6 +167,44 @@ def _publish_once(tmp: str | Path, final: str | Path, key: str, *, overwrite: bo
 _NO_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS)
 
 
+def name_if_free(tmp: str | Path, final: str | Path) -> bool:
+    """Give the file ``tmp`` the name ``final`` unless a file has that name, in one step.
+
+    For a name that another process may take at any moment without a lock in common (a
+    fetched copy's key, which a publication of this node renames its original to): a test
+    of the name before a ``rename`` would leave a moment in which the rename replaces that
+    file. A hard link, or ``renameat2(RENAME_NOREPLACE)`` where the file system makes none,
+    never replaces one; where it has neither, ``rename`` (nothing better exists there).
+
+    Returns
+    -------
+    bool
+        Whether ``final`` names ``tmp``'s file now (``tmp``'s name is gone then; else it
+        stays, for the caller to remove).
+    """
+    try:
+        if _LINKS[0]:
+            try:
+                os.link(tmp, final)
+            except OSError as exc:
+                if exc.errno not in _NO_LINKS + (errno.EMLINK,):
+                    raise
+                if exc.errno != errno.EMLINK:  # (EMLINK: that one file's links, not the system)
+                    _LINKS[0] = False
+            else:
+                drop_name(tmp)
+                return True
+        if _rename_noreplace(tmp, final):
+            return True
+    except FileExistsError:
+        if not _same_file(tmp, final):  # (NFS: a link retried by the client after it was made)
+            return False
+        drop_name(tmp)
+        return True
+    os.rename(tmp, final)
+    return True
+
+
 def _neither(tmp: str | Path, final: str | Path, key: str) -> UnsupportedModeError:
     """The error of a write-once publication where the file system has neither hard links nor
     ``renameat2(RENAME_NOREPLACE)`` (nothing else makes a name without possibly replacing one);
@@ -388,12 +426,15 @@ class _PublishingFileIO(io.FileIO):
                 with contextlib.suppress(OSError):
                     super().close()
                 return
-            warnings.warn(
-                f"instride file for key {self._key!r} was never closed; not published",
-                ResourceWarning,
-                stacklevel=2,
-            )
+            _warn_never_closed(self._key)
             self.abort()
+
+
+def _warn_never_closed(key: str) -> None:
+    """The ``ResourceWarning`` of a writer collected without ``close()`` (raw, buffered or
+    text alike: its file is discarded, and a lost publication must leave a trace)."""
+    warnings.warn(f"instride file for key {key!r} was never closed; not published",
+                  ResourceWarning, stacklevel=3)
 
 
 class _AbortOnError:
@@ -435,7 +476,10 @@ class _AbortOnError:
         except ValueError:  # (a text layer whose __init__ failed, e.g. a bad encoding: the
             return          # open_for_write that made it has discarded the file already)
         if not closed:
-            self._publishing_raw()._aborted = True
+            raw = self._publishing_raw()
+            if not raw.foreign():  # (as the raw file's own: a forked child's copy says nothing)
+                _warn_never_closed(raw.key)
+            raw._aborted = True  # (closed here: the raw file's __del__ warns no second time)
             with contextlib.suppress(Exception):
                 self.close()
 
@@ -520,10 +564,14 @@ def open_for_write(
     buffered: io.BufferedIOBase = cls(raw, size)
     if "b" in mode:
         return buffered
-    return _PublishingTextIOWrapper(
-        buffered, encoding=encoding or "utf-8", errors=errors, newline=newline,
-        line_buffering=buffering == 1,
-    )
+    try:
+        return _PublishingTextIOWrapper(
+            buffered, encoding=encoding or "utf-8", errors=errors, newline=newline,
+            line_buffering=buffering == 1,
+        )
+    except BaseException:  # (a bad encoding or newline: the file is discarded now, not
+        raw.abort()        # at its collection, which would warn of a writer never closed)
+        raise
 
 
 def read_error(path: Path) -> OSError:
@@ -538,6 +586,7 @@ __all__ = [
     "check_mode",
     "drop_name",
     "fsync_dir",
+    "name_if_free",
     "open_for_write",
     "publish_file",
     "read_error",
