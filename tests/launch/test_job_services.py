@@ -604,9 +604,9 @@ def _in_a_terminal(scratch: Path, tmp_path: Path, send: str) -> tuple[int, list[
         finally:
             os._exit(127)
     output = b""
+    sent, done, status = False, 0, 0
     try:
         deadline = time.monotonic() + 60
-        sent = False
         while True:
             if select.select([terminal], [], [], 0.05)[0]:
                 with contextlib.suppress(OSError):  # (EIO: the terminal's last process ended)
