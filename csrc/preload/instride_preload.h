@@ -2,8 +2,8 @@
  * instride_preload.h -- internal declarations of libinstride_preload.so.
  *
  * The library is organised the Darshan way: one .c file per API family
- * (open.c, stdio.c, fd.c, rename.c, mmap.c), symbol resolution in init.c and the table
- * of produced files in fdtable.c. The protocol itself (settings, which paths
+ * (open.c, stdio.c, fd.c, rename.c, mmap.c, unlink.c, link.c, truncate.c), symbol resolution in
+ * init.c and the table of produced files in fdtable.c. The protocol itself (settings, which paths
  * are keys, waiting, publishing, the node server's socket) is instride's one C
  * implementation in csrc/core/, shared with libinstride.so.
  *
@@ -69,7 +69,13 @@
     X(munmap, int, (void *, size_t))                                                \
     X(unlink, int, (const char *))                                                  \
     X(unlinkat, int, (int, const char *, int))                                      \
-    X(remove, int, (const char *))
+    X(remove, int, (const char *))                                                  \
+    X(link, int, (const char *, const char *))                                      \
+    X(linkat, int, (int, const char *, int, const char *, int))                     \
+    X(symlink, int, (const char *, const char *))                                   \
+    X(symlinkat, int, (const char *, int, const char *))                            \
+    X(truncate, int, (const char *, off_t))                                         \
+    X(truncate64, int, (const char *, off64_t))
 
 INS_FOR_EACH_REAL(INS_REAL_DECL)
 

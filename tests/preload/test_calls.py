@@ -423,3 +423,81 @@ def test_freopen_and_rename_from_a_working_directory_too_deep_to_confine(shim: S
     assert proc.stdout.decode().splitlines() == [
         "freopen ENAMETOOLONG", "rename ENAMETOOLONG", "rename done", "['moved']"]
     assert src.read_bytes() == b"data"
+
+
+def _links_setup(shim: Shim) -> None:
+    """A published key pub/k.txt, the directories l/ and s/ (so that libc, unwrapped, would
+    succeed there), and outside/src.txt."""
+    for sub in ("pub", "l", "s"):
+        (shim.dir / sub).mkdir()
+    (shim.dir / "pub" / "k.txt").write_text("published")
+    (shim.outside / "src.txt").write_text("outside")
+
+
+@pytest.mark.parametrize("case", ["link", "linkat", "linkkey", "symlink", "symlinkat", "outside",
+                                  "truncate", "ftruncate"])
+def test_links_and_truncate_of_keys(shim: Shim, build: Builder, case: str) -> None:
+    """A hard link made as a key gave it a name without publication (not write-once checked,
+    no record in cluster mode) and shared its inode with the program's file outside, which it
+    went on changing; a symbolic link made as a key blocked the key with a link every reader
+    refuses; truncate() of a published key emptied it under its readers. Links are refused
+    (EXDEV, EPERM), truncate too (EPERM); links made outside stay libc's. See
+    tests/preload/c/links.c."""
+    _links_setup(shim)
+    proc = shim.run([build("links.c"), shim.dir, shim.outside, case], timeout=60)
+    assert proc.stdout.decode().strip() == "ok", (proc.stdout, proc.stderr[-2000:])
+    assert proc.returncode == 0
+    assert (shim.dir / "pub" / "k.txt").read_text() == "published"
+    assert sorted(p.relative_to(shim.dir).as_posix() for p in shim.dir.rglob("*")) == (
+        ["l", "pub", "pub/k.txt", "s"] if case != "truncate" else
+        ["l", "pub", "pub/k.txt", "pub/w.txt", "s"])
+    if case == "truncate":  # (its ftruncate'd write published as usual)
+        assert (shim.dir / "pub" / "w.txt").read_text() == "abc"
+
+
+def test_ln_into_the_managed_directory_is_refused_and_a_copy_publishes(shim: Shim) -> None:
+    """``ln`` and ``ln -s`` of a file outside made a key appear without publication (sharing
+    the file's inode: changed with it). They fail (EXDEV: "Invalid cross-device link"; EPERM)
+    and nothing appears; what tools do on EXDEV, copy then rename, publishes the key."""
+    _links_setup(shim)
+    src, key = shim.outside / "src.txt", shim.dir / "l" / "k.txt"
+    hard = shim.run(["ln", src, key])
+    assert hard.returncode != 0 and b"Invalid cross-device link" in hard.stderr, hard.stderr
+    soft = shim.run(["ln", "-s", src, key])
+    assert soft.returncode != 0 and b"Operation not permitted" in soft.stderr, soft.stderr
+    assert not key.exists() and not key.is_symlink()
+    forced = shim.run(["ln", "-f", src, shim.dir / "pub" / "k.txt"])  # (no unlink first either)
+    assert forced.returncode != 0 and b"Invalid cross-device link" in forced.stderr
+    assert (shim.dir / "pub" / "k.txt").read_text() == "published"
+    fallback = (
+        "import errno, os, shutil\n"
+        f"src, key = {str(src)!r}, {str(key)!r}\n"
+        "try:\n"
+        "    os.link(src, key)\n"
+        "except OSError as exc:\n"
+        "    assert exc.errno == errno.EXDEV, exc\n"
+        "    shutil.copyfile(src, key + '.part')\n"
+        "    os.rename(key + '.part', key)\n"
+    )
+    shim.py(fallback, check=True)
+    src.write_text("changed outside")
+    assert key.read_text() == "outside"
+    assert shim.temps() == []
+
+
+def test_os_truncate_of_a_published_key_is_refused(shim: Shim) -> None:
+    """An unmodified Python program's ``os.truncate`` of a published key (truncate(2) by
+    path) changed its bytes in place; it fails with EPERM, as a write open in place."""
+    _links_setup(shim)
+    key = shim.dir / "pub" / "k.txt"
+    code = (
+        "import errno, os\n"
+        "try:\n"
+        f"    os.truncate({str(key)!r}, 2)\n"
+        "    print('truncated')\n"
+        "except OSError as exc:\n"
+        "    print(errno.errorcode[exc.errno])\n"
+    )
+    proc = shim.py(code)
+    assert proc.stdout.decode().strip() == "EPERM", (proc.stdout, proc.stderr)
+    assert key.read_text() == "published"
