@@ -328,3 +328,56 @@ def test_a_child_whose_parent_died_before_it_asked_signals_itself() -> None:
     code = code.replace(" + 1_000_000", "")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "ran on" in res.stdout
+
+
+_DEFAULT_DIR_PROBE = r"""
+import ctypes, json, os
+import instride
+from instride.config import Settings
+lib = ctypes.CDLL(os.path.join(os.path.dirname(instride.__file__), "libinstride.so"))
+
+class S(ctypes.Structure):
+    _fields_ = [("dir", ctypes.c_char_p), ("socket_path", ctypes.c_char_p),
+                ("timeout", ctypes.c_double), ("fsync", ctypes.c_int),
+                ("overwrite", ctypes.c_int), ("cluster", ctypes.c_int), ("debug", ctypes.c_int)]
+
+s = S()
+assert lib.instride_settings(ctypes.byref(s)) == 0
+print(json.dumps({"python": str(Settings.from_env().dir), "c": s.dir.decode()}))
+"""
+
+
+@pytest.mark.parametrize("tmpdirs", [
+    {"TMP": "{tmp}/tmp"},  # (TMPDIR unset: C takes /tmp; Python took $TMP)
+    {"TMPDIR": "{tmp}/missing"},  # (Python skipped a TMPDIR it could not write to)
+    {"TMPDIR": "{tmp}/tmp"},
+])
+def test_python_and_c_take_one_default_dir_where_dev_shm_is_unusable(
+        tmpdirs: dict[str, str], tmp_path: Path) -> None:
+    """Without INSTRIDE_DIR and with /dev/shm unusable (read-only here), Python took
+    ``tempfile.gettempdir()`` — $TMPDIR, $TEMP or $TMP, the first it could write to — and the
+    C libraries ``${TMPDIR:-/tmp}``, as docs/preload.md says both do: a producer and a
+    consumer of one node looked in two directories, the consumer waiting for good."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    unshare = shutil.which("unshare")
+    # (the suite runs as root; util-linux's unshare is on every Debian machine)
+    assert unshare is not None and os.geteuid() == 0, \
+        "needs root and unshare(1) (util-linux) to hide /dev/shm in a mount namespace"
+    (tmp_path / "tmp").mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("INSTRIDE_") and k not in ("TMPDIR", "TEMP", "TMP")}
+    env.update({k: v.replace("{tmp}", str(tmp_path)) for k, v in tmpdirs.items()})
+    proc = subprocess.run(
+        [unshare, "-m", "sh", "-c", 'mount -t tmpfs -o ro tmpfs /dev/shm && exec "$@"', "sh",
+         sys.executable, "-c", _DEFAULT_DIR_PROBE], env=env, capture_output=True, text=True,
+        timeout=60)
+    assert proc.returncode == 0, f"unshare -m and the probe under it: {proc.stderr}"
+    got = json.loads(proc.stdout.splitlines()[-1])
+    base = env.get("TMPDIR") or "/tmp"
+    assert got == {"python": f"{base}/instride-{os.getuid()}",
+                   "c": f"{base}/instride-{os.getuid()}"}

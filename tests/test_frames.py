@@ -421,3 +421,14 @@ def test_ids_of_another_shape_are_refused_by_every_encoder(layout: str) -> None:
     for ids in (np.array([1], dtype=np.int32), 5):
         with pytest.raises(ValueError, match="ids must have shape"):
             encode_payload(np.zeros((4, 3)), layout=layout, ids=ids)
+
+
+def test_sizes_of_an_unknown_layout_are_a_value_error() -> None:
+    """``frame_size(n, "pdb")`` (and ``bytes_per_atom``) raised a bare KeyError: 'pdb', where
+    every other function of the module names the layouts with a ValueError."""
+    from instride.frames import bytes_per_atom, frame_size
+
+    for call in (lambda: frame_size(10, "pdb"), lambda: bytes_per_atom("pdb")):
+        with pytest.raises(ValueError, match="unknown layout 'pdb'; expected one of"):
+            call()
+    assert [bytes_per_atom(x) for x in ("xyz32", "paper", "paper-soa")] == [12, 28, 28]

@@ -263,3 +263,47 @@ def test_closing_an_opener_never_frees_a_descriptor_under_another_thread(
         opener.close()
         opener.dirfd()
     assert len(opener._retired) == _RETIRED_KEPT
+
+
+def test_threads_reading_while_the_managed_directory_is_made_again_leak_nothing(
+        tmp_path: Path) -> None:
+    """Threads waiting on one opener for a key while the managed directory was removed and
+    made again each found the kept descriptor stale and opened a new one; all but the last
+    were lost (about one descriptor leaked per recreation), and a thread that read the
+    descriptor while another let go of it opened beneath -1: an untyped EBADF."""
+    import threading
+
+    from instride.paths import ConfinedOpener
+
+    root = tmp_path / "m"
+    root.mkdir()
+    before = len(os.listdir("/proc/self/fd"))
+    untyped: list[OSError] = []
+    for _ in range(100):
+        opener = ConfinedOpener(root)
+        with pytest.raises(FileNotFoundError):
+            opener.open("k")  # (the directory's descriptor kept from here)
+        stop = threading.Event()
+
+        def reader(opener: ConfinedOpener = opener, stop: threading.Event = stop) -> None:
+            while not stop.is_set():
+                try:
+                    os.close(opener.open("k"))
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    untyped.append(exc)
+
+        threads = [threading.Thread(target=reader) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.002)
+        root.rmdir()
+        root.mkdir()
+        time.sleep(0.01)
+        stop.set()
+        for t in threads:
+            t.join()
+        del opener, reader  # (the opener closes its descriptors)
+    assert not untyped, untyped[:3]
+    assert len(os.listdir("/proc/self/fd")) == before

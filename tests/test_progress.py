@@ -47,3 +47,28 @@ def test_tqdm_on_a_terminal() -> None:
         bar.update(3)
         bar.close()
     os.close(master)
+
+
+def test_a_lost_stderr_never_fails_the_work() -> None:
+    """A bar's line written to a stderr that is closed (``2>&-``: ``sys.stderr`` is None) or
+    whose reader went away (``2>&1 | tee log``, tee killed: EPIPE) raised out of ``update``:
+    the analysis that reported its progress failed at its first line. Lines are dropped then."""
+    import subprocess
+    import sys
+
+    code = ("from instride.progress import progress\n"
+            "with progress(total=10, desc='frames', min_seconds=0) as bar:\n"
+            "    for _ in range(10):\n"
+            "        bar.update(1)\n"
+            "print('finished', flush=True)\n")
+    closed = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            timeout=60, preexec_fn=lambda: os.close(2))
+    assert (closed.returncode, closed.stdout) == (0, "finished\n")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # (the reader gone: every write fails with EPIPE)
+    try:
+        broken = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                stderr=write_end, text=True, timeout=60)
+    finally:
+        os.close(write_end)
+    assert (broken.returncode, broken.stdout) == (0, "finished\n")

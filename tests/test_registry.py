@@ -25,3 +25,17 @@ def test_unknown_and_duplicate_names(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setitem(transport.REGISTRY, "ucx", ("instride_ucx_missing:Ucx", "pip install ucxx"))
     with pytest.raises(ConfigError, match="pip install ucxx"):
         transport.get_transport("ucx", Settings(dir=tmp_path))
+
+
+def test_a_target_naming_no_class_is_a_config_error(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend registered as ``module:Class`` whose module imports but has no such class
+    (a typo, a plugin renamed it; or no ``:Class`` at all) raised an untyped AttributeError
+    at first use, naming neither the backend nor its install hint."""
+    monkeypatch.setitem(transport.REGISTRY, "ucx", ("instride.frames:NoSuchTransport",
+                                                    "pip install ucxx"))
+    with pytest.raises(ConfigError, match="NoSuchTransport.*pip install ucxx"):
+        transport.get_transport("ucx", Settings(dir=tmp_path))
+    monkeypatch.setitem(transport.REGISTRY, "ucx", ("instride.frames", "pip install ucxx"))
+    with pytest.raises(ConfigError, match="ucx"):
+        transport.get_transport("ucx", Settings(dir=tmp_path))

@@ -16,7 +16,6 @@ import math
 import os
 import re
 import socket
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -66,12 +65,16 @@ def parse_number(raw: str, name: str, what: str = "not a number") -> float:
 
 
 def default_dir() -> Path:
-    """Return the default managed directory: a per-user directory on tmpfs when possible."""
+    """Return the default managed directory: ``/dev/shm/instride-<uid>`` where ``/dev/shm`` is
+    a writable directory, else ``${TMPDIR:-/tmp}/instride-<uid>`` — the C libraries' rule
+    (csrc/core/config.c), so that a C program and a Python one look in one directory
+    (:func:`tempfile.gettempdir` also reads ``TEMP`` and ``TMP`` and skips a directory it
+    cannot write to: it took another one)."""
     uid = os.getuid()
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
         return shm / f"instride-{uid}"
-    return Path(tempfile.gettempdir()) / f"instride-{uid}"
+    return Path(os.environ.get("TMPDIR") or "/tmp") / f"instride-{uid}"
 
 
 def parse_seconds(raw: str | float, name: str, *, zero: bool = False,
@@ -367,7 +370,8 @@ class Variable:
 
 #: Every ``INSTRIDE_*`` variable read by the Python side, in the README table's order.
 VARIABLES: tuple[Variable, ...] = (
-    Variable("INSTRIDE_DIR", "dir", _dir, "/dev/shm/instride-<uid> (temp dir if /dev/shm is unusable)",
+    Variable("INSTRIDE_DIR", "dir", _dir,
+             "/dev/shm/instride-<uid> (${TMPDIR:-/tmp}/instride-<uid> if /dev/shm is unusable)",
              "the managed directory of this node"),
     Variable("INSTRIDE_REDIS_URL", "redis_url", _str_or_none, "unset",
              "set: cluster mode (metadata in Redis); unset: local mode"),

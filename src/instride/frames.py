@@ -87,9 +87,21 @@ _NATIVE_LE = sys.byteorder == "little"
 _open = _io.open  # the builtin, captured before instride.interception.pyopen may patch it
 
 
+_BYTES_PER_ATOM = {"xyz32": 12, "paper": 28, "paper-soa": 28}
+
+
 def bytes_per_atom(layout: str) -> int:
-    """Bytes of payload per atom for ``layout`` (``"xyz32"``: 12, ``"paper"``: 28)."""
-    return {"xyz32": 12, "paper": 28, "paper-soa": 28}[layout]
+    """Bytes of payload per atom for ``layout`` (``"xyz32"``: 12, ``"paper"``: 28).
+
+    Raises
+    ------
+    ValueError
+        An unknown layout.
+    """
+    try:
+        return _BYTES_PER_ATOM[layout]
+    except KeyError:  # (a bare KeyError named no layout)
+        raise ValueError(f"unknown layout {layout!r}; expected one of {sorted(LAYOUTS)}") from None
 
 
 def frame_size(natoms: int, layout: str = "xyz32") -> int:
@@ -100,12 +112,17 @@ def frame_size(natoms: int, layout: str = "xyz32") -> int:
     natoms
         Number of atoms.
     layout
-        ``"xyz32"`` or ``"paper"``.
+        ``"xyz32"``, ``"paper"`` or ``"paper-soa"``.
 
     Returns
     -------
     int
         Header plus payload bytes.
+
+    Raises
+    ------
+    ValueError
+        An unknown layout.
 
     Examples
     --------

@@ -37,6 +37,7 @@ import errno
 import fcntl
 import os
 import stat
+import threading
 from pathlib import Path
 
 from .errors import FileTypeError, UnsafePathError
@@ -299,6 +300,19 @@ class ConfinedOpener:
         self._pid = 0
         #: descriptors let go of by close(), closed later (see there)
         self._retired: list[int] = []
+        #: held while the directory's descriptor is replaced or let go of (never by a read
+        #: that finds it open): threads that found it stale at once each opened one, and
+        #: all but the last were lost; made again in a forked child (see _guard)
+        self._lock = threading.Lock()
+        self._lock_pid = os.getpid()
+
+    def _guard(self) -> threading.Lock:
+        """This process's lock (a forked child's own: the parent's may have been held by
+        another thread at the fork, for good in the child)."""
+        pid = os.getpid()
+        if self._lock_pid != pid:
+            self._lock, self._lock_pid = threading.Lock(), pid
+        return self._lock
 
     def close(self) -> None:
         """Let go of the directory descriptor (reopened on the next :meth:`open`).
@@ -307,12 +321,20 @@ class ConfinedOpener:
         now: another thread may be in an ``openat2`` beneath it at this moment, which would
         fail with an untyped ``EBADF``, or, its number taken by another file meanwhile,
         resolve the key beneath another directory."""
-        if self._dirfd >= 0 and self._pid == os.getpid():
-            self._retired.append(self._dirfd)
-            while len(self._retired) > _RETIRED_KEPT:
-                with contextlib.suppress(OSError):
-                    os.close(self._retired.pop(0))
-        self._dirfd = -1
+        self._let_go(self._dirfd)
+
+    def _let_go(self, fd: int) -> None:
+        """:meth:`close`, where ``fd`` is still the descriptor kept (not one another thread
+        opened since it was found stale)."""
+        with self._guard():
+            if fd < 0 or fd != self._dirfd:
+                return
+            if self._pid == os.getpid():
+                self._retired.append(fd)
+                while len(self._retired) > _RETIRED_KEPT:
+                    with contextlib.suppress(OSError):
+                        os.close(self._retired.pop(0))
+            self._dirfd = -1
 
     def __del__(self) -> None:
         try:
@@ -330,10 +352,15 @@ class ConfinedOpener:
         (opened on first use in each process), or -1 where the kernel has no ``openat2``."""
         if ConfinedOpener._syscall is None:
             return -1
-        if self._pid != os.getpid() or self._dirfd < 0:
-            self._dirfd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-            self._pid = os.getpid()
-        return self._dirfd
+        fd = self._dirfd  # (read once: another thread may let go of it meanwhile)
+        if fd >= 0 and self._pid == os.getpid():
+            return fd
+        with self._guard():  # (one thread opens it; the others take that one)
+            pid = os.getpid()
+            if self._pid != pid or self._dirfd < 0:
+                self._dirfd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                self._pid = pid
+            return self._dirfd
 
     def open(self, key: str, *, hold: bool = False) -> int:
         """Open the normalized ``key``; see :func:`open_confined` for the errors.
@@ -345,41 +372,43 @@ class ConfinedOpener:
         :mod:`instride.store.ring`), so a held file never changes under its reader.
         :class:`FileNotFoundError` when the key's file was retired before it was held.
         """
-        fd = self._open(key)
+        fd, dirfd = self._open(key)
         if hold:
-            _hold(fd, key, f"{self.root}/{key}", self._dirfd if self._dirfd >= 0 else None)
+            _hold(fd, key, f"{self.root}/{key}", dirfd if dirfd >= 0 else None)
         return fd
 
-    def _stale(self) -> bool:
-        """Whether the directory descriptor kept names another directory than :attr:`root`
-        now (the managed directory removed and made again by the user: a read beneath the
-        removed one finds nothing); it is closed then, to be opened afresh."""
+    def _stale(self, dirfd: int) -> bool:
+        """Whether the directory descriptor ``dirfd`` kept names another directory than
+        :attr:`root` now (the managed directory removed and made again by the user: a read
+        beneath the removed one finds nothing); it is let go of then, to be opened afresh."""
         try:
-            held, now = os.fstat(self._dirfd), os.stat(self.root)
+            held, now = os.fstat(dirfd), os.stat(self.root)
         except OSError:
             return False
         if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino) and held.st_nlink:
             return False
-        self.close()
+        self._let_go(dirfd)
         return True
 
-    def _open(self, key: str) -> int:
+    def _open(self, key: str) -> tuple[int, int]:
+        """The key's descriptor, and the directory's it was opened beneath (-1: none)."""
         syscall = ConfinedOpener._syscall
         if syscall is None:
-            return open_confined(self.root_real, key, f"{self.root}/{key}")
-        self.dirfd()
+            return open_confined(self.root_real, key, f"{self.root}/{key}"), -1
+        dirfd = self.dirfd()
         how = ConfinedOpener._how
-        fd = syscall(_SYS_OPENAT2, self._dirfd, os.fsencode(key), ctypes.byref(how),
+        fd = syscall(_SYS_OPENAT2, dirfd, os.fsencode(key), ctypes.byref(how),
                      ctypes.sizeof(how))
-        if fd < 0 and ctypes.get_errno() in (errno.ENOENT, errno.ENOTDIR) and self._stale():
-            self.dirfd()  # (once more, beneath the directory there now)
-            fd = syscall(_SYS_OPENAT2, self._dirfd, os.fsencode(key), ctypes.byref(how),
+        if fd < 0 and ctypes.get_errno() in (errno.ENOENT, errno.ENOTDIR) \
+                and self._stale(dirfd):
+            dirfd = self.dirfd()  # (once more, beneath the directory there now)
+            fd = syscall(_SYS_OPENAT2, dirfd, os.fsencode(key), ctypes.byref(how),
                          ctypes.sizeof(how))
         if fd < 0:
             err = ctypes.get_errno()
             if err in (errno.ENOSYS, errno.EPERM, errno.E2BIG, errno.EINVAL):
                 ConfinedOpener._syscall = None  # unsupported or filtered: the portable checks
-                return open_confined(self.root_real, key, f"{self.root}/{key}")
+                return open_confined(self.root_real, key, f"{self.root}/{key}"), -1
             if err in (errno.ELOOP, errno.EXDEV):
                 check_parents(self.root, key)  # names the linked directory, if that is it
                 raise UnsafePathError(key, "it is a symbolic link; keys never follow links"
@@ -399,4 +428,4 @@ class ConfinedOpener:
             os.close(fd)
             raise FileTypeError(key, f"it is {_kind(mode)}; only regular files are consumed",
                                 errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL)
-        return fd
+        return fd, dirfd

@@ -5,7 +5,8 @@ stderr (a batch job's log, ``2> log``), every redraw becomes a line full of cont
 characters. :func:`progress` returns a tqdm bar when stderr is a terminal and otherwise a
 :class:`PlainProgress`, which writes a plain line now and then (every 10 % of the total, at
 most every ``min_seconds``) and one at the end. It takes the same arguments as ``tqdm``, so
-``progress(total=n, desc="frames")`` is a drop-in replacement.
+``progress(total=n, desc="frames")`` is a drop-in replacement. A line that cannot be written
+(stderr closed, its reader gone) ends the lines, never the work.
 
 Examples
 --------
@@ -89,8 +90,13 @@ class PlainProgress:
             return
         out = self.file if self.file is not None else sys.stderr
         self._written_n = self.n
-        out.write(text + "\n")
-        out.flush()
+        try:
+            out.write(text + "\n")  # (None: stderr closed at start-up, ``2>&-``)
+            out.flush()
+        except (OSError, ValueError, AttributeError):
+            # (stderr gone: EPIPE once a `| tee log` ended, EIO once the terminal hung up,
+            # closed: a report of progress never fails the work it reports on)
+            self.disable = True
 
     def update(self, n: float = 1) -> None:
         """Count ``n`` more; write a line when another tenth of the total is done."""
@@ -165,7 +171,11 @@ def progress(iterable: Iterable[Any] | None = None, **kwargs: Any) -> Any:
     """
     stream = kwargs.get("file") or sys.stderr
     isatty = getattr(stream, "isatty", None)
-    if isatty is not None and isatty():
+    try:
+        terminal = isatty is not None and isatty()
+    except ValueError:  # (closed)
+        terminal = False
+    if terminal:
         from tqdm.auto import tqdm
 
         return tqdm(iterable, **kwargs)

@@ -28,7 +28,8 @@ def resolve(registry: Registry, kind: str, name: str) -> Any:
     Raises
     ------
     ConfigError
-        Unknown name, or its module cannot be imported (the message carries the install hint).
+        Unknown name, its module cannot be imported, or it has no such class (the message
+        carries the install hint).
     """
     try:
         target, hint = registry[name]
@@ -39,7 +40,11 @@ def resolve(registry: Registry, kind: str, name: str) -> Any:
         mod = importlib.import_module(module)
     except ImportError as exc:
         raise ConfigError(kind, name, f"cannot import ({exc}); {hint}") from exc
-    return getattr(mod, cls)
+    try:
+        return getattr(mod, cls)
+    except AttributeError:  # (a renamed class, a typo, no ":Class": named, not untyped)
+        raise ConfigError(kind, name, f"{module} has no {cls or 'class named'} (registered as"
+                                      f" {target!r}); {hint}") from None
 
 
 def load(registry: Registry, kind: str, name: str, settings: Settings) -> Any:
