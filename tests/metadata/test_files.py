@@ -38,3 +38,25 @@ def put(backend: FileMetadata) -> Put:
 
 class TestFileMetadata(MetadataContract):
     pass
+
+
+def test_list_names_only_keys(backend: FileMetadata, put: Put) -> None:
+    """Files that no key can name — put there by other tools — are not listed: a hidden
+    ``.instride*`` file (a reserved name: instride's own), a name with a control character,
+    one of bytes that are no UTF-8. They were: ``instride ls`` showed them, and ``lookup`` or
+    ``open`` of what it listed raised ``KeyValidationError``."""
+    import os
+
+    from instride.keys import normalize_key
+
+    put("ls/a", b"x")
+    for name in (b"ls/.instriderc", b"ls/.instride-notes", b"ls/ctl\x01x", b"ls/bad\xff",
+                 b"ls/.instride-dir/b"):
+        path = os.path.join(os.fsencode(backend.root), name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(b"x")
+    listed = backend.list("ls/")
+    assert listed == ["ls/a"] == backend.list()
+    for key in listed:
+        assert normalize_key(key, backend.root) == key

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -46,6 +47,10 @@ def put(backend: RedisMetadata) -> Put:
 
 class TestRedisMetadata(MetadataContract):
     pass
+
+
+def _record(key: str) -> Record:
+    return Record(key, "127.0.0.1:1", 1, "xxh3:0", 0, time.time(), "n1")
 
 
 def test_versions_bump_and_write_once(backend: RedisMetadata, put: Put) -> None:
@@ -814,3 +819,138 @@ def test_a_wait_refused_its_subscription_is_a_typed_error_at_once(
     finally:
         md.close()
         admin.execute_command("ACL", "DELUSER", "nochan")
+
+
+def _fill_client_slots(server: RedisServer) -> list[socket.socket]:
+    """Connections that take every client slot Redis has left (its ``maxclients``)."""
+    hogs: list[socket.socket] = []
+    while True:
+        conn = socket.create_connection((server.host, server.port), timeout=5)
+        conn.sendall(b"PING\r\n")
+        reply = conn.recv(100)
+        if b"max number of clients" in reply:  # (the one too many: turned away)
+            conn.close()
+            return hogs
+        hogs.append(conn)
+
+
+@pytest.mark.parametrize("password", [None, "pw"])
+def test_redis_at_its_client_limit_is_waited_out_not_taken_for_an_answer(
+        tmp_path, password: str | None) -> None:  # type: ignore[no-untyped-def]
+    """Redis at its ``maxclients`` turns each new connection away with ``ERR max number of
+    clients reached`` (redis-py raises it as a lost connection, and retries). The lean
+    connections took it for an answer: a wait without a timeout **ended at once with
+    ``MetadataUnavailable``** (with a password in the URL an ``AuthenticationError``
+    blaming it), a publication Redis never ran was called unsettled, and a subscriber turned
+    away switched off pattern subscriptions. Now it is Redis out of reach for the moment:
+    retried until the caller's deadline, and the waits return once a slot is free."""
+    server = RedisServer().start("--maxclients", "16",
+                                 *(("--requirepass", password) if password else ()))
+    auth = f":{password}@" if password else ""
+    url = f"redis://{auth}{server.host}:{server.port}/0"
+    settings = Settings(dir=tmp_path, redis_url=url, connect_timeout=1)
+    pub, early, late = (RedisMetadata(settings) for _ in range(3))
+    full, ready = threading.Event(), threading.Semaphore(0)
+    got: dict[str, object] = {}
+    watching: list[bool] = []
+    hogs: list[socket.socket] = []
+
+    def wait(key: str, connected: bool) -> None:
+        try:
+            if connected:  # (this thread's lookup connection made before Redis is full)
+                early.lookup(key)
+            ready.release()
+            full.wait()
+            got[key] = (early if connected else late).wait_any([key], 30)
+            if key == "max/pattern":  # (its directory's publications still heard: the
+                watching.append(early.watching("max/"))  # patterns not given up)
+        except Exception as exc:  # noqa: BLE001 (what it raised is the result)
+            got[key] = exc
+
+    waits = [threading.Thread(target=wait, args=args, daemon=True)
+             for args in (("max/pattern", True), ("maxtop", True), ("max/new", False))]
+    try:
+        pub.lookup("max/x")  # (its connections made)
+        pub.publish(_record("max/warm"))
+        for t in waits:
+            t.start()
+            ready.acquire()
+        hogs = _fill_client_slots(server)
+        full.set()
+        with pytest.raises(MetadataUnavailable) as refused:
+            late.publish(_record("max/late"))
+        assert type(refused.value) is MetadataUnavailable, refused.value  # (never ran: not
+        assert "max number of clients" in str(refused.value)  # unsettled, nor a login's)
+        time.sleep(1)  # (the waits turned away meanwhile)
+        for conn in hogs:
+            conn.close()
+        stored = {key: pub.publish(_record(key)) for key in ("max/pattern", "maxtop", "max/new")}
+        for t in waits:
+            t.join(15)
+            assert not t.is_alive(), "a wait went on"
+        assert got == stored and watching == [True]
+        assert early.publish(_record("max/late")).version > 0
+    finally:
+        for conn in hogs:
+            conn.close()
+        for md in (pub, early, late):
+            md.close()
+        server.stop()
+
+
+def test_a_command_set_later_that_redis_turned_away_runs_once_it_has_room(
+        tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``set_later`` sent on a connection that Redis at its ``maxclients`` turned away: its
+    ``ERR max number of clients reached`` was taken for the command's own answer, the
+    command **dropped** (it never ran) and ``flush`` raised. It is sent again on the next
+    connection, like a command whose connection was lost."""
+    server = RedisServer().start("--maxclients", "8")
+    settings = Settings(dir=tmp_path, redis_url=server.url, connect_timeout=2)
+    meta = RedisMetadata(settings)
+    direct = redis.Redis.from_url(server.url)
+    hogs: list[socket.socket] = []
+    try:
+        direct.ping()
+        hogs = _fill_client_slots(server)
+        meta.set_later("max:later", {"g": 1})  # (sent: turned away, unread yet)
+        meta.take_deferred(1.0)  # (what came taken in: Redis's word, not the command's answer)
+        for conn in hogs:
+            conn.close()
+        meta.flush()
+        assert direct.hgetall("max:later") == {b"g": b"1"}
+    finally:
+        for conn in hogs:
+            conn.close()
+        direct.close()
+        meta.close()
+        server.stop()
+
+
+def test_a_publication_whose_connection_failed_at_its_login_is_not_unsettled(
+        tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A password in the URL: a new connection first sends ``AUTH``. Redis going out of
+    reach after that and before its answer (the publication itself never sent) made the
+    publication :class:`PublicationUnsettled` — "may or may not be recorded", its file kept
+    — as if the record had gone out: the login's write was counted as the publication's.
+    It is plainly :class:`MetadataUnavailable` (nothing was sent: nothing is stored)."""
+    from instride.errors import PublicationUnsettled
+
+    server = RedisServer().start("--requirepass", "pw")
+    relay = ReplyDropper((server.host, server.port), marker=b"AUTH", refuse=True)
+    b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://:pw@127.0.0.1:{relay.port}/0",
+                               connect_timeout=0.5))
+    direct = redis.Redis(host=server.host, port=server.port, password="pw")
+    try:
+        b.publish(_record("login/warm"))
+        b.close()  # (the next publication connects again: AUTH first)
+        relay.armed = True
+        with pytest.raises(MetadataUnavailable) as info:
+            b.publish(_record("login/k"))
+        assert relay.dropped == 1  # (the AUTH's answer was the one lost)
+        assert not isinstance(info.value, PublicationUnsettled), info.value
+        assert not direct.exists("instride:rec:login/k")
+    finally:
+        direct.close()
+        b.close()
+        relay.close()
+        server.stop()

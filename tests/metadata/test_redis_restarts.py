@@ -4,6 +4,7 @@ is lost (a publication sent soon before, values set without waiting for the answ
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -164,3 +165,47 @@ def test_calls_keep_their_deadline_while_redis_does_not_answer(saved_redis: _Sav
         assert meta.lookup("quiet/warm") is not None  # (answering again: nothing left broken)
     finally:
         meta.close()
+
+
+@pytest.mark.parametrize("keys", [["restart-top"], ["restart/a/k", "elsewhere/k"]])
+def test_a_wait_subscribed_per_key_outlasts_a_restart_that_loads_data(
+        saved_redis: _SavedRedis, tmp_path: Path, keys: list[str]) -> None:
+    """A wait that subscribes per key (a key of no directory, keys of no common directory, a
+    Redis user without pattern rights) across a Redis restart that reads its data back: its
+    new subscription's ``PING`` was answered ``LOADING``, which the wait took for a refusal
+    and **ended with ``MetadataUnavailable``** (waiters survive restarts). It subscribes again
+    until Redis is ready, and returns the record published then."""
+    direct = redis.Redis(port=saved_redis.port)
+    with direct.pipeline(transaction=False) as pipe:
+        for i in range(4000):
+            pipe.set(f"filler:{i}", "x")
+        pipe.execute()
+    url = f"redis://127.0.0.1:{saved_redis.port}/0"
+    meta = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=10))
+    got: list[object] = []
+
+    def wait() -> None:
+        try:
+            got.append(meta.wait_any(keys, 30))
+        except Exception as exc:  # noqa: BLE001 (what it raised is the result)
+            got.append(exc)
+
+    waiter = threading.Thread(target=wait, daemon=True)  # (a hang must not hang the suite)
+    waiter.start()
+    publisher = None
+    try:
+        time.sleep(0.5)  # (subscribed, waiting)
+        direct.save()
+        direct.close()
+        saved_redis.stop()
+        saved_redis.start("--key-load-delay", "400", "--loading-process-events-interval-bytes",
+                          "1024")  # (4,000 keys at 0.4 ms: ~1.6 s of LOADING)
+        publisher = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=10))
+        stored = publisher.publish(_record(keys[0]))  # (once Redis is ready)
+        waiter.join(20)
+        assert not waiter.is_alive(), "the wait went on"
+        assert got == [stored]
+    finally:
+        meta.close()
+        if publisher is not None:
+            publisher.close()

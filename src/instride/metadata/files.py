@@ -15,8 +15,8 @@ from pathlib import Path
 
 from .. import store
 from ..config import INTERNAL_DIRNAME, Settings
-from ..errors import FileTypeError, UnsafePathError
-from ..keys import TMP_PATTERN
+from ..errors import FileTypeError, KeyValidationError, UnsafePathError
+from ..keys import normalize_key
 from ..paths import check_confined, check_parents
 from ..record import Record
 
@@ -82,7 +82,8 @@ class FileMetadata:
 
     def list(self, prefix: str = "") -> list[str]:
         """Keys (regular files, minus instride's internals and temporary files) starting with
-        ``prefix`` (a normalized key prefix).
+        ``prefix`` (a normalized key prefix). A file whose name no key can have (reserved, a
+        control character, no UTF-8: put there by other means) is no key, and not listed.
 
         No symbolic link is followed, nor listed (``open`` refuses one): a directory reached
         through one holds no keys, whatever is beyond it.
@@ -107,10 +108,17 @@ class FileMetadata:
                     if not entry.name.startswith(INTERNAL_DIRNAME) and \
                             (key.startswith(prefix) or prefix.startswith(f"{key}/")):
                         todo.append(key)
-                elif entry.is_file(follow_symlinks=False) and not TMP_PATTERN.match(entry.name) \
-                        and key.startswith(prefix):
+                elif entry.is_file(follow_symlinks=False) and key.startswith(prefix) \
+                        and self._is_key(key):
                     out.append(key)
         return sorted(out)
+
+    def _is_key(self, key: str) -> bool:
+        """Whether ``key`` (a file's path under the root) is a key, as ``open`` reads names."""
+        try:
+            return normalize_key(key, self.root) == key
+        except KeyValidationError:
+            return False
 
     def close(self) -> None:
         """Nothing to release."""

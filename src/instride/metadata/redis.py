@@ -605,8 +605,9 @@ class RedisMetadata:
                 before = fast.sent
                 try:
                     _pong, reply = fast.call([_AHEAD, self._evalsha(sent)])
-                except _ERRORS:
-                    went = went or fast.sent != before
+                except _ERRORS as exc:
+                    # (a connection Redis turned away ran nothing: maxclients)
+                    went = went or (fast.sent != before and not isinstance(exc, resp.TurnedAway))
                     raise
                 if not isinstance(reply, Exception):
                     return reply
@@ -1171,7 +1172,8 @@ class RedisMetadata:
             while True:
                 msg = sub.read(remaining())
                 if isinstance(msg, Exception):  # e.g. NOPERM: patterns are not allowed
-                    raise _PatternsRefused(str(msg))
+                    # (unless it is Redis's "not now": turned away at its maxclients)
+                    raise resp.not_now(msg) or _PatternsRefused(str(msg))
                 if isinstance(msg, list) and len(msg) >= 2 and msg[0] == b"psubscribe" \
                         and msg[1] == want:
                     sub.patterns[pattern] = None
@@ -1203,8 +1205,13 @@ class RedisMetadata:
                     in_force = False
                     while True:
                         msg = sub.read(remaining(), spin)
-                        if isinstance(msg, Exception):  # (Redis refused the SUBSCRIBE: an
-                            # ACL user without channel rights; waiting on would be for ever)
+                        if isinstance(msg, Exception):
+                            busy = resp.not_now(msg)
+                            if busy is not None:  # (the PING answered LOADING after a
+                                sub.close()  # restart, the connection turned away at
+                                raise busy  # maxclients: subscribed again, as when lost)
+                            # (Redis refused the SUBSCRIBE: an ACL user without channel
+                            # rights; waiting on would be for ever)
                             raise _refusal(self.url, "wait (SUBSCRIBE)", msg)
                         if not isinstance(msg, list) or len(msg) < 2:
                             continue

@@ -72,6 +72,25 @@ os.register_at_fork(after_in_child=_close_inherited)
 #: as :class:`redis.BusyLoadingError` (a :class:`redis.ConnectionError`, as redis-py raises
 #: the first), which callers retry like a lost connection, never returned as an answer
 UNAVAILABLE = ("LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN")
+#: how Redis at its ``maxclients`` turns a new connection away: this reply, then it closes
+#: the connection, having run nothing sent on it (redis-py raises it as a ConnectionError)
+TURNED_AWAY = "ERR max number of clients reached"
+
+
+class TurnedAway(redis.ConnectionError):
+    """Redis turned the connection away (:data:`TURNED_AWAY`): nothing sent on it ran."""
+
+
+def not_now(reply: Exception) -> redis.ConnectionError | None:
+    """The connection error to raise for Redis's error ``reply`` when it means "not now"
+    (:data:`UNAVAILABLE`, :data:`TURNED_AWAY`: callers try again, as after a lost
+    connection), or ``None`` for an answer."""
+    text = str(reply)
+    if text.startswith(TURNED_AWAY):
+        return TurnedAway(text)
+    if text.split(" ", 1)[0] in UNAVAILABLE:
+        return redis.BusyLoadingError(text)
+    return None
 
 # A socket with a timeout is non-blocking underneath (Python keeps it so in timeout mode), yet
 # polls before every send and recv: what can go at once goes through its descriptor directly
@@ -128,7 +147,8 @@ class RespConnection:
         # the replies :meth:`call_soon` functions will read (their count, where they go), in
         # the order they were sent
         self._soon: deque[tuple[int, list[list[Any]]]] = deque()
-        #: writes sent whole, ever (a caller's command went out when this moved on)
+        #: writes sent whole, ever (a caller's command went out when this moved on; not
+        #: counted: a new connection's own, its login and the deferred commands sent again)
         self.sent = 0
         #: patterns this connection is subscribed to, in order of use (gone with the socket)
         self.patterns: dict[str, None] = {}
@@ -153,6 +173,14 @@ class RespConnection:
         _live.add(self)
 
     def _connect(self) -> socket.socket:
+        sent = self.sent  # (its own writes are no caller's command: see sent)
+        try:
+            return self._open()
+        finally:
+            self.sent = sent
+
+    def _open(self) -> socket.socket:
+        """:meth:`_connect`'s work: connect, log in, send the deferred commands again."""
         sock = socket.create_connection((self.host, self.port), timeout=self._left(
             self.connect_timeout))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -406,8 +434,8 @@ class RespConnection:
                         raise ConnectionError("Redis closed the connection")
                     self._feed(chunk)
                     continue
-                if isinstance(reply, Exception) and str(reply).split(" ", 1)[0] in UNAVAILABLE:
-                    raise redis.BusyLoadingError(str(reply))  # (the connection is closed)
+                if isinstance(reply, Exception) and (busy := not_now(reply)) is not None:
+                    raise busy  # (the connection is closed)
                 if deferred and self._unanswered:  # replies come in order: the deferred
                     self._deferred_answered(reply)  # commands' first
                     continue
@@ -491,7 +519,7 @@ class RespConnection:
                     return False  # (none came in time, or the socket failed)
             while self._parsed and self._unanswered:
                 reply = self._parsed[0]
-                if isinstance(reply, Exception) and str(reply).split(" ", 1)[0] in UNAVAILABLE:
+                if isinstance(reply, Exception) and not_now(reply) is not None:
                     self.close()  # (as a call would: they go again on the next connection)
                     return False
                 try:  # (a reply taken and its command not: interrupted, the connection goes)
@@ -784,4 +812,4 @@ def hash_fields(reply: Any) -> dict[bytes, bytes]:
     return dict(zip(reply[::2], reply[1::2], strict=True))
 
 
-__all__ = ["RespConnection", "hash_fields"]
+__all__ = ["RespConnection", "TurnedAway", "hash_fields", "not_now"]
