@@ -207,3 +207,20 @@ def test_a_file_claimed_a_moment_ago_is_not_old(managed_dir: Path) -> None:
     assert collect_garbage(managed_dir, min_age=60) == []
     assert claimed.exists()
     claimed.unlink()
+
+
+def test_a_temporary_name_with_an_impossible_pid_is_collected(managed_dir: Path) -> None:
+    """A file named like a temporary file whose number is no process id (beyond any pid_t,
+    or 0) made ``gc`` fail with an ``OverflowError`` (the number handed to ``kill``), or kept
+    the file for ever (``kill(0, 0)`` signals the caller's own process group: "alive"). No
+    process has such an id: the file is a dead writer's."""
+    from instride.store.gc import collect_garbage, pid_alive
+
+    huge = managed_dir / ".x.instride-99999999999999999999-ab.tmp"
+    zero = managed_dir / ".y.instride-0-ab.tmp"
+    for path in (huge, zero):
+        path.write_bytes(b"left over")
+    assert sorted(collect_garbage(managed_dir)) == sorted([huge, zero])
+    assert not huge.exists() and not zero.exists()
+    assert not pid_alive(0) and not pid_alive(1 << 64) and not pid_alive(-1)
+    assert pid_alive(os.getpid())

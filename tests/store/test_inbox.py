@@ -84,3 +84,36 @@ def test_an_inbox_reuses_released_buffers_and_keeps_few_free() -> None:
         assert len(free) == KEEP_FREE
     finally:
         inbox.close()
+
+
+def test_a_forked_child_never_receives_into_its_parents_buffers() -> None:
+    """A buffer is a shared mapping of a memory file, and a forked child inherits it: the
+    child's copy of a reader that moved on (its copy of the frame released) received its next
+    frame into the very memory the parent's frame's arrays view — the parent saw its frame's
+    bytes change under it. A child receives into buffers of its own."""
+    inbox = Inbox()
+    try:
+        parents, release = inbox.take()
+        parents.writable(4)[:4] = b"AAAA"
+        frame = parents.view(4)  # the parent holds this frame
+        spare, release_spare = inbox.take()
+        spare.writable(4)[:4] = b"SSSS"
+        release_spare()  # free: the parent's next frame goes here
+        pid = os.fork()
+        if pid == 0:  # the child moves on: its copy of the frame released, two frames taken
+            code = 1
+            try:
+                release()
+                for _ in range(2):
+                    buf, _rel = inbox.take()
+                    buf.writable(4)[:4] = b"BBBB"
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert bytes(frame) == b"AAAA"
+        assert bytes(spare.view(4)) == b"SSSS"
+        release()
+    finally:
+        inbox.close()

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import errno
 import io
-import mmap
 import os
+import re
 import stat
 from pathlib import Path
 
-from ..errors import ConfigError
-from ..record import checksum_of
+import xxhash
+
+from ..errors import ConfigError, FileTypeError
+from ..record import CHECKSUM_ALGORITHM
 
 _open = io.open  # the builtin, captured before instride.interception.pyopen may patch it
 
@@ -19,25 +21,54 @@ _open = io.open  # the builtin, captured before instride.interception.pyopen may
 def file_system_type(path: str) -> str:
     """The type (``"tmpfs"``, ``"ext4"``...) of the file system holding ``path``, or ``""``.
 
-    Read from ``/proc/self/mountinfo``: the mount point that is the longest prefix of the
-    path's real path.
+    Read from ``/proc/self/mountinfo``: of the mounts not hidden, the one whose mount point is
+    the longest prefix of the path's real path. A mount is hidden by another mounted over it
+    (the same mount point, made on it), and with the mount it was made in: a file system
+    mounted over another shows its own type, never the one underneath.
     """
     real = os.path.realpath(path)
-    best, kind = -1, ""
     try:
         with _open("/proc/self/mountinfo", "rb") as fh:
             lines = fh.read().decode(errors="replace").splitlines()
     except OSError:
         return ""
+    mounts: dict[str, tuple[str, str, str]] = {}  # id: (parent's id, mount point, type)
     for line in lines:
         left, _, right = line.partition(" - ")
         fields = left.split()
         if len(fields) < 5 or not right:
             continue
-        point = fields[4].replace("\\040", " ")
-        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > best:
-            best, kind = len(point), right.split()[0]
+        mounts[fields[0]] = (fields[1], _unescape(fields[4]), right.split()[0])
+    over: dict[str, str] = {}  # a mount's id: the id of the mount made over it
+    for mount, (parent, point, _fs) in mounts.items():
+        if parent in mounts and mounts[parent][1] == point:
+            over[parent] = mount
+
+    def visible(mount: str) -> bool:
+        # (nothing mounted over it, nor over a mount it was made in, but itself and those on
+        # its way: each mount of the chain that is over its parent)
+        below, seen = "", set()
+        while mount in mounts and mount not in seen:
+            if over.get(mount, below) != below:
+                return False
+            seen.add(mount)
+            below, mount = mount, mounts[mount][0]
+        return True
+
+    best, kind = -1, ""
+    for mount, (_parent, point, fs) in mounts.items():
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > best \
+                and visible(mount):
+            best, kind = len(point), fs
     return kind
+
+
+def _unescape(field: str) -> str:
+    """A mount point as ``mountinfo`` writes it: space, tab, newline and backslash as octal
+    escapes (``\\040``...)."""
+    if "\\" not in field:
+        return field
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
 def ensure_private_dir(root: Path) -> None:
@@ -66,14 +97,39 @@ def ensure_private_dir(root: Path) -> None:
                           "its keys' names)")
 
 
+#: bytes read at a time for a checksum
+_CHUNK = 1 << 20
+
+
 def file_checksum(path: str | Path) -> str:
-    """Return ``"xxh3:<hex>"`` of a file's content (memory-mapped, no copy)."""
-    with _open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        if size == 0:
-            return checksum_of(b"")
-        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            return checksum_of(mm)
+    """Return ``"xxh3:<hex>"`` of a file's content.
+
+    The file is read (into one reused buffer), not mapped: a file cut short by another
+    process meanwhile would make a mapping's next page a ``SIGBUS``, which kills the process;
+    read, it ends where the file does, and the checksum is that of what was read (readers
+    check the bytes they get against it, and refuse others).
+
+    Raises
+    ------
+    FileTypeError
+        Not a regular file (a FIFO, whose ``open`` would wait for a writer for ever, a
+        directory, a device).
+    OSError
+        The file cannot be opened or read (``FileNotFoundError``...).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FileTypeError(str(path), "not a regular file")
+        digest = xxhash.xxh3_64()
+        buf = bytearray(_CHUNK)
+        view = memoryview(buf)
+        with _open(fd, "rb", buffering=0, closefd=False) as fh:
+            while got := fh.readinto(buf):
+                digest.update(view[:got])
+    finally:
+        os.close(fd)
+    return f"{CHECKSUM_ALGORITHM}:{digest.hexdigest()}"
 
 
 __all__ = ["ensure_private_dir", "file_checksum", "file_system_type"]

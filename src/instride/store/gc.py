@@ -21,8 +21,16 @@ def iter_tmp_files(root: Path) -> Iterable[tuple[Path, int]]:
                 yield Path(dirpath) / name, int(match.group("pid"))
 
 
+#: the largest process id Linux can give (``PID_MAX_LIMIT`` on 64-bit kernels: 2**22)
+_PID_MAX = 1 << 22
+
+
 def pid_alive(pid: int) -> bool:
-    """Whether a process with ``pid`` exists on this machine."""
+    """Whether a process with ``pid`` exists on this machine (``False`` for a number no
+    process can have: 0 or less — ``kill`` would ask about a process group, or all of them —
+    or beyond the kernel's limit, which ``kill`` cannot even be handed)."""
+    if not 0 < pid <= _PID_MAX:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

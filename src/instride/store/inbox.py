@@ -10,9 +10,10 @@ mapping until the reader moves on or releases the frame, as with a frame read in
 
 A buffer is reused only once its frame was released; a reader that holds several frames at once
 (``Stream.read`` without iterating) gets a buffer per frame it holds, and the free ones beyond
-two are closed as those frames are released. A buffer grows for a larger frame but never
-shrinks, so a stale view of a released frame never faults. The frame's arrays are read-only
-views, as those of a frame read in place.
+two are closed as those frames are released. A child made by ``fork`` never receives into its
+parent's buffers (shared mappings: the parent's frames would change under it): it makes its
+own. A buffer grows for a larger frame but never shrinks, so a stale view of a released frame
+never faults. The frame's arrays are read-only views, as those of a frame read in place.
 
 A buffer's pages are allocated (``fallocate``) before it is mapped, as a frame file's are
 (:func:`~instride.store.dirs.allocate`): where the memory for them cannot be had, growing the
@@ -28,6 +29,7 @@ import os
 import weakref
 from collections.abc import Callable
 
+from ..perthread import forks
 from .dirs import allocate
 
 #: what an error about a buffer calls it (a memory file has no path)
@@ -103,11 +105,17 @@ class Inbox:
 
     def __init__(self) -> None:
         self._buffers: list[InboxBuffer] = []
+        self._forks = forks()  # (of the process the buffers are mapped for)
 
     def take(self) -> tuple[InboxBuffer, Callable[[], None]]:
         """A buffer no frame is held in (a new one if every buffer holds one), now held, and
         the function that releases it — once: a second call does nothing (the buffer may hold
         another frame by then)."""
+        if self._forks != forks():
+            # A forked child: every buffer is a mapping shared with the parent, whose frames
+            # (and next frames) are in them. Its copies are closed (views of them stay valid).
+            self._forks = forks()
+            self.close()
         buf = next((b for b in self._buffers if not b.held), None)
         if buf is None:
             buf = InboxBuffer()
