@@ -5,8 +5,25 @@
  * write-once (link + unlink, EEXIST if the key exists) unless
  * INSTRIDE_OVERWRITE=1 (rename). Across file systems (EXDEV) the file is copied
  * to a temp next to the key, published from there, and the source removed.
- * Everything else (directories, symlinks, renames out of or outside the
- * managed directory, RENAME_EXCHANGE/WHITEOUT) goes to libc unchanged, except
+ *
+ * A key appears only by publication, so two renames are refused:
+ * - a directory renamed to a name under the managed directory (from outside, from
+ *   another name there, or over the managed directory itself): libc made every file
+ *   in it a key at once, unpublished (not write-once checked, no record in cluster
+ *   mode: other nodes never saw them), or renamed keys without their records. It
+ *   fails with EXDEV, as if the managed directory were another file system: mv and
+ *   shutil.move then move the tree file by file (mkdir, then a rename or a copy of
+ *   each file, which publishes it) and remove the source. Also an empty directory:
+ *   files made in it between a look and the rename would move in unpublished too.
+ *   (Not one renamed to a path there too long to confine, where no key can be
+ *   opened or published at all: libc moves it.)
+ * - renameat2(RENAME_EXCHANGE) with either name under the managed directory (or the
+ *   directory itself): it swapped a published key's file with another file. It
+ *   fails with EINVAL, what a file system that cannot exchange answers: programs
+ *   that exchange expect it and fall back (or report it); EXDEV would tell them to
+ *   copy, which no exchange can be.
+ * Everything else (symlinks, renames out of or outside the managed directory,
+ * RENAME_WHITEOUT) goes to libc unchanged, except
  * that a target under the managed directory reached through a symbolic link
  * there is refused (ELOOP), and that a file renamed to a path under it too long
  * to confine (PATH_MAX) is refused (ENAMETOOLONG), as an open there. A key this
@@ -20,6 +37,9 @@
 #ifndef RENAME_NOREPLACE
 #define RENAME_NOREPLACE (1 << 0)
 #endif
+#ifndef RENAME_EXCHANGE
+#define RENAME_EXCHANGE (1 << 1)
+#endif
 
 enum ins_rename_kind {
     INS_RENAME_LIBC,    /* not about a key: libc unchanged */
@@ -31,7 +51,75 @@ enum ins_rename_kind {
     INS_RENAME_TOOLONG, /* a file (no directory) renamed to a path under the managed
                          * directory too long to confine: refused (ENAMETOOLONG), as an
                          * open there is -- libc would put it there unpublished */
+    INS_RENAME_DIR,     /* a directory renamed to a key: EXDEV (ELOOP if its path leaves
+                         * the managed directory through a link there, as before) */
+    INS_RENAME_DIR_ROOT, /* a directory renamed over the managed directory itself: EXDEV */
+    INS_RENAME_EXCHANGE, /* RENAME_EXCHANGE naming the managed directory or under it: EINVAL */
 };
+
+/* What (dirfd, path), found INS_UNMANAGED by ins_classify, is as a directory's new name:
+ * INS_DIR_ROOT, the managed directory itself (named without ".."); INS_DIR_KEY, a key once the
+ * '/'s ending it are dropped (a directory's name, which ins_classify leaves to libc: *out is
+ * filled); else 0. *scratch is overwritten. */
+enum { INS_DIR_KEY = 1, INS_DIR_ROOT = 2 };
+
+static int ins_dir_name_managed(int dirfd, const char *path, struct ins_path *scratch,
+                                struct ins_path *out)
+{
+    if (path == NULL || path[0] == '\0' || ins_cfg.dir_len == 0)
+        return 0;
+    int saved = errno;
+    int ok = strstr(path, "..") == NULL && ins_absolute(dirfd, path, scratch->abs) == 0 &&
+             ins_normalize(scratch->abs) == 0;
+    errno = saved;
+    if (ok && (strcmp(scratch->abs, ins_cfg.dir) == 0 ||
+               (ins_cfg.dir_real_len > 0 && strcmp(scratch->abs, ins_cfg.dir_real) == 0)))
+        return INS_DIR_ROOT;
+    size_t len = strlen(path);
+    if (path[len - 1] != '/')
+        return 0;
+    while (len > 1 && path[len - 1] == '/')
+        len--;
+    if (len >= sizeof scratch->abs)
+        return 0;
+    memcpy(scratch->abs, path, len);
+    scratch->abs[len] = '\0';
+    return ins_classify(dirfd, scratch->abs, out) == INS_MANAGED ? INS_DIR_KEY : 0;
+}
+
+/* Does a name of an exchange (dirfd, path), classified kind, name the managed directory or a
+ * path under it (a key, or one too long to confine)? */
+static int ins_exchange_names_managed(int dirfd, const char *path, int kind,
+                                      struct ins_path *scratch, struct ins_path *out)
+{
+    if (kind == INS_MANAGED || kind == INS_TOOLONG)
+        return 1;
+    return kind == INS_UNMANAGED && ins_dir_name_managed(dirfd, path, scratch, out) != 0;
+}
+
+/* Is (dirfd, path) a directory (not following a last symbolic link)? errno kept. */
+static int ins_is_dir(int dirfd, const char *path)
+{
+    struct stat st;
+    int saved = errno;
+    int dir = path != NULL && fstatat(dirfd, path, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+              S_ISDIR(st.st_mode);
+    errno = saved;
+    return dir;
+}
+
+/* Are (olddirfd, old) and (newdirfd, new) the same file (rename(x, x): POSIX does nothing)? */
+static int ins_same_file(int olddirfd, const char *old, int newdirfd, const char *new)
+{
+    struct stat ost, nst;
+    int saved = errno;
+    int same = old != NULL && new != NULL &&
+               fstatat(olddirfd, old, &ost, AT_SYMLINK_NOFOLLOW) == 0 &&
+               fstatat(newdirfd, new, &nst, AT_SYMLINK_NOFOLLOW) == 0 &&
+               ost.st_dev == nst.st_dev && ost.st_ino == nst.st_ino;
+    errno = saved;
+    return same;
+}
 
 /* What this rename is. Fills *np with the destination key (and *op with the source). */
 static enum ins_rename_kind ins_rename_kind(int olddirfd, const char *old, int newdirfd,
@@ -41,7 +129,20 @@ static enum ins_rename_kind ins_rename_kind(int olddirfd, const char *old, int n
     if (ins_busy)
         return INS_RENAME_LIBC;
     int nkind = ins_classify(newdirfd, new, np);
-    if (nkind == INS_TOOLONG) { /* (a directory is no key: moved by libc as anywhere) */
+    if (flags & RENAME_EXCHANGE) /* (np, op: scratch only, both refused or libc's) */
+        return ins_exchange_names_managed(newdirfd, new, nkind, op, np) ||
+                       ins_exchange_names_managed(olddirfd, old,
+                                                  ins_classify(olddirfd, old, op), np, op)
+                   ? INS_RENAME_EXCHANGE
+                   : INS_RENAME_LIBC;
+    /* a directory: its files would be keys unpublished (a rename onto itself does nothing;
+     * one to a path too long to confine is libc's: no key there can be opened or published) */
+    int dir = nkind == INS_MANAGED     ? INS_DIR_KEY
+              : nkind == INS_UNMANAGED ? ins_dir_name_managed(newdirfd, new, op, np)
+                                       : 0;
+    if (dir != 0 && ins_is_dir(olddirfd, old) && !ins_same_file(olddirfd, old, newdirfd, new))
+        return dir == INS_DIR_KEY ? INS_RENAME_DIR : INS_RENAME_DIR_ROOT;
+    if (nkind == INS_TOOLONG) { /* (a directory is moved by libc as anywhere) */
         struct stat st;
         int saved = errno;
         int file = old != NULL && fstatat(olddirfd, old, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
@@ -152,6 +253,19 @@ static int ins_rename_open(int olddirfd, const char *old, const struct ins_path 
         case INS_RENAME_TOOLONG:                                                    \
             return ins_fail(ENAMETOOLONG, "%.300s: its path under the managed directory " \
                             "is too long (PATH_MAX) to be a key", new);             \
+        case INS_RENAME_DIR:                                                        \
+            if (ins_rename_confined(&np) != 0)                                      \
+                return -1;                                                          \
+            __attribute__((fallthrough));                                           \
+        case INS_RENAME_DIR_ROOT:                                                   \
+            return ins_fail(EXDEV, "%.300s: a directory is not renamed under the managed " \
+                            "directory (its files would appear as keys unpublished): "   \
+                            "move it file by file (mv and shutil.move do so on EXDEV)", \
+                            new);                                                       \
+        case INS_RENAME_EXCHANGE:                                                   \
+            return ins_fail(EINVAL, "%.300s, %.300s: RENAME_EXCHANGE is not supported under " \
+                            "the managed directory (a published key never changes)", old, \
+                            new);                                                       \
         case INS_RENAME_CHECKED:                                                    \
             if (ins_rename_confined(&np) != 0)                                      \
                 return -1;                                                          \
