@@ -1753,3 +1753,120 @@ def test_an_owner_that_closes_before_replying_is_unavailable(tmp_path: Path) -> 
         client.close()
         listener.close()
         th.join(5)
+
+
+def test_a_forked_child_keeps_none_of_the_parents_connections_open(
+        nodes: list[LoopbackNode], tmp_path: Path) -> None:
+    """A child forked while frames were asked for ahead (a ``multiprocessing`` worker that never
+    touches instride) kept its copies of the parent's descriptors: the parent's drop of the
+    batch and its ``close()`` closed nothing at the owner, which held the request and went
+    on sending frames into a connection nobody reads, until the child ended."""
+    n1, n2 = nodes[0], nodes[1]
+    like = put(n1, "fo/frame_000000000.isf", b"zero")
+    put(n1, "fo/frame_000000001.isf", b"one")
+    plain = put(n1, "fo/plain.bin", b"plain")
+    transport = _transport(n2)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
+    child = -1
+    try:
+        got = transport.fetch_when_published(like, "fo/frame_000000001.isf", fd, 30.0,
+                                             into=memoryview(bytearray(100)), ahead=3)
+        assert got is not None and got.size == 3
+        assert transport.fetch_bytes(plain) == b"plain"  # (and a kept-alive connection)
+        until(lambda: stats(n1)["peers"] == 2, 10, "the batch and the kept connection")
+        child = os.fork()
+        if child == 0:  # (a worker that never uses instride)
+            try:
+                time.sleep(30)
+            finally:
+                os._exit(0)
+        transport.drop_ahead()
+        transport.close()
+        until(lambda: stats(n1)["peers"] == 0, 10, "the parent's connections closed")
+    finally:
+        if child > 0:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+        os.close(fd)
+        transport.close()
+
+
+def test_a_readers_frames_asked_ahead_on_another_thread_are_taken_over(
+        nodes: list[LoopbackNode], tmp_path: Path) -> None:
+    """A reader (its own ``batch``) that reads on one thread, then on another (an executor's
+    threads): the second thread sent a new request and left the first thread's batch held at
+    the owner, which the reader's drop did not reach (the owner sent frames into it for as
+    long as that thread lived). Now the batch goes on where it was asked: no new request,
+    and the reader's drop closes it."""
+    n1, n2 = nodes[0], nodes[1]
+    like = put(n1, "tt/frame_000000000.isf", b"zero")
+    put(n1, "tt/frame_000000001.isf", b"one")
+    put(n1, "tt/frame_000000002.isf", b"two")
+    transport = _transport(n2)
+    sent: list[str] = []
+    signed_before = transport._signed
+
+    def counting(*args: object, **kw: object) -> bytes:
+        sent.append(args[0].key)  # type: ignore[attr-defined]
+        return signed_before(*args, **kw)  # type: ignore[arg-type]
+
+    transport._signed = counting  # type: ignore[method-assign]
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
+    results: dict[str, object] = {}
+    first_done, release = threading.Event(), threading.Event()
+
+    def read(name: str, index: int, hold: bool) -> None:
+        try:
+            results[name] = transport.fetch_when_published(
+                like, f"tt/frame_{index:09d}.isf", fd, 30.0, into=memoryview(bytearray(100)),
+                ahead=3, batch="reader-x")
+        except BaseException as exc:  # (reported by the assertion below)
+            results[name] = exc
+        if hold:  # (the first thread lives on: an executor's)
+            first_done.set()
+            release.wait(30)
+
+    first = threading.Thread(target=read, args=("first", 1, True))
+    first.start()
+    try:
+        assert first_done.wait(30)
+        second = threading.Thread(target=read, args=("second", 2, False))
+        second.start()
+        second.join(30)
+        assert [r[:2] for r in (results["first"], results["second"])] == [  # type: ignore[index]
+            (3, xxhash.xxh3_64_hexdigest(b"one")), (3, xxhash.xxh3_64_hexdigest(b"two"))]
+        assert sent == ["tt/frame_000000001.isf"]  # (frame 2 came on what was asked ahead)
+        transport.drop_ahead(batch="reader-x")  # the reader closes
+        until(lambda: stats(n1)["peers"] == 0, 10, "the reader's batch closed at the owner")
+    finally:
+        release.set()
+        first.join(30)
+        os.close(fd)
+        transport.close()
+
+
+def test_a_reader_closed_from_another_thread_as_it_reads_is_no_untyped_error(
+        reply_pair: tuple) -> None:
+    """The reader's batch dropped from another thread (the reader closed there) just as its
+    own thread took it for the next frame: ``next_asked`` raised ``KeyError``, past the
+    cluster engine (which lets only typed errors turn into the usual way) to the reader's
+    caller. Now it is the usual way (``None``), and the closed connection is not read."""
+    transport, ours, theirs = reply_pair
+    name = _batch(NEXT.owner, NEXT.key)
+
+    class Racing(dict):  # (the other thread's drop lands between the look and the take)
+        def get(self, key: object, default: object = None) -> object:
+            found = super().get(key, default)
+            dropper = threading.Thread(target=transport.drop_ahead, kwargs={"batch": key})
+            dropper.start()
+            dropper.join(10)
+            return found
+
+    racing = Racing()
+    transport._per_thread.get().batches = racing
+    racing[name] = (ours, [NEXT.key])
+    transport._homes[name] = racing
+    room, address, _pin = _room(1000)
+    assert transport.next_asked(NEXT, NEXT.key, memoryview(room), address, lambda: -1, 1.0) \
+        is None
+    assert ours.fileno() == -1 and name not in racing

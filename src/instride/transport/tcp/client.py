@@ -17,6 +17,7 @@ import re
 import select
 import socket
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,25 @@ if TYPE_CHECKING:
 
 #: the largest milliseconds a C int carries (a wait or stall given to the native calls)
 _INT_MAX = 2**31 - 1
+
+#: every connection to an owner this process opened and has not dropped (kept alive, asked
+#: ahead on, handed to a caller): a forked child closes its copies of them at once
+_OPENED: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+
+
+def _close_inherited() -> None:
+    """In a forked child: close its copies of the parent's connections. The child never uses
+    them (its transports start empty: :class:`~instride.perthread.PerThread`), but a copy
+    kept open (a ``multiprocessing`` worker that never touches instride) kept the connection
+    open at its owner: the parent closing one (a reader's frames asked ahead, dropped) ended
+    nothing there -- the owner held the request and sent frames nobody reads until the
+    child ended. Closing the child's descriptor leaves the parent's connection as it is."""
+    for sock in list(_OPENED):
+        sock.close()
+    _OPENED.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited)
 
 
 def _prefix(key: str) -> str:
@@ -193,6 +213,7 @@ class TcpTransport:
         except OSError as exc:
             raise PeerUnavailable(f"{record.node or record.owner} ({record.owner})", str(exc)) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _OPENED.add(sock)  # (per connection, not per request)
         return sock
 
     def _pool(self) -> dict[str, socket.socket]:
@@ -428,6 +449,8 @@ class TcpTransport:
         batches = self._batches()
         name = batch or _batch(owner.owner, key)
         asked = batches.pop(name, None)
+        if asked is None and batch is not None:
+            asked = self._adopted(name, batches)
         try:
             body = None
             if asked is not None and asked[1][0] == key:  # asked for with an earlier key
@@ -447,6 +470,19 @@ class TcpTransport:
             return None  # (the last the owner sends for a request: the connection is free)
         return self._received(owner, key, sock, rest, reply, body, fd, on_reply, into,
                               digest_from, batches, name)
+
+    def _adopted(self, name: str, batches: dict[str, tuple[socket.socket, list[str]]],
+                 ) -> tuple[socket.socket, list[str]] | None:
+        """The reader ``name``'s batch asked for on another thread of this process (a reader
+        read from one thread, then from another: an executor's), taken from that thread's
+        batches: it goes on here, or is closed, never left held at its owner beside a new
+        one (the reader's drop reaches only the batch its name was last kept with).
+        Only for a reader's own name: the default one (owner and stream) is not one
+        reader's, and two threads reading a stream each keep their own."""
+        home = self._homes.get(name)
+        if home is None or home is batches:
+            return None
+        return home.pop(name, None)
 
     def _received(self, owner: Record, key: str, sock: socket.socket, rest: list[str],
                   reply: dict[str, Any], body: tuple[int, str] | None, fd: int,
@@ -487,7 +523,8 @@ class TcpTransport:
             ``checked`` (else as :meth:`fetch_when_published` returns it: the caller checks);
             ``False`` when ``key`` was not asked for ahead (nothing was read: the caller goes
             the usual way); ``None`` when it was not published in time, or came and is not a
-            frame that passes (the rest asked ahead is dropped).
+            frame that passes (the rest asked ahead is dropped), or the batch was dropped
+            from another thread as this one took it (:meth:`drop_ahead` with ``batch``).
 
         Raises
         ------
@@ -500,7 +537,10 @@ class TcpTransport:
         asked = batches.get(name)
         if asked is None or asked[1][0] != key or self.settings.spin:
             return False
-        del batches[name]
+        if batches.pop(name, None) is not asked:
+            # (dropped from another thread meanwhile -- the reader closed there -- its
+            # connection closed: the usual way, if this reader goes on at all)
+            return None
         sock, rest = asked
         del rest[0]  # (the list is this call's now: no copy of what is still to come)
         scratch = self._scratch()
@@ -705,7 +745,7 @@ class TcpTransport:
         request, or closed). A kept-alive connection the owner had closed is not used for
         the request (:meth:`ask_when_published` checks first); one it closes in the moment
         between that check and the request is not retried here, unlike a fetch: the request
-        fails (:class:`TransferError`) and the caller waits the usual way."""
+        fails (:class:`PeerUnavailable`: no valid reply) and the caller waits the usual way."""
         hint = _hint(owner, key)
         body = None
         try:
