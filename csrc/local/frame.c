@@ -139,8 +139,10 @@ static int publish(int fd, const char *src, const char *dst_path, int noreplace)
  *
  * Returns 0 when the frame is published (or only encoded, fd < 0), -errno of a failed
  * rename (the frame is encoded and unlocked, not published: the caller's slow path names the
- * problem), -EINVAL for an unknown layout (nothing written), errno (positive) of a failed
- * flush (not published: the caller drops the file and raises). */
+ * problem), errno (positive) of a failed flush, or EINVAL for an unknown layout (nothing
+ * written): not published, the caller drops the file and raises. (Never a negative answer
+ * for a frame not encoded: the caller's slow path would publish the file as it is -- a
+ * recycled one holds an older frame, which passes every check.) */
 static int append(unsigned char *dst, int layout, int64_t natoms, const void *pos,
                   const int32_t *ids, int64_t step, double time, const double *box, int fd,
                   const char *src, const char *dst_path, int noreplace, int sync)
@@ -161,7 +163,7 @@ static int append(unsigned char *dst, int layout, int64_t natoms, const void *po
         digest = encode_arrays(payload, pos, (size_t)natoms * 24, ids, natoms);
         break;
     default:
-        return -EINVAL;
+        return EINVAL;
     }
     header(dst, layout, natoms, step, time, box, nbytes, digest);
     if (sync && msync(dst, HEADER_SIZE + nbytes, MS_SYNC) != 0)

@@ -268,6 +268,15 @@ ISL_EXPORT int isl_take(int ifd, int dirfd, const char *const *keys, int n,
                 out[5] = isl_now_us(); /* (found at: a reader's cadence, without a clock read) */
                 return rc;
             }
+            /* Not there: the event was of a file of the same name elsewhere (another watched
+             * directory: readers of several streams in one thread, frames named alike) or
+             * one gone again. The batch may have named a later key too (isl_events reports
+             * the lowest), whose event is read and gone: look at them, or an end marker
+             * published meanwhile would be slept through until the timeout. (Only on this
+             * miss: the common wake-up, the frame there, costs nothing more.) */
+            for (int i = 1; i < n; i++)
+                if (present(dirfd, keys[i]))
+                    return TAKE_OTHER;
         }
     }
 }

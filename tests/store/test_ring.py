@@ -968,3 +968,94 @@ def test_a_forked_child_does_not_keep_a_frame_its_parent_released(managed_dir: P
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
         r.close()
+
+
+_END_IN_BATCH = textwrap.dedent(
+    """
+    import ctypes, sys, time
+    from pathlib import Path
+    from instride.paths import ConfinedOpener
+    from instride.store.ring import Leases
+    from instride.store.wait import armed
+    root = Path(sys.argv[1])
+    leases = Leases(4, ConfinedOpener(root))
+    ifd = armed(root / "b")  # (this thread reads stream b too: its watch stays)
+    assert armed(root / "a") == ifd
+    keys = (ctypes.c_char_p * 2)(b"a/frame_000000000.isf", b"a/end")
+    print("ready", flush=True)
+    start = time.monotonic()
+    got = leases.take(ifd, keys, 12.0, (0.0, 0.0), True)
+    print(got, time.monotonic() - start, flush=True)
+    """
+)
+
+
+def test_the_native_take_sees_an_end_marker_named_with_a_frame_of_another_stream(
+        tmp_path: Path) -> None:
+    """A reader thread of two streams (one inotify descriptor, both directories watched)
+    waits for stream a's frame 0; stream b publishes its own frame 0 (the same file name)
+    and stream a its end marker, read by the native take in one batch of events. The take
+    looked at the lowest key the batch named (the frame's name, b's file: a's frame not
+    there) and **dropped the end marker's event**: it slept until its timeout (a reader's
+    slice: the end seen up to 0.5 s late). A miss like this looks at the other keys now."""
+    from instride.store.ring import TAKE_OTHER
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", _END_IN_BATCH, str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        deadline = time.monotonic() + 20  # (asleep in the take's poll: both events after it)
+        while "poll" not in Path(f"/proc/{proc.pid}/wchan").read_text():
+            assert time.monotonic() < deadline, "the take never went to sleep"
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGSTOP)  # (so that both events are read in one batch)
+        while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            time.sleep(0.01)
+        for name, data in (("b/frame_000000000.isf", b"b0"), ("a/end", b"{}")):
+            tmp = tmp_path / f"{name}.tmp"
+            tmp.write_bytes(data)
+            os.rename(tmp, tmp_path / name)  # (published as keys are: a rename)
+        os.kill(proc.pid, signal.SIGCONT)
+        rc, out, err = finish(proc, 60)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+    assert rc == 0, err
+    got, took = out.split()
+    assert int(got) == TAKE_OTHER and float(took) < 6, out
+
+
+def test_the_one_call_publish_of_an_unknown_layout_publishes_nothing(tmp_path: Path) -> None:
+    """isl_append answered an unknown layout code with -EINVAL, nothing written: a negative
+    answer is "encoded, the rename failed" to its caller, whose slow path then publishes the
+    slot — a recycled file, still holding an older frame that passes every check, under the
+    new key. (Only this module's own NativeFrame reaches the call, with a known code; the
+    contract is isl_append_fd's now: a positive errno, the slot dropped, nothing published.)"""
+    import ctypes
+
+    from instride.frames import NativeFrame, decode_frame, frame_size
+
+    root, pool, opener, leases = _managed(tmp_path)
+    pos = np.ones((10, 3))
+    ino = _published_frame(pool, root, "s/f0", pos, 0)
+    pool.retire(ino)
+    slot = pool.take(frame_size(10, "paper-soa"))
+    assert slot.ino == ino  # (recycled: frame 0's bytes are in it)
+    good = NativeFrame((3, 10, pos.ctypes.data, None, 1, 0.0, (ctypes.c_double * 9)()), (pos,))
+    bad = NativeFrame((9, *good.args[1:]), good.keep)
+    final = root / "s" / "f1"
+    try:
+        published = pool.write_and_publish(slot, bad, os.fsencode(final), overwrite=False,
+                                           fsync=False)
+        if not published:  # (what the stream's producer does then)
+            pool.publish(slot, str(final), "s/f1", overwrite=False, fsync=False)
+    except OSError as exc:
+        assert exc.errno == errno.EINVAL
+    assert not final.exists(), f"published: step {decode_frame(final.read_bytes()).step}"
+    leases.close()
+    opener.close()
+    pool.close()
