@@ -291,8 +291,13 @@ ISL_EXPORT int isl_append_fd(unsigned char *head, int layout, int64_t natoms, co
     header(head, layout, natoms, step, time, box, nbytes, digest);
     if ((rc = put(fd, head, HEADER_SIZE, 0, NULL)) != 0)
         return rc;
-    if (sync && fdatasync(fd) != 0)
-        return errno;
+    if (sync) { /* (interrupted by a signal -- FUSE, NFS --: again, as Python's os.fsync) */
+        int synced;
+        while ((synced = fdatasync(fd)) != 0 && errno == EINTR)
+            ;
+        if (synced != 0)
+            return errno;
+    }
     return publish(fd, src, dst_path, noreplace);
 }
 
