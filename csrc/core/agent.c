@@ -6,6 +6,7 @@
  *     CONSUME <timeout_ms|-1> <key>\n  ->  [WAIT <ms>\n ...] OK <path>\n | ERR <errno> <msg>\n
  *     PUBLISH <key>\n                  ->  OK <path>\n | ERR <errno> <msg>\n
  *     OVERWRITE <key>\n                ->  OK <path>\n | ERR <errno> <msg>\n
+ *     DELETE <key>\n                   ->  OK <path>\n | ERR <errno> <msg>\n
  *
  * A CONSUME's timeout bounds the wait for the key's publication, not the fetch of its bytes
  * from its owner node that follows (a large file on a slow link may take longer). While such a
@@ -22,7 +23,11 @@
  *
  * PUBLISH records the key write-once (ERR 17 and the local file removed when
  * another node published it first); OVERWRITE (INSTRIDE_OVERWRITE=1) records a
- * new version replacing any earlier one.
+ * new version replacing any earlier one. DELETE tells that the key's file on this node was
+ * removed (the preload library's unlink/remove of a key, or its rename away): where it was the
+ * node's original, the server deletes the key's record, as the Python client's delete does
+ * (other nodes no longer see the key; it may be published again); a fetched copy removed is
+ * that node's cache only, and its record stays. Its answer is waited for as a publication's.
  */
 #include "ins_core.h"
 
@@ -237,6 +242,17 @@ int ins_agent_publish(const char *key, int overwrite)
         return -1;
     char req[PATH_MAX + 32], reply[PATH_MAX + 128];
     snprintf(req, sizeof req, "%s %s\n", overwrite ? "OVERWRITE" : "PUBLISH", key);
+    if (ins_agent_request(req, reply, sizeof reply, ins_publish_wait_ms(), 0) != 0)
+        return -1;
+    return ins_agent_reply(key, reply, NULL);
+}
+
+int ins_agent_delete(const char *key)
+{
+    if (!ins_key_ok(key))
+        return -1;
+    char req[PATH_MAX + 32], reply[PATH_MAX + 128];
+    snprintf(req, sizeof req, "DELETE %s\n", key);
     if (ins_agent_request(req, reply, sizeof reply, ins_publish_wait_ms(), 0) != 0)
         return -1;
     return ins_agent_reply(key, reply, NULL);

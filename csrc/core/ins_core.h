@@ -174,6 +174,9 @@ INS_HIDDEN void ins_clear_message(void);
 INS_HIDDEN int ins_agent_consume(const char *key, char open_path[PATH_MAX]);
 /* PUBLISH (overwrite = 0: write-once across the cluster) or OVERWRITE. */
 INS_HIDDEN int ins_agent_publish(const char *key, int overwrite);
+/* DELETE: the key's file on this node was removed; the server deletes the key's record where
+ * that file was the node's original (as the Python client's delete). */
+INS_HIDDEN int ins_agent_delete(const char *key);
 
 /* ---- wait.c: local mode, inotify ------------------------------------------ */
 

@@ -102,6 +102,15 @@ extern INS_HIDDEN INS_TLS_IE int ins_busy;
 /* An open refused (INS_OPEN_REFUSE): EROFS for read-write, else EPERM. Returns -1. */
 INS_HIDDEN int ins_fail_refused(const struct ins_path *p, int flags);
 
+/* ---- unlink.c: a key's record goes with its file (cluster mode) ---------------- */
+
+/* Cluster mode: is (dirfd, path) a regular file under a key (not one of instride's own names)?
+ * Then *p is filled, for ins_key_removed once the file is removed. errno kept. */
+INS_HIDDEN int ins_key_file(int dirfd, const char *path, int flags, struct ins_path *p);
+/* The file of key p was removed on this node: DELETE to the node server (which deletes the
+ * record of a node's original). 0 (errno kept), or -1 with the server's errno. */
+INS_HIDDEN int ins_key_removed(const struct ins_path *p);
+
 /* ---- fd table ------------------------------------------------------------ */
 
 /* One produced file: shared by every fd that refers to the same open file

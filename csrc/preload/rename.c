@@ -22,8 +22,25 @@
  *   fails with EINVAL, what a file system that cannot exchange answers: programs
  *   that exchange expect it and fall back (or report it); EXDEV would tell them to
  *   copy, which no exchange can be.
- * Everything else (symlinks, renames out of or outside the managed directory,
- * RENAME_WHITEOUT) goes to libc unchanged, except
+ *
+ * A key's bytes never change once published, so two sources are not moved in as libc would:
+ * - a regular file with other hard links (`ln a b; mv a $D/k`): moved by link + unlink it kept
+ *   its inode, which its other names still change in place (`echo x >> b` changed the
+ *   published key under its readers). It is published as a copy instead -- written through this
+ *   library's own open and close, as a program writing the key (write-once unless
+ *   INSTRIDE_OVERWRITE=1, recorded in cluster mode) -- and the source name is then removed, as
+ *   rename would have: rename(), mv and shutil.move all keep working (EXDEV would have made
+ *   mv copy too, but failed every program that calls rename() itself).
+ * - a symbolic link, FIFO, socket or device: a key every reader refuses (ELOOP, EINVAL) that
+ *   blocked the key's real publication (EEXIST). A symbolic link fails with EPERM, as
+ *   symlink() there does (link.c); a special file with EINVAL, what an open of a key that is
+ *   one answers.
+ *
+ * In cluster mode a key renamed away (out of the managed directory, or to another key) takes
+ * its record with it: the node server is told (DELETE), as for an unlink (unlink.c).
+ *
+ * Everything else (renames out of or outside the managed directory, RENAME_WHITEOUT) goes to
+ * libc unchanged, except
  * that a target under the managed directory reached through a symbolic link
  * there is refused (ELOOP), and that a file renamed to a path under it too long
  * to confine (PATH_MAX) is refused (ENAMETOOLONG), as an open there. A key this
@@ -44,6 +61,9 @@
 enum ins_rename_kind {
     INS_RENAME_LIBC,    /* not about a key: libc unchanged */
     INS_RENAME_PUBLISH, /* a regular file renamed to a key: publish it */
+    INS_RENAME_COPY,    /* one with other hard links: publish a copy, then remove the source */
+    INS_RENAME_SYMLINK, /* a symbolic link renamed to a key: EPERM */
+    INS_RENAME_SPECIAL, /* a FIFO, socket or device renamed to a key: EINVAL */
     INS_RENAME_OPEN,    /* a key this process still writes (only its temp exists) renamed
                          * to a key: its last close publishes the new key */
     INS_RENAME_CHECKED, /* anything else renamed under the managed directory: libc, but
@@ -172,7 +192,13 @@ static enum ins_rename_kind ins_rename_kind(int olddirfd, const char *old, int n
             return INS_RENAME_LIBC;
         }
         errno = saved;
-        return S_ISREG(st.st_mode) ? INS_RENAME_PUBLISH : INS_RENAME_CHECKED;
+        if (S_ISLNK(st.st_mode))
+            return INS_RENAME_SYMLINK;
+        if (S_ISDIR(st.st_mode)) /* (made a directory since ins_is_dir looked) */
+            return INS_RENAME_CHECKED;
+        if (!S_ISREG(st.st_mode))
+            return INS_RENAME_SPECIAL;
+        return st.st_nlink > 1 ? INS_RENAME_COPY : INS_RENAME_PUBLISH;
     }
     if (missing && okind == INS_MANAGED && ins_table_retarget(op, NULL, 0) > 0)
         return INS_RENAME_OPEN;
@@ -213,6 +239,86 @@ static int ins_rename_managed(int olddirfd, const char *old, const struct ins_pa
     return rc;
 }
 
+/* Copy in -> out entirely (copy_file_range, else read and write). */
+static int ins_copy_all(int in, int out)
+{
+    for (;;) {
+        ssize_t n = copy_file_range(in, NULL, out, NULL, (size_t)1 << 30, 0);
+        if (n > 0 || (n < 0 && errno == EINTR))
+            continue;
+        if (n == 0)
+            return 0;
+        if (errno != EXDEV && errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP)
+            return -1;
+        break; /* (the file offsets moved on: the loop below goes on from there) */
+    }
+    char buf[16384];
+    for (;;) {
+        ssize_t n = read(in, buf, sizeof buf);
+        if (n == 0)
+            return 0;
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            return -1;
+        for (ssize_t off = 0; off < n;) {
+            ssize_t w = write(out, buf + off, (size_t)(n - off));
+            if (w < 0 && errno == EINTR)
+                continue;
+            if (w <= 0)
+                return -1;
+            off += w;
+        }
+    }
+}
+
+/* A regular file with other hard links renamed to the key np: its bytes published as the key
+ * through this library's open and close (a temp, then write-once or replace, recorded in
+ * cluster mode), then the source name removed (through unlinkat: a key's record goes too).
+ * Nothing is published when the copy fails, and the source stays when the publication does. */
+static int ins_rename_copy(int olddirfd, const char *old, const struct ins_path *np,
+                           unsigned int flags)
+{
+    int saved = errno;
+    struct stat st;
+    if (np->refuse)
+        return ins_fail(np->refuse, "key %.300s: its path goes back (..) through a symbolic "
+                        "link inside the managed directory (refused)", ins_key(np));
+    int in = ins_sys.openat(olddirfd, old, O_RDONLY | O_CLOEXEC);
+    if (in < 0 || fstat(in, &st) != 0) {
+        int e = errno;
+        if (in >= 0)
+            ins_sys.close(in);
+        return ins_fail(e, "cannot copy %.300s to key %.300s: %s", old, ins_key(np), strerror(e));
+    }
+    int noreplace = (flags & RENAME_NOREPLACE) || !ins_cfg.overwrite;
+    mode_t mode = st.st_mode & 07777;
+    int out = open(np->abs, O_WRONLY | O_CREAT | O_CLOEXEC | (noreplace ? O_EXCL : O_TRUNC), mode);
+    if (out < 0) { /* (open said why: EEXIST, a symbolic link in the way...) */
+        int e = errno;
+        ins_sys.close(in);
+        errno = e;
+        return -1;
+    }
+    /* the mode the source had, as a rename keeps it (the open's is masked by the umask) */
+    int rc = ins_copy_all(in, out) == 0 && fchmod(out, mode) == 0 ? 0 : -1, e = errno;
+    ins_sys.close(in);
+    if (rc != 0) {
+        struct ins_file *f = ins_table_peek(out);
+        if (f != NULL)
+            f->discard = 1; /* its close drops the temp: nothing published */
+        close(out);
+        return ins_fail(e, "cannot copy %.300s to key %.300s: %s", old, ins_key(np), strerror(e));
+    }
+    if (close(out) != 0) /* not published (EEXIST, fsync...): the source stays */
+        return -1;
+    if (unlinkat(olddirfd, old, 0) != 0)
+        return ins_fail(errno, "key %.300s published as a copy of %.300s, which could not be "
+                        "removed: %s", ins_key(np), old, strerror(errno));
+    errno = saved;
+    return 0;
+}
+
 /* rename(x.tmp, x) while x.tmp is open for writing (write, rename, then close): what libc
  * would rename exists only as the writer's temp. The key it names is retargeted instead;
  * the destination is checked now as a write open would check it (write-once: EEXIST). */
@@ -242,12 +348,44 @@ static int ins_rename_open(int olddirfd, const char *old, const struct ins_path 
     return rc;
 }
 
+/* Cluster mode: the file of a key renamed away (kind: what was done; rc: its result) -- out of
+ * the managed directory, or to another key -- takes the key's record with it (DELETE, as an
+ * unlink of it). A copy's source went through unlinkat, which did so; anything refused or
+ * left in place did not move. */
+static int ins_renamed_away(int rc, enum ins_rename_kind kind, int src_key,
+                            const struct ins_path *sp, int newdirfd, const char *new)
+{
+    if (rc != 0 || !src_key ||
+        (kind != INS_RENAME_PUBLISH && kind != INS_RENAME_CHECKED && kind != INS_RENAME_LIBC))
+        return rc;
+    /* A key moved to one of instride's own names is instride's own bookkeeping (the Python
+     * package under the library: a bounded stream's producer retires each frame into its
+     * pool, its record forgotten with its next publication): not a removal to record. */
+    struct ins_path np;
+    int saved = errno, own = ins_classify(newdirfd, new, &np) == INS_RESERVED;
+    errno = saved;
+    return own ? rc : ins_key_removed(sp);
+}
+
 #define INS_RENAME_DISPATCH(real_call, olddirfd, old, newdirfd, new, flags)          \
     do {                                                                            \
-        struct ins_path np, op;                                                     \
-        switch (ins_rename_kind(olddirfd, old, newdirfd, new, flags, &np, &op)) {   \
+        struct ins_path np, op, sp;                                                 \
+        int src_key = ins_key_file(olddirfd, old, 0, &sp) &&                        \
+                      !ins_same_file(olddirfd, old, newdirfd, new);                 \
+        enum ins_rename_kind kind =                                                 \
+            ins_rename_kind(olddirfd, old, newdirfd, new, flags, &np, &op);         \
+        switch (kind) {                                                             \
         case INS_RENAME_PUBLISH:                                                    \
-            return ins_rename_managed(olddirfd, old, &np, flags);                   \
+            return ins_renamed_away(ins_rename_managed(olddirfd, old, &np, flags), kind, \
+                                    src_key, &sp, newdirfd, new);                   \
+        case INS_RENAME_COPY:                                                       \
+            return ins_rename_copy(olddirfd, old, &np, flags);                      \
+        case INS_RENAME_SYMLINK:                                                    \
+            return ins_fail(EPERM, "%.300s: a symbolic link is not renamed to a key (a key " \
+                            "that is one is refused by every reader)", new);       \
+        case INS_RENAME_SPECIAL:                                                    \
+            return ins_fail(EINVAL, "%.300s: a FIFO, socket or device is not renamed to a " \
+                            "key (a key that is one is refused by every reader)", new); \
         case INS_RENAME_OPEN:                                                       \
             return ins_rename_open(olddirfd, old, &op, &np, flags);                 \
         case INS_RENAME_TOOLONG:                                                    \
@@ -269,9 +407,9 @@ static int ins_rename_open(int olddirfd, const char *old, const struct ins_path 
         case INS_RENAME_CHECKED:                                                    \
             if (ins_rename_confined(&np) != 0)                                      \
                 return -1;                                                          \
-            return real_call;                                                       \
+            return ins_renamed_away(real_call, kind, src_key, &sp, newdirfd, new);  \
         default:                                                                    \
-            return real_call;                                                       \
+            return ins_renamed_away(real_call, kind, src_key, &sp, newdirfd, new);  \
         }                                                                           \
     } while (0)
 

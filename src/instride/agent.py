@@ -6,6 +6,7 @@ The C preload library and other local processes connect to ``$INSTRIDE_DIR/.inst
     CONSUME <timeout_ms or -1> <key>   ->  [WAIT <ms> ...] OK <absolute path> | ERR <errno> <message>
     PUBLISH <key>                      ->  OK <absolute path>  |  ERR <errno> <message>
     OVERWRITE <key>                    ->  OK <absolute path>  |  ERR <errno> <message>
+    DELETE <key>                       ->  OK <absolute path>  |  ERR <errno> <message>
     PING                               ->  OK pong
     STATS                              ->  OK <one-line JSON object of counters>
 
@@ -25,13 +26,18 @@ another node already published the key (or this node, other bytes), the local fi
 and the answer is ``ERR 17`` (EEXIST); the very file recorded already (this node, the same
 bytes: a repeated ``PUBLISH``, or one that settles an unsettled publication) is confirmed.
 ``OVERWRITE`` records it as a new version replacing any earlier one (what a shim run
-with ``INSTRIDE_OVERWRITE=1`` sends). Every answer is one line (``CONSUME``'s after its
+with ``INSTRIDE_OVERWRITE=1`` sends). ``DELETE`` tells that a client removed the key's file on
+this node (a shim's ``unlink``/``remove``, or its rename away): where that file was this node's
+original, the key's record is deleted as :meth:`Client.delete <instride.client.Client.delete>`
+deletes it (other nodes no longer see the key; it may be published again); a fetched copy
+removed, a file in place again, or a key of another node keep their records (see
+:meth:`LocalAgent._unpublish`). Every answer is one line (``CONSUME``'s after its
 progress lines, if any): newlines in error messages are flattened. A client that disconnects
 while its ``CONSUME`` waits gets no reply and its wait ends within about a second; waits still
 pending at shutdown are answered ``ERR 103`` (ECONNABORTED).
 
 Resource bounds: waits run in a pool of ``workers`` threads, in slices of at most a second, so
-an abandoned or cancelled wait frees its thread promptly; ``PUBLISH``/``OVERWRITE`` and
+an abandoned or cancelled wait frees its thread promptly; ``PUBLISH``/``OVERWRITE``/``DELETE`` and
 ``CONSUME`` of a key already on this node use a separate small pool that waits can never starve.
 A ``CONSUME``'s timeout runs from its arrival (one of a key not on the node still queued when it
 ends: ``ERR 110``). A connection must send a whole line within :data:`LINE_TIMEOUT` of
@@ -580,6 +586,25 @@ class LocalAgent:
             raise AgentError(errno.EINVAL, f"{key} cannot be published: {exc.reason}") from None
         return path
 
+    def _unpublish(self, key: str) -> None:
+        """``DELETE``: a thin client removed the file of ``key`` on this node. Where that file
+        was this node's original (the record names this node), the key is deleted as
+        :meth:`Client.delete <instride.client.Client.delete>` deletes it: other nodes no
+        longer see it, and it may be published again.
+
+        Nothing else is deleted: a key whose file is in place (published again here since), a
+        fetched copy removed (this node's cache: the key stays its owner's), or a file the
+        engine removed as the loser of a write-once race (the record is the winner's, on
+        another node) -- the Python package may itself run under the preload library, and
+        its own removals of such files must not unpublish another node's key.
+        """
+        if os.path.lexists(key_path(key, self.settings.dir)):
+            return
+        mine = getattr(self.client.engine, "_mine", None)
+        record = self.client.lookup(key) if mine is not None else None
+        if record is not None and mine(record.owner):
+            self.client.delete(key)
+
     async def _local_request(
         self, line: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> str | bytes | None:
@@ -606,6 +631,12 @@ class LocalAgent:
                 timeout = self.settings.timeout if ms == -1 else ms / 1000.0
                 got = await self._wait(key, timeout, reader, writer)
                 return f"OK {got}" if isinstance(got, Path) else got
+            if verb == "DELETE":
+                key = self.client.key(rest)
+                if self._closing:
+                    raise _ShuttingDown()
+                await self._in_pool(self.quick, self._unpublish, key)
+                return f"OK {key_path(key, self.settings.dir)}"
             if verb in ("PUBLISH", "OVERWRITE"):
                 key = self.client.key(rest)
                 path = self._in_place(key)

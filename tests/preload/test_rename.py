@@ -9,6 +9,7 @@ exchange that names a key is refused with EINVAL.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -124,3 +125,77 @@ def test_a_directory_moved_in_is_seen_on_another_node(nodes: EmulatedCluster) ->
         proc = _run(nodes, 2, ["cat", d2 / key], timeout_s="5")
         assert proc.returncode == 0, (key, proc.stderr)
         assert proc.stdout.decode() == TREE[key.split("/", 1)[1]]
+
+
+def test_a_file_with_other_hard_links_renamed_to_a_key_is_published_as_a_copy(
+        shim: Shim) -> None:
+    """A regular file with other hard links (``ln a b; mv a $D/k``) was published by link +
+    unlink, keeping its inode: a later ``echo x >> b`` changed the published key's bytes under
+    its readers. It is published as a copy now (``mv`` and ``os.rename`` alike, and a key
+    renamed within the directory): the key has its own inode, the source name is gone, and the
+    other link keeps the file."""
+    code = (
+        "import os, sys\n"
+        "src, dst = sys.argv[1:]\n"
+        "os.rename(src, dst)\n"
+    )
+    for name, move in (("mv", ["mv"]), ("py", [sys.executable, "-I", "-c", code])):
+        a, b = shim.outside / f"{name}.a", shim.outside / f"{name}.b"
+        a.write_text("first")
+        os.link(a, b)
+        shim.run([*move, a, shim.dir / name], check=True)
+        with open(b, "a") as fh:
+            fh.write(" and more")
+        assert (shim.dir / name).read_text() == "first", name
+        assert os.stat(shim.dir / name).st_nlink == 1
+        assert not a.exists()
+        assert b.read_text() == "first and more"
+    # a key hard-linked outside (link.c lets a new name outside be made), renamed within
+    os.link(shim.dir / "mv", shim.outside / "key.link")
+    shim.run(["mv", shim.dir / "mv", shim.dir / "within"], check=True)
+    with open(shim.outside / "key.link", "a") as fh:
+        fh.write("!")
+    assert (shim.dir / "within").read_text() == "first"
+    assert not (shim.dir / "mv").exists()
+    # write-once: a copy onto a published key is refused, and nothing moves
+    c, d = shim.outside / "c", shim.outside / "d"
+    c.write_text("second")
+    os.link(c, d)
+    proc = shim.run(["mv", "-T", c, shim.dir / "py"])  # (-T: never into a directory)
+    assert proc.returncode != 0
+    assert (shim.dir / "py").read_text() == "first"
+    assert c.read_text() == "second"
+    assert shim.temps() == []
+
+
+def test_symlinks_and_special_files_renamed_to_a_key_are_refused(shim: Shim) -> None:
+    """A symbolic link, FIFO or socket renamed to a key's place (``mv o/sl $D/sl``) went to
+    libc: a key every reader refuses (ELOOP, EINVAL) that blocked the real publication
+    (EEXIST). Refused now as symlink() there is (EPERM) -- EINVAL for a FIFO or socket, what an
+    open of such a key answers -- and nothing moves; within the managed directory too."""
+    code = (
+        "import errno, os, socket, sys\n"
+        "out, d = sys.argv[1:]\n"
+        "os.symlink('/etc/hostname', f'{out}/sl')\n"
+        "os.mkfifo(f'{out}/fifo')\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        "s.bind(f'{out}/sock')\n"
+        "os.mkfifo(f'{d}/made.fifo')  # (mkfifo is libc's: a special file already there)\n"
+        "moves = [(f'{out}/sl', f'{d}/sl'), (f'{out}/fifo', f'{d}/fifo'),\n"
+        "         (f'{out}/sock', f'{d}/sock'), (f'{d}/made.fifo', f'{d}/moved.fifo')]\n"
+        "for src, dst in moves:\n"
+        "    try:\n"
+        "        os.rename(src, dst)\n"
+        "        print('renamed')\n"
+        "    except OSError as exc:\n"
+        "        print(errno.errorcode[exc.errno])\n"
+    )
+    proc = shim.run([sys.executable, "-I", "-c", code, shim.outside, shim.dir])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.decode().split() == ["EPERM", "EINVAL", "EINVAL", "EINVAL"]
+    assert sorted(p.name for p in shim.dir.iterdir()) == ["made.fifo"]
+    assert sorted(p.name for p in shim.outside.iterdir()) == ["fifo", "sl", "sock"]
+    # the key's real publication is not blocked
+    (shim.outside / "real").write_text("real")
+    shim.run(["mv", shim.outside / "real", shim.dir / "sl"], check=True)
+    assert (shim.dir / "sl").read_text() == "real"

@@ -190,6 +190,36 @@ def test_publish_is_write_once_across_nodes(nodes: list[LoopbackNode]) -> None:
         c3.close()
 
 
+def test_delete_forgets_the_record_of_an_original_removed_on_its_node(
+        nodes: list[LoopbackNode]) -> None:
+    """``DELETE <key>`` (a thin client removed the key's file): the record goes where the file
+    removed was this node's original, as the Python client's ``delete`` -- other nodes no
+    longer see the key, and it may be published again. A key whose file is still in place,
+    another node's key (a fetched copy removed, or a conflicting file the engine removed), and
+    a key never published keep their records; the answer is ``OK <path>`` each time."""
+    n1, n2, n3 = nodes
+    put(n1, "del/mine", b"original")
+    assert ask(n1, "DELETE del/mine") == f"OK {n1.dir / 'del' / 'mine'}"  # still in place
+    c3 = n3.client()
+    try:
+        assert c3.lookup("del/mine") is not None
+        os.unlink(n1.dir / "del" / "mine")
+        assert ask(n1, "DELETE del/mine") == f"OK {n1.dir / 'del' / 'mine'}"
+        assert c3.lookup("del/mine") is None
+        with c3.open("del/mine", "wb") as fh:  # (write-once: refused while the record stayed)
+            fh.write(b"again")
+        put(n2, "del/theirs", b"n2's")
+        assert ask(n1, "CONSUME 5000 del/theirs").startswith("OK ")
+        os.unlink(n1.dir / "del" / "theirs")  # a copy removed: n1's cache only
+        assert ask(n1, "DELETE del/theirs") == f"OK {n1.dir / 'del' / 'theirs'}"
+        assert c3.consume("del/theirs", timeout=5).read_bytes() == b"n2's"
+        assert ask(n1, "DELETE del/never") == f"OK {n1.dir / 'del' / 'never'}"
+        assert ask(n1, "DELETE ../x").startswith("ERR 22 ")
+    finally:
+        c3.close()
+    no_traceback(n1)
+
+
 def test_one_line_flattens_messages() -> None:
     assert one_line("a\nb\r\nc\rd\x0be\x00f\u2028g") == "a b c d e f g"
     assert one_line("x" * 5000) == "x" * 1000
