@@ -44,6 +44,7 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/file.h>
+#include <sys/ioctl.h>
 #include <sys/inotify.h>
 #include <sys/sendfile.h>
 #include <sys/socket.h>
@@ -87,6 +88,8 @@ typedef struct conn {
     int refuse; /* over max_peers: answer "busy" and close */
     int64_t idle_since; /* waiting for its next request since (ns), once one was answered;
                          * 0: answering one, or none answered yet (under srv->mu) */
+    int64_t pending_since; /* accepted at (ns), while no whole request came yet; 0 once
+                            * one did (under srv->mu once its thread runs) */
     char peer[64];
     struct conn *next;
 } conn;
@@ -712,16 +715,39 @@ static int send_body(server *s, int sock, int fd, int64_t size, const char *key,
 
 /* ------------------------------------------------------------------ one connection */
 
-/* At max_peers, the connection idle the longest between two requests (kept alive by its
- * client for a next one) is shut down to make room: its thread sees the end and closes it, and
- * its client, finding it closed, sends its next request on a new connection. Whether there was
- * one (under srv->mu). */
+/* A connection that has not sent a whole request this long after it was accepted, and has
+ * nothing unread, may be closed to make room (a client sends its request as it connects). */
+#define ISS_PENDING_GRACE_MS 100
+
+/* At max_peers, a connection is shut down to make room: its thread sees the end and closes it.
+ * First the one that has waited the longest for a request that never came whole (no token
+ * needed to hold a place so: a port scan, a header sent a byte at a time; they took the places
+ * of served clients, and every new client was told "busy", for as long as they were held),
+ * then the one idle the longest between two requests (kept alive by its client for a next
+ * one: finding it closed, the client sends its next request on a new connection). Whether
+ * there was one (under srv->mu). */
 static int evict_idle(server *s) {
-    conn *oldest = NULL;
-    for (conn *c = s->conns; c != NULL; c = c->next)
-        if (!c->busy && !c->refuse && c->idle_since > 0 &&
-            (oldest == NULL || c->idle_since < oldest->idle_since))
+    conn *pending = NULL, *oldest = NULL;
+    int64_t before = now_ns() - (int64_t)ISS_PENDING_GRACE_MS * 1000000LL;
+    for (conn *c = s->conns; c != NULL; c = c->next) {
+        if (c->refuse)
+            continue;
+        if (c->pending_since > 0) {
+            int unread = 0; /* (a request there already: its thread is about to read it) */
+            if (c->pending_since <= before &&
+                (pending == NULL || c->pending_since < pending->pending_since) &&
+                ioctl(c->fd, FIONREAD, &unread) == 0 && unread == 0)
+                pending = c;
+        } else if (!c->busy && c->idle_since > 0 &&
+                   (oldest == NULL || c->idle_since < oldest->idle_since)) {
             oldest = c;
+        }
+    }
+    if (pending != NULL) {
+        pending->pending_since = 0; /* (once) */
+        shutdown(pending->fd, SHUT_RDWR);
+        return 1;
+    }
     if (oldest == NULL)
         return 0;
     oldest->idle_since = 0; /* (once) */
@@ -854,7 +880,7 @@ static void *conn_main(void *arg) {
     pthread_mutex_unlock(&s->mu);
     int one = 1;
     setsockopt(c->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    int first = 1, linger = 0;
+    int first = 1, linger = 0, pending = 1;
     char *hdr = c->refuse ? NULL : malloc(ISS_MAX_HEADER + 1);
     if (c->refuse) { /* (in this thread, so that the acceptor never waits on a lingering close) */
         send_error(s, c->fd, "PeerUnavailable", "busy: too many connections, retry later");
@@ -886,6 +912,12 @@ static void *conn_main(void *arg) {
                 int64_t deadline = now_ns() + (int64_t)s->request_timeout_ms * 1000000LL;
                 ssize_t h = recv_exact(c->fd, hdr, n, deadline);
                 if (h == (ssize_t)n) {
+                    if (pending) { /* (its place is no longer the first to be taken) */
+                        pthread_mutex_lock(&s->mu);
+                        c->pending_since = 0;
+                        pthread_mutex_unlock(&s->mu);
+                        pending = 0;
+                    }
                     keep = answer(s, c, hdr, n);
                     lower_after_answer();
                     first = first && !keep;
@@ -987,6 +1019,7 @@ static void *accept_main(void *arg) {
         }
         c->fd = fd;
         c->refuse = refuse;
+        c->pending_since = refuse ? 0 : now_ns();
         memcpy(c->peer, peer, sizeof peer);
         c->srv = s;
         if (!refuse)

@@ -14,11 +14,14 @@ so does a file whose resolved path is outside the managed directory), and where 
 malformed and replayed requests are refused, logged and counted. (Cold Python costs ~0.5 ms per
 request on an idle VM; the C path answers a fetch in tens of µs.)
 
-Resource bounds: at most ``max_peers`` connections are served at once: at that bound the one
-idle the longest between two requests (kept alive by its client) is closed to make room, and
-only when none is idle does a new one get a ``PeerUnavailable`` "busy" reply (its client tries
-again, within its connect timeout); a new connection must send its first request within
-``request_timeout`` seconds, only then does it get the long keep-alive (:data:`IDLE_TIMEOUT`);
+Resource bounds: at most ``max_peers`` connections are served at once: at that bound one is
+closed to make room -- first the one that has waited the longest (0.1 s at least, nothing
+unread) for a request that never came whole (no token needed to hold a place so: a port scan,
+a header sent a byte at a time), then the one idle the longest between two requests (kept
+alive by its client) -- and only when there is none does a new one get a ``PeerUnavailable``
+"busy" reply (its client tries again, within its connect timeout); a new connection must send
+its first request within ``request_timeout`` seconds, only then does it get the long
+keep-alive (:data:`IDLE_TIMEOUT`);
 every write to a peer has a deadline (``send_timeout``, plus size / 50 MB/s for a file body),
 so a peer that stops reading cannot pin a transfer, and other connections are served meanwhile
 (each has its own thread: no head-of-line blocking).
