@@ -244,6 +244,9 @@ INS_HIDDEN int ins_publish(const char *tmp, const struct ins_path *p, int norepl
  * (cluster mode only; no-op otherwise). */
 INS_HIDDEN int ins_notify_publish_as(const struct ins_path *p, int overwrite);
 INS_HIDDEN int ins_notify_publish(const struct ins_path *p); /* INSTRIDE_OVERWRITE decides */
+/* Copy the file in to out entirely (copy_file_range, else sendfile, else read and write): 0,
+ * or -1 with errno. */
+INS_HIDDEN int ins_copy_fd(int in, int out);
 
 /* Publish an existing regular file (olddirfd, old) as np by moving it there
  * (rename, or write-once link + unlink; across file systems a copy to a temp

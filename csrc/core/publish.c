@@ -280,8 +280,9 @@ int ins_publish(const char *tmp, const struct ins_path *p, int noreplace)
 
 /* ---- publishing an existing file (rename into the managed directory) ---- */
 
-/* Copy in -> out entirely. */
-static int ins_copy_fd(int in, int out)
+/* Copy in -> out entirely (copy_file_range, else sendfile, else read and write); 0 or -1 with
+ * errno. */
+int ins_copy_fd(int in, int out)
 {
     for (;;) {
         ssize_t n = copy_file_range(in, NULL, out, NULL, (size_t)1 << 30, 0);

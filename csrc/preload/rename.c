@@ -239,39 +239,6 @@ static int ins_rename_managed(int olddirfd, const char *old, const struct ins_pa
     return rc;
 }
 
-/* Copy in -> out entirely (copy_file_range, else read and write). */
-static int ins_copy_all(int in, int out)
-{
-    for (;;) {
-        ssize_t n = copy_file_range(in, NULL, out, NULL, (size_t)1 << 30, 0);
-        if (n > 0 || (n < 0 && errno == EINTR))
-            continue;
-        if (n == 0)
-            return 0;
-        if (errno != EXDEV && errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP)
-            return -1;
-        break; /* (the file offsets moved on: the loop below goes on from there) */
-    }
-    char buf[16384];
-    for (;;) {
-        ssize_t n = read(in, buf, sizeof buf);
-        if (n == 0)
-            return 0;
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n < 0)
-            return -1;
-        for (ssize_t off = 0; off < n;) {
-            ssize_t w = write(out, buf + off, (size_t)(n - off));
-            if (w < 0 && errno == EINTR)
-                continue;
-            if (w <= 0)
-                return -1;
-            off += w;
-        }
-    }
-}
-
 /* A regular file with other hard links renamed to the key np: its bytes published as the key
  * through this library's open and close (a temp, then write-once or replace, recorded in
  * cluster mode), then the source name removed (through unlinkat: a key's record goes too).
@@ -301,7 +268,7 @@ static int ins_rename_copy(int olddirfd, const char *old, const struct ins_path 
         return -1;
     }
     /* the mode the source had, as a rename keeps it (the open's is masked by the umask) */
-    int rc = ins_copy_all(in, out) == 0 && fchmod(out, mode) == 0 ? 0 : -1, e = errno;
+    int rc = ins_copy_fd(in, out) == 0 && fchmod(out, mode) == 0 ? 0 : -1, e = errno;
     ins_sys.close(in);
     if (rc != 0) {
         struct ins_file *f = ins_table_peek(out);
