@@ -125,25 +125,34 @@ def _held_open(fd: int) -> int:
 _LINKS = [True]
 
 
+def _link(tmp: str | Path, final: str | Path) -> bool:
+    """``os.link(tmp, final)`` where the file system makes hard links: whether it made one
+    (``False``: none here, or ``tmp`` has as many links as it may have — a rename without
+    replacing then); a name there raises ``FileExistsError``."""
+    if not _LINKS[0]:
+        return False
+    try:
+        os.link(tmp, final)
+    except OSError as exc:
+        if exc.errno not in _NO_LINKS + (errno.EMLINK,):
+            raise
+        if exc.errno != errno.EMLINK:  # (EMLINK: that one file's links, not the system)
+            _LINKS[0] = False
+        return False
+    return True
+
+
 def _publish_once(tmp: str | Path, final: str | Path, key: str, *, overwrite: bool,
                   keep_tmp: bool) -> bool:
     if overwrite:
         os.rename(tmp, final)
         return False
     try:
-        if _LINKS[0]:
-            try:
-                os.link(tmp, final)
-            except OSError as exc:
-                if exc.errno not in _NO_LINKS + (errno.EMLINK,):
-                    raise
-                if exc.errno != errno.EMLINK:  # (EMLINK: that one file's links, not the system)
-                    _LINKS[0] = False
-            else:
-                if keep_tmp:
-                    return True
-                drop_name(tmp)
-                return False
+        if _link(tmp, final):
+            if keep_tmp:
+                return True
+            drop_name(tmp)
+            return False
         if _rename_noreplace(tmp, final):
             return False
         try:  # (links refused before, maybe on another file system: this one may make them)
@@ -183,17 +192,9 @@ def name_if_free(tmp: str | Path, final: str | Path) -> bool:
         stays, for the caller to remove).
     """
     try:
-        if _LINKS[0]:
-            try:
-                os.link(tmp, final)
-            except OSError as exc:
-                if exc.errno not in _NO_LINKS + (errno.EMLINK,):
-                    raise
-                if exc.errno != errno.EMLINK:  # (EMLINK: that one file's links, not the system)
-                    _LINKS[0] = False
-            else:
-                drop_name(tmp)
-                return True
+        if _link(tmp, final):
+            drop_name(tmp)
+            return True
         if _rename_noreplace(tmp, final):
             return True
     except FileExistsError:
