@@ -14,12 +14,13 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from instride.emulate import EmulatedCluster
 from instride.interception.preload import build_flags, preload_env, preload_path
 
 C_DIR = Path(__file__).resolve().parent / "c"
@@ -147,3 +148,19 @@ def shim(tmp_path: Path, lib: Path) -> Shim:
            if not k.startswith("INSTRIDE_") or k in ours}
     assert env["LD_PRELOAD"].split(":")[0] == str(lib)
     return Shim(managed, outside, env)
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[EmulatedCluster]:
+    """Two emulated nodes in cluster mode (network namespaces, Redis, a node server each), for
+    the tests of a module; their C programs wait 30 s at most."""
+    with EmulatedCluster(nodes=2, env={"INSTRIDE_TIMEOUT": "30"}) as c:
+        yield c
+
+
+def run_preloaded(c: EmulatedCluster, node: int, argv: Sequence[object], timeout_s: str = "30"
+                  ) -> subprocess.CompletedProcess[bytes]:
+    """Run ``argv`` on ``node`` under the preload library (``INSTRIDE_TIMEOUT=timeout_s``)."""
+    env = {"LD_PRELOAD": str(preload_path()), "INSTRIDE_TIMEOUT": timeout_s}
+    return c.run(node, [str(a) for a in argv], env=env, capture_output=True, timeout=120)
+

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,12 +19,6 @@ from instride.emulate import EmulatedCluster
 from instride.interception.preload import preload_path
 
 from .conftest import HOLDING_READER, Builder
-
-
-@pytest.fixture(scope="module")
-def nodes() -> Iterator[EmulatedCluster]:
-    with EmulatedCluster(nodes=2, env={"INSTRIDE_TIMEOUT": "30"}) as c:
-        yield c
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -10,17 +10,14 @@ exchange that names a key is refused with EINVAL.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from instride.emulate import EmulatedCluster
-from instride.interception.preload import preload_path
 
-from .conftest import Builder, Shim
+from .conftest import Builder, Shim, run_preloaded
 
 
 def _tree(root: Path) -> None:
@@ -94,16 +91,8 @@ def test_mv_and_shutil_move_of_a_directory_copy_it_file_by_file(shim: Shim) -> N
     assert shim.temps() == []
 
 
-@pytest.fixture(scope="module")
-def nodes() -> Iterator[EmulatedCluster]:
-    with EmulatedCluster(nodes=2, env={"INSTRIDE_TIMEOUT": "30"}) as c:
-        yield c
 
 
-def _run(c: EmulatedCluster, node: int, argv: list, timeout_s: str = "30"
-         ) -> subprocess.CompletedProcess:
-    env = {"LD_PRELOAD": str(preload_path()), "INSTRIDE_TIMEOUT": timeout_s}
-    return c.run(node, [str(a) for a in argv], env=env, capture_output=True, timeout=120)
 
 
 def test_a_directory_moved_in_is_seen_on_another_node(nodes: EmulatedCluster) -> None:
@@ -116,13 +105,13 @@ def test_a_directory_moved_in_is_seen_on_another_node(nodes: EmulatedCluster) ->
     tmp_path.mkdir()
     _tree(tmp_path / "mvd")
     _tree(tmp_path / "shd")
-    assert _run(nodes, 1, ["mv", tmp_path / "mvd", f"{d1}/"]).returncode == 0
+    assert run_preloaded(nodes, 1, ["mv", tmp_path / "mvd", f"{d1}/"]).returncode == 0
     move = "import shutil, sys; shutil.move(sys.argv[1], sys.argv[2])"
-    assert _run(nodes, 1, [sys.executable, "-I", "-c", move, tmp_path / "shd",
+    assert run_preloaded(nodes, 1, [sys.executable, "-I", "-c", move, tmp_path / "shd",
                            d1 / "shd"]).returncode == 0
-    assert _run(nodes, 1, ["mv", d1 / "shd", d1 / "within"]).returncode == 0
+    assert run_preloaded(nodes, 1, ["mv", d1 / "shd", d1 / "within"]).returncode == 0
     for key in ("mvd/f.txt", "mvd/sub/g.txt", "within/f.txt", "within/sub/g.txt"):
-        proc = _run(nodes, 2, ["cat", d2 / key], timeout_s="5")
+        proc = run_preloaded(nodes, 2, ["cat", d2 / key], timeout_s="5")
         assert proc.returncode == 0, (key, proc.stderr)
         assert proc.stdout.decode() == TREE[key.split("/", 1)[1]]
 

@@ -10,37 +10,24 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from instride.emulate import EmulatedCluster
 from instride.interception.preload import preload_path
 
-
-@pytest.fixture(scope="module")
-def nodes() -> Iterator[EmulatedCluster]:
-    with EmulatedCluster(nodes=2, env={"INSTRIDE_TIMEOUT": "30"}) as c:
-        yield c
-
-
-def _run(c: EmulatedCluster, node: int, argv: list, timeout_s: str = "30"
-         ) -> subprocess.CompletedProcess:
-    env = {"LD_PRELOAD": str(preload_path()), "INSTRIDE_TIMEOUT": timeout_s}
-    return c.run(node, [str(a) for a in argv], env=env, capture_output=True, timeout=120)
+from .conftest import run_preloaded
 
 
 def _publish(c: EmulatedCluster, node: int, key: str, text: str) -> None:
     src = c.base_dir / f"src-{node}-{key.replace('/', '_')}"
     src.write_text(text)
-    proc = _run(c, node, ["cp", src, c.node(node).dir / key])
+    proc = run_preloaded(c, node, ["cp", src, c.node(node).dir / key])
     assert proc.returncode == 0, (key, proc.stderr)
 
 
 def _read(c: EmulatedCluster, node: int, key: str, timeout_s: str = "10"
           ) -> subprocess.CompletedProcess:
-    return _run(c, node, ["cat", c.node(node).dir / key], timeout_s=timeout_s)
+    return run_preloaded(c, node, ["cat", c.node(node).dir / key], timeout_s=timeout_s)
 
 
 REMOVE = (
@@ -72,7 +59,7 @@ def test_a_key_removed_on_its_node_is_unpublished_across_the_cluster(
     }
     for key, remove in cases.items():
         _publish(nodes, 1, key, f"first {key}")
-        proc = _run(nodes, 1, remove)
+        proc = run_preloaded(nodes, 1, remove)
         assert proc.returncode == 0, (key, proc.stderr)
         assert not (d1 / key).exists()
         _publish(nodes, 2, key, f"again {key}")  # (EEXIST before: the record stayed)
@@ -91,13 +78,13 @@ def test_a_fetched_copy_removed_leaves_the_key_published(nodes: EmulatedCluster)
     key still being written is dropped without any request (nothing was published)."""
     _publish(nodes, 1, "copy/k", "original")
     assert _read(nodes, 2, "copy/k").stdout.decode() == "original"
-    assert _run(nodes, 2, ["rm", nodes.node(2).dir / "copy/k"]).returncode == 0
+    assert run_preloaded(nodes, 2, ["rm", nodes.node(2).dir / "copy/k"]).returncode == 0
     proc = _read(nodes, 2, "copy/k")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.decode() == "original"
     src = nodes.base_dir / "other"
     src.write_text("other")
-    assert _run(nodes, 2, ["cp", src, nodes.node(2).dir / "copy/k"]).returncode != 0
+    assert run_preloaded(nodes, 2, ["cp", src, nodes.node(2).dir / "copy/k"]).returncode != 0
     assert _read(nodes, 1, "copy/k").stdout.decode() == "original"
 
 
@@ -125,10 +112,10 @@ def test_a_key_moved_to_one_of_instrides_own_names_keeps_its_record(
     _publish(nodes, 1, "own/k", "first")
     pool = d1 / ".instride" / "streams" / "own-test.stream" / "pool"
     pool.mkdir(parents=True, exist_ok=True)
-    proc = _run(nodes, 1, ["mv", d1 / "own/k", pool / "slot"])
+    proc = run_preloaded(nodes, 1, ["mv", d1 / "own/k", pool / "slot"])
     assert proc.returncode == 0, proc.stderr
     # (the record stays: a write-once publication of the key elsewhere is still refused)
     src = nodes.base_dir / "src-own-again"
     src.write_text("again")
-    proc = _run(nodes, 2, ["cp", src, nodes.node(2).dir / "own/k"])
+    proc = run_preloaded(nodes, 2, ["cp", src, nodes.node(2).dir / "own/k"])
     assert proc.returncode != 0 and b"exists" in proc.stderr, proc.stderr
