@@ -1460,6 +1460,20 @@ def test_a_stream_made_again_after_its_keys_were_deleted_starts_its_groups_over(
         r.close()
 
 
+def _a_broken_off_run_read_by_g(name: str, writer: instride.Client,
+                                reader: instride.Client) -> None:
+    """A run of stream ``name`` that broke off after 3 frames (``retain=8``, group "g"),
+    all 3 read by group "g" (its position, 3, recorded)."""
+    w1 = instride.Stream(name, mode="w", retain=8, groups=["g"], client=writer)
+    for i in range(3):
+        w1.append(_positions(i), step=i)
+    w1.abandon()
+    r1 = instride.Stream(name, group="g", client=reader, timeout=20)
+    assert [next(r1).step for _ in range(3)] == [0, 1, 2]
+    r1._move_on()
+    r1.close()
+
+
 @pytest.mark.parametrize("earlier", [False, True])
 @pytest.mark.parametrize("where", ["local", "same node", "other node"])
 def test_a_group_reader_started_before_a_rerunning_producer_reads_the_new_run(
@@ -1472,14 +1486,7 @@ def test_a_group_reader_started_before_a_rerunning_producer_reads_the_new_run(
     a run broke off before, its 3 frames read by the group: the reader waits at frame 3.)"""
     with _two_clients(where, client, tmp_path, redis_server.url) as (writer, reader):
         if earlier:
-            w1 = instride.Stream("early", mode="w", retain=8, groups=["g"], client=writer)
-            for i in range(3):
-                w1.append(_positions(i), step=i)
-            w1.abandon()
-            r1 = instride.Stream("early", group="g", client=reader, timeout=20)
-            assert [next(r1).step for _ in range(3)] == [0, 1, 2]
-            r1._move_on()  # (its position, 3, recorded)
-            r1.close()
+            _a_broken_off_run_read_by_g("early", writer, reader)
         r = instride.Stream("early", group="g", client=reader, timeout=20)
         assert r.tell() == (3 if earlier else 0)
         t, got = _iterating(r)
@@ -1503,14 +1510,7 @@ def test_a_group_readers_first_random_read_of_a_rerun_reads_the_new_run(
     iteration took the group again). It takes the group again too, and returns the new
     run's frame."""
     with _two_clients(where, client, tmp_path, redis_server.url) as (writer, reader):
-        w1 = instride.Stream("rr", mode="w", retain=8, groups=["g"], client=writer)
-        for i in range(3):
-            w1.append(_positions(i), step=i)
-        w1.abandon()
-        r1 = instride.Stream("rr", group="g", client=reader, timeout=20)
-        assert [next(r1).step for _ in range(3)] == [0, 1, 2]
-        r1._move_on()  # (its position, 3, recorded)
-        r1.close()
+        _a_broken_off_run_read_by_g("rr", writer, reader)
         r = instride.Stream("rr", group="g", client=reader, timeout=20)
         with instride.Stream("rr", mode="w", retain=8, groups=["g"], overwrite=True,
                              client=writer) as w:
