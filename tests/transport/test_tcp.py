@@ -482,6 +482,19 @@ def test_transfer_cut_midway_is_a_transfer_error(nodes: list[LoopbackNode], tmp_
 def _transport(node: LoopbackNode) -> TcpTransport:
     return TcpTransport(node.settings())
 
+def _requests_sent(transport: TcpTransport) -> list[str]:
+    """The keys of the requests ``transport`` signs from now on, in order (a list it fills)."""
+    sent: list[str] = []
+    signed_before = transport._signed
+
+    def counting(*args: object, **kw: object) -> bytes:
+        sent.append(args[0].key)  # type: ignore[attr-defined]
+        return signed_before(*args, **kw)  # type: ignore[arg-type]
+
+    transport._signed = counting  # type: ignore[method-assign]
+    return sent
+
+
 
 def _waiting(transport: TcpTransport, like: Record, key: str, out: Path, wait: float,
              until_name: str | None = None) -> tuple[threading.Thread, dict]:
@@ -817,14 +830,7 @@ def test_frames_asked_for_ahead_come_as_published_on_one_request(
     frames = [os.urandom(200_000 + i) for i in range(7)]
     like = put(n1, "ah/frame_000000000.isf", frames[0])
     transport = _transport(n2)
-    sent = []
-    signed_before = transport._signed
-
-    def counting(*args: object, **kw: object) -> bytes:
-        sent.append(args[0].key)  # type: ignore[attr-defined]
-        return signed_before(*args, **kw)  # type: ignore[arg-type]
-
-    transport._signed = counting  # type: ignore[method-assign]
+    sent = _requests_sent(transport)
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         for i in range(1, 5):
@@ -1806,14 +1812,7 @@ def test_a_readers_frames_asked_ahead_on_another_thread_are_taken_over(
     put(n1, "tt/frame_000000001.isf", b"one")
     put(n1, "tt/frame_000000002.isf", b"two")
     transport = _transport(n2)
-    sent: list[str] = []
-    signed_before = transport._signed
-
-    def counting(*args: object, **kw: object) -> bytes:
-        sent.append(args[0].key)  # type: ignore[attr-defined]
-        return signed_before(*args, **kw)  # type: ignore[arg-type]
-
-    transport._signed = counting  # type: ignore[method-assign]
+    sent = _requests_sent(transport)
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
     results: dict[str, object] = {}
     first_done, release = threading.Event(), threading.Event()
