@@ -195,6 +195,17 @@ SAME_MEANING = [
     ("INSTRIDE_SOCKET", " /s.sock\n", "/s.sock"),
 ]
 
+#: a C program's settings, as the C library reads them (``s``), in the probes below
+_C_SETTINGS = r"""
+class S(ctypes.Structure):
+    _fields_ = [("dir", ctypes.c_char_p), ("socket_path", ctypes.c_char_p),
+                ("timeout", ctypes.c_double), ("fsync", ctypes.c_int),
+                ("overwrite", ctypes.c_int), ("cluster", ctypes.c_int), ("debug", ctypes.c_int)]
+
+s = S()
+assert lib.instride_settings(ctypes.byref(s)) == 0
+"""
+
 _C_PROBE = r"""
 import ctypes, json, os, sys
 import instride
@@ -205,14 +216,7 @@ if os.environ.get("PROBE_LOCALE"):
 lib = ctypes.CDLL(os.path.join(os.path.dirname(instride.__file__), "libinstride.so"))
 lib.instride_last_error.restype = ctypes.c_char_p
 
-class S(ctypes.Structure):
-    _fields_ = [("dir", ctypes.c_char_p), ("socket_path", ctypes.c_char_p),
-                ("timeout", ctypes.c_double), ("fsync", ctypes.c_int),
-                ("overwrite", ctypes.c_int), ("cluster", ctypes.c_int), ("debug", ctypes.c_int)]
-
-s = S()
-assert lib.instride_settings(ctypes.byref(s)) == 0
-w = ctypes.c_void_p()
+""" + _C_SETTINGS + r"""w = ctypes.c_void_p()
 key = os.path.join(os.environ["PROBE_KEYS"], "k")
 err = lib.instride_create(key.encode(), 0, 0o644, ctypes.byref(w))
 if err == 0:
@@ -336,14 +340,7 @@ import instride
 from instride.config import Settings
 lib = ctypes.CDLL(os.path.join(os.path.dirname(instride.__file__), "libinstride.so"))
 
-class S(ctypes.Structure):
-    _fields_ = [("dir", ctypes.c_char_p), ("socket_path", ctypes.c_char_p),
-                ("timeout", ctypes.c_double), ("fsync", ctypes.c_int),
-                ("overwrite", ctypes.c_int), ("cluster", ctypes.c_int), ("debug", ctypes.c_int)]
-
-s = S()
-assert lib.instride_settings(ctypes.byref(s)) == 0
-print(json.dumps({"python": str(Settings.from_env().dir), "c": s.dir.decode()}))
+""" + _C_SETTINGS + r"""print(json.dumps({"python": str(Settings.from_env().dir), "c": s.dir.decode()}))
 """
 
 
