@@ -25,8 +25,9 @@
  * another node published it first); OVERWRITE (INSTRIDE_OVERWRITE=1) records a
  * new version replacing any earlier one. DELETE tells that the key's file on this node was
  * removed (the preload library's unlink/remove of a key, or its rename away): where it was the
- * node's original, the server deletes the key's record, as the Python client's delete does
- * (other nodes no longer see the key; it may be published again); a fetched copy removed is
+ * node's original, the server deletes the key's record, only while it is the one it looked
+ * up (a publication made meanwhile stays; other nodes no longer see the key; it may be
+ * published again); a fetched copy removed is
  * that node's cache only, and its record stays. Its answer is waited for as a publication's.
  */
 #include "ins_core.h"

@@ -28,8 +28,9 @@ bytes: a repeated ``PUBLISH``, or one that settles an unsettled publication) is 
 ``OVERWRITE`` records it as a new version replacing any earlier one (what a shim run
 with ``INSTRIDE_OVERWRITE=1`` sends). ``DELETE`` tells that a client removed the key's file on
 this node (a shim's ``unlink``/``remove``, or its rename away): where that file was this node's
-original, the key's record is deleted as :meth:`Client.delete <instride.client.Client.delete>`
-deletes it (other nodes no longer see the key; it may be published again); a fetched copy
+original, the key's record is deleted, only while it is the record looked up (a publication
+made meanwhile stays, and no file is ever removed here; other nodes no longer see the key;
+it may be published again); a fetched copy
 removed, a file in place again, or a key of another node keep their records (see
 :meth:`LocalAgent._unpublish`). Every answer is one line (``CONSUME``'s after its
 progress lines, if any): newlines in error messages are flattened. A client that disconnects
@@ -588,22 +589,25 @@ class LocalAgent:
 
     def _unpublish(self, key: str) -> None:
         """``DELETE``: a thin client removed the file of ``key`` on this node. Where that file
-        was this node's original (the record names this node), the key is deleted as
-        :meth:`Client.delete <instride.client.Client.delete>` deletes it: other nodes no
-        longer see it, and it may be published again.
+        was this node's original (the record names this node), the key's record is deleted:
+        other nodes no longer see it, and it may be published again.
 
         Nothing else is deleted: a key whose file is in place (published again here since), a
         fetched copy removed (this node's cache: the key stays its owner's), or a file the
         engine removed as the loser of a write-once race (the record is the winner's, on
         another node) -- the Python package may itself run under the preload library, and
-        its own removals of such files must not unpublish another node's key.
+        its own removals of such files must not unpublish another node's key. Only the
+        record goes, and only while it is the one looked up (a publication of the key made
+        meanwhile, here or elsewhere, is a new version: it stays, and so does its file).
         """
-        if os.path.lexists(key_path(key, self.settings.dir)):
-            return
+        path = key_path(key, self.settings.dir)
         mine = getattr(self.client.engine, "_mine", None)
-        record = self.client.lookup(key) if mine is not None else None
-        if record is not None and mine(record.owner):
-            self.client.delete(key)
+        delete_if = getattr(self.client.metadata, "delete_if", None)
+        if mine is None or delete_if is None or os.path.lexists(path):
+            return
+        record = self.client.lookup(key)
+        if record is not None and mine(record.owner) and not os.path.lexists(path):
+            delete_if(record)
 
     async def _local_request(
         self, line: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter

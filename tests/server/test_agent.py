@@ -15,7 +15,9 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -218,6 +220,54 @@ def test_delete_forgets_the_record_of_an_original_removed_on_its_node(
     finally:
         c3.close()
     no_traceback(n1)
+
+
+@pytest.mark.parametrize("when", ["before the look", "after the look"])
+def test_a_delete_never_unpublishes_a_publication_made_meanwhile(
+        nodes: list[LoopbackNode], when: str) -> None:
+    """``DELETE`` after a thin client's ``rm`` of an original looked at the file, then at the
+    record, then deleted the key as ``Client.delete`` does: another process of the node that
+    published the key again in between (a producer's next run) **lost its new file and its
+    record** (unpublished everywhere, no error). Only the record goes, and only while it is
+    the one looked up; a file in place is never touched."""
+    from instride.agent import LocalAgent
+
+    n1 = nodes[0]
+    key = f"race/{when.split()[0]}"  # (the nodes serve the module's tests)
+    a, b = n1.client(), n1.client()  # (two processes of one node)
+    try:
+        with a.open(key, "wb") as fh:
+            fh.write(b"first")
+        os.unlink(n1.dir / key)  # (the shim's unlink; its DELETE follows)
+
+        def publish_again() -> None:
+            with b.open(key, "wb", overwrite=True) as fh:
+                fh.write(b"second")
+
+        if when == "before the look":
+            real_lookup = a.lookup
+
+            def lookup(key: str, *args: Any, **kw: Any) -> Any:
+                publish_again()
+                return real_lookup(key, *args, **kw)
+
+            a.lookup = lookup  # type: ignore[method-assign]
+        else:
+            real_delete = a.metadata.delete_if  # type: ignore[attr-defined]
+
+            def delete_if(record: Any) -> bool:
+                publish_again()
+                return bool(real_delete(record))
+
+            a.metadata.delete_if = delete_if  # type: ignore[attr-defined]
+        agent = types.SimpleNamespace(settings=a.settings, client=a)
+        LocalAgent._unpublish(agent, key)  # type: ignore[arg-type]
+        assert (n1.dir / key).read_bytes() == b"second"
+        record = b.lookup(key)
+        assert record is not None and record.version >= 2, record
+    finally:
+        a.close()
+        b.close()
 
 
 def test_one_line_flattens_messages() -> None:
