@@ -7,6 +7,7 @@ Cross-node behaviour between network namespaces is tested in tests/emulate.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import queue
 import re
@@ -2663,3 +2664,36 @@ def test_processes_of_a_node_together_keep_the_cache_near_its_bound(
         c1.close()
         for r in readers:
             r.close()
+
+
+def test_a_copy_is_never_stored_over_a_directory_of_keys(clients: Any) -> None:
+    """Key ``a/b`` published on node 1 while ``a/b`` on node 2 is a directory holding node 2's
+    original ``a/b/c``: the copy's store (round 47: an earlier copy is set aside first)
+    **renamed the directory, node 2's original inside, to a hidden temporary name** and
+    failed removing it — ``a/b/c`` gone on its own node. The store refuses with
+    ``FileTypeError`` (``EISDIR``) and moves nothing."""
+    from instride.engine.cluster import _file_clock_ns
+    from instride.errors import FileTypeError
+    from instride.keys import tmp_name
+    from instride.record import Record
+
+    _c1, c2, _ = clients
+    with c2.open("dirkey/b/c", "wb") as fh:
+        fh.write(b"node 2's original")
+    time.sleep(0.01)
+    since = _file_clock_ns()
+    path = f"{c2.root}/dirkey/b"
+    staged = tmp_name(path)
+    with open(staged, "wb") as fh:
+        fh.write(b"node 1's dirkey/b")
+    record = Record("dirkey/b", "127.0.0.1:1", 17, "xxh3:0", 5, time.time(), "node1")
+    try:
+        with pytest.raises(FileTypeError) as err:
+            c2.engine._store_copy(staged, path, record, since_ns=since,
+                                  deadline=time.monotonic() + 5)
+        assert err.value.errno == errno.EISDIR
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staged)
+    assert sorted(os.listdir(f"{c2.root}/dirkey")) == ["b"]
+    assert c2.consume("dirkey/b/c", timeout=5).read_bytes() == b"node 2's original"

@@ -12,6 +12,7 @@ one lock file, :mod:`instride.store.slots`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import math
@@ -19,6 +20,7 @@ import mmap
 import os
 import re
 import select
+import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -28,6 +30,7 @@ from .. import store
 from ..config import Settings, same_addr
 from ..errors import (
     ConsumeTimeout,
+    FileTypeError,
     InstrideError,
     IntegrityError,
     KeyExistsError,
@@ -94,6 +97,12 @@ _EARLY_MARGIN = 1.0
 
 
 _NUMBERED = re.compile(r"^(.*?)(\d+)(\D*)$")
+
+
+def _drop(path: str) -> None:
+    """Remove the file ``path``, if it is still there."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def _follows(key: str, prev: str) -> bool:
@@ -326,6 +335,12 @@ class ClusterEngine:
             except (FileNotFoundError, NotADirectoryError):
                 seen = None
             if seen is not None:
+                if not stat.S_ISREG(seen.st_mode):  # (a directory of this node's keys, say:
+                    # never moved aside with what it holds)
+                    raise FileTypeError(key, "something else than a file has its name on this "
+                                        "node (a directory of keys?): no copy is stored there",
+                                        errno.EISDIR if stat.S_ISDIR(seen.st_mode)
+                                        else errno.EINVAL)
                 if since_ns is not None and self._stored_later(record, path, since_ns):
                     return False
                 if not self._set_aside(key, path, seen):
@@ -351,15 +366,13 @@ class ClusterEngine:
             os.rename(path, aside)
         except FileNotFoundError:
             return True  # (deleted meanwhile: the name is free)
-        try:
-            if os.path.samestat(os.lstat(aside), seen):
-                return True
-            name_if_free(aside, path)
-            self.forget_fetched(key)
-            return False
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(aside)  # (the earlier copy; or an original a later one replaced)
+        if os.path.samestat(os.lstat(aside), seen):
+            _drop(aside)  # (the earlier copy)
+            return True
+        if not name_if_free(aside, path):  # (a still later original has the name)
+            _drop(aside)
+        self.forget_fetched(key)  # (put back: an original; raised, it stays aside, not lost)
+        return False
 
     def _stored_later(self, record: Record, path: str, since_ns: int) -> bool:
         """Whether the file at ``path`` (there) came since ``since_ns``: an original this node
