@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -14,7 +15,7 @@ import pytest
 
 from instride.errors import FileTypeError
 from instride.record import checksum_of
-from instride.store.dirs import file_checksum
+from instride.store.dirs import file_checksum, file_checksum_and_size
 
 
 def _in_mount_namespace(script: str, tmp_path: Path) -> str:
@@ -102,13 +103,16 @@ def test_a_checksum_is_of_a_regular_file_only(tmp_path: Path) -> None:
     data = os.urandom(3 << 20)
     (tmp_path / "f.bin").write_bytes(data)
     assert file_checksum(tmp_path / "f.bin") == checksum_of(data)
+    assert file_checksum_and_size(tmp_path / "f.bin") == (checksum_of(data), len(data))
     (tmp_path / "empty.bin").write_bytes(b"")
     assert file_checksum(tmp_path / "empty.bin") == checksum_of(b"")
     os.mkfifo(tmp_path / "fifo")
-    with pytest.raises(FileTypeError):
+    with pytest.raises(FileTypeError) as err:
         file_checksum(tmp_path / "fifo")
-    with pytest.raises(FileTypeError):
+    assert err.value.errno == errno.EINVAL
+    with pytest.raises(FileTypeError) as err:
         file_checksum(tmp_path)
+    assert err.value.errno == errno.EISDIR  # (as FileTypeError documents for a directory)
     os.symlink(tmp_path / "fifo", tmp_path / "link")
     with pytest.raises(FileTypeError):
         file_checksum(tmp_path / "link")

@@ -1370,9 +1370,8 @@ class ClusterEngine:
         ``PUBLISH``), which must not remove the published original.
         """
         path = f"{self.root}/{key}"
-        if checksum is None or size is None:
-            size = os.stat(path).st_size
-            checksum = store.file_checksum(path)
+        if checksum is None or size is None:  # (the size of the bytes the checksum is of)
+            checksum, size = store.file_checksum_and_size(path)
         record = Record(key=key, owner=self.settings.addr, size=size,
                         checksum=checksum, version=1, time=time.time(),
                         node=self.settings.node)

@@ -17,7 +17,7 @@ Everything here works on one node's files; nothing knows about modes, metadata o
 
 from __future__ import annotations
 
-from .dirs import ensure_private_dir, file_checksum, file_system_type
+from .dirs import ensure_private_dir, file_checksum, file_checksum_and_size, file_system_type
 from .gc import being_written, collect_garbage, iter_tmp_files, pid_alive
 from .publish import (
     READ_MODES,
@@ -41,6 +41,7 @@ __all__ = [
     "collect_garbage",
     "ensure_private_dir",
     "file_checksum",
+    "file_checksum_and_size",
     "file_system_type",
     "fsync_dir",
     "iter_tmp_files",

@@ -102,7 +102,13 @@ _CHUNK = 1 << 20
 
 
 def file_checksum(path: str | Path) -> str:
-    """Return ``"xxh3:<hex>"`` of a file's content.
+    """Return ``"xxh3:<hex>"`` of a file's content (see :func:`file_checksum_and_size`)."""
+    return file_checksum_and_size(path)[0]
+
+
+def file_checksum_and_size(path: str | Path) -> tuple[str, int]:
+    """Return ``"xxh3:<hex>"`` of a file's content, and the number of bytes it was taken of
+    (a size looked up apart could be of another moment of the file's).
 
     The file is read (into one reused buffer), not mapped: a file cut short by another
     process meanwhile would make a mapping's next page a ``SIGBUS``, which kills the process;
@@ -119,20 +125,24 @@ def file_checksum(path: str | Path) -> str:
     """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise FileTypeError(str(path), "not a regular file")
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise FileTypeError(str(path), "not a regular file",
+                                errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL)
         digest = xxhash.xxh3_64()
         buf = bytearray(_CHUNK)
         view = memoryview(buf)
+        size = 0
         with _open(fd, "rb", buffering=0, closefd=False) as fh:
             while got := fh.readinto(buf):
                 digest.update(view[:got])
+                size += got
     finally:
         os.close(fd)
-    return f"{CHECKSUM_ALGORITHM}:{digest.hexdigest()}"
+    return f"{CHECKSUM_ALGORITHM}:{digest.hexdigest()}", size
 
 
-__all__ = ["ensure_private_dir", "file_checksum", "file_system_type"]
+__all__ = ["ensure_private_dir", "file_checksum", "file_checksum_and_size", "file_system_type"]
 
 
 #: errors of a file system out of room: the disk is full, or the user's quota is
