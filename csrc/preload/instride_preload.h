@@ -108,7 +108,8 @@ INS_HIDDEN int ins_fail_refused(const struct ins_path *p, int flags);
  * Then *p is filled, for ins_key_removed once the file is removed. errno kept. */
 INS_HIDDEN int ins_key_file(int dirfd, const char *path, int flags, struct ins_path *p);
 /* The file of key p was removed on this node: DELETE to the node server (which deletes the
- * record of a node's original). 0 (errno kept), or -1 with the server's errno. */
+ * record of a node's original). 0, errno kept, always: the removal took effect (a server not
+ * reached or refusing leaves the record, said with INSTRIDE_DEBUG=1). */
 INS_HIDDEN int ins_key_removed(const struct ins_path *p);
 
 /* ---- fd table ------------------------------------------------------------ */

@@ -74,6 +74,8 @@ enum ins_rename_kind {
     INS_RENAME_DIR,     /* a directory renamed to a key: EXDEV (ELOOP if its path leaves
                          * the managed directory through a link there, as before) */
     INS_RENAME_DIR_ROOT, /* a directory renamed over the managed directory itself: EXDEV */
+    INS_RENAME_DIR_OUT, /* cluster mode: a directory of keys renamed out of the managed
+                         * directory: EXDEV (its keys' records would stay) */
     INS_RENAME_EXCHANGE, /* RENAME_EXCHANGE naming the managed directory or under it: EINVAL */
 };
 
@@ -170,6 +172,12 @@ static enum ins_rename_kind ins_rename_kind(int olddirfd, const char *old, int n
         errno = saved;
         return file ? INS_RENAME_TOOLONG : INS_RENAME_LIBC;
     }
+    if (nkind == INS_UNMANAGED && ins_cfg.cluster && ins_is_dir(olddirfd, old) &&
+        ins_classify(olddirfd, old, op) == INS_MANAGED)
+        /* (moved file by file instead, each source's unlink takes its key's record along:
+         * moved whole, every key in it kept its record -- other nodes fetched missing files,
+         * and a new publication of any of them was refused EEXIST) */
+        return INS_RENAME_DIR_OUT;
     if (nkind != INS_MANAGED)
         return INS_RENAME_LIBC;
     if ((flags & ~(unsigned int)RENAME_NOREPLACE) != 0)
@@ -367,6 +375,11 @@ static int ins_renamed_away(int rc, enum ins_rename_kind kind, int src_key,
                             "directory (its files would appear as keys unpublished): "   \
                             "move it file by file (mv and shutil.move do so on EXDEV)", \
                             new);                                                       \
+        case INS_RENAME_DIR_OUT:                                                    \
+            return ins_fail(EXDEV, "%.300s: a directory of keys is not renamed out of the " \
+                            "managed directory in cluster mode (its keys' records would " \
+                            "stay): move it file by file (mv and shutil.move do so on " \
+                            "EXDEV)", old);                                             \
         case INS_RENAME_EXCHANGE:                                                   \
             return ins_fail(EINVAL, "%.300s, %.300s: RENAME_EXCHANGE is not supported under " \
                             "the managed directory (a published key never changes)", old, \
