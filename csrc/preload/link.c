@@ -11,7 +11,8 @@
  * key every reader refuses (ELOOP) and that blocks the key's publication (EEXIST): EPERM, what
  * a file system without symbolic links answers. instride's own names -- one of its temp files
  * linked as its key, the Python package's publication -- and new names outside the managed
- * directory (also of a key) go to libc unchanged.
+ * directory go to libc unchanged, but for a key hard-linked out: EXDEV (through that name its
+ * published bytes could be changed in place, which no open of the key allows).
  */
 #include "instride_preload.h"
 
@@ -33,6 +34,33 @@ static int ins_link_refused(int olddirfd, const char *old, int flags, int newdir
     return kind == INS_MANAGED || kind == INS_TOOLONG;
 }
 
+/* Is old (olddirfd, flags) a key hard-linked to a name outside the managed directory (newdirfd,
+ * new)? Through that name the program could change the published key's bytes in place, which
+ * no open of the key allows. (A key linked to one of instride's own names -- a bounded stream's
+ * frame given back to its pool -- is libc's: only a new name outside is refused.) */
+static int ins_link_out_refused(int olddirfd, const char *old, int flags, int newdirfd,
+                                const char *new)
+{
+    struct ins_path p;
+    if (ins_busy || new == NULL || old == NULL || ((flags & AT_EMPTY_PATH) && old[0] == '\0'))
+        return 0;
+    int saved = errno;
+    struct stat st;
+    int out = ins_classify(newdirfd, new, &p) == INS_UNMANAGED &&
+              ins_classify(olddirfd, old, &p) == INS_MANAGED &&
+              fstatat(olddirfd, old, &st, (flags & AT_SYMLINK_FOLLOW) ? 0 : AT_SYMLINK_NOFOLLOW) ==
+                  0 &&
+              S_ISREG(st.st_mode);
+    errno = saved;
+    return out;
+}
+
+static int ins_fail_link_out(const char *old)
+{
+    return ins_fail(EXDEV, "%.300s: a key is not hard-linked out of the managed directory (its "
+                    "published bytes could be changed through the new name): copy it", old);
+}
+
 static int ins_fail_link(const char *new)
 {
     return ins_fail(EXDEV, "%.300s: a hard link cannot make a key under the managed directory "
@@ -51,6 +79,8 @@ INS_WRAPPER(int, link, (const char *old, const char *new))
     INS_MAP_OR_FAIL(link, -1);
     if (ins_link_refused(AT_FDCWD, old, 0, AT_FDCWD, new))
         return ins_fail_link(new);
+    if (ins_link_out_refused(AT_FDCWD, old, 0, AT_FDCWD, new))
+        return ins_fail_link_out(old);
     return ins_real_link(old, new);
 }
 
@@ -59,6 +89,8 @@ INS_WRAPPER(int, linkat, (int olddirfd, const char *old, int newdirfd, const cha
     INS_MAP_OR_FAIL(linkat, -1);
     if (ins_link_refused(olddirfd, old, flags, newdirfd, new))
         return ins_fail_link(new);
+    if (ins_link_out_refused(olddirfd, old, flags, newdirfd, new))
+        return ins_fail_link_out(old);
     return ins_real_linkat(olddirfd, old, newdirfd, new, flags);
 }
 

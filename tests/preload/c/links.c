@@ -12,7 +12,9 @@
  *   place by retention): EXDEV too.
  * symlink / symlinkat: a symbolic link made as a key (refused with ELOOP by every reader, and
  *   blocking the key's publication): EPERM.
- * outside: links whose new name is outside the managed directory are libc's (also of a key).
+ * outside: links whose new name is outside the managed directory are libc's (a symbolic one
+ *   also of a key); a hard link of a key to a name outside is EXDEV (through that name the
+ *   program could change the published bytes in place: `echo x >> alias`).
  * truncate: truncate() of a published key emptied it in place, under its readers: EPERM,
  *   the bytes unchanged (also for a key not published yet, as a write open in place).
  * ftruncate: an fd of a published key is read-only (a write open in place is refused), so
@@ -120,11 +122,17 @@ static int t_outside(void)
     const char *key = in_dir(dir, "pub/k.txt");
     errno = 0;
     if (link(in_dir(outside, "src.txt"), in_dir(outside, "hard.txt")) != 0 ||
-        symlink(key, in_dir(outside, "soft.txt")) != 0 ||
-        linkat(AT_FDCWD, key, AT_FDCWD, in_dir(outside, "copy.txt"), 0) != 0)
+        symlink(key, in_dir(outside, "soft.txt")) != 0)
         FAIL("a link outside failed: %s\n", strerror(errno));
     if (errno != 0)
         FAIL("errno changed by calls that succeeded: %d\n", errno);
+    if (linkat(AT_FDCWD, key, AT_FDCWD, in_dir(outside, "alias.txt"), 0) == 0 ||
+        link(key, in_dir(outside, "alias.txt")) == 0)
+        FAIL("a key hard-linked out of the managed directory\n");
+    if (errno != EXDEV)
+        FAIL("a key hard-linked out: errno %d %s (expected EXDEV)\n", errno, strerror(errno));
+    if (access(in_dir(outside, "alias.txt"), F_OK) == 0)
+        FAIL("the key's alias outside exists\n");
     return printf("ok\n"), 0;
 }
 
