@@ -5,6 +5,7 @@ with typed errors, and nothing is ever created, read or removed outside the mana
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import time
 from pathlib import Path
@@ -277,6 +278,7 @@ def test_threads_reading_while_the_managed_directory_is_made_again_leak_nothing(
 
     root = tmp_path / "m"
     root.mkdir()
+    gc.collect()  # (what earlier tests left to the collector closes its files now, not below)
     before = len(os.listdir("/proc/self/fd"))
     untyped: list[OSError] = []
     for _ in range(100):
@@ -306,4 +308,5 @@ def test_threads_reading_while_the_managed_directory_is_made_again_leak_nothing(
             t.join()
         del opener, reader  # (the opener closes its descriptors)
     assert not untyped, untyped[:3]
-    assert len(os.listdir("/proc/self/fd")) == before
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= before  # (a leak: one or more per recreation)

@@ -15,7 +15,7 @@ WRAPPED = [
     "fclose", "dup", "dup2", "dup3", "fcntl", "fcntl64", "rename", "renameat", "renameat2",
     "close_range", "closefrom", "mmap", "mmap64", "munmap", "mkstemp", "mkstemp64", "mkostemp",
     "mkostemp64", "mkstemps", "mkstemps64", "mkostemps", "mkostemps64", "unlink", "unlinkat",
-    "remove",
+    "remove", "link", "linkat", "symlink", "symlinkat", "truncate", "truncate64",
 ]
 
 

@@ -570,7 +570,7 @@ for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
 open(log + ".ready", "w").close()
 while not os.path.exists(log):
     time.sleep(0.02)
-time.sleep(3.0)  # (a second copy of the signal, if any, comes well within this)
+time.sleep(1.5)  # (a second copy of the signal, if any, comes well within this)
 sys.exit(3)
 """
 
