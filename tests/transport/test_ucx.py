@@ -981,3 +981,33 @@ def test_a_forked_child_is_told_at_once_that_ucx_does_not_survive_a_fork() -> No
                          timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "0"
+
+
+_HUP_AFTER_UCX = """
+import os, signal, sys, tempfile, time
+from pathlib import Path
+from instride.config import Settings
+from instride.transport.ucx import UcxTransport
+got = []
+signal.signal(signal.SIGHUP, lambda signum, frame: got.append(signum))
+transport = UcxTransport(Settings(dir=Path(tempfile.mkdtemp()), token="t" * 32,
+                                  connect_timeout=2))
+transport._worker()  # (UCX started in this process)
+os.kill(os.getpid(), signal.SIGHUP)
+time.sleep(0.2)
+print(got, flush=True)
+"""
+
+
+def test_ucx_takes_no_signal_from_the_program() -> None:
+    """UCX, once started in a process, took SIGHUP for its own debug mode
+    (``UCX_DEBUG_SIGNO``): a terminal or ssh session that closed no longer reached the
+    program's handler (``instride job``'s or a flow runner's teardown), and a SIGHUP — or a
+    fault, ``UCX_ERROR_SIGNALS`` — that came inside ``malloc`` hung the process in UCX's
+    handler (seen in the suite: a test hung in ``ucp_worker_create``). Those handlers are off
+    unless the user sets the variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    res = subprocess.run([sys.executable, "-c", _HUP_AFTER_UCX], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[1]", (res.stdout, res.stderr)  # (the program's handler ran)

@@ -135,6 +135,15 @@ _lib_lock = threading.Lock()
 _stuck: list[Any] = []
 
 
+#: UCX's own handlers of signals, off unless the user sets them (read once, as UCX loads):
+#: ``UCX_DEBUG_SIGNO`` (SIGHUP by default) took SIGHUP from the process — a terminal or ssh
+#: session closing no longer reached the program's handler (``instride job``'s, a flow
+#: runner's: their teardown never ran) — and ``UCX_ERROR_SIGNALS`` (SIGSEGV, SIGBUS, ...)
+#: replaced Python's ``faulthandler`` with a handler that frees memory inside the signal: a
+#: fault, or a SIGHUP, that came in ``malloc`` left the process hung for ever, not crashed.
+_UCX_SIGNALS_OFF = {"UCX_DEBUG_SIGNO": "0", "UCX_ERROR_SIGNALS": ""}
+
+
 def library_path() -> Path:
     """Where ``libinstride_ucx.so`` is installed (next to the package's modules)."""
     return Path(__file__).resolve().parent.parent / "libinstride_ucx.so"
@@ -153,6 +162,8 @@ def load_library() -> ctypes.CDLL:
     with _lib_lock:
         if _lib is not None:
             return _lib
+        for var, value in _UCX_SIGNALS_OFF.items():
+            os.environ.setdefault(var, value)  # (before UCX loads: see _UCX_SIGNALS_OFF)
         lib = open_engine(library_path(), "ucx", "UCX support was not built", INSTALL_HINT)
         vp, cp, sz, i64, u64 = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int64, \
             ctypes.c_uint64
