@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -9,7 +10,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
@@ -199,6 +200,88 @@ def test_a_publication_whose_reply_is_lost_is_retried_as_itself(redis_server: Re
                           overwrite=False)
     finally:
         watch.close()
+        b.close()
+        relay.close()
+
+
+class _DropAfterAnotherWrites(ReplyDropper):
+    """A :class:`ReplyDropper` that, once Redis has answered the armed request, lets another
+    writer act (``meanwhile``) before it cuts the connection: the client's retry comes after
+    that writer's publication, every time (no race to win)."""
+
+    def __init__(self, upstream: tuple[str, int], meanwhile: Callable[[], None]) -> None:
+        self.meanwhile = meanwhile
+        super().__init__(upstream)
+
+    def _down(self, src: socket.socket, dst: socket.socket, doomed: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                if doomed.is_set():
+                    self.meanwhile()  # (the client still waits for the reply it never gets)
+                    self.dropped += 1
+                    for s in (src, dst):
+                        s.shutdown(socket.SHUT_RDWR)
+                        s.close()
+                    return
+                dst.sendall(data)
+
+
+@pytest.mark.parametrize("soon", ["now", "soon"])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_retried_publication_never_overwrites_a_newer_record(redis_server: RedisServer,
+                                                               tmp_path, overwrite: bool,
+                                                               soon: str) -> None:  # type: ignore[no-untyped-def]
+    """Redis stored a publication, its reply was lost, and another writer published the key
+    before the retry: the publish script knew only the key's last publication id, so the
+    retry was taken for a new publication and **stored the older record over the newer one**
+    (a version above it: readers and caches took the stale record for the latest), or, for a
+    write-once key, raised :class:`KeyExistsError` for its own stored publication. The retry
+    finds its publication done: the newer record stays, and it reports its own version."""
+    other = RedisMetadata(Settings(dir=tmp_path, redis_url=redis_server.url, connect_timeout=5))
+    newer: list[Record] = []
+    relay = _DropAfterAnotherWrites(
+        (redis_server.host, redis_server.port),
+        lambda: newer.append(other.publish(Record("race/k", "127.0.0.1:2", 22, "xxh3:2", 0,
+                                                  time.time(), "n2"))))
+    b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
+                               connect_timeout=5))
+    try:
+        warm = b.publish(_record("race/warm"))
+        relay.armed = True
+        mine = Record("race/k", "127.0.0.1:1", 7, "xxh3:1", 0, time.time(), "n1")
+        rec = b.publish(mine, overwrite=overwrite) if soon == "now" \
+            else b.publish_soon(mine, overwrite=overwrite)()
+        assert relay.dropped == 1 and len(newer) == 1  # (lost reply, then the other writer)
+        assert rec.version == warm.version + 1 < newer[0].version  # its own, stored first
+        assert b.lookup("race/k") == newer[0]  # the newer record stays
+        # (a later publication is a new one, as always)
+        assert b.publish(mine).version > newer[0].version
+    finally:
+        b.close()
+        other.close()
+        relay.close()
+
+
+def test_a_publication_whose_answer_was_lost_long_ago_is_not_sent_again(
+        redis_server: RedisServer, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """What lets a retry know it was overwritten meanwhile (the script's mark of it) lasts a
+    bounded time: a publication whose answer was lost longer ago than that is
+    :class:`PublicationUnsettled` (register it again), never sent again blindly."""
+    from instride.errors import PublicationUnsettled
+    from instride.metadata import redis as backend_module
+
+    monkeypatch.setattr(backend_module, "_RETRY_WITHIN_S", 0.0)  # (every retry is late)
+    relay = ReplyDropper((redis_server.host, redis_server.port))
+    b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
+                               connect_timeout=5))
+    try:
+        b.publish(_record("late/warm"))
+        relay.armed = True
+        with pytest.raises(PublicationUnsettled, match="'late/k' may or may not be recorded"):
+            b.publish(_record("late/k"))
+        assert relay.dropped == 1
+        assert b.lookup("late/k") is not None  # (stored once, by the first send)
+    finally:
         b.close()
         relay.close()
 

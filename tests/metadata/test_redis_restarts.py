@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from instride.config import Settings
+from instride.errors import ConsumeTimeout
 from instride.metadata.base import Record
 from instride.metadata.redis import RedisMetadata
 from tests.conftest import RedisServer
@@ -207,5 +208,76 @@ def test_a_wait_subscribed_per_key_outlasts_a_restart_that_loads_data(
         assert got == [stored]
     finally:
         meta.close()
+        if publisher is not None:
+            publisher.close()
+
+
+def test_a_wait_backs_off_while_redis_loads_its_data(saved_redis: _SavedRedis,
+                                                     tmp_path: Path) -> None:
+    """A wait subscribed per key across a restart whose Redis
+    answers ``LOADING`` for ~3 s: each attempt to subscribe is answered ``LOADING`` and its
+    connection closed; the wait **connected again every 0.05 s** (~60 connections in 3 s
+    per waiting thread: a node's pool of waiters hammering a Redis busy loading). It backs
+    off, doubling its pause to 1 s, and still returns the record published once Redis is
+    ready; a wait whose timeout comes during the loading still ends at it."""
+    direct = redis.Redis(port=saved_redis.port)
+    with direct.pipeline(transaction=False) as pipe:
+        for i in range(4000):
+            pipe.set(f"filler:{i}", "x")
+        pipe.execute()
+    url = f"redis://127.0.0.1:{saved_redis.port}/0"
+    keys = ["backoff-top"]  # (a key of no directory: subscribed per key)
+    meta = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=10))
+    short = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=10))
+    got: list[object] = []
+    ended: list[tuple[float, object]] = []
+
+    def wait() -> None:
+        try:
+            got.append(meta.wait_any(keys, 30))
+        except Exception as exc:  # noqa: BLE001 (what it raised is the result)
+            got.append(exc)
+
+    def wait_short() -> None:  # (its timeout runs out while Redis loads)
+        time.sleep(0.8)
+        start = time.monotonic()
+        try:
+            ended.append((0.0, short.wait_any([keys[0] + "-never"], 1.0)))
+        except Exception as exc:  # noqa: BLE001 (what it raised is the result)
+            ended.append((time.monotonic() - start, exc))
+
+    waiter = threading.Thread(target=wait, daemon=True)  # (a hang must not hang the suite)
+    waiter.start()
+    publisher = probe = None
+    try:
+        time.sleep(0.5)  # (subscribed, waiting)
+        direct.save()
+        direct.close()
+        saved_redis.stop()
+        saved_redis.start("--key-load-delay", "750", "--loading-process-events-interval-bytes",
+                          "1024")  # (4,000 keys at 0.75 ms: ~3 s of LOADING)
+        timed = threading.Thread(target=wait_short, daemon=True)
+        timed.start()
+        probe = redis.Redis(port=saved_redis.port, retry=None)  # (one connection, kept)
+        assert probe.info("persistence")["loading"] == 1
+        while probe.info("persistence")["loading"]:
+            time.sleep(0.05)
+        # (this probe's, the two waits' subscribers (the short one's ended), the waiter's
+        # first attempts: a handful with a backoff; ~60 without)
+        made = probe.info("stats")["total_connections_received"]
+        assert made <= 20, made
+        publisher = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=10))
+        stored = publisher.publish(_record(keys[0]))
+        waiter.join(20)
+        timed.join(20)
+        assert not waiter.is_alive(), "the wait went on"
+        assert got == [stored]
+        assert len(ended) == 1 and isinstance(ended[0][1], ConsumeTimeout), ended
+        assert ended[0][0] < 3.0, ended  # (its timeout, 1 s: not a pause past it)
+    finally:
+        if probe is not None:
+            probe.close()
+        meta.close()
+        short.close()
         if publisher is not None:
             publisher.close()

@@ -10,10 +10,11 @@ import queue
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -404,3 +405,114 @@ def test_a_wait_through_redis_py_whose_connection_redis_closed_sees_a_publicatio
         admin.close()
         publisher.close()
         waiter.close()
+
+
+class _CutOnceFound:
+    """A relay in front of Redis (TCP or a Unix socket) that, once a waiter's subscriber
+    connection is in place, lets ``meanwhile`` publish the key as the waiter's look at it goes
+    by, then cuts that subscriber connection (a reset: the waiter's next write on it fails)
+    and takes no connection any more (Redis out of reach) before passing the look on: the
+    look finds the record, and what the wait sends next on its subscriber fails."""
+
+    def __init__(self, listener: socket.socket, connect: Callable[[], socket.socket],
+                 meanwhile: Callable[[], None]) -> None:
+        self.listener, self.connect, self.meanwhile = listener, connect, meanwhile
+        self.subscriber: socket.socket | None = None
+        self.cut = False
+        self.socks: list[socket.socket] = []
+        self.readers: dict[socket.socket, threading.Thread] = {}
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = self.connect()
+            self.socks += [client, server]
+            self.readers[client] = threading.Thread(target=self._up, args=(client, server),
+                                                    daemon=True)
+            self.readers[client].start()
+            threading.Thread(target=self._down, args=(server, client), daemon=True).start()
+
+    def _up(self, src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                if b"SUBSCRIBE" in data and self.subscriber is None:
+                    self.subscriber = src
+                elif b"HGETALL" in data and self.subscriber is not None and not self.cut:
+                    self.cut = True
+                    self.meanwhile()
+                    with contextlib.suppress(OSError):
+                        self.listener.shutdown(socket.SHUT_RDWR)
+                    self.listener.close()
+                    sub = self.subscriber
+                    if sub.family == socket.AF_INET:  # (a reset, not an orderly end)
+                        sub.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                       struct.pack("ii", 1, 0))
+                    # (shut down first: its own reader, blocked in recv(), holds it open
+                    # until it returns; on a Unix socket this is what fails the peer's writes)
+                    with contextlib.suppress(OSError):
+                        sub.shutdown(socket.SHUT_RDWR)
+                    sub.close()
+                    self.readers[sub].join(5)  # (let go: the reset has gone out)
+                dst.sendall(data)
+
+    @staticmethod
+    def _down(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+
+    def close(self) -> None:
+        self.listener.close()
+        for s in self.socks:
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+@pytest.mark.parametrize("path", ["lean", "redis-py"])
+def test_a_wait_that_found_its_record_returns_it_though_its_unsubscribe_fails(
+        request: pytest.FixtureRequest, tmp_path: Path, path: str) -> None:
+    """A wait subscribed per key (a key of no directory) finds the record in its look after
+    subscribing; the ``UNSUBSCRIBE`` that follows fails (the subscriber connection was cut
+    that moment) and the error took the place of the record found: the wait **subscribed
+    again and again, Redis out of reach, and ended with ConsumeTimeout** (or, Redis back,
+    waited for a record it had had). The record found is returned; the failed connection is
+    closed (its subscriptions went with it)."""
+    if path == "lean":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        listener = socket.create_server(("127.0.0.1", 0))
+        url = f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+        direct_url = server.url
+
+        def connect() -> socket.socket:
+            return socket.create_connection((server.host, server.port))
+    else:
+        where, servers = request.getfixturevalue("unix_servers")
+        servers.append(_UnixRedis(where / "redis.sock"))
+        servers[-1].start()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(where / "relay.sock"))
+        listener.listen()
+        url, direct_url = f"unix://{where / 'relay.sock'}", f"unix://{where / 'redis.sock'}"
+
+        def connect() -> socket.socket:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(str(where / "redis.sock"))
+            return sock
+    direct = RedisMetadata(Settings(dir=tmp_path, redis_url=direct_url, connect_timeout=2))
+    stored: list[Record] = []
+    relay = _CutOnceFound(listener, connect,
+                          lambda: stored.append(direct.publish(_record("found-then-cut"))))
+    waiter = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=1))
+    try:
+        thread, got = _waiting(waiter, "found-then-cut", 3.0)
+        thread.join(20)
+        assert relay.cut and len(stored) == 1
+        assert got == stored
+    finally:
+        waiter.close()
+        direct.close()
+        relay.close()

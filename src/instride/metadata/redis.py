@@ -5,6 +5,8 @@ Layout (all names under the ``instride:`` prefix):
 * ``instride:rec:<key>`` — a hash per published key: owner, node, size, checksum, version, time;
 * ``instride:keys`` — a sorted set of all keys (score 0), listed by prefix with ZRANGEBYLEX;
 * ``instride:pub:<key>`` — the channel a publication is announced on;
+* ``instride:was:<publication id>`` — for a while, the version of a publication whose
+  record a later one of its key overwrote (a retry of it after a lost reply finds it done);
 * ``instride:clock`` — the one counter every publication's version is drawn from: a key's
   later publication always has a higher version, also after the key was deleted, and
   nothing is kept of a key once it is forgotten (a bounded stream retires a frame per frame).
@@ -64,6 +66,15 @@ _CHAN = PREFIX + "pub:"
 _CLOCK = PREFIX + "clock"
 #: the version counter per key of instride before the clock (read, so versions never go back)
 _LEGACY_VER = PREFIX + "ver:"
+#: ``instride:was:<publication id>``: the version of a publication whose record another
+#: publication of its key overwrote, kept :data:`_WAS_TTL_S` seconds for a retry of it
+_WAS = PREFIX + "was:"
+#: seconds after its first send within which a publication whose reply was lost may be sent
+#: again (later it is :class:`PublicationUnsettled`): a retry must find the mark the script
+#: leaves when another publication overwrites it (``instride:was:<id>``), so the marks last
+#: longer (Redis holds one per overwrite of a key for that long: ~1 MB at 10 per second)
+_RETRY_WITHIN_S = 600.0
+_WAS_TTL_S = int(_RETRY_WITHIN_S) + 60
 
 _PUBLISH = """
 local rec = KEYS[1]
@@ -74,10 +85,25 @@ local had = redis.call('HMGET', rec, 'pub', 'version')
 if had[1] == ARGV[8] and had[2] then
   return tonumber(had[2])
 end
+-- a retry (only a retry names KEYS[6], instride:was:<its id>) of a publication stored and
+-- then overwritten by another's, before the retry came: done already, its version kept
+-- there (stored again, it would put the older record over the newer one)
+if KEYS[6] then
+  local was = redis.call('GET', KEYS[6])
+  if was then
+    return tonumber(was)
+  end
+end
 -- (a record always has its version: none means no record; each redis.call costs a woken
 -- Redis ~10 µs, the command itself ~1)
 if ARGV[7] == '0' and had[2] then
   return -1
+end
+-- overwriting another publication's record: its id and version are kept a while (see
+-- _RETRY_WITHIN_S), for a retry of it whose reply was lost (only when a key is published
+-- again: a stream's frames, each a key of its own, never pay this)
+if had[1] and had[2] then
+  redis.call('SET', '@WAS@' .. had[1], had[2], 'EX', @WAS_TTL@)
 end
 -- the next of one counter for all keys: a key's later publication always has a higher
 -- version, also after the key was deleted (a node's cached copy of an earlier one is never
@@ -117,7 +143,7 @@ if ARGV[at] then
   return {version, redis.call('HGETALL', ARGV[at])}
 end
 return version
-"""
+""".replace("@WAS@", _WAS).replace("@WAS_TTL@", str(_WAS_TTL_S))
 
 #: sent just ahead of a publication, in the same write: Redis writes what it owes its clients
 #: after it has run everything a read brought, the client that got something to send last
@@ -201,6 +227,17 @@ def _is_refusal(exc: MetadataUnavailable) -> bool:
     return getattr(exc, "refused", None) is not None
 #: seconds an attempt to reach Redis is given at least, whatever the caller's deadline
 _ATTEMPT_MIN = 0.1
+#: a wait's first pause before it subscribes again after Redis was out of reach (or answered
+#: ``LOADING``), doubled after each attempt that fails in turn, up to the last: a Redis busy
+#: loading its data is not asked by each waiting thread twenty times a second
+_REWAIT_FIRST, _REWAIT_MAX = 0.05, 1.0
+
+
+def _rewait(pause: float, deadline: float | None) -> float:
+    """Sleep ``pause`` seconds (at most until ``deadline``); the next pause."""
+    left = math.inf if deadline is None else deadline - time.monotonic()
+    time.sleep(max(0.0, min(pause, left)))
+    return min(pause * 2, _REWAIT_MAX)
 
 
 def _record(fields: dict[bytes, bytes]) -> Record | None:
@@ -282,6 +319,10 @@ def _announced(msg: Any) -> Record | None:
     return _from_message(msg[3])
 
 
+class _TooLate(Exception):
+    """A publication whose answer was lost is past :data:`_RETRY_WITHIN_S`: not sent again."""
+
+
 class _PatternsRefused(Exception):
     """Redis refused a pattern subscription (an ACL that allows channels, not patterns)."""
 
@@ -305,6 +346,7 @@ class _SoonRecord(PendingRecord):
         self._replies: Callable[[], list[Any]] | None = replies
         self._fast = fast
         self._sender = (threading.get_ident(), forks())
+        self._at = time.monotonic()  # (sent then: a retry comes within _RETRY_WITHIN_S)
         self._done: Record | None = None
         #: an error answer's text, raised every time (a new exception each time: one raised
         #: again would keep each raise's traceback, and with it this object, in a cycle)
@@ -336,8 +378,9 @@ class _SoonRecord(PendingRecord):
             raise _refusal(self._metadata.url, "publish", redis.ResponseError(self._refused))
         # NOSCRIPT (Redis restarted), a lost reply: again, as the same publication
         metadata = self._metadata
-        stored = metadata._publish_now(self._record, self._sent, self) if reply is None \
-            or isinstance(reply, Exception) else metadata._stored(self._record, reply, self)
+        stored = metadata._publish_now(self._record, self._sent, self, self._at) \
+            if reply is None or isinstance(reply, Exception) \
+            else metadata._stored(self._record, reply, self)
         self._done = stored
         return stored
 
@@ -600,14 +643,25 @@ class RedisMetadata:
         return ("EVALSHA", self._publish.sha, len(keys), *keys, *args)
 
     def _publish_now(self, record: Record, sent: tuple[list[str], list[Any]],
-                     pending: PendingRecord | None = None) -> Record:
+                     pending: PendingRecord | None = None, first: float | None = None) -> Record:
         """Run the publication ``sent`` (:meth:`_publication`), retrying connection errors
-        (what it reports goes to ``pending``)."""
+        (what it reports goes to ``pending``); ``first``: when it was sent before (a
+        ``time.monotonic()``), if it was (:meth:`publish_soon`'s, its answer lost)."""
         keys, args = sent
         went = False  # (an attempt sent it whole: a failure after that leaves it unknown)
+        again = first is not None  # (sent before: each attempt is a retry)
+        if first is None:
+            first = time.monotonic()
 
         def run() -> Any:
-            nonlocal went
+            nonlocal went, sent, keys
+            if (went or again) and len(keys) == 5:  # a retry: it names where it may be
+                keys = [*keys, _WAS + args[7]]  # found done (see _PUBLISH: overwritten since)
+                sent = (keys, args)
+            if (went or again) and time.monotonic() - first > _RETRY_WITHIN_S:
+                # (its mark, were it overwritten meanwhile, may be gone: sent again, it
+                # could put itself over a newer record)
+                raise _TooLate
             fast = self._fast()
             if fast is not None:
                 fast.fresh()  # (a connection Redis closed goes first: not sent, not unsettled)
@@ -635,6 +689,10 @@ class RedisMetadata:
             if went:  # stored or not: Redis never answered (see PublicationUnsettled)
                 raise PublicationUnsettled(self.url, record.key, exc.detail) from None
             raise
+        except _TooLate:
+            raise PublicationUnsettled(self.url, record.key, "its answer was lost, and it "
+                                       f"cannot be sent again more than {_RETRY_WITHIN_S:g} s "
+                                       "after it was first") from None
         return self._stored(record, version, pending)
 
     @staticmethod
@@ -896,6 +954,7 @@ class RedisMetadata:
                     self._patterns = False  # (and per key from now on)
             return self._wait_lean(keys, channels, wanted, remaining, start, deadline)
 
+        pause = _REWAIT_FIRST
         while True:
             ps = self._pubsub()
             try:
@@ -913,6 +972,7 @@ class RedisMetadata:
                         msg = live.message(remaining())
                         if msg is not None and msg["type"] == "pong" and msg["data"] == nonce:
                             break
+                    pause = _REWAIT_FIRST  # (Redis answers: a later loss is a new one)
                     rec = self._check(keys, start, deadline)
                     if rec is not None:
                         return rec
@@ -923,8 +983,14 @@ class RedisMetadata:
                             if rec is not None:
                                 return rec
                 finally:
-                    with contextlib.suppress(*_REPLIES):  # (refused too, if the SUBSCRIBE was)
+                    try:
                         ps.unsubscribe(*channels)
+                    except _REPLIES:
+                        pass  # (refused too, if the SUBSCRIBE was)
+                    except _ERRORS:
+                        # (the connection broke: dropped, its subscriptions with it; a
+                        # record found is returned all the same, an error goes on as it was)
+                        self._drop_pubsub()
             except ConsumeTimeout:
                 raise  # (the wait's own end, not a lost connection: nothing dropped)
             except _REPLIES as exc:  # (Redis's answer, a NOPERM say: again would be refused
@@ -939,7 +1005,7 @@ class RedisMetadata:
                     self.redis.connection_pool.disconnect(inuse_connections=False)
                 if deadline is not None and time.monotonic() >= deadline:
                     raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
-                time.sleep(0.05)
+                pause = _rewait(pause, deadline)
 
     @property
     def _lock(self) -> threading.Lock:
@@ -988,6 +1054,7 @@ class RedisMetadata:
         pattern = _pattern(prefix)
         wanted = set(keys)
         local = self._per_thread.get()
+        pause = _REWAIT_FIRST
         while True:
             sub = self._subscriber()
             try:
@@ -995,6 +1062,7 @@ class RedisMetadata:
                     sub.patterns[pattern] = sub.patterns.pop(pattern)  # most recently used
                 else:
                     self._watch(sub, pattern, remaining)
+                    pause = _REWAIT_FIRST  # (Redis answers: a later loss is a new one)
                 # Published before the lookup: the lookup sees the keys waited for; other
                 # keys' announcements are kept for :meth:`announced`.
                 for msg in sub.pending():
@@ -1016,7 +1084,7 @@ class RedisMetadata:
                 self._forget_heard(local)  # (what it missed meanwhile is not among them)
                 if deadline is not None and time.monotonic() >= deadline:
                     raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
-                time.sleep(0.05)
+                pause = _rewait(pause, deadline)
 
     def watch(self, prefix: str, timeout: float) -> bool:
         """Have this thread's subscriber hear the publications under ``prefix`` (a directory,
@@ -1201,6 +1269,7 @@ class RedisMetadata:
         from before) are skipped.
         """
         spin = self.settings.spin  # busy-poll the subscription before sleeping on it
+        pause = _REWAIT_FIRST
         while True:
             sub = self._subscriber()
             try:
@@ -1227,6 +1296,7 @@ class RedisMetadata:
                         if not in_force:
                             if msg[0] == b"pong" and msg[1] == nonce:
                                 in_force = True  # the subscription is in force: check now
+                                pause = _REWAIT_FIRST  # (Redis answers: a later loss is new)
                                 rec = self._check(keys, start, deadline)
                                 if rec is not None:
                                     return rec
@@ -1235,8 +1305,12 @@ class RedisMetadata:
                             if rec is not None:
                                 return rec
                 finally:
-                    if sub.sock is not None:  # (a broken connection is gone already)
-                        sub.send([("UNSUBSCRIBE", *channels)])
+                    # (a broken connection is gone already; one that breaks now is closed by
+                    # send(), and Redis drops its subscriptions with it: a record found is
+                    # returned all the same, an error on its way out goes on as it was)
+                    if sub.sock is not None:
+                        with contextlib.suppress(*_ERRORS):
+                            sub.send([("UNSUBSCRIBE", *channels)])
             except (ConsumeTimeout, InstrideError):
                 raise  # (the wait's own end; a refusal, typed above: not a lost connection)
             except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
@@ -1246,7 +1320,7 @@ class RedisMetadata:
                 # Redis went away: the connection is closed; back off, re-subscribe, re-check.
                 if deadline is not None and time.monotonic() >= deadline:
                     raise ConsumeTimeout(keys[0], time.monotonic() - start) from exc
-                time.sleep(0.05)
+                pause = _rewait(pause, deadline)
 
     @staticmethod
     def forget_commands(key: str) -> list[tuple[Any, ...]]:
