@@ -29,6 +29,7 @@
 #include <fcntl.h>
 #include <linux/openat2.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/file.h>
@@ -49,11 +50,46 @@ enum {
                           caller's slow path finds out and names it */
 };
 
+/* A lease's descriptor, from its open until it is handed to the caller (out[0]) or closed,
+ * is in no record of the caller's: a fork() meanwhile (another thread's: a multiprocessing
+ * worker) gave the child a copy that no at-fork handler could close, and with it the lock
+ * (flock belongs to the open file, which the child shares) -- the producer could not reuse
+ * the file while the child lived. Leases hold this lock shared over that span, fork takes it
+ * exclusive (pthread_atfork), so a child sees every lease's descriptor in out[0] or none.
+ * (Uncontended, shared: two atomic operations, no system call; a fork waits at most for the
+ * leases under way, never for a wait: the sleep is outside.) Writers first: a fork is not
+ * starved by reader threads taking frames one after the other. */
+static pthread_rwlock_t fork_guard = PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;
+
+static void guard_fork(void) { pthread_rwlock_wrlock(&fork_guard); }
+static void guard_forked(void) { pthread_rwlock_unlock(&fork_guard); }
+static void guard_child(void)
+{
+    /* (the child's one thread is the forking one under another thread id: made anew) */
+    static const pthread_rwlock_t fresh = PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;
+    memcpy(&fork_guard, &fresh, sizeof fork_guard);
+}
+
+__attribute__((constructor)) static void guard_install(void)
+{
+    pthread_atfork(guard_fork, guard_forked, guard_child);
+}
+
+static int lease(int dirfd, const char *key, int64_t *out);
+
 /* Hold the file published under key (relative to dirfd, the managed directory): open it
  * read-only refusing symbolic links anywhere and escapes, take a shared flock without
  * waiting, and check that key still names it (a retired file may be renamed away between
- * our open and our lock). */
+ * our open and our lock). out[0] is left alone unless the file is held. */
 ISL_EXPORT int isl_lease(int dirfd, const char *key, int64_t *out)
+{
+    pthread_rwlock_rdlock(&fork_guard);
+    int rc = lease(dirfd, key, out);
+    pthread_rwlock_unlock(&fork_guard);
+    return rc;
+}
+
+static int lease(int dirfd, const char *key, int64_t *out)
 {
     struct open_how how = {
         .flags = O_RDONLY | O_NONBLOCK | O_CLOEXEC,
@@ -158,14 +194,26 @@ static int copy_frame(const unsigned char *p, const struct dest *d, int verify)
 /* Try to hold keys[0] and check it in the caller's mapping (copying it into d's arrays when
  * given and the frame has their size): TAKE_HELD, TAKE_COPIED, TAKE_OTHER, or -1 when there
  * is no file under the key (yet). */
+static int take_held(const int64_t *maps, int nmaps, int verify, const struct dest *d,
+                     int64_t *out);
+
 static int try_take(int dirfd, const char *key, const int64_t *maps, int nmaps, int verify,
                     const struct dest *d, int64_t *out)
 {
-    int rc = isl_lease(dirfd, key, out);
-    if (rc == LEASE_ABSENT)
-        return -1;
-    if (rc != LEASE_HELD)
-        return TAKE_OTHER;
+    pthread_rwlock_rdlock(&fork_guard); /* (until the descriptor is in out[0], or closed) */
+    int rc = lease(dirfd, key, out);
+    if (rc == LEASE_HELD)
+        rc = take_held(maps, nmaps, verify, d, out);
+    else
+        rc = rc == LEASE_ABSENT ? -1 : TAKE_OTHER;
+    pthread_rwlock_unlock(&fork_guard);
+    return rc;
+}
+
+/* try_take's file held (out[0..3] set): checked in the caller's mapping, or copied. */
+static int take_held(const int64_t *maps, int nmaps, int verify, const struct dest *d,
+                     int64_t *out)
+{
     out[4] = -1;
     for (int i = 0; i < nmaps; i++) {
         const int64_t *m = maps + 4 * i; /* {st_dev, st_ino, size, address} */

@@ -224,3 +224,84 @@ def test_a_temporary_name_with_an_impossible_pid_is_collected(managed_dir: Path)
     assert not huge.exists() and not zero.exists()
     assert not pid_alive(0) and not pid_alive(1 << 64) and not pid_alive(-1)
     assert pid_alive(os.getpid())
+
+
+def _opened(directory: Path, name: str, timeout: float) -> None:
+    """Wait until a process opens ``directory/name`` (inotify, IN_OPEN): a gc's lock probe."""
+    import ctypes
+    import select
+    import struct
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    ifd = libc.inotify_init1(os.O_CLOEXEC | os.O_NONBLOCK)
+    assert ifd >= 0, os.strerror(ctypes.get_errno())
+    try:
+        assert libc.inotify_add_watch(ifd, os.fsencode(directory), 0x20) >= 0  # IN_OPEN
+        poller = select.poll()
+        poller.register(ifd, select.POLLIN)
+        names: list[str] = []  # ("": the directory itself, listed)
+        while name not in names:
+            assert poller.poll(timeout * 1000), f"nobody opened {name}"
+            data = os.read(ifd, 65536)
+            while data:
+                _wd, _mask, _cookie, n = struct.unpack_from("iIII", data)
+                names.append(data[16:16 + n].rstrip(b"\0").decode())
+                data = data[16 + n:]
+    finally:
+        os.close(ifd)
+
+
+def test_gc_in_another_pid_namespace_leaves_a_writers_file_not_locked_yet(
+        managed_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer makes its temporary file, then locks it: a gc where its process id names
+    nothing (another PID namespace) that looked between the two found the file unlocked and
+    removed it under the writer, whose publication then failed (its data lost). The window is
+    widened here (the writer's lock waits until the gc has probed the file): a file changed
+    less than a moment ago that is not locked is probed again once that moment is over."""
+    import threading
+
+    import instride
+    import instride.store.publish as publish
+
+    unshare = shutil.which("unshare")
+    assert unshare is not None, "util-linux's unshare is needed (apt-get install util-linux)"
+    assert os.geteuid() == 0, "a new PID namespace needs root"
+    made, probed = threading.Event(), threading.Event()
+    lock = publish.mark_writing
+
+    def late_lock(fd: int) -> None:
+        made.set()
+        probed.wait(30)
+        lock(fd)
+
+    monkeypatch.setattr(publish, "mark_writing", late_lock)
+    (managed_dir / "late").mkdir()
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            with instride.open("late/k.bin", "wb") as fh:
+                fh.write(b"x" * 1000)
+        except BaseException as exc:  # (seen by the test's thread)
+            errors.append(exc)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        assert made.wait(30)
+        [temp] = _temps(managed_dir / "late")
+        gc = subprocess.Popen([unshare, "--pid", "--fork", sys.executable, "-m", "instride", "gc"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _opened(managed_dir / "late", temp.name, 30)
+        finally:
+            probed.set()  # (the writer locks its file now)
+            out, err = gc.communicate(timeout=60)
+        assert gc.returncode == 0, err
+        assert str(temp) not in out
+    finally:
+        probed.set()
+        writer.join(30)
+    assert errors == []
+    assert (managed_dir / "late" / "k.bin").read_bytes() == b"x" * 1000
+    assert _temps(managed_dir / "late") == []

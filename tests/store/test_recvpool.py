@@ -5,9 +5,13 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 from instride.store.recvpool import ReceivePool, map_to_receive
+from tests.conftest import finish
 
 
 def _pooled(pool_dir: Path) -> list[str]:
@@ -303,3 +307,54 @@ def test_a_forked_child_has_none_of_its_parents_receives() -> None:
         assert RECEIVING[0] == 1  # (the parent's own count untouched)
     finally:
         RECEIVING[0] -= 1
+
+
+
+_CLAIM_AT_THE_LIMIT = textwrap.dedent(
+    """
+    import errno, os, resource, sys
+    from pathlib import Path
+    from instride.store.recvpool import ReceivePool
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    pool_dir, copy, staged = sys.argv[1:4]
+    pool = ReceivePool(Path(pool_dir))
+    assert pool.give(copy)
+    held = []
+    listing = ReceivePool._entries
+
+    def entries(self):  # the listing done, another thread opens a file: the last one free
+        got = listing(self)
+        held.append(os.open(os.devnull, os.O_RDONLY))
+        return got
+
+    ReceivePool._entries = entries
+    while True:  # every descriptor up to the limit taken, but one (for the listing)
+        try:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError as exc:
+            assert exc.errno == errno.EMFILE
+            break
+    os.close(held.pop())
+    try:
+        pool.take(staged, 100)
+    except OSError as exc:
+        print("raised", errno.errorcode[exc.errno], flush=True)
+    """
+)
+
+
+def test_a_claim_that_runs_out_of_descriptors_gives_the_file_back(tmp_path: Path) -> None:
+    """A claimed file (renamed to the fetch's temporary name) that could not be opened, the
+    process out of descriptors (EMFILE, a real limit), stayed under that name: a hidden file
+    beside its key that no ``gc`` removed while the process ran, and the pool lost it. It goes
+    back into the pool; the fetch sees the error."""
+    pool_dir = tmp_path / "recv"
+    copy = _file(tmp_path / "frame_0.isf", b"a" * 5000)
+    staged = tmp_path / ".frame_1.isf.instride-1-ab.tmp"
+    proc = subprocess.Popen([sys.executable, "-c", _CLAIM_AT_THE_LIMIT, str(pool_dir), copy,
+                             str(staged)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    rc, out, err = finish(proc)
+    assert rc == 0, err
+    assert out.strip() == "raised EMFILE"
+    assert not staged.exists()  # not left under the temporary name
+    assert len(_pooled(pool_dir)) == 1  # back in the pool, for a later fetch

@@ -70,6 +70,12 @@ def being_written(path: Path) -> bool:
     return lock_held(path, exclusive=True) is True
 
 
+#: seconds within which a writer locks the temporary file it made (or claimed from the
+#: receive pool, a rename): microseconds after, in fact; one not locked yet that changed less
+#: than this ago is looked at again once it is this old (see :func:`collect_garbage`)
+LOCK_GRACE = 1.0
+
+
 def collect_garbage(root: Path, *, min_age: float = 0.0) -> list[Path]:
     """Remove temporary files left by producers that died mid-write.
 
@@ -79,9 +85,13 @@ def collect_garbage(root: Path, *, min_age: float = 0.0) -> list[Path]:
     since). The lock is
     what keeps a running writer's file safe from a collector in another PID namespace (a
     container sharing the file system), where its process id names nothing or another
-    process.
+    process. A writer makes its file, then locks it: a file found unlocked that changed less
+    than :data:`LOCK_GRACE` seconds ago is probed again once it is that old (the collector
+    waits for it, at most that long), so that such a collector never takes a file from
+    between its writer's two steps.
     """
-    removed = []
+    removed: list[Path] = []
+    young: list[tuple[Path, float]] = []
     now = time.time()
     for path, pid in iter_tmp_files(root):
         try:
@@ -90,13 +100,33 @@ def collect_garbage(root: Path, *, min_age: float = 0.0) -> list[Path]:
             continue
         # (its last write, or its last rename: a receive file claimed from the pool a moment
         # ago is an old file under a new temporary name, not locked yet)
-        age = now - max(st.st_mtime, st.st_ctime)
+        changed = max(st.st_mtime, st.st_ctime)
+        age = now - changed
         if ((pid != os.getpid() and not pid_alive(pid)) or (min_age > 0 and age > min_age)) \
                 and not being_written(path):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-                removed.append(path)
+            if age < LOCK_GRACE:
+                young.append((path, changed))
+            else:
+                _remove(path, removed)
+    if young:
+        # (bounded: a clock set back makes a file look changed in the future)
+        time.sleep(min(LOCK_GRACE, max(0.0, max(c for _, c in young) + LOCK_GRACE
+                                       - time.time())))
+        for path, changed in young:
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            # (changed since: someone works on it — a writer that had not locked it yet)
+            if max(st.st_mtime, st.st_ctime) == changed and not being_written(path):
+                _remove(path, removed)
     return removed
+
+
+def _remove(path: Path, removed: list[Path]) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+        removed.append(path)
 
 
 __all__ = ["being_written", "collect_garbage", "iter_tmp_files", "lock_held", "pid_alive"]

@@ -166,6 +166,12 @@ class ReceivePool:
                 fd = os.open(staged, os.O_RDWR | os.O_CLOEXEC)
             except FileNotFoundError:
                 continue
+            except BaseException:
+                # (EMFILE: another thread took the last descriptor since the listing) the
+                # claimed file goes back into the pool, untouched: left under the temporary
+                # name, it was clutter beside its key that no gc removed while we ran
+                self._unclaim(staged, kind=entry.name.split("-", 2)[1])
+                raise
             try:
                 kind = entry.name.split("-", 2)[1]
                 reusable = _unlocked(fd) if kind == "lock" else unshared(fd)
@@ -187,15 +193,19 @@ class ReceivePool:
                 raise
             if not reusable:  # a reader still holds it: back into the pool, for later
                 os.close(fd)
-                try:
-                    os.rename(staged, self._name(kind))
-                except OSError:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(staged)
+                self._unclaim(staged, kind=kind)
                 continue
             self.reused += 1
             return fd
         return self._take_spare(staged, size) if self.ahead else None
+
+    def _unclaim(self, staged: str, *, kind: str) -> None:
+        """Give the claimed file ``staged`` back to the pool (deleted where it cannot be)."""
+        try:
+            os.rename(staged, self._name(kind))
+        except OSError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staged)
 
     def _take_spare(self, staged: str, size: int) -> int | None:
         """The file made ahead for a fetch of ``size`` bytes, named ``staged``, if it is ready;

@@ -38,7 +38,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
@@ -78,14 +78,42 @@ def _more_open_files() -> bool:
 
 #: every reader's holds in this process (see Leases._forget_holds)
 _LEASES: weakref.WeakSet[Leases] = weakref.WeakSet()
+#: holds being taken by the portable path (Leases.open: opened, not recorded yet), and the
+#: condition a fork waits on for them (see _no_open_under_way)
+_opening = 0
+_opened = threading.Condition()
+#: seconds a fork waits at most for them (an open of a file system that hangs: NFS)
+_FORK_WAIT = 5.0
+
+
+def _no_open_under_way() -> None:
+    """Before a fork: wait until no thread is between the portable path's open of a frame and
+    the record of its hold (the native take's span is guarded in C: take.c's fork_guard). A
+    child forked in between kept a descriptor no record named, and with it the lock."""
+    with _opened:
+        _opened.wait_for(lambda: not _opening, _FORK_WAIT)
 
 
 def _forget_inherited_holds() -> None:
+    global _opening, _opened
+    _opening, _opened = 0, threading.Condition()  # (the child's only thread opens nothing)
     for leases in list(_LEASES):
         leases._forget_holds()
 
 
-os.register_at_fork(after_in_child=_forget_inherited_holds)
+os.register_at_fork(before=_no_open_under_way, after_in_child=_forget_inherited_holds)
+
+
+def _close_if(fd: int, dev: int, ino: int) -> None:
+    """Close ``fd`` if it is still a descriptor of file ``(dev, ino)`` (a forked child: the
+    parent may have closed the number just before the fork, and another file taken it)."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return
+    if st.st_dev == dev and st.st_ino == ino:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _with_more_files(make: Callable[[], _T], kept: int) -> _T:
@@ -634,6 +662,12 @@ class KeyOpener(Protocol):
     def dirfd(self) -> int:
         """The directory's descriptor for ``openat2`` beneath it, or -1 where there is none."""
 
+    def acquire_dirfd(self) -> int:
+        """:meth:`dirfd`, not closed before the matching :meth:`release_dirfd`."""
+
+    def release_dirfd(self) -> None:
+        """End a use begun with :meth:`acquire_dirfd`."""
+
     def open(self, key: str) -> int:
         """A descriptor of ``key``'s file (a regular file, reached without links)."""
 
@@ -795,6 +829,9 @@ class Leases:
         self._confined = confined
         self._prefix = "" if confined is None else confined.root + "/"
         self._out = (ctypes.c_int64 * 22)()  # (isl_take: 6 values, then a frame's header)
+        #: a lease's descriptor the native call handed over (out[0]), -1 once it is recorded
+        #: or closed: a child forked meanwhile closes it (see _forget_holds)
+        self._out[0] = -1
         self._out_header = memoryview(self._out).cast("B")[48:]  # (that header's bytes)
         # the kept mappings as isl_take looks them up: {st_dev, st_ino, size, address} each
         self._table = (ctypes.c_int64 * (4 * max(1, keep)))()
@@ -804,7 +841,7 @@ class Leases:
         #: the holds handed out and not released yet (see :meth:`release_all`), and their
         #: descriptors (a forked child closes its copies: see _forget_holds)
         self._held: dict[int, Callable[[], None]] = {}
-        self._hold_fds: dict[int, int] = {}
+        self._hold_fds: dict[int, tuple[int, int, int]] = {}  # serial -> (fd, dev, ino)
         self._serial = 0
         _LEASES.add(self)
         #: native takes under way (their table names kept mappings: none is unmapped then),
@@ -830,10 +867,13 @@ class Leases:
             fd = out[0]
             try:
                 mm = self._map(fd, out[1], out[2], out[3])
+                release = self._releaser(fd, mm, out[1], out[2])
             except BaseException:
                 os.close(fd)
                 raise
-            return memoryview(mm), self._releaser(fd, mm)
+            finally:
+                out[0] = -1  # (recorded, or closed)
+            return memoryview(mm), release
         if rc in (_LEASE_ABSENT, _LEASE_RETIRED):
             return None
         return self.open(path, lambda: confined.open(key))  # the slow path names the problem
@@ -877,9 +917,23 @@ class Leases:
         """
         lib = library()
         confined = self._confined
-        dirfd = -1 if lib is None or confined is None else confined.dirfd()
-        if dirfd < 0:
+        if lib is None or confined is None:
             return None
+        # (the wait may be long, without the GIL: the managed directory made again meanwhile,
+        # its descriptor let go of, is not closed under the call — see acquire_dirfd)
+        dirfd = confined.acquire_dirfd()
+        try:
+            if dirfd < 0:
+                return None
+            return self._take(lib, ifd, dirfd, keys, timeout, window, verify, into, box)
+        finally:
+            confined.release_dirfd()
+
+    def _take(self, lib: Any, ifd: int, dirfd: int, keys: ctypes.Array[ctypes.c_char_p],
+              timeout: float, window: tuple[float, float], verify: bool,
+              into: tuple[np.ndarray, np.ndarray | None] | None,
+              box: np.ndarray | None) -> Taken | int | list[int]:
+        """:meth:`take` beneath the directory descriptor ``dirfd``."""
         out = self._out
         if into is None:
             pos = ids = None
@@ -925,10 +979,13 @@ class Leases:
                     self._maps.move_to_end(ident)
                 else:
                     mm = self._map(fd, out[1], out[2], out[3])
+                release = self._releaser(fd, mm, out[1], out[2])
             except BaseException:
                 os.close(fd)
                 raise
-            return Taken(memoryview(mm), self._releaser(fd, mm), at >= 0, out[5] / 1e6, False)
+            finally:
+                out[0] = -1  # (recorded, or closed)
+            return Taken(memoryview(mm), release, at >= 0, out[5] / 1e6, False)
         if rc == TAKE_REARM:
             n = self._gone_n.value
             return list(self._gone[:n]) if n > 0 else []
@@ -961,6 +1018,20 @@ class Leases:
         FileTypeError
             ``path`` is a directory or a special file.
         """
+        global _opening
+        with _opened:  # (a fork waits until its hold is recorded: _no_open_under_way)
+            _opening += 1
+        try:
+            return self._open(path, opener)
+        finally:
+            with _opened:
+                _opening -= 1
+                if not _opening:
+                    _opened.notify_all()
+
+    def _open(
+        self, path: str | Path, opener: Callable[[], int] | None,
+    ) -> tuple[memoryview | bytes, Callable[[], None]] | None:
         try:
             fd = _with_more_files(
                 opener if opener is not None else lambda: os.open(
@@ -995,14 +1066,16 @@ class Leases:
                 os.close(fd)
                 return b"", _noop
             mm = self._map(fd, st.st_dev, st.st_ino, st.st_size)
+            release = self._releaser(fd, mm, st.st_dev, st.st_ino)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.close(fd)
             raise
-        return memoryview(mm), self._releaser(fd, mm)
+        return memoryview(mm), release
 
-    def _releaser(self, fd: int, mm: mmap.mmap) -> Callable[[], None]:
-        """The function that ends the hold ``fd`` on the file mapped as ``mm`` (once)."""
+    def _releaser(self, fd: int, mm: mmap.mmap, dev: int, ino: int) -> Callable[[], None]:
+        """The function that ends the hold ``fd`` on the file ``(dev, ino)`` mapped as ``mm``
+        (once)."""
         done = False
         self._serial = serial = self._serial + 1
         held, fds = self._held, self._hold_fds
@@ -1013,15 +1086,17 @@ class Leases:
                 return
             done = True
             held.pop(serial, None)
-            if fds.pop(serial, None) is not None:  # (not a forked child's closed copy)
+            if serial in fds:  # (not a forked child's closed copy)
                 with contextlib.suppress(OSError):
                     os.close(fd)  # drops the shared lock
+                # (recorded until closed: a child forked in between closes its copy)
+                fds.pop(serial, None)
             if not self.keep:
                 with contextlib.suppress(BufferError):
                     mm.close()
 
         held[serial] = release
-        fds[serial] = fd
+        fds[serial] = (fd, dev, ino)
         return release
 
     def _forget_holds(self) -> None:
@@ -1029,11 +1104,19 @@ class Leases:
         lock is its open file's, shared with the parent's descriptor: kept open in the child
         (a ``multiprocessing`` worker), the parent's release no longer let the file go, and
         its producer could not reuse it while the child lived. The hold stays the parent's;
-        the child's releases close nothing (the numbers may name its own files by then)."""
-        for fd in self._hold_fds.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        the child's releases close nothing (the numbers may name its own files by then).
+
+        A hold being taken in another thread at the fork — opened and locked, not recorded
+        yet — is closed too: the native take hands its descriptor over in ``out[0]`` (a fork
+        waits while a native lease has it only in a local: take.c's ``fork_guard``); the
+        portable path's, a fork waits for (:func:`_no_open_under_way`)."""
+        for fd, dev, ino in self._hold_fds.values():
+            _close_if(fd, dev, ino)
         self._hold_fds.clear()
+        out = self._out
+        if out[0] >= 0:
+            _close_if(out[0], out[1], out[2])
+            out[0] = -1
 
     def holding(self) -> bool:
         """Whether a hold handed out is not released yet."""
