@@ -310,3 +310,219 @@ def test_threads_reading_while_the_managed_directory_is_made_again_leak_nothing(
     assert not untyped, untyped[:3]
     gc.collect()
     assert len(os.listdir("/proc/self/fd")) <= before  # (a leak: one or more per recreation)
+
+
+#: Makes the calling thread's ``openat2`` calls wait in the kernel (a seccomp filter's user
+#: notification) until a supervisor thread lets each go on: ``on_call(n)`` runs first, with
+#: the call's number; one that returns False never lets it go (only a signal ends that call).
+#: Exits 77 where seccomp filters cannot be set (the tests below fail then, saying so).
+_PAUSE_OPENAT2 = r'''
+import ctypes, platform, sys, threading
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+
+
+class _Filter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                ("k", ctypes.c_uint32)]
+
+
+class _Prog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_Filter))]
+
+
+class _Notif(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_uint64), ("pid", ctypes.c_uint32), ("flags", ctypes.c_uint32),
+                ("nr", ctypes.c_int32), ("arch", ctypes.c_uint32), ("ip", ctypes.c_uint64),
+                ("args", ctypes.c_uint64 * 6)]
+
+
+class _Resp(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_uint64), ("val", ctypes.c_int64), ("error", ctypes.c_int32),
+                ("flags", ctypes.c_uint32)]
+
+
+def pause_openat2(on_call):
+    nr = {"x86_64": 317, "aarch64": 277}.get(platform.machine())  # seccomp(2)
+    if nr is None or libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        sys.exit(77)
+    # openat2 (437 everywhere): SECCOMP_RET_USER_NOTIF; anything else: SECCOMP_RET_ALLOW
+    code = (_Filter * 4)(_Filter(0x20, 0, 0, 0), _Filter(0x15, 0, 1, 437),
+                         _Filter(0x06, 0, 0, 0x7FC00000), _Filter(0x06, 0, 0, 0x7FFF0000))
+    listener = libc.syscall(nr, 1, 8, ctypes.byref(_Prog(4, code)))  # FILTER, NEW_LISTENER
+    if listener < 0:
+        sys.exit(77)
+
+    def supervise():
+        n = 0
+        while True:
+            notif = _Notif()
+            if libc.ioctl(listener, 0xC0502100, ctypes.byref(notif)) != 0:  # NOTIF_RECV
+                continue
+            n += 1
+            if on_call(n) is not False:  # NOTIF_SEND: SECCOMP_USER_NOTIF_FLAG_CONTINUE
+                libc.ioctl(listener, 0xC0182101, ctypes.byref(_Resp(notif.id, 0, 0, 1)))
+
+    threading.Thread(target=supervise, daemon=True).start()
+'''
+
+
+def _run_paused(tmp_path: Path, script: str) -> str:
+    """Run ``script`` (with :data:`_PAUSE_OPENAT2` importable) in a process of its own; its
+    output. Fails, saying why, where the kernel has no ``openat2`` or seccomp filters cannot
+    be set (Linux 5.6+ with seccomp user notifications: what the project's machines run)."""
+    import subprocess
+    import sys
+
+    from instride.paths import ConfinedOpener
+
+    if ConfinedOpener._syscall is None:
+        pytest.fail("this kernel has no openat2 (Linux 5.6+): the test needs it")
+    (tmp_path / "pause_openat2.py").write_text(_PAUSE_OPENAT2)
+    (tmp_path / "script.py").write_text(script)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    proc = subprocess.run([sys.executable, str(tmp_path / "script.py"), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    if proc.returncode == 77:
+        pytest.fail("seccomp user notifications are not available here (needed to hold an "
+                    "openat2 in the kernel)")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+_SIGNALLED_OPEN = r'''
+import os, signal, sys, threading
+from pause_openat2 import pause_openat2
+from instride.paths import ConfinedOpener
+
+root = sys.argv[1] + "/m"
+os.mkdir(root)
+with open(f"{root}/k", "wb") as fh:
+    fh.write(b"data")
+signal.signal(signal.SIGUSR1, lambda *_: None)  # (Python's: no SA_RESTART, as setitimer's)
+main = threading.main_thread().ident
+
+
+def on_call(n):
+    if n == 1:  # a signal while the first call waits in the kernel: it ends with EINTR
+        signal.pthread_kill(main, signal.SIGUSR1)
+        return False
+    return True
+
+
+opener = ConfinedOpener(root)
+pause_openat2(on_call)
+fd = opener.open("k")
+print(os.read(fd, 10).decode())
+'''
+
+
+def test_a_signal_during_a_confined_open_does_not_fail_it(tmp_path: Path) -> None:
+    """``openat2`` is called through ctypes, which does not retry a call a signal interrupts
+    as Python's own ``os.open`` does (PEP 475): a signal arriving while a read's open ran (a
+    timer's, SIGCHLD, a profiler's; an open on a slow or FUSE file system) failed the read
+    with an ``InterruptedError``. Here the open waits in the kernel (a seccomp user
+    notification) until a real signal interrupts it."""
+    assert _run_paused(tmp_path, _SIGNALLED_OPEN).strip() == "data"
+
+
+_OPEN_ACROSS_RECREATIONS = r'''
+import os, shutil, sys, threading
+from pause_openat2 import pause_openat2
+from instride.paths import ConfinedOpener
+
+base = sys.argv[1]
+root, other = f"{base}/m", f"{base}/other"
+for d, data in ((root, b"right"), (other, b"WRONG")):
+    os.mkdir(d)
+    with open(f"{d}/k", "wb") as fh:
+        fh.write(data)
+spare = os.open(base, os.O_PATH)  # (a number below the directory descriptor's: see below)
+opener = ConfinedOpener(root)
+os.close(opener.open("k"))
+first = opener.dirfd()
+paused, go = threading.Event(), threading.Event()
+got = []
+
+
+def on_call(n):
+    if n == 1:  # the reader's first call: held until the directory was made again
+        paused.set()
+        go.wait(60)
+
+
+def reader():
+    pause_openat2(on_call)  # (this thread's calls only)
+    try:
+        fd = opener.open("k")
+        got.append(os.read(fd, 10).decode())
+    except OSError as exc:
+        got.append(repr(exc))
+
+
+t = threading.Thread(target=reader)
+t.start()
+assert paused.wait(60)
+for i in range(5):  # the managed directory removed and made again, read after each time
+    if i == 4:  # (the descriptor opened next takes this number, not one freed then)
+        os.close(spare)
+    shutil.rmtree(root)
+    os.mkdir(root)
+    with open(f"{root}/k", "wb") as fh:
+        fh.write(b"right")
+    os.close(opener.open("k"))
+taken = []
+for _ in range(64):  # another directory's descriptors take the numbers freed
+    taken.append(os.open(other, os.O_PATH | os.O_DIRECTORY))
+    if taken[-1] == first:
+        break
+go.set()
+t.join(60)
+print(got[0] if got else "no answer")
+for fd in taken:
+    os.close(fd)
+print(len(opener._retired))
+'''
+
+
+def test_a_read_under_way_keeps_its_directory_descriptor_across_recreations(
+        tmp_path: Path) -> None:
+    """A reader in ``openat2`` beneath the managed directory's descriptor while the directory
+    was removed and made again five times: the opener let go of it each time and closed the
+    oldest of those it let go of, the reader's among them, under the reader -- whose open then
+    went on beneath whatever took that number: here another directory, whose file it read as
+    the key's. Descriptors in use are closed only once no read uses them."""
+    out = _run_paused(tmp_path, _OPEN_ACROSS_RECREATIONS).split()
+    assert out[0] == "right", out
+    from instride.paths import _RETIRED_KEPT
+
+    assert int(out[1]) == _RETIRED_KEPT  # (the rest closed once the read was done: no leak)
+
+
+def test_a_directory_descriptor_acquired_is_not_closed_before_it_is_released(
+        tmp_path: Path) -> None:
+    """A native caller's use of :meth:`ConfinedOpener.dirfd` (a stream reader's lease or take,
+    beneath it without the GIL) spans no ``open``: with :meth:`acquire_dirfd` it is not closed
+    under the caller however often the directory is made again meanwhile."""
+    from instride.paths import _RETIRED_KEPT, ConfinedOpener
+
+    root = tmp_path / "m"
+    root.mkdir()
+    opener = ConfinedOpener(root)
+    held = opener.acquire_dirfd()
+    try:
+        was = os.fstat(held)
+        for _ in range(3 * _RETIRED_KEPT):  # (made again; another thread's read each time)
+            root.rmdir()
+            root.mkdir()
+            with pytest.raises(FileNotFoundError):
+                opener.open("k")
+        now = os.fstat(held)  # (still that directory's: not closed, not reused)
+        assert (now.st_dev, now.st_ino) == (was.st_dev, was.st_ino)
+    finally:
+        opener.release_dirfd()
+    assert len(opener._retired) == _RETIRED_KEPT  # (closed once released)
+    assert held not in opener._retired
+    del opener

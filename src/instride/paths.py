@@ -270,7 +270,8 @@ def _load_syscall():  # type: ignore[no-untyped-def]
     return fn
 
 
-#: directory descriptors an opener keeps after it let go of them (see ConfinedOpener.close)
+#: directory descriptors an opener keeps after it let go of them, for callers of
+#: ConfinedOpener.dirfd that do not say when they are done (see ConfinedOpener.close)
 _RETIRED_KEPT = 4
 
 
@@ -300,6 +301,10 @@ class ConfinedOpener:
         self._pid = 0
         #: descriptors let go of by close(), closed later (see there)
         self._retired: list[int] = []
+        #: one entry per use of a directory descriptor under way (an open, or a caller's
+        #: between acquire_dirfd and release_dirfd): none of the retired ones is closed
+        #: meanwhile. (A list: append and pop are atomic, no lock on the path of every read.)
+        self._users: list[None] = []
         #: held while the directory's descriptor is replaced or let go of (never by a read
         #: that finds it open): threads that found it stale at once each opened one, and
         #: all but the last were lost; made again in a forked child (see _guard)
@@ -317,11 +322,54 @@ class ConfinedOpener:
     def close(self) -> None:
         """Let go of the directory descriptor (reopened on the next :meth:`open`).
 
-        It is closed later — with the opener, or once more than a few are let go of — not
-        now: another thread may be in an ``openat2`` beneath it at this moment, which would
-        fail with an untyped ``EBADF``, or, its number taken by another file meanwhile,
-        resolve the key beneath another directory."""
+        It is closed later — with the opener, or once more than a few are let go of and no
+        thread uses any of them — not now: another thread may be in an ``openat2`` beneath
+        it at this moment, which would fail with an untyped ``EBADF``, or, its number taken
+        by another file meanwhile, resolve the key beneath another directory."""
         self._let_go(self._dirfd)
+
+    def acquire_dirfd(self) -> int:
+        """:meth:`dirfd`, kept open until the matching :meth:`release_dirfd`.
+
+        For a caller that uses the descriptor itself (a native call that opens keys beneath
+        it): while it does, the managed directory may be made again and the descriptor let
+        go of by another thread; it is not closed before every such use is released (a
+        closed one's number, taken by another file, would resolve keys beneath another
+        directory). Always paired, in a ``try``/``finally``.
+
+        Returns
+        -------
+        int
+            The descriptor; -1 where the kernel has no ``openat2`` (as :meth:`dirfd`; to be
+            released all the same).
+        """
+        users = self._users
+        users.append(None)  # (first: a descriptor found after it is not closed under it)
+        try:
+            fd = self.dirfd()
+        except BaseException:
+            users.pop()
+            raise
+        if users is not self._users:  # (a forked child's first use: its own list now)
+            users.pop()
+            self._users.append(None)
+        return fd
+
+    def release_dirfd(self) -> None:
+        """End a use begun with :meth:`acquire_dirfd`."""
+        users = self._users
+        users.pop()
+        if len(self._retired) > _RETIRED_KEPT and not users:
+            self._reap()
+
+    def _reap(self) -> None:
+        """Close the retired descriptors beyond the few kept, if no thread uses any now."""
+        with self._guard():
+            if self._users or self._pid != os.getpid():
+                return
+            while len(self._retired) > _RETIRED_KEPT:
+                with contextlib.suppress(OSError):
+                    os.close(self._retired.pop(0))
 
     def _let_go(self, fd: int) -> None:
         """:meth:`close`, where ``fd`` is still the descriptor kept (not one another thread
@@ -331,10 +379,9 @@ class ConfinedOpener:
                 return
             if self._pid == os.getpid():
                 self._retired.append(fd)
-                while len(self._retired) > _RETIRED_KEPT:
-                    with contextlib.suppress(OSError):
-                        os.close(self._retired.pop(0))
             self._dirfd = -1
+        if len(self._retired) > _RETIRED_KEPT and not self._users:
+            self._reap()  # (else the last use under way closes them, see release_dirfd)
 
     def __del__(self) -> None:
         try:
@@ -357,6 +404,8 @@ class ConfinedOpener:
             return fd
         with self._guard():  # (one thread opens it; the others take that one)
             pid = os.getpid()
+            if self._pid not in (0, pid):  # (a forked child: the parent's are not its to
+                self._retired, self._users = [], []  # close, nor its threads in flight here)
             if self._pid != pid or self._dirfd < 0:
                 self._dirfd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
                 self._pid = pid
@@ -372,10 +421,17 @@ class ConfinedOpener:
         :mod:`instride.store.ring`), so a held file never changes under its reader.
         :class:`FileNotFoundError` when the key's file was retired before it was held.
         """
-        fd, dirfd = self._open(key)
-        if hold:
-            _hold(fd, key, f"{self.root}/{key}", dirfd if dirfd >= 0 else None)
-        return fd
+        users = self._users  # (this one: a forked child's first open starts its own)
+        users.append(None)  # (the directory's descriptor is used until the end: see close)
+        try:
+            fd, dirfd = self._open(key)
+            if hold:
+                _hold(fd, key, f"{self.root}/{key}", dirfd if dirfd >= 0 else None)
+            return fd
+        finally:
+            users.pop()
+            if len(self._retired) > _RETIRED_KEPT and not users:
+                self._reap()  # (the last use of retired descriptors closes them)
 
     def _stale(self, dirfd: int) -> bool:
         """Whether the directory descriptor ``dirfd`` kept names another directory than
@@ -397,13 +453,19 @@ class ConfinedOpener:
             return open_confined(self.root_real, key, f"{self.root}/{key}"), -1
         dirfd = self.dirfd()
         how = ConfinedOpener._how
-        fd = syscall(_SYS_OPENAT2, dirfd, os.fsencode(key), ctypes.byref(how),
-                     ctypes.sizeof(how))
+        name = os.fsencode(key)
+        fd = syscall(_SYS_OPENAT2, dirfd, name, ctypes.byref(how), ctypes.sizeof(how))
+        # A signal while it ran (a timer's, SIGCHLD, a profiler's; an open on a slow or FUSE
+        # file system): called again, as os.open does (PEP 475), once the handlers ran
+        # (between the bytecodes here: one that raises ends the read with its error).
+        while fd < 0 and ctypes.get_errno() == errno.EINTR:
+            fd = syscall(_SYS_OPENAT2, dirfd, name, ctypes.byref(how), ctypes.sizeof(how))
         if fd < 0 and ctypes.get_errno() in (errno.ENOENT, errno.ENOTDIR) \
                 and self._stale(dirfd):
             dirfd = self.dirfd()  # (once more, beneath the directory there now)
-            fd = syscall(_SYS_OPENAT2, dirfd, os.fsencode(key), ctypes.byref(how),
-                         ctypes.sizeof(how))
+            fd = syscall(_SYS_OPENAT2, dirfd, name, ctypes.byref(how), ctypes.sizeof(how))
+            while fd < 0 and ctypes.get_errno() == errno.EINTR:
+                fd = syscall(_SYS_OPENAT2, dirfd, name, ctypes.byref(how), ctypes.sizeof(how))
         if fd < 0:
             err = ctypes.get_errno()
             if err in (errno.ENOSYS, errno.EPERM, errno.E2BIG, errno.EINVAL):
