@@ -267,7 +267,9 @@ static long long reply_size(const char *h, size_t len) {
  * header alone (an error reply, or a body that does not fit: the caller goes on from there);
  * -EBADMSG: a header length out of range (*hdrlen: that length); -EINTR: a signal came before
  * any of the reply (nothing read: call again once its handler ran); another negative errno as
- * isc_recv_mem (*hdrlen < 0: it happened before the whole header was there). */
+ * isc_recv_mem (*hdrlen < 0: it happened before the whole header was there, and *got is then
+ * the bytes of the reply that came before it broke off: 0 is no reply at all, more is a reply
+ * cut short -- a transfer that began, as a body cut short). */
 ISC_API int isc_recv_reply(int sock, int first_ms, int stall_ms, char *hdr, uint32_t hdrcap,
                            int32_t *hdrlen, char *mem, uint64_t memcap, uint64_t hash_from,
                            char *hex, uint64_t *got, uint64_t *size) {
@@ -277,8 +279,10 @@ ISC_API int isc_recv_reply(int sock, int first_ms, int stall_ms, char *hdr, uint
     *got = 0;
     *size = 0;
     int rc = recv_head(sock, (char *)prefix, 4, first_ms, stall_ms, &have, 1);
-    if (rc != 0)
+    if (rc != 0) {
+        *got = have; /* (some of the prefix: the reply began) */
         return rc;
+    }
     uint32_t n = (uint32_t)prefix[0] << 24 | (uint32_t)prefix[1] << 16 | (uint32_t)prefix[2] << 8 |
                  prefix[3];
     if (n == 0 || n > hdrcap) {
@@ -287,8 +291,10 @@ ISC_API int isc_recv_reply(int sock, int first_ms, int stall_ms, char *hdr, uint
     }
     have = 0;
     rc = recv_head(sock, hdr, n, stall_ms, stall_ms, &have, 0);
-    if (rc != 0)
+    if (rc != 0) {
+        *got = 4 + have;
         return rc;
+    }
     *hdrlen = (int32_t)n;
     long long body = reply_size(hdr, n);
     if (body < 0 || mem == NULL || (uint64_t)body > memcap)

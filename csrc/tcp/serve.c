@@ -755,6 +755,49 @@ static int evict_idle(server *s) {
     return 1;
 }
 
+/* The last byte of a connection's first request, read only once the connection no longer
+ * counts as pending: the mark is cleared under srv->mu while the byte is there, unread, and
+ * evict_idle takes (under srv->mu) only a pending connection with nothing unread -- so a
+ * connection whose request came whole is never shut to make room (its thread had read the
+ * whole header, and not yet cleared the mark, when the eviction looked). 1: read into *at;
+ * 0: the connection was closed, or shut to make room (before its request came whole);
+ * -errno: -ETIMEDOUT past deadline. */
+static int recv_last_of_first(server *s, conn *c, char *at, int64_t deadline) {
+    for (;;) {
+        pthread_mutex_lock(&s->mu);
+        int evicted = c->pending_since == 0; /* (evict_idle clears it as it shuts) */
+        int unread = 0;
+        if (!evicted && ioctl(c->fd, FIONREAD, &unread) == 0 && unread > 0)
+            c->pending_since = 0; /* served from here on */
+        pthread_mutex_unlock(&s->mu);
+        if (evicted)
+            return 0;
+        if (unread > 0) {
+            ssize_t n;
+            do
+                n = recv(c->fd, at, 1, MSG_DONTWAIT);
+            while (n < 0 && errno == EINTR);
+            return n == 1 ? 1 : n == 0 ? 0 : -errno;
+        }
+        /* nothing there: wait for it (a byte that comes is looked at again, under the lock) */
+        int64_t left = (deadline - now_ns()) / 1000000LL;
+        if (left <= 0)
+            return -ETIMEDOUT;
+        struct pollfd p = {c->fd, POLLIN, 0};
+        int r = poll(&p, 1, (int)(left > 3600000 ? 3600000 : left));
+        if (r < 0 && errno != EINTR)
+            return -errno;
+        if (r > 0) {
+            char peek;
+            ssize_t n = recv(c->fd, &peek, 1, MSG_PEEK | MSG_DONTWAIT);
+            if (n == 0)
+                return 0; /* closed (or shut): nothing more comes */
+            if (n < 0 && errno != EAGAIN && errno != EINTR)
+                return -errno;
+        }
+    }
+}
+
 static void set_busy(server *s, conn *c, int busy) {
     pthread_mutex_lock(&s->mu);
     c->busy = busy;
@@ -910,14 +953,15 @@ static void *conn_main(void *arg) {
                 send_error(s, c->fd, "WireError", msg);
             } else {
                 int64_t deadline = now_ns() + (int64_t)s->request_timeout_ms * 1000000LL;
-                ssize_t h = recv_exact(c->fd, hdr, n, deadline);
+                /* (the first request's last byte: only once its place is no longer the first
+                 * to be taken, see recv_last_of_first) */
+                ssize_t h = recv_exact(c->fd, hdr, pending ? n - 1 : n, deadline);
+                if (pending && h == (ssize_t)n - 1) {
+                    int last = recv_last_of_first(s, c, hdr + n - 1, deadline);
+                    h = last == 1 ? (ssize_t)n : last < 0 ? last : h;
+                }
                 if (h == (ssize_t)n) {
-                    if (pending) { /* (its place is no longer the first to be taken) */
-                        pthread_mutex_lock(&s->mu);
-                        c->pending_since = 0;
-                        pthread_mutex_unlock(&s->mu);
-                        pending = 0;
-                    }
+                    pending = 0;
                     keep = answer(s, c, hdr, n);
                     lower_after_answer();
                     first = first && !keep;
@@ -1085,7 +1129,13 @@ ISS_API int iss_start(const char *host, int port, const char *root, const char *
     s->log = log;
     s->ctx = ctx;
     pthread_mutex_init(&s->mu, NULL);
-    pthread_cond_init(&s->cv, NULL);
+    /* (the stop's waits are bounded on the monotonic clock: a wall-clock jump -- NTP, an
+     * administrator -- stretched or cut them) */
+    pthread_condattr_t cattr;
+    pthread_condattr_init(&cattr);
+    pthread_condattr_setclock(&cattr, CLOCK_MONOTONIC);
+    pthread_cond_init(&s->cv, &cattr);
+    pthread_condattr_destroy(&cattr);
     int rc = guard_init(&s->replay, 1000000, ISS_MAX_SKEW);
     if (rc == 0 && mac_init(s) != 0) {
         set_err(err, errlen, "cannot set up HMAC-SHA256 (OpenSSL)");
@@ -1186,7 +1236,7 @@ ISS_API int iss_stop(void *h, int grace_ms, iss_stats *final) {
         if (!c->busy)
             shutdown(c->fd, SHUT_RDWR);
     struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
+    clock_gettime(CLOCK_MONOTONIC, &until); /* (the clock of s->cv) */
     until.tv_sec += grace_ms / 1000;
     until.tv_nsec += (long)(grace_ms % 1000) * 1000000L;
     if (until.tv_nsec >= 1000000000L) {
@@ -1197,7 +1247,7 @@ ISS_API int iss_stop(void *h, int grace_ms, iss_stats *final) {
     }
     for (conn *c = s->conns; c != NULL; c = c->next)
         shutdown(c->fd, SHUT_RDWR);
-    clock_gettime(CLOCK_REALTIME, &until);
+    clock_gettime(CLOCK_MONOTONIC, &until);
     until.tv_sec += 2;
     while (s->threads > 0 && pthread_cond_timedwait(&s->cv, &s->mu, &until) == 0) {
     }

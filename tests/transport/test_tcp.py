@@ -1576,7 +1576,11 @@ BROKEN = {
     "header length too long": (struct.pack(">I", wire.MAX_HEADER + 1), PeerUnavailable,
                                "out of range"),
     "header not JSON": (struct.pack(">I", 5) + b"{nope", PeerUnavailable, "not valid JSON"),
-    "header cut short": (struct.pack(">I", 50) + b'{"ok":', PeerUnavailable, "no valid reply"),
+    "header cut short": (struct.pack(">I", 50) + b'{"ok":', TransferError,
+                         "connection closed after 10 bytes of the reply's header"),
+    "header stalled": (struct.pack(">I", 50) + b'{"ok":', TransferError,
+                       "stalled after 10 bytes of the reply's header"),
+    "length prefix stalled": (b"\0\0", TransferError, "stalled after 2 bytes of the reply's"),
     "body cut short": (wire.pack({"ok": True, "key": HINT.key, "size": 10}) + b"abc",
                        TransferError, "after 3 of 10 bytes"),
 }
@@ -1587,12 +1591,15 @@ def test_broken_replies_asked_ahead_are_typed_and_close_the_connection(
         reply_pair: tuple, sent: tuple) -> None:
     """A reply that never comes, a header of a bad length or not JSON, a header or body that
     breaks off (the owner closes the connection) or stalls: a typed error, the socket closed
-    (its next bytes can never be taken for the next frame's)."""
+    (its next bytes can never be taken for the next frame's). A reply that began and did not
+    finish -- its header too -- is a ``TransferError``, as a body cut short (round 48: one cut
+    or stalled in its header was ``PeerUnavailable``, as if no reply had come)."""
     transport, ours, theirs = reply_pair
     data, error, message = sent
     ours.settimeout(0.2)
     theirs.sendall(data)
-    if data.startswith(struct.pack(">I", 50)) or b'"size":10' in data:
+    if (data.startswith(struct.pack(">I", 50)) and "stalled" not in message) \
+            or b'"size":10' in data:
         theirs.shutdown(socket.SHUT_WR)  # (the owner went away mid-reply)
     with pytest.raises(error, match=message):
         transport._reply_into(ours, HINT, 0.1, memoryview(bytearray(100)), 0)
@@ -1872,3 +1879,181 @@ def test_a_reader_closed_from_another_thread_as_it_reads_is_no_untyped_error(
     assert transport.next_asked(NEXT, NEXT.key, memoryview(room), address, lambda: -1, 1.0) \
         is None
     assert ours.fileno() == -1 and name not in racing
+
+
+_STALLING = """
+import socket, struct, sys, time
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+while True:
+    conn, _ = listener.accept()
+    n = struct.unpack(">I", conn.recv(4, socket.MSG_WAITALL))[0]
+    conn.recv(n, socket.MSG_WAITALL)
+    conn.sendall(bytes.fromhex(sys.argv[1]))  # the start of a reply, then nothing
+"""
+
+
+@pytest.mark.parametrize("sent", [struct.pack(">I", 50) + b'{"ok":', b"\0\0"],
+                         ids=["in the header", "in the length prefix"])
+def test_an_owner_that_stalls_in_its_reply_header_is_a_transfer_error(
+        tmp_path: Path, sent: bytes) -> None:
+    """An owner that began its reply and stalled before the header was whole was
+    ``PeerUnavailable`` (no valid reply: timed out), as if it had never answered, on the
+    Python path (a fetch) and the native one (``_reply_into``) alike: a transfer that began
+    and did not finish is a ``TransferError``, as for a stall in the body. (Closed there, it
+    was a ``TransferError`` on the Python path already, ``PeerUnavailable`` on the native.)"""
+    from instride.config import Settings
+
+    owner = subprocess.Popen([sys.executable, "-c", _STALLING, sent.hex()],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        port = int(owner.stdout.readline())
+        client = TcpTransport(Settings(dir=tmp_path, token=TOKEN, connect_timeout=0.5))
+        rec = Record("st/a.bin", f"127.0.0.1:{port}", 10, "xxh3:0", 1, 0.0)
+        try:
+            with pytest.raises(TransferError, match="stalled after"):
+                client.fetch_bytes(rec)
+            with pytest.raises(TransferError, match="stalled after"):  # (a held fetch's)
+                client.fetch_when_published(rec, "st/b.bin", -1, 0.2)
+            sock = client.ask_when_published(rec, "st/c.bin", 0.2)
+            with pytest.raises(TransferError, match="stalled after"):  # (native)
+                client.receive_asked(sock, rec, "st/c.bin", -1, 0.2,
+                                     into=memoryview(bytearray(100)))
+        finally:
+            client.close()
+    finally:
+        owner.kill()
+        owner.wait(10)
+        assert owner.stdout is not None
+        owner.stdout.close()
+
+
+def test_a_readers_batch_read_from_two_threads_at_once_is_asked_for_once(
+        nodes: list[LoopbackNode], tmp_path: Path) -> None:
+    """A reader (its own ``batch``) read from two threads at once: each thread found no
+    batch (the other had it) and asked for one of its own, both kept -- two requests held at
+    the owner for one reader, the reader's drop reaching only the last one kept (the other
+    held, its frames sent into a connection nobody reads, for as long as its thread lived).
+    Now the calls take turns: the second goes on on what the first asked ahead."""
+    n1, n2 = nodes[0], nodes[1]
+    like = put(n1, "two/frame_000000000.isf", b"zero")
+    transport = _transport(n2)
+    sent = _requests_sent(transport)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
+    results: dict[int, object] = {}
+
+    def read(index: int) -> None:
+        try:
+            results[index] = transport.fetch_when_published(
+                like, f"two/frame_{index:09d}.isf", fd, 30.0, into=memoryview(bytearray(100)),
+                ahead=3, batch="reader-two")
+        except BaseException as exc:  # (reported by the assertion below)
+            results[index] = exc
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in (1, 2)]
+    first, second = threads
+    try:
+        first.start()
+        until(lambda: sent == ["two/frame_000000001.isf"], 10, "the first thread's request")
+        second.start()  # (while the first waits for frame 1: the owner holds its request)
+        time.sleep(0.3)
+        put(n1, "two/frame_000000001.isf", b"one")
+        put(n1, "two/frame_000000002.isf", b"two")
+        first.join(30)
+        second.join(30)
+        assert [results[i][:2] for i in (1, 2)] == [  # type: ignore[index]
+            (3, xxhash.xxh3_64_hexdigest(b"one")), (3, xxhash.xxh3_64_hexdigest(b"two"))]
+        assert sent == ["two/frame_000000001.isf"]  # (frame 2: on what was asked ahead)
+        transport.drop_ahead(batch="reader-two")  # the reader closes
+        until(lambda: stats(n1)["peers"] == 0, 10, "the reader's one batch closed at the owner")
+    finally:
+        for th in threads:
+            if th.ident is not None:
+                th.join(30)
+        os.close(fd)
+        transport.close()
+
+
+def test_a_readers_batch_dropped_while_another_thread_reads_on_it_is_closed(
+        nodes: list[LoopbackNode], tmp_path: Path) -> None:
+    """A reader closed (its batch dropped) from one thread while another thread waited on its
+    batch for the next frame: the drop found nothing to close (the reading thread had it),
+    and the reading thread then kept the rest of the batch -- held at the owner, never read
+    nor dropped again. Now the reading thread closes it."""
+    n1, n2 = nodes[0], nodes[1]
+    like = put(n1, "dr/frame_000000000.isf", b"zero")
+    put(n1, "dr/frame_000000001.isf", b"one")
+    transport = _transport(n2)
+    sent = _requests_sent(transport)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
+    results: list[object] = []
+
+    def read() -> None:
+        try:
+            for index in (1, 2):
+                results.append(transport.fetch_when_published(
+                    like, f"dr/frame_{index:09d}.isf", fd, 30.0,
+                    into=memoryview(bytearray(100)), ahead=3, batch="reader-dr"))
+        except BaseException as exc:  # (reported by the assertion below)
+            results.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        until(lambda: len(results) == 1, 10, "frame 1")
+        home = transport._homes.get("reader-dr")
+        # the reading thread took its batch for frame 2 (not published yet: it waits)
+        until(lambda: home is not None and "reader-dr" not in home, 10, "the batch taken")
+        transport.drop_ahead(batch="reader-dr")  # the reader closes, from this thread
+        put(n1, "dr/frame_000000002.isf", b"two")
+        reader.join(30)
+        assert [r[:2] for r in results] == [  # type: ignore[index]
+            (3, xxhash.xxh3_64_hexdigest(b"one")), (3, xxhash.xxh3_64_hexdigest(b"two"))]
+        assert sent == ["dr/frame_000000001.isf"]
+        until(lambda: stats(n1)["peers"] == 0, 10, "the dropped batch closed at the owner")
+    finally:
+        reader.join(30)
+        os.close(fd)
+        transport.close()
+
+
+def test_close_closes_the_connections_of_every_thread(
+        nodes: list[LoopbackNode], tmp_path: Path) -> None:
+    """Connections are kept per thread: ``close()`` closed the calling thread's alone, and
+    another thread's kept-alive connection and frames asked ahead stayed open (held at the
+    owner) until that thread ended or the garbage collector came. Now it closes them all."""
+    n1, n2 = nodes[0], nodes[1]
+    like = put(n1, "cl/frame_000000000.isf", b"zero")
+    put(n1, "cl/frame_000000001.isf", b"one")
+    plain = put(n1, "cl/plain.bin", b"plain")
+    transport = _transport(n2)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
+    done, release = threading.Event(), threading.Event()
+    results: list[object] = []
+
+    def work() -> None:  # (a worker thread that lives on: an executor's)
+        try:
+            results.append(transport.fetch_when_published(
+                like, "cl/frame_000000001.isf", fd, 30.0, into=memoryview(bytearray(100)),
+                ahead=3))
+            results.append(transport.fetch_bytes(plain))  # (a connection of its own)
+        except BaseException as exc:  # (reported by the assertion below)
+            results.append(exc)
+        done.set()
+        release.wait(30)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    try:
+        assert done.wait(30)
+        assert results[1] == b"plain" and results[0][:2] == (  # type: ignore[index]
+            3, xxhash.xxh3_64_hexdigest(b"one"))
+        until(lambda: stats(n1)["peers"] == 2, 10, "the kept connection and the batch")
+        transport.close()  # (from this thread)
+        until(lambda: stats(n1)["peers"] == 0, 10, "the worker's connections closed")
+    finally:
+        release.set()
+        worker.join(30)
+        os.close(fd)
+        transport.close()

@@ -9,12 +9,18 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 from instride.transport import wire
 from tests import nodes as loopback
-from tests.conftest import LoopbackNode
+from tests.conftest import LoopbackNode, build_shim, child_env, free_port
 from tests.nodes import TOKEN, put, raw, recv_all, signed, stats, until
+
+_C = Path(__file__).resolve().parent / "c"
 
 # the fixtures (tests/nodes.py): a node of a test alone, its Redis
 redis_mod, own_node = loopback.redis_mod, loopback.own_node
@@ -58,3 +64,79 @@ def test_connections_without_a_request_do_not_take_the_places_of_served_ones(
         client.close()
         for s in silent:
             s.close()
+
+
+def _reply(s: socket.socket) -> dict:
+    head = recv_all(s, 4)
+    assert len(head) == 4, "the connection was closed without a reply"
+    return json.loads(recv_all(s, struct.unpack(">I", head)[0]))
+
+
+def test_a_first_request_read_whole_is_never_shut_to_make_room(
+        own_node: LoopbackNode, tmp_path: Path) -> None:
+    """At ``--max-peers``, a connection whose first request had come whole could be shut to
+    make room: its thread had read the request and not yet cleared its "pending" mark (nothing
+    unread, no request answered yet: the first to go), and its client got no reply. Now the
+    mark is cleared before the request's last byte is read. ``c/header_delay.c`` holds the
+    server's thread for 2 s in the read of the request, widening that moment."""
+    shim = build_shim(_C / "header_delay.c", tmp_path, "-ldl")
+    mark = tmp_path / "read"
+    own_node.env.update(LD_PRELOAD=str(shim), HEADER_DELAY_MARK=str(mark))
+    node = own_node.start("--max-peers", "1")
+    put(node, "pe/slowpoke.bin", b"served")
+    first = socket.create_connection(("127.0.0.1", node.port), timeout=10)
+    other = None
+    try:
+        first.sendall(signed("pe/slowpoke.bin"))
+        until(mark.exists, 10, "the server reading the request")
+        time.sleep(0.3)  # (past the grace a new connection's request is given)
+        other = socket.create_connection(("127.0.0.1", node.port), timeout=10)
+        reply = _reply(first)
+        assert reply["ok"] is True and reply["size"] == len(b"served"), reply
+        assert recv_all(first, reply["size"]) == b"served"
+        busy = _reply(other)  # (no place for it: the served one keeps its own)
+        assert busy["error"] == "PeerUnavailable" and busy["message"].startswith("busy"), busy
+    finally:
+        first.close()
+        if other is not None:
+            other.close()
+
+
+_STOPPING = """
+import asyncio, socket, sys, time
+from pathlib import Path
+from instride.config import Settings
+from instride.transport import wire
+from instride.transport.tcp.server import TcpServer
+root = Path(sys.argv[1])
+(root / "k").mkdir()
+(root / "k" / "big.bin").write_bytes(bytes(32 << 20))
+server = TcpServer(Settings(dir=root, token="t", addr=f"127.0.0.1:{sys.argv[2]}"),
+                   send_timeout=120)
+loop = asyncio.new_event_loop()
+loop.run_until_complete(server.start())
+peer = socket.socket()
+peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+peer.connect(("127.0.0.1", server.port))
+peer.sendall(wire.pack(wire.sign("t", "fetch", "k/big.bin")))  # and never read
+time.sleep(0.5)  # (the server is now writing into a full socket: a transfer in flight)
+began = time.monotonic()
+loop.run_until_complete(server.stop(0.5))
+print(time.monotonic() - began, flush=True)
+"""
+
+
+def test_a_stop_is_bounded_on_the_monotonic_clock(tmp_path: Path) -> None:
+    """The stop's grace for transfers in flight (and its wait for their threads) was a
+    deadline on the wall clock: a clock set back while it waited (NTP, an administrator) made
+    the stop wait that much longer -- a day, for a clock set back a day. ``c/clock_shift.c``
+    makes the wall clock read 30 s ahead of the kernel's (as if set back by 30 s once read):
+    the stop with a 0.5 s grace took 30.5 s; it is bounded on the monotonic clock now."""
+    shim = build_shim(_C / "clock_shift.c", tmp_path, "-ldl")
+    (tmp_path / "root").mkdir()
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(_STOPPING),
+                          str(tmp_path / "root"), str(free_port())],
+                         env=child_env(LD_PRELOAD=str(shim), CLOCK_SHIFT_S="30"),
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert float(run.stdout) < 15, f"the stop took {run.stdout.strip()} s"

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import itertools
 import math
 import os
 import re
 import select
 import socket
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -77,15 +79,28 @@ def _batch(owner: str, key: str) -> str:
     return f"{owner}|{_prefix(key)}"
 
 
-def _recv_exact(sock: socket.socket, n: int, key: str, have: bytes = b"") -> bytes:
+def _recv_exact(sock: socket.socket, n: int, key: str, have: bytes = b"",
+                began: bool = False) -> bytes:
+    """``n`` bytes of a reply's head (``have``: its first ones, there already). ``began``:
+    bytes of the reply came before these (its length prefix).
+
+    Before a byte of the reply, a closed connection or a stall is no reply at all: the
+    ``OSError`` (the caller's ``PeerUnavailable``). After one, it is a transfer that began and
+    did not finish: :class:`TransferError`, as for a body cut short."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = len(have)
     view[:got] = have
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except OSError as exc:
+            if not began and got == 0:
+                raise
+            what = "stalled" if isinstance(exc, TimeoutError) else os.strerror(exc.errno or 0)
+            raise TransferError(key, f"{what} after {got} of {n} header bytes") from None
         if k == 0:
-            if got == 0 and n == 4:
+            if not began and got == 0:
                 # (closed before a byte of the reply: no reply at all — PeerUnavailable, as on
                 # the native path, not a transfer cut short)
                 raise ConnectionAbortedError(errno.ECONNABORTED,
@@ -121,6 +136,14 @@ def _receive_error(key: str, err: int, got: int, size: int) -> TransferError:
     if err == errno.ECONNRESET:
         return TransferError(key, f"connection closed after {got} of {size} bytes")
     return TransferError(key, f"{os.strerror(err)} after {got} of {size} bytes")
+
+
+def _header_error(key: str, err: int, got: int) -> TransferError:
+    """The error of a reply whose head (length prefix and header) ended early, with ``errno``
+    ``err``, after ``got`` of its bytes: a transfer that began, as :func:`_receive_error`."""
+    what = {errno.ETIMEDOUT: "stalled", errno.ECONNRESET: "connection closed"}.get(
+        err, os.strerror(err))
+    return TransferError(key, f"{what} after {got} bytes of the reply's header")
 
 
 def _numbered_after(key: str, n: int) -> list[str]:
@@ -179,8 +202,40 @@ class _ReplyScratch:
         self.published = ctypes.c_double(0.0)  # (isc_recv_frame)
 
 
+class _Pool(dict[str, socket.socket]):
+    """A thread's kept-alive connections (owner address -> socket); a ``dict`` a transport
+    can hold weakly, to close it from another thread (:meth:`TcpTransport.close`)."""
+
+    __slots__ = ("__weakref__",)
+
+
+class _Batches(dict[str, tuple[socket.socket, list[str]]]):
+    """A thread's batches asked ahead (see :meth:`TcpTransport._batches`), held weakly as
+    :class:`_Pool`."""
+
+    __slots__ = ("__weakref__",)
+
+
+class _Named:
+    """A reader's own batch (``batch=``): its calls take turns (``lock``), and ``dropped``
+    says it was dropped (:meth:`TcpTransport.drop_ahead`) while one was under way -- that
+    call closes what it would have kept, as the drop would have."""
+
+    __slots__ = ("dropped", "lock")
+
+    def __init__(self) -> None:
+        # (re-entrant: a signal handler that reads the same reader must not hang for ever)
+        self.lock = threading.RLock()
+        self.dropped = False
+
+
 class TcpTransport:
     """Fetch files from other nodes' data servers over TCP.
+
+    A thread's connections are its own (kept alive per owner). A stream reader's batch of
+    frames asked ahead (``batch=``) may be read from any thread, and from two at once: its
+    calls then take turns (a lock; the usual uncontended case costs no system call), so that
+    no frame is taken twice and no batch asked twice; :meth:`close` closes every thread's.
 
     Parameters
     ----------
@@ -195,16 +250,37 @@ class TcpTransport:
         # per thread (and process): owner address -> kept-alive socket
         self._per_thread = PerThread()
         # a batch's name -> the thread's dict of batches it is in (a reader's named batch is
-        # dropped from any thread: see drop_ahead); this process's alone
-        self._homes_of: tuple[int, dict[str, dict[str, Any]]] = (forks(), {})
+        # dropped from any thread: see drop_ahead); a reader's batch name -> its _Named; the
+        # lock under which a reader's batch is kept or dropped (one step each): this
+        # process's alone
+        self._homes_of: tuple[int, dict[str, dict[str, Any]], dict[str, _Named],
+                              threading.Lock] = (forks(), {}, {}, threading.Lock())
+        # every thread's pool and batches, for close() (weakly: a thread that ended takes
+        # them along; keyed by a count, a dict being no member of a set)
+        self._pools: weakref.WeakValueDictionary[int, _Pool] = weakref.WeakValueDictionary()
+        self._all_batches: weakref.WeakValueDictionary[int, _Batches] = \
+            weakref.WeakValueDictionary()
+        self._made = itertools.count()
+
+    def _process_state(self) -> tuple[dict[str, dict[str, Any]], dict[str, _Named],
+                                      threading.Lock]:
+        made_in, homes, named, book = self._homes_of
+        if made_in != forks():  # (a forked child's: its parent's threads are not its own,
+            homes, named, book = {}, {}, threading.Lock()  # nor the locks they held)
+            self._homes_of = (forks(), homes, named, book)
+        return homes, named, book
 
     @property
     def _homes(self) -> dict[str, dict[str, Any]]:
-        made_in, homes = self._homes_of
-        if made_in != forks():  # (a forked child's: its parent's threads are not its own)
-            homes = {}
-            self._homes_of = (forks(), homes)
-        return homes
+        return self._process_state()[0]
+
+    def _named(self, name: str) -> _Named:
+        """The turn-taking of the reader's batch ``name`` (made on its first use)."""
+        table = self._process_state()[1]
+        named = table.get(name)
+        if named is None:
+            named = table.setdefault(name, _Named())  # (one, if two threads make it at once)
+        return named
 
     def _connect(self, record: Record) -> socket.socket:
         host, port = parse_addr(record.owner, "owner")
@@ -220,7 +296,8 @@ class TcpTransport:
         local = self._per_thread.get()
         pool = getattr(local, "pool", None)
         if pool is None:
-            pool = local.pool = {}
+            pool = local.pool = _Pool()
+            self._pools[next(self._made)] = pool
         return pool
 
     def _request(self, record: Record, op: str = "fetch", wait: float | None = None,
@@ -248,9 +325,10 @@ class TcpTransport:
                 reply = self._reply(sock, record, wait_ms)
             except (OSError, wire.WireError, PeerUnavailable) as exc:
                 sock.close()
-                if reused and not isinstance(exc, TimeoutError):
+                if reused and not isinstance(exc, TimeoutError | TransferError):
                     # the owner closed an idle connection: retry once on a new one (not after
-                    # a reply that never came: a stalled owner, whose wait would double)
+                    # a reply that never came: a stalled owner, whose wait would double; nor
+                    # after one that began: the connection was not idle)
                     reused = False
                     sock = self._send_new(record, op, wait_ms, until, count)
                     continue
@@ -330,7 +408,7 @@ class TcpTransport:
         n = wire.parse_length(prefix)
         header = arrived(sock, n)
         if len(header) < n:
-            header = _recv_exact(sock, n, record.key, header)
+            header = _recv_exact(sock, n, record.key, header, began=True)
         return wire.parse_header(header)
 
     def _accepted(self, sock: socket.socket, reply: dict[str, Any], record: Record) -> dict[str, Any]:
@@ -445,6 +523,23 @@ class TcpTransport:
         AuthenticationError
             The owner refused the job token.
         """
+        if batch is None:
+            return self._when_published(owner, key, fd, wait, until, on_reply, window, into,
+                                        ahead, digest_from, None, None)
+        named = self._named(batch)
+        with named.lock:  # (one call of a reader's batch at a time, whichever threads)
+            # (dropped as this thread waited for its turn -- the reader closed or refused a
+            # frame on another thread: this frame alone, nothing asked ahead nor kept)
+            return self._when_published(owner, key, fd, wait, until, on_reply, window, into,
+                                        0 if named.dropped else ahead, digest_from, batch,
+                                        named)
+
+    def _when_published(self, owner: Record, key: str, fd: int, wait: float,
+                        until: str | None, on_reply: Callable[[], object] | None,
+                        window: tuple[float, float] | None, into: memoryview | None,
+                        ahead: int, digest_from: int, batch: str | None,
+                        named: _Named | None) -> Received | None:
+        """:meth:`fetch_when_published`; ``named``: the turn of ``batch``, taken."""
         hint = _hint(owner, key)
         batches = self._batches()
         name = batch or _batch(owner.owner, key)
@@ -469,7 +564,7 @@ class TcpTransport:
         except KeyNotFoundError:
             return None  # (the last the owner sends for a request: the connection is free)
         return self._received(owner, key, sock, rest, reply, body, fd, on_reply, into,
-                              digest_from, batches, name)
+                              digest_from, batches, name, named)
 
     def _adopted(self, name: str, batches: dict[str, tuple[socket.socket, list[str]]],
                  ) -> tuple[socket.socket, list[str]] | None:
@@ -488,7 +583,8 @@ class TcpTransport:
                   reply: dict[str, Any], body: tuple[int, str] | None, fd: int,
                   on_reply: Callable[[], object] | None, into: memoryview | None,
                   digest_from: int,
-                  batches: dict[str, tuple[socket.socket, list[str]]], name: str) -> Received:
+                  batches: dict[str, tuple[socket.socket, list[str]]], name: str,
+                  named: _Named | None) -> Received:
         """The end of :meth:`fetch_when_published`, from the owner's reply (``ok``) on: the
         body received (``body``: already, its size and digest), the connection kept for
         what was asked ahead (``rest``) or for the next request."""
@@ -504,10 +600,26 @@ class TcpTransport:
             if not rest:
                 self._release(owner.owner, sock)
         if rest:
-            batches[name] = (sock, rest)
-            self._homes[name] = batches
+            self._keep_asked(batches, name, sock, rest, named)
         published = reply.get("published")
         return Received(size, digest, _seconds(published), head)
+
+    def _keep_asked(self, batches: dict[str, tuple[socket.socket, list[str]]], name: str,
+                    sock: socket.socket, rest: list[str], named: _Named | None) -> None:
+        """Keep ``sock``, on which ``rest`` is still to come, as the batch ``name`` of this
+        thread -- or close it, for a reader's batch dropped from another thread while this
+        call had it (the reader closed there: kept, it would be held at its owner, never
+        read nor dropped again)."""
+        if named is None:  # (this thread's alone)
+            batches[name] = (sock, rest)
+            self._homes[name] = batches
+            return
+        with self._process_state()[2]:  # (a drop sees it kept, or this call sees the drop)
+            if not named.dropped:
+                batches[name] = (sock, rest)
+                self._homes[name] = batches
+                return
+        sock.close()
 
     def next_asked(self, owner: Record, key: str, into: memoryview, address: int,
                    fd: Callable[[], int], wait: float,
@@ -532,6 +644,18 @@ class TcpTransport:
             As :meth:`fetch_when_published`. ``fd``: gives the file to receive into, for a
             body that does not fit ``into``.
         """
+        if batch is None:
+            return self._next_asked(owner, key, into, address, fd, wait, None, None)
+        named = self._named(batch)
+        with named.lock:  # (as fetch_when_published)
+            if named.dropped:  # (dropped from another thread as this one waited its turn)
+                return None
+            return self._next_asked(owner, key, into, address, fd, wait, batch, named)
+
+    def _next_asked(self, owner: Record, key: str, into: memoryview, address: int,
+                    fd: Callable[[], int], wait: float, batch: str | None,
+                    named: _Named | None) -> tuple[Received, bool] | bool | None:
+        """:meth:`next_asked`; ``named``: the turn of ``batch``, taken."""
         batches = self._batches()
         name = batch or _batch(owner.owner, key)
         asked = batches.get(name)
@@ -549,7 +673,7 @@ class TcpTransport:
                                     frame=True)
             if rc == 0:  # a frame that passed
                 if rest:
-                    batches[name] = (sock, rest)
+                    self._keep_asked(batches, name, sock, rest, named)
                 else:
                     self._release(owner.owner, sock)
                 return Received(scratch.size.value, scratch.hexdigest.value.decode(),
@@ -565,7 +689,7 @@ class TcpTransport:
             sock.close()  # (closed already where the receive failed; not where fd() did)
             raise
         return self._received(owner, key, sock, rest, reply, body, dest, None, into, HEADER_SIZE,
-                              batches, name), False
+                              batches, name, named), False
 
     def drop_ahead(self, owner: str | None = None, key: str | None = None,
                    batch: str | None = None) -> None:
@@ -576,8 +700,13 @@ class TcpTransport:
         batch of that name alone, whichever thread asked for it (a reader closed from
         another thread, or collected)."""
         if batch is not None:
-            home = self._homes.pop(batch, None)
-            got = None if home is None else home.pop(batch, None)
+            homes, table, book = self._process_state()
+            with book:  # (a call of the reader under way closes what it would keep)
+                named = table.pop(batch, None)
+                if named is not None:
+                    named.dropped = True
+                home = homes.pop(batch, None)
+                got = None if home is None else home.pop(batch, None)
             if got is not None:
                 got[0].close()
             return
@@ -602,7 +731,8 @@ class TcpTransport:
         local = self._per_thread.get()
         batches = getattr(local, "batches", None)
         if batches is None:
-            batches = local.batches = {}
+            batches = local.batches = _Batches()
+            self._all_batches[next(self._made)] = batches
         return batches
 
     def _reply_asked(self, sock: socket.socket, hint: Record, wait: float,
@@ -680,6 +810,8 @@ class TcpTransport:
             n = scratch.header_len.value
             if rc < 0 and n >= 0 and rc != -errno.EBADMSG:  # the body broke off
                 raise _receive_error(key, -rc, scratch.got.value, scratch.size.value)
+            if rc < 0 and n < 0 and scratch.got.value > 0:  # the header broke off (it began)
+                raise _header_error(key, -rc, scratch.got.value)
             if rc < 0:
                 reason = f"header length {n} out of range (1..{wire.MAX_HEADER})" \
                     if rc == -errno.EBADMSG else os.strerror(-rc)
@@ -874,10 +1006,30 @@ class TcpTransport:
         return TcpServer
 
     def close(self) -> None:
-        """Close this thread's kept-alive connections (and those keys were asked for ahead on:
-        their owners stop sending)."""
-        pool = self._pool()
-        for sock in pool.values():
-            sock.close()
-        pool.clear()
-        self.drop_ahead()
+        """Close the kept-alive connections of every thread of this process, and those keys
+        were asked for ahead on (their owners stop sending).
+
+        A connection another thread is using as this runs is that thread's to keep or close
+        when its call ends; a reader's batch is closed then (its drop is marked).
+        """
+        homes, table, book = self._process_state()
+        with book:
+            for named in table.values():
+                named.dropped = True
+            table.clear()
+            homes.clear()
+        for batches in list(self._all_batches.values()):  # (each entry whole: popitem)
+            while batches:
+                try:
+                    _, (sock, _rest) = batches.popitem()
+                except KeyError:  # (its thread took the last one meanwhile)
+                    break
+                sock.close()
+        for pool in list(self._pools.values()):
+            while pool:
+                try:
+                    _, sock = pool.popitem()
+                except KeyError:
+                    break
+                sock.close()
+        self.drop_ahead()  # (this thread's batches, were they of a dict made elsewhere)
