@@ -221,3 +221,81 @@ def test_the_c_library_reserves_exactly_the_names_python_does(tmp_path: Path) ->
 
     assert {n: python_says(n) for n in names} == _EDGE_NAMES  # (the table is right)
     assert c_says == _EDGE_NAMES
+
+
+#: Names (bytes, relative to the managed directory) at the edge of Python's rules other than
+#: the reserved ones: control characters, names of whitespace only (``str.isspace``: also
+#: U+0085, U+3000), component and key lengths in UTF-8 bytes, and UTF-8 that Python's strict
+#: decoder refuses (overlong forms, surrogates, above U+10FFFF, cut short, Latin-1).
+_CONTENT_NAMES = [
+    b"a\nb", b"a\x7fb", b"a\x01", b"\t", b"d/a\x1fb", b"a\rb",
+    b" ", b"./ ", "\u3000".encode(), "\x85".encode(), " \u2003 ".encode(),
+    b"a/ ", b" a ", b" / ", "a\x85b".encode(), "a\u2028b".encode(), "\u00e9".encode(),
+    "\U0001f600".encode(), "\U0010ffff".encode(), "\ufffe".encode(), b"a~-b",
+    b"x" * 200, b"x" * 201, "\u00e9".encode() * 100, "\u00e9".encode() * 101,
+    b"d/" + b"x" * 201, b"/".join([b"d" * 100] * 10) + b"/" + b"x" * 14,
+    b"/".join([b"d" * 100] * 10) + b"/" + b"x" * 15, b"/".join([b"d" * 100] * 11),
+    b"\xff", b"a\xe9b", b"\xc0\xaf", b"\xe0\x80\xaf", b"\xed\xa0\x80", b"\xed\xbf\xbf",
+    b"\xf4\x90\x80\x80", b"\xf5\x80\x80\x80", b"\xe2\x82", b"a\xe2\x82/b", b"\x80", b"\xc2",
+]
+
+_C_TAKES = r"""
+import ctypes, json, os, sys
+import instride
+lib = ctypes.CDLL(os.path.join(os.path.dirname(instride.__file__), "libinstride.so"))
+lib.instride_strerror.restype = ctypes.c_char_p
+lib.instride_last_error.restype = ctypes.c_char_p
+root = os.fsencode(os.environ["INSTRIDE_DIR"])
+out = []
+for name in json.loads(sys.argv[1]):
+    path = root + b"/" + bytes.fromhex(name)
+    w = ctypes.c_void_p()
+    created = lib.instride_create(path, 0, 0o644, ctypes.byref(w))
+    if created == 0:
+        lib.instride_abort(w)
+    buf = ctypes.create_string_buffer(4096)
+    consumed = lib.instride_consume(path, buf, 4096)
+    out.append([lib.instride_is_key(path), created, consumed])
+print(json.dumps(out))
+"""
+
+
+def test_the_c_library_takes_exactly_the_keys_python_takes(tmp_path: Path) -> None:
+    """The C side (libinstride.so; the preload library classifies paths the same way) took
+    names that ``normalize_key`` refuses -- control characters, a name of whitespace only,
+    components over ``MAX_COMPONENT_BYTES``, keys over ``MAX_KEY_BYTES``, bytes that are no
+    UTF-8 -- and published them: files under the managed directory that no Python consumer
+    can name (KeyValidationError). C refuses exactly those now: ``instride_create`` and
+    ``instride_consume`` fail with EINVAL (ENAMETOOLONG for the lengths) at once, nothing is
+    written. ``instride_is_key`` still says 1 for them, as for a path too long to handle: a
+    path under the managed directory is never written as a plain file (stream.hpp)."""
+    import errno
+    import json
+    import subprocess
+    import sys
+
+    root = tmp_path / "managed"
+    root.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INSTRIDE_")}
+    env.update(INSTRIDE_DIR=str(root), INSTRIDE_TIMEOUT="0")
+    proc = subprocess.run(
+        [sys.executable, "-c", _C_TAKES, json.dumps([n.hex() for n in _CONTENT_NAMES])],
+        env=env, capture_output=True, text=True, timeout=60, check=True)
+    c_says = dict(zip(_CONTENT_NAMES, json.loads(proc.stdout), strict=True))
+
+    def python_says(name: bytes) -> int:
+        try:
+            normalize_key(os.fsencode(root) + b"/" + name, root)
+        except KeyValidationError as exc:
+            return errno.ENAMETOOLONG if "longer than" in str(exc) else errno.EINVAL
+        return 0
+
+    python = {n: python_says(n) for n in _CONTENT_NAMES}
+    assert sum(1 for v in python.values() if v == 0) == 13  # (the list has both kinds)
+    # created: 0 (a key) or the errno Python's refusal maps to; consumed: ETIMEDOUT for a key
+    # (INSTRIDE_TIMEOUT=0, never published), else the same refusal
+    assert {n: (is_key, created, consumed) for n, (is_key, created, consumed) in c_says.items()} \
+        == {n: (1, v, v or errno.ETIMEDOUT) for n, v in python.items()}
+    # nothing written; no directory made for a refused key (those of keys: "a/ ", " / ", ...)
+    assert all(p.is_dir() for p in root.rglob("*"))
+    assert set(os.listdir(root)) <= {"a", " ", "d" * 100}

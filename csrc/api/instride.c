@@ -216,9 +216,7 @@ INS_API int instride_publish(const char *src, const char *path, int flags)
         return ins_api_result(ins_fail(EINVAL, "cannot publish %.300s: %s", ins_key(&p),
                                        ins_cfg.bad_msg));
     if (p.refuse)
-        return ins_api_result(ins_fail(p.refuse, "key %.300s: its path goes back (..) through a "
-                                       "symbolic link inside the managed directory (refused)",
-                                       ins_key(&p)));
+        return ins_api_result(ins_fail_refused_key(&p));
     if (src == NULL || lstat(src, &st) != 0)
         return ins_api_result(ins_fail(src == NULL ? EINVAL : errno, "cannot publish %.300s: %s",
                                        src ? src : "(null)", strerror(src == NULL ? EINVAL : errno)));

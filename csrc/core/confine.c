@@ -187,8 +187,7 @@ int ins_lstat_key(const struct ins_path *p, struct stat *st, int create_parents)
 int ins_open_read_confined(const struct ins_path *p, int flags, mode_t mode, int allow_dir)
 {
     if (p->refuse)
-        return ins_fail(p->refuse, "key %.300s: its path goes back (..) through a symbolic "
-                        "link inside the managed directory (refused)", ins_key(p));
+        return ins_fail_refused_key(p);
     if (ins_root_safe() != 0)
         return -1;
     /* O_NONBLOCK: a FIFO must not block the open before it can be refused. */

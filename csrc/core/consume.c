@@ -52,8 +52,7 @@ int ins_consume(const struct ins_path *p, char open_path[PATH_MAX])
     if (ins_cfg.timeout_bad) /* a setting refused, like Python's ConfigError */
         return ins_fail(EINVAL, "cannot consume %.300s: %s", key, ins_cfg.bad_msg);
     if (p->refuse)
-        return ins_fail(p->refuse, "key %.300s: its path goes back (..) through a symbolic "
-                        "link inside the managed directory (refused)", key);
+        return ins_fail_refused_key(p);
     /* Refuse at once a key whose directory is reached through a symbolic link;
      * in local mode, make its directory (confined) so that it can be watched. */
     size_t existing = ins_cfg.cluster ? 0 : ins_existing_prefix(p->abs);

@@ -109,7 +109,10 @@ INS_HIDDEN int ins_under(const char *abs, const char *dir, size_t dir_len, size_
 struct ins_path {
     char abs[PATH_MAX]; /* under the managed directory's real path (ins_root) */
     size_t key_off;     /* abs + key_off is the key (relative to the managed dir) */
-    int refuse;         /* ELOOP: the path went back (..) through a symbolic link */
+    int refuse;         /* ELOOP: the path went back (..) through a symbolic link; EINVAL or
+                           ENAMETOOLONG: a key keys.normalize_key refuses (a control
+                           character, not UTF-8, whitespace only, a component over 200
+                           bytes, a key over 1024): every call on it fails with it */
 };
 
 enum { INS_UNMANAGED = 0, INS_MANAGED = 1, INS_RESERVED = 2, INS_TOOLONG = 3 };
@@ -123,6 +126,11 @@ enum { INS_UNMANAGED = 0, INS_MANAGED = 1, INS_RESERVED = 2, INS_TOOLONG = 3 };
 INS_HIDDEN int ins_classify(int dirfd, const char *path, struct ins_path *out);
 
 static inline const char *ins_key(const struct ins_path *p) { return p->abs + p->key_off; }
+
+/* Why p->refuse refuses the key (a phrase following it: "contains a control character"), and
+ * the failure naming both: ins_fail(p->refuse, ...), -1. */
+INS_HIDDEN const char *ins_refusal(const struct ins_path *p);
+INS_HIDDEN int ins_fail_refused_key(const struct ins_path *p);
 
 /* ---- confine.c: nothing escapes the managed directory ---------------------- */
 
@@ -248,9 +256,10 @@ INS_HIDDEN int ins_notify_publish(const struct ins_path *p); /* INSTRIDE_OVERWRI
  * or -1 with errno. */
 INS_HIDDEN int ins_copy_fd(int in, int out);
 
-/* Publish an existing regular file (olddirfd, old) as np by moving it there
- * (rename, or write-once link + unlink; across file systems a copy to a temp
- * beside the key, then the source is removed). */
+/* Publish an existing regular file (olddirfd, old) as np by moving it there, all or nothing
+ * (rename, or write-once a no-replace rename; across file systems the source renamed to a
+ * hidden name beside it, copied to a temp beside the key, published, then removed -- or named
+ * old again when the publication fails). */
 INS_HIDDEN int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np,
                                 int noreplace);
 

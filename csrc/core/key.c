@@ -119,6 +119,94 @@ static int ins_reserved_key(const char *key)
     }
 }
 
+/* Python's str.isspace() of the code point c (normalize_key strips those: a key of nothing
+ * else is an "empty name"): ASCII's, U+0085, U+00A0 and the Unicode spaces and separators. */
+static int ins_py_space(uint32_t c)
+{
+    return (c >= 0x09 && c <= 0x0d) || (c >= 0x1c && c <= 0x20) || c == 0x85 || c == 0xa0 ||
+           c == 0x1680 || (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 ||
+           c == 0x202f || c == 0x205f || c == 0x3000;
+}
+
+/* The length of the UTF-8 sequence at s that is not ASCII, its code point in *cp; 0 where
+ * Python's strict decoder refuses it (an overlong form, a surrogate, above U+10FFFF, a
+ * stray or missing continuation byte: the string's NUL ends it). */
+static size_t ins_utf8(const unsigned char *s, uint32_t *cp)
+{
+    size_t n;
+    uint32_t c, min;
+    if (s[0] >= 0xc2 && s[0] <= 0xdf) {
+        n = 2, c = s[0] & 0x1f, min = 0x80;
+    } else if (s[0] >= 0xe0 && s[0] <= 0xef) {
+        n = 3, c = s[0] & 0x0f, min = 0x800;
+    } else if (s[0] >= 0xf0 && s[0] <= 0xf4) {
+        n = 4, c = s[0] & 0x07, min = 0x10000;
+    } else {
+        return 0;
+    }
+    for (size_t i = 1; i < n; i++) {
+        if ((s[i] & 0xc0) != 0x80)
+            return 0;
+        c = c << 6 | (s[i] & 0x3f);
+    }
+    if (c < min || c > 0x10ffff || (c >= 0xd800 && c <= 0xdfff))
+        return 0;
+    *cp = c;
+    return n;
+}
+
+/* Why key (normalized, not reserved) is one Python's keys.normalize_key refuses, with the
+ * errno to refuse it with in *err (EINVAL; ENAMETOOLONG for the lengths); NULL when it is a
+ * key. The same rules, so that no C program publishes a file no Python consumer can name:
+ * no control character ([\x00-\x1f\x7f]), valid UTF-8, not of whitespace only, components
+ * of at most MAX_COMPONENT_BYTES (200) and a key of at most MAX_KEY_BYTES (1024) bytes. One
+ * pass, no system call (every open of a key classifies it). */
+static const char *ins_key_invalid(const char *key, int *err)
+{
+    const unsigned char *s = (const unsigned char *)key;
+    size_t i = 0, comp = 0;
+    int one = 1, blank = 1; /* one component so far, of whitespace only so far */
+    *err = EINVAL;
+    while (s[i] != '\0') {
+        uint32_t c = s[i];
+        size_t n = 1;
+        if (c == '/') {
+            one = 0, comp = 0, i++;
+            continue;
+        }
+        if (c < 0x20 || c == 0x7f)
+            return "contains a control character";
+        if (c >= 0x80 && (n = ins_utf8(s + i, &c)) == 0)
+            return "is not valid UTF-8";
+        blank = blank && ins_py_space(c);
+        comp += n;
+        i += n;
+        if (comp > 200) {
+            *err = ENAMETOOLONG;
+            return "has a component longer than 200 bytes";
+        }
+    }
+    if (i > 1024) {
+        *err = ENAMETOOLONG;
+        return "is longer than 1024 bytes";
+    }
+    return one && blank ? "is an empty name (whitespace only)" : NULL;
+}
+
+const char *ins_refusal(const struct ins_path *p)
+{
+    int err;
+    const char *why = p->refuse == ELOOP ? NULL : ins_key_invalid(ins_key(p), &err);
+    return why != NULL ? why
+                       : "(its path) goes back (..) through a symbolic link inside the managed "
+                         "directory";
+}
+
+int ins_fail_refused_key(const struct ins_path *p)
+{
+    return ins_fail(p->refuse, "key %.300s %s (refused)", ins_key(p), ins_refusal(p));
+}
+
 /* errno is kept: a lookup that failed here (getcwd of a removed working directory, a
  * readlink) says nothing of the call being classified, which may well succeed -- and errno
  * must stay as it was on every call that succeeds. */
@@ -158,6 +246,11 @@ static int ins_classify_errno(int dirfd, const char *path, struct ins_path *out)
         return INS_UNMANAGED;
     if (ins_reserved_key(out->abs + out->key_off))
         return INS_RESERVED;
+    /* A name Python refuses is a key all the same (never written in place as a plain file:
+     * instride_is_key says 1, as for a path too long), refused by every call on it. */
+    int invalid;
+    if (!out->refuse && ins_key_invalid(out->abs + out->key_off, &invalid) != NULL)
+        out->refuse = invalid;
     /* Work under the directory's real path: resolution there follows no link. */
     size_t rlen;
     const char *root = ins_root(&rlen);

@@ -67,9 +67,8 @@ int ins_prepare_write(const struct ins_path *p, int flags, mode_t *mode, char tm
     struct stat st;
     if (ins_cfg.timeout_bad) /* a setting refused, like Python's ConfigError */
         return ins_fail(EINVAL, "cannot publish %.300s: %s", ins_key(p), ins_cfg.bad_msg);
-    if (p->refuse)
-        return ins_fail(p->refuse, "key %.300s: its path goes back (..) through a symbolic "
-                        "link inside the managed directory (refused)", ins_key(p));
+    if (p->refuse) /* (a ".." back through a link, a name Python refuses) */
+        return ins_fail_refused_key(p);
     /* The key's directory is made (confined: no symbolic link followed) and the key
      * itself looked at without following it. */
     ins_clear_message();
@@ -329,15 +328,63 @@ int ins_copy_fd(int in, int out)
     }
 }
 
-/* EXDEV: copy the source to a temp beside the key, publish it, drop the source. */
+/* A hidden name beside the source old (in its directory, relative to olddirfd as old is),
+ * in hidden[PATH_MAX]: 0, or -1 with ENAMETOOLONG. */
+static int ins_source_hidden_name(const char *old, char hidden[PATH_MAX])
+{
+    const char *slash = strrchr(old, '/');
+    const char *base = slash != NULL ? slash + 1 : old;
+    size_t dir_len = (size_t)(base - old), base_len = strlen(base);
+    if (base_len > 200) /* (the hidden name within NAME_MAX) */
+        base_len = 200;
+    if (dir_len + base_len + 64 >= PATH_MAX) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    memcpy(hidden, old, dir_len);
+    snprintf(hidden + dir_len, PATH_MAX - dir_len, ".%.*s.instride-%ld-%016llx.tmp",
+             (int)base_len, base, (long)getpid(), (unsigned long long)ins_random64());
+    return 0;
+}
+
+/* rename (dirfd, from) to (dirfd, to) without replacing a file there (a plain rename where the
+ * file system has no RENAME_NOREPLACE). */
+static int ins_rename_noreplace_at(int dirfd, const char *from, const char *to)
+{
+    if (ins_sys.renameat2(dirfd, from, dirfd, to, RENAME_NOREPLACE) == 0)
+        return 0;
+    if (errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP)
+        return -1;
+    return ins_sys.renameat(dirfd, from, dirfd, to);
+}
+
+/* EXDEV: copy the source to a temp beside the key and publish it -- all or nothing, as a
+ * rename. The source name goes first, renamed to a hidden name in its own directory (same file
+ * system: atomic), so that a source that cannot go (an immutable file, a directory the user
+ * cannot write, a read-only file system) fails the rename with that errno, nothing published;
+ * the copy is made from the hidden name, which is removed once the key is published, or named
+ * old again when the publication fails. (The source used to be removed after the publication,
+ * the failure ignored: rename() said 0, the key published and the source still there.) */
 static int ins_copy_publish(int olddirfd, const char *old, const struct ins_path *np, int noreplace)
 {
     struct stat st;
-    char tmp[PATH_MAX];
+    char tmp[PATH_MAX], hidden[PATH_MAX];
     int in = -1, out = -1, rc = -1, published = 0;
     tmp[0] = '\0';
-    in = ins_sys.openat(olddirfd, old, O_RDONLY | O_CLOEXEC);
-    if (in < 0 || fstat(in, &st) != 0 || ins_temp_name(np, tmp) != 0)
+    if (ins_source_hidden_name(old, hidden) != 0 ||
+        ins_rename_noreplace_at(olddirfd, old, hidden) != 0)
+        return ins_fail(errno, "cannot move %.200s to key %.200s: %s", old, ins_key(np),
+                        strerror(errno));
+    /* (no link followed, no FIFO waited on: a regular file was renamed, nothing else is
+     * copied) */
+    in = ins_sys.openat(olddirfd, hidden, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (in < 0 || fstat(in, &st) != 0)
+        goto cleanup;
+    if (!S_ISREG(st.st_mode)) {
+        errno = EINVAL;
+        goto cleanup;
+    }
+    if (ins_temp_name(np, tmp) != 0)
         goto cleanup;
     /* (made again where a reader's failed wait removed the key's new, empty directory, as
      * the other paths do; marked as being written: instride gc leaves it) */
@@ -362,7 +409,7 @@ static int ins_copy_publish(int olddirfd, const char *old, const struct ins_path
     published = 1;
     tmp[0] = '\0';
     if (rc == 0)
-        unlinkat(olddirfd, old, 0);
+        unlinkat(olddirfd, hidden, 0); /* (a name this call just made there: it goes) */
 cleanup:
     {
         int e = errno;
@@ -372,23 +419,51 @@ cleanup:
             ins_sys.close(out);
         if (tmp[0] != '\0')
             unlink(tmp);
+        /* not published: the source under its name again (unless a file took the name
+         * meanwhile: then it stays hidden, and the message says where) */
+        int back = rc == 0 || ins_rename_noreplace_at(olddirfd, hidden, old) == 0;
+        int be = errno;
+        errno = e;
+        if (rc != 0 && !published)
+            ins_fail(e, "cannot copy %.200s to key %.200s: %s", old, ins_key(np), strerror(e));
+        if (!back)
+            ins_fail(e, "key %.200s not published (%s); %.200s could not be named again "
+                     "(%s): it is %.200s", ins_key(np), strerror(e), old, strerror(be), hidden);
         errno = e;
     }
-    if (rc != 0 && !published)
-        ins_fail(errno, "cannot copy %.200s to key %.200s: %s", old, ins_key(np), strerror(errno));
     return rc;
 }
 
-/* Move (olddirfd, old) to the key: rename, or write-once link + unlink (an
- * atomic no-replace rename where hard links are not supported). EXDEV is left
- * to the caller. */
+/* Move (olddirfd, old) to the key: rename, or write-once an atomic no-replace rename -- all or
+ * nothing, as libc's rename: a source name that cannot go (an immutable directory, one the user
+ * cannot write) fails it, nothing published. (link + unlink, ins_publish's way for its own temp,
+ * left the key published and the source name beside it, one file still writable in place by
+ * that name.) Where the file system has no RENAME_NOREPLACE: link + unlink, the link undone
+ * when the unlink fails. EXDEV is left to the caller. */
 static int ins_move_into_place(int olddirfd, const char *old, const char *abs, int noreplace,
                                int *neither)
 {
     *neither = 0;
     if (!noreplace)
         return ins_sys.renameat(olddirfd, old, AT_FDCWD, abs);
-    return ins_link_noreplace(olddirfd, old, abs, neither);
+    if (ins_sys.renameat2(olddirfd, old, AT_FDCWD, abs, RENAME_NOREPLACE) == 0)
+        return 0;
+    int e = errno;
+    if (e != EINVAL && e != ENOSYS && e != EOPNOTSUPP)
+        return -1; /* (EEXIST, EXDEV, EACCES, EPERM...: libc's rename's answer) */
+    if (linkat(olddirfd, old, AT_FDCWD, abs, 0) != 0) {
+        e = errno;
+        *neither = e == EPERM || e == EOPNOTSUPP || e == ENOSYS;
+        errno = e;
+        return -1;
+    }
+    if (unlinkat(olddirfd, old, 0) != 0) {
+        e = errno;
+        unlink(abs);
+        errno = e;
+        return -1;
+    }
+    return 0;
 }
 
 int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, int noreplace)
@@ -396,9 +471,8 @@ int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, i
     struct stat st;
     if (ins_cfg.timeout_bad) /* a setting refused, like Python's ConfigError */
         return ins_fail(EINVAL, "cannot publish %.300s: %s", ins_key(np), ins_cfg.bad_msg);
-    if (np->refuse)
-        return ins_fail(np->refuse, "key %.300s: its path goes back (..) through a symbolic "
-                        "link inside the managed directory (refused)", ins_key(np));
+    if (np->refuse) /* (a ".." back through a link, a name Python refuses) */
+        return ins_fail_refused_key(np);
     ins_clear_message();
     if (ins_lstat_key(np, &st, 1) == 0) { /* confined mkdir -p; the target itself */
         if (ins_check_type(np, &st) != 0)

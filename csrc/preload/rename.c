@@ -22,15 +22,20 @@
  *   fails with EINVAL, what a file system that cannot exchange answers: programs
  *   that exchange expect it and fall back (or report it); EXDEV would tell them to
  *   copy, which no exchange can be.
+ * - renameat2(RENAME_WHITEOUT) (ext4, tmpfs, with CAP_MKNOD; overlay file systems' own,
+ *   made in the kernel, never through libc) with either name there: it replaced a published
+ *   key unchecked (no write-once, no record), or left a whiteout, a character device, as a
+ *   key renamed away. EINVAL too, what a file system without whiteouts answers.
  *
  * A key's bytes never change once published, so two sources are not moved in as libc would:
  * - a regular file with other hard links (`ln a b; mv a $D/k`): moved by link + unlink it kept
  *   its inode, which its other names still change in place (`echo x >> b` changed the
  *   published key under its readers). It is published as a copy instead -- written through this
  *   library's own open and close, as a program writing the key (write-once unless
- *   INSTRIDE_OVERWRITE=1, recorded in cluster mode) -- and the source name is then removed, as
+ *   INSTRIDE_OVERWRITE=1, recorded in cluster mode) -- and the source name is removed, as
  *   rename would have: rename(), mv and shutil.move all keep working (EXDEV would have made
- *   mv copy too, but failed every program that calls rename() itself).
+ *   mv copy too, but failed every program that calls rename() itself). All or nothing: a
+ *   source name that cannot be removed fails the rename with nothing published.
  * - a symbolic link, FIFO, socket or device: a key every reader refuses (ELOOP, EINVAL) that
  *   blocked the key's real publication (EEXIST). A symbolic link fails with EPERM, as
  *   symlink() there does (link.c); a special file with EINVAL, what an open of a key that is
@@ -39,8 +44,8 @@
  * In cluster mode a key renamed away (out of the managed directory, or to another key) takes
  * its record with it: the node server is told (DELETE), as for an unlink (unlink.c).
  *
- * Everything else (renames out of or outside the managed directory, RENAME_WHITEOUT) goes to
- * libc unchanged, except
+ * Everything else (renames out of or outside the managed directory) goes to libc unchanged,
+ * except
  * that a target under the managed directory reached through a symbolic link
  * there is refused (ELOOP), and that a file renamed to a path under it too long
  * to confine (PATH_MAX) is refused (ENAMETOOLONG), as an open there. A key this
@@ -57,11 +62,14 @@
 #ifndef RENAME_EXCHANGE
 #define RENAME_EXCHANGE (1 << 1)
 #endif
+#ifndef RENAME_WHITEOUT
+#define RENAME_WHITEOUT (1 << 2)
+#endif
 
 enum ins_rename_kind {
     INS_RENAME_LIBC,    /* not about a key: libc unchanged */
     INS_RENAME_PUBLISH, /* a regular file renamed to a key: publish it */
-    INS_RENAME_COPY,    /* one with other hard links: publish a copy, then remove the source */
+    INS_RENAME_COPY,    /* one with other hard links: publish a copy, the source removed */
     INS_RENAME_SYMLINK, /* a symbolic link renamed to a key: EPERM */
     INS_RENAME_SPECIAL, /* a FIFO, socket or device renamed to a key: EINVAL */
     INS_RENAME_OPEN,    /* a key this process still writes (only its temp exists) renamed
@@ -77,6 +85,7 @@ enum ins_rename_kind {
     INS_RENAME_DIR_OUT, /* cluster mode: a directory of keys renamed out of the managed
                          * directory: EXDEV (its keys' records would stay) */
     INS_RENAME_EXCHANGE, /* RENAME_EXCHANGE naming the managed directory or under it: EINVAL */
+    INS_RENAME_WHITEOUT, /* RENAME_WHITEOUT naming the managed directory or under it: EINVAL */
 };
 
 /* What (dirfd, path), found INS_UNMANAGED by ins_classify, is as a directory's new name:
@@ -151,12 +160,13 @@ static enum ins_rename_kind ins_rename_kind(int olddirfd, const char *old, int n
     if (ins_busy)
         return INS_RENAME_LIBC;
     int nkind = ins_classify(newdirfd, new, np);
-    if (flags & RENAME_EXCHANGE) /* (np, op: scratch only, both refused or libc's) */
-        return ins_exchange_names_managed(newdirfd, new, nkind, op, np) ||
-                       ins_exchange_names_managed(olddirfd, old,
-                                                  ins_classify(olddirfd, old, op), np, op)
-                   ? INS_RENAME_EXCHANGE
-                   : INS_RENAME_LIBC;
+    if (flags & (RENAME_EXCHANGE | RENAME_WHITEOUT)) /* (np, op: scratch only: refused or libc's) */
+        return !(ins_exchange_names_managed(newdirfd, new, nkind, op, np) ||
+                 ins_exchange_names_managed(olddirfd, old, ins_classify(olddirfd, old, op), np,
+                                            op))
+                   ? INS_RENAME_LIBC
+               : (flags & RENAME_EXCHANGE) ? INS_RENAME_EXCHANGE
+                                           : INS_RENAME_WHITEOUT;
     /* a directory: its files would be keys unpublished (a rename onto itself does nothing;
      * one to a path too long to confine is libc's: no key there can be opened or published) */
     int dir = nkind == INS_MANAGED     ? INS_DIR_KEY
@@ -220,8 +230,7 @@ static int ins_rename_confined(const struct ins_path *np)
     int saved = errno, rc = 0;
     ins_busy = 1;
     if (np->refuse) {
-        rc = ins_fail(np->refuse, "key %.300s: its path goes back (..) through a symbolic "
-                      "link inside the managed directory (refused)", ins_key(np));
+        rc = ins_fail_refused_key(np);
     } else {
         int pfd = ins_parent_fd(np, 0);
         if (pfd >= 0)
@@ -249,16 +258,19 @@ static int ins_rename_managed(int olddirfd, const char *old, const struct ins_pa
 
 /* A regular file with other hard links renamed to the key np: its bytes published as the key
  * through this library's open and close (a temp, then write-once or replace, recorded in
- * cluster mode), then the source name removed (through unlinkat: a key's record goes too).
- * Nothing is published when the copy fails, and the source stays when the publication does. */
+ * cluster mode), the source name removed in between. All or nothing, as a rename: the name goes
+ * before the publication, so that a removal refused (EACCES, EPERM, EROFS, EBUSY: what libc's
+ * rename would have said) publishes nothing; a publication that fails then (EEXIST from a
+ * writer of the key meanwhile, fsync) puts the name back, a link to the source still open here
+ * (its other hard links keep the file meanwhile). A key's record goes with a source that was one
+ * once the rename succeeded (ins_renamed_away). */
 static int ins_rename_copy(int olddirfd, const char *old, const struct ins_path *np,
                            unsigned int flags)
 {
     int saved = errno;
     struct stat st;
     if (np->refuse)
-        return ins_fail(np->refuse, "key %.300s: its path goes back (..) through a symbolic "
-                        "link inside the managed directory (refused)", ins_key(np));
+        return ins_fail_refused_key(np);
     int in = ins_sys.openat(olddirfd, old, O_RDONLY | O_CLOEXEC);
     if (in < 0 || fstat(in, &st) != 0) {
         int e = errno;
@@ -277,19 +289,33 @@ static int ins_rename_copy(int olddirfd, const char *old, const struct ins_path 
     }
     /* the mode the source had, as a rename keeps it (the open's is masked by the umask) */
     int rc = ins_copy_fd(in, out) == 0 && fchmod(out, mode) == 0 ? 0 : -1, e = errno;
-    ins_sys.close(in);
+    const char *failed = "cannot copy %.300s to key %.300s: %s";
+    if (rc == 0 && ins_real_unlinkat(olddirfd, old, 0) != 0) {
+        rc = -1;
+        e = errno;
+        failed = "cannot rename %.300s to key %.300s: the source cannot be removed: %s";
+    }
     if (rc != 0) {
         struct ins_file *f = ins_table_peek(out);
         if (f != NULL)
             f->discard = 1; /* its close drops the temp: nothing published */
         close(out);
-        return ins_fail(e, "cannot copy %.300s to key %.300s: %s", old, ins_key(np), strerror(e));
+        ins_sys.close(in);
+        return ins_fail(e, failed, old, ins_key(np), strerror(e));
     }
-    if (close(out) != 0) /* not published (EEXIST, fsync...): the source stays */
+    if (close(out) != 0) { /* not published (EEXIST, fsync...): the source name back */
+        e = errno;
+        char self[64];
+        snprintf(self, sizeof self, "/proc/self/fd/%d", in);
+        if (ins_real_linkat(AT_FDCWD, self, olddirfd, old, AT_SYMLINK_FOLLOW) != 0)
+            ins_fail(e, "key %.300s not published (%s), and %.300s could not be put back "
+                     "(%s): its other hard links still hold it", ins_key(np), strerror(e),
+                     old, strerror(errno));
+        ins_sys.close(in);
+        errno = e;
         return -1;
-    if (unlinkat(olddirfd, old, 0) != 0)
-        return ins_fail(errno, "key %.300s published as a copy of %.300s, which could not be "
-                        "removed: %s", ins_key(np), old, strerror(errno));
+    }
+    ins_sys.close(in);
     errno = saved;
     return 0;
 }
@@ -305,8 +331,7 @@ static int ins_rename_open(int olddirfd, const char *old, const struct ins_path 
     struct stat st;
     ins_busy = 1;
     if (np->refuse) {
-        rc = ins_fail(np->refuse, "key %.300s: its path goes back (..) through a symbolic "
-                      "link inside the managed directory (refused)", ins_key(np));
+        rc = ins_fail_refused_key(np);
     } else if (ins_lstat_key(np, &st, 1) == 0) { /* confined mkdir -p; the target itself */
         if (ins_check_type(np, &st) != 0)
             rc = -1;
@@ -324,14 +349,14 @@ static int ins_rename_open(int olddirfd, const char *old, const struct ins_path 
 }
 
 /* Cluster mode: the file of a key renamed away (kind: what was done; rc: its result) -- out of
- * the managed directory, or to another key -- takes the key's record with it (DELETE, as an
- * unlink of it). A copy's source went through unlinkat, which did so; anything refused or
- * left in place did not move. */
+ * the managed directory, or to another key (also as a copy) -- takes the key's record with it
+ * (DELETE, as an unlink of it); anything refused or left in place did not move. */
 static int ins_renamed_away(int rc, enum ins_rename_kind kind, int src_key,
                             const struct ins_path *sp, int newdirfd, const char *new)
 {
     if (rc != 0 || !src_key ||
-        (kind != INS_RENAME_PUBLISH && kind != INS_RENAME_CHECKED && kind != INS_RENAME_LIBC))
+        (kind != INS_RENAME_PUBLISH && kind != INS_RENAME_COPY && kind != INS_RENAME_CHECKED &&
+         kind != INS_RENAME_LIBC))
         return rc;
     /* A key moved to one of instride's own names is instride's own bookkeeping (the Python
      * package under the library: a bounded stream's producer retires each frame into its
@@ -354,7 +379,8 @@ static int ins_renamed_away(int rc, enum ins_rename_kind kind, int src_key,
             return ins_renamed_away(ins_rename_managed(olddirfd, old, &np, flags), kind, \
                                     src_key, &sp, newdirfd, new);                   \
         case INS_RENAME_COPY:                                                       \
-            return ins_rename_copy(olddirfd, old, &np, flags);                      \
+            return ins_renamed_away(ins_rename_copy(olddirfd, old, &np, flags), kind, \
+                                    src_key, &sp, newdirfd, new);                   \
         case INS_RENAME_SYMLINK:                                                    \
             return ins_fail(EPERM, "%.300s: a symbolic link is not renamed to a key (a key " \
                             "that is one is refused by every reader)", new);       \
@@ -384,6 +410,11 @@ static int ins_renamed_away(int rc, enum ins_rename_kind kind, int src_key,
             return ins_fail(EINVAL, "%.300s, %.300s: RENAME_EXCHANGE is not supported under " \
                             "the managed directory (a published key never changes)", old, \
                             new);                                                       \
+        case INS_RENAME_WHITEOUT:                                                   \
+            return ins_fail(EINVAL, "%.300s, %.300s: RENAME_WHITEOUT is not supported under " \
+                            "the managed directory (a key appears only by publication, " \
+                            "and a whiteout there would be a key every reader refuses)", \
+                            old, new);                                                  \
         case INS_RENAME_CHECKED:                                                    \
             if (ins_rename_confined(&np) != 0)                                      \
                 return -1;                                                          \

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -501,3 +502,49 @@ def test_os_truncate_of_a_published_key_is_refused(shim: Shim) -> None:
     proc = shim.py(code)
     assert proc.stdout.decode().strip() == "EPERM", (proc.stdout, proc.stderr)
     assert key.read_text() == "published"
+
+
+_NO_KEY_CALLS = """
+import errno, os, sys
+root, outside = os.fsencode(sys.argv[1]), os.fsencode(sys.argv[2])
+def outcome(call, *args):
+    try:
+        call(*args)
+        return "ok"
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+def write(path):
+    with open(path, "wb") as fh:
+        fh.write(b"bytes")
+def read(path):
+    with open(path, "rb") as fh:
+        fh.read()
+for name in [b"a\\nb", b"run/a\\x7fb", b" ", "\\u3000".encode(), b"x" * 201, b"r\\xe9sultat",
+             b"/".join([b"d" * 100] * 11), "r\\u00e9sultat\\x85".encode()]:
+    with open(outside + b"/src", "wb") as fh:
+        fh.write(b"moved")
+    path = root + b"/" + name
+    print(outcome(write, path), outcome(read, path), outcome(os.rename, outside + b"/src", path))
+"""
+
+
+def test_a_name_python_refuses_is_no_key_the_preload_library_publishes(shim: Shim) -> None:
+    """Under the preload library, a file made under the managed directory with a name that
+    ``keys.normalize_key`` refuses (a control character, whitespace only, a component over
+    200 bytes, a key over 1,024 bytes, bytes that are no UTF-8, as a Latin-1 program writes
+    them) was published as a key: a file no Python consumer can name (KeyValidationError).
+    Writing, reading and renaming to it now fail at once (EINVAL; ENAMETOOLONG for the
+    lengths), nothing is written; a name Python takes (U+0085 inside) still publishes."""
+    proc = shim.with_env(INSTRIDE_TIMEOUT="0", INSTRIDE_DEBUG="1").run(
+        [sys.executable, "-I", "-c", _NO_KEY_CALLS, shim.dir, shim.outside])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.decode().splitlines() == [
+        "EINVAL EINVAL EINVAL", "EINVAL EINVAL EINVAL", "EINVAL EINVAL EINVAL",
+        "EINVAL EINVAL EINVAL", "ENAMETOOLONG ENAMETOOLONG ENAMETOOLONG",
+        "EINVAL EINVAL EINVAL", "ENAMETOOLONG ENAMETOOLONG ENAMETOOLONG",
+        "ok ok EEXIST",  # (a key: published by the write, so the rename's is write-once)
+    ]
+    assert b"contains a control character" in proc.stderr
+    assert b"not valid UTF-8" in proc.stderr
+    assert [p.name for p in shim.dir.rglob("*")] == ["r\u00e9sultat\x85"]
+    assert shim.temps() == []

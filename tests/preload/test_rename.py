@@ -1,5 +1,6 @@
 """Renames under the managed directory that would make keys without publication
-(csrc/preload/rename.c): a directory renamed there, and ``renameat2(RENAME_EXCHANGE)``.
+(csrc/preload/rename.c): a directory renamed there, ``renameat2(RENAME_EXCHANGE)`` and
+``RENAME_WHITEOUT``; and files with other hard links, published as copies (all or nothing).
 
 A key appears only by publication (complete at once, write-once checked, recorded in cluster
 mode). A directory renamed into the managed directory, or within it, is refused with EXDEV, on
@@ -9,8 +10,13 @@ exchange that names a key is refused with EINVAL.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,13 +41,15 @@ def _files(root: Path) -> dict[str, str]:
 TREE = {"f.txt": "result", "sub/g.txt": "sub"}
 
 
-@pytest.mark.parametrize("case", ["dir", "root", "exchange"])
+@pytest.mark.parametrize("case", ["dir", "root", "exchange", "whiteout"])
 def test_directory_renames_and_exchanges_naming_keys_are_refused(shim: Shim, build: Builder,
                                                                   case: str) -> None:
     """A directory renamed under the managed directory (from outside or within it) made its
     files keys without publication, or renamed keys without their records; one renamed over
-    the managed directory replaced it; RENAME_EXCHANGE swapped a published key's bytes. They
-    fail (EXDEV; EINVAL for the exchange) and nothing moves. See tests/preload/c/renames.c."""
+    the managed directory replaced it; RENAME_EXCHANGE swapped a published key's bytes;
+    RENAME_WHITEOUT replaced a published key (no write-once check) or left a whiteout device as
+    the key. They fail (EXDEV; EINVAL for an exchange or a whiteout) and nothing moves. See
+    tests/preload/c/renames.c."""
     _tree(shim.outside / "res")
     (shim.outside / "empty").mkdir()
     (shim.outside / "src.txt").write_text("outside")
@@ -188,3 +196,199 @@ def test_symlinks_and_special_files_renamed_to_a_key_are_refused(shim: Shim) -> 
     (shim.outside / "real").write_text("real")
     shim.run(["mv", shim.outside / "real", shim.dir / "sl"], check=True)
     assert (shim.dir / "sl").read_text() == "real"
+
+
+@contextlib.contextmanager
+def _unremovable(path: Path) -> Iterator[None]:
+    """``path`` stays readable but cannot be unlinked: immutable for root (``chattr +i``:
+    unlink EPERM), else in a directory made read-only (EACCES)."""
+    if os.geteuid() == 0:
+        chattr = shutil.which("chattr")
+        assert chattr, "e2fsprogs' chattr is needed (apt-get install e2fsprogs)"
+        subprocess.run([chattr, "+i", path], check=True)
+        try:
+            yield
+        finally:
+            subprocess.run([chattr, "-i", path], check=True)
+    else:
+        path.parent.chmod(0o555)
+        try:
+            yield
+        finally:
+            path.parent.chmod(0o755)
+
+
+def test_a_copy_whose_source_cannot_be_removed_publishes_nothing(shim: Shim,
+                                                                build: Builder) -> None:
+    """A file with other hard links renamed to a key is published as a copy, then its name
+    removed. When that removal failed (an immutable file, a directory the user cannot write),
+    the rename failed -- but the copy was already published: ``mv`` said "cannot move", the key
+    was there all the same, and moving it again failed (EEXIST, write-once). The rename fails
+    now with nothing published, the source where it was; libc's own rename would have. (The
+    name goes first now: a publication that fails after it, here a failed fsync, puts it
+    back.)"""
+    a, b = shim.outside / "a", shim.outside / "b"
+    a.write_text("bytes")
+    os.link(a, b)
+    code = (
+        "import errno, os, sys\n"
+        "try:\n"
+        "    os.rename(*sys.argv[1:])\n"
+        "    print('renamed')\n"
+        "except OSError as exc:\n"
+        "    print(errno.errorcode[exc.errno])\n"
+    )
+    with _unremovable(a):
+        proc = shim.run([sys.executable, "-I", "-c", code, a, shim.dir / "k"])
+        mv = shim.run(["mv", "-T", a, shim.dir / "k2"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.decode().split() == ["EPERM" if os.geteuid() == 0 else "EACCES"]
+    assert mv.returncode != 0
+    assert sorted(p.name for p in shim.dir.iterdir()) == []
+    assert a.read_text() == "bytes" and os.stat(a).st_nlink == 2
+    # a publication that fails (INSTRIDE_FSYNC=1, fsync EIO) once the name went: it is back
+    eio = shim.with_env(INSTRIDE_FSYNC="1")
+    eio.env["LD_PRELOAD"] = f"{build('fsync_eio.c', '-shared', '-fPIC', name='fsync_eio.so')}:" \
+                            f"{eio.env['LD_PRELOAD']}"
+    proc = eio.run([sys.executable, "-I", "-c", code, a, shim.dir / "k"])
+    assert proc.stdout.decode().split() == ["EIO"], proc.stderr
+    assert sorted(p.name for p in shim.dir.iterdir()) == []
+    assert a.read_text() == "bytes" and os.stat(a).st_ino == os.stat(b).st_ino
+    # the same rename, once the source can go, publishes it
+    shim.run([sys.executable, "-I", "-c", code, a, shim.dir / "k"], check=True)
+    assert (shim.dir / "k").read_text() == "bytes"
+    assert not a.exists() and b.read_text() == "bytes"
+    assert shim.temps() == []
+
+
+def test_mv_of_a_tree_with_hard_links_from_another_file_system(shim: Shim) -> None:
+    """``mv`` of a tree holding hard links from another file system (/dev/shm) into the managed
+    directory: GNU mv renames file by file, each rename of a name with other links publishes a
+    copy, and the last name is published by the EXDEV copy -- mv never calls link() between the
+    new names (which the managed directory refuses, EXDEV). It succeeds: every name is a key of
+    its own, the source tree is gone."""
+    src = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        if os.stat(src).st_dev == os.stat(shim.dir).st_dev:
+            pytest.skip("/dev/shm is on the managed directory's file system here")
+        _tree(src / "t")
+        os.link(src / "t" / "f.txt", src / "t" / "sub" / "f.link")
+        os.link(src / "t" / "f.txt", src / "t" / "f2.txt")
+        shim.run(["mv", src / "t", f"{shim.dir}/"], check=True)
+        assert _files(shim.dir / "t") == {**TREE, "sub/f.link": "result", "f2.txt": "result"}
+        assert all(os.stat(p).st_nlink == 1 for p in (shim.dir / "t").rglob("*") if p.is_file())
+        assert not (src / "t").exists()
+        assert shim.temps() == []
+    finally:
+        shutil.rmtree(src)
+
+
+def test_a_key_renamed_as_a_copy_takes_its_record_along(nodes: EmulatedCluster) -> None:
+    """Cluster mode: a key with another hard link (made without the library) renamed to another
+    key is published there as a copy, and its old name goes with its record: node 2 reads the
+    new key, and may publish the old one again (EEXIST while the record stayed)."""
+    d1, d2 = nodes.node(1).dir, nodes.node(2).dir
+    src = nodes.base_dir / "copy-src"
+    src.write_text("first")
+    assert run_preloaded(nodes, 1, ["cp", src, d1 / "cp-old"]).returncode == 0
+    os.link(d1 / "cp-old", nodes.base_dir / "cp-old.link")
+    proc = run_preloaded(nodes, 1, ["mv", d1 / "cp-old", d1 / "cp-new"])
+    assert proc.returncode == 0, proc.stderr
+    assert (nodes.base_dir / "cp-old.link").read_text() == "first"
+    proc = run_preloaded(nodes, 2, ["cat", d2 / "cp-new"])
+    assert proc.returncode == 0 and proc.stdout == b"first", proc.stderr
+    src.write_text("again")
+    proc = run_preloaded(nodes, 2, ["cp", src, d2 / "cp-old"])
+    assert proc.returncode == 0, proc.stderr
+    proc = run_preloaded(nodes, 1, ["cat", d1 / "cp-old"])
+    assert proc.returncode == 0 and proc.stdout == b"again", proc.stderr
+
+
+_RENAME = (
+    "import errno, os, sys\n"
+    "try:\n"
+    "    os.rename(*sys.argv[1:])\n"
+    "    print('renamed')\n"
+    "except OSError as exc:\n"
+    "    print(errno.errorcode[exc.errno])\n"
+)
+
+
+def test_a_move_from_another_file_system_whose_source_cannot_go_publishes_nothing(
+        shim: Shim) -> None:
+    """A file renamed into the managed directory from another file system (/dev/shm here) is
+    copied beside the key and published, then its name removed -- and a removal that failed
+    (an immutable file, a directory the user cannot write) was ignored: rename() said 0, the
+    key was published and the source stayed, where libc's rename (and mv) would have failed.
+    The source name goes first now, to a hidden name beside it: refused, the rename fails
+    with nothing published; a publication that fails then (the key published meanwhile:
+    EEXIST) puts the name back."""
+    src = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        if os.stat(src).st_dev == os.stat(shim.dir).st_dev:
+            pytest.skip("/dev/shm is on the managed directory's file system here")
+        f = src / "f"
+        f.write_text("bytes")
+        with _unremovable(f):
+            proc = shim.run([sys.executable, "-I", "-c", _RENAME, f, shim.dir / "k"])
+        assert proc.stdout.decode().split() == ["EPERM" if os.geteuid() == 0 else "EACCES"], \
+            proc.stderr
+        assert list(shim.dir.iterdir()) == []
+        assert os.listdir(src) == ["f"] and f.read_text() == "bytes"
+        # the key published meanwhile (write-once): the source back under its name
+        (shim.outside / "other").write_text("other")
+        shim.run(["cp", shim.outside / "other", shim.dir / "k"], check=True)
+        proc = shim.run([sys.executable, "-I", "-c", _RENAME, f, shim.dir / "k"])
+        assert proc.stdout.decode().split() == ["EEXIST"], proc.stderr
+        assert os.listdir(src) == ["f"] and f.read_text() == "bytes"
+        assert (shim.dir / "k").read_text() == "other"
+        # a source that can go: moved, nothing left beside it
+        proc = shim.run([sys.executable, "-I", "-c", _RENAME, f, shim.dir / "k2"])
+        assert proc.stdout.decode().split() == ["renamed"], proc.stderr
+        assert os.listdir(src) == [] and (shim.dir / "k2").read_text() == "bytes"
+        assert shim.temps() == []
+    finally:
+        shutil.rmtree(src)
+
+
+@contextlib.contextmanager
+def _unwritable_dir(path: Path) -> Iterator[None]:
+    """No name in the directory ``path`` can be removed (its files can still be linked
+    elsewhere): immutable for root (``chattr +i``), else made read-only."""
+    if os.geteuid() == 0:
+        chattr = shutil.which("chattr")
+        assert chattr, "e2fsprogs' chattr is needed (apt-get install e2fsprogs)"
+        subprocess.run([chattr, "+i", path], check=True)
+        try:
+            yield
+        finally:
+            subprocess.run([chattr, "-i", path], check=True)
+    else:
+        path.chmod(0o555)
+        try:
+            yield
+        finally:
+            path.chmod(0o755)
+
+
+def test_a_move_whose_source_name_cannot_go_publishes_nothing(shim: Shim) -> None:
+    """On the managed directory's file system a write-once move was link(source, key) then
+    unlink(source), the unlink's failure ignored: from a directory whose names cannot be removed
+    rename() said 0 and both names stayed, one file -- the source name still writable in place,
+    so the published key's bytes changed under its readers (``echo x >> source``). The move
+    is one atomic no-replace rename now (link + unlink only where the file system has none,
+    the link undone when the unlink fails): refused as libc's rename, nothing published."""
+    sub = shim.outside / "ro"
+    sub.mkdir()
+    f = sub / "f"
+    f.write_text("bytes")
+    with _unwritable_dir(sub):
+        proc = shim.run([sys.executable, "-I", "-c", _RENAME, f, shim.dir / "k"])
+    assert proc.stdout.decode().split() == ["EPERM" if os.geteuid() == 0 else "EACCES"], \
+        proc.stderr
+    assert list(shim.dir.iterdir()) == []
+    assert f.read_text() == "bytes" and os.stat(f).st_nlink == 1
+    proc = shim.run([sys.executable, "-I", "-c", _RENAME, f, shim.dir / "k"])
+    assert proc.stdout.decode().split() == ["renamed"], proc.stderr
+    assert not f.exists() and (shim.dir / "k").read_text() == "bytes"
+    assert os.stat(shim.dir / "k").st_nlink == 1

@@ -18,7 +18,12 @@
  * exchange: renameat2(RENAME_EXCHANGE) swapped a published key's file with another file (its
  *   bytes replaced, no write-once check, no record): EINVAL when either name is under the
  *   managed directory (what a file system that cannot exchange answers), both untouched; an
- *   exchange outside stays libc's. */
+ *   exchange outside stays libc's.
+ * whiteout: renameat2(RENAME_WHITEOUT) (ext4, tmpfs, with CAP_MKNOD) went to libc: a file
+ *   renamed over a published key replaced it (no write-once check, no record), and a key
+ *   renamed away left a whiteout (a character device) as the key, which every reader refuses.
+ *   EINVAL when either name is under the managed directory (what a file system without
+ *   whiteouts answers), both untouched. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -33,6 +38,9 @@
 #endif
 #ifndef RENAME_EXCHANGE
 #define RENAME_EXCHANGE (1 << 1)
+#endif
+#ifndef RENAME_WHITEOUT
+#define RENAME_WHITEOUT (1 << 2)
 #endif
 
 static const char *dir, *outside;
@@ -170,6 +178,32 @@ static int t_exchange(void)
     return 0;
 }
 
+static int t_whiteout(void)
+{
+    const char *src = in_dir(outside, "src.txt"), *key = in_dir(dir, "pub/k.txt");
+    struct {
+        const char *a, *b;
+        unsigned int flags;
+        const char *what;
+    } cases[] = {
+        {src, key, RENAME_WHITEOUT, "whiteout(outside file, key)"},
+        {src, in_dir(dir, "pub/new.txt"), RENAME_WHITEOUT, "whiteout(outside file, new key)"},
+        {src, key, RENAME_WHITEOUT | RENAME_NOREPLACE, "whiteout|noreplace(outside, key)"},
+        {key, in_dir(outside, "taken.txt"), RENAME_WHITEOUT, "whiteout(key, outside)"},
+        {key, in_dir(dir, "pub/k3.txt"), RENAME_WHITEOUT, "whiteout(key, key)"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        if (refused(renameat2(AT_FDCWD, cases[i].a, AT_FDCWD, cases[i].b, cases[i].flags),
+                    EINVAL, cases[i].what, NULL) ||
+            intact(cases[i].what))
+            return 1;
+        if (!holds(src, "outside") || !missing(in_dir(dir, "pub/new.txt")) ||
+            !missing(in_dir(dir, "pub/k3.txt")) || !missing(in_dir(outside, "taken.txt")))
+            FAIL("%s: a file moved\n", cases[i].what);
+    }
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 4)
@@ -184,6 +218,8 @@ int main(int argc, char **argv)
         rc = t_root();
     else if (!strcmp(c, "exchange"))
         rc = t_exchange();
+    else if (!strcmp(c, "whiteout"))
+        rc = t_whiteout();
     else
         return fprintf(stderr, "unknown case %s\n", c), 2;
     if (rc == 0)
