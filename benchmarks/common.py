@@ -36,8 +36,23 @@ def machine() -> dict[str, Any]:
         "cpu": cpu,
         "kernel": platform.release(),
         "python": platform.python_version(),
+        "interpreter": interpreter(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
+
+
+def interpreter() -> str:
+    """The running interpreter's file and whether it calls into a shared ``libpython``.
+
+    Most of instride's per-frame CPU outside the kernel is Python, so the interpreter's build
+    shows in the cluster benchmarks: Debian's ``/usr/bin/python3`` (built with PGO and LTO,
+    libpython linked in) runs it ~20 % faster than a default pyenv build (no PGO, a shared
+    libpython) on the development VM. Benchmarks print it beside their results.
+    """
+    shared = False
+    with open("/proc/self/maps") as fh:
+        shared = any("/libpython" in line for line in fh)
+    return f"{os.path.realpath(sys.executable)} (libpython {'shared' if shared else 'static'})"
 
 
 def header(title: str) -> dict[str, Any]:
@@ -47,6 +62,7 @@ def header(title: str) -> dict[str, Any]:
     print(f"command: {' '.join(shlex.quote(a) for a in [sys.executable, *sys.argv])}")
     print(f"machine: {m['cores']} cores, {m['memory_gib']} GiB, {m['cpu']}, Linux {m['kernel']}, "
           f"Python {m['python']}, load {m['load_avg_1m']}")
+    print(f"interpreter: {m['interpreter']}")
     print(f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
     return m
 
