@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -262,25 +263,86 @@ def test_a_retried_publication_never_overwrites_a_newer_record(redis_server: Red
         relay.close()
 
 
-def test_a_publication_whose_answer_was_lost_long_ago_is_not_sent_again(
+@pytest.mark.parametrize("between", ["a delete", "a delete and another publication"])
+def test_a_retried_publication_never_brings_back_a_record_deleted_meanwhile(
+        redis_server: RedisServer, tmp_path, between: str) -> None:  # type: ignore[no-untyped-def]
+    """Redis stored a publication, its reply was lost, and the key was deleted (and perhaps
+    published again by another writer) before the retry: the retry found no record of its own
+    and stored it again, bringing back a deleted record or putting the older record over the
+    newer one. A delete leaves the publication's mark, as an overwrite does: the retry is done
+    already, and stores nothing."""
+    other = RedisMetadata(Settings(dir=tmp_path, redis_url=redis_server.url, connect_timeout=5))
+    newer: list[Record] = []
+
+    def meanwhile() -> None:
+        other.delete("gone/k")
+        if between != "a delete":
+            newer.append(other.publish(Record("gone/k", "127.0.0.1:2", 22, "xxh3:2", 0,
+                                              time.time(), "n2")))
+
+    relay = _DropAfterAnotherWrites((redis_server.host, redis_server.port), meanwhile)
+    b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
+                               connect_timeout=5))
+    try:
+        warm = b.publish(_record("gone/warm"))
+        relay.armed = True
+        rec = b.publish(Record("gone/k", "127.0.0.1:1", 7, "xxh3:1", 0, time.time(), "n1"))
+        assert relay.dropped == 1  # (lost reply, then the delete)
+        assert rec.version == warm.version + 1  # its own, stored first
+        assert b.lookup("gone/k") == (newer[0] if newer else None)  # nothing brought back
+    finally:
+        b.close()
+        other.close()
+        relay.close()
+
+
+def test_a_late_retry_is_settled_by_its_own_record_and_unsettled_without_it(
         redis_server: RedisServer, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    """What lets a retry know it was overwritten meanwhile (the script's mark of it) lasts a
-    bounded time: a publication whose answer was lost longer ago than that is
-    :class:`PublicationUnsettled` (register it again), never sent again blindly."""
+    """The marks that let a retry know it was overwritten or deleted meanwhile last a bounded
+    time. A retry later than that still finds its own record (a confirmation from another
+    thread, minutes after a stream's last frame: its close must settle it), but where the
+    record is another's or gone and no mark says more, it is :class:`PublicationUnsettled`
+    (register it again), never stored blindly over a newer record."""
     from instride.errors import PublicationUnsettled
     from instride.metadata import redis as backend_module
 
     monkeypatch.setattr(backend_module, "_RETRY_WITHIN_S", 0.0)  # (every retry is late)
+    direct = redis.Redis.from_url(redis_server.url)
     relay = ReplyDropper((redis_server.host, redis_server.port))
     b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
                                connect_timeout=5))
     try:
-        b.publish(_record("late/warm"))
-        relay.armed = True
-        with pytest.raises(PublicationUnsettled, match="'late/k' may or may not be recorded"):
-            b.publish(_record("late/k"))
+        warm = b.publish(_record("late/warm"))
+        relay.armed = True  # its own record there: settled, its version
+        assert b.publish(_record("late/k")).version == warm.version + 1
         assert relay.dropped == 1
-        assert b.lookup("late/k") is not None  # (stored once, by the first send)
+        # confirmed from another thread (its answer not read there: sent again) long after
+        pending = b.publish_soon(_record("late/t"))
+        confirmed: list[Any] = []
+        worker = threading.Thread(target=lambda: confirmed.append(pending()))
+        worker.start()
+        worker.join(30)
+        assert confirmed and confirmed[0].version == warm.version + 2
+        # overwritten meanwhile and its mark gone (expired): unsettled, the newer record kept
+        other = RedisMetadata(Settings(dir=tmp_path, redis_url=redis_server.url,
+                                       connect_timeout=5))
+
+        def overwritten() -> None:
+            other.publish(Record("late/o", "127.0.0.1:2", 22, "xxh3:2", 0, time.time(), "n2"))
+            for mark in direct.keys("instride:was:*"):
+                direct.delete(mark)
+
+        relay.close()
+        relay = _DropAfterAnotherWrites((redis_server.host, redis_server.port), overwritten)
+        b.close()
+        b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
+                                   connect_timeout=5))
+        b.publish(_record("late/warm2"))
+        relay.armed = True
+        with pytest.raises(PublicationUnsettled, match="holds neither its record nor a mark"):
+            b.publish(Record("late/o", "127.0.0.1:1", 7, "xxh3:1", 0, time.time(), "n1"))
+        assert b.lookup("late/o").owner == "127.0.0.1:2"  # the newer record stays
+        other.close()
     finally:
         b.close()
         relay.close()

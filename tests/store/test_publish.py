@@ -543,3 +543,29 @@ def test_the_c_library_names_a_file_system_that_cannot_publish_write_once(
     assert done.returncode == 0 and int(done.stdout) == 0, (done.stdout, done.stderr)
     assert path.read_bytes() == b"x" * 1000 and not src.exists()
     assert [p.name for p in (managed_dir / "k").iterdir()] == ["frame.bin"]
+
+
+def test_a_writers_lock_is_taken_though_a_collectors_look_holds_it_off(tmp_path: Path) -> None:
+    """``instride gc`` looks at a temporary file with an exclusive lock held for a moment: a
+    writer locking its file (shared) at that very moment was refused, silently, and its file
+    stayed unlocked for good — a later collector in another PID namespace (where the writer's
+    process id names nothing) removed a live writer's file. The writer tries again."""
+    import fcntl
+    import threading
+
+    from instride.store import mark_writing
+    from instride.store.gc import being_written
+
+    path = tmp_path / "f.tmp"
+    path.write_bytes(b"x")
+    fd = os.open(path, os.O_RDWR)
+    look = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(look, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the collector's look, right then
+        done = threading.Event()
+        threading.Timer(0.05, lambda: (os.close(look), done.set())).start()
+        mark_writing(fd)
+        assert done.wait(10)  # (the look is over)
+        assert being_written(path)  # the writer's lock is there: no collector removes it
+    finally:
+        os.close(fd)

@@ -2057,3 +2057,42 @@ def test_close_closes_the_connections_of_every_thread(
         worker.join(30)
         os.close(fd)
         transport.close()
+
+
+def test_close_while_threads_make_their_first_connections_raises_nothing(tmp_path: Path) -> None:
+    """``close()`` goes over every thread's tables; threads making their first ones meanwhile
+    changed the registry under that iteration: ``RuntimeError: dictionary changed size during
+    iteration`` (untyped) out of ``close()``."""
+    import threading
+
+    from instride.config import Settings
+    from instride.transport.tcp.client import TcpTransport
+
+    transport = TcpTransport(Settings(dir=tmp_path))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def first_tables() -> None:
+        while not stop.is_set():
+            threads = [threading.Thread(target=lambda: (transport._pool(), transport._batches()))
+                       for _ in range(50)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+
+    def closer() -> None:
+        while not stop.is_set():
+            try:
+                transport.close()
+            except BaseException as exc:  # noqa: BLE001 (what the test looks for)
+                errors.append(exc)
+
+    workers = [threading.Thread(target=first_tables), threading.Thread(target=closer)]
+    for th in workers:
+        th.start()
+    time.sleep(4)
+    stop.set()
+    for th in workers:
+        th.join(30)
+    assert not errors, errors[:3]

@@ -1232,8 +1232,10 @@ class ClusterEngine:
     confines = False  # a fetched copy is checked by the client
 
     def retired(self, key: str) -> None:
-        """A file of this node was taken away from its key: delete its record."""
-        self.metadata.delete(key)
+        """A file of this node was taken away from its key: delete its record (a stream's
+        frame: its publication confirmed before, no mark of it kept, see
+        :meth:`RedisMetadata.forget`)."""
+        self.metadata.forget(key)
 
     def drop_copy(self, key: str) -> None:
         """Remove this node's fetched copy of ``key`` (never an original of this node): a

@@ -67,14 +67,18 @@ _CLOCK = PREFIX + "clock"
 #: the version counter per key of instride before the clock (read, so versions never go back)
 _LEGACY_VER = PREFIX + "ver:"
 #: ``instride:was:<publication id>``: the version of a publication whose record another
-#: publication of its key overwrote, kept :data:`_WAS_TTL_S` seconds for a retry of it
+#: publication of its key overwrote, or a delete forgot, kept :data:`_WAS_TTL_S` seconds for a
+#: retry of it
 _WAS = PREFIX + "was:"
-#: seconds after its first send within which a publication whose reply was lost may be sent
-#: again (later it is :class:`PublicationUnsettled`): a retry must find the mark the script
-#: leaves when another publication overwrites it (``instride:was:<id>``), so the marks last
-#: longer (Redis holds one per overwrite of a key for that long: ~1 MB at 10 per second)
+#: seconds after its first send within which a retry of a publication whose reply was lost is
+#: sure to find its mark, were it overwritten or deleted since (``instride:was:<id>``; Redis
+#: holds one per overwrite or delete of a key for that long: ~1 MB at 10 per second). A later
+#: retry that finds neither its record nor its mark is :class:`PublicationUnsettled` (the
+#: script cannot tell a publication that never arrived from one whose mark expired)
 _RETRY_WITHIN_S = 600.0
 _WAS_TTL_S = int(_RETRY_WITHIN_S) + 60
+#: the publish script's answer to such a late retry
+_LATE = -2
 
 _PUBLISH = """
 local rec = KEYS[1]
@@ -93,6 +97,11 @@ if KEYS[6] then
   if was then
     return tonumber(was)
   end
+end
+-- a retry later than the marks live (KEYS[7] named, whatever its name), neither its record
+-- nor its mark there: stored and overwritten, or never stored, cannot be told -- unsettled
+if KEYS[7] then
+  return @LATE@
 end
 -- (a record always has its version: none means no record; each redis.call costs a woken
 -- Redis ~10 µs, the command itself ~1)
@@ -143,7 +152,7 @@ if ARGV[at] then
   return {version, redis.call('HGETALL', ARGV[at])}
 end
 return version
-""".replace("@WAS@", _WAS).replace("@WAS_TTL@", str(_WAS_TTL_S))
+""".replace("@WAS@", _WAS).replace("@WAS_TTL@", str(_WAS_TTL_S)).replace("@LATE@", str(_LATE))
 
 #: sent just ahead of a publication, in the same write: Redis writes what it owes its clients
 #: after it has run everything a read brought, the client that got something to send last
@@ -155,12 +164,25 @@ _AHEAD = hiredis.pack_command(("PING",))
 #: forget a key's record (KEYS: the record, the keys index) only while it is the one a caller
 #: looked up (ARGV: its version, its owner, the key): a publication stored since stays
 _DELETE_IF = """
-local had = redis.call('HMGET', KEYS[1], 'version', 'owner')
+local had = redis.call('HMGET', KEYS[1], 'version', 'owner', 'pub')
 if had[1] ~= ARGV[1] or had[2] ~= ARGV[2] then return 0 end
+if had[3] then  -- (its publication's mark: a retry of it after a lost reply is done already)
+  redis.call('SET', '@WAS@' .. had[3], had[1], 'EX', @WAS_TTL@)
+end
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[3])
 return 1
-"""
+""".replace("@WAS@", _WAS).replace("@WAS_TTL@", str(_WAS_TTL_S))
+#: forget a key's record (see RedisMetadata.delete), leaving its publication's mark
+_DELETE = """
+local had = redis.call('HMGET', KEYS[1], 'version', 'pub')
+if had[1] and had[2] then
+  redis.call('SET', '@WAS@' .. had[2], had[1], 'EX', @WAS_TTL@)
+end
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 1
+""".replace("@WAS@", _WAS).replace("@WAS_TTL@", str(_WAS_TTL_S))
 
 #: what makes a publication's id unique: this run of the program, the process, then a count
 _RUN = secrets.token_hex(6)
@@ -319,10 +341,6 @@ def _announced(msg: Any) -> Record | None:
     return _from_message(msg[3])
 
 
-class _TooLate(Exception):
-    """A publication whose answer was lost is past :data:`_RETRY_WITHIN_S`: not sent again."""
-
-
 class _PatternsRefused(Exception):
     """Redis refused a pattern subscription (an ACL that allows channels, not patterns)."""
 
@@ -347,6 +365,8 @@ class _SoonRecord(PendingRecord):
         self._fast = fast
         self._sender = (threading.get_ident(), forks())
         self._at = time.monotonic()  # (sent then: a retry comes within _RETRY_WITHIN_S)
+        #: whether it may have been stored (sent, or a settlement of it went out)
+        self._went = replies is not None
         self._done: Record | None = None
         #: an error answer's text, raised every time (a new exception each time: one raised
         #: again would keep each raise's traceback, and with it this object, in a cycle)
@@ -376,11 +396,19 @@ class _SoonRecord(PendingRecord):
             self._refused = str(reply)
         if self._refused is not None:  # (as publish raises it)
             raise _refusal(self._metadata.url, "publish", redis.ResponseError(self._refused))
-        # NOSCRIPT (Redis restarted), a lost reply: again, as the same publication
+        # NOSCRIPT (Redis restarted), a lost reply: again, as the same publication -- a
+        # retry where it may have been stored (not one NOSCRIPT answered: it did not run)
         metadata = self._metadata
-        stored = metadata._publish_now(self._record, self._sent, self, self._at) \
-            if reply is None or isinstance(reply, Exception) \
-            else metadata._stored(self._record, reply, self)
+        if reply is None or isinstance(reply, Exception):
+            retry = self._went and reply is None
+            try:
+                stored = metadata._publish_now(self._record, self._sent, self,
+                                               self._at if retry else None)
+            except PublicationUnsettled:
+                self._went = True
+                raise
+        else:
+            stored = metadata._stored(self._record, reply, self)
         self._done = stored
         return stored
 
@@ -658,10 +686,11 @@ class RedisMetadata:
             if (went or again) and len(keys) == 5:  # a retry: it names where it may be
                 keys = [*keys, _WAS + args[7]]  # found done (see _PUBLISH: overwritten since)
                 sent = (keys, args)
-            if (went or again) and time.monotonic() - first > _RETRY_WITHIN_S:
-                # (its mark, were it overwritten meanwhile, may be gone: sent again, it
-                # could put itself over a newer record)
-                raise _TooLate
+            if len(keys) == 6 and time.monotonic() - first > _RETRY_WITHIN_S:
+                # (its mark, were it overwritten or deleted meanwhile, may be gone: the
+                # script says unsettled unless it finds its own record)
+                keys = [*keys, _WAS + "late"]
+                sent = (keys, args)
             fast = self._fast()
             if fast is not None:
                 fast.fresh()  # (a connection Redis closed goes first: not sent, not unsettled)
@@ -689,10 +718,11 @@ class RedisMetadata:
             if went:  # stored or not: Redis never answered (see PublicationUnsettled)
                 raise PublicationUnsettled(self.url, record.key, exc.detail) from None
             raise
-        except _TooLate:
-            raise PublicationUnsettled(self.url, record.key, "its answer was lost, and it "
-                                       f"cannot be sent again more than {_RETRY_WITHIN_S:g} s "
-                                       "after it was first") from None
+        if version == _LATE:
+            raise PublicationUnsettled(self.url, record.key, "its answer was lost, and "
+                                       f"{_RETRY_WITHIN_S:g} s later Redis holds neither its "
+                                       "record nor a mark of it (stored and forgotten since, or "
+                                       "never stored: cannot be told)")
         return self._stored(record, version, pending)
 
     @staticmethod
@@ -1329,7 +1359,26 @@ class RedisMetadata:
 
     def delete(self, key: str) -> None:
         """Forget ``key`` (nothing of it is kept: its next publication still gets a higher
-        version, see ``instride:clock``)."""
+        version, see ``instride:clock``), leaving a mark of its publication for
+        :data:`_WAS_TTL_S` seconds: a retry of that publication after a lost reply finds it
+        done, and does not bring the record back (nor store it over a later one)."""
+        keys = [_REC + key, _KEYS]
+        fast = self._fast()
+        if fast is not None:
+            def lean() -> None:
+                reply = fast.call([("EVAL", _DELETE, len(keys), *keys, key)])[0]
+                if isinstance(reply, Exception):
+                    raise redis.ResponseError(str(reply))
+
+            self._call("delete", lean)
+            return
+        self._call("delete", lambda: self.redis.eval(_DELETE, len(keys), *keys, key))
+
+    def forget(self, key: str) -> None:
+        """:meth:`delete` without the mark: for a stream's retired frame, whose record's
+        publication is confirmed before its retirement (a producer confirms its frames'
+        records first), once per frame (a mark per frame would grow Redis by one key per
+        frame for minutes)."""
         fast = self._fast()
         if fast is not None:  # one write, one round trip (a bounded stream retires per frame)
             def lean() -> None:

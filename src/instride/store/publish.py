@@ -16,6 +16,7 @@ import errno
 import fcntl
 import io
 import os
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -105,12 +106,28 @@ def publish_file(tmp: str | Path, final: str | Path, key: str, *, overwrite: boo
             os.makedirs(os.path.dirname(final), exist_ok=True)
 
 
+#: tries of a writer's lock that a collector's look holds off (it holds its exclusive probe
+#: for microseconds), a millisecond apart: the lock is taken, or the file system has none
+_MARK_TRIES = 200
+
+
 def mark_writing(fd: int) -> None:
     """Lock (shared) a temporary file being written: :func:`~instride.store.collect_garbage`
     leaves a locked one alone — its writer runs, whatever its process id says in another PID
-    namespace. Shared, so that a reader's lease on the published file never conflicts."""
-    with contextlib.suppress(OSError):
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    namespace. Shared, so that a reader's lease on the published file never conflicts.
+
+    A collector's look at the file (an exclusive lock for a moment, see
+    :func:`~instride.store.gc.being_written`) at that very moment refuses it: tried again, so
+    that the file does not stay unlocked for good (a later collector in another PID namespace
+    would remove a live writer's file)."""
+    for _ in range(_MARK_TRIES):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            time.sleep(0.001)
+        except OSError:
+            return  # (a file system without flock: its writer's process id decides)
 
 
 def _held_open(fd: int) -> int:

@@ -82,26 +82,43 @@ _LEASES: weakref.WeakSet[Leases] = weakref.WeakSet()
 #: condition a fork waits on for them (see _no_open_under_way)
 _opening = 0
 _opened = threading.Condition()
-#: seconds a fork waits at most for them (an open of a file system that hangs: NFS)
+#: a fork is waiting for them: new opens wait until it is done (a fork first, as the native
+#: side's writer-first lock: threads opening frames one after the other would starve it)
+_forking = False
+#: seconds a fork waits at most for them (an open of a file system that hangs: NFS), and an
+#: open for a fork
 _FORK_WAIT = 5.0
 
 
 def _no_open_under_way() -> None:
     """Before a fork: wait until no thread is between the portable path's open of a frame and
     the record of its hold (the native take's span is guarded in C: take.c's fork_guard). A
-    child forked in between kept a descriptor no record named, and with it the lock."""
+    child forked in between kept a descriptor no record named, and with it the lock. Opens
+    that begin meanwhile wait until the fork is done (:func:`_opens_again`)."""
+    global _forking
     with _opened:
+        _forking = True
         _opened.wait_for(lambda: not _opening, _FORK_WAIT)
 
 
+def _opens_again() -> None:
+    """After a fork, in the parent: the opens held off go on."""
+    global _forking
+    with _opened:
+        _forking = False
+        _opened.notify_all()
+
+
 def _forget_inherited_holds() -> None:
-    global _opening, _opened
-    _opening, _opened = 0, threading.Condition()  # (the child's only thread opens nothing)
+    global _opening, _opened, _forking
+    # (the child's only thread opens nothing)
+    _opening, _opened, _forking = 0, threading.Condition(), False
     for leases in list(_LEASES):
         leases._forget_holds()
 
 
-os.register_at_fork(before=_no_open_under_way, after_in_child=_forget_inherited_holds)
+os.register_at_fork(before=_no_open_under_way, after_in_parent=_opens_again,
+                    after_in_child=_forget_inherited_holds)
 
 
 def _close_if(fd: int, dev: int, ino: int) -> None:
@@ -858,11 +875,18 @@ class Leases:
         confined = self._confined
         assert confined is not None, "open_key needs the managed directory's opener"
         lib = library()
-        dirfd = -1 if lib is None or path != self._prefix + key else confined.dirfd()
-        if dirfd < 0:  # (a frame kept elsewhere, or no openat2: the portable checks)
+        if lib is None or path != self._prefix + key:  # (a frame kept elsewhere: portable)
+            return self.open(path, lambda: confined.open(key))
+        # (without the GIL: the managed directory made again meanwhile, its descriptor let
+        # go of, is not closed under the call -- see acquire_dirfd)
+        dirfd = confined.acquire_dirfd()
+        try:
+            rc = -1 if dirfd < 0 else lib.isl_lease(dirfd, os.fsencode(key), self._out)
+        finally:
+            confined.release_dirfd()
+        if dirfd < 0:  # (no openat2: the portable checks)
             return self.open(path, lambda: confined.open(key))
         out = self._out
-        rc = lib.isl_lease(dirfd, os.fsencode(key), out)
         if rc == _LEASE_HELD:
             fd = out[0]
             try:
@@ -1020,6 +1044,8 @@ class Leases:
         """
         global _opening
         with _opened:  # (a fork waits until its hold is recorded: _no_open_under_way)
+            if _forking:  # (one is waiting for the opens under way: this one after it)
+                _opened.wait_for(lambda: not _forking, _FORK_WAIT)
             _opening += 1
         try:
             return self._open(path, opener)

@@ -22,7 +22,7 @@ import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ...busypoll import arrived, poll_readable, poll_readable_in
 from ...config import Settings, parse_addr
@@ -227,6 +227,15 @@ class _Named:
         # (re-entrant: a signal handler that reads the same reader must not hang for ever)
         self.lock = threading.RLock()
         self.dropped = False
+
+
+_T = TypeVar("_T")
+
+
+def _alive(table: weakref.WeakValueDictionary[int, _T]) -> list[_T]:
+    """The values of ``table`` still alive, read in one step (``valuerefs`` copies the
+    references without running Python code: no thread changes the table in between)."""
+    return [v for v in (r() for r in table.valuerefs()) if v is not None]
 
 
 class TcpTransport:
@@ -1018,14 +1027,16 @@ class TcpTransport:
                 named.dropped = True
             table.clear()
             homes.clear()
-        for batches in list(self._all_batches.values()):  # (each entry whole: popitem)
+        # (a snapshot taken in one step: threads making their first pool or batches
+        # meanwhile would change the tables under an iteration -- RuntimeError)
+        for batches in _alive(self._all_batches):  # (each entry whole: popitem)
             while batches:
                 try:
                     _, (sock, _rest) = batches.popitem()
                 except KeyError:  # (its thread took the last one meanwhile)
                     break
                 sock.close()
-        for pool in list(self._pools.values()):
+        for pool in _alive(self._pools):
             while pool:
                 try:
                     _, sock = pool.popitem()
