@@ -237,6 +237,10 @@ _CONTENT_NAMES = [
     b"/".join([b"d" * 100] * 10) + b"/" + b"x" * 15, b"/".join([b"d" * 100] * 11),
     b"\xff", b"a\xe9b", b"\xc0\xaf", b"\xe0\x80\xaf", b"\xed\xa0\x80", b"\xed\xbf\xbf",
     b"\xf4\x90\x80\x80", b"\xf5\x80\x80\x80", b"\xe2\x82", b"a\xe2\x82/b", b"\x80", b"\xc2",
+    # two faults: a control character or bad UTF-8 is said (EINVAL) before a length met first;
+    # a long name of whitespace only is too long (as Python says of such a path)
+    b"x" * 201 + b"/a\nb", b"x" * 201 + b"\xff", b"d/" + b"x" * 201 + b"\x01", b" " * 201,
+    "\u3000".encode() * 70, b"/".join([b"d" * 100] * 11) + b"/a\x7f",
 ]
 
 _C_TAKES = r"""

@@ -166,6 +166,7 @@ static const char *ins_key_invalid(const char *key, int *err)
     const unsigned char *s = (const unsigned char *)key;
     size_t i = 0, comp = 0;
     int one = 1, blank = 1; /* one component so far, of whitespace only so far */
+    int too_long = 0; /* a component over 200 bytes: said unless a character is refused */
     *err = EINVAL;
     while (s[i] != '\0') {
         uint32_t c = s[i];
@@ -174,6 +175,8 @@ static const char *ins_key_invalid(const char *key, int *err)
             one = 0, comp = 0, i++;
             continue;
         }
+        /* (these win over a length met before them: Python checks the whole name for them
+         * first, so the same name gets the same errno from both) */
         if (c < 0x20 || c == 0x7f)
             return "contains a control character";
         if (c >= 0x80 && (n = ins_utf8(s + i, &c)) == 0)
@@ -181,15 +184,15 @@ static const char *ins_key_invalid(const char *key, int *err)
         blank = blank && ins_py_space(c);
         comp += n;
         i += n;
-        if (comp > 200) {
-            *err = ENAMETOOLONG;
-            return "has a component longer than 200 bytes";
-        }
+        too_long = too_long || comp > 200;
     }
-    if (i > 1024) {
-        *err = ENAMETOOLONG;
+    *err = ENAMETOOLONG;
+    if (too_long)
+        return "has a component longer than 200 bytes";
+    if (i > 1024)
         return "is longer than 1024 bytes";
-    }
+    /* (after the lengths: Python, given the absolute path, finds it "empty" last) */
+    *err = EINVAL;
     return one && blank ? "is an empty name (whitespace only)" : NULL;
 }
 

@@ -12,6 +12,7 @@
 #include <sys/file.h>
 #include <sys/sendfile.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #ifndef RENAME_NOREPLACE
@@ -99,9 +100,17 @@ void ins_mark_writing(int fd)
 {
     /* A shared lock while the writer has its temp file open: `instride gc` leaves a locked
      * temp file alone (its writer runs, whatever its process id says in another PID
-     * namespace). Shared, so a reader's lease on the published file never conflicts. */
+     * namespace). Shared, so a reader's lease on the published file never conflicts.
+     * EWOULDBLOCK: a gc's probe holds the new file exclusively for a moment (gc.lock_held:
+     * open, lock, close) -- tried again, not given up (unlocked for good, the file of a writer
+     * that pauses was a later gc's to remove). Only such probes ever lock a temp file so, for
+     * microseconds: 1 s at most. (Other failures, a file system without flock: unlocked.) */
     int saved = errno;
-    flock(fd, LOCK_SH | LOCK_NB);
+    for (int tries = 0; flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK &&
+                        tries < 2000; tries++) {
+        struct timespec pause = {0, 500000};
+        nanosleep(&pause, NULL);
+    }
     errno = saved;
 }
 
@@ -329,7 +338,9 @@ int ins_copy_fd(int in, int out)
 }
 
 /* A hidden name beside the source old (in its directory, relative to olddirfd as old is),
- * in hidden[PATH_MAX]: 0, or -1 with ENAMETOOLONG. */
+ * in hidden[PATH_MAX]: ".<name>.instride-moving-<pid>-<hex>" -- no temporary file's name
+ * (keys.TMP_PATTERN ends in ".tmp"): `instride gc` never takes it, it is the user's file.
+ * 0, or -1 with ENAMETOOLONG. */
 static int ins_source_hidden_name(const char *old, char hidden[PATH_MAX])
 {
     const char *slash = strrchr(old, '/');
@@ -342,42 +353,57 @@ static int ins_source_hidden_name(const char *old, char hidden[PATH_MAX])
         return -1;
     }
     memcpy(hidden, old, dir_len);
-    snprintf(hidden + dir_len, PATH_MAX - dir_len, ".%.*s.instride-%ld-%016llx.tmp",
+    snprintf(hidden + dir_len, PATH_MAX - dir_len, ".%.*s.instride-moving-%ld-%016llx",
              (int)base_len, base, (long)getpid(), (unsigned long long)ins_random64());
     return 0;
 }
 
-/* rename (dirfd, from) to (dirfd, to) without replacing a file there (a plain rename where the
- * file system has no RENAME_NOREPLACE). */
-static int ins_rename_noreplace_at(int dirfd, const char *from, const char *to)
+/* rename (fromdir, from) to (todir, to), same file system, without replacing a file there.
+ * Where the file system has no RENAME_NOREPLACE (NFS, Lustre, GPFS often): link + unlink,
+ * which replaces nothing either (EEXIST), the link undone when the unlink fails; where it has
+ * no hard links either, a plain rename only when to is a fresh random name (fresh), which
+ * no one else takes -- else the failure. */
+static int ins_rename_noreplace_at(int fromdir, const char *from, int todir, const char *to,
+                                   int fresh)
 {
-    if (ins_sys.renameat2(dirfd, from, dirfd, to, RENAME_NOREPLACE) == 0)
+    if (ins_sys.renameat2(fromdir, from, todir, to, RENAME_NOREPLACE) == 0)
         return 0;
     if (errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP)
         return -1;
-    return ins_sys.renameat(dirfd, from, dirfd, to);
+    if (linkat(fromdir, from, todir, to, 0) != 0) {
+        if (fresh && (errno == EPERM || errno == EOPNOTSUPP || errno == ENOSYS))
+            return ins_sys.renameat(fromdir, from, todir, to);
+        return -1;
+    }
+    if (unlinkat(fromdir, from, 0) != 0) {
+        int e = errno;
+        unlinkat(todir, to, 0);
+        errno = e;
+        return -1;
+    }
+    return 0;
 }
 
 /* EXDEV: copy the source to a temp beside the key and publish it -- all or nothing, as a
- * rename. The source name goes first, renamed to a hidden name in its own directory (same file
- * system: atomic), so that a source that cannot go (an immutable file, a directory the user
- * cannot write, a read-only file system) fails the rename with that errno, nothing published;
- * the copy is made from the hidden name, which is removed once the key is published, or named
- * old again when the publication fails. (The source used to be removed after the publication,
- * the failure ignored: rename() said 0, the key published and the source still there.) */
+ * rename. The copy is made from the source under its own name (a process killed during it --
+ * minutes, for GBs -- leaves the source where it was, and a dead writer's temp that gc takes).
+ * Once it is whole, the source's name goes, renamed to a hidden name in its own directory
+ * (same file system: atomic; a name gc never takes), so that a source that cannot go (an
+ * immutable file, a directory the user cannot write, a read-only file system) fails the
+ * rename with that errno, nothing published; then the key is published, and the hidden name
+ * removed -- or named old again when the publication fails. (The source used to be removed
+ * after the publication, the failure ignored: rename() said 0, the key published and the
+ * source still there; then renamed to a temporary file's name before the copy, which a kill
+ * during the copy left it under, for gc to remove.) */
 static int ins_copy_publish(int olddirfd, const char *old, const struct ins_path *np, int noreplace)
 {
-    struct stat st;
+    struct stat st, now;
     char tmp[PATH_MAX], hidden[PATH_MAX];
-    int in = -1, out = -1, rc = -1, published = 0;
+    int in = -1, out = -1, held = -1, rc = -1, hid = 0;
+    enum { COPYING, MOVING, PUBLISHED } step = COPYING;
     tmp[0] = '\0';
-    if (ins_source_hidden_name(old, hidden) != 0 ||
-        ins_rename_noreplace_at(olddirfd, old, hidden) != 0)
-        return ins_fail(errno, "cannot move %.200s to key %.200s: %s", old, ins_key(np),
-                        strerror(errno));
-    /* (no link followed, no FIFO waited on: a regular file was renamed, nothing else is
-     * copied) */
-    in = ins_sys.openat(olddirfd, hidden, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    /* (no link followed, no FIFO waited on: a regular file only is copied) */
+    in = ins_sys.openat(olddirfd, old, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
     if (in < 0 || fstat(in, &st) != 0)
         goto cleanup;
     if (!S_ISREG(st.st_mode)) {
@@ -397,16 +423,27 @@ static int ins_copy_publish(int olddirfd, const char *old, const struct ins_path
         goto cleanup;
     if (ins_maybe_fsync(out) != 0)
         goto cleanup; /* (not on disk: not published; errno says why) */
+    held = ins_hold_writing(out); /* the lock, until the rename */
     int fd = out;
     out = -1;
-    int held = ins_hold_writing(fd); /* the lock, until the rename */
-    if (ins_sys.close(fd) != 0) {
-        ins_release_writing(held);
+    if (ins_sys.close(fd) != 0)
+        goto cleanup;
+    /* the copy is whole: the source's name goes now (the file copied, unchanged since: one
+     * replaced or written to meanwhile is not the one copied -- EBUSY, its name given back) */
+    step = MOVING;
+    if (ins_source_hidden_name(old, hidden) != 0 ||
+        ins_rename_noreplace_at(olddirfd, old, olddirfd, hidden, 1) != 0)
+        goto cleanup;
+    hid = 1;
+    if (fstatat(olddirfd, hidden, &now, AT_SYMLINK_NOFOLLOW) != 0)
+        goto cleanup;
+    if (now.st_dev != st.st_dev || now.st_ino != st.st_ino || now.st_size != st.st_size ||
+        now.st_mtim.tv_sec != st.st_mtim.tv_sec || now.st_mtim.tv_nsec != st.st_mtim.tv_nsec) {
+        errno = EBUSY;
         goto cleanup;
     }
     rc = ins_publish(tmp, np, noreplace); /* removes the temp, sets the message on failure */
-    ins_release_writing(held);
-    published = 1;
+    step = PUBLISHED;
     tmp[0] = '\0';
     if (rc == 0)
         unlinkat(olddirfd, hidden, 0); /* (a name this call just made there: it goes) */
@@ -419,13 +456,19 @@ cleanup:
             ins_sys.close(out);
         if (tmp[0] != '\0')
             unlink(tmp);
+        ins_release_writing(held);
         /* not published: the source under its name again (unless a file took the name
-         * meanwhile: then it stays hidden, and the message says where) */
-        int back = rc == 0 || ins_rename_noreplace_at(olddirfd, hidden, old) == 0;
+         * meanwhile: then it stays hidden, replacing nothing, and the message says where) */
+        int back = !hid || rc == 0 || ins_rename_noreplace_at(olddirfd, hidden, olddirfd, old,
+                                                              0) == 0;
         int be = errno;
         errno = e;
-        if (rc != 0 && !published)
+        if (step == COPYING)
             ins_fail(e, "cannot copy %.200s to key %.200s: %s", old, ins_key(np), strerror(e));
+        else if (step == MOVING)
+            ins_fail(e, "cannot move %.200s to key %.200s: %s%s", old, ins_key(np),
+                     strerror(e), e == EBUSY ? " (it changed, or was replaced, during the "
+                                               "copy)" : "");
         if (!back)
             ins_fail(e, "key %.200s not published (%s); %.200s could not be named again "
                      "(%s): it is %.200s", ins_key(np), strerror(e), old, strerror(be), hidden);
@@ -439,7 +482,9 @@ cleanup:
  * cannot write) fails it, nothing published. (link + unlink, ins_publish's way for its own temp,
  * left the key published and the source name beside it, one file still writable in place by
  * that name.) Where the file system has no RENAME_NOREPLACE: link + unlink, the link undone
- * when the unlink fails. EXDEV is left to the caller. */
+ * when the unlink fails -- not atomic there: between the link and its undoing the key's name
+ * is visible (a reader woken then may open it, and keeps what it opened), though rename()
+ * fails. EXDEV is left to the caller. */
 static int ins_move_into_place(int olddirfd, const char *old, const char *abs, int noreplace,
                                int *neither)
 {
@@ -516,9 +561,9 @@ int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, i
     if (ins_notify_publish_as(np, overwrite) == 0)
         return 0;
     int e = errno;
-    if (!overwrite && ins_refused_before_record(e)) /* (back where it came from: its name
-                                                     * there is free, the file just left it) */
-        (void)ins_sys.renameat(AT_FDCWD, np->abs, olddirfd, old);
+    if (!overwrite && ins_refused_before_record(e)) /* (back where it came from, unless a
+                                                     * file took that name meanwhile) */
+        (void)ins_rename_noreplace_at(AT_FDCWD, np->abs, olddirfd, old, 0);
     errno = e;
     return -1;
 }

@@ -36,6 +36,7 @@
 #include <sys/inotify.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 #include "../common/ins_frame.h"
 #include "../common/ins_xxh.h"
@@ -61,13 +62,37 @@ enum {
  * starved by reader threads taking frames one after the other. */
 static pthread_rwlock_t fork_guard = PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;
 
-static void guard_fork(void) { pthread_rwlock_wrlock(&fork_guard); }
-static void guard_forked(void) { pthread_rwlock_unlock(&fork_guard); }
+/* A fork waits 5 s at most (as the Python half, ring._FORK_WAIT): a lease's open can hang as
+ * long as its file system does (a hard-mounted NFS or Lustre directory whose server does not
+ * answer), and the forking thread holds the GIL meanwhile. Past that it forks unguarded, and
+ * unlocks after only what it took (per thread: two threads may fork at once). */
+static __thread int fork_guarded;
+
+static void guard_fork(void)
+{
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_sec += 5;
+    int e;
+    do
+        e = pthread_rwlock_clockwrlock(&fork_guard, CLOCK_MONOTONIC, &until);
+    while (e == EINTR);
+    fork_guarded = e == 0;
+}
+
+static void guard_forked(void)
+{
+    if (fork_guarded)
+        pthread_rwlock_unlock(&fork_guard);
+    fork_guarded = 0;
+}
+
 static void guard_child(void)
 {
     /* (the child's one thread is the forking one under another thread id: made anew) */
     static const pthread_rwlock_t fresh = PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;
     memcpy(&fork_guard, &fresh, sizeof fork_guard);
+    fork_guarded = 0;
 }
 
 __attribute__((constructor)) static void guard_install(void)

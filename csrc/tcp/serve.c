@@ -44,7 +44,6 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/file.h>
-#include <sys/ioctl.h>
 #include <sys/inotify.h>
 #include <sys/sendfile.h>
 #include <sys/socket.h>
@@ -719,6 +718,20 @@ static int send_body(server *s, int sock, int fd, int64_t size, const char *key,
  * nothing unread, may be closed to make room (a client sends its request as it connects). */
 #define ISS_PENDING_GRACE_MS 100
 
+/* Whether a byte the next read gets is there, unread: a peek, not FIONREAD -- which counts
+ * nothing past an out-of-band (urgent) byte a peer sent, while poll says readable and the read
+ * gets the byte after it (the kernel leaves the urgent one out of the stream). Keeps errno. */
+static int byte_unread(int fd) {
+    int saved = errno;
+    char b;
+    ssize_t n;
+    do
+        n = recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+    while (n < 0 && errno == EINTR);
+    errno = saved;
+    return n == 1;
+}
+
 /* At max_peers, a connection is shut down to make room: its thread sees the end and closes it.
  * First the one that has waited the longest for a request that never came whole (no token
  * needed to hold a place so: a port scan, a header sent a byte at a time; they took the places
@@ -733,10 +746,10 @@ static int evict_idle(server *s) {
         if (c->refuse)
             continue;
         if (c->pending_since > 0) {
-            int unread = 0; /* (a request there already: its thread is about to read it) */
+            /* (a request there already: its thread is about to read it) */
             if (c->pending_since <= before &&
                 (pending == NULL || c->pending_since < pending->pending_since) &&
-                ioctl(c->fd, FIONREAD, &unread) == 0 && unread == 0)
+                !byte_unread(c->fd))
                 pending = c;
         } else if (!c->busy && c->idle_since > 0 &&
                    (oldest == NULL || c->idle_since < oldest->idle_since)) {
@@ -764,37 +777,39 @@ static int evict_idle(server *s) {
  * -errno: -ETIMEDOUT past deadline. */
 static int recv_last_of_first(server *s, conn *c, char *at, int64_t deadline) {
     for (;;) {
+        /* (whether the byte is there: a peek, as evict_idle's look -- see byte_unread -- so
+         * that whenever poll below says readable, this finds what it found) */
+        char peek;
+        ssize_t n = -1;
+        int e = EAGAIN;
         pthread_mutex_lock(&s->mu);
         int evicted = c->pending_since == 0; /* (evict_idle clears it as it shuts) */
-        int unread = 0;
-        if (!evicted && ioctl(c->fd, FIONREAD, &unread) == 0 && unread > 0)
-            c->pending_since = 0; /* served from here on */
+        if (!evicted) {
+            do
+                n = recv(c->fd, &peek, 1, MSG_PEEK | MSG_DONTWAIT);
+            while (n < 0 && errno == EINTR);
+            e = errno;
+            if (n == 1)
+                c->pending_since = 0; /* served from here on */
+        }
         pthread_mutex_unlock(&s->mu);
-        if (evicted)
-            return 0;
-        if (unread > 0) {
-            ssize_t n;
+        if (evicted || n == 0)
+            return 0; /* shut to make room, or closed: nothing more comes */
+        if (n == 1) {
             do
                 n = recv(c->fd, at, 1, MSG_DONTWAIT);
             while (n < 0 && errno == EINTR);
             return n == 1 ? 1 : n == 0 ? 0 : -errno;
         }
+        if (e != EAGAIN && e != EWOULDBLOCK)
+            return -e;
         /* nothing there: wait for it (a byte that comes is looked at again, under the lock) */
         int64_t left = (deadline - now_ns()) / 1000000LL;
         if (left <= 0)
             return -ETIMEDOUT;
         struct pollfd p = {c->fd, POLLIN, 0};
-        int r = poll(&p, 1, (int)(left > 3600000 ? 3600000 : left));
-        if (r < 0 && errno != EINTR)
+        if (poll(&p, 1, (int)(left > 3600000 ? 3600000 : left)) < 0 && errno != EINTR)
             return -errno;
-        if (r > 0) {
-            char peek;
-            ssize_t n = recv(c->fd, &peek, 1, MSG_PEEK | MSG_DONTWAIT);
-            if (n == 0)
-                return 0; /* closed (or shut): nothing more comes */
-            if (n < 0 && errno != EAGAIN && errno != EINTR)
-                return -errno;
-        }
     }
 }
 

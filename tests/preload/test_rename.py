@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -392,3 +393,150 @@ def test_a_move_whose_source_name_cannot_go_publishes_nothing(shim: Shim) -> Non
     assert proc.stdout.decode().split() == ["renamed"], proc.stderr
     assert not f.exists() and (shim.dir / "k").read_text() == "bytes"
     assert os.stat(shim.dir / "k").st_nlink == 1
+
+
+#: Renames argv[2] to argv[3] under the preload library, holding (argv[1]: "copy") the
+#: cross-file-system copy's first copy_file_range in the kernel for good, argv[4] made once it
+#: waits there -- or ("written") appending to the source as the copy begins -- or
+#: ("noreplace") on a file system without RENAME_NOREPLACE
+#: (renameat2 fails EINVAL), another writer publishing the key (a hard link of argv[4], made
+#: by a raw linkat) and another file taking the source's name ("intruder") once the copy
+#: waits beside the key and the source's name is free. Prints "renamed" or the errno's name.
+_HELD_RENAME = r'''
+import ctypes, errno, glob, os, sys
+from seccomp_hold import NUMBERS, hold_calls
+import platform
+
+how, src, key, arg = sys.argv[1:5]
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+managed = os.path.dirname(key)
+
+
+def copy_held(name, n):
+    open(arg, "w").close()
+    return False
+
+
+def written_meanwhile(name, n):
+    if n == 1:
+        with open(src, "ab") as fh:
+            fh.write(b"more")
+
+
+def others_meanwhile(name, n):
+    if name == "linkat" and glob.glob(f"{managed}/.*.instride-*.tmp") \
+            and not os.path.lexists(src) and not os.path.lexists(key):
+        assert libc.syscall(NUMBERS[platform.machine()]["linkat"], -100, arg.encode(), -100,
+                            key.encode(), 0) == 0
+        with open(src, "w") as fh:
+            fh.write("intruder")
+
+
+if how == "copy":
+    hold_calls({"copy_file_range": None}, copy_held)
+elif how == "written":
+    hold_calls({"copy_file_range": None}, written_meanwhile)
+else:
+    hold_calls({"renameat2": errno.EINVAL, "linkat": None}, others_meanwhile)
+try:
+    os.rename(src, key)
+    print("renamed")
+except OSError as exc:
+    print(errno.errorcode[exc.errno])
+'''
+
+
+def _held_rename(shim: Shim, how: str, src: Path, key: Path, arg: Path,
+                 ) -> subprocess.Popen[bytes]:
+    env = dict(shim.env, PYTHONPATH=str(Path(__file__).parent), INSTRIDE_DEBUG="1")
+    return subprocess.Popen([sys.executable, "-c", _HELD_RENAME, how, str(src), str(key),
+                             str(arg)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_a_move_killed_during_its_copy_leaves_the_source_under_its_name(shim: Shim) -> None:
+    """A file renamed into the managed directory from another file system is copied beside the
+    key. Its name went first, renamed to a hidden name of instride's temporary files
+    (``.<name>.instride-<pid>-<hex>.tmp``), for the whole copy (minutes, for GBs): a process
+    killed meanwhile (a job's time limit, the OOM killer) left the user's file under that name
+    only, and ``instride gc`` removed it as a dead writer's temporary file. The copy is made
+    from the source under its own name now; its name goes (to a name gc never takes) only
+    once the copy is whole, just before the key is published. Here the copy waits in the
+    kernel (a seccomp user notification) until the process is killed."""
+    from instride.store.gc import collect_garbage
+
+    src = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        if os.stat(src).st_dev == os.stat(shim.dir).st_dev:
+            pytest.skip("/dev/shm is on the managed directory's file system here")
+        (src / "f").write_bytes(b"bytes" * 1000)
+        held = shim.outside / "held"
+        proc = _held_rename(shim, "copy", src / "f", shim.dir / "k", held)
+        try:
+            deadline = time.monotonic() + 60
+            while not held.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert held.exists(), proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+            _, err = proc.communicate(timeout=60)
+        assert proc.returncode != 77, "seccomp user notifications are not available here"
+        assert os.listdir(src) == ["f"] and (src / "f").read_bytes() == b"bytes" * 1000, err
+        assert collect_garbage(src) == []
+        # beside the key: the dead writer's temporary copy, which gc takes; nothing published
+        assert collect_garbage(shim.dir) != [] and list(shim.dir.iterdir()) == []
+        assert os.listdir(src) == ["f"]
+    finally:
+        shutil.rmtree(src)
+
+
+def test_a_source_put_back_without_renameat2_never_replaces_a_file(shim: Shim) -> None:
+    """A move from another file system whose publication fails (another writer published the
+    key first: write-once) puts the source back under its name. Where the file system has no
+    ``RENAME_NOREPLACE`` (NFS, Lustre and GPFS often; emulated here: renameat2 fails EINVAL)
+    that was a plain rename, which replaced a file that had taken the name meanwhile: its
+    bytes were lost. It is link + unlink now, which replaces nothing: the source stays under
+    its hidden name, which the error message gives, and which gc never takes."""
+    from instride.store.gc import collect_garbage
+
+    src = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        if os.stat(src).st_dev == os.stat(shim.dir).st_dev:
+            pytest.skip("/dev/shm is on the managed directory's file system here")
+        (src / "f").write_text("bytes")
+        other = shim.outside / "other"
+        other.write_text("other")
+        proc = _held_rename(shim, "noreplace", src / "f", shim.dir / "k", other)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode != 77, "seccomp user notifications are not available here"
+        assert out.decode().split() == ["EEXIST"], err
+        assert (shim.dir / "k").read_text() == "other"
+        assert (src / "f").read_text() == "intruder"
+        hidden = [n for n in os.listdir(src) if n != "f"]
+        assert len(hidden) == 1 and (src / hidden[0]).read_text() == "bytes", hidden
+        assert collect_garbage(src) == []
+        assert hidden[0] in err.decode()  # (INSTRIDE_DEBUG=1: the message printed)
+        assert shim.temps() == []
+    finally:
+        shutil.rmtree(src)
+
+
+def test_a_source_written_to_during_its_copy_is_not_published(shim: Shim) -> None:
+    """A file renamed into the managed directory from another file system while a program
+    still appends to it (a log, a trajectory being written): the copy beside the key took
+    whatever the source held when each part was read, and was published as the key -- bytes
+    the source never held all at once. A source changed (or replaced) during the copy fails
+    the rename now (EBUSY), nothing published, the source where it was."""
+    src = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        if os.stat(src).st_dev == os.stat(shim.dir).st_dev:
+            pytest.skip("/dev/shm is on the managed directory's file system here")
+        (src / "f").write_bytes(b"bytes" * 1000)
+        proc = _held_rename(shim, "written", src / "f", shim.dir / "k", shim.outside / "x")
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode != 77, "seccomp user notifications are not available here"
+        assert out.decode().split() == ["EBUSY"], err
+        assert os.listdir(src) == ["f"] and (src / "f").read_bytes() == b"bytes" * 1000 + b"more"
+        assert list(shim.dir.iterdir()) == []
+    finally:
+        shutil.rmtree(src)

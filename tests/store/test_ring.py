@@ -1179,3 +1179,110 @@ def test_children_forked_while_a_thread_leases_frames_in_a_loop_keep_no_lock(
         opener.close()
         pool.close()
     assert holding == 0
+
+
+_FORK_DURING_A_HUNG_LEASE = r'''
+import ctypes, os, sys, threading, time
+from pause_openat2 import pause_openat2
+from instride import native
+
+lib = native.library()
+root = sys.argv[1] + "/m"
+os.mkdir(root)
+with open(f"{root}/k", "wb") as fh:
+    fh.write(b"frame")
+dirfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+paused = threading.Event()
+
+
+def on_call(n):
+    paused.set()
+    return False  # (never let go: a hard-mounted file system that does not answer)
+
+
+def lease():
+    pause_openat2(on_call)  # (this thread's calls only)
+    lib.isl_lease(dirfd, b"k", (ctypes.c_int64 * 4)())
+
+
+threading.Thread(target=lease, daemon=True).start()
+assert paused.wait(60)
+for _ in range(2):
+    began = time.monotonic()
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    os.waitpid(child, 0)
+    print(round(time.monotonic() - began, 1), flush=True)
+os._exit(0)  # (the lease stays in the kernel: the process ends it)
+'''
+
+
+def test_a_fork_waits_a_bounded_time_for_a_lease_stuck_in_the_file_system(
+        tmp_path: Path) -> None:
+    """A fork waits for the native leases under way (``isl_lease`` holds the fork guard shared
+    from its open until its descriptor is handed over), so that no child inherits a lease's
+    descriptor and lock. Its wait had no bound: a lease in an open that hangs (a hard-mounted
+    NFS or Lustre directory whose server does not answer) made every ``fork()`` --
+    multiprocessing's, subprocess's -- wait as long, the forking thread holding the GIL. It
+    waits 5 s at most now, as the Python half of the guard (``ring._FORK_WAIT``), then forks.
+    The open here waits in the kernel for good (a seccomp user notification never answered);
+    two forks follow."""
+    from tests.test_paths import _PAUSE_OPENAT2
+
+    (tmp_path / "pause_openat2.py").write_text(_PAUSE_OPENAT2)
+    (tmp_path / "script.py").write_text(_FORK_DURING_A_HUNG_LEASE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    try:
+        proc = subprocess.run([sys.executable, str(tmp_path / "script.py"), str(tmp_path)],
+                              env=env, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a fork waited over a minute for a lease stuck in an open")
+    if proc.returncode == 77:
+        pytest.fail("seccomp user notifications are not available here (needed to hold an "
+                    "openat2 in the kernel)")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    waits = [float(w) for w in proc.stdout.split()]
+    assert len(waits) == 2 and all(w < 20 for w in waits), waits
+
+
+def test_a_fork_is_not_held_off_by_threads_opening_frames_back_to_back(tmp_path: Path) -> None:
+    """A fork waits for the portable path's opens under way (their holds not recorded yet);
+    with threads opening frames one after the other there was always one under way, and
+    every fork (a ``multiprocessing`` worker's start) waited the whole bound, 5 s, then went
+    on inside the very window it waited for. Opens that begin once a fork waits wait for it."""
+    import threading
+    import time
+
+    from instride.store.ring import _FORK_WAIT, Leases
+
+    path = tmp_path / "frame"
+    path.write_bytes(b"x" * 4096)
+    stop = threading.Event()
+
+    def reader() -> None:
+        leases = Leases()
+        while not stop.is_set():
+            got = leases.open(path)
+            if got is not None:
+                got[1]()
+
+    threads = [threading.Thread(target=reader) for _ in range(12)]
+    for th in threads:
+        th.start()
+    took = []
+    try:
+        time.sleep(0.3)
+        for _ in range(3):
+            t0 = time.monotonic()
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            took.append(time.monotonic() - t0)
+            os.waitpid(pid, 0)
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(30)
+    assert max(took) < _FORK_WAIT * 0.8, took  # (the bound is what it waited before)

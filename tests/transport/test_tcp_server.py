@@ -7,6 +7,7 @@ Real ``instride serve`` processes on loopback (tests/nodes.py), raw sockets for 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
 import subprocess
@@ -100,6 +101,40 @@ def test_a_first_request_read_whole_is_never_shut_to_make_room(
         first.close()
         if other is not None:
             other.close()
+
+
+def _cpu_s(pid: int) -> float:
+    """The CPU time (user + system, seconds) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_urgent_byte_in_a_first_request_neither_spins_nor_refuses_it(
+        own_node: LoopbackNode) -> None:
+    """The first request's last byte is read only once the server saw it there unread; it
+    asked FIONREAD, which counts nothing past an out-of-band (urgent) byte, while poll said
+    readable and a peek saw the byte: a peer (no token needed) that sent an urgent byte before
+    its header's last one made the connection's thread spin a core, taking the server's lock
+    each turn, until the request timeout -- and then the request was refused ("timed out
+    reading the request header"), where the server before answered it at once (the kernel
+    leaves an urgent byte out of the stream). The byte is looked for with a peek now, which
+    sees what the read will get."""
+    node = own_node.start("--request-timeout", "20")
+    put(node, "oob/k.bin", b"served")
+    request = signed("oob/k.bin")
+    with socket.create_connection(("127.0.0.1", node.port), timeout=60) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.sendall(request[:-1])
+        time.sleep(0.2)
+        s.send(b"X", socket.MSG_OOB)
+        time.sleep(0.05)
+        cpu, began = _cpu_s(node.proc.pid), time.monotonic()
+        s.send(request[-1:])
+        reply = _reply(s)
+        took, spent = time.monotonic() - began, _cpu_s(node.proc.pid) - cpu
+        assert reply["ok"] is True and recv_all(s, reply["size"]) == b"served", reply
+    assert took < 10, f"answered after {took:.1f} s"
+    assert spent < 5, f"the server used {spent:.1f} s of CPU meanwhile"
 
 
 _STOPPING = """
