@@ -271,7 +271,8 @@ def test_mv_of_a_tree_with_hard_links_from_another_file_system(shim: Shim) -> No
     src = Path(tempfile.mkdtemp(dir="/dev/shm"))
     try:
         if os.stat(src).st_dev == os.stat(shim.dir).st_dev:
-            pytest.skip("/dev/shm is on the managed directory's file system here")
+            pytest.fail("/dev/shm is on the managed directory's file system here: this test needs a "
+                        "source on another file system")
         _tree(src / "t")
         os.link(src / "t" / "f.txt", src / "t" / "sub" / "f.link")
         os.link(src / "t" / "f.txt", src / "t" / "f2.txt")
@@ -327,7 +328,8 @@ def test_a_move_from_another_file_system_whose_source_cannot_go_publishes_nothin
     src = Path(tempfile.mkdtemp(dir="/dev/shm"))
     try:
         if os.stat(src).st_dev == os.stat(shim.dir).st_dev:
-            pytest.skip("/dev/shm is on the managed directory's file system here")
+            pytest.fail("/dev/shm is on the managed directory's file system here: this test needs a "
+                        "source on another file system")
         f = src / "f"
         f.write_text("bytes")
         with _unremovable(f):
@@ -468,7 +470,8 @@ def test_a_move_killed_during_its_copy_leaves_the_source_under_its_name(shim: Sh
     src = Path(tempfile.mkdtemp(dir="/dev/shm"))
     try:
         if os.stat(src).st_dev == os.stat(shim.dir).st_dev:
-            pytest.skip("/dev/shm is on the managed directory's file system here")
+            pytest.fail("/dev/shm is on the managed directory's file system here: this test needs a "
+                        "source on another file system")
         (src / "f").write_bytes(b"bytes" * 1000)
         held = shim.outside / "held"
         proc = _held_rename(shim, "copy", src / "f", shim.dir / "k", held)
@@ -502,7 +505,8 @@ def test_a_source_put_back_without_renameat2_never_replaces_a_file(shim: Shim) -
     src = Path(tempfile.mkdtemp(dir="/dev/shm"))
     try:
         if os.stat(src).st_dev == os.stat(shim.dir).st_dev:
-            pytest.skip("/dev/shm is on the managed directory's file system here")
+            pytest.fail("/dev/shm is on the managed directory's file system here: this test needs a "
+                        "source on another file system")
         (src / "f").write_text("bytes")
         other = shim.outside / "other"
         other.write_text("other")
@@ -530,7 +534,8 @@ def test_a_source_written_to_during_its_copy_is_not_published(shim: Shim) -> Non
     src = Path(tempfile.mkdtemp(dir="/dev/shm"))
     try:
         if os.stat(src).st_dev == os.stat(shim.dir).st_dev:
-            pytest.skip("/dev/shm is on the managed directory's file system here")
+            pytest.fail("/dev/shm is on the managed directory's file system here: this test needs a "
+                        "source on another file system")
         (src / "f").write_bytes(b"bytes" * 1000)
         proc = _held_rename(shim, "written", src / "f", shim.dir / "k", shim.outside / "x")
         out, err = proc.communicate(timeout=60)
