@@ -221,12 +221,16 @@ class _Named:
     says it was dropped (:meth:`TcpTransport.drop_ahead`) while one was under way -- that
     call closes what it would have kept, as the drop would have."""
 
-    __slots__ = ("dropped", "lock")
+    __slots__ = ("book", "dropped", "homes", "lock")
 
-    def __init__(self) -> None:
+    def __init__(self, homes: dict[str, dict[str, Any]], book: threading.Lock) -> None:
         # (re-entrant: a signal handler that reads the same reader must not hang for ever)
         self.lock = threading.RLock()
         self.dropped = False
+        #: the process's table of where batches are kept, and the lock under which this
+        #: reader's batch is kept or dropped (see TcpTransport._process_state): its own
+        #: process's, looked up once for the reader's calls (none per frame)
+        self.homes, self.book = homes, book
 
 
 _T = TypeVar("_T")
@@ -285,10 +289,10 @@ class TcpTransport:
 
     def _named(self, name: str) -> _Named:
         """The turn-taking of the reader's batch ``name`` (made on its first use)."""
-        table = self._process_state()[1]
+        homes, table, book = self._process_state()
         named = table.get(name)
-        if named is None:
-            named = table.setdefault(name, _Named())  # (one, if two threads make it at once)
+        if named is None:  # (one, if two threads make it at once)
+            named = table.setdefault(name, _Named(homes, book))
         return named
 
     def _connect(self, record: Record) -> socket.socket:
@@ -623,10 +627,10 @@ class TcpTransport:
             batches[name] = (sock, rest)
             self._homes[name] = batches
             return
-        with self._process_state()[2]:  # (a drop sees it kept, or this call sees the drop)
+        with named.book:  # (a drop sees it kept, or this call sees the drop)
             if not named.dropped:
                 batches[name] = (sock, rest)
-                self._homes[name] = batches
+                named.homes[name] = batches
                 return
         sock.close()
 
