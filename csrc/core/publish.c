@@ -362,7 +362,7 @@ static int ins_source_hidden_name(const char *old, char hidden[PATH_MAX])
  * Where the file system has no RENAME_NOREPLACE (NFS, Lustre, GPFS often): link + unlink,
  * which replaces nothing either (EEXIST), the link undone when the unlink fails; where it has
  * no hard links either, a plain rename only when to is a fresh random name (fresh), which
- * no one else takes -- else the failure. */
+ * no one else takes, or a name that is free -- else the failure. */
 static int ins_rename_noreplace_at(int fromdir, const char *from, int todir, const char *to,
                                    int fresh)
 {
@@ -371,8 +371,16 @@ static int ins_rename_noreplace_at(int fromdir, const char *from, int todir, con
     if (errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP)
         return -1;
     if (linkat(fromdir, from, todir, to, 0) != 0) {
-        if (fresh && (errno == EPERM || errno == EOPNOTSUPP || errno == ENOSYS))
+        int e = errno;
+        struct stat there;
+        /* no hard links here (or not for this file: protected_hardlinks, another user's):
+         * a plain rename where no file can be replaced -- to a fresh random name, or to one
+         * that is free (a put-back of the user's source: left hidden, it would be lost to
+         * them; a file that took the name in between these two calls is the one window) */
+        if ((e == EPERM || e == EOPNOTSUPP || e == ENOSYS) &&
+            (fresh || (fstatat(todir, to, &there, AT_SYMLINK_NOFOLLOW) != 0 && errno == ENOENT)))
             return ins_sys.renameat(fromdir, from, todir, to);
+        errno = e;
         return -1;
     }
     if (unlinkat(fromdir, from, 0) != 0) {

@@ -574,12 +574,22 @@ class Client:
         key
             The key; no error when it is not published.
         """
-        key = self.key(key)
+        self._delete(self.key(key), mark=True)
+
+    def _retire(self, key: str) -> None:
+        """:meth:`delete` of a bounded channel's oldest message, its publication confirmed
+        long since (published and answered): no mark of it is left in cluster mode (one per
+        message would grow Redis by a key per message for minutes; see
+        :meth:`~instride.metadata.redis.RedisMetadata.forget`)."""
+        self._delete(self.key(key), mark=False)
+
+    def _delete(self, key: str, *, mark: bool) -> None:
         self._unlink(key)
         forget = getattr(self.engine, "forget_fetched", None)
         if forget is not None:  # (a fetched copy's sidecar: it named a file gone now)
             forget(key)
-        self.metadata.delete(key)
+        unmarked = None if mark else getattr(self.metadata, "forget", None)
+        (unmarked or self.metadata.delete)(key)
 
     def _free_of_stale_copy(self, key: str, path: str) -> None:
         """Before a write-once publication of ``key`` (file ``path``) on this node: a copy of

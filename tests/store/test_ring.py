@@ -1286,3 +1286,80 @@ def test_a_fork_is_not_held_off_by_threads_opening_frames_back_to_back(tmp_path:
         for th in threads:
             th.join(30)
     assert max(took) < _FORK_WAIT * 0.8, took  # (the bound is what it waited before)
+
+
+_TWO_FORKS = r'''
+import os, sys, threading, time
+import concurrent.futures.thread  # (its own fork lock: registered first, taken last)
+delay = {}
+
+
+def other_library_hook():  # registered first: runs after instride's before-fork hook
+    d = delay.get(threading.get_ident())
+    if d:
+        time.sleep(d)
+
+
+os.register_at_fork(before=other_library_hook)
+from instride.store import ring  # noqa: E402
+
+path = sys.argv[1]
+inherited = []
+
+
+def second_forker():
+    delay[threading.get_ident()] = 1.0  # (past instride's hook, not forked yet, for 1 s)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        held = [f for f in os.listdir("/proc/self/fd")
+                if os.path.realpath(f"/proc/self/fd/{f}") == os.path.realpath(path)]
+        os.write(w, repr(held).encode())
+        os._exit(0)
+    os.close(w)
+    inherited.append(os.read(r, 1000).decode())
+    os.waitpid(pid, 0)
+
+
+def slow_opener():
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    time.sleep(1.5)  # (an open under way: a slow file system)
+    return fd
+
+
+def reader():
+    got = ring.Leases().open(path, slow_opener)
+    if got is not None:
+        got[1]()
+
+
+second = threading.Thread(target=second_forker)
+second.start()
+time.sleep(0.1)
+pid = os.fork()  # the first fork (this thread), done at once, while the second waits
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+time.sleep(0.1)
+r = threading.Thread(target=reader)
+r.start()
+second.join()
+r.join()
+print(inherited[0])
+'''
+
+
+def test_two_forks_at_once_each_hold_off_the_opens(tmp_path: Path) -> None:
+    """Two threads forking at once: the first one's end cleared the one flag that held new
+    opens off while the second had passed the hook and not forked yet — an open that began
+    then was under way at the second fork, whose child inherited its descriptor (and the
+    lock the parent then took on the shared open file). Each fork holds them off now."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "frame"
+    path.write_bytes(b"x" * 4096)
+    out = subprocess.run([sys.executable, "-c", _TWO_FORKS, str(path)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout  # the second child inherited no frame

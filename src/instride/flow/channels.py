@@ -225,7 +225,7 @@ class _MessageQueue:
                     continue
             self.oldest += 1
             self.share.set_head(self.oldest, self.written)  # first: a sampler sees why
-            self.client.delete(self.key(self.oldest - 1))
+            self.client._retire(self.key(self.oldest - 1))
 
     def close(self) -> None:
         with self.client.open(f"{self.name}/{END_NAME}", "wb") as fh:

@@ -107,8 +107,9 @@ def publish_file(tmp: str | Path, final: str | Path, key: str, *, overwrite: boo
 
 
 #: tries of a writer's lock that a collector's look holds off (it holds its exclusive probe
-#: for microseconds), a millisecond apart: the lock is taken, or the file system has none
-_MARK_TRIES = 200
+#: for microseconds), a millisecond apart, for a second at most (as the C side's): the lock is
+#: taken, or the file system has none
+_MARK_TRIES = 1000
 
 
 def mark_writing(fd: int) -> None:

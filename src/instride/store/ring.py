@@ -82,9 +82,10 @@ _LEASES: weakref.WeakSet[Leases] = weakref.WeakSet()
 #: condition a fork waits on for them (see _no_open_under_way)
 _opening = 0
 _opened = threading.Condition()
-#: a fork is waiting for them: new opens wait until it is done (a fork first, as the native
-#: side's writer-first lock: threads opening frames one after the other would starve it)
-_forking = False
+#: forks waiting for them (or about to fork): new opens wait until they are done (a fork
+#: first, as the native side's writer-first lock: threads opening frames one after the other
+#: would starve it); a count, for two threads that fork at once
+_forking = 0
 #: seconds a fork waits at most for them (an open of a file system that hangs: NFS), and an
 #: open for a fork
 _FORK_WAIT = 5.0
@@ -97,7 +98,7 @@ def _no_open_under_way() -> None:
     that begin meanwhile wait until the fork is done (:func:`_opens_again`)."""
     global _forking
     with _opened:
-        _forking = True
+        _forking += 1
         _opened.wait_for(lambda: not _opening, _FORK_WAIT)
 
 
@@ -105,14 +106,14 @@ def _opens_again() -> None:
     """After a fork, in the parent: the opens held off go on."""
     global _forking
     with _opened:
-        _forking = False
+        _forking = max(0, _forking - 1)
         _opened.notify_all()
 
 
 def _forget_inherited_holds() -> None:
     global _opening, _opened, _forking
     # (the child's only thread opens nothing)
-    _opening, _opened, _forking = 0, threading.Condition(), False
+    _opening, _opened, _forking = 0, threading.Condition(), 0
     for leases in list(_LEASES):
         leases._forget_holds()
 
