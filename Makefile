@@ -4,7 +4,7 @@
 
 # The interpreter the venv is made from: Debian's own python3 where it is there (the machine
 # these commands are for; built with PGO and LTO, libpython linked in: instride's per-frame
-# Python ran ~20 % faster on it than on a default pyenv build that a PATH shim may put first),
+# Python took 15–25 % less CPU on it than on a default pyenv build that a PATH shim may put first),
 # else python3 from PATH. `make test PYTHON=python3.12` (or any interpreter) to choose; remove
 # .venv first to change it.
 PYTHON ?= $(firstword $(wildcard /usr/bin/python3) python3)

@@ -46,8 +46,9 @@ def interpreter() -> str:
 
     Most of instride's per-frame CPU outside the kernel is Python, so the interpreter's build
     shows in the cluster benchmarks: Debian's ``/usr/bin/python3`` (built with PGO and LTO,
-    libpython linked in) runs it ~20 % faster than a default pyenv build (no PGO, a shared
-    libpython) on the development VM. Benchmarks print it beside their results.
+    libpython linked in) took 15–25 % less user CPU per frame for it than a default pyenv build
+    (no PGO, a shared libpython) on the development VM. Benchmarks print it beside their
+    results.
     """
     shared = False
     with open("/proc/self/maps") as fh:
