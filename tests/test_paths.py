@@ -313,59 +313,19 @@ def test_threads_reading_while_the_managed_directory_is_made_again_leak_nothing(
 
 
 #: Makes the calling thread's ``openat2`` calls wait in the kernel (a seccomp filter's user
-#: notification) until a supervisor thread lets each go on: ``on_call(n)`` runs first, with
-#: the call's number; one that returns False never lets it go (only a signal ends that call).
-#: Exits 77 where seccomp filters cannot be set (the tests below fail then, saying so).
+#: notification, ``tests/preload/seccomp_hold.py``) until a supervisor thread lets each go on:
+#: ``on_call(n)`` runs first, with the call's number; one that returns False never lets it go
+#: (only a signal ends that call). Exits 77 where seccomp filters cannot be set (the tests
+#: below fail then, saying so). Its scripts need :data:`SECCOMP_HOLD_DIR` on their path.
 _PAUSE_OPENAT2 = r'''
-import ctypes, platform, sys, threading
-
-libc = ctypes.CDLL(None, use_errno=True)
-libc.syscall.restype = ctypes.c_long
-
-
-class _Filter(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
-                ("k", ctypes.c_uint32)]
-
-
-class _Prog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_Filter))]
-
-
-class _Notif(ctypes.Structure):
-    _fields_ = [("id", ctypes.c_uint64), ("pid", ctypes.c_uint32), ("flags", ctypes.c_uint32),
-                ("nr", ctypes.c_int32), ("arch", ctypes.c_uint32), ("ip", ctypes.c_uint64),
-                ("args", ctypes.c_uint64 * 6)]
-
-
-class _Resp(ctypes.Structure):
-    _fields_ = [("id", ctypes.c_uint64), ("val", ctypes.c_int64), ("error", ctypes.c_int32),
-                ("flags", ctypes.c_uint32)]
+from seccomp_hold import hold_calls
 
 
 def pause_openat2(on_call):
-    nr = {"x86_64": 317, "aarch64": 277}.get(platform.machine())  # seccomp(2)
-    if nr is None or libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
-        sys.exit(77)
-    # openat2 (437 everywhere): SECCOMP_RET_USER_NOTIF; anything else: SECCOMP_RET_ALLOW
-    code = (_Filter * 4)(_Filter(0x20, 0, 0, 0), _Filter(0x15, 0, 1, 437),
-                         _Filter(0x06, 0, 0, 0x7FC00000), _Filter(0x06, 0, 0, 0x7FFF0000))
-    listener = libc.syscall(nr, 1, 8, ctypes.byref(_Prog(4, code)))  # FILTER, NEW_LISTENER
-    if listener < 0:
-        sys.exit(77)
-
-    def supervise():
-        n = 0
-        while True:
-            notif = _Notif()
-            if libc.ioctl(listener, 0xC0502100, ctypes.byref(notif)) != 0:  # NOTIF_RECV
-                continue
-            n += 1
-            if on_call(n) is not False:  # NOTIF_SEND: SECCOMP_USER_NOTIF_FLAG_CONTINUE
-                libc.ioctl(listener, 0xC0182101, ctypes.byref(_Resp(notif.id, 0, 0, 1)))
-
-    threading.Thread(target=supervise, daemon=True).start()
+    hold_calls({"openat2": None}, lambda _name, n: on_call(n))
 '''
+#: where ``seccomp_hold`` is
+SECCOMP_HOLD_DIR = Path(__file__).parent / "preload"
 
 
 def _run_paused(tmp_path: Path, script: str) -> str:
@@ -382,7 +342,7 @@ def _run_paused(tmp_path: Path, script: str) -> str:
     (tmp_path / "pause_openat2.py").write_text(_PAUSE_OPENAT2)
     (tmp_path / "script.py").write_text(script)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        [str(tmp_path), str(SECCOMP_HOLD_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]))
     proc = subprocess.run([sys.executable, str(tmp_path / "script.py"), str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=120)
     if proc.returncode == 77:

@@ -3,7 +3,8 @@ chosen errno, or held in the kernel (a seccomp filter's user notification) until
 thread lets each go on -- a file system without ``RENAME_NOREPLACE``, a copy that takes
 minutes, another process acting between two steps of the library, all without timing.
 
-Imported by the scripts the tests run (its directory on ``sys.path``), not by pytest. Where
+Imported by the scripts the tests run (its directory on ``sys.path``; also those of
+``tests/test_paths.py`` and ``tests/store/test_ring.py``), not by pytest. Where
 seccomp filters cannot be set the process exits 77 (the tests fail then, saying so). Linux
 5.6+ (user notifications with ``SECCOMP_USER_NOTIF_FLAG_CONTINUE``), x86_64 or aarch64.
 """
@@ -20,9 +21,9 @@ from collections.abc import Callable
 #: system call numbers: seccomp(2) itself, and those the tests fail or hold
 NUMBERS = {
     "x86_64": {"seccomp": 317, "renameat2": 316, "linkat": 265, "flock": 73,
-               "copy_file_range": 326},
+               "copy_file_range": 326, "openat2": 437},
     "aarch64": {"seccomp": 277, "renameat2": 276, "linkat": 37, "flock": 32,
-                "copy_file_range": 285},
+                "copy_file_range": 285, "openat2": 437},
 }
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -1228,12 +1228,12 @@ def test_a_fork_waits_a_bounded_time_for_a_lease_stuck_in_the_file_system(
     waits 5 s at most now, as the Python half of the guard (``ring._FORK_WAIT``), then forks.
     The open here waits in the kernel for good (a seccomp user notification never answered);
     two forks follow."""
-    from tests.test_paths import _PAUSE_OPENAT2
+    from tests.test_paths import _PAUSE_OPENAT2, SECCOMP_HOLD_DIR
 
     (tmp_path / "pause_openat2.py").write_text(_PAUSE_OPENAT2)
     (tmp_path / "script.py").write_text(_FORK_DURING_A_HUNG_LEASE)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        [str(tmp_path), str(SECCOMP_HOLD_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]))
     try:
         proc = subprocess.run([sys.executable, str(tmp_path / "script.py"), str(tmp_path)],
                               env=env, capture_output=True, text=True, timeout=60)
