@@ -61,6 +61,10 @@
 #define ISS_MAX_HEADER (16 * 1024)
 #define ISS_MAX_REPLY (16 * 1024)
 #define ISS_MAX_SKEW 300.0
+/* Lines a peer without the token can cause (malformed requests, refused connections): at most
+ * this many a second are logged, the rest counted in one "suppressed" line, so that a flood of
+ * them cannot fill the disk the log is on. */
+#define ISS_PEER_LINES 20
 
 /* What the callback returns (a bit set). */
 #define ISS_KEEP 1 /* the connection may serve another request */
@@ -143,6 +147,10 @@ typedef struct server {
     waiter *waiters;            /* (under mu) */
     watch watches[ISS_WATCHES]; /* (under mu) */
     int nwatches;
+    pthread_mutex_t logmu;     /* the peer lines' limit (never held across the callback) */
+    int64_t log_sec;           /* the second counted (monotonic) */
+    int log_count;             /* lines logged in it */
+    uint64_t log_suppressed;   /* lines not logged since the last summary */
     EVP_MD *md;               /* SHA-256, fetched once */
     EVP_MD_CTX *inner, *outer; /* the HMAC's padded-key states (read only after start) */
 } server;
@@ -177,6 +185,45 @@ static void logf_(server *s, int level, const char *fmt, ...) {
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     s->log(s->ctx, level, msg);
+}
+
+/* The "suppressed" summary of what logf_peer left out, if any. */
+static void log_suppressed(server *s, uint64_t n) {
+    if (n > 0)
+        logf_(s, 30, "suppressed %llu more malformed or refused peer message(s) (at most %d a "
+              "second are logged)", (unsigned long long)n, ISS_PEER_LINES);
+}
+
+/* logf_ (level 30) for a line any peer can cause, token or not: at most ISS_PEER_LINES a
+ * second, the first ones kept; the ones left out are summed up once a later second logs again
+ * (or the server stops). */
+static void logf_peer(server *s, const char *fmt, ...) {
+    if (s->log == NULL)
+        return;
+    int64_t sec = now_ns() / 1000000000LL;
+    uint64_t gone = 0;
+    pthread_mutex_lock(&s->logmu);
+    if (sec != s->log_sec) {
+        s->log_sec = sec;
+        s->log_count = 0;
+        gone = s->log_suppressed;
+        s->log_suppressed = 0;
+    }
+    int keep = s->log_count < ISS_PEER_LINES;
+    if (keep)
+        s->log_count++;
+    else
+        s->log_suppressed++;
+    pthread_mutex_unlock(&s->logmu);
+    log_suppressed(s, gone);
+    if (!keep)
+        return;
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    s->log(s->ctx, 30, msg);
 }
 
 /* Send all of buf within timeout_ms; 0, or -1 on failure or timeout. more: a body follows at
@@ -954,7 +1001,7 @@ static void *conn_main(void *arg) {
         int keep = 0;
         if (got < 4) {
             atomic_fetch_add(&s->refused, 1);
-            logf_(s, 30, "malformed request from %s: truncated length prefix", c->peer);
+            logf_peer(s, "malformed request from %s: truncated length prefix", c->peer);
             send_error(s, c->fd, "WireError", "truncated length prefix");
         } else {
             uint32_t n;
@@ -964,7 +1011,7 @@ static void *conn_main(void *arg) {
                 char msg[128];
                 snprintf(msg, sizeof msg, "header length %u out of range (1..%d)", n, ISS_MAX_HEADER);
                 atomic_fetch_add(&s->refused, 1);
-                logf_(s, 30, "malformed request from %s: %s", c->peer, msg);
+                logf_peer(s, "malformed request from %s: %s", c->peer, msg);
                 send_error(s, c->fd, "WireError", msg);
             } else {
                 int64_t deadline = now_ns() + (int64_t)s->request_timeout_ms * 1000000LL;
@@ -987,7 +1034,7 @@ static void *conn_main(void *arg) {
                     else
                         snprintf(msg, sizeof msg, "truncated header (%zd bytes)", h < 0 ? (ssize_t)0 : h);
                     atomic_fetch_add(&s->refused, 1);
-                    logf_(s, 30, "malformed request from %s: %s", c->peer, msg);
+                    logf_peer(s, "malformed request from %s: %s", c->peer, msg);
                     send_error(s, c->fd, "WireError", msg);
                 }
             }
@@ -1065,7 +1112,7 @@ static void *accept_main(void *arg) {
         }
         if (refuse) {
             atomic_fetch_add(&s->busy, 1);
-            logf_(s, 30, "refused connection from %s: %d connections already", peer,
+            logf_peer(s, "refused connection from %s: %d connections already", peer,
                   atomic_load(&s->peers));
         }
         pthread_mutex_lock(&s->mu);
@@ -1144,6 +1191,7 @@ ISS_API int iss_start(const char *host, int port, const char *root, const char *
     s->log = log;
     s->ctx = ctx;
     pthread_mutex_init(&s->mu, NULL);
+    pthread_mutex_init(&s->logmu, NULL);
     /* (the stop's waits are bounded on the monotonic clock: a wall-clock jump -- NTP, an
      * administrator -- stretched or cut them) */
     pthread_condattr_t cattr;
@@ -1268,6 +1316,8 @@ ISS_API int iss_stop(void *h, int grace_ms, iss_stats *final) {
     }
     int left = s->threads;
     pthread_mutex_unlock(&s->mu);
+    if (left == 0) /* (what the last second left out: no later line will report it) */
+        log_suppressed(s, s->log_suppressed);
     if (final != NULL)
         iss_stats_get(s, final);
     if (left == 0) { /* (else leak the state: a thread may still touch it) */
@@ -1279,6 +1329,7 @@ ISS_API int iss_stop(void *h, int grace_ms, iss_stats *final) {
         OPENSSL_cleanse(s->token, s->token_len);
         free(s->token);
         pthread_mutex_destroy(&s->mu);
+        pthread_mutex_destroy(&s->logmu);
         pthread_cond_destroy(&s->cv);
         free(s);
     }

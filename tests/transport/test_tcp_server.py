@@ -175,3 +175,49 @@ def test_a_stop_is_bounded_on_the_monotonic_clock(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert float(run.stdout) < 15, f"the stop took {run.stdout.strip()} s"
+
+
+def test_malformed_requests_cannot_grow_the_log_without_bound(own_node: LoopbackNode) -> None:
+    """Every malformed request (no token needed: anyone who reaches the port) wrote a warning
+    line of its own: a peer sending bad length prefixes in a loop grew the server's log without
+    bound (a disk filled). Now at most a burst of such lines a second are written, the first
+    ones kept, and the rest are counted in one "suppressed" line."""
+    node = own_node.start()
+    before = node.log.read_text().count("\n")
+    sent = 400
+    for _ in range(sent):
+        with socket.create_connection(("127.0.0.1", node.port), timeout=10) as s:
+            s.sendall(struct.pack(">I", 0))  # a header length out of range
+            assert _reply(s)["ok"] is False
+    time.sleep(1.2)  # (a new second: the next line reports what was suppressed)
+    with socket.create_connection(("127.0.0.1", node.port), timeout=10) as s:
+        s.sendall(struct.pack(">I", 0))
+        _reply(s)
+    until(lambda: "suppressed" in node.log.read_text(), 10, "the suppressed summary")
+    text = node.log.read_text()
+    grown = text.count("\n") - before
+    assert "header length 0 out of range" in text, "the first ones are kept"
+    assert grown < sent / 2, f"{grown} log lines for {sent + 1} malformed requests"
+
+
+def test_requests_with_a_wrong_token_cannot_grow_the_log_without_bound(
+        own_node: LoopbackNode) -> None:
+    """A request framed well but not signed with the job's token (no token needed to send
+    one) reaches the server's Python side, which wrote a warning line for each: the same
+    flood as malformed requests, through another door. At most a burst a second now, the rest
+    counted in one "suppressed" line."""
+    node = own_node.start()
+    before = node.log.read_text().count("\n")
+    sent = 300
+    for _ in range(sent):
+        with socket.create_connection(("127.0.0.1", node.port), timeout=10) as s:
+            s.sendall(wire.pack(wire.sign("not-the-token", "fetch", "any/k")))
+            assert _reply(s)["ok"] is False
+    time.sleep(1.2)  # (a new second: the next line reports what was suppressed)
+    with socket.create_connection(("127.0.0.1", node.port), timeout=10) as s:
+        s.sendall(wire.pack(wire.sign("not-the-token", "fetch", "any/k")))
+        _reply(s)
+    until(lambda: "suppressed" in node.log.read_text(), 10, "the suppressed summary")
+    text = node.log.read_text()
+    assert "refused request from" in text, "the first ones are kept"
+    assert text.count("\n") - before < sent / 2, text.count("\n") - before

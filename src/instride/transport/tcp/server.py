@@ -60,6 +60,37 @@ from .. import wire
 from .engine import DECIDE, LOG, EngineStats, load_library
 
 log = logging.getLogger("instride.server")
+#: lines a second about requests refused before their token was checked (malformed, not
+#: signed with the job's token, stale, replayed): anyone who reaches the port may send them,
+#: so past this many the rest are counted and said in one line (as the C engine's own)
+_PEER_LINES = 20
+
+
+class _PeerLog:
+    """Warnings about unauthenticated peers, at most :data:`_PEER_LINES` a second: the
+    first ones of each second kept, the others counted and reported in one line by the
+    next one allowed (a log that anyone could grow without bound would fill the disk)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._second, self._lines, self._suppressed = 0, 0, 0
+
+    def warning(self, msg: str, *args: Any) -> None:
+        now = int(time.monotonic())
+        with self._lock:
+            if now != self._second:
+                self._second, self._lines = now, 0
+            if self._lines >= _PEER_LINES:
+                self._suppressed += 1
+                return
+            self._lines += 1
+            suppressed, self._suppressed = self._suppressed, 0
+        if suppressed:
+            log.warning("suppressed %d more refused or malformed peer message(s)", suppressed)
+        log.warning(msg, *args)
+
+
+_peer_log = _PeerLog()
 
 #: Longest error message put in a reply.
 MAX_MESSAGE = 1000
@@ -232,7 +263,7 @@ class TcpServer:
             req = wire.parse_header(body)
         except WireError as exc:
             self._count("refused")
-            log.warning("malformed request from %s: %s", peer, exc)
+            _peer_log.warning("malformed request from %s: %s", peer, exc)
             return _error("WireError", str(exc)), None, 0, False
         # (a request the engine verified and held while it waited: its window was checked
         # as it arrived; a miss after a long wait is a miss, not a stale request)
@@ -244,7 +275,7 @@ class TcpServer:
             reason = self._replay(handle, req["nonce"], float(req["ts"]))
         if reason is not None:
             self._count("refused")
-            log.warning("refused request from %s: %s", peer, reason)
+            _peer_log.warning("refused request from %s: %s", peer, reason)
             return _error("AuthenticationError", reason), None, 0, False
         op = req["op"]  # a str, checked by verify
         if op == "ping":
