@@ -128,6 +128,38 @@ def test_a_deleted_key_leaves_nothing_and_its_next_version_is_higher(backend: Re
     assert put("d/k", b"3").version > second
 
 
+@pytest.mark.parametrize("path", ["lean", "redis-py"])
+def test_deletes_run_their_script_by_its_digest_and_after_a_script_flush(
+        redis_server: RedisServer, tmp_path, path: str) -> None:  # type: ignore[no-untyped-def]
+    """``delete`` and ``delete_if`` sent their Lua script's whole text with every call
+    (``EVAL``; a stream that deletes per frame sends it per frame): they go by its digest
+    (``EVALSHA``), and Redis having forgotten it (a restart, ``SCRIPT FLUSH``: ``NOSCRIPT``)
+    still deletes."""
+    admin = redis.Redis.from_url(redis_server.url)
+    md = RedisMetadata(Settings(dir=tmp_path, redis_url=redis_server.url, connect_timeout=5))
+    if path == "redis-py":
+        md._fast_args = None  # (the redis-py path, as a unix:// or TLS URL takes)
+
+    def calls(command: str) -> int:
+        return int(admin.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+
+    try:
+        # first use, again by digest, after a flush, again by digest
+        for i, flush in enumerate((False, False, True, False)):
+            recs = [md.publish(_record(f"sha/{i}/{j}")) for j in range(2)]
+            if flush:
+                admin.script_flush()
+            evals = calls("eval")
+            md.delete(recs[0].key)
+            assert md.delete_if(recs[1])
+            assert md.lookup(recs[0].key) is None and md.lookup(recs[1].key) is None
+            if i in (1, 3):  # (else the script's text may go once, to load it)
+                assert calls("eval") == evals
+    finally:
+        md.close()
+        admin.close()
+
+
 def test_a_version_never_goes_back_below_what_the_key_had(backend: RedisMetadata, put: Put) -> None:
     # keys left by an earlier instride (a version counter per key, kept past deletion) or with
     # a record of a version above the clock: the next publication gets a higher version
@@ -374,6 +406,91 @@ def test_a_publication_redis_never_answered_is_unsettled_not_failed(redis_server
             b.publish(Record("unsettled/never", "127.0.0.1:1", 1, "xxh3:2", 0, time.time(), "n1"))
         assert not isinstance(info.value, PublicationUnsettled)
         assert not direct.exists("instride:rec:unsettled/never")
+    finally:
+        direct.close()
+        b.close()
+        relay.close()
+
+
+class _CutAfterReply(ReplyDropper):
+    """A :class:`ReplyDropper` that passes the armed request's reply on before it cuts the
+    connection and refuses new ones: the client heard Redis's answer, and nothing after."""
+
+    def _down(self, src: socket.socket, dst: socket.socket, doomed: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+                if doomed.is_set():
+                    self.dropped += 1
+                    with contextlib.suppress(OSError):
+                        self.listener.shutdown(socket.SHUT_RDWR)
+                    self.listener.close()
+                    for s in (src, dst):
+                        s.shutdown(socket.SHUT_RDWR)
+                        s.close()
+                    return
+
+
+def test_a_pending_publication_redis_did_not_run_stays_plainly_unavailable(
+        redis_server: RedisServer, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``publish_soon``'s record answered ``NOSCRIPT`` (Redis forgot the script: it did not
+    run), and Redis out of reach before it went again: nothing is stored, so its
+    confirmation is plainly :class:`MetadataUnavailable` — the first time and every time
+    after, not :class:`PublicationUnsettled` (its producer would keep a frame for a record
+    that cannot exist)."""
+    from instride.errors import PublicationUnsettled
+
+    admin = redis.Redis.from_url(redis_server.url)
+    relay = _CutAfterReply((redis_server.host, redis_server.port))
+    b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
+                               connect_timeout=0.5))
+    try:
+        b.publish(_record("noscript/warm"))
+        admin.script_flush()
+        relay.armed = True
+        pending = b.publish_soon(_record("noscript/k"))
+        deadline = time.monotonic() + 10
+        while relay.dropped == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # (its connection's end is in, and seen as such: see resp.FRESH_AFTER)
+        for _ in range(2):
+            with pytest.raises(MetadataUnavailable) as info:
+                pending()
+            assert not isinstance(info.value, PublicationUnsettled), info.value
+        assert relay.dropped == 1
+        assert not admin.exists("instride:rec:noscript/k")
+    finally:
+        b.close()
+        relay.close()
+        admin.close()
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_a_pending_publication_redis_never_answered_is_unsettled_not_failed(
+        redis_server: RedisServer, tmp_path, held: bool) -> None:  # type: ignore[no-untyped-def]
+    """``publish_soon``'s record, its reply lost after Redis stored it and Redis then out of
+    reach past the connect timeout while it is confirmed: the confirmation raised the plain
+    :class:`MetadataUnavailable` of a record never sent (its producer would take the frame
+    for unpublished). It is :class:`PublicationUnsettled`, as :meth:`publish`'s is, and
+    stays so when confirmed again."""
+    from instride.errors import PublicationUnsettled
+
+    relay = ReplyDropper((redis_server.host, redis_server.port), refuse=True)
+    b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
+                               connect_timeout=0.5))
+    direct = redis.Redis.from_url(redis_server.url)
+    try:
+        b.publish(Record("unsettled/warm", "127.0.0.1:1", 1, "xxh3:0", 0, time.time(), "n1"))
+        relay.armed = True
+        pending = b.publish_soon(Record("unsettled/s", "127.0.0.1:1", 7, "xxh3:1", 0,
+                                        time.time(), "n1"), overwrite=False, hold=held)
+        for _ in range(2):
+            with pytest.raises(PublicationUnsettled,
+                               match="'unsettled/s' may or may not be recorded") as info:
+                pending()
+            assert info.value.key == "unsettled/s"
+        assert relay.dropped == 1
+        assert direct.hget("instride:rec:unsettled/s", "size") == b"7"  # stored after all
     finally:
         direct.close()
         b.close()

@@ -407,6 +407,9 @@ class _SoonRecord(PendingRecord):
             except PublicationUnsettled:
                 self._went = True
                 raise
+            except MetadataUnavailable:  # (not a retry: NOSCRIPT answered, so it did not
+                self._went = False  # run, nor did this: not stored, on the next call either)
+                raise
         else:
             stored = metadata._stored(self._record, reply, self)
         self._done = stored
@@ -512,6 +515,9 @@ class RedisMetadata:
             health_check_interval=0,
         )
         self._publish = self.redis.register_script(_PUBLISH)
+        # (by digest: the text goes only where Redis forgot it, NOSCRIPT)
+        self._delete = self.redis.register_script(_DELETE)
+        self._delete_if = self.redis.register_script(_DELETE_IF)
         self._scripts: dict[str, Any] = {}  # (:meth:`eval_later`'s, by their text)
         self._per_thread = PerThread()
         self._lock_of: tuple[int, threading.Lock] = (forks(), threading.Lock())
@@ -715,7 +721,9 @@ class RedisMetadata:
         try:
             version = self._call("publish", run)
         except MetadataUnavailable as exc:
-            if went:  # stored or not: Redis never answered (see PublicationUnsettled)
+            # stored or not: Redis never answered (see PublicationUnsettled) -- an attempt
+            # here, or the send before (``first``: its reply lost, Redis out of reach since)
+            if went or again:
                 raise PublicationUnsettled(self.url, record.key, exc.detail) from None
             raise
         if version == _LATE:
@@ -1366,13 +1374,17 @@ class RedisMetadata:
         fast = self._fast()
         if fast is not None:
             def lean() -> None:
-                reply = fast.call([("EVAL", _DELETE, len(keys), *keys, key)])[0]
+                reply = fast.call([("EVALSHA", self._delete.sha, len(keys), *keys, key)])[0]
+                if isinstance(reply, Exception) and str(reply).startswith("NOSCRIPT"):
+                    # (Redis forgot it, a restart or SCRIPT FLUSH: it did not run; its
+                    # text runs it, and loads it for the next one)
+                    reply = fast.call([("EVAL", _DELETE, len(keys), *keys, key)])[0]
                 if isinstance(reply, Exception):
                     raise redis.ResponseError(str(reply))
 
             self._call("delete", lean)
             return
-        self._call("delete", lambda: self.redis.eval(_DELETE, len(keys), *keys, key))
+        self._call("delete", lambda: self._delete(keys=keys, args=[key]))
 
     def forget(self, key: str) -> None:
         """:meth:`delete` without the mark: for a stream's retired frame, whose record's
@@ -1403,8 +1415,7 @@ class RedisMetadata:
         and owner): a publication of the key stored since — a new version — stays. Whether it
         was forgotten."""
         keys, args = [_REC + record.key, _KEYS], [str(record.version), record.owner, record.key]
-        return bool(self._call("delete_if", lambda: self.redis.eval(
-            _DELETE_IF, len(keys), *keys, *args)))
+        return bool(self._call("delete_if", lambda: self._delete_if(keys=keys, args=args)))
 
     def list(self, prefix: str = "") -> list[str]:
         """Recorded keys starting with ``prefix``, sorted."""
