@@ -46,13 +46,15 @@ class ReplyDropper(Relay):
     next write that holds ``marker``) and then closes the connection instead of passing its
     reply on: Redis has run the command, the client never hears so (a network failure at the
     worst moment). ``refuse``: from then on, no connection is accepted either (Redis out of
-    reach until :meth:`close`)."""
+    reach until :meth:`close`). ``pass_reply``: the reply is passed on before the connection
+    is cut (the client heard Redis's answer, and nothing after)."""
 
     def __init__(self, upstream: tuple[str, int], marker: bytes = b"EVALSHA",
-                 refuse: bool = False) -> None:
+                 refuse: bool = False, pass_reply: bool = False) -> None:
         self.marker = marker
         self.armed = False
         self.refuse = refuse
+        self.pass_reply = pass_reply
         self.dropped = 0
         super().__init__(upstream)
 
@@ -78,6 +80,8 @@ class ReplyDropper(Relay):
         with contextlib.suppress(OSError):
             while data := src.recv(1 << 16):
                 if doomed.is_set():
+                    if self.pass_reply:
+                        dst.sendall(data)
                     self.dropped += 1
                     if self.refuse:  # (shut down first: a blocked accept() returns)
                         with contextlib.suppress(OSError):

@@ -176,15 +176,19 @@ static void set_err(char *err, size_t errlen, const char *fmt, ...) {
     va_end(ap);
 }
 
+static void vlogf_(server *s, int level, const char *fmt, va_list ap) {
+    char msg[512];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    s->log(s->ctx, level, msg);
+}
+
 static void logf_(server *s, int level, const char *fmt, ...) {
     if (s->log == NULL)
         return;
-    char msg[512];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
+    vlogf_(s, level, fmt, ap);
     va_end(ap);
-    s->log(s->ctx, level, msg);
 }
 
 /* The "suppressed" summary of what logf_peer left out, if any. */
@@ -218,12 +222,10 @@ static void logf_peer(server *s, const char *fmt, ...) {
     log_suppressed(s, gone);
     if (!keep)
         return;
-    char msg[512];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
+    vlogf_(s, 30, fmt, ap);
     va_end(ap);
-    s->log(s->ctx, 30, msg);
 }
 
 /* Send all of buf within timeout_ms; 0, or -1 on failure or timeout. more: a body follows at

@@ -412,25 +412,6 @@ def test_a_publication_redis_never_answered_is_unsettled_not_failed(redis_server
         relay.close()
 
 
-class _CutAfterReply(ReplyDropper):
-    """A :class:`ReplyDropper` that passes the armed request's reply on before it cuts the
-    connection and refuses new ones: the client heard Redis's answer, and nothing after."""
-
-    def _down(self, src: socket.socket, dst: socket.socket, doomed: threading.Event) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(1 << 16):
-                dst.sendall(data)
-                if doomed.is_set():
-                    self.dropped += 1
-                    with contextlib.suppress(OSError):
-                        self.listener.shutdown(socket.SHUT_RDWR)
-                    self.listener.close()
-                    for s in (src, dst):
-                        s.shutdown(socket.SHUT_RDWR)
-                        s.close()
-                    return
-
-
 def test_a_pending_publication_redis_did_not_run_stays_plainly_unavailable(
         redis_server: RedisServer, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """``publish_soon``'s record answered ``NOSCRIPT`` (Redis forgot the script: it did not
@@ -441,7 +422,7 @@ def test_a_pending_publication_redis_did_not_run_stays_plainly_unavailable(
     from instride.errors import PublicationUnsettled
 
     admin = redis.Redis.from_url(redis_server.url)
-    relay = _CutAfterReply((redis_server.host, redis_server.port))
+    relay = ReplyDropper((redis_server.host, redis_server.port), refuse=True, pass_reply=True)
     b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
                                connect_timeout=0.5))
     try:

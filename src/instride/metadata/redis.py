@@ -1024,7 +1024,7 @@ class RedisMetadata:
                     try:
                         ps.unsubscribe(*channels)
                     except _REPLIES:
-                        pass  # (refused too, if the SUBSCRIBE was)
+                        pass  # (an error answer: refused as the SUBSCRIBE was; nothing to undo)
                     except _ERRORS:
                         # (the connection broke: dropped, its subscriptions with it; a
                         # record found is returned all the same, an error goes on as it was)
