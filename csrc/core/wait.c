@@ -2,7 +2,8 @@
  * wait.c -- local mode: wait for a key with inotify on its directory. stat the
  * key; if missing, arm a watch (IN_CREATE | IN_MOVED_TO) on its directory
  * (created if needed), stat again (no publication can be missed from then on),
- * and sleep in poll until it appears or INSTRIDE_TIMEOUT runs out.
+ * and sleep in poll until it appears or INSTRIDE_TIMEOUT runs out. When no inotify
+ * instance or watch can be had (the per-user limits), the key is polled instead.
  */
 #include "ins_core.h"
 
@@ -114,17 +115,35 @@ static int ins_inotify_lost(int ifd, int cached)
     return cached && !ins_hooks.is_internal(ifd, INS_TOKEN);
 }
 
+/* errno of inotify_init1 / inotify_add_watch when the limits are reached: the user's
+ * fs.inotify.max_user_instances (often 128, shared by all of the user's processes on the node:
+ * each waiting thread here holds one) or max_user_watches, the process's or the system's fds,
+ * or memory. The Python package's waits (store/wait.py, _NO_INOTIFY) poll then, too. */
+static int ins_no_inotify(int e)
+{
+    return e == EMFILE || e == ENFILE || e == ENOSPC || e == ENOMEM;
+}
+
 /* Watch dir (creating it if needed) on this thread's inotify fd; a watch
- * left on another directory by an earlier wait is removed. */
-static int ins_watch(int ifd, int cached, char *dir)
+ * left on another directory by an earlier wait is removed. -1 with errno when
+ * none could be had; *limited = 1 when inotify_add_watch refused it for a limit
+ * (not when the directory could not be made). */
+static int ins_watch(int ifd, int cached, char *dir, int *limited)
 {
     const uint32_t mask = IN_CREATE | IN_MOVED_TO | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR;
-    int wd = inotify_add_watch(ifd, dir, mask);
+    int wd;
     /* (made again if another waiter's failed wait removed it, empty, in between: a few times) */
-    for (int tries = 0; wd < 0 && errno == ENOENT && tries < 5 && ins_mkdir_p(dir) == 0; tries++)
+    for (int tries = 0;; tries++) {
         wd = inotify_add_watch(ifd, dir, mask);
-    if (wd < 0)
+        if (wd >= 0 || errno != ENOENT || tries == 5)
+            break;
+        if (ins_mkdir_p(dir) != 0)
+            return -1;
+    }
+    if (wd < 0) {
+        *limited = ins_no_inotify(errno);
         return -1;
+    }
     if (cached) {
         if (ins_wd >= 0 && ins_wd != wd)
             inotify_rm_watch(ifd, ins_wd);
@@ -153,14 +172,40 @@ static int ins_dir_gone(int ifd, int wd)
     return gone;
 }
 
-/* A new fd for this thread, watching dir: 0, or -1 (*ifd < 0: none could be made). */
-static int ins_rewatch(int *ifd, int *cached, char *dir, int *wd)
+/* A new fd for this thread, watching dir: 0, or -1 (*ifd < 0: none could be made; *limited
+ * as ins_watch's, also for the fd). */
+static int ins_rewatch(int *ifd, int *cached, char *dir, int *wd, int *limited)
 {
     *ifd = ins_inotify_get(cached);
-    if (*ifd < 0)
+    if (*ifd < 0) {
+        *limited = ins_no_inotify(errno);
         return -1;
-    *wd = ins_watch(*ifd, *cached, dir);
+    }
+    *wd = ins_watch(*ifd, *cached, dir, limited);
     return *wd < 0 ? -1 : 0;
+}
+
+/* Wait for abs by looking at it (lstat, as the inotify path) every 1 ms, doubling to 50 ms,
+ * until deadline (< 0: none): 0, or -1 with errno (ETIMEDOUT). The wait ends as one with
+ * inotify would, at most 50 ms late; the thread's next wait tries inotify again (the limit
+ * may have been freed meanwhile). */
+static int ins_poll_key(const char *abs, double deadline)
+{
+    struct stat st;
+    int delay = 1; /* ms */
+    for (;;) {
+        if (lstat(abs, &st) == 0)
+            return 0;
+        if (errno != ENOENT)
+            return -1;
+        int ms = ins_remaining_ms(deadline);
+        if (ms == 0) {
+            errno = ETIMEDOUT;
+            return -1;
+        }
+        poll(NULL, 0, ms < 0 || ms > delay ? delay : ms); /* (EINTR: just looks again) */
+        delay = delay * 2 > 50 ? 50 : delay * 2;
+    }
 }
 
 int ins_wait_local(const char *abs)
@@ -179,13 +224,14 @@ int ins_wait_local(const char *abs)
         slash[1] = '\0';
     else
         *slash = '\0';
-    int cached = 0, rc = -1;
+    int cached = 0, rc = -1, limited = 0, wd = -1;
     int ifd = ins_inotify_get(&cached);
-    if (ifd < 0)
-        return -1;
-    int wd = ins_watch(ifd, cached, dir);
-    if (wd < 0)
-        goto cleanup;
+    if (ifd < 0) {
+        limited = ins_no_inotify(errno);
+        goto lost;
+    }
+    if ((wd = ins_watch(ifd, cached, dir, &limited)) < 0)
+        goto no_watch;
     /* Armed: from here no publication can be missed. Check, then wait. */
     for (;;) {
         if (lstat(abs, &st) == 0) {
@@ -202,7 +248,7 @@ int ins_wait_local(const char *abs)
         if (ins_inotify_lost(ifd, cached)) {
             /* closed (and its number perhaps reused by a file that is never readable) since
              * the last look: a new fd, before the poll, which would sleep on that file */
-            if (ins_rewatch(&ifd, &cached, dir, &wd) != 0)
+            if (ins_rewatch(&ifd, &cached, dir, &wd, &limited) != 0)
                 goto lost;
             continue;
         }
@@ -221,19 +267,22 @@ int ins_wait_local(const char *abs)
                 ins_hooks.mark_internal(ifd, NULL);
             if (!lost && !(pfd.revents & POLLNVAL))
                 ins_sys.close(ifd); /* (ours still, in error) */
-            if (ins_rewatch(&ifd, &cached, dir, &wd) != 0)
+            if (ins_rewatch(&ifd, &cached, dir, &wd, &limited) != 0)
                 goto lost;
             continue;
         }
         /* the directory went away: recreate it and watch again */
-        if (ins_dir_gone(ifd, wd) && (wd = ins_watch(ifd, cached, dir)) < 0)
-            break;
+        if (ins_dir_gone(ifd, wd) && (wd = ins_watch(ifd, cached, dir, &limited)) < 0)
+            goto no_watch;
     }
-cleanup:
     ins_inotify_put(ifd, cached);
     return rc;
-lost: /* (no fd to put back where a new one could not be made) */
+lost: /* no fd could be made (none to put back), or no watch on a new one */
     if (ifd < 0)
-        return -1;
-    goto cleanup;
+        return limited ? ins_poll_key(abs, deadline) : -1;
+no_watch: /* (errno kept by ins_inotify_put) */
+    ins_inotify_put(ifd, cached);
+    /* out of inotify instances or watches: the key is polled (the Python package's waits do
+     * the same), rather than failing a wait that can end well */
+    return limited ? ins_poll_key(abs, deadline) : -1;
 }
