@@ -240,11 +240,27 @@ def test_a_publication_whose_reply_is_lost_is_retried_as_itself(redis_server: Re
 class _DropAfterAnotherWrites(ReplyDropper):
     """A :class:`ReplyDropper` that, once Redis has answered the armed request, lets another
     writer act (``meanwhile``) before it cuts the connection: the client's retry comes after
-    that writer's publication, every time (no race to win)."""
+    that writer's publication, every time (no race to win). ``cut=False``: the connection
+    is left up, the reply kept (the client waits on: ``meanwhile`` interrupts it);
+    ``skip``: that many requests that hold the marker pass before the armed one."""
 
-    def __init__(self, upstream: tuple[str, int], meanwhile: Callable[[], None]) -> None:
+    def __init__(self, upstream: tuple[str, int], meanwhile: Callable[[], None], *,
+                 cut: bool = True, skip: int = 0) -> None:
         self.meanwhile = meanwhile
+        self.cut = cut
+        self.skip = skip
         super().__init__(upstream)
+
+    def _up(self, src: socket.socket, dst: socket.socket, doomed: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                if self.armed and self.marker in data:
+                    if self.skip:
+                        self.skip -= 1
+                    else:
+                        self.armed = False
+                        doomed.set()  # (before the request goes: its reply is the one dropped)
+                dst.sendall(data)
 
     def _down(self, src: socket.socket, dst: socket.socket, doomed: threading.Event) -> None:
         with contextlib.suppress(OSError):
@@ -252,9 +268,10 @@ class _DropAfterAnotherWrites(ReplyDropper):
                 if doomed.is_set():
                     self.meanwhile()  # (the client still waits for the reply it never gets)
                     self.dropped += 1
-                    for s in (src, dst):
-                        s.shutdown(socket.SHUT_RDWR)
-                        s.close()
+                    if self.cut:
+                        for s in (src, dst):
+                            s.shutdown(socket.SHUT_RDWR)
+                            s.close()
                     return
                 dst.sendall(data)
 
@@ -476,6 +493,177 @@ def test_a_pending_publication_redis_never_answered_is_unsettled_not_failed(
         direct.close()
         b.close()
         relay.close()
+
+
+class _Interrupted(BaseException):
+    """What a test's signal handler raises (as Ctrl-C's handler raises KeyboardInterrupt)."""
+
+
+@pytest.mark.parametrize("between", ["a refusal", "an interrupt"])
+def test_a_pending_publication_that_may_be_stored_is_sent_again_as_a_retry(
+        redis_server: RedisServer, tmp_path, between: str) -> None:  # type: ignore[no-untyped-def]
+    """``publish_soon``'s record not sent (Redis out of reach then) goes with its
+    confirmation; Redis stores it there, and the attempt ends before its answer is read: the
+    retry that follows is refused (an ACL changed meanwhile: ``NOPERM``), or an interrupt
+    comes (Ctrl-C, a signal handler's exception). The record forgot that it may have been
+    stored: the next confirmation sent it as a first publication, and it **stored the older
+    record over the key's newer one**. It stays a retry, whatever ended the attempt: it
+    finds its publication done (its version), and the newer record stays."""
+    import signal
+
+    from instride.errors import PublicationUnsettled
+
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.execute_command("ACL", "SETUSER", "app", "on", ">pw", "~*", "&*", "+@all")
+    other = RedisMetadata(Settings(dir=tmp_path, redis_url=redis_server.url, connect_timeout=5))
+    other.publish(_record("again/warm"))  # (Redis knows the script: EVALSHA runs it)
+    main = threading.get_ident()
+
+    def meanwhile() -> None:  # (Redis has stored the record; its answer is not passed on)
+        if between == "a refusal":
+            admin.execute_command("ACL", "SETUSER", "app", "-evalsha", "-eval")
+        else:
+            signal.pthread_kill(main, signal.SIGUSR1)
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise _Interrupted
+
+    relay = _DropAfterAnotherWrites((redis_server.host, redis_server.port), meanwhile,
+                                    cut=between == "a refusal")
+    relay.listener.shutdown(socket.SHUT_RDWR)  # (Redis out of reach while the record is sent)
+    relay.listener.close()
+    b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://app:pw@127.0.0.1:{relay.port}/0",
+                               connect_timeout=2))
+    old = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        pending = b.publish_soon(Record("again/k", "127.0.0.1:1", 7, "xxh3:1", 0, time.time(),
+                                        "n1"))
+        assert not admin.exists("instride:rec:again/k")  # (not sent)
+        relay.resume()
+        relay.armed = True
+        with pytest.raises(PublicationUnsettled if between == "a refusal" else _Interrupted):
+            pending()
+        assert relay.dropped == 1
+        stored = int(admin.hget("instride:rec:again/k", "version"))  # (stored after all)
+        admin.execute_command("ACL", "SETUSER", "app", "+@all")
+        newer = other.publish(Record("again/k", "127.0.0.1:2", 22, "xxh3:2", 0, time.time(),
+                                     "n2"))
+        assert pending().version == stored  # its own publication, done
+        assert b.lookup("again/k") == newer  # the newer record stays
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        b.close()
+        other.close()
+        relay.close()
+        admin.close()
+
+
+@pytest.mark.parametrize("between", ["Redis full", "the script forgotten, the key published"])
+def test_a_pending_publication_whose_answer_was_lost_is_settled_by_its_retry(
+        redis_server: RedisServer, tmp_path, between: str) -> None:  # type: ignore[no-untyped-def]
+    """``publish_soon``'s record stored, its answer lost; before the confirmation's retry,
+    Redis became full (``maxmemory``, ``noeviction``: every write refused ``OOM``), or forgot
+    its scripts (a restart: ``NOSCRIPT``) while another writer published the key. The retry
+    writes nothing where its publication is done (its record, or its mark, is read first):
+    it is answered its version, not refused, and the newer record stays."""
+    admin = redis.Redis.from_url(redis_server.url)
+    other = RedisMetadata(Settings(dir=tmp_path, redis_url=redis_server.url, connect_timeout=5))
+    newer: list[Record] = []
+
+    def meanwhile() -> None:
+        if between == "Redis full":
+            admin.config_set("maxmemory", "1")
+        else:
+            newer.append(other.publish(Record("full/k", "127.0.0.1:2", 22, "xxh3:2", 0,
+                                              time.time(), "n2")))
+            admin.script_flush()
+
+    relay = _DropAfterAnotherWrites((redis_server.host, redis_server.port), meanwhile)
+    b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
+                               connect_timeout=5))
+    try:
+        warm = b.publish(_record("full/warm"))
+        relay.armed = True
+        rec = b.publish_soon(Record("full/k", "127.0.0.1:1", 7, "xxh3:1", 0, time.time(),
+                                    "n1"))()
+        assert relay.dropped == 1
+        assert rec.version == warm.version + 1  # its own publication, done
+        assert b.lookup("full/k") == (newer[0] if newer else rec)
+        if newer:  # (the retry went through redis-py, which loaded the script again)
+            assert admin.script_exists(b._publish.sha) == [True]
+    finally:
+        admin.config_set("maxmemory", "0")
+        b.close()
+        other.close()
+        relay.close()
+        admin.close()
+
+
+def test_a_publication_whose_retry_is_refused_is_unsettled_not_refused(
+        redis_server: RedisServer, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Redis stored a publication, its answer was lost, and the retry was refused for want
+    of rights (an ACL changed meanwhile: ``NOPERM``): :meth:`publish` raised
+    :class:`AuthenticationError`, as if nothing were stored (the cluster engine removes a
+    write-once key's file then, and Redis holds a record naming it). It is
+    :class:`PublicationUnsettled` (it may be recorded: here it is), naming the refusal."""
+    from instride.errors import PublicationUnsettled
+
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.execute_command("ACL", "SETUSER", "app", "on", ">pw", "~*", "&*", "+@all")
+    relay = _DropAfterAnotherWrites(
+        (redis_server.host, redis_server.port),
+        lambda: admin.execute_command("ACL", "SETUSER", "app", "-evalsha", "-eval"))
+    b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://app:pw@127.0.0.1:{relay.port}/0",
+                               connect_timeout=2))
+    try:
+        b.publish(_record("refused/warm"))
+        relay.armed = True
+        with pytest.raises(PublicationUnsettled, match="NOPERM") as info:
+            b.publish(Record("refused/k", "127.0.0.1:1", 7, "xxh3:1", 0, time.time(), "n1"),
+                      overwrite=False)
+        assert relay.dropped == 1 and info.value.key == "refused/k"
+        assert admin.hget("instride:rec:refused/k", "size") == b"7"  # stored after all
+    finally:
+        b.close()
+        relay.close()
+        admin.close()
+
+
+@pytest.mark.parametrize("path", ["redis-py", "after NOSCRIPT"])
+def test_a_publication_redis_py_sends_again_itself_never_overwrites_a_newer_record(
+        redis_server: RedisServer, tmp_path, path: str) -> None:  # type: ignore[no-untyped-def]
+    """A publication through redis-py (a URL that needs it, ``unix://`` or TLS; or the
+    lean connection's fallback when Redis forgot the script, ``NOSCRIPT``): Redis stored it,
+    its answer was lost, and another writer published the key meanwhile. redis-py sends a
+    command again itself after a lost connection (its ``Retry``), with the same arguments:
+    naming no mark, that send **stored the older record over the newer one**. Each send
+    through redis-py names the publication's mark: the newer record stays."""
+    admin = redis.Redis.from_url(redis_server.url)
+    other = RedisMetadata(Settings(dir=tmp_path, redis_url=redis_server.url, connect_timeout=5))
+    newer: list[Record] = []
+    relay = _DropAfterAnotherWrites(
+        (redis_server.host, redis_server.port),
+        lambda: newer.append(other.publish(Record("py/k", "127.0.0.1:2", 22, "xxh3:2", 0,
+                                                  time.time(), "n2"))),
+        skip=2 if path == "after NOSCRIPT" else 0)  # (the EVALSHAs answered NOSCRIPT)
+    b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
+                               connect_timeout=5))
+    if path == "redis-py":
+        b._fast_args = None  # (the redis-py path, as a unix:// or TLS URL takes)
+    try:
+        warm = b.publish(_record("py/warm"))
+        if path == "after NOSCRIPT":
+            admin.script_flush()
+        relay.armed = True
+        rec = b.publish(Record("py/k", "127.0.0.1:1", 7, "xxh3:1", 0, time.time(), "n1"))
+        assert relay.dropped == 1 and len(newer) == 1  # (lost answer, then the other writer)
+        assert rec.version == warm.version + 1 < newer[0].version  # its own, stored first
+        assert b.lookup("py/k") == newer[0]  # the newer record stays
+    finally:
+        b.close()
+        other.close()
+        relay.close()
+        admin.close()
 
 
 def test_a_record_sent_soon_is_stored_before_it_is_confirmed(backend: RedisMetadata,

@@ -401,14 +401,18 @@ class _SoonRecord(PendingRecord):
         metadata = self._metadata
         if reply is None or isinstance(reply, Exception):
             retry = self._went and reply is None
+            # (what goes now may be stored, whatever ends this call: an error answer to a
+            # retry after it, an interrupt right after its write -- the next is a retry)
+            self._went = True
             try:
                 stored = metadata._publish_now(self._record, self._sent, self,
                                                self._at if retry else None)
-            except PublicationUnsettled:
-                self._went = True
-                raise
-            except MetadataUnavailable:  # (not a retry: NOSCRIPT answered, so it did not
-                self._went = False  # run, nor did this: not stored, on the next call either)
+            except (MetadataUnavailable, AuthenticationError) as exc:
+                if not isinstance(exc, PublicationUnsettled):
+                    # (not a retry -- NOSCRIPT answered, so it did not run -- and nothing
+                    # of this call may be stored, _publish_now says: not stored, on the
+                    # next call either)
+                    self._went = False
                 raise
         else:
             stored = metadata._stored(self._record, reply, self)
@@ -503,10 +507,11 @@ class RedisMetadata:
             retry_on_error=[redis.ConnectionError, redis.TimeoutError],
             health_check_interval=0,
         )
-        # The subscribers' client (URLs that need redis-py): no retry. redis-py's own retry
-        # reconnects a subscriber and subscribes again inside a read, silently: a publication
-        # made in between was missed, and the wait never looked the key up again. Without it
-        # the error reaches the wait, which subscribes again and looks again.
+        # The subscribers' client (URLs that need redis-py), also the publish script's: no
+        # retry. redis-py's own retry reconnects a subscriber and subscribes again inside a
+        # read, silently: a publication made in between was missed, and the wait never
+        # looked the key up again. Without it the error reaches the wait, which subscribes
+        # again and looks again.
         self._subscribers = redis.Redis.from_url(
             self.url,
             socket_connect_timeout=settings.connect_timeout,
@@ -514,7 +519,11 @@ class RedisMetadata:
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
         )
-        self._publish = self.redis.register_script(_PUBLISH)
+        # (run through that client too, where redis-py runs it: its Retry would send it again
+        # after a lost connection, the same words -- a publication Redis stored, sent again
+        # naming no mark, was stored over a newer record of its key; _call retries it, as
+        # a retry, see _publish_now)
+        self._publish = self._subscribers.register_script(_PUBLISH)
         # (by digest: the text goes only where Redis forgot it, NOSCRIPT)
         self._delete = self.redis.register_script(_DELETE)
         self._delete_if = self.redis.register_script(_DELETE_IF)
@@ -680,7 +689,12 @@ class RedisMetadata:
                      pending: PendingRecord | None = None, first: float | None = None) -> Record:
         """Run the publication ``sent`` (:meth:`_publication`), retrying connection errors
         (what it reports goes to ``pending``); ``first``: when it was sent before (a
-        ``time.monotonic()``), if it was (:meth:`publish_soon`'s, its answer lost)."""
+        ``time.monotonic()``), if it was (:meth:`publish_soon`'s, its answer lost).
+
+        Once an attempt may have been stored (sent whole, or sent before: ``first``), every
+        later attempt is a retry, and a failure — Redis out of reach, or a refusal of the
+        retry — is :class:`PublicationUnsettled`; plain :class:`MetadataUnavailable` or
+        :class:`AuthenticationError` only where nothing may be stored."""
         keys, args = sent
         went = False  # (an attempt sent it whole: a failure after that leaves it unknown)
         again = first is not None  # (sent before: each attempt is a retry)
@@ -720,11 +734,15 @@ class RedisMetadata:
 
         try:
             version = self._call("publish", run)
-        except MetadataUnavailable as exc:
+        except (MetadataUnavailable, AuthenticationError) as exc:
             # stored or not: Redis never answered (see PublicationUnsettled) -- an attempt
-            # here, or the send before (``first``: its reply lost, Redis out of reach since)
+            # here, or the send before (``first``: its reply lost, Redis out of reach since);
+            # a retry refused (an ACL changed, Redis full) says nothing of what went before
             if went or again:
-                raise PublicationUnsettled(self.url, record.key, exc.detail) from None
+                detail = exc.detail
+                if isinstance(exc, AuthenticationError) or _is_refusal(exc):
+                    detail = f"its answer was lost, and its retry refused: {detail}"
+                raise PublicationUnsettled(self.url, record.key, detail) from None
             raise
         if version == _LATE:
             raise PublicationUnsettled(self.url, record.key, "its answer was lost, and "
