@@ -253,8 +253,21 @@ INS_HIDDEN int ins_publish(const char *tmp, const struct ins_path *p, int norepl
 INS_HIDDEN int ins_notify_publish_as(const struct ins_path *p, int overwrite);
 INS_HIDDEN int ins_notify_publish(const struct ins_path *p); /* INSTRIDE_OVERWRITE decides */
 /* Copy the file in to out entirely (copy_file_range, else sendfile, else read and write): 0,
- * or -1 with errno. */
-INS_HIDDEN int ins_copy_fd(int in, int out);
+ * or -1 with errno. lease: a descriptor holding a read lease (ins_lease_source), looked at
+ * every 64 MiB: -1 with EBUSY once a writer broke it; or -1. */
+INS_HIDDEN int ins_copy_fd(int in, int out, int lease);
+
+/* Take a read lease on fd, a private read-only descriptor of a file about to become a key (its
+ * breaks signalled with SIGURG, ignored by default, not SIGIO, which kills): 1; 0 where there
+ * is none (file system, owner, leases-enable: then moved unchecked, as before); -1 with EBUSY
+ * when the file is open for writing somewhere. Released by closing fd. */
+INS_HIDDEN int ins_lease_source(int fd);
+/* Whether the read lease on fd was broken (a writer opened the file since), or is gone. */
+INS_HIDDEN int ins_lease_broken(int fd);
+/* The refusal of moving old to the key np because of a writer: EBUSY, -1; what: why (NULL:
+ * "it is open for writing elsewhere"). */
+INS_HIDDEN int ins_fail_open_for_writing(const char *old, const struct ins_path *np,
+                                         const char *what);
 
 /* Publish an existing regular file (olddirfd, old) as np by moving it there, all or nothing
  * (rename, or write-once a no-replace rename; across file systems the source renamed to a

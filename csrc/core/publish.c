@@ -8,6 +8,8 @@
 
 #include <fcntl.h>
 #include <limits.h>
+#include <signal.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
 #include <sys/sendfile.h>
@@ -288,16 +290,122 @@ int ins_publish(const char *tmp, const struct ins_path *p, int noreplace)
 
 /* ---- publishing an existing file (rename into the managed directory) ---- */
 
-/* Copy in -> out entirely (copy_file_range, else sendfile, else read and write); 0 or -1 with
- * errno. */
-int ins_copy_fd(int in, int out)
+/* A source moved into the managed directory becomes a key, whose bytes never change: one still
+ * open for writing (by anyone, the mover too) is refused, and one opened for writing while it is
+ * moved (copied) is not published. A read lease tells both: the kernel grants F_RDLCK only while
+ * no descriptor (nor shared writable mapping) has the file open for writing, and an open for
+ * writing (or a truncate) meanwhile breaks it -- the writer then waits until the lease is
+ * released (or lease-break-time, 45 s by default, has passed), and F_GETLEASE no longer says
+ * F_RDLCK. No lease where the file system has none (NFS, Lustre: EINVAL), the caller neither owns
+ * the file nor has CAP_LEASE (EACCES), or /proc/sys/fs/leases-enable is 0: moved as before. */
+/* Whether this process itself has the file of fd (its private descriptor) open for writing
+ * through another descriptor: the idiom "write a temp file, flush, rename it into place, then
+ * close" -- the writer done, not yet closed. Read from /proc/self/fd (raw system calls: no
+ * wrapper of this library on the way); 0 where it cannot be told. */
+static int ins_self_writes(int fd)
 {
+    struct stat st, other;
+    if (fstat(fd, &st) != 0)
+        return 0;
+    int dir = (int)syscall(SYS_openat, AT_FDCWD, "/proc/self/fd",
+                           O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dir < 0)
+        return 0;
+    char buf[4096];
+    int found = 0;
+    long n;
+    while (!found && (n = syscall(SYS_getdents64, dir, buf, sizeof buf)) > 0) {
+        for (long at = 0; at < n && !found;) {
+            /* struct linux_dirent64: d_ino (8), d_off (8), d_reclen (2), d_type (1), d_name */
+            unsigned short reclen;
+            memcpy(&reclen, buf + at + 16, sizeof reclen);
+            const char *name = buf + at + 19;
+            at += reclen;
+            char *end;
+            long other_fd = strtol(name, &end, 10);
+            if (end == name || *end != '\0' || other_fd == fd || other_fd == dir ||
+                other_fd < 0 || other_fd > INT_MAX)
+                continue;
+            long flags = syscall(SYS_fcntl, (int)other_fd, F_GETFL);
+            found = flags >= 0 && (flags & O_ACCMODE) != O_RDONLY &&
+                    fstat((int)other_fd, &other) == 0 && other.st_dev == st.st_dev &&
+                    other.st_ino == st.st_ino;
+        }
+    }
+    syscall(SYS_close, dir);
+    return found;
+}
+
+int ins_lease_source(int fd)
+{
+    int saved = errno;
+    /* A lease break is told to its holder by a signal: SIGIO by default, whose default action
+     * kills the process -- and a library cannot install handlers in the program it runs in.
+     * SIGURG instead, set on this private descriptor only: ignored by default, and taken
+     * spuriously by design by the programs that handle it (out-of-band socket data, which
+     * they read if there is any; the Go runtime, which preempts goroutines with it). The
+     * break itself is read from F_GETLEASE (ins_lease_broken), never from the signal. */
+    if (syscall(SYS_fcntl, fd, F_SETSIG, SIGURG) != 0) {
+        errno = saved;
+        return 0;
+    }
+    if (syscall(SYS_fcntl, fd, F_SETLEASE, F_RDLCK) == 0) {
+        errno = saved;
+        return 1;
+    }
+    int busy = errno == EAGAIN; /* (open for writing somewhere) */
+    /* ... by this very process (its other writers, if any, cannot be told apart): moved
+     * unchecked, as before leases -- "write, rename, close" is a common way to put a file in
+     * place, and the writer is done with it (what it writes after the rename would change the
+     * key: documented, as for a forked child's writes) */
+    if (busy && ins_self_writes(fd))
+        busy = 0;
+    errno = busy ? EBUSY : saved;
+    return busy ? -1 : 0;
+}
+
+int ins_lease_broken(int fd)
+{
+    int saved = errno;
+    long type = syscall(SYS_fcntl, fd, F_GETLEASE); /* (F_UNLCK once a writer came) */
+    errno = saved;
+    return type != F_RDLCK;
+}
+
+int ins_fail_open_for_writing(const char *old, const struct ins_path *np, const char *what)
+{
+    return ins_fail(EBUSY, "cannot move %.200s to key %.200s: %s (a key's bytes never change "
+                    "once published: close it, then move it)", old, ins_key(np),
+                    what != NULL ? what : "it is open for writing elsewhere");
+}
+
+/* After n bytes more copied (*since: copied since the lease was last looked at): -1 with
+ * EBUSY when a writer broke the lease on the source, looked at every 64 MiB -- a writer that
+ * opened it waits for the copy's end, told so soon it waits no longer than a chunk's copy. */
+static int ins_copy_step(int lease, ssize_t n, size_t *since)
+{
+    *since += (size_t)n;
+    if (lease < 0 || *since < ((size_t)64 << 20))
+        return 0;
+    *since = 0;
+    if (!ins_lease_broken(lease))
+        return 0;
+    errno = EBUSY;
+    return -1;
+}
+
+int ins_copy_fd(int in, int out, int lease)
+{
+    size_t chunk = lease >= 0 ? (size_t)64 << 20 : (size_t)1 << 30, since = 0;
     for (;;) {
-        ssize_t n = copy_file_range(in, NULL, out, NULL, (size_t)1 << 30, 0);
+        ssize_t n = copy_file_range(in, NULL, out, NULL, chunk, 0);
         if (n == 0)
             return 0;
-        if (n > 0)
+        if (n > 0) {
+            if (ins_copy_step(lease, n, &since) != 0)
+                return -1;
             continue;
+        }
         if (errno == EINTR)
             continue;
         if (errno != EXDEV && errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP)
@@ -305,11 +413,14 @@ int ins_copy_fd(int in, int out)
         break;
     }
     for (;;) { /* older kernels / special files: sendfile, then read/write */
-        ssize_t n = sendfile(out, in, NULL, (size_t)1 << 30);
+        ssize_t n = sendfile(out, in, NULL, chunk);
         if (n == 0)
             return 0;
-        if (n > 0)
+        if (n > 0) {
+            if (ins_copy_step(lease, n, &since) != 0)
+                return -1;
             continue;
+        }
         if (errno == EINTR)
             continue;
         if (errno != EINVAL && errno != ENOSYS)
@@ -334,6 +445,8 @@ int ins_copy_fd(int in, int out)
                 return -1;
             off += w;
         }
+        if (ins_copy_step(lease, n, &since) != 0)
+            return -1;
     }
 }
 
@@ -402,16 +515,19 @@ static int ins_rename_noreplace_at(int fromdir, const char *from, int todir, con
  * removed -- or named old again when the publication fails. (The source used to be removed
  * after the publication, the failure ignored: rename() said 0, the key published and the
  * source still there; then renamed to a temporary file's name before the copy, which a kill
- * during the copy left it under, for gc to remove.) */
-static int ins_copy_publish(int olddirfd, const char *old, const struct ins_path *np, int noreplace)
+ * during the copy left it under, for gc to remove.) in: the source opened by the caller
+ * (closed here), leased: whether it holds a read lease (ins_lease_source) -- a writer that
+ * opened the source during the copy breaks it: EBUSY, nothing published. */
+static int ins_copy_publish(int olddirfd, const char *old, const struct ins_path *np,
+                            int noreplace, int in, int leased)
 {
     struct stat st, now;
     char tmp[PATH_MAX], hidden[PATH_MAX];
-    int in = -1, out = -1, held = -1, rc = -1, hid = 0;
+    int out = -1, held = -1, rc = -1, hid = 0;
     enum { COPYING, MOVING, PUBLISHED } step = COPYING;
+    const char *busy = NULL; /* why EBUSY: the source changed, or a writer came */
+    static const char opened[] = "it was open for writing elsewhere during the copy";
     tmp[0] = '\0';
-    /* (no link followed, no FIFO waited on: a regular file only is copied) */
-    in = ins_sys.openat(olddirfd, old, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
     if (in < 0 || fstat(in, &st) != 0)
         goto cleanup;
     if (!S_ISREG(st.st_mode)) {
@@ -427,8 +543,10 @@ static int ins_copy_publish(int olddirfd, const char *old, const struct ins_path
         tmp[0] = '\0'; /* not ours to remove */
         goto cleanup;
     }
-    if (ins_copy_fd(in, out) != 0)
+    if (ins_copy_fd(in, out, leased ? in : -1) != 0) {
+        busy = leased && errno == EBUSY ? opened : NULL;
         goto cleanup;
+    }
     if (ins_maybe_fsync(out) != 0)
         goto cleanup; /* (not on disk: not published; errno says why) */
     held = ins_hold_writing(out); /* the lock, until the rename */
@@ -437,8 +555,16 @@ static int ins_copy_publish(int olddirfd, const char *old, const struct ins_path
     if (ins_sys.close(fd) != 0)
         goto cleanup;
     /* the copy is whole: the source's name goes now (the file copied, unchanged since: one
-     * replaced or written to meanwhile is not the one copied -- EBUSY, its name given back) */
+     * opened for writing meanwhile -- the lease broken --, or, with no lease, one replaced or
+     * written to, is not the one copied -- EBUSY, its name given back). A size and time look
+     * only misses a rewrite in place to the same size within one tick of the clock (kernels
+     * before 6.13) or whose time was set back: the lease, where there is one, does not. */
     step = MOVING;
+    if (leased && ins_lease_broken(in)) {
+        busy = opened;
+        errno = EBUSY;
+        goto cleanup;
+    }
     if (ins_source_hidden_name(old, hidden) != 0 ||
         ins_rename_noreplace_at(olddirfd, old, olddirfd, hidden, 1) != 0)
         goto cleanup;
@@ -447,6 +573,7 @@ static int ins_copy_publish(int olddirfd, const char *old, const struct ins_path
         goto cleanup;
     if (now.st_dev != st.st_dev || now.st_ino != st.st_ino || now.st_size != st.st_size ||
         now.st_mtim.tv_sec != st.st_mtim.tv_sec || now.st_mtim.tv_nsec != st.st_mtim.tv_nsec) {
+        busy = "it changed, or was replaced, during the copy";
         errno = EBUSY;
         goto cleanup;
     }
@@ -471,12 +598,12 @@ cleanup:
                                                               0) == 0;
         int be = errno;
         errno = e;
-        if (step == COPYING)
+        if (busy != NULL)
+            ins_fail_open_for_writing(old, np, busy);
+        else if (step == COPYING)
             ins_fail(e, "cannot copy %.200s to key %.200s: %s", old, ins_key(np), strerror(e));
         else if (step == MOVING)
-            ins_fail(e, "cannot move %.200s to key %.200s: %s%s", old, ins_key(np),
-                     strerror(e), e == EBUSY ? " (it changed, or was replaced, during the "
-                                               "copy)" : "");
+            ins_fail(e, "cannot move %.200s to key %.200s: %s", old, ins_key(np), strerror(e));
         if (!back)
             ins_fail(e, "key %.200s not published (%s); %.200s could not be named again "
                      "(%s): it is %.200s", ins_key(np), strerror(e), old, strerror(be), hidden);
@@ -533,18 +660,28 @@ int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, i
     } else if (errno != ENOENT) {
         return ins_fail_look(np);
     }
-    if (ins_cfg.fsync) {
-        int fd = ins_sys.openat(olddirfd, old, O_RDONLY | O_CLOEXEC);
-        if (fd >= 0) {
-            int synced = fsync(fd), e = errno;
-            ins_sys.close(fd);
-            if (synced != 0) /* (the data may not be on disk: not published) */
-                return ins_fail(e, "cannot publish key %.300s: fsync: %s", ins_key(np),
-                                strerror(e));
-        }
+    /* The source, read-only, holds a read lease until it has its new name: refused while open
+     * for writing anywhere (EAGAIN), broken by a writer's open meanwhile (no link followed, no
+     * FIFO waited on, no writer's lease waited for: EWOULDBLOCK). No descriptor (the caller
+     * may not read it: rename needs no read permission) or no lease: moved as before. */
+    int lease = ins_sys.openat(olddirfd, old, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    int leased = lease >= 0 ? ins_lease_source(lease) : 0;
+    if (leased < 0 || (lease < 0 && errno == EWOULDBLOCK)) {
+        if (lease >= 0)
+            ins_sys.close(lease);
+        return ins_fail_open_for_writing(old, np, NULL);
     }
-    int neither = 0, moved;
+    if (ins_cfg.fsync && lease >= 0 && fsync(lease) != 0) { /* (not on disk: not published) */
+        int e = errno;
+        ins_sys.close(lease);
+        return ins_fail(e, "cannot publish key %.300s: fsync: %s", ins_key(np), strerror(e));
+    }
+    int neither = 0, moved = -1;
     for (int tries = 0;; tries++) {
+        if (leased && ins_lease_broken(lease)) { /* (a writer came during the fsync) */
+            ins_sys.close(lease);
+            return ins_fail_open_for_writing(old, np, NULL);
+        }
         moved = ins_move_into_place(olddirfd, old, np->abs, noreplace, &neither);
         /* ENOENT with the file still there: the key's directory, empty, was removed since
          * it was made (a reader's failed wait): made again, tried again */
@@ -555,13 +692,33 @@ int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, i
     }
     if (moved != 0) {
         if (errno == EXDEV) /* across file systems: ins_publish did the fsyncs and the notice */
-            return ins_copy_publish(olddirfd, old, np, noreplace);
+            return ins_copy_publish(olddirfd, old, np, noreplace,
+                                    lease >= 0 ? lease : ins_sys.openat(olddirfd, old, O_RDONLY |
+                                                       O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK),
+                                    leased);
+        int e = errno;
+        if (lease >= 0)
+            ins_sys.close(lease);
+        errno = e;
         if (errno == EEXIST)
             return ins_fail(EEXIST, "key %.300s is already published (write-once)", ins_key(np));
         if (neither)
             return ins_fail_neither(np);
         return ins_fail(errno, "cannot publish key %.300s: %s", ins_key(np), strerror(errno));
     }
+    /* Moved: the file is the key now. A writer whose open began during the move (the lease
+     * broken: it waits) would be given the key's file once the lease goes -- write-once, the
+     * file is named back and the rename refused. (Replacing, the key's previous file is gone:
+     * it stays published. A writer whose open looked the name up before the move but reaches
+     * the lease only after it was released is not seen: a window of one rename.) */
+    if (leased && noreplace && ins_lease_broken(lease) &&
+        ins_rename_noreplace_at(AT_FDCWD, np->abs, olddirfd, old, 0) == 0) {
+        ins_sys.close(lease);
+        return ins_fail_open_for_writing(old, np, "it was opened for writing elsewhere while "
+                                         "it was moved");
+    }
+    if (lease >= 0)
+        ins_sys.close(lease); /* (a writer waiting for it goes on: with the key's file) */
     if (ins_cfg.fsync)
         ins_fsync_dir_of(np->abs);
     /* noreplace: write-once across the cluster too */

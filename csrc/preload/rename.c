@@ -263,7 +263,10 @@ static int ins_rename_managed(int olddirfd, const char *old, const struct ins_pa
  * rename would have said) publishes nothing; a publication that fails then (EEXIST from a
  * writer of the key meanwhile, fsync) puts the name back, a link to the source still open here
  * (its other hard links keep the file meanwhile). A key's record goes with a source that was one
- * once the rename succeeded (ins_renamed_away). */
+ * once the rename succeeded (ins_renamed_away). A source open for writing (through any of its
+ * names, by anyone) is refused, and one opened for writing during the copy is not published
+ * (EBUSY): the copy would hold bytes the file never held once its writer was done. A read lease
+ * tells (ins_lease_source); where there is none, copied unchecked as before. */
 static int ins_rename_copy(int olddirfd, const char *old, const struct ins_path *np,
                            unsigned int flags)
 {
@@ -271,7 +274,14 @@ static int ins_rename_copy(int olddirfd, const char *old, const struct ins_path 
     struct stat st;
     if (np->refuse)
         return ins_fail_refused_key(np);
-    int in = ins_sys.openat(olddirfd, old, O_RDONLY | O_CLOEXEC);
+    /* (O_NONBLOCK: a writer's lease on it refuses, EWOULDBLOCK, instead of a wait) */
+    int in = ins_sys.openat(olddirfd, old, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    int leased = in >= 0 ? ins_lease_source(in) : 0;
+    if (leased < 0 || (in < 0 && errno == EWOULDBLOCK)) {
+        if (in >= 0)
+            ins_sys.close(in);
+        return ins_fail_open_for_writing(old, np, NULL);
+    }
     if (in < 0 || fstat(in, &st) != 0) {
         int e = errno;
         if (in >= 0)
@@ -288,8 +298,15 @@ static int ins_rename_copy(int olddirfd, const char *old, const struct ins_path 
         return -1;
     }
     /* the mode the source had, as a rename keeps it (the open's is masked by the umask) */
-    int rc = ins_copy_fd(in, out) == 0 && fchmod(out, mode) == 0 ? 0 : -1, e = errno;
+    int rc = ins_copy_fd(in, out, leased ? in : -1) == 0 && fchmod(out, mode) == 0 ? 0 : -1,
+        e = errno;
     const char *failed = "cannot copy %.300s to key %.300s: %s";
+    if ((rc == 0 || e == EBUSY) && leased && ins_lease_broken(in)) { /* (a writer came) */
+        rc = -1;
+        e = EBUSY;
+        failed = "cannot copy %.300s to key %.300s: %s (it was open for writing elsewhere "
+                 "during the copy)";
+    }
     if (rc == 0 && ins_real_unlinkat(olddirfd, old, 0) != 0) {
         rc = -1;
         e = errno;

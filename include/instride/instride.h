@@ -155,8 +155,11 @@ void instride_abort(instride_writer *w);
  * systems, a copy then removal of src), as rename(2) into the managed directory
  * does under the preload library. flags: 0 or INSTRIDE_NOREPLACE. src already
  * being the key's own file (looked at confined) is success, nothing to do.
- * Errors: EEXIST, EINVAL (src is not a regular file, path is not a key, or a
- * setting is refused), ELOOP, EISDIR, or the errno of the underlying call. */
+ * Errors: EEXIST, EBUSY (src is open for writing by another process, or was opened
+ * for writing while it was moved: nothing published, src kept -- told by a read
+ * lease where the file system grants one), EINVAL (src is not a regular file, path
+ * is not a key, or a setting is refused), ELOOP, EISDIR, or the errno of the
+ * underlying call. */
 int instride_publish(const char *src, const char *path, int flags);
 
 /* ---- errors ---------------------------------------------------------------- */

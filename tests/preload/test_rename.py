@@ -420,10 +420,26 @@ def copy_held(name, n):
     return False
 
 
+writer = []
+
+
 def written_meanwhile(name, n):
-    if n == 1:
-        with open(src, "ab") as fh:
-            fh.write(b"more")
+    # (another process appends: one of this process's own threads would wait for the
+    # library's read lease on the source, which this held copy keeps -- until the kernel's
+    # lease-break-time, 45 s; see test_rename_writers.py)
+    if n == 1 and not writer:
+        import subprocess, time
+        ino = os.stat(src).st_ino
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        writer.append(subprocess.Popen([sys.executable, "-I", "-c",
+                                        "import sys; open(sys.argv[1], 'ab').write(b'more')",
+                                        src], env=env))
+        deadline = time.monotonic() + 30
+        while writer[0].poll() is None and time.monotonic() < deadline:
+            with open("/proc/locks") as fh:  # (its open waits for the lease: breaking)
+                if any(f":{ino} " in line and "BREAKING" in line for line in fh):
+                    break
+            time.sleep(0.01)
 
 
 def others_meanwhile(name, n):
@@ -446,6 +462,8 @@ try:
     print("renamed")
 except OSError as exc:
     print(errno.errorcode[exc.errno])
+if writer:
+    writer[0].wait(60)
 '''
 
 
