@@ -28,12 +28,14 @@ from .errors import (
     KeyExistsError,
     KeyNotFoundError,
     PublicationUnsettled,
+    SourceBusy,
     UnsupportedModeError,
 )
 from .keys import key_path, normalize_key, recyclable, tmp_path
 from .metadata import MetadataBackend, Record
 from .paths import ConfinedOpener, check_confined, confined_file, confined_path
 from .store import ensure_private_dir, file_checksum, file_system_type
+from .store.lease import SourceLease
 from .store.recvpool import ReceivePool
 from .store.ring import collect_pools
 
@@ -328,6 +330,13 @@ class Client:
             Cluster mode: the record could not be stored; ``src`` is left untouched (the
             key's file is removed again, write-once), or, for
             :class:`~instride.errors.PublicationUnsettled` (it may be recorded), moved.
+        SourceBusy
+            ``src`` is open for writing by another process (a read lease says so, where the
+            file system grants one: not NFS or Lustre), or was opened for writing while it was
+            linked or copied into place; nothing is published, ``src`` is left untouched. (This
+            process's own descriptors of it do not count: write, flush, publish, then close.
+            A writer that opens ``src`` by its name after the key's file is in place, while the
+            record is stored, is not seen: close writers before publishing.)
         UnsupportedModeError
             ``src`` is a symbolic link.
         """
@@ -347,33 +356,40 @@ class Client:
             in_place = os.path.samestat(os.lstat(srcp), os.lstat(final))
         except FileNotFoundError:
             in_place = False
-        if in_place:  # (written in place by a legacy tool, or another name of the key's file)
-            self._record_in_place(key, final, overwrite)
-            return key
-        final.parent.mkdir(parents=True, exist_ok=True)
-        if not overwrite:
-            self._free_of_stale_copy(key, str(final))
-        if not overwrite and final.exists():
-            raise KeyExistsError(key)
-        staged = tmp_path(final)
-        try:
+        # A key's bytes never change: a file another process still writes is refused, and one
+        # opened for writing while it is linked or copied here is not published (a read
+        # lease, held until the publication; see store/lease.py)
+        with SourceLease(str(srcp)) as lease:
+            if in_place:  # (written in place by a legacy tool, or another name of the key's file)
+                self._record_in_place(key, final, overwrite)
+                return key
+            final.parent.mkdir(parents=True, exist_ok=True)
+            if not overwrite:
+                self._free_of_stale_copy(key, str(final))
+            if not overwrite and final.exists():
+                raise KeyExistsError(key)
+            staged = tmp_path(final)
             try:
-                os.link(srcp, staged)  # same file system: no copy
-            except OSError:
-                shutil.copyfile(srcp, staged)
-            if self.fsync:
-                fd = os.open(staged, os.O_RDONLY)
                 try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            store.publish_file(staged, final, key, overwrite=overwrite)
-            if self.fsync:  # the new name survives a crash too, as a writer's does
-                store.fsync_dir(final.parent)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(staged)
-            raise
+                    os.link(srcp, staged)  # same file system: no copy
+                except OSError:
+                    shutil.copyfile(srcp, staged)
+                if self.fsync:
+                    fd = os.open(staged, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                if lease.broken():  # (a writer opened it meanwhile: it waits for the lease)
+                    raise SourceBusy(str(srcp), "it was opened for writing while it was being "
+                                     "moved into place")
+                store.publish_file(staged, final, key, overwrite=overwrite)
+                if self.fsync:  # the new name survives a crash too, as a writer's does
+                    store.fsync_dir(final.parent)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(staged)
+                raise
         # Recorded before the source name goes: a record refused (write-once: another node
         # published the key; Redis out of reach) removes the key's file, and the source
         # must then still be there, untouched

@@ -286,6 +286,22 @@ class StreamRerun(InstrideError, OSError):
             "run's; open the stream again to read the new run from its first frame")
 
 
+class SourceBusy(InstrideError, BlockingIOError):
+    """A file to publish is open for writing by another process, or was opened for writing
+    while it was being moved into place: a key's bytes never change once published, so it
+    is not published (the file is left where it was). Close it, then publish it."""
+
+    errno = _errno.EBUSY
+
+    def __init__(self, path: str, why: str = "it is open for writing by another process") -> None:
+        self._init_args = (path, why)
+        self.path = path
+        super().__init__(
+            _errno.EBUSY,
+            f"cannot publish {path!r}: {why} (a key's bytes never change once published: "
+            "close it, then publish it); nothing was published, the file is where it was")
+
+
 class StreamFull(InstrideError, TimeoutError):
     """A producer waited longer than its timeout for consumer groups to take old frames."""
 

@@ -1,0 +1,170 @@
+"""A file published by moving it into place (``Client.publish``) is refused while another
+process has it open for writing, and not published when one opens it for writing while it is
+linked or copied into place (``store/lease.py``: a read lease). Every writer here is a real
+process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import instride
+from instride.errors import SourceBusy
+
+#: Opens argv[1] for writing (argv[2] "writer": a descriptor; "mapping": a shared writable
+#: mapping, the descriptor closed), appends b" more", says "open", keeps it until a line comes.
+_HOLDER = r'''
+import mmap, os, sys
+path, how = sys.argv[1:3]
+fd = os.open(path, os.O_RDWR | os.O_APPEND)
+os.write(fd, b" more")
+if how == "mapping":
+    held = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    os.close(fd)
+print("open", flush=True)
+sys.stdin.readline()
+'''
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A fresh directory on /dev/shm (tmpfs): another file system than ``tmp_path``'s."""
+    d = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d)
+
+
+@pytest.fixture
+def holders() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Writer processes a test starts; each is told to end, and waited for."""
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.communicate(b"\n", timeout=60)
+
+
+def _hold(procs: list[subprocess.Popen[bytes]], path: Path, how: str) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([sys.executable, "-I", "-c", _HOLDER, str(path), how],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    procs.append(proc)
+    assert proc.stdout is not None and proc.stdout.readline() == b"open\n"
+    return proc
+
+
+def _source(where: str, tmp_path: Path, shm: Path) -> Path:
+    if os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.fail("/dev/shm is on tmp_path's file system here: this test needs two")
+    src = (tmp_path if where == "same" else shm) / "out.dat"
+    src.write_bytes(b"bytes")
+    return src
+
+
+@pytest.mark.parametrize("where", ["same", "cross"])
+@pytest.mark.parametrize("how", ["writer", "mapping"])
+def test_a_file_another_process_writes_is_not_published(
+        client: instride.Client, tmp_path: Path, shm: Path, holders: list[subprocess.Popen[bytes]],
+        where: str, how: str) -> None:
+    """A file a simulation still writes (a descriptor, or a shared writable mapping only),
+    published by moving it: on one file system the key was a link to the very file, which the
+    writer kept changing under its readers; across two, a copy of whatever it held at that
+    moment. Refused now (``SourceBusy``), nothing published, the file where it was; published
+    once the writer closed it."""
+    src = _source(where, tmp_path, shm)
+    holder = _hold(holders, src, how)
+    with pytest.raises(SourceBusy, match="open for writing by another process") as err:
+        client.publish(src, "run/out.dat")
+    assert err.value.errno == 16 and err.value.path == str(src)
+    run = client.root / "run"
+    assert not run.exists() or list(run.iterdir()) == []  # (no key, no temporary file)
+    assert src.read_bytes() == b"bytes more"
+    holder.communicate(b"\n", timeout=60)
+    assert client.publish(src, "run/out.dat") == "run/out.dat"
+    assert client.consume("run/out.dat").read_bytes() == b"bytes more"
+    assert not src.exists()
+
+
+def test_a_file_written_in_place_still_open_is_not_recorded(
+        client: instride.Client, holders: list[subprocess.Popen[bytes]]) -> None:
+    """A legacy tool's file written in place under the managed directory, still open for
+    writing by it, published by its path: refused (``SourceBusy``); once closed, recorded."""
+    path = client.root / "legacy" / "inplace.dat"
+    path.parent.mkdir()
+    path.write_bytes(b"bytes")
+    holder = _hold(holders, path, "writer")
+    with pytest.raises(SourceBusy):
+        client.publish(path)
+    holder.communicate(b"\n", timeout=60)
+    assert client.publish(path) == "legacy/inplace.dat"
+    assert client.consume("legacy/inplace.dat").read_bytes() == b"bytes more"
+
+
+@pytest.mark.parametrize("where", ["same", "cross"])
+def test_a_file_this_process_still_holds_open_is_published(
+        client: instride.Client, tmp_path: Path, shm: Path, where: str) -> None:
+    """"Write, flush, publish, then close" (``NamedTemporaryFile(delete=False)`` published
+    inside its ``with``): this process's own descriptor of the file is not another writer."""
+    src = _source(where, tmp_path, shm)
+    with open(src, "ab") as fh:
+        fh.write(b" more")
+        fh.flush()
+        assert client.publish(src, "run/own.dat") == "run/own.dat"
+    assert client.consume("run/own.dat").read_bytes() == b"bytes more"
+    assert not src.exists()
+
+
+def _breaking(ino: int) -> bool:
+    """Whether a lease on inode ``ino`` is being broken (a writer waits for it)."""
+    with open("/proc/locks") as fh:
+        return any(f":{ino} " in line and "BREAKING" in line for line in fh)
+
+
+@pytest.mark.parametrize("where", ["same", "cross"])
+def test_a_writer_opening_the_file_while_it_is_moved_in_is_not_published(
+        client: instride.Client, tmp_path: Path, shm: Path,
+        holders: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch,
+        where: str) -> None:
+    """A writer that opens the file while it is linked (one file system) or copied (two) into
+    place: the key would be the file it then writes to, or a copy without its bytes. Its open
+    breaks the read lease and waits; the publication is refused (``SourceBusy``), nothing
+    published, the file where it was; the writer then goes on, into the file. The writer
+    starts between the link or copy and the look at the lease (a real process, waited for
+    until it waits for the lease)."""
+    src = _source(where, tmp_path, shm)
+    ino = os.stat(src).st_ino
+    step = "link" if where == "same" else "copyfile"
+    real = os.link if step == "link" else shutil.copyfile
+
+    def then_a_writer(a: object, b: object, *args: object, **kw: object) -> object:
+        out = real(a, b, *args, **kw)  # type: ignore[operator]
+        holders.append(subprocess.Popen([sys.executable, "-I", "-c", _HOLDER, str(src), "writer"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+        deadline = time.monotonic() + 30
+        while not _breaking(ino) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _breaking(ino), "the writer never waited for the lease"
+        return out
+
+    if step == "link":
+        monkeypatch.setattr(instride.client.os, "link", then_a_writer)
+    else:
+        monkeypatch.setattr(instride.client.shutil, "copyfile", then_a_writer)
+    with pytest.raises(SourceBusy, match="opened for writing while it was being moved"):
+        client.publish(src, "run/moved.dat")
+    monkeypatch.undo()
+    assert not (client.root / "run" / "moved.dat").exists()
+    holder = holders[-1]
+    assert holder.stdout is not None and holder.stdout.readline() == b"open\n"  # (went on)
+    holder.communicate(b"\n", timeout=60)
+    assert src.read_bytes() == b"bytes more"
+    assert list((client.root / "run").iterdir()) == []  # (no temporary file left)
