@@ -9,11 +9,13 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
 #include <sys/sendfile.h>
 #include <sys/syscall.h>
+#include <sys/sysmacros.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -298,19 +300,67 @@ int ins_publish(const char *tmp, const struct ins_path *p, int noreplace)
  * released (or lease-break-time, 45 s by default, has passed), and F_GETLEASE no longer says
  * F_RDLCK. No lease where the file system has none (NFS, Lustre: EINVAL), the caller neither owns
  * the file nor has CAP_LEASE (EACCES), or /proc/sys/fs/leases-enable is 0: moved as before. */
+/* Whether this process's shared writable mappings include the file (dev, ino): a program
+ * that mapped it MAP_SHARED for writing and closed its descriptor (/proc/self/maps: "start-end
+ * perms offset major:minor inode path", perms "rw?s" for these). */
+static int ins_self_maps(dev_t dev, ino_t ino)
+{
+    int maps = (int)syscall(SYS_openat, AT_FDCWD, "/proc/self/maps", O_RDONLY | O_CLOEXEC);
+    if (maps < 0)
+        return 0;
+    char buf[8192];
+    size_t have = 0;
+    int found = 0;
+    for (;;) {
+        ssize_t n = (ssize_t)syscall(SYS_read, maps, buf + have, sizeof buf - 1 - have);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0 && have == 0)
+            break;
+        have += n > 0 ? (size_t)n : 0;
+        buf[have] = '\0';
+        char *line = buf, *nl;
+        while ((nl = strchr(line, '\n')) != NULL || (n <= 0 && *line != '\0')) {
+            if (nl != NULL)
+                *nl = '\0';
+            char perms[8] = "";
+            unsigned int major = 0, minor = 0;
+            unsigned long long inode = 0;
+            if (sscanf(line, "%*x-%*x %7s %*x %x:%x %llu", perms, &major, &minor, &inode) ==
+                    4 && perms[1] == 'w' && perms[3] == 's' && inode == (unsigned long long)ino &&
+                major == major(dev) && minor == minor(dev))
+                found = 1;
+            if (nl == NULL) {
+                line += strlen(line);
+                break;
+            }
+            line = nl + 1;
+        }
+        if (found || n <= 0)
+            break;
+        have = strlen(line); /* (a line cut at the buffer's end: kept for the next read) */
+        memmove(buf, line, have);
+        if (have >= sizeof buf - 1)
+            have = 0; /* (a line longer than the buffer: its path only, dropped) */
+    }
+    syscall(SYS_close, maps);
+    return found;
+}
+
 /* Whether this process itself has the file of fd (its private descriptor) open for writing
- * through another descriptor: the idiom "write a temp file, flush, rename it into place, then
- * close" -- the writer done, not yet closed. Read from /proc/self/fd (raw system calls: no
- * wrapper of this library on the way); 0 where it cannot be told. */
+ * through another descriptor or a shared writable mapping -- the idiom "write a temporary file,
+ * flush it, rename it into place, then close it" (the writer done, not yet closed) -- or this
+ * cannot be told (no /proc: then as before leases). Read from /proc/self (raw system calls: no
+ * wrapper of this library on the way). */
 static int ins_self_writes(int fd)
 {
     struct stat st, other;
     if (fstat(fd, &st) != 0)
-        return 0;
+        return 1;
     int dir = (int)syscall(SYS_openat, AT_FDCWD, "/proc/self/fd",
                            O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dir < 0)
-        return 0;
+        return 1;
     char buf[4096];
     int found = 0;
     long n;
@@ -333,7 +383,7 @@ static int ins_self_writes(int fd)
         }
     }
     syscall(SYS_close, dir);
-    return found;
+    return found || ins_self_maps(st.st_dev, st.st_ino);
 }
 
 int ins_lease_source(int fd)
@@ -676,19 +726,46 @@ int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, i
         ins_sys.close(lease);
         return ins_fail(e, "cannot publish key %.300s: fsync: %s", ins_key(np), strerror(e));
     }
+    /* Leased, the source's name goes first, to a hidden name beside it (same directory: one
+     * atomic rename, a name gc never takes): a writer whose open found the name before that
+     * waits for the lease, and the look at the lease after it sees it -- before the file is the
+     * key, where a reader woken by its appearance could open it. (Not hidden -- its name too
+     * long, say: moved in one step, looked at before and after.) */
+    char hidden[PATH_MAX];
+    const char *from = old;
+    if (leased && ins_source_hidden_name(old, hidden) == 0 &&
+        ins_rename_noreplace_at(olddirfd, old, olddirfd, hidden, 1) == 0)
+        from = hidden;
     int neither = 0, moved = -1;
     for (int tries = 0;; tries++) {
-        if (leased && ins_lease_broken(lease)) { /* (a writer came during the fsync) */
+        if (leased && ins_lease_broken(lease)) { /* (a writer came: during the fsync, or before
+                                                  * the name went) */
+            int back = from == old || ins_rename_noreplace_at(olddirfd, from, olddirfd, old, 0) == 0;
             ins_sys.close(lease);
+            if (!back)
+                return ins_fail(EBUSY, "cannot move %.200s to key %.200s: it was opened for "
+                                "writing elsewhere while it was moved, and it could not be "
+                                "named again: it is %.300s", old, ins_key(np), from);
             return ins_fail_open_for_writing(old, np, NULL);
         }
-        moved = ins_move_into_place(olddirfd, old, np->abs, noreplace, &neither);
+        moved = ins_move_into_place(olddirfd, from, np->abs, noreplace, &neither);
         /* ENOENT with the file still there: the key's directory, empty, was removed since
          * it was made (a reader's failed wait): made again, tried again */
         if (moved == 0 || errno != ENOENT || tries == 7 ||
-            faccessat(olddirfd, old, F_OK, AT_SYMLINK_NOFOLLOW) != 0 ||
+            faccessat(olddirfd, from, F_OK, AT_SYMLINK_NOFOLLOW) != 0 ||
             ins_remake_parent(np) != 0)
             break;
+    }
+    if (moved != 0 && from != old) { /* (not moved: its own name again, as it was) */
+        int e = errno;
+        if (ins_rename_noreplace_at(olddirfd, from, olddirfd, old, 0) != 0) {
+            if (lease >= 0)
+                ins_sys.close(lease);
+            return ins_fail(e, "key %.200s not published (%s); %.200s could not be named again "
+                            "(%s): it is %.300s", ins_key(np), strerror(e), old, strerror(errno),
+                            from);
+        }
+        errno = e;
     }
     if (moved != 0) {
         if (errno == EXDEV) /* across file systems: ins_publish did the fsyncs and the notice */
@@ -711,11 +788,26 @@ int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, i
      * file is named back and the rename refused. (Replacing, the key's previous file is gone:
      * it stays published. A writer whose open looked the name up before the move but reaches
      * the lease only after it was released is not seen: a window of one rename.) */
-    if (leased && noreplace && ins_lease_broken(lease) &&
-        ins_rename_noreplace_at(AT_FDCWD, np->abs, olddirfd, old, 0) == 0) {
-        ins_sys.close(lease);
-        return ins_fail_open_for_writing(old, np, "it was opened for writing elsewhere while "
-                                         "it was moved");
+    if (leased && noreplace && ins_lease_broken(lease)) {
+        /* (its name given back -- or, taken meanwhile, a hidden one: never left at the key,
+         * unrecorded, for a writer to change) */
+        char back[PATH_MAX];
+        const char *to = old;
+        int named = ins_rename_noreplace_at(AT_FDCWD, np->abs, olddirfd, old, 0) == 0;
+        if (!named && ins_source_hidden_name(old, back) == 0 &&
+            ins_rename_noreplace_at(AT_FDCWD, np->abs, olddirfd, back, 1) == 0) {
+            named = 1;
+            to = back;
+        }
+        if (named) {
+            ins_sys.close(lease);
+            if (to != old)
+                return ins_fail(EBUSY, "cannot move %.200s to key %.200s: it was opened for "
+                                "writing elsewhere while it was moved, and its name was taken "
+                                "meanwhile: it is %.300s", old, ins_key(np), to);
+            return ins_fail_open_for_writing(old, np, "it was opened for writing elsewhere "
+                                             "while it was moved");
+        }
     }
     if (lease >= 0)
         ins_sys.close(lease); /* (a writer waiting for it goes on: with the key's file) */

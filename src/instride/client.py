@@ -47,6 +47,10 @@ _open = _io.open  # the builtin, captured before instride.interception.pyopen ma
 _OPEN_ATTEMPTS = 8
 
 
+#: why :meth:`Client.publish` refuses a file a writer opened while it was moved into place
+_OPENED_WHILE_MOVED = "it was opened for writing while it was being moved into place"
+
+
 class Client:
     """The instride API bound to one :class:`~instride.config.Settings`.
 
@@ -361,6 +365,9 @@ class Client:
         # lease, held until the publication; see store/lease.py)
         with SourceLease(str(srcp)) as lease:
             if in_place:  # (written in place by a legacy tool, or another name of the key's file)
+                if lease.broken():
+                    raise SourceBusy(str(srcp), "it was opened for writing while it was being "
+                                     "published")
                 self._record_in_place(key, final, overwrite)
                 return key
             final.parent.mkdir(parents=True, exist_ok=True)
@@ -381,8 +388,8 @@ class Client:
                     finally:
                         os.close(fd)
                 if lease.broken():  # (a writer opened it meanwhile: it waits for the lease)
-                    raise SourceBusy(str(srcp), "it was opened for writing while it was being "
-                                     "moved into place")
+                    raise SourceBusy(str(srcp), _OPENED_WHILE_MOVED)
+                ino = os.lstat(staged).st_ino
                 store.publish_file(staged, final, key, overwrite=overwrite)
                 if self.fsync:  # the new name survives a crash too, as a writer's does
                     store.fsync_dir(final.parent)
@@ -390,6 +397,15 @@ class Client:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(staged)
                 raise
+            if lease.broken() and not overwrite:
+                # (a writer's open began while the file went into place, before the record:
+                # taken back -- on one file system the key is the very file it would write
+                # to; across two, its bytes would go to a source removed below. Replacing,
+                # the key's previous file is gone: it stays, as the preload library's does)
+                with contextlib.suppress(FileNotFoundError):
+                    if os.lstat(final).st_ino == ino:
+                        os.unlink(final)
+                raise SourceBusy(str(srcp), _OPENED_WHILE_MOVED)
         # Recorded before the source name goes: a record refused (write-once: another node
         # published the key; Redis out of reach) removes the key's file, and the source
         # must then still be there, untouched

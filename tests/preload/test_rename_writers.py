@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import Shim
+from .conftest import Builder, Shim
 
 #: Opens argv[1] for writing (argv[2] "writer": a descriptor; "mapping": a shared writable
 #: mapping, the descriptor closed), appends b" more" through it, says "open", and keeps it until
@@ -273,3 +273,103 @@ def test_write_then_rename_still_publishes(shim: Shim, shm: Path) -> None:
             assert (shim.dir / f"k{i}{j}").read_bytes() == b"data %d" % j
             assert not src.exists()
     assert shim.temps() == [] and os.listdir(shm) == []
+
+
+def test_a_file_the_renamer_itself_maps_is_moved(shim: Shim, build: Builder) -> None:
+    """The renamer's own shared writable mapping of the file, its descriptor closed ("map,
+    write, close, rename"): its own writer, moved as before -- not refused as "open for
+    writing elsewhere" (the lease is refused for any writer: this process's mappings are
+    looked at, /proc/self/maps, as its descriptors are)."""
+    src, key = shim.outside / "f", shim.dir / "k"
+    src.write_bytes(b"hello")
+    proc = shim.run([build("own_map.c"), src, key])
+    assert proc.stdout.decode().split() == ["renamed"], proc.stderr
+    assert key.read_bytes() == b"Xello" and not src.exists()
+
+
+#: "write, rename, close" (argv[1] -> argv[2]) in a mount namespace whose /proc is a tmpfs: the
+#: library cannot tell its own writer from another process's there
+_NO_PROC = r"""mount -t tmpfs none /proc && exec "$@" """
+
+
+def test_a_file_the_renamer_holds_open_is_moved_where_proc_is_missing(shim: Shim) -> None:
+    """Without /proc (a container or chroot without it) the library cannot tell the
+    renamer's own writer from another process's: it moves the file as before leases, rather
+    than refuse "write, rename, close" (EBUSY) -- and so does ``Client.publish``."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.fail("unshare (util-linux) is needed to hide /proc from one program")
+    src, key = shim.outside / "f", shim.dir / "k"
+    src.write_bytes(b"bytes")
+    proc = shim.run([unshare, "--mount", "sh", "-c", _NO_PROC, "sh", sys.executable, "-I", "-c",
+                     _RENAME, src, key, "self"])
+    assert proc.stdout.decode().split() == ["renamed"], proc.stderr
+    assert key.read_bytes() == b"bytes" and not src.exists()
+    g = shim.outside / "g"
+    g.write_bytes(b"more bytes")
+    code = ("import instride, sys\n"
+            "held = open(sys.argv[1], 'ab')\n"
+            "print(instride.Client().publish(sys.argv[1], 'k2'))\n")
+    env = dict(_plain_env(), INSTRIDE_DIR=str(shim.dir))
+    env.pop("INSTRIDE_REDIS_URL", None)
+    proc = subprocess.run([unshare, "--mount", "sh", "-c", _NO_PROC, "sh", sys.executable, "-c",
+                           code, str(g)], env=env, capture_output=True, timeout=120)
+    assert proc.stdout.decode().split() == ["k2"], proc.stderr
+    assert (shim.dir / "k2").read_bytes() == b"more bytes" and not g.exists()
+
+
+#: Renames argv[1] to argv[2] under the library, write-once, its first renameat2 held until a
+#: writer (another process) waits for the library's lease on the source; at each later
+#: renameat2 (the source named back) prints whether the key exists then -- a reader woken by
+#: its appearance could open it then. Then the rename's result.
+_SEEN = r'''
+import errno, os, subprocess, sys, time
+from seccomp_hold import hold_calls
+src, key = sys.argv[1:3]
+writer = []
+WRITE = "import sys; fh = open(sys.argv[1], 'r+b'); fh.write(b'B'); fh.close()"
+
+
+def breaking(ino):
+    with open("/proc/locks") as fh:
+        return any(f":{ino} " in line and "BREAKING" in line for line in fh)
+
+
+def on_call(name, n):
+    if n == 1:
+        ino = os.stat(src).st_ino
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        writer.append(subprocess.Popen([sys.executable, "-I", "-c", WRITE, src], env=env))
+        deadline = time.monotonic() + 30
+        while writer[0].poll() is None and not breaking(ino) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    else:
+        print("key there:", os.path.lexists(key), flush=True)
+
+
+hold_calls({"renameat2": None}, on_call)
+try:
+    os.rename(src, key)
+    print("renamed", flush=True)
+except OSError as exc:
+    print(errno.errorcode[exc.errno], flush=True)
+writer[0].wait(60)
+'''
+
+
+def test_a_writer_during_a_move_never_sees_the_file_at_the_key(shim: Shim) -> None:
+    """On one file system the file went to the key in one rename, and a writer seen after it
+    made the library name it back: between the two it was at the key, where a reader woken by
+    its appearance opened it -- and kept the file the writer then changed, though the rename
+    said EBUSY. The source's name goes first, to a hidden name beside it; the lease is looked
+    at then, before the file is the key: it never appears there."""
+    src, key = shim.outside / "f", shim.dir / "k"
+    src.write_bytes(b"AAAA")
+    env = dict(shim.env, PYTHONPATH=str(Path(__file__).parent))
+    proc = subprocess.run([sys.executable, "-c", _SEEN, str(src), str(key)], env=env,
+                          capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.decode().splitlines()
+    assert lines[-1] == "EBUSY" and "key there: True" not in lines, (lines, proc.stderr[-2000:])
+    assert not key.exists() and src.read_bytes() == b"BAAA"
+    assert os.listdir(shim.outside) == ["f"]

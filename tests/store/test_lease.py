@@ -129,21 +129,24 @@ def _breaking(ino: int) -> bool:
         return any(f":{ino} " in line and "BREAKING" in line for line in fh)
 
 
+@pytest.mark.parametrize("when", ["staged", "in place"])
 @pytest.mark.parametrize("where", ["same", "cross"])
 def test_a_writer_opening_the_file_while_it_is_moved_in_is_not_published(
         client: instride.Client, tmp_path: Path, shm: Path,
         holders: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch,
-        where: str) -> None:
+        where: str, when: str) -> None:
     """A writer that opens the file while it is linked (one file system) or copied (two) into
-    place: the key would be the file it then writes to, or a copy without its bytes. Its open
-    breaks the read lease and waits; the publication is refused (``SourceBusy``), nothing
-    published, the file where it was; the writer then goes on, into the file. The writer
-    starts between the link or copy and the look at the lease (a real process, waited for
-    until it waits for the lease)."""
+    place, or while the key's file takes its name: the key would be the file it then writes
+    to, or a copy without its bytes (which would go to a source removed). Its open breaks the
+    read lease and waits; the publication is refused (``SourceBusy``), nothing published (the
+    key's file taken back), the file where it was; the writer then goes on, into the file.
+    The writer starts right after the link or copy, or right after the key's file is in place
+    (a real process, waited for until it waits for the lease)."""
     src = _source(where, tmp_path, shm)
     ino = os.stat(src).st_ino
-    step = "link" if where == "same" else "copyfile"
-    real = os.link if step == "link" else shutil.copyfile
+    step = "publish_file" if when == "in place" else "link" if where == "same" else "copyfile"
+    real = {"link": os.link, "copyfile": shutil.copyfile,
+            "publish_file": instride.client.store.publish_file}[step]
 
     def then_a_writer(a: object, b: object, *args: object, **kw: object) -> object:
         out = real(a, b, *args, **kw)  # type: ignore[operator]
@@ -157,8 +160,10 @@ def test_a_writer_opening_the_file_while_it_is_moved_in_is_not_published(
 
     if step == "link":
         monkeypatch.setattr(instride.client.os, "link", then_a_writer)
-    else:
+    elif step == "copyfile":
         monkeypatch.setattr(instride.client.shutil, "copyfile", then_a_writer)
+    else:
+        monkeypatch.setattr(instride.client.store, "publish_file", then_a_writer)
     with pytest.raises(SourceBusy, match="opened for writing while it was being moved"):
         client.publish(src, "run/moved.dat")
     monkeypatch.undo()

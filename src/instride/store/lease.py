@@ -13,7 +13,7 @@ No lease where the file system has none (NFS, Lustre: ``EINVAL``), the caller ne
 file nor has ``CAP_LEASE`` (``EACCES``), or ``/proc/sys/fs/leases-enable`` is 0: the file is
 moved unchecked then, as before leases. The same where this process itself holds it open for
 writing ("write a temporary file, flush it, publish it, then close it"): its other writers, if
-any, cannot be told apart from it.
+any, cannot be told apart from it; and where ``/proc`` cannot be read to tell.
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ from ..errors import SourceBusy
 
 def _self_writes(fd: int) -> bool:
     """Whether this process has the file of ``fd`` open for writing through another
-    descriptor (``/proc/self/fd``; ``False`` where that cannot be read)."""
+    descriptor (``/proc/self/fd``; Python's own mappings keep a descriptor of their file), or
+    this cannot be told (no ``/proc``: then as before leases, the file moved unchecked)."""
     st = os.fstat(fd)
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
-        return False
+        return True
     for name in names:
         other = int(name)
         if other == fd:
