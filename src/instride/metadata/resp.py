@@ -31,6 +31,7 @@ import hiredis
 import redis
 
 from ..busypoll import arrived, recv_polling
+from ..perthread import pid
 
 #: seconds of silence on a connection waited on (a subscriber) before it is asked a PING,
 #: and seconds the answer may take before the connection is taken for lost: a connection
@@ -253,7 +254,7 @@ class RespConnection:
         self._soon.append(entry)  # (first: a reply can never arrive for nobody)
         try:
             if hold:
-                if _let_go_registered != os.getpid():
+                if _let_go_registered != pid():  # (the kept pid: no system call per record)
                     _register_let_go()
                 parts = [c if c.__class__ is bytes else hiredis.pack_command(tuple(c))
                          for c in commands]
@@ -801,7 +802,7 @@ def _register_let_go() -> None:
     global _let_go_registered
     import multiprocessing.util
 
-    _let_go_registered = os.getpid()
+    _let_go_registered = pid()
     multiprocessing.util.Finalize(None, _let_go_at_exit, exitpriority=0)
 
 
