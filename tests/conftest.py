@@ -65,6 +65,16 @@ def managed_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.fixture
+def shm() -> Iterator[Path]:
+    """A fresh directory on /dev/shm (tmpfs): another file system than ``tmp_path``'s."""
+    d = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d)
+
+
+@pytest.fixture
 def client(managed_dir: Path) -> Iterator[Client]:
     """A local-mode client on ``managed_dir``."""
     c = Client(Settings.from_env())

@@ -16,28 +16,12 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from ..writers import HOLDER
 from .conftest import Builder, Shim
-
-#: Opens argv[1] for writing (argv[2] "writer": a descriptor; "mapping": a shared writable
-#: mapping, the descriptor closed), appends b" more" through it, says "open", and keeps it until
-#: a line comes on stdin.
-_HOLDER = r'''
-import mmap, os, sys
-path, how = sys.argv[1:3]
-fd = os.open(path, os.O_RDWR | os.O_APPEND)
-os.write(fd, b" more")
-if how == "mapping":
-    held = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    os.close(fd)
-print("open", flush=True)
-sys.stdin.readline()
-'''
 
 #: Renames argv[1] to argv[2] (with argv[3] "self": while holding argv[1] open for writing
 #: itself); prints "renamed" or the errno's name.
@@ -111,16 +95,6 @@ def _plain_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
 
 
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    """A fresh directory on /dev/shm (tmpfs), another file system than the test's tmp_path."""
-    d = Path(tempfile.mkdtemp(dir="/dev/shm"))
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d)
-
-
 def _where(shim: Shim, shm: Path, fs: str) -> tuple[Shim, Path]:
     """The shim and the source's directory: both on ext4 (tmp_path), both on tmpfs, or the
     source on tmpfs and the managed directory on tmp_path (a copy across file systems)."""
@@ -149,7 +123,7 @@ def test_a_file_open_for_writing_is_not_renamed_to_a_key(shim: Shim, shm: Path, 
     shim, src_dir = _where(shim, shm, fs)
     src, key = src_dir / "f", shim.dir / "run" / "k"
     src.write_bytes(b"bytes")
-    holder = subprocess.Popen([sys.executable, "-I", "-c", _HOLDER, str(src), how],
+    holder = subprocess.Popen([sys.executable, "-I", "-c", HOLDER, str(src), how],
                               env=_plain_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         assert holder.stdout is not None and holder.stdout.readline() == b"open\n"
@@ -199,7 +173,7 @@ def test_a_file_with_other_hard_links_open_for_writing_is_not_copied_to_a_key(
     a, b, key = shim.outside / "a", shim.outside / "b", shim.dir / "k"
     a.write_bytes(b"bytes")
     os.link(a, b)
-    holder = subprocess.Popen([sys.executable, "-I", "-c", _HOLDER, str(b), "writer"],
+    holder = subprocess.Popen([sys.executable, "-I", "-c", HOLDER, str(b), "writer"],
                               env=_plain_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         assert holder.stdout is not None and holder.stdout.readline() == b"open\n"

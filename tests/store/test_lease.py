@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,29 +18,7 @@ import pytest
 import instride
 from instride.errors import SourceBusy
 
-#: Opens argv[1] for writing (argv[2] "writer": a descriptor; "mapping": a shared writable
-#: mapping, the descriptor closed), appends b" more", says "open", keeps it until a line comes.
-_HOLDER = r'''
-import mmap, os, sys
-path, how = sys.argv[1:3]
-fd = os.open(path, os.O_RDWR | os.O_APPEND)
-os.write(fd, b" more")
-if how == "mapping":
-    held = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    os.close(fd)
-print("open", flush=True)
-sys.stdin.readline()
-'''
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    """A fresh directory on /dev/shm (tmpfs): another file system than ``tmp_path``'s."""
-    d = Path(tempfile.mkdtemp(dir="/dev/shm"))
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d)
+from ..writers import HOLDER, lease_breaking
 
 
 @pytest.fixture
@@ -55,7 +32,7 @@ def holders() -> Iterator[list[subprocess.Popen[bytes]]]:
 
 
 def _hold(procs: list[subprocess.Popen[bytes]], path: Path, how: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, "-I", "-c", _HOLDER, str(path), how],
+    proc = subprocess.Popen([sys.executable, "-I", "-c", HOLDER, str(path), how],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     procs.append(proc)
     assert proc.stdout is not None and proc.stdout.readline() == b"open\n"
@@ -123,12 +100,6 @@ def test_a_file_this_process_still_holds_open_is_published(
     assert not src.exists()
 
 
-def _breaking(ino: int) -> bool:
-    """Whether a lease on inode ``ino`` is being broken (a writer waits for it)."""
-    with open("/proc/locks") as fh:
-        return any(f":{ino} " in line and "BREAKING" in line for line in fh)
-
-
 @pytest.mark.parametrize("when", ["staged", "in place"])
 @pytest.mark.parametrize("where", ["same", "cross"])
 def test_a_writer_opening_the_file_while_it_is_moved_in_is_not_published(
@@ -150,12 +121,12 @@ def test_a_writer_opening_the_file_while_it_is_moved_in_is_not_published(
 
     def then_a_writer(a: object, b: object, *args: object, **kw: object) -> object:
         out = real(a, b, *args, **kw)  # type: ignore[operator]
-        holders.append(subprocess.Popen([sys.executable, "-I", "-c", _HOLDER, str(src), "writer"],
+        holders.append(subprocess.Popen([sys.executable, "-I", "-c", HOLDER, str(src), "writer"],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE))
         deadline = time.monotonic() + 30
-        while not _breaking(ino) and time.monotonic() < deadline:
+        while not lease_breaking(ino) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert _breaking(ino), "the writer never waited for the lease"
+        assert lease_breaking(ino), "the writer never waited for the lease"
         return out
 
     if step == "link":
