@@ -300,9 +300,11 @@ int ins_publish(const char *tmp, const struct ins_path *p, int noreplace)
  * released (or lease-break-time, 45 s by default, has passed), and F_GETLEASE no longer says
  * F_RDLCK. No lease where the file system has none (NFS, Lustre: EINVAL), the caller neither owns
  * the file nor has CAP_LEASE (EACCES), or /proc/sys/fs/leases-enable is 0: moved as before. */
-/* Whether this process's shared writable mappings include the file (dev, ino): a program
- * that mapped it MAP_SHARED for writing and closed its descriptor (/proc/self/maps: "start-end
- * perms offset major:minor inode path", perms "rw?s" for these). */
+/* Whether this process's shared mappings include the file (dev, ino): a program that mapped it
+ * MAP_SHARED and closed its descriptor (/proc/self/maps: "start-end perms offset major:minor
+ * inode path", perms "???s" for these). Any shared one, writable or not: one made through a
+ * descriptor opened for writing counts as a writer to the kernel's lease, read-only or
+ * mprotect'ed since. */
 static int ins_self_maps(dev_t dev, ino_t ino)
 {
     int maps = (int)syscall(SYS_openat, AT_FDCWD, "/proc/self/maps", O_RDONLY | O_CLOEXEC);
@@ -327,7 +329,7 @@ static int ins_self_maps(dev_t dev, ino_t ino)
             unsigned int major = 0, minor = 0;
             unsigned long long inode = 0;
             if (sscanf(line, "%*x-%*x %7s %*x %x:%x %llu", perms, &major, &minor, &inode) ==
-                    4 && perms[1] == 'w' && perms[3] == 's' && inode == (unsigned long long)ino &&
+                    4 && perms[3] == 's' && inode == (unsigned long long)ino &&
                 major == major(dev) && minor == minor(dev))
                 found = 1;
             if (nl == NULL) {
@@ -359,8 +361,8 @@ static int ins_self_writes(int fd)
         return 1;
     int dir = (int)syscall(SYS_openat, AT_FDCWD, "/proc/self/fd",
                            O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dir < 0)
-        return 1;
+    if (dir < 0) /* (no /proc; out of descriptors, say, it is another's writer as far as known) */
+        return errno == ENOENT || errno == ENOTDIR || errno == EACCES;
     char buf[4096];
     int found = 0;
     long n;
@@ -501,9 +503,11 @@ int ins_copy_fd(int in, int out, int lease)
 }
 
 /* A hidden name beside the source old (in its directory, relative to olddirfd as old is),
- * in hidden[PATH_MAX]: ".<name>.instride-moving-<pid>-<hex>" -- no temporary file's name
- * (keys.TMP_PATTERN ends in ".tmp"): `instride gc` never takes it, it is the user's file.
- * 0, or -1 with ENAMETOOLONG. */
+ * in hidden[PATH_MAX]: ".instride-moving-<pid>-<hex>.<name>" -- no temporary file's name
+ * (keys.TMP_PATTERN ends in ".tmp"): `instride gc` never takes it, it is the user's file; and,
+ * starting with ".instride", never a key either (a source inside the managed directory, a key
+ * renamed to another: never listed nor consumed under it meanwhile). 0, or -1 with
+ * ENAMETOOLONG. */
 static int ins_source_hidden_name(const char *old, char hidden[PATH_MAX])
 {
     const char *slash = strrchr(old, '/');
@@ -516,8 +520,8 @@ static int ins_source_hidden_name(const char *old, char hidden[PATH_MAX])
         return -1;
     }
     memcpy(hidden, old, dir_len);
-    snprintf(hidden + dir_len, PATH_MAX - dir_len, ".%.*s.instride-moving-%ld-%016llx",
-             (int)base_len, base, (long)getpid(), (unsigned long long)ins_random64());
+    snprintf(hidden + dir_len, PATH_MAX - dir_len, ".instride-moving-%ld-%016llx.%.*s",
+             (long)getpid(), (unsigned long long)ins_random64(), (int)base_len, base);
     return 0;
 }
 
@@ -696,6 +700,21 @@ static int ins_move_into_place(int olddirfd, const char *old, const char *abs, i
     return 0;
 }
 
+/* Whether the file of fd is on the file system of abs's directory (a look, no guarantee: a
+ * move that still fails with EXDEV takes the copy's way). */
+static int ins_same_fs(int fd, const char *abs)
+{
+    struct stat file, dir;
+    char parent[PATH_MAX];
+    const char *slash = strrchr(abs, '/');
+    size_t n = slash != NULL ? (size_t)(slash - abs) : 0;
+    if (n == 0 || n >= sizeof parent || fstat(fd, &file) != 0)
+        return 0;
+    memcpy(parent, abs, n);
+    parent[n] = '\0';
+    return stat(parent, &dir) == 0 && dir.st_dev == file.st_dev;
+}
+
 int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, int noreplace)
 {
     struct stat st;
@@ -704,9 +723,11 @@ int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, i
     if (np->refuse) /* (a ".." back through a link, a name Python refuses) */
         return ins_fail_refused_key(np);
     ins_clear_message();
+    int key_there = 0;
     if (ins_lstat_key(np, &st, 1) == 0) { /* confined mkdir -p; the target itself */
         if (ins_check_type(np, &st) != 0)
             return -1;
+        key_there = 1;
     } else if (errno != ENOENT) {
         return ins_fail_look(np);
     }
@@ -731,9 +752,14 @@ int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, i
      * waits for the lease, and the look at the lease after it sees it -- before the file is the
      * key, where a reader woken by its appearance could open it. (Not hidden -- its name too
      * long, say: moved in one step, looked at before and after.) */
+    /* Only where the move can succeed: the key's directory on the source's file system (else
+     * the copy below), and, write-once, no key there yet (else EEXIST) -- hidden for a move
+     * bound to fail, the source's name would be missing for nothing, and a file made under it
+     * meanwhile would keep the source from being named back. */
     char hidden[PATH_MAX];
     const char *from = old;
-    if (leased && ins_source_hidden_name(old, hidden) == 0 &&
+    if (leased && !(noreplace && key_there) && ins_same_fs(lease, np->abs) &&
+        ins_source_hidden_name(old, hidden) == 0 &&
         ins_rename_noreplace_at(olddirfd, old, olddirfd, hidden, 1) == 0)
         from = hidden;
     int neither = 0, moved = -1;
@@ -761,9 +787,11 @@ int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, i
         if (ins_rename_noreplace_at(olddirfd, from, olddirfd, old, 0) != 0) {
             if (lease >= 0)
                 ins_sys.close(lease);
-            return ins_fail(e, "key %.200s not published (%s); %.200s could not be named again "
-                            "(%s): it is %.300s", ins_key(np), strerror(e), old, strerror(errno),
-                            from);
+            /* (EBUSY, never the move's errno: EXDEV or ENOENT would have mv copy the file now
+             * under the name, not the source) */
+            return ins_fail(EBUSY, "key %.200s not published (%s); %.200s could not be named "
+                            "again (%s): it is %.300s", ins_key(np), strerror(e), old,
+                            strerror(errno), from);
         }
         errno = e;
     }
@@ -799,15 +827,23 @@ int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, i
             named = 1;
             to = back;
         }
-        if (named) {
-            ins_sys.close(lease);
-            if (to != old)
-                return ins_fail(EBUSY, "cannot move %.200s to key %.200s: it was opened for "
-                                "writing elsewhere while it was moved, and its name was taken "
-                                "meanwhile: it is %.300s", old, ins_key(np), to);
-            return ins_fail_open_for_writing(old, np, "it was opened for writing elsewhere "
-                                             "while it was moved");
+        if (!named && ins_source_hidden_name(np->abs, back) == 0 &&
+            ins_rename_noreplace_at(AT_FDCWD, np->abs, AT_FDCWD, back, 1) == 0) {
+            named = 1; /* (its source's directory gone, say: a hidden name beside the key, never
+                        * a key, rather than the key, unrecorded, for a writer to change) */
+            to = back;
         }
+        ins_sys.close(lease);
+        if (!named)
+            return ins_fail(EBUSY, "cannot move %.200s to key %.200s: it was opened for writing "
+                            "elsewhere while it was moved, and it could not be named back: it "
+                            "is at the key, not announced", old, ins_key(np));
+        if (to != old)
+            return ins_fail(EBUSY, "cannot move %.200s to key %.200s: it was opened for writing "
+                            "elsewhere while it was moved, and its name was taken meanwhile: "
+                            "it is %.300s", old, ins_key(np), to);
+        return ins_fail_open_for_writing(old, np, "it was opened for writing elsewhere while it "
+                                         "was moved");
     }
     if (lease >= 0)
         ins_sys.close(lease); /* (a writer waiting for it goes on: with the key's file) */

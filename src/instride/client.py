@@ -35,7 +35,7 @@ from .keys import key_path, normalize_key, recyclable, tmp_path
 from .metadata import MetadataBackend, Record
 from .paths import ConfinedOpener, check_confined, confined_file, confined_path
 from .store import ensure_private_dir, file_checksum, file_system_type
-from .store.lease import SourceLease
+from .store.lease import SourceLease, hide_source, put_back_source
 from .store.recvpool import ReceivePool
 from .store.ring import collect_pools
 
@@ -339,8 +339,9 @@ class Client:
             file system grants one: not NFS or Lustre), or was opened for writing while it was
             linked or copied into place; nothing is published, ``src`` is left untouched. (This
             process's own descriptors of it do not count: write, flush, publish, then close.
-            A writer that opens ``src`` by its name after the key's file is in place, while the
-            record is stored, is not seen: close writers before publishing.)
+            A file published in place, without ``key``, is looked at once, as the call
+            begins.) With ``overwrite``, a writer seen only once the key's file is in place
+            leaves it published: the key's previous file is gone.
         UnsupportedModeError
             ``src`` is a symbolic link.
         """
@@ -365,9 +366,6 @@ class Client:
         # lease, held until the publication; see store/lease.py)
         with SourceLease(str(srcp)) as lease:
             if in_place:  # (written in place by a legacy tool, or another name of the key's file)
-                if lease.broken():
-                    raise SourceBusy(str(srcp), "it was opened for writing while it was being "
-                                     "published")
                 self._record_in_place(key, final, overwrite)
                 return key
             final.parent.mkdir(parents=True, exist_ok=True)
@@ -375,46 +373,56 @@ class Client:
                 self._free_of_stale_copy(key, str(final))
             if not overwrite and final.exists():
                 raise KeyExistsError(key)
+            # Leased, the source's name goes first, to a hidden name beside it: a writer whose
+            # open found the name waits for the lease, and the looks below see it before the
+            # key's file is in place (where a reader could open it); one that looks for the
+            # name from then on does not find it. (No lease: as before, from its own name.)
+            source = hide_source(srcp) if lease.held else srcp
             staged = tmp_path(final)
             try:
+                if lease.broken():  # (a writer opened it meanwhile: it waits for the lease)
+                    raise SourceBusy(str(srcp), _OPENED_WHILE_MOVED)
                 try:
-                    os.link(srcp, staged)  # same file system: no copy
+                    os.link(source, staged)  # same file system: no copy
                 except OSError:
-                    shutil.copyfile(srcp, staged)
+                    shutil.copyfile(source, staged)
                 if self.fsync:
                     fd = os.open(staged, os.O_RDONLY)
                     try:
                         os.fsync(fd)
                     finally:
                         os.close(fd)
-                if lease.broken():  # (a writer opened it meanwhile: it waits for the lease)
+                if lease.broken():
                     raise SourceBusy(str(srcp), _OPENED_WHILE_MOVED)
                 ino = os.lstat(staged).st_ino
                 store.publish_file(staged, final, key, overwrite=overwrite)
                 if self.fsync:  # the new name survives a crash too, as a writer's does
                     store.fsync_dir(final.parent)
-            except BaseException:
+                if lease.broken() and not overwrite:
+                    # (a writer whose open found the name just before it went, at the lease
+                    # only now: taken back. Replacing, the key's previous file is gone: it
+                    # stays, as the preload library's does)
+                    with contextlib.suppress(FileNotFoundError):
+                        if os.lstat(final).st_ino == ino:
+                            os.unlink(final)
+                    raise SourceBusy(str(srcp), _OPENED_WHILE_MOVED)
+            except BaseException as exc:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(staged)
+                put_back_source(source, srcp, exc)
                 raise
-            if lease.broken() and not overwrite:
-                # (a writer's open began while the file went into place, before the record:
-                # taken back -- on one file system the key is the very file it would write
-                # to; across two, its bytes would go to a source removed below. Replacing,
-                # the key's previous file is gone: it stays, as the preload library's does)
-                with contextlib.suppress(FileNotFoundError):
-                    if os.lstat(final).st_ino == ino:
-                        os.unlink(final)
-                raise SourceBusy(str(srcp), _OPENED_WHILE_MOVED)
-        # Recorded before the source name goes: a record refused (write-once: another node
+        # Recorded before the source goes: a record refused (write-once: another node
         # published the key; Redis out of reach) removes the key's file, and the source
-        # must then still be there, untouched
+        # must then still be there, untouched (named again)
         try:
             self.engine.published(key, overwrite)
         except PublicationUnsettled:
-            os.unlink(srcp)  # (the key's file stays, a record may name it: moved after all)
+            os.unlink(source)  # (the key's file stays, a record may name it: moved after all)
             raise
-        os.unlink(srcp)  # moved, not copied: the source name goes away
+        except BaseException as exc:
+            put_back_source(source, srcp, exc)
+            raise
+        os.unlink(source)  # moved, not copied: the source goes away
         return key
 
     def _record_in_place(self, key: str, final: Path, overwrite: bool) -> None:

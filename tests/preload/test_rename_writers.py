@@ -249,16 +249,88 @@ def test_write_then_rename_still_publishes(shim: Shim, shm: Path) -> None:
     assert shim.temps() == [] and os.listdir(shm) == []
 
 
-def test_a_file_the_renamer_itself_maps_is_moved(shim: Shim, build: Builder) -> None:
-    """The renamer's own shared writable mapping of the file, its descriptor closed ("map,
-    write, close, rename"): its own writer, moved as before -- not refused as "open for
-    writing elsewhere" (the lease is refused for any writer: this process's mappings are
-    looked at, /proc/self/maps, as its descriptors are)."""
+@pytest.mark.parametrize("how", ["rw", "ro", "mprotect"])
+def test_a_file_the_renamer_itself_maps_is_moved(shim: Shim, build: Builder, how: str) -> None:
+    """The renamer's own shared mapping of the file, its descriptor (opened for writing)
+    closed ("map, write, close, rename"): its own writer, moved as before -- not refused as
+    "open for writing elsewhere" (the lease is refused for any writer: this process's mappings
+    are looked at, /proc/self/maps, as its descriptors are; a read-only one, or one made so
+    since, counts for the kernel as a writer too)."""
     src, key = shim.outside / "f", shim.dir / "k"
     src.write_bytes(b"hello")
-    proc = shim.run([build("own_map.c"), src, key])
+    proc = shim.run([build("own_map.c"), src, key, how])
     assert proc.stdout.decode().split() == ["renamed"], proc.stderr
-    assert key.read_bytes() == b"Xello" and not src.exists()
+    assert key.read_bytes() == (b"hello" if how == "ro" else b"Xello") and not src.exists()
+
+
+#: Renames argv[1] to argv[2] under the library, each renameat2 and copy_file_range held a
+#: moment to print whether argv[1]'s name exists then and the names beside it; then the
+#: rename's result.
+_NAMES = r'''
+import errno, os, sys
+from seccomp_hold import hold_calls
+src, key = sys.argv[1:3]
+
+
+def on_call(name, n):
+    print(name, os.path.lexists(src), sorted(os.listdir(os.path.dirname(src))), flush=True)
+
+
+hold_calls({"renameat2": None, "copy_file_range": None}, on_call)
+try:
+    os.rename(src, key)
+    print("renamed", flush=True)
+except OSError as exc:
+    print(errno.errorcode[exc.errno], flush=True)
+'''
+
+
+def _names(shim: Shim, src: Path, key: Path) -> list[str]:
+    env = dict(shim.env, PYTHONPATH=str(Path(__file__).parent))
+    proc = subprocess.run([sys.executable, "-c", _NAMES, str(src), str(key)], env=env,
+                          capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.decode().splitlines()
+
+
+def test_a_move_across_file_systems_keeps_the_source_named_until_it_is_copied(
+        shim: Shim, shm: Path) -> None:
+    """A rename bound to fail with EXDEV (the copy's way then) hid the source first: its name
+    was missing for nothing, and a file made under it meanwhile (a producer's next output)
+    kept it from being named back -- rename() then said EXDEV, and ``mv`` copied that other
+    file to the key, the user's own left hidden. The source keeps its name until the copy is
+    whole; so does one on the key's file system bound for EEXIST (write-once, the key
+    there)."""
+    src, key = shm / "f", shim.dir / "k"
+    src.write_bytes(b"data")
+    lines = _names(shim, src, key)
+    assert lines[-1] == "renamed", lines
+    before_copy = lines[:next(i for i, line in enumerate(lines) if line.startswith("copy_file"))]
+    assert before_copy and all(" True " in line for line in before_copy), lines
+    assert key.read_bytes() == b"data"
+    same = shim.outside / "f"  # (on the key's file system: moved, were the key not there)
+    same.write_bytes(b"again")
+    lines = _names(shim, same, key)
+    assert lines[-1] == "EEXIST" and all(" True " in line for line in lines[:-1]), lines
+    assert same.read_bytes() == b"again"
+
+
+def test_a_key_renamed_to_another_is_never_a_third_key_meanwhile(shim: Shim) -> None:
+    """A key renamed to another under the managed directory is hidden beside itself first:
+    under a name that was itself a valid key, listed and consumed as one meanwhile (and left
+    as one by a process killed then). The hidden name starts with ".instride", which no key
+    does."""
+    (shim.dir / "run").mkdir()
+    a, b = shim.dir / "run" / "a", shim.dir / "run" / "b"
+    proc = shim.run([sys.executable, "-I", "-c", "import sys; open(sys.argv[1], 'w').write('x')",
+                     a])
+    assert proc.returncode == 0, proc.stderr
+    lines = _names(shim, a, b)
+    assert lines[-1] == "renamed", lines
+    hidden = [name for line in lines[:-1] for name in eval(line.split(" ", 2)[2])  # noqa: S307
+              if name not in ("a", "b")]
+    assert hidden and all(name.startswith(".instride-moving-") for name in hidden), lines
+    assert b.read_bytes() == b"x" and not a.exists()
 
 
 #: "write, rename, close" (argv[1] -> argv[2]) in a mount namespace whose /proc is a tmpfs: the

@@ -6,7 +6,6 @@ process."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -100,41 +99,48 @@ def test_a_file_this_process_still_holds_open_is_published(
     assert not src.exists()
 
 
-@pytest.mark.parametrize("when", ["staged", "in place"])
+@pytest.mark.parametrize("when", ["before hiding", "in place"])
 @pytest.mark.parametrize("where", ["same", "cross"])
 def test_a_writer_opening_the_file_while_it_is_moved_in_is_not_published(
         client: instride.Client, tmp_path: Path, shm: Path,
         holders: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch,
         where: str, when: str) -> None:
     """A writer that opens the file while it is linked (one file system) or copied (two) into
-    place, or while the key's file takes its name: the key would be the file it then writes
-    to, or a copy without its bytes (which would go to a source removed). Its open breaks the
-    read lease and waits; the publication is refused (``SourceBusy``), nothing published (the
-    key's file taken back), the file where it was; the writer then goes on, into the file.
-    The writer starts right after the link or copy, or right after the key's file is in place
-    (a real process, waited for until it waits for the lease)."""
+    place: the key would be the file it then writes to, or a copy without its bytes (which
+    would go to a source removed). The source's name goes first, to a hidden name; a writer
+    whose open found the name before that waits for the lease, and is seen: the publication
+    is refused (``SourceBusy``), nothing published, the file named again; the writer then goes
+    on, into the file. So is one that reaches the lease only once the key's file is in place
+    (here through another name of the file, a hard link): the key's file is taken back. (A
+    real writer process, waited for until it waits for the lease.)"""
     src = _source(where, tmp_path, shm)
     ino = os.stat(src).st_ino
-    step = "publish_file" if when == "in place" else "link" if where == "same" else "copyfile"
-    real = {"link": os.link, "copyfile": shutil.copyfile,
-            "publish_file": instride.client.store.publish_file}[step]
+    other = src.with_name("other.dat")  # (the same file, another name: found after the hiding)
+    os.link(src, other)
+    if when == "before hiding":
+        target, opened = instride.client, src
+        name, real = "hide_source", instride.client.hide_source
+    else:
+        target, opened = instride.client.store, other
+        name, real = "publish_file", instride.client.store.publish_file
 
-    def then_a_writer(a: object, b: object, *args: object, **kw: object) -> object:
-        out = real(a, b, *args, **kw)  # type: ignore[operator]
-        holders.append(subprocess.Popen([sys.executable, "-I", "-c", HOLDER, str(src), "writer"],
+    def then_a_writer(*args: object, **kw: object) -> object:
+        if when == "before hiding":  # (its open finds the name, then waits for the lease)
+            writer(opened)
+        out = real(*args, **kw)  # type: ignore[operator]
+        if when != "before hiding":
+            writer(opened)
+        return out
+
+    def writer(path: Path) -> None:
+        holders.append(subprocess.Popen([sys.executable, "-I", "-c", HOLDER, str(path), "writer"],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE))
         deadline = time.monotonic() + 30
         while not lease_breaking(ino) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert lease_breaking(ino), "the writer never waited for the lease"
-        return out
 
-    if step == "link":
-        monkeypatch.setattr(instride.client.os, "link", then_a_writer)
-    elif step == "copyfile":
-        monkeypatch.setattr(instride.client.shutil, "copyfile", then_a_writer)
-    else:
-        monkeypatch.setattr(instride.client.store, "publish_file", then_a_writer)
+    monkeypatch.setattr(target, name, then_a_writer)
     with pytest.raises(SourceBusy, match="opened for writing while it was being moved"):
         client.publish(src, "run/moved.dat")
     monkeypatch.undo()
@@ -142,5 +148,50 @@ def test_a_writer_opening_the_file_while_it_is_moved_in_is_not_published(
     holder = holders[-1]
     assert holder.stdout is not None and holder.stdout.readline() == b"open\n"  # (went on)
     holder.communicate(b"\n", timeout=60)
-    assert src.read_bytes() == b"bytes more"
+    assert src.read_bytes() == b"bytes more"  # (named again, the writer's bytes in it)
+    assert sorted(p.name for p in src.parent.iterdir() if p.name != "managed") == \
+        ["other.dat", "out.dat"]  # (nothing left under a hidden name)
     assert list((client.root / "run").iterdir()) == []  # (no temporary file left)
+
+
+def test_a_publication_refused_by_its_record_names_the_source_again(
+        client: instride.Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The source is hidden while it is published; a record that fails (write-once: another
+    node's publication; Redis out of reach) names it again, untouched."""
+    src = tmp_path / "out.dat"
+    src.write_bytes(b"bytes")
+
+    def refused(*_args: object, **_kw: object) -> None:
+        raise instride.KeyExistsError("run/refused.dat")
+
+    monkeypatch.setattr(client.engine, "published", refused)
+    with pytest.raises(instride.KeyExistsError):
+        client.publish(src, "run/refused.dat")
+    assert sorted(os.listdir(tmp_path)) == ["managed", "out.dat"]  # (named again, no hidden name)
+    assert src.read_bytes() == b"bytes"
+
+
+@pytest.mark.parametrize("where", ["same", "cross"])
+def test_a_writer_looking_for_the_source_once_the_key_is_in_place_does_not_find_it(
+        client: instride.Client, tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch,
+        where: str) -> None:
+    """On one file system the key's file is the source's own: a writer that opened the source
+    by its name once the key's file was in place (before the record) was given the key's file,
+    and a reader woken by the key could have read it before the publication was taken back.
+    The source's name is gone by then (hidden first): the writer does not find it, the key is
+    published as it was, and never changes."""
+    src = _source(where, tmp_path, shm)
+    real = instride.client.store.publish_file
+    tried: list[subprocess.CompletedProcess[bytes]] = []
+
+    def then_a_writer(*args: object, **kw: object) -> None:
+        real(*args, **kw)  # type: ignore[arg-type]
+        tried.append(subprocess.run([sys.executable, "-I", "-c", HOLDER, str(src), "writer"],
+                                    input=b"\n", capture_output=True, timeout=60))
+
+    monkeypatch.setattr(instride.client.store, "publish_file", then_a_writer)
+    assert client.publish(src, "run/found.dat") == "run/found.dat"
+    monkeypatch.undo()
+    assert tried and tried[0].returncode != 0 and b"FileNotFoundError" in tried[0].stderr
+    assert client.consume("run/found.dat").read_bytes() == b"bytes"
+    assert not src.exists()

@@ -22,9 +22,12 @@ import contextlib
 import errno
 import fcntl
 import os
+import secrets
 import signal
+from pathlib import Path
 
 from ..errors import SourceBusy
+from ..perthread import pid
 
 
 def _self_writes(fd: int) -> bool:
@@ -34,8 +37,10 @@ def _self_writes(fd: int) -> bool:
     st = os.fstat(fd)
     try:
         names = os.listdir("/proc/self/fd")
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return True  # (no /proc)
     except OSError:
-        return True
+        return False  # (out of descriptors, say: another's writer, as far as is known)
     for name in names:
         other = int(name)
         if other == fd:
@@ -111,3 +116,36 @@ class SourceLease:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def hide_source(src: Path) -> Path:
+    """Rename ``src`` to a hidden name beside it, ``.instride-moving-<pid>-<hex>.<name>``
+    (starting with ``.instride``: never a key; not a temporary file's name: ``instride gc``
+    never takes it, it is the user's file), and return that name; ``src`` itself where it
+    cannot be renamed (its publication then goes on from its own name, as without a lease)."""
+    hidden = src.parent / f".instride-moving-{pid()}-{secrets.token_hex(8)}.{src.name[:200]}"
+    try:
+        os.rename(src, hidden)  # (a fresh random name: nothing there to replace)
+    except OSError:
+        return src
+    return hidden
+
+
+def put_back_source(hidden: Path, src: Path, exc: BaseException) -> None:
+    """Name the source :func:`hide_source` hid ``src`` again, never over a file that took the
+    name meanwhile (then it stays hidden, and ``exc``, the publication's failure, says where)."""
+    if hidden == src:
+        return
+    try:
+        try:
+            os.link(hidden, src)
+        except FileExistsError:
+            raise
+        except OSError:  # (no hard links here: a rename, where the name is free)
+            if os.path.lexists(src):
+                raise FileExistsError(errno.EEXIST, "taken meanwhile", str(src)) from None
+            os.rename(hidden, src)
+            return
+        os.unlink(hidden)
+    except OSError as err:
+        exc.add_note(f"{src} could not be named again ({err.strerror}): it is {hidden}")

@@ -1,7 +1,9 @@
-/* "Map, write, close, rename": the renamer's own shared writable mapping of the file (its
- * descriptor closed), then the file renamed to a key under the preload library -- the
- * renamer's own writer, which moves as before (not "open for writing elsewhere").
- * usage: own_map SRC KEY; prints "renamed" or the errno's text. */
+/* "Map, write, close, rename": the renamer's own shared mapping of the file (its descriptor,
+ * opened for writing, closed), then the file renamed to a key under the preload library -- the
+ * renamer's own writer, which moves as before (not "open for writing elsewhere"). The kernel
+ * counts such a mapping as a writer whatever its protection now.
+ * usage: own_map SRC KEY rw|ro|mprotect (a writable mapping; a read-only one; a writable one
+ * made read-only since); prints "renamed" or the errno's text. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -12,16 +14,20 @@
 
 int main(int argc, char **argv)
 {
-    if (argc != 3)
+    if (argc != 4)
         return 2;
     int fd = open(argv[1], O_RDWR);
     if (fd < 0)
         return 3;
-    char *m = mmap(NULL, 5, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    int ro = strcmp(argv[3], "ro") == 0;
+    char *m = mmap(NULL, 5, ro ? PROT_READ : PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (m == MAP_FAILED)
         return 4;
     close(fd);
-    m[0] = 'X';
+    if (!ro)
+        m[0] = 'X';
+    if (strcmp(argv[3], "mprotect") == 0 && mprotect(m, 5, PROT_READ) != 0)
+        return 5;
     if (rename(argv[1], argv[2]) == 0)
         printf("renamed\n");
     else
