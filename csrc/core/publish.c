@@ -16,6 +16,13 @@
 #include <sys/sendfile.h>
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
+#include <sys/stat.h>
+
+#ifdef STATX_MNT_ID
+#define INS_STATX_MNT_ID STATX_MNT_ID
+#else
+#define INS_STATX_MNT_ID 0x00001000U /* (Linux 5.8; headers older than it) */
+#endif
 #include <time.h>
 #include <unistd.h>
 
@@ -300,19 +307,28 @@ int ins_publish(const char *tmp, const struct ins_path *p, int noreplace)
  * released (or lease-break-time, 45 s by default, has passed), and F_GETLEASE no longer says
  * F_RDLCK. No lease where the file system has none (NFS, Lustre: EINVAL), the caller neither owns
  * the file nor has CAP_LEASE (EACCES), or /proc/sys/fs/leases-enable is 0: moved as before. */
-/* Whether this process's shared mappings include the file (dev, ino): a program that mapped it
- * MAP_SHARED and closed its descriptor (/proc/self/maps: "start-end perms offset major:minor
- * inode path", perms "???s" for these). Any shared one, writable or not: one made through a
- * descriptor opened for writing counts as a writer to the kernel's lease, read-only or
- * mprotect'ed since. */
+/* Whether the flags of a VmFlags line ("VmFlags: rd wr sh mr mw me ...") hold flag. */
+static int ins_vm_flag(const char *line, const char *flag)
+{
+    for (const char *at = line + 8; (at = strstr(at, flag)) != NULL; at += 2)
+        if (at[-1] == ' ' && (at[2] == ' ' || at[2] == '\0'))
+            return 1;
+    return 0;
+}
+
+/* Whether this process has a shared mapping of the file (dev, ino) that counts as a writer to
+ * the kernel's lease: a program that mapped it MAP_SHARED through a descriptor opened for
+ * writing and closed the descriptor -- writable, or read-only or mprotect'ed since: "sh" and
+ * "mw" (may write) among its VmFlags in /proc/self/smaps (not "rw-s" in maps: a read-only one
+ * through a read-only descriptor is no writer, and must not hide another process's). */
 static int ins_self_maps(dev_t dev, ino_t ino)
 {
-    int maps = (int)syscall(SYS_openat, AT_FDCWD, "/proc/self/maps", O_RDONLY | O_CLOEXEC);
+    int maps = (int)syscall(SYS_openat, AT_FDCWD, "/proc/self/smaps", O_RDONLY | O_CLOEXEC);
     if (maps < 0)
         return 0;
     char buf[8192];
     size_t have = 0;
-    int found = 0;
+    int found = 0, ours = 0; /* ours: the mapping whose lines these are is of the file */
     for (;;) {
         ssize_t n = (ssize_t)syscall(SYS_read, maps, buf + have, sizeof buf - 1 - have);
         if (n < 0 && errno == EINTR)
@@ -328,10 +344,14 @@ static int ins_self_maps(dev_t dev, ino_t ino)
             char perms[8] = "";
             unsigned int major = 0, minor = 0;
             unsigned long long inode = 0;
-            if (sscanf(line, "%*x-%*x %7s %*x %x:%x %llu", perms, &major, &minor, &inode) ==
-                    4 && perms[3] == 's' && inode == (unsigned long long)ino &&
-                major == major(dev) && minor == minor(dev))
-                found = 1;
+            if (strncmp(line, "VmFlags:", 8) == 0) {
+                if (ours && ins_vm_flag(line, "sh") && ins_vm_flag(line, "mw"))
+                    found = 1;
+            } else if (sscanf(line, "%*x-%*x %7s %*x %x:%x %llu", perms, &major, &minor,
+                              &inode) == 4) { /* a mapping's first line */
+                ours = inode == (unsigned long long)ino && major == major(dev) &&
+                       minor == minor(dev);
+            }
             if (nl == NULL) {
                 line += strlen(line);
                 break;
@@ -700,19 +720,26 @@ static int ins_move_into_place(int olddirfd, const char *old, const char *abs, i
     return 0;
 }
 
-/* Whether the file of fd is on the file system of abs's directory (a look, no guarantee: a
- * move that still fails with EXDEV takes the copy's way). */
+/* Whether the file of fd is on the mount of abs's directory -- the same mount, not only the
+ * same device: two bind mounts of one file system share st_dev, and rename between them is
+ * EXDEV all the same (statx's mount id, Linux 5.8; the device where there is none). A look,
+ * no guarantee: a move that still fails with EXDEV is named back and takes the copy's way. */
 static int ins_same_fs(int fd, const char *abs)
 {
-    struct stat file, dir;
     char parent[PATH_MAX];
     const char *slash = strrchr(abs, '/');
     size_t n = slash != NULL ? (size_t)(slash - abs) : 0;
-    if (n == 0 || n >= sizeof parent || fstat(fd, &file) != 0)
+    if (n == 0 || n >= sizeof parent)
         return 0;
     memcpy(parent, abs, n);
     parent[n] = '\0';
-    return stat(parent, &dir) == 0 && dir.st_dev == file.st_dev;
+    struct statx file, dir;
+    if (statx(fd, "", AT_EMPTY_PATH, INS_STATX_MNT_ID, &file) != 0 ||
+        statx(AT_FDCWD, parent, 0, INS_STATX_MNT_ID, &dir) != 0)
+        return 0;
+    if ((file.stx_mask & INS_STATX_MNT_ID) && (dir.stx_mask & INS_STATX_MNT_ID))
+        return file.stx_mnt_id == dir.stx_mnt_id;
+    return file.stx_dev_major == dir.stx_dev_major && file.stx_dev_minor == dir.stx_dev_minor;
 }
 
 int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, int noreplace)
@@ -840,7 +867,7 @@ int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, i
                             "is at the key, not announced", old, ins_key(np));
         if (to != old)
             return ins_fail(EBUSY, "cannot move %.200s to key %.200s: it was opened for writing "
-                            "elsewhere while it was moved, and its name was taken meanwhile: "
+                            "elsewhere while it was moved, and it could not be named again: "
                             "it is %.300s", old, ins_key(np), to);
         return ins_fail_open_for_writing(old, np, "it was opened for writing elsewhere while it "
                                          "was moved");

@@ -35,7 +35,7 @@ from .keys import key_path, normalize_key, recyclable, tmp_path
 from .metadata import MetadataBackend, Record
 from .paths import ConfinedOpener, check_confined, confined_file, confined_path
 from .store import ensure_private_dir, file_checksum, file_system_type
-from .store.lease import SourceLease, hide_source, put_back_source
+from .store.lease import SourceLease, hidden_name, hide_source, put_back_source
 from .store.recvpool import ReceivePool
 from .store.ring import collect_pools
 
@@ -303,8 +303,9 @@ class Client:
         """Publish a file written by other means.
 
         With ``key``, ``src`` (anywhere) is moved atomically under ``key``: linked when on the
-        same file system, else copied to a hidden temporary name, then renamed into place; the
-        source name is removed once the key is recorded. Without ``key``, ``src`` must already
+        same file system (copied when it has other hard links: a key shares its file with no
+        other name), else copied to a hidden temporary name, then renamed into place; the
+        source is removed once the key is recorded. Without ``key``, ``src`` must already
         be at its final path under the managed directory (written in place by a legacy tool);
         it is recorded — as is a ``src`` that is another name of the key's very file.
 
@@ -373,16 +374,26 @@ class Client:
                 self._free_of_stale_copy(key, str(final))
             if not overwrite and final.exists():
                 raise KeyExistsError(key)
-            # Leased, the source's name goes first, to a hidden name beside it: a writer whose
-            # open found the name waits for the lease, and the looks below see it before the
-            # key's file is in place (where a reader could open it); one that looks for the
-            # name from then on does not find it. (No lease: as before, from its own name.)
-            source = hide_source(srcp) if lease.held else srcp
+            # Leased, the source's name goes to a hidden name beside it: on one file system
+            # before its file is linked to the key (a writer whose open found the name waits
+            # for the lease, and the looks below see it before the key's file is in place,
+            # where a reader could open it; one that looks for the name from then on does not
+            # find it); across two, once the copy is whole (its name is kept meanwhile). The
+            # name is drawn first: whatever ends the call -- an interrupt right after the
+            # rename too -- names the source again by it. (No lease: as before.)
+            hidden = hidden_name(srcp) if lease.held else None
+            linked = os.stat(srcp).st_dev == os.stat(final.parent).st_dev \
+                and os.lstat(srcp).st_nlink == 1  # (other names: a copy, never shared with them)
             staged = tmp_path(final)
+            source, done = srcp, False
             try:
+                if hidden is not None and linked:
+                    source = hide_source(srcp, hidden)
                 if lease.broken():  # (a writer opened it meanwhile: it waits for the lease)
                     raise SourceBusy(str(srcp), _OPENED_WHILE_MOVED)
                 try:
+                    if not linked:
+                        raise OSError("a copy")
                     os.link(source, staged)  # same file system: no copy
                 except OSError:
                     shutil.copyfile(source, staged)
@@ -392,6 +403,8 @@ class Client:
                         os.fsync(fd)
                     finally:
                         os.close(fd)
+                if hidden is not None and source == srcp:
+                    source = hide_source(srcp, hidden)
                 if lease.broken():
                     raise SourceBusy(str(srcp), _OPENED_WHILE_MOVED)
                 ino = os.lstat(staged).st_ino
@@ -406,23 +419,23 @@ class Client:
                         if os.lstat(final).st_ino == ino:
                             os.unlink(final)
                     raise SourceBusy(str(srcp), _OPENED_WHILE_MOVED)
+                # Recorded before the source goes: a record refused (write-once: another node
+                # published the key; Redis out of reach) removes the key's file, and the
+                # source must then still be there, untouched (named again)
+                try:
+                    self.engine.published(key, overwrite)
+                except PublicationUnsettled:
+                    done = True  # (the key's file stays, a record may name it: moved after all)
+                    os.unlink(source)
+                    raise
+                done = True
+                os.unlink(source)  # moved, not copied: the source goes away
             except BaseException as exc:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(staged)
-                put_back_source(source, srcp, exc)
+                if not done:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(staged)
+                    put_back_source(hidden, srcp, exc)
                 raise
-        # Recorded before the source goes: a record refused (write-once: another node
-        # published the key; Redis out of reach) removes the key's file, and the source
-        # must then still be there, untouched (named again)
-        try:
-            self.engine.published(key, overwrite)
-        except PublicationUnsettled:
-            os.unlink(source)  # (the key's file stays, a record may name it: moved after all)
-            raise
-        except BaseException as exc:
-            put_back_source(source, srcp, exc)
-            raise
-        os.unlink(source)  # moved, not copied: the source goes away
         return key
 
     def _record_in_place(self, key: str, final: Path, overwrite: bool) -> None:

@@ -263,6 +263,24 @@ def test_a_file_the_renamer_itself_maps_is_moved(shim: Shim, build: Builder, how
     assert key.read_bytes() == (b"hello" if how == "ro" else b"Xello") and not src.exists()
 
 
+def test_a_read_only_mapping_of_the_renamer_hides_no_other_writer(
+        shim: Shim, build: Builder) -> None:
+    """The renamer's own read-only mapping, through a read-only descriptor (a checksum, a
+    header look, ``numpy.memmap(mode="r")``), is no writer: another process still writing the
+    file is not taken for it -- EBUSY, nothing published, as without the mapping."""
+    src, key = shim.outside / "f", shim.dir / "k"
+    src.write_bytes(b"hello")
+    holder = subprocess.Popen([sys.executable, "-I", "-c", HOLDER, str(src), "writer"],
+                              env=_plain_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"open\n"
+        proc = shim.run([build("own_map.c"), src, key, "rdonly"])
+        assert proc.stdout.decode().strip() == os.strerror(16), proc.stderr
+        assert not key.exists() and src.exists()
+    finally:
+        holder.communicate(b"\n", timeout=60)
+
+
 #: Renames argv[1] to argv[2] under the library, each renameat2 and copy_file_range held a
 #: moment to print whether argv[1]'s name exists then and the names beside it; then the
 #: rename's result.
@@ -308,6 +326,24 @@ def test_a_move_across_file_systems_keeps_the_source_named_until_it_is_copied(
     before_copy = lines[:next(i for i, line in enumerate(lines) if line.startswith("copy_file"))]
     assert before_copy and all(" True " in line for line in before_copy), lines
     assert key.read_bytes() == b"data"
+    # a bind mount of the key's own file system: one device, and still EXDEV
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.fail("unshare (util-linux) is needed for a bind mount of one's own")
+    bound, there = shim.outside / "bound", shim.outside / "there"
+    bound.mkdir()
+    there.mkdir()
+    (there / "f").write_bytes(b"bound")
+    env = dict(shim.env, PYTHONPATH=str(Path(__file__).parent))
+    proc = subprocess.run([unshare, "--mount", "sh", "-c", 'mount --bind "$1" "$2" && shift 2 && '
+                           'exec "$@"', "sh", str(there), str(bound), sys.executable, "-c", _NAMES,
+                           str(bound / "f"), str(shim.dir / "kb")], env=env, capture_output=True,
+                          timeout=120)
+    lines = proc.stdout.decode().splitlines()
+    assert proc.returncode == 0 and lines[-1] == "renamed", (lines, proc.stderr[-2000:])
+    before_copy = lines[:next(i for i, line in enumerate(lines) if line.startswith("copy_file"))]
+    assert before_copy and all(" True " in line for line in before_copy), lines
+    assert (shim.dir / "kb").read_bytes() == b"bound"
     same = shim.outside / "f"  # (on the key's file system: moved, were the key not there)
     same.write_bytes(b"again")
     lines = _names(shim, same, key)

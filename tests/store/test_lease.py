@@ -195,3 +195,41 @@ def test_a_writer_looking_for_the_source_once_the_key_is_in_place_does_not_find_
     assert tried and tried[0].returncode != 0 and b"FileNotFoundError" in tried[0].stderr
     assert client.consume("run/found.dat").read_bytes() == b"bytes"
     assert not src.exists()
+
+
+def test_an_interrupt_right_after_the_source_is_hidden_names_it_again(
+        client: instride.Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (or a signal handler's exception) right after the source went to its hidden name,
+    before the publication knew it: the source stayed hidden, nothing published. Its hidden
+    name is drawn first, and any failure names it again."""
+    src = tmp_path / "out.dat"
+    src.write_bytes(b"bytes")
+    real = os.rename
+
+    def rename_then_interrupt(a: object, b: object) -> None:
+        real(a, b)  # type: ignore[arg-type]
+        if ".instride-moving-" in str(b):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(instride.store.lease.os, "rename", rename_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        client.publish(src, "run/interrupted.dat")
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["managed", "out.dat"]  # (named again)
+    assert src.read_bytes() == b"bytes"
+    assert not (client.root / "run" / "interrupted.dat").exists()
+
+
+def test_a_file_with_other_names_is_published_as_a_copy(
+        client: instride.Client, tmp_path: Path) -> None:
+    """A file with other hard links, published on its file system, was linked to the key: its
+    other names still changed the key in place. It is published as a copy (as the preload
+    library's rename does)."""
+    src, other = tmp_path / "out.dat", tmp_path / "other.dat"
+    src.write_bytes(b"bytes")
+    os.link(src, other)
+    assert client.publish(src, "run/copied.dat") == "run/copied.dat"
+    with open(other, "ab") as fh:
+        fh.write(b" more")
+    assert client.consume("run/copied.dat").read_bytes() == b"bytes"
+    assert not src.exists() and other.read_bytes() == b"bytes more"

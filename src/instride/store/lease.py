@@ -118,12 +118,17 @@ class SourceLease:
         self.close()
 
 
-def hide_source(src: Path) -> Path:
-    """Rename ``src`` to a hidden name beside it, ``.instride-moving-<pid>-<hex>.<name>``
-    (starting with ``.instride``: never a key; not a temporary file's name: ``instride gc``
-    never takes it, it is the user's file), and return that name; ``src`` itself where it
-    cannot be renamed (its publication then goes on from its own name, as without a lease)."""
-    hidden = src.parent / f".instride-moving-{pid()}-{secrets.token_hex(8)}.{src.name[:200]}"
+def hidden_name(src: Path) -> Path:
+    """A hidden name beside ``src``, ``.instride-moving-<pid>-<hex>.<name>`` (starting with
+    ``.instride``: never a key; not a temporary file's name: ``instride gc`` never takes it,
+    it is the user's file), drawn afresh."""
+    return src.parent / f".instride-moving-{pid()}-{secrets.token_hex(8)}.{src.name[:200]}"
+
+
+def hide_source(src: Path, hidden: Path) -> Path:
+    """Rename ``src`` to ``hidden`` (:func:`hidden_name`) and return the name it has: ``src``
+    itself where it cannot be renamed (its publication then goes on from its own name, as
+    without a lease)."""
     try:
         os.rename(src, hidden)  # (a fresh random name: nothing there to replace)
     except OSError:
@@ -131,10 +136,11 @@ def hide_source(src: Path) -> Path:
     return hidden
 
 
-def put_back_source(hidden: Path, src: Path, exc: BaseException) -> None:
-    """Name the source :func:`hide_source` hid ``src`` again, never over a file that took the
-    name meanwhile (then it stays hidden, and ``exc``, the publication's failure, says where)."""
-    if hidden == src:
+def put_back_source(hidden: Path | None, src: Path, exc: BaseException) -> None:
+    """Name the source :func:`hide_source` may have hidden again (it is there if it was: its
+    name is random), never over a file that took the name meanwhile -- then it stays hidden,
+    and ``exc``, the publication's failure, says where (a note)."""
+    if hidden is None or not os.path.lexists(hidden):
         return
     try:
         try:
@@ -148,4 +154,6 @@ def put_back_source(hidden: Path, src: Path, exc: BaseException) -> None:
             return
         os.unlink(hidden)
     except OSError as err:
-        exc.add_note(f"{src} could not be named again ({err.strerror}): it is {hidden}")
+        note = getattr(exc, "add_note", None)  # (Python 3.11: notes)
+        if note is not None:
+            note(f"{src} could not be named again ({err.strerror}): it is {hidden}")
