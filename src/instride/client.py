@@ -425,11 +425,11 @@ class Client:
                 try:
                     self.engine.published(key, overwrite)
                 except PublicationUnsettled:
-                    done = True  # (the key's file stays, a record may name it: moved after all)
-                    os.unlink(source)
+                    os.unlink(source)  # (the key's file stays, a record may name it: moved after all)
+                    done = True
                     raise
-                done = True
                 os.unlink(source)  # moved, not copied: the source goes away
+                done = True  # (after it: an interrupt between the two finds nothing to name again)
             except BaseException as exc:
                 if not done:
                     with contextlib.suppress(FileNotFoundError):

@@ -142,6 +142,8 @@ _CORE_ERRORS = [
     errors.EndOfStream("run", 98),
     errors.FramesMissed("run", 3, 5, 8),
     errors.StreamRerun("run", 7),
+    errors.SourceBusy("/scratch/out.dat"),
+    errors.SourceBusy("/scratch/out.dat", "it was opened for writing while it was moved"),
     errors.StreamFull("run", 2.0, ["g1", "g2"]),
     errors.GroupBusy("run", "g1"),
     errors.GroupLeaseLost("run", "g1", 30.0),
