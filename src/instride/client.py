@@ -391,11 +391,12 @@ class Client:
                     source = hide_source(srcp, hidden)
                 if lease.broken():  # (a writer opened it meanwhile: it waits for the lease)
                     raise SourceBusy(str(srcp), _OPENED_WHILE_MOVED)
-                try:
-                    if not linked:
-                        raise OSError("a copy")
-                    os.link(source, staged)  # same file system: no copy
-                except OSError:
+                if linked:
+                    try:
+                        os.link(source, staged)  # same file system: no copy
+                    except OSError:  # (no hard links here, or another mount of it)
+                        shutil.copyfile(source, staged)
+                else:
                     shutil.copyfile(source, staged)
                 if self.fsync:
                     fd = os.open(staged, os.O_RDONLY)
