@@ -823,6 +823,13 @@ int ins_publish_move(int olddirfd, const char *old, const struct ins_path *np, i
         errno = e;
     }
     if (moved != 0) {
+        if (errno == EXDEV && noreplace && key_there) { /* (write-once, the key there when looked
+                                                         * at: EEXIST now, not after a copy of
+                                                         * minutes, the source hidden for it) */
+            if (lease >= 0)
+                ins_sys.close(lease);
+            return ins_fail(EEXIST, "key %.300s is already published (write-once)", ins_key(np));
+        }
         if (errno == EXDEV) /* across file systems: ins_publish did the fsyncs and the notice */
             return ins_copy_publish(olddirfd, old, np, noreplace,
                                     lease >= 0 ? lease : ins_sys.openat(olddirfd, old, O_RDONLY |

@@ -317,8 +317,8 @@ def test_a_move_across_file_systems_keeps_the_source_named_until_it_is_copied(
     was missing for nothing, and a file made under it meanwhile (a producer's next output)
     kept it from being named back -- rename() then said EXDEV, and ``mv`` copied that other
     file to the key, the user's own left hidden. The source keeps its name until the copy is
-    whole; so does one on the key's file system bound for EEXIST (write-once, the key
-    there)."""
+    whole; one bound for EEXIST (write-once, the key there) fails so before any copy, its
+    name kept."""
     src, key = shm / "f", shim.dir / "k"
     src.write_bytes(b"data")
     lines = _names(shim, src, key)
@@ -344,6 +344,11 @@ def test_a_move_across_file_systems_keeps_the_source_named_until_it_is_copied(
     before_copy = lines[:next(i for i, line in enumerate(lines) if line.startswith("copy_file"))]
     assert before_copy and all(" True " in line for line in before_copy), lines
     assert (shim.dir / "kb").read_bytes() == b"bound"
+    (shm / "f").write_bytes(b"again")  # (write-once, the key there: EEXIST before any copy)
+    lines = _names(shim, shm / "f", key)
+    assert lines[-1] == "EEXIST" and all(" True " in line for line in lines[:-1]), lines
+    assert not any(line.startswith("copy_file_range") for line in lines), lines
+    assert (shm / "f").read_bytes() == b"again" and key.read_bytes() == b"data"
     same = shim.outside / "f"  # (on the key's file system: moved, were the key not there)
     same.write_bytes(b"again")
     lines = _names(shim, same, key)
