@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import errno
 import functools
 import itertools
@@ -80,7 +81,12 @@ _WAS_TTL_S = int(_RETRY_WITHIN_S) + 60
 #: the publish script's answer to such a late retry
 _LATE = -2
 
-_PUBLISH = """
+#: the publication itself, as a function of the script's KEYS and ARGV (see _PUBLISH): KEYS =
+#: the record, the keys index, the channel, the clock, the legacy counter, then a retry's marks
+#: (was:<id>, late); ARGV = owner, size, checksum, time, node, key, overwrite, publication id,
+#: the announcement's tail, then the follow-up commands and the hash to read back
+_PUBLISH_BODY = """
+local function publish(KEYS, ARGV)
 local rec = KEYS[1]
 -- a retry of this very publication (ARGV[8], its id), whose reply was lost with the
 -- connection after Redis had stored it: done already, the same version (never a second one,
@@ -152,7 +158,43 @@ if ARGV[at] then
   return {version, redis.call('HGETALL', ARGV[at])}
 end
 return version
+end
 """.replace("@WAS@", _WAS).replace("@WAS_TTL@", str(_WAS_TTL_S)).replace("@LATE@", str(_LATE))
+_PUBLISH = _PUBLISH_BODY + "return publish(KEYS, ARGV)\n"
+#: where a stream's head counters and its groups' cursors are kept (instride.store.streamstate)
+_STREAM = PREFIX + "stream:"
+#: A stream frame's publication in a third of the bytes (:func:`_frame_args`): the names the
+#: publication derives from its key, its announcement's tail and its follow-up commands (the
+#: stream's head counters, the retired frames' records forgotten, the groups' cursors read
+#: back) are made here from the words they are made of. KEYS = a retry's marks alone; ARGV =
+#: key, owner, size, checksum, time, node, overwrite, publication id, the stream (empty: no
+#: head), oldest, written, "1" to read the groups' cursors back, the retired frames' keys.
+#: Several such records fit one TCP segment (~1,448 bytes on a 1,500-byte MTU): held back
+#: together (``hold``), they wake Redis once; the long form fits one.
+_PUBLISH_FRAME = _PUBLISH_BODY + """
+local key, stream = ARGV[1], ARGV[9]
+local K = {'@REC@' .. key, '@KEYS@', '@CHAN@' .. key, '@CLOCK@', '@VER@' .. key, KEYS[1], KEYS[2]}
+local A = {ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], key, ARGV[7], ARGV[8],
+           '\\0' .. ARGV[3] .. '\\0' .. ARGV[5] .. '\\0' .. ARGV[2] .. '\\0' .. ARGV[6] .. '\\0' ..
+           ARGV[4] .. '\\0' .. key, 0}
+local at, n = 11, 0
+if stream ~= '' then
+  A[at], A[at + 1], A[at + 2], A[at + 3] = 6, 'HSET', '@STREAM@' .. stream .. ':head', 'oldest'
+  A[at + 4], A[at + 5], A[at + 6] = ARGV[10], 'written', ARGV[11]
+  at, n = at + 7, 1
+end
+for i = 13, #ARGV do
+  A[at], A[at + 1], A[at + 2] = 2, 'DEL', '@REC@' .. ARGV[i]
+  A[at + 3], A[at + 4], A[at + 5], A[at + 6] = 3, 'ZREM', '@KEYS@', ARGV[i]
+  at, n = at + 7, n + 2
+end
+A[10] = n
+if ARGV[12] == '1' then
+  A[at] = '@STREAM@' .. stream .. ':groups'
+end
+return publish(K, A)
+""".replace("@REC@", _REC).replace("@KEYS@", _KEYS).replace("@CHAN@", _CHAN) \
+    .replace("@CLOCK@", _CLOCK).replace("@VER@", _LEGACY_VER).replace("@STREAM@", _STREAM)
 
 #: sent just ahead of a publication, in the same write: Redis writes what it owes its clients
 #: after it has run everything a read brought, the client that got something to send last
@@ -203,6 +245,41 @@ os.register_at_fork(after_in_child=_new_run)
 def _publication_id() -> str:
     """An id no other publication has (the process id: a forked child counts on alone)."""
     return f"{_RUN}.{pid()}.{next(_COUNT)}"  # (the kept id: no system call per record)
+
+
+#: a publication's script words: its keys, its arguments, and whether they are the short form
+#: (:data:`_PUBLISH_FRAME`) or the long one (:data:`_PUBLISH`)
+_Sent = tuple[list[str], list[Any], bool]
+
+
+def _frame_words(then: Sequence[tuple[Any, ...]], report: str | None) -> list[Any] | None:
+    """The last words of a publication's short form (:data:`_PUBLISH_FRAME`): the stream, its
+    oldest and written counters, whether its groups' cursors are read back, the retired
+    frames' keys — where ``then`` and ``report`` are what a stream's producer sends (its head
+    counters first, if at all, then records forgotten: :meth:`RedisMetadata.forget_commands`;
+    the stream's groups read back), which the script makes again, word for word, from these.
+    ``None`` for anything else: the long form says it."""
+    stream, oldest, written = "", "", ""
+    at = 0
+    if then and then[0][0] == "HSET":
+        head = then[0]
+        if not (len(head) == 6 and head[2] == "oldest" and head[4] == "written"
+                and isinstance(head[1], str) and head[1].startswith(_STREAM)
+                and head[1].endswith(":head") and len(head[1]) > len(_STREAM) + 5):
+            return None
+        stream, oldest, written, at = head[1][len(_STREAM):-5], head[3], head[5], 1
+    if (len(then) - at) % 2 or report is not None and (
+            not stream or report != f"{_STREAM}{stream}:groups"):
+        return None
+    retired = []
+    for i in range(at, len(then), 2):
+        forget, unlist = then[i], then[i + 1]
+        if not (len(forget) == 2 and forget[0] == "DEL" and len(unlist) == 3
+                and unlist[0] == "ZREM" and unlist[1] == _KEYS and isinstance(unlist[2], str)
+                and forget[1] == _REC + unlist[2]):
+            return None
+        retired.append(unlist[2])
+    return [stream, oldest, written, "0" if report is None else "1", *retired]
 
 
 _ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError)
@@ -355,7 +432,7 @@ class _SoonRecord(PendingRecord):
     """
 
     def __init__(self, metadata: RedisMetadata, record: Record,
-                 sent: tuple[list[str], list[Any]],
+                 sent: _Sent,
                  replies: Callable[[], list[Any]] | None, fast: RespConnection) -> None:
         # (not PendingRecord's callables: bound methods of this object would be the cycle)
         self.reported: dict[bytes, bytes] | None = None
@@ -371,6 +448,9 @@ class _SoonRecord(PendingRecord):
         #: an error answer's text, raised every time (a new exception each time: one raised
         #: again would keep each raise's traceback, and with it this object, in a cycle)
         self._refused: str | None = None
+        #: the same for an answer refused where it went again (after ``NOSCRIPT``): a copy,
+        #: without a traceback, of what was raised
+        self._refused_error: InstrideError | None = None
 
     def answered(self) -> bool:
         return self._done is not None or self._replies is None or self._fast.answered()
@@ -396,6 +476,8 @@ class _SoonRecord(PendingRecord):
             self._refused = str(reply)
         if self._refused is not None:  # (as publish raises it)
             raise _refusal(self._metadata.url, "publish", redis.ResponseError(self._refused))
+        if self._refused_error is not None:
+            raise copy.copy(self._refused_error)
         # NOSCRIPT (Redis restarted), a lost reply: again, as the same publication -- a
         # retry where it may have been stored (not one NOSCRIPT answered: it did not run)
         metadata = self._metadata
@@ -413,6 +495,12 @@ class _SoonRecord(PendingRecord):
                     # of this call may be stored, _publish_now says: not stored, on the
                     # next call either)
                     self._went = False
+                    if isinstance(exc, AuthenticationError) or _is_refusal(exc):
+                        # Redis's answer to it run (a follow-up command refused after the
+                        # record was stored: WRONGTYPE, OOM): raised every time, as the
+                        # answer to its first send is -- sent again, it would be taken for
+                        # a retry of a publication done, and answered stored
+                        self._refused_error = copy.copy(exc)
                 raise
         else:
             stored = metadata._stored(self._record, reply, self)
@@ -524,6 +612,7 @@ class RedisMetadata:
         # naming no mark, was stored over a newer record of its key; _call retries it, as
         # a retry, see _publish_now)
         self._publish = self._subscribers.register_script(_PUBLISH)
+        self._publish_frame = self._subscribers.register_script(_PUBLISH_FRAME)
         # (by digest: the text goes only where Redis forgot it, NOSCRIPT)
         self._delete = self.redis.register_script(_DELETE)
         self._delete_if = self.redis.register_script(_DELETE_IF)
@@ -655,10 +744,12 @@ class RedisMetadata:
         return _SoonRecord(self, record, sent, replies, fast)
 
     def _publication(self, record: Record, overwrite: bool, then: Sequence[tuple[Any, ...]],
-                     report: str | None = None) -> tuple[list[str], list[Any]]:
+                     report: str | None = None) -> _Sent:
         """The keys and arguments of the publish script for ``record``, with a new
         publication id (a retry with the same arguments is the same publication); ``report``:
-        the hash the script reads back (see :meth:`publish_soon`)."""
+        the hash the script reads back (see :meth:`publish_soon`). In the short form
+        (:data:`_PUBLISH_FRAME`) wherever its words can say it: always but where ``then``
+        holds other commands than a stream's head counters and forgotten records."""
         size, when = str(record.size), repr(record.time)
         # the announcement's fields but the version, joined by NUL (see _PUBLISH)
         tail = "\0".join(("", size, when, record.owner, record.node, record.checksum or "",
@@ -669,23 +760,28 @@ class RedisMetadata:
                                                    ("checksum", record.checksum))
                                if v and "\0" in v)
             raise ConfigError(name, value, f"a NUL byte cannot be recorded (key {record.key!r})")
-        keys = [_REC + record.key, _KEYS, _CHAN + record.key, _CLOCK, _LEGACY_VER + record.key]
         # the publication's id: a retry after a lost reply finds it stored (see _PUBLISH)
         args: list[Any] = [record.owner, size, record.checksum or "", when, record.node,
-                           record.key, "1" if overwrite else "0", _publication_id(), tail]
+                           record.key, "1" if overwrite else "0", _publication_id()]
+        short = _frame_words(then, report)
+        if short is not None:
+            return [], [args[5], *args[:5], *args[6:], *short], True
+        keys = [_REC + record.key, _KEYS, _CHAN + record.key, _CLOCK, _LEGACY_VER + record.key]
+        args.append(tail)
         if then or report is not None:
             args.append(len(then))
             for command in then:
                 args += (len(command), *command)
         if report is not None:
             args.append(report)
-        return keys, args
+        return keys, args, False
 
-    def _evalsha(self, sent: tuple[list[str], list[Any]]) -> tuple[Any, ...]:
-        keys, args = sent
-        return ("EVALSHA", self._publish.sha, len(keys), *keys, *args)
+    def _evalsha(self, sent: _Sent) -> tuple[Any, ...]:
+        keys, args, short = sent
+        return ("EVALSHA", (self._publish_frame if short else self._publish).sha, len(keys),
+                *keys, *args)
 
-    def _publish_now(self, record: Record, sent: tuple[list[str], list[Any]],
+    def _publish_now(self, record: Record, sent: _Sent,
                      pending: PendingRecord | None = None, first: float | None = None) -> Record:
         """Run the publication ``sent`` (:meth:`_publication`), retrying connection errors
         (what it reports goes to ``pending``); ``first``: when it was sent before (a
@@ -695,7 +791,8 @@ class RedisMetadata:
         later attempt is a retry, and a failure — Redis out of reach, or a refusal of the
         retry — is :class:`PublicationUnsettled`; plain :class:`MetadataUnavailable` or
         :class:`AuthenticationError` only where nothing may be stored."""
-        keys, args = sent
+        keys, args, short = sent
+        base = 0 if short else 5  # (the keys before a retry's marks)
         went = False  # (an attempt sent it whole: a failure after that leaves it unknown)
         again = first is not None  # (sent before: each attempt is a retry)
         if first is None:
@@ -703,14 +800,14 @@ class RedisMetadata:
 
         def run() -> Any:
             nonlocal went, sent, keys
-            if (went or again) and len(keys) == 5:  # a retry: it names where it may be
+            if (went or again) and len(keys) == base:  # a retry: it names where it may be
                 keys = [*keys, _WAS + args[7]]  # found done (see _PUBLISH: overwritten since)
-                sent = (keys, args)
-            if len(keys) == 6 and time.monotonic() - first > _RETRY_WITHIN_S:
+                sent = (keys, args, short)
+            if len(keys) == base + 1 and time.monotonic() - first > _RETRY_WITHIN_S:
                 # (its mark, were it overwritten or deleted meanwhile, may be gone: the
                 # script says unsettled unless it finds its own record)
                 keys = [*keys, _WAS + "late"]
-                sent = (keys, args)
+                sent = (keys, args, short)
             fast = self._fast()
             if fast is not None:
                 fast.fresh()  # (a connection Redis closed goes first: not sent, not unsettled)
@@ -727,7 +824,7 @@ class RedisMetadata:
                     raise redis.ResponseError(str(reply))
             # redis-py loads the script when Redis does not know it (first use, restart)
             try:
-                return self._publish(keys=keys, args=args)
+                return (self._publish_frame if short else self._publish)(keys=keys, args=args)
             except _ERRORS:
                 went = True  # (redis-py does not say whether it went out)
                 raise
