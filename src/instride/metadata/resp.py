@@ -342,7 +342,7 @@ class RespConnection:
         """Whether Redis owes this connection no reply it has not taken in: to none of the
         commands written without ``hold``, nor to any held one that left the socket whole —
         the kernel sends each full segment of held bytes at once (a 1,500-byte MTU carries
-        under two frame records), Linux the rest after ~0.2 s, another thread's :meth:`push`
+        four frame records), Linux the rest after ~0.2 s, another thread's :meth:`push`
         all of them (``SIOCOUTQNSD``: the bytes not sent yet). What has come is taken in
         now, without waiting (and again right after the held write, for an answer come in
         meanwhile). What comes in after that pushes the held bytes out (any segment that
