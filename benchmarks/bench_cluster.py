@@ -34,7 +34,7 @@ Measures, in one run, on an emulated cluster made for the purpose:
    diagnostic, raw TCP pairs that keep every frame in a new file on both nodes, as unbounded
    streams do: on a VM that hands freed memory back to its host, new memory is what costs);
    then the same pairs on bounded streams (``retain=16``, consumer groups recording their position every
-   4 frames, 600 frames per pair, against raw TCP pairs moving as many). Like the raw TCP pairs, all
+   4 frames, 1,500 frames per pair, against raw TCP pairs moving as many). Like the raw TCP pairs, all
    producers start up first (imports, connections) and then begin together; the span is first
    publication -> last frame local; a process of a pair that is done (producer, reader, raw TCP
    server or client) exits only once every pair is (the teardown of a process is not data
@@ -908,8 +908,11 @@ def main() -> None:
               f" do: {raw8s:.0f} MB/s, {raw8s / raw8:.2f} of raw TCP; ratio to them"
               f" {moving / raw8s:.2f})")
         # bounded streams keep 16 frames per pair, so they run longer: steady state (the ring's
-        # first 17 frames take fresh pages), against raw TCP pairs moving as many frames
-        nb = 200 if args.quick else 600
+        # first 17 frames and the readers' inboxes take fresh pages, each stream and group is
+        # made, each reader's first requests go the long way), against raw TCP pairs moving as
+        # many frames. (600 until round 50: that start-up still weighed ~0.05 of the ratio,
+        # 0.49-0.53 against 0.56-0.57 for 1,500, alternating runs of probe_pairs.py)
+        nb = 200 if args.quick else 1500
         ours_cpu, raw_cpu = CpuMeter(), CpuMeter()
         _, span = stream_span(c, "aggb", nb, jac_atoms, pairs, bounded=True, meter=ours_cpu)
         raw8b = raw_tcp_pairs(c, pairs, paths, jac, nb, meter=raw_cpu)

@@ -36,7 +36,8 @@ ROTATE = 16
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--frames", type=int, default=600, help="frames per pair (default 600)")
+    ap.add_argument("--frames", type=int, default=1500,
+                    help="frames per pair (default 1500, as bench_cluster.py)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--unbounded", action="store_true",
                     help="unbounded streams (every frame kept, consumers waiting for and consuming"
