@@ -210,11 +210,8 @@ def _frame_steps(stream: str, oldest: int, written: int,
                  retired: list[str]) -> list[tuple[Any, ...]]:
     """What a stream's producer runs with a frame's publication (streamstate's
     ``along_publication``): its head counters, the retired frames' records forgotten."""
-    commands: list[tuple[Any, ...]] = [
-        ("HSET", f"instride:stream:{stream}:head", "oldest", oldest, "written", written)]
-    for key in retired:
-        commands += RedisMetadata.forget_commands(key)
-    return commands
+    return RedisMetadata.frame_steps(stream, f"instride:stream:{stream}:head",
+                                     f"instride:stream:{stream}:groups", oldest, written, retired)
 
 
 @pytest.mark.parametrize("soon", [False, True])
@@ -276,10 +273,18 @@ def test_a_stream_frames_short_record_stores_what_the_long_one_does(
         assert got["short"]["version in it"] and got["short"]["forgotten"] == [0, 0, 1]
         assert got["short"]["head"] == {b"oldest": b"2", b"written": b"4"}
         assert got["short"]["reported"] == ({b"g": b"2", b"h": b"5"} if soon else None)
-        # (other follow-up commands, or a report of another hash: the long form says them)
-        assert backend._publication(rec, True, [("HSET", "instride:test:head", "oldest", 1,
-                                                  "written", 2)], None)[2] is False
+        # (other follow-up commands -- the same words as a plain list, a head of another
+        # name -- or a report of another hash: the long form says them)
+        assert then == [("HSET", f"instride:stream:{stream}:head", "oldest", 2, "written", 4),
+                        *RedisMetadata.forget_commands(f"{stream}/f0"),
+                        *RedisMetadata.forget_commands(f"{stream}/f1")]
+        assert backend._publication(rec, True, list(then), None)[2] is False
+        other_head = RedisMetadata.frame_steps(stream, "instride:test:head", report, 1, 2, [])
+        assert other_head == [("HSET", "instride:test:head", "oldest", 1, "written", 2)]
+        assert backend._publication(rec, True, other_head, None)[2] is False
         assert backend._publication(rec, True, then, "instride:stream:other:groups")[2] is False
+        assert backend._publication(rec, True, then, None)[2] is True
+        assert backend._publication(rec, True, (), None)[2] is True
     finally:
         watch.close()
         other.close()

@@ -252,33 +252,29 @@ def _publication_id() -> str:
 _Sent = tuple[list[str], list[Any], bool]
 
 
+class _FrameSteps(list):  # type: ignore[type-arg]
+    """A stream frame's follow-up commands (:meth:`RedisMetadata.frame_steps`: its stream's
+    head counters, the retired frames' records forgotten), with the words its short form
+    says them in (``words``: the stream, oldest, written, the retired frames' keys) and the
+    hash of its groups' cursors that form can read back (``groups``)."""
+
+    __slots__ = ("groups", "words")
+
+    words: list[Any]
+    groups: str
+
+
 def _frame_words(then: Sequence[tuple[Any, ...]], report: str | None) -> list[Any] | None:
     """The last words of a publication's short form (:data:`_PUBLISH_FRAME`): the stream, its
     oldest and written counters, whether its groups' cursors are read back, the retired
-    frames' keys — where ``then`` and ``report`` are what a stream's producer sends (its head
-    counters first, if at all, then records forgotten: :meth:`RedisMetadata.forget_commands`;
-    the stream's groups read back), which the script makes again, word for word, from these.
-    ``None`` for anything else: the long form says it."""
-    stream, oldest, written = "", "", ""
-    at = 0
-    if then and then[0][0] == "HSET":
-        head = then[0]
-        if not (len(head) == 6 and head[2] == "oldest" and head[4] == "written"
-                and isinstance(head[1], str) and head[1].startswith(_STREAM)
-                and head[1].endswith(":head") and len(head[1]) > len(_STREAM) + 5):
-            return None
-        stream, oldest, written, at = head[1][len(_STREAM):-5], head[3], head[5], 1
-    if (len(then) - at) % 2 or report is not None and (
-            not stream or report != f"{_STREAM}{stream}:groups"):
+    frames' keys — for a publication without follow-up commands, or with a stream frame's
+    (:meth:`RedisMetadata.frame_steps`, which the script makes again word for word) reading
+    back nothing or that stream's groups. ``None`` for anything else: the long form says it."""
+    if not then:
+        return None if report is not None else ["", "", "", "0"]
+    if then.__class__ is not _FrameSteps or report is not None and report != then.groups:
         return None
-    retired = []
-    for i in range(at, len(then), 2):
-        forget, unlist = then[i], then[i + 1]
-        if not (len(forget) == 2 and forget[0] == "DEL" and len(unlist) == 3
-                and unlist[0] == "ZREM" and unlist[1] == _KEYS and isinstance(unlist[2], str)
-                and forget[1] == _REC + unlist[2]):
-            return None
-        retired.append(unlist[2])
+    stream, oldest, written, *retired = then.words
     return [stream, oldest, written, "0" if report is None else "1", *retired]
 
 
@@ -1479,6 +1475,23 @@ class RedisMetadata:
     def forget_commands(key: str) -> list[tuple[Any, ...]]:
         """The commands that forget ``key``'s record (nothing of the key is kept)."""
         return [("DEL", _REC + key), ("ZREM", _KEYS, key)]
+
+    @staticmethod
+    def frame_steps(stream: str, head: str, groups: str, oldest: int, written: int,
+                    retired: Sequence[str]) -> list[tuple[Any, ...]]:
+        """What a stream's producer runs with a frame's publication (the ``then`` of
+        :meth:`publish` and :meth:`publish_soon`): ``HSET head oldest .. written ..`` and
+        :meth:`forget_commands` of each ``retired`` key. Where ``head`` and ``groups`` are the
+        stream's own names (``instride:stream:<stream>:head`` and ``:groups``), the
+        publication goes in the short form, ``groups`` the one hash it may read back."""
+        commands: list[tuple[Any, ...]] = [("HSET", head, "oldest", oldest, "written", written)]
+        for key in retired:
+            commands += (("DEL", _REC + key), ("ZREM", _KEYS, key))
+        if not stream or head != f"{_STREAM}{stream}:head" or groups != f"{_STREAM}{stream}:groups":
+            return commands
+        steps = _FrameSteps(commands)
+        steps.words, steps.groups = [stream, oldest, written, *retired], groups
+        return steps
 
     def delete(self, key: str) -> None:
         """Forget ``key`` (nothing of it is kept: its next publication still gets a higher

@@ -750,10 +750,8 @@ class RedisStreamState:
                           retired: list[str]) -> list[tuple[Any, ...]] | None:
         """The head counters and the retired frames' records, as commands the publication of
         the next frame runs right after storing its record (one script, one round trip)."""
-        commands: list[tuple[Any, ...]] = [("HSET", self._head, "oldest", oldest, "written", written)]
-        for key in retired:
-            commands += self.metadata.forget_commands(key)
-        return commands
+        return self.metadata.frame_steps(  # type: ignore[no-any-return]
+            self.stream, self._head, self._groups, oldest, written, retired)
 
     def cursors(self) -> dict[str, int]:
         """Each group's cursor."""
