@@ -441,6 +441,38 @@ def test_a_retried_publication_never_brings_back_a_record_deleted_meanwhile(
         relay.close()
 
 
+def test_a_retried_delete_never_forgets_a_publication_stored_meanwhile(
+        redis_server: RedisServer, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Redis ran a delete, its reply was lost, and another writer published the key again
+    before the retry: the retry forgot that newer publication (a file on its owner's node
+    that no other node could find any more). A delete leaves a mark of its own, as a
+    publication does: its retry finds it done, and forgets nothing more."""
+    other = RedisMetadata(Settings(dir=tmp_path, redis_url=redis_server.url, connect_timeout=5))
+    newer: list[Record] = []
+
+    def meanwhile() -> None:
+        newer.append(other.publish(Record("del/k", "127.0.0.1:2", 22, "xxh3:2", 0,
+                                          time.time(), "n2")))
+
+    relay = _DropAfterAnotherWrites((redis_server.host, redis_server.port), meanwhile)
+    b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
+                               connect_timeout=5))
+    try:
+        b.publish(_record("del/k"))
+        b.delete("del/warm")  # (the script loaded: the armed request is the one that runs)
+        relay.armed = True
+        b.delete("del/k")
+        assert relay.dropped == 1  # (lost reply, then the other's publication)
+        assert newer and b.lookup("del/k") == newer[0]  # the newer publication stays
+        assert "del/k" in b.list("del/")
+        b.delete("del/k")  # (a delete of its own, later: forgets it)
+        assert b.lookup("del/k") is None
+    finally:
+        b.close()
+        other.close()
+        relay.close()
+
+
 def test_a_late_retry_is_settled_by_its_own_record_and_unsettled_without_it(
         redis_server: RedisServer, tmp_path, monkeypatch: pytest.MonkeyPatch, form: str) -> None:  # type: ignore[no-untyped-def]
     """The marks that let a retry know it was overwritten or deleted meanwhile last a bounded

@@ -7,6 +7,7 @@ Layout (all names under the ``instride:`` prefix):
 * ``instride:pub:<key>`` — the channel a publication is announced on;
 * ``instride:was:<publication id>`` — for a while, the version of a publication whose
   record a later one of its key overwrote (a retry of it after a lost reply finds it done);
+  ``instride:was:del:<id>`` the same for a delete (its retry forgets nothing stored since);
 * ``instride:clock`` — the one counter every publication's version is drawn from: a key's
   later publication always has a higher version, also after the key was deleted, and
   nothing is kept of a key once it is forgotten (a bounded stream retires a frame per frame).
@@ -217,12 +218,20 @@ return 1
 """.replace("@WAS@", _WAS).replace("@WAS_TTL@", str(_WAS_TTL_S))
 #: forget a key's record (see RedisMetadata.delete), leaving its publication's mark
 _DELETE = """
+-- a retry of this very delete (KEYS[3], its mark), its reply lost after Redis ran it: done
+-- already (run again, it would forget a publication of the key stored since)
+if KEYS[3] and redis.call('EXISTS', KEYS[3]) == 1 then
+  return 1
+end
 local had = redis.call('HMGET', KEYS[1], 'version', 'pub')
 if had[1] and had[2] then
   redis.call('SET', '@WAS@' .. had[2], had[1], 'EX', @WAS_TTL@)
 end
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
+if KEYS[3] then
+  redis.call('SET', KEYS[3], 1, 'EX', @WAS_TTL@)
+end
 return 1
 """.replace("@WAS@", _WAS).replace("@WAS_TTL@", str(_WAS_TTL_S))
 
@@ -1497,8 +1506,10 @@ class RedisMetadata:
         """Forget ``key`` (nothing of it is kept: its next publication still gets a higher
         version, see ``instride:clock``), leaving a mark of its publication for
         :data:`_WAS_TTL_S` seconds: a retry of that publication after a lost reply finds it
-        done, and does not bring the record back (nor store it over a later one)."""
-        keys = [_REC + key, _KEYS]
+        done, and does not bring the record back (nor store it over a later one). The delete
+        leaves a mark of its own as long (``instride:was:del:<id>``): a retry of it after a
+        lost reply finds it done, and does not forget a publication stored since."""
+        keys = [_REC + key, _KEYS, f"{_WAS}del:{_publication_id()}"]
         fast = self._fast()
         if fast is not None:
             def lean() -> None:
