@@ -285,6 +285,8 @@ def test_a_stream_frames_short_record_stores_what_the_long_one_does(
         assert backend._publication(rec, True, then, "instride:stream:other:groups")[2] is False
         assert backend._publication(rec, True, then, None)[2] is True
         assert backend._publication(rec, True, (), None)[2] is True
+        then.append(("HSET", "instride:test:other", "a", 1))  # (a command added: long form)
+        assert backend._publication(rec, True, then, None)[2] is False
     finally:
         watch.close()
         other.close()
@@ -835,6 +837,48 @@ def test_a_record_sent_soon_is_stored_before_it_is_confirmed(backend: RedisMetad
                 failing()
     finally:
         other.close()
+
+
+def test_a_pending_record_refused_at_login_is_sent_again_and_a_refused_run_keeps_its_errno(
+        redis_server: RedisServer, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``publish_soon``'s record kept the refusal it met the second time it went (after
+    ``NOSCRIPT``, through redis-py) and raised it on every later call: right for an answer of
+    the script — it ran, or Redis refused to run it, so sent again it would be taken for a
+    retry of a publication done — but a refused login ran nothing: once the password works
+    again, the next call publishes. A refusal kept is raised as itself every time (``OOM``:
+    ``ENOSPC``, also what ``str()`` shows)."""
+    import errno as errno_module
+
+    admin = redis.Redis.from_url(redis_server.url)
+    url = f"redis://:pw@127.0.0.1:{redis_server.port}/0"
+    try:
+        admin.config_set("requirepass", "pw")
+        admin = redis.Redis(host=redis_server.host, port=redis_server.port, password="pw")
+        b = RedisMetadata(Settings(dir=tmp_path, redis_url=url, connect_timeout=1))
+        b.publish(_record("auth/warm"))
+        admin.config_set("requirepass", "rotated")  # (the password changed, then back)
+        b.close()  # (the record's connection is made again: AUTH first)
+        pending = b.publish_soon(_record("auth/k"))
+        with pytest.raises(AuthenticationError):
+            pending()
+        admin = redis.Redis(host=redis_server.host, port=redis_server.port, password="rotated")
+        admin.config_set("requirepass", "pw")
+        admin = redis.Redis(host=redis_server.host, port=redis_server.port, password="pw")
+        assert pending().version >= 1 and admin.exists("instride:rec:auth/k")
+        # Redis full and its scripts forgotten: the record's run refused, every time, as itself
+        admin.config_set("maxmemory", "1")
+        admin.script_flush()
+        full = b.publish_soon(_record("auth/full"))
+        for _ in range(2):
+            with pytest.raises(MetadataUnavailable) as info:
+                full()
+            assert info.value.errno == errno_module.ENOSPC
+            assert str(info.value).startswith(f"[Errno {errno_module.ENOSPC}]"), str(info.value)
+        b.close()
+    finally:
+        admin.config_set("maxmemory", "0")
+        admin.config_set("requirepass", "")
+        admin.close()
 
 
 def test_a_held_record_runs_before_whatever_its_thread_asks_next(backend: RedisMetadata,

@@ -74,7 +74,8 @@ _LEGACY_VER = PREFIX + "ver:"
 _WAS = PREFIX + "was:"
 #: seconds after its first send within which a retry of a publication whose reply was lost is
 #: sure to find its mark, were it overwritten or deleted since (``instride:was:<id>``; Redis
-#: holds one per overwrite or delete of a key for that long: ~1 MB at 10 per second). A later
+#: holds one per overwrite of a key for that long, two per delete, the delete's own mark
+#: included: ~1 MB at 10 per second). A later
 #: retry that finds neither its record nor its mark is :class:`PublicationUnsettled` (the
 #: script cannot tell a publication that never arrived from one whose mark expired)
 _RETRY_WITHIN_S = 600.0
@@ -284,6 +285,8 @@ def _frame_words(then: Sequence[tuple[Any, ...]], report: str | None) -> list[An
     if then.__class__ is not _FrameSteps or report is not None and report != then.groups:
         return None
     stream, oldest, written, *retired = then.words
+    if len(then) != 1 + 2 * len(retired):  # (commands added to it since: the long form)
+        return None
     return [stream, oldest, written, "0" if report is None else "1", *retired]
 
 
@@ -322,6 +325,16 @@ def _refusal(url: str, what: str, exc: BaseException) -> InstrideError:
     if full:  # (Redis is full: maxmemory reached, with noeviction)
         err.errno = errno.ENOSPC  # (what the agent answers a thin client)
         OSError.__dict__["errno"].__set__(err, errno.ENOSPC)  # (and what str() shows)
+    return err
+
+
+def _again(exc: InstrideError) -> InstrideError:
+    """A new exception like ``exc`` (its type, message and attributes), without its traceback
+    — raised again, ``exc`` itself would keep each raise's traceback, and with it the frames
+    that hold it, alive: what :func:`_refusal` set on it as an ``OSError`` (``errno``) too."""
+    err = copy.copy(exc)
+    if isinstance(exc, OSError):
+        OSError.__dict__["errno"].__set__(err, OSError.__dict__["errno"].__get__(exc))
     return err
 
 
@@ -482,7 +495,7 @@ class _SoonRecord(PendingRecord):
         if self._refused is not None:  # (as publish raises it)
             raise _refusal(self._metadata.url, "publish", redis.ResponseError(self._refused))
         if self._refused_error is not None:
-            raise copy.copy(self._refused_error)
+            raise _again(self._refused_error)
         # NOSCRIPT (Redis restarted), a lost reply: again, as the same publication -- a
         # retry where it may have been stored (not one NOSCRIPT answered: it did not run)
         metadata = self._metadata
@@ -500,12 +513,13 @@ class _SoonRecord(PendingRecord):
                     # of this call may be stored, _publish_now says: not stored, on the
                     # next call either)
                     self._went = False
-                    if isinstance(exc, AuthenticationError) or _is_refusal(exc):
-                        # Redis's answer to it run (a follow-up command refused after the
-                        # record was stored: WRONGTYPE, OOM): raised every time, as the
-                        # answer to its first send is -- sent again, it would be taken for
-                        # a retry of a publication done, and answered stored
-                        self._refused_error = copy.copy(exc)
+                    if getattr(exc, "script_answered", False):
+                        # Redis's answer to the script (a follow-up command refused after
+                        # the record was stored, WRONGTYPE; OOM; NOPERM): raised every
+                        # time, as the answer to its first send is -- sent again, it would
+                        # be taken for a retry of a publication done, and answered stored.
+                        # (A refused login or SELECT is not: the next call tries again.)
+                        self._refused_error = _again(exc)
                 raise
         else:
             stored = metadata._stored(self._record, reply, self)
@@ -803,8 +817,11 @@ class RedisMetadata:
         if first is None:
             first = time.monotonic()
 
+        answered = False  # (the script itself answered an error: it ran, or Redis refused it)
+
         def run() -> Any:
-            nonlocal went, sent, keys
+            nonlocal went, sent, keys, answered
+            answered = False
             if (went or again) and len(keys) == base:  # a retry: it names where it may be
                 keys = [*keys, _WAS + args[7]]  # found done (see _PUBLISH: overwritten since)
                 sent = (keys, args, short)
@@ -826,10 +843,14 @@ class RedisMetadata:
                 if not isinstance(reply, Exception):
                     return reply
                 if not str(reply).startswith("NOSCRIPT"):
+                    answered = True
                     raise redis.ResponseError(str(reply))
             # redis-py loads the script when Redis does not know it (first use, restart)
             try:
                 return (self._publish_frame if short else self._publish)(keys=keys, args=args)
+            except redis.ResponseError:
+                answered = True  # (not a login's or a SELECT's: those fail the connection)
+                raise
             except _ERRORS:
                 went = True  # (redis-py does not say whether it went out)
                 raise
@@ -845,6 +866,8 @@ class RedisMetadata:
                 if isinstance(exc, AuthenticationError) or _is_refusal(exc):
                     detail = f"its answer was lost, and its retry refused: {detail}"
                 raise PublicationUnsettled(self.url, record.key, detail) from None
+            if answered:
+                exc.script_answered = True  # type: ignore[union-attr]  (see _SoonRecord)
             raise
         if version == _LATE:
             raise PublicationUnsettled(self.url, record.key, "its answer was lost, and "
