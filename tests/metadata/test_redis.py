@@ -475,6 +475,30 @@ def test_a_retried_delete_never_forgets_a_publication_stored_meanwhile(
         relay.close()
 
 
+def test_a_full_redis_still_forgets_what_is_deleted(backend: RedisMetadata,
+                                                   redis_server: RedisServer) -> None:
+    """Redis full (``maxmemory``, ``noeviction``: writes that take memory refused ``OOM``): a
+    delete wrote its marks first, so it was refused and forgot nothing — the one command
+    that frees memory, refused when memory is what is missing. It forgets the record first
+    now; the marks follow where Redis takes them."""
+    admin = redis.Redis.from_url(redis_server.url)
+    try:
+        for key in ("full/a", "full/b"):
+            backend.publish(_record(key))
+        b_record = backend.lookup("full/b")
+        assert b_record is not None
+        admin.config_set("maxmemory", "1")
+        with pytest.raises(MetadataUnavailable, match="OOM"):  # (Redis is full indeed)
+            backend.publish(_record("full/c"))
+        backend.delete("full/a")
+        assert backend.delete_if(b_record)
+        assert backend.list("full/") == []
+        assert not admin.exists("instride:rec:full/a") and not admin.exists("instride:rec:full/b")
+    finally:
+        admin.config_set("maxmemory", "0")
+        admin.close()
+
+
 def test_a_late_retry_is_settled_by_its_own_record_and_unsettled_without_it(
         redis_server: RedisServer, tmp_path, monkeypatch: pytest.MonkeyPatch, form: str) -> None:  # type: ignore[no-untyped-def]
     """The marks that let a retry know it was overwritten or deleted meanwhile last a bounded

@@ -210,11 +210,13 @@ _AHEAD = hiredis.pack_command(("PING",))
 _DELETE_IF = """
 local had = redis.call('HMGET', KEYS[1], 'version', 'owner', 'pub')
 if had[1] ~= ARGV[1] or had[2] ~= ARGV[2] then return 0 end
-if had[3] then  -- (its publication's mark: a retry of it after a lost reply is done already)
-  redis.call('SET', '@WAS@' .. had[3], had[1], 'EX', @WAS_TTL@)
-end
+-- (forgotten first: Redis full, OOM, refuses writes that take memory, not these; the marks
+-- after it where Redis takes them)
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[3])
+if had[3] then  -- (its publication's mark: a retry of it after a lost reply is done already)
+  redis.pcall('SET', '@WAS@' .. had[3], had[1], 'EX', @WAS_TTL@)
+end
 return 1
 """.replace("@WAS@", _WAS).replace("@WAS_TTL@", str(_WAS_TTL_S))
 #: forget a key's record (see RedisMetadata.delete), leaving its publication's mark
@@ -225,13 +227,16 @@ if KEYS[3] and redis.call('EXISTS', KEYS[3]) == 1 then
   return 1
 end
 local had = redis.call('HMGET', KEYS[1], 'version', 'pub')
-if had[1] and had[2] then
-  redis.call('SET', '@WAS@' .. had[2], had[1], 'EX', @WAS_TTL@)
-end
+-- (forgotten first: Redis full, OOM, refuses writes that take memory, not these -- the one
+-- command that frees memory must not be refused for want of it; the marks after it, where
+-- Redis takes them)
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
+if had[1] and had[2] then
+  redis.pcall('SET', '@WAS@' .. had[2], had[1], 'EX', @WAS_TTL@)
+end
 if KEYS[3] then
-  redis.call('SET', KEYS[3], 1, 'EX', @WAS_TTL@)
+  redis.pcall('SET', KEYS[3], 1, 'EX', @WAS_TTL@)
 end
 return 1
 """.replace("@WAS@", _WAS).replace("@WAS_TTL@", str(_WAS_TTL_S))
@@ -1531,7 +1536,9 @@ class RedisMetadata:
         :data:`_WAS_TTL_S` seconds: a retry of that publication after a lost reply finds it
         done, and does not bring the record back (nor store it over a later one). The delete
         leaves a mark of its own as long (``instride:was:del:<id>``): a retry of it after a
-        lost reply finds it done, and does not forget a publication stored since."""
+        lost reply finds it done, and does not forget a publication stored since. Redis full
+        (``maxmemory`` reached, ``OOM``) still forgets the record, without the marks it does
+        not take then."""
         keys = [_REC + key, _KEYS, f"{_WAS}del:{_publication_id()}"]
         fast = self._fast()
         if fast is not None:
