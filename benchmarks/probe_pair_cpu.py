@@ -32,10 +32,12 @@ JAC_ATOMS = 23_558
 #: its loop, printed to stderr as "TIMES P|R user system voluntary involuntary"
 _START = "import os as _os, resource as _res, sys as _sys\n"
 _MARK = "_t0, _r0 = _os.times(), _res.getrusage(_res.RUSAGE_SELF)\n"
+#: (one write of the whole line, to a file opened for appending: lines of 16 processes never
+#: interleave -- print() writes the line and its end apart, and a run now and then lost one)
 _REPORT = ("_t1, _r1 = _os.times(), _res.getrusage(_res.RUSAGE_SELF); "
-           "print('TIMES {who}', _t1.user - _t0.user, _t1.system - _t0.system, "
-           "_r1.ru_nvcsw - _r0.ru_nvcsw, _r1.ru_nivcsw - _r0.ru_nivcsw, file=_sys.stderr, "
-           "flush=True)\n")
+           "_os.write(2, ('TIMES {who} %r %r %d %d\\n' % (_t1.user - _t0.user, "
+           "_t1.system - _t0.system, _r1.ru_nvcsw - _r0.ru_nvcsw, "
+           "_r1.ru_nivcsw - _r0.ru_nivcsw)).encode())\n")
 
 
 def _instrumented() -> tuple[str, str]:
