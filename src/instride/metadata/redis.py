@@ -165,7 +165,7 @@ end
 _PUBLISH = _PUBLISH_BODY + "return publish(KEYS, ARGV)\n"
 #: where a stream's head counters and its groups' cursors are kept (instride.store.streamstate)
 _STREAM = PREFIX + "stream:"
-#: A stream frame's publication in a third of the bytes (:func:`_frame_args`): the names the
+#: A stream frame's publication in a third of the bytes (:func:`_frame_words`): the names the
 #: publication derives from its key, its announcement's tail and its follow-up commands (the
 #: stream's head counters, the retired frames' records forgotten, the groups' cursors read
 #: back) are made here from the words they are made of. KEYS = a retry's marks alone; ARGV =
