@@ -52,6 +52,12 @@ class TestRedisMetadata(MetadataContract):
     pass
 
 
+def _via(relay: Any, tmp_path: Any, connect_timeout: float = 5) -> RedisMetadata:
+    """A backend that reaches Redis through ``relay`` (a :class:`ReplyDropper`)."""
+    return RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
+                                  connect_timeout=connect_timeout))
+
+
 def _record(key: str) -> Record:
     return Record(key, "127.0.0.1:1", 1, "xxh3:0", 0, time.time(), "n1")
 
@@ -391,8 +397,7 @@ def test_a_retried_publication_never_overwrites_a_newer_record(redis_server: Red
         (redis_server.host, redis_server.port),
         lambda: newer.append(other.publish(Record("race/k", "127.0.0.1:2", 22, "xxh3:2", 0,
                                                   time.time(), "n2"))))
-    b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
-                               connect_timeout=5))
+    b = _via(relay, tmp_path)
     try:
         warm = b.publish(_record("race/warm"))
         relay.armed = True
@@ -428,8 +433,7 @@ def test_a_retried_publication_never_brings_back_a_record_deleted_meanwhile(
                                               time.time(), "n2")))
 
     relay = _DropAfterAnotherWrites((redis_server.host, redis_server.port), meanwhile)
-    b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
-                               connect_timeout=5))
+    b = _via(relay, tmp_path)
     try:
         warm = b.publish(_record("gone/warm"))
         relay.armed = True
@@ -457,8 +461,7 @@ def test_a_retried_delete_never_forgets_a_publication_stored_meanwhile(
                                           time.time(), "n2")))
 
     relay = _DropAfterAnotherWrites((redis_server.host, redis_server.port), meanwhile)
-    b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
-                               connect_timeout=5))
+    b = _via(relay, tmp_path)
     try:
         b.publish(_record("del/k"))
         b.delete("del/warm")  # (the script loaded: the armed request is the one that runs)
@@ -512,8 +515,7 @@ def test_a_late_retry_is_settled_by_its_own_record_and_unsettled_without_it(
     monkeypatch.setattr(backend_module, "_RETRY_WITHIN_S", 0.0)  # (every retry is late)
     direct = redis.Redis.from_url(redis_server.url)
     relay = ReplyDropper((redis_server.host, redis_server.port))
-    b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
-                               connect_timeout=5))
+    b = _via(relay, tmp_path)
     try:
         warm = b.publish(_record("late/warm"))
         relay.armed = True  # its own record there: settled, its version
@@ -538,8 +540,7 @@ def test_a_late_retry_is_settled_by_its_own_record_and_unsettled_without_it(
         relay.close()
         relay = _DropAfterAnotherWrites((redis_server.host, redis_server.port), overwritten)
         b.close()
-        b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
-                                   connect_timeout=5))
+        b = _via(relay, tmp_path)
         b.publish(_record("late/warm2"))
         relay.armed = True
         with pytest.raises(PublicationUnsettled, match="holds neither its record nor a mark"):
@@ -560,8 +561,7 @@ def test_a_publication_redis_never_answered_is_unsettled_not_failed(redis_server
     from instride.errors import PublicationUnsettled
 
     relay = ReplyDropper((redis_server.host, redis_server.port), refuse=True)
-    b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
-                               connect_timeout=0.5))
+    b = _via(relay, tmp_path, 0.5)
     direct = redis.Redis.from_url(redis_server.url)
     try:
         b.publish(Record("unsettled/warm", "127.0.0.1:1", 1, "xxh3:0", 0, time.time(), "n1"))
@@ -594,8 +594,7 @@ def test_a_pending_publication_redis_did_not_run_stays_plainly_unavailable(
 
     admin = redis.Redis.from_url(redis_server.url)
     relay = ReplyDropper((redis_server.host, redis_server.port), refuse=True, pass_reply=True)
-    b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
-                               connect_timeout=0.5))
+    b = _via(relay, tmp_path, 0.5)
     try:
         b.publish(_record("noscript/warm"))
         admin.script_flush()
@@ -628,8 +627,7 @@ def test_a_pending_publication_redis_never_answered_is_unsettled_not_failed(
     from instride.errors import PublicationUnsettled
 
     relay = ReplyDropper((redis_server.host, redis_server.port), refuse=True)
-    b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
-                               connect_timeout=0.5))
+    b = _via(relay, tmp_path, 0.5)
     direct = redis.Redis.from_url(redis_server.url)
     try:
         b.publish(Record("unsettled/warm", "127.0.0.1:1", 1, "xxh3:0", 0, time.time(), "n1"))
@@ -733,8 +731,7 @@ def test_a_pending_publication_whose_answer_was_lost_is_settled_by_its_retry(
             admin.script_flush()
 
     relay = _DropAfterAnotherWrites((redis_server.host, redis_server.port), meanwhile)
-    b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
-                               connect_timeout=5))
+    b = _via(relay, tmp_path)
     try:
         warm = b.publish(_record("full/warm"))
         relay.armed = True
@@ -801,8 +798,7 @@ def test_a_publication_redis_py_sends_again_itself_never_overwrites_a_newer_reco
         lambda: newer.append(other.publish(Record("py/k", "127.0.0.1:2", 22, "xxh3:2", 0,
                                                   time.time(), "n2"))),
         skip=2 if path == "after NOSCRIPT" else 0)  # (the EVALSHAs answered NOSCRIPT)
-    b = RedisMetadata(Settings(dir=tmp_path, redis_url=f"redis://127.0.0.1:{relay.port}/0",
-                               connect_timeout=5))
+    b = _via(relay, tmp_path)
     if path == "redis-py":
         b._fast_args = None  # (the redis-py path, as a unix:// or TLS URL takes)
     try:
