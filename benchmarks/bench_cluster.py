@@ -52,7 +52,8 @@ Measures, in one run, on an emulated cluster made for the purpose:
    frames of the same sizes between the same two namespaces (``benchmarks/peers.py``).
 
 Needs root (network namespaces), iproute2 and redis-server (``make test`` installs them).
-Every ratio is printed with the target of issue 13. Usage:
+Every ratio is printed with the target of issue 13; at the end, every target with the value
+this run measured and whether it is met (also in the JSON, ``targets``). Usage:
 ``python benchmarks/bench_cluster.py [--quick] [--transports-only]`` (the default set takes a few minutes).
 """
 
