@@ -36,7 +36,7 @@ from instride.transport import wire
 from instride.transport.tcp import TcpTransport
 from instride.transport.tcp.client import _batch
 from tests import nodes as loopback
-from tests.conftest import LoopbackNode, build_shim, free_port
+from tests.conftest import LoopbackNode, build_shim, free_port, stop_process
 from tests.nodes import TOKEN, ask, forged, no_traceback, put, raw, recv_all, signed, stats, until
 
 from .contract import TOKEN as CONTRACT_TOKEN
@@ -298,7 +298,9 @@ def test_a_stalled_owner_costs_one_timeout_not_two(own_node: LoopbackNode) -> No
     assert node.proc is not None
     try:
         assert t.fetch_bytes(rec) == b"data"  # (the connection kept alive)
-        os.kill(node.proc.pid, signal.SIGSTOP)
+        # (every thread stopped before the fetch: kill() returns with the signal queued, and
+        # a server thread that went on a moment answered the fetch -- 1 fresh-clone CI run)
+        stop_process(node.proc.pid)
         start = time.monotonic()
         with pytest.raises(PeerUnavailable):
             t.fetch_bytes(rec)
