@@ -30,6 +30,12 @@
  * (recv, hash, write), ~250 µs more per frame on a VM after an idle pause. */
 #define ISC_CHUNK (1 << 17)
 #define ISC_LOWAT (1 << 20) /* most bytes waited for at once (SO_RCVLOWAT) */
+/* The pace a reply must keep once it began: bytes per second of waiting for them, reckoned over
+ * each stall time of waiting. A stall (nothing for stall_ms) alone let a peer that sent a byte
+ * just before each stall hold a transfer for as long as it went on. A data server sends at
+ * 50 MB/s or gives up (iss_start's send_rate), ~760 times this: the floor only bounds a transfer
+ * (a 28.5 MiB frame: 7.6 min at most), and a link shared by many transfers stays above it. */
+#define ISC_MIN_RATE (64 << 10)
 
 enum { ISC_AT_RECV = 0, ISC_AT_WRITE = 1 };
 
@@ -38,17 +44,23 @@ ISC_API int isc_abi(void) {
     return ISC_ABI;
 }
 
+/* ISC_MIN_RATE, for the Python binding's own receives (a reply's head read there). */
+ISC_API int isc_min_rate(void) {
+    return ISC_MIN_RATE;
+}
+
 /* Receive size bytes from sock into dest (at its current offset), hashing them from byte
  * hash_from on (0: all of them; a frame file's header, which carries the checksum of what
  * follows it, is left out with hash_from = its size).
  *
  * Returns 0 and the digest as 16 lowercase hex digits in hex (xxhash's canonical form, as
  * Python's xxhash.xxh3_64_hexdigest), or a negative errno: -ETIMEDOUT when nothing arrived
- * for stall_ms, -ECONNRESET when the peer closed the connection early, another -errno from
- * recv or write. *got says how many bytes were received, *where whether the failure was on
- * the socket (0) or the file (1). head (NULL, or hash_from bytes): also receives a copy of
- * the bytes before hash_from (a frame's header, which the caller checks: a file opened only
- * for writing cannot be read back). */
+ * for stall_ms, -ETIME when the bytes came slower than ISC_MIN_RATE (pace_came), -ECONNRESET
+ * when the peer closed the connection early, another -errno from recv or write. *got says
+ * how many bytes were received, *where whether the failure was on the socket (0) or the file
+ * (1). head (NULL, or hash_from bytes): also receives a copy of the bytes before hash_from (a
+ * frame's header, which the caller checks: a file opened only for writing cannot be read
+ * back). */
 static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash_from,
                      int stall_ms, char *hex, uint64_t *got, int *where, int *lowat_set,
                      char *head);
@@ -137,6 +149,34 @@ static int ms_left(int ms, long long *start) {
     return left > 0 ? (int)left : 0;
 }
 
+static long long mono_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+/* What a transfer brought while it was waited for, since its pace was last reckoned. */
+typedef struct {
+    long long waited; /* ms spent waiting for bytes (in poll: not the receiver's own work) */
+    uint64_t came;    /* bytes that came meanwhile */
+} pace;
+
+/* A poll of the transfer that began at t0 (mono_ms) is over: counted as waiting. */
+static void pace_waited(pace *p, long long t0) {
+    p->waited += mono_ms() - t0;
+}
+
+/* n more bytes came: 0, or -ETIME once stall_ms (>= 0) of waiting went by with fewer than
+ * ISC_MIN_RATE per second of it (the transfer then not done: the caller checks that). */
+static int pace_came(pace *p, uint64_t n, int stall_ms) {
+    p->came += n;
+    if (stall_ms < 0 || p->waited < stall_ms)
+        return 0;
+    int slow = p->came * 1000 < (uint64_t)ISC_MIN_RATE * (uint64_t)p->waited;
+    p->waited = 0, p->came = 0;
+    return slow ? -ETIME : 0;
+}
+
 static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash_from,
                      int stall_ms, char *hex, uint64_t *got, int *where, int *lowat_set,
                      char *head) {
@@ -150,6 +190,7 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash
     int cur_lowat = 1;
     int trickle = 0; /* 1: bytes come slower than ISC_LOWAT per stall_ms: wake for any */
     long long waiting = 0; /* when the wait for the next bytes began (0: not waiting) */
+    pace kept = {0, 0};
     while (*got < size) {
         size_t want = size - *got < ISC_CHUNK ? (size_t)(size - *got) : ISC_CHUNK;
         char *buf = mem != NULL ? mem + *got : chunk;
@@ -168,7 +209,9 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash
             if (lowat != cur_lowat && setsockopt(sock, SOL_SOCKET, SO_RCVLOWAT, &lowat, sizeof lowat) == 0)
                 cur_lowat = lowat, *lowat_set = 1;
             struct pollfd p = {sock, POLLIN, 0};
+            long long t0 = mono_ms();
             int r = poll(&p, 1, ms_left(stall_ms, &waiting));
+            pace_waited(&kept, t0);
             if (r == 0) {
                 /* Stalled only if nothing arrived: with a low-water mark above 1, bytes that
                  * came, fewer than it, do not wake poll. */
@@ -205,23 +248,31 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash
         }
         *got += (uint64_t)n;
         waiting = 0;
+        int slow = pace_came(&kept, (uint64_t)n, stall_ms);
+        if (slow != 0 && *got < size)
+            return slow;
     }
     snprintf(hex, 17, "%016llx", (unsigned long long)XXH3_64bits_digest(&state));
     return 0;
 }
 
 /* Read exactly len bytes of a reply's head into buf; the first byte may take first_ms (a held
- * fetch's reply comes when its key is published), each later one stall_ms. A signal while
+ * fetch's reply comes when its key is published), each later one stall_ms, and once the first
+ * came they keep the pace (ISC_MIN_RATE: -ETIME; began: bytes of the reply came before buf's,
+ * whose pace goes on in *kept). A signal while
  * waiting for the first byte returns -EINTR (nothing read: the caller runs its handlers, then
  * calls again); later ones are waited through. */
 static int recv_head(int sock, char *buf, size_t len, int first_ms, int stall_ms, size_t *have,
-                     int interruptible) {
+                     int interruptible, int began, pace *kept) {
     long long waiting = 0; /* when the wait for the next bytes began (0: not waiting) */
     while (*have < len) {
         ssize_t n = recv(sock, buf + *have, len - *have, MSG_DONTWAIT);
         if (n > 0) {
             *have += (size_t)n;
             waiting = 0;
+            int slow = pace_came(kept, (uint64_t)n, stall_ms);
+            if (slow != 0 && *have < len)
+                return slow;
             continue;
         }
         if (n == 0)
@@ -231,7 +282,10 @@ static int recv_head(int sock, char *buf, size_t len, int first_ms, int stall_ms
         if (errno != EAGAIN)
             return -errno;
         struct pollfd p = {sock, POLLIN, 0};
+        long long t0 = mono_ms();
         int r = poll(&p, 1, ms_left(*have == 0 ? first_ms : stall_ms, &waiting));
+        if (began || *have > 0) /* (the wait for a reply's first byte is no transfer's) */
+            pace_waited(kept, t0);
         if (r == 0)
             return -ETIMEDOUT;
         if (r < 0 && (errno != EINTR || (interruptible && *have == 0)))
@@ -278,7 +332,8 @@ ISC_API int isc_recv_reply(int sock, int first_ms, int stall_ms, char *hdr, uint
     *hdrlen = -1;
     *got = 0;
     *size = 0;
-    int rc = recv_head(sock, (char *)prefix, 4, first_ms, stall_ms, &have, 1);
+    pace kept = {0, 0};
+    int rc = recv_head(sock, (char *)prefix, 4, first_ms, stall_ms, &have, 1, 0, &kept);
     if (rc != 0) {
         *got = have; /* (some of the prefix: the reply began) */
         return rc;
@@ -290,7 +345,7 @@ ISC_API int isc_recv_reply(int sock, int first_ms, int stall_ms, char *hdr, uint
         return -EBADMSG;
     }
     have = 0;
-    rc = recv_head(sock, hdr, n, stall_ms, stall_ms, &have, 0);
+    rc = recv_head(sock, hdr, n, stall_ms, stall_ms, &have, 0, 1, &kept);
     if (rc != 0) {
         *got = 4 + have;
         return rc;

@@ -21,8 +21,8 @@
  * never called with the wrong arguments. 2: isc_recv_file / isc_recv_mem take hash_from;
  * 3: isc_recv_reply; 4: isc_recv_file copies the bytes before hash_from to head;
  * 5: iss_preempt_after; 6: iss_replay_held; 7: the decide callback takes spent;
- * 8: isc_recv_frame. */
-#define ISC_ABI 8
+ * 8: isc_recv_frame; 9: isc_min_rate (and -ETIME from the receives: a reply too slow). */
+#define ISC_ABI 9
 
 /* ---- replay.c ---------------------------------------------------------------- */
 

@@ -1559,7 +1559,7 @@ def test_a_body_that_comes_slowly_but_steadily_is_not_stalled(reply_pair: tuple)
         theirs.sendall(_reply_bytes({"ok": True, "key": HINT.key, "size": len(body)}))
         sender = threading.Thread(target=_send_in_pieces,
                                   args=(theirs, body, [10_000] * 20, 0.1), daemon=True)
-        sender.start()  # 2 s for the whole body, 50 KB within each timeout
+        sender.start()  # 2 s for the whole body, 50 KB within each timeout (above the pace)
         into = memoryview(bytearray(len(body)))
         try:
             reply, got = transport._reply_into(ours, HINT, 1.0, into, 0)
@@ -1922,6 +1922,69 @@ def test_an_owner_that_stalls_in_its_reply_header_is_a_transfer_error(
             with pytest.raises(TransferError, match="stalled after"):  # (native)
                 client.receive_asked(sock, rec, "st/c.bin", -1, 0.2,
                                      into=memoryview(bytearray(100)))
+        finally:
+            client.close()
+    finally:
+        owner.kill()
+        owner.wait(10)
+        assert owner.stdout is not None
+        owner.stdout.close()
+
+
+_DRIPPING = """
+import socket, struct, sys, threading, time
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+
+def serve(conn):
+    n = struct.unpack(">I", conn.recv(4, socket.MSG_WAITALL))[0]
+    conn.recv(n, socket.MSG_WAITALL)
+    conn.sendall(bytes.fromhex(sys.argv[1]))  # the start of a reply,
+    try:
+        for _ in range(24):  # then a byte every 0.25 s: never a stall of 0.4 s, for 6 s
+            time.sleep(0.25)
+            conn.sendall(b" ")
+    except OSError:
+        pass
+
+while True:
+    threading.Thread(target=serve, args=(listener.accept()[0],), daemon=True).start()
+"""
+
+_BODY_HEAD = wire.pack({"ok": True, "key": "dr/a.bin", "size": 1000})
+
+
+@pytest.mark.parametrize("sent", [_BODY_HEAD, struct.pack(">I", 60) + b'{"ok":'],
+                         ids=["in the body", "in the header"])
+def test_an_owner_that_drips_its_reply_is_cut_as_too_slow(tmp_path: Path, sent: bytes) -> None:
+    """An owner that sent a byte just before each stall time held a fetch for as long as it
+    went on (nothing was ever a stall): a reply that began must keep a pace (64 KiB per second
+    of waiting for it, reckoned over each stall time), or it is a ``TransferError`` -- on every
+    receive path: the Python header read and the native body into memory (``fetch_bytes``),
+    the native receive into a file (``fetch``), the native reply into memory
+    (``fetch_when_published``). Nothing is left under the destination."""
+    from instride.config import Settings
+
+    owner = subprocess.Popen([sys.executable, "-c", _DRIPPING, sent.hex()],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        port = int(owner.stdout.readline())
+        client = TcpTransport(Settings(dir=tmp_path, token=TOKEN, connect_timeout=0.4))
+        rec = Record("dr/a.bin", f"127.0.0.1:{port}", 1000, "xxh3:0", 1, 0.0)
+        where = (r"of 1000 bytes" if sent == _BODY_HEAD else
+                 r"(of 60 header bytes|bytes of the reply's header)")  # (Python's, C's)
+        slow = rf"too slow \(under 64 KiB/s\) after \d+ {where}"
+        dest = tmp_path / "copy.bin"
+        try:
+            for fetch in (lambda: client.fetch_bytes(rec), lambda: client.fetch(rec, dest),
+                          lambda: client.fetch_when_published(rec, "dr/a.bin", -1, 0.2,
+                                                              into=memoryview(bytearray(2000)))):
+                began = time.monotonic()
+                with pytest.raises(TransferError, match=slow):
+                    fetch()
+                assert time.monotonic() - began < 5  # (the owner drips for 6 s)
+            assert not dest.exists() and os.listdir(tmp_path) == []
         finally:
             client.close()
     finally:

@@ -91,7 +91,10 @@ def _recv_exact(sock: socket.socket, n: int, key: str, have: bytes = b"",
     view = memoryview(buf)
     got = len(have)
     view[:got] = have
+    stall = sock.gettimeout()
+    waited, came = 0.0, 0  # (the pace since it was last reckoned, as the C receives keep it)
     while got < n:
+        t0 = time.monotonic()
         try:
             k = sock.recv_into(view[got:], n - got)
         except OSError as exc:
@@ -106,8 +109,28 @@ def _recv_exact(sock: socket.socket, n: int, key: str, have: bytes = b"",
                 raise ConnectionAbortedError(errno.ECONNABORTED,
                                              "connection closed before the reply")
             raise TransferError(key, f"connection closed after {got} of {n} header bytes")
+        if began or got > 0:  # (the wait for a reply's first byte is no transfer's)
+            waited += time.monotonic() - t0
         got += k
+        came += k
+        if stall is not None and waited >= stall and got < n:
+            if came < _min_rate() * waited:
+                raise TransferError(key, f"{_too_slow()} after {got} of {n} header bytes")
+            waited, came = 0.0, 0
     return bytes(buf)
+
+
+def _min_rate() -> int:
+    """The pace a reply must keep once it began (bytes per second of waiting for them, over
+    each stall time): the C receives' ``ISC_MIN_RATE``. A stall alone (nothing for the
+    connection's timeout) let a peer that sent a byte just before each stall hold a transfer
+    for as long as it went on."""
+    return int(load_library().isc_min_rate())
+
+
+def _too_slow() -> str:
+    """How a reply that fell below :func:`_min_rate` is named in its error."""
+    return f"too slow (under {_min_rate() // 1024} KiB/s)"
 
 
 def _head_for(digest_from: int) -> ctypes.Array[ctypes.c_char] | None:
@@ -133,6 +156,8 @@ def _receive_error(key: str, err: int, got: int, size: int) -> TransferError:
     """The error of a receive that ended early with ``errno`` ``err``."""
     if err == errno.ETIMEDOUT:
         return TransferError(key, f"stalled after {got} of {size} bytes")
+    if err == errno.ETIME:
+        return TransferError(key, f"{_too_slow()} after {got} of {size} bytes")
     if err == errno.ECONNRESET:
         return TransferError(key, f"connection closed after {got} of {size} bytes")
     return TransferError(key, f"{os.strerror(err)} after {got} of {size} bytes")
@@ -142,7 +167,7 @@ def _header_error(key: str, err: int, got: int) -> TransferError:
     """The error of a reply whose head (length prefix and header) ended early, with ``errno``
     ``err``, after ``got`` of its bytes: a transfer that began, as :func:`_receive_error`."""
     what = {errno.ETIMEDOUT: "stalled", errno.ECONNRESET: "connection closed"}.get(
-        err, os.strerror(err))
+        err, _too_slow() if err == errno.ETIME else os.strerror(err))
     return TransferError(key, f"{what} after {got} bytes of the reply's header")
 
 

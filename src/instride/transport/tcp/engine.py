@@ -19,7 +19,7 @@ from ..base import open_engine
 
 #: The calling convention of the library's exported functions this binding speaks (its
 #: ``isc_abi()``, ``ISC_ABI`` in ``csrc/tcp/tcp.h``: bumped with any exported signature change).
-ABI = 8
+ABI = 9
 INSTALL_HINT = ("install OpenSSL's and xxhash's headers (Debian: apt-get install libssl-dev "
                 "libxxhash-dev) and reinstall "
                 "instride (pip install -e .) so that libinstride_tcp.so is built")
@@ -71,6 +71,7 @@ def load_library() -> ctypes.CDLL:
                               f"convention {abi() if abi else 1}, not {ABI}): reinstall "
                               "instride (pip install -e .) so that it is built again")
         vp, cp, sz, i = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int
+        lib.isc_min_rate.restype, lib.isc_min_rate.argtypes = i, []
         lib.iss_start.restype = i
         lib.iss_start.argtypes = [cp, i, cp, cp, sz, i, i, i, i, ctypes.c_double, DECIDE, LOG, vp,
                                   ctypes.POINTER(vp), cp, sz]
