@@ -184,6 +184,34 @@ def test_root_cleanup_removes_with_the_owners_rights_only(
 
 
 @pytest.mark.root
+def test_root_cleanup_removes_the_record_only_from_the_owners_directory(
+    foreign_service: dict[str, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Root removed the node's record by path after its checks: a user who meanwhile renamed
+    their state directory and put a link to another directory in its place had root remove a
+    file of the record's name there (someone else's). The record is removed beneath the
+    directory's descriptor now, only from a directory of the owner."""
+    from instride.launch import agent
+
+    states = foreign_service["states"]
+    assert isinstance(states, Path)
+    victim = tmp_path / "roots"
+    victim.mkdir(mode=0o700)
+    (victim / "n1.json").write_text("root's")
+    leftovers = agent._remove_leftovers
+
+    def swapped(record: dict, owner: int) -> None:  # (the user, while root stops the service)
+        leftovers(record, owner)
+        states.rename(tmp_path / "moved")
+        states.symlink_to(victim)
+
+    monkeypatch.setattr(agent, "_remove_leftovers", swapped)
+    assert cleanup_node("n1", states, grace=5.0, job="42") is not None
+    assert (victim / "n1.json").read_text() == "root's"
+    assert (tmp_path / "moved" / "n1.json").exists()  # (the link named another directory)
+
+
+@pytest.mark.root
 def test_root_cleanup_refuses_a_record_of_another_owner(
     foreign_service: dict[str, object]
 ) -> None:

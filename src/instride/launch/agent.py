@@ -199,6 +199,24 @@ def _remove_empty_parents(path: Path, top: Path, owner: int | None = None) -> No
             return
 
 
+def _forget_record(states: Path, node: str, owner: int) -> None:
+    """Remove ``node``'s record beneath the state directory's descriptor, and only from a
+    directory of ``owner`` (where the owner could remove it too). Root's removal by path
+    after the checks (``--cleanup`` in an ``Epilog``) could be led elsewhere by a link the
+    user put in the directory's place meanwhile (their directory renamed, a link to another
+    in its place): a file of that name in someone else's directory removed."""
+    try:
+        fd = os.open(states, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # (gone, or a link now: no directory of the owner's there to clean)
+        return
+    try:
+        if os.fstat(fd).st_uid == owner:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{node}.json", dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
 def _remove_leftovers(record: dict[str, Any], owner: int) -> None:
     raw = record.get("dir")
     if not (raw and isinstance(raw, str)):
@@ -299,8 +317,7 @@ def cleanup_node(node: str | None = None, states: Path | None = None,
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     _remove_leftovers(record, owner)
-    with contextlib.suppress(FileNotFoundError):
-        (states / f"{node}.json").unlink()
+    _forget_record(states, node, owner)
     return record
 
 
@@ -324,8 +341,7 @@ def check_stale(node: str, job: str, states: Path) -> str | None:
         if _alive(pid, start):
             raise StaleServiceError(node, str(record.get("job", "?")), int(pid))
     _remove_leftovers(record, owner)
-    with contextlib.suppress(FileNotFoundError):
-        (states / f"{node}.json").unlink()
+    _forget_record(states, node, owner)
     return (f"removed the leftovers of job {record.get('job', '?')} on {node} "
             f"({record.get('dir', 'no directory')})")
 
