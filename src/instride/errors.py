@@ -381,6 +381,7 @@ class ArchiveError(InstrideError, OSError):
         self._init_args = (stream, path, detail, busy)
         self.stream = stream
         self.path = path
+        self.detail = detail
         self.busy = busy
         what = f"archive {path}" if stream is None else f"archiver of stream {stream!r} ({path})"
         super().__init__(_errno.EIO, f"{what} failed: {detail}")

@@ -792,6 +792,14 @@ class Stream:
             raise ArchiveError(self.name, archive,
                                "the file exists: it holds an earlier run of the stream (or "
                                "another file); remove it, or pass overwrite=True to replace it")
+        if archive is not None and self.overwrite:
+            from .archive.base import remove_earlier_run
+
+            # An earlier run's archive: resumed, it would keep that run's frames and skip this
+            # one's as far as that run went. Only this stream's, and not while an archiver
+            # writes it (another stream's was removed, also under its live archiver); refused
+            # before anything is touched.
+            remove_earlier_run(archive, self.name)
         earlier: list[str] = []
         if self.overwrite:
             # A re-run under the same name: its consumers must see neither the old run's end
@@ -823,14 +831,6 @@ class Stream:
         if self.policy.archive is not None:
             from .archive import start_archiver
 
-            if self.overwrite:  # (an earlier run's archive: resumed, it would keep that run's
-                try:  # frames, and skip this one's as far as that run went)
-                    os.unlink(self.policy.archive)
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:  # (a directory, say: no archive to replace)
-                    raise ArchiveError(self.name, self.policy.archive,
-                                       f"cannot replace it: {exc.strerror}") from None
             self._archiver = start_archiver(self.name, self.policy.archive, self.client)
 
     def _refuse_an_earlier_run(self) -> None:

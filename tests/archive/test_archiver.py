@@ -322,6 +322,57 @@ def test_an_overwritten_run_starts_a_new_archive(managed_dir: Path, tmp_path: Pa
     assert [reader.read(i).positions[0, 0] for i in range(5)] == [2.0, 3.0, 4.0, 5.0, 6.0]
 
 
+def test_overwrite_replaces_only_the_streams_own_archive(managed_dir: Path,
+                                                         tmp_path: Path) -> None:
+    """``overwrite=True`` removed whatever file ``archive=`` named: another stream's archive,
+    a file that is no archive at all. Those are refused now (``ArchiveError``) and left as
+    they are, before anything is touched: the earlier run's frames are still there."""
+    other = tmp_path / "other.h5"
+    with instride.Stream("other", mode="w", archive=other, timeout=60) as s:
+        for i in range(3):
+            s.append(_pos(i), step=i)
+    notes = tmp_path / "notes.h5"
+    notes.write_text("not an archive\n")
+    with instride.Stream("mine", mode="w", timeout=60) as s:  # (an earlier run, no archive)
+        s.append(_pos(7), step=0)
+    for dest, why in ((other, "it is the archive of stream 'other'"),
+                      (notes, "not an HDF5 file")):
+        again = instride.Stream("mine", mode="w", overwrite=True, archive=dest, timeout=60)
+        with pytest.raises(ArchiveError, match=f"cannot replace it with overwrite=True, left as "
+                                               f"it is: {why}"):
+            again.append(_pos(8), step=0)
+        again.abandon()
+        assert instride.Stream("mine", timeout=10).read(0).positions[0, 0] == 7  # (untouched)
+    assert notes.read_text() == "not an archive\n"
+    rd = open_reader(other)
+    assert list(rd.indices()) == [0, 1, 2]
+    rd.close()
+
+
+def test_overwrite_leaves_an_archive_its_archiver_writes(managed_dir: Path,
+                                                         tmp_path: Path) -> None:
+    """A producer with ``overwrite=True`` naming the file a live archiver writes removed it
+    before its own archiver found the lock taken: the running stream's archive was lost
+    (and its close failed, "no such file"). Refused now, the file and its archiver untouched."""
+    dest = tmp_path / "live.h5"
+    live = instride.Stream("live", mode="w", archive=dest, timeout=60)
+    try:
+        for i in range(3):
+            live.append(_pos(i), step=i)
+        with pytest.raises(ArchiveError, match="another archiver is writing it"):
+            with instride.Stream("intruder", mode="w", overwrite=True, archive=dest,
+                                 timeout=60) as s:
+                s.append(_pos(9), step=0)
+        assert dest.exists()
+        for i in range(3, 5):
+            live.append(_pos(i), step=i)
+    finally:
+        live.close()
+    rd = open_reader(dest)
+    assert list(rd.indices()) == [0, 1, 2, 3, 4]
+    rd.close()
+
+
 def test_an_archive_file_of_an_earlier_run_is_refused_not_resumed(
         managed_dir: Path, tmp_path: Path) -> None:
     """A new run of a stream whose archive file is there already (a managed directory made

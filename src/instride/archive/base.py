@@ -45,6 +45,12 @@ class ArchiveWriter(Protocol):
     def close(self) -> None:
         """Flush and close."""
 
+    @staticmethod
+    def check_own(path: Path, stream: str) -> None:
+        """Raise :class:`~instride.errors.ArchiveError` unless ``path`` is an archive that
+        names ``stream`` (not a regular file, not one of this format, another stream's, one
+        that names no stream)."""
+
 
 class ArchiveReader(Protocol):
     """Random access to the frames of an archive (also while it is being written)."""
@@ -86,6 +92,35 @@ def open_writer(path: str | os.PathLike[str], stream: str, *,
             unlock_writer(Path(path), lock)
         raise
     return writer(Path(path), stream, lock=lock, run=run)  # type: ignore[no-any-return]
+
+
+def remove_earlier_run(path: str | os.PathLike[str], stream: str) -> None:
+    """Remove ``stream``'s archive ``path`` for a new run of the stream (``overwrite=True``:
+    resumed, it would keep the earlier run's frames). Only an archive of that very stream, and
+    only while no archiver writes it: the removal holds the file's writer lock.
+
+    Raises
+    ------
+    ArchiveError
+        Another archiver writes the file, or it is not an archive of ``stream`` (not a regular
+        file, not an archive, another stream's, one that names no stream): it is left as it
+        is.
+    """
+    path = Path(path)
+    if not os.path.lexists(path):
+        return
+    writer = _classes(path)[0]
+    lock = lock_writer(path, stream)
+    try:
+        try:
+            writer.check_own(path, stream)
+        except ArchiveError as exc:
+            raise ArchiveError(stream, path, "cannot replace it with overwrite=True, left as "
+                                             f"it is: {exc.detail}", busy=exc.busy) from None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    finally:
+        unlock_writer(path, lock)
 
 
 def check_format(path: str | os.PathLike[str]) -> None:

@@ -237,6 +237,13 @@ class H5mdWriter:
         writer out of: its readers must close it before it is resumed.
     """
 
+    @staticmethod
+    def check_own(path: Path, stream: str) -> None:
+        """Raise :class:`~instride.errors.ArchiveError` unless ``path`` is an H5MD archive
+        that names ``stream`` (one of an older instride, which names none, may be another
+        stream's)."""
+        _open_checked(Path(path), stream, unnamed_ok=False).close()
+
     def __init__(self, path: Path, stream: str, *, lock: int | None = None,
                  run: str | None = None) -> None:
         self.path = Path(path)
