@@ -210,17 +210,28 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash
                 cur_lowat = lowat, *lowat_set = 1;
             struct pollfd p = {sock, POLLIN, 0};
             long long t0 = mono_ms();
-            int r = poll(&p, 1, ms_left(stall_ms, &waiting));
+            int left_ms = ms_left(stall_ms, &waiting), wait_ms = left_ms;
+            if (cur_lowat > 1 && stall_ms > 0) {
+                /* A low-water mark above 1 hides bytes that came, fewer than it, from poll: a
+                 * look at the queue every quarter of the stall time tells when they came (the
+                 * queue was empty at the look before). Looked at only when the stall time had
+                 * passed, bytes that came right after the last ones and then silence went
+                 * unnoticed for up to twice the stall time (the clock began again there). */
+                int quarter = stall_ms / 4 > 0 ? stall_ms / 4 : 1;
+                if (wait_ms > quarter)
+                    wait_ms = quarter;
+            }
+            int r = poll(&p, 1, wait_ms);
             pace_waited(&kept, t0);
             if (r == 0) {
-                /* Stalled only if nothing arrived: with a low-water mark above 1, bytes that
-                 * came, fewer than it, do not wake poll. */
                 int queued = 0;
                 if (cur_lowat > 1 && ioctl(sock, FIONREAD, &queued) == 0 && queued > 0) {
-                    trickle = 1;
-                    waiting = 0;
+                    trickle = 1; /* (from now on woken by any byte) */
+                    waiting = 0; /* (they came since the last look: at most a quarter ago) */
                     continue;
                 }
+                if (left_ms > wait_ms)
+                    continue; /* a look, not yet the stall */
                 return -ETIMEDOUT;
             }
             if (r < 0 && errno != EINTR)

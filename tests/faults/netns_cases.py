@@ -8,6 +8,7 @@ subscription crosses the link) or fetches a 96 MiB file from node 1.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import secrets
 import subprocess
@@ -97,6 +98,19 @@ def _until_subscribed(c: EmulatedCluster, base: int, seconds: float = 30.0) -> N
         time.sleep(0.02)
 
 
+def _until_receiving(where: Path, prefix: str, consumer: subprocess.Popen,
+                     seconds: float = 30.0) -> None:
+    """Wait until the consumer's copy is being received: a hidden file of the key beside it
+    (``prefix``: ``.NAME.``) that has bytes, or the consumer has ended."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and consumer.poll() is None:
+        with contextlib.suppress(OSError):
+            if any(e.name.startswith(prefix) and e.stat().st_size > 0
+                   for e in os.scandir(where)):
+                return
+        time.sleep(0.01)
+
+
 def case_partition(work: Path, trials: int, seed: int = 14, size: int = 96 << 20) -> CaseResult:
     """Even trials: node 2 waits for a key while its link is down and node 1 publishes it.
     Odd trials: the link goes down for 1-7 s in the middle of a 96 MiB transfer (node 2's
@@ -132,12 +146,18 @@ def case_partition(work: Path, trials: int, seed: int = 14, size: int = 96 << 20
                 if _finish(prod, 60) is None:
                     res.hangs += 1
                 consumer = _run(c, 2, _CONSUME, key, "60")
-                time.sleep(2.0 + rng.uniform(0.0, 1.0))  # start-up and lookup, then mid-fetch
+                # cut once bytes arrive (a fixed delay, 2-3 s, sometimes cut after the
+                # consumer was done: counted as a transfer that rode the cut out)
+                _until_receiving(c.node(2).dir / "part", f".t{t}.bin.", consumer)
+                time.sleep(rng.uniform(0.0, 0.5))
+                early = consumer.poll() is not None
                 link(c, 2, up=False)
                 time.sleep(down_for)
                 link(c, 2, up=True)
             done = _finish(consumer, 60 + HANG_MARGIN)
             what = "wait" if wait_case else f"transfer, link down {down_for:.0f} s"
+            if not wait_case and early:
+                what = f"transfer done before the cut (link down {down_for:.0f} s)"
             if done is None:
                 res.hangs += 1
                 res.notes.append(f"trial {t} ({what}): consumer hung")

@@ -1572,6 +1572,37 @@ def test_a_body_that_comes_slowly_but_steadily_is_not_stalled(reply_pair: tuple)
             transport._reply_into(ours, HINT, 1.0, into, 0)
 
 
+def test_a_silence_after_bytes_below_the_low_water_mark_is_a_stall_in_time(
+        reply_pair: tuple) -> None:
+    """The native receive sleeps until a large piece is there (a low-water mark), and looked
+    at what had come only when the stall time ran out: bytes that came just after the last
+    ones, then silence, began the clock again there -- a cut went unnoticed for up to twice
+    the stall time, and a silence longer than the stall time (1.7 s of 1 s) was ridden out.
+    The queue is looked at every quarter of the stall time now."""
+    transport = reply_pair[0]
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # (TCP: a unix socket's poll
+        theirs = socket.create_connection(listener.getsockname())  # takes no low-water mark)
+        ours, _ = listener.accept()
+    with ours, theirs:
+        ours.settimeout(1.0)
+        body = os.urandom(8 << 20)
+        theirs.sendall(_reply_bytes({"ok": True, "key": HINT.key, "size": len(body)}))
+        def send() -> None:  # (4 MiB, 1,000 bytes 0.05 s later, then 1.7 s of nothing)
+            _send_in_pieces(theirs, body[:(4 << 20) + 1000], [4 << 20], 0.05)
+            time.sleep(1.7)
+            with contextlib.suppress(OSError):
+                theirs.sendall(body[(4 << 20) + 1000:])
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        try:
+            with pytest.raises(TransferError, match=f"stalled after {(4 << 20) + 1000} of "
+                                                    f"{8 << 20} bytes"):
+                transport._reply_into(ours, HINT, 1.0, memoryview(bytearray(len(body))), 0)
+        finally:
+            sender.join(10)
+
+
 BROKEN = {
     "nothing within the wait": (b"", PeerUnavailable, "no valid reply: Connection timed out"),
     "header length 0": (struct.pack(">I", 0), PeerUnavailable, r"header length 0 out of range"),
