@@ -293,6 +293,17 @@ def test_block_producer_raises_stream_full_naming_the_group(managed_dir: Path) -
     assert len(_frames_on_disk(managed_dir, "stuck")) == 4
 
 
+def test_a_single_group_name_is_one_group(managed_dir: Path) -> None:
+    """``groups="ana"`` (a name, not a list) registered a group per letter, which nobody ever
+    reads: a "block" producer waited for them for good, whatever group "ana" took."""
+    with instride.Stream("onegroup", mode="w", retain=2, groups="ana", timeout=0.5) as s:
+        for i in range(3):
+            s.append(_positions(i), step=i)
+        with pytest.raises(StreamFull) as info:
+            s.append(_positions(3), step=3)
+        assert info.value.holders == ["ana"]
+
+
 def test_drop_oldest_counts_or_raises_the_missed_frames(managed_dir: Path) -> None:
     with instride.Stream("drop", mode="w", retain=3, on_full="drop-oldest") as s:
         for i in range(10):

@@ -279,7 +279,8 @@ class Stream:
         ``"latest"`` keeps only the newest frame (``retain=1``; FlowVR's greedy sampling).
     groups
         Producer: consumer groups to register before the first frame, so that under
-        ``"block"`` no frame is retired before they have taken it.
+        ``"block"`` no frame is retired before they have taken it (one name alone, a
+        ``str``, is one group).
     group
         Consumer: read as this consumer group. Its position is kept on the node: a reader
         that restarts resumes at the first frame the group had not finished (the frame it
@@ -355,7 +356,7 @@ class Stream:
         retain: int | None = None,
         retain_bytes: int | None = None,
         on_full: str = "block",
-        groups: Sequence[str] = (),
+        groups: str | Sequence[str] = (),
         group: str | None = None,
         on_gap: str = "raise",
         verify: bool = True,
@@ -388,7 +389,11 @@ class Stream:
             retain=retain, retain_bytes=retain_bytes, on_full=on_full,
             archive=None if archive is None else os.path.abspath(archive),
         )
-        self.register_groups = tuple(check_group(g) for g in groups)
+        # (one name alone is one group: iterated as a sequence, "analysis" registered a group
+        # per letter, none of them ever read, and a producer under "block" waited for them
+        # for good)
+        self.register_groups = ((check_group(groups),) if isinstance(groups, str)
+                                else tuple(check_group(g) for g in groups))
         if archive is not None and mode != "r":  # (None: a producer once it appends)
             from .archive.base import check_format
 

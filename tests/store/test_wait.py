@@ -3,6 +3,7 @@ that name the key."""
 
 from __future__ import annotations
 
+import os
 import textwrap
 import threading
 import time
@@ -368,3 +369,33 @@ def test_a_watched_directory_removed_before_its_watch_is_made_again(
     watcher = _Watcher()
     watcher.watch(tmp_path / "racy")
     assert len(calls) == 2 and (tmp_path / "racy") in watcher.wds
+
+
+def test_a_second_interrupt_during_the_clean_up_still_removes_the_watched_dirs(
+        managed_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wait interrupted (Ctrl-C) removes the directories it made to watch; a second
+    interrupt that came during that removal (a double Ctrl-C; GNU ``timeout`` signals the
+    child, then its whole process group) stopped it, and the rest stayed behind. The
+    removal goes on now, and the interrupt is raised once it is done."""
+    from instride.store import wait
+
+    def interrupted(_root: str, _keys: list[str], full: list[str], *_args: object) -> int:
+        os.makedirs(os.path.dirname(full[0]))  # (made to watch, as the wait does)
+        raise KeyboardInterrupt  # (the first signal)
+
+    drops: list[Path] = []
+    drop = wait._watcher.drop
+
+    def drop_once_interrupted(directory: Path) -> None:
+        drops.append(directory)
+        if len(drops) == 2:  # (the second signal, in the middle of the removal)
+            raise KeyboardInterrupt
+        drop(directory)
+
+    monkeypatch.setattr(wait, "_sleep", interrupted)
+    monkeypatch.setattr(wait._watcher, "drop", drop_once_interrupted)
+    client = instride.Client(instride.Settings.from_env({"INSTRIDE_DIR": str(managed_dir)}))
+    with pytest.raises(KeyboardInterrupt):
+        client.consume("a/b/c/key", timeout=30)
+    assert not (managed_dir / "a").exists()
+

@@ -301,11 +301,28 @@ def _wait(root: str, keys: list[str], confined: bool, timeout: float | None, lab
     try:
         return _sleep(root, keys, full, confined, timeout, label, refuse)
     except BaseException:
-        for directory in created:  # [cleanup] deepest first; a non-empty one stays
-            _watcher.drop(directory)
-            with contextlib.suppress(OSError):
-                os.rmdir(directory)
+        _remove_made(created)
         raise
+
+
+def _remove_made(created: list[Path]) -> None:
+    """Remove the directories a failed wait made to watch (deepest first; a non-empty one
+    stays). A signal's exception while it runs (a second Ctrl-C; GNU ``timeout`` signals the
+    child and then its whole process group) does not stop it: it is raised once every one
+    is removed — it left some behind."""
+    todo = list(created)
+    interrupted: BaseException | None = None
+    while todo:
+        try:
+            while todo:  # [cleanup]
+                _watcher.drop(todo[0])
+                with contextlib.suppress(OSError):
+                    os.rmdir(todo[0])
+                del todo[0]
+        except BaseException as exc:  # (taken up again where it stopped)
+            interrupted = exc
+    if interrupted is not None:
+        raise interrupted
 
 
 #: errno of inotify_init / inotify_add_watch when the per-user limits are reached
