@@ -11,9 +11,11 @@ missing key waits on metadata, and only a key owned by another node is transferr
 from __future__ import annotations
 
 import contextlib
+import errno
 import io as _io
 import os
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -21,10 +23,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from . import store
-from .config import Settings, env_snapshot
+from .config import Settings, env_snapshot, parse_timeout
 from .engine import Engine, get_engine
 from .errors import (
     ConfigError,
+    FileTypeError,
     KeyExistsError,
     KeyNotFoundError,
     PublicationUnsettled,
@@ -33,7 +36,7 @@ from .errors import (
 )
 from .keys import key_path, normalize_key, recyclable, tmp_path
 from .metadata import MetadataBackend, Record
-from .paths import ConfinedOpener, check_confined, confined_file, confined_path
+from .paths import ConfinedOpener, check_confined, confined_file, confined_path, kind_of
 from .store import ensure_private_dir, file_checksum, file_system_type
 from .store.lease import SourceLease, hidden_name, hide_source, put_back_source
 from .store.recvpool import ReceivePool
@@ -111,13 +114,18 @@ class Client:
         """The local path of a key (whether or not it is published)."""
         return key_path(self.key(key_or_path), self.root)
 
-    def _timeout(self, timeout: float | None) -> float | None:
+    def _timeout(self, timeout: float | str | None) -> float | None:
         if timeout is None:
             return self.settings.timeout
-        if not timeout >= 0:  # 0 means "do not wait", like INSTRIDE_TIMEOUT=0 and --timeout 0
-            # (NaN too: no deadline would ever pass, a wait for a lock would not end)
-            raise ConfigError("timeout", timeout, "must be >= 0 (0: do not wait; None: forever)")
-        return None if timeout == float("inf") else timeout
+        # 0 means "do not wait", like INSTRIDE_TIMEOUT=0 and --timeout 0; text as a Stream's
+        # timeout= takes it ("abc" was a bare TypeError); NaN and negative are refused (no
+        # deadline would ever pass, a wait for a lock would not end)
+        try:
+            return parse_timeout(timeout, "timeout")
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError("timeout", timeout, "not a number of seconds") from None
 
     def register(self, key: str | os.PathLike[str], *, overwrite: bool = False) -> Record:
         """Record a file already in place under ``key`` in the metadata (cluster mode).
@@ -327,6 +335,8 @@ class Client:
         ------
         FileNotFoundError
             ``src`` does not exist.
+        FileTypeError
+            ``src`` is a directory or a special file (``errno`` ``EISDIR``, ``EINVAL``).
         KeyExistsError
             ``key`` is published and ``overwrite`` is false (``src`` is left untouched).
         KeyValidationError
@@ -349,8 +359,16 @@ class Client:
         srcp = Path(os.path.abspath(src))
         if srcp.is_symlink():
             raise UnsupportedModeError("publish", f"{str(srcp)!r} is a symbolic link; publish its target")
-        if not srcp.is_file():
-            raise FileNotFoundError(f"cannot publish {str(srcp)!r}: no such file")
+        try:
+            mode = os.stat(srcp).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            raise FileNotFoundError(errno.ENOENT,
+                                    f"cannot publish {str(srcp)!r}: no such file") from None
+        if not stat.S_ISREG(mode):  # (a directory was "no such file")
+            raise FileTypeError(os.fspath(key if key is not None else srcp),
+                                f"its source {str(srcp)!r} is {kind_of(mode)}; only a regular "
+                                "file is published",
+                                errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL)
         if key is None:
             key = self.key(srcp)
             final = confined_path(self.root, key, for_write=True)  # [confine]

@@ -46,7 +46,8 @@ __all__ = ["ConfinedOpener", "check_confined", "check_parents", "confined_file",
            "managed_key_of", "open_confined"]
 
 
-def _kind(mode: int) -> str:
+def kind_of(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, in words ("a directory", "a FIFO", ...)."""
     if stat.S_ISDIR(mode):
         return "a directory"
     if stat.S_ISFIFO(mode):
@@ -83,7 +84,7 @@ def check_parents(root: str | os.PathLike[str], key: str) -> None:
         sub = "/".join(parts[: i + 1])
         if stat.S_ISLNK(st.st_mode):
             raise UnsafePathError(key, f"{sub!r} is a symbolic link; keys never follow links")
-        raise FileTypeError(key, f"{sub!r} is {_kind(st.st_mode)}, not a directory", errno.ENOTDIR)
+        raise FileTypeError(key, f"{sub!r} is {kind_of(st.st_mode)}, not a directory", errno.ENOTDIR)
 
 
 def confined_path(root: str | os.PathLike[str], key: str, *, for_write: bool) -> Path:
@@ -142,7 +143,7 @@ def confined_file(root: str | os.PathLike[str], key: str, *, for_write: bool) ->
         raise UnsafePathError(key, "it is a symbolic link; keys never follow links")
     what = "written" if for_write else "consumed"
     code = errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL
-    raise FileTypeError(key, f"it is {_kind(mode)}; only regular files are {what}", code)
+    raise FileTypeError(key, f"it is {kind_of(mode)}; only regular files are {what}", code)
 
 
 def open_confined(root_real: str, key: str, path: str | os.PathLike[str]) -> int:
@@ -180,7 +181,7 @@ def open_confined(root_real: str, key: str, path: str | os.PathLike[str]) -> int
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             code = errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL
-            raise FileTypeError(key, f"it is {_kind(st.st_mode)}; only regular files are consumed",
+            raise FileTypeError(key, f"it is {kind_of(st.st_mode)}; only regular files are consumed",
                                 code)
         real = os.readlink(f"/proc/self/fd/{fd}")
         if real != f"{root_real}/{key}" and real.removesuffix(" (deleted)") != f"{root_real}/{key}":
@@ -488,6 +489,6 @@ class ConfinedOpener:
             raise
         if not stat.S_ISREG(mode):
             os.close(fd)
-            raise FileTypeError(key, f"it is {_kind(mode)}; only regular files are consumed",
+            raise FileTypeError(key, f"it is {kind_of(mode)}; only regular files are consumed",
                                 errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL)
         return fd, dirfd

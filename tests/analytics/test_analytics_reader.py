@@ -494,9 +494,12 @@ def test_a_frame_that_never_comes_times_out_once(managed_dir: Path, adk) -> None
     reader = InstrideReader("instride://late", n_atoms=adk.atoms.n_atoms, timeout=1.0)
     try:
         t0 = time.monotonic()
-        with pytest.raises(ConsumeTimeout):
+        with pytest.raises(ConsumeTimeout) as info:
             reader._fetch(1, wait=True)
         assert time.monotonic() - t0 < 1.8
+        # (it names the whole wait, not the read's remnant of it: "after 0.000 s" before)
+        assert info.value.waited >= 0.9
+        assert f"timed out after {info.value.waited:.3f} s" in str(info.value)
     finally:
         reader.close()
         producer.close()

@@ -146,6 +146,41 @@ def test_publish_refuses_symlinks(client: instride.Client, tmp_path: Path) -> No
     assert not (client.root / "sym" / "k").exists()
 
 
+def test_publish_names_a_source_that_is_no_regular_file(client: instride.Client,
+                                                         tmp_path: Path) -> None:
+    """A directory as the source was "no such file" (a bare ``FileNotFoundError``); it is a
+    ``FileTypeError`` (``EISDIR``) now, a FIFO one with ``EINVAL``; a missing source stays a
+    ``FileNotFoundError``, with its errno."""
+    import errno
+
+    from instride.errors import FileTypeError
+
+    with pytest.raises(FileTypeError, match="is a directory; only a regular file") as info:
+        client.publish(tmp_path, "src/d")
+    assert info.value.errno == errno.EISDIR
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(FileTypeError, match="is a FIFO") as info:
+        client.publish(tmp_path / "fifo", "src/f")
+    assert info.value.errno == errno.EINVAL
+    with pytest.raises(FileNotFoundError, match="no such file") as missing:
+        client.publish(tmp_path / "none", "src/n")
+    assert missing.value.errno == errno.ENOENT
+    assert not (client.root / "src").exists()
+
+
+def test_timeouts_given_as_text_are_parsed_or_refused(client: instride.Client) -> None:
+    """``consume(key, timeout="abc")`` raised a bare ``TypeError`` (``"0"`` too), where a
+    Stream's ``timeout=`` parses text: the same rules now (``ConfigError`` for what is not a
+    number of seconds)."""
+    from instride.errors import ConfigError, ConsumeTimeout
+
+    for bad in ("abc", "-1", "nan", [1]):
+        with pytest.raises(ConfigError, match="bad setting timeout="):
+            client.consume("t/x", timeout=bad)  # type: ignore[arg-type]
+    with pytest.raises(ConsumeTimeout):
+        client.consume("t/x", timeout="0")  # type: ignore[arg-type]
+
+
 def test_managed_dir_must_be_private(tmp_path: Path) -> None:
     from instride.config import Settings
     from instride.errors import ConfigError

@@ -319,14 +319,21 @@ class InstrideReader(ReaderBase):
                 "length='final'."
             )
         ready = index < self._count or stream.client.exists(stream.frame_key(index))
-        left = None
+        left, waited = None, 0.0
         if not ready:  # blocked until published (or the end): idle time
             t0 = time.perf_counter()
             left = _wait_published(stream, index)
-            self.wait_seconds += time.perf_counter() - t0
+            waited = time.perf_counter() - t0
+            self.wait_seconds += waited
         t0 = time.perf_counter()
         # (what is left of the timeout: the wait above had its share, not a second one)
-        frame = stream.read(index) if left is None else stream.read(index, timeout=left)
+        try:
+            frame = stream.read(index) if left is None else stream.read(index, timeout=left)
+        except ConsumeTimeout as exc:
+            if not waited:
+                raise
+            # (the read's own wait was only what was left: the error names the whole wait)
+            raise ConsumeTimeout(exc.key, waited + exc.waited) from None
         self.read_seconds += time.perf_counter() - t0
         self._count = max(self._count, index + 1)  # a stream is published in order
         self.frame_nbytes = frame_bytes(frame)

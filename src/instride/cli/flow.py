@@ -187,7 +187,7 @@ def add_parser(sub: Any) -> None:
 
     t = sub.add_parser("top", help="live counters of a running graph",
                        description="Per module instance and port: messages, rate, queue "
-                                   "depth, idle %%, MiB; refreshed until the run ends.")
+                                   "depth, idle %, MiB; refreshed until the run ends.")
     t.add_argument("run", nargs="?", help="run directory name (default: the newest running)")
     t.add_argument("--interval", type=positive_seconds, default=1.0,
                    help="seconds between refreshes (default %(default)s)")
