@@ -378,3 +378,31 @@ def test_python_and_c_take_one_default_dir_where_dev_shm_is_unusable(
     base = env.get("TMPDIR") or "/tmp"
     assert got == {"python": f"{base}/instride-{os.getuid()}",
                    "c": f"{base}/instride-{os.getuid()}"}
+
+
+@pytest.mark.parametrize("url, why", [
+    ("redis://127.0.0.1:99999/0", "Port out of range"),
+    ("http://127.0.0.1:6379/0", "expected redis://"),
+    ("redis://h:6379/abc", "the database 'abc' is not a number"),
+    ("redis://:s3cret@h:6379/x1", "the database 'x1' is not a number"),
+    ("redis://:6379/0", "no host"),
+    ("redis://h:0/0", "port 0"),
+    ("unix://", "no socket path"),
+    ("unix:///tmp/r.sock?db=one", "the database 'one' is not a number"),
+])
+def test_a_redis_url_that_cannot_be_used_is_refused(url: str, why: str) -> None:
+    """``INSTRIDE_REDIS_URL`` went to redis-py unchecked: a port out of range or another
+    scheme was a bare ``ValueError`` at the first use, and ``redis://host/abc`` was read as
+    database 0 (another job's, say) without a word. Refused now, as ``instride job`` refused
+    them, the password not shown."""
+    with pytest.raises(ConfigError, match="bad setting INSTRIDE_REDIS_URL") as info:
+        Settings.from_env({"INSTRIDE_REDIS_URL": url})
+    assert why in str(info.value) and "s3cret" not in str(info.value)
+
+
+@pytest.mark.parametrize("url", ["redis://h:6379/0", "rediss://:pw@h/2", "redis://h",
+                                 "redis://h:1?db=3", "unix:///tmp/r.sock",
+                                 "unix:///tmp/r.sock?db=1"])
+def test_a_usable_redis_url_is_taken_as_it_is(url: str) -> None:
+    assert Settings.from_env({"INSTRIDE_REDIS_URL": url}).redis_url == url
+

@@ -268,14 +268,24 @@ static long long ins_consume_timeout_ms(void)
     return ins_cfg.timeout_forever ? INS_FOREVER_MS : -1; /* (config.c tells which forever) */
 }
 
-int ins_agent_consume(const char *key, char open_path[PATH_MAX])
+static int ins_agent_consume_ms(const char *key, char open_path[PATH_MAX], long long tms,
+                                int wait_ms)
 {
     if (!ins_key_ok(key))
         return -1;
     char req[PATH_MAX + 64], reply[PATH_MAX + 128];
-    long long tms = ins_consume_timeout_ms();
     snprintf(req, sizeof req, "CONSUME %lld %s\n", tms, key);
-    if (ins_agent_request(req, reply, sizeof reply, ins_reply_wait_ms(), 1) != 0)
+    if (ins_agent_request(req, reply, sizeof reply, wait_ms, 1) != 0)
         return -1;
     return ins_agent_reply(key, reply, open_path);
+}
+
+int ins_agent_consume(const char *key, char open_path[PATH_MAX])
+{
+    return ins_agent_consume_ms(key, open_path, ins_consume_timeout_ms(), ins_reply_wait_ms());
+}
+
+int ins_agent_consume_now(const char *key, char open_path[PATH_MAX])
+{
+    return ins_agent_consume_ms(key, open_path, 0, INS_GRACE_MS);
 }

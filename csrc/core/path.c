@@ -70,6 +70,17 @@ int ins_absolute_cap(int dirfd, const char *path, char *out, size_t cap)
             return -1;
         out[n] = '\0';
         base = (size_t)n;
+        /* A directory removed since it was opened: the kernel names it "... (deleted)", which
+         * is no path (taken as one, a key was published under a new directory of that name).
+         * Not a path then: the call goes to libc, which fails it as without the library. */
+        static const char gone[] = " (deleted)";
+        struct stat st;
+        if (base > sizeof gone - 1 && memcmp(out + base - (sizeof gone - 1), gone,
+                                             sizeof gone - 1) == 0 &&
+            fstat(dirfd, &st) == 0 && st.st_nlink == 0) {
+            errno = ENOENT;
+            return -1;
+        }
     }
     if (out[0] != '/')
         return -1;

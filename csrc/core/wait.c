@@ -153,6 +153,9 @@ static int ins_watch(int ifd, int cached, char *dir, int *limited)
     return wd;
 }
 
+/* How often a waiter looks whether the key's directory is still the one it watches. */
+#define INS_LOOK_MS 1000
+
 /* Read the queued events; 1 when the watched directory went away. */
 static int ins_dir_gone(int ifd, int wd)
 {
@@ -232,6 +235,8 @@ int ins_wait_local(const char *abs)
     }
     if ((wd = ins_watch(ifd, cached, dir, &limited)) < 0)
         goto no_watch;
+    struct stat watched; /* the directory the watch is on (its inode, wherever it goes) */
+    int known = stat(dir, &watched) == 0;
     /* Armed: from here no publication can be missed. Check, then wait. */
     for (;;) {
         if (lstat(abs, &st) == 0) {
@@ -250,13 +255,29 @@ int ins_wait_local(const char *abs)
              * the last look: a new fd, before the poll, which would sleep on that file */
             if (ins_rewatch(&ifd, &cached, dir, &wd, &limited) != 0)
                 goto lost;
+            known = stat(dir, &watched) == 0;
             continue;
         }
         struct pollfd pfd = {.fd = ifd, .events = POLLIN};
-        int prc = poll(&pfd, 1, ms);
+        int prc = poll(&pfd, 1, ms < 0 || ms > INS_LOOK_MS ? INS_LOOK_MS : ms);
         if (prc < 0 && errno != EINTR)
             break;
-        if (prc <= 0)
+        if (prc == 0) {
+            /* A directory above the key's renamed (a restart's clean-up moving the run away,
+             * a new one made in its place): the watch went with the old directory, which gets
+             * no events, and the wait slept for good while the key was published at its path.
+             * A look every INS_LOOK_MS: the directory at the path another one now, the watch
+             * moves there (the loop looks at the key first). */
+            struct stat now;
+            if (!known || stat(dir, &now) != 0 || now.st_ino != watched.st_ino ||
+                now.st_dev != watched.st_dev) {
+                if ((wd = ins_watch(ifd, cached, dir, &limited)) < 0)
+                    goto no_watch;
+                known = stat(dir, &watched) == 0;
+            }
+            continue;
+        }
+        if (prc < 0)
             continue;
         int lost = ins_inotify_lost(ifd, cached);
         if (lost || (pfd.revents & (POLLNVAL | POLLERR))) {
@@ -269,11 +290,15 @@ int ins_wait_local(const char *abs)
                 ins_sys.close(ifd); /* (ours still, in error) */
             if (ins_rewatch(&ifd, &cached, dir, &wd, &limited) != 0)
                 goto lost;
+            known = stat(dir, &watched) == 0;
             continue;
         }
         /* the directory went away: recreate it and watch again */
-        if (ins_dir_gone(ifd, wd) && (wd = ins_watch(ifd, cached, dir, &limited)) < 0)
-            goto no_watch;
+        if (ins_dir_gone(ifd, wd)) {
+            if ((wd = ins_watch(ifd, cached, dir, &limited)) < 0)
+                goto no_watch;
+            known = stat(dir, &watched) == 0;
+        }
     }
     ins_inotify_put(ifd, cached);
     return rc;

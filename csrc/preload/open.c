@@ -101,6 +101,59 @@ fail:
     return -1;
 }
 
+/* A read open of key p as published now (cluster: fetched here if need be): the fd, or -1
+ * (ENOENT, cluster ETIMEDOUT: not published). */
+static int ins_open_read_now(const struct ins_path *p, int flags, mode_t mode)
+{
+    if (!ins_cfg.cluster)
+        return ins_open_read_confined(p, flags, mode, 1);
+    char open_path[PATH_MAX];
+    return ins_agent_consume_now(ins_key(p), open_path) == 0
+               ? ins_passed(ins_real_open(open_path, flags, mode))
+               : -1;
+}
+
+/* O_RDONLY|O_CREAT ("read it, made empty if missing": util-linux flock(1)'s lock file): a
+ * published key opens for reading (O_EXCL: EEXIST); a missing one is published empty at once
+ * (write-once: nothing can be written through a read-only descriptor), then opened, so that
+ * every such open of the key has the same file -- flock(1)'s processes lock one file. It
+ * waited for good for a publication only this open could make. */
+static int ins_open_read_made(const struct ins_path *p, int flags, mode_t mode)
+{
+    int saved = errno, rflags = flags & ~(O_CREAT | O_EXCL);
+    for (int tries = 0; tries < 3; tries++) {
+        int fd = ins_open_read_now(p, rflags, mode);
+        if (fd >= 0) {
+            if (!(flags & O_EXCL))
+                return ins_passed(fd);
+            ins_real_close(fd);
+            return ins_fail(EEXIST, "key %.300s is already published (write-once)", ins_key(p));
+        }
+        if (errno != ENOENT && errno != ETIMEDOUT) /* (ETIMEDOUT: not published, cluster) */
+            return -1;
+        if (ins_table_foreign()) /* (as for a write open) */
+            return ins_fail_foreign(p);
+        errno = saved;
+        char tmp[PATH_MAX];
+        mode_t made = mode;
+        int wfd = -1;
+        if (ins_prepare_write(p, O_WRONLY | O_CREAT | O_EXCL, &made, tmp) == 0 &&
+            (wfd = ins_create_temp(p, O_WRONLY, made, tmp)) >= 0) {
+            ins_real_close(wfd);
+            if (ins_publish(tmp, p, 1) == 0) {
+                fd = ins_open_read_now(p, rflags, mode);
+                if (fd >= 0)
+                    errno = saved;
+                return fd;
+            }
+        }
+        if (errno != EEXIST || (flags & O_EXCL))
+            return -1;
+        errno = saved; /* (published meanwhile by another: that one is read) */
+    }
+    return -1;
+}
+
 /* Shared implementation of all open variants for a key. */
 static int ins_open_managed(const struct ins_path *p, int flags, mode_t mode)
 {
@@ -134,8 +187,11 @@ static int ins_open_managed(const struct ins_path *p, int flags, mode_t mode)
         }
         errno = saved;
     }
-    fd = kind == INS_OPEN_READ ? ins_open_consumed(p, flags, mode)
-                               : ins_open_produced(p, flags, mode);
+    if (kind == INS_OPEN_READ && (flags & O_CREAT))
+        fd = ins_open_read_made(p, flags, mode);
+    else
+        fd = kind == INS_OPEN_READ ? ins_open_consumed(p, flags, mode)
+                                   : ins_open_produced(p, flags, mode);
 done:
     ins_busy = 0;
     if (fd >= 0)

@@ -166,13 +166,19 @@ static void pace_waited(pace *p, long long t0) {
     p->waited += mono_ms() - t0;
 }
 
-/* n more bytes came: 0, or -ETIME once stall_ms (>= 0) of waiting went by with fewer than
- * ISC_MIN_RATE per second of it (the transfer then not done: the caller checks that). */
-static int pace_came(pace *p, uint64_t n, int stall_ms) {
+/* n more bytes came on sock: 0, or -ETIME once stall_ms (>= 0) of waiting went by with fewer
+ * than ISC_MIN_RATE per second of it (the transfer then not done: the caller checks that).
+ * Bytes already in the socket count as come: a receiver that did not run for a while (stopped,
+ * a frozen VM) counted that time as waiting, and was cut after one piece with megabytes
+ * queued behind it. */
+static int pace_came(pace *p, uint64_t n, int stall_ms, int sock) {
     p->came += n;
     if (stall_ms < 0 || p->waited < stall_ms)
         return 0;
-    int slow = p->came * 1000 < (uint64_t)ISC_MIN_RATE * (uint64_t)p->waited;
+    uint64_t need = (uint64_t)ISC_MIN_RATE * (uint64_t)p->waited;
+    int queued = 0;
+    int slow = p->came * 1000 < need &&
+               (ioctl(sock, FIONREAD, &queued) != 0 || (p->came + (uint64_t)queued) * 1000 < need);
     p->waited = 0, p->came = 0;
     return slow ? -ETIME : 0;
 }
@@ -189,7 +195,9 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash
     XXH3_64bits_reset(&state);
     int cur_lowat = 1;
     int trickle = 0; /* 1: bytes come slower than ISC_LOWAT per stall_ms: wake for any */
-    long long waiting = 0; /* when the wait for the next bytes began (0: not waiting) */
+    long long waiting = 0; /* when the stall clock began (0: not waiting) */
+    long long began = 0;   /* when this wait for bytes began (0: not waiting) */
+    int seen = 0;          /* bytes the last look found queued, below the low-water mark */
     pace kept = {0, 0};
     while (*got < size) {
         size_t want = size - *got < ISC_CHUNK ? (size_t)(size - *got) : ISC_CHUNK;
@@ -210,6 +218,8 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash
                 cur_lowat = lowat, *lowat_set = 1;
             struct pollfd p = {sock, POLLIN, 0};
             long long t0 = mono_ms();
+            if (began == 0)
+                began = t0, seen = 0;
             int left_ms = ms_left(stall_ms, &waiting), wait_ms = left_ms;
             if (cur_lowat > 1 && stall_ms > 0) {
                 /* A low-water mark above 1 hides bytes that came, fewer than it, from poll: a
@@ -225,9 +235,11 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash
             pace_waited(&kept, t0);
             if (r == 0) {
                 int queued = 0;
-                if (cur_lowat > 1 && ioctl(sock, FIONREAD, &queued) == 0 && queued > 0) {
-                    trickle = 1; /* (from now on woken by any byte) */
-                    waiting = 0; /* (they came since the last look: at most a quarter ago) */
+                if (cur_lowat > 1 && ioctl(sock, FIONREAD, &queued) == 0 && queued > seen) {
+                    seen = queued;
+                    waiting = 0; /* (bytes came since the last look: at most a quarter ago) */
+                    if (mono_ms() - began >= stall_ms)
+                        trickle = 1; /* (slower than the mark per stall time: woken by any) */
                     continue;
                 }
                 if (left_ms > wait_ms)
@@ -258,8 +270,8 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash
             done += (size_t)w;
         }
         *got += (uint64_t)n;
-        waiting = 0;
-        int slow = pace_came(&kept, (uint64_t)n, stall_ms);
+        waiting = 0, began = 0;
+        int slow = pace_came(&kept, (uint64_t)n, stall_ms, sock);
         if (slow != 0 && *got < size)
             return slow;
     }
@@ -281,7 +293,7 @@ static int recv_head(int sock, char *buf, size_t len, int first_ms, int stall_ms
         if (n > 0) {
             *have += (size_t)n;
             waiting = 0;
-            int slow = pace_came(kept, (uint64_t)n, stall_ms);
+            int slow = pace_came(kept, (uint64_t)n, stall_ms, sock);
             if (slow != 0 && *have < len)
                 return slow;
             continue;

@@ -50,6 +50,7 @@ def archive_stream(
     client: Client | None = None,
     progress: bool = False,
     lifeline: int | None = None,
+    lock: int | None = None,
 ) -> ArchiveReport:
     """Append every frame of ``stream`` to ``path`` until the stream ends.
 
@@ -80,6 +81,10 @@ def archive_stream(
         holds (a producer's ``archive=``). Once no process holds the write end — that
         process died, however — the archiver takes the frames published by then and
         stops (``ended`` false in the report): the stream would never end.
+    lock
+        The file's writer lock (:func:`~instride.archive.base.lock_writer`'s descriptor),
+        taken already by the process that started this archiver (a producer's ``archive=``):
+        held from here on, let go of when this returns or raises.
 
     Returns
     -------
@@ -99,28 +104,34 @@ def archive_stream(
         readers must close it first); a frame does not fit the archive (another atom count or
         coordinate type): the file keeps every frame before it.
     """
-    client = client or get_client()
     dest = Path(path).resolve()
     start = time.monotonic()
-    check_format(dest)
-    key = client.key(stream)
-    # the run whose frames are archived: a file of another run is refused (and a new file
-    # records it; not known before a producer started, then taken with the first frame)
-    probe = Stream(stream, client=client)
     try:
-        run = probe.run_id()
-    finally:
-        probe.close()
-    if dest.exists():  # not this stream's archive (or run): refused before the group is registered
-        held = open_reader(dest, key)
+        client = client or get_client()
+        check_format(dest)
+        key = client.key(stream)
+        # the run whose frames are archived: a file of another run is refused (and a new file
+        # records it; not known before a producer started, then taken with the first frame)
+        probe = Stream(stream, client=client)
         try:
-            check_run(key, dest, held.run(), len(held.indices()), run)
+            run = probe.run_id()
         finally:
-            held.close()
+            probe.close()
+        if dest.exists():  # not this stream's archive (or run): refused before the group
+            held = open_reader(dest, key)
+            try:
+                check_run(key, dest, held.run(), len(held.indices()), run)
+            finally:
+                held.close()
+    except BaseException:
+        if lock is not None:
+            unlock_writer(dest, lock)  # (given, and refused before a writer took it over)
+        raise
     # The file's writer lock (an flock beside it: the file untouched), then the group, then
     # the file: an archiver refused at the lock registers no group, which would hold the
     # stream's frames for ever (a producer under "block" would wait for it)
-    lock = lock_writer(dest, key)
+    if lock is None:
+        lock = lock_writer(dest, key)
     writer = None
     if dest.exists():
         # An existing file is resumed, with every check, before the group is registered: a

@@ -122,7 +122,7 @@ class Client:
         # deadline would ever pass, a wait for a lock would not end)
         try:
             return parse_timeout(timeout, "timeout")
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             if isinstance(exc, ConfigError):
                 raise
             raise ConfigError("timeout", timeout, "not a number of seconds") from None

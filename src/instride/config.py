@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 from .errors import ConfigError, redact_url
 
@@ -266,6 +267,67 @@ def _str_or_none(name: str, raw: str | None) -> str | None:
     return strip(raw or "") or None
 
 
+def parse_redis_url(url: str, name: str = "INSTRIDE_REDIS_URL", *, tcp: bool = False) -> str:
+    """Return ``url`` if it names a Redis server, else raise (redis-py raised a bare
+    ``ValueError`` at the first use of some, and read ``redis://host/abc`` as database 0).
+
+    Parameters
+    ----------
+    url
+        ``redis://[[user]:password@]host[:port][/db]`` (``rediss://``: TLS), or
+        ``unix:///path/to/socket[?db=N]``.
+    name
+        The setting named in the error.
+    tcp
+        Refuse ``unix://`` (a Redis every node reaches over TCP).
+
+    Returns
+    -------
+    str
+        ``url``, unchanged.
+
+    Raises
+    ------
+    ConfigError
+        Another scheme, no host (no socket path), a port that is not a number from 1 to
+        65535, or a database that is not a number. The password is not shown.
+    """
+    expected = ("expected redis://[:password@]host[:port][/db]" if tcp else
+                "expected redis://[:password@]host[:port][/db] or unix:///socket[?db=N]")
+    try:
+        shown = redact_url(url)
+    except ValueError:  # not even split: hide whatever precedes the host
+        shown = ("***@" + url.rpartition("@")[2]) if "@" in url else url
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+        query = dict(parse_qsl(parts.query))
+    except ValueError as exc:
+        raise ConfigError(name, shown, f"{exc}; {expected}") from None
+    if parts.scheme == "unix" and not tcp:
+        if not parts.path:
+            raise ConfigError(name, shown, f"no socket path; {expected}")
+        db = query.get("db", "")
+    elif parts.scheme in ("redis", "rediss"):
+        if not parts.hostname:
+            raise ConfigError(name, shown, f"no host; {expected}")
+        if port == 0:
+            raise ConfigError(name, shown, "port 0; expected a TCP port (1-65535)")
+        db = parts.path[1:] if parts.path.startswith("/") else parts.path
+        db = db or query.get("db", "")
+    else:
+        raise ConfigError(name, shown, expected + (" (every node connects to it over TCP)"
+                                                   if tcp else ""))
+    if db and not (db.isascii() and db.isdigit()):
+        raise ConfigError(name, shown, f"the database {db!r} is not a number; {expected}")
+    return url
+
+
+def _redis_url(name: str, raw: str | None) -> str | None:
+    url = strip(raw or "")
+    return parse_redis_url(url, name) if url else None
+
+
 def _token(name: str, raw: str | None) -> str | None:
     return raw or None  # taken as is: a token may hold any character
 
@@ -373,7 +435,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("INSTRIDE_DIR", "dir", _dir,
              "/dev/shm/instride-<uid> (${TMPDIR:-/tmp}/instride-<uid> if /dev/shm is unusable)",
              "the managed directory of this node"),
-    Variable("INSTRIDE_REDIS_URL", "redis_url", _str_or_none, "unset",
+    Variable("INSTRIDE_REDIS_URL", "redis_url", _redis_url, "unset",
              "set: cluster mode (metadata in Redis); unset: local mode"),
     Variable("INSTRIDE_TOKEN", "token", _token, "unset",
              "job token; every cluster request carries an HMAC of it"),

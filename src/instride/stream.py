@@ -797,14 +797,36 @@ class Stream:
             raise ArchiveError(self.name, archive,
                                "the file exists: it holds an earlier run of the stream (or "
                                "another file); remove it, or pass overwrite=True to replace it")
-        if archive is not None and self.overwrite:
-            from .archive.base import remove_earlier_run
+        lock = None
+        if archive is not None:
+            from .archive.base import lock_writer, remove_earlier_run, unlock_writer
 
-            # An earlier run's archive: resumed, it would keep that run's frames and skip this
-            # one's as far as that run went. Only this stream's, and not while an archiver
-            # writes it (another stream's was removed, also under its live archiver); refused
-            # before anything is touched.
-            remove_earlier_run(archive, self.name)
+            # The file's writer lock, taken here and handed to the archiver: the file is this
+            # producer's from now on. Taken by the archiver process alone, another producer's
+            # archiver could take it first, in the moments before this one's had started.
+            # (of the file the archiver writes: a link's target, as the archiver resolves it)
+            target = Path(archive).resolve()
+            lock = lock_writer(target, self.name)
+            try:
+                if self.overwrite:
+                    # An earlier run's archive: resumed, it would keep that run's frames and
+                    # skip this one's as far as that run went. Only this stream's (another
+                    # stream's was removed, also under its live archiver); refused before
+                    # anything is touched.
+                    remove_earlier_run(target, self.name, lock)
+            except BaseException:
+                unlock_writer(target, lock)
+                raise
+        try:
+            self._start_run(archive, lock)
+        except BaseException:
+            if lock is not None and self._archiver is None:
+                unlock_writer(target, lock)
+            raise
+
+    def _start_run(self, archive: str | None, lock: int | None) -> None:
+        """:meth:`_start_producing` once the archive file is this producer's (``lock``: its
+        writer lock, handed to the archiver started here)."""
         earlier: list[str] = []
         if self.overwrite:
             # A re-run under the same name: its consumers must see neither the old run's end
@@ -833,10 +855,10 @@ class Stream:
         self._final_b = os.fsencode(str(frame_dir)).replace(b"%", b"%%") + os.fsencode(
             "/" + FRAME_FORMAT.replace("{:09d}", "%09d"))
         self._pool = SlotPool(pool_dir, recycle=self.policy.bounded)
-        if self.policy.archive is not None:
+        if archive is not None:
             from .archive import start_archiver
 
-            self._archiver = start_archiver(self.name, self.policy.archive, self.client)
+            self._archiver = start_archiver(self.name, archive, self.client, lock=lock)
 
     def _refuse_an_earlier_run(self) -> None:
         """A write-once stream whose name holds an earlier run (its end marker, or its last

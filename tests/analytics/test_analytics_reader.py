@@ -503,3 +503,31 @@ def test_a_frame_that_never_comes_times_out_once(managed_dir: Path, adk) -> None
     finally:
         reader.close()
         producer.close()
+
+
+def test_a_timeout_the_reader_names_again_keeps_its_cause(managed_dir: Path, adk) -> None:
+    """The reader names the whole wait in a read's ``ConsumeTimeout``; raised again without
+    its cause, a timeout because Redis was out of reach (the cause: ``MetadataUnavailable``)
+    made ``instride`` exit 3 (timeout) instead of 6 (unavailable)."""
+    from instride.errors import MetadataUnavailable
+
+    producer = instride.Stream("causal", mode="w")
+    producer.append(adk.atoms.positions, step=0)
+    reader = InstrideReader("instride://causal", n_atoms=adk.atoms.n_atoms, timeout=0.3)
+    stream = reader._reopened()
+
+    def unreachable(index: int, timeout: float | None = None) -> None:
+        try:
+            raise MetadataUnavailable("redis://node:6379/0", "connection refused")
+        except MetadataUnavailable as exc:
+            raise ConsumeTimeout(stream.frame_key(index), 0.0) from exc
+
+    stream.read = unreachable  # type: ignore[method-assign]
+    try:
+        with pytest.raises(ConsumeTimeout) as info:
+            reader._fetch(1, wait=True)
+        assert isinstance(info.value.__cause__, MetadataUnavailable)
+    finally:
+        reader.close()
+        producer.close()
+

@@ -349,22 +349,43 @@ def test_overwrite_replaces_only_the_streams_own_archive(managed_dir: Path,
     rd.close()
 
 
+def test_overwrite_onto_a_link_to_nothing_makes_the_archive(managed_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """``archive=`` a symbolic link to a file not made yet, with ``overwrite=True``: there is
+    nothing to replace, and the first fix refused it ("no such file"); the archive is made
+    where the link points."""
+    link = tmp_path / "link.h5"
+    link.symlink_to(tmp_path / "target.h5")
+    with instride.Stream("linked", mode="w", overwrite=True, archive=link, timeout=60) as s:
+        for i in range(3):
+            s.append(_pos(i), step=i)
+    rd = open_reader(tmp_path / "target.h5")
+    assert list(rd.indices()) == [0, 1, 2]
+    rd.close()
+    assert not list(tmp_path.glob(".*.lock"))  # (the lock let go of, its file removed)
+
+
 def test_overwrite_leaves_an_archive_its_archiver_writes(managed_dir: Path,
                                                          tmp_path: Path) -> None:
     """A producer with ``overwrite=True`` naming the file a live archiver writes removed it
     before its own archiver found the lock taken: the running stream's archive was lost
-    (and its close failed, "no such file"). Refused now, the file and its archiver untouched."""
+    (and its close failed, "no such file"). Refused now, the file and its archiver untouched
+    -- also before that archiver's process has started (a review of the first fix: its
+    archiver took the lock, and another producer's could take it first)."""
     dest = tmp_path / "live.h5"
     live = instride.Stream("live", mode="w", archive=dest, timeout=60)
     try:
-        for i in range(3):
-            live.append(_pos(i), step=i)
-        with pytest.raises(ArchiveError, match="another archiver is writing it"):
-            with instride.Stream("intruder", mode="w", overwrite=True, archive=dest,
-                                 timeout=60) as s:
-                s.append(_pos(9), step=0)
-        assert dest.exists()
-        for i in range(3, 5):
+        live.append(_pos(0), step=0)
+        # at once (its archiver process may not have started: the producer took the file's
+        # lock itself, and hands it over), then once the archiver has made the file
+        for made in (False, True):
+            while made and not dest.exists():
+                time.sleep(0.01)
+            with pytest.raises(ArchiveError, match="another archiver is writing it"):
+                with instride.Stream(f"intruder{made:d}", mode="w", overwrite=True,
+                                     archive=dest, timeout=60) as s:
+                    s.append(_pos(9), step=0)
+        for i in range(1, 5):
             live.append(_pos(i), step=i)
     finally:
         live.close()
@@ -477,14 +498,22 @@ def test_an_index_row_without_its_frame_is_no_frame(managed_dir: Path, tmp_path:
 
 
 def test_a_dead_archiver_fails_its_producer(managed_dir: Path, tmp_path: Path) -> None:
-    """The archiver a stream started exits at once (its file is no archive): the producer,
-    whose retention waits for the archive group, fails with ArchiveError and the archiver's
-    words (it waited its whole timeout, or for ever, for a group nobody would move)."""
+    """The archiver a stream started dies: the producer, whose retention waits for the
+    archive group, fails with ArchiveError and the archiver's status (it waited its whole
+    timeout, or for ever, for a group nobody would move). A file whose writer's lock cannot
+    be taken is refused at the first append, by the producer itself (it takes the lock
+    before its archiver starts, and hands it over)."""
     (tmp_path / ".x.h5.lock").mkdir()  # (its writer's lock file cannot be made: EISDIR)
-    junk = tmp_path / "x.h5"
-    s = instride.Stream("deadarch", mode="w", retain=2, archive=junk, timeout=30)
+    s = instride.Stream("nolock", mode="w", retain=2, archive=tmp_path / "x.h5", timeout=30)
+    with pytest.raises(ArchiveError, match="cannot make its writer's lock file"):
+        s.append(_pos(0), step=0)
+    s.abandon()
+    s = instride.Stream("deadarch", mode="w", retain=2, archive=tmp_path / "y.h5", timeout=30)
+    s.append(_pos(0), step=0)
+    assert s._archiver is not None
+    s._archiver.kill()
     with pytest.raises(ArchiveError, match="exited with status"):
-        for i in range(10):
+        for i in range(1, 10):
             s.append(_pos(i), step=i)
     s.abandon()
 

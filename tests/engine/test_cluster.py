@@ -110,6 +110,32 @@ def test_a_copys_name_never_appears_before_its_sidecar(
     assert c2.engine.cached_version("rf/side.bin") == second.version
 
 
+def test_an_original_another_node_overwrote_is_not_served_here(
+        clients: list[instride.Client]) -> None:
+    """Node 2 published a key over node 1's original (``overwrite=True``): node 1 served its
+    own file, the old bytes, for good (an original was served without a look at its record).
+    Its readers get node 2's bytes now (the original set aside for the copy); once node 1
+    publishes the key again, its own new original is served."""
+    c1, c2 = clients[0], clients[1]
+    with c1.open("sup/k.bin", "wb") as fh:
+        fh.write(b"one's")
+    with c2.open("sup/k.bin", "wb", overwrite=True) as fh:
+        fh.write(b"two's, later")
+    assert c1.consume("sup/k.bin", timeout=10).read_bytes() == b"two's, later"
+    with c1.open("sup/k.bin") as fh:
+        assert fh.read() == b"two's, later"
+    assert c1.engine.cached_copy("sup/k.bin") is not None  # (a copy now, of node 2's)
+    with c1.open("sup/k.bin", "wb", overwrite=True) as fh:
+        fh.write(b"one's again")
+    assert c1.consume("sup/k.bin", timeout=10).read_bytes() == b"one's again"
+    assert c2.consume("sup/k.bin", timeout=10).read_bytes() == b"one's again"
+    with c2.open("sup/k.bin", "wb", overwrite=True) as fh:  # (ready(), as open() uses it)
+        fh.write(b"two's, last")
+    assert c1.exists("sup/k.bin")
+    with c1.open("sup/k.bin") as fh:
+        assert fh.read() == b"two's, last"
+
+
 def test_a_publication_redis_never_answered_keeps_its_file_and_is_settled_by_registering(
     nodes: list[LoopbackNode],
 ) -> None:

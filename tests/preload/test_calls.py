@@ -16,7 +16,7 @@ from .conftest import Builder, Shim
 SCENARIOS = [
     "open", "open64", "openat", "openat64", "relative", "creat", "fopen", "freopen", "dup",
     "rdwr", "rename", "rename_open", "fork", "vfork", "eexist", "refuse", "timeout", "unmanaged",
-    "ifd_closed", "fortran", "mmap", "mkstemp",
+    "ifd_closed", "fortran", "mmap", "mkstemp", "rdonly_creat",
 ]
 
 

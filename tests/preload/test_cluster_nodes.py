@@ -72,6 +72,26 @@ def test_python_without_instride_across_nodes(nodes: EmulatedCluster) -> None:
     assert finish(r).decode().split("\n")[:2] == ["from node 1 ", "False"]
 
 
+def test_a_read_only_create_reads_another_nodes_key_or_makes_it(nodes: EmulatedCluster,
+                                                                  tmp_path: Path) -> None:
+    """``open(O_RDONLY|O_CREAT)`` (util-linux ``flock(1)``'s lock file) waited for good for a
+    key not published yet. A key published on another node is read (never an empty one made
+    over it); a key published nowhere is made here, empty, and published at the close."""
+    src = tmp_path / "p.txt"
+    src.write_bytes(b"node 1's")
+    run(nodes, 1, ["cp", src, nodes.node(1).dir / "rc" / "pub.txt"])
+    reader = ("import os, sys; fd = os.open(sys.argv[1], os.O_RDONLY | os.O_CREAT, 0o644); "
+              "sys.stdout.buffer.write(os.read(fd, 100)); os.close(fd)")
+    out = run(nodes, 2, [sys.executable, "-I", "-c", reader, nodes.node(2).dir / "rc" / "pub.txt"],
+              INSTRIDE_TIMEOUT="5")
+    assert out == b"node 1's"
+    out = run(nodes, 2, [sys.executable, "-I", "-c", reader,
+                         nodes.node(2).dir / "rc" / "new.lock"], INSTRIDE_TIMEOUT="5")
+    assert out == b""
+    assert run(nodes, 1, ["cat", nodes.node(1).dir / "rc" / "new.lock"],
+               INSTRIDE_TIMEOUT="5") == b""
+
+
 def test_c_scenarios_through_the_real_server(nodes: EmulatedCluster, build: Builder,
                                              tmp_path: Path) -> None:
     exe = build("calls.c")

@@ -329,3 +329,25 @@ def test_lexical_normalization(shim: Shim) -> None:
     )
     shim.py(code, check=True)
     assert sibling.read_text() == "x"
+
+
+def test_a_reader_waiting_while_a_directory_above_is_renamed_gets_the_key(shim: Shim) -> None:
+    """A reader waits for ``run/sub/k``; ``run`` is renamed away (a restart's clean-up) and a
+    new ``run/sub`` made, where the key is then published. The wait's watch went with the old
+    directory, which gets no events: the reader slept for good. It looks every second now
+    whether the directory at the path is still the one it watches."""
+    (shim.dir / "run" / "sub").mkdir(parents=True)
+    reader = shim.with_env(INSTRIDE_TIMEOUT="20").popen(["cat", shim.dir / "run" / "sub" / "k"])
+    try:
+        time.sleep(0.5)  # (waiting)
+        (shim.dir / "run").rename(shim.dir / "run_old")
+        (shim.dir / "run" / "sub").mkdir(parents=True)
+        shim.run(["sh", "-c", f"printf published > {shim.dir / 'run' / 'sub' / 'k'}"],
+                 check=True)
+        out, err = reader.communicate(timeout=10)
+        assert (reader.returncode, out) == (0, b"published"), err
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.communicate()
+

@@ -399,3 +399,21 @@ def test_a_second_interrupt_during_the_clean_up_still_removes_the_watched_dirs(
         client.consume("a/b/c/key", timeout=30)
     assert not (managed_dir / "a").exists()
 
+
+def test_a_wait_while_a_directory_above_is_renamed_gets_the_key(managed_dir: Path) -> None:
+    """``run`` renamed away while a consumer waits for ``run/sub/k``, a new ``run/sub`` made
+    and the key published there: the watch had gone with the old directory, and the wait
+    slept until its timeout. It looks every second whether its directory moved."""
+    (managed_dir / "run" / "sub").mkdir(parents=True)
+    client = instride.Client(instride.Settings.from_env({"INSTRIDE_DIR": str(managed_dir)}))
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(client.consume("run/sub/k", timeout=20)))
+    waiter.start()
+    time.sleep(0.3)  # (waiting)
+    (managed_dir / "run").rename(managed_dir / "run_old")
+    (managed_dir / "run" / "sub").mkdir(parents=True)
+    with client.open("run/sub/k", "wb") as fh:
+        fh.write(b"k")
+    waiter.join(10)
+    assert not waiter.is_alive() and got == [managed_dir / "run" / "sub" / "k"]
+

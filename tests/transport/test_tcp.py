@@ -1572,6 +1572,53 @@ def test_a_body_that_comes_slowly_but_steadily_is_not_stalled(reply_pair: tuple)
             transport._reply_into(ours, HINT, 1.0, into, 0)
 
 
+_STOPPED_RECEIVER = """
+import ctypes, socket, sys
+from instride.transport.tcp.engine import load_library
+lib = load_library()
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+size = int(sys.argv[2])
+buf = ctypes.create_string_buffer(size)
+hexd, got = ctypes.create_string_buffer(17), ctypes.c_uint64(0)
+print("ready", flush=True)
+rc = lib.isc_recv_mem(sock.fileno(), ctypes.addressof(buf), size, 0, 500, hexd, ctypes.byref(got))
+print(rc, got.value, hexd.value.decode() or "-", flush=True)
+"""
+
+
+def test_a_receiver_that_did_not_run_is_not_cut_as_too_slow() -> None:
+    """The pace counted a receiver's time stopped (``SIGSTOP``, a debugger, a frozen VM) as
+    waiting, and judged it on the one piece it took on resuming: a transfer with megabytes
+    queued behind that piece was cut as "too slow". Bytes already in the socket count as
+    come now."""
+    body = os.urandom(16 << 20)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        child = subprocess.Popen([sys.executable, "-c", _STOPPED_RECEIVER,
+                                  str(listener.getsockname()[1]), str(len(body))],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            conn, _ = listener.accept()
+            assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+            time.sleep(0.2)  # (in its wait for the body's bytes: stopped there)
+            stop_process(child.pid)
+            sender = threading.Thread(target=conn.sendall, args=(body,), daemon=True)
+            sender.start()  # (at full speed, into its socket, until the buffers are full)
+            time.sleep(2.5)  # (five stall times: 160 KiB due, more than the one piece taken)
+            os.kill(child.pid, signal.SIGCONT)
+            rc, got, digest = child.stdout.readline().split()
+            sender.join(10)
+            assert (int(rc), int(got)) == (0, len(body))
+            assert digest == xxhash.xxh3_64_hexdigest(body)
+        finally:
+            os.kill(child.pid, signal.SIGCONT)
+            child.kill()
+            child.wait(10)
+            assert child.stdout is not None
+            child.stdout.close()
+            with contextlib.suppress(NameError):
+                conn.close()
+
+
 def test_a_silence_after_bytes_below_the_low_water_mark_is_a_stall_in_time(
         reply_pair: tuple) -> None:
     """The native receive sleeps until a large piece is there (a low-water mark), and looked

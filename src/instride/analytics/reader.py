@@ -333,7 +333,7 @@ class InstrideReader(ReaderBase):
             if not waited:
                 raise
             # (the read's own wait was only what was left: the error names the whole wait)
-            raise ConsumeTimeout(exc.key, waited + exc.waited) from None
+            raise ConsumeTimeout(exc.key, waited + exc.waited) from exc.__cause__
         self.read_seconds += time.perf_counter() - t0
         self._count = max(self._count, index + 1)  # a stream is published in order
         self.frame_nbytes = frame_bytes(frame)

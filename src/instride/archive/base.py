@@ -94,33 +94,37 @@ def open_writer(path: str | os.PathLike[str], stream: str, *,
     return writer(Path(path), stream, lock=lock, run=run)  # type: ignore[no-any-return]
 
 
-def remove_earlier_run(path: str | os.PathLike[str], stream: str) -> None:
+def remove_earlier_run(path: str | os.PathLike[str], stream: str, lock: int) -> None:
     """Remove ``stream``'s archive ``path`` for a new run of the stream (``overwrite=True``:
     resumed, it would keep the earlier run's frames). Only an archive of that very stream, and
-    only while no archiver writes it: the removal holds the file's writer lock.
+    only under the file's writer lock ``lock`` (:func:`lock_writer`, taken by the caller, who
+    keeps it): no archiver writes it meanwhile. Nothing there (a link to nothing, too): nothing
+    to remove.
 
     Raises
     ------
     ArchiveError
-        Another archiver writes the file, or it is not an archive of ``stream`` (not a regular
-        file, not an archive, another stream's, one that names no stream): it is left as it
-        is.
+        It is not an archive of ``stream`` (not a regular file, not an archive, another
+        stream's, one that names no stream, one this process or another holds open so that
+        it cannot be looked at), or it cannot be removed: it is left as it is.
     """
     path = Path(path)
-    if not os.path.lexists(path):
+    if not os.path.exists(path):
         return
-    writer = _classes(path)[0]
-    lock = lock_writer(path, stream)
     try:
-        try:
-            writer.check_own(path, stream)
-        except ArchiveError as exc:
-            raise ArchiveError(stream, path, "cannot replace it with overwrite=True, left as "
-                                             f"it is: {exc.detail}", busy=exc.busy) from None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-    finally:
-        unlock_writer(path, lock)
+        _classes(path)[0].check_own(path, stream)
+    except ArchiveError as exc:
+        if not os.path.exists(path):  # (gone meanwhile: nothing to keep)
+            return
+        raise ArchiveError(stream, path, "cannot replace it with overwrite=True, left as it "
+                                         f"is: {exc.detail}", busy=exc.busy) from None
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # (a read-only file system, an immutable file: named, typed)
+        raise ArchiveError(stream, path, f"cannot replace it with overwrite=True: "
+                                         f"{exc.strerror}") from None
 
 
 def check_format(path: str | os.PathLike[str]) -> None:

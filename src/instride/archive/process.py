@@ -28,9 +28,13 @@ class ArchiverProcess(subprocess.Popen):  # type: ignore[type-arg]
             os.close(fd)
 
 
-def start_archiver(stream: str, path: str | os.PathLike[str], client: Client) -> ArchiverProcess:
+def start_archiver(stream: str, path: str | os.PathLike[str], client: Client, *,
+                   lock: int | None = None) -> ArchiverProcess:
     """Start ``instride archive STREAM --to PATH`` as a process with the client's settings,
-    tied to this process by a lifeline (see :class:`ArchiverProcess`)."""
+    tied to this process by a lifeline (see :class:`ArchiverProcess`). ``lock``: the file's
+    writer lock (:func:`~instride.archive.base.lock_writer`), taken by the caller and handed to
+    the archiver (``--lock-fd``), which holds it from then on; the caller's descriptor of it is
+    closed here, once the archiver has it (not before: a failed start leaves it the caller's)."""
     s = client.settings
     env = dict(os.environ, INSTRIDE_DIR=str(s.dir), INSTRIDE_NODE=s.node, INSTRIDE_ADDR=s.addr)
     for name, value in (("INSTRIDE_REDIS_URL", s.redis_url), ("INSTRIDE_TOKEN", s.token)):
@@ -46,10 +50,11 @@ def start_archiver(stream: str, path: str | os.PathLike[str], client: Client) ->
             # (no timeout of its own: INSTRIDE_TIMEOUT, inherited, ended it where frames came
             # slower than that; the lifeline tells it that its producer is gone)
             [sys.executable, "-m", "instride", "archive", stream, "--to", os.fspath(path),
-             "--lifeline", str(read_end), "--timeout", "inf"],
+             "--lifeline", str(read_end), "--timeout", "inf",
+             *(["--lock-fd", str(lock)] if lock is not None else [])],
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             preexec_fn=_sigterm_default,  # as it may be where the producer was started)
-            pass_fds=(read_end,),
+            pass_fds=(read_end,) if lock is None else (read_end, lock),
             # (a session of its own: a terminal's Ctrl-C, sent to the producer's process group,
             # killed it too — a producer that catches it and ends its run cleanly then had an
             # archive short of the end)
@@ -61,6 +66,8 @@ def start_archiver(stream: str, path: str | os.PathLike[str], client: Client) ->
     finally:
         os.close(read_end)
     proc.lifeline = write_end
+    if lock is not None:
+        os.close(lock)  # (the archiver's copy holds the lock: one open file description)
     return proc
 
 

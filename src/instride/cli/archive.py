@@ -28,7 +28,8 @@ def cmd_archive(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stop)
     try:
         report = archive_stream(args.stream, args.to, group=args.group, timeout=args.timeout,
-                                progress=not args.quiet, lifeline=args.lifeline)
+                                progress=not args.quiet, lifeline=args.lifeline,
+                                lock=args.lock_fd)
     except _Stopped:
         _say(f"archive of {args.stream}: stopped (SIGTERM); a restart resumes it")
         return 0
@@ -48,7 +49,7 @@ def _say(text: str) -> None:
 
 
 def _lifeline(text: str) -> int:
-    """``--lifeline``: an open file descriptor."""
+    """``--lifeline``, ``--lock-fd``: an open file descriptor."""
     try:
         fd = int(text)
         os.fstat(fd)
@@ -73,6 +74,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="seconds to wait for each frame; 0: do not wait; inf: forever "
                    "(default: INSTRIDE_TIMEOUT, else forever)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p.add_argument("--lock-fd", type=_lifeline, default=None, metavar="FD",
+                   help="the archive file's writer lock, held already (an inherited "
+                   "descriptor of its .FILE.lock, flock'ed: a producer's archive= passes it, "
+                   "so that no other archiver takes the file before this one started)")
     p.add_argument("--lifeline", type=_lifeline, default=None, metavar="FD",
                    help="the read end of a pipe (an inherited descriptor): once no process "
                    "holds its write end, take the frames published by then and stop, exit "

@@ -299,7 +299,8 @@ class ClusterEngine:
         os.replace(tmp, side)
 
     def _store_copy(self, staged: str, path: str, record: Record, *,
-                    since_ns: int | None = None, deadline: float | None = None) -> bool:
+                    since_ns: int | None = None, deadline: float | None = None,
+                    superseded: tuple[int, int] | None = None) -> bool:
         """Give the fetched bytes in ``staged`` the key's name, and their version a sidecar,
         under the key's store lock (:meth:`_storing`, bounded by ``deadline``); whether it
         did.
@@ -326,6 +327,9 @@ class ClusterEngine:
         stopped meanwhile (see :meth:`_lock`) — of a later publication of the key stays:
         nothing is stored, so that a fetch resumed late never sets the node's copy back to an
         earlier publication; nor does an original this node published since then give way.
+        ``superseded`` (device, inode): an original the record says another node's publication
+        superseded, looked at after ``since_ns``'s clock tick began — that file gives way
+        whatever its change time (a coarse clock gives both one tick).
         """
         key = record.key
         ino = os.stat(staged).st_ino  # (the copy's, named in its sidecar)
@@ -341,7 +345,8 @@ class ClusterEngine:
                                         "node (a directory of keys?): no copy is stored there",
                                         errno.EISDIR if stat.S_ISDIR(seen.st_mode)
                                         else errno.EINVAL)
-                if since_ns is not None and self._stored_later(record, path, since_ns):
+                if since_ns is not None and (seen.st_dev, seen.st_ino) != superseded \
+                        and self._stored_later(record, path, since_ns):
                     return False
                 if not self._set_aside(key, path, seen):
                     return False
@@ -555,7 +560,17 @@ class ClusterEngine:
             return True  # the copy of that very record, stored by this process moments ago
         side = self.cached_copy(key)
         if side is None:
-            return True  # an original produced on this node: no round trip
+            # An original produced on this node, unless a publication of another node
+            # superseded it since (overwrite=True there; or write-once, after a Redis that
+            # lost its data): the record names that node then, and its bytes are fetched.
+            # Served without a look before, the node's readers kept the old bytes for good.
+            # No record at all (deleted, or a Redis restarted without its data): served.
+            if seen is not None and time.monotonic() - seen[0] <= _SEEN_AGE:
+                self._seen.pop(key, None)  # (another thread may have taken it: _take_seen)
+                rec_now: Record | None = seen[1]
+            else:
+                rec_now = self.metadata.lookup(key, deadline)
+            return rec_now is None or self._mine(rec_now.owner)
         if seen is not None and _copy_of(side, seen[1]) and time.monotonic() - seen[0] <= _SEEN_AGE:
             self._seen.pop(key, None)  # (another thread may have taken it: _take_seen)
             rec: Record | None = seen[1]
@@ -610,12 +625,27 @@ class ClusterEngine:
         with self._lock(key, deadline, past_stopped=True):
             since_ns = _file_clock_ns()  # (see _store_copy)
             side = self.cached_copy(key)
-            if os.path.exists(path) and (side is None or _copy_of(side, record)):
-                # another consumer of this node fetched it meanwhile; or a process of this
-                # node published the key itself since the look above (an original, served as
-                # _current serves one): the record read before is no reason to fetch over it
-                return path
-            self._fetch(record, path, since_ns, deadline)
+            superseded = None
+            if os.path.exists(path):
+                if side is not None and _copy_of(side, record):
+                    return path  # (another consumer of this node fetched it meanwhile)
+                if side is None:
+                    # An original: published by a process of this node since the look above
+                    # (the record read before is no reason to fetch over it), or one that a
+                    # publication elsewhere superseded: fetched over, _store_copy sets that
+                    # very file aside (its change time may be this one's clock tick: a newer
+                    # original by it; a publication of this node after this look is another
+                    # file, which stays). The record now tells which.
+                    try:
+                        st = os.stat(path)
+                    except FileNotFoundError:
+                        st = None
+                    current = self.metadata.lookup(key, deadline)
+                    if current is None or self._mine(current.owner):
+                        return path
+                    record = current
+                    superseded = None if st is None else (st.st_dev, st.st_ino)
+            self._fetch(record, path, since_ns, deadline, superseded=superseded)
         self.evict(keep=key)
         return path
 
@@ -656,7 +686,8 @@ class ClusterEngine:
             self._dirs.add(parent)
 
     def _fetch(self, record: Record, path: Path, since_ns: int,
-               deadline: float | None = None) -> None:
+               deadline: float | None = None, *,
+               superseded: tuple[int, int] | None = None) -> None:
         staged = tmp_name(str(path))
         parent = str(path.parent)
         self._parent_made(parent)
@@ -683,7 +714,7 @@ class ClusterEngine:
             t1 = time.monotonic()
             try:
                 stored = self._store_copy(staged, str(path), record, since_ns=since_ns,
-                                          deadline=deadline)
+                                          deadline=deadline, superseded=superseded)
             except BaseException:
                 stored = False
                 raise

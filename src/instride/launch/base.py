@@ -39,9 +39,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-from ..config import DEFAULT_PORT
+from ..config import DEFAULT_PORT, parse_redis_url
 from ..errors import ConfigError, InstrideError, MetadataUnavailable, redact_url
 from ..orphans import Watchdog, become_subreaper, children, dies_with_me, stop_adopted
 
@@ -204,26 +203,7 @@ def check_redis_url(url: str, name: str = "INSTRIDE_REDIS_URL") -> str:
         Another scheme (``unix://`` included), no host, a port that is not a number from 1
         to 65535, or a database that is not a number. The password is not shown.
     """
-    expected = "expected redis://[:password@]host[:port][/db]"
-    try:
-        shown = redact(url)
-    except ValueError:  # not even split: hide whatever precedes the host
-        shown = ("***@" + url.rpartition("@")[2]) if "@" in url else url
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        raise ConfigError(name, shown, f"{exc}; {expected}") from None
-    if parts.scheme not in ("redis", "rediss"):
-        raise ConfigError(name, shown, f"{expected} (every node connects to it over TCP)")
-    if not parts.hostname:
-        raise ConfigError(name, shown, f"no host; {expected}")
-    if port == 0:
-        raise ConfigError(name, shown, "port 0; expected a TCP port (1-65535)")
-    db = parts.path[1:] if parts.path.startswith("/") else parts.path
-    if db and not db.isdigit():
-        raise ConfigError(name, shown, f"the database {db!r} is not a number; {expected}")
-    return url
+    return parse_redis_url(url, name, tcp=True)
 
 
 def redis_client(url: str, timeout: float = 5.0) -> Any:

@@ -39,7 +39,9 @@ from ..errors import ConsumeTimeout
 from ..native import library
 from ..perthread import forks
 
-_MAX_WAIT_MS = 60_000  # one read() at most; longer waits loop (poll() takes an int)
+#: how often a waiter looks whether each directory it watches is still the one at its path
+#: (also the longest single read of a wait; longer waits loop)
+_LOOK_MS = 1000
 _LOST = int(inflags.Q_OVERFLOW)
 _GONE = int(inflags.IGNORED | inflags.DELETE_SELF | inflags.MOVE_SELF)
 _WATCH = inflags.CREATE | inflags.MOVED_TO | inflags.DELETE_SELF | inflags.MOVE_SELF
@@ -59,13 +61,31 @@ class _Watcher(threading.local):
         self.ino: INotify | None = None
         self.forks = -1
         self.wds: OrderedDict[Path, int] = OrderedDict()
+        #: the directory each watch is on (device, inode), wherever it goes
+        self.ids: dict[Path, tuple[int, int]] = {}
 
     def get(self) -> INotify:
         if self.ino is None or self.forks != forks():  # new thread, or a forked child
             self.ino = INotify()
             self.forks = forks()
             self.wds.clear()
+            self.ids.clear()
         return self.ino
+
+    def moved(self, directory: Path) -> bool:
+        """Whether the directory at ``directory`` is no longer the one watched (a directory
+        above it renamed, another made in its place: the watch went with the old one, which
+        gets no events); its watch is dropped then (:meth:`watch` makes one anew)."""
+        held = self.ids.get(directory)
+        try:
+            st = os.stat(directory)
+            now: tuple[int, int] | None = (st.st_dev, st.st_ino)
+        except OSError:
+            now = None
+        if held is not None and now == held:
+            return False
+        self.drop(directory)
+        return True
 
     def watch(self, directory: Path, keep: int = 0) -> None:
         """Watch ``directory`` (the most recently used); the oldest watches beyond
@@ -79,6 +99,9 @@ class _Watcher(threading.local):
             directory.mkdir(parents=True, exist_ok=True)
             try:
                 self.wds[directory] = ino.add_watch(directory, _WATCH)
+                with contextlib.suppress(OSError):
+                    st = os.stat(directory)
+                    self.ids[directory] = (st.st_dev, st.st_ino)
                 break
             except FileNotFoundError:
                 # (another waiter's failed wait removed the empty directory it made, between
@@ -86,13 +109,15 @@ class _Watcher(threading.local):
                 if attempt == 4:
                     raise
         while len(self.wds) > max(self.MAX_WATCHES, keep):
-            _old, wd = self.wds.popitem(last=False)
+            old, wd = self.wds.popitem(last=False)
+            self.ids.pop(old, None)
             with contextlib.suppress(OSError):
                 ino.rm_watch(wd)
 
     def drop(self, directory: Path) -> None:
         """Stop watching ``directory`` (about to be removed)."""
         wd = self.wds.pop(directory, None)
+        self.ids.pop(directory, None)
         if wd is not None:
             with contextlib.suppress(OSError):
                 self.get().rm_watch(wd)
@@ -107,6 +132,7 @@ class _Watcher(threading.local):
         for directory, w in list(self.wds.items()):
             if w == wd:
                 del self.wds[directory]
+                self.ids.pop(directory, None)
                 held = True
                 with contextlib.suppress(OSError):
                     self.get().rm_watch(w)
@@ -130,10 +156,14 @@ class _Watcher(threading.local):
             if now == wd:
                 continue
             del self.wds[directory]
+            self.ids.pop(directory, None)
             with contextlib.suppress(OSError):
                 ino.rm_watch(wd)  # (one that moved away with its directory)
             if now is not None:  # (a new directory at the path: its watch is new too)
                 self.wds[directory] = now
+                with contextlib.suppress(OSError):
+                    st = os.stat(directory)
+                    self.ids[directory] = (st.st_dev, st.st_ino)
 
 
 _watcher = _Watcher()
@@ -356,6 +386,14 @@ _FOUND, _TIMEOUT, _INTERRUPTED, _REARM, _CHECK = range(5)
 _GONE_CAP = 16
 
 
+def _looked(dirs: list[Path]) -> bool:
+    """Whether a watched directory of a wait is no longer the one at its path: a directory
+    above a key's renamed (a restart's clean-up moving the run away, another made in its
+    place) took the watch with it, and the wait slept for good while the key was published
+    at its path. Looked at every :data:`_LOOK_MS` of a wait; the caller arms them again."""
+    return any([_watcher.moved(directory) for directory in dirs])
+
+
 def _sleep(root: str, keys: list[str], full: list[str], confined: bool, timeout: float | None,
            label: str, refuse: Callable[[str], object] | None) -> int:
     start = time.monotonic()
@@ -382,13 +420,13 @@ def _sleep(root: str, keys: list[str], full: list[str], confined: bool, timeout:
     names = {Path(p).name for p in full}
     while True:
         if timeout is None:
-            wait_us = _MAX_WAIT_MS * 1000
+            wait_us = _LOOK_MS * 1000
         else:
             remaining = timeout - (time.monotonic() - start)
             if remaining <= 0:
                 raise ConsumeTimeout(label, time.monotonic() - start)
             # (to the µs: a hybrid-polling reader sleeps until its window opens, not ~1 ms past)
-            wait_us = min(max(1, int(remaining * 1e6)), _MAX_WAIT_MS * 1000)
+            wait_us = min(max(1, int(remaining * 1e6)), _LOOK_MS * 1000)
         wait_ms = max(1, -(-wait_us // 1000))  # (the Python fallback's read: whole ms)
         if lib is not None:  # the hot path: sleep, read and check in C, GIL released
             rc = lib.isl_wait(ino.fileno(), croot, ckeys, len(keys), confined, wait_us,
@@ -410,10 +448,14 @@ def _sleep(root: str, keys: list[str], full: list[str], confined: bool, timeout:
                     rearm = any([_watcher.forget(wd) for wd in gone[: found.value]])
                 wake = True  # (the batch may have named a key too: look)
             else:  # timed out (the loop's clock says whether for good) or a signal
-                continue
+                wake = False
+                rearm = _looked(dirs)
         else:
             wake = rearm = False
-            for ev in ino.read(timeout=wait_ms):  # the cheapest test first: the hot path
+            events = ino.read(timeout=wait_ms)
+            if not events:
+                rearm = _looked(dirs)
+            for ev in events:  # the cheapest test first: the hot path
                 if ev.name in names:
                     wake = True
                 elif ev.mask & _LOST:  # events (maybe IN_IGNORED) were lost

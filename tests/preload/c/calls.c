@@ -178,6 +178,36 @@ static void t_openat(void)
     CHECK(read_all(rfd, buf, sizeof buf) > 0 && strcmp(buf, "via openat\n") == 0);
     close(rfd);
     close(dfd);
+    /* beneath a directory removed since it was opened: ENOENT, as without the library (the
+     * kernel names it "... (deleted)": taken as its path, a key was published under a new
+     * directory of that name) */
+    CHECK(mkdir(mp("openat/gone"), 0777) == 0);
+    dfd = open(mp("openat/gone"), O_RDONLY | O_DIRECTORY);
+    CHECK(dfd >= 0 && rmdir(mp("openat/gone")) == 0);
+    errno = 0;
+    CHECK(openat(dfd, "k", O_WRONLY | O_CREAT | O_TRUNC, 0644) == -1 && errno == ENOENT);
+    CHECK(!exists(mp("openat/gone (deleted)")));
+    close(dfd);
+}
+
+/* O_RDONLY|O_CREAT, as util-linux flock(1) opens its lock file: a missing key is made (empty,
+ * published at the last close), a published one opened; it waited for good before. */
+static void t_rdonly_creat(void)
+{
+    int fd = open(mp("rc/lock"), O_RDONLY | O_CREAT, 0644);
+    CHECK(fd >= 0);
+    struct stat st; /* (published at once, empty: every such open has the one file) */
+    CHECK(stat(mp("rc/lock"), &st) == 0 && st.st_size == 0);
+    CHECK(flock(fd, LOCK_EX) == 0);
+    int other = open(mp("rc/lock"), O_RDONLY | O_CREAT, 0644);
+    CHECK(other >= 0 && flock(other, LOCK_EX | LOCK_NB) == -1 && errno == EWOULDBLOCK);
+    close(other);
+    CHECK(close(fd) == 0);
+    fd = open(mp("rc/lock"), O_RDONLY | O_CREAT, 0644);
+    CHECK(fd >= 0 && flock(fd, LOCK_EX) == 0);
+    close(fd);
+    errno = 0;
+    CHECK(open(mp("rc/lock"), O_RDONLY | O_CREAT | O_EXCL, 0644) == -1 && errno == EEXIST);
 }
 
 static void t_openat64(void)
@@ -888,6 +918,7 @@ int main(int argc, char **argv)
         {"atexit", t_atexit},     {"ifd_closed", t_ifd_closed}, {"fortran", t_fortran},
         {"mmap", t_mmap},         {"mmap_exit", t_mmap_exit}, {"mkstemp", t_mkstemp},
         {"timeout_bad", t_timeout_bad}, {"dup2_eexist", t_dup2_eexist},
+        {"rdonly_creat", t_rdonly_creat},
     };
     for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
         if (strcmp(tests[i].name, argv[1]) == 0) {
