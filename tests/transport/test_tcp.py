@@ -1982,24 +1982,35 @@ def test_an_owner_that_stalls_in_its_reply_header_is_a_transfer_error(
     Python path (a fetch) and the native one (``_reply_into``) alike: a transfer that began
     and did not finish is a ``TransferError``, as for a stall in the body. (Closed there, it
     was a ``TransferError`` on the Python path already, ``PeerUnavailable`` on the native.)"""
+    with _fake_owner(_STALLING, sent, tmp_path, 0.5) as (client, address):
+        rec = Record("st/a.bin", address, 10, "xxh3:0", 1, 0.0)
+        with pytest.raises(TransferError, match="stalled after"):
+            client.fetch_bytes(rec)
+        with pytest.raises(TransferError, match="stalled after"):  # (a held fetch's)
+            client.fetch_when_published(rec, "st/b.bin", -1, 0.2)
+        sock = client.ask_when_published(rec, "st/c.bin", 0.2)
+        with pytest.raises(TransferError, match="stalled after"):  # (native)
+            client.receive_asked(sock, rec, "st/c.bin", -1, 0.2,
+                                 into=memoryview(bytearray(100)))
+
+
+@contextlib.contextmanager
+def _fake_owner(script: str, sent: bytes, tmp_path: Path,
+                connect_timeout: float) -> Iterator[tuple[TcpTransport, str]]:
+    """An owner process running ``script`` (it prints its port, then answers every request
+    with ``sent`` and what the script adds), and a transport whose stall time is
+    ``connect_timeout``: the transport and the owner's address; both stopped after."""
     from instride.config import Settings
 
-    owner = subprocess.Popen([sys.executable, "-c", _STALLING, sent.hex()],
+    owner = subprocess.Popen([sys.executable, "-c", script, sent.hex()],
                              stdout=subprocess.PIPE, text=True)
     try:
         assert owner.stdout is not None
         port = int(owner.stdout.readline())
-        client = TcpTransport(Settings(dir=tmp_path, token=TOKEN, connect_timeout=0.5))
-        rec = Record("st/a.bin", f"127.0.0.1:{port}", 10, "xxh3:0", 1, 0.0)
+        client = TcpTransport(Settings(dir=tmp_path, token=TOKEN,
+                                       connect_timeout=connect_timeout))
         try:
-            with pytest.raises(TransferError, match="stalled after"):
-                client.fetch_bytes(rec)
-            with pytest.raises(TransferError, match="stalled after"):  # (a held fetch's)
-                client.fetch_when_published(rec, "st/b.bin", -1, 0.2)
-            sock = client.ask_when_published(rec, "st/c.bin", 0.2)
-            with pytest.raises(TransferError, match="stalled after"):  # (native)
-                client.receive_asked(sock, rec, "st/c.bin", -1, 0.2,
-                                     into=memoryview(bytearray(100)))
+            yield client, f"127.0.0.1:{port}"
         finally:
             client.close()
     finally:
@@ -2041,35 +2052,20 @@ def test_an_owner_that_drips_its_reply_is_cut_as_too_slow(tmp_path: Path, sent: 
     receive path: the Python header read and the native body into memory (``fetch_bytes``),
     the native receive into a file (``fetch``), the native reply into memory
     (``fetch_when_published``). Nothing is left under the destination."""
-    from instride.config import Settings
-
-    owner = subprocess.Popen([sys.executable, "-c", _DRIPPING, sent.hex()],
-                             stdout=subprocess.PIPE, text=True)
-    try:
-        assert owner.stdout is not None
-        port = int(owner.stdout.readline())
-        client = TcpTransport(Settings(dir=tmp_path, token=TOKEN, connect_timeout=0.4))
-        rec = Record("dr/a.bin", f"127.0.0.1:{port}", 1000, "xxh3:0", 1, 0.0)
-        where = (r"of 1000 bytes" if sent == _BODY_HEAD else
-                 r"(of 60 header bytes|bytes of the reply's header)")  # (Python's, C's)
-        slow = rf"too slow \(under 64 KiB/s\) after \d+ {where}"
-        dest = tmp_path / "copy.bin"
-        try:
-            for fetch in (lambda: client.fetch_bytes(rec), lambda: client.fetch(rec, dest),
-                          lambda: client.fetch_when_published(rec, "dr/a.bin", -1, 0.2,
-                                                              into=memoryview(bytearray(2000)))):
-                began = time.monotonic()
-                with pytest.raises(TransferError, match=slow):
-                    fetch()
-                assert time.monotonic() - began < 5  # (the owner drips for 6 s)
-            assert not dest.exists() and os.listdir(tmp_path) == []
-        finally:
-            client.close()
-    finally:
-        owner.kill()
-        owner.wait(10)
-        assert owner.stdout is not None
-        owner.stdout.close()
+    where = (r"of 1000 bytes" if sent == _BODY_HEAD else
+             r"(of 60 header bytes|bytes of the reply's header)")  # (Python's, C's)
+    slow = rf"too slow \(under 64 KiB/s\) after \d+ {where}"
+    dest = tmp_path / "copy.bin"
+    with _fake_owner(_DRIPPING, sent, tmp_path, 0.4) as (client, address):
+        rec = Record("dr/a.bin", address, 1000, "xxh3:0", 1, 0.0)
+        for fetch in (lambda: client.fetch_bytes(rec), lambda: client.fetch(rec, dest),
+                      lambda: client.fetch_when_published(rec, "dr/a.bin", -1, 0.2,
+                                                          into=memoryview(bytearray(2000)))):
+            began = time.monotonic()
+            with pytest.raises(TransferError, match=slow):
+                fetch()
+            assert time.monotonic() - began < 5  # (the owner drips for 6 s)
+        assert not dest.exists() and os.listdir(tmp_path) == []
 
 
 def test_a_readers_batch_read_from_two_threads_at_once_is_asked_for_once(

@@ -183,26 +183,8 @@ redact = redact_url
 
 
 def check_redis_url(url: str, name: str = "INSTRIDE_REDIS_URL") -> str:
-    """Return ``url`` if it names a Redis server that every node can reach over TCP, else raise.
-
-    Parameters
-    ----------
-    url
-        ``redis://[[user]:password@]host[:port][/db]`` (``rediss://``: TLS).
-    name
-        The setting named in the error.
-
-    Returns
-    -------
-    str
-        ``url``, unchanged.
-
-    Raises
-    ------
-    ConfigError
-        Another scheme (``unix://`` included), no host, a port that is not a number from 1
-        to 65535, or a database that is not a number. The password is not shown.
-    """
+    """:func:`instride.config.parse_redis_url` for a Redis every node reaches over TCP
+    (``unix://`` refused): ``url`` unchanged, else :class:`ConfigError`."""
     return parse_redis_url(url, name, tcp=True)
 
 
