@@ -7,6 +7,7 @@
  *     PUBLISH <key>\n                  ->  OK <path>\n | ERR <errno> <msg>\n
  *     OVERWRITE <key>\n                ->  OK <path>\n | ERR <errno> <msg>\n
  *     DELETE <key>\n                   ->  OK <path>\n | ERR <errno> <msg>\n
+ *     LOOKUP <key>\n                   ->  OK 1\n (published) | OK 0\n | ERR <errno> <msg>\n
  *
  * A CONSUME's timeout bounds the wait for the key's publication, not the fetch of its bytes
  * from its owner node that follows (a large file on a slow link may take longer). While such a
@@ -285,7 +286,17 @@ int ins_agent_consume(const char *key, char open_path[PATH_MAX])
     return ins_agent_consume_ms(key, open_path, ins_consume_timeout_ms(), ins_reply_wait_ms());
 }
 
-int ins_agent_consume_now(const char *key, char open_path[PATH_MAX])
+int ins_agent_lookup(const char *key)
 {
-    return ins_agent_consume_ms(key, open_path, 0, INS_GRACE_MS);
+    if (!ins_key_ok(key))
+        return -1;
+    char req[PATH_MAX + 64], reply[PATH_MAX + 128];
+    snprintf(req, sizeof req, "LOOKUP %s\n", key);
+    if (ins_agent_request(req, reply, sizeof reply, INS_GRACE_MS, 0) != 0)
+        return -1;
+    if (strcmp(reply, "OK 1") == 0 || strcmp(reply, "OK 0") == 0)
+        return reply[3] == '1';
+    if (ins_agent_reply(key, reply, NULL) != 0)
+        return -1;
+    return ins_fail(EIO, "malformed reply from the node server: %.100s", reply);
 }

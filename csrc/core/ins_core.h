@@ -180,9 +180,9 @@ INS_HIDDEN void ins_clear_message(void);
 
 /* CONSUME: the server waits/fetches; copies the local path to open into open_path. */
 INS_HIDDEN int ins_agent_consume(const char *key, char open_path[PATH_MAX]);
-/* ins_agent_consume without a wait: the key as published now (fetched here if need be), or
- * -1 ETIMEDOUT when it is not. */
-INS_HIDDEN int ins_agent_consume_now(const char *key, char open_path[PATH_MAX]);
+/* Whether the key is recorded (published) now: 1, 0, or -1 with errno (the server or Redis
+ * out of reach: never taken for "not published"). */
+INS_HIDDEN int ins_agent_lookup(const char *key);
 /* PUBLISH (overwrite = 0: write-once across the cluster) or OVERWRITE. */
 INS_HIDDEN int ins_agent_publish(const char *key, int overwrite);
 /* DELETE: the key's file on this node was removed; the server deletes the key's record where

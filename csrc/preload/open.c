@@ -102,15 +102,20 @@ fail:
 }
 
 /* A read open of key p as published now (cluster: fetched here if need be): the fd, or -1
- * (ENOENT, cluster ETIMEDOUT: not published). */
+ * (ENOENT: not published). In cluster mode the node server is asked whether it is recorded
+ * (LOOKUP: a wait's timeout -- another consumer fetching it, a server too slow -- is never
+ * taken for "not published"), then for the key (CONSUME, as a read open waits). */
 static int ins_open_read_now(const struct ins_path *p, int flags, mode_t mode)
 {
     if (!ins_cfg.cluster)
-        return ins_open_read_confined(p, flags, mode, 1);
-    char open_path[PATH_MAX];
-    return ins_agent_consume_now(ins_key(p), open_path) == 0
-               ? ins_passed(ins_real_open(open_path, flags, mode))
-               : -1;
+        return ins_open_read_confined(p, flags, mode, 0);
+    int recorded = ins_agent_lookup(ins_key(p));
+    if (recorded <= 0) {
+        if (recorded == 0)
+            errno = ENOENT;
+        return -1;
+    }
+    return ins_open_consumed(p, flags, mode);
 }
 
 /* O_RDONLY|O_CREAT ("read it, made empty if missing": util-linux flock(1)'s lock file): a
@@ -129,7 +134,7 @@ static int ins_open_read_made(const struct ins_path *p, int flags, mode_t mode)
             ins_real_close(fd);
             return ins_fail(EEXIST, "key %.300s is already published (write-once)", ins_key(p));
         }
-        if (errno != ENOENT && errno != ETIMEDOUT) /* (ETIMEDOUT: not published, cluster) */
+        if (errno != ENOENT)
             return -1;
         if (ins_table_foreign()) /* (as for a write open) */
             return ins_fail_foreign(p);
@@ -144,7 +149,7 @@ static int ins_open_read_made(const struct ins_path *p, int flags, mode_t mode)
                 fd = ins_open_read_now(p, rflags, mode);
                 if (fd >= 0)
                     errno = saved;
-                return fd;
+                return fd < 0 ? -1 : ins_passed(fd);
             }
         }
         if (errno != EEXIST || (flags & O_EXCL))

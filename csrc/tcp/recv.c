@@ -194,9 +194,7 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash
     XXH3_state_t state;
     XXH3_64bits_reset(&state);
     int cur_lowat = 1;
-    int trickle = 0; /* 1: bytes come slower than ISC_LOWAT per stall_ms: wake for any */
     long long waiting = 0; /* when the stall clock began (0: not waiting) */
-    long long began = 0;   /* when this wait for bytes began (0: not waiting) */
     int seen = 0;          /* bytes the last look found queued, below the low-water mark */
     pace kept = {0, 0};
     while (*got < size) {
@@ -213,19 +211,18 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash
             /* Sleep until a large piece is there, not the next packet: on a VM every wake-up
              * of a sleeping thread costs ~100-400 µs, and a drained socket wakes us per packet. */
             uint64_t left = size - *got;
-            int lowat = trickle ? 1 : (int)(left < ISC_LOWAT ? left : ISC_LOWAT);
+            int lowat = (int)(left < ISC_LOWAT ? left : ISC_LOWAT);
             if (lowat != cur_lowat && setsockopt(sock, SOL_SOCKET, SO_RCVLOWAT, &lowat, sizeof lowat) == 0)
                 cur_lowat = lowat, *lowat_set = 1;
             struct pollfd p = {sock, POLLIN, 0};
             long long t0 = mono_ms();
-            if (began == 0)
-                began = t0, seen = 0;
             int left_ms = ms_left(stall_ms, &waiting), wait_ms = left_ms;
             if (cur_lowat > 1 && stall_ms > 0) {
                 /* A low-water mark above 1 hides bytes that came, fewer than it, from poll: a
-                 * look at the queue every quarter of the stall time tells when they came (the
-                 * queue was empty at the look before). Looked at only when the stall time had
-                 * passed, bytes that came right after the last ones and then silence went
+                 * look at the queue every quarter of the stall time tells when they came (more
+                 * than at the look before), and the loop takes them (a receive without waiting
+                 * takes what is there, whatever the mark). Looked at only when the stall time
+                 * had passed, bytes that came right after the last ones and then silence went
                  * unnoticed for up to twice the stall time (the clock began again there). */
                 int quarter = stall_ms / 4 > 0 ? stall_ms / 4 : 1;
                 if (wait_ms > quarter)
@@ -238,8 +235,6 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash
                 if (cur_lowat > 1 && ioctl(sock, FIONREAD, &queued) == 0 && queued > seen) {
                     seen = queued;
                     waiting = 0; /* (bytes came since the last look: at most a quarter ago) */
-                    if (mono_ms() - began >= stall_ms)
-                        trickle = 1; /* (slower than the mark per stall time: woken by any) */
                     continue;
                 }
                 if (left_ms > wait_ms)
@@ -270,7 +265,7 @@ static int recv_file(int sock, int dest, char *mem, uint64_t size, uint64_t hash
             done += (size_t)w;
         }
         *got += (uint64_t)n;
-        waiting = 0, began = 0;
+        waiting = 0, seen = 0;
         int slow = pace_came(&kept, (uint64_t)n, stall_ms, sock);
         if (slow != 0 && *got < size)
             return slow;

@@ -635,6 +635,10 @@ class LocalAgent:
                 timeout = self.settings.timeout if ms == -1 else ms / 1000.0
                 got = await self._wait(key, timeout, reader, writer)
                 return f"OK {got}" if isinstance(got, Path) else got
+            if verb == "LOOKUP":  # whether the key is recorded (published), without a wait
+                key = self.client.key(rest)
+                record = await self._in_pool(self.quick, self.client.lookup, key)
+                return "OK 0" if record is None else "OK 1"
             if verb == "DELETE":
                 key = self.client.key(rest)
                 if self._closing:

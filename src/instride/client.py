@@ -245,7 +245,8 @@ class Client:
             )
         limit = self._timeout(timeout)  # (a bad one is refused whether or not the key is here)
         ready = self.engine.ready(key)
-        if ready is not None:  # adaptive: a key already here costs a stat and the open
+        if ready is not None:  # adaptive: a key already here costs a stat (cluster: and a
+            # look at its record) and the open
             try:
                 return self._open_read(key, ready, mode, buffering, encoding, errors, newline)
             except FileNotFoundError:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from .errors import ConfigError, redact_url
 
@@ -295,31 +295,42 @@ def parse_redis_url(url: str, name: str = "INSTRIDE_REDIS_URL", *, tcp: bool = F
     expected = ("expected redis://[:password@]host[:port][/db]" if tcp else
                 "expected redis://[:password@]host[:port][/db] or unix:///socket[?db=N]")
     try:
-        shown = redact_url(url)
-    except ValueError:  # not even split: hide whatever precedes the host
-        shown = ("***@" + url.rpartition("@")[2]) if "@" in url else url
-    try:
         parts = urlsplit(url)
         port = parts.port
         query = dict(parse_qsl(parts.query))
     except ValueError as exc:
-        raise ConfigError(name, shown, f"{exc}; {expected}") from None
+        # (not even split: whatever precedes the host hidden, and the parser's words only
+        # where no password can be in them -- they quote the part they could not read)
+        if "@" not in url:
+            raise ConfigError(name, url, f"{exc}; {expected}") from None
+        shown = url.partition("://")[0] + "://***@" + url.rpartition("@")[2]
+        raise ConfigError(name, shown, "it cannot be read (a port that is not a number from "
+                          "1 to 65535, or a password with '/', '?', '#', '[' or '@' not "
+                          f"percent-encoded); {expected}") from None
+    shown = redact_url(url)
     if parts.scheme == "unix" and not tcp:
         if not parts.path:
             raise ConfigError(name, shown, f"no socket path; {expected}")
-        db = query.get("db", "")
+        dbs = [query["db"]] if "db" in query else []
     elif parts.scheme in ("redis", "rediss"):
         if not parts.hostname:
             raise ConfigError(name, shown, f"no host; {expected}")
         if port == 0:
             raise ConfigError(name, shown, "port 0; expected a TCP port (1-65535)")
-        db = parts.path[1:] if parts.path.startswith("/") else parts.path
-        db = db or query.get("db", "")
+        # (as redis-py reads them: the path's number with its slashes dropped, and a db= of
+        # the query, which it takes over the path's)
+        path_db = unquote(parts.path).replace("/", "")
+        dbs = ([path_db] if path_db else []) + ([query["db"]] if "db" in query else [])
     else:
         raise ConfigError(name, shown, expected + (" (every node connects to it over TCP)"
                                                    if tcp else ""))
-    if db and not (db.isascii() and db.isdigit()):
-        raise ConfigError(name, shown, f"the database {db!r} is not a number; {expected}")
+    for db in dbs:
+        try:
+            ok = int(db) >= 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(name, shown, f"the database {db!r} is not a number; {expected}")
     return url
 
 

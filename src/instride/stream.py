@@ -817,16 +817,19 @@ class Stream:
             except BaseException:
                 unlock_writer(target, lock)
                 raise
+        handed = [lock]  # (None once the archiver has it)
         try:
-            self._start_run(archive, lock)
+            self._start_run(archive, handed)
         except BaseException:
-            if lock is not None and self._archiver is None:
-                unlock_writer(target, lock)
+            if handed[0] is not None:
+                unlock_writer(target, handed[0])
             raise
 
-    def _start_run(self, archive: str | None, lock: int | None) -> None:
+    def _start_run(self, archive: str | None, lock: list[int | None]) -> None:
         """:meth:`_start_producing` once the archive file is this producer's (``lock``: its
-        writer lock, handed to the archiver started here)."""
+        writer lock, handed to the archiver started here, which sets it to ``None``). The
+        stream counts as started (:attr:`_pool` set) only once its archiver is: a failed start
+        of the archiver left a stream that appended on without it."""
         earlier: list[str] = []
         if self.overwrite:
             # A re-run under the same name: its consumers must see neither the old run's end
@@ -854,11 +857,12 @@ class Stream:
         #: a "%" of the directory's own name escaped)
         self._final_b = os.fsencode(str(frame_dir)).replace(b"%", b"%%") + os.fsencode(
             "/" + FRAME_FORMAT.replace("{:09d}", "%09d"))
-        self._pool = SlotPool(pool_dir, recycle=self.policy.bounded)
+        pool = SlotPool(pool_dir, recycle=self.policy.bounded)
         if archive is not None:
             from .archive import start_archiver
 
             self._archiver = start_archiver(self.name, archive, self.client, lock=lock)
+        self._pool = pool
 
     def _refuse_an_earlier_run(self) -> None:
         """A write-once stream whose name holds an earlier run (its end marker, or its last

@@ -117,8 +117,10 @@ def test_an_original_another_node_overwrote_is_not_served_here(
     Its readers get node 2's bytes now (the original set aside for the copy); once node 1
     publishes the key again, its own new original is served."""
     c1, c2 = clients[0], clients[1]
+    margin = 1.2  # (more than _SUPERSEDED_MARGIN: closer ones are told a second later)
     with c1.open("sup/k.bin", "wb") as fh:
         fh.write(b"one's")
+    time.sleep(margin)
     with c2.open("sup/k.bin", "wb", overwrite=True) as fh:
         fh.write(b"two's, later")
     assert c1.consume("sup/k.bin", timeout=10).read_bytes() == b"two's, later"
@@ -127,13 +129,33 @@ def test_an_original_another_node_overwrote_is_not_served_here(
     assert c1.engine.cached_copy("sup/k.bin") is not None  # (a copy now, of node 2's)
     with c1.open("sup/k.bin", "wb", overwrite=True) as fh:
         fh.write(b"one's again")
+    time.sleep(margin)  # (before node 2 reads: its original must be the older one)
     assert c1.consume("sup/k.bin", timeout=10).read_bytes() == b"one's again"
     assert c2.consume("sup/k.bin", timeout=10).read_bytes() == b"one's again"
+    time.sleep(margin)
     with c2.open("sup/k.bin", "wb", overwrite=True) as fh:  # (ready(), as open() uses it)
         fh.write(b"two's, last")
     assert c1.exists("sup/k.bin")
     with c1.open("sup/k.bin") as fh:
         assert fh.read() == b"two's, last"
+
+
+def test_an_original_newer_than_another_nodes_record_is_never_set_aside(
+        clients: list[instride.Client]) -> None:
+    """A file has its name before its record is stored: an original node 1 published after
+    node 2's publication of the key, its record not stored yet, was taken for one node 2's
+    had superseded (the record still named node 2), set aside and replaced by node 2's
+    bytes -- lost (a review of the first fix). Newer than the record: served."""
+    c1, c2 = clients[0], clients[1]
+    with c2.open("newer/k.bin", "wb") as fh:
+        fh.write(b"two's")
+    time.sleep(0.05)
+    staged = c1.root / "newer" / ".k.bin.staged"  # (node 1's publication, its record not
+    staged.parent.mkdir(parents=True, exist_ok=True)  # stored yet: the file alone)
+    staged.write_bytes(b"one's, newer")
+    os.rename(staged, c1.root / "newer" / "k.bin")
+    assert c1.consume("newer/k.bin", timeout=10).read_bytes() == b"one's, newer"
+    assert c1.engine.cached_copy("newer/k.bin") is None  # (still the original)
 
 
 def test_a_publication_redis_never_answered_keeps_its_file_and_is_settled_by_registering(

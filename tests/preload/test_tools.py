@@ -341,7 +341,7 @@ def test_a_reader_waiting_while_a_directory_above_is_renamed_gets_the_key(shim: 
     try:
         time.sleep(0.5)  # (waiting)
         (shim.dir / "run").rename(shim.dir / "run_old")
-        (shim.dir / "run" / "sub").mkdir(parents=True)
+        (shim.dir / "run" / "sub").mkdir(parents=True, exist_ok=True)  # (the wait's look too)
         shim.run(["sh", "-c", f"printf published > {shim.dir / 'run' / 'sub' / 'k'}"],
                  check=True)
         out, err = reader.communicate(timeout=10)

@@ -29,12 +29,14 @@ class ArchiverProcess(subprocess.Popen):  # type: ignore[type-arg]
 
 
 def start_archiver(stream: str, path: str | os.PathLike[str], client: Client, *,
-                   lock: int | None = None) -> ArchiverProcess:
+                   lock: list[int | None] | None = None) -> ArchiverProcess:
     """Start ``instride archive STREAM --to PATH`` as a process with the client's settings,
-    tied to this process by a lifeline (see :class:`ArchiverProcess`). ``lock``: the file's
-    writer lock (:func:`~instride.archive.base.lock_writer`), taken by the caller and handed to
-    the archiver (``--lock-fd``), which holds it from then on; the caller's descriptor of it is
-    closed here, once the archiver has it (not before: a failed start leaves it the caller's)."""
+    tied to this process by a lifeline (see :class:`ArchiverProcess`). ``lock``: ``[fd]``, the
+    file's writer lock (:func:`~instride.archive.base.lock_writer`), taken by the caller and
+    handed to the archiver (``--lock-fd``), which holds it from then on; the caller's
+    descriptor of it is closed here once the archiver has it, and ``lock[0]`` set to ``None``
+    (until then, also when the start fails, it is the caller's to let go of)."""
+    fd = None if lock is None else lock[0]
     s = client.settings
     env = dict(os.environ, INSTRIDE_DIR=str(s.dir), INSTRIDE_NODE=s.node, INSTRIDE_ADDR=s.addr)
     for name, value in (("INSTRIDE_REDIS_URL", s.redis_url), ("INSTRIDE_TOKEN", s.token)):
@@ -51,10 +53,10 @@ def start_archiver(stream: str, path: str | os.PathLike[str], client: Client, *,
             # slower than that; the lifeline tells it that its producer is gone)
             [sys.executable, "-m", "instride", "archive", stream, "--to", os.fspath(path),
              "--lifeline", str(read_end), "--timeout", "inf",
-             *(["--lock-fd", str(lock)] if lock is not None else [])],
+             *(["--lock-fd", str(fd)] if fd is not None else [])],
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             preexec_fn=_sigterm_default,  # as it may be where the producer was started)
-            pass_fds=(read_end,) if lock is None else (read_end, lock),
+            pass_fds=(read_end,) if fd is None else (read_end, fd),
             # (a session of its own: a terminal's Ctrl-C, sent to the producer's process group,
             # killed it too — a producer that catches it and ends its run cleanly then had an
             # archive short of the end)
@@ -65,9 +67,10 @@ def start_archiver(stream: str, path: str | os.PathLike[str], client: Client, *,
         raise
     finally:
         os.close(read_end)
+    if lock is not None and fd is not None:
+        lock[0] = None  # (the archiver's now: its copy holds the lock, one open description)
+        os.close(fd)
     proc.lifeline = write_end
-    if lock is not None:
-        os.close(lock)  # (the archiver's copy holds the lock: one open file description)
     return proc
 
 

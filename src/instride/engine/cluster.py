@@ -1,7 +1,9 @@
 """The cluster engine: metadata in Redis, bytes over a transport, a versioned cache of copies.
 
-A key whose file is on this node and was produced here (an *original*) is returned after one
-``stat``: no metadata round trip. A key fetched from another node is a *cached copy*: a
+A key whose file is on this node and was produced here (an *original*) is returned while its
+record names this node (one metadata lookup, none right after a wait that returned the record;
+served as it is when Redis is out of reach): once another node published the key over it, that
+node's bytes are fetched over it. A key fetched from another node is a *cached copy*: a
 sidecar file under ``.instride/cache/`` remembers its version, so a re-published key
 (``overwrite=True`` bumps the version) is fetched anew instead of served stale, and copies are
 evicted least-recently-used beyond ``INSTRIDE_CACHE_BYTES``. Originals are never evicted.
@@ -35,6 +37,7 @@ from ..errors import (
     IntegrityError,
     KeyExistsError,
     KeyNotFoundError,
+    MetadataUnavailable,
     PublicationUnsettled,
 )
 from ..keys import TMP_PATTERN, key_path, recyclable, tmp_name
@@ -66,6 +69,10 @@ _OWN_GRACE = 1.0
 #: run's (file systems that keep coarse modification times)
 _RUN_MARGIN = 2.0
 _SEEN_AGE = 5.0
+#: seconds the nodes' clocks may differ, as an original and another node's publication of its
+#: key are ordered (:func:`_older`): an original this node published after the other's, its
+#: record not stored yet, was set aside and lost
+_SUPERSEDED_MARGIN = 1.0
 #: seconds a consumer that fetches a key the usual way waits for another consumer of its node
 #: that asked for the key early to get its reply started (then it takes the copy made)
 _ASKED_WAIT = 0.5
@@ -130,6 +137,19 @@ def _file_clock_ns() -> int:
     """Now, as the kernel stamps files (``CLOCK_REALTIME_COARSE``: a file's modification time
     lags ``time.time()`` by up to a clock tick), in ns."""
     return time.clock_gettime_ns(_REALTIME_COARSE)
+
+
+def _older(st: os.stat_result, record: Record) -> bool:
+    """Whether an original of stat ``st`` (its change time: when it got its name) came before
+    another node's publication ``record`` of its key: by more than :data:`_SUPERSEDED_MARGIN`
+    (the nodes' clocks may differ a little); or within that margin of it, and named more than
+    :data:`_OWN_GRACE` ago (a publication of this node has its record stored by then: the
+    record names the other node, so that one came last). Newer by more than the margin: a
+    publication of this node whose record is not stored yet (a file has its name first), never
+    set aside."""
+    if st.st_ctime < record.time - _SUPERSEDED_MARGIN:
+        return True
+    return st.st_ctime <= record.time + _SUPERSEDED_MARGIN and time.time() - st.st_ctime > _OWN_GRACE
 
 
 def _identity(record: Record) -> tuple[int, int, str, str]:
@@ -564,13 +584,19 @@ class ClusterEngine:
             # superseded it since (overwrite=True there; or write-once, after a Redis that
             # lost its data): the record names that node then, and its bytes are fetched.
             # Served without a look before, the node's readers kept the old bytes for good.
-            # No record at all (deleted, or a Redis restarted without its data): served.
-            if seen is not None and time.monotonic() - seen[0] <= _SEEN_AGE:
-                self._seen.pop(key, None)  # (another thread may have taken it: _take_seen)
-                rec_now: Record | None = seen[1]
-            else:
-                rec_now = self.metadata.lookup(key, deadline)
-            return rec_now is None or self._mine(rec_now.owner)
+            # No record at all (deleted, or a Redis restarted without its data), or Redis out
+            # of reach: served, as before.
+            fresh = seen is not None and time.monotonic() - seen[0] <= _SEEN_AGE
+            try:
+                rec_now = seen[1] if fresh and seen is not None else \
+                    self.metadata.lookup(key, deadline)
+            except MetadataUnavailable:
+                return True
+            if rec_now is None or self._mine(rec_now.owner):
+                if fresh:
+                    self._seen.pop(key, None)  # (another thread may have taken it)
+                return True
+            return not self._superseded(path, rec_now)
         if seen is not None and _copy_of(side, seen[1]) and time.monotonic() - seen[0] <= _SEEN_AGE:
             self._seen.pop(key, None)  # (another thread may have taken it: _take_seen)
             rec: Record | None = seen[1]
@@ -587,6 +613,15 @@ class ClusterEngine:
                 os.utime(self._sidecar(key))  # LRU touch
             return True
         return False
+
+    @staticmethod
+    def _superseded(path: str | Path, record: Record) -> bool:
+        """Whether the original at ``path`` came before another node's publication
+        ``record`` (:func:`_older`): one gone meanwhile is not served either."""
+        try:
+            return _older(os.stat(path), record)
+        except FileNotFoundError:
+            return True
 
     def fetched_now(self, key: str) -> bool:
         """Whether this process stored the copy of ``key`` moments ago, of the very record
@@ -641,7 +676,8 @@ class ClusterEngine:
                     except FileNotFoundError:
                         st = None
                     current = self.metadata.lookup(key, deadline)
-                    if current is None or self._mine(current.owner):
+                    if current is None or self._mine(current.owner) \
+                            or st is not None and not _older(st, current):
                         return path
                     record = current
                     superseded = None if st is None else (st.st_dev, st.st_ino)
