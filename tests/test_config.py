@@ -383,15 +383,19 @@ def test_python_and_c_take_one_default_dir_where_dev_shm_is_unusable(
 @pytest.mark.parametrize("url, why", [
     ("redis://127.0.0.1:99999/0", "Port out of range"),
     ("http://127.0.0.1:6379/0", "expected redis://"),
-    ("redis://h:6379/abc", "the database 'abc' is not a number"),
-    ("redis://:s3cret@h:6379/x1", "the database 'x1' is not a number"),
+    ("redis://h:6379/abc", "the database 'abc' is not a database number"),
+    ("redis://:s3cret@h:6379/x1", "the database 'x1' is not a database number"),
     ("redis://:s3cr/et@h:6379/0", "it cannot be read"),
     ("redis://:p[w@h:6379/0", "it cannot be read"),
-    ("redis://h/1?db=x", "the database 'x' is not a number"),
+    ("redis://h/1?db=x", "the database 'x' is not a database number"),
+    ("redis://h/0?db=x&db=1", "the database 'x' is not a database number"),
+    ("redis://h/-1", "the database '-1' is not a database number"),
+    ("redis://h:99999/0?password=s3cret", "it cannot be read"),
+    ("//:s3cret@h:99999/0", "it cannot be read"),
     ("redis://:6379/0", "no host"),
     ("redis://h:0/0", "port 0"),
     ("unix://", "no socket path"),
-    ("unix:///tmp/r.sock?db=one", "the database 'one' is not a number"),
+    ("unix:///tmp/r.sock?db=one", "the database 'one' is not a database number"),
 ])
 def test_a_redis_url_that_cannot_be_used_is_refused(url: str, why: str) -> None:
     """``INSTRIDE_REDIS_URL`` went to redis-py unchecked: a port out of range or another
@@ -407,7 +411,8 @@ def test_a_redis_url_that_cannot_be_used_is_refused(url: str, why: str) -> None:
 @pytest.mark.parametrize("url", ["redis://h:6379/0", "rediss://:pw@h/2", "redis://h",
                                  "redis://h:1?db=3", "unix:///tmp/r.sock",
                                  "unix:///tmp/r.sock?db=1", "redis://h/0/", "redis://[::1]:6379/2",
-                                 "redis://u:p@h:1/3?socket_timeout=5"])
+                                 "redis://u:p@h:1/3?socket_timeout=5",
+                                 "redis://h/x?db=1"])
 def test_a_usable_redis_url_is_taken_as_it_is(url: str) -> None:
     assert Settings.from_env({"INSTRIDE_REDIS_URL": url}).redis_url == url
 

@@ -286,6 +286,11 @@ int ins_agent_consume(const char *key, char open_path[PATH_MAX])
     return ins_agent_consume_ms(key, open_path, ins_consume_timeout_ms(), ins_reply_wait_ms());
 }
 
+int ins_agent_consume_within(const char *key, char open_path[PATH_MAX], int ms)
+{
+    return ins_agent_consume_ms(key, open_path, ms, ms + INS_GRACE_MS);
+}
+
 int ins_agent_lookup(const char *key)
 {
     if (!ins_key_ok(key))

@@ -183,6 +183,8 @@ INS_HIDDEN int ins_agent_consume(const char *key, char open_path[PATH_MAX]);
 /* Whether the key is recorded (published) now: 1, 0, or -1 with errno (the server or Redis
  * out of reach: never taken for "not published"). */
 INS_HIDDEN int ins_agent_lookup(const char *key);
+/* ins_agent_consume with a wait of at most ms for the publication (not the configured one). */
+INS_HIDDEN int ins_agent_consume_within(const char *key, char open_path[PATH_MAX], int ms);
 /* PUBLISH (overwrite = 0: write-once across the cluster) or OVERWRITE. */
 INS_HIDDEN int ins_agent_publish(const char *key, int overwrite);
 /* DELETE: the key's file on this node was removed; the server deletes the key's record where

@@ -101,6 +101,10 @@ fail:
     return -1;
 }
 
+/* How long a read open with O_CREAT waits for a key the node server says is published (its
+ * fetch, or its deletion meanwhile). */
+#define INS_READ_MADE_MS 5000
+
 /* A read open of key p as published now (cluster: fetched here if need be): the fd, or -1
  * (ENOENT: not published). In cluster mode the node server is asked whether it is recorded
  * (LOOKUP: a wait's timeout -- another consumer fetching it, a server too slow -- is never
@@ -115,7 +119,21 @@ static int ins_open_read_now(const struct ins_path *p, int flags, mode_t mode)
             errno = ENOENT;
         return -1;
     }
-    return ins_open_consumed(p, flags, mode);
+    /* (a bounded wait: a key deleted between the look and this is looked at again, not
+     * waited for during INSTRIDE_TIMEOUT, for ever where it is unset) */
+    char open_path[PATH_MAX];
+    if (ins_agent_consume_within(ins_key(p), open_path, INS_READ_MADE_MS) != 0) {
+        if (errno == ETIMEDOUT)
+            errno = EAGAIN; /* (recorded, not there in time: the caller looks again) */
+        return -1;
+    }
+    int fd = ins_real_open(open_path, flags, mode);
+    if (fd >= 0 && ins_hold_frame(fd, NULL, open_path, ins_key(p)) != 0) {
+        ins_real_close(fd);
+        errno = ENOENT;
+        return -1;
+    }
+    return ins_passed(fd);
 }
 
 /* O_RDONLY|O_CREAT ("read it, made empty if missing": util-linux flock(1)'s lock file): a
@@ -134,6 +152,8 @@ static int ins_open_read_made(const struct ins_path *p, int flags, mode_t mode)
             ins_real_close(fd);
             return ins_fail(EEXIST, "key %.300s is already published (write-once)", ins_key(p));
         }
+        if (errno == EAGAIN && ins_cfg.cluster)
+            continue; /* (recorded, then not there in time: deleted meanwhile? looked at again) */
         if (errno != ENOENT)
             return -1;
         if (ins_table_foreign()) /* (as for a write open) */
@@ -156,7 +176,8 @@ static int ins_open_read_made(const struct ins_path *p, int flags, mode_t mode)
             return -1;
         errno = saved; /* (published meanwhile by another: that one is read) */
     }
-    return -1;
+    return ins_fail(EAGAIN, "key %.300s: neither there to read nor free to make (published and "
+                    "removed again meanwhile, three times): try again", ins_key(p));
 }
 
 /* Shared implementation of all open variants for a key. */

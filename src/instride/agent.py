@@ -635,10 +635,13 @@ class LocalAgent:
                 timeout = self.settings.timeout if ms == -1 else ms / 1000.0
                 got = await self._wait(key, timeout, reader, writer)
                 return f"OK {got}" if isinstance(got, Path) else got
-            if verb == "LOOKUP":  # whether the key is recorded (published), without a wait
+            if verb == "LOOKUP":  # whether the key is published, without a wait: recorded,
+                # or an original of this node without a record (a Redis restarted without its
+                # data: a read serves it); a fetched copy of a key no longer recorded is dropped
+                # (a key made here next must not find it in its way)
                 key = self.client.key(rest)
-                record = await self._in_pool(self.quick, self.client.lookup, key)
-                return "OK 0" if record is None else "OK 1"
+                here = await self._in_pool(self.quick, self.client.exists, key)
+                return "OK 1" if here else "OK 0"
             if verb == "DELETE":
                 key = self.client.key(rest)
                 if self._closing:

@@ -297,13 +297,19 @@ def parse_redis_url(url: str, name: str = "INSTRIDE_REDIS_URL", *, tcp: bool = F
     try:
         parts = urlsplit(url)
         port = parts.port
-        query = dict(parse_qsl(parts.query))
+        query = dict(reversed(parse_qsl(parts.query)))  # (a name's first value, as redis-py)
     except ValueError as exc:
-        # (not even split: whatever precedes the host hidden, and the parser's words only
-        # where no password can be in them -- they quote the part they could not read)
-        if "@" not in url:
-            raise ConfigError(name, url, f"{exc}; {expected}") from None
-        shown = url.partition("://")[0] + "://***@" + url.rpartition("@")[2]
+        # (not even split: what precedes the host and the query hidden -- a password may be
+        # in either -- and the parser's words only where none can be in them: they quote the
+        # part they could not read)
+        scheme, sep, rest = url.partition("://")
+        if not sep:
+            scheme, rest = "", url
+        host = rest.rpartition("@")[2].partition("?")[0]
+        shown = (f"{scheme}{sep}" + ("***@" if "@" in rest else "") + host
+                 + ("?***" if "?" in rest else ""))
+        if "@" not in rest and "?" not in rest:
+            raise ConfigError(name, shown, f"{exc}; {expected}") from None
         raise ConfigError(name, shown, "it cannot be read (a port that is not a number from "
                           "1 to 65535, or a password with '/', '?', '#', '[' or '@' not "
                           f"percent-encoded); {expected}") from None
@@ -317,20 +323,21 @@ def parse_redis_url(url: str, name: str = "INSTRIDE_REDIS_URL", *, tcp: bool = F
             raise ConfigError(name, shown, f"no host; {expected}")
         if port == 0:
             raise ConfigError(name, shown, "port 0; expected a TCP port (1-65535)")
-        # (as redis-py reads them: the path's number with its slashes dropped, and a db= of
-        # the query, which it takes over the path's)
+        # (as redis-py reads them: a db= of the query, its first, over the path's number
+        # with its slashes dropped)
         path_db = unquote(parts.path).replace("/", "")
-        dbs = ([path_db] if path_db else []) + ([query["db"]] if "db" in query else [])
+        dbs = [query["db"]] if "db" in query else [path_db] if path_db else []
     else:
         raise ConfigError(name, shown, expected + (" (every node connects to it over TCP)"
                                                    if tcp else ""))
     for db in dbs:
         try:
-            ok = int(db) >= 0
+            ok = 0 <= int(db) <= 2**31 - 1
         except ValueError:
             ok = False
         if not ok:
-            raise ConfigError(name, shown, f"the database {db!r} is not a number; {expected}")
+            raise ConfigError(name, shown, f"the database {db!r} is not a database number "
+                              f"(0 to 2147483647); {expected}")
     return url
 
 

@@ -434,6 +434,8 @@ class Stream:
         self._share = self.client.engine.stream_state(self.name)
         # producer
         self._pool: SlotPool | None = None
+        #: why the archiver of ``archive=`` could not be started (its run begun: appends refuse)
+        self._archive_start_failed: BaseException | None = None
         self._retained: deque[tuple[int, int, int]] = deque()  # (index, inode, bytes)
         self._retained_bytes = 0
         # cluster mode: the frames' records sent and not yet confirmed, oldest first (append)
@@ -620,6 +622,7 @@ class Stream:
             pos = positions
         self._native = native
         nbytes = self._nbytes
+        self._refuse_after_a_failed_start()
         if self._pool is None:
             self._start_producing()
         assert self._pool is not None
@@ -825,11 +828,20 @@ class Stream:
                 unlock_writer(target, handed[0])
             raise
 
+    def _refuse_after_a_failed_start(self) -> None:
+        """Raise :class:`ArchiveError` once the archiver of ``archive=`` could not be started
+        (the run was begun: begun again, its groups were reset under their readers)."""
+        failed = self._archive_start_failed
+        if failed is not None:
+            raise ArchiveError(self.name, self.policy.archive, "its archiver could not be "
+                               f"started: {failed}; abandon the stream (abandon()) and start "
+                               "it again") from failed
+
     def _start_run(self, archive: str | None, lock: list[int | None]) -> None:
         """:meth:`_start_producing` once the archive file is this producer's (``lock``: its
-        writer lock, handed to the archiver started here, which sets it to ``None``). The
-        stream counts as started (:attr:`_pool` set) only once its archiver is: a failed start
-        of the archiver left a stream that appended on without it."""
+        writer lock, handed to the archiver started here, which sets it to ``None``). A failed
+        start of the archiver left a stream that appended on without one: every append refuses
+        then (``ArchiveError``)."""
         earlier: list[str] = []
         if self.overwrite:
             # A re-run under the same name: its consumers must see neither the old run's end
@@ -861,7 +873,14 @@ class Stream:
         if archive is not None:
             from .archive import start_archiver
 
-            self._archiver = start_archiver(self.name, archive, self.client, lock=lock)
+            try:
+                self._archiver = start_archiver(self.name, archive, self.client, lock=lock)
+            except BaseException as exc:
+                pool.close()
+                # (the run is started: begun again at the next append, it reset the groups --
+                # a group reader opened meanwhile got GroupReset; every append refuses now)
+                self._archive_start_failed = exc
+                raise
         self._pool = pool
 
     def _refuse_an_earlier_run(self) -> None:
@@ -981,6 +1000,7 @@ class Stream:
         if self._closed:
             return
         if self.mode == "w":  # (either raises with the stream still open: close() again)
+            self._refuse_after_a_failed_start()
             if self._pool is None and self.overwrite:
                 # (no frame appended: the run it replaces goes all the same — its frames,
                 # end marker and groups — or readers would take it for this run)

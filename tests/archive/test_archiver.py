@@ -924,3 +924,26 @@ def test_an_archive_path_that_is_a_directory_is_an_archive_error_on_a_rerun(
     with pytest.raises(ArchiveError, match="cannot replace it"):
         s.append(_pos(0), step=0)
     s.abandon()
+
+
+def test_an_archiver_that_cannot_be_started_fails_every_append(
+        managed_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The archiver's process could not be started: the producer appended on without one
+    (nothing archived), or, told to try again, began its run again (its groups reset under
+    their readers). Every append and close refuses now, naming why; abandon() ends it, and
+    the file's lock is let go of."""
+    from instride.archive import process
+
+    def refused(*_args: object, **_kw: object) -> None:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(process.ArchiverProcess, "__init__", refused)
+    s = instride.Stream("nostart", mode="w", archive=tmp_path / "n.h5", timeout=10)
+    for _ in range(2):
+        with pytest.raises((OSError, ArchiveError), match="Too many open files"):
+            s.append(_pos(0), step=0)
+    with pytest.raises(ArchiveError, match="its archiver could not be started"):
+        s.close()
+    s.abandon()
+    assert not list(tmp_path.glob(".*.lock"))
+

@@ -90,6 +90,13 @@ def test_a_read_only_create_reads_another_nodes_key_or_makes_it(nodes: EmulatedC
     assert out == b""
     assert run(nodes, 1, ["cat", nodes.node(1).dir / "rc" / "new.lock"],
                INSTRIDE_TIMEOUT="5") == b""
+    # removed by its owner (node 2: its record goes), node 1's copy of it stays: made again,
+    # on node 1 (the copy of a key no longer recorded is no publication in the way)
+    run(nodes, 2, ["rm", nodes.node(2).dir / "rc" / "new.lock"])
+    out = run(nodes, 1, [sys.executable, "-I", "-c", reader,
+                         nodes.node(1).dir / "rc" / "new.lock"], INSTRIDE_TIMEOUT="5")
+    assert out == b""
+    assert (nodes.node(1).dir / "rc" / "new.lock").exists()
 
 
 def test_c_scenarios_through_the_real_server(nodes: EmulatedCluster, build: Builder,

@@ -73,6 +73,9 @@ _SEEN_AGE = 5.0
 #: key are ordered (:func:`_older`): an original this node published after the other's, its
 #: record not stored yet, was set aside and lost
 _SUPERSEDED_MARGIN = 1.0
+#: seconds a publication's record may take to be stored after its file got its name
+#: (:func:`_older`): an original younger than this is never taken for superseded
+_RECORD_LAG = 10.0
 #: seconds a consumer that fetches a key the usual way waits for another consumer of its node
 #: that asked for the key early to get its reply started (then it takes the copy made)
 _ASKED_WAIT = 0.5
@@ -141,15 +144,15 @@ def _file_clock_ns() -> int:
 
 def _older(st: os.stat_result, record: Record) -> bool:
     """Whether an original of stat ``st`` (its change time: when it got its name) came before
-    another node's publication ``record`` of its key: by more than :data:`_SUPERSEDED_MARGIN`
-    (the nodes' clocks may differ a little); or within that margin of it, and named more than
-    :data:`_OWN_GRACE` ago (a publication of this node has its record stored by then: the
-    record names the other node, so that one came last). Newer by more than the margin: a
-    publication of this node whose record is not stored yet (a file has its name first), never
-    set aside."""
-    if st.st_ctime < record.time - _SUPERSEDED_MARGIN:
-        return True
-    return st.st_ctime <= record.time + _SUPERSEDED_MARGIN and time.time() - st.st_ctime > _OWN_GRACE
+    another node's publication ``record`` of its key, which the metadata names now: not newer
+    than it by more than :data:`_SUPERSEDED_MARGIN` (the nodes' clocks may differ a little),
+    and named more than :data:`_RECORD_LAG` ago. A file has its name before its record is
+    stored, and a publication of this node whose record is still on its way (hashing a large
+    file, a busy node server, Redis retried) would be the later one once stored: until then it
+    is never set aside. The price: after another node's publication, this node's readers may
+    get its original for up to :data:`_RECORD_LAG` after that original was named."""
+    return st.st_ctime <= record.time + _SUPERSEDED_MARGIN \
+        and time.time() - st.st_ctime > _RECORD_LAG
 
 
 def _identity(record: Record) -> tuple[int, int, str, str]:
