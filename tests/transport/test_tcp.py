@@ -1545,14 +1545,21 @@ def test_a_reply_whose_size_is_not_a_byte_count_is_refused(nodes: list[LoopbackN
     assert mem == bytes(len(mem))  # nothing received, in the memory given or after it
 
 
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """Both ends of a loopback TCP connection (a unix socket's poll takes no low-water mark,
+    which the native receive sets): ours, theirs."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        theirs = socket.create_connection(listener.getsockname())
+        ours, _ = listener.accept()
+    return ours, theirs
+
+
 def test_a_body_that_comes_slowly_but_steadily_is_not_stalled(reply_pair: tuple) -> None:
     """The native receive sleeps until a large piece of the body is there; bytes that keep
     coming, but fewer than that piece within the socket's timeout, are not a stall. A body
     that stops coming is one, after the timeout."""
     transport = reply_pair[0]
-    with socket.create_server(("127.0.0.1", 0)) as listener:  # (TCP: a unix socket's poll
-        theirs = socket.create_connection(listener.getsockname())  # takes no low-water mark)
-        ours, _ = listener.accept()
+    ours, theirs = _tcp_pair()
     with ours, theirs:
         ours.settimeout(0.5)
         body = os.urandom(200_000)
@@ -1627,9 +1634,7 @@ def test_a_silence_after_bytes_below_the_low_water_mark_is_a_stall_in_time(
     the stall time, and a silence longer than the stall time (1.7 s of 1 s) was ridden out.
     The queue is looked at every quarter of the stall time now."""
     transport = reply_pair[0]
-    with socket.create_server(("127.0.0.1", 0)) as listener:  # (TCP: a unix socket's poll
-        theirs = socket.create_connection(listener.getsockname())  # takes no low-water mark)
-        ours, _ = listener.accept()
+    ours, theirs = _tcp_pair()
     with ours, theirs:
         ours.settimeout(1.0)
         body = os.urandom(8 << 20)
